@@ -1,0 +1,116 @@
+"""`--mesh dp=2,tp=4` -> jax.sharding.Mesh, CPU device simulation, multi-process start-up.
+
+Call `setup_devices` before anything touches a jax backend: the simulated CPU device count
+and `jax.distributed.initialize` must both happen before jax initialises.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+from jaxpar.errors import UserError
+
+AXES = ("dp", "fsdp", "pp", "sp", "tp")  # mesh order: tp innermost (fastest links), dp outermost
+NOT_YET = {"pp": "pipeline parallelism", "sp": "sequence parallelism"}
+DEFAULT_CPU_DEVICES = 8  # simulated devices when the mesh says -1 and there is no accelerator
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """'dp=2,tp=4' -> {'dp': 2, 'tp': 4}; at most one size may be -1 (fill)."""
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in (spec or "").split(","))):
+        name, eq, value = part.partition("=")
+        name = name.strip()
+        if not eq or name not in AXES:
+            raise UserError(f"mesh entry {part!r}: expected AXIS=SIZE with AXIS one of {', '.join(AXES)}")
+        if name in sizes:
+            raise UserError(f"mesh axis {name!r} given twice in {spec!r}")
+        try:
+            size = int(value)
+        except ValueError:
+            raise UserError(f"mesh entry {part!r}: size must be an integer") from None
+        if size == 0 or size < -1:
+            raise UserError(f"mesh entry {part!r}: size must be positive or -1")
+        sizes[name] = size
+    if sum(v == -1 for v in sizes.values()) > 1:
+        raise UserError(f"mesh {spec!r}: at most one axis may be -1")
+    return sizes or {"dp": -1}
+
+
+def resolve_sizes(sizes: dict[str, int], n_devices: int) -> dict[str, int]:
+    """Fill the -1 axis and check the product against the device count; every axis present."""
+    known = math.prod(v for v in sizes.values() if v != -1)
+    out = {a: sizes.get(a, 1) for a in AXES}
+    fill = [a for a, v in sizes.items() if v == -1]
+    if fill:
+        if n_devices % known:
+            raise UserError(f"mesh {format_mesh(sizes)}: {n_devices} devices are not divisible by {known}")
+        out[fill[0]] = n_devices // known
+    product = math.prod(out.values())
+    if product != n_devices:
+        raise UserError(f"mesh {format_mesh(sizes)} has {product} devices but {n_devices} are available")
+    for axis, what in NOT_YET.items():
+        if out[axis] > 1:
+            raise UserError(f"mesh axis {axis} ({what}) is not supported yet")
+    return out
+
+
+def format_mesh(sizes: dict[str, int]) -> str:
+    return ",".join(f"{a}={v}" for a, v in sizes.items() if v != 1 or len(sizes) == 1) or "dp=1"
+
+
+def _env(*names: str) -> str | None:
+    for n in names:
+        if os.environ.get(n):
+            return os.environ[n]
+    return None
+
+
+def distributed_env() -> dict | None:
+    """Coordinator/process count/id from JAXPAR_* or JAX_* variables; SLURM is left to jax."""
+    addr = _env("JAXPAR_COORDINATOR", "JAX_COORDINATOR_ADDRESS")
+    nproc = _env("JAXPAR_NUM_PROCESSES", "JAX_NUM_PROCESSES")
+    pid = _env("JAXPAR_PROCESS_ID", "JAX_PROCESS_ID")
+    if addr and nproc and pid is not None:
+        return {"coordinator_address": addr, "num_processes": int(nproc), "process_id": int(pid)}
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        return {}  # jax.distributed.initialize() detects the SLURM cluster itself
+    return None
+
+
+def _has_accelerator() -> bool:
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return platforms.split(",")[0] not in ("cpu", "")
+    return os.path.exists("/dev/nvidiactl") or any(os.path.exists(f"/dev/accel{i}") for i in range(8))
+
+
+def setup_devices(sizes: dict[str, int]) -> None:
+    """Before jax starts: simulate the mesh's devices on CPU if no accelerator; join processes."""
+    import jax
+
+    dist = distributed_env()
+    if not _has_accelerator():
+        nproc = (dist or {}).get("num_processes", 1)
+        total = math.prod(v for v in sizes.values() if v != -1)
+        if -1 in sizes.values():
+            total = max(total, int(os.environ.get("JAXPAR_CPU_DEVICES", DEFAULT_CPU_DEVICES)))
+        if total % nproc:
+            raise UserError(f"mesh with {total} devices cannot be split over {nproc} processes")
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", total // nproc)
+        if dist is not None:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if dist is not None:
+        jax.distributed.initialize(**dist)
+
+
+def make_mesh(sizes: dict[str, int], devices=None):
+    """A Mesh over `devices` (default: all, across processes) with Auto axis types, so GSPMD
+    propagates shardings from the ones we pin."""
+    import jax
+    from jax.sharding import AxisType
+
+    devices = jax.devices() if devices is None else list(devices)
+    full = resolve_sizes(sizes, len(devices))
+    return jax.make_mesh(tuple(full[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)

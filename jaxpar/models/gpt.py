@@ -1,0 +1,154 @@
+"""GPT-2 in Flax NNX: learned positions, pre-LayerNorm, GELU MLP, tied embeddings.
+
+Transformer blocks are one module whose parameters carry a leading `layers` axis; the forward
+pass scans over it, so compile time is flat in depth. Every parameter records its logical axes
+in `logical_axes` metadata; no mesh appears here.
+
+Parameter names and shapes are the shared layout (see jaxpar/compat/layout.py):
+  wte [vocab, embed]  wpe [pos, embed]  ln_f.{scale,bias} [embed]
+  blocks.ln1/ln2.{scale,bias} [layers, embed]
+  blocks.attn.qkv.kernel [layers, embed, 3, heads, kv]   .bias [layers, 3, heads, kv]
+  blocks.attn.out.kernel [layers, heads, kv, embed]      .bias [layers, embed]
+  blocks.mlp.fc.kernel [layers, embed, mlp] .bias [layers, mlp]
+  blocks.mlp.proj.kernel [layers, mlp, embed] .bias [layers, embed]
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.config import ModelConfig
+from jaxpar.sharding import constrain
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole block in the backward pass
+    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
+    assert value.ndim == len(axes), (value.shape, axes)
+    return nnx.Param(value, logical_axes=axes)
+
+
+def _normal(rngs: nnx.Rngs, shape, std: float) -> jax.Array:
+    return std * jax.random.normal(rngs.params(), shape, jnp.float32)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig, stack: tuple[int, ...] = ()):
+        lead = ("layers",) * len(stack)
+        self.scale = _param(jnp.ones(stack + (cfg.d_model,)), lead + ("embed",))
+        self.bias = _param(jnp.zeros(stack + (cfg.d_model,)), lead + ("embed",))
+        self.eps = cfg.layernorm_eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)  # statistics in float32 whatever the compute dtype
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
+        return y.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: tuple[int, ...]):
+        L, d, h, k = stack, cfg.d_model, cfg.n_head, cfg.head_dim
+        lead = ("layers",) * len(stack)
+        proj_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)  # GPT-2: residual projections scaled
+        self.qkv = nnx.Dict(
+            kernel=_param(_normal(rngs, L + (d, 3, h, k), cfg.init_std), lead + ("embed", "qkv", "heads", "kv")),
+            bias=_param(jnp.zeros(L + (3, h, k)), lead + ("qkv", "heads", "kv")))
+        self.out = nnx.Dict(
+            kernel=_param(_normal(rngs, L + (h, k, d), proj_std), lead + ("heads", "kv", "embed")),
+            bias=_param(jnp.zeros(L + (d,)), lead + ("embed",)))
+
+    def __call__(self, x, dtype):
+        w, b = self.qkv["kernel"][...].astype(dtype), self.qkv["bias"][...].astype(dtype)
+        qkv = jnp.einsum("btd,dchk->cbthk", x, w) + b[:, None, None]
+        q, k, v = (constrain(t, ("batch", "seq", "heads", "kv")) for t in qkv)
+        # cuDNN flash attention on GPU where it applies, XLA elsewhere.
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        y = constrain(y, ("batch", "seq", "heads", "kv"))
+        out = jnp.einsum("bthk,hkd->btd", y, self.out["kernel"][...].astype(dtype))
+        return out + self.out["bias"][...].astype(dtype)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: tuple[int, ...]):
+        L, d, f = stack, cfg.d_model, cfg.ff_dim
+        lead = ("layers",) * len(stack)
+        proj_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
+        self.fc = nnx.Dict(
+            kernel=_param(_normal(rngs, L + (d, f), cfg.init_std), lead + ("embed", "mlp")),
+            bias=_param(jnp.zeros(L + (f,)), lead + ("mlp",)))
+        self.proj = nnx.Dict(
+            kernel=_param(_normal(rngs, L + (f, d), proj_std), lead + ("mlp", "embed")),
+            bias=_param(jnp.zeros(L + (d,)), lead + ("embed",)))
+
+    def __call__(self, x, dtype):
+        h = x @ self.fc["kernel"][...].astype(dtype) + self.fc["bias"][...].astype(dtype)
+        h = constrain(jax.nn.gelu(h, approximate=True), ("batch", "seq", "mlp"))  # GPT-2's tanh GELU
+        return h @ self.proj["kernel"][...].astype(dtype) + self.proj["bias"][...].astype(dtype)
+
+
+class Block(nnx.Module):
+    """One pre-LN transformer block; constructed stacked (leading `layers` axis), called per layer."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: tuple[int, ...] = ()):
+        self.ln1 = LayerNorm(cfg, stack)
+        self.attn = Attention(cfg, rngs, stack)
+        self.ln2 = LayerNorm(cfg, stack)
+        self.mlp = MLP(cfg, rngs, stack)
+
+    def __call__(self, x, dtype):
+        x = x + self.attn(self.ln1(x), dtype)
+        x = x + self.mlp(self.ln2(x), dtype)
+        return constrain(x, ("batch", "seq", "act_embed"))
+
+
+class GPT(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.wte = _param(_normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std), ("vocab", "embed"))
+        self.wpe = _param(_normal(rngs, (cfg.max_seq_len, cfg.d_model), cfg.init_std), ("pos", "embed"))
+        self.blocks = Block(cfg, rngs, stack=(cfg.n_layer,))
+        self.ln_f = LayerNorm(cfg)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """tokens [batch, seq] int -> logits [batch, seq, vocab] float32."""
+        dtype = jnp.dtype(self.cfg.compute_dtype)
+        T = tokens.shape[1]
+        x = jnp.take(self.wte[...], tokens, axis=0) + self.wpe[...][:T]
+        x = constrain(x.astype(dtype), ("batch", "seq", "act_embed"))
+
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def layer(h, layer_state):
+            return nnx.merge(graphdef, layer_state)(h, dtype), None
+
+        if self.cfg.remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat])
+        x, _ = jax.lax.scan(layer, x, stacked)
+        x = self.ln_f(x)
+        logits = jnp.einsum("btd,vd->btv", x, self.wte[...].astype(dtype))  # tied output embedding
+        return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+
+def loss_fn(model: GPT, batch: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy over a batch of rows [batch, seq + 1]."""
+    logits = model(batch[:, :-1])
+    targets = batch[:, 1:]
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(logz - picked)
+
+
+def count_params(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter counts by formula (no model built): total and non-embedding."""
+    d, f, L = cfg.d_model, cfg.ff_dim, cfg.n_layer
+    per_block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+    embed = cfg.vocab_size * d + cfg.max_seq_len * d
+    return {"total": embed + L * per_block + 2 * d, "non_embedding": L * per_block + 2 * d}

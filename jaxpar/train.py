@@ -1,0 +1,130 @@
+"""python -m jaxpar.train --config configs/gpt2-tiny.yaml --mesh dp=2,tp=4 [section.key=value ...]"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+from jaxpar.config import Config, load_config
+from jaxpar.errors import UserError
+from jaxpar.mesh import format_mesh, parse_mesh, setup_devices
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m jaxpar.train", description=__doc__)
+    p.add_argument("--config", help="YAML config (configs/*.yaml); built-in defaults if omitted")
+    p.add_argument("--mesh", help="mesh axes, e.g. dp=2,fsdp=2,tp=2 (overrides parallel.mesh)")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    return p.parse_args(argv)
+
+
+def train(cfg: Config, mesh_spec: str) -> int:
+    sizes = parse_mesh(mesh_spec)
+    setup_devices(sizes)
+    import jax
+
+    from jaxpar import state as st
+    from jaxpar.checkpoint import Checkpointer, abstract_like
+    from jaxpar.data import TokenBatches, resolve_dataset
+    from jaxpar.mesh import make_mesh
+    from jaxpar.metrics import MetricsLog, device_memory_gib, flops_per_token, peak_flops
+    from jaxpar.sharding import rules_for
+
+    if cfg.train.matmul_precision != "default":
+        jax.config.update("jax_default_matmul_precision", cfg.train.matmul_precision)
+    mesh = make_mesh(sizes)
+    main_proc = jax.process_index() == 0
+    t, d = cfg.train, cfg.data
+    dataset = resolve_dataset(d)
+    micro_batch = t.global_batch_size // t.microbatches
+    train_data = TokenBatches(dataset, d.seq_len, t.global_batch_size, t.seed, "train", d.val_fraction)
+    val_data = TokenBatches(dataset, d.seq_len, micro_batch, t.seed, "val", d.val_fraction)
+    if train_data.vocab_size > cfg.model.vocab_size:
+        raise UserError(f"dataset {dataset} has vocab {train_data.vocab_size} > model.vocab_size={cfg.model.vocab_size}")
+
+    layout = st.Layout(cfg, mesh, rules_for(cfg.parallel.zero_stage))
+    os.makedirs(cfg.run.dir, exist_ok=True)
+    ckpt = Checkpointer(cfg.run.dir, cfg.checkpoint.keep)
+    state = st.init_state(layout)
+    restored = ckpt.restore_latest(abstract_like(state, layout.state_shardings)) if cfg.checkpoint.resume else None
+    if restored:
+        state, meta = restored
+        print(f"resumed from {ckpt.dir}/{meta['step']}", file=sys.stderr)
+    elif cfg.model.init_from:
+        from jaxpar.compat.weights import load_weights, unflatten
+        from jaxpar.compat.weights import flatten
+        shapes = {k: v.shape for k, v in flatten(jax.tree.map(lambda x: x, state["params"])).items()}
+        state = st.state_from_params(layout, unflatten(load_weights(cfg.model.init_from, shapes)))
+    if main_proc:
+        with open(os.path.join(cfg.run.dir, "config.json"), "w") as f:
+            json.dump({**cfg.to_dict(), "resolved_mesh": format_mesh(dict(mesh.shape))}, f, indent=2)
+
+    batch_shape = (t.global_batch_size, d.seq_len + 1)
+    t0 = time.perf_counter()
+    train_step = st.make_train_step(layout).lower(state, jax.ShapeDtypeStruct(batch_shape, "int32", sharding=layout.batch_sharding)).compile()
+    eval_step = st.make_eval_step(layout)
+    if main_proc:
+        print(f"mesh {format_mesh(dict(mesh.shape))} on {jax.device_count()} {jax.devices()[0].platform} devices; "
+              f"{sum(x.size for x in jax.tree.leaves(state['params'])):,} params; compiled in {time.perf_counter() - t0:.1f}s",
+              flush=True)
+
+    def evaluate(params) -> float:
+        losses = [eval_step(params, st.device_batch(val_data, i, layout.batch_sharding, (micro_batch, d.seq_len + 1)))
+                  for i in range(t.eval_batches)]
+        return float(sum(jax.device_get(losses)) / len(losses))
+
+    stop = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _: stop.setdefault("signal", signum))
+
+    log = MetricsLog(cfg.run.dir, main_proc, t.steps)
+    peak = peak_flops(jax.devices()[0].device_kind, cfg.model.compute_dtype)
+    fpt = flops_per_token(cfg.model, d.seq_len)
+    step, mark, mark_step = int(state["step"]), time.perf_counter(), int(state["step"])
+    meta = lambda s: {"step": s, "data_step": s, "mesh": format_mesh(dict(mesh.shape))}  # noqa: E731
+    prof = [int(x) for x in t.profile_steps.split(":")] if t.profile_steps else None
+    while step < t.steps and "signal" not in stop:
+        if prof and step == prof[0]:
+            jax.profiler.start_trace(os.path.join(cfg.run.dir, "profile"))
+        state, metrics = train_step(state, st.device_batch(train_data, step, layout.batch_sharding, batch_shape))
+        step += 1
+        if prof and step == prof[1]:
+            jax.profiler.stop_trace()
+        last = step == t.steps or "signal" in stop
+        do_eval = last or (t.eval_every and step % t.eval_every == 0)
+        if step % t.log_every == 0 or do_eval or last:
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
+            now = time.perf_counter()
+            tps = (step - mark_step) * t.global_batch_size * d.seq_len / (now - mark)
+            record = {"step": step, **metrics, "tokens_per_sec": tps, "step_time_s": (now - mark) / (step - mark_step),
+                      "mfu": tps * fpt / (peak * jax.device_count()) if peak else None,
+                      "memory_gib": device_memory_gib(jax.local_devices()[0])}
+            if do_eval:
+                record["eval_loss"] = evaluate(state["params"])
+            log.log(record)
+            mark, mark_step = time.perf_counter(), step
+        if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+            ckpt.save(step, state, meta(step))
+    if "signal" in stop:
+        ckpt.save(step, state, meta(step))
+        print(f"stopped by signal {stop['signal']} after step {step}; checkpoint saved", file=sys.stderr)
+    ckpt.close()
+    log.close()
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        return train(cfg, args.mesh or cfg.parallel.mesh)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
