@@ -12,7 +12,7 @@ from jaxpar.errors import UserError
 
 AXES = ("dp", "fsdp", "pp", "sp", "tp")  # mesh order: tp innermost (fastest links), dp outermost
 NOT_YET = {"pp": "pipeline parallelism", "sp": "sequence parallelism"}
-DEFAULT_CPU_DEVICES = 8  # simulated devices when the mesh says -1 and there is no accelerator
+DEFAULT_CPU_DEVICES = 8  # simulated devices for a -1 mesh axis without accelerator (or JAXPAR_CPU_DEVICES)
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
@@ -92,11 +92,14 @@ def setup_devices(sizes: dict[str, int]) -> None:
     dist = distributed_env()
     if not _has_accelerator():
         nproc = (dist or {}).get("num_processes", 1)
-        total = math.prod(v for v in sizes.values() if v != -1)
-        if -1 in sizes.values():
-            total = max(total, int(os.environ.get("JAXPAR_CPU_DEVICES", DEFAULT_CPU_DEVICES)))
+        if os.environ.get("JAXPAR_CPU_DEVICES"):  # a fixed simulated machine, whatever the mesh
+            total = int(os.environ["JAXPAR_CPU_DEVICES"])
+        elif -1 in sizes.values():
+            total = max(math.prod(v for v in sizes.values() if v != -1), DEFAULT_CPU_DEVICES)
+        else:
+            total = math.prod(sizes.values())
         if total % nproc:
-            raise UserError(f"mesh with {total} devices cannot be split over {nproc} processes")
+            raise UserError(f"{total} simulated CPU devices cannot be split over {nproc} processes")
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", total // nproc)
         if dist is not None:

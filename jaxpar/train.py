@@ -17,17 +17,30 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m jaxpar.train", description=__doc__)
     p.add_argument("--config", help="YAML config (configs/*.yaml); built-in defaults if omitted")
     p.add_argument("--mesh", help="mesh axes, e.g. dp=2,fsdp=2,tp=2 (overrides parallel.mesh)")
+    p.add_argument("--write-init", metavar="PATH",
+                   help="write the initial weights (shared safetensors layout) to PATH and exit")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)
 
 
-def train(cfg: Config, mesh_spec: str) -> int:
+def _fault_hooks(step: int) -> None:
+    """Test hooks: die by SIGKILL, or receive SIGTERM, once a given step (and its checkpoint) is done."""
+    if os.environ.get("JAXPAR_FAULT_KILL_AFTER_STEP") == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get("JAXPAR_FAULT_SIGTERM_AFTER_STEP") == str(step):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def train(cfg: Config, mesh_spec: str, write_init: str | None = None) -> int:
     sizes = parse_mesh(mesh_spec)
     setup_devices(sizes)
     import jax
 
     from jaxpar import state as st
+    from jax.experimental import multihost_utils
+
     from jaxpar.checkpoint import Checkpointer, abstract_like
+    from jaxpar.compat.weights import flatten, load_weights, save_weights, unflatten
     from jaxpar.data import TokenBatches, resolve_dataset
     from jaxpar.mesh import make_mesh
     from jaxpar.metrics import MetricsLog, device_memory_gib, flops_per_token, peak_flops
@@ -54,10 +67,14 @@ def train(cfg: Config, mesh_spec: str) -> int:
         state, meta = restored
         print(f"resumed from {ckpt.dir}/{meta['step']}", file=sys.stderr)
     elif cfg.model.init_from:
-        from jaxpar.compat.weights import load_weights, unflatten
-        from jaxpar.compat.weights import flatten
-        shapes = {k: v.shape for k, v in flatten(jax.tree.map(lambda x: x, state["params"])).items()}
+        shapes = {k: v.shape for k, v in flatten(state["params"]).items()}
         state = st.state_from_params(layout, unflatten(load_weights(cfg.model.init_from, shapes)))
+    if write_init:
+        params = multihost_utils.process_allgather(state["params"], tiled=True)
+        if main_proc:
+            save_weights(write_init, params)
+            print(f"wrote initial weights to {write_init}", file=sys.stderr)
+        return 0
     if main_proc:
         with open(os.path.join(cfg.run.dir, "config.json"), "w") as f:
             json.dump({**cfg.to_dict(), "resolved_mesh": format_mesh(dict(mesh.shape))}, f, indent=2)
@@ -108,6 +125,7 @@ def train(cfg: Config, mesh_spec: str) -> int:
             mark, mark_step = time.perf_counter(), step
         if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
             ckpt.save(step, state, meta(step))
+        _fault_hooks(step)
     if "signal" in stop:
         ckpt.save(step, state, meta(step))
         print(f"stopped by signal {stop['signal']} after step {step}; checkpoint saved", file=sys.stderr)
@@ -120,7 +138,7 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        return train(cfg, args.mesh or cfg.parallel.mesh)
+        return train(cfg, args.mesh or cfg.parallel.mesh, args.write_init)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

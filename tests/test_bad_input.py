@@ -1,0 +1,77 @@
+"""Bad input: one line naming the problem, exit code 2, nothing already saved lost."""
+import os
+import shutil
+
+import pytest
+
+from tests.cli import metrics, run_cli
+from tests.tiny import make_dataset
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("data") / "tokens.bin")
+
+
+def assert_one_line_error(r, *phrases):
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2, r.stderr
+    assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
+    for phrase in phrases:
+        assert phrase in errors[0], errors[0]
+
+
+CASES = {
+    "mesh_vs_devices": (["--mesh", "dp=3"], {"JAXPAR_CPU_DEVICES": "8"}, ["3 devices", "8 are available"]),
+    "heads_vs_tp": (["--mesh", "tp=8"], {}, ["n_head=4", "tp=8"]),
+    "batch_vs_data_axes": (["--mesh", "dp=3"], {}, ["global_batch_size=8", "dp*fsdp=3"]),
+    "unknown_key": (["model.n_layers=3"], {}, ["model.n_layers"]),
+    "bad_value": (["optim.lr=-1"], {}, ["optim.lr", "out of range"]),
+    "bad_mesh_axis": (["--mesh", "xp=2"], {}, ["xp=2"]),
+    "pp_not_yet": (["--mesh", "pp=2"], {}, ["pp", "not supported yet"]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_one_line(case, dataset, tmp_path):
+    args, env, phrases = CASES[case]
+    assert_one_line_error(run_cli(tmp_path, dataset, *args, env=env), *phrases)
+
+
+def test_missing_data_file(tmp_path):
+    assert_one_line_error(run_cli(tmp_path, tmp_path / "nope.bin"), "nope.bin")
+
+
+def _corrupt(step_dir):
+    for root, _, files in os.walk(step_dir):
+        for name in files:
+            with open(os.path.join(root, name), "wb") as f:
+                f.write(b"garbage")
+
+
+def test_corrupt_checkpoint(dataset, tmp_path):
+    ok = run_cli(tmp_path, dataset, "--mesh", "dp=2", "train.steps=4", "checkpoint.every=2")
+    assert ok.returncode == 0, ok.stderr
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(os.listdir(ckpts)) == ["2", "4"]
+    saved = {}
+    for step in ("2", "4"):
+        _corrupt(ckpts / step)
+        saved[step] = sorted(os.listdir(ckpts / step))
+    # No loadable checkpoint: stop with one line, touch nothing.
+    r = run_cli(tmp_path, dataset, "--mesh", "dp=2", "train.steps=6", "checkpoint.every=2")
+    assert_one_line_error(r, "no checkpoint", "could be loaded")
+    assert {s: sorted(os.listdir(ckpts / s)) for s in ("2", "4")} == saved
+
+
+def test_unreadable_latest_falls_back_to_previous(dataset, tmp_path):
+    ok = run_cli(tmp_path, dataset, "--mesh", "dp=2", "train.steps=4", "checkpoint.every=2")
+    assert ok.returncode == 0, ok.stderr
+    ckpts = tmp_path / "checkpoints"
+    _corrupt(ckpts / "4")
+    r = run_cli(tmp_path, dataset, "--mesh", "dp=2", "train.steps=6", "checkpoint.every=2")
+    assert r.returncode == 0, r.stderr
+    assert "failed to load" in r.stderr and "resumed from" in r.stderr
+    assert "4.unreadable" in os.listdir(ckpts)  # set aside, not deleted
+    assert max(metrics(tmp_path)) == 6
+    shutil.rmtree(ckpts)

@@ -1,0 +1,15 @@
+"""Backends wrap the plain GPT: `none` (one process), `ddp`, `fsdp` (FSDP2), `deepspeed` (ZeRO 0-3).
+
+Each `build(...)` returns an engine with: module (for eval), train_step(microbatches) ->
+(local loss, grad_norm, lr), checkpointer (save(step, meta) / restore() -> meta | None).
+"""
+from __future__ import annotations
+
+import importlib
+
+BACKENDS = ("none", "ddp", "fsdp", "deepspeed")
+
+
+def build(name: str, model, cfg, env, **options):
+    module = importlib.import_module(f"torchpar.backends.{'base' if name == 'none' else name}")
+    return module.build(model, cfg, env, **options)

@@ -1,0 +1,46 @@
+"""The torch-side step shared by none/ddp/fsdp: accumulate, clip, AdamW; DCP checkpoints.
+
+Gradient synchronisation is the wrapper's own (DDP's all-reduce, FSDP2's reduce-scatter); this
+file only chooses on which microbatch it happens (`sync` context) and reads the clipped norm.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from jaxpar.schedule import lr_at
+from torchpar.checkpoint import DCPCheckpointer
+from torchpar.model import loss_fn
+from torchpar.optim import make_optimizer
+
+
+class TorchEngine:
+    def __init__(self, module, raw, cfg, env, sync=lambda last: nullcontext()):
+        self.module, self.cfg, self.sync = module, cfg, sync
+        self.params = [p for p in raw.parameters()]
+        self.optimizer = make_optimizer(raw, cfg)
+        self.checkpointer = DCPCheckpointer(cfg.run.dir, cfg.checkpoint.keep, module, self.optimizer, env)
+        self.step = 0  # set by the trainer after a restore
+
+    def train_step(self, micro: list[torch.Tensor]):
+        lr = lr_at(self.step, self.cfg.optim, self.cfg.train.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = torch.zeros((), device=micro[0].device)
+        for m, batch in enumerate(micro):
+            with self.sync(m == len(micro) - 1):
+                loss = loss_fn(self.module(batch[:, :-1]), batch) / len(micro)
+                loss.backward()
+            total += loss.detach()
+        clip = self.cfg.optim.grad_clip or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.params, clip)  # pre-clip norm; DTensor-aware for FSDP2
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return total, norm, lr
+
+
+def build(model, cfg, env, **_):
+    return TorchEngine(model.to(env.device), model, cfg, env)

@@ -1,0 +1,146 @@
+"""DeepSpeed ZeRO 0-3: the DeepSpeed JSON is generated from the shared config; a user's JSON
+(--deepspeed-config) is merged on top and wins wherever it speaks; rank 0 prints the result.
+
+Generated: batch sizes and accumulation from train.*, ZeRO stage from parallel.zero_stage,
+torch AdamW (`torch_adam`, no op builds) with optim.*, gradient_clipping, bf16 from
+model.compute_dtype, CPU offload of optimizer (and of parameters at stage 3) with --cpu-offload.
+fp16 with dynamic loss scaling: {"fp16": {"enabled": true, "loss_scale": 0}} in the user JSON.
+The learning rate follows jaxpar's warmup + cosine (torchpar.optim.SharedSchedule) unless the
+user JSON names a "scheduler". Checkpoints are DeepSpeed's own (save_checkpoint/load_checkpoint,
+tag = step, client_state = the step), in <run.dir>/checkpoints.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+
+import torch
+
+from jaxpar.errors import UserError
+from jaxpar.schedule import lr_at
+from torchpar import dist
+from torchpar.model import loss_fn
+from torchpar.optim import SharedSchedule, param_groups
+
+
+def import_deepspeed():
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise UserError(f"--backend deepspeed needs the deepspeed package (pip install deepspeed): {e}") from None
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    return deepspeed
+
+
+def generated_config(cfg, world: int, cpu_offload: bool = False) -> dict:
+    t, o, stage = cfg.train, cfg.optim, cfg.parallel.zero_stage
+    zero = {"stage": stage}
+    if cpu_offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        if stage == 3:
+            zero["offload_param"] = {"device": "cpu"}
+    return {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.global_batch_size // t.microbatches // world,
+        "gradient_accumulation_steps": t.microbatches,
+        "gradient_clipping": o.grad_clip,
+        "zero_optimization": zero,
+        "zero_force_ds_cpu_optimizer": False,  # torch's AdamW also with offload: no C++ op build needed
+        "optimizer": {"type": "AdamW", "params": {"lr": lr_at(0, o, t.steps), "betas": [o.beta1, o.beta2],
+                                                  "eps": o.eps, "weight_decay": o.weight_decay, "torch_adam": True}},
+        "bf16": {"enabled": cfg.model.compute_dtype == "bfloat16"},
+        "steps_per_print": 2**31 - 1,
+    }
+
+
+def merge(base: dict, user: dict) -> dict:
+    """Deep merge: the user's values win; nested sections are merged key by key."""
+    out = dict(base)
+    for key, value in user.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_user_config(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise UserError(f"DeepSpeed config not found: {path}")
+    try:
+        with open(path) as f:
+            user = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"DeepSpeed config {path} is not valid JSON: {e}") from None
+    if not isinstance(user, dict):
+        raise UserError(f"DeepSpeed config {path}: top level must be an object")
+    return user
+
+
+class DeepSpeedEngine:
+    def __init__(self, engine, cfg, env, config: dict):
+        self.engine = self.module = engine
+        self.cfg, self.env, self.config = cfg, env, config
+        self.stage = config.get("zero_optimization", {}).get("stage", 0)
+        self.checkpointer = self
+        self.dir = os.path.abspath(os.path.join(cfg.run.dir, "checkpoints"))
+
+    def train_step(self, micro):
+        lr = self.engine.get_lr()[0]
+        total, norm = torch.zeros((), device=self.env.device), None
+        for m, batch in enumerate(micro):
+            loss = loss_fn(self.engine(batch[:, :-1]), batch)
+            self.engine.backward(loss)  # DeepSpeed scales by 1/accumulation and reduces at the boundary
+            if m == len(micro) - 1 and self.stage == 0 and not self.engine.fp16_enabled():
+                grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+                norm = torch.nn.utils.get_total_norm(grads)  # ZeRO-0 fp32 keeps no norm of its own
+            self.engine.step()
+            total += loss.detach() / len(micro)
+        ds_norm = self.engine.get_global_grad_norm()
+        norm = ds_norm if ds_norm is not None else norm
+        return total, torch.as_tensor(float("nan") if norm is None else float(norm)), lr
+
+    def save(self, step: int, meta: dict) -> None:
+        if os.path.isdir(os.path.join(self.dir, str(step))):
+            return
+        self.engine.save_checkpoint(self.dir, tag=str(step), client_state=meta)
+        dist.barrier()
+        if self.env.is_main:
+            tags = sorted(int(d) for d in os.listdir(self.dir) if d.isdigit())
+            for old in tags[:-self.cfg.checkpoint.keep]:
+                shutil.rmtree(os.path.join(self.dir, str(old)), ignore_errors=True)
+        dist.barrier()
+
+    def restore(self) -> dict | None:
+        if not os.path.exists(os.path.join(self.dir, "latest")):
+            return None
+        path, client_state = self.engine.load_checkpoint(self.dir)
+        if path is None:
+            raise UserError(f"DeepSpeed checkpoint in {self.dir} could not be loaded")
+        if self.env.is_main:
+            print(f"resumed from {path}", file=sys.stderr)
+        return client_state
+
+
+def build(model, cfg, env, deepspeed_config: str = "", cpu_offload: bool = False, **_):
+    deepspeed = import_deepspeed()
+    config = generated_config(cfg, env.world, cpu_offload)
+    if deepspeed_config:
+        config = merge(config, load_user_config(deepspeed_config))
+    if env.is_main:
+        print("deepspeed config: " + json.dumps(config, sort_keys=True), flush=True)
+    if config.get("fp16", {}).get("enabled"):
+        model.compute_dtype = torch.float16
+    elif config.get("bf16", {}).get("enabled"):
+        model.compute_dtype = torch.bfloat16
+    else:
+        model.compute_dtype = torch.float32
+    scheduler = None if "scheduler" in config else (lambda opt: SharedSchedule(opt, cfg))
+    try:
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.optim.weight_decay),
+                                          config=config, lr_scheduler=scheduler, dist_init_required=False)
+    except AssertionError as e:  # DeepSpeed validates its config with asserts
+        raise UserError(f"DeepSpeed rejected the config: {e}") from None
+    return DeepSpeedEngine(engine, cfg, env, config)

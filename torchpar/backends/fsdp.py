@@ -1,0 +1,35 @@
+"""FSDP2: `fully_shard` per block and at the root on a 1-D DeviceMesh over all ranks.
+
+model.compute_dtype=bfloat16 -> MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32);
+--cpu-offload -> CPUOffloadPolicy; model.remat is applied inside the model (torch.utils.checkpoint).
+parallel.zero_stage 1 or 2 keeps parameters gathered between forward and backward
+(reshard_after_forward=False, ZeRO-2-like); 0 or 3 reshards after forward (ZeRO-3).
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from torchpar.backends.base import TorchEngine
+
+
+def build(model, cfg, env, cpu_offload: bool = False, **_):
+    mesh = init_device_mesh(env.device.type, (env.world,), mesh_dim_names=("fsdp",))
+    mp = MixedPrecisionPolicy()
+    if cfg.model.compute_dtype != "float32":
+        mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.model.compute_dtype), reduce_dtype=torch.float32)
+    kwargs = {"mesh": mesh, "mp_policy": mp, "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+              "reshard_after_forward": cfg.parallel.zero_stage not in (1, 2)}
+    if not cpu_offload:
+        model = model.to(env.device)
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+    def sync(last: bool):  # accumulation: reduce-scatter only after the last microbatch
+        model.set_requires_gradient_sync(last)
+        from contextlib import nullcontext
+        return nullcontext()
+
+    return TorchEngine(model, model, cfg, env, sync=sync)

@@ -1,0 +1,75 @@
+"""torch.distributed.checkpoint (DCP) for the ddp, fsdp and single-process backends.
+
+<run.dir>/checkpoints/<step>/ holds the model and AdamW state as DCP writes them (one shard file
+per rank plus .metadata) and meta.json (step = the data-iterator state, backend, world size).
+DCP reshards on load, so a checkpoint saved by N ranks (FSDP2 DTensors or DDP replicas) loads on
+any number of ranks and into any of these backends. Each save goes to `<step>.partial` and is
+renamed when every rank has finished, so a process killed mid-save leaves the previous one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from jaxpar.errors import UserError
+from torchpar import dist
+from torchpar.dist import Env
+
+
+def complete_steps(ckpt_dir: str) -> list[int]:
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return sorted(int(d) for d in os.listdir(ckpt_dir)
+                  if d.isdigit() and os.path.exists(os.path.join(ckpt_dir, d, "meta.json")))
+
+
+class DCPCheckpointer:
+    def __init__(self, run_dir: str, keep: int, model, optimizer, env: Env):
+        self.dir = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+        self.keep, self.model, self.optimizer, self.env = keep, model, optimizer, env
+
+    def _state(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def save(self, step: int, meta: dict) -> None:
+        final = os.path.join(self.dir, str(step))
+        if os.path.exists(final):
+            return  # e.g. the final save right after a periodic one
+        tmp = final + ".partial"
+        if self.env.is_main and os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        dist.barrier()
+        dcp.save(self._state(), checkpoint_id=tmp, no_dist=not tdist.is_initialized())
+        dist.barrier()
+        if self.env.is_main:
+            with open(os.path.join(tmp, "meta.json"), "w") as f:
+                json.dump(meta, f)
+            os.replace(tmp, final)
+            for old in complete_steps(self.dir)[:-self.keep]:
+                shutil.rmtree(os.path.join(self.dir, str(old)), ignore_errors=True)
+        dist.barrier()
+
+    def restore(self) -> dict | None:
+        """meta of the newest checkpoint, loaded into model and optimizer; None if there is none."""
+        steps = complete_steps(self.dir)
+        if not steps:
+            return None
+        path = os.path.join(self.dir, str(steps[-1]))
+        state = self._state()
+        try:
+            dcp.load(state, checkpoint_id=path, no_dist=not tdist.is_initialized())
+        except Exception as e:  # noqa: BLE001 - any failure to read is a checkpoint problem for the user
+            raise UserError(f"checkpoint {path} could not be loaded: {(str(e).strip().splitlines() or [repr(e)])[0][:300]}")
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+        if self.env.is_main:
+            print(f"resumed from {path}", file=sys.stderr)
+        return meta

@@ -1,0 +1,67 @@
+"""Process groups from torchrun's environment: nccl on GPU, gloo on CPU; always torn down.
+
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; a plain `python -m
+torchpar.train` process is rank 0 of 1 (an in-memory store, no port). `teardown` must run in a
+`finally`: an FSDP2 run over gloo whose group is not destroyed can SIGABRT at interpreter exit.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Env:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launch_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) as torchrun set them; (0, 1, 0) for a plain process."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def init(distributed: bool) -> Env:
+    rank, world, local_rank = launch_env()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if distributed and not dist.is_initialized():
+        timeout = timedelta(seconds=int(os.environ.get("TORCHPAR_PG_TIMEOUT_S", 600)))
+        if "MASTER_ADDR" in os.environ:  # torchrun (or any launcher exporting its variables)
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                                    device_id=device if device.type == "cuda" else None)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return Env(rank, world, local_rank, device)
+
+
+def all_sum(values: list[float], env: Env) -> list[float]:
+    """Sum of small host values over ranks (logging and stop agreement only, never gradients)."""
+    if not dist.is_initialized() or env.world == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=env.device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,127 @@
+"""GPT-2 in PyTorch with jaxpar's math: learned positions, pre-LN, tanh GELU, tied embeddings.
+
+Per-layer parameters keep the shapes of one slice of jaxpar's stacked layout (qkv [embed, 3,
+heads, kv], out [heads, kv, embed], ...) and are applied with einsum, so converting weights
+(torchpar/layout.py) is pure stack/unstack. No parallelism here: backends wrap this module.
+Every parameter is used inside the forward of the module that owns it (DeepSpeed ZeRO-3 gathers
+parameters per module), which is why wte/wpe sit on the root module.
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from jaxpar.config import ModelConfig
+
+# model.remat=save_matmuls: keep matmul outputs, recompute the rest (jaxpar: dots_with_no_batch_dims_saveable).
+_MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default]
+
+
+class Dense(nn.Module):
+    """weight/bias of arbitrary rank applied by an einsum equation (jaxpar's `kernel`/`bias`)."""
+
+    def __init__(self, w_shape: tuple[int, ...], b_shape: tuple[int, ...]):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(w_shape))
+        self.bias = nn.Parameter(torch.zeros(b_shape))
+
+    def forward(self, x: torch.Tensor, equation: str) -> torch.Tensor:
+        return torch.einsum(equation, x, self.weight.to(x.dtype)) + self.bias.to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """Statistics in float32 whatever the compute dtype; weight/bias are jaxpar's scale/bias."""
+
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.weight, self.bias, self.eps = nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d)), eps
+
+    def forward(self, x):
+        y = F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), self.bias.float(), self.eps)
+        return y.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, h, k = cfg.d_model, cfg.n_head, cfg.head_dim
+        self.qkv = Dense((d, 3, h, k), (3, h, k))
+        self.out = Dense((h, k, d), (d,))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x, "btd,dchk->btchk").permute(2, 0, 3, 1, 4).unbind(0)  # each [b, h, t, k]
+        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True), "bhtk,hkd->btd")
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = Dense((cfg.d_model, cfg.ff_dim), (cfg.ff_dim,))
+        self.proj = Dense((cfg.ff_dim, cfg.d_model), (cfg.d_model,))
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x, "btd,df->btf"), approximate="tanh"), "btf,fd->btd")
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln1, self.attn = LayerNorm(cfg.d_model, cfg.layernorm_eps), Attention(cfg)
+        self.ln2, self.mlp = LayerNorm(cfg.d_model, cfg.layernorm_eps), MLP(cfg)
+        self.remat = cfg.remat
+
+    def _forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+    def forward(self, x):
+        if self.remat == "none" or not torch.is_grad_enabled():
+            return self._forward(x)
+        context = partial(create_selective_checkpoint_contexts, _MATMULS) if self.remat == "save_matmuls" else None
+        kwargs = {"context_fn": context} if context else {}
+        return checkpoint(self._forward, x, use_reentrant=False, **kwargs)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.compute_dtype = getattr(torch, cfg.compute_dtype)  # DeepSpeed fp16 may override it
+        self.wte = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
+        self.wpe = nn.Parameter(torch.empty(cfg.max_seq_len, cfg.d_model))
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = LayerNorm(cfg.d_model, cfg.layernorm_eps)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """jaxpar's distribution: N(0, init_std), residual projections N(0, init_std/sqrt(2L)), biases 0, scales 1."""
+        gen = torch.Generator().manual_seed(seed)
+        std, proj_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layer)
+        for p in (self.wte, self.wpe):
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+        for block in self.blocks:
+            for dense, s in ((block.attn.qkv, std), (block.attn.out, proj_std), (block.mlp.fc, std),
+                             (block.mlp.proj, proj_std)):
+                dense.weight.copy_(torch.randn(dense.weight.shape, generator=gen) * s)
+                dense.bias.zero_()
+        for ln in (m for m in self.modules() if isinstance(m, LayerNorm)):
+            ln.weight.fill_(1.0)
+            ln.bias.zero_()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [batch, seq] int64 -> logits [batch, seq, vocab] float32."""
+        x = (self.wte[tokens] + self.wpe[: tokens.shape[1]]).to(self.compute_dtype)
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln_f(x)
+        return torch.einsum("btd,vd->btv", x, self.wte.to(x.dtype)).float()  # tied output embedding
+
+
+def loss_fn(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; `batch` rows are [seq + 1] tokens, logits from batch[:, :-1]."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
