@@ -85,6 +85,6 @@ def test_default_tiny_config_learns(tmp_path):
     records = metrics(tmp_path)
     final = records[max(records)]
     assert final["loss"] < 3.0 and final["eval_loss"] < 3.0, final
-    assert records[min(records)]["loss"] > 4.0  # it started near log(256) = 5.5: it learned
+    assert records[min(records)]["loss"] > final["loss"] + 0.5  # from near log(256) = 5.5 down
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s", "mfu"} <= set(final)
     assert os.path.exists(tmp_path / "config.json")
