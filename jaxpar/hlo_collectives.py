@@ -1,0 +1,118 @@
+"""Every collective in a compiled XLA program, with its bytes and how often it runs per step.
+
+Reads the optimized HLO text: a collective inside a `while` body (the layer scan, the microbatch
+scan) runs trip-count times, so each computation gets a multiplier from the call graph.
+Traffic per device uses the bandwidth-optimal (ring) cost of each collective over its group.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+               "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+OPS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(" + "|".join(OPS) + r")(?:-start)?\(")
+_ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
+_CALLEE = re.compile(r"(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+@dataclasses.dataclass
+class Collective:
+    op: str
+    result_bytes: int  # bytes of the result per device (all tuple elements)
+    group_size: int
+    groups: list[list[int]]
+    count: int  # executions per step
+
+    @property
+    def traffic_bytes(self) -> float:
+        """Bytes each device sends per execution, ring algorithm (a lower bound for that op)."""
+        n, s = self.group_size, self.result_bytes
+        if n <= 1:
+            return 0.0
+        return {"all-reduce": 2 * s * (n - 1) / n, "all-gather": s * (n - 1) / n,
+                "reduce-scatter": s * (n - 1), "all-to-all": s * (n - 1) / n,
+                "collective-permute": s}[self.op]
+
+
+def _shape_bytes(shape_text: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape_text):
+        total += DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    return total
+
+
+def _groups(line: str, n_devices: int) -> list[list[int]]:
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](T\(([\d,]+)\))?", line)
+    if m:  # iota form: reshape(iota(dims)).transpose(perm) into [n_groups, group_size]
+        n_groups, size = int(m[1]), int(m[2])
+        ids = np.arange(int(np.prod([int(d) for d in m[3].split(",")]))).reshape([int(d) for d in m[3].split(",")])
+        if m[5]:
+            ids = ids.transpose([int(p) for p in m[5].split(",")])
+        return ids.reshape(n_groups, size).tolist()
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m:  # mesh form: mesh['axis_0'=2,'axis_1'=4] {'axis_1'}: groups vary the listed axes
+        names = re.findall(r"'(\w+)'=(\d+)", m[1])
+        sizes = [int(s) for _, s in names]
+        chosen = [i for i, (n, _) in enumerate(names) if f"'{n}'" in m[2]]
+        ids = np.arange(int(np.prod(sizes))).reshape(sizes)
+        ids = ids.transpose([i for i in range(len(sizes)) if i not in chosen] + chosen)
+        return ids.reshape(-1, int(np.prod([sizes[i] for i in chosen]))).tolist()
+    m = re.search(r"replica_groups=\{(\{[\d,{} ]*\})\}", line)
+    if m:
+        return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d, ]*)\}", m[1])]
+    m = re.search(r"source_target_pairs=\{([^}]*(?:\}[^}]*)*)\}", line)
+    if m:  # collective-permute: one "group" per pair
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", line)]
+    return [list(range(n_devices))]  # empty replica_groups: everyone
+
+
+def parse(hlo_text: str, n_devices: int) -> list[Collective]:
+    comps: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        header = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if header and not line.startswith(" "):
+            current = header[2]
+            comps[current] = []
+            if header[1]:
+                entry = current
+        elif line.startswith("}"):
+            current = None
+        elif current:
+            comps[current].append(line)
+    multiplier: dict[str, int] = {}
+
+    def visit(name: str, mult: int) -> None:
+        multiplier[name] = multiplier.get(name, 0) + mult
+        for line in comps.get(name, ()):
+            trip = _TRIP.search(line)
+            callees = [(kind, callee) for kind, callee in _CALLEE.findall(line)]
+            for b in _BRANCHES.findall(line):
+                callees += [("branch", c.strip().lstrip("%")) for c in b.split(",")]
+            for kind, callee in callees:
+                if kind == "to_apply" and _INSTR.match(line):
+                    continue  # a collective's reduction function, not a call
+                visit(callee, mult * (int(trip[1]) if kind == "body" and trip else 1))
+
+    visit(entry, 1)
+    out = []
+    for name, lines in comps.items():
+        for line in lines:
+            m = _INSTR.match(line)
+            if m and multiplier.get(name):
+                groups = _groups(line, n_devices)
+                out.append(Collective(m[2], _shape_bytes(m[1]), len(groups[0]), groups, multiplier[name]))
+    return out
+
+
+def group_axes(groups: list[list[int]], mesh) -> tuple[str, ...]:
+    """The mesh axes a collective's first group spans (device ids -> mesh coordinates)."""
+    coords = {int(d.id): idx for idx, d in np.ndenumerate(mesh.devices)}
+    members = [coords[i] for i in groups[0] if i in coords]
+    return tuple(a for k, a in enumerate(mesh.axis_names) if len({c[k] for c in members}) > 1)

@@ -1,0 +1,67 @@
+"""The planner against formulas written here, independently of jaxpar.plan's own."""
+import jax
+import pytest
+
+from jaxpar.config import load_config
+from jaxpar.mesh import parse_mesh
+from jaxpar.plan import main as plan_main, plan, recommend
+
+CFG = load_config("configs/gpt2-tiny.yaml")
+m, B, T = CFG.model, CFG.train.global_batch_size, CFG.data.seq_len
+d, L, V, f = m.d_model, m.n_layer, m.vocab_size, 4 * m.d_model
+# parameters per block by kind: (count, sharded over tp?)
+BLOCK = {"ln": (4 * d, False), "qkv": (3 * d * d + 3 * d, True), "out_w": (d * d, True), "out_b": (d, False),
+         "fc": (d * f + f, True), "proj_w": (f * d, True), "proj_b": (d, False)}
+N = V * d + m.max_seq_len * d + L * sum(n for n, _ in BLOCK.values()) + 2 * d
+
+
+def per_device_param_bytes(tp: int) -> float:
+    sharded = V * d + L * sum(n for n, s in BLOCK.values() if s)
+    return 4 * (sharded / tp + (N - sharded))
+
+
+def run(mesh):
+    sizes = parse_mesh(mesh)
+    return plan(CFG, sizes, jax.devices()[:8])
+
+
+def test_dp8_traffic_is_the_gradient_all_reduce():
+    p = run("dp=8")
+    bound = 2 * 4 * N * 7 / 8
+    assert bound * 0.99 <= p["traffic_bytes"] <= 1.1 * bound
+
+
+def test_dp2_tp4_traffic_is_megatron_plus_gradients():
+    p = run("dp=2,tp=4")
+    activation = (B // 2) * T * d * 4
+    bound = (4 * L + 2) * activation * 2 * 3 / 4 + 2 * per_device_param_bytes(4) * 1 / 2
+    assert bound * 0.99 <= p["traffic_bytes"] <= 1.1 * bound
+
+
+def test_fsdp8_shards_state_and_explains_its_traffic():
+    p = run("fsdp=8")
+    assert p["params_bytes"] + p["opt_state_bytes"] <= 1.05 * (3 * 4 * N) / 8  # params + Adam mu, nu
+    bound = 2 * 4 * N * 7 / 8  # one all-gather of the parameters, one reduce-scatter of the gradients
+    assert p["traffic_bytes"] >= 0.99 * bound
+    if p["traffic_bytes"] > 1.1 * bound:
+        assert any(note.startswith("fsdp:") for note in p["notes"]), p["notes"]
+
+
+def test_recommend_rejects_meshes_over_budget(capsys):
+    rows = recommend(CFG, 4, budget=10**12, peak_flops=1e12, bandwidth=1e10)
+    peaks = sorted(r["peak_bytes"] for r in rows)
+    assert len(rows) >= 4 and all(r["fits"] for r in rows)
+    budget = (peaks[0] + peaks[-1]) // 2
+    rows = recommend(CFG, 4, budget=budget, peak_flops=1e12, bandwidth=1e10)
+    assert any(not r["fits"] for r in rows) and any(r["fits"] for r in rows)
+    for r in rows:
+        assert r["fits"] == (r["peak_bytes"] <= budget)
+    proposed = [r for r in rows if r["fits"]]
+    assert rows[:len(proposed)] == proposed  # every fitting mesh ranks above every rejected one
+    assert [r["predicted_step_s"] for r in proposed] == sorted(r["predicted_step_s"] for r in proposed)
+
+
+def test_plan_cli_bad_memory_size(capsys):
+    assert plan_main(["--config", "configs/gpt2-tiny.yaml", "--recommend", "--devices", "4",
+                      "--memory-per-device", "lots"]) == 2
+    assert "lots" in capsys.readouterr().err
