@@ -20,3 +20,20 @@ def test_collectives_bench_covers_each_op():
     assert {r["op"] for r in rows} == {"all_reduce", "all_gather", "reduce_scatter", "ppermute"}
     for r in rows:
         assert r["time_s"] > 0 and r["busbw_gbs"] <= r["algbw_gbs"] * 2
+
+
+def test_report_draws_pngs(tmp_path, capsys):
+    import json
+
+    from jaxpar import report
+
+    runs = [{"framework": "jaxpar", "mesh": f"dp={n}", "devices": n, "tokens_per_sec": 100.0 * n,
+             "mfu_ceiling": 0.1, "memory_gib": None, "device_kind": "cpu:cpu", "compute_dtype": "float32"}
+            for n in (1, 2, 4)]
+    (tmp_path / "b.json").write_text(json.dumps(runs))
+    assert report.main([str(tmp_path / "b.json"), "--out", str(tmp_path / "plots")]) == 0
+    for name in ("throughput.png", "mfu.png", "memory.png", "scaling.png"):
+        assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "bad.json").write_text("{}")
+    assert report.main([str(tmp_path / "bad.json")]) == 2
+    assert "not a benchmark result" in capsys.readouterr().err
