@@ -1,0 +1,73 @@
+"""Pipeline clock tables: textbook orderings, dependencies, bubbles and in-flight activations."""
+import pytest
+
+from jaxpar import pipeline
+from jaxpar.errors import UserError
+from jaxpar.parallel.schedules import bubble_fraction, check, max_in_flight, simulate
+
+S, M = 4, 8
+CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
+
+
+def ticks(table):
+    """(kind, microbatch, virtual stage) -> tick."""
+    out = {}
+    for t, row in enumerate(table):
+        for device, op in enumerate(row):
+            if op is not None:
+                key = (op.kind, op.microbatch, op.chunk * len(row) + device)
+                assert key not in out, f"{key} scheduled twice"
+                out[key] = t
+    return out
+
+
+@pytest.mark.parametrize("schedule,V", CASES)
+def test_dependencies_and_completeness(schedule, V):
+    at = ticks(simulate(schedule, S, M, V))
+    last = S * V - 1
+    assert len(at) == 2 * M * S * V  # every forward and backward exactly once
+    for m in range(M):
+        for v in range(S * V):
+            assert at[("F", m, v)] < at[("B", m, v)]
+            if v:
+                assert at[("F", m, v - 1)] < at[("F", m, v)]
+            if v < last:
+                assert at[("B", m, v + 1)] < at[("B", m, v)]
+
+
+@pytest.mark.parametrize("schedule,V", CASES)
+def test_bubble_is_the_textbook_fraction(schedule, V):
+    assert bubble_fraction(simulate(schedule, S, M, V)) == pytest.approx((S - 1) / (V * M + S - 1))
+
+
+def order(table, device):
+    return [str(row[device]) for row in table if row[device] is not None]
+
+
+def test_gpipe_textbook_order():
+    table = simulate("gpipe", S, M)
+    for d in range(S):
+        assert order(table, d) == [f"F{m}" for m in range(M)] + [f"B{m}" for m in range(M)]
+    assert max_in_flight(table, 0) == M  # activations of every microbatch are alive at once
+
+
+def test_1f1b_textbook_order():
+    table = simulate("1f1b", S, M)
+    # PipeDream-Flush: stage s warms up with S-s forwards, alternates B/F, then drains.
+    for d in range(S):
+        warm = S - d
+        expected = [f"F{m}" for m in range(warm)]
+        for m in range(M - warm):
+            expected += [f"B{m}", f"F{m + warm}"]
+        expected += [f"B{m}" for m in range(M - warm, M)]
+        assert order(table, d) == expected
+        assert max_in_flight(table, d) == S - d  # bounded by the stage count, not by M
+
+
+def test_errors_are_user_errors(capsys):
+    with pytest.raises(UserError, match="microbatches >= stages"):
+        check("1f1b", 4, 2, 1)
+    with pytest.raises(UserError, match="not divisible by stages x virtual stages"):
+        check("interleaved", 2, 4, 2, n_layer=6)
+    assert pipeline.main(["--stages", "4", "--microbatches", "2", "--schedule", "1f1b"]) == 2
+    assert "microbatches >= stages" in capsys.readouterr().err
