@@ -85,6 +85,9 @@ class OptimConfig:
 class ParallelConfig:
     mesh: str = ""  # "dp=2,tp=4"; empty = all devices on dp. --mesh overrides it.
     zero_stage: int = field(default=0, metadata=_check(choices=(0, 1, 2, 3)))
+    # attention across `sp` shards (jaxpar/parallel/sequence.py) and causal load balancing by zig-zag order
+    sequence_attention: str = field(default="ring", metadata=_check(choices=("ring", "all_gather", "ulysses")))
+    sequence_zigzag: bool = True
 
 
 @dataclass

@@ -11,7 +11,7 @@ import os
 from jaxpar.errors import UserError
 
 AXES = ("dp", "fsdp", "pp", "sp", "tp")  # mesh order: tp innermost (fastest links), dp outermost
-NOT_YET = {"pp": "pipeline parallelism", "sp": "sequence parallelism"}
+NOT_YET = {"pp": "pipeline parallelism"}
 DEFAULT_CPU_DEVICES = 8  # simulated devices for a -1 mesh axis without accelerator (or JAXPAR_CPU_DEVICES)
 
 

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 # "act_embed" is not (the batch already uses fsdp there).
 RULES: dict[str, tuple[str, ...]] = {
     "batch": ("dp", "fsdp"),
-    "seq": (),
+    "seq": ("sp",),  # sequence parallelism; attention across shards: jaxpar/parallel/sequence.py
     "act_embed": (),
     "embed": ("fsdp",),
     "heads": ("tp",),

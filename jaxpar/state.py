@@ -6,6 +6,7 @@ collective (gradient all-reduce, FSDP gathers, TP all-reduces) — nothing is ha
 """
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import jax
@@ -18,6 +19,7 @@ from jaxpar.config import Config
 from jaxpar.errors import UserError
 from jaxpar.models.gpt import GPT, loss_fn
 from jaxpar.optim import make_optimizer, schedule_fn
+from jaxpar.parallel.sequence import check_sequence, use_sequence
 from jaxpar.sharding import spec_for, use_rules, with_extra_axis
 
 
@@ -48,6 +50,8 @@ def check_layout(cfg: Config, mesh) -> None:
     if micro % data_ways:
         raise UserError(f"batch per microbatch {micro} (train.global_batch_size={t.global_batch_size} / "
                         f"train.microbatches={t.microbatches}) is not divisible by the data axes dp*fsdp={data_ways}")
+    p = cfg.parallel
+    check_sequence(cfg.data.seq_len, m.n_head, s, p.sequence_attention, p.sequence_zigzag)
 
 
 class Layout:
@@ -74,6 +78,13 @@ class Layout:
         self.batch_sharding = ns(spec_for(("batch", None), (cfg.train.global_batch_size // cfg.train.microbatches, 1),
                                           mesh, rules))
 
+    @contextlib.contextmanager
+    def active(self):
+        """What model code reads while tracing: the sharding rules and the sequence-parallel options."""
+        with use_rules(self.mesh, self.rules), use_sequence(self.cfg.parallel.sequence_attention,
+                                                            self.cfg.parallel.sequence_zigzag):
+            yield
+
     def _opt_spec(self, path, leaf) -> P:
         """Optimizer moments follow their parameter (matched by path suffix); ZeRO>=1 adds dp."""
         keys = _path_keys(path)
@@ -95,7 +106,7 @@ def init_state(layout: Layout):
         params = nnx.state(GPT(cfg.model, nnx.Rngs(cfg.train.seed)), nnx.Param).to_pure_dict()
         return {"params": params, "opt_state": layout.tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
-    with use_rules(layout.mesh, layout.rules):
+    with layout.active():
         return jax.jit(create, out_shardings=layout.state_shardings)()
 
 
@@ -133,7 +144,7 @@ def make_train_step(layout: Layout):
         return new, {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr(state["step"])}
 
     def traced(state, batch):
-        with use_rules(layout.mesh, layout.rules):
+        with layout.active():
             return step(state, batch)
 
     return jax.jit(traced, in_shardings=(layout.state_shardings, layout.batch_sharding),
@@ -152,7 +163,7 @@ def device_batch(data, step: int, sharding, shape):
 
 def make_eval_step(layout: Layout):
     def evaluate(params, batch):
-        with use_rules(layout.mesh, layout.rules):
+        with layout.active():
             return _loss(layout, params, batch)
 
     return jax.jit(evaluate, in_shardings=(layout.state_shardings["params"], layout.batch_sharding))

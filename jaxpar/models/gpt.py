@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
+from jaxpar.parallel.sequence import attention, sequence_order
 from jaxpar.sharding import constrain
 
 REMAT_POLICIES = {
@@ -65,12 +66,12 @@ class Attention(nnx.Module):
             kernel=_param(_normal(rngs, L + (h, k, d), proj_std), lead + ("heads", "kv", "embed")),
             bias=_param(jnp.zeros(L + (d,)), lead + ("embed",)))
 
-    def __call__(self, x, dtype):
+    def __call__(self, x, dtype, positions=None):
         w, b = self.qkv["kernel"][...].astype(dtype), self.qkv["bias"][...].astype(dtype)
         qkv = jnp.einsum("btd,dchk->cbthk", x, w) + b[:, None, None]
         q, k, v = (constrain(t, ("batch", "seq", "heads", "kv")) for t in qkv)
-        # cuDNN flash attention on GPU where it applies, XLA elsewhere.
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        # cuDNN flash attention on GPU where it applies, XLA elsewhere; across `sp` shards when sequence-parallel.
+        y = attention(q, k, v, positions)
         y = constrain(y, ("batch", "seq", "heads", "kv"))
         out = jnp.einsum("bthk,hkd->btd", y, self.out["kernel"][...].astype(dtype))
         return out + self.out["bias"][...].astype(dtype)
@@ -103,8 +104,8 @@ class Block(nnx.Module):
         self.ln2 = LayerNorm(cfg, stack)
         self.mlp = MLP(cfg, rngs, stack)
 
-    def __call__(self, x, dtype):
-        x = x + self.attn(self.ln1(x), dtype)
+    def __call__(self, x, dtype, positions=None):
+        x = x + self.attn(self.ln1(x), dtype, positions)
         x = x + self.mlp(self.ln2(x), dtype)
         return constrain(x, ("batch", "seq", "act_embed"))
 
@@ -117,17 +118,19 @@ class GPT(nnx.Module):
         self.blocks = Block(cfg, rngs, stack=(cfg.n_layer,))
         self.ln_f = LayerNorm(cfg)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """tokens [batch, seq] int -> logits [batch, seq, vocab] float32."""
+    def __call__(self, tokens: jax.Array, positions=None) -> jax.Array:
+        """tokens [batch, seq] int -> logits [batch, seq, vocab] float32. `positions` [seq]: the tokens'
+        positions when they are not in natural order (zig-zag sequence parallelism)."""
         dtype = jnp.dtype(self.cfg.compute_dtype)
         T = tokens.shape[1]
-        x = jnp.take(self.wte[...], tokens, axis=0) + self.wpe[...][:T]
+        wpe = self.wpe[...][:T] if positions is None else jnp.take(self.wpe[...], positions, axis=0)
+        x = jnp.take(self.wte[...], tokens, axis=0) + wpe
         x = constrain(x.astype(dtype), ("batch", "seq", "act_embed"))
 
         graphdef, stacked = nnx.split(self.blocks)
 
         def layer(h, layer_state):
-            return nnx.merge(graphdef, layer_state)(h, dtype), None
+            return nnx.merge(graphdef, layer_state)(h, dtype, positions), None
 
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat])
@@ -139,8 +142,11 @@ class GPT(nnx.Module):
 
 def loss_fn(model: GPT, batch: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy over a batch of rows [batch, seq + 1]."""
-    logits = model(batch[:, :-1])
-    targets = batch[:, 1:]
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    order = sequence_order(inputs.shape[1])  # zig-zag: inputs and targets permuted alike, mean unchanged
+    if order is not None:
+        inputs, targets = inputs[:, order], targets[:, order]
+    logits = model(inputs, order)
     logz = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return jnp.mean(logz - picked)
