@@ -88,6 +88,10 @@ class ParallelConfig:
     # attention across `sp` shards (jaxpar/parallel/sequence.py) and causal load balancing by zig-zag order
     sequence_attention: str = field(default="ring", metadata=_check(choices=("ring", "all_gather", "ulysses")))
     sequence_zigzag: bool = True
+    # pipeline over `pp` (jaxpar/parallel/pipeline.py); schedule tables: python -m jaxpar.pipeline
+    pipeline_schedule: str = field(default="gpipe", metadata=_check(choices=("gpipe", "1f1b", "interleaved")))
+    pipeline_microbatches: int = field(default=0, metadata=_check(lo=0))  # 0 -> 2 x stages
+    pipeline_virtual_stages: int = field(default=1, metadata=_check(lo=1))
 
 
 @dataclass

@@ -11,7 +11,6 @@ import os
 from jaxpar.errors import UserError
 
 AXES = ("dp", "fsdp", "pp", "sp", "tp")  # mesh order: tp innermost (fastest links), dp outermost
-NOT_YET = {"pp": "pipeline parallelism"}
 DEFAULT_CPU_DEVICES = 8  # simulated devices for a -1 mesh axis without accelerator (or JAXPAR_CPU_DEVICES)
 
 
@@ -49,9 +48,6 @@ def resolve_sizes(sizes: dict[str, int], n_devices: int) -> dict[str, int]:
     product = math.prod(out.values())
     if product != n_devices:
         raise UserError(f"mesh {format_mesh(sizes)} has {product} devices but {n_devices} are available")
-    for axis, what in NOT_YET.items():
-        if out[axis] > 1:
-            raise UserError(f"mesh axis {axis} ({what}) is not supported yet")
     return out
 
 

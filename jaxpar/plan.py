@@ -18,7 +18,7 @@ import sys
 
 from jaxpar.config import Config, load_config
 from jaxpar.errors import UserError
-from jaxpar.mesh import AXES, NOT_YET, format_mesh, parse_mesh, setup_devices
+from jaxpar.mesh import format_mesh, parse_mesh, setup_devices
 
 
 def parse_bytes(text: str) -> int:

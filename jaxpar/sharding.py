@@ -24,7 +24,8 @@ RULES: dict[str, tuple[str, ...]] = {
     "kv": (),
     "mlp": ("tp",),
     "vocab": ("tp",),
-    "layers": (),
+    "layers": ("pp",),  # pipeline stages own contiguous slices of the layer stack
+    "stage": ("pp",),
     "qkv": (),
     "pos": (),
 }

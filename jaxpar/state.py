@@ -19,6 +19,7 @@ from jaxpar.config import Config
 from jaxpar.errors import UserError
 from jaxpar.models.gpt import GPT, loss_fn
 from jaxpar.optim import make_optimizer, schedule_fn
+from jaxpar.parallel.pipeline import check_pipeline, resolve_microbatches, use_pipeline
 from jaxpar.parallel.sequence import check_sequence, use_sequence
 from jaxpar.sharding import spec_for, use_rules, with_extra_axis
 
@@ -52,6 +53,7 @@ def check_layout(cfg: Config, mesh) -> None:
                         f"train.microbatches={t.microbatches}) is not divisible by the data axes dp*fsdp={data_ways}")
     p = cfg.parallel
     check_sequence(cfg.data.seq_len, m.n_head, s, p.sequence_attention, p.sequence_zigzag)
+    check_pipeline(cfg, s["pp"], data_ways)
 
 
 class Layout:
@@ -80,9 +82,10 @@ class Layout:
 
     @contextlib.contextmanager
     def active(self):
-        """What model code reads while tracing: the sharding rules and the sequence-parallel options."""
-        with use_rules(self.mesh, self.rules), use_sequence(self.cfg.parallel.sequence_attention,
-                                                            self.cfg.parallel.sequence_zigzag):
+        """What model code reads while tracing: sharding rules, sequence- and pipeline-parallel options."""
+        p, stages = self.cfg.parallel, self.mesh.shape["pp"]
+        with use_rules(self.mesh, self.rules), use_sequence(p.sequence_attention, p.sequence_zigzag), \
+                use_pipeline(stages, resolve_microbatches(stages, p.pipeline_microbatches)):
             yield
 
     def _opt_spec(self, path, leaf) -> P:

@@ -43,6 +43,8 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None) -> int:
     from jaxpar.compat.weights import flatten, load_weights, save_weights, unflatten
     from jaxpar.data import TokenBatches, resolve_dataset
     from jaxpar.mesh import make_mesh
+    from jaxpar.parallel.pipeline import resolve_microbatches
+    from jaxpar.parallel.schedules import bubble_fraction, simulate
     from jaxpar.metrics import MetricsLog, device_memory_gib, flops_per_token, peak_flops
     from jaxpar.sharding import rules_for
 
@@ -99,6 +101,9 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None) -> int:
 
     log = MetricsLog(cfg.run.dir, main_proc, t.steps)
     peak = peak_flops(jax.devices()[0].device_kind, cfg.model.compute_dtype)
+    stages, par = mesh.shape["pp"], cfg.parallel
+    bubble = bubble_fraction(simulate(par.pipeline_schedule, stages, resolve_microbatches(
+        stages, par.pipeline_microbatches), par.pipeline_virtual_stages)) if stages > 1 else None
     fpt = flops_per_token(cfg.model, d.seq_len)
     step, mark, mark_step = int(state["step"]), time.perf_counter(), int(state["step"])
     meta = lambda s: {"step": s, "data_step": s, "mesh": format_mesh(dict(mesh.shape))}  # noqa: E731
@@ -118,7 +123,7 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None) -> int:
             tps = (step - mark_step) * t.global_batch_size * d.seq_len / (now - mark)
             record = {"step": step, **metrics, "tokens_per_sec": tps, "step_time_s": (now - mark) / (step - mark_step),
                       "mfu": tps * fpt / (peak * jax.device_count()) if peak else None,
-                      "memory_gib": device_memory_gib(jax.local_devices()[0])}
+                      "memory_gib": device_memory_gib(jax.local_devices()[0]), "pipeline_bubble": bubble}
             if do_eval:
                 record["eval_loss"] = evaluate(state["params"])
             log.log(record)

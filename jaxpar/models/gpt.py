@@ -4,7 +4,7 @@ Transformer blocks are one module whose parameters carry a leading `layers` axis
 pass scans over it, so compile time is flat in depth. Every parameter records its logical axes
 in `logical_axes` metadata; no mesh appears here.
 
-Parameter names and shapes are the shared layout (see jaxpar/compat/layout.py):
+Parameter names and shapes are the shared layout (jaxpar/compat/weights.py; torch names: torchpar/layout.py):
   wte [vocab, embed]  wpe [pos, embed]  ln_f.{scale,bias} [embed]
   blocks.ln1/ln2.{scale,bias} [layers, embed]
   blocks.attn.qkv.kernel [layers, embed, 3, heads, kv]   .bias [layers, 3, heads, kv]
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
+from jaxpar.parallel.pipeline import run_layers
 from jaxpar.parallel.sequence import attention, sequence_order
 from jaxpar.sharding import constrain
 
@@ -130,11 +131,11 @@ class GPT(nnx.Module):
         graphdef, stacked = nnx.split(self.blocks)
 
         def layer(h, layer_state):
-            return nnx.merge(graphdef, layer_state)(h, dtype, positions), None
+            return nnx.merge(graphdef, layer_state)(h, dtype, positions)
 
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat])
-        x, _ = jax.lax.scan(layer, x, stacked)
+        x = run_layers(layer, stacked, x)  # a scan over layers, or pipeline stages over `pp`
         x = self.ln_f(x)
         logits = jnp.einsum("btd,vd->btv", x, self.wte[...].astype(dtype))  # tied output embedding
         return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
