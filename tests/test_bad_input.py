@@ -28,7 +28,8 @@ CASES = {
     "unknown_key": (["model.n_layers=3"], {}, ["model.n_layers"]),
     "bad_value": (["optim.lr=-1"], {}, ["optim.lr", "out of range"]),
     "bad_mesh_axis": (["--mesh", "xp=2"], {}, ["xp=2"]),
-    "pp_not_yet": (["--mesh", "pp=2"], {}, ["pp", "not supported yet"]),
+    "layers_vs_pp": (["--mesh", "pp=4", "model.n_layer=2"], {}, ["n_layer=2", "stages x virtual stages = 4"]),
+    "pipeline_schedule_not_executed": (["--mesh", "pp=2", "parallel.pipeline_schedule=1f1b"], {}, ["1f1b"]),
 }
 
 
