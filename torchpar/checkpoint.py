@@ -12,6 +12,8 @@ import json
 import os
 import shutil
 import sys
+import warnings
+from contextlib import contextmanager
 
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
@@ -20,6 +22,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from jaxpar.errors import UserError
 from torchpar import dist
 from torchpar.dist import Env
+
+
+@contextmanager
+def _single_process_ok():
+    """DCP warns when used without a process group even when told so (no_dist); the one-process backend is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized")
+        yield
 
 
 def complete_steps(ckpt_dir: str) -> list[int]:
@@ -46,7 +56,8 @@ class DCPCheckpointer:
         if self.env.is_main and os.path.exists(tmp):
             shutil.rmtree(tmp)
         dist.barrier()
-        dcp.save(self._state(), checkpoint_id=tmp, no_dist=not tdist.is_initialized())
+        with _single_process_ok():
+            dcp.save(self._state(), checkpoint_id=tmp, no_dist=not tdist.is_initialized())
         dist.barrier()
         if self.env.is_main:
             with open(os.path.join(tmp, "meta.json"), "w") as f:
@@ -60,13 +71,18 @@ class DCPCheckpointer:
         """meta of the newest checkpoint, loaded into model and optimizer; None if there is none."""
         steps = complete_steps(self.dir)
         if not steps:
+            if os.path.exists(os.path.join(self.dir, "latest")):
+                raise UserError(f"{self.dir} holds DeepSpeed checkpoints; resume with --backend deepspeed "
+                                "or start a new run.dir")
             return None
         path = os.path.join(self.dir, str(steps[-1]))
         state = self._state()
         try:
-            dcp.load(state, checkpoint_id=path, no_dist=not tdist.is_initialized())
+            with _single_process_ok():
+                dcp.load(state, checkpoint_id=path, no_dist=not tdist.is_initialized())
         except Exception as e:  # noqa: BLE001 - any failure to read is a checkpoint problem for the user
-            raise UserError(f"checkpoint {path} could not be loaded: {(str(e).strip().splitlines() or [repr(e)])[0][:300]}")
+            reason = (str(e).strip().splitlines() or [repr(e)])[0][:300]
+            raise UserError(f"checkpoint {path} could not be loaded: {reason}") from None
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)

@@ -43,7 +43,9 @@ def init(distributed: bool) -> Env:
         if "MASTER_ADDR" in os.environ:  # torchrun (or any launcher exporting its variables)
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
                                     device_id=device if device.type == "cuda" else None)
-        else:
+        else:  # a plain process: rank 0 of 1 (DeepSpeed also reads these variables)
+            for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+                os.environ.setdefault(key, value)
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return Env(rank, world, local_rank, device)
 

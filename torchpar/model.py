@@ -119,7 +119,7 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         x = self.ln_f(x)
-        return torch.einsum("btd,vd->btv", x, self.wte.to(x.dtype)).float()  # tied output embedding
+        return F.linear(x, self.wte.to(x.dtype)).float()  # tied output embedding (not a view: FSDP2 hooks it)
 
 
 def loss_fn(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,15 @@ def parse_args(argv):
     p.add_argument("--cpu-offload", action="store_true", help="fsdp: CPUOffloadPolicy; deepspeed: optimizer/params")
     p.add_argument("--write-init", metavar="PATH", help="write the initial weights (.safetensors) and exit")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)
+
+
+def _fault_hooks(step: int) -> None:
+    """Test hooks (as jaxpar's): die by SIGKILL, or receive SIGTERM, once a step (and its checkpoint) is done."""
+    if os.environ.get("TORCHPAR_FAULT_KILL_AFTER_STEP") == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get("TORCHPAR_FAULT_SIGTERM_AFTER_STEP") == str(step):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def check(cfg: Config, args) -> None:
@@ -42,7 +50,14 @@ def check(cfg: Config, args) -> None:
     if args.backend == "none" and world > 1:
         raise UserError(f"--backend none runs one process, but WORLD_SIZE={world}; use ddp, fsdp or deepspeed")
     if args.backend == "ddp" and cfg.parallel.zero_stage:
-        raise UserError(f"parallel.zero_stage={cfg.parallel.zero_stage} needs --backend deepspeed or fsdp (ddp is ZeRO-0)")
+        raise UserError(f"parallel.zero_stage={cfg.parallel.zero_stage} needs --backend deepspeed or fsdp "
+                        "(ddp is ZeRO-0)")
+    if args.cpu_offload and args.backend not in ("fsdp", "deepspeed"):
+        raise UserError("--cpu-offload needs --backend fsdp or deepspeed")
+    if args.cpu_offload and args.backend == "fsdp":
+        import torch
+        if not torch.cuda.is_available():
+            raise UserError("--cpu-offload with fsdp needs a GPU to offload from (parameters are on the CPU already)")
     if args.deepspeed_config and args.backend != "deepspeed":
         raise UserError("--deepspeed-config needs --backend deepspeed")
     micro = cfg.train.global_batch_size // cfg.train.microbatches
@@ -70,7 +85,7 @@ def write_init(cfg: Config, path: str) -> int:
 
     if launch_env()[0] == 0:
         save_weights(path, unflatten(to_shared(build_model(cfg).state_dict(), cfg.model.n_layer)))
-        print(f"wrote initial weights to {path}")
+        print(f"wrote initial weights to {path}", file=sys.stderr)
     return 0
 
 
@@ -85,30 +100,35 @@ def train(cfg: Config, args) -> int:
     from torchpar.model import loss_fn
 
     torch.set_float32_matmul_precision(PRECISION[cfg.train.matmul_precision])
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    if torch.cuda.is_available():
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS; before first use
     env = dist.init(args.backend != "none")
+    if env.device.type == "cuda":  # CPU kernels used here are deterministic already (and the call costs ~1 s)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = False  # DeepSpeed allocates large empty buckets
     t, d = cfg.train, cfg.data
     dataset = resolve_dataset(d)
     micro_batch, M, W, r = t.global_batch_size // t.microbatches, t.microbatches, env.world, env.rank
     train_data = TokenBatches(dataset, d.seq_len, t.global_batch_size, t.seed, "train", d.val_fraction)
     val_data = TokenBatches(dataset, d.seq_len, micro_batch, t.seed, "val", d.val_fraction)
     if train_data.vocab_size > cfg.model.vocab_size:
-        raise UserError(f"dataset {dataset} has vocab {train_data.vocab_size} > model.vocab_size={cfg.model.vocab_size}")
+        raise UserError(f"dataset {dataset} has vocab {train_data.vocab_size} > "
+                        f"model.vocab_size={cfg.model.vocab_size}")
 
     model = build_model(cfg)
     if cfg.model.init_from:  # a resumed checkpoint below overwrites these
-        model.load_state_dict(from_shared(load_weights(cfg.model.init_from, shared_shapes(cfg.model)), cfg.model.n_layer))
+        flat = load_weights(cfg.model.init_from, shared_shapes(cfg.model))
+        model.load_state_dict(from_shared(flat, cfg.model.n_layer))
     n_params = sum(p.numel() for p in model.parameters())
     engine = backends.build(args.backend, model, cfg, env, deepspeed_config=args.deepspeed_config,
                             cpu_offload=args.cpu_offload)
     os.makedirs(cfg.run.dir, exist_ok=True)
-    meta = engine.checkpointer.restore() if cfg.checkpoint.resume else None
-    step = engine.step = int(meta["data_step"]) if meta else 0
+    resumed = engine.checkpointer.restore() if cfg.checkpoint.resume else None
+    step = engine.step = int(resumed["data_step"]) if resumed else 0
     if env.is_main:
         with open(os.path.join(cfg.run.dir, "config.json"), "w") as f:
             json.dump({**cfg.to_dict(), "backend": args.backend, "world_size": W}, f, indent=2)
-        print(f"backend {args.backend} on {W} {env.device.type} processes; "
-              f"{n_params:,} params", flush=True)
+        print(f"backend {args.backend} on {W} {env.device.type} processes; {n_params:,} params", flush=True)
 
     def rows(data, s, n):  # this rank's rows of the global batch at step s
         return torch.from_numpy(data.rows(s, r * n // W, (r + 1) * n // W)).long().to(env.device)
@@ -124,10 +144,10 @@ def train(cfg: Config, args) -> int:
     stop = {}
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: stop.setdefault("signal", signum))
-    kill_after = int(os.environ.get("TORCHPAR_FAULT_KILL_AFTER_STEP", -1))
     log = MetricsLog(cfg.run.dir, env.is_main, t.steps)
-    device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
-    peak, fpt = peak_flops(device_name, cfg.model.compute_dtype), flops_per_token(cfg.model, d.seq_len)
+    cuda = env.device.type == "cuda"
+    peak = peak_flops(torch.cuda.get_device_name(env.device) if cuda else "cpu", cfg.model.compute_dtype)
+    fpt = flops_per_token(cfg.model, d.seq_len)
     mark, mark_step = time.perf_counter(), step
     meta = lambda s: {"step": s, "data_step": s, "backend": args.backend, "world_size": W}  # noqa: E731
     while step < t.steps:
@@ -145,15 +165,14 @@ def train(cfg: Config, args) -> int:
             record = {"step": step, "loss": loss_sum / W, "grad_norm": float(grad_norm), "lr": float(lr),
                       "tokens_per_sec": tps, "step_time_s": (now - mark) / (step - mark_step),
                       "mfu": tps * fpt / (peak * W) if peak else None,
-                      "memory_gib": torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else None}
+                      "memory_gib": torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else None}
             if do_eval:
                 record["eval_loss"] = evaluate()
             log.log(record)
             mark, mark_step = time.perf_counter(), step
         if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
             engine.checkpointer.save(step, meta(step))
-        if step == kill_after:  # fault injection for the resume tests
-            os.kill(os.getpid(), signal.SIGKILL)
+        _fault_hooks(step)
         if halt:
             if env.is_main:
                 print(f"stopped by signal after step {step}; checkpoint saved", file=sys.stderr)

@@ -16,12 +16,14 @@ import logging
 import os
 import shutil
 import sys
+import warnings
 
 import torch
 
 from jaxpar.errors import UserError
 from jaxpar.schedule import lr_at
 from torchpar import dist
+from torchpar.checkpoint import complete_steps
 from torchpar.model import loss_fn
 from torchpar.optim import SharedSchedule, param_groups
 
@@ -34,6 +36,8 @@ def import_deepspeed():
     except ImportError as e:
         raise UserError(f"--backend deepspeed needs the deepspeed package (pip install deepspeed): {e}") from None
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # DeepSpeed's ZeRO calls torch APIs that torch has deprecated; that is not the user's to fix.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     return deepspeed
 
 
@@ -115,6 +119,9 @@ class DeepSpeedEngine:
 
     def restore(self) -> dict | None:
         if not os.path.exists(os.path.join(self.dir, "latest")):
+            if complete_steps(self.dir):
+                raise UserError(f"{self.dir} holds torch.distributed.checkpoint checkpoints (ddp/fsdp/none); "
+                                "resume with one of those backends or start a new run.dir")
             return None
         path, client_state = self.engine.load_checkpoint(self.dir)
         if path is None:

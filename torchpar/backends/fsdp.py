@@ -7,6 +7,8 @@ parallel.zero_stage 1 or 2 keeps parameters gathered between forward and backwar
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -29,7 +31,6 @@ def build(model, cfg, env, cpu_offload: bool = False, **_):
 
     def sync(last: bool):  # accumulation: reduce-scatter only after the last microbatch
         model.set_requires_gradient_sync(last)
-        from contextlib import nullcontext
         return nullcontext()
 
     return TorchEngine(model, model, cfg, env, sync=sync)

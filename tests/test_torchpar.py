@@ -1,0 +1,230 @@
+"""torchpar: every backend on 2 processes (torchrun over gloo) reproduces the 1-process float32 run.
+
+All runs start from the same initial weights (--write-init once, then model.init_from), so only
+the backends differ. Each subprocess has a timeout, must not print an abort, and must leave no
+process behind (each run gets its own session; the session must be empty when it returns).
+"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.tiny import TINY, make_dataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ABORTS = ("Abort", "SIGABRT", "core dumped", "Fatal Python error")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    for key in ("TORCHPAR_FAULT_KILL_AFTER_STEP", "TORCHPAR_FAULT_SIGTERM_AFTER_STEP", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)
+    return {**env, **extra}
+
+
+def _command(args: list[str], nproc: int) -> list[str]:
+    if not nproc:
+        return [sys.executable, "-m", "torchpar.train", *args]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            f"--master_port={_free_port()}", "-m", "torchpar.train", *args]
+
+
+def _no_leftovers(pgid: int) -> None:
+    for _ in range(50):  # torchrun reaps its workers before exiting; allow a moment for stragglers
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.killpg(pgid, signal.SIGKILL)
+    pytest.fail("processes left behind after the run")
+
+
+def run(args: list[str], nproc: int = 0, expect_rc=0, timeout: int = 120, **env) -> subprocess.CompletedProcess:
+    """`python -m torchpar.train ARGS` (nproc=0) or torchrun with nproc processes."""
+    proc = subprocess.Popen(_command(args, nproc), cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"run timed out: {args}\n{out[-3000:]}\n{err[-3000:]}")
+    _no_leftovers(proc.pid)
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    text = out + err
+    assert not any(a in text for a in ABORTS), text[-5000:]
+    if expect_rc == 0:
+        assert proc.returncode == 0, text[-5000:]
+    elif expect_rc == "nonzero":
+        assert proc.returncode != 0, text[-5000:]
+    return result
+
+
+def metrics(run_dir) -> dict[int, dict]:
+    """Records by step; a step logged twice (re-run after a resume) keeps its last record."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, f)}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """Tiny config args on a synthetic dataset, starting from one shared initial-weights file."""
+    tmp = tmp_path_factory.mktemp("torchpar")
+    data = make_dataset(tmp / "tokens.bin")
+    args = TINY + [f"data.dataset={data}", "checkpoint.every=0"]  # only the final checkpoint, unless a test says
+    init = str(tmp / "init.safetensors")
+    run(["--backend", "none", "--write-init", init, *args])
+    return {"tmp": tmp, "args": args + [f"model.init_from={init}"], "init": init}
+
+
+@pytest.fixture(scope="module")
+def reference(base):
+    run_dir = base["tmp"] / "reference"
+    run(["--backend", "none", *base["args"], f"run.dir={run_dir}"])
+    return metrics(run_dir)
+
+
+def assert_same_run(got: dict, ref: dict, steps=range(1, 11)) -> None:
+    loss = [got[s]["loss"] for s in steps]
+    ref_loss = [ref[s]["loss"] for s in steps]
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose([got[s]["grad_norm"] for s in steps], [ref[s]["grad_norm"] for s in steps], rtol=1e-4)
+    np.testing.assert_allclose([got[s]["lr"] for s in steps], [ref[s]["lr"] for s in steps], rtol=1e-6)
+
+
+def test_reference_learns(reference):
+    assert reference[10]["loss"] < reference[1]["loss"] - 0.5
+    assert reference[10]["eval_loss"] is not None
+    fields = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s", "mfu", "memory_gib", "eval_loss"}
+    assert set(reference[10]) == fields
+
+
+BACKENDS = [("ddp", []), ("fsdp", []), ("deepspeed", ["parallel.zero_stage=1"]),
+            ("deepspeed", ["parallel.zero_stage=2"]), ("deepspeed", ["parallel.zero_stage=3"])]
+
+
+@pytest.mark.parametrize("backend,extra", BACKENDS, ids=[b + "".join(f",{e}" for e in x) for b, x in BACKENDS])
+def test_two_processes_match_one(backend, extra, base, reference):
+    run_dir = base["tmp"] / f"{backend}{''.join(extra)}"
+    out = run(["--backend", backend, *base["args"], *extra, f"run.dir={run_dir}"], nproc=2)
+    assert_same_run(metrics(run_dir), reference)
+    assert out.stdout.count("step 10/10") == 1  # progress printed by rank 0 only
+
+
+def test_fsdp_resume_after_sigkill_and_on_one_process(base, reference):
+    """Killed after step 6 (checkpoint at 4): a 2-rank resume and a 1-process resume both redo 5..10 exactly.
+
+    With 2 microbatches (gradient accumulation) and zero_stage=2 (no resharding after forward), which
+    must not change the run either.
+    """
+    killed = base["tmp"] / "fsdp-killed"
+    extra = ["train.microbatches=2", "parallel.zero_stage=2", "checkpoint.every=4"]
+    args = ["--backend", "fsdp", *base["args"], *extra, f"run.dir={killed}"]
+    run(args, nproc=2, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
+    assert max(metrics(killed)) == 6
+    assert sorted(os.listdir(killed / "checkpoints")) == ["4"]
+    one = base["tmp"] / "fsdp-killed-on-1"
+    shutil.copytree(killed, one)
+
+    out = run(args, nproc=2)
+    assert "resumed from" in out.stderr and "checkpoints/4" in out.stderr
+    assert_same_run(metrics(killed), reference)
+
+    out = run(["--backend", "none", *base["args"], "train.microbatches=2", "checkpoint.every=4", f"run.dir={one}"])
+    assert "checkpoints/4" in out.stderr
+    assert_same_run(metrics(one), reference)
+
+
+def test_deepspeed_resume_after_sigkill(base, reference):
+    """ZeRO-3 with DeepSpeed's own gradient accumulation (2 microbatches), killed after step 6."""
+    run_dir = base["tmp"] / "ds-killed"
+    args = ["--backend", "deepspeed", *base["args"], "parallel.zero_stage=3", "train.microbatches=2",
+            "checkpoint.every=4", f"run.dir={run_dir}"]
+    run(args, nproc=2, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
+    assert max(metrics(run_dir)) == 6
+    out = run(args, nproc=2)
+    assert "resumed from" in out.stderr
+    assert_same_run(metrics(run_dir), reference)
+
+
+def _worker_of_rank(parent: int, rank: int) -> int:
+    """pid of torchrun's worker with RANK=rank (Linux /proc)."""
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if ppid == parent and env.get(b"RANK") == str(rank).encode():
+            return int(d)
+    raise AssertionError(f"no worker with RANK={rank} under pid {parent}")
+
+
+def test_sigterm_to_one_rank_saves_and_all_exit_zero(base):
+    """SIGTERM reaches rank 1 only: both ranks agree to stop after the same step, save, and exit 0."""
+    run_dir = base["tmp"] / "sigterm"
+    cmd = _command(["--backend", "ddp", *base["args"], "train.steps=100000", f"run.dir={run_dir}"], 2)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        while line and not line.startswith("step"):
+            line = proc.stdout.readline()
+        os.kill(_worker_of_rank(proc.pid, 1), signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    _no_leftovers(proc.pid)
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopped by signal" in err and not any(a in out + err for a in ABORTS)
+    step = max(metrics(run_dir))
+    assert os.path.isdir(run_dir / "checkpoints" / str(step)), os.listdir(run_dir / "checkpoints")
+
+
+def _one_error_line(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def test_unknown_backend(base):
+    line = _one_error_line(run(["--backend", "horovod", *base["args"]], expect_rc="nonzero"))
+    assert "horovod" in line
+
+
+def test_zero_stage_out_of_range(base):
+    line = _one_error_line(run(["--backend", "deepspeed", *base["args"], "parallel.zero_stage=4"], expect_rc="nonzero"))
+    assert "parallel.zero_stage" in line
+
+
+def test_deepspeed_missing(base, tmp_path):
+    (tmp_path / "deepspeed.py").write_text("raise ImportError('No module named deepspeed')\n")
+    result = run(["--backend", "deepspeed", *base["args"]], expect_rc="nonzero",
+                 PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    assert "deepspeed" in _one_error_line(result)
+
+
+def test_world_size_not_dividing_batch(base, tmp_path):
+    """Checked from torchrun's environment before any process group exists; rank 0 prints the line."""
+    args = ["--backend", "ddp", *base["args"], "train.global_batch_size=3", f"run.dir={tmp_path / 'run'}"]
+    line = _one_error_line(run(args, expect_rc="nonzero", RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"))
+    assert "world size 2" in line
+    assert not os.path.exists(tmp_path / "run")  # nothing half-written
