@@ -125,7 +125,9 @@ class GPT(nnx.Module):
         dtype = jnp.dtype(self.cfg.compute_dtype)
         T = tokens.shape[1]
         wpe = self.wpe[...][:T] if positions is None else jnp.take(self.wpe[...], positions, axis=0)
-        x = jnp.take(self.wte[...], tokens, axis=0) + wpe
+        # Gather the table's fsdp shards before the lookup: a gather from a table split on both
+        # vocab (tp) and embed (fsdp) makes GSPMD replicate its output the slow way.
+        x = jnp.take(constrain(self.wte[...], ("vocab", "act_embed")), tokens, axis=0) + wpe
         x = constrain(x.astype(dtype), ("batch", "seq", "act_embed"))
 
         graphdef, stacked = nnx.split(self.blocks)
