@@ -17,7 +17,7 @@ import sys
 import time
 
 from jaxpar.config import Config, load_config
-from jaxpar.errors import UserError
+from jaxpar.errors import UserError, cli
 from jaxpar.mesh import format_mesh, parse_mesh, setup_devices
 
 RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks",
@@ -96,6 +96,7 @@ HEADER = ("| date | device | mesh | dtype | seq x batch | tokens/s | MFU (datash
           "peak GiB | versions | command |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
 
 
+@cli
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxpar.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -107,16 +108,12 @@ def main(argv=None) -> int:
     ap.add_argument("--record", action="store_true", help=f"append a row to {os.path.relpath(RECORD)}")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
-    try:
-        if args.steps < 1 or args.warmup < 0:
-            raise UserError("--steps must be >= 1 and --warmup >= 0")
-        cfg = load_config(args.config, args.overrides)
-        sizes = parse_mesh(args.mesh or cfg.parallel.mesh)
-        setup_devices(sizes)
-        result = bench(cfg, sizes, args.steps, args.warmup)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.steps < 1 or args.warmup < 0:
+        raise UserError("--steps must be >= 1 and --warmup >= 0")
+    cfg = load_config(args.config, args.overrides)
+    sizes = parse_mesh(args.mesh or cfg.parallel.mesh)
+    setup_devices(sizes)
+    result = bench(cfg, sizes, args.steps, args.warmup)
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:

@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 
 from jaxpar.compat import hf
 from jaxpar.compat.weights import flatten, save_weights, unflatten
-from jaxpar.errors import UserError
+from jaxpar.errors import UserError, cli
 
 FORMATS = ("shared", "hf", "jaxpar")
 
@@ -85,6 +85,7 @@ def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict) -> None:
         ckpt.close()
 
 
+@cli
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxpar.convert", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -93,14 +94,10 @@ def main(argv=None) -> int:
     p.add_argument("--to", dest="dst_fmt", choices=FORMATS, required=True)
     p.add_argument("dst")
     args = p.parse_intermixed_args(argv)
-    try:
-        if args.dst_fmt == "jaxpar" and os.path.exists(os.path.join(args.dst, "checkpoints")):
-            raise UserError(f"{args.dst} already holds checkpoints; refusing to mix runs")
-        flat, model = read(args.src_fmt, args.src)
-        write(args.dst_fmt, args.dst, flat, model)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.dst_fmt == "jaxpar" and os.path.exists(os.path.join(args.dst, "checkpoints")):
+        raise UserError(f"{args.dst} already holds checkpoints; refusing to mix runs")
+    flat, model = read(args.src_fmt, args.src)
+    write(args.dst_fmt, args.dst, flat, model)
     print(f"converted {args.src_fmt} {args.src} -> {args.dst_fmt} {args.dst} ({len(flat)} tensors)")
     return 0
 

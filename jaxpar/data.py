@@ -16,7 +16,7 @@ import tempfile
 import numpy as np
 
 from jaxpar.config import DataConfig
-from jaxpar.errors import UserError
+from jaxpar.errors import UserError, cli
 
 TEXT_SUFFIXES = (".py", ".txt", ".md")
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idlelib"}
@@ -254,6 +254,7 @@ class TokenBatches:
         return self.rows(step, 0, self.global_batch_size)
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxpar.data", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -266,21 +267,17 @@ def main(argv: list[str] | None = None) -> int:
     pi.add_argument("--seq-len", type=int, default=128)
     pi.add_argument("--val-fraction", type=float, default=0.01)
     args = p.parse_args(argv)
-    try:
-        if args.cmd == "prepare":
-            meta = read_meta(prepare(args.inputs, args.out, args.tokenizer))
-            print(f"wrote {args.out}: {meta['num_tokens']} tokens from {meta['num_documents']} documents")
-        else:
-            if args.seq_len < 1 or not 0 <= args.val_fraction < 1:
-                raise UserError("need --seq-len >= 1 and 0 <= --val-fraction < 1")
-            meta = read_meta(args.path)
-            (a, b), (c, d) = (split_range(meta["num_tokens"], args.val_fraction, s) for s in ("train", "val"))
-            print(json.dumps(meta, indent=2))
-            w = args.seq_len + 1
-            print(f"seq_len={args.seq_len}: {(b - a) // w} train windows, {(d - c) // w} val windows")
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.cmd == "prepare":
+        meta = read_meta(prepare(args.inputs, args.out, args.tokenizer))
+        print(f"wrote {args.out}: {meta['num_tokens']} tokens from {meta['num_documents']} documents")
+    else:
+        if args.seq_len < 1 or not 0 <= args.val_fraction < 1:
+            raise UserError("need --seq-len >= 1 and 0 <= --val-fraction < 1")
+        meta = read_meta(args.path)
+        (a, b), (c, d) = (split_range(meta["num_tokens"], args.val_fraction, s) for s in ("train", "val"))
+        print(json.dumps(meta, indent=2))
+        w = args.seq_len + 1
+        print(f"seq_len={args.seq_len}: {(b - a) // w} train windows, {(d - c) // w} val windows")
     return 0
 
 

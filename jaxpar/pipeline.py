@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxpar.errors import UserError
+from jaxpar.errors import cli
 from jaxpar.parallel.schedules import PROGRAMS, bubble_fraction, max_in_flight, render, simulate
 
 
+@cli
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxpar.pipeline", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -21,11 +22,7 @@ def main(argv=None) -> int:
     ap.add_argument("--schedule", default="1f1b", choices=tuple(PROGRAMS))
     ap.add_argument("--virtual-stages", type=int, default=1)
     args = ap.parse_args(argv)
-    try:
-        table = simulate(args.schedule, args.stages, args.microbatches, args.virtual_stages)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    table = simulate(args.schedule, args.stages, args.microbatches, args.virtual_stages)
     print(render(table))
     S, M, V = args.stages, args.microbatches, args.virtual_stages
     print(f"\n{args.schedule}: {len(table)} ticks, bubble {bubble_fraction(table):.3f} "

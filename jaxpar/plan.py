@@ -9,7 +9,6 @@ predicted step time (compute at a peak FLOP rate + communication at a link bandw
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
@@ -17,7 +16,7 @@ import re
 import sys
 
 from jaxpar.config import Config, load_config
-from jaxpar.errors import UserError
+from jaxpar.errors import UserError, cli
 from jaxpar.mesh import format_mesh, parse_mesh, setup_devices
 
 
@@ -166,6 +165,7 @@ def recommend(cfg: Config, n: int, budget: int, peak_flops: float, bandwidth: fl
     return sorted(rows, key=lambda r: (not r["fits"], r["predicted_step_s"]))
 
 
+@cli
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxpar.plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -179,32 +179,28 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the result as JSON here")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        if args.recommend:
-            if not args.devices or args.devices < 1:
-                raise UserError("--recommend needs --devices N")
-            budget = parse_bytes(args.memory_per_device)
-            os.environ.setdefault("JAXPAR_CPU_DEVICES", str(args.devices))
-            setup_devices({"dp": args.devices})
-            result = recommend(cfg, args.devices, budget, args.peak_tflops * 1e12, args.bandwidth_gbs * 1e9)
-            print(f"{'mesh':<22} {'peak/device':>14} {'fits':>5} {'predicted step':>15}")
-            for r in result:
-                print(f"{r['mesh']:<22} {r['peak_bytes'] / 2**30:>10.3f} GiB {'yes' if r['fits'] else 'NO':>5} "
-                      f"{r['predicted_step_s'] * 1e3:>12.3f} ms")
-            if not any(r["fits"] for r in result):
-                print(f"no mesh of {args.devices} devices fits in {args.memory_per_device} per device")
-        else:
-            sizes = parse_mesh(args.mesh or cfg.parallel.mesh)
-            setup_devices(sizes)
-            result = plan(cfg, sizes)
-            print_plan(result)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, args.overrides)
+    if args.recommend:
+        if not args.devices or args.devices < 1:
+            raise UserError("--recommend needs --devices N")
+        budget = parse_bytes(args.memory_per_device)
+        os.environ.setdefault("JAXPAR_CPU_DEVICES", str(args.devices))
+        setup_devices({"dp": args.devices})
+        result = recommend(cfg, args.devices, budget, args.peak_tflops * 1e12, args.bandwidth_gbs * 1e9)
+        print(f"{'mesh':<22} {'peak/device':>14} {'fits':>5} {'predicted step':>15}")
+        for r in result:
+            print(f"{r['mesh']:<22} {r['peak_bytes'] / 2**30:>10.3f} GiB {'yes' if r['fits'] else 'NO':>5} "
+                  f"{r['predicted_step_s'] * 1e3:>12.3f} ms")
+        if not any(r["fits"] for r in result):
+            print(f"no mesh of {args.devices} devices fits in {args.memory_per_device} per device")
+    else:
+        sizes = parse_mesh(args.mesh or cfg.parallel.mesh)
+        setup_devices(sizes)
+        result = plan(cfg, sizes)
+        print_plan(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
     return 0
 
 

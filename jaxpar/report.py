@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from jaxpar.errors import UserError
+from jaxpar.errors import UserError, cli
 
 
 def load(paths: list[str]) -> list[dict]:
@@ -76,18 +76,15 @@ def plot(runs: list[dict], out_dir: str) -> list[str]:
     return written
 
 
+@cli
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxpar.report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+")
     ap.add_argument("--out", default="docs/benchmarks/plots")
     args = ap.parse_args(argv)
-    try:
-        for path in plot(load(args.files), args.out):
-            print(f"wrote {path}")
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    for path in plot(load(args.files), args.out):
+        print(f"wrote {path}")
     return 0
 
 
