@@ -3,7 +3,8 @@
 Times the real train step (compiled once, warmed up, each timed step synchronised on the device)
 on synthetic tokens, and reports tokens/s, MFU against the datasheet peak and against a matmul
 ceiling measured on the spot, and peak device memory. `--record` appends a dated markdown row to
-docs/benchmarks/jaxpar-bench.md with device, versions and the exact command.
+docs/benchmarks/jaxpar-bench.md with device, versions and the exact command. `--compare` also
+runs `torchpar.bench` (torch.compile on, one process) on the same config and reports the ratio.
 """
 from __future__ import annotations
 
@@ -20,8 +21,7 @@ from jaxpar.config import Config, load_config
 from jaxpar.errors import UserError, cli
 from jaxpar.mesh import format_mesh, parse_mesh, setup_devices
 
-RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks",
-                      "jaxpar-bench.md")
+BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks")
 
 
 def matmul_ceiling(dtype: str) -> float:
@@ -87,13 +87,41 @@ def bench(cfg: Config, sizes: dict[str, int], steps: int, warmup: int) -> dict:
 def markdown_row(r: dict) -> str:
     pct = lambda x: "-" if x is None else f"{x:.1%}"  # noqa: E731
     mem = "-" if r["memory_gib"] is None else f"{r['memory_gib']:.2f}"
-    return (f"| {r['date']} | {r['device_kind']} x{r['devices']} | {r['mesh']} | {r['compute_dtype']} | "
+    layout = r.get("mesh") or r.get("backend", "") + (" (compiled)" if r.get("compiled") else "")
+    versions = ", ".join(f"{k} {v}" for k, v in r["versions"].items())
+    return (f"| {r['date']} | {r['device_kind']} x{r['devices']} | {r['framework']} {layout} | {r['compute_dtype']} | "
             f"{r['seq_len']}x{r['global_batch_size']} | {r['tokens_per_sec']:,.0f} | {pct(r['mfu_datasheet'])} | "
-            f"{pct(r['mfu_ceiling'])} | {mem} | jax {r['versions']['jax']} | `{r['command']}` |")
+            f"{pct(r['mfu_ceiling'])} | {mem} | {versions} | `{r['command']}` |")
 
 
-HEADER = ("| date | device | mesh | dtype | seq x batch | tokens/s | MFU (datasheet) | MFU (matmul ceiling) | "
+HEADER = ("| date | device | run | dtype | seq x batch | tokens/s | MFU (datasheet) | MFU (matmul ceiling) | "
           "peak GiB | versions | command |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+
+
+def record_row(result: dict) -> str:
+    """Append the result as a dated row to docs/benchmarks/<framework>-bench.md."""
+    path = os.path.join(BENCH_DIR, f"{result['framework']}-bench.md")
+    new = not os.path.exists(path)
+    with open(path, "a") as f:
+        f.write((HEADER if new else "") + markdown_row(result) + "\n")
+    return path
+
+
+def compare(args, result: dict) -> dict:
+    """Run torchpar (torch.compile on, one process) on the same config and device; tokens/s ratio."""
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, "-m", "torchpar.bench", "--backend", "none", "--compile", "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--json", out.name, *(["--config", args.config] if args.config else []),
+               *args.overrides]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise UserError(f"torchpar.bench failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+        torch_result = json.load(open(out.name))
+    return {"jaxpar_tokens_per_sec": result["tokens_per_sec"], "torchpar_tokens_per_sec": torch_result["tokens_per_sec"],
+            "ratio": result["tokens_per_sec"] / torch_result["tokens_per_sec"], "torchpar": torch_result}
 
 
 @cli
@@ -105,7 +133,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", help="write the result here")
-    ap.add_argument("--record", action="store_true", help=f"append a row to {os.path.relpath(RECORD)}")
+    ap.add_argument("--record", action="store_true", help="append a row to docs/benchmarks/jaxpar-bench.md")
+    ap.add_argument("--compare", action="store_true",
+                    help="also run torchpar (torch.compile, one process) on the same config; report the ratio")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
     if args.steps < 1 or args.warmup < 0:
@@ -119,9 +149,13 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     if args.record:
-        new = not os.path.exists(RECORD)
-        with open(RECORD, "a") as f:
-            f.write((HEADER if new else "") + markdown_row(result) + "\n")
+        record_row(result)
+    if args.compare:
+        cmp = compare(args, result)
+        print(f"jaxpar {cmp['jaxpar_tokens_per_sec']:,.0f} tok/s vs torchpar (compiled) "
+              f"{cmp['torchpar_tokens_per_sec']:,.0f} tok/s: ratio {cmp['ratio']:.2f}")
+        if args.record:
+            record_row(cmp["torchpar"])
     return 0
 
 

@@ -37,3 +37,21 @@ def test_report_draws_pngs(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{}")
     assert report.main([str(tmp_path / "bad.json")]) == 2
     assert "not a benchmark result" in capsys.readouterr().err
+
+
+def test_torchpar_bench_reports_the_same_fields(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.cli import ROOT
+    from tests.tiny import TINY
+
+    out = tmp_path / "t.json"
+    r = subprocess.run([sys.executable, "-m", "torchpar.bench", "--backend", "none", "--steps", "2", "--warmup", "1",
+                        "--json", str(out), *TINY], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    t = json.loads(out.read_text())
+    assert t["framework"] == "torchpar" and t["device_kind"].startswith("cpu") and t["mfu_datasheet"] is None
+    assert t["tokens_per_sec"] > 0 and "torch" in t["versions"]
+    assert bench.markdown_row(t).count("|") == bench.HEADER.splitlines()[0].count("|")
