@@ -55,3 +55,23 @@ def test_torchpar_bench_reports_the_same_fields(tmp_path):
     assert t["framework"] == "torchpar" and t["device_kind"].startswith("cpu") and t["mfu_datasheet"] is None
     assert t["tokens_per_sec"] > 0 and "torch" in t["versions"]
     assert bench.markdown_row(t).count("|") == bench.HEADER.splitlines()[0].count("|")
+
+
+def test_torchpar_collectives_bench_on_two_processes(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.cli import ROOT
+    from tests.test_multiprocess import free_port
+
+    out = tmp_path / "c.json"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        f"--master_port={free_port()}", "-m", "torchpar.bench_collectives", "--max-mib", "0.02",
+                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert {x["op"] for x in rows} == {"all_reduce", "all_gather", "reduce_scatter", "ppermute"}
+    assert all(x["devices"] == 2 and x["time_s"] > 0 for x in rows)
