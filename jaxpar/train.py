@@ -19,6 +19,8 @@ def parse_args(argv):
     p.add_argument("--mesh", help="mesh axes, e.g. dp=2,fsdp=2,tp=2 (overrides parallel.mesh)")
     p.add_argument("--write-init", metavar="PATH",
                    help="write the initial weights (shared safetensors layout) to PATH and exit")
+    p.add_argument("--write-final", metavar="PATH",
+                   help="after training, also write the final weights (shared safetensors layout) to PATH")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return p.parse_intermixed_args(argv)
 
@@ -31,7 +33,7 @@ def _fault_hooks(step: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def train(cfg: Config, mesh_spec: str, write_init: str | None = None) -> int:
+def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_final: str | None = None) -> int:
     sizes = parse_mesh(mesh_spec)
     setup_devices(sizes)
     import jax
@@ -134,6 +136,11 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None) -> int:
     if "signal" in stop:
         ckpt.save(step, state, meta(step))
         print(f"stopped by signal {stop['signal']} after step {step}; checkpoint saved", file=sys.stderr)
+    if write_final:  # every process takes part in the gather; process 0 writes
+        params = multihost_utils.process_allgather(state["params"], tiled=True)
+        if main_proc:
+            save_weights(write_final, params)
+            print(f"wrote final weights to {write_final}", file=sys.stderr)
     ckpt.close()
     log.close()
     return 0
@@ -143,7 +150,7 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        return train(cfg, args.mesh or cfg.parallel.mesh, args.write_init)
+        return train(cfg, args.mesh or cfg.parallel.mesh, args.write_init, args.write_final)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -2,7 +2,7 @@
 
 The same model, configs and data order as jaxpar.train, on PyTorch. Also: --deepspeed-config J
 (merged over the generated DeepSpeed JSON), --cpu-offload, --write-init PATH (write the initial
-weights in the shared safetensors layout and exit).
+weights in the shared safetensors layout and exit), --write-final PATH (the final weights, same layout).
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def parse_args(argv):
     p.add_argument("--deepspeed-config", default="", help="DeepSpeed JSON merged over the generated one")
     p.add_argument("--cpu-offload", action="store_true", help="fsdp: CPUOffloadPolicy; deepspeed: optimizer/params")
     p.add_argument("--write-init", metavar="PATH", help="write the initial weights (.safetensors) and exit")
+    p.add_argument("--write-final", metavar="PATH", help="after training, also write the final weights (.safetensors)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return p.parse_intermixed_args(argv)
 
@@ -92,11 +93,11 @@ def write_init(cfg: Config, path: str) -> int:
 def train(cfg: Config, args) -> int:
     import torch
 
-    from jaxpar.compat.weights import load_weights
+    from jaxpar.compat.weights import load_weights, save_weights, unflatten
     from jaxpar.data import TokenBatches, resolve_dataset
     from jaxpar.metrics import MetricsLog, flops_per_token, peak_flops
     from torchpar import backends, dist
-    from torchpar.layout import from_shared, shared_shapes
+    from torchpar.layout import from_shared, shared_shapes, to_shared
     from torchpar.model import loss_fn
 
     torch.set_float32_matmul_precision(PRECISION[cfg.train.matmul_precision])
@@ -177,6 +178,11 @@ def train(cfg: Config, args) -> int:
             if env.is_main:
                 print(f"stopped by signal after step {step}; checkpoint saved", file=sys.stderr)
             break
+    if args.write_final:
+        full = engine.full_state_dict()  # a collective under fsdp / ZeRO: every rank takes part
+        if env.is_main:
+            save_weights(args.write_final, unflatten(to_shared(full, cfg.model.n_layer)))
+            print(f"wrote final weights to {args.write_final}", file=sys.stderr)
     log.close()
     return 0
 

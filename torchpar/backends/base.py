@@ -2,6 +2,8 @@
 
 Gradient synchronisation is the wrapper's own (DDP's all-reduce, FSDP2's reduce-scatter); this
 file only chooses on which microbatch it happens (`sync` context) and reads the clipped norm.
+`full_state_dict()` returns the whole (unsharded) parameters by torch name on rank 0: the plain
+module's state_dict here (none, ddp); fsdp passes its own gather.
 """
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ from torchpar.optim import make_optimizer
 
 
 class TorchEngine:
-    def __init__(self, module, raw, cfg, env, sync=lambda last: nullcontext()):
+    def __init__(self, module, raw, cfg, env, sync=lambda last: nullcontext(), full_state=None):
         self.module, self.cfg, self.sync = module, cfg, sync
+        self.full_state_dict = full_state or raw.state_dict
         self.params = [p for p in raw.parameters()]
         self.optimizer = make_optimizer(raw, cfg)
         self.checkpointer = DCPCheckpointer(cfg.run.dir, cfg.checkpoint.keep, module, self.optimizer, env)

@@ -106,6 +106,17 @@ class DeepSpeedEngine:
         norm = ds_norm if ds_norm is not None else norm
         return total, torch.as_tensor(float("nan") if norm is None else float(norm)), lr
 
+    def full_state_dict(self) -> dict:
+        """Whole fp32 weights by torch name: the optimizer's fp32 master copy (gathered over ranks, a
+        collective) at ZeRO 1-3 or with bf16; the parameters themselves where there is no such copy."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        out = {}
+        for name, p in self.engine.module.named_parameters():
+            full = safe_get_full_fp32_param(p)
+            out[name] = (p if full is None else full).detach().float().cpu()
+        return out
+
     def save(self, step: int, meta: dict) -> None:
         if os.path.isdir(os.path.join(self.dir, str(step))):
             return

@@ -4,12 +4,14 @@ model.compute_dtype=bfloat16 -> MixedPrecisionPolicy(param_dtype=bf16, reduce_dt
 --cpu-offload -> CPUOffloadPolicy; model.remat is applied inside the model (torch.utils.checkpoint).
 parallel.zero_stage 1 or 2 keeps parameters gathered between forward and backward
 (reshard_after_forward=False, ZeRO-2-like); 0 or 3 reshards after forward (ZeRO-3).
+Full weights (--write-final): `get_model_state_dict(full_state_dict, cpu_offload)` gathers them to rank 0.
 """
 from __future__ import annotations
 
 from contextlib import nullcontext
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -33,4 +35,5 @@ def build(model, cfg, env, cpu_offload: bool = False, **_):
         model.set_requires_gradient_sync(last)
         return nullcontext()
 
-    return TorchEngine(model, model, cfg, env, sync=sync)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return TorchEngine(model, model, cfg, env, sync=sync, full_state=lambda: get_model_state_dict(model, options=full))

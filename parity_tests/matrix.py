@@ -1,0 +1,42 @@
+"""Which comparisons run: the default selection (CI) and the full matrix (`--parity-full`).
+
+Default: float32 on jaxpar dp=2,tp=4 and every torchpar backend; accum and remat on torchpar's one
+process; bfloat16 on both one-device sides. Full: every config on every side.
+
+float32, accum and remat: a side against the jaxpar one-device run of the same config.
+bfloat16: a side against its own float32 run (same side, `model.compute_dtype=float32`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parity_tests.compare import BFLOAT16, FLOAT32, Tolerance
+from parity_tests.runner import REFERENCE, SIDES, TORCH_BACKENDS
+
+AS_FLOAT32 = ("model.compute_dtype=float32",)
+
+
+@dataclass(frozen=True)
+class Case:
+    config: str
+    side: str
+    ref_side: str
+    ref_overrides: tuple[str, ...] = ()
+
+    @property
+    def tol(self) -> Tolerance:
+        return BFLOAT16 if self.ref_overrides == AS_FLOAT32 else FLOAT32
+
+    @property
+    def id(self) -> str:
+        return f"{self.config}-{self.side}" + ("-vs-own-float32" if self.ref_overrides else "")
+
+
+def cases(full: bool = False) -> list[Case]:
+    if full:
+        out = [Case(c, s, REFERENCE) for c in ("float32", "accum", "remat") for s in SIDES if s != REFERENCE]
+        return out + [Case("bfloat16", s, s, AS_FLOAT32) for s in SIDES]
+    # jaxpar dp=8 and fsdp=8 are left to --parity-full: tests/test_layouts.py holds every mesh to one device.
+    out = [Case("float32", s, REFERENCE) for s in ("jax:dp=2,tp=4", *TORCH_BACKENDS)]
+    out += [Case(c, "torch:none", REFERENCE) for c in ("accum", "remat")]
+    return out + [Case("bfloat16", s, s, AS_FLOAT32) for s in (REFERENCE, "torch:none")]

@@ -1,0 +1,166 @@
+"""Run reference configs on jaxpar layouts and torchpar backends, as a user would, and read them back.
+
+Every run of a config starts from one exported initial-weights file (`python -m jaxpar.train
+--write-init`, then `model.init_from`), reads the same synthetic token file, logs every step
+(`metrics.jsonl`) and writes its final weights in the shared layout (`--write-final`). Runs are
+subprocesses (simulated CPU devices for jaxpar, `torch.distributed.run` over gloo for torchpar),
+checked for aborts and leftover processes by tests/test_torchpar.py's helpers, and cached by
+(side, resolved config), so a run several comparisons need (the jaxpar one-device reference) runs once.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from jaxpar.config import load_config
+from tests.test_torchpar import ABORTS, _command, _env, _no_leftovers
+from tests.tiny import make_dataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_DIR = os.path.join(ROOT, "configs", "parity")
+CONFIGS = ("float32", "bfloat16", "accum", "remat")
+REFERENCE = "jax:1"
+# side -> jaxpar mesh
+JAX_LAYOUTS = {"jax:1": "dp=1", "jax:dp=8": "dp=8", "jax:fsdp=8": "fsdp=8", "jax:dp=2,tp=4": "dp=2,tp=4"}
+# side -> (processes, torchpar arguments); 0 processes = one plain `python -m torchpar.train`
+TORCH_BACKENDS = {
+    "torch:none": (0, ["--backend", "none"]),
+    "torch:ddp": (2, ["--backend", "ddp"]),
+    "torch:fsdp": (2, ["--backend", "fsdp"]),
+    "torch:zero2": (2, ["--backend", "deepspeed", "parallel.zero_stage=2"]),
+    "torch:zero3": (2, ["--backend", "deepspeed", "parallel.zero_stage=3"]),
+}
+SIDES = (*JAX_LAYOUTS, *TORCH_BACKENDS)
+
+
+@dataclass
+class Run:
+    side: str
+    config: str
+    loss: list[float]
+    grad_norm: list[float]
+    lr: list[float]
+    params: dict[str, np.ndarray] = field(repr=False)
+    seconds: float
+
+
+def config_path(name: str) -> str:
+    return os.path.join(CONFIG_DIR, f"{name}.yaml")
+
+
+def devices_needed(side: str) -> int:
+    if side in JAX_LAYOUTS:
+        return math.prod(int(kv.split("=")[1]) for kv in JAX_LAYOUTS[side].split(","))
+    return max(TORCH_BACKENDS[side][0], 1)
+
+
+class Runner:
+    """Runs in `workdir`; device "cpu" (simulated jax devices, gloo) or "gpu" (the machine's GPUs)."""
+
+    def __init__(self, workdir: str, device: str = "cpu", steps: int = 50, timeout: int = 600):
+        if device not in ("cpu", "gpu"):
+            raise ValueError(f"device must be cpu or gpu, not {device!r}")
+        self.workdir, self.device, self.steps, self.timeout = str(workdir), device, steps, timeout
+        self.cache: dict[str, Run] = {}
+        self._inits: dict[str, str] = {}
+        self._dataset = None
+
+    def unavailable(self, side: str) -> str | None:
+        """Why `side` cannot run on this device, or None. On CPU everything runs (simulated devices)."""
+        if self.device == "cpu":
+            return None
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if gpus < devices_needed(side):
+            return f"{side} needs {devices_needed(side)} GPUs, this machine has {gpus}"
+        return None
+
+    def env(self) -> dict:
+        env = _env()
+        if self.device == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""  # CPU means CPU for torch too, even on a GPU machine
+        else:
+            for key in ("JAX_PLATFORMS", "DS_ACCELERATOR", "JAXPAR_CPU_DEVICES"):
+                env.pop(key, None)
+        return env
+
+    def launch(self, cmd: list[str], what: str) -> str:
+        """Run a command in its own session; fail on timeout, non-zero exit, an abort or a leftover process."""
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            out, err = proc.communicate()
+            pytest.fail(f"{what} timed out after {self.timeout}s\n{err[-3000:]}")
+        _no_leftovers(proc.pid)
+        text = out + err
+        if proc.returncode != 0 or any(a in text for a in ABORTS):
+            pytest.fail(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n{text[-5000:]}")
+        return text
+
+    def dataset(self) -> str:
+        if self._dataset is None:
+            os.makedirs(self.workdir, exist_ok=True)
+            self._dataset = make_dataset(os.path.join(self.workdir, "tokens.bin"))
+        return self._dataset
+
+    def base_args(self, config: str, overrides=()) -> list[str]:
+        return ["--config", config_path(config), f"data.dataset={self.dataset()}", f"train.steps={self.steps}",
+                "train.log_every=1", "train.eval_every=0", "checkpoint.every=0", *overrides]
+
+    def init_weights(self, config: str, overrides=()) -> str:
+        """One exported initial-weights file per model shape and seed (shared by every config that has them)."""
+        cfg = load_config(config_path(config), list(overrides))
+        m = cfg.model
+        key = f"L{m.n_layer}-h{m.n_head}-d{m.d_model}-f{m.ff_dim}-v{m.vocab_size}-p{m.max_seq_len}-s{cfg.train.seed}"
+        if key not in self._inits:
+            path = os.path.join(self.workdir, "init", f"{key}.safetensors")
+            cmd = [sys.executable, "-m", "jaxpar.train", *self.base_args(config, overrides), "--mesh", "dp=1",
+                   f"run.dir={os.path.join(self.workdir, 'init', key)}", "--write-init", path]
+            self.launch(cmd, f"export of initial weights for {config}")
+            self._inits[key] = path
+        return self._inits[key]
+
+    def run(self, config: str, side: str, overrides=()) -> Run:
+        """Train `config` (+ overrides) on `side` for `steps` steps; cached by (side, resolved config)."""
+        overrides = list(overrides)
+        resolved = load_config(config_path(config), overrides + [f"train.steps={self.steps}"]).to_dict()
+        resolved.pop("run")
+        key = hashlib.sha1(json.dumps([side, resolved], sort_keys=True).encode()).hexdigest()[:12]
+        if key in self.cache:
+            return self.cache[key]
+        slug = side.replace(":", "-").replace(",", "-").replace("=", "")
+        run_dir = os.path.join(self.workdir, "runs", f"{config}-{slug}-{key}")
+        final = os.path.join(run_dir, "final.safetensors")
+        args = [*self.base_args(config, overrides), f"model.init_from={self.init_weights(config, overrides)}",
+                f"run.dir={run_dir}", "--write-final", final]
+        if side in JAX_LAYOUTS:
+            cmd = [sys.executable, "-m", "jaxpar.train", *args, "--mesh", JAX_LAYOUTS[side]]
+        else:
+            nproc, backend = TORCH_BACKENDS[side]
+            cmd = _command([*backend, *args], nproc)
+        t0 = time.perf_counter()
+        self.launch(cmd, f"{config} on {side}")
+        seconds = time.perf_counter() - t0
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            records = {r["step"]: r for r in map(json.loads, f)}
+        steps = range(1, self.steps + 1)
+        if sorted(records) != list(steps):
+            pytest.fail(f"{config} on {side}: logged steps {sorted(records)[:5]}..., expected 1..{self.steps}")
+        run = Run(side, config, *([float(records[s][k]) for s in steps] for k in ("loss", "grad_norm", "lr")),
+                  params=load_file(final), seconds=seconds)
+        self.cache[key] = run
+        return run
