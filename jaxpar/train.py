@@ -65,14 +65,16 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_fina
     layout = st.Layout(cfg, mesh, rules_for(cfg.parallel.zero_stage))
     os.makedirs(cfg.run.dir, exist_ok=True)
     ckpt = Checkpointer(cfg.run.dir, cfg.checkpoint.keep)
-    state = st.init_state(layout)
-    restored = ckpt.restore_latest(abstract_like(state, layout.state_shardings)) if cfg.checkpoint.resume else None
+    abstract = abstract_like(jax.eval_shape(lambda: st.init_state(layout)), layout.state_shardings)
+    restored = ckpt.restore_latest(abstract) if cfg.checkpoint.resume else None
     if restored:
         state, meta = restored
         print(f"resumed from {ckpt.dir}/{meta['step']}", file=sys.stderr)
     elif cfg.model.init_from:
-        shapes = {k: v.shape for k, v in flatten(state["params"]).items()}
+        shapes = {k: v.shape for k, v in flatten(abstract["params"]).items()}
         state = st.state_from_params(layout, unflatten(load_weights(cfg.model.init_from, shapes)))
+    else:
+        state = st.init_state(layout)
     if write_init:
         params = multihost_utils.process_allgather(state["params"], tiled=True)
         if main_proc:
@@ -119,7 +121,8 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_fina
             jax.profiler.stop_trace()
         last = step == t.steps or "signal" in stop
         do_eval = last or (t.eval_every and step % t.eval_every == 0)
-        if step % t.log_every == 0 or do_eval or last:
+        logged = step % t.log_every == 0 or do_eval or last
+        if logged:
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
             now = time.perf_counter()
             tps = (step - mark_step) * t.global_batch_size * d.seq_len / (now - mark)
@@ -129,10 +132,13 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_fina
             if do_eval:
                 record["eval_loss"] = evaluate(state["params"])
             log.log(record)
-            mark, mark_step = time.perf_counter(), step
         if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
             ckpt.save(step, state, meta(step))
+        if logged:  # throughput covers training steps only, not evaluation or checkpoint saves
+            mark, mark_step = time.perf_counter(), step
         _fault_hooks(step)
+    if prof and prof[0] <= step < prof[1]:
+        jax.profiler.stop_trace()  # stopped early (signal or end of training) inside the window
     if "signal" in stop:
         ckpt.save(step, state, meta(step))
         print(f"stopped by signal {stop['signal']} after step {step}; checkpoint saved", file=sys.stderr)

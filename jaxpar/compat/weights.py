@@ -13,11 +13,12 @@ from safetensors.numpy import load_file, save_file
 from jaxpar.errors import UserError
 
 
-def flatten(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """{"blocks": {"mlp": {"fc": {"kernel": x}}}} -> {"blocks.mlp.fc.kernel": x} (leaves untouched)."""
     out = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
-        out.update(flatten(value, name + ".") if isinstance(value, dict) else {name: np.asarray(value)})
+        out.update(flatten(value, name + ".") if isinstance(value, dict) else {name: value})
     return out
 
 
