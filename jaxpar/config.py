@@ -36,6 +36,22 @@ class ModelConfig:
     compute_dtype: str = field(default="float32", metadata=_check(choices=("float32", "bfloat16")))
     remat: str = field(default="none", metadata=_check(choices=("none", "full", "save_matmuls")))
     init_from: str = ""  # a .safetensors file in the shared layout; empty = random init
+    # variants (docs/architecture.md "Model variants"): attention core and MLP linear layers
+    attention: str = field(default="mha", metadata=_check(choices=("mha", "mla", "dilated")))
+    linear: str = field(default="dense", metadata=_check(choices=("dense", "sketched")))
+    # mla (models/mla.py): low-rank query / key-value latents and the decoupled rotary part
+    q_latent_dim: int = field(default=64, metadata=_check(lo=1))
+    kv_latent_dim: int = field(default=32, metadata=_check(lo=1))
+    rope_head_dim: int = field(default=16, metadata=_check(lo=2))
+    rope_theta: float = field(default=10000.0, metadata=_check(lo=0.0, lo_open=True))
+    # dilated (models/dilated.py): comma-separated (segment length, dilation rate) pairs; empty =
+    # one segment over the whole sequence with rate 1 (plain causal attention)
+    segment_lengths: str = ""
+    dilation_rates: str = ""
+    # sketched (models/sketched.py): fixed random sketch [in, sketch_ratio*in] from sketch_seed, trained factor
+    sketch: str = field(default="gaussian", metadata=_check(choices=("gaussian", "sign")))
+    sketch_ratio: float = field(default=0.5, metadata=_check(lo=0.0, hi=1.0, lo_open=True))
+    sketch_seed: int = 0
 
     @property
     def ff_dim(self) -> int:
@@ -44,6 +60,26 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+    @property
+    def dilation_pairs(self) -> tuple[tuple[int, int], ...]:
+        """((segment length, dilation rate), ...); empty lists mean ((max_seq_len, 1),)."""
+        ws, rs = (_ints(f"model.{k}", getattr(self, k)) for k in ("segment_lengths", "dilation_rates"))
+        if not ws and not rs:
+            return ((self.max_seq_len, 1),)
+        if len(ws) != len(rs):
+            raise UserError(f"model.segment_lengths has {len(ws)} entries but model.dilation_rates has {len(rs)}")
+        return tuple(zip(ws, rs))
+
+
+def _ints(key: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.replace(" ", "").split(",") if v)
+    except ValueError:
+        raise UserError(f"config key {key}: {text!r} is not a comma-separated list of integers") from None
+    if any(v < 1 for v in values):
+        raise UserError(f"config key {key}: {text!r} has a value < 1")
+    return values
 
 
 @dataclass
@@ -149,6 +185,8 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
     elif typ is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return ",".join(map(str, value))  # YAML lists of integers (model.segment_lengths)
         if value is None:
             return ""
     raise UserError(f"config key {key}: expected {typ.__name__}, got {value!r}")
@@ -192,6 +230,16 @@ def _check_consistency(cfg: Config) -> None:
             f"train.global_batch_size={t.global_batch_size} is not divisible by train.microbatches={t.microbatches}")
     if cfg.optim.min_lr > cfg.optim.lr:
         raise UserError(f"optim.min_lr={cfg.optim.min_lr} exceeds optim.lr={cfg.optim.lr}")
+    if m.attention == "mla" and m.rope_head_dim % 2:
+        raise UserError(f"model.rope_head_dim={m.rope_head_dim} must be even (rotary pairs)")
+    if m.attention == "dilated":
+        T = cfg.data.seq_len
+        for w, r in m.dilation_pairs:
+            if T % min(w, T) or min(w, T) % r:
+                raise UserError(f"model.segment_lengths/dilation_rates pair ({w}, {r}): data.seq_len={T} must be "
+                                f"divisible by the segment length min({w}, {T}), and that by the rate {r}")
+        if 1 not in dict(m.dilation_pairs).values():
+            raise UserError("model.dilation_rates needs a rate of 1 (otherwise some tokens attend to nothing)")
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:

@@ -55,6 +55,9 @@ def read(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
         saved = json.load(f)
     saved.pop("resolved_mesh", None)
     cfg = config_from_dict(saved)
+    if cfg.model.attention != "mha" or cfg.model.linear != "dense":
+        raise UserError(f"{src} trains model.attention={cfg.model.attention}, model.linear={cfg.model.linear}; "
+                        "conversion supports only GPT-2's mha/dense model")
     layout = _single_device_layout(cfg)
     state = init_state(layout)
     restored = Checkpointer(src, cfg.checkpoint.keep).restore_latest(abstract_like(state, layout.state_shardings))

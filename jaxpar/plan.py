@@ -90,8 +90,14 @@ def plan(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
         key = next((a for a in ("tp", "fsdp", "dp") if a in c["axes"].split("+")), None)
         if key:
             measured[key] += c["traffic_bytes"]
+    from jaxpar.models.mla import kv_cache_width
+
+    width = kv_cache_width(cfg.model)  # per token per layer: MLA caches its latent + rope key, MHA keys + values
+    itemsize = 2 if cfg.model.compute_dtype == "bfloat16" else 4
+    model = {"attention": cfg.model.attention, "linear": cfg.model.linear, "kv_cache_width": width,
+             "kv_cache_bytes_per_token": width * cfg.model.n_layer * itemsize}
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
-    return {"mesh": format_mesh(full), "devices": n_dev, "params_bytes": params, "opt_state_bytes": opt,
+    return {"mesh": format_mesh(full), "devices": n_dev, "model": model, "params_bytes": params, "opt_state_bytes": opt,
             "argument_bytes": mem.argument_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
             "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes, "peak_bytes": peak,
             "collectives": collectives, "bounds": bounds, "measured": measured,
@@ -120,6 +126,9 @@ def explain(collectives, bounds, measured) -> list[str]:
 
 def print_plan(p: dict) -> None:
     gib = lambda b: f"{b / 2**20:,.2f} MiB"  # noqa: E731
+    m = p["model"]
+    print(f"model: attention={m['attention']} linear={m['linear']}, key/value cache per token: "
+          f"{m['kv_cache_width']} values per layer ({m['kv_cache_bytes_per_token']:,} bytes over all layers)")
     print(f"mesh {p['mesh']} ({p['devices']} devices), per device:")
     for key in ("params_bytes", "opt_state_bytes", "argument_bytes", "temp_bytes", "peak_bytes"):
         print(f"  {key.removesuffix('_bytes'):<10} {gib(p[key])}")

@@ -28,6 +28,9 @@ RULES: dict[str, tuple[str, ...]] = {
     "stage": ("pp",),
     "qkv": (),
     "pos": (),
+    "q_latent": (),  # MLA's latent down-projections: small, replicated (heads carry tp)
+    "kv_latent": (),
+    "sketch": ("fsdp",),  # a sketched layer's factor [sketch, out]: its input dim, sharded like "embed"
 }
 
 

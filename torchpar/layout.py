@@ -31,13 +31,22 @@ NAMES = {
     "blocks.mlp.proj.kernel": "blocks.{l}.mlp.proj.weight",
     "blocks.mlp.proj.bias": "blocks.{l}.mlp.proj.bias",
 }
+# model variants (jaxpar/models/{mla,sketched}.py): their parameters beside or instead of GPT-2's
+VARIANT_NAMES = {
+    **{f"blocks.attn.{n}.kernel": f"blocks.{{l}}.attn.{n}.weight" for n in ("q_down", "q_up", "kv_down", "kv_up")},
+    "blocks.attn.q_norm.scale": "blocks.{l}.attn.q_norm.weight",
+    "blocks.attn.kv_norm.scale": "blocks.{l}.attn.kv_norm.weight",
+    "blocks.mlp.fc.factor": "blocks.{l}.mlp.fc.factor",
+    "blocks.mlp.proj.factor": "blocks.{l}.mlp.proj.factor",
+}
+ALL_NAMES = {**NAMES, **VARIANT_NAMES}
 
 
 def shared_name(torch_name: str) -> str:
     """"blocks.3.mlp.fc.weight" -> "blocks.mlp.fc.kernel"."""
     parts = torch_name.split(".")
     pattern = ".".join("{l}" if p.isdigit() else p for p in parts)
-    for shared, t in NAMES.items():
+    for shared, t in ALL_NAMES.items():
         if t == pattern:
             return shared
     raise KeyError(f"no shared name for torch parameter {torch_name!r}")
@@ -53,9 +62,12 @@ def shared_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def to_shared(state_dict: dict, n_layer: int, like=lambda t: t.detach().cpu().float().numpy()) -> dict:
-    """torch state dict (full tensors) -> flat shared {name: float32 numpy} (per-layer tensors stacked)."""
+    """torch state dict (full tensors) -> flat shared {name: float32 numpy} (per-layer tensors stacked).
+    Names the model does not have (another variant's) are skipped."""
     out = {}
-    for shared, t in NAMES.items():
+    for shared, t in ALL_NAMES.items():
+        if t.format(l=0) not in state_dict:
+            continue
         if "{l}" in t:
             parts = [like(state_dict[t.format(l=i)]) for i in range(n_layer)]
             out[shared] = torch.stack(parts) if isinstance(parts[0], torch.Tensor) else np.stack(parts)
@@ -67,7 +79,9 @@ def to_shared(state_dict: dict, n_layer: int, like=lambda t: t.detach().cpu().fl
 def from_shared(flat: dict, n_layer: int) -> dict[str, torch.Tensor]:
     """flat shared {name: array} -> torch state dict (stacked tensors unstacked per layer)."""
     out = {}
-    for shared, t in NAMES.items():
+    for shared, t in ALL_NAMES.items():
+        if shared not in flat:
+            continue
         value = torch.tensor(np.array(flat[shared], dtype=np.float32))
         if "{l}" in t:
             out.update({t.format(l=i): value[i].clone() for i in range(n_layer)})

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from jaxpar.config import ModelConfig
+from torchpar.variants import MLAttention, SketchedLinear, dilated_attention
 
 # model.remat=save_matmuls: keep matmul outputs, recompute the rest (jaxpar: dots_with_no_batch_dims_saveable).
 _MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default]
@@ -52,27 +53,35 @@ class Attention(nn.Module):
         d, h, k = cfg.d_model, cfg.n_head, cfg.head_dim
         self.qkv = Dense((d, 3, h, k), (3, h, k))
         self.out = Dense((h, k, d), (d,))
+        self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None  # torchpar/variants.py
 
     def forward(self, x):
+        if self.pairs is not None:
+            q, k, v = self.qkv(x, "btd,dchk->btchk").unbind(2)  # each [b, t, h, k]
+            return self.out(dilated_attention(q, k, v, self.pairs), "bthk,hkd->btd")
         q, k, v = self.qkv(x, "btd,dchk->btchk").permute(2, 0, 3, 1, 4).unbind(0)  # each [b, h, t, k]
         return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True), "bhtk,hkd->btd")
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        self.fc = Dense((cfg.d_model, cfg.ff_dim), (cfg.ff_dim,))
-        self.proj = Dense((cfg.ff_dim, cfg.d_model), (cfg.d_model,))
+        d, f = cfg.d_model, cfg.ff_dim
+        if cfg.linear == "sketched":  # fixed sketch buffer + trained factor (torchpar/variants.py)
+            self.fc, self.proj = SketchedLinear(cfg, layer, "fc", d, f), SketchedLinear(cfg, layer, "proj", f, d)
+        else:
+            self.fc, self.proj = Dense((d, f), (f,)), Dense((f, d), (d,))
 
     def forward(self, x):
         return self.proj(F.gelu(self.fc(x, "btd,df->btf"), approximate="tanh"), "btf,fd->btd")
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        self.ln1, self.attn = LayerNorm(cfg.d_model, cfg.layernorm_eps), Attention(cfg)
-        self.ln2, self.mlp = LayerNorm(cfg.d_model, cfg.layernorm_eps), MLP(cfg)
+        attn = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
+        self.ln1, self.attn = LayerNorm(cfg.d_model, cfg.layernorm_eps), attn
+        self.ln2, self.mlp = LayerNorm(cfg.d_model, cfg.layernorm_eps), MLP(cfg, layer)
         self.remat = cfg.remat
 
     def _forward(self, x):
@@ -94,21 +103,26 @@ class GPT(nn.Module):
         self.compute_dtype = getattr(torch, cfg.compute_dtype)  # DeepSpeed fp16 may override it
         self.wte = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
         self.wpe = nn.Parameter(torch.empty(cfg.max_seq_len, cfg.d_model))
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = LayerNorm(cfg.d_model, cfg.layernorm_eps)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """jaxpar's distribution: N(0, init_std), residual projections N(0, init_std/sqrt(2L)), biases 0, scales 1."""
+        """jaxpar's distribution: N(0, init_std), residual projections N(0, init_std/sqrt(2L)), biases 0, scales 1.
+        Drawn per block in parameter order (for GPT-2: qkv, out, fc, proj), every variant alike."""
         gen = torch.Generator().manual_seed(seed)
         std, proj_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layer)
         for p in (self.wte, self.wpe):
             p.copy_(torch.randn(p.shape, generator=gen) * std)
         for block in self.blocks:
-            for dense, s in ((block.attn.qkv, std), (block.attn.out, proj_std), (block.mlp.fc, std),
-                             (block.mlp.proj, proj_std)):
-                dense.weight.copy_(torch.randn(dense.weight.shape, generator=gen) * s)
-                dense.bias.zero_()
+            for name, p in block.named_parameters():
+                if name.endswith("bias"):
+                    p.zero_()
+                elif name.startswith("ln") or "norm" in name:
+                    p.fill_(1.0)
+                else:
+                    s = proj_std if name.startswith(("attn.out.", "mlp.proj.")) else std
+                    p.copy_(torch.randn(p.shape, generator=gen) * s)
         for ln in (m for m in self.modules() if isinstance(m, LayerNorm)):
             ln.weight.fill_(1.0)
             ln.bias.zero_()

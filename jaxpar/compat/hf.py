@@ -26,7 +26,10 @@ TOP_NAMES = {"wte": "wte.weight", "wpe": "wpe.weight", "ln_f.scale": "ln_f.weigh
 
 
 def shape_of(flat: dict[str, np.ndarray]) -> dict:
-    """Model dimensions read off the shared tensors themselves."""
+    """Model dimensions read off the shared tensors themselves (GPT-2's MHA/dense layout only)."""
+    if "blocks.attn.qkv.kernel" not in flat or "blocks.mlp.fc.kernel" not in flat:
+        raise UserError("these weights use a model variant (model.attention=mla or model.linear=sketched); "
+                        "conversion supports only GPT-2's layout (mha attention, dense linear layers)")
     n_layer, d, _, n_head, _ = flat["blocks.attn.qkv.kernel"].shape
     return {"n_layer": n_layer, "d_model": d, "n_head": n_head, "vocab_size": flat["wte"].shape[0],
             "max_seq_len": flat["wpe"].shape[0], "d_ff": flat["blocks.mlp.fc.kernel"].shape[-1]}

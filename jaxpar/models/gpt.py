@@ -11,6 +11,9 @@ Parameter names and shapes are the shared layout (jaxpar/compat/weights.py; torc
   blocks.attn.out.kernel [layers, heads, kv, embed]      .bias [layers, embed]
   blocks.mlp.fc.kernel [layers, embed, mlp] .bias [layers, mlp]
   blocks.mlp.proj.kernel [layers, mlp, embed] .bias [layers, embed]
+Variants (`model.attention`, `model.linear`; one file each) swap in their own parameters:
+mla.py (blocks.attn.*), dilated.py (MHA's parameters, another attention core), sketched.py
+(blocks.mlp.{fc,proj}.factor instead of .kernel).
 """
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
+from jaxpar.models.dilated import dilated_attention
+from jaxpar.models.mla import MLAttention
+from jaxpar.models.sketched import sketch_dim, stacked_sketches
 from jaxpar.parallel.pipeline import run_layers
 from jaxpar.parallel.sequence import attention, sequence_order
 from jaxpar.sharding import constrain
@@ -66,13 +72,14 @@ class Attention(nnx.Module):
         self.out = nnx.Dict(
             kernel=_param(_normal(rngs, L + (h, k, d), proj_std), lead + ("heads", "kv", "embed")),
             bias=_param(jnp.zeros(L + (d,)), lead + ("embed",)))
+        self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None
 
     def __call__(self, x, dtype, positions=None):
         w, b = self.qkv["kernel"][...].astype(dtype), self.qkv["bias"][...].astype(dtype)
         qkv = jnp.einsum("btd,dchk->cbthk", x, w) + b[:, None, None]
         q, k, v = (constrain(t, ("batch", "seq", "heads", "kv")) for t in qkv)
         # cuDNN flash attention on GPU where it applies, XLA elsewhere; across `sp` shards when sequence-parallel.
-        y = attention(q, k, v, positions)
+        y = attention(q, k, v, positions) if self.pairs is None else dilated_attention(q, k, v, self.pairs)
         y = constrain(y, ("batch", "seq", "heads", "kv"))
         out = jnp.einsum("bthk,hkd->btd", y, self.out["kernel"][...].astype(dtype))
         return out + self.out["bias"][...].astype(dtype)
@@ -83,17 +90,27 @@ class MLP(nnx.Module):
         L, d, f = stack, cfg.d_model, cfg.ff_dim
         lead = ("layers",) * len(stack)
         proj_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
-        self.fc = nnx.Dict(
-            kernel=_param(_normal(rngs, L + (d, f), cfg.init_std), lead + ("embed", "mlp")),
-            bias=_param(jnp.zeros(L + (f,)), lead + ("mlp",)))
-        self.proj = nnx.Dict(
-            kernel=_param(_normal(rngs, L + (f, d), proj_std), lead + ("mlp", "embed")),
-            bias=_param(jnp.zeros(L + (d,)), lead + ("embed",)))
+        sketched = cfg.linear == "sketched"  # sketched.py: a trained factor [m, out] after a fixed sketch [in, m]
+        fc_in, fc_axis = ((sketch_dim(cfg, d), "sketch") if sketched else (d, "embed"))
+        proj_in, proj_axis = ((sketch_dim(cfg, f), "sketch") if sketched else (f, "mlp"))
+        name = "factor" if sketched else "kernel"
+        self.fc = nnx.Dict({
+            name: _param(_normal(rngs, L + (fc_in, f), cfg.init_std), lead + (fc_axis, "mlp")),
+            "bias": _param(jnp.zeros(L + (f,)), lead + ("mlp",))})
+        self.proj = nnx.Dict({
+            name: _param(_normal(rngs, L + (proj_in, d), proj_std), lead + (proj_axis, "embed")),
+            "bias": _param(jnp.zeros(L + (d,)), lead + ("embed",))})
 
-    def __call__(self, x, dtype):
-        h = x @ self.fc["kernel"][...].astype(dtype) + self.fc["bias"][...].astype(dtype)
-        h = constrain(jax.nn.gelu(h, approximate=True), ("batch", "seq", "mlp"))  # GPT-2's tanh GELU
-        return h @ self.proj["kernel"][...].astype(dtype) + self.proj["bias"][...].astype(dtype)
+    def __call__(self, x, dtype, sketches=None):
+        def linear(p, x, name):
+            if sketches:
+                x, w = x @ jnp.asarray(sketches[name], dtype), p["factor"][...]
+            else:
+                w = p["kernel"][...]
+            return x @ w.astype(dtype) + p["bias"][...].astype(dtype)
+
+        h = constrain(jax.nn.gelu(linear(self.fc, x, "fc"), approximate=True), ("batch", "seq", "mlp"))  # tanh GELU
+        return linear(self.proj, h, "proj")
 
 
 class Block(nnx.Module):
@@ -101,13 +118,13 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: tuple[int, ...] = ()):
         self.ln1 = LayerNorm(cfg, stack)
-        self.attn = Attention(cfg, rngs, stack)
+        self.attn = (MLAttention if cfg.attention == "mla" else Attention)(cfg, rngs, stack)
         self.ln2 = LayerNorm(cfg, stack)
         self.mlp = MLP(cfg, rngs, stack)
 
-    def __call__(self, x, dtype, positions=None):
+    def __call__(self, x, dtype, positions=None, sketches=None):
         x = x + self.attn(self.ln1(x), dtype, positions)
-        x = x + self.mlp(self.ln2(x), dtype)
+        x = x + self.mlp(self.ln2(x), dtype, sketches)
         return constrain(x, ("batch", "seq", "act_embed"))
 
 
@@ -132,12 +149,14 @@ class GPT(nnx.Module):
 
         graphdef, stacked = nnx.split(self.blocks)
 
-        def layer(h, layer_state):
-            return nnx.merge(graphdef, layer_state)(h, dtype, positions)
+        def layer(h, xs):
+            layer_state, sketches = xs
+            return nnx.merge(graphdef, layer_state)(h, dtype, positions, sketches)
 
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat])
-        x = run_layers(layer, stacked, x)  # a scan over layers, or pipeline stages over `pp`
+        # a scan over layers, or pipeline stages over `pp`; fixed sketches (model.linear=sketched) ride along
+        x = run_layers(layer, (stacked, stacked_sketches(self.cfg)), x)
         x = self.ln_f(x)
         logits = jnp.einsum("btd,vd->btv", x, self.wte[...].astype(dtype))  # tied output embedding
         return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
@@ -146,7 +165,8 @@ class GPT(nnx.Module):
 def loss_fn(model: GPT, batch: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy over a batch of rows [batch, seq + 1]."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
-    order = sequence_order(inputs.shape[1])  # zig-zag: inputs and targets permuted alike, mean unchanged
+    # zig-zag: inputs and targets permuted alike, mean unchanged; dilated attention keeps natural order (segments)
+    order = None if model.cfg.attention == "dilated" else sequence_order(inputs.shape[1])
     if order is not None:
         inputs, targets = inputs[:, order], targets[:, order]
     logits = model(inputs, order)
@@ -156,8 +176,7 @@ def loss_fn(model: GPT, batch: jax.Array) -> jax.Array:
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
-    """Parameter counts by formula (no model built): total and non-embedding."""
-    d, f, L = cfg.d_model, cfg.ff_dim, cfg.n_layer
-    per_block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
-    embed = cfg.vocab_size * d + cfg.max_seq_len * d
-    return {"total": embed + L * per_block + 2 * d, "non_embedding": L * per_block + 2 * d}
+    """Parameter counts of every variant, from abstract shapes (nothing allocated): total and non-embedding."""
+    model = nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0)))
+    total = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    return {"total": total, "non_embedding": total - (cfg.vocab_size + cfg.max_seq_len) * cfg.d_model}

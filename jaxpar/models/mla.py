@@ -1,0 +1,87 @@
+"""Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434 section 2.1), logical axes only.
+
+Per token x [embed]:
+  c_q  = RMSNorm(x W_dq)                  [q_latent]         (q_down, q_norm)
+  q    = c_q W_uq  -> [heads, kv + rope]  the last rope_head_dim features get RoPE   (q_up)
+  [c_kv, k_r] = x W_dkv                   [kv_latent + rope] (kv_down); c_kv -> RMSNorm (kv_norm)
+  k    = [c_kv W_uk, RoPE(k_r) shared by every head]   v = c_kv W_uv    (kv_up [kv_latent, 2, heads, kv])
+  out  = softmax(q k^T / sqrt(kv + rope)) v W_o + b    (out, as GPT-2's)
+So the per-token key/value cache is kv_latent_dim + rope_head_dim wide (`kv_cache_width`).
+Heads are split over `tp` (q_up, kv_up, out); the latent down-projections follow the rules
+table ("q_latent", "kv_latent": replicated). The core is the same fused attention as MHA
+(`jaxpar.parallel.sequence.attention`); V is zero-padded to the query/key width it needs.
+
+Shared layout (blocks.attn.*): q_down.kernel [L, embed, q_latent]  q_norm.scale [L, q_latent]
+  q_up.kernel [L, q_latent, heads, kv + rope]  kv_down.kernel [L, embed, kv_latent + rope]
+  kv_norm.scale [L, kv_latent]  kv_up.kernel [L, kv_latent, 2, heads, kv]  out.kernel/bias as MHA.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.config import ModelConfig
+from jaxpar.parallel.sequence import attention
+from jaxpar.sharding import constrain
+
+
+def kv_cache_width(cfg: ModelConfig) -> int:
+    """Values cached per token per layer for decoding (MHA: keys and values of every head)."""
+    return cfg.kv_latent_dim + cfg.rope_head_dim if cfg.attention == "mla" else 2 * cfg.d_model
+
+
+def rms_norm(x, scale, eps):
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps) * scale).astype(x.dtype)
+
+
+def rope(x, positions, theta: float):
+    """Rotary embedding on the last dim of x [batch, seq, ..., r]: pairs (i, i + r/2) rotated by pos * theta^(-2i/r)."""
+    r = x.shape[-1]
+    freqs = theta ** (-jnp.arange(0, r // 2, dtype=jnp.float32) * 2 / r)
+    angle = positions.astype(jnp.float32)[:, None] * freqs  # [seq, r/2]
+    angle = angle.reshape(angle.shape[:1] + (1,) * (x.ndim - 3) + angle.shape[1:])
+    cos, sin = jnp.cos(angle).astype(x.dtype), jnp.sin(angle).astype(x.dtype)
+    x1, x2 = x[..., : r // 2], x[..., r // 2:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+class MLAttention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: tuple[int, ...]):
+        from jaxpar.models.gpt import _normal, _param
+
+        L, d, h, k = stack, cfg.d_model, cfg.n_head, cfg.head_dim
+        ql, kvl, r = cfg.q_latent_dim, cfg.kv_latent_dim, cfg.rope_head_dim
+        lead, std, proj_std = ("layers",) * len(stack), cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layer)
+        self.q_down = nnx.Dict(kernel=_param(_normal(rngs, L + (d, ql), std), lead + ("embed", "q_latent")))
+        self.q_norm = nnx.Dict(scale=_param(jnp.ones(L + (ql,)), lead + ("q_latent",)))
+        self.q_up = nnx.Dict(kernel=_param(_normal(rngs, L + (ql, h, k + r), std), lead + ("q_latent", "heads", "kv")))
+        self.kv_down = nnx.Dict(kernel=_param(_normal(rngs, L + (d, kvl + r), std), lead + ("embed", "kv_latent")))
+        self.kv_norm = nnx.Dict(scale=_param(jnp.ones(L + (kvl,)), lead + ("kv_latent",)))
+        self.kv_up = nnx.Dict(
+            kernel=_param(_normal(rngs, L + (kvl, 2, h, k), std), lead + ("kv_latent", "qkv", "heads", "kv")))
+        self.out = nnx.Dict(
+            kernel=_param(_normal(rngs, L + (h, k, d), proj_std), lead + ("heads", "kv", "embed")),
+            bias=_param(jnp.zeros(L + (d,)), lead + ("embed",)))
+        self.eps, self.theta, self.kvl = cfg.layernorm_eps, cfg.rope_theta, kvl
+
+    def __call__(self, x, dtype, positions=None):
+        pos = jnp.arange(x.shape[1]) if positions is None else positions
+        w = lambda p: p["kernel"][...].astype(dtype)  # noqa: E731
+        c_q = rms_norm(x @ w(self.q_down), self.q_norm["scale"][...], self.eps)
+        q = jnp.einsum("btl,lhk->bthk", c_q, w(self.q_up))
+        r = q.shape[-1] - w(self.kv_up).shape[-1]  # rope_head_dim
+        q = jnp.concatenate([q[..., :-r], rope(q[..., -r:], pos, self.theta)], axis=-1)
+        ckv = x @ w(self.kv_down)
+        c_kv, k_r = rms_norm(ckv[..., : self.kvl], self.kv_norm["scale"][...], self.eps), ckv[..., self.kvl:]
+        k_nope, v = jnp.einsum("btl,lchk->cbthk", c_kv, w(self.kv_up))
+        k_r = jnp.broadcast_to(rope(k_r, pos, self.theta)[:, :, None], k_nope.shape[:3] + (r,))
+        k = jnp.concatenate([k_nope, k_r], axis=-1)
+        v = jnp.pad(v, ((0, 0),) * 3 + ((0, r),))  # the fused core wants one head width for q, k and v
+        q, k, v = (constrain(t, ("batch", "seq", "heads", "kv")) for t in (q, k, v))
+        y = attention(q, k, v, positions)[..., :-r]  # scale 1/sqrt(kv + rope): the default for that width
+        y = constrain(y, ("batch", "seq", "heads", "kv"))
+        return jnp.einsum("bthk,hkd->btd", y, w(self.out)) + self.out["bias"][...].astype(dtype)

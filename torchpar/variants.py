@@ -1,0 +1,114 @@
+"""torchpar's model variants, one class each, with jaxpar's math and per-layer parameter shapes:
+multi-head latent attention (jaxpar/models/mla.py), dilated attention (jaxpar/models/dilated.py)
+and sketched linear layers (jaxpar/models/sketched.py, whose `sketch_matrix` builds the very same
+sketch here). No parallelism; every parameter is used in the forward of the module that owns it.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from jaxpar.config import ModelConfig
+from jaxpar.models.sketched import sketch_dim, sketch_matrix
+
+NEG = -1e30
+
+
+class Kernel(nn.Module):
+    """A bias-free weight of any rank applied by an einsum equation (jaxpar's `kernel`)."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shape))
+
+    def forward(self, x, equation: str):
+        return torch.einsum(equation, x, self.weight.to(x.dtype))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(d)), eps
+
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+
+
+def rope(x, theta: float):
+    """x [batch, seq, ..., r]: pairs (i, i + r/2) rotated by pos * theta^(-2i/r) (natural positions)."""
+    r, T = x.shape[-1], x.shape[1]
+    freqs = theta ** (-torch.arange(r // 2, dtype=torch.float32, device=x.device) * 2 / r)
+    angle = torch.arange(T, dtype=torch.float32, device=x.device)[:, None] * freqs
+    angle = angle.reshape(T, *(1,) * (x.ndim - 3), r // 2)
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    x1, x2 = x[..., : r // 2], x[..., r // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, h, k = cfg.d_model, cfg.n_head, cfg.head_dim
+        ql, kvl, r = cfg.q_latent_dim, cfg.kv_latent_dim, cfg.rope_head_dim
+        self.q_down, self.q_norm = Kernel((d, ql)), RMSNorm(ql, cfg.layernorm_eps)
+        self.q_up = Kernel((ql, h, k + r))
+        self.kv_down, self.kv_norm = Kernel((d, kvl + r)), RMSNorm(kvl, cfg.layernorm_eps)
+        self.kv_up = Kernel((kvl, 2, h, k))
+        from torchpar.model import Dense
+
+        self.out = Dense((h, k, d), (d,))
+        self.kvl, self.r, self.theta = kvl, r, cfg.rope_theta
+
+    def forward(self, x):
+        q = self.q_up(self.q_norm(self.q_down(x, "btd,dl->btl")), "btl,lhk->bthk")
+        q = torch.cat([q[..., : -self.r], rope(q[..., -self.r:], self.theta)], dim=-1)
+        ckv = self.kv_down(x, "btd,dl->btl")
+        c_kv, k_r = self.kv_norm(ckv[..., : self.kvl]), ckv[..., self.kvl:]
+        k_nope, v = self.kv_up(c_kv, "btl,lchk->cbthk").unbind(0)
+        k_r = rope(k_r, self.theta)[:, :, None].expand(*k_nope.shape[:3], self.r)
+        k = torch.cat([k_nope, k_r], dim=-1)
+        y = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+        return self.out(y, "bhtk,hkd->btd")
+
+
+def _segment_attention(q, k, v, w: int, r: int):
+    """jaxpar.models.dilated._segment_attention on [B, T, H, D]."""
+    B, T, H, D = q.shape
+    w = min(w, T)
+    S, n = T // w, w // r
+    sel = torch.from_numpy(np.arange(r)[:, None] == np.arange(H)[None, :] % r).to(q.device)  # [r, H]
+    pick = lambda x: torch.where(sel[:, :, None], x.reshape(B, S, n, r, H, D), 0).sum(3)  # noqa: E731
+    qs, ks, vs = pick(q), pick(k), pick(v)
+    s = torch.einsum("bsqhd,bskhd->bshqk", qs.float(), ks.float()) / math.sqrt(D)
+    s = torch.where(torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), s, NEG)
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.einsum("bshqk,bskhd->bsqhd", torch.exp(s - lse[..., None]), vs.float())
+    out = torch.where(sel[:, :, None], o[:, :, :, None], 0).reshape(B, T, H, D)
+    lse = torch.where(sel, lse.transpose(2, 3)[:, :, :, None], NEG).reshape(B, T, H)
+    return out, lse
+
+
+def dilated_attention(q, k, v, pairs):
+    outs, lses = zip(*(_segment_attention(q, k, v, w, r) for w, r in pairs))
+    lse = torch.stack(lses)
+    weight = torch.exp(lse - lse.max(0).values)
+    out = sum(wt[..., None] * o for wt, o in zip(weight, outs)) / weight.sum(0)[..., None]
+    return out.to(q.dtype)
+
+
+class SketchedLinear(nn.Module):
+    """y = (x S) W + b: S a non-persistent buffer (derived, not trained, not saved), W = `factor`."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, name: str, n_in: int, n_out: int):
+        super().__init__()
+        self.register_buffer("sketch", torch.from_numpy(sketch_matrix(cfg, layer, name)), persistent=False)
+        self.factor = nn.Parameter(torch.empty(sketch_dim(cfg, n_in), n_out))
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x, equation: str = ""):
+        return (x @ self.sketch.to(x.dtype)) @ self.factor.to(x.dtype) + self.bias.to(x.dtype)
