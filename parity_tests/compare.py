@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from torchpar.layout import NAMES
+from torchpar.layout import ALL_NAMES
 
 SERIES = ("loss", "grad_norm", "lr")
 QKV_BIAS, KEY_BIAS = "blocks.attn.qkv.bias", "blocks.attn.qkv.bias[key]"
 # model order: embeddings, blocks (ln1, attn, ln2, mlp), final norm; the key bias after the rest of qkv.bias
-_FORWARD = sorted(NAMES, key=lambda n: (n.startswith("ln_f"), list(NAMES).index(n)))
+_FORWARD = sorted(ALL_NAMES, key=lambda n: (n.startswith("ln_f"), list(ALL_NAMES).index(n)))
 PARAM_ORDER = tuple(n for name in _FORWARD for n in ((name, KEY_BIAS) if name == QKV_BIAS else (name,)))
 
 

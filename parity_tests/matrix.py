@@ -1,7 +1,8 @@
 """Which comparisons run: the default selection (CI) and the full matrix (`--parity-full`).
 
-Default: float32 on jaxpar dp=2,tp=4 and every torchpar backend; accum and remat on torchpar's one
-process; bfloat16 on both one-device sides. Full: every config on every side.
+Default: float32 on jaxpar dp=2,tp=4 and every torchpar backend; accum, remat and the model variants
+(mla, dilated, sketched) on torchpar's one process; bfloat16 on both one-device sides. Full: every
+config on every side.
 
 float32, accum and remat: a side against the jaxpar one-device run of the same config.
 bfloat16: a side against its own float32 run (same side, `model.compute_dtype=float32`).
@@ -14,6 +15,7 @@ from parity_tests.compare import BFLOAT16, FLOAT32, Tolerance
 from parity_tests.runner import REFERENCE, SIDES, TORCH_BACKENDS
 
 AS_FLOAT32 = ("model.compute_dtype=float32",)
+VARIANTS = ("mla", "dilated", "sketched")  # model variants (configs/parity/<name>.yaml)
 
 
 @dataclass(frozen=True)
@@ -34,9 +36,9 @@ class Case:
 
 def cases(full: bool = False) -> list[Case]:
     if full:
-        out = [Case(c, s, REFERENCE) for c in ("float32", "accum", "remat") for s in SIDES if s != REFERENCE]
+        out = [Case(c, s, REFERENCE) for c in ("float32", "accum", "remat", *VARIANTS) for s in SIDES if s != REFERENCE]
         return out + [Case("bfloat16", s, s, AS_FLOAT32) for s in SIDES]
     # jaxpar dp=8 and fsdp=8 are left to --parity-full: tests/test_layouts.py holds every mesh to one device.
     out = [Case("float32", s, REFERENCE) for s in ("jax:dp=2,tp=4", *TORCH_BACKENDS)]
-    out += [Case(c, "torch:none", REFERENCE) for c in ("accum", "remat")]
+    out += [Case(c, "torch:none", REFERENCE) for c in ("accum", "remat", *VARIANTS)]
     return out + [Case("bfloat16", s, s, AS_FLOAT32) for s in (REFERENCE, "torch:none")]

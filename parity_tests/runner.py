@@ -122,10 +122,11 @@ class Runner:
                 "train.log_every=1", "train.eval_every=0", "checkpoint.every=0", *overrides]
 
     def init_weights(self, config: str, overrides=()) -> str:
-        """One exported initial-weights file per model shape and seed (shared by every config that has them)."""
+        """One exported initial-weights file per model section and seed (shared by every config that has them)."""
         cfg = load_config(config_path(config), list(overrides))
-        m = cfg.model
-        key = f"L{m.n_layer}-h{m.n_head}-d{m.d_model}-f{m.ff_dim}-v{m.vocab_size}-p{m.max_seq_len}-s{cfg.train.seed}"
+        # every model key shapes the weights (variants too), and the seed draws them
+        model = json.dumps({**cfg.to_dict()["model"], "seed": cfg.train.seed}, sort_keys=True)
+        key = hashlib.sha1(model.encode()).hexdigest()[:12]
         if key not in self._inits:
             path = os.path.join(self.workdir, "init", f"{key}.safetensors")
             cmd = [sys.executable, "-m", "jaxpar.train", *self.base_args(config, overrides), "--mesh", "dp=1",
