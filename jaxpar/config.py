@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from jaxpar.errors import UserError
+from jaxpar.errors import UserError, cli
 
 
 def _check(choices=None, lo=None, hi=None, lo_open=False):
@@ -219,8 +219,19 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
     setattr(section, key, coerced)
 
 
+def profile_window(spec: str) -> tuple[int, int] | None:
+    """train.profile_steps "a:b" -> (a, b): trace steps a..b-1; empty -> None."""
+    if not spec:
+        return None
+    a, colon, b = spec.partition(":")
+    if not (colon and a.strip().isdigit() and b.strip().isdigit() and int(a) < int(b)):
+        raise UserError(f"config key train.profile_steps: {spec!r} is not of the form a:b with a < b")
+    return int(a), int(b)
+
+
 def _check_consistency(cfg: Config) -> None:
     m, t = cfg.model, cfg.train
+    profile_window(t.profile_steps)
     if m.d_model % m.n_head:
         raise UserError(f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}")
     if cfg.data.seq_len > m.max_seq_len:
@@ -279,5 +290,14 @@ def config_from_dict(d: dict) -> Config:
     return cfg
 
 
-if __name__ == "__main__":  # print a resolved config: python -m jaxpar.config configs/x.yaml k=v ...
-    print(load_config(sys.argv[1] if len(sys.argv) > 1 else None, sys.argv[2:]).to_json())
+@cli
+def main(argv=None) -> int:
+    """python -m jaxpar.config [configs/x.yaml] [section.key=value ...]: print the resolved config."""
+    args = sys.argv[1:] if argv is None else argv
+    has_path = bool(args) and "=" not in args[0]
+    print(load_config(args[0] if has_path else None, args[1:] if has_path else args).to_json())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

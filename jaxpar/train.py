@@ -8,7 +8,7 @@ import signal
 import sys
 import time
 
-from jaxpar.config import Config, load_config
+from jaxpar.config import Config, load_config, profile_window
 from jaxpar.errors import UserError
 from jaxpar.mesh import format_mesh, parse_mesh, setup_devices
 
@@ -111,7 +111,7 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_fina
     fpt = flops_per_token(cfg.model, d.seq_len)
     step, mark, mark_step = int(state["step"]), time.perf_counter(), int(state["step"])
     meta = lambda s: {"step": s, "data_step": s, "mesh": format_mesh(dict(mesh.shape))}  # noqa: E731
-    prof = [int(x) for x in t.profile_steps.split(":")] if t.profile_steps else None
+    prof = profile_window(t.profile_steps)
     while step < t.steps and "signal" not in stop:
         if prof and step == prof[0]:
             jax.profiler.start_trace(os.path.join(cfg.run.dir, "profile"))

@@ -1,4 +1,6 @@
-"""bench and bench_collectives run on CPU (figures labelled CPU) so the code path is exercised."""
+"""bench, bench_collectives, report and profiling run on CPU (figures labelled CPU): the code paths are exercised."""
+import os
+
 from jaxpar import bench, bench_collectives
 from jaxpar.config import load_config
 from jaxpar.mesh import parse_mesh
@@ -75,3 +77,24 @@ def test_torchpar_collectives_bench_on_two_processes(tmp_path):
     rows = json.loads(out.read_text())
     assert {x["op"] for x in rows} == {"all_reduce", "all_gather", "reduce_scatter", "ppermute"}
     assert all(x["devices"] == 2 and x["time_s"] > 0 for x in rows)
+
+
+def test_profile_steps_write_traces(tmp_path):
+    """train.profile_steps=a:b leaves a jax.profiler trace (jaxpar) and a torch.profiler trace (torchpar)."""
+    import subprocess
+    import sys
+
+    from tests.cli import ROOT, run_cli
+    from tests.tiny import TINY, make_dataset
+
+    dataset = make_dataset(tmp_path / "tokens.bin")
+    r = run_cli(tmp_path / "jax", dataset, "train.steps=4", "train.profile_steps=1:3")
+    assert r.returncode == 0, r.stderr
+    assert any(f.endswith(".xplane.pb") for _, _, fs in os.walk(tmp_path / "jax" / "profile") for f in fs)
+    r = subprocess.run([sys.executable, "-m", "torchpar.train", "--backend", "none", *TINY, f"data.dataset={dataset}",
+                        f"run.dir={tmp_path / 'torch'}", "train.steps=4", "train.profile_steps=1:3"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "torch" / "profile" / "trace_rank0.json").stat().st_size > 0
+    bad = run_cli(tmp_path / "bad", dataset, "train.profile_steps=3:1")
+    assert bad.returncode == 2 and "train.profile_steps" in bad.stderr

@@ -15,7 +15,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # grain (the data pipeline) imports jax: keep it off the GPUs
 
-from jaxpar.config import Config, load_config  # noqa: E402
+from jaxpar.config import Config, load_config, profile_window  # noqa: E402
 from jaxpar.errors import UserError  # noqa: E402
 from torchpar.backends import BACKENDS  # noqa: E402
 from torchpar.dist import launch_env  # noqa: E402
@@ -151,7 +151,11 @@ def train(cfg: Config, args) -> int:
     fpt = flops_per_token(cfg.model, d.seq_len)
     mark, mark_step = time.perf_counter(), step
     meta = lambda s: {"step": s, "data_step": s, "backend": args.backend, "world_size": W}  # noqa: E731
+    window, profiler = profile_window(t.profile_steps), None
     while step < t.steps:
+        if window and step == window[0]:  # train.profile_steps=a:b -> <run.dir>/profile/trace_rank<r>.json
+            profiler = torch.profiler.profile()
+            profiler.start()
         batch = rows(train_data, step, t.global_batch_size)  # microbatch m = rows m, m+M, ... (as jaxpar)
         loss, grad_norm, lr = engine.train_step([batch[m::M] for m in range(M)])
         step += 1
@@ -160,7 +164,8 @@ def train(cfg: Config, args) -> int:
         halt = signalled > 0
         last = step == t.steps or halt
         do_eval = last or (t.eval_every and step % t.eval_every == 0)
-        if step % t.log_every == 0 or do_eval or last:
+        logged = step % t.log_every == 0 or do_eval or last
+        if logged:
             now = time.perf_counter()
             tps = (step - mark_step) * t.global_batch_size * d.seq_len / (now - mark)
             record = {"step": step, "loss": loss_sum / W, "grad_norm": float(grad_norm), "lr": float(lr),
@@ -170,9 +175,15 @@ def train(cfg: Config, args) -> int:
             if do_eval:
                 record["eval_loss"] = evaluate()
             log.log(record)
-            mark, mark_step = time.perf_counter(), step
         if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
             engine.checkpointer.save(step, meta(step))
+        if logged:  # throughput covers training steps only, not evaluation or checkpoint saves
+            mark, mark_step = time.perf_counter(), step
+        if profiler and (step == window[1] or last):
+            profiler.stop()
+            os.makedirs(os.path.join(cfg.run.dir, "profile"), exist_ok=True)
+            profiler.export_chrome_trace(os.path.join(cfg.run.dir, "profile", f"trace_rank{r}.json"))
+            profiler = None
         _fault_hooks(step)
         if halt:
             if env.is_main:
