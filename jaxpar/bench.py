@@ -107,6 +107,16 @@ def record_row(result: dict) -> str:
     return path
 
 
+def publish(result: dict, json_path: str | None, record: bool) -> None:
+    """Print the result; write it as JSON and/or a dated markdown row where asked."""
+    print(json.dumps(result, indent=2))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
+    if record:
+        record_row(result)
+
+
 def compare(args, result: dict) -> dict:
     """Run torchpar (torch.compile on, one process) on the same config and device; tokens/s ratio."""
     import subprocess
@@ -144,12 +154,7 @@ def main(argv=None) -> int:
     sizes = parse_mesh(args.mesh or cfg.parallel.mesh)
     setup_devices(sizes)
     result = bench(cfg, sizes, args.steps, args.warmup)
-    print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    if args.record:
-        record_row(result)
+    publish(result, args.json, args.record)
     if args.compare:
         cmp = compare(args, result)
         print(f"jaxpar {cmp['jaxpar_tokens_per_sec']:,.0f} tok/s vs torchpar (compiled) "

@@ -1,5 +1,5 @@
 """Run K training steps of a config on a given layout, in-process: what the layout-equivalence
-tests and the parity suite compare. Same state, step and data code as `jaxpar.train`."""
+tests compare (the parity suite runs the trainers themselves). Same state, step and data code as `jaxpar.train`."""
 from __future__ import annotations
 
 import jax

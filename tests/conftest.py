@@ -7,3 +7,22 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory):
+    """A small learnable token file shared by every test (tests/tiny.py)."""
+    from tests.tiny import make_dataset
+
+    return make_dataset(tmp_path_factory.mktemp("data") / "tokens.bin")
+
+
+@pytest.fixture(scope="session")
+def reference(dataset):
+    """The one-device float32 run of the tiny config: what every layout must reproduce."""
+    from jaxpar.harness import run_steps
+    from tests.tiny import tiny_config
+
+    return run_steps(tiny_config(), "dp=1", dataset, devices=jax.devices()[:1])

@@ -5,12 +5,6 @@ import shutil
 import pytest
 
 from tests.cli import metrics, run_cli
-from tests.tiny import make_dataset
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("data") / "tokens.bin")
 
 
 def assert_one_line_error(r, *phrases):

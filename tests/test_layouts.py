@@ -4,22 +4,12 @@ import numpy as np
 import pytest
 
 from jaxpar.harness import run_steps
-from tests.tiny import make_dataset, tiny_config
+from tests.tiny import tiny_config
 
 LAYOUTS = [("dp=8", ()), ("fsdp=8", ()), ("dp=2,tp=4", ()), ("dp=2,fsdp=2,tp=2", ()),
            ("dp=4", ("parallel.zero_stage=1",)), ("dp=2,fsdp=2", ("parallel.zero_stage=2",)),
            ("dp=4,tp=2", ("parallel.zero_stage=3",)),
            ("dp=2,tp=4", ("model.remat=full",)), ("fsdp=2", ("model.remat=save_matmuls",))]
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("data") / "tokens.bin")
-
-
-@pytest.fixture(scope="module")
-def reference(dataset):
-    return run_steps(tiny_config(), "dp=1", dataset, devices=jax.devices()[:1])
 
 
 def assert_params_close(got: dict, ref: dict) -> None:

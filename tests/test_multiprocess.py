@@ -5,21 +5,15 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 from tests.cli import ROOT, metrics, run_cli
-from tests.tiny import TINY, make_dataset
+from tests.tiny import TINY
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("data") / "tokens.bin")
 
 
 def test_two_processes_reproduce_one_process(dataset, tmp_path):

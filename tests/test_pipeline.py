@@ -6,17 +6,12 @@ import pytest
 from jaxpar.errors import UserError
 from jaxpar.harness import run_steps
 from tests.test_layouts import assert_params_close
-from tests.tiny import make_dataset, tiny_config
+from tests.tiny import tiny_config
 
 # 4 layers so that pp=4 has a layer per stage. At the tiny config's lr=1e-2 a 4-layer model lets Adam
 # amplify float32 rounding to ~3e-5 in parameters on *any* sharded layout (dp=2,tp=2 too, no pipeline);
 # at 3e-3 every layout stays within the 1e-5 bound.
 DEEP = ("model.n_layer=4", "optim.lr=3e-3", "optim.min_lr=3e-4")
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("data") / "tokens.bin")
 
 
 @pytest.fixture(scope="module")

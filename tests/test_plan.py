@@ -1,6 +1,5 @@
 """The planner against formulas written here, independently of jaxpar.plan's own."""
 import jax
-import pytest
 
 from jaxpar.config import load_config
 from jaxpar.mesh import parse_mesh

@@ -12,7 +12,7 @@ from jaxpar.parallel.sequence import attention, use_sequence, zigzag_order
 from jaxpar.sharding import rules_for, use_rules
 from jaxpar.state import Layout
 from tests.test_layouts import assert_params_close
-from tests.tiny import make_dataset, tiny_config
+from tests.tiny import tiny_config
 
 B, T, H, D = 2, 32, 8, 4  # T divisible by 2*8 (zig-zag at sp=8), H by 8 (Ulysses at sp=8)
 
@@ -50,17 +50,7 @@ def test_attention_equals_full_attention(strategy, sp, zigzag):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=name)
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("data") / "tokens.bin")
-
-
-@pytest.fixture(scope="module")
-def reference(dataset):
-    return run_steps(tiny_config(), "dp=1", dataset, devices=jax.devices()[:1])
-
-
-RUNS = [("sp=4,dp=2", ()), ("sp=2,fsdp=2,tp=2", ()),
+RUNS = [("sp=4,dp=2", ()), ("sp=2,fsdp=2,tp=2", ()), ("pp=2,sp=2,dp=2", ()),
         ("sp=2,fsdp=2,tp=2", ("parallel.sequence_attention=ulysses", "parallel.sequence_zigzag=false"))]
 
 

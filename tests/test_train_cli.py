@@ -6,14 +6,8 @@ import numpy as np
 import pytest
 
 from tests.cli import metrics, run_cli
-from tests.tiny import make_dataset
 
 STEPS = ["train.steps=20", "checkpoint.every=10", "train.eval_every=0"]
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("data") / "tokens.bin")
 
 
 @pytest.fixture(scope="module")

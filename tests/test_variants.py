@@ -21,7 +21,7 @@ from jaxpar.models.gpt import loss_fn as jax_loss
 from jaxpar.models.mla import MLAttention, kv_cache_width
 from jaxpar.models.sketched import sketch_matrix
 from tests.test_layouts import assert_params_close
-from tests.tiny import make_dataset, tiny_config
+from tests.tiny import tiny_config
 from torchpar.layout import from_shared, shared_shapes, to_shared
 from torchpar.model import GPT, loss_fn
 
@@ -32,11 +32,6 @@ VARIANTS = {
     "sketched_sign": ("model.linear=sketched", "model.sketch=sign", "model.sketch_ratio=0.25"),
 }
 LAYOUTS = ["dp=8", "dp=2,tp=4", "fsdp=8"]
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("data") / "tokens.bin")
 
 
 _REFERENCES: dict = {}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import shlex
@@ -17,7 +16,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # jaxpar's modules may import jax: keep it off the GPUs
 
-from jaxpar.bench import record_row  # noqa: E402
+from jaxpar.bench import publish  # noqa: E402
 from jaxpar.config import load_config  # noqa: E402
 from jaxpar.errors import UserError, cli  # noqa: E402
 
@@ -110,12 +109,7 @@ def main(argv=None) -> int:
         dist.teardown()
     if not result.pop("is_main"):
         return 0
-    print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    if args.record:
-        record_row(result)
+    publish(result, args.json, args.record)
     return 0
 
 
