@@ -9,7 +9,7 @@ import sys
 import time
 
 from jaxpar.config import Config, load_config, profile_window
-from jaxpar.errors import UserError
+from jaxpar.errors import UserError, cli
 from jaxpar.mesh import format_mesh, parse_mesh, setup_devices
 
 
@@ -33,16 +33,28 @@ def _fault_hooks(step: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _write_weights(path: str, params, which: str) -> None:
+    """Gather the parameters (every process takes part) and write the shared file from process 0."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    from jaxpar.compat.weights import save_weights
+
+    params = multihost_utils.process_allgather(params, tiled=True)
+    if jax.process_index() == 0:
+        save_weights(path, params)
+        print(f"wrote {which} weights to {path}", file=sys.stderr)
+
+
 def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_final: str | None = None) -> int:
     sizes = parse_mesh(mesh_spec)
     setup_devices(sizes)
     import jax
 
     from jaxpar import state as st
-    from jax.experimental import multihost_utils
 
     from jaxpar.checkpoint import Checkpointer, abstract_like
-    from jaxpar.compat.weights import flatten, load_weights, save_weights, unflatten
+    from jaxpar.compat.weights import flatten, load_weights, unflatten
     from jaxpar.data import TokenBatches, resolve_dataset
     from jaxpar.mesh import make_mesh
     from jaxpar.parallel.pipeline import resolve_microbatches
@@ -76,10 +88,7 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_fina
     else:
         state = st.init_state(layout)
     if write_init:
-        params = multihost_utils.process_allgather(state["params"], tiled=True)
-        if main_proc:
-            save_weights(write_init, params)
-            print(f"wrote initial weights to {write_init}", file=sys.stderr)
+        _write_weights(write_init, state["params"], "initial")
         return 0
     if main_proc:
         with open(os.path.join(cfg.run.dir, "config.json"), "w") as f:
@@ -142,24 +151,18 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_fina
     if "signal" in stop:
         ckpt.save(step, state, meta(step))
         print(f"stopped by signal {stop['signal']} after step {step}; checkpoint saved", file=sys.stderr)
-    if write_final:  # every process takes part in the gather; process 0 writes
-        params = multihost_utils.process_allgather(state["params"], tiled=True)
-        if main_proc:
-            save_weights(write_final, params)
-            print(f"wrote final weights to {write_final}", file=sys.stderr)
+    if write_final:
+        _write_weights(write_final, state["params"], "final")
     ckpt.close()
     log.close()
     return 0
 
 
+@cli
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        return train(cfg, args.mesh or cfg.parallel.mesh, args.write_init, args.write_final)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, args.overrides)
+    return train(cfg, args.mesh or cfg.parallel.mesh, args.write_init, args.write_final)
 
 
 if __name__ == "__main__":
