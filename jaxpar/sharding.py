@@ -88,4 +88,11 @@ def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     if active is None:
         return x
     mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(axes, x.shape, mesh, rules)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(tracing_mesh(mesh), spec_for(axes, x.shape, mesh, rules)))
+
+
+def tracing_mesh(mesh):
+    """`mesh`, or inside a shard_map (the pipeline executor is manual over pp) the context's abstract
+    mesh, which sharding constraints and nested shard_maps must name; activations never use its manual axes."""
+    context = jax.sharding.get_abstract_mesh()
+    return context if not context.empty and context.manual_axes else mesh

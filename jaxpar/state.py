@@ -20,6 +20,7 @@ from jaxpar.errors import UserError
 from jaxpar.models.gpt import GPT, loss_fn
 from jaxpar.optim import make_optimizer, schedule_fn
 from jaxpar.parallel.pipeline import check_pipeline, resolve_microbatches, use_pipeline
+from jaxpar.parallel.pipeline_executor import HAND_SCHEDULED, pipeline_value_and_grad
 from jaxpar.parallel.sequence import check_sequence, use_sequence
 from jaxpar.sharding import spec_for, use_rules, with_extra_axis
 
@@ -53,7 +54,7 @@ def check_layout(cfg: Config, mesh) -> None:
                         f"train.microbatches={t.microbatches}) is not divisible by the data axes dp*fsdp={data_ways}")
     p = cfg.parallel
     check_sequence(cfg.data.seq_len, m.n_head, s, p.sequence_attention, p.sequence_zigzag)
-    check_pipeline(cfg, s["pp"], data_ways)
+    check_pipeline(cfg, s)
 
 
 class Layout:
@@ -123,6 +124,17 @@ def _loss(layout: Layout, params, batch):
     return loss_fn(nnx.merge(layout.graphdef, params), batch)
 
 
+def _value_and_grad(layout: Layout):
+    """jax.value_and_grad of the loss (GPipe over pp included: jax.grad through its ticks), or the
+    hand-scheduled pipeline executor for 1F1B and interleaved schedules."""
+    p, S = layout.cfg.parallel, layout.mesh.shape["pp"]
+    if S == 1 or p.pipeline_schedule not in HAND_SCHEDULED:
+        return jax.value_and_grad(partial(_loss, layout))
+    M = resolve_microbatches(S, p.pipeline_microbatches)
+    return partial(pipeline_value_and_grad, layout.graphdef, layout.cfg.model, mesh=layout.mesh,
+                   schedule=p.pipeline_schedule, S=S, M=M, V=p.pipeline_virtual_stages)
+
+
 def make_train_step(layout: Layout):
     cfg, M = layout.cfg, layout.cfg.train.microbatches
     lr = schedule_fn(cfg)
@@ -132,9 +144,11 @@ def make_train_step(layout: Layout):
         # Microbatch m takes rows m, m+M, m+2M, ...: each device keeps its own rows (no reshuffle).
         micro = batch.reshape(-1, M, batch.shape[-1]).swapaxes(0, 1)
 
+        value_and_grad = _value_and_grad(layout)
+
         def accumulate(carry, mb):
             mb = jax.lax.with_sharding_constraint(mb, layout.batch_sharding)
-            loss, grads = jax.value_and_grad(partial(_loss, layout))(params, mb)
+            loss, grads = value_and_grad(params, mb)
             return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
         zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))

@@ -115,8 +115,13 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_fina
     log = MetricsLog(cfg.run.dir, main_proc, t.steps)
     peak = peak_flops(jax.devices()[0].device_kind, cfg.model.compute_dtype)
     stages, par = mesh.shape["pp"], cfg.parallel
-    bubble = bubble_fraction(simulate(par.pipeline_schedule, stages, resolve_microbatches(
-        stages, par.pipeline_microbatches), par.pipeline_virtual_stages)) if stages > 1 else None
+    bubble = None
+    if stages > 1:
+        n_micro = resolve_microbatches(stages, par.pipeline_microbatches)
+        bubble = bubble_fraction(simulate(par.pipeline_schedule, stages, n_micro, par.pipeline_virtual_stages))
+        if main_proc:
+            print(f"pipeline {par.pipeline_schedule}: {stages} stages x {par.pipeline_virtual_stages} virtual, "
+                  f"{n_micro} microbatches, bubble {bubble:.3f}", flush=True)
     fpt = flops_per_token(cfg.model, d.seq_len)
     step, mark, mark_step = int(state["step"]), time.perf_counter(), int(state["step"])
     meta = lambda s: {"step": s, "data_step": s, "mesh": format_mesh(dict(mesh.shape))}  # noqa: E731

@@ -39,6 +39,7 @@ TORCH_BACKENDS = {
     "torch:fsdp": (2, ["--backend", "fsdp"]),
     "torch:zero2": (2, ["--backend", "deepspeed", "parallel.zero_stage=2"]),
     "torch:zero3": (2, ["--backend", "deepspeed", "parallel.zero_stage=3"]),
+    "torch:pp=2": (2, ["--backend", "pipeline", "parallel.pipeline_schedule=1f1b"]),  # torch.distributed.pipelining
 }
 SIDES = (*JAX_LAYOUTS, *TORCH_BACKENDS)
 

@@ -23,7 +23,8 @@ CASES = {
     "bad_value": (["optim.lr=-1"], {}, ["optim.lr", "out of range"]),
     "bad_mesh_axis": (["--mesh", "xp=2"], {}, ["xp=2"]),
     "layers_vs_pp": (["--mesh", "pp=4", "model.n_layer=2"], {}, ["n_layer=2", "stages x virtual stages = 4"]),
-    "pipeline_schedule_not_executed": (["--mesh", "pp=2", "parallel.pipeline_schedule=1f1b"], {}, ["1f1b"]),
+    "1f1b_microbatches_below_stages": (["--mesh", "pp=2", "parallel.pipeline_schedule=1f1b", "parallel.pipeline_microbatches=1"],
+                                       {}, ["1f1b needs microbatches >= stages"]),
 }
 
 

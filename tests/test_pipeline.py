@@ -1,10 +1,12 @@
-"""GPipe over pp reproduces the single-device float32 run; bad pipeline layouts are one-line errors."""
+"""Every pipeline schedule over pp reproduces the single-device float32 run; bad pipeline layouts are
+one-line errors; the hand-scheduled executor keeps ~S stage inputs for 1F1B whatever M is."""
 import jax
 import numpy as np
 import pytest
 
 from jaxpar.errors import UserError
 from jaxpar.harness import run_steps
+from jaxpar.parallel.pipeline_executor import tick_plan
 from tests.test_layouts import assert_params_close
 from tests.tiny import tiny_config
 
@@ -12,25 +14,56 @@ from tests.tiny import tiny_config
 # amplify float32 rounding to ~3e-5 in parameters on *any* sharded layout (dp=2,tp=2 too, no pipeline);
 # at 3e-3 every layout stays within the 1e-5 bound.
 DEEP = ("model.n_layer=4", "optim.lr=3e-3", "optim.min_lr=3e-4")
+DEEPER = ("model.n_layer=8", "optim.lr=3e-3", "optim.min_lr=3e-4")  # interleaved pp=4: 2 chunks of 1 layer
+SCHEDULES = {"gpipe": (), "1f1b": (), "interleaved": ("parallel.pipeline_virtual_stages=2",)}
 
 
 @pytest.fixture(scope="module")
-def reference(dataset):
-    return run_steps(tiny_config(*DEEP), "dp=1", dataset, devices=jax.devices()[:1])
+def references(dataset):
+    one = jax.devices()[:1]
+    return {n: run_steps(tiny_config(*model), "dp=1", dataset, devices=one) for n, model in ((4, DEEP), (8, DEEPER))}
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("mesh,n", [("pp=2", 2), ("pp=4", 4), ("pp=2,dp=2,tp=2", 8)])
-def test_gpipe_matches_single_device(mesh, n, dataset, reference):
-    got = run_steps(tiny_config(*DEEP, "parallel.pipeline_schedule=gpipe"), mesh, dataset, devices=jax.devices()[:n])
+def test_schedule_matches_single_device(schedule, mesh, n, dataset, references):
+    model = DEEPER if schedule == "interleaved" and mesh == "pp=4" else DEEP
+    cfg = tiny_config(*model, f"parallel.pipeline_schedule={schedule}", *SCHEDULES[schedule])
+    got = run_steps(cfg, mesh, dataset, devices=jax.devices()[:n])
+    reference = references[cfg.model.n_layer]
     np.testing.assert_allclose(got["loss"], reference["loss"], rtol=1e-5)
     assert_params_close(got["params"], reference["params"])
 
 
+def test_1f1b_composes_with_fsdp_and_sequence_parallel(dataset, references):
+    cfg = tiny_config(*DEEP, "parallel.pipeline_schedule=1f1b", "parallel.sequence_attention=ulysses")
+    got = run_steps(cfg, "pp=2,fsdp=2,sp=2", dataset, devices=jax.devices()[:8])
+    np.testing.assert_allclose(got["loss"], references[4]["loss"], rtol=1e-5)
+    assert_params_close(got["params"], references[4]["params"])
+
+
+def test_executor_holds_stage_inputs_for_schedule_in_flight_not_all_microbatches():
+    S = 4
+    for M in (4, 8, 16):
+        assert tick_plan("1f1b", S, M, 1).act_slots - 1 == S  # the extra slot is scratch
+        assert tick_plan("gpipe", S, M, 1).act_slots - 1 == M
+    assert tick_plan("1f1b", S, 16, 1).tables.shape[0] == 2 * (16 + S - 1)  # every stage busy but the bubble
+
+
 @pytest.mark.parametrize("overrides,message", [
-    (("parallel.pipeline_schedule=1f1b",), "not executed yet"),
     (("model.n_layer=3",), "not divisible by stages x virtual stages"),
     (("parallel.pipeline_microbatches=3",), "not divisible by parallel.pipeline_microbatches=3"),
+    (("parallel.pipeline_schedule=1f1b", "parallel.pipeline_microbatches=1", "train.global_batch_size=2"),
+     "1f1b needs microbatches >= stages"),
+    (("parallel.pipeline_schedule=interleaved", "parallel.pipeline_virtual_stages=2", "parallel.pipeline_microbatches=3",
+      "train.global_batch_size=6"), "divisible by stages"),
 ])
 def test_bad_pipeline_layouts(overrides, message, dataset):
     with pytest.raises(UserError, match=message):
         run_steps(tiny_config(*DEEP, *overrides), "pp=2", dataset, steps=1, devices=jax.devices()[:2])
+
+
+def test_hand_scheduled_pipeline_refuses_ring_attention(dataset):
+    with pytest.raises(UserError, match="needs parallel.sequence_attention=all_gather or ulysses"):
+        run_steps(tiny_config(*DEEP, "parallel.pipeline_schedule=1f1b"), "pp=2,sp=2", dataset, steps=1,
+                  devices=jax.devices()[:4])

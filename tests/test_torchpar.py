@@ -16,6 +16,9 @@ import time
 import numpy as np
 import pytest
 
+from safetensors.numpy import load_file
+
+from tests.test_layouts import assert_params_close
 from tests.tiny import TINY, make_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,7 +98,7 @@ def base(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(base):
     run_dir = base["tmp"] / "reference"
-    run(["--backend", "none", *base["args"], f"run.dir={run_dir}"])
+    run(["--backend", "none", *base["args"], f"run.dir={run_dir}", "--write-final", str(base["tmp"] / "reference.safetensors")])
     return metrics(run_dir)
 
 
@@ -159,6 +162,28 @@ def test_deepspeed_resume_after_sigkill(base, reference):
     assert max(metrics(run_dir)) == 6
     out = run(args, nproc=2)
     assert "resumed from" in out.stderr
+    assert_same_run(metrics(run_dir), reference)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_two_stages_match_one_process(schedule, base, reference):
+    """torch.distributed.pipelining, one stage (one layer) per rank: same losses and final weights."""
+    run_dir, final = base["tmp"] / f"pipeline-{schedule}", str(base["tmp"] / f"pipeline-{schedule}.safetensors")
+    run(["--backend", "pipeline", *base["args"], f"parallel.pipeline_schedule={schedule}", f"run.dir={run_dir}",
+         "--write-final", final], nproc=2)
+    assert_same_run(metrics(run_dir), reference)
+    assert_params_close(load_file(final), load_file(base["tmp"] / "reference.safetensors"))
+
+
+def test_pipeline_resume_after_sigkill(base, reference):
+    """1F1B with gradient accumulation (2 x 2 microbatches), killed after step 6, resumed from step 4."""
+    run_dir = base["tmp"] / "pipeline-killed"
+    args = ["--backend", "pipeline", *base["args"], "parallel.pipeline_schedule=1f1b", "train.microbatches=2",
+            "parallel.pipeline_microbatches=2", "checkpoint.every=4", f"run.dir={run_dir}"]
+    run(args, nproc=2, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
+    assert max(metrics(run_dir)) == 6
+    out = run(args, nproc=2)
+    assert "resumed from" in out.stderr and "checkpoints/4" in out.stderr
     assert_same_run(metrics(run_dir), reference)
 
 
@@ -228,3 +253,15 @@ def test_world_size_not_dividing_batch(base, tmp_path):
     line = _one_error_line(run(args, expect_rc="nonzero", RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"))
     assert "world size 2" in line
     assert not os.path.exists(tmp_path / "run")  # nothing half-written
+
+
+@pytest.mark.parametrize("extra,world,message", [
+    (["parallel.pipeline_schedule=interleaved"], "2", "gpipe or 1f1b"),
+    ([], "4", "model.n_layer=2 is not divisible by stages"),
+    (["parallel.pipeline_schedule=1f1b", "parallel.pipeline_microbatches=1"], "2", "1f1b needs microbatches >= stages"),
+])
+def test_bad_pipeline_layouts(extra, world, message, base, tmp_path):
+    args = ["--backend", "pipeline", *base["args"], *extra, f"run.dir={tmp_path / 'run'}"]
+    line = _one_error_line(run(args, expect_rc="nonzero", RANK="0", WORLD_SIZE=world, LOCAL_RANK="0"))
+    assert message in line
+    assert not os.path.exists(tmp_path / "run")

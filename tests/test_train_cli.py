@@ -46,6 +46,18 @@ def test_checkpoint_restores_onto_another_mesh(dataset, uninterrupted, tmp_path)
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
+def test_checkpoint_continues_on_a_1f1b_pipeline(dataset, uninterrupted, tmp_path):
+    """fsdp=8's step-10 checkpoint resumed on pp=2,dp=2,tp=2 with the hand-scheduled 1F1B executor."""
+    interrupted(dataset, tmp_path, kill_after=10)
+    r = run_cli(tmp_path, dataset, "--mesh", "pp=2,dp=2,tp=2", "parallel.pipeline_schedule=1f1b", *STEPS)
+    assert r.returncode == 0, r.stderr
+    assert "pipeline 1f1b: 2 stages x 1 virtual, 4 microbatches, bubble 0.200" in r.stdout  # (S-1)/(M+S-1)
+    resumed = metrics(tmp_path)
+    np.testing.assert_allclose([resumed[s]["loss"] for s in range(11, 21)],
+                               [uninterrupted[s]["loss"] for s in range(11, 21)], rtol=1e-5)
+    assert resumed[20]["pipeline_bubble"] == pytest.approx(0.2)
+
+
 def test_sigterm_saves_and_exits_zero(dataset, tmp_path):
     r = run_cli(tmp_path, dataset, "--mesh", "dp=2", "train.steps=50", "checkpoint.every=0",
                 env={"JAXPAR_FAULT_SIGTERM_AFTER_STEP": "3"})

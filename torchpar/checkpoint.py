@@ -17,11 +17,16 @@ from contextlib import contextmanager
 
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from jaxpar.errors import UserError
 from torchpar import dist
 from torchpar.dist import Env
+
+
+# Optimizer hyperparameters stored per parameter name: pipeline stages hold different parameters, and a
+# single "param_groups" entry would be saved by one rank only and loaded into every rank.
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 @contextmanager
@@ -45,7 +50,7 @@ class DCPCheckpointer:
         self.keep, self.model, self.optimizer, self.env = keep, model, optimizer, env
 
     def _state(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=FLAT)
         return {"model": model_sd, "optim": optim_sd}
 
     def save(self, step: int, meta: dict) -> None:
@@ -83,7 +88,8 @@ class DCPCheckpointer:
         except Exception as e:  # noqa: BLE001 - any failure to read is a checkpoint problem for the user
             reason = (str(e).strip().splitlines() or [repr(e)])[0][:300]
             raise UserError(f"checkpoint {path} could not be loaded: {reason}") from None
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=FLAT)
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
         if self.env.is_main:

@@ -62,7 +62,10 @@ def check(cfg: Config, args) -> None:
     if args.deepspeed_config and args.backend != "deepspeed":
         raise UserError("--deepspeed-config needs --backend deepspeed")
     micro = cfg.train.global_batch_size // cfg.train.microbatches
-    if micro % world:
+    if args.backend == "pipeline":
+        from torchpar.backends.pipeline import check_pipeline
+        check_pipeline(cfg, world)
+    elif micro % world:
         raise UserError(f"batch per microbatch {micro} (train.global_batch_size={cfg.train.global_batch_size} / "
                         f"train.microbatches={cfg.train.microbatches}) is not divisible by the world size {world}")
     if args.backend == "deepspeed":
@@ -98,7 +101,6 @@ def train(cfg: Config, args) -> int:
     from jaxpar.metrics import MetricsLog, flops_per_token, peak_flops
     from torchpar import backends, dist
     from torchpar.layout import from_shared, shared_shapes, to_shared
-    from torchpar.model import loss_fn
 
     torch.set_float32_matmul_precision(PRECISION[cfg.train.matmul_precision])
     if torch.cuda.is_available():
@@ -131,16 +133,16 @@ def train(cfg: Config, args) -> int:
             json.dump({**cfg.to_dict(), "backend": args.backend, "world_size": W}, f, indent=2)
         print(f"backend {args.backend} on {W} {env.device.type} processes; {n_params:,} params", flush=True)
 
+    share, ways = engine.data_rank, engine.data_ways  # pipeline: every stage reads the whole batch
+
     def rows(data, s, n):  # this rank's rows of the global batch at step s
-        return torch.from_numpy(data.rows(s, r * n // W, (r + 1) * n // W)).long().to(env.device)
+        return torch.from_numpy(data.rows(s, share * n // ways, (share + 1) * n // ways)).long().to(env.device)
 
     def evaluate() -> float:
         engine.module.eval()
-        with torch.no_grad():
-            losses = [float(loss_fn(engine.module(b[:, :-1]), b)) for b in (rows(val_data, i, micro_batch)
-                                                                         for i in range(t.eval_batches))]
+        losses = [engine.eval_loss(rows(val_data, i, micro_batch)) for i in range(t.eval_batches)]
         engine.module.train()
-        return dist.all_sum([sum(losses) / len(losses)], env)[0] / W
+        return dist.all_sum([sum(losses) / len(losses)], env)[0] / ways
 
     stop = {}
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -168,7 +170,7 @@ def train(cfg: Config, args) -> int:
         if logged:
             now = time.perf_counter()
             tps = (step - mark_step) * t.global_batch_size * d.seq_len / (now - mark)
-            record = {"step": step, "loss": loss_sum / W, "grad_norm": float(grad_norm), "lr": float(lr),
+            record = {"step": step, "loss": loss_sum / ways, "grad_norm": float(grad_norm), "lr": float(lr),
                       "tokens_per_sec": tps, "step_time_s": (now - mark) / (step - mark_step),
                       "mfu": tps * fpt / (peak * W) if peak else None,
                       "memory_gib": torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else None}

@@ -139,40 +139,63 @@ class GPT(nnx.Module):
     def __call__(self, tokens: jax.Array, positions=None) -> jax.Array:
         """tokens [batch, seq] int -> logits [batch, seq, vocab] float32. `positions` [seq]: the tokens'
         positions when they are not in natural order (zig-zag sequence parallelism)."""
+        return self.head(self.run_blocks(self.embed(tokens, positions), positions))
+
+    # The three pieces below are also what pipeline stages run (jaxpar/parallel/pipeline_executor.py):
+    # embed on the first stage, a slice of the blocks on each, head and loss on the last.
+    def embed(self, tokens: jax.Array, positions=None) -> jax.Array:
         dtype = jnp.dtype(self.cfg.compute_dtype)
         T = tokens.shape[1]
         wpe = self.wpe[...][:T] if positions is None else jnp.take(self.wpe[...], positions, axis=0)
         # Gather the table's fsdp shards before the lookup: a gather from a table split on both
         # vocab (tp) and embed (fsdp) makes GSPMD replicate its output the slow way.
         x = jnp.take(constrain(self.wte[...], ("vocab", "act_embed")), tokens, axis=0) + wpe
-        x = constrain(x.astype(dtype), ("batch", "seq", "act_embed"))
+        return constrain(x.astype(dtype), ("batch", "seq", "act_embed"))
 
+    def run_blocks(self, x: jax.Array, positions=None, sketches=None) -> jax.Array:
+        """Every layer of `self.blocks` (whatever its leading length) in order; `sketches` default to
+        the whole model's (model.linear=sketched), a pipeline stage passes its own slice."""
+        dtype = jnp.dtype(self.cfg.compute_dtype)
         graphdef, stacked = nnx.split(self.blocks)
 
         def layer(h, xs):
-            layer_state, sketches = xs
-            return nnx.merge(graphdef, layer_state)(h, dtype, positions, sketches)
+            layer_state, layer_sketches = xs
+            return nnx.merge(graphdef, layer_state)(h, dtype, positions, layer_sketches)
 
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat])
-        # a scan over layers, or pipeline stages over `pp`; fixed sketches (model.linear=sketched) ride along
-        x = run_layers(layer, (stacked, stacked_sketches(self.cfg)), x)
+        # a scan over layers, or GPipe stages over `pp`; fixed sketches ride along with the parameters
+        return run_layers(layer, (stacked, stacked_sketches(self.cfg) if sketches is None else sketches), x)
+
+    def head(self, x: jax.Array) -> jax.Array:
         x = self.ln_f(x)
-        logits = jnp.einsum("btd,vd->btv", x, self.wte[...].astype(dtype))  # tied output embedding
+        logits = jnp.einsum("btd,vd->btv", x, self.wte[...].astype(x.dtype))  # tied output embedding
         return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+
+def loss_inputs(cfg: ModelConfig, batch: jax.Array):
+    """rows [batch, seq + 1] -> (inputs, targets, positions): positions is None in natural order."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    # zig-zag: inputs and targets permuted alike, mean unchanged; dilated attention keeps natural order (segments)
+    order = None if cfg.attention == "dilated" else sequence_order(inputs.shape[1])
+    if order is not None:
+        inputs, targets = inputs[:, order], targets[:, order]
+    return inputs, targets, order
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    # the target's logit by a masked sum, not a gather: fuses with the pass logsumexp makes, splits over
+    # tp like it, and a gather along a tp-sharded vocab inside the pipeline's shard_map crashes XLA's partitioner
+    vocab = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
+    picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
+    return jnp.mean(logz - picked)
 
 
 def loss_fn(model: GPT, batch: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy over a batch of rows [batch, seq + 1]."""
-    inputs, targets = batch[:, :-1], batch[:, 1:]
-    # zig-zag: inputs and targets permuted alike, mean unchanged; dilated attention keeps natural order (segments)
-    order = None if model.cfg.attention == "dilated" else sequence_order(inputs.shape[1])
-    if order is not None:
-        inputs, targets = inputs[:, order], targets[:, order]
-    logits = model(inputs, order)
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.mean(logz - picked)
+    inputs, targets, order = loss_inputs(model.cfg, batch)
+    return cross_entropy(model(inputs, order), targets)
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:

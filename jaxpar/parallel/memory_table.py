@@ -9,16 +9,20 @@ On CPU the devices are simulated (`jax_num_cpu_devices`).
 from __future__ import annotations
 
 import argparse
-from functools import partial
 
 
-def measure(cfg, n: int, devices):
+def measure(cfg, sizes: dict[str, int], devices, value_and_grad=None):
+    """Compiled memory analysis of (loss, grads) on a mesh of `sizes`; `value_and_grad(layout)` builds
+    the function (default: what the train step uses, state._value_and_grad)."""
+    import math
+
     import jax
     from jaxpar.mesh import make_mesh
     from jaxpar.sharding import rules_for
-    from jaxpar.state import Layout, _loss, abstract_model
+    from jaxpar.state import Layout, _value_and_grad, abstract_model
 
-    layout = Layout(cfg, make_mesh({"sp": n}, devices[:n]), rules_for(0))
+    layout = Layout(cfg, make_mesh(sizes, devices[:math.prod(sizes.values())]), rules_for(0))
+    fn = (value_and_grad or _value_and_grad)(layout)
     _, _, params = abstract_model(cfg)
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           params, layout.state_shardings["params"])
@@ -27,7 +31,7 @@ def measure(cfg, n: int, devices):
 
     def loss_and_grad(params, batch):
         with layout.active():
-            return jax.value_and_grad(partial(_loss, layout))(params, batch)
+            return fn(params, batch)
 
     return jax.jit(loss_and_grad).lower(params, batch).compile().memory_analysis()
 
@@ -59,7 +63,7 @@ def main(argv=None) -> None:
                                                  f"parallel.sequence_zigzag={zigzag}"])
             base = None
             for n in sizes:
-                temp = measure(cfg, n, devices).temp_size_in_bytes
+                temp = measure(cfg, {"sp": n}, devices).temp_size_in_bytes
                 base = base or temp
                 ratio, bound = temp / base, 1.3 / n
                 print(f"| {strategy} | {'yes' if zigzag else 'no'} | {n} | {temp:,} | {ratio:.3f} | {bound:.3f} | "

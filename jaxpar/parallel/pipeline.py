@@ -23,7 +23,6 @@ from jaxpar.sharding import constrain
 
 # (stages, microbatches) while tracing a pipelined model; unset or 1 stage: plain layer scan.
 _PIPELINE: contextvars.ContextVar = contextvars.ContextVar("jaxpar_pipeline", default=None)
-EXECUTED = ("gpipe",)  # schedules the executor runs; the others exist as tables (jaxpar.pipeline)
 
 
 @contextlib.contextmanager
@@ -39,20 +38,23 @@ def resolve_microbatches(stages: int, microbatches: int) -> int:
     return microbatches or 2 * stages
 
 
-def check_pipeline(cfg, stages: int, data_ways: int) -> None:
-    """One-line errors for layouts the pipeline cannot run."""
+def check_pipeline(cfg, sizes) -> None:
+    """One-line errors for layouts the pipeline cannot run (sizes: mesh axis -> size)."""
+    stages = sizes["pp"]
     if stages == 1:
         return
     p, t = cfg.parallel, cfg.train
     M = resolve_microbatches(stages, p.pipeline_microbatches)
     check(p.pipeline_schedule, stages, M, p.pipeline_virtual_stages, cfg.model.n_layer)
-    if p.pipeline_schedule not in EXECUTED:
-        raise UserError(f"parallel.pipeline_schedule={p.pipeline_schedule} is not executed yet (only "
-                        f"{', '.join(EXECUTED)}); `python -m jaxpar.pipeline` prints its schedule")
+    data_ways = sizes["dp"] * sizes["fsdp"]
     batch = t.global_batch_size // t.microbatches
     if batch % (M * data_ways):
         raise UserError(f"batch per microbatch {batch} is not divisible by parallel.pipeline_microbatches={M} "
                         f"x data axes dp*fsdp={data_ways}")
+    if p.pipeline_schedule != "gpipe" and sizes["sp"] > 1 and p.sequence_attention == "ring":
+        # ring attention's shard_map nested in the executor's (manual over pp) gives wrong values on jax 0.10
+        raise UserError(f"parallel.pipeline_schedule={p.pipeline_schedule} with sp>1 needs "
+                        "parallel.sequence_attention=all_gather or ulysses (ring runs with the gpipe schedule)")
 
 
 def run_layers(layer: Callable, stacked, x: jax.Array) -> jax.Array:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.errors import UserError
-from jaxpar.sharding import _ACTIVE, spec_for
+from jaxpar.sharding import _ACTIVE, spec_for, tracing_mesh
 
 STRATEGIES = ("ring", "all_gather", "ulysses")
 AXIS = "sp"
@@ -124,6 +124,6 @@ def attention(q, k, v, positions=None):
     if spec[1] != AXIS:
         raise UserError(f"the rules table must map the sequence dimension to {AXIS!r} for sequence parallelism")
     fn = {"ring": ring_attention, "all_gather": all_gather_attention, "ulysses": ulysses_attention}[opts.attention]
-    sharded = jax.shard_map(lambda *a: fn(*a, axis=AXIS, n=n), mesh=mesh,
+    sharded = jax.shard_map(lambda *a: fn(*a, axis=AXIS, n=n), mesh=tracing_mesh(mesh),
                             in_specs=(spec, spec, spec, jax.P(AXIS)), out_specs=spec, check_vma=False)
     return sharded(q, k, v, jnp.asarray(positions, jnp.int32))

@@ -1,13 +1,15 @@
-"""Backends wrap the plain GPT: `none` (one process), `ddp`, `fsdp` (FSDP2), `deepspeed` (ZeRO 0-3).
+"""Backends wrap the plain GPT: `none` (one process), `ddp`, `fsdp` (FSDP2), `deepspeed` (ZeRO 0-3),
+`pipeline` (torch.distributed.pipelining, one stage per rank).
 
 Each `build(...)` returns an engine with: module (for eval), train_step(microbatches) ->
-(local loss, grad_norm, lr), checkpointer (save(step, meta) / restore() -> meta | None).
+(local loss, grad_norm, lr), eval_loss(batch), data_rank/data_ways (this rank's
+share of a batch; the ranks whose losses are averaged), checkpointer (save(step, meta) / restore() -> meta | None).
 """
 from __future__ import annotations
 
 import importlib
 
-BACKENDS = ("none", "ddp", "fsdp", "deepspeed")
+BACKENDS = ("none", "ddp", "fsdp", "deepspeed", "pipeline")
 
 
 def build(name: str, model, cfg, env, **options):

@@ -25,6 +25,12 @@ class TorchEngine:
         self.optimizer = make_optimizer(raw, cfg)
         self.checkpointer = DCPCheckpointer(cfg.run.dir, cfg.checkpoint.keep, module, self.optimizer, env)
         self.step = 0  # set by the trainer after a restore
+        # which share of each global batch this rank reads, and how many ranks' losses make the mean
+        self.data_rank, self.data_ways = env.rank, env.world
+
+    def eval_loss(self, batch: torch.Tensor) -> float:
+        with torch.no_grad():
+            return float(loss_fn(self.module(batch[:, :-1]), batch))
 
     def train_step(self, micro: list[torch.Tensor]):
         lr = lr_at(self.step, self.cfg.optim, self.cfg.train.steps)

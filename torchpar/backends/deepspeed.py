@@ -90,6 +90,11 @@ class DeepSpeedEngine:
         self.stage = config.get("zero_optimization", {}).get("stage", 0)
         self.checkpointer = self
         self.dir = os.path.abspath(os.path.join(cfg.run.dir, "checkpoints"))
+        self.data_rank, self.data_ways = env.rank, env.world
+
+    def eval_loss(self, batch: torch.Tensor) -> float:
+        with torch.no_grad():
+            return float(loss_fn(self.engine(batch[:, :-1]), batch))
 
     def train_step(self, micro):
         lr = self.engine.get_lr()[0]

@@ -1,0 +1,174 @@
+"""Hand-scheduled pipeline over `pp`: runs a schedule table from schedules.py (1F1B, interleaved,
+or GPipe for comparison) tick by tick, each stage doing its own forward or backward.
+
+Inside `jax.shard_map` over `pp` only (dp/fsdp/tp/sp stay with GSPMD inside each stage), every
+device reads its row of precomputed tables at each tick and runs one branch of a `lax.switch`:
+idle, forward or backward of (microbatch, chunk), first / middle / last virtual stage. Virtual
+stage v = chunk * S + device holds layers [v*k, (v+1)*k); the embedding runs on v = 0, the final
+LayerNorm, tied head and loss on v = S*V - 1.
+
+- Forward keeps only the stage *input* (in a slot of a ring of buffers); the backward recomputes the
+  stage under `jax.vjp` and applies the cotangent that came from the next stage. A stage therefore
+  holds at most as many microbatch inputs as the schedule keeps in flight: ~S for 1F1B, M for GPipe.
+- After every tick each device sends its forward output to device d+1 and its input cotangent to
+  d-1 (`ppermute`, circular so interleaved chunks wrap from the last device to the first); the
+  tables say which slot, if any, keeps what arrives.
+- Gradients of the layers stay on their stage; those of the embedding, positions, final LayerNorm
+  and tied head (used on the first and the last stage) are summed over `pp`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.models.gpt import cross_entropy, loss_inputs
+from jaxpar.models.sketched import stacked_sketches
+from jaxpar.parallel.pipeline import split_microbatches, use_pipeline
+from jaxpar.parallel.schedules import simulate
+
+AXIS = "pp"
+HAND_SCHEDULED = ("1f1b", "interleaved")  # GPipe trains through pipeline.py (jax.grad through its ticks)
+# branch index of a tick: what one device does
+IDLE, F_MID, F_FIRST, F_LAST, B_MID, B_FIRST, B_LAST = range(7)
+COLUMNS = ("code", "chunk", "microbatch", "in_slot", "cot_slot", "recv_act", "recv_cot")
+
+
+@dataclasses.dataclass(frozen=True)
+class TickPlan:
+    tables: np.ndarray  # [ticks, devices, COLUMNS] int32
+    act_slots: int  # stage-input buffers per device (the memory the schedule costs), + 1 spare
+    cot_slots: int  # received-cotangent buffers per device, + 1 spare
+
+
+def _allocate(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
+    """Greedy slots for [start, end] tick intervals (a slot is reusable after its end tick)."""
+    free_after, slot_of = [], {}
+    for start, end, key in sorted(intervals, key=lambda x: x[0]):
+        slot = next((i for i, f in enumerate(free_after) if f < start), None)
+        if slot is None:
+            slot = len(free_after)
+            free_after.append(end)
+        free_after[slot] = end
+        slot_of[key] = slot
+    return slot_of, len(free_after)
+
+
+def tick_plan(schedule: str, S: int, M: int, V: int) -> TickPlan:
+    table, last = simulate(schedule, S, M, V), S * V - 1
+    when = {}  # (kind, microbatch, virtual stage) -> tick
+    for t, row in enumerate(table):
+        for d, op in enumerate(row):
+            if op is not None:
+                when[(op.kind, op.microbatch, op.chunk * S + d)] = t
+    # what each device must keep: a stage input from its arrival to its backward, a cotangent likewise
+    acts = [[] for _ in range(S)]
+    cots = [[] for _ in range(S)]
+    for m in range(M):
+        for v in range(1, last + 1):
+            acts[v % S].append((when[("F", m, v - 1)] + 1, when[("B", m, v)], (m, v)))
+        for v in range(last):
+            cots[v % S].append((when[("B", m, v + 1)] + 1, when[("B", m, v)], (m, v)))
+    act_slot, cot_slot = [_allocate(a) for a in acts], [_allocate(c) for c in cots]
+    n_act = max(n for _, n in act_slot) + 1  # the last slot is scratch for "nothing arrived"
+    n_cot = max(n for _, n in cot_slot) + 1
+    out = np.zeros((len(table), S, len(COLUMNS)), np.int32)
+    out[..., 3:] = [n_act - 1, n_cot - 1, n_act - 1, n_cot - 1]
+    for (kind, m, v), t in when.items():
+        d, first, final = v % S, v == 0, v == last
+        code = (F_FIRST if first else F_LAST if final else F_MID) if kind == "F" else \
+            (B_FIRST if first else B_LAST if final else B_MID)
+        out[t, d, :3] = code, v // S, m
+        if not first:
+            out[t, d, 3] = act_slot[d][0][(m, v)]
+            if kind == "F":
+                out[when[("F", m, v - 1)] + 1, d, 5] = act_slot[d][0][(m, v)]
+        if kind == "B" and not final:
+            out[t, d, 4] = cot_slot[d][0][(m, v)]
+            out[when[("B", m, v + 1)] + 1, d, 6] = cot_slot[d][0][(m, v)]
+    return TickPlan(out, n_act, n_cot)
+
+
+def pipeline_value_and_grad(graphdef, cfg, params, batch, mesh, schedule: str, S: int, M: int, V: int):
+    """(mean loss, gradients) of the model (`graphdef`, model config `cfg`) on `batch` [rows, seq + 1],
+    pipelined over `pp` with S stages, M microbatches and V chunks per stage."""
+    plan = tick_plan(schedule, S, M, V)
+    inputs, targets, order = loss_inputs(cfg, batch)
+    inputs, targets = split_microbatches(inputs, M), split_microbatches(targets, M)
+    L = cfg.n_layer
+    staged = lambda w: w.reshape(V, S, L // (S * V), *w.shape[1:])  # noqa: E731  [chunk, stage, layer]
+    rest = {k: v for k, v in params.items() if k != "blocks"}
+    blocks = jax.tree.map(staged, params["blocks"])
+    sketches = {k: staged(jnp.asarray(v)) for k, v in stacked_sketches(cfg).items()}
+    dtype = jnp.dtype(cfg.compute_dtype)
+    act_shape = inputs.shape[1:] + (cfg.d_model,)
+
+    def body(rest, blocks, sketches, inputs, targets, tables):
+        blocks, sketches = (jax.tree.map(lambda w: w[:, 0], t) for t in (blocks, sketches))  # this device's chunks
+        device = jax.lax.axis_index(AXIS)
+        at = lambda tree, c: jax.tree.map(lambda w: w[c], tree)  # noqa: E731
+
+        def forward(rest, chunk, sketch, x, m, first: bool, last: bool):
+            model = nnx.merge(graphdef, {**rest, "blocks": chunk})
+            h = model.embed(inputs[m], order) if first else x
+            h = model.run_blocks(h, order, sketch)
+            return h, (cross_entropy(model.head(h), targets[m]) if last else jnp.zeros((), jnp.float32))
+
+        def f_branch(first, last):
+            def run(acts, cots, grads, row):
+                code, c, m, in_slot = row[0], row[1], row[2], row[3]
+                h, loss = forward(rest, at(blocks, c), at(sketches, c), acts[in_slot], m, first, last)
+                g_rest, g_blocks, loss_sum = grads
+                return h.astype(dtype), jnp.zeros(act_shape, dtype), (g_rest, g_blocks, loss_sum + loss)
+            return run
+
+        def b_branch(first, last):
+            def run(acts, cots, grads, row):
+                c, m, in_slot, cot_slot = row[1], row[2], row[3], row[4]
+                (h, _), vjp = jax.vjp(lambda r, b, x: forward(r, b, at(sketches, c), x, m, first, last),
+                                      rest, at(blocks, c), acts[in_slot])
+                ct_h = jnp.zeros(h.shape, h.dtype) if last else cots[cot_slot]
+                d_rest, d_block, d_x = vjp((ct_h, jnp.asarray(1.0 / M if last else 0.0, jnp.float32)))
+                g_rest, g_blocks, loss_sum = grads
+                g_blocks = jax.tree.map(lambda a, g: a.at[c].add(g), g_blocks, d_block)
+                if first or last:
+                    g_rest = jax.tree.map(jnp.add, g_rest, d_rest)
+                return jnp.zeros(act_shape, dtype), d_x.astype(dtype), (g_rest, g_blocks, loss_sum)
+            return run
+
+        def idle(acts, cots, grads, row):
+            return jnp.zeros(act_shape, dtype), jnp.zeros(act_shape, dtype), grads
+
+        branches = [idle, f_branch(False, False), f_branch(True, False), f_branch(False, True),
+                    b_branch(False, False), b_branch(True, False), b_branch(False, True)]
+
+        def tick(carry, rows):
+            acts, cots, grads, got_act, got_cot = carry
+            row = rows[device]
+            acts = acts.at[row[5]].set(got_act)  # what the neighbours sent last tick
+            cots = cots.at[row[6]].set(got_cot)
+            send_act, send_cot, grads = jax.lax.switch(row[0], branches, acts, cots, grads, row)
+            got_act = jax.lax.ppermute(send_act, AXIS, [(i, (i + 1) % S) for i in range(S)])
+            got_cot = jax.lax.ppermute(send_cot, AXIS, [(i, (i - 1) % S) for i in range(S)])
+            return (acts, cots, grads, got_act, got_cot), None
+
+        zeros = jnp.zeros(act_shape, dtype)
+        grads = (jax.tree.map(jnp.zeros_like, rest), jax.tree.map(jnp.zeros_like, blocks), jnp.zeros((), jnp.float32))
+        carry = (jnp.zeros((plan.act_slots,) + act_shape, dtype), jnp.zeros((plan.cot_slots,) + act_shape, dtype),
+                 grads, zeros, zeros)
+        (_, _, (g_rest, g_blocks, loss_sum), _, _), _ = jax.lax.scan(tick, carry, tables)
+        g_rest, loss_sum = jax.lax.psum((g_rest, loss_sum), AXIS)
+        return loss_sum / M, g_rest, jax.tree.map(lambda g: g[:, None], g_blocks)
+
+    with use_pipeline(1, 1):  # the stages' own layer scans must not start another pipeline
+        loss, g_rest, g_blocks = jax.shard_map(
+            body, mesh=mesh, axis_names={AXIS}, check_vma=False,
+            in_specs=(P(), P(None, AXIS), P(None, AXIS), P(), P(), P()), out_specs=(P(), P(), P(None, AXIS)),
+        )(rest, blocks, sketches, inputs, targets, jnp.asarray(plan.tables))
+    grads = {**g_rest, "blocks": jax.tree.map(lambda g: g.reshape(L, *g.shape[3:]), g_blocks)}
+    return loss, grads
+

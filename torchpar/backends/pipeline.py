@@ -1,0 +1,132 @@
+"""Pipeline parallelism with torch.distributed.pipelining: one stage per rank, GPipe or 1F1B.
+
+The stage split is jaxpar's: with S ranks, rank s holds layers [s*L/S, (s+1)*L/S); the embedding
+lives on the first stage, the final LayerNorm and tied head (and the loss) on the last. Module
+names stay those of the whole GPT ("blocks.3.attn..."), so checkpoints (DCP) and weight files are
+interchangeable with every other backend.
+
+- Microbatches: `parallel.pipeline_microbatches` (0 -> 2 x stages), split inside every accumulation
+  microbatch. Rows are reordered so the schedule's contiguous chunks are jaxpar's microbatches
+  (microbatch m = rows m, m+M, ...).
+- The loss function divides by the number of microbatches itself (scale_grads=False: the schedule's
+  own scaling would also rescale gradients accumulated over earlier accumulation microbatches).
+- The tied embedding exists on the first and the last stage; after the backward its two gradients
+  are summed over a two-rank group (Megatron's embedding group) so both copies take the same step.
+- Gradient clipping uses the global norm: the squared norms of the stages are summed over ranks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from jaxpar.errors import UserError
+from jaxpar.parallel.pipeline import resolve_microbatches
+from jaxpar.parallel.schedules import check
+from jaxpar.schedule import lr_at
+from torchpar.backends.base import TorchEngine
+from torchpar.model import GPT
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class Stage(nn.Module):
+    """Layers [lo, hi) of a GPT; the embedding when first, final LayerNorm + tied head when last."""
+
+    def __init__(self, model: GPT, lo: int, hi: int, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last, self.compute_dtype = first, last, model.compute_dtype
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(lo, hi)})  # global names
+        if first or last:
+            self.wte = model.wte
+        if first:
+            self.wpe = model.wpe
+        if last:
+            self.ln_f = model.ln_f
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = (self.wte[x] + self.wpe[: x.shape[1]]).to(self.compute_dtype)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.last:
+            x = nn.functional.linear(self.ln_f(x), self.wte.to(x.dtype)).float()
+        return x
+
+
+def check_pipeline(cfg, world: int) -> int:
+    """The number of pipeline microbatches; one-line errors for what the backend cannot run."""
+    p, t = cfg.parallel, cfg.train
+    if p.pipeline_schedule not in SCHEDULES:
+        raise UserError(f"--backend pipeline runs parallel.pipeline_schedule=gpipe or 1f1b, not {p.pipeline_schedule}")
+    M = resolve_microbatches(world, p.pipeline_microbatches)
+    check(p.pipeline_schedule, world, M, 1, cfg.model.n_layer)
+    micro = t.global_batch_size // t.microbatches
+    if micro % M:
+        raise UserError(f"batch per microbatch {micro} is not divisible by parallel.pipeline_microbatches={M}")
+    return M
+
+
+class PipelineEngine(TorchEngine):
+    def __init__(self, stage: Stage, cfg, env, M: int):
+        super().__init__(stage, stage, cfg, env, full_state=self._gather_state)
+        self.data_rank, self.data_ways = 0, 1  # every stage sees the whole batch; only the last has the loss
+        self.env, self.M, self.stage_module, self.scale = env, M, stage, 1.0
+        self.schedule = SCHEDULES[cfg.parallel.pipeline_schedule](
+            PipelineStage(stage, env.rank, env.world, env.device), M, loss_fn=self._loss, scale_grads=False)
+        ends = sorted({0, env.world - 1})
+        self.tied = tdist.new_group(ends) if len(ends) == 2 else None  # every rank must call new_group
+        # wte's gradient counts once in the global norm: on the first stage only
+        self.norm_params = [p for n, p in stage.named_parameters() if not (n == "wte" and not stage.first)]
+
+    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)) * self.scale
+
+    def _order(self, batch: torch.Tensor) -> torch.Tensor:
+        """Rows so that contiguous chunk m holds rows m, m+M, ... (jaxpar's microbatch m)."""
+        return batch.reshape(-1, self.M, batch.shape[-1]).transpose(0, 1).reshape(batch.shape)
+
+    def _run(self, batch: torch.Tensor, train: bool) -> float:
+        batch, s = self._order(batch), self.stage_module
+        args = (batch[:, :-1],) if s.first else ()
+        kwargs = {"target": batch[:, 1:], "losses": []} if s.last else {}
+        (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
+        return float(sum(kwargs["losses"])) if s.last else 0.0
+
+    def train_step(self, micro: list[torch.Tensor]):
+        lr = lr_at(self.step, self.cfg.optim, self.cfg.train.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.scale = 1.0 / (self.M * len(micro))  # mean over all microbatches of the step
+        total = sum(self._run(batch, train=True) for batch in micro)
+        if self.tied is not None and (self.stage_module.first or self.stage_module.last):
+            tdist.all_reduce(self.stage_module.wte.grad, group=self.tied)
+        grads = [p.grad for p in self.norm_params if p.grad is not None]
+        squared = torch.nn.utils.get_total_norm(grads).square() if grads else torch.zeros((), device=self.env.device)
+        tdist.all_reduce(squared)
+        norm = squared.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.optim.grad_clip or float("inf"), norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return torch.tensor(total), norm, lr
+
+    def eval_loss(self, batch: torch.Tensor) -> float:
+        self.scale = 1.0 / self.M
+        with torch.no_grad():
+            return self._run(batch, train=False)
+
+    def _gather_state(self) -> dict:
+        """Every stage's parameters gathered to rank 0 (a collective), by whole-model name."""
+        local = {k: v.detach().cpu() for k, v in self.stage_module.state_dict().items()}
+        parts = [None] * self.env.world if self.env.is_main else None
+        tdist.gather_object(local, parts, dst=0)
+        return {k: v for part in parts for k, v in part.items()} if self.env.is_main else {}
+
+
+def build(model: GPT, cfg, env, **_):
+    M = check_pipeline(cfg, env.world)
+    L, S, s = cfg.model.n_layer, env.world, env.rank
+    stage = Stage(model, s * L // S, (s + 1) * L // S, s == 0, s == S - 1).to(env.device)
+    return PipelineEngine(stage, cfg, env, M)
