@@ -35,7 +35,10 @@ AXIS = "pp"
 HAND_SCHEDULED = ("1f1b", "interleaved")  # GPipe trains through pipeline.py (jax.grad through its ticks)
 # branch index of a tick: what one device does
 IDLE, F_MID, F_FIRST, F_LAST, B_MID, B_FIRST, B_LAST = range(7)
+# one row per (tick, device): the branch, its chunk and microbatch, the slots it reads its stage input
+# and cotangent from, and the slots where this tick's arrivals from the neighbours are kept
 COLUMNS = ("code", "chunk", "microbatch", "in_slot", "cot_slot", "recv_act", "recv_cot")
+COL = {name: i for i, name in enumerate(COLUMNS)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,19 +80,20 @@ def tick_plan(schedule: str, S: int, M: int, V: int) -> TickPlan:
     n_act = max(n for _, n in act_slot) + 1  # the last slot is scratch for "nothing arrived"
     n_cot = max(n for _, n in cot_slot) + 1
     out = np.zeros((len(table), S, len(COLUMNS)), np.int32)
-    out[..., 3:] = [n_act - 1, n_cot - 1, n_act - 1, n_cot - 1]
+    for name, scratch in (("in_slot", n_act), ("recv_act", n_act), ("cot_slot", n_cot), ("recv_cot", n_cot)):
+        out[..., COL[name]] = scratch - 1
     for (kind, m, v), t in when.items():
         d, first, final = v % S, v == 0, v == last
         code = (F_FIRST if first else F_LAST if final else F_MID) if kind == "F" else \
             (B_FIRST if first else B_LAST if final else B_MID)
-        out[t, d, :3] = code, v // S, m
+        out[t, d, [COL["code"], COL["chunk"], COL["microbatch"]]] = code, v // S, m
         if not first:
-            out[t, d, 3] = act_slot[d][0][(m, v)]
+            out[t, d, COL["in_slot"]] = act_slot[d][0][(m, v)]
             if kind == "F":
-                out[when[("F", m, v - 1)] + 1, d, 5] = act_slot[d][0][(m, v)]
+                out[when[("F", m, v - 1)] + 1, d, COL["recv_act"]] = act_slot[d][0][(m, v)]
         if kind == "B" and not final:
-            out[t, d, 4] = cot_slot[d][0][(m, v)]
-            out[when[("B", m, v + 1)] + 1, d, 6] = cot_slot[d][0][(m, v)]
+            out[t, d, COL["cot_slot"]] = cot_slot[d][0][(m, v)]
+            out[when[("B", m, v + 1)] + 1, d, COL["recv_cot"]] = cot_slot[d][0][(m, v)]
     return TickPlan(out, n_act, n_cot)
 
 
@@ -119,19 +123,19 @@ def pipeline_value_and_grad(graphdef, cfg, params, batch, mesh, schedule: str, S
             return h, (cross_entropy(model.head(h), targets[m]) if last else jnp.zeros((), jnp.float32))
 
         def f_branch(first, last):
-            def run(acts, cots, grads, row):
-                code, c, m, in_slot = row[0], row[1], row[2], row[3]
-                h, loss = forward(rest, at(blocks, c), at(sketches, c), acts[in_slot], m, first, last)
+            def run(acts, cots, grads, op):
+                c, m = op["chunk"], op["microbatch"]
+                h, loss = forward(rest, at(blocks, c), at(sketches, c), acts[op["in_slot"]], m, first, last)
                 g_rest, g_blocks, loss_sum = grads
                 return h.astype(dtype), jnp.zeros(act_shape, dtype), (g_rest, g_blocks, loss_sum + loss)
             return run
 
         def b_branch(first, last):
-            def run(acts, cots, grads, row):
-                c, m, in_slot, cot_slot = row[1], row[2], row[3], row[4]
+            def run(acts, cots, grads, op):
+                c, m = op["chunk"], op["microbatch"]
                 (h, _), vjp = jax.vjp(lambda r, b, x: forward(r, b, at(sketches, c), x, m, first, last),
-                                      rest, at(blocks, c), acts[in_slot])
-                ct_h = jnp.zeros(h.shape, h.dtype) if last else cots[cot_slot]
+                                      rest, at(blocks, c), acts[op["in_slot"]])
+                ct_h = jnp.zeros(h.shape, h.dtype) if last else cots[op["cot_slot"]]
                 d_rest, d_block, d_x = vjp((ct_h, jnp.asarray(1.0 / M if last else 0.0, jnp.float32)))
                 g_rest, g_blocks, loss_sum = grads
                 g_blocks = jax.tree.map(lambda a, g: a.at[c].add(g), g_blocks, d_block)
@@ -140,7 +144,7 @@ def pipeline_value_and_grad(graphdef, cfg, params, batch, mesh, schedule: str, S
                 return jnp.zeros(act_shape, dtype), d_x.astype(dtype), (g_rest, g_blocks, loss_sum)
             return run
 
-        def idle(acts, cots, grads, row):
+        def idle(acts, cots, grads, op):
             return jnp.zeros(act_shape, dtype), jnp.zeros(act_shape, dtype), grads
 
         branches = [idle, f_branch(False, False), f_branch(True, False), f_branch(False, True),
@@ -148,10 +152,10 @@ def pipeline_value_and_grad(graphdef, cfg, params, batch, mesh, schedule: str, S
 
         def tick(carry, rows):
             acts, cots, grads, got_act, got_cot = carry
-            row = rows[device]
-            acts = acts.at[row[5]].set(got_act)  # what the neighbours sent last tick
-            cots = cots.at[row[6]].set(got_cot)
-            send_act, send_cot, grads = jax.lax.switch(row[0], branches, acts, cots, grads, row)
+            op = {name: rows[device, i] for name, i in COL.items()}
+            acts = acts.at[op["recv_act"]].set(got_act)  # what the neighbours sent last tick
+            cots = cots.at[op["recv_cot"]].set(got_cot)
+            send_act, send_cot, grads = jax.lax.switch(op["code"], branches, acts, cots, grads, op)
             got_act = jax.lax.ppermute(send_act, AXIS, [(i, (i + 1) % S) for i in range(S)])
             got_cot = jax.lax.ppermute(send_cot, AXIS, [(i, (i - 1) % S) for i in range(S)])
             return (acts, cots, grads, got_act, got_cot), None
