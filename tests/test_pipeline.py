@@ -63,7 +63,12 @@ def test_bad_pipeline_layouts(overrides, message, dataset):
         run_steps(tiny_config(*DEEP, *overrides), "pp=2", dataset, steps=1, devices=jax.devices()[:2])
 
 
-def test_hand_scheduled_pipeline_refuses_ring_attention(dataset):
-    with pytest.raises(UserError, match="needs parallel.sequence_attention=all_gather or ulysses"):
-        run_steps(tiny_config(*DEEP, "parallel.pipeline_schedule=1f1b"), "pp=2,sp=2", dataset, steps=1,
+@pytest.mark.parametrize("overrides,message", [
+    ((), "needs parallel.sequence_attention=all_gather or ulysses"),
+    (("model.attention=dilated", "model.segment_lengths=4,8,16", "model.dilation_rates=1,2,4"),
+     "does not run model.attention=dilated"),
+])
+def test_hand_scheduled_pipeline_refuses_what_breaks_inside_its_shard_map(overrides, message, dataset):
+    with pytest.raises(UserError, match=message):
+        run_steps(tiny_config(*DEEP, "parallel.pipeline_schedule=1f1b", *overrides), "pp=2,sp=2", dataset, steps=1,
                   devices=jax.devices()[:4])

@@ -58,12 +58,17 @@ def test_variant_layout_matches_single_device(variant, mesh, dataset):
     assert_params_close(got["params"], ref["params"])
 
 
-@pytest.mark.parametrize("variant", ["mla", "dilated", "sketched"])
-def test_variant_pipeline_and_sequence_parallel_match_single_device(variant, dataset):
+ONE_F_ONE_B = ("parallel.pipeline_schedule=1f1b", "parallel.sequence_attention=all_gather")
+
+
+@pytest.mark.parametrize("variant,schedule", [(v, ()) for v in ("mla", "dilated", "sketched")] +
+                         [(v, ONE_F_ONE_B) for v in ("mla", "sketched")],  # dilated + sp + 1f1b: refused
+                         ids=["mla-gpipe", "dilated-gpipe", "sketched-gpipe", "mla-1f1b", "sketched-1f1b"])
+def test_variant_pipeline_and_sequence_parallel_match_single_device(variant, schedule, dataset):
     """Stages over pp carry the variant's parameters (and the sketches ride along the layer stack)."""
     ref = _reference(variant, dataset)
     mesh = "pp=2,sp=2,tp=2"
-    got = run_steps(tiny_config(*VARIANTS[variant]), mesh, dataset, devices=jax.devices()[:_n(mesh)])
+    got = run_steps(tiny_config(*VARIANTS[variant], *schedule), mesh, dataset, devices=jax.devices()[:_n(mesh)])
     np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
     assert_params_close(got["params"], ref["params"])
 

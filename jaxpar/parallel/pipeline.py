@@ -51,10 +51,15 @@ def check_pipeline(cfg, sizes) -> None:
     if batch % (M * data_ways):
         raise UserError(f"batch per microbatch {batch} is not divisible by parallel.pipeline_microbatches={M} "
                         f"x data axes dp*fsdp={data_ways}")
-    if p.pipeline_schedule != "gpipe" and sizes["sp"] > 1 and p.sequence_attention == "ring":
-        # ring attention's shard_map nested in the executor's (manual over pp) gives wrong values on jax 0.10
-        raise UserError(f"parallel.pipeline_schedule={p.pipeline_schedule} with sp>1 needs "
-                        "parallel.sequence_attention=all_gather or ulysses (ring runs with the gpipe schedule)")
+    if p.pipeline_schedule != "gpipe" and sizes["sp"] > 1:
+        # inside the executor's shard_map (manual over pp), jax 0.10 / XLA:CPU give wrong values for ring
+        # attention's nested shard_map and crash partitioning dilated attention's sp-sharded segments
+        if cfg.model.attention == "dilated":
+            raise UserError(f"parallel.pipeline_schedule={p.pipeline_schedule} with sp>1 does not run "
+                            "model.attention=dilated (it runs with the gpipe schedule)")
+        if p.sequence_attention == "ring":
+            raise UserError(f"parallel.pipeline_schedule={p.pipeline_schedule} with sp>1 needs "
+                            "parallel.sequence_attention=all_gather or ulysses (ring runs with the gpipe schedule)")
 
 
 def run_layers(layer: Callable, stacked, x: jax.Array) -> jax.Array:

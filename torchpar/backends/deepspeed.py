@@ -23,6 +23,7 @@ import torch
 from jaxpar.errors import UserError
 from jaxpar.schedule import lr_at
 from torchpar import dist
+from torchpar.backends.base import TorchEngine
 from torchpar.checkpoint import complete_steps
 from torchpar.model import loss_fn
 from torchpar.optim import SharedSchedule, param_groups
@@ -92,9 +93,7 @@ class DeepSpeedEngine:
         self.dir = os.path.abspath(os.path.join(cfg.run.dir, "checkpoints"))
         self.data_rank, self.data_ways = env.rank, env.world
 
-    def eval_loss(self, batch: torch.Tensor) -> float:
-        with torch.no_grad():
-            return float(loss_fn(self.engine(batch[:, :-1]), batch))
+    eval_loss = TorchEngine.eval_loss  # through self.module, the DeepSpeed engine
 
     def train_step(self, micro):
         lr = self.engine.get_lr()[0]
