@@ -50,6 +50,11 @@ def _plot(runs_by_config: dict, path: str) -> None:
     plt.close(fig)
 
 
+def key_bias(d: dict) -> str:
+    """The key-bias column; variants without a key bias (mla) have none."""
+    return f"{d['key_bias_abs']:.1e} (bound {d['key_bias_bound']:.0e})" if "key_bias_abs" in d else "n/a"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m parity_tests.report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -107,7 +112,7 @@ def main(argv=None) -> int:
         result = "(info)" if informational(case) else ("pass" if c.ok else f"**FAIL** ({c.first_param or 'series'})")
         lines.append(f"| {case.config} | {case.side} | {against} | {d['loss']:.1e} | {d['grad_norm']:.1e} | "
                      f"{d['lr']:.1e} | {d['params']:.1e} | {d['param_abs']:.1e} ({d['param_abs_name']}) | "
-                     f"{d['key_bias_abs']:.1e} (bound {d['key_bias_bound']:.0e}) | {result} |")
+                     f"{key_bias(d)} | {result} |")
     lines += ["", "![loss curves](loss_curves.png)", ""]
     with open(os.path.join(args.out, "report.md"), "w") as f:
         f.write("\n".join(lines))
