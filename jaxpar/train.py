@@ -10,6 +10,7 @@ import time
 
 from jaxpar.config import Config, load_config, profile_window
 from jaxpar.errors import UserError, cli
+from jaxpar.faults import fault_hooks
 from jaxpar.mesh import format_mesh, parse_mesh, setup_devices
 
 
@@ -23,14 +24,6 @@ def parse_args(argv):
                    help="after training, also write the final weights (shared safetensors layout) to PATH")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return p.parse_intermixed_args(argv)
-
-
-def _fault_hooks(step: int) -> None:
-    """Test hooks: die by SIGKILL, or receive SIGTERM, once a given step (and its checkpoint) is done."""
-    if os.environ.get("JAXPAR_FAULT_KILL_AFTER_STEP") == str(step):
-        os.kill(os.getpid(), signal.SIGKILL)
-    if os.environ.get("JAXPAR_FAULT_SIGTERM_AFTER_STEP") == str(step):
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _write_weights(path: str, params, which: str) -> None:
@@ -150,7 +143,7 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_fina
             ckpt.save(step, state, meta(step))
         if logged:  # throughput covers training steps only, not evaluation or checkpoint saves
             mark, mark_step = time.perf_counter(), step
-        _fault_hooks(step)
+        fault_hooks("JAXPAR", step)  # test hooks (jaxpar/faults.py)
     if prof and prof[0] <= step < prof[1]:
         jax.profiler.stop_trace()  # stopped early (signal or end of training) inside the window
     if "signal" in stop:

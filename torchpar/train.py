@@ -17,6 +17,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # grain (the data pipeline) impor
 
 from jaxpar.config import Config, load_config, profile_window  # noqa: E402
 from jaxpar.errors import UserError  # noqa: E402
+from jaxpar.faults import fault_hooks  # noqa: E402
 from torchpar.backends import BACKENDS  # noqa: E402
 from torchpar.dist import launch_env  # noqa: E402
 
@@ -33,14 +34,6 @@ def parse_args(argv):
     p.add_argument("--write-final", metavar="PATH", help="after training, also write the final weights (.safetensors)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return p.parse_intermixed_args(argv)
-
-
-def _fault_hooks(step: int) -> None:
-    """Test hooks (as jaxpar's): die by SIGKILL, or receive SIGTERM, once a step (and its checkpoint) is done."""
-    if os.environ.get("TORCHPAR_FAULT_KILL_AFTER_STEP") == str(step):
-        os.kill(os.getpid(), signal.SIGKILL)
-    if os.environ.get("TORCHPAR_FAULT_SIGTERM_AFTER_STEP") == str(step):
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def check(cfg: Config, args) -> None:
@@ -186,7 +179,7 @@ def train(cfg: Config, args) -> int:
             os.makedirs(os.path.join(cfg.run.dir, "profile"), exist_ok=True)
             profiler.export_chrome_trace(os.path.join(cfg.run.dir, "profile", f"trace_rank{r}.json"))
             profiler = None
-        _fault_hooks(step)
+        fault_hooks("TORCHPAR", step)  # test hooks (jaxpar/faults.py)
         if halt:
             if env.is_main:
                 print(f"stopped by signal after step {step}; checkpoint saved", file=sys.stderr)

@@ -1,0 +1,16 @@
+"""Fault injection for tests, shared by jaxpar.train and torchpar.train (no jax, no torch).
+
+<PREFIX>_FAULT_KILL_AFTER_STEP=N: the process SIGKILLs itself once step N (and its checkpoint) is
+done; <PREFIX>_FAULT_SIGTERM_AFTER_STEP=N: it sends itself SIGTERM instead.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+
+def fault_hooks(prefix: str, step: int) -> None:
+    if os.environ.get(f"{prefix}_FAULT_KILL_AFTER_STEP") == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get(f"{prefix}_FAULT_SIGTERM_AFTER_STEP") == str(step):
+        os.kill(os.getpid(), signal.SIGTERM)
