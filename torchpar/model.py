@@ -129,11 +129,21 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [batch, seq] int64 -> logits [batch, seq, vocab] float32."""
-        x = (self.wte[tokens] + self.wpe[: tokens.shape[1]]).to(self.compute_dtype)
+        x = embed(self.wte, self.wpe, tokens, self.compute_dtype)
         for block in self.blocks:
             x = block(x)
-        x = self.ln_f(x)
-        return F.linear(x, self.wte.to(x.dtype)).float()  # tied output embedding (not a view: FSDP2 hooks it)
+        return tied_head(self.ln_f, self.wte, x)
+
+
+# The two ends of the model as functions of their parameters: GPT.forward and the first / last
+# pipeline stage (torchpar/backends/pipeline.py) call them with the same tensors.
+def embed(wte: nn.Parameter, wpe: nn.Parameter, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (wte[tokens] + wpe[: tokens.shape[1]]).to(dtype)
+
+
+def tied_head(ln_f: LayerNorm, wte: nn.Parameter, x: torch.Tensor) -> torch.Tensor:
+    x = ln_f(x)
+    return F.linear(x, wte.to(x.dtype)).float()  # tied output embedding (not a view: FSDP2 hooks it)
 
 
 def loss_fn(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from torchpar.optim import make_optimizer
 
 class TorchEngine:
     def __init__(self, module, raw, cfg, env, sync=lambda last: nullcontext(), full_state=None):
-        self.module, self.cfg, self.sync = module, cfg, sync
+        self.module, self.cfg, self.env, self.sync = module, cfg, env, sync
         self.full_state_dict = full_state or raw.state_dict
         self.params = [p for p in raw.parameters()]
         self.optimizer = make_optimizer(raw, cfg)
@@ -36,20 +36,27 @@ class TorchEngine:
         lr = lr_at(self.step, self.cfg.optim, self.cfg.train.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        total = self.forward_backward(micro)
+        norm = self.clip_gradients(self.cfg.optim.grad_clip or float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return total, norm, lr
+
+    def forward_backward(self, micro: list[torch.Tensor]) -> torch.Tensor:
+        """Gradients of the mean loss over the microbatches accumulated in .grad; returns that loss."""
         total = torch.zeros((), device=micro[0].device)
         for m, batch in enumerate(micro):
             with self.sync(m == len(micro) - 1):
                 loss = loss_fn(self.module(batch[:, :-1]), batch) / len(micro)
                 loss.backward()
             total += loss.detach()
-        clip = self.cfg.optim.grad_clip or float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.params, clip)  # pre-clip norm; DTensor-aware for FSDP2
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return total, norm, lr
+        return total
 
+    def clip_gradients(self, clip: float) -> torch.Tensor:
+        """Clip to the global norm; returns the pre-clip norm."""
+        norm = torch.nn.utils.clip_grad_norm_(self.params, clip)  # DTensor-aware for FSDP2
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 def build(model, cfg, env, **_):
     return TorchEngine(model.to(env.device), model, cfg, env)

@@ -24,9 +24,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from jaxpar.errors import UserError
 from jaxpar.parallel.pipeline import resolve_microbatches
 from jaxpar.parallel.schedules import check
-from jaxpar.schedule import lr_at
 from torchpar.backends.base import TorchEngine
-from torchpar.model import GPT
+from torchpar.model import GPT, embed, tied_head
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -47,12 +46,10 @@ class Stage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
-            x = (self.wte[x] + self.wpe[: x.shape[1]]).to(self.compute_dtype)
+            x = embed(self.wte, self.wpe, x, self.compute_dtype)
         for block in self.blocks.values():
             x = block(x)
-        if self.last:
-            x = nn.functional.linear(self.ln_f(x), self.wte.to(x.dtype)).float()
-        return x
+        return tied_head(self.ln_f, self.wte, x) if self.last else x
 
 
 def check_pipeline(cfg, world: int) -> int:
@@ -72,7 +69,7 @@ class PipelineEngine(TorchEngine):
     def __init__(self, stage: Stage, cfg, env, M: int):
         super().__init__(stage, stage, cfg, env, full_state=self._gather_state)
         self.data_rank, self.data_ways = 0, 1  # every stage sees the whole batch; only the last has the loss
-        self.env, self.M, self.stage_module, self.scale = env, M, stage, 1.0
+        self.M, self.stage_module, self.scale = M, stage, 1.0
         self.schedule = SCHEDULES[cfg.parallel.pipeline_schedule](
             PipelineStage(stage, env.rank, env.world, env.device), M, loss_fn=self._loss, scale_grads=False)
         ends = sorted({0, env.world - 1})
@@ -94,23 +91,20 @@ class PipelineEngine(TorchEngine):
         (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
         return float(sum(kwargs["losses"])) if s.last else 0.0
 
-    def train_step(self, micro: list[torch.Tensor]):
-        lr = lr_at(self.step, self.cfg.optim, self.cfg.train.steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+    def forward_backward(self, micro: list[torch.Tensor]) -> torch.Tensor:
         self.scale = 1.0 / (self.M * len(micro))  # mean over all microbatches of the step
         total = sum(self._run(batch, train=True) for batch in micro)
         if self.tied is not None and (self.stage_module.first or self.stage_module.last):
             tdist.all_reduce(self.stage_module.wte.grad, group=self.tied)
+        return torch.tensor(total)
+
+    def clip_gradients(self, clip: float) -> torch.Tensor:
         grads = [p.grad for p in self.norm_params if p.grad is not None]
         squared = torch.nn.utils.get_total_norm(grads).square() if grads else torch.zeros((), device=self.env.device)
-        tdist.all_reduce(squared)
+        tdist.all_reduce(squared)  # the stages' squared norms: the global norm
         norm = squared.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.optim.grad_clip or float("inf"), norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return torch.tensor(total), norm, lr
+        torch.nn.utils.clip_grads_with_norm_(self.params, clip, norm)
+        return norm
 
     def eval_loss(self, batch: torch.Tensor) -> float:
         self.scale = 1.0 / self.M
