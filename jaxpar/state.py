@@ -127,12 +127,18 @@ def _loss(layout: Layout, params, batch):
 def _value_and_grad(layout: Layout):
     """jax.value_and_grad of the loss (GPipe over pp included: jax.grad through its ticks), or the
     hand-scheduled pipeline executor for 1F1B and interleaved schedules."""
-    p, S = layout.cfg.parallel, layout.mesh.shape["pp"]
-    if S == 1 or p.pipeline_schedule not in HAND_SCHEDULED:
+    p = layout.cfg.parallel
+    if layout.mesh.shape["pp"] == 1 or p.pipeline_schedule not in HAND_SCHEDULED:
         return jax.value_and_grad(partial(_loss, layout))
-    M = resolve_microbatches(S, p.pipeline_microbatches)
-    return partial(pipeline_value_and_grad, layout.graphdef, layout.cfg.model, mesh=layout.mesh,
-                   schedule=p.pipeline_schedule, S=S, M=M, V=p.pipeline_virtual_stages)
+    return hand_scheduled(layout, p.pipeline_schedule)
+
+
+def hand_scheduled(layout: Layout, schedule: str):
+    """(params, batch) -> (loss, grads) on the pipeline executor running `schedule` over the layout's pp
+    (any schedule: the memory benchmark also runs the GPipe order on it)."""
+    p, S = layout.cfg.parallel, layout.mesh.shape["pp"]
+    return partial(pipeline_value_and_grad, layout.graphdef, layout.cfg.model, mesh=layout.mesh, schedule=schedule,
+                   S=S, M=resolve_microbatches(S, p.pipeline_microbatches), V=p.pipeline_virtual_stages)
 
 
 def make_train_step(layout: Layout):

@@ -18,16 +18,6 @@ from functools import partial
 ROWS = {"gpipe": "gpipe", "gpipe (executor)": "gpipe", "1f1b": "1f1b"}
 
 
-def executor(schedule: str):
-    """value_and_grad builder running `schedule` on the hand-scheduled executor (for the GPipe order too)."""
-    def build(layout):
-        from jaxpar.parallel.pipeline_executor import pipeline_value_and_grad
-        p, S = layout.cfg.parallel, layout.mesh.shape["pp"]
-        return partial(pipeline_value_and_grad, layout.graphdef, layout.cfg.model, mesh=layout.mesh,
-                       schedule=schedule, S=S, M=p.pipeline_microbatches, V=1)
-    return build
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", type=int, default=4)
@@ -43,6 +33,7 @@ def main(argv=None) -> None:
     from jaxpar.config import load_config
     from jaxpar.parallel.memory_table import measure
     from jaxpar.parallel.pipeline_executor import tick_plan
+    from jaxpar.state import hand_scheduled
 
     S, T, b = args.stages, args.seq_len, args.microbatch_size
     counts = [int(m) for m in args.microbatches.split(",")]
@@ -57,7 +48,7 @@ def main(argv=None) -> None:
                 f"data.seq_len={T}", f"model.max_seq_len={T}", f"train.global_batch_size={M * b}",
                 f"parallel.pipeline_microbatches={M}", f"parallel.pipeline_schedule={schedule}",
                 "train.matmul_precision=highest"])
-            build = executor(schedule) if row == "gpipe (executor)" else None
+            build = partial(hand_scheduled, schedule=schedule) if row == "gpipe (executor)" else None
             temp = measure(cfg, {"pp": S}, jax.devices(), build).temp_size_in_bytes
             base = base or temp
             kept = tick_plan(schedule, S, M, 1).act_slots - 1 if row != "gpipe" else "all activations"
