@@ -19,6 +19,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # jaxpar's modules may import jax
 from jaxpar.bench import publish  # noqa: E402
 from jaxpar.config import load_config  # noqa: E402
 from jaxpar.errors import UserError, cli  # noqa: E402
+from torchpar.backends import BACKENDS  # noqa: E402
 
 
 def matmul_ceiling(device, dtype) -> float:
@@ -51,8 +52,9 @@ def bench(cfg, backend: str, steps: int, warmup: int, compile_model: bool) -> di
         model.compile()
     engine = backends.build(backend, model, cfg, env)
     B, M, W = cfg.train.global_batch_size, cfg.train.microbatches, env.world
+    share, ways = engine.data_rank, engine.data_ways  # as the trainer: pipeline stages read the whole batch
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (B, cfg.data.seq_len + 1))
-    mine = torch.from_numpy(tokens[env.rank * B // W:(env.rank + 1) * B // W]).long().to(env.device)
+    mine = torch.from_numpy(tokens[share * B // ways:(share + 1) * B // ways]).long().to(env.device)
     micro = [mine[m::M] for m in range(M)]
     sync = torch.cuda.synchronize if env.device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
@@ -81,7 +83,7 @@ def bench(cfg, backend: str, steps: int, warmup: int, compile_model: bool) -> di
         "mfu_datasheet": tps * fpt / (peak * W) if peak else None,
         "matmul_ceiling_flops": ceiling, "mfu_ceiling": tps * fpt / (ceiling * W),
         "memory_gib": torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else None,
-        "loss": float(loss), "command": "python -m torchpar.bench " + shlex.join(sys.argv[1:]), "is_main": env.is_main,
+        "loss": dist.all_sum([float(loss)], env)[0] / ways, "command": "python -m torchpar.bench " + shlex.join(sys.argv[1:]), "is_main": env.is_main,
     }
 
 
@@ -90,7 +92,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m torchpar.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config")
-    ap.add_argument("--backend", default="none", choices=("none", "ddp", "fsdp", "deepspeed"))
+    ap.add_argument("--backend", default="none", choices=BACKENDS)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
