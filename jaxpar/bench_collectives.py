@@ -29,6 +29,19 @@ def _ops(n: int):
     }
 
 
+def measurement(op: str, nbytes: int, seconds: float, n: int, platform: str) -> dict:
+    """One row: algorithm and bus bandwidth of `op` moving `nbytes` per device among n in `seconds`."""
+    return {"op": op, "bytes_per_device": nbytes, "time_s": seconds, "algbw_gbs": nbytes / seconds / 1e9,
+            "busbw_gbs": nbytes / seconds / 1e9 * BUS_FACTOR[op](n), "devices": n, "platform": platform}
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(f"{'op':<15} {'bytes/device':>13} {'time':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}")
+    for r in rows:
+        print(f"{r['op']:<15} {r['bytes_per_device']:>13,} {r['time_s'] * 1e6:>8.1f}us {r['algbw_gbs']:>11.2f} "
+              f"{r['busbw_gbs']:>11.2f}")
+
+
 def run(max_bytes: int, reps: int = 5) -> list[dict]:
     import jax
     import jax.numpy as jnp
@@ -50,9 +63,7 @@ def run(max_bytes: int, reps: int = 5) -> list[dict]:
             y.block_until_ready()
             dt = (time.perf_counter() - t0) / reps
             nbytes = elems * 4 * (n if name == "all_gather" else 1)  # message size: all-gather's is its output
-            rows.append({"op": name, "bytes_per_device": nbytes, "time_s": dt, "algbw_gbs": nbytes / dt / 1e9,
-                         "busbw_gbs": nbytes / dt / 1e9 * BUS_FACTOR[name](n), "devices": n,
-                         "platform": devices[0].platform})
+            rows.append(measurement(name, nbytes, dt, n, devices[0].platform))
         size *= 4
     return rows
 
@@ -68,10 +79,7 @@ def main(argv=None) -> int:
 
     setup_devices({"dp": args.devices})
     rows = run(int(args.max_mib * 2**20))
-    print(f"{'op':<15} {'bytes/device':>13} {'time':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}")
-    for r in rows:
-        print(f"{r['op']:<15} {r['bytes_per_device']:>13,} {r['time_s'] * 1e6:>8.1f}us {r['algbw_gbs']:>11.2f} "
-              f"{r['busbw_gbs']:>11.2f}")
+    print_rows(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

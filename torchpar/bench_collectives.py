@@ -14,7 +14,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxpar.bench_collectives import BUS_FACTOR  # noqa: E402
+from jaxpar.bench_collectives import measurement, print_rows  # noqa: E402
 
 
 def _ops(dist, world: int, rank: int):
@@ -56,9 +56,7 @@ def run(max_bytes: int, reps: int = 5) -> list[dict]:
             sync()
             dt = (time.perf_counter() - t0) / reps
             nbytes = elems * 4 * scale  # message size: all-gather's is its output
-            rows.append({"op": name, "bytes_per_device": nbytes, "time_s": dt, "algbw_gbs": nbytes / dt / 1e9,
-                         "busbw_gbs": nbytes / dt / 1e9 * BUS_FACTOR[name](env.world), "devices": env.world,
-                         "platform": env.device.type})
+            rows.append(measurement(name, nbytes, dt, env.world, env.device.type))
         size *= 4
     return rows if env.is_main else []
 
@@ -75,9 +73,8 @@ def main(argv=None) -> int:
         rows = run(int(args.max_mib * 2**20))
     finally:
         dist.teardown()
-    for r in rows:
-        print(f"{r['op']:<15} {r['bytes_per_device']:>13,} {r['time_s'] * 1e6:>8.1f}us {r['algbw_gbs']:>11.2f} "
-              f"{r['busbw_gbs']:>11.2f}")
+    if rows:  # rank 0
+        print_rows(rows)
     if args.json and rows:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
