@@ -23,6 +23,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from jaxpar.config import load_config
+from jaxpar.mesh import parse_mesh
 from tests.test_torchpar import ABORTS, _command, _env, _no_leftovers
 from tests.tiny import make_dataset
 
@@ -61,7 +62,7 @@ def config_path(name: str) -> str:
 
 def devices_needed(side: str) -> int:
     if side in JAX_LAYOUTS:
-        return math.prod(int(kv.split("=")[1]) for kv in JAX_LAYOUTS[side].split(","))
+        return math.prod(parse_mesh(JAX_LAYOUTS[side]).values())
     return max(TORCH_BACKENDS[side][0], 1)
 
 

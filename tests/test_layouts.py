@@ -1,9 +1,12 @@
 """The project's spine: every mesh layout reproduces the one-device float32 training run."""
+import math
+
 import jax
 import numpy as np
 import pytest
 
 from jaxpar.harness import run_steps
+from jaxpar.mesh import parse_mesh
 from tests.tiny import tiny_config
 
 LAYOUTS = [("dp=8", ()), ("fsdp=8", ()), ("dp=2,tp=4", ()), ("dp=2,fsdp=2,tp=2", ()),
@@ -27,7 +30,7 @@ def assert_params_close(got: dict, ref: dict) -> None:
 
 @pytest.mark.parametrize("mesh,extra", LAYOUTS, ids=[m + "".join(f",{e}" for e in x) for m, x in LAYOUTS])
 def test_layout_matches_single_device(mesh, extra, dataset, reference):
-    n = int(np.prod([int(kv.split("=")[1]) for kv in mesh.split(",")]))
+    n = math.prod(parse_mesh(mesh).values())
     got = run_steps(tiny_config(*extra), mesh, dataset, devices=jax.devices()[:n])
     ref_loss, loss = np.array(reference["loss"]), np.array(got["loss"])
     assert ref_loss[-1] < ref_loss[0] - 0.1, "the reference run should learn something"

@@ -2,6 +2,7 @@
 device, jaxpar equals torchpar, MLA equals DeepSeek-V2's equations, dilated attention equals
 causal attention in its degenerate case and a brute-force union softmax, and sketches are derived."""
 import hashlib
+import math
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from flax import nnx
 
 from jaxpar.compat.weights import flatten, unflatten
 from jaxpar.harness import run_steps
+from jaxpar.mesh import parse_mesh
 from jaxpar.models.dilated import dilated_attention
 from jaxpar.models.gpt import GPT as JaxGPT
 from jaxpar.models.gpt import loss_fn as jax_loss
@@ -44,7 +46,7 @@ def _reference(variant, dataset):
 
 
 def _n(mesh: str) -> int:
-    return int(np.prod([int(kv.split("=")[1]) for kv in mesh.split(",")]))
+    return math.prod(parse_mesh(mesh).values())
 
 
 @pytest.mark.parametrize("mesh", LAYOUTS)
