@@ -13,7 +13,6 @@ import hashlib
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from safetensors.numpy import load_file
 
 from jaxpar.config import load_config
 from jaxpar.mesh import parse_mesh
-from tests.test_torchpar import ABORTS, _command, _env, _no_leftovers
+from tests.test_torchpar import ABORTS, _command, _env, run_in_session
 from tests.tiny import make_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,16 +98,8 @@ class Runner:
 
     def launch(self, cmd: list[str], what: str) -> str:
         """Run a command in its own session; fail on timeout, non-zero exit, an abort or a leftover process."""
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=self.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            out, err = proc.communicate()
-            pytest.fail(f"{what} timed out after {self.timeout}s\n{err[-3000:]}")
-        _no_leftovers(proc.pid)
-        text = out + err
+        proc = run_in_session(cmd, self.env(), self.timeout, what)
+        text = proc.stdout + proc.stderr
         if proc.returncode != 0 or any(a in text for a in ABORTS):
             pytest.fail(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n{text[-5000:]}")
         return text

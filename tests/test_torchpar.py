@@ -57,24 +57,29 @@ def _no_leftovers(pgid: int) -> None:
     pytest.fail("processes left behind after the run")
 
 
-def run(args: list[str], nproc: int = 0, expect_rc=0, timeout: int = 120, **env) -> subprocess.CompletedProcess:
-    """`python -m torchpar.train ARGS` (nproc=0) or torchrun with nproc processes."""
-    proc = subprocess.Popen(_command(args, nproc), cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+def run_in_session(cmd: list[str], env: dict, timeout: int, what: str) -> subprocess.CompletedProcess:
+    """Run `cmd` in its own session; fail on a timeout (killing the session) or on a process left behind."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"run timed out: {args}\n{out[-3000:]}\n{err[-3000:]}")
+        pytest.fail(f"{what} timed out after {timeout}s\n{out[-3000:]}\n{err[-3000:]}")
     _no_leftovers(proc.pid)
-    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    text = out + err
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run(args: list[str], nproc: int = 0, expect_rc=0, timeout: int = 120, **env) -> subprocess.CompletedProcess:
+    """`python -m torchpar.train ARGS` (nproc=0) or torchrun with nproc processes."""
+    result = run_in_session(_command(args, nproc), _env(**env), timeout, f"run {args}")
+    text = result.stdout + result.stderr
     assert not any(a in text for a in ABORTS), text[-5000:]
     if expect_rc == 0:
-        assert proc.returncode == 0, text[-5000:]
+        assert result.returncode == 0, text[-5000:]
     elif expect_rc == "nonzero":
-        assert proc.returncode != 0, text[-5000:]
+        assert result.returncode != 0, text[-5000:]
     return result
 
 
