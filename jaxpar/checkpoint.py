@@ -14,7 +14,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from jaxpar.errors import UserError
+from jaxpar.core.errors import UserError
 
 
 class Checkpointer:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 
-from jaxpar.errors import UserError
+from jaxpar.core.errors import UserError
 
 AXES = ("dp", "fsdp", "pp", "sp", "tp")  # mesh order: tp innermost (fastest links), dp outermost
 DEFAULT_CPU_DEVICES = 8  # simulated devices for a -1 mesh axis without accelerator (or JAXPAR_CPU_DEVICES)
@@ -113,3 +113,9 @@ def make_mesh(sizes: dict[str, int], devices=None):
     devices = jax.devices() if devices is None else list(devices)
     full = resolve_sizes(sizes, len(devices))
     return jax.make_mesh(tuple(full[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+
+
+def device_memory_gib(device) -> float | None:
+    """Peak memory in use on `device` (GiB), where the backend reports it (GPUs; not the CPU)."""
+    stats = device.memory_stats() or {}
+    return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None

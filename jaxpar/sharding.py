@@ -1,16 +1,14 @@
-"""The one table from logical axis names (what the model knows) to mesh axes (what the layout knows).
+"""The one table from logical axis names (what the model knows) to mesh axes, and the PartitionSpecs it gives.
 
-Model code names axes ("batch", "embed", "heads", ...) and calls `constrain`; nothing else.
-Changing a layout means changing `rules_for` here, never the model.
+Model code names axes ("batch", "embed", "heads", ...) and calls `jaxpar.context.constrain`; nothing
+else. Changing a layout means changing `RULES` here (ZeRO-3 adds dp to "embed": jaxpar/layout.py),
+never the model.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 
-import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 # logical name -> mesh axes (a tuple is sharded over their product). Weights and activations use
 # different names for the model dimension: weights' "embed" is FSDP-sharded, activations'
@@ -32,14 +30,6 @@ RULES: dict[str, tuple[str, ...]] = {
     "kv_latent": (),
     "sketch": ("fsdp",),  # a sketched layer's factor [sketch, out]: its input dim, sharded like "embed"
 }
-
-
-def rules_for(zero_stage: int) -> dict[str, tuple[str, ...]]:
-    """ZeRO-3 on plain data parallelism: parameters are sharded over dp as well as fsdp."""
-    rules = dict(RULES)
-    if zero_stage == 3:
-        rules["embed"] = ("fsdp", "dp")
-    return rules
 
 
 def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh, rules) -> P:
@@ -67,32 +57,3 @@ def with_extra_axis(spec: P, shape: tuple[int, ...], mesh, axis: str) -> P:
             entries[i] = cur + (axis,) if cur else axis
             return P(*entries)
     return spec
-
-
-# The active (mesh, rules) for activation constraints; unset means "no mesh": constrain is a no-op.
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jaxpar_sharding", default=None)
-
-
-@contextlib.contextmanager
-def use_rules(mesh, rules):
-    token = _ACTIVE.set((mesh, rules))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
-    """Pin an activation's layout by logical names (a hint to GSPMD, never a change in value)."""
-    active = _ACTIVE.get()
-    if active is None:
-        return x
-    mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(tracing_mesh(mesh), spec_for(axes, x.shape, mesh, rules)))
-
-
-def tracing_mesh(mesh):
-    """`mesh`, or inside a shard_map (the pipeline executor is manual over pp) the context's abstract
-    mesh, which sharding constraints and nested shard_maps must name; activations never use its manual axes."""
-    context = jax.sharding.get_abstract_mesh()
-    return context if not context.empty and context.manual_axes else mesh

@@ -2,7 +2,7 @@
 
 Every run of a config starts from one exported initial-weights file (`python -m jaxpar.train
 --write-init`, then `model.init_from`), reads the same synthetic token file, logs every step
-(`metrics.jsonl`) and writes its final weights in the shared layout (`--write-final`). Runs are
+(`metrics.jsonl`) and writes its final weights in the shared weight format (`--write-final`). Runs are
 subprocesses (simulated CPU devices for jaxpar, `torch.distributed.run` over gloo for torchpar),
 checked for aborts and leftover processes by tests/test_torchpar.py's helpers, and cached by
 (side, resolved config), so a run several comparisons need (the jaxpar one-device reference) runs once.
@@ -21,10 +21,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jaxpar.config import load_config
+from jaxpar.core.config import load_config
 from jaxpar.mesh import parse_mesh
-from tests.test_torchpar import ABORTS, _command, _env, run_in_session
-from tests.tiny import make_dataset
+from tests.helpers import ABORTS, make_dataset, run_in_session, torch_command, torch_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join(ROOT, "configs", "parity")
@@ -88,7 +87,7 @@ class Runner:
         return None
 
     def env(self) -> dict:
-        env = _env()
+        env = torch_env()
         if self.device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""  # CPU means CPU for torch too, even on a GPU machine
         else:
@@ -145,7 +144,7 @@ class Runner:
             cmd = [sys.executable, "-m", "jaxpar.train", *args, "--mesh", JAX_LAYOUTS[side]]
         else:
             nproc, backend = TORCH_BACKENDS[side]
-            cmd = _command([*backend, *args], nproc)
+            cmd = torch_command([*backend, *args], nproc)
         t0 = time.perf_counter()
         self.launch(cmd, f"{config} on {side}")
         seconds = time.perf_counter() - t0

@@ -13,8 +13,8 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory):
-    """A small learnable token file shared by every test (tests/tiny.py)."""
-    from tests.tiny import make_dataset
+    """A small learnable token file shared by every test (tests/helpers.py)."""
+    from tests.helpers import make_dataset
 
     return make_dataset(tmp_path_factory.mktemp("data") / "tokens.bin")
 
@@ -22,7 +22,6 @@ def dataset(tmp_path_factory):
 @pytest.fixture(scope="session")
 def reference(dataset):
     """The one-device float32 run of the tiny config: what every layout must reproduce."""
-    from jaxpar.harness import run_steps
-    from tests.tiny import tiny_config
+    from tests.helpers import run_steps, tiny_config
 
     return run_steps(tiny_config(), "dp=1", dataset, devices=jax.devices()[:1])

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from tests.cli import metrics, run_cli
+from tests.helpers import metrics, run_cli
 
 
 def assert_one_line_error(r, *phrases):

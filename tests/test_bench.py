@@ -1,8 +1,9 @@
 """bench, bench_collectives, report and profiling run on CPU (figures labelled CPU): the code paths are exercised."""
 import os
 
-from jaxpar import bench, bench_collectives
-from jaxpar.config import load_config
+from jaxpar.core.bench_records import HEADER, markdown_row
+from jaxpar.core.config import load_config
+from jaxpar.tools import bench, bench_collectives
 from jaxpar.mesh import parse_mesh
 
 
@@ -13,7 +14,7 @@ def test_bench_reports_cpu_figures():
     assert r["mfu_datasheet"] is None  # no datasheet peak for a CPU: never a made-up number
     assert r["tokens_per_sec"] > 0 and 0 < r["mfu_ceiling"] < 1
     assert abs(r["tokens_per_sec"] * r["step_time_s"] - 8 * cfg.data.seq_len) < 1e-6 * r["tokens_per_sec"]
-    row = bench.markdown_row(r)
+    row = markdown_row(r)
     assert row.startswith(f"| {r['date']} | cpu") and "jax " in row
 
 
@@ -27,7 +28,7 @@ def test_collectives_bench_covers_each_op():
 def test_report_draws_pngs(tmp_path, capsys):
     import json
 
-    from jaxpar import report
+    from jaxpar.tools import report
 
     runs = [{"framework": "jaxpar", "mesh": f"dp={n}", "devices": n, "tokens_per_sec": 100.0 * n,
              "mfu_ceiling": 0.1, "memory_gib": None, "device_kind": "cpu:cpu", "compute_dtype": "float32"}
@@ -46,17 +47,16 @@ def test_torchpar_bench_reports_the_same_fields(tmp_path):
     import subprocess
     import sys
 
-    from tests.cli import ROOT
-    from tests.tiny import TINY
+    from tests.helpers import ROOT, TINY
 
     out = tmp_path / "t.json"
-    r = subprocess.run([sys.executable, "-m", "torchpar.bench", "--backend", "none", "--steps", "2", "--warmup", "1",
+    r = subprocess.run([sys.executable, "-m", "torchpar.tools.bench", "--backend", "none", "--steps", "2", "--warmup", "1",
                         "--json", str(out), *TINY], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     t = json.loads(out.read_text())
     assert t["framework"] == "torchpar" and t["device_kind"].startswith("cpu") and t["mfu_datasheet"] is None
     assert t["tokens_per_sec"] > 0 and "torch" in t["versions"]
-    assert bench.markdown_row(t).count("|") == bench.HEADER.splitlines()[0].count("|")
+    assert markdown_row(t).count("|") == HEADER.splitlines()[0].count("|")
 
 
 def test_torchpar_collectives_bench_on_two_processes(tmp_path):
@@ -65,12 +65,11 @@ def test_torchpar_collectives_bench_on_two_processes(tmp_path):
     import subprocess
     import sys
 
-    from tests.cli import ROOT
-    from tests.test_multiprocess import free_port
+    from tests.helpers import ROOT, free_port
 
     out = tmp_path / "c.json"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        f"--master_port={free_port()}", "-m", "torchpar.bench_collectives", "--max-mib", "0.02",
+                        f"--master_port={free_port()}", "-m", "torchpar.tools.bench_collectives", "--max-mib", "0.02",
                         "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
@@ -84,8 +83,7 @@ def test_profile_steps_write_traces(tmp_path):
     import subprocess
     import sys
 
-    from tests.cli import ROOT, run_cli
-    from tests.tiny import TINY, make_dataset
+    from tests.helpers import ROOT, TINY, make_dataset, run_cli
 
     dataset = make_dataset(tmp_path / "tokens.bin")
     r = run_cli(tmp_path / "jax", dataset, "train.steps=4", "train.profile_steps=1:3")

@@ -1,12 +1,12 @@
-"""Weight conversion: HF GPT-2 <-> shared layout <-> jaxpar checkpoint, bit-exact; HF logits match."""
+"""Weight conversion: HF GPT-2 <-> shared weight format <-> jaxpar checkpoint, bit-exact; HF logits match."""
 import json
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jaxpar import convert
-from jaxpar.compat.hf import hf_to_shared
+from jaxpar.tools import convert
+from jaxpar.tools.hf_gpt2 import hf_to_shared
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -36,8 +36,8 @@ def test_hf_logits_match_jaxpar(hf_dir):
     import jax
     from flax import nnx
 
-    from jaxpar.compat.weights import unflatten
-    from jaxpar.config import load_config
+    from jaxpar.core.weights import unflatten
+    from jaxpar.core.config import load_config
     from jaxpar.models.gpt import GPT
 
     flat, dims = hf_to_shared(str(hf_dir))

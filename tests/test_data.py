@@ -5,10 +5,11 @@ import sys
 import numpy as np
 import pytest
 
-from jaxpar import data
-from jaxpar.config import DataConfig
-from jaxpar.data import TokenBatches, prepare, read_meta, resolve_dataset, write_tokens
-from jaxpar.errors import UserError
+from jaxpar.core import tokens as data
+from jaxpar.core.config import DataConfig
+from jaxpar.core.tokens import prepare, read_meta, resolve_dataset, write_tokens
+from jaxpar.data import TokenBatches
+from jaxpar.core.errors import UserError
 
 
 def _arange_dataset(tmp_path, n, name="seq.bin"):
@@ -224,3 +225,16 @@ def test_hf_tokenizer_branch_with_fake_library(tmp_path, monkeypatch):
     meta = read_meta(out)
     assert meta["dtype"] == "uint32" and meta["tokenizer"] == str(tok)
     assert list(np.fromfile(out, dtype="<u4")) == [70000 + ord(c) for c in "hé\nyo"]
+
+
+@pytest.mark.parametrize("n,seed", [(1, 0), (23, 7), (279, 0), (70_000, 2**32 - 1)])
+def test_shared_order_is_grains_shuffle(n, seed):
+    """The order defined in jaxpar/core/data_order.py (pure Python; what torchpar reads) is, epoch after epoch,
+    the one grain's MapDataset.shuffle(seed).repeat() gives, so runs keep their data order."""
+    import grain
+
+    from jaxpar.core.data_order import shuffled_index
+
+    ds = grain.MapDataset.source(range(n)).shuffle(seed=seed).repeat()
+    idx = [i for e in range(3) for i in range(e * n, e * n + min(n, 300))]
+    assert [shuffled_index(i % n, n, (seed + i // n) % 2**32) for i in idx] == [ds[i] for i in idx]

@@ -1,19 +1,11 @@
 """Two local CPU processes (2 simulated devices each) form one dp=2,tp=2 mesh via jax.distributed."""
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 
-from tests.cli import ROOT, metrics, run_cli
-from tests.tiny import TINY
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import ROOT, TINY, free_port, metrics, run_cli
 
 
 def test_two_processes_reproduce_one_process(dataset, tmp_path):

@@ -4,11 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.errors import UserError
-from jaxpar.harness import run_steps
+from jaxpar.core.errors import UserError
+from tests.helpers import assert_params_close, run_steps, tiny_config
 from jaxpar.parallel.pipeline_executor import tick_plan
-from tests.test_layouts import assert_params_close
-from tests.tiny import tiny_config
 
 # 4 layers so that pp=4 has a layer per stage. At the tiny config's lr=1e-2 a 4-layer model lets Adam
 # amplify float32 rounding to ~3e-5 in parameters on *any* sharded layout (dp=2,tp=2 too, no pipeline);

@@ -1,9 +1,9 @@
 """Pipeline clock tables: textbook orderings, dependencies, bubbles and in-flight activations."""
 import pytest
 
-from jaxpar import pipeline
-from jaxpar.errors import UserError
-from jaxpar.parallel.schedules import bubble_fraction, check, max_in_flight, simulate
+from jaxpar.tools import pipeline_table as pipeline
+from jaxpar.core.errors import UserError
+from jaxpar.core.pipeline_schedules import bubble_fraction, check, max_in_flight, simulate
 
 S, M = 4, 8
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]

@@ -1,9 +1,9 @@
-"""The planner against formulas written here, independently of jaxpar.plan's own."""
+"""The planner against formulas written here, independently of jaxpar.tools.plan's own."""
 import jax
 
-from jaxpar.config import load_config
+from jaxpar.core.config import load_config
 from jaxpar.mesh import parse_mesh
-from jaxpar.plan import main as plan_main, plan, recommend
+from jaxpar.tools.plan import main as plan_main, plan, recommend
 
 CFG = load_config("configs/gpt2-tiny.yaml")
 m, B, T = CFG.model, CFG.train.global_batch_size, CFG.data.seq_len

@@ -5,14 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar.errors import UserError
-from jaxpar.harness import run_steps
+from jaxpar.core.errors import UserError
+from tests.helpers import assert_params_close, run_steps, tiny_config
 from jaxpar.mesh import make_mesh
-from jaxpar.parallel.sequence import attention, use_sequence, zigzag_order
-from jaxpar.sharding import rules_for, use_rules
-from jaxpar.state import Layout
-from tests.test_layouts import assert_params_close
-from tests.tiny import tiny_config
+from jaxpar.layout import Layout
+from jaxpar.parallel.sequence import sequence_attention, zigzag_order
+from jaxpar.sharding import RULES
 
 B, T, H, D = 2, 32, 8, 4  # T divisible by 2*8 (zig-zag at sp=8), H by 8 (Ulysses at sp=8)
 
@@ -29,9 +27,10 @@ def sharded_attention(strategy, sp, zigzag):
     order = zigzag_order(T, sp) if zigzag else np.arange(T)
     inverse = np.argsort(order)
 
+    attention = sequence_attention(mesh, RULES, strategy)
+
     def f(q, k, v):
-        with use_rules(mesh, rules_for(0)), use_sequence(strategy, zigzag):
-            y = attention(q[:, order], k[:, order], v[:, order], order if zigzag else None)
+        y = attention(q[:, order], k[:, order], v[:, order], order if zigzag else None)
         return y[:, inverse]
 
     return f
@@ -73,5 +72,5 @@ def test_bad_sequence_layout_is_one_line(mesh, extra, message):
     cfg = tiny_config(*extra)
     with pytest.raises(UserError) as e:
         Layout(cfg, make_mesh(dict((k, int(v)) for k, v in (kv.split("=") for kv in mesh.split(","))),
-                              jax.devices()[:8]), rules_for(0))
+                              jax.devices()[:8]))
     assert message in str(e.value) and "\n" not in str(e.value)

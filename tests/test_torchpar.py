@@ -4,76 +4,24 @@ All runs start from the same initial weights (--write-init once, then model.init
 the backends differ. Each subprocess has a timeout, must not print an abort, and must leave no
 process behind (each run gets its own session; the session must be empty when it returns).
 """
-import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
 from safetensors.numpy import load_file
 
-from tests.test_layouts import assert_params_close
-from tests.tiny import TINY, make_dataset
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ABORTS = ("Abort", "SIGABRT", "core dumped", "Fatal Python error")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(**extra) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    for key in ("TORCHPAR_FAULT_KILL_AFTER_STEP", "TORCHPAR_FAULT_SIGTERM_AFTER_STEP", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(key, None)
-    return {**env, **extra}
-
-
-def _command(args: list[str], nproc: int) -> list[str]:
-    if not nproc:
-        return [sys.executable, "-m", "torchpar.train", *args]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-            f"--master_port={_free_port()}", "-m", "torchpar.train", *args]
-
-
-def _no_leftovers(pgid: int) -> None:
-    for _ in range(50):  # torchrun reaps its workers before exiting; allow a moment for stragglers
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-    os.killpg(pgid, signal.SIGKILL)
-    pytest.fail("processes left behind after the run")
-
-
-def run_in_session(cmd: list[str], env: dict, timeout: int, what: str) -> subprocess.CompletedProcess:
-    """Run `cmd` in its own session; fail on a timeout (killing the session) or on a process left behind."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{what} timed out after {timeout}s\n{out[-3000:]}\n{err[-3000:]}")
-    _no_leftovers(proc.pid)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+from tests.helpers import (ABORTS, ROOT, TINY, assert_params_close, make_dataset, metrics, no_leftovers, run_in_session,
+                           torch_command, torch_env)
 
 
 def run(args: list[str], nproc: int = 0, expect_rc=0, timeout: int = 120, **env) -> subprocess.CompletedProcess:
     """`python -m torchpar.train ARGS` (nproc=0) or torchrun with nproc processes."""
-    result = run_in_session(_command(args, nproc), _env(**env), timeout, f"run {args}")
+    result = run_in_session(torch_command(args, nproc), torch_env(**env), timeout, f"run {args}")
     text = result.stdout + result.stderr
     assert not any(a in text for a in ABORTS), text[-5000:]
     if expect_rc == 0:
@@ -81,12 +29,6 @@ def run(args: list[str], nproc: int = 0, expect_rc=0, timeout: int = 120, **env)
     elif expect_rc == "nonzero":
         assert result.returncode != 0, text[-5000:]
     return result
-
-
-def metrics(run_dir) -> dict[int, dict]:
-    """Records by step; a step logged twice (re-run after a resume) keeps its last record."""
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return {r["step"]: r for r in map(json.loads, f)}
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +66,24 @@ def test_reference_learns(reference):
 
 BACKENDS = [("ddp", []), ("fsdp", []), ("deepspeed", ["parallel.zero_stage=1"]),
             ("deepspeed", ["parallel.zero_stage=2"]), ("deepspeed", ["parallel.zero_stage=3"])]
+
+
+_NO_JAX = """
+import sys
+import torchpar.train
+rc = torchpar.train.main(sys.argv[1:])
+leaked = sorted({m.split(".")[0] for m in sys.modules} & {"jax", "jaxlib", "flax", "optax", "orbax", "grain"})
+print("jax-side modules imported:", leaked)
+sys.exit(rc or bool(leaked))
+"""
+
+
+def test_torchpar_never_imports_jax(base, tmp_path):
+    """torchpar reads only jaxpar's shared core: a whole training run (data, eval, checkpoint) imports no jax."""
+    cmd = [sys.executable, "-c", _NO_JAX, "--backend", "none", *base["args"], f"run.dir={tmp_path}", "train.steps=3"]
+    r = run_in_session(cmd, torch_env(), 120, "torchpar run without jax")
+    assert r.returncode == 0 and "jax-side modules imported: []" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    assert sorted(metrics(tmp_path)) == [1, 2, 3] and os.path.isdir(tmp_path / "checkpoints" / "3")
 
 
 @pytest.mark.parametrize("backend,extra", BACKENDS, ids=[b + "".join(f",{e}" for e in x) for b, x in BACKENDS])
@@ -210,8 +170,8 @@ def _worker_of_rank(parent: int, rank: int) -> int:
 def test_sigterm_to_one_rank_saves_and_all_exit_zero(base):
     """SIGTERM reaches rank 1 only: both ranks agree to stop after the same step, save, and exit 0."""
     run_dir = base["tmp"] / "sigterm"
-    cmd = _command(["--backend", "ddp", *base["args"], "train.steps=100000", f"run.dir={run_dir}"], 2)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    cmd = torch_command(["--backend", "ddp", *base["args"], "train.steps=100000", f"run.dir={run_dir}"], 2)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=torch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         line = proc.stdout.readline()
@@ -222,7 +182,7 @@ def test_sigterm_to_one_rank_saves_and_all_exit_zero(base):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    _no_leftovers(proc.pid)
+    no_leftovers(proc.pid)
     assert proc.returncode == 0, err[-3000:]
     assert "stopped by signal" in err and not any(a in out + err for a in ABORTS)
     step = max(metrics(run_dir))

@@ -6,12 +6,13 @@ import pytest
 import torch
 from flax import nnx
 
-from jaxpar.compat.weights import flatten, load_weights, save_weights, unflatten
+from jaxpar.core.weights import flatten, load_weights, save_weights, unflatten
 from jaxpar.models.gpt import GPT as JaxGPT
-from jaxpar.models.gpt import loss_fn as jax_loss
-from jaxpar.state import abstract_model
-from tests.tiny import tiny_config
-from torchpar.layout import NAMES, from_shared, shared_name, shared_shapes, to_shared
+from jaxpar.loss import loss_fn as jax_loss
+from jaxpar.models.gpt import abstract_model
+from tests.helpers import tiny_config
+from jaxpar.core.weights import NAMES, shared_name
+from torchpar.weights import from_shared, shared_shapes, to_shared
 from torchpar.model import GPT, loss_fn
 from torchpar.optim import decays
 
@@ -22,7 +23,7 @@ def cfg():
 
 
 def test_layout_matches_jaxpar_names_and_shapes(cfg):
-    _, _, abstract = abstract_model(cfg)
+    _, _, abstract = abstract_model(cfg.model)
     jax_shapes = {k: tuple(v.shape) for k, v in _flat_abstract(abstract).items()}
     assert shared_shapes(cfg.model) == jax_shapes
     model = GPT(cfg.model)
@@ -71,7 +72,7 @@ def test_weight_decay_mask_is_jaxpars(cfg):
 @pytest.fixture(scope="module")
 def jax_reference(cfg):
     """jaxpar's loss and gradients for one batch, float32 at highest matmul precision (jitted once),
-    with torchpar-initialised weights loaded into jaxpar's model through the shared layout."""
+    with torchpar-initialised weights loaded into jaxpar's model through the shared weight format."""
     torch_model = GPT(cfg.model)
     torch_model.init_weights(0)
     params = to_shared(torch_model.state_dict(), cfg.model.n_layer)

@@ -5,7 +5,7 @@ import signal
 import numpy as np
 import pytest
 
-from tests.cli import metrics, run_cli
+from tests.helpers import metrics, run_cli
 
 STEPS = ["train.steps=20", "checkpoint.every=10", "train.eval_every=0"]
 
@@ -83,7 +83,7 @@ def test_default_tiny_config_learns(tmp_path):
     """The README's main job: byte-level loss below 3.0 nats/token, eval loss reported."""
     import subprocess
     import sys
-    from tests.cli import ROOT
+    from tests.helpers import ROOT
     r = subprocess.run([sys.executable, "-m", "jaxpar.train", "--config", "configs/gpt2-tiny.yaml",
                         "--mesh", "dp=2,tp=4", f"run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
                        timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})

@@ -14,17 +14,15 @@ import pytest
 import torch
 from flax import nnx
 
-from jaxpar.compat.weights import flatten, unflatten
-from jaxpar.harness import run_steps
+from jaxpar.core.weights import flatten, unflatten
+from tests.helpers import assert_params_close, run_steps, tiny_config
 from jaxpar.mesh import parse_mesh
 from jaxpar.models.dilated import dilated_attention
 from jaxpar.models.gpt import GPT as JaxGPT
-from jaxpar.models.gpt import loss_fn as jax_loss
+from jaxpar.loss import loss_fn as jax_loss
 from jaxpar.models.mla import MLAttention, kv_cache_width
-from jaxpar.models.sketched import sketch_matrix
-from tests.test_layouts import assert_params_close
-from tests.tiny import tiny_config
-from torchpar.layout import from_shared, shared_shapes, to_shared
+from jaxpar.core.sketches import sketch_matrix
+from torchpar.weights import from_shared, shared_shapes, to_shared
 from torchpar.model import GPT, loss_fn
 
 VARIANTS = {
@@ -219,9 +217,9 @@ seed = int(sys.argv[1])
 random.seed(seed); np.random.seed(seed); torch.manual_seed(seed)  # perturb every global RNG state
 np.random.random(seed + 1)
 from jaxpar.models.gpt import GPT
-from jaxpar.models.sketched import stacked_sketches
-from tests.tiny import tiny_config
+from jaxpar.core.sketches import stacked_sketches
 from torchpar.model import GPT as TorchGPT
+from tests.helpers import tiny_config
 cfg = tiny_config('model.linear=sketched', 'model.sketch_seed=7').model
 jax_side = stacked_sketches(cfg)
 model = TorchGPT(cfg)
@@ -238,7 +236,7 @@ def test_sketch_identical_across_processes_and_frameworks():
     digests = [subprocess.run([sys.executable, "-c", _SKETCH_SCRIPT, str(seed)], cwd=root, env=env, check=True,
                               capture_output=True, text=True).stdout.strip() for seed in (1, 2)]
     cfg = tiny_config("model.linear=sketched", "model.sketch_seed=7").model
-    from jaxpar.models.sketched import stacked_sketches
+    from jaxpar.core.sketches import stacked_sketches
 
     here = hashlib.sha256(b"".join(a.tobytes() for _, a in sorted(stacked_sketches(cfg).items()))).hexdigest()
     assert digests[0] == digests[1] == here

@@ -19,7 +19,7 @@ import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from jaxpar.errors import UserError
+from jaxpar.core.errors import UserError
 from torchpar import dist
 from torchpar.dist import Env
 

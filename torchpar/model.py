@@ -16,35 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from jaxpar.config import ModelConfig
+from jaxpar.core.config import ModelConfig
+from torchpar.layers import Dense, LayerNorm
 from torchpar.variants import MLAttention, SketchedLinear, dilated_attention
 
 # model.remat=save_matmuls: keep matmul outputs, recompute the rest (jaxpar: dots_with_no_batch_dims_saveable).
 _MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default]
-
-
-class Dense(nn.Module):
-    """weight/bias of arbitrary rank applied by an einsum equation (jaxpar's `kernel`/`bias`)."""
-
-    def __init__(self, w_shape: tuple[int, ...], b_shape: tuple[int, ...]):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(w_shape))
-        self.bias = nn.Parameter(torch.zeros(b_shape))
-
-    def forward(self, x: torch.Tensor, equation: str) -> torch.Tensor:
-        return torch.einsum(equation, x, self.weight.to(x.dtype)) + self.bias.to(x.dtype)
-
-
-class LayerNorm(nn.Module):
-    """Statistics in float32 whatever the compute dtype; weight/bias are jaxpar's scale/bias."""
-
-    def __init__(self, d: int, eps: float):
-        super().__init__()
-        self.weight, self.bias, self.eps = nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d)), eps
-
-    def forward(self, x):
-        y = F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), self.bias.float(), self.eps)
-        return y.to(x.dtype)
 
 
 class Attention(nn.Module):

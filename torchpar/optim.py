@@ -1,17 +1,17 @@
-"""AdamW with jaxpar's weight-decay mask and learning-rate schedule (jaxpar.schedule.lr_at)."""
+"""AdamW with jaxpar's weight-decay mask and learning-rate schedule (jaxpar.core.lr_schedule.lr_at)."""
 from __future__ import annotations
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from jaxpar.config import Config
-from jaxpar.schedule import lr_at
-from torchpar.layout import shared_name
+from jaxpar.core.config import Config
+from jaxpar.core.lr_schedule import decays as decays_shared, lr_at
+from jaxpar.core.weights import shared_name
 
 
 def decays(torch_name: str) -> bool:
-    """jaxpar's rule on the shared name: no decay for biases and LayerNorm scales."""
-    return shared_name(torch_name).rsplit(".", 1)[-1] not in ("bias", "scale")
+    """The shared decay rule, applied to a torch parameter's shared name."""
+    return decays_shared(shared_name(torch_name))
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -26,7 +26,7 @@ def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer
                              betas=(o.beta1, o.beta2), eps=o.eps)
 
 
-class SharedSchedule(LRScheduler):
+class SharedLRSchedule(LRScheduler):
     """The lr of the update at 0-based step s is lr_at(s): warmup + cosine, written once in jaxpar."""
 
     def __init__(self, optimizer, cfg: Config, last_epoch: int = -1):

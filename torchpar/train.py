@@ -2,24 +2,28 @@
 
 The same model, configs and data order as jaxpar.train, on PyTorch. Also: --deepspeed-config J
 (merged over the generated DeepSpeed JSON), --cpu-offload, --write-init PATH (write the initial
-weights in the shared safetensors layout and exit), --write-final PATH (the final weights, same layout).
+weights in the shared safetensors format and exit), --write-final PATH (the final weights, same format).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import signal
 import sys
-import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # grain (the data pipeline) imports jax: keep it off the GPUs
+import torch
 
-from jaxpar.config import Config, load_config, profile_window  # noqa: E402
-from jaxpar.errors import UserError  # noqa: E402
-from jaxpar.faults import fault_hooks  # noqa: E402
-from torchpar.backends import BACKENDS  # noqa: E402
-from torchpar.dist import launch_env  # noqa: E402
+from jaxpar.core.config import Config, load_config
+from jaxpar.core.data_order import GlobalBatches, open_splits
+from jaxpar.core.errors import UserError
+from jaxpar.core.flops import flops_per_token, peak_flops
+from jaxpar.core.loop import run_loop
+from jaxpar.core.metrics_log import MetricsLog
+from jaxpar.core.weights import load_weights, save_weights, unflatten
+from torchpar import dist
+from torchpar.backends import BACKENDS
+from torchpar.dist import launch_env
+from torchpar.weights import from_shared, shared_shapes, to_shared
 
 PRECISION = {"default": "high", "high": "high", "highest": "highest"}  # jaxpar's default on GPU is TF32 too
 
@@ -49,7 +53,6 @@ def check(cfg: Config, args) -> None:
     if args.cpu_offload and args.backend not in ("fsdp", "deepspeed"):
         raise UserError("--cpu-offload needs --backend fsdp or deepspeed")
     if args.cpu_offload and args.backend == "fsdp":
-        import torch
         if not torch.cuda.is_available():
             raise UserError("--cpu-offload with fsdp needs a GPU to offload from (parameters are on the CPU already)")
     if args.deepspeed_config and args.backend != "deepspeed":
@@ -77,40 +80,82 @@ def build_model(cfg: Config):
 
 
 def write_init(cfg: Config, path: str) -> int:
-    from jaxpar.compat.weights import save_weights, unflatten
-    from torchpar.layout import to_shared
-
     if launch_env()[0] == 0:
         save_weights(path, unflatten(to_shared(build_model(cfg).state_dict(), cfg.model.n_layer)))
         print(f"wrote initial weights to {path}", file=sys.stderr)
     return 0
 
 
-def train(cfg: Config, args) -> int:
-    import torch
+class TorchFramework:
+    """What the shared loop (jaxpar/core/loop.py) needs from torch: the engine's step, data, DCP saves."""
+    fault_prefix = "TORCHPAR"
 
-    from jaxpar.compat.weights import load_weights, save_weights, unflatten
-    from jaxpar.data import TokenBatches, resolve_dataset
-    from jaxpar.metrics import MetricsLog, flops_per_token, peak_flops
-    from torchpar import backends, dist
-    from torchpar.layout import from_shared, shared_shapes, to_shared
+    def __init__(self, cfg: Config, data, args, engine, env):
+        self.cfg, self.engine, self.env, self.backend = cfg, engine, env, args.backend
+        self.train_data, self.val_data = data  # read straight from the memmap, in the shared order
+        self.profiler = None
 
+    def _rows(self, data: GlobalBatches, step: int):
+        """This rank's rows of the global batch at `step` (pipeline: every stage reads the whole batch)."""
+        share, ways, n = self.engine.data_rank, self.engine.data_ways, data.global_batch_size
+        rows = data.rows(step, share * n // ways, (share + 1) * n // ways)
+        return torch.from_numpy(rows).long().to(self.env.device)
+
+    def train_step(self, step: int):
+        M = self.cfg.train.microbatches
+        batch = self._rows(self.train_data, step)  # microbatch m = rows m, m+M, ... (as jaxpar)
+        return self.engine.train_step([batch[m::M] for m in range(M)])
+
+    def agree_stop(self, requested: bool) -> bool:
+        return dist.all_sum([float(requested)], self.env)[0] > 0  # one tiny all-reduce per step
+
+    def fetch(self, handle) -> dict:
+        loss, grad_norm, lr = handle
+        loss_sum = dist.all_sum([float(loss)], self.env)[0]
+        return {"loss": loss_sum / self.engine.data_ways, "grad_norm": float(grad_norm), "lr": float(lr)}
+
+    def evaluate(self) -> float:
+        engine, n = self.engine, self.cfg.train.eval_batches
+        engine.module.eval()
+        losses = [engine.eval_loss(self._rows(self.val_data, i)) for i in range(n)]
+        engine.module.train()
+        return dist.all_sum([sum(losses) / len(losses)], self.env)[0] / engine.data_ways
+
+    def save(self, step: int) -> None:
+        self.engine.checkpointer.save(step, {"step": step, "data_step": step, "backend": self.backend,
+                                             "world_size": self.env.world})
+
+    def memory_gib(self) -> float | None:
+        return torch.cuda.max_memory_allocated(self.env.device) / 2**30 if self.env.device.type == "cuda" else None
+
+    def profile_start(self) -> None:  # train.profile_steps=a:b -> <run.dir>/profile/trace_rank<r>.json
+        self.profiler = torch.profiler.profile()
+        self.profiler.start()
+
+    def profile_stop(self) -> None:
+        self.profiler.stop()
+        os.makedirs(os.path.join(self.cfg.run.dir, "profile"), exist_ok=True)
+        self.profiler.export_chrome_trace(os.path.join(self.cfg.run.dir, "profile", f"trace_rank{self.env.rank}.json"))
+        self.profiler = None
+
+
+def setup_torch(cfg: Config, backend: str):
+    """Matmul precision and determinism, then the process group; the rank's Env."""
     torch.set_float32_matmul_precision(PRECISION[cfg.train.matmul_precision])
     if torch.cuda.is_available():
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS; before first use
-    env = dist.init(args.backend != "none")
+    env = dist.init(backend != "none")
     if env.device.type == "cuda":  # CPU kernels used here are deterministic already (and the call costs ~1 s)
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = False  # DeepSpeed allocates large empty buckets
-    t, d = cfg.train, cfg.data
-    dataset = resolve_dataset(d)
-    micro_batch, M, W, r = t.global_batch_size // t.microbatches, t.microbatches, env.world, env.rank
-    train_data = TokenBatches(dataset, d.seq_len, t.global_batch_size, t.seed, "train", d.val_fraction)
-    val_data = TokenBatches(dataset, d.seq_len, micro_batch, t.seed, "val", d.val_fraction)
-    if train_data.vocab_size > cfg.model.vocab_size:
-        raise UserError(f"dataset {dataset} has vocab {train_data.vocab_size} > "
-                        f"model.vocab_size={cfg.model.vocab_size}")
+    return env
 
+
+def train(cfg: Config, args) -> int:
+    from torchpar import backends
+
+    env = setup_torch(cfg, args.backend)
+    data = open_splits(cfg)
     model = build_model(cfg)
     if cfg.model.init_from:  # a resumed checkpoint below overwrites these
         flat = load_weights(cfg.model.init_from, shared_shapes(cfg.model))
@@ -118,72 +163,18 @@ def train(cfg: Config, args) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     engine = backends.build(args.backend, model, cfg, env, deepspeed_config=args.deepspeed_config,
                             cpu_offload=args.cpu_offload)
+    fw = TorchFramework(cfg, data, args, engine, env)
     os.makedirs(cfg.run.dir, exist_ok=True)
     resumed = engine.checkpointer.restore() if cfg.checkpoint.resume else None
     step = engine.step = int(resumed["data_step"]) if resumed else 0
     if env.is_main:
         with open(os.path.join(cfg.run.dir, "config.json"), "w") as f:
-            json.dump({**cfg.to_dict(), "backend": args.backend, "world_size": W}, f, indent=2)
-        print(f"backend {args.backend} on {W} {env.device.type} processes; {n_params:,} params", flush=True)
-
-    share, ways = engine.data_rank, engine.data_ways  # pipeline: every stage reads the whole batch
-
-    def rows(data, s, n):  # this rank's rows of the global batch at step s
-        return torch.from_numpy(data.rows(s, share * n // ways, (share + 1) * n // ways)).long().to(env.device)
-
-    def evaluate() -> float:
-        engine.module.eval()
-        losses = [engine.eval_loss(rows(val_data, i, micro_batch)) for i in range(t.eval_batches)]
-        engine.module.train()
-        return dist.all_sum([sum(losses) / len(losses)], env)[0] / ways
-
-    stop = {}
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _: stop.setdefault("signal", signum))
-    log = MetricsLog(cfg.run.dir, env.is_main, t.steps)
-    cuda = env.device.type == "cuda"
-    peak = peak_flops(torch.cuda.get_device_name(env.device) if cuda else "cpu", cfg.model.compute_dtype)
-    fpt = flops_per_token(cfg.model, d.seq_len)
-    mark, mark_step = time.perf_counter(), step
-    meta = lambda s: {"step": s, "data_step": s, "backend": args.backend, "world_size": W}  # noqa: E731
-    window, profiler = profile_window(t.profile_steps), None
-    while step < t.steps:
-        if window and step == window[0]:  # train.profile_steps=a:b -> <run.dir>/profile/trace_rank<r>.json
-            profiler = torch.profiler.profile()
-            profiler.start()
-        batch = rows(train_data, step, t.global_batch_size)  # microbatch m = rows m, m+M, ... (as jaxpar)
-        loss, grad_norm, lr = engine.train_step([batch[m::M] for m in range(M)])
-        step += 1
-        # One small all-reduce: the global mean loss (for logging) and whether any rank was signalled.
-        loss_sum, signalled = dist.all_sum([float(loss), float("signal" in stop)], env)
-        halt = signalled > 0
-        last = step == t.steps or halt
-        do_eval = last or (t.eval_every and step % t.eval_every == 0)
-        logged = step % t.log_every == 0 or do_eval or last
-        if logged:
-            now = time.perf_counter()
-            tps = (step - mark_step) * t.global_batch_size * d.seq_len / (now - mark)
-            record = {"step": step, "loss": loss_sum / ways, "grad_norm": float(grad_norm), "lr": float(lr),
-                      "tokens_per_sec": tps, "step_time_s": (now - mark) / (step - mark_step),
-                      "mfu": tps * fpt / (peak * W) if peak else None,
-                      "memory_gib": torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else None}
-            if do_eval:
-                record["eval_loss"] = evaluate()
-            log.log(record)
-        if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-            engine.checkpointer.save(step, meta(step))
-        if logged:  # throughput covers training steps only, not evaluation or checkpoint saves
-            mark, mark_step = time.perf_counter(), step
-        if profiler and (step == window[1] or last):
-            profiler.stop()
-            os.makedirs(os.path.join(cfg.run.dir, "profile"), exist_ok=True)
-            profiler.export_chrome_trace(os.path.join(cfg.run.dir, "profile", f"trace_rank{r}.json"))
-            profiler = None
-        fault_hooks("TORCHPAR", step)  # test hooks (jaxpar/faults.py)
-        if halt:
-            if env.is_main:
-                print(f"stopped by signal after step {step}; checkpoint saved", file=sys.stderr)
-            break
+            json.dump({**cfg.to_dict(), "backend": args.backend, "world_size": env.world}, f, indent=2)
+        print(f"backend {args.backend} on {env.world} {env.device.type} processes; {n_params:,} params", flush=True)
+    kind = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
+    peak = peak_flops(kind, cfg.model.compute_dtype)
+    log = MetricsLog(cfg.run.dir, env.is_main, cfg.train.steps)
+    run_loop(cfg, step, fw, log, peak * env.world if peak else None, flops_per_token(cfg.model, cfg.data.seq_len))
     if args.write_final:
         full = engine.full_state_dict()  # a collective under fsdp / ZeRO: every rank takes part
         if env.is_main:
@@ -204,7 +195,6 @@ def main(argv=None) -> int:
         try:
             return train(cfg, args)
         finally:
-            from torchpar import dist
             dist.teardown()
     except UserError as e:
         if rank0:

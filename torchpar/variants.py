@@ -1,6 +1,6 @@
 """torchpar's model variants, one class each, with jaxpar's math and per-layer parameter shapes:
 multi-head latent attention (jaxpar/models/mla.py), dilated attention (jaxpar/models/dilated.py)
-and sketched linear layers (jaxpar/models/sketched.py, whose `sketch_matrix` builds the very same
+and sketched linear layers (jaxpar/core/sketches.py, whose `sketch_matrix` builds the very same
 sketch here). No parallelism; every parameter is used in the forward of the module that owns it.
 """
 from __future__ import annotations
@@ -12,31 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jaxpar.config import ModelConfig
-from jaxpar.models.sketched import sketch_dim, sketch_matrix
+from jaxpar.core.config import ModelConfig
+from jaxpar.core.sketches import sketch_dim, sketch_matrix
+from torchpar.layers import Dense, Kernel, RMSNorm
 
 NEG = -1e30
-
-
-class Kernel(nn.Module):
-    """A bias-free weight of any rank applied by an einsum equation (jaxpar's `kernel`)."""
-
-    def __init__(self, shape: tuple[int, ...]):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(shape))
-
-    def forward(self, x, equation: str):
-        return torch.einsum(equation, x, self.weight.to(x.dtype))
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, d: int, eps: float):
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(d)), eps
-
-    def forward(self, x):
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
 
 
 def rope(x, theta: float):
@@ -59,8 +39,6 @@ class MLAttention(nn.Module):
         self.q_up = Kernel((ql, h, k + r))
         self.kv_down, self.kv_norm = Kernel((d, kvl + r)), RMSNorm(kvl, cfg.layernorm_eps)
         self.kv_up = Kernel((kvl, 2, h, k))
-        from torchpar.model import Dense
-
         self.out = Dense((h, k, d), (d,))
         self.kvl, self.r, self.theta = kvl, r, cfg.rope_theta
 

@@ -2,9 +2,10 @@
 
 Transformer blocks are one module whose parameters carry a leading `layers` axis; the forward
 pass scans over it, so compile time is flat in depth. Every parameter records its logical axes
-in `logical_axes` metadata; no mesh appears here.
+in `logical_axes` metadata; no mesh appears here: parallelism reaches the model only through
+the parallel context (jaxpar/context.py): constraints, attention and the layer runner.
 
-Parameter names and shapes are the shared layout (jaxpar/compat/weights.py; torch names: torchpar/layout.py):
+Parameter names and shapes are the shared weight format (jaxpar/core/weights.py maps them to torch names):
   wte [vocab, embed]  wpe [pos, embed]  ln_f.{scale,bias} [embed]
   blocks.ln1/ln2.{scale,bias} [layers, embed]
   blocks.attn.qkv.kernel [layers, embed, 3, heads, kv]   .bias [layers, 3, heads, kv]
@@ -12,7 +13,7 @@ Parameter names and shapes are the shared layout (jaxpar/compat/weights.py; torc
   blocks.mlp.fc.kernel [layers, embed, mlp] .bias [layers, mlp]
   blocks.mlp.proj.kernel [layers, mlp, embed] .bias [layers, embed]
 Variants (`model.attention`, `model.linear`; one file each) swap in their own parameters:
-mla.py (blocks.attn.*), dilated.py (MHA's parameters, another attention core), sketched.py
+mla.py (blocks.attn.*), dilated.py (MHA's parameters, another attention core), core/sketches.py
 (blocks.mlp.{fc,proj}.factor instead of .kernel).
 """
 from __future__ import annotations
@@ -23,13 +24,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.config import ModelConfig
+from jaxpar.context import constrain, current
+from jaxpar.core.config import ModelConfig
+from jaxpar.core.sketches import sketch_dim, stacked_sketches
 from jaxpar.models.dilated import dilated_attention
 from jaxpar.models.mla import MLAttention
-from jaxpar.models.sketched import sketch_dim, stacked_sketches
-from jaxpar.parallel.pipeline import run_layers
-from jaxpar.parallel.sequence import attention, sequence_order
-from jaxpar.sharding import constrain
+from jaxpar.models.params import normal, param
 
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
@@ -37,20 +37,11 @@ REMAT_POLICIES = {
 }
 
 
-def _param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
-    assert value.ndim == len(axes), (value.shape, axes)
-    return nnx.Param(value, logical_axes=axes)
-
-
-def _normal(rngs: nnx.Rngs, shape, std: float) -> jax.Array:
-    return std * jax.random.normal(rngs.params(), shape, jnp.float32)
-
-
 class LayerNorm(nnx.Module):
     def __init__(self, cfg: ModelConfig, stack: tuple[int, ...] = ()):
         lead = ("layers",) * len(stack)
-        self.scale = _param(jnp.ones(stack + (cfg.d_model,)), lead + ("embed",))
-        self.bias = _param(jnp.zeros(stack + (cfg.d_model,)), lead + ("embed",))
+        self.scale = param(jnp.ones(stack + (cfg.d_model,)), lead + ("embed",))
+        self.bias = param(jnp.zeros(stack + (cfg.d_model,)), lead + ("embed",))
         self.eps = cfg.layernorm_eps
 
     def __call__(self, x):
@@ -67,19 +58,19 @@ class Attention(nnx.Module):
         lead = ("layers",) * len(stack)
         proj_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)  # GPT-2: residual projections scaled
         self.qkv = nnx.Dict(
-            kernel=_param(_normal(rngs, L + (d, 3, h, k), cfg.init_std), lead + ("embed", "qkv", "heads", "kv")),
-            bias=_param(jnp.zeros(L + (3, h, k)), lead + ("qkv", "heads", "kv")))
+            kernel=param(normal(rngs, L + (d, 3, h, k), cfg.init_std), lead + ("embed", "qkv", "heads", "kv")),
+            bias=param(jnp.zeros(L + (3, h, k)), lead + ("qkv", "heads", "kv")))
         self.out = nnx.Dict(
-            kernel=_param(_normal(rngs, L + (h, k, d), proj_std), lead + ("heads", "kv", "embed")),
-            bias=_param(jnp.zeros(L + (d,)), lead + ("embed",)))
+            kernel=param(normal(rngs, L + (h, k, d), proj_std), lead + ("heads", "kv", "embed")),
+            bias=param(jnp.zeros(L + (d,)), lead + ("embed",)))
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None
 
     def __call__(self, x, dtype, positions=None):
         w, b = self.qkv["kernel"][...].astype(dtype), self.qkv["bias"][...].astype(dtype)
         qkv = jnp.einsum("btd,dchk->cbthk", x, w) + b[:, None, None]
         q, k, v = (constrain(t, ("batch", "seq", "heads", "kv")) for t in qkv)
-        # cuDNN flash attention on GPU where it applies, XLA elsewhere; across `sp` shards when sequence-parallel.
-        y = attention(q, k, v, positions) if self.pairs is None else dilated_attention(q, k, v, self.pairs)
+        # the context's attention: local (cuDNN flash on GPU where it applies), or across `sp` shards
+        y = current().attention(q, k, v, positions) if self.pairs is None else dilated_attention(q, k, v, self.pairs)
         y = constrain(y, ("batch", "seq", "heads", "kv"))
         out = jnp.einsum("bthk,hkd->btd", y, self.out["kernel"][...].astype(dtype))
         return out + self.out["bias"][...].astype(dtype)
@@ -90,16 +81,16 @@ class MLP(nnx.Module):
         L, d, f = stack, cfg.d_model, cfg.ff_dim
         lead = ("layers",) * len(stack)
         proj_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
-        sketched = cfg.linear == "sketched"  # sketched.py: a trained factor [m, out] after a fixed sketch [in, m]
+        sketched = cfg.linear == "sketched"  # core/sketches.py: a trained factor [m, out] after a fixed sketch [in, m]
         fc_in, fc_axis = ((sketch_dim(cfg, d), "sketch") if sketched else (d, "embed"))
         proj_in, proj_axis = ((sketch_dim(cfg, f), "sketch") if sketched else (f, "mlp"))
         name = "factor" if sketched else "kernel"
         self.fc = nnx.Dict({
-            name: _param(_normal(rngs, L + (fc_in, f), cfg.init_std), lead + (fc_axis, "mlp")),
-            "bias": _param(jnp.zeros(L + (f,)), lead + ("mlp",))})
+            name: param(normal(rngs, L + (fc_in, f), cfg.init_std), lead + (fc_axis, "mlp")),
+            "bias": param(jnp.zeros(L + (f,)), lead + ("mlp",))})
         self.proj = nnx.Dict({
-            name: _param(_normal(rngs, L + (proj_in, d), proj_std), lead + (proj_axis, "embed")),
-            "bias": _param(jnp.zeros(L + (d,)), lead + ("embed",))})
+            name: param(normal(rngs, L + (proj_in, d), proj_std), lead + (proj_axis, "embed")),
+            "bias": param(jnp.zeros(L + (d,)), lead + ("embed",))})
 
     def __call__(self, x, dtype, sketches=None):
         def linear(p, x, name):
@@ -131,8 +122,8 @@ class Block(nnx.Module):
 class GPT(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.wte = _param(_normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std), ("vocab", "embed"))
-        self.wpe = _param(_normal(rngs, (cfg.max_seq_len, cfg.d_model), cfg.init_std), ("pos", "embed"))
+        self.wte = param(normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std), ("vocab", "embed"))
+        self.wpe = param(normal(rngs, (cfg.max_seq_len, cfg.d_model), cfg.init_std), ("pos", "embed"))
         self.blocks = Block(cfg, rngs, stack=(cfg.n_layer,))
         self.ln_f = LayerNorm(cfg)
 
@@ -141,7 +132,7 @@ class GPT(nnx.Module):
         positions when they are not in natural order (zig-zag sequence parallelism)."""
         return self.head(self.run_blocks(self.embed(tokens, positions), positions))
 
-    # The three pieces below are also what pipeline stages run (jaxpar/parallel/pipeline_executor.py):
+    # The three pieces below are also what pipeline stages run (jaxpar/step.py for the executor):
     # embed on the first stage, a slice of the blocks on each, head and loss on the last.
     def embed(self, tokens: jax.Array, positions=None) -> jax.Array:
         dtype = jnp.dtype(self.cfg.compute_dtype)
@@ -164,8 +155,8 @@ class GPT(nnx.Module):
 
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat])
-        # a scan over layers, or GPipe stages over `pp`; fixed sketches ride along with the parameters
-        return run_layers(layer, (stacked, stacked_sketches(self.cfg) if sketches is None else sketches), x)
+        # the context's layer runner (a scan, or GPipe stages over `pp`); fixed sketches ride along with the parameters
+        return current().run_layers(layer, (stacked, stacked_sketches(self.cfg) if sketches is None else sketches), x)
 
     def head(self, x: jax.Array) -> jax.Array:
         x = self.ln_f(x)
@@ -173,33 +164,8 @@ class GPT(nnx.Module):
         return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
 
 
-def loss_inputs(cfg: ModelConfig, batch: jax.Array):
-    """rows [batch, seq + 1] -> (inputs, targets, positions): positions is None in natural order."""
-    inputs, targets = batch[:, :-1], batch[:, 1:]
-    # zig-zag: inputs and targets permuted alike, mean unchanged; dilated attention keeps natural order (segments)
-    order = None if cfg.attention == "dilated" else sequence_order(inputs.shape[1])
-    if order is not None:
-        inputs, targets = inputs[:, order], targets[:, order]
-    return inputs, targets, order
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    # the target's logit by a masked sum, not a gather: fuses with the pass logsumexp makes, splits over
-    # tp like it, and a gather along a tp-sharded vocab inside the pipeline's shard_map crashes XLA's partitioner
-    vocab = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
-    picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
-    return jnp.mean(logz - picked)
-
-
-def loss_fn(model: GPT, batch: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy over a batch of rows [batch, seq + 1]."""
-    inputs, targets, order = loss_inputs(model.cfg, batch)
-    return cross_entropy(model(inputs, order), targets)
-
-
-def count_params(cfg: ModelConfig) -> dict[str, int]:
-    """Parameter counts of every variant, from abstract shapes (nothing allocated): total and non-embedding."""
-    model = nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0)))
-    total = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    return {"total": total, "non_embedding": total - (cfg.vocab_size + cfg.max_seq_len) * cfg.d_model}
+def abstract_model(cfg: ModelConfig):
+    """(graphdef, {path: logical axes}, abstract params) without allocating anything."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0))), nnx.Param)
+    axes = {tuple(path): var.get_metadata()["logical_axes"] for path, var in nnx.to_flat_state(state)}
+    return graphdef, axes, state.to_pure_dict()

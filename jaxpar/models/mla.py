@@ -9,9 +9,9 @@ Per token x [embed]:
 So the per-token key/value cache is kv_latent_dim + rope_head_dim wide (`kv_cache_width`).
 Heads are split over `tp` (q_up, kv_up, out); the latent down-projections follow the rules
 table ("q_latent", "kv_latent": replicated). The core is the same fused attention as MHA
-(`jaxpar.parallel.sequence.attention`); V is zero-padded to the query/key width it needs.
+(the parallel context's `attention`); V is zero-padded to the query/key width it needs.
 
-Shared layout (blocks.attn.*): q_down.kernel [L, embed, q_latent]  q_norm.scale [L, q_latent]
+Shared weight format (blocks.attn.*): q_down.kernel [L, embed, q_latent]  q_norm.scale [L, q_latent]
   q_up.kernel [L, q_latent, heads, kv + rope]  kv_down.kernel [L, embed, kv_latent + rope]
   kv_norm.scale [L, kv_latent]  kv_up.kernel [L, kv_latent, 2, heads, kv]  out.kernel/bias as MHA.
 """
@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.config import ModelConfig
-from jaxpar.parallel.sequence import attention
-from jaxpar.sharding import constrain
+from jaxpar.context import constrain, current
+from jaxpar.core.config import ModelConfig
+from jaxpar.models.params import normal, param
 
 
 def kv_cache_width(cfg: ModelConfig) -> int:
@@ -51,21 +51,19 @@ def rope(x, positions, theta: float):
 
 class MLAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: tuple[int, ...]):
-        from jaxpar.models.gpt import _normal, _param
-
         L, d, h, k = stack, cfg.d_model, cfg.n_head, cfg.head_dim
         ql, kvl, r = cfg.q_latent_dim, cfg.kv_latent_dim, cfg.rope_head_dim
         lead, std, proj_std = ("layers",) * len(stack), cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layer)
-        self.q_down = nnx.Dict(kernel=_param(_normal(rngs, L + (d, ql), std), lead + ("embed", "q_latent")))
-        self.q_norm = nnx.Dict(scale=_param(jnp.ones(L + (ql,)), lead + ("q_latent",)))
-        self.q_up = nnx.Dict(kernel=_param(_normal(rngs, L + (ql, h, k + r), std), lead + ("q_latent", "heads", "kv")))
-        self.kv_down = nnx.Dict(kernel=_param(_normal(rngs, L + (d, kvl + r), std), lead + ("embed", "kv_latent")))
-        self.kv_norm = nnx.Dict(scale=_param(jnp.ones(L + (kvl,)), lead + ("kv_latent",)))
+        self.q_down = nnx.Dict(kernel=param(normal(rngs, L + (d, ql), std), lead + ("embed", "q_latent")))
+        self.q_norm = nnx.Dict(scale=param(jnp.ones(L + (ql,)), lead + ("q_latent",)))
+        self.q_up = nnx.Dict(kernel=param(normal(rngs, L + (ql, h, k + r), std), lead + ("q_latent", "heads", "kv")))
+        self.kv_down = nnx.Dict(kernel=param(normal(rngs, L + (d, kvl + r), std), lead + ("embed", "kv_latent")))
+        self.kv_norm = nnx.Dict(scale=param(jnp.ones(L + (kvl,)), lead + ("kv_latent",)))
         self.kv_up = nnx.Dict(
-            kernel=_param(_normal(rngs, L + (kvl, 2, h, k), std), lead + ("kv_latent", "qkv", "heads", "kv")))
+            kernel=param(normal(rngs, L + (kvl, 2, h, k), std), lead + ("kv_latent", "qkv", "heads", "kv")))
         self.out = nnx.Dict(
-            kernel=_param(_normal(rngs, L + (h, k, d), proj_std), lead + ("heads", "kv", "embed")),
-            bias=_param(jnp.zeros(L + (d,)), lead + ("embed",)))
+            kernel=param(normal(rngs, L + (h, k, d), proj_std), lead + ("heads", "kv", "embed")),
+            bias=param(jnp.zeros(L + (d,)), lead + ("embed",)))
         self.eps, self.theta, self.kvl = cfg.layernorm_eps, cfg.rope_theta, kvl
 
     def __call__(self, x, dtype, positions=None):
@@ -82,6 +80,6 @@ class MLAttention(nnx.Module):
         k = jnp.concatenate([k_nope, k_r], axis=-1)
         v = jnp.pad(v, ((0, 0),) * 3 + ((0, r),))  # the fused core wants one head width for q, k and v
         q, k, v = (constrain(t, ("batch", "seq", "heads", "kv")) for t in (q, k, v))
-        y = attention(q, k, v, positions)[..., :-r]  # scale 1/sqrt(kv + rope): the default for that width
+        y = current().attention(q, k, v, positions)[..., :-r]  # scale 1/sqrt(kv + rope): the default for that width
         y = constrain(y, ("batch", "seq", "heads", "kv"))
         return jnp.einsum("bthk,hkd->btd", y, w(self.out)) + self.out["bias"][...].astype(dtype)

@@ -1,11 +1,12 @@
-"""Hand-scheduled pipeline over `pp`: runs a schedule table from schedules.py (1F1B, interleaved,
-or GPipe for comparison) tick by tick, each stage doing its own forward or backward.
+"""Hand-scheduled pipeline over `pp`: runs a schedule table from jaxpar/core/pipeline_schedules.py
+(1F1B, interleaved, or GPipe for comparison) tick by tick, each stage doing its own forward or backward.
+It knows no model: the caller passes `stage_forward`, the computation of one virtual stage.
 
 Inside `jax.shard_map` over `pp` only (dp/fsdp/tp/sp stay with GSPMD inside each stage), every
 device reads its row of precomputed tables at each tick and runs one branch of a `lax.switch`:
 idle, forward or backward of (microbatch, chunk), first / middle / last virtual stage. Virtual
-stage v = chunk * S + device holds layers [v*k, (v+1)*k); the embedding runs on v = 0, the final
-LayerNorm, tied head and loss on v = S*V - 1.
+stage v = chunk * S + device holds layers [v*k, (v+1)*k); `stage_forward` runs the embedding on
+v = 0 (`first`) and the head and loss on v = S*V - 1 (`last`).
 
 - Forward keeps only the stage *input* (in a slot of a ring of buffers); the backward recomputes the
   stage under `jax.vjp` and applies the cotangent that came from the next stage. A stage therefore
@@ -13,8 +14,8 @@ LayerNorm, tied head and loss on v = S*V - 1.
 - After every tick each device sends its forward output to device d+1 and its input cotangent to
   d-1 (`ppermute`, circular so interleaved chunks wrap from the last device to the first); the
   tables say which slot, if any, keeps what arrives.
-- Gradients of the layers stay on their stage; those of the embedding, positions, final LayerNorm
-  and tied head (used on the first and the last stage) are summed over `pp`.
+- Gradients of the layers stay on their stage; those of the other parameters (`rest`: used on the
+  first and the last stage, e.g. a tied embedding) are summed over `pp`.
 """
 from __future__ import annotations
 
@@ -23,13 +24,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.models.gpt import cross_entropy, loss_inputs
-from jaxpar.models.sketched import stacked_sketches
-from jaxpar.parallel.pipeline import split_microbatches, use_pipeline
-from jaxpar.parallel.schedules import simulate
+from jaxpar.core.pipeline_schedules import simulate
+from jaxpar.ops import split_microbatches
 
 AXIS = "pp"
 HAND_SCHEDULED = ("1f1b", "interleaved")  # GPipe trains through pipeline.py (jax.grad through its ticks)
@@ -97,35 +95,35 @@ def tick_plan(schedule: str, S: int, M: int, V: int) -> TickPlan:
     return TickPlan(out, n_act, n_cot)
 
 
-def pipeline_value_and_grad(graphdef, cfg, params, batch, mesh, schedule: str, S: int, M: int, V: int):
-    """(mean loss, gradients) of the model (`graphdef`, model config `cfg`) on `batch` [rows, seq + 1],
-    pipelined over `pp` with S stages, M microbatches and V chunks per stage."""
-    plan = tick_plan(schedule, S, M, V)
-    inputs, targets, order = loss_inputs(cfg, batch)
-    inputs, targets = split_microbatches(inputs, M), split_microbatches(targets, M)
-    L = cfg.n_layer
-    staged = lambda w: w.reshape(V, S, L // (S * V), *w.shape[1:])  # noqa: E731  [chunk, stage, layer]
-    rest = {k: v for k, v in params.items() if k != "blocks"}
-    blocks = jax.tree.map(staged, params["blocks"])
-    sketches = {k: staged(jnp.asarray(v)) for k, v in stacked_sketches(cfg).items()}
-    dtype = jnp.dtype(cfg.compute_dtype)
-    act_shape = inputs.shape[1:] + (cfg.d_model,)
+def pipeline_value_and_grad(stage_forward, rest, blocks, consts, inputs, targets, *, mesh, schedule: str,
+                            S: int, M: int, V: int, width: int, dtype):
+    """(mean loss, grads of `rest`, grads of `blocks`) of a model pipelined over `pp`: S stages, M
+    microbatches, V chunks per stage.
 
-    def body(rest, blocks, sketches, inputs, targets, tables):
-        blocks, sketches = (jax.tree.map(lambda w: w[:, 0], t) for t in (blocks, sketches))  # this device's chunks
+    stage_forward(rest, chunk_blocks, chunk_consts, x, tokens, targets, first, last) -> (h, loss):
+      one virtual stage's forward; x is the incoming activation [rows, seq, width] (unused when first),
+      loss is only read when last. blocks (trained) and consts (not) carry a leading layers axis;
+      inputs/targets are [rows, seq] token ids in the order the model reads them.
+    """
+    plan = tick_plan(schedule, S, M, V)
+    inputs, targets = split_microbatches(inputs, M), split_microbatches(targets, M)
+    L = jax.tree.leaves(blocks)[0].shape[0]
+    staged = lambda w: jnp.asarray(w).reshape(V, S, L // (S * V), *w.shape[1:])  # noqa: E731  [chunk, stage, layer]
+    blocks, consts = jax.tree.map(staged, blocks), jax.tree.map(staged, consts)
+    act_shape = inputs.shape[1:] + (width,)
+
+    def body(rest, blocks, consts, inputs, targets, tables):
+        blocks, consts = (jax.tree.map(lambda w: w[:, 0], t) for t in (blocks, consts))  # this device's chunks
         device = jax.lax.axis_index(AXIS)
         at = lambda tree, c: jax.tree.map(lambda w: w[c], tree)  # noqa: E731
 
-        def forward(rest, chunk, sketch, x, m, first: bool, last: bool):
-            model = nnx.merge(graphdef, {**rest, "blocks": chunk})
-            h = model.embed(inputs[m], order) if first else x
-            h = model.run_blocks(h, order, sketch)
-            return h, (cross_entropy(model.head(h), targets[m]) if last else jnp.zeros((), jnp.float32))
+        def forward(rest, chunk, c, x, m, first: bool, last: bool):
+            return stage_forward(rest, chunk, at(consts, c), x, inputs[m], targets[m], first, last)
 
         def f_branch(first, last):
             def run(acts, cots, grads, op):
                 c, m = op["chunk"], op["microbatch"]
-                h, loss = forward(rest, at(blocks, c), at(sketches, c), acts[op["in_slot"]], m, first, last)
+                h, loss = forward(rest, at(blocks, c), c, acts[op["in_slot"]], m, first, last)
                 g_rest, g_blocks, loss_sum = grads
                 return h.astype(dtype), jnp.zeros(act_shape, dtype), (g_rest, g_blocks, loss_sum + loss)
             return run
@@ -133,7 +131,7 @@ def pipeline_value_and_grad(graphdef, cfg, params, batch, mesh, schedule: str, S
         def b_branch(first, last):
             def run(acts, cots, grads, op):
                 c, m = op["chunk"], op["microbatch"]
-                (h, _), vjp = jax.vjp(lambda r, b, x: forward(r, b, at(sketches, c), x, m, first, last),
+                (h, _), vjp = jax.vjp(lambda r, b, x: forward(r, b, c, x, m, first, last),
                                       rest, at(blocks, c), acts[op["in_slot"]])
                 ct_h = jnp.zeros(h.shape, h.dtype) if last else cots[op["cot_slot"]]
                 d_rest, d_block, d_x = vjp((ct_h, jnp.asarray(1.0 / M if last else 0.0, jnp.float32)))
@@ -168,11 +166,8 @@ def pipeline_value_and_grad(graphdef, cfg, params, batch, mesh, schedule: str, S
         g_rest, loss_sum = jax.lax.psum((g_rest, loss_sum), AXIS)
         return loss_sum / M, g_rest, jax.tree.map(lambda g: g[:, None], g_blocks)
 
-    with use_pipeline(1, 1):  # the stages' own layer scans must not start another pipeline
-        loss, g_rest, g_blocks = jax.shard_map(
-            body, mesh=mesh, axis_names={AXIS}, check_vma=False,
-            in_specs=(P(), P(None, AXIS), P(None, AXIS), P(), P(), P()), out_specs=(P(), P(), P(None, AXIS)),
-        )(rest, blocks, sketches, inputs, targets, jnp.asarray(plan.tables))
-    grads = {**g_rest, "blocks": jax.tree.map(lambda g: g.reshape(L, *g.shape[3:]), g_blocks)}
-    return loss, grads
-
+    loss, g_rest, g_blocks = jax.shard_map(
+        body, mesh=mesh, axis_names={AXIS}, check_vma=False,
+        in_specs=(P(), P(None, AXIS), P(None, AXIS), P(), P(), P()), out_specs=(P(), P(), P(None, AXIS)),
+    )(rest, blocks, consts, inputs, targets, jnp.asarray(plan.tables))
+    return loss, g_rest, jax.tree.map(lambda g: g.reshape(L, *g.shape[3:]), g_blocks)

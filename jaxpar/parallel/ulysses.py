@@ -1,12 +1,12 @@
 """Ulysses sequence parallelism (DeepSpeed-Ulysses): inside shard_map over `sp`, an all_to_all
 turns sequence-sharded q/k/v [b, T/N, h, d] into head-sharded [b, T, h/N, d], every device runs
 full-sequence attention on its heads, and a second all_to_all turns the output back.
-Needs the (per-tp-shard) head count divisible by sp; checked in sequence.check_sequence."""
+Needs the (per-tp-shard) head count divisible by sp (checked by sequence.check_sequence)."""
 from __future__ import annotations
 
 import jax
 
-from jaxpar.parallel.sequence import local_attention
+from jaxpar.ops import causal_attention
 
 
 def ulysses_attention(q, k, v, pos, *, axis: str, n: int):
@@ -14,5 +14,5 @@ def ulysses_attention(q, k, v, pos, *, axis: str, n: int):
     to_heads = lambda x: jax.lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)  # noqa: E731
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
     pos = jax.lax.all_gather(pos, axis, tiled=True)  # shard order = the order all_to_all concatenates
-    y = local_attention(q, k, v, pos, pos)
+    y = causal_attention(q, k, v, pos, pos)
     return jax.lax.all_to_all(y, axis, split_axis=1, concat_axis=2, tiled=True)

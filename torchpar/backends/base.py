@@ -11,7 +11,7 @@ from contextlib import nullcontext
 
 import torch
 
-from jaxpar.schedule import lr_at
+from jaxpar.core.lr_schedule import lr_at
 from torchpar.checkpoint import DCPCheckpointer
 from torchpar.model import loss_fn
 from torchpar.optim import make_optimizer

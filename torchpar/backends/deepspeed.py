@@ -5,7 +5,7 @@ Generated: batch sizes and accumulation from train.*, ZeRO stage from parallel.z
 torch AdamW (`torch_adam`, no op builds) with optim.*, gradient_clipping, bf16 from
 model.compute_dtype, CPU offload of optimizer (and of parameters at stage 3) with --cpu-offload.
 fp16 with dynamic loss scaling: {"fp16": {"enabled": true, "loss_scale": 0}} in the user JSON.
-The learning rate follows jaxpar's warmup + cosine (torchpar.optim.SharedSchedule) unless the
+The learning rate follows jaxpar's warmup + cosine (torchpar.optim.SharedLRSchedule) unless the
 user JSON names a "scheduler". Checkpoints are DeepSpeed's own (save_checkpoint/load_checkpoint,
 tag = step, client_state = the step), in <run.dir>/checkpoints.
 """
@@ -20,13 +20,13 @@ import warnings
 
 import torch
 
-from jaxpar.errors import UserError
-from jaxpar.schedule import lr_at
+from jaxpar.core.errors import UserError
+from jaxpar.core.lr_schedule import lr_at
 from torchpar import dist
 from torchpar.backends.base import TorchEngine
 from torchpar.checkpoint import complete_steps
 from torchpar.model import loss_fn
-from torchpar.optim import SharedSchedule, param_groups
+from torchpar.optim import SharedLRSchedule, param_groups
 
 
 def import_deepspeed():
@@ -159,7 +159,7 @@ def build(model, cfg, env, deepspeed_config: str = "", cpu_offload: bool = False
         model.compute_dtype = torch.bfloat16
     else:
         model.compute_dtype = torch.float32
-    scheduler = None if "scheduler" in config else (lambda opt: SharedSchedule(opt, cfg))
+    scheduler = None if "scheduler" in config else (lambda opt: SharedLRSchedule(opt, cfg))
     try:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.optim.weight_decay),
                                           config=config, lr_scheduler=scheduler, dist_init_required=False)

@@ -21,9 +21,8 @@ import torch.distributed as tdist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from jaxpar.errors import UserError
-from jaxpar.parallel.pipeline import resolve_microbatches
-from jaxpar.parallel.schedules import check
+from jaxpar.core.errors import UserError
+from jaxpar.core.pipeline_schedules import check, resolve_microbatches
 from torchpar.backends.base import TorchEngine
 from torchpar.model import GPT, embed, tied_head
 

@@ -1,0 +1,45 @@
+"""What a (config, mesh) pair needs before anything is traced, stated in the user's terms, one line each."""
+from __future__ import annotations
+
+from jaxpar.core.config import Config
+from jaxpar.core.errors import UserError
+from jaxpar.core.pipeline_schedules import check as check_schedule, resolve_microbatches
+from jaxpar.parallel.sequence import check_sequence
+
+
+def check_layout(cfg: Config, sizes) -> None:
+    """Divisibility the sharded program needs (sizes: mesh axis -> size)."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    if m.n_head % sizes["tp"]:
+        raise UserError(f"model.n_head={m.n_head} is not divisible by tp={sizes['tp']}")
+    data_ways = sizes["dp"] * sizes["fsdp"]
+    micro = t.global_batch_size // t.microbatches
+    if micro % data_ways:
+        raise UserError(f"batch per microbatch {micro} (train.global_batch_size={t.global_batch_size} / "
+                        f"train.microbatches={t.microbatches}) is not divisible by the data axes dp*fsdp={data_ways}")
+    check_sequence(cfg.data.seq_len, m.n_head, sizes, p.sequence_attention, p.sequence_zigzag)
+    check_pipeline(cfg, sizes)
+
+
+def check_pipeline(cfg: Config, sizes) -> None:
+    """One-line errors for layouts the pipeline cannot run."""
+    stages = sizes["pp"]
+    if stages == 1:
+        return
+    p, t = cfg.parallel, cfg.train
+    M = resolve_microbatches(stages, p.pipeline_microbatches)
+    check_schedule(p.pipeline_schedule, stages, M, p.pipeline_virtual_stages, cfg.model.n_layer)
+    data_ways = sizes["dp"] * sizes["fsdp"]
+    batch = t.global_batch_size // t.microbatches
+    if batch % (M * data_ways):
+        raise UserError(f"batch per microbatch {batch} is not divisible by parallel.pipeline_microbatches={M} "
+                        f"x data axes dp*fsdp={data_ways}")
+    if p.pipeline_schedule != "gpipe" and sizes["sp"] > 1:
+        # inside the executor's shard_map (manual over pp), jax 0.10 / XLA:CPU give wrong values for ring
+        # attention's nested shard_map and crash partitioning dilated attention's sp-sharded segments
+        if cfg.model.attention == "dilated":
+            raise UserError(f"parallel.pipeline_schedule={p.pipeline_schedule} with sp>1 does not run "
+                            "model.attention=dilated (it runs with the gpipe schedule)")
+        if p.sequence_attention == "ring":
+            raise UserError(f"parallel.pipeline_schedule={p.pipeline_schedule} with sp>1 needs "
+                            "parallel.sequence_attention=all_gather or ulysses (ring runs with the gpipe schedule)")

@@ -1,0 +1,59 @@
+"""The parallel context: what model code may know of parallelism while it is traced.
+
+Models call `constrain(x, logical_axes)` to pin an activation's layout, and `current().attention`
+and `current().run_layers` for the two computations a parallel strategy replaces (attention across
+sequence shards; the layer stack as pipeline stages). jaxpar/parallelize.py builds the context from
+the config and mesh; with none active, constraints are no-ops and both are the plain local versions.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any, Callable
+
+import jax
+from jax.sharding import NamedSharding
+
+from jaxpar.ops import local_attention, scan_layers
+from jaxpar.sharding import spec_for
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelContext:
+    mesh: Any = None  # None: no constraints (a model traced outside any mesh)
+    rules: dict = dataclasses.field(default_factory=dict)  # logical name -> mesh axes
+    attention: Callable = local_attention  # (q, k, v, positions) -> output, [batch, seq, heads, head_dim]
+    run_layers: Callable = scan_layers  # (layer, stacked, x) -> x after every layer
+
+
+_CURRENT: contextvars.ContextVar = contextvars.ContextVar("jaxpar_parallel_context", default=ParallelContext())
+
+
+def current() -> ParallelContext:
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def use(ctx: ParallelContext):
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)
+
+
+def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    """Pin an activation's layout by logical names (a hint to GSPMD, never a change in value)."""
+    ctx = current()
+    if ctx.mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(tracing_mesh(ctx.mesh), spec_for(axes, x.shape, ctx.mesh,
+                                                                                               ctx.rules)))
+
+
+def tracing_mesh(mesh):
+    """`mesh`, or inside a shard_map (the pipeline executor is manual over pp) the context's abstract
+    mesh, which sharding constraints and nested shard_maps must name; activations never use its manual axes."""
+    context = jax.sharding.get_abstract_mesh()
+    return context if not context.empty and context.manual_axes else mesh

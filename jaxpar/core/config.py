@@ -1,0 +1,303 @@
+"""The framework-neutral config schema, shared by jaxpar and torchpar.
+
+Pure Python on purpose (no jax, no torch): both trainers import it, so defaults live here once.
+A config is YAML with one mapping per section, then `section.key=value` overrides on top.
+Unknown keys, wrong types and out-of-range values raise `UserError` naming the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from jaxpar.core.errors import UserError, cli
+
+
+def _check(choices=None, lo=None, hi=None, lo_open=False):
+    return {"choices": choices, "lo": lo, "hi": hi, "lo_open": lo_open}
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = field(default=256, metadata=_check(lo=1))
+    n_layer: int = field(default=4, metadata=_check(lo=1))
+    n_head: int = field(default=4, metadata=_check(lo=1))
+    d_model: int = field(default=128, metadata=_check(lo=1))
+    d_ff: int = field(default=0, metadata=_check(lo=0))  # 0 -> 4 * d_model
+    max_seq_len: int = field(default=128, metadata=_check(lo=1))
+    dropout: float = field(default=0.0, metadata=_check(lo=0.0, hi=1.0))
+    layernorm_eps: float = field(default=1e-5, metadata=_check(lo=0.0, lo_open=True))
+    init_std: float = field(default=0.02, metadata=_check(lo=0.0, lo_open=True))
+    compute_dtype: str = field(default="float32", metadata=_check(choices=("float32", "bfloat16")))
+    remat: str = field(default="none", metadata=_check(choices=("none", "full", "save_matmuls")))
+    init_from: str = ""  # a .safetensors file in the shared weight format; empty = random init
+    # variants (docs/architecture.md "Model variants"): attention core and MLP linear layers
+    attention: str = field(default="mha", metadata=_check(choices=("mha", "mla", "dilated")))
+    linear: str = field(default="dense", metadata=_check(choices=("dense", "sketched")))
+    # mla (models/mla.py): low-rank query / key-value latents and the decoupled rotary part
+    q_latent_dim: int = field(default=64, metadata=_check(lo=1))
+    kv_latent_dim: int = field(default=32, metadata=_check(lo=1))
+    rope_head_dim: int = field(default=16, metadata=_check(lo=2))
+    rope_theta: float = field(default=10000.0, metadata=_check(lo=0.0, lo_open=True))
+    # dilated (models/dilated.py): comma-separated (segment length, dilation rate) pairs; empty =
+    # one segment over the whole sequence with rate 1 (plain causal attention)
+    segment_lengths: str = ""
+    dilation_rates: str = ""
+    # sketched (core/sketches.py): fixed random sketch [in, sketch_ratio*in] from sketch_seed, trained factor
+    sketch: str = field(default="gaussian", metadata=_check(choices=("gaussian", "sign")))
+    sketch_ratio: float = field(default=0.5, metadata=_check(lo=0.0, hi=1.0, lo_open=True))
+    sketch_seed: int = 0
+
+    @property
+    def ff_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def dilation_pairs(self) -> tuple[tuple[int, int], ...]:
+        """((segment length, dilation rate), ...); empty lists mean ((max_seq_len, 1),)."""
+        ws, rs = (_ints(f"model.{k}", getattr(self, k)) for k in ("segment_lengths", "dilation_rates"))
+        if not ws and not rs:
+            return ((self.max_seq_len, 1),)
+        if len(ws) != len(rs):
+            raise UserError(f"model.segment_lengths has {len(ws)} entries but model.dilation_rates has {len(rs)}")
+        return tuple(zip(ws, rs))
+
+
+def _ints(key: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.replace(" ", "").split(",") if v)
+    except ValueError:
+        raise UserError(f"config key {key}: {text!r} is not a comma-separated list of integers") from None
+    if any(v < 1 for v in values):
+        raise UserError(f"config key {key}: {text!r} has a value < 1")
+    return values
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "stdlib"  # "stdlib" (this Python's own library sources) or a prepared .bin file
+    tokenizer: str = "byte"  # "byte" or a Hugging Face tokenizers JSON file
+    seq_len: int = field(default=128, metadata=_check(lo=1))
+    val_fraction: float = field(default=0.01, metadata=_check(lo=0.0, hi=0.5, lo_open=True))
+    cache_dir: str = ""  # empty -> $JAXPAR_CACHE or ~/.cache/jaxpar
+
+
+@dataclass
+class TrainConfig:
+    steps: int = field(default=300, metadata=_check(lo=0))
+    global_batch_size: int = field(default=32, metadata=_check(lo=1))
+    microbatches: int = field(default=1, metadata=_check(lo=1))  # gradient accumulation
+    seed: int = 0
+    log_every: int = field(default=10, metadata=_check(lo=1))
+    eval_every: int = field(default=100, metadata=_check(lo=0))  # 0 = only at the end
+    eval_batches: int = field(default=4, metadata=_check(lo=1))
+    matmul_precision: str = field(default="default", metadata=_check(choices=("default", "high", "highest")))
+    profile_steps: str = ""  # "a:b" -> profiler trace of steps [a, b) in run.dir
+
+
+@dataclass
+class OptimConfig:
+    lr: float = field(default=3e-3, metadata=_check(lo=0.0))
+    min_lr: float = field(default=3e-4, metadata=_check(lo=0.0))
+    warmup_steps: int = field(default=30, metadata=_check(lo=0))
+    decay_steps: int = field(default=0, metadata=_check(lo=0))  # 0 -> train.steps
+    beta1: float = field(default=0.9, metadata=_check(lo=0.0, hi=1.0))
+    beta2: float = field(default=0.95, metadata=_check(lo=0.0, hi=1.0))
+    eps: float = field(default=1e-8, metadata=_check(lo=0.0, lo_open=True))
+    weight_decay: float = field(default=0.1, metadata=_check(lo=0.0))
+    grad_clip: float = field(default=1.0, metadata=_check(lo=0.0))  # 0 = no clipping
+
+
+@dataclass
+class ParallelConfig:
+    mesh: str = ""  # "dp=2,tp=4"; empty = all devices on dp. --mesh overrides it.
+    zero_stage: int = field(default=0, metadata=_check(choices=(0, 1, 2, 3)))
+    # attention across `sp` shards (jaxpar/parallel/sequence.py) and causal load balancing by zig-zag order
+    sequence_attention: str = field(default="ring", metadata=_check(choices=("ring", "all_gather", "ulysses")))
+    sequence_zigzag: bool = True
+    # pipeline over `pp` (jaxpar/parallel/pipeline.py); schedule tables: python -m jaxpar.tools.pipeline_table
+    pipeline_schedule: str = field(default="gpipe", metadata=_check(choices=("gpipe", "1f1b", "interleaved")))
+    pipeline_microbatches: int = field(default=0, metadata=_check(lo=0))  # 0 -> 2 x stages
+    pipeline_virtual_stages: int = field(default=1, metadata=_check(lo=1))
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = field(default=100, metadata=_check(lo=0))  # 0 = only at the end
+    keep: int = field(default=3, metadata=_check(lo=1))
+    resume: bool = True
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def _coerce(key: str, value: Any, typ: type) -> Any:
+    """Convert a YAML or command-line value to the field's type, or fail naming the key."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return ",".join(map(str, value))  # YAML lists of integers (model.segment_lengths)
+        if value is None:
+            return ""
+    raise UserError(f"config key {key}: expected {typ.__name__}, got {value!r}")
+
+
+def _validate(key: str, value: Any, meta: dict) -> None:
+    choices, lo, hi = meta.get("choices"), meta.get("lo"), meta.get("hi")
+    if choices is not None and value not in choices:
+        raise UserError(f"config key {key}: {value!r} is not one of {', '.join(map(str, choices))}")
+    if lo is not None and (value < lo or (meta.get("lo_open") and value == lo)):
+        bound = f"> {lo}" if meta.get("lo_open") else f">= {lo}"
+        raise UserError(f"config key {key}: {value!r} out of range (must be {bound})")
+    if hi is not None and value > hi:
+        raise UserError(f"config key {key}: {value!r} out of range (must be <= {hi})")
+
+
+def _set(cfg: Config, dotted: str, value: Any) -> None:
+    section_name, _, key = dotted.partition(".")
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    if section_name not in sections:
+        raise UserError(f"unknown config section {section_name!r} (in {dotted!r}); known: {', '.join(sections)}")
+    section = getattr(cfg, section_name)
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if key not in fields:
+        raise UserError(f"unknown config key {dotted!r}; {section_name} has: {', '.join(fields)}")
+    f = fields[key]
+    typ = {"int": int, "float": float, "str": str, "bool": bool}[f.type] if isinstance(f.type, str) else f.type
+    coerced = _coerce(dotted, value, typ)
+    _validate(dotted, coerced, dict(f.metadata))
+    setattr(section, key, coerced)
+
+
+def profile_window(spec: str) -> tuple[int, int] | None:
+    """train.profile_steps "a:b" -> (a, b): trace steps a..b-1; empty -> None."""
+    if not spec:
+        return None
+    a, colon, b = spec.partition(":")
+    if not (colon and a.strip().isdigit() and b.strip().isdigit() and int(a) < int(b)):
+        raise UserError(f"config key train.profile_steps: {spec!r} is not of the form a:b with a < b")
+    return int(a), int(b)
+
+
+def _check_consistency(cfg: Config) -> None:
+    m, t = cfg.model, cfg.train
+    profile_window(t.profile_steps)
+    if m.d_model % m.n_head:
+        raise UserError(f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}")
+    if cfg.data.seq_len > m.max_seq_len:
+        raise UserError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if t.global_batch_size % t.microbatches:
+        raise UserError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by train.microbatches={t.microbatches}")
+    if cfg.optim.min_lr > cfg.optim.lr:
+        raise UserError(f"optim.min_lr={cfg.optim.min_lr} exceeds optim.lr={cfg.optim.lr}")
+    if m.attention == "mla" and m.rope_head_dim % 2:
+        raise UserError(f"model.rope_head_dim={m.rope_head_dim} must be even (rotary pairs)")
+    if m.attention == "dilated":
+        T = cfg.data.seq_len
+        for w, r in m.dilation_pairs:
+            if T % min(w, T) or min(w, T) % r:
+                raise UserError(f"model.segment_lengths/dilation_rates pair ({w}, {r}): data.seq_len={T} must be "
+                                f"divisible by the segment length min({w}, {T}), and that by the rate {r}")
+        if 1 not in dict(m.dilation_pairs).values():
+            raise UserError("model.dilation_rates needs a rate of 1 (otherwise some tokens attend to nothing)")
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML file <- `section.key=value` overrides, validated."""
+    cfg = Config()
+    if path:
+        if not os.path.exists(path):
+            raise UserError(f"config file not found: {path}")
+        with open(path) as f:
+            try:
+                raw = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise UserError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"config file {path}: top level must be a mapping of sections")
+        for section, values in raw.items():
+            if not isinstance(values, dict):
+                raise UserError(f"config section {section!r} in {path} must be a mapping")
+            for key, value in values.items():
+                _set(cfg, f"{section}.{key}", value)
+    for item in overrides or []:
+        dotted, eq, value = item.partition("=")
+        if not eq or "." not in dotted:
+            raise UserError(f"override {item!r} is not of the form section.key=value")
+        _set(cfg, dotted.strip(), value.strip())  # strings are parsed by the field's type
+    _check_consistency(cfg)
+    return cfg
+
+
+def config_from_dict(d: dict) -> Config:
+    """Rebuild a Config saved with `to_dict` (e.g. a run's resolved config.json)."""
+    cfg = Config()
+    for section, values in d.items():
+        for key, value in values.items():
+            _set(cfg, f"{section}.{key}", value)
+    _check_consistency(cfg)
+    return cfg
+
+
+@cli
+def main(argv=None) -> int:
+    """python -m jaxpar.core.config [configs/x.yaml] [section.key=value ...]: print the resolved config."""
+    args = sys.argv[1:] if argv is None else argv
+    has_path = bool(args) and "=" not in args[0]
+    print(load_config(args[0] if has_path else None, args[1:] if has_path else args).to_json())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The data order, defined once: the global batch at step s is a function of (dataset, seed, s) only.
+
+Samples of a split are the windows of seq_len + 1 tokens that tile it. Sample i of the training split
+is window P_e(i mod N), with e = i div N and P_e a pseudo-random permutation of range(N) keyed by
+seed + e: every epoch sees each window once, in a fresh order. P_e is computed per index (a small
+block cipher with cycle walking, the one grain's MapDataset.shuffle uses, so the order is the one
+jaxpar has always read), and nothing of size N is ever materialised, however large the corpus.
+The validation split is read in natural order, repeated. The global batch at step s is samples
+s*B .. s*B + B - 1, so any process can read just its own rows, and the data seen is the same for any
+mesh, process count or framework. Python and numpy only: jaxpar serves these samples through grain,
+torchpar reads them straight from the memory-mapped file.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from jaxpar.core.config import Config
+from jaxpar.core.errors import UserError
+from jaxpar.core.tokens import read_meta, resolve_dataset, split_range
+
+
+_MASK32 = (1 << 32) - 1
+
+
+@functools.lru_cache(maxsize=64)
+def _round_keys(seed: int, rounds: int) -> tuple[int, ...]:
+    """`rounds` 32-bit words from `seed` by C++'s std::seed_seq algorithm ([rand.util.seedseq])."""
+    n, v = rounds, (seed,)
+    out = [0x8B8B8B8B] * n
+    t = 11 if n >= 623 else 7 if n >= 68 else 5 if n >= 39 else 3 if n >= 7 else (n - 1) // 2
+    p, m = (n - t) // 2, max(len(v) + 1, n)
+    q = p + t
+    mix = lambda x: x ^ (x >> 27)  # noqa: E731
+    for k in range(m):
+        r1 = 1664525 * mix(out[k % n] ^ out[(k + p) % n] ^ out[(k - 1) % n]) & _MASK32
+        r2 = (r1 + (len(v) if k == 0 else k % n + v[k - 1] if k <= len(v) else k % n)) & _MASK32
+        out[(k + p) % n] = (out[(k + p) % n] + r1) & _MASK32
+        out[(k + q) % n] = (out[(k + q) % n] + r2) & _MASK32
+        out[k % n] = r2
+    for k in range(m, m + n):
+        r3 = 1566083941 * mix((out[k % n] + out[(k + p) % n] + out[(k - 1) % n]) & _MASK32) & _MASK32
+        r4 = (r3 - k % n) & _MASK32
+        out[(k + p) % n] ^= r3
+        out[(k + q) % n] ^= r4
+        out[k % n] = r4
+    return tuple(out)
+
+
+def shuffled_index(i: int, n: int, seed: int, rounds: int = 4) -> int:
+    """Position i of a pseudo-random permutation of range(n) keyed by a 32-bit seed: a Simon-style
+    Feistel cipher on the smallest even block (at least 16 bits) covering n - 1, re-applied until the
+    value falls below n (cycle walking keeps it a bijection). It is grain's index shuffle, so runs keep
+    the data order they had when jaxpar read its data through grain's MapDataset.shuffle."""
+    if n == 1:
+        return 0
+    block = max(math.ceil(math.log2(n - 1)), 1)
+    w = max(block + block % 2, 16) // 2
+    mask = (1 << w) - 1
+    rot = lambda x, r: ((x << r) | (x >> (w - r))) & mask  # noqa: E731
+    f = lambda x: (rot(x, 1) & rot(x, 8)) ^ rot(x, 2)  # noqa: E731
+    keys = _round_keys(seed, rounds)
+    x = i
+    while True:
+        left, right = (x >> w) & mask, x & mask
+        for k1, k2 in zip(keys[::2], keys[1::2]):
+            left ^= f(right) ^ (k1 & mask)
+            right ^= f(left) ^ (k2 & mask)
+        x = (left << w) | right
+        if x < n:
+            return x
+
+
+class Samples:
+    """Random access to sample i (any i >= 0) of a split, in the shared order: int32 [seq_len + 1]."""
+
+    def __init__(self, path: str, seq_len: int, seed: int, split: str = "train", val_fraction: float = 0.01):
+        if split not in ("train", "val"):
+            raise UserError(f"split must be 'train' or 'val', got {split!r}")
+        if not 0.0 <= val_fraction < 1.0:
+            raise UserError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        self.path, self.meta, self.seed, self.split = path, read_meta(path), seed, split
+        self.vocab_size, self.num_tokens = self.meta["vocab_size"], self.meta["num_tokens"]
+        self.offset, hi = split_range(self.num_tokens, val_fraction, split)
+        self.width = seq_len + 1  # inputs row[:-1], targets row[1:]
+        if hi - self.offset < self.width:
+            raise UserError(f"{split} split of dataset {path} has {hi - self.offset} tokens (of {self.num_tokens}, "
+                            f"val_fraction={val_fraction}); one window of seq_len+1 needs {self.width}")
+        self.num_windows = (hi - self.offset) // self.width
+        self._mm = None
+
+    def window(self, i: int) -> int:
+        """Which window sample i reads."""
+        epoch, j = divmod(int(i), self.num_windows)
+        if self.split == "val":
+            return j
+        return shuffled_index(j, self.num_windows, (self.seed % 2**32 + epoch) % 2**32)  # a new order each epoch
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if self._mm is None:  # opened lazily, and dropped when pickled: worker processes map the file themselves
+            dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
+            self._mm = np.memmap(self.path, dtype=dtype, mode="r", shape=(self.num_tokens,))
+        start = self.offset + self.window(i) * self.width
+        return np.asarray(self._mm[start:start + self.width], dtype=np.int32)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_mm": None}
+
+
+class GlobalBatches:
+    """Rows of the global batch at a step; `read(i)` returns sample i (the Samples themselves, or a
+    framework's loader over them)."""
+
+    def __init__(self, samples: Samples, global_batch_size: int, read=None):
+        self.samples, self.global_batch_size = samples, global_batch_size
+        self.read = read or samples.__getitem__
+        self.seq_len, self.vocab_size, self.num_windows = samples.width - 1, samples.vocab_size, samples.num_windows
+        self.num_tokens, self.meta = samples.num_tokens, samples.meta
+
+    def rows(self, step: int, start: int, stop: int) -> np.ndarray:
+        """Rows start..stop-1 of the global batch at `step`: int32 [stop-start, seq_len+1]."""
+        B = self.global_batch_size
+        if step < 0:
+            raise UserError(f"data step must be >= 0, got {step}")
+        if not 0 <= start <= stop <= B:
+            raise UserError(f"batch rows [{start}, {stop}) out of range for global_batch_size={B}")
+        out = np.empty((stop - start, self.seq_len + 1), dtype=np.int32)
+        for j, i in enumerate(range(start, stop)):
+            out[j] = self.read(step * B + i)
+        return out
+
+    def global_batch(self, step: int) -> np.ndarray:
+        return self.rows(step, 0, self.global_batch_size)
+
+
+def open_splits(cfg: Config, batches=GlobalBatches) -> tuple[GlobalBatches, GlobalBatches]:
+    """(train, val) global batches of the configured dataset (the default corpus is prepared on first use);
+    a validation batch is one microbatch. `batches(samples, global_batch_size)` builds each."""
+    t, d = cfg.train, cfg.data
+    dataset = resolve_dataset(d)
+    train = batches(Samples(dataset, d.seq_len, t.seed, "train", d.val_fraction), t.global_batch_size)
+    if train.vocab_size > cfg.model.vocab_size:
+        raise UserError(f"dataset {dataset} has vocab {train.vocab_size} > model.vocab_size={cfg.model.vocab_size}")
+    val = batches(Samples(dataset, d.seq_len, t.seed, "val", d.val_fraction), t.global_batch_size // t.microbatches)
+    return train, val

@@ -1,0 +1,51 @@
+"""Parameter counts and training FLOPs by formula (no model is built), and datasheet peaks for MFU.
+
+The counts follow the shared weight format of every variant (jaxpar/core/weights.py); a test
+checks them against the parameters the Flax model actually creates.
+"""
+from __future__ import annotations
+
+from jaxpar.core.config import ModelConfig
+from jaxpar.core.sketches import sketch_dim
+
+# Dense datasheet peaks (FLOP/s per device); float32 matmuls run as TF32 on these GPUs by default.
+PEAK_FLOPS = {
+    ("H100", "bfloat16"): 989e12, ("H100", "float32"): 494.5e12,
+    ("H200", "bfloat16"): 989e12, ("H200", "float32"): 494.5e12,
+    ("A100", "bfloat16"): 312e12, ("A100", "float32"): 156e12,
+}
+
+
+def _attention_params(m: ModelConfig) -> int:
+    d, hk = m.d_model, m.n_head * m.head_dim
+    out = hk * d + d
+    if m.attention != "mla":  # mha and dilated share GPT-2's qkv projection
+        return d * 3 * hk + 3 * hk + out
+    ql, kvl, r = m.q_latent_dim, m.kv_latent_dim, m.rope_head_dim
+    return d * ql + ql + ql * m.n_head * (m.head_dim + r) + d * (kvl + r) + kvl + kvl * 2 * hk + out
+
+
+def _mlp_params(m: ModelConfig) -> int:
+    d, f = m.d_model, m.ff_dim
+    fc_in, proj_in = (sketch_dim(m, d), sketch_dim(m, f)) if m.linear == "sketched" else (d, f)
+    return fc_in * f + f + proj_in * d + d
+
+
+def count_params(m: ModelConfig) -> dict[str, int]:
+    """Total parameters and those outside the token and position embeddings."""
+    per_layer = 4 * m.d_model + _attention_params(m) + _mlp_params(m)  # + two LayerNorms
+    non_embedding = m.n_layer * per_layer + 2 * m.d_model  # + final LayerNorm
+    return {"total": non_embedding + (m.vocab_size + m.max_seq_len) * m.d_model, "non_embedding": non_embedding}
+
+
+def flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 * (non-embedding params + tied head) + attention 12*L*T*d."""
+    n = count_params(m)["non_embedding"] + m.vocab_size * m.d_model
+    return 6 * n + 12 * m.n_layer * seq_len * m.d_model
+
+
+def peak_flops(device_kind: str, dtype: str) -> float | None:
+    for (kind, dt), peak in PEAK_FLOPS.items():
+        if kind in device_kind and dt == dtype:
+            return peak
+    return None  # unknown (e.g. CPU): MFU is reported as null

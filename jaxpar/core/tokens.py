@@ -1,0 +1,186 @@
+"""Token files: prepare text into a flat token file, read and check its metadata, the default corpus.
+
+A prepared dataset is `NAME.bin` (little-endian uint16/uint32 tokens) plus `NAME.bin.json` (metadata).
+The order in which training reads it is data_order.py; the command line is `python -m jaxpar.data`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+import tempfile
+
+import numpy as np
+
+from jaxpar.core.config import DataConfig
+from jaxpar.core.errors import UserError
+
+TEXT_SUFFIXES = (".py", ".txt", ".md")
+_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idlelib"}
+
+
+def _collect(inputs: list[str]) -> list[str]:
+    """Explicit files are taken as given; directories contribute their text files in sorted order."""
+    files = []
+    for inp in inputs:
+        if os.path.isdir(inp):
+            found = [os.path.join(d, f) for d, _, fs in os.walk(inp) for f in fs if f.endswith(TEXT_SUFFIXES)]
+            files.extend(sorted(found))
+        elif os.path.isfile(inp):
+            files.append(inp)
+        else:
+            raise UserError(f"input not found: {inp}")
+    if not files:
+        raise UserError(f"no {'/'.join(TEXT_SUFFIXES)} files found in {' '.join(inputs) or '(no inputs)'}")
+    return files
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _tokenizer(tokenizer: str):
+    """Returns (encode: bytes -> int array, vocab_size, name stored in the sidecar)."""
+    if tokenizer == "byte":
+        return (lambda b: np.frombuffer(b, dtype=np.uint8)), 256, "byte"
+    if not os.path.isfile(tokenizer):
+        raise UserError(f"tokenizer must be 'byte' or a Hugging Face tokenizers JSON file; not found: {tokenizer}")
+    try:
+        from tokenizers import Tokenizer  # optional dependency, only needed for this branch
+    except ImportError:
+        raise UserError(f"tokenizer {tokenizer} needs the 'tokenizers' package (pip install tokenizers)") from None
+    try:
+        tok = Tokenizer.from_file(tokenizer)
+    except Exception as e:  # the library raises its own exception types for malformed files
+        raise UserError(f"cannot load tokenizer {tokenizer}: {(str(e) or repr(e)).splitlines()[0]}") from None
+    # errors="replace": a stray non-UTF-8 file should not abort preparing a whole corpus.
+    encode = lambda b: np.asarray(tok.encode(b.decode("utf-8", "replace"), add_special_tokens=False).ids)
+    return encode, tok.get_vocab_size(), os.path.abspath(tokenizer)
+
+
+def _temp_for(path: str, tmps: list, mode: str):
+    # In the same directory as `path`, so os.replace is an atomic rename within one filesystem.
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.",
+                               suffix=".tmp")
+    tmps.append(tmp)
+    return os.fdopen(fd, mode)
+
+
+def _write_dataset(out: str, chunks, vocab_size: int, tokenizer: str) -> str:
+    """Streams token chunks to a temp file, then renames; the sidecar goes last, marking a complete dataset.
+
+    An interrupted write leaves the old dataset; concurrent writers each rename their own complete file.
+    """
+    dtype = np.dtype("<u2") if vocab_size <= 65536 else np.dtype("<u4")
+    tmps: list[str] = []
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        n_tok = n_doc = 0
+        with _temp_for(out, tmps, "wb") as f:
+            for toks in chunks:
+                toks = np.asarray(toks)
+                if toks.size and (toks.min() < 0 or toks.max() >= vocab_size):
+                    raise UserError(f"token ids out of range for vocab_size={vocab_size} while writing {out}")
+                f.write(toks.astype(dtype).tobytes())
+                n_tok, n_doc = n_tok + toks.size, n_doc + 1
+        meta = {"dtype": dtype.name, "vocab_size": int(vocab_size), "num_tokens": int(n_tok),
+                "tokenizer": tokenizer, "num_documents": n_doc}
+        with _temp_for(out + ".json", tmps, "w") as f:
+            json.dump(meta, f, indent=2)
+        for tmp, dst in zip(tmps, (out, out + ".json")):
+            os.chmod(tmp, 0o644)  # mkstemp creates 0600; datasets are often shared
+            os.replace(tmp, dst)
+    except BaseException as e:  # also KeyboardInterrupt: never leave temp files behind
+        for tmp in tmps:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise UserError(f"cannot write dataset {out}: {e}") from None
+        raise
+    return out
+
+
+def prepare(inputs: list[str], out: str, tokenizer: str = "byte") -> str:
+    """Tokenizes text files (directories walked for *.py/*.txt/*.md) into `out` + `out.json`."""
+    files = _collect(inputs)
+    encode, vocab_size, name = _tokenizer(tokenizer)
+    sep = encode(b"\n")
+
+    def chunks():
+        for i, path in enumerate(files):
+            try:
+                data = _read(path)
+            except OSError as e:
+                raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+            yield np.concatenate([sep, encode(data)]) if i else encode(data)
+
+    return _write_dataset(out, chunks(), vocab_size, name)
+
+
+def write_tokens(out: str, tokens, vocab_size: int, tokenizer: str = "synthetic") -> str:
+    """Writes an already tokenized array as a dataset (tests, synthetic data, other converters)."""
+    return _write_dataset(out, [np.asarray(tokens)], vocab_size, tokenizer)
+
+
+def read_meta(path: str) -> dict:
+    """The sidecar of a prepared dataset, checked against the token file; UserError naming the path."""
+    if not os.path.isfile(path):
+        raise UserError(f"dataset file not found: {path} (create one with: python -m jaxpar.data prepare)")
+    side = path + ".json"
+    if not os.path.isfile(side):
+        raise UserError(f"dataset {path} has no sidecar {side}; re-create it with python -m jaxpar.data prepare")
+    try:
+        with open(side) as f:
+            meta = json.load(f)
+        dtype = np.dtype(meta["dtype"]).newbyteorder("<")
+        n, vocab = int(meta["num_tokens"]), int(meta["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"dataset sidecar {side} is invalid ({type(e).__name__}: {e})") from None
+    if dtype.name not in ("uint16", "uint32") or n < 0 or vocab < 1:
+        raise UserError(f"dataset sidecar {side} is invalid (dtype={meta['dtype']}, num_tokens={n}, vocab_size={vocab})")
+    size = os.path.getsize(path)
+    if size != n * dtype.itemsize:  # e.g. a .bin truncated by a copy, or paired with another sidecar
+        raise UserError(f"dataset {path} has {size} bytes but its sidecar says {n} {dtype.name} tokens")
+    return {**meta, "dtype": dtype.name, "num_tokens": n, "vocab_size": vocab}
+
+
+def stdlib_files() -> list[str]:
+    """This Python's stdlib .py files, minus tests and IDLE to keep the corpus moderate (~10 MB)."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for d, dirs, fs in os.walk(root):
+        dirs[:] = [x for x in dirs if x not in _STDLIB_SKIP]
+        files.extend(os.path.join(d, f) for f in fs if f.endswith(".py"))
+    return sorted(files)
+
+
+def resolve_dataset(cfg: DataConfig) -> str:
+    """Path of a prepared .bin: the named file, or the stdlib corpus prepared into the cache on first use."""
+    if cfg.dataset != "stdlib":
+        read_meta(cfg.dataset)
+        return cfg.dataset
+    tok_name = "byte"
+    if cfg.tokenizer != "byte":  # a content hash, so editing the tokenizer file does not reuse a stale cache
+        if not os.path.isfile(cfg.tokenizer):
+            raise UserError(f"tokenizer file not found: {cfg.tokenizer}")
+        digest = hashlib.sha256(_read(cfg.tokenizer)).hexdigest()[:10]
+        tok_name = f"{os.path.splitext(os.path.basename(cfg.tokenizer))[0]}-{digest}"
+    cache = cfg.cache_dir or os.environ.get("JAXPAR_CACHE") or os.path.expanduser("~/.cache/jaxpar")
+    path = os.path.join(cache, f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}-{tok_name}.bin")
+    try:
+        read_meta(path)
+        return path
+    except UserError:
+        pass  # missing or damaged cache: (re)build it
+    files = stdlib_files()
+    print(f"preparing dataset {path} from {len(files)} stdlib files (first use)", file=sys.stderr, flush=True)
+    return prepare(files, path, cfg.tokenizer)
+
+
+def split_range(num_tokens: int, val_fraction: float, split: str) -> tuple[int, int]:
+    """Token range [lo, hi) of a split: validation is the last `val_fraction` of the file."""
+    n_val = int(num_tokens * val_fraction)
+    return (0, num_tokens - n_val) if split == "train" else (num_tokens - n_val, num_tokens)

@@ -1,0 +1,101 @@
+"""The shared weight file: safetensors, one tensor per jaxpar parameter path ("blocks.mlp.fc.kernel").
+
+jaxpar's own names and shapes *are* the shared format; `NAMES` below is the one table mapping them to
+torchpar's per-layer parameter names (torchpar/weights.py converts by it).
+Pure numpy, no jax: both trainers read and write it.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from jaxpar.core.errors import UserError
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """{"blocks": {"mlp": {"fc": {"kernel": x}}}} -> {"blocks.mlp.fc.kernel": x} (leaves untouched)."""
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        out.update(flatten(value, name + ".") if isinstance(value, dict) else {name: value})
+    return out
+
+
+def unflatten(flat: dict[str, np.ndarray]) -> dict:
+    tree: dict = {}
+    for name, value in flat.items():
+        node = tree
+        *parents, leaf = name.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
+
+
+def save_weights(path: str, params: dict) -> None:
+    """Write float32 weights atomically (temp file + rename)."""
+    flat = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in flatten(params).items()}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    save_file(flat, tmp)
+    os.replace(tmp, path)
+
+
+def load_weights(path: str, expected_shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
+    """Flat {name: array}, checked name-for-name and shape-for-shape against the model."""
+    if not os.path.exists(path):
+        raise UserError(f"weights file not found: {path}")
+    try:
+        flat = load_file(path)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is bad input
+        raise UserError(f"weights file {path} is not a readable safetensors file: {e}") from None
+    missing = sorted(set(expected_shapes) - set(flat))
+    extra = sorted(set(flat) - set(expected_shapes))
+    if missing or extra:
+        raise UserError(f"weights file {path} does not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, shape in expected_shapes.items():
+        if tuple(flat[name].shape) != tuple(shape):
+            raise UserError(f"weights file {path}: {name} has shape {tuple(flat[name].shape)}, model expects {tuple(shape)}")
+    return flat
+
+
+# shared name -> torch name; "{l}" marks a per-layer parameter stacked on the leading layers axis.
+NAMES = {
+    "wte": "wte",
+    "wpe": "wpe",
+    "ln_f.scale": "ln_f.weight",
+    "ln_f.bias": "ln_f.bias",
+    "blocks.ln1.scale": "blocks.{l}.ln1.weight",
+    "blocks.ln1.bias": "blocks.{l}.ln1.bias",
+    "blocks.attn.qkv.kernel": "blocks.{l}.attn.qkv.weight",
+    "blocks.attn.qkv.bias": "blocks.{l}.attn.qkv.bias",
+    "blocks.attn.out.kernel": "blocks.{l}.attn.out.weight",
+    "blocks.attn.out.bias": "blocks.{l}.attn.out.bias",
+    "blocks.ln2.scale": "blocks.{l}.ln2.weight",
+    "blocks.ln2.bias": "blocks.{l}.ln2.bias",
+    "blocks.mlp.fc.kernel": "blocks.{l}.mlp.fc.weight",
+    "blocks.mlp.fc.bias": "blocks.{l}.mlp.fc.bias",
+    "blocks.mlp.proj.kernel": "blocks.{l}.mlp.proj.weight",
+    "blocks.mlp.proj.bias": "blocks.{l}.mlp.proj.bias",
+}
+# model variants (jaxpar/models/{mla,sketched}.py): their parameters beside or instead of GPT-2's
+VARIANT_NAMES = {
+    **{f"blocks.attn.{n}.kernel": f"blocks.{{l}}.attn.{n}.weight" for n in ("q_down", "q_up", "kv_down", "kv_up")},
+    "blocks.attn.q_norm.scale": "blocks.{l}.attn.q_norm.weight",
+    "blocks.attn.kv_norm.scale": "blocks.{l}.attn.kv_norm.weight",
+    "blocks.mlp.fc.factor": "blocks.{l}.mlp.fc.factor",
+    "blocks.mlp.proj.factor": "blocks.{l}.mlp.proj.factor",
+}
+ALL_NAMES = {**NAMES, **VARIANT_NAMES}
+
+
+def shared_name(torch_name: str) -> str:
+    """"blocks.3.mlp.fc.weight" -> "blocks.mlp.fc.kernel"."""
+    parts = torch_name.split(".")
+    pattern = ".".join("{l}" if p.isdigit() else p for p in parts)
+    for shared, t in ALL_NAMES.items():
+        if t == pattern:
+            return shared
+    raise KeyError(f"no shared name for torch parameter {torch_name!r}")

@@ -1,0 +1,35 @@
+"""Mesh-free array functions that models, parallel strategies and the train step all use."""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+
+
+def causal_attention(q, k, v, q_pos=None, k_pos=None):
+    """Causal attention on q, k, v [batch, seq, heads, head_dim] on one device; masked by global
+    positions when given (a permuted or partial sequence). cuDNN flash attention on GPU where it applies."""
+    if q_pos is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    mask = q_pos[:, None] >= k_pos[None, :]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
+
+
+def local_attention(q, k, v, positions=None):
+    """The default attention of a parallel context: every position of the sequence on this device."""
+    return causal_attention(q, k, v, positions, positions)
+
+
+def scan_layers(layer: Callable, stacked, x: jax.Array) -> jax.Array:
+    """`layer(h, per_layer_slice) -> h` applied over the leading axis of `stacked`, in order."""
+    return jax.lax.scan(lambda h, p: (layer(h, p), None), x, stacked)[0]
+
+
+def split_microbatches(x: jax.Array, M: int) -> jax.Array:
+    """[B, ...] -> [M, B/M, ...]; microbatch m takes rows m, m+M, ... so each device keeps its own rows."""
+    return x.reshape(x.shape[0] // M, M, *x.shape[1:]).swapaxes(0, 1)
+
+
+def join_microbatches(x: jax.Array) -> jax.Array:
+    """The inverse of split_microbatches."""
+    return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])

@@ -1,0 +1,24 @@
+"""Parallelism applied from outside the model: the parallel context a layout's model is traced in.
+
+The model asks its context for attention and for the layer runner (jaxpar/context.py); this file
+decides what they are for a config and mesh: attention across `sp` shards with the configured
+strategy, and the layer stack as a GPipe pipeline over `pp` — or a plain scan when the stages run
+on the hand-scheduled executor (jaxpar/step.py), which calls each stage's layers itself.
+"""
+from __future__ import annotations
+
+from jaxpar.context import ParallelContext
+from jaxpar.core.pipeline_schedules import resolve_microbatches
+from jaxpar.ops import local_attention, scan_layers
+from jaxpar.parallel.gpipe import gpipe_layers
+from jaxpar.parallel.sequence import sequence_attention
+
+
+def parallel_context(layout, on_executor: bool = False) -> ParallelContext:
+    mesh, p, S = layout.mesh, layout.cfg.parallel, layout.mesh.shape["pp"]
+    attention = sequence_attention(mesh, layout.rules, p.sequence_attention) if mesh.shape["sp"] > 1 else local_attention
+    if S > 1 and not on_executor:
+        run_layers = gpipe_layers(S, resolve_microbatches(S, p.pipeline_microbatches))
+    else:
+        run_layers = scan_layers
+    return ParallelContext(mesh, layout.rules, attention, run_layers)

@@ -1,0 +1,1 @@
+"""Commands around training: planning, benchmarks, HLO inspection, reports, weight conversion."""

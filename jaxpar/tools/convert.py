@@ -1,0 +1,106 @@
+"""python -m jaxpar.tools.convert --from FORMAT SRC --to FORMAT DST
+
+Formats:
+  shared  a .safetensors file in the shared weight format (what torchpar and model.init_from read)
+  hf      a Hugging Face GPT-2 directory (config.json + model.safetensors)
+  jaxpar  a jaxpar run directory: reads the parameters of its latest checkpoint; as a target,
+          writes a step-0 checkpoint (fresh optimizer state) that `jaxpar.train run.dir=DST` resumes
+
+Every conversion is a lossless reshape/rename of float32 tensors.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+from safetensors.numpy import load_file
+
+from jaxpar.core.errors import UserError, cli
+from jaxpar.core.weights import flatten, save_weights, unflatten
+from jaxpar.tools import hf_gpt2 as hf
+
+FORMATS = ("shared", "hf", "jaxpar")
+
+
+def _single_device_layout(cfg):
+    import jax
+
+    from jaxpar.layout import Layout
+    from jaxpar.mesh import make_mesh
+
+    return Layout(cfg, make_mesh({"dp": 1}, jax.devices()[:1]))
+
+
+def read(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
+    """-> (flat shared tensors, model config overrides)."""
+    if fmt == "hf":
+        return hf.hf_to_shared(src)
+    if fmt == "shared":
+        if not os.path.exists(src):
+            raise UserError(f"weights file not found: {src}")
+        flat = load_file(src)
+        return flat, hf.shape_of(flat)
+    from jaxpar.checkpoint import Checkpointer
+    from jaxpar.core.config import config_from_dict
+    from jaxpar.state import abstract_state
+
+    cfg_path = os.path.join(src, "config.json")
+    if not os.path.exists(cfg_path):
+        raise UserError(f"not a jaxpar run directory: {cfg_path} is missing")
+    with open(cfg_path) as f:
+        saved = json.load(f)
+    saved.pop("resolved_mesh", None)
+    cfg = config_from_dict(saved)
+    if cfg.model.attention != "mha" or cfg.model.linear != "dense":
+        raise UserError(f"{src} trains model.attention={cfg.model.attention}, model.linear={cfg.model.linear}; "
+                        "conversion supports only GPT-2's mha/dense model")
+    restored = Checkpointer(src, cfg.checkpoint.keep).restore_latest(abstract_state(_single_device_layout(cfg)))
+    if restored is None:
+        raise UserError(f"no checkpoint in {src}/checkpoints")
+    flat = {k: np.asarray(v) for k, v in flatten(restored[0]["params"]).items()}
+    return flat, {**hf.shape_of(flat), "layernorm_eps": cfg.model.layernorm_eps}
+
+
+def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict) -> None:
+    if fmt == "shared":
+        save_weights(dst, unflatten(flat))
+    elif fmt == "hf":
+        hf.shared_to_hf(flat, dst, model.get("layernorm_eps", 1e-5))
+    else:
+        from jaxpar.checkpoint import Checkpointer
+        from jaxpar.core.config import load_config
+        from jaxpar.state import state_from_params
+
+        cfg = load_config(None, [f"model.{k}={v}" for k, v in model.items()] + [f"run.dir={dst}",
+                                                                             f"data.seq_len={model['max_seq_len']}"])
+        state = state_from_params(_single_device_layout(cfg), unflatten(flat))
+        os.makedirs(dst, exist_ok=True)
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=2)
+        ckpt = Checkpointer(dst, cfg.checkpoint.keep)
+        ckpt.save(0, state, {"step": 0, "data_step": 0, "mesh": "dp=1"})
+        ckpt.close()
+
+
+@cli
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jaxpar.tools.convert", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--from", dest="src_fmt", choices=FORMATS, required=True)
+    p.add_argument("src")
+    p.add_argument("--to", dest="dst_fmt", choices=FORMATS, required=True)
+    p.add_argument("dst")
+    args = p.parse_intermixed_args(argv)
+    if args.dst_fmt == "jaxpar" and os.path.exists(os.path.join(args.dst, "checkpoints")):
+        raise UserError(f"{args.dst} already holds checkpoints; refusing to mix runs")
+    flat, model = read(args.src_fmt, args.src)
+    write(args.dst_fmt, args.dst, flat, model)
+    print(f"converted {args.src_fmt} {args.src} -> {args.dst_fmt} {args.dst} ({len(flat)} tensors)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

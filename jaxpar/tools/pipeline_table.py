@@ -1,0 +1,35 @@
+"""python -m jaxpar.tools.pipeline_table --stages S --microbatches M [--schedule 1f1b] [--virtual-stages V]
+
+Prints the clock-cycle table of a pipeline schedule (which stage runs the forward F or backward B
+of which microbatch at each tick; `F3.1` = microbatch 3 on the device's virtual chunk 1) and its
+bubble fraction, with one unit of time per operation.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxpar.core.errors import cli
+from jaxpar.core.pipeline_schedules import PROGRAMS, bubble_fraction, max_in_flight, render, simulate
+
+
+@cli
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jaxpar.tools.pipeline_table", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stages", type=int, required=True)
+    ap.add_argument("--microbatches", type=int, required=True)
+    ap.add_argument("--schedule", default="1f1b", choices=tuple(PROGRAMS))
+    ap.add_argument("--virtual-stages", type=int, default=1)
+    args = ap.parse_args(argv)
+    table = simulate(args.schedule, args.stages, args.microbatches, args.virtual_stages)
+    print(render(table))
+    S, M, V = args.stages, args.microbatches, args.virtual_stages
+    print(f"\n{args.schedule}: {len(table)} ticks, bubble {bubble_fraction(table):.3f} "
+          f"(textbook (S-1)/(V*M+S-1) = {(S - 1) / (V * M + S - 1):.3f}); "
+          f"peak microbatches in flight on stage 0: {max_in_flight(table, 0)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

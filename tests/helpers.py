@@ -1,0 +1,135 @@
+"""Test support shared by tests/ and parity_tests/: tiny configs and data, in-process training runs,
+trainer subprocesses (each in its own session, checked for aborts and leftovers), metrics.jsonl."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from jaxpar.core.config import Config, load_config
+from jaxpar.core.tokens import write_tokens
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ABORTS = ("Abort", "SIGABRT", "core dumped", "Fatal Python error")
+TINY = ["model.n_layer=2", "model.n_head=4", "model.d_model=32", "model.max_seq_len=32", "data.seq_len=16",
+        "train.global_batch_size=8", "train.steps=10", "optim.warmup_steps=3", "optim.lr=1e-2", "optim.min_lr=1e-3",
+        "data.val_fraction=0.1", "train.eval_batches=2", "train.log_every=1", "train.matmul_precision=highest"]
+
+
+def tiny_config(*overrides: str):
+    return load_config(None, TINY + list(overrides))
+
+
+def make_dataset(path, n_tokens: int = 40_000, seed: int = 0) -> str:
+    """Random text with structure (a noisy repeating pattern) so losses move."""
+    rng = np.random.default_rng(seed)
+    base = np.tile(np.frombuffer(b"def f(x):\n    return x + 1\n", np.uint8), n_tokens // 27 + 1)[:n_tokens]
+    noise = rng.integers(0, 256, n_tokens)
+    tokens = np.where(rng.random(n_tokens) < 0.1, noise, base)
+    return write_tokens(str(path), tokens, 256)
+
+
+def run_steps(cfg: Config, mesh: str, dataset: str, steps: int | None = None, devices=None) -> dict:
+    """K training steps of a config on a mesh, in-process, with the trainer's own layout, state, step and
+    data code: per-step loss / grad_norm / lr (lists of floats) and the final parameters (flat numpy)."""
+    import jax
+
+    from jaxpar.core.weights import flatten
+    from jaxpar.data import TokenBatches, device_batch
+    from jaxpar.layout import Layout
+    from jaxpar.mesh import make_mesh, parse_mesh
+    from jaxpar.state import init_state
+    from jaxpar.step import make_train_step
+
+    layout = Layout(cfg, make_mesh(parse_mesh(mesh), devices))
+    data = TokenBatches(dataset, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.seed,
+                        "train", cfg.data.val_fraction)
+    state, train_step = init_state(layout), make_train_step(layout)
+    history = []
+    for step in range(cfg.train.steps if steps is None else steps):
+        state, metrics = train_step(state, device_batch(data, step, layout.batch_sharding, layout.batch_shape))
+        history.append(metrics)
+    history = jax.device_get(history)
+    out = {k: [float(m[k]) for m in history] for k in ("loss", "grad_norm", "lr")}
+    out["params"] = {k: np.asarray(v) for k, v in flatten(jax.device_get(state["params"])).items()}
+    return out
+
+
+def assert_params_close(got: dict, ref: dict) -> None:
+    """All parameters within 1e-5 relative norm, and no single tensor off by more than 5e-5.
+
+    Per-tensor relative norms are not used: the attention key bias has an exactly-zero true
+    gradient (softmax ignores it), so Adam moves it by amplified rounding noise only.
+    """
+    diff = np.sqrt(sum(np.sum((got[k] - v) ** 2) for k, v in ref.items()))
+    total = np.sqrt(sum(np.sum(v ** 2) for v in ref.values()))
+    assert diff / total < 1e-5, f"parameters differ by {diff / total:.2e} relative norm"
+    for name, v in ref.items():
+        assert np.max(np.abs(got[name] - v)) < 5e-5, name
+
+
+def metrics(run_dir) -> dict[int, dict]:
+    """step -> record of <run_dir>/metrics.jsonl; a step logged twice (a resumed run repeats steps) keeps its last."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, f)}
+
+
+def run_cli(run_dir, dataset, *args, env=None, timeout=300, module="jaxpar.train"):
+    """`python -m jaxpar.train` (or `module`) on the tiny config, as a user would run it."""
+    cmd = [sys.executable, "-m", module, *TINY, f"data.dataset={dataset}", f"run.dir={run_dir}", *args]
+    full_env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torch_env(**extra) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    for key in ("TORCHPAR_FAULT_KILL_AFTER_STEP", "TORCHPAR_FAULT_SIGTERM_AFTER_STEP", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)
+    return {**env, **extra}
+
+
+def torch_command(args: list[str], nproc: int) -> list[str]:
+    """`python -m torchpar.train ARGS` (nproc=0), or torchrun with nproc processes on a free port."""
+    if not nproc:
+        return [sys.executable, "-m", "torchpar.train", *args]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            f"--master_port={free_port()}", "-m", "torchpar.train", *args]
+
+
+def no_leftovers(pgid: int) -> None:
+    for _ in range(50):  # torchrun reaps its workers before exiting; allow a moment for stragglers
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.killpg(pgid, signal.SIGKILL)
+    pytest.fail("processes left behind after the run")
+
+
+def run_in_session(cmd: list[str], env: dict, timeout: int, what: str) -> subprocess.CompletedProcess:
+    """Run `cmd` in its own session; fail on a timeout (killing the session) or on a process left behind."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{what} timed out after {timeout}s\n{out[-3000:]}\n{err[-3000:]}")
+    no_leftovers(proc.pid)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

@@ -1,0 +1,33 @@
+"""Parameter counts by formula (jaxpar/core/flops.py, what MFU and the planner use, torch-free) equal the
+parameters the Flax model creates, for every variant."""
+import math
+
+import jax
+import pytest
+
+from jaxpar.core.flops import count_params, flops_per_token
+from jaxpar.models.gpt import abstract_model
+from tests.helpers import tiny_config
+
+VARIANTS = {"mha": (), "mla": ("model.attention=mla", "model.q_latent_dim=16", "model.kv_latent_dim=8",
+                               "model.rope_head_dim=4"),
+            "dilated": ("model.attention=dilated",), "sketched": ("model.linear=sketched", "model.sketch_ratio=0.3"),
+            "d_ff": ("model.d_ff=40", "model.vocab_size=300")}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_formula_counts_the_models_parameters(name):
+    cfg = tiny_config(*VARIANTS[name]).model
+    _, _, params = abstract_model(cfg)
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    embeddings = math.prod(params["wte"].shape) + math.prod(params["wpe"].shape)
+    assert count_params(cfg) == {"total": total, "non_embedding": total - embeddings}
+
+
+def test_flops_per_token_textbook():
+    """GPT-2 small has HF's 124,439,808 parameters; 6 N (non-embedding + tied head) + 12 L T d at T=1024
+    is 6 * 123.5M + 12 * 12 * 1024 * 768 = ~0.854 GFLOP per token."""
+    cfg = tiny_config("model.n_layer=12", "model.n_head=12", "model.d_model=768", "model.vocab_size=50257",
+                      "model.max_seq_len=1024", "data.seq_len=1024").model
+    assert count_params(cfg)["total"] == 124_439_808
+    assert 0.85e9 < flops_per_token(cfg, 1024) < 0.86e9

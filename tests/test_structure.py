@@ -1,0 +1,212 @@
+"""Static architecture rules, checked on the AST alone (no project, jax or torch imports).
+
+Every rule is a small helper returning a list of violations; the tests run it on the real
+tree, and the self-checks at the bottom run it on tiny in-memory trees to prove it can fail.
+"""
+
+import ast
+import fnmatch
+import pathlib
+import tomllib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("jaxpar", "torchpar", "parity_tests", "tests")
+FRAMEWORKS = {"jax", "jaxlib", "flax", "optax", "orbax", "grain", "torch", "deepspeed"}
+TRAINERS = ("jaxpar/train.py", "torchpar/train.py", "jaxpar/core/loop.py")
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 80
+
+
+def load_files(root=ROOT):
+    """{relative posix path: source} for every .py file under the four directories."""
+    return {p.relative_to(root).as_posix(): p.read_text(encoding="utf-8")
+            for d in PACKAGES for p in sorted((root / d).rglob("*.py"))}
+
+
+def module_of(path):
+    """'a/b/c.py' -> ('a.b.c', False); 'a/b/__init__.py' -> ('a.b', True)."""
+    parts = path[:-len(".py")].split("/")
+    is_pkg = parts[-1] == "__init__"
+    return ".".join(parts[:-1] if is_pkg else parts), is_pkg
+
+
+def under(name, prefix):
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def imports_of(source, module, is_pkg, known):
+    """Imported module names, anywhere in the file (ast.walk also sees imports inside functions).
+
+    Project targets are resolved to the named module only; the parent packages' __init__s that
+    Python also runs are left out on purpose, else every empty __init__ would close a cycle.
+    """
+    def longest_known(name):
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            if ".".join(parts[:i]) in known:
+                return ".".join(parts[:i])
+        return name  # third-party / stdlib (or a missing project module): keep it as written
+
+    package = module if is_pkg else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(longest_known(alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: climb level-1 packages up from our own package
+                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}" if base else alias.name
+                found.add(full if full in known else longest_known(base) if base else full)
+    found.discard(module)  # `from pkg import x` inside pkg/__init__ is not a cycle
+    return found
+
+
+def build_graph(files):
+    """{module: set of imported names}; edges to project modules use their module names."""
+    mods = {path: module_of(path) for path in files}
+    known = {name for name, _ in mods.values()}
+    return {name: imports_of(files[path], name, is_pkg, known)
+            for path, (name, is_pkg) in mods.items()}
+
+
+def find_cycles(graph):
+    """Strongly connected components (Tarjan) of size > 1, plus self-loops, among project modules."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v] & graph.keys():
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1 or v in graph[v]:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+def imports_matching(graph, importer_prefix, bad):
+    """Sorted (importer, imported) pairs where an importer under the prefix imports a `bad` name."""
+    return sorted((mod, dep) for mod, deps in graph.items() if under(mod, importer_prefix)
+                  for dep in deps if bad(dep))
+
+
+def core_violations(graph):
+    # Shared core: no framework at all, and nothing from the project outside itself.
+    return imports_matching(graph, "jaxpar.core", lambda dep: dep.split(".")[0] in FRAMEWORKS or (
+        dep.split(".")[0] in PACKAGES and not under(dep, "jaxpar.core")))
+
+
+def torchpar_violations(graph):
+    return imports_matching(graph, "torchpar",
+                            lambda dep: under(dep, "jaxpar") and not under(dep, "jaxpar.core"))
+
+
+def imports_of_test_code(graph):
+    is_test = lambda dep: dep.split(".")[0] in {"tests", "parity_tests", "pytest"}  # noqa: E731
+    return imports_matching(graph, "jaxpar", is_test) + imports_matching(graph, "torchpar", is_test)
+
+
+def packaged_test_dirs(pyproject_text):
+    """Test packages that pyproject's setuptools `include` patterns would ship."""
+    find = tomllib.loads(pyproject_text).get("tool", {}).get("setuptools", {}).get("packages", {})
+    return sorted({(pat, name) for pat in find.get("find", {}).get("include", [])
+                   for name in ("tests", "parity_tests") if fnmatch.fnmatchcase(name, pat)})
+
+
+def long_files(files, limit=MAX_FILE_LINES):
+    return sorted((path, n) for path, src in files.items() if (n := len(src.splitlines())) > limit)
+
+
+def long_functions(source, limit=MAX_FUNCTION_LINES):
+    """(name, first line, span) of every def longer than `limit`, nested ones and methods included."""
+    return [(node.name, node.lineno, span) for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and (span := node.end_lineno - node.lineno + 1) > limit]
+
+
+FILES = load_files()
+GRAPH = build_graph(FILES)
+
+
+def test_no_import_cycles():
+    assert not (cycles := find_cycles(GRAPH)), f"import cycles: {cycles}"
+
+
+def test_models_and_parallel_are_independent():
+    pairs = (imports_matching(GRAPH, "jaxpar.models", lambda d: under(d, "jaxpar.parallel"))
+             + imports_matching(GRAPH, "jaxpar.parallel", lambda d: under(d, "jaxpar.models")))
+    assert not pairs, f"models <-> parallel imports: {pairs}"
+
+
+def test_shared_core_is_framework_free():
+    assert (ROOT / "jaxpar" / "core").is_dir(), "jaxpar/core does not exist"
+    assert not (bad := core_violations(GRAPH)), f"jaxpar.core imports: {bad}"
+
+
+def test_torchpar_reads_only_the_shared_core():
+    assert not (bad := torchpar_violations(GRAPH)), f"torchpar imports outside jaxpar.core: {bad}"
+
+
+def test_shipped_packages_contain_no_test_code():
+    assert not (bad := imports_of_test_code(GRAPH)), f"shipped code imports test code: {bad}"
+    shipped = packaged_test_dirs((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert not shipped, f"pyproject packages.find include ships (pattern, package): {shipped}"
+
+
+def test_no_long_files():
+    assert not (bad := long_files(FILES)), f"files over {MAX_FILE_LINES} lines: {bad}"
+
+
+@pytest.mark.parametrize("path", TRAINERS)
+def test_trainer_functions_are_short(path):
+    assert (ROOT / path).is_file(), f"{path} does not exist"
+    assert not (bad := long_functions(FILES[path])), f"{path}: functions over {MAX_FUNCTION_LINES} lines: {bad}"
+
+
+# --- self-checks: each helper must report a violation planted in a tiny in-memory tree ---------
+
+CYCLE = {"p/__init__.py": "from p import a\n", "p/a.py": "def f():\n    from . import b\n",
+         "p/b.py": "import p.a.x\n"}
+PLANTED = {
+    "cycle inside functions, via relative import": lambda: find_cycles(build_graph(CYCLE)) == [["p.a", "p.b"]],
+    "no cycle through an __init__": lambda: find_cycles(build_graph({**CYCLE, "p/b.py": ""})) == [],
+    "models imports parallel": lambda: imports_matching(
+        build_graph({"jaxpar/models/m.py": "from jaxpar.parallel import seq\n", "jaxpar/parallel/seq.py": ""}),
+        "jaxpar.models", lambda d: under(d, "jaxpar.parallel")) == [("jaxpar.models.m", "jaxpar.parallel.seq")],
+    "core imports jax in a function": lambda: core_violations(
+        build_graph({"jaxpar/core/c.py": "def f():\n    import jax.numpy\n"})) == [("jaxpar.core.c", "jax.numpy")],
+    "core imports the project": lambda: core_violations(
+        build_graph({"jaxpar/core/c.py": "from .. import mesh\n", "jaxpar/mesh.py": ""})) == [("jaxpar.core.c", "jaxpar.mesh")],
+    "torchpar imports the jaxpar package": lambda: torchpar_violations(
+        build_graph({"torchpar/t.py": "import jaxpar\nimport jaxpar.core.x\n", "jaxpar/__init__.py": "",
+                     "jaxpar/core/x.py": ""})) == [("torchpar.t", "jaxpar")],
+    "shipped code imports pytest": lambda: imports_of_test_code(
+        build_graph({"jaxpar/x.py": "import pytest\n"})) == [("jaxpar.x", "pytest")],
+    "pyproject ships tests": lambda: packaged_test_dirs(
+        '[tool.setuptools.packages.find]\ninclude = ["jaxpar*", "parity_tests*"]\n') == [("parity_tests*", "parity_tests")],
+    "long file": lambda: long_files({"a.py": "x = 1\n" * 401, "b.py": "x = 1\n" * 400}) == [("a.py", 401)],
+    "long nested function": lambda: long_functions(
+        "class C:\n    def m(self):\n        def inner():\n" + "            pass\n" * 80) == [("m", 2, 82), ("inner", 3, 81)],
+}
+
+
+@pytest.mark.parametrize("case", PLANTED)
+def test_helpers_catch_planted_violations(case):
+    assert PLANTED[case](), case

@@ -1,0 +1,51 @@
+"""Basic torch layers holding jaxpar's parameter shapes: einsum-applied weights of any rank, the norms."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Dense(nn.Module):
+    """weight/bias of arbitrary rank applied by an einsum equation (jaxpar's `kernel`/`bias`)."""
+
+    def __init__(self, w_shape: tuple[int, ...], b_shape: tuple[int, ...]):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(w_shape))
+        self.bias = nn.Parameter(torch.zeros(b_shape))
+
+    def forward(self, x: torch.Tensor, equation: str) -> torch.Tensor:
+        return torch.einsum(equation, x, self.weight.to(x.dtype)) + self.bias.to(x.dtype)
+
+
+class Kernel(nn.Module):
+    """A bias-free weight of any rank applied by an einsum equation (jaxpar's `kernel`)."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shape))
+
+    def forward(self, x, equation: str):
+        return torch.einsum(equation, x, self.weight.to(x.dtype))
+
+
+class LayerNorm(nn.Module):
+    """Statistics in float32 whatever the compute dtype; weight/bias are jaxpar's scale/bias."""
+
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.weight, self.bias, self.eps = nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d)), eps
+
+    def forward(self, x):
+        y = F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), self.bias.float(), self.eps)
+        return y.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(d)), eps
+
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)

@@ -1,0 +1,1 @@
+"""torchpar commands: benchmarks of the real backend step and of torch.distributed collectives."""
