@@ -17,12 +17,14 @@ from jaxpar.core.data_order import open_splits
 from jaxpar.core.errors import cli
 from jaxpar.core.flops import flops_per_token, peak_flops
 from jaxpar.core.loop import run_loop
+from jaxpar.core.mesh_spec import format_mesh, parse_mesh
 from jaxpar.core.metrics_log import MetricsLog
 from jaxpar.core.pipeline_schedules import bubble_fraction, resolve_microbatches, simulate
+from jaxpar.core.resume import check_resume
 from jaxpar.core.weights import flatten, load_weights, save_weights, unflatten
 from jaxpar.data import device_batch, grain_batches
 from jaxpar.layout import Layout
-from jaxpar.mesh import device_memory_gib, format_mesh, make_mesh, parse_mesh, setup_devices
+from jaxpar.mesh import device_memory_gib, make_mesh, setup_devices
 from jaxpar.step import make_eval_step, make_train_step
 
 
@@ -116,6 +118,7 @@ def pipeline_bubble(cfg: Config, stages: int) -> float | None:
 
 def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_final: str | None = None) -> int:
     sizes = parse_mesh(mesh_spec)
+    check_resume(cfg)
     setup_devices(sizes)
     if cfg.train.matmul_precision != "default":
         jax.config.update("jax_default_matmul_precision", cfg.train.matmul_precision)

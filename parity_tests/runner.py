@@ -22,7 +22,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from jaxpar.core.config import load_config
-from jaxpar.mesh import parse_mesh
+from jaxpar.core.mesh_spec import parse_mesh
 from tests.helpers import ABORTS, make_dataset, run_in_session, torch_command, torch_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

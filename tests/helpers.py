@@ -44,7 +44,8 @@ def run_steps(cfg: Config, mesh: str, dataset: str, steps: int | None = None, de
     from jaxpar.core.weights import flatten
     from jaxpar.data import TokenBatches, device_batch
     from jaxpar.layout import Layout
-    from jaxpar.mesh import make_mesh, parse_mesh
+    from jaxpar.core.mesh_spec import parse_mesh
+    from jaxpar.mesh import make_mesh
     from jaxpar.state import init_state
     from jaxpar.step import make_train_step
 

@@ -23,6 +23,10 @@ CASES = {
     "bad_value": (["optim.lr=-1"], {}, ["optim.lr", "out of range"]),
     "bad_mesh_axis": (["--mesh", "xp=2"], {}, ["xp=2"]),
     "layers_vs_pp": (["--mesh", "pp=4", "model.n_layer=2"], {}, ["n_layer=2", "stages x virtual stages = 4"]),
+    "non_finite_value": (["optim.lr=nan"], {}, ["optim.lr", "not a finite number"]),
+    "infinite_value": (["optim.weight_decay=inf"], {}, ["optim.weight_decay", "not a finite number"]),
+    "removed_dropout": (["model.dropout=0.5"], {}, ["model.dropout was removed"]),
+    "impossible_mesh": (["--mesh", "dp=100000"], {}, ["dp=100000", "100000 devices"]),  # at once, not a hang
     "1f1b_microbatches_below_stages": (["--mesh", "pp=2", "parallel.pipeline_schedule=1f1b", "parallel.pipeline_microbatches=1"],
                                        {}, ["1f1b needs microbatches >= stages"]),
 }
@@ -71,3 +75,19 @@ def test_unreadable_latest_falls_back_to_previous(dataset, tmp_path):
     assert "4.unreadable" in os.listdir(ckpts)  # set aside, not deleted
     assert max(metrics(tmp_path)) == 6
     shutil.rmtree(ckpts)
+
+
+def test_resume_refuses_another_model_shape_and_allows_other_changes(dataset, tmp_path):
+    """The run's config.json decides what a resume may change: a model shape never (one line, nothing
+    touched), the step count and the learning rate yes (printed)."""
+    assert run_cli(tmp_path, dataset, "train.steps=2").returncode == 0
+    before = {p: os.path.getmtime(p) for p in map(str, [tmp_path / "config.json", *tmp_path.glob("checkpoints/**/*")])}
+    r = run_cli(tmp_path, dataset, "train.steps=4", "model.d_model=64", timeout=60)
+    assert_one_line_error(r, "model.d_model: 32 -> 64")
+    assert {p: os.path.getmtime(p) for p in before} == before
+    assert sorted(os.listdir(tmp_path)) == ["checkpoints", "config.json", "metrics.jsonl"]
+    r = run_cli(tmp_path, dataset, "train.steps=4", "optim.lr=0.005")
+    assert r.returncode == 0, r.stderr
+    assert "resuming with train.steps changed: 2 -> 4" in r.stdout and "optim.lr changed: 0.01 -> 0.005" in r.stdout
+    assert max(metrics(tmp_path)) == 4
+

@@ -2,7 +2,7 @@
 import jax
 
 from jaxpar.core.config import load_config
-from jaxpar.mesh import parse_mesh
+from jaxpar.core.mesh_spec import parse_mesh
 from jaxpar.tools.plan import main as plan_main, plan, recommend
 
 CFG = load_config("configs/gpt2-tiny.yaml")

@@ -205,6 +205,15 @@ def test_zero_stage_out_of_range(base):
     assert "parallel.zero_stage" in line
 
 
+@pytest.mark.parametrize("backend,mesh,message", [("ddp", "tp=2", "does not implement tp"),
+                                                  ("fsdp", "dp=2,sp=2", "does not implement sp"),
+                                                  ("none", "pp=2", "does not implement pp")])
+def test_mesh_axes_the_backend_lacks_are_refused(backend, mesh, message, base):
+    """parallel.mesh is read, never silently ignored: axes torchpar does not run are one line."""
+    assert message in _one_error_line(run(["--backend", backend, *base["args"], f"parallel.mesh={mesh}"],
+                                          expect_rc="nonzero"))
+
+
 def test_deepspeed_missing(base, tmp_path):
     (tmp_path / "deepspeed.py").write_text("raise ImportError('No module named deepspeed')\n")
     result = run(["--backend", "deepspeed", *base["args"]], expect_rc="nonzero",

@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxpar.core.weights import flatten, unflatten
 from tests.helpers import assert_params_close, run_steps, tiny_config
-from jaxpar.mesh import parse_mesh
+from jaxpar.core.mesh_spec import parse_mesh
 from jaxpar.models.dilated import dilated_attention
 from jaxpar.models.gpt import GPT as JaxGPT
 from jaxpar.loss import loss_fn as jax_loss

@@ -18,7 +18,9 @@ from jaxpar.core.data_order import GlobalBatches, open_splits
 from jaxpar.core.errors import UserError
 from jaxpar.core.flops import flops_per_token, peak_flops
 from jaxpar.core.loop import run_loop
+from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
 from jaxpar.core.metrics_log import MetricsLog
+from jaxpar.core.resume import check_resume
 from jaxpar.core.weights import load_weights, save_weights, unflatten
 from torchpar import dist
 from torchpar.backends import BACKENDS
@@ -26,6 +28,8 @@ from torchpar.dist import launch_env
 from torchpar.weights import from_shared, shared_shapes, to_shared
 
 PRECISION = {"default": "high", "high": "high", "highest": "highest"}  # jaxpar's default on GPU is TF32 too
+# the parallel.mesh axes each backend implements (tp and sp are jaxpar's alone)
+MESH_AXES = {"none": (), "ddp": ("dp",), "fsdp": ("dp", "fsdp"), "deepspeed": ("dp",), "pipeline": ("pp",)}
 
 
 def parse_args(argv):
@@ -47,6 +51,7 @@ def check(cfg: Config, args) -> None:
         raise UserError(f"unknown backend {args.backend!r}; choose one of {', '.join(BACKENDS)}")
     if args.backend == "none" and world > 1:
         raise UserError(f"--backend none runs one process, but WORLD_SIZE={world}; use ddp, fsdp or deepspeed")
+    check_mesh(cfg.parallel.mesh, args.backend, world)
     if args.backend == "ddp" and cfg.parallel.zero_stage:
         raise UserError(f"parallel.zero_stage={cfg.parallel.zero_stage} needs --backend deepspeed or fsdp "
                         "(ddp is ZeRO-0)")
@@ -69,6 +74,19 @@ def check(cfg: Config, args) -> None:
         import_deepspeed()
         if args.deepspeed_config:
             load_user_config(args.deepspeed_config)
+
+
+def check_mesh(mesh: str, backend: str, world: int) -> None:
+    """parallel.mesh is honoured, not ignored: its axes must be ones the backend runs, over all ranks."""
+    if not mesh:
+        return
+    sizes = parse_mesh(mesh)
+    unsupported = [a for a, n in sizes.items() if n != 1 and a not in MESH_AXES[backend]]
+    if unsupported:
+        runs = "/".join(MESH_AXES[backend]) or "nothing but one process"
+        raise UserError(f"parallel.mesh={mesh}: --backend {backend} does not implement {', '.join(unsupported)} "
+                        f"(it runs {runs}; jaxpar.train runs every axis)")
+    resolve_sizes(sizes, world)  # the product must be the world size
 
 
 def build_model(cfg: Config):
@@ -190,6 +208,7 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         check(cfg, args)
+        check_resume(cfg)
         if args.write_init:
             return write_init(cfg, args.write_init)
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -30,7 +31,6 @@ class ModelConfig:
     d_model: int = field(default=128, metadata=_check(lo=1))
     d_ff: int = field(default=0, metadata=_check(lo=0))  # 0 -> 4 * d_model
     max_seq_len: int = field(default=128, metadata=_check(lo=1))
-    dropout: float = field(default=0.0, metadata=_check(lo=0.0, hi=1.0))
     layernorm_eps: float = field(default=1e-5, metadata=_check(lo=0.0, lo_open=True))
     init_std: float = field(default=0.02, metadata=_check(lo=0.0, lo_open=True))
     compute_dtype: str = field(default="float32", metadata=_check(choices=("float32", "bfloat16")))
@@ -194,6 +194,8 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
 
 def _validate(key: str, value: Any, meta: dict) -> None:
     choices, lo, hi = meta.get("choices"), meta.get("lo"), meta.get("hi")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"config key {key}: {value!r} is not a finite number")
     if choices is not None and value not in choices:
         raise UserError(f"config key {key}: {value!r} is not one of {', '.join(map(str, choices))}")
     if lo is not None and (value < lo or (meta.get("lo_open") and value == lo)):
@@ -203,7 +205,13 @@ def _validate(key: str, value: Any, meta: dict) -> None:
         raise UserError(f"config key {key}: {value!r} out of range (must be <= {hi})")
 
 
+# Keys that earlier versions accepted, with the value that meant "off" (what old run configs hold).
+REMOVED = {"model.dropout": (0.0, "model.dropout was removed: no trainer ever applied dropout")}
+
+
 def _set(cfg: Config, dotted: str, value: Any) -> None:
+    if dotted in REMOVED:
+        raise UserError(REMOVED[dotted][1])
     section_name, _, key = dotted.partition(".")
     sections = {f.name: f for f in dataclasses.fields(Config)}
     if section_name not in sections:
@@ -285,7 +293,8 @@ def config_from_dict(d: dict) -> Config:
     cfg = Config()
     for section, values in d.items():
         for key, value in values.items():
-            _set(cfg, f"{section}.{key}", value)
+            if REMOVED.get(f"{section}.{key}", (None,))[0] != value:  # a removed key at its "off" value: nothing lost
+                _set(cfg, f"{section}.{key}", value)
     _check_consistency(cfg)
     return cfg
 

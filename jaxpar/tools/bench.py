@@ -20,7 +20,8 @@ from jaxpar.core.bench_records import publish, record_row
 from jaxpar.core.config import Config, load_config
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.flops import flops_per_token, peak_flops
-from jaxpar.mesh import format_mesh, parse_mesh, setup_devices
+from jaxpar.core.mesh_spec import format_mesh, parse_mesh
+from jaxpar.mesh import setup_devices
 
 def matmul_ceiling(dtype: str) -> float:
     """FLOP/s of one large square matmul on one device: the practical roof for MFU."""

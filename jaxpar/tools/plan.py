@@ -17,7 +17,8 @@ import sys
 
 from jaxpar.core.config import Config, load_config
 from jaxpar.core.errors import UserError, cli
-from jaxpar.mesh import format_mesh, parse_mesh, setup_devices
+from jaxpar.core.mesh_spec import format_mesh, parse_mesh
+from jaxpar.mesh import setup_devices
 
 
 def parse_bytes(text: str) -> int:

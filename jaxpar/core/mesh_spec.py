@@ -1,0 +1,50 @@
+"""Mesh specs as users write them (`dp=2,tp=4`): parsing, filling the -1 axis, the product check.
+No jax: torchpar checks its `parallel.mesh` with the same rules."""
+from __future__ import annotations
+
+import math
+
+from jaxpar.core.errors import UserError
+
+AXES = ("dp", "fsdp", "pp", "sp", "tp")  # mesh order: tp innermost (fastest links), dp outermost
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """'dp=2,tp=4' -> {'dp': 2, 'tp': 4}; at most one size may be -1 (fill)."""
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in (spec or "").split(","))):
+        name, eq, value = part.partition("=")
+        name = name.strip()
+        if not eq or name not in AXES:
+            raise UserError(f"mesh entry {part!r}: expected AXIS=SIZE with AXIS one of {', '.join(AXES)}")
+        if name in sizes:
+            raise UserError(f"mesh axis {name!r} given twice in {spec!r}")
+        try:
+            size = int(value)
+        except ValueError:
+            raise UserError(f"mesh entry {part!r}: size must be an integer") from None
+        if size == 0 or size < -1:
+            raise UserError(f"mesh entry {part!r}: size must be positive or -1")
+        sizes[name] = size
+    if sum(v == -1 for v in sizes.values()) > 1:
+        raise UserError(f"mesh {spec!r}: at most one axis may be -1")
+    return sizes or {"dp": -1}
+
+
+def resolve_sizes(sizes: dict[str, int], n_devices: int) -> dict[str, int]:
+    """Fill the -1 axis and check the product against the device count; every axis present."""
+    known = math.prod(v for v in sizes.values() if v != -1)
+    out = {a: sizes.get(a, 1) for a in AXES}
+    fill = [a for a, v in sizes.items() if v == -1]
+    if fill:
+        if n_devices % known:
+            raise UserError(f"mesh {format_mesh(sizes)}: {n_devices} devices are not divisible by {known}")
+        out[fill[0]] = n_devices // known
+    product = math.prod(out.values())
+    if product != n_devices:
+        raise UserError(f"mesh {format_mesh(sizes)} has {product} devices but {n_devices} are available")
+    return out
+
+
+def format_mesh(sizes: dict[str, int]) -> str:
+    return ",".join(f"{a}={v}" for a, v in sizes.items() if v != 1 or len(sizes) == 1) or "dp=1"

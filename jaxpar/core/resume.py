@@ -1,0 +1,51 @@
+"""What resuming a run may change: its saved config (<run.dir>/config.json) against the new one.
+
+Keys that decide the parameters' shapes or the data a step reads must match, or the checkpoint would
+load into the wrong model or continue on other batches: one line naming every such key, exit 2,
+nothing touched. Everything else (mesh, steps, learning rate, checkpoint cadence, ...) may change
+and is printed (on stdout, with the progress).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from jaxpar.core.config import Config
+from jaxpar.core.errors import UserError
+
+# Free to change on resume inside the model section: numerics and memory, not shapes.
+_MODEL_FREE = {"compute_dtype", "remat", "init_from"}
+_FIXED = {"data.dataset", "data.tokenizer", "data.seq_len", "data.val_fraction", "train.seed",
+          "train.global_batch_size"}
+
+
+def _flat(d: dict) -> dict:
+    return {f"{s}.{k}": v for s, keys in d.items() if isinstance(keys, dict) for k, v in keys.items()}
+
+
+def must_match(key: str) -> bool:
+    section, _, name = key.partition(".")
+    return (section == "model" and name not in _MODEL_FREE) or key in _FIXED
+
+
+def check_resume(cfg: Config) -> None:
+    """Compare with the config the run was started with, when run.dir holds a checkpoint to resume."""
+    run_dir, path = cfg.run.dir, os.path.join(cfg.run.dir, "config.json")
+    ckpts = os.path.join(run_dir, "checkpoints")
+    has_checkpoint = os.path.isdir(ckpts) and any(d.isdigit() for d in os.listdir(ckpts))
+    if not cfg.checkpoint.resume or not has_checkpoint or not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            saved = _flat(json.load(f))
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {path} to check the resumed run against it: {e}") from None
+    now = _flat(cfg.to_dict())
+    changed = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
+    fixed = [k for k in changed if must_match(k)]
+    if fixed:
+        detail = ", ".join(f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in fixed)
+        raise UserError(f"{run_dir} was started with another {'/'.join(fixed)} ({detail}); resume with the "
+                        f"run's values, or use a new run.dir (or checkpoint.resume=false)")
+    for k, (old, new) in changed.items():
+        print(f"resuming with {k} changed: {old!r} -> {new!r}", flush=True)
