@@ -82,6 +82,10 @@ class JaxFramework:
     def profile_stop(self) -> None:
         jax.profiler.stop_trace()
 
+    def poison(self) -> None:
+        nan = lambda x: jax.device_put(x * float("nan"), x.sharding)  # noqa: E731
+        self.state = {**self.state, "params": jax.tree.map(nan, self.state["params"])}
+
 
 def write_weights(path: str, params, which: str) -> None:
     """Gather the parameters (every process takes part) and write the shared file from process 0."""

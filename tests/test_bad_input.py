@@ -91,3 +91,12 @@ def test_resume_refuses_another_model_shape_and_allows_other_changes(dataset, tm
     assert "resuming with train.steps changed: 2 -> 4" in r.stdout and "optim.lr changed: 0.01 -> 0.005" in r.stdout
     assert max(metrics(tmp_path)) == 4
 
+
+def test_non_finite_step_stops_before_it_is_saved(dataset, tmp_path):
+    """A NaN at step 5 (fault hook): exit non-zero with one line naming the step; the checkpoints
+    are those of the finite steps only, and metrics.jsonl holds no non-finite record."""
+    r = run_cli(tmp_path, dataset, "--mesh", "dp=2", "checkpoint.every=2", env={"JAXPAR_FAULT_NAN_AT_STEP": "5"})
+    assert_one_line_error(r, "step 5: loss nan", "last checkpoint this run wrote is step 4")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+    assert max(metrics(tmp_path)) == 4
+

@@ -15,6 +15,8 @@ import pytest
 
 from safetensors.numpy import load_file
 
+from torchpar.checkpoint import complete_steps
+
 from tests.helpers import (ABORTS, ROOT, TINY, assert_params_close, make_dataset, metrics, no_leftovers, run_in_session,
                            torch_command, torch_env)
 
@@ -193,6 +195,16 @@ def _one_error_line(result) -> str:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     return lines[0]
+
+
+def test_non_finite_step_stops_before_it_is_saved(base, tmp_path):
+    """NaN parameters before step 3 on both ddp ranks: every rank stops at step 3 with one line, and the
+    only checkpoint is step 2's."""
+    run_dir = tmp_path / "run"
+    result = run(["--backend", "ddp", *base["args"], "checkpoint.every=2", f"run.dir={run_dir}"], nproc=2,
+                 expect_rc="nonzero", TORCHPAR_FAULT_NAN_AT_STEP="3")
+    assert "error: step 3: loss nan" in result.stderr and "last checkpoint this run wrote is step 2" in result.stderr
+    assert complete_steps(str(run_dir / "checkpoints")) == [2] and max(metrics(run_dir)) == 2
 
 
 def test_unknown_backend(base):

@@ -156,6 +156,11 @@ class TorchFramework:
         self.profiler.export_chrome_trace(os.path.join(self.cfg.run.dir, "profile", f"trace_rank{self.env.rank}.json"))
         self.profiler = None
 
+    def poison(self) -> None:
+        with torch.no_grad():
+            for p in self.engine.module.parameters():
+                p.mul_(float("nan"))
+
 
 def setup_torch(cfg: Config, backend: str):
     """Matmul precision and determinism, then the process group; the rank's Env."""

@@ -1,7 +1,8 @@
 """Fault injection for tests, shared by jaxpar.train and torchpar.train (no jax, no torch).
 
 <PREFIX>_FAULT_KILL_AFTER_STEP=N: the process SIGKILLs itself once step N (and its checkpoint) is
-done; <PREFIX>_FAULT_SIGTERM_AFTER_STEP=N: it sends itself SIGTERM instead.
+done; <PREFIX>_FAULT_SIGTERM_AFTER_STEP=N: it sends itself SIGTERM instead;
+<PREFIX>_FAULT_NAN_AT_STEP=N: the parameters are made non-finite just before step N (1-based) runs.
 """
 from __future__ import annotations
 
@@ -14,3 +15,8 @@ def fault_hooks(prefix: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if os.environ.get(f"{prefix}_FAULT_SIGTERM_AFTER_STEP") == str(step):
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def nan_at_step(prefix: str) -> int | None:
+    value = os.environ.get(f"{prefix}_FAULT_NAN_AT_STEP")
+    return int(value) if value else None

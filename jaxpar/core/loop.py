@@ -1,18 +1,20 @@
 """The training loop, written once for both trainers: cadence (log, eval, checkpoint), stop signals,
-the profiler window, throughput and MFU, metrics records and the fault-injection hooks.
+the profiler window, throughput and MFU, metrics records, the non-finite guard and the fault hooks.
 
 Each framework supplies a `Framework` (its step, eval, save, and the few collectives the loop needs);
 the loop itself imports neither jax nor torch.
 """
 from __future__ import annotations
 
+import math
 import signal
 import sys
 import time
 from typing import Any, Protocol
 
 from jaxpar.core.config import Config, profile_window
-from jaxpar.core.faults import fault_hooks
+from jaxpar.core.errors import UserError
+from jaxpar.core.faults import fault_hooks, nan_at_step
 from jaxpar.core.metrics_log import MetricsLog
 
 
@@ -39,6 +41,22 @@ class Framework(Protocol):
 
     def profile_stop(self) -> None: ...
 
+    def poison(self) -> None:
+        """Test hook (<PREFIX>_FAULT_NAN_AT_STEP): make the parameters non-finite."""
+
+
+def read_finite(fw: Framework, pending: list, saved: int | None) -> dict:
+    """Read the metrics of the steps run since the last read, oldest first; returns the newest. The first
+    non-finite loss or gradient norm ends training there, before anything later is saved."""
+    for step, handle in pending:
+        m = fw.fetch(handle)
+        if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+            kept = f"the last checkpoint this run wrote is step {saved}" if saved else "this run wrote no checkpoint"
+            raise UserError(f"step {step}: loss {m['loss']}, grad_norm {m['grad_norm']} is not finite; training "
+                            f"stopped and nothing from step {step} on was saved ({kept})")
+    pending.clear()
+    return m
+
 
 def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_total: float | None,
              flops_per_token: float, extra: dict | None = None) -> int:
@@ -49,9 +67,11 @@ def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: stop.setdefault("signal", signum))
     window, profiling = profile_window(t.profile_steps), False
-    mark, mark_step = time.perf_counter(), step
+    mark, mark_step, poison_at = time.perf_counter(), step, nan_at_step(fw.fault_prefix)
+    pending, saved = [], None  # steps whose metrics are not read yet (read at log and save points only)
     while step < t.steps:
         if fw.agree_stop("signal" in stop):  # asked on any process: all stop after the same step
+            read_finite(fw, pending, saved)
             fw.save(step)
             print(f"stopped by signal {stop.get('signal', '(on another process)')} after step {step}; "
                   "checkpoint saved", file=sys.stderr)
@@ -59,23 +79,28 @@ def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_
         if window and step == window[0]:
             fw.profile_start()
             profiling = True
-        handle = fw.train_step(step)
+        if poison_at == step + 1:
+            fw.poison()
+        pending.append((step + 1, fw.train_step(step)))
         step += 1
         last = step == t.steps
         do_eval = last or (t.eval_every and step % t.eval_every == 0)
         logged = step % t.log_every == 0 or do_eval
+        save = last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
+        metrics = read_finite(fw, pending, saved) if logged or save else None
         if logged:
             now = time.perf_counter()
             tps = (step - mark_step) * t.global_batch_size * cfg.data.seq_len / (now - mark)
-            record = {"step": step, **fw.fetch(handle), "tokens_per_sec": tps,
+            record = {"step": step, **metrics, "tokens_per_sec": tps,
                       "step_time_s": (now - mark) / (step - mark_step),
                       "mfu": tps * flops_per_token / peak_flops_total if peak_flops_total else None,
                       "memory_gib": fw.memory_gib(), **(extra or {})}
             if do_eval:
                 record["eval_loss"] = fw.evaluate()
             log.log(record)
-        if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+        if save:
             fw.save(step)
+            saved = step
         if logged:  # throughput covers training steps only, not evaluation or checkpoint saves
             mark, mark_step = time.perf_counter(), step
         if profiling and step == window[1]:
