@@ -17,8 +17,8 @@ from safetensors.numpy import load_file
 
 from torchpar.checkpoint import complete_steps
 
-from tests.helpers import (ABORTS, ROOT, TINY, assert_params_close, make_dataset, metrics, no_leftovers, run_in_session,
-                           torch_command, torch_env)
+from tests.helpers import (ABORTS, ROOT, TINY, assert_params_close, free_port, make_dataset, metrics, no_leftovers,
+                           run_in_session, torch_command, torch_env)
 
 
 def run(args: list[str], nproc: int = 0, expect_rc=0, timeout: int = 120, **env) -> subprocess.CompletedProcess:
@@ -94,6 +94,27 @@ def test_two_processes_match_one(backend, extra, base, reference):
     out = run(["--backend", backend, *base["args"], *extra, f"run.dir={run_dir}"], nproc=2)
     assert_same_run(metrics(run_dir), reference)
     assert out.stdout.count("step 10/10") == 1  # progress printed by rank 0 only
+
+
+def test_srun_style_launch_matches_one_process(base, reference, tmp_path):
+    """Two processes started the way srun starts them (SLURM_* variables, no torchrun) form one ddp
+    world of 2 and reproduce the one-process run; DeepSpeed's launcher flag --local_rank is accepted."""
+    run_dir, port = tmp_path / "slurm", free_port()
+    cmd = [sys.executable, "-m", "torchpar.train", "--backend", "ddp", *base["args"], f"run.dir={run_dir}"]
+    procs = [subprocess.Popen(cmd + [f"--local_rank={r}"], cwd=ROOT, text=True, start_new_session=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=torch_env(SLURM_NTASKS="2", SLURM_PROCID=str(r), SLURM_LOCALID=str(r),
+                                            SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port)))
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    assert "backend ddp on 2 cpu processes" in outs[0][0]
+    assert_same_run(metrics(run_dir), reference)
 
 
 def test_fsdp_resume_after_sigkill_and_on_one_process(base, reference):

@@ -1,12 +1,14 @@
-"""Process groups from torchrun's environment: nccl on GPU, gloo on CPU; always torn down.
+"""Process groups from the launcher's environment: nccl on GPU, gloo on CPU; always torn down.
 
-torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; a plain `python -m
+torchrun and DeepSpeed's launcher set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT;
+under SLURM's `srun` without them, `adopt_slurm_env` derives them from SLURM_*; a plain `python -m
 torchpar.train` process is rank 0 of 1 (an in-memory store, no port). `teardown` must run in a
 `finally`: an FSDP2 run over gloo whose group is not destroyed can SIGABRT at interpreter exit.
 """
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -24,6 +26,25 @@ class Env:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of SLURM's compressed node list ('gpu[003-005,9],cpu1' -> 'gpu003'): rank 0's."""
+    prefix, ranges = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist).groups()
+    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
+
+
+def adopt_slurm_env() -> None:
+    """`srun python -m torchpar.train` (one task per process, no torchrun): rank, world and local rank
+    from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, the master on the first node of the step; a
+    MASTER_ADDR or MASTER_PORT already set wins. Nothing changes under torchrun (it sets RANK)."""
+    if "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) < 2:
+        return
+    os.environ.update(RANK=os.environ.get("SLURM_PROCID", "0"), WORLD_SIZE=os.environ["SLURM_NTASKS"],
+                      LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
+    nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST") or "localhost"
+    os.environ.setdefault("MASTER_ADDR", first_host(nodes))
+    os.environ.setdefault("MASTER_PORT", str(29500 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
 
 
 def launch_env() -> tuple[int, int, int]:

@@ -1,4 +1,6 @@
-"""torchrun --nproc_per_node=N -m torchpar.train --config C --backend ddp|fsdp|deepspeed|none [section.key=value ...]
+"""torchrun --nproc_per_node=N -m torchpar.train --config C --backend ddp|fsdp|deepspeed|pipeline|none [k=v ...]
+
+Also launched by `srun` (one task per process; ranks from SLURM_*) and by DeepSpeed's launcher.
 
 The same model, configs and data order as jaxpar.train, on PyTorch. Also: --deepspeed-config J
 (merged over the generated DeepSpeed JSON), --cpu-offload, --write-init PATH (write the initial
@@ -40,6 +42,8 @@ def parse_args(argv):
     p.add_argument("--cpu-offload", action="store_true", help="fsdp: CPUOffloadPolicy; deepspeed: optimizer/params")
     p.add_argument("--write-init", metavar="PATH", help="write the initial weights (.safetensors) and exit")
     p.add_argument("--write-final", metavar="PATH", help="after training, also write the final weights (.safetensors)")
+    p.add_argument("--local_rank", "--local-rank", type=int, dest="local_rank",
+                   help="set by DeepSpeed's launcher (LOCAL_RANK in the environment says the same)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return p.parse_intermixed_args(argv)
 
@@ -209,6 +213,9 @@ def train(cfg: Config, args) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    dist.adopt_slurm_env()
+    if args.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     rank0 = launch_env()[0] == 0
     try:
         cfg = load_config(args.config, args.overrides)
