@@ -8,6 +8,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxpar import state as st
@@ -59,7 +60,11 @@ class JaxFramework:
         return metrics
 
     def agree_stop(self, requested: bool) -> bool:
-        return requested
+        """Every process learns whether any was signalled, before the same step: a tiny all-gather of one
+        flag per process (nothing to agree on with one process)."""
+        if jax.process_count() == 1:
+            return requested
+        return bool(multihost_utils.process_allgather(np.array([requested], np.int32)).max())
 
     def fetch(self, metrics) -> dict:
         return {k: float(v) for k, v in jax.device_get(metrics).items()}

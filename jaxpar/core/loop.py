@@ -48,6 +48,7 @@ class Framework(Protocol):
 def read_finite(fw: Framework, pending: list, saved: int | None) -> dict:
     """Read the metrics of the steps run since the last read, oldest first; returns the newest. The first
     non-finite loss or gradient norm ends training there, before anything later is saved."""
+    m: dict = {}
     for step, handle in pending:
         m = fw.fetch(handle)
         if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
