@@ -9,6 +9,7 @@ weights in the shared safetensors format and exit), --write-final PATH (the fina
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -223,10 +224,16 @@ def main(argv=None) -> int:
         check_resume(cfg)
         if args.write_init:
             return write_init(cfg, args.write_init)
+        failure = None
         try:
             return train(cfg, args)
+        except UserError as e:  # mid-run (a non-finite step): a process group is up
+            failure = str(e)
         finally:
+            if failure is not None:
+                gc.collect()  # the failed run's engine (DDP hooks, gloo work) must go before its process group
             dist.teardown()
+        raise UserError(failure)
     except UserError as e:
         if rank0:
             print(f"error: {e}", file=sys.stderr)
