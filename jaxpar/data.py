@@ -29,10 +29,11 @@ def TokenBatches(path: str, seq_len: int, global_batch_size: int, seed: int, spl
     return grain_batches(Samples(path, seq_len, seed, split, val_fraction), global_batch_size)
 
 
-def device_batch(data: GlobalBatches, step: int, sharding, shape):
+def device_batch(data: GlobalBatches, step: int, sharding):
     """The global batch at `step` as a sharded array; this process reads only the rows it holds."""
     import jax
 
+    shape = (data.global_batch_size, data.seq_len + 1)
     index_map = sharding.addressable_devices_indices_map(shape)
     lo = min(ix[0].start or 0 for ix in index_map.values())
     hi = max(ix[0].stop or shape[0] for ix in index_map.values())

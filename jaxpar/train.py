@@ -53,7 +53,7 @@ class JaxFramework:
         self._eval_step = make_eval_step(layout)
 
     def _batch(self, data, step: int):
-        return device_batch(data, step, self.layout.batch_sharding, (data.global_batch_size, data.seq_len + 1))
+        return device_batch(data, step, self.layout.batch_sharding)
 
     def train_step(self, step: int):
         self.state, metrics = self._train_step(self.state, self._batch(self.train_data, step))

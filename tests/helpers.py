@@ -55,7 +55,7 @@ def run_steps(cfg: Config, mesh: str, dataset: str, steps: int | None = None, de
     state, train_step = init_state(layout), make_train_step(layout)
     history = []
     for step in range(cfg.train.steps if steps is None else steps):
-        state, metrics = train_step(state, device_batch(data, step, layout.batch_sharding, layout.batch_shape))
+        state, metrics = train_step(state, device_batch(data, step, layout.batch_sharding))
         history.append(metrics)
     history = jax.device_get(history)
     out = {k: [float(m[k]) for m in history] for k in ("loss", "grad_norm", "lr")}
