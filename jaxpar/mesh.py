@@ -10,6 +10,7 @@ import os
 
 from jaxpar.core.errors import UserError
 from jaxpar.core.mesh_spec import AXES, format_mesh, resolve_sizes
+from jaxpar.core.peers import library_timeout_s
 
 DEFAULT_CPU_DEVICES = 8  # simulated devices for a -1 mesh axis without accelerator (or JAXPAR_CPU_DEVICES)
 MAX_CPU_DEVICES = 4096  # more simulated devices take jax minutes to create (4096: ~8 s): refuse, don't hang
@@ -22,16 +23,17 @@ def _env(*names: str) -> str | None:
     return None
 
 
-def distributed_env() -> dict | None:
-    """Coordinator/process count/id from JAXPAR_* or JAX_* variables; SLURM is left to jax."""
+def distributed_env() -> tuple[dict | None, int]:
+    """(jax.distributed.initialize arguments or None for one process, the process count): JAXPAR_* or JAX_*
+    variables; under `srun` (SLURM_NTASKS > 1) jax reads SLURM_* itself (one process per GPU)."""
     addr = _env("JAXPAR_COORDINATOR", "JAX_COORDINATOR_ADDRESS")
     nproc = _env("JAXPAR_NUM_PROCESSES", "JAX_NUM_PROCESSES")
     pid = _env("JAXPAR_PROCESS_ID", "JAX_PROCESS_ID")
     if addr and nproc and pid is not None:
-        return {"coordinator_address": addr, "num_processes": int(nproc), "process_id": int(pid)}
+        return {"coordinator_address": addr, "num_processes": int(nproc), "process_id": int(pid)}, int(nproc)
     if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        return {}  # jax.distributed.initialize() detects the SLURM cluster itself
-    return None
+        return {}, int(os.environ["SLURM_NTASKS"])
+    return None, 1
 
 
 def _has_accelerator() -> bool:
@@ -41,13 +43,13 @@ def _has_accelerator() -> bool:
     return os.path.exists("/dev/nvidiactl") or any(os.path.exists(f"/dev/accel{i}") for i in range(8))
 
 
-def setup_devices(sizes: dict[str, int]) -> None:
-    """Before jax starts: simulate the mesh's devices on CPU if no accelerator; join processes."""
+def setup_devices(sizes: dict[str, int], peer_timeout_s: float | None = None) -> None:
+    """Before jax starts: simulate the mesh's devices on CPU if no accelerator; join processes (the
+    coordination service's heartbeat and shutdown timeouts sit above run.peer_timeout_s: core/peers.py)."""
     import jax
 
-    dist = distributed_env()
+    dist, nproc = distributed_env()
     if not _has_accelerator():
-        nproc = (dist or {}).get("num_processes", 1)
         if os.environ.get("JAXPAR_CPU_DEVICES"):  # a fixed simulated machine, whatever the mesh
             total = int(os.environ["JAXPAR_CPU_DEVICES"])
         elif -1 in sizes.values():
@@ -64,7 +66,9 @@ def setup_devices(sizes: dict[str, int]) -> None:
         if dist is not None:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if dist is not None:
-        jax.distributed.initialize(**dist)
+        limits = {} if peer_timeout_s is None else dict.fromkeys(
+            ("heartbeat_timeout_seconds", "shutdown_timeout_seconds"), library_timeout_s(peer_timeout_s))
+        jax.distributed.initialize(**dist, **limits)
 
 
 def make_mesh(sizes: dict[str, int], devices=None):

@@ -17,7 +17,7 @@ from jaxpar.core.config import Config, load_config
 from jaxpar.core.data_order import open_splits
 from jaxpar.core.errors import cli
 from jaxpar.core.flops import flops_per_token, peak_flops
-from jaxpar.core.loop import run_loop
+from jaxpar.core.loop import ignore_stop_requests, run_loop, stop_requests
 from jaxpar.core.mesh_spec import format_mesh, parse_mesh
 from jaxpar.core.metrics_log import MetricsLog
 from jaxpar.core.pipeline_schedules import bubble_fraction, resolve_microbatches, simulate
@@ -65,6 +65,27 @@ class JaxFramework:
         if jax.process_count() == 1:
             return requested
         return bool(multihost_utils.process_allgather(np.array([requested], np.int32)).max())
+
+    @property
+    def process_count(self) -> int:
+        return jax.process_count()
+
+    def roll_call(self, wait_s: float) -> list[int]:
+        """Each process writes its key in the coordination service's store; the missing ones after `wait_s`
+        (every process but this one if the service, hosted by process 0, is gone)."""
+        from jax._src.distributed import global_state  # the service's key-value store has no public handle
+
+        me, n = jax.process_index(), jax.process_count()
+        try:
+            global_state.client.key_value_set(f"jaxpar/present/{me}", "1")
+            deadline = time.monotonic() + wait_s
+            while True:
+                present = {int(k.rsplit("/", 1)[1]) for k, _ in global_state.client.key_value_dir_get("jaxpar/present/")}
+                if len(present) == n or time.monotonic() > deadline:
+                    return sorted(set(range(n)) - present)
+                time.sleep(0.2)
+        except Exception:  # noqa: BLE001 - the service itself is unreachable
+            return [i for i in range(n) if i != me]
 
     def fetch(self, metrics) -> dict:
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -125,10 +146,21 @@ def pipeline_bubble(cfg: Config, stages: int) -> float | None:
     return bubble
 
 
+def show_library_logs() -> None:
+    """run.debug: jax's and orbax's (absl's) logs at INFO on stderr; otherwise warnings and up only."""
+    from absl import logging as absl_logging
+
+    jax.config.update("jax_logging_level", "INFO")
+    absl_logging.set_verbosity(absl_logging.INFO)
+
+
 def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_final: str | None = None) -> int:
     sizes = parse_mesh(mesh_spec)
     check_resume(cfg)
-    setup_devices(sizes)
+    if cfg.run.debug:
+        show_library_logs()
+    setup_devices(sizes, cfg.run.peer_timeout_s)
+    stop = stop_requests()  # after jax.distributed, whose preemption notifier would take SIGTERM otherwise
     if cfg.train.matmul_precision != "default":
         jax.config.update("jax_default_matmul_precision", cfg.train.matmul_precision)
     mesh = make_mesh(sizes)
@@ -154,11 +186,12 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_fina
     peak = peak_flops(jax.devices()[0].device_kind, cfg.model.compute_dtype)
     log = MetricsLog(cfg.run.dir, main_proc, cfg.train.steps)
     run_loop(cfg, int(state["step"]), fw, log, peak * jax.device_count() if peak else None,
-             flops_per_token(cfg.model, cfg.data.seq_len), {"pipeline_bubble": bubble})
+             flops_per_token(cfg.model, cfg.data.seq_len), stop, {"pipeline_bubble": bubble})
     if write_final:
         write_weights(write_final, fw.state["params"], "final")
     ckpt.close()
     log.close()
+    ignore_stop_requests()
     return 0
 
 

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -190,26 +191,66 @@ def _worker_of_rank(parent: int, rank: int) -> int:
     raise AssertionError(f"no worker with RANK={rank} under pid {parent}")
 
 
-def test_sigterm_to_one_rank_saves_and_all_exit_zero(base):
-    """SIGTERM reaches rank 1 only: both ranks agree to stop after the same step, save, and exit 0."""
-    run_dir = base["tmp"] / "sigterm"
-    cmd = torch_command(["--backend", "ddp", *base["args"], "train.steps=100000", f"run.dir={run_dir}"], 2)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=torch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+@pytest.mark.parametrize("backend,ranks", [
+    ("ddp", [1]), ("fsdp", [0, 1]),
+    pytest.param("ddp", [0, 1], marks=pytest.mark.slow), pytest.param("fsdp", [1], marks=pytest.mark.slow)],
+    ids=["ddp-rank1", "fsdp-both", "ddp-both", "fsdp-rank1"])
+def test_sigterm_stops_all_ranks_after_one_step_and_resume_is_exact(backend, ranks, base, reference):
+    """SIGTERM to rank 1 only, or to rank 0 and 0.35 s later rank 1 (a scheduler's preemption; steps slowed
+    to 0.1 s so that both land mid-run): all ranks stop after the same step, save that one checkpoint and
+    exit 0 within 60 s; resuming continues the uninterrupted run."""
+    run_dir = base["tmp"] / f"sigterm-{backend}"
+    args = ["--backend", backend, *base["args"], f"run.dir={run_dir}"]
+    proc = subprocess.Popen(torch_command(args, 2), cwd=ROOT, env=torch_env(TORCHPAR_FAULT_SLOW_STEP_S="0.1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         line = proc.stdout.readline()
         while line and not line.startswith("step"):
             line = proc.stdout.readline()
-        os.kill(_worker_of_rank(proc.pid, 1), signal.SIGTERM)
+        for i, rank in enumerate(ranks):
+            time.sleep(0.35 * i)
+            os.kill(_worker_of_rank(proc.pid, rank), signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     no_leftovers(proc.pid)
-    assert proc.returncode == 0, err[-3000:]
-    assert "stopped by signal" in err and not any(a in out + err for a in ABORTS)
-    step = max(metrics(run_dir))
-    assert os.path.isdir(run_dir / "checkpoints" / str(step)), os.listdir(run_dir / "checkpoints")
+    assert proc.returncode == 0 and "stopped by signal" in err, err[-3000:]
+    assert not any(a in out + err for a in ABORTS)
+    saved = complete_steps(str(run_dir / "checkpoints"))
+    assert len(saved) == 1 and saved[0] < 10 and max(metrics(run_dir)) == saved[0], saved
+    run(args, nproc=2)
+    assert_same_run(metrics(run_dir), reference)
+
+
+def test_killed_peer_is_named_within_the_timeout(base, tmp_path):
+    """Two processes started as srun starts them (no torchrun to tear the job down): rank 1 is killed after
+    step 3; rank 0 leaves with one line naming it and the last checkpoint (step 2) within run.peer_timeout_s,
+    and that checkpoint restores on one process."""
+    run_dir, port = tmp_path / "run", free_port()
+    args = ["--backend", "ddp", *base["args"], "checkpoint.every=2", "run.peer_timeout_s=10", f"run.dir={run_dir}"]
+    procs = [subprocess.Popen([sys.executable, "-m", "torchpar.train", *args], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                              env=torch_env(SLURM_NTASKS="2", SLURM_PROCID=str(r), SLURM_LOCALID=str(r),
+                                            SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port),
+                                            **({"TORCHPAR_FAULT_KILL_AFTER_STEP": "3"} if r else {})))
+             for r in range(2)]
+    try:
+        procs[1].wait(timeout=120)
+        t0 = time.monotonic()
+        err = procs[0].communicate(timeout=60)[1]
+        waited = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert procs[1].returncode == -signal.SIGKILL and procs[0].returncode == 3 and waited < 10, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "process 1 of 2 did not answer" in errors[0], err[-3000:]
+    assert f"the last checkpoint is step 2 in {run_dir}/checkpoints" in errors[0]
+    assert not any(a in err for a in ABORTS)
+    out = run(["--backend", "none", *args[2:]])
+    assert f"resumed from {run_dir}/checkpoints/2" in out.stderr.replace("'", "")
 
 
 def _one_error_line(result) -> str:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from jaxpar.core.peers import library_timeout_s
 
 
 @dataclass
@@ -52,7 +55,8 @@ def launch_env() -> tuple[int, int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
 
 
-def init(distributed: bool) -> Env:
+def init(distributed: bool, peer_timeout_s: float) -> Env:
+    """The process group, its timeout above run.peer_timeout_s (the shared loop names lost peers first)."""
     rank, world, local_rank = launch_env()
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -60,7 +64,7 @@ def init(distributed: bool) -> Env:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if distributed and not dist.is_initialized():
-        timeout = timedelta(seconds=int(os.environ.get("TORCHPAR_PG_TIMEOUT_S", 600)))
+        timeout = timedelta(seconds=library_timeout_s(peer_timeout_s))
         if "MASTER_ADDR" in os.environ:  # torchrun (or any launcher exporting its variables)
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
                                     device_id=device if device.type == "cuda" else None)
@@ -78,6 +82,23 @@ def all_sum(values: list[float], env: Env) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=env.device)
     dist.all_reduce(t)
     return t.tolist()
+
+
+def roll_call(env: Env, wait_s: float) -> list[int]:
+    """Each rank sets its key in the process group's store (torchrun's agent, or rank 0 without torchrun);
+    the ranks missing after `wait_s` (every other rank if the store itself is gone)."""
+    others = [r for r in range(env.world) if r != env.rank]
+    try:
+        store = dist.distributed_c10d._get_default_store()  # the group's own store: no public handle
+        store.set(f"torchpar/present/{env.rank}", "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [r for r in others if not store.check([f"torchpar/present/{r}"])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.2)
+    except Exception:  # noqa: BLE001 - the store is unreachable
+        return others
 
 
 def barrier() -> None:

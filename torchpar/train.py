@@ -20,7 +20,7 @@ from jaxpar.core.config import Config, load_config
 from jaxpar.core.data_order import GlobalBatches, open_splits
 from jaxpar.core.errors import UserError
 from jaxpar.core.flops import flops_per_token, peak_flops
-from jaxpar.core.loop import run_loop
+from jaxpar.core.loop import ignore_stop_requests, run_loop, stop_requests
 from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
 from jaxpar.core.metrics_log import MetricsLog
 from jaxpar.core.resume import check_resume
@@ -129,6 +129,13 @@ class TorchFramework:
         batch = self._rows(self.train_data, step)  # microbatch m = rows m, m+M, ... (as jaxpar)
         return self.engine.train_step([batch[m::M] for m in range(M)])
 
+    @property
+    def process_count(self) -> int:
+        return self.env.world
+
+    def roll_call(self, wait_s: float) -> list[int]:
+        return dist.roll_call(self.env, wait_s)
+
     def agree_stop(self, requested: bool) -> bool:
         return dist.all_sum([float(requested)], self.env)[0] > 0  # one tiny all-reduce per step
 
@@ -172,7 +179,9 @@ def setup_torch(cfg: Config, backend: str):
     torch.set_float32_matmul_precision(PRECISION[cfg.train.matmul_precision])
     if torch.cuda.is_available():
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS; before first use
-    env = dist.init(backend != "none")
+    if cfg.run.debug:  # c10d's own consistency checks and logs (before the group exists)
+        os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    env = dist.init(backend != "none", cfg.run.peer_timeout_s)
     if env.device.type == "cuda":  # CPU kernels used here are deterministic already (and the call costs ~1 s)
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = False  # DeepSpeed allocates large empty buckets
@@ -182,6 +191,7 @@ def setup_torch(cfg: Config, backend: str):
 def train(cfg: Config, args) -> int:
     from torchpar import backends
 
+    stop = stop_requests()
     env = setup_torch(cfg, args.backend)
     data = open_splits(cfg)
     model = build_model(cfg)
@@ -202,13 +212,15 @@ def train(cfg: Config, args) -> int:
     kind = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     peak = peak_flops(kind, cfg.model.compute_dtype)
     log = MetricsLog(cfg.run.dir, env.is_main, cfg.train.steps)
-    run_loop(cfg, step, fw, log, peak * env.world if peak else None, flops_per_token(cfg.model, cfg.data.seq_len))
+    run_loop(cfg, step, fw, log, peak * env.world if peak else None, flops_per_token(cfg.model, cfg.data.seq_len),
+             stop)
     if args.write_final:
         full = engine.full_state_dict()  # a collective under fsdp / ZeRO: every rank takes part
         if env.is_main:
             save_weights(args.write_final, unflatten(to_shared(full, cfg.model.n_layer)))
             print(f"wrote final weights to {args.write_final}", file=sys.stderr)
     log.close()
+    ignore_stop_requests()  # before the process group's teardown, which can take a moment
     return 0
 
 

@@ -140,6 +140,10 @@ class CheckpointConfig:
 @dataclass
 class RunConfig:
     dir: str = "runs/default"
+    # how long a process waits on the others (a step, a collective, start-up) before it exits with
+    # one line naming the lost processes (jaxpar/core/peers.py); multi-process runs only
+    peer_timeout_s: float = field(default=300.0, metadata=_check(lo=0.0, lo_open=True))
+    debug: bool = False  # library logs (orbax, absl, XLA C++) on the console as well
 
 
 @dataclass

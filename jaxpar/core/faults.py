@@ -2,15 +2,19 @@
 
 <PREFIX>_FAULT_KILL_AFTER_STEP=N: the process SIGKILLs itself once step N (and its checkpoint) is
 done; <PREFIX>_FAULT_SIGTERM_AFTER_STEP=N: it sends itself SIGTERM instead;
-<PREFIX>_FAULT_NAN_AT_STEP=N: the parameters are made non-finite just before step N (1-based) runs.
+<PREFIX>_FAULT_NAN_AT_STEP=N: the parameters are made non-finite just before step N (1-based) runs;
+<PREFIX>_FAULT_SLOW_STEP_S=X: every step takes X seconds longer (signals then land mid-run).
 """
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 
 def fault_hooks(prefix: str, step: int) -> None:
+    if os.environ.get(f"{prefix}_FAULT_SLOW_STEP_S"):
+        time.sleep(float(os.environ[f"{prefix}_FAULT_SLOW_STEP_S"]))
     if os.environ.get(f"{prefix}_FAULT_KILL_AFTER_STEP") == str(step):
         os.kill(os.getpid(), signal.SIGKILL)
     if os.environ.get(f"{prefix}_FAULT_SIGTERM_AFTER_STEP") == str(step):

@@ -1,5 +1,6 @@
 """The training loop, written once for both trainers: cadence (log, eval, checkpoint), stop signals,
-the profiler window, throughput and MFU, metrics records, the non-finite guard and the fault hooks.
+the profiler window, throughput and MFU, metrics records, the non-finite guard, lost peers (peers.py)
+and the fault hooks.
 
 Each framework supplies a `Framework` (its step, eval, save, and the few collectives the loop needs);
 the loop itself imports neither jax nor torch.
@@ -7,6 +8,7 @@ the loop itself imports neither jax nor torch.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import time
@@ -16,10 +18,15 @@ from jaxpar.core.config import Config, profile_window
 from jaxpar.core.errors import UserError
 from jaxpar.core.faults import fault_hooks, nan_at_step
 from jaxpar.core.metrics_log import MetricsLog
+from jaxpar.core.peers import PeerGuard
 
 
 class Framework(Protocol):
     fault_prefix: str  # <PREFIX>_FAULT_* environment variables (jaxpar/core/faults.py)
+    process_count: int
+
+    def roll_call(self, wait_s: float) -> list[int]:
+        """Announce this process in the launcher's store; the processes that did not within `wait_s`."""
 
     def train_step(self, step: int) -> Any:
         """Start the update on the global batch of data step `step` (0-based); a handle on its metrics."""
@@ -59,55 +66,81 @@ def read_finite(fw: Framework, pending: list, saved: int | None) -> dict:
     return m
 
 
-def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_total: float | None,
-             flops_per_token: float, extra: dict | None = None) -> int:
-    """Train from data step `step` to train.steps or an agreed stop; returns the last completed step.
-    `peak_flops_total`: the devices' summed peak (None: MFU not reported); `extra`: constant record fields."""
-    t = cfg.train
+def stop_requests() -> dict:
+    """From now on SIGTERM / SIGINT only ask for a stop (the dict gains "signal"): trainers call this early,
+    so that a signal during start-up also ends in an agreed stop at the first step. A second signal ends
+    the process at once, as if there were no handler."""
     stop: dict = {}
+
+    def ask(signum, _frame) -> None:
+        if "signal" in stop:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        stop["signal"] = signum
+        print(f"signal {signum}: stopping after this step with a checkpoint (again: stop now)", file=sys.stderr,
+              flush=True)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _: stop.setdefault("signal", signum))
+        signal.signal(sig, ask)
+    return stop
+
+
+def ignore_stop_requests() -> None:
+    """The run is over and saved: a late SIGTERM (a scheduler signals every process, at different moments)
+    must not turn this process's clean exit into a kill."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_total: float | None,
+             flops_per_token: float, stop: dict, extra: dict | None = None) -> int:
+    """Train from data step `step` to train.steps or an agreed stop; returns the last completed step.
+    `peak_flops_total`: the devices' summed peak (None: MFU not reported); `stop`: from `stop_requests()`;
+    `extra`: constant record fields."""
+    t = cfg.train
     window, profiling = profile_window(t.profile_steps), False
     mark, mark_step, poison_at = time.perf_counter(), step, nan_at_step(fw.fault_prefix)
     pending, saved = [], None  # steps whose metrics are not read yet (read at log and save points only)
-    while step < t.steps:
-        if fw.agree_stop("signal" in stop):  # asked on any process: all stop after the same step
-            read_finite(fw, pending, saved)
-            fw.save(step)
-            print(f"stopped by signal {stop.get('signal', '(on another process)')} after step {step}; "
-                  "checkpoint saved", file=sys.stderr)
-            break
-        if window and step == window[0]:
-            fw.profile_start()
-            profiling = True
-        if poison_at == step + 1:
-            fw.poison()
-        pending.append((step + 1, fw.train_step(step)))
-        step += 1
-        last = step == t.steps
-        do_eval = last or (t.eval_every and step % t.eval_every == 0)
-        logged = step % t.log_every == 0 or do_eval
-        save = last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
-        metrics = read_finite(fw, pending, saved) if logged or save else None
-        if logged:
-            now = time.perf_counter()
-            tps = (step - mark_step) * t.global_batch_size * cfg.data.seq_len / (now - mark)
-            record = {"step": step, **metrics, "tokens_per_sec": tps,
-                      "step_time_s": (now - mark) / (step - mark_step),
-                      "mfu": tps * flops_per_token / peak_flops_total if peak_flops_total else None,
-                      "memory_gib": fw.memory_gib(), **(extra or {})}
-            if do_eval:
-                record["eval_loss"] = fw.evaluate()
-            log.log(record)
-        if save:
-            fw.save(step)
-            saved = step
-        if logged:  # throughput covers training steps only, not evaluation or checkpoint saves
-            mark, mark_step = time.perf_counter(), step
-        if profiling and step == window[1]:
-            fw.profile_stop()
-            profiling = False
-        fault_hooks(fw.fault_prefix, step)  # test hooks
+    with PeerGuard(fw, cfg.run.peer_timeout_s, cfg.run.dir, step) as peers:
+        while step < t.steps:
+            peers.beat(step)
+            if fw.agree_stop("signal" in stop):  # asked on any process: all stop after the same step
+                read_finite(fw, pending, saved)
+                fw.save(step)
+                print(f"stopped by signal {stop.get('signal', '(on another process)')} after step {step}; "
+                      "checkpoint saved", file=sys.stderr)
+                break
+            if window and step == window[0]:
+                fw.profile_start()
+                profiling = True
+            if poison_at == step + 1:
+                fw.poison()
+            pending.append((step + 1, fw.train_step(step)))
+            step += 1
+            last = step == t.steps
+            do_eval = last or (t.eval_every and step % t.eval_every == 0)
+            logged = step % t.log_every == 0 or do_eval
+            save = last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
+            metrics = read_finite(fw, pending, saved) if logged or save else None
+            if logged:
+                now = time.perf_counter()
+                tps = (step - mark_step) * t.global_batch_size * cfg.data.seq_len / (now - mark)
+                record = {"step": step, **metrics, "tokens_per_sec": tps,
+                          "step_time_s": (now - mark) / (step - mark_step),
+                          "mfu": tps * flops_per_token / peak_flops_total if peak_flops_total else None,
+                          "memory_gib": fw.memory_gib(), **(extra or {})}
+                if do_eval:
+                    record["eval_loss"] = fw.evaluate()
+                log.log(record)
+            if save:
+                fw.save(step)
+                saved = peers.saved = step
+            if logged:  # throughput covers training steps only, not evaluation or checkpoint saves
+                mark, mark_step = time.perf_counter(), step
+            if profiling and step == window[1]:
+                fw.profile_stop()
+                profiling = False
+            fault_hooks(fw.fault_prefix, step)  # test hooks
     if profiling:  # stopped inside the window (signal, or the window ends after train.steps)
         fw.profile_stop()
     return step

@@ -42,7 +42,7 @@ def bench(cfg, backend: str, steps: int, warmup: int, compile_model: bool) -> di
     from torchpar import backends, dist
     from torchpar.model import GPT
 
-    env = dist.init(backend != "none")
+    env = dist.init(backend != "none", cfg.run.peer_timeout_s)
     model = GPT(cfg.model)
     model.init_weights(cfg.train.seed)
     if compile_model:

@@ -12,6 +12,7 @@ import sys
 import time
 
 from jaxpar.core.bench_records import measurement, print_rows
+from jaxpar.core.config import RunConfig
 
 
 def _ops(dist, world: int, rank: int):
@@ -37,7 +38,7 @@ def run(max_bytes: int, reps: int = 5) -> list[dict]:
 
     from torchpar import dist as tdist
 
-    env = tdist.init(True)
+    env = tdist.init(True, RunConfig().peer_timeout_s)
     sync = torch.cuda.synchronize if env.device.type == "cuda" else (lambda: None)
     rows, size = [], 4096
     while size <= max_bytes:

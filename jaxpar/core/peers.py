@@ -1,0 +1,104 @@
+"""Lost peers, bounded: when another process dies or hangs, a survivor must neither wait forever in a
+collective nor end in a library's abort (a core dump after pages of coordination-service log).
+
+Two detectors, both run by the shared loop in multi-process runs: a step that raises (gloo reports a
+closed connection at once) and a watchdog thread that sees no step finish for run.peer_timeout_s (NCCL
+waits instead). Either way the survivor holds a roll call in the launcher's key-value store (jax's
+coordination service, torch's TCPStore) to name the processes that do not answer, prints one line with
+the last checkpoint and leaves with status 3 without running exit handlers: a clean shutdown would wait
+on the dead peer, then abort. The libraries' own failure timeouts (jax heartbeats, the torch process-group
+timeout) are set above ours, by `library_timeout_s`, so that this path is the one that runs.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Callable, NoReturn
+
+from jaxpar.core.errors import UserError
+
+LOST_PEER_EXIT = 3
+
+
+def roll_call_wait_s(timeout_s: float) -> float:
+    """How long a survivor waits for the others to answer the roll call."""
+    return min(30.0, timeout_s / 2)
+
+
+def library_timeout_s(timeout_s: float) -> int:
+    """jax's heartbeat timeout / torch's process-group timeout: past our detection and roll call."""
+    return int(timeout_s + roll_call_wait_s(timeout_s) + 60)
+
+
+def leave_if_peers_lost(roll_call: Callable[[float], list[int]], processes: int, what: str, timeout_s: float,
+                        last_checkpoint: str, always: bool = False) -> None:
+    """Hold the roll call; if someone is missing (or `always`), print one line and exit now. Returns only
+    when every process answered and `always` is false (the failure was not about peers)."""
+    missing = roll_call(roll_call_wait_s(timeout_s))
+    if not missing and not always:
+        return
+    who = (f"process {', '.join(map(str, missing))} of {processes} did not answer" if missing else
+           f"all {processes} processes answer, so a collective hangs")
+    print(f"error: {who} ({what}; run.peer_timeout_s={timeout_s:g}); {last_checkpoint}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(LOST_PEER_EXIT)
+
+
+class Watchdog:
+    """Calls `on_stall()` from a daemon thread when `beat()` has not been called for `timeout_s`."""
+
+    def __init__(self, timeout_s: float, on_stall: Callable[[], NoReturn]):
+        self.timeout_s, self.on_stall = timeout_s, on_stall
+        self.last, self.stopped = time.monotonic(), threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="peer-watchdog", daemon=True)
+        self.thread.start()
+
+    def beat(self) -> None:
+        self.last = time.monotonic()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+    def _watch(self) -> None:
+        while not self.stopped.wait(min(1.0, self.timeout_s / 10)):
+            if time.monotonic() - self.last > self.timeout_s:
+                self.on_stall()
+                return
+
+
+class PeerGuard:
+    """Both detectors around the shared loop (nothing to guard with one process): `beat(step)` once per
+    step, `saved = step` after each checkpoint; an exception leaving the `with` (other than a UserError)
+    first holds the roll call."""
+
+    def __init__(self, fw, timeout_s: float, run_dir: str, step: int):
+        self.fw, self.timeout_s, self.run_dir = fw, timeout_s, run_dir
+        self.step, self.saved = step, step or None  # a resumed run starts from a checkpoint
+        self.dog = Watchdog(timeout_s, self._stalled) if fw.process_count > 1 else None
+
+    def beat(self, step: int) -> None:
+        self.step = step
+        if self.dog:
+            self.dog.beat()
+
+    def _leave(self, what: str, always: bool = False) -> None:
+        where = (f"the last checkpoint is step {self.saved} in {self.run_dir}/checkpoints" if self.saved
+                 else "no checkpoint yet")
+        leave_if_peers_lost(self.fw.roll_call, self.fw.process_count, what, self.timeout_s, where, always)
+
+    def _stalled(self) -> NoReturn:
+        self._leave(f"no step finished for {self.timeout_s:g} s after step {self.step}", always=True)
+
+    def __enter__(self) -> "PeerGuard":
+        return self
+
+    def __exit__(self, kind, error, _tb) -> bool:
+        if self.dog:
+            self.dog.stop()
+            if error is not None and not isinstance(error, UserError):
+                first = (str(error).strip().splitlines() or [kind.__name__])[0][:200]
+                self._leave(f"step {self.step + 1}: {first}")
+        return False

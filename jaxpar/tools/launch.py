@@ -1,0 +1,121 @@
+"""Write a SLURM batch script for a multi-node run of either trainer (docs/cluster.md explains every line).
+
+  python -m jaxpar.tools.launch --nodes 2 --gpus-per-node 8 --time 04:00:00 --partition gpu \\
+      --config configs/gpt2-124m.yaml --mesh dp=2,fsdp=8 [key=value ...] > job.sbatch
+  python -m jaxpar.tools.launch --framework torchpar --backend fsdp --launcher torchrun ... > job.sbatch
+
+Launch lines: jaxpar: `srun` with one task per GPU (jax.distributed reads SLURM_*); torchpar: `srun` with one
+task per GPU (torchpar reads SLURM_*), `torchrun` once per node (c10d rendezvous on the first node), or
+DeepSpeed's launcher from the first node (a hostfile from the node list; needs ssh between nodes).
+The config and overrides are validated now, so that a typo fails here and not after hours in the queue.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from jaxpar.core.config import load_config
+from jaxpar.core.errors import UserError, cli
+from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
+
+LAUNCHERS = {"jaxpar": ("srun",), "torchpar": ("srun", "torchrun", "deepspeed")}
+PORT = 29500  # torchrun / DeepSpeed rendezvous port on the first node
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m jaxpar.tools.launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--framework", choices=tuple(LAUNCHERS), default="jaxpar")
+    p.add_argument("--launcher", help="srun (default), torchrun or deepspeed (torchpar only)")
+    p.add_argument("--backend", help="torchpar backend: ddp, fsdp, deepspeed, pipeline")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, required=True)
+    p.add_argument("--time", required=True, help="wall-clock limit, e.g. 04:00:00")
+    p.add_argument("--partition", required=True)
+    p.add_argument("--account", help="#SBATCH --account, if your cluster wants one")
+    p.add_argument("--cpus-per-gpu", type=int, default=8)
+    p.add_argument("--job-name", help="default: <framework>-<run.dir's last part>")
+    p.add_argument("--config", help="YAML config (configs/*.yaml)")
+    p.add_argument("--mesh", help="jaxpar mesh axes (overrides parallel.mesh)")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    return p.parse_intermixed_args(argv)
+
+
+def check(args) -> str:
+    """Refuse what cannot run; return the launcher."""
+    launcher = args.launcher or "srun"
+    if launcher not in LAUNCHERS[args.framework]:
+        raise UserError(f"--launcher {launcher} is not one for {args.framework}; choose {', '.join(LAUNCHERS[args.framework])}")
+    if args.framework == "torchpar" and not args.backend:
+        raise UserError("--framework torchpar needs --backend (ddp, fsdp, deepspeed or pipeline)")
+    if args.framework == "jaxpar" and args.backend:
+        raise UserError("--backend is torchpar's; jaxpar takes --mesh")
+    if launcher == "deepspeed" and args.backend != "deepspeed":
+        raise UserError("--launcher deepspeed runs --backend deepspeed")
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        raise UserError("--nodes and --gpus-per-node must be at least 1")
+    cfg = load_config(args.config, args.overrides)
+    mesh = args.mesh or cfg.parallel.mesh
+    if mesh:
+        resolve_sizes(parse_mesh(mesh), args.nodes * args.gpus_per_node)
+    return launcher
+
+
+def trainer_args(args) -> str:
+    words = [] if args.framework == "jaxpar" else ["--backend", args.backend]
+    words += ["--config", args.config] if args.config else []
+    words += ["--mesh", args.mesh] if args.mesh else []
+    return " ".join(shlex.quote(w) for w in words + list(args.overrides))
+
+
+def launch_line(args, launcher: str) -> str:
+    module = f"{args.framework}.train"
+    if launcher == "srun":  # one task per GPU; each process finds its rank in SLURM_*
+        return f"srun --kill-on-bad-exit=1 python -m {module} {trainer_args(args)}"
+    if launcher == "torchrun":  # one torchrun per node; they meet on the first node
+        return ("srun --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun --nnodes=$SLURM_JOB_NUM_NODES "
+                f"--nproc_per_node={args.gpus_per_node} --rdzv_backend=c10d --rdzv_id=$SLURM_JOB_ID "
+                f"--rdzv_endpoint=$HEAD:{PORT} -m {module} {trainer_args(args)}")
+    return ('scontrol show hostnames "$SLURM_JOB_NODELIST" | sed "s/$/ slots=' + str(args.gpus_per_node) +
+            '/" > "hostfile.$SLURM_JOB_ID"\n'
+            f'deepspeed --hostfile "hostfile.$SLURM_JOB_ID" --master_addr "$HEAD" --master_port {PORT} '
+            f"--module {module} {trainer_args(args)}")
+
+
+def script(args, launcher: str, argv: list[str]) -> str:
+    cfg = load_config(args.config, args.overrides)
+    name = args.job_name or f"{args.framework}-{cfg.run.dir.rstrip('/').rsplit('/', 1)[-1]}"
+    tasks = 1 if launcher != "srun" else args.gpus_per_node
+    cpus = args.cpus_per_gpu * args.gpus_per_node // tasks
+    header = [f"--job-name={name}", f"--nodes={args.nodes}", f"--ntasks-per-node={tasks}",
+              f"--gpus-per-node={args.gpus_per_node}", f"--cpus-per-task={cpus}", f"--time={args.time}",
+              f"--partition={args.partition}", "--output=%x-%j.out",  # in the submit directory (exists already)
+              "--signal=TERM@120",  # SIGTERM to every task 2 min before the limit: an agreed stop + checkpoint
+              "--requeue"]  # a preempted job goes back to the queue and resumes from that checkpoint
+    header += [f"--account={args.account}"] if args.account else []
+    return "\n".join([
+        "#!/bin/bash",
+        f"# written by: python -m jaxpar.tools.launch {' '.join(shlex.quote(a) for a in argv)}",
+        *(f"#SBATCH {h}" for h in header),
+        "set -euo pipefail",
+        *(['HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)  # the first node']
+          if launcher != "srun" else []),
+        "export PYTHONUNBUFFERED=1",
+        "# NCCL (docs/cluster.md): name the inter-node interface if NCCL picks a wrong one; INFO to debug a hang",
+        "# export NCCL_SOCKET_IFNAME=ib0",
+        "export NCCL_DEBUG=${NCCL_DEBUG:-WARN}",
+        launch_line(args, launcher), ""])
+
+
+@cli
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    launcher = check(args)
+    print(script(args, launcher, argv), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
