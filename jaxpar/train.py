@@ -21,7 +21,7 @@ from jaxpar.core.loop import ignore_stop_requests, run_loop, stop_requests
 from jaxpar.core.mesh_spec import format_mesh, parse_mesh
 from jaxpar.core.metrics_log import MetricsLog
 from jaxpar.core.pipeline_schedules import bubble_fraction, resolve_microbatches, simulate
-from jaxpar.core.resume import check_resume
+from jaxpar.core.resume import already_complete, check_resume
 from jaxpar.core.weights import flatten, load_weights, save_weights, unflatten
 from jaxpar.data import device_batch, grain_batches
 from jaxpar.layout import Layout
@@ -176,6 +176,18 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_fina
     if main_proc:
         with open(os.path.join(cfg.run.dir, "config.json"), "w") as f:
             json.dump({**cfg.to_dict(), "resolved_mesh": format_mesh(dict(mesh.shape))}, f, indent=2)
+    if not already_complete(cfg, int(state["step"]), main_proc):
+        state = fit(cfg, data, layout, state, ckpt, stop)
+    if write_final:
+        write_weights(write_final, state["params"], "final")
+    ckpt.close()
+    ignore_stop_requests()
+    return 0
+
+
+def fit(cfg: Config, data, layout, state, ckpt, stop: dict):
+    """Compile the step, then the shared loop; the state it ends with."""
+    main_proc, mesh = jax.process_index() == 0, layout.mesh
     t0 = time.perf_counter()
     fw = JaxFramework(cfg, data, layout, state, ckpt)
     if main_proc:
@@ -184,15 +196,11 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_fina
               f"{time.perf_counter() - t0:.1f}s", flush=True)
     bubble = pipeline_bubble(cfg, mesh.shape["pp"]) if main_proc else None
     peak = peak_flops(jax.devices()[0].device_kind, cfg.model.compute_dtype)
-    log = MetricsLog(cfg.run.dir, main_proc, cfg.train.steps)
+    log = MetricsLog(cfg.run.dir, main_proc, cfg.train.steps, int(state["step"]))
     run_loop(cfg, int(state["step"]), fw, log, peak * jax.device_count() if peak else None,
              flops_per_token(cfg.model, cfg.data.seq_len), stop, {"pipeline_bubble": bubble})
-    if write_final:
-        write_weights(write_final, fw.state["params"], "final")
-    ckpt.close()
     log.close()
-    ignore_stop_requests()
-    return 0
+    return fw.state
 
 
 @cli

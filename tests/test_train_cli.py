@@ -34,6 +34,11 @@ def test_resume_after_sigkill_is_exact(dataset, uninterrupted, tmp_path):
         for key in ("loss", "grad_norm", "lr"):
             assert resumed[step][key] == uninterrupted[step][key], (step, key)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["10", "20"]
+    # the same command once more: nothing to train, and the user is told how to go on
+    again = run_cli(tmp_path, dataset, "--mesh", "fsdp=8", *STEPS)
+    assert again.returncode == 0 and "is complete: its checkpoint is at step 20 and train.steps=20" in again.stderr
+    assert "raise train.steps" in again.stderr and "compiled in" not in again.stdout
+    assert metrics(tmp_path) == resumed
 
 
 def test_checkpoint_restores_onto_another_mesh(dataset, uninterrupted, tmp_path):

@@ -23,7 +23,7 @@ from jaxpar.core.flops import flops_per_token, peak_flops
 from jaxpar.core.loop import ignore_stop_requests, run_loop, stop_requests
 from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
 from jaxpar.core.metrics_log import MetricsLog
-from jaxpar.core.resume import check_resume
+from jaxpar.core.resume import already_complete, check_resume
 from jaxpar.core.weights import load_weights, save_weights, unflatten
 from torchpar import dist
 from torchpar.backends import BACKENDS
@@ -211,15 +211,16 @@ def train(cfg: Config, args) -> int:
         print(f"backend {args.backend} on {env.world} {env.device.type} processes; {n_params:,} params", flush=True)
     kind = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     peak = peak_flops(kind, cfg.model.compute_dtype)
-    log = MetricsLog(cfg.run.dir, env.is_main, cfg.train.steps)
-    run_loop(cfg, step, fw, log, peak * env.world if peak else None, flops_per_token(cfg.model, cfg.data.seq_len),
-             stop)
+    if not already_complete(cfg, step, env.is_main):
+        log = MetricsLog(cfg.run.dir, env.is_main, cfg.train.steps, step)
+        run_loop(cfg, step, fw, log, peak * env.world if peak else None, flops_per_token(cfg.model, cfg.data.seq_len),
+                 stop)
+        log.close()
     if args.write_final:
         full = engine.full_state_dict()  # a collective under fsdp / ZeRO: every rank takes part
         if env.is_main:
             save_weights(args.write_final, unflatten(to_shared(full, cfg.model.n_layer)))
             print(f"wrote final weights to {args.write_final}", file=sys.stderr)
-    log.close()
     ignore_stop_requests()  # before the process group's teardown, which can take a moment
     return 0
 

@@ -1,4 +1,6 @@
-"""metrics.jsonl (one JSON object per logged step, the source of truth) and the console progress line."""
+"""metrics.jsonl (one JSON object per logged step, the source of truth) and the console: a live progress
+bar (tqdm: step, loss, tokens/s, MFU, ETA) when stdout is a terminal, one plain line per logged step when
+it is not (CI, log files); evaluations are kept as lines in both."""
 from __future__ import annotations
 
 import json
@@ -10,10 +12,15 @@ import sys
 class MetricsLog:
     """Appends one JSON object per logged step; prints progress on process 0 only."""
 
-    def __init__(self, run_dir: str, is_main: bool, total_steps: int):
+    def __init__(self, run_dir: str, is_main: bool, total_steps: int, start_step: int = 0):
         self.is_main, self.total = is_main, total_steps
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.file = open(self.path, "a") if is_main else None
+        self.bar = None
+        if is_main and sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stdout)
 
     def log(self, record: dict) -> None:
         if not self.is_main:
@@ -27,8 +34,16 @@ class MetricsLog:
                          ("mfu", "mfu {:.1%}"), ("memory_gib", "mem {:.2f} GiB")):
             if record.get(key) is not None:
                 parts.append(fmt.format(record[key]))
-        print(" | ".join(parts), file=sys.stdout, flush=True)
+        if self.bar is None:
+            print(" | ".join(parts), file=sys.stdout, flush=True)
+            return
+        self.bar.update(record["step"] - self.bar.n)
+        self.bar.set_postfix_str(" | ".join(parts[1:]))
+        if record.get("eval_loss") is not None:
+            self.bar.write(" | ".join(parts))
 
     def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
         if self.file:
             self.file.close()

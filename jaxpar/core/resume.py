@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
@@ -49,3 +50,14 @@ def check_resume(cfg: Config) -> None:
                         f"run's values, or use a new run.dir (or checkpoint.resume=false)")
     for k, (old, new) in changed.items():
         print(f"resuming with {k} changed: {old!r} -> {new!r}", flush=True)
+
+
+def already_complete(cfg: Config, step: int, is_main: bool) -> bool:
+    """A resumed run that has reached train.steps has nothing to train: say so, and how to go on."""
+    if step < cfg.train.steps:
+        return False
+    if is_main:
+        print(f"{cfg.run.dir} is complete: its checkpoint is at step {step} and train.steps={cfg.train.steps}. To "
+              f"train on, raise train.steps (e.g. train.steps={2 * step}); to start anew, choose another run.dir",
+              file=sys.stderr, flush=True)
+    return True

@@ -42,23 +42,35 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
+def _hf_tokenizer(path: str):
+    if not os.path.isfile(path):
+        raise UserError(f"tokenizer must be 'byte' or a Hugging Face tokenizers JSON file; not found: {path}")
+    try:
+        from tokenizers import Tokenizer  # optional dependency, only needed for this branch
+    except ImportError:
+        raise UserError(f"tokenizer {path} needs the 'tokenizers' package (pip install tokenizers)") from None
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # the library raises its own exception types for malformed files
+        raise UserError(f"cannot load tokenizer {path}: {(str(e) or repr(e)).splitlines()[0]}") from None
+
+
 def _tokenizer(tokenizer: str):
     """Returns (encode: bytes -> int array, vocab_size, name stored in the sidecar)."""
     if tokenizer == "byte":
         return (lambda b: np.frombuffer(b, dtype=np.uint8)), 256, "byte"
-    if not os.path.isfile(tokenizer):
-        raise UserError(f"tokenizer must be 'byte' or a Hugging Face tokenizers JSON file; not found: {tokenizer}")
-    try:
-        from tokenizers import Tokenizer  # optional dependency, only needed for this branch
-    except ImportError:
-        raise UserError(f"tokenizer {tokenizer} needs the 'tokenizers' package (pip install tokenizers)") from None
-    try:
-        tok = Tokenizer.from_file(tokenizer)
-    except Exception as e:  # the library raises its own exception types for malformed files
-        raise UserError(f"cannot load tokenizer {tokenizer}: {(str(e) or repr(e)).splitlines()[0]}") from None
+    tok = _hf_tokenizer(tokenizer)
     # errors="replace": a stray non-UTF-8 file should not abort preparing a whole corpus.
     encode = lambda b: np.asarray(tok.encode(b.decode("utf-8", "replace"), add_special_tokens=False).ids)
     return encode, tok.get_vocab_size(), os.path.abspath(tokenizer)
+
+
+def text_codec(tokenizer: str):
+    """(encode: str -> list of ids, decode: ids -> str) of 'byte' or a tokenizer.json, for prompts and samples."""
+    if tokenizer == "byte":
+        return (lambda text: list(text.encode("utf-8"))), (lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", "replace"))
+    encode, _, _ = _tokenizer(tokenizer)
+    return (lambda text: [int(i) for i in encode(text.encode("utf-8"))]), _hf_tokenizer(tokenizer).decode
 
 
 def _temp_for(path: str, tmps: list, mode: str):

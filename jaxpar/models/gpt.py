@@ -66,11 +66,18 @@ class Attention(nnx.Module):
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None
 
     def __call__(self, x, dtype, positions=None):
-        w, b = self.qkv["kernel"][...].astype(dtype), self.qkv["bias"][...].astype(dtype)
-        qkv = jnp.einsum("btd,dchk->cbthk", x, w) + b[:, None, None]
-        q, k, v = (constrain(t, ("batch", "seq", "heads", "kv")) for t in qkv)
+        q, k, v = self.project_qkv(x, dtype)
         # the context's attention: local (cuDNN flash on GPU where it applies), or across `sp` shards
         y = current().attention(q, k, v, positions) if self.pairs is None else dilated_attention(q, k, v, self.pairs)
+        return self.project_out(y, dtype)
+
+    # the two projections are also what decoding with a KV cache runs around its own attention (decode.py)
+    def project_qkv(self, x, dtype):
+        w, b = self.qkv["kernel"][...].astype(dtype), self.qkv["bias"][...].astype(dtype)
+        qkv = jnp.einsum("btd,dchk->cbthk", x, w) + b[:, None, None]
+        return tuple(constrain(t, ("batch", "seq", "heads", "kv")) for t in qkv)
+
+    def project_out(self, y, dtype):
         y = constrain(y, ("batch", "seq", "heads", "kv"))
         out = jnp.einsum("bthk,hkd->btd", y, self.out["kernel"][...].astype(dtype))
         return out + self.out["bias"][...].astype(dtype)
