@@ -8,42 +8,27 @@ mesh; temperature 0 is greedy.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 
-from jaxpar.core.config import Config, config_from_dict, load_config
+from jaxpar.core.config import Config, config_for_weights
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.mesh_spec import parse_mesh
+from jaxpar.core.sampling_cli import check_sampling, print_samples, run_config, sampling_parser
 from jaxpar.core.tokens import text_codec
 from jaxpar.mesh import setup_devices
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m jaxpar.generate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--run", help="a jaxpar run directory: its latest checkpoint and config")
-    src.add_argument("--weights", help="a .safetensors file in the shared weight format")
-    src.add_argument("--hf", help="a Hugging Face GPT-2 directory (config.json + model.safetensors)")
-    p.add_argument("--tokenizer", help="'byte' or a tokenizer.json (default: the run's, else byte)")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus: the smallest set holding this much mass")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-samples", type=int, default=1)
+    p = sampling_parser("python -m jaxpar.generate", __doc__, {
+        "run": "a jaxpar run directory: its latest checkpoint and config",
+        "weights": "a .safetensors file in the shared weight format",
+        "hf": "a Hugging Face GPT-2 directory (config.json + model.safetensors)"})
     p.add_argument("--mesh", default="dp=1", help="dp / fsdp / tp axes (default dp=1)")
     return p.parse_args(argv)
 
 
 def check(args) -> dict[str, int]:
-    if args.max_new_tokens < 1 or args.num_samples < 1:
-        raise UserError("--max-new-tokens and --num-samples must be at least 1")
-    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
-        raise UserError("--temperature and --top-k must be >= 0 and --top-p in (0, 1]")
+    check_sampling(args)
     sizes = parse_mesh(args.mesh)
     if sizes.get("pp", 1) != 1 or sizes.get("sp", 1) != 1:
         raise UserError(f"--mesh {args.mesh}: decoding runs on dp / fsdp / tp axes only")
@@ -55,16 +40,10 @@ def load(args) -> tuple[Config, dict, str]:
     from jaxpar.tools.convert import read
 
     if args.run:
-        path = os.path.join(args.run, "config.json")
-        if not os.path.isfile(path):
-            raise UserError(f"not a jaxpar run directory: {path} is missing")
-        with open(path) as f:
-            saved = json.load(f)
-        saved.pop("resolved_mesh", None)
-        cfg = config_from_dict(saved)
+        cfg = run_config(args.run)
         return cfg, read("jaxpar", args.run)[0], args.tokenizer or cfg.data.tokenizer
     flat, model = read("hf" if args.hf else "shared", args.hf or args.weights)
-    cfg = load_config(None, [f"model.{k}={v}" for k, v in model.items()] + [f"data.seq_len={model['max_seq_len']}"])
+    cfg = config_for_weights(model)
     return cfg, flat, args.tokenizer or "byte"
 
 
@@ -79,11 +58,7 @@ def main(argv=None) -> int:
     from jaxpar.decode import check_decodable
 
     check_decodable(cfg.model, len(prompt), args.max_new_tokens)
-    rows = sample_rows(cfg, sizes, flat, prompt, args)
-    for i, row in enumerate(rows):
-        if len(rows) > 1:
-            print(f"--- sample {i + 1}/{len(rows)}")
-        print(args.prompt + decode(row))
+    print_samples(args.prompt, sample_rows(cfg, sizes, flat, prompt, args), decode)
     return 0
 
 

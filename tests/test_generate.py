@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxpar.context import use
 from jaxpar.core.mesh_spec import parse_mesh
-from jaxpar.core.weights import save_weights, unflatten
+from jaxpar.core.weights import read_weights, save_weights, unflatten
 from jaxpar.decode import make_generate
 from jaxpar.layout import Layout
 from jaxpar.mesh import make_mesh
@@ -83,3 +83,28 @@ def test_converted_hugging_face_gpt2_decodes_as_transformers(tmp_path):
                          cwd=ROOT, capture_output=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr
     assert out.stdout == (prompt + bytes(want).decode("utf-8", "replace") + "\n").encode(), (out.stdout, want)
+
+
+def test_jaxpar_and_torchpar_decode_the_same_tokens(tmp_path):
+    """The same shared weights through both commands, greedy: the same text; torchpar's sampling is
+    reproducible from its seed too."""
+    torch = pytest.importorskip("torch")
+    from torchpar.decode import generate as torch_generate
+    from torchpar.model import GPT
+    from torchpar.weights import from_shared
+
+    layout, _, params = model_on("dp=1")
+    weights = str(tmp_path / "w.safetensors")
+    save_weights(weights, jax.device_get(params))
+    outs = [subprocess.run([sys.executable, "-m", f"{side}.generate", "--weights", weights, "--prompt", "def f(x):",
+                            "--max-new-tokens", "20", "--temperature", "0"], cwd=ROOT, capture_output=True,
+                           timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"}) for side in ("jaxpar", "torchpar")]
+    assert outs[0].returncode == outs[1].returncode == 0, (outs[0].stderr, outs[1].stderr)
+    assert outs[0].stdout == outs[1].stdout and len(set(outs[0].stdout)) > 5, outs[0].stdout
+
+    model = GPT(layout.cfg.model)
+    model.load_state_dict(from_shared(read_weights(weights), layout.cfg.model.n_layer))
+    prompt = torch.tensor(PROMPT * 2)
+    draw = lambda seed: torch_generate(model, prompt, 12, seed, temperature=1.0, top_k=50, top_p=0.9)  # noqa: E731
+    first = draw(1)
+    assert torch.equal(first, draw(1)) and not torch.equal(first, draw(2)) and not torch.equal(first[0], first[1])

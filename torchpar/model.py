@@ -36,8 +36,15 @@ class Attention(nn.Module):
         if self.pairs is not None:
             q, k, v = self.qkv(x, "btd,dchk->btchk").unbind(2)  # each [b, t, h, k]
             return self.out(dilated_attention(q, k, v, self.pairs), "bthk,hkd->btd")
-        q, k, v = self.qkv(x, "btd,dchk->btchk").permute(2, 0, 3, 1, 4).unbind(0)  # each [b, h, t, k]
-        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True), "bhtk,hkd->btd")
+        q, k, v = self.project_qkv(x)
+        return self.project_out(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+    # the two projections are also what decoding with a KV cache runs around its own attention (decode.py)
+    def project_qkv(self, x):
+        return self.qkv(x, "btd,dchk->btchk").permute(2, 0, 3, 1, 4).unbind(0)  # each [b, h, t, k]
+
+    def project_out(self, y):
+        return self.out(y, "bhtk,hkd->btd")
 
 
 class MLP(nn.Module):

@@ -292,6 +292,12 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     return cfg
 
 
+def config_for_weights(dims: dict, *overrides: str) -> Config:
+    """The default config around model dimensions read off a weights file (sequence length: the model's)."""
+    return load_config(None, [f"model.{k}={v}" for k, v in dims.items()] + [f"data.seq_len={dims['max_seq_len']}",
+                                                                            *overrides])
+
+
 def config_from_dict(d: dict) -> Config:
     """Rebuild a Config saved with `to_dict` (e.g. a run's resolved config.json)."""
     cfg = Config()

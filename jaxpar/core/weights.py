@@ -43,14 +43,19 @@ def save_weights(path: str, params: dict) -> None:
     os.replace(tmp, path)
 
 
-def load_weights(path: str, expected_shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
-    """Flat {name: array}, checked name-for-name and shape-for-shape against the model."""
+def read_weights(path: str) -> dict[str, np.ndarray]:
+    """Flat {name: array} of a shared weights file, as it is."""
     if not os.path.exists(path):
         raise UserError(f"weights file not found: {path}")
     try:
-        flat = load_file(path)
+        return load_file(path)
     except Exception as e:  # noqa: BLE001 - any unreadable file is bad input
         raise UserError(f"weights file {path} is not a readable safetensors file: {e}") from None
+
+
+def load_weights(path: str, expected_shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
+    """Flat {name: array}, checked name-for-name and shape-for-shape against the model."""
+    flat = read_weights(path)
     missing = sorted(set(expected_shapes) - set(flat))
     extra = sorted(set(flat) - set(expected_shapes))
     if missing or extra:
@@ -99,3 +104,13 @@ def shared_name(torch_name: str) -> str:
         if t == pattern:
             return shared
     raise KeyError(f"no shared name for torch parameter {torch_name!r}")
+
+
+def model_dims(flat: dict[str, np.ndarray]) -> dict:
+    """Model dimensions read off the shared tensors themselves (GPT-2's MHA/dense shapes only)."""
+    if "blocks.attn.qkv.kernel" not in flat or "blocks.mlp.fc.kernel" not in flat:
+        raise UserError("these weights use a model variant (model.attention=mla or model.linear=sketched); "
+                        "conversion supports only GPT-2's parameters (mha attention, dense linear layers)")
+    n_layer, d, _, n_head, _ = flat["blocks.attn.qkv.kernel"].shape
+    return {"n_layer": n_layer, "d_model": d, "n_head": n_head, "vocab_size": flat["wte"].shape[0],
+            "max_seq_len": flat["wpe"].shape[0], "d_ff": flat["blocks.mlp.fc.kernel"].shape[-1]}

@@ -16,10 +16,9 @@ import os
 import sys
 
 import numpy as np
-from safetensors.numpy import load_file
 
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.weights import flatten, save_weights, unflatten
+from jaxpar.core.weights import flatten, model_dims, read_weights, save_weights, unflatten
 from jaxpar.tools import hf_gpt2 as hf
 
 FORMATS = ("shared", "hf", "jaxpar")
@@ -39,10 +38,8 @@ def read(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
     if fmt == "hf":
         return hf.hf_to_shared(src)
     if fmt == "shared":
-        if not os.path.exists(src):
-            raise UserError(f"weights file not found: {src}")
-        flat = load_file(src)
-        return flat, hf.shape_of(flat)
+        flat = read_weights(src)
+        return flat, model_dims(flat)
     from jaxpar.checkpoint import Checkpointer
     from jaxpar.core.config import config_from_dict
     from jaxpar.state import abstract_state
@@ -61,7 +58,7 @@ def read(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
     if restored is None:
         raise UserError(f"no checkpoint in {src}/checkpoints")
     flat = {k: np.asarray(v) for k, v in flatten(restored[0]["params"]).items()}
-    return flat, {**hf.shape_of(flat), "layernorm_eps": cfg.model.layernorm_eps}
+    return flat, {**model_dims(flat), "layernorm_eps": cfg.model.layernorm_eps}
 
 
 def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict) -> None:
@@ -71,11 +68,10 @@ def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict) -> None:
         hf.shared_to_hf(flat, dst, model.get("layernorm_eps", 1e-5))
     else:
         from jaxpar.checkpoint import Checkpointer
-        from jaxpar.core.config import load_config
+        from jaxpar.core.config import config_for_weights
         from jaxpar.state import state_from_params
 
-        cfg = load_config(None, [f"model.{k}={v}" for k, v in model.items()] + [f"run.dir={dst}",
-                                                                             f"data.seq_len={model['max_seq_len']}"])
+        cfg = config_for_weights(model, f"run.dir={dst}")
         state = state_from_params(_single_device_layout(cfg), unflatten(flat))
         os.makedirs(dst, exist_ok=True)
         with open(os.path.join(dst, "config.json"), "w") as f:

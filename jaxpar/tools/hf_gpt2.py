@@ -12,6 +12,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from jaxpar.core.errors import UserError
+from jaxpar.core.weights import model_dims
 
 # shared per-layer name -> HF per-layer name (under transformer.h.{i}.)
 BLOCK_NAMES = {
@@ -23,16 +24,6 @@ BLOCK_NAMES = {
     "mlp.proj.kernel": "mlp.c_proj.weight", "mlp.proj.bias": "mlp.c_proj.bias",
 }
 TOP_NAMES = {"wte": "wte.weight", "wpe": "wpe.weight", "ln_f.scale": "ln_f.weight", "ln_f.bias": "ln_f.bias"}
-
-
-def shape_of(flat: dict[str, np.ndarray]) -> dict:
-    """Model dimensions read off the shared tensors themselves (GPT-2's MHA/dense shapes only)."""
-    if "blocks.attn.qkv.kernel" not in flat or "blocks.mlp.fc.kernel" not in flat:
-        raise UserError("these weights use a model variant (model.attention=mla or model.linear=sketched); "
-                        "conversion supports only GPT-2's parameters (mha attention, dense linear layers)")
-    n_layer, d, _, n_head, _ = flat["blocks.attn.qkv.kernel"].shape
-    return {"n_layer": n_layer, "d_model": d, "n_head": n_head, "vocab_size": flat["wte"].shape[0],
-            "max_seq_len": flat["wpe"].shape[0], "d_ff": flat["blocks.mlp.fc.kernel"].shape[-1]}
 
 
 def hf_to_shared(hf_dir: str) -> tuple[dict[str, np.ndarray], dict]:
@@ -55,7 +46,7 @@ def hf_to_shared(hf_dir: str) -> tuple[dict[str, np.ndarray], dict]:
     out["blocks.attn.qkv.kernel"] = out["blocks.attn.qkv.kernel"].reshape(L, d, 3, h, k)
     out["blocks.attn.qkv.bias"] = out["blocks.attn.qkv.bias"].reshape(L, 3, h, k)
     out["blocks.attn.out.kernel"] = out["blocks.attn.out.kernel"].reshape(L, h, k, d)
-    model = {**shape_of(out), "layernorm_eps": hf.get("layer_norm_epsilon", 1e-5)}
+    model = {**model_dims(out), "layernorm_eps": hf.get("layer_norm_epsilon", 1e-5)}
     if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
         raise UserError(f"{cfg_path}: activation {hf['activation_function']!r} is not GPT-2's tanh GELU")
     return out, model
@@ -63,7 +54,7 @@ def hf_to_shared(hf_dir: str) -> tuple[dict[str, np.ndarray], dict]:
 
 def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, layernorm_eps: float = 1e-5) -> None:
     """Write an HF GPT-2 directory (config.json + model.safetensors) from flat shared tensors."""
-    dims = shape_of(flat)
+    dims = model_dims(flat)
     L, d = dims["n_layer"], dims["d_model"]
     reshaped = dict(flat)
     reshaped["blocks.attn.qkv.kernel"] = flat["blocks.attn.qkv.kernel"].reshape(L, d, 3 * d)

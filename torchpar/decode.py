@@ -1,0 +1,61 @@
+"""Autoregressive decoding with a KV cache (the same algorithm as jaxpar/decode.py): the prompt fills
+the cache in one pass, then one token per step attends over the cache, masked by position. The model's
+own modules do everything but attention. GPT-2 with MHA attention only."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from jaxpar.core.errors import UserError
+from torchpar.model import GPT, tied_head
+
+
+def _forward(model: GPT, tokens, start: int, cache):
+    positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+    x = (model.wte[tokens] + model.wpe[positions]).to(model.compute_dtype)
+    mask = positions[:, None] >= torch.arange(cache[0][0].shape[2], device=tokens.device)[None, :]
+    for block, (k_cache, v_cache) in zip(model.blocks, cache):
+        q, k, v = block.attn.project_qkv(block.ln1(x))
+        k_cache[:, :, start:start + tokens.shape[1]] = k
+        v_cache[:, :, start:start + tokens.shape[1]] = v
+        x = x + block.attn.project_out(F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask))
+        x = x + block.mlp(block.ln2(x))
+    return tied_head(model.ln_f, model.wte, x)
+
+
+def sample(logits, generator, temperature: float, top_k: int, top_p: float):
+    """One token per row of logits [B, vocab]: greedy at temperature 0, else from the tempered softmax
+    restricted to the top_k tokens (0: all) and to the smallest set holding top_p of the mass."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k:
+        logits = logits.masked_fill(logits < torch.topk(logits, top_k).values[:, -1:], -torch.inf)
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        cut = sorted_logits.masked_fill(probs.cumsum(-1) - probs >= top_p, -torch.inf)  # the first token stays
+        logits = torch.full_like(logits, -torch.inf).scatter(-1, order, cut)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+@torch.no_grad()
+def generate(model: GPT, prompt: torch.Tensor, new_tokens: int, seed: int = 0, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """prompt [B, P] int64 -> the next `new_tokens` tokens [B, new_tokens]."""
+    cfg = model.cfg
+    if cfg.attention != "mha":
+        raise UserError(f"decoding supports model.attention=mha, not {cfg.attention}")
+    B, P = prompt.shape
+    if P + new_tokens > cfg.max_seq_len:
+        raise UserError(f"prompt ({P} tokens) + {new_tokens} new tokens exceed the model's max_seq_len {cfg.max_seq_len}")
+    shape = (B, cfg.n_head, P + new_tokens, cfg.head_dim)
+    cache = [(prompt.new_zeros(shape, dtype=model.compute_dtype), prompt.new_zeros(shape, dtype=model.compute_dtype))
+             for _ in model.blocks]
+    generator = torch.Generator(prompt.device).manual_seed(seed)
+    logits, out = _forward(model, prompt, 0, cache), []
+    for i in range(new_tokens):
+        out.append(sample(logits[:, -1], generator, temperature, top_k, top_p))
+        if i + 1 < new_tokens:
+            logits = _forward(model, out[-1][:, None], P + i, cache)
+    return torch.stack(out, 1)

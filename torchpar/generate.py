@@ -1,0 +1,61 @@
+"""python -m torchpar.generate --run runs/x --prompt "def " [--max-new-tokens 200 --temperature 0.8 --top-k 40
+    --top-p 0.95 --seed 0 --num-samples 1]
+
+Samples from a trained torchpar model: the latest checkpoint of a none / ddp / fsdp run (`--run`, loaded on
+one process: DCP reshards) or a shared-weights file (`--weights`, e.g. written by jaxpar). Decoding uses a
+KV cache (torchpar/decode.py); temperature 0 is greedy and gives jaxpar.generate's tokens on the same weights.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from jaxpar.core.config import config_for_weights
+from jaxpar.core.errors import UserError, cli
+from jaxpar.core.sampling_cli import check_sampling, print_samples, run_config, sampling_parser
+from jaxpar.core.tokens import text_codec
+from jaxpar.core.weights import model_dims, read_weights
+from torchpar import dist
+from torchpar.decode import generate
+from torchpar.model import GPT
+from torchpar.weights import from_shared
+
+
+def load_model(args):
+    """(model, tokenizer) of the source the user named."""
+    if args.run:
+        from torchpar import backends
+
+        cfg = run_config(args.run)
+        cfg.run.dir = args.run  # where the run is now (config.json holds where it was trained)
+        model = GPT(cfg.model)
+        env = dist.init(False, cfg.run.peer_timeout_s)
+        engine = backends.build("none", model, cfg, env)
+        if engine.checkpointer.restore() is None:
+            raise UserError(f"no checkpoint in {args.run}/checkpoints")
+        return model, args.tokenizer or cfg.data.tokenizer
+    flat = read_weights(args.weights)
+    cfg = config_for_weights(model_dims(flat))
+    model = GPT(cfg.model)
+    model.load_state_dict(from_shared(flat, cfg.model.n_layer))
+    return model, args.tokenizer or "byte"
+
+
+@cli
+def main(argv=None) -> int:
+    args = sampling_parser("python -m torchpar.generate", __doc__, {
+        "run": "a torchpar run directory (none, ddp or fsdp): its latest checkpoint and config",
+        "weights": "a .safetensors file in the shared weight format"}).parse_args(argv)
+    check_sampling(args)
+    model, tokenizer = load_model(args)
+    encode, decode = text_codec(tokenizer)
+    device = next(model.parameters()).device
+    prompt = torch.tensor([encode(args.prompt)] * args.num_samples, device=device)
+    rows = generate(model.eval(), prompt, args.max_new_tokens, args.seed, args.temperature, args.top_k, args.top_p)
+    print_samples(args.prompt, rows.tolist(), decode)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
