@@ -22,6 +22,7 @@ from jaxpar.core.mesh_spec import format_mesh, parse_mesh
 from jaxpar.core.metrics_log import MetricsLog
 from jaxpar.core.pipeline_schedules import bubble_fraction, resolve_microbatches, simulate
 from jaxpar.core.resume import already_complete, check_resume
+from jaxpar.core.trackers import check_trackers, open_trackers
 from jaxpar.core.weights import flatten, load_weights, save_weights, unflatten
 from jaxpar.data import device_batch, grain_batches
 from jaxpar.layout import Layout
@@ -157,6 +158,7 @@ def show_library_logs() -> None:
 def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_final: str | None = None) -> int:
     sizes = parse_mesh(mesh_spec)
     check_resume(cfg)
+    check_trackers(cfg)
     if cfg.run.debug:
         show_library_logs()
     setup_devices(sizes, cfg.run.peer_timeout_s)
@@ -196,7 +198,7 @@ def fit(cfg: Config, data, layout, state, ckpt, stop: dict):
               f"{time.perf_counter() - t0:.1f}s", flush=True)
     bubble = pipeline_bubble(cfg, mesh.shape["pp"]) if main_proc else None
     peak = peak_flops(jax.devices()[0].device_kind, cfg.model.compute_dtype)
-    log = MetricsLog(cfg.run.dir, main_proc, cfg.train.steps, int(state["step"]))
+    log = MetricsLog(cfg.run.dir, main_proc, cfg.train.steps, int(state["step"]), open_trackers(cfg, main_proc))
     run_loop(cfg, int(state["step"]), fw, log, peak * jax.device_count() if peak else None,
              flops_per_token(cfg.model, cfg.data.seq_len), stop, {"pipeline_bubble": bubble})
     log.close()

@@ -82,6 +82,15 @@ def metrics(run_dir) -> dict[int, dict]:
         return {r["step"]: r for r in map(json.loads, f)}
 
 
+def tensorboard_scalars(run_dir) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} as TensorBoard's own event reader sees <run_dir>/tensorboard (run.tensorboard=true)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(run_dir, "tensorboard"))
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
 def run_cli(run_dir, dataset, *args, env=None, timeout=300, module="jaxpar.train"):
     """`python -m jaxpar.train` (or `module`) on the tiny config, as a user would run it."""
     cmd = [sys.executable, "-m", module, *TINY, f"data.dataset={dataset}", f"run.dir={run_dir}", *args]

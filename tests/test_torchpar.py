@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 from torchpar.checkpoint import complete_steps
 
 from tests.helpers import (ABORTS, ROOT, TINY, assert_params_close, free_port, make_dataset, metrics, no_leftovers,
-                           run_in_session, torch_command, torch_env)
+                           run_in_session, tensorboard_scalars, torch_command, torch_env)
 
 
 def run(args: list[str], nproc: int = 0, expect_rc=0, timeout: int = 120, **env) -> subprocess.CompletedProcess:
@@ -48,7 +48,8 @@ def base(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(base):
     run_dir = base["tmp"] / "reference"
-    run(["--backend", "none", *base["args"], f"run.dir={run_dir}", "--write-final", str(base["tmp"] / "reference.safetensors")])
+    run(["--backend", "none", *base["args"], f"run.dir={run_dir}", "run.tensorboard=true",
+         "--write-final", str(base["tmp"] / "reference.safetensors")])
     return metrics(run_dir)
 
 
@@ -79,6 +80,14 @@ leaked = sorted({m.split(".")[0] for m in sys.modules} & {"jax", "jaxlib", "flax
 print("jax-side modules imported:", leaked)
 sys.exit(rc or bool(leaked))
 """
+
+
+def test_tensorboard_holds_the_metrics(base, reference):
+    scalars = tensorboard_scalars(base["tmp"] / "reference")
+    for tag in ("loss", "lr", "grad_norm"):  # float32 in the event file
+        np.testing.assert_allclose([scalars[tag][s] for s in range(1, 11)], [reference[s][tag] for s in range(1, 11)],
+                                   rtol=1e-6)
+    assert scalars["eval_loss"][10] == pytest.approx(reference[10]["eval_loss"], rel=1e-6)
 
 
 def test_torchpar_never_imports_jax(base, tmp_path):

@@ -5,17 +5,23 @@ import signal
 import numpy as np
 import pytest
 
-from tests.helpers import metrics, run_cli
+from tests.helpers import metrics, run_cli, tensorboard_scalars
 
 STEPS = ["train.steps=20", "checkpoint.every=10", "train.eval_every=0"]
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(dataset, tmp_path_factory):
+def uninterrupted_dir(dataset, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("full")
-    r = run_cli(run_dir, dataset, "--mesh", "fsdp=8", *STEPS)
+    r = run_cli(run_dir, dataset, "--mesh", "fsdp=8", *STEPS, "run.tensorboard=true")
     assert r.returncode == 0, r.stderr
-    return metrics(run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_dir):
+    return metrics(uninterrupted_dir)
+
 
 
 def interrupted(dataset, run_dir, kill_after):
@@ -39,6 +45,14 @@ def test_resume_after_sigkill_is_exact(dataset, uninterrupted, tmp_path):
     assert again.returncode == 0 and "is complete: its checkpoint is at step 20 and train.steps=20" in again.stderr
     assert "raise train.steps" in again.stderr and "compiled in" not in again.stdout
     assert metrics(tmp_path) == resumed
+
+
+def test_tensorboard_holds_the_metrics(uninterrupted_dir, uninterrupted):
+    scalars = tensorboard_scalars(uninterrupted_dir)
+    assert {"loss", "lr", "grad_norm", "tokens_per_sec"} <= set(scalars), scalars.keys()
+    for tag in ("loss", "lr", "grad_norm"):  # float32 in the event file
+        np.testing.assert_allclose([scalars[tag][s] for s in range(1, 21)], [uninterrupted[s][tag] for s in range(1, 21)],
+                                   rtol=1e-6)
 
 
 def test_checkpoint_restores_onto_another_mesh(dataset, uninterrupted, tmp_path):

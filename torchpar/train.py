@@ -24,6 +24,7 @@ from jaxpar.core.loop import ignore_stop_requests, run_loop, stop_requests
 from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
 from jaxpar.core.metrics_log import MetricsLog
 from jaxpar.core.resume import already_complete, check_resume
+from jaxpar.core.trackers import check_trackers, open_trackers
 from jaxpar.core.weights import load_weights, save_weights, unflatten
 from torchpar import dist
 from torchpar.backends import BACKENDS
@@ -57,6 +58,7 @@ def check(cfg: Config, args) -> None:
     if args.backend == "none" and world > 1:
         raise UserError(f"--backend none runs one process, but WORLD_SIZE={world}; use ddp, fsdp or deepspeed")
     check_mesh(cfg.parallel.mesh, args.backend, world)
+    check_trackers(cfg)
     if args.backend == "ddp" and cfg.parallel.zero_stage:
         raise UserError(f"parallel.zero_stage={cfg.parallel.zero_stage} needs --backend deepspeed or fsdp "
                         "(ddp is ZeRO-0)")
@@ -212,7 +214,7 @@ def train(cfg: Config, args) -> int:
     kind = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     peak = peak_flops(kind, cfg.model.compute_dtype)
     if not already_complete(cfg, step, env.is_main):
-        log = MetricsLog(cfg.run.dir, env.is_main, cfg.train.steps, step)
+        log = MetricsLog(cfg.run.dir, env.is_main, cfg.train.steps, step, open_trackers(cfg, env.is_main))
         run_loop(cfg, step, fw, log, peak * env.world if peak else None, flops_per_token(cfg.model, cfg.data.seq_len),
                  stop)
         log.close()

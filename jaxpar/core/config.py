@@ -144,6 +144,8 @@ class RunConfig:
     # one line naming the lost processes (jaxpar/core/peers.py); multi-process runs only
     peer_timeout_s: float = field(default=300.0, metadata=_check(lo=0.0, lo_open=True))
     debug: bool = False  # library logs (orbax, absl, XLA C++) on the console as well
+    tensorboard: bool = False  # event files in <dir>/tensorboard (jaxpar/core/trackers.py)
+    wandb: str = field(default="off", metadata=_check(choices=("off", "offline", "online")))
 
 
 @dataclass

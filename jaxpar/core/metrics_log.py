@@ -12,8 +12,8 @@ import sys
 class MetricsLog:
     """Appends one JSON object per logged step; prints progress on process 0 only."""
 
-    def __init__(self, run_dir: str, is_main: bool, total_steps: int, start_step: int = 0):
-        self.is_main, self.total = is_main, total_steps
+    def __init__(self, run_dir: str, is_main: bool, total_steps: int, start_step: int = 0, trackers=()):
+        self.is_main, self.total, self.trackers = is_main, total_steps, list(trackers)  # core/trackers.py
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.file = open(self.path, "a") if is_main else None
         self.bar = None
@@ -28,6 +28,9 @@ class MetricsLog:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self.file.write(json.dumps(clean) + "\n")
         self.file.flush()
+        scalars = {k: v for k, v in clean.items() if k != "step" and isinstance(v, (int, float))}
+        for tracker in self.trackers:
+            tracker.log(record["step"], scalars)
         parts = [f"step {record['step']:>{len(str(self.total))}}/{self.total}"]
         for key, fmt in (("loss", "loss {:.4f}"), ("eval_loss", "eval {:.4f}"), ("lr", "lr {:.2e}"),
                          ("grad_norm", "gnorm {:.3f}"), ("tokens_per_sec", "{:,.0f} tok/s"),
@@ -43,6 +46,8 @@ class MetricsLog:
             self.bar.write(" | ".join(parts))
 
     def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
         if self.bar is not None:
             self.bar.close()
         if self.file:
