@@ -1,15 +1,19 @@
 """jaxpar's data: the shared order (jaxpar/core/data_order.py) served through grain, and batches placed
 on the mesh. Also the command line for token files:
 
-  python -m jaxpar.data prepare --out data/my.bin [--tokenizer byte|tokenizer.json] my_texts/
+  python -m jaxpar.data prepare --out data/my.bin [--tokenizer byte|tokenizer.json] [--text-field text]
+      [--workers N] my_texts/ corpus.jsonl shard.parquet ...
+  python -m jaxpar.data tokenizer --out tokenizer.json --vocab-size 8192 my_texts/ ...
   python -m jaxpar.data info data/my.bin [--seq-len 128]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+from jaxpar.core.bpe import train_tokenizer
 from jaxpar.core.data_order import GlobalBatches, Samples
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.tokens import prepare, read_meta, split_range
@@ -46,18 +50,29 @@ def device_batch(data: GlobalBatches, step: int, sharding):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxpar.data", description="Prepare and inspect token files.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    pp = sub.add_parser("prepare", help="tokenize files/directories (*.py, *.txt, *.md) into a .bin dataset")
+    pp = sub.add_parser("prepare", help="tokenize a corpus (text files, .jsonl, .parquet) into a .bin dataset")
     pp.add_argument("--out", required=True)
     pp.add_argument("--tokenizer", default="byte", help="'byte' or a Hugging Face tokenizers JSON file")
+    pp.add_argument("--text-field", default="text", help="the text of a .jsonl record / .parquet row (default text)")
+    pp.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                    help="tokenizing processes for a tokenizer.json (default: the CPUs, at most 8)")
     pp.add_argument("inputs", nargs="+")
+    pt = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer (tokenizer.json) on a corpus")
+    pt.add_argument("--out", required=True)
+    pt.add_argument("--vocab-size", type=int, default=8192)
+    pt.add_argument("--text-field", default="text")
+    pt.add_argument("inputs", nargs="+")
     pi = sub.add_parser("info", help="show a dataset's metadata and window counts")
     pi.add_argument("path")
     pi.add_argument("--seq-len", type=int, default=128)
     pi.add_argument("--val-fraction", type=float, default=0.01)
     args = p.parse_args(argv)
     if args.cmd == "prepare":
-        meta = read_meta(prepare(args.inputs, args.out, args.tokenizer))
+        meta = read_meta(prepare(args.inputs, args.out, args.tokenizer, args.text_field, args.workers))
         print(f"wrote {args.out}: {meta['num_tokens']} tokens from {meta['num_documents']} documents")
+    elif args.cmd == "tokenizer":
+        size = train_tokenizer(args.inputs, args.out, args.vocab_size, args.text_field)
+        print(f"wrote {args.out}: byte-level BPE, {size} tokens (use it with data.tokenizer={args.out})")
     else:
         if args.seq_len < 1 or not 0 <= args.val_fraction < 1:
             raise UserError("need --seq-len >= 1 and 0 <= --val-fraction < 1")

@@ -13,7 +13,8 @@ import sys
 from jaxpar.core.config import Config, config_for_weights
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.mesh_spec import parse_mesh
-from jaxpar.core.sampling_cli import check_sampling, print_samples, run_config, sampling_parser
+from jaxpar.core.resume import read_run_config
+from jaxpar.core.sampling_cli import check_sampling, print_samples, sampling_parser
 from jaxpar.core.tokens import text_codec
 from jaxpar.mesh import setup_devices
 
@@ -40,7 +41,7 @@ def load(args) -> tuple[Config, dict, str]:
     from jaxpar.tools.convert import read
 
     if args.run:
-        cfg = run_config(args.run)
+        cfg = read_run_config(args.run)
         return cfg, read("jaxpar", args.run)[0], args.tokenizer or cfg.data.tokenizer
     flat, model = read("hf" if args.hf else "shared", args.hf or args.weights)
     cfg = config_for_weights(model)

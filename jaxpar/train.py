@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -21,7 +20,7 @@ from jaxpar.core.loop import ignore_stop_requests, run_loop, stop_requests
 from jaxpar.core.mesh_spec import format_mesh, parse_mesh
 from jaxpar.core.metrics_log import MetricsLog
 from jaxpar.core.pipeline_schedules import bubble_fraction, resolve_microbatches, simulate
-from jaxpar.core.resume import already_complete, check_resume
+from jaxpar.core.resume import already_complete, check_resume, write_run_config
 from jaxpar.core.trackers import check_trackers, open_trackers
 from jaxpar.core.weights import flatten, load_weights, save_weights, unflatten
 from jaxpar.data import device_batch, grain_batches
@@ -176,8 +175,7 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_fina
         write_weights(write_init, state["params"], "initial")
         return 0
     if main_proc:
-        with open(os.path.join(cfg.run.dir, "config.json"), "w") as f:
-            json.dump({**cfg.to_dict(), "resolved_mesh": format_mesh(dict(mesh.shape))}, f, indent=2)
+        write_run_config(cfg, resolved_mesh=format_mesh(dict(mesh.shape)))
     if not already_complete(cfg, int(state["step"]), main_proc):
         state = fit(cfg, data, layout, state, ckpt, stop)
     if write_final:

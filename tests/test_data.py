@@ -5,7 +5,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxpar.core import tokens as data
+from jaxpar.core import corpus, tokens as data
 from jaxpar.core.config import DataConfig
 from jaxpar.core.tokens import prepare, read_meta, resolve_dataset, write_tokens
 from jaxpar.data import TokenBatches
@@ -32,10 +32,10 @@ def test_byte_roundtrip_and_directory_walk(tmp_path):
     out = prepare([str(src), str(extra)], str(tmp_path / "ds.bin"))
     tokens = np.fromfile(out, dtype="<u2")
     want = [(src / n).read_bytes() for n in ("a.txt", "b.py", "sub/c.md")] + [extra.read_bytes()]
-    assert bytes(tokens.astype(np.uint8)) == b"\n".join(want)
+    assert bytes(tokens.astype(np.uint8)) == b"\0".join(want)  # byte 0: the end-of-document token
     meta = read_meta(out)
     assert meta == {"dtype": "uint16", "vocab_size": 256, "num_tokens": len(tokens), "tokenizer": "byte",
-                    "num_documents": 4}
+                    "num_documents": 4, "eod_token": 0}
 
 
 def test_prepare_is_deterministic(tmp_path):
@@ -59,15 +59,15 @@ def test_prepare_failure_keeps_old_output(tmp_path, monkeypatch):
 
     # A failure mid-write (after the first document reached the temp file).
     (tmp_path / "other.txt").write_text("other")
-    real_read, calls = data._read, []
+    calls = []
 
-    def flaky_read(path):
+    def flaky_open(path, *args, **kwargs):
         calls.append(path)
         if len(calls) == 2:
             raise PermissionError(13, "Permission denied")
-        return real_read(path)
+        return open(path, *args, **kwargs)
 
-    monkeypatch.setattr(data, "_read", flaky_read)
+    monkeypatch.setattr(corpus, "open", flaky_open, raising=False)  # the module's `open` before the builtin
     with pytest.raises(UserError, match="cannot read"):
         prepare([str(good), str(tmp_path / "other.txt")], out)
     assert len(calls) == 2
@@ -215,6 +215,9 @@ def test_hf_tokenizer_branch_with_fake_library(tmp_path, monkeypatch):
         def get_vocab_size(self):
             return 70000 + 0x110000
 
+        def token_to_id(self, name):
+            return 69999 if name == "<|endoftext|>" else None
+
     monkeypatch.setitem(sys.modules, "tokenizers", types.SimpleNamespace(
         Tokenizer=types.SimpleNamespace(from_file=lambda path: FakeTokenizer())))
     tok = tmp_path / "tok.json"
@@ -224,7 +227,8 @@ def test_hf_tokenizer_branch_with_fake_library(tmp_path, monkeypatch):
     out = prepare([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], str(tmp_path / "hf.bin"), str(tok))
     meta = read_meta(out)
     assert meta["dtype"] == "uint32" and meta["tokenizer"] == str(tok)
-    assert list(np.fromfile(out, dtype="<u4")) == [70000 + ord(c) for c in "hé\nyo"]
+    assert list(np.fromfile(out, dtype="<u4")) == [70000 + ord("h"), 70000 + ord("é"), 69999, 70000 + ord("y"),
+                                                   70000 + ord("o")]
 
 
 @pytest.mark.parametrize("n,seed", [(1, 0), (23, 7), (279, 0), (70_000, 2**32 - 1)])
@@ -238,3 +242,47 @@ def test_shared_order_is_grains_shuffle(n, seed):
     ds = grain.MapDataset.source(range(n)).shuffle(seed=seed).repeat()
     idx = [i for e in range(3) for i in range(e * n, e * n + min(n, 300))]
     assert [shuffled_index(i % n, n, (seed + i // n) % 2**32) for i in idx] == [ds[i] for i in idx]
+
+
+DOCS = [f"document {i}: " + "héllo wörld ✓ def f(x): return x\n" * (i % 5 + 1) for i in range(60)]
+
+
+@pytest.fixture
+def corpus_files(tmp_path):
+    """The documents split over a JSON-lines file (text under "body") and a Parquet file."""
+    import json
+
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    with open(tmp_path / "a.jsonl", "w") as f:
+        for d in DOCS[:30]:
+            f.write(json.dumps({"id": 1, "body": d}) + "\n")
+    pq.write_table(pa.table({"body": DOCS[30:]}), tmp_path / "b.parquet")
+    return [str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet")]
+
+
+def test_jsonl_and_parquet_documents_with_end_of_document_tokens(corpus_files, tmp_path):
+    out = prepare(corpus_files, str(tmp_path / "c.bin"), text_field="body")
+    tokens = bytes(np.fromfile(out, dtype="<u2").astype(np.uint8))
+    assert tokens.split(b"\0") == [d.encode() for d in DOCS] and read_meta(out)["num_documents"] == len(DOCS)
+    with pytest.raises(UserError, match="no field 'text'"):
+        prepare(corpus_files, str(tmp_path / "d.bin"))
+
+
+def test_trained_bpe_round_trips_and_parallel_prepare_matches_one_worker(corpus_files, tmp_path):
+    pytest.importorskip("tokenizers")
+    from jaxpar.core.bpe import train_tokenizer
+    from jaxpar.core.tokens import eod_token, text_codec
+
+    tok = str(tmp_path / "tokenizer.json")
+    assert train_tokenizer(corpus_files, tok, vocab_size=320, text_field="body") == 320
+    encode, decode = text_codec(tok)
+    for text in DOCS[:3] + ["  spaces\tand tabs\r\n", "日本語 and emoji 🚀", ""]:
+        assert decode(encode(text)) == text
+    assert len(encode(DOCS[0])) < len(DOCS[0].encode())  # merges were learned
+    one = prepare(corpus_files, str(tmp_path / "one.bin"), tok, "body", workers=1)
+    two = prepare(corpus_files, str(tmp_path / "two.bin"), tok, "body", workers=2)
+    assert open(one, "rb").read() == open(two, "rb").read()
+    ids = np.fromfile(one, dtype="<u2")
+    cuts = np.flatnonzero(ids == eod_token(tok))  # <|endoftext|> between documents, nowhere else
+    parts = np.split(ids, cuts)
+    assert len(cuts) == len(DOCS) - 1 and [decode(parts[0].tolist())] + [decode(p[1:].tolist()) for p in parts[1:]] == DOCS

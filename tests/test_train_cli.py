@@ -113,3 +113,29 @@ def test_default_tiny_config_learns(tmp_path):
     assert records[min(records)]["loss"] > final["loss"] + 0.5  # from near log(256) = 5.5 down
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s", "mfu"} <= set(final)
     assert os.path.exists(tmp_path / "config.json")
+
+
+def test_trains_on_a_bpe_corpus_and_refuses_another_tokenizer_on_resume(tmp_path):
+    """JSON lines -> a trained byte-level BPE -> a dataset -> a run whose loss falls; the tokenizer file is then
+    replaced by another one, and resuming is refused with one line."""
+    import json
+
+    from jaxpar.core.bpe import train_tokenizer
+    from jaxpar.core.tokens import prepare
+
+    with open(tmp_path / "corpus.jsonl", "w") as f:
+        for i in range(400):
+            f.write(json.dumps({"text": f"def f{i % 9}(x):\n    return x * {i % 7} + {i % 5}\n"}) + "\n")
+    tok = str(tmp_path / "tokenizer.json")
+    vocab = train_tokenizer([str(tmp_path / "corpus.jsonl")], tok, vocab_size=300)
+    data = prepare([str(tmp_path / "corpus.jsonl")], str(tmp_path / "bpe.bin"), tok)
+    args = [f"model.vocab_size={vocab}", f"data.tokenizer={tok}", "train.steps=30", "train.log_every=5",
+            "checkpoint.every=0"]
+    r = run_cli(tmp_path / "run", data, *args)
+    assert r.returncode == 0, r.stderr
+    losses = metrics(tmp_path / "run")
+    assert losses[30]["loss"] < losses[5]["loss"] - 1.0, losses
+    assert train_tokenizer([str(tmp_path / "corpus.jsonl")], tok, vocab_size=vocab - 10) == vocab - 10  # same path, other tokenizer
+    again = run_cli(tmp_path / "run", data, *args[:2], "train.steps=40")
+    assert again.returncode == 2 and again.stderr.count("error:") == 1, again.stderr
+    assert "trained with another tokenizer" in again.stderr

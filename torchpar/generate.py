@@ -13,7 +13,8 @@ import torch
 
 from jaxpar.core.config import config_for_weights
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.sampling_cli import check_sampling, print_samples, run_config, sampling_parser
+from jaxpar.core.resume import read_run_config
+from jaxpar.core.sampling_cli import check_sampling, print_samples, sampling_parser
 from jaxpar.core.tokens import text_codec
 from jaxpar.core.weights import model_dims, read_weights
 from torchpar import dist
@@ -27,7 +28,7 @@ def load_model(args):
     if args.run:
         from torchpar import backends
 
-        cfg = run_config(args.run)
+        cfg = read_run_config(args.run)
         cfg.run.dir = args.run  # where the run is now (config.json holds where it was trained)
         model = GPT(cfg.model)
         env = dist.init(False, cfg.run.peer_timeout_s)

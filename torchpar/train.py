@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 
@@ -23,7 +22,7 @@ from jaxpar.core.flops import flops_per_token, peak_flops
 from jaxpar.core.loop import ignore_stop_requests, run_loop, stop_requests
 from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
 from jaxpar.core.metrics_log import MetricsLog
-from jaxpar.core.resume import already_complete, check_resume
+from jaxpar.core.resume import already_complete, check_resume, write_run_config
 from jaxpar.core.trackers import check_trackers, open_trackers
 from jaxpar.core.weights import load_weights, save_weights, unflatten
 from torchpar import dist
@@ -208,8 +207,7 @@ def train(cfg: Config, args) -> int:
     resumed = engine.checkpointer.restore() if cfg.checkpoint.resume else None
     step = engine.step = int(resumed["data_step"]) if resumed else 0
     if env.is_main:
-        with open(os.path.join(cfg.run.dir, "config.json"), "w") as f:
-            json.dump({**cfg.to_dict(), "backend": args.backend, "world_size": env.world}, f, indent=2)
+        write_run_config(cfg, backend=args.backend, world_size=env.world)
         print(f"backend {args.backend} on {env.world} {env.device.type} processes; {n_params:,} params", flush=True)
     kind = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     peak = peak_flops(kind, cfg.model.compute_dtype)

@@ -7,11 +7,12 @@ and is printed (on stdout, with the progress).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
 
-from jaxpar.core.config import Config
+from jaxpar.core.config import Config, config_from_dict
 from jaxpar.core.errors import UserError
 
 # Free to change on resume inside the model section: numerics and memory, not shapes.
@@ -29,6 +30,30 @@ def must_match(key: str) -> bool:
     return (section == "model" and name not in _MODEL_FREE) or key in _FIXED
 
 
+def fingerprints(cfg: Config) -> dict:
+    """What a path in the config does not say: the tokenizer file's content (written into config.json)."""
+    if cfg.data.tokenizer == "byte" or not os.path.isfile(cfg.data.tokenizer):
+        return {}
+    with open(cfg.data.tokenizer, "rb") as f:
+        return {"tokenizer_sha256": hashlib.sha256(f.read()).hexdigest()}
+
+
+def write_run_config(cfg: Config, **extra) -> None:
+    """<run.dir>/config.json: the config, its fingerprints and what the trainer adds (resolved mesh, backend)."""
+    with open(os.path.join(cfg.run.dir, "config.json"), "w") as f:
+        json.dump({**cfg.to_dict(), **fingerprints(cfg), **extra}, f, indent=2)
+
+
+def read_run_config(run_dir: str) -> Config:
+    """The config a run directory was trained with (its config.json; the trainers' own keys left out)."""
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(path):
+        raise UserError(f"not a run directory: {path} is missing")
+    with open(path) as f:
+        saved = json.load(f)
+    return config_from_dict({k: v for k, v in saved.items() if isinstance(v, dict)})
+
+
 def check_resume(cfg: Config) -> None:
     """Compare with the config the run was started with, when run.dir holds a checkpoint to resume."""
     run_dir, path = cfg.run.dir, os.path.join(cfg.run.dir, "config.json")
@@ -38,9 +63,14 @@ def check_resume(cfg: Config) -> None:
         return
     try:
         with open(path) as f:
-            saved = _flat(json.load(f))
+            record = json.load(f)
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read {path} to check the resumed run against it: {e}") from None
+    saved = _flat(record)
+    old_hash, new_hash = record.get("tokenizer_sha256"), fingerprints(cfg).get("tokenizer_sha256")
+    if old_hash and new_hash and old_hash != new_hash:
+        raise UserError(f"{run_dir} was trained with another tokenizer: {cfg.data.tokenizer} has changed since "
+                        "(its content hash differs); resume with that tokenizer, or use a new run.dir")
     now = _flat(cfg.to_dict())
     changed = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
     fixed = [k for k in changed if must_match(k)]

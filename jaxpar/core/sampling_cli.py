@@ -3,10 +3,7 @@ come from, the prompt, the sampling settings, their checks and how samples are p
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
-from jaxpar.core.config import Config, config_from_dict
 from jaxpar.core.errors import UserError
 
 
@@ -32,16 +29,6 @@ def check_sampling(args) -> None:
         raise UserError("--max-new-tokens and --num-samples must be at least 1")
     if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
         raise UserError("--temperature and --top-k must be >= 0 and --top-p in (0, 1]")
-
-
-def run_config(run_dir: str) -> Config:
-    """The config a run directory was trained with (its config.json, trainer-specific keys dropped)."""
-    path = os.path.join(run_dir, "config.json")
-    if not os.path.isfile(path):
-        raise UserError(f"not a run directory: {path} is missing")
-    with open(path) as f:
-        saved = json.load(f)
-    return config_from_dict({k: v for k, v in saved.items() if isinstance(v, dict)})
 
 
 def print_samples(prompt: str, rows: list[list[int]], decode) -> None:

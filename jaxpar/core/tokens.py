@@ -15,31 +15,12 @@ import tempfile
 import numpy as np
 
 from jaxpar.core.config import DataConfig
+from jaxpar.core.corpus import collect, documents, read_bytes
 from jaxpar.core.errors import UserError
 
-TEXT_SUFFIXES = (".py", ".txt", ".md")
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idlelib"}
-
-
-def _collect(inputs: list[str]) -> list[str]:
-    """Explicit files are taken as given; directories contribute their text files in sorted order."""
-    files = []
-    for inp in inputs:
-        if os.path.isdir(inp):
-            found = [os.path.join(d, f) for d, _, fs in os.walk(inp) for f in fs if f.endswith(TEXT_SUFFIXES)]
-            files.extend(sorted(found))
-        elif os.path.isfile(inp):
-            files.append(inp)
-        else:
-            raise UserError(f"input not found: {inp}")
-    if not files:
-        raise UserError(f"no {'/'.join(TEXT_SUFFIXES)} files found in {' '.join(inputs) or '(no inputs)'}")
-    return files
-
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+EOD_NAMES = ("<|endoftext|>", "</s>", "<eos>")  # a tokenizer.json's end-of-document token, the first it has
+_WORKER: dict = {}  # a prepare worker process's encoder (multiprocessing initializer)
 
 
 def _hf_tokenizer(path: str):
@@ -65,6 +46,36 @@ def _tokenizer(tokenizer: str):
     return encode, tok.get_vocab_size(), os.path.abspath(tokenizer)
 
 
+def eod_token(tokenizer: str) -> int:
+    """The token between documents: byte 0 (NUL, which text does not contain) for the byte-level tokenizer."""
+    if tokenizer == "byte":
+        return 0
+    tok = _hf_tokenizer(tokenizer)
+    for name in EOD_NAMES:
+        if tok.token_to_id(name) is not None:
+            return tok.token_to_id(name)
+    raise UserError(f"tokenizer {tokenizer} has no end-of-document token ({' or '.join(EOD_NAMES)})")
+
+
+def _start_worker(tokenizer: str) -> None:
+    _WORKER["encode"] = _tokenizer(tokenizer)[0]
+
+
+def _encode_in_worker(document: bytes):
+    return _WORKER["encode"](document)
+
+
+def _encoded(docs, tokenizer: str, encode, workers: int):
+    """Token arrays of `docs` in order: in this process for bytes (a copy), else in `workers` processes."""
+    if tokenizer == "byte" or workers <= 1:
+        yield from map(encode, docs)
+        return
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(workers, _start_worker, (tokenizer,)) as pool:
+        yield from pool.imap(_encode_in_worker, docs, chunksize=16)
+
+
 def text_codec(tokenizer: str):
     """(encode: str -> list of ids, decode: ids -> str) of 'byte' or a tokenizer.json, for prompts and samples."""
     if tokenizer == "byte":
@@ -81,7 +92,7 @@ def _temp_for(path: str, tmps: list, mode: str):
     return os.fdopen(fd, mode)
 
 
-def _write_dataset(out: str, chunks, vocab_size: int, tokenizer: str) -> str:
+def _write_dataset(out: str, chunks, vocab_size: int, tokenizer: str, eod: int | None = None) -> str:
     """Streams token chunks to a temp file, then renames; the sidecar goes last, marking a complete dataset.
 
     An interrupted write leaves the old dataset; concurrent writers each rename their own complete file.
@@ -99,7 +110,7 @@ def _write_dataset(out: str, chunks, vocab_size: int, tokenizer: str) -> str:
                 f.write(toks.astype(dtype).tobytes())
                 n_tok, n_doc = n_tok + toks.size, n_doc + 1
         meta = {"dtype": dtype.name, "vocab_size": int(vocab_size), "num_tokens": int(n_tok),
-                "tokenizer": tokenizer, "num_documents": n_doc}
+                "tokenizer": tokenizer, "num_documents": n_doc, **({} if eod is None else {"eod_token": eod})}
         with _temp_for(out + ".json", tmps, "w") as f:
             json.dump(meta, f, indent=2)
         for tmp, dst in zip(tmps, (out, out + ".json")):
@@ -115,21 +126,34 @@ def _write_dataset(out: str, chunks, vocab_size: int, tokenizer: str) -> str:
     return out
 
 
-def prepare(inputs: list[str], out: str, tokenizer: str = "byte") -> str:
-    """Tokenizes text files (directories walked for *.py/*.txt/*.md) into `out` + `out.json`."""
-    files = _collect(inputs)
+def prepare(inputs: list[str], out: str, tokenizer: str = "byte", text_field: str = "text", workers: int = 1) -> str:
+    """Tokenizes a corpus (corpus.py: text files, JSON lines, Parquet; directories walked) into `out` +
+    `out.json`, with the end-of-document token between documents; a progress bar on a terminal."""
+    from tqdm import tqdm
+
+    files = collect(inputs)
     encode, vocab_size, name = _tokenizer(tokenizer)
-    sep = encode(b"\n")
+    eod = np.asarray([eod_token(tokenizer)])
+    sizes = None if any(f.endswith(".parquet") for f in files) else sum(os.path.getsize(f) for f in files)
+    bar = tqdm(total=sizes, unit="B", unit_scale=True, desc=f"tokenizing {os.path.basename(out)}", disable=None,
+               file=sys.stderr)
+
+    def read():
+        for doc in documents(files, text_field):
+            bar.update(len(doc))
+            yield doc
 
     def chunks():
-        for i, path in enumerate(files):
-            try:
-                data = _read(path)
-            except OSError as e:
-                raise UserError(f"cannot read {path}: {e.strerror or e}") from None
-            yield np.concatenate([sep, encode(data)]) if i else encode(data)
+        n_tok = 0
+        for i, toks in enumerate(_encoded(read(), tokenizer, encode, workers)):
+            n_tok += len(toks)
+            bar.set_postfix_str(f"{n_tok / max(bar.format_dict['elapsed'], 1e-9):,.0f} tok/s", refresh=False)
+            yield np.concatenate([eod, toks]) if i else toks
 
-    return _write_dataset(out, chunks(), vocab_size, name)
+    try:
+        return _write_dataset(out, chunks(), vocab_size, name, eod=int(eod[0]))
+    finally:
+        bar.close()
 
 
 def write_tokens(out: str, tokens, vocab_size: int, tokenizer: str = "synthetic") -> str:
@@ -178,10 +202,11 @@ def resolve_dataset(cfg: DataConfig) -> str:
     if cfg.tokenizer != "byte":  # a content hash, so editing the tokenizer file does not reuse a stale cache
         if not os.path.isfile(cfg.tokenizer):
             raise UserError(f"tokenizer file not found: {cfg.tokenizer}")
-        digest = hashlib.sha256(_read(cfg.tokenizer)).hexdigest()[:10]
+        digest = hashlib.sha256(read_bytes(cfg.tokenizer)).hexdigest()[:10]
         tok_name = f"{os.path.splitext(os.path.basename(cfg.tokenizer))[0]}-{digest}"
     cache = cfg.cache_dir or os.environ.get("JAXPAR_CACHE") or os.path.expanduser("~/.cache/jaxpar")
-    path = os.path.join(cache, f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}-{tok_name}.bin")
+    # "-eod": documents separated by the end-of-document token (earlier caches used a newline)
+    path = os.path.join(cache, f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}-{tok_name}-eod.bin")
     try:
         read_meta(path)
         return path

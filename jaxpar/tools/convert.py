@@ -41,16 +41,10 @@ def read(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
         flat = read_weights(src)
         return flat, model_dims(flat)
     from jaxpar.checkpoint import Checkpointer
-    from jaxpar.core.config import config_from_dict
+    from jaxpar.core.resume import read_run_config
     from jaxpar.state import abstract_state
 
-    cfg_path = os.path.join(src, "config.json")
-    if not os.path.exists(cfg_path):
-        raise UserError(f"not a jaxpar run directory: {cfg_path} is missing")
-    with open(cfg_path) as f:
-        saved = json.load(f)
-    saved.pop("resolved_mesh", None)
-    cfg = config_from_dict(saved)
+    cfg = read_run_config(src)
     if cfg.model.attention != "mha" or cfg.model.linear != "dense":
         raise UserError(f"{src} trains model.attention={cfg.model.attention}, model.linear={cfg.model.linear}; "
                         "conversion supports only GPT-2's mha/dense model")

@@ -1,0 +1,85 @@
+"""The documents of a corpus, as bytes: a text file is one document (.py, .txt, .md, or any file named
+explicitly), a JSON-lines file one per line (its `text_field`), a Parquet file one per row (its
+`text_field` column, read with pyarrow). Directories are walked for those suffixes in sorted order."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+from jaxpar.core.errors import UserError
+
+TEXT_SUFFIXES = (".py", ".txt", ".md")
+CORPUS_SUFFIXES = TEXT_SUFFIXES + (".jsonl", ".parquet")
+
+
+def collect(inputs: list[str]) -> list[str]:
+    """Explicit files are taken as given; directories contribute their corpus files in sorted order."""
+    files = []
+    for inp in inputs:
+        if os.path.isdir(inp):
+            found = [os.path.join(d, f) for d, _, fs in os.walk(inp) for f in fs if f.endswith(CORPUS_SUFFIXES)]
+            files.extend(sorted(found))
+        elif os.path.isfile(inp):
+            files.append(inp)
+        else:
+            raise UserError(f"input not found: {inp}")
+    if not files:
+        raise UserError(f"no {'/'.join(CORPUS_SUFFIXES)} files found in {' '.join(inputs) or '(no inputs)'}")
+    return files
+
+
+def read_bytes(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _text(value, where: str, text_field: str) -> bytes:
+    if not isinstance(value, str):
+        raise UserError(f"{where}: field {text_field!r} is {type(value).__name__}, not text (--text-field names it)")
+    return value.encode("utf-8")
+
+
+def _jsonl(path: str, text_field: str) -> Iterator[bytes]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                    except ValueError as e:
+                        raise UserError(f"{path}:{n}: not a JSON object ({e})") from None
+                    if not isinstance(record, dict) or text_field not in record:
+                        raise UserError(f"{path}:{n}: no field {text_field!r} (--text-field names it)")
+                    yield _text(record[text_field], f"{path}:{n}", text_field)
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _parquet(path: str, text_field: str) -> Iterator[bytes]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"{path}: Parquet needs the pyarrow package (pip install pyarrow)") from None
+    try:
+        table = pq.ParquetFile(path)
+        if text_field not in table.schema_arrow.names:
+            raise UserError(f"{path}: no column {text_field!r} (columns: {', '.join(table.schema_arrow.names)})")
+        for batch in table.iter_batches(columns=[text_field]):
+            for value in batch.column(0).to_pylist():
+                yield _text(value, path, text_field)
+    except (OSError, ValueError) as e:  # pyarrow's errors derive from these
+        raise UserError(f"cannot read {path} as Parquet: {str(e).splitlines()[0]}") from None
+
+
+def documents(files: list[str], text_field: str = "text") -> Iterator[bytes]:
+    for path in files:
+        if path.endswith(".jsonl"):
+            yield from _jsonl(path, text_field)
+        elif path.endswith(".parquet"):
+            yield from _parquet(path, text_field)
+        else:
+            yield read_bytes(path)
