@@ -82,7 +82,8 @@ def make_mesh(sizes: dict[str, int], devices=None):
     return jax.make_mesh(tuple(full[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 
-def device_memory_gib(device) -> float | None:
-    """Peak memory in use on `device` (GiB), where the backend reports it (GPUs; not the CPU)."""
+def device_memory(device) -> dict:
+    """Memory in use on `device` now and at its peak (GiB), where the backend reports it (GPUs; not the CPU)."""
     stats = device.memory_stats() or {}
-    return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
+    gib = lambda key: stats[key] / 2**30 if key in stats else None  # noqa: E731
+    return {"memory_in_use_gib": gib("bytes_in_use"), "memory_gib": gib("peak_bytes_in_use")}

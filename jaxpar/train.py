@@ -25,7 +25,7 @@ from jaxpar.core.trackers import check_trackers, open_trackers
 from jaxpar.core.weights import flatten, load_weights, save_weights, unflatten
 from jaxpar.data import device_batch, grain_batches
 from jaxpar.layout import Layout
-from jaxpar.mesh import device_memory_gib, make_mesh, setup_devices
+from jaxpar.mesh import device_memory, make_mesh, setup_devices
 from jaxpar.step import make_eval_step, make_train_step
 
 
@@ -52,11 +52,11 @@ class JaxFramework:
         self._train_step = make_train_step(layout).lower(state, batch).compile()
         self._eval_step = make_eval_step(layout)
 
-    def _batch(self, data, step: int):
-        return device_batch(data, step, self.layout.batch_sharding)
+    def batch(self, step: int, data=None):
+        return device_batch(self.train_data if data is None else data, step, self.layout.batch_sharding)
 
-    def train_step(self, step: int):
-        self.state, metrics = self._train_step(self.state, self._batch(self.train_data, step))
+    def train_step(self, batch):
+        self.state, metrics = self._train_step(self.state, batch)
         return metrics
 
     def agree_stop(self, requested: bool) -> bool:
@@ -91,7 +91,7 @@ class JaxFramework:
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
     def evaluate(self) -> float:
-        losses = [self._eval_step(self.state["params"], self._batch(self.val_data, i))
+        losses = [self._eval_step(self.state["params"], self.batch(i, self.val_data))
                   for i in range(self.cfg.train.eval_batches)]
         return float(sum(jax.device_get(losses)) / len(losses))
 
@@ -99,8 +99,8 @@ class JaxFramework:
         self.ckpt.save(step, self.state, {"step": step, "data_step": step,
                                           "mesh": format_mesh(dict(self.layout.mesh.shape))})
 
-    def memory_gib(self) -> float | None:
-        return device_memory_gib(jax.local_devices()[0])
+    def memory(self) -> dict:
+        return device_memory(jax.local_devices()[0])
 
     def profile_start(self) -> None:
         jax.profiler.start_trace(os.path.join(self.cfg.run.dir, "profile"))

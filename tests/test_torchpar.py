@@ -64,7 +64,8 @@ def assert_same_run(got: dict, ref: dict, steps=range(1, 11)) -> None:
 def test_reference_learns(reference):
     assert reference[10]["loss"] < reference[1]["loss"] - 0.5
     assert reference[10]["eval_loss"] is not None
-    fields = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s", "mfu", "memory_gib", "eval_loss"}
+    fields = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s", "mfu", "memory_gib", "eval_loss",
+              "memory_in_use_gib", "data_wait_share"}
     assert set(reference[10]) == fields
 
 

@@ -125,9 +125,11 @@ class TorchFramework:
         rows = data.rows(step, share * n // ways, (share + 1) * n // ways)
         return torch.from_numpy(rows).long().to(self.env.device)
 
-    def train_step(self, step: int):
-        M = self.cfg.train.microbatches
-        batch = self._rows(self.train_data, step)  # microbatch m = rows m, m+M, ... (as jaxpar)
+    def batch(self, step: int):
+        return self._rows(self.train_data, step)
+
+    def train_step(self, batch):
+        M = self.cfg.train.microbatches  # microbatch m = rows m, m+M, ... (as jaxpar)
         return self.engine.train_step([batch[m::M] for m in range(M)])
 
     @property
@@ -156,8 +158,11 @@ class TorchFramework:
         self.engine.checkpointer.save(step, {"step": step, "data_step": step, "backend": self.backend,
                                              "world_size": self.env.world})
 
-    def memory_gib(self) -> float | None:
-        return torch.cuda.max_memory_allocated(self.env.device) / 2**30 if self.env.device.type == "cuda" else None
+    def memory(self) -> dict:
+        if self.env.device.type != "cuda":
+            return {"memory_in_use_gib": None, "memory_gib": None}
+        return {"memory_in_use_gib": torch.cuda.memory_allocated(self.env.device) / 2**30,
+                "memory_gib": torch.cuda.max_memory_allocated(self.env.device) / 2**30}
 
     def profile_start(self) -> None:  # train.profile_steps=a:b -> <run.dir>/profile/trace_rank<r>.json
         self.profiler = torch.profiler.profile()

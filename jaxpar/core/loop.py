@@ -28,8 +28,11 @@ class Framework(Protocol):
     def roll_call(self, wait_s: float) -> list[int]:
         """Announce this process in the launcher's store; the processes that did not within `wait_s`."""
 
-    def train_step(self, step: int) -> Any:
-        """Start the update on the global batch of data step `step` (0-based); a handle on its metrics."""
+    def batch(self, step: int) -> Any:
+        """The global batch of data step `step` (0-based), placed where the step reads it."""
+
+    def train_step(self, batch: Any) -> Any:
+        """Start the update on `batch`; a handle on its metrics."""
 
     def agree_stop(self, requested: bool) -> bool:
         """Whether any process asked to stop; every process must get the same answer."""
@@ -42,7 +45,8 @@ class Framework(Protocol):
     def save(self, step: int) -> None:
         """Checkpoint the state after `step` (a no-op if that step is saved already)."""
 
-    def memory_gib(self) -> float | None: ...
+    def memory(self) -> dict:
+        """{"memory_in_use_gib", "memory_gib" (the peak)} on this process's first device; None where unknown."""
 
     def profile_start(self) -> None: ...
 
@@ -101,6 +105,7 @@ def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_
     window, profiling = profile_window(t.profile_steps), False
     mark, mark_step, poison_at = time.perf_counter(), step, nan_at_step(fw.fault_prefix)
     pending, saved = [], None  # steps whose metrics are not read yet (read at log and save points only)
+    data_s = 0.0  # host time spent getting batches since the last log (the rest: the device, or waiting on it)
     with PeerGuard(fw, cfg.run.peer_timeout_s, cfg.run.dir, step) as peers:
         while step < t.steps:
             peers.beat(step)
@@ -115,7 +120,10 @@ def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_
                 profiling = True
             if poison_at == step + 1:
                 fw.poison()
-            pending.append((step + 1, fw.train_step(step)))
+            t0 = time.perf_counter()
+            batch = fw.batch(step)
+            data_s += time.perf_counter() - t0
+            pending.append((step + 1, fw.train_step(batch)))
             step += 1
             last = step == t.steps
             do_eval = last or (t.eval_every and step % t.eval_every == 0)
@@ -128,7 +136,7 @@ def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_
                 record = {"step": step, **metrics, "tokens_per_sec": tps,
                           "step_time_s": (now - mark) / (step - mark_step),
                           "mfu": tps * flops_per_token / peak_flops_total if peak_flops_total else None,
-                          "memory_gib": fw.memory_gib(), **(extra or {})}
+                          "data_wait_share": data_s / (now - mark), **fw.memory(), **(extra or {})}
                 if do_eval:
                     record["eval_loss"] = fw.evaluate()
                 log.log(record)
@@ -136,7 +144,7 @@ def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_
                 fw.save(step)
                 saved = peers.saved = step
             if logged:  # throughput covers training steps only, not evaluation or checkpoint saves
-                mark, mark_step = time.perf_counter(), step
+                mark, mark_step, data_s = time.perf_counter(), step, 0.0
             if profiling and step == window[1]:
                 fw.profile_stop()
                 profiling = False

@@ -44,7 +44,7 @@ def bench(cfg: Config, sizes: dict[str, int], steps: int, warmup: int) -> dict:
     import numpy as np
 
     from jaxpar.layout import Layout
-    from jaxpar.mesh import device_memory_gib, make_mesh
+    from jaxpar.mesh import device_memory, make_mesh
     from jaxpar.state import init_state
     from jaxpar.step import make_train_step
 
@@ -78,7 +78,7 @@ def bench(cfg: Config, sizes: dict[str, int], steps: int, warmup: int) -> dict:
         "global_batch_size": shape[0], "step_time_s": step_s, "tokens_per_sec": tps,
         "mfu_datasheet": tps * fpt / (peak * n_dev) if peak else None,
         "matmul_ceiling_flops": ceiling, "mfu_ceiling": tps * fpt / (ceiling * n_dev),
-        "memory_gib": device_memory_gib(device), "loss": float(metrics["loss"]),
+        "memory_gib": device_memory(device)["memory_gib"], "loss": float(metrics["loss"]),
         "command": "python -m jaxpar.tools.bench " + shlex.join(sys.argv[1:]),
     }
 

@@ -1,0 +1,48 @@
+"""The shared loop with a framework made of sleeps: what it reports about where a step's time went."""
+import json
+import time
+
+from jaxpar.core.loop import run_loop
+from jaxpar.core.metrics_log import MetricsLog
+
+from tests.helpers import tiny_config
+
+
+class SleepyFramework:
+    """Getting a batch takes 30 ms, the step 10 ms: the host waits on data 3/4 of the time."""
+    fault_prefix, process_count = "NOBODY", 1
+
+    def batch(self, step):
+        time.sleep(0.03)
+        return step
+
+    def train_step(self, batch):
+        time.sleep(0.01)
+        return {"loss": 1.0, "grad_norm": 1.0, "lr": 0.1}
+
+    def agree_stop(self, requested):
+        return requested
+
+    def fetch(self, handle):
+        return handle
+
+    def memory(self):
+        return {"memory_in_use_gib": 1.5, "memory_gib": 2.0}
+
+    def save(self, step):
+        pass
+
+
+def test_records_say_how_much_of_a_step_was_waiting_for_data(tmp_path):
+    cfg = tiny_config("train.steps=8", "train.log_every=4", "train.eval_every=0", "checkpoint.every=0",
+                      f"run.dir={tmp_path}")
+    fw = SleepyFramework()
+    fw.evaluate = lambda: 0.0
+    log = MetricsLog(str(tmp_path), True, 8)
+    assert run_loop(cfg, 0, fw, log, None, 1.0, stop={}) == 8
+    log.close()
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [4, 8]
+    for r in records:
+        assert 0.6 < r["data_wait_share"] < 0.8, r  # 30 / (30 + 10) ms, plus the loop's own overhead
+        assert r["memory_in_use_gib"] == 1.5 and r["memory_gib"] == 2.0
