@@ -19,7 +19,7 @@ from jaxpar.core.flops import flops_per_token, peak_flops
 from jaxpar.core.loop import ignore_stop_requests, run_loop, stop_requests
 from jaxpar.core.mesh_spec import format_mesh, parse_mesh
 from jaxpar.core.metrics_log import MetricsLog
-from jaxpar.core.pipeline_schedules import bubble_fraction, resolve_microbatches, simulate
+from jaxpar.core.pipeline_schedules import configured_bubble, resolve_microbatches
 from jaxpar.core.resume import already_complete, check_resume, write_run_config
 from jaxpar.core.trackers import check_trackers, open_trackers
 from jaxpar.core.weights import flatten, load_weights, save_weights, unflatten
@@ -136,11 +136,11 @@ def initial_state(cfg: Config, layout, ckpt):
 
 def pipeline_bubble(cfg: Config, stages: int) -> float | None:
     """The schedule table's idle fraction; printed once and reported in every metrics record."""
-    if stages == 1:
-        return None
     p = cfg.parallel
+    bubble = configured_bubble(p.pipeline_schedule, stages, p.pipeline_microbatches, p.pipeline_virtual_stages)
+    if bubble is None:
+        return None
     M = resolve_microbatches(stages, p.pipeline_microbatches)
-    bubble = bubble_fraction(simulate(p.pipeline_schedule, stages, M, p.pipeline_virtual_stages))
     print(f"pipeline {p.pipeline_schedule}: {stages} stages x {p.pipeline_virtual_stages} virtual, "
           f"{M} microbatches, bubble {bubble:.3f}", flush=True)
     return bubble

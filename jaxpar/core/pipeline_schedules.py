@@ -132,3 +132,10 @@ def render(table: list[list[Op | None]]) -> str:
     for t, row in enumerate(table):
         lines.append(f"{t:>4}  " + " ".join(f"{str(op) if op else '.':>{max(width, 7)}}" for op in row))
     return "\n".join(lines)
+
+
+def configured_bubble(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float | None:
+    """The idle fraction of a run's pipeline (parallel.pipeline_* on `stages` stages); None without one."""
+    if stages == 1:
+        return None
+    return bubble_fraction(simulate(schedule, stages, resolve_microbatches(stages, microbatches), virtual))

@@ -21,6 +21,7 @@ from jaxpar.core.config import Config, load_config
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.flops import flops_per_token, peak_flops
 from jaxpar.core.mesh_spec import format_mesh, parse_mesh
+from jaxpar.core.pipeline_schedules import configured_bubble
 from jaxpar.mesh import setup_devices
 
 def matmul_ceiling(dtype: str) -> float:
@@ -39,7 +40,8 @@ def matmul_ceiling(dtype: str) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
-def bench(cfg: Config, sizes: dict[str, int], steps: int, warmup: int) -> dict:
+def bench(cfg: Config, sizes: dict[str, int], steps: int, warmup: int, devices=None) -> dict:
+    """One mesh on `devices` (default: all): the median step time and what follows from it."""
     import jax
     import numpy as np
 
@@ -48,7 +50,7 @@ def bench(cfg: Config, sizes: dict[str, int], steps: int, warmup: int) -> dict:
     from jaxpar.state import init_state
     from jaxpar.step import make_train_step
 
-    layout = Layout(cfg, make_mesh(sizes))
+    layout = Layout(cfg, make_mesh(sizes, devices))
     shape = (cfg.train.global_batch_size, cfg.data.seq_len + 1)
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, shape, dtype=np.int32)
     batch = jax.device_put(tokens, layout.batch_sharding)
@@ -63,13 +65,14 @@ def bench(cfg: Config, sizes: dict[str, int], steps: int, warmup: int) -> dict:
         state, metrics = step(state, batch)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
-    n_dev = jax.device_count()
+    n_dev = layout.mesh.size
     step_s = float(np.median(times))
     tps = shape[0] * cfg.data.seq_len / step_s
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     device = jax.devices()[0]
     peak = peak_flops(device.device_kind, cfg.model.compute_dtype)
     ceiling = matmul_ceiling(cfg.model.compute_dtype)
+    p = cfg.parallel
     return {
         "date": datetime.date.today().isoformat(), "framework": "jaxpar", "mesh": format_mesh(dict(layout.mesh.shape)),
         "devices": n_dev, "device_kind": f"{device.platform}:{device.device_kind}",
@@ -79,8 +82,28 @@ def bench(cfg: Config, sizes: dict[str, int], steps: int, warmup: int) -> dict:
         "mfu_datasheet": tps * fpt / (peak * n_dev) if peak else None,
         "matmul_ceiling_flops": ceiling, "mfu_ceiling": tps * fpt / (ceiling * n_dev),
         "memory_gib": device_memory(device)["memory_gib"], "loss": float(metrics["loss"]),
+        "pipeline_bubble": configured_bubble(p.pipeline_schedule, layout.mesh.shape["pp"], p.pipeline_microbatches,
+                                             p.pipeline_virtual_stages),
         "command": "python -m jaxpar.tools.bench " + shlex.join(sys.argv[1:]),
     }
+
+
+def sweep(cfg: Config, meshes: list[dict[str, int]], args) -> int:
+    """Each mesh on the first devices it needs (on CPU: as many simulated devices as the largest needs)."""
+    import math
+
+    import jax
+
+    setup_devices(max(meshes, key=lambda sizes: math.prod(sizes.values())))
+    rows = [bench(cfg, sizes, args.steps, args.warmup, jax.devices()[:math.prod(sizes.values())]) for sizes in meshes]
+    for row in rows:
+        print(f"{row['mesh']:>24}: {row['tokens_per_sec']:,.0f} tok/s on {row['devices']} devices")
+        if args.record:
+            record_row(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
 
 
 def compare(args, result: dict) -> dict:
@@ -105,7 +128,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxpar.tools.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config")
-    ap.add_argument("--mesh")
+    ap.add_argument("--mesh", action="append",
+                    help="mesh axes; repeat it to sweep several meshes in one run (for report --scaling)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", help="write the result here")
@@ -117,9 +141,13 @@ def main(argv=None) -> int:
     if args.steps < 1 or args.warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")
     cfg = load_config(args.config, args.overrides)
-    sizes = parse_mesh(args.mesh or cfg.parallel.mesh)
-    setup_devices(sizes)
-    result = bench(cfg, sizes, args.steps, args.warmup)
+    meshes = [parse_mesh(m) for m in args.mesh or [cfg.parallel.mesh]]
+    if len(meshes) > 1:
+        if args.compare or -1 in {n for sizes in meshes for n in sizes.values()}:
+            raise UserError("a sweep (several --mesh) takes explicit sizes and no --compare")
+        return sweep(cfg, meshes, args)
+    setup_devices(meshes[0])
+    result = bench(cfg, meshes[0], args.steps, args.warmup)
     publish(result, args.json, args.record)
     if args.compare:
         cmp = compare(args, result)

@@ -1,8 +1,12 @@
-"""python -m jaxpar.tools.report BENCH.json ... --out DIR
+"""python -m jaxpar.tools.report BENCH.json ... --out DIR [--scaling]
 
 PNG plots from benchmark JSON files (`jaxpar.tools.bench --json`, `torchpar.tools.bench --json`):
 throughput, MFU and peak memory per device for each run, and scaling (tokens/s against device
 count) where runs of one framework differ in device count.
+
+--scaling also writes <out>/scaling.md: per run its speedup over the same framework's run on the fewest
+devices and the scaling efficiency (speedup / device ratio), memory per device and the pipeline bubble
+(e.g. from one sweep: `python -m jaxpar.tools.bench --mesh dp=1 --mesh dp=8 --mesh pp=8 --json rows.json`).
 """
 from __future__ import annotations
 
@@ -76,14 +80,63 @@ def plot(runs: list[dict], out_dir: str) -> list[str]:
     return written
 
 
+def scaling_rows(runs: list[dict]) -> list[dict]:
+    """Speedup and efficiency of each run against its framework's run on the fewest devices."""
+    out = []
+    for r in sorted(runs, key=lambda r: (r.get("framework", "?"), r["devices"], label(r))):
+        base = min((b for b in runs if b.get("framework") == r.get("framework")), key=lambda b: b["devices"])
+        speedup = r["tokens_per_sec"] / base["tokens_per_sec"]
+        out.append({**r, "speedup": speedup, "efficiency": speedup / (r["devices"] / base["devices"]),
+                    "baseline": label(base)})
+    return out
+
+
+def scaling_markdown(rows: list[dict]) -> str:
+    fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+    lines = ["| run | devices | tokens/s | speedup | efficiency | peak GiB / device | bubble | baseline |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {label(r)} | {r['devices']} | {r['tokens_per_sec']:,.0f} | {r['speedup']:.2f}x | "
+              f"{r['efficiency']:.0%} | {fmt(r.get('memory_gib'), '.2f')} | {fmt(r.get('pipeline_bubble'), '.3f')} | "
+              f"{r['baseline']} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def plot_efficiency(rows: list[dict], out_dir: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(rows)), 3.5))
+    ax.bar(range(len(rows)), [r["efficiency"] for r in rows])
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(range(len(rows)), [f"{label(r)} ({r['devices']})" for r in rows], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("scaling efficiency")
+    fig.tight_layout()
+    path = os.path.join(out_dir, "efficiency.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 @cli
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxpar.tools.report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+")
     ap.add_argument("--out", default="docs/benchmarks/plots")
+    ap.add_argument("--scaling", action="store_true", help="also the speedup / efficiency table and plot")
     args = ap.parse_args(argv)
-    for path in plot(load(args.files), args.out):
+    runs = load(args.files)
+    written = plot(runs, args.out)
+    if args.scaling:
+        rows = scaling_rows(runs)
+        table = scaling_markdown(rows)
+        with open(os.path.join(args.out, "scaling.md"), "w") as f:
+            f.write(f"Scaling on {runs[0].get('device_kind', '?')} ({runs[0].get('date', '')})\n\n{table}")
+        print(table, end="")
+        written += [os.path.join(args.out, "scaling.md"), plot_efficiency(rows, args.out)]
+    for path in written:
         print(f"wrote {path}")
     return 0
 
