@@ -7,6 +7,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -16,16 +17,20 @@ from jaxpar.core.config import Config, load_config
 from jaxpar.core.data_order import open_splits
 from jaxpar.core.errors import cli
 from jaxpar.core.flops import flops_per_token, peak_flops
-from jaxpar.core.loop import ignore_stop_requests, run_loop, stop_requests
+from jaxpar.core.loop import ignore_stop_requests, run_loop, sample_lengths, stop_requests
 from jaxpar.core.mesh_spec import format_mesh, parse_mesh
 from jaxpar.core.metrics_log import MetricsLog
 from jaxpar.core.pipeline_schedules import configured_bubble, resolve_microbatches
 from jaxpar.core.resume import already_complete, check_resume, write_run_config
 from jaxpar.core.trackers import check_trackers, open_trackers
 from jaxpar.core.weights import flatten, load_weights, save_weights, unflatten
+from jaxpar.context import use
 from jaxpar.data import device_batch, grain_batches
+from jaxpar.decode import make_generate
 from jaxpar.layout import Layout
 from jaxpar.mesh import device_memory, make_mesh, setup_devices
+from jaxpar.models.gpt import abstract_model
+from jaxpar.parallelize import parallel_context
 from jaxpar.step import make_eval_step, make_train_step
 
 
@@ -86,6 +91,16 @@ class JaxFramework:
                 time.sleep(0.2)
         except Exception:  # noqa: BLE001 - the service itself is unreachable
             return [i for i in range(n) if i != me]
+
+    def sample(self, step: int) -> list[int] | None:
+        """Every process decodes (the parameters are sharded); process 0 returns the tokens."""
+        prompt_len, new = sample_lengths(self.cfg.model.max_seq_len)
+        prompt = jnp.asarray(self.val_data.rows(0, 0, 1)[:, :prompt_len], jnp.int32)
+        with use(parallel_context(self.layout)):
+            out = make_generate(abstract_model(self.cfg.model)[0])(
+                self.state["params"], prompt, jax.random.key(step), new_tokens=new, temperature=0.8, top_k=40)
+        out = multihost_utils.process_allgather(out, tiled=True)
+        return prompt[0].tolist() + out[0].tolist() if jax.process_index() == 0 else None
 
     def fetch(self, metrics) -> dict:
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -196,7 +211,8 @@ def fit(cfg: Config, data, layout, state, ckpt, stop: dict):
               f"{time.perf_counter() - t0:.1f}s", flush=True)
     bubble = pipeline_bubble(cfg, mesh.shape["pp"]) if main_proc else None
     peak = peak_flops(jax.devices()[0].device_kind, cfg.model.compute_dtype)
-    log = MetricsLog(cfg.run.dir, main_proc, cfg.train.steps, int(state["step"]), open_trackers(cfg, main_proc))
+    log = MetricsLog(cfg.run.dir, main_proc, cfg.train.steps, int(state["step"]), open_trackers(cfg, main_proc),
+                     cfg.data.tokenizer)
     run_loop(cfg, int(state["step"]), fw, log, peak * jax.device_count() if peak else None,
              flops_per_token(cfg.model, cfg.data.seq_len), stop, {"pipeline_bubble": bubble})
     log.close()

@@ -48,8 +48,9 @@ def base(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(base):
     run_dir = base["tmp"] / "reference"
-    run(["--backend", "none", *base["args"], f"run.dir={run_dir}", "run.tensorboard=true",
-         "--write-final", str(base["tmp"] / "reference.safetensors")])
+    out = run(["--backend", "none", *base["args"], f"run.dir={run_dir}", "run.tensorboard=true", "train.sample_every=5",
+               "--write-final", str(base["tmp"] / "reference.safetensors")])
+    (base["tmp"] / "reference.out").write_text(out.stdout)
     return metrics(run_dir)
 
 
@@ -70,7 +71,8 @@ def test_reference_learns(reference):
 
 
 BACKENDS = [("ddp", []), ("fsdp", []), ("deepspeed", ["parallel.zero_stage=1"]),
-            ("deepspeed", ["parallel.zero_stage=2"]), ("deepspeed", ["parallel.zero_stage=3"])]
+            pytest.param("deepspeed", ["parallel.zero_stage=2"], marks=pytest.mark.slow),  # between 1 and 3
+            ("deepspeed", ["parallel.zero_stage=3"])]
 
 
 _NO_JAX = """
@@ -91,6 +93,16 @@ def test_tensorboard_holds_the_metrics(base, reference):
     assert scalars["eval_loss"][10] == pytest.approx(reference[10]["eval_loss"], rel=1e-6)
 
 
+def test_samples_at_their_steps(base, reference):
+    """train.sample_every=5: a continuation of the validation data's first tokens at steps 5 and 10; refused
+    where rank 0 does not hold the whole model."""
+    lines = [line for line in (base["tmp"] / "reference.out").read_text().splitlines() if line.startswith("sample")]
+    assert [line.split(":")[0] for line in lines] == ["sample at step 5", "sample at step 10"], lines
+    assert lines[0] != lines[1]  # the model changed in between
+    line = _one_error_line(run(["--backend", "fsdp", *base["args"], "train.sample_every=5"], expect_rc="nonzero"))
+    assert "train.sample_every needs the whole model on rank 0" in line
+
+
 def test_torchpar_never_imports_jax(base, tmp_path):
     """torchpar reads only jaxpar's shared core: a whole training run (data, eval, checkpoint) imports no jax."""
     cmd = [sys.executable, "-c", _NO_JAX, "--backend", "none", *base["args"], f"run.dir={tmp_path}", "train.steps=3"]
@@ -99,7 +111,8 @@ def test_torchpar_never_imports_jax(base, tmp_path):
     assert sorted(metrics(tmp_path)) == [1, 2, 3] and os.path.isdir(tmp_path / "checkpoints" / "3")
 
 
-@pytest.mark.parametrize("backend,extra", BACKENDS, ids=[b + "".join(f",{e}" for e in x) for b, x in BACKENDS])
+@pytest.mark.parametrize("backend,extra", BACKENDS, ids=[b + "".join(f",{e}" for e in x) for b, x in
+                                                          (getattr(p, "values", p) for p in BACKENDS)])
 def test_two_processes_match_one(backend, extra, base, reference):
     run_dir = base["tmp"] / f"{backend}{''.join(extra)}"
     out = run(["--backend", backend, *base["args"], *extra, f"run.dir={run_dir}"], nproc=2)

@@ -104,14 +104,22 @@ def test_default_tiny_config_learns(tmp_path):
     import sys
     from tests.helpers import ROOT
     r = subprocess.run([sys.executable, "-m", "jaxpar.train", "--config", "configs/gpt2-tiny.yaml",
-                        "--mesh", "dp=2,tp=4", f"run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                        "--mesh", "dp=2,tp=4", f"run.dir={tmp_path}", "train.sample_every=150"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stderr
     records = metrics(tmp_path)
     final = records[max(records)]
     assert final["loss"] < 3.0 and final["eval_loss"] < 3.0, final
     assert records[min(records)]["loss"] > final["loss"] + 0.5  # from near log(256) = 5.5 down
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s", "mfu"} <= set(final)
+    # train.sample_every=150: one sample, continuing the validation split's first 16 tokens
+    from jaxpar.core.config import load_config
+    from jaxpar.core.data_order import open_splits
+
+    val = open_splits(load_config(os.path.join(ROOT, "configs/gpt2-tiny.yaml")))[1]
+    prompt = bytes(val.rows(0, 0, 1)[0, :16].tolist()).decode("utf-8", "replace")
+    samples = [line for line in r.stdout.splitlines() if line.startswith("sample at step")]
+    assert len(samples) == 1 and samples[0].startswith(f"sample at step 150: {prompt!r}"[:-1]), (samples, prompt)
     assert os.path.exists(tmp_path / "config.json")
 
 

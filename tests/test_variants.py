@@ -47,7 +47,9 @@ def _n(mesh: str) -> int:
     return math.prod(parse_mesh(mesh).values())
 
 
-@pytest.mark.parametrize("mesh", LAYOUTS)
+# dp=2,tp=4 splits the variants' own parameters over tp; the pure data-parallel layouts (tested for GPT-2 in
+# test_layouts.py) run with -m slow
+@pytest.mark.parametrize("mesh", [pytest.param(m, marks=pytest.mark.slow) if "tp" not in m else m for m in LAYOUTS])
 @pytest.mark.parametrize("variant", ["mla", "dilated", "sketched"])
 def test_variant_layout_matches_single_device(variant, mesh, dataset):
     ref = _reference(variant, dataset)

@@ -19,7 +19,7 @@ from jaxpar.core.config import Config, load_config
 from jaxpar.core.data_order import GlobalBatches, open_splits
 from jaxpar.core.errors import UserError
 from jaxpar.core.flops import flops_per_token, peak_flops
-from jaxpar.core.loop import ignore_stop_requests, run_loop, stop_requests
+from jaxpar.core.loop import ignore_stop_requests, run_loop, sample_lengths, stop_requests
 from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
 from jaxpar.core.metrics_log import MetricsLog
 from jaxpar.core.resume import already_complete, check_resume, write_run_config
@@ -58,6 +58,9 @@ def check(cfg: Config, args) -> None:
         raise UserError(f"--backend none runs one process, but WORLD_SIZE={world}; use ddp, fsdp or deepspeed")
     check_mesh(cfg.parallel.mesh, args.backend, world)
     check_trackers(cfg)
+    if cfg.train.sample_every and args.backend not in ("none", "ddp"):
+        raise UserError(f"train.sample_every needs the whole model on rank 0: --backend none or ddp, not {args.backend} "
+                        "(sample from a checkpoint with python -m torchpar.generate)")
     if args.backend == "ddp" and cfg.parallel.zero_stage:
         raise UserError(f"parallel.zero_stage={cfg.parallel.zero_stage} needs --backend deepspeed or fsdp "
                         "(ddp is ZeRO-0)")
@@ -142,6 +145,19 @@ class TorchFramework:
     def agree_stop(self, requested: bool) -> bool:
         return dist.all_sum([float(requested)], self.env)[0] > 0  # one tiny all-reduce per step
 
+    def sample(self, step: int) -> list[int] | None:
+        """Rank 0 decodes with its whole copy of the model (none and ddp: check() refuses the others)."""
+        if not self.env.is_main:
+            return None
+        from torchpar.decode import generate
+
+        prompt_len, new = sample_lengths(self.cfg.model.max_seq_len)
+        prompt = self._rows(self.val_data, 0)[:1, :prompt_len]
+        model = self.engine.raw.eval()
+        out = generate(model, prompt, new, seed=step, temperature=0.8, top_k=40)
+        model.train()
+        return prompt[0].tolist() + out[0].tolist()
+
     def fetch(self, handle) -> dict:
         loss, grad_norm, lr = handle
         loss_sum = dist.all_sum([float(loss)], self.env)[0]
@@ -217,7 +233,8 @@ def train(cfg: Config, args) -> int:
     kind = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     peak = peak_flops(kind, cfg.model.compute_dtype)
     if not already_complete(cfg, step, env.is_main):
-        log = MetricsLog(cfg.run.dir, env.is_main, cfg.train.steps, step, open_trackers(cfg, env.is_main))
+        log = MetricsLog(cfg.run.dir, env.is_main, cfg.train.steps, step, open_trackers(cfg, env.is_main),
+                         cfg.data.tokenizer)
         run_loop(cfg, step, fw, log, peak * env.world if peak else None, flops_per_token(cfg.model, cfg.data.seq_len),
                  stop)
         log.close()

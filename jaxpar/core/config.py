@@ -100,6 +100,7 @@ class TrainConfig:
     log_every: int = field(default=10, metadata=_check(lo=1))
     eval_every: int = field(default=100, metadata=_check(lo=0))  # 0 = only at the end
     eval_batches: int = field(default=4, metadata=_check(lo=1))
+    sample_every: int = field(default=0, metadata=_check(lo=0))  # print a sampled continuation every N steps; 0 = off
     matmul_precision: str = field(default="default", metadata=_check(choices=("default", "high", "highest")))
     profile_steps: str = ""  # "a:b" -> profiler trace of steps [a, b) in run.dir
 

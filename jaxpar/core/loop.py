@@ -42,6 +42,10 @@ class Framework(Protocol):
 
     def evaluate(self) -> float: ...
 
+    def sample(self, step: int) -> list[int] | None:
+        """train.sample_every: a prompt from the validation data and a sampled continuation (token ids, on
+        process 0; None elsewhere)."""
+
     def save(self, step: int) -> None:
         """Checkpoint the state after `step` (a no-op if that step is saved already)."""
 
@@ -96,6 +100,15 @@ def ignore_stop_requests() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+SAMPLE_PROMPT, SAMPLE_NEW = 16, 48  # train.sample_every: prompt and continuation lengths (tokens, at most)
+
+
+def sample_lengths(max_seq_len: int) -> tuple[int, int]:
+    """(prompt, new tokens) of a training-time sample that fits the model's context."""
+    prompt = min(SAMPLE_PROMPT, max_seq_len // 2)
+    return prompt, min(SAMPLE_NEW, max_seq_len - prompt)
+
+
 def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_total: float | None,
              flops_per_token: float, stop: dict, extra: dict | None = None) -> int:
     """Train from data step `step` to train.steps or an agreed stop; returns the last completed step.
@@ -140,6 +153,8 @@ def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_
                 if do_eval:
                     record["eval_loss"] = fw.evaluate()
                 log.log(record)
+            if t.sample_every and step % t.sample_every == 0:
+                log.sample(step, fw.sample(step))
             if save:
                 fw.save(step)
                 saved = peers.saved = step

@@ -8,12 +8,16 @@ import math
 import os
 import sys
 
+from jaxpar.core.tokens import text_codec
+
 
 class MetricsLog:
     """Appends one JSON object per logged step; prints progress on process 0 only."""
 
-    def __init__(self, run_dir: str, is_main: bool, total_steps: int, start_step: int = 0, trackers=()):
+    def __init__(self, run_dir: str, is_main: bool, total_steps: int, start_step: int = 0, trackers=(),
+                 tokenizer: str = "byte"):
         self.is_main, self.total, self.trackers = is_main, total_steps, list(trackers)  # core/trackers.py
+        self.tokenizer = tokenizer
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.file = open(self.path, "a") if is_main else None
         self.bar = None
@@ -45,6 +49,13 @@ class MetricsLog:
         self.bar.set_postfix_str(" | ".join(parts[1:]))
         if record.get("eval_loss") is not None:
             self.bar.write(" | ".join(parts))
+
+    def sample(self, step: int, tokens: list[int] | None) -> None:
+        """A sampled continuation, printed as text (the run's tokenizer) on process 0."""
+        if not self.is_main or tokens is None:
+            return
+        line = f"sample at step {step}: {text_codec(self.tokenizer)[1](tokens)!r}"
+        print(line, flush=True) if self.bar is None else self.bar.write(line)
 
     def close(self) -> None:
         for tracker in self.trackers:

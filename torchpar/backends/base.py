@@ -19,7 +19,7 @@ from torchpar.optim import make_optimizer
 
 class TorchEngine:
     def __init__(self, module, raw, cfg, env, sync=lambda last: nullcontext(), full_state=None):
-        self.module, self.cfg, self.env, self.sync = module, cfg, env, sync
+        self.module, self.raw, self.cfg, self.env, self.sync = module, raw, cfg, env, sync
         self.full_state_dict = full_state or raw.state_dict
         self.params = [p for p in raw.parameters()]
         self.optimizer = make_optimizer(raw, cfg)
