@@ -56,6 +56,7 @@ class JaxFramework:
         batch = jax.ShapeDtypeStruct(layout.batch_shape, "int32", sharding=layout.batch_sharding)
         self._train_step = make_train_step(layout).lower(state, batch).compile()
         self._eval_step = make_eval_step(layout)
+        self._generate = None  # train.sample_every's decoder, made on first use
 
     def batch(self, step: int, data=None):
         return device_batch(self.train_data if data is None else data, step, self.layout.batch_sharding)
@@ -96,9 +97,10 @@ class JaxFramework:
         """Every process decodes (the parameters are sharded); process 0 returns the tokens."""
         prompt_len, new = sample_lengths(self.cfg.model.max_seq_len)
         prompt = jnp.asarray(self.val_data.rows(0, 0, 1)[:, :prompt_len], jnp.int32)
+        self._generate = self._generate or make_generate(abstract_model(self.cfg.model)[0])  # compiled once
         with use(parallel_context(self.layout)):
-            out = make_generate(abstract_model(self.cfg.model)[0])(
-                self.state["params"], prompt, jax.random.key(step), new_tokens=new, temperature=0.8, top_k=40)
+            out = self._generate(self.state["params"], prompt, jax.random.key(step), new_tokens=new, temperature=0.8,
+                                 top_k=40)
         out = multihost_utils.process_allgather(out, tiled=True)
         return prompt[0].tolist() + out[0].tolist() if jax.process_index() == 0 else None
 

@@ -47,9 +47,10 @@ def _n(mesh: str) -> int:
     return math.prod(parse_mesh(mesh).values())
 
 
-# dp=2,tp=4 splits the variants' own parameters over tp; the pure data-parallel layouts (tested for GPT-2 in
-# test_layouts.py) run with -m slow
-@pytest.mark.parametrize("mesh", [pytest.param(m, marks=pytest.mark.slow) if "tp" not in m else m for m in LAYOUTS])
+# -m slow: the pipeline + sequence-parallel test below already splits every variant's parameters over tp
+# (pp=2,sp=2,tp=2), and test_layouts.py holds these meshes to one device for GPT-2.
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", LAYOUTS)
 @pytest.mark.parametrize("variant", ["mla", "dilated", "sketched"])
 def test_variant_layout_matches_single_device(variant, mesh, dataset):
     ref = _reference(variant, dataset)

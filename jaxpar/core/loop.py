@@ -153,12 +153,13 @@ def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_
                 if do_eval:
                     record["eval_loss"] = fw.evaluate()
                 log.log(record)
-            if t.sample_every and step % t.sample_every == 0:
+            sampled = t.sample_every and step % t.sample_every == 0
+            if sampled:
                 log.sample(step, fw.sample(step))
             if save:
                 fw.save(step)
                 saved = peers.saved = step
-            if logged:  # throughput covers training steps only, not evaluation or checkpoint saves
+            if logged or sampled:  # throughput covers training steps only, not evaluation, samples or saves
                 mark, mark_step, data_s = time.perf_counter(), step, 0.0
             if profiling and step == window[1]:
                 fw.profile_stop()

@@ -1,0 +1,173 @@
+"""python -m jaxpar.tools.gpu_check [--tiny] [--out REPORT.md] [--skip parity,throughput,attention,ceiling]
+
+One command that validates and measures on a GPU (a device session runs it in one call; docs/gpu.md):
+  (a) the parity suite on the device (jaxpar vs torchpar, float32 highest precision, bf16 in its band),
+  (b) GPT-2 124M, sequence 1024, bf16 on one device: tokens/s, MFU (6N + 12·L·T·d FLOPs per token, see
+      jaxpar/core/flops.py), peak memory, for jaxpar and torchpar (torch.compile) in the same run,
+  (c) which attention implementation the compiled jaxpar step calls (cuDNN fused attention or XLA's),
+  (d) the measured bf16 matmul ceiling.
+It prints and writes a dated markdown report with device, versions and every command. `--tiny` runs the
+same path on the CPU with the tiny config and a few parity steps, so that CI keeps it working. A part that
+cannot run (e.g. DeepSpeed or grain missing from the image) is reported with its reason, not hidden.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+from jaxpar.core.errors import UserError, cli
+
+PARTS = ("parity", "throughput", "attention", "ceiling")
+GPT2_124M = ["--config", "configs/gpt2-124m.yaml", "model.compute_dtype=bfloat16", "data.seq_len=1024",
+             "train.global_batch_size=16"]
+TINY = ["--config", "configs/gpt2-tiny.yaml", "train.global_batch_size=8"]
+
+
+def _run(cmd: list[str], timeout: int, env: dict | None = None) -> dict:
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+        rc, out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out = "timeout", (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else str(e.stdout)
+    return {"command": shlex.join(cmd), "rc": rc, "seconds": time.perf_counter() - t0, "tail": out[-4000:]}
+
+
+def parity(device: str, tiny: bool) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "parity_tests", "-p", "no:cacheprovider", "-W", "ignore",
+           f"--device={device}", "--parity-steps", "20" if tiny else "50",
+           *(["-k", "float32 and none and not bfloat16"] if tiny else [])]  # tiny: one case, jax vs torch
+    r = _run(cmd, 300 if tiny else 420)
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", r["tail"])}
+    failed = re.findall(r"^FAILED (\S+)", r["tail"], re.M)
+    return {**r, "counts": counts, "failed": failed, "ok": r["rc"] == 0}
+
+
+def throughput(tiny: bool) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "bench.json")
+        cmd = [sys.executable, "-m", "jaxpar.tools.bench", "--mesh", "dp=1", "--steps", "3" if tiny else "20",
+               "--warmup", "1" if tiny else "5", "--compare", "--json", out, *(TINY if tiny else GPT2_124M)]
+        # tiny: torch.compile is a no-op (TORCH_COMPILE_DISABLE), the same code path without minutes of compiling
+        r = _run(cmd, 300 if tiny else 480, {"TORCH_COMPILE_DISABLE": "1"} if tiny else None)
+        jax_row = json.load(open(out)) if os.path.exists(out) else None
+    m = re.search(r"vs torchpar \(compiled\) ([\d,]+) tok/s: ratio ([\d.]+)", r["tail"])
+    return {**r, "jaxpar": jax_row, "torchpar_tokens_per_sec": float(m.group(1).replace(",", "")) if m else None,
+            "ratio": float(m.group(2)) if m else None, "ok": r["rc"] == 0 and jax_row is not None}
+
+
+def attention(tiny: bool) -> dict:
+    """Which attention the compiled jaxpar step calls: cuDNN's fused kernel shows as a custom call."""
+    import jax
+
+    from jaxpar.core.config import load_config
+    from jaxpar.layout import Layout
+    from jaxpar.mesh import make_mesh
+    from jaxpar.state import abstract_state
+    from jaxpar.step import make_train_step
+
+    args = TINY if tiny else GPT2_124M
+    cfg = load_config(args[1], args[2:])
+    layout = Layout(cfg, make_mesh({"dp": 1}, jax.devices()[:1]))
+    batch = jax.ShapeDtypeStruct(layout.batch_shape, "int32", sharding=layout.batch_sharding)
+    hlo = make_train_step(layout).lower(abstract_state(layout), batch).compile().as_text()
+    cudnn = sorted(set(re.findall(r'custom_call_target="(__cudnn\$[^"]+)"', hlo)))
+    kind = f"cuDNN fused attention ({', '.join(cudnn)})" if cudnn else "XLA's own (softmax(QK^T)V as separate ops)"
+    return {"implementation": kind, "cudnn_calls": cudnn, "ok": True}
+
+
+def ceiling(tiny: bool) -> dict:
+    from jaxpar.tools.bench import matmul_ceiling
+
+    dtype = "float32" if tiny else "bfloat16"
+    return {"dtype": dtype, "flops": matmul_ceiling(dtype), "ok": True}
+
+
+def versions() -> dict:
+    import jax
+
+    out = {"python": platform.python_version(), "jax": jax.__version__}
+    for name in ("torch", "flax", "optax", "orbax.checkpoint", "grain", "deepspeed"):
+        try:
+            out[name] = __import__(name, fromlist=["__version__"]).__version__
+        except Exception as e:  # noqa: BLE001 - missing or broken: say which
+            out[name] = f"missing ({type(e).__name__})"
+    return out
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# GPU check, {res['date']}", "", f"Device: {res['device']} ({res['devices']} visible). "
+             f"Versions: {', '.join(f'{k} {v}' for k, v in res['versions'].items())}.", "",
+             f"Command: `{res['command']}`", ""]
+    if "parity" in res:
+        p = res["parity"]
+        lines += ["## (a) Parity suite", "", f"`{p['command']}` -> rc {p['rc']} in {p['seconds']:.0f} s: "
+                  f"{', '.join(f'{n} {k}' for k, n in p['counts'].items()) or 'no summary'}",
+                  *([f"- FAILED {f}" for f in p["failed"]]), ""]
+    if "throughput" in res:
+        t, j = res["throughput"], res["throughput"]["jaxpar"] or {}
+        mfu = j.get("mfu_datasheet")
+        lines += ["## (b) Throughput, one device", "", f"`{t['command']}` -> rc {t['rc']}", "",
+                  "| framework | tokens/s | MFU (datasheet) | MFU (matmul ceiling) | peak GiB |", "|---|---|---|---|---|",
+                  f"| jaxpar | {j.get('tokens_per_sec', 0):,.0f} | {'-' if mfu is None else f'{mfu:.1%}'} | "
+                  f"{j.get('mfu_ceiling') or 0:.1%} | {j.get('memory_gib') or '-'} |",
+                  f"| torchpar ({'eager: --tiny' if res['tiny'] else 'torch.compile'}) | "
+                  f"{t['torchpar_tokens_per_sec'] or 0:,.0f} | | | |", "",
+                  f"jaxpar / torchpar: {t['ratio'] or float('nan'):.2f}", ""]
+    if "attention" in res:
+        lines += ["## (c) Attention", "", f"The compiled jaxpar step calls {res['attention']['implementation']}.", ""]
+    if "ceiling" in res:
+        c = res["ceiling"]
+        lines += ["## (d) Matmul ceiling", "", f"{c['dtype']}: {c['flops'] / 1e12:.1f} TFLOP/s (one square matmul, "
+                  "jaxpar/tools/bench.py:matmul_ceiling)", ""]
+    failed = [k for k in PARTS if k in res and not res[k]["ok"]]
+    lines += [f"Result: {'all parts ran' if not failed else 'FAILED: ' + ', '.join(failed)}", ""]
+    return "\n".join(lines)
+
+
+@cli
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jaxpar.tools.gpu_check", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="the same path on the CPU, tiny config (CI)")
+    ap.add_argument("--out", help="report path (default docs/benchmarks/gpu-check-<date>.md)")
+    ap.add_argument("--skip", default="", help=f"comma-separated parts to leave out: {', '.join(PARTS)}")
+    args = ap.parse_args(argv)
+    skip = {s for s in args.skip.split(",") if s}
+    if skip - set(PARTS):
+        raise UserError(f"--skip {args.skip}: parts are {', '.join(PARTS)}")
+    import jax
+
+    if jax.devices()[0].platform != "gpu" and not args.tiny:
+        raise UserError(f"no GPU here (jax sees {jax.devices()[0].platform}); use --tiny to check the path on the CPU")
+    date = datetime.date.today().isoformat()
+    res = {"date": date, "tiny": args.tiny, "device": jax.devices()[0].device_kind, "devices": jax.device_count(), "versions": versions(),
+           "command": "python -m jaxpar.tools.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv)}
+    for part, fn in (("parity", lambda: parity("cpu" if args.tiny else "gpu", args.tiny)),
+                     ("throughput", lambda: throughput(args.tiny)), ("attention", lambda: attention(args.tiny)),
+                     ("ceiling", lambda: ceiling(args.tiny))):
+        if part not in skip:
+            print(f"gpu_check: {part} ...", file=sys.stderr, flush=True)
+            res[part] = fn()
+    report = markdown(res)
+    out = args.out or os.path.join("docs", "benchmarks", f"gpu-check-{date}.md")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        f.write(report)
+    with open(os.path.splitext(out)[0] + ".json", "w") as f:
+        json.dump(res, f, indent=2, default=str)
+    print(report)
+    return 0 if all(res[k]["ok"] for k in PARTS if k in res) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
