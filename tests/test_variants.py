@@ -65,7 +65,8 @@ ONE_F_ONE_B = ("parallel.pipeline_schedule=1f1b", "parallel.sequence_attention=a
 
 
 @pytest.mark.parametrize("variant,schedule", [(v, ()) for v in ("mla", "dilated", "sketched")] +
-                         [(v, ONE_F_ONE_B) for v in ("mla", "sketched")],  # dilated + sp + 1f1b: refused
+                         # dilated + sp + 1f1b: refused; the 1F1B executor itself: test_pipeline.py (-m slow here)
+                         [pytest.param(v, ONE_F_ONE_B, marks=pytest.mark.slow) for v in ("mla", "sketched")],
                          ids=["mla-gpipe", "dilated-gpipe", "sketched-gpipe", "mla-1f1b", "sketched-1f1b"])
 def test_variant_pipeline_and_sequence_parallel_match_single_device(variant, schedule, dataset):
     """Stages over pp carry the variant's parameters (and the sketches ride along the layer stack)."""
