@@ -125,7 +125,11 @@ def test_killed_peer_is_named_within_the_timeout(dataset, tmp_path):
     run_dir = tmp_path / "run"
     args = ["--mesh", "dp=2,tp=2", "train.steps=6", "checkpoint.every=2", "run.peer_timeout_s=10"]
     procs = start_two(run_dir, dataset, args, lambda i: {"JAXPAR_FAULT_KILL_AFTER_STEP": "3"} if i else {})
-    procs[1].wait(timeout=120)
+    try:
+        procs[1].wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        finish(procs, timeout=1)  # kills both
+        raise
     t0 = time.monotonic()
     rcs, outs = finish(procs, timeout=60)
     assert rcs[1] == -signal.SIGKILL and rcs[0] == 3 and time.monotonic() - t0 < 10, outs
