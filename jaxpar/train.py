@@ -25,7 +25,7 @@ from jaxpar.core.resume import already_complete, check_resume, write_run_config
 from jaxpar.core.trackers import check_trackers, open_trackers
 from jaxpar.core.weights import flatten, load_weights, save_weights, unflatten
 from jaxpar.context import use
-from jaxpar.data import device_batch, grain_batches
+from jaxpar.data import Prefetch, device_batch, grain_batches
 from jaxpar.decode import make_generate
 from jaxpar.layout import Layout
 from jaxpar.mesh import device_memory, make_mesh, setup_devices
@@ -57,9 +57,11 @@ class JaxFramework:
         self._train_step = make_train_step(layout).lower(state, batch).compile()
         self._eval_step = make_eval_step(layout)
         self._generate = None  # train.sample_every's decoder, made on first use
+        self.prefetch = Prefetch(lambda step: device_batch(self.train_data, step, layout.batch_sharding))
 
     def batch(self, step: int, data=None):
-        return device_batch(self.train_data if data is None else data, step, self.layout.batch_sharding)
+        """A training batch (the next one is read ahead), or one of `data` (evaluation)."""
+        return self.prefetch(step) if data is None else device_batch(data, step, self.layout.batch_sharding)
 
     def train_step(self, batch):
         self.state, metrics = self._train_step(self.state, batch)
@@ -217,6 +219,7 @@ def fit(cfg: Config, data, layout, state, ckpt, stop: dict):
                      cfg.data.tokenizer)
     run_loop(cfg, int(state["step"]), fw, log, peak * jax.device_count() if peak else None,
              flops_per_token(cfg.model, cfg.data.seq_len), stop, {"pipeline_bubble": bubble})
+    fw.prefetch.close()
     log.close()
     return fw.state
 
