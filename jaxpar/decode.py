@@ -5,7 +5,7 @@ decoded token is the one the training forward pass would predict; run it inside 
 (`jaxpar.context.use`) and the same code decodes on a tp or fsdp mesh.
 
 GPT-2 with MHA attention (dense or sketched MLPs); MLA and dilated attention have other caches and
-are refused by `check_decodable`.
+are refused by `jaxpar.core.sampling_cli.check_decodable`.
 """
 from __future__ import annotations
 
@@ -15,20 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.core.config import ModelConfig
-from jaxpar.core.errors import UserError
 from jaxpar.core.sketches import stacked_sketches
 from jaxpar.ops import causal_attention
-
-
-def check_decodable(cfg: ModelConfig, prompt_len: int, new_tokens: int) -> None:
-    if cfg.attention != "mha":
-        raise UserError(f"decoding supports model.attention=mha, not {cfg.attention}")
-    if prompt_len < 1:
-        raise UserError("the prompt is empty: give at least one token")
-    if prompt_len + new_tokens > cfg.max_seq_len:
-        raise UserError(f"prompt ({prompt_len} tokens) + {new_tokens} new tokens exceed the model's "
-                        f"max_seq_len {cfg.max_seq_len}")
 
 
 def _forward(model, tokens, start, cache):

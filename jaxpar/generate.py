@@ -14,7 +14,7 @@ from jaxpar.core.config import Config, config_for_weights
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.mesh_spec import parse_mesh
 from jaxpar.core.resume import read_run_config
-from jaxpar.core.sampling_cli import check_sampling, print_samples, sampling_parser
+from jaxpar.core.sampling_cli import check_decodable, check_sampling, print_samples, sampling_parser
 from jaxpar.core.tokens import text_codec
 from jaxpar.mesh import setup_devices
 
@@ -56,8 +56,6 @@ def main(argv=None) -> int:
     cfg, flat, tokenizer = load(args)
     encode, decode = text_codec(tokenizer)
     prompt = encode(args.prompt)
-    from jaxpar.decode import check_decodable
-
     check_decodable(cfg.model, len(prompt), args.max_new_tokens)
     print_samples(args.prompt, sample_rows(cfg, sizes, flat, prompt, args), decode)
     return 0

@@ -20,6 +20,7 @@ from jaxpar.core.flops import flops_per_token, peak_flops
 from jaxpar.core.loop import ignore_stop_requests, run_loop, sample_lengths, stop_requests
 from jaxpar.core.mesh_spec import format_mesh, parse_mesh
 from jaxpar.core.metrics_log import MetricsLog
+from jaxpar.core.peers import roll_call
 from jaxpar.core.pipeline_schedules import configured_bubble, resolve_microbatches
 from jaxpar.core.resume import already_complete, check_resume, write_run_config
 from jaxpar.core.trackers import check_trackers, open_trackers
@@ -83,17 +84,10 @@ class JaxFramework:
         (every process but this one if the service, hosted by process 0, is gone)."""
         from jax._src.distributed import global_state  # the service's key-value store has no public handle
 
-        me, n = jax.process_index(), jax.process_count()
-        try:
-            global_state.client.key_value_set(f"jaxpar/present/{me}", "1")
-            deadline = time.monotonic() + wait_s
-            while True:
-                present = {int(k.rsplit("/", 1)[1]) for k, _ in global_state.client.key_value_dir_get("jaxpar/present/")}
-                if len(present) == n or time.monotonic() > deadline:
-                    return sorted(set(range(n)) - present)
-                time.sleep(0.2)
-        except Exception:  # noqa: BLE001 - the service itself is unreachable
-            return [i for i in range(n) if i != me]
+        client, me = global_state.client, jax.process_index()
+        return roll_call(lambda: client.key_value_set(f"jaxpar/present/{me}", "1"),
+                         lambda: {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get("jaxpar/present/")},
+                         me, jax.process_count(), wait_s)
 
     def sample(self, step: int) -> list[int] | None:
         """Every process decodes (the parameters are sharded); process 0 returns the tokens."""

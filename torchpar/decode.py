@@ -1,12 +1,12 @@
 """Autoregressive decoding with a KV cache (the same algorithm as jaxpar/decode.py): the prompt fills
 the cache in one pass, then one token per step attends over the cache, masked by position. The model's
-own modules do everything but attention. GPT-2 with MHA attention only."""
+own modules do everything but attention. GPT-2 with MHA attention only (the commands check it first:
+jaxpar.core.sampling_cli.check_decodable)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from jaxpar.core.errors import UserError
 from torchpar.model import GPT, tied_head
 
 
@@ -44,11 +44,7 @@ def generate(model: GPT, prompt: torch.Tensor, new_tokens: int, seed: int = 0, t
              top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """prompt [B, P] int64 -> the next `new_tokens` tokens [B, new_tokens]."""
     cfg = model.cfg
-    if cfg.attention != "mha":
-        raise UserError(f"decoding supports model.attention=mha, not {cfg.attention}")
     B, P = prompt.shape
-    if P + new_tokens > cfg.max_seq_len:
-        raise UserError(f"prompt ({P} tokens) + {new_tokens} new tokens exceed the model's max_seq_len {cfg.max_seq_len}")
     shape = (B, cfg.n_head, P + new_tokens, cfg.head_dim)
     cache = [(prompt.new_zeros(shape, dtype=model.compute_dtype), prompt.new_zeros(shape, dtype=model.compute_dtype))
              for _ in model.blocks]

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from jaxpar.core.peers import library_timeout_s
+from jaxpar.core import peers
 
 
 @dataclass
@@ -64,7 +63,7 @@ def init(distributed: bool, peer_timeout_s: float) -> Env:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if distributed and not dist.is_initialized():
-        timeout = timedelta(seconds=library_timeout_s(peer_timeout_s))
+        timeout = timedelta(seconds=peers.library_timeout_s(peer_timeout_s))
         if "MASTER_ADDR" in os.environ:  # torchrun (or any launcher exporting its variables)
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
                                     device_id=device if device.type == "cuda" else None)
@@ -87,18 +86,10 @@ def all_sum(values: list[float], env: Env) -> list[float]:
 def roll_call(env: Env, wait_s: float) -> list[int]:
     """Each rank sets its key in the process group's store (torchrun's agent, or rank 0 without torchrun);
     the ranks missing after `wait_s` (every other rank if the store itself is gone)."""
-    others = [r for r in range(env.world) if r != env.rank]
-    try:
-        store = dist.distributed_c10d._get_default_store()  # the group's own store: no public handle
-        store.set(f"torchpar/present/{env.rank}", "1")
-        deadline = time.monotonic() + wait_s
-        while True:
-            missing = [r for r in others if not store.check([f"torchpar/present/{r}"])]
-            if not missing or time.monotonic() > deadline:
-                return missing
-            time.sleep(0.2)
-    except Exception:  # noqa: BLE001 - the store is unreachable
-        return others
+    store = dist.distributed_c10d._get_default_store()  # the group's own store: no public handle
+    key = "torchpar/present/{}".format
+    return peers.roll_call(lambda: store.set(key(env.rank), "1"),
+                           lambda: {r for r in range(env.world) if store.check([key(r)])}, env.rank, env.world, wait_s)
 
 
 def barrier() -> None:

@@ -14,7 +14,7 @@ import torch
 from jaxpar.core.config import config_for_weights
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.resume import read_run_config
-from jaxpar.core.sampling_cli import check_sampling, print_samples, sampling_parser
+from jaxpar.core.sampling_cli import check_decodable, check_sampling, print_samples, sampling_parser
 from jaxpar.core.tokens import text_codec
 from jaxpar.core.weights import model_dims, read_weights
 from torchpar import dist
@@ -51,8 +51,9 @@ def main(argv=None) -> int:
     check_sampling(args)
     model, tokenizer = load_model(args)
     encode, decode = text_codec(tokenizer)
-    device = next(model.parameters()).device
-    prompt = torch.tensor([encode(args.prompt)] * args.num_samples, device=device)
+    ids = encode(args.prompt)
+    check_decodable(model.cfg, len(ids), args.max_new_tokens)
+    prompt = torch.tensor([ids] * args.num_samples, device=next(model.parameters()).device)
     rows = generate(model.eval(), prompt, args.max_new_tokens, args.seed, args.temperature, args.top_k, args.top_p)
     print_samples(args.prompt, rows.tolist(), decode)
     return 0

@@ -17,7 +17,7 @@ class MetricsLog:
     def __init__(self, run_dir: str, is_main: bool, total_steps: int, start_step: int = 0, trackers=(),
                  tokenizer: str = "byte"):
         self.is_main, self.total, self.trackers = is_main, total_steps, list(trackers)  # core/trackers.py
-        self.tokenizer = tokenizer
+        self.tokenizer, self.decode = tokenizer, None  # the decoder is loaded at the first sample
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.file = open(self.path, "a") if is_main else None
         self.bar = None
@@ -54,7 +54,8 @@ class MetricsLog:
         """A sampled continuation, printed as text (the run's tokenizer) on process 0."""
         if not self.is_main or tokens is None:
             return
-        line = f"sample at step {step}: {text_codec(self.tokenizer)[1](tokens)!r}"
+        self.decode = self.decode or text_codec(self.tokenizer)[1]
+        line = f"sample at step {step}: {self.decode(tokens)!r}"
         print(line, flush=True) if self.bar is None else self.bar.write(line)
 
     def close(self) -> None:

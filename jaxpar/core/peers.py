@@ -32,6 +32,22 @@ def library_timeout_s(timeout_s: float) -> int:
     return int(timeout_s + roll_call_wait_s(timeout_s) + 60)
 
 
+def roll_call(announce: Callable[[], None], answered: Callable[[], set[int]], me: int, processes: int,
+              wait_s: float) -> list[int]:
+    """`announce()` this process in a key-value store, then poll `answered()` (the processes that announced)
+    until all have or `wait_s` passes; the missing ones (every other process if the store itself is gone)."""
+    try:
+        announce()
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = sorted(set(range(processes)) - answered() - {me})
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.2)
+    except Exception:  # noqa: BLE001 - the store is unreachable
+        return [i for i in range(processes) if i != me]
+
+
 def leave_if_peers_lost(roll_call: Callable[[float], list[int]], processes: int, what: str, timeout_s: float,
                         last_checkpoint: str, always: bool = False) -> None:
     """Hold the roll call; if someone is missing (or `always`), print one line and exit now. Returns only

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from jaxpar.core.config import ModelConfig
 from jaxpar.core.errors import UserError
 
 
@@ -29,6 +30,17 @@ def check_sampling(args) -> None:
         raise UserError("--max-new-tokens and --num-samples must be at least 1")
     if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
         raise UserError("--temperature and --top-k must be >= 0 and --top-p in (0, 1]")
+
+
+def check_decodable(cfg: ModelConfig, prompt_len: int, new_tokens: int) -> None:
+    """What both decoders (jaxpar/decode.py, torchpar/decode.py) can do: MHA models, a prompt, the context."""
+    if cfg.attention != "mha":
+        raise UserError(f"decoding supports model.attention=mha, not {cfg.attention}")
+    if prompt_len < 1:
+        raise UserError("the prompt is empty: give at least one token")
+    if prompt_len + new_tokens > cfg.max_seq_len:
+        raise UserError(f"prompt ({prompt_len} tokens) + {new_tokens} new tokens exceed the model's "
+                        f"max_seq_len {cfg.max_seq_len}")
 
 
 def print_samples(prompt: str, rows: list[list[int]], decode) -> None:

@@ -80,8 +80,8 @@ def text_codec(tokenizer: str):
     """(encode: str -> list of ids, decode: ids -> str) of 'byte' or a tokenizer.json, for prompts and samples."""
     if tokenizer == "byte":
         return (lambda text: list(text.encode("utf-8"))), (lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", "replace"))
-    encode, _, _ = _tokenizer(tokenizer)
-    return (lambda text: [int(i) for i in encode(text.encode("utf-8"))]), _hf_tokenizer(tokenizer).decode
+    tok = _hf_tokenizer(tokenizer)
+    return (lambda text: tok.encode(text, add_special_tokens=False).ids), tok.decode
 
 
 def _temp_for(path: str, tmps: list, mode: str):
