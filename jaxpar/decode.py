@@ -4,8 +4,9 @@ unused tail of the cache is never seen). The model's own modules do everything b
 decoded token is the one the training forward pass would predict; run it inside a parallel context
 (`jaxpar.context.use`) and the same code decodes on a tp or fsdp mesh.
 
-GPT-2 with MHA attention (dense or sketched MLPs); MLA and dilated attention have other caches and
-are refused by `jaxpar.core.sampling_cli.check_decodable`.
+GPT-2 with MHA attention (dense or sketched MLPs) and llama (the cache holds its n_kv_head heads, rotary
+positions are the tokens' own); MLA and dilated attention have other caches and are refused by
+`jaxpar.core.sampling_cli.check_decodable`.
 """
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.core.sketches import stacked_sketches
+from jaxpar.models.llama import repeat_kv
 from jaxpar.ops import causal_attention
 
 
 def _forward(model, tokens, start, cache):
-    """Logits of `tokens` [B, T] at positions start.. and the cache (k, v: [layers, B, S, heads, kv])
+    """Logits of `tokens` [B, T] at positions start.. and the cache (k, v: [layers, B, S, kv heads, kv])
     with their keys and values written in."""
     cfg, dtype = model.cfg, jnp.dtype(model.cfg.compute_dtype)
     positions = start + jnp.arange(tokens.shape[1])
@@ -30,10 +32,11 @@ def _forward(model, tokens, start, cache):
     def layer(h, xs):
         layer_state, sketches, k_cache, v_cache = xs
         block = nnx.merge(graphdef, layer_state)
-        q, k, v = block.attn.project_qkv(block.ln1(h), dtype)
+        q, k, v = block.attn.project_qkv(block.ln1(h), dtype, positions)
         k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, start, 0, 0))
         v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, start, 0, 0))
-        h = h + block.attn.project_out(causal_attention(q, k_cache, v_cache, positions, k_positions), dtype)
+        k, v = repeat_kv(k_cache, cfg.n_head), repeat_kv(v_cache, cfg.n_head)
+        h = h + block.attn.project_out(causal_attention(q, k, v, positions, k_positions), dtype)
         h = h + block.mlp(block.ln2(h), dtype, sketches)
         return h, (k_cache, v_cache)
 
@@ -68,7 +71,7 @@ def make_generate(graphdef):
         model = nnx.merge(graphdef, params)
         cfg = model.cfg
         B, P = prompt.shape
-        shape = (cfg.n_layer, B, P + new_tokens, cfg.n_head, cfg.head_dim)
+        shape = (cfg.n_layer, B, P + new_tokens, cfg.kv_heads, cfg.head_dim)
         cache = (jnp.zeros(shape, cfg.compute_dtype), jnp.zeros(shape, cfg.compute_dtype))
         draw = partial(sample, temperature=temperature, top_k=top_k, top_p=top_p)
         logits, cache = _forward(model, prompt, 0, cache)

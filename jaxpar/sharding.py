@@ -19,6 +19,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "act_embed": (),
     "embed": ("fsdp",),
     "heads": ("tp",),
+    "kv_heads": ("tp",),  # llama's key/value heads (GQA): split over tp when they divide, else replicated
     "kv": (),
     "mlp": ("tp",),
     "vocab": ("tp",),

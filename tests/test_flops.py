@@ -12,7 +12,9 @@ from tests.helpers import tiny_config
 VARIANTS = {"mha": (), "mla": ("model.attention=mla", "model.q_latent_dim=16", "model.kv_latent_dim=8",
                                "model.rope_head_dim=4"),
             "dilated": ("model.attention=dilated",), "sketched": ("model.linear=sketched", "model.sketch_ratio=0.3"),
-            "d_ff": ("model.d_ff=40", "model.vocab_size=300")}
+            "d_ff": ("model.d_ff=40", "model.vocab_size=300"),
+            "llama": ("model.family=llama", "model.n_kv_head=2", "model.tie_embeddings=false", "model.d_ff=40"),
+            "llama_tied_rounded": ("model.family=llama", "model.n_kv_head=1", "model.ffn_multiple_of=16")}
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -20,7 +22,7 @@ def test_formula_counts_the_models_parameters(name):
     cfg = tiny_config(*VARIANTS[name]).model
     _, _, params = abstract_model(cfg)
     total = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
-    embeddings = math.prod(params["wte"].shape) + math.prod(params["wpe"].shape)
+    embeddings = sum(math.prod(params[k].shape) for k in ("wte", "wpe", "lm_head") if k in params)
     assert count_params(cfg) == {"total": total, "non_embedding": total - embeddings}
 
 
@@ -31,3 +33,11 @@ def test_flops_per_token_textbook():
                       "model.max_seq_len=1024", "data.seq_len=1024").model
     assert count_params(cfg)["total"] == 124_439_808
     assert 0.85e9 < flops_per_token(cfg, 1024) < 0.86e9
+
+
+def test_llama_3_2_1b_count():
+    """configs/llama-1b.yaml has Llama 3.2 1B's shape: Meta's model card and HF count 1,235,814,400 parameters."""
+    from jaxpar.core.config import load_config
+    from tests.helpers import ROOT
+
+    assert count_params(load_config(f"{ROOT}/configs/llama-1b.yaml").model)["total"] == 1_235_814_400

@@ -30,6 +30,10 @@ VARIANTS = {
     "dilated": ("model.attention=dilated", "model.segment_lengths=4,8,16", "model.dilation_rates=1,2,4"),
     "sketched": ("model.linear=sketched", "model.sketch_ratio=0.5"),
     "sketched_sign": ("model.linear=sketched", "model.sketch=sign", "model.sketch_ratio=0.25"),
+    # the llama family (GQA, untied head; tests/test_llama.py), and with the dilated attention core
+    "llama": ("model.family=llama", "model.n_kv_head=2", "model.tie_embeddings=false", "model.d_ff=64"),
+    "llama_dilated": ("model.family=llama", "model.n_kv_head=1", "model.d_ff=48", "model.attention=dilated",
+                      "model.segment_lengths=4,8,16", "model.dilation_rates=1,2,4"),
 }
 LAYOUTS = ["dp=8", "dp=2,tp=4", "fsdp=8"]
 

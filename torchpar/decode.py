@@ -1,26 +1,30 @@
 """Autoregressive decoding with a KV cache (the same algorithm as jaxpar/decode.py): the prompt fills
 the cache in one pass, then one token per step attends over the cache, masked by position. The model's
-own modules do everything but attention. GPT-2 with MHA attention only (the commands check it first:
-jaxpar.core.sampling_cli.check_decodable)."""
+own modules do everything but attention. GPT-2 with MHA attention, and llama (the cache holds its n_kv_head
+heads); the commands check it first: jaxpar.core.sampling_cli.check_decodable."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from torchpar.model import GPT, tied_head
+from torchpar.llama import repeat_kv
+from torchpar.model import GPT, output_head
 
 
 def _forward(model: GPT, tokens, start: int, cache):
+    cfg = model.cfg
     positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
-    x = (model.wte[tokens] + model.wpe[positions]).to(model.compute_dtype)
+    x = model.wte[tokens] if model.wpe is None else model.wte[tokens] + model.wpe[positions]
+    x = x.to(model.compute_dtype)
     mask = positions[:, None] >= torch.arange(cache[0][0].shape[2], device=tokens.device)[None, :]
     for block, (k_cache, v_cache) in zip(model.blocks, cache):
-        q, k, v = block.attn.project_qkv(block.ln1(x))
+        q, k, v = block.attn.project_qkv(block.ln1(x), positions)
         k_cache[:, :, start:start + tokens.shape[1]] = k
         v_cache[:, :, start:start + tokens.shape[1]] = v
-        x = x + block.attn.project_out(F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask))
+        k, v = repeat_kv(k_cache, cfg.n_head), repeat_kv(v_cache, cfg.n_head)
+        x = x + block.attn.project_out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
         x = x + block.mlp(block.ln2(x))
-    return tied_head(model.ln_f, model.wte, x)
+    return output_head(model.ln_f, model.output_table, x)
 
 
 def sample(logits, generator, temperature: float, top_k: int, top_p: float):
@@ -45,7 +49,7 @@ def generate(model: GPT, prompt: torch.Tensor, new_tokens: int, seed: int = 0, t
     """prompt [B, P] int64 -> the next `new_tokens` tokens [B, new_tokens]."""
     cfg = model.cfg
     B, P = prompt.shape
-    shape = (B, cfg.n_head, P + new_tokens, cfg.head_dim)
+    shape = (B, cfg.kv_heads, P + new_tokens, cfg.head_dim)
     cache = [(prompt.new_zeros(shape, dtype=model.compute_dtype), prompt.new_zeros(shape, dtype=model.compute_dtype))
              for _ in model.blocks]
     generator = torch.Generator(prompt.device).manual_seed(seed)

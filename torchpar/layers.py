@@ -1,4 +1,5 @@
-"""Basic torch layers holding jaxpar's parameter shapes: einsum-applied weights of any rank, the norms."""
+"""Basic torch layers holding jaxpar's parameter shapes: einsum-applied weights of any rank, the norms, rotary
+embedding (jaxpar/models/layers.py's math)."""
 from __future__ import annotations
 
 import torch
@@ -49,3 +50,15 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         x32 = x.float()
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+
+
+def rope(x, theta: float, positions=None):
+    """x [batch, seq, ..., r]: pairs (i, i + r/2) rotated by pos * theta^(-2i/r); positions [seq] default 0..T-1."""
+    r, T = x.shape[-1], x.shape[1]
+    pos = torch.arange(T, device=x.device) if positions is None else positions
+    freqs = theta ** (-torch.arange(r // 2, dtype=torch.float32, device=x.device) * 2 / r)
+    angle = pos.to(torch.float32)[:, None] * freqs
+    angle = angle.reshape(T, *(1,) * (x.ndim - 3), r // 2)
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    x1, x2 = x[..., : r // 2], x[..., r // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)

@@ -1,4 +1,6 @@
-"""GPT-2 in PyTorch with jaxpar's math: learned positions, pre-LN, tanh GELU, tied embeddings.
+"""The decoder in PyTorch with jaxpar's math. model.family=gpt2: GPT-2 (learned positions, pre-LN, tanh
+GELU, tied embeddings); model.family=llama: llama.py's blocks (RMSNorm, grouped-query rotary attention,
+SwiGLU), no position table, an untied head (`lm_head`) if asked.
 
 Per-layer parameters keep the shapes of one slice of jaxpar's stacked layout (qkv [embed, 3,
 heads, kv], out [heads, kv, embed], ...) and are applied with einsum, so converting weights
@@ -17,7 +19,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from jaxpar.core.config import ModelConfig
-from torchpar.layers import Dense, LayerNorm
+from torchpar.layers import Dense, LayerNorm, RMSNorm
+from torchpar.llama import GQAttention, SwiGLU
 from torchpar.variants import MLAttention, SketchedLinear, dilated_attention
 
 # model.remat=save_matmuls: keep matmul outputs, recompute the rest (jaxpar: dots_with_no_batch_dims_saveable).
@@ -40,7 +43,7 @@ class Attention(nn.Module):
         return self.project_out(F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
     # the two projections are also what decoding with a KV cache runs around its own attention (decode.py)
-    def project_qkv(self, x):
+    def project_qkv(self, x, positions=None):  # positions: for rotary attention (llama.py); unused here
         return self.qkv(x, "btd,dchk->btchk").permute(2, 0, 3, 1, 4).unbind(0)  # each [b, h, t, k]
 
     def project_out(self, y):
@@ -63,9 +66,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        attn = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
-        self.ln1, self.attn = LayerNorm(cfg.d_model, cfg.layernorm_eps), attn
-        self.ln2, self.mlp = LayerNorm(cfg.d_model, cfg.layernorm_eps), MLP(cfg, layer)
+        llama = cfg.family == "llama"
+        norm = RMSNorm if llama else LayerNorm
+        attn = GQAttention(cfg) if llama else MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
+        self.ln1, self.attn = norm(cfg.d_model, cfg.layernorm_eps), attn
+        self.ln2, self.mlp = norm(cfg.d_model, cfg.layernorm_eps), SwiGLU(cfg) if llama else MLP(cfg, layer)
         self.remat = cfg.remat
 
     def _forward(self, x):
@@ -86,17 +91,18 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.compute_dtype = getattr(torch, cfg.compute_dtype)  # DeepSpeed fp16 may override it
         self.wte = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
-        self.wpe = nn.Parameter(torch.empty(cfg.max_seq_len, cfg.d_model))
+        self.wpe = nn.Parameter(torch.empty(cfg.max_seq_len, cfg.d_model)) if cfg.family == "gpt2" else None
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
-        self.ln_f = LayerNorm(cfg.d_model, cfg.layernorm_eps)
+        self.ln_f = (RMSNorm if cfg.family == "llama" else LayerNorm)(cfg.d_model, cfg.layernorm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """jaxpar's distribution: N(0, init_std), residual projections N(0, init_std/sqrt(2L)), biases 0, scales 1.
-        Drawn per block in parameter order (for GPT-2: qkv, out, fc, proj), every variant alike."""
+        Drawn per block in parameter order (for GPT-2: qkv, out, fc, proj), every variant and family alike."""
         gen = torch.Generator().manual_seed(seed)
         std, proj_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layer)
-        for p in (self.wte, self.wpe):
+        for p in (p for p in (self.wte, self.wpe, self.lm_head) if p is not None):
             p.copy_(torch.randn(p.shape, generator=gen) * std)
         for block in self.blocks:
             for name, p in block.named_parameters():
@@ -105,29 +111,36 @@ class GPT(nn.Module):
                 elif name.startswith("ln") or "norm" in name:
                     p.fill_(1.0)
                 else:
-                    s = proj_std if name.startswith(("attn.out.", "mlp.proj.")) else std
+                    s = proj_std if name.startswith(("attn.out.", "mlp.proj.", "mlp.down.")) else std
                     p.copy_(torch.randn(p.shape, generator=gen) * s)
-        for ln in (m for m in self.modules() if isinstance(m, LayerNorm)):
-            ln.weight.fill_(1.0)
-            ln.bias.zero_()
+        for norm in (m for m in self.modules() if isinstance(m, (LayerNorm, RMSNorm))):
+            norm.weight.fill_(1.0)
+            if isinstance(norm, LayerNorm):
+                norm.bias.zero_()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [batch, seq] int64 -> logits [batch, seq, vocab] float32."""
         x = embed(self.wte, self.wpe, tokens, self.compute_dtype)
         for block in self.blocks:
             x = block(x)
-        return tied_head(self.ln_f, self.wte, x)
+        return output_head(self.ln_f, self.output_table, x)
+
+    @property
+    def output_table(self) -> nn.Parameter:
+        return self.wte if self.lm_head is None else self.lm_head
 
 
 # The two ends of the model as functions of their parameters: GPT.forward and the first / last
 # pipeline stage (torchpar/backends/pipeline.py) call them with the same tensors.
-def embed(wte: nn.Parameter, wpe: nn.Parameter, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (wte[tokens] + wpe[: tokens.shape[1]]).to(dtype)
+def embed(wte: nn.Parameter, wpe: nn.Parameter | None, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    x = wte[tokens]
+    return (x if wpe is None else x + wpe[: tokens.shape[1]]).to(dtype)  # llama: no position table
 
 
-def tied_head(ln_f: LayerNorm, wte: nn.Parameter, x: torch.Tensor) -> torch.Tensor:
+def output_head(ln_f: nn.Module, table: nn.Parameter, x: torch.Tensor) -> torch.Tensor:
+    """Final norm, then logits against `table`: wte when tied (not a view: FSDP2 hooks it), else lm_head."""
     x = ln_f(x)
-    return F.linear(x, wte.to(x.dtype)).float()  # tied output embedding (not a view: FSDP2 hooks it)
+    return F.linear(x, table.to(x.dtype)).float()
 
 
 def loss_fn(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:

@@ -14,20 +14,9 @@ from torch import nn
 
 from jaxpar.core.config import ModelConfig
 from jaxpar.core.sketches import sketch_dim, sketch_matrix
-from torchpar.layers import Dense, Kernel, RMSNorm
+from torchpar.layers import Dense, Kernel, RMSNorm, rope
 
 NEG = -1e30
-
-
-def rope(x, theta: float):
-    """x [batch, seq, ..., r]: pairs (i, i + r/2) rotated by pos * theta^(-2i/r) (natural positions)."""
-    r, T = x.shape[-1], x.shape[1]
-    freqs = theta ** (-torch.arange(r // 2, dtype=torch.float32, device=x.device) * 2 / r)
-    angle = torch.arange(T, dtype=torch.float32, device=x.device)[:, None] * freqs
-    angle = angle.reshape(T, *(1,) * (x.ndim - 3), r // 2)
-    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
-    x1, x2 = x[..., : r // 2], x[..., r // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
 class MLAttention(nn.Module):

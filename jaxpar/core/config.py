@@ -25,13 +25,19 @@ def _check(choices=None, lo=None, hi=None, lo_open=False):
 
 @dataclass
 class ModelConfig:
+    # gpt2: learned positions, LayerNorm, GELU MLP, biases. llama: rotary positions, RMSNorm, SwiGLU MLP,
+    # grouped-query attention, no biases (jaxpar/models/llama.py). docs/architecture.md "Model families".
+    family: str = field(default="gpt2", metadata=_check(choices=("gpt2", "llama")))
     vocab_size: int = field(default=256, metadata=_check(lo=1))
     n_layer: int = field(default=4, metadata=_check(lo=1))
     n_head: int = field(default=4, metadata=_check(lo=1))
     d_model: int = field(default=128, metadata=_check(lo=1))
-    d_ff: int = field(default=0, metadata=_check(lo=0))  # 0 -> 4 * d_model
+    n_kv_head: int = field(default=0, metadata=_check(lo=0))  # llama's key/value heads (GQA); 0 -> n_head
+    d_ff: int = field(default=0, metadata=_check(lo=0))  # 0 -> gpt2: 4 * d_model; llama: 8/3 * d_model rounded up
+    ffn_multiple_of: int = field(default=256, metadata=_check(lo=1))  # llama, d_ff=0: round the MLP width up to this
+    tie_embeddings: bool = True  # output head = the token embedding (gpt2 always; llama checkpoints usually not)
     max_seq_len: int = field(default=128, metadata=_check(lo=1))
-    layernorm_eps: float = field(default=1e-5, metadata=_check(lo=0.0, lo_open=True))
+    layernorm_eps: float = field(default=1e-5, metadata=_check(lo=0.0, lo_open=True))  # the block norms' eps
     init_std: float = field(default=0.02, metadata=_check(lo=0.0, lo_open=True))
     compute_dtype: str = field(default="float32", metadata=_check(choices=("float32", "bfloat16")))
     remat: str = field(default="none", metadata=_check(choices=("none", "full", "save_matmuls")))
@@ -55,7 +61,14 @@ class ModelConfig:
 
     @property
     def ff_dim(self) -> int:
-        return self.d_ff or 4 * self.d_model
+        if self.d_ff or self.family == "gpt2":
+            return self.d_ff or 4 * self.d_model
+        k = self.ffn_multiple_of  # Llama's rule: 2/3 of 4*d_model (SwiGLU has three matrices), rounded up
+        return -(-(8 * self.d_model // 3) // k) * k
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
 
     @property
     def head_dim(self) -> int:
@@ -256,6 +269,7 @@ def _check_consistency(cfg: Config) -> None:
             f"train.global_batch_size={t.global_batch_size} is not divisible by train.microbatches={t.microbatches}")
     if cfg.optim.min_lr > cfg.optim.lr:
         raise UserError(f"optim.min_lr={cfg.optim.min_lr} exceeds optim.lr={cfg.optim.lr}")
+    _check_family(m)
     if m.attention == "mla" and m.rope_head_dim % 2:
         raise UserError(f"model.rope_head_dim={m.rope_head_dim} must be even (rotary pairs)")
     if m.attention == "dilated":
@@ -266,6 +280,26 @@ def _check_consistency(cfg: Config) -> None:
                                 f"divisible by the segment length min({w}, {T}), and that by the rate {r}")
         if 1 not in dict(m.dilation_pairs).values():
             raise UserError("model.dilation_rates needs a rate of 1 (otherwise some tokens attend to nothing)")
+
+
+def _check_family(m: ModelConfig) -> None:
+    """Keys of the other family are refused when set, never ignored."""
+    if m.n_head % m.kv_heads:
+        raise UserError(f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head}")
+    if m.family == "gpt2":
+        defaults = ModelConfig()
+        for key in ("n_kv_head", "ffn_multiple_of", "tie_embeddings"):
+            if getattr(m, key) != getattr(defaults, key) and not (key == "n_kv_head" and m.n_kv_head == m.n_head):
+                raise UserError(f"model.{key} applies to model.family=llama only (GPT-2 has one key/value head per "
+                                "query head, a 4*d_model MLP unless model.d_ff is set, and a tied head)")
+        return
+    for key, refused in (("attention", "mla"), ("linear", "sketched")):
+        if getattr(m, key) == refused:
+            raise UserError(f"model.{key}={refused} is a GPT-2-family variant; model.family=llama supports "
+                            "model.attention=mha|dilated and model.linear=dense")
+    if m.head_dim % 2:
+        raise UserError(f"model.family=llama needs an even head dimension for rotary pairs "
+                        f"(d_model/n_head = {m.head_dim})")
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:

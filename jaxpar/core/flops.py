@@ -18,6 +18,8 @@ PEAK_FLOPS = {
 
 def _attention_params(m: ModelConfig) -> int:
     d, hk = m.d_model, m.n_head * m.head_dim
+    if m.family == "llama":  # q, grouped k and v, out; no biases
+        return d * hk + d * 2 * m.kv_heads * m.head_dim + hk * d
     out = hk * d + d
     if m.attention != "mla":  # mha and dilated share GPT-2's qkv projection
         return d * 3 * hk + 3 * hk + out
@@ -27,19 +29,23 @@ def _attention_params(m: ModelConfig) -> int:
 
 def _mlp_params(m: ModelConfig) -> int:
     d, f = m.d_model, m.ff_dim
+    if m.family == "llama":  # SwiGLU: gate, up, down; no biases
+        return 3 * d * f
     fc_in, proj_in = (sketch_dim(m, d), sketch_dim(m, f)) if m.linear == "sketched" else (d, f)
     return fc_in * f + f + proj_in * d + d
 
 
 def count_params(m: ModelConfig) -> dict[str, int]:
-    """Total parameters and those outside the token and position embeddings."""
-    per_layer = 4 * m.d_model + _attention_params(m) + _mlp_params(m)  # + two LayerNorms
-    non_embedding = m.n_layer * per_layer + 2 * m.d_model  # + final LayerNorm
-    return {"total": non_embedding + (m.vocab_size + m.max_seq_len) * m.d_model, "non_embedding": non_embedding}
+    """Total parameters and those outside the token and position embeddings (and an untied head)."""
+    norm = m.d_model if m.family == "llama" else 2 * m.d_model  # RMSNorm: scale; LayerNorm: scale and bias
+    non_embedding = m.n_layer * (2 * norm + _attention_params(m) + _mlp_params(m)) + norm  # + final norm
+    tables = 1 + (not m.tie_embeddings)  # token embedding, and the output head when untied
+    positions = m.max_seq_len if m.family == "gpt2" else 0
+    return {"total": non_embedding + (tables * m.vocab_size + positions) * m.d_model, "non_embedding": non_embedding}
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 * (non-embedding params + tied head) + attention 12*L*T*d."""
+    """Training FLOPs per token: 6 * (non-embedding params + output head) + attention 12*L*T*d."""
     n = count_params(m)["non_embedding"] + m.vocab_size * m.d_model
     return 6 * n + 12 * m.n_layer * seq_len * m.d_model
 

@@ -6,9 +6,11 @@ Pure numpy, no jax: both trainers read and write it.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from jaxpar.core.errors import UserError
@@ -34,13 +36,25 @@ def unflatten(flat: dict[str, np.ndarray]) -> dict:
     return tree
 
 
-def save_weights(path: str, params: dict) -> None:
-    """Write float32 weights atomically (temp file + rename)."""
+# What the tensors' shapes cannot tell, kept in the file's metadata (json under "model") so that a file
+# alone rebuilds its model (the sampling commands, conversion): llama's context length, rotary base, eps.
+SETTINGS = ("max_seq_len", "layernorm_eps", "rope_theta")
+
+
+def save_weights(path: str, params: dict, model: dict | None = None) -> None:
+    """Write float32 weights atomically (temp file + rename); `model`: config keys, SETTINGS are kept."""
     flat = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in flatten(params).items()}
+    settings = {k: model[k] for k in SETTINGS if k in model} if model else {}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    save_file(flat, tmp)
+    save_file(flat, tmp, metadata={"model": json.dumps(settings)})
     os.replace(tmp, path)
+
+
+def read_settings(path: str) -> dict:
+    """The SETTINGS a weights file was written with ({} for files from elsewhere)."""
+    with safe_open(path, "np") as f:
+        return json.loads((f.metadata() or {}).get("model", "{}"))
 
 
 def read_weights(path: str) -> dict[str, np.ndarray]:
@@ -85,6 +99,12 @@ NAMES = {
     "blocks.mlp.proj.kernel": "blocks.{l}.mlp.proj.weight",
     "blocks.mlp.proj.bias": "blocks.{l}.mlp.proj.bias",
 }
+# model.family=llama (jaxpar/models/llama.py): no biases, no position table, an untied head if asked
+LLAMA_NAMES = {
+    "lm_head": "lm_head",
+    **{f"blocks.attn.{n}.kernel": f"blocks.{{l}}.attn.{n}.weight" for n in ("q", "kv")},
+    **{f"blocks.mlp.{n}.kernel": f"blocks.{{l}}.mlp.{n}.weight" for n in ("gate", "up", "down")},
+}
 # model variants (jaxpar/models/{mla,sketched}.py): their parameters beside or instead of GPT-2's
 VARIANT_NAMES = {
     **{f"blocks.attn.{n}.kernel": f"blocks.{{l}}.attn.{n}.weight" for n in ("q_down", "q_up", "kv_down", "kv_up")},
@@ -93,7 +113,7 @@ VARIANT_NAMES = {
     "blocks.mlp.fc.factor": "blocks.{l}.mlp.fc.factor",
     "blocks.mlp.proj.factor": "blocks.{l}.mlp.proj.factor",
 }
-ALL_NAMES = {**NAMES, **VARIANT_NAMES}
+ALL_NAMES = {**NAMES, **LLAMA_NAMES, **VARIANT_NAMES}
 
 
 def shared_name(torch_name: str) -> str:
@@ -106,11 +126,18 @@ def shared_name(torch_name: str) -> str:
     raise KeyError(f"no shared name for torch parameter {torch_name!r}")
 
 
-def model_dims(flat: dict[str, np.ndarray]) -> dict:
-    """Model dimensions read off the shared tensors themselves (GPT-2's MHA/dense shapes only)."""
+def model_dims(flat: dict[str, np.ndarray], settings: dict | None = None) -> dict:
+    """Model config keys read off the shared tensors themselves (GPT-2 with MHA/dense layers, or llama),
+    then `settings` (read_settings) for what shapes cannot tell."""
+    if "blocks.attn.q.kernel" in flat:
+        n_layer, d, n_head, _ = flat["blocks.attn.q.kernel"].shape
+        dims = {"family": "llama", "n_layer": n_layer, "d_model": d, "n_head": n_head,
+                "n_kv_head": flat["blocks.attn.kv.kernel"].shape[3], "vocab_size": flat["wte"].shape[0],
+                "d_ff": flat["blocks.mlp.gate.kernel"].shape[-1], "tie_embeddings": "lm_head" not in flat}
+        return {"max_seq_len": 128, **dims, **(settings or {})}
     if "blocks.attn.qkv.kernel" not in flat or "blocks.mlp.fc.kernel" not in flat:
         raise UserError("these weights use a model variant (model.attention=mla or model.linear=sketched); "
                         "conversion supports only GPT-2's parameters (mha attention, dense linear layers)")
     n_layer, d, _, n_head, _ = flat["blocks.attn.qkv.kernel"].shape
-    return {"n_layer": n_layer, "d_model": d, "n_head": n_head, "vocab_size": flat["wte"].shape[0],
+    return {**(settings or {}), "n_layer": n_layer, "d_model": d, "n_head": n_head, "vocab_size": flat["wte"].shape[0],
             "max_seq_len": flat["wpe"].shape[0], "d_ff": flat["blocks.mlp.fc.kernel"].shape[-1]}

@@ -1,4 +1,6 @@
-"""GPT-2 in Flax NNX: learned positions, pre-LayerNorm, GELU MLP, tied embeddings.
+"""The decoder in Flax NNX. model.family=gpt2: GPT-2 (learned positions, pre-LayerNorm, GELU MLP, tied
+embeddings). model.family=llama: the same stacked pre-norm decoder with llama.py's blocks (RMSNorm,
+grouped-query attention with rotary positions, SwiGLU), no position table, an untied head if asked.
 
 Transformer blocks are one module whose parameters carry a leading `layers` axis; the forward
 pass scans over it, so compile time is flat in depth. Every parameter records its logical axes
@@ -12,7 +14,7 @@ Parameter names and shapes are the shared weight format (jaxpar/core/weights.py 
   blocks.attn.out.kernel [layers, heads, kv, embed]      .bias [layers, embed]
   blocks.mlp.fc.kernel [layers, embed, mlp] .bias [layers, mlp]
   blocks.mlp.proj.kernel [layers, mlp, embed] .bias [layers, embed]
-Variants (`model.attention`, `model.linear`; one file each) swap in their own parameters:
+Llama's parameter names: llama.py. Variants (`model.attention`, `model.linear`; one file each) swap in their own parameters:
 mla.py (blocks.attn.*), dilated.py (MHA's parameters, another attention core), core/sketches.py
 (blocks.mlp.{fc,proj}.factor instead of .kernel).
 """
@@ -28,6 +30,7 @@ from jaxpar.context import constrain, current
 from jaxpar.core.config import ModelConfig
 from jaxpar.core.sketches import sketch_dim, stacked_sketches
 from jaxpar.models.dilated import dilated_attention
+from jaxpar.models.llama import GQAttention, RMSNorm, SwiGLU
 from jaxpar.models.mla import MLAttention
 from jaxpar.models.params import normal, param
 
@@ -66,13 +69,13 @@ class Attention(nnx.Module):
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None
 
     def __call__(self, x, dtype, positions=None):
-        q, k, v = self.project_qkv(x, dtype)
+        q, k, v = self.project_qkv(x, dtype, positions)
         # the context's attention: local (cuDNN flash on GPU where it applies), or across `sp` shards
         y = current().attention(q, k, v, positions) if self.pairs is None else dilated_attention(q, k, v, self.pairs)
         return self.project_out(y, dtype)
 
     # the two projections are also what decoding with a KV cache runs around its own attention (decode.py)
-    def project_qkv(self, x, dtype):
+    def project_qkv(self, x, dtype, positions=None):  # positions: for rotary attention (llama.py); unused here
         w, b = self.qkv["kernel"][...].astype(dtype), self.qkv["bias"][...].astype(dtype)
         qkv = jnp.einsum("btd,dchk->cbthk", x, w) + b[:, None, None]
         return tuple(constrain(t, ("batch", "seq", "heads", "kv")) for t in qkv)
@@ -115,10 +118,12 @@ class Block(nnx.Module):
     """One pre-LN transformer block; constructed stacked (leading `layers` axis), called per layer."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: tuple[int, ...] = ()):
-        self.ln1 = LayerNorm(cfg, stack)
-        self.attn = (MLAttention if cfg.attention == "mla" else Attention)(cfg, rngs, stack)
-        self.ln2 = LayerNorm(cfg, stack)
-        self.mlp = MLP(cfg, rngs, stack)
+        llama = cfg.family == "llama"
+        norm = RMSNorm if llama else LayerNorm
+        self.ln1 = norm(cfg, stack)
+        self.attn = (GQAttention if llama else MLAttention if cfg.attention == "mla" else Attention)(cfg, rngs, stack)
+        self.ln2 = norm(cfg, stack)
+        self.mlp = (SwiGLU if llama else MLP)(cfg, rngs, stack)
 
     def __call__(self, x, dtype, positions=None, sketches=None):
         x = x + self.attn(self.ln1(x), dtype, positions)
@@ -130,9 +135,12 @@ class GPT(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.wte = param(normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std), ("vocab", "embed"))
-        self.wpe = param(normal(rngs, (cfg.max_seq_len, cfg.d_model), cfg.init_std), ("pos", "embed"))
+        if cfg.family == "gpt2":  # llama's positions are rotary, inside attention
+            self.wpe = param(normal(rngs, (cfg.max_seq_len, cfg.d_model), cfg.init_std), ("pos", "embed"))
         self.blocks = Block(cfg, rngs, stack=(cfg.n_layer,))
-        self.ln_f = LayerNorm(cfg)
+        self.ln_f = (RMSNorm if cfg.family == "llama" else LayerNorm)(cfg)
+        if not cfg.tie_embeddings:
+            self.lm_head = param(normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std), ("vocab", "embed"))
 
     def __call__(self, tokens: jax.Array, positions=None) -> jax.Array:
         """tokens [batch, seq] int -> logits [batch, seq, vocab] float32. `positions` [seq]: the tokens'
@@ -143,11 +151,12 @@ class GPT(nnx.Module):
     # embed on the first stage, a slice of the blocks on each, head and loss on the last.
     def embed(self, tokens: jax.Array, positions=None) -> jax.Array:
         dtype = jnp.dtype(self.cfg.compute_dtype)
-        T = tokens.shape[1]
-        wpe = self.wpe[...][:T] if positions is None else jnp.take(self.wpe[...], positions, axis=0)
         # Gather the table's fsdp shards before the lookup: a gather from a table split on both
         # vocab (tp) and embed (fsdp) makes GSPMD replicate its output the slow way.
-        x = jnp.take(constrain(self.wte[...], ("vocab", "act_embed")), tokens, axis=0) + wpe
+        x = jnp.take(constrain(self.wte[...], ("vocab", "act_embed")), tokens, axis=0)
+        if self.cfg.family == "gpt2":
+            T = tokens.shape[1]
+            x = x + (self.wpe[...][:T] if positions is None else jnp.take(self.wpe[...], positions, axis=0))
         return constrain(x.astype(dtype), ("batch", "seq", "act_embed"))
 
     def run_blocks(self, x: jax.Array, positions=None, sketches=None) -> jax.Array:
@@ -167,7 +176,8 @@ class GPT(nnx.Module):
 
     def head(self, x: jax.Array) -> jax.Array:
         x = self.ln_f(x)
-        logits = jnp.einsum("btd,vd->btv", x, self.wte[...].astype(x.dtype))  # tied output embedding
+        table = self.wte if self.cfg.tie_embeddings else self.lm_head
+        logits = jnp.einsum("btd,vd->btv", x, table[...].astype(x.dtype))
         return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
 
 

@@ -2,11 +2,13 @@
 
 Formats:
   shared  a .safetensors file in the shared weight format (what torchpar and model.init_from read)
-  hf      a Hugging Face GPT-2 directory (config.json + model.safetensors)
+  hf      a Hugging Face GPT-2 or Llama directory (config.json + safetensors; model_type gpt2 or llama)
   jaxpar  a jaxpar run directory: reads the parameters of its latest checkpoint; as a target,
           writes a step-0 checkpoint (fresh optimizer state) that `jaxpar.train run.dir=DST` resumes
 
-Every conversion is a lossless reshape/rename of float32 tensors.
+Every conversion is a lossless reshape/transpose/rename of float32 tensors. The model family (gpt2 or
+llama) follows the source; a shared file keeps what shapes cannot tell (context length, eps, rotary base)
+in its metadata.
 """
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ import sys
 import numpy as np
 
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.weights import flatten, model_dims, read_weights, save_weights, unflatten
-from jaxpar.tools import hf_gpt2 as hf
+from jaxpar.core.weights import SETTINGS, flatten, model_dims, read_settings, read_weights, save_weights, unflatten
+from jaxpar.tools import hf_gpt2, hf_llama
 
 FORMATS = ("shared", "hf", "jaxpar")
 
@@ -36,10 +38,10 @@ def _single_device_layout(cfg):
 def read(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
     """-> (flat shared tensors, model config overrides)."""
     if fmt == "hf":
-        return hf.hf_to_shared(src)
+        return _hf_module(src).hf_to_shared(src)
     if fmt == "shared":
         flat = read_weights(src)
-        return flat, model_dims(flat)
+        return flat, model_dims(flat, read_settings(src))
     from jaxpar.checkpoint import Checkpointer
     from jaxpar.core.resume import read_run_config
     from jaxpar.state import abstract_state
@@ -47,19 +49,32 @@ def read(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
     cfg = read_run_config(src)
     if cfg.model.attention != "mha" or cfg.model.linear != "dense":
         raise UserError(f"{src} trains model.attention={cfg.model.attention}, model.linear={cfg.model.linear}; "
-                        "conversion supports only GPT-2's mha/dense model")
+                        "conversion supports only mha attention and dense layers")
     restored = Checkpointer(src, cfg.checkpoint.keep).restore_latest(abstract_state(_single_device_layout(cfg)))
     if restored is None:
         raise UserError(f"no checkpoint in {src}/checkpoints")
     flat = {k: np.asarray(v) for k, v in flatten(restored[0]["params"]).items()}
-    return flat, {**model_dims(flat), "layernorm_eps": cfg.model.layernorm_eps}
+    return flat, model_dims(flat, {k: getattr(cfg.model, k) for k in SETTINGS})
+
+
+def _hf_module(src: str):
+    path = os.path.join(src, "config.json")
+    if not os.path.exists(path):
+        raise UserError(f"not a Hugging Face model directory: {path} is missing")
+    with open(path) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type not in ("gpt2", "llama"):
+        raise UserError(f"{path}: model_type {model_type!r} is neither 'gpt2' nor 'llama'")
+    return hf_gpt2 if model_type == "gpt2" else hf_llama
 
 
 def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict) -> None:
     if fmt == "shared":
-        save_weights(dst, unflatten(flat))
+        save_weights(dst, unflatten(flat), model)
+    elif fmt == "hf" and model.get("family") == "llama":
+        hf_llama.shared_to_hf(flat, dst, model)
     elif fmt == "hf":
-        hf.shared_to_hf(flat, dst, model.get("layernorm_eps", 1e-5))
+        hf_gpt2.shared_to_hf(flat, dst, model.get("layernorm_eps", 1e-5))
     else:
         from jaxpar.checkpoint import Checkpointer
         from jaxpar.core.config import config_for_weights

@@ -1,7 +1,7 @@
 """Pipeline parallelism with torch.distributed.pipelining: one stage per rank, GPipe or 1F1B.
 
 The stage split is jaxpar's: with S ranks, rank s holds layers [s*L/S, (s+1)*L/S); the embedding
-lives on the first stage, the final LayerNorm and tied head (and the loss) on the last. Module
+lives on the first stage, the final norm and output head (and the loss) on the last. Module
 names stay those of the whole GPT ("blocks.3.attn..."), so checkpoints (DCP) and weight files are
 interchangeable with every other backend.
 
@@ -10,8 +10,9 @@ interchangeable with every other backend.
   (microbatch m = rows m, m+M, ...).
 - The loss function divides by the number of microbatches itself (scale_grads=False: the schedule's
   own scaling would also rescale gradients accumulated over earlier accumulation microbatches).
-- The tied embedding exists on the first and the last stage; after the backward its two gradients
+- A tied embedding exists on the first and the last stage; after the backward its two gradients
   are summed over a two-rank group (Megatron's embedding group) so both copies take the same step.
+  An untied head (llama's lm_head) lives on the last stage only.
 - Gradient clipping uses the global norm: the squared norms of the stages are summed over ranks.
 """
 from __future__ import annotations
@@ -24,31 +25,31 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from jaxpar.core.errors import UserError
 from jaxpar.core.pipeline_schedules import check, resolve_microbatches
 from torchpar.backends.base import TorchEngine
-from torchpar.model import GPT, embed, tied_head
+from torchpar.model import GPT, embed, output_head
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 class Stage(nn.Module):
-    """Layers [lo, hi) of a GPT; the embedding when first, final LayerNorm + tied head when last."""
+    """Layers [lo, hi) of a GPT; the embedding when first, final norm + output head when last."""
 
     def __init__(self, model: GPT, lo: int, hi: int, first: bool, last: bool):
         super().__init__()
         self.first, self.last, self.compute_dtype = first, last, model.compute_dtype
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(lo, hi)})  # global names
-        if first or last:
+        if first or (last and model.lm_head is None):
             self.wte = model.wte
         if first:
-            self.wpe = model.wpe
+            self.wpe = model.wpe  # None for llama
         if last:
-            self.ln_f = model.ln_f
+            self.ln_f, self.lm_head = model.ln_f, model.lm_head  # lm_head None when tied
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
             x = embed(self.wte, self.wpe, x, self.compute_dtype)
         for block in self.blocks.values():
             x = block(x)
-        return tied_head(self.ln_f, self.wte, x) if self.last else x
+        return output_head(self.ln_f, self.wte if self.lm_head is None else self.lm_head, x) if self.last else x
 
 
 def check_pipeline(cfg, world: int) -> int:
@@ -72,7 +73,8 @@ class PipelineEngine(TorchEngine):
         self.schedule = SCHEDULES[cfg.parallel.pipeline_schedule](
             PipelineStage(stage, env.rank, env.world, env.device), M, loss_fn=self._loss, scale_grads=False)
         ends = sorted({0, env.world - 1})
-        self.tied = tdist.new_group(ends) if len(ends) == 2 else None  # every rank must call new_group
+        tied = len(ends) == 2 and cfg.model.tie_embeddings
+        self.tied = tdist.new_group(ends) if tied else None  # every rank must call new_group
         # wte's gradient counts once in the global norm: on the first stage only
         self.norm_params = [p for n, p in stage.named_parameters() if not (n == "wte" and not stage.first)]
 

@@ -1,0 +1,92 @@
+"""Llama's block components (model.family=llama) in Flax NNX, logical axes only: RMSNorm, grouped-query
+attention with rotary positions, the SwiGLU MLP. jaxpar/models/gpt.py assembles them into the same
+stacked decoder as GPT-2 (embedding without positions, untied head when model.tie_embeddings=false).
+
+Grouped-query attention: n_kv_head key/value heads, each shared by n_head / n_kv_head consecutive
+query heads (query head i reads kv head i // group, Hugging Face's `repeat_kv`). Keys and values are
+projected at n_kv_head width (the parameters and the decoding cache are that small) and repeated to
+n_head before the attention core, so every core (local, ring, all-gather, Ulysses, dilated) runs as
+for MHA. Over tp, kv heads are split when n_kv_head divides by tp and replicated otherwise (the rules
+table's "kv_heads" axis; jaxpar/sharding.py replicates any indivisible dimension).
+
+Rotary pairs are (i, i + head_dim/2), Hugging Face's layout, so HF Llama weights load unpermuted.
+
+Shared weight format (biases: none):
+  blocks.attn.q.kernel [layers, embed, heads, kv]   blocks.attn.kv.kernel [layers, embed, 2, kv_heads, kv]
+  blocks.attn.out.kernel [layers, heads, kv, embed]
+  blocks.mlp.gate.kernel / .up.kernel [layers, embed, mlp]   blocks.mlp.down.kernel [layers, mlp, embed]
+  blocks.ln1.scale / .ln2.scale [layers, embed]   ln_f.scale [embed]   lm_head [vocab, embed] (untied)
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.context import constrain, current
+from jaxpar.core.config import ModelConfig
+from jaxpar.models.dilated import dilated_attention
+from jaxpar.models.layers import rms_norm, rope
+from jaxpar.models.params import normal, param
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig, stack: tuple[int, ...] = ()):
+        self.scale = param(jnp.ones(stack + (cfg.d_model,)), ("layers",) * len(stack) + ("embed",))
+        self.eps = cfg.layernorm_eps
+
+    def __call__(self, x):
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+def repeat_kv(t, n_head: int):
+    """[batch, seq, kv_heads, kv] -> [batch, seq, n_head, kv]: each kv head serves a group of query heads."""
+    return jnp.repeat(t, n_head // t.shape[2], axis=2)
+
+
+class GQAttention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: tuple[int, ...]):
+        L, d, h, g, k = stack, cfg.d_model, cfg.n_head, cfg.kv_heads, cfg.head_dim
+        lead = ("layers",) * len(stack)
+        self.q = nnx.Dict(kernel=param(normal(rngs, L + (d, h, k), cfg.init_std), lead + ("embed", "heads", "kv")))
+        self.kv = nnx.Dict(kernel=param(normal(rngs, L + (d, 2, g, k), cfg.init_std),
+                                        lead + ("embed", "qkv", "kv_heads", "kv")))
+        self.out = nnx.Dict(kernel=param(normal(rngs, L + (h, k, d), cfg.init_std / math.sqrt(2 * cfg.n_layer)),
+                                         lead + ("heads", "kv", "embed")))
+        self.theta, self.n_head = cfg.rope_theta, h
+        self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None
+
+    def __call__(self, x, dtype, positions=None):
+        q, k, v = self.project_qkv(x, dtype, positions)
+        k, v = (constrain(repeat_kv(t, self.n_head), ("batch", "seq", "heads", "kv")) for t in (k, v))
+        y = current().attention(q, k, v, positions) if self.pairs is None else dilated_attention(q, k, v, self.pairs)
+        return self.project_out(y, dtype)
+
+    # the two projections are also what decoding with a KV cache runs (decode.py): it caches k, v at kv_heads width
+    def project_qkv(self, x, dtype, positions=None):
+        pos = jnp.arange(x.shape[1]) if positions is None else positions
+        q = jnp.einsum("btd,dhk->bthk", x, self.q["kernel"][...].astype(dtype))
+        k, v = jnp.einsum("btd,dcgk->cbtgk", x, self.kv["kernel"][...].astype(dtype))
+        q, k = rope(q, pos, self.theta), rope(k, pos, self.theta)
+        return (constrain(q, ("batch", "seq", "heads", "kv")),
+                *(constrain(t, ("batch", "seq", "kv_heads", "kv")) for t in (k, v)))
+
+    def project_out(self, y, dtype):
+        y = constrain(y, ("batch", "seq", "heads", "kv"))
+        return jnp.einsum("bthk,hkd->btd", y, self.out["kernel"][...].astype(dtype))
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: tuple[int, ...]):
+        L, d, f, lead = stack, cfg.d_model, cfg.ff_dim, ("layers",) * len(stack)
+        self.gate = nnx.Dict(kernel=param(normal(rngs, L + (d, f), cfg.init_std), lead + ("embed", "mlp")))
+        self.up = nnx.Dict(kernel=param(normal(rngs, L + (d, f), cfg.init_std), lead + ("embed", "mlp")))
+        self.down = nnx.Dict(kernel=param(normal(rngs, L + (f, d), cfg.init_std / math.sqrt(2 * cfg.n_layer)),
+                                          lead + ("mlp", "embed")))
+
+    def __call__(self, x, dtype, sketches=None):
+        w = lambda p: p["kernel"][...].astype(dtype)  # noqa: E731
+        h = constrain(jax.nn.silu(x @ w(self.gate)) * (x @ w(self.up)), ("batch", "seq", "mlp"))
+        return h @ w(self.down)

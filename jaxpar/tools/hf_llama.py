@@ -1,0 +1,102 @@
+"""Hugging Face Llama (`LlamaForCausalLM`: config.json + safetensors) <-> the shared weight format. numpy only.
+
+HF keeps nn.Linear weights [out, in] with heads flattened on `out`; the shared format keeps [in, ...heads]
+(jaxpar/models/llama.py). Every conversion is a transpose and a reshape, so round trips are bit-exact.
+The rotary permutation: HF's Llama checkpoints already pair feature i with i + head_dim/2 (`rotate_half`),
+which is jaxpar's and torchpar's rotary layout, so q and k need no permutation in either direction (Meta's
+original checkpoints interleave the pairs; HF's own conversion script permutes them once, on the way in).
+Sharded HF checkpoints (model-0000x-of-0000y.safetensors) are read whole.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from jaxpar.core.errors import UserError
+from jaxpar.core.weights import model_dims
+
+PREFIX = "model.layers.{i}."
+# shared per-layer name -> HF per-layer name (under model.layers.{i}.); MLP weights are transposed
+NORMS = {"ln1.scale": "input_layernorm.weight", "ln2.scale": "post_attention_layernorm.weight"}
+MLP = {"mlp.gate.kernel": "mlp.gate_proj.weight", "mlp.up.kernel": "mlp.up_proj.weight",
+       "mlp.down.kernel": "mlp.down_proj.weight"}
+
+
+def _read_config(hf_dir: str) -> dict:
+    path = os.path.join(hf_dir, "config.json")
+    with open(path) as f:
+        hf = json.load(f)
+    refused = {"rope_scaling": hf.get("rope_scaling"), "attention_bias": hf.get("attention_bias"),
+               "mlp_bias": hf.get("mlp_bias")}
+    for key, value in refused.items():
+        if value:
+            raise UserError(f"{path}: {key}={value!r} is not supported (plain rotary positions, no biases)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UserError(f"{path}: hidden_act {hf['hidden_act']!r} is not Llama's silu")
+    d, h = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("head_dim", d // h) * h != d:
+        raise UserError(f"{path}: head_dim={hf['head_dim']} x {h} heads != hidden_size={d}")
+    return hf
+
+
+def hf_to_shared(hf_dir: str) -> tuple[dict[str, np.ndarray], dict]:
+    """Read an HF Llama directory -> (flat shared tensors, model config overrides)."""
+    hf = _read_config(hf_dir)
+    files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
+    if not files:
+        raise UserError(f"not a Hugging Face Llama directory: no *.safetensors in {hf_dir}")
+    raw = {k: v for f in files for k, v in load_file(f).items()}
+    L, d, h = hf["num_hidden_layers"], hf["hidden_size"], hf["num_attention_heads"]
+    g, k = hf.get("num_key_value_heads") or h, d // h
+    tied = hf.get("tie_word_embeddings", False)
+
+    def layers(name):
+        return np.stack([raw[PREFIX.format(i=i) + name] for i in range(L)])
+
+    out = {"wte": raw["model.embed_tokens.weight"], "ln_f.scale": raw["model.norm.weight"]}
+    if not tied:
+        out["lm_head"] = raw["lm_head.weight"]
+    out.update({f"blocks.{ours}": layers(theirs) for ours, theirs in NORMS.items()})
+    out.update({f"blocks.{ours}": layers(theirs).transpose(0, 2, 1) for ours, theirs in MLP.items()})
+    out["blocks.attn.q.kernel"] = layers("self_attn.q_proj.weight").transpose(0, 2, 1).reshape(L, d, h, k)
+    kv = [layers(f"self_attn.{n}_proj.weight").transpose(0, 2, 1).reshape(L, d, g, k) for n in "kv"]
+    out["blocks.attn.kv.kernel"] = np.stack(kv, axis=2)
+    out["blocks.attn.out.kernel"] = layers("self_attn.o_proj.weight").transpose(0, 2, 1).reshape(L, h, k, d)
+    settings = {"max_seq_len": hf.get("max_position_embeddings", 2048), "layernorm_eps": hf.get("rms_norm_eps", 1e-6),
+                "rope_theta": float(hf.get("rope_theta", 10000.0))}
+    return {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in out.items()}, model_dims(out, settings)
+
+
+def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict) -> None:
+    """Write an HF Llama directory (config.json + model.safetensors) from flat shared tensors."""
+    dims = model_dims(flat, model)
+    L, d, h, g = dims["n_layer"], dims["d_model"], dims["n_head"], dims["n_kv_head"]
+    t = lambda a: np.ascontiguousarray(a.T)  # noqa: E731 - shared [in, out] -> HF [out, in]
+    tensors = {"model.embed_tokens.weight": flat["wte"], "model.norm.weight": flat["ln_f.scale"]}
+    if "lm_head" in flat:
+        tensors["lm_head.weight"] = flat["lm_head"]
+    for i in range(L):
+        p = PREFIX.format(i=i)
+        tensors.update({p + theirs: flat[f"blocks.{ours}"][i] for ours, theirs in NORMS.items()})
+        tensors.update({p + theirs: t(flat[f"blocks.{ours}"][i]) for ours, theirs in MLP.items()})
+        tensors[p + "self_attn.q_proj.weight"] = t(flat["blocks.attn.q.kernel"][i].reshape(d, d))
+        for j, n in enumerate("kv"):
+            tensors[p + f"self_attn.{n}_proj.weight"] = t(flat["blocks.attn.kv.kernel"][i, :, j].reshape(d, -1))
+        tensors[p + "self_attn.o_proj.weight"] = t(flat["blocks.attn.out.kernel"][i].reshape(d, d))
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": dims["vocab_size"],
+              "hidden_size": d, "intermediate_size": dims["d_ff"], "num_hidden_layers": L,
+              "num_attention_heads": h, "num_key_value_heads": g, "hidden_act": "silu",
+              "max_position_embeddings": dims["max_seq_len"], "rms_norm_eps": dims.get("layernorm_eps", 1e-5),
+              "rope_theta": dims.get("rope_theta", 10000.0), "tie_word_embeddings": "lm_head" not in flat,
+              "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32"}
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = os.path.join(out_dir, f".model.safetensors.tmp{os.getpid()}")
+    save_file({n: np.ascontiguousarray(v, dtype=np.float32) for n, v in tensors.items()}, tmp,
+              metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)

@@ -1,0 +1,54 @@
+"""Llama's block components (model.family=llama) in PyTorch with jaxpar's math and per-layer parameter
+shapes (jaxpar/models/llama.py): grouped-query attention with rotary positions, SwiGLU. torchpar/model.py
+assembles them (with layers.RMSNorm) into the same decoder as GPT-2. No parallelism here.
+"""
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import nn
+
+from jaxpar.core.config import ModelConfig
+from torchpar.layers import Kernel, rope
+from torchpar.variants import dilated_attention
+
+
+def repeat_kv(t, n_head: int):
+    """[batch, kv_heads, seq, kv] -> [batch, n_head, seq, kv]: query head i reads kv head i // group."""
+    return t.repeat_interleave(n_head // t.shape[1], dim=1)
+
+
+class GQAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, h, g, k = cfg.d_model, cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.q, self.kv, self.out = Kernel((d, h, k)), Kernel((d, 2, g, k)), Kernel((h, k, d))
+        self.theta, self.n_head = cfg.rope_theta, h
+        self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None
+
+    def forward(self, x):
+        q, k, v = self.project_qkv(x)
+        k, v = repeat_kv(k, self.n_head), repeat_kv(v, self.n_head)
+        if self.pairs is not None:  # dilated_attention works on [b, t, h, k]
+            y = dilated_attention(*(t.transpose(1, 2) for t in (q, k, v)), self.pairs).transpose(1, 2)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.project_out(y)
+
+    # the two projections are also what decoding with a KV cache runs (decode.py): k, v at kv_heads width
+    def project_qkv(self, x, positions=None):
+        q = rope(self.q(x, "btd,dhk->bthk"), self.theta, positions)
+        k, v = self.kv(x, "btd,dcgk->cbtgk").unbind(0)
+        return q.transpose(1, 2), rope(k, self.theta, positions).transpose(1, 2), v.transpose(1, 2)  # [b, h, t, k]
+
+    def project_out(self, y):
+        return self.out(y, "bhtk,hkd->btd")
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, f = cfg.d_model, cfg.ff_dim
+        self.gate, self.up, self.down = Kernel((d, f)), Kernel((d, f)), Kernel((f, d))
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x, "btd,df->btf")) * self.up(x, "btd,df->btf"), "btf,fd->btd")
