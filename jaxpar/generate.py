@@ -2,7 +2,7 @@
     --top-k 40 --top-p 0.95 --seed 0 --num-samples 1 --mesh tp=4]
 
 Samples from a trained model: the latest checkpoint of a jaxpar run (`--run`, with its tokenizer), a
-shared-weights file (`--weights`) or a Hugging Face GPT-2 directory (`--hf`; both with `--tokenizer`,
+shared-weights file (`--weights`) or a Hugging Face GPT-2 or Llama directory (`--hf`; both with `--tokenizer`,
 default byte-level). Decoding uses a KV cache in one jitted loop (jaxpar/decode.py) on any dp / fsdp / tp
 mesh; temperature 0 is greedy.
 """
@@ -23,7 +23,7 @@ def parse_args(argv):
     p = sampling_parser("python -m jaxpar.generate", __doc__, {
         "run": "a jaxpar run directory: its latest checkpoint and config",
         "weights": "a .safetensors file in the shared weight format",
-        "hf": "a Hugging Face GPT-2 directory (config.json + model.safetensors)"})
+        "hf": "a Hugging Face GPT-2 or Llama directory (config.json + safetensors)"})
     p.add_argument("--mesh", default="dp=1", help="dp / fsdp / tp axes (default dp=1)")
     return p.parse_args(argv)
 

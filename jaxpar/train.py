@@ -126,11 +126,11 @@ class JaxFramework:
         self.state = {**self.state, "params": jax.tree.map(nan, self.state["params"])}
 
 
-def write_weights(path: str, params, which: str) -> None:
+def write_weights(path: str, params, which: str, cfg: Config) -> None:
     """Gather the parameters (every process takes part) and write the shared file from process 0."""
     params = multihost_utils.process_allgather(params, tiled=True)
     if jax.process_index() == 0:
-        save_weights(path, params)
+        save_weights(path, params, vars(cfg.model))
         print(f"wrote {which} weights to {path}", file=sys.stderr)
 
 
@@ -185,14 +185,14 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_fina
     ckpt = Checkpointer(cfg.run.dir, cfg.checkpoint.keep)
     state = initial_state(cfg, layout, ckpt)
     if write_init:
-        write_weights(write_init, state["params"], "initial")
+        write_weights(write_init, state["params"], "initial", cfg)
         return 0
     if main_proc:
         write_run_config(cfg, resolved_mesh=format_mesh(dict(mesh.shape)))
     if not already_complete(cfg, int(state["step"]), main_proc):
         state = fit(cfg, data, layout, state, ckpt, stop)
     if write_final:
-        write_weights(write_final, state["params"], "final")
+        write_weights(write_final, state["params"], "final", cfg)
     ckpt.close()
     ignore_stop_requests()
     return 0

@@ -1,8 +1,9 @@
 """Which comparisons run: the default selection (CI) and the full matrix (`--parity-full`).
 
-Default: float32 on jaxpar dp=2,tp=4 and every torchpar backend; accum, remat and the model variants
-(mla, dilated, sketched) on torchpar's one process; bfloat16 on both one-device sides. Full: every
-config on every side.
+Default: float32 on jaxpar dp=2,tp=4 and every torchpar backend; accum and remat on torchpar's one
+process; the llama family on torchpar's one process and pipeline (its untied head on the last stage);
+bfloat16 on both one-device sides. Full: every config (the GPT-2 variants mla, dilated, sketched and
+the llama family included) on every side.
 
 float32, accum and remat: a side against the jaxpar one-device run of the same config.
 bfloat16: a side against its own float32 run (same side, `model.compute_dtype=float32`).
@@ -15,7 +16,7 @@ from parity_tests.compare import BFLOAT16, FLOAT32, Tolerance
 from parity_tests.runner import REFERENCE, SIDES, TORCH_BACKENDS
 
 AS_FLOAT32 = ("model.compute_dtype=float32",)
-VARIANTS = ("mla", "dilated", "sketched")  # model variants (configs/parity/<name>.yaml)
+VARIANTS = ("mla", "dilated", "sketched", "llama")  # model variants and families (configs/parity/<name>.yaml)
 
 
 @dataclass(frozen=True)
@@ -42,4 +43,5 @@ def cases(full: bool = False) -> list[Case]:
     # so are the variants: tests/test_variants.py holds their loss and gradients to torchpar's.
     out = [Case("float32", s, REFERENCE) for s in ("jax:dp=2,tp=4", *TORCH_BACKENDS)]
     out += [Case(c, "torch:none", REFERENCE) for c in ("accum", "remat")]
+    out += [Case("llama", s, REFERENCE) for s in ("torch:none", "torch:pp=2")]
     return out + [Case("bfloat16", s, s, AS_FLOAT32) for s in (REFERENCE, "torch:none")]

@@ -169,6 +169,7 @@ def test_mla_matches_deepseek_v2_equations():
 def test_mla_cache_width_is_latent_plus_rope():
     cfg = tiny_config(*VARIANTS["mla"]).model
     assert kv_cache_width(cfg) == 8 + 4 and kv_cache_width(tiny_config().model) == 2 * 32
+    assert kv_cache_width(tiny_config(*VARIANTS["llama"]).model) == 2 * 2 * 8  # 2 kv heads of width 8
 
 
 # --- dilated attention --------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from jaxpar.core.errors import UserError, cli
 from jaxpar.core.resume import read_run_config
 from jaxpar.core.sampling_cli import check_decodable, check_sampling, print_samples, sampling_parser
 from jaxpar.core.tokens import text_codec
-from jaxpar.core.weights import model_dims, read_weights
+from jaxpar.core.weights import model_dims, read_settings, read_weights
 from torchpar import dist
 from torchpar.decode import generate
 from torchpar.model import GPT
@@ -37,7 +37,7 @@ def load_model(args):
             raise UserError(f"no checkpoint in {args.run}/checkpoints")
         return model, args.tokenizer or cfg.data.tokenizer
     flat = read_weights(args.weights)
-    cfg = config_for_weights(model_dims(flat))
+    cfg = config_for_weights(model_dims(flat, read_settings(args.weights)))
     model = GPT(cfg.model)
     model.load_state_dict(from_shared(flat, cfg.model.n_layer))
     return model, args.tokenizer or "byte"

@@ -108,7 +108,7 @@ def build_model(cfg: Config):
 
 def write_init(cfg: Config, path: str) -> int:
     if launch_env()[0] == 0:
-        save_weights(path, unflatten(to_shared(build_model(cfg).state_dict(), cfg.model.n_layer)))
+        save_weights(path, unflatten(to_shared(build_model(cfg).state_dict(), cfg.model.n_layer)), vars(cfg.model))
         print(f"wrote initial weights to {path}", file=sys.stderr)
     return 0
 
@@ -241,7 +241,7 @@ def train(cfg: Config, args) -> int:
     if args.write_final:
         full = engine.full_state_dict()  # a collective under fsdp / ZeRO: every rank takes part
         if env.is_main:
-            save_weights(args.write_final, unflatten(to_shared(full, cfg.model.n_layer)))
+            save_weights(args.write_final, unflatten(to_shared(full, cfg.model.n_layer)), vars(cfg.model))
             print(f"wrote final weights to {args.write_final}", file=sys.stderr)
     ignore_stop_requests()  # before the process group's teardown, which can take a moment
     return 0

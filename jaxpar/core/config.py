@@ -303,7 +303,7 @@ def _check_family(m: ModelConfig) -> None:
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- YAML file <- `section.key=value` overrides, validated."""
+    """Defaults <- YAML file (or a run's config.json) <- `section.key=value` overrides, validated."""
     cfg = Config()
     if path:
         if not os.path.exists(path):
@@ -316,6 +316,8 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
         if not isinstance(raw, dict):
             raise UserError(f"config file {path}: top level must be a mapping of sections")
         for section, values in raw.items():
+            if path.endswith(".json") and not isinstance(values, dict):
+                continue  # a run's config.json (YAML reads JSON): the trainer's records beside the sections
             if not isinstance(values, dict):
                 raise UserError(f"config section {section!r} in {path} must be a mapping")
             for key, value in values.items():

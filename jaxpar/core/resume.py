@@ -2,7 +2,8 @@
 
 Keys that decide the parameters' shapes or the data a step reads must match, or the checkpoint would
 load into the wrong model or continue on other batches: one line naming every such key, exit 2,
-nothing touched. Everything else (mesh, steps, learning rate, checkpoint cadence, ...) may change
+nothing touched (a run written by `jaxpar.tools.convert` has read no data yet: there only the model keys
+must match, so fine-tuning picks its own data and batch). Everything else (mesh, steps, learning rate, checkpoint cadence, ...) may change
 and is printed (on stdout, with the progress).
 """
 from __future__ import annotations
@@ -73,7 +74,8 @@ def check_resume(cfg: Config) -> None:
                         "(its content hash differs); resume with that tokenizer, or use a new run.dir")
     now = _flat(cfg.to_dict())
     changed = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
-    fixed = [k for k in changed if must_match(k)]
+    # a step-0 run written by `jaxpar.tools.convert` has read no data yet: only its model must match
+    fixed = [k for k in changed if must_match(k) and (k.startswith("model.") or "converted_from" not in record)]
     if fixed:
         detail = ", ".join(f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in fixed)
         raise UserError(f"{run_dir} was started with another {'/'.join(fixed)} ({detail}); resume with the "

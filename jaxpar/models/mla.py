@@ -29,8 +29,9 @@ from jaxpar.models.params import normal, param
 
 
 def kv_cache_width(cfg: ModelConfig) -> int:
-    """Values cached per token per layer for decoding (MHA: keys and values of every head)."""
-    return cfg.kv_latent_dim + cfg.rope_head_dim if cfg.attention == "mla" else 2 * cfg.d_model
+    """Values cached per token per layer for decoding (MHA: keys and values of every head; llama's GQA: of
+    its n_kv_head heads)."""
+    return cfg.kv_latent_dim + cfg.rope_head_dim if cfg.attention == "mla" else 2 * cfg.kv_heads * cfg.head_dim
 
 
 class MLAttention(nnx.Module):

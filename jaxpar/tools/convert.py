@@ -4,7 +4,9 @@ Formats:
   shared  a .safetensors file in the shared weight format (what torchpar and model.init_from read)
   hf      a Hugging Face GPT-2 or Llama directory (config.json + safetensors; model_type gpt2 or llama)
   jaxpar  a jaxpar run directory: reads the parameters of its latest checkpoint; as a target,
-          writes a step-0 checkpoint (fresh optimizer state) that `jaxpar.train run.dir=DST` resumes
+          writes a step-0 checkpoint (fresh optimizer state) and its config.json, which fine-tuning
+          starts from: `jaxpar.train --config DST/config.json [data/train overrides]` (the model keys
+          must stay; data and batch keys may change until the run has trained)
 
 Every conversion is a lossless reshape/transpose/rename of float32 tensors. The model family (gpt2 or
 llama) follows the source; a shared file keeps what shapes cannot tell (context length, eps, rotary base)
@@ -68,7 +70,7 @@ def _hf_module(src: str):
     return hf_gpt2 if model_type == "gpt2" else hf_llama
 
 
-def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict) -> None:
+def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict, src: str = "") -> None:
     if fmt == "shared":
         save_weights(dst, unflatten(flat), model)
     elif fmt == "hf" and model.get("family") == "llama":
@@ -84,7 +86,7 @@ def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict) -> None:
         state = state_from_params(_single_device_layout(cfg), unflatten(flat))
         os.makedirs(dst, exist_ok=True)
         with open(os.path.join(dst, "config.json"), "w") as f:
-            json.dump(cfg.to_dict(), f, indent=2)
+            json.dump({**cfg.to_dict(), "converted_from": os.path.abspath(src)}, f, indent=2)
         ckpt = Checkpointer(dst, cfg.checkpoint.keep)
         ckpt.save(0, state, {"step": 0, "data_step": 0, "mesh": "dp=1"})
         ckpt.close()
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
     if args.dst_fmt == "jaxpar" and os.path.exists(os.path.join(args.dst, "checkpoints")):
         raise UserError(f"{args.dst} already holds checkpoints; refusing to mix runs")
     flat, model = read(args.src_fmt, args.src)
-    write(args.dst_fmt, args.dst, flat, model)
+    write(args.dst_fmt, args.dst, flat, model, args.src)
     print(f"converted {args.src_fmt} {args.src} -> {args.dst_fmt} {args.dst} ({len(flat)} tensors)")
     return 0
 

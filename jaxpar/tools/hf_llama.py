@@ -30,11 +30,14 @@ def _read_config(hf_dir: str) -> dict:
     path = os.path.join(hf_dir, "config.json")
     with open(path) as f:
         hf = json.load(f)
-    refused = {"rope_scaling": hf.get("rope_scaling"), "attention_bias": hf.get("attention_bias"),
-               "mlp_bias": hf.get("mlp_bias")}
+    # transformers >= 5 keeps the rotary settings in rope_parameters, earlier versions in rope_theta/rope_scaling
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    refused = {"rope type": rope.get("rope_type", rope.get("type", "default")) != "default" and rope,
+               "attention_bias": hf.get("attention_bias"), "mlp_bias": hf.get("mlp_bias")}
     for key, value in refused.items():
         if value:
-            raise UserError(f"{path}: {key}={value!r} is not supported (plain rotary positions, no biases)")
+            raise UserError(f"{path}: {key} {value!r} is not supported (plain rotary positions, no biases)")
+    hf["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     if hf.get("hidden_act", "silu") != "silu":
         raise UserError(f"{path}: hidden_act {hf['hidden_act']!r} is not Llama's silu")
     d, h = hf["hidden_size"], hf["num_attention_heads"]
@@ -67,7 +70,7 @@ def hf_to_shared(hf_dir: str) -> tuple[dict[str, np.ndarray], dict]:
     out["blocks.attn.kv.kernel"] = np.stack(kv, axis=2)
     out["blocks.attn.out.kernel"] = layers("self_attn.o_proj.weight").transpose(0, 2, 1).reshape(L, h, k, d)
     settings = {"max_seq_len": hf.get("max_position_embeddings", 2048), "layernorm_eps": hf.get("rms_norm_eps", 1e-6),
-                "rope_theta": float(hf.get("rope_theta", 10000.0))}
+                "rope_theta": hf["rope_theta"]}
     return {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in out.items()}, model_dims(out, settings)
 
 
@@ -75,6 +78,7 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict) -> None
     """Write an HF Llama directory (config.json + model.safetensors) from flat shared tensors."""
     dims = model_dims(flat, model)
     L, d, h, g = dims["n_layer"], dims["d_model"], dims["n_head"], dims["n_kv_head"]
+    theta = float(dims.get("rope_theta", 10000.0))
     t = lambda a: np.ascontiguousarray(a.T)  # noqa: E731 - shared [in, out] -> HF [out, in]
     tensors = {"model.embed_tokens.weight": flat["wte"], "model.norm.weight": flat["ln_f.scale"]}
     if "lm_head" in flat:
@@ -91,7 +95,8 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict) -> None
               "hidden_size": d, "intermediate_size": dims["d_ff"], "num_hidden_layers": L,
               "num_attention_heads": h, "num_key_value_heads": g, "hidden_act": "silu",
               "max_position_embeddings": dims["max_seq_len"], "rms_norm_eps": dims.get("layernorm_eps", 1e-5),
-              "rope_theta": dims.get("rope_theta", 10000.0), "tie_word_embeddings": "lm_head" not in flat,
+              "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+              "tie_word_embeddings": "lm_head" not in flat,
               "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32"}
     os.makedirs(out_dir, exist_ok=True)
     tmp = os.path.join(out_dir, f".model.safetensors.tmp{os.getpid()}")

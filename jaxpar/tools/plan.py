@@ -91,9 +91,9 @@ def plan(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
             measured[key] += c["traffic_bytes"]
     from jaxpar.models.mla import kv_cache_width
 
-    width = kv_cache_width(cfg.model)  # per token per layer: MLA caches its latent + rope key, MHA keys + values
+    width = kv_cache_width(cfg.model)  # per token per layer: MLA its latent + rope key, MHA/GQA keys + values
     itemsize = 2 if cfg.model.compute_dtype == "bfloat16" else 4
-    model = {"attention": cfg.model.attention, "linear": cfg.model.linear, "kv_cache_width": width,
+    model = {"family": cfg.model.family, "attention": cfg.model.attention, "linear": cfg.model.linear, "kv_cache_width": width,
              "kv_cache_bytes_per_token": width * cfg.model.n_layer * itemsize}
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
     return {"mesh": format_mesh(full), "devices": n_dev, "model": model, "params_bytes": params, "opt_state_bytes": opt,
@@ -126,7 +126,7 @@ def explain(collectives, bounds, measured) -> list[str]:
 def print_plan(p: dict) -> None:
     gib = lambda b: f"{b / 2**20:,.2f} MiB"  # noqa: E731
     m = p["model"]
-    print(f"model: attention={m['attention']} linear={m['linear']}, key/value cache per token: "
+    print(f"model: family={m['family']} attention={m['attention']} linear={m['linear']}, key/value cache per token: "
           f"{m['kv_cache_width']} values per layer ({m['kv_cache_bytes_per_token']:,} bytes over all layers)")
     print(f"mesh {p['mesh']} ({p['devices']} devices), per device:")
     for key in ("params_bytes", "opt_state_bytes", "argument_bytes", "temp_bytes", "peak_bytes"):
