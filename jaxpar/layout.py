@@ -47,6 +47,9 @@ class Layout:
         opt_specs = jax.tree_util.tree_map_with_path(self._opt_spec, abstract_opt)
         self.state_shardings = {"params": self.shardings(self.param_specs), "opt_state": self.shardings(opt_specs),
                                 "step": NamedSharding(mesh, P())}
+        if cfg.model.compute_dtype == "float16":  # the loss scaler's scalars (jaxpar/loss_scale.py)
+            self.state_shardings["loss_scale"] = {k: NamedSharding(mesh, P()) for k in ("scale", "good_steps",
+                                                                                       "skipped")}
         # ZeRO-2: gradients reduce-scattered to the optimizer-state layout instead of all-reduced.
         self.grad_specs = (jax.tree_util.tree_map_with_path(self._opt_spec, abstract_params)
                            if cfg.parallel.zero_stage >= 2 else self.param_specs)

@@ -4,11 +4,16 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 
 def causal_attention(q, k, v, q_pos=None, k_pos=None):
     """Causal attention on q, k, v [batch, seq, heads, head_dim] on one device; masked by global
-    positions when given (a permuted or partial sequence). cuDNN flash attention on GPU where it applies."""
+    positions when given (a permuted or partial sequence). cuDNN flash attention on GPU where it applies.
+    float16 on CPU runs in float32 (XLA:CPU has no float16 dot with float32 accumulation, which the scores
+    need; GPU kernels accumulate in float32 too) and returns float16."""
+    if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
+        return causal_attention(*(t.astype(jnp.float32) for t in (q, k, v)), q_pos, k_pos).astype(q.dtype)
     if q_pos is None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True)
     mask = q_pos[:, None] >= k_pos[None, :]

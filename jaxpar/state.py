@@ -1,4 +1,5 @@
-"""The train state, a plain pytree {"params": nested dict, "opt_state": optax state, "step": int32},
+"""The train state, a plain pytree {"params": nested dict, "opt_state": optax state, "step": int32, and with
+float16 "loss_scale": jaxpar/loss_scale.py's scaler},
 created directly in the layout's shardings (never materialised on one device)."""
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar import loss_scale
 from jaxpar.checkpoint import abstract_like
 from jaxpar.layout import Layout
 from jaxpar.models.gpt import GPT
@@ -15,16 +17,19 @@ from jaxpar.optim import make_optimizer
 def state_from_params(layout: Layout, params):
     """A fresh state around given parameters (random ones, or weights loaded with model.init_from)."""
     tx = make_optimizer(layout.cfg)
-    create = lambda p: {"params": p, "opt_state": tx.init(p), "step": jnp.zeros((), jnp.int32)}  # noqa: E731
-    return jax.jit(create, out_shardings=layout.state_shardings)(params)
+    return jax.jit(lambda p: _fresh(layout, tx, p), out_shardings=layout.state_shardings)(params)
+
+
+def _fresh(layout: Layout, tx, params) -> dict:
+    state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+    return {**state, "loss_scale": loss_scale.initial(layout.cfg)} if loss_scale.enabled(layout.cfg) else state
 
 
 def init_state(layout: Layout):
     cfg, tx = layout.cfg, make_optimizer(layout.cfg)
 
     def create():
-        params = nnx.state(GPT(cfg.model, nnx.Rngs(cfg.train.seed)), nnx.Param).to_pure_dict()
-        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+        return _fresh(layout, tx, nnx.state(GPT(cfg.model, nnx.Rngs(cfg.train.seed)), nnx.Param).to_pure_dict())
 
     return jax.jit(create, out_shardings=layout.state_shardings)()
 

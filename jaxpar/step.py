@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxpar import loss_scale
 from jaxpar.context import use
 from jaxpar.core.pipeline_schedules import resolve_microbatches
 from jaxpar.core.sketches import stacked_sketches
@@ -21,24 +22,25 @@ from jaxpar.parallel.pipeline_executor import HAND_SCHEDULED, pipeline_value_and
 from jaxpar.parallelize import parallel_context
 
 
-def _loss(layout: Layout, graphdef, params, batch):
-    return loss_fn(nnx.merge(graphdef, params), batch, token_order(layout.cfg, layout.mesh, batch.shape[1] - 1))
+def _loss(layout: Layout, graphdef, params, batch, scale=1.0):
+    """The mean loss times `scale` (float16's loss scale; 1.0, a no-op, otherwise)."""
+    return loss_fn(nnx.merge(graphdef, params), batch, token_order(layout.cfg, layout.mesh, batch.shape[1] - 1)) * scale
 
 
 def hand_scheduled(layout: Layout, schedule: str):
-    """(params, batch) -> (loss, grads) on the pipeline executor running `schedule` over the layout's pp
+    """(params, batch, scale) -> (loss, grads) of the loss times `scale`, on the pipeline executor running `schedule` over the layout's pp
     (any schedule: the memory benchmark also runs the GPipe order on it). Trace it in
     parallel_context(layout, on_executor=True): each stage runs its own layers as a scan."""
     cfg, mesh, p = layout.cfg, layout.mesh, layout.cfg.parallel
     graphdef, S = abstract_model(cfg.model)[0], mesh.shape["pp"]
 
-    def value_and_grad(params, batch):
+    def value_and_grad(params, batch, scale=1.0):
         order = token_order(cfg, mesh, batch.shape[1] - 1)
 
         def stage_forward(rest, chunk, sketches, x, tokens, targets, first: bool, last: bool):
             model = nnx.merge(graphdef, {**rest, "blocks": chunk})
             h = model.run_blocks(model.embed(tokens, order) if first else x, order, sketches)
-            return h, (cross_entropy(model.head(h), targets) if last else jnp.zeros((), jnp.float32))
+            return h, (cross_entropy(model.head(h), targets) * scale if last else jnp.zeros((), jnp.float32))
 
         rest = {k: v for k, v in params.items() if k != "blocks"}
         loss, g_rest, g_blocks = pipeline_value_and_grad(
@@ -51,7 +53,8 @@ def hand_scheduled(layout: Layout, schedule: str):
 
 
 def loss_and_grad(layout: Layout, schedule: str | None = None):
-    """((params, batch) -> (loss, grads), the parallel context to trace it in), as the train step computes
+    """((params, batch, scale) -> (loss, grads) of the loss times scale, the parallel context to trace it in), as
+    the train step computes
     them: jax.value_and_grad (GPipe over pp included: jax.grad through its ticks), or the pipeline executor
     for the hand-scheduled schedules. `schedule` puts any schedule on the executor (memory benchmark)."""
     p = layout.cfg.parallel
@@ -62,26 +65,40 @@ def loss_and_grad(layout: Layout, schedule: str | None = None):
     return jax.value_and_grad(partial(_loss, layout, abstract_model(layout.cfg.model)[0])), parallel_context(layout)
 
 
-def make_train_step(layout: Layout):
+def make_train_step(layout: Layout, inject_overflow: bool = False):
+    """The jitted step (state, batch) -> (state, metrics). `inject_overflow` (a test hook,
+    <PREFIX>_FAULT_OVERFLOW_AT_STEP) makes this step's gradients non-finite, as a float16 overflow would."""
     cfg, M = layout.cfg, layout.cfg.train.microbatches
     tx, lr = make_optimizer(cfg), lr_fn(cfg)
     value_and_grad, context = loss_and_grad(layout)
+    fp16 = loss_scale.enabled(cfg)
 
     def step(state, batch):
         params = state["params"]
+        scale = state["loss_scale"]["scale"] if fp16 else 1.0
 
         def accumulate(carry, mb):
             mb = jax.lax.with_sharding_constraint(mb, layout.batch_sharding)
-            loss, grads = value_and_grad(params, mb)
+            loss, grads = value_and_grad(params, mb, scale)
             return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
         zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
         (loss, grads), _ = jax.lax.scan(accumulate, zero, split_microbatches(batch, M))
-        loss, grads = loss / M, jax.tree.map(lambda g: g / M, grads)
+        loss, grads = loss / (M * scale), jax.tree.map(lambda g: g / (M * scale), grads)
+        if inject_overflow:
+            grads = jax.tree.map(lambda g: g * jnp.inf, grads)
         grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, layout.shardings(layout.grad_specs))
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "step": state["step"] + 1}
-        return new, {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr(state["step"])}
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr(state["step"])}
+        if fp16:  # skip a step that overflowed (its parameters and optimizer state stay), adjust the scale
+            ls, finite = state["loss_scale"], loss_scale.all_finite(grads)
+            new["params"], new["opt_state"] = loss_scale.keep_if(finite, (new["params"], opt_state),
+                                                                 (params, state["opt_state"]))
+            new["loss_scale"] = loss_scale.update(ls, finite, cfg)
+            metrics.update(lr=lr(state["step"] - ls["skipped"]),  # the schedule counts applied updates
+                           loss_scale=scale, skipped_steps=new["loss_scale"]["skipped"])
+        return new, metrics
 
     def traced(state, batch):
         with use(context):

@@ -58,6 +58,7 @@ class JaxFramework:
         self._train_step = make_train_step(layout).lower(state, batch).compile()
         self._eval_step = make_eval_step(layout)
         self._generate = None  # train.sample_every's decoder, made on first use
+        self._overflow_step = None  # the test hook's step (<PREFIX>_FAULT_OVERFLOW_AT_STEP)
         self.prefetch = Prefetch(lambda step: device_batch(self.train_data, step, layout.batch_sharding))
 
     def batch(self, step: int, data=None):
@@ -65,8 +66,12 @@ class JaxFramework:
         return self.prefetch(step) if data is None else device_batch(data, step, self.layout.batch_sharding)
 
     def train_step(self, batch):
-        self.state, metrics = self._train_step(self.state, batch)
+        step_fn, self._overflow_step = self._overflow_step or self._train_step, None
+        self.state, metrics = step_fn(self.state, batch)
         return metrics
+
+    def inject_overflow(self) -> None:
+        self._overflow_step = make_train_step(self.layout, inject_overflow=True)  # compiled for this one step
 
     def agree_stop(self, requested: bool) -> bool:
         """Every process learns whether any was signalled, before the same step: a tiny all-gather of one

@@ -39,7 +39,8 @@ class ModelConfig:
     max_seq_len: int = field(default=128, metadata=_check(lo=1))
     layernorm_eps: float = field(default=1e-5, metadata=_check(lo=0.0, lo_open=True))  # the block norms' eps
     init_std: float = field(default=0.02, metadata=_check(lo=0.0, lo_open=True))
-    compute_dtype: str = field(default="float32", metadata=_check(choices=("float32", "bfloat16")))
+    # float16: with dynamic loss scaling (optim.loss_scale_*; jaxpar/loss_scale.py, torch's GradScaler)
+    compute_dtype: str = field(default="float32", metadata=_check(choices=("float32", "bfloat16", "float16")))
     remat: str = field(default="none", metadata=_check(choices=("none", "full", "save_matmuls")))
     init_from: str = ""  # a .safetensors file in the shared weight format; empty = random init
     # variants (docs/architecture.md "Model variants"): attention core and MLP linear layers
@@ -129,6 +130,14 @@ class OptimConfig:
     eps: float = field(default=1e-8, metadata=_check(lo=0.0, lo_open=True))
     weight_decay: float = field(default=0.1, metadata=_check(lo=0.0))
     grad_clip: float = field(default=1.0, metadata=_check(lo=0.0))  # 0 = no clipping
+    # dynamic loss scaling, model.compute_dtype=float16 only: the loss is multiplied by the scale before the
+    # backward pass; a step whose gradients overflow is skipped and the scale multiplied by the backoff
+    # factor (not below the minimum); after growth_interval clean steps in a row it grows by the growth factor
+    loss_scale_init: float = field(default=65536.0, metadata=_check(lo=0.0, lo_open=True))
+    loss_scale_growth_interval: int = field(default=2000, metadata=_check(lo=1))
+    loss_scale_growth_factor: float = field(default=2.0, metadata=_check(lo=1.0))
+    loss_scale_backoff_factor: float = field(default=0.5, metadata=_check(lo=0.0, hi=1.0, lo_open=True))
+    loss_scale_min: float = field(default=1.0, metadata=_check(lo=0.0, lo_open=True))
 
 
 @dataclass
@@ -142,6 +151,9 @@ class ParallelConfig:
     pipeline_schedule: str = field(default="gpipe", metadata=_check(choices=("gpipe", "1f1b", "interleaved")))
     pipeline_microbatches: int = field(default=0, metadata=_check(lo=0))  # 0 -> 2 x stages
     pipeline_virtual_stages: int = field(default=1, metadata=_check(lo=1))
+    # state kept in host memory between steps, moved to the devices for the step (jaxpar: memory kinds;
+    # torchpar: FSDP2's CPUOffloadPolicy, DeepSpeed's offload_optimizer / offload_param)
+    offload: str = field(default="none", metadata=_check(choices=("none", "optimizer", "params+optimizer")))
 
 
 @dataclass
@@ -270,6 +282,7 @@ def _check_consistency(cfg: Config) -> None:
     if cfg.optim.min_lr > cfg.optim.lr:
         raise UserError(f"optim.min_lr={cfg.optim.min_lr} exceeds optim.lr={cfg.optim.lr}")
     _check_family(m)
+    _check_loss_scale(cfg)
     if m.attention == "mla" and m.rope_head_dim % 2:
         raise UserError(f"model.rope_head_dim={m.rope_head_dim} must be even (rotary pairs)")
     if m.attention == "dilated":
@@ -280,6 +293,17 @@ def _check_consistency(cfg: Config) -> None:
                                 f"divisible by the segment length min({w}, {T}), and that by the rate {r}")
         if 1 not in dict(m.dilation_pairs).values():
             raise UserError("model.dilation_rates needs a rate of 1 (otherwise some tokens attend to nothing)")
+
+
+def _check_loss_scale(cfg: Config) -> None:
+    o, defaults = cfg.optim, OptimConfig()
+    if cfg.model.compute_dtype != "float16":
+        for key in (f.name for f in dataclasses.fields(o) if f.name.startswith("loss_scale_")):
+            if getattr(o, key) != getattr(defaults, key):
+                raise UserError(f"optim.{key} applies to model.compute_dtype=float16 only (bfloat16 and float32 "
+                                "need no loss scaling)")
+    if o.loss_scale_min > o.loss_scale_init:
+        raise UserError(f"optim.loss_scale_min={o.loss_scale_min} exceeds optim.loss_scale_init={o.loss_scale_init}")
 
 
 def _check_family(m: ModelConfig) -> None:

@@ -3,6 +3,7 @@
 <PREFIX>_FAULT_KILL_AFTER_STEP=N: the process SIGKILLs itself once step N (and its checkpoint) is
 done; <PREFIX>_FAULT_SIGTERM_AFTER_STEP=N: it sends itself SIGTERM instead;
 <PREFIX>_FAULT_NAN_AT_STEP=N: the parameters are made non-finite just before step N (1-based) runs;
+<PREFIX>_FAULT_OVERFLOW_AT_STEP=N: step N's gradients are made non-finite, as a float16 overflow would;
 <PREFIX>_FAULT_SLOW_STEP_S=X: every step takes X seconds longer (signals then land mid-run).
 """
 from __future__ import annotations
@@ -21,6 +22,6 @@ def fault_hooks(prefix: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def nan_at_step(prefix: str) -> int | None:
-    value = os.environ.get(f"{prefix}_FAULT_NAN_AT_STEP")
+def fault_at_step(prefix: str, what: str) -> int | None:
+    value = os.environ.get(f"{prefix}_FAULT_{what}_AT_STEP")
     return int(value) if value else None

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from jaxpar.core.config import Config, profile_window
 from jaxpar.core.errors import UserError
-from jaxpar.core.faults import fault_hooks, nan_at_step
+from jaxpar.core.faults import fault_hooks, fault_at_step
 from jaxpar.core.metrics_log import MetricsLog
 from jaxpar.core.peers import PeerGuard
 
@@ -59,17 +59,24 @@ class Framework(Protocol):
     def poison(self) -> None:
         """Test hook (<PREFIX>_FAULT_NAN_AT_STEP): make the parameters non-finite."""
 
+    def inject_overflow(self) -> None:
+        """Test hook (<PREFIX>_FAULT_OVERFLOW_AT_STEP): make the next step's gradients non-finite."""
 
-def read_finite(fw: Framework, pending: list, saved: int | None) -> dict:
+
+def read_finite(fw: Framework, pending: list, saved: int | None, min_scale: float) -> dict:
     """Read the metrics of the steps run since the last read, oldest first; returns the newest. The first
-    non-finite loss or gradient norm ends training there, before anything later is saved."""
+    non-finite loss or gradient norm ends training there, before anything later is saved -- except under
+    float16 loss scaling, where such a step was skipped and the scale reduced, until the scale is at its
+    minimum (`min_scale`)."""
     m: dict = {}
     for step, handle in pending:
         m = fw.fetch(handle)
-        if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+        skipped = m.get("loss_scale", 0.0) > min_scale  # float16: the update was skipped, the scale backed off
+        if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])) and not skipped:
             kept = f"the last checkpoint this run wrote is step {saved}" if saved else "this run wrote no checkpoint"
-            raise UserError(f"step {step}: loss {m['loss']}, grad_norm {m['grad_norm']} is not finite; training "
-                            f"stopped and nothing from step {step} on was saved ({kept})")
+            at_min = f" at the minimum loss scale {min_scale:g}" if "loss_scale" in m else ""
+            raise UserError(f"step {step}: loss {m['loss']}, grad_norm {m['grad_norm']} is not finite{at_min}; "
+                            f"training stopped and nothing from step {step} on was saved ({kept})")
     pending.clear()
     return m
 
@@ -116,14 +123,15 @@ def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_
     `extra`: constant record fields."""
     t = cfg.train
     window, profiling = profile_window(t.profile_steps), False
-    mark, mark_step, poison_at = time.perf_counter(), step, nan_at_step(fw.fault_prefix)
+    mark, mark_step, poison_at = time.perf_counter(), step, fault_at_step(fw.fault_prefix, "NAN")
+    overflow_at, min_scale = fault_at_step(fw.fault_prefix, "OVERFLOW"), cfg.optim.loss_scale_min
     pending, saved = [], None  # steps whose metrics are not read yet (read at log and save points only)
     data_s = 0.0  # host time spent getting batches since the last log (the rest: the device, or waiting on it)
     with PeerGuard(fw, cfg.run.peer_timeout_s, cfg.run.dir, step) as peers:
         while step < t.steps:
             peers.beat(step)
             if fw.agree_stop("signal" in stop):  # asked on any process: all stop after the same step
-                read_finite(fw, pending, saved)
+                read_finite(fw, pending, saved, min_scale)
                 fw.save(step)
                 print(f"stopped by signal {stop.get('signal', '(on another process)')} after step {step}; "
                       "checkpoint saved", file=sys.stderr)
@@ -133,6 +141,8 @@ def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_
                 profiling = True
             if poison_at == step + 1:
                 fw.poison()
+            if overflow_at == step + 1:
+                fw.inject_overflow()
             t0 = time.perf_counter()
             batch = fw.batch(step)
             data_s += time.perf_counter() - t0
@@ -142,7 +152,7 @@ def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_
             do_eval = last or (t.eval_every and step % t.eval_every == 0)
             logged = step % t.log_every == 0 or do_eval
             save = last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
-            metrics = read_finite(fw, pending, saved) if logged or save else None
+            metrics = read_finite(fw, pending, saved, min_scale) if logged or save else None
             if logged:
                 now = time.perf_counter()
                 tps = (step - mark_step) * t.global_batch_size * cfg.data.seq_len / (now - mark)

@@ -76,6 +76,8 @@ def check_resume(cfg: Config) -> None:
     changed = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
     # a step-0 run written by `jaxpar.tools.convert` has read no data yet: only its model must match
     fixed = [k for k in changed if must_match(k) and (k.startswith("model.") or "converted_from" not in record)]
+    if "model.compute_dtype" in changed and "float16" in changed["model.compute_dtype"]:
+        fixed.append("model.compute_dtype")  # float16 runs carry a loss scaler in their state; the others do not
     if fixed:
         detail = ", ".join(f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in fixed)
         raise UserError(f"{run_dir} was started with another {'/'.join(fixed)} ({detail}); resume with the "
