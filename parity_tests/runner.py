@@ -153,7 +153,8 @@ class Runner:
         steps = range(1, self.steps + 1)
         if sorted(records) != list(steps):
             pytest.fail(f"{config} on {side}: logged steps {sorted(records)[:5]}..., expected 1..{self.steps}")
-        run = Run(side, config, *([float(records[s][k]) for s in steps] for k in ("loss", "grad_norm", "lr")),
+        value = lambda v: float("nan") if v is None else float(v)  # noqa: E731 - null: a non-finite (float16) step
+        run = Run(side, config, *([value(records[s][k]) for s in steps] for k in ("loss", "grad_norm", "lr")),
                   params=load_file(final), seconds=seconds)
         self.cache[key] = run
         return run

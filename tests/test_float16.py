@@ -120,3 +120,63 @@ def test_resume_may_not_switch_into_float16(tmp_path):
     check_resume(tiny_config(f"run.dir={tmp_path}", "model.compute_dtype=bfloat16"))  # free
     with pytest.raises(UserError, match="model.compute_dtype"):
         check_resume(tiny_config(f"run.dir={tmp_path}", *FP16))
+
+
+# --- torchpar: torch.amp.GradScaler with the same keys and rule -----------------------------------------
+
+def test_torchpar_overflow_skips_exactly_that_update_and_halves_the_scale(tmp_path):
+    import torch
+
+    from jaxpar.core.lr_schedule import lr_at
+    from torchpar import backends, dist
+    from torchpar.model import GPT
+
+    cfg = tiny_config(*FP16, "optim.loss_scale_growth_interval=1", "optim.loss_scale_init=1024",
+                      f"run.dir={tmp_path}")
+    model = GPT(cfg.model)
+    model.init_weights(0)
+    engine = backends.build("none", model, cfg, dist.init(False, 60.0))
+    batch = torch.randint(0, 256, (8, cfg.data.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.overflow_next = True
+    _, norm, _, extra = engine.train_step([batch])
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not engine.optimizer.state  # AdamW never stepped: no moments, no step count
+    assert extra == {"loss_scale": 1024.0, "skipped_steps": 1} and engine.scaler.get_scale() == 512
+    assert not torch.isfinite(norm)
+    _, norm, lr, extra = engine.train_step([batch])
+    assert extra == {"loss_scale": 512.0, "skipped_steps": 1} and engine.scaler.get_scale() == 1024
+    assert lr == lr_at(0, cfg.optim, cfg.train.steps) and torch.isfinite(norm)
+    assert not torch.equal(model.wte, before["wte"])
+
+
+def test_torchpar_float16_overflow_run_resumes_exactly_after_sigkill(dataset, tmp_path):
+    """--backend none: the injected overflow shows in metrics.jsonl with the same scale pattern as jaxpar's
+    (test above), and a SIGKILLed run resumes (scaler and skipped count from meta.json) to the same numbers."""
+    args = ("--backend", "none", *RUN)
+    fault = {"TORCHPAR_FAULT_OVERFLOW_AT_STEP": "3"}
+    full = run_cli(tmp_path / "full", dataset, *args, env=fault, module="torchpar.train")
+    assert full.returncode == 0, full.stderr
+    m = metrics(tmp_path / "full")
+    assert [m[s]["skipped_steps"] for s in range(1, 13)] == [0, 0] + [1] * 10
+    assert [m[s]["loss_scale"] for s in range(1, 13)] == [65536] * 3 + [32768] * 3 + [65536] * 3 + [131072] * 3
+    killed = run_cli(tmp_path / "k", dataset, *args, env={**fault, "TORCHPAR_FAULT_KILL_AFTER_STEP": "6"},
+                     module="torchpar.train")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = run_cli(tmp_path / "k", dataset, *args, module="torchpar.train")
+    assert resumed.returncode == 0, resumed.stderr
+    r = metrics(tmp_path / "k")
+    for step in range(5, 13):
+        for key in ("loss", "grad_norm", "lr", "loss_scale", "skipped_steps"):
+            assert r[step][key] == m[step][key], (step, key)
+
+
+@pytest.mark.parametrize("backend,overrides,message", [
+    ("deepspeed", FP16, "accelerator has no float16 support on this machine"),
+    ("deepspeed", (*FP16, "optim.loss_scale_init=1000"), "DeepSpeed's loss scaler grows x2"),
+    ("pipeline", FP16, "runs on --backend none, ddp, fsdp or deepspeed, not pipeline"),
+])
+def test_torchpar_float16_refusals_are_one_line(backend, overrides, message, dataset, tmp_path):
+    r = run_cli(tmp_path, dataset, "--backend", backend, *overrides, module="torchpar.train")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert message in r.stderr, r.stderr

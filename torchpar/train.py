@@ -3,7 +3,7 @@
 Also launched by `srun` (one task per process; ranks from SLURM_*) and by DeepSpeed's launcher.
 
 The same model, configs and data order as jaxpar.train, on PyTorch. Also: --deepspeed-config J
-(merged over the generated DeepSpeed JSON), --cpu-offload, --write-init PATH (write the initial
+(merged over the generated DeepSpeed JSON), --write-init PATH (write the initial
 weights in the shared safetensors format and exit), --write-final PATH (the final weights, same format).
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ def parse_args(argv):
     p.add_argument("--config", help="YAML config (configs/*.yaml); built-in defaults if omitted")
     p.add_argument("--backend", default="ddp", help=f"one of {', '.join(BACKENDS)} (default ddp)")
     p.add_argument("--deepspeed-config", default="", help="DeepSpeed JSON merged over the generated one")
-    p.add_argument("--cpu-offload", action="store_true", help="fsdp: CPUOffloadPolicy; deepspeed: optimizer/params")
+    p.add_argument("--cpu-offload", action="store_true", help="replaced by the config key parallel.offload")
     p.add_argument("--write-init", metavar="PATH", help="write the initial weights (.safetensors) and exit")
     p.add_argument("--write-final", metavar="PATH", help="after training, also write the final weights (.safetensors)")
     p.add_argument("--local_rank", "--local-rank", type=int, dest="local_rank",
@@ -64,11 +64,12 @@ def check(cfg: Config, args) -> None:
     if args.backend == "ddp" and cfg.parallel.zero_stage:
         raise UserError(f"parallel.zero_stage={cfg.parallel.zero_stage} needs --backend deepspeed or fsdp "
                         "(ddp is ZeRO-0)")
-    if args.cpu_offload and args.backend not in ("fsdp", "deepspeed"):
-        raise UserError("--cpu-offload needs --backend fsdp or deepspeed")
-    if args.cpu_offload and args.backend == "fsdp":
-        if not torch.cuda.is_available():
-            raise UserError("--cpu-offload with fsdp needs a GPU to offload from (parameters are on the CPU already)")
+    if args.cpu_offload:
+        raise UserError("--cpu-offload was replaced by the config key parallel.offload=optimizer|params+optimizer")
+    check_offload(cfg, args.backend)
+    if cfg.model.compute_dtype == "float16" and args.backend == "pipeline":
+        raise UserError("model.compute_dtype=float16 (loss scaling) runs on --backend none, ddp, fsdp or deepspeed, "
+                        "not pipeline")
     if args.deepspeed_config and args.backend != "deepspeed":
         raise UserError("--deepspeed-config needs --backend deepspeed")
     micro = cfg.train.global_batch_size // cfg.train.microbatches
@@ -79,10 +80,29 @@ def check(cfg: Config, args) -> None:
         raise UserError(f"batch per microbatch {micro} (train.global_batch_size={cfg.train.global_batch_size} / "
                         f"train.microbatches={cfg.train.microbatches}) is not divisible by the world size {world}")
     if args.backend == "deepspeed":
-        from torchpar.backends.deepspeed import import_deepspeed, load_user_config
-        import_deepspeed()
-        if args.deepspeed_config:
-            load_user_config(args.deepspeed_config)
+        from torchpar.backends import deepspeed
+        deepspeed.check(cfg, args.deepspeed_config)
+
+
+def check_offload(cfg: Config, backend: str) -> None:
+    """parallel.offload: what each backend can keep in host memory, or one line saying why not."""
+    off, stage = cfg.parallel.offload, cfg.parallel.zero_stage
+    if off == "none":
+        return
+    if backend not in ("fsdp", "deepspeed"):
+        raise UserError(f"parallel.offload={off} needs --backend fsdp or deepspeed ({backend} keeps its state on the "
+                        "device)")
+    if backend == "fsdp" and off == "optimizer":
+        raise UserError("FSDP2 offloads parameters, gradients and the optimizer step together: use "
+                        "parallel.offload=params+optimizer")
+    if backend == "fsdp" and not torch.cuda.is_available():
+        raise UserError("parallel.offload with --backend fsdp needs a GPU to offload from (on the CPU, parameters "
+                        "and optimizer state are in host memory already)")
+    if backend == "deepspeed" and stage == 0:
+        raise UserError(f"parallel.offload={off} with deepspeed needs parallel.zero_stage >= 1 (ZeRO-Offload)")
+    if backend == "deepspeed" and off == "params+optimizer" and stage != 3:
+        raise UserError("parallel.offload=params+optimizer with deepspeed needs parallel.zero_stage=3 (DeepSpeed "
+                        "offloads parameters at stage 3 only); parallel.offload=optimizer works at 1-3")
 
 
 def check_mesh(mesh: str, backend: str, world: int) -> None:
@@ -159,9 +179,10 @@ class TorchFramework:
         return prompt[0].tolist() + out[0].tolist()
 
     def fetch(self, handle) -> dict:
-        loss, grad_norm, lr = handle
+        loss, grad_norm, lr, *extra = handle  # extra: float16's loss_scale and skipped_steps
         loss_sum = dist.all_sum([float(loss)], self.env)[0]
-        return {"loss": loss_sum / self.engine.data_ways, "grad_norm": float(grad_norm), "lr": float(lr)}
+        return {"loss": loss_sum / self.engine.data_ways, "grad_norm": float(grad_norm), "lr": float(lr),
+                **(extra[0] if extra else {})}
 
     def evaluate(self) -> float:
         engine, n = self.engine, self.cfg.train.eval_batches
@@ -171,8 +192,9 @@ class TorchFramework:
         return dist.all_sum([sum(losses) / len(losses)], self.env)[0] / engine.data_ways
 
     def save(self, step: int) -> None:
+        extra = self.engine.extra_state() if hasattr(self.engine, "extra_state") else {}
         self.engine.checkpointer.save(step, {"step": step, "data_step": step, "backend": self.backend,
-                                             "world_size": self.env.world})
+                                             "world_size": self.env.world, **extra})
 
     def memory(self) -> dict:
         if self.env.device.type != "cuda":
@@ -194,6 +216,9 @@ class TorchFramework:
         with torch.no_grad():
             for p in self.engine.module.parameters():
                 p.mul_(float("nan"))
+
+    def inject_overflow(self) -> None:
+        self.engine.overflow_next = True  # none / ddp / fsdp (torchpar/backends/base.py)
 
 
 def setup_torch(cfg: Config, backend: str):
@@ -221,12 +246,13 @@ def train(cfg: Config, args) -> int:
         flat = load_weights(cfg.model.init_from, shared_shapes(cfg.model))
         model.load_state_dict(from_shared(flat, cfg.model.n_layer))
     n_params = sum(p.numel() for p in model.parameters())
-    engine = backends.build(args.backend, model, cfg, env, deepspeed_config=args.deepspeed_config,
-                            cpu_offload=args.cpu_offload)
+    engine = backends.build(args.backend, model, cfg, env, deepspeed_config=args.deepspeed_config)
     fw = TorchFramework(cfg, data, args, engine, env)
     os.makedirs(cfg.run.dir, exist_ok=True)
     resumed = engine.checkpointer.restore() if cfg.checkpoint.resume else None
     step = engine.step = int(resumed["data_step"]) if resumed else 0
+    if resumed and hasattr(engine, "load_extra_state"):
+        engine.load_extra_state(resumed)
     if env.is_main:
         write_run_config(cfg, backend=args.backend, world_size=env.world)
         print(f"backend {args.backend} on {env.world} {env.device.type} processes; {n_params:,} params", flush=True)

@@ -1,5 +1,10 @@
 """The torch-side step shared by none/ddp/fsdp: accumulate, clip, AdamW; DCP checkpoints.
 
+model.compute_dtype=float16: torch.amp.GradScaler (fsdp: its sharded variant, which agrees on an overflow
+over all ranks) with the optim.loss_scale_* keys, clamped at optim.loss_scale_min as jaxpar does
+(jaxpar/loss_scale.py). A skipped step does not advance the learning-rate schedule; the scaler and the
+skipped count travel in the checkpoint's meta.json.
+
 Gradient synchronisation is the wrapper's own (DDP's all-reduce, FSDP2's reduce-scatter); this
 file only chooses on which microbatch it happens (`sync` context) and reads the clipped norm.
 `full_state_dict()` returns the whole (unsharded) parameters by torch name on rank 0: the plain
@@ -7,6 +12,7 @@ module's state_dict here (none, ddp); fsdp passes its own gather.
 """
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 
 import torch
@@ -17,9 +23,24 @@ from torchpar.model import loss_fn
 from torchpar.optim import make_optimizer
 
 
+def grad_scaler(cfg, env, sharded: bool = False):
+    """float16's loss scaler with the shared keys; None for float32 and bfloat16."""
+    if cfg.model.compute_dtype != "float16":
+        return None
+    o = cfg.optim
+    kwargs = {"init_scale": o.loss_scale_init, "growth_factor": o.loss_scale_growth_factor,
+              "backoff_factor": o.loss_scale_backoff_factor, "growth_interval": o.loss_scale_growth_interval}
+    if sharded:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        return ShardedGradScaler(env.device.type, **kwargs)
+    return torch.amp.GradScaler(env.device.type, **kwargs)
+
+
 class TorchEngine:
-    def __init__(self, module, raw, cfg, env, sync=lambda last: nullcontext(), full_state=None):
+    def __init__(self, module, raw, cfg, env, sync=lambda last: nullcontext(), full_state=None, scaler=None):
         self.module, self.raw, self.cfg, self.env, self.sync = module, raw, cfg, env, sync
+        self.scaler = scaler if scaler is not None else grad_scaler(cfg, env)
+        self.skipped, self.overflow_next = 0, False  # float16: updates skipped so far; the test hook
         self.full_state_dict = full_state or raw.state_dict
         self.params = [p for p in raw.parameters()]
         self.optimizer = make_optimizer(raw, cfg)
@@ -33,15 +54,39 @@ class TorchEngine:
             return float(loss_fn(self.module(batch[:, :-1]), batch))
 
     def train_step(self, micro: list[torch.Tensor]):
-        lr = lr_at(self.step, self.cfg.optim, self.cfg.train.steps)
+        lr = lr_at(self.step - self.skipped, self.cfg.optim, self.cfg.train.steps)  # counts applied updates
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = self.forward_backward(micro)
-        norm = self.clip_gradients(self.cfg.optim.grad_clip or float("inf"))
-        self.optimizer.step()
+        if self.overflow_next:  # test hook: this step's gradients overflow
+            next(p for p in self.params if p.grad is not None).grad.fill_(float("inf"))
+            self.overflow_next = False
+        if self.scaler is None:
+            norm = self.clip_gradients(self.cfg.optim.grad_clip or float("inf"))
+            self.optimizer.step()
+            extra = {}
+        else:
+            scale = self.scaler.get_scale()
+            self.scaler.unscale_(self.optimizer)
+            norm = self.clip_gradients(self.cfg.optim.grad_clip or float("inf"))
+            self.scaler.step(self.optimizer)  # skipped where a gradient is not finite
+            self.scaler.update()
+            if self.scaler.get_scale() < self.cfg.optim.loss_scale_min:
+                self.scaler.update(new_scale=self.cfg.optim.loss_scale_min)
+            self.skipped += not math.isfinite(float(norm))  # the global norm: inf on any rank's overflow
+            extra = {"loss_scale": scale, "skipped_steps": self.skipped}
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return total, norm, lr
+        return total, norm, lr, extra
+
+    def extra_state(self) -> dict:
+        """What meta.json carries beside the step: float16's scaler and skipped count."""
+        return {} if self.scaler is None else {"grad_scaler": self.scaler.state_dict(), "skipped_steps": self.skipped}
+
+    def load_extra_state(self, meta: dict) -> None:
+        if self.scaler is not None and "grad_scaler" in meta:
+            self.scaler.load_state_dict(meta["grad_scaler"])
+            self.skipped = int(meta["skipped_steps"])
 
     def forward_backward(self, micro: list[torch.Tensor]) -> torch.Tensor:
         """Gradients of the mean loss over the microbatches accumulated in .grad; returns that loss."""
@@ -49,7 +94,7 @@ class TorchEngine:
         for m, batch in enumerate(micro):
             with self.sync(m == len(micro) - 1):
                 loss = loss_fn(self.module(batch[:, :-1]), batch) / len(micro)
-                loss.backward()
+                (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             total += loss.detach()
         return total
 

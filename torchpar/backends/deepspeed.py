@@ -2,9 +2,12 @@
 (--deepspeed-config) is merged on top and wins wherever it speaks; rank 0 prints the result.
 
 Generated: batch sizes and accumulation from train.*, ZeRO stage from parallel.zero_stage,
-torch AdamW (`torch_adam`, no op builds) with optim.*, gradient_clipping, bf16 from
-model.compute_dtype, CPU offload of optimizer (and of parameters at stage 3) with --cpu-offload.
-fp16 with dynamic loss scaling: {"fp16": {"enabled": true, "loss_scale": 0}} in the user JSON.
+torch AdamW (`torch_adam`, no op builds) with optim.*, gradient_clipping, bf16 / fp16 from
+model.compute_dtype (fp16: dynamic loss scaling from optim.loss_scale_*), CPU offload of the optimizer
+(parallel.offload=optimizer) and of parameters too (params+optimizer, stage 3).
+The user JSON may not contradict the shared keys where the model depends on them: precision sections
+other than model.compute_dtype's and an `activation_checkpointing` section (the model recomputes
+through torch.utils.checkpoint by model.remat; DeepSpeed's section would do nothing) are refused.
 The learning rate follows jaxpar's warmup + cosine (torchpar.optim.SharedLRSchedule) unless the
 user JSON names a "scheduler". Checkpoints are DeepSpeed's own (save_checkpoint/load_checkpoint,
 tag = step, client_state = the step), in <run.dir>/checkpoints.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -42,13 +46,26 @@ def import_deepspeed():
     return deepspeed
 
 
-def generated_config(cfg, world: int, cpu_offload: bool = False) -> dict:
+def fp16_section(cfg) -> dict:
+    """DeepSpeed's dynamic loss scaler from the shared keys; its factors are fixed at 2 (x2 / x0.5)."""
+    o = cfg.optim
+    power = math.log2(o.loss_scale_init)
+    if (o.loss_scale_growth_factor, o.loss_scale_backoff_factor) != (2.0, 0.5) or power != int(power):
+        raise UserError("DeepSpeed's loss scaler grows x2 and backs off x0.5 from a power of two: set "
+                        "optim.loss_scale_growth_factor=2, optim.loss_scale_backoff_factor=0.5 and a power-of-two "
+                        f"optim.loss_scale_init (not {o.loss_scale_init:g})")
+    return {"enabled": True, "loss_scale": 0, "initial_scale_power": int(power), "hysteresis": 1,
+            "loss_scale_window": o.loss_scale_growth_interval, "min_loss_scale": o.loss_scale_min}
+
+
+def generated_config(cfg, world: int) -> dict:
     t, o, stage = cfg.train, cfg.optim, cfg.parallel.zero_stage
     zero = {"stage": stage}
-    if cpu_offload:
+    if cfg.parallel.offload != "none":  # torchpar.train.check_offload: stage >= 1, params only at 3
         zero["offload_optimizer"] = {"device": "cpu"}
-        if stage == 3:
+        if cfg.parallel.offload == "params+optimizer":
             zero["offload_param"] = {"device": "cpu"}
+    dtype = cfg.model.compute_dtype
     return {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.global_batch_size // t.microbatches // world,
@@ -58,7 +75,8 @@ def generated_config(cfg, world: int, cpu_offload: bool = False) -> dict:
         "zero_force_ds_cpu_optimizer": False,  # torch's AdamW also with offload: no C++ op build needed
         "optimizer": {"type": "AdamW", "params": {"lr": lr_at(0, o, t.steps), "betas": [o.beta1, o.beta2],
                                                   "eps": o.eps, "weight_decay": o.weight_decay, "torch_adam": True}},
-        "bf16": {"enabled": cfg.model.compute_dtype == "bfloat16"},
+        "bf16": {"enabled": dtype == "bfloat16"},
+        "fp16": fp16_section(cfg) if dtype == "float16" else {"enabled": False},
         "steps_per_print": 2**31 - 1,
     }
 
@@ -108,7 +126,11 @@ class DeepSpeedEngine:
             total += loss.detach() / len(micro)
         ds_norm = self.engine.get_global_grad_norm()
         norm = ds_norm if ds_norm is not None else norm
-        return total, torch.as_tensor(float("nan") if norm is None else float(norm)), lr
+        extra = {}
+        if self.engine.fp16_enabled():  # DeepSpeed's own loss scaler (generated from optim.loss_scale_*)
+            extra = {"loss_scale": float(getattr(self.engine.optimizer, "cur_scale", float("nan"))),
+                     "skipped_steps": int(self.engine.skipped_steps)}
+        return total, torch.as_tensor(float("nan") if norm is None else float(norm)), lr, extra
 
     def full_state_dict(self) -> dict:
         """Whole fp32 weights by torch name: the optimizer's fp32 master copy (gathered over ranks, a
@@ -146,9 +168,35 @@ class DeepSpeedEngine:
         return client_state
 
 
-def build(model, cfg, env, deepspeed_config: str = "", cpu_offload: bool = False, **_):
+def check_user_config(user: dict, cfg) -> None:
+    """Sections of a user JSON that would contradict what the model does: one line each."""
+    if "activation_checkpointing" in user:
+        raise UserError("the DeepSpeed config's activation_checkpointing section would do nothing here: torchpar "
+                        "recomputes blocks by model.remat (none|full|save_matmuls); set that key instead")
+    for key, dtype in (("fp16", "float16"), ("bf16", "bfloat16")):
+        if user.get(key, {}).get("enabled") and cfg.model.compute_dtype != dtype:
+            raise UserError(f"the DeepSpeed config enables {key}, but model.compute_dtype={cfg.model.compute_dtype}: "
+                            f"set model.compute_dtype={dtype} (loss scaling: optim.loss_scale_*)")
+
+
+def check(cfg, deepspeed_config: str) -> None:
+    """What torchpar.train checks before any process group: DeepSpeed importable, float16 possible here,
+    the user JSON readable and consistent with the shared keys."""
+    import_deepspeed()
+    from deepspeed.accelerator import get_accelerator
+
+    if cfg.model.compute_dtype == "float16":
+        fp16_section(cfg)
+        if not get_accelerator().is_fp16_supported():
+            raise UserError(f"DeepSpeed's {get_accelerator().device_name()} accelerator has no float16 support on "
+                            "this machine: use model.compute_dtype=bfloat16, or another backend for float16")
+    if deepspeed_config:
+        check_user_config(load_user_config(deepspeed_config), cfg)
+
+
+def build(model, cfg, env, deepspeed_config: str = "", **_):
     deepspeed = import_deepspeed()
-    config = generated_config(cfg, env.world, cpu_offload)
+    config = generated_config(cfg, env.world)
     if deepspeed_config:
         config = merge(config, load_user_config(deepspeed_config))
     if env.is_main:
