@@ -74,7 +74,7 @@ def sample_rows(cfg: Config, sizes: dict, flat: dict, prompt: list[int], args) -
     from jaxpar.parallelize import parallel_context
 
     layout = Layout(cfg, make_mesh(sizes))
-    params = jax.device_put(unflatten(flat), layout.state_shardings["params"])
+    params = jax.device_put(unflatten(flat), layout.device_shardings["params"])
     with use(parallel_context(layout)):
         out = make_generate(abstract_model(cfg.model)[0])(
             params, jnp.asarray([prompt] * args.num_samples, jnp.int32), jax.random.key(args.seed),

@@ -7,6 +7,10 @@ stages are here, on plain data parallelism (`dp`):
   2  1, and gradients reduce-scattered to the moments' layout instead of all-reduced
   3  parameters sharded over dp too: the rules put dp beside fsdp on the weights' "embed"
 GSPMD inserts every collective from these shardings; nothing is hand-written.
+
+parallel.offload keeps the optimizer state (and with params+optimizer the parameters) in host memory
+between steps: their `state_shardings` carry a host memory kind (pinned_host where the devices have it),
+`device_shardings` the same layout in device memory, and the step moves them in and out (jaxpar/step.py).
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.checks import check_layout
 from jaxpar.core.config import Config
+from jaxpar.core.errors import UserError
 from jaxpar.models.gpt import abstract_model
 from jaxpar.optim import make_optimizer
 from jaxpar.sharding import RULES, spec_for, with_extra_axis
@@ -36,6 +41,17 @@ def _is_spec(x) -> bool:
     return isinstance(x, P)
 
 
+def host_memory_kind(mesh) -> str:
+    """The host memory the mesh's devices can keep arrays in: pinned_host where they have it."""
+    device = mesh.devices.flat[0]
+    kinds = {m.kind for m in device.addressable_memories()}
+    for kind in ("pinned_host", "unpinned_host"):
+        if kind in kinds:
+            return kind
+    raise UserError(f"parallel.offload: {device.platform} devices have no host memory to offload to "
+                    f"(memory kinds: {', '.join(sorted(kinds))}); use parallel.offload=none")
+
+
 class Layout:
     def __init__(self, cfg: Config, mesh):
         check_layout(cfg, mesh.shape)
@@ -50,6 +66,13 @@ class Layout:
         if cfg.model.compute_dtype == "float16":  # the loss scaler's scalars (jaxpar/loss_scale.py)
             self.state_shardings["loss_scale"] = {k: NamedSharding(mesh, P()) for k in ("scale", "good_steps",
                                                                                        "skipped")}
+        self.device_shardings = dict(self.state_shardings)  # where the step computes on them
+        self.offloaded = {"none": (), "optimizer": ("opt_state",),
+                          "params+optimizer": ("params", "opt_state")}[cfg.parallel.offload]
+        if self.offloaded:
+            kind = host_memory_kind(mesh)
+            for key in self.offloaded:
+                self.state_shardings[key] = jax.tree.map(lambda s: s.with_memory_kind(kind), self.state_shardings[key])
         # ZeRO-2: gradients reduce-scattered to the optimizer-state layout instead of all-reduced.
         self.grad_specs = (jax.tree_util.tree_map_with_path(self._opt_spec, abstract_params)
                            if cfg.parallel.zero_stage >= 2 else self.param_specs)

@@ -74,6 +74,7 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
     fp16 = loss_scale.enabled(cfg)
 
     def step(state, batch):
+        state = to_device(layout, state)  # parallel.offload: host -> device for this step
         params = state["params"]
         scale = state["loss_scale"]["scale"] if fp16 else 1.0
 
@@ -98,7 +99,7 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
             new["loss_scale"] = loss_scale.update(ls, finite, cfg)
             metrics.update(lr=lr(state["step"] - ls["skipped"]),  # the schedule counts applied updates
                            loss_scale=scale, skipped_steps=new["loss_scale"]["skipped"])
-        return new, metrics
+        return to_rest(layout, new), metrics
 
     def traced(state, batch):
         with use(context):
@@ -108,10 +109,21 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
                    out_shardings=(layout.state_shardings, None), donate_argnums=0)
 
 
+def to_device(layout: Layout, state: dict) -> dict:
+    """The offloaded parts of the state (parallel.offload) moved into device memory, inside the jitted step."""
+    return {k: jax.device_put(v, layout.device_shardings[k]) if k in layout.offloaded else v for k, v in state.items()}
+
+
+def to_rest(layout: Layout, state: dict) -> dict:
+    """...and back to host memory, where they stay between steps."""
+    return {k: jax.device_put(v, layout.state_shardings[k]) if k in layout.offloaded else v for k, v in state.items()}
+
+
 def make_eval_step(layout: Layout):
     graphdef, context = abstract_model(layout.cfg.model)[0], parallel_context(layout)
 
     def evaluate(params, batch):
+        params = to_device(layout, {"params": params})["params"]
         with use(context):
             return _loss(layout, graphdef, params, batch)
 

@@ -100,7 +100,8 @@ class JaxFramework:
         prompt = jnp.asarray(self.val_data.rows(0, 0, 1)[:, :prompt_len], jnp.int32)
         self._generate = self._generate or make_generate(abstract_model(self.cfg.model)[0])  # compiled once
         with use(parallel_context(self.layout)):
-            out = self._generate(self.state["params"], prompt, jax.random.key(step), new_tokens=new, temperature=0.8,
+            params = jax.device_put(self.state["params"], self.layout.device_shardings["params"])  # if offloaded
+            out = self._generate(params, prompt, jax.random.key(step), new_tokens=new, temperature=0.8,
                                  top_k=40)
         out = multihost_utils.process_allgather(out, tiled=True)
         return prompt[0].tolist() + out[0].tolist() if jax.process_index() == 0 else None

@@ -2,13 +2,16 @@
 
 Ahead of time, nothing trained or allocated: compile the real train step for a layout, then
 report per-device memory from XLA's memory analysis and every collective per step (with loop
-trip counts) next to the analytic lower bound of each parallelism axis. `--recommend` compiles
-every mesh that divides the model, drops those over the memory budget and ranks the rest by a
-predicted step time (compute at a peak FLOP rate + communication at a link bandwidth).
+trip counts) next to the analytic lower bound of each parallelism axis. With parallel.offload the
+state kept in host memory between steps is reported apart (`host`) from the device's peak.
+`--recommend` compiles every mesh that divides the model, drops those over the memory budget and ranks
+the rest by a predicted step time (compute at a peak FLOP rate + communication at a link bandwidth);
+when no mesh fits it tries them again with the optimizer state, then the parameters too, offloaded.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -34,7 +37,7 @@ def analytic_bounds(cfg: Config, sizes: dict[str, int], param_bytes_per_device: 
     """Per-device bytes sent per step by bandwidth-optimal collectives, one term per mesh axis."""
     m, t = cfg.model, cfg.train
     dp, fsdp, tp = sizes["dp"], sizes["fsdp"], sizes["tp"]
-    act_bytes = 2 if m.compute_dtype == "bfloat16" else 4
+    act_bytes = 4 if m.compute_dtype == "float32" else 2
     rows = t.global_batch_size // (dp * fsdp)  # per device, all microbatches together
     activation = rows * cfg.data.seq_len * m.d_model * act_bytes
     unsharded_over_fsdp = param_bytes_per_device * fsdp
@@ -92,11 +95,19 @@ def plan(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
     from jaxpar.models.mla import kv_cache_width
 
     width = kv_cache_width(cfg.model)  # per token per layer: MLA its latent + rope key, MHA/GQA keys + values
-    itemsize = 2 if cfg.model.compute_dtype == "bfloat16" else 4
-    model = {"family": cfg.model.family, "attention": cfg.model.attention, "linear": cfg.model.linear, "kv_cache_width": width,
+    itemsize = 4 if cfg.model.compute_dtype == "float32" else 2
+    model = {"compute_dtype": cfg.model.compute_dtype, "family": cfg.model.family, "attention": cfg.model.attention, "linear": cfg.model.linear, "kv_cache_width": width,
              "kv_cache_bytes_per_token": width * cfg.model.n_layer * itemsize}
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+    # parallel.offload: GPU backends count host-memory arguments apart; XLA:CPU counts them with the rest, so
+    # there the device's share is the peak less the offloaded state (which the step holds on the device only
+    # while it uses it)
+    host = _shard_bytes({k: state[k] for k in layout.offloaded})
+    estimated = bool(host) and not getattr(mem, "host_argument_size_in_bytes", 0)
+    if estimated:
+        peak -= host
     return {"mesh": format_mesh(full), "devices": n_dev, "model": model, "params_bytes": params, "opt_state_bytes": opt,
+            "offload": cfg.parallel.offload, "host_bytes": host, "peak_estimated": estimated,
             "argument_bytes": mem.argument_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
             "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes, "peak_bytes": peak,
             "collectives": collectives, "bounds": bounds, "measured": measured,
@@ -128,9 +139,15 @@ def print_plan(p: dict) -> None:
     m = p["model"]
     print(f"model: family={m['family']} attention={m['attention']} linear={m['linear']}, key/value cache per token: "
           f"{m['kv_cache_width']} values per layer ({m['kv_cache_bytes_per_token']:,} bytes over all layers)")
-    print(f"mesh {p['mesh']} ({p['devices']} devices), per device:")
-    for key in ("params_bytes", "opt_state_bytes", "argument_bytes", "temp_bytes", "peak_bytes"):
+    print(f"mesh {p['mesh']} ({p['devices']} devices), compute {m['compute_dtype']}, offload {p['offload']}, "
+          "per device:")
+    for key in ("params_bytes", "opt_state_bytes", "argument_bytes", "temp_bytes", "peak_bytes", "host_bytes"):
         print(f"  {key.removesuffix('_bytes'):<10} {gib(p[key])}")
+    if p["host_bytes"]:
+        print("  (peak: device memory; host: the offloaded state, in host memory between steps" +
+              ("; this backend's memory analysis does not count host memory apart: peak is the compiled peak less "
+               "the offloaded state, a lower bound where the step holds all of it on the device at once)"
+               if p["peak_estimated"] else ")"))
     print(f"collectives per step ({len(p['collectives'])}):")
     print(f"  {'op':<18} {'axes':<10} {'group':>5} {'count':>5} {'result bytes':>14} {'sent bytes/step':>16}")
     for c in sorted(p["collectives"], key=lambda c: -c["traffic_bytes"]):
@@ -164,12 +181,17 @@ def recommend(cfg: Config, n: int, budget: int, peak_flops: float, bandwidth: fl
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     compute_s = tokens * flops_per_token(cfg.model, cfg.data.seq_len) / n / peak_flops
     rows = []
-    for sizes in candidate_meshes(cfg, n):
-        p = plan(cfg, sizes, jax.devices()[:n])
-        fits = p["peak_bytes"] <= budget
-        rows.append({"mesh": p["mesh"], "peak_bytes": p["peak_bytes"], "fits": fits,
-                     "predicted_step_s": compute_s + p["traffic_bytes"] / bandwidth,
-                     "traffic_bytes": p["traffic_bytes"]})
+    for offload in ("none", "optimizer", "params+optimizer"):  # offload only when nothing fits without it
+        trial = copy.deepcopy(cfg)
+        trial.parallel.offload = offload
+        for sizes in candidate_meshes(cfg, n):
+            p = plan(trial, sizes, jax.devices()[:n])
+            fits = p["peak_bytes"] <= budget
+            rows.append({"mesh": p["mesh"], "offload": offload, "peak_bytes": p["peak_bytes"],
+                         "host_bytes": p["host_bytes"], "fits": fits, "traffic_bytes": p["traffic_bytes"],
+                         "predicted_step_s": compute_s + p["traffic_bytes"] / bandwidth})
+        if any(r["fits"] for r in rows):
+            break
     return sorted(rows, key=lambda r: (not r["fits"], r["predicted_step_s"]))
 
 
@@ -195,9 +217,10 @@ def main(argv=None) -> int:
         os.environ.setdefault("JAXPAR_CPU_DEVICES", str(args.devices))
         setup_devices({"dp": args.devices})
         result = recommend(cfg, args.devices, budget, args.peak_tflops * 1e12, args.bandwidth_gbs * 1e9)
-        print(f"{'mesh':<22} {'peak/device':>14} {'fits':>5} {'predicted step':>15}")
+        print(f"{'mesh':<22} {'offload':<17} {'peak/device':>14} {'host/device':>14} {'fits':>5} {'predicted step':>15}")
         for r in result:
-            print(f"{r['mesh']:<22} {r['peak_bytes'] / 2**30:>10.3f} GiB {'yes' if r['fits'] else 'NO':>5} "
+            print(f"{r['mesh']:<22} {r['offload']:<17} {r['peak_bytes'] / 2**30:>10.3f} GiB "
+                  f"{r['host_bytes'] / 2**30:>10.3f} GiB {'yes' if r['fits'] else 'NO':>5} "
                   f"{r['predicted_step_s'] * 1e3:>12.3f} ms")
         if not any(r["fits"] for r in result):
             print(f"no mesh of {args.devices} devices fits in {args.memory_per_device} per device")
