@@ -12,7 +12,8 @@ from jaxpar.core.errors import UserError
 from tests.helpers import metrics, run_cli, run_in_session, run_steps, tiny_config, torch_command, torch_env
 
 
-@pytest.mark.parametrize("mesh,offload", [("fsdp=4", "optimizer"), ("dp=2,tp=2", "params+optimizer")])
+@pytest.mark.parametrize("mesh,offload", [pytest.param("fsdp=4", "optimizer", marks=pytest.mark.slow),
+                                         ("dp=2,tp=2", "params+optimizer")])
 def test_jaxpar_offloaded_run_equals_the_one_on_devices(mesh, offload, dataset):
     from jaxpar.core.mesh_spec import parse_mesh
     from jaxpar.layout import Layout
