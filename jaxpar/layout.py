@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxpar import loss_scale
 from jaxpar.checks import check_layout
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
@@ -63,7 +64,7 @@ class Layout:
         opt_specs = jax.tree_util.tree_map_with_path(self._opt_spec, abstract_opt)
         self.state_shardings = {"params": self.shardings(self.param_specs), "opt_state": self.shardings(opt_specs),
                                 "step": NamedSharding(mesh, P())}
-        if cfg.model.compute_dtype == "float16":  # the loss scaler's scalars (jaxpar/loss_scale.py)
+        if loss_scale.enabled(cfg):  # the loss scaler's scalars
             self.state_shardings["loss_scale"] = {k: NamedSharding(mesh, P()) for k in ("scale", "good_steps",
                                                                                        "skipped")}
         self.device_shardings = dict(self.state_shardings)  # where the step computes on them

@@ -28,8 +28,8 @@ def _loss(layout: Layout, graphdef, params, batch, scale=1.0):
 
 
 def hand_scheduled(layout: Layout, schedule: str):
-    """(params, batch, scale) -> (loss, grads) of the loss times `scale`, on the pipeline executor running `schedule` over the layout's pp
-    (any schedule: the memory benchmark also runs the GPipe order on it). Trace it in
+    """(params, batch, scale) -> (loss, grads) of the loss times `scale`, on the pipeline executor running
+    `schedule` over the layout's pp (any schedule: the memory benchmark also runs the GPipe order on it). Trace it in
     parallel_context(layout, on_executor=True): each stage runs its own layers as a scan."""
     cfg, mesh, p = layout.cfg, layout.mesh, layout.cfg.parallel
     graphdef, S = abstract_model(cfg.model)[0], mesh.shape["pp"]

@@ -2,7 +2,8 @@
 batches -> the same per-step loss, gradient norm and lr, and the same final parameters.
 
 Default selection: float32 on jaxpar dp=2,tp=4 and every torchpar backend; accum and remat on torchpar's
-one process; llama on torchpar's one process and pipeline; bfloat16 on both one-device sides against their own float32 run. `--parity-full`: every
+one process; llama on torchpar's one process and pipeline; float16 on torchpar's one process; bfloat16 on
+both one-device sides against their own float32 run. `--parity-full`: every
 config on every side. The last two tests show that the checker can fail, and what it then says.
 """
 import dataclasses

@@ -3,7 +3,8 @@
 Keys that decide the parameters' shapes or the data a step reads must match, or the checkpoint would
 load into the wrong model or continue on other batches: one line naming every such key, exit 2,
 nothing touched (a run written by `jaxpar.tools.convert` has read no data yet: there only the model keys
-must match, so fine-tuning picks its own data and batch). Everything else (mesh, steps, learning rate, checkpoint cadence, ...) may change
+must match, so fine-tuning picks its own data and batch). Everything else (mesh, steps, learning rate,
+checkpoint cadence, ...) may change
 and is printed (on stdout, with the progress).
 """
 from __future__ import annotations

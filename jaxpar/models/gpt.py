@@ -14,7 +14,8 @@ Parameter names and shapes are the shared weight format (jaxpar/core/weights.py 
   blocks.attn.out.kernel [layers, heads, kv, embed]      .bias [layers, embed]
   blocks.mlp.fc.kernel [layers, embed, mlp] .bias [layers, mlp]
   blocks.mlp.proj.kernel [layers, mlp, embed] .bias [layers, embed]
-Llama's parameter names: llama.py. Variants (`model.attention`, `model.linear`; one file each) swap in their own parameters:
+Llama's parameter names: llama.py. Variants (`model.attention`, `model.linear`; one file each) swap in
+their own parameters:
 mla.py (blocks.attn.*), dilated.py (MHA's parameters, another attention core), core/sketches.py
 (blocks.mlp.{fc,proj}.factor instead of .kernel).
 """

@@ -96,7 +96,8 @@ def plan(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
 
     width = kv_cache_width(cfg.model)  # per token per layer: MLA its latent + rope key, MHA/GQA keys + values
     itemsize = 4 if cfg.model.compute_dtype == "float32" else 2
-    model = {"compute_dtype": cfg.model.compute_dtype, "family": cfg.model.family, "attention": cfg.model.attention, "linear": cfg.model.linear, "kv_cache_width": width,
+    model = {"compute_dtype": cfg.model.compute_dtype, "family": cfg.model.family,
+             "attention": cfg.model.attention, "linear": cfg.model.linear, "kv_cache_width": width,
              "kv_cache_bytes_per_token": width * cfg.model.n_layer * itemsize}
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
     # parallel.offload: GPU backends count host-memory arguments apart; XLA:CPU counts them with the rest, so
@@ -217,7 +218,8 @@ def main(argv=None) -> int:
         os.environ.setdefault("JAXPAR_CPU_DEVICES", str(args.devices))
         setup_devices({"dp": args.devices})
         result = recommend(cfg, args.devices, budget, args.peak_tflops * 1e12, args.bandwidth_gbs * 1e9)
-        print(f"{'mesh':<22} {'offload':<17} {'peak/device':>14} {'host/device':>14} {'fits':>5} {'predicted step':>15}")
+        print(f"{'mesh':<22} {'offload':<17} {'peak/device':>14} {'host/device':>14} {'fits':>5} "
+              f"{'predicted step':>15}")
         for r in result:
             print(f"{r['mesh']:<22} {r['offload']:<17} {r['peak_bytes'] / 2**30:>10.3f} GiB "
                   f"{r['host_bytes'] / 2**30:>10.3f} GiB {'yes' if r['fits'] else 'NO':>5} "
