@@ -182,3 +182,20 @@ def test_torchpar_float16_refusals_are_one_line(backend, overrides, message, dat
     r = run_cli(tmp_path, dataset, "--backend", backend, *overrides, module="torchpar.train")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert message in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"activation_checkpointing": {"partition_activations": True}}, "recomputes blocks by model.remat"),
+    ({"fp16": {"enabled": True}}, "enables fp16, but model.compute_dtype=float32"),
+])
+def test_deepspeed_json_that_contradicts_the_shared_keys_is_refused(section, message, tmp_path):
+    """A user's DeepSpeed section the model would not act on (activation checkpointing: the model recomputes by
+    model.remat) or a precision other than model.compute_dtype: one line before any process group."""
+    import json
+
+    from torchpar.backends import deepspeed
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(section))
+    with pytest.raises(UserError, match=message):
+        deepspeed.check(tiny_config(), str(path))

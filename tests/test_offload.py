@@ -33,6 +33,7 @@ def test_jaxpar_offloaded_run_equals_the_one_on_devices(mesh, offload, dataset):
     assert all(kinds[k] == ({"pinned_host"} if k in host else {"device"}) for k in kinds), kinds
 
 
+@pytest.mark.slow  # the checkpoint of host-memory arrays; the in-process test above holds the numbers
 def test_jaxpar_offloaded_run_resumes_exactly_after_sigkill(dataset, tmp_path):
     args = ("--mesh", "fsdp=4", "parallel.offload=params+optimizer", "train.steps=8", "checkpoint.every=4",
             "train.eval_every=0")

@@ -68,21 +68,15 @@ def test_plan_cli_bad_memory_size(capsys):
     assert "lots" in capsys.readouterr().err
 
 
-def test_offload_moves_the_state_to_host_bytes_and_float16_halves_the_cache():
+def test_offload_moves_the_state_to_host_bytes():
     """parallel.offload=optimizer: host bytes are the optimizer state (2 Adam moments of this device's
-    parameter shard: 2 x 4 N / 2 on fsdp=2) and the device peak drops by them; the key/value cache of a
-    16-bit compute dtype is half float32's."""
-    import dataclasses
-
+    parameter shard: 2 x 4 N / 2 on fsdp=2) and the device peak drops by them."""
     sizes = parse_mesh("fsdp=2")
     base = plan(CFG, sizes, jax.devices()[:2])
     off_cfg = load_config("configs/gpt2-tiny.yaml", ["parallel.offload=optimizer"])
     off = plan(off_cfg, sizes, jax.devices()[:2])
     assert base["host_bytes"] == 0 and abs(off["host_bytes"] - 2 * 4 * N / 2) <= 0.01 * 4 * N
     assert off["peak_bytes"] == base["peak_bytes"] - off["host_bytes"]
-    fp16 = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, compute_dtype="float16"))
-    assert plan(fp16, sizes, jax.devices()[:2])["model"]["kv_cache_bytes_per_token"] * 2 == \
-        base["model"]["kv_cache_bytes_per_token"]
 
 
 @pytest.mark.slow  # compiles every factorisation of 2 devices, with and without offload

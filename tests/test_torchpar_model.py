@@ -113,8 +113,9 @@ def test_deepspeed_config_generated_and_merged(cfg, tmp_path):
     pytest.importorskip("deepspeed")
     from torchpar.backends.deepspeed import generated_config, merge
 
-    c = tiny_config("train.microbatches=2", "parallel.zero_stage=3", "model.compute_dtype=bfloat16")
-    gen = generated_config(c, world=2, cpu_offload=True)
+    c = tiny_config("train.microbatches=2", "parallel.zero_stage=3", "model.compute_dtype=bfloat16",
+                    "parallel.offload=params+optimizer")
+    gen = generated_config(c, world=2)
     assert gen["train_batch_size"] == 8 and gen["train_micro_batch_size_per_gpu"] == 2
     assert gen["gradient_accumulation_steps"] == 2 and gen["zero_optimization"]["stage"] == 3
     assert gen["zero_optimization"]["offload_param"] == {"device": "cpu"} and gen["bf16"]["enabled"]
@@ -123,3 +124,8 @@ def test_deepspeed_config_generated_and_merged(cfg, tmp_path):
     assert merged["zero_optimization"]["stage"] == 2  # the user's value wins...
     assert merged["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}  # ...only where it speaks
     assert merged["fp16"] == {"enabled": True, "loss_scale": 0} and merged["gradient_clipping"] == c.optim.grad_clip
+    # float16: DeepSpeed's dynamic scaler from the shared keys (65536 = 2^16, window = growth interval)
+    fp16 = generated_config(tiny_config("model.compute_dtype=float16", "optim.loss_scale_growth_interval=7",
+                                        "optim.loss_scale_min=4"), world=2)["fp16"]
+    assert fp16 == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 1,
+                    "loss_scale_window": 7, "min_loss_scale": 4.0}

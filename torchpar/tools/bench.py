@@ -55,12 +55,12 @@ def bench(cfg, backend: str, steps: int, warmup: int, compile_model: bool) -> di
     micro = [mine[m::M] for m in range(M)]
     sync = torch.cuda.synchronize if env.device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
-        loss, _, _ = engine.train_step(micro)
+        loss, *_ = engine.train_step(micro)
     sync()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        loss, _, _ = engine.train_step(micro)
+        loss, *_ = engine.train_step(micro)
         sync()
         times.append(time.perf_counter() - t0)
     step_s = float(np.median(times))
