@@ -2,7 +2,7 @@
 `pipeline` (torch.distributed.pipelining, one stage per rank).
 
 Each `build(...)` returns an engine with: module (for eval), train_step(microbatches) ->
-(local loss, grad_norm, lr), eval_loss(batch), data_rank/data_ways (this rank's
+(local loss, grad_norm, lr, extra metrics: float16's loss_scale and skipped_steps), eval_loss(batch), data_rank/data_ways (this rank's
 share of a batch; the ranks whose losses are averaged), checkpointer (save(step, meta) / restore() -> meta | None).
 """
 from __future__ import annotations
