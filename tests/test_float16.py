@@ -74,33 +74,36 @@ def test_overflow_skips_exactly_that_update_and_halves_the_scale(dataset):
 
 
 RUN = [*FP16, "train.steps=12", "checkpoint.every=4", "train.eval_every=0", "optim.loss_scale_growth_interval=3"]
+# an overflow at step 3 halves the scale; after 3 clean steps (4, 5, 6) it doubles from step 7, and again from 10
+SCALES = [65536] * 3 + [32768] * 3 + [65536] * 3 + [131072] * 3
 
 
-def test_float16_run_with_an_overflow_resumes_exactly_after_sigkill(dataset, tmp_path):
-    """The command line: an injected overflow at step 3 shows in metrics.jsonl (skipped_steps, loss_scale
-    halved; growth every 3 clean steps), and a run killed after step 6 resumes from step 4 to the same numbers."""
-    fault = {"JAXPAR_FAULT_OVERFLOW_AT_STEP": "3"}
-    full = run_cli(tmp_path / "full", dataset, "--mesh", "dp=2", *RUN, env=fault)
+def _overflow_run_resumes_exactly(tmp_path, dataset, args, prefix: str, module: str):
+    """An injected overflow at step 3 shows in metrics.jsonl (skipped_steps, loss_scale, the schedule held),
+    and a run killed after step 6 resumes from its step-4 checkpoint to the same numbers. -> the full run."""
+    fault = {f"{prefix}_FAULT_OVERFLOW_AT_STEP": "3"}
+    full = run_cli(tmp_path / "full", dataset, *args, env=fault, module=module)
     assert full.returncode == 0, full.stderr
     m = metrics(tmp_path / "full")
-    scales = [m[s]["loss_scale"] for s in range(1, 13)]
-    skipped = [m[s]["skipped_steps"] for s in range(1, 13)]
-    assert skipped == [0, 0, 1] + [1] * 9
-    # 65536, 65536 (2 clean), overflow at 3 -> 32768; 3 clean (4, 5, 6) -> x2 from step 7; and again from 10
-    assert scales == [65536] * 3 + [32768] * 3 + [65536] * 3 + [131072] * 3, scales
+    assert [m[s]["skipped_steps"] for s in range(1, 13)] == [0, 0] + [1] * 10
+    assert [m[s]["loss_scale"] for s in range(1, 13)] == SCALES
     assert m[4]["lr"] == m[3]["lr"]  # the skipped update did not advance the schedule
-    assert "scale 32768" in full.stdout and "skipped 1" in full.stdout
-
-    killed = run_cli(tmp_path / "k", dataset, "--mesh", "dp=2", *RUN,
-                     env={**fault, "JAXPAR_FAULT_KILL_AFTER_STEP": "6"})
+    killed = run_cli(tmp_path / "k", dataset, *args, env={**fault, f"{prefix}_FAULT_KILL_AFTER_STEP": "6"},
+                     module=module)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert sorted(os.listdir(tmp_path / "k" / "checkpoints")) == ["4"]
-    resumed = run_cli(tmp_path / "k", dataset, "--mesh", "dp=2", *RUN)
+    resumed = run_cli(tmp_path / "k", dataset, *args, module=module)
     assert resumed.returncode == 0, resumed.stderr
     r = metrics(tmp_path / "k")
     for step in range(5, 13):
         for key in ("loss", "grad_norm", "lr", "loss_scale", "skipped_steps"):
             assert r[step][key] == m[step][key], (step, key)
+    return full
+
+
+def test_float16_run_with_an_overflow_resumes_exactly_after_sigkill(dataset, tmp_path):
+    full = _overflow_run_resumes_exactly(tmp_path, dataset, ("--mesh", "dp=2", *RUN), "JAXPAR", "jaxpar.train")
+    assert "scale 32768" in full.stdout and "skipped 1" in full.stdout  # the console line
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -153,24 +156,8 @@ def test_torchpar_overflow_skips_exactly_that_update_and_halves_the_scale(tmp_pa
 
 
 def test_torchpar_float16_overflow_run_resumes_exactly_after_sigkill(dataset, tmp_path):
-    """--backend none: the injected overflow shows in metrics.jsonl with the same scale pattern as jaxpar's
-    (test above), and a SIGKILLed run resumes (scaler and skipped count from meta.json) to the same numbers."""
-    args = ("--backend", "none", *RUN)
-    fault = {"TORCHPAR_FAULT_OVERFLOW_AT_STEP": "3"}
-    full = run_cli(tmp_path / "full", dataset, *args, env=fault, module="torchpar.train")
-    assert full.returncode == 0, full.stderr
-    m = metrics(tmp_path / "full")
-    assert [m[s]["skipped_steps"] for s in range(1, 13)] == [0, 0] + [1] * 10
-    assert [m[s]["loss_scale"] for s in range(1, 13)] == [65536] * 3 + [32768] * 3 + [65536] * 3 + [131072] * 3
-    killed = run_cli(tmp_path / "k", dataset, *args, env={**fault, "TORCHPAR_FAULT_KILL_AFTER_STEP": "6"},
-                     module="torchpar.train")
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    resumed = run_cli(tmp_path / "k", dataset, *args, module="torchpar.train")
-    assert resumed.returncode == 0, resumed.stderr
-    r = metrics(tmp_path / "k")
-    for step in range(5, 13):
-        for key in ("loss", "grad_norm", "lr", "loss_scale", "skipped_steps"):
-            assert r[step][key] == m[step][key], (step, key)
+    """--backend none: the same scale pattern as jaxpar's; the scaler and skipped count resume from meta.json."""
+    _overflow_run_resumes_exactly(tmp_path, dataset, ("--backend", "none", *RUN), "TORCHPAR", "torchpar.train")
 
 
 @pytest.mark.parametrize("backend,overrides,message", [
