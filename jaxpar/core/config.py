@@ -295,13 +295,18 @@ def _check_consistency(cfg: Config) -> None:
             raise UserError("model.dilation_rates needs a rate of 1 (otherwise some tokens attend to nothing)")
 
 
+def _set_keys(section, keys) -> list[str]:
+    """The keys of a config section set away from their defaults (a setting a mode would ignore is refused)."""
+    defaults = type(section)()
+    return [k for k in keys if getattr(section, k) != getattr(defaults, k)]
+
+
 def _check_loss_scale(cfg: Config) -> None:
-    o, defaults = cfg.optim, OptimConfig()
+    o = cfg.optim
     if cfg.model.compute_dtype != "float16":
-        for key in (f.name for f in dataclasses.fields(o) if f.name.startswith("loss_scale_")):
-            if getattr(o, key) != getattr(defaults, key):
-                raise UserError(f"optim.{key} applies to model.compute_dtype=float16 only (bfloat16 and float32 "
-                                "need no loss scaling)")
+        for key in _set_keys(o, [f.name for f in dataclasses.fields(o) if f.name.startswith("loss_scale_")]):
+            raise UserError(f"optim.{key} applies to model.compute_dtype=float16 only (bfloat16 and float32 "
+                            "need no loss scaling)")
     if o.loss_scale_min > o.loss_scale_init:
         raise UserError(f"optim.loss_scale_min={o.loss_scale_min} exceeds optim.loss_scale_init={o.loss_scale_init}")
 
@@ -311,9 +316,8 @@ def _check_family(m: ModelConfig) -> None:
     if m.n_head % m.kv_heads:
         raise UserError(f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head}")
     if m.family == "gpt2":
-        defaults = ModelConfig()
-        for key in ("n_kv_head", "ffn_multiple_of", "tie_embeddings"):
-            if getattr(m, key) != getattr(defaults, key) and not (key == "n_kv_head" and m.n_kv_head == m.n_head):
+        for key in _set_keys(m, ("n_kv_head", "ffn_multiple_of", "tie_embeddings")):
+            if not (key == "n_kv_head" and m.n_kv_head == m.n_head):
                 raise UserError(f"model.{key} applies to model.family=llama only (GPT-2 has one key/value head per "
                                 "query head, a 4*d_model MLP unless model.d_ff is set, and a tied head)")
         return

@@ -13,6 +13,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+from jaxpar.core.config import ModelConfig
 from jaxpar.core.errors import UserError
 
 
@@ -134,7 +135,7 @@ def model_dims(flat: dict[str, np.ndarray], settings: dict | None = None) -> dic
         dims = {"family": "llama", "n_layer": n_layer, "d_model": d, "n_head": n_head,
                 "n_kv_head": flat["blocks.attn.kv.kernel"].shape[3], "vocab_size": flat["wte"].shape[0],
                 "d_ff": flat["blocks.mlp.gate.kernel"].shape[-1], "tie_embeddings": "lm_head" not in flat}
-        return {"max_seq_len": 128, **dims, **(settings or {})}
+        return {"max_seq_len": ModelConfig.max_seq_len, **dims, **(settings or {})}  # the default, unless kept
     if "blocks.attn.qkv.kernel" not in flat or "blocks.mlp.fc.kernel" not in flat:
         raise UserError("these weights use a model variant (model.attention=mla or model.linear=sketched); "
                         "conversion supports only GPT-2's parameters (mha attention, dense linear layers)")
