@@ -1,9 +1,11 @@
 """orbax checkpoints in <run.dir>/checkpoints: save every N steps, keep K, resume from the latest.
 
-Restoring reads into the *current* layout's shardings, so a checkpoint written on one mesh
-loads on another. A step directory that fails to load is renamed `<step>.unreadable` (kept for
-inspection, never deleted) and the previous one is tried. orbax writes each step to a temporary
-directory and renames it when complete, so a process killed mid-save leaves the last good one.
+Saves are asynchronous: `save` returns once the arrays are copied off the devices, and orbax writes them on
+a background thread while training goes on (a second save, a restore and `close` wait for the one in flight).
+orbax writes each step to a temporary directory and renames it when complete, so a process killed mid-save
+leaves the last complete one. Restoring reads into the *current* layout's shardings, so a checkpoint written
+on one mesh loads on another. A step directory that fails to load is renamed `<step>.unreadable` (kept for
+inspection, never deleted) and the previous one is tried.
 """
 from __future__ import annotations
 
@@ -18,20 +20,27 @@ from jaxpar.core.errors import UserError
 
 
 class Checkpointer:
-    def __init__(self, run_dir: str, keep: int):
+    def __init__(self, run_dir: str, keep: int, asynchronous: bool = True):  # False: what a blocking save costs
         self.dir = os.path.abspath(os.path.join(run_dir, "checkpoints"))
-        self.keep = keep
+        self.keep, self.asynchronous, self.last = keep, asynchronous, None  # last: saved or being saved
         self._open()
 
     def _open(self):
-        options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True, enable_async_checkpointing=False)
+        options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True,
+                                               enable_async_checkpointing=self.asynchronous)
         self.manager = ocp.CheckpointManager(self.dir, options=options)
 
     def save(self, step: int, state, meta: dict) -> None:
-        if step in self.manager.all_steps():
-            return  # already saved (e.g. the final save right after a periodic one)
+        """Start saving `step` (a no-op if it is saved or being saved already: the final save right after a
+        periodic one)."""
+        if step == self.last or step in self.manager.all_steps():
+            return
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                           meta=ocp.args.JsonSave(meta)))
+        self.last = step
+
+    def wait(self) -> None:
+        """Until the save in flight, if any, is complete on disk."""
         self.manager.wait_until_finished()
 
     def restore_latest(self, abstract_state):
@@ -40,6 +49,7 @@ class Checkpointer:
         Newer checkpoints that fail to load are set aside only once an older one has loaded, so
         that new saves cannot collide with them; if none loads, nothing is touched and we stop.
         """
+        self.wait()
         failures = []
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
@@ -73,6 +83,7 @@ class Checkpointer:
         self._open()
 
     def close(self) -> None:
+        self.manager.wait_until_finished()
         self.manager.close()
 
 

@@ -33,25 +33,6 @@ def TokenBatches(path: str, seq_len: int, global_batch_size: int, seed: int, spl
     return grain_batches(Samples(path, seq_len, seed, split, val_fraction), global_batch_size)
 
 
-class Prefetch:
-    """`fetch(step)` for the next step runs on a background thread while this step computes. A batch depends
-    on its step alone, so reading ahead never changes what a step sees."""
-
-    def __init__(self, fetch):
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.fetch, self.pool, self.ahead = fetch, ThreadPoolExecutor(1, thread_name_prefix="prefetch"), None
-
-    def __call__(self, step: int):
-        hit = self.ahead is not None and self.ahead[0] == step
-        batch = self.ahead[1].result() if hit else self.fetch(step)
-        self.ahead = (step + 1, self.pool.submit(self.fetch, step + 1))
-        return batch
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
-
-
 def device_batch(data: GlobalBatches, step: int, sharding):
     """The global batch at `step` as a sharded array; this process reads only the rows it holds."""
     import jax

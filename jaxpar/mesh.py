@@ -11,6 +11,7 @@ import os
 from jaxpar.core.errors import UserError
 from jaxpar.core.mesh_spec import AXES, format_mesh, resolve_sizes
 from jaxpar.core.peers import library_timeout_s
+from jaxpar.xla_flags import set_gpu_flags
 
 DEFAULT_CPU_DEVICES = 8  # simulated devices for a -1 mesh axis without accelerator (or JAXPAR_CPU_DEVICES)
 MAX_CPU_DEVICES = 4096  # more simulated devices take jax minutes to create (4096: ~8 s): refuse, don't hang
@@ -43,12 +44,21 @@ def _has_accelerator() -> bool:
     return os.path.exists("/dev/nvidiactl") or any(os.path.exists(f"/dev/accel{i}") for i in range(8))
 
 
+def _has_gpu() -> bool:
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return platforms.split(",")[0] in ("cuda", "gpu", "rocm")
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")
+
+
 def setup_devices(sizes: dict[str, int], peer_timeout_s: float | None = None) -> None:
-    """Before jax starts: simulate the mesh's devices on CPU if no accelerator; join processes (the
+    """Before jax starts: XLA's GPU options on a GPU; simulate the mesh's devices on CPU if no accelerator; join processes (the
     coordination service's heartbeat and shutdown timeouts sit above run.peer_timeout_s: core/peers.py)."""
     import jax
 
     dist, nproc = distributed_env()
+    if _has_gpu():
+        set_gpu_flags()
     if not _has_accelerator():
         if os.environ.get("JAXPAR_CPU_DEVICES"):  # a fixed simulated machine, whatever the mesh
             total = int(os.environ["JAXPAR_CPU_DEVICES"])

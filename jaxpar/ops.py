@@ -1,6 +1,7 @@
 """Mesh-free array functions that models, parallel strategies and the train step all use."""
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import jax
@@ -15,9 +16,35 @@ def causal_attention(q, k, v, q_pos=None, k_pos=None):
     if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
         return causal_attention(*(t.astype(jnp.float32) for t in (q, k, v)), q_pos, k_pos).astype(q.dtype)
     if q_pos is None:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return _attention(q, k, v, is_causal=True)
     mask = q_pos[:, None] >= k_pos[None, :]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
+    return _attention(q, k, v, mask=mask[None, None])
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+_said: set[str] = set()
+
+
+def _attention(q, k, v, **mask):
+    """cuDNN's fused (flash) attention on a GPU where it accepts the inputs, else XLA's own; on a GPU the
+    fallback is said once per reason, never silent (gpu_check also reports what the compiled step calls)."""
+    if not _on_gpu():
+        return jax.nn.dot_product_attention(q, k, v, **mask)
+    if q.dtype in (jnp.bfloat16, jnp.float16):
+        try:
+            return jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **mask)
+        except Exception as e:  # noqa: BLE001 - cuDNN refuses at trace time (version, shape, head size, GPU)
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+    else:
+        reason = f"{q.dtype} inputs; cuDNN's kernel takes bfloat16 or float16"
+    if reason not in _said:
+        _said.add(reason)
+        print(f"attention: cuDNN flash attention not used ({reason}); XLA's attention runs instead",
+              file=sys.stderr, flush=True)
+    return jax.nn.dot_product_attention(q, k, v, implementation="xla", **mask)
 
 
 def local_attention(q, k, v, positions=None):

@@ -15,18 +15,19 @@ from jaxpar import state as st
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.core.config import Config, load_config
 from jaxpar.core.data_order import open_splits
-from jaxpar.core.errors import cli
+from jaxpar.core.errors import UserError, cli
 from jaxpar.core.flops import flops_per_token, peak_flops
 from jaxpar.core.loop import ignore_stop_requests, run_loop, sample_lengths, stop_requests
 from jaxpar.core.mesh_spec import format_mesh, parse_mesh
 from jaxpar.core.metrics_log import MetricsLog
 from jaxpar.core.peers import roll_call
+from jaxpar.core.prefetch import Prefetch
 from jaxpar.core.pipeline_schedules import configured_bubble, resolve_microbatches
 from jaxpar.core.resume import already_complete, check_resume, write_run_config
 from jaxpar.core.trackers import check_trackers, open_trackers
 from jaxpar.core.weights import flatten, load_weights, save_weights, unflatten
 from jaxpar.context import use
-from jaxpar.data import Prefetch, device_batch, grain_batches
+from jaxpar.data import device_batch, grain_batches
 from jaxpar.decode import make_generate
 from jaxpar.layout import Layout
 from jaxpar.mesh import device_memory, make_mesh, setup_devices
@@ -118,6 +119,9 @@ class JaxFramework:
         self.ckpt.save(step, self.state, {"step": step, "data_step": step,
                                           "mesh": format_mesh(dict(self.layout.mesh.shape))})
 
+    def settle(self) -> None:
+        self.ckpt.wait()
+
     def memory(self) -> dict:
         return device_memory(jax.local_devices()[0])
 
@@ -177,6 +181,9 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_fina
     sizes = parse_mesh(mesh_spec)
     check_resume(cfg)
     check_trackers(cfg)
+    if cfg.train.compile == "off":
+        raise UserError("train.compile=off: jaxpar's step is always compiled by XLA (the key switches torchpar's "
+                        "torch.compile)")
     if cfg.run.debug:
         show_library_logs()
     setup_devices(sizes, cfg.run.peer_timeout_s)
@@ -189,17 +196,19 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_fina
     layout = Layout(cfg, mesh)
     os.makedirs(cfg.run.dir, exist_ok=True)
     ckpt = Checkpointer(cfg.run.dir, cfg.checkpoint.keep)
-    state = initial_state(cfg, layout, ckpt)
-    if write_init:
-        write_weights(write_init, state["params"], "initial", cfg)
-        return 0
-    if main_proc:
-        write_run_config(cfg, resolved_mesh=format_mesh(dict(mesh.shape)))
-    if not already_complete(cfg, int(state["step"]), main_proc):
-        state = fit(cfg, data, layout, state, ckpt, stop)
-    if write_final:
-        write_weights(write_final, state["params"], "final", cfg)
-    ckpt.close()
+    try:
+        state = initial_state(cfg, layout, ckpt)
+        if write_init:
+            write_weights(write_init, state["params"], "initial", cfg)
+            return 0
+        if main_proc:
+            write_run_config(cfg, resolved_mesh=format_mesh(dict(mesh.shape)))
+        if not already_complete(cfg, int(state["step"]), main_proc):
+            state = fit(cfg, data, layout, state, ckpt, stop)
+        if write_final:
+            write_weights(write_final, state["params"], "final", cfg)
+    finally:
+        ckpt.close()  # the save in flight completes, also when training stopped on an error
     ignore_stop_requests()
     return 0
 

@@ -28,6 +28,7 @@ CASES = {
     "infinite_value": (["optim.weight_decay=inf"], {}, ["optim.weight_decay", "not a finite number"]),
     "removed_dropout": (["model.dropout=0.5"], {}, ["model.dropout was removed"]),
     "impossible_mesh": (["--mesh", "dp=100000"], {}, ["dp=100000", "100000 devices"]),  # at once, not a hang
+    "compile_off": (["train.compile=off"], {}, ["train.compile=off", "always compiled by XLA"]),
     "tracker_not_installed": (["run.wandb=offline"], {}, ["run.wandb=offline needs the wandb package"]),
     "1f1b_microbatches_below_stages": (["--mesh", "pp=2", "parallel.pipeline_schedule=1f1b", "parallel.pipeline_microbatches=1"],
                                        {}, ["1f1b needs microbatches >= stages"]),

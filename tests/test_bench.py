@@ -1,8 +1,6 @@
 """bench, bench_collectives, report and profiling run on CPU (figures labelled CPU): the code paths are exercised."""
 import os
 
-import pytest
-
 from jaxpar.core.bench_records import HEADER, markdown_row
 from jaxpar.core.config import load_config
 from jaxpar.tools import bench, bench_collectives
@@ -101,7 +99,7 @@ def test_profile_steps_write_traces(tmp_path):
 
 
 def test_sweep_and_scaling_report(tmp_path):
-    """Three meshes in one bench run, then report --scaling: the table's speedups and efficiencies are the
+    """Two meshes in one bench run, then report --scaling: the table's speedups and efficiencies are the
     rows' own tokens/s ratios (recomputed here), and the plots are written."""
     import json
     import subprocess
@@ -110,13 +108,13 @@ def test_sweep_and_scaling_report(tmp_path):
     from tests.helpers import ROOT, TINY
 
     rows_path = tmp_path / "rows.json"
-    cmd = [sys.executable, "-m", "jaxpar.tools.bench", "--mesh", "dp=1", "--mesh", "dp=2", "--mesh", "pp=2",
+    cmd = [sys.executable, "-m", "jaxpar.tools.bench", "--mesh", "dp=1", "--mesh", "dp=2",
            "--steps", "2", "--warmup", "1", "--json", str(rows_path), *TINY]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     assert subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=300).returncode == 0
     rows = json.loads(rows_path.read_text())
-    assert [(r["mesh"], r["devices"]) for r in rows] == [("dp=1", 1), ("dp=2", 2), ("pp=2", 2)]
-    assert rows[2]["pipeline_bubble"] == pytest.approx(0.2) and rows[0]["pipeline_bubble"] is None  # (S-1)/(M+S-1)
+    assert [(r["mesh"], r["devices"]) for r in rows] == [("dp=1", 1), ("dp=2", 2)]
+    assert rows[0]["pipeline_bubble"] is None
     out = subprocess.run([sys.executable, "-m", "jaxpar.tools.report", str(rows_path), "--out", str(tmp_path / "p"),
                           "--scaling"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -32,6 +32,9 @@ class SleepyFramework:
     def save(self, step):
         pass
 
+    def settle(self):
+        pass
+
 
 def test_records_say_how_much_of_a_step_was_waiting_for_data(tmp_path):
     cfg = tiny_config("train.steps=8", "train.log_every=4", "train.eval_every=0", "checkpoint.every=0",

@@ -23,14 +23,25 @@ def references(dataset):
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("mesh,n", [("pp=2", 2), ("pp=4", 4), ("pp=2,dp=2,tp=2", 8)])
+@pytest.mark.parametrize("mesh,n", [("pp=2", 2), ("pp=4", 4), pytest.param("pp=2,dp=2,tp=2", 8, marks=pytest.mark.slow)])
 def test_schedule_matches_single_device(schedule, mesh, n, dataset, references):
+    """(pp x dp x tp by default: test_train_cli.py's 1F1B resume and test_llama.py)"""
     model = DEEPER if schedule == "interleaved" and mesh == "pp=4" else DEEP
     cfg = tiny_config(*model, f"parallel.pipeline_schedule={schedule}", *SCHEDULES[schedule])
     got = run_steps(cfg, mesh, dataset, devices=jax.devices()[:n])
     reference = references[cfg.model.n_layer]
     np.testing.assert_allclose(got["loss"], reference["loss"], rtol=1e-5)
     assert_params_close(got["params"], reference["params"])
+
+
+@pytest.mark.parametrize("mesh,n", [("pp=4", 4), pytest.param("pp=2,dp=2,tp=2", 8, marks=pytest.mark.slow)])
+def test_zero_bubble_matches_single_device(mesh, n, dataset, references):
+    """ZB-H1: input and weight gradients at different ticks (W deferred into the bubbles) sum to the same
+    gradients as one device's."""
+    cfg = tiny_config(*DEEP, "parallel.pipeline_schedule=zb_h1")
+    got = run_steps(cfg, mesh, dataset, devices=jax.devices()[:n])
+    np.testing.assert_allclose(got["loss"], references[4]["loss"], rtol=1e-5)
+    assert_params_close(got["params"], references[4]["params"])
 
 
 def test_1f1b_composes_with_fsdp_and_sequence_parallel(dataset, references):
@@ -46,6 +57,8 @@ def test_executor_holds_stage_inputs_for_schedule_in_flight_not_all_microbatches
         assert tick_plan("1f1b", S, M, 1).act_slots - 1 == S  # the extra slot is scratch
         assert tick_plan("gpipe", S, M, 1).act_slots - 1 == M
     assert tick_plan("1f1b", S, 16, 1).tables.shape[0] == 2 * (16 + S - 1)  # every stage busy but the bubble
+    zb = tick_plan("zb_h1", S, 16, 1)  # stage inputs as 1F1B; cotangents are kept until their W
+    assert zb.act_slots - 1 == S and zb.cot_slots - 1 == S - 1 and zb.tables.shape[0] == 3 * 16 + S - 1
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -40,6 +40,27 @@ def test_bubble_is_the_textbook_fraction(schedule, V):
     assert bubble_fraction(simulate(schedule, S, M, V)) == pytest.approx((S - 1) / (V * M + S - 1))
 
 
+def test_zb_h1_splits_the_backward_and_fills_the_bubble_with_w():
+    """Every F, B and W once; W after its own B; bubble (S-1)/(3M+S-1) (Qi et al. 2024: about a third of
+    1F1B's); at most S microbatches held by any stage (1F1B's peak); F and B in 1F1B's order."""
+    for S_, M_ in ((2, 4), (4, 8), (4, 16), (8, 16)):
+        table = simulate("zb_h1", S_, M_)
+        at = ticks(table)
+        assert len(at) == 3 * M_ * S_
+        for m in range(M_):
+            for v in range(S_):
+                assert at[("F", m, v)] < at[("B", m, v)] < at[("W", m, v)]
+                if v:
+                    assert at[("F", m, v - 1)] < at[("F", m, v)] and at[("B", m, v)] < at[("B", m, v - 1)]
+        assert bubble_fraction(table) == pytest.approx((S_ - 1) / (3 * M_ + S_ - 1))
+        assert all(max_in_flight(table, d) <= S_ for d in range(S_))
+        f1b1 = simulate("1f1b", S_, M_)
+        for d in range(S_):
+            assert [o for o in order(table, d) if o[0] != "W"] == order(f1b1, d)
+    with pytest.raises(UserError, match="virtual stages"):
+        check("zb_h1", 4, 8, 2)
+
+
 def order(table, device):
     return [str(row[device]) for row in table if row[device] is not None]
 

@@ -4,6 +4,7 @@ import pytest
 
 from jaxpar.core.config import load_config
 from jaxpar.core.mesh_spec import parse_mesh
+from jaxpar.tools import hlo_collectives
 from jaxpar.tools.plan import main as plan_main, plan, recommend
 
 CFG = load_config("configs/gpt2-tiny.yaml")
@@ -45,6 +46,21 @@ def test_fsdp8_shards_state_and_explains_its_traffic():
     assert p["traffic_bytes"] >= 0.99 * bound
     if p["traffic_bytes"] > 1.1 * bound:
         assert any(note.startswith("fsdp:") for note in p["notes"]), p["notes"]
+        assert any("XLA:CPU has no pass that forms reduce-scatter" in note for note in p["notes"]), p["notes"]
+
+
+def test_async_collectives_count_their_results_only():
+    """XLA:GPU's `-start` ops return (operands, results): the operands are not traffic (shapes by hand)."""
+    hlo = """ENTRY %main (p: f32[64,256]) -> f32[64,256] {
+  %rs = ((f32[64,256]{1,0}), f32[8,256]{1,0}) reduce-scatter-start(%p), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %ag = (f32[8,256]{1,0}, f32[64,256]{1,0}) all-gather-start(%q), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %ar = (f32[64,256]{1,0}, f32[4]{0}) all-reduce-start(%p, %s), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %cp = (f32[8,256]{1,0}, f32[8,256]{1,0}, u32[], u32[]) collective-permute-start(%q), source_target_pairs={{0,1},{1,0}}
+}
+"""
+    got = {c.op: c.result_bytes for c in hlo_collectives.parse(hlo, 8)}
+    assert got == {"reduce-scatter": 8 * 256 * 4, "all-gather": 64 * 256 * 4, "all-reduce": (64 * 256 + 4) * 4,
+                   "collective-permute": 8 * 256 * 4}
 
 
 @pytest.mark.slow  # compiles every dp x fsdp x tp factorisation of 8 devices (~40 s on 2 cores)

@@ -49,11 +49,13 @@ def test_attention_equals_full_attention(strategy, sp, zigzag):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=name)
 
 
-RUNS = [("sp=4,dp=2", ()), ("sp=2,fsdp=2,tp=2", ()), ("pp=2,sp=2,dp=2", ()),
+RUNS = [("sp=4,dp=2", ()), ("sp=2,fsdp=2,tp=2", ()),
+        pytest.param("pp=2,sp=2,dp=2", (), marks=pytest.mark.slow),  # pp with sp by default: test_pipeline.py
         ("sp=2,fsdp=2,tp=2", ("parallel.sequence_attention=ulysses", "parallel.sequence_zigzag=false"))]
 
 
-@pytest.mark.parametrize("mesh,extra", RUNS, ids=[m + "".join(f",{e.split('.')[1]}" for e in x) for m, x in RUNS])
+@pytest.mark.parametrize("mesh,extra", RUNS, ids=["sp=4,dp=2", "sp=2,fsdp=2,tp=2", "pp=2,sp=2,dp=2",
+                                                 "sp=2,fsdp=2,tp=2,sequence_attention=ulysses,sequence_zigzag=false"])
 def test_training_matches_single_device(mesh, extra, dataset, reference):
     got = run_steps(tiny_config(*extra), mesh, dataset, devices=jax.devices()[:8])
     np.testing.assert_allclose(got["loss"], reference["loss"], rtol=1e-5)

@@ -292,6 +292,20 @@ def test_non_finite_step_stops_before_it_is_saved(base, tmp_path):
     assert complete_steps(str(run_dir / "checkpoints")) == [2] and max(metrics(run_dir)) == 2
 
 
+@pytest.mark.slow  # inductor compiles for ~30 s on 2 cores
+def test_compiled_blocks_train_as_eager(base, reference, tmp_path):
+    """train.compile=on (auto's choice on a GPU): the same run as eager, within float32 reassociation."""
+    out = run(["--backend", "none", *base["args"], "train.compile=on", f"run.dir={tmp_path}"])
+    assert "torch.compile on" in out.stdout
+    assert "torch.compile off" in (base["tmp"] / "reference.out").read_text()  # auto on the CPU
+    assert_same_run(metrics(tmp_path), reference)
+
+
+def test_compile_on_with_deepspeed_is_refused(base):
+    line = _one_error_line(run(["--backend", "deepspeed", *base["args"], "train.compile=on"], expect_rc="nonzero"))
+    assert "train.compile=on" in line and "deepspeed" in line
+
+
 def test_unknown_backend(base):
     line = _one_error_line(run(["--backend", "horovod", *base["args"]], expect_rc="nonzero"))
     assert "horovod" in line

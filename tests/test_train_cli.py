@@ -24,14 +24,16 @@ def uninterrupted(uninterrupted_dir):
 
 
 
-def interrupted(dataset, run_dir, kill_after):
-    r = run_cli(run_dir, dataset, "--mesh", "fsdp=8", *STEPS, env={"JAXPAR_FAULT_KILL_AFTER_STEP": str(kill_after)})
+def interrupted(dataset, run_dir, kill_after, hook="KILL_AFTER_STEP"):
+    r = run_cli(run_dir, dataset, "--mesh", "fsdp=8", *STEPS, env={f"JAXPAR_FAULT_{hook}": str(kill_after)})
     assert r.returncode == -signal.SIGKILL, r.stderr
-    assert sorted(os.listdir(run_dir / "checkpoints")) == ["10"]
+    return sorted(os.listdir(run_dir / "checkpoints"))
 
 
 def test_resume_after_sigkill_is_exact(dataset, uninterrupted, tmp_path):
-    interrupted(dataset, tmp_path, kill_after=13)
+    """Killed while the asynchronous save of step 20 is being written: step 10 is the last complete one."""
+    left = interrupted(dataset, tmp_path, kill_after=20, hook="KILL_IN_SAVE_AFTER_STEP")
+    assert left[0] == "10" and len(left) == 2 and left[1].startswith("20.orbax-checkpoint-tmp"), left
     r = run_cli(tmp_path, dataset, "--mesh", "fsdp=8", *STEPS)
     assert r.returncode == 0, r.stderr
     assert "resumed from" in r.stderr
@@ -56,7 +58,7 @@ def test_tensorboard_holds_the_metrics(uninterrupted_dir, uninterrupted):
 
 
 def test_checkpoint_restores_onto_another_mesh(dataset, uninterrupted, tmp_path):
-    interrupted(dataset, tmp_path, kill_after=10)
+    assert interrupted(dataset, tmp_path, kill_after=10) == ["10"]
     r = run_cli(tmp_path, dataset, "--mesh", "dp=2,tp=4", *STEPS)
     assert r.returncode == 0, r.stderr
     resumed = metrics(tmp_path)
@@ -67,7 +69,7 @@ def test_checkpoint_restores_onto_another_mesh(dataset, uninterrupted, tmp_path)
 
 def test_checkpoint_continues_on_a_1f1b_pipeline(dataset, uninterrupted, tmp_path):
     """fsdp=8's step-10 checkpoint resumed on pp=2,dp=2,tp=2 with the hand-scheduled 1F1B executor."""
-    interrupted(dataset, tmp_path, kill_after=10)
+    assert interrupted(dataset, tmp_path, kill_after=10) == ["10"]
     r = run_cli(tmp_path, dataset, "--mesh", "pp=2,dp=2,tp=2", "parallel.pipeline_schedule=1f1b", *STEPS)
     assert r.returncode == 0, r.stderr
     assert "pipeline 1f1b: 2 stages x 1 virtual, 4 microbatches, bubble 0.200" in r.stdout  # (S-1)/(M+S-1)

@@ -22,11 +22,13 @@ from jaxpar.core.flops import flops_per_token, peak_flops
 from jaxpar.core.loop import ignore_stop_requests, run_loop, sample_lengths, stop_requests
 from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
 from jaxpar.core.metrics_log import MetricsLog
+from jaxpar.core.prefetch import Prefetch
 from jaxpar.core.resume import already_complete, check_resume, write_run_config
 from jaxpar.core.trackers import check_trackers, open_trackers
 from jaxpar.core.weights import load_weights, save_weights, unflatten
 from torchpar import dist
 from torchpar.backends import BACKENDS
+from torchpar.compiling import compile_blocks, use_compile
 from torchpar.dist import launch_env
 from torchpar.weights import from_shared, shared_shapes, to_shared
 
@@ -70,6 +72,9 @@ def check(cfg: Config, args) -> None:
     if cfg.model.compute_dtype == "float16" and args.backend == "pipeline":
         raise UserError("model.compute_dtype=float16 (loss scaling) runs on --backend none, ddp, fsdp or deepspeed, "
                         "not pipeline")
+    if cfg.train.compile == "on" and args.backend == "deepspeed":
+        raise UserError("train.compile=on is not supported with --backend deepspeed (its engine wraps the model "
+                        "and its ZeRO hooks); leave train.compile=auto")
     if args.deepspeed_config and args.backend != "deepspeed":
         raise UserError("--deepspeed-config needs --backend deepspeed")
     micro = cfg.train.global_batch_size // cfg.train.microbatches
@@ -141,15 +146,35 @@ class TorchFramework:
         self.cfg, self.engine, self.env, self.backend = cfg, engine, env, args.backend
         self.train_data, self.val_data = data  # read straight from the memmap, in the shared order
         self.profiler = None
+        self.copy_stream = torch.cuda.Stream(env.device) if env.device.type == "cuda" else None
+        self.prefetch = Prefetch(self._read_ahead)
 
-    def _rows(self, data: GlobalBatches, step: int):
+    def _host_rows(self, data: GlobalBatches, step: int) -> torch.Tensor:
         """This rank's rows of the global batch at `step` (pipeline: every stage reads the whole batch)."""
         share, ways, n = self.engine.data_rank, self.engine.data_ways, data.global_batch_size
-        rows = data.rows(step, share * n // ways, (share + 1) * n // ways)
-        return torch.from_numpy(rows).long().to(self.env.device)
+        return torch.from_numpy(data.rows(step, share * n // ways, (share + 1) * n // ways)).long()
+
+    def _rows(self, data: GlobalBatches, step: int) -> torch.Tensor:
+        return self._host_rows(data, step).to(self.env.device)
+
+    def _read_ahead(self, step: int):
+        """On the prefetch thread: the rows, and on a GPU their copy from pinned memory on a side stream (the
+        copy overlaps the running step; the event marks its end)."""
+        rows = self._host_rows(self.train_data, step)
+        if self.copy_stream is None:
+            return rows, None
+        with torch.cuda.stream(self.copy_stream):
+            rows = rows.pin_memory().to(self.env.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return rows, done
 
     def batch(self, step: int):
-        return self._rows(self.train_data, step)
+        rows, done = self.prefetch(step)
+        if done is not None:  # the step's stream waits for the copy; the memory is not reused before it ends
+            torch.cuda.current_stream().wait_event(done)
+            rows.record_stream(torch.cuda.current_stream())
+        return rows
 
     def train_step(self, batch):
         M = self.cfg.train.microbatches  # microbatch m = rows m, m+M, ... (as jaxpar)
@@ -195,6 +220,9 @@ class TorchFramework:
         extra = self.engine.extra_state() if hasattr(self.engine, "extra_state") else {}
         self.engine.checkpointer.save(step, {"step": step, "data_step": step, "backend": self.backend,
                                              "world_size": self.env.world, **extra})
+
+    def settle(self) -> None:
+        """DCP saves here are synchronous: nothing in flight."""
 
     def memory(self) -> dict:
         if self.env.device.type != "cuda":
@@ -246,6 +274,9 @@ def train(cfg: Config, args) -> int:
         flat = load_weights(cfg.model.init_from, shared_shapes(cfg.model))
         model.load_state_dict(from_shared(flat, cfg.model.n_layer))
     n_params = sum(p.numel() for p in model.parameters())
+    compiled = use_compile(cfg, args.backend, env.device.type)
+    if compiled:
+        compile_blocks(model)
     engine = backends.build(args.backend, model, cfg, env, deepspeed_config=args.deepspeed_config)
     fw = TorchFramework(cfg, data, args, engine, env)
     os.makedirs(cfg.run.dir, exist_ok=True)
@@ -255,7 +286,8 @@ def train(cfg: Config, args) -> int:
         engine.load_extra_state(resumed)
     if env.is_main:
         write_run_config(cfg, backend=args.backend, world_size=env.world)
-        print(f"backend {args.backend} on {env.world} {env.device.type} processes; {n_params:,} params", flush=True)
+        print(f"backend {args.backend} on {env.world} {env.device.type} processes; {n_params:,} params; "
+              f"torch.compile {'on' if compiled else 'off'}", flush=True)
     kind = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     peak = peak_flops(kind, cfg.model.compute_dtype)
     if not already_complete(cfg, step, env.is_main):
@@ -263,6 +295,7 @@ def train(cfg: Config, args) -> int:
                          cfg.data.tokenizer)
         run_loop(cfg, step, fw, log, peak * env.world if peak else None, flops_per_token(cfg.model, cfg.data.seq_len),
                  stop)
+        fw.prefetch.close()
         log.close()
     if args.write_final:
         full = engine.full_state_dict()  # a collective under fsdp / ZeRO: every rank takes part

@@ -24,13 +24,18 @@ HEADER = ("| date | device | run | dtype | seq x batch | tokens/s | MFU (datashe
           "peak GiB | versions | command |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
 
 
-def record_row(result: dict) -> str:
-    """Append the result as a dated row to docs/benchmarks/<framework>-bench.md."""
-    path = os.path.join(BENCH_DIR, f"{result['framework']}-bench.md")
+def append_row(name: str, header: str, row: str) -> str:
+    """Append a markdown row to docs/benchmarks/<name>, the table's header first if the file is new."""
+    path = os.path.join(BENCH_DIR, name)
     new = not os.path.exists(path)
     with open(path, "a") as f:
-        f.write((HEADER if new else "") + markdown_row(result) + "\n")
+        f.write((header if new else "") + row + "\n")
     return path
+
+
+def record_row(result: dict) -> str:
+    """Append the result as a dated row to docs/benchmarks/<framework>-bench.md."""
+    return append_row(f"{result['framework']}-bench.md", HEADER, markdown_row(result))
 
 
 def publish(result: dict, json_path: str | None, record: bool) -> None:

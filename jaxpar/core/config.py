@@ -116,6 +116,9 @@ class TrainConfig:
     eval_batches: int = field(default=4, metadata=_check(lo=1))
     sample_every: int = field(default=0, metadata=_check(lo=0))  # print a sampled continuation every N steps; 0 = off
     matmul_precision: str = field(default="default", metadata=_check(choices=("default", "high", "highest")))
+    # torchpar: torch.compile each block (auto = on a GPU, not on the CPU, where compiling takes longer than a short
+    # run saves; deepspeed: off). jaxpar's step is always compiled by XLA: "off" is refused there.
+    compile: str = field(default="auto", metadata=_check(choices=("auto", "on", "off")))
     profile_steps: str = ""  # "a:b" -> profiler trace of steps [a, b) in run.dir
 
 
@@ -148,7 +151,8 @@ class ParallelConfig:
     sequence_attention: str = field(default="ring", metadata=_check(choices=("ring", "all_gather", "ulysses")))
     sequence_zigzag: bool = True
     # pipeline over `pp` (jaxpar/parallel/pipeline.py); schedule tables: python -m jaxpar.tools.pipeline_table
-    pipeline_schedule: str = field(default="gpipe", metadata=_check(choices=("gpipe", "1f1b", "interleaved")))
+    pipeline_schedule: str = field(default="gpipe",
+                                   metadata=_check(choices=("gpipe", "1f1b", "interleaved", "zb_h1")))
     pipeline_microbatches: int = field(default=0, metadata=_check(lo=0))  # 0 -> 2 x stages
     pipeline_virtual_stages: int = field(default=1, metadata=_check(lo=1))
     # state kept in host memory between steps, moved to the devices for the step (jaxpar: memory kinds;

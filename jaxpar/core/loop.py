@@ -47,7 +47,11 @@ class Framework(Protocol):
         process 0; None elsewhere)."""
 
     def save(self, step: int) -> None:
-        """Checkpoint the state after `step` (a no-op if that step is saved already)."""
+        """Checkpoint the state after `step` (a no-op if that step is saved already); may return before the
+        checkpoint is complete on disk (jaxpar's saves are asynchronous)."""
+
+    def settle(self) -> None:
+        """Wait until the checkpoints started so far are complete."""
 
     def memory(self) -> dict:
         """{"memory_in_use_gib", "memory_gib" (the peak)} on this process's first device; None where unknown."""
@@ -174,7 +178,7 @@ def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_
             if profiling and step == window[1]:
                 fw.profile_stop()
                 profiling = False
-            fault_hooks(fw.fault_prefix, step)  # test hooks
+            fault_hooks(fw.fault_prefix, step, fw.settle)  # test hooks
     if profiling:  # stopped inside the window (signal, or the window ends after train.steps)
         fw.profile_stop()
     return step

@@ -1,20 +1,27 @@
-"""Pipeline schedules as clock-cycle tables: GPipe, 1F1B and interleaved 1F1B.
+"""Pipeline schedules as clock-cycle tables: GPipe, 1F1B, interleaved 1F1B and zero-bubble ZB-H1.
 
 Each device runs a fixed *program* (its order of forward/backward work); `simulate` plays the
 programs against the dependencies (forward of virtual stage v needs v-1's forward of the same
 microbatch; backward needs v+1's backward, and the last stage's backward needs its own forward),
 one unit of time per operation, and returns the table. Pure Python: both frameworks read these.
+
+ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2024) splits each backward into B, the gradient
+of the stage input (on the critical path: the previous stage waits for it), and W, the gradient of the
+weights (nobody waits for it), and runs W where 1F1B would idle. A W needs its own B. With F, B and W a
+unit each, its bubble is (S-1)/(3M+S-1), about a third of 1F1B's (S-1)/(M+S-1) counted in the same
+units (1F1B's backward is B and W together: two units, the fraction is unchanged).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from jaxpar.core.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B" (1F1B/GPipe: the whole backward; ZB-H1: the input gradient) or "W" (weight gradient)
     microbatch: int
     chunk: int = 0  # virtual stage index on this device (interleaved); virtual stage = chunk * S + device
 
@@ -60,7 +67,45 @@ def interleaved_program(stage: int, S: int, M: int, V: int) -> list[Op]:
     return ops + [backward(k) for k in range(b, total)]
 
 
-PROGRAMS = {"gpipe": gpipe_program, "1f1b": one_f_one_b_program, "interleaved": interleaved_program}
+def zb_h1_program(stage: int, S: int, M: int, V: int = 1) -> list[Op]:
+    """1F1B's order of F and B; a W runs whenever the next F or B cannot (its input has not arrived), and
+    at the end. A stage keeps at most S microbatches between F and W: 1F1B's peak (stage 0's), so the
+    pipeline's peak memory is 1F1B's."""
+    return _zb_h1_programs(S, M)[stage]
+
+
+@functools.lru_cache(maxsize=32)
+def _zb_h1_programs(S: int, M: int) -> tuple[tuple[Op, ...], ...]:
+    """The rule above played on all stages at once; each stage's order is its program."""
+    fb = [one_f_one_b_program(d, S, M) for d in range(S)]
+    pos, forwards, backwards, weights = [0] * S, [0] * S, [0] * S, [0] * S
+    programs: list[list[Op]] = [[] for _ in range(S)]
+    done: set[tuple[str, int, int]] = set()
+    while any(w < M for w in weights):
+        finished = []
+        for d in range(S):
+            op = fb[d][pos[d]] if pos[d] < len(fb[d]) else None
+            if op is not None and op.kind == "F":
+                ready = (d == 0 or ("F", op.microbatch, d - 1) in done) and forwards[d] - weights[d] < S
+            else:
+                ready = op is not None and ("F", op.microbatch, d) in done and (
+                    d == S - 1 or ("B", op.microbatch, d + 1) in done)
+            if ready:
+                pos[d] += 1
+                forwards[d] += op.kind == "F"
+                backwards[d] += op.kind == "B"
+            elif weights[d] < backwards[d]:
+                op, weights[d] = Op("W", weights[d]), weights[d] + 1
+            else:
+                continue
+            programs[d].append(op)
+            finished.append((op.kind, op.microbatch, d))
+        done.update(finished)
+    return tuple(tuple(p) for p in programs)
+
+
+PROGRAMS = {"gpipe": gpipe_program, "1f1b": one_f_one_b_program, "interleaved": interleaved_program,
+            "zb_h1": zb_h1_program}
 
 
 def resolve_microbatches(stages: int, microbatches: int) -> int:
@@ -75,7 +120,7 @@ def check(schedule: str, S: int, M: int, V: int, n_layer: int | None = None) -> 
         raise UserError(f"pipeline needs stages, microbatches and virtual stages >= 1 (got {S}, {M}, {V})")
     if schedule != "interleaved" and V != 1:
         raise UserError(f"virtual stages ({V}) need the interleaved schedule, not {schedule}")
-    if schedule in ("1f1b", "interleaved") and M < S:
+    if schedule in ("1f1b", "interleaved", "zb_h1") and M < S:
         raise UserError(f"{schedule} needs microbatches >= stages (got {M} < {S})")
     if schedule == "interleaved" and M % S:
         raise UserError(f"interleaved schedule needs microbatches ({M}) divisible by stages ({S})")
@@ -96,6 +141,7 @@ def simulate(schedule: str, S: int, M: int, V: int = 1) -> list[list[Op | None]]
             if op is not None:
                 v = op.chunk * S + d
                 need = ([("F", op.microbatch, v - 1)] if v else []) if op.kind == "F" else \
+                    [("B", op.microbatch, v)] if op.kind == "W" else \
                     [("F", op.microbatch, v)] + ([("B", op.microbatch, v + 1)] if v < last else [])
                 if all(n in done for n in need):
                     pos[d] += 1
@@ -116,11 +162,13 @@ def bubble_fraction(table: list[list[Op | None]]) -> float:
 
 
 def max_in_flight(table: list[list[Op | None]], device: int) -> int:
-    """Most microbatch-chunks whose forward ran but backward has not, on one device."""
+    """Most microbatch-chunks whose forward ran but backward has not (ZB-H1: whose W has not), on one device:
+    the stage inputs it holds."""
+    split = any(op is not None and op.kind == "W" for row in table for op in row)
     live, peak = set(), 0
     for row in table:
         op = row[device]
-        if op is not None:
+        if op is not None and op.kind != ("B" if split else "W"):
             (live.add if op.kind == "F" else live.discard)((op.microbatch, op.chunk))
             peak = max(peak, len(live))
     return peak

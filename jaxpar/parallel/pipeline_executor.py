@@ -11,6 +11,9 @@ v = 0 (`first`) and the head and loss on v = S*V - 1 (`last`).
 - Forward keeps only the stage *input* (in a slot of a ring of buffers); the backward recomputes the
   stage under `jax.vjp` and applies the cotangent that came from the next stage. A stage therefore
   holds at most as many microbatch inputs as the schedule keeps in flight: ~S for 1F1B, M for GPipe.
+- ZB-H1 splits the backward: B takes the vjp with respect to the stage input only (XLA drops the weight
+  gradients' matmuls from it), W later with respect to the weights only, from the same kept input and
+  cotangent (both held until W). Each recomputes the stage's forward.
 - After every tick each device sends its forward output to device d+1 and its input cotangent to
   d-1 (`ppermute`, circular so interleaved chunks wrap from the last device to the first); the
   tables say which slot, if any, keeps what arrives.
@@ -30,9 +33,10 @@ from jaxpar.core.pipeline_schedules import simulate
 from jaxpar.ops import split_microbatches
 
 AXIS = "pp"
-HAND_SCHEDULED = ("1f1b", "interleaved")  # GPipe trains through pipeline.py (jax.grad through its ticks)
+HAND_SCHEDULED = ("1f1b", "interleaved", "zb_h1")  # GPipe trains through gpipe.py (jax.grad through its ticks)
 # branch index of a tick: what one device does
-IDLE, F_MID, F_FIRST, F_LAST, B_MID, B_FIRST, B_LAST = range(7)
+IDLE, F_MID, F_FIRST, F_LAST, B_MID, B_FIRST, B_LAST, W_MID, W_FIRST, W_LAST = range(10)
+CODES = {"F": (F_FIRST, F_MID, F_LAST), "B": (B_FIRST, B_MID, B_LAST), "W": (W_FIRST, W_MID, W_LAST)}
 # one row per (tick, device): the branch, its chunk and microbatch, the slots it reads its stage input
 # and cotangent from, and the slots where this tick's arrivals from the neighbours are kept
 COLUMNS = ("code", "chunk", "microbatch", "in_slot", "cot_slot", "recv_act", "recv_cot")
@@ -66,14 +70,15 @@ def tick_plan(schedule: str, S: int, M: int, V: int) -> TickPlan:
         for d, op in enumerate(row):
             if op is not None:
                 when[(op.kind, op.microbatch, op.chunk * S + d)] = t
-    # what each device must keep: a stage input from its arrival to its backward, a cotangent likewise
+    # what each device must keep: a stage input from its arrival to its (weight) backward, a cotangent likewise
     acts = [[] for _ in range(S)]
     cots = [[] for _ in range(S)]
+    end = lambda m, v: when.get(("W", m, v), when[("B", m, v)])  # noqa: E731
     for m in range(M):
         for v in range(1, last + 1):
-            acts[v % S].append((when[("F", m, v - 1)] + 1, when[("B", m, v)], (m, v)))
+            acts[v % S].append((when[("F", m, v - 1)] + 1, end(m, v), (m, v)))
         for v in range(last):
-            cots[v % S].append((when[("B", m, v + 1)] + 1, when[("B", m, v)], (m, v)))
+            cots[v % S].append((when[("B", m, v + 1)] + 1, end(m, v), (m, v)))
     act_slot, cot_slot = [_allocate(a) for a in acts], [_allocate(c) for c in cots]
     n_act = max(n for _, n in act_slot) + 1  # the last slot is scratch for "nothing arrived"
     n_cot = max(n for _, n in cot_slot) + 1
@@ -82,16 +87,16 @@ def tick_plan(schedule: str, S: int, M: int, V: int) -> TickPlan:
         out[..., COL[name]] = scratch - 1
     for (kind, m, v), t in when.items():
         d, first, final = v % S, v == 0, v == last
-        code = (F_FIRST if first else F_LAST if final else F_MID) if kind == "F" else \
-            (B_FIRST if first else B_LAST if final else B_MID)
+        code = CODES[kind][0 if first else 2 if final else 1]
         out[t, d, [COL["code"], COL["chunk"], COL["microbatch"]]] = code, v // S, m
         if not first:
             out[t, d, COL["in_slot"]] = act_slot[d][0][(m, v)]
             if kind == "F":
                 out[when[("F", m, v - 1)] + 1, d, COL["recv_act"]] = act_slot[d][0][(m, v)]
-        if kind == "B" and not final:
+        if kind != "F" and not final:
             out[t, d, COL["cot_slot"]] = cot_slot[d][0][(m, v)]
-            out[when[("B", m, v + 1)] + 1, d, COL["recv_cot"]] = cot_slot[d][0][(m, v)]
+            if kind == "B":
+                out[when[("B", m, v + 1)] + 1, d, COL["recv_cot"]] = cot_slot[d][0][(m, v)]
     return TickPlan(out, n_act, n_cot)
 
 
@@ -128,25 +133,47 @@ def pipeline_value_and_grad(stage_forward, rest, blocks, consts, inputs, targets
                 return h.astype(dtype), jnp.zeros(act_shape, dtype), (g_rest, g_blocks, loss_sum + loss)
             return run
 
-        def b_branch(first, last):
+        def backward(acts, cots, op, first, last, inputs: bool, weights: bool):
+            """vjp of the stage, recomputed from its kept input, with respect to what is asked."""
+            c, m = op["chunk"], op["microbatch"]
+            (h, _), vjp = jax.vjp(lambda r, b, x: forward(r, b, c, x, m, first, last),
+                                  rest, at(blocks, c), acts[op["in_slot"]])
+            ct_h = jnp.zeros(h.shape, h.dtype) if last else cots[op["cot_slot"]]
+            d_rest, d_block, d_x = vjp((ct_h, jnp.asarray(1.0 / M if last else 0.0, jnp.float32)))
+            return (d_rest, d_block) if weights else None, d_x if inputs else None
+
+        def add_weights(grads, op, first, last, d_rest, d_block):
+            g_rest, g_blocks, loss_sum = grads
+            g_blocks = jax.tree.map(lambda a, g: a.at[op["chunk"]].add(g), g_blocks, d_block)
+            if first or last:
+                g_rest = jax.tree.map(jnp.add, g_rest, d_rest)
+            return g_rest, g_blocks, loss_sum
+
+        def b_branch(first, last, split: bool):
+            """The whole backward (1F1B, interleaved), or ZB-H1's B: the input gradient only (none on the
+            first stage, whose input is the tokens)."""
             def run(acts, cots, grads, op):
-                c, m = op["chunk"], op["microbatch"]
-                (h, _), vjp = jax.vjp(lambda r, b, x: forward(r, b, c, x, m, first, last),
-                                      rest, at(blocks, c), acts[op["in_slot"]])
-                ct_h = jnp.zeros(h.shape, h.dtype) if last else cots[op["cot_slot"]]
-                d_rest, d_block, d_x = vjp((ct_h, jnp.asarray(1.0 / M if last else 0.0, jnp.float32)))
-                g_rest, g_blocks, loss_sum = grads
-                g_blocks = jax.tree.map(lambda a, g: a.at[c].add(g), g_blocks, d_block)
-                if first or last:
-                    g_rest = jax.tree.map(jnp.add, g_rest, d_rest)
-                return jnp.zeros(act_shape, dtype), d_x.astype(dtype), (g_rest, g_blocks, loss_sum)
+                if split and first:
+                    return idle(acts, cots, grads, op)
+                w, d_x = backward(acts, cots, op, first, last, inputs=True, weights=not split)
+                if w is not None:
+                    grads = add_weights(grads, op, first, last, *w)
+                return jnp.zeros(act_shape, dtype), d_x.astype(dtype), grads
+            return run
+
+        def w_branch(first, last):
+            def run(acts, cots, grads, op):
+                w, _ = backward(acts, cots, op, first, last, inputs=False, weights=True)
+                return jnp.zeros(act_shape, dtype), jnp.zeros(act_shape, dtype), add_weights(grads, op, first, last, *w)
             return run
 
         def idle(acts, cots, grads, op):
             return jnp.zeros(act_shape, dtype), jnp.zeros(act_shape, dtype), grads
 
+        split = schedule == "zb_h1"
         branches = [idle, f_branch(False, False), f_branch(True, False), f_branch(False, True),
-                    b_branch(False, False), b_branch(True, False), b_branch(False, True)]
+                    b_branch(False, False, split), b_branch(True, False, split), b_branch(False, True, split),
+                    w_branch(False, False), w_branch(True, False), w_branch(False, True)]
 
         def tick(carry, rows):
             acts, cots, grads, got_act, got_cot = carry

@@ -14,7 +14,7 @@ import numpy as np
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 OPS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(" + "|".join(OPS) + r")(?:-start)?\(")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(" + "|".join(OPS) + r")(-start)?\(")
 _ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 _CALLEE = re.compile(r"(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
@@ -45,6 +45,29 @@ def _shape_bytes(shape_text: str) -> int:
     for dtype, dims in _ARRAY.findall(shape_text):
         total += DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
     return total
+
+
+def _top_level(shape_text: str) -> list[str]:
+    """The elements of a tuple shape `(a, (b, c), d)`, or [shape] for an array."""
+    text = shape_text.strip()
+    if not text.startswith("("):
+        return [text]
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(text):
+        depth += ch in "({["
+        depth -= ch in ")}]"
+        if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+            parts.append(text[start:i])
+            start = i + 1
+    return parts
+
+
+def _result_bytes(shape_text: str, op: str, is_start: bool) -> int:
+    """Bytes of the result. An asynchronous `-start` (XLA:GPU) of all but all-reduce returns (operands,
+    results[, context]): only the second element is the result."""
+    if is_start and op != "all-reduce" and shape_text.strip().startswith("("):
+        return _shape_bytes(_top_level(shape_text)[1])
+    return _shape_bytes(shape_text)
 
 
 def _groups(line: str, n_devices: int) -> list[list[int]]:
@@ -107,7 +130,8 @@ def parse(hlo_text: str, n_devices: int) -> list[Collective]:
             m = _INSTR.match(line)
             if m and multiplier.get(name):
                 groups = _groups(line, n_devices)
-                out.append(Collective(m[2], _shape_bytes(m[1]), len(groups[0]), groups, multiplier[name]))
+                out.append(Collective(m[2], _result_bytes(m[1], m[2], bool(m[3])), len(groups[0]), groups,
+                                      multiplier[name]))
     return out
 
 

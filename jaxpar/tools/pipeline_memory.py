@@ -8,13 +8,14 @@ at most ~S in flight (1F1B) stays flat. Rows:
   gpipe                GPipe on GSPMD, gradients by jax.grad through the ticks (pipeline.py)
   gpipe (executor)     the GPipe order on the hand-scheduled executor (pipeline_executor.py)
   1f1b                 1F1B on the executor
+  zb_h1                ZB-H1 on the executor (stage inputs and output cotangents kept until the W tick)
 Target: 1F1B's temp at M=16 <= 1.25x its temp at M=4.
 """
 from __future__ import annotations
 
 import argparse
 
-ROWS = {"gpipe": "gpipe", "gpipe (executor)": "gpipe", "1f1b": "1f1b"}
+ROWS = {"gpipe": "gpipe", "gpipe (executor)": "gpipe", "1f1b": "1f1b", "zb_h1": "zb_h1"}
 
 
 def main(argv=None) -> None:
@@ -23,8 +24,11 @@ def main(argv=None) -> None:
     ap.add_argument("--microbatches", default="4,8,16")
     ap.add_argument("--microbatch-size", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"which rows (default all: {', '.join(ROWS)})")
     ap.add_argument("--model", default="model.n_layer=8,model.n_head=4,model.d_model=128,model.vocab_size=256")
     args = ap.parse_args(argv)
+    if set(args.rows.split(",")) - set(ROWS):
+        ap.error(f"--rows {args.rows!r}: choose from {', '.join(ROWS)}")
 
     import jax
     jax.config.update("jax_platforms", "cpu")
@@ -39,7 +43,7 @@ def main(argv=None) -> None:
           f"{' '.join(args.model.split(','))}, microbatch size {b}, float32\n")
     print(f"| schedule | M | temp bytes / device | ratio to M={counts[0]} | stage inputs kept (executor) |")
     print("|---|---|---|---|---|")
-    for row, schedule in ROWS.items():
+    for row, schedule in ((r, ROWS[r]) for r in args.rows.split(",")):
         base = None
         for M in counts:
             cfg = load_config(None, args.model.split(",") + [

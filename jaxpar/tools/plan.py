@@ -113,10 +113,16 @@ def plan(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
             "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes, "peak_bytes": peak,
             "collectives": collectives, "bounds": bounds, "measured": measured,
             "traffic_bytes": sum(c["traffic_bytes"] for c in collectives), "bound_bytes": sum(bounds.values()),
-            "notes": explain(collectives, bounds, measured)}
+            "notes": explain(collectives, bounds, measured, layout.mesh.devices.flat[0].platform)}
 
 
-def explain(collectives, bounds, measured) -> list[str]:
+# what tests/test_plan.py and the HLO showed (docs/benchmarks/README.md "Planner"): jax 0.10.2's XLA:CPU
+CPU_REDUCE_SCATTER = ("XLA:CPU has no pass that forms reduce-scatter (ReduceScatterCreator runs in XLA:GPU's "
+                      "collective pipeline only), so GSPMD's all-reduce + dynamic-slice stays; on a GPU the same "
+                      "step should show reduce-scatter here (check: this command on a GPU)")
+
+
+def explain(collectives, bounds, measured, platform: str = "cpu") -> list[str]:
     """Why an axis moves more than its lower bound, collective by collective."""
     notes = []
     for axis in ("dp", "fsdp", "tp"):
@@ -124,8 +130,9 @@ def explain(collectives, bounds, measured) -> list[str]:
             continue
         ops = [c for c in collectives if axis in c["axes"].split("+")]
         if axis != "tp" and any(c["op"] == "all-reduce" for c in ops) and not any(c["op"] == "reduce-scatter" for c in ops):
-            notes.append(f"{axis}: gradients are all-reduced and then sliced, where a reduce-scatter would do "
-                         "(this XLA backend formed no reduce-scatter): up to 2x the gradient term")
+            notes.append(f"{axis}: gradients are all-reduced and then sliced, where a reduce-scatter would do: up to "
+                         "2x the gradient term. " + (CPU_REDUCE_SCATTER if platform == "cpu" else
+                                                     "This backend formed no reduce-scatter: worth a look."))
         gathered = sum(c["result_bytes"] * c["count"] for c in ops if c["op"] == "all-gather")
         if axis == "fsdp" and gathered:
             notes.append(f"fsdp: {gathered:,} bytes all-gathered per step: parameters are gathered again in "

@@ -18,6 +18,7 @@ from jaxpar.core.config import load_config
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.flops import flops_per_token, peak_flops
 from torchpar.backends import BACKENDS
+from torchpar.compiling import compile_blocks, use_compile
 
 
 def matmul_ceiling(device, dtype) -> float:
@@ -45,8 +46,9 @@ def bench(cfg, backend: str, steps: int, warmup: int, compile_model: bool) -> di
     env = dist.init(backend != "none", cfg.run.peer_timeout_s)
     model = GPT(cfg.model)
     model.init_weights(cfg.train.seed)
+    compile_model = compile_model or use_compile(cfg, backend, env.device.type)  # --compile, or train.compile
     if compile_model:
-        model.compile()
+        compile_blocks(model)  # as torchpar.train does
     engine = backends.build(backend, model, cfg, env)
     B, M, W = cfg.train.global_batch_size, cfg.train.microbatches, env.world
     share, ways = engine.data_rank, engine.data_ways  # as the trainer: pipeline stages read the whole batch
@@ -92,7 +94,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="none", choices=BACKENDS)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the blocks (as train.compile=on)")
     ap.add_argument("--json")
     ap.add_argument("--record", action="store_true", help="append a row to docs/benchmarks/torchpar-bench.md")
     ap.add_argument("overrides", nargs="*")
