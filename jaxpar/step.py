@@ -18,7 +18,7 @@ from jaxpar.loss import cross_entropy, loss_fn, split_rows, token_order
 from jaxpar.models.gpt import abstract_model
 from jaxpar.ops import split_microbatches
 from jaxpar.optim import lr_fn, make_optimizer
-from jaxpar.parallel.pipeline_executor import HAND_SCHEDULED, pipeline_value_and_grad
+from jaxpar.parallel.pipeline_executor import HAND_SCHEDULED, StageFns, pipeline_value_and_grad
 from jaxpar.parallelize import parallel_context
 
 
@@ -36,15 +36,13 @@ def hand_scheduled(layout: Layout, schedule: str):
 
     def value_and_grad(params, batch, scale=1.0):
         order = token_order(cfg, mesh, batch.shape[1] - 1)
-
-        def stage_forward(rest, chunk, sketches, x, tokens, targets, first: bool, last: bool):
-            model = nnx.merge(graphdef, {**rest, "blocks": chunk})
-            h = model.run_blocks(model.embed(tokens, order) if first else x, order, sketches)
-            return h, (cross_entropy(model.head(h), targets) * scale if last else jnp.zeros((), jnp.float32))
-
+        model = lambda rest, chunk: nnx.merge(graphdef, {**rest, "blocks": chunk})  # noqa: E731  a stage's view
+        fns = StageFns(embed=lambda rest, chunk, tokens: model(rest, chunk).embed(tokens, order),
+                       layers=lambda rest, chunk, sketches, x: model(rest, chunk).run_blocks(x, order, sketches),
+                       head_loss=lambda rest, chunk, h, targets: cross_entropy(model(rest, chunk).head(h), targets) * scale)
         rest = {k: v for k, v in params.items() if k != "blocks"}
         loss, g_rest, g_blocks = pipeline_value_and_grad(
-            stage_forward, rest, params["blocks"], stacked_sketches(cfg.model), *split_rows(batch, order), mesh=mesh,
+            fns, rest, params["blocks"], stacked_sketches(cfg.model), *split_rows(batch, order), mesh=mesh,
             schedule=schedule, S=S, M=resolve_microbatches(S, p.pipeline_microbatches), V=p.pipeline_virtual_stages,
             width=cfg.model.d_model, dtype=jnp.dtype(cfg.model.compute_dtype))
         return loss, {**g_rest, "blocks": g_blocks}

@@ -1,5 +1,5 @@
 """Every pipeline schedule over pp reproduces the single-device float32 run; bad pipeline layouts are
-one-line errors; the hand-scheduled executor keeps ~S stage inputs for 1F1B whatever M is."""
+one-line errors; the hand-scheduled executor keeps ~S microbatches of residuals for 1F1B whatever M is."""
 import jax
 import numpy as np
 import pytest
@@ -51,14 +51,49 @@ def test_1f1b_composes_with_fsdp_and_sequence_parallel(dataset, references):
     assert_params_close(got["params"], references[4]["params"])
 
 
-def test_executor_holds_stage_inputs_for_schedule_in_flight_not_all_microbatches():
+def test_executor_holds_residuals_for_schedule_in_flight_not_all_microbatches():
     S = 4
     for M in (4, 8, 16):
-        assert tick_plan("1f1b", S, M, 1).act_slots - 1 == S  # the extra slot is scratch
-        assert tick_plan("gpipe", S, M, 1).act_slots - 1 == M
+        assert tick_plan("1f1b", S, M, 1).res_slots - 1 == S  # the extra slot is scratch
+        assert tick_plan("gpipe", S, M, 1).res_slots - 1 == M
+        assert tick_plan("1f1b", S, M, 1).act_slots - 1 == 1  # an arrived input waits one tick for its forward
     assert tick_plan("1f1b", S, 16, 1).tables.shape[0] == 2 * (16 + S - 1)  # every stage busy but the bubble
-    zb = tick_plan("zb_h1", S, 16, 1)  # stage inputs as 1F1B; cotangents are kept until their W
-    assert zb.act_slots - 1 == S and zb.cot_slots - 1 == S - 1 and zb.tables.shape[0] == 3 * 16 + S - 1
+    zb = tick_plan("zb_h1", S, 16, 1)  # residuals as 1F1B's; cotangents are kept until their W
+    assert zb.res_slots - 1 == S and zb.cot_slots - 1 == S - 1 and zb.tables.shape[0] == 3 * 16 + S - 1
+
+
+def _branch_matmuls(*overrides) -> list[int]:
+    """dot_general equations in each branch of the executor's tick (jaxpr level; a layer scan's body once)."""
+    from jax.extend.core import jaxprs_in_params
+
+    from jaxpar.context import use
+    from jaxpar.layout import Layout
+    from jaxpar.mesh import make_mesh
+    from jaxpar.state import abstract_state
+    from jaxpar.step import loss_and_grad
+
+    layout = Layout(tiny_config(*DEEP, *overrides), make_mesh({"pp": 2}, jax.devices()[:2]))
+    fn, context = loss_and_grad(layout)
+
+    def traced(params, batch):
+        with use(context):
+            return fn(params, batch)
+
+    jaxpr = jax.make_jaxpr(traced)(abstract_state(layout)["params"], jax.ShapeDtypeStruct(layout.batch_shape, "int32"))
+    walk = lambda j: [e for e in j.eqns for e in [e, *(x for sub in jaxprs_in_params(e.params) for x in walk(sub))]]  # noqa: E731
+    tick = next(e for e in walk(jaxpr.jaxpr) if e.primitive.name == "cond" and len(e.params["branches"]) == 10)
+    return [sum(e.primitive.name == "dot_general" for e in walk(b.jaxpr)) for b in tick.params["branches"]]
+
+
+def test_executor_backward_does_not_recompute_the_forward_unless_remat_says_so():
+    """A middle stage's backward applies the residuals its forward kept: two matmuls per forward matmul (the
+    gradients of both operands), none recomputed; model.remat=full trades memory for a recomputed forward."""
+    from jaxpar.parallel.pipeline_executor import B_MID, F_MID
+
+    kept = _branch_matmuls("parallel.pipeline_schedule=1f1b")
+    assert kept[F_MID] == 6 and kept[B_MID] == 2 * kept[F_MID]  # qkv, QK^T, PV, out, fc, proj per layer
+    remat = _branch_matmuls("parallel.pipeline_schedule=1f1b", "model.remat=full")
+    assert remat[B_MID] > 2 * remat[F_MID]
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -15,7 +15,12 @@ Impl specs (comma separated):
                      gather|masked   cross-entropy target logit: take_along_axis | masked sum over the vocab (jaxpar's)
                      w2d|w4d         qkv / out weights as 2-D matrices | jaxpar's [d,3,h,k] / [h,k,d] einsums
                      opt|noopt       optax AdamW+clip update | plain SGD (to price the optimizer)
-  jaxpar             jaxpar.step.make_train_step on a dp=1 layout (imports jaxpar; same config via the flags)
+                     tgrad           dense layers with a custom VJP whose backward transposes x in a copy of its
+                                     own (behind an optimization barrier), so the weight gradient is a plain
+                                     [in,tokens]@[tokens,out] dot (YNNPACK) instead of an Eigen dot with a transposed
+                                     lhs; tgradfwd: the same with x saved transposed in the forward pass instead
+  jaxpar[:plaindense]  jaxpar.step.make_train_step on a dp=1 layout (imports jaxpar; same config via the flags);
+                     :plaindense undoes the proposed ops.dense patch (see README) for an in-process A/B
   torch-compiled, torch-eager   torchpar's `none` engine step (blocks torch.compile'd or not)
 A JAX impl may end in @flag=value@flag=value: XLA debug options for that compilation only (compiler_options), e.g.
   jaxpar@xla_cpu_use_onednn=true@xla_cpu_experimental_onednn_fusion_type=dot
@@ -84,6 +89,21 @@ def build_min(a, opts: set[str], xla: dict | None = None):
         p = jax.nn.softmax(s, axis=-1)
         return jnp.einsum("bhqs,bshk->bqhk", p, v)
 
+    @jax.custom_vjp
+    def dense_t(x, w):
+        return x @ w
+
+    def dense_t_fwd(x, w):
+        return x @ w, (x.reshape(-1, x.shape[-1]).T if "tgradfwd" in opts else x, w)
+
+    def dense_t_bwd(res, dy):
+        x, w = res
+        xt = x if "tgradfwd" in opts else jax.lax.optimization_barrier(x.reshape(-1, x.shape[-1]).T)
+        return dy @ w.T, xt @ dy.reshape(-1, dy.shape[-1])
+
+    dense_t.defvjp(dense_t_fwd, dense_t_bwd)
+    mm = dense_t if {"tgrad", "tgradfwd"} & opts else (lambda x, w: x @ w)  # noqa: E731
+
     def block(x, p):
         B, T, d = x.shape
         y = layernorm(x, p["ln1"])
@@ -92,12 +112,12 @@ def build_min(a, opts: set[str], xla: dict | None = None):
             o = attention(q, k, v)
             x = x + jnp.einsum("bthk,hkd->btd", o, p["out"]["kernel"]) + p["out"]["bias"]
         else:
-            qkv = (y @ p["qkv"]["kernel"] + p["qkv"]["bias"]).reshape(B, T, 3, h, d // h)
+            qkv = (mm(y, p["qkv"]["kernel"]) + p["qkv"]["bias"]).reshape(B, T, 3, h, d // h)
             o = attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]).reshape(B, T, d)
-            x = x + o @ p["out"]["kernel"] + p["out"]["bias"]
+            x = x + mm(o, p["out"]["kernel"]) + p["out"]["bias"]
         y = layernorm(x, p["ln2"])
-        y = jax.nn.gelu(y @ p["fc"]["kernel"] + p["fc"]["bias"], approximate=True)
-        return x + y @ p["proj"]["kernel"] + p["proj"]["bias"]
+        y = jax.nn.gelu(mm(y, p["fc"]["kernel"]) + p["fc"]["bias"], approximate=True)
+        return x + mm(y, p["proj"]["kernel"]) + p["proj"]["bias"]
 
     def loss_fn(params, batch):
         inputs, targets = batch[:, :-1], batch[:, 1:]
@@ -177,8 +197,11 @@ def config(a):
     return load_config(os.path.join(here, "..", "..", "configs", "gpt2-tiny.yaml"), overrides(a) + a.override)
 
 
-def build_jaxpar(a, xla: dict | None = None):
+def build_jaxpar(a, xla: dict | None = None, opts: set[str] = frozenset()):
+    """opts: "plaindense" traces the model with plain `x @ w` where a patched jaxpar calls ops.dense (A/B of it)."""
     import jax
+
+    import jaxpar.models.gpt as gpt
 
     from jaxpar.layout import Layout
     from jaxpar.mesh import make_mesh
@@ -189,7 +212,14 @@ def build_jaxpar(a, xla: dict | None = None):
     layout = Layout(cfg, make_mesh({"dp": 1}))
     batch = jax.device_put(tokens(a), layout.batch_sharding)
     state = init_state(layout)
-    compiled = make_train_step(layout).lower(state, batch).compile(xla or None)
+    saved = getattr(gpt, "dense", None)
+    if "plaindense" in opts and saved is not None:
+        gpt.dense = lambda x, w: x @ w
+    try:
+        compiled = make_train_step(layout).lower(state, batch).compile(xla or None)
+    finally:
+        if saved is not None:
+            gpt.dense = saved
     return jax_runner(compiled, state, batch)
 
 
@@ -226,7 +256,7 @@ def main(argv=None) -> int:
     impls = a.impls.split(",")
     if any(i.startswith(("jaxpar", "torch")) for i in impls):
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-    if any(i.split("@")[0] == "jaxpar" for i in impls):
+    if any(i.split("@")[0].split(":")[0] == "jaxpar" for i in impls):
         from jaxpar.mesh import setup_devices
 
         setup_devices({"dp": 1})
@@ -235,8 +265,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         base, *flags = impl.split("@")
         xla = {k: {"true": True, "false": False}.get(v, v) for k, v in (f.split("=", 1) for f in flags)}
-        if base == "jaxpar":
-            runners[impl] = build_jaxpar(a, xla)
+        if base.split(":")[0] == "jaxpar":
+            runners[impl] = build_jaxpar(a, xla, set(base.split(":")[1:]))
         elif base.startswith("torch-"):
             runners[impl] = build_torch(a, base == "torch-compiled")
         else:

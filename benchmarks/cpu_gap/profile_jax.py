@@ -23,6 +23,50 @@ if "xla_cpu_enable_xprof_traceme" not in os.environ["XLA_FLAGS"]:
 import minimal_step as ms  # noqa: E402
 
 
+def classify(hlo_text: str) -> dict[str, str]:
+    """op name -> what it computes: dot (XLA's own Eigen dot), ynn-dot / ynn-reduce (YNNPACK library fusions),
+    onednn-dot, copy/transpose, dynamic-update-slice (scan stacking), broadcast, reduce / elementwise fusions."""
+    import re
+
+    comps, cur = {}, None
+    for line in hlo_text.splitlines():
+        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if m and not line.startswith(" "):
+            cur = comps.setdefault(m.group(1), [])
+        elif cur is not None:
+            cur.append(line)
+    out = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"^\s*(?:ROOT )?%([\w.\-]+) = \S+ (\w[\w\-]*)\(", line)
+        if not m:
+            continue
+        name, op = m.groups()
+        body = ""
+        c = re.search(r"calls=%([\w.\-]+)", line)
+        if c:
+            body = "\n".join(comps.get(c.group(1), []))
+        lib = "ynn-" if "__ynn_fusion" in line else "onednn-" if "onednn" in line else "xnn-" if "xnn" in line else ""
+        if op == "dot" or " dot(" in body:
+            out[name] = lib + "dot"
+        elif op == "custom-call":
+            out[name] = lib + "custom-call"
+        elif " reduce(" in body or op == "reduce":
+            out[name] = lib + "reduce"
+        elif "dynamic-update-slice" in name:
+            out[name] = "dynamic-update-slice"
+        elif name.startswith("wrapped_broadcast") or op == "broadcast":
+            out[name] = "broadcast (zero init)"
+        elif name.startswith(("copy", "transpose")) or op in ("copy", "transpose"):
+            out[name] = "copy/transpose"
+        elif op == "scatter" or " scatter(" in body:
+            out[name] = "scatter"
+        elif op in ("while", "conditional", "call"):
+            out[name] = "control"
+        else:
+            out[name] = lib + "elementwise"
+    return out
+
+
 def kind(name: str) -> str:
     n = name.split(".")[0].split("(")[0]
     for k in ("loop_", "input_", "wrapped_", "copy", "dot", "custom-call", "while", "fusion", "scatter", "gather",
@@ -98,15 +142,17 @@ def main() -> int:
     print(f"# {a.impl}: {len(hlo)} XLA ops, {total / a.steps / 1e6:.2f} ms/step of op self time over {a.steps} steps")
     print(f"# other events (top): " + ", ".join(f"{n[:40]}={t / a.steps / 1e6:.2f}ms" for n, t in
                                                    ops.most_common(8) if n not in hlo))
+    classes = classify(run.compiled.as_text())
     by_kind = collections.Counter()
     for n, t in hlo.items():
-        by_kind[kind(n)] += t
+        by_kind[classes.get(n, kind(n))] += t
     print(f"{'kind':<20} {'ms/step':>8} {'share':>6}")
     for k, t in by_kind.most_common():
         print(f"{k:<20} {t / a.steps / 1e6:>8.3f} {t / total:>6.1%}")
-    print(f"{'op':<48} {'ms/step':>8} {'share':>6} {'calls/step':>10}")
+    print(f"{'op':<36} {'class':<22} {'ms/step':>8} {'share':>6} {'calls/step':>10}")
     for n, t in sorted(hlo.items(), key=lambda kv: -kv[1])[:a.top]:
-        print(f"{n[:48]:<48} {t / a.steps / 1e6:>8.3f} {t / total:>6.1%} {counts[n] / a.steps:>10.1f}")
+        print(f"{n[:36]:<36} {classes.get(n, '?'):<22} {t / a.steps / 1e6:>8.3f} {t / total:>6.1%} "
+              f"{counts[n] / a.steps:>10.1f}")
     return 0
 
 
