@@ -96,6 +96,25 @@ def test_executor_backward_does_not_recompute_the_forward_unless_remat_says_so()
     assert remat[B_MID] > 2 * remat[F_MID]
 
 
+def test_matmul_flops_count_loops_and_find_what_each_schedule_adds():
+    """A 10-step scan of a 64x64 matmul is 10 matmuls (XLA's cost analysis reports one); 1F1B on the executor
+    does one device's matmul work, GPipe on GSPMD (M+S-1)/M of it (its bubble ticks compute too)."""
+    import jax.numpy as jnp
+
+    from jaxpar.tools.jaxpr_flops import matmul_flops
+    from jaxpar.tools.pipeline_memory import step_flops
+
+    x = jnp.ones((64, 64))
+    scan = jax.make_jaxpr(lambda x: jax.lax.scan(lambda c, _: (c @ x, None), x, None, length=10)[0])(x)
+    assert matmul_flops(scan.jaxpr) == 10 * 2 * 64**3
+    S, M = 2, 4
+    cfg = lambda schedule: tiny_config(*DEEP, f"parallel.pipeline_schedule={schedule}")  # noqa: E731  8 rows, M=4
+    one = step_flops(cfg("gpipe"), {"pp": 1}, jax.devices()[:1], None)
+    assert step_flops(cfg("1f1b"), {"pp": S}, jax.devices()[:S], "1f1b") == pytest.approx(one)
+    gpipe = step_flops(cfg("gpipe"), {"pp": S}, jax.devices()[:S], None)
+    assert one < gpipe <= (M + S - 1) / M * one
+
+
 @pytest.mark.parametrize("overrides,message", [
     (("model.n_layer=3",), "not divisible by stages x virtual stages"),
     (("parallel.pipeline_microbatches=3",), "not divisible by parallel.pipeline_microbatches=3"),

@@ -40,6 +40,7 @@ AXIS = "pp"
 HAND_SCHEDULED = ("1f1b", "interleaved", "zb_h1")  # GPipe trains through gpipe.py (jax.grad through its ticks)
 # branch index of a tick: what one device does
 IDLE, F_MID, F_FIRST, F_LAST, B_MID, B_FIRST, B_LAST, W_MID, W_FIRST, W_LAST = range(10)
+BRANCHES = 10
 CODES = {"F": (F_FIRST, F_MID, F_LAST), "B": (B_FIRST, B_MID, B_LAST), "W": (W_FIRST, W_MID, W_LAST)}
 # one row per (tick, device): the branch, its chunk and microbatch, the slots it reads its stage input,
 # cotangent and residuals from, the residual slot its forward fills, and the slots where this tick's

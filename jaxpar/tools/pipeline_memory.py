@@ -1,21 +1,43 @@
-"""Per-device temporary memory of a pipelined loss+grad as the microbatch count grows, from XLA's
-compiled memory analysis (nothing is run):
-`python -m jaxpar.tools.pipeline_memory [--stages 4] [--microbatches 4,8,16] [--seq-len 512]`.
+"""Per-device temporary memory and matmul FLOPs of a pipelined loss+grad as the microbatch count grows
+(compiled and traced, nothing is run):
+`python -m jaxpar.tools.pipeline_memory [--stages 4] [--microbatches 4,8,16] [--seq-len 512] [--rows ...]`.
 
 The microbatch size is fixed (global batch = M x microbatch size), so a schedule whose stages keep
 every microbatch's activations until the backward (GPipe) grows linearly in M, and one that keeps
 at most ~S in flight (1F1B) stays flat. Rows:
-  gpipe                GPipe on GSPMD, gradients by jax.grad through the ticks (pipeline.py)
+  gpipe                GPipe on GSPMD, gradients by jax.grad through the ticks (gpipe.py)
   gpipe (executor)     the GPipe order on the hand-scheduled executor (pipeline_executor.py)
   1f1b                 1F1B on the executor
-  zb_h1                ZB-H1 on the executor (stage inputs and output cotangents kept until the W tick)
-Target: 1F1B's temp at M=16 <= 1.25x its temp at M=4.
+  zb_h1                ZB-H1 on the executor (residuals and output cotangents kept until the W tick)
+Memory: XLA's `temp_size_in_bytes` per device. FLOPs: matmul FLOPs of one step summed over the devices
+(jaxpr_flops.py; the executor's ticks counted from its table), as a ratio to one device's program of the
+same batch: above 1.0 is computation a schedule adds (GSPMD GPipe's bubble ticks compute on garbage; a
+recomputed forward). Target: 1F1B's temp at M=16 <= 1.25x its temp at M=4.
 """
 from __future__ import annotations
 
 import argparse
 
 ROWS = {"gpipe": "gpipe", "gpipe (executor)": "gpipe", "1f1b": "1f1b", "zb_h1": "zb_h1"}
+
+
+def step_flops(cfg, sizes, devices, on_executor: str | None) -> float:
+    """Matmul FLOPs of (loss, grads), all devices together."""
+    import jax
+
+    from jaxpar.core.pipeline_schedules import resolve_microbatches
+    from jaxpar.parallel.pipeline_executor import BRANCHES, COL, tick_plan
+    from jaxpar.tools.jaxpr_flops import branch_flops, matmul_flops
+    from jaxpar.tools.sequence_memory import loss_and_grad_program
+
+    traced, params, batch = loss_and_grad_program(cfg, sizes, devices, on_executor)
+    jaxpr = jax.make_jaxpr(traced)(params, batch).jaxpr
+    if not on_executor:
+        return matmul_flops(jaxpr)  # GSPMD: the logical program, every device's share together
+    per_branch = branch_flops(jaxpr, BRANCHES)  # one device's tick, by branch
+    p, S = cfg.parallel, sizes["pp"]
+    codes = tick_plan(on_executor, S, resolve_microbatches(S, p.pipeline_microbatches), p.pipeline_virtual_stages).tables
+    return sum(per_branch[c] for c in codes[..., COL["code"]].flat)
 
 
 def main(argv=None) -> None:
@@ -41,8 +63,9 @@ def main(argv=None) -> None:
     counts = [int(m) for m in args.microbatches.split(",")]
     print(f"jax {jax.__version__}, {jax.devices()[0].platform} x{S} (pp={S}), seq_len {T}, "
           f"{' '.join(args.model.split(','))}, microbatch size {b}, float32\n")
-    print(f"| schedule | M | temp bytes / device | ratio to M={counts[0]} | stage inputs kept (executor) |")
-    print("|---|---|---|---|---|")
+    print(f"| schedule | M | temp bytes / device | ratio to M={counts[0]} | microbatches' residuals kept (executor) "
+          "| matmul FLOPs / step | ratio to one device |")
+    print("|---|---|---|---|---|---|---|")
     for row, schedule in ((r, ROWS[r]) for r in args.rows.split(",")):
         base = None
         for M in counts:
@@ -50,11 +73,14 @@ def main(argv=None) -> None:
                 f"data.seq_len={T}", f"model.max_seq_len={T}", f"train.global_batch_size={M * b}",
                 f"parallel.pipeline_microbatches={M}", f"parallel.pipeline_schedule={schedule}",
                 "train.matmul_precision=highest"])
-            on_executor = schedule if row == "gpipe (executor)" else None
+            on_executor = schedule if row != "gpipe" else None
             temp = measure(cfg, {"pp": S}, jax.devices(), on_executor).temp_size_in_bytes
             base = base or temp
-            kept = tick_plan(schedule, S, M, 1).act_slots - 1 if row != "gpipe" else "all activations"
-            print(f"| {row} | {M} | {temp:,} | {temp / base:.2f} | {kept} |", flush=True)
+            kept = tick_plan(schedule, S, M, 1).res_slots - 1 if on_executor else "all activations"
+            flops = step_flops(cfg, {"pp": S}, jax.devices(), on_executor)
+            one = step_flops(cfg, {"pp": 1}, jax.devices()[:1], None)
+            print(f"| {row} | {M} | {temp:,} | {temp / base:.2f} | {kept} | {flops:.3e} | {flops / one:.2f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 
 
-def measure(cfg, sizes: dict[str, int], devices, schedule: str | None = None):
-    """Compiled memory analysis of (loss, grads) on a mesh of `sizes`, as the train step computes them
-    (`schedule`: run that pipeline schedule on the hand-scheduled executor)."""
+def loss_and_grad_program(cfg, sizes: dict[str, int], devices, schedule: str | None = None):
+    """(fn, abstract params, abstract batch): (loss, grads) on a mesh of `sizes` as the train step computes
+    them (`schedule`: run that pipeline schedule on the hand-scheduled executor), ready to trace."""
     import math
 
     import jax
@@ -33,6 +33,14 @@ def measure(cfg, sizes: dict[str, int], devices, schedule: str | None = None):
         with use(context):
             return fn(params, batch)
 
+    return traced, params, batch
+
+
+def measure(cfg, sizes: dict[str, int], devices, schedule: str | None = None):
+    """Compiled memory analysis of (loss, grads) on a mesh of `sizes` (see loss_and_grad_program)."""
+    import jax
+
+    traced, params, batch = loss_and_grad_program(cfg, sizes, devices, schedule)
     return jax.jit(traced).lower(params, batch).compile().memory_analysis()
 
 

@@ -1,0 +1,60 @@
+"""Matmul FLOPs of a traced program, counted on its jaxpr: 2*M*N*K per dot_general, a scan's body times its
+length. XLA's own cost analysis cannot compare pipeline schedules: it counts a while-loop body once and one
+branch of a conditional (a 10-step scan of a matmul reports one matmul's FLOPs), and the executor is a scan
+over ticks of a switch. Used by pipeline_memory for the FLOPs column.
+"""
+from __future__ import annotations
+
+import math
+
+
+def dot_flops(eqn) -> float:
+    (lhs_contract, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
+    lhs, rhs = (v.aval.shape for v in eqn.invars)
+    rhs_free = math.prod(n for i, n in enumerate(rhs) if i not in eqn.params["dimension_numbers"][0][1]
+                         and i not in eqn.params["dimension_numbers"][1][1])
+    return 2.0 * math.prod(lhs) * rhs_free
+
+
+def _live(jaxpr):
+    """`jaxpr` without the equations none of its outputs needs, as XLA will compile it (a ZB-H1 B applies a
+    pullback and keeps only the input's gradient). jax's own dead-code pass; an internal module."""
+    from jax._src.interpreters import partial_eval as pe
+
+    return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]
+
+
+def matmul_flops(jaxpr, branch_cost=max) -> float:
+    """FLOPs of every dot_general in `jaxpr` (a core Jaxpr) that an output needs, nested calls included; a
+    conditional counts `branch_cost` of its branches' FLOPs (default: the largest)."""
+    from jax.extend.core import jaxprs_in_params
+
+    jaxpr, total = _live(jaxpr), 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            total += dot_flops(eqn)
+        elif name == "cond":
+            total += branch_cost([matmul_flops(b.jaxpr, branch_cost) for b in eqn.params["branches"]])
+        elif name == "scan":
+            total += eqn.params["length"] * matmul_flops(eqn.params["jaxpr"].jaxpr, branch_cost)
+        elif name.startswith("custom_"):  # the primal computation only, not the rule beside it
+            inner = eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+            total += matmul_flops(getattr(inner, "jaxpr", inner), branch_cost)
+        else:
+            total += sum(matmul_flops(sub, branch_cost) for sub in jaxprs_in_params(eqn.params))
+    return total
+
+
+def branch_flops(jaxpr, n_branches: int) -> list[float]:
+    """FLOPs of each branch of the first conditional with `n_branches` branches (the executor's tick)."""
+    from jax.extend.core import jaxprs_in_params
+
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond" and len(eqn.params["branches"]) == n_branches:
+            return [matmul_flops(b.jaxpr) for b in eqn.params["branches"]]
+        for sub in jaxprs_in_params(eqn.params):
+            found = branch_flops(sub, n_branches)
+            if found:
+                return found
+    return []
