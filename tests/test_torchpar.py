@@ -187,6 +187,25 @@ def test_pipeline_two_stages_match_one_process(schedule, base, reference):
     assert_params_close(load_file(final), load_file(base["tmp"] / "reference.safetensors"))
 
 
+@pytest.fixture(scope="module")
+def four_layers(base):
+    """A 4-layer one-process run (2 ranks x 2 virtual stages need 4 layers): args and metrics."""
+    args = [a for a in base["args"] if not a.startswith("model.init_from")] + ["model.n_layer=4"]
+    run_dir = base["tmp"] / "four-layers"
+    run(["--backend", "none", *args, f"run.dir={run_dir}"])
+    return args, metrics(run_dir)
+
+
+@pytest.mark.parametrize("schedule,virtual", [("interleaved", 2), pytest.param("zb_h1", 1, marks=pytest.mark.slow)])
+def test_pipeline_multi_stage_schedules_match_one_process(schedule, virtual, four_layers, tmp_path):
+    """torch's ScheduleInterleaved1F1B (virtual stages from parallel.pipeline_virtual_stages, jaxpar's layer split)
+    and ScheduleInterleavedZeroBubble (zb_h1) reproduce the one-process run."""
+    args, ref = four_layers
+    run(["--backend", "pipeline", *args, f"parallel.pipeline_schedule={schedule}",
+         f"parallel.pipeline_virtual_stages={virtual}", f"run.dir={tmp_path}"], nproc=2)
+    assert_same_run(metrics(tmp_path), ref)
+
+
 def test_pipeline_resume_after_sigkill(base, reference):
     """1F1B with gradient accumulation (2 x 2 microbatches), killed after step 6, resumed from step 4."""
     run_dir = base["tmp"] / "pipeline-killed"
@@ -341,7 +360,7 @@ def test_world_size_not_dividing_batch(base, tmp_path):
 
 
 @pytest.mark.parametrize("extra,world,message", [
-    (["parallel.pipeline_schedule=interleaved"], "2", "gpipe or 1f1b"),
+    (["parallel.pipeline_schedule=interleaved"], "2", "pipeline_virtual_stages >= 2"),
     ([], "4", "model.n_layer=2 is not divisible by stages"),
     (["parallel.pipeline_schedule=1f1b", "parallel.pipeline_microbatches=1"], "2", "1f1b needs microbatches >= stages"),
 ])

@@ -1,9 +1,10 @@
-"""Pipeline parallelism with torch.distributed.pipelining: one stage per rank, GPipe or 1F1B.
+"""Pipeline parallelism with torch.distributed.pipelining: GPipe, 1F1B, interleaved 1F1B (V virtual stages
+per rank: `ScheduleInterleaved1F1B`) and zero-bubble (`ScheduleInterleavedZeroBubble`, for zb_h1).
 
-The stage split is jaxpar's: with S ranks, rank s holds layers [s*L/S, (s+1)*L/S); the embedding
-lives on the first stage, the final norm and output head (and the loss) on the last. Module
-names stay those of the whole GPT ("blocks.3.attn..."), so checkpoints (DCP) and weight files are
-interchangeable with every other backend.
+The stage split is jaxpar's: with S ranks and V chunks each, virtual stage v = c*S + s (chunk c of rank s)
+holds layers [v*L/(SV), (v+1)*L/(SV)); the embedding lives on the first virtual stage, the final norm and
+output head (and the loss) on the last. Module names stay those of the whole GPT ("blocks.3.attn..."), so
+checkpoints (DCP) and weight files are interchangeable with every other backend.
 
 - Microbatches: `parallel.pipeline_microbatches` (0 -> 2 x stages), split inside every accumulation
   microbatch. Rows are reordered so the schedule's contiguous chunks are jaxpar's microbatches
@@ -20,23 +21,27 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                         ScheduleInterleavedZeroBubble)
 
 from jaxpar.core.errors import UserError
 from jaxpar.core.pipeline_schedules import check, resolve_microbatches
 from torchpar.backends.base import TorchEngine
 from torchpar.model import GPT, embed, output_head
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+             "zb_h1": ScheduleInterleavedZeroBubble}
+MULTI = ("interleaved", "zb_h1")  # schedules that take a list of stages
 
 
 class Stage(nn.Module):
-    """Layers [lo, hi) of a GPT; the embedding when first, final norm + output head when last."""
+    """Some layers of a GPT; the embedding when first, final norm + output head when last. A virtual stage's
+    chunk, or all of a rank's chunks together (the module the optimizer, clipping and checkpoints see)."""
 
-    def __init__(self, model: GPT, lo: int, hi: int, first: bool, last: bool):
+    def __init__(self, model: GPT, layers: list[int], first: bool, last: bool):
         super().__init__()
         self.first, self.last, self.compute_dtype = first, last, model.compute_dtype
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(lo, hi)})  # global names
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})  # global names
         if first or (last and model.lm_head is None):
             self.wte = model.wte
         if first:
@@ -55,10 +60,11 @@ class Stage(nn.Module):
 def check_pipeline(cfg, world: int) -> int:
     """The number of pipeline microbatches; one-line errors for what the backend cannot run."""
     p, t = cfg.parallel, cfg.train
-    if p.pipeline_schedule not in SCHEDULES:
-        raise UserError(f"--backend pipeline runs parallel.pipeline_schedule=gpipe or 1f1b, not {p.pipeline_schedule}")
     M = resolve_microbatches(world, p.pipeline_microbatches)
-    check(p.pipeline_schedule, world, M, 1, cfg.model.n_layer)
+    check(p.pipeline_schedule, world, M, p.pipeline_virtual_stages, cfg.model.n_layer)
+    if p.pipeline_schedule == "interleaved" and p.pipeline_virtual_stages < 2:
+        raise UserError("--backend pipeline: the interleaved schedule needs parallel.pipeline_virtual_stages >= 2 "
+                        "(torch's ScheduleInterleaved1F1B runs two or more stages per rank)")
     micro = t.global_batch_size // t.microbatches
     if micro % M:
         raise UserError(f"batch per microbatch {micro} is not divisible by parallel.pipeline_microbatches={M}")
@@ -66,12 +72,14 @@ def check_pipeline(cfg, world: int) -> int:
 
 
 class PipelineEngine(TorchEngine):
-    def __init__(self, stage: Stage, cfg, env, M: int):
+    def __init__(self, stage: Stage, chunks: list[Stage], cfg, env, M: int):
         super().__init__(stage, stage, cfg, env, full_state=self._gather_state)
         self.data_rank, self.data_ways = 0, 1  # every stage sees the whole batch; only the last has the loss
         self.M, self.stage_module, self.scale = M, stage, 1.0
-        self.schedule = SCHEDULES[cfg.parallel.pipeline_schedule](
-            PipelineStage(stage, env.rank, env.world, env.device), M, loss_fn=self._loss, scale_grads=False)
+        S, schedule = env.world, cfg.parallel.pipeline_schedule
+        stages = [PipelineStage(chunk, c * S + env.rank, S * len(chunks), env.device) for c, chunk in enumerate(chunks)]
+        self.schedule = SCHEDULES[schedule](stages if schedule in MULTI else stages[0], M, loss_fn=self._loss,
+                                            scale_grads=False)
         ends = sorted({0, env.world - 1})
         tied = len(ends) == 2 and cfg.model.tie_embeddings
         self.tied = tdist.new_group(ends) if tied else None  # every rank must call new_group
@@ -122,6 +130,9 @@ class PipelineEngine(TorchEngine):
 
 def build(model: GPT, cfg, env, **_):
     M = check_pipeline(cfg, env.world)
-    L, S, s = cfg.model.n_layer, env.world, env.rank
-    stage = Stage(model, s * L // S, (s + 1) * L // S, s == 0, s == S - 1).to(env.device)
-    return PipelineEngine(stage, cfg, env, M)
+    L, S, s, V = cfg.model.n_layer, env.world, env.rank, cfg.parallel.pipeline_virtual_stages
+    k, last = L // (S * V), S * V - 1
+    virtual = [c * S + s for c in range(V)]  # this rank's virtual stages
+    chunks = [Stage(model, list(range(v * k, (v + 1) * k)), v == 0, v == last) for v in virtual]
+    rank = Stage(model, [i for v in virtual for i in range(v * k, (v + 1) * k)], 0 in virtual, last in virtual)
+    return PipelineEngine(rank.to(env.device), chunks, cfg, env, M)
