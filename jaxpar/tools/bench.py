@@ -40,13 +40,13 @@ def matmul_ceiling(dtype: str) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
-def bench(cfg: Config, sizes: dict[str, int], steps: int, warmup: int, devices=None) -> dict:
-    """One mesh on `devices` (default: all): the median step time and what follows from it."""
+def warm_step(cfg: Config, sizes: dict[str, int], warmup: int, devices=None):
+    """(compiled step, state after `warmup` steps, a synthetic batch, layout) of one mesh on `devices`."""
     import jax
     import numpy as np
 
     from jaxpar.layout import Layout
-    from jaxpar.mesh import device_memory, make_mesh
+    from jaxpar.mesh import make_mesh
     from jaxpar.state import init_state
     from jaxpar.step import make_train_step
 
@@ -58,7 +58,19 @@ def bench(cfg: Config, sizes: dict[str, int], steps: int, warmup: int, devices=N
     step = make_train_step(layout).lower(state, batch).compile()
     for _ in range(warmup):
         state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
+    jax.block_until_ready(state)
+    return step, state, batch, layout
+
+
+def bench(cfg: Config, sizes: dict[str, int], steps: int, warmup: int, devices=None) -> dict:
+    """One mesh on `devices` (default: all): the median step time and what follows from it."""
+    import jax
+    import numpy as np
+
+    from jaxpar.mesh import device_memory
+
+    step, state, batch, layout = warm_step(cfg, sizes, warmup, devices)
+    shape = batch.shape
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()

@@ -48,20 +48,9 @@ def bench(cfg, sizes, steps: int, every: int, warmup: int) -> dict:
     import numpy as np
 
     from jaxpar.checkpoint import Checkpointer
-    from jaxpar.layout import Layout
-    from jaxpar.mesh import make_mesh
-    from jaxpar.state import init_state
-    from jaxpar.step import make_train_step
+    from jaxpar.tools.bench import warm_step
 
-    layout = Layout(cfg, make_mesh(sizes))
-    shape = (cfg.train.global_batch_size, cfg.data.seq_len + 1)
-    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, shape, dtype=np.int32)
-    batch = jax.device_put(tokens, layout.batch_sharding)
-    state = init_state(layout)
-    step = make_train_step(layout).lower(state, batch).compile()
-    for _ in range(warmup):
-        state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
+    step, state, batch, layout = warm_step(cfg, sizes, warmup)
     out = {}
     for mode, asynchronous in (("async", True), ("blocking", False)):
         with tempfile.TemporaryDirectory() as run_dir:
