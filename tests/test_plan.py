@@ -49,6 +49,14 @@ def test_fsdp8_shards_state_and_explains_its_traffic():
         assert any("XLA:CPU has no pass that forms reduce-scatter" in note for note in p["notes"]), p["notes"]
 
 
+def test_plan_knows_the_pipeline_bubble(capsys):
+    """pp=2 with ZB-H1 and the default 2 x stages microbatches: bubble (S-1)/(3M+S-1) = 1/13 (Qi et al.)."""
+    cfg = load_config("configs/gpt2-tiny.yaml", ["parallel.pipeline_schedule=zb_h1"])
+    p = plan(cfg, parse_mesh("pp=2"), jax.devices()[:2])
+    assert p["pipeline"] == {"schedule": "zb_h1", "bubble": pytest.approx(1 / 13)}
+    assert run("dp=8")["pipeline"] is None
+
+
 def test_async_collectives_count_their_results_only():
     """XLA:GPU's `-start` ops return (operands, results): the operands are not traffic (shapes by hand)."""
     hlo = """ENTRY %main (p: f32[64,256]) -> f32[64,256] {

@@ -20,6 +20,7 @@ import sys
 
 from jaxpar.core.config import Config, load_config
 from jaxpar.core.errors import UserError, cli
+from jaxpar.core.pipeline_schedules import configured_bubble
 from jaxpar.core.mesh_spec import format_mesh, parse_mesh
 from jaxpar.mesh import setup_devices
 
@@ -107,7 +108,11 @@ def plan(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
     estimated = bool(host) and not getattr(mem, "host_argument_size_in_bytes", 0)
     if estimated:
         peak -= host
-    return {"mesh": format_mesh(full), "devices": n_dev, "model": model, "params_bytes": params, "opt_state_bytes": opt,
+    pp = cfg.parallel
+    pipeline = None if full["pp"] == 1 else {"schedule": pp.pipeline_schedule, "bubble": configured_bubble(
+        pp.pipeline_schedule, full["pp"], pp.pipeline_microbatches, pp.pipeline_virtual_stages)}
+    return {"mesh": format_mesh(full), "devices": n_dev, "model": model, "pipeline": pipeline,
+            "params_bytes": params, "opt_state_bytes": opt,
             "offload": cfg.parallel.offload, "host_bytes": host, "peak_estimated": estimated,
             "argument_bytes": mem.argument_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
             "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes, "peak_bytes": peak,
@@ -156,6 +161,9 @@ def print_plan(p: dict) -> None:
               ("; this backend's memory analysis does not count host memory apart: peak is the compiled peak less "
                "the offloaded state, a lower bound where the step holds all of it on the device at once)"
                if p["peak_estimated"] else ")"))
+    if p["pipeline"]:
+        print(f"  pipeline {p['pipeline']['schedule']}: bubble {p['pipeline']['bubble']:.3f} of the stages' time "
+              "idle (python -m jaxpar.tools.pipeline_table shows the schedule)")
     print(f"collectives per step ({len(p['collectives'])}):")
     print(f"  {'op':<18} {'axes':<10} {'group':>5} {'count':>5} {'result bytes':>14} {'sent bytes/step':>16}")
     for c in sorted(p["collectives"], key=lambda c: -c["traffic_bytes"]):
