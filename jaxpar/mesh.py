@@ -52,8 +52,9 @@ def _has_gpu() -> bool:
 
 
 def setup_devices(sizes: dict[str, int], peer_timeout_s: float | None = None) -> None:
-    """Before jax starts: XLA's GPU options on a GPU; simulate the mesh's devices on CPU if no accelerator; join processes (the
-    coordination service's heartbeat and shutdown timeouts sit above run.peer_timeout_s: core/peers.py)."""
+    """Before jax starts: XLA's GPU options on a GPU; simulate the mesh's devices on CPU if no accelerator;
+    join processes (the coordination service's heartbeat and shutdown timeouts sit above run.peer_timeout_s:
+    core/peers.py)."""
     import jax
 
     dist, nproc = distributed_env()

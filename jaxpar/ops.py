@@ -29,8 +29,9 @@ _said: set[str] = set()
 
 
 def _attention(q, k, v, **mask):
-    """cuDNN's fused (flash) attention on a GPU where it accepts the inputs, else XLA's own; on a GPU the
-    fallback is said once per reason, never silent (gpu_check also reports what the compiled step calls)."""
+    """On a GPU cuDNN's fused (flash) attention where it accepts the inputs, else XLA's own, the fallback said
+    once per reason, never silent (gpu_check also reports what the compiled step calls); elsewhere the
+    attention written out (_softmax_attention)."""
     if not _on_gpu():
         return _softmax_attention(q, k, v, **mask)
     if q.dtype in (jnp.bfloat16, jnp.float16):

@@ -37,9 +37,10 @@ def hand_scheduled(layout: Layout, schedule: str):
     def value_and_grad(params, batch, scale=1.0):
         order = token_order(cfg, mesh, batch.shape[1] - 1)
         model = lambda rest, chunk: nnx.merge(graphdef, {**rest, "blocks": chunk})  # noqa: E731  a stage's view
-        fns = StageFns(embed=lambda rest, chunk, tokens: model(rest, chunk).embed(tokens, order),
-                       layers=lambda rest, chunk, sketches, x: model(rest, chunk).run_blocks(x, order, sketches),
-                       head_loss=lambda rest, chunk, h, targets: cross_entropy(model(rest, chunk).head(h), targets) * scale)
+        fns = StageFns(
+            embed=lambda rest, chunk, tokens: model(rest, chunk).embed(tokens, order),
+            layers=lambda rest, chunk, sketches, x: model(rest, chunk).run_blocks(x, order, sketches),
+            head_loss=lambda rest, chunk, h, targets: cross_entropy(model(rest, chunk).head(h), targets) * scale)
         rest = {k: v for k, v in params.items() if k != "blocks"}
         loss, g_rest, g_blocks = pipeline_value_and_grad(
             fns, rest, params["blocks"], stacked_sketches(cfg.model), *split_rows(batch, order), mesh=mesh,

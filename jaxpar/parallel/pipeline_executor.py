@@ -40,7 +40,7 @@ AXIS = "pp"
 HAND_SCHEDULED = ("1f1b", "interleaved", "zb_h1")  # GPipe trains through gpipe.py (jax.grad through its ticks)
 # branch index of a tick: what one device does
 IDLE, F_MID, F_FIRST, F_LAST, B_MID, B_FIRST, B_LAST, W_MID, W_FIRST, W_LAST = range(10)
-BRANCHES = 10
+BRANCHES = W_LAST + 1  # lax.switch branches of a tick
 CODES = {"F": (F_FIRST, F_MID, F_LAST), "B": (B_FIRST, B_MID, B_LAST), "W": (W_FIRST, W_MID, W_LAST)}
 # one row per (tick, device): the branch, its chunk and microbatch, the slots it reads its stage input,
 # cotangent and residuals from, the residual slot its forward fills, and the slots where this tick's
@@ -105,7 +105,8 @@ def tick_plan(schedule: str, S: int, M: int, V: int) -> TickPlan:
         out[..., COL[name]] = scratch - 1
     for (kind, m, v), t in when.items():
         d, first, final = v % S, v == 0, v == last
-        out[t, d, [COL["code"], COL["chunk"], COL["microbatch"]]] = CODES[kind][0 if first else 2 if final else 1], v // S, m
+        code = CODES[kind][0 if first else 2 if final else 1]
+        out[t, d, [COL["code"], COL["chunk"], COL["microbatch"]]] = code, v // S, m
         out[t, d, COL["res_write" if kind == "F" else "res_slot"]] = res_slot[d][0][(m, v)]
         if kind == "F" and not first:
             out[t, d, COL["in_slot"]] = act_slot[d][0][(m, v)]

@@ -89,7 +89,8 @@ def main(argv=None) -> int:
     setup_devices(sizes)
     r = bench(cfg, sizes, args.steps, args.every, args.warmup)
     row = (f"| {r['date']} | {r['device']} | {args.config or 'defaults'} | {r['mesh']} | {r['plain_step_s']:.3f} | "
-           f"{r['async_save_step_s']:.3f} ({r['async_ratio']:.2f}x; {r['async_call_s']:.3f}) | {r['blocking_save_step_s']:.3f} "
+           f"{r['async_save_step_s']:.3f} ({r['async_ratio']:.2f}x; {r['async_call_s']:.3f}) | "
+           f"{r['blocking_save_step_s']:.3f} "
            f"({r['blocking_ratio']:.2f}x) | {', '.join(f'{k} {v}' for k, v in r['versions'].items())} | "
            f"`{r['command']}` |")
     print(HEADER + row)

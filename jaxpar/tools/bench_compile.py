@@ -51,7 +51,8 @@ def main(argv=None) -> int:
         print(f"{n} layers: compiled in {seconds[n]:.1f}s", flush=True)
     ratio = seconds[depths[-1]] / seconds[depths[0]]
     device = jax.devices()[0]
-    row = (f"| {datetime.date.today().isoformat()} | {device.platform}:{device.device_kind} | {args.config or 'defaults'} "
+    row = (f"| {datetime.date.today().isoformat()} | {device.platform}:{device.device_kind} | "
+           f"{args.config or 'defaults'} "
            f"| {args.mesh} | {', '.join(f'{n}: {s:.1f}' for n, s in seconds.items())} | {ratio:.2f}x | "
            f"jax {jax.__version__}, python {platform.python_version()} | "
            f"`python -m jaxpar.tools.bench_compile {shlex.join(sys.argv[1:])}` |")

@@ -36,7 +36,8 @@ def step_flops(cfg, sizes, devices, on_executor: str | None) -> float:
         return matmul_flops(jaxpr)  # GSPMD: the logical program, every device's share together
     per_branch = branch_flops(jaxpr, BRANCHES)  # one device's tick, by branch
     p, S = cfg.parallel, sizes["pp"]
-    codes = tick_plan(on_executor, S, resolve_microbatches(S, p.pipeline_microbatches), p.pipeline_virtual_stages).tables
+    M = resolve_microbatches(S, p.pipeline_microbatches)
+    codes = tick_plan(on_executor, S, M, p.pipeline_virtual_stages).tables
     return sum(per_branch[c] for c in codes[..., COL["code"]].flat)
 
 
