@@ -206,6 +206,17 @@ def test_pipeline_multi_stage_schedules_match_one_process(schedule, virtual, fou
     assert_same_run(metrics(tmp_path), ref)
 
 
+def test_pipeline_composes_with_data_parallelism(base, reference, tmp_path):
+    """parallel.mesh=pp=2,dp=2 on 4 processes: two pipeline replicas on a 2-D DeviceMesh, each reading its half of
+    every batch (DDP per stage over dp): the one-process run, also across a SIGKILL and resume."""
+    args = ["--backend", "pipeline", *base["args"], "parallel.mesh=pp=2,dp=2", "parallel.pipeline_schedule=1f1b",
+            "checkpoint.every=4", f"run.dir={tmp_path}"]
+    run(args, nproc=4, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
+    out = run(args, nproc=4)  # DCP: the replicas' identical tensors written once, read by both
+    assert "resumed from" in out.stderr and "checkpoints/4" in out.stderr
+    assert_same_run(metrics(tmp_path), reference)
+
+
 def test_pipeline_resume_after_sigkill(base, reference):
     """1F1B with gradient accumulation (2 x 2 microbatches), killed after step 6, resumed from step 4."""
     run_dir = base["tmp"] / "pipeline-killed"

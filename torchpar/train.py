@@ -34,7 +34,7 @@ from torchpar.weights import from_shared, shared_shapes, to_shared
 
 PRECISION = {"default": "high", "high": "high", "highest": "highest"}  # jaxpar's default on GPU is TF32 too
 # the parallel.mesh axes each backend implements (tp and sp are jaxpar's alone)
-MESH_AXES = {"none": (), "ddp": ("dp",), "fsdp": ("dp", "fsdp"), "deepspeed": ("dp",), "pipeline": ("pp",)}
+MESH_AXES = {"none": (), "ddp": ("dp",), "fsdp": ("dp", "fsdp"), "deepspeed": ("dp",), "pipeline": ("pp", "dp")}
 
 
 def parse_args(argv):
@@ -150,7 +150,7 @@ class TorchFramework:
         self.prefetch = Prefetch(self._read_ahead)
 
     def _host_rows(self, data: GlobalBatches, step: int) -> torch.Tensor:
-        """This rank's rows of the global batch at `step` (pipeline: every stage reads the whole batch)."""
+        """This rank's rows of the global batch at `step` (pipeline: every stage of a replica reads its share)."""
         share, ways, n = self.engine.data_rank, self.engine.data_ways, data.global_batch_size
         return torch.from_numpy(data.rows(step, share * n // ways, (share + 1) * n // ways)).long()
 

@@ -6,6 +6,11 @@ holds layers [v*L/(SV), (v+1)*L/(SV)); the embedding lives on the first virtual 
 output head (and the loss) on the last. Module names stay those of the whole GPT ("blocks.3.attn..."), so
 checkpoints (DCP) and weight files are interchangeable with every other backend.
 
+- pp x dp: `parallel.mesh=pp=S,dp=D` on S*D ranks builds a 2-D DeviceMesh ("dp", "pp"); each of the D
+  pipeline replicas reads its share of every global batch, each stage chunk is wrapped in DDP over the dp
+  group (the pipeline stage lets DDP all-reduce on the last backward only). Without parallel.mesh every
+  rank is a stage.
+
 - Microbatches: `parallel.pipeline_microbatches` (0 -> 2 x stages), split inside every accumulation
   microbatch. Rows are reordered so the schedule's contiguous chunks are jaxpar's microbatches
   (microbatch m = rows m, m+M, ...).
@@ -14,17 +19,22 @@ checkpoints (DCP) and weight files are interchangeable with every other backend.
 - A tied embedding exists on the first and the last stage; after the backward its two gradients
   are summed over a two-rank group (Megatron's embedding group) so both copies take the same step.
   An untied head (llama's lm_head) lives on the last stage only.
-- Gradient clipping uses the global norm: the squared norms of the stages are summed over ranks.
+- Gradient clipping uses the global norm: the squared norms of the stages are summed over the pp group.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.distributed as tdist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                          ScheduleInterleavedZeroBubble)
 
 from jaxpar.core.errors import UserError
+from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
 from jaxpar.core.pipeline_schedules import check, resolve_microbatches
 from torchpar.backends.base import TorchEngine
 from torchpar.model import GPT, embed, output_head
@@ -57,32 +67,47 @@ class Stage(nn.Module):
         return output_head(self.ln_f, self.wte if self.lm_head is None else self.lm_head, x) if self.last else x
 
 
+def pipeline_sizes(cfg, world: int) -> tuple[int, int]:
+    """(stages, data-parallel replicas): parallel.mesh's pp and dp, or every rank a stage."""
+    if not cfg.parallel.mesh:
+        return world, 1
+    sizes = resolve_sizes(parse_mesh(cfg.parallel.mesh), world)
+    return sizes["pp"], sizes["dp"]
+
+
 def check_pipeline(cfg, world: int) -> int:
     """The number of pipeline microbatches; one-line errors for what the backend cannot run."""
     p, t = cfg.parallel, cfg.train
-    M = resolve_microbatches(world, p.pipeline_microbatches)
-    check(p.pipeline_schedule, world, M, p.pipeline_virtual_stages, cfg.model.n_layer)
+    S, D = pipeline_sizes(cfg, world)
+    M = resolve_microbatches(S, p.pipeline_microbatches)
+    check(p.pipeline_schedule, S, M, p.pipeline_virtual_stages, cfg.model.n_layer)
     if p.pipeline_schedule == "interleaved" and p.pipeline_virtual_stages < 2:
         raise UserError("--backend pipeline: the interleaved schedule needs parallel.pipeline_virtual_stages >= 2 "
                         "(torch's ScheduleInterleaved1F1B runs two or more stages per rank)")
     micro = t.global_batch_size // t.microbatches
-    if micro % M:
-        raise UserError(f"batch per microbatch {micro} is not divisible by parallel.pipeline_microbatches={M}")
+    if micro % (M * D):
+        raise UserError(f"batch per microbatch {micro} is not divisible by parallel.pipeline_microbatches={M}"
+                        + (f" x dp={D}" if D > 1 else ""))
     return M
 
 
 class PipelineEngine(TorchEngine):
-    def __init__(self, stage: Stage, chunks: list[Stage], cfg, env, M: int):
+    def __init__(self, stage: Stage, chunks: list[nn.Module], cfg, env, M: int, layout: Replicas):
         super().__init__(stage, stage, cfg, env, full_state=self._gather_state)
-        self.data_rank, self.data_ways = 0, 1  # every stage sees the whole batch; only the last has the loss
-        self.M, self.stage_module, self.scale = M, stage, 1.0
-        S, schedule = env.world, cfg.parallel.pipeline_schedule
-        stages = [PipelineStage(chunk, c * S + env.rank, S * len(chunks), env.device) for c, chunk in enumerate(chunks)]
+        # every stage of a replica reads the replica's share of the batch; only the last has the loss
+        self.data_rank, self.data_ways = layout.replica, layout.replicas
+        self.M, self.stage_module, self.scale, self.pp_group = M, stage, 1.0, layout.pp_group
+        S, schedule = layout.stages, cfg.parallel.pipeline_schedule
+        stages = [PipelineStage(chunk, c * S + layout.stage, S * len(chunks), env.device, group=layout.pp_group)
+                  for c, chunk in enumerate(chunks)]
         self.schedule = SCHEDULES[schedule](stages if schedule in MULTI else stages[0], M, loss_fn=self._loss,
                                             scale_grads=False)
-        ends = sorted({0, env.world - 1})
-        tied = len(ends) == 2 and cfg.model.tie_embeddings
-        self.tied = tdist.new_group(ends) if tied else None  # every rank must call new_group
+        self.tied = None  # the first and last stage of each replica (every rank must call new_group)
+        for replica in range(layout.replicas):
+            ends = sorted({replica * S, replica * S + S - 1})
+            group = tdist.new_group(ends) if len(ends) == 2 and cfg.model.tie_embeddings else None
+            if replica == layout.replica:
+                self.tied = group
         # wte's gradient counts once in the global norm: on the first stage only
         self.norm_params = [p for n, p in stage.named_parameters() if not (n == "wte" and not stage.first)]
 
@@ -110,7 +135,7 @@ class PipelineEngine(TorchEngine):
     def clip_gradients(self, clip: float) -> torch.Tensor:
         grads = [p.grad for p in self.norm_params if p.grad is not None]
         squared = torch.nn.utils.get_total_norm(grads).square() if grads else torch.zeros((), device=self.env.device)
-        tdist.all_reduce(squared)  # the stages' squared norms: the global norm
+        tdist.all_reduce(squared, group=self.pp_group)  # the stages' squared norms: the global norm
         norm = squared.sqrt()
         torch.nn.utils.clip_grads_with_norm_(self.params, clip, norm)
         return norm
@@ -128,11 +153,38 @@ class PipelineEngine(TorchEngine):
         return {k: v for part in parts for k, v in part.items()} if self.env.is_main else {}
 
 
+@dataclasses.dataclass
+class Replicas:
+    """Where this rank sits: stage `stage` of `stages` in pipeline replica `replica` of `replicas` (rank =
+    replica * stages + stage, a 2-D DeviceMesh ("dp", "pp")); the groups its pipeline and its gradient
+    all-reduce run in (None: the default group / no data parallelism)."""
+    stages: int
+    replicas: int
+    stage: int
+    replica: int
+    pp_group: object = None
+    dp_group: object = None
+
+
+def replicas(cfg, env) -> Replicas:
+    S, D = pipeline_sizes(cfg, env.world)
+    if D == 1:
+        return Replicas(S, 1, env.rank, 0)
+    mesh = init_device_mesh(env.device.type, (D, S), mesh_dim_names=("dp", "pp"))
+    return Replicas(S, D, mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), mesh.get_group("pp"),
+                    mesh.get_group("dp"))
+
+
 def build(model: GPT, cfg, env, **_):
     M = check_pipeline(cfg, env.world)
-    L, S, s, V = cfg.model.n_layer, env.world, env.rank, cfg.parallel.pipeline_virtual_stages
+    layout = replicas(cfg, env)
+    L, S, s, V = cfg.model.n_layer, layout.stages, layout.stage, cfg.parallel.pipeline_virtual_stages
     k, last = L // (S * V), S * V - 1
     virtual = [c * S + s for c in range(V)]  # this rank's virtual stages
     chunks = [Stage(model, list(range(v * k, (v + 1) * k)), v == 0, v == last) for v in virtual]
     rank = Stage(model, [i for v in virtual for i in range(v * k, (v + 1) * k)], 0 in virtual, last in virtual)
-    return PipelineEngine(rank.to(env.device), chunks, cfg, env, M)
+    rank.to(env.device)
+    if layout.replicas > 1:  # DDP per chunk over dp; the pipeline stage runs its all-reduce on the last backward
+        ids = [env.device.index] if env.device.type == "cuda" else None
+        chunks = [DDP(chunk, device_ids=ids, process_group=layout.dp_group) for chunk in chunks]
+    return PipelineEngine(rank, chunks, cfg, env, M, layout)
