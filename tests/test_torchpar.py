@@ -245,7 +245,7 @@ def _worker_of_rank(parent: int, rank: int) -> int:
 
 
 @pytest.mark.parametrize("backend,ranks", [
-    ("ddp", [1]), ("fsdp", [0, 1]),
+    ("ddp", [1]), pytest.param("fsdp", [0, 1], marks=pytest.mark.slow),  # fsdp resumes: the SIGKILL test above
     pytest.param("ddp", [0, 1], marks=pytest.mark.slow), pytest.param("fsdp", [1], marks=pytest.mark.slow)],
     ids=["ddp-rank1", "fsdp-both", "ddp-both", "fsdp-rank1"])
 def test_sigterm_stops_all_ranks_after_one_step_and_resume_is_exact(backend, ranks, base, reference):

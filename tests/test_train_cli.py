@@ -67,6 +67,7 @@ def test_checkpoint_restores_onto_another_mesh(dataset, uninterrupted, tmp_path)
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
+@pytest.mark.slow  # the executor against one device: test_pipeline.py; resharding a resume: the test above
 def test_checkpoint_continues_on_a_1f1b_pipeline(dataset, uninterrupted, tmp_path):
     """fsdp=8's step-10 checkpoint resumed on pp=2,dp=2,tp=2 with the hand-scheduled 1F1B executor."""
     assert interrupted(dataset, tmp_path, kill_after=10) == ["10"]

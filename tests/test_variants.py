@@ -68,7 +68,8 @@ def test_variant_layout_matches_single_device(variant, mesh, dataset):
 ONE_F_ONE_B = ("parallel.pipeline_schedule=1f1b", "parallel.sequence_attention=all_gather")
 
 
-@pytest.mark.parametrize("variant,schedule", [pytest.param(v, (), marks=[pytest.mark.slow] * (v != "dilated"))
+# all -m slow: the variants against torchpar and one device run by default; pp with sp: test_pipeline.py
+@pytest.mark.parametrize("variant,schedule", [pytest.param(v, (), marks=pytest.mark.slow)
                                               for v in ("mla", "dilated", "sketched")] +
                          # dilated + sp + 1f1b: refused; the 1F1B executor itself: test_pipeline.py (-m slow here)
                          [pytest.param(v, ONE_F_ONE_B, marks=pytest.mark.slow) for v in ("mla", "sketched")],
