@@ -83,7 +83,7 @@ class Checkpointer:
         self._open()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self.wait()
         self.manager.close()
 
 

@@ -173,9 +173,7 @@ def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets
 
         def backward(cots, stash, own, op, last: bool):
             """(gradient of the chunk's weights, of its input) from the kept residuals."""
-            ct = own[op["res_slot"]] if last else cots[op["cot_slot"]]
-            d_chunk, d_x = pullback_at(stash, op)(ct)
-            return d_chunk, d_x
+            return pullback_at(stash, op)(own[op["res_slot"]] if last else cots[op["cot_slot"]])
 
         def add_weights(grads, op, first, d_chunk, d_x):
             g_rest, g_blocks, loss_sum = grads

@@ -9,10 +9,10 @@ import math
 
 
 def dot_flops(eqn) -> float:
-    (lhs_contract, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
+    """2 x every element of the left operand x the right operand's free (not contracted, not batch) size."""
+    (_, rhs_contract), (_, rhs_batch) = eqn.params["dimension_numbers"]
     lhs, rhs = (v.aval.shape for v in eqn.invars)
-    rhs_free = math.prod(n for i, n in enumerate(rhs) if i not in eqn.params["dimension_numbers"][0][1]
-                         and i not in eqn.params["dimension_numbers"][1][1])
+    rhs_free = math.prod(n for i, n in enumerate(rhs) if i not in rhs_contract and i not in rhs_batch)
     return 2.0 * math.prod(lhs) * rhs_free
 
 

@@ -67,6 +67,7 @@ def main(argv=None) -> None:
     print(f"| schedule | M | temp bytes / device | ratio to M={counts[0]} | microbatches' residuals kept (executor) "
           "| matmul FLOPs / step | ratio to one device |")
     print("|---|---|---|---|---|---|---|")
+    one_device = {}  # M -> matmul FLOPs of the same batch on one device (the same for every row)
     for row, schedule in ((r, ROWS[r]) for r in args.rows.split(",")):
         base = None
         for M in counts:
@@ -79,7 +80,9 @@ def main(argv=None) -> None:
             base = base or temp
             kept = tick_plan(schedule, S, M, 1).res_slots - 1 if on_executor else "all activations"
             flops = step_flops(cfg, {"pp": S}, jax.devices(), on_executor)
-            one = step_flops(cfg, {"pp": 1}, jax.devices()[:1], None)
+            if M not in one_device:
+                one_device[M] = step_flops(cfg, {"pp": 1}, jax.devices()[:1], None)
+            one = one_device[M]
             print(f"| {row} | {M} | {temp:,} | {temp / base:.2f} | {kept} | {flops:.3e} | {flops / one:.2f} |",
                   flush=True)
 

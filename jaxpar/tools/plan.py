@@ -108,9 +108,9 @@ def plan(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
     estimated = bool(host) and not getattr(mem, "host_argument_size_in_bytes", 0)
     if estimated:
         peak -= host
-    pp = cfg.parallel
-    pipeline = None if full["pp"] == 1 else {"schedule": pp.pipeline_schedule, "bubble": configured_bubble(
-        pp.pipeline_schedule, full["pp"], pp.pipeline_microbatches, pp.pipeline_virtual_stages)}
+    par = cfg.parallel
+    pipeline = None if full["pp"] == 1 else {"schedule": par.pipeline_schedule, "bubble": configured_bubble(
+        par.pipeline_schedule, full["pp"], par.pipeline_microbatches, par.pipeline_virtual_stages)}
     return {"mesh": format_mesh(full), "devices": n_dev, "model": model, "pipeline": pipeline,
             "params_bytes": params, "opt_state_bytes": opt,
             "offload": cfg.parallel.offload, "host_bytes": host, "peak_estimated": estimated,
