@@ -1,6 +1,10 @@
 """python -m jaxpar.train --config configs/gpt2-tiny.yaml --mesh dp=2,tp=4 [section.key=value ...]"""
 from __future__ import annotations
 
+if __name__ == "__main__":  # before jax is imported: glibc reads its malloc tunables at process start
+    from jaxpar.core.malloc import relaunch_with_huge_pages
+    relaunch_with_huge_pages()
+
 import argparse
 import os
 import sys

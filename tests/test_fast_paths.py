@@ -42,3 +42,39 @@ def test_cudnn_attention_fallback_is_said_once_per_reason(monkeypatch, capsys):
     assert len(lines) == 2, lines
     assert "cuDNN is not detected" in lines[0] and "XLA's attention runs instead" in lines[0]
     assert "float32 inputs" in lines[1]
+
+
+def test_cpu_projection_has_autodiffs_gradients_from_an_untransposed_weight_gradient_dot():
+    """ops.project's CPU backward (x transposed in a copy behind a barrier) gives tensordot's gradients, for
+    the model's shapes: [b,t,d] @ [d,3,h,k] (qkv) and [b,t,h,k] @ [h,k,d] (out, two contracted dims)."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    cases = [(jax.random.normal(keys[0], (2, 5, 8)), jax.random.normal(keys[1], (8, 3, 2, 4)), 1),
+             (jax.random.normal(keys[2], (2, 5, 2, 4)), jax.random.normal(keys[3], (2, 4, 8)), 2)]
+    for x, w, n_in in cases:
+        mine = jax.value_and_grad(lambda x, w: jnp.sin(ops.project(x, w, n_in)).sum(), (0, 1))
+        autodiff = jax.value_and_grad(lambda x, w: jnp.sin(jnp.tensordot(x, w, n_in)).sum(), (0, 1))
+        (v1, g1), (v2, g2) = mine(x, w), autodiff(x, w)
+        np.testing.assert_allclose(v1, v2, rtol=1e-6)
+        for a, b in zip(g1, g2):
+            assert a.shape == b.shape
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        backward = str(jax.make_jaxpr(mine)(x, w))
+        assert "optimization_barrier" in backward and backward.count("dot_general") == 3
+
+
+def test_cli_relaunches_itself_once_with_huge_pages_unless_the_user_set_glibc_tunables():
+    from jaxpar.core.malloc import HUGE_PAGES, wants_relaunch
+
+    code = ("import os; print('start', flush=True); from jaxpar.core.malloc import relaunch_with_huge_pages; "
+            "relaunch_with_huge_pages(); print(repr(os.environ.get('GLIBC_TUNABLES')))")
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    assert not wants_relaunch({**env, "GLIBC_TUNABLES": ""}) and not wants_relaunch(env, platform="darwin")
+    ran = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0, ran.stderr
+    if wants_relaunch(env):  # Linux with glibc >= 2.35: the code ran twice, the second time with the tunable
+        assert ran.stdout.split() == ["start", "start", repr(HUGE_PAGES)]
+    else:
+        assert ran.stdout.split() == ["start", "None"]
+    kept = subprocess.run([sys.executable, "-c", code], env={**env, "GLIBC_TUNABLES": "glibc.malloc.check=0"},
+                          capture_output=True, text=True, timeout=60)
+    assert kept.stdout.split() == ["start", repr("glibc.malloc.check=0")], kept.stderr

@@ -20,7 +20,7 @@ Impl specs (comma separated):
                                      [in,tokens]@[tokens,out] dot (YNNPACK) instead of an Eigen dot with a transposed
                                      lhs; tgradfwd: the same with x saved transposed in the forward pass instead
   jaxpar[:plaindense]  jaxpar.step.make_train_step on a dp=1 layout (imports jaxpar; same config via the flags);
-                     :plaindense undoes the proposed ops.dense patch (see README) for an in-process A/B
+                     :plaindense traces GPT-2 with autodiff's tensordot instead of ops.project (in-process A/B)
   torch-compiled, torch-eager   torchpar's `none` engine step (blocks torch.compile'd or not)
 A JAX impl may end in @flag=value@flag=value: XLA debug options for that compilation only (compiler_options), e.g.
   jaxpar@xla_cpu_use_onednn=true@xla_cpu_experimental_onednn_fusion_type=dot
@@ -198,7 +198,7 @@ def config(a):
 
 
 def build_jaxpar(a, xla: dict | None = None, opts: set[str] = frozenset()):
-    """opts: "plaindense" traces the model with plain `x @ w` where a patched jaxpar calls ops.dense (A/B of it)."""
+    """opts: "plaindense" traces the model with autodiff's tensordot where jaxpar calls ops.project (A/B of it)."""
     import jax
 
     import jaxpar.models.gpt as gpt
@@ -212,14 +212,13 @@ def build_jaxpar(a, xla: dict | None = None, opts: set[str] = frozenset()):
     layout = Layout(cfg, make_mesh({"dp": 1}))
     batch = jax.device_put(tokens(a), layout.batch_sharding)
     state = init_state(layout)
-    saved = getattr(gpt, "dense", None)
-    if "plaindense" in opts and saved is not None:
-        gpt.dense = lambda x, w: x @ w
+    saved = gpt.project
+    if "plaindense" in opts:
+        gpt.project = lambda x, w, n_in=1: jax.numpy.tensordot(x, w, n_in)
     try:
         compiled = make_train_step(layout).lower(state, batch).compile(xla or None)
     finally:
-        if saved is not None:
-            gpt.dense = saved
+        gpt.project = saved
     return jax_runner(compiled, state, batch)
 
 

@@ -129,9 +129,6 @@ def main() -> int:
             while stack:
                 end, n, child = stack.pop()
                 ops[n] -= child
-    step_ns = None
-    for name, t in ops.items():
-        pass
     # keep only XLA ops: names that look like HLO instruction names
     hlo = {n: t for n, t in ops.items() if any(n.split(".")[0].startswith(p) for p in (
         "loop_", "input_", "wrapped_", "copy", "dot", "custom-call", "while", "fusion", "scatter", "gather", "reduce",
@@ -140,7 +137,7 @@ def main() -> int:
         "compare", "rng", "pad", "reverse", "subtract", "divide", "negate", "maximum", "tuple", "constant"))}
     total = sum(hlo.values())
     print(f"# {a.impl}: {len(hlo)} XLA ops, {total / a.steps / 1e6:.2f} ms/step of op self time over {a.steps} steps")
-    print(f"# other events (top): " + ", ".join(f"{n[:40]}={t / a.steps / 1e6:.2f}ms" for n, t in
+    print("# other events (top): " + ", ".join(f"{n[:40]}={t / a.steps / 1e6:.2f}ms" for n, t in
                                                    ops.most_common(8) if n not in hlo))
     classes = classify(run.compiled.as_text())
     by_kind = collections.Counter()

@@ -34,6 +34,7 @@ from jaxpar.models.dilated import dilated_attention
 from jaxpar.models.llama import GQAttention, RMSNorm, SwiGLU
 from jaxpar.models.mla import MLAttention
 from jaxpar.models.params import normal, param
+from jaxpar.ops import project
 
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
@@ -78,12 +79,12 @@ class Attention(nnx.Module):
     # the two projections are also what decoding with a KV cache runs around its own attention (decode.py)
     def project_qkv(self, x, dtype, positions=None):  # positions: for rotary attention (llama.py); unused here
         w, b = self.qkv["kernel"][...].astype(dtype), self.qkv["bias"][...].astype(dtype)
-        qkv = jnp.einsum("btd,dchk->cbthk", x, w) + b[:, None, None]
-        return tuple(constrain(t, ("batch", "seq", "heads", "kv")) for t in qkv)
+        qkv = project(x, w) + b  # [b, t, 3, h, k]
+        return tuple(constrain(qkv[:, :, i], ("batch", "seq", "heads", "kv")) for i in range(3))
 
     def project_out(self, y, dtype):
         y = constrain(y, ("batch", "seq", "heads", "kv"))
-        out = jnp.einsum("bthk,hkd->btd", y, self.out["kernel"][...].astype(dtype))
+        out = project(y, self.out["kernel"][...].astype(dtype), n_in=2)
         return out + self.out["bias"][...].astype(dtype)
 
 
@@ -109,7 +110,7 @@ class MLP(nnx.Module):
                 x, w = x @ jnp.asarray(sketches[name], dtype), p["factor"][...]
             else:
                 w = p["kernel"][...]
-            return x @ w.astype(dtype) + p["bias"][...].astype(dtype)
+            return project(x, w.astype(dtype)) + p["bias"][...].astype(dtype)
 
         h = constrain(jax.nn.gelu(linear(self.fc, x, "fc"), approximate=True), ("batch", "seq", "mlp"))  # tanh GELU
         return linear(self.proj, h, "proj")

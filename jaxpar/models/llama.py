@@ -30,6 +30,7 @@ from jaxpar.core.config import ModelConfig
 from jaxpar.models.dilated import dilated_attention
 from jaxpar.models.layers import rms_norm, rope
 from jaxpar.models.params import normal, param
+from jaxpar.ops import project
 
 
 class RMSNorm(nnx.Module):
@@ -67,15 +68,16 @@ class GQAttention(nnx.Module):
     # the two projections are also what decoding with a KV cache runs (decode.py): it caches k, v at kv_heads width
     def project_qkv(self, x, dtype, positions=None):
         pos = jnp.arange(x.shape[1]) if positions is None else positions
-        q = jnp.einsum("btd,dhk->bthk", x, self.q["kernel"][...].astype(dtype))
-        k, v = jnp.einsum("btd,dcgk->cbtgk", x, self.kv["kernel"][...].astype(dtype))
+        q = project(x, self.q["kernel"][...].astype(dtype))
+        kv = project(x, self.kv["kernel"][...].astype(dtype))  # [b, t, 2, kv_heads, k]
+        k, v = kv[:, :, 0], kv[:, :, 1]
         q, k = rope(q, pos, self.theta), rope(k, pos, self.theta)
         return (constrain(q, ("batch", "seq", "heads", "kv")),
                 *(constrain(t, ("batch", "seq", "kv_heads", "kv")) for t in (k, v)))
 
     def project_out(self, y, dtype):
         y = constrain(y, ("batch", "seq", "heads", "kv"))
-        return jnp.einsum("bthk,hkd->btd", y, self.out["kernel"][...].astype(dtype))
+        return project(y, self.out["kernel"][...].astype(dtype), n_in=2)
 
 
 class SwiGLU(nnx.Module):
@@ -88,5 +90,5 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x, dtype, sketches=None):
         w = lambda p: p["kernel"][...].astype(dtype)  # noqa: E731
-        h = constrain(jax.nn.silu(x @ w(self.gate)) * (x @ w(self.up)), ("batch", "seq", "mlp"))
-        return h @ w(self.down)
+        h = constrain(jax.nn.silu(project(x, w(self.gate))) * project(x, w(self.up)), ("batch", "seq", "mlp"))
+        return project(h, w(self.down))
