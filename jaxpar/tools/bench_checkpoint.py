@@ -8,6 +8,10 @@ row to docs/benchmarks/checkpoint-stall.md.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # before jax is imported: glibc reads its malloc tunables at process start
+    from jaxpar.core.malloc import relaunch_with_huge_pages
+    relaunch_with_huge_pages()
+
 import argparse
 import datetime
 import platform
