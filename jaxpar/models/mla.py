@@ -26,6 +26,7 @@ from jaxpar.context import constrain, current
 from jaxpar.core.config import ModelConfig
 from jaxpar.models.layers import rms_norm, rope
 from jaxpar.models.params import normal, param
+from jaxpar.ops import project
 
 
 def kv_cache_width(cfg: ModelConfig) -> int:
@@ -54,17 +55,18 @@ class MLAttention(nnx.Module):
     def __call__(self, x, dtype, positions=None):
         pos = jnp.arange(x.shape[1]) if positions is None else positions
         w = lambda p: p["kernel"][...].astype(dtype)  # noqa: E731
-        c_q = rms_norm(x @ w(self.q_down), self.q_norm["scale"][...], self.eps)
-        q = jnp.einsum("btl,lhk->bthk", c_q, w(self.q_up))
+        c_q = rms_norm(project(x, w(self.q_down)), self.q_norm["scale"][...], self.eps)
+        q = project(c_q, w(self.q_up))
         r = q.shape[-1] - w(self.kv_up).shape[-1]  # rope_head_dim
         q = jnp.concatenate([q[..., :-r], rope(q[..., -r:], pos, self.theta)], axis=-1)
-        ckv = x @ w(self.kv_down)
+        ckv = project(x, w(self.kv_down))
         c_kv, k_r = rms_norm(ckv[..., : self.kvl], self.kv_norm["scale"][...], self.eps), ckv[..., self.kvl:]
-        k_nope, v = jnp.einsum("btl,lchk->cbthk", c_kv, w(self.kv_up))
+        kv = project(c_kv, w(self.kv_up))  # [b, t, 2, h, k]
+        k_nope, v = kv[:, :, 0], kv[:, :, 1]
         k_r = jnp.broadcast_to(rope(k_r, pos, self.theta)[:, :, None], k_nope.shape[:3] + (r,))
         k = jnp.concatenate([k_nope, k_r], axis=-1)
         v = jnp.pad(v, ((0, 0),) * 3 + ((0, r),))  # the fused core wants one head width for q, k and v
         q, k, v = (constrain(t, ("batch", "seq", "heads", "kv")) for t in (q, k, v))
         y = current().attention(q, k, v, positions)[..., :-r]  # scale 1/sqrt(kv + rope): the default for that width
         y = constrain(y, ("batch", "seq", "heads", "kv"))
-        return jnp.einsum("bthk,hkd->btd", y, w(self.out)) + self.out["bias"][...].astype(dtype)
+        return project(y, w(self.out), n_in=2) + self.out["bias"][...].astype(dtype)
