@@ -70,7 +70,9 @@ def local_attention(q, k, v, positions=None):
 def project(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     """x [..., *in] contracted with w [*in, *out] over its last `n_in` dims -> [..., *out]: the models'
     projections (the logits keep their einsum). On XLA:CPU through `_cpu_project`, whose backward pass makes a
-    training step 4-10% faster there (benchmarks/cpu_gap/README.md); elsewhere autodiff's own."""
+    gpt2-tiny training step ~10% faster there (less on larger ones: benchmarks/cpu_gap/README.md); elsewhere
+    autodiff's own. Inside a shard_map with check_vma=True (jaxpar's all pass False) its backward would need w
+    marked varying (jax.lax.pvary) when x varies and w does not."""
     if jax.default_backend() == "cpu":
         return _cpu_project(x, w, n_in)
     return jnp.tensordot(x, w, n_in)
@@ -95,7 +97,7 @@ def _cpu_project_bwd(n_in, saved, dy):
     dx = jnp.tensordot(dy, w, (tuple(range(lead, dy.ndim)), tuple(range(n_in, w.ndim))))
     xt = jax.lax.optimization_barrier(jnp.moveaxis(x, tuple(range(lead)), tuple(range(n_in, x.ndim))))
     dw = jnp.tensordot(xt, dy, (tuple(range(n_in, x.ndim)), tuple(range(lead))))
-    return dx, dw.astype(w.dtype)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
 _cpu_project.defvjp(_cpu_project_fwd, _cpu_project_bwd)

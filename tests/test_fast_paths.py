@@ -77,19 +77,41 @@ def _eqns(jaxpr):
                     yield from _eqns(sub)
 
 
-def test_cli_relaunches_itself_once_with_huge_pages_unless_the_user_set_glibc_tunables():
+def test_cli_relaunches_itself_once_with_huge_pages_unless_the_user_set_glibc_tunables(tmp_path):
     from jaxpar.core.malloc import HUGE_PAGES, wants_relaunch
 
-    code = ("import os; print('start', flush=True); from jaxpar.core.malloc import relaunch_with_huge_pages; "
-            "relaunch_with_huge_pages(); print(repr(os.environ.get('GLIBC_TUNABLES')))")
+    (tmp_path / "probe.py").write_text(
+        "import os; print('start', flush=True); from jaxpar.core.malloc import relaunch_with_huge_pages; "
+        "relaunch_with_huge_pages('probe'); print(repr(os.environ.get('GLIBC_TUNABLES')))\n")
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    assert not wants_relaunch({**env, "GLIBC_TUNABLES": ""}) and not wants_relaunch(env, platform="darwin")
-    ran = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-    assert ran.returncode == 0, ran.stderr
-    if wants_relaunch(env):  # Linux with glibc >= 2.35: the code ran twice, the second time with the tunable
-        assert ran.stdout.split() == ["start", "start", repr(HUGE_PAGES)]
-    else:
-        assert ran.stdout.split() == ["start", "None"]
-    kept = subprocess.run([sys.executable, "-c", code], env={**env, "GLIBC_TUNABLES": "glibc.malloc.check=0"},
-                          capture_output=True, text=True, timeout=60)
-    assert kept.stdout.split() == ["start", repr("glibc.malloc.check=0")], kept.stderr
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), os.getcwd(), env.get("PYTHONPATH", "")])
+
+    def probe(*how, **extra):
+        ran = subprocess.run([sys.executable, *how], env={**env, **extra}, capture_output=True, text=True,
+                             timeout=60, cwd=tmp_path)
+        assert ran.returncode == 0, ran.stderr
+        return ran.stdout.split()
+
+    argv = [sys.executable, "-X", "utf8", "-m", "probe"]
+    assert not wants_relaunch("probe", argv, {**env, "GLIBC_TUNABLES": ""})
+    assert not wants_relaunch("probe", argv, env, platform="darwin")
+    assert not wants_relaunch("probe", [sys.executable, "-m", "cProfile", "-m", "probe"], env)  # a host's argv
+    if wants_relaunch("probe", argv, env):  # Linux, glibc >= 2.35: ran twice, the second time with the tunable
+        assert probe("-X", "utf8", "-m", "probe") == ["start", "start", repr(HUGE_PAGES)]
+    assert probe("-m", "probe", GLIBC_TUNABLES="glibc.malloc.check=0") == ["start", repr("glibc.malloc.check=0")]
+    assert probe("-c", "import probe") == ["start", "None"]  # not `-m probe`: never re-executed
+
+
+def test_the_clis_relaunch_before_anything_imports_jax():
+    """glibc reads GLIBC_TUNABLES once, at start: the relaunch must come before any other import."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for module in ("jaxpar.train", "jaxpar.tools.bench", "jaxpar.tools.bench_checkpoint"):
+        body = ast.parse((root / (module.replace(".", "/") + ".py")).read_text()).body
+        body = [n for n in body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
+                and not (isinstance(n, ast.ImportFrom) and n.module == "__future__")]
+        first = ast.unparse(body[0])
+        assert first.startswith("if __name__ == '__main__':") and f"relaunch_with_huge_pages('{module}')" in first, \
+            (module, first)

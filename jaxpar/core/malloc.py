@@ -16,8 +16,13 @@ import sys
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
 
 
-def wants_relaunch(environ=os.environ, platform: str = sys.platform) -> bool:
+def wants_relaunch(module: str, argv: list[str] = sys.orig_argv, environ=os.environ,
+                   platform: str = sys.platform) -> bool:
+    """Only for `python [options] -m <module> ...` itself: not under a host program that runs the module as
+    __main__ in its own process (pdb, cProfile, coverage, a notebook's %run), whose command line is not ours."""
     if platform != "linux" or "GLIBC_TUNABLES" in environ:
+        return False
+    if "-m" not in argv or argv[argv.index("-m") + 1:argv.index("-m") + 2] != [module]:
         return False
     try:
         name, version = os.confstr("CS_GNU_LIBC_VERSION").split()  # "glibc 2.36"; absent on musl
@@ -26,10 +31,15 @@ def wants_relaunch(environ=os.environ, platform: str = sys.platform) -> bool:
     return name == "glibc" and tuple(map(int, version.split(".")[:2])) >= (2, 35)
 
 
-def relaunch_with_huge_pages() -> None:
-    """Re-execute this interpreter with the same arguments and `HUGE_PAGES` set (same PID, same signals)."""
-    if wants_relaunch():
+def relaunch_with_huge_pages(module: str) -> None:
+    """Re-execute `python ... -m module ...` with `HUGE_PAGES` set (same PID, same signals); if the exec fails,
+    go on without it."""
+    if wants_relaunch(module):
         os.environ["GLIBC_TUNABLES"] = HUGE_PAGES
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+        try:
+            os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+        except OSError as e:
+            print(f"note: running without {HUGE_PAGES} (re-executing {sys.executable} failed: {e})",
+                  file=sys.stderr)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 if __name__ == "__main__":  # before jax is imported: glibc reads its malloc tunables at process start
     from jaxpar.core.malloc import relaunch_with_huge_pages
-    relaunch_with_huge_pages()
+    relaunch_with_huge_pages("jaxpar.tools.bench")
 
 import argparse
 import datetime
