@@ -6,42 +6,132 @@ orbax writes each step to a temporary directory and renames it when complete, so
 leaves the last complete one. Restoring reads into the *current* layout's shardings, so a checkpoint written
 on one mesh loads on another. A step directory that fails to load is renamed `<step>.unreadable` (kept for
 inspection, never deleted) and the previous one is tried.
+
+A save that fails (a full disk, a lost permission) stops the run with one line naming the step and the last
+complete checkpoint; its partial directory is removed (and any left by an earlier process, when the manager
+opens), so a resume after freeing space continues from that checkpoint. Without run.debug, orbax's own log
+records are hidden: a failed save logs the same error from several threads, each with a traceback.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import re
+import shutil
 import sys
+import time
+import traceback
 
 import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from jaxpar.core.errors import UserError
+from jaxpar.core.errors import UserError, os_error_line
+
+_TMP = ".orbax-checkpoint-tmp"  # orbax writes step N to N.orbax-checkpoint-tmp[-...] and renames it when complete
+
+
+class _HideOrbaxLogs(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:  # orbax's own records, and asyncio's about orbax's futures
+        where = record.pathname + record.getMessage()
+        if record.exc_info and record.exc_info[2]:
+            where += " ".join(frame.filename for frame in traceback.extract_tb(record.exc_info[2]))
+        return "orbax" not in where
+
+
+def _orbax_noise(unraisable) -> bool:
+    """After a failed write, tensorstore completes the other writes' futures on orbax's event loop, closed by
+    then (each prints 'Event loop is closed'), and orbax's unfinished coroutines are collected at exit."""
+    e, where = unraisable.exc_value, repr(unraisable.object)
+    return (isinstance(e, RuntimeError) and str(e) == "Event loop is closed") or "orbax" in where
+
+
+def _hide_orbax_logs() -> None:
+    """Unless run.debug raised absl's verbosity to INFO (jaxpar.train.show_library_logs), drop what orbax
+    prints: its log records (absl), its tasks' (asyncio's) and the exceptions it leaves unraisable."""
+    absl = logging.getLogger("absl")
+    if absl.getEffectiveLevel() <= logging.INFO or any(isinstance(f, _HideOrbaxLogs) for f in absl.filters):
+        return
+    absl.addFilter(_HideOrbaxLogs())
+    logging.getLogger("asyncio").addFilter(_HideOrbaxLogs())
+    previous = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: None if _orbax_noise(unraisable) else previous(unraisable)
+
+
+def save_failure(e: BaseException) -> str | None:
+    """What the system said when a save failed on the filesystem, or None when `e` is not such a failure.
+    tensorstore reports an OS error inside a ValueError's text (`... [os_error_code='28']`)."""
+    if isinstance(e, OSError):
+        return os_error_line(e)
+    code = re.search(r"os_error_code='?(\d+)", str(e))
+    return os.strerror(int(code.group(1))) if code else None
 
 
 class Checkpointer:
     def __init__(self, run_dir: str, keep: int, asynchronous: bool = True):  # False: what a blocking save costs
         self.dir = os.path.abspath(os.path.join(run_dir, "checkpoints"))
         self.keep, self.asynchronous, self.last = keep, asynchronous, None  # last: saved or being saved
+        self.failed = False  # a save failed: no more saves, close() only releases the manager
+        _hide_orbax_logs()
         self._open()
 
     def _open(self):
-        options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True,
+        options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True, cleanup_tmp_directories=True,
                                                enable_async_checkpointing=self.asynchronous)
         self.manager = ocp.CheckpointManager(self.dir, options=options)
 
     def save(self, step: int, state, meta: dict) -> None:
         """Start saving `step` (a no-op if it is saved or being saved already: the final save right after a
         periodic one)."""
-        if step == self.last or step in self.manager.all_steps():
+        if self.failed or step == self.last or step in self.manager.all_steps():
             return
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                          meta=ocp.args.JsonSave(meta)))
+        with self._failing_save(step):  # also the previous step's asynchronous save: this call waits for it
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                              meta=ocp.args.JsonSave(meta)))
         self.last = step
 
     def wait(self) -> None:
         """Until the save in flight, if any, is complete on disk."""
-        self.manager.wait_until_finished()
+        if not self.failed:
+            with self._failing_save(None):
+                self.manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _failing_save(self, step: int | None):
+        """A save that fails: its partial directory removed, then one UserError naming it and the last
+        complete checkpoint (an error that is no filesystem failure keeps its traceback: a bug)."""
+        try:
+            yield
+        except Exception as e:
+            self.failed = True
+            complete = self._complete_steps()
+            failed = self.last if self.last is not None and self.last not in complete else step
+            self._remove_partial()
+            reason = save_failure(e)
+            if reason is None:
+                raise
+            last = (f"the last complete checkpoint is step {complete[-1]} in {self.dir}" if complete
+                    else f"there is no complete checkpoint in {self.dir} yet")
+            raise UserError(f"the checkpoint of step {failed} could not be written: {reason}; its partial files "
+                            f"were removed; {last}") from None
+
+    def _complete_steps(self) -> list[int]:
+        """Step directories orbax has finished (renamed from their temporary name), read from disk."""
+        return sorted(int(d) for d in os.listdir(self.dir) if d.isdigit()) if os.path.isdir(self.dir) else []
+
+    def _remove_partial(self) -> None:
+        """The failed step's temporary directory. tensorstore goes on for a moment with the writes orbax gave up
+        on, on threads of its own, and may make their directories again: remove until none came back for 0.5 s."""
+        if jax.process_index() != 0:
+            return
+        t0 = quiet_since = time.monotonic()
+        while time.monotonic() - quiet_since < 0.5 and time.monotonic() - t0 < 10:
+            left = [n for n in os.listdir(self.dir) if _TMP in n] if os.path.isdir(self.dir) else []
+            for name in left:
+                shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+            quiet_since = time.monotonic() if left else quiet_since
+            time.sleep(0.05)
 
     def restore_latest(self, abstract_state):
         """(state, meta) from the newest loadable checkpoint, or None if there is none at all.
@@ -83,8 +173,14 @@ class Checkpointer:
         self._open()
 
     def close(self) -> None:
-        self.wait()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            try:
+                self.manager.close()
+            except Exception:  # noqa: BLE001 - after a failed save, closing re-raises its error: said already
+                if not self.failed:
+                    raise
 
 
 def abstract_like(state, shardings):

@@ -4,9 +4,11 @@ unused tail of the cache is never seen). The model's own modules do everything b
 decoded token is the one the training forward pass would predict; run it inside a parallel context
 (`jaxpar.context.use`) and the same code decodes on a tp or fsdp mesh.
 
-GPT-2 with MHA attention (dense or sketched MLPs) and llama (the cache holds its n_kv_head heads, rotary
-positions are the tokens' own); MLA and dilated attention have other caches and are refused by
-`jaxpar.core.sampling_cli.check_decodable`.
+Every family and variant: GPT-2 and llama (the cache holds the n_kv_head heads' keys and values, rotary
+positions are the tokens' own), dense or sketched MLPs; model.attention=mla caches each token's latent
+(kv_latent_dim + rope_head_dim values, models/mla.py) and expands the cache to keys and values at every step;
+model.attention=dilated caches keys and values as MHA does and attends with its pairs' pattern in the union
+form (models/dilated.py `key_counts`): the segments of a row of max_seq_len tokens.
 """
 from __future__ import annotations
 
@@ -16,29 +18,57 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.core.config import ModelConfig
 from jaxpar.core.sketches import stacked_sketches
+from jaxpar.models.dilated import counted_attention, key_counts
 from jaxpar.models.llama import repeat_kv
+from jaxpar.models.mla import kv_cache_width
 from jaxpar.ops import causal_attention
 
 
+def _empty_cache(cfg: ModelConfig, batch: int, length: int) -> tuple[jax.Array, ...]:
+    """Per layer and token: MLA its latent, the others keys and values ([layers, batch, length, ...])."""
+    lead = (cfg.n_layer, batch, length)
+    shapes = [lead + (kv_cache_width(cfg),)] if cfg.attention == "mla" else [lead + (cfg.kv_heads, cfg.head_dim)] * 2
+    return tuple(jnp.zeros(shape, cfg.compute_dtype) for shape in shapes)
+
+
+def _attend(attn, cfg: ModelConfig, x, dtype, positions, start, cache):
+    """One layer's attention of x (the tokens at `positions`) over its cache, x's own entries written in first."""
+    def write(c, new):
+        return jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (0, start) + (0,) * (c.ndim - 2))
+
+    if cfg.attention == "mla":
+        q, latent = attn.project_q_latent(x, dtype, positions)
+        cache = (write(cache[0], latent),)
+        k, v = attn.keys_values(cache[0], dtype)
+    else:
+        q, k, v = attn.project_qkv(x, dtype, positions)
+        cache = (write(cache[0], k), write(cache[1], v))
+        k, v = (repeat_kv(c, cfg.n_head) for c in cache)
+    k_positions = jnp.arange(cache[0].shape[1])
+    if cfg.attention == "dilated":
+        y = counted_attention(q, k, v, key_counts(positions, k_positions, cfg.n_head, cfg.dilation_pairs,
+                                                  cfg.max_seq_len))
+    else:
+        y = causal_attention(q, k, v, positions, k_positions)
+    return attn.project_out(y, dtype), cache
+
+
 def _forward(model, tokens, start, cache):
-    """Logits of `tokens` [B, T] at positions start.. and the cache (k, v: [layers, B, S, kv heads, kv])
-    with their keys and values written in."""
+    """Logits of `tokens` [B, T] at positions start.. and the cache (per layer and token: see _empty_cache)
+    with their entries written in."""
     cfg, dtype = model.cfg, jnp.dtype(model.cfg.compute_dtype)
     positions = start + jnp.arange(tokens.shape[1])
-    k_positions = jnp.arange(cache[0].shape[2])
     graphdef, stacked = nnx.split(model.blocks)
 
     def layer(h, xs):
-        layer_state, sketches, k_cache, v_cache = xs
+        layer_state, sketches, *layer_cache = xs
         block = nnx.merge(graphdef, layer_state)
-        q, k, v = block.attn.project_qkv(block.ln1(h), dtype, positions)
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, start, 0, 0))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, start, 0, 0))
-        k, v = repeat_kv(k_cache, cfg.n_head), repeat_kv(v_cache, cfg.n_head)
-        h = h + block.attn.project_out(causal_attention(q, k, v, positions, k_positions), dtype)
+        y, layer_cache = _attend(block.attn, cfg, block.ln1(h), dtype, positions, start, layer_cache)
+        h = h + y
         h = h + block.mlp(block.ln2(h), dtype, sketches)
-        return h, (k_cache, v_cache)
+        return h, layer_cache
 
     h, cache = jax.lax.scan(layer, model.embed(tokens, positions), (stacked, stacked_sketches(cfg), *cache))
     return model.head(h), cache
@@ -71,8 +101,7 @@ def make_generate(graphdef):
         model = nnx.merge(graphdef, params)
         cfg = model.cfg
         B, P = prompt.shape
-        shape = (cfg.n_layer, B, P + new_tokens, cfg.kv_heads, cfg.head_dim)
-        cache = (jnp.zeros(shape, cfg.compute_dtype), jnp.zeros(shape, cfg.compute_dtype))
+        cache = _empty_cache(cfg, B, P + new_tokens)
         draw = partial(sample, temperature=temperature, top_k=top_k, top_p=top_p)
         logits, cache = _forward(model, prompt, 0, cache)
         first = draw(logits[:, -1], jax.random.fold_in(key, 0))

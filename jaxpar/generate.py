@@ -1,10 +1,10 @@
 """python -m jaxpar.generate --run runs/gpt2-tiny --prompt "def " [--max-new-tokens 200] [--temperature 0.8
     --top-k 40 --top-p 0.95 --seed 0 --num-samples 1 --mesh tp=4]
 
-Samples from a trained model: the latest checkpoint of a jaxpar run (`--run`, with its tokenizer), a
-shared-weights file (`--weights`) or a Hugging Face GPT-2 or Llama directory (`--hf`; both with `--tokenizer`,
-default byte-level). Decoding uses a KV cache in one jitted loop (jaxpar/decode.py) on any dp / fsdp / tp
-mesh; temperature 0 is greedy.
+Samples from a trained model: the latest checkpoint of a jaxpar run (`--run`, any family or variant, with its
+tokenizer), a shared-weights file (`--weights`) or a Hugging Face GPT-2 or Llama directory (`--hf`; both with
+`--tokenizer`, default byte-level). Decoding uses a KV cache in one jitted loop (jaxpar/decode.py) on any
+dp / fsdp / tp mesh; temperature 0 is greedy.
 """
 from __future__ import annotations
 
@@ -36,13 +36,15 @@ def check(args) -> dict[str, int]:
     return sizes
 
 
-def load(args) -> tuple[Config, dict, str]:
-    """(config, flat shared weights, tokenizer) of the source the user named."""
+def load(args) -> tuple[Config, dict | None, str]:
+    """(config, flat shared weights, tokenizer) of the source the user named; a run's weights (None here) are
+    restored by sample_rows straight onto the decoding mesh, whatever the model's variant (the shared format
+    holds GPT-2's and llama's parameters only)."""
     from jaxpar.tools.convert import read
 
     if args.run:
         cfg = read_run_config(args.run)
-        return cfg, read("jaxpar", args.run)[0], args.tokenizer or cfg.data.tokenizer
+        return cfg, None, args.tokenizer or cfg.data.tokenizer
     flat, model = read("hf" if args.hf else "shared", args.hf or args.weights)
     cfg = config_for_weights(model)
     return cfg, flat, args.tokenizer or "byte"
@@ -74,12 +76,24 @@ def sample_rows(cfg: Config, sizes: dict, flat: dict, prompt: list[int], args) -
     from jaxpar.parallelize import parallel_context
 
     layout = Layout(cfg, make_mesh(sizes))
-    params = jax.device_put(unflatten(flat), layout.device_shardings["params"])
+    params = restore_params(args.run, layout) if flat is None else unflatten(flat)
+    params = jax.device_put(params, layout.device_shardings["params"])  # on the devices even if the run offloaded
     with use(parallel_context(layout)):
         out = make_generate(abstract_model(cfg.model)[0])(
             params, jnp.asarray([prompt] * args.num_samples, jnp.int32), jax.random.key(args.seed),
             new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     return jax.device_get(out).tolist()
+
+
+def restore_params(run: str, layout) -> dict:
+    """The parameters of a run's latest checkpoint, in the layout's shardings (orbax reshards)."""
+    from jaxpar.checkpoint import Checkpointer
+    from jaxpar.state import abstract_state
+
+    restored = Checkpointer(run, layout.cfg.checkpoint.keep).restore_latest(abstract_state(layout))
+    if restored is None:
+        raise UserError(f"no checkpoint in {run}/checkpoints")
+    return restored[0]["params"]
 
 
 if __name__ == "__main__":

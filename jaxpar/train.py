@@ -18,6 +18,7 @@ from jax.experimental import multihost_utils
 from jaxpar import state as st
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.core.config import Config, load_config
+from jaxpar.core.contract import Run, check_contract
 from jaxpar.core.data_order import open_splits
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.flops import flops_per_token, peak_flops
@@ -27,7 +28,7 @@ from jaxpar.core.metrics_log import MetricsLog
 from jaxpar.core.peers import roll_call
 from jaxpar.core.prefetch import Prefetch
 from jaxpar.core.pipeline_schedules import configured_bubble, resolve_microbatches
-from jaxpar.core.resume import already_complete, check_resume, write_run_config
+from jaxpar.core.resume import already_complete, check_resume, start_anew, write_run_config
 from jaxpar.core.trackers import check_trackers, open_trackers
 from jaxpar.core.weights import flatten, load_weights, save_weights, unflatten
 from jaxpar.context import use
@@ -114,9 +115,8 @@ class JaxFramework:
     def fetch(self, metrics) -> dict:
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
-    def evaluate(self) -> float:
-        losses = [self._eval_step(self.state["params"], self.batch(i, self.val_data))
-                  for i in range(self.cfg.train.eval_batches)]
+    def evaluate(self, batches: int) -> float:
+        losses = [self._eval_step(self.state["params"], self.batch(i, self.val_data)) for i in range(batches)]
         return float(sum(jax.device_get(losses)) / len(losses))
 
     def save(self, step: int) -> None:
@@ -185,9 +185,6 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_fina
     sizes = parse_mesh(mesh_spec)
     check_resume(cfg)
     check_trackers(cfg)
-    if cfg.train.compile == "off":
-        raise UserError("train.compile=off: jaxpar's step is always compiled by XLA (the key switches torchpar's "
-                        "torch.compile)")
     if cfg.run.debug:
         show_library_logs()
     setup_devices(sizes, cfg.run.peer_timeout_s)
@@ -195,7 +192,11 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_fina
     if cfg.train.matmul_precision != "default":
         jax.config.update("jax_default_matmul_precision", cfg.train.matmul_precision)
     mesh = make_mesh(sizes)
+    check_contract(Run(cfg, "jaxpar", mesh=dict(mesh.shape)))
     main_proc = jax.process_index() == 0
+    start_anew(cfg, main_proc and not write_init)
+    if jax.process_count() > 1:  # no process touches run.dir before the main one has moved an old run aside
+        multihost_utils.sync_global_devices("jaxpar/start_anew")
     data = open_splits(cfg, grain_batches)
     layout = Layout(cfg, mesh)
     os.makedirs(cfg.run.dir, exist_ok=True)

@@ -14,6 +14,8 @@ import sys
 import tempfile
 import time
 
+from jaxpar.core.errors import check_output_dir, cli
+
 
 def _versions() -> str:
     from importlib.metadata import PackageNotFoundError, version
@@ -55,6 +57,7 @@ def key_bias(d: dict) -> str:
     return f"{d['key_bias_abs']:.1e} (bound {d['key_bias_bound']:.0e})" if "key_bias_abs" in d else "n/a"
 
 
+@cli
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m parity_tests.report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,6 +67,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=int(os.environ.get("PARITY_STEPS", "50")))
     p.add_argument("--workdir", help="where runs are written (default: a temporary directory)")
     args = p.parse_args(argv)
+    for name, path in (("--out", args.out), ("--workdir", args.workdir)):
+        if path is not None:
+            check_output_dir(path, name)  # before the runs (an hour with --full), not after them
 
     from parity_tests.compare import BFLOAT16, compare
     from parity_tests.matrix import Case, cases

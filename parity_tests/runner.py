@@ -1,11 +1,12 @@
 """Run reference configs on jaxpar layouts and torchpar backends, as a user would, and read them back.
 
 Every run of a config starts from one exported initial-weights file (`python -m jaxpar.train
---write-init`, then `model.init_from`), reads the same synthetic token file, logs every step
-(`metrics.jsonl`) and writes its final weights in the shared weight format (`--write-final`). Runs are
-subprocesses (simulated CPU devices for jaxpar, `torch.distributed.run` over gloo for torchpar),
-checked for aborts and leftover processes by tests/test_torchpar.py's helpers, and cached by
-(side, resolved config), so a run several comparisons need (the jaxpar one-device reference) runs once.
+--write-init` with another seed than the runs train with, then `model.init_from`), reads the same
+synthetic token file, logs every step (`metrics.jsonl`) and writes its final weights in the shared
+weight format (`--write-final`). Runs are subprocesses (simulated CPU devices for jaxpar,
+`torch.distributed.run` over gloo for torchpar), checked for aborts and leftover processes by
+tests/test_torchpar.py's helpers, and cached by (side, resolved config), so a run several comparisons
+need (the jaxpar one-device reference) runs once.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join(ROOT, "configs", "parity")
 CONFIGS = ("float32", "bfloat16", "accum", "remat")
 REFERENCE = "jax:1"
+INIT_SEED_OFFSET = 7  # the initial weights are drawn with train.seed + 7: no side trains with that seed
 # side -> jaxpar mesh
 JAX_LAYOUTS = {"jax:1": "dp=1", "jax:dp=8": "dp=8", "jax:fsdp=8": "fsdp=8", "jax:dp=2,tp=4": "dp=2,tp=4"}
 # side -> (processes, torchpar arguments); 0 processes = one plain `python -m torchpar.train`
@@ -114,7 +116,12 @@ class Runner:
                 "train.log_every=1", "train.eval_every=0", "checkpoint.every=0", *overrides]
 
     def init_weights(self, config: str, overrides=()) -> str:
-        """One exported initial-weights file per model section and seed (shared by every config that has them)."""
+        """One exported initial-weights file per model section and seed (shared by every config that has them).
+
+        The file is drawn with another seed than the one the sides train with (INIT_SEED_OFFSET): a side
+        that ignored model.init_from would start from its own seed's draw, not the file's, and fail its
+        comparison. (torchpar's own draw comes from torch's generator and differs anyway; a jaxpar side's
+        would equal a file drawn with its training seed, and hide the fault.)"""
         cfg = load_config(config_path(config), list(overrides))
         # every model key shapes the weights (variants too), and the seed draws them
         model = json.dumps({**cfg.to_dict()["model"], "seed": cfg.train.seed}, sort_keys=True)
@@ -122,6 +129,7 @@ class Runner:
         if key not in self._inits:
             path = os.path.join(self.workdir, "init", f"{key}.safetensors")
             cmd = [sys.executable, "-m", "jaxpar.train", *self.base_args(config, overrides), "--mesh", "dp=1",
+                   f"train.seed={cfg.train.seed + INIT_SEED_OFFSET}",
                    f"run.dir={os.path.join(self.workdir, 'init', key)}", "--write-init", path]
             self.launch(cmd, f"export of initial weights for {config}")
             self._inits[key] = path

@@ -1,11 +1,17 @@
 """Bad input: one line naming the problem, exit code 2, nothing already saved lost."""
+import errno
 import importlib.util
 import os
+import re
+import resource
 import shutil
+import signal
+import subprocess
+import sys
 
 import pytest
 
-from tests.helpers import metrics, run_cli
+from tests.helpers import ROOT, TINY, metrics, run_cli
 
 
 def assert_one_line_error(r, *phrases):
@@ -105,3 +111,141 @@ def test_non_finite_step_stops_before_it_is_saved(dataset, tmp_path):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
     assert max(metrics(tmp_path)) == 4
 
+
+
+def test_os_errors_are_one_line_and_bugs_keep_their_traceback(capsys):
+    """@cli: an OSError (no space, no permission, a file where a folder must be) is one line naming the path and
+    what the system said; any other exception is a bug and propagates."""
+    from jaxpar.core.errors import cli
+
+    def fails(e):
+        raise e
+
+    assert cli(fails)(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/data/run/x")) == 2
+    assert capsys.readouterr().err == "error: /data/run/x: No space left on device\n"
+    assert cli(fails)(PermissionError(errno.EACCES, os.strerror(errno.EACCES), "/etc/y")) == 2
+    assert capsys.readouterr().err == "error: /etc/y: Permission denied\n"
+    with pytest.raises(KeyError):
+        cli(fails)(KeyError("a bug"))
+
+
+@pytest.mark.parametrize("module", ["jaxpar.train", "torchpar.train"])
+@pytest.mark.parametrize("below", [False, True])
+def test_run_dir_naming_a_file(module, below, dataset, tmp_path):
+    """run.dir is a file, or lies under one: one line naming it, and the file is left as it was."""
+    (tmp_path / "notes").write_text("keep me")
+    run_dir = tmp_path / "notes" / "run" if below else tmp_path / "notes"
+    r = run_cli(run_dir, dataset, module=module, env={"OMP_NUM_THREADS": "1"}, timeout=120)
+    assert_one_line_error(r, f"{tmp_path / 'notes'} is a file, not a directory", "run.dir")
+    assert (tmp_path / "notes").read_text() == "keep me"
+
+
+def test_prepare_refuses_a_jsonl_that_is_not_utf8(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    r = subprocess.run([sys.executable, "-m", "jaxpar.data", "prepare", "--out", str(tmp_path / "out.bin"), str(corpus)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert_one_line_error(r, f"{corpus}:2: not UTF-8 (byte 0xe9 at column 14)")
+    assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl"]  # no dataset, no temporary file
+
+
+TOOL_CASES = {  # each before any measurement or run, so also fast
+    "sequence_memory": (["jaxpar.tools.sequence_memory", "--devices", "0"], ["--devices"]),
+    "pipeline_memory": (["jaxpar.tools.pipeline_memory", "--microbatches", "4,x"], ["--microbatches '4,x'"]),
+    "jaxpar_bench_collectives": (["jaxpar.tools.bench_collectives", "--max-mib", "0.004", "--json", "{file}/out.json"],
+                                 ["--json={file}/out.json: {file} is a file"]),
+    "torchpar_bench_collectives": (["torchpar.tools.bench_collectives", "--max-mib", "0.004", "--json", "{dir}"],
+                                   ["--json={dir} is a directory"]),
+    "parity_report": (["parity_tests.report", "--steps", "1", "--out", "{file}"], ["--out={file}: {file} is a file"]),
+}
+
+
+@pytest.mark.parametrize("case", TOOL_CASES)
+def test_tool_bad_input_is_one_line(case, tmp_path):
+    (tmp_path / "f").write_text("keep me")
+    paths = {"file": tmp_path / "f", "dir": tmp_path}
+    args, phrases = ([a.format(**paths) for a in items] for items in TOOL_CASES[case])
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert_one_line_error(r, *phrases)
+    assert os.listdir(tmp_path) == ["f"] and (tmp_path / "f").read_text() == "keep me"
+
+
+def _mount_small_disk(disk) -> str | None:
+    """A real filesystem of 1.5 MB (tmpfs) at `disk`: room for some of the four checkpoints of an 8-step run of the
+    tiny model (0.4 MB each from jaxpar, 1.1 MB from torchpar), never all. Mounting needs root in a sandbox that
+    allows it: why not, if it cannot be had."""
+    disk.mkdir()
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(disk)], capture_output=True,
+                           text=True)
+    except OSError as e:
+        return str(e)
+    return (r.stderr.strip() or f"mount exited {r.returncode}") if r.returncode else None
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    why_not = _mount_small_disk(tmp_path / "disk")
+    if why_not:
+        pytest.skip(f"cannot mount a small tmpfs here ({why_not}); test_failed_write_during_save stands in")
+    try:
+        yield tmp_path / "disk"
+    finally:
+        subprocess.run(["umount", "-l", str(tmp_path / "disk")], check=False)
+
+
+STEPS = ["train.steps=8", "checkpoint.every=2"]
+ONE_DEVICE = {"jaxpar.train": STEPS + ["--mesh", "dp=1"], "torchpar.train": STEPS}  # torchpar: one process
+QUIET_ENV = {"OMP_NUM_THREADS": "1", "JAXPAR_CPU_DEVICES": "1"}
+
+
+def assert_resumes_exactly(run, dataset, module, before: dict, last: int):
+    """The same command resumes from checkpoint `last` and repeats exactly the steps the failed run computed
+    after it (that run had trained on from its state in memory: an uninterrupted trajectory)."""
+    r = run_cli(run, dataset, *ONE_DEVICE[module], module=module, env=QUIET_ENV)
+    assert r.returncode == 0, r.stderr
+    assert f"resumed from {run}/checkpoints/{last}" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    after, repeated = metrics(run), [s for s in before if s > last]
+    assert repeated and max(after) == 8
+    for step in repeated:
+        assert (after[step]["loss"], after[step]["grad_norm"]) == (before[step]["loss"], before[step]["grad_norm"])
+
+
+def failed_save(r, run, reason: str) -> int:
+    """One line naming the failed step and the last complete checkpoint (returned), the partial save removed and
+    the complete ones kept."""
+    assert_one_line_error(r, f"could not be written: {reason}; its partial files were removed")
+    failed, last = map(int, re.search(r"checkpoint of step (\d+) .*last complete checkpoint is step (\d+) in "
+                                      + re.escape(str(run / "checkpoints")), r.stderr).groups())
+    assert last == failed - 2
+    assert sorted(os.listdir(run / "checkpoints")) == sorted(str(s) for s in range(2, last + 1, 2))
+    return last
+
+
+@pytest.mark.parametrize("module", ["jaxpar.train", "torchpar.train"])
+def test_disk_full_during_save(module, dataset, small_disk):
+    """The disk fills during a save; once space is freed, the same command resumes exactly."""
+    run = small_disk / "run"
+    r = run_cli(run, dataset, *ONE_DEVICE[module], module=module, env=QUIET_ENV)
+    last, before = failed_save(r, run, "No space left on device"), metrics(run)
+    subprocess.run(["mount", "-o", "remount,size=16m", str(small_disk)], check=True)  # space freed
+    assert_resumes_exactly(run, dataset, module, before, last)
+
+
+def test_failed_write_during_save(dataset, tmp_path):
+    """Where no small disk can be mounted: the same failing write from a limit on the size of a file (RLIMIT_FSIZE,
+    below a checkpoint's data file, above the logs), set after step 2's checkpoint is complete."""
+    if not _mount_small_disk(tmp_path / "disk"):
+        subprocess.run(["umount", "-l", str(tmp_path / "disk")], check=False)
+        pytest.skip("test_disk_full_during_save fills a real disk here")
+    run = tmp_path / "run"
+    r = run_cli(run, dataset, *ONE_DEVICE["jaxpar.train"], env={**QUIET_ENV, "JAXPAR_FAULT_KILL_AFTER_STEP": "2"})
+    assert r.returncode == -signal.SIGKILL and os.listdir(run / "checkpoints") == ["2"], r.stderr
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # noqa: E731
+    r = subprocess.run([sys.executable, "-m", "jaxpar.train", *TINY, f"data.dataset={dataset}", f"run.dir={run}",
+                        *ONE_DEVICE["jaxpar.train"]], cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu", **QUIET_ENV},
+                       capture_output=True, text=True, timeout=300, preexec_fn=limit)
+    last, before = failed_save(r, run, "File too large"), metrics(run)
+    assert last == 2
+    assert_resumes_exactly(run, dataset, "jaxpar.train", before, last)

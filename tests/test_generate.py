@@ -1,5 +1,6 @@
 """Decoding: the KV-cache loop emits exactly what re-running the whole forward pass would (one device and
-tp=4), sampling is reproducible from its seed, and a converted Hugging Face GPT-2 decodes as transformers does."""
+tp=4; every family and variant, jaxpar and torchpar, and during training), sampling is reproducible from its
+seed, top_p keeps exactly the nucleus, and a converted Hugging Face GPT-2 decodes as transformers does."""
 import os
 import subprocess
 import sys
@@ -20,14 +21,25 @@ from jaxpar.models.gpt import abstract_model
 from jaxpar.parallelize import parallel_context
 from jaxpar.state import init_state
 
-from tests.helpers import ROOT, tiny_config
+from tests.helpers import ROOT, run_cli, tiny_config
 
 PROMPT = [[10, 20, 30, 40, 50]]
+# tests/test_variants.py's variants (plain llama: tests/test_llama.py); a 32-token training row (the tiny
+# context), so that one forward pass over the whole context is the training forward for dilated attention too
+# (its segments depend on the row length)
+VARIANTS = {
+    "mla": ("model.attention=mla", "model.q_latent_dim=16", "model.kv_latent_dim=8", "model.rope_head_dim=4"),
+    "dilated": ("model.attention=dilated", "model.segment_lengths=4,8,16", "model.dilation_rates=1,2,4"),
+    "sketched": ("model.linear=sketched", "model.sketch_ratio=0.5"),
+    "llama_dilated": ("model.family=llama", "model.n_kv_head=1", "model.d_ff=48", "model.attention=dilated",
+                      "model.segment_lengths=4,8,16", "model.dilation_rates=1,2,4"),
+}
+ROW = ("data.seq_len=32",)
 
 
-def model_on(mesh: str):
+def model_on(mesh: str, *overrides: str):
     """The tiny model with large random weights (so greedy decoding does not settle on one token)."""
-    cfg = tiny_config("model.init_std=0.5")
+    cfg = tiny_config("model.init_std=0.5", *overrides)
     layout = Layout(cfg, make_mesh(parse_mesh(mesh), jax.devices()[:int(mesh.split("=")[1])]))
     return layout, abstract_model(cfg.model)[0], init_state(layout)["params"]
 
@@ -47,6 +59,114 @@ def test_kv_cache_decoding_equals_rerunning_the_full_forward(mesh):
     np.testing.assert_array_equal(cached, np.asarray(tokens[:, 5:]))
 
 
+def continue_by_forward(next_token, prompt: list[int], length: int, new: int | None = None) -> list[int]:
+    """The independent reference: `prompt` continued by `new` tokens (default: to `length`), each one
+    next_token(row, n) of the whole forward pass over a fixed row of `length` tokens at position n (causal: the
+    zero padding after n cannot change the logits there), re-run for every token."""
+    row = prompt + [0] * (length - len(prompt))
+    end = length if new is None else len(prompt) + new
+    for n in range(len(prompt) - 1, end - 1):
+        row[n + 1] = next_token(row, n)
+    return row[len(prompt):end]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_variant_decodes_as_its_training_forward(variant):
+    layout, graphdef, params = model_on("dp=1", *ROW, *VARIANTS[variant])
+    full_forward = jax.jit(lambda p, t, n: nnx.merge(graphdef, p)(t)[0, n].argmax(-1))
+    with use(parallel_context(layout)):
+        cached = make_generate(graphdef)(params, jnp.asarray(PROMPT), jax.random.key(0), new_tokens=27)
+        want = continue_by_forward(lambda row, n: int(full_forward(params, jnp.asarray([row]), n)), PROMPT[0], 32)
+    assert len(set(want)) > 3, want  # a degenerate run would prove nothing
+    assert np.asarray(cached)[0].tolist() == want
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_torchpar_decodes_every_variant_as_its_forward(variant):
+    torch = pytest.importorskip("torch")
+    from torchpar.decode import generate as torch_generate
+    from torchpar.model import GPT
+
+    model = GPT(tiny_config("model.init_std=0.5", *ROW, *VARIANTS[variant]).model).eval()
+    model.init_weights(0)
+    with torch.no_grad():
+        want = continue_by_forward(lambda row, n: int(model(torch.tensor([row]))[0, n].argmax()), PROMPT[0], 32)
+    assert len(set(want)) > 3, want
+    assert torch_generate(model, torch.tensor(PROMPT), 27)[0].tolist() == want
+
+
+def _assert_samples_of(run_dir, train_out: str, generate_out: str, logits_at, draw) -> None:
+    """The run (train.sample_every=2, train.steps=2) printed the sample its final model draws: the validation
+    prompt continued token by token with draw(logits_at(row, n), index of the new token); the generate command
+    (greedy, 8 tokens after "def ", from the run) printed the argmax continuation."""
+    from jaxpar.core.data_order import open_splits
+    from jaxpar.core.loop import sample_lengths
+    from jaxpar.core.resume import read_run_config
+    from jaxpar.core.tokens import text_codec
+
+    cfg = read_run_config(str(run_dir))
+    decode = text_codec(cfg.data.tokenizer)[1]
+    prompt_len, new = sample_lengths(cfg.model.max_seq_len)
+    prompt = open_splits(cfg)[1].rows(0, 0, 1)[0, :prompt_len].tolist()
+    sampled = continue_by_forward(lambda row, n: draw(logits_at(row, n), n + 1 - prompt_len), prompt, prompt_len + new)
+    assert f"sample at step 2: {decode(prompt + sampled)!r}" in train_out.splitlines(), train_out[-2000:]
+    greedy = continue_by_forward(lambda row, n: int(logits_at(row, n).argmax()), list(b"def "), len(prompt) + new, 8)
+    assert generate_out == "def " + decode(greedy) + "\n", (generate_out, greedy)
+
+
+def _run(module: str, *args: str) -> subprocess.CompletedProcess:
+    from tests.helpers import torch_env
+
+    r = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=torch_env(), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+GREEDY_FROM_RUN = ("--prompt", "def ", "--max-new-tokens", "8", "--temperature", "0")
+
+
+@pytest.mark.parametrize("variant", ["mla", "dilated"])
+def test_samples_during_training_come_from_the_trained_model(variant, dataset, tmp_path):
+    """jaxpar: train.sample_every's sample (temperature 0.8, top_k 40, key = the step) is the final checkpoint's
+    continuation drawn from the whole forward pass with the decoder's keys; `jaxpar.generate --run` decodes it."""
+    from jaxpar.core.resume import read_run_config
+    from jaxpar.decode import sample
+    from jaxpar.generate import restore_params
+
+    train = run_cli(tmp_path, dataset, *ROW, *VARIANTS[variant], "train.steps=2", "train.sample_every=2")
+    assert train.returncode == 0, train.stderr[-3000:]
+    generate = _run("jaxpar.generate", "--run", str(tmp_path), *GREEDY_FROM_RUN)
+    cfg = read_run_config(str(tmp_path))
+    params = restore_params(str(tmp_path), Layout(cfg, make_mesh({"dp": 1}, jax.devices()[:1])))
+    graphdef, key = abstract_model(cfg.model)[0], jax.random.key(2)
+    forward = jax.jit(lambda p, t, n: nnx.merge(graphdef, p)(t)[:, n])
+    _assert_samples_of(tmp_path, train.stdout, generate.stdout, lambda row, n: forward(params, jnp.asarray([row]), n),
+                       lambda logits, i: int(sample(logits, jax.random.fold_in(key, i), 0.8, 40, 1.0)[0]))
+
+
+@pytest.mark.parametrize("variant", ["mla", "dilated"])
+def test_torchpar_samples_during_training_come_from_the_trained_model(variant, dataset, tmp_path):
+    """The same with `torchpar.train --backend none` (a generator seeded with the step) and `torchpar.generate`."""
+    torch = pytest.importorskip("torch")
+    from torchpar.decode import sample
+    from torchpar.model import GPT
+    from torchpar.weights import from_shared
+
+    from tests.helpers import TINY
+
+    weights = str(tmp_path / "final.safetensors")
+    train = _run("torchpar.train", "--backend", "none", *TINY, *ROW, *VARIANTS[variant], f"data.dataset={dataset}",
+                 f"run.dir={tmp_path}", "train.steps=2", "train.sample_every=2", "--write-final", weights)
+    generate = _run("torchpar.generate", "--run", str(tmp_path), *GREEDY_FROM_RUN)
+    model = GPT(tiny_config(*ROW, *VARIANTS[variant]).model).eval()
+    model.load_state_dict(from_shared(read_weights(weights), model.cfg.n_layer))
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        _assert_samples_of(tmp_path, train.stdout, generate.stdout, lambda row, n: model(torch.tensor([row]))[:, n],
+                           lambda logits, i: int(sample(logits, generator, 0.8, 40, 1.0)[0]))
+
+
 def test_sampling_is_reproducible_from_its_seed():
     layout, graphdef, params = model_on("dp=1")
     generate = make_generate(graphdef)
@@ -61,6 +181,37 @@ def test_sampling_is_reproducible_from_its_seed():
     np.testing.assert_array_equal(first, draw(1, **nucleus))
     assert not np.array_equal(first, draw(2, **nucleus)) and not np.array_equal(first[0], first[1])
     np.testing.assert_array_equal(draw(3, temperature=1.0, top_k=1), draw(4))  # top-1 sampling is greedy
+
+
+# A distribution with a known nucleus: the probabilities below, at shuffled vocabulary positions. Sorted, the
+# mass before each token is 0, .4, .7, .9, .96, ...: top_p = 0.85 keeps the first three tokens (the third starts
+# at .7 < .85, the fourth at .9), top_p = 0.3 only the likeliest (it always stays), 0.95 the first four.
+NUCLEUS_PROBS = [0.4, 0.3, 0.2, 0.06, 0.03, 0.01]
+NUCLEUS_ORDER = [3, 0, 5, 1, 4, 2]  # vocabulary position of each probability above
+
+
+@pytest.mark.parametrize("top_p,size", [(0.85, 3), (0.3, 1), (0.95, 4)])
+@pytest.mark.parametrize("side", ["jaxpar", "torchpar"])
+def test_top_p_draws_exactly_the_nucleus_in_proportion(side, top_p, size):
+    """4000 draws at temperature 1: every token of the nucleus and nothing else, each about as often as its
+    probability renormalised over the nucleus (binomial standard deviation < 0.008; tolerance 0.04)."""
+    probs = np.zeros(len(NUCLEUS_PROBS))
+    probs[NUCLEUS_ORDER] = NUCLEUS_PROBS
+    logits = np.log(probs)[None].repeat(4000, 0)
+    if side == "jaxpar":
+        from jaxpar.decode import sample
+
+        drawn = np.asarray(sample(jnp.asarray(logits, jnp.float32), jax.random.key(0), 1.0, 0, top_p))
+    else:
+        torch = pytest.importorskip("torch")
+        from torchpar.decode import sample
+
+        generator = torch.Generator().manual_seed(0)
+        drawn = sample(torch.tensor(logits, dtype=torch.float32), generator, 1.0, 0, top_p).numpy()
+    nucleus = NUCLEUS_ORDER[:size]
+    assert set(drawn.tolist()) == set(nucleus)
+    want = np.asarray(NUCLEUS_PROBS[:size]) / sum(NUCLEUS_PROBS[:size])
+    np.testing.assert_allclose([np.mean(drawn == t) for t in nucleus], want, atol=0.04)
 
 
 def test_converted_hugging_face_gpt2_decodes_as_transformers(tmp_path):

@@ -1,12 +1,20 @@
 """The sbatch writer: each framework and launcher gives a script that bash parses, with its launch line;
+the torchpar scripts, run under stand-ins for srun and scontrol on one machine, train on 2 processes;
 impossible requests are one line."""
+import json
+import os
+import random
+import re
+import shlex
+import socket
 import subprocess
+import sys
 
 import pytest
 
 from jaxpar.tools.launch import main
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, TINY, metrics, run_in_session, torch_env
 
 CLUSTER = ["--nodes", "2", "--gpus-per-node", "4", "--time", "01:00:00", "--partition", "gpu",
            "--config", "configs/gpt2-tiny.yaml"]
@@ -20,11 +28,13 @@ def in_repo(monkeypatch):
 @pytest.mark.parametrize("extra,tasks,line", [
     ([], 4, "srun --kill-on-bad-exit=1 python -m jaxpar.train --config configs/gpt2-tiny.yaml --mesh dp=8 train.steps=5"),
     (["--framework", "torchpar", "--backend", "fsdp"], 4,
-     "srun --kill-on-bad-exit=1 python -m torchpar.train --backend fsdp --config configs/gpt2-tiny.yaml --mesh dp=8"),
+     "srun --kill-on-bad-exit=1 python -m torchpar.train --backend fsdp --config configs/gpt2-tiny.yaml "
+     "parallel.mesh=dp=8\n"),  # torchpar.train has no --mesh flag
     (["--framework", "torchpar", "--backend", "ddp", "--launcher", "torchrun"], 1,
      "torchrun --nnodes=$SLURM_JOB_NUM_NODES --nproc_per_node=4 --rdzv_backend=c10d"),
     (["--framework", "torchpar", "--backend", "deepspeed", "--launcher", "deepspeed"], 1,
-     'deepspeed --hostfile "hostfile.$SLURM_JOB_ID" --master_addr "$HEAD" --master_port 29500 --module torchpar.train'),
+     'deepspeed --hostfile "hostfile.$SLURM_JOB_ID" --master_addr "$HEAD" --master_port "$PORT" '
+     "--module torchpar.train"),
 ], ids=["jaxpar-srun", "torchpar-srun", "torchpar-torchrun", "torchpar-deepspeed"])
 def test_script_parses_and_launches_each_framework(extra, tasks, line, capsys, tmp_path):
     mesh = [] if "--launcher" in extra else ["--mesh", "dp=8"]
@@ -49,3 +59,87 @@ def test_impossible_requests_are_one_line(extra, message, capsys):
     assert main(CLUSTER + extra) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+# Stand-ins for SLURM's commands on one node. srun starts the step's tasks (the job's task count, or
+# --ntasks-per-node of them) with the variables srun gives each task, and fails if any task fails.
+FAKE_SRUN = """#!/bin/bash
+ntasks=$SLURM_NTASKS
+while [[ $1 == --* ]]; do
+  case $1 in --ntasks-per-node=*) ntasks=$((${1#*=} * SLURM_JOB_NUM_NODES)) ;; esac
+  shift
+done
+export SLURM_NTASKS=$ntasks SLURM_STEP_NUM_TASKS=$ntasks SLURM_STEP_NODELIST=$SLURM_JOB_NODELIST SLURM_NODEID=0
+pids=()
+for ((i = 0; i < ntasks; i++)); do SLURM_PROCID=$i SLURM_LOCALID=$i "$@" & pids+=($!); done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+exit $rc
+"""
+FAKE_SCONTROL = '#!/bin/bash\n[[ "$1 $2" == "show hostnames" ]] && echo "$3"\n'  # one node: its own name
+# DeepSpeed's launcher checks that it can ssh to the hostfile's first host, then (one host) starts locally
+FAKE_SSH = '#!/bin/bash\nwhile [[ $1 == -* ]]; do [[ $1 == -o ]] && shift; shift; done\nshift\nexec bash -c "$*"\n'
+
+
+def job_id_with_free_port(base: int, span: int) -> int:
+    """A SLURM job id whose rendezvous port, base + id mod span, is free now."""
+    for job_id in random.sample(range(span), span):
+        with socket.socket() as s:
+            try:
+                s.bind(("", base + job_id))
+                return job_id
+            except OSError:
+                continue
+    pytest.fail(f"no free port in {base}..{base + span - 1}")
+
+
+def slurm_job_env(text: str, bin_dir, port_base: int, port_span: int) -> dict:
+    """What sbatch gives the script on one node: the job's variables from its #SBATCH header, a job id
+    whose port (the trainer's formula: base + id mod span) is free, and the stand-ins first on PATH."""
+    nodes, per_node = (int(re.search(rf"#SBATCH --{k}=(\d+)", text).group(1)) for k in ("nodes", "ntasks-per-node"))
+    assert nodes == 1, "the stand-ins run one node"
+    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("ssh", FAKE_SSH)):
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    env = torch_env(SLURM_JOB_ID=str(job_id_with_free_port(port_base, port_span)), SLURM_JOB_NODELIST="localhost",
+                    SLURM_JOB_NUM_NODES="1", SLURM_NNODES="1", SLURM_NTASKS=str(nodes * per_node),
+                    SLURM_NTASKS_PER_NODE=str(per_node),
+                    PATH=os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), os.environ["PATH"]]))
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+TORCH_PORT, JAX_PORT = (29500, 20000), (61440, 4096)  # torchpar/dist.py; jax's SLURM cluster detection
+
+
+@pytest.mark.parametrize("launcher,backend,mesh,ports,started", [
+    (["--framework", "torchpar", "--launcher", "srun"], "fsdp", "fsdp=2", TORCH_PORT,
+     "backend fsdp on 2 cpu processes"),
+    (["--framework", "torchpar", "--launcher", "torchrun"], "fsdp", "fsdp=2", TORCH_PORT,
+     "backend fsdp on 2 cpu processes"),
+    pytest.param(["--framework", "torchpar", "--launcher", "deepspeed"], "deepspeed", "dp=2", TORCH_PORT,
+                 "backend deepspeed on 2 cpu processes", marks=pytest.mark.slow),  # 30-40 s: DeepSpeed's start
+    pytest.param([], None, "fsdp=2", JAX_PORT, "mesh fsdp=2 on 2 cpu devices",
+                 marks=pytest.mark.slow),  # 75 s: two compiles on a shared CPU; test_multiprocess covers jaxpar
+], ids=["torchpar-srun", "torchpar-torchrun", "torchpar-deepspeed", "jaxpar-srun"])
+def test_script_trains_on_two_processes(launcher, backend, mesh, ports, started, dataset, tmp_path, capsys):
+    """The whole batch script, run by bash in its submit directory under the SLURM stand-ins as a
+    2-process job, trains one run over both processes with the mesh given to the writer, and exits 0."""
+    run_dir = tmp_path / "run"
+    assert main([*launcher, *(["--backend", backend] if backend else []), "--nodes", "1", "--gpus-per-node", "2",
+                 "--time", "00:10:00", "--partition", "cpu", "--mesh", mesh,
+                 *TINY, "train.steps=3", f"data.dataset={dataset}", f"run.dir={run_dir}"]) == 0
+    text = capsys.readouterr().out
+    (tmp_path / "job.sbatch").write_text(text)
+    (tmp_path / "bin").mkdir()
+    env = slurm_job_env(text, tmp_path / "bin", *ports)
+    submit = f"cd {shlex.quote(str(tmp_path))} && exec bash job.sbatch"  # DeepSpeed's hostfile lands there
+    r = run_in_session(["bash", "-c", submit], env, 300, "the batch script")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert started in r.stdout, r.stdout[-2000:]
+    assert r.stdout.count("step 3/3") == 1, r.stdout[-2000:]  # process 0 of one world, not two worlds of 1
+    assert sorted(metrics(run_dir)) == [1, 2, 3]
+    with open(run_dir / "config.json") as f:
+        saved = json.load(f)
+    assert mesh in (saved["parallel"]["mesh"], saved.get("resolved_mesh"))  # torchpar's key, jaxpar's record

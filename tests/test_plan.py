@@ -40,10 +40,16 @@ def test_dp2_tp4_traffic_is_megatron_plus_gradients():
 
 
 def test_fsdp8_shards_state_and_explains_its_traffic():
+    """Traffic between the bound (parameters gathered once, gradients reduce-scattered) and what GSPMD emits:
+    parameters gathered in the forward and again in the backward, gradients reduce-scattered or, on XLA:CPU
+    (no ReduceScatterCreator: docs/benchmarks/README.md "Planner"), all-reduced whole and then sliced."""
     p = run("fsdp=8")
     assert p["params_bytes"] + p["opt_state_bytes"] <= 1.05 * (3 * 4 * N) / 8  # params + Adam mu, nu
-    bound = 2 * 4 * N * 7 / 8  # one all-gather of the parameters, one reduce-scatter of the gradients
+    gather = 4 * N * 7 / 8  # one ring all-gather of all parameters; a gradient reduce-scatter moves the same
+    bound = 2 * gather
     assert p["traffic_bytes"] >= 0.99 * bound
+    scatter = gather if any(c["op"] == "reduce-scatter" for c in p["collectives"]) else 2 * gather  # all-reduce: 2x
+    assert p["traffic_bytes"] <= 1.03 * (2 * gather + scatter)  # 3%: some gradients are reduced in parts
     if p["traffic_bytes"] > 1.1 * bound:
         assert any(note.startswith("fsdp:") for note in p["notes"]), p["notes"]
         assert any("XLA:CPU has no pass that forms reduce-scatter" in note for note in p["notes"]), p["notes"]

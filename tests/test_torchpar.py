@@ -5,6 +5,7 @@ the backends differ. Each subprocess has a timeout, must not print an abort, and
 process behind (each run gets its own session; the session must be empty when it returns).
 """
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -163,6 +164,23 @@ def test_fsdp_resume_after_sigkill_and_on_one_process(base, reference):
     out = run(["--backend", "none", *base["args"], "train.microbatches=2", "checkpoint.every=4", f"run.dir={one}"])
     assert "checkpoints/4" in out.stderr
     assert_same_run(metrics(one), reference)
+
+
+def test_fsdp_on_a_dp_by_fsdp_mesh_matches_one_process(base, reference, tmp_path):
+    """parallel.mesh=dp=2,fsdp=2 on 4 processes is HSDP: each rank holds half of the parameters (the startup line),
+    and the run is the one-process run (losses, eval, final weights), also across a SIGKILL and a DCP resume."""
+    final, args = tmp_path / "final.safetensors", ["--backend", "fsdp", *base["args"], "parallel.mesh=dp=2,fsdp=2",
+                                                   "checkpoint.every=4", f"run.dir={tmp_path}"]
+    run(args, nproc=4, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
+    out = run([*args, "--write-final", str(final)], nproc=4)
+    assert "resumed from" in out.stderr and "checkpoints/4" in out.stderr
+    assert_same_run(got := metrics(tmp_path), reference)
+    assert got[10]["eval_loss"] == pytest.approx(reference[10]["eval_loss"], rel=1e-5)
+    assert_params_close(load_file(final), load_file(base["tmp"] / "reference.safetensors"))
+    total, low, high = re.search(r"([\d,]+) params, ([\d,]+)(?:-([\d,]+))? per rank", out.stdout).groups()
+    total, low, high = (int(x.replace(",", "")) if x else None for x in (total, low, high or low))
+    # the two ranks of a shard group hold complementary halves (a dim-0 of 3 splits 2 + 1)
+    assert low + high == total and abs(low - total / 2) < 0.01 * total, out.stdout[:300]
 
 
 def test_deepspeed_resume_after_sigkill(base, reference):

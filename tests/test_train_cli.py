@@ -4,6 +4,7 @@ import signal
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from tests.helpers import metrics, run_cli, tensorboard_scalars
 
@@ -90,15 +91,22 @@ def test_sigterm_saves_and_exits_zero(dataset, tmp_path):
 
 
 def test_write_init_then_init_from_starts_from_those_weights(dataset, tmp_path):
-    weights = tmp_path / "init.safetensors"
-    assert run_cli(tmp_path / "a", dataset, "--write-init", str(weights)).returncode == 0
-    # Another seed would give other random weights; init_from must override them.
-    a = run_cli(tmp_path / "b", dataset, "--mesh", "dp=2", "train.steps=2", f"model.init_from={weights}")
-    b = run_cli(tmp_path / "c", dataset, "--mesh", "dp=2", "train.steps=2", "train.seed=0")
-    c = run_cli(tmp_path / "d", dataset, "--mesh", "dp=2", "train.steps=2", "model.init_from=" + str(weights),
-                "train.seed=0")
-    assert a.returncode == b.returncode == c.returncode == 0
-    assert metrics(tmp_path / "b")[1]["loss"] == metrics(tmp_path / "c")[1]["loss"] == metrics(tmp_path / "d")[1]["loss"]
+    """Weights drawn with seed 7, loaded into runs that train with seed 0: the run starts from the file's
+    weights, not from its own seed's draw (its --write-init writes them back bit for bit), and trains
+    from them (its first loss is not the plain seed-0 run's)."""
+    drawn, started = tmp_path / "seed7.safetensors", tmp_path / "started.safetensors"
+    r = run_cli(tmp_path / "a", dataset, "train.seed=7", "--write-init", str(drawn))
+    assert r.returncode == 0, r.stderr
+    r = run_cli(tmp_path / "b", dataset, "train.seed=0", f"model.init_from={drawn}", "--write-init", str(started))
+    assert r.returncode == 0, r.stderr
+    want, got = load_file(drawn), load_file(started)
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+    loaded = run_cli(tmp_path / "c", dataset, "--mesh", "dp=2", "train.steps=1", "train.seed=0",
+                     f"model.init_from={drawn}")
+    drawn_here = run_cli(tmp_path / "d", dataset, "--mesh", "dp=2", "train.steps=1", "train.seed=0")
+    assert loaded.returncode == drawn_here.returncode == 0, loaded.stderr + drawn_here.stderr
+    # same data (seed 0), other weights: the first loss moves well beyond rounding
+    assert abs(metrics(tmp_path / "c")[1]["loss"] - metrics(tmp_path / "d")[1]["loss"]) > 1e-4
 
 
 def test_default_tiny_config_learns(tmp_path):
@@ -168,3 +176,26 @@ def test_llama_tiny_config_learns_below_gpt2_tiny(tmp_path):
         records = metrics(tmp_path / name)
         finals[name] = records[max(records)]["eval_loss"]
     assert finals["llama-tiny"] < finals["gpt2-tiny"] < 3.0, finals
+
+
+def _checksums(root) -> dict:
+    import hashlib
+
+    return {os.path.relpath(os.path.join(d, n), root): hashlib.sha256(open(os.path.join(d, n), "rb").read()).hexdigest()
+            for d, _, names in os.walk(root) for n in names}
+
+
+def test_resume_false_keeps_the_old_run_apart(dataset, tmp_path):
+    run_dir, short = tmp_path / "run", ["train.steps=4", "checkpoint.every=2", "train.eval_every=0"]
+    first = run_cli(run_dir, dataset, *short)
+    assert first.returncode == 0, first.stderr
+    before = _checksums(run_dir)
+    second = run_cli(run_dir, dataset, *short, "checkpoint.resume=false", "train.seed=5")
+    assert second.returncode == 0, second.stderr
+    assert "moved to" in second.stderr and "resumed" not in second.stderr
+    assert _checksums(tmp_path / "run.prev-1") == before  # the old run, byte for byte
+    new_losses, old_losses = metrics(run_dir), metrics(tmp_path / "run.prev-1")
+    assert sorted(new_losses) == [1, 2, 3, 4]  # one run's records only
+    assert new_losses[1]["loss"] != old_losses[1]["loss"]  # seed 5's, not a continuation of seed 0's
+    assert '"seed": 5' in (run_dir / "config.json").read_text()
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "4"]

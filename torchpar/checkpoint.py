@@ -4,10 +4,13 @@
 per rank plus .metadata) and meta.json (step = the data-iterator state, backend, world size).
 DCP reshards on load, so a checkpoint saved by N ranks (FSDP2 DTensors or DDP replicas) loads on
 any number of ranks and into any of these backends. Each save goes to `<step>.partial` and is
-renamed when every rank has finished, so a process killed mid-save leaves the previous one.
+renamed when every rank has finished, so a process killed mid-save leaves the previous one; a save that
+fails (a full disk) is removed and stops the run with one line naming the step and the last complete
+checkpoint, and partial saves an earlier process left are removed when the next one starts.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -17,9 +20,10 @@ from contextlib import contextmanager
 
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from jaxpar.core.errors import UserError
+from jaxpar.core.errors import UserError, error_line
 from torchpar import dist
 from torchpar.dist import Env
 
@@ -48,6 +52,10 @@ class DCPCheckpointer:
     def __init__(self, run_dir: str, keep: int, model, optimizer, env: Env):
         self.dir = os.path.abspath(os.path.join(run_dir, "checkpoints"))
         self.keep, self.model, self.optimizer, self.env = keep, model, optimizer, env
+        if env.is_main and os.path.isdir(self.dir):  # no save is in flight yet: any partial one is a leftover
+            for name in os.listdir(self.dir):
+                if name.endswith(".partial"):
+                    shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
 
     def _state(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=FLAT)
@@ -61,16 +69,46 @@ class DCPCheckpointer:
         if self.env.is_main and os.path.exists(tmp):
             shutil.rmtree(tmp)
         dist.barrier()
-        with _single_process_ok():
+        with self._failing_save(step, tmp), _single_process_ok():
             dcp.save(self._state(), checkpoint_id=tmp, no_dist=not tdist.is_initialized())
         dist.barrier()
         if self.env.is_main:
-            with open(os.path.join(tmp, "meta.json"), "w") as f:
-                json.dump(meta, f)
-            os.replace(tmp, final)
+            with self._failing_save(step, tmp):
+                with open(os.path.join(tmp, "meta.json"), "w") as f:
+                    json.dump(meta, f)
+                os.replace(tmp, final)
             for old in complete_steps(self.dir)[:-self.keep]:
                 shutil.rmtree(os.path.join(self.dir, str(old)), ignore_errors=True)
         dist.barrier()
+
+    @contextmanager
+    def _failing_save(self, step: int, tmp: str):
+        """A save that fails on the filesystem (DCP gathers every rank's error into one CheckpointException, raised
+        on every rank): the partial directory removed, one UserError naming the step and the last complete one."""
+        try:
+            yield
+        except (OSError, CheckpointException) as e:
+            errors = [err for err, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+            reasons = {self._filesystem_failure(err) for err in errors} - {None}
+            if not reasons:
+                raise  # not a filesystem failure: a bug, whose traceback must stay
+            if self.env.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            steps = complete_steps(self.dir)
+            last = (f"the last complete checkpoint is step {steps[-1]} in {self.dir}" if steps
+                    else f"there is no complete checkpoint in {self.dir} yet")
+            raise UserError(f"the checkpoint of step {step} could not be written: {'; '.join(sorted(reasons))}; "
+                            f"its partial files were removed; {last}") from None
+
+    def _filesystem_failure(self, e: BaseException) -> str | None:
+        """What the system said, or None. torch.save's zip writer turns a failed write into a RuntimeError
+        ('unexpected pos') whose context is the OSError; that context does not survive DCP's gather across ranks."""
+        while e is not None and not isinstance(e, OSError):
+            if isinstance(e, RuntimeError) and "unexpected pos" in str(e) and e.__context__ is None:
+                free = shutil.disk_usage(self.dir).free
+                return os.strerror(errno.ENOSPC) if not free else f"a write came short ({free:,} bytes free there)"
+            e = e.__cause__ or e.__context__
+        return error_line(e) if e is not None else None
 
     def restore(self) -> dict | None:
         """meta of the newest checkpoint, loaded into model and optimizer; None if there is none."""

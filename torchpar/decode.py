@@ -1,7 +1,8 @@
 """Autoregressive decoding with a KV cache (the same algorithm as jaxpar/decode.py): the prompt fills
 the cache in one pass, then one token per step attends over the cache, masked by position. The model's
-own modules do everything but attention. GPT-2 with MHA attention, and llama (the cache holds its n_kv_head
-heads); the commands check it first: jaxpar.core.sampling_cli.check_decodable."""
+own modules do everything but attention. Every family and variant: llama's cache holds its n_kv_head heads,
+model.attention=mla caches each token's latent (torchpar/variants.py), model.attention=dilated attends over
+its keys and values with its pairs' pattern (variants.key_counts: the segments of a max_seq_len row)."""
 from __future__ import annotations
 
 import torch
@@ -9,20 +10,44 @@ import torch.nn.functional as F
 
 from torchpar.llama import repeat_kv
 from torchpar.model import GPT, output_head
+from torchpar.variants import counted_attention, key_counts
+
+
+def _empty_cache(model: GPT, prompt: torch.Tensor, length: int) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer: MLA the latents [B, length, kv_latent + rope], the others keys and values [B, kv heads,
+    length, kv]."""
+    cfg, B = model.cfg, prompt.shape[0]
+    if cfg.attention == "mla":
+        shapes = [(B, length, cfg.kv_latent_dim + cfg.rope_head_dim)]
+    else:
+        shapes = [(B, cfg.kv_heads, length, cfg.head_dim)] * 2
+    return [tuple(prompt.new_zeros(shape, dtype=model.compute_dtype) for shape in shapes) for _ in model.blocks]
+
+
+def _attend(attn, cfg, x, positions, start: int, cache):
+    """One layer's attention of x (the tokens at `positions`) over its cache, x's own entries written in first."""
+    at = slice(start, start + x.shape[1])
+    if cfg.attention == "mla":
+        q, latent = attn.project_q_latent(x, positions)
+        cache[0][:, at] = latent
+        k, v = attn.keys_values(cache[0])
+    else:
+        q, k, v = attn.project_qkv(x, positions)
+        cache[0][:, :, at], cache[1][:, :, at] = k, v
+        k, v = repeat_kv(cache[0], cfg.n_head), repeat_kv(cache[1], cfg.n_head)
+    k_positions = torch.arange(k.shape[2], device=x.device)
+    if cfg.attention == "dilated":
+        return attn.project_out(counted_attention(
+            q, k, v, key_counts(positions, k_positions, cfg.n_head, cfg.dilation_pairs, cfg.max_seq_len)))
+    return attn.project_out(F.scaled_dot_product_attention(q, k, v, attn_mask=positions[:, None] >= k_positions))
 
 
 def _forward(model: GPT, tokens, start: int, cache):
-    cfg = model.cfg
     positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
     x = model.wte[tokens] if model.wpe is None else model.wte[tokens] + model.wpe[positions]
     x = x.to(model.compute_dtype)
-    mask = positions[:, None] >= torch.arange(cache[0][0].shape[2], device=tokens.device)[None, :]
-    for block, (k_cache, v_cache) in zip(model.blocks, cache):
-        q, k, v = block.attn.project_qkv(block.ln1(x), positions)
-        k_cache[:, :, start:start + tokens.shape[1]] = k
-        v_cache[:, :, start:start + tokens.shape[1]] = v
-        k, v = repeat_kv(k_cache, cfg.n_head), repeat_kv(v_cache, cfg.n_head)
-        x = x + block.attn.project_out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    for block, layer_cache in zip(model.blocks, cache):
+        x = x + _attend(block.attn, model.cfg, block.ln1(x), positions, start, layer_cache)
         x = x + block.mlp(block.ln2(x))
     return output_head(model.ln_f, model.output_table, x)
 
@@ -47,11 +72,8 @@ def sample(logits, generator, temperature: float, top_k: int, top_p: float):
 def generate(model: GPT, prompt: torch.Tensor, new_tokens: int, seed: int = 0, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """prompt [B, P] int64 -> the next `new_tokens` tokens [B, new_tokens]."""
-    cfg = model.cfg
-    B, P = prompt.shape
-    shape = (B, cfg.kv_heads, P + new_tokens, cfg.head_dim)
-    cache = [(prompt.new_zeros(shape, dtype=model.compute_dtype), prompt.new_zeros(shape, dtype=model.compute_dtype))
-             for _ in model.blocks]
+    P = prompt.shape[1]
+    cache = _empty_cache(model, prompt, P + new_tokens)
     generator = torch.Generator(prompt.device).manual_seed(seed)
     logits, out = _forward(model, prompt, 0, cache), []
     for i in range(new_tokens):

@@ -2,18 +2,32 @@
 
 torchrun and DeepSpeed's launcher set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT;
 under SLURM's `srun` without them, `adopt_slurm_env` derives them from SLURM_*; a plain `python -m
-torchpar.train` process is rank 0 of 1 (an in-memory store, no port). `teardown` must run in a
-`finally`: an FSDP2 run over gloo whose group is not destroyed can SIGABRT at interpreter exit.
+torchpar.train` process is rank 0 of 1 (an in-memory store, no port).
+
+`teardown` must run in a `finally`, and must leave no process group alive: a gloo group's worker threads
+free each finished collective's tensors themselves, taking the GIL where Python dropped a tensor first.
+One still waiting for the GIL when the interpreter starts finalizing is ended by CPython with
+pthread_exit, inside a noexcept destructor: std::terminate ("terminate called without an active
+exception") and SIGABRT after a run that trained correctly. Destroying a group frees it only once nothing
+references it, so the engine's reference cycles are collected and the backends release what their
+libraries hold (`before_teardown`); then the groups' destructors join those threads, in teardown.
+torch.distributed.nn is imported here, before any group: its functions take `group.WORLD` as a default
+argument when first imported (torch._dynamo imports it, DDP imports torch._dynamo), which would hold the
+default group for good.
 """
 from __future__ import annotations
 
+import gc
 import os
 import re
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # noqa: F401 - before any group exists (see teardown)
 
 from jaxpar.core import peers
 
@@ -97,6 +111,32 @@ def barrier() -> None:
         dist.barrier()
 
 
+_releases: list[Callable[[], None]] = []
+
+
+def before_teardown(release: Callable[[], None]) -> None:
+    """`release()` runs first in `teardown`: it drops what a library keeps of the process groups."""
+    _releases.append(release)
+
+
 def teardown() -> None:
+    """Destroy the process groups and free them now, their gloo threads joined, while the interpreter is
+    whole (module docstring). Safe to call again."""
+    while _releases:
+        _releases.pop()()
+    forget_meshes()
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()  # engines in reference cycles (DDP's reducer, FSDP2's modules) hold the last references
+
+
+def forget_meshes() -> None:
+    """DTensor (FSDP2) caches redistribution plans and shardings by device mesh, and a mesh holds its groups."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import _collective_utils, _redistribute, debug
+
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
+    debug._clear_sharding_prop_cache()

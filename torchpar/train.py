@@ -9,21 +9,21 @@ weights in the shared safetensors format and exit), --write-final PATH (the fina
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 
 import torch
 
 from jaxpar.core.config import Config, load_config
+from jaxpar.core.contract import Run, check_contract
 from jaxpar.core.data_order import GlobalBatches, open_splits
-from jaxpar.core.errors import UserError
+from jaxpar.core.errors import UserError, error_line
 from jaxpar.core.flops import flops_per_token, peak_flops
 from jaxpar.core.loop import ignore_stop_requests, run_loop, sample_lengths, stop_requests
 from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
 from jaxpar.core.metrics_log import MetricsLog
 from jaxpar.core.prefetch import Prefetch
-from jaxpar.core.resume import already_complete, check_resume, write_run_config
+from jaxpar.core.resume import already_complete, check_resume, start_anew, write_run_config
 from jaxpar.core.trackers import check_trackers, open_trackers
 from jaxpar.core.weights import load_weights, save_weights, unflatten
 from torchpar import dist
@@ -78,15 +78,18 @@ def check(cfg: Config, args) -> None:
     if args.deepspeed_config and args.backend != "deepspeed":
         raise UserError("--deepspeed-config needs --backend deepspeed")
     micro = cfg.train.global_batch_size // cfg.train.microbatches
+    stages = {}
     if args.backend == "pipeline":
-        from torchpar.backends.pipeline import check_pipeline
+        from torchpar.backends.pipeline import check_pipeline, pipeline_sizes
         check_pipeline(cfg, world)
+        stages = {"pp": pipeline_sizes(cfg, world)[0]}
     elif micro % world:
         raise UserError(f"batch per microbatch {micro} (train.global_batch_size={cfg.train.global_batch_size} / "
                         f"train.microbatches={cfg.train.microbatches}) is not divisible by the world size {world}")
     if args.backend == "deepspeed":
         from torchpar.backends import deepspeed
         deepspeed.check(cfg, args.deepspeed_config)
+    check_contract(Run(cfg, "torchpar", args.backend, stages))
 
 
 def check_offload(cfg: Config, backend: str) -> None:
@@ -209,10 +212,10 @@ class TorchFramework:
         return {"loss": loss_sum / self.engine.data_ways, "grad_norm": float(grad_norm), "lr": float(lr),
                 **(extra[0] if extra else {})}
 
-    def evaluate(self) -> float:
-        engine, n = self.engine, self.cfg.train.eval_batches
+    def evaluate(self, batches: int) -> float:
+        engine = self.engine
         engine.module.eval()
-        losses = [engine.eval_loss(self._rows(self.val_data, i)) for i in range(n)]
+        losses = [engine.eval_loss(self._rows(self.val_data, i)) for i in range(batches)]
         engine.module.train()
         return dist.all_sum([sum(losses) / len(losses)], self.env)[0] / engine.data_ways
 
@@ -263,6 +266,17 @@ def setup_torch(cfg: Config, backend: str):
     return env
 
 
+def params_per_rank(engine, env) -> str:
+    """', N per rank' (or 'A-B per rank' when ranks differ): the parameter elements each rank holds; '' where the
+    engine does not say (deepspeed)."""
+    local = getattr(engine, "local_params", None)
+    if local is None:
+        return ""
+    counts = [int(c) for c in dist.all_sum([local if r == env.rank else 0 for r in range(env.world)], env)]
+    span = f"{min(counts):,}" if min(counts) == max(counts) else f"{min(counts):,}-{max(counts):,}"
+    return f", {span} per rank"
+
+
 def train(cfg: Config, args) -> int:
     from torchpar import backends
 
@@ -284,9 +298,10 @@ def train(cfg: Config, args) -> int:
     step = engine.step = int(resumed["data_step"]) if resumed else 0
     if resumed and hasattr(engine, "load_extra_state"):
         engine.load_extra_state(resumed)
+    held = params_per_rank(engine, env)  # a collective: every rank takes part
     if env.is_main:
         write_run_config(cfg, backend=args.backend, world_size=env.world)
-        print(f"backend {args.backend} on {env.world} {env.device.type} processes; {n_params:,} params; "
+        print(f"backend {args.backend} on {env.world} {env.device.type} processes; {n_params:,} params{held}; "
               f"torch.compile {'on' if compiled else 'off'}", flush=True)
     kind = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     peak = peak_flops(kind, cfg.model.compute_dtype)
@@ -318,19 +333,18 @@ def main(argv=None) -> int:
         check_resume(cfg)
         if args.write_init:
             return write_init(cfg, args.write_init)
+        start_anew(cfg, rank0)  # before the process group's rendezvous: no rank writes into run.dir until then
         failure = None
         try:
             return train(cfg, args)
-        except UserError as e:  # mid-run (a non-finite step): a process group is up
-            failure = str(e)
+        except (UserError, OSError) as e:  # mid-run (a non-finite step, a full disk): a process group is up
+            failure = error_line(e)
         finally:
-            if failure is not None:
-                gc.collect()  # the failed run's engine (DDP hooks, gloo work) must go before its process group
-            dist.teardown()
+            dist.teardown()  # frees the groups now, the engine first (a gloo thread alive at exit can abort)
         raise UserError(failure)
-    except UserError as e:
+    except (UserError, OSError) as e:
         if rank0:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {error_line(e)}", file=sys.stderr)
         return 2
 
 

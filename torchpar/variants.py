@@ -32,14 +32,26 @@ class MLAttention(nn.Module):
         self.kvl, self.r, self.theta = kvl, r, cfg.rope_theta
 
     def forward(self, x):
+        q, latent = self.project_q_latent(x)
+        k, v = self.keys_values(latent)
+        return self.project_out(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+    # the three steps below are also what decoding runs (torchpar/decode.py): it caches the latents
+    def project_q_latent(self, x, positions=None):
+        """(q [b, heads, t, kv + rope], latent [b, t, kv_latent + rope]: normalised c_kv and the rotated k_r)."""
         q = self.q_up(self.q_norm(self.q_down(x, "btd,dl->btl")), "btl,lhk->bthk")
-        q = torch.cat([q[..., : -self.r], rope(q[..., -self.r:], self.theta)], dim=-1)
+        q = torch.cat([q[..., : -self.r], rope(q[..., -self.r:], self.theta, positions)], dim=-1)
         ckv = self.kv_down(x, "btd,dl->btl")
-        c_kv, k_r = self.kv_norm(ckv[..., : self.kvl]), ckv[..., self.kvl:]
-        k_nope, v = self.kv_up(c_kv, "btl,lchk->cbthk").unbind(0)
-        k_r = rope(k_r, self.theta)[:, :, None].expand(*k_nope.shape[:3], self.r)
-        k = torch.cat([k_nope, k_r], dim=-1)
-        y = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+        latent = torch.cat([self.kv_norm(ckv[..., : self.kvl]), rope(ckv[..., self.kvl:], self.theta, positions)], -1)
+        return q.transpose(1, 2), latent
+
+    def keys_values(self, latent):
+        """Keys [b, heads, t, kv + rope] (the rotated k_r shared by every head) and values [b, heads, t, kv]."""
+        k_nope, v = self.kv_up(latent[..., : self.kvl], "btl,lchk->cbthk").unbind(0)
+        k_r = latent[:, :, None, self.kvl:].expand(*k_nope.shape[:3], self.r)
+        return torch.cat([k_nope, k_r], dim=-1).transpose(1, 2), v.transpose(1, 2)
+
+    def project_out(self, y):
         return self.out(y, "bhtk,hkd->btd")
 
 
@@ -66,6 +78,23 @@ def dilated_attention(q, k, v, pairs):
     weight = torch.exp(lse - lse.max(0).values)
     out = sum(wt[..., None] * o for wt, o in zip(weight, outs)) / weight.sum(0)[..., None]
     return out.to(q.dtype)
+
+
+def key_counts(q_pos, k_pos, n_head: int, pairs, context: int):
+    """jaxpar.models.dilated.key_counts: [heads, q, k], how many pairs let query q_pos[i] attend key k_pos[j]."""
+    h, q, k = torch.arange(n_head, device=q_pos.device)[:, None, None], q_pos[None, :, None], k_pos[None, None, :]
+    counts = torch.zeros(n_head, len(q_pos), len(k_pos), dtype=torch.int32, device=q_pos.device)
+    for w, r in pairs:
+        w = min(w, context)
+        counts += (q // w == k // w) & (k <= q) & (q % w % r == h % r) & (k % w % r == h % r)
+    return counts
+
+
+def counted_attention(q, k, v, counts):
+    """jaxpar.models.dilated.counted_attention on [b, heads, t, d]: decoding's form of dilated_attention."""
+    s = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) / math.sqrt(q.shape[-1])
+    s = torch.where(counts > 0, s + counts.clamp(min=1).float().log(), NEG)
+    return torch.einsum("bhqk,bhkd->bhqd", s.softmax(-1), v.float()).to(q.dtype)
 
 
 class SketchedLinear(nn.Module):

@@ -2,7 +2,8 @@
 
 Pure Python on purpose (no jax, no torch): both trainers import it, so defaults live here once.
 A config is YAML with one mapping per section, then `section.key=value` overrides on top.
-Unknown keys, wrong types and out-of-range values raise `UserError` naming the key.
+Unknown keys, wrong types and out-of-range values raise `UserError` naming the key. Who consumes each key
+(trainer, torchpar backend, mode) is jaxpar/core/contract.py: a new key comes with its row there.
 """
 from __future__ import annotations
 
@@ -138,7 +139,7 @@ class OptimConfig:
     # factor (not below the minimum); after growth_interval clean steps in a row it grows by the growth factor
     loss_scale_init: float = field(default=65536.0, metadata=_check(lo=0.0, lo_open=True))
     loss_scale_growth_interval: int = field(default=2000, metadata=_check(lo=1))
-    loss_scale_growth_factor: float = field(default=2.0, metadata=_check(lo=1.0))
+    loss_scale_growth_factor: float = field(default=2.0, metadata=_check(lo=1.0, lo_open=True))
     loss_scale_backoff_factor: float = field(default=0.5, metadata=_check(lo=0.0, hi=1.0, lo_open=True))
     loss_scale_min: float = field(default=1.0, metadata=_check(lo=0.0, lo_open=True))
 
@@ -340,11 +341,15 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     if path:
         if not os.path.exists(path):
             raise UserError(f"config file not found: {path}")
-        with open(path) as f:
-            try:
+        if os.path.isdir(path):
+            raise UserError(f"config file {path} is a directory (name a YAML file, e.g. configs/gpt2-tiny.yaml)")
+        try:
+            with open(path, encoding="utf-8") as f:
                 raw = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise UserError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        except yaml.YAMLError as e:
+            raise UserError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read config file {path}: {getattr(e, 'strerror', None) or e}") from None
         if not isinstance(raw, dict):
             raise UserError(f"config file {path}: top level must be a mapping of sections")
         for section, values in raw.items():

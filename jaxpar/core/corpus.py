@@ -45,8 +45,13 @@ def _text(value, where: str, text_field: str) -> bytes:
 
 def _jsonl(path: str, text_field: str) -> Iterator[bytes]:
     try:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:  # JSON text is UTF-8 (RFC 8259)
+                    raise UserError(f"{path}:{n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                    "JSON lines must be UTF-8 text") from None
                 if line.strip():
                     try:
                         record = json.loads(line)

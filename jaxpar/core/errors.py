@@ -1,12 +1,55 @@
 """One exception type for bad user input: printed as a single line, non-zero exit."""
+from __future__ import annotations
 
 
 class UserError(Exception):
     """A problem with the config, mesh, data or a checkpoint that the user must fix."""
 
 
+def os_error_line(e: OSError) -> str:
+    """An OSError as the user needs it: the path(s) and what the system said, without the errno number."""
+    paths = [str(p) for p in (e.filename, e.filename2) if p is not None]
+    what = e.strerror or str(e) or type(e).__name__
+    return f"{' -> '.join(paths)}: {what}" if paths else what
+
+
+def error_line(e: BaseException) -> str | None:
+    """The one line for an error the user must fix (bad input, a missing file or directory, a full disk, no
+    permission), or None for anything else: a bug, whose traceback must stay."""
+    if isinstance(e, UserError):
+        return str(e)
+    if isinstance(e, OSError):  # FileNotFoundError, PermissionError, IsADirectoryError, ENOSPC, ...
+        return os_error_line(e)
+    return None
+
+
+def check_output_dir(path: str, name: str, given: str | None = None) -> None:
+    """`path` is a directory, or can be made one: else one line naming `name` (the key or flag) and the value
+    `given` to it, before any work (os.makedirs would say only 'File exists' of a file there, or above it)."""
+    import os
+
+    at, path = os.path.abspath(path), path if given is None else given
+    while not os.path.lexists(at):  # the nearest part of the path that is there
+        at = os.path.dirname(at)
+    if not os.path.isdir(at):
+        what = "a broken symbolic link" if os.path.islink(at) else "a file"
+        raise UserError(f"{name}={path}: {at} is {what}, not a directory; choose another {name}")
+    if not os.access(at, os.W_OK | os.X_OK):
+        raise UserError(f"{name}={path}: no permission to write in {at}")
+
+
+def check_output_file(path: str, name: str) -> None:
+    """A file the command will write at its end: checked before the work (its folder is made when written)."""
+    import os
+
+    if os.path.isdir(path):
+        raise UserError(f"{name}={path} is a directory; name a file")
+    check_output_dir(os.path.dirname(os.path.abspath(path)), name, path)
+
+
 def cli(main):
-    """Decorate a command's `main(argv) -> int`: a UserError becomes one `error:` line, exit status 2."""
+    """Decorate a command's `main(argv) -> int`: a UserError or an OSError becomes one `error:` line, exit
+    status 2."""
     import functools
     import sys
 
@@ -14,8 +57,8 @@ def cli(main):
     def run(*args, **kwargs) -> int:
         try:
             return main(*args, **kwargs)
-        except UserError as e:
-            print(f"error: {e}", file=sys.stderr)
+        except (UserError, OSError) as e:
+            print(f"error: {error_line(e)}", file=sys.stderr)
             return 2
 
     return run

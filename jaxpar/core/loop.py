@@ -40,7 +40,8 @@ class Framework(Protocol):
     def fetch(self, handle: Any) -> dict:
         """The step's loss, grad_norm and lr as floats (waits for the step)."""
 
-    def evaluate(self) -> float: ...
+    def evaluate(self, batches: int) -> float:
+        """The mean loss over the first `batches` validation batches."""
 
     def sample(self, step: int) -> list[int] | None:
         """train.sample_every: a prompt from the validation data and a sampled continuation (token ids, on
@@ -165,7 +166,7 @@ def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_
                           "mfu": tps * flops_per_token / peak_flops_total if peak_flops_total else None,
                           "data_wait_share": data_s / (now - mark), **fw.memory(), **(extra or {})}
                 if do_eval:
-                    record["eval_loss"] = fw.evaluate()
+                    record["eval_loss"] = fw.evaluate(t.eval_batches)
                 log.log(record)
             sampled = t.sample_every and step % t.sample_every == 0
             if sampled:

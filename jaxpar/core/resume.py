@@ -15,7 +15,7 @@ import os
 import sys
 
 from jaxpar.core.config import Config, config_from_dict
-from jaxpar.core.errors import UserError
+from jaxpar.core.errors import UserError, check_output_dir
 
 # Free to change on resume inside the model section: numerics and memory, not shapes.
 _MODEL_FREE = {"compute_dtype", "remat", "init_from"}
@@ -57,7 +57,9 @@ def read_run_config(run_dir: str) -> Config:
 
 
 def check_resume(cfg: Config) -> None:
-    """Compare with the config the run was started with, when run.dir holds a checkpoint to resume."""
+    """Compare with the config the run was started with, when run.dir holds a checkpoint to resume (first:
+    run.dir is usable at all)."""
+    check_output_dir(cfg.run.dir, "run.dir")
     run_dir, path = cfg.run.dir, os.path.join(cfg.run.dir, "config.json")
     ckpts = os.path.join(run_dir, "checkpoints")
     has_checkpoint = os.path.isdir(ckpts) and any(d.isdigit() for d in os.listdir(ckpts))
@@ -82,9 +84,29 @@ def check_resume(cfg: Config) -> None:
     if fixed:
         detail = ", ".join(f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in fixed)
         raise UserError(f"{run_dir} was started with another {'/'.join(fixed)} ({detail}); resume with the "
-                        f"run's values, or use a new run.dir (or checkpoint.resume=false)")
+                        f"run's values, or use a new run.dir (or checkpoint.resume=false: the old run is moved aside)")
     for k, (old, new) in changed.items():
         print(f"resuming with {k} changed: {old!r} -> {new!r}", flush=True)
+
+
+def start_anew(cfg: Config, is_main: bool) -> None:
+    """checkpoint.resume=false where run.dir holds a run (a config, metrics or checkpoints): that run is moved
+    aside intact to <run.dir>.prev-<k>, so the new run never mixes with it (by the main process, before any
+    process writes into run.dir)."""
+    run_dir = cfg.run.dir.rstrip("/")
+    held = os.path.isdir(run_dir) and any(os.path.exists(os.path.join(run_dir, name))
+                                          for name in ("config.json", "metrics.jsonl", "checkpoints"))
+    if cfg.checkpoint.resume or not held or not is_main:
+        return
+    k = 1
+    while os.path.exists(f"{run_dir}.prev-{k}"):
+        k += 1
+    try:
+        os.rename(run_dir, f"{run_dir}.prev-{k}")
+    except OSError as e:
+        raise UserError(f"checkpoint.resume=false: cannot move the run in {run_dir} aside: {e.strerror}") from None
+    print(f"checkpoint.resume=false: the run in {run_dir} was moved to {run_dir}.prev-{k} as it was; starting anew",
+          file=sys.stderr, flush=True)
 
 
 def already_complete(cfg: Config, step: int, is_main: bool) -> bool:

@@ -33,9 +33,8 @@ def check_sampling(args) -> None:
 
 
 def check_decodable(cfg: ModelConfig, prompt_len: int, new_tokens: int) -> None:
-    """What both decoders (jaxpar/decode.py, torchpar/decode.py) can do: MHA models, a prompt, the context."""
-    if cfg.attention != "mha":
-        raise UserError(f"decoding supports model.attention=mha, not {cfg.attention}")
+    """What both decoders (jaxpar/decode.py, torchpar/decode.py; every family and variant) need: a prompt, the
+    context."""
     if prompt_len < 1:
         raise UserError("the prompt is empty: give at least one token")
     if prompt_len + new_tokens > cfg.max_seq_len:

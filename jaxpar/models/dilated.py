@@ -49,3 +49,26 @@ def dilated_attention(q, k, v, pairs) -> jax.Array:
     weight = jnp.exp(lse - jnp.max(lse, axis=0))
     out = sum(wt[..., None] * o for wt, o in zip(weight, outs)) / jnp.sum(weight, axis=0)[..., None]
     return out.astype(q.dtype)
+
+
+# Decoding (jaxpar/decode.py) sees one query at a time against a cache of keys, so it takes the union form of
+# the combination above: a key that k of the pairs show the query enters the one softmax k times, i.e. with
+# log(k) added to its score. The segment structure is that of a row of `context` tokens (the model's
+# max_seq_len): for the positions below data.seq_len it is the training rows' structure whatever the context,
+# since a segment cut at min(w, seq_len) and one cut at min(w, context) start together at 0.
+def key_counts(q_pos, k_pos, n_head: int, pairs, context: int) -> jax.Array:
+    """[heads, q, k] int32: how many pairs let the query at position q_pos[i] attend the key at k_pos[j]."""
+    h, q, k = jnp.arange(n_head)[:, None, None], q_pos[None, :, None], k_pos[None, None, :]
+    counts = jnp.zeros((n_head, q_pos.shape[0], k_pos.shape[0]), jnp.int32)
+    for w, r in pairs:
+        w = min(w, context)
+        counts += (q // w == k // w) & (k <= q) & (q % w % r == h % r) & (k % w % r == h % r)
+    return counts
+
+
+def counted_attention(q, k, v, counts) -> jax.Array:
+    """Causal dilated attention of q [b, tq, heads, d] over k, v [b, tk, heads, d] with key_counts' counts:
+    dilated_attention's output at those query positions, float32 inside as there."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=F32) / math.sqrt(q.shape[-1])
+    s = jnp.where(counts > 0, s + jnp.log(jnp.maximum(counts, 1).astype(F32)), NEG)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v.astype(F32)).astype(q.dtype)

@@ -50,23 +50,37 @@ class MLAttention(nnx.Module):
         self.out = nnx.Dict(
             kernel=param(normal(rngs, L + (h, k, d), proj_std), lead + ("heads", "kv", "embed")),
             bias=param(jnp.zeros(L + (d,)), lead + ("embed",)))
-        self.eps, self.theta, self.kvl = cfg.layernorm_eps, cfg.rope_theta, kvl
+        self.eps, self.theta, self.kvl, self.r = cfg.layernorm_eps, cfg.rope_theta, kvl, r
 
     def __call__(self, x, dtype, positions=None):
+        q, latent = self.project_q_latent(x, dtype, positions)
+        k, v = self.keys_values(latent, dtype)
+        return self.project_out(current().attention(q, k, v, positions), dtype)
+
+    # The three steps below are also what decoding runs (jaxpar/decode.py): it caches the latent, the
+    # kv_cache_width values per token, and expands the cached latents to keys and values at every step.
+    def project_q_latent(self, x, dtype, positions=None):
+        """(q [b, t, heads, kv + rope], latent [b, t, kv_latent + rope]: normalised c_kv and the rotated k_r)."""
         pos = jnp.arange(x.shape[1]) if positions is None else positions
         w = lambda p: p["kernel"][...].astype(dtype)  # noqa: E731
         c_q = rms_norm(project(x, w(self.q_down)), self.q_norm["scale"][...], self.eps)
         q = project(c_q, w(self.q_up))
-        r = q.shape[-1] - w(self.kv_up).shape[-1]  # rope_head_dim
-        q = jnp.concatenate([q[..., :-r], rope(q[..., -r:], pos, self.theta)], axis=-1)
+        q = jnp.concatenate([q[..., :-self.r], rope(q[..., -self.r:], pos, self.theta)], axis=-1)
         ckv = project(x, w(self.kv_down))
-        c_kv, k_r = rms_norm(ckv[..., : self.kvl], self.kv_norm["scale"][...], self.eps), ckv[..., self.kvl:]
-        kv = project(c_kv, w(self.kv_up))  # [b, t, 2, h, k]
+        c_kv = rms_norm(ckv[..., : self.kvl], self.kv_norm["scale"][...], self.eps)
+        latent = jnp.concatenate([c_kv, rope(ckv[..., self.kvl:], pos, self.theta)], axis=-1)
+        return constrain(q, ("batch", "seq", "heads", "kv")), latent
+
+    def keys_values(self, latent, dtype):
+        """Keys and values [b, t, heads, kv + rope] of latents; v zero-padded to the query/key width, which the
+        fused core wants for all three."""
+        kv = project(latent[..., : self.kvl], self.kv_up["kernel"][...].astype(dtype))  # [b, t, 2, h, k]
         k_nope, v = kv[:, :, 0], kv[:, :, 1]
-        k_r = jnp.broadcast_to(rope(k_r, pos, self.theta)[:, :, None], k_nope.shape[:3] + (r,))
-        k = jnp.concatenate([k_nope, k_r], axis=-1)
-        v = jnp.pad(v, ((0, 0),) * 3 + ((0, r),))  # the fused core wants one head width for q, k and v
-        q, k, v = (constrain(t, ("batch", "seq", "heads", "kv")) for t in (q, k, v))
-        y = current().attention(q, k, v, positions)[..., :-r]  # scale 1/sqrt(kv + rope): the default for that width
-        y = constrain(y, ("batch", "seq", "heads", "kv"))
-        return project(y, w(self.out), n_in=2) + self.out["bias"][...].astype(dtype)
+        k_r = jnp.broadcast_to(latent[:, :, None, self.kvl:], k_nope.shape[:3] + (self.r,))  # one for every head
+        k, v = jnp.concatenate([k_nope, k_r], axis=-1), jnp.pad(v, ((0, 0),) * 3 + ((0, self.r),))
+        return tuple(constrain(t, ("batch", "seq", "heads", "kv")) for t in (k, v))
+
+    def project_out(self, y, dtype):
+        """Drop the padded value features (the core's scale was 1/sqrt(kv + rope): the default for that width)."""
+        y = constrain(y[..., :-self.r], ("batch", "seq", "heads", "kv"))
+        return project(y, self.out["kernel"][...].astype(dtype), n_in=2) + self.out["bias"][...].astype(dtype)

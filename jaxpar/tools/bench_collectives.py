@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 from jaxpar.core.bench_records import measurement, print_rows
+from jaxpar.core.errors import UserError, check_output_file, cli
 
 
 def _ops(n: int):
@@ -53,6 +55,7 @@ def run(max_bytes: int, reps: int = 5) -> list[dict]:
     return rows
 
 
+@cli
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxpar.tools.bench_collectives", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,12 +63,17 @@ def main(argv=None) -> int:
     ap.add_argument("--max-mib", type=float, default=16)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.devices < 1 or not args.max_mib > 0:
+        raise UserError("--devices must be at least 1 and --max-mib above 0")
+    if args.json:
+        check_output_file(args.json, "--json")  # before the measurements, not after them
     from jaxpar.mesh import setup_devices
 
     setup_devices({"dp": args.devices})
     rows = run(int(args.max_mib * 2**20))
     print_rows(rows)
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
     return 0

@@ -20,7 +20,9 @@ from jaxpar.core.errors import UserError, cli
 from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
 
 LAUNCHERS = {"jaxpar": ("srun",), "torchpar": ("srun", "torchrun", "deepspeed")}
-PORT = 29500  # torchrun / DeepSpeed rendezvous port on the first node
+# torchrun's / DeepSpeed's rendezvous port on the first node, by the formula torchpar uses under srun
+# (torchpar/dist.py): two jobs that share a first node do not collide
+PORT = "$((29500 + SLURM_JOB_ID % 20000))"
 
 
 def parse_args(argv):
@@ -37,7 +39,7 @@ def parse_args(argv):
     p.add_argument("--cpus-per-gpu", type=int, default=8)
     p.add_argument("--job-name", help="default: <framework>-<run.dir's last part>")
     p.add_argument("--config", help="YAML config (configs/*.yaml)")
-    p.add_argument("--mesh", help="jaxpar mesh axes (overrides parallel.mesh)")
+    p.add_argument("--mesh", help="mesh axes (overrides parallel.mesh); torchpar gets it as parallel.mesh=...")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return p.parse_intermixed_args(argv)
 
@@ -63,10 +65,15 @@ def check(args) -> str:
 
 
 def trainer_args(args) -> str:
+    """The trainer's own arguments: jaxpar.train takes --mesh; torchpar.train has no --mesh flag and reads
+    the mesh as the override parallel.mesh=..., put last so that it wins over one in the overrides."""
     words = [] if args.framework == "jaxpar" else ["--backend", args.backend]
     words += ["--config", args.config] if args.config else []
-    words += ["--mesh", args.mesh] if args.mesh else []
-    return " ".join(shlex.quote(w) for w in words + list(args.overrides))
+    if args.framework == "jaxpar":
+        words += (["--mesh", args.mesh] if args.mesh else []) + list(args.overrides)
+    else:
+        words += list(args.overrides) + ([f"parallel.mesh={args.mesh}"] if args.mesh else [])
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def launch_line(args, launcher: str) -> str:
@@ -76,10 +83,10 @@ def launch_line(args, launcher: str) -> str:
     if launcher == "torchrun":  # one torchrun per node; they meet on the first node
         return ("srun --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun --nnodes=$SLURM_JOB_NUM_NODES "
                 f"--nproc_per_node={args.gpus_per_node} --rdzv_backend=c10d --rdzv_id=$SLURM_JOB_ID "
-                f"--rdzv_endpoint=$HEAD:{PORT} -m {module} {trainer_args(args)}")
+                f"--rdzv_endpoint=$HEAD:$PORT -m {module} {trainer_args(args)}")
     return ('scontrol show hostnames "$SLURM_JOB_NODELIST" | sed "s/$/ slots=' + str(args.gpus_per_node) +
             '/" > "hostfile.$SLURM_JOB_ID"\n'
-            f'deepspeed --hostfile "hostfile.$SLURM_JOB_ID" --master_addr "$HEAD" --master_port {PORT} '
+            f'deepspeed --hostfile "hostfile.$SLURM_JOB_ID" --master_addr "$HEAD" --master_port "$PORT" '
             f"--module {module} {trainer_args(args)}")
 
 
@@ -99,8 +106,8 @@ def script(args, launcher: str, argv: list[str]) -> str:
         f"# written by: python -m jaxpar.tools.launch {' '.join(shlex.quote(a) for a in argv)}",
         *(f"#SBATCH {h}" for h in header),
         "set -euo pipefail",
-        *(['HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)  # the first node']
-          if launcher != "srun" else []),
+        *(['HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)  # the first node',
+           f"PORT={PORT}  # the rendezvous port"] if launcher != "srun" else []),
         "export PYTHONUNBUFFERED=1",
         "# NCCL (docs/cluster.md): name the inter-node interface if NCCL picks a wrong one; INFO to debug a hang",
         "# export NCCL_SOCKET_IFNAME=ib0",

@@ -17,6 +17,9 @@ recomputed forward). Target: 1F1B's temp at M=16 <= 1.25x its temp at M=4.
 from __future__ import annotations
 
 import argparse
+import sys
+
+from jaxpar.core.errors import UserError, cli
 
 ROWS = {"gpipe": "gpipe", "gpipe (executor)": "gpipe", "1f1b": "1f1b", "zb_h1": "zb_h1"}
 
@@ -41,7 +44,8 @@ def step_flops(cfg, sizes, devices, on_executor: str | None) -> float:
     return sum(per_branch[c] for c in codes[..., COL["code"]].flat)
 
 
-def main(argv=None) -> None:
+@cli
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", type=int, default=4)
     ap.add_argument("--microbatches", default="4,8,16")
@@ -52,6 +56,10 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if set(args.rows.split(",")) - set(ROWS):
         ap.error(f"--rows {args.rows!r}: choose from {', '.join(ROWS)}")
+    if min(args.stages, args.microbatch_size, args.seq_len) < 1:
+        raise UserError("--stages, --microbatch-size and --seq-len must be at least 1")
+    if not all(m.isdigit() and int(m) > 0 for m in args.microbatches.split(",")):
+        raise UserError(f"--microbatches {args.microbatches!r}: positive whole numbers, comma-separated")
 
     import jax
     jax.config.update("jax_platforms", "cpu")
@@ -85,7 +93,8 @@ def main(argv=None) -> None:
             one = one_device[M]
             print(f"| {row} | {M} | {temp:,} | {temp / base:.2f} | {kept} | {flops:.3e} | {flops / one:.2f} |",
                   flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -9,6 +9,9 @@ On CPU the devices are simulated (`jax_num_cpu_devices`).
 from __future__ import annotations
 
 import argparse
+import sys
+
+from jaxpar.core.errors import UserError, cli
 
 
 def loss_and_grad_program(cfg, sizes: dict[str, int], devices, schedule: str | None = None):
@@ -44,13 +47,16 @@ def measure(cfg, sizes: dict[str, int], devices, schedule: str | None = None):
     return jax.jit(traced).lower(params, batch).compile().memory_analysis()
 
 
-def main(argv=None) -> None:
+@cli
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--strategies", default="ring,all_gather,ulysses")
     ap.add_argument("--model", default="model.n_layer=2,model.n_head=8,model.d_model=64,model.vocab_size=256")
     args = ap.parse_args(argv)
+    if args.devices < 1 or args.seq_len < 1:
+        raise UserError("--devices and --seq-len must be at least 1")
 
     import jax
     jax.config.update("jax_platforms", "cpu")
@@ -76,7 +82,8 @@ def main(argv=None) -> None:
                 ratio, bound = temp / base, 1.3 / n
                 print(f"| {strategy} | {'yes' if zigzag else 'no'} | {n} | {temp:,} | {ratio:.3f} | {bound:.3f} | "
                       f"{'yes' if ratio <= bound else '**no**'} |", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -16,6 +16,7 @@ import math
 from contextlib import nullcontext
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from jaxpar.core.lr_schedule import lr_at
 from torchpar.checkpoint import DCPCheckpointer
@@ -48,6 +49,11 @@ class TorchEngine:
         self.step = 0  # set by the trainer after a restore
         # which share of each global batch this rank reads, and how many ranks' losses make the mean
         self.data_rank, self.data_ways = env.rank, env.world
+
+    @property
+    def local_params(self) -> int:
+        """Parameter elements this rank holds: its shards under FSDP2, its stage under pipeline, else all."""
+        return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in self.params)
 
     def eval_loss(self, batch: torch.Tensor) -> float:
         with torch.no_grad():

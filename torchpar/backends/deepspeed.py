@@ -154,6 +154,15 @@ class DeepSpeedEngine:
                 shutil.rmtree(os.path.join(self.dir, str(old)), ignore_errors=True)
         dist.barrier()
 
+    def release(self) -> None:
+        """Before the process groups are destroyed (torchpar.dist.teardown): let go of them, so that they are
+        freed then. destroy() removes the engine's hooks; DeepSpeed's destroy_process_group empties its group
+        registry; ZeRO-3 also keeps the model (whose parameters name a group) in two globals for good."""
+        deepspeed = import_deepspeed()
+        self.engine.destroy()
+        forget_module(self.engine.module)
+        deepspeed.comm.destroy_process_group()
+
     def restore(self) -> dict | None:
         if not os.path.exists(os.path.join(self.dir, "latest")):
             if complete_steps(self.dir):
@@ -166,6 +175,21 @@ class DeepSpeedEngine:
         if self.env.is_main:
             print(f"resumed from {path}", file=sys.stderr)
         return client_state
+
+
+def forget_module(module) -> None:
+    """DeepSpeed 0.19's ZeRO-3 holds a model after engine.destroy(): on its forward-module stack (the root
+    module is pushed at setup and never popped) and, with its submodules, as keys of a class-level cache of
+    the parameter coordinator (functools.lru_cache on a method). Both let go of it here."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    stack = parameter_offload.FWD_MODULE_STACK
+    stack[:] = [m for m in stack if m is not module]
+    method = vars(PartitionedParameterCoordinator)["_PartitionedParameterCoordinator__params_to_release"]
+    for cell in method.__closure__ or ():  # the lru_cache under DeepSpeed's nvtx wrapper
+        if hasattr(cell.cell_contents, "cache_clear"):
+            cell.cell_contents.cache_clear()
 
 
 def check_user_config(user: dict, cfg) -> None:
@@ -213,4 +237,6 @@ def build(model, cfg, env, deepspeed_config: str = "", **_):
                                           config=config, lr_scheduler=scheduler, dist_init_required=False)
     except AssertionError as e:  # DeepSpeed validates its config with asserts
         raise UserError(f"DeepSpeed rejected the config: {e}") from None
-    return DeepSpeedEngine(engine, cfg, env, config)
+    wrapper = DeepSpeedEngine(engine, cfg, env, config)
+    dist.before_teardown(wrapper.release)
+    return wrapper

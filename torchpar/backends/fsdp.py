@@ -1,4 +1,6 @@
-"""FSDP2: `fully_shard` per block and at the root on a 1-D DeviceMesh over all ranks.
+"""FSDP2: `fully_shard` per block and at the root on a DeviceMesh: 1-D ("fsdp") over all ranks, or 2-D ("dp", "fsdp")
+for parallel.mesh=dp=D,fsdp=F (HSDP: FSDP2 shards over fsdp and replicates over dp; fsdp=1 is plain replication).
+Every rank still reads its own share of each batch (both axes split the data).
 
 model.compute_dtype=bfloat16 or float16 -> MixedPrecisionPolicy(param_dtype=that, reduce_dtype=fp32) (float16:
 with the sharded GradScaler, torchpar/backends/base.py); parallel.offload=params+optimizer -> CPUOffloadPolicy; model.remat is applied inside the model (torch.utils.checkpoint).
@@ -15,17 +17,29 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
 from torchpar.backends.base import TorchEngine, grad_scaler
 
 
+def fsdp_options(cfg, world: int) -> dict:
+    """What the config asks of FSDP2: the mesh's (shape, axis names) -- parallel.mesh's dp x fsdp, all ranks on
+    fsdp when it is not set (torchpar.train.check_mesh vetted it) -- and fully_shard's settings."""
+    sizes = resolve_sizes(parse_mesh(cfg.parallel.mesh), world) if cfg.parallel.mesh else {"dp": 1}
+    mesh = ((world,), ("fsdp",)) if sizes["dp"] == 1 else ((sizes["dp"], sizes["fsdp"]), ("dp", "fsdp"))
+    compute = None if cfg.model.compute_dtype == "float32" else cfg.model.compute_dtype
+    return {"mesh": mesh, "param_dtype": compute, "cpu_offload": cfg.parallel.offload == "params+optimizer",
+            "reshard_after_forward": cfg.parallel.zero_stage not in (1, 2)}
+
+
 def build(model, cfg, env, **_):
-    cpu_offload = cfg.parallel.offload == "params+optimizer"  # torchpar.train.check_offload refuses the rest
-    mesh = init_device_mesh(env.device.type, (env.world,), mesh_dim_names=("fsdp",))
+    o = fsdp_options(cfg, env.world)  # torchpar.train.check_offload refuses the offloads FSDP2 cannot do
+    mesh = init_device_mesh(env.device.type, o["mesh"][0], mesh_dim_names=o["mesh"][1])
     mp = MixedPrecisionPolicy()
-    if cfg.model.compute_dtype != "float32":
-        mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.model.compute_dtype), reduce_dtype=torch.float32)
+    if o["param_dtype"]:
+        mp = MixedPrecisionPolicy(param_dtype=getattr(torch, o["param_dtype"]), reduce_dtype=torch.float32)
+    cpu_offload = o["cpu_offload"]
     kwargs = {"mesh": mesh, "mp_policy": mp, "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
-              "reshard_after_forward": cfg.parallel.zero_stage not in (1, 2)}
+              "reshard_after_forward": o["reshard_after_forward"]}
     if not cpu_offload:
         model = model.to(env.device)
     for block in model.blocks:

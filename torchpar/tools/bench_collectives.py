@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 from jaxpar.core.bench_records import measurement, print_rows
 from jaxpar.core.config import RunConfig
+from jaxpar.core.errors import UserError, check_output_file, cli
 
 
 def _ops(dist, world: int, rank: int):
@@ -59,12 +61,17 @@ def run(max_bytes: int, reps: int = 5) -> list[dict]:
     return rows if env.is_main else []
 
 
+@cli
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m torchpar.tools.bench_collectives", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-mib", type=float, default=16)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if not args.max_mib > 0:
+        raise UserError("--max-mib must be above 0")
+    if args.json:
+        check_output_file(args.json, "--json")  # before the measurements, not after them
     from torchpar import dist
 
     try:
@@ -74,6 +81,7 @@ def main(argv=None) -> int:
     if rows:  # rank 0
         print_rows(rows)
     if args.json and rows:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
     return 0

@@ -1,0 +1,214 @@
+"""Who consumes each config key: the contract beside the schema (jaxpar/core/config.py).
+
+Every key of the schema has one row: the trainers and torchpar backends that act on it, the mode in which
+they do (e.g. `model.q_latent_dim` only under `model.attention=mla`), and how its effect shows (what
+tests/core/test_contract.py measures). `check_contract` refuses, in one line, any key set away from its
+default that the run at hand will not consume: a setting is acted on or refused, never silently dropped.
+A key added to the schema without a row here fails that test.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+from jaxpar.core.config import Config
+from jaxpar.core.errors import UserError
+
+BACKENDS = ("none", "ddp", "fsdp", "deepspeed", "pipeline")  # torchpar's (torchpar/backends)
+BOTH = BACKENDS
+# How a consumed key shows in a run; tests/core/test_contract.py has one probe for each:
+#   params  the initial parameters (shapes or values)      step  the traced train step (and its shardings)
+#   data    the batches read                               loop  the shared loop's calls (log, eval, save, ...)
+#   engine  torchpar's engine settings (DeepSpeed JSON, schedule, compile, precision)
+#   test    a named test shows it (files, processes, console): `evidence` holds "tests/...py::test_name"
+EFFECTS = ("params", "step", "data", "loop", "engine", "test")
+
+
+@dataclass(frozen=True)
+class Run:
+    """What decides which keys a run consumes."""
+    cfg: Config
+    trainer: str  # "jaxpar" | "torchpar"
+    backend: str = ""  # torchpar's --backend; "" for jaxpar
+    mesh: dict = dataclasses.field(default_factory=dict)  # axis -> size (resolved); missing axes are 1
+
+    def size(self, axis: str) -> int:
+        return self.mesh.get(axis, 1)
+
+
+def _always(run: Run) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Owner:
+    jaxpar: bool  # jaxpar.train consumes it
+    torchpar: tuple[str, ...]  # the torchpar backends that consume it
+    effect: str  # one of EFFECTS
+    when: Callable[[Run], bool] = _always
+    mode: str = ""  # `when` in the user's words (for the refusal line)
+    example: tuple[str, ...] = ()  # overrides (and "mesh:..." entries) under which `when` holds
+    evidence: str = ""  # effect "test": the test that shows the effect
+    why_not: str = ""  # appended to a refusal: where the setting does apply
+
+
+def _model(key: str, value) -> Callable[[Run], bool]:
+    return lambda run: getattr(run.cfg.model, key) == value
+
+
+def _stages(run: Run) -> bool:
+    return run.size("pp") > 1
+
+
+def _llama_or_mla(run: Run) -> bool:
+    return run.cfg.model.family == "llama" or run.cfg.model.attention == "mla"
+
+
+def _sequence_parallel(run: Run) -> bool:
+    return run.size("sp") > 1
+
+
+def _zigzag(run: Run) -> bool:  # dilated attention keeps the natural token order (jaxpar/loss.py)
+    return run.size("sp") > 1 and run.cfg.model.attention != "dilated"
+
+
+def _zero(run: Run) -> bool:  # jaxpar shards over dp only (jaxpar/layout.py); with dp=1 a stage changes nothing
+    return run.trainer == "torchpar" or run.size("dp") > 1
+
+
+def _virtual(run: Run) -> bool:
+    return run.cfg.parallel.pipeline_schedule == "interleaved" and (run.trainer == "torchpar" or _stages(run))
+
+
+MLA = dict(when=_model("attention", "mla"), mode="model.attention=mla", example=("model.attention=mla",))
+DILATED = dict(when=_model("attention", "dilated"), mode="model.attention=dilated",
+               example=("model.attention=dilated", "model.segment_lengths=8,16", "model.dilation_rates=1,2"))
+SKETCHED = dict(when=_model("linear", "sketched"), mode="model.linear=sketched", example=("model.linear=sketched",))
+LLAMA = dict(when=_model("family", "llama"), mode="model.family=llama", example=("model.family=llama",))
+FLOAT16 = dict(when=_model("compute_dtype", "float16"), mode="model.compute_dtype=float16",
+               example=("model.compute_dtype=float16",))
+PIPELINE = dict(when=_stages, mode="a pipeline (jaxpar: pp>1 in the mesh; torchpar: --backend pipeline)",
+                example=("mesh:pp=2",))
+SEQUENCE = dict(when=_sequence_parallel, mode="sp>1 in the mesh", example=("mesh:sp=2",))
+NO_TORCH_SP = "torchpar has no sequence parallelism (jaxpar.train runs sp)"
+
+CONTRACT: dict[str, Owner] = {
+    # model: both trainers build the same model from these keys
+    "model.family": Owner(True, BOTH, "params"),
+    "model.vocab_size": Owner(True, BOTH, "params"),
+    "model.n_layer": Owner(True, BOTH, "params"),
+    "model.n_head": Owner(True, BOTH, "step"),
+    "model.d_model": Owner(True, BOTH, "params"),
+    "model.n_kv_head": Owner(True, BOTH, "params", **LLAMA),
+    "model.d_ff": Owner(True, BOTH, "params"),
+    "model.ffn_multiple_of": Owner(True, BOTH, "params", when=lambda r: r.cfg.model.family == "llama" and
+                                   not r.cfg.model.d_ff, mode="model.family=llama with model.d_ff=0",
+                                   example=("model.family=llama",)),
+    "model.tie_embeddings": Owner(True, BOTH, "params", **LLAMA),
+    "model.max_seq_len": Owner(True, BOTH, "params"),
+    "model.layernorm_eps": Owner(True, BOTH, "step"),
+    "model.init_std": Owner(True, BOTH, "params"),
+    "model.compute_dtype": Owner(True, BOTH, "step"),
+    "model.remat": Owner(True, BOTH, "step"),
+    "model.init_from": Owner(True, BOTH, "test", evidence="tests/test_train_cli.py::test_write_init_then_init_from_starts_from_those_weights"),
+    "model.attention": Owner(True, BOTH, "params"),
+    "model.linear": Owner(True, BOTH, "params"),
+    "model.q_latent_dim": Owner(True, BOTH, "params", **MLA),
+    "model.kv_latent_dim": Owner(True, BOTH, "params", **MLA),
+    "model.rope_head_dim": Owner(True, BOTH, "params", **MLA),
+    "model.rope_theta": Owner(True, BOTH, "step", when=_llama_or_mla, mode="model.family=llama or model.attention=mla "
+                              "(rotary positions; GPT-2 learns its positions)", example=("model.family=llama",)),
+    "model.segment_lengths": Owner(True, BOTH, "step", **DILATED),
+    "model.dilation_rates": Owner(True, BOTH, "step", **DILATED),
+    "model.sketch": Owner(True, BOTH, "step", **SKETCHED),
+    "model.sketch_ratio": Owner(True, BOTH, "params", **SKETCHED),
+    "model.sketch_seed": Owner(True, BOTH, "step", **SKETCHED),
+    # data: one order for both (jaxpar/core/data_order.py)
+    "data.dataset": Owner(True, BOTH, "data"),
+    "data.tokenizer": Owner(True, BOTH, "test", evidence="tests/test_train_cli.py::test_trains_on_a_bpe_corpus_and_refuses_another_tokenizer_on_resume"),
+    "data.seq_len": Owner(True, BOTH, "data"),
+    "data.val_fraction": Owner(True, BOTH, "data"),
+    "data.cache_dir": Owner(True, BOTH, "test", when=lambda r: r.cfg.data.dataset == "stdlib",
+                            mode="data.dataset=stdlib (where the prepared standard library is kept)",
+                            evidence="tests/test_data.py::test_stdlib_prepared_once_and_reused"),
+    # train
+    "train.steps": Owner(True, BOTH, "loop"),
+    "train.global_batch_size": Owner(True, BOTH, "data"),
+    "train.microbatches": Owner(True, BOTH, "step"),
+    "train.seed": Owner(True, BOTH, "params"),
+    "train.log_every": Owner(True, BOTH, "loop"),
+    "train.eval_every": Owner(True, BOTH, "loop"),
+    "train.eval_batches": Owner(True, BOTH, "loop"),
+    "train.sample_every": Owner(True, ("none", "ddp"), "loop",
+                                why_not="it needs the whole model on rank 0: --backend none or ddp (sample from a "
+                                        "checkpoint with python -m torchpar.generate)"),
+    "train.matmul_precision": Owner(True, BOTH, "step"),
+    "train.compile": Owner(False, ("none", "ddp", "fsdp", "pipeline"), "engine",
+                           why_not="it switches torchpar's torch.compile (jaxpar's step is always compiled by XLA; "
+                                   "deepspeed's engine wraps the model and its ZeRO hooks: leave train.compile=auto)"),
+    "train.profile_steps": Owner(True, BOTH, "loop"),
+    # optim: optax and torch.optim with one schedule (jaxpar/core/lr_schedule.py)
+    **{f"optim.{k}": Owner(True, BOTH, "step") for k in (
+        "lr", "min_lr", "warmup_steps", "decay_steps", "beta1", "beta2", "eps", "weight_decay", "grad_clip")},
+    **{f"optim.loss_scale_{k}": Owner(True, BOTH, "step", **FLOAT16) for k in (
+        "init", "growth_interval", "growth_factor", "backoff_factor", "min")},
+    # parallel
+    "parallel.mesh": Owner(True, ("ddp", "fsdp", "deepspeed", "pipeline"), "step",
+                           why_not="--backend none runs one process (use ddp, fsdp, deepspeed or pipeline)"),
+    "parallel.zero_stage": Owner(True, ("fsdp", "deepspeed"), "step", when=_zero,
+                                 mode="dp>1 in the mesh (jaxpar shards the stages over dp; fsdp shards everything "
+                                      "already)", example=("mesh:dp=2",),
+                                 why_not="it applies to --backend fsdp and deepspeed (ddp, none and pipeline are ZeRO-0)"),
+    "parallel.sequence_attention": Owner(True, (), "step", **SEQUENCE, why_not=NO_TORCH_SP),
+    "parallel.sequence_zigzag": Owner(True, (), "step", when=_zigzag, mode="sp>1 in the mesh and an attention other "
+                                      "than dilated (which keeps the natural order)", example=("mesh:sp=2",),
+                                      why_not=NO_TORCH_SP),
+    "parallel.pipeline_schedule": Owner(True, ("pipeline",), "step", **PIPELINE),
+    "parallel.pipeline_microbatches": Owner(True, ("pipeline",), "step", **PIPELINE),
+    "parallel.pipeline_virtual_stages": Owner(True, ("pipeline",), "step", when=_virtual,
+                                              mode="parallel.pipeline_schedule=interleaved on a pipeline",
+                                              example=("mesh:pp=2", "parallel.pipeline_schedule=interleaved",
+                                                       "model.n_layer=4")),
+    "parallel.offload": Owner(True, ("fsdp", "deepspeed"), "step",
+                              why_not="--backend fsdp or deepspeed keep state in host memory"),
+    # checkpoint and run: the shared loop and run directory
+    "checkpoint.every": Owner(True, BOTH, "loop"),
+    "checkpoint.keep": Owner(True, BOTH, "test", evidence="tests/test_contract.py::test_checkpoint_keep_is_the_number_of_steps_kept"),
+    "checkpoint.resume": Owner(True, BOTH, "test", evidence="tests/test_train_cli.py::test_resume_false_keeps_the_old_run_apart"),
+    "run.dir": Owner(True, BOTH, "test", evidence="tests/test_train_cli.py::test_resume_after_sigkill_is_exact"),
+    "run.peer_timeout_s": Owner(True, BOTH, "test",
+                                evidence="tests/test_multiprocess.py::test_killed_peer_is_named_within_the_timeout"),
+    "run.debug": Owner(True, BOTH, "test", evidence="tests/test_multiprocess.py::test_killed_peer_is_named_within_the_timeout"),
+    "run.tensorboard": Owner(True, BOTH, "test", evidence="tests/test_train_cli.py::test_tensorboard_holds_the_metrics"),
+    "run.wandb": Owner(True, BOTH, "test", evidence="tests/test_bad_input.py::test_bad_input_is_one_line"),
+}
+
+
+def set_keys(cfg: Config) -> dict[str, object]:
+    """The keys set away from their defaults, with their values."""
+    default = Config().to_dict()
+    return {f"{s}.{k}": v for s, keys in cfg.to_dict().items() for k, v in keys.items() if default[s][k] != v}
+
+
+def refusal(key: str, value, run: Run) -> str | None:
+    """Why `run` will not consume `key` (set to `value`), or None if it will."""
+    row = CONTRACT[key]
+    setting = f"{key}={value}"
+    if run.trainer == "jaxpar" and not row.jaxpar:
+        return f"{setting} is not used by jaxpar.train: {row.why_not}"
+    if run.trainer == "torchpar" and run.backend not in row.torchpar:
+        where = row.why_not or (f"it applies to --backend {', '.join(row.torchpar)}" if row.torchpar
+                                else "it is jaxpar's")
+        return f"{setting} is not used by torchpar --backend {run.backend}: {where}"
+    if not row.when(run):
+        return f"{setting} has no effect in this run: it applies with {row.mode}"
+    return None
+
+
+def check_contract(run: Run) -> None:
+    """One line for the first key set away from its default that `run` will not consume."""
+    for key, value in set_keys(run.cfg).items():
+        why = refusal(key, value, run)
+        if why:
+            raise UserError(why)

@@ -1,0 +1,318 @@
+"""The space the layout fuzzer (parity_tests/fuzz.py) draws from, and what the docs say about it.
+
+A case is a jaxpar mesh over dp/fsdp/tp/pp/sp (up to 8 simulated devices) or a torchpar backend and world
+size, plus config settings over a tiny base config (BASE), drawn hierarchically: a mode's keys only when
+the mode is on (pipeline keys with pp > 1 or the pipeline backend, sequence keys with sp > 1, ZeRO with
+dp > 1 or fsdp/deepspeed, a variant's keys with that variant), with sizes the mesh divides, so that every
+draw is a run the docs promise -- or, now and then on purpose, one they say is refused. `normalize` is the
+same hierarchy for the shrinker: it drops the keys of a mode a simpler case no longer runs.
+
+PROMISES and DOCUMENTED_REFUSALS are the docs' own words, kept as a small table: a refusal that no
+DOCUMENTED_REFUSALS line explains is a failure of the case (the docs promise it works).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+STEPS = 3
+# the tiny model of tests/helpers.py, STEPS steps, nothing but the training steps; lr 3e-3 as configs/parity/:
+# at 1e-2 Adam amplifies float32 reassociation past the per-tensor bound on d_model=64 models (docs/fuzz.md)
+BASE = ("model.n_layer=2", "model.n_head=4", "model.d_model=32", "model.max_seq_len=32", "data.seq_len=16",
+        "train.global_batch_size=8", f"train.steps={STEPS}", "optim.warmup_steps=3", "optim.lr=3e-3",
+        "optim.min_lr=3e-4", "data.val_fraction=0.1", "train.eval_batches=1", "train.log_every=1",
+        "train.eval_every=0", "checkpoint.every=0", "train.matmul_precision=highest")
+TORCH_SHARE = 0.25  # torchpar cases are subprocesses (seconds to start): drawn less often
+
+
+@dataclass(frozen=True)
+class Case:
+    """`jax dp=2,tp=2 k=v ...` or `torch fsdp:2 k=v ...` (backend:world size; world 0 = one plain process)."""
+    side: str
+    layout: str  # jax: the mesh ("dp=1" for one device); torch: "backend:nproc"
+    settings: tuple[tuple[str, str], ...] = ()
+
+    @staticmethod
+    def parse(spec: str) -> "Case":
+        from jaxpar.core.errors import UserError
+
+        side, layout, *rest = spec.split() + [""] * (2 - len(spec.split()))
+        if side not in ("jax", "torch") or not layout:
+            raise UserError(f"case {spec!r}: expected 'jax MESH k=v ...' or 'torch BACKEND:NPROC k=v ...'")
+        pairs = [item.partition("=") for item in rest]
+        unknown = [k for k, eq, _ in pairs if not eq or k not in _schema_keys()]
+        if unknown:
+            raise UserError(f"case {spec!r}: {unknown[0]!r} is not a section.key=value setting of the config schema")
+        return Case(side, layout, tuple((k, v) for k, _, v in pairs))
+
+    @property
+    def spec(self) -> str:
+        return " ".join([self.side, self.layout, *self.overrides])
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"{k}={v}" for k, v in self.settings]
+
+    def get(self, key: str, default=None):
+        return dict(self.settings).get(key, default)
+
+    def mesh(self) -> dict[str, int]:
+        """Axis sizes (every axis); torch: parallel.mesh, else all ranks on the backend's data axis."""
+        sizes = dict.fromkeys(("dp", "fsdp", "tp", "pp", "sp"), 1)
+        if self.side == "jax":
+            spec = self.layout
+        else:
+            world = max(self.world, 1)
+            spec = self.get("parallel.mesh") or f"{'pp' if self.backend == 'pipeline' else 'dp'}={world}"
+        for part in spec.split(","):
+            axis, _, n = part.partition("=")
+            sizes[axis] = int(n)
+        return sizes
+
+    @property
+    def backend(self) -> str:
+        return self.layout.partition(":")[0]
+
+    @property
+    def world(self) -> int:
+        return int(self.layout.partition(":")[2] or 0)
+
+    def with_settings(self, settings) -> "Case":
+        return Case(self.side, self.layout, tuple(settings))
+
+
+def _schema_keys() -> set[str]:
+    import dataclasses
+
+    from jaxpar.core.config import Config
+
+    return {f"{name}.{f.name}" for name, section in vars(Config()).items() for f in dataclasses.fields(section)}
+
+# ----------------------------------------------------------------------------------------------- drawing
+
+def _pick(rng: random.Random, weighted: dict):
+    return rng.choices(list(weighted), weights=list(weighted.values()))[0]
+
+
+def draw_case(rng: random.Random, torch_share: float = TORCH_SHARE) -> Case:
+    return draw_torch(rng) if rng.random() < torch_share else draw_jax(rng)
+
+
+def draw_jax(rng: random.Random) -> Case:
+    sizes = dict.fromkeys(("dp", "fsdp", "tp", "pp", "sp"), 1)
+    for _ in range(_pick(rng, {1: 3, 2: 4, 3: 2})):  # 2, 4 or 8 devices, a factor of 2 at a time
+        sizes[_pick(rng, {"dp": 3, "fsdp": 3, "tp": 3, "pp": 2, "sp": 2})] *= 2
+    s: dict[str, str] = {}
+    attention = _draw_model_kind(rng, s)
+    if sizes["dp"] > 1:
+        s["parallel.zero_stage"] = str(rng.randrange(4))
+    stages_v, M = _draw_pipeline(rng, s, sizes["pp"]) if sizes["pp"] > 1 else (1, 1)
+    heads_div = sizes["tp"]
+    if sizes["sp"] > 1 and attention != "dilated":  # dilated attention runs its own segments under sp
+        s["parallel.sequence_attention"] = _pick(rng, {"ring": 2, "all_gather": 1, "ulysses": 1})
+        if s["parallel.sequence_attention"] == "ulysses":
+            heads_div *= sizes["sp"]
+        if rng.random() < 0.3:
+            s["parallel.sequence_zigzag"] = "false"
+    _draw_dims(rng, s, heads_div, stages_v)
+    data_ways = sizes["dp"] * sizes["fsdp"] * M
+    _draw_training(rng, s, data_ways)
+    if rng.random() < 0.2:
+        s["parallel.offload"] = _pick(rng, {"optimizer": 1, "params+optimizer": 1})
+    mesh = ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "dp=1"
+    return Case("jax", mesh, tuple(sorted(_drop_defaults(s).items())))
+
+
+def draw_torch(rng: random.Random) -> Case:
+    backend = _pick(rng, {"none": 2, "ddp": 3, "fsdp": 3, "deepspeed": 3, "pipeline": 3})
+    s: dict[str, str] = {}
+    _draw_model_kind(rng, s)
+    world, ways, stages_v = {"none": 0}.get(backend, _pick(rng, {2: 4, 4: 1})), 1, 1
+    if backend in ("ddp", "fsdp", "deepspeed"):
+        ways = world
+        if backend == "ddp" and rng.random() < 0.1:  # docs: ddp refuses ZeRO
+            s["parallel.zero_stage"] = str(rng.randrange(1, 4))
+        if backend != "ddp":
+            s["parallel.zero_stage"] = str(rng.randrange(4))
+        if backend == "fsdp" and world == 4 and rng.random() < 0.5:
+            s["parallel.mesh"] = "dp=2,fsdp=2"  # HSDP
+        if rng.random() < {"ddp": 0.05, "fsdp": 0.1, "deepspeed": 0.3}[backend]:  # ddp, fsdp on CPU: refused
+            s["parallel.offload"] = _pick(rng, {"optimizer": 1, "params+optimizer": 1})
+    if backend == "pipeline":
+        D = 2 if world == 4 and rng.random() < 0.5 else 1
+        if D > 1:
+            s["parallel.mesh"] = f"pp={world // D},dp={D}"
+        stages_v, M = _draw_pipeline(rng, s, world // D)
+        ways = D * M
+    _draw_dims(rng, s, 1, stages_v)
+    _draw_training(rng, s, ways)
+    return Case("torch", f"{backend}:{world}", tuple(sorted(_drop_defaults(s).items())))
+
+
+def _draw_model_kind(rng: random.Random, s: dict) -> str:
+    """Family and variant (and the variant's own keys); returns model.attention."""
+    llama = rng.random() < 0.3
+    if llama:
+        s["model.family"] = "llama"
+    attention = _pick(rng, {"mha": 5, "dilated": 2} if llama else {"mha": 5, "mla": 2, "dilated": 2})
+    s["model.attention"] = attention
+    if attention == "mla":
+        s.update({"model.q_latent_dim": "16", "model.kv_latent_dim": "8", "model.rope_head_dim": "4"})
+    if not llama and rng.random() < 0.25:
+        s["model.linear"] = "sketched"
+        s["model.sketch_ratio"] = _pick(rng, {"0.5": 1, "0.25": 1})
+        if rng.random() < 0.5:
+            s["model.sketch"] = "sign"
+    return attention
+
+
+def _draw_pipeline(rng: random.Random, s: dict, S: int) -> tuple[int, int]:
+    """Schedule, virtual stages and microbatches for S stages: (stages x virtual stages, microbatches)."""
+    schedule = _pick(rng, {"gpipe": 2, "1f1b": 2, "interleaved": 2, "zb_h1": 1})
+    s["parallel.pipeline_schedule"] = schedule
+    V = 2 if schedule == "interleaved" else 1
+    s["parallel.pipeline_virtual_stages"] = str(V)
+    M = _pick(rng, {0: 2, S: 1, 4 * S: 1})
+    if M:
+        s["parallel.pipeline_microbatches"] = str(M)
+    return S * V, M or 2 * S
+
+
+def _draw_dims(rng: random.Random, s: dict, heads_div: int, layers_div: int) -> None:
+    """Model and sequence sizes that the mesh divides (heads by tp (x sp for Ulysses), layers by stages)."""
+    d_model = _pick(rng, {32: 3, 64: 1})
+    heads = [h for h in (2, 4, 8) if h % heads_div == 0 and d_model // h % 2 == 0]
+    n_head = rng.choice(heads or [max(heads_div, 2)])
+    n_layer = layers_div * _pick(rng, {1: 2, 2: 1}) if layers_div > 1 else _pick(rng, {2: 3, 4: 1})
+    s.update({"model.d_model": str(d_model), "model.n_head": str(n_head), "model.n_layer": str(n_layer)})
+    seq = _pick(rng, {16: 3, 32: 1})
+    s["data.seq_len"] = str(seq)
+    if s.get("model.attention") == "dilated":
+        s["model.segment_lengths"], s["model.dilation_rates"] = ("4,8,16", "1,2,4") if seq == 16 else ("8,32", "1,4")
+    if s.get("model.family") == "llama":
+        kv = [k for k in (1, 2) if n_head % k == 0 and k < n_head]
+        if kv and rng.random() < 0.6:
+            s["model.n_kv_head"] = str(rng.choice(kv))
+        if rng.random() < 0.5:
+            s["model.tie_embeddings"] = "false"
+        s["model.d_ff"] = str(_pick(rng, {2 * d_model: 1, 3 * d_model // 2: 1}))
+
+
+def _draw_training(rng: random.Random, s: dict, ways: int) -> None:
+    """Accumulation, remat, and the smallest global batch (>= 8) every data split divides."""
+    micro = _pick(rng, {1: 3, 2: 2})
+    if micro > 1:
+        s["train.microbatches"] = str(micro)
+    if rng.random() < 0.4:
+        s["model.remat"] = _pick(rng, {"full": 1, "save_matmuls": 1})
+    need = micro * ways
+    s["train.global_batch_size"] = str(need * -(-8 // need))
+
+
+def _drop_defaults(s: dict) -> dict:
+    """Keys at their base or schema value are left out: a case lists what it changes."""
+    from jaxpar.core.config import load_config
+
+    ref = load_config(None, list(BASE))
+    out = {}
+    for key, value in s.items():
+        section, _, name = key.partition(".")
+        current = getattr(getattr(ref, section), name)
+        if str(current).lower() != value.lower():
+            out[key] = value
+    return out
+
+
+# ------------------------------------------------------------------------------------- what the docs say
+
+# Each claim of the docs that a drawn setting works; a refused case whose every setting some claim covers,
+# and that no DOCUMENTED_REFUSALS line explains, is a failure (`refused-promised`).
+PROMISES = (
+    ("jaxpar mesh", lambda c: c.side == "jax",
+     "README.md tour (dp/fsdp/tp/pp/sp); docs/architecture.md 'Numerical equivalence': every supported mesh "
+     "reproduces the one-device run; docs/torchpar.md: jaxpar composes pp with dp/fsdp/tp/sp"),
+    ("ZeRO stages", lambda c: "parallel.zero_stage" in dict(c.settings),
+     "README.md 'ZeRO vocabulary' (jaxpar 0-3 on dp); docs/torchpar.md fsdp and deepspeed bullets (0-3)"),
+    ("pipeline schedules", lambda c: c.mesh()["pp"] > 1,
+     "README.md 'Pipeline' and docs/architecture.md 'Pipeline parallelism' (gpipe, 1f1b, interleaved, zb_h1, "
+     "virtual stages); docs/torchpar.md pipeline bullet (one stage per rank, interleaved >= 2, pp x dp)"),
+    ("sequence attention", lambda c: c.mesh()["sp"] > 1,
+     "README.md 'Sequence parallelism' (ring, all_gather, ulysses, zig-zag); docs/architecture.md 'Sequence "
+     "parallelism (sp)'"),
+    ("model variants and families", lambda c: any(k in ("model.attention", "model.linear", "model.family")
+                                                  for k, _ in c.settings),
+     "docs/architecture.md 'Model variants': any combination, jaxpar and torchpar alike, under every layout; "
+     "README.md 'Llama': every mesh and torchpar backend; 'Model families': llama with attention=dilated"),
+    ("remat, accumulation", lambda c: any(k in ("model.remat", "train.microbatches") for k, _ in c.settings),
+     "README.md 'Model' (model.remat none/full/save_matmuls) and 'Optimiser' (train.microbatches); "
+     "docs/torchpar.md 'Same math as jaxpar'"),
+    ("offload", lambda c: "parallel.offload" in dict(c.settings),
+     "README.md 'Offload'; docs/architecture.md 'Mixed precision and offload' (jaxpar: host memory kinds; "
+     "deepspeed: optimizer at stages 1-3, params+optimizer at stage 3)"),
+    ("torchpar backends", lambda c: c.side == "torch",
+     "docs/torchpar.md 'Backends': none, ddp, fsdp (HSDP with parallel.mesh=dp=D,fsdp=F), deepspeed, pipeline"),
+)
+
+
+def _pipeline_sp(c: Case) -> bool:
+    sched = c.get("parallel.pipeline_schedule", "gpipe")
+    m = c.mesh()
+    return c.side == "jax" and m["pp"] > 1 and m["sp"] > 1 and sched != "gpipe" and (
+        c.get("parallel.sequence_attention", "ring") == "ring" or c.get("model.attention") == "dilated")
+
+
+# (where the docs say it, predicate): combinations the docs say are refused with one line
+DOCUMENTED_REFUSALS = (
+    ("docs/architecture.md 'Pipeline parallelism': sp inside the 1f1b/interleaved/zb_h1 executor needs "
+     "all_gather or ulysses and not model.attention=dilated", _pipeline_sp),
+    ("docs/torchpar.md ddp: parallel.zero_stage must be 0",
+     lambda c: c.side == "torch" and c.backend == "ddp" and c.get("parallel.zero_stage", "0") != "0"),
+    ("docs/torchpar.md fsdp: CPUOffloadPolicy is GPU only; optimizer alone is refused",
+     lambda c: c.side == "torch" and c.backend == "fsdp" and c.get("parallel.offload", "none") != "none"),
+    ("docs/architecture.md offload / docs/torchpar.md deepspeed: optimizer offload needs stages 1-3, "
+     "params+optimizer stage 3",
+     lambda c: c.side == "torch" and c.backend == "deepspeed" and (
+         (c.get("parallel.offload", "none") != "none" and c.get("parallel.zero_stage", "0") == "0")
+         or (c.get("parallel.offload") == "params+optimizer" and c.get("parallel.zero_stage") != "3"))),
+    ("docs/torchpar.md pipeline: interleaved needs parallel.pipeline_virtual_stages >= 2",
+     lambda c: c.side == "torch" and c.backend == "pipeline" and c.get("parallel.pipeline_schedule") ==
+     "interleaved" and int(c.get("parallel.pipeline_virtual_stages", "1")) < 2),
+    ("docs/torchpar.md: offload needs --backend fsdp or deepspeed",
+     lambda c: c.side == "torch" and c.backend not in ("fsdp", "deepspeed") and "parallel.offload" in
+     dict(c.settings)),
+)
+
+
+def documented_refusal(case: Case) -> str | None:
+    return next((doc for doc, applies in DOCUMENTED_REFUSALS if applies(case)), None)
+
+
+def promises(case: Case) -> list[str]:
+    return [f"{name}: {doc}" for name, applies, doc in PROMISES if applies(case)]
+
+
+# ------------------------------------------------------------------------------------------- the hierarchy
+
+MODE_KEYS = {  # key prefix -> whether the case's run consumes it (a mode's keys go when the mode goes)
+    "parallel.pipeline_": lambda c: c.mesh()["pp"] > 1 if c.side == "jax" else c.backend == "pipeline",
+    "parallel.sequence_": lambda c: c.side == "jax" and c.mesh()["sp"] > 1 and c.get("model.attention") != "dilated",
+    "parallel.zero_stage": lambda c: c.mesh()["dp"] > 1 if c.side == "jax" else c.backend in ("ddp", "fsdp",
+                                                                                                "deepspeed"),
+    "parallel.offload": lambda c: c.side == "jax" or c.backend not in ("none", "pipeline"),
+    "parallel.mesh": lambda c: c.side == "torch" and c.backend in ("fsdp", "pipeline") and c.world == 4,
+    "model.q_latent_dim": lambda c: c.get("model.attention") == "mla",
+    "model.kv_latent_dim": lambda c: c.get("model.attention") == "mla",
+    "model.rope_head_dim": lambda c: c.get("model.attention") == "mla",
+    "model.segment_lengths": lambda c: c.get("model.attention") == "dilated",
+    "model.dilation_rates": lambda c: c.get("model.attention") == "dilated",
+    "model.sketch": lambda c: c.get("model.linear") == "sketched",
+    "model.n_kv_head": lambda c: c.get("model.family") == "llama",
+    "model.tie_embeddings": lambda c: c.get("model.family") == "llama",
+}
+
+
+def normalize(case: Case) -> Case:
+    """Drop the keys of modes the case no longer runs (what the hierarchical draw would not have set)."""
+    keep = [(k, v) for k, v in case.settings
+            if all(consumed(case) for prefix, consumed in MODE_KEYS.items() if k.startswith(prefix))]
+    return case.with_settings(keep)

@@ -1,0 +1,107 @@
+"""The layout-equivalence fuzzer (parity_tests/fuzz.py): two random cases per commit (the seed from the commit
+hash, printed) and its regressions; valid draws; and that it can fail: a differing run is found, the shrinker
+keeps only what fails, a refusal the docs do not explain is a failure."""
+import copy
+import random
+import subprocess
+import time
+
+import pytest
+
+from jaxpar.checks import check_layout
+from jaxpar.core.config import load_config
+from jaxpar.core.contract import Run, check_contract
+from jaxpar.core.errors import UserError
+from parity_tests import fuzz, fuzz_cases
+from parity_tests.fuzz import Fuzzer, shrink
+from parity_tests.fuzz_cases import BASE, Case, documented_refusal, draw_case, normalize
+from tests.helpers import ROOT
+
+
+def commit_seed() -> int:
+    """A seed that changes with every commit (the time where there is no git checkout)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        return int(head.stdout.strip()[:8], 16)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return int(time.time()) % 2**31
+
+
+def test_two_cases_of_this_commit_and_the_regressions(capsys):
+    seed = commit_seed()
+    print(f"fuzz seed {seed}: python -m parity_tests.fuzz --seed {seed} --cases 2 --regressions")
+    rc = fuzz.main(["--seed", str(seed), "--cases", "2", "--regressions"])
+    out = capsys.readouterr().out
+    print(out)
+    assert rc == 0, f"fuzz seed {seed} found a failure:\n{out[-6000:]}"
+    assert out.count(": equal (") + out.count(": refused (") == 2 + len(fuzz.REGRESSIONS), out
+
+
+def test_draws_are_valid_and_set_only_keys_their_modes_run():
+    """300 draws: each a config the schema takes, every key one its mode consumes (the shrinker's normal
+    form; the contract agrees), and sizes the mesh divides -- or a refusal the docs name."""
+    sides = set()
+    for i in range(300):
+        case = draw_case(random.Random(f"test:{i}"))
+        sides.add(case.backend if case.side == "torch" else case.side)
+        assert Case.parse(case.spec) == case and normalize(case) == case, case.spec
+        cfg = load_config(None, [*BASE, *case.overrides])
+        if documented_refusal(case):
+            continue
+        if case.side == "jax":
+            check_layout(cfg, case.mesh())
+            check_contract(Run(cfg, "jaxpar", mesh=case.mesh()))
+        else:
+            check_contract(Run(cfg, "torchpar", case.backend, {"pp": case.mesh()["pp"]}))
+    assert sides == {"jax", "none", "ddp", "fsdp", "deepspeed", "pipeline"}
+
+
+@pytest.fixture(scope="module")
+def fuzzer(tmp_path_factory):
+    return Fuzzer(str(tmp_path_factory.mktemp("fuzz")))
+
+
+def test_a_differing_run_is_found(fuzzer):
+    """Every run (not the references) with another LayerNorm epsilon: the case differs, with the loss table."""
+    broken = copy.copy(fuzzer)
+    broken.run_overrides = ["model.layernorm_eps=1e-3"]
+    out = broken.run_case(Case.parse("jax dp=2"))
+    assert out.kind == "differs" and out.failed and "loss: " in out.detail, out.detail
+
+
+class Stub:
+    """A fuzzer whose cases fail exactly when tp > 1 and model.remat=full (no training); it checks each
+    case against the config contract as the trainer would."""
+    def __init__(self):
+        self.runs, self.unconsumed = [], []
+
+    def run_case(self, case):
+        self.runs.append(case.spec)
+        try:
+            check_contract(Run(load_config(None, [*BASE, *case.overrides]), "jaxpar", mesh=case.mesh()))
+        except UserError:
+            self.unconsumed.append(case.spec)
+        fails = case.mesh()["tp"] > 1 and case.get("model.remat") == "full"
+        return fuzz.Outcome("differs" if fails else "equal")
+
+
+def test_the_shrinker_keeps_only_what_fails():
+    """From a big case down to the smallest that still fails: tp halved to 2, dp and the unrelated keys gone
+    (the pipeline's and ZeRO's keys with their axes: no case it tries sets a key its run would not consume),
+    and nothing tried twice."""
+    case = Case.parse("jax dp=2,tp=2,pp=2 model.n_layer=4 model.remat=full parallel.pipeline_schedule=1f1b "
+                      "parallel.zero_stage=1 train.microbatches=2")
+    stub = Stub()
+    small, out = shrink(stub, case, stub.run_case(case), log=lambda line: None)
+    assert small.spec == "jax tp=2 model.remat=full" and out.kind == "differs"
+    assert len(stub.runs) == len(set(stub.runs)) and not stub.unconsumed, stub.unconsumed
+    assert normalize(Case.parse("jax dp=1 parallel.zero_stage=2 parallel.sequence_zigzag=false")).spec == "jax dp=1"
+
+
+def test_a_refusal_the_docs_do_not_name_is_a_failure(fuzzer, monkeypatch):
+    case = Case.parse("jax pp=2,sp=2 parallel.pipeline_schedule=1f1b")  # ring attention inside the executor
+    out = fuzzer.run_case(case)
+    assert out.kind == "refused" and "docs/architecture.md" in out.detail, out.detail
+    monkeypatch.setattr(fuzz_cases, "DOCUMENTED_REFUSALS", ())
+    out = fuzzer.run_case(case)
+    assert out.kind == "refused-promised" and out.failed and "promised by" in out.detail, out.detail
