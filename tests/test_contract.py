@@ -271,12 +271,18 @@ def probe(effect: str, trainer: str, backend: str, cfg, mesh: dict, tmp_path, ke
         return jax_params(cfg) if effect == "params" else jax_step(cfg, mesh)
     if effect == "params":
         return torch_params(cfg)
-    if key.startswith("parallel.") or key in ("train.compile", "train.matmul_precision"):
+    if torch_engine_key(key):
         return torch_engine(cfg, backend)
     return torch_step(cfg, tmp_path, data_rows(cfg)[:2])
 
 
+def torch_engine_key(key: str) -> bool:
+    """Keys torchpar hands its engine (per backend) rather than its model or optimizer."""
+    return key.startswith("parallel.") or key in ("train.compile", "train.matmul_precision")
+
+
 MEASURED = [k for k in KEYS if CONTRACT[k].effect != "test"]
+BEFORE: dict = {}  # the unchanged run's measurement, by what decides it
 
 
 @pytest.mark.parametrize("key", MEASURED)
@@ -287,15 +293,18 @@ def test_a_consumed_key_changes_the_run(key, datasets, tmp_path):
     if key == "data.dataset":
         changed[-1] = f"data.dataset={datasets[1]}"
     runs = ([("jaxpar", "")] if row.jaxpar else []) + [("torchpar", b) for b in row.torchpar]
-    if row.effect in ("params", "data", "loop") or (row.effect == "step" and not key.startswith("parallel.")
-                                                     and key not in ("train.compile", "train.matmul_precision")):
+    if row.effect in ("params", "data", "loop") or (row.effect == "step" and not torch_engine_key(key)):
         runs = runs[:1] + [r for r in runs[1:2]]  # one torchpar backend stands for all: the model, data and loop are shared
         if row.effect in ("data", "loop"):
             runs = runs[:1]  # one code path for both trainers (jaxpar/core/data_order.py, jaxpar/core/loop.py)
     for trainer, backend in runs:
         base = load_config(None, TINY + [f"data.dataset={datasets[0]}"] + overrides)
         other = load_config(None, TINY + [f"data.dataset={datasets[0]}"] + changed)
-        before = probe(row.effect, trainer, backend, base, mesh, tmp_path / "a", key)
+        kind = "engine" if torch_engine_key(key) else row.effect  # what `probe` measures for this key
+        before_id = (tuple(overrides), tuple(sorted(mesh.items())), kind, trainer, backend)
+        if before_id not in BEFORE:  # most keys share their unchanged run: measured once
+            BEFORE[before_id] = probe(row.effect, trainer, backend, base, mesh, tmp_path / "a", key)
+        before = BEFORE[before_id]
         after = probe(row.effect, trainer, backend, other, key_mesh, tmp_path / "b", key)
         assert differ(before, after), f"{key}={alternative(key)} changed nothing in {trainer} {backend}"
 
@@ -309,3 +318,24 @@ def test_checkpoint_keep_is_the_number_of_steps_kept(tmp_path):
             ckpt.save(step, {"x": jax.numpy.ones(2) * step}, {"step": step})
         ckpt.close()
         assert sorted(os.listdir(tmp_path / str(keep) / "checkpoints")) == [str(s) for s in (1, 2, 3)][-keep:]
+
+
+ISSUE_CASES = [  # the silent accepts a user met: each is now one line and exit 2, before any training
+    ("torchpar", ["--backend", "none", "parallel.zero_stage=3"]),
+    ("torchpar", ["--backend", "none", "parallel.pipeline_schedule=zb_h1"]),
+    ("torchpar", ["--backend", "pipeline", "parallel.sequence_attention=ulysses"]),
+    ("torchpar", ["--backend", "none", "model.q_latent_dim=7"]),
+    ("jaxpar", ["model.rope_theta=500"]),
+    ("jaxpar", ["--mesh", "dp=2", "parallel.sequence_zigzag=false"]),
+]
+
+
+@pytest.mark.parametrize("trainer,args", ISSUE_CASES, ids=[a[-1] for _, a in ISSUE_CASES])
+def test_the_trainers_refuse_what_they_would_not_act_on(trainer, args, dataset, tmp_path):
+    from tests.helpers import run_cli, torch_env
+
+    env = torch_env() if trainer == "torchpar" else None
+    r = run_cli(tmp_path, dataset, *args, env=env, module=f"{trainer}.train", timeout=120)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert args[-1].split("=")[0] in errors[0] and not os.path.exists(tmp_path / "metrics.jsonl"), errors[0]

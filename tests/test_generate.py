@@ -70,7 +70,8 @@ def continue_by_forward(next_token, prompt: list[int], length: int, new: int | N
     return row[len(prompt):end]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", [v if v in ("mla", "dilated") else pytest.param(v, marks=pytest.mark.slow)
+                                     for v in VARIANTS])  # sketched and llama+dilated: torchpar's twin runs by default
 def test_every_variant_decodes_as_its_training_forward(variant):
     layout, graphdef, params = model_on("dp=1", *ROW, *VARIANTS[variant])
     full_forward = jax.jit(lambda p, t, n: nnx.merge(graphdef, p)(t)[0, n].argmax(-1))

@@ -116,8 +116,8 @@ TORCH_PORT, JAX_PORT = (29500, 20000), (61440, 4096)  # torchpar/dist.py; jax's 
 @pytest.mark.parametrize("launcher,backend,mesh,ports,started", [
     (["--framework", "torchpar", "--launcher", "srun"], "fsdp", "fsdp=2", TORCH_PORT,
      "backend fsdp on 2 cpu processes"),
-    (["--framework", "torchpar", "--launcher", "torchrun"], "fsdp", "fsdp=2", TORCH_PORT,
-     "backend fsdp on 2 cpu processes"),
+    pytest.param(["--framework", "torchpar", "--launcher", "torchrun"], "fsdp", "fsdp=2", TORCH_PORT,
+                 "backend fsdp on 2 cpu processes", marks=pytest.mark.slow),  # the same torchpar line as srun's
     pytest.param(["--framework", "torchpar", "--launcher", "deepspeed"], "deepspeed", "dp=2", TORCH_PORT,
                  "backend deepspeed on 2 cpu processes", marks=pytest.mark.slow),  # 30-40 s: DeepSpeed's start
     pytest.param([], None, "fsdp=2", JAX_PORT, "mesh fsdp=2 on 2 cpu devices",

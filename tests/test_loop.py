@@ -40,7 +40,7 @@ def test_records_say_how_much_of_a_step_was_waiting_for_data(tmp_path):
     cfg = tiny_config("train.steps=8", "train.log_every=4", "train.eval_every=0", "checkpoint.every=0",
                       f"run.dir={tmp_path}")
     fw = SleepyFramework()
-    fw.evaluate = lambda: 0.0
+    fw.evaluate = lambda batches: 0.0
     log = MetricsLog(str(tmp_path), True, 8)
     assert run_loop(cfg, 0, fw, log, None, 1.0, stop={}) == 8
     log.close()

@@ -48,6 +48,45 @@ def complete_steps(ckpt_dir: str) -> list[int]:
                   if d.isdigit() and os.path.exists(os.path.join(ckpt_dir, d, "meta.json")))
 
 
+def filesystem_failure(e: BaseException, where: str) -> str | None:
+    """What the system said when a write under `where` failed, or None (not a filesystem failure). torch.save's
+    zip writer turns a failed write into a RuntimeError ('unexpected pos', after an 'iostream error' under
+    DeepSpeed) whose chain may not hold the OSError; nor does DCP's gather of the ranks' errors keep it."""
+    chain = []
+    while e is not None:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    os_error = next((x for x in chain if isinstance(x, OSError)), None)
+    if os_error is not None:
+        return error_line(os_error)
+    if any(isinstance(x, RuntimeError) and ("unexpected pos" in str(x) or "iostream error" in str(x)) for x in chain):
+        free = shutil.disk_usage(where).free
+        return os.strerror(errno.ENOSPC) if not free else f"a write came short ({free:,} bytes free there)"
+    return None
+
+
+@contextmanager
+def failing_save(step: int, partial: str, is_main: bool, last_complete):
+    """A save into `partial` that fails on the filesystem (DCP gathers every rank's error into one
+    CheckpointException, raised on every rank): `partial` removed, then one UserError naming the step and
+    `last_complete()`, the newest complete step (None: none). Any other error is a bug and keeps its traceback."""
+    try:
+        yield
+    except (Exception, CheckpointException) as e:
+        errors = [err for err, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+        where = os.path.dirname(partial)
+        reasons = {filesystem_failure(err, where) for err in errors} - {None}
+        if not reasons:
+            raise
+        if is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+        last = last_complete()
+        last = (f"the last complete checkpoint is step {last} in {where}" if last is not None
+                else f"there is no complete checkpoint in {where} yet")
+        raise UserError(f"the checkpoint of step {step} could not be written: {'; '.join(sorted(reasons))}; "
+                        f"its partial files were removed; {last}") from None
+
+
 class DCPCheckpointer:
     def __init__(self, run_dir: str, keep: int, model, optimizer, env: Env):
         self.dir = os.path.abspath(os.path.join(run_dir, "checkpoints"))
@@ -69,11 +108,11 @@ class DCPCheckpointer:
         if self.env.is_main and os.path.exists(tmp):
             shutil.rmtree(tmp)
         dist.barrier()
-        with self._failing_save(step, tmp), _single_process_ok():
+        with failing_save(step, tmp, self.env.is_main, self._last_complete), _single_process_ok():
             dcp.save(self._state(), checkpoint_id=tmp, no_dist=not tdist.is_initialized())
         dist.barrier()
         if self.env.is_main:
-            with self._failing_save(step, tmp):
+            with failing_save(step, tmp, self.env.is_main, self._last_complete):
                 with open(os.path.join(tmp, "meta.json"), "w") as f:
                     json.dump(meta, f)
                 os.replace(tmp, final)
@@ -81,34 +120,8 @@ class DCPCheckpointer:
                 shutil.rmtree(os.path.join(self.dir, str(old)), ignore_errors=True)
         dist.barrier()
 
-    @contextmanager
-    def _failing_save(self, step: int, tmp: str):
-        """A save that fails on the filesystem (DCP gathers every rank's error into one CheckpointException, raised
-        on every rank): the partial directory removed, one UserError naming the step and the last complete one."""
-        try:
-            yield
-        except (OSError, CheckpointException) as e:
-            errors = [err for err, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
-            reasons = {self._filesystem_failure(err) for err in errors} - {None}
-            if not reasons:
-                raise  # not a filesystem failure: a bug, whose traceback must stay
-            if self.env.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
-            steps = complete_steps(self.dir)
-            last = (f"the last complete checkpoint is step {steps[-1]} in {self.dir}" if steps
-                    else f"there is no complete checkpoint in {self.dir} yet")
-            raise UserError(f"the checkpoint of step {step} could not be written: {'; '.join(sorted(reasons))}; "
-                            f"its partial files were removed; {last}") from None
-
-    def _filesystem_failure(self, e: BaseException) -> str | None:
-        """What the system said, or None. torch.save's zip writer turns a failed write into a RuntimeError
-        ('unexpected pos') whose context is the OSError; that context does not survive DCP's gather across ranks."""
-        while e is not None and not isinstance(e, OSError):
-            if isinstance(e, RuntimeError) and "unexpected pos" in str(e) and e.__context__ is None:
-                free = shutil.disk_usage(self.dir).free
-                return os.strerror(errno.ENOSPC) if not free else f"a write came short ({free:,} bytes free there)"
-            e = e.__cause__ or e.__context__
-        return error_line(e) if e is not None else None
+    def _last_complete(self) -> int | None:
+        return (complete_steps(self.dir) or [None])[-1]
 
     def restore(self) -> dict | None:
         """meta of the newest checkpoint, loaded into model and optimizer; None if there is none."""

@@ -28,7 +28,7 @@ from jaxpar.core.errors import UserError
 from jaxpar.core.lr_schedule import lr_at
 from torchpar import dist
 from torchpar.backends.base import TorchEngine
-from torchpar.checkpoint import complete_steps
+from torchpar.checkpoint import complete_steps, failing_save
 from torchpar.model import loss_fn
 from torchpar.optim import SharedLRSchedule, param_groups
 
@@ -143,10 +143,27 @@ class DeepSpeedEngine:
             out[name] = (p if full is None else full).detach().float().cpu()
         return out
 
+    def latest(self) -> int | None:
+        """The newest complete checkpoint: DeepSpeed writes the `latest` tag file after every rank's files."""
+        try:
+            with open(os.path.join(self.dir, "latest")) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            return None
+
+    def remove_partial_saves(self) -> None:
+        """Step directories newer than `latest` are saves a process did not finish (killed, disk full)."""
+        latest = self.latest() or 0
+        if self.env.is_main and os.path.isdir(self.dir):
+            for name in os.listdir(self.dir):
+                if name.isdigit() and int(name) > latest:
+                    shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+
     def save(self, step: int, meta: dict) -> None:
-        if os.path.isdir(os.path.join(self.dir, str(step))):
-            return
-        self.engine.save_checkpoint(self.dir, tag=str(step), client_state=meta)
+        if self.latest() == step:
+            return  # e.g. the final save right after a periodic one
+        with failing_save(step, os.path.join(self.dir, str(step)), self.env.is_main, self.latest):
+            self.engine.save_checkpoint(self.dir, tag=str(step), client_state=meta)
         dist.barrier()
         if self.env.is_main:
             tags = sorted(int(d) for d in os.listdir(self.dir) if d.isdigit())
@@ -164,6 +181,7 @@ class DeepSpeedEngine:
         deepspeed.comm.destroy_process_group()
 
     def restore(self) -> dict | None:
+        self.remove_partial_saves()
         if not os.path.exists(os.path.join(self.dir, "latest")):
             if complete_steps(self.dir):
                 raise UserError(f"{self.dir} holds torch.distributed.checkpoint checkpoints (ddp/fsdp/none); "
