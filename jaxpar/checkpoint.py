@@ -69,15 +69,19 @@ def save_failure(e: BaseException) -> str | None:
 
 
 class Checkpointer:
-    def __init__(self, run_dir: str, keep: int, asynchronous: bool = True):  # False: what a blocking save costs
+    def __init__(self, run_dir: str, keep: int, asynchronous: bool = True, trainer: bool = False):
+        """asynchronous=False: what a blocking save costs; trainer=True: the run's own trainer, which removes
+        saves an earlier process left unfinished (a reader, such as generate, must not: a live run's save in
+        flight looks the same)."""
         self.dir = os.path.abspath(os.path.join(run_dir, "checkpoints"))
         self.keep, self.asynchronous, self.last = keep, asynchronous, None  # last: saved or being saved
+        self.trainer = trainer
         self.failed = False  # a save failed: no more saves, close() only releases the manager
         _hide_orbax_logs()
         self._open()
 
     def _open(self):
-        options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True, cleanup_tmp_directories=True,
+        options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True, cleanup_tmp_directories=self.trainer,
                                                enable_async_checkpointing=self.asynchronous)
         self.manager = ocp.CheckpointManager(self.dir, options=options)
 

@@ -17,7 +17,10 @@ def check_layout(cfg: Config, sizes) -> None:
     if micro % data_ways:
         raise UserError(f"batch per microbatch {micro} (train.global_batch_size={t.global_batch_size} / "
                         f"train.microbatches={t.microbatches}) is not divisible by the data axes dp*fsdp={data_ways}")
-    check_sequence(cfg.data.seq_len, m.n_head, sizes, p.sequence_attention, p.sequence_zigzag)
+    if m.attention == "dilated":  # its own exchange over sp, in natural token order (models/dilated.py)
+        check_sequence(cfg.data.seq_len, m.n_head, sizes, "all_gather", zigzag=False)
+    else:
+        check_sequence(cfg.data.seq_len, m.n_head, sizes, p.sequence_attention, p.sequence_zigzag)
     check_pipeline(cfg, sizes)
 
 

@@ -194,13 +194,13 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_fina
     mesh = make_mesh(sizes)
     check_contract(Run(cfg, "jaxpar", mesh=dict(mesh.shape)))
     main_proc = jax.process_index() == 0
-    start_anew(cfg, main_proc and not write_init)
-    if jax.process_count() > 1:  # no process touches run.dir before the main one has moved an old run aside
-        multihost_utils.sync_global_devices("jaxpar/start_anew")
     data = open_splits(cfg, grain_batches)
     layout = Layout(cfg, mesh)
+    start_anew(cfg, main_proc and not write_init)  # after the refusals above: a refused run moves nothing
+    if jax.process_count() > 1:  # no process touches run.dir before the main one has moved an old run aside
+        multihost_utils.sync_global_devices("jaxpar/start_anew")
     os.makedirs(cfg.run.dir, exist_ok=True)
-    ckpt = Checkpointer(cfg.run.dir, cfg.checkpoint.keep)
+    ckpt = Checkpointer(cfg.run.dir, cfg.checkpoint.keep, trainer=True)
     try:
         state = initial_state(cfg, layout, ckpt)
         if write_init:

@@ -73,8 +73,6 @@ def settings(key: str, with_key: bool) -> tuple[list[str], dict]:
     overrides += NEEDS.get(key, [])
     if with_key:
         overrides.append(f"{key}={alternative(key)}")
-        if key == "parallel.mesh":
-            mesh = {"dp": 2}
     return overrides, mesh
 
 
@@ -154,8 +152,8 @@ def jax_step(cfg, mesh: dict) -> str:
     from jaxpar.state import abstract_state, init_state
     from jaxpar.step import make_train_step
 
-    sizes = resolve_sizes(parse_mesh(",".join(f"{a}={n}" for a, n in mesh.items()) or "dp=1"),
-                          int(np.prod(list(mesh.values()) or [1])))
+    spec = cfg.parallel.mesh or ",".join(f"{a}={n}" for a, n in mesh.items()) or "dp=1"  # as jaxpar.train: the key wins
+    sizes = resolve_sizes(parse_mesh(spec), int(np.prod([n for n in parse_mesh(spec).values() if n > 0])))
     layout = Layout(cfg, make_mesh(sizes, jax.devices()[:int(np.prod(list(sizes.values())))]))
     batch = jax.ShapeDtypeStruct(layout.batch_shape, "int32", sharding=layout.batch_sharding)
     with jax.default_matmul_precision(cfg.train.matmul_precision):

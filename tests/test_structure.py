@@ -7,6 +7,7 @@ tree, and the self-checks at the bottom run it on tiny in-memory trees to prove 
 import ast
 import fnmatch
 import pathlib
+import re
 import tomllib
 
 import pytest
@@ -141,6 +142,16 @@ def long_functions(source, limit=MAX_FUNCTION_LINES):
             and (span := node.end_lineno - node.lineno + 1) > limit]
 
 
+_NAMED_PATH = re.compile(r"(?<![\w./-])((?:jaxpar|torchpar|tests|parity_tests|configs|docs|benchmarks|tools)/"
+                         r"[\w./-]*\.(?:py|md|yaml|sh|json|toml))\b")
+
+
+def missing_paths(texts: dict[str, str], exists=lambda p: (ROOT / p).exists()) -> list[tuple[str, str]]:
+    """(file, path) for every repository file a text names (docstrings, comments, docs) that does not exist."""
+    return sorted({(name, m.group(1)) for name, text in texts.items() for m in _NAMED_PATH.finditer(text)
+                   if not exists(m.group(1))})
+
+
 FILES = load_files()
 GRAPH = build_graph(FILES)
 
@@ -168,6 +179,13 @@ def test_shipped_packages_contain_no_test_code():
     assert not (bad := imports_of_test_code(GRAPH)), f"shipped code imports test code: {bad}"
     shipped = packaged_test_dirs((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     assert not shipped, f"pyproject packages.find include ships (pattern, package): {shipped}"
+
+
+def test_every_path_a_doc_or_docstring_names_exists():
+    docs = {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8") for p in [ROOT / "README.md",
+                                                                          *(ROOT / "docs").rglob("*.md")]}
+    code = {path: src for path, src in FILES.items() if path != "tests/test_structure.py"}  # its planted paths
+    assert not (bad := missing_paths({**docs, **code})), f"named but missing (file, path): {bad}"
 
 
 def test_no_long_files():
@@ -201,6 +219,9 @@ PLANTED = {
         build_graph({"jaxpar/x.py": "import pytest\n"})) == [("jaxpar.x", "pytest")],
     "pyproject ships tests": lambda: packaged_test_dirs(
         '[tool.setuptools.packages.find]\ninclude = ["jaxpar*", "parity_tests*"]\n') == [("parity_tests*", "parity_tests")],
+    "a doc names a file that is gone": lambda: missing_paths(
+        {"a.md": "see jaxpar/gone.py, jaxpar/core/config.py and `docs/gone.md`."},
+        lambda p: p == "jaxpar/core/config.py") == [("a.md", "docs/gone.md"), ("a.md", "jaxpar/gone.py")],
     "long file": lambda: long_files({"a.py": "x = 1\n" * 401, "b.py": "x = 1\n" * 400}) == [("a.py", 401)],
     "long nested function": lambda: long_functions(
         "class C:\n    def m(self):\n        def inner():\n" + "            pass\n" * 80) == [("m", 2, 82), ("inner", 3, 81)],

@@ -185,12 +185,15 @@ def _checksums(root) -> dict:
             for d, _, names in os.walk(root) for n in names}
 
 
-def test_resume_false_keeps_the_old_run_apart(dataset, tmp_path):
+@pytest.mark.parametrize("module", ["jaxpar.train", "torchpar.train"])
+def test_resume_false_keeps_the_old_run_apart(module, dataset, tmp_path):
     run_dir, short = tmp_path / "run", ["train.steps=4", "checkpoint.every=2", "train.eval_every=0"]
-    first = run_cli(run_dir, dataset, *short)
+    first = run_cli(run_dir, dataset, *short, module=module)
     assert first.returncode == 0, first.stderr
     before = _checksums(run_dir)
-    second = run_cli(run_dir, dataset, *short, "checkpoint.resume=false", "train.seed=5")
+    refused = run_cli(run_dir, tmp_path / "missing.bin", *short, "checkpoint.resume=false", module=module)
+    assert refused.returncode == 2 and _checksums(run_dir) == before  # a refused start moves nothing
+    second = run_cli(run_dir, dataset, *short, "checkpoint.resume=false", "train.seed=5", module=module)
     assert second.returncode == 0, second.stderr
     assert "moved to" in second.stderr and "resumed" not in second.stderr
     assert _checksums(tmp_path / "run.prev-1") == before  # the old run, byte for byte

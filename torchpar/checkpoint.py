@@ -91,7 +91,11 @@ class DCPCheckpointer:
     def __init__(self, run_dir: str, keep: int, model, optimizer, env: Env):
         self.dir = os.path.abspath(os.path.join(run_dir, "checkpoints"))
         self.keep, self.model, self.optimizer, self.env = keep, model, optimizer, env
-        if env.is_main and os.path.isdir(self.dir):  # no save is in flight yet: any partial one is a leftover
+
+    def remove_partial_saves(self) -> None:
+        """The trainer, before its first restore: a `<step>.partial` is a save its run did not finish (killed,
+        disk full). Not for readers (generate): a live run's save in flight looks the same."""
+        if self.env.is_main and os.path.isdir(self.dir):
             for name in os.listdir(self.dir):
                 if name.endswith(".partial"):
                     shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)

@@ -122,12 +122,14 @@ def before_teardown(release: Callable[[], None]) -> None:
 def teardown() -> None:
     """Destroy the process groups and free them now, their gloo threads joined, while the interpreter is
     whole (module docstring). Safe to call again."""
-    while _releases:
-        _releases.pop()()
-    forget_meshes()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    gc.collect()  # engines in reference cycles (DDP's reducer, FSDP2's modules) hold the last references
+    try:
+        while _releases:
+            _releases.pop()()
+        forget_meshes()
+    finally:  # a release that fails (another library version) must not keep the groups alive
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()  # engines in reference cycles (DDP's reducer, FSDP2's modules) hold the last references
 
 
 def forget_meshes() -> None:

@@ -4,7 +4,7 @@ SwiGLU), no position table, an untied head (`lm_head`) if asked.
 
 Per-layer parameters keep the shapes of one slice of jaxpar's stacked layout (qkv [embed, 3,
 heads, kv], out [heads, kv, embed], ...) and are applied with einsum, so converting weights
-(torchpar/layout.py) is pure stack/unstack. No parallelism here: backends wrap this module.
+(torchpar/weights.py) is pure stack/unstack. No parallelism here: backends wrap this module.
 Every parameter is used inside the forward of the module that owns it (DeepSpeed ZeRO-3 gathers
 parameters per module), which is why wte/wpe sit on the root module.
 """

@@ -287,6 +287,8 @@ def train(cfg: Config, args) -> int:
     if cfg.model.init_from:  # a resumed checkpoint below overwrites these
         flat = load_weights(cfg.model.init_from, shared_shapes(cfg.model))
         model.load_state_dict(from_shared(flat, cfg.model.n_layer))
+    start_anew(cfg, env.is_main)  # after the inputs are read: a refused run moves nothing
+    dist.barrier()  # no rank touches run.dir before rank 0 has moved an old run aside
     n_params = sum(p.numel() for p in model.parameters())
     compiled = use_compile(cfg, args.backend, env.device.type)
     if compiled:
@@ -294,6 +296,7 @@ def train(cfg: Config, args) -> int:
     engine = backends.build(args.backend, model, cfg, env, deepspeed_config=args.deepspeed_config)
     fw = TorchFramework(cfg, data, args, engine, env)
     os.makedirs(cfg.run.dir, exist_ok=True)
+    engine.checkpointer.remove_partial_saves()  # what an earlier process left unfinished
     resumed = engine.checkpointer.restore() if cfg.checkpoint.resume else None
     step = engine.step = int(resumed["data_step"]) if resumed else 0
     if resumed and hasattr(engine, "load_extra_state"):
@@ -333,7 +336,6 @@ def main(argv=None) -> int:
         check_resume(cfg)
         if args.write_init:
             return write_init(cfg, args.write_init)
-        start_anew(cfg, rank0)  # before the process group's rendezvous: no rank writes into run.dir until then
         failure = None
         try:
             return train(cfg, args)

@@ -1,5 +1,8 @@
 """The shared core: what jaxpar and torchpar both read. Imports neither jax nor torch (a test checks).
 
-Config schema, errors, learning-rate schedule, FLOP and parameter counts by formula, pipeline
-schedule tables, token files and the data order, the weight-name table, the training-loop skeleton.
+config.py (the schema) and contract.py (who consumes each key), errors.py, faults.py (test hooks),
+lr_schedule.py, flops.py (FLOP and parameter counts by formula), pipeline_schedules.py, tokens.py, corpus.py and
+bpe.py (token files, corpora, a BPE), data_order.py, weights.py (the weight-name table), sketches.py, loop.py (the
+training-loop skeleton) with metrics_log.py, trackers.py, peers.py and prefetch.py, resume.py (run
+directories), mesh_spec.py, bench_records.py, sampling_cli.py, malloc.py (the CLIs' allocator setting).
 """

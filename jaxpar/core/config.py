@@ -151,7 +151,7 @@ class ParallelConfig:
     # attention across `sp` shards (jaxpar/parallel/sequence.py) and causal load balancing by zig-zag order
     sequence_attention: str = field(default="ring", metadata=_check(choices=("ring", "all_gather", "ulysses")))
     sequence_zigzag: bool = True
-    # pipeline over `pp` (jaxpar/parallel/pipeline.py); schedule tables: python -m jaxpar.tools.pipeline_table
+    # pipeline over `pp` (jaxpar/parallel/gpipe.py, jaxpar/parallel/pipeline_executor.py); schedule tables: python -m jaxpar.tools.pipeline_table
     pipeline_schedule: str = field(default="gpipe",
                                    metadata=_check(choices=("gpipe", "1f1b", "interleaved", "zb_h1")))
     pipeline_microbatches: int = field(default=0, metadata=_check(lo=0))  # 0 -> 2 x stages
@@ -387,7 +387,7 @@ def config_from_dict(d: dict) -> Config:
 
 @cli
 def main(argv=None) -> int:
-    """python -m jaxpar.core.config [configs/x.yaml] [section.key=value ...]: print the resolved config."""
+    """python -m jaxpar.core.config [configs/gpt2-tiny.yaml] [section.key=value ...]: print the resolved config."""
     args = sys.argv[1:] if argv is None else argv
     has_path = bool(args) and "=" not in args[0]
     print(load_config(args[0] if has_path else None, args[1:] if has_path else args).to_json())

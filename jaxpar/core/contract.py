@@ -2,7 +2,7 @@
 
 Every key of the schema has one row: the trainers and torchpar backends that act on it, the mode in which
 they do (e.g. `model.q_latent_dim` only under `model.attention=mla`), and how its effect shows (what
-tests/core/test_contract.py measures). `check_contract` refuses, in one line, any key set away from its
+tests/test_contract.py measures). `check_contract` refuses, in one line, any key set away from its
 default that the run at hand will not consume: a setting is acted on or refused, never silently dropped.
 A key added to the schema without a row here fails that test.
 """
@@ -17,11 +17,11 @@ from jaxpar.core.errors import UserError
 
 BACKENDS = ("none", "ddp", "fsdp", "deepspeed", "pipeline")  # torchpar's (torchpar/backends)
 BOTH = BACKENDS
-# How a consumed key shows in a run; tests/core/test_contract.py has one probe for each:
+# How a consumed key shows in a run; tests/test_contract.py has one probe for each:
 #   params  the initial parameters (shapes or values)      step  the traced train step (and its shardings)
 #   data    the batches read                               loop  the shared loop's calls (log, eval, save, ...)
 #   engine  torchpar's engine settings (DeepSpeed JSON, schedule, compile, precision)
-#   test    a named test shows it (files, processes, console): `evidence` holds "tests/...py::test_name"
+#   test    a named test shows it (files, processes, console): `evidence` holds "tests/<file>.py::<test>"
 EFFECTS = ("params", "step", "data", "loop", "engine", "test")
 
 
@@ -65,11 +65,7 @@ def _llama_or_mla(run: Run) -> bool:
     return run.cfg.model.family == "llama" or run.cfg.model.attention == "mla"
 
 
-def _sequence_parallel(run: Run) -> bool:
-    return run.size("sp") > 1
-
-
-def _zigzag(run: Run) -> bool:  # dilated attention keeps the natural token order (jaxpar/loss.py)
+def _zigzag(run: Run) -> bool:  # dilated attention keeps the natural token order (jaxpar/loss.py), its own exchange
     return run.size("sp") > 1 and run.cfg.model.attention != "dilated"
 
 
@@ -90,7 +86,6 @@ FLOAT16 = dict(when=_model("compute_dtype", "float16"), mode="model.compute_dtyp
                example=("model.compute_dtype=float16",))
 PIPELINE = dict(when=_stages, mode="a pipeline (jaxpar: pp>1 in the mesh; torchpar: --backend pipeline)",
                 example=("mesh:pp=2",))
-SEQUENCE = dict(when=_sequence_parallel, mode="sp>1 in the mesh", example=("mesh:sp=2",))
 NO_TORCH_SP = "torchpar has no sequence parallelism (jaxpar.train runs sp)"
 
 CONTRACT: dict[str, Owner] = {
@@ -160,7 +155,9 @@ CONTRACT: dict[str, Owner] = {
                                  mode="dp>1 in the mesh (jaxpar shards the stages over dp; fsdp shards everything "
                                       "already)", example=("mesh:dp=2",),
                                  why_not="it applies to --backend fsdp and deepspeed (ddp, none and pipeline are ZeRO-0)"),
-    "parallel.sequence_attention": Owner(True, (), "step", **SEQUENCE, why_not=NO_TORCH_SP),
+    "parallel.sequence_attention": Owner(True, (), "step", when=_zigzag, mode="sp>1 in the mesh and an attention "
+                                         "other than dilated (which moves its own keys and values)",
+                                         example=("mesh:sp=2",), why_not=NO_TORCH_SP),
     "parallel.sequence_zigzag": Owner(True, (), "step", when=_zigzag, mode="sp>1 in the mesh and an attention other "
                                       "than dilated (which keeps the natural order)", example=("mesh:sp=2",),
                                       why_not=NO_TORCH_SP),

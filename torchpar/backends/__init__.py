@@ -3,7 +3,7 @@
 
 Each `build(...)` returns an engine with: module (for eval), train_step(microbatches) ->
 (local loss, grad_norm, lr, extra metrics: float16's loss_scale and skipped_steps), eval_loss(batch), data_rank/data_ways (this rank's
-share of a batch; the ranks whose losses are averaged), checkpointer (save(step, meta) / restore() -> meta | None).
+share of a batch; the ranks whose losses are averaged), checkpointer (save(step, meta) / restore() -> meta | None / remove_partial_saves()).
 """
 from __future__ import annotations
 

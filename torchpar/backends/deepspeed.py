@@ -152,9 +152,10 @@ class DeepSpeedEngine:
             return None
 
     def remove_partial_saves(self) -> None:
-        """Step directories newer than `latest` are saves a process did not finish (killed, disk full)."""
-        latest = self.latest() or 0
-        if self.env.is_main and os.path.isdir(self.dir):
+        """The trainer, before its first restore: step directories newer than `latest` are saves a process did not
+        finish (killed, disk full). Nothing without a readable `latest` (another backend's run, or none)."""
+        latest = self.latest()
+        if latest is not None and self.env.is_main:
             for name in os.listdir(self.dir):
                 if name.isdigit() and int(name) > latest:
                     shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
@@ -181,7 +182,6 @@ class DeepSpeedEngine:
         deepspeed.comm.destroy_process_group()
 
     def restore(self) -> dict | None:
-        self.remove_partial_saves()
         if not os.path.exists(os.path.join(self.dir, "latest")):
             if complete_steps(self.dir):
                 raise UserError(f"{self.dir} holds torch.distributed.checkpoint checkpoints (ddp/fsdp/none); "
