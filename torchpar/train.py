@@ -329,7 +329,7 @@ def main(argv=None) -> int:
     dist.adopt_slurm_env()
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    rank0 = launch_env()[0] == 0
+    speaks = launch_env()[0] == 0  # who prints the error line
     try:
         cfg = load_config(args.config, args.overrides)
         check(cfg, args)
@@ -339,13 +339,16 @@ def main(argv=None) -> int:
         failure = None
         try:
             return train(cfg, args)
-        except (UserError, OSError) as e:  # mid-run (a non-finite step, a full disk): a process group is up
+        except UserError as e:  # mid-run (a non-finite step, a failed save): a process group is up
             failure = error_line(e)
+        except OSError as e:  # this rank's own file system: the others may not know, so every rank says it
+            failure = f"rank {launch_env()[0]}: {error_line(e)}"
+            speaks = True
         finally:
             dist.teardown()  # frees the groups now, the engine first (a gloo thread alive at exit can abort)
         raise UserError(failure)
     except (UserError, OSError) as e:
-        if rank0:
+        if speaks:  # a line every rank has: printed once
             print(f"error: {error_line(e)}", file=sys.stderr)
         return 2
 
