@@ -46,7 +46,11 @@ def hand_scheduled(layout: Layout, schedule: str):
             fns, rest, params["blocks"], stacked_sketches(cfg.model), *split_rows(batch, order), mesh=mesh,
             schedule=schedule, S=S, M=resolve_microbatches(S, p.pipeline_microbatches), V=p.pipeline_virtual_stages,
             width=cfg.model.d_model, dtype=jnp.dtype(cfg.model.compute_dtype))
-        return loss, {**g_rest, "blocks": g_blocks}
+        grads = {**g_rest, "blocks": g_blocks}
+        # Pin the executor's gradients to the parameters' layout: left free, ZeRO-2's reduce-scatter layout
+        # (step.py) propagates back into the schedule's per-tick branches, where XLA then places a resharding
+        # collective that only the devices taking that branch reach -- a deadlock (docs/fuzz.md, case 91).
+        return loss, jax.tree.map(jax.lax.with_sharding_constraint, grads, layout.shardings(layout.param_specs))
 
     return value_and_grad
 

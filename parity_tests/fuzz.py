@@ -8,7 +8,7 @@ over dp/fsdp/tp/pp/sp or a torchpar backend and world size, plus settings drawn 
 `STEPS` float32 steps (matmul precision highest) and its per-step loss and gradient norm and its final
 parameters are compared (parity_tests/compare.py, 1e-5) with the one-device jaxpar run of the same
 model, data and training settings. jaxpar cases run in this process; torchpar cases as subprocesses
-(torchrun over gloo) from the reference's exported initial weights.
+(torchrun over gloo) from the reference's exported initial weights (parity_tests/fuzz_run.py).
 
 Outcomes: `equal`; `refused` (the trainer's one-line UserError) where the docs say so (DOCUMENTED_REFUSALS);
 and three failures: `differs`, `error` (a crash, a timeout), `refused-promised` (refused, but no line of
@@ -20,208 +20,38 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections import Counter
-from dataclasses import dataclass, field
 
 from jaxpar.core.errors import cli
-from parity_tests.compare import Tolerance
-from parity_tests.fuzz_cases import (BASE, STEPS, TORCH_SHARE, Case, documented_refusal, draw_case, normalize,
-                                     promises)
+from parity_tests.fuzz_cases import BASE, TORCH_SHARE, Case, draw_case, normalize
+from parity_tests.fuzz_run import TIMEOUT_S, Outcome, Worker
 
-# the float32 budget of tests/test_layouts.py and the parity suite, gradient norm included (3 steps, not 50)
-TOLERANCE = Tolerance("float32 fuzz", loss=1e-5, grad_norm=1e-5, lr=1e-6, params=1e-5, param_abs=5e-5, key_bias_lr=0.01)
-TIMEOUT_S = 600
-# Failures found by the sweeps (docs/fuzz.md), run by tests/test_fuzz.py: (spec, what it found).
+# Each failure a sweep found (docs/fuzz.md): (case, what it found). tests/test_fuzz.py runs them all: each must
+# be equal now, or refused as documented.
 REGRESSIONS = (
     ("jax pp=2 data.seq_len=32 model.d_model=64 model.n_head=2 model.n_layer=4",
-     "seed 26001 case 1 at lr 1e-2: blocks.attn.out.kernel 7.6e-5 off (bound 5e-5), Adam amplifying float32 "
-     "reassociation (dp=2: 1.7e-5); BASE now trains at lr 3e-3 as configs/parity/ does"),
+     "seed 26001 case 1 (lr 1e-2, eps 1e-8): blocks.attn.out.kernel 7.6e-5 off (bound 5e-5), Adam amplifying "
+     "float32 rounding; the base config's lr and eps since (fuzz_cases.BASE)"),
+    ("jax pp=2 model.d_ff=48 model.family=llama model.n_head=8 model.n_kv_head=1 model.tie_embeddings=false "
+     "train.global_batch_size=16 train.microbatches=2",
+     "seed 26001 case 78 (eps 1e-8): wte[165, 29] 1.5e-4 off, its gradient 9.5e-9 vs 9.8e-9 (|g| ~ eps); the "
+     "base config's eps since"),
+    ("jax dp=2,pp=2 parallel.pipeline_schedule=1f1b parallel.zero_stage=2",
+     "seed 26001 case 91 (shrunk): ZeRO-2 on the hand-scheduled pipeline deadlocked a collective-permute that "
+     "XLA placed inside one tick's branch; fixed by pinning the executor's gradients (jaxpar/step.py)"),
+    ("jax dp=2,fsdp=2,pp=2 model.attention=dilated model.dilation_rates=1,2,4 model.segment_lengths=4,8,16 "
+     "parallel.pipeline_schedule=1f1b parallel.zero_stage=2 train.global_batch_size=32 train.microbatches=2",
+     "seed 26001 case 91 as drawn"),
+    ("torch pipeline:4 parallel.mesh=pp=2,dp=2",
+     "seed 26001 case 99 (shrunk): pp x dp with gpipe stopped at step 2 in DDP's _rebuild_buckets; refused now"),
+    ("torch pipeline:4 parallel.mesh=pp=2,dp=2 parallel.pipeline_schedule=zb_h1",
+     "seed 26001 case 99's schedule: pp x dp with zb_h1 trained with un-averaged gradients; refused now"),
 )
 
-
-# ------------------------------------------------------------------------------------------------ running
-
-@dataclass
-class Outcome:
-    kind: str  # equal | refused | differs | error | refused-promised
-    detail: str = ""
-    deviations: dict = field(default_factory=dict)
-    seconds: float = 0.0
-
-    @property
-    def failed(self) -> bool:
-        return self.kind in ("differs", "error", "refused-promised")
-
-
-@dataclass
-class Trajectory:
-    """What compare() reads: per-step series and final parameters of one run."""
-    side: str
-    config: str
-    loss: list
-    grad_norm: list
-    lr: list
-    params: dict = field(repr=False)
-
-
-def reference_settings(case: Case) -> list[str]:
-    """The same model, data and training on one device: the case's settings without parallel.*."""
-    return [o for o in case.overrides if not o.startswith("parallel.")]
-
-
-class Fuzzer:
-    def __init__(self, workdir: str, timeout: int = TIMEOUT_S, run_overrides=()):
-        from tests.helpers import make_dataset
-
-        self.workdir, self.timeout = workdir, timeout
-        self.run_overrides = list(run_overrides)  # appended to every case's run, never its reference (tests)
-        os.makedirs(workdir, exist_ok=True)
-        self.dataset = make_dataset(os.path.join(workdir, "tokens.bin"))
-        self.references: dict[tuple, Trajectory] = {}
-        self.inits: dict[tuple, str] = {}
-        self.count = 0
-
-    def run_case(self, case: Case) -> Outcome:
-        from jaxpar.core.errors import UserError
-        from parity_tests.compare import compare
-
-        t0 = time.perf_counter()
-        try:  # the case first: a refusal costs no reference run
-            got = self.run_jax(case) if case.side == "jax" else self.run_torch(case)
-            ref = self.reference(case)
-        except UserError as e:
-            out = self.refused(case, str(e))
-        except Exception:  # a crash anywhere is what the fuzzer is for; keep its traceback's tail
-            out = Outcome("error", traceback.format_exc()[-3000:])
-        else:
-            c = compare(got, ref, TOLERANCE)
-            out = Outcome("equal" if c.ok else "differs", "" if c.ok else c.message(), c.deviations)
-        out.seconds = time.perf_counter() - t0
-        return out
-
-    def refused(self, case: Case, line: str) -> Outcome:
-        doc = documented_refusal(case)
-        if doc:
-            return Outcome("refused", f"{line} [documented: {doc}]")
-        return Outcome("refused-promised", f"{line} [but promised by: {' | '.join(promises(case))}]")
-
-    def config(self, overrides):
-        from jaxpar.core.config import load_config
-
-        return load_config(None, [*BASE, *overrides])
-
-    def reference(self, case: Case) -> Trajectory:
-        """The one-device jaxpar run of the case's model, data and training settings (cached)."""
-        key = tuple(reference_settings(case))
-        if key not in self.references:
-            self.references[key] = self.jax_trajectory(self.config(key), "dp=1", "jax:1")
-        return self.references[key]
-
-    def run_jax(self, case: Case) -> Trajectory:
-        from jaxpar.core.contract import Run, check_contract
-
-        cfg = self.config([*case.overrides, *self.run_overrides])
-        check_contract(Run(cfg, "jaxpar", mesh=case.mesh()))  # as jaxpar.train does: a key no mode consumes
-        return self.jax_trajectory(cfg, case.layout, case.spec)
-
-    def jax_trajectory(self, cfg, mesh: str, name: str) -> Trajectory:
-        import jax
-
-        from jaxpar.core.mesh_spec import parse_mesh
-        from tests.helpers import run_steps
-
-        n = math.prod(parse_mesh(mesh).values())
-        try:
-            out = run_steps(cfg, mesh, self.dataset, devices=jax.devices()[:n])
-        finally:
-            jax.clear_caches()  # a sweep compiles hundreds of programs; keep the process's memory flat
-        return Trajectory(name, "fuzz", out["loss"], out["grad_norm"], out["lr"], out["params"])
-
-    def init_weights(self, case: Case) -> str:
-        """The reference's initial parameters as a shared weights file (what torchpar starts from)."""
-        import jax
-
-        from jaxpar.core.mesh_spec import parse_mesh
-        from jaxpar.core.weights import flatten, save_weights
-        from jaxpar.layout import Layout
-        from jaxpar.mesh import make_mesh
-        from jaxpar.state import init_state
-
-        key = tuple(reference_settings(case))
-        if key not in self.inits:
-            cfg = self.config(key)
-            layout = Layout(cfg, make_mesh(parse_mesh("dp=1"), jax.devices()[:1]))
-            params = flatten(jax.device_get(init_state(layout)["params"]))
-            path = os.path.join(self.workdir, "init", f"{len(self.inits)}.safetensors")
-            save_weights(path, params, cfg.to_dict()["model"])
-            self.inits[key] = path
-        return self.inits[key]
-
-    def run_torch(self, case: Case) -> Trajectory:
-        from jaxpar.core.errors import UserError
-        from safetensors.numpy import load_file
-
-        from tests.helpers import torch_command
-
-        self.count += 1
-        run_dir = os.path.join(self.workdir, "runs", str(self.count))
-        final = os.path.join(run_dir, "final.safetensors")
-        args = ["--backend", case.backend, *BASE, *case.overrides, *self.run_overrides,
-                f"model.init_from={self.init_weights(case)}", f"data.dataset={self.dataset}", f"run.dir={run_dir}",
-                "--write-final", final]
-        rc, text = self.launch(torch_command(args, case.world))
-        records = self.metrics(run_dir)
-        errors = [line[len("error: "):] for line in text.splitlines() if line.startswith("error: ")]
-        if rc != 0 and errors and not records:  # a one-line refusal before any step
-            raise UserError(errors[0])
-        if rc != 0:
-            raise RuntimeError(f"torchpar exited {rc}:\n{text[-3000:]}")
-        steps = range(1, STEPS + 1)
-        if sorted(records) != list(steps):
-            raise RuntimeError(f"torchpar logged steps {sorted(records)}, expected 1..{STEPS}")
-        series = [[float("nan") if records[s][k] is None else records[s][k] for s in steps]
-                  for k in ("loss", "grad_norm", "lr")]
-        return Trajectory(case.spec, "fuzz", *series, params=load_file(final))
-
-    def launch(self, cmd: list[str]) -> tuple[int, str]:
-        """A trainer subprocess in its own session: (exit status, stdout + stderr); killed whole on a timeout."""
-        import signal
-
-        from tests.helpers import ABORTS, ROOT, torch_env
-
-        env = {**torch_env(), "CUDA_VISIBLE_DEVICES": ""}
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=self.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            raise RuntimeError(f"timed out after {self.timeout}s: {' '.join(cmd)}\n{out[-3000:]}") from None
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever of this session outlived torchrun
-            raise RuntimeError(f"processes left behind by: {' '.join(cmd)}")
-        except ProcessLookupError:
-            pass
-        if any(a in out for a in ABORTS):
-            raise RuntimeError(f"aborted (exit {proc.returncode}):\n{out[-3000:]}")
-        return proc.returncode, out
-
-    @staticmethod
-    def metrics(run_dir: str) -> dict:
-        path = os.path.join(run_dir, "metrics.jsonl")
-        if not os.path.exists(path):
-            return {}
-        with open(path) as f:
-            return {r["step"]: r for r in map(json.loads, f) if "loss" in r}
 
 # ---------------------------------------------------------------------------------------------- shrinking
 
@@ -241,7 +71,7 @@ def candidates(case: Case):
         yield case.with_settings(case.settings[:i] + case.settings[i + 1:])
 
 
-def shrink(fuzzer: Fuzzer, case: Case, outcome: Outcome, max_runs: int = 40, log=print) -> tuple[Case, Outcome]:
+def shrink(fuzzer, case: Case, outcome: Outcome, max_runs: int = 40, log=print) -> tuple[Case, Outcome]:
     """Greedy: take the first simpler case that fails the same way, until none does (or max_runs runs)."""
     tried, runs = {case.spec}, 0
     progress = True
@@ -254,7 +84,7 @@ def shrink(fuzzer: Fuzzer, case: Case, outcome: Outcome, max_runs: int = 40, log
             runs += 1
             out = fuzzer.run_case(cand)
             log(f"    shrink {runs}: {cand.spec}: {out.kind}")
-            if out.kind == outcome.kind:
+            if out.same_failure(outcome):
                 case, outcome, progress = cand, out, True
                 break
     return case, outcome
@@ -289,32 +119,16 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def setup_jax() -> None:
-    """8 simulated CPU devices and float32 matmuls at full precision, unless jax has already started (tests)."""
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
-
-    try:
-        jax.config.update("jax_num_cpu_devices", 8)
-    except RuntimeError:  # the backend is up (pytest's conftest set the same)
-        pass
-    jax.config.update("jax_default_matmul_precision", "highest")
-    if len(jax.devices()) < 8:
-        from jaxpar.core.errors import UserError
-
-        raise UserError(f"the fuzzer needs 8 devices, jax has {len(jax.devices())}")
-
-
 def select(args, seed: int) -> list[tuple[str, Case]]:
     """(label, case): the given specs, or the regressions and the draws of (seed, start..start+cases-1)."""
     if args.case:
         return [(f"case {i}", Case.parse(spec)) for i, spec in enumerate(args.case)]
-    out = [(f"regression {i}", Case.parse(spec)) for i, (spec, _) in enumerate(REGRESSIONS)] if args.regressions else []
+    out = [(f"regression {i}", Case.parse(r[0])) for i, r in enumerate(REGRESSIONS)] if args.regressions else []
     return out + [(f"{i}", draw_case(random.Random(f"{seed}:{i}"), args.torch_share))
                   for i in range(args.start, args.start + args.cases)]
 
 
-def run_all(args, seed: int, fuzzer: Fuzzer) -> tuple[Counter, list]:
+def run_all(args, seed: int, fuzzer: Worker) -> tuple[Counter, list]:
     counts, failures = Counter(), []
     for label, case in select(args, seed):
         print(f"[{label}] {case.spec}: ", end="", flush=True)  # named before it runs: a crash of jax's process too
@@ -347,10 +161,12 @@ def main(argv=None) -> int:
           f"fuzz seed {seed} (python -m parity_tests.fuzz --seed {seed} --cases {args.cases}"
           f"{f' --start {args.start}' if args.start else ''}{' --regressions' if args.regressions else ''}"
           f"{f' --torch-share {args.torch_share}' if args.torch_share != TORCH_SHARE else ''})", flush=True)
-    setup_jax()
     with tempfile.TemporaryDirectory(prefix="jaxpar-fuzz-") as tmp:
-        fuzzer = Fuzzer(args.workdir or tmp, args.timeout)
-        counts, failures = run_all(args, seed, fuzzer)
+        fuzzer = Worker(args.workdir or tmp, args.timeout)
+        try:
+            counts, failures = run_all(args, seed, fuzzer)
+        finally:
+            fuzzer.close()
     print(f"fuzz{'' if args.case else f' seed {seed}'}: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())),
           flush=True)
     dataset = fuzzer.dataset if args.workdir else "TOKENS.bin"  # (tests.helpers.make_dataset writes one)

@@ -16,10 +16,9 @@ import random
 from dataclasses import dataclass
 
 STEPS = 3
-# the tiny model of tests/helpers.py, STEPS steps, nothing but the training steps; lr 3e-3 as configs/parity/:
-# at 1e-2 Adam amplifies float32 reassociation past the per-tensor bound on d_model=64 models (docs/fuzz.md);
-# Adam's eps 1e-6: a gradient element near zero turns a float32 rounding difference dg into an update difference
-# of ~lr*dg/eps, with eps 1e-8 past the per-tensor bound (seed 26001, cases 1 and 78 of the first sweep)
+# the tiny model of tests/helpers.py, STEPS steps, nothing but the training steps. lr 3e-3 as configs/parity/,
+# and Adam's eps 1e-6: a gradient element near zero (|g| ~ eps) turns a float32 rounding difference dg into an
+# update difference of ~lr*dg/eps, with eps 1e-8 past the per-tensor bound (docs/fuzz.md: seed 26001 cases 1, 78)
 BASE = ("model.n_layer=2", "model.n_head=4", "model.d_model=32", "model.max_seq_len=32", "data.seq_len=16",
         "train.global_batch_size=8", f"train.steps={STEPS}", "optim.warmup_steps=3", "optim.lr=3e-3",
         "optim.min_lr=3e-4", "optim.eps=1e-6", "data.val_fraction=0.1", "train.eval_batches=1", "train.log_every=1",
@@ -144,7 +143,8 @@ def draw_torch(rng: random.Random) -> Case:
         D = 2 if world == 4 and rng.random() < 0.5 else 1
         if D > 1:
             s["parallel.mesh"] = f"pp={world // D},dp={D}"
-        stages_v, M = _draw_pipeline(rng, s, world // D)
+        # torchpar's pp x dp runs 1f1b only (docs/torchpar.md); the others are drawn now and then, refused
+        stages_v, M = _draw_pipeline(rng, s, world // D, {"gpipe": 1, "1f1b": 8, "interleaved": 1} if D > 1 else None)
         ways = D * M
     _draw_dims(rng, s, 1, stages_v)
     _draw_training(rng, s, ways)
@@ -168,9 +168,9 @@ def _draw_model_kind(rng: random.Random, s: dict) -> str:
     return attention
 
 
-def _draw_pipeline(rng: random.Random, s: dict, S: int) -> tuple[int, int]:
+def _draw_pipeline(rng: random.Random, s: dict, S: int, weights=None) -> tuple[int, int]:
     """Schedule, virtual stages and microbatches for S stages: (stages x virtual stages, microbatches)."""
-    schedule = _pick(rng, {"gpipe": 2, "1f1b": 2, "interleaved": 2, "zb_h1": 1})
+    schedule = _pick(rng, weights or {"gpipe": 2, "1f1b": 2, "interleaved": 2, "zb_h1": 1})
     s["parallel.pipeline_schedule"] = schedule
     V = 2 if schedule == "interleaved" else 1
     s["parallel.pipeline_virtual_stages"] = str(V)
@@ -237,7 +237,7 @@ PROMISES = (
      "README.md 'ZeRO vocabulary' (jaxpar 0-3 on dp); docs/torchpar.md fsdp and deepspeed bullets (0-3)"),
     ("pipeline schedules", lambda c: c.mesh()["pp"] > 1,
      "README.md 'Pipeline' and docs/architecture.md 'Pipeline parallelism' (gpipe, 1f1b, interleaved, zb_h1, "
-     "virtual stages); docs/torchpar.md pipeline bullet (one stage per rank, interleaved >= 2, pp x dp)"),
+     "virtual stages); docs/torchpar.md pipeline bullet (one stage per rank, interleaved >= 2, pp x dp with 1f1b)"),
     ("sequence attention", lambda c: c.mesh()["sp"] > 1,
      "README.md 'Sequence parallelism' (ring, all_gather, ulysses, zig-zag); docs/architecture.md 'Sequence "
      "parallelism (sp)'"),
@@ -263,8 +263,44 @@ def _pipeline_sp(c: Case) -> bool:
         c.get("parallel.sequence_attention", "ring") == "ring" or c.get("model.attention") == "dilated")
 
 
+def invalid_config(c: Case) -> bool:
+    from jaxpar.core.config import load_config
+    from jaxpar.core.errors import UserError
+
+    try:
+        load_config(None, [*BASE, *c.overrides])
+    except UserError:
+        return True
+    return False
+
+
+def indivisible(c: Case) -> bool:
+    """Sizes the layout does not divide: heads by tp (x sp for Ulysses), the batch per microbatch by the data
+    ways (x pipeline microbatches), the sequence by sp (2 sp with zig-zag), layers by stages x virtual stages,
+    pipeline microbatches by the schedule's rules."""
+    g = lambda key, default: int(c.get(key, default))  # noqa: E731
+    m, micro, heads = c.mesh(), g("train.global_batch_size", 8) // g("train.microbatches", 1), g("model.n_head", 4)
+    ways = m["dp"] * m["fsdp"] if c.side == "jax" else (m["dp"] if c.backend == "pipeline" else max(c.world, 1))
+    bad = heads % m["tp"] or micro % ways
+    if m["sp"] > 1:
+        zigzag = c.get("parallel.sequence_zigzag", "true") == "true"
+        bad = bad or g("data.seq_len", 16) % (m["sp"] * (2 if zigzag else 1)) or (
+            c.get("parallel.sequence_attention") == "ulysses" and heads % (m["tp"] * m["sp"]))
+    if m["pp"] > 1:
+        S, V, schedule = m["pp"], g("parallel.pipeline_virtual_stages", 1), c.get("parallel.pipeline_schedule", "gpipe")
+        M = g("parallel.pipeline_microbatches", 0) or 2 * S
+        bad = bad or g("model.n_layer", 2) % (S * V) or micro % (M * ways) or (schedule != "gpipe" and M < S) or (
+            schedule == "interleaved" and M % S)
+    return bool(bad)
+
+
 # (where the docs say it, predicate): combinations the docs say are refused with one line
 DOCUMENTED_REFUSALS = (
+    ("README.md 'Config' (unknown keys, types, ranges are errors); docs/architecture.md 'Model families' (keys of "
+     "the other family, llama with mla or sketched)", invalid_config),
+    ("docs/architecture.md 'Sharding' (divisibility the user controls is checked up front with one line), "
+     "'Sequence parallelism' (its checks); docs/torchpar.md (a world size that does not divide the batch per "
+     "microbatch); the pipeline's sizes (jaxpar/core/pipeline_schedules.py)", indivisible),
     ("docs/architecture.md 'Pipeline parallelism': sp inside the 1f1b/interleaved/zb_h1 executor needs "
      "all_gather or ulysses and not model.attention=dilated", _pipeline_sp),
     ("docs/torchpar.md ddp: parallel.zero_stage must be 0",
@@ -279,6 +315,9 @@ DOCUMENTED_REFUSALS = (
     ("docs/torchpar.md pipeline: interleaved needs parallel.pipeline_virtual_stages >= 2",
      lambda c: c.side == "torch" and c.backend == "pipeline" and c.get("parallel.pipeline_schedule") ==
      "interleaved" and int(c.get("parallel.pipeline_virtual_stages", "1")) < 2),
+    ("docs/torchpar.md pipeline: pp x dp (parallel.mesh=pp=S,dp=D) runs the 1f1b schedule only",
+     lambda c: c.side == "torch" and c.backend == "pipeline" and c.mesh()["dp"] > 1 and
+     c.get("parallel.pipeline_schedule", "gpipe") != "1f1b"),
     ("docs/torchpar.md: offload needs --backend fsdp or deepspeed",
      lambda c: c.side == "torch" and c.backend not in ("fsdp", "deepspeed") and "parallel.offload" in
      dict(c.settings)),

@@ -1,5 +1,5 @@
 """The layout-equivalence fuzzer (parity_tests/fuzz.py): two random cases per commit (the seed from the commit
-hash, printed) and its regressions; valid draws; and that it can fail: a differing run is found, the shrinker
+hash, printed), the failures it found; valid draws; and that it can fail: a differing run is found, the shrinker
 keeps only what fails, a refusal the docs do not explain is a failure."""
 import copy
 import random
@@ -13,8 +13,9 @@ from jaxpar.core.config import load_config
 from jaxpar.core.contract import Run, check_contract
 from jaxpar.core.errors import UserError
 from parity_tests import fuzz, fuzz_cases
-from parity_tests.fuzz import Fuzzer, shrink
-from parity_tests.fuzz_cases import BASE, Case, documented_refusal, draw_case, normalize
+from parity_tests.fuzz import shrink
+from parity_tests.fuzz_cases import BASE, Case, documented_refusal, draw_case, indivisible, normalize
+from parity_tests.fuzz_run import Fuzzer, Outcome, Worker
 from tests.helpers import ROOT
 
 
@@ -27,14 +28,27 @@ def commit_seed() -> int:
         return int(time.time()) % 2**31
 
 
-def test_two_cases_of_this_commit_and_the_regressions(capsys):
+def test_two_cases_of_this_commit(capsys):
     seed = commit_seed()
-    print(f"fuzz seed {seed}: python -m parity_tests.fuzz --seed {seed} --cases 2 --regressions")
-    rc = fuzz.main(["--seed", str(seed), "--cases", "2", "--regressions"])
+    print(f"fuzz seed {seed}: python -m parity_tests.fuzz --seed {seed} --cases 2")
+    rc = fuzz.main(["--seed", str(seed), "--cases", "2"])
     out = capsys.readouterr().out
     print(out)
     assert rc == 0, f"fuzz seed {seed} found a failure:\n{out[-6000:]}"
-    assert out.count(": equal (") + out.count(": refused (") == 2 + len(fuzz.REGRESSIONS), out
+    assert out.count(": equal (") + out.count(": refused (") == 2, out
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    w = Worker(str(tmp_path_factory.mktemp("fuzz-worker")))
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize("spec", [spec for spec, _ in fuzz.REGRESSIONS])
+def test_regression(spec, worker):
+    out = worker.run_case(Case.parse(spec))
+    assert not out.failed, f"{spec}: {out.kind}\n{out.detail[:3000]}"
 
 
 def test_draws_are_valid_and_set_only_keys_their_modes_run():
@@ -46,6 +60,7 @@ def test_draws_are_valid_and_set_only_keys_their_modes_run():
         sides.add(case.backend if case.side == "torch" else case.side)
         assert Case.parse(case.spec) == case and normalize(case) == case, case.spec
         cfg = load_config(None, [*BASE, *case.overrides])
+        assert not indivisible(case), case.spec
         if documented_refusal(case):
             continue
         if case.side == "jax":
@@ -82,7 +97,7 @@ class Stub:
         except UserError:
             self.unconsumed.append(case.spec)
         fails = case.mesh()["tp"] > 1 and case.get("model.remat") == "full"
-        return fuzz.Outcome("differs" if fails else "equal")
+        return Outcome("differs" if fails else "equal")
 
 
 def test_the_shrinker_keeps_only_what_fails():

@@ -84,6 +84,11 @@ def check_pipeline(cfg, world: int) -> int:
     if p.pipeline_schedule == "interleaved" and p.pipeline_virtual_stages < 2:
         raise UserError("--backend pipeline: the interleaved schedule needs parallel.pipeline_virtual_stages >= 2 "
                         "(torch's ScheduleInterleaved1F1B runs two or more stages per rank)")
+    if D > 1 and p.pipeline_schedule != "1f1b":
+        # torch's DDP-in-stage path (PipelineStage.backward_maybe_with_nosync) trips DDP's bucket rebuild under
+        # gpipe/interleaved and bypasses its gradient hooks in zb_h1's weight pass (docs/fuzz.md, case 99)
+        raise UserError(f"--backend pipeline: parallel.mesh with dp={D} runs parallel.pipeline_schedule=1f1b only "
+                        f"(got {p.pipeline_schedule}: DDP inside torch's pipeline stages is not correct with it)")
     micro = t.global_batch_size // t.microbatches
     if micro % (M * D):
         raise UserError(f"batch per microbatch {micro} is not divisible by parallel.pipeline_microbatches={M}"
