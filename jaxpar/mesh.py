@@ -98,3 +98,12 @@ def device_memory(device) -> dict:
     stats = device.memory_stats() or {}
     gib = lambda key: stats[key] / 2**30 if key in stats else None  # noqa: E731
     return {"memory_in_use_gib": gib("bytes_in_use"), "memory_gib": gib("peak_bytes_in_use")}
+
+
+def show_library_logs() -> None:
+    """run.debug: jax's and orbax's (absl's) logs at INFO on stderr; otherwise warnings and up only."""
+    import jax
+    from absl import logging as absl_logging
+
+    jax.config.update("jax_logging_level", "INFO")
+    absl_logging.set_verbosity(absl_logging.INFO)

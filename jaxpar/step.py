@@ -14,12 +14,14 @@ from jaxpar.context import use
 from jaxpar.core.pipeline_schedules import resolve_microbatches
 from jaxpar.core.sketches import stacked_sketches
 from jaxpar.layout import Layout
+from jaxpar.mesh import make_mesh
 from jaxpar.loss import cross_entropy, loss_fn, split_rows, token_order
 from jaxpar.models.gpt import abstract_model
 from jaxpar.ops import split_microbatches
 from jaxpar.optim import lr_fn, make_optimizer
 from jaxpar.parallel.pipeline_executor import HAND_SCHEDULED, StageFns, pipeline_value_and_grad
 from jaxpar.parallelize import parallel_context
+from jaxpar.state import abstract_state, init_state
 
 
 def _loss(layout: Layout, graphdef, params, batch, scale=1.0):
@@ -110,6 +112,20 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
 
     return jax.jit(traced, in_shardings=(layout.state_shardings, layout.batch_sharding),
                    out_shardings=(layout.state_shardings, None), donate_argnums=0)
+
+
+def compiled_train_step(layout: Layout, state, compiler_options: dict | None = None):
+    """The train step compiled ahead of time for `state` (arrays or shapes) and the layout's batch."""
+    batch = jax.ShapeDtypeStruct(layout.batch_shape, "int32", sharding=layout.batch_sharding)
+    return make_train_step(layout).lower(state, batch).compile(compiler_options)
+
+
+def build_step(cfg, sizes: dict[str, int], devices=None, abstract: bool = False, compiler_options=None):
+    """(layout, state, compiled step) of a config on a mesh -- the one assembly the trainer's tools, the tests and
+    the benchmarks share. `abstract`: the state as shapes only, nothing allocated (plan, gpu_check)."""
+    layout = Layout(cfg, make_mesh(sizes, devices))
+    state = abstract_state(layout) if abstract else init_state(layout)
+    return layout, state, compiled_train_step(layout, state, compiler_options)
 
 
 def to_device(layout: Layout, state: dict) -> dict:

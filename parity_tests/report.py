@@ -57,8 +57,7 @@ def key_bias(d: dict) -> str:
     return f"{d['key_bias_abs']:.1e} (bound {d['key_bias_bound']:.0e})" if "key_bias_abs" in d else "n/a"
 
 
-@cli
-def main(argv=None) -> int:
+def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m parity_tests.report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="docs/parity-report", help="output directory (report.md, loss_curves.png)")
@@ -66,42 +65,41 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=("cpu", "gpu"), default=os.environ.get("PARITY_DEVICE", "cpu"))
     p.add_argument("--steps", type=int, default=int(os.environ.get("PARITY_STEPS", "50")))
     p.add_argument("--workdir", help="where runs are written (default: a temporary directory)")
-    args = p.parse_args(argv)
-    for name, path in (("--out", args.out), ("--workdir", args.workdir)):
-        if path is not None:
-            check_output_dir(path, name)  # before the runs (an hour with --full), not after them
+    return p.parse_args(argv)
 
+
+def informational(case) -> bool:
+    """bfloat16 across frameworks, for information: each is checked against its own float32 run."""
+    return case.config == "bfloat16" and not case.ref_overrides
+
+
+def run_cases(args, runner) -> tuple[list, dict]:
+    """(rows of (case, comparison or None, why skipped), loss curves by config and side)."""
     from parity_tests.compare import BFLOAT16, compare
     from parity_tests.matrix import Case, cases
-    from parity_tests.runner import REFERENCE, Runner
+    from parity_tests.runner import REFERENCE
 
-    selected = cases(args.full)
-    # bfloat16 across frameworks, for information: each is checked against its own float32 run.
-    selected.append(Case("bfloat16", "torch:none", REFERENCE))
-    informational = lambda case: case.config == "bfloat16" and not case.ref_overrides  # noqa: E731
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="parity-") as tmp:
-        runner = Runner(args.workdir or tmp, device=args.device, steps=args.steps)
-        rows, curves = [], {}
-        for case in selected:
-            if runner.unavailable(case.side) or runner.unavailable(case.ref_side):
-                rows.append((case, None, runner.unavailable(case.side) or runner.unavailable(case.ref_side)))
-                continue
-            ref = runner.run(case.config, case.ref_side, case.ref_overrides)
-            got = runner.run(case.config, case.side)
-            c = compare(got, ref, BFLOAT16 if case.config == "bfloat16" else case.tol)
-            rows.append((case, c, None))
-            print(c.message(), flush=True)
-            curves.setdefault(case.config, {})[got.side] = got
-            if not case.ref_overrides:  # not a float32 twin
-                curves[case.config][ref.side] = ref
-    elapsed = time.perf_counter() - t0
+    rows, curves = [], {}
+    for case in [*cases(args.full), Case("bfloat16", "torch:none", REFERENCE)]:
+        skipped = runner.unavailable(case.side) or runner.unavailable(case.ref_side)
+        if skipped:
+            rows.append((case, None, skipped))
+            continue
+        ref = runner.run(case.config, case.ref_side, case.ref_overrides)
+        got = runner.run(case.config, case.side)
+        c = compare(got, ref, BFLOAT16 if case.config == "bfloat16" else case.tol)
+        rows.append((case, c, None))
+        print(c.message(), flush=True)
+        curves.setdefault(case.config, {})[got.side] = got
+        if not case.ref_overrides:  # not a float32 twin
+            curves[case.config][ref.side] = ref
+    return rows, curves
 
-    os.makedirs(args.out, exist_ok=True)
-    _plot({k: list(v.values()) for k, v in curves.items()}, os.path.join(args.out, "loss_curves.png"))
+
+def report_lines(args, rows, runs: int, elapsed: float) -> list[str]:
     lines = [f"# Parity report ({'full matrix' if args.full else 'default selection'})", "",
              f"{datetime.date.today().isoformat()}, device {args.device}, {args.steps} steps per run, "
-             f"{len(runner.cache)} runs in {elapsed:.0f} s.  ", _versions() + ".  ",
+             f"{runs} runs in {elapsed:.0f} s.  ", _versions() + ".  ",
              f"Command: `python -m parity_tests.report --out {args.out}" + (" --full" if args.full else "")
              + (f" --device {args.device}" if args.device != "cpu" else "") + "`", "",
              "Maximum deviation over all steps (relative) and over final parameters (relative norm; max abs per "
@@ -119,9 +117,26 @@ def main(argv=None) -> int:
         lines.append(f"| {case.config} | {case.side} | {against} | {d['loss']:.1e} | {d['grad_norm']:.1e} | "
                      f"{d['lr']:.1e} | {d['params']:.1e} | {d['param_abs']:.1e} ({d['param_abs_name']}) | "
                      f"{key_bias(d)} | {result} |")
-    lines += ["", "![loss curves](loss_curves.png)", ""]
+    return lines + ["", "![loss curves](loss_curves.png)", ""]
+
+
+@cli
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    for name, path in (("--out", args.out), ("--workdir", args.workdir)):
+        if path is not None:
+            check_output_dir(path, name)  # before the runs (an hour with --full), not after them
+    from parity_tests.runner import Runner
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="parity-") as tmp:
+        runner = Runner(args.workdir or tmp, device=args.device, steps=args.steps)
+        rows, curves = run_cases(args, runner)
+    elapsed = time.perf_counter() - t0
+    os.makedirs(args.out, exist_ok=True)
+    _plot({k: list(v.values()) for k, v in curves.items()}, os.path.join(args.out, "loss_curves.png"))
     with open(os.path.join(args.out, "report.md"), "w") as f:
-        f.write("\n".join(lines))
+        f.write("\n".join(report_lines(args, rows, len(runner.cache), elapsed)))
     print(f"wrote {args.out}/report.md and {args.out}/loss_curves.png ({elapsed:.0f} s)")
     return 1 if any(c is not None and not c.ok and not informational(case) for case, c, _ in rows) else 0
 

@@ -43,16 +43,12 @@ def run_steps(cfg: Config, mesh: str, dataset: str, steps: int | None = None, de
 
     from jaxpar.core.weights import flatten
     from jaxpar.data import TokenBatches, device_batch
-    from jaxpar.layout import Layout
     from jaxpar.core.mesh_spec import parse_mesh
-    from jaxpar.mesh import make_mesh
-    from jaxpar.state import init_state
-    from jaxpar.step import make_train_step
+    from jaxpar.step import build_step
 
-    layout = Layout(cfg, make_mesh(parse_mesh(mesh), devices))
+    layout, state, train_step = build_step(cfg, parse_mesh(mesh), devices)
     data = TokenBatches(dataset, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.seed,
                         "train", cfg.data.val_fraction)
-    state, train_step = init_state(layout), make_train_step(layout)
     history = []
     for step in range(cfg.train.steps if steps is None else steps):
         state, metrics = train_step(state, device_batch(data, step, layout.batch_sharding))

@@ -11,7 +11,6 @@ import ast
 import dataclasses
 import json
 import os
-from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -209,7 +208,8 @@ def torch_step(cfg, tmp_path, batches) -> list:
     """Two updates of torchpar's engine (--backend none): losses, norms, loss scales, forward calls, parameters."""
     from torchpar.backends import build
     from torchpar.dist import Env
-    from torchpar.train import PRECISION, TorchFramework, build_model
+    from torchpar.dist import PRECISION
+    from torchpar.train import build_model
 
     torch.set_float32_matmul_precision(PRECISION[cfg.train.matmul_precision])
     model = build_model(cfg)
@@ -217,8 +217,7 @@ def torch_step(cfg, tmp_path, batches) -> list:
     for module in model.modules():  # recomputation (model.remat) calls them again in the backward pass
         module.register_forward_hook(lambda *_: calls.append(1))
     engine = build("none", model, cfg, Env(0, 1, 0, torch.device("cpu")))
-    fw = SimpleNamespace(cfg=cfg, engine=engine)
-    out = [TorchFramework.train_step(fw, torch.from_numpy(b).long()) for b in batches]
+    out = [engine.train_step(torch.from_numpy(b).long()) for b in batches]
     return [[float(x) if not isinstance(x, dict) else x for x in o] for o in out] + [len(calls)] + [
         p.detach().numpy().copy() for p in model.parameters()]
 
@@ -227,7 +226,8 @@ def torch_engine(cfg, backend: str):
     """What torchpar hands the engine for `backend`, beside the model: DeepSpeed's JSON, the pipeline's
     schedule, torch.compile, the matmul precision."""
     from torchpar.compiling import use_compile
-    from torchpar.train import PRECISION, check_mesh
+    from torchpar.checks import check_mesh
+    from torchpar.dist import PRECISION
 
     out = {"compile": use_compile(cfg, backend, "cpu"), "precision": PRECISION[cfg.train.matmul_precision]}
     if backend == "deepspeed":

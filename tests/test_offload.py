@@ -84,7 +84,7 @@ def test_deepspeed_offload_equals_no_offload(stage, offload, dataset, tmp_path):
 def test_torchpar_offload_refusals_are_one_line(backend, overrides, message):
     import torch
 
-    from torchpar.train import check_offload
+    from torchpar.checks import check_offload
 
     if backend == "fsdp" and "params+optimizer" in overrides[0] and torch.cuda.is_available():
         pytest.skip("this machine has a GPU: FSDP2 offloads")

@@ -142,3 +142,20 @@ def forget_meshes() -> None:
     _redistribute._gen_transform_infos.cache_clear()
     _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
     debug._clear_sharding_prop_cache()
+
+
+PRECISION = {"default": "high", "high": "high", "highest": "highest"}  # jaxpar's default on GPU is TF32 too
+
+
+def setup(cfg, backend: str) -> Env:
+    """Matmul precision and determinism, then the process group; the rank's Env."""
+    torch.set_float32_matmul_precision(PRECISION[cfg.train.matmul_precision])
+    if torch.cuda.is_available():
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS; before first use
+    if cfg.run.debug:  # c10d's own consistency checks and logs (before the group exists)
+        os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    env = init(backend != "none", cfg.run.peer_timeout_s)
+    if env.device.type == "cuda":  # CPU kernels used here are deterministic already (and the call costs ~1 s)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = False  # DeepSpeed allocates large empty buckets
+    return env

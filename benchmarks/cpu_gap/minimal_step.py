@@ -203,22 +203,16 @@ def build_jaxpar(a, xla: dict | None = None, opts: set[str] = frozenset()):
 
     import jaxpar.models.gpt as gpt
 
-    from jaxpar.layout import Layout
-    from jaxpar.mesh import make_mesh
-    from jaxpar.state import init_state
-    from jaxpar.step import make_train_step
+    from jaxpar.step import build_step
 
-    cfg = config(a)
-    layout = Layout(cfg, make_mesh({"dp": 1}))
-    batch = jax.device_put(tokens(a), layout.batch_sharding)
-    state = init_state(layout)
     saved = gpt.project
     if "plaindense" in opts:
         gpt.project = lambda x, w, n_in=1: jax.numpy.tensordot(x, w, n_in)
     try:
-        compiled = make_train_step(layout).lower(state, batch).compile(xla or None)
+        layout, state, compiled = build_step(config(a), {"dp": 1}, compiler_options=xla or None)
     finally:
         gpt.project = saved
+    batch = jax.device_put(tokens(a), layout.batch_sharding)
     return jax_runner(compiled, state, batch)
 
 
@@ -236,8 +230,8 @@ def build_torch(a, compiled: bool):
     if compiled:
         compile_blocks(model)
     engine = backends.build("none", model, cfg, env)
-    micro = [torch.from_numpy(tokens(a)).long()]
-    return lambda: engine.train_step(micro)
+    batch = torch.from_numpy(tokens(a)).long()
+    return lambda: engine.train_step(batch)
 
 
 # ---------------------------------------------------------------- timing

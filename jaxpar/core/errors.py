@@ -47,18 +47,33 @@ def check_output_file(path: str, name: str) -> None:
     check_output_dir(os.path.dirname(os.path.abspath(path)), name, path)
 
 
-def cli(main):
+def cli(main=None, *, rank=None, teardown=None):
     """Decorate a command's `main(argv) -> int`: a UserError or an OSError becomes one `error:` line, exit
-    status 2."""
+    status 2. Where several processes run one command, `rank()` says which this is: a UserError (every process
+    meets the same) is printed by rank 0 alone, an OSError (this process's own file system) by each process
+    that meets it, naming its rank. `teardown()` runs after `main`, error or not (before the line is printed)."""
     import functools
+    import os
     import sys
 
-    @functools.wraps(main)
-    def run(*args, **kwargs) -> int:
-        try:
-            return main(*args, **kwargs)
-        except (UserError, OSError) as e:
-            print(f"error: {error_line(e)}", file=sys.stderr)
-            return 2
+    def wrap(main):
+        @functools.wraps(main)
+        def run(*args, **kwargs) -> int:
+            try:
+                try:
+                    return main(*args, **kwargs)
+                finally:
+                    if teardown is not None:
+                        teardown()
+            except UserError as e:
+                if rank is None or rank() == 0:
+                    print(f"error: {error_line(e)}", file=sys.stderr)
+                return 2
+            except OSError as e:
+                several = rank is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1
+                print(f"error: {f'rank {rank()}: ' if several else ''}{error_line(e)}", file=sys.stderr)
+                return 2
 
-    return run
+        return run
+
+    return wrap(main) if main is not None else wrap

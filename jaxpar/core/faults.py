@@ -1,4 +1,5 @@
-"""Fault injection for tests, shared by jaxpar.train and torchpar.train (no jax, no torch).
+"""Fault injection for tests, shared by jaxpar.train and torchpar.train (no jax, no torch): a loop hook
+that exists only when one of these variables is set.
 
 <PREFIX>_FAULT_KILL_AFTER_STEP=N: the process SIGKILLs itself once step N (and its checkpoint) is
 done; <PREFIX>_FAULT_KILL_IN_SAVE_AFTER_STEP=N: it SIGKILLs itself as soon as step N's checkpoint has started
@@ -13,20 +14,44 @@ import os
 import signal
 import time
 
-
-def fault_hooks(prefix: str, step: int, settle) -> None:
-    """Run at the end of step `step`; `settle()` waits for the checkpoints in flight."""
-    if os.environ.get(f"{prefix}_FAULT_SLOW_STEP_S"):
-        time.sleep(float(os.environ[f"{prefix}_FAULT_SLOW_STEP_S"]))
-    if os.environ.get(f"{prefix}_FAULT_KILL_IN_SAVE_AFTER_STEP") == str(step):
-        os.kill(os.getpid(), signal.SIGKILL)
-    if os.environ.get(f"{prefix}_FAULT_KILL_AFTER_STEP") == str(step):
-        settle()
-        os.kill(os.getpid(), signal.SIGKILL)
-    if os.environ.get(f"{prefix}_FAULT_SIGTERM_AFTER_STEP") == str(step):
-        os.kill(os.getpid(), signal.SIGTERM)
+FAULTS = ("KILL_AFTER_STEP", "KILL_IN_SAVE_AFTER_STEP", "SIGTERM_AFTER_STEP", "NAN_AT_STEP", "OVERFLOW_AT_STEP",
+          "SLOW_STEP_S")
 
 
-def fault_at_step(prefix: str, what: str) -> int | None:
-    value = os.environ.get(f"{prefix}_FAULT_{what}_AT_STEP")
-    return int(value) if value else None
+class FaultInjector:
+    """A loop hook (jaxpar/core/loop.py) injecting the faults the environment asks for into a framework:
+    `fw.poison()`, `fw.inject_overflow()` and `fw.settle()` are called from here only."""
+
+    def __init__(self, fw, prefix: str):
+        self.fw, self.env = fw, {name: os.environ.get(f"{prefix}_FAULT_{name}") for name in FAULTS}
+
+    @classmethod
+    def from_env(cls, fw) -> "FaultInjector | None":
+        """The hook if any <PREFIX>_FAULT_* variable is set, else None (a normal run carries no test code)."""
+        hook = cls(fw, fw.fault_prefix)
+        return hook if any(hook.env.values()) else None
+
+    def _is(self, name: str, step: int) -> bool:
+        return self.env[name] == str(step)
+
+    def before_step(self, step: int) -> None:
+        """`step` (0-based) is about to run, as step step+1."""
+        if self._is("NAN_AT_STEP", step + 1):
+            self.fw.poison()
+        if self._is("OVERFLOW_AT_STEP", step + 1):
+            self.fw.inject_overflow()
+
+    def after_step(self, step: int) -> None:
+        """Step `step` (1-based) and its checkpoint, if any, have started."""
+        if self.env["SLOW_STEP_S"]:
+            time.sleep(float(self.env["SLOW_STEP_S"]))
+        if self._is("KILL_IN_SAVE_AFTER_STEP", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._is("KILL_AFTER_STEP", step):
+            self.fw.settle()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._is("SIGTERM_AFTER_STEP", step):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def close(self) -> None:
+        pass

@@ -1,6 +1,6 @@
 """The training loop, written once for both trainers: cadence (log, eval, checkpoint), stop signals,
-the profiler window, throughput and MFU, metrics records, the non-finite guard, lost peers (peers.py)
-and the fault hooks.
+metrics records with throughput and MFU, the non-finite guard, lost peers (peers.py); and its hooks,
+each owning its cadence: the profiler window, the test faults (faults.py).
 
 Each framework supplies a `Framework` (its step, eval, save, and the few collectives the loop needs);
 the loop itself imports neither jax nor torch.
@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from jaxpar.core.config import Config, profile_window
 from jaxpar.core.errors import UserError
-from jaxpar.core.faults import fault_hooks, fault_at_step
+from jaxpar.core.faults import FaultInjector
 from jaxpar.core.metrics_log import MetricsLog
 from jaxpar.core.peers import PeerGuard
 
@@ -62,10 +62,26 @@ class Framework(Protocol):
     def profile_stop(self) -> None: ...
 
     def poison(self) -> None:
-        """Test hook (<PREFIX>_FAULT_NAN_AT_STEP): make the parameters non-finite."""
+        """Test fault (<PREFIX>_FAULT_NAN_AT_STEP, called by faults.FaultInjector): make the parameters non-finite."""
 
     def inject_overflow(self) -> None:
-        """Test hook (<PREFIX>_FAULT_OVERFLOW_AT_STEP): make the next step's gradients non-finite."""
+        """Test fault (<PREFIX>_FAULT_OVERFLOW_AT_STEP): make the next step's gradients non-finite."""
+
+    def close(self) -> None:
+        """The loop is over (also on an error): stop reading ahead."""
+
+
+class Hook(Protocol):
+    """Something the loop runs around every step; it decides itself on which steps it acts."""
+
+    def before_step(self, step: int) -> None:
+        """Data step `step` (0-based) is about to run."""
+
+    def after_step(self, step: int) -> None:
+        """Step `step` (1-based, the completed count) ran, with its log, sample and checkpoint."""
+
+    def close(self) -> None:
+        """The loop ended, at train.steps, on a stop or on an error."""
 
 
 def read_finite(fw: Framework, pending: list, saved: int | None, min_scale: float) -> dict:
@@ -121,65 +137,99 @@ def sample_lengths(max_seq_len: int) -> tuple[int, int]:
     return prompt, min(SAMPLE_NEW, max_seq_len - prompt)
 
 
+class Profiler:
+    """train.profile_steps=a:b: the framework's profiler runs from before step a to after step b."""
+
+    def __init__(self, fw: Framework, window: tuple[int, int]):
+        self.fw, self.window, self.on = fw, window, False
+
+    def before_step(self, step: int) -> None:
+        if step == self.window[0]:
+            self.fw.profile_start()
+            self.on = True
+
+    def after_step(self, step: int) -> None:
+        if self.on and step == self.window[1]:
+            self.close()
+
+    def close(self) -> None:  # also when the loop stopped inside the window
+        if self.on:
+            self.fw.profile_stop()
+            self.on = False
+
+
+class Throughput:
+    """Tokens per second, step time, MFU and the share of time spent waiting for data, over the training
+    steps since the last record (evaluation, samples and saves are not counted)."""
+
+    def __init__(self, cfg: Config, step: int, flops_per_token: float, peak_flops_total: float | None):
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+        self.flops_per_token, self.peak = flops_per_token, peak_flops_total
+        self.restart(step)
+
+    def restart(self, step: int) -> None:
+        self.mark, self.step, self.data_s = time.perf_counter(), step, 0.0
+
+    def batch(self, fw: Framework, step: int):
+        t0 = time.perf_counter()
+        batch = fw.batch(step)
+        self.data_s += time.perf_counter() - t0
+        return batch
+
+    def record(self, step: int) -> dict:
+        elapsed = time.perf_counter() - self.mark
+        tps = (step - self.step) * self.tokens_per_step / elapsed
+        return {"tokens_per_sec": tps, "step_time_s": elapsed / (step - self.step),
+                "mfu": tps * self.flops_per_token / self.peak if self.peak else None,
+                "data_wait_share": self.data_s / elapsed}
+
+
+def hooks_of(cfg: Config, fw: Framework) -> list[Hook]:
+    window = profile_window(cfg.train.profile_steps)
+    return [h for h in (Profiler(fw, window) if window else None, FaultInjector.from_env(fw)) if h]
+
+
 def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_total: float | None,
              flops_per_token: float, stop: dict, extra: dict | None = None) -> int:
     """Train from data step `step` to train.steps or an agreed stop; returns the last completed step.
     `peak_flops_total`: the devices' summed peak (None: MFU not reported); `stop`: from `stop_requests()`;
     `extra`: constant record fields."""
-    t = cfg.train
-    window, profiling = profile_window(t.profile_steps), False
-    mark, mark_step, poison_at = time.perf_counter(), step, fault_at_step(fw.fault_prefix, "NAN")
-    overflow_at, min_scale = fault_at_step(fw.fault_prefix, "OVERFLOW"), cfg.optim.loss_scale_min
+    t, min_scale, hooks = cfg.train, cfg.optim.loss_scale_min, hooks_of(cfg, fw)
+    meter = Throughput(cfg, step, flops_per_token, peak_flops_total)
     pending, saved = [], None  # steps whose metrics are not read yet (read at log and save points only)
-    data_s = 0.0  # host time spent getting batches since the last log (the rest: the device, or waiting on it)
-    with PeerGuard(fw, cfg.run.peer_timeout_s, cfg.run.dir, step) as peers:
-        while step < t.steps:
-            peers.beat(step)
-            if fw.agree_stop("signal" in stop):  # asked on any process: all stop after the same step
-                read_finite(fw, pending, saved, min_scale)
-                fw.save(step)
-                print(f"stopped by signal {stop.get('signal', '(on another process)')} after step {step}; "
-                      "checkpoint saved", file=sys.stderr)
-                break
-            if window and step == window[0]:
-                fw.profile_start()
-                profiling = True
-            if poison_at == step + 1:
-                fw.poison()
-            if overflow_at == step + 1:
-                fw.inject_overflow()
-            t0 = time.perf_counter()
-            batch = fw.batch(step)
-            data_s += time.perf_counter() - t0
-            pending.append((step + 1, fw.train_step(batch)))
-            step += 1
-            last = step == t.steps
-            do_eval = last or (t.eval_every and step % t.eval_every == 0)
-            logged = step % t.log_every == 0 or do_eval
-            save = last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
-            metrics = read_finite(fw, pending, saved, min_scale) if logged or save else None
-            if logged:
-                now = time.perf_counter()
-                tps = (step - mark_step) * t.global_batch_size * cfg.data.seq_len / (now - mark)
-                record = {"step": step, **metrics, "tokens_per_sec": tps,
-                          "step_time_s": (now - mark) / (step - mark_step),
-                          "mfu": tps * flops_per_token / peak_flops_total if peak_flops_total else None,
-                          "data_wait_share": data_s / (now - mark), **fw.memory(), **(extra or {})}
-                if do_eval:
-                    record["eval_loss"] = fw.evaluate(t.eval_batches)
-                log.log(record)
-            sampled = t.sample_every and step % t.sample_every == 0
-            if sampled:
-                log.sample(step, fw.sample(step))
-            if save:
-                fw.save(step)
-                saved = peers.saved = step
-            if logged or sampled:  # throughput covers training steps only, not evaluation, samples or saves
-                mark, mark_step, data_s = time.perf_counter(), step, 0.0
-            if profiling and step == window[1]:
-                fw.profile_stop()
-                profiling = False
-            fault_hooks(fw.fault_prefix, step, fw.settle)  # test hooks
-    if profiling:  # stopped inside the window (signal, or the window ends after train.steps)
-        fw.profile_stop()
+    try:
+        with PeerGuard(fw, cfg.run.peer_timeout_s, cfg.run.dir, step) as peers:
+            while step < t.steps:
+                peers.beat(step)
+                if fw.agree_stop("signal" in stop):  # asked on any process: all stop after the same step
+                    read_finite(fw, pending, saved, min_scale)
+                    fw.save(step)
+                    print(f"stopped by signal {stop.get('signal', '(on another process)')} after step {step}; "
+                          "checkpoint saved", file=sys.stderr)
+                    break
+                for hook in hooks:
+                    hook.before_step(step)
+                pending.append((step + 1, fw.train_step(meter.batch(fw, step))))
+                step += 1
+                last = step == t.steps
+                evaluated = last or (t.eval_every and step % t.eval_every == 0)
+                logged = step % t.log_every == 0 or evaluated
+                save = last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
+                metrics = read_finite(fw, pending, saved, min_scale) if logged or save else None
+                if logged:
+                    record = {"step": step, **metrics, **meter.record(step), **fw.memory(), **(extra or {})}
+                    log.log({**record, "eval_loss": fw.evaluate(t.eval_batches)} if evaluated else record)
+                sampled = t.sample_every and step % t.sample_every == 0
+                if sampled:
+                    log.sample(step, fw.sample(step))
+                if save:
+                    fw.save(step)
+                    saved = peers.saved = step
+                if logged or sampled:
+                    meter.restart(step)
+                for hook in hooks:
+                    hook.after_step(step)
+    finally:
+        for hook in hooks:
+            hook.close()
     return step

@@ -118,6 +118,101 @@ def tick_plan(schedule: str, S: int, M: int, V: int) -> TickPlan:
     return TickPlan(out, n_act, n_cot, n_res)
 
 
+class _Stage:
+    """One device's side of the executor inside shard_map: its chunks of the model, and the branch each tick
+    code runs. A branch takes (acts, cots, stash, own, grads, op) and returns (activation to send, cotangent to
+    send, residuals to keep, the loss's own cotangent to keep, grads)."""
+
+    def __init__(self, fns: StageFns, rest, blocks, consts, inputs, targets, M: int, act_shape, dtype, split: bool):
+        self.fns, self.rest, self.blocks, self.consts = fns, rest, blocks, consts
+        self.inputs, self.targets, self.M, self.dtype, self.split = inputs, targets, M, dtype, split
+        self.zeros = jnp.zeros(act_shape, dtype)
+        # residuals have one structure for every chunk, stage and microbatch: their buffers, and how to rebuild a
+        # pullback from a slot of them
+        found = {}
+
+        def probe(x):
+            _, leaves, found["treedef"] = self.layers_vjp(0, x)
+            return leaves
+
+        self.shapes = jax.eval_shape(probe, self.zeros)
+        self.treedef = found["treedef"]
+
+    @staticmethod
+    def at(tree, i):
+        return jax.tree.map(lambda w: w[i], tree)
+
+    def layers_vjp(self, c, x):
+        """The chunk's layers on x, and their pullback as a flat list of residuals."""
+        h, pullback = jax.vjp(lambda b, x: self.fns.layers(self.rest, b, self.at(self.consts, c), x),
+                              self.at(self.blocks, c), x)
+        return h, jax.tree.leaves(pullback), jax.tree.structure(pullback)
+
+    def new_stash(self, slots: int) -> list:
+        return [jnp.zeros((slots,) + s.shape, s.dtype) for s in self.shapes]
+
+    def no_residuals(self) -> list:
+        return [jnp.zeros(s.shape, s.dtype) for s in self.shapes]
+
+    def idle(self, acts, cots, stash, own, grads, op):
+        return self.zeros, self.zeros, self.no_residuals(), self.zeros, grads
+
+    def forward(self, first: bool, last: bool):
+        def run(acts, cots, stash, own, grads, op):
+            c, m = op["chunk"], op["microbatch"]
+            x = self.fns.embed(self.rest, self.at(self.blocks, c), self.inputs[m]) if first else acts[op["in_slot"]]
+            h, residuals, _ = self.layers_vjp(c, x)
+            g_rest, g_blocks, loss_sum = grads
+            d_h = self.zeros
+            if last:  # head and loss differentiated now: their cotangent is the loss's 1/M
+                loss, head_pullback = jax.vjp(
+                    lambda r, h: self.fns.head_loss(r, self.at(self.blocks, c), h, self.targets[m]), self.rest, h)
+                d_rest, d_h = head_pullback(jnp.asarray(1.0 / self.M, loss.dtype))
+                g_rest, loss_sum = jax.tree.map(jnp.add, g_rest, d_rest), loss_sum + loss
+            return h.astype(self.dtype), self.zeros, residuals, d_h.astype(self.dtype), (g_rest, g_blocks, loss_sum)
+        return run
+
+    def pullback(self, cots, stash, own, op, last: bool):
+        """(gradient of the chunk's weights, of its input) from the kept residuals."""
+        pullback = jax.tree.unflatten(self.treedef, [buf[op["res_slot"]] for buf in stash])
+        return pullback(own[op["res_slot"]] if last else cots[op["cot_slot"]])
+
+    def add_weights(self, grads, op, first: bool, d_chunk, d_x):
+        g_rest, g_blocks, loss_sum = grads
+        g_blocks = jax.tree.map(lambda a, g: a.at[op["chunk"]].add(g), g_blocks, d_chunk)
+        if first:  # the embedding's gradient: its lookup recomputed under vjp (a gather)
+            _, embed_pullback = jax.vjp(
+                lambda r: self.fns.embed(r, self.at(self.blocks, op["chunk"]), self.inputs[op["microbatch"]]),
+                self.rest)
+            g_rest = jax.tree.map(jnp.add, g_rest, embed_pullback(d_x.astype(self.dtype))[0])
+        return g_rest, g_blocks, loss_sum
+
+    def backward(self, first: bool, last: bool):
+        """The whole backward (1F1B, interleaved), or ZB-H1's B: the input gradient only (none on the first
+        stage, whose input is the tokens)."""
+        def run(acts, cots, stash, own, grads, op):
+            if self.split and first:
+                return self.idle(acts, cots, stash, own, grads, op)
+            d_chunk, d_x = self.pullback(cots, stash, own, op, last)
+            if not self.split:
+                grads = self.add_weights(grads, op, first, d_chunk, d_x)
+            return self.zeros, d_x.astype(self.dtype), self.no_residuals(), self.zeros, grads
+        return run
+
+    def weights(self, first: bool, last: bool):
+        """ZB-H1's W: the weight gradient."""
+        def run(acts, cots, stash, own, grads, op):
+            d_chunk, d_x = self.pullback(cots, stash, own, op, last)
+            return self.zeros, self.zeros, self.no_residuals(), self.zeros, self.add_weights(grads, op, first,
+                                                                                             d_chunk, d_x)
+        return run
+
+    def branches(self) -> list:
+        """Indexed by the tick code (CODES): idle, then F, B, W each as (middle, first, last) stage."""
+        return [self.idle, *(make(first, last) for make in (self.forward, self.backward, self.weights)
+                             for first, last in ((False, False), (True, False), (False, True)))]
+
+
 def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets, *, mesh, schedule: str,
                             S: int, M: int, V: int, width: int, dtype):
     """(mean loss, grads of `rest`, grads of `blocks`) of a model pipelined over `pp`: S stages, M
@@ -129,88 +224,11 @@ def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets
     staged = lambda w: jnp.asarray(w).reshape(V, S, L // (S * V), *w.shape[1:])  # noqa: E731  [chunk, stage, layer]
     blocks, consts = jax.tree.map(staged, blocks), jax.tree.map(staged, consts)
     act_shape = inputs.shape[1:] + (width,)
-    split = schedule == "zb_h1"
 
     def body(rest, blocks, consts, inputs, targets, tables):
         blocks, consts = (jax.tree.map(lambda w: w[:, 0], t) for t in (blocks, consts))  # this device's chunks
-        device = jax.lax.axis_index(AXIS)
-        at = lambda tree, i: jax.tree.map(lambda w: w[i], tree)  # noqa: E731
-        zeros = jnp.zeros(act_shape, dtype)
-
-        def layers_vjp(c, x):
-            """The chunk's layers on x, and their pullback as a flat list of residuals."""
-            h, pullback = jax.vjp(lambda b, x: fns.layers(rest, b, at(consts, c), x), at(blocks, c), x)
-            return h, jax.tree.leaves(pullback), jax.tree.structure(pullback)
-
-        # residuals have one structure for every chunk, stage and microbatch: their buffers, and how to
-        # rebuild a pullback from a slot of them
-        found = {}
-
-        def probe(x):
-            _, leaves, found["treedef"] = layers_vjp(0, x)
-            return leaves
-
-        shapes = jax.eval_shape(probe, zeros)
-        treedef = found["treedef"]
-        stash = [jnp.zeros((plan.res_slots,) + s.shape, s.dtype) for s in shapes]
-
-        def pullback_at(stash, op):
-            return jax.tree.unflatten(treedef, [buf[op["res_slot"]] for buf in stash])
-
-        def f_branch(first, last):
-            def run(acts, cots, stash, own, grads, op):
-                c, m = op["chunk"], op["microbatch"]
-                x = fns.embed(rest, at(blocks, c), inputs[m]) if first else acts[op["in_slot"]]
-                h, residuals, _ = layers_vjp(c, x)
-                g_rest, g_blocks, loss_sum = grads
-                d_h = zeros
-                if last:  # head and loss differentiated now: their cotangent is the loss's 1/M
-                    loss, head_pullback = jax.vjp(lambda r, h: fns.head_loss(r, at(blocks, c), h, targets[m]), rest, h)
-                    d_rest, d_h = head_pullback(jnp.asarray(1.0 / M, loss.dtype))
-                    g_rest, loss_sum = jax.tree.map(jnp.add, g_rest, d_rest), loss_sum + loss
-                return h.astype(dtype), zeros, residuals, d_h.astype(dtype), (g_rest, g_blocks, loss_sum)
-            return run
-
-        def backward(cots, stash, own, op, last: bool):
-            """(gradient of the chunk's weights, of its input) from the kept residuals."""
-            return pullback_at(stash, op)(own[op["res_slot"]] if last else cots[op["cot_slot"]])
-
-        def add_weights(grads, op, first, d_chunk, d_x):
-            g_rest, g_blocks, loss_sum = grads
-            g_blocks = jax.tree.map(lambda a, g: a.at[op["chunk"]].add(g), g_blocks, d_chunk)
-            if first:  # the embedding's gradient: its lookup recomputed under vjp (a gather)
-                _, embed_pullback = jax.vjp(lambda r: fns.embed(r, at(blocks, op["chunk"]), inputs[op["microbatch"]]),
-                                            rest)
-                g_rest = jax.tree.map(jnp.add, g_rest, embed_pullback(d_x.astype(dtype))[0])
-            return g_rest, g_blocks, loss_sum
-
-        def b_branch(first, last):
-            """The whole backward (1F1B, interleaved), or ZB-H1's B: the input gradient only (none on the
-            first stage, whose input is the tokens)."""
-            def run(acts, cots, stash, own, grads, op):
-                if split and first:
-                    return idle(acts, cots, stash, own, grads, op)
-                d_chunk, d_x = backward(cots, stash, own, op, last)
-                if not split:
-                    grads = add_weights(grads, op, first, d_chunk, d_x)
-                return zeros, d_x.astype(dtype), no_residuals(), zeros, grads
-            return run
-
-        def w_branch(first, last):
-            def run(acts, cots, stash, own, grads, op):
-                d_chunk, d_x = backward(cots, stash, own, op, last)
-                return zeros, zeros, no_residuals(), zeros, add_weights(grads, op, first, d_chunk, d_x)
-            return run
-
-        def no_residuals():
-            return [jnp.zeros(s.shape, s.dtype) for s in shapes]
-
-        def idle(acts, cots, stash, own, grads, op):
-            return zeros, zeros, no_residuals(), zeros, grads
-
-        branches = [idle, f_branch(False, False), f_branch(True, False), f_branch(False, True),
-                    b_branch(False, False), b_branch(True, False), b_branch(False, True),
-                    w_branch(False, False), w_branch(True, False), w_branch(False, True)]
+        stage = _Stage(fns, rest, blocks, consts, inputs, targets, M, act_shape, dtype, split=schedule == "zb_h1")
+        device, branches = jax.lax.axis_index(AXIS), stage.branches()
 
         def tick(carry, rows):
             acts, cots, stash, own, grads, got_act, got_cot = carry
@@ -225,9 +243,10 @@ def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets
             got_cot = jax.lax.ppermute(send_cot, AXIS, [(i, (i - 1) % S) for i in range(S)])
             return (acts, cots, stash, own, grads, got_act, got_cot), None
 
+        zeros = stage.zeros
         grads = (jax.tree.map(jnp.zeros_like, rest), jax.tree.map(jnp.zeros_like, blocks), jnp.zeros((), jnp.float32))
         carry = (jnp.zeros((plan.act_slots,) + act_shape, dtype), jnp.zeros((plan.cot_slots,) + act_shape, dtype),
-                 stash, jnp.zeros((plan.res_slots,) + act_shape, dtype), grads, zeros, zeros)
+                 stage.new_stash(plan.res_slots), jnp.zeros((plan.res_slots,) + act_shape, dtype), grads, zeros, zeros)
         (_, _, _, _, (g_rest, g_blocks, loss_sum), _, _), _ = jax.lax.scan(tick, carry, tables)
         g_rest, loss_sum = jax.lax.psum((g_rest, loss_sum), AXIS)
         return loss_sum / M, g_rest, jax.tree.map(lambda g: g[:, None], g_blocks)

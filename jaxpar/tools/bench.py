@@ -49,17 +49,12 @@ def warm_step(cfg: Config, sizes: dict[str, int], warmup: int, devices=None):
     import jax
     import numpy as np
 
-    from jaxpar.layout import Layout
-    from jaxpar.mesh import make_mesh
-    from jaxpar.state import init_state
-    from jaxpar.step import make_train_step
+    from jaxpar.step import build_step
 
-    layout = Layout(cfg, make_mesh(sizes, devices))
+    layout, state, step = build_step(cfg, sizes, devices)
     shape = (cfg.train.global_batch_size, cfg.data.seq_len + 1)
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, shape, dtype=np.int32)
     batch = jax.device_put(tokens, layout.batch_sharding)
-    state = init_state(layout)
-    step = make_train_step(layout).lower(state, batch).compile()
     for _ in range(warmup):
         state, metrics = step(state, batch)
     jax.block_until_ready(state)

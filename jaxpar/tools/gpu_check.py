@@ -70,16 +70,11 @@ def attention(tiny: bool) -> dict:
     import jax
 
     from jaxpar.core.config import load_config
-    from jaxpar.layout import Layout
-    from jaxpar.mesh import make_mesh
-    from jaxpar.state import abstract_state
-    from jaxpar.step import make_train_step
+    from jaxpar.step import build_step
 
     args = TINY if tiny else GPT2_124M
     cfg = load_config(args[1], args[2:])
-    layout = Layout(cfg, make_mesh({"dp": 1}, jax.devices()[:1]))
-    batch = jax.ShapeDtypeStruct(layout.batch_shape, "int32", sharding=layout.batch_sharding)
-    hlo = make_train_step(layout).lower(abstract_state(layout), batch).compile().as_text()
+    hlo = build_step(cfg, {"dp": 1}, jax.devices()[:1], abstract=True)[2].as_text()
     cudnn = sorted(set(re.findall(r'custom_call_target="(__cudnn\$[^"]+)"', hlo)))
     kind = f"cuDNN fused attention ({', '.join(cudnn)})" if cudnn else "XLA's own (softmax(QK^T)V as separate ops)"
     return {"implementation": kind, "cudnn_calls": cudnn, "ok": True}

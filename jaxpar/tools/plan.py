@@ -54,18 +54,11 @@ def analytic_bounds(cfg: Config, sizes: dict[str, int], param_bytes_per_device: 
 
 
 def compile_layout(cfg: Config, sizes: dict[str, int], devices=None):
-    """(compiled train step, layout) for abstract inputs: nothing is allocated."""
-    import jax
+    """(compiled train step, layout, abstract state) for abstract inputs: nothing is allocated."""
+    from jaxpar.step import build_step
 
-    from jaxpar.layout import Layout
-    from jaxpar.mesh import make_mesh
-    from jaxpar.state import abstract_state
-    from jaxpar.step import make_train_step
-
-    layout = Layout(cfg, make_mesh(sizes, devices))
-    state = abstract_state(layout)
-    batch = jax.ShapeDtypeStruct(layout.batch_shape, "int32", sharding=layout.batch_sharding)
-    return make_train_step(layout).lower(state, batch).compile(), layout, state
+    layout, state, step = build_step(cfg, sizes, devices, abstract=True)
+    return step, layout, state
 
 
 def _shard_bytes(tree) -> int:

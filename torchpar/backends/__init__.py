@@ -1,17 +1,46 @@
 """Backends wrap the plain GPT: `none` (one process), `ddp`, `fsdp` (FSDP2), `deepspeed` (ZeRO 0-3),
-`pipeline` (torch.distributed.pipelining, one stage per rank).
-
-Each `build(...)` returns an engine with: module (for eval), train_step(microbatches) ->
-(local loss, grad_norm, lr, extra metrics: float16's loss_scale and skipped_steps), eval_loss(batch), data_rank/data_ways (this rank's
-share of a batch; the ranks whose losses are averaged), checkpointer (save(step, meta) / restore() -> meta | None / remove_partial_saves()).
+`pipeline` (torch.distributed.pipelining). Each module's `build(model, cfg, env, **options)` returns an
+`Engine`; the trainer (torchpar/framework.py) uses nothing else of it.
 """
 from __future__ import annotations
 
 import importlib
+from typing import Protocol
 
 BACKENDS = ("none", "ddp", "fsdp", "deepspeed", "pipeline")
 
 
-def build(name: str, model, cfg, env, **options):
-    module = importlib.import_module(f"torchpar.backends.{'base' if name == 'none' else name}")
-    return module.build(model, cfg, env, **options)
+class Engine(Protocol):
+    """A backend's whole training step and the state it saves."""
+    module: object  # what evaluation runs (the wrapped model)
+    raw: object  # the plain GPT module (rank 0 samples from it under none and ddp)
+    data_rank: int  # which share of each global batch this rank reads...
+    data_ways: int  # ...of how many (the ranks whose losses make the mean)
+    local_params: int | None  # parameter elements this rank holds (None where the engine does not say)
+
+    def train_step(self, batch) -> object:
+        """This rank's rows of the global batch: microbatches, backward, clipping, the update (and float16's
+        loss scaler); a handle on the step's metrics."""
+
+    def read(self, handle) -> dict:
+        """loss (averaged over the data ranks: a collective), grad_norm, lr, and float16's loss_scale and
+        skipped_steps."""
+
+    def eval_loss(self, batch) -> float:
+        """This rank's loss on its rows of a validation batch."""
+
+    def inject_overflow(self) -> None:
+        """Test fault (TORCHPAR_FAULT_OVERFLOW_AT_STEP): the next step's gradients are made non-finite."""
+
+    def save(self, step: int, meta: dict) -> None:
+        """A checkpoint of the state after `step`, `meta` in its metadata."""
+
+    def restore(self) -> int | None:
+        """The latest complete checkpoint of run.dir loaded (partial saves removed first); its data step, or None."""
+
+    def full_state_dict(self) -> dict:
+        """The whole parameters by torch name on rank 0 (a collective where they are sharded)."""
+
+
+def build(name: str, model, cfg, env, **options) -> Engine:
+    return importlib.import_module(f"torchpar.backends.{name}").build(model, cfg, env, **options)

@@ -8,7 +8,8 @@ skipped count travel in the checkpoint's meta.json.
 Gradient synchronisation is the wrapper's own (DDP's all-reduce, FSDP2's reduce-scatter); this
 file only chooses on which microbatch it happens (`sync` context) and reads the clipped norm.
 `full_state_dict()` returns the whole (unsharded) parameters by torch name on rank 0: the plain
-module's state_dict here (none, ddp); fsdp passes its own gather.
+module's state_dict here (none, ddp); fsdp passes its own gather. Every engine, DeepSpeed's included, is an
+`Engine` (torchpar/backends/__init__.py).
 """
 from __future__ import annotations
 
@@ -19,9 +20,28 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from jaxpar.core.lr_schedule import lr_at
+from torchpar import dist
 from torchpar.checkpoint import DCPCheckpointer
 from torchpar.model import loss_fn
 from torchpar.optim import make_optimizer
+
+
+def microbatches(batch: torch.Tensor, M: int) -> list[torch.Tensor]:
+    """train.microbatches: microbatch m = rows m, m+M, ... (as jaxpar splits them)."""
+    return [batch[m::M] for m in range(M)]
+
+
+def read_metrics(handle, env, data_ways: int) -> dict:
+    """A step's (local loss, grad_norm, lr, extra) as floats, the loss averaged over the ranks that hold a
+    share of the batch (a collective: every rank calls it at the same steps)."""
+    loss, grad_norm, lr, extra = handle
+    loss_sum = dist.all_sum([float(loss)], env)[0]
+    return {"loss": loss_sum / data_ways, "grad_norm": float(grad_norm), "lr": float(lr), **extra}
+
+
+def eval_loss(module, batch: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float(loss_fn(module(batch[:, :-1]), batch))
 
 
 def grad_scaler(cfg, env, sharded: bool = False):
@@ -46,7 +66,7 @@ class TorchEngine:
         self.params = [p for p in raw.parameters()]
         self.optimizer = make_optimizer(raw, cfg)
         self.checkpointer = DCPCheckpointer(cfg.run.dir, cfg.checkpoint.keep, module, self.optimizer, env)
-        self.step = 0  # set by the trainer after a restore
+        self.step = 0  # updates so far: restore() sets it
         # which share of each global batch this rank reads, and how many ranks' losses make the mean
         self.data_rank, self.data_ways = env.rank, env.world
 
@@ -56,10 +76,18 @@ class TorchEngine:
         return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in self.params)
 
     def eval_loss(self, batch: torch.Tensor) -> float:
-        with torch.no_grad():
-            return float(loss_fn(self.module(batch[:, :-1]), batch))
+        return eval_loss(self.module, batch)
 
-    def train_step(self, micro: list[torch.Tensor]):
+    def read(self, handle) -> dict:
+        return read_metrics(handle, self.env, self.data_ways)
+
+    def inject_overflow(self) -> None:
+        self.overflow_next = True
+
+    def train_step(self, batch: torch.Tensor):
+        """This rank's rows of the global batch: accumulate over train.microbatches, clip, update; a handle on
+        the metrics (read them with `read`)."""
+        micro = microbatches(batch, self.cfg.train.microbatches)
         lr = lr_at(self.step - self.skipped, self.cfg.optim, self.cfg.train.steps)  # counts applied updates
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -85,14 +113,24 @@ class TorchEngine:
         self.step += 1
         return total, norm, lr, extra
 
-    def extra_state(self) -> dict:
-        """What meta.json carries beside the step: float16's scaler and skipped count."""
-        return {} if self.scaler is None else {"grad_scaler": self.scaler.state_dict(), "skipped_steps": self.skipped}
+    def save(self, step: int, meta: dict) -> None:
+        """A DCP checkpoint; meta.json also carries float16's scaler and skipped count."""
+        if self.scaler is not None:
+            meta = {**meta, "grad_scaler": self.scaler.state_dict(), "skipped_steps": self.skipped}
+        self.checkpointer.save(step, meta)
 
-    def load_extra_state(self, meta: dict) -> None:
+    def restore(self) -> int | None:
+        """The latest complete checkpoint loaded (what an earlier process left unfinished removed first); its
+        data step, or None where there is none."""
+        self.checkpointer.remove_partial_saves()
+        meta = self.checkpointer.restore()
+        if meta is None:
+            return None
         if self.scaler is not None and "grad_scaler" in meta:
             self.scaler.load_state_dict(meta["grad_scaler"])
             self.skipped = int(meta["skipped_steps"])
+        self.step = int(meta["data_step"])
+        return self.step
 
     def forward_backward(self, micro: list[torch.Tensor]) -> torch.Tensor:
         """Gradients of the mean loss over the microbatches accumulated in .grad; returns that loss."""
@@ -107,7 +145,5 @@ class TorchEngine:
     def clip_gradients(self, clip: float) -> torch.Tensor:
         """Clip to the global norm; returns the pre-clip norm."""
         norm = torch.nn.utils.clip_grad_norm_(self.params, clip)  # DTensor-aware for FSDP2
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
-def build(model, cfg, env, **_):
-    return TorchEngine(model.to(env.device), model, cfg, env)

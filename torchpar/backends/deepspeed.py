@@ -27,7 +27,7 @@ import torch
 from jaxpar.core.errors import UserError
 from jaxpar.core.lr_schedule import lr_at
 from torchpar import dist
-from torchpar.backends.base import TorchEngine
+from torchpar.backends.base import eval_loss, microbatches, read_metrics
 from torchpar.checkpoint import complete_steps, failing_save
 from torchpar.model import loss_fn
 from torchpar.optim import SharedLRSchedule, param_groups
@@ -61,7 +61,7 @@ def fp16_section(cfg) -> dict:
 def generated_config(cfg, world: int) -> dict:
     t, o, stage = cfg.train, cfg.optim, cfg.parallel.zero_stage
     zero = {"stage": stage}
-    if cfg.parallel.offload != "none":  # torchpar.train.check_offload: stage >= 1, params only at 3
+    if cfg.parallel.offload != "none":  # torchpar.checks.check_offload: stage >= 1, params only at 3
         zero["offload_optimizer"] = {"device": "cpu"}
         if cfg.parallel.offload == "params+optimizer":
             zero["offload_param"] = {"device": "cpu"}
@@ -103,17 +103,29 @@ def load_user_config(path: str) -> dict:
 
 
 class DeepSpeedEngine:
+    """The `Engine` (torchpar/backends/__init__.py) over DeepSpeed's: its step, loss scaler and checkpoints."""
+    local_params = None  # ZeRO's partitions are DeepSpeed's own business
+
     def __init__(self, engine, cfg, env, config: dict):
         self.engine = self.module = engine
+        self.raw = engine.module
         self.cfg, self.env, self.config = cfg, env, config
         self.stage = config.get("zero_optimization", {}).get("stage", 0)
         self.checkpointer = self
         self.dir = os.path.abspath(os.path.join(cfg.run.dir, "checkpoints"))
         self.data_rank, self.data_ways = env.rank, env.world
 
-    eval_loss = TorchEngine.eval_loss  # through self.module, the DeepSpeed engine
+    def eval_loss(self, batch: torch.Tensor) -> float:
+        return eval_loss(self.module, batch)
 
-    def train_step(self, micro):
+    def read(self, handle) -> dict:
+        return read_metrics(handle, self.env, self.data_ways)
+
+    def inject_overflow(self) -> None:
+        raise UserError("TORCHPAR_FAULT_OVERFLOW_AT_STEP (a test fault) is not implemented for --backend deepspeed")
+
+    def train_step(self, batch: torch.Tensor):
+        micro = microbatches(batch, self.cfg.train.microbatches)
         lr = self.engine.get_lr()[0]
         total, norm = torch.zeros((), device=self.env.device), None
         for m, batch in enumerate(micro):
@@ -181,7 +193,13 @@ class DeepSpeedEngine:
         forget_module(self.engine.module)
         deepspeed.comm.destroy_process_group()
 
-    def restore(self) -> dict | None:
+    def restore(self) -> int | None:
+        """The latest complete checkpoint (partial saves removed first); its data step, or None."""
+        self.remove_partial_saves()
+        meta = self.load()
+        return None if meta is None else int(meta["data_step"])
+
+    def load(self) -> dict | None:
         if not os.path.exists(os.path.join(self.dir, "latest")):
             if complete_steps(self.dir):
                 raise UserError(f"{self.dir} holds torch.distributed.checkpoint checkpoints (ddp/fsdp/none); "

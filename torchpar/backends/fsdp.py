@@ -23,7 +23,7 @@ from torchpar.backends.base import TorchEngine, grad_scaler
 
 def fsdp_options(cfg, world: int) -> dict:
     """What the config asks of FSDP2: the mesh's (shape, axis names) -- parallel.mesh's dp x fsdp, all ranks on
-    fsdp when it is not set (torchpar.train.check_mesh vetted it) -- and fully_shard's settings."""
+    fsdp when it is not set (torchpar.checks.check_mesh vetted it) -- and fully_shard's settings."""
     sizes = resolve_sizes(parse_mesh(cfg.parallel.mesh), world) if cfg.parallel.mesh else {"dp": 1}
     mesh = ((world,), ("fsdp",)) if sizes["dp"] == 1 else ((sizes["dp"], sizes["fsdp"]), ("dp", "fsdp"))
     compute = None if cfg.model.compute_dtype == "float32" else cfg.model.compute_dtype
@@ -32,7 +32,7 @@ def fsdp_options(cfg, world: int) -> dict:
 
 
 def build(model, cfg, env, **_):
-    o = fsdp_options(cfg, env.world)  # torchpar.train.check_offload refuses the offloads FSDP2 cannot do
+    o = fsdp_options(cfg, env.world)  # torchpar.checks.check_offload refuses the offloads FSDP2 cannot do
     mesh = init_device_mesh(env.device.type, o["mesh"][0], mesh_dim_names=o["mesh"][1])
     mp = MixedPrecisionPolicy()
     if o["param_dtype"]:

@@ -50,19 +50,18 @@ def bench(cfg, backend: str, steps: int, warmup: int, compile_model: bool) -> di
     if compile_model:
         compile_blocks(model)  # as torchpar.train does
     engine = backends.build(backend, model, cfg, env)
-    B, M, W = cfg.train.global_batch_size, cfg.train.microbatches, env.world
+    B, W = cfg.train.global_batch_size, env.world
     share, ways = engine.data_rank, engine.data_ways  # as the trainer: pipeline stages read the whole batch
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (B, cfg.data.seq_len + 1))
     mine = torch.from_numpy(tokens[share * B // ways:(share + 1) * B // ways]).long().to(env.device)
-    micro = [mine[m::M] for m in range(M)]
     sync = torch.cuda.synchronize if env.device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
-        loss, *_ = engine.train_step(micro)
+        loss, *_ = engine.train_step(mine)
     sync()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        loss, *_ = engine.train_step(micro)
+        loss, *_ = engine.train_step(mine)
         sync()
         times.append(time.perf_counter() - t0)
     step_s = float(np.median(times))

@@ -1,0 +1,91 @@
+"""What torchpar refuses before a process group exists: one clear line, identical on every rank (the config
+contract, jaxpar/core/contract.py, last)."""
+from __future__ import annotations
+
+import torch
+
+from jaxpar.core.config import Config
+from jaxpar.core.contract import Run, check_contract
+from jaxpar.core.errors import UserError
+from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
+from jaxpar.core.trackers import check_trackers
+from torchpar.backends import BACKENDS
+from torchpar.dist import launch_env
+
+# the parallel.mesh axes each backend implements (tp and sp are jaxpar's alone)
+MESH_AXES = {"none": (), "ddp": ("dp",), "fsdp": ("dp", "fsdp"), "deepspeed": ("dp",), "pipeline": ("pp", "dp")}
+
+
+def check(cfg: Config, args) -> None:
+    """Everything knowable before a process group exists: one clear line, identical on every rank."""
+    _, world, _ = launch_env()
+    if args.backend not in BACKENDS:
+        raise UserError(f"unknown backend {args.backend!r}; choose one of {', '.join(BACKENDS)}")
+    if args.backend == "none" and world > 1:
+        raise UserError(f"--backend none runs one process, but WORLD_SIZE={world}; use ddp, fsdp or deepspeed")
+    check_mesh(cfg.parallel.mesh, args.backend, world)
+    check_trackers(cfg)
+    if cfg.train.sample_every and args.backend not in ("none", "ddp"):
+        raise UserError(f"train.sample_every needs the whole model on rank 0: --backend none or ddp, not {args.backend} "
+                        "(sample from a checkpoint with python -m torchpar.generate)")
+    if args.backend == "ddp" and cfg.parallel.zero_stage:
+        raise UserError(f"parallel.zero_stage={cfg.parallel.zero_stage} needs --backend deepspeed or fsdp "
+                        "(ddp is ZeRO-0)")
+    if args.cpu_offload:
+        raise UserError("--cpu-offload was replaced by the config key parallel.offload=optimizer|params+optimizer")
+    check_offload(cfg, args.backend)
+    if cfg.model.compute_dtype == "float16" and args.backend == "pipeline":
+        raise UserError("model.compute_dtype=float16 (loss scaling) runs on --backend none, ddp, fsdp or deepspeed, "
+                        "not pipeline")
+    if cfg.train.compile == "on" and args.backend == "deepspeed":
+        raise UserError("train.compile=on is not supported with --backend deepspeed (its engine wraps the model "
+                        "and its ZeRO hooks); leave train.compile=auto")
+    if args.deepspeed_config and args.backend != "deepspeed":
+        raise UserError("--deepspeed-config needs --backend deepspeed")
+    micro = cfg.train.global_batch_size // cfg.train.microbatches
+    stages = {}
+    if args.backend == "pipeline":
+        from torchpar.backends.pipeline import check_pipeline, pipeline_sizes
+        check_pipeline(cfg, world)
+        stages = {"pp": pipeline_sizes(cfg, world)[0]}
+    elif micro % world:
+        raise UserError(f"batch per microbatch {micro} (train.global_batch_size={cfg.train.global_batch_size} / "
+                        f"train.microbatches={cfg.train.microbatches}) is not divisible by the world size {world}")
+    if args.backend == "deepspeed":
+        from torchpar.backends import deepspeed
+        deepspeed.check(cfg, args.deepspeed_config)
+    check_contract(Run(cfg, "torchpar", args.backend, stages))
+
+
+def check_offload(cfg: Config, backend: str) -> None:
+    """parallel.offload: what each backend can keep in host memory, or one line saying why not."""
+    off, stage = cfg.parallel.offload, cfg.parallel.zero_stage
+    if off == "none":
+        return
+    if backend not in ("fsdp", "deepspeed"):
+        raise UserError(f"parallel.offload={off} needs --backend fsdp or deepspeed ({backend} keeps its state on the "
+                        "device)")
+    if backend == "fsdp" and off == "optimizer":
+        raise UserError("FSDP2 offloads parameters, gradients and the optimizer step together: use "
+                        "parallel.offload=params+optimizer")
+    if backend == "fsdp" and not torch.cuda.is_available():
+        raise UserError("parallel.offload with --backend fsdp needs a GPU to offload from (on the CPU, parameters "
+                        "and optimizer state are in host memory already)")
+    if backend == "deepspeed" and stage == 0:
+        raise UserError(f"parallel.offload={off} with deepspeed needs parallel.zero_stage >= 1 (ZeRO-Offload)")
+    if backend == "deepspeed" and off == "params+optimizer" and stage != 3:
+        raise UserError("parallel.offload=params+optimizer with deepspeed needs parallel.zero_stage=3 (DeepSpeed "
+                        "offloads parameters at stage 3 only); parallel.offload=optimizer works at 1-3")
+
+
+def check_mesh(mesh: str, backend: str, world: int) -> None:
+    """parallel.mesh is honoured, not ignored: its axes must be ones the backend runs, over all ranks."""
+    if not mesh:
+        return
+    sizes = parse_mesh(mesh)
+    unsupported = [a for a, n in sizes.items() if n != 1 and a not in MESH_AXES[backend]]
+    if unsupported:
+        runs = "/".join(MESH_AXES[backend]) or "nothing but one process"
+        raise UserError(f"parallel.mesh={mesh}: --backend {backend} does not implement {', '.join(unsupported)} "
+                        f"(it runs {runs}; jaxpar.train runs every axis)")
+    resolve_sizes(sizes, world)  # the product must be the world size
