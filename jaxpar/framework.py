@@ -23,6 +23,14 @@ from jaxpar.parallelize import parallel_context
 from jaxpar.step import compiled_train_step, make_eval_step, make_train_step
 
 
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is true on any process: a tiny all-gather of one flag per process (nothing to agree on
+    with one process)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(multihost_utils.process_allgather(np.array([flag], np.int32)).max())
+
+
 class JaxFramework:
     """What the shared loop (jaxpar/core/loop.py) needs from jax: the compiled steps, data, checkpoints."""
     fault_prefix = "JAXPAR"
@@ -52,11 +60,8 @@ class JaxFramework:
         self._overflow_step = make_train_step(self.layout, inject_overflow=True)  # compiled for this one step
 
     def agree_stop(self, requested: bool) -> bool:
-        """Every process learns whether any was signalled, before the same step: a tiny all-gather of one
-        flag per process (nothing to agree on with one process)."""
-        if jax.process_count() == 1:
-            return requested
-        return bool(multihost_utils.process_allgather(np.array([requested], np.int32)).max())
+        """Every process learns whether any was signalled, before the same step."""
+        return any_process(requested)
 
     @property
     def process_count(self) -> int:

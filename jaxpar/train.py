@@ -27,7 +27,7 @@ from jaxpar.core.run import run_training
 from jaxpar.core.trackers import check_trackers
 from jaxpar.core.weights import flatten, load_weights, save_weights, unflatten
 from jaxpar.data import grain_batches
-from jaxpar.framework import JaxFramework
+from jaxpar.framework import JaxFramework, any_process
 from jaxpar.layout import Layout
 from jaxpar.mesh import make_mesh, setup_devices, show_library_logs
 
@@ -51,9 +51,8 @@ class JaxTrainer:
         self.cfg, self.layout, self.data = cfg, layout, data
         self.is_main, self.state, self.fw, self.ckpt = jax.process_index() == 0, None, None, None
 
-    def barrier(self, name: str) -> None:
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices(f"jaxpar/{name}")
+    def any_of(self, flag: bool) -> bool:
+        return any_process(flag)
 
     def initial_state(self):
         """model.init_from, else the seed's random initialisation."""

@@ -2,7 +2,7 @@
 reference run's, within a `Tolerance`. A failure reads as a table (step, reference, run, difference)
 for each failing series and names the first parameter, in model order, that diverges.
 
-Parameters are held by two numbers, as in tests/test_layouts.py: the relative norm of the difference
+Parameters are held by two numbers, as in tests/jaxpar/test_layouts.py: the relative norm of the difference
 over all parameters, and a per-tensor maximum absolute difference. One slice is held apart: the
 attention key bias (`blocks.attn.qkv.bias[:, 1]`) has an exactly zero true gradient (softmax is
 invariant to it), so Adam moves it by normalised rounding noise only (about lr * noise / eps per

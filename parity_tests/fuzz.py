@@ -14,7 +14,7 @@ Outcomes: `equal`; `refused` (the trainer's one-line UserError) where the docs s
 and three failures: `differs`, `error` (a crash, a timeout), `refused-promised` (refused, but no line of
 the docs says it is, and PROMISES say it works). A failure is shrunk (settings back to their defaults,
 mesh axes halved, torch backends to `none`) while it still fails the same way, and printed as a
-command. Each failure found becomes an entry of REGRESSIONS, which tests/test_fuzz.py runs every time.
+command. Each failure found becomes an entry of REGRESSIONS, which tests/e2e/test_fuzz.py runs every time.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from jaxpar.core.errors import cli
 from parity_tests.fuzz_cases import BASE, TORCH_SHARE, Case, draw_case, normalize
 from parity_tests.fuzz_run import TIMEOUT_S, Outcome, Worker
 
-# Each failure a sweep found (docs/fuzz.md): (case, what it found). tests/test_fuzz.py runs them all: each must
+# Each failure a sweep found (docs/fuzz.md): (case, what it found). tests/e2e/test_fuzz.py runs them all: each must
 # be equal now, or refused as documented.
 REGRESSIONS = (
     ("jax pp=2 data.seq_len=32 model.d_model=64 model.n_head=2 model.n_layer=4",

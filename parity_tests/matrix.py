@@ -17,7 +17,7 @@ from parity_tests.runner import REFERENCE, SIDES, TORCH_BACKENDS
 
 AS_FLOAT32 = ("model.compute_dtype=float32",)
 # float16 (loss scaling): jaxpar layouts and the torchpar backends with a GradScaler; DeepSpeed's fp16 needs an
-# accelerator with float16 (refused on CPU, tests/test_torchpar.py), pipeline refuses float16
+# accelerator with float16 (refused on CPU, tests/torchpar/test_torchpar.py), pipeline refuses float16
 FLOAT16_SIDES = ("jax:dp=8", "jax:fsdp=8", "jax:dp=2,tp=4", "torch:none", "torch:ddp", "torch:fsdp")
 VARIANTS = ("mla", "dilated", "sketched", "llama")  # model variants and families (configs/parity/<name>.yaml)
 
@@ -45,8 +45,8 @@ def cases(full: bool = False) -> list[Case]:
         out = [Case(c, s, REFERENCE) for c in ("float32", "accum", "remat", *VARIANTS) for s in SIDES if s != REFERENCE]
         out += [Case("float16", s, REFERENCE) for s in FLOAT16_SIDES]
         return out + [Case("bfloat16", s, s, AS_FLOAT32) for s in SIDES]
-    # jaxpar dp=8 and fsdp=8 are left to --parity-full: tests/test_layouts.py holds every mesh to one device;
-    # so are the variants: tests/test_variants.py holds their loss and gradients to torchpar's.
+    # jaxpar dp=8 and fsdp=8 are left to --parity-full: tests/jaxpar/test_layouts.py holds every mesh to one device;
+    # so are the variants: tests/jaxpar/test_variants.py holds their loss and gradients to torchpar's.
     out = [Case("float32", s, REFERENCE) for s in ("jax:dp=2,tp=4", *TORCH_BACKENDS)]
     out += [Case(c, "torch:none", REFERENCE) for c in ("accum", "remat")]
     out += [Case("llama", s, REFERENCE) for s in ("torch:none", "torch:pp=2")]

@@ -5,7 +5,7 @@ Every run of a config starts from one exported initial-weights file (`python -m 
 synthetic token file, logs every step (`metrics.jsonl`) and writes its final weights in the shared
 weight format (`--write-final`). Runs are subprocesses (simulated CPU devices for jaxpar,
 `torch.distributed.run` over gloo for torchpar), checked for aborts and leftover processes by
-tests/test_torchpar.py's helpers, and cached by (side, resolved config), so a run several comparisons
+tests/torchpar/test_torchpar.py's helpers, and cached by (side, resolved config), so a run several comparisons
 need (the jaxpar one-device reference) runs once.
 """
 from __future__ import annotations

@@ -45,8 +45,8 @@ def check(cfg: Config, args) -> None:
     micro = cfg.train.global_batch_size // cfg.train.microbatches
     stages = {}
     if args.backend == "pipeline":
-        from torchpar.backends.pipeline import check_pipeline, pipeline_sizes
-        check_pipeline(cfg, world)
+        from torchpar.backends.pipeline import check_torch_pipeline, pipeline_sizes
+        check_torch_pipeline(cfg, world)
         stages = {"pp": pipeline_sizes(cfg, world)[0]}
     elif micro % world:
         raise UserError(f"batch per microbatch {micro} (train.global_batch_size={cfg.train.global_batch_size} / "

@@ -143,6 +143,6 @@ def output_head(ln_f: nn.Module, table: nn.Parameter, x: torch.Tensor) -> torch.
     return F.linear(x, table.to(x.dtype)).float()
 
 
-def loss_fn(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+def next_token_loss(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy; `batch` rows are [seq + 1] tokens, logits from batch[:, :-1]."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))

@@ -63,8 +63,8 @@ class TorchTrainer:
         self.is_main, self.engine = env.is_main, None
         self.model = build_model(cfg)  # before run.dir is touched: a weights file that fails moves nothing
 
-    def barrier(self, name: str) -> None:
-        dist.barrier()
+    def any_of(self, flag: bool) -> bool:
+        return dist.all_sum([float(flag)], self.env)[0] > 0
 
     def restore_or_init(self) -> int:
         self.n_params = sum(p.numel() for p in self.model.parameters())

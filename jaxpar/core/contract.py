@@ -2,7 +2,7 @@
 
 Every key of the schema has one row: the trainers and torchpar backends that act on it, the mode in which
 they do (e.g. `model.q_latent_dim` only under `model.attention=mla`), and how its effect shows (what
-tests/test_contract.py measures). `check_contract` refuses, in one line, any key set away from its
+tests/core/test_contract.py measures). `check_contract` refuses, in one line, any key set away from its
 default that the run at hand will not consume: a setting is acted on or refused, never silently dropped.
 A key added to the schema without a row here fails that test.
 """
@@ -17,7 +17,7 @@ from jaxpar.core.errors import UserError
 
 BACKENDS = ("none", "ddp", "fsdp", "deepspeed", "pipeline")  # torchpar's (torchpar/backends)
 BOTH = BACKENDS
-# How a consumed key shows in a run; tests/test_contract.py has one probe for each:
+# How a consumed key shows in a run; tests/core/test_contract.py has one probe for each:
 #   params  the initial parameters (shapes or values)      step  the traced train step (and its shardings)
 #   data    the batches read                               loop  the shared loop's calls (log, eval, save, ...)
 #   engine  torchpar's engine settings (DeepSpeed JSON, schedule, compile, precision)
@@ -106,7 +106,7 @@ CONTRACT: dict[str, Owner] = {
     "model.init_std": Owner(True, BOTH, "params"),
     "model.compute_dtype": Owner(True, BOTH, "step"),
     "model.remat": Owner(True, BOTH, "step"),
-    "model.init_from": Owner(True, BOTH, "test", evidence="tests/test_train_cli.py::test_write_init_then_init_from_starts_from_those_weights"),
+    "model.init_from": Owner(True, BOTH, "test", evidence="tests/e2e/test_train_cli.py::test_write_init_then_init_from_starts_from_those_weights"),
     "model.attention": Owner(True, BOTH, "params"),
     "model.linear": Owner(True, BOTH, "params"),
     "model.q_latent_dim": Owner(True, BOTH, "params", **MLA),
@@ -121,12 +121,12 @@ CONTRACT: dict[str, Owner] = {
     "model.sketch_seed": Owner(True, BOTH, "step", **SKETCHED),
     # data: one order for both (jaxpar/core/data_order.py)
     "data.dataset": Owner(True, BOTH, "data"),
-    "data.tokenizer": Owner(True, BOTH, "test", evidence="tests/test_train_cli.py::test_trains_on_a_bpe_corpus_and_refuses_another_tokenizer_on_resume"),
+    "data.tokenizer": Owner(True, BOTH, "test", evidence="tests/e2e/test_train_cli.py::test_trains_on_a_bpe_corpus_and_refuses_another_tokenizer_on_resume"),
     "data.seq_len": Owner(True, BOTH, "data"),
     "data.val_fraction": Owner(True, BOTH, "data"),
     "data.cache_dir": Owner(True, BOTH, "test", when=lambda r: r.cfg.data.dataset == "stdlib",
                             mode="data.dataset=stdlib (where the prepared standard library is kept)",
-                            evidence="tests/test_data.py::test_stdlib_prepared_once_and_reused"),
+                            evidence="tests/core/test_data.py::test_stdlib_prepared_once_and_reused"),
     # train
     "train.steps": Owner(True, BOTH, "loop"),
     "train.global_batch_size": Owner(True, BOTH, "data"),
@@ -171,14 +171,14 @@ CONTRACT: dict[str, Owner] = {
                               why_not="--backend fsdp or deepspeed keep state in host memory"),
     # checkpoint and run: the shared loop and run directory
     "checkpoint.every": Owner(True, BOTH, "loop"),
-    "checkpoint.keep": Owner(True, BOTH, "test", evidence="tests/test_contract.py::test_checkpoint_keep_is_the_number_of_steps_kept"),
-    "checkpoint.resume": Owner(True, BOTH, "test", evidence="tests/test_train_cli.py::test_resume_false_keeps_the_old_run_apart"),
-    "run.dir": Owner(True, BOTH, "test", evidence="tests/test_train_cli.py::test_resume_after_sigkill_is_exact"),
+    "checkpoint.keep": Owner(True, BOTH, "test", evidence="tests/core/test_contract.py::test_checkpoint_keep_is_the_number_of_steps_kept"),
+    "checkpoint.resume": Owner(True, BOTH, "test", evidence="tests/e2e/test_train_cli.py::test_resume_false_keeps_the_old_run_apart"),
+    "run.dir": Owner(True, BOTH, "test", evidence="tests/e2e/test_train_cli.py::test_resume_after_sigkill_is_exact"),
     "run.peer_timeout_s": Owner(True, BOTH, "test",
-                                evidence="tests/test_multiprocess.py::test_killed_peer_is_named_within_the_timeout"),
-    "run.debug": Owner(True, BOTH, "test", evidence="tests/test_multiprocess.py::test_killed_peer_is_named_within_the_timeout"),
-    "run.tensorboard": Owner(True, BOTH, "test", evidence="tests/test_train_cli.py::test_tensorboard_holds_the_metrics"),
-    "run.wandb": Owner(True, BOTH, "test", evidence="tests/test_bad_input.py::test_bad_input_is_one_line"),
+                                evidence="tests/e2e/test_multiprocess.py::test_killed_peer_is_named_within_the_timeout"),
+    "run.debug": Owner(True, BOTH, "test", evidence="tests/e2e/test_multiprocess.py::test_killed_peer_is_named_within_the_timeout"),
+    "run.tensorboard": Owner(True, BOTH, "test", evidence="tests/e2e/test_train_cli.py::test_tensorboard_holds_the_metrics"),
+    "run.wandb": Owner(True, BOTH, "test", evidence="tests/e2e/test_bad_input.py::test_bad_input_is_one_line"),
 }
 
 

@@ -11,6 +11,7 @@ import os
 from typing import Protocol
 
 from jaxpar.core.config import Config
+from jaxpar.core.errors import UserError
 from jaxpar.core.flops import flops_per_token
 from jaxpar.core.loop import Framework, ignore_stop_requests, run_loop
 from jaxpar.core.metrics_log import MetricsLog
@@ -22,8 +23,8 @@ class Trainer(Protocol):
     """A framework's side of the run sequence."""
     is_main: bool  # process 0 / rank 0: the one that writes the run's shared files and prints
 
-    def barrier(self, name: str) -> None:
-        """Every process waits here for all others."""
+    def any_of(self, flag: bool) -> bool:
+        """Whether `flag` is true on any process (every process gets the same answer; a barrier too)."""
 
     def restore_or_init(self) -> int:
         """The state: the latest checkpoint in run.dir (checkpoint.resume), else model.init_from, else the seeded
@@ -53,8 +54,7 @@ class Trainer(Protocol):
 
 def run_training(cfg: Config, trainer: Trainer, stop: dict, write_final: str | None = None) -> int:
     """After the trainer's own checks and set-up (a refused run moves and writes nothing): the run."""
-    start_anew(cfg, trainer.is_main)
-    trainer.barrier("start_anew")  # no process touches run.dir before the main one has moved an old run aside
+    move_old_run_aside(cfg, trainer)
     os.makedirs(cfg.run.dir, exist_ok=True)
     try:
         step = trainer.restore_or_init()
@@ -68,6 +68,19 @@ def run_training(cfg: Config, trainer: Trainer, stop: dict, write_final: str | N
         trainer.close()
     ignore_stop_requests()  # the run is saved: a late SIGTERM must not turn the clean exit into a kill
     return 0
+
+
+def move_old_run_aside(cfg: Config, trainer: Trainer) -> None:
+    """checkpoint.resume=false on a run directory: the main process moves the old run aside, and no process
+    touches run.dir before it has -- or all stop, when it could not."""
+    failure = None
+    try:
+        start_anew(cfg, trainer.is_main)
+    except (OSError, UserError) as e:
+        failure = e
+    if trainer.any_of(failure is not None):
+        raise failure or UserError(f"{cfg.run.dir}: the main process could not move the old run aside (its line "
+                                   "says why)")
 
 
 def train_from(cfg: Config, trainer: Trainer, step: int, stop: dict) -> None:

@@ -114,7 +114,7 @@ def plan(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
             "notes": explain(collectives, bounds, measured, layout.mesh.devices.flat[0].platform)}
 
 
-# what tests/test_plan.py and the HLO showed (docs/benchmarks/README.md "Planner"): jax 0.10.2's XLA:CPU
+# what tests/jaxpar/test_plan.py and the HLO showed (docs/benchmarks/README.md "Planner"): jax 0.10.2's XLA:CPU
 CPU_REDUCE_SCATTER = ("XLA:CPU has no pass that forms reduce-scatter (ReduceScatterCreator runs in XLA:GPU's "
                       "collective pipeline only), so GSPMD's all-reduce + dynamic-slice stays; on a GPU the same "
                       "step should show reduce-scatter here (check: this command on a GPU)")

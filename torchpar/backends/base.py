@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from jaxpar.core.lr_schedule import lr_at
 from torchpar import dist
 from torchpar.checkpoint import DCPCheckpointer
-from torchpar.model import loss_fn
+from torchpar.model import next_token_loss
 from torchpar.optim import make_optimizer
 
 
@@ -41,7 +41,7 @@ def read_metrics(handle, env, data_ways: int) -> dict:
 
 def eval_loss(module, batch: torch.Tensor) -> float:
     with torch.no_grad():
-        return float(loss_fn(module(batch[:, :-1]), batch))
+        return float(next_token_loss(module(batch[:, :-1]), batch))
 
 
 def grad_scaler(cfg, env, sharded: bool = False):
@@ -137,7 +137,7 @@ class TorchEngine:
         total = torch.zeros((), device=micro[0].device)
         for m, batch in enumerate(micro):
             with self.sync(m == len(micro) - 1):
-                loss = loss_fn(self.module(batch[:, :-1]), batch) / len(micro)
+                loss = next_token_loss(self.module(batch[:, :-1]), batch) / len(micro)
                 (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             total += loss.detach()
         return total

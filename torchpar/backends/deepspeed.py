@@ -29,7 +29,7 @@ from jaxpar.core.lr_schedule import lr_at
 from torchpar import dist
 from torchpar.backends.base import eval_loss, microbatches, read_metrics
 from torchpar.checkpoint import complete_steps, failing_save
-from torchpar.model import loss_fn
+from torchpar.model import next_token_loss
 from torchpar.optim import SharedLRSchedule, param_groups
 
 
@@ -129,7 +129,7 @@ class DeepSpeedEngine:
         lr = self.engine.get_lr()[0]
         total, norm = torch.zeros((), device=self.env.device), None
         for m, batch in enumerate(micro):
-            loss = loss_fn(self.engine(batch[:, :-1]), batch)
+            loss = next_token_loss(self.engine(batch[:, :-1]), batch)
             self.engine.backward(loss)  # DeepSpeed scales by 1/accumulation and reduces at the boundary
             if m == len(micro) - 1 and self.stage == 0 and not self.engine.fp16_enabled():
                 grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]

@@ -75,7 +75,7 @@ def pipeline_sizes(cfg, world: int) -> tuple[int, int]:
     return sizes["pp"], sizes["dp"]
 
 
-def check_pipeline(cfg, world: int) -> int:
+def check_torch_pipeline(cfg, world: int) -> int:
     """The number of pipeline microbatches; one-line errors for what the backend cannot run."""
     p, t = cfg.parallel, cfg.train
     S, D = pipeline_sizes(cfg, world)
@@ -97,21 +97,21 @@ def check_pipeline(cfg, world: int) -> int:
 
 
 class PipelineEngine(TorchEngine):
-    def __init__(self, stage: Stage, chunks: list[nn.Module], cfg, env, M: int, layout: Replicas):
+    def __init__(self, stage: Stage, chunks: list[nn.Module], cfg, env, M: int, place: Replicas):
         super().__init__(stage, stage, cfg, env, full_state=self._gather_state)
         # every stage of a replica reads the replica's share of the batch; only the last has the loss
-        self.data_rank, self.data_ways = layout.replica, layout.replicas
-        self.M, self.stage_module, self.scale, self.pp_group = M, stage, 1.0, layout.pp_group
-        S, schedule = layout.stages, cfg.parallel.pipeline_schedule
-        stages = [PipelineStage(chunk, c * S + layout.stage, S * len(chunks), env.device, group=layout.pp_group)
+        self.data_rank, self.data_ways = place.replica, place.replicas
+        self.M, self.stage_module, self.scale, self.pp_group = M, stage, 1.0, place.pp_group
+        S, schedule = place.stages, cfg.parallel.pipeline_schedule
+        stages = [PipelineStage(chunk, c * S + place.stage, S * len(chunks), env.device, group=place.pp_group)
                   for c, chunk in enumerate(chunks)]
         self.schedule = SCHEDULES[schedule](stages if schedule in MULTI else stages[0], M, loss_fn=self._loss,
                                             scale_grads=False)
         self.tied = None  # the first and last stage of each replica (every rank must call new_group)
-        for replica in range(layout.replicas):
+        for replica in range(place.replicas):
             ends = sorted({replica * S, replica * S + S - 1})
             group = tdist.new_group(ends) if len(ends) == 2 and cfg.model.tie_embeddings else None
-            if replica == layout.replica:
+            if replica == place.replica:
                 self.tied = group
         # wte's gradient counts once in the global norm: on the first stage only
         self.norm_params = [p for n, p in stage.named_parameters() if not (n == "wte" and not stage.first)]
@@ -171,7 +171,7 @@ class Replicas:
     dp_group: object = None
 
 
-def replicas(cfg, env) -> Replicas:
+def place_rank(cfg, env) -> Replicas:
     S, D = pipeline_sizes(cfg, env.world)
     if D == 1:
         return Replicas(S, 1, env.rank, 0)
@@ -181,15 +181,15 @@ def replicas(cfg, env) -> Replicas:
 
 
 def build(model: GPT, cfg, env, **_):
-    M = check_pipeline(cfg, env.world)
-    layout = replicas(cfg, env)
-    L, S, s, V = cfg.model.n_layer, layout.stages, layout.stage, cfg.parallel.pipeline_virtual_stages
+    M = check_torch_pipeline(cfg, env.world)
+    place = place_rank(cfg, env)
+    L, S, s, V = cfg.model.n_layer, place.stages, place.stage, cfg.parallel.pipeline_virtual_stages
     k, last = L // (S * V), S * V - 1
     virtual = [c * S + s for c in range(V)]  # this rank's virtual stages
     chunks = [Stage(model, list(range(v * k, (v + 1) * k)), v == 0, v == last) for v in virtual]
     rank = Stage(model, [i for v in virtual for i in range(v * k, (v + 1) * k)], 0 in virtual, last in virtual)
     rank.to(env.device)
-    if layout.replicas > 1:  # DDP per chunk over dp; the pipeline stage runs its all-reduce on the last backward
+    if place.replicas > 1:  # DDP per chunk over dp; the pipeline stage runs its all-reduce on the last backward
         ids = [env.device.index] if env.device.type == "cuda" else None
-        chunks = [DDP(chunk, device_ids=ids, process_group=layout.dp_group) for chunk in chunks]
-    return PipelineEngine(rank, chunks, cfg, env, M, layout)
+        chunks = [DDP(chunk, device_ids=ids, process_group=place.dp_group) for chunk in chunks]
+    return PipelineEngine(rank, chunks, cfg, env, M, place)

@@ -107,7 +107,7 @@ def test_the_clis_relaunch_before_anything_imports_jax():
     import ast
     import pathlib
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     for module in ("jaxpar.train", "jaxpar.tools.bench", "jaxpar.tools.bench_checkpoint"):
         body = ast.parse((root / (module.replace(".", "/") + ".py")).read_text()).body
         body = [n for n in body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))

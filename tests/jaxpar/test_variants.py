@@ -19,18 +19,18 @@ from tests.helpers import assert_params_close, run_steps, tiny_config
 from jaxpar.core.mesh_spec import parse_mesh
 from jaxpar.models.dilated import dilated_attention
 from jaxpar.models.gpt import GPT as JaxGPT
-from jaxpar.loss import loss_fn as jax_loss
+from jaxpar.loss import next_token_loss as jax_loss
 from jaxpar.models.mla import MLAttention, kv_cache_width
 from jaxpar.core.sketches import sketch_matrix
 from torchpar.weights import from_shared, shared_shapes, to_shared
-from torchpar.model import GPT, loss_fn
+from torchpar.model import GPT, next_token_loss
 
 VARIANTS = {
     "mla": ("model.attention=mla", "model.q_latent_dim=16", "model.kv_latent_dim=8", "model.rope_head_dim=4"),
     "dilated": ("model.attention=dilated", "model.segment_lengths=4,8,16", "model.dilation_rates=1,2,4"),
     "sketched": ("model.linear=sketched", "model.sketch_ratio=0.5"),
     "sketched_sign": ("model.linear=sketched", "model.sketch=sign", "model.sketch_ratio=0.25"),
-    # the llama family (GQA, untied head; tests/test_llama.py), and with the dilated attention core
+    # the llama family (GQA, untied head; tests/jaxpar/test_llama.py), and with the dilated attention core
     "llama": ("model.family=llama", "model.n_kv_head=2", "model.tie_embeddings=false", "model.d_ff=64"),
     "llama_dilated": ("model.family=llama", "model.n_kv_head=1", "model.d_ff=48", "model.attention=dilated",
                       "model.segment_lengths=4,8,16", "model.dilation_rates=1,2,4"),
@@ -113,7 +113,7 @@ def test_variant_same_loss_and_gradients_as_torchpar(variant):
     model = GPT(cfg.model)
     model.load_state_dict(from_shared(params, cfg.model.n_layer))
     tbatch = torch.from_numpy(batch).long()
-    loss = loss_fn(model(tbatch[:, :-1]), tbatch)
+    loss = next_token_loss(model(tbatch[:, :-1]), tbatch)
     loss.backward()
     np.testing.assert_allclose(loss.item(), float(jloss), rtol=1e-6)
     grads = to_shared({n: p.grad for n, p in model.named_parameters()}, cfg.model.n_layer)
@@ -243,7 +243,7 @@ print(hashlib.sha256(b"".join(jax_side[n].tobytes() for n in sorted(jax_side))).
 
 def test_sketch_identical_across_processes_and_frameworks():
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONHASHSEED": "random"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     digests = [subprocess.run([sys.executable, "-c", _SKETCH_SCRIPT, str(seed)], cwd=root, env=env, check=True,
                               capture_output=True, text=True).stdout.strip() for seed in (1, 2)]
     cfg = tiny_config("model.linear=sketched", "model.sketch_seed=7").model
@@ -261,7 +261,7 @@ def test_sketch_is_not_trained_or_saved():
     model = GPT(cfg.model)
     model.init_weights(0)
     tbatch = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (2, 17))).long()
-    loss_fn(model(tbatch[:, :-1]), tbatch).backward()
+    next_token_loss(model(tbatch[:, :-1]), tbatch).backward()
     fc = model.blocks[0].mlp.fc
     assert not fc.sketch.requires_grad and fc.sketch.grad is None and fc.factor.grad.abs().sum() > 0
     assert not any("sketch" in n for n, _ in model.named_parameters())

@@ -8,12 +8,12 @@ from flax import nnx
 
 from jaxpar.core.weights import flatten, load_weights, save_weights, unflatten
 from jaxpar.models.gpt import GPT as JaxGPT
-from jaxpar.loss import loss_fn as jax_loss
+from jaxpar.loss import next_token_loss as jax_loss
 from jaxpar.models.gpt import abstract_model
 from tests.helpers import tiny_config
 from jaxpar.core.weights import NAMES, shared_name
 from torchpar.weights import from_shared, shared_shapes, to_shared
-from torchpar.model import GPT, loss_fn
+from torchpar.model import GPT, next_token_loss
 from torchpar.optim import decays
 
 
@@ -92,7 +92,7 @@ def test_same_loss_and_gradients_as_jaxpar(remat, jax_reference):
     model = GPT(cfg.model)
     model.load_state_dict(from_shared(params, cfg.model.n_layer))
     tbatch = torch.from_numpy(batch).long()
-    loss = loss_fn(model(tbatch[:, :-1]), tbatch)
+    loss = next_token_loss(model(tbatch[:, :-1]), tbatch)
     loss.backward()
     np.testing.assert_allclose(loss.item(), jloss, rtol=1e-6)
     grads = to_shared({n: p.grad for n, p in model.named_parameters()}, cfg.model.n_layer)

@@ -193,7 +193,7 @@ def test_stdlib_prepared_once_and_reused(stdlib_dataset, capsys):
 def test_cli(tmp_path):
     (tmp_path / "t.txt").write_text("hello cli " * 100)
     out = str(tmp_path / "cli.bin")
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
     run = lambda *a: subprocess.run([sys.executable, "-m", "jaxpar.data", *a], capture_output=True, text=True, env=env)
     r = run("prepare", "--out", out, str(tmp_path / "t.txt"))
     assert r.returncode == 0, r.stderr

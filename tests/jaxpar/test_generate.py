@@ -24,7 +24,7 @@ from jaxpar.state import init_state
 from tests.helpers import ROOT, run_cli, tiny_config
 
 PROMPT = [[10, 20, 30, 40, 50]]
-# tests/test_variants.py's variants (plain llama: tests/test_llama.py); a 32-token training row (the tiny
+# tests/jaxpar/test_variants.py's variants (plain llama: tests/jaxpar/test_llama.py); a 32-token training row (the tiny
 # context), so that one forward pass over the whole context is the training forward for dilated attention too
 # (its segments depend on the row length)
 VARIANTS = {

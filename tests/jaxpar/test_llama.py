@@ -1,7 +1,7 @@
 """model.family=llama: every layout equals one device, a random Hugging Face LlamaForCausalLM (GQA, untied
 head) converts into both frameworks with transformers' logits and back bit-exactly, decoding with a
 grouped KV cache equals the full forward in both frameworks, and the family's one-line refusals.
-jaxpar == torchpar loss and gradients: tests/test_variants.py ("llama", "llama_dilated"); trajectories:
+jaxpar == torchpar loss and gradients: tests/jaxpar/test_variants.py ("llama", "llama_dilated"); trajectories:
 parity_tests (configs/parity/llama.yaml)."""
 import json
 import math
