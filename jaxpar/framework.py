@@ -18,7 +18,7 @@ from jaxpar.core.prefetch import Prefetch
 from jaxpar.data import device_batch
 from jaxpar.decode import make_generate
 from jaxpar.mesh import device_memory
-from jaxpar.models.gpt import abstract_model
+from jaxpar.models.decoder import abstract_model
 from jaxpar.parallelize import parallel_context
 from jaxpar.step import compiled_train_step, make_eval_step, make_train_step
 

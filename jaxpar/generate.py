@@ -72,7 +72,7 @@ def sample_rows(cfg: Config, sizes: dict, flat: dict, prompt: list[int], args) -
     from jaxpar.decode import make_generate
     from jaxpar.layout import Layout
     from jaxpar.mesh import make_mesh
-    from jaxpar.models.gpt import abstract_model
+    from jaxpar.models.decoder import abstract_model
     from jaxpar.parallelize import parallel_context
 
     layout = Layout(cfg, make_mesh(sizes))

@@ -21,7 +21,7 @@ from jaxpar import loss_scale
 from jaxpar.checks import check_layout
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
-from jaxpar.models.gpt import abstract_model
+from jaxpar.models.decoder import abstract_model
 from jaxpar.optim import make_optimizer
 from jaxpar.sharding import RULES, spec_for, with_extra_axis
 

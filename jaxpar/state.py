@@ -10,7 +10,7 @@ from flax import nnx
 from jaxpar import loss_scale
 from jaxpar.checkpoint import abstract_like
 from jaxpar.layout import Layout
-from jaxpar.models.gpt import GPT
+from jaxpar.models.decoder import Decoder
 from jaxpar.optim import make_optimizer
 
 
@@ -29,7 +29,7 @@ def init_state(layout: Layout):
     cfg, tx = layout.cfg, make_optimizer(layout.cfg)
 
     def create():
-        return _fresh(layout, tx, nnx.state(GPT(cfg.model, nnx.Rngs(cfg.train.seed)), nnx.Param).to_pure_dict())
+        return _fresh(layout, tx, nnx.state(Decoder(cfg.model, nnx.Rngs(cfg.train.seed)), nnx.Param).to_pure_dict())
 
     return jax.jit(create, out_shardings=layout.state_shardings)()
 

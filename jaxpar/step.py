@@ -16,7 +16,7 @@ from jaxpar.core.sketches import stacked_sketches
 from jaxpar.layout import Layout
 from jaxpar.mesh import make_mesh
 from jaxpar.loss import cross_entropy, loss_fn, split_rows, token_order
-from jaxpar.models.gpt import abstract_model
+from jaxpar.models.decoder import abstract_model
 from jaxpar.ops import split_microbatches
 from jaxpar.optim import lr_fn, make_optimizer
 from jaxpar.parallel.pipeline_executor import HAND_SCHEDULED, StageFns, pipeline_value_and_grad
@@ -73,7 +73,7 @@ def loss_and_grad(layout: Layout, schedule: str | None = None):
 def make_train_step(layout: Layout, inject_overflow: bool = False):
     """The jitted step (state, batch) -> (state, metrics). `inject_overflow` (a test hook,
     <PREFIX>_FAULT_OVERFLOW_AT_STEP) makes this step's gradients non-finite, as a float16 overflow would."""
-    cfg, M = layout.cfg, layout.cfg.train.microbatches
+    cfg, accum = layout.cfg, layout.cfg.train.microbatches  # M is the pipeline's (microbatches per schedule)
     tx, lr = make_optimizer(cfg), lr_fn(cfg)
     value_and_grad, context = loss_and_grad(layout)
     fp16 = loss_scale.enabled(cfg)
@@ -89,8 +89,8 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
             return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
         zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        (loss, grads), _ = jax.lax.scan(accumulate, zero, split_microbatches(batch, M))
-        loss, grads = loss / (M * scale), jax.tree.map(lambda g: g / (M * scale), grads)
+        (loss, grads), _ = jax.lax.scan(accumulate, zero, split_microbatches(batch, accum))
+        loss, grads = loss / (accum * scale), jax.tree.map(lambda g: g / (accum * scale), grads)
         if inject_overflow:
             grads = jax.tree.map(lambda g: g * jnp.inf, grads)
         grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, layout.shardings(layout.grad_specs))

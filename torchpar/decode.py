@@ -1,19 +1,19 @@
 """Autoregressive decoding with a KV cache (the same algorithm as jaxpar/decode.py): the prompt fills
 the cache in one pass, then one token per step attends over the cache, masked by position. The model's
 own modules do everything but attention. Every family and variant: llama's cache holds its n_kv_head heads,
-model.attention=mla caches each token's latent (torchpar/variants.py), model.attention=dilated attends over
+model.attention=mla caches each token's latent (torchpar/models/variants.py), model.attention=dilated attends over
 its keys and values with its pairs' pattern (variants.key_counts: the segments of a max_seq_len row)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from torchpar.llama import repeat_kv
-from torchpar.model import GPT, output_head
-from torchpar.variants import counted_attention, key_counts
+from torchpar.models.llama import repeat_kv
+from torchpar.models.decoder import Decoder, output_head
+from torchpar.models.variants import counted_attention, key_counts
 
 
-def _empty_cache(model: GPT, prompt: torch.Tensor, length: int) -> list[tuple[torch.Tensor, ...]]:
+def _empty_cache(model: Decoder, prompt: torch.Tensor, length: int) -> list[tuple[torch.Tensor, ...]]:
     """Per layer: MLA the latents [B, length, kv_latent + rope], the others keys and values [B, kv heads,
     length, kv]."""
     cfg, B = model.cfg, prompt.shape[0]
@@ -42,7 +42,7 @@ def _attend(attn, cfg, x, positions, start: int, cache):
     return attn.project_out(F.scaled_dot_product_attention(q, k, v, attn_mask=positions[:, None] >= k_positions))
 
 
-def _forward(model: GPT, tokens, start: int, cache):
+def _forward(model: Decoder, tokens, start: int, cache):
     positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
     x = model.wte[tokens] if model.wpe is None else model.wte[tokens] + model.wpe[positions]
     x = x.to(model.compute_dtype)
@@ -69,7 +69,7 @@ def sample(logits, generator, temperature: float, top_k: int, top_p: float):
 
 
 @torch.no_grad()
-def generate(model: GPT, prompt: torch.Tensor, new_tokens: int, seed: int = 0, temperature: float = 0.0,
+def generate(model: Decoder, prompt: torch.Tensor, new_tokens: int, seed: int = 0, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """prompt [B, P] int64 -> the next `new_tokens` tokens [B, new_tokens]."""
     P = prompt.shape[1]

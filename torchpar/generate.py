@@ -19,7 +19,7 @@ from jaxpar.core.tokens import text_codec
 from jaxpar.core.weights import model_dims, read_settings, read_weights
 from torchpar import dist
 from torchpar.decode import generate
-from torchpar.model import GPT
+from torchpar.models.decoder import Decoder
 from torchpar.weights import from_shared
 
 
@@ -30,7 +30,7 @@ def load_model(args):
 
         cfg = read_run_config(args.run)
         cfg.run.dir = args.run  # where the run is now (config.json holds where it was trained)
-        model = GPT(cfg.model)
+        model = Decoder(cfg.model)
         env = dist.init(False, cfg.run.peer_timeout_s)
         engine = backends.build("none", model, cfg, env)
         if engine.checkpointer.restore() is None:
@@ -38,7 +38,7 @@ def load_model(args):
         return model, args.tokenizer or cfg.data.tokenizer
     flat = read_weights(args.weights)
     cfg = config_for_weights(model_dims(flat, read_settings(args.weights)))
-    model = GPT(cfg.model)
+    model = Decoder(cfg.model)
     model.load_state_dict(from_shared(flat, cfg.model.n_layer))
     return model, args.tokenizer or "byte"
 

@@ -27,7 +27,7 @@ from torchpar.checks import check
 from torchpar.compiling import compile_blocks, use_compile
 from torchpar.dist import launch_env
 from torchpar.framework import TorchFramework
-from torchpar.model import GPT
+from torchpar.models.decoder import Decoder
 from torchpar.weights import from_shared, shared_shapes, to_shared
 
 def parse_args(argv):
@@ -45,9 +45,9 @@ def parse_args(argv):
     return p.parse_intermixed_args(argv)
 
 
-def build_model(cfg: Config) -> GPT:
+def build_model(cfg: Config) -> Decoder:
     """The initial model: model.init_from's weights, else the seed's random initialisation."""
-    model = GPT(cfg.model)
+    model = Decoder(cfg.model)
     model.init_weights(cfg.train.seed)
     if cfg.model.init_from:
         model.load_state_dict(from_shared(load_weights(cfg.model.init_from, shared_shapes(cfg.model)),
@@ -56,7 +56,7 @@ def build_model(cfg: Config) -> GPT:
 
 
 class TorchTrainer:
-    """torchpar's side of the run sequence (jaxpar/core/run.py): a backend's engine over the plain GPT."""
+    """torchpar's side of the run sequence (jaxpar/core/run.py): a backend's engine over the plain Decoder."""
 
     def __init__(self, cfg: Config, backend: str, deepspeed_config: str, env, data):
         self.cfg, self.backend, self.deepspeed_config, self.env, self.data = cfg, backend, deepspeed_config, env, data

@@ -1,6 +1,6 @@
 """torchpar state dicts <-> the shared weight format, by the one name table in jaxpar/core/weights.py.
 
-Shared names/shapes are jaxpar's (jaxpar/models/gpt.py): per-layer parameters are stacked on a
+Shared names/shapes are jaxpar's (jaxpar/models/decoder.py): per-layer parameters are stacked on a
 leading `layers` axis ("blocks.attn.qkv.kernel" [L, embed, 3, heads, kv]). torchpar keeps one
 module per layer with the same per-layer shape ("blocks.{l}.attn.qkv.weight" [embed, 3, heads,
 kv]), so conversion is stack/unstack and nothing else: no transposes, no reshapes.
@@ -14,11 +14,11 @@ from jaxpar.core.config import ModelConfig
 from jaxpar.core.weights import ALL_NAMES
 
 def shared_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Expected shared-layout shapes, from a model built on the meta device (nothing allocated)."""
-    from torchpar.model import GPT
+    """Expected shapes in the shared weight format, from a model built on the meta device (nothing allocated)."""
+    from torchpar.models.decoder import Decoder
 
     with torch.device("meta"):
-        sd = GPT(cfg).state_dict()
+        sd = Decoder(cfg).state_dict()
     return {name: tuple(a.shape) for name, a in to_shared(sd, cfg.n_layer, like=lambda t: t).items()}
 
 

@@ -201,17 +201,17 @@ def build_jaxpar(a, xla: dict | None = None, opts: set[str] = frozenset()):
     """opts: "plaindense" traces the model with autodiff's tensordot where jaxpar calls ops.project (A/B of it)."""
     import jax
 
-    import jaxpar.models.gpt as gpt
+    import jaxpar.models.decoder as decoder
 
     from jaxpar.step import build_step
 
-    saved = gpt.project
+    saved = decoder.project
     if "plaindense" in opts:
-        gpt.project = lambda x, w, n_in=1: jax.numpy.tensordot(x, w, n_in)
+        decoder.project = lambda x, w, n_in=1: jax.numpy.tensordot(x, w, n_in)
     try:
         layout, state, compiled = build_step(config(a), {"dp": 1}, compiler_options=xla or None)
     finally:
-        gpt.project = saved
+        decoder.project = saved
     batch = jax.device_put(tokens(a), layout.batch_sharding)
     return jax_runner(compiled, state, batch)
 
@@ -221,11 +221,11 @@ def build_torch(a, compiled: bool):
 
     from torchpar import backends, dist
     from torchpar.compiling import compile_blocks
-    from torchpar.model import GPT
+    from torchpar.models.decoder import Decoder
 
     cfg = config(a)
     env = dist.init(False, cfg.run.peer_timeout_s)
-    model = GPT(cfg.model)
+    model = Decoder(cfg.model)
     model.init_weights(cfg.train.seed)
     if compiled:
         compile_blocks(model)

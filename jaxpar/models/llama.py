@@ -1,5 +1,5 @@
 """Llama's block components (model.family=llama) in Flax NNX, logical axes only: RMSNorm, grouped-query
-attention with rotary positions, the SwiGLU MLP. jaxpar/models/gpt.py assembles them into the same
+attention with rotary positions, the SwiGLU MLP. jaxpar/models/decoder.py assembles them into the same
 stacked decoder as GPT-2 (embedding without positions, untied head when model.tie_embeddings=false).
 
 Grouped-query attention: n_kv_head key/value heads, each shared by n_head / n_kv_head consecutive

@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from jaxpar.core.flops import count_params, flops_per_token
-from jaxpar.models.gpt import abstract_model
+from jaxpar.models.decoder import abstract_model
 from tests.helpers import tiny_config
 
 VARIANTS = {"mha": (), "mla": ("model.attention=mla", "model.q_latent_dim=16", "model.kv_latent_dim=8",

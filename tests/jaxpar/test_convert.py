@@ -38,11 +38,11 @@ def test_hf_logits_match_jaxpar(hf_dir):
 
     from jaxpar.core.weights import unflatten
     from jaxpar.core.config import load_config
-    from jaxpar.models.gpt import GPT
+    from jaxpar.models.decoder import Decoder
 
     flat, dims = hf_to_shared(str(hf_dir))
     cfg = load_config(None, [f"model.{k}={v}" for k, v in dims.items()] + ["data.seq_len=24"]).model
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0))), nnx.Param)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
     model = nnx.merge(graphdef, unflatten({k: jax.numpy.asarray(v) for k, v in flat.items()}))
     tokens = np.random.default_rng(0).integers(0, 97, (3, 24))
     with jax.default_matmul_precision("highest"):

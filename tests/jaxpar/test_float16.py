@@ -134,11 +134,11 @@ def test_torchpar_overflow_skips_exactly_that_update_and_halves_the_scale(tmp_pa
 
     from jaxpar.core.lr_schedule import lr_at
     from torchpar import backends, dist
-    from torchpar.model import GPT
+    from torchpar.models.decoder import Decoder
 
     cfg = tiny_config(*FP16, "optim.loss_scale_growth_interval=1", "optim.loss_scale_init=1024",
                       f"run.dir={tmp_path}")
-    model = GPT(cfg.model)
+    model = Decoder(cfg.model)
     model.init_weights(0)
     engine = backends.build("none", model, cfg, dist.init(False, 60.0))
     batch = torch.randint(0, 256, (8, cfg.data.seq_len + 1), generator=torch.Generator().manual_seed(0))

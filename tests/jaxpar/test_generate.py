@@ -17,7 +17,7 @@ from jaxpar.core.weights import read_weights, save_weights, unflatten
 from jaxpar.decode import make_generate
 from jaxpar.layout import Layout
 from jaxpar.mesh import make_mesh
-from jaxpar.models.gpt import abstract_model
+from jaxpar.models.decoder import abstract_model
 from jaxpar.parallelize import parallel_context
 from jaxpar.state import init_state
 
@@ -86,9 +86,9 @@ def test_every_variant_decodes_as_its_training_forward(variant):
 def test_torchpar_decodes_every_variant_as_its_forward(variant):
     torch = pytest.importorskip("torch")
     from torchpar.decode import generate as torch_generate
-    from torchpar.model import GPT
+    from torchpar.models.decoder import Decoder
 
-    model = GPT(tiny_config("model.init_std=0.5", *ROW, *VARIANTS[variant]).model).eval()
+    model = Decoder(tiny_config("model.init_std=0.5", *ROW, *VARIANTS[variant]).model).eval()
     model.init_weights(0)
     with torch.no_grad():
         want = continue_by_forward(lambda row, n: int(model(torch.tensor([row]))[0, n].argmax()), PROMPT[0], 32)
@@ -151,7 +151,7 @@ def test_torchpar_samples_during_training_come_from_the_trained_model(variant, d
     """The same with `torchpar.train --backend none` (a generator seeded with the step) and `torchpar.generate`."""
     torch = pytest.importorskip("torch")
     from torchpar.decode import sample
-    from torchpar.model import GPT
+    from torchpar.models.decoder import Decoder
     from torchpar.weights import from_shared
 
     from tests.helpers import TINY
@@ -160,7 +160,7 @@ def test_torchpar_samples_during_training_come_from_the_trained_model(variant, d
     train = _run("torchpar.train", "--backend", "none", *TINY, *ROW, *VARIANTS[variant], f"data.dataset={dataset}",
                  f"run.dir={tmp_path}", "train.steps=2", "train.sample_every=2", "--write-final", weights)
     generate = _run("torchpar.generate", "--run", str(tmp_path), *GREEDY_FROM_RUN)
-    model = GPT(tiny_config(*ROW, *VARIANTS[variant]).model).eval()
+    model = Decoder(tiny_config(*ROW, *VARIANTS[variant]).model).eval()
     model.load_state_dict(from_shared(read_weights(weights), model.cfg.n_layer))
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
@@ -244,7 +244,7 @@ def test_jaxpar_and_torchpar_decode_the_same_tokens(tmp_path):
     reproducible from its seed too."""
     torch = pytest.importorskip("torch")
     from torchpar.decode import generate as torch_generate
-    from torchpar.model import GPT
+    from torchpar.models.decoder import Decoder
     from torchpar.weights import from_shared
 
     layout, _, params = model_on("dp=1")
@@ -256,7 +256,7 @@ def test_jaxpar_and_torchpar_decode_the_same_tokens(tmp_path):
     assert outs[0].returncode == outs[1].returncode == 0, (outs[0].stderr, outs[1].stderr)
     assert outs[0].stdout == outs[1].stdout and len(set(outs[0].stdout)) > 5, outs[0].stdout
 
-    model = GPT(layout.cfg.model)
+    model = Decoder(layout.cfg.model)
     model.load_state_dict(from_shared(read_weights(weights), layout.cfg.model.n_layer))
     prompt = torch.tensor(PROMPT * 2)
     draw = lambda seed: torch_generate(model, prompt, 12, seed, temperature=1.0, top_k=50, top_p=0.9)  # noqa: E731

@@ -1,4 +1,4 @@
-"""The project's spine: every mesh layout reproduces the one-device float32 training run."""
+"""The project's spine: every mesh (with its settings) reproduces the one-device float32 training run."""
 import math
 
 import jax
@@ -8,17 +8,17 @@ import pytest
 from tests.helpers import assert_params_close, run_steps, tiny_config
 from jaxpar.core.mesh_spec import parse_mesh
 
-LAYOUTS = [("dp=8", ()), ("fsdp=8", ()), ("dp=2,tp=4", ()), ("dp=2,fsdp=2,tp=2", ()),
+MESHES = [("dp=8", ()), ("fsdp=8", ()), ("dp=2,tp=4", ()), ("dp=2,fsdp=2,tp=2", ()),
            ("dp=4", ("parallel.zero_stage=1",)), ("dp=2,fsdp=2", ("parallel.zero_stage=2",)),
            ("dp=4,tp=2", ("parallel.zero_stage=3",)),
            ("dp=2,tp=4", ("model.remat=full",)), ("fsdp=2", ("model.remat=save_matmuls",))]
 SLOW = {"dp=4,parallel.zero_stage=1", "fsdp=2,model.remat=save_matmuls"}  # zero 2/3 and remat=full stay by default
-IDS = [m + "".join(f",{e}" for e in x) for m, x in LAYOUTS]
+IDS = [m + "".join(f",{e}" for e in x) for m, x in MESHES]
 
 
 @pytest.mark.parametrize("mesh,extra", [pytest.param(m, x, marks=[pytest.mark.slow] * (i in SLOW))
-                                        for (m, x), i in zip(LAYOUTS, IDS)], ids=IDS)
-def test_layout_matches_single_device(mesh, extra, dataset, reference):
+                                        for (m, x), i in zip(MESHES, IDS)], ids=IDS)
+def test_mesh_matches_single_device(mesh, extra, dataset, reference):
     n = math.prod(parse_mesh(mesh).values())
     got = run_steps(tiny_config(*extra), mesh, dataset, devices=jax.devices()[:n])
     ref_loss, loss = np.array(reference["loss"]), np.array(got["loss"])

@@ -16,7 +16,7 @@ from jaxpar.core.config import load_config
 from jaxpar.core.errors import UserError
 from jaxpar.core.mesh_spec import parse_mesh
 from jaxpar.core.weights import unflatten
-from jaxpar.models.gpt import GPT, abstract_model
+from jaxpar.models.decoder import Decoder, abstract_model
 from tests.helpers import assert_params_close, run_steps, tiny_config
 
 LLAMA = ("model.family=llama", "model.n_kv_head=2", "model.tie_embeddings=false", "model.d_ff=64")
@@ -75,7 +75,7 @@ def hf_llama(tmp_path_factory):
 
 
 def _jaxpar_logits(flat, cfg, tokens):
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0))), nnx.Param)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
     model = nnx.merge(graphdef, unflatten({k: jnp.asarray(v) for k, v in flat.items()}))
     with jax.default_matmul_precision("highest"):
         return np.asarray(model(jnp.asarray(tokens)))
@@ -85,7 +85,7 @@ def test_hf_llama_logits_match_both_frameworks(hf_llama):
     import torch
 
     from jaxpar.tools.convert import read
-    from torchpar.model import GPT as TorchGPT
+    from torchpar.models.decoder import Decoder as TorchGPT
     from torchpar.weights import from_shared
 
     path, tokens, want = hf_llama
@@ -143,7 +143,7 @@ def test_kv_cache_decoding_with_grouped_heads_in_both_frameworks():
     from jaxpar.parallelize import parallel_context
     from jaxpar.state import init_state
     from torchpar.decode import generate as torch_generate
-    from torchpar.model import GPT as TorchGPT
+    from torchpar.models.decoder import Decoder as TorchGPT
     from torchpar.weights import from_shared
 
     cfg = tiny_config(*LLAMA, "model.init_std=0.5")

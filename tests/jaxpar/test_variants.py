@@ -18,12 +18,12 @@ from jaxpar.core.weights import flatten, unflatten
 from tests.helpers import assert_params_close, run_steps, tiny_config
 from jaxpar.core.mesh_spec import parse_mesh
 from jaxpar.models.dilated import dilated_attention
-from jaxpar.models.gpt import GPT as JaxGPT
-from jaxpar.loss import next_token_loss as jax_loss
+from jaxpar.models.decoder import Decoder as JaxGPT
+from jaxpar.loss import loss_fn as jax_loss
 from jaxpar.models.mla import MLAttention, kv_cache_width
 from jaxpar.core.sketches import sketch_matrix
 from torchpar.weights import from_shared, shared_shapes, to_shared
-from torchpar.model import GPT, next_token_loss
+from torchpar.models.decoder import Decoder, next_token_loss
 
 VARIANTS = {
     "mla": ("model.attention=mla", "model.q_latent_dim=16", "model.kv_latent_dim=8", "model.rope_head_dim=4"),
@@ -97,7 +97,7 @@ def test_dilated_sequence_parallel_matches_single_device(mesh, dataset):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_variant_same_loss_and_gradients_as_torchpar(variant):
     cfg = tiny_config(*VARIANTS[variant])
-    torch_model = GPT(cfg.model)
+    torch_model = Decoder(cfg.model)
     torch_model.init_weights(0)
     params = to_shared(torch_model.state_dict(), cfg.model.n_layer)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: JaxGPT(cfg.model, nnx.Rngs(0))))
@@ -110,7 +110,7 @@ def test_variant_same_loss_and_gradients_as_torchpar(variant):
         jloss, jgrads = jax.jit(jax.value_and_grad(loss_of))(state)
     jgrads = {k: np.asarray(v) for k, v in flatten(nnx.to_pure_dict(jgrads)).items()}
 
-    model = GPT(cfg.model)
+    model = Decoder(cfg.model)
     model.load_state_dict(from_shared(params, cfg.model.n_layer))
     tbatch = torch.from_numpy(batch).long()
     loss = next_token_loss(model(tbatch[:, :-1]), tbatch)
@@ -227,9 +227,9 @@ import numpy as np, torch
 seed = int(sys.argv[1])
 random.seed(seed); np.random.seed(seed); torch.manual_seed(seed)  # perturb every global RNG state
 np.random.random(seed + 1)
-from jaxpar.models.gpt import GPT
+from jaxpar.models.decoder import Decoder
 from jaxpar.core.sketches import stacked_sketches
-from torchpar.model import GPT as TorchGPT
+from torchpar.models.decoder import Decoder as TorchGPT
 from tests.helpers import tiny_config
 cfg = tiny_config('model.linear=sketched', 'model.sketch_seed=7').model
 jax_side = stacked_sketches(cfg)
@@ -258,7 +258,7 @@ def test_sketch_identical_across_processes_and_frameworks():
 
 def test_sketch_is_not_trained_or_saved():
     cfg = tiny_config(*VARIANTS["sketched"])
-    model = GPT(cfg.model)
+    model = Decoder(cfg.model)
     model.init_weights(0)
     tbatch = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (2, 17))).long()
     next_token_loss(model(tbatch[:, :-1]), tbatch).backward()

@@ -7,13 +7,13 @@ import torch
 from flax import nnx
 
 from jaxpar.core.weights import flatten, load_weights, save_weights, unflatten
-from jaxpar.models.gpt import GPT as JaxGPT
-from jaxpar.loss import next_token_loss as jax_loss
-from jaxpar.models.gpt import abstract_model
+from jaxpar.models.decoder import Decoder as JaxGPT
+from jaxpar.loss import loss_fn as jax_loss
+from jaxpar.models.decoder import abstract_model
 from tests.helpers import tiny_config
 from jaxpar.core.weights import NAMES, shared_name
 from torchpar.weights import from_shared, shared_shapes, to_shared
-from torchpar.model import GPT, next_token_loss
+from torchpar.models.decoder import Decoder, next_token_loss
 from torchpar.optim import decays
 
 
@@ -26,7 +26,7 @@ def test_layout_matches_jaxpar_names_and_shapes(cfg):
     _, _, abstract = abstract_model(cfg.model)
     jax_shapes = {k: tuple(v.shape) for k, v in _flat_abstract(abstract).items()}
     assert shared_shapes(cfg.model) == jax_shapes
-    model = GPT(cfg.model)
+    model = Decoder(cfg.model)
     assert {shared_name(n) for n, _ in model.named_parameters()} == set(NAMES)
 
 
@@ -38,19 +38,19 @@ def _flat_abstract(tree, prefix=""):
 
 
 def test_round_trip_is_lossless(cfg, tmp_path):
-    model = GPT(cfg.model)
+    model = Decoder(cfg.model)
     model.init_weights(0)
     path = str(tmp_path / "w.safetensors")
     save_weights(path, unflatten(to_shared(model.state_dict(), cfg.model.n_layer)))
     flat = load_weights(path, shared_shapes(cfg.model))  # jaxpar's own loader and checks
-    again = GPT(cfg.model)
+    again = Decoder(cfg.model)
     again.load_state_dict(from_shared(flat, cfg.model.n_layer))
     for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), name
 
 
 def test_init_distribution(cfg):
-    model = GPT(cfg.model)
+    model = Decoder(cfg.model)
     model.init_weights(0)
     shared = to_shared(model.state_dict(), cfg.model.n_layer)
     std, proj = cfg.model.init_std, cfg.model.init_std / np.sqrt(2 * cfg.model.n_layer)
@@ -65,15 +65,15 @@ def test_init_distribution(cfg):
 
 
 def test_weight_decay_mask_is_jaxpars(cfg):
-    no_decay = {n for n, _ in GPT(cfg.model).named_parameters() if not decays(n)}
-    assert no_decay == {n for n, _ in GPT(cfg.model).named_parameters() if n.endswith("bias") or "ln" in n}
+    no_decay = {n for n, _ in Decoder(cfg.model).named_parameters() if not decays(n)}
+    assert no_decay == {n for n, _ in Decoder(cfg.model).named_parameters() if n.endswith("bias") or "ln" in n}
 
 
 @pytest.fixture(scope="module")
 def jax_reference(cfg):
     """jaxpar's loss and gradients for one batch, float32 at highest matmul precision (jitted once),
     with torchpar-initialised weights loaded into jaxpar's model through the shared weight format."""
-    torch_model = GPT(cfg.model)
+    torch_model = Decoder(cfg.model)
     torch_model.init_weights(0)
     params = to_shared(torch_model.state_dict(), cfg.model.n_layer)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: JaxGPT(cfg.model, nnx.Rngs(0))))
@@ -89,7 +89,7 @@ def jax_reference(cfg):
 def test_same_loss_and_gradients_as_jaxpar(remat, jax_reference):
     params, batch, jloss, jgrads = jax_reference
     cfg = tiny_config(f"model.remat={remat}")
-    model = GPT(cfg.model)
+    model = Decoder(cfg.model)
     model.load_state_dict(from_shared(params, cfg.model.n_layer))
     tbatch = torch.from_numpy(batch).long()
     loss = next_token_loss(model(tbatch[:, :-1]), tbatch)
@@ -103,7 +103,7 @@ def test_same_loss_and_gradients_as_jaxpar(remat, jax_reference):
 
 def test_bfloat16_forward_keeps_float32_logits():
     cfg = tiny_config("model.compute_dtype=bfloat16")
-    model = GPT(cfg.model)
+    model = Decoder(cfg.model)
     model.init_weights(0)
     logits = model(torch.zeros(2, 8, dtype=torch.long))
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()

@@ -1,4 +1,4 @@
-"""Backends wrap the plain GPT: `none` (one process), `ddp`, `fsdp` (FSDP2), `deepspeed` (ZeRO 0-3),
+"""Backends wrap the plain Decoder (torchpar/models/decoder.py): `none` (one process), `ddp`, `fsdp` (FSDP2), `deepspeed` (ZeRO 0-3),
 `pipeline` (torch.distributed.pipelining). Each module's `build(model, cfg, env, **options)` returns an
 `Engine`; the trainer (torchpar/framework.py) uses nothing else of it.
 """
@@ -13,7 +13,7 @@ BACKENDS = ("none", "ddp", "fsdp", "deepspeed", "pipeline")
 class Engine(Protocol):
     """A backend's whole training step and the state it saves."""
     module: object  # what evaluation runs (the wrapped model)
-    raw: object  # the plain GPT module (rank 0 samples from it under none and ddp)
+    raw: object  # the plain Decoder module (rank 0 samples from it under none and ddp)
     data_rank: int  # which share of each global batch this rank reads...
     data_ways: int  # ...of how many (the ranks whose losses make the mean)
     local_params: int | None  # parameter elements this rank holds (None where the engine does not say)

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from jaxpar.core.lr_schedule import lr_at
 from torchpar import dist
 from torchpar.checkpoint import DCPCheckpointer
-from torchpar.model import next_token_loss
+from torchpar.models.decoder import next_token_loss
 from torchpar.optim import make_optimizer
 
 

@@ -29,7 +29,7 @@ from jaxpar.core.lr_schedule import lr_at
 from torchpar import dist
 from torchpar.backends.base import eval_loss, microbatches, read_metrics
 from torchpar.checkpoint import complete_steps, failing_save
-from torchpar.model import next_token_loss
+from torchpar.models.decoder import next_token_loss
 from torchpar.optim import SharedLRSchedule, param_groups
 
 

@@ -3,7 +3,7 @@ per rank: `ScheduleInterleaved1F1B`) and zero-bubble (`ScheduleInterleavedZeroBu
 
 The stage split is jaxpar's: with S ranks and V chunks each, virtual stage v = c*S + s (chunk c of rank s)
 holds layers [v*L/(SV), (v+1)*L/(SV)); the embedding lives on the first virtual stage, the final norm and
-output head (and the loss) on the last. Module names stay those of the whole GPT ("blocks.3.attn..."), so
+output head (and the loss) on the last. Module names stay those of the whole Decoder ("blocks.3.attn..."), so
 checkpoints (DCP) and weight files are interchangeable with every other backend.
 
 - pp x dp: `parallel.mesh=pp=S,dp=D` on S*D ranks builds a 2-D DeviceMesh ("dp", "pp"); each of the D
@@ -37,7 +37,7 @@ from jaxpar.core.errors import UserError
 from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
 from jaxpar.core.pipeline_schedules import check, resolve_microbatches
 from torchpar.backends.base import TorchEngine
-from torchpar.model import GPT, embed, output_head
+from torchpar.models.decoder import Decoder, embed, output_head
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
              "zb_h1": ScheduleInterleavedZeroBubble}
@@ -45,10 +45,10 @@ MULTI = ("interleaved", "zb_h1")  # schedules that take a list of stages
 
 
 class Stage(nn.Module):
-    """Some layers of a GPT; the embedding when first, final norm + output head when last. A virtual stage's
+    """Some layers of a Decoder; the embedding when first, final norm + output head when last. A virtual stage's
     chunk, or all of a rank's chunks together (the module the optimizer, clipping and checkpoints see)."""
 
-    def __init__(self, model: GPT, layers: list[int], first: bool, last: bool):
+    def __init__(self, model: Decoder, layers: list[int], first: bool, last: bool):
         super().__init__()
         self.first, self.last, self.compute_dtype = first, last, model.compute_dtype
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})  # global names
@@ -180,7 +180,7 @@ def place_rank(cfg, env) -> Replicas:
                     mesh.get_group("dp"))
 
 
-def build(model: GPT, cfg, env, **_):
+def build(model: Decoder, cfg, env, **_):
     M = check_torch_pipeline(cfg, env.world)
     place = place_rank(cfg, env)
     L, S, s, V = cfg.model.n_layer, place.stages, place.stage, cfg.parallel.pipeline_virtual_stages

@@ -41,10 +41,10 @@ def bench(cfg, backend: str, steps: int, warmup: int, compile_model: bool) -> di
     import torch
 
     from torchpar import backends, dist
-    from torchpar.model import GPT
+    from torchpar.models.decoder import Decoder
 
     env = dist.init(backend != "none", cfg.run.peer_timeout_s)
-    model = GPT(cfg.model)
+    model = Decoder(cfg.model)
     model.init_weights(cfg.train.seed)
     compile_model = compile_model or use_compile(cfg, backend, env.device.type)  # --compile, or train.compile
     if compile_model:

@@ -1,5 +1,5 @@
 """Llama's block components (model.family=llama) in PyTorch with jaxpar's math and per-layer parameter
-shapes (jaxpar/models/llama.py): grouped-query attention with rotary positions, SwiGLU. torchpar/model.py
+shapes (jaxpar/models/llama.py): grouped-query attention with rotary positions, SwiGLU. torchpar/models/decoder.py
 assembles them (with layers.RMSNorm) into the same decoder as GPT-2. No parallelism here.
 """
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from jaxpar.core.config import ModelConfig
-from torchpar.layers import Kernel, rope
-from torchpar.variants import dilated_attention
+from torchpar.models.layers import Kernel, rope
+from torchpar.models.variants import dilated_attention
 
 
 def repeat_kv(t, n_head: int):

@@ -14,7 +14,7 @@ from torch import nn
 
 from jaxpar.core.config import ModelConfig
 from jaxpar.core.sketches import sketch_dim, sketch_matrix
-from torchpar.layers import Dense, Kernel, RMSNorm, rope
+from torchpar.models.layers import Dense, Kernel, RMSNorm, rope
 
 NEG = -1e30
 

@@ -2,7 +2,7 @@
 GELU, tied embeddings); model.family=llama: llama.py's blocks (RMSNorm, grouped-query rotary attention,
 SwiGLU), no position table, an untied head (`lm_head`) if asked.
 
-Per-layer parameters keep the shapes of one slice of jaxpar's stacked layout (qkv [embed, 3,
+Per-layer parameters keep the shapes of one slice of jaxpar's stacked weight format (qkv [embed, 3,
 heads, kv], out [heads, kv, embed], ...) and are applied with einsum, so converting weights
 (torchpar/weights.py) is pure stack/unstack. No parallelism here: backends wrap this module.
 Every parameter is used inside the forward of the module that owns it (DeepSpeed ZeRO-3 gathers
@@ -19,9 +19,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from jaxpar.core.config import ModelConfig
-from torchpar.layers import Dense, LayerNorm, RMSNorm
-from torchpar.llama import GQAttention, SwiGLU
-from torchpar.variants import MLAttention, SketchedLinear, dilated_attention
+from torchpar.models.layers import Dense, LayerNorm, RMSNorm
+from torchpar.models.llama import GQAttention, SwiGLU
+from torchpar.models.variants import MLAttention, SketchedLinear, dilated_attention
 
 # model.remat=save_matmuls: keep matmul outputs, recompute the rest (jaxpar: dots_with_no_batch_dims_saveable).
 _MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default]
@@ -33,7 +33,7 @@ class Attention(nn.Module):
         d, h, k = cfg.d_model, cfg.n_head, cfg.head_dim
         self.qkv = Dense((d, 3, h, k), (3, h, k))
         self.out = Dense((h, k, d), (d,))
-        self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None  # torchpar/variants.py
+        self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None  # torchpar/models/variants.py
 
     def forward(self, x):
         if self.pairs is not None:
@@ -54,7 +54,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         d, f = cfg.d_model, cfg.ff_dim
-        if cfg.linear == "sketched":  # fixed sketch buffer + trained factor (torchpar/variants.py)
+        if cfg.linear == "sketched":  # fixed sketch buffer + trained factor (torchpar/models/variants.py)
             self.fc, self.proj = SketchedLinear(cfg, layer, "fc", d, f), SketchedLinear(cfg, layer, "proj", f, d)
         else:
             self.fc, self.proj = Dense((d, f), (f,)), Dense((f, d), (d,))
@@ -85,7 +85,7 @@ class Block(nn.Module):
         return checkpoint(self._forward, x, use_reentrant=False, **kwargs)
 
 
-class GPT(nn.Module):
+class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -130,7 +130,7 @@ class GPT(nn.Module):
         return self.wte if self.lm_head is None else self.lm_head
 
 
-# The two ends of the model as functions of their parameters: GPT.forward and the first / last
+# The two ends of the model as functions of their parameters: Decoder.forward and the first / last
 # pipeline stage (torchpar/backends/pipeline.py) call them with the same tensors.
 def embed(wte: nn.Parameter, wpe: nn.Parameter | None, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     x = wte[tokens]

@@ -133,7 +133,7 @@ class Block(nnx.Module):
         return constrain(x, ("batch", "seq", "act_embed"))
 
 
-class GPT(nnx.Module):
+class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.wte = param(normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std), ("vocab", "embed"))
@@ -185,6 +185,6 @@ class GPT(nnx.Module):
 
 def abstract_model(cfg: ModelConfig):
     """(graphdef, {path: logical axes}, abstract params) without allocating anything."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0))), nnx.Param)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
     axes = {tuple(path): var.get_metadata()["logical_axes"] for path, var in nnx.to_flat_state(state)}
     return graphdef, axes, state.to_pure_dict()
