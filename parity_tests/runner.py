@@ -32,7 +32,7 @@ CONFIGS = ("float32", "bfloat16", "accum", "remat")
 REFERENCE = "jax:1"
 INIT_SEED_OFFSET = 7  # the initial weights are drawn with train.seed + 7: no side trains with that seed
 # side -> jaxpar mesh
-JAX_LAYOUTS = {"jax:1": "dp=1", "jax:dp=8": "dp=8", "jax:fsdp=8": "fsdp=8", "jax:dp=2,tp=4": "dp=2,tp=4"}
+JAX_MESHES = {"jax:1": "dp=1", "jax:dp=8": "dp=8", "jax:fsdp=8": "fsdp=8", "jax:dp=2,tp=4": "dp=2,tp=4"}
 # side -> (processes, torchpar arguments); 0 processes = one plain `python -m torchpar.train`
 TORCH_BACKENDS = {
     "torch:none": (0, ["--backend", "none"]),
@@ -42,7 +42,7 @@ TORCH_BACKENDS = {
     "torch:zero3": (2, ["--backend", "deepspeed", "parallel.zero_stage=3"]),
     "torch:pp=2": (2, ["--backend", "pipeline", "parallel.pipeline_schedule=1f1b"]),  # torch.distributed.pipelining
 }
-SIDES = (*JAX_LAYOUTS, *TORCH_BACKENDS)
+SIDES = (*JAX_MESHES, *TORCH_BACKENDS)
 
 
 @dataclass
@@ -61,8 +61,8 @@ def config_path(name: str) -> str:
 
 
 def devices_needed(side: str) -> int:
-    if side in JAX_LAYOUTS:
-        return math.prod(parse_mesh(JAX_LAYOUTS[side]).values())
+    if side in JAX_MESHES:
+        return math.prod(parse_mesh(JAX_MESHES[side]).values())
     return max(TORCH_BACKENDS[side][0], 1)
 
 
@@ -148,8 +148,8 @@ class Runner:
         final = os.path.join(run_dir, "final.safetensors")
         args = [*self.base_args(config, overrides), f"model.init_from={self.init_weights(config, overrides)}",
                 f"run.dir={run_dir}", "--write-final", final]
-        if side in JAX_LAYOUTS:
-            cmd = [sys.executable, "-m", "jaxpar.train", *args, "--mesh", JAX_LAYOUTS[side]]
+        if side in JAX_MESHES:
+            cmd = [sys.executable, "-m", "jaxpar.train", *args, "--mesh", JAX_MESHES[side]]
         else:
             nproc, backend = TORCH_BACKENDS[side]
             cmd = torch_command([*backend, *args], nproc)

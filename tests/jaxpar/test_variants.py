@@ -35,7 +35,7 @@ VARIANTS = {
     "llama_dilated": ("model.family=llama", "model.n_kv_head=1", "model.d_ff=48", "model.attention=dilated",
                       "model.segment_lengths=4,8,16", "model.dilation_rates=1,2,4"),
 }
-LAYOUTS = ["dp=8", "dp=2,tp=4", "fsdp=8"]
+MESHES = ["dp=8", "dp=2,tp=4", "fsdp=8"]
 
 
 _REFERENCES: dict = {}
@@ -54,7 +54,7 @@ def _n(mesh: str) -> int:
 # -m slow: the pipeline + sequence-parallel test below already splits every variant's parameters over tp
 # (pp=2,sp=2,tp=2), and test_layouts.py holds these meshes to one device for GPT-2.
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", LAYOUTS)
+@pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("variant", ["mla", "dilated", "sketched"])
 def test_variant_layout_matches_single_device(variant, mesh, dataset):
     ref = _reference(variant, dataset)
