@@ -47,14 +47,14 @@ class JaxFramework:
     def close(self) -> None:
         self.prefetch.close()
 
-    def batch(self, step: int, data=None):
-        """A training batch (the next one is read ahead), or one of `data` (evaluation)."""
-        return self.prefetch(step) if data is None else device_batch(data, step, self.layout.batch_sharding)
-
-    def train_step(self, batch):
+    def train_step(self, step: int):
+        batch = self.prefetch(step)  # the next one is read ahead
         step_fn, self._overflow_step = self._overflow_step or self._train_step, None
         self.state, metrics = step_fn(self.state, batch)
         return metrics
+
+    def data_wait_s(self) -> float:
+        return self.prefetch.waited_s
 
     def inject_overflow(self) -> None:
         self._overflow_step = make_train_step(self.layout, inject_overflow=True)  # compiled for this one step
@@ -93,7 +93,7 @@ class JaxFramework:
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
     def evaluate(self, batches: int) -> float:
-        losses = [self._eval_step(self.state["params"], self.batch(i, self.val_data)) for i in range(batches)]
+        losses = [self._eval_step(self.state["params"], device_batch(self.val_data, i, self.layout.batch_sharding)) for i in range(batches)]
         return float(sum(jax.device_get(losses)) / len(losses))
 
     def save(self, step: int) -> None:

@@ -48,15 +48,15 @@ class TorchFramework:
             done.record()
         return rows, done
 
-    def batch(self, step: int):
+    def train_step(self, step: int):
         rows, done = self.prefetch(step)
         if done is not None:  # the step's stream waits for the copy; the memory is not reused before it ends
             torch.cuda.current_stream().wait_event(done)
             rows.record_stream(torch.cuda.current_stream())
-        return rows
+        return self.engine.train_step(rows)
 
-    def train_step(self, batch):
-        return self.engine.train_step(batch)
+    def data_wait_s(self) -> float:
+        return self.prefetch.waited_s
 
     @property
     def process_count(self) -> int:

@@ -28,11 +28,12 @@ class Framework(Protocol):
     def roll_call(self, wait_s: float) -> list[int]:
         """Announce this process in the launcher's store; the processes that did not within `wait_s`."""
 
-    def batch(self, step: int) -> Any:
-        """The global batch of data step `step` (0-based), placed where the step reads it."""
+    def train_step(self, step: int) -> Any:
+        """Start the update on the global batch of data step `step` (0-based; read ahead); a handle on its
+        metrics."""
 
-    def train_step(self, batch: Any) -> Any:
-        """Start the update on `batch`; a handle on its metrics."""
+    def data_wait_s(self) -> float:
+        """Seconds spent so far waiting for training batches (the read-ahead was not ready)."""
 
     def agree_stop(self, requested: bool) -> bool:
         """Whether any process asked to stop; every process must get the same answer."""
@@ -162,26 +163,19 @@ class Throughput:
     """Tokens per second, step time, MFU and the share of time spent waiting for data, over the training
     steps since the last record (evaluation, samples and saves are not counted)."""
 
-    def __init__(self, cfg: Config, step: int, flops_per_token: float, peak_flops_total: float | None):
+    def __init__(self, cfg: Config, flops_per_token: float, peak_flops_total: float | None):
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         self.flops_per_token, self.peak = flops_per_token, peak_flops_total
-        self.restart(step)
 
-    def restart(self, step: int) -> None:
-        self.mark, self.step, self.data_s = time.perf_counter(), step, 0.0
+    def restart(self, step: int, data_wait_s: float) -> None:
+        self.mark, self.step, self.waited = time.perf_counter(), step, data_wait_s
 
-    def batch(self, fw: Framework, step: int):
-        t0 = time.perf_counter()
-        batch = fw.batch(step)
-        self.data_s += time.perf_counter() - t0
-        return batch
-
-    def record(self, step: int) -> dict:
+    def record(self, step: int, data_wait_s: float) -> dict:
         elapsed = time.perf_counter() - self.mark
         tps = (step - self.step) * self.tokens_per_step / elapsed
         return {"tokens_per_sec": tps, "step_time_s": elapsed / (step - self.step),
                 "mfu": tps * self.flops_per_token / self.peak if self.peak else None,
-                "data_wait_share": self.data_s / elapsed}
+                "data_wait_share": (data_wait_s - self.waited) / elapsed}
 
 
 def hooks_of(cfg: Config, fw: Framework) -> list[Hook]:
@@ -195,7 +189,8 @@ def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_
     `peak_flops_total`: the devices' summed peak (None: MFU not reported); `stop`: from `stop_requests()`;
     `extra`: constant record fields."""
     t, min_scale, hooks = cfg.train, cfg.optim.loss_scale_min, hooks_of(cfg, fw)
-    meter = Throughput(cfg, step, flops_per_token, peak_flops_total)
+    meter = Throughput(cfg, flops_per_token, peak_flops_total)
+    meter.restart(step, fw.data_wait_s())
     pending, saved = [], None  # steps whose metrics are not read yet (read at log and save points only)
     try:
         with PeerGuard(fw, cfg.run.peer_timeout_s, cfg.run.dir, step) as peers:
@@ -209,7 +204,7 @@ def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_
                     break
                 for hook in hooks:
                     hook.before_step(step)
-                pending.append((step + 1, fw.train_step(meter.batch(fw, step))))
+                pending.append((step + 1, fw.train_step(step)))
                 step += 1
                 last = step == t.steps
                 evaluated = last or (t.eval_every and step % t.eval_every == 0)
@@ -217,7 +212,7 @@ def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_
                 save = last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
                 metrics = read_finite(fw, pending, saved, min_scale) if logged or save else None
                 if logged:
-                    record = {"step": step, **metrics, **meter.record(step), **fw.memory(), **(extra or {})}
+                    record = {"step": step, **metrics, **meter.record(step, fw.data_wait_s()), **fw.memory(), **(extra or {})}
                     log.log({**record, "eval_loss": fw.evaluate(t.eval_batches)} if evaluated else record)
                 sampled = t.sample_every and step % t.sample_every == 0
                 if sampled:
@@ -226,7 +221,7 @@ def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_
                     fw.save(step)
                     saved = peers.saved = step
                 if logged or sampled:
-                    meter.restart(step)
+                    meter.restart(step, fw.data_wait_s())
                 for hook in hooks:
                     hook.after_step(step)
     finally:

@@ -180,6 +180,8 @@ class RecordingFramework:
             self.calls.append((name, *args))
             if name == "train_step":
                 return {"loss": 1.0, "grad_norm": 1.0, "lr": 0.1}
+            if name == "data_wait_s":
+                return 0.0
             return {"memory_in_use_gib": None, "memory_gib": None} if name == "memory" else (
                 [1, 2] if name == "sample" else (1.0 if name == "evaluate" else args[0] if args else None))
         return call
@@ -195,7 +197,7 @@ def loop_calls(cfg, tmp_path) -> list:
     log.close()
     with open(tmp_path / "metrics.jsonl") as f:
         logged = [json.loads(line)["step"] for line in f]
-    return [c for c in fw.calls if c[0] not in ("memory", "fetch")] + logged
+    return [c for c in fw.calls if c[0] not in ("memory", "fetch", "data_wait_s")] + logged
 
 
 def torch_params(cfg) -> dict:

@@ -1,0 +1,22 @@
+"""torchpar's pipeline backend, what it refuses before a process group exists (in-process; the runs that train
+are in test_torchpar.py)."""
+import pytest
+
+from jaxpar.core.errors import UserError
+from torchpar.backends.pipeline import check_torch_pipeline, pipeline_sizes
+from tests.helpers import tiny_config
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved", "zb_h1"])
+def test_pp_by_dp_runs_1f1b_only(schedule):
+    """DDP inside torch's stages is wrong with the other schedules (docs/fuzz.md, seed 26001 case 99)."""
+    cfg = tiny_config("model.n_layer=4", "parallel.mesh=pp=2,dp=2", f"parallel.pipeline_schedule={schedule}",
+                      "parallel.pipeline_virtual_stages=" + ("2" if schedule == "interleaved" else "1"))
+    with pytest.raises(UserError, match=f"dp=2 runs parallel.pipeline_schedule=1f1b only \\(got {schedule}"):
+        check_torch_pipeline(cfg, 4)
+    assert pipeline_sizes(cfg, 4) == (2, 2)
+    cfg = tiny_config("model.n_layer=4", "parallel.mesh=pp=2,dp=2", "parallel.pipeline_schedule=1f1b")
+    assert check_torch_pipeline(cfg, 4) == 4  # 2 x stages microbatches by default
+    cfg = tiny_config("model.n_layer=4", f"parallel.pipeline_schedule={schedule}",
+                      "parallel.pipeline_virtual_stages=" + ("2" if schedule == "interleaved" else "1"))
+    assert check_torch_pipeline(cfg, 2) == 4  # without dp every schedule runs
