@@ -7,23 +7,16 @@ import torch
 from jaxpar.core.config import Config
 from jaxpar.core.contract import Run, check_contract
 from jaxpar.core.errors import UserError
-from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
+from jaxpar.core.mesh_spec import check_torch_mesh
 from jaxpar.core.trackers import check_trackers
-from torchpar.backends import BACKENDS
 from torchpar.dist import launch_env
-
-# the parallel.mesh axes each backend implements (tp and sp are jaxpar's alone)
-MESH_AXES = {"none": (), "ddp": ("dp",), "fsdp": ("dp", "fsdp"), "deepspeed": ("dp",), "pipeline": ("pp", "dp")}
-
 
 def check(cfg: Config, args) -> None:
     """Everything knowable before a process group exists: one clear line, identical on every rank."""
     _, world, _ = launch_env()
-    if args.backend not in BACKENDS:
-        raise UserError(f"unknown backend {args.backend!r}; choose one of {', '.join(BACKENDS)}")
     if args.backend == "none" and world > 1:
         raise UserError(f"--backend none runs one process, but WORLD_SIZE={world}; use ddp, fsdp or deepspeed")
-    check_mesh(cfg.parallel.mesh, args.backend, world)
+    check_torch_mesh(cfg.parallel.mesh, args.backend, world)
     check_trackers(cfg)
     if cfg.train.sample_every and args.backend not in ("none", "ddp"):
         raise UserError(f"train.sample_every needs the whole model on rank 0: --backend none or ddp, not {args.backend} "
@@ -76,16 +69,3 @@ def check_offload(cfg: Config, backend: str) -> None:
     if backend == "deepspeed" and off == "params+optimizer" and stage != 3:
         raise UserError("parallel.offload=params+optimizer with deepspeed needs parallel.zero_stage=3 (DeepSpeed "
                         "offloads parameters at stage 3 only); parallel.offload=optimizer works at 1-3")
-
-
-def check_mesh(mesh: str, backend: str, world: int) -> None:
-    """parallel.mesh is honoured, not ignored: its axes must be ones the backend runs, over all ranks."""
-    if not mesh:
-        return
-    sizes = parse_mesh(mesh)
-    unsupported = [a for a, n in sizes.items() if n != 1 and a not in MESH_AXES[backend]]
-    if unsupported:
-        runs = "/".join(MESH_AXES[backend]) or "nothing but one process"
-        raise UserError(f"parallel.mesh={mesh}: --backend {backend} does not implement {', '.join(unsupported)} "
-                        f"(it runs {runs}; jaxpar.train runs every axis)")
-    resolve_sizes(sizes, world)  # the product must be the world size

@@ -14,8 +14,9 @@ from typing import Callable
 
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
+from jaxpar.core.mesh_spec import TORCH_BACKENDS
 
-BACKENDS = ("none", "ddp", "fsdp", "deepspeed", "pipeline")  # torchpar's (torchpar/backends)
+BACKENDS = TORCH_BACKENDS  # torchpar's (torchpar/backends)
 BOTH = BACKENDS
 # How a consumed key shows in a run; tests/core/test_contract.py has one probe for each:
 #   params  the initial parameters (shapes or values)      step  the traced train step (and its shardings)

@@ -1,5 +1,5 @@
 """Mesh specs as users write them (`dp=2,tp=4`): parsing, filling the -1 axis, the product check.
-No jax: torchpar checks its `parallel.mesh` with the same rules."""
+No jax: torchpar checks its `parallel.mesh` with the same rules, and which axes each of its backends runs."""
 from __future__ import annotations
 
 import math
@@ -48,3 +48,23 @@ def resolve_sizes(sizes: dict[str, int], n_devices: int) -> dict[str, int]:
 
 def format_mesh(sizes: dict[str, int]) -> str:
     return ",".join(f"{a}={v}" for a, v in sizes.items() if v != 1 or len(sizes) == 1) or "dp=1"
+
+
+TORCH_BACKENDS = ("none", "ddp", "fsdp", "deepspeed", "pipeline")  # torchpar/backends/
+# the parallel.mesh axes each torchpar backend implements (tp and sp are jaxpar's alone)
+TORCH_MESH_AXES = {"none": (), "ddp": ("dp",), "fsdp": ("dp", "fsdp"), "deepspeed": ("dp",), "pipeline": ("pp", "dp")}
+
+
+def check_torch_mesh(mesh: str, backend: str, world: int) -> None:
+    """torchpar's parallel.mesh is honoured, not ignored: a known backend, axes it runs, over all `world` ranks."""
+    if backend not in TORCH_BACKENDS:
+        raise UserError(f"unknown backend {backend!r}; choose one of {', '.join(TORCH_BACKENDS)}")
+    if not mesh:
+        return
+    sizes = parse_mesh(mesh)
+    unsupported = [a for a, n in sizes.items() if n != 1 and a not in TORCH_MESH_AXES[backend]]
+    if unsupported:
+        runs = "/".join(TORCH_MESH_AXES[backend]) or "nothing but one process"
+        raise UserError(f"parallel.mesh={mesh}: --backend {backend} does not implement {', '.join(unsupported)} "
+                        f"(it runs {runs}; jaxpar.train runs every axis)")
+    resolve_sizes(sizes, world)  # the product must be the world size

@@ -17,7 +17,7 @@ import sys
 
 from jaxpar.core.config import load_config
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
+from jaxpar.core.mesh_spec import check_torch_mesh, parse_mesh, resolve_sizes
 
 LAUNCHERS = {"jaxpar": ("srun",), "torchpar": ("srun", "torchrun", "deepspeed")}
 # torchrun's / DeepSpeed's rendezvous port on the first node, by the formula torchpar uses under srun
@@ -59,7 +59,9 @@ def check(args) -> str:
         raise UserError("--nodes and --gpus-per-node must be at least 1")
     cfg = load_config(args.config, args.overrides)
     mesh = args.mesh or cfg.parallel.mesh
-    if mesh:
+    if args.framework == "torchpar":  # the backend and the axes it runs, before the job waits in the queue
+        check_torch_mesh(mesh, args.backend, args.nodes * args.gpus_per_node)
+    elif mesh:
         resolve_sizes(parse_mesh(mesh), args.nodes * args.gpus_per_node)
     return launcher
 

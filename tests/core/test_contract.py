@@ -228,7 +228,7 @@ def torch_engine(cfg, backend: str):
     """What torchpar hands the engine for `backend`, beside the model: DeepSpeed's JSON, the pipeline's
     schedule, torch.compile, the matmul precision."""
     from torchpar.compiling import use_compile
-    from torchpar.checks import check_mesh
+    from jaxpar.core.mesh_spec import check_torch_mesh
     from torchpar.dist import PRECISION
 
     out = {"compile": use_compile(cfg, backend, "cpu"), "precision": PRECISION[cfg.train.matmul_precision]}
@@ -246,7 +246,7 @@ def torch_engine(cfg, backend: str):
         from torchpar.backends.fsdp import fsdp_options
         out["fsdp"] = fsdp_options(cfg, 4)
     try:
-        check_mesh(cfg.parallel.mesh, backend, 4)
+        check_torch_mesh(cfg.parallel.mesh, backend, 4)
     except UserError as e:
         out["mesh"] = str(e)
     return out

@@ -54,6 +54,8 @@ def test_script_parses_and_launches_each_framework(extra, tasks, line, capsys, t
     (["--launcher", "torchrun"], "--launcher torchrun is not one for jaxpar"),
     (["--framework", "torchpar", "--backend", "ddp", "--launcher", "deepspeed"], "runs --backend deepspeed"),
     (["train.stepz=3"], "unknown config key 'train.stepz'"),
+    (["--framework", "torchpar", "--backend", "fsdp", "--mesh", "dp=4,tp=2"], "--backend fsdp does not implement tp"),
+    (["--framework", "torchpar", "--backend", "zero"], "unknown backend 'zero'"),
 ])
 def test_impossible_requests_are_one_line(extra, message, capsys):
     assert main(CLUSTER + extra) == 2

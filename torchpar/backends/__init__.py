@@ -7,7 +7,9 @@ from __future__ import annotations
 import importlib
 from typing import Protocol
 
-BACKENDS = ("none", "ddp", "fsdp", "deepspeed", "pipeline")
+from jaxpar.core.mesh_spec import TORCH_BACKENDS
+
+BACKENDS = TORCH_BACKENDS  # the list lives in the shared core, where jaxpar.tools.launch checks it too
 
 
 class Engine(Protocol):
