@@ -11,6 +11,7 @@ from jaxpar.core.mesh_spec import check_torch_mesh
 from jaxpar.core.trackers import check_trackers
 from torchpar.dist import launch_env
 
+
 def check(cfg: Config, args) -> None:
     """Everything knowable before a process group exists: one clear line, identical on every rank."""
     _, world, _ = launch_env()

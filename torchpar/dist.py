@@ -88,6 +88,11 @@ def init(distributed: bool, peer_timeout_s: float) -> Env:
     return Env(rank, world, local_rank, device)
 
 
+def any_rank(flag: bool, env: Env) -> bool:
+    """Whether `flag` is true on any rank (every rank gets the same answer): one tiny all-reduce."""
+    return all_sum([float(flag)], env)[0] > 0
+
+
 def all_sum(values: list[float], env: Env) -> list[float]:
     """Sum of small host values over ranks (logging and stop agreement only, never gradients)."""
     if not dist.is_initialized() or env.world == 1:

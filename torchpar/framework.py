@@ -66,7 +66,7 @@ class TorchFramework:
         return dist.roll_call(self.env, wait_s)
 
     def agree_stop(self, requested: bool) -> bool:
-        return dist.all_sum([float(requested)], self.env)[0] > 0  # one tiny all-reduce per step
+        return dist.any_rank(requested, self.env)  # one tiny all-reduce per step
 
     def sample(self, step: int) -> list[int] | None:
         """Rank 0 decodes with its whole copy of the model (none and ddp: check() refuses the others)."""

@@ -64,7 +64,7 @@ class TorchTrainer:
         self.model = build_model(cfg)  # before run.dir is touched: a weights file that fails moves nothing
 
     def any_of(self, flag: bool) -> bool:
-        return dist.all_sum([float(flag)], self.env)[0] > 0
+        return dist.any_rank(flag, self.env)
 
     def restore_or_init(self) -> int:
         self.n_params = sum(p.numel() for p in self.model.parameters())

@@ -111,7 +111,6 @@ class DeepSpeedEngine:
         self.raw = engine.module
         self.cfg, self.env, self.config = cfg, env, config
         self.stage = config.get("zero_optimization", {}).get("stage", 0)
-        self.checkpointer = self
         self.dir = os.path.abspath(os.path.join(cfg.run.dir, "checkpoints"))
         self.data_rank, self.data_ways = env.rank, env.world
 

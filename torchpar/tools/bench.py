@@ -56,12 +56,12 @@ def bench(cfg, backend: str, steps: int, warmup: int, compile_model: bool) -> di
     mine = torch.from_numpy(tokens[share * B // ways:(share + 1) * B // ways]).long().to(env.device)
     sync = torch.cuda.synchronize if env.device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
-        loss, *_ = engine.train_step(mine)
+        handle = engine.train_step(mine)
     sync()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        loss, *_ = engine.train_step(mine)
+        handle = engine.train_step(mine)
         sync()
         times.append(time.perf_counter() - t0)
     step_s = float(np.median(times))
@@ -81,7 +81,7 @@ def bench(cfg, backend: str, steps: int, warmup: int, compile_model: bool) -> di
         "mfu_datasheet": tps * fpt / (peak * W) if peak else None,
         "matmul_ceiling_flops": ceiling, "mfu_ceiling": tps * fpt / (ceiling * W),
         "memory_gib": torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else None,
-        "loss": dist.all_sum([float(loss)], env)[0] / ways, "command": "python -m torchpar.tools.bench " + shlex.join(sys.argv[1:]), "is_main": env.is_main,
+        "loss": engine.read(handle)["loss"], "command": "python -m torchpar.tools.bench " + shlex.join(sys.argv[1:]), "is_main": env.is_main,
     }
 
 
