@@ -103,9 +103,10 @@ def _cpu_project_bwd(n_in, saved, dy):
 _cpu_project.defvjp(_cpu_project_fwd, _cpu_project_bwd)
 
 
-def scan_layers(layer: Callable, stacked, x: jax.Array) -> jax.Array:
-    """`layer(h, per_layer_slice) -> h` applied over the leading axis of `stacked`, in order."""
-    return jax.lax.scan(lambda h, p: (layer(h, p), None), x, stacked)[0]
+def scan_layers(layer: Callable, stacked, x: jax.Array, unroll: bool = False) -> jax.Array:
+    """`layer(h, per_layer_slice) -> h` applied over the leading axis of `stacked`, in order; unrolled: each
+    layer traced on its own (no loop: no per-layer copies into and out of stacked buffers, longer compile)."""
+    return jax.lax.scan(lambda h, p: (layer(h, p), None), x, stacked, unroll=unroll)[0]
 
 
 def split_microbatches(x: jax.Array, M: int) -> jax.Array:

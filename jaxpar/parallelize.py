@@ -7,6 +7,8 @@ on the hand-scheduled executor (jaxpar/step.py), which calls each stage's layers
 """
 from __future__ import annotations
 
+import functools
+
 from jaxpar.context import ParallelContext
 from jaxpar.core.pipeline_schedules import resolve_microbatches
 from jaxpar.ops import local_attention, scan_layers
@@ -14,11 +16,18 @@ from jaxpar.parallel.gpipe import gpipe_layers
 from jaxpar.parallel.sequence import sequence_attention
 
 
+def unrolled_layers(scan_layers: str, mesh) -> bool:
+    """train.scan_layers: auto unrolls on a GPU, where the scan's per-layer copies cost a third of a GPT-2 124M
+    step (docs/gpu.md), and scans elsewhere, where compile time matters more (tests, CPU runs)."""
+    return scan_layers == "off" or (scan_layers == "auto" and mesh.devices.flat[0].platform == "gpu")
+
+
 def parallel_context(layout, on_executor: bool = False) -> ParallelContext:
     mesh, p, S = layout.mesh, layout.cfg.parallel, layout.mesh.shape["pp"]
+    unroll = unrolled_layers(layout.cfg.train.scan_layers, mesh)
     attention = sequence_attention(mesh, layout.rules, p.sequence_attention) if mesh.shape["sp"] > 1 else local_attention
     if S > 1 and not on_executor:
-        run_layers = gpipe_layers(S, resolve_microbatches(S, p.pipeline_microbatches))
+        run_layers = gpipe_layers(S, resolve_microbatches(S, p.pipeline_microbatches), unroll)
     else:
-        run_layers = scan_layers
+        run_layers = functools.partial(scan_layers, unroll=unroll)
     return ParallelContext(mesh, layout.rules, attention, run_layers)

@@ -118,6 +118,8 @@ def draw_jax(rng: random.Random) -> Case:
     _draw_dims(rng, s, heads_div, stages_v)
     data_ways = sizes["dp"] * sizes["fsdp"] * M
     _draw_training(rng, s, data_ways)
+    if rng.random() < 0.2:  # the CPU scans the layers by default; a GPU unrolls them
+        s["train.scan_layers"] = "off"
     if rng.random() < 0.2:
         s["parallel.offload"] = _pick(rng, {"optimizer": 1, "params+optimizer": 1})
     mesh = ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "dp=1"
@@ -245,8 +247,9 @@ PROMISES = (
                                                   for k, _ in c.settings),
      "docs/architecture.md 'Model variants': any combination, jaxpar and torchpar alike, under every layout; "
      "README.md 'Llama': every mesh and torchpar backend; 'Model families': llama with attention=dilated"),
-    ("remat, accumulation", lambda c: any(k in ("model.remat", "train.microbatches") for k, _ in c.settings),
-     "README.md 'Model' (model.remat none/full/save_matmuls) and 'Optimiser' (train.microbatches); "
+    ("remat, accumulation, unrolled layers",
+     lambda c: any(k in ("model.remat", "train.microbatches", "train.scan_layers") for k, _ in c.settings),
+     "README.md 'Model' (model.remat none/full/save_matmuls; train.scan_layers) and 'Optimiser' (train.microbatches); "
      "docs/torchpar.md 'Same math as jaxpar'"),
     ("offload", lambda c: "parallel.offload" in dict(c.settings),
      "README.md 'Offload'; docs/architecture.md 'Mixed precision and offload' (jaxpar: host memory kinds; "

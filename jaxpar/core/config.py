@@ -120,6 +120,9 @@ class TrainConfig:
     # torchpar: torch.compile each block (auto = on a GPU, not on the CPU, where compiling takes longer than a short
     # run saves; deepspeed: off). jaxpar's step is always compiled by XLA: "off" is refused there.
     compile: str = field(default="auto", metadata=_check(choices=("auto", "on", "off")))
+    # jaxpar's layers under one lax.scan (on: compile time flat in depth) or unrolled (off: GPT-2 124M 1.47x faster
+    # on an H100, compiling 5x longer; docs/gpu.md); auto: off on a GPU. torchpar's layers are always separate.
+    scan_layers: str = field(default="auto", metadata=_check(choices=("auto", "on", "off")))
     profile_steps: str = ""  # "a:b" -> profiler trace of steps [a, b) in run.dir
 
 
@@ -152,8 +155,7 @@ class ParallelConfig:
     sequence_attention: str = field(default="ring", metadata=_check(choices=("ring", "all_gather", "ulysses")))
     sequence_zigzag: bool = True
     # pipeline over `pp` (jaxpar/parallel/gpipe.py, jaxpar/parallel/pipeline_executor.py); schedule tables: python -m jaxpar.tools.pipeline_table
-    pipeline_schedule: str = field(default="gpipe",
-                                   metadata=_check(choices=("gpipe", "1f1b", "interleaved", "zb_h1")))
+    pipeline_schedule: str = field(default="gpipe", metadata=_check(choices=("gpipe", "1f1b", "interleaved", "zb_h1")))
     pipeline_microbatches: int = field(default=0, metadata=_check(lo=0))  # 0 -> 2 x stages
     pipeline_virtual_stages: int = field(default=1, metadata=_check(lo=1))
     # state kept in host memory between steps, moved to the devices for the step (jaxpar: memory kinds;
@@ -220,8 +222,8 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
             except ValueError:
                 pass
     elif typ is str:
-        if isinstance(value, str):
-            return value
+        if isinstance(value, (str, bool)):  # YAML 1.1 reads a bare on/off as a boolean (train.compile: off)
+            return value if isinstance(value, str) else "on" if value else "off"
         if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             return ",".join(map(str, value))  # YAML lists of integers (model.segment_lengths)
         if value is None:
@@ -370,8 +372,8 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
 
 def config_for_weights(dims: dict, *overrides: str) -> Config:
     """The default config around model dimensions read off a weights file (sequence length: the model's)."""
-    return load_config(None, [f"model.{k}={v}" for k, v in dims.items()] + [f"data.seq_len={dims['max_seq_len']}",
-                                                                            *overrides])
+    dims_set = [f"model.{k}={v}" for k, v in dims.items()]
+    return load_config(None, [*dims_set, f"data.seq_len={dims['max_seq_len']}", *overrides])
 
 
 def config_from_dict(d: dict) -> Config:

@@ -144,6 +144,8 @@ CONTRACT: dict[str, Owner] = {
                            why_not="it switches torchpar's torch.compile (jaxpar's step is always compiled by XLA; "
                                    "deepspeed's engine wraps the model and its ZeRO hooks: leave train.compile=auto)"),
     "train.profile_steps": Owner(True, BOTH, "loop"),
+    "train.scan_layers": Owner(True, (), "step", why_not="it is jaxpar's layer scan (torchpar's layers are "
+                                                         "separate modules, run one after another)"),
     # optim: optax and torch.optim with one schedule (jaxpar/core/lr_schedule.py)
     **{f"optim.{k}": Owner(True, BOTH, "step") for k in (
         "lr", "min_lr", "warmup_steps", "decay_steps", "beta1", "beta2", "eps", "weight_decay", "grad_clip")},

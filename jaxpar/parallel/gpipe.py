@@ -19,10 +19,10 @@ from jaxpar.context import constrain
 from jaxpar.ops import join_microbatches, scan_layers, split_microbatches
 
 
-def gpipe_layers(stages: int, microbatches: int) -> Callable:
+def gpipe_layers(stages: int, microbatches: int, unroll: bool = False) -> Callable:
     """A `run_layers(layer, stacked, x)` for the parallel context: the layer stack as a GPipe pipeline."""
     def run_layers(layer: Callable, stacked, x: jax.Array) -> jax.Array:
-        return gpipe(lambda params, h: scan_layers(layer, params, h), stacked, x, stages, microbatches)
+        return gpipe(lambda params, h: scan_layers(layer, params, h, unroll), stacked, x, stages, microbatches)
 
     return run_layers
 

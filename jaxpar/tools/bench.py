@@ -122,10 +122,15 @@ def compare(args, result: dict) -> dict:
     import subprocess
     import tempfile
 
+    from jaxpar.core.contract import CONTRACT
+
+    # jaxpar's own keys (e.g. train.scan_layers) have no torchpar meaning: torchpar runs without them
+    row = lambda o: CONTRACT.get(o.split("=", 1)[0].strip())  # noqa: E731
+    shared = [o for o in args.overrides if row(o) is None or row(o).torchpar]
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, "-m", "torchpar.tools.bench", "--backend", "none", "--compile", "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--json", out.name, *(["--config", args.config] if args.config else []),
-               *args.overrides]
+               *shared]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             raise UserError(f"torchpar.tools.bench failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")

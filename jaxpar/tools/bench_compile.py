@@ -1,8 +1,10 @@
 """python -m jaxpar.tools.bench_compile --config configs/gpt2-124m.yaml [--layers 12,48] [--mesh dp=1] [--record]
 
 Compile time of the real train step against depth (nothing is allocated or run: abstract inputs, as the
-planner compiles). The blocks are one stacked module under `jax.lax.scan`, so XLA compiles one layer body
-whatever the depth; this shows it. `--record` appends a dated row to docs/benchmarks/compile-time.md.
+planner compiles), after one untimed compile of a one-layer model. The blocks are one stacked module under
+`jax.lax.scan` (train.scan_layers=on, the CPU's default), so XLA compiles one layer body whatever the depth;
+this shows it (unrolled, the GPU's default, compile time grows with depth). `--record` appends a dated row to
+docs/benchmarks/compile-time.md.
 """
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ def main(argv=None) -> int:
     setup_devices(sizes)
     import jax
 
+    # one untimed compile first: backend start, autotuning and kernel caches would otherwise count against the first depth
+    compile_layout(load_config(args.config, [*args.overrides, "model.n_layer=1"]), sizes)
     seconds = {}
     for n in depths:
         cfg = load_config(args.config, [*args.overrides, f"model.n_layer={n}"])

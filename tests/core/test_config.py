@@ -17,6 +17,13 @@ def test_overrides_win_over_the_file_and_the_file_over_the_defaults(tmp_path):
     assert cfg.optim.lr == 0.002 and cfg.model.n_head == Config().model.n_head  # untouched keys keep defaults
 
 
+def test_a_bare_on_or_off_in_yaml_is_the_choice_not_a_boolean(tmp_path):
+    path = tmp_path / "c.yaml"  # YAML 1.1 reads on/off as true/false
+    path.write_text("train:\n  compile: off\n  scan_layers: on\n")
+    cfg = load_config(str(path), [])
+    assert (cfg.train.compile, cfg.train.scan_layers) == ("off", "on")
+
+
 def test_override_strings_take_the_fields_types():
     cfg = load_config(None, ["train.steps=12", "optim.lr=1e-3", "checkpoint.resume=false",
                              "model.segment_lengths=4,8", "model.dilation_rates=1,2", "data.seq_len=32"])

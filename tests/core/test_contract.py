@@ -27,6 +27,7 @@ RUNS = [("jaxpar", "")] + [("torchpar", b) for b in BACKENDS]
 
 # another valid value for each key where adding or flipping the default would not be valid on the tiny config
 ALTERNATIVE = {
+    "train.scan_layers": "off",  # "on" is what auto does on the CPU
     "model.family": "llama", "model.n_head": "2", "model.d_model": "64", "model.n_kv_head": "2", "model.d_ff": "64",
     "model.ffn_multiple_of": "32", "model.max_seq_len": "64", "model.vocab_size": "300", "model.rope_head_dim": "8",
     "model.segment_lengths": "4,16", "model.dilation_rates": "1,4", "model.attention": "mla", "model.linear": "sketched",

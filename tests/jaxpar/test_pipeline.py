@@ -137,3 +137,30 @@ def test_hand_scheduled_pipeline_refuses_what_breaks_inside_its_shard_map(overri
     with pytest.raises(UserError, match=message):
         run_steps(tiny_config(*DEEP, "parallel.pipeline_schedule=1f1b", *overrides), "pp=2,sp=2", dataset, steps=1,
                   devices=jax.devices()[:4])
+
+
+@pytest.mark.parametrize("mesh,n,schedule", [("dp=1", 1, "gpipe"), ("pp=2", 2, "gpipe"), ("pp=2", 2, "1f1b")])
+def test_unrolled_layers_compute_the_scans_run(mesh, n, schedule, dataset, references):
+    """train.scan_layers=off (each layer traced on its own, on GPipe and the hand-scheduled executor alike):
+    the single-device scan's numbers, and no loop over layers left in the step."""
+    from jaxpar.core.mesh_spec import parse_mesh
+    from jaxpar.step import build_step
+
+    cfg = tiny_config(*DEEP, "train.scan_layers=off", f"parallel.pipeline_schedule={schedule}")
+    got = run_steps(cfg, mesh, dataset, devices=jax.devices()[:n])
+    np.testing.assert_allclose(got["loss"], references[4]["loss"], rtol=1e-5)
+    assert_params_close(got["params"], references[4]["params"])
+    if mesh == "dp=1":
+        hlo = {s: build_step(tiny_config(*DEEP, f"train.scan_layers={s}"), parse_mesh(mesh), jax.devices()[:1],
+                             abstract=True)[2].as_text() for s in ("on", "off")}
+        assert " while(" in hlo["on"] and " while(" not in hlo["off"]
+
+
+def test_scan_layers_auto_unrolls_on_a_gpu_only():
+    from types import SimpleNamespace
+
+    from jaxpar.parallelize import unrolled_layers
+
+    mesh = lambda platform: SimpleNamespace(devices=np.array([SimpleNamespace(platform=platform)]))  # noqa: E731
+    assert unrolled_layers("auto", mesh("gpu")) and not unrolled_layers("auto", mesh("cpu"))
+    assert unrolled_layers("off", mesh("cpu")) and not unrolled_layers("on", mesh("gpu"))
