@@ -19,48 +19,9 @@ from safetensors.numpy import load_file
 
 from torchpar.checkpoint import complete_steps
 
-from tests.helpers import (ABORTS, ROOT, TINY, assert_params_close, free_port, make_dataset, metrics, no_leftovers,
-                           run_in_session, tensorboard_scalars, torch_command, torch_env)
-
-
-def run(args: list[str], nproc: int = 0, expect_rc=0, timeout: int = 120, **env) -> subprocess.CompletedProcess:
-    """`python -m torchpar.train ARGS` (nproc=0) or torchrun with nproc processes."""
-    result = run_in_session(torch_command(args, nproc), torch_env(**env), timeout, f"run {args}")
-    text = result.stdout + result.stderr
-    assert not any(a in text for a in ABORTS), text[-5000:]
-    if expect_rc == 0:
-        assert result.returncode == 0, text[-5000:]
-    elif expect_rc == "nonzero":
-        assert result.returncode != 0, text[-5000:]
-    return result
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """Tiny config args on a synthetic dataset, starting from one shared initial-weights file."""
-    tmp = tmp_path_factory.mktemp("torchpar")
-    data = make_dataset(tmp / "tokens.bin")
-    args = TINY + [f"data.dataset={data}", "checkpoint.every=0"]  # only the final checkpoint, unless a test says
-    init = str(tmp / "init.safetensors")
-    run(["--backend", "none", "--write-init", init, *args])
-    return {"tmp": tmp, "args": args + [f"model.init_from={init}"], "init": init}
-
-
-@pytest.fixture(scope="module")
-def reference(base):
-    run_dir = base["tmp"] / "reference"
-    out = run(["--backend", "none", *base["args"], f"run.dir={run_dir}", "run.tensorboard=true", "train.sample_every=5",
-               "--write-final", str(base["tmp"] / "reference.safetensors")])
-    (base["tmp"] / "reference.out").write_text(out.stdout)
-    return metrics(run_dir)
-
-
-def assert_same_run(got: dict, ref: dict, steps=range(1, 11)) -> None:
-    loss = [got[s]["loss"] for s in steps]
-    ref_loss = [ref[s]["loss"] for s in steps]
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    np.testing.assert_allclose([got[s]["grad_norm"] for s in steps], [ref[s]["grad_norm"] for s in steps], rtol=1e-4)
-    np.testing.assert_allclose([got[s]["lr"] for s in steps], [ref[s]["lr"] for s in steps], rtol=1e-6)
+from tests.helpers import (ABORTS, ROOT, assert_params_close, free_port, metrics, no_leftovers, run_in_session,
+                           tensorboard_scalars, torch_command, torch_env)
+from tests.torchpar.runs import assert_same_run, run
 
 
 def test_reference_learns(reference):
@@ -181,18 +142,6 @@ def test_fsdp_on_a_dp_by_fsdp_mesh_matches_one_process(base, reference, tmp_path
     total, low, high = (int(x.replace(",", "")) if x else None for x in (total, low, high or low))
     # the two ranks of a shard group hold complementary halves (a dim-0 of 3 splits 2 + 1)
     assert low + high == total and abs(low - total / 2) < 0.01 * total, out.stdout[:300]
-
-
-def test_deepspeed_resume_after_sigkill(base, reference):
-    """ZeRO-3 with DeepSpeed's own gradient accumulation (2 microbatches), killed after step 6."""
-    run_dir = base["tmp"] / "ds-killed"
-    args = ["--backend", "deepspeed", *base["args"], "parallel.zero_stage=3", "train.microbatches=2",
-            "checkpoint.every=4", f"run.dir={run_dir}"]
-    run(args, nproc=2, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
-    assert max(metrics(run_dir)) == 6
-    out = run(args, nproc=2)
-    assert "resumed from" in out.stderr
-    assert_same_run(metrics(run_dir), reference)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

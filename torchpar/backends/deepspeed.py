@@ -28,6 +28,7 @@ from jaxpar.core.errors import UserError
 from jaxpar.core.lr_schedule import lr_at
 from torchpar import dist
 from torchpar.backends.base import eval_loss, microbatches, read_metrics
+from torchpar.backends.deepspeed_universal import forget, quiet_universal_load, universal_source
 from torchpar.checkpoint import complete_steps, failing_save
 from torchpar.models.decoder import next_token_loss
 from torchpar.optim import SharedLRSchedule, param_groups
@@ -106,8 +107,9 @@ class DeepSpeedEngine:
     """The `Engine` (torchpar/backends/__init__.py) over DeepSpeed's: its step, loss scaler and checkpoints."""
     local_params = None  # ZeRO's partitions are DeepSpeed's own business
 
-    def __init__(self, engine, cfg, env, config: dict):
+    def __init__(self, engine, cfg, env, config: dict, universal: str | None = None):
         self.engine = self.module = engine
+        self.universal = universal  # resume from this universal copy (deepspeed_universal.py), once
         self.raw = engine.module
         self.cfg, self.env, self.config = cfg, env, config
         self.stage = config.get("zero_optimization", {}).get("stage", 0)
@@ -204,9 +206,13 @@ class DeepSpeedEngine:
                 raise UserError(f"{self.dir} holds torch.distributed.checkpoint checkpoints (ddp/fsdp/none); "
                                 "resume with one of those backends or start a new run.dir")
             return None
-        path, client_state = self.engine.load_checkpoint(self.dir)
+        with quiet_universal_load(bool(self.universal)):
+            path, client_state = self.engine.load_checkpoint(self.universal or self.dir)
         if path is None:
-            raise UserError(f"DeepSpeed checkpoint in {self.dir} could not be loaded")
+            raise UserError(f"DeepSpeed checkpoint in {self.universal or self.dir} could not be loaded")
+        if self.universal:
+            forget(self.universal, self.env)
+            self.universal = None
         if self.env.is_main:
             print(f"resumed from {path}", file=sys.stderr)
         return client_state
@@ -266,12 +272,15 @@ def build(model, cfg, env, deepspeed_config: str = "", **_):
         model.compute_dtype = torch.bfloat16
     else:
         model.compute_dtype = torch.float32
+    universal = universal_source(cfg, env)  # the last checkpoint came from another number of ranks
+    if universal:
+        config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": True}
     scheduler = None if "scheduler" in config else (lambda opt: SharedLRSchedule(opt, cfg))
     try:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.optim.weight_decay),
                                           config=config, lr_scheduler=scheduler, dist_init_required=False)
     except AssertionError as e:  # DeepSpeed validates its config with asserts
         raise UserError(f"DeepSpeed rejected the config: {e}") from None
-    wrapper = DeepSpeedEngine(engine, cfg, env, config)
+    wrapper = DeepSpeedEngine(engine, cfg, env, config, universal)
     dist.before_teardown(wrapper.release)
     return wrapper

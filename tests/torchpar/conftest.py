@@ -1,0 +1,1 @@
+from tests.torchpar.runs import base, reference  # noqa: F401 - the shared fixtures
