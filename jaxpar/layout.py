@@ -27,11 +27,11 @@ from jaxpar.sharding import RULES, spec_for, with_extra_axis
 
 
 def rules_for(cfg: Config) -> dict[str, tuple[str, ...]]:
-    """The rules table for a config: ZeRO-3 shards the weights over dp as well as fsdp."""
-    rules = dict(RULES)
-    if cfg.parallel.zero_stage == 3:
-        rules["embed"] = ("fsdp", "dp")
-    return rules
+    """The rules table for a config: ZeRO-3 shards the weights over dp wherever fsdp shards them (README: the same
+    as putting those devices on fsdp; "embed" alone left a sketched factor's input dim on fsdp only)."""
+    if cfg.parallel.zero_stage != 3:
+        return dict(RULES)
+    return {name: axes + ("dp",) if "fsdp" in axes and "dp" not in axes else axes for name, axes in RULES.items()}
 
 
 def path_keys(path) -> tuple:

@@ -46,6 +46,9 @@ REGRESSIONS = (
     ("jax dp=2,fsdp=2,pp=2 model.attention=dilated model.dilation_rates=1,2,4 model.segment_lengths=4,8,16 "
      "parallel.pipeline_schedule=1f1b parallel.zero_stage=2 train.global_batch_size=32 train.microbatches=2",
      "seed 26001 case 91 as drawn"),
+    ("jax dp=2,tp=2,pp=2 model.linear=sketched parallel.pipeline_schedule=zb_h1 parallel.zero_stage=3",
+     "seed 26003 case 26 (shrunk): sketched layers on the hand-scheduled pipeline with tp and ZeRO-3 (or fsdp) "
+     "deadlocked a collective-permute inside a tick's branch; refused now (jaxpar/checks.py)"),
     ("torch pipeline:4 parallel.mesh=pp=2,dp=2",
      "seed 26001 case 99 (shrunk): pp x dp with gpipe stopped at step 2 in DDP's _rebuild_buckets; refused now"),
     ("torch pipeline:4 parallel.mesh=pp=2,dp=2 parallel.pipeline_schedule=zb_h1",

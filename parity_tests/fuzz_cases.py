@@ -259,6 +259,13 @@ PROMISES = (
 )
 
 
+def _pipeline_sketched(c: Case) -> bool:
+    m = c.mesh()
+    return (c.side == "jax" and m["pp"] > 1 and c.get("parallel.pipeline_schedule", "gpipe") != "gpipe" and
+            c.get("model.linear") == "sketched" and m["tp"] > 1 and
+            (m["fsdp"] > 1 or (m["dp"] > 1 and c.get("parallel.zero_stage") == "3")))
+
+
 def _pipeline_sp(c: Case) -> bool:
     sched = c.get("parallel.pipeline_schedule", "gpipe")
     m = c.mesh()
@@ -306,6 +313,8 @@ DOCUMENTED_REFUSALS = (
      "microbatch); the pipeline's sizes (jaxpar/core/pipeline_schedules.py)", indivisible),
     ("docs/architecture.md 'Pipeline parallelism': sp inside the 1f1b/interleaved/zb_h1 executor needs "
      "all_gather or ulysses and not model.attention=dilated", _pipeline_sp),
+    ("docs/architecture.md 'Pipeline parallelism': model.linear=sketched in the executor with tp>1 and parameters "
+     "sharded over fsdp or ZeRO-3", _pipeline_sketched),
     ("docs/torchpar.md ddp: parallel.zero_stage must be 0",
      lambda c: c.side == "torch" and c.backend == "ddp" and c.get("parallel.zero_stage", "0") != "0"),
     ("docs/torchpar.md fsdp: CPUOffloadPolicy is GPU only; optimizer alone is refused",

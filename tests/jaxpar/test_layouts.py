@@ -46,3 +46,13 @@ def test_bfloat16_compute_stays_close_to_float32(dataset, reference):
     got = run_steps(tiny_config("model.compute_dtype=bfloat16"), "dp=2,tp=2", dataset, devices=jax.devices()[:4])
     np.testing.assert_allclose(got["loss"], reference["loss"], rtol=2e-2)
     assert got["loss"] != reference["loss"]
+
+
+def test_zero3_shards_over_dp_wherever_fsdp_shards():
+    """ZeRO-3 is fsdp over the dp devices (README): the sketched factor's input dim included, not "embed" alone."""
+    from jaxpar.layout import rules_for
+    from jaxpar.sharding import RULES
+
+    rules = rules_for(tiny_config("parallel.zero_stage=3", "model.linear=sketched"))
+    assert rules["sketch"] == ("fsdp", "dp") and rules["batch"] == RULES["batch"]
+    assert all("dp" in rules[name] for name, axes in RULES.items() if "fsdp" in axes)
