@@ -28,7 +28,8 @@ from jaxpar.core.errors import UserError
 from jaxpar.core.lr_schedule import lr_at
 from torchpar import dist
 from torchpar.backends.base import eval_loss, microbatches, read_metrics
-from torchpar.backends.deepspeed_universal import forget, quiet_universal_load, universal_source
+from torchpar.backends.deepspeed_universal import (forget, group_settings, quiet_universal_load, repair_zero3_load,
+                                                   universal_source)
 from torchpar.checkpoint import complete_steps, failing_save
 from torchpar.models.decoder import next_token_loss
 from torchpar.optim import SharedLRSchedule, param_groups
@@ -206,11 +207,14 @@ class DeepSpeedEngine:
                 raise UserError(f"{self.dir} holds torch.distributed.checkpoint checkpoints (ddp/fsdp/none); "
                                 "resume with one of those backends or start a new run.dir")
             return None
+        settings = group_settings(self.engine.optimizer)
         with quiet_universal_load(bool(self.universal)):
             path, client_state = self.engine.load_checkpoint(self.universal or self.dir)
         if path is None:
             raise UserError(f"DeepSpeed checkpoint in {self.universal or self.dir} could not be loaded")
         if self.universal:
+            if self.stage == 3:
+                repair_zero3_load(self.engine.optimizer, settings)
             forget(self.universal, self.env)
             self.universal = None
         if self.env.is_main:

@@ -1,7 +1,7 @@
 """Resuming a DeepSpeed run on another number of ranks, through DeepSpeed's universal checkpoint.
 
 A ZeRO checkpoint holds one optimizer partition per rank, and DeepSpeed loads it only on the world size that
-wrote it. ZeRO-1 and ZeRO-2 (measured exact: 2 -> 1 and 2 -> 4 ranks); ZeRO-3 is refused in one line. When the latest checkpoint was written by another number of ranks, rank 0 converts it once with
+wrote it. Measured exact: ZeRO-1/2/3, 2 -> 1 and 2 -> 4 ranks (ZeRO-3 after `repair_zero3_load`). When the latest checkpoint was written by another number of ranks, rank 0 converts it once with
 DeepSpeed's own converter (`deepspeed.checkpoint.ds_to_universal`: parameters and optimizer state per
 parameter, unpartitioned) into <run.dir>/checkpoints/universal/<step>, every rank loads that with the engine's
 `checkpoint.load_universal` option, and the folder is removed once loaded: the run saves ordinary checkpoints
@@ -41,10 +41,6 @@ def universal_source(cfg, env) -> str | None:
     if saved is None or saved[1] == env.world:
         return None
     tag, ranks = saved
-    if glob.glob(os.path.join(ckpt_dir, tag, "zero_pp_rank_*_model_states.pt")):  # ZeRO-3 writes these
-        raise UserError(f"deepspeed: the ZeRO-3 checkpoint of step {tag} was written by {ranks} ranks and resumes on "
-                        f"{ranks} only: DeepSpeed's universal checkpoint does not restore ZeRO-3's optimizer state "
-                        "exactly (deepspeed 0.19.8; docs/torchpar.md)")
     out = os.path.join(ckpt_dir, "universal")
     failure = ""
     if env.is_main:
@@ -84,6 +80,25 @@ def quiet_universal_load(universal: bool):
         yield
     finally:
         logger.setLevel(level)
+
+
+def repair_zero3_load(optimizer, settings: list[dict]) -> None:
+    """Undo two slips of deepspeed 0.19.8's ZeRO-3 universal loader (stage3.py,
+    load_hp_checkpoint_state_from_checkpoint_dir_stage3): it gives every parameter group the first group's
+    settings (the no-decay group would decay), and one Adam step counter object to every group's state, which
+    torch's AdamW then advances once per group each step (bias correction off from the first step on)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for group, own in zip(inner.param_groups, settings):
+        group.update(own)
+    for state in inner.state.values():
+        if "step" in state:
+            state["step"] = state["step"].clone() if hasattr(state["step"], "clone") else state["step"]
+
+
+def group_settings(optimizer) -> list[dict]:
+    """Each parameter group's settings but its parameters and lr (the schedule sets lr every step)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in inner.param_groups]
 
 
 def forget(folder: str, env) -> None:
