@@ -7,6 +7,9 @@ Formats:
           writes a step-0 checkpoint (fresh optimizer state) and its config.json, which fine-tuning
           starts from: `jaxpar.train --config DST/config.json [data/train overrides]` (the model keys
           must stay; data and batch keys may change until the run has trained)
+  state   the shared training-state file (jaxpar/core/train_state.py): only to or from `jaxpar`, the whole
+          state (parameters, Adam's moments and count, the step, the config); torchpar has the same
+          conversion (python -m torchpar.tools.convert), so a run goes on in the other framework
 
 Every conversion is a lossless reshape/transpose/rename of float32 tensors. The model family (gpt2 or
 llama) follows the source; a shared file keeps what shapes cannot tell (context length, eps, rotary base)
@@ -25,7 +28,7 @@ from jaxpar.core.errors import UserError, cli
 from jaxpar.core.weights import SETTINGS, flatten, model_dims, read_settings, read_weights, save_weights, unflatten
 from jaxpar.tools import hf_gpt2, hf_llama
 
-FORMATS = ("shared", "hf", "jaxpar")
+FORMATS = ("shared", "hf", "jaxpar", "state")
 
 
 def _single_device_layout(cfg):
@@ -101,11 +104,24 @@ def main(argv=None) -> int:
     p.add_argument("--to", dest="dst_fmt", choices=FORMATS, required=True)
     p.add_argument("dst")
     args = p.parse_intermixed_args(argv)
+    if "state" in (args.src_fmt, args.dst_fmt):
+        return _whole_state(args)
     if args.dst_fmt == "jaxpar" and os.path.exists(os.path.join(args.dst, "checkpoints")):
         raise UserError(f"{args.dst} already holds checkpoints; refusing to mix runs")
     flat, model = read(args.src_fmt, args.src)
     write(args.dst_fmt, args.dst, flat, model, args.src)
     print(f"converted {args.src_fmt} {args.src} -> {args.dst_fmt} {args.dst} ({len(flat)} tensors)")
+    return 0
+
+
+def _whole_state(args) -> int:
+    from jaxpar.tools.convert_state import export_state, import_state
+
+    if {args.src_fmt, args.dst_fmt} != {"jaxpar", "state"}:
+        raise UserError("the training state converts between a jaxpar run and a state file only "
+                        "(--from jaxpar RUN --to state FILE, or --from state FILE --to jaxpar RUN)")
+    step = export_state(args.src, args.dst) if args.src_fmt == "jaxpar" else import_state(args.src, args.dst)
+    print(f"converted the training state of step {step}: {args.src_fmt} {args.src} -> {args.dst_fmt} {args.dst}")
     return 0
 
 

@@ -1,0 +1,53 @@
+"""The shared training state: what a run needs to go on in the other framework (or on any layout).
+
+One safetensors file beside the weight format (jaxpar/core/weights.py), float32, shared names and shapes:
+  param/<name>   the parameters                       adam_m/<name>  Adam's first moment
+  adam_v/<name>  Adam's second moment (not its root)   (names as in the weights file: stacked over layers)
+and metadata: `step` (updates done, = the data cursor: the batch of step s is a function of (data, seed, s)),
+`adam_step` (Adam's bias-correction count), `loss_scale`/`skipped_steps` (float16 runs), `config` (the run's
+config as JSON) and `source` (the run it came from). optax's adamw and torch's AdamW keep the same moments and
+the same count, so both read and write this file as it is.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from jaxpar.core.errors import UserError
+
+KINDS = ("param", "adam_m", "adam_v")
+
+
+def save_state(path: str, tensors: dict[str, dict[str, np.ndarray]], meta: dict) -> None:
+    """tensors: kind -> {shared name: array}; written atomically (temp file + rename)."""
+    from safetensors.numpy import save_file
+
+    flat = {f"{kind}/{name}": np.ascontiguousarray(a, dtype=np.float32)
+            for kind in KINDS for name, a in tensors[kind].items()}
+    tmp = f"{path}.tmp{os.getpid()}"
+    save_file(flat, tmp, metadata={k: json.dumps(v) for k, v in meta.items()})
+    os.replace(tmp, path)
+
+
+def read_state(path: str) -> tuple[dict[str, dict[str, np.ndarray]], dict]:
+    """(kind -> {name: array}, metadata) of a training-state file; one line if it is not one."""
+    from safetensors import safe_open
+
+    if not os.path.isfile(path):
+        raise UserError(f"training-state file not found: {path}")
+    try:
+        with safe_open(path, "np") as f:
+            meta = {k: json.loads(v) for k, v in (f.metadata() or {}).items()}
+            tensors = {kind: {} for kind in KINDS}
+            for key in f.keys():
+                kind, _, name = key.partition("/")
+                tensors.setdefault(kind, {})[name] = f.get_tensor(key)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is bad input
+        raise UserError(f"{path} is not a readable training-state file: {e}") from None
+    missing = [k for k in ("step", "adam_step", "config") if k not in meta]
+    if missing or set(tensors) != set(KINDS) or tensors["param"].keys() != tensors["adam_m"].keys():
+        raise UserError(f"{path} is not a training-state file (jaxpar/core/train_state.py): "
+                        f"{'metadata ' + ', '.join(missing) if missing else 'tensors'} missing")
+    return tensors, meta

@@ -1,0 +1,90 @@
+"""A jaxpar run's whole training state <-> the shared training-state file (jaxpar/core/train_state.py).
+
+Export reads the run's latest checkpoint (parameters, optax's Adam moments and count, the step) onto one device;
+import writes a run directory whose checkpoint at that step holds them, with the source's config: `jaxpar.train
+--config RUN/config.json --mesh ...` then goes on from there, on any mesh (orbax reshards on restore).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from jaxpar.core.config import config_from_dict
+from jaxpar.core.errors import UserError
+from jaxpar.core.train_state import read_state, save_state
+from jaxpar.core.weights import flatten, unflatten
+
+
+def _one_device(cfg):
+    import jax
+
+    from jaxpar.layout import Layout
+    from jaxpar.mesh import make_mesh
+
+    return Layout(cfg, make_mesh({"dp": 1}, jax.devices()[:1]))
+
+
+def _map_adam(opt_state, fn):
+    """opt_state with fn(state) applied to optax's Adam and schedule states (the ones holding moments/counts)."""
+    import jax
+    import optax
+
+    kinds = (optax.ScaleByAdamState, optax.ScaleByScheduleState)
+    return jax.tree.map(lambda s: fn(s) if isinstance(s, kinds) else s, opt_state, is_leaf=lambda s: isinstance(s, kinds))
+
+
+def _refuse_float16(cfg, where: str) -> None:
+    if cfg.model.compute_dtype == "float16":
+        raise UserError(f"{where} trains in float16: its loss scaler does not travel in the training-state file yet")
+
+
+def export_state(run_dir: str, dst: str) -> int:
+    import optax
+
+    from jaxpar.checkpoint import Checkpointer
+    from jaxpar.core.resume import read_run_config
+    from jaxpar.state import abstract_state
+
+    cfg = read_run_config(run_dir)
+    _refuse_float16(cfg, run_dir)
+    restored = Checkpointer(run_dir, cfg.checkpoint.keep).restore_latest(abstract_state(_one_device(cfg)))
+    if restored is None:
+        raise UserError(f"no checkpoint in {run_dir}/checkpoints")
+    state, meta = restored
+    found = []
+    _map_adam(state["opt_state"], lambda s: found.append(s) if isinstance(s, optax.ScaleByAdamState) else None)
+    adam = found[0]
+    as_np = lambda tree: {k: np.asarray(v) for k, v in flatten(tree).items()}  # noqa: E731
+    save_state(dst, {"param": as_np(state["params"]), "adam_m": as_np(adam.mu), "adam_v": as_np(adam.nu)},
+               {"step": int(meta["data_step"]), "adam_step": int(adam.count), "config": cfg.to_dict(),
+                "source": os.path.abspath(run_dir)})
+    return int(meta["data_step"])
+
+
+def import_state(src: str, run_dir: str) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpar.checkpoint import Checkpointer
+    from jaxpar.core.resume import write_run_config
+    from jaxpar.state import state_from_params
+
+    tensors, meta = read_state(src)
+    cfg = config_from_dict(meta["config"])
+    cfg.run.dir = run_dir
+    _refuse_float16(cfg, src)
+    if os.path.exists(os.path.join(run_dir, "checkpoints")):
+        raise UserError(f"{run_dir} already holds checkpoints; refusing to mix runs")
+    state = state_from_params(_one_device(cfg), unflatten(tensors["param"]))
+    count = jnp.asarray(meta["adam_step"], jnp.int32)
+    mu, nu = (jax.tree.map(jnp.asarray, unflatten(tensors[k])) for k in ("adam_m", "adam_v"))
+    state["opt_state"] = _map_adam(state["opt_state"], lambda s: s._replace(count=count, mu=mu, nu=nu)
+                                   if hasattr(s, "mu") else s._replace(count=count))
+    state["step"] = jnp.asarray(meta["step"], jnp.int32)
+    os.makedirs(run_dir, exist_ok=True)
+    write_run_config(cfg, state_from=meta.get("source", os.path.abspath(src)))
+    ckpt = Checkpointer(run_dir, cfg.checkpoint.keep)
+    ckpt.save(int(meta["step"]), state, {"step": int(meta["step"]), "data_step": int(meta["step"]), "mesh": "dp=1"})
+    ckpt.close()
+    return int(meta["step"])

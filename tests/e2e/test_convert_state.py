@@ -1,0 +1,57 @@
+"""A run goes on in the other framework: the whole training state (parameters, Adam's moments and count, the step)
+through the shared training-state file (jaxpar/core/train_state.py). jaxpar dp=2,tp=4 trains steps 1-10, torchpar
+fsdp on 2 processes 11-20; torchpar ddp on 2 processes 1-10, jaxpar fsdp=4 11-20: each as its uninterrupted run."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.helpers import ROOT, TINY, make_dataset, metrics, run_cli, run_in_session, torch_command, torch_env
+
+ARGS = ["train.steps=20", "checkpoint.every=0", "train.eval_every=0"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("convert-state") / "tokens.bin")
+
+
+def convert(module: str, *args: str) -> None:
+    r = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=torch_env(), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "converted the training state of step 10" in r.stdout, r.stderr[-2000:]
+
+
+def torchpar(args: list[str], nproc: int, **env) -> None:
+    r = run_in_session(torch_command(args, nproc), torch_env(**env), 300, f"torchpar {args}")
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def assert_continues(got: dict, ref: dict) -> None:
+    assert sorted(got) == list(range(11, 21)), sorted(got)
+    np.testing.assert_allclose([got[s]["loss"] for s in got], [ref[s]["loss"] for s in got], rtol=1e-5)
+
+
+def test_jaxpar_to_torchpar(data, tmp_path):
+    full, half, moved = tmp_path / "full", tmp_path / "half", tmp_path / "moved"
+    assert run_cli(full, data, "--mesh", "dp=2,tp=4", *ARGS).returncode == 0
+    r = run_cli(half, data, "--mesh", "dp=2,tp=4", *ARGS, env={"JAXPAR_FAULT_SIGTERM_AFTER_STEP": "10"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    convert("jaxpar.tools.convert", "--from", "jaxpar", str(half), "--to", "state", str(tmp_path / "s.safetensors"))
+    convert("torchpar.tools.convert", "--from", "state", str(tmp_path / "s.safetensors"), "--to", "torchpar", str(moved))
+    torchpar(["--backend", "fsdp", "--config", str(moved / "config.json")], nproc=2)
+    assert_continues(metrics(moved), metrics(full))
+
+
+def test_torchpar_to_jaxpar(data, tmp_path):
+    full, half, moved = tmp_path / "full", tmp_path / "half", tmp_path / "moved"
+    args = [*TINY, f"data.dataset={data}", *ARGS]
+    torchpar(["--backend", "none", *args, f"run.dir={full}"], nproc=0)
+    torchpar(["--backend", "ddp", *args, f"run.dir={half}"], nproc=2, TORCHPAR_FAULT_SIGTERM_AFTER_STEP="10")
+    convert("torchpar.tools.convert", "--from", "torchpar", str(half), "--to", "state", str(tmp_path / "s.safetensors"))
+    convert("jaxpar.tools.convert", "--from", "state", str(tmp_path / "s.safetensors"), "--to", "jaxpar", str(moved))
+    r = subprocess.run([sys.executable, "-m", "jaxpar.train", "--config", str(moved / "config.json"), "--mesh", "fsdp=4"],
+                       cwd=ROOT, env=torch_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-2000:]
+    assert_continues(metrics(moved), metrics(full))

@@ -1,0 +1,89 @@
+"""python -m torchpar.tools.convert --from state FILE --to torchpar RUN   (or --from torchpar RUN --to state FILE)
+
+A torchpar run's whole training state <-> the shared training-state file (jaxpar/core/train_state.py), which
+jaxpar reads and writes too (python -m jaxpar.tools.convert): parameters, AdamW's moments and step count, the
+step (the data cursor) and the config. Import writes RUN/config.json and a DCP checkpoint at that step from one
+process; `torchpar.train --config RUN/config.json --backend ...` goes on from it on any DCP backend and number of
+ranks (DCP reshards). DeepSpeed runs are not read or written here.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from jaxpar.core.config import config_from_dict
+from jaxpar.core.errors import UserError, cli
+from jaxpar.core.resume import read_run_config, write_run_config
+from jaxpar.core.train_state import read_state, save_state
+from torchpar import dist
+from torchpar.backends import none
+from torchpar.models.decoder import Decoder
+from torchpar.weights import from_shared, to_shared
+
+
+def _engine(cfg):
+    if cfg.model.compute_dtype == "float16":
+        raise UserError(f"{cfg.run.dir} trains in float16: its loss scaler does not travel in the training-state "
+                        "file yet")
+    return none.build(Decoder(cfg.model), cfg, dist.Env(0, 1, 0, torch.device("cpu")))
+
+
+def import_state(src: str, run_dir: str) -> int:
+    tensors, meta = read_state(src)
+    cfg = config_from_dict(meta["config"])
+    cfg.run.dir = run_dir
+    if os.path.exists(os.path.join(run_dir, "checkpoints")):
+        raise UserError(f"{run_dir} already holds checkpoints; refusing to mix runs")
+    engine = _engine(cfg)
+    n = cfg.model.n_layer
+    engine.raw.load_state_dict(from_shared(tensors["param"], n))
+    m, v = from_shared(tensors["adam_m"], n), from_shared(tensors["adam_v"], n)
+    for name, p in engine.raw.named_parameters():  # torch's AdamW state: the same moments, the same count
+        engine.optimizer.state[p] = {"step": torch.tensor(float(meta["adam_step"])), "exp_avg": m[name],
+                                     "exp_avg_sq": v[name]}
+    os.makedirs(run_dir, exist_ok=True)
+    write_run_config(cfg, backend="none", state_from=meta.get("source", os.path.abspath(src)))
+    step = int(meta["step"])
+    engine.save(step, {"step": step, "data_step": step, "backend": "none", "world_size": 1})
+    return step
+
+
+def export_state(run_dir: str, dst: str) -> int:
+    cfg = read_run_config(run_dir)
+    cfg.run.dir = run_dir
+    engine = _engine(cfg)
+    meta = engine.checkpointer.restore()
+    if meta is None:
+        raise UserError(f"no checkpoint in {run_dir}/checkpoints")
+    params = dict(engine.raw.named_parameters())
+    state = {name: engine.optimizer.state[p] for name, p in params.items()}
+    moments = {k: to_shared({name: s[k] for name, s in state.items()}, cfg.model.n_layer) for k in ("exp_avg", "exp_avg_sq")}
+    step = int(meta["data_step"])
+    save_state(dst, {"param": to_shared(engine.raw.state_dict(), cfg.model.n_layer), "adam_m": moments["exp_avg"],
+                     "adam_v": moments["exp_avg_sq"]},
+               {"step": step, "adam_step": int(next(iter(state.values()))["step"]), "config": cfg.to_dict(),
+                "source": os.path.abspath(run_dir)})
+    return step
+
+
+@cli
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m torchpar.tools.convert", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--from", dest="src_fmt", choices=("state", "torchpar"), required=True)
+    p.add_argument("src")
+    p.add_argument("--to", dest="dst_fmt", choices=("state", "torchpar"), required=True)
+    p.add_argument("dst")
+    args = p.parse_intermixed_args(argv)
+    if args.src_fmt == args.dst_fmt:
+        raise UserError("convert between a torchpar run and a state file: --from state --to torchpar, or the reverse")
+    step = import_state(args.src, args.dst) if args.src_fmt == "state" else export_state(args.src, args.dst)
+    print(f"converted the training state of step {step}: {args.src_fmt} {args.src} -> {args.dst_fmt} {args.dst}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
