@@ -4,7 +4,8 @@ One safetensors file beside the weight format (jaxpar/core/weights.py), float32,
   param/<name>   the parameters                       adam_m/<name>  Adam's first moment
   adam_v/<name>  Adam's second moment (not its root)   (names as in the weights file: stacked over layers)
 and metadata: `step` (updates done, = the data cursor: the batch of step s is a function of (data, seed, s)),
-`adam_step` (Adam's bias-correction count), `loss_scale`/`skipped_steps` (float16 runs), `config` (the run's
+`adam_step` (Adam's bias-correction count: updates applied), `loss_scale` (float16 runs: {scale, good_steps:
+clean steps since the scale last changed, skipped: updates skipped}), `config` (the run's
 config as JSON) and `source` (the run it came from). optax's adamw and torch's AdamW keep the same moments and
 the same count, so both read and write this file as it is.
 """

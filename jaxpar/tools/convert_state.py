@@ -34,11 +34,6 @@ def _map_adam(opt_state, fn):
     return jax.tree.map(lambda s: fn(s) if isinstance(s, kinds) else s, opt_state, is_leaf=lambda s: isinstance(s, kinds))
 
 
-def _refuse_float16(cfg, where: str) -> None:
-    if cfg.model.compute_dtype == "float16":
-        raise UserError(f"{where} trains in float16: its loss scaler does not travel in the training-state file yet")
-
-
 def export_state(run_dir: str, dst: str) -> int:
     import optax
 
@@ -47,7 +42,6 @@ def export_state(run_dir: str, dst: str) -> int:
     from jaxpar.state import abstract_state
 
     cfg = read_run_config(run_dir)
-    _refuse_float16(cfg, run_dir)
     restored = Checkpointer(run_dir, cfg.checkpoint.keep).restore_latest(abstract_state(_one_device(cfg)))
     if restored is None:
         raise UserError(f"no checkpoint in {run_dir}/checkpoints")
@@ -56,9 +50,14 @@ def export_state(run_dir: str, dst: str) -> int:
     _map_adam(state["opt_state"], lambda s: found.append(s) if isinstance(s, optax.ScaleByAdamState) else None)
     adam = found[0]
     as_np = lambda tree: {k: np.asarray(v) for k, v in flatten(tree).items()}  # noqa: E731
+    extra = {}
+    if "loss_scale" in state:  # float16: the scaler goes on where it was
+        ls = state["loss_scale"]
+        extra = {"loss_scale": {"scale": float(ls["scale"]), "good_steps": int(ls["good_steps"]),
+                                "skipped": int(ls["skipped"])}}
     save_state(dst, {"param": as_np(state["params"]), "adam_m": as_np(adam.mu), "adam_v": as_np(adam.nu)},
                {"step": int(meta["data_step"]), "adam_step": int(adam.count), "config": cfg.to_dict(),
-                "source": os.path.abspath(run_dir)})
+                "source": os.path.abspath(run_dir), **extra})
     return int(meta["data_step"])
 
 
@@ -73,7 +72,6 @@ def import_state(src: str, run_dir: str) -> int:
     tensors, meta = read_state(src)
     cfg = config_from_dict(meta["config"])
     cfg.run.dir = run_dir
-    _refuse_float16(cfg, src)
     if os.path.exists(os.path.join(run_dir, "checkpoints")):
         raise UserError(f"{run_dir} already holds checkpoints; refusing to mix runs")
     state = state_from_params(_one_device(cfg), unflatten(tensors["param"]))
@@ -82,6 +80,10 @@ def import_state(src: str, run_dir: str) -> int:
     state["opt_state"] = _map_adam(state["opt_state"], lambda s: s._replace(count=count, mu=mu, nu=nu)
                                    if hasattr(s, "mu") else s._replace(count=count))
     state["step"] = jnp.asarray(meta["step"], jnp.int32)
+    if "loss_scale" in state:
+        ls = meta.get("loss_scale") or {"scale": cfg.optim.loss_scale_init, "good_steps": 0, "skipped": 0}
+        state["loss_scale"] = {"scale": jnp.asarray(ls["scale"], jnp.float32),
+                               **{k: jnp.asarray(ls[k], jnp.int32) for k in ("good_steps", "skipped")}}
     os.makedirs(run_dir, exist_ok=True)
     write_run_config(cfg, state_from=meta.get("source", os.path.abspath(src)))
     ckpt = Checkpointer(run_dir, cfg.checkpoint.keep)

@@ -25,9 +25,6 @@ from torchpar.weights import from_shared, to_shared
 
 
 def _engine(cfg):
-    if cfg.model.compute_dtype == "float16":
-        raise UserError(f"{cfg.run.dir} trains in float16: its loss scaler does not travel in the training-state "
-                        "file yet")
     return none.build(Decoder(cfg.model), cfg, dist.Env(0, 1, 0, torch.device("cpu")))
 
 
@@ -46,6 +43,11 @@ def import_state(src: str, run_dir: str) -> int:
                                      "exp_avg_sq": v[name]}
     os.makedirs(run_dir, exist_ok=True)
     write_run_config(cfg, backend="none", state_from=meta.get("source", os.path.abspath(src)))
+    if engine.scaler is not None and "loss_scale" in meta:  # float16: GradScaler's scale and growth count
+        ls = meta["loss_scale"]
+        engine.scaler.load_state_dict({**engine.scaler.state_dict(), "scale": ls["scale"],
+                                       "_growth_tracker": ls["good_steps"]})
+        engine.skipped = ls["skipped"]
     step = int(meta["step"])
     engine.save(step, {"step": step, "data_step": step, "backend": "none", "world_size": 1})
     return step
@@ -62,10 +64,14 @@ def export_state(run_dir: str, dst: str) -> int:
     state = {name: engine.optimizer.state[p] for name, p in params.items()}
     moments = {k: to_shared({name: s[k] for name, s in state.items()}, cfg.model.n_layer) for k in ("exp_avg", "exp_avg_sq")}
     step = int(meta["data_step"])
+    extra = {}
+    if "grad_scaler" in meta:
+        extra = {"loss_scale": {"scale": meta["grad_scaler"]["scale"], "good_steps": meta["grad_scaler"]["_growth_tracker"],
+                                "skipped": meta["skipped_steps"]}}
     save_state(dst, {"param": to_shared(engine.raw.state_dict(), cfg.model.n_layer), "adam_m": moments["exp_avg"],
                      "adam_v": moments["exp_avg_sq"]},
                {"step": step, "adam_step": int(next(iter(state.values()))["step"]), "config": cfg.to_dict(),
-                "source": os.path.abspath(run_dir)})
+                "source": os.path.abspath(run_dir), **extra})
     return step
 
 
