@@ -31,10 +31,12 @@ def _map_adam(opt_state, fn):
     import optax
 
     kinds = (optax.ScaleByAdamState, optax.ScaleByScheduleState)
-    return jax.tree.map(lambda s: fn(s) if isinstance(s, kinds) else s, opt_state, is_leaf=lambda s: isinstance(s, kinds))
+    is_kind = lambda s: isinstance(s, kinds)  # noqa: E731
+    return jax.tree.map(lambda s: fn(s) if is_kind(s) else s, opt_state, is_leaf=is_kind)
 
 
 def export_state(run_dir: str, dst: str) -> int:
+    import jax
     import optax
 
     from jaxpar.checkpoint import Checkpointer
@@ -46,9 +48,8 @@ def export_state(run_dir: str, dst: str) -> int:
     if restored is None:
         raise UserError(f"no checkpoint in {run_dir}/checkpoints")
     state, meta = restored
-    found = []
-    _map_adam(state["opt_state"], lambda s: found.append(s) if isinstance(s, optax.ScaleByAdamState) else None)
-    adam = found[0]
+    is_adam = lambda s: isinstance(s, optax.ScaleByAdamState)  # noqa: E731
+    adam = next(filter(is_adam, jax.tree.leaves(state["opt_state"], is_leaf=is_adam)))
     as_np = lambda tree: {k: np.asarray(v) for k, v in flatten(tree).items()}  # noqa: E731
     extra = {}
     if "loss_scale" in state:  # float16: the scaler goes on where it was

@@ -1,11 +1,12 @@
 """Resuming a DeepSpeed run on another number of ranks, through DeepSpeed's universal checkpoint.
 
 A ZeRO checkpoint holds one optimizer partition per rank, and DeepSpeed loads it only on the world size that
-wrote it. Measured exact: ZeRO-1/2/3, 2 -> 1 and 2 -> 4 ranks (ZeRO-3 after `repair_zero3_load`). When the latest checkpoint was written by another number of ranks, rank 0 converts it once with
+wrote it. When the latest checkpoint was written by another number of ranks, rank 0 converts it once with
 DeepSpeed's own converter (`deepspeed.checkpoint.ds_to_universal`: parameters and optimizer state per
 parameter, unpartitioned) into <run.dir>/checkpoints/universal/<step>, every rank loads that with the engine's
 `checkpoint.load_universal` option, and the folder is removed once loaded: the run saves ordinary checkpoints
-at its new size from then on.
+at its new size from then on. Measured exact: ZeRO-1/2/3, 2 -> 1 and 2 -> 4 ranks (ZeRO-3 after
+`repair_zero3_load`).
 """
 from __future__ import annotations
 

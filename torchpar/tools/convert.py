@@ -62,11 +62,13 @@ def export_state(run_dir: str, dst: str) -> int:
         raise UserError(f"no checkpoint in {run_dir}/checkpoints")
     params = dict(engine.raw.named_parameters())
     state = {name: engine.optimizer.state[p] for name, p in params.items()}
-    moments = {k: to_shared({name: s[k] for name, s in state.items()}, cfg.model.n_layer) for k in ("exp_avg", "exp_avg_sq")}
+    moments = {k: to_shared({name: s[k] for name, s in state.items()}, cfg.model.n_layer)
+               for k in ("exp_avg", "exp_avg_sq")}
     step = int(meta["data_step"])
     extra = {}
     if "grad_scaler" in meta:
-        extra = {"loss_scale": {"scale": meta["grad_scaler"]["scale"], "good_steps": meta["grad_scaler"]["_growth_tracker"],
+        scaler = meta["grad_scaler"]
+        extra = {"loss_scale": {"scale": scaler["scale"], "good_steps": scaler["_growth_tracker"],
                                 "skipped": meta["skipped_steps"]}}
     save_state(dst, {"param": to_shared(engine.raw.state_dict(), cfg.model.n_layer), "adam_m": moments["exp_avg"],
                      "adam_v": moments["exp_avg_sq"]},
