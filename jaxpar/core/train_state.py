@@ -21,6 +21,19 @@ from jaxpar.core.errors import UserError
 KINDS = ("param", "adam_m", "adam_v")
 
 
+def state_for_run(src: str, run_dir: str):
+    """(tensors, metadata, config with run.dir = run_dir) of a state file a new run directory is written from;
+    one line if run_dir already holds checkpoints (two runs never mix)."""
+    from jaxpar.core.config import config_from_dict
+
+    tensors, meta = read_state(src)
+    cfg = config_from_dict(meta["config"])
+    cfg.run.dir = run_dir
+    if os.path.exists(os.path.join(run_dir, "checkpoints")):
+        raise UserError(f"{run_dir} already holds checkpoints; refusing to mix runs")
+    return tensors, meta, cfg
+
+
 def save_state(path: str, tensors: dict[str, dict[str, np.ndarray]], meta: dict) -> None:
     """tensors: kind -> {shared name: array}; written atomically (temp file + rename)."""
     from safetensors.numpy import save_file

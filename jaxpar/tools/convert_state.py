@@ -10,9 +10,8 @@ import os
 
 import numpy as np
 
-from jaxpar.core.config import config_from_dict
 from jaxpar.core.errors import UserError
-from jaxpar.core.train_state import read_state, save_state
+from jaxpar.core.train_state import save_state, state_for_run
 from jaxpar.core.weights import flatten, unflatten
 
 
@@ -70,11 +69,7 @@ def import_state(src: str, run_dir: str) -> int:
     from jaxpar.core.resume import write_run_config
     from jaxpar.state import state_from_params
 
-    tensors, meta = read_state(src)
-    cfg = config_from_dict(meta["config"])
-    cfg.run.dir = run_dir
-    if os.path.exists(os.path.join(run_dir, "checkpoints")):
-        raise UserError(f"{run_dir} already holds checkpoints; refusing to mix runs")
+    tensors, meta, cfg = state_for_run(src, run_dir)
     state = state_from_params(_one_device(cfg), unflatten(tensors["param"]))
     count = jnp.asarray(meta["adam_step"], jnp.int32)
     mu, nu = (jax.tree.map(jnp.asarray, unflatten(tensors[k])) for k in ("adam_m", "adam_v"))

@@ -14,10 +14,9 @@ import sys
 
 import torch
 
-from jaxpar.core.config import config_from_dict
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.resume import read_run_config, write_run_config
-from jaxpar.core.train_state import read_state, save_state
+from jaxpar.core.train_state import save_state, state_for_run
 from torchpar import dist
 from torchpar.backends import none
 from torchpar.models.decoder import Decoder
@@ -29,11 +28,7 @@ def _engine(cfg):
 
 
 def import_state(src: str, run_dir: str) -> int:
-    tensors, meta = read_state(src)
-    cfg = config_from_dict(meta["config"])
-    cfg.run.dir = run_dir
-    if os.path.exists(os.path.join(run_dir, "checkpoints")):
-        raise UserError(f"{run_dir} already holds checkpoints; refusing to mix runs")
+    tensors, meta, cfg = state_for_run(src, run_dir)
     engine = _engine(cfg)
     n = cfg.model.n_layer
     engine.raw.load_state_dict(from_shared(tensors["param"], n))
