@@ -16,10 +16,10 @@ from jaxpar.parallel.gpipe import gpipe_layers
 from jaxpar.parallel.sequence import sequence_attention
 
 
-def unrolled_layers(scan_layers: str, mesh) -> bool:
+def unrolled_layers(setting: str, mesh) -> bool:
     """train.scan_layers: auto unrolls on a GPU, where the scan's per-layer copies cost a third of a GPT-2 124M
     step (docs/gpu.md), and scans elsewhere, where compile time matters more (tests, CPU runs)."""
-    return scan_layers == "off" or (scan_layers == "auto" and mesh.devices.flat[0].platform == "gpu")
+    return setting == "off" or (setting == "auto" and mesh.devices.flat[0].platform == "gpu")
 
 
 def parallel_context(layout, on_executor: bool = False) -> ParallelContext:
