@@ -88,3 +88,19 @@ def test_a_float16_run_keeps_its_loss_scale_and_skipped_count(data, tmp_path):
            [(ref[s]["loss_scale"], ref[s]["skipped_steps"]) for s in range(11, 21)]
     assert ref[20]["skipped_steps"] > ref[10]["skipped_steps"]  # an overflow after the move: the scaler acted
     np.testing.assert_allclose([got[s]["loss"] for s in got], [ref[s]["loss"] for s in got], rtol=1e-3)
+
+
+def test_deepspeed_to_jaxpar(data, tmp_path):
+    """A DeepSpeed ZeRO-3 run of 2 ranks, read on one process (through the universal checkpoint) with DeepSpeed's
+    whole-parameter accessors, goes on in jaxpar as its uninterrupted run."""
+    full, half, moved = tmp_path / "full", tmp_path / "half", tmp_path / "moved"
+    args = ["--backend", "deepspeed", *TINY, f"data.dataset={data}", *ARGS, "parallel.zero_stage=3"]
+    torchpar([*args, f"run.dir={full}"], nproc=2)
+    torchpar([*args, f"run.dir={half}"], nproc=2, TORCHPAR_FAULT_SIGTERM_AFTER_STEP="10")
+    convert("torchpar.tools.convert", "--from", "torchpar", str(half), "--to", "state", str(tmp_path / "s.safetensors"))
+    assert not (half / "checkpoints" / "universal").exists()
+    convert("jaxpar.tools.convert", "--from", "state", str(tmp_path / "s.safetensors"), "--to", "jaxpar", str(moved))
+    r = subprocess.run([sys.executable, "-m", "jaxpar.train", "--config", str(moved / "config.json"),
+                        "--mesh", "dp=2"], cwd=ROOT, env=torch_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert_continues(metrics(moved), metrics(full))

@@ -4,7 +4,8 @@ A torchpar run's whole training state <-> the shared training-state file (jaxpar
 jaxpar reads and writes too (python -m jaxpar.tools.convert): parameters, AdamW's moments and step count, the
 step (the data cursor) and the config. Import writes RUN/config.json and a DCP checkpoint at that step from one
 process; `torchpar.train --config RUN/config.json --backend ...` goes on from it on any DCP backend and number of
-ranks (DCP reshards). DeepSpeed runs are not read or written here.
+ranks (DCP reshards). Export also reads DeepSpeed runs (any ZeRO stage and number of ranks); writing a DeepSpeed
+run from a state file is not built.
 """
 from __future__ import annotations
 
@@ -48,9 +49,41 @@ def import_state(src: str, run_dir: str) -> int:
     return step
 
 
+def export_deepspeed(cfg, dst: str) -> int:
+    """A DeepSpeed run's state, read on one process (a run of more ranks through the universal checkpoint:
+    torchpar/backends/deepspeed_universal.py) with DeepSpeed's own whole-parameter accessors."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    from torchpar.backends import deepspeed
+
+    if cfg.model.compute_dtype == "float16":
+        raise UserError(f"{cfg.run.dir} is a float16 DeepSpeed run: its loss scaler is not exported (not built)")
+    env = dist.setup(cfg, "deepspeed")
+    try:
+        engine = deepspeed.build(Decoder(cfg.model), cfg, env)
+        meta = engine.load()
+        if meta is None:
+            raise UserError(f"no checkpoint in {cfg.run.dir}/checkpoints")
+        params = dict(engine.raw.named_parameters())
+        whole = {"param": {n: safe_get_full_fp32_param(p) for n, p in params.items()},
+                 **{kind: {n: safe_get_full_optimizer_state(p, key) for n, p in params.items()}
+                    for kind, key in (("adam_m", "exp_avg"), ("adam_v", "exp_avg_sq"))}}
+        states = getattr(engine.engine.optimizer, "optimizer", engine.engine.optimizer).state.values()
+        adam_step = int(next(iter(states))["step"])
+        step = int(meta["data_step"])
+        save_state(dst, {k: to_shared(v, cfg.model.n_layer) for k, v in whole.items()},
+                   {"step": step, "adam_step": adam_step, "config": cfg.to_dict(),
+                    "source": os.path.abspath(cfg.run.dir)})
+        return step
+    finally:
+        dist.teardown()
+
+
 def export_state(run_dir: str, dst: str) -> int:
     cfg = read_run_config(run_dir)
     cfg.run.dir = run_dir
+    if os.path.exists(os.path.join(run_dir, "checkpoints", "latest")):  # DeepSpeed's tag file
+        return export_deepspeed(cfg, dst)
     engine = _engine(cfg)
     meta = engine.checkpointer.restore()
     if meta is None:
