@@ -18,7 +18,7 @@ def test_deepspeed_resume_after_sigkill(base, reference):
     assert_same_run(metrics(run_dir), reference)
 
 
-@pytest.mark.parametrize("stage,nproc", [(2, 0), (3, 0), pytest.param(1, 4, marks=pytest.mark.slow),
+@pytest.mark.parametrize("stage,nproc", [(2, 0), (3, 0), pytest.param(2, 4, marks=pytest.mark.slow),
                                          pytest.param(3, 4, marks=pytest.mark.slow)])
 def test_deepspeed_resumes_on_another_number_of_ranks(stage, nproc, base, reference):
     """A ZeRO checkpoint of 2 ranks resumes on 1 (or 4) through DeepSpeed's universal checkpoint: the same run as
