@@ -21,6 +21,12 @@ from jaxpar.core.errors import UserError
 KINDS = ("param", "adam_m", "adam_v")
 
 
+def state_meta(cfg, step: int, adam_step: int, source: str, loss_scale: dict | None = None) -> dict:
+    """The metadata every exporter writes (module docstring); `loss_scale` for float16 runs only."""
+    meta = {"step": int(step), "adam_step": int(adam_step), "config": cfg.to_dict(), "source": os.path.abspath(source)}
+    return {**meta, "loss_scale": loss_scale} if loss_scale is not None else meta
+
+
 def state_for_run(src: str, run_dir: str):
     """(tensors, metadata, config with run.dir = run_dir) of a state file a new run directory is written from;
     one line if run_dir already holds checkpoints (two runs never mix)."""

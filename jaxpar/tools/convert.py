@@ -27,17 +27,9 @@ import numpy as np
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.weights import SETTINGS, flatten, model_dims, read_settings, read_weights, save_weights, unflatten
 from jaxpar.tools import hf_gpt2, hf_llama
+from jaxpar.tools.convert_state import single_device_layout
 
 FORMATS = ("shared", "hf", "jaxpar", "state")
-
-
-def _single_device_layout(cfg):
-    import jax
-
-    from jaxpar.layout import Layout
-    from jaxpar.mesh import make_mesh
-
-    return Layout(cfg, make_mesh({"dp": 1}, jax.devices()[:1]))
 
 
 def read(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
@@ -55,7 +47,7 @@ def read(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
     if cfg.model.attention != "mha" or cfg.model.linear != "dense":
         raise UserError(f"{src} trains model.attention={cfg.model.attention}, model.linear={cfg.model.linear}; "
                         "conversion supports only mha attention and dense layers")
-    restored = Checkpointer(src, cfg.checkpoint.keep).restore_latest(abstract_state(_single_device_layout(cfg)))
+    restored = Checkpointer(src, cfg.checkpoint.keep).restore_latest(abstract_state(single_device_layout(cfg)))
     if restored is None:
         raise UserError(f"no checkpoint in {src}/checkpoints")
     flat = {k: np.asarray(v) for k, v in flatten(restored[0]["params"]).items()}
@@ -86,7 +78,7 @@ def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict, src: str
         from jaxpar.state import state_from_params
 
         cfg = config_for_weights(model, f"run.dir={dst}")
-        state = state_from_params(_single_device_layout(cfg), unflatten(flat))
+        state = state_from_params(single_device_layout(cfg), unflatten(flat))
         os.makedirs(dst, exist_ok=True)
         with open(os.path.join(dst, "config.json"), "w") as f:
             json.dump({**cfg.to_dict(), "converted_from": os.path.abspath(src)}, f, indent=2)

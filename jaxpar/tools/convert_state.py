@@ -11,11 +11,12 @@ import os
 import numpy as np
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.train_state import save_state, state_for_run
+from jaxpar.core.train_state import save_state, state_for_run, state_meta
 from jaxpar.core.weights import flatten, unflatten
 
 
-def _one_device(cfg):
+def single_device_layout(cfg):
+    """The config's layout on one device: what conversions read a checkpoint onto and write one from."""
     import jax
 
     from jaxpar.layout import Layout
@@ -43,21 +44,18 @@ def export_state(run_dir: str, dst: str) -> int:
     from jaxpar.state import abstract_state
 
     cfg = read_run_config(run_dir)
-    restored = Checkpointer(run_dir, cfg.checkpoint.keep).restore_latest(abstract_state(_one_device(cfg)))
+    restored = Checkpointer(run_dir, cfg.checkpoint.keep).restore_latest(abstract_state(single_device_layout(cfg)))
     if restored is None:
         raise UserError(f"no checkpoint in {run_dir}/checkpoints")
     state, meta = restored
     is_adam = lambda s: isinstance(s, optax.ScaleByAdamState)  # noqa: E731
     adam = next(filter(is_adam, jax.tree.leaves(state["opt_state"], is_leaf=is_adam)))
     as_np = lambda tree: {k: np.asarray(v) for k, v in flatten(tree).items()}  # noqa: E731
-    extra = {}
-    if "loss_scale" in state:  # float16: the scaler goes on where it was
-        ls = state["loss_scale"]
-        extra = {"loss_scale": {"scale": float(ls["scale"]), "good_steps": int(ls["good_steps"]),
-                                "skipped": int(ls["skipped"])}}
+    ls = state.get("loss_scale")  # float16: the scaler goes on where it was
+    loss_scale = None if ls is None else {"scale": float(ls["scale"]), "good_steps": int(ls["good_steps"]),
+                                          "skipped": int(ls["skipped"])}
     save_state(dst, {"param": as_np(state["params"]), "adam_m": as_np(adam.mu), "adam_v": as_np(adam.nu)},
-               {"step": int(meta["data_step"]), "adam_step": int(adam.count), "config": cfg.to_dict(),
-                "source": os.path.abspath(run_dir), **extra})
+               state_meta(cfg, meta["data_step"], adam.count, run_dir, loss_scale))
     return int(meta["data_step"])
 
 
@@ -70,7 +68,7 @@ def import_state(src: str, run_dir: str) -> int:
     from jaxpar.state import state_from_params
 
     tensors, meta, cfg = state_for_run(src, run_dir)
-    state = state_from_params(_one_device(cfg), unflatten(tensors["param"]))
+    state = state_from_params(single_device_layout(cfg), unflatten(tensors["param"]))
     count = jnp.asarray(meta["adam_step"], jnp.int32)
     mu, nu = (jax.tree.map(jnp.asarray, unflatten(tensors[k])) for k in ("adam_m", "adam_v"))
     state["opt_state"] = _map_adam(state["opt_state"], lambda s: s._replace(count=count, mu=mu, nu=nu)

@@ -32,6 +32,13 @@ def torchpar(args: list[str], nproc: int, **env) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+def jaxpar_resumes(run_dir, mesh: str) -> None:
+    """`jaxpar.train --config RUN/config.json --mesh M`: the moved run goes on from its checkpoint."""
+    r = subprocess.run([sys.executable, "-m", "jaxpar.train", "--config", str(run_dir / "config.json"), "--mesh", mesh],
+                       cwd=ROOT, env=torch_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-2000:]
+
+
 def assert_continues(got: dict, ref: dict) -> None:
     assert sorted(got) == list(range(11, 21)), sorted(got)
     np.testing.assert_allclose([got[s]["loss"] for s in got], [ref[s]["loss"] for s in got], rtol=1e-5)
@@ -65,9 +72,7 @@ def test_torchpar_to_jaxpar(data, tmp_path):
     torchpar(["--backend", "ddp", *args, f"run.dir={half}"], nproc=2, TORCHPAR_FAULT_SIGTERM_AFTER_STEP="10")
     convert("torchpar.tools.convert", "--from", "torchpar", str(half), "--to", "state", str(tmp_path / "s.safetensors"))
     convert("jaxpar.tools.convert", "--from", "state", str(tmp_path / "s.safetensors"), "--to", "jaxpar", str(moved))
-    r = subprocess.run([sys.executable, "-m", "jaxpar.train", "--config", str(moved / "config.json"),
-                        "--mesh", "fsdp=4"], cwd=ROOT, env=torch_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-2000:]
+    jaxpar_resumes(moved, "fsdp=4")
     assert_continues(metrics(moved), metrics(full))
 
 
@@ -100,7 +105,5 @@ def test_deepspeed_to_jaxpar(data, tmp_path):
     convert("torchpar.tools.convert", "--from", "torchpar", str(half), "--to", "state", str(tmp_path / "s.safetensors"))
     assert not (half / "checkpoints" / "universal").exists()
     convert("jaxpar.tools.convert", "--from", "state", str(tmp_path / "s.safetensors"), "--to", "jaxpar", str(moved))
-    r = subprocess.run([sys.executable, "-m", "jaxpar.train", "--config", str(moved / "config.json"),
-                        "--mesh", "dp=2"], cwd=ROOT, env=torch_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    jaxpar_resumes(moved, "dp=2")
     assert_continues(metrics(moved), metrics(full))

@@ -207,13 +207,14 @@ class DeepSpeedEngine:
                 raise UserError(f"{self.dir} holds torch.distributed.checkpoint checkpoints (ddp/fsdp/none); "
                                 "resume with one of those backends or start a new run.dir")
             return None
-        settings = group_settings(self.engine.optimizer)
+        repair = self.universal and self.stage == 3  # deepspeed_universal.repair_zero3_load needs them from before
+        settings = group_settings(self.engine.optimizer) if repair else None
         with quiet_universal_load(bool(self.universal)):
             path, client_state = self.engine.load_checkpoint(self.universal or self.dir)
         if path is None:
             raise UserError(f"DeepSpeed checkpoint in {self.universal or self.dir} could not be loaded")
         if self.universal:
-            if self.stage == 3:
+            if repair:
                 repair_zero3_load(self.engine.optimizer, settings)
             forget(self.universal, self.env)
             self.universal = None

@@ -92,8 +92,8 @@ def repair_zero3_load(optimizer, settings: list[dict]) -> None:
     for group, own in zip(inner.param_groups, settings):
         group.update(own)
     for state in inner.state.values():
-        if "step" in state:
-            state["step"] = state["step"].clone() if hasattr(state["step"], "clone") else state["step"]
+        if hasattr(state.get("step"), "clone"):  # a tensor (a plain number is never shared)
+            state["step"] = state["step"].clone()
 
 
 def group_settings(optimizer) -> list[dict]:

@@ -17,7 +17,7 @@ import torch
 
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.resume import read_run_config, write_run_config
-from jaxpar.core.train_state import save_state, state_for_run
+from jaxpar.core.train_state import save_state, state_for_run, state_meta
 from torchpar import dist
 from torchpar.backends import none
 from torchpar.models.decoder import Decoder
@@ -70,11 +70,9 @@ def export_deepspeed(cfg, dst: str) -> int:
                     for kind, key in (("adam_m", "exp_avg"), ("adam_v", "exp_avg_sq"))}}
         states = getattr(engine.engine.optimizer, "optimizer", engine.engine.optimizer).state.values()
         adam_step = int(next(iter(states))["step"])
-        step = int(meta["data_step"])
         save_state(dst, {k: to_shared(v, cfg.model.n_layer) for k, v in whole.items()},
-                   {"step": step, "adam_step": adam_step, "config": cfg.to_dict(),
-                    "source": os.path.abspath(cfg.run.dir)})
-        return step
+                   state_meta(cfg, meta["data_step"], adam_step, cfg.run.dir))
+        return int(meta["data_step"])
     finally:
         dist.teardown()
 
@@ -92,17 +90,13 @@ def export_state(run_dir: str, dst: str) -> int:
     state = {name: engine.optimizer.state[p] for name, p in params.items()}
     moments = {k: to_shared({name: s[k] for name, s in state.items()}, cfg.model.n_layer)
                for k in ("exp_avg", "exp_avg_sq")}
-    step = int(meta["data_step"])
-    extra = {}
-    if "grad_scaler" in meta:
-        scaler = meta["grad_scaler"]
-        extra = {"loss_scale": {"scale": scaler["scale"], "good_steps": scaler["_growth_tracker"],
-                                "skipped": meta["skipped_steps"]}}
+    scaler = meta.get("grad_scaler")  # float16
+    loss_scale = None if scaler is None else {"scale": scaler["scale"], "good_steps": scaler["_growth_tracker"],
+                                              "skipped": meta["skipped_steps"]}
     save_state(dst, {"param": to_shared(engine.raw.state_dict(), cfg.model.n_layer), "adam_m": moments["exp_avg"],
                      "adam_v": moments["exp_avg_sq"]},
-               {"step": step, "adam_step": int(next(iter(state.values()))["step"]), "config": cfg.to_dict(),
-                "source": os.path.abspath(run_dir), **extra})
-    return step
+               state_meta(cfg, meta["data_step"], next(iter(state.values()))["step"], run_dir, loss_scale))
+    return int(meta["data_step"])
 
 
 @cli
