@@ -1,12 +1,15 @@
 """A run goes on in the other framework: the whole training state (parameters, Adam's moments and count, the step)
 through the shared training-state file (jaxpar/core/train_state.py). jaxpar dp=2,tp=4 trains steps 1-10, torchpar
-fsdp on 2 processes 11-20; torchpar ddp on 2 processes 1-10, jaxpar fsdp=4 11-20: each as its uninterrupted run."""
+fsdp on 2 processes 11-20; torchpar ddp on 2 processes 1-10, jaxpar fsdp=4 11-20; jaxpar dp=2 1-10, DeepSpeed ZeRO-2
+on 2 processes 11-20 (and DeepSpeed ZeRO-3 1-10, jaxpar 11-20): each as its uninterrupted run."""
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
+
+from jaxpar.core.train_state import read_state
 
 from tests.helpers import ROOT, TINY, make_dataset, metrics, run_cli, run_in_session, torch_command, torch_env
 
@@ -107,3 +110,39 @@ def test_deepspeed_to_jaxpar(data, tmp_path):
     convert("jaxpar.tools.convert", "--from", "state", str(tmp_path / "s.safetensors"), "--to", "jaxpar", str(moved))
     jaxpar_resumes(moved, "dp=2")
     assert_continues(metrics(moved), metrics(full))
+
+
+@pytest.fixture(scope="module")
+def jaxpar_halfway(data, tmp_path_factory):
+    """jaxpar dp=2: the uninterrupted run of 20 steps, and steps 1-10 exported to a training-state file."""
+    tmp = tmp_path_factory.mktemp("jaxpar-halfway")
+    assert run_cli(tmp / "full", data, "--mesh", "dp=2", *ARGS).returncode == 0
+    r = run_cli(tmp / "half", data, "--mesh", "dp=2", *ARGS, env={"JAXPAR_FAULT_SIGTERM_AFTER_STEP": "10"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    convert("jaxpar.tools.convert", "--from", "jaxpar", str(tmp / "half"), "--to", "state", str(tmp / "s.safetensors"))
+    return tmp / "full", tmp / "s.safetensors"
+
+
+def test_jaxpar_to_deepspeed_on_two_ranks(jaxpar_halfway, tmp_path):
+    """The state written as a DeepSpeed ZeRO-2 checkpoint of one rank (Adam's state made by a step at lr 0, then
+    set), continued on 2 ranks through the universal checkpoint: the schedule and Adam's count go on too."""
+    full, state = jaxpar_halfway
+    convert("torchpar.tools.convert", "--from", "state", str(state), "--to", "deepspeed", str(tmp_path / "moved"),
+            "--zero-stage", "2")
+    torchpar(["--backend", "deepspeed", "--config", str(tmp_path / "moved" / "config.json")], nproc=2)
+    assert_continues(metrics(tmp_path / "moved"), metrics(full))
+
+
+@pytest.mark.parametrize("stage", [0, 3, *(pytest.param(s, marks=pytest.mark.slow) for s in (1, 2))])
+def test_deepspeed_import_then_export_is_the_state(jaxpar_halfway, tmp_path, stage):
+    """state -> DeepSpeed run -> state gives the same tensors and counts, bit for bit: ZeRO-0's moments live in
+    torch's AdamW (where DeepSpeed's setters do nothing), ZeRO-3's in DeepSpeed's partitions."""
+    _, state = jaxpar_halfway
+    convert("torchpar.tools.convert", "--from", "state", str(state), "--to", "deepspeed", str(tmp_path / "ds"),
+            "--zero-stage", str(stage))
+    convert("torchpar.tools.convert", "--from", "torchpar", str(tmp_path / "ds"), "--to", "state", str(tmp_path / "b"))
+    (a, meta_a), (b, meta_b) = read_state(str(state)), read_state(str(tmp_path / "b"))
+    assert (meta_b["step"], meta_b["adam_step"]) == (meta_a["step"], meta_a["adam_step"]) == (10, 10)
+    for kind in a:
+        for name in a[kind]:
+            np.testing.assert_array_equal(b[kind][name], a[kind][name], err_msg=f"{kind}/{name}")

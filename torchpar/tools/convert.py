@@ -1,11 +1,15 @@
-"""python -m torchpar.tools.convert --from state FILE --to torchpar RUN   (or --from torchpar RUN --to state FILE)
+"""python -m torchpar.tools.convert --from state FILE --to torchpar|deepspeed RUN
+   (or --from torchpar RUN --to state FILE)
 
 A torchpar run's whole training state <-> the shared training-state file (jaxpar/core/train_state.py), which
 jaxpar reads and writes too (python -m jaxpar.tools.convert): parameters, AdamW's moments and step count, the
 step (the data cursor) and the config. Import writes RUN/config.json and a DCP checkpoint at that step from one
 process; `torchpar.train --config RUN/config.json --backend ...` goes on from it on any DCP backend and number of
-ranks (DCP reshards). Export also reads DeepSpeed runs (any ZeRO stage and number of ranks); writing a DeepSpeed
-run from a state file is not built.
+ranks (DCP reshards). `--to deepspeed RUN` writes a DeepSpeed checkpoint instead (one rank, the ZeRO stage of
+the state's config, or --zero-stage): `torchpar.train --backend deepspeed` goes on from it on any number of ranks
+(through DeepSpeed's universal checkpoint, torchpar/backends/deepspeed_universal.py). Export reads DeepSpeed runs too
+(any ZeRO stage and number of ranks). float16 DeepSpeed runs are refused both ways: DeepSpeed's loss scaler counts
+its growth window differently from the shared one (`loss_scale` in the state file).
 """
 from __future__ import annotations
 
@@ -49,27 +53,111 @@ def import_state(src: str, run_dir: str) -> int:
     return step
 
 
-def export_deepspeed(cfg, dst: str) -> int:
-    """A DeepSpeed run's state, read on one process (a run of more ranks through the universal checkpoint:
-    torchpar/backends/deepspeed_universal.py) with DeepSpeed's own whole-parameter accessors."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+def import_deepspeed(src: str, run_dir: str, zero_stage: int | None) -> int:
+    """A DeepSpeed checkpoint of one rank at the state's step. DeepSpeed makes Adam's state at the first step, so
+    the weights go into the model before DeepSpeed copies them to its fp32 master, one step at lr 0 on zero
+    gradients makes the state (and leaves the weights as they are: AdamW's update and its decay are both lr x ...),
+    and DeepSpeed's whole-parameter setters then put the moments in their partitions."""
+    from deepspeed.utils import safe_set_full_optimizer_state
 
     from torchpar.backends import deepspeed
 
+    tensors, meta, cfg = state_for_run(src, run_dir)
+    _refuse_float16(cfg, "import into")
+    if zero_stage is not None:
+        cfg.parallel.zero_stage = zero_stage
+    model = Decoder(cfg.model)
+    n = cfg.model.n_layer
+    model.load_state_dict(from_shared(tensors["param"], n))
+    env = dist.setup(cfg, "deepspeed")
+    try:
+        engine = deepspeed.build(model, cfg, env)
+        _step_at_zero_lr(engine)
+        step, ds = int(meta["step"]), engine.engine
+        inner = getattr(ds.optimizer, "optimizer", ds.optimizer)
+        m, v = from_shared(tensors["adam_m"], n), from_shared(tensors["adam_v"], n)
+        for name, p in engine.raw.named_parameters():
+            if _own_state(p):
+                inner.state[p].update(exp_avg=m[name].clone(), exp_avg_sq=v[name].clone())
+                continue
+            safe_set_full_optimizer_state(p, m[name], "exp_avg")
+            safe_set_full_optimizer_state(p, v[name], "exp_avg_sq")
+        for state in inner.state.values():
+            state["step"] = torch.tensor(float(meta["adam_step"]))
+        ds.lr_scheduler.last_epoch = step - 1
+        ds.lr_scheduler.step()  # the lr of update `step` (0-based), as a run that did `step` updates has it
+        ds.global_steps, ds.global_samples = step, step * cfg.train.global_batch_size
+        os.makedirs(run_dir, exist_ok=True)
+        write_run_config(cfg, backend="deepspeed", state_from=meta.get("source", os.path.abspath(src)))
+        engine.save(step, {"step": step, "data_step": step, "backend": "deepspeed", "world_size": 1})
+        return step
+    finally:
+        dist.teardown()
+
+
+def _step_at_zero_lr(engine) -> None:
+    """One optimizer step (every accumulation micro-step) on zero gradients at lr 0: DeepSpeed's Adam state exists
+    afterwards; the weights are unchanged (0 x update, and decay 1 - 0 x wd)."""
+    ds, cfg = engine.engine, engine.cfg
+    for group in ds.optimizer.param_groups:
+        group["lr"] = 0.0
+    rows = cfg.train.global_batch_size // cfg.train.microbatches
+    for _ in range(cfg.train.microbatches):
+        ds.backward(ds(torch.zeros((rows, cfg.data.seq_len), dtype=torch.long)).sum() * 0.0)
+        ds.step()
+    _link_adam_state(ds.optimizer)
+
+
+def _link_adam_state(zero) -> None:
+    """ZeRO-1/2 of deepspeed 0.19.8 link each parameter to its slice of Adam's state only once, right after the
+    first parameter group's first update: not at all after a same-size load_checkpoint, and not for the second
+    (no-decay) group, which had no state yet then. The whole-parameter accessors need the link: made here."""
+    if hasattr(zero, "bit16_groups") and hasattr(zero, "single_partition_of_fp32_groups"):
+        from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+        for lp, hp in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
+            lazy_init_hp_params_optimizer_state(lp, hp, zero.optimizer.state)
+
+
+def _refuse_float16(cfg, what: str) -> None:
     if cfg.model.compute_dtype == "float16":
-        raise UserError(f"{cfg.run.dir} is a float16 DeepSpeed run: its loss scaler is not exported (not built)")
+        raise UserError(f"float16 runs are not converted to or from DeepSpeed (its loss scaler's growth window is "
+                        f"counted differently): cannot {what} {cfg.run.dir}")
+
+
+def _own_state(p) -> bool:
+    """True where DeepSpeed keeps no master copy of p (ZeRO-0 float32): its value and torch's AdamW state are the
+    parameter's own, and DeepSpeed's whole-parameter accessors answer None (setters do nothing)."""
+    return getattr(p, "_hp_mapping", None) is None and not hasattr(p, "ds_id")
+
+
+def _whole(p, inner, key: str | None) -> torch.Tensor:
+    """p's whole float32 value (key None) or Adam state `key`."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    if _own_state(p):
+        return (p if key is None else inner.state[p][key]).detach().float()
+    return safe_get_full_fp32_param(p) if key is None else safe_get_full_optimizer_state(p, key)
+
+
+def export_deepspeed(cfg, dst: str) -> int:
+    """A DeepSpeed run's state, read on one process (a run of more ranks through the universal checkpoint:
+    torchpar/backends/deepspeed_universal.py) with DeepSpeed's own whole-parameter accessors."""
+    from torchpar.backends import deepspeed
+
+    _refuse_float16(cfg, "export")
     env = dist.setup(cfg, "deepspeed")
     try:
         engine = deepspeed.build(Decoder(cfg.model), cfg, env)
         meta = engine.load()
         if meta is None:
             raise UserError(f"no checkpoint in {cfg.run.dir}/checkpoints")
+        _link_adam_state(engine.engine.optimizer)
+        inner = getattr(engine.engine.optimizer, "optimizer", engine.engine.optimizer)
         params = dict(engine.raw.named_parameters())
-        whole = {"param": {n: safe_get_full_fp32_param(p) for n, p in params.items()},
-                 **{kind: {n: safe_get_full_optimizer_state(p, key) for n, p in params.items()}
-                    for kind, key in (("adam_m", "exp_avg"), ("adam_v", "exp_avg_sq"))}}
-        states = getattr(engine.engine.optimizer, "optimizer", engine.engine.optimizer).state.values()
-        adam_step = int(next(iter(states))["step"])
+        whole = {kind: {n: _whole(p, inner, key) for n, p in params.items()}
+                 for kind, key in (("param", None), ("adam_m", "exp_avg"), ("adam_v", "exp_avg_sq"))}
+        adam_step = int(next(iter(inner.state.values()))["step"])
         save_state(dst, {k: to_shared(v, cfg.model.n_layer) for k, v in whole.items()},
                    state_meta(cfg, meta["data_step"], adam_step, cfg.run.dir))
         return int(meta["data_step"])
@@ -105,12 +193,22 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--from", dest="src_fmt", choices=("state", "torchpar"), required=True)
     p.add_argument("src")
-    p.add_argument("--to", dest="dst_fmt", choices=("state", "torchpar"), required=True)
+    p.add_argument("--to", dest="dst_fmt", choices=("state", "torchpar", "deepspeed"), required=True)
     p.add_argument("dst")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3),
+                   help="--to deepspeed: the new run's parallel.zero_stage (default: the state's config's)")
     args = p.parse_intermixed_args(argv)
-    if args.src_fmt == args.dst_fmt:
-        raise UserError("convert between a torchpar run and a state file: --from state --to torchpar, or the reverse")
-    step = import_state(args.src, args.dst) if args.src_fmt == "state" else export_state(args.src, args.dst)
+    if (args.src_fmt == "state") == (args.dst_fmt == "state"):
+        raise UserError("convert between a torchpar run and a state file: --from state --to torchpar|deepspeed, or "
+                        "--from torchpar --to state")
+    if args.zero_stage is not None and args.dst_fmt != "deepspeed":
+        raise UserError("--zero-stage is for --to deepspeed (a DeepSpeed run's stage is read from its checkpoint)")
+    if args.src_fmt == "torchpar":
+        step = export_state(args.src, args.dst)
+    elif args.dst_fmt == "deepspeed":
+        step = import_deepspeed(args.src, args.dst, args.zero_stage)
+    else:
+        step = import_state(args.src, args.dst)
     print(f"converted the training state of step {step}: {args.src_fmt} {args.src} -> {args.dst_fmt} {args.dst}")
     return 0
 
