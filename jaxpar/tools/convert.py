@@ -7,9 +7,15 @@ Formats:
           writes a step-0 checkpoint (fresh optimizer state) and its config.json, which fine-tuning
           starts from: `jaxpar.train --config DST/config.json [data/train overrides]` (the model keys
           must stay; data and batch keys may change until the run has trained)
-  state   the shared training-state file (jaxpar/core/train_state.py): only to or from `jaxpar`, the whole
-          state (parameters, Adam's moments and count, the step, the config); torchpar has the same
-          conversion (python -m torchpar.tools.convert), so a run goes on in the other framework
+  state   the shared training-state file (jaxpar/core/train_state.py): the whole training state (parameters,
+          Adam's moments and count, the step, the loss scaler, the config), to or from any run format
+  torchpar  a torchpar run directory (DCP or DeepSpeed checkpoints), its whole state; as a target, a DCP run
+  deepspeed (target only) a DeepSpeed run of one rank (--zero-stage S, default the source config's), which
+          `torchpar.train --backend deepspeed` resumes on any number of ranks
+
+Whole-state conversions go through the state file; the torchpar side is python -m torchpar.tools.convert (run
+as a subprocess: jaxpar does not import torch), so `--from jaxpar RUN --to torchpar RUN2` is one command and the
+new run goes on from the source's step in the other framework.
 
 Every conversion is a lossless reshape/transpose/rename of float32 tensors. The model family (gpt2 or
 llama) follows the source; a shared file keeps what shapes cannot tell (context length, eps, rotary base)
@@ -29,7 +35,8 @@ from jaxpar.core.weights import SETTINGS, flatten, model_dims, read_settings, re
 from jaxpar.tools import hf_gpt2, hf_llama
 from jaxpar.tools.convert_state import single_device_layout
 
-FORMATS = ("shared", "hf", "jaxpar", "state")
+FORMATS = ("shared", "hf", "jaxpar", "state", "torchpar", "deepspeed")
+RUNS = ("jaxpar", "torchpar", "deepspeed")  # formats a whole training state converts between, with "state"
 
 
 def read(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
@@ -95,8 +102,9 @@ def main(argv=None) -> int:
     p.add_argument("src")
     p.add_argument("--to", dest="dst_fmt", choices=FORMATS, required=True)
     p.add_argument("dst")
+    p.add_argument("--zero-stage", choices=("0", "1", "2", "3"), help="--to deepspeed: the new run's ZeRO stage")
     args = p.parse_intermixed_args(argv)
-    if "state" in (args.src_fmt, args.dst_fmt):
+    if {args.src_fmt, args.dst_fmt} & {"state", "torchpar", "deepspeed"}:
         return _whole_state(args)
     if args.dst_fmt == "jaxpar" and os.path.exists(os.path.join(args.dst, "checkpoints")):
         raise UserError(f"{args.dst} already holds checkpoints; refusing to mix runs")
@@ -107,14 +115,55 @@ def main(argv=None) -> int:
 
 
 def _whole_state(args) -> int:
-    from jaxpar.tools.convert_state import export_state, import_state
+    """run or state file -> run or state file, through a state file beside the destination where neither is one."""
+    import tempfile
 
-    if {args.src_fmt, args.dst_fmt} != {"jaxpar", "state"}:
-        raise UserError("the training state converts between a jaxpar run and a state file only "
-                        "(--from jaxpar RUN --to state FILE, or --from state FILE --to jaxpar RUN)")
-    step = export_state(args.src, args.dst) if args.src_fmt == "jaxpar" else import_state(args.src, args.dst)
-    print(f"converted the training state of step {step}: {args.src_fmt} {args.src} -> {args.dst_fmt} {args.dst}")
+    src, dst = args.src_fmt, args.dst_fmt
+    if src not in (*RUNS[:2], "state") or dst not in (*RUNS, "state") or src == dst == "state" or \
+            (src, dst) == ("jaxpar", "jaxpar"):
+        raise UserError(f"--from {src} --to {dst}: the training state converts from a jaxpar or torchpar run or a "
+                        "state file to a jaxpar, torchpar or deepspeed run or a state file")
+    if args.zero_stage is not None and dst != "deepspeed":
+        raise UserError("--zero-stage is for --to deepspeed")
+    if src != "state" and dst != "state":
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(args.dst))) as tmp:
+            state = os.path.join(tmp, "state.safetensors")
+            _export(src, args.src, state)
+            step = _import(state, dst, args.dst, args.zero_stage)
+    else:
+        step = _export(src, args.src, args.dst) if dst == "state" else _import(args.src, dst, args.dst, args.zero_stage)
+    print(f"converted the training state of step {step}: {src} {args.src} -> {dst} {args.dst}")
     return 0
+
+
+def _export(fmt: str, run_dir: str, state: str) -> int:
+    from jaxpar.tools.convert_state import export_state
+
+    return export_state(run_dir, state) if fmt == "jaxpar" else _torchpar("--from", "torchpar", run_dir, "--to",
+                                                                           "state", state)
+
+
+def _import(state: str, fmt: str, run_dir: str, zero_stage: str | None) -> int:
+    from jaxpar.tools.convert_state import import_state
+
+    if fmt == "jaxpar":
+        return import_state(state, run_dir)
+    return _torchpar("--from", "state", state, "--to", fmt, run_dir, *(("--zero-stage", zero_stage) if zero_stage
+                                                                        else ()))
+
+
+def _torchpar(*args: str) -> int:
+    """python -m torchpar.tools.convert ARGS: the step it converted, or its error line as ours."""
+    import re
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "torchpar.tools.convert", *args], capture_output=True, text=True)
+    done = re.search(r"converted the training state of step (\d+)", proc.stdout)
+    if proc.returncode or not done:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()] or ["(no output)"]
+        last = next((ln for ln in reversed(lines) if ln.startswith("error:")), lines[-1])
+        raise UserError(f"torchpar.tools.convert {' '.join(args)} failed: {last.removeprefix('error: ')}")
+    return int(done.group(1))
 
 
 if __name__ == "__main__":

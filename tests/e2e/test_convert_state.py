@@ -54,9 +54,8 @@ def test_jaxpar_to_torchpar(data, tmp_path):
     assert run_cli(full, data, "--mesh", "dp=2,tp=4", *ARGS, "--write-final", str(tmp_path / "a.st")).returncode == 0
     r = run_cli(half, data, "--mesh", "dp=2,tp=4", *ARGS, env={"JAXPAR_FAULT_SIGTERM_AFTER_STEP": "10"})
     assert r.returncode == 0, r.stderr[-2000:]
-    convert("jaxpar.tools.convert", "--from", "jaxpar", str(half), "--to", "state", str(tmp_path / "s.safetensors"))
-    convert("torchpar.tools.convert", "--from", "state", str(tmp_path / "s.safetensors"), "--to", "torchpar",
-            str(moved))
+    convert("jaxpar.tools.convert", "--from", "jaxpar", str(half), "--to", "torchpar", str(moved))  # one command
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("tmp")] == []  # its state file is gone
     other_model = ["--backend", "none", "--config", str(moved / "config.json"), "model.n_layer=3"]
     refused = run_in_session(torch_command(other_model, 0), torch_env(), 120, "torchpar with another model")
     assert refused.returncode == 2 and "was started with another model.n_layer" in refused.stderr, refused.stderr
@@ -73,8 +72,7 @@ def test_torchpar_to_jaxpar(data, tmp_path):
     args = [*TINY, f"data.dataset={data}", *ARGS]
     torchpar(["--backend", "none", *args, f"run.dir={full}"], nproc=0)
     torchpar(["--backend", "ddp", *args, f"run.dir={half}"], nproc=2, TORCHPAR_FAULT_SIGTERM_AFTER_STEP="10")
-    convert("torchpar.tools.convert", "--from", "torchpar", str(half), "--to", "state", str(tmp_path / "s.safetensors"))
-    convert("jaxpar.tools.convert", "--from", "state", str(tmp_path / "s.safetensors"), "--to", "jaxpar", str(moved))
+    convert("jaxpar.tools.convert", "--from", "torchpar", str(half), "--to", "jaxpar", str(moved))
     jaxpar_resumes(moved, "fsdp=4")
     assert_continues(metrics(moved), metrics(full))
 

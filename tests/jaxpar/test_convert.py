@@ -70,3 +70,18 @@ def test_hf_round_trip_is_bit_exact(hf_dir, tmp_path, via):
 def test_convert_errors_are_one_line(tmp_path, capsys):
     assert convert.main(["--from", "hf", str(tmp_path), "--to", "shared", str(tmp_path / "x.safetensors")]) == 2
     assert "config.json is missing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--from", "state", "a", "--to", "state", "b"], "the training state converts from"),
+    (["--from", "torchpar", "a", "--to", "shared", "b"], "the training state converts from"),
+    (["--from", "jaxpar", "a", "--to", "torchpar", "b", "--zero-stage", "2"], "--zero-stage is for --to deepspeed"),
+    (["--from", "state", "missing.safetensors", "--to", "torchpar", "b"], "training-state file not found"),
+])
+def test_whole_state_conversions_refused_in_one_line(argv, named, tmp_path, capsys, monkeypatch):
+    """The last one fails in torchpar.tools.convert (a subprocess): its error line comes back as this one's."""
+    monkeypatch.chdir(tmp_path)
+    assert convert.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0], err
+    assert not (tmp_path / "b").exists()
