@@ -125,6 +125,8 @@ def _whole_state(args) -> int:
                         "state file to a jaxpar, torchpar or deepspeed run or a state file")
     if args.zero_stage is not None and dst != "deepspeed":
         raise UserError("--zero-stage is for --to deepspeed")
+    if dst in RUNS and os.path.exists(os.path.join(args.dst, "checkpoints")):  # before anything is read or written
+        raise UserError(f"{args.dst} already holds checkpoints; refusing to mix runs")
     if src != "state" and dst != "state":
         with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(args.dst))) as tmp:
             state = os.path.join(tmp, "state.safetensors")

@@ -49,16 +49,20 @@ def assert_continues(got: dict, ref: dict) -> None:
 
 def test_jaxpar_to_torchpar(data, tmp_path):
     """... and the final parameters within the parity suite's float32 bound (1e-5 relative norm); the moved run's
-    config is the source's, so resuming it with another model is one line."""
+    config is the source's, so resuming it with another model or dataset is one line, nothing touched."""
     full, half, moved = tmp_path / "full", tmp_path / "half", tmp_path / "moved"
     assert run_cli(full, data, "--mesh", "dp=2,tp=4", *ARGS, "--write-final", str(tmp_path / "a.st")).returncode == 0
     r = run_cli(half, data, "--mesh", "dp=2,tp=4", *ARGS, env={"JAXPAR_FAULT_SIGTERM_AFTER_STEP": "10"})
     assert r.returncode == 0, r.stderr[-2000:]
     convert("jaxpar.tools.convert", "--from", "jaxpar", str(half), "--to", "torchpar", str(moved))  # one command
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("tmp")] == []  # its state file is gone
-    other_model = ["--backend", "none", "--config", str(moved / "config.json"), "model.n_layer=3"]
-    refused = run_in_session(torch_command(other_model, 0), torch_env(), 120, "torchpar with another model")
-    assert refused.returncode == 2 and "was started with another model.n_layer" in refused.stderr, refused.stderr
+    saved = sorted(p.name for p in (moved / "checkpoints").iterdir())
+    other = ["--backend", "none", "--config", str(moved / "config.json"), "model.n_layer=3", "data.dataset=other.bin"]
+    refused = run_in_session(torch_command(other, 0), torch_env(), 120, "torchpar with another model and data")
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert refused.returncode == 2 and len(errors) == 1, refused.stderr
+    assert "was started with another model.n_layer/data.dataset" in errors[0], errors
+    assert sorted(p.name for p in (moved / "checkpoints").iterdir()) == saved
     torchpar(["--backend", "fsdp", "--config", str(moved / "config.json"), "--write-final", str(tmp_path / "b.st")],
              nproc=2)
     assert_continues(metrics(moved), metrics(full))

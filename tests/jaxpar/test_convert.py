@@ -77,10 +77,12 @@ def test_convert_errors_are_one_line(tmp_path, capsys):
     (["--from", "torchpar", "a", "--to", "shared", "b"], "the training state converts from"),
     (["--from", "jaxpar", "a", "--to", "torchpar", "b", "--zero-stage", "2"], "--zero-stage is for --to deepspeed"),
     (["--from", "state", "missing.safetensors", "--to", "torchpar", "b"], "training-state file not found"),
+    (["--from", "jaxpar", "a", "--to", "deepspeed", "held"], "held already holds checkpoints; refusing to mix"),
 ])
 def test_whole_state_conversions_refused_in_one_line(argv, named, tmp_path, capsys, monkeypatch):
     """The last one fails in torchpar.tools.convert (a subprocess): its error line comes back as this one's."""
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "held" / "checkpoints").mkdir(parents=True)
     assert convert.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and named in err[0], err
