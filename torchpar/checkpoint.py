@@ -91,6 +91,7 @@ class DCPCheckpointer:
     def __init__(self, run_dir: str, keep: int, model, optimizer, env: Env):
         self.dir = os.path.abspath(os.path.join(run_dir, "checkpoints"))
         self.keep, self.model, self.optimizer, self.env = keep, model, optimizer, env
+        self.rank_state = None  # each rank's own state beside DCP's (save(folder), load(folder)): DDP's PowerSGD
 
     def remove_partial_saves(self) -> None:
         """The trainer, before its first restore: a `<step>.partial` is a save its run did not finish (killed,
@@ -114,6 +115,8 @@ class DCPCheckpointer:
         dist.barrier()
         with failing_save(step, tmp, self.env.is_main, self._last_complete), _single_process_ok():
             dcp.save(self._state(), checkpoint_id=tmp, no_dist=not tdist.is_initialized())
+            if self.rank_state is not None:
+                self._save_rank_state(tmp)
         dist.barrier()
         if self.env.is_main:
             with failing_save(step, tmp, self.env.is_main, self._last_complete):
@@ -123,6 +126,17 @@ class DCPCheckpointer:
             for old in complete_steps(self.dir)[:-self.keep]:
                 shutil.rmtree(os.path.join(self.dir, str(old)), ignore_errors=True)
         dist.barrier()
+
+    def _save_rank_state(self, folder: str) -> None:
+        """Every rank's own file, or a failure on every rank (no rank waits at the next barrier for one that
+        stopped): the failing rank's error, or an OSError naming another rank's."""
+        error = None
+        try:
+            self.rank_state.save(folder)
+        except Exception as e:  # noqa: BLE001 - failing_save tells a full disk from a bug
+            error = e
+        if dist.any_rank(error is not None, self.env):
+            raise error or OSError(errno.EIO, "another rank could not write its part of the checkpoint", folder)
 
     def _last_complete(self) -> int | None:
         return (complete_steps(self.dir) or [None])[-1]
@@ -145,6 +159,8 @@ class DCPCheckpointer:
             raise UserError(f"checkpoint {path} could not be loaded: {reason}") from None
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=FLAT)
+        if self.rank_state is not None:
+            self.rank_state.load(path)
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
         if self.env.is_main:

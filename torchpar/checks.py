@@ -28,6 +28,12 @@ def check(cfg: Config, args) -> None:
     if args.cpu_offload:
         raise UserError("--cpu-offload was replaced by the config key parallel.offload=optimizer|params+optimizer")
     check_offload(cfg, args.backend)
+    if cfg.parallel.grad_compression == "powersgd" and args.backend in ("fsdp", "deepspeed"):
+        why = {"fsdp": "FSDP2 reduce-scatters flat shards, which PowerSGD cannot factor",
+               "deepspeed": "deepspeed 0.19 has no 1-bit or 0/1 Adam any more, and ZeRO++'s quantized gradients "
+                            "need its CUDA kernels"}[args.backend]
+        raise UserError(f"parallel.grad_compression=powersgd runs on --backend ddp (torch's DDP communication hook), "
+                        f"not {args.backend}: {why}; parallel.grad_compression=bf16 runs there")
     if cfg.model.compute_dtype == "float16" and args.backend == "pipeline":
         raise UserError("model.compute_dtype=float16 (loss scaling) runs on --backend none, ddp, fsdp or deepspeed, "
                         "not pipeline")

@@ -161,6 +161,12 @@ class ParallelConfig:
     # state kept in host memory between steps, moved to the devices for the step (jaxpar: memory kinds;
     # torchpar: FSDP2's CPUOffloadPolicy, DeepSpeed's offload_optimizer / offload_param)
     offload: str = field(default="none", metadata=_check(choices=("none", "optimizer", "params+optimizer")))
+    # gradients on the wire (torchpar: DDP communication hooks, FSDP2's reduce dtype, DeepSpeed's
+    # communication_data_type; docs/torchpar.md "Gradient compression"); PowerSGD: rank-r factors with error
+    # feedback after `powersgd_warmup_steps` uncompressed steps (torch needs 2 or more)
+    grad_compression: str = field(default="none", metadata=_check(choices=("none", "bf16", "powersgd")))
+    powersgd_rank: int = field(default=4, metadata=_check(lo=1))
+    powersgd_warmup_steps: int = field(default=10, metadata=_check(lo=2))
 
 
 @dataclass

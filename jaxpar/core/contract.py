@@ -74,6 +74,10 @@ def _zero(run: Run) -> bool:  # jaxpar shards over dp only (jaxpar/layout.py); w
     return run.trainer == "torchpar" or run.size("dp") > 1
 
 
+def _powersgd(run: Run) -> bool:
+    return run.cfg.parallel.grad_compression == "powersgd"
+
+
 def _virtual(run: Run) -> bool:
     return run.cfg.parallel.pipeline_schedule == "interleaved" and (run.trainer == "torchpar" or _stages(run))
 
@@ -172,6 +176,14 @@ CONTRACT: dict[str, Owner] = {
                                                        "model.n_layer=4")),
     "parallel.offload": Owner(True, ("fsdp", "deepspeed"), "step",
                               why_not="--backend fsdp or deepspeed keep state in host memory"),
+    "parallel.grad_compression": Owner(False, ("ddp", "fsdp", "deepspeed"), "engine",
+                                       why_not="it compresses torchpar's gradient reduction: --backend ddp, fsdp "
+                                               "or deepspeed (none has none; pipeline and jaxpar: not built yet)"),
+    **{f"parallel.powersgd_{k}": Owner(False, ("ddp",), "engine", when=_powersgd,
+                                       mode="parallel.grad_compression=powersgd",
+                                       example=("parallel.grad_compression=powersgd",),
+                                       why_not="PowerSGD runs on --backend ddp (torch's DDP communication hook)")
+       for k in ("rank", "warmup_steps")},
     # checkpoint and run: the shared loop and run directory
     "checkpoint.every": Owner(True, BOTH, "loop"),
     "checkpoint.keep": Owner(True, BOTH, "test", evidence="tests/core/test_contract.py::test_checkpoint_keep_is_the_number_of_steps_kept"),

@@ -246,6 +246,9 @@ def torch_engine(cfg, backend: str):
     if backend == "fsdp":
         from torchpar.backends.fsdp import fsdp_options
         out["fsdp"] = fsdp_options(cfg, 4)
+    if backend == "ddp":
+        from torchpar.backends.ddp import comm_hook
+        out["ddp"] = comm_hook(cfg)
     try:
         check_torch_mesh(cfg.parallel.mesh, backend, 4)
     except UserError as e:

@@ -3,7 +3,8 @@
 
 Generated: batch sizes and accumulation from train.*, ZeRO stage from parallel.zero_stage,
 torch AdamW (`torch_adam`, no op builds) with optim.*, gradient_clipping, bf16 / fp16 from
-model.compute_dtype (fp16: dynamic loss scaling from optim.loss_scale_*), CPU offload of the optimizer
+model.compute_dtype (fp16: dynamic loss scaling from optim.loss_scale_*), communication_data_type bf16 from
+parallel.grad_compression=bf16, CPU offload of the optimizer
 (parallel.offload=optimizer) and of parameters too (params+optimizer, stage 3).
 The user JSON may not contradict the shared keys where the model depends on them: precision sections
 other than model.compute_dtype's and an `activation_checkpointing` section (the model recomputes
@@ -80,6 +81,7 @@ def generated_config(cfg, world: int) -> dict:
         "bf16": {"enabled": dtype == "bfloat16"},
         "fp16": fp16_section(cfg) if dtype == "float16" else {"enabled": False},
         "steps_per_print": 2**31 - 1,
+        **({"communication_data_type": "bf16"} if cfg.parallel.grad_compression == "bf16" else {}),
     }
 
 

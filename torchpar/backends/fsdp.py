@@ -2,8 +2,9 @@
 for parallel.mesh=dp=D,fsdp=F (HSDP: FSDP2 shards over fsdp and replicates over dp; fsdp=1 is plain replication).
 Every rank still reads its own share of each batch (both axes split the data).
 
-model.compute_dtype=bfloat16 or float16 -> MixedPrecisionPolicy(param_dtype=that, reduce_dtype=fp32) (float16:
-with the sharded GradScaler, torchpar/backends/base.py); parallel.offload=params+optimizer -> CPUOffloadPolicy; model.remat is applied inside the model (torch.utils.checkpoint).
+model.compute_dtype=bfloat16 or float16 -> MixedPrecisionPolicy(param_dtype=that) (float16: with the sharded
+GradScaler, torchpar/backends/base.py); gradients are reduced in float32, or in bfloat16 with
+parallel.grad_compression=bf16 (reduce_dtype); parallel.offload=params+optimizer -> CPUOffloadPolicy; model.remat is applied inside the model (torch.utils.checkpoint).
 parallel.zero_stage 1 or 2 keeps parameters gathered between forward and backward
 (reshard_after_forward=False, ZeRO-2-like); 0 or 3 reshards after forward (ZeRO-3).
 Full weights (--write-final): `get_model_state_dict(full_state_dict, cpu_offload)` gathers them to rank 0.
@@ -27,16 +28,17 @@ def fsdp_options(cfg, world: int) -> dict:
     sizes = resolve_sizes(parse_mesh(cfg.parallel.mesh), world) if cfg.parallel.mesh else {"dp": 1}
     mesh = ((world,), ("fsdp",)) if sizes["dp"] == 1 else ((sizes["dp"], sizes["fsdp"]), ("dp", "fsdp"))
     compute = None if cfg.model.compute_dtype == "float32" else cfg.model.compute_dtype
-    return {"mesh": mesh, "param_dtype": compute, "cpu_offload": cfg.parallel.offload == "params+optimizer",
+    reduce = "bfloat16" if cfg.parallel.grad_compression == "bf16" else "float32"  # powersgd: torchpar.checks refuses
+    return {"mesh": mesh, "param_dtype": compute, "reduce_dtype": reduce,
+            "cpu_offload": cfg.parallel.offload == "params+optimizer",
             "reshard_after_forward": cfg.parallel.zero_stage not in (1, 2)}
 
 
 def build(model, cfg, env, **_):
     o = fsdp_options(cfg, env.world)  # torchpar.checks.check_offload refuses the offloads FSDP2 cannot do
     mesh = init_device_mesh(env.device.type, o["mesh"][0], mesh_dim_names=o["mesh"][1])
-    mp = MixedPrecisionPolicy()
-    if o["param_dtype"]:
-        mp = MixedPrecisionPolicy(param_dtype=getattr(torch, o["param_dtype"]), reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, o["param_dtype"]) if o["param_dtype"] else None,
+                              reduce_dtype=getattr(torch, o["reduce_dtype"]))
     cpu_offload = o["cpu_offload"]
     kwargs = {"mesh": mesh, "mp_policy": mp, "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
               "reshard_after_forward": o["reshard_after_forward"]}
