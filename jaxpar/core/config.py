@@ -161,9 +161,7 @@ class ParallelConfig:
     # state kept in host memory between steps, moved to the devices for the step (jaxpar: memory kinds;
     # torchpar: FSDP2's CPUOffloadPolicy, DeepSpeed's offload_optimizer / offload_param)
     offload: str = field(default="none", metadata=_check(choices=("none", "optimizer", "params+optimizer")))
-    # gradients on the wire (torchpar: DDP communication hooks, FSDP2's reduce dtype, DeepSpeed's
-    # communication_data_type; docs/torchpar.md "Gradient compression"); PowerSGD: rank-r factors with error
-    # feedback after `powersgd_warmup_steps` uncompressed steps (torch needs 2 or more)
+    # gradients on the wire (torchpar's backends; docs/torchpar.md "Gradient compression")
     grad_compression: str = field(default="none", metadata=_check(choices=("none", "bf16", "powersgd")))
     powersgd_rank: int = field(default=4, metadata=_check(lo=1))
     powersgd_warmup_steps: int = field(default=10, metadata=_check(lo=2))
@@ -211,20 +209,12 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
-    elif typ is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+    elif typ in (int, float):  # an int field takes no float (2.5 would be cut short), a float field an int
+        if isinstance(value, (int, typ)) and not isinstance(value, bool):
+            return typ(value)
         if isinstance(value, str):
             try:
-                return int(value)
-            except ValueError:
-                pass
-    elif typ is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
+                return typ(value)
             except ValueError:
                 pass
     elif typ is str:
