@@ -15,9 +15,29 @@ from tests.torchpar.runs import run
 POWERSGD = ["parallel.grad_compression=powersgd", "parallel.powersgd_rank=2", "parallel.powersgd_warmup_steps=2"]
 
 
+def powersgd_bytes(shapes, rank: int) -> int:
+    """The issue's analytic figure: r(n+m) float32 elements for an n x m matrix (a tensor viewed as [shape[0], -1],
+    r at most min(n, m)), n x m where that would not halve the matrix (torch's default min_compression_rate)."""
+    total = 0
+    for shape in shapes:
+        n, m = shape[0], int(np.prod(shape[1:], dtype=int))
+        r = min(n, m, rank)
+        total += r * (n + m) if 2 * r * (n + m) < n * m else n * m
+    return 4 * total
+
+
 def losses(run_dir) -> list[float]:
     m = metrics(run_dir)
     return [m[s]["loss"] for s in range(1, 11)]
+
+
+@pytest.fixture(scope="module")
+def shapes(base):
+    """The model's parameter shapes (DDP's: a tied weight once), as base's config builds it."""
+    from torchpar.train import build_model
+
+    params = list(build_model(load_config(None, base["args"])).parameters())
+    return [tuple(p.shape) for p in params], sum(p.numel() for p in params)
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +47,7 @@ def plain(base):
     return losses(base["tmp"] / "plain-ddp")
 
 
-def test_bf16_on_the_wire_under_every_backend(base, plain):
+def test_bf16_on_the_wire_under_every_backend(base, plain, shapes):
     """Each backend's run moves off the float32 one (the setting acts: step 3 on differs), by bfloat16's rounding
     only (within 1e-3 after 10 steps: 2e-4 measured), and the three agree with each other within 1e-5 (3e-7
     measured): they reduce the same bfloat16 values."""
@@ -39,17 +59,23 @@ def test_bf16_on_the_wire_under_every_backend(base, plain):
         runs[backend] = losses(run_dir)
         assert runs[backend][2:] != plain[2:], backend
         np.testing.assert_allclose(runs[backend], plain, rtol=1e-3, err_msg=backend)
+    sent = {name: metrics(base["tmp"] / name)[5]["grad_comm_bytes"] for name in ("plain-ddp", "bf16-ddp")}
+    assert sent["bf16-ddp"] * 2 == sent["plain-ddp"] == 4 * shapes[1]  # float32 gradients, then bfloat16
     np.testing.assert_allclose(runs["fsdp"], runs["ddp"], rtol=1e-5)
     np.testing.assert_allclose(runs["deepspeed"], runs["ddp"], rtol=1e-5)
 
 
-def test_powersgd_resumes_exactly_after_sigkill(base, plain):
+def test_powersgd_resumes_exactly_after_sigkill(base, plain, shapes):
     """Rank-2 PowerSGD after 2 plain steps, killed after step 5 (checkpoint of step 4): the resumed run restores
     each rank's error buffers and Q factors and equals the uninterrupted one bit for bit. On 4 ranks the same
     checkpoint resumes with PowerSGD started afresh, and says so."""
     full, half = base["tmp"] / "psgd-full", base["tmp"] / "psgd-half"
     run(["--backend", "ddp", *base["args"], *POWERSGD, f"run.dir={full}"], nproc=2)
     assert losses(full)[:3] == plain[:3] and losses(full)[3:] != plain[3:]  # the warm-up, then compressed
+    sent = [metrics(full)[s]["grad_comm_bytes"] for s in range(1, 11)]
+    analytic = powersgd_bytes(shapes[0], 2)
+    assert sent[:2] == [4 * shapes[1]] * 2 and analytic < 4 * shapes[1] / 2
+    assert all(analytic / 1.1 <= b <= 1.1 * analytic for b in sent[2:]), (sent, analytic)
     args = ["--backend", "ddp", *base["args"], *POWERSGD, "checkpoint.every=2", f"run.dir={half}"]
     run(args, nproc=2, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="5")
     out = run(args, nproc=2)
