@@ -19,6 +19,7 @@ from jaxpar.loss import cross_entropy, loss_fn, split_rows, token_order
 from jaxpar.models.decoder import abstract_model
 from jaxpar.ops import split_microbatches
 from jaxpar.optim import lr_fn, make_optimizer
+from jaxpar.parallel.compression import compressed_loss_and_grads, data_axes
 from jaxpar.parallel.pipeline_executor import HAND_SCHEDULED, StageFns, pipeline_value_and_grad
 from jaxpar.parallelize import parallel_context
 from jaxpar.state import abstract_state, init_state
@@ -77,6 +78,9 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
     tx, lr = make_optimizer(cfg), lr_fn(cfg)
     value_and_grad, context = loss_and_grad(layout)
     fp16 = loss_scale.enabled(cfg)
+    compressed = None
+    if cfg.parallel.grad_compression == "bf16" and data_axes(layout.mesh):
+        compressed = compressed_loss_and_grads(layout, value_and_grad, accum)
 
     def step(state, batch):
         state = to_device(layout, state)  # parallel.offload: host -> device for this step
@@ -88,8 +92,11 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
             loss, grads = value_and_grad(params, mb, scale)
             return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
-        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        (loss, grads), _ = jax.lax.scan(accumulate, zero, split_microbatches(batch, accum))
+        if compressed is not None:  # parallel.grad_compression: the data axes' reduction in bfloat16
+            loss, grads = compressed(params, batch, jnp.asarray(scale, jnp.float32))
+        else:
+            zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            (loss, grads), _ = jax.lax.scan(accumulate, zero, split_microbatches(batch, accum))
         loss, grads = loss / (accum * scale), jax.tree.map(lambda g: g / (accum * scale), grads)
         if inject_overflow:
             grads = jax.tree.map(lambda g: g * jnp.inf, grads)

@@ -2,7 +2,8 @@
 
 Default: float32 on jaxpar dp=2,tp=4 and every torchpar backend; accum and remat on torchpar's one
 process; the llama family on torchpar's one process and pipeline (its untied head on the last stage);
-bfloat16 on both one-device sides. Full: every config (the GPT-2 variants mla, dilated, sketched and
+bfloat16 on both one-device sides; bfloat16 gradient reduction (compressed) on torchpar ddp against jaxpar
+dp=2,tp=4. Full: every config (the GPT-2 variants mla, dilated, sketched and
 the llama family included) on every side.
 
 float32, accum and remat: a side against the jaxpar one-device run of the same config.
@@ -10,6 +11,7 @@ bfloat16: a side against its own float32 run (same side, `model.compute_dtype=fl
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from parity_tests.compare import BFLOAT16, FLOAT16, FLOAT32, Tolerance
@@ -33,6 +35,8 @@ class Case:
     def tol(self) -> Tolerance:
         if self.config == "float16":
             return FLOAT16
+        if self.config == "compressed":  # two frameworks' bfloat16 rounding of the reduced gradients
+            return dataclasses.replace(BFLOAT16, name="bfloat16 gradient reduction")
         return BFLOAT16 if self.ref_overrides == AS_FLOAT32 else FLOAT32
 
     @property
@@ -44,6 +48,8 @@ def cases(full: bool = False) -> list[Case]:
     if full:
         out = [Case(c, s, REFERENCE) for c in ("float32", "accum", "remat", *VARIANTS) for s in SIDES if s != REFERENCE]
         out += [Case("float16", s, REFERENCE) for s in FLOAT16_SIDES]
+        out += [Case("compressed", s, "jax:dp=2,tp=4") for s in ("jax:dp=8", "jax:fsdp=8", "torch:ddp", "torch:fsdp",
+                                                                 "torch:zero2", "torch:zero3")]
         return out + [Case("bfloat16", s, s, AS_FLOAT32) for s in SIDES]
     # jaxpar dp=8 and fsdp=8 are left to --parity-full: tests/jaxpar/test_layouts.py holds every mesh to one device;
     # so are the variants: tests/jaxpar/test_variants.py holds their loss and gradients to torchpar's.
@@ -51,4 +57,5 @@ def cases(full: bool = False) -> list[Case]:
     out += [Case(c, "torch:none", REFERENCE) for c in ("accum", "remat")]
     out += [Case("llama", s, REFERENCE) for s in ("torch:none", "torch:pp=2")]
     out += [Case("float16", "torch:none", REFERENCE)]
+    out += [Case("compressed", "torch:ddp", "jax:dp=2,tp=4")]  # gradients reduced in bfloat16 on both sides
     return out + [Case("bfloat16", s, s, AS_FLOAT32) for s in (REFERENCE, "torch:none")]

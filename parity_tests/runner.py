@@ -129,7 +129,7 @@ class Runner:
         if key not in self._inits:
             path = os.path.join(self.workdir, "init", f"{key}.safetensors")
             cmd = [sys.executable, "-m", "jaxpar.train", *self.base_args(config, overrides), "--mesh", "dp=1",
-                   f"train.seed={cfg.train.seed + INIT_SEED_OFFSET}",
+                   f"train.seed={cfg.train.seed + INIT_SEED_OFFSET}", "parallel.grad_compression=none",  # one device
                    f"run.dir={os.path.join(self.workdir, 'init', key)}", "--write-init", path]
             self.launch(cmd, f"export of initial weights for {config}")
             self._inits[key] = path

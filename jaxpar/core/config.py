@@ -161,7 +161,7 @@ class ParallelConfig:
     # state kept in host memory between steps, moved to the devices for the step (jaxpar: memory kinds;
     # torchpar: FSDP2's CPUOffloadPolicy, DeepSpeed's offload_optimizer / offload_param)
     offload: str = field(default="none", metadata=_check(choices=("none", "optimizer", "params+optimizer")))
-    # gradients on the wire (torchpar's backends; docs/torchpar.md "Gradient compression")
+    # the data-parallel gradient reduction: none | bf16 | powersgd (docs/torchpar.md "Gradient compression")
     grad_compression: str = field(default="none", metadata=_check(choices=("none", "bf16", "powersgd")))
     powersgd_rank: int = field(default=4, metadata=_check(lo=1))
     powersgd_warmup_steps: int = field(default=10, metadata=_check(lo=2))

@@ -74,6 +74,10 @@ def _zero(run: Run) -> bool:  # jaxpar shards over dp only (jaxpar/layout.py); w
     return run.trainer == "torchpar" or run.size("dp") > 1
 
 
+def _data_parallel(run: Run) -> bool:
+    return run.trainer == "torchpar" or run.size("dp") * run.size("fsdp") > 1
+
+
 def _powersgd(run: Run) -> bool:
     return run.cfg.parallel.grad_compression == "powersgd"
 
@@ -176,9 +180,11 @@ CONTRACT: dict[str, Owner] = {
                                                        "model.n_layer=4")),
     "parallel.offload": Owner(True, ("fsdp", "deepspeed"), "step",
                               why_not="--backend fsdp or deepspeed keep state in host memory"),
-    "parallel.grad_compression": Owner(False, ("ddp", "fsdp", "deepspeed"), "engine",
-                                       why_not="it compresses torchpar's gradient reduction: --backend ddp, fsdp "
-                                               "or deepspeed (none has none; pipeline and jaxpar: not built yet)"),
+    "parallel.grad_compression": Owner(True, ("ddp", "fsdp", "deepspeed"), "step", when=_data_parallel,
+                                       mode="dp or fsdp > 1 in jaxpar's mesh (the axes whose gradients are reduced)",
+                                       example=("mesh:dp=2",),
+                                       why_not="it compresses the data-parallel gradient reduction: --backend ddp, "
+                                               "fsdp or deepspeed (none has none; pipeline: not built yet)"),
     **{f"parallel.powersgd_{k}": Owner(False, ("ddp",), "engine", when=_powersgd,
                                        mode="parallel.grad_compression=powersgd",
                                        example=("parallel.grad_compression=powersgd",),

@@ -1,4 +1,4 @@
-"""parallel.grad_compression in torchpar: bfloat16 on the wire under ddp (torch's bf16 hook), fsdp (FSDP2's
+"""parallel.grad_compression in torchpar (jaxpar's: tests/jaxpar/test_grad_compression.py): bfloat16 on the wire under ddp (torch's bf16 hook), fsdp (FSDP2's
 reduce dtype) and deepspeed (communication_data_type); PowerSGD under ddp (torch's hook), its error-feedback state
 resumed exactly after SIGKILL; what a backend does not run is refused in one line."""
 import argparse
@@ -68,7 +68,8 @@ def test_bf16_on_the_wire_under_every_backend(base, plain, shapes):
 def test_powersgd_resumes_exactly_after_sigkill(base, plain, shapes):
     """Rank-2 PowerSGD after 2 plain steps, killed after step 5 (checkpoint of step 4): the resumed run restores
     each rank's error buffers and Q factors and equals the uninterrupted one bit for bit. On 4 ranks the same
-    checkpoint resumes with PowerSGD started afresh, and says so."""
+    checkpoint resumes with PowerSGD started afresh (its warm-up again), and says so; more than 2 ranks need the
+    one gradient bucket ddp.one_bucket_mb gives PowerSGD over gloo."""
     full, half = base["tmp"] / "psgd-full", base["tmp"] / "psgd-half"
     run(["--backend", "ddp", *base["args"], *POWERSGD, f"run.dir={full}"], nproc=2)
     assert losses(full)[:3] == plain[:3] and losses(full)[3:] != plain[3:]  # the warm-up, then compressed
@@ -81,9 +82,9 @@ def test_powersgd_resumes_exactly_after_sigkill(base, plain, shapes):
     out = run(args, nproc=2)
     assert "resumed from" in out.stderr and "PowerSGD" not in out.stderr
     assert losses(half) == losses(full)
-    out = run(args + ["train.steps=12"], nproc=4)
+    out = run(args + ["train.steps=14"], nproc=4)  # steps 11-12 plain again, 13-14 PowerSGD on 4 ranks
     assert "resumed from" in out.stderr and "PowerSGD" in out.stderr and "starts afresh" in out.stderr
-    assert max(metrics(half)) == 12
+    assert max(metrics(half)) == 14 and metrics(half)[13]["grad_comm_bytes"] < metrics(half)[11]["grad_comm_bytes"]
 
 
 @pytest.mark.parametrize("backend,key,named", [
@@ -92,14 +93,24 @@ def test_powersgd_resumes_exactly_after_sigkill(base, plain, shapes):
     ("none", "parallel.grad_compression=bf16", "not used by torchpar --backend none"),
     ("pipeline", "parallel.grad_compression=bf16", "not used by torchpar --backend pipeline"),
     ("ddp", "parallel.powersgd_rank=2", "applies with parallel.grad_compression=powersgd"),
-    ("jaxpar", "parallel.grad_compression=bf16", "not used by jaxpar.train"),
+    ("jaxpar", "parallel.grad_compression=bf16", "applies with dp or fsdp > 1"),  # one device: nothing to reduce
 ])
 def test_what_a_backend_does_not_run_is_refused(backend, key, named):
     cfg = load_config(None, TINY + [key])
     with pytest.raises(UserError, match=named) as refused:
         if backend == "jaxpar":
-            check_contract(Run(cfg, "jaxpar", "", {"dp": 2}))
+            check_contract(Run(cfg, "jaxpar", "", {"dp": 1}))
         else:
             from torchpar.checks import check
             check(cfg, argparse.Namespace(backend=backend, cpu_offload=False, deepspeed_config=""))
     assert "\n" not in str(refused.value)
+
+
+def test_powersgd_on_four_ranks_past_one_default_bucket(base):
+    """3.4 MB of gradients, more than DDP's 1 MB first bucket: without ddp.one_bucket_mb gloo pairs collectives of
+    different buckets across 4 ranks and the step aborts or hangs after the warm-up."""
+    run_dir = base["tmp"] / "psgd-buckets"
+    out = run(["--backend", "ddp", *base["args"], *POWERSGD, "model.d_model=128", "model.n_layer=4", "model.init_from=",
+               "train.steps=4", "run.peer_timeout_s=60", f"run.dir={run_dir}"], nproc=4)
+    sent = [metrics(run_dir)[s]["grad_comm_bytes"] for s in range(1, 5)]
+    assert sent[2] == sent[3] < sent[0] / 4, (sent, out.stderr[-1000:])

@@ -11,6 +11,7 @@ the same; on another world size it starts afresh after its warm-up, and says so.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 from contextlib import contextmanager, nullcontext
@@ -37,6 +38,13 @@ def bf16_hook(process_group, bucket):
     return default_hooks.bf16_compress_hook(process_group, bucket)
 
 
+def one_bucket_mb(model) -> int:
+    """A bucket size that holds every gradient: PowerSGD over gloo. Its hook chains three all-reduces per bucket
+    in future callbacks; with two buckets in flight, gloo (which matches collectives by issue order) pairs one
+    rank's P factors with another's uncompressed vectors past 2 ranks (a size-mismatch abort, or a hang)."""
+    return math.ceil(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20) + 1
+
+
 def rebuild_buckets_first(ddp, cfg, env) -> None:
     """One synchronised backward of a zero loss (gradients all zero, then dropped; no update): DDP rebuilds its
     buckets in the order gradients arrive after its first backward, so a hook registered after this one sees
@@ -50,8 +58,9 @@ def rebuild_buckets_first(ddp, cfg, env) -> None:
 
 def build(model, cfg, env, **_):
     model = model.to(env.device)
-    ddp = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
     name, settings = comm_hook(cfg)
+    ddp = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+              bucket_cap_mb=one_bucket_mb(model) if name == "powersgd" and env.device.type != "cuda" else None)
     state = None
     if name == "bf16":
         ddp.register_comm_hook(None, bf16_hook)
