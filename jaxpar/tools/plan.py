@@ -34,9 +34,13 @@ def parse_bytes(text: str) -> int:
     return int(float(m[1]) * scale)
 
 
-def analytic_bounds(cfg: Config, sizes: dict[str, int], param_bytes_per_device: int) -> dict[str, float]:
-    """Per-device bytes sent per step by bandwidth-optimal collectives, one term per mesh axis."""
+def analytic_bounds(cfg: Config, sizes: dict[str, int], param_bytes_per_device: int,
+                    platform: str = "gpu") -> dict[str, float]:
+    """Per-device bytes sent per step by bandwidth-optimal collectives, one term per mesh axis. Gradients
+    travel at half their float32 bytes with parallel.grad_compression=bf16, except on the CPU (rounded to
+    bfloat16 there, reduced in float32: jaxpar/parallel/compression.py)."""
     m, t = cfg.model, cfg.train
+    grads = 0.5 if cfg.parallel.grad_compression == "bf16" and platform != "cpu" else 1.0
     dp, fsdp, tp = sizes["dp"], sizes["fsdp"], sizes["tp"]
     act_bytes = 4 if m.compute_dtype == "float32" else 2
     rows = t.global_batch_size // (dp * fsdp)  # per device, all microbatches together
@@ -44,9 +48,9 @@ def analytic_bounds(cfg: Config, sizes: dict[str, int], param_bytes_per_device: 
     unsharded_over_fsdp = param_bytes_per_device * fsdp
     return {
         # gradients of this device's parameter shard, all-reduced over dp
-        "dp": 2 * param_bytes_per_device * (dp - 1) / dp,
+        "dp": 2 * grads * param_bytes_per_device * (dp - 1) / dp,
         # parameters all-gathered once, gradients reduce-scattered once
-        "fsdp": 2 * unsharded_over_fsdp * (fsdp - 1) / fsdp,
+        "fsdp": (1 + grads) * unsharded_over_fsdp * (fsdp - 1) / fsdp,
         # Megatron: 2 activation all-reduces per block forward and 2 backward, plus the
         # vocab-parallel embedding (forward) and tied head (backward)
         "tp": (4 * m.n_layer + 2) * activation * 2 * (tp - 1) / tp,
@@ -80,7 +84,7 @@ def plan(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
         axes = hlo_collectives.group_axes(c.groups, layout.mesh) if c.op != "collective-permute" else ("pp/sp",)
         collectives.append({"op": c.op, "axes": "+".join(axes) or "-", "result_bytes": c.result_bytes,
                             "group": c.group_size, "count": c.count, "traffic_bytes": c.traffic_bytes * c.count})
-    bounds = analytic_bounds(cfg, full, params)
+    bounds = analytic_bounds(cfg, full, params, layout.mesh.devices.flat[0].platform)
     measured = {a: 0.0 for a in bounds}
     for c in collectives:
         key = next((a for a in ("tp", "fsdp", "dp") if a in c["axes"].split("+")), None)
@@ -111,7 +115,15 @@ def plan(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
             "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes, "peak_bytes": peak,
             "collectives": collectives, "bounds": bounds, "measured": measured,
             "traffic_bytes": sum(c["traffic_bytes"] for c in collectives), "bound_bytes": sum(bounds.values()),
+            "gradient_bytes": gradient_traffic(collectives),
             "notes": explain(collectives, bounds, measured, layout.mesh.devices.flat[0].platform)}
+
+
+def gradient_traffic(collectives) -> float:
+    """Bytes sent per device per step by the reductions over the data axes alone (dp, fsdp): the gradients
+    (and the loss, 4 bytes); parallel.grad_compression shows here."""
+    return sum(c["traffic_bytes"] for c in collectives
+               if c["op"] in ("all-reduce", "reduce-scatter") and set(c["axes"].split("+")) <= {"dp", "fsdp"})
 
 
 # what tests/jaxpar/test_plan.py and the HLO showed (docs/benchmarks/README.md "Planner"): jax 0.10.2's XLA:CPU
@@ -168,6 +180,7 @@ def print_plan(p: dict) -> None:
         print(f"  {axis:<5} {p['measured'][axis]:>14,.0f} {bound:>14,.0f}  {ratio}")
     print(f"  total {p['traffic_bytes']:>14,.0f} {p['bound_bytes']:>14,.0f}  "
           f"{p['traffic_bytes'] / max(p['bound_bytes'], 1):.2f}x")
+    print(f"  gradient reductions over dp/fsdp: {p['gradient_bytes']:,.0f}")
     for note in p["notes"]:
         print(f"  note: {note}")
 

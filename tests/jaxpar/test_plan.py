@@ -6,6 +6,7 @@ from jaxpar.core.config import load_config
 from jaxpar.core.mesh_spec import parse_mesh
 from jaxpar.tools import hlo_collectives
 from jaxpar.tools.plan import main as plan_main, plan, recommend
+from tests.helpers import tiny_config
 
 CFG = load_config("configs/gpt2-tiny.yaml")
 m, B, T = CFG.model, CFG.train.global_batch_size, CFG.data.seq_len
@@ -116,3 +117,21 @@ def test_recommend_proposes_offload_when_nothing_else_fits():
     rows = recommend(CFG, 2, budget=smallest - 1, peak_flops=1e12, bandwidth=1e10)
     assert any(r["fits"] for r in rows) and all(r["offload"] != "none" for r in rows if r["fits"])
     assert {r["offload"] for r in rows} >= {"none", "optimizer"}
+
+
+def test_bf16_gradient_compression_halves_the_gradient_terms_of_the_bound():
+    """Gradients travel at 2 bytes where the wire is bfloat16 (not on the CPU, which reduces in float32); the
+    parameters' all-gather over fsdp stays at 4; only data-axis reductions count as gradient traffic."""
+    from jaxpar.tools.plan import analytic_bounds, gradient_traffic
+
+    sizes = {"dp": 4, "fsdp": 2, "tp": 1}
+    from tests.helpers import tiny_config
+
+    plain, bf16 = tiny_config(), tiny_config("parallel.grad_compression=bf16")
+    base, gpu = analytic_bounds(plain, sizes, 1000), analytic_bounds(bf16, sizes, 1000, "gpu")
+    assert gpu["dp"] == base["dp"] / 2 and gpu["fsdp"] == base["fsdp"] * 3 / 4
+    assert analytic_bounds(bf16, sizes, 1000, "cpu") == base
+    ops = [{"op": "all-reduce", "axes": "dp", "traffic_bytes": 10}, {"op": "reduce-scatter", "axes": "dp+fsdp",
+           "traffic_bytes": 5}, {"op": "all-gather", "axes": "fsdp", "traffic_bytes": 7},
+           {"op": "all-reduce", "axes": "tp", "traffic_bytes": 3}]
+    assert gradient_traffic(ops) == 15
