@@ -125,7 +125,6 @@ def test_bf16_gradient_compression_halves_the_gradient_terms_of_the_bound():
     from jaxpar.tools.plan import analytic_bounds, gradient_traffic
 
     sizes = {"dp": 4, "fsdp": 2, "tp": 1}
-
     plain, bf16 = tiny_config(), tiny_config("parallel.grad_compression=bf16")
     base, gpu = analytic_bounds(plain, sizes, 1000), analytic_bounds(bf16, sizes, 1000, "gpu")
     assert gpu["dp"] == base["dp"] / 2 and gpu["fsdp"] == base["fsdp"] * 3 / 4
