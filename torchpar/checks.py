@@ -34,6 +34,9 @@ def check(cfg: Config, args) -> None:
                             "need its CUDA kernels"}[args.backend]
         raise UserError(f"parallel.grad_compression=powersgd runs on --backend ddp (torch's DDP communication hook), "
                         f"not {args.backend}: {why}; parallel.grad_compression=bf16 runs there")
+    if cfg.parallel.grad_compression == "powersgd" and cfg.model.compute_dtype == "float16":
+        raise UserError("parallel.grad_compression=powersgd with model.compute_dtype=float16: an overflowing step's "
+                        "inf would stay in PowerSGD's error feedback and poison every later step; use bfloat16")
     if cfg.model.compute_dtype == "float16" and args.backend == "pipeline":
         raise UserError("model.compute_dtype=float16 (loss scaling) runs on --backend none, ddp, fsdp or deepspeed, "
                         "not pipeline")

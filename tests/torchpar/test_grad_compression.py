@@ -93,10 +93,11 @@ def test_powersgd_resumes_exactly_after_sigkill(base, plain, shapes):
     ("none", "parallel.grad_compression=bf16", "not used by torchpar --backend none"),
     ("pipeline", "parallel.grad_compression=bf16", "not used by torchpar --backend pipeline"),
     ("ddp", "parallel.powersgd_rank=2", "applies with parallel.grad_compression=powersgd"),
+    ("ddp", "parallel.grad_compression=powersgd model.compute_dtype=float16", "poison every later step"),
     ("jaxpar", "parallel.grad_compression=bf16", "applies with dp or fsdp > 1"),  # one device: nothing to reduce
 ])
 def test_what_a_backend_does_not_run_is_refused(backend, key, named):
-    cfg = load_config(None, TINY + [key])
+    cfg = load_config(None, TINY + key.split())
     with pytest.raises(UserError, match=named) as refused:
         if backend == "jaxpar":
             check_contract(Run(cfg, "jaxpar", "", {"dp": 1}))

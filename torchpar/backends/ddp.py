@@ -34,7 +34,7 @@ def comm_hook(cfg) -> tuple[str, dict]:
 
 def bf16_hook(process_group, bucket):
     """torch's bf16_compress_hook itself. DDP refuses that function by name unless CUDA with NCCL 2.10+ runs it;
-    gloo reduces bfloat16 as well (torch 2.11+), so on the CPU it goes through this wrapper."""
+    gloo reduces bfloat16 as well (checked with torch 2.13), so on the CPU it goes through this wrapper."""
     return default_hooks.bf16_compress_hook(process_group, bucket)
 
 
