@@ -14,7 +14,9 @@ from jaxpar.parallel import compression
 from tests.helpers import assert_params_close, run_steps, tiny_config
 
 BF16 = "parallel.grad_compression=bf16"
+# ZeRO-3 on dp=2,fsdp=2: a gradient scattered over two data axes in one dimension (("fsdp", "dp"))
 MESHES = [("fsdp=8", ()), ("dp=2,fsdp=2,tp=2", ()), ("dp=2,fsdp=2", ("parallel.zero_stage=2",)),
+          ("dp=2,fsdp=2", ("parallel.zero_stage=3",)),
           pytest.param("dp=4,tp=2", ("parallel.zero_stage=3",), marks=pytest.mark.slow),
           pytest.param("dp=2", ("train.microbatches=2",), marks=pytest.mark.slow)]
 
