@@ -104,6 +104,8 @@ def main(argv=None) -> int:
     p.add_argument("dst")
     p.add_argument("--zero-stage", choices=("0", "1", "2", "3"), help="--to deepspeed: the new run's ZeRO stage")
     args = p.parse_intermixed_args(argv)
+    if args.zero_stage is not None and args.dst_fmt != "deepspeed":
+        raise UserError("--zero-stage is for --to deepspeed")
     if {args.src_fmt, args.dst_fmt} & {"state", "torchpar", "deepspeed"}:
         return _whole_state(args)
     if args.dst_fmt == "jaxpar" and os.path.exists(os.path.join(args.dst, "checkpoints")):
@@ -123,12 +125,12 @@ def _whole_state(args) -> int:
             (src, dst) == ("jaxpar", "jaxpar"):
         raise UserError(f"--from {src} --to {dst}: the training state converts from a jaxpar or torchpar run or a "
                         "state file to a jaxpar, torchpar or deepspeed run or a state file")
-    if args.zero_stage is not None and dst != "deepspeed":
-        raise UserError("--zero-stage is for --to deepspeed")
     if dst in RUNS and os.path.exists(os.path.join(args.dst, "checkpoints")):  # before anything is read or written
         raise UserError(f"{args.dst} already holds checkpoints; refusing to mix runs")
     if src != "state" and dst != "state":
-        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(args.dst))) as tmp:
+        parent = os.path.dirname(os.path.abspath(args.dst))
+        os.makedirs(parent, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=parent) as tmp:
             state = os.path.join(tmp, "state.safetensors")
             _export(src, args.src, state)
             step = _import(state, dst, args.dst, args.zero_stage)
@@ -162,9 +164,11 @@ def _torchpar(*args: str) -> int:
     proc = subprocess.run([sys.executable, "-m", "torchpar.tools.convert", *args], capture_output=True, text=True)
     done = re.search(r"converted the training state of step (\d+)", proc.stdout)
     if proc.returncode or not done:
-        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()] or ["(no output)"]
-        last = next((ln for ln in reversed(lines) if ln.startswith("error:")), lines[-1])
-        raise UserError(f"torchpar.tools.convert {' '.join(args)} failed: {last.removeprefix('error: ')}")
+        line = next((ln for ln in reversed(proc.stderr.splitlines()) if ln.startswith("error:")), None)
+        if line is None:  # not a refusal: a bug, whose traceback is the report
+            raise RuntimeError(f"torchpar.tools.convert {' '.join(args)} failed (exit {proc.returncode}):\n"
+                               f"{proc.stderr[-4000:]}")
+        raise UserError(f"torchpar.tools.convert {' '.join(args)} failed: {line.removeprefix('error: ')}")
     return int(done.group(1))
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jaxpar.core.train_state import read_state
+from jaxpar.core.train_state import read_state, save_state
 
 from tests.helpers import ROOT, TINY, make_dataset, metrics, run_cli, run_in_session, torch_command, torch_env
 
@@ -135,15 +135,19 @@ def test_jaxpar_to_deepspeed_on_two_ranks(jaxpar_halfway, tmp_path):
     assert_continues(metrics(tmp_path / "moved"), metrics(full))
 
 
-@pytest.mark.parametrize("stage", [0, 3, *(pytest.param(s, marks=pytest.mark.slow) for s in (1, 2))])
-def test_deepspeed_import_then_export_is_the_state(jaxpar_halfway, tmp_path, stage):
+@pytest.mark.parametrize("stage,dtype", [(0, "float32"), (3, "float32"), (2, "bfloat16"),
+                                         *(pytest.param(s, "float32", marks=pytest.mark.slow) for s in (1, 2))])
+def test_deepspeed_import_then_export_is_the_state(jaxpar_halfway, tmp_path, stage, dtype):
     """state -> DeepSpeed run -> state gives the same tensors and counts, bit for bit: ZeRO-0's moments live in
-    torch's AdamW (where DeepSpeed's setters do nothing), ZeRO-3's in DeepSpeed's partitions."""
-    _, state = jaxpar_halfway
+    torch's AdamW (where DeepSpeed's setters do nothing), ZeRO-3's in DeepSpeed's partitions; a bfloat16 run's
+    float32 master is the state's weights, not their bfloat16 cast (DeepSpeed casts the model first)."""
+    (a, meta_a), state = read_state(str(jaxpar_halfway[1])), tmp_path / "a"
+    meta_a["config"]["model"]["compute_dtype"] = dtype
+    save_state(str(state), a, meta_a)
     convert("torchpar.tools.convert", "--from", "state", str(state), "--to", "deepspeed", str(tmp_path / "ds"),
             "--zero-stage", str(stage))
     convert("torchpar.tools.convert", "--from", "torchpar", str(tmp_path / "ds"), "--to", "state", str(tmp_path / "b"))
-    (a, meta_a), (b, meta_b) = read_state(str(state)), read_state(str(tmp_path / "b"))
+    b, meta_b = read_state(str(tmp_path / "b"))
     assert (meta_b["step"], meta_b["adam_step"]) == (meta_a["step"], meta_a["adam_step"]) == (10, 10)
     for kind in a:
         for name in a[kind]:

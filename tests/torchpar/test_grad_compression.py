@@ -67,9 +67,9 @@ def test_bf16_on_the_wire_under_every_backend(base, plain, shapes):
 
 def test_powersgd_resumes_exactly_after_sigkill(base, plain, shapes):
     """Rank-2 PowerSGD after 2 plain steps, killed after step 5 (checkpoint of step 4): the resumed run restores
-    each rank's error buffers and Q factors and equals the uninterrupted one bit for bit. On 4 ranks the same
-    checkpoint resumes with PowerSGD started afresh (its warm-up again), and says so; more than 2 ranks need the
-    one gradient bucket ddp.one_bucket_mb gives PowerSGD over gloo."""
+    each rank's error buffers and Q factors and equals the uninterrupted one bit for bit. With another rank r, and
+    then on 4 ranks, the run resumes with PowerSGD started afresh (its warm-up again) at the new settings, and
+    says so; more than 2 ranks need the one gradient bucket ddp.one_bucket_mb gives PowerSGD over gloo."""
     full, half = base["tmp"] / "psgd-full", base["tmp"] / "psgd-half"
     run(["--backend", "ddp", *base["args"], *POWERSGD, f"run.dir={full}"], nproc=2)
     assert losses(full)[:3] == plain[:3] and losses(full)[3:] != plain[3:]  # the warm-up, then compressed
@@ -82,9 +82,12 @@ def test_powersgd_resumes_exactly_after_sigkill(base, plain, shapes):
     out = run(args, nproc=2)
     assert "resumed from" in out.stderr and "PowerSGD" not in out.stderr
     assert losses(half) == losses(full)
-    out = run(args + ["train.steps=14"], nproc=4)  # steps 11-12 plain again, 13-14 PowerSGD on 4 ranks
-    assert "resumed from" in out.stderr and "PowerSGD" in out.stderr and "starts afresh" in out.stderr
-    assert max(metrics(half)) == 14 and metrics(half)[13]["grad_comm_bytes"] < metrics(half)[11]["grad_comm_bytes"]
+    for steps, nproc, extra in ((14, 2, ["parallel.powersgd_rank=1"]), (18, 4, [])):  # another rank r, then world
+        out = run(args + [f"train.steps={steps}", *extra], nproc=nproc)  # its warm-up again, then PowerSGD
+        assert "resumed from" in out.stderr and "PowerSGD" in out.stderr and "starts afresh" in out.stderr
+        sent = metrics(half)
+        assert max(sent) == steps and sent[steps]["grad_comm_bytes"] < sent[steps - 2]["grad_comm_bytes"]
+    assert sent[14]["grad_comm_bytes"] < sent[18]["grad_comm_bytes"]  # rank 1 sends less than rank 2
 
 
 @pytest.mark.parametrize("backend,key,named", [
@@ -115,3 +118,13 @@ def test_powersgd_on_four_ranks_past_one_default_bucket(base):
                "train.steps=4", "run.peer_timeout_s=60", f"run.dir={run_dir}"], nproc=4)
     sent = [metrics(run_dir)[s]["grad_comm_bytes"] for s in range(1, 5)]
     assert sent[2] == sent[3] < sent[0] / 4, (sent, out.stderr[-1000:])
+
+
+def test_a_deepspeed_json_that_contradicts_bf16_is_refused(tmp_path):
+    from torchpar.checks import check
+
+    user = tmp_path / "ds.json"
+    user.write_text('{"communication_data_type": "fp32"}')
+    cfg = load_config(None, TINY + ["parallel.grad_compression=bf16"])
+    with pytest.raises(UserError, match="communication_data_type='fp32'"):
+        check(cfg, argparse.Namespace(backend="deepspeed", cpu_offload=False, deepspeed_config=str(user)))

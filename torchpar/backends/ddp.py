@@ -4,22 +4,23 @@ parallel.grad_compression puts one of torch's DDP communication hooks on that al
 sent as bfloat16, divided by the world size first, back to float32 after) or PowerSGD (rank-r factors P, Q
 of each gradient matrix all-reduced instead of the matrix, with error feedback and warm start; vectors and
 matrices that would not shrink 2x go uncompressed; the first parallel.powersgd_warmup_steps steps run plain).
-PowerSGD's state (error buffers, Q factors, its step count) is each rank's own: saved beside the DCP
-checkpoint, one file per rank (torch's own pickling of PowerSGDState), and restored when the world size is
-the same; on another world size it starts afresh after its warm-up, and says so.
+PowerSGD's state (error buffers, P and Q factors, its step count) is each rank's own: saved beside the DCP
+checkpoint, one file per rank (PowerSGDState's runtime slots, as its own pickling keeps them), and restored
+where the buckets it was keyed by are the same (world size, bucket size, device kind, rank r); elsewhere it
+starts afresh after its warm-up, and says so.
 """
 from __future__ import annotations
 
-import logging
 import math
 import os
 import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from torchpar import dist
 from torchpar.backends.base import TorchEngine
 
 
@@ -72,7 +73,8 @@ def build(model, cfg, env, **_):
     engine = DDPEngine(ddp, model, cfg, env, sync=lambda last: nullcontext() if last else ddp.no_sync())
     engine.hook, engine.powersgd = name, state
     if state is not None:
-        engine.checkpointer.rank_state = PowerSGDCheckpoint(state, env)
+        buckets = (env.world, ddp.bucket_bytes_cap, env.device.type, cfg.parallel.powersgd_rank)
+        engine.checkpointer.rank_state = PowerSGDCheckpoint(state, env, buckets)
     return engine
 
 
@@ -93,42 +95,31 @@ class DDPEngine(TorchEngine):
         return total, norm, lr, {**extra, "grad_comm_bytes": sent}
 
 
-@contextmanager
-def _quiet_powersgd():
-    """PowerSGDState's pickling warns that the process group is left out (it is set again here): not for the
-    console."""
-    logger = logging.getLogger(powerSGD_hook.__name__)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 class PowerSGDCheckpoint:
-    """This rank's PowerSGD state in a checkpoint directory (torchpar/checkpoint.py calls save and load)."""
+    """This rank's PowerSGD state in a checkpoint directory (torchpar/checkpoint.py calls save and load): the
+    runtime slots only (the settings come from the config at hand), and the buckets they were keyed by."""
+    RUNTIME = ("rng", "error_dict", "p_memory_dict", "q_memory_dict", "iter", "total_numel_before_compression",
+               "total_numel_after_compression", "next_stats_report")
 
-    def __init__(self, state, env):
-        self.state, self.env = state, env
+    def __init__(self, state, env, buckets: tuple):
+        self.state, self.env, self.buckets = state, env, buckets  # buckets: what decides DDP's bucket layout
 
     def path(self, folder: str) -> str:
         return os.path.join(folder, f"powersgd-rank{self.env.rank}-of-{self.env.world}.pt")
 
     def save(self, folder: str) -> None:
-        with _quiet_powersgd():
-            torch.save(self.state.__getstate__(), self.path(folder))
+        saved = {slot: getattr(self.state, slot) for slot in self.RUNTIME}
+        torch.save({**saved, "buckets": self.buckets}, self.path(folder))
 
     def load(self, folder: str) -> None:
+        """Every rank restores, or none does (one rank compressing while another warms up would hang)."""
         path = self.path(folder)
-        if not os.path.exists(path):
+        saved = torch.load(path, map_location=self.env.device, weights_only=False) if os.path.exists(path) else {}
+        if dist.any_rank(saved.get("buckets") != self.buckets, self.env):
             if self.env.is_main:
-                print(f"PowerSGD: {folder} holds no error-feedback state for {self.env.world} ranks; it starts afresh "
-                      f"(after {self.state.start_powerSGD_iter} plain steps)", file=sys.stderr)
+                print(f"PowerSGD: {folder} holds no error-feedback state for this layout ({self.env.world} ranks, "
+                      f"rank {self.state.matrix_approximation_rank}, the same buckets); it starts afresh (after "
+                      f"{self.state.start_powerSGD_iter} plain steps)", file=sys.stderr)
             return
-        with _quiet_powersgd():
-            saved = torch.load(path, weights_only=False)
-        group = self.state.process_group
-        for slot, value in saved.items():
-            setattr(self.state, slot, value)
-        self.state.process_group = group
+        for slot in self.RUNTIME:
+            setattr(self.state, slot, saved[slot])

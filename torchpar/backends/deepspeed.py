@@ -245,6 +245,10 @@ def check_user_config(user: dict, cfg) -> None:
     if "activation_checkpointing" in user:
         raise UserError("the DeepSpeed config's activation_checkpointing section would do nothing here: torchpar "
                         "recomputes blocks by model.remat (none|full|save_matmuls); set that key instead")
+    wire = user.get("communication_data_type")
+    if cfg.parallel.grad_compression == "bf16" and wire not in (None, "bf16"):
+        raise UserError(f"the DeepSpeed config sets communication_data_type={wire!r}, but "
+                        "parallel.grad_compression=bf16 asks for bf16: leave one of them out")
     for key, dtype in (("fp16", "float16"), ("bf16", "bfloat16")):
         if user.get(key, {}).get("enabled") and cfg.model.compute_dtype != dtype:
             raise UserError(f"the DeepSpeed config enables {key}, but model.compute_dtype={cfg.model.compute_dtype}: "

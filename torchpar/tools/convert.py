@@ -57,8 +57,9 @@ def import_deepspeed(src: str, run_dir: str, zero_stage: int | None) -> int:
     """A DeepSpeed checkpoint of one rank at the state's step. DeepSpeed makes Adam's state at the first step, so
     the weights go into the model before DeepSpeed copies them to its fp32 master, one step at lr 0 on zero
     gradients makes the state (and leaves the weights as they are: AdamW's update and its decay are both lr x ...),
-    and DeepSpeed's whole-parameter setters then put the moments in their partitions."""
-    from deepspeed.utils import safe_set_full_optimizer_state
+    and DeepSpeed's whole-parameter setters then put the float32 weights (bf16 runs: the master was made from
+    the bfloat16 cast) and the moments in their partitions."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     from torchpar.backends import deepspeed
 
@@ -76,10 +77,12 @@ def import_deepspeed(src: str, run_dir: str, zero_stage: int | None) -> int:
         step, ds = int(meta["step"]), engine.engine
         inner = getattr(ds.optimizer, "optimizer", ds.optimizer)
         m, v = from_shared(tensors["adam_m"], n), from_shared(tensors["adam_v"], n)
+        w = from_shared(tensors["param"], n)
         for name, p in engine.raw.named_parameters():
             if _own_state(p):
                 inner.state[p].update(exp_avg=m[name].clone(), exp_avg_sq=v[name].clone())
                 continue
+            safe_set_full_fp32_param(p, w[name])  # bf16: DeepSpeed made its master from the bfloat16 weights
             safe_set_full_optimizer_state(p, m[name], "exp_avg")
             safe_set_full_optimizer_state(p, v[name], "exp_avg_sq")
         for state in inner.state.values():
@@ -101,9 +104,8 @@ def _step_at_zero_lr(engine) -> None:
     ds, cfg = engine.engine, engine.cfg
     for group in ds.optimizer.param_groups:
         group["lr"] = 0.0
-    rows = cfg.train.global_batch_size // cfg.train.microbatches
-    for _ in range(cfg.train.microbatches):
-        ds.backward(ds(torch.zeros((rows, cfg.data.seq_len), dtype=torch.long)).sum() * 0.0)
+    for _ in range(cfg.train.microbatches):  # one row is enough: the gradients are multiplied by zero
+        ds.backward(ds(torch.zeros((1, cfg.data.seq_len), dtype=torch.long)).sum() * 0.0)
         ds.step()
     _link_adam_state(ds.optimizer)
 
