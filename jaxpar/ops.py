@@ -114,6 +114,17 @@ def split_microbatches(x: jax.Array, M: int) -> jax.Array:
     return x.reshape(x.shape[0] // M, M, *x.shape[1:]).swapaxes(0, 1)
 
 
+def sum_over_microbatches(value_and_grad: Callable, params, batch: jax.Array, scale, M: int,
+                          pin: Callable = lambda mb: mb):
+    """(loss, grads) of value_and_grad(params, microbatch, scale) summed over the batch's M microbatches, in a
+    scan whose float32 carry is the accumulation; `pin` places each microbatch first (a sharding constraint)."""
+    def accumulate(carry, mb):
+        return jax.tree.map(jnp.add, carry, value_and_grad(params, pin(mb), scale)), None
+
+    zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    return jax.lax.scan(accumulate, zero, split_microbatches(batch, M))[0]
+
+
 def join_microbatches(x: jax.Array) -> jax.Array:
     """The inverse of split_microbatches."""
     return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])

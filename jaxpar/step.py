@@ -17,7 +17,7 @@ from jaxpar.layout import Layout
 from jaxpar.mesh import make_mesh
 from jaxpar.loss import cross_entropy, loss_fn, split_rows, token_order
 from jaxpar.models.decoder import abstract_model
-from jaxpar.ops import split_microbatches
+from jaxpar.ops import sum_over_microbatches
 from jaxpar.optim import lr_fn, make_optimizer
 from jaxpar.parallel.compression import compressed_loss_and_grads, data_axes
 from jaxpar.parallel.pipeline_executor import HAND_SCHEDULED, StageFns, pipeline_value_and_grad
@@ -87,16 +87,11 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
         params = state["params"]
         scale = state["loss_scale"]["scale"] if fp16 else 1.0
 
-        def accumulate(carry, mb):
-            mb = jax.lax.with_sharding_constraint(mb, layout.batch_sharding)
-            loss, grads = value_and_grad(params, mb, scale)
-            return jax.tree.map(jnp.add, carry, (loss, grads)), None
-
         if compressed is not None:  # parallel.grad_compression: the data axes' reduction in bfloat16
             loss, grads = compressed(params, batch, jnp.asarray(scale, jnp.float32))
         else:
-            zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-            (loss, grads), _ = jax.lax.scan(accumulate, zero, split_microbatches(batch, accum))
+            loss, grads = sum_over_microbatches(value_and_grad, params, batch, scale, accum,
+                                                lambda mb: jax.lax.with_sharding_constraint(mb, layout.batch_sharding))
         loss, grads = loss / (accum * scale), jax.tree.map(lambda g: g / (accum * scale), grads)
         if inject_overflow:
             grads = jax.tree.map(lambda g: g * jnp.inf, grads)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.context import current, use
-from jaxpar.ops import split_microbatches
+from jaxpar.ops import sum_over_microbatches
 
 DATA_AXES = ("dp", "fsdp")
 WIRE = jnp.bfloat16  # the reduction's dtype (tests set float32: the same program must then be the plain step's)
@@ -44,11 +44,12 @@ def over_data(spec: P, axes: tuple[str, ...]) -> P:
 
 def reduce_gradient(g: jax.Array, spec: P, axes: tuple[str, ...], wire) -> jax.Array:
     """This device's whole gradient -> its share of the sum over the data axes, the collectives in `wire` dtype:
-    psum_scatter along each dimension `spec` shards over data axes, psum over the data axes it does not use."""
+    psum_scatter along each dimension `spec` (the gradient's spec over the data axes: `over_data`) shards over
+    data axes, psum over the data axes it does not use."""
     x, used = g.astype(wire), set()
     if jax.default_backend() == "cpu" and wire != g.dtype:  # see the module docstring
         x = x.astype(g.dtype)
-    for dim, entry in enumerate(over_data(spec, axes)):
+    for dim, entry in enumerate(spec):
         names = _entry_axes(entry)
         if names:
             x = jax.lax.psum_scatter(x, names, scatter_dimension=dim, tiled=True)
@@ -68,12 +69,8 @@ def compressed_loss_and_grads(layout, value_and_grad, accum: int):
 
     def local(params, batch, scale):
         with use(dataclasses.replace(current(), rules=inner_rules)):
-            def accumulate(carry, mb):
-                return jax.tree.map(jnp.add, carry, value_and_grad(params, mb, scale)), None
-
-            zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-            (loss, grads), _ = jax.lax.scan(accumulate, zero, split_microbatches(batch, accum))
-        grads = jax.tree.map(lambda g, s: reduce_gradient(g / n, s, axes, wire), grads, layout.grad_specs,
+            loss, grads = sum_over_microbatches(value_and_grad, params, batch, scale, accum)
+        grads = jax.tree.map(lambda g, s: reduce_gradient(g / n, s, axes, wire), grads, grad_specs,
                              is_leaf=lambda s: isinstance(s, P))
         return jax.lax.psum(loss, axes) / n, grads
 
