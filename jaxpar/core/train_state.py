@@ -27,17 +27,30 @@ def state_meta(cfg, step: int, adam_step: int, source: str, loss_scale: dict | N
     return {**meta, "loss_scale": loss_scale} if loss_scale is not None else meta
 
 
+def refuse_mixing(run_dir: str) -> None:
+    """One line if a run directory a conversion would write already holds checkpoints (two runs never mix)."""
+    if os.path.exists(os.path.join(run_dir, "checkpoints")):
+        raise UserError(f"{run_dir} already holds checkpoints; refusing to mix runs")
+
+
 def state_for_run(src: str, run_dir: str):
-    """(tensors, metadata, config with run.dir = run_dir) of a state file a new run directory is written from;
-    one line if run_dir already holds checkpoints (two runs never mix)."""
+    """(tensors, metadata, config with run.dir = run_dir) of a state file a new run directory is written from
+    (refuse_mixing first)."""
     from jaxpar.core.config import config_from_dict
 
+    refuse_mixing(run_dir)
     tensors, meta = read_state(src)
     cfg = config_from_dict(meta["config"])
     cfg.run.dir = run_dir
-    if os.path.exists(os.path.join(run_dir, "checkpoints")):
-        raise UserError(f"{run_dir} already holds checkpoints; refusing to mix runs")
     return tensors, meta, cfg
+
+
+def write_moved_config(cfg, meta: dict, src: str, **extra) -> None:
+    """The new run directory and its config.json, naming the run the state came from (`state_from`)."""
+    from jaxpar.core.resume import write_run_config
+
+    os.makedirs(cfg.run.dir, exist_ok=True)
+    write_run_config(cfg, state_from=meta.get("source", os.path.abspath(src)), **extra)
 
 
 def save_state(path: str, tensors: dict[str, dict[str, np.ndarray]], meta: dict) -> None:

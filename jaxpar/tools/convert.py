@@ -31,6 +31,7 @@ import sys
 import numpy as np
 
 from jaxpar.core.errors import UserError, cli
+from jaxpar.core.train_state import refuse_mixing
 from jaxpar.core.weights import SETTINGS, flatten, model_dims, read_settings, read_weights, save_weights, unflatten
 from jaxpar.tools import hf_gpt2, hf_llama
 from jaxpar.tools.convert_state import single_device_layout
@@ -108,8 +109,8 @@ def main(argv=None) -> int:
         raise UserError("--zero-stage is for --to deepspeed")
     if {args.src_fmt, args.dst_fmt} & {"state", "torchpar", "deepspeed"}:
         return _whole_state(args)
-    if args.dst_fmt == "jaxpar" and os.path.exists(os.path.join(args.dst, "checkpoints")):
-        raise UserError(f"{args.dst} already holds checkpoints; refusing to mix runs")
+    if args.dst_fmt == "jaxpar":
+        refuse_mixing(args.dst)
     flat, model = read(args.src_fmt, args.src)
     write(args.dst_fmt, args.dst, flat, model, args.src)
     print(f"converted {args.src_fmt} {args.src} -> {args.dst_fmt} {args.dst} ({len(flat)} tensors)")
@@ -125,8 +126,8 @@ def _whole_state(args) -> int:
             (src, dst) == ("jaxpar", "jaxpar"):
         raise UserError(f"--from {src} --to {dst}: the training state converts from a jaxpar or torchpar run or a "
                         "state file to a jaxpar, torchpar or deepspeed run or a state file")
-    if dst in RUNS and os.path.exists(os.path.join(args.dst, "checkpoints")):  # before anything is read or written
-        raise UserError(f"{args.dst} already holds checkpoints; refusing to mix runs")
+    if dst in RUNS:  # before anything is read or written
+        refuse_mixing(args.dst)
     if src != "state" and dst != "state":
         parent = os.path.dirname(os.path.abspath(args.dst))
         os.makedirs(parent, exist_ok=True)

@@ -6,12 +6,10 @@ import writes a run directory whose checkpoint at that step holds them, with the
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.train_state import save_state, state_for_run, state_meta
+from jaxpar.core.train_state import save_state, state_for_run, state_meta, write_moved_config
 from jaxpar.core.weights import flatten, unflatten
 
 
@@ -64,7 +62,6 @@ def import_state(src: str, run_dir: str) -> int:
     import jax.numpy as jnp
 
     from jaxpar.checkpoint import Checkpointer
-    from jaxpar.core.resume import write_run_config
     from jaxpar.state import state_from_params
 
     tensors, meta, cfg = state_for_run(src, run_dir)
@@ -78,8 +75,7 @@ def import_state(src: str, run_dir: str) -> int:
         ls = meta.get("loss_scale") or {"scale": cfg.optim.loss_scale_init, "good_steps": 0, "skipped": 0}
         state["loss_scale"] = {"scale": jnp.asarray(ls["scale"], jnp.float32),
                                **{k: jnp.asarray(ls[k], jnp.int32) for k in ("good_steps", "skipped")}}
-    os.makedirs(run_dir, exist_ok=True)
-    write_run_config(cfg, state_from=meta.get("source", os.path.abspath(src)))
+    write_moved_config(cfg, meta, src)
     ckpt = Checkpointer(run_dir, cfg.checkpoint.keep)
     ckpt.save(int(meta["step"]), state, {"step": int(meta["step"]), "data_step": int(meta["step"]), "mesh": "dp=1"})
     ckpt.close()

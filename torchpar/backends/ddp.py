@@ -71,7 +71,8 @@ def build(model, cfg, env, **_):
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     # Accumulation: no all-reduce until the last microbatch's backward (the hooks run only then too).
     engine = DDPEngine(ddp, model, cfg, env, sync=lambda last: nullcontext() if last else ddp.no_sync())
-    engine.hook, engine.powersgd = name, state
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    engine.plain_bytes, engine.powersgd = numel * (2 if name == "bf16" else 4), state
     if state is not None:
         buckets = (env.world, ddp.bucket_bytes_cap, env.device.type, cfg.parallel.powersgd_rank)
         engine.checkpointer.rank_state = PowerSGDCheckpoint(state, env, buckets)
@@ -83,13 +84,12 @@ class DDPEngine(TorchEngine):
     (the payload; a ring all-reduce sends about twice that): 4 bytes per gradient element plain, 2 with bf16,
     and with PowerSGD what its hook counted (r(n+m) per compressed n x m matrix, the rest whole; its warm-up
     steps send everything whole)."""
-    hook, powersgd = "none", None
+    plain_bytes, powersgd = 0, None  # what the hook sends whole (set by build), PowerSGD's state
 
     def train_step(self, batch: torch.Tensor):
         before = self.powersgd.total_numel_after_compression if self.powersgd is not None else 0
         total, norm, lr, extra = super().train_step(batch)
-        numel = sum(p.numel() for p in self.params if p.requires_grad)
-        sent = numel * (2 if self.hook == "bf16" else 4)
+        sent = self.plain_bytes
         if self.powersgd is not None and self.powersgd.total_numel_after_compression > before:
             sent = 4 * (self.powersgd.total_numel_after_compression - before)
         return total, norm, lr, {**extra, "grad_comm_bytes": sent}

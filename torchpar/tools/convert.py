@@ -20,8 +20,8 @@ import sys
 import torch
 
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.resume import read_run_config, write_run_config
-from jaxpar.core.train_state import save_state, state_for_run, state_meta
+from jaxpar.core.resume import read_run_config
+from jaxpar.core.train_state import save_state, state_for_run, state_meta, write_moved_config
 from torchpar import dist
 from torchpar.backends import none
 from torchpar.models.decoder import Decoder
@@ -41,8 +41,7 @@ def import_state(src: str, run_dir: str) -> int:
     for name, p in engine.raw.named_parameters():  # torch's AdamW state: the same moments, the same count
         engine.optimizer.state[p] = {"step": torch.tensor(float(meta["adam_step"])), "exp_avg": m[name],
                                      "exp_avg_sq": v[name]}
-    os.makedirs(run_dir, exist_ok=True)
-    write_run_config(cfg, backend="none", state_from=meta.get("source", os.path.abspath(src)))
+    write_moved_config(cfg, meta, src, backend="none")
     if engine.scaler is not None and "loss_scale" in meta:  # float16: GradScaler's scale and growth count
         ls = meta["loss_scale"]
         engine.scaler.load_state_dict({**engine.scaler.state_dict(), "scale": ls["scale"],
@@ -67,9 +66,9 @@ def import_deepspeed(src: str, run_dir: str, zero_stage: int | None) -> int:
     _refuse_float16(cfg, "import into")
     if zero_stage is not None:
         cfg.parallel.zero_stage = zero_stage
-    model = Decoder(cfg.model)
-    n = cfg.model.n_layer
-    model.load_state_dict(from_shared(tensors["param"], n))
+    model, n = Decoder(cfg.model), cfg.model.n_layer
+    w = from_shared(tensors["param"], n)
+    model.load_state_dict(w)
     env = dist.setup(cfg, "deepspeed")
     try:
         engine = deepspeed.build(model, cfg, env)
@@ -77,7 +76,6 @@ def import_deepspeed(src: str, run_dir: str, zero_stage: int | None) -> int:
         step, ds = int(meta["step"]), engine.engine
         inner = getattr(ds.optimizer, "optimizer", ds.optimizer)
         m, v = from_shared(tensors["adam_m"], n), from_shared(tensors["adam_v"], n)
-        w = from_shared(tensors["param"], n)
         for name, p in engine.raw.named_parameters():
             if _own_state(p):
                 inner.state[p].update(exp_avg=m[name].clone(), exp_avg_sq=v[name].clone())
@@ -90,8 +88,7 @@ def import_deepspeed(src: str, run_dir: str, zero_stage: int | None) -> int:
         ds.lr_scheduler.last_epoch = step - 1
         ds.lr_scheduler.step()  # the lr of update `step` (0-based), as a run that did `step` updates has it
         ds.global_steps, ds.global_samples = step, step * cfg.train.global_batch_size
-        os.makedirs(run_dir, exist_ok=True)
-        write_run_config(cfg, backend="deepspeed", state_from=meta.get("source", os.path.abspath(src)))
+        write_moved_config(cfg, meta, src, backend="deepspeed")
         engine.save(step, {"step": step, "data_step": step, "backend": "deepspeed", "world_size": 1})
         return step
     finally:
