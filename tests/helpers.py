@@ -91,6 +91,8 @@ def run_cli(run_dir, dataset, *args, env=None, timeout=300, module="jaxpar.train
     """`python -m jaxpar.train` (or `module`) on the tiny config, as a user would run it."""
     cmd = [sys.executable, "-m", module, *TINY, f"data.dataset={dataset}", f"run.dir={run_dir}", *args]
     full_env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+    if module.startswith("torchpar"):  # one thread, as torch_env: bit-equal runs may not depend on the load
+        full_env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
