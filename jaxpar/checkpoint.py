@@ -83,7 +83,8 @@ class Checkpointer:
     def _open(self):
         options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True, cleanup_tmp_directories=self.trainer,
                                                enable_async_checkpointing=self.asynchronous)
-        self.manager = ocp.CheckpointManager(self.dir, options=options)
+        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}  # item_metadata
+        self.manager = ocp.CheckpointManager(self.dir, item_handlers=handlers, options=options)
 
     def save(self, step: int, state, meta: dict) -> None:
         """Start saving `step` (a no-op if it is saved or being saved already: the final save right after a
@@ -137,8 +138,10 @@ class Checkpointer:
             quiet_since = time.monotonic() if left else quiet_since
             time.sleep(0.05)
 
-    def restore_latest(self, abstract_state):
-        """(state, meta) from the newest loadable checkpoint, or None if there is none at all.
+    def restore_latest(self, abstract_state, fit=None):
+        """(state, meta) from the newest loadable checkpoint, or None if there is none at all. `fit`: the saved
+        state's metadata tree -> (what to read instead of `abstract_state`, a function of what was read, or None)
+        -- parts of the state that depend on the layout they were saved on (jaxpar/state.py: restore_latest).
 
         Newer checkpoints that fail to load are set aside only once an older one has loaded, so
         that new saves cannot collide with them; if none loads, nothing is touched and we stop.
@@ -147,8 +150,11 @@ class Checkpointer:
         failures = []
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
+                target, after = fit(self.manager.item_metadata(step)["state"].tree) if fit else (abstract_state, None)
                 out = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+                    state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+                if after is not None:
+                    out = {"state": after(out["state"]), "meta": out["meta"]}
             except Exception as e:  # noqa: BLE001 - any failure to read means: try the previous one
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
                 failures.append((step, reason))

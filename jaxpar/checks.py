@@ -22,17 +22,18 @@ def check_layout(cfg: Config, sizes) -> None:
     else:
         check_sequence(cfg.data.seq_len, m.n_head, sizes, p.sequence_attention, p.sequence_zigzag)
     check_pipeline(cfg, sizes)
-    check_compression(p.grad_compression, sizes)
+    check_compression(cfg, sizes)
 
 
-def check_compression(method: str, sizes) -> None:
-    """parallel.grad_compression: what jaxpar runs (bf16 over dp/fsdp, tp beside them), else one line."""
-    if method == "powersgd":
-        raise UserError("parallel.grad_compression=powersgd is not built in jaxpar yet (torchpar --backend ddp "
-                        "runs it); parallel.grad_compression=bf16 runs here")
-    if method == "bf16" and (sizes["pp"] > 1 or sizes["sp"] > 1):
-        raise UserError("parallel.grad_compression=bf16 runs on dp, fsdp and tp meshes in jaxpar (pp and sp with "
-                        "it are not built yet)")
+def check_compression(cfg: Config, sizes) -> None:
+    """parallel.grad_compression: what jaxpar runs (over dp/fsdp, tp beside them), else one line."""
+    method = cfg.parallel.grad_compression
+    if method != "none" and (sizes["pp"] > 1 or sizes["sp"] > 1):
+        raise UserError(f"parallel.grad_compression={method} runs on dp, fsdp and tp meshes in jaxpar (pp and sp "
+                        "with it are not built yet)")
+    if method == "powersgd" and cfg.model.compute_dtype == "float16":
+        raise UserError("parallel.grad_compression=powersgd with model.compute_dtype=float16: an overflowing step's "
+                        "inf would stay in PowerSGD's error feedback and poison every later step; use bfloat16")
 
 
 def check_pipeline(cfg: Config, sizes) -> None:

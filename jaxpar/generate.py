@@ -88,9 +88,9 @@ def sample_rows(cfg: Config, sizes: dict, flat: dict, prompt: list[int], args) -
 def restore_params(run: str, layout) -> dict:
     """The parameters of a run's latest checkpoint, in the layout's shardings (orbax reshards)."""
     from jaxpar.checkpoint import Checkpointer
-    from jaxpar.state import abstract_state
+    from jaxpar.state import restore_latest
 
-    restored = Checkpointer(run, layout.cfg.checkpoint.keep).restore_latest(abstract_state(layout))
+    restored = restore_latest(Checkpointer(run, layout.cfg.checkpoint.keep), layout)
     if restored is None:
         raise UserError(f"no checkpoint in {run}/checkpoints")
     return restored[0]["params"]

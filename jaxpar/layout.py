@@ -23,6 +23,7 @@ from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
 from jaxpar.models.decoder import abstract_model
 from jaxpar.optim import make_optimizer
+from jaxpar.parallel import powersgd
 from jaxpar.sharding import RULES, spec_for, with_extra_axis
 
 
@@ -58,6 +59,7 @@ class Layout:
         check_layout(cfg, mesh.shape)
         self.cfg, self.mesh, self.rules = cfg, mesh, rules_for(cfg)
         _, self.axes, abstract_params = abstract_model(cfg.model)
+        self.abstract_params = abstract_params
         self.param_specs = jax.tree_util.tree_map_with_path(
             lambda p, x: spec_for(self.axes[path_keys(p)], x.shape, mesh, self.rules), abstract_params)
         abstract_opt = jax.eval_shape(make_optimizer(cfg).init, abstract_params)
@@ -67,6 +69,8 @@ class Layout:
         if loss_scale.enabled(cfg):  # the loss scaler's scalars
             self.state_shardings["loss_scale"] = {k: NamedSharding(mesh, P()) for k in ("scale", "good_steps",
                                                                                        "skipped")}
+        if powersgd.enabled(self):  # its error buffers and factors (jaxpar/parallel/powersgd.py)
+            self.state_shardings["powersgd"] = powersgd.shardings(self)
         self.device_shardings = dict(self.state_shardings)  # where the step computes on them
         self.offloaded = {"none": (), "optimizer": ("opt_state",),
                           "params+optimizer": ("params", "opt_state")}[cfg.parallel.offload]

@@ -1,5 +1,5 @@
 """The train state, a plain pytree {"params": nested dict, "opt_state": optax state, "step": int32, and with
-float16 "loss_scale": jaxpar/loss_scale.py's scaler},
+float16 "loss_scale": jaxpar/loss_scale.py's scaler, with PowerSGD "powersgd": jaxpar/parallel/powersgd.py's},
 created directly in the layout's shardings (never materialised on one device)."""
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from jaxpar.checkpoint import abstract_like
 from jaxpar.layout import Layout
 from jaxpar.models.decoder import Decoder
 from jaxpar.optim import make_optimizer
+from jaxpar.parallel import powersgd
 
 
 def state_from_params(layout: Layout, params):
@@ -22,6 +23,8 @@ def state_from_params(layout: Layout, params):
 
 def _fresh(layout: Layout, tx, params) -> dict:
     state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+    if powersgd.enabled(layout):
+        state["powersgd"] = powersgd.initial(layout, params)
     return {**state, "loss_scale": loss_scale.initial(layout.cfg)} if loss_scale.enabled(layout.cfg) else state
 
 
@@ -37,3 +40,10 @@ def init_state(layout: Layout):
 def abstract_state(layout: Layout):
     """ShapeDtypeStructs of the state in the layout's shardings: what a checkpoint restore produces."""
     return abstract_like(jax.eval_shape(lambda: init_state(layout)), layout.state_shardings)
+
+
+def restore_latest(ckpt, layout: Layout):
+    """(state, meta) of the newest loadable checkpoint in `ckpt` (a Checkpointer), in the layout's shardings,
+    PowerSGD's per-data-rank state fitted to this layout; None if there is no checkpoint."""
+    abstract = abstract_state(layout)
+    return ckpt.restore_latest(abstract, fit=powersgd.restore_fit(layout, abstract))

@@ -19,6 +19,7 @@ from jaxpar.loss import cross_entropy, loss_fn, split_rows, token_order
 from jaxpar.models.decoder import abstract_model
 from jaxpar.ops import sum_over_microbatches
 from jaxpar.optim import lr_fn, make_optimizer
+from jaxpar.parallel import powersgd
 from jaxpar.parallel.compression import compressed_loss_and_grads, data_axes
 from jaxpar.parallel.pipeline_executor import HAND_SCHEDULED, StageFns, pipeline_value_and_grad
 from jaxpar.parallelize import parallel_context
@@ -78,26 +79,33 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
     tx, lr = make_optimizer(cfg), lr_fn(cfg)
     value_and_grad, context = loss_and_grad(layout)
     fp16 = loss_scale.enabled(cfg)
-    compressed = None
+    compressed = psgd = None
     if cfg.parallel.grad_compression == "bf16" and data_axes(layout.mesh):
         compressed = compressed_loss_and_grads(layout, value_and_grad, accum)
+    elif powersgd.enabled(layout):
+        psgd = powersgd.powersgd_loss_and_grads(layout, value_and_grad, accum)
 
     def step(state, batch):
         state = to_device(layout, state)  # parallel.offload: host -> device for this step
         params = state["params"]
         scale = state["loss_scale"]["scale"] if fp16 else 1.0
 
-        if compressed is not None:  # parallel.grad_compression: the data axes' reduction in bfloat16
-            loss, grads = compressed(params, batch, jnp.asarray(scale, jnp.float32))
+        if psgd is not None:  # parallel.grad_compression=powersgd: mean loss and gradients, its state updated
+            loss, grads, new_psgd = psgd(params, batch, state["powersgd"], state["step"])
         else:
-            loss, grads = sum_over_microbatches(value_and_grad, params, batch, scale, accum,
-                                                lambda mb: jax.lax.with_sharding_constraint(mb, layout.batch_sharding))
-        loss, grads = loss / (accum * scale), jax.tree.map(lambda g: g / (accum * scale), grads)
+            if compressed is not None:  # parallel.grad_compression=bf16: the data axes' reduction in bfloat16
+                loss, grads = compressed(params, batch, jnp.asarray(scale, jnp.float32))
+            else:
+                loss, grads = sum_over_microbatches(value_and_grad, params, batch, scale, accum, lambda mb:
+                                                    jax.lax.with_sharding_constraint(mb, layout.batch_sharding))
+            loss, grads = loss / (accum * scale), jax.tree.map(lambda g: g / (accum * scale), grads)
         if inject_overflow:
             grads = jax.tree.map(lambda g: g * jnp.inf, grads)
         grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, layout.shardings(layout.grad_specs))
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "step": state["step"] + 1}
+        if psgd is not None:
+            new["powersgd"] = new_psgd
         metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr(state["step"])}
         if fp16:  # skip a step that overflowed (its parameters and optimizer state stay), adjust the scale
             ls, finite = state["loss_scale"], loss_scale.all_finite(grads)

@@ -63,7 +63,7 @@ class JaxTrainer:
 
     def restore_or_init(self) -> int:
         self.ckpt = Checkpointer(self.cfg.run.dir, self.cfg.checkpoint.keep, trainer=True)
-        restored = self.ckpt.restore_latest(st.abstract_state(self.layout)) if self.cfg.checkpoint.resume else None
+        restored = st.restore_latest(self.ckpt, self.layout) if self.cfg.checkpoint.resume else None
         if restored:
             print(f"resumed from {self.ckpt.dir}/{restored[1]['step']}", file=sys.stderr)
         self.state = restored[0] if restored else self.initial_state()

@@ -122,6 +122,8 @@ def draw_jax(rng: random.Random) -> Case:
         s["train.scan_layers"] = "off"
     if rng.random() < 0.2:
         s["parallel.offload"] = _pick(rng, {"optimizer": 1, "params+optimizer": 1})
+    if sizes["dp"] * sizes["fsdp"] > 1 and rng.random() < 0.15:
+        _draw_compression(rng, s)
     mesh = ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "dp=1"
     return Case("jax", mesh, tuple(sorted(_drop_defaults(s).items())))
 
@@ -141,6 +143,8 @@ def draw_torch(rng: random.Random) -> Case:
             s["parallel.mesh"] = "dp=2,fsdp=2"  # HSDP
         if rng.random() < {"ddp": 0.05, "fsdp": 0.1, "deepspeed": 0.3}[backend]:  # ddp, fsdp on CPU: refused
             s["parallel.offload"] = _pick(rng, {"optimizer": 1, "params+optimizer": 1})
+    if backend in ("ddp", "fsdp", "deepspeed") and rng.random() < 0.1:  # fsdp, deepspeed refuse PowerSGD
+        _draw_compression(rng, s, {"powersgd": 1})
     if backend == "pipeline":
         D = 2 if world == 4 and rng.random() < 0.5 else 1
         if D > 1:
@@ -151,6 +155,16 @@ def draw_torch(rng: random.Random) -> Case:
     _draw_dims(rng, s, 1, stages_v)
     _draw_training(rng, s, ways)
     return Case("torch", f"{backend}:{world}", tuple(sorted(_drop_defaults(s).items())))
+
+
+def _draw_compression(rng: random.Random, s: dict, methods=None) -> None:
+    """parallel.grad_compression. The fuzz runs compare with one device in float32, so the cases run the compressed
+    program with nothing lost: PowerSGD never past its warm-up (STEPS plain steps; its compressed branch is
+    compiled all the same), bf16 (jaxpar only) with a float32 wire (fuzz_run.py; tests/jaxpar/test_grad_compression.py)."""
+    s["parallel.grad_compression"] = _pick(rng, methods or {"bf16": 1, "powersgd": 1})
+    if s["parallel.grad_compression"] == "powersgd":
+        s["parallel.powersgd_warmup_steps"] = str(STEPS + rng.randrange(2))
+        s["parallel.powersgd_rank"] = str(rng.choice((1, 2, 4)))
 
 
 def _draw_model_kind(rng: random.Random, s: dict) -> str:
@@ -254,6 +268,9 @@ PROMISES = (
     ("offload", lambda c: "parallel.offload" in dict(c.settings),
      "README.md 'Offload'; docs/architecture.md 'Mixed precision and offload' (jaxpar: host memory kinds; "
      "deepspeed: optimizer at stages 1-3, params+optimizer at stage 3)"),
+    ("gradient compression", lambda c: "parallel.grad_compression" in dict(c.settings),
+     "docs/torchpar.md 'Gradient compression' (ddp bf16 and powersgd, fsdp and deepspeed bf16; jaxpar both on dp, "
+     "fsdp and tp meshes)"),
     ("torchpar backends", lambda c: c.side == "torch",
      "docs/torchpar.md 'Backends': none, ddp, fsdp (HSDP with parallel.mesh=dp=D,fsdp=F), deepspeed, pipeline"),
 )
@@ -330,6 +347,11 @@ DOCUMENTED_REFUSALS = (
     ("docs/torchpar.md pipeline: pp x dp (parallel.mesh=pp=S,dp=D) runs the 1f1b schedule only",
      lambda c: c.side == "torch" and c.backend == "pipeline" and c.mesh()["dp"] > 1 and
      c.get("parallel.pipeline_schedule", "gpipe") != "1f1b"),
+    ("docs/torchpar.md 'Gradient compression': jaxpar compresses on dp, fsdp and tp meshes (pp, sp: refused); "
+     "PowerSGD runs on ddp only",
+     lambda c: c.get("parallel.grad_compression", "none") != "none" and (
+         (c.side == "jax" and (c.mesh()["pp"] > 1 or c.mesh()["sp"] > 1)) or
+         (c.get("parallel.grad_compression") == "powersgd" and c.side == "torch" and c.backend != "ddp"))),
     ("docs/torchpar.md: offload needs --backend fsdp or deepspeed",
      lambda c: c.side == "torch" and c.backend not in ("fsdp", "deepspeed") and "parallel.offload" in
      dict(c.settings)),
@@ -352,6 +374,9 @@ MODE_KEYS = {  # key prefix -> whether the case's run consumes it (a mode's keys
     "parallel.zero_stage": lambda c: c.mesh()["dp"] > 1 if c.side == "jax" else c.backend in ("ddp", "fsdp",
                                                                                                 "deepspeed"),
     "parallel.offload": lambda c: c.side == "jax" or c.backend not in ("none", "pipeline"),
+    "parallel.grad_compression": lambda c: (c.mesh()["dp"] * c.mesh()["fsdp"] > 1 if c.side == "jax" else
+                                            c.backend in ("ddp", "fsdp", "deepspeed")),
+    "parallel.powersgd_": lambda c: c.get("parallel.grad_compression") == "powersgd",
     "parallel.mesh": lambda c: c.side == "torch" and c.backend in ("fsdp", "pipeline") and c.world == 4,
     "model.q_latent_dim": lambda c: c.get("model.attention") == "mla",
     "model.kv_latent_dim": lambda c: c.get("model.attention") == "mla",

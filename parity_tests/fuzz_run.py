@@ -107,9 +107,17 @@ class Fuzzer:
     def run_jax(self, case: Case) -> Trajectory:
         from jaxpar.core.contract import Run, check_contract
 
+        import jax.numpy as jnp
+
+        from jaxpar.parallel import compression
+
         cfg = self.config([*case.overrides, *self.run_overrides])
         check_contract(Run(cfg, "jaxpar", mesh=case.mesh()))  # as jaxpar.train does: a key no mode consumes
-        return self.jax_trajectory(cfg, case.layout, case.layout)
+        wire, compression.WIRE = compression.WIRE, jnp.float32  # bf16's program, nothing rounded (fuzz_cases.py)
+        try:
+            return self.jax_trajectory(cfg, case.layout, case.layout)
+        finally:
+            compression.WIRE = wire
 
     def jax_trajectory(self, cfg, mesh: str, name: str) -> Trajectory:
         import jax

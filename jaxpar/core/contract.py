@@ -185,9 +185,9 @@ CONTRACT: dict[str, Owner] = {
                                        example=("mesh:dp=2",),
                                        why_not="it compresses the data-parallel gradient reduction: --backend ddp, "
                                                "fsdp or deepspeed (none has none; pipeline: not built yet)"),
-    **{f"parallel.powersgd_{k}": Owner(False, ("ddp",), "engine", when=_powersgd,
+    **{f"parallel.powersgd_{k}": Owner(True, ("ddp",), "step", when=_powersgd,
                                        mode="parallel.grad_compression=powersgd",
-                                       example=("parallel.grad_compression=powersgd",),
+                                       example=("parallel.grad_compression=powersgd", "mesh:dp=2"),
                                        why_not="PowerSGD runs on --backend ddp (torch's DDP communication hook)")
        for k in ("rank", "warmup_steps")},
     # checkpoint and run: the shared loop and run directory

@@ -49,13 +49,13 @@ def read(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
         return flat, model_dims(flat, read_settings(src))
     from jaxpar.checkpoint import Checkpointer
     from jaxpar.core.resume import read_run_config
-    from jaxpar.state import abstract_state
+    from jaxpar.state import restore_latest
 
     cfg = read_run_config(src)
     if cfg.model.attention != "mha" or cfg.model.linear != "dense":
         raise UserError(f"{src} trains model.attention={cfg.model.attention}, model.linear={cfg.model.linear}; "
                         "conversion supports only mha attention and dense layers")
-    restored = Checkpointer(src, cfg.checkpoint.keep).restore_latest(abstract_state(single_device_layout(cfg)))
+    restored = restore_latest(Checkpointer(src, cfg.checkpoint.keep), single_device_layout(cfg))
     if restored is None:
         raise UserError(f"no checkpoint in {src}/checkpoints")
     flat = {k: np.asarray(v) for k, v in flatten(restored[0]["params"]).items()}

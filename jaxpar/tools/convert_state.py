@@ -39,10 +39,10 @@ def export_state(run_dir: str, dst: str) -> int:
 
     from jaxpar.checkpoint import Checkpointer
     from jaxpar.core.resume import read_run_config
-    from jaxpar.state import abstract_state
+    from jaxpar.state import restore_latest
 
     cfg = read_run_config(run_dir)
-    restored = Checkpointer(run_dir, cfg.checkpoint.keep).restore_latest(abstract_state(single_device_layout(cfg)))
+    restored = restore_latest(Checkpointer(run_dir, cfg.checkpoint.keep), single_device_layout(cfg))
     if restored is None:
         raise UserError(f"no checkpoint in {run_dir}/checkpoints")
     state, meta = restored

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -35,10 +36,12 @@ def parse_bytes(text: str) -> int:
 
 
 def analytic_bounds(cfg: Config, sizes: dict[str, int], param_bytes_per_device: int,
-                    platform: str = "gpu") -> dict[str, float]:
+                    platform: str = "gpu", powersgd_bytes: int = 0) -> dict[str, float]:
     """Per-device bytes sent per step by bandwidth-optimal collectives, one term per mesh axis. Gradients
     travel at half their float32 bytes with parallel.grad_compression=bf16, except on the CPU (rounded to
-    bfloat16 there, reduced in float32: jaxpar/parallel/compression.py)."""
+    bfloat16 there, reduced in float32: jaxpar/parallel/compression.py); with powersgd, `powersgd_bytes` (a
+    rank's payload: r(m+n) per matrix, the rest whole; divided by tp here, an estimate there) all-reduced over
+    dp x fsdp at once, after the parameters are gathered whole over fsdp."""
     m, t = cfg.model, cfg.train
     grads = 0.5 if cfg.parallel.grad_compression == "bf16" and platform != "cpu" else 1.0
     dp, fsdp, tp = sizes["dp"], sizes["fsdp"], sizes["tp"]
@@ -46,6 +49,12 @@ def analytic_bounds(cfg: Config, sizes: dict[str, int], param_bytes_per_device: 
     rows = t.global_batch_size // (dp * fsdp)  # per device, all microbatches together
     activation = rows * cfg.data.seq_len * m.d_model * act_bytes
     unsharded_over_fsdp = param_bytes_per_device * fsdp
+    if cfg.parallel.grad_compression == "powersgd":
+        n, payload = dp * fsdp, powersgd_bytes / tp
+        data = 2 * payload * (n - 1) / n  # one all-reduce group over both data axes: the planner files it by fsdp
+        return {"dp": 0.0 if fsdp > 1 else data,
+                "fsdp": unsharded_over_fsdp * (fsdp - 1) / fsdp + (data if fsdp > 1 else 0.0),
+                "tp": (4 * m.n_layer + 2) * activation * 2 * (tp - 1) / tp}
     return {
         # gradients of this device's parameter shard, all-reduced over dp
         "dp": 2 * grads * param_bytes_per_device * (dp - 1) / dp,
@@ -58,8 +67,12 @@ def analytic_bounds(cfg: Config, sizes: dict[str, int], param_bytes_per_device: 
 
 
 def compile_layout(cfg: Config, sizes: dict[str, int], devices=None):
-    """(compiled train step, layout, abstract state) for abstract inputs: nothing is allocated."""
+    """(compiled train step, layout, abstract state) for abstract inputs: nothing is allocated. PowerSGD's step
+    is compiled without its warm-up (whose plain reduction would count beside the compressed one)."""
     from jaxpar.step import build_step
+
+    if cfg.parallel.grad_compression == "powersgd":
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, powersgd_warmup_steps=0))
 
     layout, state, step = build_step(cfg, sizes, devices, abstract=True)
     return step, layout, state
@@ -84,7 +97,10 @@ def plan(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
         axes = hlo_collectives.group_axes(c.groups, layout.mesh) if c.op != "collective-permute" else ("pp/sp",)
         collectives.append({"op": c.op, "axes": "+".join(axes) or "-", "result_bytes": c.result_bytes,
                             "group": c.group_size, "count": c.count, "traffic_bytes": c.traffic_bytes * c.count})
-    bounds = analytic_bounds(cfg, full, params, layout.mesh.devices.flat[0].platform)
+    from jaxpar.parallel import powersgd
+
+    payload = powersgd.payload_bytes(layout) if powersgd.enabled(layout) else 0
+    bounds = analytic_bounds(cfg, full, params, layout.mesh.devices.flat[0].platform, payload)
     measured = {a: 0.0 for a in bounds}
     for c in collectives:
         key = next((a for a in ("tp", "fsdp", "dp") if a in c["axes"].split("+")), None)

@@ -43,7 +43,6 @@ def test_bf16_moves_the_run_by_its_rounding_only(dataset, reference):
 
 
 @pytest.mark.parametrize("mesh,setting,named", [
-    ("dp=4", "parallel.grad_compression=powersgd", "powersgd is not built in jaxpar"),
     ("pp=2,dp=2", BF16, "pp and sp with it are not built"),
 ])
 def test_what_jaxpar_does_not_run_is_refused(mesh, setting, named, dataset):

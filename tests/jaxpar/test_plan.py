@@ -133,3 +133,18 @@ def test_bf16_gradient_compression_halves_the_gradient_terms_of_the_bound():
            "traffic_bytes": 5}, {"op": "all-gather", "axes": "fsdp", "traffic_bytes": 7},
            {"op": "all-reduce", "axes": "tp", "traffic_bytes": 3}]
     assert gradient_traffic(ops) == 15
+
+
+def test_powersgd_gradient_bytes_are_its_low_rank_factors():
+    """PowerSGD rank 4 on dp=8: what the compiled step all-reduces over dp is r(m+n) per compressed matrix plus the
+    uncompressed leaves, per rank 414,720 bytes for this model -- the figure torch's powerSGD_hook counted for
+    torchpar's copy of it (docs/benchmarks/grad-compression.md) -- sent by a ring all-reduce (2 (n-1)/n)."""
+    r = 4
+    compressed = L * r * (4 * d + 2 * (d + f)) + r * (V + d) + r * (m.max_seq_len + d)  # qkv, fc, proj; wte, wpe
+    whole = N - L * (3 * d * d + 2 * d * f) - (V + m.max_seq_len) * d
+    assert 4 * (compressed + whole) == 414_720
+    cfg = load_config("configs/gpt2-tiny.yaml", ["parallel.grad_compression=powersgd"])
+    got = plan(cfg, {"dp": 8}, jax.devices()[:8])
+    bound = 2 * 414_720 * 7 / 8
+    assert bound <= got["gradient_bytes"] <= 1.1 * bound and got["bounds"]["dp"] == bound
+    assert got["gradient_bytes"] < 0.15 * run("dp=8")["gradient_bytes"]

@@ -6,13 +6,14 @@ of each gradient matrix all-reduced instead of the matrix, with error feedback a
 matrices that would not shrink 2x go uncompressed; the first parallel.powersgd_warmup_steps steps run plain).
 PowerSGD's state (error buffers, P and Q factors, its step count) is each rank's own: saved beside the DCP
 checkpoint, one file per rank (PowerSGDState's runtime slots, as its own pickling keeps them), and restored
-where the buckets it was keyed by are the same (world size, bucket size, device kind, rank r); elsewhere it
-starts afresh after its warm-up, and says so.
+where the buckets it was keyed by are the same (bucket size, device kind): on another number of ranks with the
+error buffers averaged, with another rank r with fresh factors; elsewhere it starts afresh after its warm-up.
 """
 from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 from contextlib import nullcontext
 
@@ -97,29 +98,56 @@ class DDPEngine(TorchEngine):
 
 class PowerSGDCheckpoint:
     """This rank's PowerSGD state in a checkpoint directory (torchpar/checkpoint.py calls save and load): the
-    runtime slots only (the settings come from the config at hand), and the buckets they were keyed by."""
+    runtime slots only (the settings come from the config at hand), and the buckets they were keyed by.
+    Resumed on another number of ranks, every rank takes the mean of the saved error buffers (the sum the next
+    steps owe, over the ranks, stays what it was; DDP's buckets do not depend on the number of ranks), as jaxpar
+    does (jaxpar/parallel/powersgd.py); with another rank r, the buffers stay and the factors start afresh."""
     RUNTIME = ("rng", "error_dict", "p_memory_dict", "q_memory_dict", "iter", "total_numel_before_compression",
                "total_numel_after_compression", "next_stats_report")
+    FACTORS = ("p_memory_dict", "q_memory_dict")
 
     def __init__(self, state, env, buckets: tuple):
-        self.state, self.env, self.buckets = state, env, buckets  # buckets: what decides DDP's bucket layout
+        self.state, self.env, self.buckets = state, env, buckets  # (world, bucket cap, device kind, rank r)
 
-    def path(self, folder: str) -> str:
-        return os.path.join(folder, f"powersgd-rank{self.env.rank}-of-{self.env.world}.pt")
+    def path(self, folder: str, rank: int | None = None, world: int | None = None) -> str:
+        rank, world = (self.env.rank, self.env.world) if rank is None else (rank, world)
+        return os.path.join(folder, f"powersgd-rank{rank}-of-{world}.pt")
 
     def save(self, folder: str) -> None:
         saved = {slot: getattr(self.state, slot) for slot in self.RUNTIME}
         torch.save({**saved, "buckets": self.buckets}, self.path(folder))
 
+    def _saved(self, folder: str) -> dict:
+        """This rank's file; where the checkpoint was written by another number of ranks, rank 0's with the error
+        buffers averaged over all of theirs."""
+        load = lambda path: torch.load(path, map_location=self.env.device, weights_only=False)  # noqa: E731
+        if os.path.exists(self.path(folder)):
+            return load(self.path(folder))
+        worlds = {int(m[1]) for m in map(re.compile(r"powersgd-rank0-of-(\d+)\.pt$").match, os.listdir(folder)) if m}
+        if len(worlds) != 1:
+            return {}
+        world = worlds.pop()
+        states = [load(self.path(folder, r, world)) for r in range(world)]
+        errors = {b: torch.stack([s["error_dict"][b] for s in states]).mean(0) for b in states[0]["error_dict"]}
+        return {**states[0], "error_dict": errors}
+
     def load(self, folder: str) -> None:
         """Every rank restores, or none does (one rank compressing while another warms up would hang)."""
-        path = self.path(folder)
-        saved = torch.load(path, map_location=self.env.device, weights_only=False) if os.path.exists(path) else {}
-        if dist.any_rank(saved.get("buckets") != self.buckets, self.env):
+        saved = self._saved(folder) if os.path.isdir(folder) else {}
+        kept = saved.get("buckets", (None,) * 4)
+        if dist.any_rank(kept[1:3] != self.buckets[1:3], self.env):  # bucket cap, device: another bucket layout
             if self.env.is_main:
-                print(f"PowerSGD: {folder} holds no error-feedback state for this layout ({self.env.world} ranks, "
-                      f"rank {self.state.matrix_approximation_rank}, the same buckets); it starts afresh (after "
-                      f"{self.state.start_powerSGD_iter} plain steps)", file=sys.stderr)
+                print(f"PowerSGD: {folder} holds no error-feedback state for these gradient buckets; it starts "
+                      f"afresh (after {self.state.start_powerSGD_iter} plain steps)", file=sys.stderr)
             return
         for slot in self.RUNTIME:
             setattr(self.state, slot, saved[slot])
+        said = []
+        if kept[0] != self.buckets[0]:
+            said.append(f"the error buffers of {kept[0]} ranks averaged onto {self.buckets[0]}")
+        if kept[3] != self.buckets[3]:  # P and Q are rank r wide: the hook makes them afresh
+            for slot in self.FACTORS:
+                setattr(self.state, slot, {})
+            said.append(f"rank r {kept[3]} -> {self.buckets[3]}: its factors start afresh")
+        if said and self.env.is_main:
+            print(f"PowerSGD: {'; '.join(said)} (resumed from {folder})", file=sys.stderr)
