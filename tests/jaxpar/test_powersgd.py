@@ -8,7 +8,7 @@ import signal
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.core.errors import UserError
