@@ -1,4 +1,4 @@
-"""Pipeline schedules as clock-cycle tables: GPipe, 1F1B, interleaved 1F1B and zero-bubble ZB-H1.
+"""Pipeline schedules as clock-cycle tables: GPipe, 1F1B, interleaved 1F1B and zero-bubble ZB-H1 and ZB-V.
 
 Each device runs a fixed *program* (its order of forward/backward work); `simulate` plays the
 programs against the dependencies (forward of virtual stage v needs v-1's forward of the same
@@ -104,8 +104,73 @@ def _zb_h1_programs(S: int, M: int) -> tuple[tuple[Op, ...], ...]:
     return tuple(tuple(p) for p in programs)
 
 
+def zb_v_program(stage: int, S: int, M: int, V: int = 1) -> list[Op]:
+    """ZB-V (Qi et al. 2024, the V-shaped zero-bubble schedule): two chunks per device placed in a V (`placement`),
+    F, B and W split as ZB-H1's. Each tick a device runs the first of: a B whose inputs are there (chunk 0's
+    first: its input gradient unblocks the device before it), an F (chunk 1's first: it heads for the loss)
+    while fewer than 2S chunk-microbatches are between their F and their W, the oldest W. 2S chunks of half a
+    stage's layers are 1F1B's peak of S microbatches of a whole stage."""
+    return _zb_v_programs(S, M)[stage]
+
+
+@functools.lru_cache(maxsize=32)
+def _zb_v_programs(S: int, M: int) -> tuple[tuple[Op, ...], ...]:
+    """The rule above played on all devices at once; each device's order is its program. On the unit-time table
+    it reaches the least possible bubble (S-1)/(6M+S-1): the last device starts after S-1 chunk forwards."""
+    last, limit = 2 * S - 1, 2 * S
+    nxt = {(kind, d, c): 0 for kind in "FB" for d in range(S) for c in (0, 1)}
+    waiting: list[list[tuple[int, int]]] = [[] for _ in range(S)]  # (microbatch, chunk) whose W is due, oldest first
+    live, programs, done = [0] * S, [[] for _ in range(S)], set()
+    while any(nxt[("B", d, c)] < M or waiting[d] for d in range(S) for c in (0, 1)):
+        finished = []
+        for d in range(S):
+            op = None
+            for c in (0, 1):
+                m, v = nxt[("B", d, c)], virtual_stage("zb_v", S, d, c)
+                if m < M and ("F", m, v) in done and (v == last or ("B", m, v + 1) in done):
+                    op = Op("B", m, c)
+                    break
+            for c in (1, 0):
+                m, v = nxt[("F", d, c)], virtual_stage("zb_v", S, d, c)
+                if op is None and m < M and (v == 0 or ("F", m, v - 1) in done) and live[d] < limit:
+                    op = Op("F", m, c)
+            if op is None and waiting[d]:
+                op = Op("W", *waiting[d].pop(0))
+            if op is None:
+                continue
+            if op.kind in "FB":
+                nxt[(op.kind, d, op.chunk)] += 1
+            if op.kind == "B":
+                waiting[d].append((op.microbatch, op.chunk))
+            live[d] += {"F": 1, "B": 0, "W": -1}[op.kind]
+            programs[d].append(op)
+            finished.append((op.kind, op.microbatch, virtual_stage("zb_v", S, d, op.chunk)))
+        done.update(finished)
+    return tuple(tuple(p) for p in programs)
+
+
 PROGRAMS = {"gpipe": gpipe_program, "1f1b": one_f_one_b_program, "interleaved": interleaved_program,
-            "zb_h1": zb_h1_program}
+            "zb_h1": zb_h1_program, "zb_v": zb_v_program}
+SPLIT_BACKWARD = ("zb_h1", "zb_v")  # B is the input gradient alone, W the weights'
+
+
+def chunks(schedule: str, V: int) -> int:
+    """Chunks of layers per device: parallel.pipeline_virtual_stages for interleaved, ZB-V's two, else one."""
+    return 2 if schedule == "zb_v" else V
+
+
+def virtual_stage(schedule: str, S: int, device: int, chunk: int) -> int:
+    """Which of the S x chunks virtual stages (layer slices, in model order) a device's chunk runs: round robin
+    (chunk * S + device), or ZB-V's V (chunk 0 down the devices, chunk 1 back up: device d holds d and 2S-1-d,
+    so the first and the last virtual stage, embedding and loss, are both on device 0)."""
+    return 2 * S - 1 - device if schedule == "zb_v" and chunk else chunk * S + device
+
+
+def placement(schedule: str, S: int, v: int) -> tuple[int, int]:
+    """(device, chunk) of virtual stage v: virtual_stage's inverse."""
+    if schedule == "zb_v" and v >= S:
+        return 2 * S - 1 - v, 1
+    return v % S, v // S
 
 
 def resolve_microbatches(stages: int, microbatches: int) -> int:
@@ -119,13 +184,15 @@ def check(schedule: str, S: int, M: int, V: int, n_layer: int | None = None) -> 
     if S < 1 or M < 1 or V < 1:
         raise UserError(f"pipeline needs stages, microbatches and virtual stages >= 1 (got {S}, {M}, {V})")
     if schedule != "interleaved" and V != 1:
-        raise UserError(f"virtual stages ({V}) need the interleaved schedule, not {schedule}")
-    if schedule in ("1f1b", "interleaved", "zb_h1") and M < S:
+        raise UserError(f"virtual stages ({V}) need the interleaved schedule, not {schedule}"
+                        + (" (zb_v places two chunks per stage itself)" if schedule == "zb_v" else ""))
+    if schedule in ("1f1b", "interleaved", "zb_h1", "zb_v") and M < S:
         raise UserError(f"{schedule} needs microbatches >= stages (got {M} < {S})")
     if schedule == "interleaved" and M % S:
         raise UserError(f"interleaved schedule needs microbatches ({M}) divisible by stages ({S})")
-    if n_layer is not None and n_layer % (S * V):
-        raise UserError(f"model.n_layer={n_layer} is not divisible by stages x virtual stages = {S * V}")
+    if n_layer is not None and n_layer % (S * chunks(schedule, V)):
+        what = "2 chunks (zb_v)" if schedule == "zb_v" else "virtual stages"
+        raise UserError(f"model.n_layer={n_layer} is not divisible by stages x {what} = {S * chunks(schedule, V)}")
 
 
 def simulate(schedule: str, S: int, M: int, V: int = 1) -> list[list[Op | None]]:
@@ -133,13 +200,13 @@ def simulate(schedule: str, S: int, M: int, V: int = 1) -> list[list[Op | None]]
     check(schedule, S, M, V)
     programs = [PROGRAMS[schedule](d, S, M, V) for d in range(S)]
     done: set[tuple[str, int, int]] = set()  # (kind, microbatch, virtual stage)
-    pos, table, last = [0] * S, [], S * V - 1
+    pos, table, last = [0] * S, [], S * chunks(schedule, V) - 1
     while any(p < len(prog) for p, prog in zip(pos, programs)):
         row, finished = [], []
         for d in range(S):
             op = programs[d][pos[d]] if pos[d] < len(programs[d]) else None
             if op is not None:
-                v = op.chunk * S + d
+                v = virtual_stage(schedule, S, d, op.chunk)
                 need = ([("F", op.microbatch, v - 1)] if v else []) if op.kind == "F" else \
                     [("B", op.microbatch, v)] if op.kind == "W" else \
                     [("F", op.microbatch, v)] + ([("B", op.microbatch, v + 1)] if v < last else [])

@@ -5,8 +5,9 @@ backward. It knows no model: the caller passes a `StageFns` (embedding, a chunk 
 Inside `jax.shard_map` over `pp` only (dp/fsdp/tp/sp stay with GSPMD inside each stage), every
 device reads its row of precomputed tables at each tick and runs one branch of a `lax.switch`:
 idle, or F / B / W of (microbatch, chunk) on the first, a middle or the last virtual stage. Virtual
-stage v = chunk * S + device holds layers [v*k, (v+1)*k); the embedding runs on v = 0, head and loss
-on v = S*V - 1.
+stage v holds layers [v*k, (v+1)*k) and runs on a device's chunk as pipeline_schedules.placement says (round
+robin v = chunk * S + device; ZB-V's V: device d holds d and 2S-1-d); the embedding runs on v = 0, head and
+loss on the last.
 
 - No hidden recomputation: a forward keeps the residuals of its layers' `jax.vjp` (what the backward
   needs, as `model.remat` decides: everything with `none`, layer inputs with `full`) in a slot of a
@@ -15,11 +16,13 @@ on v = S*V - 1.
   The last stage differentiates head and loss within its forward (the loss's cotangent is known) and
   keeps the cotangent of its layers' output beside the residuals; the first stage recomputes the
   embedding lookup (a gather) for its gradient.
-- ZB-H1 splits the backward: B applies the residuals for the stage input's gradient only, W later for
+- ZB-H1 and ZB-V split the backward: B applies the residuals for the stage input's gradient only, W later for
   the weights' only (XLA drops the unused half of each); residuals and cotangents are kept until W.
 - After every tick each device sends its forward output to device d+1 and its input cotangent to
   d-1 (`ppermute`, circular so interleaved chunks wrap from the last device to the first); the
-  tables say which slot, if any, keeps what arrives.
+  tables say which slot, if any, keeps what arrives. ZB-V's second chunk runs back up the devices, so
+  there both go both ways (twice the bytes of a one-way schedule), and at the V's turn (virtual stage S-1 to
+  S, both on the last device) the output stays on its device.
 - Gradients of the layers stay on their stage; those of the other parameters (`rest`: used on the
   first and the last stage, e.g. a tied embedding) are summed over `pp`.
 """
@@ -33,19 +36,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.core.pipeline_schedules import simulate
+from jaxpar.core.pipeline_schedules import SPLIT_BACKWARD, chunks, placement, simulate, virtual_stage
 from jaxpar.ops import split_microbatches
 
 AXIS = "pp"
-HAND_SCHEDULED = ("1f1b", "interleaved", "zb_h1")  # GPipe trains through gpipe.py (jax.grad through its ticks)
+HAND_SCHEDULED = ("1f1b", "interleaved", "zb_h1", "zb_v")  # GPipe trains through gpipe.py (jax.grad through its ticks)
 # branch index of a tick: what one device does
 IDLE, F_MID, F_FIRST, F_LAST, B_MID, B_FIRST, B_LAST, W_MID, W_FIRST, W_LAST = range(10)
 BRANCHES = W_LAST + 1  # lax.switch branches of a tick
 CODES = {"F": (F_FIRST, F_MID, F_LAST), "B": (B_FIRST, B_MID, B_LAST), "W": (W_FIRST, W_MID, W_LAST)}
+# where a device's arrivals come from: the device before it (d-1, circularly), the one after it (d+1), or its own
+# last tick (ZB-V's turn, virtual stage S-1 to S on the last device)
+SOURCES = ("left", "right", "self")
 # one row per (tick, device): the branch, its chunk and microbatch, the slots it reads its stage input,
 # cotangent and residuals from, the residual slot its forward fills, and the slots where this tick's
-# arrivals from the neighbours are kept
-COLUMNS = ("code", "chunk", "microbatch", "in_slot", "cot_slot", "res_slot", "res_write", "recv_act", "recv_cot")
+# arrivals from each source are kept
+COLUMNS = ("code", "chunk", "microbatch", "in_slot", "cot_slot", "res_slot", "res_write",
+           *(f"recv_{kind}_{src}" for kind in ("act", "cot") for src in SOURCES))
 COL = {name: i for i, name in enumerate(COLUMNS)}
 
 
@@ -79,42 +86,50 @@ def _allocate(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
     return slot_of, len(free_after)
 
 
+def _source(S: int, sender: int, receiver: int) -> str:
+    return "self" if sender == receiver else "left" if sender == (receiver - 1) % S else "right"
+
+
 def tick_plan(schedule: str, S: int, M: int, V: int) -> TickPlan:
-    table, last = simulate(schedule, S, M, V), S * V - 1
+    table, last = simulate(schedule, S, M, V), S * chunks(schedule, V) - 1
+    dev = lambda v: placement(schedule, S, v)[0]  # noqa: E731
     when = {}  # (kind, microbatch, virtual stage) -> tick
     for t, row in enumerate(table):
         for d, op in enumerate(row):
             if op is not None:
-                when[(op.kind, op.microbatch, op.chunk * S + d)] = t
+                when[(op.kind, op.microbatch, virtual_stage(schedule, S, d, op.chunk))] = t
     # what each device must keep until the backward is over (ZB-H1: until W): an arrived stage input until
     # its forward has run, an arrived cotangent, and the residuals of each forward
     end = lambda m, v: when.get(("W", m, v), when[("B", m, v)])  # noqa: E731
     acts, cots, res = ([[] for _ in range(S)] for _ in range(3))
     for m in range(M):
         for v in range(last + 1):
-            res[v % S].append((when[("F", m, v)], end(m, v), (m, v)))
+            res[dev(v)].append((when[("F", m, v)], end(m, v), (m, v)))
             if v:
-                acts[v % S].append((when[("F", m, v - 1)] + 1, when[("F", m, v)], (m, v)))
+                acts[dev(v)].append((when[("F", m, v - 1)] + 1, when[("F", m, v)], (m, v)))
             if v < last:
-                cots[v % S].append((when[("B", m, v + 1)] + 1, end(m, v), (m, v)))
+                cots[dev(v)].append((when[("B", m, v + 1)] + 1, end(m, v), (m, v)))
     act_slot, cot_slot, res_slot = ([_allocate(x) for x in kept] for kept in (acts, cots, res))
     n_act, n_cot, n_res = (max(n for _, n in slots) + 1 for slots in (act_slot, cot_slot, res_slot))  # + scratch
     out = np.zeros((len(table), S, len(COLUMNS)), np.int32)
-    for name, scratch in (("in_slot", n_act), ("recv_act", n_act), ("cot_slot", n_cot), ("recv_cot", n_cot),
-                          ("res_slot", n_res), ("res_write", n_res)):
+    for name, scratch in (("in_slot", n_act), ("cot_slot", n_cot), ("res_slot", n_res), ("res_write", n_res),
+                          *((f"recv_{kind}_{src}", n) for kind, n in (("act", n_act), ("cot", n_cot))
+                            for src in SOURCES)):
         out[..., COL[name]] = scratch - 1
     for (kind, m, v), t in when.items():
-        d, first, final = v % S, v == 0, v == last
+        (d, chunk), first, final = placement(schedule, S, v), v == 0, v == last
         code = CODES[kind][0 if first else 2 if final else 1]
-        out[t, d, [COL["code"], COL["chunk"], COL["microbatch"]]] = code, v // S, m
+        out[t, d, [COL["code"], COL["chunk"], COL["microbatch"]]] = code, chunk, m
         out[t, d, COL["res_write" if kind == "F" else "res_slot"]] = res_slot[d][0][(m, v)]
         if kind == "F" and not first:
             out[t, d, COL["in_slot"]] = act_slot[d][0][(m, v)]
-            out[when[("F", m, v - 1)] + 1, d, COL["recv_act"]] = act_slot[d][0][(m, v)]
+            recv = f"recv_act_{_source(S, dev(v - 1), d)}"
+            out[when[("F", m, v - 1)] + 1, d, COL[recv]] = act_slot[d][0][(m, v)]
         if kind != "F" and not final:
             out[t, d, COL["cot_slot"]] = cot_slot[d][0][(m, v)]
             if kind == "B":
-                out[when[("B", m, v + 1)] + 1, d, COL["recv_cot"]] = cot_slot[d][0][(m, v)]
+                recv = f"recv_cot_{_source(S, dev(v + 1), d)}"
+                out[when[("B", m, v + 1)] + 1, d, COL[recv]] = cot_slot[d][0][(m, v)]
     return TickPlan(out, n_act, n_cot, n_res)
 
 
@@ -218,36 +233,51 @@ def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets
     """(mean loss, grads of `rest`, grads of `blocks`) of a model pipelined over `pp`: S stages, M
     microbatches, V chunks per stage. blocks (trained) and consts (not) carry a leading layers axis;
     inputs/targets are [rows, seq] token ids in the order the model reads them."""
-    plan = tick_plan(schedule, S, M, V)
+    plan, C = tick_plan(schedule, S, M, V), chunks(schedule, V)
     inputs, targets = split_microbatches(inputs, M), split_microbatches(targets, M)
     L = jax.tree.leaves(blocks)[0].shape[0]
-    staged = lambda w: jnp.asarray(w).reshape(V, S, L // (S * V), *w.shape[1:])  # noqa: E731  [chunk, stage, layer]
+    # [chunk, stage, layer]: the layers of virtual stage virtual_stage(c, d) at [c, d]
+    order = np.array([virtual_stage(schedule, S, d, c) for c in range(C) for d in range(S)])
+    permute = (lambda x, idx: x[idx]) if np.any(order != np.arange(C * S)) else (lambda x, idx: x)  # noqa: E731
+    staged = lambda w: permute(jnp.asarray(w).reshape(C * S, L // (S * C), *w.shape[1:]), order).reshape(  # noqa: E731
+        C, S, L // (S * C), *w.shape[1:])
     blocks, consts = jax.tree.map(staged, blocks), jax.tree.map(staged, consts)
     act_shape = inputs.shape[1:] + (width,)
+    used = {name for name in COLUMNS[COL["recv_act_left"]:]
+            if np.any(plan.tables[..., COL[name]] != (plan.act_slots if "act" in name else plan.cot_slots) - 1)}
 
     def body(rest, blocks, consts, inputs, targets, tables):
         blocks, consts = (jax.tree.map(lambda w: w[:, 0], t) for t in (blocks, consts))  # this device's chunks
-        stage = _Stage(fns, rest, blocks, consts, inputs, targets, M, act_shape, dtype, split=schedule == "zb_h1")
+        stage = _Stage(fns, rest, blocks, consts, inputs, targets, M, act_shape, dtype,
+                       split=schedule in SPLIT_BACKWARD)
         device, branches = jax.lax.axis_index(AXIS), stage.branches()
 
         def tick(carry, rows):
-            acts, cots, stash, own, grads, got_act, got_cot = carry
+            acts, cots, stash, own, grads, got = carry
             op = {name: rows[device, i] for name, i in COL.items()}
-            acts = acts.at[op["recv_act"]].set(got_act)  # what the neighbours sent last tick
-            cots = cots.at[op["recv_cot"]].set(got_cot)
+            for name in used:  # what the neighbours (or this device) sent last tick
+                if name.startswith("recv_act"):
+                    acts = acts.at[op[name]].set(got[name])
+                else:
+                    cots = cots.at[op[name]].set(got[name])
             send_act, send_cot, residuals, d_h, grads = jax.lax.switch(
                 op["code"], branches, acts, cots, stash, own, grads, op)
             stash = [buf.at[op["res_write"]].set(r) for buf, r in zip(stash, residuals)]  # a forward's, else scratch
             own = own.at[op["res_write"]].set(d_h)
-            got_act = jax.lax.ppermute(send_act, AXIS, [(i, (i + 1) % S) for i in range(S)])
-            got_cot = jax.lax.ppermute(send_cot, AXIS, [(i, (i - 1) % S) for i in range(S)])
-            return (acts, cots, stash, own, grads, got_act, got_cot), None
+            return (acts, cots, stash, own, grads, exchange(send_act, send_cot)), None
 
-        zeros = stage.zeros
+        def exchange(send_act, send_cot) -> dict:
+            """Each used source's arrival: ppermute to d+1 ("left" of the receiver) and d-1, or kept here."""
+            up, down = [(i, (i + 1) % S) for i in range(S)], [(i, (i - 1) % S) for i in range(S)]
+            moves = {"left": lambda x: jax.lax.ppermute(x, AXIS, up), "self": lambda x: x,
+                     "right": lambda x: jax.lax.ppermute(x, AXIS, down)}
+            return {name: moves[name.rsplit("_", 1)[1]](send_act if "_act_" in name else send_cot) for name in used}
+
         grads = (jax.tree.map(jnp.zeros_like, rest), jax.tree.map(jnp.zeros_like, blocks), jnp.zeros((), jnp.float32))
         carry = (jnp.zeros((plan.act_slots,) + act_shape, dtype), jnp.zeros((plan.cot_slots,) + act_shape, dtype),
-                 stage.new_stash(plan.res_slots), jnp.zeros((plan.res_slots,) + act_shape, dtype), grads, zeros, zeros)
-        (_, _, _, _, (g_rest, g_blocks, loss_sum), _, _), _ = jax.lax.scan(tick, carry, tables)
+                 stage.new_stash(plan.res_slots), jnp.zeros((plan.res_slots,) + act_shape, dtype), grads,
+                 {name: stage.zeros for name in used})
+        (_, _, _, _, (g_rest, g_blocks, loss_sum), _), _ = jax.lax.scan(tick, carry, tables)
         g_rest, loss_sum = jax.lax.psum((g_rest, loss_sum), AXIS)
         return loss_sum / M, g_rest, jax.tree.map(lambda g: g[:, None], g_blocks)
 
@@ -255,4 +285,6 @@ def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets
         body, mesh=mesh, axis_names={AXIS}, check_vma=False,
         in_specs=(P(), P(None, AXIS), P(None, AXIS), P(), P(), P()), out_specs=(P(), P(), P(None, AXIS)),
     )(rest, blocks, consts, inputs, targets, jnp.asarray(plan.tables))
-    return loss, g_rest, jax.tree.map(lambda g: g.reshape(L, *g.shape[3:]), g_blocks)
+    back = np.argsort(order)  # [chunk, stage] order -> virtual stages in model order
+    return loss, g_rest, jax.tree.map(lambda g: permute(g.reshape(C * S, *g.shape[2:]), back).reshape(L, *g.shape[3:]),
+                                      g_blocks)

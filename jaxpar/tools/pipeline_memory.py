@@ -9,6 +9,7 @@ at most ~S in flight (1F1B) stays flat. Rows:
   gpipe (executor)     the GPipe order on the hand-scheduled executor (pipeline_executor.py)
   1f1b                 1F1B on the executor
   zb_h1                ZB-H1 on the executor (residuals and output cotangents kept until the W tick)
+  zb_v                 ZB-V on the executor (two chunks of half a stage per device, in a V; kept as ZB-H1's)
 Memory: XLA's `temp_size_in_bytes` per device. FLOPs: matmul FLOPs of one step summed over the devices
 (jaxpr_flops.py; the executor's ticks counted from its table), as a ratio to one device's program of the
 same batch: above 1.0 is computation a schedule adds (GSPMD GPipe's bubble ticks compute on garbage; a
@@ -21,7 +22,7 @@ import sys
 
 from jaxpar.core.errors import UserError, cli
 
-ROWS = {"gpipe": "gpipe", "gpipe (executor)": "gpipe", "1f1b": "1f1b", "zb_h1": "zb_h1"}
+ROWS = {"gpipe": "gpipe", "gpipe (executor)": "gpipe", "1f1b": "1f1b", "zb_h1": "zb_h1", "zb_v": "zb_v"}
 
 
 def step_flops(cfg, sizes, devices, on_executor: str | None) -> float:
@@ -87,6 +88,7 @@ def main(argv=None) -> int:
             temp = measure(cfg, {"pp": S}, jax.devices(), on_executor).temp_size_in_bytes
             base = base or temp
             kept = tick_plan(schedule, S, M, 1).res_slots - 1 if on_executor else "all activations"
+            kept = f"{kept} chunks of half a stage" if schedule == "zb_v" else kept
             flops = step_flops(cfg, {"pp": S}, jax.devices(), on_executor)
             if M not in one_device:
                 one_device[M] = step_flops(cfg, {"pp": 1}, jax.devices()[:1], None)

@@ -1,9 +1,9 @@
 """python -m jaxpar.tools.pipeline_table --stages S --microbatches M [--schedule 1f1b] [--virtual-stages V]
 
 Prints the clock-cycle table of a pipeline schedule (which stage runs the forward F or backward B
-of which microbatch at each tick; `F3.1` = microbatch 3 on the device's virtual chunk 1; zb_h1 splits
-the backward into B, the input gradient, and W, the weight gradient) and its bubble fraction, with one
-unit of time per operation.
+of which microbatch at each tick; `F3.1` = microbatch 3 on the device's virtual chunk 1; zb_h1 and zb_v
+split the backward into B, the input gradient, and W, the weight gradient; zb_v's chunk 1 runs back up the
+devices) and its bubble fraction, with one unit of time per operation (a zb_v op is half a stage's layers).
 """
 from __future__ import annotations
 
@@ -26,11 +26,14 @@ def main(argv=None) -> int:
     table = simulate(args.schedule, args.stages, args.microbatches, args.virtual_stages)
     print(render(table))
     S, M, V = args.stages, args.microbatches, args.virtual_stages
-    textbook = (f"(S-1)/(3M+S-1) = {(S - 1) / (3 * M + S - 1):.3f}, 1F1B's (S-1)/(M+S-1) = "
-                f"{(S - 1) / (M + S - 1):.3f}" if args.schedule == "zb_h1" else
-                f"(S-1)/(V*M+S-1) = {(S - 1) / (V * M + S - 1):.3f}")
+    textbook = {"zb_h1": f"(S-1)/(3M+S-1) = {(S - 1) / (3 * M + S - 1):.3f}, 1F1B's (S-1)/(M+S-1) = "
+                         f"{(S - 1) / (M + S - 1):.3f}",
+                "zb_v": f"the least on this table, (S-1)/(6M+S-1) = {(S - 1) / (6 * M + S - 1):.3f}: two chunks of F, "
+                        "B, W per microbatch, the last device starting after S-1 of them"}.get(
+        args.schedule, f"(S-1)/(V*M+S-1) = {(S - 1) / (V * M + S - 1):.3f}")
     print(f"\n{args.schedule}: {len(table)} ticks, bubble {bubble_fraction(table):.3f} (textbook {textbook}); "
-          f"peak microbatches in flight on stage 0: {max_in_flight(table, 0)}")
+          f"peak microbatches in flight on stage 0: {max_in_flight(table, 0)}"
+          + (" chunks of half a stage" if args.schedule == "zb_v" else ""))
     return 0
 
 

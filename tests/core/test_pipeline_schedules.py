@@ -3,7 +3,7 @@ import pytest
 
 from jaxpar.tools import pipeline_table as pipeline
 from jaxpar.core.errors import UserError
-from jaxpar.core.pipeline_schedules import bubble_fraction, check, max_in_flight, simulate
+from jaxpar.core.pipeline_schedules import bubble_fraction, check, max_in_flight, placement, simulate, virtual_stage
 
 S, M = 4, 8
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
@@ -59,6 +59,39 @@ def test_zb_h1_splits_the_backward_and_fills_the_bubble_with_w():
             assert [o for o in order(table, d) if o[0] != "W"] == order(f1b1, d)
     with pytest.raises(UserError, match="virtual stages"):
         check("zb_h1", 4, 8, 2)
+
+
+def test_zb_v_runs_two_chunks_in_a_v_at_1f1b_memory():
+    """Device d holds virtual stages d and 2S-1-d (the first and the last on device 0); every F, B and W once,
+    in dependency order; at most 2S chunk-microbatches (half a stage each: 1F1B's S stages' worth) between F and
+    W on any device; the bubble the least a unit-time table allows, (S-1)/(6M+S-1) -- the last device starts
+    after S-1 chunk forwards -- which is half ZB-H1's idle time (S-1 half-stage ticks against S-1 stage ticks)."""
+    for S_, M_ in ((2, 2), (2, 4), (4, 8), (4, 16), (8, 16)):
+        assert [placement("zb_v", S_, v) for v in range(2 * S_)] == (
+            [(d, 0) for d in range(S_)] + [(d, 1) for d in reversed(range(S_))])
+        table = simulate("zb_v", S_, M_)
+        at = {}
+        for t, row in enumerate(table):
+            for d, op in enumerate(row):
+                if op is not None:
+                    key = (op.kind, op.microbatch, virtual_stage("zb_v", S_, d, op.chunk))
+                    assert key not in at and placement("zb_v", S_, key[2]) == (d, op.chunk)
+                    at[key] = t
+        assert len(at) == 3 * M_ * 2 * S_
+        for m in range(M_):
+            for v in range(2 * S_):
+                assert at[("F", m, v)] < at[("B", m, v)] < at[("W", m, v)]
+                if v:
+                    assert at[("F", m, v - 1)] < at[("F", m, v)] and at[("B", m, v)] < at[("B", m, v - 1)]
+        assert bubble_fraction(table) == pytest.approx((S_ - 1) / (6 * M_ + S_ - 1))
+        assert all(max_in_flight(table, d) <= 2 * S_ for d in range(S_))
+    zb_h1, zb_v = simulate("zb_h1", 4, 8), simulate("zb_v", 4, 8)
+    idle = lambda table, unit: sum(op is None for row in table for op in row) * unit / 4  # noqa: E731  per device
+    assert idle(zb_v, 0.5) == idle(zb_h1, 1.0) / 2 and bubble_fraction(zb_v) < 0.53 * bubble_fraction(zb_h1)
+    with pytest.raises(UserError, match="zb_v places two chunks per stage itself"):
+        check("zb_v", 4, 8, 2)
+    with pytest.raises(UserError, match="stages x 2 chunks"):
+        check("zb_v", 4, 8, 1, n_layer=4)
 
 
 def order(table, device):

@@ -1,11 +1,13 @@
 """Every pipeline schedule over pp reproduces the single-device float32 run; bad pipeline layouts are
 one-line errors; the hand-scheduled executor keeps ~S microbatches of residuals for 1F1B whatever M is."""
+import signal
+
 import jax
 import numpy as np
 import pytest
 
 from jaxpar.core.errors import UserError
-from tests.helpers import assert_params_close, run_steps, tiny_config
+from tests.helpers import assert_params_close, metrics, run_cli, run_steps, tiny_config
 from jaxpar.parallel.pipeline_executor import tick_plan
 
 # 4 layers so that pp=4 has a layer per stage. At the tiny config's lr=1e-2 a 4-layer model lets Adam
@@ -34,14 +36,36 @@ def test_schedule_matches_single_device(schedule, mesh, n, dataset, references):
     assert_params_close(got["params"], reference["params"])
 
 
-@pytest.mark.parametrize("mesh,n", [("pp=4", 4), pytest.param("pp=2,dp=2,tp=2", 8, marks=pytest.mark.slow)])
-def test_zero_bubble_matches_single_device(mesh, n, dataset, references):
-    """ZB-H1: input and weight gradients at different ticks (W deferred into the bubbles) sum to the same
-    gradients as one device's."""
-    cfg = tiny_config(*DEEP, "parallel.pipeline_schedule=zb_h1")
+@pytest.mark.parametrize("schedule,mesh,n", [("zb_h1", "pp=4", 4), pytest.param("zb_h1", "pp=2,dp=2,tp=2", 8,
+                                                                            marks=pytest.mark.slow),
+                                             ("zb_v", "pp=4", 4), ("zb_v", "pp=2,dp=2,tp=2", 8)])
+def test_zero_bubble_matches_single_device(schedule, mesh, n, dataset, references):
+    """ZB-H1 and ZB-V: input and weight gradients at different ticks (W deferred into the bubbles) sum to the
+    same gradients as one device's; ZB-V's chunks run down the devices and back up (pp=4: 8 layers, one per
+    chunk)."""
+    model = DEEPER if schedule == "zb_v" and mesh == "pp=4" else DEEP
+    cfg = tiny_config(*model, f"parallel.pipeline_schedule={schedule}")
     got = run_steps(cfg, mesh, dataset, devices=jax.devices()[:n])
-    np.testing.assert_allclose(got["loss"], references[4]["loss"], rtol=1e-5)
-    assert_params_close(got["params"], references[4]["params"])
+    np.testing.assert_allclose(got["loss"], references[cfg.model.n_layer]["loss"], rtol=1e-5)
+    assert_params_close(got["params"], references[cfg.model.n_layer]["params"])
+
+
+@pytest.mark.parametrize("schedule", [*(pytest.param(s, marks=pytest.mark.slow) for s in ("gpipe", "1f1b",
+                                                                                          "interleaved", "zb_h1")),
+                                      "zb_v"])
+def test_schedule_resumes_exactly_after_sigkill(schedule, dataset, tmp_path):
+    """pp=2, killed after step 4 (checkpoint of step 3): the resumed steps 4-6 equal the uninterrupted run's bit
+    for bit."""
+    args = ("--mesh", "pp=2", *DEEP, f"parallel.pipeline_schedule={schedule}", "train.steps=6", "checkpoint.every=3",
+            "train.eval_every=0", *(("parallel.pipeline_virtual_stages=2",) if schedule == "interleaved" else ()))
+    full = run_cli(tmp_path / "full", dataset, *args)
+    assert full.returncode == 0, full.stderr
+    killed = run_cli(tmp_path / "k", dataset, *args, env={"JAXPAR_FAULT_KILL_AFTER_STEP": "4"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = run_cli(tmp_path / "k", dataset, *args)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr
+    m, r = metrics(tmp_path / "full"), metrics(tmp_path / "k")
+    assert all(r[s]["loss"] == m[s]["loss"] and r[s]["grad_norm"] == m[s]["grad_norm"] for s in range(4, 7))
 
 
 def test_1f1b_composes_with_fsdp_and_sequence_parallel(dataset, references):
@@ -58,6 +82,8 @@ def test_executor_holds_residuals_for_schedule_in_flight_not_all_microbatches():
         assert tick_plan("gpipe", S, M, 1).res_slots - 1 == M
         assert tick_plan("1f1b", S, M, 1).act_slots - 1 == 1  # an arrived input waits one tick for its forward
     assert tick_plan("1f1b", S, 16, 1).tables.shape[0] == 2 * (16 + S - 1)  # every stage busy but the bubble
+    # ZB-V: 2S residual slots of half a stage's layers each: 1F1B's S of a whole stage
+    assert all(tick_plan("zb_v", S, M, 1).res_slots - 1 <= 2 * S for M in (4, 8, 16))
     zb = tick_plan("zb_h1", S, 16, 1)  # residuals as 1F1B's; cotangents are kept until their W
     assert zb.res_slots - 1 == S and zb.cot_slots - 1 == S - 1 and zb.tables.shape[0] == 3 * 16 + S - 1
 
