@@ -50,11 +50,14 @@ def check_pipeline(cfg: Config, sizes) -> None:
         raise UserError(f"batch per microbatch {batch} is not divisible by parallel.pipeline_microbatches={M} "
                         f"x data axes dp*fsdp={data_ways}")
     sharded_params = sizes["fsdp"] > 1 or (p.zero_stage == 3 and sizes["dp"] > 1)
-    if p.pipeline_schedule != "gpipe" and cfg.model.linear == "sketched" and sizes["tp"] > 1 and sharded_params:
-        # XLA reshards the sketched factor between the data and tp axes with a collective-permute inside one tick's
-        # branch of the executor, which the devices taking another branch never reach: a deadlock (docs/fuzz.md)
-        raise UserError(f"parallel.pipeline_schedule={p.pipeline_schedule} does not run model.linear=sketched with "
-                        "tp>1 and parameters sharded over fsdp or ZeRO-3 (it runs with the gpipe schedule)")
+    what = ("model.linear=sketched" if cfg.model.linear == "sketched" else
+            "model.attention=mla" if cfg.model.attention == "mla" else None)
+    if what and p.pipeline_schedule != "gpipe" and sizes["tp"] > 1 and sharded_params:
+        # XLA reshards a sketched factor or MLA's latent projections between the data and tp axes with a
+        # collective-permute inside one tick's branch of the executor, which the devices taking another branch
+        # never reach: a deadlock (docs/fuzz.md)
+        raise UserError(f"parallel.pipeline_schedule={p.pipeline_schedule} does not run {what} with tp>1 and "
+                        "parameters sharded over fsdp or ZeRO-3 (it runs with the gpipe schedule)")
     if p.pipeline_schedule != "gpipe" and sizes["sp"] > 1:
         # inside the executor's shard_map (manual over pp), jax 0.10 / XLA:CPU give wrong values for ring
         # attention's nested shard_map and crash partitioning dilated attention's sp-sharded segments

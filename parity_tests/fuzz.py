@@ -53,6 +53,13 @@ REGRESSIONS = (
      "seed 26001 case 99 (shrunk): pp x dp with gpipe stopped at step 2 in DDP's _rebuild_buckets; refused now"),
     ("torch pipeline:4 parallel.mesh=pp=2,dp=2 parallel.pipeline_schedule=zb_h1",
      "seed 26001 case 99's schedule: pp x dp with zb_h1 trained with un-averaged gradients; refused now"),
+    ("jax fsdp=2,tp=2,pp=2 model.attention=mla model.kv_latent_dim=8 model.n_layer=4 model.q_latent_dim=16 "
+     "model.rope_head_dim=4 parallel.pipeline_schedule=zb_v",
+     "2026-11-24, zb_v's cases (shrunk): MLA on the hand-scheduled pipeline (1f1b, zb_h1 too) with tp and fsdp (or "
+     "ZeRO-3) deadlocked a collective-permute inside a tick's branch, as sketched layers did; refused now"),
+    ("torch pipeline:2 model.n_layer=4 model.remat=save_matmuls parallel.pipeline_schedule=zb_v",
+     "2026-11-24, zb_v's cases (shrunk): torch's B/W split backs through a selective-checkpoint region twice "
+     "(zb_h1 too); refused now"),
 )
 
 

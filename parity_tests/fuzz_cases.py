@@ -186,14 +186,14 @@ def _draw_model_kind(rng: random.Random, s: dict) -> str:
 
 def _draw_pipeline(rng: random.Random, s: dict, S: int, weights=None) -> tuple[int, int]:
     """Schedule, virtual stages and microbatches for S stages: (stages x virtual stages, microbatches)."""
-    schedule = _pick(rng, weights or {"gpipe": 2, "1f1b": 2, "interleaved": 2, "zb_h1": 1})
+    schedule = _pick(rng, weights or {"gpipe": 2, "1f1b": 2, "interleaved": 2, "zb_h1": 1, "zb_v": 1})
     s["parallel.pipeline_schedule"] = schedule
     V = 2 if schedule == "interleaved" else 1
     s["parallel.pipeline_virtual_stages"] = str(V)
     M = _pick(rng, {0: 2, S: 1, 4 * S: 1})
     if M:
         s["parallel.pipeline_microbatches"] = str(M)
-    return S * V, M or 2 * S
+    return S * (2 if schedule == "zb_v" else V), M or 2 * S
 
 
 def _draw_dims(rng: random.Random, s: dict, heads_div: int, layers_div: int) -> None:
@@ -252,8 +252,9 @@ PROMISES = (
     ("ZeRO stages", lambda c: "parallel.zero_stage" in dict(c.settings),
      "README.md 'ZeRO vocabulary' (jaxpar 0-3 on dp); docs/torchpar.md fsdp and deepspeed bullets (0-3)"),
     ("pipeline schedules", lambda c: c.mesh()["pp"] > 1,
-     "README.md 'Pipeline' and docs/architecture.md 'Pipeline parallelism' (gpipe, 1f1b, interleaved, zb_h1, "
-     "virtual stages); docs/torchpar.md pipeline bullet (one stage per rank, interleaved >= 2, pp x dp with 1f1b)"),
+     "README.md 'Pipeline' and docs/architecture.md 'Pipeline parallelism' (gpipe, 1f1b, interleaved, zb_h1, zb_v, "
+     "virtual stages); docs/torchpar.md pipeline bullet (one stage per rank, interleaved >= 2, zb_v two, pp x dp with "
+     "1f1b)"),
     ("sequence attention", lambda c: c.mesh()["sp"] > 1,
      "README.md 'Sequence parallelism' (ring, all_gather, ulysses, zig-zag); docs/architecture.md 'Sequence "
      "parallelism (sp)'"),
@@ -276,10 +277,10 @@ PROMISES = (
 )
 
 
-def _pipeline_sketched(c: Case) -> bool:
+def _pipeline_resharded(c: Case) -> bool:
     m = c.mesh()
     return (c.side == "jax" and m["pp"] > 1 and c.get("parallel.pipeline_schedule", "gpipe") != "gpipe" and
-            c.get("model.linear") == "sketched" and m["tp"] > 1 and
+            (c.get("model.linear") == "sketched" or c.get("model.attention") == "mla") and m["tp"] > 1 and
             (m["fsdp"] > 1 or (m["dp"] > 1 and c.get("parallel.zero_stage") == "3")))
 
 
@@ -315,7 +316,7 @@ def indivisible(c: Case) -> bool:
             c.get("parallel.sequence_attention") == "ulysses" and heads % (m["tp"] * m["sp"]))
     if m["pp"] > 1:
         S, V, schedule = m["pp"], g("parallel.pipeline_virtual_stages", 1), c.get("parallel.pipeline_schedule", "gpipe")
-        M = g("parallel.pipeline_microbatches", 0) or 2 * S
+        V, M = 2 if schedule == "zb_v" else V, g("parallel.pipeline_microbatches", 0) or 2 * S
         bad = bad or g("model.n_layer", 2) % (S * V) or micro % (M * ways) or (schedule != "gpipe" and M < S) or (
             schedule == "interleaved" and M % S)
     return bool(bad)
@@ -330,8 +331,11 @@ DOCUMENTED_REFUSALS = (
      "microbatch); the pipeline's sizes (jaxpar/core/pipeline_schedules.py)", indivisible),
     ("docs/architecture.md 'Pipeline parallelism': sp inside the 1f1b/interleaved/zb_h1 executor needs "
      "all_gather or ulysses and not model.attention=dilated", _pipeline_sp),
-    ("docs/architecture.md 'Pipeline parallelism': model.linear=sketched in the executor with tp>1 and parameters "
-     "sharded over fsdp or ZeRO-3", _pipeline_sketched),
+    ("docs/architecture.md 'Pipeline parallelism': model.linear=sketched or model.attention=mla in the executor "
+     "with tp>1 and parameters sharded over fsdp or ZeRO-3", _pipeline_resharded),
+    ("docs/torchpar.md pipeline: zb_h1 and zb_v with model.remat=save_matmuls (torch's selective checkpoint allows "
+     "one backward per region)", lambda c: c.side == "torch" and c.backend == "pipeline" and
+     c.get("parallel.pipeline_schedule") in ("zb_h1", "zb_v") and c.get("model.remat") == "save_matmuls"),
     ("docs/torchpar.md ddp: parallel.zero_stage must be 0",
      lambda c: c.side == "torch" and c.backend == "ddp" and c.get("parallel.zero_stage", "0") != "0"),
     ("docs/torchpar.md fsdp: CPUOffloadPolicy is GPU only; optimizer alone is refused",

@@ -163,14 +163,19 @@ def four_layers(base):
     return args, metrics(run_dir)
 
 
-@pytest.mark.parametrize("schedule,virtual", [("interleaved", 2), pytest.param("zb_h1", 1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("schedule,virtual", [("interleaved", 2), pytest.param("zb_h1", 1, marks=pytest.mark.slow),
+                                              ("zb_v", 1)])
 def test_pipeline_multi_stage_schedules_match_one_process(schedule, virtual, four_layers, tmp_path):
-    """torch's ScheduleInterleaved1F1B (virtual stages from parallel.pipeline_virtual_stages, jaxpar's layer split)
-    and ScheduleInterleavedZeroBubble (zb_h1) reproduce the one-process run."""
+    """torch's ScheduleInterleaved1F1B (virtual stages from parallel.pipeline_virtual_stages, jaxpar's layer split),
+    ScheduleInterleavedZeroBubble (zb_h1) and ScheduleZBVZeroBubble (zb_v: rank 0 holds layers 0 and 3, rank 1
+    layers 1 and 2) reproduce the one-process run."""
     args, ref = four_layers
     run(["--backend", "pipeline", *args, f"parallel.pipeline_schedule={schedule}",
          f"parallel.pipeline_virtual_stages={virtual}", f"run.dir={tmp_path}"], nproc=2)
-    assert_same_run(metrics(tmp_path), ref)
+    got = metrics(tmp_path)
+    assert_same_run(got, ref)
+    evals = [s for s in ref if "eval_loss" in ref[s]]  # zb_v evaluates through a training pass (pipeline.py)
+    assert evals and all(got[s]["eval_loss"] == pytest.approx(ref[s]["eval_loss"], rel=1e-5) for s in evals)
 
 
 def test_pipeline_composes_with_data_parallelism(base, reference, tmp_path):

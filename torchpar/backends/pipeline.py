@@ -1,9 +1,11 @@
 """Pipeline parallelism with torch.distributed.pipelining: GPipe, 1F1B, interleaved 1F1B (V virtual stages
-per rank: `ScheduleInterleaved1F1B`) and zero-bubble (`ScheduleInterleavedZeroBubble`, for zb_h1).
+per rank: `ScheduleInterleaved1F1B`) and zero-bubble (`ScheduleInterleavedZeroBubble` for zb_h1,
+`ScheduleZBVZeroBubble` for zb_v).
 
-The stage split is jaxpar's: with S ranks and V chunks each, virtual stage v = c*S + s (chunk c of rank s)
-holds layers [v*L/(SV), (v+1)*L/(SV)); the embedding lives on the first virtual stage, the final norm and
-output head (and the loss) on the last. Module names stay those of the whole Decoder ("blocks.3.attn..."), so
+The stage split is jaxpar's (jaxpar/core/pipeline_schedules.py: virtual_stage): with S ranks and V chunks each,
+virtual stage v = c*S + s (chunk c of rank s; zb_v: rank s holds s and 2S-1-s) holds layers
+[v*L/(SV), (v+1)*L/(SV)); the embedding lives on the first virtual stage, the final norm and output head (and
+the loss) on the last. Module names stay those of the whole Decoder ("blocks.3.attn..."), so
 checkpoints (DCP) and weight files are interchangeable with every other backend.
 
 - pp x dp: `parallel.mesh=pp=S,dp=D` on S*D ranks builds a 2-D DeviceMesh ("dp", "pp"); each of the D
@@ -31,17 +33,18 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                         ScheduleInterleavedZeroBubble)
+                                         ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from jaxpar.core.errors import UserError
 from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
-from jaxpar.core.pipeline_schedules import check, resolve_microbatches
+from jaxpar.core.pipeline_schedules import (check, chunks as chunks_per_rank, placement, resolve_microbatches,
+                                            virtual_stage)
 from torchpar.backends.base import TorchEngine
 from torchpar.models.decoder import Decoder, embed, output_head
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
-             "zb_h1": ScheduleInterleavedZeroBubble}
-MULTI = ("interleaved", "zb_h1")  # schedules that take a list of stages
+             "zb_h1": ScheduleInterleavedZeroBubble, "zb_v": ScheduleZBVZeroBubble}
+MULTI = ("interleaved", "zb_h1", "zb_v")  # schedules that take a list of stages
 
 
 class Stage(nn.Module):
@@ -89,6 +92,10 @@ def check_torch_pipeline(cfg, world: int) -> int:
         # gpipe/interleaved and bypasses its gradient hooks in zb_h1's weight pass (docs/fuzz.md, case 99)
         raise UserError(f"--backend pipeline: parallel.mesh with dp={D} runs parallel.pipeline_schedule=1f1b only "
                         f"(got {p.pipeline_schedule}: DDP inside torch's pipeline stages is not correct with it)")
+    if p.pipeline_schedule in ("zb_h1", "zb_v") and cfg.model.remat == "save_matmuls":
+        raise UserError(f"--backend pipeline: parallel.pipeline_schedule={p.pipeline_schedule} splits each backward "
+                        "into an input and a weight pass, and torch's selective checkpoint (model.remat=save_matmuls) "
+                        "allows one backward per region; use model.remat=full or none")
     micro = t.global_batch_size // t.microbatches
     if micro % (M * D):
         raise UserError(f"batch per microbatch {micro} is not divisible by parallel.pipeline_microbatches={M}"
@@ -103,13 +110,14 @@ class PipelineEngine(TorchEngine):
         self.data_rank, self.data_ways = place.replica, place.replicas
         self.M, self.stage_module, self.scale, self.pp_group = M, stage, 1.0, place.pp_group
         S, schedule = place.stages, cfg.parallel.pipeline_schedule
-        stages = [PipelineStage(chunk, c * S + place.stage, S * len(chunks), env.device, group=place.pp_group)
-                  for c, chunk in enumerate(chunks)]
+        stages = [PipelineStage(chunk, virtual_stage(schedule, S, place.stage, c), S * len(chunks), env.device,
+                                group=place.pp_group) for c, chunk in enumerate(chunks)]
         self.schedule = SCHEDULES[schedule](stages if schedule in MULTI else stages[0], M, loss_fn=self._loss,
                                             scale_grads=False)
         self.tied = None  # the first and last stage of each replica (every rank must call new_group)
+        ends_at = {placement(schedule, S, v)[0] for v in (0, S * len(chunks) - 1)}  # zb_v: both on stage 0
         for replica in range(place.replicas):
-            ends = sorted({replica * S, replica * S + S - 1})
+            ends = sorted(replica * S + e for e in ends_at)
             group = tdist.new_group(ends) if len(ends) == 2 and cfg.model.tie_embeddings else None
             if replica == place.replica:
                 self.tied = group
@@ -147,6 +155,12 @@ class PipelineEngine(TorchEngine):
 
     def eval_loss(self, batch: torch.Tensor) -> float:
         self.scale = 1.0 / self.M
+        if self.cfg.parallel.pipeline_schedule == "zb_v":
+            # torch 2.13's ScheduleZBVZeroBubble.eval runs the backward actions' local hand-off at the V's turn
+            # with no backward ("can't steal_bwd_input"): evaluate with a training pass, its gradients dropped
+            loss = self._run(batch, train=True)
+            self.optimizer.zero_grad(set_to_none=True)
+            return loss
         with torch.no_grad():
             return self._run(batch, train=False)
 
@@ -183,9 +197,11 @@ def place_rank(cfg, env) -> Replicas:
 def build(model: Decoder, cfg, env, **_):
     M = check_torch_pipeline(cfg, env.world)
     place = place_rank(cfg, env)
-    L, S, s, V = cfg.model.n_layer, place.stages, place.stage, cfg.parallel.pipeline_virtual_stages
+    p = cfg.parallel
+    L, S, s, V = cfg.model.n_layer, place.stages, place.stage, chunks_per_rank(p.pipeline_schedule,
+                                                                                p.pipeline_virtual_stages)
     k, last = L // (S * V), S * V - 1
-    virtual = [c * S + s for c in range(V)]  # this rank's virtual stages
+    virtual = [virtual_stage(p.pipeline_schedule, S, s, c) for c in range(V)]  # this rank's virtual stages
     chunks = [Stage(model, list(range(v * k, (v + 1) * k)), v == 0, v == last) for v in virtual]
     rank = Stage(model, [i for v in virtual for i in range(v * k, (v + 1) * k)], 0 in virtual, last in virtual)
     rank.to(env.device)
