@@ -1,4 +1,4 @@
-"""python -m jaxpar.tools.plan --config C --mesh M [--recommend --devices N --memory-per-device 80GiB]
+"""python -m jaxpar.tools.plan --config C --mesh M [--schedules] [--recommend --devices N --memory-per-device 80GiB]
 
 Ahead of time, nothing trained or allocated: compile the real train step for a layout, then
 report per-device memory from XLA's memory analysis and every collective per step (with loop
@@ -7,6 +7,8 @@ state kept in host memory between steps is reported apart (`host`) from the devi
 `--recommend` compiles every mesh that divides the model, drops those over the memory budget and ranks
 the rest by a predicted step time (compute at a peak FLOP rate + communication at a link bandwidth);
 when no mesh fits it tries them again with the optimizer state, then the parameters too, offloaded.
+`--schedules` (a mesh with pp > 1) sets every pipeline schedule side by side for the config and mesh: the
+table's bubble, the compiled step's peak and temporary memory per device, matmul FLOPs against one device's.
 """
 from __future__ import annotations
 
@@ -233,6 +235,48 @@ def recommend(cfg: Config, n: int, budget: int, peak_flops: float, bandwidth: fl
     return sorted(rows, key=lambda r: (not r["fits"], r["predicted_step_s"]))
 
 
+def compare_schedules(cfg: Config, sizes: dict[str, int], devices=None) -> list[dict]:
+    """Each pipeline schedule on this config and mesh: bubble, peak and temp bytes per device, matmul FLOPs as a
+    ratio to one device's program of the same batch (jaxpr_flops: a recomputing W shows above 1.0), or the
+    one line that refuses it. Interleaved takes the config's virtual stages, 2 where it has 1."""
+    import jax
+
+    from jaxpar.core.pipeline_schedules import PROGRAMS
+    from jaxpar.parallel.pipeline_executor import HAND_SCHEDULED
+    from jaxpar.tools.pipeline_memory import step_flops
+
+    if sizes.get("pp", 1) < 2:
+        raise UserError("--schedules compares pipeline schedules: the mesh needs pp > 1")
+    devices = jax.devices() if devices is None else devices
+    one = step_flops(cfg, {"dp": 1}, devices[:1], None)
+    rows = []
+    for schedule in PROGRAMS:
+        V = max(cfg.parallel.pipeline_virtual_stages, 2) if schedule == "interleaved" else 1
+        c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pipeline_schedule=schedule,
+                                                                  pipeline_virtual_stages=V))
+        try:
+            p = plan(c, sizes, devices)
+        except UserError as e:
+            rows.append({"schedule": schedule, "refused": str(e)})
+            continue
+        flops = step_flops(c, sizes, devices, schedule if schedule in HAND_SCHEDULED else None)
+        rows.append({"schedule": schedule, "virtual_stages": V, "bubble": p["pipeline"]["bubble"],
+                     "peak_bytes": p["peak_bytes"], "temp_bytes": p["temp_bytes"], "flops_ratio": flops / one})
+    return rows
+
+
+def print_schedules(rows: list[dict]) -> None:
+    print(f"{'schedule':<12} {'bubble':>7} {'peak/device':>14} {'temp/device':>14} {'matmul FLOPs':>13}")
+    for r in rows:
+        if "refused" in r:
+            print(f"{r['schedule']:<12} refused: {r['refused']}")
+            continue
+        print(f"{r['schedule']:<12} {r['bubble']:>7.3f} {r['peak_bytes'] / 2**20:>10.2f} MiB "
+              f"{r['temp_bytes'] / 2**20:>10.2f} MiB {r['flops_ratio']:>12.2f}x")
+    print("bubble: the schedule table's idle share (python -m jaxpar.tools.pipeline_table); matmul FLOPs: the step's "
+          "against one device's (above 1.0: work the schedule adds, e.g. a W that re-derives activation gradients)")
+
+
 @cli
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxpar.tools.plan", description=__doc__,
@@ -244,6 +288,7 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-per-device", default="80GiB")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="per-device compute rate for predictions")
     ap.add_argument("--bandwidth-gbs", type=float, default=400.0, help="per-device link bandwidth, GB/s")
+    ap.add_argument("--schedules", action="store_true", help="every pipeline schedule side by side (pp > 1)")
     ap.add_argument("--json", help="also write the result as JSON here")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
@@ -266,8 +311,12 @@ def main(argv=None) -> int:
     else:
         sizes = parse_mesh(args.mesh or cfg.parallel.mesh)
         setup_devices(sizes)
-        result = plan(cfg, sizes)
-        print_plan(result)
+        if args.schedules:
+            result = compare_schedules(cfg, sizes)
+            print_schedules(result)
+        else:
+            result = plan(cfg, sizes)
+            print_plan(result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

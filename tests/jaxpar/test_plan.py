@@ -148,3 +148,17 @@ def test_powersgd_gradient_bytes_are_its_low_rank_factors():
     bound = 2 * 414_720 * 7 / 8
     assert bound <= got["gradient_bytes"] <= 1.1 * bound and got["bounds"]["dp"] == bound
     assert got["gradient_bytes"] < 0.15 * run("dp=8")["gradient_bytes"]
+
+
+def test_schedules_side_by_side():
+    """--schedules on pp=2 (4 layers, M=4): every schedule with its table's bubble (the textbook fractions), 1F1B at
+    one device's matmul FLOPs, a ZB W that re-derives above it, ZB-V's memory within 1.1x of 1F1B's."""
+    from jaxpar.tools.plan import compare_schedules
+
+    rows = {r["schedule"]: r for r in compare_schedules(tiny_config("model.n_layer=4"), {"pp": 2}, jax.devices()[:2])}
+    S, M = 2, 4
+    want = {"gpipe": (S - 1) / (M + S - 1), "1f1b": (S - 1) / (M + S - 1), "interleaved": (S - 1) / (2 * M + S - 1),
+            "zb_h1": (S - 1) / (3 * M + S - 1), "zb_v": (S - 1) / (6 * M + S - 1)}
+    assert {k: round(r["bubble"], 6) for k, r in rows.items()} == {k: round(v, 6) for k, v in want.items()}
+    assert rows["1f1b"]["flops_ratio"] == pytest.approx(1.0, abs=0.01) and rows["zb_h1"]["flops_ratio"] > 1.1
+    assert rows["zb_v"]["temp_bytes"] <= 1.1 * rows["1f1b"]["temp_bytes"]
