@@ -96,6 +96,21 @@ def run_cli(run_dir, dataset, *args, env=None, timeout=300, module="jaxpar.train
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+def assert_resumes_exactly(tmp_path, dataset, args, kill_after: int) -> None:
+    """`python -m jaxpar.train *args` whole (tmp_path/full), and killed by SIGKILL after step `kill_after` then
+    resumed (tmp_path/k): every step equal in loss and gradient norm, bit for bit (the resumed run's records of
+    the steps it ran again replace the killed run's)."""
+    full = run_cli(tmp_path / "full", dataset, *args)
+    assert full.returncode == 0, full.stderr
+    killed = run_cli(tmp_path / "k", dataset, *args, env={"JAXPAR_FAULT_KILL_AFTER_STEP": str(kill_after)})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = run_cli(tmp_path / "k", dataset, *args)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr
+    m, r = metrics(tmp_path / "full"), metrics(tmp_path / "k")
+    assert sorted(m) == sorted(r) and max(m) > kill_after
+    assert all(r[s]["loss"] == m[s]["loss"] and r[s]["grad_norm"] == m[s]["grad_norm"] for s in m)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

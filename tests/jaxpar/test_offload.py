@@ -1,15 +1,14 @@
 """parallel.offload: state kept in host memory between steps reproduces the run that keeps it on the devices
 (jaxpar: memory kinds; torchpar: DeepSpeed's offload_optimizer/offload_param); a resumed offloaded run is
 exact; where a backend cannot offload on this machine, one line says why."""
-import signal
-
 import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 from jaxpar.core.errors import UserError
-from tests.helpers import metrics, run_cli, run_in_session, run_steps, tiny_config, torch_command, torch_env
+from tests.helpers import (assert_resumes_exactly, metrics, run_cli, run_in_session, run_steps, tiny_config,
+                           torch_command, torch_env)
 
 
 @pytest.mark.parametrize("mesh,offload", [pytest.param("fsdp=4", "optimizer", marks=pytest.mark.slow),
@@ -37,14 +36,7 @@ def test_jaxpar_offloaded_run_equals_the_one_on_devices(mesh, offload, dataset):
 def test_jaxpar_offloaded_run_resumes_exactly_after_sigkill(dataset, tmp_path):
     args = ("--mesh", "fsdp=4", "parallel.offload=params+optimizer", "train.steps=8", "checkpoint.every=4",
             "train.eval_every=0")
-    full = run_cli(tmp_path / "full", dataset, *args)
-    assert full.returncode == 0, full.stderr
-    killed = run_cli(tmp_path / "k", dataset, *args, env={"JAXPAR_FAULT_KILL_AFTER_STEP": "6"})
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    resumed = run_cli(tmp_path / "k", dataset, *args)
-    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr
-    m, r = metrics(tmp_path / "full"), metrics(tmp_path / "k")
-    assert all(r[s]["loss"] == m[s]["loss"] and r[s]["grad_norm"] == m[s]["grad_norm"] for s in range(5, 9))
+    assert_resumes_exactly(tmp_path, dataset, args, kill_after=6)
 
 
 def _deepspeed_final(tmp_path, dataset, name, *overrides):

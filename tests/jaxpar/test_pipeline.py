@@ -1,13 +1,11 @@
 """Every pipeline schedule over pp reproduces the single-device float32 run; bad pipeline layouts are
 one-line errors; the hand-scheduled executor keeps ~S microbatches of residuals for 1F1B whatever M is."""
-import signal
-
 import jax
 import numpy as np
 import pytest
 
 from jaxpar.core.errors import UserError
-from tests.helpers import assert_params_close, metrics, run_cli, run_steps, tiny_config
+from tests.helpers import assert_params_close, assert_resumes_exactly, run_steps, tiny_config
 from jaxpar.parallel.pipeline_executor import tick_plan
 
 # 4 layers so that pp=4 has a layer per stage. At the tiny config's lr=1e-2 a 4-layer model lets Adam
@@ -58,14 +56,7 @@ def test_schedule_resumes_exactly_after_sigkill(schedule, dataset, tmp_path):
     for bit."""
     args = ("--mesh", "pp=2", *DEEP, f"parallel.pipeline_schedule={schedule}", "train.steps=6", "checkpoint.every=3",
             "train.eval_every=0", *(("parallel.pipeline_virtual_stages=2",) if schedule == "interleaved" else ()))
-    full = run_cli(tmp_path / "full", dataset, *args)
-    assert full.returncode == 0, full.stderr
-    killed = run_cli(tmp_path / "k", dataset, *args, env={"JAXPAR_FAULT_KILL_AFTER_STEP": "4"})
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    resumed = run_cli(tmp_path / "k", dataset, *args)
-    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr
-    m, r = metrics(tmp_path / "full"), metrics(tmp_path / "k")
-    assert all(r[s]["loss"] == m[s]["loss"] and r[s]["grad_norm"] == m[s]["grad_norm"] for s in range(4, 7))
+    assert_resumes_exactly(tmp_path, dataset, args, kill_after=4)
 
 
 def test_1f1b_composes_with_fsdp_and_sequence_parallel(dataset, references):

@@ -3,8 +3,6 @@ reading of the algorithm (Vogels et al. 2019, as torch's powerSGD_hook runs it: 
 the warm-up, the planner's bytes against r(m+n) per matrix, and its state across checkpoints: bit for bit after
 SIGKILL, averaged onto another data size, dropped where a layout runs without it."""
 import math
-import signal
-
 import jax
 import numpy as np
 import pytest
@@ -18,7 +16,7 @@ from jaxpar.layout import Layout
 from jaxpar.mesh import make_mesh
 from jaxpar.parallel import powersgd
 from jaxpar.state import init_state, restore_latest
-from tests.helpers import metrics, run_cli, run_steps, tiny_config
+from tests.helpers import assert_resumes_exactly, metrics, run_cli, run_steps, tiny_config
 
 PSGD = "parallel.grad_compression=powersgd"
 
@@ -123,14 +121,7 @@ def test_state_fits_another_data_size(tmp_path):
 def test_powersgd_run_resumes_exactly_after_sigkill(dataset, tmp_path):
     common = (PSGD, "parallel.powersgd_warmup_steps=2", "checkpoint.every=4", "train.eval_every=0")
     args = ("--mesh", "dp=2", "train.steps=8", *common)
-    full = run_cli(tmp_path / "full", dataset, *args)
-    assert full.returncode == 0, full.stderr
-    killed = run_cli(tmp_path / "k", dataset, *args, env={"JAXPAR_FAULT_KILL_AFTER_STEP": "6"})
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    resumed = run_cli(tmp_path / "k", dataset, *args)
-    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr
-    m, r = metrics(tmp_path / "full"), metrics(tmp_path / "k")
-    assert all(r[s]["loss"] == m[s]["loss"] and r[s]["grad_norm"] == m[s]["grad_norm"] for s in range(5, 9))
+    assert_resumes_exactly(tmp_path, dataset, args, kill_after=6)
     # on another data size: the buffers averaged, said in one line, and the run goes on
     wider = run_cli(tmp_path / "k", dataset, "--mesh", "dp=4", "train.steps=10", *common)
     assert wider.returncode == 0 and "error buffers of 2 data ranks averaged onto 4" in wider.stderr, wider.stderr
