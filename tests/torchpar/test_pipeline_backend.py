@@ -14,9 +14,22 @@ def test_pp_by_dp_runs_1f1b_only(schedule):
                       "parallel.pipeline_virtual_stages=" + ("2" if schedule == "interleaved" else "1"))
     with pytest.raises(UserError, match=f"dp=2 runs parallel.pipeline_schedule=1f1b only \\(got {schedule}"):
         check_torch_pipeline(cfg, 4)
-    assert pipeline_sizes(cfg, 4) == (2, 2)
+    assert pipeline_sizes(cfg, 4) == (2, 2, "dp")
     cfg = tiny_config("model.n_layer=4", "parallel.mesh=pp=2,dp=2", "parallel.pipeline_schedule=1f1b")
     assert check_torch_pipeline(cfg, 4) == 4  # 2 x stages microbatches by default
     cfg = tiny_config("model.n_layer=4", f"parallel.pipeline_schedule={schedule}",
                       "parallel.pipeline_virtual_stages=" + ("2" if schedule == "interleaved" else "1"))
     assert check_torch_pipeline(cfg, 2) == 4  # without dp every schedule runs
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zb_h1", "zb_v"])
+def test_pp_by_fsdp_runs_one_stage_per_rank_schedules(schedule):
+    """FSDP2 inside torch's stages: gpipe and 1f1b (test_torchpar.py); zb_h1's weight pass skips FSDP2's
+    reduce-scatter (measured: wrong from step 2), interleaved and zb_v hold two stages per rank: one line each."""
+    cfg = tiny_config("model.n_layer=4", "parallel.mesh=pp=2,fsdp=2", f"parallel.pipeline_schedule={schedule}",
+                      "parallel.pipeline_virtual_stages=" + ("2" if schedule == "interleaved" else "1"))
+    with pytest.raises(UserError, match=f"fsdp=2 runs parallel.pipeline_schedule=gpipe or 1f1b .* not {schedule}"):
+        check_torch_pipeline(cfg, 4)
+    assert pipeline_sizes(cfg, 4) == (2, 2, "fsdp")
+    with pytest.raises(UserError, match="pp with dp .* or with fsdp .* not both"):
+        pipeline_sizes(tiny_config("parallel.mesh=pp=2,dp=2,fsdp=2"), 8)

@@ -17,7 +17,9 @@ import pytest
 
 from safetensors.numpy import load_file
 
+from jaxpar.core.config import load_config
 from torchpar.checkpoint import complete_steps
+from torchpar.train import build_model
 
 from tests.helpers import (ABORTS, ROOT, assert_params_close, free_port, metrics, no_leftovers, run_in_session,
                            tensorboard_scalars, torch_command, torch_env)
@@ -187,6 +189,22 @@ def test_pipeline_composes_with_data_parallelism(base, reference, tmp_path):
     out = run(args, nproc=4)  # DCP: the replicas' identical tensors written once, read by both
     assert "resumed from" in out.stderr and "checkpoints/4" in out.stderr
     assert_same_run(metrics(tmp_path), reference)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])
+def test_pipeline_stages_sharded_by_fsdp(schedule, base, reference, tmp_path):
+    """parallel.mesh=pp=2,fsdp=2 on 4 processes: FSDP2 inside each pipeline stage (torchtitan's layout) gives the
+    one-process run, each rank holding half of its stage's parameters (the two stages: 2 + 2 ranks)."""
+    args = ["--backend", "pipeline", *base["args"], "parallel.mesh=pp=2,fsdp=2", f"parallel.pipeline_schedule={schedule}",
+            f"run.dir={tmp_path}"]
+    out = run(args, nproc=4)
+    assert_same_run(metrics(tmp_path), reference)
+    low, high = re.search(r"[\d,]+ params, ([\d,]+)(?:-([\d,]+))? per rank", out.stdout).groups()
+    low, high = (int(x.replace(",", "")) for x in (low, high or low))
+    sizes = {n: p.numel() for n, p in build_model(load_config(None, base["args"])).named_parameters()}
+    stages = [sum(v for n, v in sizes.items() if n.startswith(("wte", "wpe", "blocks.0."))),  # the tied wte on both
+              sum(v for n, v in sizes.items() if n.startswith(("wte", "ln_f", "blocks.1.")))]
+    assert 0.45 * min(stages) <= low <= high <= 0.55 * max(stages), (low, high, stages)
 
 
 def test_pipeline_resume_after_sigkill(base, reference):

@@ -10,8 +10,10 @@ checkpoints (DCP) and weight files are interchangeable with every other backend.
 
 - pp x dp: `parallel.mesh=pp=S,dp=D` on S*D ranks builds a 2-D DeviceMesh ("dp", "pp"); each of the D
   pipeline replicas reads its share of every global batch, each stage chunk is wrapped in DDP over the dp
-  group (the pipeline stage lets DDP all-reduce on the last backward only). Without parallel.mesh every
-  rank is a stage.
+  group (the pipeline stage lets DDP all-reduce on the last backward only). pp x fsdp:
+  `parallel.mesh=pp=S,fsdp=F`, the same with FSDP2 inside each stage (`fully_shard` per block, then the
+  stage, over the fsdp group; torchtitan's layout): each rank holds 1/F of its stage's parameters, gpipe and
+  1f1b. Without parallel.mesh every rank is a stage.
 
 - Microbatches: `parallel.pipeline_microbatches` (0 -> 2 x stages), split inside every accumulation
   microbatch. Rows are reordered so the schedule's contiguous chunks are jaxpar's microbatches
@@ -32,6 +34,8 @@ import torch.distributed as tdist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
@@ -70,24 +74,33 @@ class Stage(nn.Module):
         return output_head(self.ln_f, self.wte if self.lm_head is None else self.lm_head, x) if self.last else x
 
 
-def pipeline_sizes(cfg, world: int) -> tuple[int, int]:
-    """(stages, data-parallel replicas): parallel.mesh's pp and dp, or every rank a stage."""
+def pipeline_sizes(cfg, world: int) -> tuple[int, int, str]:
+    """(stages, data-parallel ways, their axis): parallel.mesh's pp and dp (DDP per stage) or fsdp (FSDP2 per
+    stage), or every rank a stage."""
     if not cfg.parallel.mesh:
-        return world, 1
+        return world, 1, "dp"
     sizes = resolve_sizes(parse_mesh(cfg.parallel.mesh), world)
-    return sizes["pp"], sizes["dp"]
+    if sizes["dp"] > 1 and sizes["fsdp"] > 1:
+        raise UserError(f"parallel.mesh={cfg.parallel.mesh}: --backend pipeline runs pp with dp (DDP per stage) or "
+                        "with fsdp (FSDP2 per stage), not both")
+    return (sizes["pp"], sizes["fsdp"], "fsdp") if sizes["fsdp"] > 1 else (sizes["pp"], sizes["dp"], "dp")
 
 
 def check_torch_pipeline(cfg, world: int) -> int:
     """The number of pipeline microbatches; one-line errors for what the backend cannot run."""
     p, t = cfg.parallel, cfg.train
-    S, D = pipeline_sizes(cfg, world)
+    S, D, axis = pipeline_sizes(cfg, world)
     M = resolve_microbatches(S, p.pipeline_microbatches)
     check(p.pipeline_schedule, S, M, p.pipeline_virtual_stages, cfg.model.n_layer)
     if p.pipeline_schedule == "interleaved" and p.pipeline_virtual_stages < 2:
         raise UserError("--backend pipeline: the interleaved schedule needs parallel.pipeline_virtual_stages >= 2 "
                         "(torch's ScheduleInterleaved1F1B runs two or more stages per rank)")
-    if D > 1 and p.pipeline_schedule != "1f1b":
+    if D > 1 and axis == "fsdp" and p.pipeline_schedule not in ("gpipe", "1f1b"):
+        # interleaved, zb_v: two stages per rank around one sharded module (not built); zb_h1: its weight pass runs
+        # outside FSDP2's post-backward hooks, so the gradients are not reduce-scattered (wrong from step 2)
+        raise UserError(f"--backend pipeline: parallel.mesh with fsdp={D} runs parallel.pipeline_schedule=gpipe or "
+                        f"1f1b (FSDP2 inside the stages), not {p.pipeline_schedule}")
+    if D > 1 and axis == "dp" and p.pipeline_schedule != "1f1b":
         # torch's DDP-in-stage path (PipelineStage.backward_maybe_with_nosync) trips DDP's bucket rebuild under
         # gpipe/interleaved and bypasses its gradient hooks in zb_h1's weight pass (docs/fuzz.md, case 99)
         raise UserError(f"--backend pipeline: parallel.mesh with dp={D} runs parallel.pipeline_schedule=1f1b only "
@@ -99,7 +112,7 @@ def check_torch_pipeline(cfg, world: int) -> int:
     micro = t.global_batch_size // t.microbatches
     if micro % (M * D):
         raise UserError(f"batch per microbatch {micro} is not divisible by parallel.pipeline_microbatches={M}"
-                        + (f" x dp={D}" if D > 1 else ""))
+                        + (f" x {axis}={D}" if D > 1 else ""))
     return M
 
 
@@ -142,12 +155,12 @@ class PipelineEngine(TorchEngine):
         self.scale = 1.0 / (self.M * len(micro))  # mean over all microbatches of the step
         total = sum(self._run(batch, train=True) for batch in micro)
         if self.tied is not None and (self.stage_module.first or self.stage_module.last):
-            tdist.all_reduce(self.stage_module.wte.grad, group=self.tied)
+            tdist.all_reduce(local(self.stage_module.wte.grad), group=self.tied)  # FSDP2: the matching shards
         return torch.tensor(total)
 
     def clip_gradients(self, clip: float) -> torch.Tensor:
         grads = [p.grad for p in self.norm_params if p.grad is not None]
-        squared = torch.nn.utils.get_total_norm(grads).square() if grads else torch.zeros((), device=self.env.device)
+        squared = local(torch.nn.utils.get_total_norm(grads)).square() if grads else torch.zeros((), device=self.env.device)
         tdist.all_reduce(squared, group=self.pp_group)  # the stages' squared norms: the global norm
         norm = squared.sqrt()
         torch.nn.utils.clip_grads_with_norm_(self.params, clip, norm)
@@ -166,10 +179,20 @@ class PipelineEngine(TorchEngine):
 
     def _gather_state(self) -> dict:
         """Every stage's parameters gathered to rank 0 (a collective), by whole-model name."""
-        local = {k: v.detach().cpu() for k, v in self.stage_module.state_dict().items()}
+        mine = {k: whole(v).detach().cpu() for k, v in self.stage_module.state_dict().items()}
         parts = [None] * self.env.world if self.env.is_main else None
-        tdist.gather_object(local, parts, dst=0)
+        tdist.gather_object(mine, parts, dst=0)
         return {k: v for part in parts for k, v in part.items()} if self.env.is_main else {}
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 DTensor (a plain tensor as it is)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of an FSDP2 DTensor (a collective over its mesh; a plain tensor as it is)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 @dataclasses.dataclass
@@ -183,15 +206,17 @@ class Replicas:
     replica: int
     pp_group: object = None
     dp_group: object = None
+    axis: str = "dp"  # what the replicas are: DDP ("dp") or FSDP2 shards ("fsdp")
+    data_mesh: object = None  # the 1-D DeviceMesh over them (FSDP2's)
 
 
 def place_rank(cfg, env) -> Replicas:
-    S, D = pipeline_sizes(cfg, env.world)
+    S, D, axis = pipeline_sizes(cfg, env.world)
     if D == 1:
         return Replicas(S, 1, env.rank, 0)
-    mesh = init_device_mesh(env.device.type, (D, S), mesh_dim_names=("dp", "pp"))
-    return Replicas(S, D, mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), mesh.get_group("pp"),
-                    mesh.get_group("dp"))
+    mesh = init_device_mesh(env.device.type, (D, S), mesh_dim_names=(axis, "pp"))
+    return Replicas(S, D, mesh.get_local_rank("pp"), mesh.get_local_rank(axis), mesh.get_group("pp"),
+                    mesh.get_group(axis), axis, mesh[axis])
 
 
 def build(model: Decoder, cfg, env, **_):
@@ -205,7 +230,12 @@ def build(model: Decoder, cfg, env, **_):
     chunks = [Stage(model, list(range(v * k, (v + 1) * k)), v == 0, v == last) for v in virtual]
     rank = Stage(model, [i for v in virtual for i in range(v * k, (v + 1) * k)], 0 in virtual, last in virtual)
     rank.to(env.device)
-    if place.replicas > 1:  # DDP per chunk over dp; the pipeline stage runs its all-reduce on the last backward
+    if place.replicas > 1 and place.axis == "fsdp":  # FSDP2 per stage (each block, then the stage), torchtitan's way
+        for block in chunks[0].blocks.values():
+            fully_shard(block, mesh=place.data_mesh)
+        fully_shard(chunks[0], mesh=place.data_mesh)
+        rank = chunks[0]  # one chunk per rank (check_torch_pipeline): the sharded module is the rank's
+    elif place.replicas > 1:  # DDP per chunk over dp; the pipeline stage runs its all-reduce on the last backward
         ids = [env.device.index] if env.device.type == "cuda" else None
         chunks = [DDP(chunk, device_ids=ids, process_group=place.dp_group) for chunk in chunks]
     return PipelineEngine(rank, chunks, cfg, env, M, place)
