@@ -147,10 +147,13 @@ def draw_torch(rng: random.Random) -> Case:
         _draw_compression(rng, s, {"powersgd": 1})
     if backend == "pipeline":
         D = 2 if world == 4 and rng.random() < 0.5 else 1
+        axis = _pick(rng, {"dp": 1, "fsdp": 1})
         if D > 1:
-            s["parallel.mesh"] = f"pp={world // D},dp={D}"
-        # torchpar's pp x dp runs 1f1b only (docs/torchpar.md); the others are drawn now and then, refused
-        stages_v, M = _draw_pipeline(rng, s, world // D, {"gpipe": 1, "1f1b": 8, "interleaved": 1} if D > 1 else None)
+            s["parallel.mesh"] = f"pp={world // D},{axis}={D}"
+        # torchpar's pp x dp runs 1f1b only, pp x fsdp gpipe and 1f1b (docs/torchpar.md); the others are drawn now
+        # and then, refused
+        stages_v, M = _draw_pipeline(rng, s, world // D, None if D == 1 else {"gpipe": 1, "1f1b": 8, "interleaved": 1}
+                                     if axis == "dp" else {"gpipe": 3, "1f1b": 6, "zb_h1": 1})
         ways = D * M
     _draw_dims(rng, s, 1, stages_v)
     _draw_training(rng, s, ways)
@@ -308,7 +311,7 @@ def indivisible(c: Case) -> bool:
     pipeline microbatches by the schedule's rules."""
     g = lambda key, default: int(c.get(key, default))  # noqa: E731
     m, micro, heads = c.mesh(), g("train.global_batch_size", 8) // g("train.microbatches", 1), g("model.n_head", 4)
-    ways = m["dp"] * m["fsdp"] if c.side == "jax" else (m["dp"] if c.backend == "pipeline" else max(c.world, 1))
+    ways = m["dp"] * m["fsdp"] if c.side == "jax" else (m["dp"] * m["fsdp"] if c.backend == "pipeline" else max(c.world, 1))
     bad = heads % m["tp"] or micro % ways
     if m["sp"] > 1:
         zigzag = c.get("parallel.sequence_zigzag", "true") == "true"
@@ -351,6 +354,9 @@ DOCUMENTED_REFUSALS = (
     ("docs/torchpar.md pipeline: pp x dp (parallel.mesh=pp=S,dp=D) runs the 1f1b schedule only",
      lambda c: c.side == "torch" and c.backend == "pipeline" and c.mesh()["dp"] > 1 and
      c.get("parallel.pipeline_schedule", "gpipe") != "1f1b"),
+    ("docs/torchpar.md pipeline: pp x fsdp (parallel.mesh=pp=S,fsdp=F) runs gpipe and 1f1b",
+     lambda c: c.side == "torch" and c.backend == "pipeline" and c.mesh()["fsdp"] > 1 and
+     c.get("parallel.pipeline_schedule", "gpipe") not in ("gpipe", "1f1b")),
     ("docs/torchpar.md 'Gradient compression': jaxpar compresses on dp, fsdp and tp meshes (pp, sp: refused); "
      "PowerSGD runs on ddp only",
      lambda c: c.get("parallel.grad_compression", "none") != "none" and (

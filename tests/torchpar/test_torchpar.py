@@ -194,10 +194,13 @@ def test_pipeline_composes_with_data_parallelism(base, reference, tmp_path):
 @pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])
 def test_pipeline_stages_sharded_by_fsdp(schedule, base, reference, tmp_path):
     """parallel.mesh=pp=2,fsdp=2 on 4 processes: FSDP2 inside each pipeline stage (torchtitan's layout) gives the
-    one-process run, each rank holding half of its stage's parameters (the two stages: 2 + 2 ranks)."""
+    one-process run, also across a SIGKILL and resume (DCP of the sharded stages), each rank holding half of its
+    stage's parameters."""
     args = ["--backend", "pipeline", *base["args"], "parallel.mesh=pp=2,fsdp=2", f"parallel.pipeline_schedule={schedule}",
-            f"run.dir={tmp_path}"]
+            "checkpoint.every=4", f"run.dir={tmp_path}"]
+    run(args, nproc=4, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
     out = run(args, nproc=4)
+    assert "resumed from" in out.stderr and "checkpoints/4" in out.stderr
     assert_same_run(metrics(tmp_path), reference)
     low, high = re.search(r"[\d,]+ params, ([\d,]+)(?:-([\d,]+))? per rank", out.stdout).groups()
     low, high = (int(x.replace(",", "")) for x in (low, high or low))
