@@ -128,6 +128,7 @@ def plan(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
         par.pipeline_schedule, full["pp"], par.pipeline_microbatches, par.pipeline_virtual_stages)}
     return {"mesh": format_mesh(full), "devices": n_dev, "model": model, "pipeline": pipeline,
             "params_bytes": params, "opt_state_bytes": opt,
+            "powersgd_bytes": _shard_bytes(state.get("powersgd", {})),  # error buffers and Q (in argument/peak too)
             "offload": cfg.parallel.offload, "host_bytes": host, "peak_estimated": estimated,
             "argument_bytes": mem.argument_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
             "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes, "peak_bytes": peak,
@@ -177,7 +178,8 @@ def print_plan(p: dict) -> None:
           f"{m['kv_cache_width']} values per layer ({m['kv_cache_bytes_per_token']:,} bytes over all layers)")
     print(f"mesh {p['mesh']} ({p['devices']} devices), compute {m['compute_dtype']}, offload {p['offload']}, "
           "per device:")
-    for key in ("params_bytes", "opt_state_bytes", "argument_bytes", "temp_bytes", "peak_bytes", "host_bytes"):
+    for key in ("params_bytes", "opt_state_bytes", "powersgd_bytes", "argument_bytes", "temp_bytes", "peak_bytes",
+                "host_bytes"):
         print(f"  {key.removesuffix('_bytes'):<10} {gib(p[key])}")
     if p["host_bytes"]:
         print("  (peak: device memory; host: the offloaded state, in host memory between steps" +

@@ -148,6 +148,9 @@ def test_powersgd_gradient_bytes_are_its_low_rank_factors():
     bound = 2 * 414_720 * 7 / 8
     assert bound <= got["gradient_bytes"] <= 1.1 * bound and got["bounds"]["dp"] == bound
     assert got["gradient_bytes"] < 0.15 * run("dp=8")["gradient_bytes"]
+    # its state on each device: one error buffer per parameter (float32, this rank's) and the replicated Q factors
+    q = 4 * (L * r * (3 * d + f + d) + r * (d + d))  # qkv (3, heads, head_dim) x r, fc: f x r, proj: d x r; wte, wpe
+    assert got["powersgd_bytes"] == 4 * N + q and got["peak_bytes"] > run("dp=8")["peak_bytes"] + 2 * N  # in the peak
 
 
 def test_schedules_side_by_side():
