@@ -153,8 +153,6 @@ class Checkpointer:
                 target, after = fit(self.manager.item_metadata(step)["state"].tree) if fit else (abstract_state, None)
                 out = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-                if after is not None:
-                    out = {"state": after(out["state"]), "meta": out["meta"]}
             except Exception as e:  # noqa: BLE001 - any failure to read means: try the previous one
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
                 failures.append((step, reason))
@@ -162,7 +160,8 @@ class Checkpointer:
                 continue
             for bad, _ in failures:
                 self._set_aside(bad)
-            return out["state"], dict(out["meta"])
+            # fitted after the read: a failure here is not the checkpoint's, and sets nothing aside
+            return (after(out["state"]) if after is not None else out["state"]), dict(out["meta"])
         if failures:
             detail = "; ".join(f"step {s}: {r}" for s, r in failures)
             raise UserError(f"no checkpoint in {self.dir} could be loaded ({detail})")

@@ -32,13 +32,13 @@ def data_axes(mesh) -> tuple[str, ...]:
     return tuple(a for a in DATA_AXES if mesh.shape[a] > 1)
 
 
-def _entry_axes(entry) -> tuple[str, ...]:
+def entry_axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
 
 
 def over_data(spec: P, axes: tuple[str, ...]) -> P:
     """`spec` with only the data axes left (what a shard_map manual over them names)."""
-    kept = [tuple(a for a in _entry_axes(e) if a in axes) for e in spec]
+    kept = [tuple(a for a in entry_axes(e) if a in axes) for e in spec]
     return P(*[k if len(k) > 1 else (k[0] if k else None) for k in kept])
 
 
@@ -50,7 +50,7 @@ def reduce_gradient(g: jax.Array, spec: P, axes: tuple[str, ...], wire) -> jax.A
     if jax.default_backend() == "cpu" and wire != g.dtype:  # see the module docstring
         x = x.astype(g.dtype)
     for dim, entry in enumerate(spec):
-        names = _entry_axes(entry)
+        names = entry_axes(entry)
         if names:
             x = jax.lax.psum_scatter(x, names, scatter_dimension=dim, tiled=True)
             used.update(names)

@@ -243,8 +243,8 @@ def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets
         C, S, L // (S * C), *w.shape[1:])
     blocks, consts = jax.tree.map(staged, blocks), jax.tree.map(staged, consts)
     act_shape = inputs.shape[1:] + (width,)
-    used = {name for name in COLUMNS[COL["recv_act_left"]:]
-            if np.any(plan.tables[..., COL[name]] != (plan.act_slots if "act" in name else plan.cot_slots) - 1)}
+    used = tuple(name for name in COLUMNS[COL["recv_act_left"]:]  # a tuple in COLUMNS' order: every process
+                 if np.any(plan.tables[..., COL[name]] != (plan.act_slots if "act" in name else plan.cot_slots) - 1))
 
     def body(rest, blocks, consts, inputs, targets, tables):
         blocks, consts = (jax.tree.map(lambda w: w[:, 0], t) for t in (blocks, consts))  # this device's chunks

@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxpar.context import current, use
 from jaxpar.core.weights import flatten, unflatten
 from jaxpar.ops import sum_over_microbatches
-from jaxpar.parallel.compression import _entry_axes, data_axes, over_data
+from jaxpar.parallel.compression import data_axes, entry_axes, over_data
 
 MIN_RATE = 2  # torch's min_compression_rate: a matrix is compressed only where r(m+n) * 2 < m*n
 
@@ -72,7 +72,7 @@ def shardings(layout) -> dict:
     axes, mesh = data_axes(layout.mesh), layout.mesh
 
     def error_spec(spec: P) -> P:
-        kept = [tuple(a for a in _entry_axes(e) if a not in axes) for e in spec]
+        kept = [tuple(a for a in entry_axes(e) if a not in axes) for e in spec]
         return P(axes, *[k if len(k) > 1 else (k[0] if k else None) for k in kept])
 
     specs = flatten(jax.tree.map(error_spec, layout.param_specs, is_leaf=_is_spec))
@@ -115,6 +115,7 @@ def _rest(m: jax.Array, lead: int) -> str:
 def compress(m: jax.Array, q: jax.Array, lead: int, axes: tuple[str, ...], n: int) -> tuple[jax.Array, jax.Array]:
     """(R, new Q) for one matrix stack M_i (this rank's), its warm-start Q: the two rank-r all-reduces."""
     b, row, rest = _rest(m, lead)
+    q = orthogonalize(q, lead)  # the warm start, as torch's hook does before each P = M Q
     p = jax.lax.psum(jnp.einsum(f"{b}{row}{rest},{b}{rest}z->{b}{row}z", m, q), axes)
     p = orthogonalize(p, lead)
     q = jax.lax.psum(jnp.einsum(f"{b}{row}{rest},{b}{row}z->{b}{rest}z", m, p), axes) / n
@@ -144,6 +145,9 @@ def powersgd_loss_and_grads(layout, value_and_grad, accum: int):
 
     def plain(grads, state):
         return {k: jax.lax.psum(g, axes) / n for k, g in grads.items()}, state
+
+    def compressed(grads, state):
+        return reduce_powersgd(layout, grads, state, axes, n)
 
     def local(params, batch, state, step):
         with use(dataclasses.replace(current(), rules=inner_rules)):
@@ -182,11 +186,24 @@ def restore_fit(layout, abstract: dict):
         shapes = jax.tree.map(lambda m: tuple(m.shape), saved["powersgd"])
         if want and shapes == jax.tree.map(lambda x: tuple(x.shape), abstract["powersgd"]):
             return abstract, None
-        whole = NamedSharding(layout.mesh, P())  # read whole on every device, then fitted
-        read = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=whole), saved["powersgd"])
-        return {**rest, "powersgd": read}, fitted
+        return {**rest, "powersgd": _read_as_saved(layout, saved["powersgd"])}, fitted
 
     return fit
+
+
+def _read_as_saved(layout, saved: dict) -> dict:
+    """What to read a saved "powersgd" entry of another shape as: every saved rank's error buffer, its parameter's
+    dims sharded as this layout shards the parameter (so a restore onto another data size holds n_saved x the
+    parameter's shard per device for a moment), Q whole."""
+    params = flatten(layout.state_shardings["params"])
+
+    def error(k, m):
+        spec = params[k].spec if k in params else P()
+        return jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=NamedSharding(layout.mesh, P(None, *spec)))
+
+    whole = NamedSharding(layout.mesh, P())
+    return {"error": {k: error(k, m) for k, m in saved["error"].items()},
+            "q": {k: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=whole) for k, m in saved["q"].items()}}
 
 
 def _fresh(layout, params) -> dict:
@@ -207,6 +224,10 @@ def _remap(layout, saved: dict, params) -> dict:
 
     error = jax.jit(lambda es: {k: fit_error(e) for k, e in es.items()}, out_shardings=shard["error"])(saved["error"])
     qs = {k: saved["q"][k] if k in saved["q"] and saved["q"][k].shape == q.shape else q for k, q in fresh["q"].items()}
+    if any(k not in saved["q"] or saved["q"][k].shape != q.shape for k, q in fresh["q"].items()) \
+            and jax.process_index() == 0:
+        print("PowerSGD: another rank r (or other matrices) than the checkpoint's: its factors start afresh",
+              file=sys.stderr)
     return {"error": error, "q": jax.device_put(qs, shard["q"])}
 
 

@@ -28,8 +28,8 @@ def main(argv=None) -> int:
     S, M, V = args.stages, args.microbatches, args.virtual_stages
     textbook = {"zb_h1": f"(S-1)/(3M+S-1) = {(S - 1) / (3 * M + S - 1):.3f}, 1F1B's (S-1)/(M+S-1) = "
                          f"{(S - 1) / (M + S - 1):.3f}",
-                "zb_v": f"the least on this table, (S-1)/(6M+S-1) = {(S - 1) / (6 * M + S - 1):.3f}: two chunks of F, "
-                        "B, W per microbatch, the last device starting after S-1 of them"}.get(
+                "zb_v": f"at least (S-1)/(6M+S-1) = {(S - 1) / (6 * M + S - 1):.3f}: two chunks of F, B, W per "
+                        "microbatch, the last device starting after S-1 of them"}.get(
         args.schedule, f"(S-1)/(V*M+S-1) = {(S - 1) / (V * M + S - 1):.3f}")
     print(f"\n{args.schedule}: {len(table)} ticks, bubble {bubble_fraction(table):.3f} (textbook {textbook}); "
           f"peak microbatches in flight on stage 0: {max_in_flight(table, 0)}"

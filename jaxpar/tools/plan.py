@@ -295,6 +295,9 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides)
+    if args.recommend and args.schedules:
+        raise UserError("--schedules compares pipeline schedules on one --mesh; --recommend ranks meshes: one or "
+                        "the other")
     if args.recommend:
         if not args.devices or args.devices < 1:
             raise UserError("--recommend needs --devices N")

@@ -64,9 +64,10 @@ def test_zb_h1_splits_the_backward_and_fills_the_bubble_with_w():
 def test_zb_v_runs_two_chunks_in_a_v_at_1f1b_memory():
     """Device d holds virtual stages d and 2S-1-d (the first and the last on device 0); every F, B and W once,
     in dependency order; at most 2S chunk-microbatches (half a stage each: 1F1B's S stages' worth) between F and
-    W on any device; the bubble the least a unit-time table allows, (S-1)/(6M+S-1) -- the last device starts
-    after S-1 chunk forwards -- which is half ZB-H1's idle time (S-1 half-stage ticks against S-1 stage ticks)."""
-    for S_, M_ in ((2, 2), (2, 4), (4, 8), (4, 16), (8, 16)):
+    W on any device; the bubble never below the least a unit-time table allows, (S-1)/(6M+S-1) -- the last device
+    starts after S-1 chunk forwards -- and equal to it at S = 2, 3, 4, 8 (at 5-7 mostly above: the greedy rule's); at
+    S=4 half ZB-H1's idle time (S-1 half-stage ticks against S-1 stage ticks)."""
+    for S_, M_ in [(2, 2)] + [(s, m * s) for s in range(2, 9) for m in (2, 3, 4)]:
         assert [placement("zb_v", S_, v) for v in range(2 * S_)] == (
             [(d, 0) for d in range(S_)] + [(d, 1) for d in reversed(range(S_))])
         table = simulate("zb_v", S_, M_)
@@ -83,7 +84,9 @@ def test_zb_v_runs_two_chunks_in_a_v_at_1f1b_memory():
                 assert at[("F", m, v)] < at[("B", m, v)] < at[("W", m, v)]
                 if v:
                     assert at[("F", m, v - 1)] < at[("F", m, v)] and at[("B", m, v)] < at[("B", m, v - 1)]
-        assert bubble_fraction(table) == pytest.approx((S_ - 1) / (6 * M_ + S_ - 1))
+        least = (S_ - 1) / (6 * M_ + S_ - 1)
+        assert bubble_fraction(table) == pytest.approx(least) if S_ in (2, 3, 4, 8) else (
+            bubble_fraction(table) >= least - 1e-12)
         assert all(max_in_flight(table, d) <= 2 * S_ for d in range(S_))
     zb_h1, zb_v = simulate("zb_h1", 4, 8), simulate("zb_v", 4, 8)
     idle = lambda table, unit: sum(op is None for row in table for op in row) * unit / 4  # noqa: E731  per device

@@ -99,8 +99,8 @@ class DDPEngine(TorchEngine):
 class PowerSGDCheckpoint:
     """This rank's PowerSGD state in a checkpoint directory (torchpar/checkpoint.py calls save and load): the
     runtime slots only (the settings come from the config at hand), and the buckets they were keyed by.
-    Resumed on another number of ranks, every rank takes the mean of the saved error buffers (the sum the next
-    steps owe, over the ranks, stays what it was; DDP's buckets do not depend on the number of ranks), as jaxpar
+    Resumed on another number of ranks, every rank takes the mean of the saved error buffers (what the next steps
+    owe on average over the ranks stays what it was; DDP's buckets do not depend on the number of ranks), as jaxpar
     does (jaxpar/parallel/powersgd.py); with another rank r, the buffers stay and the factors start afresh."""
     RUNTIME = ("rng", "error_dict", "p_memory_dict", "q_memory_dict", "iter", "total_numel_before_compression",
                "total_numel_after_compression", "next_stats_report")
@@ -127,6 +127,8 @@ class PowerSGDCheckpoint:
         if len(worlds) != 1:
             return {}
         world = worlds.pop()
+        if world == self.env.world:  # this rank's own file is missing: no state to restore
+            return {}
         states = [load(self.path(folder, r, world)) for r in range(world)]
         errors = {b: torch.stack([s["error_dict"][b] for s in states]).mean(0) for b in states[0]["error_dict"]}
         return {**states[0], "error_dict": errors}
