@@ -332,7 +332,7 @@ DOCUMENTED_REFUSALS = (
     ("docs/architecture.md 'Sharding' (divisibility the user controls is checked up front with one line), "
      "'Sequence parallelism' (its checks); docs/torchpar.md (a world size that does not divide the batch per "
      "microbatch); the pipeline's sizes (jaxpar/core/pipeline_schedules.py)", indivisible),
-    ("docs/architecture.md 'Pipeline parallelism': sp inside the 1f1b/interleaved/zb_h1 executor needs "
+    ("docs/architecture.md 'Pipeline parallelism': sp inside the hand-scheduled executor (1f1b, interleaved, zb_h1, zb_v) needs "
      "all_gather or ulysses and not model.attention=dilated", _pipeline_sp),
     ("docs/architecture.md 'Pipeline parallelism': model.linear=sketched or model.attention=mla in the executor "
      "with tp>1 and parameters sharded over fsdp or ZeRO-3", _pipeline_resharded),
