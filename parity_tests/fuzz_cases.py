@@ -163,7 +163,8 @@ def draw_torch(rng: random.Random) -> Case:
 def _draw_compression(rng: random.Random, s: dict, methods=None) -> None:
     """parallel.grad_compression. The fuzz runs compare with one device in float32, so the cases run the compressed
     program with nothing lost: PowerSGD never past its warm-up (STEPS plain steps; its compressed branch is
-    compiled all the same), bf16 (jaxpar only) with a float32 wire (fuzz_run.py; tests/jaxpar/test_grad_compression.py)."""
+    compiled all the same), bf16 (jaxpar only) with a float32 wire (fuzz_run.py;
+    tests/jaxpar/test_grad_compression.py)."""
     s["parallel.grad_compression"] = _pick(rng, methods or {"bf16": 1, "powersgd": 1})
     if s["parallel.grad_compression"] == "powersgd":
         s["parallel.powersgd_warmup_steps"] = str(STEPS + rng.randrange(2))
@@ -311,7 +312,7 @@ def indivisible(c: Case) -> bool:
     pipeline microbatches by the schedule's rules."""
     g = lambda key, default: int(c.get(key, default))  # noqa: E731
     m, micro, heads = c.mesh(), g("train.global_batch_size", 8) // g("train.microbatches", 1), g("model.n_head", 4)
-    ways = m["dp"] * m["fsdp"] if c.side == "jax" else (m["dp"] * m["fsdp"] if c.backend == "pipeline" else max(c.world, 1))
+    ways = m["dp"] * m["fsdp"] if c.side == "jax" or c.backend == "pipeline" else max(c.world, 1)
     bad = heads % m["tp"] or micro % ways
     if m["sp"] > 1:
         zigzag = c.get("parallel.sequence_zigzag", "true") == "true"
@@ -332,7 +333,8 @@ DOCUMENTED_REFUSALS = (
     ("docs/architecture.md 'Sharding' (divisibility the user controls is checked up front with one line), "
      "'Sequence parallelism' (its checks); docs/torchpar.md (a world size that does not divide the batch per "
      "microbatch); the pipeline's sizes (jaxpar/core/pipeline_schedules.py)", indivisible),
-    ("docs/architecture.md 'Pipeline parallelism': sp inside the hand-scheduled executor (1f1b, interleaved, zb_h1, zb_v) needs "
+    ("docs/architecture.md 'Pipeline parallelism': sp inside the hand-scheduled executor (1f1b, interleaved, zb_h1, "
+     "zb_v) needs "
      "all_gather or ulysses and not model.attention=dilated", _pipeline_sp),
     ("docs/architecture.md 'Pipeline parallelism': model.linear=sketched or model.attention=mla in the executor "
      "with tp>1 and parameters sharded over fsdp or ZeRO-3", _pipeline_resharded),

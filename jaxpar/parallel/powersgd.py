@@ -68,7 +68,8 @@ def factor_shapes(layout, shapes: dict) -> dict:
 
 
 def shardings(layout) -> dict:
-    """The "powersgd" entry's shardings: error buffers (the data axes, then the parameter's other axes), Q replicated."""
+    """The "powersgd" entry's shardings: error buffers (the data axes, then the parameter's other axes), Q
+    replicated."""
     axes, mesh = data_axes(layout.mesh), layout.mesh
 
     def error_spec(spec: P) -> P:

@@ -196,8 +196,8 @@ def test_pipeline_stages_sharded_by_fsdp(schedule, base, reference, tmp_path):
     """parallel.mesh=pp=2,fsdp=2 on 4 processes: FSDP2 inside each pipeline stage (torchtitan's layout) gives the
     one-process run, also across a SIGKILL and resume (DCP of the sharded stages), each rank holding half of its
     stage's parameters."""
-    args = ["--backend", "pipeline", *base["args"], "parallel.mesh=pp=2,fsdp=2", f"parallel.pipeline_schedule={schedule}",
-            "checkpoint.every=4", f"run.dir={tmp_path}"]
+    args = ["--backend", "pipeline", *base["args"], "parallel.mesh=pp=2,fsdp=2",
+            f"parallel.pipeline_schedule={schedule}", "checkpoint.every=4", f"run.dir={tmp_path}"]
     run(args, nproc=4, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
     out = run(args, nproc=4)
     assert "resumed from" in out.stderr and "checkpoints/4" in out.stderr

@@ -160,7 +160,8 @@ class PipelineEngine(TorchEngine):
 
     def clip_gradients(self, clip: float) -> torch.Tensor:
         grads = [p.grad for p in self.norm_params if p.grad is not None]
-        squared = local(torch.nn.utils.get_total_norm(grads)).square() if grads else torch.zeros((), device=self.env.device)
+        zero = torch.zeros((), device=self.env.device)
+        squared = local(torch.nn.utils.get_total_norm(grads)).square() if grads else zero
         tdist.all_reduce(squared, group=self.pp_group)  # the stages' squared norms: the global norm
         norm = squared.sqrt()
         torch.nn.utils.clip_grads_with_norm_(self.params, clip, norm)
