@@ -3,8 +3,8 @@
     python -m parity_tests.fuzz --seed S --cases N [--out results.jsonl] [--start K]
     python -m parity_tests.fuzz --case "jax pp=2,tp=2 parallel.pipeline_schedule=1f1b"   (one case)
 
-A case (parity_tests/fuzz_cases.py: what is drawn, what the docs promise and refuse) is a jaxpar mesh
-over dp/fsdp/tp/pp/sp or a torchpar backend and world size, plus settings drawn hierarchically. It trains
+A case (parity_tests/fuzz_cases.py: what is drawn; fuzz_docs.py: what the docs promise and refuse) is a jaxpar
+mesh over dp/fsdp/tp/pp/sp or a torchpar backend and world size, plus settings drawn hierarchically. It trains
 `STEPS` float32 steps (matmul precision highest) and its per-step loss and gradient norm and its final
 parameters are compared (parity_tests/compare.py, 1e-5) with the one-device jaxpar run of the same
 model, data and training settings. jaxpar cases run in this process; torchpar cases as subprocesses

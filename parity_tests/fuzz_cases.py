@@ -1,4 +1,4 @@
-"""The space the layout fuzzer (parity_tests/fuzz.py) draws from, and what the docs say about it.
+"""The space the layout fuzzer (parity_tests/fuzz.py) draws from (what the docs say of it: fuzz_docs.py).
 
 A case is a jaxpar mesh over dp/fsdp/tp/pp/sp (up to 8 simulated devices) or a torchpar backend and world
 size, plus config settings over a tiny base config (BASE), drawn hierarchically: a mode's keys only when
@@ -6,9 +6,6 @@ the mode is on (pipeline keys with pp > 1 or the pipeline backend, sequence keys
 dp > 1 or fsdp/deepspeed, a variant's keys with that variant), with sizes the mesh divides, so that every
 draw is a run the docs promise -- or, now and then on purpose, one they say is refused. `normalize` is the
 same hierarchy for the shrinker: it drops the keys of a mode a simpler case no longer runs.
-
-PROMISES and DOCUMENTED_REFUSALS are the docs' own words, kept as a small table: a refusal that no
-DOCUMENTED_REFUSALS line explains is a failure of the case (the docs promise it works).
 """
 from __future__ import annotations
 
@@ -243,139 +240,6 @@ def _drop_defaults(s: dict) -> dict:
         if str(current).lower() != value.lower():
             out[key] = value
     return out
-
-
-# ------------------------------------------------------------------------------------- what the docs say
-
-# Each claim of the docs that a drawn setting works; a refused case whose every setting some claim covers,
-# and that no DOCUMENTED_REFUSALS line explains, is a failure (`refused-promised`).
-PROMISES = (
-    ("jaxpar mesh", lambda c: c.side == "jax",
-     "README.md tour (dp/fsdp/tp/pp/sp); docs/architecture.md 'Numerical equivalence': every supported mesh "
-     "reproduces the one-device run; docs/torchpar.md: jaxpar composes pp with dp/fsdp/tp/sp"),
-    ("ZeRO stages", lambda c: "parallel.zero_stage" in dict(c.settings),
-     "README.md 'ZeRO vocabulary' (jaxpar 0-3 on dp); docs/torchpar.md fsdp and deepspeed bullets (0-3)"),
-    ("pipeline schedules", lambda c: c.mesh()["pp"] > 1,
-     "README.md 'Pipeline' and docs/architecture.md 'Pipeline parallelism' (gpipe, 1f1b, interleaved, zb_h1, zb_v, "
-     "virtual stages); docs/torchpar.md pipeline bullet (one stage per rank, interleaved >= 2, zb_v two, pp x dp with "
-     "1f1b)"),
-    ("sequence attention", lambda c: c.mesh()["sp"] > 1,
-     "README.md 'Sequence parallelism' (ring, all_gather, ulysses, zig-zag); docs/architecture.md 'Sequence "
-     "parallelism (sp)'"),
-    ("model variants and families", lambda c: any(k in ("model.attention", "model.linear", "model.family")
-                                                  for k, _ in c.settings),
-     "docs/architecture.md 'Model variants': any combination, jaxpar and torchpar alike, under every layout; "
-     "README.md 'Llama': every mesh and torchpar backend; 'Model families': llama with attention=dilated"),
-    ("remat, accumulation, unrolled layers",
-     lambda c: any(k in ("model.remat", "train.microbatches", "train.scan_layers") for k, _ in c.settings),
-     "README.md 'Model' (model.remat none/full/save_matmuls; train.scan_layers) and 'Optimiser' (train.microbatches); "
-     "docs/torchpar.md 'Same math as jaxpar'"),
-    ("offload", lambda c: "parallel.offload" in dict(c.settings),
-     "README.md 'Offload'; docs/architecture.md 'Mixed precision and offload' (jaxpar: host memory kinds; "
-     "deepspeed: optimizer at stages 1-3, params+optimizer at stage 3)"),
-    ("gradient compression", lambda c: "parallel.grad_compression" in dict(c.settings),
-     "docs/torchpar.md 'Gradient compression' (ddp bf16 and powersgd, fsdp and deepspeed bf16; jaxpar both on dp, "
-     "fsdp and tp meshes)"),
-    ("torchpar backends", lambda c: c.side == "torch",
-     "docs/torchpar.md 'Backends': none, ddp, fsdp (HSDP with parallel.mesh=dp=D,fsdp=F), deepspeed, pipeline"),
-)
-
-
-def _pipeline_resharded(c: Case) -> bool:
-    m = c.mesh()
-    return (c.side == "jax" and m["pp"] > 1 and c.get("parallel.pipeline_schedule", "gpipe") != "gpipe" and
-            (c.get("model.linear") == "sketched" or c.get("model.attention") == "mla") and m["tp"] > 1 and
-            (m["fsdp"] > 1 or (m["dp"] > 1 and c.get("parallel.zero_stage") == "3")))
-
-
-def _pipeline_sp(c: Case) -> bool:
-    sched = c.get("parallel.pipeline_schedule", "gpipe")
-    m = c.mesh()
-    return c.side == "jax" and m["pp"] > 1 and m["sp"] > 1 and sched != "gpipe" and (
-        c.get("parallel.sequence_attention", "ring") == "ring" or c.get("model.attention") == "dilated")
-
-
-def invalid_config(c: Case) -> bool:
-    from jaxpar.core.config import load_config
-    from jaxpar.core.errors import UserError
-
-    try:
-        load_config(None, [*BASE, *c.overrides])
-    except UserError:
-        return True
-    return False
-
-
-def indivisible(c: Case) -> bool:
-    """Sizes the layout does not divide: heads by tp (x sp for Ulysses), the batch per microbatch by the data
-    ways (x pipeline microbatches), the sequence by sp (2 sp with zig-zag), layers by stages x virtual stages,
-    pipeline microbatches by the schedule's rules."""
-    g = lambda key, default: int(c.get(key, default))  # noqa: E731
-    m, micro, heads = c.mesh(), g("train.global_batch_size", 8) // g("train.microbatches", 1), g("model.n_head", 4)
-    ways = m["dp"] * m["fsdp"] if c.side == "jax" or c.backend == "pipeline" else max(c.world, 1)
-    bad = heads % m["tp"] or micro % ways
-    if m["sp"] > 1:
-        zigzag = c.get("parallel.sequence_zigzag", "true") == "true"
-        bad = bad or g("data.seq_len", 16) % (m["sp"] * (2 if zigzag else 1)) or (
-            c.get("parallel.sequence_attention") == "ulysses" and heads % (m["tp"] * m["sp"]))
-    if m["pp"] > 1:
-        S, V, schedule = m["pp"], g("parallel.pipeline_virtual_stages", 1), c.get("parallel.pipeline_schedule", "gpipe")
-        V, M = 2 if schedule == "zb_v" else V, g("parallel.pipeline_microbatches", 0) or 2 * S
-        bad = bad or g("model.n_layer", 2) % (S * V) or micro % (M * ways) or (schedule != "gpipe" and M < S) or (
-            schedule == "interleaved" and M % S)
-    return bool(bad)
-
-
-# (where the docs say it, predicate): combinations the docs say are refused with one line
-DOCUMENTED_REFUSALS = (
-    ("README.md 'Config' (unknown keys, types, ranges are errors); docs/architecture.md 'Model families' (keys of "
-     "the other family, llama with mla or sketched)", invalid_config),
-    ("docs/architecture.md 'Sharding' (divisibility the user controls is checked up front with one line), "
-     "'Sequence parallelism' (its checks); docs/torchpar.md (a world size that does not divide the batch per "
-     "microbatch); the pipeline's sizes (jaxpar/core/pipeline_schedules.py)", indivisible),
-    ("docs/architecture.md 'Pipeline parallelism': sp inside the hand-scheduled executor (1f1b, interleaved, zb_h1, "
-     "zb_v) needs "
-     "all_gather or ulysses and not model.attention=dilated", _pipeline_sp),
-    ("docs/architecture.md 'Pipeline parallelism': model.linear=sketched or model.attention=mla in the executor "
-     "with tp>1 and parameters sharded over fsdp or ZeRO-3", _pipeline_resharded),
-    ("docs/torchpar.md pipeline: zb_h1 and zb_v with model.remat=save_matmuls (torch's selective checkpoint allows "
-     "one backward per region)", lambda c: c.side == "torch" and c.backend == "pipeline" and
-     c.get("parallel.pipeline_schedule") in ("zb_h1", "zb_v") and c.get("model.remat") == "save_matmuls"),
-    ("docs/torchpar.md ddp: parallel.zero_stage must be 0",
-     lambda c: c.side == "torch" and c.backend == "ddp" and c.get("parallel.zero_stage", "0") != "0"),
-    ("docs/torchpar.md fsdp: CPUOffloadPolicy is GPU only; optimizer alone is refused",
-     lambda c: c.side == "torch" and c.backend == "fsdp" and c.get("parallel.offload", "none") != "none"),
-    ("docs/architecture.md offload / docs/torchpar.md deepspeed: optimizer offload needs stages 1-3, "
-     "params+optimizer stage 3",
-     lambda c: c.side == "torch" and c.backend == "deepspeed" and (
-         (c.get("parallel.offload", "none") != "none" and c.get("parallel.zero_stage", "0") == "0")
-         or (c.get("parallel.offload") == "params+optimizer" and c.get("parallel.zero_stage") != "3"))),
-    ("docs/torchpar.md pipeline: interleaved needs parallel.pipeline_virtual_stages >= 2",
-     lambda c: c.side == "torch" and c.backend == "pipeline" and c.get("parallel.pipeline_schedule") ==
-     "interleaved" and int(c.get("parallel.pipeline_virtual_stages", "1")) < 2),
-    ("docs/torchpar.md pipeline: pp x dp (parallel.mesh=pp=S,dp=D) runs the 1f1b schedule only",
-     lambda c: c.side == "torch" and c.backend == "pipeline" and c.mesh()["dp"] > 1 and
-     c.get("parallel.pipeline_schedule", "gpipe") != "1f1b"),
-    ("docs/torchpar.md pipeline: pp x fsdp (parallel.mesh=pp=S,fsdp=F) runs gpipe and 1f1b",
-     lambda c: c.side == "torch" and c.backend == "pipeline" and c.mesh()["fsdp"] > 1 and
-     c.get("parallel.pipeline_schedule", "gpipe") not in ("gpipe", "1f1b")),
-    ("docs/torchpar.md 'Gradient compression': jaxpar compresses on dp, fsdp and tp meshes (pp, sp: refused); "
-     "PowerSGD runs on ddp only",
-     lambda c: c.get("parallel.grad_compression", "none") != "none" and (
-         (c.side == "jax" and (c.mesh()["pp"] > 1 or c.mesh()["sp"] > 1)) or
-         (c.get("parallel.grad_compression") == "powersgd" and c.side == "torch" and c.backend != "ddp"))),
-    ("docs/torchpar.md: offload needs --backend fsdp or deepspeed",
-     lambda c: c.side == "torch" and c.backend not in ("fsdp", "deepspeed") and "parallel.offload" in
-     dict(c.settings)),
-)
-
-
-def documented_refusal(case: Case) -> str | None:
-    return next((doc for doc, applies in DOCUMENTED_REFUSALS if applies(case)), None)
-
-
-def promises(case: Case) -> list[str]:
-    return [f"{name}: {doc}" for name, applies, doc in PROMISES if applies(case)]
 
 
 # ------------------------------------------------------------------------------------------- the hierarchy

@@ -16,7 +16,8 @@ import traceback
 from dataclasses import dataclass, field
 
 from parity_tests.compare import Tolerance
-from parity_tests.fuzz_cases import BASE, STEPS, Case, documented_refusal, promises
+from parity_tests.fuzz_cases import BASE, STEPS, Case
+from parity_tests.fuzz_docs import documented_refusal, promises
 
 # the float32 budget of tests/jaxpar/test_layouts.py and the parity suite, gradient norm included (3 steps, not 50)
 TOLERANCE = Tolerance("float32 fuzz", loss=1e-5, grad_norm=1e-5, lr=1e-6, params=1e-5, param_abs=5e-5, key_bias_lr=0.01)

@@ -12,9 +12,10 @@ from jaxpar.checks import check_layout
 from jaxpar.core.config import load_config
 from jaxpar.core.contract import Run, check_contract
 from jaxpar.core.errors import UserError
-from parity_tests import fuzz, fuzz_cases
+from parity_tests import fuzz, fuzz_docs
 from parity_tests.fuzz import shrink
-from parity_tests.fuzz_cases import BASE, Case, documented_refusal, draw_case, indivisible, normalize
+from parity_tests.fuzz_cases import BASE, Case, draw_case, normalize
+from parity_tests.fuzz_docs import documented_refusal, indivisible
 from parity_tests.fuzz_run import Fuzzer, Outcome, Worker
 from tests.helpers import ROOT
 
@@ -117,6 +118,6 @@ def test_a_refusal_the_docs_do_not_name_is_a_failure(fuzzer, monkeypatch):
     case = Case.parse("jax pp=2,sp=2 parallel.pipeline_schedule=1f1b")  # ring attention inside the executor
     out = fuzzer.run_case(case)
     assert out.kind == "refused" and "docs/architecture.md" in out.detail, out.detail
-    monkeypatch.setattr(fuzz_cases, "DOCUMENTED_REFUSALS", ())
+    monkeypatch.setattr(fuzz_docs, "DOCUMENTED_REFUSALS", ())
     out = fuzzer.run_case(case)
     assert out.kind == "refused-promised" and out.failed and "promised by" in out.detail, out.detail

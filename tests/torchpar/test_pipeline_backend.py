@@ -32,4 +32,4 @@ def test_pp_by_fsdp_runs_one_stage_per_rank_schedules(schedule):
         check_torch_pipeline(cfg, 4)
     assert pipeline_sizes(cfg, 4) == (2, 2, "fsdp")
     with pytest.raises(UserError, match="pp with dp .* or with fsdp .* not both"):
-        pipeline_sizes(tiny_config("parallel.mesh=pp=2,dp=2,fsdp=2"), 8)
+        check_torch_pipeline(tiny_config("model.n_layer=4", "parallel.mesh=pp=2,dp=2,fsdp=2"), 8)

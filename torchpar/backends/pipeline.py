@@ -80,9 +80,6 @@ def pipeline_sizes(cfg, world: int) -> tuple[int, int, str]:
     if not cfg.parallel.mesh:
         return world, 1, "dp"
     sizes = resolve_sizes(parse_mesh(cfg.parallel.mesh), world)
-    if sizes["dp"] > 1 and sizes["fsdp"] > 1:
-        raise UserError(f"parallel.mesh={cfg.parallel.mesh}: --backend pipeline runs pp with dp (DDP per stage) or "
-                        "with fsdp (FSDP2 per stage), not both")
     return (sizes["pp"], sizes["fsdp"], "fsdp") if sizes["fsdp"] > 1 else (sizes["pp"], sizes["dp"], "dp")
 
 
@@ -90,6 +87,9 @@ def check_torch_pipeline(cfg, world: int) -> int:
     """The number of pipeline microbatches; one-line errors for what the backend cannot run."""
     p, t = cfg.parallel, cfg.train
     S, D, axis = pipeline_sizes(cfg, world)
+    if cfg.parallel.mesh and min(resolve_sizes(parse_mesh(cfg.parallel.mesh), world)[a] for a in ("dp", "fsdp")) > 1:
+        raise UserError(f"parallel.mesh={cfg.parallel.mesh}: --backend pipeline runs pp with dp (DDP per stage) or "
+                        "with fsdp (FSDP2 per stage), not both")
     M = resolve_microbatches(S, p.pipeline_microbatches)
     check(p.pipeline_schedule, S, M, p.pipeline_virtual_stages, cfg.model.n_layer)
     if p.pipeline_schedule == "interleaved" and p.pipeline_virtual_stages < 2:
