@@ -36,10 +36,37 @@ def entry_axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
 
 
+def data_size(mesh) -> int:
+    """The number of data ranks: dp x fsdp."""
+    return math.prod(mesh.shape[a] for a in data_axes(mesh))
+
+
+def _spec_keeping(spec: P, keep) -> P:
+    kept = [tuple(a for a in entry_axes(e) if keep(a)) for e in spec]
+    return P(*[k if len(k) > 1 else (k[0] if k else None) for k in kept])
+
+
 def over_data(spec: P, axes: tuple[str, ...]) -> P:
     """`spec` with only the data axes left (what a shard_map manual over them names)."""
-    kept = [tuple(a for a in entry_axes(e) if a in axes) for e in spec]
-    return P(*[k if len(k) > 1 else (k[0] if k else None) for k in kept])
+    return _spec_keeping(spec, lambda a: a in axes)
+
+
+def off_data(spec: P, axes: tuple[str, ...]) -> P:
+    """`spec` without the data axes (what stays GSPMD's inside that shard_map: tp)."""
+    return _spec_keeping(spec, lambda a: a not in axes)
+
+
+def per_rank(layout, value_and_grad, accum: int):
+    """(this data rank's (params, batch, scale) -> (loss, gradients) summed over its microbatches, the batch's
+    spec over the data axes), for a shard_map manual over them: inside, the rules table leaves them out."""
+    axes = data_axes(layout.mesh)
+    inner_rules = {k: tuple(a for a in v if a not in axes) for k, v in layout.rules.items()}
+
+    def loss_and_grads(params, batch, scale):
+        with use(dataclasses.replace(current(), rules=inner_rules)):
+            return sum_over_microbatches(value_and_grad, params, batch, scale, accum)
+
+    return loss_and_grads, over_data(layout.batch_sharding.spec, axes)
 
 
 def reduce_gradient(g: jax.Array, spec: P, axes: tuple[str, ...], wire) -> jax.Array:
@@ -61,15 +88,12 @@ def reduce_gradient(g: jax.Array, spec: P, axes: tuple[str, ...], wire) -> jax.A
 def compressed_loss_and_grads(layout, value_and_grad, accum: int):
     """(params, batch, scale) -> (loss summed over the microbatches, gradients summed over them and reduced
     over the data axes in `wire`), both as the plain step's scan over microbatches makes them."""
-    mesh, axes, wire = layout.mesh, data_axes(layout.mesh), WIRE
-    n = math.prod(mesh.shape[a] for a in axes)
-    inner_rules = {k: tuple(a for a in v if a not in axes) for k, v in layout.rules.items()}
+    mesh, axes, wire, n = layout.mesh, data_axes(layout.mesh), WIRE, data_size(layout.mesh)
     grad_specs = jax.tree.map(lambda s: over_data(s, axes), layout.grad_specs, is_leaf=lambda s: isinstance(s, P))
-    batch_spec = over_data(layout.batch_sharding.spec, axes)
+    rank_loss_and_grads, batch_spec = per_rank(layout, value_and_grad, accum)
 
     def local(params, batch, scale):
-        with use(dataclasses.replace(current(), rules=inner_rules)):
-            loss, grads = sum_over_microbatches(value_and_grad, params, batch, scale, accum)
+        loss, grads = rank_loss_and_grads(params, batch, scale)
         grads = jax.tree.map(lambda g, s: reduce_gradient(g / n, s, axes, wire), grads, grad_specs,
                              is_leaf=lambda s: isinstance(s, P))
         return jax.lax.psum(loss, axes) / n, grads

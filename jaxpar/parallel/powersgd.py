@@ -20,7 +20,6 @@ divided by n, is what the old ranks owed (`restore_fit`).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 
@@ -28,10 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.context import current, use
 from jaxpar.core.weights import flatten, unflatten
-from jaxpar.ops import sum_over_microbatches
-from jaxpar.parallel.compression import data_axes, entry_axes, over_data
+from jaxpar.parallel.compression import data_axes, data_size, off_data, per_rank
 
 MIN_RATE = 2  # torch's min_compression_rate: a matrix is compressed only where r(m+n) * 2 < m*n
 
@@ -71,26 +68,25 @@ def shardings(layout) -> dict:
     """The "powersgd" entry's shardings: error buffers (the data axes, then the parameter's other axes), Q
     replicated."""
     axes, mesh = data_axes(layout.mesh), layout.mesh
-
-    def error_spec(spec: P) -> P:
-        kept = [tuple(a for a in entry_axes(e) if a not in axes) for e in spec]
-        return P(axes, *[k if len(k) > 1 else (k[0] if k else None) for k in kept])
-
-    specs = flatten(jax.tree.map(error_spec, layout.param_specs, is_leaf=_is_spec))
+    specs = flatten(jax.tree.map(lambda s: P(axes, *off_data(s, axes)), layout.param_specs, is_leaf=_is_spec))
     shapes = {k: v.shape for k, v in flatten(layout.abstract_params).items()}
     return {"error": {k: NamedSharding(mesh, s) for k, s in specs.items()},
             "q": {k: NamedSharding(mesh, P()) for k in factor_shapes(layout, shapes)}}
 
 
 def initial(layout, params) -> dict:
-    """Zero error buffers; Q random normal (seeded by train.seed) with orthonormal columns, as torch starts it."""
-    n = math.prod(layout.mesh.shape[a] for a in data_axes(layout.mesh))
-    flat = flatten(params)
-    qs = sorted(factor_shapes(layout, {k: v.shape for k, v in flat.items()}).items())
+    """Zero error buffers, and Q as `initial_q` makes it."""
+    n = data_size(layout.mesh)
+    return {"error": {k: jnp.zeros((n, *v.shape), v.dtype) for k, v in flatten(params).items()},
+            "q": initial_q(layout, params)}
+
+
+def initial_q(layout, params) -> dict:
+    """Q random normal (seeded by train.seed) with orthonormal columns, as torch starts it."""
+    qs = sorted(factor_shapes(layout, {k: v.shape for k, v in flatten(params).items()}).items())
     keys = jax.random.split(jax.random.key(layout.cfg.train.seed), max(len(qs), 1))
-    return {"error": {k: jnp.zeros((n, *v.shape), v.dtype) for k, v in flat.items()},
-            "q": {k: orthogonalize(jax.random.normal(key, s, jnp.float32), int(layers_first(layout, k)))
-                  for key, (k, s) in zip(keys, qs)}}
+    return {k: orthogonalize(jax.random.normal(key, s, jnp.float32), int(layers_first(layout, k)))
+            for key, (k, s) in zip(keys, qs)}
 
 
 def orthogonalize(x: jax.Array, lead: int) -> jax.Array:
@@ -140,9 +136,8 @@ def powersgd_loss_and_grads(layout, value_and_grad, accum: int):
     """(params, batch, powersgd state, step) -> (mean loss, mean gradients, new powersgd state): the step's loss
     and gradients as the plain step makes them, reduced over the data axes by PowerSGD after its warm-up."""
     mesh, axes = layout.mesh, data_axes(layout.mesh)
-    n, warmup = math.prod(mesh.shape[a] for a in axes), layout.cfg.parallel.powersgd_warmup_steps
-    inner_rules = {k: tuple(a for a in v if a not in axes) for k, v in layout.rules.items()}
-    batch_spec = over_data(layout.batch_sharding.spec, axes)
+    n, warmup = data_size(mesh), layout.cfg.parallel.powersgd_warmup_steps
+    rank_loss_and_grads, batch_spec = per_rank(layout, value_and_grad, accum)
 
     def plain(grads, state):
         return {k: jax.lax.psum(g, axes) / n for k, g in grads.items()}, state
@@ -151,10 +146,8 @@ def powersgd_loss_and_grads(layout, value_and_grad, accum: int):
         return reduce_powersgd(layout, grads, state, axes, n)
 
     def local(params, batch, state, step):
-        with use(dataclasses.replace(current(), rules=inner_rules)):
-            loss, grads = sum_over_microbatches(value_and_grad, params, batch, 1.0, accum)
+        loss, grads = rank_loss_and_grads(params, batch, 1.0)
         grads = {k: g / accum for k, g in flatten(grads).items()}
-        compressed = lambda g, s: reduce_powersgd(layout, g, s, axes, n)  # noqa: E731
         if warmup:  # (0: the planner's steady state, jaxpar/tools/plan.py; the config asks for 2 or more)
             grads, state = jax.lax.cond(step < warmup, plain, compressed, grads, state)
         else:
@@ -214,8 +207,8 @@ def _fresh(layout, params) -> dict:
 def _remap(layout, saved: dict, params) -> dict:
     """Saved PowerSGD state -> this layout's: error buffers averaged onto another data size, Q kept where its
     shape (rank r) is the same."""
-    shard, fresh = layout.state_shardings["powersgd"], _fresh(layout, params)
-    n, old = next(iter(fresh["error"].values())).shape[0], next(iter(saved["error"].values())).shape[0]
+    shard, n = layout.state_shardings["powersgd"], data_size(layout.mesh)
+    old = next(iter(saved["error"].values())).shape[0]
     if old != n and jax.process_index() == 0:
         print(f"PowerSGD: the error buffers of {old} data ranks averaged onto {n} (resumed on another data size)",
               file=sys.stderr)
@@ -224,11 +217,15 @@ def _remap(layout, saved: dict, params) -> dict:
         return e if old == n else jnp.broadcast_to(jnp.mean(e, axis=0, keepdims=True), (n, *e.shape[1:]))
 
     error = jax.jit(lambda es: {k: fit_error(e) for k, e in es.items()}, out_shardings=shard["error"])(saved["error"])
-    qs = {k: saved["q"][k] if k in saved["q"] and saved["q"][k].shape == q.shape else q for k, q in fresh["q"].items()}
-    if any(k not in saved["q"] or saved["q"][k].shape != q.shape for k, q in fresh["q"].items()) \
-            and jax.process_index() == 0:
-        print("PowerSGD: another rank r (or other matrices) than the checkpoint's: its factors start afresh",
-              file=sys.stderr)
+    shapes = factor_shapes(layout, {k: v.shape for k, v in flatten(params).items()})
+    kept = {k for k, s in shapes.items() if k in saved["q"] and tuple(saved["q"][k].shape) == s}
+    qs = {k: saved["q"][k] for k in kept}
+    if kept != set(shapes):  # Q made afresh only where it is needed
+        fresh = jax.jit(lambda p: initial_q(layout, p))(params)
+        qs.update({k: fresh[k] for k in set(shapes) - kept})
+        if jax.process_index() == 0:
+            print("PowerSGD: another rank r (or other matrices) than the checkpoint's: its factors start afresh",
+                  file=sys.stderr)
     return {"error": error, "q": jax.device_put(qs, shard["q"])}
 
 

@@ -26,6 +26,16 @@ from torchpar.models.decoder import next_token_loss
 from torchpar.optim import make_optimizer
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 DTensor (a plain tensor as it is)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of an FSDP2 DTensor (a collective over its mesh; a plain tensor as it is)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def microbatches(batch: torch.Tensor, M: int) -> list[torch.Tensor]:
     """train.microbatches: microbatch m = rows m, m+M, ... (as jaxpar splits them)."""
     return [batch[m::M] for m in range(M)]
@@ -73,7 +83,7 @@ class TorchEngine:
     @property
     def local_params(self) -> int:
         """Parameter elements this rank holds: its shards under FSDP2, its stage under pipeline, else all."""
-        return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in self.params)
+        return sum(local(p).numel() for p in self.params)
 
     def eval_loss(self, batch: torch.Tensor) -> float:
         return eval_loss(self.module, batch)
@@ -145,5 +155,5 @@ class TorchEngine:
     def clip_gradients(self, clip: float) -> torch.Tensor:
         """Clip to the global norm; returns the pre-clip norm."""
         norm = torch.nn.utils.clip_grad_norm_(self.params, clip)  # DTensor-aware for FSDP2
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        return whole(norm)
 

@@ -35,7 +35,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
@@ -43,7 +42,7 @@ from jaxpar.core.errors import UserError
 from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
 from jaxpar.core.pipeline_schedules import (check, chunks as chunks_per_rank, placement, resolve_microbatches,
                                             virtual_stage)
-from torchpar.backends.base import TorchEngine
+from torchpar.backends.base import TorchEngine, local, whole
 from torchpar.models.decoder import Decoder, embed, output_head
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
@@ -184,16 +183,6 @@ class PipelineEngine(TorchEngine):
         parts = [None] * self.env.world if self.env.is_main else None
         tdist.gather_object(mine, parts, dst=0)
         return {k: v for part in parts for k, v in part.items()} if self.env.is_main else {}
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of an FSDP2 DTensor (a plain tensor as it is)."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    """The full tensor of an FSDP2 DTensor (a collective over its mesh; a plain tensor as it is)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 @dataclasses.dataclass
