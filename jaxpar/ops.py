@@ -1,6 +1,7 @@
 """Mesh-free array functions that models, parallel strategies and the train step all use."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from functools import partial
 from typing import Callable
@@ -72,7 +73,10 @@ def project(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     projections (the logits keep their einsum). On XLA:CPU through `_cpu_project`, whose backward pass makes a
     gpt2-tiny training step ~10% faster there (less on larger ones: benchmarks/cpu_gap/README.md); elsewhere
     autodiff's own. Inside a shard_map with check_vma=True (jaxpar's all pass False) its backward would need w
-    marked varying (jax.lax.pvary) when x varies and w does not."""
+    marked varying (jax.lax.pvary) when x varies and w does not. While a pipeline stage splits its
+    backward (`split_backward`), what its mode says instead."""
+    if _split is not None:
+        return _split.project(x, w, n_in)
     if jax.default_backend() == "cpu":
         return _cpu_project(x, w, n_in)
     return jnp.tensordot(x, w, n_in)
@@ -95,17 +99,102 @@ def _cpu_project_bwd(n_in, saved, dy):
     x, w = saved
     lead = x.ndim - n_in
     dx = jnp.tensordot(dy, w, (tuple(range(lead, dy.ndim)), tuple(range(n_in, w.ndim))))
-    xt = jax.lax.optimization_barrier(jnp.moveaxis(x, tuple(range(lead)), tuple(range(n_in, x.ndim))))
-    dw = jnp.tensordot(xt, dy, (tuple(range(n_in, x.ndim)), tuple(range(lead))))
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+    return dx.astype(x.dtype), _weight_grad(x, dy, n_in).astype(w.dtype)
+
+
+def _weight_grad(x, dy, n_in: int):
+    """x [*lead, *in], dy [*lead, *out] -> [*in, *out]; on XLA:CPU x transposed first (_cpu_project_bwd)."""
+    lead = x.ndim - n_in
+    if jax.default_backend() == "cpu":
+        x = jax.lax.optimization_barrier(jnp.moveaxis(x, tuple(range(lead)), tuple(range(n_in, x.ndim))))
+        return jnp.tensordot(x, dy, (tuple(range(n_in, x.ndim)), tuple(range(lead))))
+    return jnp.tensordot(x, dy, (tuple(range(lead)), tuple(range(lead))))
 
 
 _cpu_project.defvjp(_cpu_project_fwd, _cpu_project_bwd)
 
 
+class _SplitBackward:
+    """How a pipeline stage's projections are traced when its backward is split in two (ZB-H1, ZB-V), so that
+    B computes no weight gradient of a projection and W computes nothing else (jaxpar/parallel/pipeline_executor.py):
+    - "probe": as usual, each projection's input and output recorded (their shapes);
+    - "tap": the weight a constant (B's pullback computes no gradient for it) and a zero `tap` added to the output,
+      whose cotangent is then the projection's output gradient; the input recorded for W;
+    - "weights": nothing computed (zeros out); records a scalar zero whose gradient w.r.t. the weight is x^T dy
+      from the kept input and output gradient: W differentiates the sum of those scalars, so the layers' own
+      forward and backward are dead code.
+    scan_layers hands each layer its slice of `side` (taps, or (input, output gradient) pairs, one per projection
+    in the order the layer calls them) and stacks what the layer records into `recorded`."""
+
+    def __init__(self, mode: str, side):
+        self.mode, self.side, self.layer, self.recorded = mode, side, None, None
+
+    def project(self, x, w, n_in: int):
+        if self.layer is None:
+            raise RuntimeError("a projection outside the layer scan while a pipeline stage splits its backward")
+        side, records = self.layer
+        i = len(records)
+        if self.mode == "probe":
+            y = jnp.tensordot(x, w, n_in)
+            records.append((x, y))
+        elif self.mode == "tap":
+            y = jnp.tensordot(x, jax.lax.stop_gradient(w), n_in) + side[i]
+            records.append(x)
+        else:
+            x, dy = side[i]
+            y = jnp.zeros(dy.shape, dy.dtype)
+            records.append(_weight_only(w, x, dy, n_in))
+        return y
+
+    def scan(self, layer: Callable, stacked, x: jax.Array, unroll: bool) -> jax.Array:
+        def body(h, xs):
+            p, side = xs
+            self.layer = (side, [])
+            h = layer(h, p)
+            records, self.layer = self.layer[1], None
+            return h, records
+
+        h, self.recorded = jax.lax.scan(body, x, (stacked, self.side), unroll=unroll)
+        return h
+
+
+_split: _SplitBackward | None = None
+
+
+@contextlib.contextmanager
+def split_backward(mode: str, side=None):
+    """Within: projections traced as `mode` says (_SplitBackward); yields it, whose `recorded` holds what the
+    layer scan's projections recorded, stacked over the layers."""
+    global _split
+    saved, _split = _split, _SplitBackward(mode, side)
+    try:
+        yield _split
+    finally:
+        _split = saved
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _weight_only(w, x, dy, n_in):
+    return jnp.zeros((), jnp.float32)
+
+
+def _weight_only_fwd(w, x, dy, n_in):
+    return jnp.zeros((), jnp.float32), (w, x, dy)
+
+
+def _weight_only_bwd(n_in, saved, scale):
+    w, x, dy = saved
+    return (_weight_grad(x, dy, n_in) * scale.astype(dy.dtype)).astype(w.dtype), None, None
+
+
+_weight_only.defvjp(_weight_only_fwd, _weight_only_bwd)
+
+
 def scan_layers(layer: Callable, stacked, x: jax.Array, unroll: bool = False) -> jax.Array:
     """`layer(h, per_layer_slice) -> h` applied over the leading axis of `stacked`, in order; unrolled: each
     layer traced on its own (no loop: no per-layer copies into and out of stacked buffers, longer compile)."""
+    if _split is not None:
+        return _split.scan(layer, stacked, x, unroll)
     return jax.lax.scan(lambda h, p: (layer(h, p), None), x, stacked, unroll=unroll)[0]
 
 

@@ -49,7 +49,8 @@ def hand_scheduled(layout: Layout, schedule: str):
         loss, g_rest, g_blocks = pipeline_value_and_grad(
             fns, rest, params["blocks"], stacked_sketches(cfg.model), *split_rows(batch, order), mesh=mesh,
             schedule=schedule, S=S, M=resolve_microbatches(S, p.pipeline_microbatches), V=p.pipeline_virtual_stages,
-            width=cfg.model.d_model, dtype=jnp.dtype(cfg.model.compute_dtype))
+            width=cfg.model.d_model, dtype=jnp.dtype(cfg.model.compute_dtype),
+            weights_apart=cfg.model.remat == "none")  # a remat'ed layer recomputes its forward in B: W re-derives
         grads = {**g_rest, "blocks": g_blocks}
         # Pin the executor's gradients to the parameters' layout: left free, ZeRO-2's reduce-scatter layout
         # (step.py) propagates back into the schedule's per-tick branches, where XLA then places a resharding

@@ -1,5 +1,5 @@
 """Hand-scheduled pipeline over `pp`: runs a schedule table from jaxpar/core/pipeline_schedules.py
-(1F1B, interleaved, ZB-H1, or GPipe for comparison) tick by tick, each stage doing its own forward or
+(1F1B, interleaved, ZB-H1, ZB-V, or GPipe for comparison) tick by tick, each stage doing its own forward or
 backward. It knows no model: the caller passes a `StageFns` (embedding, a chunk of layers, head and loss).
 
 Inside `jax.shard_map` over `pp` only (dp/fsdp/tp/sp stay with GSPMD inside each stage), every
@@ -16,8 +16,11 @@ loss on the last.
   The last stage differentiates head and loss within its forward (the loss's cotangent is known) and
   keeps the cotangent of its layers' output beside the residuals; the first stage recomputes the
   embedding lookup (a gather) for its gradient.
-- ZB-H1 and ZB-V split the backward: B applies the residuals for the stage input's gradient only, W later for
-  the weights' only (XLA drops the unused half of each); residuals and cotangents are kept until W.
+- ZB-H1 and ZB-V split the backward: B applies the residuals for the stage input's gradient (and every gradient
+  but the projections' weights'), W later computes the projections' weight gradients x^T dy from their inputs
+  (kept by F) and output gradients (kept by B), traced through ops.split_backward. With model.remat B recomputes
+  the layer, so W applies the kept residuals a second time for the weights' gradients only (XLA drops the unused
+  half of each), which re-derives the activation gradients: residuals and cotangents are kept until W.
 - After every tick each device sends its forward output to device d+1 and its input cotangent to
   d-1 (`ppermute`, circular so interleaved chunks wrap from the last device to the first); the
   tables say which slot, if any, keeps what arrives. ZB-V's second chunk runs back up the devices, so
@@ -37,7 +40,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.pipeline_schedules import SPLIT_BACKWARD, chunks, placement, simulate, virtual_stage
-from jaxpar.ops import split_microbatches
+from jaxpar.ops import split_backward, split_microbatches
 
 AXIS = "pp"
 HAND_SCHEDULED = ("1f1b", "interleaved", "zb_h1", "zb_v")  # GPipe trains through gpipe.py (jax.grad through its ticks)
@@ -51,7 +54,7 @@ SOURCES = ("left", "right", "self")
 # one row per (tick, device): the branch, its chunk and microbatch, the slots it reads its stage input,
 # cotangent and residuals from, the residual slot its forward fills, and the slots where this tick's
 # arrivals from each source are kept
-COLUMNS = ("code", "chunk", "microbatch", "in_slot", "cot_slot", "res_slot", "res_write",
+COLUMNS = ("code", "chunk", "microbatch", "in_slot", "cot_slot", "res_slot", "res_write", "x_write", "dy_write",
            *(f"recv_{kind}_{src}" for kind in ("act", "cot") for src in SOURCES))
 COL = {name: i for i, name in enumerate(COLUMNS)}
 
@@ -90,7 +93,10 @@ def _source(S: int, sender: int, receiver: int) -> str:
     return "self" if sender == receiver else "left" if sender == (receiver - 1) % S else "right"
 
 
-def tick_plan(schedule: str, S: int, M: int, V: int) -> TickPlan:
+def tick_plan(schedule: str, S: int, M: int, V: int, weights_apart: bool = False) -> TickPlan:
+    """The tables of a schedule; `weights_apart`: B keeps the projections' output gradients for W (written at
+    the B tick into the microbatch's slot of the residual and "dy" buffers; F writes the projections' inputs into
+    "x"), so the cotangent that came in is dropped at B."""
     table, last = simulate(schedule, S, M, V), S * chunks(schedule, V) - 1
     dev = lambda v: placement(schedule, S, v)[0]  # noqa: E731
     when = {}  # (kind, microbatch, virtual stage) -> tick
@@ -101,6 +107,7 @@ def tick_plan(schedule: str, S: int, M: int, V: int) -> TickPlan:
     # what each device must keep until the backward is over (ZB-H1: until W): an arrived stage input until
     # its forward has run, an arrived cotangent, and the residuals of each forward
     end = lambda m, v: when.get(("W", m, v), when[("B", m, v)])  # noqa: E731
+    cot_end = (lambda m, v: when[("B", m, v)]) if weights_apart else end  # noqa: E731
     acts, cots, res = ([[] for _ in range(S)] for _ in range(3))
     for m in range(M):
         for v in range(last + 1):
@@ -108,11 +115,12 @@ def tick_plan(schedule: str, S: int, M: int, V: int) -> TickPlan:
             if v:
                 acts[dev(v)].append((when[("F", m, v - 1)] + 1, when[("F", m, v)], (m, v)))
             if v < last:
-                cots[dev(v)].append((when[("B", m, v + 1)] + 1, end(m, v), (m, v)))
+                cots[dev(v)].append((when[("B", m, v + 1)] + 1, cot_end(m, v), (m, v)))
     act_slot, cot_slot, res_slot = ([_allocate(x) for x in kept] for kept in (acts, cots, res))
     n_act, n_cot, n_res = (max(n for _, n in slots) + 1 for slots in (act_slot, cot_slot, res_slot))  # + scratch
     out = np.zeros((len(table), S, len(COLUMNS)), np.int32)
     for name, scratch in (("in_slot", n_act), ("cot_slot", n_cot), ("res_slot", n_res), ("res_write", n_res),
+                          ("x_write", n_res), ("dy_write", n_res),
                           *((f"recv_{kind}_{src}", n) for kind, n in (("act", n_act), ("cot", n_cot))
                             for src in SOURCES)):
         out[..., COL[name]] = scratch - 1
@@ -120,12 +128,16 @@ def tick_plan(schedule: str, S: int, M: int, V: int) -> TickPlan:
         (d, chunk), first, final = placement(schedule, S, v), v == 0, v == last
         code = CODES[kind][0 if first else 2 if final else 1]
         out[t, d, [COL["code"], COL["chunk"], COL["microbatch"]]] = code, chunk, m
-        out[t, d, COL["res_write" if kind == "F" else "res_slot"]] = res_slot[d][0][(m, v)]
+        slot = res_slot[d][0][(m, v)]
+        out[t, d, COL["res_write" if kind == "F" else "res_slot"]] = slot
+        if kind == "F" or kind == "B" and weights_apart:
+            out[t, d, COL["x_write" if kind == "F" else "dy_write"]] = slot
+            out[t, d, COL["res_write"]] = slot
         if kind == "F" and not first:
             out[t, d, COL["in_slot"]] = act_slot[d][0][(m, v)]
             recv = f"recv_act_{_source(S, dev(v - 1), d)}"
             out[when[("F", m, v - 1)] + 1, d, COL[recv]] = act_slot[d][0][(m, v)]
-        if kind != "F" and not final:
+        if kind != "F" and not final and (kind == "B" or not weights_apart):
             out[t, d, COL["cot_slot"]] = cot_slot[d][0][(m, v)]
             if kind == "B":
                 recv = f"recv_cot_{_source(S, dev(v + 1), d)}"
@@ -133,50 +145,87 @@ def tick_plan(schedule: str, S: int, M: int, V: int) -> TickPlan:
     return TickPlan(out, n_act, n_cot, n_res)
 
 
+def _place_output_gradients(residuals: list, dys: list) -> list[tuple[str, int]]:
+    """Where B keeps each projection's output gradient: ("res", j), residual buffer j, which has its shape and
+    dtype and which B has done with; ("dy", k), a buffer of its own, where no residual matches."""
+    free, places = [(tuple(r.shape), r.dtype) for r in residuals], []
+    for dy in dys:
+        if (tuple(dy.shape), dy.dtype) in free:
+            j = free.index((tuple(dy.shape), dy.dtype))
+            free[j] = None
+            places.append(("res", j))
+        else:
+            places.append(("dy", sum(pool == "dy" for pool, _ in places)))
+    return places
+
+
 class _Stage:
     """One device's side of the executor inside shard_map: its chunks of the model, and the branch each tick
     code runs. A branch takes (acts, cots, stash, own, grads, op) and returns (activation to send, cotangent to
-    send, residuals to keep, the loss's own cotangent to keep, grads)."""
+    send, what to keep in each pool of the stash, the loss's own cotangent to keep, grads). The stash's pools,
+    each a list of buffers with a slot per microbatch-chunk in flight: "res", the forward's residuals for the
+    backward; with `weights_apart` (ZB's W as the projections' weight gradients alone) also "x", each
+    projection's input, kept for W. B writes each projection's output gradient for W into a residual buffer of
+    its shape (B's residuals are dead then) or, where there is none, into a buffer of "dy"."""
 
-    def __init__(self, fns: StageFns, rest, blocks, consts, inputs, targets, M: int, act_shape, dtype, split: bool):
+    def __init__(self, fns: StageFns, rest, blocks, consts, inputs, targets, M: int, act_shape, dtype, split: bool,
+                 weights_apart: bool):
         self.fns, self.rest, self.blocks, self.consts = fns, rest, blocks, consts
         self.inputs, self.targets, self.M, self.dtype, self.split = inputs, targets, M, dtype, split
+        self.weights_apart = weights_apart
         self.zeros = jnp.zeros(act_shape, dtype)
+        self.taps = []  # the projections' outputs, stacked over the chunk's layers (weights_apart)
+        if weights_apart:
+            def probe(x):
+                with split_backward("probe") as traced:
+                    self.fns.layers(self.rest, self.at(self.blocks, 0), self.at(self.consts, 0), x)
+                return traced.recorded
+            self.taps = [y for _, y in jax.eval_shape(probe, self.zeros)]
         # residuals have one structure for every chunk, stage and microbatch: their buffers, and how to rebuild a
         # pullback from a slot of them
         found = {}
 
         def probe(x):
-            _, leaves, found["treedef"] = self.layers_vjp(0, x)
-            return leaves
+            _, leaves, found["treedef"], inputs = self.layers_vjp(0, x)
+            return {"res": leaves, "x": inputs, "dy": [jnp.zeros(t.shape, t.dtype) for t in self.taps]}
 
-        self.shapes = jax.eval_shape(probe, self.zeros)
-        self.treedef = found["treedef"]
+        shapes = jax.eval_shape(probe, self.zeros)
+        self.treedef, self.dy_at = found["treedef"], _place_output_gradients(shapes["res"], shapes["dy"])
+        self.shapes = {**shapes, "dy": [dy for dy, (pool, _) in zip(shapes["dy"], self.dy_at) if pool == "dy"]}
 
     @staticmethod
     def at(tree, i):
         return jax.tree.map(lambda w: w[i], tree)
 
     def layers_vjp(self, c, x):
-        """The chunk's layers on x, and their pullback as a flat list of residuals."""
-        h, pullback = jax.vjp(lambda b, x: self.fns.layers(self.rest, b, self.at(self.consts, c), x),
-                              self.at(self.blocks, c), x)
-        return h, jax.tree.leaves(pullback), jax.tree.structure(pullback)
+        """The chunk's layers on x, their pullback as a flat list of residuals, and (weights_apart) each
+        projection's input; the pullback then gives no projection weight a gradient, and each tap its output's."""
+        chunk, consts = self.at(self.blocks, c), self.at(self.consts, c)
+        if not self.weights_apart:
+            h, pullback = jax.vjp(lambda b, x: self.fns.layers(self.rest, b, consts, x), chunk, x)
+            return h, jax.tree.leaves(pullback), jax.tree.structure(pullback), []
 
-    def new_stash(self, slots: int) -> list:
-        return [jnp.zeros((slots,) + s.shape, s.dtype) for s in self.shapes]
+        def tapped(b, x, taps):
+            with split_backward("tap", taps) as traced:
+                return self.fns.layers(self.rest, b, consts, x), traced.recorded
+        taps = [jnp.zeros(t.shape, t.dtype) for t in self.taps]
+        h, pullback, inputs = jax.vjp(tapped, chunk, x, taps, has_aux=True)
+        return h, jax.tree.leaves(pullback), jax.tree.structure(pullback), inputs
 
-    def no_residuals(self) -> list:
-        return [jnp.zeros(s.shape, s.dtype) for s in self.shapes]
+    def new_stash(self, slots: int) -> dict:
+        return jax.tree.map(lambda s: jnp.zeros((slots,) + s.shape, s.dtype), self.shapes)
+
+    def nothing_kept(self) -> dict:
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.shapes)
 
     def idle(self, acts, cots, stash, own, grads, op):
-        return self.zeros, self.zeros, self.no_residuals(), self.zeros, grads
+        return self.zeros, self.zeros, self.nothing_kept(), self.zeros, grads
 
     def forward(self, first: bool, last: bool):
         def run(acts, cots, stash, own, grads, op):
             c, m = op["chunk"], op["microbatch"]
             x = self.fns.embed(self.rest, self.at(self.blocks, c), self.inputs[m]) if first else acts[op["in_slot"]]
-            h, residuals, _ = self.layers_vjp(c, x)
+            h, residuals, _, inputs = self.layers_vjp(c, x)
             g_rest, g_blocks, loss_sum = grads
             d_h = self.zeros
             if last:  # head and loss differentiated now: their cotangent is the loss's 1/M
@@ -184,13 +233,16 @@ class _Stage:
                     lambda r, h: self.fns.head_loss(r, self.at(self.blocks, c), h, self.targets[m]), self.rest, h)
                 d_rest, d_h = head_pullback(jnp.asarray(1.0 / self.M, loss.dtype))
                 g_rest, loss_sum = jax.tree.map(jnp.add, g_rest, d_rest), loss_sum + loss
-            return h.astype(self.dtype), self.zeros, residuals, d_h.astype(self.dtype), (g_rest, g_blocks, loss_sum)
+            kept = {**self.nothing_kept(), "res": residuals, "x": inputs}
+            return h.astype(self.dtype), self.zeros, kept, d_h.astype(self.dtype), (g_rest, g_blocks, loss_sum)
         return run
 
     def pullback(self, cots, stash, own, op, last: bool):
-        """(gradient of the chunk's weights, of its input) from the kept residuals."""
-        pullback = jax.tree.unflatten(self.treedef, [buf[op["res_slot"]] for buf in stash])
-        return pullback(own[op["res_slot"]] if last else cots[op["cot_slot"]])
+        """The cotangents of the chunk's weights and of its input (weights_apart: and of its taps) from the kept
+        residuals."""
+        pullback = jax.tree.unflatten(self.treedef, [buf[op["res_slot"]] for buf in stash["res"]])
+        d_h = own[op["res_slot"]] if last else cots[op["cot_slot"]]
+        return pullback(d_h)
 
     def add_weights(self, grads, op, first: bool, d_chunk, d_x):
         g_rest, g_blocks, loss_sum = grads
@@ -203,23 +255,42 @@ class _Stage:
         return g_rest, g_blocks, loss_sum
 
     def backward(self, first: bool, last: bool):
-        """The whole backward (1F1B, interleaved), or ZB-H1's B: the input gradient only (none on the first
-        stage, whose input is the tokens)."""
+        """The whole backward (1F1B, interleaved), or ZB's B: the input gradient (none on the first stage, whose
+        input is the tokens); with weights_apart also every gradient but the projections' weights', and the
+        projections' output gradients kept for W."""
         def run(acts, cots, stash, own, grads, op):
-            if self.split and first:
+            if self.split and first and not self.weights_apart:
                 return self.idle(acts, cots, stash, own, grads, op)
-            d_chunk, d_x = self.pullback(cots, stash, own, op, last)
-            if not self.split:
+            d_chunk, d_x, *d_taps = self.pullback(cots, stash, own, op, last)
+            if not self.split or self.weights_apart:
                 grads = self.add_weights(grads, op, first, d_chunk, d_x)
-            return self.zeros, d_x.astype(self.dtype), self.no_residuals(), self.zeros, grads
+            kept = self.nothing_kept()
+            for dy, (pool, i) in zip(d_taps[0] if d_taps else [], self.dy_at):
+                kept[pool][i] = dy
+            return self.zeros, d_x.astype(self.dtype), kept, self.zeros, grads
         return run
 
     def weights(self, first: bool, last: bool):
-        """ZB-H1's W: the weight gradient."""
+        """ZB's W: the weight gradients; with weights_apart the projections' alone, x^T dy from what F and B kept
+        (ops.split_backward: the layers traced again, everything but those products dead)."""
         def run(acts, cots, stash, own, grads, op):
-            d_chunk, d_x = self.pullback(cots, stash, own, op, last)
-            return self.zeros, self.zeros, self.no_residuals(), self.zeros, self.add_weights(grads, op, first,
-                                                                                             d_chunk, d_x)
+            if not self.weights_apart:
+                d_chunk, d_x = self.pullback(cots, stash, own, op, last)
+                grads = self.add_weights(grads, op, first, d_chunk, d_x)
+            else:
+                inputs = [buf[op["res_slot"]] for buf in stash["x"]]
+                d_taps = [stash[pool][i][op["res_slot"]] for pool, i in self.dy_at]
+                c = op["chunk"]
+
+                def surrogate(b):
+                    with split_backward("weights", list(zip(inputs, d_taps))) as traced:
+                        self.fns.layers(self.rest, b, self.at(self.consts, c), self.zeros)
+                    return sum(jnp.sum(r) for r in traced.recorded)
+                g_rest, g_blocks, loss_sum = grads
+                d_chunk = jax.grad(surrogate)(self.at(self.blocks, c))
+                g_blocks = jax.tree.map(lambda a, g: a.at[c].add(g), g_blocks, d_chunk)
+                grads = (g_rest, g_blocks, loss_sum)
+            return self.zeros, self.zeros, self.nothing_kept(), self.zeros, grads
         return run
 
     def branches(self) -> list:
@@ -228,12 +299,22 @@ class _Stage:
                              for first, last in ((False, False), (True, False), (False, True)))]
 
 
+def _exchange(used: tuple, S: int, send_act, send_cot) -> dict:
+    """Each used receive column's arrival: ppermute to d+1 ("left" of the receiver) and d-1, or kept here."""
+    up, down = [(i, (i + 1) % S) for i in range(S)], [(i, (i - 1) % S) for i in range(S)]
+    moves = {"left": lambda x: jax.lax.ppermute(x, AXIS, up), "self": lambda x: x,
+             "right": lambda x: jax.lax.ppermute(x, AXIS, down)}
+    return {name: moves[name.rsplit("_", 1)[1]](send_act if "_act_" in name else send_cot) for name in used}
+
+
 def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets, *, mesh, schedule: str,
-                            S: int, M: int, V: int, width: int, dtype):
+                            S: int, M: int, V: int, width: int, dtype, weights_apart: bool = False):
     """(mean loss, grads of `rest`, grads of `blocks`) of a model pipelined over `pp`: S stages, M
     microbatches, V chunks per stage. blocks (trained) and consts (not) carry a leading layers axis;
-    inputs/targets are [rows, seq] token ids in the order the model reads them."""
-    plan, C = tick_plan(schedule, S, M, V), chunks(schedule, V)
+    inputs/targets are [rows, seq] token ids in the order the model reads them. weights_apart (ZB-H1, ZB-V; the
+    layers' residuals kept whole, i.e. no remat): W computes the projections' weight gradients alone."""
+    weights_apart = weights_apart and schedule in SPLIT_BACKWARD
+    plan, C = tick_plan(schedule, S, M, V, weights_apart), chunks(schedule, V)
     inputs, targets = split_microbatches(inputs, M), split_microbatches(targets, M)
     L = jax.tree.leaves(blocks)[0].shape[0]
     # [chunk, stage, layer]: the layers of virtual stage virtual_stage(c, d) at [c, d]
@@ -249,7 +330,7 @@ def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets
     def body(rest, blocks, consts, inputs, targets, tables):
         blocks, consts = (jax.tree.map(lambda w: w[:, 0], t) for t in (blocks, consts))  # this device's chunks
         stage = _Stage(fns, rest, blocks, consts, inputs, targets, M, act_shape, dtype,
-                       split=schedule in SPLIT_BACKWARD)
+                       split=schedule in SPLIT_BACKWARD, weights_apart=weights_apart)
         device, branches = jax.lax.axis_index(AXIS), stage.branches()
 
         def tick(carry, rows):
@@ -260,18 +341,13 @@ def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets
                     acts = acts.at[op[name]].set(got[name])
                 else:
                     cots = cots.at[op[name]].set(got[name])
-            send_act, send_cot, residuals, d_h, grads = jax.lax.switch(
+            send_act, send_cot, kept, d_h, grads = jax.lax.switch(
                 op["code"], branches, acts, cots, stash, own, grads, op)
-            stash = [buf.at[op["res_write"]].set(r) for buf, r in zip(stash, residuals)]  # a forward's, else scratch
+            # a forward's residuals and inputs, a B's output gradients; else written to the scratch slot
+            stash = {pool: [buf.at[op[f"{pool}_write"]].set(r)
+                            for buf, r in zip(stash[pool], kept[pool])] for pool in stash}
             own = own.at[op["res_write"]].set(d_h)
-            return (acts, cots, stash, own, grads, exchange(send_act, send_cot)), None
-
-        def exchange(send_act, send_cot) -> dict:
-            """Each used source's arrival: ppermute to d+1 ("left" of the receiver) and d-1, or kept here."""
-            up, down = [(i, (i + 1) % S) for i in range(S)], [(i, (i - 1) % S) for i in range(S)]
-            moves = {"left": lambda x: jax.lax.ppermute(x, AXIS, up), "self": lambda x: x,
-                     "right": lambda x: jax.lax.ppermute(x, AXIS, down)}
-            return {name: moves[name.rsplit("_", 1)[1]](send_act if "_act_" in name else send_cot) for name in used}
+            return (acts, cots, stash, own, grads, _exchange(used, S, send_act, send_cot)), None
 
         grads = (jax.tree.map(jnp.zeros_like, rest), jax.tree.map(jnp.zeros_like, blocks), jnp.zeros((), jnp.float32))
         carry = (jnp.zeros((plan.act_slots,) + act_shape, dtype), jnp.zeros((plan.cot_slots,) + act_shape, dtype),

@@ -276,7 +276,7 @@ def print_schedules(rows: list[dict]) -> None:
         print(f"{r['schedule']:<12} {r['bubble']:>7.3f} {r['peak_bytes'] / 2**20:>10.2f} MiB "
               f"{r['temp_bytes'] / 2**20:>10.2f} MiB {r['flops_ratio']:>12.2f}x")
     print("bubble: the schedule table's idle share (python -m jaxpar.tools.pipeline_table); matmul FLOPs: the step's "
-          "against one device's (above 1.0: work the schedule adds, e.g. a W that re-derives activation gradients)")
+          "against one device's (above 1.0: work the schedule adds: GSPMD GPipe's bubble ticks, a ZB W under remat)")
 
 
 @cli

@@ -34,15 +34,16 @@ def test_schedule_matches_single_device(schedule, mesh, n, dataset, references):
     assert_params_close(got["params"], reference["params"])
 
 
-@pytest.mark.parametrize("schedule,mesh,n", [("zb_h1", "pp=4", 4), pytest.param("zb_h1", "pp=2,dp=2,tp=2", 8,
-                                                                            marks=pytest.mark.slow),
-                                             ("zb_v", "pp=4", 4), ("zb_v", "pp=2,dp=2,tp=2", 8)])
-def test_zero_bubble_matches_single_device(schedule, mesh, n, dataset, references):
+@pytest.mark.parametrize("schedule,mesh,n,remat", [("zb_h1", "pp=4", 4, "none"), ("zb_h1", "pp=4", 4, "full"),
+                                                   pytest.param("zb_h1", "pp=2,dp=2,tp=2", 8, "none",
+                                                                marks=pytest.mark.slow),
+                                                   ("zb_v", "pp=4", 4, "none"), ("zb_v", "pp=2,dp=2,tp=2", 8, "none")])
+def test_zero_bubble_matches_single_device(schedule, mesh, n, remat, dataset, references):
     """ZB-H1 and ZB-V: input and weight gradients at different ticks (W deferred into the bubbles) sum to the
     same gradients as one device's; ZB-V's chunks run down the devices and back up (pp=4: 8 layers, one per
-    chunk)."""
+    chunk). W is the projections' weight gradients from what F and B kept, or with remat a second pullback."""
     model = DEEPER if schedule == "zb_v" and mesh == "pp=4" else DEEP
-    cfg = tiny_config(*model, f"parallel.pipeline_schedule={schedule}")
+    cfg = tiny_config(*model, f"parallel.pipeline_schedule={schedule}", f"model.remat={remat}")
     got = run_steps(cfg, mesh, dataset, devices=jax.devices()[:n])
     np.testing.assert_allclose(got["loss"], references[cfg.model.n_layer]["loss"], rtol=1e-5)
     assert_params_close(got["params"], references[cfg.model.n_layer]["params"])
@@ -77,6 +78,9 @@ def test_executor_holds_residuals_for_schedule_in_flight_not_all_microbatches():
     assert all(tick_plan("zb_v", S, M, 1).res_slots - 1 <= 2 * S for M in (4, 8, 16))
     zb = tick_plan("zb_h1", S, 16, 1)  # residuals as 1F1B's; cotangents are kept until their W
     assert zb.res_slots - 1 == S and zb.cot_slots - 1 == S - 1 and zb.tables.shape[0] == 3 * 16 + S - 1
+    # W from the projections' kept output gradients: an arrived cotangent is dropped at B, as in 1F1B
+    apart = tick_plan("zb_h1", S, 16, 1, weights_apart=True)
+    assert apart.res_slots == zb.res_slots and apart.cot_slots == tick_plan("1f1b", S, 16, 1).cot_slots
 
 
 def _branch_matmuls(*overrides) -> list[int]:
@@ -128,6 +132,11 @@ def test_matmul_flops_count_loops_and_find_what_each_schedule_adds():
     cfg = lambda schedule: tiny_config(*DEEP, f"parallel.pipeline_schedule={schedule}")  # noqa: E731  8 rows, M=4
     one = step_flops(cfg("gpipe"), {"pp": 1}, jax.devices()[:1], None)
     assert step_flops(cfg("1f1b"), {"pp": S}, jax.devices()[:S], "1f1b") == pytest.approx(one)
+    # ZB's W: the projections' weight gradients alone (x^T dy from what F and B kept), so F + B + W is one device's
+    # work; with remat its W is a second pullback, which re-derives the activation gradients
+    assert step_flops(cfg("zb_h1"), {"pp": S}, jax.devices()[:S], "zb_h1") == pytest.approx(one)
+    remat = tiny_config(*DEEP, "parallel.pipeline_schedule=zb_h1", "model.remat=full")
+    assert step_flops(remat, {"pp": S}, jax.devices()[:S], "zb_h1") > 1.2 * one
     gpipe = step_flops(cfg("gpipe"), {"pp": S}, jax.devices()[:S], None)
     assert one < gpipe <= (M + S - 1) / M * one
 

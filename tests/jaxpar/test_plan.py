@@ -155,7 +155,9 @@ def test_powersgd_gradient_bytes_are_its_low_rank_factors():
 
 def test_schedules_side_by_side():
     """--schedules on pp=2 (4 layers, M=4): every schedule with its table's bubble (the textbook fractions), 1F1B at
-    one device's matmul FLOPs, a ZB W that re-derives above it, ZB-V's memory within 1.1x of 1F1B's."""
+    one device's matmul FLOPs and so are ZB-H1 and ZB-V (W: the projections' weight gradients alone), ZB-H1's
+    memory within 1.05x of 1F1B's (W's stash: the projections' inputs, and their output gradients mostly in
+    residual buffers B has done with), ZB-V's within 1.1x."""
     from jaxpar.tools.plan import compare_schedules
 
     rows = {r["schedule"]: r for r in compare_schedules(tiny_config("model.n_layer=4"), {"pp": 2}, jax.devices()[:2])}
@@ -163,5 +165,6 @@ def test_schedules_side_by_side():
     want = {"gpipe": (S - 1) / (M + S - 1), "1f1b": (S - 1) / (M + S - 1), "interleaved": (S - 1) / (2 * M + S - 1),
             "zb_h1": (S - 1) / (3 * M + S - 1), "zb_v": (S - 1) / (6 * M + S - 1)}
     assert {k: round(r["bubble"], 6) for k, r in rows.items()} == {k: round(v, 6) for k, v in want.items()}
-    assert rows["1f1b"]["flops_ratio"] == pytest.approx(1.0, abs=0.01) and rows["zb_h1"]["flops_ratio"] > 1.1
+    assert all(rows[s]["flops_ratio"] == pytest.approx(1.0, abs=0.01) for s in ("1f1b", "zb_h1", "zb_v"))
+    assert rows["zb_h1"]["temp_bytes"] <= 1.05 * rows["1f1b"]["temp_bytes"]
     assert rows["zb_v"]["temp_bytes"] <= 1.1 * rows["1f1b"]["temp_bytes"]
