@@ -11,7 +11,8 @@ import argparse
 import sys
 
 from jaxpar.core.errors import cli
-from jaxpar.core.pipeline_schedules import PROGRAMS, bubble_fraction, max_in_flight, render, simulate
+from jaxpar.core.pipeline_schedules import (PROGRAMS, SPLIT_BACKWARD, bubble_fraction, chunks, max_in_flight,
+                                            render, simulate)
 
 
 @cli
@@ -31,7 +32,11 @@ def main(argv=None) -> int:
                 "zb_v": f"at least (S-1)/(6M+S-1) = {(S - 1) / (6 * M + S - 1):.3f}: two chunks of F, B, W per "
                         "microbatch, the last device starting after S-1 of them"}.get(
         args.schedule, f"(S-1)/(V*M+S-1) = {(S - 1) / (V * M + S - 1):.3f}")
-    print(f"\n{args.schedule}: {len(table)} ticks, bubble {bubble_fraction(table):.3f} (textbook {textbook}); "
+    # ZB's bubble as the paper measures it, in time: idle units of one stage's F, B or W per device (a ZB-V tick is
+    # half a unit: its chunks are half a stage)
+    idle = sum(op is None for row in table for op in row) / S / chunks(args.schedule, V)
+    idle = f", idle {idle:g} units of a stage's F, B or W per device" if args.schedule in SPLIT_BACKWARD else ""
+    print(f"\n{args.schedule}: {len(table)} ticks, bubble {bubble_fraction(table):.3f} (textbook {textbook}){idle}; "
           f"peak microbatches in flight on stage 0: {max_in_flight(table, 0)}"
           + (" chunks of half a stage" if args.schedule == "zb_v" else ""))
     return 0

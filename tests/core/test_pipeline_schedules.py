@@ -61,7 +61,7 @@ def test_zb_h1_splits_the_backward_and_fills_the_bubble_with_w():
         check("zb_h1", 4, 8, 2)
 
 
-def test_zb_v_runs_two_chunks_in_a_v_at_1f1b_memory():
+def test_zb_v_runs_two_chunks_in_a_v_at_1f1b_memory(capsys):
     """Device d holds virtual stages d and 2S-1-d (the first and the last on device 0); every F, B and W once,
     in dependency order; at most 2S chunk-microbatches (half a stage each: 1F1B's S stages' worth) between F and
     W on any device; the bubble never below the least a unit-time table allows, (S-1)/(6M+S-1) -- the last device
@@ -91,6 +91,9 @@ def test_zb_v_runs_two_chunks_in_a_v_at_1f1b_memory():
     zb_h1, zb_v = simulate("zb_h1", 4, 8), simulate("zb_v", 4, 8)
     idle = lambda table, unit: sum(op is None for row in table for op in row) * unit / 4  # noqa: E731  per device
     assert idle(zb_v, 0.5) == idle(zb_h1, 1.0) / 2 and bubble_fraction(zb_v) < 0.53 * bubble_fraction(zb_h1)
+    for schedule, units in (("zb_v", "1.5"), ("zb_h1", "3")):  # the table tool prints that idle time
+        assert pipeline.main(["--stages", "4", "--microbatches", "8", "--schedule", schedule]) == 0
+        assert f"idle {units} units of a stage's F, B or W per device" in capsys.readouterr().out
     with pytest.raises(UserError, match="zb_v places two chunks per stage itself"):
         check("zb_v", 4, 8, 2)
     with pytest.raises(UserError, match="stages x 2 chunks"):
