@@ -130,9 +130,10 @@ def tick_plan(schedule: str, S: int, M: int, V: int, weights_apart: bool = False
         out[t, d, [COL["code"], COL["chunk"], COL["microbatch"]]] = code, chunk, m
         slot = res_slot[d][0][(m, v)]
         out[t, d, COL["res_write" if kind == "F" else "res_slot"]] = slot
-        if kind == "F" or kind == "B" and weights_apart:
-            out[t, d, COL["x_write" if kind == "F" else "dy_write"]] = slot
-            out[t, d, COL["res_write"]] = slot
+        if kind == "F":
+            out[t, d, COL["x_write"]] = slot
+        elif kind == "B" and weights_apart:  # B's output gradients go into residual and "dy" buffers
+            out[t, d, [COL["res_write"], COL["dy_write"]]] = slot
         if kind == "F" and not first:
             out[t, d, COL["in_slot"]] = act_slot[d][0][(m, v)]
             recv = f"recv_act_{_source(S, dev(v - 1), d)}"
@@ -286,10 +287,7 @@ class _Stage:
                     with split_backward("weights", list(zip(inputs, d_taps))) as traced:
                         self.fns.layers(self.rest, b, self.at(self.consts, c), self.zeros)
                     return sum(jnp.sum(r) for r in traced.recorded)
-                g_rest, g_blocks, loss_sum = grads
-                d_chunk = jax.grad(surrogate)(self.at(self.blocks, c))
-                g_blocks = jax.tree.map(lambda a, g: a.at[c].add(g), g_blocks, d_chunk)
-                grads = (g_rest, g_blocks, loss_sum)
+                grads = self.add_weights(grads, op, False, jax.grad(surrogate)(self.at(self.blocks, c)), None)
             return self.zeros, self.zeros, self.nothing_kept(), self.zeros, grads
         return run
 
