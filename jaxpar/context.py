@@ -23,7 +23,7 @@ from jaxpar.sharding import spec_for
 class ParallelContext:
     mesh: Any = None  # None: no constraints (a model traced outside any mesh)
     rules: dict = dataclasses.field(default_factory=dict)  # logical name -> mesh axes
-    attention: Callable = local_attention  # (q, k, v, positions) -> output, [batch, seq, heads, head_dim]
+    attention: Callable = local_attention  # (q, k, v, positions, segments) -> output [batch, seq, heads, head_dim]
     run_layers: Callable = scan_layers  # (layer, stacked, x) -> x after every layer
 
 

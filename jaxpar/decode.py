@@ -9,6 +9,10 @@ positions are the tokens' own), dense or sketched MLPs; model.attention=mla cach
 (kv_latent_dim + rope_head_dim values, models/mla.py) and expands the cache to keys and values at every step;
 model.attention=dilated caches keys and values as MHA does and attends with its pairs' pattern in the union
 form (models/dilated.py `key_counts`): the segments of a row of max_seq_len tokens.
+
+With data.document_mask (`eod`: the token that starts a document) every cache slot also keeps its token's
+document and position (ops.documents), so a token attends only to its own document and positions restart at
+each end-of-document token, in the prompt or decoded: what the model was trained to read.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from jaxpar.core.sketches import stacked_sketches
 from jaxpar.models.dilated import counted_attention, key_counts
 from jaxpar.models.llama import repeat_kv
 from jaxpar.models.mla import kv_cache_width
-from jaxpar.ops import causal_attention
+from jaxpar.ops import causal_attention, documents
 
 
 def _empty_cache(cfg: ModelConfig, batch: int, length: int) -> tuple[jax.Array, ...]:
@@ -33,8 +37,10 @@ def _empty_cache(cfg: ModelConfig, batch: int, length: int) -> tuple[jax.Array, 
     return tuple(jnp.zeros(shape, cfg.compute_dtype) for shape in shapes)
 
 
-def _attend(attn, cfg: ModelConfig, x, dtype, positions, start, cache):
-    """One layer's attention of x (the tokens at `positions`) over its cache, x's own entries written in first."""
+def _attend(attn, cfg: ModelConfig, x, dtype, where, start, cache):
+    """One layer's attention of x over its cache, x's own entries written in first; where: (positions, cache slots'
+    positions, segments, cache slots' segments) of _where."""
+    positions, k_positions, segments, k_segments = where
     def write(c, new):
         return jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (0, start) + (0,) * (c.ndim - 2))
 
@@ -46,32 +52,45 @@ def _attend(attn, cfg: ModelConfig, x, dtype, positions, start, cache):
         q, k, v = attn.project_qkv(x, dtype, positions)
         cache = (write(cache[0], k), write(cache[1], v))
         k, v = (repeat_kv(c, cfg.n_head) for c in cache)
-    k_positions = jnp.arange(cache[0].shape[1])
     if cfg.attention == "dilated":
         y = counted_attention(q, k, v, key_counts(positions, k_positions, cfg.n_head, cfg.dilation_pairs,
                                                   cfg.max_seq_len))
     else:
-        y = causal_attention(q, k, v, positions, k_positions)
+        y = causal_attention(q, k, v, positions, k_positions, segments, k_segments)
     return attn.project_out(y, dtype), cache
 
 
-def _forward(model, tokens, start, cache):
-    """Logits of `tokens` [B, T] at positions start.. and the cache (per layer and token: see _empty_cache)
-    with their entries written in."""
+def _where(tokens, start, slots, eod):
+    """(positions, cache slots' positions, segments, cache slots' segments) of `tokens` [B, T] written at slot
+    `start`, and the slots updated. One document (eod None): positions start.., slots unused. Documents: slots
+    (positions, segments) [B, length], the tokens continuing the document of slot start-1 (an empty slot's segment
+    is -1: never anyone's)."""
+    if eod is None:
+        return (start + jnp.arange(tokens.shape[1]), jnp.arange(slots[0].shape[1]), None, None), slots
+    before = jnp.maximum(start - 1, 0)
+    segment, position = (jnp.where(start > 0, jax.lax.dynamic_index_in_dim(s, before, 1, False), 0) for s in slots[::-1])
+    positions, segments = documents(tokens, eod, segment, position + jnp.where(start > 0, 1, 0))
+    slots = tuple(jax.lax.dynamic_update_slice(s, new, (0, start)) for s, new in zip(slots, (positions, segments)))
+    return (positions, slots[0], segments, slots[1]), slots
+
+
+def _forward(model, tokens, start, cache, slots, eod=None):
+    """Logits of `tokens` [B, T] written at cache slot `start`, and the cache (per layer and token: see
+    _empty_cache) and slots (_where) with their entries written in."""
     cfg, dtype = model.cfg, jnp.dtype(model.cfg.compute_dtype)
-    positions = start + jnp.arange(tokens.shape[1])
+    where, slots = _where(tokens, start, slots, eod)
     graphdef, stacked = nnx.split(model.blocks)
 
     def layer(h, xs):
         layer_state, sketches, *layer_cache = xs
         block = nnx.merge(graphdef, layer_state)
-        y, layer_cache = _attend(block.attn, cfg, block.ln1(h), dtype, positions, start, layer_cache)
+        y, layer_cache = _attend(block.attn, cfg, block.ln1(h), dtype, where, start, layer_cache)
         h = h + y
         h = h + block.mlp(block.ln2(h), dtype, sketches)
         return h, layer_cache
 
-    h, cache = jax.lax.scan(layer, model.embed(tokens, positions), (stacked, stacked_sketches(cfg), *cache))
-    return model.head(h), cache
+    h, cache = jax.lax.scan(layer, model.embed(tokens, where[0]), (stacked, stacked_sketches(cfg), *cache))
+    return model.head(h), cache, slots
 
 
 def sample(logits, key, temperature: float, top_k: int, top_p: float):
@@ -92,9 +111,10 @@ def sample(logits, key, temperature: float, top_k: int, top_p: float):
     return jax.random.categorical(key, logits, axis=-1)
 
 
-def make_generate(graphdef):
+def make_generate(graphdef, eod: int | None = None):
     """The jitted decoder of a model's graphdef: generate(params, prompt [B, P] int32, key, new_tokens,
-    temperature=0, top_k=0, top_p=1) -> the next `new_tokens` tokens [B, new_tokens]."""
+    temperature=0, top_k=0, top_p=1) -> the next `new_tokens` tokens [B, new_tokens]. `eod`: attention within
+    documents, each starting at that token (data.document_mask; jaxpar.core.tokens.document_token)."""
 
     @partial(jax.jit, static_argnames=("new_tokens", "temperature", "top_k", "top_p"))
     def generate(params, prompt, key, new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):
@@ -102,17 +122,18 @@ def make_generate(graphdef):
         cfg = model.cfg
         B, P = prompt.shape
         cache = _empty_cache(cfg, B, P + new_tokens)
+        slots = (jnp.zeros((B, P + new_tokens), jnp.int32), jnp.full((B, P + new_tokens), -1, jnp.int32))
         draw = partial(sample, temperature=temperature, top_k=top_k, top_p=top_p)
-        logits, cache = _forward(model, prompt, 0, cache)
+        logits, cache, slots = _forward(model, prompt, 0, cache, slots, eod)
         first = draw(logits[:, -1], jax.random.fold_in(key, 0))
 
         def step(carry, i):
-            token, cache = carry
-            logits, cache = _forward(model, token[:, None], P + i, cache)
+            token, cache, slots = carry
+            logits, cache, slots = _forward(model, token[:, None], P + i, cache, slots, eod)
             nxt = draw(logits[:, -1], jax.random.fold_in(key, i + 1))
-            return (nxt, cache), token
+            return (nxt, cache, slots), token
 
-        (last, _), tokens = jax.lax.scan(step, (first, cache), jnp.arange(new_tokens - 1))
+        (last, *_), tokens = jax.lax.scan(step, (first, cache, slots), jnp.arange(new_tokens - 1))
         return jnp.concatenate([tokens.T, last[:, None]], axis=1)
 
     return generate

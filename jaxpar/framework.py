@@ -17,6 +17,7 @@ from jaxpar.core.peers import roll_call
 from jaxpar.core.prefetch import Prefetch
 from jaxpar.data import device_batch
 from jaxpar.decode import make_generate
+from jaxpar.core.tokens import document_token
 from jaxpar.mesh import device_memory
 from jaxpar.models.decoder import abstract_model
 from jaxpar.parallelize import parallel_context
@@ -81,7 +82,8 @@ class JaxFramework:
         """Every process decodes (the parameters are sharded); process 0 returns the tokens."""
         prompt_len, new = sample_lengths(self.cfg.model.max_seq_len)
         prompt = jnp.asarray(self.val_data.rows(0, 0, 1)[:, :prompt_len], jnp.int32)
-        self._generate = self._generate or make_generate(abstract_model(self.cfg.model)[0])  # compiled once
+        self._generate = self._generate or make_generate(abstract_model(self.cfg.model)[0],  # compiled once
+                                                         document_token(self.cfg))
         with use(parallel_context(self.layout)):
             params = jax.device_put(self.state["params"], self.layout.device_shardings["params"])  # if offloaded
             out = self._generate(params, prompt, jax.random.key(step), new_tokens=new, temperature=0.8,

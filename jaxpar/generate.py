@@ -71,6 +71,7 @@ def sample_rows(cfg: Config, sizes: dict, flat: dict, prompt: list[int], args) -
     from jaxpar.core.weights import unflatten
     from jaxpar.decode import make_generate
     from jaxpar.layout import Layout
+    from jaxpar.core.tokens import document_token
     from jaxpar.mesh import make_mesh
     from jaxpar.models.decoder import abstract_model
     from jaxpar.parallelize import parallel_context
@@ -79,7 +80,7 @@ def sample_rows(cfg: Config, sizes: dict, flat: dict, prompt: list[int], args) -
     params = restore_params(args.run, layout) if flat is None else unflatten(flat)
     params = jax.device_put(params, layout.device_shardings["params"])  # on the devices even if the run offloaded
     with use(parallel_context(layout)):
-        out = make_generate(abstract_model(cfg.model)[0])(
+        out = make_generate(abstract_model(cfg.model)[0], document_token(cfg))(
             params, jnp.asarray([prompt] * args.num_samples, jnp.int32), jax.random.key(args.seed),
             new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     return jax.device_get(out).tolist()

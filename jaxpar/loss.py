@@ -1,11 +1,15 @@
-"""The training loss: next-token cross-entropy, and the token order the model reads a row in."""
+"""The training loss: next-token cross-entropy, and how the model reads a row: its token order, and with
+data.document_mask each packed document's own positions and segment ids."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.core.config import Config
+from jaxpar.ops import documents
 from jaxpar.parallel.sequence import zigzag_order
 
 
@@ -17,12 +21,24 @@ def token_order(cfg: Config, mesh, T: int) -> np.ndarray | None:
     return zigzag_order(T, mesh.shape["sp"])
 
 
-def split_rows(batch: jax.Array, order=None):
-    """rows [batch, seq + 1] -> (inputs, targets), permuted alike by `order` (the mean loss is unchanged)."""
+class Rows(NamedTuple):
+    """Rows as the model reads them, every array in the same (possibly permuted) token order."""
+    inputs: jax.Array  # [batch, seq] token ids
+    targets: jax.Array  # [batch, seq]
+    positions: jax.Array | None  # None: natural order; [seq] the order's positions; with documents [batch, seq]
+    segments: jax.Array | None  # with documents: [batch, seq] segment ids (ops.documents), else None
+
+
+def split_rows(batch: jax.Array, order=None, eod: int | None = None) -> Rows:
+    """rows [batch, seq + 1] -> Rows, permuted alike by `order` (the mean loss is unchanged); `eod`: the
+    document token (jaxpar/core/tokens.py: document_token) when attention stays within documents."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
+    positions, segments = (None, None) if eod is None else documents(inputs, eod)
     if order is not None:
         inputs, targets = inputs[:, order], targets[:, order]
-    return inputs, targets
+        positions, segments = ((order, None) if eod is None
+                               else (positions[:, order], segments[:, order]))
+    return Rows(inputs, targets, positions, segments)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -34,7 +50,8 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(logz - picked)
 
 
-def loss_fn(model, batch: jax.Array, order=None) -> jax.Array:
-    """Mean next-token cross-entropy of `model` over rows [batch, seq + 1], read in `order` (None: natural)."""
-    inputs, targets = split_rows(batch, order)
-    return cross_entropy(model(inputs, order), targets)
+def loss_fn(model, batch: jax.Array, order=None, eod: int | None = None) -> jax.Array:
+    """Mean next-token cross-entropy of `model` over rows [batch, seq + 1], read in `order` (None: natural),
+    within documents when `eod` is given."""
+    rows = split_rows(batch, order, eod)
+    return cross_entropy(model(rows.inputs, rows.positions, rows.segments), rows.targets)

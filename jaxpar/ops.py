@@ -10,17 +10,42 @@ import jax
 import jax.numpy as jnp
 
 
-def causal_attention(q, k, v, q_pos=None, k_pos=None):
+def causal_attention(q, k, v, q_pos=None, k_pos=None, q_seg=None, k_seg=None):
     """Causal attention on q, k, v [batch, seq, heads, head_dim] on one device; masked by global
-    positions when given (a permuted or partial sequence). cuDNN flash attention on GPU where it applies.
+    positions when given (a permuted or partial sequence) and, with segment ids, within each document
+    (`visible`). cuDNN flash attention on GPU where it applies.
     float16 on CPU runs in float32 (XLA:CPU has no float16 dot with float32 accumulation, which the scores
     need; GPU kernels accumulate in float32 too) and returns float16."""
     if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
-        return causal_attention(*(t.astype(jnp.float32) for t in (q, k, v)), q_pos, k_pos).astype(q.dtype)
+        upcast = (t.astype(jnp.float32) for t in (q, k, v))
+        return causal_attention(*upcast, q_pos, k_pos, q_seg, k_seg).astype(q.dtype)
     if q_pos is None:
         return _attention(q, k, v, is_causal=True)
-    mask = q_pos[:, None] >= k_pos[None, :]
-    return _attention(q, k, v, mask=mask[None, None])
+    mask = visible(q_pos, k_pos, q_seg, k_seg)
+    return _attention(q, k, v, mask=mask if mask.ndim == 4 else mask[None, None])
+
+
+def visible(q_pos, k_pos, q_seg=None, k_seg=None):
+    """Which keys each query attends to: those at its position or before and, with segment ids, in its own
+    document. Positions [q], [k] -> [q, k]; per row ([b, q], [b, k]) -> [b, 1, q, k], against scores [b, h, q, k]."""
+    mask = q_pos[..., :, None] >= k_pos[..., None, :]
+    if q_seg is not None:
+        mask = mask & (q_seg[..., :, None] == k_seg[..., None, :])
+    return mask if mask.ndim == 2 else mask[:, None]
+
+
+def documents(tokens, eod: int, segment=None, position=None):
+    """(positions, segments) [B, T] int32 of rows of packed documents: a document starts at each `eod` token (the
+    data puts one before every document: jaxpar/core/tokens.py), its positions count from 0 there and its
+    segment id is the previous one's plus one. `segment`, `position` [B]: the document a row's first tokens
+    continue and their first position (a row decoded in pieces); by default a document starting at 0."""
+    B, T = tokens.shape
+    starts, idx = tokens == eod, jnp.arange(T, dtype=jnp.int32)
+    last_start = jax.lax.cummax(jnp.where(starts, idx, -1), axis=1)
+    segment = jnp.zeros((B,), jnp.int32) if segment is None else segment
+    position = jnp.zeros((B,), jnp.int32) if position is None else position
+    segments = segment[:, None] + jnp.cumsum(starts, axis=1, dtype=jnp.int32)
+    return jnp.where(last_start >= 0, idx - last_start, position[:, None] + idx), segments
 
 
 def _on_gpu() -> bool:
@@ -63,9 +88,9 @@ def _softmax_attention(q, k, v, is_causal: bool = False, mask=None):
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
 
 
-def local_attention(q, k, v, positions=None):
+def local_attention(q, k, v, positions=None, segments=None):
     """The default attention of a parallel context: every position of the sequence on this device."""
-    return causal_attention(q, k, v, positions, positions)
+    return causal_attention(q, k, v, positions, positions, segments, segments)
 
 
 def project(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:

@@ -13,6 +13,7 @@ from jaxpar import loss_scale
 from jaxpar.context import use
 from jaxpar.core.pipeline_schedules import resolve_microbatches
 from jaxpar.core.sketches import stacked_sketches
+from jaxpar.core.tokens import document_token
 from jaxpar.layout import Layout
 from jaxpar.mesh import make_mesh
 from jaxpar.loss import cross_entropy, loss_fn, split_rows, token_order
@@ -28,7 +29,8 @@ from jaxpar.state import abstract_state, init_state
 
 def _loss(layout: Layout, graphdef, params, batch, scale=1.0):
     """The mean loss times `scale` (float16's loss scale; 1.0, a no-op, otherwise)."""
-    return loss_fn(nnx.merge(graphdef, params), batch, token_order(layout.cfg, layout.mesh, batch.shape[1] - 1)) * scale
+    order = token_order(layout.cfg, layout.mesh, batch.shape[1] - 1)
+    return loss_fn(nnx.merge(graphdef, params), batch, order, document_token(layout.cfg)) * scale
 
 
 def hand_scheduled(layout: Layout, schedule: str):
@@ -39,15 +41,18 @@ def hand_scheduled(layout: Layout, schedule: str):
     graphdef, S = abstract_model(cfg.model)[0], mesh.shape["pp"]
 
     def value_and_grad(params, batch, scale=1.0):
-        order = token_order(cfg, mesh, batch.shape[1] - 1)
+        rows = split_rows(batch, token_order(cfg, mesh, batch.shape[1] - 1), document_token(cfg))
+        # each microbatch's (tokens, positions, segments): with documents per row, else the order's for every row
+        inputs = (rows.inputs, rows.positions, rows.segments) if rows.segments is not None else (rows.inputs,)
+        where = lambda r: r[1:] if len(r) > 1 else (rows.positions, None)  # noqa: E731
         model = lambda rest, chunk: nnx.merge(graphdef, {**rest, "blocks": chunk})  # noqa: E731  a stage's view
         fns = StageFns(
-            embed=lambda rest, chunk, tokens: model(rest, chunk).embed(tokens, order),
-            layers=lambda rest, chunk, sketches, x: model(rest, chunk).run_blocks(x, order, sketches),
+            embed=lambda rest, chunk, r: model(rest, chunk).embed(r[0], where(r)[0]),
+            layers=lambda rest, chunk, sketches, x, r: model(rest, chunk).run_blocks(x, *where(r), sketches),
             head_loss=lambda rest, chunk, h, targets: cross_entropy(model(rest, chunk).head(h), targets) * scale)
         rest = {k: v for k, v in params.items() if k != "blocks"}
         loss, g_rest, g_blocks = pipeline_value_and_grad(
-            fns, rest, params["blocks"], stacked_sketches(cfg.model), *split_rows(batch, order), mesh=mesh,
+            fns, rest, params["blocks"], stacked_sketches(cfg.model), inputs, rows.targets, mesh=mesh,
             schedule=schedule, S=S, M=resolve_microbatches(S, p.pipeline_microbatches), V=p.pipeline_virtual_stages,
             width=cfg.model.d_model, dtype=jnp.dtype(cfg.model.compute_dtype),
             weights_apart=cfg.model.remat == "none")  # a remat'ed layer recomputes its forward in B: W re-derives

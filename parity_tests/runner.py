@@ -75,7 +75,7 @@ class Runner:
         self.workdir, self.device, self.steps, self.timeout = str(workdir), device, steps, timeout
         self.cache: dict[str, Run] = {}
         self._inits: dict[str, str] = {}
-        self._dataset = None
+        self._datasets: dict[bool, str] = {}
 
     def unavailable(self, side: str) -> str | None:
         """Why `side` cannot run on this device, or None. On CPU everything runs (simulated devices)."""
@@ -105,14 +105,17 @@ class Runner:
             pytest.fail(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n{text[-5000:]}")
         return text
 
-    def dataset(self) -> str:
-        if self._dataset is None:
+    def dataset(self, documents: bool = False) -> str:
+        """The synthetic token file; `documents`: one of short packed documents (for data.document_mask)."""
+        if documents not in self._datasets:
             os.makedirs(self.workdir, exist_ok=True)
-            self._dataset = make_dataset(os.path.join(self.workdir, "tokens.bin"))
-        return self._dataset
+            name, length = ("documents.bin", 8) if documents else ("tokens.bin", 0)
+            self._datasets[documents] = make_dataset(os.path.join(self.workdir, name), document_length=length)
+        return self._datasets[documents]
 
     def base_args(self, config: str, overrides=()) -> list[str]:
-        return ["--config", config_path(config), f"data.dataset={self.dataset()}", f"train.steps={self.steps}",
+        documents = load_config(config_path(config), list(overrides)).data.document_mask
+        return ["--config", config_path(config), f"data.dataset={self.dataset(documents)}", f"train.steps={self.steps}",
                 "train.log_every=1", "train.eval_every=0", "checkpoint.every=0", *overrides]
 
     def init_weights(self, config: str, overrides=()) -> str:

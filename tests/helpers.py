@@ -27,12 +27,16 @@ def tiny_config(*overrides: str):
     return load_config(None, TINY + list(overrides))
 
 
-def make_dataset(path, n_tokens: int = 40_000, seed: int = 0) -> str:
-    """Random text with structure (a noisy repeating pattern) so losses move."""
+def make_dataset(path, n_tokens: int = 40_000, seed: int = 0, document_length: int = 0) -> str:
+    """Random text with structure (a noisy repeating pattern) so losses move. `document_length` > 0: packed
+    documents of 1 to 2x that many tokens, each after an end-of-document token (0, the byte tokenizer's)."""
     rng = np.random.default_rng(seed)
     base = np.tile(np.frombuffer(b"def f(x):\n    return x + 1\n", np.uint8), n_tokens // 27 + 1)[:n_tokens]
     noise = rng.integers(0, 256, n_tokens)
     tokens = np.where(rng.random(n_tokens) < 0.1, noise, base)
+    if document_length:
+        starts = np.cumsum(rng.integers(1, 2 * document_length + 1, n_tokens))
+        tokens[starts[starts < n_tokens]] = 0
     return write_tokens(str(path), tokens, 256)
 
 

@@ -2,7 +2,9 @@
 the cache in one pass, then one token per step attends over the cache, masked by position. The model's
 own modules do everything but attention. Every family and variant: llama's cache holds its n_kv_head heads,
 model.attention=mla caches each token's latent (torchpar/models/variants.py), model.attention=dilated attends over
-its keys and values with its pairs' pattern (variants.key_counts: the segments of a max_seq_len row)."""
+its keys and values with its pairs' pattern (variants.key_counts: the segments of a max_seq_len row). A model
+reading packed documents (Decoder.eod) keeps each cache slot's document and position: a token attends within
+its own document, positions restarting at each end-of-document token."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +12,7 @@ import torch.nn.functional as F
 
 from torchpar.models.llama import repeat_kv
 from torchpar.models.decoder import Decoder, output_head
+from torchpar.models.layers import document_mask, documents
 from torchpar.models.variants import counted_attention, key_counts
 
 
@@ -24,8 +27,9 @@ def _empty_cache(model: Decoder, prompt: torch.Tensor, length: int) -> list[tupl
     return [tuple(prompt.new_zeros(shape, dtype=model.compute_dtype) for shape in shapes) for _ in model.blocks]
 
 
-def _attend(attn, cfg, x, positions, start: int, cache):
-    """One layer's attention of x (the tokens at `positions`) over its cache, x's own entries written in first."""
+def _attend(attn, cfg, x, positions, start: int, cache, mask=None):
+    """One layer's attention of x (the tokens at `positions`) over its cache, x's own entries written in first;
+    `mask` [B, 1, T, length] for packed documents (_where), else by position."""
     at = slice(start, start + x.shape[1])
     if cfg.attention == "mla":
         q, latent = attn.project_q_latent(x, positions)
@@ -39,15 +43,28 @@ def _attend(attn, cfg, x, positions, start: int, cache):
     if cfg.attention == "dilated":
         return attn.project_out(counted_attention(
             q, k, v, key_counts(positions, k_positions, cfg.n_head, cfg.dilation_pairs, cfg.max_seq_len)))
-    return attn.project_out(F.scaled_dot_product_attention(q, k, v, attn_mask=positions[:, None] >= k_positions))
+    mask = positions[:, None] >= k_positions if mask is None else mask
+    return attn.project_out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 
-def _forward(model: Decoder, tokens, start: int, cache):
-    positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+def _where(model: Decoder, tokens, start: int, slots):
+    """(positions, attention mask or None) of tokens written at cache slot `start`; with packed documents the slots
+    ([B, length] positions and segments, an empty slot's segment -1) get theirs, continuing slot start-1's."""
+    if model.eod is None:
+        return torch.arange(start, start + tokens.shape[1], device=tokens.device), None
+    at = slice(start, start + tokens.shape[1])
+    segment = slots[1][:, start - 1:start] if start else 0
+    position = slots[0][:, start - 1:start] + 1 if start else 0
+    slots[0][:, at], slots[1][:, at] = documents(tokens, model.eod, segment, position)
+    return slots[0][:, at], document_mask(slots[0][:, at], slots[1][:, at], *slots)
+
+
+def _forward(model: Decoder, tokens, start: int, cache, slots):
+    positions, mask = _where(model, tokens, start, slots)
     x = model.wte[tokens] if model.wpe is None else model.wte[tokens] + model.wpe[positions]
     x = x.to(model.compute_dtype)
     for block, layer_cache in zip(model.blocks, cache):
-        x = x + _attend(block.attn, model.cfg, block.ln1(x), positions, start, layer_cache)
+        x = x + _attend(block.attn, model.cfg, block.ln1(x), positions, start, layer_cache, mask)
         x = x + block.mlp(block.ln2(x))
     return output_head(model.ln_f, model.output_table, x)
 
@@ -74,10 +91,11 @@ def generate(model: Decoder, prompt: torch.Tensor, new_tokens: int, seed: int = 
     """prompt [B, P] int64 -> the next `new_tokens` tokens [B, new_tokens]."""
     P = prompt.shape[1]
     cache = _empty_cache(model, prompt, P + new_tokens)
+    slots = (prompt.new_zeros((prompt.shape[0], P + new_tokens)), prompt.new_full((prompt.shape[0], P + new_tokens), -1))
     generator = torch.Generator(prompt.device).manual_seed(seed)
-    logits, out = _forward(model, prompt, 0, cache), []
+    logits, out = _forward(model, prompt, 0, cache, slots), []
     for i in range(new_tokens):
         out.append(sample(logits[:, -1], generator, temperature, top_k, top_p))
         if i + 1 < new_tokens:
-            logits = _forward(model, out[-1][:, None], P + i, cache)
+            logits = _forward(model, out[-1][:, None], P + i, cache, slots)
     return torch.stack(out, 1)

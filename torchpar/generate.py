@@ -15,7 +15,7 @@ from jaxpar.core.config import config_for_weights
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.resume import read_run_config
 from jaxpar.core.sampling_cli import check_decodable, check_sampling, print_samples, sampling_parser
-from jaxpar.core.tokens import text_codec
+from jaxpar.core.tokens import document_token, text_codec
 from jaxpar.core.weights import model_dims, read_settings, read_weights
 from torchpar import dist
 from torchpar.decode import generate
@@ -30,7 +30,7 @@ def load_model(args):
 
         cfg = read_run_config(args.run)
         cfg.run.dir = args.run  # where the run is now (config.json holds where it was trained)
-        model = Decoder(cfg.model)
+        model = Decoder(cfg.model, document_token(cfg))
         env = dist.init(False, cfg.run.peer_timeout_s)
         engine = backends.build("none", model, cfg, env)
         if engine.checkpointer.restore() is None:

@@ -21,6 +21,7 @@ from jaxpar.core.flops import peak_flops
 from jaxpar.core.loop import stop_requests
 from jaxpar.core.resume import check_resume
 from jaxpar.core.run import run_training
+from jaxpar.core.tokens import document_token
 from jaxpar.core.weights import load_weights, save_weights, unflatten
 from torchpar import backends, dist
 from torchpar.checks import check
@@ -47,7 +48,7 @@ def parse_args(argv):
 
 def build_model(cfg: Config) -> Decoder:
     """The initial model: model.init_from's weights, else the seed's random initialisation."""
-    model = Decoder(cfg.model)
+    model = Decoder(cfg.model, document_token(cfg))
     model.init_weights(cfg.train.seed)
     if cfg.model.init_from:
         model.load_state_dict(from_shared(load_weights(cfg.model.init_from, shared_shapes(cfg.model)),

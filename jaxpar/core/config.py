@@ -104,6 +104,9 @@ class DataConfig:
     seq_len: int = field(default=128, metadata=_check(lo=1))
     val_fraction: float = field(default=0.01, metadata=_check(lo=0.0, hi=0.5, lo_open=True))
     cache_dir: str = ""  # empty -> $JAXPAR_CACHE or ~/.cache/jaxpar
+    # packed rows: attention stays within a document (each starts at the end-of-document token the data puts
+    # before it) and positions restart at each one (jaxpar/loss.py, torchpar/models/decoder.py)
+    document_mask: bool = False
 
 
 @dataclass

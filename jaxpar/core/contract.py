@@ -70,6 +70,11 @@ def _zigzag(run: Run) -> bool:  # dilated attention keeps the natural token orde
     return run.size("sp") > 1 and run.cfg.model.attention != "dilated"
 
 
+def _documents(run: Run) -> bool:  # dilated attention has its own pattern; GPipe's ticks see activations only
+    gpipe = run.trainer == "jaxpar" and _stages(run) and run.cfg.parallel.pipeline_schedule == "gpipe"
+    return run.cfg.model.attention != "dilated" and not gpipe
+
+
 def _zero(run: Run) -> bool:  # jaxpar shards over dp only (jaxpar/layout.py); with dp=1 a stage changes nothing
     return run.trainer == "torchpar" or run.size("dp") > 1
 
@@ -136,6 +141,11 @@ CONTRACT: dict[str, Owner] = {
     "data.cache_dir": Owner(True, BOTH, "test", when=lambda r: r.cfg.data.dataset == "stdlib",
                             mode="data.dataset=stdlib (where the prepared standard library is kept)",
                             evidence="tests/core/test_data.py::test_stdlib_prepared_once_and_reused"),
+    "data.document_mask": Owner(True, ("none", "ddp", "fsdp", "deepspeed"), "step", when=_documents,
+                                mode="an attention other than dilated, and on a jaxpar pipeline a hand-scheduled "
+                                     "parallel.pipeline_schedule (1f1b, interleaved, zb_h1, zb_v; not gpipe)",
+                                why_not="torch.distributed.pipelining passes activations alone between stages "
+                                        "(use --backend none, ddp, fsdp or deepspeed)"),
     # train
     "train.steps": Owner(True, BOTH, "loop"),
     "train.global_batch_size": Owner(True, BOTH, "data"),

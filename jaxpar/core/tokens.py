@@ -57,6 +57,11 @@ def eod_token(tokenizer: str) -> int:
     raise UserError(f"tokenizer {tokenizer} has no end-of-document token ({' or '.join(EOD_NAMES)})")
 
 
+def document_token(cfg) -> int | None:
+    """The token that starts a document when attention stays within documents (data.document_mask), else None."""
+    return eod_token(cfg.data.tokenizer) if cfg.data.document_mask else None
+
+
 def _start_worker(tokenizer: str) -> None:
     _WORKER["encode"] = _tokenizer(tokenizer)[0]
 

@@ -70,10 +70,11 @@ class Attention(nnx.Module):
             bias=param(jnp.zeros(L + (d,)), lead + ("embed",)))
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None
 
-    def __call__(self, x, dtype, positions=None):
+    def __call__(self, x, dtype, positions=None, segments=None):
         q, k, v = self.project_qkv(x, dtype, positions)
         # the context's attention: local (cuDNN flash on GPU where it applies), or across `sp` shards
-        y = current().attention(q, k, v, positions) if self.pairs is None else dilated_attention(q, k, v, self.pairs)
+        y = (current().attention(q, k, v, positions, segments) if self.pairs is None
+             else dilated_attention(q, k, v, self.pairs))
         return self.project_out(y, dtype)
 
     # the two projections are also what decoding with a KV cache runs around its own attention (decode.py)
@@ -127,8 +128,8 @@ class Block(nnx.Module):
         self.ln2 = norm(cfg, stack)
         self.mlp = (SwiGLU if llama else MLP)(cfg, rngs, stack)
 
-    def __call__(self, x, dtype, positions=None, sketches=None):
-        x = x + self.attn(self.ln1(x), dtype, positions)
+    def __call__(self, x, dtype, positions=None, segments=None, sketches=None):
+        x = x + self.attn(self.ln1(x), dtype, positions, segments)
         x = x + self.mlp(self.ln2(x), dtype, sketches)
         return constrain(x, ("batch", "seq", "act_embed"))
 
@@ -144,10 +145,11 @@ class Decoder(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = param(normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std), ("vocab", "embed"))
 
-    def __call__(self, tokens: jax.Array, positions=None) -> jax.Array:
+    def __call__(self, tokens: jax.Array, positions=None, segments=None) -> jax.Array:
         """tokens [batch, seq] int -> logits [batch, seq, vocab] float32. `positions` [seq]: the tokens'
-        positions when they are not in natural order (zig-zag sequence parallelism)."""
-        return self.head(self.run_blocks(self.embed(tokens, positions), positions))
+        positions when they are not in natural order (zig-zag sequence parallelism); with `segments` [batch, seq]
+        (packed documents, data.document_mask) both per row, each document's own (ops.documents)."""
+        return self.head(self.run_blocks(self.embed(tokens, positions), positions, segments))
 
     # The three pieces below are also what pipeline stages run (jaxpar/step.py for the executor):
     # embed on the first stage, a slice of the blocks on each, head and loss on the last.
@@ -161,7 +163,7 @@ class Decoder(nnx.Module):
             x = x + (self.wpe[...][:T] if positions is None else jnp.take(self.wpe[...], positions, axis=0))
         return constrain(x.astype(dtype), ("batch", "seq", "act_embed"))
 
-    def run_blocks(self, x: jax.Array, positions=None, sketches=None) -> jax.Array:
+    def run_blocks(self, x: jax.Array, positions=None, segments=None, sketches=None) -> jax.Array:
         """Every layer of `self.blocks` (whatever its leading length) in order; `sketches` default to
         the whole model's (model.linear=sketched), a pipeline stage passes its own slice."""
         dtype = jnp.dtype(self.cfg.compute_dtype)
@@ -169,7 +171,7 @@ class Decoder(nnx.Module):
 
         def layer(h, xs):
             layer_state, layer_sketches = xs
-            return nnx.merge(graphdef, layer_state)(h, dtype, positions, layer_sketches)
+            return nnx.merge(graphdef, layer_state)(h, dtype, positions, segments, layer_sketches)
 
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat])

@@ -59,10 +59,11 @@ class GQAttention(nnx.Module):
         self.theta, self.n_head = cfg.rope_theta, h
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None
 
-    def __call__(self, x, dtype, positions=None):
+    def __call__(self, x, dtype, positions=None, segments=None):
         q, k, v = self.project_qkv(x, dtype, positions)
         k, v = (constrain(repeat_kv(t, self.n_head), ("batch", "seq", "heads", "kv")) for t in (k, v))
-        y = current().attention(q, k, v, positions) if self.pairs is None else dilated_attention(q, k, v, self.pairs)
+        y = (current().attention(q, k, v, positions, segments) if self.pairs is None
+             else dilated_attention(q, k, v, self.pairs))
         return self.project_out(y, dtype)
 
     # the two projections are also what decoding with a KV cache runs (decode.py): it caches k, v at kv_heads width

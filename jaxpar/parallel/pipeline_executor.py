@@ -63,8 +63,9 @@ COL = {name: i for i, name in enumerate(COLUMNS)}
 class StageFns:
     """What a stage computes, as functions of (rest, chunk): `rest` the parameters outside the layer stack,
     `chunk` this virtual stage's slice of it."""
-    embed: Callable  # (rest, chunk, tokens) -> x [rows, seq, width]
-    layers: Callable  # (rest, chunk, chunk_consts, x) -> h
+    # `inputs`: a microbatch's slice of pipeline_value_and_grad's (token ids, or a tuple of per-row arrays)
+    embed: Callable  # (rest, chunk, inputs) -> x [rows, seq, width]
+    layers: Callable  # (rest, chunk, chunk_consts, x, inputs) -> h
     head_loss: Callable  # (rest, chunk, h, targets) -> the microbatch's loss (a scalar)
 
 
@@ -179,7 +180,7 @@ class _Stage:
         if weights_apart:
             def probe(x):
                 with split_backward("probe") as traced:
-                    self.fns.layers(self.rest, self.at(self.blocks, 0), self.at(self.consts, 0), x)
+                    self.fns.layers(self.rest, self.at(self.blocks, 0), self.at(self.consts, 0), x, self.rows(0))
                 return traced.recorded
             self.taps = [y for _, y in jax.eval_shape(probe, self.zeros)]
         # residuals have one structure for every chunk, stage and microbatch: their buffers, and how to rebuild a
@@ -187,7 +188,7 @@ class _Stage:
         found = {}
 
         def probe(x):
-            _, leaves, found["treedef"], inputs = self.layers_vjp(0, x)
+            _, leaves, found["treedef"], inputs = self.layers_vjp(0, 0, x)
             return {"res": leaves, "x": inputs, "dy": [jnp.zeros(t.shape, t.dtype) for t in self.taps]}
 
         shapes = jax.eval_shape(probe, self.zeros)
@@ -198,17 +199,21 @@ class _Stage:
     def at(tree, i):
         return jax.tree.map(lambda w: w[i], tree)
 
-    def layers_vjp(self, c, x):
-        """The chunk's layers on x, their pullback as a flat list of residuals, and (weights_apart) each
-        projection's input; the pullback then gives no projection weight a gradient, and each tap its output's."""
-        chunk, consts = self.at(self.blocks, c), self.at(self.consts, c)
+    def rows(self, m):
+        """Microbatch m's slice of the inputs."""
+        return jax.tree.map(lambda a: a[m], self.inputs)
+
+    def layers_vjp(self, c, m, x):
+        """Chunk c's layers on x (of microbatch m), their pullback as a flat list of residuals, and (weights_apart)
+        each projection's input; the pullback then gives no projection weight a gradient, and each tap its output's."""
+        chunk, consts, rows = self.at(self.blocks, c), self.at(self.consts, c), self.rows(m)
         if not self.weights_apart:
-            h, pullback = jax.vjp(lambda b, x: self.fns.layers(self.rest, b, consts, x), chunk, x)
+            h, pullback = jax.vjp(lambda b, x: self.fns.layers(self.rest, b, consts, x, rows), chunk, x)
             return h, jax.tree.leaves(pullback), jax.tree.structure(pullback), []
 
         def tapped(b, x, taps):
             with split_backward("tap", taps) as traced:
-                return self.fns.layers(self.rest, b, consts, x), traced.recorded
+                return self.fns.layers(self.rest, b, consts, x, rows), traced.recorded
         taps = [jnp.zeros(t.shape, t.dtype) for t in self.taps]
         h, pullback, inputs = jax.vjp(tapped, chunk, x, taps, has_aux=True)
         return h, jax.tree.leaves(pullback), jax.tree.structure(pullback), inputs
@@ -225,8 +230,8 @@ class _Stage:
     def forward(self, first: bool, last: bool):
         def run(acts, cots, stash, own, grads, op):
             c, m = op["chunk"], op["microbatch"]
-            x = self.fns.embed(self.rest, self.at(self.blocks, c), self.inputs[m]) if first else acts[op["in_slot"]]
-            h, residuals, _, inputs = self.layers_vjp(c, x)
+            x = self.fns.embed(self.rest, self.at(self.blocks, c), self.rows(m)) if first else acts[op["in_slot"]]
+            h, residuals, _, inputs = self.layers_vjp(c, m, x)
             g_rest, g_blocks, loss_sum = grads
             d_h = self.zeros
             if last:  # head and loss differentiated now: their cotangent is the loss's 1/M
@@ -250,7 +255,7 @@ class _Stage:
         g_blocks = jax.tree.map(lambda a, g: a.at[op["chunk"]].add(g), g_blocks, d_chunk)
         if first:  # the embedding's gradient: its lookup recomputed under vjp (a gather)
             _, embed_pullback = jax.vjp(
-                lambda r: self.fns.embed(r, self.at(self.blocks, op["chunk"]), self.inputs[op["microbatch"]]),
+                lambda r: self.fns.embed(r, self.at(self.blocks, op["chunk"]), self.rows(op["microbatch"])),
                 self.rest)
             g_rest = jax.tree.map(jnp.add, g_rest, embed_pullback(d_x.astype(self.dtype))[0])
         return g_rest, g_blocks, loss_sum
@@ -285,7 +290,7 @@ class _Stage:
 
                 def surrogate(b):
                     with split_backward("weights", list(zip(inputs, d_taps))) as traced:
-                        self.fns.layers(self.rest, b, self.at(self.consts, c), self.zeros)
+                        self.fns.layers(self.rest, b, self.at(self.consts, c), self.zeros, self.rows(op["microbatch"]))
                     return sum(jnp.sum(r) for r in traced.recorded)
                 grads = self.add_weights(grads, op, False, jax.grad(surrogate)(self.at(self.blocks, c)), None)
             return self.zeros, self.zeros, self.nothing_kept(), self.zeros, grads
@@ -309,11 +314,12 @@ def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets
                             S: int, M: int, V: int, width: int, dtype, weights_apart: bool = False):
     """(mean loss, grads of `rest`, grads of `blocks`) of a model pipelined over `pp`: S stages, M
     microbatches, V chunks per stage. blocks (trained) and consts (not) carry a leading layers axis;
-    inputs/targets are [rows, seq] token ids in the order the model reads them. weights_apart (ZB-H1, ZB-V; the
+    inputs/targets are [rows, seq] token ids in the order the model reads them (inputs may be a tuple of such
+    per-row arrays: the stage functions read each microbatch's slice). weights_apart (ZB-H1, ZB-V; the
     layers' residuals kept whole, i.e. no remat): W computes the projections' weight gradients alone."""
     weights_apart = weights_apart and schedule in SPLIT_BACKWARD
     plan, C = tick_plan(schedule, S, M, V, weights_apart), chunks(schedule, V)
-    inputs, targets = split_microbatches(inputs, M), split_microbatches(targets, M)
+    inputs, targets = jax.tree.map(lambda a: split_microbatches(a, M), inputs), split_microbatches(targets, M)
     L = jax.tree.leaves(blocks)[0].shape[0]
     # [chunk, stage, layer]: the layers of virtual stage virtual_stage(c, d) at [c, d]
     order = np.array([virtual_stage(schedule, S, d, c) for c in range(C) for d in range(S)])
@@ -321,7 +327,7 @@ def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets
     staged = lambda w: permute(jnp.asarray(w).reshape(C * S, L // (S * C), *w.shape[1:]), order).reshape(  # noqa: E731
         C, S, L // (S * C), *w.shape[1:])
     blocks, consts = jax.tree.map(staged, blocks), jax.tree.map(staged, consts)
-    act_shape = inputs.shape[1:] + (width,)
+    act_shape = targets.shape[1:] + (width,)
     used = tuple(name for name in COLUMNS[COL["recv_act_left"]:]  # a tuple in COLUMNS' order: every process
                  if np.any(plan.tables[..., COL[name]] != (plan.act_slots if "act" in name else plan.cot_slots) - 1))
 

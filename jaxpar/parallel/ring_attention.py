@@ -5,7 +5,9 @@ and the output is accumulated blockwise with an online softmax (running max `m` 
 denominator `l`), so no device ever holds more than one [T/N, T/N] score block.
 
 Causal masking uses the global positions that travel with each K/V block, so any token order
-works. Each local block is split in two halves on both sides, and a half-pair whose keys are
+works; with packed documents (data.document_mask) positions and segment ids are per row and travel alike,
+and a block pair is skipped when no query shares a document with a visible key. Each local block is split in
+two halves on both sides, and a half-pair whose keys are
 all in the future of its queries is skipped (`lax.cond`): with zig-zag order (device i holds
 chunks i and 2N-1-i) every off-diagonal step then does exactly half the work on every device —
 the causal load balance. Without zig-zag, device i skips whole blocks from devices j > i.
@@ -22,12 +24,19 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jaxpar.ops import visible
+
 F32 = jnp.float32
 NEG = -1e30  # finite "minus infinity": a fully masked row never makes NaNs
 
 
 def _halves(x, axis: int):
-    """Two halves along `axis` (one piece when the length is odd)."""
+    """Two halves along `axis` (one piece when the length is odd); positions and segment ids (pos, seg) along
+    their last axis, seq."""
+    if isinstance(x, tuple):
+        pos, seg = x
+        halves = _halves(pos, pos.ndim - 1)
+        return list(zip(halves, [None] * len(halves) if seg is None else _halves(seg, seg.ndim - 1)))
     n = x.shape[axis]
     if n % 2:
         return [x]
@@ -35,13 +44,15 @@ def _halves(x, axis: int):
 
 
 def _visible(qp, kp):
-    """Does any query see any key (causally)?"""
-    return jnp.max(qp) >= jnp.min(kp)
+    """Does any query see any key? qp, kp: (positions, segment ids or None)."""
+    if qp[1] is None:
+        return jnp.max(qp[0]) >= jnp.min(kp[0])
+    return jnp.any(visible(*qp[:1], *kp[:1], qp[1], kp[1]))
 
 
 def _scores(q, k, qp, kp, scale):
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=F32) * scale
-    return s, qp[:, None] >= kp[None, :]
+    return s, visible(qp[0], kp[0], qp[1], kp[1])
 
 
 def _fwd_block(state, q, k, v, qp, kp, scale):
@@ -145,6 +156,7 @@ def _ring_bwd(axis, n, res, do):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attention(q, k, v, pos, *, axis: str, n: int):
-    """Inside shard_map: q, k, v [b, T/N, h, d] and their global positions [T/N] on each device."""
-    return _ring(q, k, v, pos, axis, n)
+def ring_attention(q, k, v, pos, seg, *, axis: str, n: int):
+    """Inside shard_map: q, k, v [b, T/N, h, d] and their global positions [T/N] on each device, or with segment
+    ids [b, T/N] (packed documents) both per row."""
+    return _ring(q, k, v, (pos, seg), axis, n)

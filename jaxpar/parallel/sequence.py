@@ -52,29 +52,34 @@ def zigzag_order(T: int, n: int) -> np.ndarray:
     return np.concatenate([np.arange(j * c, (j + 1) * c) for j in chunks])
 
 
-def all_gather_attention(q, k, v, pos, *, axis: str, n: int):
+def all_gather_attention(q, k, v, pos, seg, *, axis: str, n: int):
     """Inside shard_map: local queries against K/V gathered along the sequence axis."""
     del n
     gather = lambda x, dim: jax.lax.all_gather(x, axis, axis=dim, tiled=True)  # noqa: E731
-    return causal_attention(q, gather(k, 1), gather(v, 1), pos, gather(pos, 0))
+    k_seg = None if seg is None else gather(seg, 1)
+    return causal_attention(q, gather(k, 1), gather(v, 1), pos, gather(pos, pos.ndim - 1), seg, k_seg)
 
 
 def sequence_attention(mesh, rules, strategy: str):
-    """attention(q, k, v, positions) over the sp shards of `mesh`; `positions` [seq] are the global
-    positions of the (possibly permuted) sequence, None for natural order."""
+    """attention(q, k, v, positions, segments) over the sp shards of `mesh`; `positions` [seq] are the global
+    positions of the (possibly permuted) sequence, None for natural order; with segment ids [batch, seq] (packed
+    documents) both are per row, sharded as the activations' first two dimensions."""
     if strategy not in STRATEGIES:
         raise UserError(f"sequence attention {strategy!r} is not one of {', '.join(STRATEGIES)}")
     fn = {"ring": ring_attention, "all_gather": all_gather_attention, "ulysses": ulysses_attention}[strategy]
     n = mesh.shape[AXIS]
 
-    def attention(q, k, v, positions=None):
+    def attention(q, k, v, positions=None, segments=None):
         T = q.shape[1]
         check_sequence(T, q.shape[2], mesh.shape, strategy, zigzag=False)
         spec = spec_for(("batch", "seq", "heads", "kv"), q.shape, mesh, rules)
         if spec[1] != AXIS:
             raise UserError(f"the rules table must map the sequence dimension to {AXIS!r} for sequence parallelism")
-        sharded = jax.shard_map(lambda *a: fn(*a, axis=AXIS, n=n), mesh=tracing_mesh(mesh),
-                                in_specs=(spec, spec, spec, jax.P(AXIS)), out_specs=spec, check_vma=False)
-        return sharded(q, k, v, jnp.asarray(jnp.arange(T) if positions is None else positions, jnp.int32))
+        rows = jax.P(*spec[:2])  # per-row positions and segment ids: [batch, seq]
+        sharded = jax.shard_map(lambda *a: fn(*a, axis=AXIS, n=n), mesh=tracing_mesh(mesh), out_specs=spec,
+                                in_specs=(spec, spec, spec, rows if segments is not None else jax.P(AXIS), rows),
+                                check_vma=False)
+        positions = jnp.asarray(jnp.arange(T) if positions is None else positions, jnp.int32)
+        return sharded(q, k, v, positions, segments)
 
     return attention

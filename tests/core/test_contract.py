@@ -131,7 +131,8 @@ def test_a_key_is_refused_wherever_its_row_says_it_is_not_consumed(key):
 @pytest.fixture(scope="module")
 def datasets(tmp_path_factory):
     d = tmp_path_factory.mktemp("contract")
-    return make_dataset(d / "a.bin"), make_dataset(d / "b.bin", seed=1)
+    # packed documents (short ones), so that data.document_mask changes what a step computes
+    return make_dataset(d / "a.bin", document_length=8), make_dataset(d / "b.bin", seed=1)
 
 
 def jax_params(cfg) -> dict:

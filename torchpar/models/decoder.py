@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from jaxpar.core.config import ModelConfig
-from torchpar.models.layers import Dense, LayerNorm, RMSNorm
+from torchpar.models.layers import Dense, LayerNorm, RMSNorm, causal_attention, document_mask, documents
 from torchpar.models.llama import GQAttention, SwiGLU
 from torchpar.models.variants import MLAttention, SketchedLinear, dilated_attention
 
@@ -35,12 +35,12 @@ class Attention(nn.Module):
         self.out = Dense((h, k, d), (d,))
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None  # torchpar/models/variants.py
 
-    def forward(self, x):
+    def forward(self, x, positions=None, mask=None):
         if self.pairs is not None:
             q, k, v = self.qkv(x, "btd,dchk->btchk").unbind(2)  # each [b, t, h, k]
             return self.out(dilated_attention(q, k, v, self.pairs), "bthk,hkd->btd")
         q, k, v = self.project_qkv(x)
-        return self.project_out(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return self.project_out(causal_attention(q, k, v, mask))
 
     # the two projections are also what decoding with a KV cache runs around its own attention (decode.py)
     def project_qkv(self, x, positions=None):  # positions: for rotary attention (llama.py); unused here
@@ -73,22 +73,25 @@ class Block(nn.Module):
         self.ln2, self.mlp = norm(cfg.d_model, cfg.layernorm_eps), SwiGLU(cfg) if llama else MLP(cfg, layer)
         self.remat = cfg.remat
 
-    def _forward(self, x):
-        x = x + self.attn(self.ln1(x))
+    def _forward(self, x, positions=None, mask=None):
+        x = x + self.attn(self.ln1(x), positions, mask)
         return x + self.mlp(self.ln2(x))
 
-    def forward(self, x):
+    def forward(self, x, positions=None, mask=None):
+        """positions, mask: packed documents' (Decoder.forward), else None (one sequence, plain causal)."""
         if self.remat == "none" or not torch.is_grad_enabled():
-            return self._forward(x)
+            return self._forward(x, positions, mask)
         context = partial(create_selective_checkpoint_contexts, _MATMULS) if self.remat == "save_matmuls" else None
         kwargs = {"context_fn": context} if context else {}
-        return checkpoint(self._forward, x, use_reentrant=False, **kwargs)
+        return checkpoint(self._forward, x, positions, mask, use_reentrant=False, **kwargs)
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, eod: int | None = None):
+        """eod: the token that starts each packed document, attention staying within documents
+        (data.document_mask: jaxpar/core/tokens.py document_token); None reads a row as one sequence."""
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.eod = cfg, eod
         self.compute_dtype = getattr(torch, cfg.compute_dtype)  # DeepSpeed fp16 may override it
         self.wte = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
         self.wpe = nn.Parameter(torch.empty(cfg.max_seq_len, cfg.d_model)) if cfg.family == "gpt2" else None
@@ -120,9 +123,13 @@ class Decoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [batch, seq] int64 -> logits [batch, seq, vocab] float32."""
-        x = embed(self.wte, self.wpe, tokens, self.compute_dtype)
+        positions = mask = None
+        if self.eod is not None:  # each document its own positions, attending within itself
+            positions, segments = documents(tokens, self.eod)
+            mask = document_mask(positions, segments)
+        x = embed(self.wte, self.wpe, tokens, self.compute_dtype, positions)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, positions, mask)
         return output_head(self.ln_f, self.output_table, x)
 
     @property
@@ -132,9 +139,12 @@ class Decoder(nn.Module):
 
 # The two ends of the model as functions of their parameters: Decoder.forward and the first / last
 # pipeline stage (torchpar/backends/pipeline.py) call them with the same tensors.
-def embed(wte: nn.Parameter, wpe: nn.Parameter | None, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def embed(wte: nn.Parameter, wpe: nn.Parameter | None, tokens: torch.Tensor, dtype: torch.dtype,
+          positions: torch.Tensor | None = None) -> torch.Tensor:
     x = wte[tokens]
-    return (x if wpe is None else x + wpe[: tokens.shape[1]]).to(dtype)  # llama: no position table
+    if wpe is not None:  # llama: no position table
+        x = x + (wpe[: tokens.shape[1]] if positions is None else wpe[positions])
+    return x.to(dtype)
 
 
 def output_head(ln_f: nn.Module, table: nn.Parameter, x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jaxpar.core.config import ModelConfig
-from torchpar.models.layers import Kernel, rope
+from torchpar.models.layers import Kernel, causal_attention, rope
 from torchpar.models.variants import dilated_attention
 
 
@@ -25,13 +25,13 @@ class GQAttention(nn.Module):
         self.theta, self.n_head = cfg.rope_theta, h
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None
 
-    def forward(self, x):
-        q, k, v = self.project_qkv(x)
+    def forward(self, x, positions=None, mask=None):
+        q, k, v = self.project_qkv(x, positions)
         k, v = repeat_kv(k, self.n_head), repeat_kv(v, self.n_head)
         if self.pairs is not None:  # dilated_attention works on [b, t, h, k]
             y = dilated_attention(*(t.transpose(1, 2) for t in (q, k, v)), self.pairs).transpose(1, 2)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = causal_attention(q, k, v, mask)
         return self.project_out(y)
 
     # the two projections are also what decoding with a KV cache runs (decode.py): k, v at kv_heads width

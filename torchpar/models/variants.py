@@ -9,12 +9,11 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from jaxpar.core.config import ModelConfig
 from jaxpar.core.sketches import sketch_dim, sketch_matrix
-from torchpar.models.layers import Dense, Kernel, RMSNorm, rope
+from torchpar.models.layers import Dense, Kernel, RMSNorm, causal_attention, rope
 
 NEG = -1e30
 
@@ -31,10 +30,10 @@ class MLAttention(nn.Module):
         self.out = Dense((h, k, d), (d,))
         self.kvl, self.r, self.theta = kvl, r, cfg.rope_theta
 
-    def forward(self, x):
-        q, latent = self.project_q_latent(x)
+    def forward(self, x, positions=None, mask=None):
+        q, latent = self.project_q_latent(x, positions)
         k, v = self.keys_values(latent)
-        return self.project_out(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return self.project_out(causal_attention(q, k, v, mask))
 
     # the three steps below are also what decoding runs (torchpar/decode.py): it caches the latents
     def project_q_latent(self, x, positions=None):
