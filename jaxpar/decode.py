@@ -67,9 +67,9 @@ def _where(tokens, start, slots, eod):
     is -1: never anyone's)."""
     if eod is None:
         return (start + jnp.arange(tokens.shape[1]), jnp.arange(slots[0].shape[1]), None, None), slots
-    before = jnp.maximum(start - 1, 0)
-    segment, position = (jnp.where(start > 0, jax.lax.dynamic_index_in_dim(s, before, 1, False), 0) for s in slots[::-1])
-    positions, segments = documents(tokens, eod, segment, position + jnp.where(start > 0, 1, 0))
+    last = [jnp.where(start > 0, jax.lax.dynamic_index_in_dim(s, jnp.maximum(start - 1, 0), 1, False), 0)
+            for s in slots]  # slot start-1's position and segment (none before the first)
+    positions, segments = documents(tokens, eod, last[1], last[0] + jnp.where(start > 0, 1, 0))
     slots = tuple(jax.lax.dynamic_update_slice(s, new, (0, start)) for s, new in zip(slots, (positions, segments)))
     return (positions, slots[0], segments, slots[1]), slots
 

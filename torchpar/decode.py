@@ -91,7 +91,8 @@ def generate(model: Decoder, prompt: torch.Tensor, new_tokens: int, seed: int = 
     """prompt [B, P] int64 -> the next `new_tokens` tokens [B, new_tokens]."""
     P = prompt.shape[1]
     cache = _empty_cache(model, prompt, P + new_tokens)
-    slots = (prompt.new_zeros((prompt.shape[0], P + new_tokens)), prompt.new_full((prompt.shape[0], P + new_tokens), -1))
+    shape = (prompt.shape[0], P + new_tokens)
+    slots = (prompt.new_zeros(shape), prompt.new_full(shape, -1))  # documents' positions and segments (_where)
     generator = torch.Generator(prompt.device).manual_seed(seed)
     logits, out = _forward(model, prompt, 0, cache, slots), []
     for i in range(new_tokens):

@@ -5,12 +5,12 @@ and the output is accumulated blockwise with an online softmax (running max `m` 
 denominator `l`), so no device ever holds more than one [T/N, T/N] score block.
 
 Causal masking uses the global positions that travel with each K/V block, so any token order
-works; with packed documents (data.document_mask) positions and segment ids are per row and travel alike,
-and a block pair is skipped when no query shares a document with a visible key. Each local block is split in
-two halves on both sides, and a half-pair whose keys are
+works. Each local block is split in two halves on both sides, and a half-pair whose keys are
 all in the future of its queries is skipped (`lax.cond`): with zig-zag order (device i holds
 chunks i and 2N-1-i) every off-diagonal step then does exactly half the work on every device —
 the causal load balance. Without zig-zag, device i skips whole blocks from devices j > i.
+With packed documents (data.document_mask) positions and segment ids are per row and travel alike, and a
+half-pair is skipped when none of its queries sees a key of its own document.
 
 Backward is a custom VJP that saves only q, k, v, the output and the log-sum-exp (O(T/N) per
 device): it recomputes each score block, and dK/dV accumulators travel around the ring with
@@ -47,7 +47,7 @@ def _visible(qp, kp):
     """Does any query see any key? qp, kp: (positions, segment ids or None)."""
     if qp[1] is None:
         return jnp.max(qp[0]) >= jnp.min(kp[0])
-    return jnp.any(visible(*qp[:1], *kp[:1], qp[1], kp[1]))
+    return jnp.any(visible(qp[0], kp[0], qp[1], kp[1]))
 
 
 def _scores(q, k, qp, kp, scale):
