@@ -60,13 +60,13 @@ def _attend(attn, cfg: ModelConfig, x, dtype, where, start, cache):
     return attn.project_out(y, dtype), cache
 
 
-def _where(tokens, start, slots, eod):
+def _where(tokens, start, slots, eod, length: int):
     """(positions, cache slots' positions, segments, cache slots' segments) of `tokens` [B, T] written at slot
-    `start`, and the slots updated. One document (eod None): positions start.., slots unused. Documents: slots
-    (positions, segments) [B, length], the tokens continuing the document of slot start-1 (an empty slot's segment
-    is -1: never anyone's)."""
+    `start` of a cache of `length`, and the slots updated. One document (eod None): positions start.., no slots.
+    Documents: slots (positions, segments) [B, length], the tokens continuing the document of slot start-1 (an
+    empty slot's segment is -1: never anyone's)."""
     if eod is None:
-        return (start + jnp.arange(tokens.shape[1]), jnp.arange(slots[0].shape[1]), None, None), slots
+        return (start + jnp.arange(tokens.shape[1]), jnp.arange(length), None, None), None
     last = [jnp.where(start > 0, jax.lax.dynamic_index_in_dim(s, jnp.maximum(start - 1, 0), 1, False), 0)
             for s in slots]  # slot start-1's position and segment (none before the first)
     positions, segments = documents(tokens, eod, last[1], last[0] + jnp.where(start > 0, 1, 0))
@@ -78,7 +78,7 @@ def _forward(model, tokens, start, cache, slots, eod=None):
     """Logits of `tokens` [B, T] written at cache slot `start`, and the cache (per layer and token: see
     _empty_cache) and slots (_where) with their entries written in."""
     cfg, dtype = model.cfg, jnp.dtype(model.cfg.compute_dtype)
-    where, slots = _where(tokens, start, slots, eod)
+    where, slots = _where(tokens, start, slots, eod, cache[0].shape[2])
     graphdef, stacked = nnx.split(model.blocks)
 
     def layer(h, xs):
@@ -122,7 +122,8 @@ def make_generate(graphdef, eod: int | None = None):
         cfg = model.cfg
         B, P = prompt.shape
         cache = _empty_cache(cfg, B, P + new_tokens)
-        slots = (jnp.zeros((B, P + new_tokens), jnp.int32), jnp.full((B, P + new_tokens), -1, jnp.int32))
+        slots = None if eod is None else (jnp.zeros((B, P + new_tokens), jnp.int32),
+                                          jnp.full((B, P + new_tokens), -1, jnp.int32))
         draw = partial(sample, temperature=temperature, top_k=top_k, top_p=top_p)
         logits, cache, slots = _forward(model, prompt, 0, cache, slots, eod)
         first = draw(logits[:, -1], jax.random.fold_in(key, 0))

@@ -27,10 +27,10 @@ from jaxpar.parallelize import parallel_context
 from jaxpar.state import abstract_state, init_state
 
 
-def _loss(layout: Layout, graphdef, params, batch, scale=1.0):
-    """The mean loss times `scale` (float16's loss scale; 1.0, a no-op, otherwise)."""
+def _loss(layout: Layout, graphdef, eod, params, batch, scale=1.0):
+    """The mean loss times `scale` (float16's loss scale; 1.0, a no-op, otherwise); `eod`: document_token's."""
     order = token_order(layout.cfg, layout.mesh, batch.shape[1] - 1)
-    return loss_fn(nnx.merge(graphdef, params), batch, order, document_token(layout.cfg)) * scale
+    return loss_fn(nnx.merge(graphdef, params), batch, order, eod) * scale
 
 
 def hand_scheduled(layout: Layout, schedule: str):
@@ -38,10 +38,10 @@ def hand_scheduled(layout: Layout, schedule: str):
     `schedule` over the layout's pp (any schedule: the memory benchmark also runs the GPipe order on it). Trace it in
     parallel_context(layout, on_executor=True): each stage runs its own layers as a scan."""
     cfg, mesh, p = layout.cfg, layout.mesh, layout.cfg.parallel
-    graphdef, S = abstract_model(cfg.model)[0], mesh.shape["pp"]
+    graphdef, S, eod = abstract_model(cfg.model)[0], mesh.shape["pp"], document_token(cfg)
 
     def value_and_grad(params, batch, scale=1.0):
-        rows = split_rows(batch, token_order(cfg, mesh, batch.shape[1] - 1), document_token(cfg))
+        rows = split_rows(batch, token_order(cfg, mesh, batch.shape[1] - 1), eod)
         # each microbatch's (tokens, positions, segments): with documents per row, else the order's for every row
         inputs = (rows.inputs, rows.positions, rows.segments) if rows.segments is not None else (rows.inputs,)
         where = lambda r: r[1:] if len(r) > 1 else (rows.positions, None)  # noqa: E731
@@ -75,7 +75,8 @@ def loss_and_grad(layout: Layout, schedule: str | None = None):
         schedule = p.pipeline_schedule
     if schedule is not None:
         return hand_scheduled(layout, schedule), parallel_context(layout, on_executor=True)
-    return jax.value_and_grad(partial(_loss, layout, abstract_model(layout.cfg.model)[0])), parallel_context(layout)
+    loss = partial(_loss, layout, abstract_model(layout.cfg.model)[0], document_token(layout.cfg))
+    return jax.value_and_grad(loss), parallel_context(layout)
 
 
 def make_train_step(layout: Layout, inject_overflow: bool = False):
@@ -155,11 +156,11 @@ def to_rest(layout: Layout, state: dict) -> dict:
 
 
 def make_eval_step(layout: Layout):
-    graphdef, context = abstract_model(layout.cfg.model)[0], parallel_context(layout)
+    graphdef, context, eod = abstract_model(layout.cfg.model)[0], parallel_context(layout), document_token(layout.cfg)
 
     def evaluate(params, batch):
         params = to_device(layout, {"params": params})["params"]
         with use(context):
-            return _loss(layout, graphdef, params, batch)
+            return _loss(layout, graphdef, eod, params, batch)
 
     return jax.jit(evaluate, in_shardings=(layout.state_shardings["params"], layout.batch_sharding))

@@ -91,8 +91,8 @@ def generate(model: Decoder, prompt: torch.Tensor, new_tokens: int, seed: int = 
     """prompt [B, P] int64 -> the next `new_tokens` tokens [B, new_tokens]."""
     P = prompt.shape[1]
     cache = _empty_cache(model, prompt, P + new_tokens)
-    shape = (prompt.shape[0], P + new_tokens)
-    slots = (prompt.new_zeros(shape), prompt.new_full(shape, -1))  # documents' positions and segments (_where)
+    shape = (prompt.shape[0], P + new_tokens)  # packed documents: each slot's position and segment (_where)
+    slots = None if model.eod is None else (prompt.new_zeros(shape), prompt.new_full(shape, -1))
     generator = torch.Generator(prompt.device).manual_seed(seed)
     logits, out = _forward(model, prompt, 0, cache, slots), []
     for i in range(new_tokens):
