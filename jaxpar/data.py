@@ -3,6 +3,8 @@ on the mesh. Also the command line for token files:
 
   python -m jaxpar.data prepare --out data/my.bin [--tokenizer byte|tokenizer.json] [--text-field text]
       [--workers N] my_texts/ corpus.jsonl shard.parquet ...
+  python -m jaxpar.data prepare --format sft --pack 512 --out data/sft.bin chats.jsonl   (fine-tuning records:
+      prompt/completion or chat messages, the loss on the responses; whole documents packed per window)
   python -m jaxpar.data tokenizer --out tokenizer.json --vocab-size 8192 my_texts/ ...
   python -m jaxpar.data info data/my.bin [--seq-len 128]
 """
@@ -16,6 +18,7 @@ import sys
 from jaxpar.core.bpe import train_tokenizer
 from jaxpar.core.data_order import GlobalBatches, Samples
 from jaxpar.core.errors import UserError, cli
+from jaxpar.core.packing import TOO_LONG, SftFields
 from jaxpar.core.tokens import prepare, read_meta, split_range
 
 
@@ -46,6 +49,23 @@ def device_batch(data: GlobalBatches, step: int, sharding):
         shape, sharding, lambda ix: rows[(ix[0].start or 0) - lo:(ix[0].stop or shape[0]) - lo])
 
 
+def _prepare(args) -> None:
+    if args.pack < 0 or (args.pack == 0 and args.too_long != "refuse"):
+        raise UserError("--pack takes the seq_len of the windows (>= 1); --too-long goes with it")
+    sft = SftFields(args.prompt_field, args.completion_field, args.messages_field) if args.format == "sft" else None
+    meta = read_meta(prepare(args.inputs, args.out, args.tokenizer, args.text_field, args.workers, sft, args.pack,
+                             args.too_long))
+    print(f"wrote {args.out}: {meta['num_tokens']} tokens from {meta['num_documents']} documents")
+    if "counted_tokens" in meta:
+        counted = meta["counted_tokens"]
+        print(f"  loss mask: {counted} tokens counted ({counted / max(meta['num_tokens'], 1):.1%})")
+    if meta.get("window", 1) > 1:
+        n = meta["num_tokens"] // meta["window"]
+        print(f"  packed into {n} windows of {meta['window']} tokens (data.seq_len={meta['window'] - 1}): "
+              f"{meta['padding_tokens'] / max(meta['num_tokens'], 1):.1%} padding, "
+              f"{meta['split_documents']} documents split, {meta['dropped_documents']} dropped")
+
+
 @cli
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxpar.data", description="Prepare and inspect token files.")
@@ -56,6 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--text-field", default="text", help="the text of a .jsonl record / .parquet row (default text)")
     pp.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                     help="tokenizing processes for a tokenizer.json (default: the CPUs, at most 8)")
+    pp.add_argument("--format", choices=("text", "sft"), default="text",
+                    help="text: documents; sft: prompt/response records, the loss counting the responses only")
+    pp.add_argument("--prompt-field", default="prompt")
+    pp.add_argument("--completion-field", default="completion")
+    pp.add_argument("--messages-field", default="messages", help="a chat: a list of {role, content} messages, "
+                    "the assistant's counted (used where a record has it, else prompt/completion)")
+    pp.add_argument("--pack", type=int, default=0, metavar="SEQ_LEN",
+                    help="pack whole documents into windows for data.seq_len=SEQ_LEN (default: cut a token stream)")
+    pp.add_argument("--too-long", choices=TOO_LONG, default="refuse",
+                    help="with --pack, a document longer than a window is refused (default), split or dropped")
     pp.add_argument("inputs", nargs="+")
     pt = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer (tokenizer.json) on a corpus")
     pt.add_argument("--out", required=True)
@@ -68,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     pi.add_argument("--val-fraction", type=float, default=0.01)
     args = p.parse_args(argv)
     if args.cmd == "prepare":
-        meta = read_meta(prepare(args.inputs, args.out, args.tokenizer, args.text_field, args.workers))
-        print(f"wrote {args.out}: {meta['num_tokens']} tokens from {meta['num_documents']} documents")
+        _prepare(args)
     elif args.cmd == "tokenizer":
         size = train_tokenizer(args.inputs, args.out, args.vocab_size, args.text_field)
         print(f"wrote {args.out}: byte-level BPE, {size} tokens (use it with data.tokenizer={args.out})")
@@ -77,10 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.seq_len < 1 or not 0 <= args.val_fraction < 1:
             raise UserError("need --seq-len >= 1 and 0 <= --val-fraction < 1")
         meta = read_meta(args.path)
-        (a, b), (c, d) = (split_range(meta["num_tokens"], args.val_fraction, s) for s in ("train", "val"))
+        packed = meta.get("window", 1)
+        w = packed if packed > 1 else args.seq_len + 1
+        (a, b), (c, d) = (split_range(meta["num_tokens"], args.val_fraction, s, packed)
+                          for s in ("train", "val"))
         print(json.dumps(meta, indent=2))
-        w = args.seq_len + 1
-        print(f"seq_len={args.seq_len}: {(b - a) // w} train windows, {(d - c) // w} val windows")
+        print(f"seq_len={w - 1}: {(b - a) // w} train windows, {(d - c) // w} val windows")
     return 0
 
 

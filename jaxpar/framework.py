@@ -12,6 +12,7 @@ from jax.experimental import multihost_utils
 from jaxpar.context import use
 from jaxpar.core.config import Config
 from jaxpar.core.loop import sample_lengths
+from jaxpar.core.data_order import unmasked
 from jaxpar.core.mesh_spec import format_mesh
 from jaxpar.core.peers import roll_call
 from jaxpar.core.prefetch import Prefetch
@@ -81,7 +82,7 @@ class JaxFramework:
     def sample(self, step: int) -> list[int] | None:
         """Every process decodes (the parameters are sharded); process 0 returns the tokens."""
         prompt_len, new = sample_lengths(self.cfg.model.max_seq_len)
-        prompt = jnp.asarray(self.val_data.rows(0, 0, 1)[:, :prompt_len], jnp.int32)
+        prompt = jnp.asarray(unmasked(self.val_data.rows(0, 0, 1)[:, :prompt_len]), jnp.int32)
         self._generate = self._generate or make_generate(abstract_model(self.cfg.model)[0],  # compiled once
                                                          document_token(self.cfg))
         with use(parallel_context(self.layout)):

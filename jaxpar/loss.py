@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.core.config import Config
+from jaxpar.core.data_order import unmasked
 from jaxpar.ops import documents
 from jaxpar.parallel.sequence import zigzag_order
 
@@ -31,8 +32,9 @@ class Rows(NamedTuple):
 
 def split_rows(batch: jax.Array, order=None, eod: int | None = None) -> Rows:
     """rows [batch, seq + 1] -> Rows, permuted alike by `order` (the mean loss is unchanged); `eod`: the
-    document token (jaxpar/core/tokens.py: document_token) when attention stays within documents."""
-    inputs, targets = batch[:, :-1], batch[:, 1:]
+    document token (jaxpar/core/tokens.py: document_token) when attention stays within documents. A target
+    the loss skips stays negative (data_order.Samples); the inputs are the tokens."""
+    inputs, targets = unmasked(batch[:, :-1]), batch[:, 1:]
     positions, segments = (None, None) if eod is None else documents(inputs, eod)
     if order is not None:
         inputs, targets = inputs[:, order], targets[:, order]
@@ -42,16 +44,27 @@ def split_rows(batch: jax.Array, order=None, eod: int | None = None) -> Rows:
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """The mean over all target positions of the cross-entropy, a skipped (negative) target counting 0: times
+    token_share of the whole batch, the mean over the counted targets."""
     logz = jax.nn.logsumexp(logits, axis=-1)
     # the target's logit by a masked sum, not a gather: fuses with the pass logsumexp makes, splits over
     # tp like it, and a gather along a tp-sharded vocab inside the pipeline's shard_map crashes XLA's partitioner
     vocab = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
     picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
-    return jnp.mean(logz - picked)
+    return jnp.mean(jnp.where(targets >= 0, logz - picked, 0.0))
+
+
+def token_share(batch: jax.Array) -> jax.Array:
+    """Target positions per counted target in the global batch: 1.0 (exactly) unless the data has a loss mask.
+    Every microbatch's and data rank's mean is scaled by the same number, so the step's loss is the mean over
+    the counted targets of the whole batch, however it is split (a mean per microbatch would weigh a
+    microbatch with few response tokens as much as one with many)."""
+    targets = batch[:, 1:]
+    return targets.size / jnp.maximum(jnp.sum(targets >= 0), 1).astype(jnp.float32)
 
 
 def loss_fn(model, batch: jax.Array, order=None, eod: int | None = None) -> jax.Array:
-    """Mean next-token cross-entropy of `model` over rows [batch, seq + 1], read in `order` (None: natural),
-    within documents when `eod` is given."""
+    """Next-token cross-entropy of `model` over rows [batch, seq + 1] (as cross_entropy: times token_share, the
+    mean over the counted targets), read in `order` (None: natural), within documents when `eod` is given."""
     rows = split_rows(batch, order, eod)
     return cross_entropy(model(rows.inputs, rows.positions, rows.segments), rows.targets)

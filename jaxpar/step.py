@@ -16,7 +16,7 @@ from jaxpar.core.sketches import stacked_sketches
 from jaxpar.core.tokens import document_token
 from jaxpar.layout import Layout
 from jaxpar.mesh import make_mesh
-from jaxpar.loss import cross_entropy, loss_fn, split_rows, token_order
+from jaxpar.loss import cross_entropy, loss_fn, split_rows, token_order, token_share
 from jaxpar.models.decoder import abstract_model
 from jaxpar.ops import sum_over_microbatches
 from jaxpar.optim import lr_fn, make_optimizer
@@ -96,14 +96,15 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
         state = to_device(layout, state)  # parallel.offload: host -> device for this step
         params = state["params"]
         scale = state["loss_scale"]["scale"] if fp16 else 1.0
+        share = token_share(batch)  # 1.0 unless the data masks targets out of the loss
 
         if psgd is not None:  # parallel.grad_compression=powersgd: mean loss and gradients, its state updated
-            loss, grads, new_psgd = psgd(params, batch, state["powersgd"], state["step"])
+            loss, grads, new_psgd = psgd(params, batch, state["powersgd"], state["step"], share)
         else:
             if compressed is not None:  # parallel.grad_compression=bf16: the data axes' reduction in bfloat16
-                loss, grads = compressed(params, batch, jnp.asarray(scale, jnp.float32))
+                loss, grads = compressed(params, batch, jnp.asarray(scale, jnp.float32) * share)
             else:
-                loss, grads = sum_over_microbatches(value_and_grad, params, batch, scale, accum, lambda mb:
+                loss, grads = sum_over_microbatches(value_and_grad, params, batch, scale * share, accum, lambda mb:
                                                     jax.lax.with_sharding_constraint(mb, layout.batch_sharding))
             loss, grads = loss / (accum * scale), jax.tree.map(lambda g: g / (accum * scale), grads)
         if inject_overflow:
@@ -161,6 +162,6 @@ def make_eval_step(layout: Layout):
     def evaluate(params, batch):
         params = to_device(layout, {"params": params})["params"]
         with use(context):
-            return _loss(layout, graphdef, eod, params, batch)
+            return _loss(layout, graphdef, eod, params, batch) * token_share(batch)
 
     return jax.jit(evaluate, in_shardings=(layout.state_shardings["params"], layout.batch_sharding))

@@ -7,7 +7,7 @@ import os
 import torch
 
 from jaxpar.core.config import Config
-from jaxpar.core.data_order import GlobalBatches
+from jaxpar.core.data_order import GlobalBatches, unmasked
 from jaxpar.core.loop import sample_lengths
 from jaxpar.core.prefetch import Prefetch
 from torchpar import dist
@@ -53,7 +53,17 @@ class TorchFramework:
         if done is not None:  # the step's stream waits for the copy; the memory is not reused before it ends
             torch.cuda.current_stream().wait_event(done)
             rows.record_stream(torch.cuda.current_stream())
-        return self.engine.train_step(rows)
+        return self.engine.train_step(rows, self._share(rows))
+
+    def _share(self, rows: torch.Tensor) -> float:
+        """jaxpar's token_share (jaxpar/loss.py) of the global batch: target positions per counted target over
+        every rank's rows (a collective; ranks that read the same rows count them alike, which the ratio
+        cancels). 1.0, and no collective, for data without a loss mask."""
+        if not self.train_data.meta.get("loss_mask"):
+            return 1.0
+        targets = rows[:, 1:]
+        n, counted = dist.all_sum([targets.numel(), int((targets >= 0).sum())], self.env)
+        return n / max(counted, 1.0)
 
     def data_wait_s(self) -> float:
         return self.prefetch.waited_s
@@ -75,7 +85,7 @@ class TorchFramework:
         from torchpar.decode import generate
 
         prompt_len, new = sample_lengths(self.cfg.model.max_seq_len)
-        prompt = self._rows(self.val_data, 0)[:1, :prompt_len]
+        prompt = unmasked(self._rows(self.val_data, 0)[:1, :prompt_len])
         model = self.engine.raw.eval()
         out = generate(model, prompt, new, seed=step, temperature=0.8, top_k=40)
         model.train()
@@ -87,7 +97,10 @@ class TorchFramework:
     def evaluate(self, batches: int) -> float:
         engine = self.engine
         engine.module.eval()
-        losses = [engine.eval_loss(self._rows(self.val_data, i)) for i in range(batches)]
+        losses = []
+        for i in range(batches):
+            rows = self._rows(self.val_data, i)
+            losses.append(engine.eval_loss(rows, self._share(rows)))
         engine.module.train()
         return dist.all_sum([sum(losses) / len(losses)], self.env)[0] / engine.data_ways
 

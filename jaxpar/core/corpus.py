@@ -37,13 +37,14 @@ def read_bytes(path: str) -> bytes:
         raise UserError(f"cannot read {path}: {e.strerror or e}") from None
 
 
-def _text(value, where: str, text_field: str) -> bytes:
+def _text(value, where: str, field: str, flag: str = "--text-field") -> bytes:
     if not isinstance(value, str):
-        raise UserError(f"{where}: field {text_field!r} is {type(value).__name__}, not text (--text-field names it)")
+        raise UserError(f"{where}: field {field!r} is {type(value).__name__}, not text ({flag} names it)")
     return value.encode("utf-8")
 
 
-def _jsonl(path: str, text_field: str) -> Iterator[bytes]:
+def _jsonl(path: str) -> Iterator[tuple[str, dict]]:
+    """(where, record) of each non-blank line: where is path:line, for messages."""
     try:
         with open(path, "rb") as f:
             for n, raw in enumerate(f, 1):
@@ -57,34 +58,51 @@ def _jsonl(path: str, text_field: str) -> Iterator[bytes]:
                         record = json.loads(line)
                     except ValueError as e:
                         raise UserError(f"{path}:{n}: not a JSON object ({e})") from None
-                    if not isinstance(record, dict) or text_field not in record:
-                        raise UserError(f"{path}:{n}: no field {text_field!r} (--text-field names it)")
-                    yield _text(record[text_field], f"{path}:{n}", text_field)
+                    if not isinstance(record, dict):
+                        raise UserError(f"{path}:{n}: not a JSON object (a {type(record).__name__})")
+                    yield f"{path}:{n}", record
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror or e}") from None
 
 
-def _parquet(path: str, text_field: str) -> Iterator[bytes]:
+def _parquet(path: str, wanted: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
+    """(where, row) of each row, with the columns of `wanted` the file has (where: path:row)."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise UserError(f"{path}: Parquet needs the pyarrow package (pip install pyarrow)") from None
     try:
         table = pq.ParquetFile(path)
-        if text_field not in table.schema_arrow.names:
-            raise UserError(f"{path}: no column {text_field!r} (columns: {', '.join(table.schema_arrow.names)})")
-        for batch in table.iter_batches(columns=[text_field]):
-            for value in batch.column(0).to_pylist():
-                yield _text(value, path, text_field)
+        columns = [c for c in wanted if c in table.schema_arrow.names]
+        if not columns:
+            raise UserError(f"{path}: no column {' or '.join(map(repr, wanted))} "
+                            f"(columns: {', '.join(table.schema_arrow.names)})")
+        n = 0
+        for batch in table.iter_batches(columns=columns):
+            for row in batch.to_pylist():
+                n += 1
+                yield f"{path}:row {n}", row
     except (OSError, ValueError) as e:  # pyarrow's errors derive from these
         raise UserError(f"cannot read {path} as Parquet: {str(e).splitlines()[0]}") from None
 
 
-def documents(files: list[str], text_field: str = "text") -> Iterator[bytes]:
+def records(files: list[str], wanted: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
+    """(where, record) of every JSON line and Parquet row of `files` (their `wanted` columns for Parquet)."""
     for path in files:
         if path.endswith(".jsonl"):
-            yield from _jsonl(path, text_field)
+            yield from _jsonl(path)
         elif path.endswith(".parquet"):
-            yield from _parquet(path, text_field)
+            yield from _parquet(path, wanted)
+        else:
+            raise UserError(f"{path}: prompt/response records come from .jsonl or .parquet files")
+
+
+def documents(files: list[str], text_field: str = "text") -> Iterator[bytes]:
+    for path in files:
+        if path.endswith((".jsonl", ".parquet")):
+            for where, record in records([path], (text_field,)):
+                if text_field not in record:
+                    raise UserError(f"{where}: no field {text_field!r} (--text-field names it)")
+                yield _text(record[text_field], where, text_field)
         else:
             yield read_bytes(path)

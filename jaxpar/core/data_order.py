@@ -83,13 +83,17 @@ class Samples:
             raise UserError(f"val_fraction must be in [0, 1), got {val_fraction}")
         self.path, self.meta, self.seed, self.split = path, read_meta(path), seed, split
         self.vocab_size, self.num_tokens = self.meta["vocab_size"], self.meta["num_tokens"]
-        self.offset, hi = split_range(self.num_tokens, val_fraction, split)
         self.width = seq_len + 1  # inputs row[:-1], targets row[1:]
+        window = self.meta.get("window", 1)  # a packed dataset's (jaxpar/core/packing.py)
+        if window not in (1, self.width):
+            raise UserError(f"dataset {path} is packed into windows of {window} tokens: it needs "
+                            f"data.seq_len={window - 1}, not {seq_len}")
+        self.offset, hi = split_range(self.num_tokens, val_fraction, split, window)
         if hi - self.offset < self.width:
             raise UserError(f"{split} split of dataset {path} has {hi - self.offset} tokens (of {self.num_tokens}, "
                             f"val_fraction={val_fraction}); one window of seq_len+1 needs {self.width}")
         self.num_windows = (hi - self.offset) // self.width
-        self._mm = None
+        self._mm = self._mask = None
 
     def window(self, i: int) -> int:
         """Which window sample i reads."""
@@ -99,14 +103,25 @@ class Samples:
         return shuffled_index(j, self.num_windows, (self.seed % 2**32 + epoch) % 2**32)  # a new order each epoch
 
     def __getitem__(self, i: int) -> np.ndarray:
+        """Sample i; where the dataset has a loss mask, a token the loss skips as a target reads as ~token
+        (negative: loss.py and torchpar's loss skip it, `unmasked` gives the token back)."""
         if self._mm is None:  # opened lazily, and dropped when pickled: worker processes map the file themselves
             dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
             self._mm = np.memmap(self.path, dtype=dtype, mode="r", shape=(self.num_tokens,))
+            if self.meta.get("loss_mask"):
+                self._mask = np.memmap(self.path + ".mask", dtype=np.uint8, mode="r", shape=(self.num_tokens,))
         start = self.offset + self.window(i) * self.width
-        return np.asarray(self._mm[start:start + self.width], dtype=np.int32)
+        row = np.asarray(self._mm[start:start + self.width], dtype=np.int32)
+        return np.where(self._mask[start:start + self.width] != 0, row, ~row) if self._mask is not None else row
 
     def __getstate__(self):
-        return {**self.__dict__, "_mm": None}
+        return {**self.__dict__, "_mm": None, "_mask": None}
+
+
+def unmasked(rows):
+    """The token ids of rows read from a dataset with a loss mask (Samples): ~t gives t back, and t stays.
+    Operators only, so numpy, torch and jax arrays alike (an arithmetic shift: -1 where negative, else 0)."""
+    return rows ^ (rows >> 31)
 
 
 class GlobalBatches:

@@ -11,12 +11,14 @@ import os
 import sys
 import sysconfig
 import tempfile
+from contextlib import nullcontext
 
 import numpy as np
 
 from jaxpar.core.config import DataConfig
-from jaxpar.core.corpus import collect, documents, read_bytes
+from jaxpar.core.corpus import collect, documents, read_bytes, records
 from jaxpar.core.errors import UserError
+from jaxpar.core.packing import PackStats, SftFields, document, pack as pack_windows, sft_pieces
 
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idlelib"}
 EOD_NAMES = ("<|endoftext|>", "</s>", "<eos>")  # a tokenizer.json's end-of-document token, the first it has
@@ -66,14 +68,17 @@ def _start_worker(tokenizer: str) -> None:
     _WORKER["encode"] = _tokenizer(tokenizer)[0]
 
 
-def _encode_in_worker(document: bytes):
-    return _WORKER["encode"](document)
+def _encode_in_worker(doc):
+    where, pieces = doc
+    return where, [(_WORKER["encode"](text), counted) for text, counted in pieces]
 
 
-def _encoded(docs, tokenizer: str, encode, workers: int):
-    """Token arrays of `docs` in order: in this process for bytes (a copy), else in `workers` processes."""
+def _encoded(docs, tokenizer: str, workers: int):
+    """(where, [(tokens, counted)]) of each (where, [(bytes, counted)]) document, in order: in this process for
+    bytes (a copy), else in `workers` processes."""
     if tokenizer == "byte" or workers <= 1:
-        yield from map(encode, docs)
+        _start_worker(tokenizer)
+        yield from map(_encode_in_worker, docs)
         return
     import multiprocessing
 
@@ -97,8 +102,10 @@ def _temp_for(path: str, tmps: list, mode: str):
     return os.fdopen(fd, mode)
 
 
-def _write_dataset(out: str, chunks, vocab_size: int, tokenizer: str, eod: int | None = None) -> str:
-    """Streams token chunks to a temp file, then renames; the sidecar goes last, marking a complete dataset.
+def _write_dataset(out: str, chunks, vocab_size: int, tokenizer: str, eod: int | None = None, masked: bool = False,
+                   extra=dict) -> str:
+    """Streams token chunks (`masked`: (tokens, loss mask) pairs) to temp files, then renames; the sidecar goes
+    last, marking a complete dataset; `extra()` adds to it once the chunks are written.
 
     An interrupted write leaves the old dataset; concurrent writers each rename their own complete file.
     """
@@ -106,19 +113,23 @@ def _write_dataset(out: str, chunks, vocab_size: int, tokenizer: str, eod: int |
     tmps: list[str] = []
     try:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        n_tok = n_doc = 0
-        with _temp_for(out, tmps, "wb") as f:
-            for toks in chunks:
-                toks = np.asarray(toks)
+        n_tok = n_doc = n_counted = 0
+        with _temp_for(out, tmps, "wb") as f, (_temp_for(out + ".mask", tmps, "wb") if masked else nullcontext()) as m:
+            for chunk in chunks:
+                toks = np.asarray(chunk[0] if masked else chunk)
                 if toks.size and (toks.min() < 0 or toks.max() >= vocab_size):
                     raise UserError(f"token ids out of range for vocab_size={vocab_size} while writing {out}")
                 f.write(toks.astype(dtype).tobytes())
+                if masked:
+                    m.write(np.asarray(chunk[1], np.uint8).tobytes())
+                    n_counted += int(np.count_nonzero(chunk[1]))
                 n_tok, n_doc = n_tok + toks.size, n_doc + 1
         meta = {"dtype": dtype.name, "vocab_size": int(vocab_size), "num_tokens": int(n_tok),
-                "tokenizer": tokenizer, "num_documents": n_doc, **({} if eod is None else {"eod_token": eod})}
+                "tokenizer": tokenizer, "num_documents": n_doc, **({} if eod is None else {"eod_token": eod}),
+                **({"loss_mask": True, "counted_tokens": n_counted} if masked else {}), **extra()}
         with _temp_for(out + ".json", tmps, "w") as f:
             json.dump(meta, f, indent=2)
-        for tmp, dst in zip(tmps, (out, out + ".json")):
+        for tmp, dst in zip(tmps, (out,) + ((out + ".mask",) if masked else ()) + (out + ".json",)):
             os.chmod(tmp, 0o644)  # mkstemp creates 0600; datasets are often shared
             os.replace(tmp, dst)
     except BaseException as e:  # also KeyboardInterrupt: never leave temp files behind
@@ -131,32 +142,55 @@ def _write_dataset(out: str, chunks, vocab_size: int, tokenizer: str, eod: int |
     return out
 
 
-def prepare(inputs: list[str], out: str, tokenizer: str = "byte", text_field: str = "text", workers: int = 1) -> str:
+def _documents(files: list[str], text_field: str, sft: SftFields | None):
+    """(where, [(bytes, counted)]) of each document: a text document is one counted piece; sft: packing.py."""
+    if sft is None:
+        for i, doc in enumerate(documents(files, text_field), 1):
+            yield f"document {i}", [(doc, True)]
+    else:
+        for where, record in records(files, sft.columns):
+            yield where, [(text.encode("utf-8"), counted) for text, counted in sft_pieces(where, record, sft)]
+
+
+def prepare(inputs: list[str], out: str, tokenizer: str = "byte", text_field: str = "text", workers: int = 1,
+            sft: SftFields | None = None, pack: int = 0, too_long: str = "refuse") -> str:
     """Tokenizes a corpus (corpus.py: text files, JSON lines, Parquet; directories walked) into `out` +
-    `out.json`, with the end-of-document token between documents; a progress bar on a terminal."""
+    `out.json`, with the end-of-document token between documents; a progress bar on a terminal.
+    `sft`: prompt/response records, with a loss mask (`out.mask`); `pack`: whole documents packed into windows
+    of pack + 1 tokens (packing.py), with the padding masked out of the loss."""
     from tqdm import tqdm
 
     files = collect(inputs)
-    encode, vocab_size, name = _tokenizer(tokenizer)
-    eod = np.asarray([eod_token(tokenizer)])
+    vocab_size, name = _tokenizer(tokenizer)[1:]
+    eod = eod_token(tokenizer)
     sizes = None if any(f.endswith(".parquet") for f in files) else sum(os.path.getsize(f) for f in files)
     bar = tqdm(total=sizes, unit="B", unit_scale=True, desc=f"tokenizing {os.path.basename(out)}", disable=None,
                file=sys.stderr)
 
     def read():
-        for doc in documents(files, text_field):
-            bar.update(len(doc))
-            yield doc
+        for where, pieces in _documents(files, text_field, sft):
+            bar.update(sum(len(text) for text, _ in pieces))
+            yield where, pieces
 
-    def chunks():
+    def encoded():
         n_tok = 0
-        for i, toks in enumerate(_encoded(read(), tokenizer, encode, workers)):
-            n_tok += len(toks)
+        for where, pieces in _encoded(read(), tokenizer, workers):
+            n_tok += sum(len(t) for t, _ in pieces)
             bar.set_postfix_str(f"{n_tok / max(bar.format_dict['elapsed'], 1e-9):,.0f} tok/s", refresh=False)
-            yield np.concatenate([eod, toks]) if i else toks
+            yield where, pieces
 
     try:
-        return _write_dataset(out, chunks(), vocab_size, name, eod=int(eod[0]))
+        if sft is None and not pack:  # a token stream: the end-of-document token before every document but the first
+            chunks = (np.concatenate([[eod], p[0][0]]) if i else p[0][0] for i, (_, p) in enumerate(encoded()))
+            return _write_dataset(out, chunks, vocab_size, name, eod=eod)
+        docs = ((where, *document(pieces, eod)) for where, pieces in encoded())
+        if not pack:
+            return _write_dataset(out, ((t, m) for _, t, m in docs), vocab_size, name, eod=eod, masked=True)
+        stats = PackStats()
+        return _write_dataset(out, pack_windows(docs, pack + 1, eod, too_long, stats), vocab_size, name, eod=eod,
+                              masked=True, extra=lambda: {
+                                  "window": pack + 1, "num_documents": stats.documents, "padding_tokens": stats.padding,
+                                  "split_documents": stats.split, "dropped_documents": stats.dropped})
     finally:
         bar.close()
 
@@ -185,6 +219,12 @@ def read_meta(path: str) -> dict:
     size = os.path.getsize(path)
     if size != n * dtype.itemsize:  # e.g. a .bin truncated by a copy, or paired with another sidecar
         raise UserError(f"dataset {path} has {size} bytes but its sidecar says {n} {dtype.name} tokens")
+    if meta.get("loss_mask") and (not os.path.isfile(path + ".mask") or os.path.getsize(path + ".mask") != n):
+        raise UserError(f"dataset {path} needs its loss mask {path}.mask of {n} bytes (missing or another size); "
+                        "re-create it with python -m jaxpar.data prepare")
+    window = meta.get("window", 1)
+    if not isinstance(window, int) or window < 1 or n % window:
+        raise UserError(f"dataset sidecar {side} is invalid (window={window} does not tile {n} tokens)")
     return {**meta, "dtype": dtype.name, "num_tokens": n, "vocab_size": vocab}
 
 
@@ -222,7 +262,8 @@ def resolve_dataset(cfg: DataConfig) -> str:
     return prepare(files, path, cfg.tokenizer)
 
 
-def split_range(num_tokens: int, val_fraction: float, split: str) -> tuple[int, int]:
-    """Token range [lo, hi) of a split: validation is the last `val_fraction` of the file."""
-    n_val = int(num_tokens * val_fraction)
+def split_range(num_tokens: int, val_fraction: float, split: str, window: int = 1) -> tuple[int, int]:
+    """Token range [lo, hi) of a split: validation is the last `val_fraction` of the file, in whole windows of a
+    packed dataset (`window` tokens each)."""
+    n_val = int(num_tokens // window * val_fraction) * window
     return (0, num_tokens - n_val) if split == "train" else (num_tokens - n_val, num_tokens)

@@ -133,7 +133,7 @@ def reduce_powersgd(layout, grads: dict, state: dict, axes: tuple[str, ...], n: 
 
 
 def powersgd_loss_and_grads(layout, value_and_grad, accum: int):
-    """(params, batch, powersgd state, step) -> (mean loss, mean gradients, new powersgd state): the step's loss
+    """(params, batch, powersgd state, step, token share) -> (mean loss, mean gradients, new powersgd state): the step's loss
     and gradients as the plain step makes them, reduced over the data axes by PowerSGD after its warm-up."""
     mesh, axes = layout.mesh, data_axes(layout.mesh)
     n, warmup = data_size(mesh), layout.cfg.parallel.powersgd_warmup_steps
@@ -145,8 +145,8 @@ def powersgd_loss_and_grads(layout, value_and_grad, accum: int):
     def compressed(grads, state):
         return reduce_powersgd(layout, grads, state, axes, n)
 
-    def local(params, batch, state, step):
-        loss, grads = rank_loss_and_grads(params, batch, 1.0)
+    def local(params, batch, state, step, share):
+        loss, grads = rank_loss_and_grads(params, batch, share)  # share: step.py's token_share
         grads = {k: g / accum for k, g in flatten(grads).items()}
         if warmup:  # (0: the planner's steady state, jaxpar/tools/plan.py; the config asks for 2 or more)
             grads, state = jax.lax.cond(step < warmup, plain, compressed, grads, state)
@@ -155,7 +155,7 @@ def powersgd_loss_and_grads(layout, value_and_grad, accum: int):
         return jax.lax.psum(loss, axes) / (n * accum), unflatten(grads), state
 
     state_spec = {"error": P(axes), "q": P()}
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), batch_spec, state_spec, P()),
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), batch_spec, state_spec, P(), P()),
                          out_specs=(P(), P(), state_spec), axis_names=set(axes), check_vma=False)
 
 

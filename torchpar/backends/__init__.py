@@ -20,16 +20,17 @@ class Engine(Protocol):
     data_ways: int  # ...of how many (the ranks whose losses make the mean)
     local_params: int | None  # parameter elements this rank holds (None where the engine does not say)
 
-    def train_step(self, batch) -> object:
+    def train_step(self, batch, share: float = 1.0) -> object:
         """This rank's rows of the global batch: microbatches, backward, clipping, the update (and float16's
-        loss scaler); a handle on the step's metrics."""
+        loss scaler); a handle on the step's metrics. `share`: every loss is scaled by it (the framework's
+        token_share: 1.0 unless the data has a loss mask)."""
 
     def read(self, handle) -> dict:
         """loss (averaged over the data ranks: a collective), grad_norm, lr, and float16's loss_scale and
         skipped_steps."""
 
-    def eval_loss(self, batch) -> float:
-        """This rank's loss on its rows of a validation batch."""
+    def eval_loss(self, batch, share: float = 1.0) -> float:
+        """This rank's loss on its rows of a validation batch, times `share`."""
 
     def inject_overflow(self) -> None:
         """Test fault (TORCHPAR_FAULT_OVERFLOW_AT_STEP): the next step's gradients are made non-finite."""

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from jaxpar.core.lr_schedule import lr_at
 from torchpar import dist
 from torchpar.checkpoint import DCPCheckpointer
-from torchpar.models.decoder import next_token_loss
+from torchpar.models.decoder import next_token_loss, split_rows
 from torchpar.optim import make_optimizer
 
 
@@ -49,9 +49,10 @@ def read_metrics(handle, env, data_ways: int) -> dict:
     return {"loss": loss_sum / data_ways, "grad_norm": float(grad_norm), "lr": float(lr), **extra}
 
 
-def eval_loss(module, batch: torch.Tensor) -> float:
+def eval_loss(module, batch: torch.Tensor, share: float = 1.0) -> float:
+    inputs, targets = split_rows(batch)
     with torch.no_grad():
-        return float(next_token_loss(module(batch[:, :-1]), batch))
+        return float(next_token_loss(module(inputs), targets)) * share
 
 
 def grad_scaler(cfg, env, sharded: bool = False):
@@ -85,8 +86,8 @@ class TorchEngine:
         """Parameter elements this rank holds: its shards under FSDP2, its stage under pipeline, else all."""
         return sum(local(p).numel() for p in self.params)
 
-    def eval_loss(self, batch: torch.Tensor) -> float:
-        return eval_loss(self.module, batch)
+    def eval_loss(self, batch: torch.Tensor, share: float = 1.0) -> float:
+        return eval_loss(self.module, batch, share)
 
     def read(self, handle) -> dict:
         return read_metrics(handle, self.env, self.data_ways)
@@ -94,9 +95,10 @@ class TorchEngine:
     def inject_overflow(self) -> None:
         self.overflow_next = True
 
-    def train_step(self, batch: torch.Tensor):
+    def train_step(self, batch: torch.Tensor, share: float = 1.0):
         """This rank's rows of the global batch: accumulate over train.microbatches, clip, update; a handle on
-        the metrics (read them with `read`)."""
+        the metrics (read them with `read`). `share`: the framework's token_share (1.0 without a loss mask)."""
+        self.share = share
         micro = microbatches(batch, self.cfg.train.microbatches)
         lr = lr_at(self.step - self.skipped, self.cfg.optim, self.cfg.train.steps)  # counts applied updates
         for group in self.optimizer.param_groups:
@@ -147,7 +149,8 @@ class TorchEngine:
         total = torch.zeros((), device=micro[0].device)
         for m, batch in enumerate(micro):
             with self.sync(m == len(micro) - 1):
-                loss = next_token_loss(self.module(batch[:, :-1]), batch) / len(micro)
+                inputs, targets = split_rows(batch)
+                loss = next_token_loss(self.module(inputs), targets) * self.share / len(micro)
                 (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             total += loss.detach()
         return total

@@ -87,9 +87,9 @@ class DDPEngine(TorchEngine):
     steps send everything whole)."""
     plain_bytes, powersgd = 0, None  # what the hook sends whole (set by build), PowerSGD's state
 
-    def train_step(self, batch: torch.Tensor):
+    def train_step(self, batch: torch.Tensor, share: float = 1.0):
         before = self.powersgd.total_numel_after_compression if self.powersgd is not None else 0
-        total, norm, lr, extra = super().train_step(batch)
+        total, norm, lr, extra = super().train_step(batch, share)
         sent = self.plain_bytes
         if self.powersgd is not None and self.powersgd.total_numel_after_compression > before:
             sent = 4 * (self.powersgd.total_numel_after_compression - before)

@@ -32,7 +32,7 @@ from torchpar.backends.base import eval_loss, microbatches, read_metrics
 from torchpar.backends.deepspeed_universal import (forget, group_settings, quiet_universal_load, repair_zero3_load,
                                                    universal_source)
 from torchpar.checkpoint import complete_steps, failing_save
-from torchpar.models.decoder import next_token_loss
+from torchpar.models.decoder import next_token_loss, split_rows
 from torchpar.optim import SharedLRSchedule, param_groups
 
 
@@ -119,8 +119,8 @@ class DeepSpeedEngine:
         self.dir = os.path.abspath(os.path.join(cfg.run.dir, "checkpoints"))
         self.data_rank, self.data_ways = env.rank, env.world
 
-    def eval_loss(self, batch: torch.Tensor) -> float:
-        return eval_loss(self.module, batch)
+    def eval_loss(self, batch: torch.Tensor, share: float = 1.0) -> float:
+        return eval_loss(self.module, batch, share)
 
     def read(self, handle) -> dict:
         return read_metrics(handle, self.env, self.data_ways)
@@ -128,12 +128,13 @@ class DeepSpeedEngine:
     def inject_overflow(self) -> None:
         raise UserError("TORCHPAR_FAULT_OVERFLOW_AT_STEP (a test fault) is not implemented for --backend deepspeed")
 
-    def train_step(self, batch: torch.Tensor):
+    def train_step(self, batch: torch.Tensor, share: float = 1.0):
         micro = microbatches(batch, self.cfg.train.microbatches)
         lr = self.engine.get_lr()[0]
         total, norm = torch.zeros((), device=self.env.device), None
         for m, batch in enumerate(micro):
-            loss = next_token_loss(self.engine(batch[:, :-1]), batch)
+            inputs, targets = split_rows(batch)
+            loss = next_token_loss(self.engine(inputs), targets) * share
             self.engine.backward(loss)  # DeepSpeed scales by 1/accumulation and reduces at the boundary
             if m == len(micro) - 1 and self.stage == 0 and not self.engine.fp16_enabled():
                 grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]

@@ -43,7 +43,7 @@ from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
 from jaxpar.core.pipeline_schedules import (check, chunks as chunks_per_rank, placement, resolve_microbatches,
                                             virtual_stage)
 from torchpar.backends.base import TorchEngine, local, whole
-from torchpar.models.decoder import Decoder, embed, output_head
+from torchpar.models.decoder import Decoder, embed, next_token_loss, output_head, split_rows
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
              "zb_h1": ScheduleInterleavedZeroBubble, "zb_v": ScheduleZBVZeroBubble}
@@ -137,21 +137,21 @@ class PipelineEngine(TorchEngine):
         self.norm_params = [p for n, p in stage.named_parameters() if not (n == "wte" and not stage.first)]
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)) * self.scale
+        return next_token_loss(logits, target) * self.scale
 
     def _order(self, batch: torch.Tensor) -> torch.Tensor:
         """Rows so that contiguous chunk m holds rows m, m+M, ... (jaxpar's microbatch m)."""
         return batch.reshape(-1, self.M, batch.shape[-1]).transpose(0, 1).reshape(batch.shape)
 
     def _run(self, batch: torch.Tensor, train: bool) -> float:
-        batch, s = self._order(batch), self.stage_module
-        args = (batch[:, :-1],) if s.first else ()
-        kwargs = {"target": batch[:, 1:], "losses": []} if s.last else {}
+        (inputs, targets), s = split_rows(self._order(batch)), self.stage_module
+        args = (inputs,) if s.first else ()
+        kwargs = {"target": targets, "losses": []} if s.last else {}
         (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
         return float(sum(kwargs["losses"])) if s.last else 0.0
 
     def forward_backward(self, micro: list[torch.Tensor]) -> torch.Tensor:
-        self.scale = 1.0 / (self.M * len(micro))  # mean over all microbatches of the step
+        self.scale = self.share / (self.M * len(micro))  # mean over all microbatches of the step
         total = sum(self._run(batch, train=True) for batch in micro)
         if self.tied is not None and (self.stage_module.first or self.stage_module.last):
             tdist.all_reduce(local(self.stage_module.wte.grad), group=self.tied)  # FSDP2: the matching shards
@@ -166,8 +166,8 @@ class PipelineEngine(TorchEngine):
         torch.nn.utils.clip_grads_with_norm_(self.params, clip, norm)
         return norm
 
-    def eval_loss(self, batch: torch.Tensor) -> float:
-        self.scale = 1.0 / self.M
+    def eval_loss(self, batch: torch.Tensor, share: float = 1.0) -> float:
+        self.scale = share / self.M
         if self.cfg.parallel.pipeline_schedule == "zb_v":
             # torch 2.13's ScheduleZBVZeroBubble.eval runs the backward actions' local hand-off at the V's turn
             # with no backward ("can't steal_bwd_input"): evaluate with a training pass, its gradients dropped

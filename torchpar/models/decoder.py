@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from jaxpar.core.config import ModelConfig
+from jaxpar.core.data_order import unmasked
 from torchpar.models.layers import Dense, LayerNorm, RMSNorm, causal_attention, document_mask, documents
 from torchpar.models.llama import GQAttention, SwiGLU
 from torchpar.models.variants import MLAttention, SketchedLinear, dilated_attention
@@ -153,6 +154,15 @@ def output_head(ln_f: nn.Module, table: nn.Parameter, x: torch.Tensor) -> torch.
     return F.linear(x, table.to(x.dtype)).float()
 
 
-def next_token_loss(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; `batch` rows are [seq + 1] tokens, logits from batch[:, :-1]."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+def split_rows(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [batch, seq + 1] -> (inputs, targets); a target the loss skips stays negative (as jaxpar's
+    loss.split_rows), the inputs are the tokens."""
+    return unmasked(batch[:, :-1]), batch[:, 1:]
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean over all target positions of the cross-entropy, a skipped (negative) target counting 0 (jaxpar's
+    loss.cross_entropy: times the batch's token share, the mean over the counted targets)."""
+    targets = targets.reshape(-1)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.clamp(min=0), reduction="none")
+    return torch.where(targets >= 0, ce, 0.0).mean()
