@@ -24,7 +24,7 @@ from safetensors.numpy import load_file
 
 from jaxpar.core.config import load_config
 from jaxpar.core.mesh_spec import parse_mesh
-from tests.helpers import ABORTS, make_dataset, run_in_session, torch_command, torch_env
+from tests.helpers import ABORTS, make_dataset, make_sft_dataset, run_in_session, torch_command, torch_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join(ROOT, "configs", "parity")
@@ -75,7 +75,7 @@ class Runner:
         self.workdir, self.device, self.steps, self.timeout = str(workdir), device, steps, timeout
         self.cache: dict[str, Run] = {}
         self._inits: dict[str, str] = {}
-        self._datasets: dict[bool, str] = {}
+        self._datasets: dict[str, str] = {}
 
     def unavailable(self, side: str) -> str | None:
         """Why `side` cannot run on this device, or None. On CPU everything runs (simulated devices)."""
@@ -105,17 +105,20 @@ class Runner:
             pytest.fail(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n{text[-5000:]}")
         return text
 
-    def dataset(self, documents: bool = False) -> str:
-        """The synthetic token file; `documents`: one of short packed documents (for data.document_mask)."""
-        if documents not in self._datasets:
+    def dataset(self, kind: str = "tokens") -> str:
+        """The synthetic token file of a kind: tokens, documents (short packed documents, for
+        data.document_mask), or sft (prompt/completion records with a loss mask, packed for seq_len 16)."""
+        if kind not in self._datasets:
             os.makedirs(self.workdir, exist_ok=True)
-            name, length = ("documents.bin", 8) if documents else ("tokens.bin", 0)
-            self._datasets[documents] = make_dataset(os.path.join(self.workdir, name), document_length=length)
-        return self._datasets[documents]
+            path = os.path.join(self.workdir, f"{kind}.bin")
+            self._datasets[kind] = (make_sft_dataset(path) if kind == "sft" else
+                                    make_dataset(path, document_length=8 if kind == "documents" else 0))
+        return self._datasets[kind]
 
     def base_args(self, config: str, overrides=()) -> list[str]:
-        documents = load_config(config_path(config), list(overrides)).data.document_mask
-        return ["--config", config_path(config), f"data.dataset={self.dataset(documents)}", f"train.steps={self.steps}",
+        cfg = load_config(config_path(config), list(overrides))
+        kind = "sft" if config == "sft" else "documents" if cfg.data.document_mask else "tokens"
+        return ["--config", config_path(config), f"data.dataset={self.dataset(kind)}", f"train.steps={self.steps}",
                 "train.log_every=1", "train.eval_every=0", "checkpoint.every=0", *overrides]
 
     def init_weights(self, config: str, overrides=()) -> str:

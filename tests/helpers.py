@@ -40,6 +40,23 @@ def make_dataset(path, n_tokens: int = 40_000, seed: int = 0, document_length: i
     return write_tokens(str(path), tokens, 256)
 
 
+def make_sft_dataset(path, seq_len: int = 16, records: int = 300, seed: int = 0) -> str:
+    """Prompt/completion records of random lengths (1-12 and 1-16 bytes of make_dataset's pattern), prepared with
+    a loss mask and packed for data.seq_len=`seq_len` (the longest split): a batch's rows and microbatches hold
+    unequal numbers of counted targets."""
+    from jaxpar.core.packing import SftFields
+    from jaxpar.core.tokens import prepare
+
+    rng = np.random.default_rng(seed)
+    text = "def f(x):\n    return x + 1\n" * 4
+    pick = lambda n: text[(s := int(rng.integers(0, 27))):s + int(rng.integers(1, n + 1))]  # noqa: E731
+    lines = [json.dumps({"prompt": pick(12), "completion": pick(16)}) for _ in range(records)]
+    corpus = f"{path}.jsonl"
+    with open(corpus, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return prepare([corpus], str(path), sft=SftFields(), pack=seq_len, too_long="split")
+
+
 def run_steps(cfg: Config, mesh: str, dataset: str, steps: int | None = None, devices=None) -> dict:
     """K training steps of a config on a mesh, in-process, with the trainer's own layout, state, step and
     data code: per-step loss / grad_norm / lr (lists of floats) and the final parameters (flat numpy)."""

@@ -39,6 +39,16 @@ def test_the_loss_mask_counts_the_responses_and_their_ends(tmp_path):
     assert meta["counted_tokens"] == len(counted) and meta["num_documents"] == 3
 
 
+def test_parquet_records_read_as_json_lines_do(tmp_path):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"q": [r["prompt"] for r in PAIRS], "a": [r["completion"] for r in PAIRS]}),
+                   tmp_path / "a.parquet")
+    fields = ("--format", "sft", "--prompt-field", "q", "--completion-field", "a")
+    got = prepared(tmp_path, [tmp_path / "a.parquet"], *fields)[:2]
+    want = prepared(tmp_path, [write_jsonl(tmp_path / "a.jsonl", PAIRS)], "--format", "sft")[:2]
+    assert all((g == w).all() for g, w in zip(got, want))
+
+
 def test_packing_keeps_each_document_whole_in_one_window(tmp_path):
     lengths = [9, 5, 5, 9, 11, 3]  # with their end-of-document tokens 10, 6, 6, 10, 12, 4: three full windows of 16
     docs = [bytes([65 + i]) * n for i, n in enumerate(lengths)]
