@@ -22,12 +22,12 @@ from jaxpar.core.packing import TOO_LONG, SftFields
 from jaxpar.core.tokens import prepare, read_meta, split_range
 
 
-def grain_batches(samples: Samples, global_batch_size: int) -> GlobalBatches:
+def grain_batches(samples: Samples, global_batch_size: int, sizes=None) -> GlobalBatches:
     """Global batches whose samples are read through a grain MapDataset over the shared order."""
     import grain  # here, not at module level: grain imports jax (~1 s), which prepare/info don't need
 
     dataset = grain.MapDataset.range(0, 2**62).map(samples.__getitem__)  # sample i, any i >= 0
-    return GlobalBatches(samples, global_batch_size, read=dataset.__getitem__)
+    return GlobalBatches(samples, global_batch_size, read=dataset.__getitem__, sizes=sizes)
 
 
 def TokenBatches(path: str, seq_len: int, global_batch_size: int, seed: int, split: str = "train",  # noqa: N802
@@ -40,7 +40,7 @@ def device_batch(data: GlobalBatches, step: int, sharding):
     """The global batch at `step` as a sharded array; this process reads only the rows it holds."""
     import jax
 
-    shape = (data.global_batch_size, data.seq_len + 1)
+    shape = (data.batch_size(step), data.seq_len + 1)
     index_map = sharding.addressable_devices_indices_map(shape)
     lo = min(ix[0].start or 0 for ix in index_map.values())
     hi = max(ix[0].stop or shape[0] for ix in index_map.values())

@@ -3,6 +3,8 @@ data, evaluation, sampling, orbax saves, and the collectives the loop needs acro
 from __future__ import annotations
 
 import os
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +42,7 @@ class JaxFramework:
     def __init__(self, cfg: Config, data, layout, state, ckpt):
         self.cfg, self.layout, self.state, self.ckpt = cfg, layout, state, ckpt
         self.train_data, self.val_data = data
-        self._train_step = compiled_train_step(layout, state)
+        self._train_steps = {cfg.train.global_batch_size: compiled_train_step(layout, state)}  # by batch size
         self._eval_step = make_eval_step(layout)
         self._generate = None  # train.sample_every's decoder, made on first use
         self._overflow_step = None  # the test hook's step (<PREFIX>_FAULT_OVERFLOW_AT_STEP)
@@ -49,9 +51,18 @@ class JaxFramework:
     def close(self) -> None:
         self.prefetch.close()
 
+    def _compiled(self, batch_size: int):
+        """The step for a batch size (train.batch_rampup's are compiled at their first step, one each)."""
+        if batch_size not in self._train_steps:
+            t0 = time.perf_counter()
+            self._train_steps[batch_size] = compiled_train_step(self.layout, self.state, batch_size=batch_size)
+            if jax.process_index() == 0:
+                print(f"batch size {batch_size}: compiled in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        return self._train_steps[batch_size]
+
     def train_step(self, step: int):
         batch = self.prefetch(step)  # the next one is read ahead
-        step_fn, self._overflow_step = self._overflow_step or self._train_step, None
+        step_fn, self._overflow_step = self._overflow_step or self._compiled(batch.shape[0]), None
         self.state, metrics = step_fn(self.state, batch)
         return metrics
 

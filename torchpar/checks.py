@@ -7,6 +7,7 @@ import torch
 from jaxpar.core.config import Config
 from jaxpar.core.contract import Run, check_contract
 from jaxpar.core.errors import UserError
+from jaxpar.core.rampup import for_each_batch_size
 from jaxpar.core.mesh_spec import check_torch_mesh
 from jaxpar.core.trackers import check_trackers
 from torchpar.dist import launch_env
@@ -45,15 +46,13 @@ def check(cfg: Config, args) -> None:
                         "and its ZeRO hooks); leave train.compile=auto")
     if args.deepspeed_config and args.backend != "deepspeed":
         raise UserError("--deepspeed-config needs --backend deepspeed")
-    micro = cfg.train.global_batch_size // cfg.train.microbatches
     stages = {}
     if args.backend == "pipeline":
         from torchpar.backends.pipeline import check_torch_pipeline, pipeline_sizes
         check_torch_pipeline(cfg, world)
         stages = {"pp": pipeline_sizes(cfg, world)[0]}
-    elif micro % world:
-        raise UserError(f"batch per microbatch {micro} (train.global_batch_size={cfg.train.global_batch_size} / "
-                        f"train.microbatches={cfg.train.microbatches}) is not divisible by the world size {world}")
+    else:
+        for_each_batch_size(cfg, lambda at: check_batch(at, world))
     if args.backend == "deepspeed":
         from torchpar.backends import deepspeed
         deepspeed.check(cfg, args.deepspeed_config)
@@ -79,3 +78,10 @@ def check_offload(cfg: Config, backend: str) -> None:
     if backend == "deepspeed" and off == "params+optimizer" and stage != 3:
         raise UserError("parallel.offload=params+optimizer with deepspeed needs parallel.zero_stage=3 (DeepSpeed "
                         "offloads parameters at stage 3 only); parallel.offload=optimizer works at 1-3")
+
+
+def check_batch(cfg: Config, world: int) -> None:
+    micro = cfg.train.global_batch_size // cfg.train.microbatches
+    if micro % world:
+        raise UserError(f"batch per microbatch {micro} (train.global_batch_size={cfg.train.global_batch_size} / "
+                        f"train.microbatches={cfg.train.microbatches}) is not divisible by the world size {world}")

@@ -30,7 +30,7 @@ class TorchFramework:
 
     def _host_rows(self, data: GlobalBatches, step: int) -> torch.Tensor:
         """This rank's rows of the global batch at `step` (pipeline: every stage of a replica reads its share)."""
-        share, ways, n = self.engine.data_rank, self.engine.data_ways, data.global_batch_size
+        share, ways, n = self.engine.data_rank, self.engine.data_ways, data.batch_size(step)
         return torch.from_numpy(data.rows(step, share * n // ways, (share + 1) * n // ways)).long()
 
     def _rows(self, data: GlobalBatches, step: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from jaxpar.core.errors import UserError, cli
+from jaxpar.core.rampup import parse_rampup
 
 
 def _check(choices=None, lo=None, hi=None, lo_open=False):
@@ -127,6 +128,9 @@ class TrainConfig:
     # on an H100, compiling 5x longer; docs/gpu.md); auto: off on a GPU. torchpar's layers are always separate.
     scan_layers: str = field(default="auto", metadata=_check(choices=("auto", "on", "off")))
     profile_steps: str = ""  # "a:b" -> profiler trace of steps [a, b) in run.dir
+    # "START,INCREMENT,SAMPLES": the global batch grows from START by INCREMENT over the first SAMPLES samples
+    # (Megatron's rampup_batch_size; jaxpar/core/rampup.py); empty: global_batch_size from the first step
+    batch_rampup: str = ""
 
 
 @dataclass
@@ -286,6 +290,7 @@ def _check_consistency(cfg: Config) -> None:
     if t.global_batch_size % t.microbatches:
         raise UserError(
             f"train.global_batch_size={t.global_batch_size} is not divisible by train.microbatches={t.microbatches}")
+    parse_rampup(t.batch_rampup, t.global_batch_size, t.microbatches)
     if cfg.optim.min_lr > cfg.optim.lr:
         raise UserError(f"optim.min_lr={cfg.optim.min_lr} exceeds optim.lr={cfg.optim.lr}")
     _check_family(m)

@@ -149,6 +149,9 @@ CONTRACT: dict[str, Owner] = {
     # train
     "train.steps": Owner(True, BOTH, "loop"),
     "train.global_batch_size": Owner(True, BOTH, "data"),
+    "train.batch_rampup": Owner(True, ("none", "ddp", "fsdp", "deepspeed"), "data",
+                                why_not="torch.distributed.pipelining builds its schedule for one batch shape (use "
+                                        "--backend none, ddp, fsdp or deepspeed)"),
     "train.microbatches": Owner(True, BOTH, "step"),
     "train.seed": Owner(True, BOTH, "params"),
     "train.log_every": Owner(True, BOTH, "loop"),

@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
+from jaxpar.core.rampup import BatchSizes
 from jaxpar.core.tokens import read_meta, resolve_dataset, split_range
 
 
@@ -126,36 +127,42 @@ def unmasked(rows):
 
 class GlobalBatches:
     """Rows of the global batch at a step; `read(i)` returns sample i (the Samples themselves, or a
-    framework's loader over them)."""
+    framework's loader over them). `sizes`: the batch size of each step (train.batch_rampup; rampup.py), else
+    global_batch_size at every step."""
 
-    def __init__(self, samples: Samples, global_batch_size: int, read=None):
+    def __init__(self, samples: Samples, global_batch_size: int, read=None, sizes: BatchSizes | None = None):
         self.samples, self.global_batch_size = samples, global_batch_size
+        self.sizes = sizes or BatchSizes(global_batch_size)
         self.read = read or samples.__getitem__
         self.seq_len, self.vocab_size, self.num_windows = samples.width - 1, samples.vocab_size, samples.num_windows
         self.num_tokens, self.meta = samples.num_tokens, samples.meta
 
+    def batch_size(self, step: int) -> int:
+        return self.sizes.size(step)
+
     def rows(self, step: int, start: int, stop: int) -> np.ndarray:
         """Rows start..stop-1 of the global batch at `step`: int32 [stop-start, seq_len+1]."""
-        B = self.global_batch_size
         if step < 0:
             raise UserError(f"data step must be >= 0, got {step}")
+        B, first = self.batch_size(step), self.sizes.first(step)
         if not 0 <= start <= stop <= B:
-            raise UserError(f"batch rows [{start}, {stop}) out of range for global_batch_size={B}")
+            raise UserError(f"batch rows [{start}, {stop}) out of range for a batch of {B}")
         out = np.empty((stop - start, self.seq_len + 1), dtype=np.int32)
         for j, i in enumerate(range(start, stop)):
-            out[j] = self.read(step * B + i)
+            out[j] = self.read(first + i)
         return out
 
     def global_batch(self, step: int) -> np.ndarray:
-        return self.rows(step, 0, self.global_batch_size)
+        return self.rows(step, 0, self.batch_size(step))
 
 
 def open_splits(cfg: Config, batches=GlobalBatches) -> tuple[GlobalBatches, GlobalBatches]:
     """(train, val) global batches of the configured dataset (the default corpus is prepared on first use);
-    a validation batch is one microbatch. `batches(samples, global_batch_size)` builds each."""
+    a validation batch is one microbatch. `batches(samples, global_batch_size, sizes=None)` builds each."""
     t, d = cfg.train, cfg.data
     dataset = resolve_dataset(d)
-    train = batches(Samples(dataset, d.seq_len, t.seed, "train", d.val_fraction), t.global_batch_size)
+    train = batches(Samples(dataset, d.seq_len, t.seed, "train", d.val_fraction), t.global_batch_size,
+                    sizes=BatchSizes.of(cfg))
     if train.vocab_size > cfg.model.vocab_size:
         raise UserError(f"dataset {dataset} has vocab {train.vocab_size} > model.vocab_size={cfg.model.vocab_size}")
     val = batches(Samples(dataset, d.seq_len, t.seed, "val", d.val_fraction), t.global_batch_size // t.microbatches)

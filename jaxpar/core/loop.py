@@ -18,6 +18,7 @@ from jaxpar.core.config import Config, profile_window
 from jaxpar.core.errors import UserError
 from jaxpar.core.faults import FaultInjector
 from jaxpar.core.metrics_log import MetricsLog
+from jaxpar.core.rampup import BatchSizes
 from jaxpar.core.peers import PeerGuard
 
 
@@ -164,7 +165,7 @@ class Throughput:
     steps since the last record (evaluation, samples and saves are not counted)."""
 
     def __init__(self, cfg: Config, flops_per_token: float, peak_flops_total: float | None):
-        self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+        self.sizes, self.seq_len = BatchSizes.of(cfg), cfg.data.seq_len  # train.batch_rampup's sizes
         self.flops_per_token, self.peak = flops_per_token, peak_flops_total
 
     def restart(self, step: int, data_wait_s: float) -> None:
@@ -172,8 +173,9 @@ class Throughput:
 
     def record(self, step: int, data_wait_s: float) -> dict:
         elapsed = time.perf_counter() - self.mark
-        tps = (step - self.step) * self.tokens_per_step / elapsed
-        return {"tokens_per_sec": tps, "step_time_s": elapsed / (step - self.step),
+        tps = (self.sizes.first(step) - self.sizes.first(self.step)) * self.seq_len / elapsed
+        ramp = {"batch_size": self.sizes.size(step - 1)} if len(self.sizes.sizes) > 1 else {}  # the last step's
+        return {**ramp, "tokens_per_sec": tps, "step_time_s": elapsed / (step - self.step),
                 "mfu": tps * self.flops_per_token / self.peak if self.peak else None,
                 "data_wait_share": (data_wait_s - self.waited) / elapsed}
 

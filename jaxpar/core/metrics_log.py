@@ -36,7 +36,8 @@ class MetricsLog:
         for tracker in self.trackers:
             tracker.log(record["step"], scalars)
         parts = [f"step {record['step']:>{len(str(self.total))}}/{self.total}"]
-        for key, fmt in (("loss", "loss {:.4f}"), ("eval_loss", "eval {:.4f}"), ("lr", "lr {:.2e}"),
+        for key, fmt in (("loss", "loss {:.4f}"), ("eval_loss", "eval {:.4f}"), ("batch_size", "batch {}"),
+                         ("lr", "lr {:.2e}"),
                          ("grad_norm", "gnorm {:.3f}"), ("loss_scale", "scale {:g}"),
                          ("skipped_steps", "skipped {:.0f}"), ("tokens_per_sec", "{:,.0f} tok/s"),
                          ("mfu", "mfu {:.1%}"), ("memory_in_use_gib", "mem {:.2f}"),
