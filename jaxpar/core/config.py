@@ -53,8 +53,7 @@ class ModelConfig:
     kv_latent_dim: int = field(default=32, metadata=_check(lo=1))
     rope_head_dim: int = field(default=16, metadata=_check(lo=2))
     rope_theta: float = field(default=10000.0, metadata=_check(lo=0.0, lo_open=True))
-    # dilated (models/dilated.py): comma-separated (segment length, dilation rate) pairs; empty =
-    # one segment over the whole sequence with rate 1 (plain causal attention)
+    # dilated (models/dilated.py): (segment length, rate) pairs, comma-separated; empty: plain causal attention
     segment_lengths: str = ""
     dilation_rates: str = ""
     # sketched (core/sketches.py): fixed random sketch [in, sketch_ratio*in] from sketch_seed, trained factor
@@ -105,9 +104,7 @@ class DataConfig:
     seq_len: int = field(default=128, metadata=_check(lo=1))
     val_fraction: float = field(default=0.01, metadata=_check(lo=0.0, hi=0.5, lo_open=True))
     cache_dir: str = ""  # empty -> $JAXPAR_CACHE or ~/.cache/jaxpar
-    # packed rows: attention stays within a document (each starts at the end-of-document token the data puts
-    # before it) and positions restart at each one (jaxpar/loss.py, torchpar/models/decoder.py)
-    document_mask: bool = False
+    document_mask: bool = False  # attention within each document of a packed row, positions restart (loss.py)
 
 
 @dataclass
@@ -128,9 +125,7 @@ class TrainConfig:
     # on an H100, compiling 5x longer; docs/gpu.md); auto: off on a GPU. torchpar's layers are always separate.
     scan_layers: str = field(default="auto", metadata=_check(choices=("auto", "on", "off")))
     profile_steps: str = ""  # "a:b" -> profiler trace of steps [a, b) in run.dir
-    # "START,INCREMENT,SAMPLES": the global batch grows from START by INCREMENT over the first SAMPLES samples
-    # (Megatron's rampup_batch_size; jaxpar/core/rampup.py); empty: global_batch_size from the first step
-    batch_rampup: str = ""
+    batch_rampup: str = ""  # "START,INCREMENT,SAMPLES": Megatron's rampup_batch_size (core/rampup.py); "": off
 
 
 @dataclass
