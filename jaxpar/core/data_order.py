@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
+from jaxpar.core.packing import COUNTED, PADDING
 from jaxpar.core.rampup import BatchSizes
 from jaxpar.core.tokens import read_meta, resolve_dataset, split_range
 
@@ -106,14 +107,25 @@ class Samples:
     def __getitem__(self, i: int) -> np.ndarray:
         """Sample i; where the dataset has a loss mask, a token the loss skips as a target reads as ~token
         (negative: loss.py and torchpar's loss skip it, `unmasked` gives the token back)."""
+        self._open()
+        start = self.offset + self.window(i) * self.width
+        row = np.asarray(self._mm[start:start + self.width], dtype=np.int32)
+        return np.where(self._mask[start:start + self.width] == COUNTED, row, ~row) if self._mask is not None else row
+
+    def _open(self) -> None:
         if self._mm is None:  # opened lazily, and dropped when pickled: worker processes map the file themselves
             dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
             self._mm = np.memmap(self.path, dtype=dtype, mode="r", shape=(self.num_tokens,))
             if self.meta.get("loss_mask"):
                 self._mask = np.memmap(self.path + ".mask", dtype=np.uint8, mode="r", shape=(self.num_tokens,))
+
+    def padding(self, i: int) -> int:
+        """Padding tokens in sample i (a packed window's tail; 0 without a loss mask)."""
+        self._open()
+        if self._mask is None:
+            return 0
         start = self.offset + self.window(i) * self.width
-        row = np.asarray(self._mm[start:start + self.width], dtype=np.int32)
-        return np.where(self._mask[start:start + self.width] != 0, row, ~row) if self._mask is not None else row
+        return int(np.count_nonzero(self._mask[start:start + self.width] == PADDING))
 
     def __getstate__(self):
         return {**self.__dict__, "_mm": None, "_mask": None}
@@ -154,6 +166,13 @@ class GlobalBatches:
 
     def global_batch(self, step: int) -> np.ndarray:
         return self.rows(step, 0, self.batch_size(step))
+
+    def padding(self, step: int) -> int:
+        """Padding tokens in the global batch at `step` (read from the mask file, not through `read`)."""
+        if not self.meta.get("loss_mask"):
+            return 0
+        first = self.sizes.first(step)
+        return sum(self.samples.padding(first + i) for i in range(self.batch_size(step)))
 
 
 def open_splits(cfg: Config, batches=GlobalBatches) -> tuple[GlobalBatches, GlobalBatches]:

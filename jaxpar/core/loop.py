@@ -25,6 +25,7 @@ from jaxpar.core.peers import PeerGuard
 class Framework(Protocol):
     fault_prefix: str  # <PREFIX>_FAULT_* environment variables (jaxpar/core/faults.py)
     process_count: int
+    train_data: Any  # the training GlobalBatches (jaxpar/core/data_order.py)
 
     def roll_call(self, wait_s: float) -> list[int]:
         """Announce this process in the launcher's store; the processes that did not within `wait_s`."""
@@ -164,17 +165,22 @@ class Throughput:
     """Tokens per second, step time, MFU and the share of time spent waiting for data, over the training
     steps since the last record (evaluation, samples and saves are not counted)."""
 
-    def __init__(self, cfg: Config, flops_per_token: float, peak_flops_total: float | None):
+    def __init__(self, cfg: Config, flops_per_token: float, peak_flops_total: float | None, data=None):
         self.sizes, self.seq_len = BatchSizes.of(cfg), cfg.data.seq_len  # train.batch_rampup's sizes
         self.flops_per_token, self.peak = flops_per_token, peak_flops_total
+        self.padding = data.padding if data is not None and data.meta.get("loss_mask") else None
 
     def restart(self, step: int, data_wait_s: float) -> None:
         self.mark, self.step, self.waited = time.perf_counter(), step, data_wait_s
 
     def record(self, step: int, data_wait_s: float) -> dict:
         elapsed = time.perf_counter() - self.mark
-        tps = (self.sizes.first(step) - self.sizes.first(self.step)) * self.seq_len / elapsed
+        samples = self.sizes.first(step) - self.sizes.first(self.step)
         ramp = {"batch_size": self.sizes.size(step - 1)} if len(self.sizes.sizes) > 1 else {}  # the last step's
+        if self.padding is not None:  # packed data: tokens/s and MFU count the real tokens alone
+            share = sum(map(self.padding, range(self.step, step))) / (samples * (self.seq_len + 1))
+            ramp["padding_share"] = share
+        tps = samples * self.seq_len * (1 - ramp.get("padding_share", 0.0)) / elapsed
         return {**ramp, "tokens_per_sec": tps, "step_time_s": elapsed / (step - self.step),
                 "mfu": tps * self.flops_per_token / self.peak if self.peak else None,
                 "data_wait_share": (data_wait_s - self.waited) / elapsed}
@@ -186,12 +192,12 @@ def hooks_of(cfg: Config, fw: Framework) -> list[Hook]:
 
 
 def run_loop(cfg: Config, step: int, fw: Framework, log: MetricsLog, peak_flops_total: float | None,
-             flops_per_token: float, stop: dict, extra: dict | None = None) -> int:
+             flops_per_token: float, stop: dict, extra: dict | None = None, data=None) -> int:
     """Train from data step `step` to train.steps or an agreed stop; returns the last completed step.
     `peak_flops_total`: the devices' summed peak (None: MFU not reported); `stop`: from `stop_requests()`;
-    `extra`: constant record fields."""
+    `extra`: constant record fields; `data`: the training GlobalBatches (padding_share, with a loss mask)."""
     t, min_scale, hooks = cfg.train, cfg.optim.loss_scale_min, hooks_of(cfg, fw)
-    meter = Throughput(cfg, flops_per_token, peak_flops_total)
+    meter = Throughput(cfg, flops_per_token, peak_flops_total, data)
     meter.restart(step, fw.data_wait_s())
     pending, saved = [], None  # steps whose metrics are not read yet (read at log and save points only)
     try:

@@ -7,7 +7,8 @@ own, so the boundary between what is counted and what is not falls between token
 with the end-of-document token, counted when the document has counted tokens (the model learns to stop).
 
 Packing puts whole documents into windows of seq_len + 1 tokens, best fit over a bounded set of open
-windows (as grain's packing does), and fills the rest with end-of-document tokens that the loss skips.
+windows (as grain's packing does), and fills the rest with end-of-document tokens that the loss skips (mask value 2: padding, which the throughput
+does not count as real tokens).
 A document longer than a window is split into window-sized pieces (a new piece reads without the text
 before it), dropped, or refused, as --too-long says.
 """
@@ -22,6 +23,7 @@ import numpy as np
 from jaxpar.core.errors import UserError
 
 TOO_LONG = ("refuse", "split", "drop")
+COUNTED, PADDING = 1, 2  # loss mask values: a counted target, a padding token (skipped too; not a real token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +120,7 @@ def pack(docs: Iterable[tuple[str, np.ndarray, np.ndarray]], window: int, eod: i
         pad = window - len(tokens)
         stats.windows, stats.padding = stats.windows + 1, stats.padding + pad
         return (np.concatenate([tokens, np.full(pad, eod, tokens.dtype)]),
-                np.concatenate([m for _, m in items] + [np.zeros(pad, np.uint8)]))
+                np.concatenate([m for _, m in items] + [np.full(pad, PADDING, np.uint8)]))
 
     for where, tokens, mask in docs:
         stats.documents += 1

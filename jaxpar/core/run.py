@@ -92,7 +92,7 @@ def train_from(cfg: Config, trainer: Trainer, step: int, stop: dict) -> None:
                      cfg.data.tokenizer)
     try:
         run_loop(cfg, step, fw, log, trainer.peak_flops(), flops_per_token(cfg.model, cfg.data.seq_len), stop,
-                 trainer.record_extra())
+                 trainer.record_extra(), fw.train_data)
     finally:
         fw.close()
         log.close()

@@ -18,7 +18,7 @@ import numpy as np
 from jaxpar.core.config import DataConfig
 from jaxpar.core.corpus import collect, documents, read_bytes, records
 from jaxpar.core.errors import UserError
-from jaxpar.core.packing import PackStats, SftFields, document, pack as pack_windows, sft_pieces
+from jaxpar.core.packing import COUNTED, PackStats, SftFields, document, pack as pack_windows, sft_pieces
 
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idlelib"}
 EOD_NAMES = ("<|endoftext|>", "</s>", "<eos>")  # a tokenizer.json's end-of-document token, the first it has
@@ -122,7 +122,7 @@ def _write_dataset(out: str, chunks, vocab_size: int, tokenizer: str, eod: int |
                 f.write(toks.astype(dtype).tobytes())
                 if masked:
                     m.write(np.asarray(chunk[1], np.uint8).tobytes())
-                    n_counted += int(np.count_nonzero(chunk[1]))
+                    n_counted += int(np.count_nonzero(np.asarray(chunk[1]) == COUNTED))
                 n_tok, n_doc = n_tok + toks.size, n_doc + 1
         meta = {"dtype": dtype.name, "vocab_size": int(vocab_size), "num_tokens": int(n_tok),
                 "tokenizer": tokenizer, "num_documents": n_doc, **({} if eod is None else {"eod_token": eod}),

@@ -63,7 +63,7 @@ def test_packing_keeps_each_document_whole_in_one_window(tmp_path):
     # an uneven set: the rest of each window is end-of-document tokens the loss skips
     tokens, mask, meta = prepared(tmp_path, [tmp_path / "d0.txt", tmp_path / "d4.txt"], "--pack", "15")
     assert tokens.size == 32 and meta["padding_tokens"] == 32 - 22
-    assert (tokens[mask == 0] == 0).all() and mask.sum() == 22
+    assert (tokens[mask == 2] == 0).all() and (mask == 2).sum() == 10 and (mask == 1).sum() == 22  # 2: padding
 
 
 @pytest.mark.parametrize("choice", ["refuse", "split", "drop"])

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, metrics
+from tests.helpers import ROOT, TINY, metrics
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -38,3 +38,19 @@ def test_fine_tune_a_converted_model_on_prompt_completion_records(tmp_path):
         "train.global_batch_size=4", "data.val_fraction=0.1", "train.log_every=1", "train.eval_every=0", "--mesh", "dp=1")
     losses = [m["loss"] for _, m in sorted(metrics(run).items())]
     assert len(losses) == 6 and losses[-1] < losses[0]
+
+
+def test_padding_is_logged_and_left_out_of_the_throughput(tmp_path):
+    """Documents of 10 bytes packed for seq_len 15: one per window of 16 (two would need 22), 5 tokens of
+    padding in each, so every batch's padding share is 5/16 whatever the order."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(40):
+        (docs / f"{i:02d}.txt").write_bytes(bytes([97 + i % 26]) * 10)
+    out = cli("jaxpar.data", "prepare", "--pack", "15", "--out", str(tmp_path / "p.bin"), str(docs))
+    assert "31.2% padding" in out
+    run = tmp_path / "run"
+    cli("jaxpar.train", *TINY, "data.seq_len=15", f"data.dataset={tmp_path / 'p.bin'}", f"run.dir={run}",
+        "train.steps=3", "train.eval_every=0", "--mesh", "dp=1")
+    records = metrics(run)
+    assert sorted(records) == [1, 2, 3] and all(r["padding_share"] == 5 / 16 for r in records.values())
