@@ -40,7 +40,7 @@ def device_batch(data: GlobalBatches, step: int, sharding):
     """The global batch at `step` as a sharded array; this process reads only the rows it holds."""
     import jax
 
-    shape = (data.batch_size(step), data.seq_len + 1)
+    shape = data.shape(step)
     index_map = sharding.addressable_devices_indices_map(shape)
     lo = min(ix[0].start or 0 for ix in index_map.values())
     hi = max(ix[0].stop or shape[0] for ix in index_map.values())

@@ -42,7 +42,8 @@ class JaxFramework:
     def __init__(self, cfg: Config, data, layout, state, ckpt):
         self.cfg, self.layout, self.state, self.ckpt = cfg, layout, state, ckpt
         self.train_data, self.val_data = data
-        self._train_steps = {cfg.train.global_batch_size: compiled_train_step(layout, state)}  # by batch size
+        first = self.train_data.shape(int(jax.device_get(state["step"])))  # the next step's (the describe line's)
+        self._train_steps = {first: compiled_train_step(layout, state, shape=first)}  # by batch shape
         self._eval_step = make_eval_step(layout)
         self._generate = None  # train.sample_every's decoder, made on first use
         self._overflow_step = None  # the test hook's step (<PREFIX>_FAULT_OVERFLOW_AT_STEP)
@@ -51,18 +52,19 @@ class JaxFramework:
     def close(self) -> None:
         self.prefetch.close()
 
-    def _compiled(self, batch_size: int):
-        """The step for a batch size (train.batch_rampup's are compiled at their first step, one each)."""
-        if batch_size not in self._train_steps:
+    def _compiled(self, shape: tuple[int, int]):
+        """The step for a batch shape (train.batch_rampup's and the buckets' are compiled at their first step)."""
+        if shape not in self._train_steps:
             t0 = time.perf_counter()
-            self._train_steps[batch_size] = compiled_train_step(self.layout, self.state, batch_size=batch_size)
+            self._train_steps[shape] = compiled_train_step(self.layout, self.state, shape=shape)
             if jax.process_index() == 0:
-                print(f"batch size {batch_size}: compiled in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-        return self._train_steps[batch_size]
+                print(f"batch {shape[0]} x {shape[1] - 1}: compiled in {time.perf_counter() - t0:.1f}s",
+                      file=sys.stderr)
+        return self._train_steps[shape]
 
     def train_step(self, step: int):
         batch = self.prefetch(step)  # the next one is read ahead
-        step_fn, self._overflow_step = self._overflow_step or self._compiled(batch.shape[0]), None
+        step_fn, self._overflow_step = self._overflow_step or self._compiled(tuple(batch.shape)), None
         self.state, metrics = step_fn(self.state, batch)
         return metrics
 

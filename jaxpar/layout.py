@@ -21,7 +21,7 @@ from jaxpar import loss_scale
 from jaxpar.checks import check_layout
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
-from jaxpar.core.rampup import for_each_batch_size
+from jaxpar.core.batch_shapes import for_each_shape
 from jaxpar.models.decoder import abstract_model
 from jaxpar.optim import make_optimizer
 from jaxpar.parallel import powersgd
@@ -57,7 +57,7 @@ def host_memory_kind(mesh) -> str:
 
 class Layout:
     def __init__(self, cfg: Config, mesh):
-        for_each_batch_size(cfg, lambda at: check_layout(at, mesh.shape))
+        for_each_shape(cfg, lambda at: check_layout(at, mesh.shape))
         self.cfg, self.mesh, self.rules = cfg, mesh, rules_for(cfg)
         _, self.axes, abstract_params = abstract_model(cfg.model)
         self.abstract_params = abstract_params

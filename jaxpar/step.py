@@ -132,11 +132,10 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
                    out_shardings=(layout.state_shardings, None), donate_argnums=0)
 
 
-def compiled_train_step(layout: Layout, state, compiler_options: dict | None = None, batch_size: int | None = None):
-    """The train step compiled ahead of time for `state` (arrays or shapes) and the layout's batch (`batch_size`
-    rows of it: a batch of train.batch_rampup)."""
-    shape = layout.batch_shape if batch_size is None else (batch_size, layout.batch_shape[1])
-    batch = jax.ShapeDtypeStruct(shape, "int32", sharding=layout.batch_sharding)
+def compiled_train_step(layout: Layout, state, compiler_options: dict | None = None, shape=None):
+    """The train step compiled ahead of time for `state` (arrays or shapes) and the layout's batch (or a batch of
+    `shape`: one of train.batch_rampup's or a bucket's, core/batch_shapes.py)."""
+    batch = jax.ShapeDtypeStruct(shape or layout.batch_shape, "int32", sharding=layout.batch_sharding)
     return make_train_step(layout).lower(state, batch).compile(compiler_options)
 
 

@@ -4,9 +4,9 @@ Default: float32 on jaxpar dp=2,tp=4 and every torchpar backend; accum and remat
 process; the llama family on torchpar's one process and pipeline (its untied head on the last stage);
 bfloat16 on both one-device sides; bfloat16 gradient reduction (compressed) on torchpar ddp against jaxpar
 dp=2,tp=4; packed documents (data.document_mask) on torchpar's one process; fine-tuning data with a loss mask
-(sft) and batch-size ramp-up on torchpar ddp. Full: every config (the GPT-2 variants mla, dilated, sketched and
-the llama family included) on every side (packed and rampup: every side but torchpar's pipeline, which refuses
-them).
+(sft), batch-size ramp-up and length buckets on torchpar ddp. Full: every config (the GPT-2 variants mla,
+dilated, sketched and the llama family included) on every side (packed, rampup and buckets: every side but
+torchpar's pipeline, which refuses them).
 
 float32, accum and remat: a side against the jaxpar one-device run of the same config.
 bfloat16: a side against its own float32 run (same side, `model.compute_dtype=float32`).
@@ -52,7 +52,7 @@ def cases(full: bool = False) -> list[Case]:
         out += [Case("float16", s, REFERENCE) for s in FLOAT16_SIDES]
         out += [Case("packed", s, REFERENCE) for s in SIDES if s not in (REFERENCE, "torch:pp=2")]
         out += [Case("sft", s, REFERENCE) for s in SIDES if s != REFERENCE]
-        out += [Case("rampup", s, REFERENCE) for s in SIDES if s not in (REFERENCE, "torch:pp=2")]
+        out += [Case(c, s, REFERENCE) for c in ("rampup", "buckets") for s in SIDES if s not in (REFERENCE, "torch:pp=2")]
         out += [Case("compressed", s, "jax:dp=2,tp=4") for s in ("jax:dp=8", "jax:fsdp=8", "torch:ddp", "torch:fsdp",
                                                                  "torch:zero2", "torch:zero3")]
         return out + [Case("bfloat16", s, s, AS_FLOAT32) for s in SIDES]
@@ -64,6 +64,6 @@ def cases(full: bool = False) -> list[Case]:
     out += [Case("float16", "torch:none", REFERENCE)]
     out += [Case("packed", "torch:none", REFERENCE)]  # the mesh side of packed rows: tests/jaxpar/test_documents.py
     out += [Case("sft", "torch:ddp", REFERENCE)]  # each rank's and microbatch's share of the counted targets
-    out += [Case("rampup", "torch:ddp", REFERENCE)]  # each rank's share of a batch whose size changes
+    out += [Case(c, "torch:ddp", REFERENCE) for c in ("rampup", "buckets")]  # each rank's share of a changing batch
     out += [Case("compressed", "torch:ddp", "jax:dp=2,tp=4")]  # gradients reduced in bfloat16 on both sides
     return out + [Case("bfloat16", s, s, AS_FLOAT32) for s in (REFERENCE, "torch:none")]

@@ -115,9 +115,14 @@ class Runner:
                                     make_dataset(path, document_length=8 if kind == "documents" else 0))
         return self._datasets[kind]
 
+    @staticmethod
+    def data_kind(config: str, overrides=()) -> str:
+        """Which synthetic file a config trains on (see `dataset`)."""
+        d = load_config(config_path(config), list(overrides)).data
+        return "sft" if config == "sft" else "documents" if d.document_mask or d.batching == "buckets" else "tokens"
+
     def base_args(self, config: str, overrides=()) -> list[str]:
-        cfg = load_config(config_path(config), list(overrides))
-        kind = "sft" if config == "sft" else "documents" if cfg.data.document_mask else "tokens"
+        kind = self.data_kind(config, overrides)
         return ["--config", config_path(config), f"data.dataset={self.dataset(kind)}", f"train.steps={self.steps}",
                 "train.log_every=1", "train.eval_every=0", "checkpoint.every=0", *overrides]
 
@@ -145,7 +150,8 @@ class Runner:
         """Train `config` (+ overrides) on `side` for `steps` steps; cached by (side, resolved config)."""
         overrides = list(overrides)
         resolved = load_config(config_path(config), overrides + [f"train.steps={self.steps}"]).to_dict()
-        resolved.pop("run")
+        resolved.pop("run")  # the data file too: two configs alike but for it are two runs (sft and accum)
+        resolved["data"]["dataset"] = self.data_kind(config, overrides)
         key = hashlib.sha1(json.dumps([side, resolved], sort_keys=True).encode()).hexdigest()[:12]
         if key in self.cache:
             return self.cache[key]

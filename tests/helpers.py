@@ -37,7 +37,7 @@ def make_dataset(path, n_tokens: int = 40_000, seed: int = 0, document_length: i
     if document_length:
         starts = np.cumsum(rng.integers(1, 2 * document_length + 1, n_tokens))
         tokens[starts[starts < n_tokens]] = 0
-    return write_tokens(str(path), tokens, 256)
+    return write_tokens(str(path), tokens, 256, eod=0 if document_length else None)
 
 
 def make_sft_dataset(path, seq_len: int = 16, records: int = 300, seed: int = 0) -> str:

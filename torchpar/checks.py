@@ -7,7 +7,7 @@ import torch
 from jaxpar.core.config import Config
 from jaxpar.core.contract import Run, check_contract
 from jaxpar.core.errors import UserError
-from jaxpar.core.rampup import for_each_batch_size
+from jaxpar.core.batch_shapes import for_each_shape
 from jaxpar.core.mesh_spec import check_torch_mesh
 from jaxpar.core.trackers import check_trackers
 from torchpar.dist import launch_env
@@ -52,7 +52,7 @@ def check(cfg: Config, args) -> None:
         check_torch_pipeline(cfg, world)
         stages = {"pp": pipeline_sizes(cfg, world)[0]}
     else:
-        for_each_batch_size(cfg, lambda at: check_batch(at, world))
+        for_each_shape(cfg, lambda at: check_batch(at, world))
     if args.backend == "deepspeed":
         from torchpar.backends import deepspeed
         deepspeed.check(cfg, args.deepspeed_config)

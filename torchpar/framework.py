@@ -59,7 +59,7 @@ class TorchFramework:
         """jaxpar's token_share (jaxpar/loss.py) of the global batch: target positions per counted target over
         every rank's rows (a collective; ranks that read the same rows count them alike, which the ratio
         cancels). 1.0, and no collective, for data without a loss mask."""
-        if not self.train_data.meta.get("loss_mask"):
+        if not self.train_data.masked:
             return 1.0
         targets = rows[:, 1:]
         n, counted = dist.all_sum([targets.numel(), int((targets >= 0).sum())], self.env)

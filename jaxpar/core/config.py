@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.rampup import parse_rampup
+from jaxpar.core.config_checks import check_consistency
 
 
 def _check(choices=None, lo=None, hi=None, lo_open=False):
@@ -105,6 +105,10 @@ class DataConfig:
     val_fraction: float = field(default=0.01, metadata=_check(lo=0.0, hi=0.5, lo_open=True))
     cache_dir: str = ""  # empty -> $JAXPAR_CACHE or ~/.cache/jaxpar
     document_mask: bool = False  # attention within each document of a packed row, positions restart (loss.py)
+    # windows: rows of seq_len + 1 cut from the token stream; buckets: whole documents grouped by length into
+    # batches of about train.tokens_per_batch tokens (core/buckets.py)
+    batching: str = field(default="windows", metadata=_check(choices=("windows", "buckets")))
+    buckets: str = ""  # data.batching=buckets: targets per row of each bucket, "64,128,..."; "": seq_len/8,/4,/2,/1
 
 
 @dataclass
@@ -126,6 +130,7 @@ class TrainConfig:
     scan_layers: str = field(default="auto", metadata=_check(choices=("auto", "on", "off")))
     profile_steps: str = ""  # "a:b" -> profiler trace of steps [a, b) in run.dir
     batch_rampup: str = ""  # "START,INCREMENT,SAMPLES": Megatron's rampup_batch_size (core/rampup.py); "": off
+    tokens_per_batch: int = field(default=0, metadata=_check(lo=0))  # data.batching=buckets; 0: batch x seq_len
 
 
 @dataclass
@@ -265,78 +270,6 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
     setattr(section, key, coerced)
 
 
-def profile_window(spec: str) -> tuple[int, int] | None:
-    """train.profile_steps "a:b" -> (a, b): trace steps a..b-1; empty -> None."""
-    if not spec:
-        return None
-    a, colon, b = spec.partition(":")
-    if not (colon and a.strip().isdigit() and b.strip().isdigit() and int(a) < int(b)):
-        raise UserError(f"config key train.profile_steps: {spec!r} is not of the form a:b with a < b")
-    return int(a), int(b)
-
-
-def _check_consistency(cfg: Config) -> None:
-    m, t = cfg.model, cfg.train
-    profile_window(t.profile_steps)
-    if m.d_model % m.n_head:
-        raise UserError(f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}")
-    if cfg.data.seq_len > m.max_seq_len:
-        raise UserError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    if t.global_batch_size % t.microbatches:
-        raise UserError(
-            f"train.global_batch_size={t.global_batch_size} is not divisible by train.microbatches={t.microbatches}")
-    parse_rampup(t.batch_rampup, t.global_batch_size, t.microbatches)
-    if cfg.optim.min_lr > cfg.optim.lr:
-        raise UserError(f"optim.min_lr={cfg.optim.min_lr} exceeds optim.lr={cfg.optim.lr}")
-    _check_family(m)
-    _check_loss_scale(cfg)
-    if m.attention == "mla" and m.rope_head_dim % 2:
-        raise UserError(f"model.rope_head_dim={m.rope_head_dim} must be even (rotary pairs)")
-    if m.attention == "dilated":
-        T = cfg.data.seq_len
-        for w, r in m.dilation_pairs:
-            if T % min(w, T) or min(w, T) % r:
-                raise UserError(f"model.segment_lengths/dilation_rates pair ({w}, {r}): data.seq_len={T} must be "
-                                f"divisible by the segment length min({w}, {T}), and that by the rate {r}")
-        if 1 not in dict(m.dilation_pairs).values():
-            raise UserError("model.dilation_rates needs a rate of 1 (otherwise some tokens attend to nothing)")
-
-
-def _set_keys(section, keys) -> list[str]:
-    """The keys of a config section set away from their defaults (a setting a mode would ignore is refused)."""
-    defaults = type(section)()
-    return [k for k in keys if getattr(section, k) != getattr(defaults, k)]
-
-
-def _check_loss_scale(cfg: Config) -> None:
-    o = cfg.optim
-    if cfg.model.compute_dtype != "float16":
-        for key in _set_keys(o, [f.name for f in dataclasses.fields(o) if f.name.startswith("loss_scale_")]):
-            raise UserError(f"optim.{key} applies to model.compute_dtype=float16 only (bfloat16 and float32 "
-                            "need no loss scaling)")
-    if o.loss_scale_min > o.loss_scale_init:
-        raise UserError(f"optim.loss_scale_min={o.loss_scale_min} exceeds optim.loss_scale_init={o.loss_scale_init}")
-
-
-def _check_family(m: ModelConfig) -> None:
-    """Keys of the other family are refused when set, never ignored."""
-    if m.n_head % m.kv_heads:
-        raise UserError(f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head}")
-    if m.family == "gpt2":
-        for key in _set_keys(m, ("n_kv_head", "ffn_multiple_of", "tie_embeddings")):
-            if not (key == "n_kv_head" and m.n_kv_head == m.n_head):
-                raise UserError(f"model.{key} applies to model.family=llama only (GPT-2 has one key/value head per "
-                                "query head, a 4*d_model MLP unless model.d_ff is set, and a tied head)")
-        return
-    for key, refused in (("attention", "mla"), ("linear", "sketched")):
-        if getattr(m, key) == refused:
-            raise UserError(f"model.{key}={refused} is a GPT-2-family variant; model.family=llama supports "
-                            "model.attention=mha|dilated and model.linear=dense")
-    if m.head_dim % 2:
-        raise UserError(f"model.family=llama needs an even head dimension for rotary pairs "
-                        f"(d_model/n_head = {m.head_dim})")
-
-
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- YAML file (or a run's config.json) <- `section.key=value` overrides, validated."""
     cfg = Config()
@@ -366,7 +299,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
         if not eq or "." not in dotted:
             raise UserError(f"override {item!r} is not of the form section.key=value")
         _set(cfg, dotted.strip(), value.strip())  # strings are parsed by the field's type
-    _check_consistency(cfg)
+    check_consistency(cfg)
     return cfg
 
 
@@ -383,7 +316,7 @@ def config_from_dict(d: dict) -> Config:
         for key, value in values.items():
             if REMOVED.get(f"{section}.{key}", (None,))[0] != value:  # a removed key at its "off" value: nothing lost
                 _set(cfg, f"{section}.{key}", value)
-    _check_consistency(cfg)
+    check_consistency(cfg)
     return cfg
 
 

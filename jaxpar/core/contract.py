@@ -70,6 +70,15 @@ def _zigzag(run: Run) -> bool:  # dilated attention keeps the natural token orde
     return run.size("sp") > 1 and run.cfg.model.attention != "dilated"
 
 
+NOT_PIPELINE = ("none", "ddp", "fsdp", "deepspeed")  # the backends whose batches may change shape
+ONE_SHAPE = ("torch.distributed.pipelining builds its schedule for one batch shape (use --backend none, ddp, fsdp "
+             "or deepspeed)")
+
+
+def _buckets(run: Run) -> bool:
+    return run.cfg.data.batching == "buckets"
+
+
 def _documents(run: Run) -> bool:  # dilated attention has its own pattern; GPipe's ticks see activations only
     gpipe = run.trainer == "jaxpar" and _stages(run) and run.cfg.parallel.pipeline_schedule == "gpipe"
     return run.cfg.model.attention != "dilated" and not gpipe
@@ -146,12 +155,15 @@ CONTRACT: dict[str, Owner] = {
                                      "parallel.pipeline_schedule (1f1b, interleaved, zb_h1, zb_v; not gpipe)",
                                 why_not="torch.distributed.pipelining passes activations alone between stages "
                                         "(use --backend none, ddp, fsdp or deepspeed)"),
+    "data.batching": Owner(True, NOT_PIPELINE, "data", why_not=ONE_SHAPE),
+    "data.buckets": Owner(True, NOT_PIPELINE, "data", when=_buckets, mode="data.batching=buckets",
+                          example=("data.batching=buckets",), why_not=ONE_SHAPE),
     # train
     "train.steps": Owner(True, BOTH, "loop"),
     "train.global_batch_size": Owner(True, BOTH, "data"),
-    "train.batch_rampup": Owner(True, ("none", "ddp", "fsdp", "deepspeed"), "data",
-                                why_not="torch.distributed.pipelining builds its schedule for one batch shape (use "
-                                        "--backend none, ddp, fsdp or deepspeed)"),
+    "train.batch_rampup": Owner(True, NOT_PIPELINE, "data", why_not=ONE_SHAPE),
+    "train.tokens_per_batch": Owner(True, NOT_PIPELINE, "data", when=_buckets, mode="data.batching=buckets",
+                                    example=("data.batching=buckets",), why_not=ONE_SHAPE),
     "train.microbatches": Owner(True, BOTH, "step"),
     "train.seed": Owner(True, BOTH, "params"),
     "train.log_every": Owner(True, BOTH, "loop"),

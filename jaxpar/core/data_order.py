@@ -20,6 +20,7 @@ import numpy as np
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
 from jaxpar.core.packing import COUNTED, PADDING
+from jaxpar.core.batch_shapes import bucket_shapes
 from jaxpar.core.rampup import BatchSizes
 from jaxpar.core.tokens import read_meta, resolve_dataset, split_range
 
@@ -148,9 +149,17 @@ class GlobalBatches:
         self.read = read or samples.__getitem__
         self.seq_len, self.vocab_size, self.num_windows = samples.width - 1, samples.vocab_size, samples.num_windows
         self.num_tokens, self.meta = samples.num_tokens, samples.meta
+        self.masked = bool(self.meta.get("loss_mask"))  # some targets are skipped (the loss's token_share)
 
     def batch_size(self, step: int) -> int:
         return self.sizes.size(step)
+
+    def shape(self, step: int) -> tuple[int, int]:
+        return self.batch_size(step), self.seq_len + 1
+
+    def tokens(self, step: int) -> int:
+        """Token positions the step computes (rows x targets per row), padding included."""
+        return self.batch_size(step) * self.seq_len
 
     def rows(self, step: int, start: int, stop: int) -> np.ndarray:
         """Rows start..stop-1 of the global batch at `step`: int32 [stop-start, seq_len+1]."""
@@ -169,7 +178,7 @@ class GlobalBatches:
 
     def padding(self, step: int) -> int:
         """Padding tokens in the global batch at `step` (read from the mask file, not through `read`)."""
-        if not self.meta.get("loss_mask"):
+        if not self.masked:
             return 0
         first = self.sizes.first(step)
         return sum(self.samples.padding(first + i) for i in range(self.batch_size(step)))
@@ -177,11 +186,16 @@ class GlobalBatches:
 
 def open_splits(cfg: Config, batches=GlobalBatches) -> tuple[GlobalBatches, GlobalBatches]:
     """(train, val) global batches of the configured dataset (the default corpus is prepared on first use);
-    a validation batch is one microbatch. `batches(samples, global_batch_size, sizes=None)` builds each."""
+    a validation batch is one microbatch of windows. `batches(samples, global_batch_size, sizes=None)` builds
+    each but data.batching=buckets' training batches (buckets.py)."""
     t, d = cfg.train, cfg.data
     dataset = resolve_dataset(d)
-    train = batches(Samples(dataset, d.seq_len, t.seed, "train", d.val_fraction), t.global_batch_size,
-                    sizes=BatchSizes.of(cfg))
+    samples = Samples(dataset, d.seq_len, t.seed, "train", d.val_fraction)
+    if d.batching == "buckets":  # whole documents, grouped by length (read straight from the memmap)
+        from jaxpar.core.buckets import BucketBatches
+        train = BucketBatches(samples, bucket_shapes(cfg))
+    else:
+        train = batches(samples, t.global_batch_size, sizes=BatchSizes.of(cfg))
     if train.vocab_size > cfg.model.vocab_size:
         raise UserError(f"dataset {dataset} has vocab {train.vocab_size} > model.vocab_size={cfg.model.vocab_size}")
     val = batches(Samples(dataset, d.seq_len, t.seed, "val", d.val_fraction), t.global_batch_size // t.microbatches)

@@ -14,10 +14,12 @@ import sys
 import time
 from typing import Any, Protocol
 
-from jaxpar.core.config import Config, profile_window
+from jaxpar.core.config import Config
+from jaxpar.core.config_checks import profile_window
 from jaxpar.core.errors import UserError
 from jaxpar.core.faults import FaultInjector
 from jaxpar.core.metrics_log import MetricsLog
+from jaxpar.core.batch_shapes import batch_shapes
 from jaxpar.core.rampup import BatchSizes
 from jaxpar.core.peers import PeerGuard
 
@@ -166,22 +168,25 @@ class Throughput:
     steps since the last record (evaluation, samples and saves are not counted)."""
 
     def __init__(self, cfg: Config, flops_per_token: float, peak_flops_total: float | None, data=None):
-        self.sizes, self.seq_len = BatchSizes.of(cfg), cfg.data.seq_len  # train.batch_rampup's sizes
+        """`data`: the training GlobalBatches (or buckets.py's), whose steps' shapes and padding are counted."""
+        sizes = BatchSizes.of(cfg)
+        self.tokens = data.tokens if data is not None else lambda k: sizes.size(k) * cfg.data.seq_len
+        self.rows = data.batch_size if data is not None else sizes.size
+        self.padding = data.padding if data is not None and data.masked else None
+        self.varies = len(batch_shapes(cfg)) > 1
         self.flops_per_token, self.peak = flops_per_token, peak_flops_total
-        self.padding = data.padding if data is not None and data.meta.get("loss_mask") else None
 
     def restart(self, step: int, data_wait_s: float) -> None:
         self.mark, self.step, self.waited = time.perf_counter(), step, data_wait_s
 
     def record(self, step: int, data_wait_s: float) -> dict:
-        elapsed = time.perf_counter() - self.mark
-        samples = self.sizes.first(step) - self.sizes.first(self.step)
-        ramp = {"batch_size": self.sizes.size(step - 1)} if len(self.sizes.sizes) > 1 else {}  # the last step's
-        if self.padding is not None:  # packed data: tokens/s and MFU count the real tokens alone
-            share = sum(map(self.padding, range(self.step, step))) / (samples * (self.seq_len + 1))
-            ramp["padding_share"] = share
-        tps = samples * self.seq_len * (1 - ramp.get("padding_share", 0.0)) / elapsed
-        return {**ramp, "tokens_per_sec": tps, "step_time_s": elapsed / (step - self.step),
+        elapsed, steps = time.perf_counter() - self.mark, range(self.step, step)
+        tokens = sum(map(self.tokens, steps))
+        extra = {"batch_size": self.rows(step - 1)} if self.varies else {}  # the last step's
+        if self.padding is not None:  # padded rows: tokens/s and MFU count the real tokens alone
+            extra["padding_share"] = sum(map(self.padding, steps)) / (tokens + sum(map(self.rows, steps)))
+        tps = tokens * (1 - extra.get("padding_share", 0.0)) / elapsed
+        return {**extra, "tokens_per_sec": tps, "step_time_s": elapsed / (step - self.step),
                 "mfu": tps * self.flops_per_token / self.peak if self.peak else None,
                 "data_wait_share": (data_wait_s - self.waited) / elapsed}
 

@@ -7,8 +7,6 @@ The learning-rate schedule counts steps (optim.warmup_steps, optim.decay_steps, 
 """
 from __future__ import annotations
 
-import dataclasses
-
 from jaxpar.core.errors import UserError
 
 
@@ -61,16 +59,3 @@ class BatchSizes:
     def sizes(self) -> list[int]:
         """Every batch size the run takes, smallest first."""
         return sorted({self.size(k) for k in range(len(self._firsts))})
-
-
-def for_each_batch_size(cfg, check) -> None:
-    """check(cfg) at every batch size of the ramp (train.global_batch_size in its place); one line naming the size
-    where a check fails."""
-    for size in BatchSizes.of(cfg).sizes:
-        at = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=size, batch_rampup=""))
-        try:
-            check(at)
-        except UserError as e:
-            if size == cfg.train.global_batch_size:
-                raise
-            raise UserError(f"train.batch_rampup={cfg.train.batch_rampup}, at a batch of {size}: {e}") from None

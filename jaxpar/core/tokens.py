@@ -195,9 +195,10 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", text_field: st
         bar.close()
 
 
-def write_tokens(out: str, tokens, vocab_size: int, tokenizer: str = "synthetic") -> str:
-    """Writes an already tokenized array as a dataset (tests, synthetic data, other converters)."""
-    return _write_dataset(out, [np.asarray(tokens)], vocab_size, tokenizer)
+def write_tokens(out: str, tokens, vocab_size: int, tokenizer: str = "synthetic", eod: int | None = None) -> str:
+    """Writes an already tokenized array as a dataset (tests, synthetic data, other converters); `eod`: the token
+    that starts each document, if the data has one."""
+    return _write_dataset(out, [np.asarray(tokens)], vocab_size, tokenizer, eod=eod)
 
 
 def read_meta(path: str) -> dict:

@@ -113,7 +113,7 @@ def test_variant_same_loss_and_gradients_as_torchpar(variant):
     model = Decoder(cfg.model)
     model.load_state_dict(from_shared(params, cfg.model.n_layer))
     tbatch = torch.from_numpy(batch).long()
-    loss = next_token_loss(model(tbatch[:, :-1]), tbatch)
+    loss = next_token_loss(model(tbatch[:, :-1]), tbatch[:, 1:])
     loss.backward()
     np.testing.assert_allclose(loss.item(), float(jloss), rtol=1e-6)
     grads = to_shared({n: p.grad for n, p in model.named_parameters()}, cfg.model.n_layer)
@@ -261,7 +261,7 @@ def test_sketch_is_not_trained_or_saved():
     model = Decoder(cfg.model)
     model.init_weights(0)
     tbatch = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (2, 17))).long()
-    next_token_loss(model(tbatch[:, :-1]), tbatch).backward()
+    next_token_loss(model(tbatch[:, :-1]), tbatch[:, 1:]).backward()
     fc = model.blocks[0].mlp.fc
     assert not fc.sketch.requires_grad and fc.sketch.grad is None and fc.factor.grad.abs().sum() > 0
     assert not any("sketch" in n for n, _ in model.named_parameters())

@@ -92,7 +92,7 @@ def test_same_loss_and_gradients_as_jaxpar(remat, jax_reference):
     model = Decoder(cfg.model)
     model.load_state_dict(from_shared(params, cfg.model.n_layer))
     tbatch = torch.from_numpy(batch).long()
-    loss = next_token_loss(model(tbatch[:, :-1]), tbatch)
+    loss = next_token_loss(model(tbatch[:, :-1]), tbatch[:, 1:])
     loss.backward()
     np.testing.assert_allclose(loss.item(), jloss, rtol=1e-6)
     grads = to_shared({n: p.grad for n, p in model.named_parameters()}, cfg.model.n_layer)
