@@ -23,7 +23,9 @@ from jaxpar.core.packing import COUNTED, PADDING
 def spans(tokens: np.ndarray, eod: int, lo: int, hi: int, longest: int) -> np.ndarray:
     """[n, 2] token ranges of the documents in [lo, hi): from a document's first token (its end-of-document token)
     to the next end-of-document token, included; pieces of at most `longest` targets, overlapping by one token."""
-    starts = np.unique(np.r_[lo, lo + np.flatnonzero(np.asarray(tokens[lo:hi]) == eod)])
+    chunk = 1 << 26  # the token file is scanned a chunk at a time, never read whole
+    found = [c + np.flatnonzero(np.asarray(tokens[c:min(c + chunk, hi)]) == eod) for c in range(lo, hi, chunk)]
+    starts = np.unique(np.concatenate([[lo], *found]))
     stops = np.r_[starts[1:] + 1, hi]
     out = []
     for a, b in zip(starts.tolist(), stops.tolist()):
@@ -42,14 +44,13 @@ class BucketBatches:
             raise UserError(f"data.batching=buckets reads documents: dataset {samples.path} needs its end-of-document "
                             "token and no --pack (prepare it with python -m jaxpar.data prepare, without --pack)")
         self.rows_of, self.lengths = [r for r, _ in shapes], [T for _, T in shapes]
-        self.eod, self.meta, self.vocab_size, lengths = meta["eod_token"], meta, samples.vocab_size, self.lengths
+        self.eod, self.meta, self.vocab_size = meta["eod_token"], meta, samples.vocab_size
+        self.seed, self.seq_len, self.masked = samples.seed, self.lengths[-1], True  # masked: padding is skipped
         samples._open()
         hi = samples.offset + samples.num_windows * samples.width
-        self.spans = spans(samples._mm, self.eod, samples.offset, hi, lengths[-1])
-        self.bucket = np.searchsorted(lengths, self.spans[:, 1] - self.spans[:, 0] - 1)
-        self.masked = True  # the padding's targets are skipped
-        self.seed, self.seq_len, self._ends, self._plans = samples.seed, lengths[-1], [0], {}  # _ends: batches
-        # before each planned epoch
+        self.spans = spans(samples._mm, self.eod, samples.offset, hi, self.seq_len)
+        self.bucket = np.searchsorted(self.lengths, self.spans[:, 1] - self.spans[:, 0] - 1)
+        self._ends, self._plans = [0], {}  # batches before each planned epoch; the last epochs' plans
         if not self.ends(0):
             raise UserError(f"dataset {samples.path}: its {len(self.spans)} documents fill no batch of any bucket "
                             "(train.tokens_per_batch is too large for it)")

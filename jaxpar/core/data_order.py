@@ -19,8 +19,8 @@ import numpy as np
 
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
-from jaxpar.core.packing import COUNTED, PADDING
 from jaxpar.core.batch_shapes import bucket_shapes
+from jaxpar.core.packing import COUNTED, PADDING
 from jaxpar.core.rampup import BatchSizes
 from jaxpar.core.tokens import read_meta, resolve_dataset, split_range
 

@@ -14,14 +14,14 @@ import sys
 import time
 from typing import Any, Protocol
 
+from jaxpar.core.batch_shapes import batch_shapes
 from jaxpar.core.config import Config
 from jaxpar.core.config_checks import profile_window
 from jaxpar.core.errors import UserError
 from jaxpar.core.faults import FaultInjector
 from jaxpar.core.metrics_log import MetricsLog
-from jaxpar.core.batch_shapes import batch_shapes
-from jaxpar.core.rampup import BatchSizes
 from jaxpar.core.peers import PeerGuard
+from jaxpar.core.rampup import BatchSizes
 
 
 class Framework(Protocol):
