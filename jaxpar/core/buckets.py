@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxpar.core.data_order import Samples, shuffled_index
 from jaxpar.core.errors import UserError
 from jaxpar.core.packing import COUNTED, PADDING
+from jaxpar.core.shuffle import shuffled_index
 
 
 def spans(tokens: np.ndarray, eod: int, lo: int, hi: int, longest: int) -> np.ndarray:
@@ -37,8 +37,9 @@ def spans(tokens: np.ndarray, eod: int, lo: int, hi: int, longest: int) -> np.nd
 class BucketBatches:
     """The training batches of data.batching=buckets: step -> rows [n, T + 1] (the GlobalBatches interface)."""
 
-    def __init__(self, samples: Samples, shapes: list[tuple[int, int]]):
-        """`shapes`: (rows, targets per row) of each bucket (batch_shapes.bucket_shapes)."""
+    def __init__(self, samples, shapes: list[tuple[int, int]]):
+        """`samples`: the split's data_order.Samples; `shapes`: (rows, targets per row) of each bucket
+        (batch_shapes.bucket_shapes)."""
         meta, self.samples = samples.meta, samples
         if "eod_token" not in meta or meta.get("window", 1) > 1:
             raise UserError(f"data.batching=buckets reads documents: dataset {samples.path} needs its end-of-document "

@@ -12,68 +12,16 @@ torchpar reads them straight from the memory-mapped file.
 """
 from __future__ import annotations
 
-import functools
-import math
-
 import numpy as np
 
+from jaxpar.core.batch_shapes import bucket_shapes
+from jaxpar.core.buckets import BucketBatches
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
-from jaxpar.core.batch_shapes import bucket_shapes
 from jaxpar.core.packing import COUNTED, PADDING
 from jaxpar.core.rampup import BatchSizes
+from jaxpar.core.shuffle import shuffled_index
 from jaxpar.core.tokens import read_meta, resolve_dataset, split_range
-
-
-_MASK32 = (1 << 32) - 1
-
-
-@functools.lru_cache(maxsize=64)
-def _round_keys(seed: int, rounds: int) -> tuple[int, ...]:
-    """`rounds` 32-bit words from `seed` by C++'s std::seed_seq algorithm ([rand.util.seedseq])."""
-    n, v = rounds, (seed,)
-    out = [0x8B8B8B8B] * n
-    t = 11 if n >= 623 else 7 if n >= 68 else 5 if n >= 39 else 3 if n >= 7 else (n - 1) // 2
-    p, m = (n - t) // 2, max(len(v) + 1, n)
-    q = p + t
-    mix = lambda x: x ^ (x >> 27)  # noqa: E731
-    for k in range(m):
-        r1 = 1664525 * mix(out[k % n] ^ out[(k + p) % n] ^ out[(k - 1) % n]) & _MASK32
-        r2 = (r1 + (len(v) if k == 0 else k % n + v[k - 1] if k <= len(v) else k % n)) & _MASK32
-        out[(k + p) % n] = (out[(k + p) % n] + r1) & _MASK32
-        out[(k + q) % n] = (out[(k + q) % n] + r2) & _MASK32
-        out[k % n] = r2
-    for k in range(m, m + n):
-        r3 = 1566083941 * mix((out[k % n] + out[(k + p) % n] + out[(k - 1) % n]) & _MASK32) & _MASK32
-        r4 = (r3 - k % n) & _MASK32
-        out[(k + p) % n] ^= r3
-        out[(k + q) % n] ^= r4
-        out[k % n] = r4
-    return tuple(out)
-
-
-def shuffled_index(i: int, n: int, seed: int, rounds: int = 4) -> int:
-    """Position i of a pseudo-random permutation of range(n) keyed by a 32-bit seed: a Simon-style
-    Feistel cipher on the smallest even block (at least 16 bits) covering n - 1, re-applied until the
-    value falls below n (cycle walking keeps it a bijection). It is grain's index shuffle, so runs keep
-    the data order they had when jaxpar read its data through grain's MapDataset.shuffle."""
-    if n == 1:
-        return 0
-    block = max(math.ceil(math.log2(n - 1)), 1)
-    w = max(block + block % 2, 16) // 2
-    mask = (1 << w) - 1
-    rot = lambda x, r: ((x << r) | (x >> (w - r))) & mask  # noqa: E731
-    f = lambda x: (rot(x, 1) & rot(x, 8)) ^ rot(x, 2)  # noqa: E731
-    keys = _round_keys(seed, rounds)
-    x = i
-    while True:
-        left, right = (x >> w) & mask, x & mask
-        for k1, k2 in zip(keys[::2], keys[1::2]):
-            left ^= f(right) ^ (k1 & mask)
-            right ^= f(left) ^ (k2 & mask)
-        x = (left << w) | right
-        if x < n:
-            return x
 
 
 class Samples:
@@ -167,7 +115,8 @@ class GlobalBatches:
             raise UserError(f"data step must be >= 0, got {step}")
         B, first = self.batch_size(step), self.sizes.first(step)
         if not 0 <= start <= stop <= B:
-            raise UserError(f"batch rows [{start}, {stop}) out of range for a batch of {B}")
+            raise UserError(f"batch rows [{start}, {stop}) out of range for the step's batch of {B} "
+                            f"(train.global_batch_size={self.global_batch_size})")
         out = np.empty((stop - start, self.seq_len + 1), dtype=np.int32)
         for j, i in enumerate(range(start, stop)):
             out[j] = self.read(first + i)
@@ -192,7 +141,6 @@ def open_splits(cfg: Config, batches=GlobalBatches) -> tuple[GlobalBatches, Glob
     dataset = resolve_dataset(d)
     samples = Samples(dataset, d.seq_len, t.seed, "train", d.val_fraction)
     if d.batching == "buckets":  # whole documents, grouped by length (read straight from the memmap)
-        from jaxpar.core.buckets import BucketBatches
         train = BucketBatches(samples, bucket_shapes(cfg))
     else:
         train = batches(samples, t.global_batch_size, sizes=BatchSizes.of(cfg))

@@ -58,7 +58,7 @@ def test_batches_hold_whole_documents_of_their_bucket(tmp_path):
 
 def test_buckets_waste_little_on_long_tailed_lengths(tmp_path):
     """Log-normal lengths with median 1/8 of the window: one document per fixed window pads most of it; four
-    buckets per octave pad under a tenth (docs/benchmarks/buckets.md has the rows)."""
+    buckets per octave pad under a tenth (docs/benchmarks/padding-share.md has the rows)."""
     T = 256
     lengths = lognormal_documents(tmp_path / "ln.bin", 3000, T // 8)
     per_window = 1 - np.minimum(lengths + 2, T + 1).sum() / (len(lengths) * (T + 1))

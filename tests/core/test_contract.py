@@ -40,7 +40,7 @@ ALTERNATIVE = {
     "optim.loss_scale_min": "1e20", "optim.loss_scale_growth_factor": "4", "parallel.mesh": "dp=2,fsdp=-1", "parallel.zero_stage": "1",
     "parallel.sequence_attention": "ulysses", "parallel.pipeline_schedule": "1f1b",
     "parallel.pipeline_microbatches": "2", "parallel.pipeline_virtual_stages": "2", "parallel.offload": "params+optimizer",
-    "checkpoint.every": "2", "train.batch_rampup": "4,4,8", "data.buckets": "4,8", "train.tokens_per_batch": "256",
+    "checkpoint.every": "2", "train.batch_rampup": "4,4,8", "data.buckets": "16", "train.tokens_per_batch": "256",
 }
 # settings a key's effect needs beyond its mode (a loss scale that overflows, so that backing off shows)
 NEEDS = {"optim.loss_scale_backoff_factor": ["optim.loss_scale_init=1e30"],

@@ -237,7 +237,7 @@ def test_shared_order_is_grains_shuffle(n, seed):
     the one grain's MapDataset.shuffle(seed).repeat() gives, so runs keep their data order."""
     import grain
 
-    from jaxpar.core.data_order import shuffled_index
+    from jaxpar.core.shuffle import shuffled_index
 
     ds = grain.MapDataset.source(range(n)).shuffle(seed=seed).repeat()
     idx = [i for e in range(3) for i in range(e * n, e * n + min(n, 300))]
