@@ -42,15 +42,20 @@ def batch_shapes(cfg) -> list[tuple[int, int]]:
     return [(size, cfg.data.seq_len) for size in BatchSizes.of(cfg).sizes]
 
 
+def shape_config(cfg, rows: int, T: int):
+    """The config of a run whose every batch is `rows` windows of T targets (a ramp's or a bucket's shape)."""
+    return dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, global_batch_size=rows, batch_rampup="", tokens_per_batch=0),
+        data=dataclasses.replace(cfg.data, seq_len=T, batching="windows", buckets=""))
+
+
 def for_each_shape(cfg, check) -> None:
     """check(cfg) at every batch shape (train.global_batch_size and data.seq_len in their place); one line
     naming the shape where a check fails."""
     t, d = cfg.train, cfg.data
     for rows, T in batch_shapes(cfg):
-        at = dataclasses.replace(cfg, train=dataclasses.replace(t, global_batch_size=rows, batch_rampup=""),
-                                 data=dataclasses.replace(d, seq_len=T, batching="windows", buckets=""))
         try:
-            check(at)
+            check(shape_config(cfg, rows, T))
         except UserError as e:
             if (rows, T) == (t.global_batch_size, d.seq_len):
                 raise

@@ -21,6 +21,7 @@ import os
 import re
 import sys
 
+from jaxpar.core.batch_shapes import batch_shapes, bucket_shapes, shape_config
 from jaxpar.core.config import Config, load_config
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.pipeline_schedules import configured_bubble
@@ -87,6 +88,18 @@ def _shard_bytes(tree) -> int:
 
 
 def plan(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
+    """The plan of the step at the config's batch shape; with data.batching=buckets, of each bucket's shape, the
+    one with the highest peak returned, every shape's peak under "shapes". (A train.batch_rampup's largest
+    batch is the config's own.)"""
+    if cfg.data.batching != "buckets":
+        return plan_shape(cfg, sizes, devices)
+    plans = [(rows, T, plan_shape(shape_config(cfg, rows, T), sizes, devices)) for rows, T in bucket_shapes(cfg)]
+    worst = max((p for _, _, p in plans), key=lambda p: p["peak_bytes"])
+    return {**worst, "shapes": [{"rows": r, "seq_len": T, "peak_bytes": p["peak_bytes"],
+                                 "traffic_bytes": p["traffic_bytes"]} for r, T, p in plans]}
+
+
+def plan_shape(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
     from jaxpar.tools import hlo_collectives
 
     compiled, layout, state = compile_layout(cfg, sizes, devices)
@@ -189,6 +202,11 @@ def print_plan(p: dict) -> None:
     if p["pipeline"]:
         print(f"  pipeline {p['pipeline']['schedule']}: bubble {p['pipeline']['bubble']:.3f} of the stages' time "
               "idle (python -m jaxpar.tools.pipeline_table shows the schedule)")
+    if "shapes" in p:
+        print("  data.batching=buckets: each bucket's batch (rows x targets) compiled; shown: the highest peak")
+        for s in p["shapes"]:
+            print(f"    {s['rows']:>5} x {s['seq_len']:<6} peak {gib(s['peak_bytes'])}, "
+                  f"sends {s['traffic_bytes']:,.0f} B")
     print(f"collectives per step ({len(p['collectives'])}):")
     print(f"  {'op':<18} {'axes':<10} {'group':>5} {'count':>5} {'result bytes':>14} {'sent bytes/step':>16}")
     for c in sorted(p["collectives"], key=lambda c: -c["traffic_bytes"]):
@@ -210,8 +228,8 @@ def candidate_meshes(cfg: Config, n: int):
     for tp in (d for d in range(1, n + 1) if n % d == 0):
         for fsdp in (d for d in range(1, n // tp + 1) if (n // tp) % d == 0):
             dp = n // tp // fsdp
-            micro = cfg.train.global_batch_size // cfg.train.microbatches
-            if cfg.model.n_head % tp == 0 and micro % (dp * fsdp) == 0:
+            micro = [rows // cfg.train.microbatches for rows, _ in batch_shapes(cfg)]  # every batch shape's
+            if cfg.model.n_head % tp == 0 and all(m % (dp * fsdp) == 0 for m in micro):
                 yield {"dp": dp, "fsdp": fsdp, "tp": tp}
 
 
@@ -220,7 +238,7 @@ def recommend(cfg: Config, n: int, budget: int, peak_flops: float, bandwidth: fl
 
     import jax
 
-    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    tokens = max(rows * T for rows, T in batch_shapes(cfg))  # the largest batch (a ramp's end; about each bucket's)
     compute_s = tokens * flops_per_token(cfg.model, cfg.data.seq_len) / n / peak_flops
     rows = []
     for offload in ("none", "optimizer", "params+optimizer"):  # offload only when nothing fits without it

@@ -5,7 +5,7 @@ import pytest
 from jaxpar.core.config import load_config
 from jaxpar.core.mesh_spec import parse_mesh
 from jaxpar.tools import hlo_collectives
-from jaxpar.tools.plan import main as plan_main, plan, recommend
+from jaxpar.tools.plan import candidate_meshes, main as plan_main, plan, recommend
 from tests.helpers import tiny_config
 
 CFG = load_config("configs/gpt2-tiny.yaml")
@@ -168,3 +168,16 @@ def test_schedules_side_by_side():
     assert all(rows[s]["flops_ratio"] == pytest.approx(1.0, abs=0.01) for s in ("1f1b", "zb_h1", "zb_v"))
     assert rows["zb_h1"]["temp_bytes"] <= 1.05 * rows["1f1b"]["temp_bytes"]
     assert rows["zb_v"]["temp_bytes"] <= 1.1 * rows["1f1b"]["temp_bytes"]
+
+
+def test_plan_compiles_each_bucket_and_reports_the_highest_peak():
+    """data.batching=buckets: as many rows x targets shapes as buckets, each with the same tokens; the longest
+    holds the largest attention scores (rows x T^2), so its peak is the highest and the plan shown is its."""
+    cfg = tiny_config("data.batching=buckets", "data.seq_len=32", "model.max_seq_len=32", "train.tokens_per_batch=512")
+    p = plan(cfg, parse_mesh("dp=2"), jax.devices()[:2])
+    assert [(s["rows"], s["seq_len"]) for s in p["shapes"]] == [(128, 4), (64, 8), (32, 16), (16, 32)]
+    peaks = [s["peak_bytes"] for s in p["shapes"]]
+    assert peaks == sorted(peaks) and p["peak_bytes"] == peaks[-1] > peaks[0]
+    # 96 tokens a batch: the 32-token bucket has 3 rows, which no data axis of 4 devices divides: tp=4 alone
+    three = tiny_config("data.batching=buckets", "data.seq_len=32", "model.max_seq_len=32", "train.tokens_per_batch=96")
+    assert list(candidate_meshes(three, 4)) == [{"dp": 1, "fsdp": 1, "tp": 4}]
