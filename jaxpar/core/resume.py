@@ -20,7 +20,7 @@ from jaxpar.core.errors import UserError, check_output_dir
 # Free to change on resume inside the model section: numerics and memory, not shapes.
 _MODEL_FREE = {"compute_dtype", "remat", "init_from"}
 _FIXED = {"data.dataset", "data.tokenizer", "data.seq_len", "data.val_fraction", "train.seed",
-          "train.global_batch_size", "train.batch_rampup"}
+          "train.global_batch_size", "train.batch_rampup", "data.batching", "data.buckets", "train.tokens_per_batch"}
 
 
 def _flat(d: dict) -> dict:

@@ -48,3 +48,9 @@ def test_every_batch_size_of_the_ramp_must_fit_the_mesh():
     with pytest.raises(UserError, match=r"train.batch_rampup=2,2,16, at a batch of 2 x 16 tokens: batch per microbatch 2 .* "
                                         r"not divisible by the data axes dp\*fsdp=4"):
         Layout(cfg, make_mesh({"dp": 4}, jax.devices()[:4]))
+
+
+def test_a_resume_keeps_the_keys_that_decide_each_steps_batch():
+    from jaxpar.core.resume import must_match
+
+    assert all(map(must_match, ("train.batch_rampup", "data.batching", "data.buckets", "train.tokens_per_batch")))
