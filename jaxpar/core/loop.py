@@ -19,6 +19,7 @@ from jaxpar.core.config import Config
 from jaxpar.core.config_checks import profile_window
 from jaxpar.core.errors import UserError
 from jaxpar.core.faults import FaultInjector
+from jaxpar.core.flops import flops_per_token as flops_at
 from jaxpar.core.metrics_log import MetricsLog
 from jaxpar.core.peers import PeerGuard
 from jaxpar.core.rampup import BatchSizes
@@ -173,8 +174,12 @@ class Throughput:
         self.tokens = data.tokens if data is not None else lambda k: sizes.size(k) * cfg.data.seq_len
         self.rows = data.batch_size if data is not None else sizes.size
         self.padding = data.padding if data is not None and data.masked else None
-        self.varies = len(batch_shapes(cfg)) > 1
-        self.flops_per_token, self.peak = flops_per_token, peak_flops_total
+        self.varies, self.peak = len(batch_shapes(cfg)) > 1, peak_flops_total
+        if data is not None and cfg.data.batching == "buckets":  # attention's FLOPs grow with each bucket's length
+            per_token = {T: flops_at(cfg.model, T) for _, T in batch_shapes(cfg)}
+            self.flops = lambda k: self.tokens(k) * per_token[data.shape(k)[1] - 1]
+        else:
+            self.flops = lambda k: self.tokens(k) * flops_per_token
 
     def restart(self, step: int, data_wait_s: float) -> None:
         self.mark, self.step, self.waited = time.perf_counter(), step, data_wait_s
@@ -185,9 +190,10 @@ class Throughput:
         extra = {"batch_size": self.rows(step - 1)} if self.varies else {}  # the last step's
         if self.padding is not None:  # padded rows: tokens/s and MFU count the real tokens alone
             extra["padding_share"] = sum(map(self.padding, steps)) / (tokens + sum(map(self.rows, steps)))
-        tps = tokens * (1 - extra.get("padding_share", 0.0)) / elapsed
-        return {**extra, "tokens_per_sec": tps, "step_time_s": elapsed / (step - self.step),
-                "mfu": tps * self.flops_per_token / self.peak if self.peak else None,
+        real = 1 - extra.get("padding_share", 0.0)
+        flops = sum(map(self.flops, steps)) * real / elapsed
+        return {**extra, "tokens_per_sec": tokens * real / elapsed, "step_time_s": elapsed / (step - self.step),
+                "mfu": flops / self.peak if self.peak else None,
                 "data_wait_share": (data_wait_s - self.waited) / elapsed}
 
 

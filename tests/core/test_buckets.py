@@ -81,3 +81,19 @@ def test_buckets_that_cannot_run_get_one_line(overrides, phrase):
 def test_buckets_need_documents(tmp_path):
     with pytest.raises(UserError, match="needs its end-of-document token and no --pack"):
         batches(make_dataset(tmp_path / "plain.bin"))
+
+
+def test_mfu_counts_each_buckets_attention_at_its_length(tmp_path):
+    from jaxpar.core.flops import flops_per_token
+    from jaxpar.core.loop import Throughput
+
+    data, cfg = batches(make_dataset(tmp_path / "d.bin", n_tokens=6000, document_length=12),
+                        "train.tokens_per_batch=256")
+    meter = Throughput(cfg, flops_per_token(cfg.model, 32), 1.0, data)
+    meter.restart(0, 0.0)
+    r = meter.record(6, 0.0)
+    shapes = [data.shape(k) for k in range(6)]
+    per_token = sum(n * (w - 1) * flops_per_token(cfg.model, w - 1) for n, w in shapes) / sum(n * (w - 1)
+                                                                                                for n, w in shapes)
+    assert len({w for _, w in shapes}) > 1 and r["mfu"] / r["tokens_per_sec"] == pytest.approx(per_token, rel=1e-9)
+    assert per_token < flops_per_token(cfg.model, 32)  # the full-length count would overstate it
