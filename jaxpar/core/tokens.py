@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
 import sysconfig
 import tempfile
@@ -65,6 +66,9 @@ def document_token(cfg) -> int | None:
 
 
 def _start_worker(tokenizer: str) -> None:
+    # A pool stops its workers with SIGTERM; one inherited as ignored (a parent that ignores it, e.g. a finished
+    # run's ignore_stop_requests) would keep a worker alive and the pool waiting for it forever.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _WORKER["encode"] = _tokenizer(tokenizer)[0]
 
 
@@ -82,8 +86,15 @@ def _encoded(docs, tokenizer: str, workers: int):
         return
     import multiprocessing
 
-    with multiprocessing.get_context("spawn").Pool(workers, _start_worker, (tokenizer,)) as pool:
+    pool = multiprocessing.get_context("spawn").Pool(workers, _start_worker, (tokenizer,))
+    try:
         yield from pool.imap(_encode_in_worker, docs, chunksize=16)
+        pool.close()  # every document encoded: the workers end on their own
+    except BaseException:  # an error, or the reader stopped early: stop the workers
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
 
 
 def text_codec(tokenizer: str):

@@ -10,6 +10,7 @@ from jaxpar.core.config import DataConfig
 from jaxpar.core.tokens import prepare, read_meta, resolve_dataset, write_tokens
 from jaxpar.data import TokenBatches
 from jaxpar.core.errors import UserError
+from tests.helpers import ROOT
 
 
 def _arange_dataset(tmp_path, n, name="seq.bin"):
@@ -286,3 +287,17 @@ def test_trained_bpe_round_trips_and_parallel_prepare_matches_one_worker(corpus_
     cuts = np.flatnonzero(ids == eod_token(tok))  # <|endoftext|> between documents, nowhere else
     parts = np.split(ids, cuts)
     assert len(cuts) == len(DOCS) - 1 and [decode(parts[0].tolist())] + [decode(p[1:].tolist()) for p in parts[1:]] == DOCS
+
+
+def test_parallel_prepare_ends_where_sigterm_is_ignored(corpus_files, tmp_path):
+    """A parent that ignores SIGTERM (a finished run ignores late stop signals) hands that on to the workers;
+    the pool must still end them (it hung in Pool.terminate's join)."""
+    pytest.importorskip("tokenizers")
+    from jaxpar.core.bpe import train_tokenizer
+
+    tok = str(tmp_path / "tokenizer.json")
+    train_tokenizer(corpus_files, tok, vocab_size=320, text_field="body")
+    code = ("import signal, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); from jaxpar.core.tokens import prepare; "
+            f"prepare({corpus_files!r}, {str(tmp_path / 'two.bin')!r}, {tok!r}, 'body', workers=2)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and (tmp_path / "two.bin").exists(), r.stderr
