@@ -60,6 +60,12 @@ REGRESSIONS = (
     ("torch pipeline:2 model.n_layer=4 model.remat=save_matmuls parallel.pipeline_schedule=zb_v",
      "2026-11-24, zb_v's cases (shrunk): torch's B/W split backs through a selective-checkpoint region twice "
      "(zb_h1 too); refused now"),
+    ("torch ddp:4 data.batching=buckets train.microbatches=2 train.tokens_per_batch=128",
+     "first draws of length buckets (2026-11-25): differed, the one-device reference (tests/helpers.run_steps) read "
+     "windows whatever data.batching said; it reads the trainer's batches since"),
+    ("torch fsdp:2 model.linear=sketched model.n_layer=4 model.sketch=sign parallel.zero_stage=2 "
+     "train.batch_rampup=2,2,8",
+     "first draws of train.batch_rampup (2026-11-25): differed, the reference read fixed batches (as above)"),
 )
 
 

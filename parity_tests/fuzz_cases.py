@@ -114,7 +114,10 @@ def draw_jax(rng: random.Random) -> Case:
             s["parallel.sequence_zigzag"] = "false"
     _draw_dims(rng, s, heads_div, stages_v)
     data_ways = sizes["dp"] * sizes["fsdp"] * M
-    _draw_training(rng, s, data_ways)
+    need = _draw_training(rng, s, data_ways)
+    gpipe = sizes["pp"] > 1 and s.get("parallel.pipeline_schedule") == "gpipe"
+    _draw_data(rng, s, need, documents=attention != "dilated" and not gpipe,
+               buckets=sizes["sp"] == 1 and attention != "dilated")
     if rng.random() < 0.2:  # the CPU scans the layers by default; a GPU unrolls them
         s["train.scan_layers"] = "off"
     if rng.random() < 0.2:
@@ -153,7 +156,10 @@ def draw_torch(rng: random.Random) -> Case:
                                      if axis == "dp" else {"gpipe": 3, "1f1b": 6, "zb_h1": 1})
         ways = D * M
     _draw_dims(rng, s, 1, stages_v)
-    _draw_training(rng, s, ways)
+    need = _draw_training(rng, s, ways)
+    if backend != "pipeline":  # one batch shape and no document mask there (docs/torchpar.md)
+        dilated = s.get("model.attention") == "dilated"
+        _draw_data(rng, s, need, documents=not dilated, buckets=not dilated)
     return Case("torch", f"{backend}:{world}", tuple(sorted(_drop_defaults(s).items())))
 
 
@@ -217,8 +223,8 @@ def _draw_dims(rng: random.Random, s: dict, heads_div: int, layers_div: int) -> 
         s["model.d_ff"] = str(_pick(rng, {2 * d_model: 1, 3 * d_model // 2: 1}))
 
 
-def _draw_training(rng: random.Random, s: dict, ways: int) -> None:
-    """Accumulation, remat, and the smallest global batch (>= 8) every data split divides."""
+def _draw_training(rng: random.Random, s: dict, ways: int) -> int:
+    """Accumulation, remat, and the smallest global batch (>= 8) every data split divides; returns that divisor."""
     micro = _pick(rng, {1: 3, 2: 2})
     if micro > 1:
         s["train.microbatches"] = str(micro)
@@ -226,6 +232,22 @@ def _draw_training(rng: random.Random, s: dict, ways: int) -> None:
         s["model.remat"] = _pick(rng, {"full": 1, "save_matmuls": 1})
     need = micro * ways
     s["train.global_batch_size"] = str(need * -(-8 // need))
+    return need
+
+
+def _draw_data(rng: random.Random, s: dict, need: int, documents: bool, buckets: bool) -> None:
+    """How the batches are made (the fuzzer's data has short documents, fuzz_run.py): documents kept apart,
+    length buckets, or a batch-size ramp-up, each with sizes every split divides (`need`: rows per data way and
+    microbatch)."""
+    if documents and rng.random() < 0.15:
+        s["data.document_mask"] = "true"
+    kind = _pick(rng, {"windows": 8, "buckets": 1 if buckets else 0, "ramp": 1})
+    seq, batch = int(s["data.seq_len"]), int(s["train.global_batch_size"])
+    if kind == "buckets":  # default lengths seq/8 .. seq: every bucket's rows a multiple of the longest's
+        s["data.batching"] = "buckets"
+        s["train.tokens_per_batch"] = str(seq * batch * _pick(rng, {1: 2, 2: 1}))
+    elif kind == "ramp" and batch > need:
+        s["train.batch_rampup"] = f"{need},{need},{_pick(rng, {batch: 1, 2 * batch: 1})}"
 
 
 def _drop_defaults(s: dict) -> dict:
@@ -262,6 +284,8 @@ MODE_KEYS = {  # key prefix -> whether the case's run consumes it (a mode's keys
     "model.sketch": lambda c: c.get("model.linear") == "sketched",
     "model.n_kv_head": lambda c: c.get("model.family") == "llama",
     "model.tie_embeddings": lambda c: c.get("model.family") == "llama",
+    "data.buckets": lambda c: c.get("data.batching") == "buckets",
+    "train.tokens_per_batch": lambda c: c.get("data.batching") == "buckets",
 }
 
 

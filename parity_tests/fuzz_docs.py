@@ -34,6 +34,10 @@ PROMISES = (
     ("gradient compression", lambda c: "parallel.grad_compression" in dict(c.settings),
      "docs/torchpar.md 'Gradient compression' (ddp bf16 and powersgd, fsdp and deepspeed bf16; jaxpar both on dp, "
      "fsdp and tp meshes)"),
+    ("batching", lambda c: any(k in ("data.document_mask", "data.batching", "train.batch_rampup")
+                               for k, _ in c.settings),
+     "README.md 'Data' (data.document_mask), 'Variable-length batches' (data.batching=buckets) and 'Optimiser' "
+     "(train.batch_rampup): both trainers, every layout but torchpar's pipeline"),
     ("torchpar backends", lambda c: c.side == "torch",
      "docs/torchpar.md 'Backends': none, ddp, fsdp (HSDP with parallel.mesh=dp=D,fsdp=F), deepspeed, pipeline"),
 )

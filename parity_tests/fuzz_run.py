@@ -65,7 +65,8 @@ class Fuzzer:
         self.workdir, self.timeout = workdir, timeout
         self.run_overrides = list(run_overrides)  # appended to every case's run, never its reference (tests)
         os.makedirs(workdir, exist_ok=True)
-        self.dataset = make_dataset(os.path.join(workdir, "tokens.bin"))
+        # short documents (each after an end-of-document token): windows, document masks and buckets read them
+        self.dataset = make_dataset(os.path.join(workdir, "tokens.bin"), document_length=8)
         self.references: dict[tuple, Trajectory] = {}
         self.inits: dict[tuple, str] = {}
 

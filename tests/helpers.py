@@ -60,16 +60,23 @@ def make_sft_dataset(path, seq_len: int = 16, records: int = 300, seed: int = 0)
 def run_steps(cfg: Config, mesh: str, dataset: str, steps: int | None = None, devices=None) -> dict:
     """K training steps of a config on a mesh, in-process, with the trainer's own layout, state, step and
     data code: per-step loss / grad_norm / lr (lists of floats) and the final parameters (flat numpy)."""
+    import dataclasses
+
     import jax
 
+    from jaxpar.core.batch_shapes import batch_shapes
+    from jaxpar.core.data_order import open_splits
     from jaxpar.core.weights import flatten
-    from jaxpar.data import TokenBatches, device_batch
+    from jaxpar.data import device_batch, grain_batches
     from jaxpar.core.mesh_spec import parse_mesh
-    from jaxpar.step import build_step
+    from jaxpar.step import build_step, make_train_step
 
     layout, state, train_step = build_step(cfg, parse_mesh(mesh), devices)
-    data = TokenBatches(dataset, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.seed,
-                        "train", cfg.data.val_fraction)
+    if len(batch_shapes(cfg)) > 1:  # a ramp-up's or the buckets' shapes: the jitted step compiles each
+        train_step = make_train_step(layout)
+    # the training batches as the trainer makes them (windows, a ramp-up, buckets), from `dataset`
+    data = open_splits(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=str(dataset))),
+                       grain_batches)[0]
     history = []
     for step in range(cfg.train.steps if steps is None else steps):
         state, metrics = train_step(state, device_batch(data, step, layout.batch_sharding))
