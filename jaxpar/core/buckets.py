@@ -47,9 +47,8 @@ class BucketBatches:
         self.rows_of, self.lengths = [r for r, _ in shapes], [T for _, T in shapes]
         self.eod, self.meta, self.vocab_size = meta["eod_token"], meta, samples.vocab_size
         self.seed, self.seq_len, self.masked = samples.seed, self.lengths[-1], True  # masked: padding is skipped
-        samples._open()
         hi = samples.offset + samples.num_windows * samples.width
-        self.spans = spans(samples._mm, self.eod, samples.offset, hi, self.seq_len)
+        self.spans = spans(samples.tokens, self.eod, samples.offset, hi, self.seq_len)
         self.bucket = np.searchsorted(self.lengths, self.spans[:, 1] - self.spans[:, 0] - 1)
         self._ends, self._plans = [0], {}  # batches before each planned epoch; the last epochs' plans
         if not self.ends(0):
@@ -99,8 +98,9 @@ class BucketBatches:
         a, b = span
         tokens = np.full(width, self.eod, np.int32)
         mask = np.full(width, PADDING, np.uint8)
-        tokens[:b - a] = self.samples._mm[a:b]
-        mask[:b - a] = self.samples._mask[a:b] if self.samples._mask is not None else COUNTED
+        read, loss_mask = self.samples.span(a, b)
+        tokens[:b - a] = read
+        mask[:b - a] = COUNTED if loss_mask is None else loss_mask
         return tokens, mask
 
     def rows(self, step: int, start: int, stop: int) -> np.ndarray:

@@ -37,9 +37,9 @@ def read_bytes(path: str) -> bytes:
         raise UserError(f"cannot read {path}: {e.strerror or e}") from None
 
 
-def _text(value, where: str, field: str, flag: str = "--text-field") -> bytes:
+def _text(value, where: str, field: str) -> bytes:
     if not isinstance(value, str):
-        raise UserError(f"{where}: field {field!r} is {type(value).__name__}, not text ({flag} names it)")
+        raise UserError(f"{where}: field {field!r} is {type(value).__name__}, not text (--text-field names it)")
     return value.encode("utf-8")
 
 

@@ -56,10 +56,21 @@ class Samples:
     def __getitem__(self, i: int) -> np.ndarray:
         """Sample i; where the dataset has a loss mask, a token the loss skips as a target reads as ~token
         (negative: loss.py and torchpar's loss skip it, `unmasked` gives the token back)."""
-        self._open()
         start = self.offset + self.window(i) * self.width
-        row = np.asarray(self._mm[start:start + self.width], dtype=np.int32)
-        return np.where(self._mask[start:start + self.width] == COUNTED, row, ~row) if self._mask is not None else row
+        row, mask = self.span(start, start + self.width)
+        return row if mask is None else np.where(mask == COUNTED, row, ~row)
+
+    def span(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Tokens [start, stop) of the file (int32) and their loss mask (None without one)."""
+        self._open()
+        tokens = np.asarray(self._mm[start:stop], dtype=np.int32)
+        return tokens, (None if self._mask is None else np.asarray(self._mask[start:stop]))
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The whole token file, memory-mapped."""
+        self._open()
+        return self._mm
 
     def _open(self) -> None:
         if self._mm is None:  # opened lazily, and dropped when pickled: worker processes map the file themselves
@@ -70,11 +81,9 @@ class Samples:
 
     def padding(self, i: int) -> int:
         """Padding tokens in sample i (a packed window's tail; 0 without a loss mask)."""
-        self._open()
-        if self._mask is None:
-            return 0
         start = self.offset + self.window(i) * self.width
-        return int(np.count_nonzero(self._mask[start:start + self.width] == PADDING))
+        mask = self.span(start, start + self.width)[1]
+        return 0 if mask is None else int(np.count_nonzero(mask == PADDING))
 
     def __getstate__(self):
         return {**self.__dict__, "_mm": None, "_mask": None}

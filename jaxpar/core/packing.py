@@ -7,10 +7,10 @@ own, so the boundary between what is counted and what is not falls between token
 with the end-of-document token, counted when the document has counted tokens (the model learns to stop).
 
 Packing puts whole documents into windows of seq_len + 1 tokens, best fit over a bounded set of open
-windows (as grain's packing does), and fills the rest with end-of-document tokens that the loss skips (mask value 2: padding, which the throughput
-does not count as real tokens).
-A document longer than a window is split into window-sized pieces (a new piece reads without the text
-before it), dropped, or refused, as --too-long says.
+windows (as grain's packing does), and fills the rest with end-of-document tokens that the loss skips (mask
+value 2: padding, which the throughput does not count as real tokens). A document longer than a window is
+split into window-sized pieces (a new piece reads without the text before it), dropped, or refused, as
+--too-long says.
 """
 from __future__ import annotations
 

@@ -72,17 +72,20 @@ def _start_worker(tokenizer: str) -> None:
     _WORKER["encode"] = _tokenizer(tokenizer)[0]
 
 
-def _encode_in_worker(doc):
+def _encode_pieces(encode, doc):
     where, pieces = doc
-    return where, [(_WORKER["encode"](text), counted) for text, counted in pieces]
+    return where, [(encode(text), counted) for text, counted in pieces]
 
 
-def _encoded(docs, tokenizer: str, workers: int):
-    """(where, [(tokens, counted)]) of each (where, [(bytes, counted)]) document, in order: in this process for
-    bytes (a copy), else in `workers` processes."""
+def _encode_in_worker(doc):
+    return _encode_pieces(_WORKER["encode"], doc)
+
+
+def _encoded(docs, tokenizer: str, encode, workers: int):
+    """(where, [(tokens, counted)]) of each (where, [(bytes, counted)]) document, in order: in this process with
+    `encode` for bytes (a copy), else in `workers` processes."""
     if tokenizer == "byte" or workers <= 1:
-        _start_worker(tokenizer)
-        yield from map(_encode_in_worker, docs)
+        yield from (_encode_pieces(encode, doc) for doc in docs)
         return
     import multiprocessing
 
@@ -172,7 +175,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", text_field: st
     from tqdm import tqdm
 
     files = collect(inputs)
-    vocab_size, name = _tokenizer(tokenizer)[1:]
+    encode, vocab_size, name = _tokenizer(tokenizer)
     eod = eod_token(tokenizer)
     sizes = None if any(f.endswith(".parquet") for f in files) else sum(os.path.getsize(f) for f in files)
     bar = tqdm(total=sizes, unit="B", unit_scale=True, desc=f"tokenizing {os.path.basename(out)}", disable=None,
@@ -185,7 +188,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", text_field: st
 
     def encoded():
         n_tok = 0
-        for where, pieces in _encoded(read(), tokenizer, workers):
+        for where, pieces in _encoded(read(), tokenizer, encode, workers):
             n_tok += sum(len(t) for t, _ in pieces)
             bar.set_postfix_str(f"{n_tok / max(bar.format_dict['elapsed'], 1e-9):,.0f} tok/s", refresh=False)
             yield where, pieces

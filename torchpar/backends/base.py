@@ -98,12 +98,11 @@ class TorchEngine:
     def train_step(self, batch: torch.Tensor, share: float = 1.0):
         """This rank's rows of the global batch: accumulate over train.microbatches, clip, update; a handle on
         the metrics (read them with `read`). `share`: the framework's token_share (1.0 without a loss mask)."""
-        self.share = share
         micro = microbatches(batch, self.cfg.train.microbatches)
         lr = lr_at(self.step - self.skipped, self.cfg.optim, self.cfg.train.steps)  # counts applied updates
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        total = self.forward_backward(micro)
+        total = self.forward_backward(micro, share)
         if self.overflow_next:  # test hook: this step's gradients overflow
             next(p for p in self.params if p.grad is not None).grad.fill_(float("inf"))
             self.overflow_next = False
@@ -144,13 +143,14 @@ class TorchEngine:
         self.step = int(meta["data_step"])
         return self.step
 
-    def forward_backward(self, micro: list[torch.Tensor]) -> torch.Tensor:
-        """Gradients of the mean loss over the microbatches accumulated in .grad; returns that loss."""
+    def forward_backward(self, micro: list[torch.Tensor], share: float = 1.0) -> torch.Tensor:
+        """Gradients of the mean loss (times `share`) over the microbatches accumulated in .grad; returns that
+        loss."""
         total = torch.zeros((), device=micro[0].device)
         for m, batch in enumerate(micro):
             with self.sync(m == len(micro) - 1):
                 inputs, targets = split_rows(batch)
-                loss = next_token_loss(self.module(inputs), targets) * self.share / len(micro)
+                loss = next_token_loss(self.module(inputs), targets) * share / len(micro)
                 (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             total += loss.detach()
         return total

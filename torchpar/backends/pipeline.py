@@ -150,8 +150,8 @@ class PipelineEngine(TorchEngine):
         (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
         return float(sum(kwargs["losses"])) if s.last else 0.0
 
-    def forward_backward(self, micro: list[torch.Tensor]) -> torch.Tensor:
-        self.scale = self.share / (self.M * len(micro))  # mean over all microbatches of the step
+    def forward_backward(self, micro: list[torch.Tensor], share: float = 1.0) -> torch.Tensor:
+        self.scale = share / (self.M * len(micro))  # mean over all microbatches of the step
         total = sum(self._run(batch, train=True) for batch in micro)
         if self.tied is not None and (self.stage_module.first or self.stage_module.last):
             tdist.all_reduce(local(self.stage_module.wte.grad), group=self.tied)  # FSDP2: the matching shards
