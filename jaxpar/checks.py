@@ -12,17 +12,32 @@ def check_layout(cfg: Config, sizes) -> None:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     if m.n_head % sizes["tp"]:
         raise UserError(f"model.n_head={m.n_head} is not divisible by tp={sizes['tp']}")
-    data_ways = sizes["dp"] * sizes["fsdp"]
+    data_ways = sizes["dp"] * sizes["fsdp"] * sizes["ep"]
     micro = t.global_batch_size // t.microbatches
     if micro % data_ways:
         raise UserError(f"batch per microbatch {micro} (train.global_batch_size={t.global_batch_size} / "
-                        f"train.microbatches={t.microbatches}) is not divisible by the data axes dp*fsdp={data_ways}")
+                        f"train.microbatches={t.microbatches}) is not divisible by the data axes "
+                        f"dp*fsdp*ep={data_ways}")
+    check_experts(cfg, sizes)
     if m.attention == "dilated":  # its own exchange over sp, in natural token order (models/dilated.py)
         check_sequence(cfg.data.seq_len, m.n_head, sizes, "all_gather", zigzag=False)
     else:
         check_sequence(cfg.data.seq_len, m.n_head, sizes, p.sequence_attention, p.sequence_zigzag)
     check_pipeline(cfg, sizes)
     check_compression(cfg, sizes)
+
+
+def check_experts(cfg: Config, sizes) -> None:
+    """The ep axis needs a mixture of experts whose experts it divides."""
+    E, ep = cfg.model.moe_experts, sizes["ep"]
+    if ep > 1 and not E:
+        raise UserError(f"mesh axis ep={ep} shards a mixture of experts, and this model has none (set "
+                        "model.moe_experts, or put those devices on dp)")
+    if E % ep:
+        raise UserError(f"model.moe_experts={E} is not divisible by ep={ep}")
+    if E and cfg.parallel.grad_compression != "none":
+        raise UserError(f"parallel.grad_compression={cfg.parallel.grad_compression} with a mixture of experts is "
+                        "not built yet (its reduction runs outside the experts' exchange)")
 
 
 def check_compression(cfg: Config, sizes) -> None:
@@ -44,11 +59,14 @@ def check_pipeline(cfg: Config, sizes) -> None:
     p, t = cfg.parallel, cfg.train
     M = resolve_microbatches(stages, p.pipeline_microbatches)
     check_schedule(p.pipeline_schedule, stages, M, p.pipeline_virtual_stages, cfg.model.n_layer)
-    data_ways = sizes["dp"] * sizes["fsdp"]
+    data_ways = sizes["dp"] * sizes["fsdp"] * sizes["ep"]
     batch = t.global_batch_size // t.microbatches
     if batch % (M * data_ways):
         raise UserError(f"batch per microbatch {batch} is not divisible by parallel.pipeline_microbatches={M} "
-                        f"x data axes dp*fsdp={data_ways}")
+                        f"x data axes dp*fsdp*ep={data_ways}")
+    if cfg.model.moe_experts and p.pipeline_schedule != "gpipe":
+        raise UserError(f"parallel.pipeline_schedule={p.pipeline_schedule} does not run a mixture of experts yet "
+                        "(the executor passes activations alone, not the experts' statistics; gpipe runs it)")
     sharded_params = sizes["fsdp"] > 1 or (p.zero_stage == 3 and sizes["dp"] > 1)
     what = ("model.linear=sketched" if cfg.model.linear == "sketched" else
             "model.attention=mla" if cfg.model.attention == "mla" else None)

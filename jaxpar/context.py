@@ -1,8 +1,8 @@
 """The parallel context: what model code may know of parallelism while it is traced.
 
-Models call `constrain(x, logical_axes)` to pin an activation's layout, and `current().attention`
-and `current().run_layers` for the two computations a parallel strategy replaces (attention across
-sequence shards; the layer stack as pipeline stages). jaxpar/parallelize.py builds the context from
+Models call `constrain(x, logical_axes)` to pin an activation's layout, and `current().attention`,
+`current().run_layers` and `current().experts` for the computations a parallel strategy replaces (attention
+across sequence shards; the layer stack as pipeline stages; a mixture of experts across `ep`). jaxpar/parallelize.py builds the context from
 the config and mesh; with none active, constraints are no-ops and both are the plain local versions.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any, Callable
 import jax
 from jax.sharding import NamedSharding
 
+from jaxpar.dispatch import local_experts
 from jaxpar.ops import local_attention, scan_layers
 from jaxpar.sharding import spec_for
 
@@ -24,7 +25,8 @@ class ParallelContext:
     mesh: Any = None  # None: no constraints (a model traced outside any mesh)
     rules: dict = dataclasses.field(default_factory=dict)  # logical name -> mesh axes
     attention: Callable = local_attention  # (q, k, v, positions, segments) -> output [batch, seq, heads, head_dim]
-    run_layers: Callable = scan_layers  # (layer, stacked, x) -> x after every layer
+    run_layers: Callable = scan_layers  # (layer, stacked, x) -> x after every layer (x: a pytree of [batch, ...])
+    experts: Callable = local_experts  # (x, ids, weights, kept, gate, up, down, capacity) -> the experts' sum
 
 
 _CURRENT: contextvars.ContextVar = contextvars.ContextVar("jaxpar_parallel_context", default=ParallelContext())

@@ -86,7 +86,7 @@ def _forward(model, tokens, start, cache, slots, eod=None):
         block = nnx.merge(graphdef, layer_state)
         y, layer_cache = _attend(block.attn, cfg, block.ln1(h), dtype, where, start, layer_cache)
         h = h + y
-        h = h + block.mlp(block.ln2(h), dtype, sketches)
+        h = h + block.feed_forward(block.ln2(h), dtype, sketches)[0]
         return h, layer_cache
 
     h, cache = jax.lax.scan(layer, model.embed(tokens, where[0]), (stacked, stacked_sketches(cfg), *cache))

@@ -106,7 +106,7 @@ class JaxFramework:
         return prompt[0].tolist() + out[0].tolist() if jax.process_index() == 0 else None
 
     def fetch(self, metrics) -> dict:
-        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+        return {k: np.asarray(v).tolist() if np.ndim(v) else float(v) for k, v in jax.device_get(metrics).items()}
 
     def evaluate(self, batches: int) -> float:
         losses = [self._eval_step(self.state["params"], device_batch(self.val_data, i, self.layout.batch_sharding)) for i in range(batches)]

@@ -2,8 +2,9 @@
 
 The model asks its context for attention and for the layer runner (jaxpar/context.py); this file
 decides what they are for a config and mesh: attention across `sp` shards with the configured
-strategy, and the layer stack as a GPipe pipeline over `pp` — or a plain scan when the stages run
-on the hand-scheduled executor (jaxpar/step.py), which calls each stage's layers itself.
+strategy, the layer stack as a GPipe pipeline over `pp` — or a plain scan when the stages run
+on the hand-scheduled executor (jaxpar/step.py), which calls each stage's layers itself — and a mixture of
+experts' tokens sent to their experts over `ep`.
 """
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import functools
 
 from jaxpar.context import ParallelContext
 from jaxpar.core.pipeline_schedules import resolve_microbatches
+from jaxpar.dispatch import local_experts
 from jaxpar.ops import local_attention, scan_layers
+from jaxpar.parallel.experts import expert_parallel
 from jaxpar.parallel.gpipe import gpipe_layers
 from jaxpar.parallel.sequence import sequence_attention
 
@@ -30,4 +33,5 @@ def parallel_context(layout, on_executor: bool = False) -> ParallelContext:
         run_layers = gpipe_layers(S, resolve_microbatches(S, p.pipeline_microbatches), unroll)
     else:
         run_layers = functools.partial(scan_layers, unroll=unroll)
-    return ParallelContext(mesh, layout.rules, attention, run_layers)
+    experts = expert_parallel(mesh, layout.rules) if layout.cfg.model.moe_experts else local_experts
+    return ParallelContext(mesh, layout.rules, attention, run_layers, experts)

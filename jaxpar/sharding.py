@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 # different names for the model dimension: weights' "embed" is FSDP-sharded, activations'
 # "act_embed" is not (the batch already uses fsdp there).
 RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("dp", "fsdp"),
+    "batch": ("dp", "fsdp", "ep"),  # ep is a data axis outside the experts (each ep rank reads its own rows)
     "seq": ("sp",),  # sequence parallelism; attention across shards: jaxpar/parallel/sequence.py
     "act_embed": (),
     "embed": ("fsdp",),
@@ -29,6 +29,8 @@ RULES: dict[str, tuple[str, ...]] = {
     "pos": (),
     "q_latent": (),  # MLA's latent down-projections: small, replicated (heads carry tp)
     "kv_latent": (),
+    "experts": ("ep",),  # a mixture of experts' expert axis (models/moe.py; tokens travel: parallel/experts.py)
+    "expert_scores": (),  # the router's output: every token scores every expert
     "sketch": ("fsdp",),  # a sketched layer's factor [sketch, out]: its input dim, sharded like "embed"
 }
 

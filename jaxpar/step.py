@@ -16,8 +16,9 @@ from jaxpar.core.sketches import stacked_sketches
 from jaxpar.core.tokens import document_token
 from jaxpar.layout import Layout
 from jaxpar.mesh import make_mesh
-from jaxpar.loss import cross_entropy, loss_fn, split_rows, token_order, token_share
+from jaxpar.loss import cross_entropy, expert_metrics, loss_fn, split_rows, token_order, token_share
 from jaxpar.models.decoder import abstract_model
+from jaxpar.models.moe import stats_width
 from jaxpar.ops import sum_over_microbatches
 from jaxpar.optim import lr_fn, make_optimizer
 from jaxpar.parallel import powersgd
@@ -30,7 +31,8 @@ from jaxpar.state import abstract_state, init_state
 def _loss(layout: Layout, graphdef, eod, params, batch, scale=1.0):
     """The mean loss times `scale` (float16's loss scale; 1.0, a no-op, otherwise); `eod`: document_token's."""
     order = token_order(layout.cfg, layout.mesh, batch.shape[1] - 1)
-    return loss_fn(nnx.merge(graphdef, params), batch, order, eod) * scale
+    out = loss_fn(nnx.merge(graphdef, params), batch, order, eod)
+    return (out[0] * scale, out[1]) if isinstance(out, tuple) else out * scale  # with experts: (loss, statistics)
 
 
 def hand_scheduled(layout: Layout, schedule: str):
@@ -76,7 +78,7 @@ def loss_and_grad(layout: Layout, schedule: str | None = None):
     if schedule is not None:
         return hand_scheduled(layout, schedule), parallel_context(layout, on_executor=True)
     loss = partial(_loss, layout, abstract_model(layout.cfg.model)[0], document_token(layout.cfg))
-    return jax.value_and_grad(loss), parallel_context(layout)
+    return jax.value_and_grad(loss, has_aux=layout.cfg.model.moe_experts > 0), parallel_context(layout)
 
 
 def make_train_step(layout: Layout, inject_overflow: bool = False):
@@ -85,7 +87,10 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
     cfg, accum = layout.cfg, layout.cfg.train.microbatches  # M is the pipeline's (microbatches per schedule)
     tx, lr = make_optimizer(cfg), lr_fn(cfg)
     value_and_grad, context = loss_and_grad(layout)
-    fp16 = loss_scale.enabled(cfg)
+    fp16, experts = loss_scale.enabled(cfg), cfg.model.moe_experts > 0
+    zero_value = jnp.zeros((), jnp.float32)  # the loss's shape; with experts (loss, their summed statistics)
+    if experts:
+        zero_value = (zero_value, jnp.zeros((stats_width(cfg.model),), jnp.float32))
     compressed = psgd = None
     if cfg.parallel.grad_compression == "bf16" and data_axes(layout.mesh):
         compressed = compressed_loss_and_grads(layout, value_and_grad, accum)
@@ -105,7 +110,10 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
                 loss, grads = compressed(params, batch, jnp.asarray(scale, jnp.float32) * share)
             else:
                 loss, grads = sum_over_microbatches(value_and_grad, params, batch, scale * share, accum, lambda mb:
-                                                    jax.lax.with_sharding_constraint(mb, layout.batch_sharding))
+                                                    jax.lax.with_sharding_constraint(mb, layout.batch_sharding),
+                                                    zero_value)
+            if experts:
+                loss, expert_stats = loss
             loss, grads = loss / (accum * scale), jax.tree.map(lambda g: g / (accum * scale), grads)
         if inject_overflow:
             grads = jax.tree.map(lambda g: g * jnp.inf, grads)
@@ -115,6 +123,8 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
         if psgd is not None:
             new["powersgd"] = new_psgd
         metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr(state["step"])}
+        if experts:
+            metrics.update(expert_metrics(expert_stats, batch.shape[0], cfg.model.n_layer))
         if fp16:  # skip a step that overflowed (its parameters and optimizer state stay), adjust the scale
             ls, finite = state["loss_scale"], loss_scale.all_finite(grads)
             new["params"], new["opt_state"] = loss_scale.keep_if(finite, (new["params"], opt_state),
@@ -163,6 +173,7 @@ def make_eval_step(layout: Layout):
     def evaluate(params, batch):
         params = to_device(layout, {"params": params})["params"]
         with use(context):
-            return _loss(layout, graphdef, eod, params, batch) * token_share(batch)
+            loss = _loss(layout, graphdef, eod, params, batch)
+            return (loss[0] if isinstance(loss, tuple) else loss) * token_share(batch)
 
     return jax.jit(evaluate, in_shardings=(layout.state_shardings["params"], layout.batch_sharding))

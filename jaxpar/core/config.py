@@ -60,6 +60,18 @@ class ModelConfig:
     sketch: str = field(default="gaussian", metadata=_check(choices=("gaussian", "sign")))
     sketch_ratio: float = field(default=0.5, metadata=_check(lo=0.0, hi=1.0, lo_open=True))
     sketch_seed: int = 0
+    # mixture of experts (models/moe.py, docs/architecture.md "Mixture of experts"): every layer's MLP becomes
+    # moe_experts SwiGLU experts of width moe_d_ff (0: the MLP's), each token sent to its moe_top_k best; 0: dense
+    moe_experts: int = field(default=0, metadata=_check(lo=0))
+    moe_top_k: int = field(default=2, metadata=_check(lo=1))
+    moe_shared_experts: int = field(default=0, metadata=_check(lo=0))  # experts every token passes through as well
+    moe_d_ff: int = field(default=0, metadata=_check(lo=0))
+    moe_router: str = field(default="softmax", metadata=_check(choices=("softmax", "sigmoid")))  # expert scores
+    moe_norm_topk: bool = True  # the chosen experts' weights divided by their sum
+    moe_aux_loss: float = field(default=0.0, metadata=_check(lo=0.0))  # the sequence-wise balance loss's coefficient
+    # each expert takes at most capacity_factor x its even share (top_k x seq_len / experts) of a row's tokens,
+    # first choices first, earlier tokens first; the rest of its tokens skip it. 0: dropless
+    moe_capacity_factor: float = field(default=0.0, metadata=_check(lo=0.0))
 
     @property
     def ff_dim(self) -> int:
@@ -67,6 +79,10 @@ class ModelConfig:
             return self.d_ff or 4 * self.d_model
         k = self.ffn_multiple_of  # Llama's rule: 2/3 of 4*d_model (SwiGLU has three matrices), rounded up
         return -(-(8 * self.d_model // 3) // k) * k
+
+    @property
+    def expert_dim(self) -> int:
+        return self.moe_d_ff or self.ff_dim
 
     @property
     def kv_heads(self) -> int:

@@ -36,6 +36,7 @@ def check_consistency(cfg) -> None:
     if cfg.optim.min_lr > cfg.optim.lr:
         raise UserError(f"optim.min_lr={cfg.optim.min_lr} exceeds optim.lr={cfg.optim.lr}")
     _check_family(m)
+    _check_experts(m)
     _check_loss_scale(cfg)
     if m.attention == "mla" and m.rope_head_dim % 2:
         raise UserError(f"model.rope_head_dim={m.rope_head_dim} must be even (rotary pairs)")
@@ -63,6 +64,13 @@ def _check_loss_scale(cfg) -> None:
                             "need no loss scaling)")
     if o.loss_scale_min > o.loss_scale_init:
         raise UserError(f"optim.loss_scale_min={o.loss_scale_min} exceeds optim.loss_scale_init={o.loss_scale_init}")
+
+
+def _check_experts(m) -> None:
+    if m.moe_experts and m.moe_top_k > m.moe_experts:
+        raise UserError(f"model.moe_top_k={m.moe_top_k} exceeds model.moe_experts={m.moe_experts}")
+    if m.moe_experts and m.linear == "sketched":
+        raise UserError("model.linear=sketched sketches the dense MLP; with model.moe_experts the experts replace it")
 
 
 def _check_family(m) -> None:

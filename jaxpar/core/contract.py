@@ -109,6 +109,9 @@ FLOAT16 = dict(when=_model("compute_dtype", "float16"), mode="model.compute_dtyp
                example=("model.compute_dtype=float16",))
 PIPELINE = dict(when=_stages, mode="a pipeline (jaxpar: pp>1 in the mesh; torchpar: --backend pipeline)",
                 example=("mesh:pp=2",))
+MOE = dict(when=lambda r: r.cfg.model.moe_experts > 0, mode="model.moe_experts>0", example=("model.moe_experts=4",))
+NO_PIPELINE_MOE = ("torch.distributed.pipelining passes activations alone between stages, not the experts' load "
+                   "and balance loss (use --backend none, ddp, fsdp or deepspeed)")
 NO_TORCH_SP = "torchpar has no sequence parallelism (jaxpar.train runs sp)"
 
 CONTRACT: dict[str, Owner] = {
@@ -142,6 +145,11 @@ CONTRACT: dict[str, Owner] = {
     "model.sketch": Owner(True, BOTH, "step", **SKETCHED),
     "model.sketch_ratio": Owner(True, BOTH, "params", **SKETCHED),
     "model.sketch_seed": Owner(True, BOTH, "step", **SKETCHED),
+    "model.moe_experts": Owner(True, NOT_PIPELINE, "params", why_not=NO_PIPELINE_MOE),
+    **{f"model.moe_{k}": Owner(True, NOT_PIPELINE, "params", **MOE, why_not=NO_PIPELINE_MOE)
+       for k in ("shared_experts", "d_ff")},
+    **{f"model.moe_{k}": Owner(True, NOT_PIPELINE, "step", **MOE, why_not=NO_PIPELINE_MOE)
+       for k in ("top_k", "router", "norm_topk", "aux_loss", "capacity_factor")},
     # data: one order for both (jaxpar/core/data_order.py)
     "data.dataset": Owner(True, BOTH, "data"),
     "data.tokenizer": Owner(True, BOTH, "test", evidence="tests/e2e/test_train_cli.py::test_trains_on_a_bpe_corpus_and_refuses_another_tokenizer_on_resume"),

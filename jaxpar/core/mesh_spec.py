@@ -6,7 +6,7 @@ import math
 
 from jaxpar.core.errors import UserError
 
-AXES = ("dp", "fsdp", "pp", "sp", "tp")  # mesh order: tp innermost (fastest links), dp outermost
+AXES = ("dp", "fsdp", "pp", "ep", "sp", "tp")  # mesh order: tp innermost (fastest links), dp outermost
 
 
 def parse_mesh(spec: str) -> dict[str, int]:

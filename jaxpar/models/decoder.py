@@ -33,6 +33,7 @@ from jaxpar.core.sketches import sketch_dim, stacked_sketches
 from jaxpar.models.dilated import dilated_attention
 from jaxpar.models.llama import GQAttention, RMSNorm, SwiGLU
 from jaxpar.models.mla import MLAttention
+from jaxpar.models.moe import MoE, stats_width
 from jaxpar.models.params import normal, param
 from jaxpar.ops import project
 
@@ -126,12 +127,19 @@ class Block(nnx.Module):
         self.ln1 = norm(cfg, stack)
         self.attn = (GQAttention if llama else MLAttention if cfg.attention == "mla" else Attention)(cfg, rngs, stack)
         self.ln2 = norm(cfg, stack)
-        self.mlp = (SwiGLU if llama else MLP)(cfg, rngs, stack)
+        if cfg.moe_experts:  # a mixture of experts instead of the MLP (moe.py)
+            self.moe = MoE(cfg, rngs, stack)
+        else:
+            self.mlp = (SwiGLU if llama else MLP)(cfg, rngs, stack)
 
     def __call__(self, x, dtype, positions=None, segments=None, sketches=None):
+        """-> (x, the experts' per-row statistics [batch, E + 2]; None with a dense MLP)."""
         x = x + self.attn(self.ln1(x), dtype, positions, segments)
-        x = x + self.mlp(self.ln2(x), dtype, sketches)
-        return constrain(x, ("batch", "seq", "act_embed"))
+        y, stats = self.feed_forward(self.ln2(x), dtype, sketches)
+        return constrain(x + y, ("batch", "seq", "act_embed")), stats
+
+    def feed_forward(self, x, dtype, sketches=None):
+        return self.moe(x, dtype) if hasattr(self, "moe") else (self.mlp(x, dtype, sketches), None)
 
 
 class Decoder(nnx.Module):
@@ -149,7 +157,12 @@ class Decoder(nnx.Module):
         """tokens [batch, seq] int -> logits [batch, seq, vocab] float32. `positions` [seq]: the tokens'
         positions when they are not in natural order (zig-zag sequence parallelism); with `segments` [batch, seq]
         (packed documents, data.document_mask) both per row, each document's own (ops.documents)."""
-        return self.head(self.run_blocks(self.embed(tokens, positions), positions, segments))
+        return self.forward(tokens, positions, segments)[0]
+
+    def forward(self, tokens: jax.Array, positions=None, segments=None):
+        """(logits, the experts' per-row statistics summed over the layers [batch, E + 2]; None when dense)."""
+        x, stats = self.run_blocks(self.embed(tokens, positions), positions, segments, with_stats=True)
+        return self.head(x), stats
 
     # The three pieces below are also what pipeline stages run (jaxpar/step.py for the executor):
     # embed on the first stage, a slice of the blocks on each, head and loss on the last.
@@ -163,20 +176,27 @@ class Decoder(nnx.Module):
             x = x + (self.wpe[...][:T] if positions is None else jnp.take(self.wpe[...], positions, axis=0))
         return constrain(x.astype(dtype), ("batch", "seq", "act_embed"))
 
-    def run_blocks(self, x: jax.Array, positions=None, segments=None, sketches=None) -> jax.Array:
+    def run_blocks(self, x: jax.Array, positions=None, segments=None, sketches=None, with_stats=False):
         """Every layer of `self.blocks` (whatever its leading length) in order; `sketches` default to
-        the whole model's (model.linear=sketched), a pipeline stage passes its own slice."""
-        dtype = jnp.dtype(self.cfg.compute_dtype)
+        the whole model's (model.linear=sketched), a pipeline stage passes its own slice. `with_stats`:
+        (x, the experts' per-row statistics summed over the layers, None when dense)."""
+        dtype, experts = jnp.dtype(self.cfg.compute_dtype), self.cfg.moe_experts > 0
         graphdef, stacked = nnx.split(self.blocks)
 
-        def layer(h, xs):
+        def layer(carry, xs):  # the carry: x, with experts (x, statistics so far)
             layer_state, layer_sketches = xs
-            return nnx.merge(graphdef, layer_state)(h, dtype, positions, segments, layer_sketches)
+            h, total = carry if experts else (carry, None)
+            h, stats = nnx.merge(graphdef, layer_state)(h, dtype, positions, segments, layer_sketches)
+            return (h, total + stats) if experts else h
 
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat])
+        carry = (x, jnp.zeros((x.shape[0], stats_width(self.cfg)), jnp.float32)) if experts else x
         # the context's layer runner (a scan, or GPipe stages over `pp`); fixed sketches ride along with the parameters
-        return current().run_layers(layer, (stacked, stacked_sketches(self.cfg) if sketches is None else sketches), x)
+        out = current().run_layers(layer, (stacked, stacked_sketches(self.cfg) if sketches is None else sketches),
+                                   carry)
+        x, stats = out if experts else (out, None)
+        return (x, stats) if with_stats else x
 
     def head(self, x: jax.Array) -> jax.Array:
         x = self.ln_f(x)

@@ -82,8 +82,9 @@ class GQAttention(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: tuple[int, ...]):
-        L, d, f, lead = stack, cfg.d_model, cfg.ff_dim, ("layers",) * len(stack)
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: tuple[int, ...], width: int = 0):
+        """width: the hidden width (0: model.d_ff's; a mixture of experts' shared experts: theirs)."""
+        L, d, f, lead = stack, cfg.d_model, width or cfg.ff_dim, ("layers",) * len(stack)
         self.gate = nnx.Dict(kernel=param(normal(rngs, L + (d, f), cfg.init_std), lead + ("embed", "mlp")))
         self.up = nnx.Dict(kernel=param(normal(rngs, L + (d, f), cfg.init_std), lead + ("embed", "mlp")))
         self.down = nnx.Dict(kernel=param(normal(rngs, L + (f, d), cfg.init_std / math.sqrt(2 * cfg.n_layer)),

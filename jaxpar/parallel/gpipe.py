@@ -27,27 +27,34 @@ def gpipe_layers(stages: int, microbatches: int, unroll: bool = False) -> Callab
     return run_layers
 
 
-def gpipe(stage_fn: Callable, stacked, x: jax.Array, stages: int, microbatches: int) -> jax.Array:
+def _pin(tree):
+    """Each stage's activations [stage, batch, seq, embed] (and per-row statistics [stage, batch, n]) on pp."""
+    axes = {4: ("stage", "batch", "seq", "act_embed"), 3: ("stage", "batch", None)}
+    return jax.tree.map(lambda a: constrain(a, axes[a.ndim]), tree)
+
+
+def gpipe(stage_fn: Callable, stacked, x, stages: int, microbatches: int):
     """Run `stage_fn(stage_params, h) -> h` (one stage's layers) as a GPipe pipeline.
 
     stacked: pytree of arrays with a leading layers axis (L divisible by `stages`).
-    x: activations [batch, seq, embed]; returns the same shape after all L layers.
+    x: activations [batch, seq, embed] (or a pytree of per-row arrays: with experts, their statistics beside);
+    returns the same shapes after all L layers.
     """
     S, M = stages, microbatches
     staged = jax.tree.map(lambda w: w.reshape(S, w.shape[0] // S, *w.shape[1:]), stacked)
-    micro = split_microbatches(x, M)
-    act_axes = ("stage", "batch", "seq", "act_embed")
+    micro = jax.tree.map(lambda a: split_microbatches(a, M), x)
+    at = lambda tree, i: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
 
     def tick(carry, t):
         buffer, outputs = carry
-        fresh = jax.lax.dynamic_index_in_dim(micro, jnp.minimum(t, M - 1), keepdims=False)
-        buffer = buffer.at[0].set(jnp.where(t < M, fresh, buffer[0]))
-        out = constrain(jax.vmap(stage_fn)(staged, constrain(buffer, act_axes)), act_axes)
+        fresh = jax.tree.map(lambda m: jax.lax.dynamic_index_in_dim(m, jnp.minimum(t, M - 1), keepdims=False), micro)
+        buffer = jax.tree.map(lambda b, f: b.at[0].set(jnp.where(t < M, f, b[0])), buffer, fresh)
+        out = _pin(jax.vmap(stage_fn)(staged, _pin(buffer)))
         done = jnp.maximum(t - (S - 1), 0)
-        outputs = jax.lax.dynamic_update_index_in_dim(
-            outputs, jnp.where(t >= S - 1, out[S - 1], outputs[done]), done, axis=0)
-        return (jnp.roll(out, 1, axis=0), outputs), None
+        outputs = jax.tree.map(lambda o, last: jax.lax.dynamic_update_index_in_dim(
+            o, jnp.where(t >= S - 1, last, o[done]), done, axis=0), outputs, at(out, S - 1))
+        return (jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), out), outputs), None
 
-    buffer = jnp.zeros((S,) + micro.shape[1:], x.dtype)
-    (_, outputs), _ = jax.lax.scan(tick, (buffer, jnp.zeros_like(micro)), jnp.arange(M + S - 1))
-    return join_microbatches(outputs)
+    buffer = jax.tree.map(lambda m: jnp.zeros((S,) + m.shape[1:], m.dtype), micro)
+    (_, outputs), _ = jax.lax.scan(tick, (buffer, jax.tree.map(jnp.zeros_like, micro)), jnp.arange(M + S - 1))
+    return jax.tree.map(join_microbatches, outputs)

@@ -25,7 +25,7 @@ def assert_one_line_error(r, *phrases):
 CASES = {
     "mesh_vs_devices": (["--mesh", "dp=3"], {"JAXPAR_CPU_DEVICES": "8"}, ["3 devices", "8 are available"]),
     "heads_vs_tp": (["--mesh", "tp=8"], {}, ["n_head=4", "tp=8"]),
-    "batch_vs_data_axes": (["--mesh", "dp=3"], {}, ["global_batch_size=8", "dp*fsdp=3"]),
+    "batch_vs_data_axes": (["--mesh", "dp=3"], {}, ["global_batch_size=8", "dp*fsdp*ep=3"]),
     "unknown_key": (["model.n_layers=3"], {}, ["model.n_layers"]),
     "bad_value": (["optim.lr=-1"], {}, ["optim.lr", "out of range"]),
     "bad_mesh_axis": (["--mesh", "xp=2"], {}, ["xp=2"]),

@@ -1,0 +1,88 @@
+"""The mixture-of-experts feed-forward block (model.moe_experts > 0), logical axes only.
+
+Per token x [embed] of a row of T tokens, with E experts, the k best of them and float32 routing:
+  scores  = softmax(x W_r) or sigmoid(x W_r)             [E]      (model.moe_router; router.kernel [embed, E])
+  choices = the k highest scores (ties: the lower id)     weights = their scores, divided by their sum when
+            model.moe_norm_topk
+  capacity (model.moe_capacity_factor c > 0): expert e takes at most ceil(c k T / E) of a row's choices, first
+            choices before second ones, earlier tokens first; the rest skip it (the token keeps its other
+            choices and the residual). c = 0: dropless. Fixed by the row alone, so every layout drops alike.
+  y       = sum over kept choices of weight x SwiGLU_e(x)  + SwiGLU_shared(x) with moe_shared_experts > 0
+The experts run where the parallel context puts them (`current().experts`: jaxpar/dispatch.py on one device,
+jaxpar/parallel/experts.py across `ep`).
+
+Each layer also reports per row: the choices each expert received (before any drop), the choices dropped and
+the sequence-wise balance loss sum_e f_e P_e (DeepSeek-V3, eq. 17-19: f_e = E/(kT) x the row's choices of e,
+P_e = the row's mean normalised score of e; 1.0 when balanced). loss.py adds model.moe_aux_loss x its mean.
+
+Shared weight format (blocks.moe.*): router.kernel [L, embed, E]  gate, up [L, E, embed, moe_d_ff]
+  down [L, E, moe_d_ff, embed]  shared.{gate,up}.kernel [L, embed, S x moe_d_ff]  shared.down.kernel [L, S x
+  moe_d_ff, embed] (S = moe_shared_experts, one SwiGLU as wide as S experts, as DeepSeek's).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.context import constrain, current
+from jaxpar.core.config import ModelConfig
+from jaxpar.models.llama import SwiGLU
+from jaxpar.models.params import normal, param
+
+
+def stats_width(cfg: ModelConfig) -> int:
+    """Per-row statistics a layer reports: choices per expert, dropped choices, the balance loss."""
+    return cfg.moe_experts + 2
+
+
+def row_capacity(cfg: ModelConfig, T: int) -> int:
+    """Choices one expert takes from a row of T tokens; 0: no limit (dropless)."""
+    c = cfg.moe_capacity_factor
+    return 0 if c <= 0 else max(1, math.ceil(c * cfg.moe_top_k * T / cfg.moe_experts))
+
+
+def route(logits, cfg: ModelConfig):
+    """Router logits [B, T, E] float32 -> (ids, weights, kept [B, T, k], stats [B, E + 2])."""
+    E, k = cfg.moe_experts, cfg.moe_top_k
+    scores = jax.nn.softmax(logits, axis=-1) if cfg.moe_router == "softmax" else jax.nn.sigmoid(logits)
+    top, ids = jax.lax.top_k(scores, k)
+    weights = top / jnp.sum(top, axis=-1, keepdims=True) if cfg.moe_norm_topk else top
+    chosen = jax.nn.one_hot(ids, E, dtype=jnp.int32)  # [B, T, k, E]
+    capacity = row_capacity(cfg, logits.shape[1])
+    if capacity:  # the order a row's choices claim their expert's places in: choice rank, then position
+        B, T = ids.shape[:2]
+        ordered = chosen.transpose(0, 2, 1, 3).reshape(B, k * T, E)
+        place = (jnp.cumsum(ordered, axis=1) - 1).reshape(B, k, T, E).transpose(0, 2, 1, 3)
+        kept = jnp.sum(jnp.where(chosen > 0, place, 0), axis=-1) < capacity
+    else:
+        kept = jnp.ones(ids.shape, bool)
+    received = jnp.sum(chosen, axis=(1, 2)).astype(jnp.float32)  # [B, E]
+    share = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    balance = jnp.sum(received * E / (k * logits.shape[1]) * jnp.mean(share, axis=1), axis=-1)
+    dropped = jnp.sum(~kept, axis=(1, 2)).astype(jnp.float32)
+    return ids, weights, kept, jnp.concatenate([received, dropped[:, None], balance[:, None]], axis=-1)
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: tuple[int, ...]):
+        L, d, E, f, lead = stack, cfg.d_model, cfg.moe_experts, cfg.expert_dim, ("layers",) * len(stack)
+        down_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
+        self.router = nnx.Dict(kernel=param(normal(rngs, L + (d, E), cfg.init_std), lead + ("embed", "expert_scores")))
+        self.gate = param(normal(rngs, L + (E, d, f), cfg.init_std), lead + ("experts", "embed", "mlp"))
+        self.up = param(normal(rngs, L + (E, d, f), cfg.init_std), lead + ("experts", "embed", "mlp"))
+        self.down = param(normal(rngs, L + (E, f, d), down_std), lead + ("experts", "mlp", "embed"))
+        self.shared = SwiGLU(cfg, rngs, stack, cfg.moe_shared_experts * f) if cfg.moe_shared_experts else None
+        self.cfg = cfg
+
+    def __call__(self, x, dtype):
+        """x [B, T, embed] -> (y [B, T, embed], stats [B, E + 2])."""
+        logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router["kernel"][...].astype(jnp.float32))
+        ids, weights, kept, stats = route(logits, self.cfg)
+        w = lambda p: p[...].astype(dtype)  # noqa: E731
+        y = current().experts(x, ids, weights, kept, w(self.gate), w(self.up), w(self.down),
+                              row_capacity(self.cfg, x.shape[1]))
+        y = constrain(y, ("batch", "seq", "act_embed"))
+        return (y if self.shared is None else y + self.shared(x, dtype)), stats
