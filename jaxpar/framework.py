@@ -14,6 +14,7 @@ from jax.experimental import multihost_utils
 from jaxpar.context import use
 from jaxpar.core.config import Config
 from jaxpar.core.loop import sample_lengths
+from jaxpar.core.experts import expert_records
 from jaxpar.core.data_order import unmasked
 from jaxpar.core.mesh_spec import format_mesh
 from jaxpar.core.peers import roll_call
@@ -106,7 +107,8 @@ class JaxFramework:
         return prompt[0].tolist() + out[0].tolist() if jax.process_index() == 0 else None
 
     def fetch(self, metrics) -> dict:
-        return {k: np.asarray(v).tolist() if np.ndim(v) else float(v) for k, v in jax.device_get(metrics).items()}
+        out = {k: float(v) for k, v in jax.device_get(metrics).items() if k != "expert_stats"}
+        return {**out, **expert_records(jax.device_get(metrics["expert_stats"]))} if "expert_stats" in metrics else out
 
     def evaluate(self, batches: int) -> float:
         losses = [self._eval_step(self.state["params"], device_batch(self.val_data, i, self.layout.batch_sharding)) for i in range(batches)]

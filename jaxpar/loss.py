@@ -63,24 +63,15 @@ def token_share(batch: jax.Array) -> jax.Array:
     return targets.size / jnp.maximum(jnp.sum(targets >= 0), 1).astype(jnp.float32)
 
 
-def loss_fn(model, batch: jax.Array, order=None, eod: int | None = None):
+def loss_fn(model, batch: jax.Array, order=None, eod: int | None = None, balance: bool = True):
     """Next-token cross-entropy of `model` over rows [batch, seq + 1] (as cross_entropy: times token_share, the
     mean over the counted targets), read in `order` (None: natural), within documents when `eod` is given.
-    With experts (model.moe_experts): (that plus the balance loss, the experts' statistics summed over rows)."""
+    With experts (model.moe_experts): (that plus, if `balance`, the weighted balance loss; the experts' statistics
+    summed over rows)."""
     rows = split_rows(batch, order, eod)
     logits, stats = model.forward(rows.inputs, rows.positions, rows.segments)
     loss = cross_entropy(logits, rows.targets)
     if stats is None:
         return loss
     m = model.cfg
-    return loss + m.moe_aux_loss * jnp.mean(stats[:, -1]) / m.n_layer, jnp.sum(stats, axis=0)
-
-
-def expert_metrics(stats: jax.Array, rows: int, n_layer: int) -> dict:
-    """The step's records from the experts' statistics summed over its rows and layers [E + 2]: each expert's share
-    of the choices (moe_load; moe_max_load = the busiest one's x E, 1.0 when even), the share of choices dropped by
-    the capacity, and the balance loss per row and layer (1.0 when even; model.moe_aux_loss weighs it)."""
-    received, E = stats[:-2], stats.shape[0] - 2
-    load = received / jnp.maximum(jnp.sum(received), 1.0)
-    return {"moe_load": load, "moe_max_load": jnp.max(load) * E, "moe_dropped": stats[-2] / jnp.sum(received),
-            "moe_balance": stats[-1] / (rows * n_layer)}
+    return loss + balance * m.moe_aux_loss * jnp.mean(stats[:, -1]) / m.n_layer, jnp.sum(stats, axis=0)

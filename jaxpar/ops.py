@@ -229,14 +229,14 @@ def split_microbatches(x: jax.Array, M: int) -> jax.Array:
 
 
 def sum_over_microbatches(value_and_grad: Callable, params, batch: jax.Array, scale, M: int,
-                          pin: Callable = lambda mb: mb, value=jnp.zeros((), jnp.float32)):
+                          pin: Callable = lambda mb: mb, value=None):
     """(loss, grads) of value_and_grad(params, microbatch, scale) summed over the batch's M microbatches, in a
     scan whose float32 carry is the accumulation; `pin` places each microbatch first (a sharding constraint);
     `value`: zeros shaped as the loss (with experts, (loss, their statistics))."""
     def accumulate(carry, mb):
         return jax.tree.map(jnp.add, carry, value_and_grad(params, pin(mb), scale)), None
 
-    zero = (value, jax.tree.map(jnp.zeros_like, params))
+    zero = (jnp.zeros((), jnp.float32) if value is None else value, jax.tree.map(jnp.zeros_like, params))
     return jax.lax.scan(accumulate, zero, split_microbatches(batch, M))[0]
 
 

@@ -16,7 +16,7 @@ from jaxpar.core.sketches import stacked_sketches
 from jaxpar.core.tokens import document_token
 from jaxpar.layout import Layout
 from jaxpar.mesh import make_mesh
-from jaxpar.loss import cross_entropy, expert_metrics, loss_fn, split_rows, token_order, token_share
+from jaxpar.loss import cross_entropy, loss_fn, split_rows, token_order, token_share
 from jaxpar.models.decoder import abstract_model
 from jaxpar.models.moe import stats_width
 from jaxpar.ops import sum_over_microbatches
@@ -28,10 +28,11 @@ from jaxpar.parallelize import parallel_context
 from jaxpar.state import abstract_state, init_state
 
 
-def _loss(layout: Layout, graphdef, eod, params, batch, scale=1.0):
-    """The mean loss times `scale` (float16's loss scale; 1.0, a no-op, otherwise); `eod`: document_token's."""
+def _loss(layout: Layout, graphdef, eod, params, batch, scale=1.0, balance=True):
+    """The mean loss times `scale` (float16's loss scale; 1.0, a no-op, otherwise); `eod`: document_token's;
+    `balance`: with the experts' balance loss (training), or the cross-entropy alone (evaluation)."""
     order = token_order(layout.cfg, layout.mesh, batch.shape[1] - 1)
-    out = loss_fn(nnx.merge(graphdef, params), batch, order, eod)
+    out = loss_fn(nnx.merge(graphdef, params), batch, order, eod, balance)
     return (out[0] * scale, out[1]) if isinstance(out, tuple) else out * scale  # with experts: (loss, statistics)
 
 
@@ -124,7 +125,8 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
             new["powersgd"] = new_psgd
         metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr(state["step"])}
         if experts:
-            metrics.update(expert_metrics(expert_stats, batch.shape[0], cfg.model.n_layer))
+            # core/experts.py: expert_records; the balance loss per row and layer
+            metrics["expert_stats"] = expert_stats.at[-1].divide(batch.shape[0] * cfg.model.n_layer)
         if fp16:  # skip a step that overflowed (its parameters and optimizer state stay), adjust the scale
             ls, finite = state["loss_scale"], loss_scale.all_finite(grads)
             new["params"], new["opt_state"] = loss_scale.keep_if(finite, (new["params"], opt_state),
@@ -173,7 +175,7 @@ def make_eval_step(layout: Layout):
     def evaluate(params, batch):
         params = to_device(layout, {"params": params})["params"]
         with use(context):
-            loss = _loss(layout, graphdef, eod, params, batch)
+            loss = _loss(layout, graphdef, eod, params, batch, balance=False)
             return (loss[0] if isinstance(loss, tuple) else loss) * token_share(batch)
 
     return jax.jit(evaluate, in_shardings=(layout.state_shardings["params"], layout.batch_sharding))

@@ -32,7 +32,8 @@ CONFIGS = ("float32", "bfloat16", "accum", "remat")
 REFERENCE = "jax:1"
 INIT_SEED_OFFSET = 7  # the initial weights are drawn with train.seed + 7: no side trains with that seed
 # side -> jaxpar mesh
-JAX_MESHES = {"jax:1": "dp=1", "jax:dp=8": "dp=8", "jax:fsdp=8": "fsdp=8", "jax:dp=2,tp=4": "dp=2,tp=4"}
+JAX_MESHES = {"jax:1": "dp=1", "jax:dp=8": "dp=8", "jax:fsdp=8": "fsdp=8", "jax:dp=2,tp=4": "dp=2,tp=4",
+              "jax:ep=4,dp=2": "ep=4,dp=2"}  # ep: the mixture-of-experts configs only
 # side -> (processes, torchpar arguments); 0 processes = one plain `python -m torchpar.train`
 TORCH_BACKENDS = {
     "torch:none": (0, ["--backend", "none"]),

@@ -66,6 +66,7 @@ def run_steps(cfg: Config, mesh: str, dataset: str, steps: int | None = None, de
 
     from jaxpar.core.batch_shapes import batch_shapes
     from jaxpar.core.data_order import open_splits
+    from jaxpar.core.experts import expert_records
     from jaxpar.core.weights import flatten
     from jaxpar.data import device_batch, grain_batches
     from jaxpar.core.mesh_spec import parse_mesh
@@ -81,8 +82,10 @@ def run_steps(cfg: Config, mesh: str, dataset: str, steps: int | None = None, de
     for step in range(cfg.train.steps if steps is None else steps):
         state, metrics = train_step(state, device_batch(data, step, layout.batch_sharding))
         history.append(metrics)
-    history = jax.device_get(history)
-    out = {k: [float(m[k]) for m in history] for k in ("loss", "grad_norm", "lr")}
+    history = [{**m, **(expert_records(m["expert_stats"]) if "expert_stats" in m else {})}
+               for m in jax.device_get(history)]
+    scalars = [k for k in history[0] if np.ndim(history[0][k]) == 0]  # loss, grad_norm, lr, the experts' records
+    out = {k: [float(m[k]) for m in history] for k in scalars}
     out["params"] = {k: np.asarray(v) for k, v in flatten(jax.device_get(state["params"])).items()}
     return out
 

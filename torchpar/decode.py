@@ -65,7 +65,7 @@ def _forward(model: Decoder, tokens, start: int, cache, slots):
     x = x.to(model.compute_dtype)
     for block, layer_cache in zip(model.blocks, cache):
         x = x + _attend(block.attn, model.cfg, block.ln1(x), positions, start, layer_cache, mask)
-        x = x + block.mlp(block.ln2(x))
+        x = x + block.feed_forward(block.ln2(x))[0]
     return output_head(model.ln_f, model.output_table, x)
 
 

@@ -40,7 +40,8 @@ class MetricsLog:
                          ("lr", "lr {:.2e}"),
                          ("grad_norm", "gnorm {:.3f}"), ("loss_scale", "scale {:g}"),
                          ("skipped_steps", "skipped {:.0f}"), ("tokens_per_sec", "{:,.0f} tok/s"),
-                         ("padding_share", "pad {:.0%}"),
+                         ("padding_share", "pad {:.0%}"), ("moe_balance", "balance {:.3f}"),
+                         ("moe_max_load", "max load {:.2f}"), ("moe_dropped", "dropped {:.1%}"),
                          ("mfu", "mfu {:.1%}"), ("memory_in_use_gib", "mem {:.2f}"),
                          ("memory_gib", "peak {:.2f} GiB"), ("data_wait_share", "data {:.0%}")):
             if record.get(key) is not None:

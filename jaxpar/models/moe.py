@@ -29,6 +29,7 @@ from flax import nnx
 
 from jaxpar.context import constrain, current
 from jaxpar.core.config import ModelConfig
+from jaxpar.core.experts import row_capacity
 from jaxpar.models.llama import SwiGLU
 from jaxpar.models.params import normal, param
 
@@ -36,12 +37,6 @@ from jaxpar.models.params import normal, param
 def stats_width(cfg: ModelConfig) -> int:
     """Per-row statistics a layer reports: choices per expert, dropped choices, the balance loss."""
     return cfg.moe_experts + 2
-
-
-def row_capacity(cfg: ModelConfig, T: int) -> int:
-    """Choices one expert takes from a row of T tokens; 0: no limit (dropless)."""
-    c = cfg.moe_capacity_factor
-    return 0 if c <= 0 else max(1, math.ceil(c * cfg.moe_top_k * T / cfg.moe_experts))
 
 
 def route(logits, cfg: ModelConfig):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import sys
 
 import jax
-import jax.numpy as jnp
 
 from jaxpar.context import tracing_mesh
 from jaxpar.dispatch import dispatch, slots_for, swiglu_experts

@@ -36,6 +36,9 @@ CASES = {
     "impossible_mesh": (["--mesh", "dp=100000"], {}, ["dp=100000", "100000 devices"]),  # at once, not a hang
     "compile_off": (["train.compile=off"], {}, ["train.compile=off", "always compiled by XLA"]),
     "tracker_not_installed": (["run.wandb=offline"], {}, ["run.wandb=offline needs the wandb package"]),
+    "top_k_above_experts": (["model.moe_experts=4", "model.moe_top_k=5"], {}, ["moe_top_k=5", "moe_experts=4"]),
+    "experts_vs_ep": (["--mesh", "ep=4,dp=2", "model.moe_experts=6"], {}, ["moe_experts=6", "ep=4"]),
+    "ep_without_experts": (["--mesh", "ep=2"], {}, ["ep=2", "has none"]),
     "1f1b_microbatches_below_stages": (["--mesh", "pp=2", "parallel.pipeline_schedule=1f1b", "parallel.pipeline_microbatches=1"],
                                        {}, ["1f1b needs microbatches >= stages"]),
 }

@@ -19,10 +19,12 @@ from contextlib import nullcontext
 import torch
 from torch.distributed.tensor import DTensor
 
+from jaxpar.core.experts import expert_records
 from jaxpar.core.lr_schedule import lr_at
 from torchpar import dist
 from torchpar.checkpoint import DCPCheckpointer
 from torchpar.models.decoder import next_token_loss, split_rows
+from torchpar.models.moe import balance_loss
 from torchpar.optim import make_optimizer
 
 
@@ -43,10 +45,31 @@ def microbatches(batch: torch.Tensor, M: int) -> list[torch.Tensor]:
 
 def read_metrics(handle, env, data_ways: int) -> dict:
     """A step's (local loss, grad_norm, lr, extra) as floats, the loss averaged over the ranks that hold a
-    share of the batch (a collective: every rank calls it at the same steps)."""
+    share of the batch, the experts' statistics summed over them (a collective: every rank calls it at the same
+    steps)."""
     loss, grad_norm, lr, extra = handle
-    loss_sum = dist.all_sum([float(loss)], env)[0]
+    stats = extra.pop("expert_stats", None)
+    loss_sum, *stats = dist.all_sum([float(loss)] + ([] if stats is None else stats.tolist()), env)
+    if stats:  # [choices per expert, dropped, balance loss per layer, rows] over every rank and microbatch
+        extra = {**extra, **expert_records(stats[:-2] + [stats[-2] / stats[-1]])}
     return {"loss": loss_sum / data_ways, "grad_norm": float(grad_norm), "lr": float(lr), **extra}
+
+
+def microbatch_loss(module, raw, batch: torch.Tensor):
+    """(the training loss of rows [batch, seq + 1]: cross-entropy, with experts plus their weighted balance loss;
+    the experts' statistics summed over the rows, the balance per layer and the row count appended, or None)."""
+    inputs, targets = split_rows(batch)
+    loss = next_token_loss(module(inputs), targets)
+    stats = raw.expert_stats  # the forward's (torchpar/models/decoder.py)
+    if stats is None:
+        return loss, None
+    summed = stats.detach().sum(0)
+    summed[-1] /= raw.cfg.n_layer
+    return loss + balance_loss(raw, stats), torch.cat([summed, summed.new_tensor([stats.shape[0]])])
+
+
+def add_stats(total, stats):
+    return stats if total is None else total + stats
 
 
 def eval_loss(module, batch: torch.Tensor, share: float = 1.0) -> float:
@@ -73,6 +96,7 @@ class TorchEngine:
         self.module, self.raw, self.cfg, self.env, self.sync = module, raw, cfg, env, sync
         self.scaler = scaler if scaler is not None else grad_scaler(cfg, env)
         self.skipped, self.overflow_next = 0, False  # float16: updates skipped so far; the test hook
+        self.expert_stats = None  # with experts: their statistics of the step so far (microbatch_loss)
         self.full_state_dict = full_state or raw.state_dict
         self.params = [p for p in raw.parameters()]
         self.optimizer = make_optimizer(raw, cfg)
@@ -120,6 +144,8 @@ class TorchEngine:
                 self.scaler.update(new_scale=self.cfg.optim.loss_scale_min)
             self.skipped += not math.isfinite(float(norm))  # the global norm: inf on any rank's overflow
             extra = {"loss_scale": scale, "skipped_steps": self.skipped}
+        if self.expert_stats is not None:
+            extra["expert_stats"] = self.expert_stats
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return total, norm, lr, extra
@@ -146,13 +172,14 @@ class TorchEngine:
     def forward_backward(self, micro: list[torch.Tensor], share: float = 1.0) -> torch.Tensor:
         """Gradients of the mean loss (times `share`) over the microbatches accumulated in .grad; returns that
         loss."""
-        total = torch.zeros((), device=micro[0].device)
+        total, self.expert_stats = torch.zeros((), device=micro[0].device), None
         for m, batch in enumerate(micro):
             with self.sync(m == len(micro) - 1):
-                inputs, targets = split_rows(batch)
-                loss = next_token_loss(self.module(inputs), targets) * share / len(micro)
+                loss, stats = microbatch_loss(self.module, self.raw, batch)
+                loss = loss * share / len(micro)
                 (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             total += loss.detach()
+            self.expert_stats = add_stats(self.expert_stats, stats)
         return total
 
     def clip_gradients(self, clip: float) -> torch.Tensor:

@@ -28,11 +28,10 @@ import torch
 from jaxpar.core.errors import UserError
 from jaxpar.core.lr_schedule import lr_at
 from torchpar import dist
-from torchpar.backends.base import eval_loss, microbatches, read_metrics
+from torchpar.backends.base import add_stats, eval_loss, microbatch_loss, microbatches, read_metrics
 from torchpar.backends.deepspeed_universal import (forget, group_settings, quiet_universal_load, repair_zero3_load,
                                                    universal_source)
 from torchpar.checkpoint import complete_steps, failing_save
-from torchpar.models.decoder import next_token_loss, split_rows
 from torchpar.optim import SharedLRSchedule, param_groups
 
 
@@ -131,10 +130,11 @@ class DeepSpeedEngine:
     def train_step(self, batch: torch.Tensor, share: float = 1.0):
         micro = microbatches(batch, self.cfg.train.microbatches)
         lr = self.engine.get_lr()[0]
-        total, norm = torch.zeros((), device=self.env.device), None
+        total, norm, experts = torch.zeros((), device=self.env.device), None, None
         for m, batch in enumerate(micro):
-            inputs, targets = split_rows(batch)
-            loss = next_token_loss(self.engine(inputs), targets) * share
+            loss, stats = microbatch_loss(self.engine, self.engine.module, batch)
+            loss = loss * share
+            experts = add_stats(experts, stats)
             self.engine.backward(loss)  # DeepSpeed scales by 1/accumulation and reduces at the boundary
             if m == len(micro) - 1 and self.stage == 0 and not self.engine.fp16_enabled():
                 grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
@@ -147,6 +147,8 @@ class DeepSpeedEngine:
         if self.engine.fp16_enabled():  # DeepSpeed's own loss scaler (generated from optim.loss_scale_*)
             extra = {"loss_scale": float(getattr(self.engine.optimizer, "cur_scale", float("nan"))),
                      "skipped_steps": int(self.engine.skipped_steps)}
+        if experts is not None:
+            extra["expert_stats"] = experts
         return total, torch.as_tensor(float("nan") if norm is None else float(norm)), lr, extra
 
     def full_state_dict(self) -> dict:

@@ -69,7 +69,7 @@ class Stage(nn.Module):
         if self.first:
             x = embed(self.wte, self.wpe, x, self.compute_dtype)
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x)[0]  # (x, None): the pipeline refuses experts (jaxpar/core/contract.py)
         return output_head(self.ln_f, self.wte if self.lm_head is None else self.lm_head, x) if self.last else x
 
 

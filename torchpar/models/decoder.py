@@ -22,6 +22,7 @@ from jaxpar.core.config import ModelConfig
 from jaxpar.core.data_order import unmasked
 from torchpar.models.layers import Dense, LayerNorm, RMSNorm, causal_attention, document_mask, documents
 from torchpar.models.llama import GQAttention, SwiGLU
+from torchpar.models.moe import MoE
 from torchpar.models.variants import MLAttention, SketchedLinear, dilated_attention
 
 # model.remat=save_matmuls: keep matmul outputs, recompute the rest (jaxpar: dots_with_no_batch_dims_saveable).
@@ -71,15 +72,24 @@ class Block(nn.Module):
         norm = RMSNorm if llama else LayerNorm
         attn = GQAttention(cfg) if llama else MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.ln1, self.attn = norm(cfg.d_model, cfg.layernorm_eps), attn
-        self.ln2, self.mlp = norm(cfg.d_model, cfg.layernorm_eps), SwiGLU(cfg) if llama else MLP(cfg, layer)
+        self.ln2 = norm(cfg.d_model, cfg.layernorm_eps)
+        if cfg.moe_experts:  # a mixture of experts instead of the MLP (torchpar/models/moe.py)
+            self.moe = MoE(cfg)
+        else:
+            self.mlp = SwiGLU(cfg) if llama else MLP(cfg, layer)
         self.remat = cfg.remat
+
+    def feed_forward(self, x):
+        return self.moe(x) if hasattr(self, "moe") else (self.mlp(x), None)
 
     def _forward(self, x, positions=None, mask=None):
         x = x + self.attn(self.ln1(x), positions, mask)
-        return x + self.mlp(self.ln2(x))
+        y, stats = self.feed_forward(self.ln2(x))
+        return x + y, stats
 
     def forward(self, x, positions=None, mask=None):
-        """positions, mask: packed documents' (Decoder.forward), else None (one sequence, plain causal)."""
+        """positions, mask: packed documents' (Decoder.forward), else None (one sequence, plain causal).
+        -> (x, the experts' per-row statistics [batch, E + 2]; None with a dense MLP)."""
         if self.remat == "none" or not torch.is_grad_enabled():
             return self._forward(x, positions, mask)
         context = partial(create_selective_checkpoint_contexts, _MATMULS) if self.remat == "save_matmuls" else None
@@ -99,6 +109,7 @@ class Decoder(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = (RMSNorm if cfg.family == "llama" else LayerNorm)(cfg.d_model, cfg.layernorm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
+        self.expert_stats = None  # with experts: their per-row statistics of the last forward, summed over layers
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -115,7 +126,8 @@ class Decoder(nn.Module):
                 elif name.startswith("ln") or "norm" in name:
                     p.fill_(1.0)
                 else:
-                    s = proj_std if name.startswith(("attn.out.", "mlp.proj.", "mlp.down.")) else std
+                    s = proj_std if name.startswith(("attn.out.", "mlp.proj.", "mlp.down.", "moe.down",
+                                                     "moe.shared.down.")) else std
                     p.copy_(torch.randn(p.shape, generator=gen) * s)
         for norm in (m for m in self.modules() if isinstance(m, (LayerNorm, RMSNorm))):
             norm.weight.fill_(1.0)
@@ -129,8 +141,11 @@ class Decoder(nn.Module):
             positions, segments = documents(tokens, self.eod)
             mask = document_mask(positions, segments)
         x = embed(self.wte, self.wpe, tokens, self.compute_dtype, positions)
+        total = None
         for block in self.blocks:
-            x = block(x, positions, mask)
+            x, stats = block(x, positions, mask)
+            total = stats if total is None else total + stats
+        self.expert_stats = total  # the loss reads it (moe.balance_loss): the wrappers return the logits alone
         return output_head(self.ln_f, self.output_table, x)
 
     @property

@@ -45,9 +45,9 @@ class GQAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int = 0):
         super().__init__()
-        d, f = cfg.d_model, cfg.ff_dim
+        d, f = cfg.d_model, width or cfg.ff_dim  # width: a mixture of experts' shared experts
         self.gate, self.up, self.down = Kernel((d, f)), Kernel((d, f)), Kernel((f, d))
 
     def forward(self, x):

@@ -1,0 +1,24 @@
+"""A mixture of experts' rules that both frameworks share (jax-free, torch-free): the capacity of an expert in a
+row, and the records a step's expert statistics make (jaxpar/models/moe.py, torchpar/models/moe.py)."""
+from __future__ import annotations
+
+import math
+
+
+def row_capacity(cfg, T: int) -> int:
+    """Choices one expert takes from a row of T tokens (model.moe_capacity_factor x its even share, rounded up);
+    0: no limit (dropless)."""
+    c = cfg.moe_capacity_factor
+    return 0 if c <= 0 else max(1, math.ceil(c * cfg.moe_top_k * T / cfg.moe_experts))
+
+
+def expert_records(stats) -> dict:
+    """The step's records from [choices each expert received (summed over rows, layers and microbatches), choices
+    dropped, the mean balance loss per row and layer]: each expert's share of the choices (moe_load), the busiest
+    one's share x experts (moe_max_load; 1.0 when even), the share dropped by the capacity, the balance loss (1.0
+    when even; model.moe_aux_loss weighs it into the loss)."""
+    received = [float(r) for r in stats[:-2]]
+    total = max(sum(received), 1.0)
+    load = [r / total for r in received]
+    return {"moe_load": load, "moe_max_load": max(load) * len(load), "moe_dropped": float(stats[-2]) / total,
+            "moe_balance": float(stats[-1])}
