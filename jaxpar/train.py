@@ -18,7 +18,7 @@ from jaxpar.core.config import Config, load_config
 from jaxpar.core.contract import Run, check_contract
 from jaxpar.core.data_order import open_splits
 from jaxpar.core.errors import cli
-from jaxpar.core.flops import peak_flops
+from jaxpar.core.flops import params_phrase, peak_flops
 from jaxpar.core.loop import stop_requests
 from jaxpar.core.mesh_spec import format_mesh, parse_mesh
 from jaxpar.core.pipeline_schedules import configured_bubble, resolve_microbatches
@@ -81,7 +81,7 @@ class JaxTrainer:
     def describe(self) -> str:
         n = sum(x.size for x in jax.tree.leaves(self.state["params"]))
         line = (f"mesh {format_mesh(dict(self.layout.mesh.shape))} on {jax.device_count()} "
-                f"{jax.devices()[0].platform} devices; {n:,} params; compiled in {self.compile_s:.1f}s")
+                f"{jax.devices()[0].platform} devices; {params_phrase(self.cfg.model, n)}; compiled in {self.compile_s:.1f}s")
         bubble, p = self.record_extra()["pipeline_bubble"], self.cfg.parallel
         if bubble is not None:
             line += (f"\npipeline {p.pipeline_schedule}: {self.layout.mesh.shape['pp']} stages x "

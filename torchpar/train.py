@@ -17,7 +17,7 @@ import torch
 from jaxpar.core.config import Config, load_config
 from jaxpar.core.data_order import open_splits
 from jaxpar.core.errors import cli
-from jaxpar.core.flops import peak_flops
+from jaxpar.core.flops import params_phrase, peak_flops
 from jaxpar.core.loop import stop_requests
 from jaxpar.core.resume import check_resume
 from jaxpar.core.run import run_training
@@ -89,8 +89,8 @@ class TorchTrainer:
             env = self.env
             counts = [int(c) for c in dist.all_sum([local if r == env.rank else 0 for r in range(env.world)], env)]
             held = f", {min(counts):,}" + (f"-{max(counts):,}" if min(counts) != max(counts) else "") + " per rank"
-        return (f"backend {self.backend} on {self.env.world} {self.env.device.type} processes; {self.n_params:,} "
-                f"params{held}; torch.compile {'on' if self.compiled else 'off'}")
+        return (f"backend {self.backend} on {self.env.world} {self.env.device.type} processes; "
+                f"{params_phrase(self.cfg.model, self.n_params)}{held}; torch.compile {'on' if self.compiled else 'off'}")
 
     def peak_flops(self) -> float | None:
         device = self.env.device

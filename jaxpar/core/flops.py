@@ -27,26 +27,40 @@ def _attention_params(m: ModelConfig) -> int:
     return d * ql + ql + ql * m.n_head * (m.head_dim + r) + d * (kvl + r) + kvl + kvl * 2 * hk + out
 
 
-def _mlp_params(m: ModelConfig) -> int:
+def _mlp_params(m: ModelConfig, active: bool = False) -> int:
+    """A layer's feed-forward parameters; with experts, `active`: those one token runs through (its top_k experts,
+    the shared ones and the router), else all of them."""
     d, f = m.d_model, m.ff_dim
+    if m.moe_experts:  # SwiGLU experts, the shared ones as one SwiGLU, the router
+        routed = m.moe_top_k if active else m.moe_experts
+        return 3 * d * m.expert_dim * (routed + m.moe_shared_experts) + d * m.moe_experts
     if m.family == "llama":  # SwiGLU: gate, up, down; no biases
         return 3 * d * f
     fc_in, proj_in = (sketch_dim(m, d), sketch_dim(m, f)) if m.linear == "sketched" else (d, f)
     return fc_in * f + f + proj_in * d + d
 
 
-def count_params(m: ModelConfig) -> dict[str, int]:
-    """Total parameters and those outside the token and position embeddings (and an untied head)."""
+def count_params(m: ModelConfig, active: bool = False) -> dict[str, int]:
+    """Total parameters and those outside the token and position embeddings (and an untied head); `active`: with
+    experts, those one token runs through (what its FLOPs count)."""
     norm = m.d_model if m.family == "llama" else 2 * m.d_model  # RMSNorm: scale; LayerNorm: scale and bias
-    non_embedding = m.n_layer * (2 * norm + _attention_params(m) + _mlp_params(m)) + norm  # + final norm
+    non_embedding = m.n_layer * (2 * norm + _attention_params(m) + _mlp_params(m, active)) + norm  # + final norm
     tables = 1 + (not m.tie_embeddings)  # token embedding, and the output head when untied
     positions = m.max_seq_len if m.family == "gpt2" else 0
     return {"total": non_embedding + (tables * m.vocab_size + positions) * m.d_model, "non_embedding": non_embedding}
 
 
+def params_phrase(m: ModelConfig, n: int) -> str:
+    """"N params" for the start-up line; with experts also the parameters one token runs through."""
+    if not m.moe_experts:
+        return f"{n:,} params"
+    return f"{n:,} params ({count_params(m, active=True)['total']:,} active per token)"
+
+
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 * (non-embedding params + output head) + attention 12*L*T*d."""
-    n = count_params(m)["non_embedding"] + m.vocab_size * m.d_model
+    """Training FLOPs per token: 6 * (non-embedding params + output head) + attention 12*L*T*d; with experts the
+    parameters a token runs through (its top_k experts, not all), so MFU counts no idle expert."""
+    n = count_params(m, active=True)["non_embedding"] + m.vocab_size * m.d_model
     return 6 * n + 12 * m.n_layer * seq_len * m.d_model
 
 

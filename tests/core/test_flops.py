@@ -14,7 +14,10 @@ VARIANTS = {"mha": (), "mla": ("model.attention=mla", "model.q_latent_dim=16", "
             "dilated": ("model.attention=dilated",), "sketched": ("model.linear=sketched", "model.sketch_ratio=0.3"),
             "d_ff": ("model.d_ff=40", "model.vocab_size=300"),
             "llama": ("model.family=llama", "model.n_kv_head=2", "model.tie_embeddings=false", "model.d_ff=40"),
-            "llama_tied_rounded": ("model.family=llama", "model.n_kv_head=1", "model.ffn_multiple_of=16")}
+            "llama_tied_rounded": ("model.family=llama", "model.n_kv_head=1", "model.ffn_multiple_of=16"),
+            "moe": ("model.moe_experts=6", "model.moe_shared_experts=2", "model.moe_d_ff=24"),
+            "mla_moe": (*("model.attention=mla", "model.q_latent_dim=16", "model.kv_latent_dim=8",
+                          "model.rope_head_dim=4"), "model.moe_experts=4", "model.family=gpt2")}
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -41,3 +44,15 @@ def test_llama_3_2_1b_count():
     from tests.helpers import ROOT
 
     assert count_params(load_config(f"{ROOT}/configs/llama-1b.yaml").model)["total"] == 1_235_814_400
+
+
+def test_flops_count_the_experts_a_token_runs_through():
+    """Top-2 of 8 experts (width 16) and one shared: a token's feed-forward runs 3 experts' SwiGLUs (3 x 3 x d x 16)
+    and the router (d x 8), not the 9 experts' weights the model holds."""
+    cfg = tiny_config("model.family=llama", "model.moe_experts=8", "model.moe_top_k=2", "model.moe_shared_experts=1",
+                      "model.moe_d_ff=16").model
+    d, L = cfg.d_model, cfg.n_layer
+    gap = count_params(cfg)["total"] - count_params(cfg, active=True)["total"]
+    assert gap == L * 6 * 3 * d * 16  # the 6 experts a token skips, per layer
+    dense = tiny_config("model.family=llama", "model.d_ff=48").model  # one SwiGLU as wide as the 3 a token runs
+    assert flops_per_token(cfg, 16) - flops_per_token(dense, 16) == 6 * L * d * 8  # the router alone

@@ -134,3 +134,14 @@ def test_ep_needs_experts_it_divides():
         check_layout(tiny_config("model.moe_experts=3"), sizes)
     with pytest.raises(UserError, match="gpipe runs it"):
         check_layout(tiny_config(*MOE, "parallel.pipeline_schedule=1f1b"), {**sizes, "ep": 1, "pp": 2})
+
+
+def test_a_run_records_the_experts_load_and_says_it(dataset, tmp_path):
+    from tests.helpers import metrics, run_cli
+    r = run_cli(tmp_path, dataset, "--mesh", "ep=2,dp=2", "train.steps=2", "model.moe_experts=4",
+                "model.moe_capacity_factor=0.5", env={"JAXPAR_CPU_DEVICES": "4"})
+    assert r.returncode == 0, r.stderr
+    assert "active per token" in r.stdout and "dropped" in r.stdout and "padded all-to-all" in r.stderr
+    record = metrics(tmp_path)[2]
+    assert len(record["moe_load"]) == 4 and abs(sum(record["moe_load"]) - 1) < 1e-6
+    assert record["moe_dropped"] > 0 and record["moe_max_load"] >= 1.0
