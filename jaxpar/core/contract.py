@@ -58,6 +58,10 @@ def _model(key: str, value) -> Callable[[Run], bool]:
     return lambda run: getattr(run.cfg.model, key) == value
 
 
+def _dense_width(run: Run) -> bool:  # the MLP's width is used: no experts, or experts that take it
+    return not (run.cfg.model.moe_experts and run.cfg.model.moe_d_ff)
+
+
 def _stages(run: Run) -> bool:
     return run.size("pp") > 1
 
@@ -122,9 +126,11 @@ CONTRACT: dict[str, Owner] = {
     "model.n_head": Owner(True, BOTH, "step"),
     "model.d_model": Owner(True, BOTH, "params"),
     "model.n_kv_head": Owner(True, BOTH, "params", **LLAMA),
-    "model.d_ff": Owner(True, BOTH, "params"),
+    "model.d_ff": Owner(True, BOTH, "params", when=_dense_width, mode="a dense MLP, or experts with model.moe_d_ff=0 "
+                        "(which then take the MLP's width)"),
     "model.ffn_multiple_of": Owner(True, BOTH, "params", when=lambda r: r.cfg.model.family == "llama" and
-                                   not r.cfg.model.d_ff, mode="model.family=llama with model.d_ff=0",
+                                   not r.cfg.model.d_ff and _dense_width(r),
+                                   mode="model.family=llama with model.d_ff=0 (and experts without model.moe_d_ff)",
                                    example=("model.family=llama",)),
     "model.tie_embeddings": Owner(True, BOTH, "params", **LLAMA),
     "model.max_seq_len": Owner(True, BOTH, "params"),

@@ -39,7 +39,8 @@ def unflatten(flat: dict[str, np.ndarray]) -> dict:
 
 # What the tensors' shapes cannot tell, kept in the file's metadata (json under "model") so that a file
 # alone rebuilds its model (the sampling commands, conversion): llama's context length, rotary base, eps.
-SETTINGS = ("max_seq_len", "layernorm_eps", "rope_theta")
+SETTINGS = ("max_seq_len", "layernorm_eps", "rope_theta", "moe_top_k", "moe_shared_experts", "moe_router",
+            "moe_norm_topk", "moe_capacity_factor", "moe_aux_loss")
 
 
 def save_weights(path: str, params: dict, model: dict | None = None) -> None:
@@ -140,11 +141,16 @@ def model_dims(flat: dict[str, np.ndarray], settings: dict | None = None) -> dic
         n_layer, d, n_head, _ = flat["blocks.attn.q.kernel"].shape
         dims = {"family": "llama", "n_layer": n_layer, "d_model": d, "n_head": n_head,
                 "n_kv_head": flat["blocks.attn.kv.kernel"].shape[3], "vocab_size": flat["wte"].shape[0],
-                "d_ff": flat["blocks.mlp.gate.kernel"].shape[-1], "tie_embeddings": "lm_head" not in flat}
+                "tie_embeddings": "lm_head" not in flat}
+        if "blocks.moe.gate" in flat:  # a mixture of experts (Mixtral): [L, experts, embed, width]
+            _, experts, _, width = flat["blocks.moe.gate"].shape
+            dims.update(moe_experts=experts, moe_d_ff=width)
+        else:
+            dims["d_ff"] = flat["blocks.mlp.gate.kernel"].shape[-1]
         return {"max_seq_len": ModelConfig.max_seq_len, **dims, **(settings or {})}  # the default, unless kept
     if "blocks.attn.qkv.kernel" not in flat or "blocks.mlp.fc.kernel" not in flat:
-        raise UserError("these weights use a model variant (model.attention=mla or model.linear=sketched); "
-                        "conversion supports only GPT-2's parameters (mha attention, dense linear layers)")
+        raise UserError("these weights use a model variant (model.attention=mla, model.linear=sketched or GPT-2 with "
+                        "experts); conversion supports only GPT-2's parameters (mha attention, dense linear layers)")
     n_layer, d, _, n_head, _ = flat["blocks.attn.qkv.kernel"].shape
     return {**(settings or {}), "n_layer": n_layer, "d_model": d, "n_head": n_head, "vocab_size": flat["wte"].shape[0],
             "max_seq_len": flat["wpe"].shape[0], "d_ff": flat["blocks.mlp.fc.kernel"].shape[-1]}

@@ -2,7 +2,8 @@
 
 Formats:
   shared  a .safetensors file in the shared weight format (what torchpar and model.init_from read)
-  hf      a Hugging Face GPT-2 or Llama directory (config.json + safetensors; model_type gpt2 or llama)
+  hf      a Hugging Face GPT-2, Llama or Mixtral directory (config.json + safetensors; model_type gpt2, llama or
+          mixtral)
   jaxpar  a jaxpar run directory: reads the parameters of its latest checkpoint; as a target,
           writes a step-0 checkpoint (fresh optimizer state) and its config.json, which fine-tuning
           starts from: `jaxpar.train --config DST/config.json [data/train overrides]` (the model keys
@@ -33,7 +34,7 @@ import numpy as np
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.train_state import refuse_mixing
 from jaxpar.core.weights import SETTINGS, flatten, model_dims, read_settings, read_weights, save_weights, unflatten
-from jaxpar.tools import hf_gpt2, hf_llama
+from jaxpar.tools import hf_gpt2, hf_llama, hf_mixtral
 from jaxpar.tools.convert_state import single_device_layout
 
 FORMATS = ("shared", "hf", "jaxpar", "state", "torchpar", "deepspeed")
@@ -68,16 +69,17 @@ def _hf_module(src: str):
         raise UserError(f"not a Hugging Face model directory: {path} is missing")
     with open(path) as f:
         model_type = json.load(f).get("model_type")
-    if model_type not in ("gpt2", "llama"):
-        raise UserError(f"{path}: model_type {model_type!r} is neither 'gpt2' nor 'llama'")
-    return hf_gpt2 if model_type == "gpt2" else hf_llama
+    modules = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral": hf_mixtral}
+    if model_type not in modules:
+        raise UserError(f"{path}: model_type {model_type!r} is not one of {', '.join(modules)}")
+    return modules[model_type]
 
 
 def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict, src: str = "") -> None:
     if fmt == "shared":
         save_weights(dst, unflatten(flat), model)
     elif fmt == "hf" and model.get("family") == "llama":
-        hf_llama.shared_to_hf(flat, dst, model)
+        (hf_mixtral if "blocks.moe.gate" in flat else hf_llama).shared_to_hf(flat, dst, model)
     elif fmt == "hf":
         hf_gpt2.shared_to_hf(flat, dst, model.get("layernorm_eps", 1e-5))
     else:

@@ -41,41 +41,52 @@ def _read_config(hf_dir: str) -> dict:
     if hf.get("hidden_act", "silu") != "silu":
         raise UserError(f"{path}: hidden_act {hf['hidden_act']!r} is not Llama's silu")
     d, h = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim", d // h) * h != d:
+    if (hf.get("head_dim") or d // h) * h != d:
         raise UserError(f"{path}: head_dim={hf['head_dim']} x {h} heads != hidden_size={d}")
     return hf
 
 
-def hf_to_shared(hf_dir: str) -> tuple[dict[str, np.ndarray], dict]:
-    """Read an HF Llama directory -> (flat shared tensors, model config overrides)."""
+def read_dir(hf_dir: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """(config.json checked, every tensor) of an HF Llama-like directory (sharded files read whole)."""
     hf = _read_config(hf_dir)
     files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
     if not files:
-        raise UserError(f"not a Hugging Face Llama directory: no *.safetensors in {hf_dir}")
-    raw = {k: v for f in files for k, v in load_file(f).items()}
+        raise UserError(f"not a Hugging Face {hf.get('model_type', 'llama')} directory: no *.safetensors in {hf_dir}")
+    return hf, {k: v for f in files for k, v in load_file(f).items()}
+
+
+def layers(raw: dict, L: int, name: str) -> np.ndarray:
+    """A per-layer HF tensor stacked over the L layers."""
+    return np.stack([raw[PREFIX.format(i=i) + name] for i in range(L)])
+
+
+def hf_to_shared(hf_dir: str, mlp=None) -> tuple[dict[str, np.ndarray], dict]:
+    """Read an HF Llama directory -> (flat shared tensors, model config overrides); `mlp(hf, raw)`: the shared
+    feed-forward tensors of another layout of it (Mixtral's experts: hf_mixtral.py), else Llama's MLP."""
+    hf, raw = read_dir(hf_dir)
     L, d, h = hf["num_hidden_layers"], hf["hidden_size"], hf["num_attention_heads"]
     g, k = hf.get("num_key_value_heads") or h, d // h
     tied = hf.get("tie_word_embeddings", False)
-
-    def layers(name):
-        return np.stack([raw[PREFIX.format(i=i) + name] for i in range(L)])
-
     out = {"wte": raw["model.embed_tokens.weight"], "ln_f.scale": raw["model.norm.weight"]}
     if not tied:
         out["lm_head"] = raw["lm_head.weight"]
-    out.update({f"blocks.{ours}": layers(theirs) for ours, theirs in NORMS.items()})
-    out.update({f"blocks.{ours}": layers(theirs).transpose(0, 2, 1) for ours, theirs in MLP.items()})
-    out["blocks.attn.q.kernel"] = layers("self_attn.q_proj.weight").transpose(0, 2, 1).reshape(L, d, h, k)
-    kv = [layers(f"self_attn.{n}_proj.weight").transpose(0, 2, 1).reshape(L, d, g, k) for n in "kv"]
+    out.update({f"blocks.{ours}": layers(raw, L, theirs) for ours, theirs in NORMS.items()})
+    if mlp is None:
+        out.update({f"blocks.{ours}": layers(raw, L, theirs).transpose(0, 2, 1) for ours, theirs in MLP.items()})
+    else:
+        out.update(mlp(hf, raw))
+    out["blocks.attn.q.kernel"] = layers(raw, L, "self_attn.q_proj.weight").transpose(0, 2, 1).reshape(L, d, h, k)
+    kv = [layers(raw, L, f"self_attn.{n}_proj.weight").transpose(0, 2, 1).reshape(L, d, g, k) for n in "kv"]
     out["blocks.attn.kv.kernel"] = np.stack(kv, axis=2)
-    out["blocks.attn.out.kernel"] = layers("self_attn.o_proj.weight").transpose(0, 2, 1).reshape(L, h, k, d)
+    out["blocks.attn.out.kernel"] = layers(raw, L, "self_attn.o_proj.weight").transpose(0, 2, 1).reshape(L, h, k, d)
     settings = {"max_seq_len": hf.get("max_position_embeddings", 2048), "layernorm_eps": hf.get("rms_norm_eps", 1e-6),
                 "rope_theta": hf["rope_theta"]}
     return {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in out.items()}, model_dims(out, settings)
 
 
-def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict) -> None:
-    """Write an HF Llama directory (config.json + model.safetensors) from flat shared tensors."""
+def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict, mlp=None, config=None) -> None:
+    """Write an HF Llama directory (config.json + model.safetensors) from flat shared tensors; `mlp(flat, i)`: layer
+    i's HF feed-forward tensors and `config`: config.json entries of another layout of it (hf_mixtral.py)."""
     dims = model_dims(flat, model)
     L, d, h, g = dims["n_layer"], dims["d_model"], dims["n_head"], dims["n_kv_head"]
     theta = float(dims.get("rope_theta", 10000.0))
@@ -86,18 +97,21 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict) -> None
     for i in range(L):
         p = PREFIX.format(i=i)
         tensors.update({p + theirs: flat[f"blocks.{ours}"][i] for ours, theirs in NORMS.items()})
-        tensors.update({p + theirs: t(flat[f"blocks.{ours}"][i]) for ours, theirs in MLP.items()})
+        if mlp is None:
+            tensors.update({p + theirs: t(flat[f"blocks.{ours}"][i]) for ours, theirs in MLP.items()})
+        else:
+            tensors.update({p + theirs: value for theirs, value in mlp(flat, i).items()})
         tensors[p + "self_attn.q_proj.weight"] = t(flat["blocks.attn.q.kernel"][i].reshape(d, d))
         for j, n in enumerate("kv"):
             tensors[p + f"self_attn.{n}_proj.weight"] = t(flat["blocks.attn.kv.kernel"][i, :, j].reshape(d, -1))
         tensors[p + "self_attn.o_proj.weight"] = t(flat["blocks.attn.out.kernel"][i].reshape(d, d))
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": dims["vocab_size"],
-              "hidden_size": d, "intermediate_size": dims["d_ff"], "num_hidden_layers": L,
+              "hidden_size": d, "intermediate_size": dims.get("d_ff"), "num_hidden_layers": L,
               "num_attention_heads": h, "num_key_value_heads": g, "hidden_act": "silu",
               "max_position_embeddings": dims["max_seq_len"], "rms_norm_eps": dims.get("layernorm_eps", 1e-5),
               "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
               "tie_word_embeddings": "lm_head" not in flat,
-              "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32"}
+              "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32", **(config or {})}
     os.makedirs(out_dir, exist_ok=True)
     tmp = os.path.join(out_dir, f".model.safetensors.tmp{os.getpid()}")
     save_file({n: np.ascontiguousarray(v, dtype=np.float32) for n, v in tensors.items()}, tmp,

@@ -145,3 +145,79 @@ def test_a_run_records_the_experts_load_and_says_it(dataset, tmp_path):
     record = metrics(tmp_path)[2]
     assert len(record["moe_load"]) == 4 and abs(sum(record["moe_load"]) - 1) < 1e-6
     assert record["moe_dropped"] > 0 and record["moe_max_load"] >= 1.0
+
+
+# --- Hugging Face MixtralForCausalLM <-> both frameworks -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_mixtral(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(vocab_size=97, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=32, rms_norm_eps=1e-6,
+                                        rope_theta=500.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).eval()
+    with torch.no_grad():  # large weights and norms away from 1: a mixed-up expert or router would show
+        for name, p in model.named_parameters():
+            p.add_(0.3 * torch.randn_like(p)) if "norm" in name else p.mul_(8.0)
+    path = tmp_path_factory.mktemp("hf_mixtral")
+    model.save_pretrained(path)
+    tokens = np.random.default_rng(0).integers(0, 97, (2, 24))
+    with torch.no_grad():
+        out = model(torch.as_tensor(tokens))
+        greedy = model.generate(torch.as_tensor(tokens[:1, :8]), max_new_tokens=12, do_sample=False).numpy()
+    return path, tokens, out.logits.numpy(), greedy
+
+
+def test_hf_mixtral_logits_and_greedy_tokens_match_both_frameworks(hf_mixtral):
+    import torch
+    from flax import nnx
+
+    from jaxpar.core.config import load_config
+    from jaxpar.core.weights import unflatten
+    from jaxpar.decode import make_generate
+    from jaxpar.models.decoder import Decoder
+    from jaxpar.tools.convert import read
+    from torchpar.models.decoder import Decoder as TorchDecoder
+    from torchpar.weights import from_shared
+
+    path, tokens, want, greedy = hf_mixtral
+    flat, model = read("hf", str(path))
+    assert (model["moe_experts"], model["moe_top_k"], model["moe_d_ff"]) == (4, 2, 24)
+    cfg = load_config(None, [f"model.{k}={v}" for k, v in model.items()] + ["data.seq_len=24"]).model
+    scale = np.max(np.abs(want))
+    assert scale > 1.0
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
+    params = unflatten({k: jnp.asarray(v) for k, v in flat.items()})
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(nnx.merge(graphdef, params)(jnp.asarray(tokens)))
+        generated = make_generate(graphdef)(params, jnp.asarray(tokens[:1, :8]), jax.random.key(0), new_tokens=12,
+                                            temperature=0.0)
+    np.testing.assert_allclose(got, want, atol=1e-5 * scale)
+    print(f"jaxpar logits off HF Mixtral's by {np.max(np.abs(got - want)) / scale:.1e} of their scale {scale:.1f}")
+    assert np.asarray(generated).tolist() == greedy[:, 8:].tolist()
+    torch_model = TorchDecoder(cfg)
+    torch_model.load_state_dict(from_shared(flat, cfg.n_layer))
+    with torch.no_grad():
+        np.testing.assert_allclose(torch_model(torch.as_tensor(tokens)).numpy(), want, atol=1e-5 * scale)
+
+
+def test_mixtral_round_trip_through_a_jaxpar_run_is_bit_exact(hf_mixtral, tmp_path):
+    from safetensors.numpy import load_file
+
+    from jaxpar.tools import convert
+
+    path = hf_mixtral[0]
+    assert convert.main(["--from", "hf", str(path), "--to", "jaxpar", str(tmp_path / "run")]) == 0
+    assert convert.main(["--from", "jaxpar", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "back")]) == 0
+    original, returned = (load_file(str(p / "model.safetensors")) for p in (path, tmp_path / "back"))
+    assert set(returned) == set(original)
+    for name, value in original.items():
+        assert np.array_equal(returned[name], value), name
+    import torch
+    import transformers
+    hf = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "back").eval()  # the export's config.json too
+    with torch.no_grad():
+        np.testing.assert_array_equal(hf(torch.as_tensor(hf_mixtral[1])).logits.numpy(), hf_mixtral[2])
