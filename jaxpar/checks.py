@@ -35,6 +35,11 @@ def check_experts(cfg: Config, sizes) -> None:
                         "model.moe_experts, or put those devices on dp)")
     if E % ep:
         raise UserError(f"model.moe_experts={E} is not divisible by ep={ep}")
+    zigzag = sizes["sp"] > 1 and cfg.parallel.sequence_zigzag and cfg.model.attention != "dilated"
+    if E and cfg.model.moe_capacity_factor and zigzag and cfg.data.document_mask:
+        raise UserError("model.moe_capacity_factor with data.document_mask under zig-zag sequence parallelism: the "
+                        "capacity's token order is not built for that combination (parallel.sequence_zigzag=false "
+                        "runs it)")
     if E and cfg.parallel.grad_compression != "none":
         raise UserError(f"parallel.grad_compression={cfg.parallel.grad_compression} with a mixture of experts is "
                         "not built yet (its reduction runs outside the experts' exchange)")

@@ -135,11 +135,11 @@ class Block(nnx.Module):
     def __call__(self, x, dtype, positions=None, segments=None, sketches=None):
         """-> (x, the experts' per-row statistics [batch, E + 2]; None with a dense MLP)."""
         x = x + self.attn(self.ln1(x), dtype, positions, segments)
-        y, stats = self.feed_forward(self.ln2(x), dtype, sketches)
+        y, stats = self.feed_forward(self.ln2(x), dtype, sketches, positions)
         return constrain(x + y, ("batch", "seq", "act_embed")), stats
 
-    def feed_forward(self, x, dtype, sketches=None):
-        return self.moe(x, dtype) if hasattr(self, "moe") else (self.mlp(x, dtype, sketches), None)
+    def feed_forward(self, x, dtype, sketches=None, positions=None):
+        return self.moe(x, dtype, positions) if hasattr(self, "moe") else (self.mlp(x, dtype, sketches), None)
 
 
 class Decoder(nnx.Module):

@@ -39,8 +39,9 @@ def stats_width(cfg: ModelConfig) -> int:
     return cfg.moe_experts + 2
 
 
-def route(logits, cfg: ModelConfig):
-    """Router logits [B, T, E] float32 -> (ids, weights, kept [B, T, k], stats [B, E + 2])."""
+def route(logits, cfg: ModelConfig, index=None):
+    """Router logits [B, T, E] float32 -> (ids, weights, kept [B, T, k], stats [B, E + 2]); `index` [T]: each
+    token's place in its row when the tokens are not in natural order (zig-zag sequence parallelism)."""
     E, k = cfg.moe_experts, cfg.moe_top_k
     scores = jax.nn.softmax(logits, axis=-1) if cfg.moe_router == "softmax" else jax.nn.sigmoid(logits)
     top, ids = jax.lax.top_k(scores, k)
@@ -49,8 +50,10 @@ def route(logits, cfg: ModelConfig):
     capacity = row_capacity(cfg, logits.shape[1])
     if capacity:  # the order a row's choices claim their expert's places in: choice rank, then position
         B, T = ids.shape[:2]
-        ordered = chosen.transpose(0, 2, 1, 3).reshape(B, k * T, E)
+        natural = jnp.arange(T) if index is None else jnp.argsort(index)  # slot of the token at each position
+        ordered = chosen[:, natural].transpose(0, 2, 1, 3).reshape(B, k * T, E)
         place = (jnp.cumsum(ordered, axis=1) - 1).reshape(B, k, T, E).transpose(0, 2, 1, 3)
+        place = place if index is None else place[:, jnp.argsort(natural)]  # back to the tokens' own order
         kept = jnp.sum(jnp.where(chosen > 0, place, 0), axis=-1) < capacity
     else:
         kept = jnp.ones(ids.shape, bool)
@@ -72,10 +75,13 @@ class MoE(nnx.Module):
         self.shared = SwiGLU(cfg, rngs, stack, cfg.moe_shared_experts * f) if cfg.moe_shared_experts else None
         self.cfg = cfg
 
-    def __call__(self, x, dtype):
-        """x [B, T, embed] -> (y [B, T, embed], stats [B, E + 2])."""
+    def __call__(self, x, dtype, positions=None):
+        """x [B, T, embed] -> (y [B, T, embed], stats [B, E + 2]). `positions` [T]: the tokens' places in the row
+        when they are permuted (zig-zag), which the capacity's order follows; per row (packed documents) they
+        restart per document and the tokens are in natural order (checks.py refuses the two together)."""
         logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router["kernel"][...].astype(jnp.float32))
-        ids, weights, kept, stats = route(logits, self.cfg)
+        index = positions if positions is not None and positions.ndim == 1 else None
+        ids, weights, kept, stats = route(logits, self.cfg, index)
         w = lambda p: p[...].astype(dtype)  # noqa: E731
         y = current().experts(x, ids, weights, kept, w(self.gate), w(self.up), w(self.down),
                               row_capacity(self.cfg, x.shape[1]))

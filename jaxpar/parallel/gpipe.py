@@ -49,7 +49,7 @@ def gpipe(stage_fn: Callable, stacked, x, stages: int, microbatches: int):
         buffer, outputs = carry
         fresh = jax.tree.map(lambda m: jax.lax.dynamic_index_in_dim(m, jnp.minimum(t, M - 1), keepdims=False), micro)
         buffer = jax.tree.map(lambda b, f: b.at[0].set(jnp.where(t < M, f, b[0])), buffer, fresh)
-        out = _pin(jax.vmap(stage_fn)(staged, _pin(buffer)))
+        out = _pin(jax.vmap(stage_fn, spmd_axis_name="pp")(staged, _pin(buffer)))
         done = jnp.maximum(t - (S - 1), 0)
         outputs = jax.tree.map(lambda o, last: jax.lax.dynamic_update_index_in_dim(
             o, jnp.where(t >= S - 1, last, o[done]), done, axis=0), outputs, at(out, S - 1))

@@ -24,7 +24,7 @@ import sys
 from jaxpar.core.batch_shapes import batch_shapes, bucket_shapes, shape_config
 from jaxpar.core.config import Config, load_config
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.pipeline_schedules import configured_bubble
+from jaxpar.core.pipeline_schedules import configured_bubble, resolve_microbatches
 from jaxpar.core.mesh_spec import format_mesh, parse_mesh
 from jaxpar.mesh import setup_devices
 
@@ -38,8 +38,30 @@ def parse_bytes(text: str) -> int:
     return int(float(m[1]) * scale)
 
 
+def exchange_bytes(cfg: Config, sizes: dict[str, int], ragged: bool = False) -> float:
+    """Bytes each device sends per step over ep by the experts' exchange (jaxpar/parallel/experts.py): per layer
+    and microbatch two all-to-alls of the buffer [experts, slots, embed] forward and two backward (a third and
+    fourth forward with model.remat), each sending (ep-1)/ep of it. `ragged`: the slots filled alone (each token's
+    top_k choices), what an exchange without padding would send."""
+    from jaxpar.core.experts import row_capacity
+
+    m, t, ep = cfg.model, cfg.train, sizes.get("ep", 1)
+    if ep == 1 or not m.moe_experts:
+        return 0.0
+    rows = t.global_batch_size // t.microbatches // (sizes["dp"] * sizes["fsdp"] * ep)
+    T = cfg.data.seq_len // sizes["sp"]
+    capacity = row_capacity(m, cfg.data.seq_len)
+    slots = rows * T if not capacity else min(rows * T, rows * capacity)
+    buffer = (rows * T * m.moe_top_k if ragged else m.moe_experts * slots) * m.d_model * \
+        (4 if m.compute_dtype == "float32" else 2)
+    passes = 4 + 2 * (m.remat != "none")
+    S = sizes["pp"]  # GPipe: a stage's L/S layers run every one of M + S - 1 ticks on a pipeline microbatch
+    M = resolve_microbatches(S, cfg.parallel.pipeline_microbatches) if S > 1 else 1
+    return m.n_layer * t.microbatches * passes * buffer * (ep - 1) / ep * (M + S - 1) / (M * S)
+
+
 def analytic_bounds(cfg: Config, sizes: dict[str, int], param_bytes_per_device: int,
-                    platform: str = "gpu", powersgd_bytes: int = 0) -> dict[str, float]:
+                    platform: str = "gpu", powersgd_bytes: int = 0, expert_bytes: int = 0) -> dict[str, float]:
     """Per-device bytes sent per step by bandwidth-optimal collectives, one term per mesh axis. Gradients
     travel at half their float32 bytes with parallel.grad_compression=bf16, except on the CPU (rounded to
     bfloat16 there, reduced in float32: jaxpar/parallel/compression.py); with powersgd, `powersgd_bytes` (a
@@ -47,9 +69,9 @@ def analytic_bounds(cfg: Config, sizes: dict[str, int], param_bytes_per_device: 
     dp x fsdp at once, after the parameters are gathered whole over fsdp."""
     m, t = cfg.model, cfg.train
     grads = 0.5 if cfg.parallel.grad_compression == "bf16" and platform != "cpu" else 1.0
-    dp, fsdp, tp = sizes["dp"], sizes["fsdp"], sizes["tp"]
+    dp, fsdp, tp, ep = sizes["dp"], sizes["fsdp"], sizes["tp"], sizes.get("ep", 1)
     act_bytes = 4 if m.compute_dtype == "float32" else 2
-    rows = t.global_batch_size // (dp * fsdp)  # per device, all microbatches together
+    rows = t.global_batch_size // (dp * fsdp * ep)  # per device, all microbatches together
     activation = rows * cfg.data.seq_len * m.d_model * act_bytes
     unsharded_over_fsdp = param_bytes_per_device * fsdp
     if cfg.parallel.grad_compression == "powersgd":
@@ -58,14 +80,16 @@ def analytic_bounds(cfg: Config, sizes: dict[str, int], param_bytes_per_device: 
         return {"dp": 0.0 if fsdp > 1 else data,
                 "fsdp": unsharded_over_fsdp * (fsdp - 1) / fsdp + (data if fsdp > 1 else 0.0),
                 "tp": (4 * m.n_layer + 2) * activation * 2 * (tp - 1) / tp}
+    dense, data = param_bytes_per_device - expert_bytes, dp * ep  # ep is a data axis for all but the experts
     return {
-        # gradients of this device's parameter shard, all-reduced over dp
-        "dp": 2 * grads * param_bytes_per_device * (dp - 1) / dp,
+        # gradients of this device's parameter shard, all-reduced over dp (and ep, the experts' over dp alone)
+        "dp": 2 * grads * (dense * (data - 1) / data + expert_bytes * (dp - 1) / dp),
         # parameters all-gathered once, gradients reduce-scattered once
         "fsdp": (1 + grads) * unsharded_over_fsdp * (fsdp - 1) / fsdp,
         # Megatron: 2 activation all-reduces per block forward and 2 backward, plus the
         # vocab-parallel embedding (forward) and tied head (backward)
         "tp": (4 * m.n_layer + 2) * activation * 2 * (tp - 1) / tp,
+        "ep": exchange_bytes(cfg, sizes),
     }
 
 
@@ -115,12 +139,16 @@ def plan_shape(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
     from jaxpar.parallel import powersgd
 
     payload = powersgd.payload_bytes(layout) if powersgd.enabled(layout) else 0
-    bounds = analytic_bounds(cfg, full, params, layout.mesh.devices.flat[0].platform, payload)
+    experts = _shard_bytes({k: v for k, v in state["params"]["blocks"].get("moe", {}).items() if k != "shared"
+                            and k != "router"})
+    bounds = analytic_bounds(cfg, full, params, layout.mesh.devices.flat[0].platform, payload, experts)
     measured = {a: 0.0 for a in bounds}
     for c in collectives:
-        key = next((a for a in ("tp", "fsdp", "dp") if a in c["axes"].split("+")), None)
-        if key:
-            measured[key] += c["traffic_bytes"]
+        axes = c["axes"].split("+")
+        key = "ep" if c["op"] == "all-to-all" and "ep" in axes else \
+            next((a for a in ("tp", "fsdp", "dp", "ep") if a in axes), None)
+        if key:  # a reduction over ep is the data-parallel gradients'
+            measured["dp" if key == "ep" and c["op"] != "all-to-all" else key] += c["traffic_bytes"]
     from jaxpar.models.mla import kv_cache_width
 
     width = kv_cache_width(cfg.model)  # per token per layer: MLA its latent + rope key, MHA/GQA keys + values
@@ -140,7 +168,8 @@ def plan_shape(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
     pipeline = None if full["pp"] == 1 else {"schedule": par.pipeline_schedule, "bubble": configured_bubble(
         par.pipeline_schedule, full["pp"], par.pipeline_microbatches, par.pipeline_virtual_stages)}
     return {"mesh": format_mesh(full), "devices": n_dev, "model": model, "pipeline": pipeline,
-            "params_bytes": params, "opt_state_bytes": opt,
+            "params_bytes": params, "opt_state_bytes": opt, "expert_bytes": experts,
+            "ragged_exchange_bytes": exchange_bytes(cfg, full, ragged=True),
             "powersgd_bytes": _shard_bytes(state.get("powersgd", {})),  # error buffers and Q (in argument/peak too)
             "offload": cfg.parallel.offload, "host_bytes": host, "peak_estimated": estimated,
             "argument_bytes": mem.argument_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
@@ -148,14 +177,15 @@ def plan_shape(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
             "collectives": collectives, "bounds": bounds, "measured": measured,
             "traffic_bytes": sum(c["traffic_bytes"] for c in collectives), "bound_bytes": sum(bounds.values()),
             "gradient_bytes": gradient_traffic(collectives),
-            "notes": explain(collectives, bounds, measured, layout.mesh.devices.flat[0].platform)}
+            "notes": explain(collectives, bounds, measured, layout.mesh.devices.flat[0].platform,
+                             bool(cfg.model.moe_experts))}
 
 
 def gradient_traffic(collectives) -> float:
     """Bytes sent per device per step by the reductions over the data axes alone (dp, fsdp): the gradients
     (and the loss, 4 bytes); parallel.grad_compression shows here."""
     return sum(c["traffic_bytes"] for c in collectives
-               if c["op"] in ("all-reduce", "reduce-scatter") and set(c["axes"].split("+")) <= {"dp", "fsdp"})
+               if c["op"] in ("all-reduce", "reduce-scatter") and set(c["axes"].split("+")) <= {"dp", "fsdp", "ep"})
 
 
 # what tests/jaxpar/test_plan.py and the HLO showed (docs/benchmarks/README.md "Planner"): jax 0.10.2's XLA:CPU
@@ -164,12 +194,15 @@ CPU_REDUCE_SCATTER = ("XLA:CPU has no pass that forms reduce-scatter (ReduceScat
                       "step should show reduce-scatter here (check: this command on a GPU)")
 
 
-def explain(collectives, bounds, measured, platform: str = "cpu") -> list[str]:
+def explain(collectives, bounds, measured, platform: str = "cpu", experts: bool = False) -> list[str]:
     """Why an axis moves more than its lower bound, collective by collective."""
     notes = []
     for axis in ("dp", "fsdp", "tp"):
         if measured[axis] <= 1.1 * bounds[axis] + 1024:
             continue
+        if axis == "tp" and experts:
+            notes.append("tp: the experts' partial outputs are summed over tp on the padded buffer [experts, slots, "
+                         "embed] (parallel/experts.py), not in the bound")
         ops = [c for c in collectives if axis in c["axes"].split("+")]
         if axis != "tp" and any(c["op"] == "all-reduce" for c in ops) and not any(c["op"] == "reduce-scatter" for c in ops):
             notes.append(f"{axis}: gradients are all-reduced and then sliced, where a reduce-scatter would do: up to "
@@ -191,8 +224,8 @@ def print_plan(p: dict) -> None:
           f"{m['kv_cache_width']} values per layer ({m['kv_cache_bytes_per_token']:,} bytes over all layers)")
     print(f"mesh {p['mesh']} ({p['devices']} devices), compute {m['compute_dtype']}, offload {p['offload']}, "
           "per device:")
-    for key in ("params_bytes", "opt_state_bytes", "powersgd_bytes", "argument_bytes", "temp_bytes", "peak_bytes",
-                "host_bytes"):
+    for key in ("params_bytes", "expert_bytes", "opt_state_bytes", "powersgd_bytes", "argument_bytes", "temp_bytes",
+                "peak_bytes", "host_bytes"):
         print(f"  {key.removesuffix('_bytes'):<10} {gib(p[key])}")
     if p["host_bytes"]:
         print("  (peak: device memory; host: the offloaded state, in host memory between steps" +
@@ -219,18 +252,24 @@ def print_plan(p: dict) -> None:
     print(f"  total {p['traffic_bytes']:>14,.0f} {p['bound_bytes']:>14,.0f}  "
           f"{p['traffic_bytes'] / max(p['bound_bytes'], 1):.2f}x")
     print(f"  gradient reductions over dp/fsdp: {p['gradient_bytes']:,.0f}")
+    if p["bounds"]["ep"]:
+        print(f"  ep: the padded exchange's figure; a ragged one would send {p['ragged_exchange_bytes']:,.0f} "
+              "(the chosen slots alone; not built: XLA:CPU has no ragged all-to-all)")
     for note in p["notes"]:
         print(f"  note: {note}")
 
 
 def candidate_meshes(cfg: Config, n: int):
-    """Every dp x fsdp x tp factorisation of n that the model and batch divide."""
-    for tp in (d for d in range(1, n + 1) if n % d == 0):
-        for fsdp in (d for d in range(1, n // tp + 1) if (n // tp) % d == 0):
-            dp = n // tp // fsdp
-            micro = [rows // cfg.train.microbatches for rows, _ in batch_shapes(cfg)]  # every batch shape's
-            if cfg.model.n_head % tp == 0 and all(m % (dp * fsdp) == 0 for m in micro):
-                yield {"dp": dp, "fsdp": fsdp, "tp": tp}
+    """Every dp x fsdp x tp (x ep, with experts) factorisation of n that the model and batch divide."""
+    divisors = lambda k: (d for d in range(1, k + 1) if k % d == 0)  # noqa: E731
+    E = cfg.model.moe_experts
+    for ep in (d for d in divisors(n) if E % d == 0 and (E or d == 1)):
+        for tp in divisors(n // ep):
+            for fsdp in divisors(n // ep // tp):
+                dp = n // ep // tp // fsdp
+                micro = [rows // cfg.train.microbatches for rows, _ in batch_shapes(cfg)]  # every batch shape's
+                if cfg.model.n_head % tp == 0 and all(m % (dp * fsdp * ep) == 0 for m in micro):
+                    yield {"dp": dp, "fsdp": fsdp, "tp": tp, **({"ep": ep} if E else {})}
 
 
 def recommend(cfg: Config, n: int, budget: int, peak_flops: float, bandwidth: float) -> list[dict]:

@@ -50,6 +50,20 @@ def test_first_choices_claim_places_before_second_choices():
     assert stats[0, 3] == 2  # dropped choices
 
 
+def test_capacity_follows_the_tokens_places_when_they_are_permuted():
+    """Zig-zag sequence parallelism hands the router a row in another order; `index` (each token's place) keeps
+    the drops those of the natural order."""
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(16, 4)).astype(np.float32)
+    overrides = ("model.moe_experts=4", "model.moe_capacity_factor=0.5")
+    natural = _route(logits, *overrides)
+    order = np.array([0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9])  # a zig-zag order of 16
+    cfg = tiny_config(*overrides).model
+    permuted = [np.asarray(a) for a in route(jnp.asarray(logits[order])[None], cfg, jnp.asarray(order))]
+    assert natural[2][0, order].tolist() == permuted[2][0].tolist()  # the same choices kept
+    assert not np.array_equal(_route(logits[order], *overrides)[2][0], permuted[2][0])  # without index: others
+
+
 def test_the_balance_loss_is_one_when_every_expert_gets_its_share():
     # 4 tokens, each scoring its own expert highest by the same margin: f_e = 1, P_e = 1/4
     logits = np.eye(4) * 2.0

@@ -181,3 +181,24 @@ def test_plan_compiles_each_bucket_and_reports_the_highest_peak():
     # 96 tokens a batch: the 32-token bucket has 3 rows, which no data axis of 4 devices divides: tp=4 alone
     three = tiny_config("data.batching=buckets", "data.seq_len=32", "model.max_seq_len=32", "train.tokens_per_batch=96")
     assert list(candidate_meshes(three, 4)) == [{"dp": 1, "fsdp": 1, "tp": 4}]
+
+
+def test_the_experts_exchange_is_four_buffers_per_layer_and_microbatch():
+    """ep=4,dp=2 on configs/moe-tiny.yaml: per layer and step the experts' padded buffer [8 experts, 2 rows x 64
+    tokens, 128] float32 crosses ep four times (two all-to-alls forward, their two transposes backward), each
+    sending 3/4 of it; within 1.1x, as the ragged figure counts top_k slots per token instead of 8."""
+    cfg = load_config("configs/moe-tiny.yaml")
+    p = plan(cfg, {"ep": 4, "dp": 2}, jax.devices()[:8])
+    buffer = 8 * (16 // 8) * 64 * 128 * 4
+    figure = 4 * cfg.model.n_layer * buffer * 3 / 4
+    assert figure <= p["measured"]["ep"] <= 1.1 * figure
+    assert p["ragged_exchange_bytes"] == figure * 2 / 8
+    experts = 3 * 8 * 128 * 96 * 4 * cfg.model.n_layer  # gate, up, down of 8 experts, a quarter on each device
+    assert p["expert_bytes"] == experts // 4
+
+
+def test_recommend_proposes_ep_for_experts():
+    cfg = load_config("configs/moe-tiny.yaml")
+    meshes = list(candidate_meshes(cfg, 8))
+    assert {"dp": 1, "fsdp": 1, "tp": 1, "ep": 8} in meshes and {"dp": 2, "fsdp": 1, "tp": 1, "ep": 4} in meshes
+    assert all("ep" not in s for s in candidate_meshes(CFG, 8))  # a dense model: no ep
