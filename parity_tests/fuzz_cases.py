@@ -1,6 +1,6 @@
 """The space the layout fuzzer (parity_tests/fuzz.py) draws from (what the docs say of it: fuzz_docs.py).
 
-A case is a jaxpar mesh over dp/fsdp/tp/pp/sp (up to 8 simulated devices) or a torchpar backend and world
+A case is a jaxpar mesh over dp/fsdp/tp/pp/sp/ep (up to 8 simulated devices) or a torchpar backend and world
 size, plus config settings over a tiny base config (BASE), drawn hierarchically: a mode's keys only when
 the mode is on (pipeline keys with pp > 1 or the pipeline backend, sequence keys with sp > 1, ZeRO with
 dp > 1 or fsdp/deepspeed, a variant's keys with that variant), with sizes the mesh divides, so that every
@@ -21,6 +21,7 @@ BASE = ("model.n_layer=2", "model.n_head=4", "model.d_model=32", "model.max_seq_
         "optim.min_lr=3e-4", "optim.eps=1e-6", "data.val_fraction=0.1", "train.eval_batches=1", "train.log_every=1",
         "train.eval_every=0", "checkpoint.every=0", "train.matmul_precision=highest")
 TORCH_SHARE = 0.25  # torchpar cases are subprocesses (seconds to start): drawn less often
+EXPERT_SHARE = 0.2  # cases with a mixture of experts (jaxpar: with ep in the mesh now and then)
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class Case:
 
     def mesh(self) -> dict[str, int]:
         """Axis sizes (every axis); torch: parallel.mesh, else all ranks on the backend's data axis."""
-        sizes = dict.fromkeys(("dp", "fsdp", "tp", "pp", "sp"), 1)
+        sizes = dict.fromkeys(("dp", "fsdp", "tp", "pp", "sp", "ep"), 1)
         if self.side == "jax":
             spec = self.layout
         else:
@@ -97,14 +98,18 @@ def draw_case(rng: random.Random, torch_share: float = TORCH_SHARE) -> Case:
 
 
 def draw_jax(rng: random.Random) -> Case:
-    sizes = dict.fromkeys(("dp", "fsdp", "tp", "pp", "sp"), 1)
+    sizes = dict.fromkeys(("dp", "fsdp", "tp", "pp", "sp", "ep"), 1)
+    experts = rng.random() < EXPERT_SHARE
     for _ in range(_pick(rng, {1: 3, 2: 4, 3: 2})):  # 2, 4 or 8 devices, a factor of 2 at a time
-        sizes[_pick(rng, {"dp": 3, "fsdp": 3, "tp": 3, "pp": 2, "sp": 2})] *= 2
+        sizes[_pick(rng, {"dp": 3, "fsdp": 3, "tp": 3, "pp": 2, "sp": 2, "ep": 3 if experts else 0})] *= 2
     s: dict[str, str] = {}
-    attention = _draw_model_kind(rng, s)
+    attention = _draw_model_kind(rng, s, experts)
+    if experts:
+        _draw_experts(rng, s, sizes["ep"])
     if sizes["dp"] > 1:
         s["parallel.zero_stage"] = str(rng.randrange(4))
-    stages_v, M = _draw_pipeline(rng, s, sizes["pp"]) if sizes["pp"] > 1 else (1, 1)
+    # a mixture of experts runs on GPipe alone among the pipeline schedules (docs/architecture.md)
+    stages_v, M = _draw_pipeline(rng, s, sizes["pp"], {"gpipe": 1} if experts else None) if sizes["pp"] > 1 else (1, 1)
     heads_div = sizes["tp"]
     if sizes["sp"] > 1 and attention != "dilated":  # dilated attention runs its own segments under sp
         s["parallel.sequence_attention"] = _pick(rng, {"ring": 2, "all_gather": 1, "ulysses": 1})
@@ -113,16 +118,17 @@ def draw_jax(rng: random.Random) -> Case:
         if rng.random() < 0.3:
             s["parallel.sequence_zigzag"] = "false"
     _draw_dims(rng, s, heads_div, stages_v)
-    data_ways = sizes["dp"] * sizes["fsdp"] * M
+    data_ways = sizes["dp"] * sizes["fsdp"] * sizes["ep"] * M
     need = _draw_training(rng, s, data_ways)
     gpipe = sizes["pp"] > 1 and s.get("parallel.pipeline_schedule") == "gpipe"
-    _draw_data(rng, s, need, documents=attention != "dilated" and not gpipe,
+    capacity_zigzag = "model.moe_capacity_factor" in s and sizes["sp"] > 1  # refused with documents (checks.py)
+    _draw_data(rng, s, need, documents=attention != "dilated" and not gpipe and not capacity_zigzag,
                buckets=sizes["sp"] == 1 and attention != "dilated")
     if rng.random() < 0.2:  # the CPU scans the layers by default; a GPU unrolls them
         s["train.scan_layers"] = "off"
     if rng.random() < 0.2:
         s["parallel.offload"] = _pick(rng, {"optimizer": 1, "params+optimizer": 1})
-    if sizes["dp"] * sizes["fsdp"] > 1 and rng.random() < 0.15:
+    if sizes["dp"] * sizes["fsdp"] > 1 and rng.random() < 0.15 and not experts:
         _draw_compression(rng, s)
     mesh = ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "dp=1"
     return Case("jax", mesh, tuple(sorted(_drop_defaults(s).items())))
@@ -131,7 +137,10 @@ def draw_jax(rng: random.Random) -> Case:
 def draw_torch(rng: random.Random) -> Case:
     backend = _pick(rng, {"none": 2, "ddp": 3, "fsdp": 3, "deepspeed": 3, "pipeline": 3})
     s: dict[str, str] = {}
-    _draw_model_kind(rng, s)
+    experts = backend != "pipeline" and rng.random() < EXPERT_SHARE  # torchpar: every expert on every rank
+    _draw_model_kind(rng, s, experts)
+    if experts:
+        _draw_experts(rng, s, 1)
     world, ways, stages_v = {"none": 0}.get(backend, _pick(rng, {2: 4, 4: 1})), 1, 1
     if backend in ("ddp", "fsdp", "deepspeed"):
         ways = world
@@ -143,7 +152,7 @@ def draw_torch(rng: random.Random) -> Case:
             s["parallel.mesh"] = "dp=2,fsdp=2"  # HSDP
         if rng.random() < {"ddp": 0.05, "fsdp": 0.1, "deepspeed": 0.3}[backend]:  # ddp, fsdp on CPU: refused
             s["parallel.offload"] = _pick(rng, {"optimizer": 1, "params+optimizer": 1})
-    if backend in ("ddp", "fsdp", "deepspeed") and rng.random() < 0.1:  # fsdp, deepspeed refuse PowerSGD
+    if backend in ("ddp", "fsdp", "deepspeed") and rng.random() < 0.1 and not experts:  # fsdp, deepspeed: PowerSGD
         _draw_compression(rng, s, {"powersgd": 1})
     if backend == "pipeline":
         D = 2 if world == 4 and rng.random() < 0.5 else 1
@@ -174,8 +183,25 @@ def _draw_compression(rng: random.Random, s: dict, methods=None) -> None:
         s["parallel.powersgd_rank"] = str(rng.choice((1, 2, 4)))
 
 
-def _draw_model_kind(rng: random.Random, s: dict) -> str:
-    """Family and variant (and the variant's own keys); returns model.attention."""
+def _draw_experts(rng: random.Random, s: dict, ep: int) -> None:
+    """A mixture of experts whose count ep divides, and its routing keys."""
+    experts = _pick(rng, {4: 2, 8: 1}) * ep // min(ep, 4)
+    s.update({"model.moe_experts": str(experts), "model.moe_top_k": str(_pick(rng, {1: 1, 2: 2})),
+              "model.moe_d_ff": str(_pick(rng, {16: 1, 32: 1}))})
+    if rng.random() < 0.4:
+        s["model.moe_shared_experts"] = "1"
+    if rng.random() < 0.3:
+        s["model.moe_router"] = "sigmoid"
+    if rng.random() < 0.3:
+        s["model.moe_norm_topk"] = "false"
+    if rng.random() < 0.5:
+        s["model.moe_aux_loss"] = "0.01"
+    if rng.random() < 0.4:
+        s["model.moe_capacity_factor"] = _pick(rng, {"0.5": 1, "1.0": 1, "1.5": 1})
+
+
+def _draw_model_kind(rng: random.Random, s: dict, experts: bool = False) -> str:
+    """Family and variant (and the variant's own keys); returns model.attention. With experts no sketched MLP."""
     llama = rng.random() < 0.3
     if llama:
         s["model.family"] = "llama"
@@ -183,7 +209,7 @@ def _draw_model_kind(rng: random.Random, s: dict) -> str:
     s["model.attention"] = attention
     if attention == "mla":
         s.update({"model.q_latent_dim": "16", "model.kv_latent_dim": "8", "model.rope_head_dim": "4"})
-    if not llama and rng.random() < 0.25:
+    if not llama and not experts and rng.random() < 0.25:
         s["model.linear"] = "sketched"
         s["model.sketch_ratio"] = _pick(rng, {"0.5": 1, "0.25": 1})
         if rng.random() < 0.5:
@@ -220,7 +246,8 @@ def _draw_dims(rng: random.Random, s: dict, heads_div: int, layers_div: int) -> 
             s["model.n_kv_head"] = str(rng.choice(kv))
         if rng.random() < 0.5:
             s["model.tie_embeddings"] = "false"
-        s["model.d_ff"] = str(_pick(rng, {2 * d_model: 1, 3 * d_model // 2: 1}))
+        if "model.moe_d_ff" not in s:  # experts of their own width leave the MLP's unused (refused if set)
+            s["model.d_ff"] = str(_pick(rng, {2 * d_model: 1, 3 * d_model // 2: 1}))
 
 
 def _draw_training(rng: random.Random, s: dict, ways: int) -> int:
@@ -285,6 +312,7 @@ MODE_KEYS = {  # key prefix -> whether the case's run consumes it (a mode's keys
     "model.n_kv_head": lambda c: c.get("model.family") == "llama",
     "model.tie_embeddings": lambda c: c.get("model.family") == "llama",
     "data.buckets": lambda c: c.get("data.batching") == "buckets",
+    "model.moe_": lambda c: c.get("model.moe_experts", "0") != "0",
     "train.tokens_per_batch": lambda c: c.get("data.batching") == "buckets",
 }
 

@@ -34,6 +34,9 @@ PROMISES = (
     ("gradient compression", lambda c: "parallel.grad_compression" in dict(c.settings),
      "docs/torchpar.md 'Gradient compression' (ddp bf16 and powersgd, fsdp and deepspeed bf16; jaxpar both on dp, "
      "fsdp and tp meshes)"),
+    ("mixture of experts", lambda c: "model.moe_experts" in dict(c.settings),
+     "docs/architecture.md 'Mixture of experts': ep composes with dp, fsdp, tp, sp and GPipe; torchpar runs it on "
+     "none/ddp/fsdp/deepspeed"),
     ("batching", lambda c: any(k in ("data.document_mask", "data.batching", "train.batch_rampup")
                                for k, _ in c.settings),
      "README.md 'Data' (data.document_mask), 'Variable-length batches' (data.batching=buckets) and 'Optimiser' "
@@ -74,7 +77,7 @@ def indivisible(c: Case) -> bool:
     pipeline microbatches by the schedule's rules."""
     g = lambda key, default: int(c.get(key, default))  # noqa: E731
     m, micro, heads = c.mesh(), g("train.global_batch_size", 8) // g("train.microbatches", 1), g("model.n_head", 4)
-    ways = m["dp"] * m["fsdp"] if c.side == "jax" or c.backend == "pipeline" else max(c.world, 1)
+    ways = m["dp"] * m["fsdp"] * m["ep"] if c.side == "jax" or c.backend == "pipeline" else max(c.world, 1)
     bad = heads % m["tp"] or micro % ways
     if m["sp"] > 1:
         zigzag = c.get("parallel.sequence_zigzag", "true") == "true"
