@@ -46,7 +46,7 @@ def test_every_batch_size_of_the_ramp_must_fit_the_mesh():
 
     cfg = load_config(None, [*TINY, "train.batch_rampup=2,2,16"])
     with pytest.raises(UserError, match=r"train.batch_rampup=2,2,16, at a batch of 2 x 16 tokens: batch per microbatch 2 .* "
-                                        r"not divisible by the data axes dp\*fsdp=4"):
+                                        r"not divisible by the data axes dp\*fsdp\*ep=4"):
         Layout(cfg, make_mesh({"dp": 4}, jax.devices()[:4]))
 
 

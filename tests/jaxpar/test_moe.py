@@ -216,6 +216,8 @@ def test_hf_mixtral_logits_and_greedy_tokens_match_both_frameworks(hf_mixtral):
     torch_model.load_state_dict(from_shared(flat, cfg.n_layer))
     with torch.no_grad():
         np.testing.assert_allclose(torch_model(torch.as_tensor(tokens)).numpy(), want, atol=1e-5 * scale)
+    from torchpar.decode import generate
+    assert generate(torch_model.eval(), torch.as_tensor(tokens[:1, :8]), 12).tolist() == greedy[:, 8:].tolist()
 
 
 def test_mixtral_round_trip_through_a_jaxpar_run_is_bit_exact(hf_mixtral, tmp_path):
