@@ -17,7 +17,8 @@ Parameter names and shapes are the shared weight format (jaxpar/core/weights.py 
 Llama's parameter names: llama.py. Variants (`model.attention`, `model.linear`; one file each) swap in
 their own parameters:
 mla.py (blocks.attn.*), dilated.py (MHA's parameters, another attention core), core/sketches.py
-(blocks.mlp.{fc,proj}.factor instead of .kernel).
+(blocks.mlp.{fc,proj}.factor instead of .kernel); model.moe_experts puts moe.py's experts (blocks.moe.*) in place
+of the MLP, whose per-row statistics ride the layer scan's carry beside the activations.
 """
 from __future__ import annotations
 
