@@ -18,13 +18,14 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-
-def slots_for(tokens: int, rows: int, capacity: int) -> int:
-    """Slots per expert a device needs: all its tokens (dropless, capacity 0), or a row's capacity per row."""
-    return tokens if capacity <= 0 else min(tokens, rows * capacity)
+from jaxpar.core.experts import slots_for
 
 
-def swiglu_experts(buffer, gate, up, down, reduce: Callable = lambda y: y):
+def _same(a):
+    return a
+
+
+def swiglu_experts(buffer, gate, up, down, reduce: Callable = _same):
     """buffer [experts, slots, embed] through each expert's SwiGLU (gate, up [experts, embed, width], down
     [experts, width, embed]); `reduce` sums partial outputs when the width is split (a psum over tp)."""
     h = jax.nn.silu(jnp.einsum("esd,edf->esf", buffer, gate)) * jnp.einsum("esd,edf->esf", buffer, up)
@@ -32,7 +33,7 @@ def swiglu_experts(buffer, gate, up, down, reduce: Callable = lambda y: y):
 
 
 def dispatch(x, ids, weights, kept, n_experts: int, slots: int, experts: Callable,
-             exchange: Callable = lambda b: b, back: Callable = lambda b: b):
+             exchange: Callable = _same, back: Callable = _same):
     """x [N, embed]; ids, weights, kept [N, k] -> [N, embed]: sum over the kept choices of weight x expert(x).
     `experts` maps the received buffer to outputs of the same shape."""
     N, k = ids.shape
@@ -47,10 +48,14 @@ def dispatch(x, ids, weights, kept, n_experts: int, slots: int, experts: Callabl
     return jnp.sum(picked * weights[..., None].astype(x.dtype), axis=1)
 
 
-def local_experts(x, ids, weights, kept, gate, up, down, capacity: int):
+def local_experts(x, ids, weights, kept, gate, up, down, capacity: int, owners: int = 1, exchange: Callable = _same,
+                  back: Callable = _same, reduce: Callable = _same):
     """The parallel context's default: every expert on this device. x [B, T, embed]; ids, weights, kept
-    [B, T, k]; `capacity`: slots per expert per row (0: dropless)."""
+    [B, T, k]; `capacity`: slots per expert per row (0: dropless). Inside expert parallelism's shard_map
+    (parallel/experts.py) the same on this device's rows and experts: `owners` devices hold gate.shape[0] experts
+    each, `exchange`/`back` move the buffer to them and home, `reduce` sums outputs of a split width."""
     B, T, D = x.shape
-    y = dispatch(x.reshape(B * T, D), ids.reshape(B * T, -1), weights.reshape(B * T, -1), kept.reshape(B * T, -1),
-                 gate.shape[0], slots_for(B * T, B, capacity), lambda b: swiglu_experts(b, gate, up, down))
+    flat = (a.reshape(B * T, -1) for a in (x, ids, weights, kept))
+    y = dispatch(*flat, gate.shape[0] * owners, slots_for(B * T, B, capacity),
+                 lambda b: swiglu_experts(b, gate, up, down, reduce), exchange, back)
     return y.reshape(B, T, D)

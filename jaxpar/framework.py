@@ -107,8 +107,9 @@ class JaxFramework:
         return prompt[0].tolist() + out[0].tolist() if jax.process_index() == 0 else None
 
     def fetch(self, metrics) -> dict:
-        out = {k: float(v) for k, v in jax.device_get(metrics).items() if k != "expert_stats"}
-        return {**out, **expert_records(jax.device_get(metrics["expert_stats"]))} if "expert_stats" in metrics else out
+        got = jax.device_get(metrics)
+        stats = got.pop("expert_stats", None)
+        return {**{k: float(v) for k, v in got.items()}, **({} if stats is None else expert_records(stats))}
 
     def evaluate(self, batches: int) -> float:
         losses = [self._eval_step(self.state["params"], device_batch(self.val_data, i, self.layout.batch_sharding)) for i in range(batches)]

@@ -1,5 +1,5 @@
 """A mixture of experts' rules that both frameworks share (jax-free, torch-free): the capacity of an expert in a
-row, and the records a step's expert statistics make (jaxpar/models/moe.py, torchpar/models/moe.py)."""
+row, the dispatch buffer's slots (jaxpar and its planner), and the records a step's expert statistics make (jaxpar/models/moe.py, torchpar/models/moe.py)."""
 from __future__ import annotations
 
 import math
@@ -10,6 +10,12 @@ def row_capacity(cfg, T: int) -> int:
     0: no limit (dropless)."""
     c = cfg.moe_capacity_factor
     return 0 if c <= 0 else max(1, math.ceil(c * cfg.moe_top_k * T / cfg.moe_experts))
+
+
+def slots_for(tokens: int, rows: int, capacity: int) -> int:
+    """Slots per expert a device's dispatch buffer needs (jaxpar/dispatch.py): all its tokens (dropless, capacity
+    0: a token picks an expert at most once), or a row's capacity per row."""
+    return tokens if capacity <= 0 else min(tokens, rows * capacity)
 
 
 def expert_records(stats) -> dict:

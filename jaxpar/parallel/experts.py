@@ -14,12 +14,13 @@ XLA:CPU has no ragged all-to-all. Which exchange ran is said once at trace time.
 """
 from __future__ import annotations
 
+import functools
 import sys
 
 import jax
 
 from jaxpar.context import tracing_mesh
-from jaxpar.dispatch import dispatch, slots_for, swiglu_experts
+from jaxpar.dispatch import local_experts
 from jaxpar.sharding import spec_for
 
 AXIS = "ep"
@@ -59,17 +60,11 @@ def expert_parallel(mesh, rules):
         w_out = spec_for(("experts", "mlp", None), down.shape, mesh, rules)
         split = _axes(w_out[1])  # the axes an expert's width is split over: their partial outputs are summed
 
-        def local(x, ids, weights, kept, gate, up, down):
-            b, t, d = x.shape
-            owners = n if AXIS in _axes(w_in[0]) else 1
-            run = lambda buf: swiglu_experts(buf, gate, up, down,  # noqa: E731
-                                             lambda y: jax.lax.psum(y, split) if split else y)
-            y = dispatch(x.reshape(b * t, d), *(a.reshape(b * t, -1) for a in (ids, weights, kept)),
-                         gate.shape[0] * owners, slots_for(b * t, b, capacity), run,
-                         (lambda buf: _to_owners(buf, owners)) if owners > 1 else (lambda buf: buf),
-                         (lambda out: _to_sources(out, owners)) if owners > 1 else (lambda out: out))
-            return y.reshape(b, t, d)
-
+        owners = n if AXIS in _axes(w_in[0]) else 1
+        moves = {} if owners == 1 else {"exchange": lambda buf: _to_owners(buf, owners),
+                                        "back": lambda out: _to_sources(out, owners)}
+        local = functools.partial(local_experts, capacity=capacity, owners=owners, **moves,
+                                  reduce=(lambda y: jax.lax.psum(y, split)) if split else (lambda y: y))
         return jax.shard_map(local, mesh=tracing_mesh(mesh), in_specs=(act, choice, choice, choice, w_in, w_in, w_out),
                              out_specs=act, check_vma=False)(x, ids, weights, kept, gate, up, down)
 

@@ -26,7 +26,7 @@ MLP = {"mlp.gate.kernel": "mlp.gate_proj.weight", "mlp.up.kernel": "mlp.up_proj.
        "mlp.down.kernel": "mlp.down_proj.weight"}
 
 
-def _read_config(hf_dir: str) -> dict:
+def read_config(hf_dir: str) -> dict:
     path = os.path.join(hf_dir, "config.json")
     with open(path) as f:
         hf = json.load(f)
@@ -48,7 +48,7 @@ def _read_config(hf_dir: str) -> dict:
 
 def read_dir(hf_dir: str) -> tuple[dict, dict[str, np.ndarray]]:
     """(config.json checked, every tensor) of an HF Llama-like directory (sharded files read whole)."""
-    hf = _read_config(hf_dir)
+    hf = read_config(hf_dir)
     files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
     if not files:
         raise UserError(f"not a Hugging Face {hf.get('model_type', 'llama')} directory: no *.safetensors in {hf_dir}")

@@ -33,11 +33,11 @@ def _experts_to_shared(hf: dict, raw: dict) -> dict[str, np.ndarray]:
 
 def hf_to_shared(hf_dir: str) -> tuple[dict[str, np.ndarray], dict]:
     """-> (flat shared tensors, model config overrides: Llama's and the experts' model.moe_*)."""
-    flat, dims = hf_llama.hf_to_shared(hf_dir, mlp=_experts_to_shared)
-    hf = hf_llama.read_dir(hf_dir)[0]
+    hf = hf_llama.read_config(hf_dir)
     if hf.get("router_jitter_noise"):
         raise UserError(f"{hf_dir}/config.json: router_jitter_noise {hf['router_jitter_noise']} scales tokens at "
                         "random in training; jaxpar routes deterministically (set it to 0.0)")
+    flat, dims = hf_llama.hf_to_shared(hf_dir, mlp=_experts_to_shared)
     return flat, {**dims, "moe_top_k": hf.get("num_experts_per_tok", 2)}
 
 

@@ -43,15 +43,14 @@ def exchange_bytes(cfg: Config, sizes: dict[str, int], ragged: bool = False) -> 
     and microbatch two all-to-alls of the buffer [experts, slots, embed] forward and two backward (a third and
     fourth forward with model.remat), each sending (ep-1)/ep of it. `ragged`: the slots filled alone (each token's
     top_k choices), what an exchange without padding would send."""
-    from jaxpar.core.experts import row_capacity
+    from jaxpar.core.experts import row_capacity, slots_for
 
     m, t, ep = cfg.model, cfg.train, sizes.get("ep", 1)
     if ep == 1 or not m.moe_experts:
         return 0.0
     rows = t.global_batch_size // t.microbatches // (sizes["dp"] * sizes["fsdp"] * ep)
     T = cfg.data.seq_len // sizes["sp"]
-    capacity = row_capacity(m, cfg.data.seq_len)
-    slots = rows * T if not capacity else min(rows * T, rows * capacity)
+    slots = slots_for(rows * T, rows, row_capacity(m, cfg.data.seq_len))
     buffer = (rows * T * m.moe_top_k if ragged else m.moe_experts * slots) * m.d_model * \
         (4 if m.compute_dtype == "float32" else 2)
     passes = 4 + 2 * (m.remat != "none")
@@ -145,10 +144,12 @@ def plan_shape(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
     measured = {a: 0.0 for a in bounds}
     for c in collectives:
         axes = c["axes"].split("+")
-        key = "ep" if c["op"] == "all-to-all" and "ep" in axes else \
-            next((a for a in ("tp", "fsdp", "dp", "ep") if a in axes), None)
-        if key:  # a reduction over ep is the data-parallel gradients'
-            measured["dp" if key == "ep" and c["op"] != "all-to-all" else key] += c["traffic_bytes"]
+        if c["op"] == "all-to-all" and "ep" in axes:
+            key = "ep"  # the experts' exchange; any other collective over ep reduces data-parallel gradients
+        else:
+            key = next((a for a in ("tp", "fsdp", "dp") if a in axes), "dp" if "ep" in axes else None)
+        if key:
+            measured[key] += c["traffic_bytes"]
     from jaxpar.models.mla import kv_cache_width
 
     width = kv_cache_width(cfg.model)  # per token per layer: MLA its latent + rope key, MHA/GQA keys + values
