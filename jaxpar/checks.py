@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from jaxpar.core.config import Config
+from jaxpar.core.experts import check_expert_axis
 from jaxpar.core.errors import UserError
 from jaxpar.core.pipeline_schedules import check as check_schedule, resolve_microbatches
 from jaxpar.parallel.sequence import check_sequence
@@ -28,13 +29,10 @@ def check_layout(cfg: Config, sizes) -> None:
 
 
 def check_experts(cfg: Config, sizes) -> None:
-    """The ep axis needs a mixture of experts whose experts it divides."""
-    E, ep = cfg.model.moe_experts, sizes["ep"]
-    if ep > 1 and not E:
-        raise UserError(f"mesh axis ep={ep} shards a mixture of experts, and this model has none (set "
-                        "model.moe_experts, or put those devices on dp)")
-    if E % ep:
-        raise UserError(f"model.moe_experts={E} is not divisible by ep={ep}")
+    """The ep axis needs a mixture of experts whose experts it divides (core/experts.py); what jaxpar's experts do
+    not run beside."""
+    check_expert_axis(cfg.model, sizes["ep"])
+    E = cfg.model.moe_experts
     zigzag = sizes["sp"] > 1 and cfg.parallel.sequence_zigzag and cfg.model.attention != "dilated"
     if E and cfg.model.moe_capacity_factor and zigzag and cfg.data.document_mask:
         raise UserError("model.moe_capacity_factor with data.document_mask under zig-zag sequence parallelism: the "
@@ -42,7 +40,7 @@ def check_experts(cfg: Config, sizes) -> None:
                         "runs it)")
     if E and cfg.parallel.grad_compression != "none":
         raise UserError(f"parallel.grad_compression={cfg.parallel.grad_compression} with a mixture of experts is "
-                        "not built yet (its reduction runs outside the experts' exchange)")
+                        "not built yet in jaxpar (its reduction runs outside the experts' exchange)")
 
 
 def check_compression(cfg: Config, sizes) -> None:

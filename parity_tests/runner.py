@@ -42,6 +42,7 @@ TORCH_BACKENDS = {
     "torch:zero2": (2, ["--backend", "deepspeed", "parallel.zero_stage=2"]),
     "torch:zero3": (2, ["--backend", "deepspeed", "parallel.zero_stage=3"]),
     "torch:pp=2": (2, ["--backend", "pipeline", "parallel.pipeline_schedule=1f1b"]),  # torch.distributed.pipelining
+    "torch:ep=2": (2, ["--backend", "ddp", "parallel.mesh=ep=2"]),  # experts split over the ranks: experts only
 }
 SIDES = (*JAX_MESHES, *TORCH_BACKENDS)
 

@@ -92,6 +92,7 @@ class DCPCheckpointer:
         self.dir = os.path.abspath(os.path.join(run_dir, "checkpoints"))
         self.keep, self.model, self.optimizer, self.env = keep, model, optimizer, env
         self.rank_state = None  # each rank's own state beside DCP's (save(folder), load(folder)): DDP's PowerSGD
+        self.views = None  # views(state) / unviews(state): tensors DCP must see as DTensors (ddp's split experts)
 
     def remove_partial_saves(self) -> None:
         """The trainer, before its first restore: a `<step>.partial` is a save its run did not finish (killed,
@@ -103,7 +104,8 @@ class DCPCheckpointer:
 
     def _state(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=FLAT)
-        return {"model": model_sd, "optim": optim_sd}
+        state = {"model": model_sd, "optim": optim_sd}
+        return state if self.views is None else self.views.views(state)
 
     def save(self, step: int, meta: dict) -> None:
         final = os.path.join(self.dir, str(step))
@@ -157,6 +159,8 @@ class DCPCheckpointer:
         except Exception as e:  # noqa: BLE001 - any failure to read is a checkpoint problem for the user
             reason = (str(e).strip().splitlines() or [repr(e)])[0][:300]
             raise UserError(f"checkpoint {path} could not be loaded: {reason}") from None
+        if self.views is not None:
+            state = self.views.unviews(state)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=FLAT)
         if self.rank_state is not None:

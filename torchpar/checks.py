@@ -8,7 +8,8 @@ from jaxpar.core.config import Config
 from jaxpar.core.contract import Run, check_contract
 from jaxpar.core.errors import UserError
 from jaxpar.core.batch_shapes import for_each_shape
-from jaxpar.core.mesh_spec import check_torch_mesh
+from jaxpar.core.experts import check_expert_axis
+from jaxpar.core.mesh_spec import check_torch_mesh, parse_mesh, resolve_sizes
 from jaxpar.core.trackers import check_trackers
 from torchpar.dist import launch_env
 
@@ -19,6 +20,7 @@ def check(cfg: Config, args) -> None:
     if args.backend == "none" and world > 1:
         raise UserError(f"--backend none runs one process, but WORLD_SIZE={world}; use ddp, fsdp or deepspeed")
     check_torch_mesh(cfg.parallel.mesh, args.backend, world)
+    check_expert_parallel(cfg, args.backend, world)
     check_trackers(cfg)
     if cfg.train.sample_every and args.backend not in ("none", "ddp"):
         raise UserError(f"train.sample_every needs the whole model on rank 0: --backend none or ddp, not {args.backend} "
@@ -57,6 +59,25 @@ def check(cfg: Config, args) -> None:
         from torchpar.backends import deepspeed
         deepspeed.check(cfg, args.deepspeed_config)
     check_contract(Run(cfg, "torchpar", args.backend, stages))
+
+
+def check_expert_parallel(cfg: Config, backend: str, world: int) -> None:
+    """parallel.mesh's ep (ddp alone runs it; check_torch_mesh refuses it elsewhere): what its exchange and the
+    experts' replicas (torchpar/backends/experts.py) do not run beside."""
+    if backend != "ddp" or not cfg.parallel.mesh:
+        return
+    ep = resolve_sizes(parse_mesh(cfg.parallel.mesh), world)["ep"]
+    check_expert_axis(cfg.model, ep)
+    if ep == 1:
+        return
+    refused = {"parallel.grad_compression": cfg.parallel.grad_compression != "none",
+               "model.compute_dtype=float16": cfg.model.compute_dtype == "float16",
+               "train.compile=on": cfg.train.compile == "on",
+               "train.sample_every": bool(cfg.train.sample_every)}
+    for setting, on in refused.items():
+        if on:
+            raise UserError(f"{setting} with expert parallelism (ep={ep}) is not built in torchpar (its experts "
+                            "live on several ranks); jaxpar.train runs it, or drop ep from parallel.mesh")
 
 
 def check_offload(cfg: Config, backend: str) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from jaxpar.core.errors import UserError
+
 
 def row_capacity(cfg, T: int) -> int:
     """Choices one expert takes from a row of T tokens (model.moe_capacity_factor x its even share, rounded up);
@@ -28,3 +30,12 @@ def expert_records(stats) -> dict:
     load = [r / total for r in received]
     return {"moe_load": load, "moe_max_load": max(load) * len(load), "moe_dropped": float(stats[-2]) / total,
             "moe_balance": float(stats[-1])}
+
+
+def check_expert_axis(model, ep: int) -> None:
+    """The ep mesh axis (either framework) shards a mixture of experts, evenly."""
+    if ep > 1 and not model.moe_experts:
+        raise UserError(f"mesh axis ep={ep} shards a mixture of experts, and this model has none (set "
+                        "model.moe_experts, or put those devices on dp)")
+    if model.moe_experts % ep:
+        raise UserError(f"model.moe_experts={model.moe_experts} is not divisible by ep={ep}")

@@ -52,7 +52,8 @@ def format_mesh(sizes: dict[str, int]) -> str:
 
 TORCH_BACKENDS = ("none", "ddp", "fsdp", "deepspeed", "pipeline")  # torchpar/backends/
 # the parallel.mesh axes each torchpar backend implements (tp and sp are jaxpar's alone)
-TORCH_MESH_AXES = {"none": (), "ddp": ("dp",), "fsdp": ("dp", "fsdp"), "deepspeed": ("dp",), "pipeline": ("pp", "dp", "fsdp")}
+TORCH_MESH_AXES = {"none": (), "ddp": ("dp", "ep"), "fsdp": ("dp", "fsdp"), "deepspeed": ("dp",),
+                   "pipeline": ("pp", "dp", "fsdp")}
 
 
 def check_torch_mesh(mesh: str, backend: str, world: int) -> None:

@@ -118,7 +118,7 @@ VARIANT_NAMES = {
 # a mixture of experts (jaxpar/models/moe.py): the router, each expert's SwiGLU stacked on an experts axis, the shared
 MOE_NAMES = {
     "blocks.moe.router.kernel": "blocks.{l}.moe.router.weight",
-    **{f"blocks.moe.{n}": f"blocks.{{l}}.moe.{n}" for n in ("gate", "up", "down")},
+    **{f"blocks.moe.{n}": f"blocks.{{l}}.moe.experts.{n}" for n in ("gate", "up", "down")},
     **{f"blocks.moe.shared.{n}.kernel": f"blocks.{{l}}.moe.shared.{n}.weight" for n in ("gate", "up", "down")},
 }
 ALL_NAMES = {**NAMES, **LLAMA_NAMES, **VARIANT_NAMES, **MOE_NAMES}

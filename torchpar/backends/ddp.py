@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from torchpar import dist
 from torchpar.backends.base import TorchEngine
+from torchpar.backends.experts import ExpertParallel, ep_size
 
 
 def comm_hook(cfg) -> tuple[str, dict]:
@@ -60,6 +61,8 @@ def rebuild_buckets_first(ddp, cfg, env) -> None:
 
 def build(model, cfg, env, **_):
     model = model.to(env.device)
+    ep = ep_size(cfg, env.world)
+    experts = ExpertParallel(model, env, ep) if ep > 1 else None  # before DDP: it ignores the experts
     name, settings = comm_hook(cfg)
     ddp = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
               bucket_cap_mb=one_bucket_mb(model) if name == "powersgd" and env.device.type != "cuda" else None)
@@ -71,7 +74,10 @@ def build(model, cfg, env, **_):
         state = powerSGD_hook.PowerSGDState(process_group=None, **settings)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     # Accumulation: no all-reduce until the last microbatch's backward (the hooks run only then too).
-    engine = DDPEngine(ddp, model, cfg, env, sync=lambda last: nullcontext() if last else ddp.no_sync())
+    sync = (lambda last: experts.sync(last, ddp)) if experts else (lambda last: nullcontext() if last else ddp.no_sync())
+    engine = DDPEngine(ddp, model, cfg, env, sync=sync)
+    if experts is not None:
+        engine.use_experts(experts)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     engine.plain_bytes, engine.powersgd = numel * (2 if name == "bf16" else 4), state
     if state is not None:
@@ -86,6 +92,16 @@ class DDPEngine(TorchEngine):
     and with PowerSGD what its hook counted (r(n+m) per compressed n x m matrix, the rest whole; its warm-up
     steps send everything whole)."""
     plain_bytes, powersgd = 0, None  # what the hook sends whole (set by build), PowerSGD's state
+    experts = None  # parallel.mesh's ep: ExpertParallel (torchpar/backends/experts.py)
+
+    def use_experts(self, experts) -> None:
+        """Expert parallelism: the experts join the norm, checkpoints and full weights."""
+        self.experts = experts
+        self.checkpointer.views = experts
+        self.full_state_dict = lambda: experts.full_state_dict(self.raw)
+
+    def clip_gradients(self, clip: float) -> torch.Tensor:
+        return super().clip_gradients(clip) if self.experts is None else self.experts.clip(self.params, clip)
 
     def train_step(self, batch: torch.Tensor, share: float = 1.0):
         before = self.powersgd.total_numel_after_compression if self.powersgd is not None else 0

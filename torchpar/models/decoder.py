@@ -126,7 +126,7 @@ class Decoder(nn.Module):
                 elif name.startswith("ln") or "norm" in name:
                     p.fill_(1.0)
                 else:
-                    s = proj_std if name.startswith(("attn.out.", "mlp.proj.", "mlp.down.", "moe.down",
+                    s = proj_std if name.startswith(("attn.out.", "mlp.proj.", "mlp.down.", "moe.experts.down",
                                                      "moe.shared.down.")) else std
                     p.copy_(torch.randn(p.shape, generator=gen) * s)
         for norm in (m for m in self.modules() if isinstance(m, (LayerNorm, RMSNorm))):

@@ -1,6 +1,7 @@
 """The mixture-of-experts feed-forward block in PyTorch with jaxpar's routing and per-layer parameter shapes
 (jaxpar/models/moe.py has the rules: float32 router, top-k, capacity by choice rank then position, shared
-experts, the per-row statistics). Every expert runs on this rank (no expert parallelism here); backends wrap it.
+experts, the per-row statistics). Every expert runs on this rank unless a backend plugs in its exchange
+(torchpar/backends/experts.py: expert parallelism over the ranks of `ep`).
 """
 from __future__ import annotations
 
@@ -35,28 +36,50 @@ def route(logits: torch.Tensor, cfg: ModelConfig):
     return ids, weights, kept, torch.cat([received, dropped[:, None], balance[:, None]], dim=-1)
 
 
+class Experts(nn.Module):
+    """E experts' SwiGLU weights stacked on a leading experts axis (gate, up [E, embed, width], down [E, width,
+    embed]); under expert parallelism (torchpar/backends/experts.py) this rank's E/ep of them."""
+
+    def __init__(self, cfg: ModelConfig, n: int):
+        super().__init__()
+        d, f = cfg.d_model, cfg.expert_dim
+        self.gate, self.up = nn.Parameter(torch.empty(n, d, f)), nn.Parameter(torch.empty(n, d, f))
+        self.down = nn.Parameter(torch.empty(n, f, d))
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """rows [n, embed] grouped by expert, counts[e] of them expert e's -> its outputs, the same order. Every
+        expert runs, on no rows too: each weight then has a gradient (zero), as DDP expects of every step."""
+        out = []
+        for e, h in enumerate(rows.split(counts)):
+            h = F.silu(h @ self.gate[e].to(h.dtype)) * (h @ self.up[e].to(h.dtype))
+            out.append(h @ self.down[e].to(h.dtype))
+        return torch.cat(out)
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        d, E, f = cfg.d_model, cfg.moe_experts, cfg.expert_dim
-        self.router = Kernel((d, E))
-        self.gate, self.up = nn.Parameter(torch.empty(E, d, f)), nn.Parameter(torch.empty(E, d, f))
-        self.down = nn.Parameter(torch.empty(E, f, d))
-        self.shared = SwiGLU(cfg, cfg.moe_shared_experts * f) if cfg.moe_shared_experts else None
+        self.router = Kernel((cfg.d_model, cfg.moe_experts))
+        self.experts = Experts(cfg, cfg.moe_experts)
+        self.shared = SwiGLU(cfg, cfg.moe_shared_experts * cfg.expert_dim) if cfg.moe_shared_experts else None
         self.cfg = cfg
+        self.exchange = None  # (rows, counts) -> outputs: expert parallelism's trip over the ep ranks
 
     def forward(self, x):
-        """x [B, T, embed] -> (y, stats [B, E + 2])."""
+        """x [B, T, embed] -> (y, stats [B, E + 2]). The kept choices are sorted by expert (a stable sort: token
+        order within an expert), their rows go through `exchange` and come back in that order."""
         ids, weights, kept, stats = route(self.router(x.float(), "btd,de->bte"), self.cfg)
         flat = x.reshape(-1, x.shape[-1])
-        ids, kept = ids.reshape(flat.shape[0], -1), kept.reshape(flat.shape[0], -1)
-        per_choice = flat.new_zeros(ids.shape + (flat.shape[-1],))  # [N, k, embed]: each kept choice's output
-        for e in range(self.cfg.moe_experts):
-            token, choice = torch.nonzero((ids == e) & kept, as_tuple=True)
-            h = flat[token]
-            h = F.silu(h @ self.gate[e].to(x.dtype)) * (h @ self.up[e].to(x.dtype))
-            per_choice = per_choice.index_put((token, choice), h @ self.down[e].to(x.dtype))
-        y = (per_choice * weights.reshape(ids.shape)[..., None].to(x.dtype)).sum(1).reshape(x.shape)
+        E, k = self.cfg.moe_experts, ids.shape[-1]
+        choice = torch.where(kept, ids, E).reshape(-1)  # a dropped choice sorts after every expert's
+        order = choice.argsort(stable=True)
+        counts = torch.bincount(choice, minlength=E + 1)[:E]
+        order = order[: int(counts.sum())]
+        rows = flat[order // k]
+        out = self.exchange(rows, counts) if self.exchange else self.experts(rows, counts.tolist())
+        per_choice = flat.new_zeros(choice.shape + flat.shape[-1:]).index_copy(0, order, out)
+        y = (per_choice.reshape(ids.shape + flat.shape[-1:]) * weights[..., None].to(x.dtype)).sum(-2)
+        y = y.reshape(x.shape)
         return (y if self.shared is None else y + self.shared(x)), stats
 
 
