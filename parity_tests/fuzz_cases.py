@@ -137,7 +137,7 @@ def draw_jax(rng: random.Random) -> Case:
 def draw_torch(rng: random.Random) -> Case:
     backend = _pick(rng, {"none": 2, "ddp": 3, "fsdp": 3, "deepspeed": 3, "pipeline": 3})
     s: dict[str, str] = {}
-    experts = backend != "pipeline" and rng.random() < EXPERT_SHARE  # torchpar: every expert on every rank
+    experts = backend != "pipeline" and rng.random() < EXPERT_SHARE
     _draw_model_kind(rng, s, experts)
     if experts:
         _draw_experts(rng, s, 1)
@@ -150,6 +150,8 @@ def draw_torch(rng: random.Random) -> Case:
             s["parallel.zero_stage"] = str(rng.randrange(4))
         if backend == "fsdp" and world == 4 and rng.random() < 0.5:
             s["parallel.mesh"] = "dp=2,fsdp=2"  # HSDP
+        if backend == "ddp" and experts and rng.random() < 0.5:  # the experts split over the ranks (4 or 8 of them)
+            s["parallel.mesh"] = f"ep={world}" if world == 2 or rng.random() < 0.5 else "dp=2,ep=2"
         if rng.random() < {"ddp": 0.05, "fsdp": 0.1, "deepspeed": 0.3}[backend]:  # ddp, fsdp on CPU: refused
             s["parallel.offload"] = _pick(rng, {"optimizer": 1, "params+optimizer": 1})
     if backend in ("ddp", "fsdp", "deepspeed") and rng.random() < 0.1 and not experts:  # fsdp, deepspeed: PowerSGD
@@ -302,7 +304,8 @@ MODE_KEYS = {  # key prefix -> whether the case's run consumes it (a mode's keys
     "parallel.grad_compression": lambda c: (c.mesh()["dp"] * c.mesh()["fsdp"] > 1 if c.side == "jax" else
                                             c.backend in ("ddp", "fsdp", "deepspeed")),
     "parallel.powersgd_": lambda c: c.get("parallel.grad_compression") == "powersgd",
-    "parallel.mesh": lambda c: c.side == "torch" and c.backend in ("fsdp", "pipeline") and c.world == 4,
+    "parallel.mesh": lambda c: c.side == "torch" and (c.backend in ("fsdp", "pipeline") and c.world == 4 or
+                                                      c.backend == "ddp" and c.get("model.moe_experts", "0") != "0"),
     "model.q_latent_dim": lambda c: c.get("model.attention") == "mla",
     "model.kv_latent_dim": lambda c: c.get("model.attention") == "mla",
     "model.rope_head_dim": lambda c: c.get("model.attention") == "mla",

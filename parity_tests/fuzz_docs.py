@@ -36,7 +36,7 @@ PROMISES = (
      "fsdp and tp meshes)"),
     ("mixture of experts", lambda c: "model.moe_experts" in dict(c.settings),
      "docs/architecture.md 'Mixture of experts': ep composes with dp, fsdp, tp, sp and GPipe; torchpar runs it on "
-     "none/ddp/fsdp/deepspeed"),
+     "none/ddp/fsdp/deepspeed, split over ep under ddp (docs/torchpar.md ddp bullet)"),
     ("batching", lambda c: any(k in ("data.document_mask", "data.batching", "train.batch_rampup")
                                for k, _ in c.settings),
      "README.md 'Data' (data.document_mask), 'Variable-length batches' (data.batching=buckets) and 'Optimiser' "
