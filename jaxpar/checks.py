@@ -32,7 +32,11 @@ def check_experts(cfg: Config, sizes) -> None:
     """The ep axis needs a mixture of experts whose experts it divides (core/experts.py); what jaxpar's experts do
     not run beside."""
     check_expert_axis(cfg.model, sizes["ep"])
-    E = cfg.model.moe_experts
+    E, first, pp = cfg.model.moe_experts, cfg.model.moe_first_dense, sizes["pp"]
+    if E and first and (first % pp or cfg.model.moe_layers % pp):
+        raise UserError(f"model.moe_first_dense={first}: the dense first layers and the {cfg.model.moe_layers} expert "
+                        f"layers after them are stacks of their own, each split over the pipeline: pp={pp} must "
+                        "divide both")
     zigzag = sizes["sp"] > 1 and cfg.parallel.sequence_zigzag and cfg.model.attention != "dilated"
     if E and cfg.model.moe_capacity_factor and zigzag and cfg.data.document_mask:
         raise UserError("model.moe_capacity_factor with data.document_mask under zig-zag sequence parallelism: the "

@@ -79,17 +79,22 @@ def _forward(model, tokens, start, cache, slots, eod=None):
     _empty_cache) and slots (_where) with their entries written in."""
     cfg, dtype = model.cfg, jnp.dtype(model.cfg.compute_dtype)
     where, slots = _where(tokens, start, slots, eod, cache[0].shape[2])
-    graphdef, stacked = nnx.split(model.blocks)
+    h, offset, caches = model.embed(tokens, where[0]), 0, []
+    for blocks in model.stacks():  # model.moe_first_dense: the dense stack's layers own the cache's first entries
+        graphdef, stacked = nnx.split(blocks)
+        n = jax.tree.leaves(stacked)[0].shape[0]
 
-    def layer(h, xs):
-        layer_state, sketches, *layer_cache = xs
-        block = nnx.merge(graphdef, layer_state)
-        y, layer_cache = _attend(block.attn, cfg, block.ln1(h), dtype, where, start, layer_cache)
-        h = h + y
-        h = h + block.feed_forward(block.ln2(h), dtype, sketches)[0]
-        return h, layer_cache
+        def layer(h, xs, graphdef=graphdef):
+            layer_state, sketches, *layer_cache = xs
+            block = nnx.merge(graphdef, layer_state)
+            y, layer_cache = _attend(block.attn, cfg, block.ln1(h), dtype, where, start, layer_cache)
+            h = h + y
+            h = h + block.feed_forward(block.ln2(h), dtype, sketches)[0]
+            return h, layer_cache
 
-    h, cache = jax.lax.scan(layer, model.embed(tokens, where[0]), (stacked, stacked_sketches(cfg), *cache))
+        h, part = jax.lax.scan(layer, h, (stacked, stacked_sketches(cfg), *(c[offset:offset + n] for c in cache)))
+        offset, caches = offset + n, caches + [part]
+    cache = tuple(jnp.concatenate(parts) for parts in zip(*caches))
     return model.head(h), cache, slots
 
 

@@ -74,4 +74,4 @@ def loss_fn(model, batch: jax.Array, order=None, eod: int | None = None, balance
     if stats is None:
         return loss
     m = model.cfg
-    return loss + balance * m.moe_aux_loss * jnp.mean(stats[:, -1]) / m.n_layer, jnp.sum(stats, axis=0)
+    return loss + balance * m.moe_aux_loss * jnp.mean(stats[:, -1]) / m.moe_layers, jnp.sum(stats, axis=0)

@@ -126,7 +126,7 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
         metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr(state["step"])}
         if experts:
             # core/experts.py: expert_records; the balance loss per row and layer
-            metrics["expert_stats"] = expert_stats.at[-1].divide(batch.shape[0] * cfg.model.n_layer)
+            metrics["expert_stats"] = expert_stats.at[-1].divide(batch.shape[0] * cfg.model.moe_layers)
         if fp16:  # skip a step that overflowed (its parameters and optimizer state stay), adjust the scale
             ls, finite = state["loss_scale"], loss_scale.all_finite(grads)
             new["params"], new["opt_state"] = loss_scale.keep_if(finite, (new["params"], opt_state),

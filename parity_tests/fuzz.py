@@ -66,6 +66,9 @@ REGRESSIONS = (
     ("torch fsdp:2 model.linear=sketched model.n_layer=4 model.sketch=sign parallel.zero_stage=2 "
      "train.batch_rampup=2,2,8",
      "first draws of train.batch_rampup (2026-11-25): differed, the reference read fixed batches (as above)"),
+    ("torch none:0 model.moe_experts=4 model.moe_d_ff=16 model.moe_first_dense=1 model.moe_aux_loss=0.01",
+     "2026-11-26, model.moe_first_dense's first cases (fsdp:2, deepspeed:2, ddp:4 with ep, shrunk to one process): "
+     "torchpar divided the balance loss by every layer, jaxpar by the expert layers; loss 9.5e-4 off")
 )
 
 

@@ -130,6 +130,8 @@ def draw_jax(rng: random.Random) -> Case:
         s["parallel.offload"] = _pick(rng, {"optimizer": 1, "params+optimizer": 1})
     if sizes["dp"] * sizes["fsdp"] > 1 and rng.random() < 0.15 and not experts:
         _draw_compression(rng, s)
+    if experts and rng.random() < 0.3:
+        _draw_first_dense(rng, s, stages_v)
     mesh = ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "dp=1"
     return Case("jax", mesh, tuple(sorted(_drop_defaults(s).items())))
 
@@ -171,6 +173,8 @@ def draw_torch(rng: random.Random) -> Case:
     if backend != "pipeline":  # one batch shape and no document mask there (docs/torchpar.md)
         dilated = s.get("model.attention") == "dilated"
         _draw_data(rng, s, need, documents=not dilated, buckets=not dilated)
+    if experts and rng.random() < 0.3:
+        _draw_first_dense(rng, s, 1)
     return Case("torch", f"{backend}:{world}", tuple(sorted(_drop_defaults(s).items())))
 
 
@@ -200,6 +204,15 @@ def _draw_experts(rng: random.Random, s: dict, ep: int) -> None:
         s["model.moe_aux_loss"] = "0.01"
     if rng.random() < 0.4:
         s["model.moe_capacity_factor"] = _pick(rng, {"0.5": 1, "1.0": 1, "1.5": 1})
+
+
+def _draw_first_dense(rng: random.Random, s: dict, stages: int) -> None:
+    """DeepSeek's dense first layers (model.moe_first_dense) before the experts' (at least one): under a pipeline
+    both stacks split over the stages, so half of 2 x stages layers."""
+    if stages > 1:
+        s["model.n_layer"], s["model.moe_first_dense"] = str(2 * stages), str(stages)
+    else:
+        s["model.moe_first_dense"] = str(rng.randrange(1, int(s["model.n_layer"])))
 
 
 def _draw_model_kind(rng: random.Random, s: dict, experts: bool = False) -> str:

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from jaxpar.core.config import ModelConfig
-from jaxpar.core.weights import ALL_NAMES
+from jaxpar.core.weights import ALL_NAMES, layer_stacks, stacked_name
+
 
 def shared_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Expected shapes in the shared weight format, from a model built on the meta device (nothing allocated)."""
@@ -23,29 +24,32 @@ def shared_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def to_shared(state_dict: dict, n_layer: int, like=lambda t: t.detach().cpu().float().numpy()) -> dict:
-    """torch state dict (full tensors) -> flat shared {name: float32 numpy} (per-layer tensors stacked).
-    Names the model does not have (another variant's) are skipped."""
+    """torch state dict (full tensors) -> flat shared {name: float32 numpy} (per-layer tensors stacked, each layer
+    stack of its own: layer_stacks). Names the model does not have (another variant's) are skipped."""
+    first = next((i for i in range(n_layer) if f"blocks.{i}.moe.router.weight" in state_dict), 0)
     out = {}
     for shared, t in ALL_NAMES.items():
-        if t.format(l=0) not in state_dict:
+        if "{l}" not in t:
+            if t in state_dict:
+                out[shared] = like(state_dict[t])
             continue
-        if "{l}" in t:
-            parts = [like(state_dict[t.format(l=i)]) for i in range(n_layer)]
-            out[shared] = torch.stack(parts) if isinstance(parts[0], torch.Tensor) else np.stack(parts)
-        else:
-            out[shared] = like(state_dict[t])
+        for prefix, layers in layer_stacks(first, n_layer):
+            if t.format(l=layers[0]) in state_dict:
+                parts = [like(state_dict[t.format(l=i)]) for i in layers]
+                stack = torch.stack if isinstance(parts[0], torch.Tensor) else np.stack
+                out[stacked_name(prefix, shared)] = stack(parts)
     return out
 
 
 def from_shared(flat: dict, n_layer: int) -> dict[str, torch.Tensor]:
     """flat shared {name: array} -> torch state dict (stacked tensors unstacked per layer)."""
+    first = next((len(v) for k, v in flat.items() if k.startswith("dense_blocks.")), 0)
     out = {}
     for shared, t in ALL_NAMES.items():
-        if shared not in flat:
-            continue
-        value = torch.tensor(np.array(flat[shared], dtype=np.float32))
-        if "{l}" in t:
-            out.update({t.format(l=i): value[i].clone() for i in range(n_layer)})
-        else:
-            out[t] = value
+        for prefix, layers in layer_stacks(first, n_layer) if "{l}" in t else [("", None)]:
+            name = stacked_name(prefix, shared) if layers else shared
+            if name not in flat:
+                continue
+            value = torch.tensor(np.array(flat[name], dtype=np.float32))
+            out.update({t.format(l=i): value[j].clone() for j, i in enumerate(layers)} if layers else {t: value})
     return out

@@ -60,9 +60,11 @@ class ModelConfig:
     sketch: str = field(default="gaussian", metadata=_check(choices=("gaussian", "sign")))
     sketch_ratio: float = field(default=0.5, metadata=_check(lo=0.0, hi=1.0, lo_open=True))
     sketch_seed: int = 0
-    # mixture of experts (models/moe.py, docs/architecture.md "Mixture of experts"): every layer's MLP becomes
-    # moe_experts SwiGLU experts of width moe_d_ff (0: the MLP's), each token sent to its moe_top_k best; 0: dense
+    # mixture of experts (models/moe.py, docs/architecture.md "Mixture of experts"): every layer's MLP but the first
+    # moe_first_dense becomes moe_experts SwiGLU experts of width moe_d_ff (0: the MLP's), each token sent to its
+    # moe_top_k best; 0: dense
     moe_experts: int = field(default=0, metadata=_check(lo=0))
+    moe_first_dense: int = field(default=0, metadata=_check(lo=0))  # DeepSeek's first_k_dense_replace
     moe_top_k: int = field(default=2, metadata=_check(lo=1))
     moe_shared_experts: int = field(default=0, metadata=_check(lo=0))  # experts every token passes through as well
     moe_d_ff: int = field(default=0, metadata=_check(lo=0))
@@ -83,6 +85,11 @@ class ModelConfig:
     @property
     def expert_dim(self) -> int:
         return self.moe_d_ff or self.ff_dim
+
+    @property
+    def moe_layers(self) -> int:
+        """The layers whose feed-forward is a mixture of experts: the last n_layer - moe_first_dense."""
+        return self.n_layer - self.moe_first_dense if self.moe_experts else 0
 
     @property
     def kv_heads(self) -> int:

@@ -71,6 +71,9 @@ def _check_experts(m) -> None:
         raise UserError(f"model.moe_top_k={m.moe_top_k} exceeds model.moe_experts={m.moe_experts}")
     if m.moe_experts and m.linear == "sketched":
         raise UserError("model.linear=sketched sketches the dense MLP; with model.moe_experts the experts replace it")
+    if m.moe_experts and m.moe_first_dense >= m.n_layer:
+        raise UserError(f"model.moe_first_dense={m.moe_first_dense} leaves no layer of model.n_layer={m.n_layer} to "
+                        "the experts (set model.moe_experts=0 for a dense model)")
 
 
 def _check_family(m) -> None:

@@ -58,8 +58,9 @@ def _model(key: str, value) -> Callable[[Run], bool]:
     return lambda run: getattr(run.cfg.model, key) == value
 
 
-def _dense_width(run: Run) -> bool:  # the MLP's width is used: no experts, or experts that take it
-    return not (run.cfg.model.moe_experts and run.cfg.model.moe_d_ff)
+def _dense_width(run: Run) -> bool:  # the MLP's width is used: no experts, dense first layers, or experts that take it
+    m = run.cfg.model
+    return not (m.moe_experts and m.moe_d_ff and not m.moe_first_dense)
 
 
 def _stages(run: Run) -> bool:
@@ -126,8 +127,8 @@ CONTRACT: dict[str, Owner] = {
     "model.n_head": Owner(True, BOTH, "step"),
     "model.d_model": Owner(True, BOTH, "params"),
     "model.n_kv_head": Owner(True, BOTH, "params", **LLAMA),
-    "model.d_ff": Owner(True, BOTH, "params", when=_dense_width, mode="a dense MLP, or experts with model.moe_d_ff=0 "
-                        "(which then take the MLP's width)"),
+    "model.d_ff": Owner(True, BOTH, "params", when=_dense_width, mode="a dense MLP, dense first layers "
+                        "(model.moe_first_dense), or experts with model.moe_d_ff=0 (which then take the MLP's width)"),
     "model.ffn_multiple_of": Owner(True, BOTH, "params", when=lambda r: r.cfg.model.family == "llama" and
                                    not r.cfg.model.d_ff and _dense_width(r),
                                    mode="model.family=llama with model.d_ff=0 (and experts without model.moe_d_ff)",
@@ -153,7 +154,7 @@ CONTRACT: dict[str, Owner] = {
     "model.sketch_seed": Owner(True, BOTH, "step", **SKETCHED),
     "model.moe_experts": Owner(True, NOT_PIPELINE, "params", why_not=NO_PIPELINE_MOE),
     **{f"model.moe_{k}": Owner(True, NOT_PIPELINE, "params", **MOE, why_not=NO_PIPELINE_MOE)
-       for k in ("shared_experts", "d_ff")},
+       for k in ("shared_experts", "d_ff", "first_dense")},
     **{f"model.moe_{k}": Owner(True, NOT_PIPELINE, "step", **MOE, why_not=NO_PIPELINE_MOE)
        for k in ("top_k", "router", "norm_topk", "aux_loss", "capacity_factor")},
     # data: one order for both (jaxpar/core/data_order.py)

@@ -28,23 +28,24 @@ def _attention_params(m: ModelConfig) -> int:
 
 
 def _mlp_params(m: ModelConfig, active: bool = False) -> int:
-    """A layer's feed-forward parameters; with experts, `active`: those one token runs through (its top_k experts,
-    the shared ones and the router), else all of them."""
+    """Every layer's feed-forward parameters; with experts, `active`: those one token runs through (its top_k
+    experts, the shared ones and the router), else all of them."""
     d, f = m.d_model, m.ff_dim
-    if m.moe_experts:  # SwiGLU experts, the shared ones as one SwiGLU, the router
-        routed = m.moe_top_k if active else m.moe_experts
-        return 3 * d * m.expert_dim * (routed + m.moe_shared_experts) + d * m.moe_experts
+    routed = m.moe_top_k if active else m.moe_experts
+    experts = 3 * d * m.expert_dim * (routed + m.moe_shared_experts) + d * m.moe_experts  # SwiGLUs and the router
     if m.family == "llama":  # SwiGLU: gate, up, down; no biases
-        return 3 * d * f
-    fc_in, proj_in = (sketch_dim(m, d), sketch_dim(m, f)) if m.linear == "sketched" else (d, f)
-    return fc_in * f + f + proj_in * d + d
+        dense = 3 * d * f
+    else:
+        fc_in, proj_in = (sketch_dim(m, d), sketch_dim(m, f)) if m.linear == "sketched" else (d, f)
+        dense = fc_in * f + f + proj_in * d + d
+    return m.moe_layers * experts + (m.n_layer - m.moe_layers) * dense
 
 
 def count_params(m: ModelConfig, active: bool = False) -> dict[str, int]:
     """Total parameters and those outside the token and position embeddings (and an untied head); `active`: with
     experts, those one token runs through (what its FLOPs count)."""
     norm = m.d_model if m.family == "llama" else 2 * m.d_model  # RMSNorm: scale; LayerNorm: scale and bias
-    non_embedding = m.n_layer * (2 * norm + _attention_params(m) + _mlp_params(m, active)) + norm  # + final norm
+    non_embedding = m.n_layer * (2 * norm + _attention_params(m)) + _mlp_params(m, active) + norm  # + final norm
     tables = 1 + (not m.tie_embeddings)  # token embedding, and the output head when untied
     positions = m.max_seq_len if m.family == "gpt2" else 0
     return {"total": non_embedding + (tables * m.vocab_size + positions) * m.d_model, "non_embedding": non_embedding}

@@ -124,6 +124,17 @@ MOE_NAMES = {
 ALL_NAMES = {**NAMES, **LLAMA_NAMES, **VARIANT_NAMES, **MOE_NAMES}
 
 
+def layer_stacks(first_dense: int, n_layer: int) -> list[tuple[str, range]]:
+    """The shared format's layer stacks as (name prefix, torch layer indices): model.moe_first_dense's dense layers
+    ("dense_blocks.*", named as a dense model's "blocks.*") before the rest ("blocks.*")."""
+    return ([("dense_blocks.", range(first_dense))] if first_dense else []) + [("blocks.", range(first_dense, n_layer))]
+
+
+def stacked_name(prefix: str, shared: str) -> str:
+    """ALL_NAMES' "blocks.mlp.fc.kernel" as the name in the stack of `prefix` (layer_stacks)."""
+    return prefix + shared.removeprefix("blocks.")
+
+
 def shared_name(torch_name: str) -> str:
     """"blocks.3.mlp.fc.weight" -> "blocks.mlp.fc.kernel"."""
     parts = torch_name.split(".")
@@ -145,7 +156,10 @@ def model_dims(flat: dict[str, np.ndarray], settings: dict | None = None) -> dic
         if "blocks.moe.gate" in flat:  # a mixture of experts (Mixtral): [L, experts, embed, width]
             _, experts, _, width = flat["blocks.moe.gate"].shape
             dims.update(moe_experts=experts, moe_d_ff=width)
-        else:
+        if "dense_blocks.mlp.gate.kernel" in flat:  # model.moe_first_dense's dense layers before the experts'
+            first, _, dims["d_ff"] = flat["dense_blocks.mlp.gate.kernel"].shape
+            dims.update(moe_first_dense=first, n_layer=n_layer + first)
+        elif "blocks.mlp.gate.kernel" in flat:
             dims["d_ff"] = flat["blocks.mlp.gate.kernel"].shape[-1]
         return {"max_seq_len": ModelConfig.max_seq_len, **dims, **(settings or {})}  # the default, unless kept
     if "blocks.attn.qkv.kernel" not in flat or "blocks.mlp.fc.kernel" not in flat:

@@ -18,10 +18,13 @@ Llama's parameter names: llama.py. Variants (`model.attention`, `model.linear`; 
 their own parameters:
 mla.py (blocks.attn.*), dilated.py (MHA's parameters, another attention core), core/sketches.py
 (blocks.mlp.{fc,proj}.factor instead of .kernel); model.moe_experts puts moe.py's experts (blocks.moe.*) in place
-of the MLP, whose per-row statistics ride the layer scan's carry beside the activations.
+of the MLP, whose per-row statistics ride the layer scan's carry beside the activations; the first
+model.moe_first_dense layers keep the dense MLP in a stack of their own before them (dense_blocks.*, the same
+names as a dense model's blocks.*).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -149,7 +152,9 @@ class Decoder(nnx.Module):
         self.wte = param(normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std), ("vocab", "embed"))
         if cfg.family == "gpt2":  # llama's positions are rotary, inside attention
             self.wpe = param(normal(rngs, (cfg.max_seq_len, cfg.d_model), cfg.init_std), ("pos", "embed"))
-        self.blocks = Block(cfg, rngs, stack=(cfg.n_layer,))
+        if cfg.moe_experts and cfg.moe_first_dense:  # DeepSeek's dense first layers: a stack of their own
+            self.dense_blocks = Block(dataclasses.replace(cfg, moe_experts=0), rngs, stack=(cfg.moe_first_dense,))
+        self.blocks = Block(cfg, rngs, stack=(cfg.n_layer - (cfg.moe_first_dense if cfg.moe_experts else 0),))
         self.ln_f = (RMSNorm if cfg.family == "llama" else LayerNorm)(cfg)
         if not cfg.tie_embeddings:
             self.lm_head = param(normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std), ("vocab", "embed"))
@@ -177,27 +182,38 @@ class Decoder(nnx.Module):
             x = x + (self.wpe[...][:T] if positions is None else jnp.take(self.wpe[...], positions, axis=0))
         return constrain(x.astype(dtype), ("batch", "seq", "act_embed"))
 
+    def stacks(self) -> list:
+        """The layer stacks in order: `dense_blocks` (model.moe_first_dense) when there is one, then `blocks`."""
+        return [self.dense_blocks, self.blocks] if hasattr(self, "dense_blocks") else [self.blocks]
+
     def run_blocks(self, x: jax.Array, positions=None, segments=None, sketches=None, with_stats=False):
-        """Every layer of `self.blocks` (whatever its leading length) in order; `sketches` default to
+        """Every layer of every stack (whatever their leading lengths) in order; `sketches` default to
         the whole model's (model.linear=sketched), a pipeline stage passes its own slice. `with_stats`:
         (x, the experts' per-row statistics summed over the layers, None when dense)."""
-        dtype, experts = jnp.dtype(self.cfg.compute_dtype), self.cfg.moe_experts > 0
-        graphdef, stacked = nnx.split(self.blocks)
+        stats = None
+        for stack in self.stacks():
+            moe = hasattr(stack, "moe")
+            carry = (x, jnp.zeros((x.shape[0], stats_width(self.cfg)), jnp.float32)) if moe else x
+            out = self._run_stack(stack, carry, positions, segments, sketches, moe)
+            x, stats = out if moe else (out, stats)
+        return (x, stats) if with_stats else x
+
+    def _run_stack(self, blocks, carry, positions, segments, sketches, moe: bool):
+        dtype = jnp.dtype(self.cfg.compute_dtype)
+        graphdef, stacked = nnx.split(blocks)
 
         def layer(carry, xs):  # the carry: x, with experts (x, statistics so far)
             layer_state, layer_sketches = xs
-            h, total = carry if experts else (carry, None)
+            h, total = carry if moe else (carry, None)
             h, stats = nnx.merge(graphdef, layer_state)(h, dtype, positions, segments, layer_sketches)
-            return (h, total + stats) if experts else h
+            return (h, total + stats) if moe else h
 
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat])
-        carry = (x, jnp.zeros((x.shape[0], stats_width(self.cfg)), jnp.float32)) if experts else x
         # the context's layer runner (a scan, or GPipe stages over `pp`); fixed sketches ride along with the parameters
-        out = current().run_layers(layer, (stacked, stacked_sketches(self.cfg) if sketches is None else sketches),
-                                   carry)
-        x, stats = out if experts else (out, None)
-        return (x, stats) if with_stats else x
+        # (a sketched model is dense: one stack)
+        return current().run_layers(layer, (stacked, stacked_sketches(self.cfg) if sketches is None else sketches),
+                                    carry)
 
     def head(self, x: jax.Array) -> jax.Array:
         x = self.ln_f(x)

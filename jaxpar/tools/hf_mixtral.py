@@ -50,6 +50,9 @@ def _experts_to_hf(flat: dict, i: int) -> dict[str, np.ndarray]:
 
 
 def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict) -> None:
+    if model.get("moe_first_dense"):
+        raise UserError(f"these weights keep {model['moe_first_dense']} dense first layers "
+                        "(model.moe_first_dense); Mixtral has experts in every layer, so they have no Mixtral form")
     if model.get("moe_shared_experts") or model.get("moe_router", "softmax") != "softmax" or \
             not model.get("moe_norm_topk", True) or model.get("moe_capacity_factor"):
         raise UserError("Mixtral routes by softmax over the chosen experts, dropless, with no shared experts: "

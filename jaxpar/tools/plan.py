@@ -56,7 +56,7 @@ def exchange_bytes(cfg: Config, sizes: dict[str, int], ragged: bool = False) -> 
     passes = 4 + 2 * (m.remat != "none")
     S = sizes["pp"]  # GPipe: a stage's L/S layers run every one of M + S - 1 ticks on a pipeline microbatch
     M = resolve_microbatches(S, cfg.parallel.pipeline_microbatches) if S > 1 else 1
-    return m.n_layer * t.microbatches * passes * buffer * (ep - 1) / ep * (M + S - 1) / (M * S)
+    return m.moe_layers * t.microbatches * passes * buffer * (ep - 1) / ep * (M + S - 1) / (M * S)
 
 
 def analytic_bounds(cfg: Config, sizes: dict[str, int], param_bytes_per_device: int,

@@ -17,7 +17,9 @@ VARIANTS = {"mha": (), "mla": ("model.attention=mla", "model.q_latent_dim=16", "
             "llama_tied_rounded": ("model.family=llama", "model.n_kv_head=1", "model.ffn_multiple_of=16"),
             "moe": ("model.moe_experts=6", "model.moe_shared_experts=2", "model.moe_d_ff=24"),
             "mla_moe": (*("model.attention=mla", "model.q_latent_dim=16", "model.kv_latent_dim=8",
-                          "model.rope_head_dim=4"), "model.moe_experts=4", "model.family=gpt2")}
+                          "model.rope_head_dim=4"), "model.moe_experts=4", "model.family=gpt2"),
+            "first_dense": ("model.family=llama", "model.n_layer=3", "model.moe_first_dense=1", "model.d_ff=40",
+                            "model.moe_experts=4", "model.moe_d_ff=24")}
 
 
 @pytest.mark.parametrize("name", VARIANTS)

@@ -161,6 +161,72 @@ def test_a_run_records_the_experts_load_and_says_it(dataset, tmp_path):
     assert record["moe_dropped"] > 0 and record["moe_max_load"] >= 1.0
 
 
+# DeepSeek's dense first layers (model.moe_first_dense): two dense SwiGLU layers of width 24, then two of experts
+FIRST_DENSE = ("model.n_layer=4", "model.moe_first_dense=2", "model.d_ff=24", "train.steps=10")
+
+
+@pytest.mark.parametrize("mesh", ["ep=4,dp=2", "ep=2,pp=2"])
+def test_dense_first_layers_on_layouts_equal_one_device(mesh, dataset):
+    """Both stacks split over the pipeline's stages, the experts over ep; the balance is the expert layers' mean."""
+    ref = _reference(dataset, *FIRST_DENSE)
+    assert ref["params"]["dense_blocks.mlp.gate.kernel"].shape == (2, 32, 24)
+    assert ref["params"]["blocks.moe.gate"].shape == (2, 8, 32, 16)
+    assert "dense_blocks.moe.router.kernel" not in ref["params"] and "blocks.mlp.gate.kernel" not in ref["params"]
+    assert 1.0 <= min(ref["moe_balance"]) and max(ref["moe_balance"]) < 1.5  # a mean over 2 layers, not over 4
+    got = run_steps(tiny_config(*MOE, *FIRST_DENSE), mesh, dataset, devices=_devices(mesh))
+    np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got["moe_balance"], ref["moe_balance"], rtol=1e-5)
+    assert_params_close(got["params"], ref["params"])
+
+
+def test_dense_first_layers_are_torchpars_dense_blocks(tmp_path):
+    """jaxpar's two stacks against torchpar's per-layer blocks (layer i < moe_first_dense with an MLP): the same
+    weights through the shared format give the same logits, statistics and greedy tokens."""
+    import torch
+    from flax import nnx
+
+    from jaxpar.core.weights import flatten, model_dims, unflatten
+    from jaxpar.decode import make_generate
+    from jaxpar.tools import hf_mixtral
+    from jaxpar.models.decoder import Decoder
+    from torchpar.decode import generate
+    from torchpar.models.decoder import Decoder as TorchDecoder
+    from torchpar.weights import from_shared, to_shared
+
+    cfg = tiny_config(*MOE, "model.n_layer=3", "model.moe_first_dense=1", "model.d_ff=24").model
+    model = Decoder(cfg, nnx.Rngs(0))
+    flat = {k: np.asarray(v) for k, v in flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
+    torch_model = TorchDecoder(cfg)
+    torch_model.load_state_dict(from_shared(flat, cfg.n_layer))
+    assert [hasattr(b, "moe") for b in torch_model.blocks] == [False, True, True]
+    back = to_shared(torch_model.state_dict(), cfg.n_layer)
+    assert sorted(back) == sorted(flat) and all(np.array_equal(back[k], flat[k]) for k in flat)
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 16))
+    logits, stats = model.forward(jnp.asarray(tokens))
+    with torch.no_grad():
+        want = torch_model(torch.as_tensor(tokens)).numpy()
+    np.testing.assert_allclose(np.asarray(logits), want, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(stats), torch_model.expert_stats.numpy(), rtol=1e-5)
+    assert np.asarray(stats)[:, :8].sum() == 2 * 16 * 2 * 2  # rows x tokens x top_k x the 2 expert layers
+    dims = model_dims(flat)  # what a weights file alone says of its model (conversion, sampling)
+    assert (dims["n_layer"], dims["moe_first_dense"], dims["d_ff"], dims["moe_experts"]) == (3, 1, 24, 8)
+    with pytest.raises(UserError, match="Mixtral has experts in every layer"):
+        hf_mixtral.shared_to_hf(flat, str(tmp_path), dims)
+    params = unflatten({k: jnp.asarray(v) for k, v in flat.items()})
+    jax_tokens = make_generate(nnx.split(model, nnx.Param)[0])(params, jnp.asarray(tokens[:1, :6]),
+                                                                jax.random.key(0), new_tokens=8)
+    assert np.asarray(jax_tokens).tolist() == generate(torch_model.eval(), torch.as_tensor(tokens[:1, :6]), 8).tolist()
+
+
+def test_dense_first_layers_need_a_layer_of_experts_and_stages_that_split_both():
+    from jaxpar.checks import check_layout
+    with pytest.raises(UserError, match="moe_first_dense=2 leaves no layer of model.n_layer=2"):
+        tiny_config(*MOE, "model.moe_first_dense=2")
+    sizes = dict(dp=1, fsdp=1, pp=2, ep=1, sp=1, tp=1)
+    with pytest.raises(UserError, match="pp=2 must divide both"):
+        check_layout(tiny_config(*MOE, "model.n_layer=4", "model.moe_first_dense=1"), sizes)
+
+
 # --- Hugging Face MixtralForCausalLM <-> both frameworks -------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,9 @@ from torchpar.checks import check_expert_parallel
 # Mixtral's shape plus a shared expert and the balance loss (as tests/jaxpar/test_moe.py), at its learning rate
 MOE = ["model.family=llama", "model.n_kv_head=2", "model.moe_experts=8", "model.moe_top_k=2", "model.moe_shared_experts=1",
        "model.moe_d_ff=16", "model.moe_aux_loss=0.01", "optim.lr=3e-3", "optim.min_lr=3e-4", "train.microbatches=2"]
-CAPACITY = ["model.moe_capacity_factor=0.5"]  # 2 choices per expert and row of 16: many dropped
+# 2 choices per expert and row of 16: many dropped; behind a dense first layer (model.moe_first_dense), which the
+# experts' split skips
+CAPACITY = ["model.moe_capacity_factor=0.5", "model.moe_first_dense=1", "model.d_ff=24"]
 
 
 def _args(base, *extra):

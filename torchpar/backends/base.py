@@ -64,7 +64,7 @@ def microbatch_loss(module, raw, batch: torch.Tensor):
     if stats is None:
         return loss, None
     summed = stats.detach().sum(0)
-    summed[-1] /= raw.cfg.n_layer
+    summed[-1] /= raw.cfg.moe_layers
     return loss + balance_loss(raw, stats), torch.cat([summed, summed.new_tensor([stats.shape[0]])])
 
 

@@ -71,6 +71,8 @@ class ExpertParallel:
         self.ep_group, index = self.mesh.get_group("ep"), self.mesh.get_local_rank("ep")
         self.names, self.replicas = [], []
         for i, block in enumerate(model.blocks):
+            if not hasattr(block, "moe"):  # one of model.moe_first_dense's dense layers
+                continue
             experts = block.moe.experts
             for name, p in experts.named_parameters():
                 share = p.shape[0] // ep
@@ -81,7 +83,7 @@ class ExpertParallel:
             replica.register_comm_hook((self.mesh.get_group("dp"), env.world), mean_over_world)
             block.moe.exchange = Exchange(replica, self.ep_group, ep)
             self.replicas.append(replica)
-        self.params = [p for block in model.blocks for p in block.moe.experts.parameters()]
+        self.params = [p for replica in self.replicas for p in replica.module.parameters()]
         DDP._set_params_and_buffers_to_ignore_for_model(model, self.names)
         if env.is_main:
             print(f"experts: tokens travel over ep={ep} by all_to_all_single with uneven splits (the routed rows "

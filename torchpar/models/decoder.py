@@ -73,7 +73,7 @@ class Block(nn.Module):
         attn = GQAttention(cfg) if llama else MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.ln1, self.attn = norm(cfg.d_model, cfg.layernorm_eps), attn
         self.ln2 = norm(cfg.d_model, cfg.layernorm_eps)
-        if cfg.moe_experts:  # a mixture of experts instead of the MLP (torchpar/models/moe.py)
+        if cfg.moe_experts and layer >= cfg.moe_first_dense:  # experts instead of the MLP (torchpar/models/moe.py)
             self.moe = MoE(cfg)
         else:
             self.mlp = SwiGLU(cfg) if llama else MLP(cfg, layer)
@@ -144,7 +144,8 @@ class Decoder(nn.Module):
         total = None
         for block in self.blocks:
             x, stats = block(x, positions, mask)
-            total = stats if total is None else total + stats
+            if stats is not None:  # a mixture-of-experts layer (not one of model.moe_first_dense's dense ones)
+                total = stats if total is None else total + stats
         self.expert_stats = total  # the loss reads it (moe.balance_loss): the wrappers return the logits alone
         return output_head(self.ln_f, self.output_table, x)
 

@@ -84,7 +84,7 @@ class MoE(nn.Module):
 
 
 def balance_loss(model, stats) -> torch.Tensor | float:
-    """model.moe_aux_loss x the mean balance loss per row and layer (jaxpar's loss_fn); 0 without experts."""
+    """model.moe_aux_loss x the mean balance loss per row and expert layer (jaxpar's loss_fn); 0 without experts."""
     if stats is None:
         return 0.0
-    return model.cfg.moe_aux_loss * stats[:, -1].mean() / model.cfg.n_layer
+    return model.cfg.moe_aux_loss * stats[:, -1].mean() / model.cfg.moe_layers
