@@ -18,7 +18,7 @@ from jaxpar.layout import Layout
 from jaxpar.mesh import make_mesh
 from jaxpar.loss import cross_entropy, loss_fn, split_rows, token_order, token_share
 from jaxpar.models.decoder import abstract_model
-from jaxpar.models.moe import stats_width
+from jaxpar.models.moe import stats_width, update_router_bias
 from jaxpar.ops import sum_over_microbatches
 from jaxpar.optim import lr_fn, make_optimizer
 from jaxpar.parallel import powersgd
@@ -124,9 +124,9 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
         if psgd is not None:
             new["powersgd"] = new_psgd
         metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr(state["step"])}
-        if experts:
-            # core/experts.py: expert_records; the balance loss per row and layer
+        if experts:  # core/experts.py: expert_records (the balance loss per row and layer); the balance bias moved
             metrics["expert_stats"] = expert_stats.at[-1].divide(batch.shape[0] * cfg.model.moe_layers)
+            new["params"] = update_router_bias(new["params"], expert_stats, cfg.model)  # (a skipped step keeps it)
         if fp16:  # skip a step that overflowed (its parameters and optimizer state stay), adjust the scale
             ls, finite = state["loss_scale"], loss_scale.all_finite(grads)
             new["params"], new["opt_state"] = loss_scale.keep_if(finite, (new["params"], opt_state),

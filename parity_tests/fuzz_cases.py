@@ -132,6 +132,8 @@ def draw_jax(rng: random.Random) -> Case:
         _draw_compression(rng, s)
     if experts and rng.random() < 0.3:
         _draw_first_dense(rng, s, stages_v)
+    if experts and rng.random() < 0.25:
+        s["model.moe_bias_update"] = _pick(rng, {"0.001": 1, "0.01": 1})
     mesh = ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "dp=1"
     return Case("jax", mesh, tuple(sorted(_drop_defaults(s).items())))
 
@@ -175,6 +177,8 @@ def draw_torch(rng: random.Random) -> Case:
         _draw_data(rng, s, need, documents=not dilated, buckets=not dilated)
     if experts and rng.random() < 0.3:
         _draw_first_dense(rng, s, 1)
+    if experts and backend in ("none", "ddp") and rng.random() < 0.25:  # fsdp and deepspeed refuse the bias
+        s["model.moe_bias_update"] = _pick(rng, {"0.001": 1, "0.01": 1})
     return Case("torch", f"{backend}:{world}", tuple(sorted(_drop_defaults(s).items())))
 
 
@@ -329,6 +333,7 @@ MODE_KEYS = {  # key prefix -> whether the case's run consumes it (a mode's keys
     "model.tie_embeddings": lambda c: c.get("model.family") == "llama",
     "data.buckets": lambda c: c.get("data.batching") == "buckets",
     "model.moe_": lambda c: c.get("model.moe_experts", "0") != "0",
+    "model.moe_bias_update": lambda c: c.side == "jax" or c.backend in ("none", "ddp"),
     "train.tokens_per_batch": lambda c: c.get("data.batching") == "buckets",
 }
 

@@ -82,10 +82,12 @@ def run_steps(cfg: Config, mesh: str, dataset: str, steps: int | None = None, de
     for step in range(cfg.train.steps if steps is None else steps):
         state, metrics = train_step(state, device_batch(data, step, layout.batch_sharding))
         history.append(metrics)
-    history = [{**m, **(expert_records(m["expert_stats"]) if "expert_stats" in m else {})}
+    history = [{**m, **(expert_records(m["expert_stats"], cfg.model.moe_experts) if "expert_stats" in m else {})}
                for m in jax.device_get(history)]
     scalars = [k for k in history[0] if np.ndim(history[0][k]) == 0]  # loss, grad_norm, lr, the experts' records
     out = {k: [float(m[k]) for m in history] for k in scalars}
+    if "moe_load" in history[0]:  # each expert's share of the choices, per step
+        out["moe_load_per_step"] = [m["moe_load"] for m in history]
     out["params"] = {k: np.asarray(v) for k, v in flatten(jax.device_get(state["params"])).items()}
     return out
 

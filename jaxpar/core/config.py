@@ -71,6 +71,8 @@ class ModelConfig:
     moe_router: str = field(default="softmax", metadata=_check(choices=("softmax", "sigmoid")))  # expert scores
     moe_norm_topk: bool = True  # the chosen experts' weights divided by their sum
     moe_aux_loss: float = field(default=0.0, metadata=_check(lo=0.0))  # the sequence-wise balance loss's coefficient
+    # the auxiliary-loss-free balance (DeepSeek-V3's bias update speed, e.g. 0.001; core/experts.py); 0: off
+    moe_bias_update: float = field(default=0.0, metadata=_check(lo=0.0))
     # each expert takes at most capacity_factor x its even share (top_k x seq_len / experts) of a row's tokens,
     # first choices first, earlier tokens first; the rest of its tokens skip it. 0: dropless
     moe_capacity_factor: float = field(default=0.0, metadata=_check(lo=0.0))

@@ -117,6 +117,8 @@ PIPELINE = dict(when=_stages, mode="a pipeline (jaxpar: pp>1 in the mesh; torchp
 MOE = dict(when=lambda r: r.cfg.model.moe_experts > 0, mode="model.moe_experts>0", example=("model.moe_experts=4",))
 NO_PIPELINE_MOE = ("torch.distributed.pipelining passes activations alone between stages, not the experts' load "
                    "and balance loss (use --backend none, ddp, fsdp or deepspeed)")
+NO_BIAS_UPDATE = ("torchpar moves the experts' balance bias on whole parameters, which fsdp and deepspeed shard and "
+                  "the pipeline splits (use --backend none or ddp, or jaxpar.train)")
 NO_TORCH_SP = "torchpar has no sequence parallelism (jaxpar.train runs sp)"
 
 CONTRACT: dict[str, Owner] = {
@@ -157,6 +159,7 @@ CONTRACT: dict[str, Owner] = {
        for k in ("shared_experts", "d_ff", "first_dense")},
     **{f"model.moe_{k}": Owner(True, NOT_PIPELINE, "step", **MOE, why_not=NO_PIPELINE_MOE)
        for k in ("top_k", "router", "norm_topk", "aux_loss", "capacity_factor")},
+    "model.moe_bias_update": Owner(True, ("none", "ddp"), "params", **MOE, why_not=NO_BIAS_UPDATE),
     # data: one order for both (jaxpar/core/data_order.py)
     "data.dataset": Owner(True, BOTH, "data"),
     "data.tokenizer": Owner(True, BOTH, "test", evidence="tests/e2e/test_train_cli.py::test_trains_on_a_bpe_corpus_and_refuses_another_tokenizer_on_resume"),

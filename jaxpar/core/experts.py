@@ -20,16 +20,24 @@ def slots_for(tokens: int, rows: int, capacity: int) -> int:
     return tokens if capacity <= 0 else min(tokens, rows * capacity)
 
 
-def expert_records(stats) -> dict:
-    """The step's records from [choices each expert received (summed over rows, layers and microbatches), choices
-    dropped, the mean balance loss per row and layer]: each expert's share of the choices (moe_load), the busiest
-    one's share x experts (moe_max_load; 1.0 when even), the share dropped by the capacity, the balance loss (1.0
-    when even; model.moe_aux_loss weighs it into the loss)."""
-    received = [float(r) for r in stats[:-2]]
+def expert_records(stats, experts: int) -> dict:
+    """The step's records from [choices each expert received (summed over rows and microbatches; over the layers
+    too, or layer-major per expert layer), choices dropped, the mean balance loss per row and layer]: each expert's share of the
+    choices over the layers (moe_load), the busiest one's share x experts (moe_max_load; 1.0 when even), the share
+    dropped by the capacity, the balance loss (1.0 when even; model.moe_aux_loss weighs it into the loss)."""
+    per_layer = [float(r) for r in stats[:-2]]
+    received = [sum(per_layer[e::experts]) for e in range(experts)]
     total = max(sum(received), 1.0)
     load = [r / total for r in received]
     return {"moe_load": load, "moe_max_load": max(load) * len(load), "moe_dropped": float(stats[-2]) / total,
             "moe_balance": float(stats[-1])}
+
+
+# The auxiliary-loss-free balance (DeepSeek-V3, model.moe_bias_update = g > 0): each expert layer keeps a bias per
+# expert that is added to the scores when the top_k experts are chosen, never to the weights the chosen outputs are
+# summed with; after every applied update, each expert's bias moves by g towards balance: + g where the expert
+# received fewer choices than its layer's mean over the step's whole batch, - g where more, 0 where exactly as many.
+# No gradient reaches it. Both frameworks apply it to the step's integer counts in float32, so they agree exactly.
 
 
 def check_expert_axis(model, ep: int) -> None:

@@ -33,6 +33,7 @@ def _mlp_params(m: ModelConfig, active: bool = False) -> int:
     d, f = m.d_model, m.ff_dim
     routed = m.moe_top_k if active else m.moe_experts
     experts = 3 * d * m.expert_dim * (routed + m.moe_shared_experts) + d * m.moe_experts  # SwiGLUs and the router
+    experts += m.moe_experts if m.moe_bias_update else 0  # the router's balance bias
     if m.family == "llama":  # SwiGLU: gate, up, down; no biases
         dense = 3 * d * f
     else:

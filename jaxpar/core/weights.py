@@ -40,7 +40,7 @@ def unflatten(flat: dict[str, np.ndarray]) -> dict:
 # What the tensors' shapes cannot tell, kept in the file's metadata (json under "model") so that a file
 # alone rebuilds its model (the sampling commands, conversion): llama's context length, rotary base, eps.
 SETTINGS = ("max_seq_len", "layernorm_eps", "rope_theta", "moe_top_k", "moe_shared_experts", "moe_router",
-            "moe_norm_topk", "moe_capacity_factor", "moe_aux_loss")
+            "moe_norm_topk", "moe_capacity_factor", "moe_aux_loss", "moe_bias_update")
 
 
 def save_weights(path: str, params: dict, model: dict | None = None) -> None:
@@ -118,6 +118,7 @@ VARIANT_NAMES = {
 # a mixture of experts (jaxpar/models/moe.py): the router, each expert's SwiGLU stacked on an experts axis, the shared
 MOE_NAMES = {
     "blocks.moe.router.kernel": "blocks.{l}.moe.router.weight",
+    "blocks.moe.router.bias": "blocks.{l}.moe.router.bias",
     **{f"blocks.moe.{n}": f"blocks.{{l}}.moe.experts.{n}" for n in ("gate", "up", "down")},
     **{f"blocks.moe.shared.{n}.kernel": f"blocks.{{l}}.moe.shared.{n}.weight" for n in ("gate", "up", "down")},
 }

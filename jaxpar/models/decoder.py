@@ -37,7 +37,7 @@ from jaxpar.core.sketches import sketch_dim, stacked_sketches
 from jaxpar.models.dilated import dilated_attention
 from jaxpar.models.llama import GQAttention, RMSNorm, SwiGLU
 from jaxpar.models.mla import MLAttention
-from jaxpar.models.moe import MoE, stats_width
+from jaxpar.models.moe import MoE, add_layer_stats, stats_width
 from jaxpar.models.params import normal, param
 from jaxpar.ops import project
 
@@ -193,20 +193,26 @@ class Decoder(nnx.Module):
         stats = None
         for stack in self.stacks():
             moe = hasattr(stack, "moe")
-            carry = (x, jnp.zeros((x.shape[0], stats_width(self.cfg)), jnp.float32)) if moe else x
+            # with experts the carry holds their statistics so far (and, for the balance bias's per-layer counts, each
+            # row's index of the next expert layer)
+            B = x.shape[0]
+            index = (jnp.zeros((B,), jnp.int32),) if moe and self.cfg.moe_bias_update else ()
+            carry = (x, jnp.zeros((B, stats_width(self.cfg)), jnp.float32), *index) if moe else x
             out = self._run_stack(stack, carry, positions, segments, sketches, moe)
-            x, stats = out if moe else (out, stats)
+            x, stats = out[:2] if moe else (out, stats)
         return (x, stats) if with_stats else x
 
     def _run_stack(self, blocks, carry, positions, segments, sketches, moe: bool):
         dtype = jnp.dtype(self.cfg.compute_dtype)
         graphdef, stacked = nnx.split(blocks)
 
-        def layer(carry, xs):  # the carry: x, with experts (x, statistics so far)
+        def layer(carry, xs):  # the carry: x, with experts (x, statistics so far[, expert layer index])
             layer_state, layer_sketches = xs
-            h, total = carry if moe else (carry, None)
+            h, total, *index = carry if moe else (carry, None)
             h, stats = nnx.merge(graphdef, layer_state)(h, dtype, positions, segments, layer_sketches)
-            return (h, total + stats) if moe else h
+            if not moe:
+                return h
+            return h, add_layer_stats(total, stats, index[0] if index else None, self.cfg), *(i + 1 for i in index)
 
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat])

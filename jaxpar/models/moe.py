@@ -15,7 +15,7 @@ Each layer also reports per row: the choices each expert received (before any dr
 the sequence-wise balance loss sum_e f_e P_e (DeepSeek-V3, eq. 17-19: f_e = E/(kT) x the row's choices of e,
 P_e = the row's mean normalised score of e; 1.0 when balanced). loss.py adds model.moe_aux_loss x its mean.
 
-Shared weight format (blocks.moe.*): router.kernel [L, embed, E]  gate, up [L, E, embed, moe_d_ff]
+Shared weight format (blocks.moe.*): router.kernel [L, embed, E]  router.bias [L, E] (model.moe_bias_update)  gate, up [L, E, embed, moe_d_ff]
   down [L, E, moe_d_ff, embed]  shared.{gate,up}.kernel [L, embed, S x moe_d_ff]  shared.down.kernel [L, S x
   moe_d_ff, embed] (S = moe_shared_experts, one SwiGLU as wide as S experts, as DeepSeek's).
 """
@@ -35,16 +35,31 @@ from jaxpar.models.params import normal, param
 
 
 def stats_width(cfg: ModelConfig) -> int:
-    """Per-row statistics a layer reports: choices per expert, dropped choices, the balance loss."""
-    return cfg.moe_experts + 2
+    """Per-row statistics the layers report together: choices per expert (summed over the layers, or each expert
+    layer's with model.moe_bias_update, whose update needs them), dropped choices, the balance loss (a layer reports
+    [E + 2]: add_layer_stats places it)."""
+    return (cfg.moe_layers if cfg.moe_bias_update else 1) * cfg.moe_experts + 2
 
 
-def route(logits, cfg: ModelConfig, index=None):
+def add_layer_stats(total, stats, layer, cfg: ModelConfig):
+    """Add an expert layer's per-row statistics [B, E + 2] to the running total [B, stats_width]; `layer` [B]: its
+    index among the expert layers (per row: it rides the layer scan's carry, through GPipe's stages too), None
+    where the layers are summed."""
+    if not cfg.moe_bias_update:
+        return total + stats
+    E = cfg.moe_experts
+    received = jax.nn.one_hot(layer, cfg.moe_layers, dtype=jnp.float32)[:, :, None] * stats[:, None, :E]
+    return total + jnp.concatenate([received.reshape(stats.shape[0], -1), stats[:, E:]], axis=-1)
+
+
+def route(logits, cfg: ModelConfig, index=None, bias=None):
     """Router logits [B, T, E] float32 -> (ids, weights, kept [B, T, k], stats [B, E + 2]); `index` [T]: each
-    token's place in its row when the tokens are not in natural order (zig-zag sequence parallelism)."""
+    token's place in its row when the tokens are not in natural order (zig-zag sequence parallelism); `bias` [E]:
+    added to the scores for the choice alone (model.moe_bias_update, core/experts.py)."""
     E, k = cfg.moe_experts, cfg.moe_top_k
     scores = jax.nn.softmax(logits, axis=-1) if cfg.moe_router == "softmax" else jax.nn.sigmoid(logits)
-    top, ids = jax.lax.top_k(scores, k)
+    top, ids = jax.lax.top_k(scores, k) if bias is None else jax.lax.top_k(scores + bias, k)
+    top = top if bias is None else jnp.take_along_axis(scores, ids, axis=-1)
     weights = top / jnp.sum(top, axis=-1, keepdims=True) if cfg.moe_norm_topk else top
     chosen = jax.nn.one_hot(ids, E, dtype=jnp.int32)  # [B, T, k, E]
     capacity = row_capacity(cfg, logits.shape[1])
@@ -69,6 +84,8 @@ class MoE(nnx.Module):
         L, d, E, f, lead = stack, cfg.d_model, cfg.moe_experts, cfg.expert_dim, ("layers",) * len(stack)
         down_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
         self.router = nnx.Dict(kernel=param(normal(rngs, L + (d, E), cfg.init_std), lead + ("embed", "expert_scores")))
+        if cfg.moe_bias_update:  # the choice's balance bias (core/experts.py): a Param the step moves, no gradient
+            self.router["bias"] = param(jnp.zeros(L + (E,)), lead + ("expert_scores",))
         self.gate = param(normal(rngs, L + (E, d, f), cfg.init_std), lead + ("experts", "embed", "mlp"))
         self.up = param(normal(rngs, L + (E, d, f), cfg.init_std), lead + ("experts", "embed", "mlp"))
         self.down = param(normal(rngs, L + (E, f, d), down_std), lead + ("experts", "mlp", "embed"))
@@ -81,9 +98,22 @@ class MoE(nnx.Module):
         restart per document and the tokens are in natural order (checks.py refuses the two together)."""
         logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router["kernel"][...].astype(jnp.float32))
         index = positions if positions is not None and positions.ndim == 1 else None
-        ids, weights, kept, stats = route(logits, self.cfg, index)
+        bias = jax.lax.stop_gradient(self.router["bias"][...]) if "bias" in self.router else None
+        ids, weights, kept, stats = route(logits, self.cfg, index, bias)
         w = lambda p: p[...].astype(dtype)  # noqa: E731
         y = current().experts(x, ids, weights, kept, w(self.gate), w(self.up), w(self.down),
                               row_capacity(self.cfg, x.shape[1]))
         y = constrain(y, ("batch", "seq", "act_embed"))
         return (y if self.shared is None else y + self.shared(x, dtype)), stats
+
+
+def update_router_bias(params: dict, stats, cfg: ModelConfig) -> dict:
+    """params with each expert layer's balance bias moved by the step's choices (stats: the step's statistics
+    summed over its rows, stats_width; the rule: core/experts.py); as they are without model.moe_bias_update."""
+    if not cfg.moe_bias_update:
+        return params
+    L, E = cfg.moe_layers, cfg.moe_experts
+    loads = stats[:L * E].reshape(L, E)
+    moe = params["blocks"]["moe"]
+    bias = moe["router"]["bias"] + cfg.moe_bias_update * jnp.sign(jnp.mean(loads, -1, keepdims=True) - loads)
+    return {**params, "blocks": {**params["blocks"], "moe": {**moe, "router": {**moe["router"], "bias": bias}}}}

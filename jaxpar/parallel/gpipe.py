@@ -28,8 +28,9 @@ def gpipe_layers(stages: int, microbatches: int, unroll: bool = False) -> Callab
 
 
 def _pin(tree):
-    """Each stage's activations [stage, batch, seq, embed] (and per-row statistics [stage, batch, n]) on pp."""
-    axes = {4: ("stage", "batch", "seq", "act_embed"), 3: ("stage", "batch", None)}
+    """Each stage's activations [stage, batch, seq, embed] (and per-row statistics [stage, batch, n] and layer
+    indices [stage, batch]) on pp."""
+    axes = {4: ("stage", "batch", "seq", "act_embed"), 3: ("stage", "batch", None), 2: ("stage", "batch")}
     return jax.tree.map(lambda a: constrain(a, axes[a.ndim]), tree)
 
 

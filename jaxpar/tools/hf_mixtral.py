@@ -54,10 +54,11 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict) -> None
         raise UserError(f"these weights keep {model['moe_first_dense']} dense first layers "
                         "(model.moe_first_dense); Mixtral has experts in every layer, so they have no Mixtral form")
     if model.get("moe_shared_experts") or model.get("moe_router", "softmax") != "softmax" or \
-            not model.get("moe_norm_topk", True) or model.get("moe_capacity_factor"):
-        raise UserError("Mixtral routes by softmax over the chosen experts, dropless, with no shared experts: "
-                        "these weights' model (moe_shared_experts, moe_router, moe_norm_topk, moe_capacity_factor) "
-                        "has no Mixtral equivalent")
+            not model.get("moe_norm_topk", True) or model.get("moe_capacity_factor") or \
+            "blocks.moe.router.bias" in flat:
+        raise UserError("Mixtral routes by softmax over the chosen experts, dropless, with no shared experts and no "
+                        "balance bias: these weights' model (moe_shared_experts, moe_router, moe_norm_topk, "
+                        "moe_capacity_factor, moe_bias_update) has no Mixtral equivalent")
     E, f = flat["blocks.moe.gate"].shape[1], flat["blocks.moe.gate"].shape[-1]
     config = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "intermediate_size": f,
               "num_local_experts": E, "num_experts_per_tok": int(model.get("moe_top_k", 2)),

@@ -42,6 +42,7 @@ ALTERNATIVE = {
     "parallel.pipeline_microbatches": "2", "parallel.pipeline_virtual_stages": "2", "parallel.offload": "params+optimizer",
     "checkpoint.every": "2", "train.batch_rampup": "4,4,8", "data.buckets": "16", "train.tokens_per_batch": "256",
     "model.moe_experts": "4", "model.moe_aux_loss": "0.01", "model.moe_capacity_factor": "1.0",
+    "model.moe_bias_update": "0.01",
 }
 # settings a key's effect needs beyond its mode (a loss scale that overflows, so that backing off shows)
 NEEDS = {"optim.loss_scale_backoff_factor": ["optim.loss_scale_init=1e30"],

@@ -71,6 +71,39 @@ def test_the_balance_loss_is_one_when_every_expert_gets_its_share():
     np.testing.assert_allclose(stats[0, -1], 1.0, rtol=1e-6)
 
 
+def test_the_balance_bias_chooses_but_does_not_weigh():
+    # scores softmax([2, 1.5, 0]) = 0.55, 0.33, 0.12; a bias of +0.3 on expert 2 makes it the choice (0.42 > 0.33),
+    # and its weight stays its score: normalised over the chosen, 0.55 / (0.55 + 0.12)
+    logits = np.array([[2.0, 1.5, 0.0]])
+    cfg = tiny_config("model.moe_experts=3", "model.moe_bias_update=0.01").model
+    ids, weights, _, stats = (np.asarray(a) for a in route(jnp.asarray(logits, jnp.float32)[None], cfg, None,
+                                                           jnp.asarray([0.0, 0.0, 0.3])))
+    p = np.exp(logits[0]) / np.exp(logits[0]).sum()
+    assert ids[0, 0].tolist() == [0, 2]
+    np.testing.assert_allclose(weights[0, 0], [p[0] / (p[0] + p[2]), p[2] / (p[0] + p[2])], rtol=1e-6)
+    assert stats[0, :3].tolist() == [1, 0, 1]  # expert 2 received the choice
+
+
+def test_the_balance_bias_moves_by_its_speed_towards_the_mean_load():
+    from jaxpar.models.moe import update_router_bias
+    cfg = tiny_config("model.moe_experts=4", "model.moe_bias_update=0.5").model  # 2 expert layers of 4 experts
+    params = {"blocks": {"moe": {"router": {"bias": jnp.zeros((2, 4)), "kernel": jnp.ones(1)}}}}
+    stats = jnp.asarray([3, 1, 0, 4, 2, 2, 2, 2, 7, 0.9], jnp.float32)  # per layer loads, dropped, balance
+    bias = update_router_bias(params, stats, cfg)["blocks"]["moe"]["router"]["bias"]
+    assert np.asarray(bias).tolist() == [[-0.5, 0.5, 0.5, -0.5], [0, 0, 0, 0]]  # layer 1: the mean load of 2
+
+
+def test_the_balance_bias_follows_each_steps_loads(dataset):
+    """One expert layer: after each step the bias has moved by the speed towards the step's mean load (1/E of the
+    choices, read off the records)."""
+    cfg = tiny_config(*MOE, "model.n_layer=1", "model.moe_bias_update=0.01", "train.steps=3")
+    runs = [run_steps(cfg, "dp=1", dataset, steps=s, devices=jax.devices()[:1]) for s in (1, 3)]
+    for run in runs:
+        steps = np.sign(1 / 8 - np.asarray(run["moe_load_per_step"]))
+        np.testing.assert_allclose(run["params"]["blocks.moe.router.bias"], 0.01 * steps.sum(0)[None], atol=1e-7)
+    assert np.abs(runs[1]["params"]["blocks.moe.router.bias"]).max() > 0
+
+
 @pytest.mark.parametrize("capacity", [0, 1])
 def test_the_dispatch_sums_each_tokens_kept_choices(capacity):
     rng = np.random.default_rng(0)
@@ -161,18 +194,23 @@ def test_a_run_records_the_experts_load_and_says_it(dataset, tmp_path):
     assert record["moe_dropped"] > 0 and record["moe_max_load"] >= 1.0
 
 
-# DeepSeek's dense first layers (model.moe_first_dense): two dense SwiGLU layers of width 24, then two of experts
-FIRST_DENSE = ("model.n_layer=4", "model.moe_first_dense=2", "model.d_ff=24", "train.steps=10")
+# DeepSeek-V3's shape: dense first layers (model.moe_first_dense: two dense SwiGLU layers of width 24, then two of
+# experts) and the auxiliary-loss-free balance bias beside the balance loss
+FIRST_DENSE = ("model.n_layer=4", "model.moe_first_dense=2", "model.d_ff=24", "train.steps=10",
+               "model.moe_bias_update=0.001")
 
 
 @pytest.mark.parametrize("mesh", ["ep=4,dp=2", "ep=2,pp=2"])
-def test_dense_first_layers_on_layouts_equal_one_device(mesh, dataset):
-    """Both stacks split over the pipeline's stages, the experts over ep; the balance is the expert layers' mean."""
+def test_dense_first_layers_and_the_balance_bias_on_layouts_equal_one_device(mesh, dataset):
+    """Both stacks split over the pipeline's stages, the experts over ep; the balance is the expert layers' mean;
+    each layer's bias moves by the whole batch's loads, the same on every layout."""
     ref = _reference(dataset, *FIRST_DENSE)
+    bias = ref["params"]["blocks.moe.router.bias"]
+    assert np.abs(bias).max() >= 0.001 and not np.array_equal(bias[0], bias[1])  # each layer by its own loads
     assert ref["params"]["dense_blocks.mlp.gate.kernel"].shape == (2, 32, 24)
     assert ref["params"]["blocks.moe.gate"].shape == (2, 8, 32, 16)
     assert "dense_blocks.moe.router.kernel" not in ref["params"] and "blocks.mlp.gate.kernel" not in ref["params"]
-    assert 1.0 <= min(ref["moe_balance"]) and max(ref["moe_balance"]) < 1.5  # a mean over 2 layers, not over 4
+    assert 0.8 < min(ref["moe_balance"]) and max(ref["moe_balance"]) < 1.5  # a mean over 2 layers (~1), not 4 (~0.5)
     got = run_steps(tiny_config(*MOE, *FIRST_DENSE), mesh, dataset, devices=_devices(mesh))
     np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
     np.testing.assert_allclose(got["moe_balance"], ref["moe_balance"], rtol=1e-5)

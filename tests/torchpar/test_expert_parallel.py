@@ -18,8 +18,8 @@ from torchpar.checks import check_expert_parallel
 MOE = ["model.family=llama", "model.n_kv_head=2", "model.moe_experts=8", "model.moe_top_k=2", "model.moe_shared_experts=1",
        "model.moe_d_ff=16", "model.moe_aux_loss=0.01", "optim.lr=3e-3", "optim.min_lr=3e-4", "train.microbatches=2"]
 # 2 choices per expert and row of 16: many dropped; behind a dense first layer (model.moe_first_dense), which the
-# experts' split skips
-CAPACITY = ["model.moe_capacity_factor=0.5", "model.moe_first_dense=1", "model.d_ff=24"]
+# experts' split skips; the balance bias (model.moe_bias_update) moved alike on every rank by every rank's loads
+CAPACITY = ["model.moe_capacity_factor=0.5", "model.moe_first_dense=1", "model.d_ff=24", "model.moe_bias_update=0.001"]
 
 
 def _args(base, *extra):

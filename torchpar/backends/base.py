@@ -24,7 +24,7 @@ from jaxpar.core.lr_schedule import lr_at
 from torchpar import dist
 from torchpar.checkpoint import DCPCheckpointer
 from torchpar.models.decoder import next_token_loss, split_rows
-from torchpar.models.moe import balance_loss
+from torchpar.models.moe import balance_loss, update_router_bias
 from torchpar.optim import make_optimizer
 
 
@@ -43,7 +43,7 @@ def microbatches(batch: torch.Tensor, M: int) -> list[torch.Tensor]:
     return [batch[m::M] for m in range(M)]
 
 
-def read_metrics(handle, env, data_ways: int) -> dict:
+def read_metrics(handle, env, data_ways: int, experts: int = 0) -> dict:
     """A step's (local loss, grad_norm, lr, extra) as floats, the loss averaged over the ranks that hold a
     share of the batch, the experts' statistics summed over them (a collective: every rank calls it at the same
     steps)."""
@@ -51,7 +51,7 @@ def read_metrics(handle, env, data_ways: int) -> dict:
     stats = extra.pop("expert_stats", None)
     loss_sum, *stats = dist.all_sum([float(loss)] + ([] if stats is None else stats.tolist()), env)
     if stats:  # [choices per expert, dropped, balance loss per layer, rows] over every rank and microbatch
-        extra = {**extra, **expert_records(stats[:-2] + [stats[-2] / stats[-1]])}
+        extra = {**extra, **expert_records(stats[:-2] + [stats[-2] / stats[-1]], experts)}
     return {"loss": loss_sum / data_ways, "grad_norm": float(grad_norm), "lr": float(lr), **extra}
 
 
@@ -114,7 +114,7 @@ class TorchEngine:
         return eval_loss(self.module, batch, share)
 
     def read(self, handle) -> dict:
-        return read_metrics(handle, self.env, self.data_ways)
+        return read_metrics(handle, self.env, self.data_ways, self.cfg.model.moe_experts)
 
     def inject_overflow(self) -> None:
         self.overflow_next = True
@@ -142,8 +142,13 @@ class TorchEngine:
             self.scaler.update()
             if self.scaler.get_scale() < self.cfg.optim.loss_scale_min:
                 self.scaler.update(new_scale=self.cfg.optim.loss_scale_min)
-            self.skipped += not math.isfinite(float(norm))  # the global norm: inf on any rank's overflow
+            applied = math.isfinite(float(norm))  # the global norm: inf on any rank's overflow
+            self.skipped += not applied
             extra = {"loss_scale": scale, "skipped_steps": self.skipped}
+        if self.cfg.model.moe_bias_update and (self.scaler is None or applied):  # a skipped step keeps the bias
+            m = self.cfg.model
+            update_router_bias(self.raw, dist.all_sum(self.expert_stats[:m.moe_layers * m.moe_experts].tolist(),
+                                                      self.env))
         if self.expert_stats is not None:
             extra["expert_stats"] = self.expert_stats
         self.optimizer.zero_grad(set_to_none=True)

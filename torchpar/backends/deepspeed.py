@@ -122,7 +122,7 @@ class DeepSpeedEngine:
         return eval_loss(self.module, batch, share)
 
     def read(self, handle) -> dict:
-        return read_metrics(handle, self.env, self.data_ways)
+        return read_metrics(handle, self.env, self.data_ways, self.cfg.model.moe_experts)
 
     def inject_overflow(self) -> None:
         raise UserError("TORCHPAR_FAULT_OVERFLOW_AT_STEP (a test fault) is not implemented for --backend deepspeed")

@@ -22,7 +22,7 @@ from jaxpar.core.config import ModelConfig
 from jaxpar.core.data_order import unmasked
 from torchpar.models.layers import Dense, LayerNorm, RMSNorm, causal_attention, document_mask, documents
 from torchpar.models.llama import GQAttention, SwiGLU
-from torchpar.models.moe import MoE
+from torchpar.models.moe import MoE, layer_stats
 from torchpar.models.variants import MLAttention, SketchedLinear, dilated_attention
 
 # model.remat=save_matmuls: keep matmul outputs, recompute the rest (jaxpar: dots_with_no_batch_dims_saveable).
@@ -109,7 +109,7 @@ class Decoder(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = (RMSNorm if cfg.family == "llama" else LayerNorm)(cfg.d_model, cfg.layernorm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
-        self.expert_stats = None  # with experts: their per-row statistics of the last forward, summed over layers
+        self.expert_stats = None  # with experts: their per-row statistics of the last forward (moe.layer_stats)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -141,12 +141,13 @@ class Decoder(nn.Module):
             positions, segments = documents(tokens, self.eod)
             mask = document_mask(positions, segments)
         x = embed(self.wte, self.wpe, tokens, self.compute_dtype, positions)
-        total = None
+        per_layer = []
         for block in self.blocks:
             x, stats = block(x, positions, mask)
             if stats is not None:  # a mixture-of-experts layer (not one of model.moe_first_dense's dense ones)
-                total = stats if total is None else total + stats
-        self.expert_stats = total  # the loss reads it (moe.balance_loss): the wrappers return the logits alone
+                per_layer.append(stats)
+        # the loss reads them (moe.balance_loss): the wrappers return the logits alone
+        self.expert_stats = layer_stats(per_layer, self.cfg) if per_layer else None
         return output_head(self.ln_f, self.output_table, x)
 
     @property

@@ -15,12 +15,14 @@ from torchpar.models.layers import Kernel
 from torchpar.models.llama import SwiGLU
 
 
-def route(logits: torch.Tensor, cfg: ModelConfig):
-    """Router logits [B, T, E] float32 -> (ids, weights, kept [B, T, k], stats [B, E + 2]) as jaxpar's route."""
+def route(logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = None):
+    """Router logits [B, T, E] float32 -> (ids, weights, kept [B, T, k], stats [B, E + 2]) as jaxpar's route
+    (`bias`: the choice's balance bias, model.moe_bias_update)."""
     E, k = cfg.moe_experts, cfg.moe_top_k
     B, T = logits.shape[:2]
     scores = logits.softmax(-1) if cfg.moe_router == "softmax" else logits.sigmoid()
-    top, ids = scores.topk(k, dim=-1)
+    top, ids = scores.topk(k, dim=-1) if bias is None else (scores + bias).topk(k, dim=-1)
+    top = top if bias is None else scores.gather(-1, ids)
     weights = top / top.sum(-1, keepdim=True) if cfg.moe_norm_topk else top
     chosen = F.one_hot(ids, E)  # [B, T, k, E]
     capacity = row_capacity(cfg, T)
@@ -60,6 +62,8 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.router = Kernel((cfg.d_model, cfg.moe_experts))
+        if cfg.moe_bias_update:  # the choice's balance bias (jaxpar/core/experts.py): no gradient, the engine moves it
+            self.router.bias = nn.Parameter(torch.zeros(cfg.moe_experts), requires_grad=False)
         self.experts = Experts(cfg, cfg.moe_experts)
         self.shared = SwiGLU(cfg, cfg.moe_shared_experts * cfg.expert_dim) if cfg.moe_shared_experts else None
         self.cfg = cfg
@@ -68,7 +72,8 @@ class MoE(nn.Module):
     def forward(self, x):
         """x [B, T, embed] -> (y, stats [B, E + 2]). The kept choices are sorted by expert (a stable sort: token
         order within an expert), their rows go through `exchange` and come back in that order."""
-        ids, weights, kept, stats = route(self.router(x.float(), "btd,de->bte"), self.cfg)
+        bias = getattr(self.router, "bias", None)
+        ids, weights, kept, stats = route(self.router(x.float(), "btd,de->bte"), self.cfg, bias)
         flat = x.reshape(-1, x.shape[-1])
         E, k = self.cfg.moe_experts, ids.shape[-1]
         choice = torch.where(kept, ids, E).reshape(-1)  # a dropped choice sorts after every expert's
@@ -81,6 +86,28 @@ class MoE(nn.Module):
         y = (per_choice.reshape(ids.shape + flat.shape[-1:]) * weights[..., None].to(x.dtype)).sum(-2)
         y = y.reshape(x.shape)
         return (y if self.shared is None else y + self.shared(x)), stats
+
+
+def layer_stats(per_layer: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """The expert layers' per-row statistics [B, E + 2] each -> their sum, or with model.moe_bias_update
+    [B, layers x E + 2] (each layer's choices per expert, then the dropped choices and the balance loss summed over
+    the layers): jaxpar's add_layer_stats."""
+    if not cfg.moe_bias_update:
+        return sum(per_layer)
+    E = cfg.moe_experts
+    return torch.cat([*(s[:, :E] for s in per_layer), sum(s[:, E:] for s in per_layer)], dim=-1)
+
+
+@torch.no_grad()
+def update_router_bias(model, loads: list[float]) -> None:
+    """Each expert layer's balance bias moved by the step's choices (`loads`: every rank's, layer-major), as
+    jaxpar/models/moe.py update_router_bias."""
+    cfg = model.cfg
+    loads = torch.tensor(loads, dtype=torch.float32).reshape(cfg.moe_layers, cfg.moe_experts)
+    step = cfg.moe_bias_update * torch.sign(loads.mean(-1, keepdim=True) - loads)
+    biases = [block.moe.router.bias for block in model.blocks if hasattr(block, "moe")]
+    for bias, s in zip(biases, step):
+        bias.add_(s.to(bias.device))
 
 
 def balance_loss(model, stats) -> torch.Tensor | float:
