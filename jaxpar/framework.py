@@ -109,7 +109,8 @@ class JaxFramework:
     def fetch(self, metrics) -> dict:
         got = jax.device_get(metrics)
         stats = got.pop("expert_stats", None)
-        return {**{k: float(v) for k, v in got.items()}, **({} if stats is None else expert_records(stats, self.cfg.model.moe_experts))}
+        records = {} if stats is None else expert_records(stats, self.cfg.model.moe_experts)
+        return {**{k: float(v) for k, v in got.items()}, **records}
 
     def evaluate(self, batches: int) -> float:
         losses = [self._eval_step(self.state["params"], device_batch(self.val_data, i, self.layout.batch_sharding)) for i in range(batches)]

@@ -22,9 +22,10 @@ def slots_for(tokens: int, rows: int, capacity: int) -> int:
 
 def expert_records(stats, experts: int) -> dict:
     """The step's records from [choices each expert received (summed over rows and microbatches; over the layers
-    too, or layer-major per expert layer), choices dropped, the mean balance loss per row and layer]: each expert's share of the
-    choices over the layers (moe_load), the busiest one's share x experts (moe_max_load; 1.0 when even), the share
-    dropped by the capacity, the balance loss (1.0 when even; model.moe_aux_loss weighs it into the loss)."""
+    too, or layer-major per expert layer), choices dropped, the mean balance loss per row and layer]: each
+    expert's share of the choices over the layers (moe_load), the busiest one's share x experts (moe_max_load; 1.0
+    when even), the share dropped by the capacity, the balance loss (1.0 when even; model.moe_aux_loss weighs it
+    into the loss)."""
     per_layer = [float(r) for r in stats[:-2]]
     received = [sum(per_layer[e::experts]) for e in range(experts)]
     total = max(sum(received), 1.0)

@@ -15,9 +15,10 @@ Each layer also reports per row: the choices each expert received (before any dr
 the sequence-wise balance loss sum_e f_e P_e (DeepSeek-V3, eq. 17-19: f_e = E/(kT) x the row's choices of e,
 P_e = the row's mean normalised score of e; 1.0 when balanced). loss.py adds model.moe_aux_loss x its mean.
 
-Shared weight format (blocks.moe.*): router.kernel [L, embed, E]  router.bias [L, E] (model.moe_bias_update)  gate, up [L, E, embed, moe_d_ff]
-  down [L, E, moe_d_ff, embed]  shared.{gate,up}.kernel [L, embed, S x moe_d_ff]  shared.down.kernel [L, S x
-  moe_d_ff, embed] (S = moe_shared_experts, one SwiGLU as wide as S experts, as DeepSeek's).
+Shared weight format (blocks.moe.*; L: the expert layers): router.kernel [L, embed, E]  router.bias [L, E]
+  (model.moe_bias_update)  gate, up [L, E, embed, moe_d_ff]  down [L, E, moe_d_ff, embed]  shared.{gate,up}.kernel
+  [L, embed, S x moe_d_ff]  shared.down.kernel [L, S x moe_d_ff, embed] (S = moe_shared_experts, one SwiGLU as
+  wide as S experts, as DeepSeek's).
 """
 from __future__ import annotations
 
