@@ -47,11 +47,16 @@ def check_output_file(path: str, name: str) -> None:
     check_output_dir(os.path.dirname(os.path.abspath(path)), name, path)
 
 
+# How long a rank other than 0 that refused a run waits for rank 0 to say why (`cli`): rank 0 meets the same
+# error, and its exit ends the wait sooner (the launcher then stops every process).
+RANK_ZERO_WAIT_S = 30.0
+
+
 def cli(main=None, *, rank=None, teardown=None):
     """Decorate a command's `main(argv) -> int`: a UserError or an OSError becomes one `error:` line, exit
     status 2. Where several processes run one command, `rank()` says which this is: a UserError (every process
     meets the same) is printed by rank 0 alone, an OSError (this process's own file system) by each process
-    that meets it, naming its rank. `teardown()` runs after `main`, error or not (before the line is printed)."""
+    that meets it, naming its rank. `teardown()` runs after `main`, error or not (after rank 0's line)."""
     import functools
     import os
     import sys
@@ -59,21 +64,36 @@ def cli(main=None, *, rank=None, teardown=None):
     def wrap(main):
         @functools.wraps(main)
         def run(*args, **kwargs) -> int:
+            several = rank is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1
+            wait = False
             try:
                 try:
                     return main(*args, **kwargs)
+                except UserError as e:
+                    if rank is None or rank() == 0:
+                        print(f"error: {error_line(e)}", file=sys.stderr, flush=True)
+                    else:
+                        wait = several
                 finally:
                     if teardown is not None:
                         teardown()
-            except UserError as e:
-                if rank is None or rank() == 0:
-                    print(f"error: {error_line(e)}", file=sys.stderr)
-                return 2
-            except OSError as e:
-                several = rank is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1
-                print(f"error: {f'rank {rank()}: ' if several else ''}{error_line(e)}", file=sys.stderr)
-                return 2
+            except OSError as e:  # main's, or the teardown's
+                print(f"error: {f'rank {rank()}: ' if several else ''}{error_line(e)}", file=sys.stderr, flush=True)
+            if wait:
+                wait_for_rank_zero()
+            return 2
 
         return run
 
     return wrap(main) if main is not None else wrap
+
+
+def wait_for_rank_zero() -> None:
+    """torchrun and DeepSpeed's launcher stop every process as soon as one fails: had this rank exited first,
+    rank 0 could be stopped before printing the line. So it waits until the launcher stops it, which rank 0's
+    exit brings about (SIGTERM takes its default action: a stop handler may be installed), or for the limit."""
+    import signal
+    import time
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(RANK_ZERO_WAIT_S)

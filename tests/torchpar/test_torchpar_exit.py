@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.helpers import TINY, run_in_session, torch_env
+from tests.helpers import TINY, free_port, run_in_session, torch_env
 
 _GROUPS_LEFT = """
 import os
@@ -29,3 +29,32 @@ def test_no_process_group_outlives_main(backend, extra, dataset, tmp_path):
            f"run.dir={tmp_path}", "train.steps=2", "--write-final", str(tmp_path / "final.safetensors")]
     r = run_in_session(cmd, torch_env(), 120, f"{backend} run in one process")
     assert r.returncode == 0 and "gloo threads left: []" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+_REFUSES = """
+import os
+import sys
+import time
+from jaxpar.core.errors import UserError, cli
+
+@cli(rank=lambda: int(os.environ["RANK"]))
+def main():
+    if os.environ["RANK"] == "0":
+        time.sleep(3)  # rank 0 meets the error last
+    raise UserError("the same refusal on every rank")
+
+sys.exit(main())
+"""
+
+
+def test_a_refusal_is_printed_by_rank_0_when_another_rank_meets_it_first(tmp_path):
+    """torchrun stops every worker as soon as one fails: a rank other than 0 that refused first must not get
+    rank 0 stopped before it says why (the line was lost in CI under load: a fuzz regression's refusal read as an
+    error). The line comes once, from rank 0, and torchrun fails."""
+    script = tmp_path / "refuses.py"
+    script.write_text(_REFUSES)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           str(script)]
+    r = run_in_session(cmd, torch_env(), 120, "a refusal under torchrun")
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode != 0 and errors == ["error: the same refusal on every rank"], r.stderr[-3000:]
