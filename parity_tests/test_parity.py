@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from parity_tests.compare import FLOAT32, assert_parity, compare
+from parity_tests.fuzz_run import Trajectory
 from parity_tests.runner import REFERENCE
 
 
@@ -57,3 +58,21 @@ def test_checker_names_a_nudged_parameter(runner):
     assert c.first_param == "blocks.mlp.fc.kernel", c.message()
     assert "index (1, 3, 5)" in c.message()
     assert np.isclose(c.deviations["param_abs"], 1e-3, rtol=0.1)
+
+
+def test_checker_reads_both_stacks_in_model_order():
+    """model.moe_first_dense's dense stack runs first: a nudge there is named before one in the experts' stack,
+    and each stack's attention key bias is held apart (its bound from the summed lr), not by the tensor bound."""
+    rng = np.random.default_rng(0)
+    ref = {f"{stack}blocks.{n}": rng.normal(size=(2, 3, 4)).astype(np.float32)
+           for stack in ("", "dense_") for n in ("attn.qkv.bias", "mlp.fc.kernel")}
+    got = {n: v.copy() for n, v in ref.items()}
+    got["blocks.mlp.fc.kernel"][0, 0, 0] += 1e-3
+    got["dense_blocks.mlp.fc.kernel"][1, 2, 3] += 1e-3
+    got["dense_blocks.attn.qkv.bias"][:, 1] += 1e-3  # the key slice: within 0.01 x sum(lr) = 1e-2
+    series = {"loss": [1.0], "grad_norm": [1.0], "lr": [1.0]}
+    c = compare(Trajectory("torch:none", "moe", params=got, **series), Trajectory("jax", "moe", params=ref, **series),
+                FLOAT32)
+    assert c.first_param == "dense_blocks.mlp.fc.kernel" and "index (1, 2, 3)" in c.message(), c.message()
+    assert c.deviations["key_bias_abs"] == pytest.approx(1e-3, rel=1e-3), c.deviations
+    assert "dense_blocks.attn.qkv.bias" not in c.message(), c.message()
