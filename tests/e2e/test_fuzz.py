@@ -46,7 +46,8 @@ def worker(tmp_path_factory):
     w.close()
 
 
-@pytest.mark.parametrize("spec", [spec for spec, _ in fuzz.REGRESSIONS])
+@pytest.mark.parametrize("spec", [pytest.param(spec, marks=pytest.mark.slow) if why.endswith("as drawn") else spec
+                                  for spec, why in fuzz.REGRESSIONS])  # a case as drawn: its shrunk form by default
 def test_regression(spec, worker):
     out = worker.run_case(Case.parse(spec))
     assert not out.failed, f"{spec}: {out.kind}\n{out.detail[:3000]}"

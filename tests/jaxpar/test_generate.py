@@ -127,7 +127,12 @@ def _run(module: str, *args: str) -> subprocess.CompletedProcess:
 GREEDY_FROM_RUN = ("--prompt", "def ", "--max-new-tokens", "8", "--temperature", "0")
 
 
-@pytest.mark.parametrize("variant", ["mla", "dilated"])
+# dilated under -m slow: the sampling hook is one for every variant, and each variant's decoding is
+# test_every_variant_decodes_as_its_training_forward's
+SAMPLED = ["mla", pytest.param("dilated", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("variant", SAMPLED)
 def test_samples_during_training_come_from_the_trained_model(variant, dataset, tmp_path):
     """jaxpar: train.sample_every's sample (temperature 0.8, top_k 40, key = the step) is the final checkpoint's
     continuation drawn from the whole forward pass with the decoder's keys; `jaxpar.generate --run` decodes it."""
@@ -146,7 +151,7 @@ def test_samples_during_training_come_from_the_trained_model(variant, dataset, t
                        lambda logits, i: int(sample(logits, jax.random.fold_in(key, i), 0.8, 40, 1.0)[0]))
 
 
-@pytest.mark.parametrize("variant", ["mla", "dilated"])
+@pytest.mark.parametrize("variant", SAMPLED)
 def test_torchpar_samples_during_training_come_from_the_trained_model(variant, dataset, tmp_path):
     """The same with `torchpar.train --backend none` (a generator seeded with the step) and `torchpar.generate`."""
     torch = pytest.importorskip("torch")

@@ -22,10 +22,16 @@ def references(dataset):
     return {n: run_steps(tiny_config(*model), "dp=1", dataset, devices=one) for n, model in ((4, DEEP), (8, DEEPER))}
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("mesh,n", [("pp=2", 2), ("pp=4", 4), pytest.param("pp=2,dp=2,tp=2", 8, marks=pytest.mark.slow)])
+def _by_default(mesh: str, schedule: str) -> bool:
+    return mesh == "pp=2" or (mesh == "pp=4" and schedule == "interleaved")
+
+
+@pytest.mark.parametrize("mesh,n,schedule", [
+    pytest.param(mesh, n, s, marks=() if _by_default(mesh, s) else pytest.mark.slow)
+    for mesh, n in (("pp=2", 2), ("pp=4", 4), ("pp=2,dp=2,tp=2", 8)) for s in SCHEDULES])
 def test_schedule_matches_single_device(schedule, mesh, n, dataset, references):
-    """(pp x dp x tp by default: test_train_cli.py's 1F1B resume and test_llama.py)"""
+    """(pp x dp x tp by default: test_train_cli.py's 1F1B resume and test_llama.py; pp=4 by default: interleaved,
+    and test_zero_bubble_matches_single_device's schedules)"""
     model = DEEPER if schedule == "interleaved" and mesh == "pp=4" else DEEP
     cfg = tiny_config(*model, f"parallel.pipeline_schedule={schedule}", *SCHEDULES[schedule])
     got = run_steps(cfg, mesh, dataset, devices=jax.devices()[:n])
@@ -34,7 +40,8 @@ def test_schedule_matches_single_device(schedule, mesh, n, dataset, references):
     assert_params_close(got["params"], reference["params"])
 
 
-@pytest.mark.parametrize("schedule,mesh,n,remat", [("zb_h1", "pp=4", 4, "none"), ("zb_h1", "pp=4", 4, "full"),
+@pytest.mark.parametrize("schedule,mesh,n,remat", [pytest.param("zb_h1", "pp=4", 4, "none", marks=pytest.mark.slow),
+                                                   ("zb_h1", "pp=4", 4, "full"),
                                                    pytest.param("zb_h1", "pp=2,dp=2,tp=2", 8, "none",
                                                                 marks=pytest.mark.slow),
                                                    ("zb_v", "pp=4", 4, "none"), ("zb_v", "pp=2,dp=2,tp=2", 8, "none")])

@@ -13,7 +13,8 @@ EVERY_OTHER_PAIR = [("fsdp", 2, 1), ("ddp", 2, 2), ("pipeline", 2, 3), ("fsdp", 
                     ("pipeline", 2, 6), ("none", 0, 7), ("ddp", 2, 8), ("fsdp", 2, None)]
 
 
-@pytest.mark.parametrize("chain", [CHAIN, EVERY_OTHER_PAIR], ids=["chain", "every-other-pair"])
+@pytest.mark.parametrize("chain", [pytest.param(CHAIN, id="chain"),  # each backend writes and resumes
+                                   pytest.param(EVERY_OTHER_PAIR, id="every-other-pair", marks=pytest.mark.slow)])
 def test_a_run_moves_across_every_dcp_backend(base, reference, chain):
     run_dir = base["tmp"] / f"across-{len(chain)}"
     for i, (backend, nproc, stop) in enumerate(chain):
