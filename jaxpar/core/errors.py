@@ -64,7 +64,9 @@ def cli(main=None, *, rank=None, teardown=None):
     def wrap(main):
         @functools.wraps(main)
         def run(*args, **kwargs) -> int:
-            several = rank is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1
+            def several() -> bool:  # read after main: a launcher's variables may be adopted there (srun's)
+                return rank is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
             wait = False
             try:
                 try:
@@ -73,12 +75,13 @@ def cli(main=None, *, rank=None, teardown=None):
                     if rank is None or rank() == 0:
                         print(f"error: {error_line(e)}", file=sys.stderr, flush=True)
                     else:
-                        wait = several
+                        wait = several()
                 finally:
                     if teardown is not None:
                         teardown()
             except OSError as e:  # main's, or the teardown's
-                print(f"error: {f'rank {rank()}: ' if several else ''}{error_line(e)}", file=sys.stderr, flush=True)
+                who = f"rank {rank()}: " if several() else ""
+                print(f"error: {who}{error_line(e)}", file=sys.stderr, flush=True)
             if wait:
                 wait_for_rank_zero()
             return 2
