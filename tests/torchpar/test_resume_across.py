@@ -7,7 +7,8 @@ from tests.helpers import metrics
 from tests.torchpar.runs import assert_same_run, run
 
 # (backend, processes: 0 = one plain process, the step it stops after): every backend is written and resumed; the
-# second chain takes the other 8 ordered pairs, so that all 12 of none/ddp/fsdp/pipeline are held to one process
+# second chain (-m slow) takes the other 8 ordered pairs, so that all 12 of none/ddp/fsdp/pipeline are held to one
+# process
 CHAIN = [("fsdp", 2, 2), ("pipeline", 2, 4), ("ddp", 2, 6), ("none", 0, 8), ("fsdp", 2, None)]
 EVERY_OTHER_PAIR = [("fsdp", 2, 1), ("ddp", 2, 2), ("pipeline", 2, 3), ("fsdp", 2, 4), ("none", 0, 5),
                     ("pipeline", 2, 6), ("none", 0, 7), ("ddp", 2, 8), ("fsdp", 2, None)]
