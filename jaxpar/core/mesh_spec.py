@@ -68,4 +68,10 @@ def check_torch_mesh(mesh: str, backend: str, world: int) -> None:
         runs = "/".join(TORCH_MESH_AXES[backend]) or "nothing but one process"
         raise UserError(f"parallel.mesh={mesh}: --backend {backend} does not implement {', '.join(unsupported)} "
                         f"(it runs {runs}; jaxpar.train runs every axis)")
-    resolve_sizes(sizes, world)  # the product must be the world size
+    product = math.prod(n for n in sizes.values() if n != -1)
+    if -1 not in sizes.values() and product != world:  # torchpar's devices are its processes: say how to start them
+        runs = "runs" if world == 1 else "run"
+        raise UserError(f"parallel.mesh={mesh} needs {product} processes and {world} {runs}: start {product} "
+                        f"(torchrun --nproc_per_node={product} on one host; across hosts, nnodes x nproc_per_node "
+                        f"or srun's tasks)")
+    resolve_sizes(sizes, world)  # an axis of -1 takes the rest; the world must divide by the others

@@ -348,6 +348,20 @@ def test_mesh_axes_the_backend_lacks_are_refused(backend, mesh, message, base):
                                           expect_rc="nonzero"))
 
 
+@pytest.mark.parametrize("mesh,backend,world,named", [
+    ("pp=2,dp=2", "pipeline", 1, "parallel.mesh=pp=2,dp=2 needs 4 processes and 1 runs: start 4 (torchrun "
+                                 "--nproc_per_node=4 on one host"),
+    ("dp=2", "ddp", 8, "parallel.mesh=dp=2 needs 2 processes and 8 run"),
+    ("dp=-1,fsdp=3", "fsdp", 4, "4 devices are not divisible by 3")])
+def test_a_mesh_the_processes_do_not_fill_says_how_many_to_start(mesh, backend, world, named):
+    """torchpar's devices are its processes: a mesh of another size names the count to launch."""
+    from jaxpar.core.errors import UserError
+    from jaxpar.core.mesh_spec import check_torch_mesh
+
+    with pytest.raises(UserError, match=re.escape(named)):
+        check_torch_mesh(mesh, backend, world)
+
+
 def test_deepspeed_missing(base, tmp_path):
     (tmp_path / "deepspeed.py").write_text("raise ImportError('No module named deepspeed')\n")
     result = run(["--backend", "deepspeed", *base["args"]], expect_rc="nonzero",
