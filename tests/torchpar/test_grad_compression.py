@@ -131,3 +131,43 @@ def test_a_deepspeed_json_that_contradicts_bf16_is_refused(tmp_path):
     cfg = load_config(None, TINY + ["parallel.grad_compression=bf16"])
     with pytest.raises(UserError, match="communication_data_type='fp32'"):
         check(cfg, argparse.Namespace(backend="deepspeed", cpu_offload=False, deepspeed_config=str(user)))
+
+
+class _RunsCode:
+    """A pickle that would create a file when unpickled: what a hostile run directory could hold."""
+
+    def __init__(self, target):
+        self.target = str(target)
+
+    def __reduce__(self):
+        return (open, (self.target, "w"))
+
+
+def test_powersgd_state_loads_no_code(tmp_path):
+    """PowerSGD's saved state round-trips as tensors and plain numbers (numpy's generator included, so the random
+    draws go on where they were), and a file holding any other object is refused in one line, unexecuted."""
+    import torch
+    from types import SimpleNamespace
+
+    from torchpar.backends.ddp import PowerSGDCheckpoint
+
+    env = SimpleNamespace(rank=0, world=1, device="cpu", is_main=True)
+    rng = np.random.RandomState(3)
+    rng.randn(5)
+    state = SimpleNamespace(rng=rng, error_dict={0: torch.arange(4.0)}, p_memory_dict={}, q_memory_dict={}, iter=7,
+                            total_numel_before_compression=10, total_numel_after_compression=4,
+                            next_stats_report=0, start_powerSGD_iter=2)
+    buckets = (1, 25, "cpu", 2)
+    PowerSGDCheckpoint(state, env, buckets).save(str(tmp_path))
+    expected = rng.randn(3)
+    fresh = SimpleNamespace(**{**vars(state), "rng": np.random.RandomState(0), "iter": 0})
+    PowerSGDCheckpoint(fresh, env, buckets).load(str(tmp_path))
+    assert fresh.iter == 7 and torch.equal(fresh.error_dict[0], torch.arange(4.0))
+    np.testing.assert_array_equal(fresh.rng.randn(3), expected)
+
+    hostile = tmp_path / "hostile"
+    hostile.mkdir()
+    torch.save({"rng": _RunsCode(tmp_path / "ran"), "buckets": buckets}, hostile / "powersgd-rank0-of-1.pt")
+    with pytest.raises(UserError, match="not unpickled"):
+        PowerSGDCheckpoint(fresh, env, buckets).load(str(hostile))
+    assert not (tmp_path / "ran").exists()

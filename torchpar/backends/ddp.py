@@ -5,7 +5,9 @@ sent as bfloat16, divided by the world size first, back to float32 after) or Pow
 of each gradient matrix all-reduced instead of the matrix, with error feedback and warm start; vectors and
 matrices that would not shrink 2x go uncompressed; the first parallel.powersgd_warmup_steps steps run plain).
 PowerSGD's state (error buffers, P and Q factors, its step count) is each rank's own: saved beside the DCP
-checkpoint, one file per rank (PowerSGDState's runtime slots, as its own pickling keeps them), and restored
+checkpoint, one file per rank (PowerSGDState's runtime slots, its numpy generator as plain numbers: the file holds
+tensors and plain values only, read with torch.load(weights_only=True), so a run directory from elsewhere runs no
+code on resume), and restored
 where the buckets it was keyed by are the same (bucket size, device kind): on another number of ranks with the
 error buffers averaged, with another rank r with fresh factors; elsewhere it starts afresh after its warm-up.
 """
@@ -13,14 +15,17 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import re
 import sys
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from jaxpar.core.errors import UserError
 from torchpar import dist
 from torchpar.backends.base import TorchEngine
 from torchpar.backends.experts import ExpertParallel, ep_size
@@ -131,12 +136,22 @@ class PowerSGDCheckpoint:
 
     def save(self, folder: str) -> None:
         saved = {slot: getattr(self.state, slot) for slot in self.RUNTIME}
+        name, keys, pos, has_gauss, gauss = self.state.rng.get_state()  # numpy's MT19937: no pickled object
+        saved["rng"] = (name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss)
         torch.save({**saved, "buckets": self.buckets}, self.path(folder))
+
+    def _load(self, path: str) -> dict:
+        try:
+            return torch.load(path, map_location=self.env.device, weights_only=True)
+        except pickle.UnpicklingError:
+            raise UserError(f"{path} holds objects other than tensors (an older torchpar's format, or "
+                            "not torchpar's): it is not unpickled, as that could run code; remove the powersgd-rank*.pt "
+                            "files of that checkpoint to resume with PowerSGD's state afresh") from None
 
     def _saved(self, folder: str) -> dict:
         """This rank's file; where the checkpoint was written by another number of ranks, rank 0's with the error
         buffers averaged over all of theirs."""
-        load = lambda path: torch.load(path, map_location=self.env.device, weights_only=False)  # noqa: E731
+        load = self._load
         if os.path.exists(self.path(folder)):
             return load(self.path(folder))
         worlds = {int(m[1]) for m in map(re.compile(r"powersgd-rank0-of-(\d+)\.pt$").match, os.listdir(folder)) if m}
@@ -160,6 +175,9 @@ class PowerSGDCheckpoint:
             return
         for slot in self.RUNTIME:
             setattr(self.state, slot, saved[slot])
+        name, keys, *rest = saved["rng"]
+        self.state.rng = np.random.RandomState()
+        self.state.rng.set_state((name, keys.numpy().astype(np.uint32), *rest))
         said = []
         if kept[0] != self.buckets[0]:
             said.append(f"the error buffers of {kept[0]} ranks averaged onto {self.buckets[0]}")
