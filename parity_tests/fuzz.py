@@ -29,6 +29,10 @@ from collections import Counter
 from jaxpar.core.errors import cli
 from parity_tests.fuzz_cases import BASE, TORCH_SHARE, Case, draw_case, normalize
 from parity_tests.fuzz_run import TIMEOUT_S, Outcome, Worker
+from parity_tests import fuzz_transitions
+from parity_tests.fuzz_transitions import Transition, draw_transition, parse_any
+
+TRANSITION_SHARE = 0.3  # of the draws: a run that changes half-way (fuzz_transitions.py)
 
 # Each failure a sweep found (docs/fuzz.md): (case, what it found). tests/e2e/test_fuzz.py runs them all: each must
 # be equal now, or refused as documented.
@@ -68,7 +72,10 @@ REGRESSIONS = (
      "first draws of train.batch_rampup (2026-11-25): differed, the reference read fixed batches (as above)"),
     ("torch none:0 model.moe_experts=4 model.moe_d_ff=16 model.moe_first_dense=1 model.moe_aux_loss=0.01",
      "2026-11-26, model.moe_first_dense's first cases (fsdp:2, deepspeed:2, ddp:4 with ep, shrunk to one process): "
-     "torchpar divided the balance loss by every layer, jaxpar by the expert layers; loss 9.5e-4 off")
+     "torchpar divided the balance loss by every layer, jaxpar by the expert layers; loss 9.5e-4 off"),
+    ("torch deepspeed:2 parallel.zero_stage=2 | 2 | torch deepspeed:2 parallel.zero_stage=2 train.steps=5",
+     "2026-11-26, the first transition (issue 44's report): DeepSpeed's restored scheduler kept the old horizon, "
+     "lr at step 5 3.0e-4 where one device has 1.65e-3, parameters 1.1e-2 off"),
 )
 
 
@@ -76,6 +83,9 @@ REGRESSIONS = (
 
 def candidates(case: Case):
     """Simpler cases, the biggest simplifications first: the fewest settings that still fail."""
+    if isinstance(case, Transition):
+        yield from fuzz_transitions.candidates(case)
+        return
     if case.side == "torch":
         if case.backend != "none":
             yield Case("torch", "none:0", case.settings)
@@ -96,7 +106,7 @@ def shrink(fuzzer, case: Case, outcome: Outcome, max_runs: int = 40, log=print) 
     progress = True
     while progress and runs < max_runs:
         progress = False
-        for cand in map(normalize, candidates(case)):
+        for cand in (c if isinstance(c, Transition) else normalize(c) for c in candidates(case)):
             if cand.spec in tried or runs >= max_runs:
                 continue
             tried.add(cand.spec)
@@ -111,6 +121,8 @@ def shrink(fuzzer, case: Case, outcome: Outcome, max_runs: int = 40, log=print) 
 
 def commands(case: Case, dataset: str = "DATA.bin") -> list[str]:
     """The fuzzer's own repro (with the comparison), and the trainer command line it runs."""
+    if isinstance(case, Transition):  # two legs (and a conversion): the fuzzer's command runs them
+        return [f"python -m parity_tests.fuzz --case '{case.spec}'"]
     settings = " ".join([*BASE, *case.overrides, f"data.dataset={dataset}"])
     if case.side == "jax":
         trainer = f"python -m jaxpar.train --mesh {case.layout} {settings}"
@@ -131,6 +143,8 @@ def parse_args(argv):
     p.add_argument("--case", action="append", default=[], help="run this case spec instead of drawing (repeatable)")
     p.add_argument("--regressions", action="store_true", help="also run the REGRESSIONS list")
     p.add_argument("--torch-share", type=float, default=TORCH_SHARE, help="share of torchpar cases (default 0.25)")
+    p.add_argument("--transition-share", type=float, default=TRANSITION_SHARE,
+                   help=f"share of transitions among the draws (default {TRANSITION_SHARE}; 1: transitions only)")
     p.add_argument("--no-shrink", action="store_true", help="report failures as drawn")
     p.add_argument("--out", help="append one JSON line per case to this file")
     p.add_argument("--workdir", help="keep data, weights and torchpar runs here (default: a temporary directory)")
@@ -141,10 +155,18 @@ def parse_args(argv):
 def select(args, seed: int) -> list[tuple[str, Case]]:
     """(label, case): the given specs, or the regressions and the draws of (seed, start..start+cases-1)."""
     if args.case:
-        return [(f"case {i}", Case.parse(spec)) for i, spec in enumerate(args.case)]
-    out = [(f"regression {i}", Case.parse(r[0])) for i, r in enumerate(REGRESSIONS)] if args.regressions else []
-    return out + [(f"{i}", draw_case(random.Random(f"{seed}:{i}"), args.torch_share))
+        return [(f"case {i}", parse_any(spec)) for i, spec in enumerate(args.case)]
+    out = [(f"regression {i}", parse_any(r[0])) for i, r in enumerate(REGRESSIONS)] if args.regressions else []
+    return out + [(f"{i}", draw(seed, i, args.torch_share, args.transition_share))
                   for i in range(args.start, args.start + args.cases)]
+
+
+def draw(seed: int, i: int, torch_share: float = TORCH_SHARE, transition_share: float = TRANSITION_SHARE):
+    """Case i of a seed: a transition with probability transition_share (decided apart, so the fresh cases a seed
+    draws do not depend on the share), else a fresh case."""
+    if random.Random(f"{seed}:{i}:transition").random() < transition_share:
+        return draw_transition(random.Random(f"{seed}:{i}"))
+    return draw_case(random.Random(f"{seed}:{i}"), torch_share)
 
 
 def run_all(args, seed: int, fuzzer: Worker) -> tuple[Counter, list]:
@@ -175,11 +197,13 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     seed = args.seed if args.seed is not None else int(time.time()) % 2**31
     for spec in args.case:
-        Case.parse(spec)  # bad specs: one line before anything starts
+        parse_any(spec)  # bad specs: one line before anything starts
     print(f"fuzz: {len(args.case)} given cases" if args.case else
           f"fuzz seed {seed} (python -m parity_tests.fuzz --seed {seed} --cases {args.cases}"
           f"{f' --start {args.start}' if args.start else ''}{' --regressions' if args.regressions else ''}"
-          f"{f' --torch-share {args.torch_share}' if args.torch_share != TORCH_SHARE else ''})", flush=True)
+          f"{f' --torch-share {args.torch_share}' if args.torch_share != TORCH_SHARE else ''}"
+          f"{f' --transition-share {args.transition_share}' if args.transition_share != TRANSITION_SHARE else ''})",
+          flush=True)
     with tempfile.TemporaryDirectory(prefix="jaxpar-fuzz-") as tmp:
         fuzzer = Worker(args.workdir or tmp, args.timeout)
         try:

@@ -270,14 +270,17 @@ def _draw_dims(rng: random.Random, s: dict, heads_div: int, layers_div: int) -> 
 
 
 def _draw_training(rng: random.Random, s: dict, ways: int) -> int:
-    """Accumulation, remat, and the smallest global batch (>= 8) every data split divides; returns that divisor."""
-    micro = _pick(rng, {1: 3, 2: 2})
+    """Accumulation, remat, and a global batch every data split divides: mostly the smallest (>= 8), one case in
+    four twice or three times that, so that a microbatch holds more than one row per way (a batch-shaped input split
+    the wrong way hid there: docs/fuzz.md); returns the divisor."""
+    micro = _pick(rng, {1: 6, 2: 4, 4: 1})
     if micro > 1:
         s["train.microbatches"] = str(micro)
     if rng.random() < 0.4:
         s["model.remat"] = _pick(rng, {"full": 1, "save_matmuls": 1})
     need = micro * ways
-    s["train.global_batch_size"] = str(need * -(-8 // need))
+    smallest = need * -(-8 // need)
+    s["train.global_batch_size"] = str(smallest * _pick(rng, {1: 6, 2: 1, 3: 1 if smallest <= 16 else 0}))
     return need
 
 

@@ -73,9 +73,14 @@ class Fuzzer:
     def run_case(self, case: Case) -> Outcome:
         from jaxpar.core.errors import UserError
         from parity_tests.compare import compare
+        from parity_tests.fuzz_transitions import Transition, run_transition
 
         t0 = time.perf_counter()
         try:  # the case first: a refusal costs no reference run
+            if isinstance(case, Transition):
+                out = run_transition(self, case)
+                out.seconds = time.perf_counter() - t0
+                return out
             got = self.run_jax(case) if case.side == "jax" else self.run_torch(case)
             ref = self.reference(case)
         except UserError as e:
@@ -182,13 +187,13 @@ class Fuzzer:
                   for k in ("loss", "grad_norm", "lr")]
         return Trajectory(case.layout, "torchpar", *series, params=load_file(final))
 
-    def launch(self, cmd: list[str]) -> tuple[int, str]:
+    def launch(self, cmd: list[str], env: dict | None = None) -> tuple[int, str]:
         """A trainer subprocess in its own session: (exit status, stdout + stderr); killed whole on a timeout."""
         import signal
 
         from tests.helpers import ABORTS, ROOT, torch_env
 
-        env = {**torch_env(), "CUDA_VISIBLE_DEVICES": ""}
+        env = {**torch_env(), "CUDA_VISIBLE_DEVICES": "", **(env or {})}
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         try:

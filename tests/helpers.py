@@ -57,9 +57,11 @@ def make_sft_dataset(path, seq_len: int = 16, records: int = 300, seed: int = 0)
     return prepare([corpus], str(path), sft=SftFields(), pack=seq_len, too_long="split")
 
 
-def run_steps(cfg: Config, mesh: str, dataset: str, steps: int | None = None, devices=None) -> dict:
+def run_steps(cfg: Config, mesh: str, dataset: str, steps: int | None = None, devices=None, then=None) -> dict:
     """K training steps of a config on a mesh, in-process, with the trainer's own layout, state, step and
-    data code: per-step loss / grad_norm / lr (lists of floats) and the final parameters (flat numpy)."""
+    data code: per-step loss / grad_norm / lr (lists of floats) and the final parameters (flat numpy).
+    `then=(k, cfg2)`: after k steps the same state goes on under cfg2 (its step, batches and train.steps) -- what a
+    resume with changed settings must compute, with no checkpoint in between (parity_tests/fuzz_transitions.py)."""
     import dataclasses
 
     import jax
@@ -72,16 +74,21 @@ def run_steps(cfg: Config, mesh: str, dataset: str, steps: int | None = None, de
     from jaxpar.core.mesh_spec import parse_mesh
     from jaxpar.step import build_step, make_train_step
 
-    layout, state, train_step = build_step(cfg, parse_mesh(mesh), devices)
-    if len(batch_shapes(cfg)) > 1:  # a ramp-up's or the buckets' shapes: the jitted step compiles each
-        train_step = make_train_step(layout)
-    # the training batches as the trainer makes them (windows, a ramp-up, buckets), from `dataset`
-    data = open_splits(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=str(dataset))),
-                       grain_batches)[0]
-    history = []
-    for step in range(cfg.train.steps if steps is None else steps):
-        state, metrics = train_step(state, device_batch(data, step, layout.batch_sharding))
-        history.append(metrics)
+    first = cfg.train.steps if steps is None else steps
+    legs = [(cfg, 0, first)] if then is None else [(cfg, 0, then[0]), (then[1], then[0], then[1].train.steps)]
+    state, history = None, []
+    for leg, start, stop in legs:
+        layout, fresh, train_step = build_step(leg, parse_mesh(mesh), devices)
+        state = fresh if state is None else state
+        if len(batch_shapes(leg)) > 1:  # a ramp-up's or the buckets' shapes: the jitted step compiles each
+            train_step = make_train_step(layout)
+        # the training batches as the trainer makes them (windows, a ramp-up, buckets), from `dataset`
+        data = open_splits(dataclasses.replace(leg, data=dataclasses.replace(leg.data, dataset=str(dataset))),
+                           grain_batches)[0]
+        for step in range(start, stop):
+            state, metrics = train_step(state, device_batch(data, step, layout.batch_sharding))
+            history.append(metrics)
+    cfg = legs[-1][0]
     history = [{**m, **(expert_records(m["expert_stats"], cfg.model.moe_experts) if "expert_stats" in m else {})}
                for m in jax.device_get(history)]
     scalars = [k for k in history[0] if np.ndim(history[0][k]) == 0]  # loss, grad_norm, lr, the experts' records

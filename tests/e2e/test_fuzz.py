@@ -17,6 +17,7 @@ from parity_tests.fuzz import shrink
 from parity_tests.fuzz_cases import BASE, Case, draw_case, normalize
 from parity_tests.fuzz_docs import documented_refusal, indivisible
 from parity_tests.fuzz_run import Fuzzer, Outcome, Worker
+from parity_tests.fuzz_transitions import CHANGES, Transition, draw_transition, parse_any, refusal_of
 from tests.helpers import ROOT
 
 
@@ -39,6 +40,17 @@ def test_two_cases_of_this_commit(capsys):
     assert out.count(": equal (") + out.count(": refused (") == 2, out
 
 
+def test_two_transitions_of_this_commit(capsys):
+    """Two runs that change half-way (docs/fuzz.md 'Transitions'), drawn from the commit's seed."""
+    seed = commit_seed()
+    print(f"fuzz seed {seed}: python -m parity_tests.fuzz --seed {seed} --cases 2 --transition-share 1")
+    rc = fuzz.main(["--seed", str(seed), "--cases", "2", "--transition-share", "1", "--no-shrink"])
+    out = capsys.readouterr().out
+    print(out)
+    assert rc == 0, f"fuzz seed {seed} found a failure:\n{out[-6000:]}"
+    assert out.count(" | ") >= 2 and out.count(": equal (") + out.count(": refused (") == 2, out
+
+
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     w = Worker(str(tmp_path_factory.mktemp("fuzz-worker")))
@@ -49,7 +61,7 @@ def worker(tmp_path_factory):
 @pytest.mark.parametrize("spec", [pytest.param(spec, marks=pytest.mark.slow) if why.endswith("as drawn") else spec
                                   for spec, why in fuzz.REGRESSIONS])  # a case as drawn: its shrunk form by default
 def test_regression(spec, worker):
-    out = worker.run_case(Case.parse(spec))
+    out = worker.run_case(parse_any(spec))
     assert not out.failed, f"{spec}: {out.kind}\n{out.detail[:3000]}"
 
 
@@ -122,3 +134,38 @@ def test_a_refusal_the_docs_do_not_name_is_a_failure(fuzzer, monkeypatch):
     monkeypatch.setattr(fuzz_docs, "DOCUMENTED_REFUSALS", ())
     out = fuzzer.run_case(case)
     assert out.kind == "refused-promised" and out.failed and "promised by" in out.detail, out.detail
+
+
+def test_transition_draws_are_valid_and_cover_every_change():
+    """200 transitions: each leg a valid case (or a refusal the docs name), the step between the legs' ends, the
+    spec read back as drawn; the draws move across meshes, backends, world sizes and frameworks, change each key of
+    CHANGES, and hold batches larger than the smallest the splits divide."""
+    kinds, keys, batches = set(), set(), set()
+    for i in range(200):
+        t = draw_transition(random.Random(f"test:{i}"))
+        assert Transition.parse(t.spec) == t, t.spec
+        assert 1 <= t.at < min(t.steps(t.first), t.steps(t.then)), t.spec
+        for leg in (t.first, t.then):
+            assert normalize(leg) == leg and not indivisible(leg), t.spec
+            cfg = load_config(None, [*BASE, *leg.overrides])
+            if leg.side == "jax":
+                check_layout(cfg, leg.mesh())
+                check_contract(Run(cfg, "jaxpar", mesh=leg.mesh()))
+            else:
+                check_contract(Run(cfg, "torchpar", leg.backend, {"pp": leg.mesh()["pp"]}))
+        kinds.add(t.kind.split("+")[0])
+        keys.update(k for k in CHANGES if t.first.get(k) != t.then.get(k))
+        batches.add(int(t.first.get("train.global_batch_size", "8")))
+    assert {"framework", "backend", "world", "mesh"} <= kinds and keys == set(CHANGES), (kinds, keys)
+    assert max(batches) > 8
+    deepspeed_to_dcp = Transition.parse("torch deepspeed:2 | 1 | torch ddp:2")
+    assert refusal_of(deepspeed_to_dcp) and not refusal_of(Transition.parse("torch ddp:2 | 1 | torch fsdp:2"))
+
+
+def test_a_transition_that_ignores_its_change_differs(fuzzer):
+    """Both legs run with optim.lr=3e-3 appended, so the second leg's lr=1e-3 is lost as a resume that kept the old
+    setting would lose it: the joined run differs from one device's switched run, in the lr column first."""
+    broken = copy.copy(fuzzer)
+    broken.run_overrides = ["optim.lr=3e-3"]
+    out = broken.run_case(Transition.parse("jax dp=1 | 1 | jax dp=1 optim.lr=1e-3 train.steps=2"))
+    assert out.kind == "differs" and "lr: " in out.detail, out.detail
