@@ -50,11 +50,14 @@ def device_batch(data: GlobalBatches, step: int, sharding):
 
 
 def _prepare(args) -> None:
-    if args.pack < 0 or (args.pack == 0 and args.too_long != "refuse"):
-        raise UserError("--pack takes the seq_len of the windows (>= 1); --too-long goes with it")
+    if args.pack is not None and args.pack < 1:  # not packing is leaving --pack out, not --pack 0
+        raise UserError(f"--pack {args.pack}: --pack takes the data.seq_len of the windows, at least 1 (leave it out "
+                        "to cut a token stream)")
+    if args.pack is None and args.too_long != "refuse":
+        raise UserError("--too-long goes with --pack SEQ_LEN")
     sft = SftFields(args.prompt_field, args.completion_field, args.messages_field) if args.format == "sft" else None
-    meta = read_meta(prepare(args.inputs, args.out, args.tokenizer, args.text_field, args.workers, sft, args.pack,
-                             args.too_long))
+    meta = read_meta(prepare(args.inputs, args.out, args.tokenizer, args.text_field, args.workers, sft,
+                             args.pack or 0, args.too_long))
     print(f"wrote {args.out}: {meta['num_tokens']} tokens from {meta['num_documents']} documents")
     if "counted_tokens" in meta:
         counted = meta["counted_tokens"]
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--completion-field", default="completion")
     pp.add_argument("--messages-field", default="messages", help="a chat: a list of {role, content} messages, "
                     "the assistant's counted (used where a record has it, else prompt/completion)")
-    pp.add_argument("--pack", type=int, default=0, metavar="SEQ_LEN",
+    pp.add_argument("--pack", type=int, metavar="SEQ_LEN",
                     help="pack whole documents into windows for data.seq_len=SEQ_LEN (default: cut a token stream)")
     pp.add_argument("--too-long", choices=TOO_LONG, default="refuse",
                     help="with --pack, a document longer than a window is refused (default), split or dropped")

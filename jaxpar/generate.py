@@ -1,4 +1,4 @@
-"""python -m jaxpar.generate --run runs/gpt2-tiny --prompt "def " [--max-new-tokens 200] [--temperature 0.8
+"""python -m jaxpar.generate --run runs/gpt2-tiny --prompt "def " [--max-new-tokens N] [--temperature 0.8
     --top-k 40 --top-p 0.95 --seed 0 --num-samples 1 --mesh tp=4]
 
 Samples from a trained model: the latest checkpoint of a jaxpar run (`--run`, any family or variant, with its
@@ -14,7 +14,7 @@ from jaxpar.core.config import Config, config_for_weights
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.mesh_spec import parse_mesh
 from jaxpar.core.resume import read_run_config
-from jaxpar.core.sampling_cli import check_decodable, check_sampling, print_samples, sampling_parser
+from jaxpar.core.sampling_cli import check_sampling, decodable_tokens, print_samples, sampling_parser
 from jaxpar.core.tokens import text_codec
 from jaxpar.mesh import setup_devices
 
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     cfg, flat, tokenizer = load(args)
     encode, decode = text_codec(tokenizer)
     prompt = encode(args.prompt)
-    check_decodable(cfg.model, len(prompt), args.max_new_tokens)
+    args.max_new_tokens = decodable_tokens(cfg.model, len(prompt), args.max_new_tokens)  # what sample_rows reads
     print_samples(args.prompt, sample_rows(cfg, sizes, flat, prompt, args), decode)
     return 0
 

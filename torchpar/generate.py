@@ -1,4 +1,4 @@
-"""python -m torchpar.generate --run runs/x --prompt "def " [--max-new-tokens 200 --temperature 0.8 --top-k 40
+"""python -m torchpar.generate --run runs/x --prompt "def " [--max-new-tokens N --temperature 0.8 --top-k 40
     --top-p 0.95 --seed 0 --num-samples 1]
 
 Samples from a trained torchpar model: the latest checkpoint of a none / ddp / fsdp run (`--run`, loaded on
@@ -14,7 +14,7 @@ import torch
 from jaxpar.core.config import config_for_weights
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.resume import read_run_config
-from jaxpar.core.sampling_cli import check_decodable, check_sampling, print_samples, sampling_parser
+from jaxpar.core.sampling_cli import check_sampling, decodable_tokens, print_samples, sampling_parser
 from jaxpar.core.tokens import document_token, text_codec
 from jaxpar.core.weights import model_dims, read_settings, read_weights
 from torchpar import dist
@@ -52,9 +52,9 @@ def main(argv=None) -> int:
     model, tokenizer = load_model(args)
     encode, decode = text_codec(tokenizer)
     ids = encode(args.prompt)
-    check_decodable(model.cfg, len(ids), args.max_new_tokens)
+    new_tokens = decodable_tokens(model.cfg, len(ids), args.max_new_tokens)
     prompt = torch.tensor([ids] * args.num_samples, device=next(model.parameters()).device)
-    rows = generate(model.eval(), prompt, args.max_new_tokens, args.seed, args.temperature, args.top_k, args.top_p)
+    rows = generate(model.eval(), prompt, new_tokens, args.seed, args.temperature, args.top_k, args.top_p)
     print_samples(args.prompt, rows.tolist(), decode)
     return 0
 

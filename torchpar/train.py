@@ -3,8 +3,9 @@
 Also launched by `srun` (one task per process; ranks from SLURM_*) and by DeepSpeed's launcher.
 
 The same model, configs and data order as jaxpar.train, on PyTorch, through the same run sequence
-(jaxpar/core/run.py). Also: --deepspeed-config J (merged over the generated DeepSpeed JSON), --write-init PATH
-(write the initial weights in the shared safetensors format and exit), --write-final PATH (the final weights).
+(jaxpar/core/run.py). Also: --mesh M (parallel.mesh=M, as jaxpar.train's --mesh), --deepspeed-config J (merged over
+the generated DeepSpeed JSON), --write-init PATH (write the initial weights in the shared safetensors format and
+exit), --write-final PATH (the final weights).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m torchpar.train", description=__doc__)
     p.add_argument("--config", help="YAML config (configs/*.yaml); built-in defaults if omitted")
     p.add_argument("--backend", default="ddp", help=f"one of {', '.join(backends.BACKENDS)} (default ddp)")
+    p.add_argument("--mesh", help="the same as parallel.mesh=MESH, over the overrides (as in jaxpar.train)")
     p.add_argument("--deepspeed-config", default="", help="DeepSpeed JSON merged over the generated one")
     p.add_argument("--cpu-offload", action="store_true", help="replaced by the config key parallel.offload")
     p.add_argument("--write-init", metavar="PATH",
@@ -44,6 +46,12 @@ def parse_args(argv):
                    help="set by DeepSpeed's launcher (LOCAL_RANK in the environment says the same)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return p.parse_intermixed_args(argv)
+
+
+def read_config(args) -> Config:
+    """The config of the command line: --mesh is parallel.mesh's override, winning over any other (jaxpar.train's
+    --mesh wins over parallel.mesh too)."""
+    return load_config(args.config, args.overrides + ([f"parallel.mesh={args.mesh}"] if args.mesh else []))
 
 
 def build_model(cfg: Config) -> Decoder:
@@ -117,7 +125,7 @@ def main(argv=None) -> int:
     dist.adopt_slurm_env()
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    cfg = load_config(args.config, args.overrides)
+    cfg = read_config(args)
     check(cfg, args)
     check_resume(cfg)
     if args.write_init:  # one process, no group: rank 0 writes

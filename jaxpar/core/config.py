@@ -138,7 +138,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = field(default=300, metadata=_check(lo=0))
+    steps: int = field(default=300, metadata=_check(lo=1))  # a run trains; --write-init writes weights untrained
     global_batch_size: int = field(default=32, metadata=_check(lo=1))
     microbatches: int = field(default=1, metadata=_check(lo=1))  # gradient accumulation
     seed: int = 0

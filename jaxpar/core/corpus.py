@@ -8,6 +8,7 @@ import os
 from typing import Iterator
 
 from jaxpar.core.errors import UserError
+from jaxpar.core.packing import SftFields
 
 TEXT_SUFFIXES = (".py", ".txt", ".md")
 CORPUS_SUFFIXES = TEXT_SUFFIXES + (".jsonl", ".parquet")
@@ -43,6 +44,19 @@ def _text(value, where: str, field: str) -> bytes:
     return value.encode("utf-8")
 
 
+def _sft_hint(fields) -> str:
+    """Where a text record lacks its text but holds fine-tuning fields (packing.py's default names): the flag that
+    reads them."""
+    sft = SftFields()
+    if sft.messages in fields:
+        held = repr(sft.messages)
+    elif sft.prompt in fields and sft.completion in fields:
+        held = f"{sft.prompt!r}/{sft.completion!r}"
+    else:
+        return ""
+    return f", but has {held}: fine-tuning records are read with --format sft"
+
+
 def _jsonl(path: str) -> Iterator[tuple[str, dict]]:
     """(where, record) of each non-blank line: where is path:line, for messages."""
     try:
@@ -76,7 +90,7 @@ def _parquet(path: str, wanted: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
         columns = [c for c in wanted if c in table.schema_arrow.names]
         if not columns:
             raise UserError(f"{path}: no column {' or '.join(map(repr, wanted))} "
-                            f"(columns: {', '.join(table.schema_arrow.names)})")
+                            f"(columns: {', '.join(table.schema_arrow.names)}){_sft_hint(table.schema_arrow.names)}")
         n = 0
         for batch in table.iter_batches(columns=columns):
             for row in batch.to_pylist():
@@ -102,7 +116,7 @@ def documents(files: list[str], text_field: str = "text") -> Iterator[bytes]:
         if path.endswith((".jsonl", ".parquet")):
             for where, record in records([path], (text_field,)):
                 if text_field not in record:
-                    raise UserError(f"{where}: no field {text_field!r} (--text-field names it)")
+                    raise UserError(f"{where}: no field {text_field!r} (--text-field names it){_sft_hint(record)}")
                 yield _text(record[text_field], where, text_field)
         else:
             yield read_bytes(path)

@@ -114,7 +114,8 @@ def already_complete(cfg: Config, step: int, is_main: bool) -> bool:
     if step < cfg.train.steps:
         return False
     if is_main:
+        more = max(2 * step, step + 1)  # above the step reached, also at step 0
         print(f"{cfg.run.dir} is complete: its checkpoint is at step {step} and train.steps={cfg.train.steps}. To "
-              f"train on, raise train.steps (e.g. train.steps={2 * step}); to start anew, choose another run.dir",
+              f"train on, raise train.steps (e.g. train.steps={more}); to start anew, choose another run.dir",
               file=sys.stderr, flush=True)
     return True
