@@ -16,6 +16,7 @@ import os
 import random
 import sys
 import tempfile
+import traceback
 from dataclasses import dataclass
 
 from parity_tests.fuzz_cases import BASE, STEPS, Case, draw_jax, draw_torch, normalize
@@ -47,6 +48,9 @@ class Transition:
     @property
     def spec(self) -> str:
         return SEP.join([self.first.spec, str(self.at), self.then.spec])
+
+    def run(self, fuzzer):
+        return run_transition(fuzzer, self)
 
     def steps(self, leg: Case) -> int:
         return int(leg.get("train.steps", STEPS))
@@ -176,6 +180,8 @@ def run_transition(fuzzer, t: Transition):
         doc = refusal_of(t)
         return (Outcome("refused", f"{e} [documented: {doc}]") if doc else
                 Outcome("refused-promised", f"{e} [but promised by: docs/fuzz.md 'Transitions', design principle 9]"))
+    except Exception as e:  # a leg that crashed, hung or stopped at the wrong step
+        return Outcome("error", f"{type(e).__name__}: {str(e)[:300]}\n{traceback.format_exc()[-3000:]}")
     c = compare(got, ref, TOLERANCE)
     return Outcome("equal" if c.ok else "differs", "" if c.ok else c.message(), c.deviations)
 
