@@ -169,3 +169,20 @@ def test_a_transition_that_ignores_its_change_differs(fuzzer):
     broken.run_overrides = ["optim.lr=3e-3"]
     out = broken.run_case(Transition.parse("jax dp=1 | 1 | jax dp=1 optim.lr=1e-3 train.steps=2"))
     assert out.kind == "differs" and "lr: " in out.detail, out.detail
+
+
+def test_the_shrinker_reduces_a_transition_to_its_failing_change():
+    """A transition that fails whenever its second leg changes optim.lr: the mesh change, the other changed key and
+    the shared setting go; the lr change stays."""
+    class LrStub:
+        runs = []
+
+        def run_case(self, t):
+            self.runs.append(t.spec)
+            return Outcome("differs" if t.first.get("optim.lr") != t.then.get("optim.lr") else "equal")
+
+    t = Transition.parse("jax dp=2 model.remat=full | 2 | jax tp=2 model.remat=full optim.lr=1e-3 train.steps=4")
+    stub = LrStub()
+    small, out = shrink(stub, t, stub.run_case(t), log=lambda line: None)
+    assert small.spec == "jax dp=2 | 2 | jax dp=2 optim.lr=1e-3" and out.kind == "differs", small.spec
+    assert len(stub.runs) == len(set(stub.runs))
