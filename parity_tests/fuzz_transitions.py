@@ -86,16 +86,33 @@ def _valid(case: Case) -> bool:
 
     if invalid_config(case) or indivisible(case):
         return False
+    from jaxpar.core.batch_shapes import for_each_shape
+
     cfg = load_config(None, [*BASE, *case.overrides])
-    try:
+    try:  # every batch shape of a ramp-up or of buckets, as the trainers check them
         if case.side == "jax":
-            check_layout(cfg, case.mesh())
+            for_each_shape(cfg, lambda at: check_layout(at, case.mesh()))
             check_contract(Run(cfg, "jaxpar", mesh=case.mesh()))
         else:
+            _check_torch(cfg, case)
             check_contract(Run(cfg, "torchpar", case.backend, {"pp": case.mesh()["pp"]}))
     except UserError:
         return False
     return True
+
+
+def _check_torch(cfg, case: Case) -> None:
+    """torchpar's batch checks (torchpar/checks.py) for the case's world size."""
+    from torchpar.backends.pipeline import check_torch_pipeline
+    from torchpar.checks import check_batch
+
+    from jaxpar.core.batch_shapes import for_each_shape
+
+    world = max(case.world, 1)
+    if case.backend == "pipeline":
+        check_torch_pipeline(cfg, world)
+    else:
+        for_each_shape(cfg, lambda at: check_batch(at, world))
 
 
 def _layout_for(rng: random.Random, first: Case, side: str, keep, tries: int = 60) -> Case | None:
