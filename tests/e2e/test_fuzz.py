@@ -9,6 +9,7 @@ import time
 import pytest
 
 from jaxpar.checks import check_layout
+from jaxpar.core.batch_shapes import for_each_shape
 from jaxpar.core.config import load_config
 from jaxpar.core.contract import Run, check_contract
 from jaxpar.core.errors import UserError
@@ -149,7 +150,7 @@ def test_transition_draws_are_valid_and_cover_every_change():
             assert normalize(leg) == leg and not indivisible(leg), t.spec
             cfg = load_config(None, [*BASE, *leg.overrides])
             if leg.side == "jax":
-                check_layout(cfg, leg.mesh())
+                for_each_shape(cfg, lambda at: check_layout(at, leg.mesh()))  # a ramp-up's every size
                 check_contract(Run(cfg, "jaxpar", mesh=leg.mesh()))
             else:
                 check_contract(Run(cfg, "torchpar", leg.backend, {"pp": leg.mesh()["pp"]}))
