@@ -1,5 +1,5 @@
-"""The run sequence, written once for both trainers: move an old run aside, restore or initialise, record the
-config, train in the shared loop (jaxpar/core/loop.py), write the final weights.
+"""The run sequence, written once for both trainers: lock run.dir (jaxpar/core/run_lock.py), move an old run aside,
+restore or initialise, record the config, train in the shared loop (jaxpar/core/loop.py), write the final weights.
 
 A trainer (jaxpar/train.py, torchpar/train.py) parses its arguments, checks them, sets up its devices or
 process group and reads its inputs, then hands a `Trainer` -- its adapter -- to `run_training`. Nothing here
@@ -16,6 +16,7 @@ from jaxpar.core.flops import flops_per_token
 from jaxpar.core.loop import Framework, ignore_stop_requests, run_loop
 from jaxpar.core.metrics_log import MetricsLog
 from jaxpar.core.resume import already_complete, start_anew, write_run_config
+from jaxpar.core.run_lock import RunLock
 from jaxpar.core.trackers import open_trackers
 
 
@@ -53,34 +54,41 @@ class Trainer(Protocol):
 
 
 def run_training(cfg: Config, trainer: Trainer, stop: dict, write_final: str | None = None) -> int:
-    """After the trainer's own checks and set-up (a refused run moves and writes nothing): the run."""
-    move_old_run_aside(cfg, trainer)
-    os.makedirs(cfg.run.dir, exist_ok=True)
-    try:
-        step = trainer.restore_or_init()
-        if trainer.is_main:
-            write_run_config(cfg, **trainer.run_config())
-        if not already_complete(cfg, step, trainer.is_main):
-            train_from(cfg, trainer, step, stop)
-        if write_final:
-            trainer.write_weights(write_final, "final")
-    finally:
-        trainer.close()
+    """After the trainer's own checks and set-up (a refused run moves and writes nothing): the run, with run.dir
+    locked by the main process until its end (the kernel lets go if the process dies)."""
+    with RunLock(cfg.run.dir) as lock:
+        claim_run_dir(cfg, trainer, lock)
+        try:
+            step = trainer.restore_or_init()
+            if trainer.is_main:
+                write_run_config(cfg, **trainer.run_config())
+            if not already_complete(cfg, step, trainer.is_main):
+                train_from(cfg, trainer, step, stop)
+            if write_final:
+                trainer.write_weights(write_final, "final")
+        finally:
+            trainer.close()
     ignore_stop_requests()  # the run is saved: a late SIGTERM must not turn the clean exit into a kill
     return 0
 
 
-def move_old_run_aside(cfg: Config, trainer: Trainer) -> None:
-    """checkpoint.resume=false on a run directory: the main process moves the old run aside, and no process
-    touches run.dir before it has -- or all stop, when it could not."""
+def claim_run_dir(cfg: Config, trainer: Trainer, lock: RunLock) -> None:
+    """The main process locks run.dir (another run there refuses this one) and, for checkpoint.resume=false on a run
+    directory, moves the old run aside -- its lock file goes with it: the new run.dir is locked too. No process
+    touches run.dir before -- or all stop, when the main process could not."""
     failure = None
     try:
+        if trainer.is_main:
+            lock.acquire()
         start_anew(cfg, trainer.is_main)
+        if trainer.is_main:
+            lock.acquire()
     except (OSError, UserError) as e:
         failure = e
     if trainer.any_of(failure is not None):
-        raise failure or UserError(f"{cfg.run.dir}: the main process could not move the old run aside (its line "
-                                   "says why)")
+        raise failure or UserError(f"{cfg.run.dir}: the main process could not move the old run aside, or not lock "
+                                   "run.dir (its line says why)")
+    os.makedirs(cfg.run.dir, exist_ok=True)
 
 
 def train_from(cfg: Config, trainer: Trainer, step: int, stop: dict) -> None:

@@ -11,12 +11,14 @@ the same count, so both read and write this file as it is.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
 import numpy as np
 
 from jaxpar.core.errors import UserError
+from jaxpar.core.run_lock import RunLock
 
 KINDS = ("param", "adam_m", "adam_v")
 
@@ -31,6 +33,15 @@ def refuse_mixing(run_dir: str) -> None:
     """One line if a run directory a conversion would write already holds checkpoints (two runs never mix)."""
     if os.path.exists(os.path.join(run_dir, "checkpoints")):
         raise UserError(f"{run_dir} already holds checkpoints; refusing to mix runs")
+
+
+@contextlib.contextmanager
+def writing_run(run_dir: str):
+    """While a conversion writes a run directory: it is its one writer (jaxpar/core/run_lock.py; a trainer or
+    another conversion there refuses it), and the directory holds no checkpoints (checked again under the lock)."""
+    with RunLock(run_dir).acquire():
+        refuse_mixing(run_dir)
+        yield
 
 
 def state_for_run(src: str, run_dir: str):

@@ -32,7 +32,7 @@ import sys
 import numpy as np
 
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.train_state import refuse_mixing
+from jaxpar.core.train_state import refuse_mixing, writing_run
 from jaxpar.core.weights import SETTINGS, flatten, model_dims, read_settings, read_weights, save_weights, unflatten
 from jaxpar.tools import hf_gpt2, hf_llama, hf_mixtral
 from jaxpar.tools.convert_state import single_device_layout
@@ -89,12 +89,12 @@ def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict, src: str
 
         cfg = config_for_weights(model, f"run.dir={dst}")
         state = state_from_params(single_device_layout(cfg), unflatten(flat))
-        os.makedirs(dst, exist_ok=True)
-        with open(os.path.join(dst, "config.json"), "w") as f:
-            json.dump({**cfg.to_dict(), "converted_from": os.path.abspath(src)}, f, indent=2)
-        ckpt = Checkpointer(dst, cfg.checkpoint.keep)
-        ckpt.save(0, state, {"step": 0, "data_step": 0, "mesh": "dp=1"})
-        ckpt.close()
+        with writing_run(dst):
+            with open(os.path.join(dst, "config.json"), "w") as f:
+                json.dump({**cfg.to_dict(), "converted_from": os.path.abspath(src)}, f, indent=2)
+            ckpt = Checkpointer(dst, cfg.checkpoint.keep)
+            ckpt.save(0, state, {"step": 0, "data_step": 0, "mesh": "dp=1"})
+            ckpt.close()
 
 
 @cli

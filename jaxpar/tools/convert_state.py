@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.train_state import save_state, state_for_run, state_meta, write_moved_config
+from jaxpar.core.train_state import save_state, state_for_run, state_meta, write_moved_config, writing_run
 from jaxpar.core.weights import flatten, unflatten
 
 
@@ -75,8 +75,9 @@ def import_state(src: str, run_dir: str) -> int:
         ls = meta.get("loss_scale") or {"scale": cfg.optim.loss_scale_init, "good_steps": 0, "skipped": 0}
         state["loss_scale"] = {"scale": jnp.asarray(ls["scale"], jnp.float32),
                                **{k: jnp.asarray(ls[k], jnp.int32) for k in ("good_steps", "skipped")}}
-    write_moved_config(cfg, meta, src)
-    ckpt = Checkpointer(run_dir, cfg.checkpoint.keep)
-    ckpt.save(int(meta["step"]), state, {"step": int(meta["step"]), "data_step": int(meta["step"]), "mesh": "dp=1"})
-    ckpt.close()
+    with writing_run(run_dir):
+        write_moved_config(cfg, meta, src)
+        ckpt = Checkpointer(run_dir, cfg.checkpoint.keep)
+        ckpt.save(int(meta["step"]), state, {"step": int(meta["step"]), "data_step": int(meta["step"]), "mesh": "dp=1"})
+        ckpt.close()
     return int(meta["step"])

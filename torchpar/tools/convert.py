@@ -21,7 +21,7 @@ import torch
 
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.resume import read_run_config
-from jaxpar.core.train_state import save_state, state_for_run, state_meta, write_moved_config
+from jaxpar.core.train_state import save_state, state_for_run, state_meta, write_moved_config, writing_run
 from torchpar import dist
 from torchpar.backends import none
 from torchpar.models.decoder import Decoder
@@ -41,14 +41,15 @@ def import_state(src: str, run_dir: str) -> int:
     for name, p in engine.raw.named_parameters():  # torch's AdamW state: the same moments, the same count
         engine.optimizer.state[p] = {"step": torch.tensor(float(meta["adam_step"])), "exp_avg": m[name],
                                      "exp_avg_sq": v[name]}
-    write_moved_config(cfg, meta, src, backend="none")
     if engine.scaler is not None and "loss_scale" in meta:  # float16: GradScaler's scale and growth count
         ls = meta["loss_scale"]
         engine.scaler.load_state_dict({**engine.scaler.state_dict(), "scale": ls["scale"],
                                        "_growth_tracker": ls["good_steps"]})
         engine.skipped = ls["skipped"]
     step = int(meta["step"])
-    engine.save(step, {"step": step, "data_step": step, "backend": "none", "world_size": 1})
+    with writing_run(run_dir):
+        write_moved_config(cfg, meta, src, backend="none")
+        engine.save(step, {"step": step, "data_step": step, "backend": "none", "world_size": 1})
     return step
 
 
@@ -88,8 +89,9 @@ def import_deepspeed(src: str, run_dir: str, zero_stage: int | None) -> int:
         ds.lr_scheduler.last_epoch = step - 1
         ds.lr_scheduler.step()  # the lr of update `step` (0-based), as a run that did `step` updates has it
         ds.global_steps, ds.global_samples = step, step * cfg.train.global_batch_size
-        write_moved_config(cfg, meta, src, backend="deepspeed")
-        engine.save(step, {"step": step, "data_step": step, "backend": "deepspeed", "world_size": 1})
+        with writing_run(run_dir):
+            write_moved_config(cfg, meta, src, backend="deepspeed")
+            engine.save(step, {"step": step, "data_step": step, "backend": "deepspeed", "world_size": 1})
         return step
     finally:
         dist.teardown()
