@@ -236,7 +236,7 @@ def _joined_run(fuzzer, t: Transition):
     then_dir = first_dir
     if t.then.side != t.first.side:
         then_dir = os.path.join(root, "then")
-        _convert(fuzzer, t.first.side, first_dir, then_dir)
+        _convert(fuzzer, t.first, t.then, first_dir, then_dir)
     _leg(fuzzer, t.then, then_dir, ["--write-final", final], {}, saved=t.steps(t.then))
     records = {**fuzzer.metrics(first_dir), **fuzzer.metrics(then_dir)}
     steps = range(1, t.steps(t.then) + 1)
@@ -271,14 +271,16 @@ def _leg(fuzzer, case: Case, run_dir: str, extra: list[str], fault: dict, saved:
                            f"{text[-2000:]}")
 
 
-def _convert(fuzzer, side: str, src: str, dst: str) -> None:
-    """The whole training state into the other framework's run directory (jaxpar.tools.convert, one command)."""
+def _convert(fuzzer, first: Case, then: Case, src: str, dst: str) -> None:
+    """The whole training state into the other framework's run directory (jaxpar.tools.convert, one command; a
+    DeepSpeed run of the second leg's ZeRO stage where it runs DeepSpeed)."""
     from jaxpar.core.errors import UserError
 
-    other = "torchpar" if side == "jax" else "jaxpar"
-    source = "jaxpar" if side == "jax" else "torchpar"
-    rc, text = fuzzer.launch([sys.executable, "-m", "jaxpar.tools.convert", "--from", source, src, "--to", other,
-                              dst], {})
+    target = ["--to", "jaxpar"] if then.side == "jax" else ["--to", "torchpar"]
+    if then.backend == "deepspeed":
+        target = ["--to", "deepspeed", "--zero-stage", then.get("parallel.zero_stage", "0")]
+    source = "jaxpar" if first.side == "jax" else "torchpar"
+    rc, text = fuzzer.launch([sys.executable, "-m", "jaxpar.tools.convert", "--from", source, src, *target, dst], {})
     errors = [line[len("error: "):] for line in text.splitlines() if line.startswith("error: ")]
     if rc != 0:
         raise (UserError(errors[0]) if errors else RuntimeError(f"convert exited {rc}\n{text[-3000:]}"))
