@@ -123,7 +123,9 @@ def _layout_for(rng: random.Random, first: Case, side: str, keep, tries: int = 6
         drawn = draw_jax(rng) if side == "jax" else draw_torch(rng)
         parallel = {k: v for k, v in drawn.settings if k.startswith("parallel.")}
         cand = normalize(Case(side, drawn.layout, tuple(sorted({**shared, **parallel}.items()))))
-        if keep(cand) and _valid(cand) and not documented_refusal(cand):
+        # a layout whose run would not consume one of the model's keys (fsdp and deepspeed refuse the balance bias)
+        # is another model: not a transition of this one
+        if keep(cand) and _shared(cand) == shared and _valid(cand) and not documented_refusal(cand):
             return cand
     return None
 
