@@ -154,6 +154,8 @@ def test_transition_draws_are_valid_and_cover_every_change():
                 check_contract(Run(cfg, "jaxpar", mesh=leg.mesh()))
             else:
                 check_contract(Run(cfg, "torchpar", leg.backend, {"pp": leg.mesh()["pp"]}))
+        shaping = {k for leg in (t.first, t.then) for k, _ in leg.settings if k.startswith(("model.", "data."))}
+        assert all(t.first.get(k) == t.then.get(k) for k in shaping), t.spec  # one model, one data order
         kinds.add(t.kind.split("+")[0])
         keys.update(k for k in CHANGES if t.first.get(k) != t.then.get(k))
         batches.add(int(t.first.get("train.global_batch_size", "8")))
