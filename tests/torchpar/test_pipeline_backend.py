@@ -1,10 +1,11 @@
-"""torchpar's pipeline backend, what it refuses before a process group exists (in-process; the runs that train
-are in test_torchpar.py)."""
+"""torchpar's pipeline backend: what it refuses before a process group exists (in-process), and pp x dp with as
+many pipeline microbatches as stages (most runs that train are in test_torchpar.py)."""
 import pytest
 
 from jaxpar.core.errors import UserError
 from torchpar.backends.pipeline import check_torch_pipeline, pipeline_sizes
-from tests.helpers import tiny_config
+from tests.helpers import metrics, tiny_config
+from tests.torchpar.runs import assert_same_run, run
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved", "zb_h1"])
@@ -33,3 +34,13 @@ def test_pp_by_fsdp_runs_one_stage_per_rank_schedules(schedule):
     assert pipeline_sizes(cfg, 4) == (2, 2, "fsdp")
     with pytest.raises(UserError, match="pp with dp .* or with fsdp .* not both"):
         check_torch_pipeline(tiny_config("model.n_layer=4", "parallel.mesh=pp=2,dp=2,fsdp=2"), 8)
+
+
+def test_pp_by_dp_with_as_many_microbatches_as_stages(base, reference, tmp_path):
+    """parallel.mesh=pp=2,dp=2, 1f1b with 2 pipeline microbatches (one per stage), 2 accumulation microbatches: the
+    one-process run. Stage 0 then runs both forwards before its backwards; DDP's reducer, armed by torch's shape
+    inference outside no_sync, took every backward of the first pipeline step into its bucket rebuild and failed
+    an internal assert at the next forward (fuzz: "[Stage 0] failed to run forward")."""
+    run(["--backend", "pipeline", *base["args"], "parallel.mesh=pp=2,dp=2", "parallel.pipeline_schedule=1f1b",
+         "parallel.pipeline_microbatches=2", "train.microbatches=2", f"run.dir={tmp_path}"], nproc=4)
+    assert_same_run(metrics(tmp_path), reference)

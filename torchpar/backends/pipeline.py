@@ -100,8 +100,8 @@ def check_torch_pipeline(cfg, world: int) -> int:
         raise UserError(f"--backend pipeline: parallel.mesh with fsdp={D} runs parallel.pipeline_schedule=gpipe or "
                         f"1f1b (FSDP2 inside the stages), not {p.pipeline_schedule}")
     if D > 1 and axis == "dp" and p.pipeline_schedule != "1f1b":
-        # torch's DDP-in-stage path (PipelineStage.backward_maybe_with_nosync) trips DDP's bucket rebuild under
-        # gpipe/interleaved and bypasses its gradient hooks in zb_h1's weight pass (docs/fuzz.md, case 99)
+        # zb_h1's weight pass bypasses DDP's gradient hooks (docs/fuzz.md, case 99); gpipe/interleaved failed in
+        # DDP's bucket rebuild, whose cause hold_sync removes (not yet tested under pp x dp: still refused)
         raise UserError(f"--backend pipeline: parallel.mesh with dp={D} runs parallel.pipeline_schedule=1f1b only "
                         f"(got {p.pipeline_schedule}: DDP inside torch's pipeline stages is not correct with it)")
     if p.pipeline_schedule in ("zb_h1", "zb_v") and cfg.model.remat == "save_matmuls":
@@ -228,4 +228,15 @@ def build(model: Decoder, cfg, env, **_):
     elif place.replicas > 1:  # DDP per chunk over dp; the pipeline stage runs its all-reduce on the last backward
         ids = [env.device.index] if env.device.type == "cuda" else None
         chunks = [DDP(chunk, device_ids=ids, process_group=place.dp_group) for chunk in chunks]
+        for chunk in chunks:
+            hold_sync(chunk)
     return PipelineEngine(rank, chunks, cfg, env, M, place)
+
+
+def hold_sync(ddp: DDP) -> None:
+    """Leave DDP's all-reduce to the stage's last backward (PipelineStage arms the reducer there itself). The stage
+    runs its microbatch forwards under no_sync, but torch 2.13's shape inference at the first step calls the DDP
+    module outside it, which arms the reducer: the first step's earlier backwards then all-reduced too and each
+    fed DDP's one-time bucket rebuild, which with every backward before the next forward (stage 0 when
+    pipeline_microbatches == stages) saw each parameter twice and failed an internal assert."""
+    ddp.require_backward_grad_sync = False  # what no_sync sets; the forward then never arms the reducer
