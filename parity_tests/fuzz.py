@@ -76,6 +76,10 @@ REGRESSIONS = (
     ("torch deepspeed:2 parallel.zero_stage=2 | 2 | torch deepspeed:2 parallel.zero_stage=2 train.steps=5",
      "2026-11-26, the first transition (issue 44's report): DeepSpeed's restored scheduler kept the old horizon, "
      "lr at step 5 3.0e-4 where one device has 1.65e-3, parameters 1.1e-2 off"),
+    ("torch pipeline:4 parallel.mesh=pp=2,dp=2 parallel.pipeline_schedule=1f1b parallel.pipeline_microbatches=2",
+     "seed 44001 case 11 (a transition onto pp x dp; shrunk by hand): as many pipeline microbatches as stages let "
+     "DDP rebuild its buckets from two backwards (an internal assert in stage 0's forward); DDP's sync now held to "
+     "the last backward (torchpar/backends/pipeline.py)"),
 )
 
 
