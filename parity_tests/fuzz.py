@@ -79,7 +79,8 @@ REGRESSIONS = (
     ("torch pipeline:4 parallel.mesh=pp=2,dp=2 parallel.pipeline_schedule=1f1b parallel.pipeline_microbatches=2",
      "seed 44001 case 11 (a transition onto pp x dp; shrunk by hand): as many pipeline microbatches as stages let "
      "DDP rebuild its buckets from two backwards (an internal assert in stage 0's forward); DDP's sync now held to "
-     "the last backward (torchpar/backends/pipeline.py)"),
+     "the last backward (torchpar/backends/pipeline.py); held by "
+     "tests/torchpar/test_pipeline_backend.py::test_pp_by_dp_with_as_many_microbatches_as_stages"),
 )
 
 
