@@ -37,6 +37,13 @@ def distributed_env() -> tuple[dict | None, int]:
     return None, 1
 
 
+def process_id() -> int:
+    """This process's index among the run's processes, before jax.distributed starts (which would tell): the
+    launcher's variables, as distributed_env reads them (srun: SLURM_PROCID); 0 for one process."""
+    dist, _ = distributed_env()
+    return int(dist["process_id"]) if dist and "process_id" in dist else int(os.environ.get("SLURM_PROCID", "0"))
+
+
 def _has_accelerator() -> bool:
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if platforms:

@@ -11,7 +11,7 @@ from jaxpar import loss_scale
 from jaxpar.checkpoint import abstract_like
 from jaxpar.layout import Layout
 from jaxpar.models.decoder import Decoder
-from jaxpar.optim import make_optimizer
+from jaxpar.optim import make_optimizer, with_clip_slot
 from jaxpar.parallel import powersgd
 
 
@@ -44,6 +44,7 @@ def abstract_state(layout: Layout):
 
 def restore_latest(ckpt, layout: Layout):
     """(state, meta) of the newest loadable checkpoint in `ckpt` (a Checkpointer), in the layout's shardings,
-    PowerSGD's per-data-rank state fitted to this layout; None if there is no checkpoint."""
+    PowerSGD's per-data-rank state fitted to this layout (and an older unclipped optimizer state to today's);
+    None if there is no checkpoint."""
     abstract = abstract_state(layout)
-    return ckpt.restore_latest(abstract, fit=powersgd.restore_fit(layout, abstract))
+    return ckpt.restore_latest(abstract, fit=with_clip_slot(powersgd.restore_fit(layout, abstract)))

@@ -29,7 +29,7 @@ from jaxpar.core.weights import flatten, load_weights, save_weights, unflatten
 from jaxpar.data import grain_batches
 from jaxpar.framework import JaxFramework, any_process
 from jaxpar.layout import Layout
-from jaxpar.mesh import make_mesh, setup_devices, show_library_logs
+from jaxpar.mesh import make_mesh, process_id, setup_devices, show_library_logs
 
 
 def parse_args(argv):
@@ -114,7 +114,7 @@ class JaxTrainer:
 
 def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_final: str | None = None) -> int:
     sizes = parse_mesh(mesh_spec)
-    check_resume(cfg)
+    check_resume(cfg, is_main=process_id() == 0)  # before the processes join: what their launcher says
     check_trackers(cfg)
     if cfg.run.debug:
         show_library_logs()

@@ -127,7 +127,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     cfg = read_config(args)
     check(cfg, args)
-    check_resume(cfg)
+    check_resume(cfg, is_main=launch_env()[0] == 0)  # before the group: torchrun's (or srun's adopted) rank
     if args.write_init:  # one process, no group: rank 0 writes
         if launch_env()[0] == 0:
             TorchTrainer(cfg, args.backend, "", dist.Env(0, 1, 0, torch.device("cpu")), None).write_weights(

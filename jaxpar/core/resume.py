@@ -4,8 +4,9 @@ Keys that decide the parameters' shapes or the data a step reads must match, or 
 load into the wrong model or continue on other batches: one line naming every such key, exit 2,
 nothing touched (a run written by `jaxpar.tools.convert` has read no data yet: there only the model keys
 must match, so fine-tuning picks its own data and batch). Everything else (mesh, steps, learning rate,
-checkpoint cadence, ...) may change
-and is printed (on stdout, with the progress).
+checkpoint cadence, ...) may change, is printed once (by the main process, on stdout, with the progress), and the
+resumed run acts on it in every trainer and backend: what a checkpoint holds of a setting (an optimizer's
+hyperparameters, a scheduler, a loss scaler's rules) never wins over the config (torchpar/optim.py, jaxpar/optim.py).
 """
 from __future__ import annotations
 
@@ -56,9 +57,9 @@ def read_run_config(run_dir: str) -> Config:
     return config_from_dict({k: v for k, v in saved.items() if isinstance(v, dict)})
 
 
-def check_resume(cfg: Config) -> None:
+def check_resume(cfg: Config, is_main: bool = True) -> None:
     """Compare with the config the run was started with, when run.dir holds a checkpoint to resume (first:
-    run.dir is usable at all)."""
+    run.dir is usable at all). Every process checks (each refuses alike); the main one says what changed."""
     check_output_dir(cfg.run.dir, "run.dir")
     run_dir, path = cfg.run.dir, os.path.join(cfg.run.dir, "config.json")
     ckpts = os.path.join(run_dir, "checkpoints")
@@ -85,8 +86,9 @@ def check_resume(cfg: Config) -> None:
         detail = ", ".join(f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in fixed)
         raise UserError(f"{run_dir} was started with another {'/'.join(fixed)} ({detail}); resume with the "
                         f"run's values, or use a new run.dir (or checkpoint.resume=false: the old run is moved aside)")
-    for k, (old, new) in changed.items():
-        print(f"resuming with {k} changed: {old!r} -> {new!r}", flush=True)
+    if is_main:
+        for k, (old, new) in changed.items():
+            print(f"resuming with {k} changed: {old!r} -> {new!r}", flush=True)
 
 
 def start_anew(cfg: Config, is_main: bool) -> None:
