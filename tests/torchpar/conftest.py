@@ -1,1 +1,1 @@
-from tests.torchpar.runs import base, reference  # noqa: F401 - the shared fixtures
+from tests.torchpar.runs import base, changed_reference, reference  # noqa: F401 - the shared fixtures

@@ -1,12 +1,22 @@
 """What the torchpar tests share: running torchpar.train (plain or under torchrun) with the abort and exit checks,
 the tiny config on a synthetic dataset from one initial-weights file (`base`), the one-process run every backend
-is held to (`reference`), and that comparison. Registered for tests/torchpar by its conftest.py."""
+is held to (`reference`), and that comparison; a run resumed with other settings (`CHANGED`) and the run it must
+equal (`changed_reference`). Registered for tests/torchpar by its conftest.py."""
 import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from tests.helpers import ABORTS, TINY, make_dataset, metrics, run_in_session, torch_command, torch_env
+from jaxpar.core.lr_schedule import lr_at
+from tests.helpers import ABORTS, TINY, make_dataset, metrics, run_in_session, tiny_config, torch_command, torch_env
+
+# A resume that changes settings (DESIGN.md 9): a run of the tiny config stopped after step 4, resumed with every
+# key that shapes the schedule or the update changed (the grad norms of the tiny run are about 2: both
+# thresholds clip; eps is near the gradients' scale)
+CHANGED = ["train.steps=12", "optim.lr=5e-3", "optim.min_lr=2e-3", "optim.weight_decay=0.3", "optim.beta1=0.8",
+           "optim.beta2=0.99", "optim.eps=1e-4", "optim.grad_clip=0.5"]
+STOP = 4  # the checkpoint the changed run resumes from
 
 
 def run(args: list[str], nproc: int = 0, expect_rc=0, timeout: int = 120, **env) -> subprocess.CompletedProcess:
@@ -47,3 +57,37 @@ def assert_same_run(got: dict, ref: dict, steps=range(1, 11)) -> None:
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     np.testing.assert_allclose([got[s]["grad_norm"] for s in steps], [ref[s]["grad_norm"] for s in steps], rtol=1e-4)
     np.testing.assert_allclose([got[s]["lr"] for s in steps], [ref[s]["lr"] for s in steps], rtol=1e-6)
+
+
+@pytest.fixture(scope="session")
+def changed_reference(base):
+    """jaxpar's run (one device) stopped by SIGTERM after step STOP and resumed with CHANGED: what a resumed run with
+    those changes must be in every backend. An independent reading: jaxpar keeps no hyperparameter in its state
+    (optax's transforms close over the config), torch keeps them in the optimizer's and the scheduler's."""
+    run_dir = base["tmp"] / "changed-jaxpar"
+    command = [sys.executable, "-m", "jaxpar.train", *base["args"], f"run.dir={run_dir}"]
+    for extra, env in (([], {"JAXPAR_FAULT_SIGTERM_AFTER_STEP": str(STOP)}), (CHANGED, {})):
+        out = run_in_session(command + extra, torch_env(JAXPAR_CPU_DEVICES="1", **env), 180, "jaxpar's changed run")
+        assert out.returncode == 0, out.stderr[-3000:]
+    return metrics(run_dir)
+
+
+def expected_lr(step: int) -> float:
+    """The lr of (1-based) `step` in the changed run: the tiny config's schedule up to step STOP, CHANGED's after
+    (lr_at, the shared formula, is the schedule's definition)."""
+    cfg = tiny_config(*(CHANGED if step > STOP else []))
+    return lr_at(step - 1, cfg.optim, cfg.train.steps)
+
+
+def assert_changed_run(got: dict, ref: dict) -> None:
+    """`got` is the run resumed with CHANGED: equal to `changed_reference` in loss, grad norm and lr, and its lr the
+    schedule's of the settings in force at each step."""
+    steps = range(1, 13)
+    assert_same_run(got, ref, steps)
+    np.testing.assert_allclose([got[s]["lr"] for s in steps], [expected_lr(s) for s in steps], rtol=1e-6)
+
+
+def assert_notes_once(out: subprocess.CompletedProcess) -> None:
+    """Every changed key said once, however many processes run (by the main one)."""
+    keys = [line.split()[2] for line in out.stdout.splitlines() if line.startswith("resuming with")]
+    assert len(keys) == len(set(keys)) and {c.split("=")[0] for c in CHANGED} <= set(keys), out.stdout[-3000:]

@@ -1,35 +1,57 @@
 """torchpar --backend deepspeed checkpoints: resume after SIGKILL, and on another number of ranks (through
-DeepSpeed's universal checkpoint)."""
+DeepSpeed's universal checkpoint), each with the settings changed on resume (runs.CHANGED: the schedule's keys,
+weight decay, betas, eps, clipping), so the run must be jaxpar's given the same change (`changed_reference`): what
+DeepSpeed restores of a setting (its scheduler's state, the optimizer's param_groups, the clipping threshold, the
+loss scaler's rules) never wins over the config."""
 import pytest
 
 from tests.helpers import metrics
-from tests.torchpar.runs import assert_same_run, run
+from tests.torchpar.runs import CHANGED, STOP, assert_changed_run, assert_notes_once, run
 
 
-def test_deepspeed_resume_after_sigkill(base, reference):
-    """ZeRO-3 with DeepSpeed's own gradient accumulation (2 microbatches), killed after step 6."""
-    run_dir = base["tmp"] / "ds-killed"
-    args = ["--backend", "deepspeed", *base["args"], "parallel.zero_stage=3", "train.microbatches=2",
-            "checkpoint.every=4", f"run.dir={run_dir}"]
+@pytest.mark.parametrize("stage", [3, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+def test_deepspeed_resume_after_sigkill(stage, base, changed_reference):
+    """ZeRO-3 with DeepSpeed's own gradient accumulation (2 microbatches), killed after step 6 and resumed from
+    its step-4 checkpoint with other settings."""
+    run_dir = base["tmp"] / f"ds-killed-{stage}"
+    args = ["--backend", "deepspeed", *base["args"], f"parallel.zero_stage={stage}", "train.microbatches=2",
+            f"checkpoint.every={STOP}", f"run.dir={run_dir}"]
     run(args, nproc=2, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
     assert max(metrics(run_dir)) == 6
-    out = run(args, nproc=2)
+    out = run(args + CHANGED, nproc=2)
     assert "resumed from" in out.stderr
-    assert_same_run(metrics(run_dir), reference)
+    assert_notes_once(out)
+    assert_changed_run(metrics(run_dir), changed_reference)
 
 
-@pytest.mark.parametrize("stage,nproc", [(2, 0), (3, 0), pytest.param(2, 4, marks=pytest.mark.slow),
+@pytest.mark.parametrize("stage,nproc", [(2, 0), (3, 0), pytest.param(1, 0, marks=pytest.mark.slow),
+                                         pytest.param(2, 4, marks=pytest.mark.slow),
                                          pytest.param(3, 4, marks=pytest.mark.slow)])
-def test_deepspeed_resumes_on_another_number_of_ranks(stage, nproc, base, reference):
-    """A ZeRO checkpoint of 2 ranks resumes on 1 (or 4) through DeepSpeed's universal checkpoint: the same run as
-    one process (ZeRO-3: with the loader's two slips repaired, deepspeed_universal.repair_zero3_load), and the
-    converted copy gone once loaded."""
+def test_deepspeed_resumes_on_another_number_of_ranks(stage, nproc, base, changed_reference):
+    """A ZeRO checkpoint of 2 ranks resumes on 1 (or 4) through DeepSpeed's universal checkpoint, with other
+    settings: jaxpar's run given the same change (ZeRO-3: with the loader's slip repaired,
+    deepspeed_universal.repair_zero3_load), and the converted copy gone once loaded."""
     run_dir = base["tmp"] / f"ds-reshard-{stage}-{nproc}"
-    args = ["--backend", "deepspeed", *base["args"], f"parallel.zero_stage={stage}", "checkpoint.every=4",
+    args = ["--backend", "deepspeed", *base["args"], f"parallel.zero_stage={stage}", f"checkpoint.every={STOP}",
             f"run.dir={run_dir}"]
     run(args, nproc=2, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
-    out = run(args, nproc=nproc)
+    out = run(args + CHANGED, nproc=nproc)
     assert "written by 2 ranks; converting it to DeepSpeed's universal format" in out.stderr
     assert "resumed from" in out.stderr and "MPU" not in out.stdout + out.stderr  # DeepSpeed's warning kept quiet
-    assert_same_run(metrics(run_dir), reference)
+    assert_changed_run(metrics(run_dir), changed_reference)
     assert not (run_dir / "checkpoints" / "universal").exists()
+
+
+@pytest.mark.slow
+def test_deepspeed_loss_scaler_takes_its_rules_from_the_config(base):
+    """float16: DeepSpeed unpickles the saved loss scaler whole; its scale and counters resume, its rules are the
+    config's. optim.loss_scale_growth_interval 1000 -> 1 on resume: the scale doubles after every clean step from
+    then on (DynamicLossScaler's rule; the record is the scale after the step), where the saved window held it."""
+    run_dir = base["tmp"] / "ds-fp16-rules"
+    args = ["--backend", "deepspeed", *base["args"], "parallel.zero_stage=2", "model.compute_dtype=float16",
+            "optim.loss_scale_init=1024", f"run.dir={run_dir}"]
+    run(args + ["train.steps=2", "optim.loss_scale_growth_interval=1000"])
+    run(args + ["train.steps=5", "optim.loss_scale_growth_interval=1"])
+    m = metrics(run_dir)
+    assert [m[s]["skipped_steps"] for s in range(1, 6)] == [0] * 5
+    assert [m[s]["loss_scale"] for s in range(1, 6)] == [1024, 1024, 2048, 4096, 8192]

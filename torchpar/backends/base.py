@@ -2,8 +2,9 @@
 
 model.compute_dtype=float16: torch.amp.GradScaler (fsdp: its sharded variant, which agrees on an overflow
 over all ranks) with the optim.loss_scale_* keys, clamped at optim.loss_scale_min as jaxpar does
-(jaxpar/loss_scale.py). A skipped step does not advance the learning-rate schedule; the scaler and the
-skipped count travel in the checkpoint's meta.json.
+(jaxpar/loss_scale.py). A skipped step does not advance the learning-rate schedule; the scaler's scale and
+count and the skipped count travel in the checkpoint's meta.json. A resume takes the state from the checkpoint
+and every setting from the config: lr, betas, eps, weight decay, clipping and the scaler's rules.
 
 Gradient synchronisation is the wrapper's own (DDP's all-reduce, FSDP2's reduce-scatter); this
 file only chooses on which microbatch it happens (`sync` context) and reads the clipped norm.
@@ -25,7 +26,7 @@ from torchpar import dist
 from torchpar.checkpoint import DCPCheckpointer
 from torchpar.models.decoder import next_token_loss, split_rows
 from torchpar.models.moe import balance_loss, update_router_bias
-from torchpar.optim import make_optimizer
+from torchpar.optim import group_settings, make_optimizer, put_back
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -165,14 +166,25 @@ class TorchEngine:
         """The latest complete checkpoint loaded (what an earlier process left unfinished removed first); its
         data step, or None where there is none."""
         self.checkpointer.remove_partial_saves()
+        settings = group_settings(self.optimizer)  # the config's betas, eps, weight decay: not the checkpoint's
         meta = self.checkpointer.restore()
+        put_back(self.optimizer, settings)
         if meta is None:
             return None
         if self.scaler is not None and "grad_scaler" in meta:
-            self.scaler.load_state_dict(meta["grad_scaler"])
+            self.restore_scaler(meta["grad_scaler"])
             self.skipped = int(meta["skipped_steps"])
         self.step = int(meta["data_step"])
         return self.step
+
+    def restore_scaler(self, saved: dict) -> None:
+        """float16: the saved scale and count of clean steps; the growth and backoff rules stay the config's
+        (GradScaler.load_state_dict would take the saved ones too). GradScaler grows when the count reaches the
+        interval exactly: a count past a shortened interval is held at one below it, so the next clean step grows
+        the scale, as jaxpar's rule (count >= interval, jaxpar/loss_scale.py) does."""
+        state = self.scaler.state_dict()
+        count = min(saved["_growth_tracker"], state["growth_interval"] - 1)
+        self.scaler.load_state_dict({**state, "scale": saved["scale"], "_growth_tracker": count})
 
     def forward_backward(self, micro: list[torch.Tensor], share: float = 1.0) -> torch.Tensor:
         """Gradients of the mean loss (times `share`) over the microbatches accumulated in .grad; returns that

@@ -29,10 +29,9 @@ from jaxpar.core.errors import UserError
 from jaxpar.core.lr_schedule import lr_at
 from torchpar import dist
 from torchpar.backends.base import add_stats, eval_loss, microbatch_loss, microbatches, read_metrics
-from torchpar.backends.deepspeed_universal import (forget, group_settings, quiet_universal_load, repair_zero3_load,
-                                                   universal_source)
+from torchpar.backends.deepspeed_universal import forget, quiet_universal_load, repair_zero3_load, universal_source
 from torchpar.checkpoint import complete_steps, failing_save
-from torchpar.optim import SharedLRSchedule, param_groups
+from torchpar.optim import SharedLRSchedule, group_settings, param_groups, put_back
 
 
 def import_deepspeed():
@@ -212,20 +211,54 @@ class DeepSpeedEngine:
                 raise UserError(f"{self.dir} holds torch.distributed.checkpoint checkpoints (ddp/fsdp/none); "
                                 "resume with one of those backends or start a new run.dir")
             return None
-        repair = self.universal and self.stage == 3  # deepspeed_universal.repair_zero3_load needs them from before
-        settings = group_settings(self.engine.optimizer) if repair else None
+        settings = config_settings(self.engine.optimizer)
         with quiet_universal_load(bool(self.universal)):
             path, client_state = self.engine.load_checkpoint(self.universal or self.dir)
         if path is None:
             raise UserError(f"DeepSpeed checkpoint in {self.universal or self.dir} could not be loaded")
+        put_back_settings(self.engine, settings)
         if self.universal:
-            if repair:
-                repair_zero3_load(self.engine.optimizer, settings)
+            if self.stage == 3:
+                repair_zero3_load(self.engine.optimizer)
             forget(self.universal, self.env)
             self.universal = None
         if self.env.is_main:
             print(f"resumed from {path}", file=sys.stderr)
         return client_state
+
+
+# The dynamic loss scaler's rules (DeepSpeed's DynamicLossScaler at ZeRO 1-3, the LossScaleConfig of its fp16
+# wrapper at stage 0): its scale and counters are state, these are the config's
+SCALER_RULES = ("scale_factor", "scale_window", "min_scale", "min_loss_scale", "delayed_shift",
+                "consecutive_hysteresis", "raise_error_at_min_scale")
+
+
+def _scaler(optimizer):
+    return getattr(optimizer, "loss_scaler", None) or getattr(optimizer, "loss_scale_config", None)
+
+
+def config_settings(optimizer) -> dict:
+    """What load_checkpoint would set from the checkpoint although the config decides it, as the engine was built
+    from the config: every parameter group's settings (lr aside), the clipping threshold (ZeRO 1-2, the fp16/bf16
+    wrappers keep it), the loss scaler's rules (ZeRO 1-3 unpickle the saved scaler whole)."""
+    scaler = _scaler(optimizer)
+    return {"groups": group_settings(getattr(optimizer, "optimizer", optimizer)),
+            "clip_grad": getattr(optimizer, "clip_grad", None),
+            "scaler": {k: getattr(scaler, k) for k in SCALER_RULES if hasattr(scaler, k)}}
+
+
+def put_back_settings(engine, settings: dict) -> None:
+    """After load_checkpoint: the config's settings again, and the lr of the shared schedule at its restored
+    position under this config (the restored groups carry the lr the saved run's schedule had set)."""
+    optimizer = engine.optimizer
+    put_back(getattr(optimizer, "optimizer", optimizer), settings["groups"])
+    if settings["clip_grad"] is not None:
+        optimizer.clip_grad = settings["clip_grad"]
+    scaler = _scaler(optimizer)
+    for k, v in settings["scaler"].items():
+        setattr(scaler, k, v)
+    if isinstance(engine.lr_scheduler, SharedLRSchedule):
+        engine.lr_scheduler.apply()
 
 
 def forget_module(module) -> None:

@@ -83,23 +83,16 @@ def quiet_universal_load(universal: bool):
         logger.setLevel(level)
 
 
-def repair_zero3_load(optimizer, settings: list[dict]) -> None:
-    """Undo two slips of deepspeed 0.19.8's ZeRO-3 universal loader (stage3.py,
-    load_hp_checkpoint_state_from_checkpoint_dir_stage3): it gives every parameter group the first group's
-    settings (the no-decay group would decay), and one Adam step counter object to every group's state, which
-    torch's AdamW then advances once per group each step (bias correction off from the first step on)."""
+def repair_zero3_load(optimizer) -> None:
+    """Undo a slip of deepspeed 0.19.8's ZeRO-3 universal loader (stage3.py,
+    load_hp_checkpoint_state_from_checkpoint_dir_stage3): it gives one Adam step counter object to every group's
+    state, which torch's AdamW then advances once per group each step (bias correction off from the first step
+    on). (Its other slip, every group given the first group's settings, is undone with every load's settings:
+    deepspeed.put_back_settings.)"""
     inner = getattr(optimizer, "optimizer", optimizer)
-    for group, own in zip(inner.param_groups, settings):
-        group.update(own)
     for state in inner.state.values():
         if hasattr(state.get("step"), "clone"):  # a tensor (a plain number is never shared)
             state["step"] = state["step"].clone()
-
-
-def group_settings(optimizer) -> list[dict]:
-    """Each parameter group's settings but its parameters and lr (the schedule sets lr every step)."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    return [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in inner.param_groups]
 
 
 def forget(folder: str, env) -> None:
