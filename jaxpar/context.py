@@ -25,7 +25,9 @@ class ParallelContext:
     mesh: Any = None  # None: no constraints (a model traced outside any mesh)
     rules: dict = dataclasses.field(default_factory=dict)  # logical name -> mesh axes
     attention: Callable = local_attention  # (q, k, v, positions, segments) -> output [batch, seq, heads, head_dim]
-    run_layers: Callable = scan_layers  # (layer, stacked, x) -> x after every layer (x: a pytree of [batch, ...])
+    # (layer, stacked, x, rows) -> x after every layer (x: a pytree of [batch, ...]; rows: per-row arrays that
+    # every layer reads, layer(h, slice, *rows))
+    run_layers: Callable = scan_layers
     experts: Callable = local_experts  # (x, ids, weights, kept, gate, up, down, capacity) -> the experts' sum
 
 

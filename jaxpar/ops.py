@@ -215,12 +215,15 @@ def _weight_only_bwd(n_in, saved, scale):
 _weight_only.defvjp(_weight_only_fwd, _weight_only_bwd)
 
 
-def scan_layers(layer: Callable, stacked, x: jax.Array, unroll: bool = False) -> jax.Array:
-    """`layer(h, per_layer_slice) -> h` applied over the leading axis of `stacked`, in order; unrolled: each
-    layer traced on its own (no loop: no per-layer copies into and out of stacked buffers, longer compile)."""
+def scan_layers(layer: Callable, stacked, x: jax.Array, rows: tuple = (), unroll: bool = False) -> jax.Array:
+    """`layer(h, per_layer_slice, *rows) -> h` applied over the leading axis of `stacked`, in order; `rows`: per-row
+    arrays every layer reads (packed documents' positions and segment ids), loop constants outside the carry;
+    unrolled: each layer traced on its own (no loop: no per-layer copies into and out of stacked buffers, longer
+    compile)."""
+    one = (lambda h, p: layer(h, p, *rows)) if rows else layer  # noqa: E731
     if _split is not None:
-        return _split.scan(layer, stacked, x, unroll)
-    return jax.lax.scan(lambda h, p: (layer(h, p), None), x, stacked, unroll=unroll)[0]
+        return _split.scan(one, stacked, x, unroll)
+    return jax.lax.scan(lambda h, p: (one(h, p), None), x, stacked, unroll=unroll)[0]
 
 
 def split_microbatches(x: jax.Array, M: int) -> jax.Array:

@@ -205,11 +205,14 @@ class Decoder(nnx.Module):
     def _run_stack(self, blocks, carry, positions, segments, sketches, moe: bool):
         dtype = jnp.dtype(self.cfg.compute_dtype)
         graphdef, stacked = nnx.split(blocks)
+        # packed documents' positions and segment ids are per row: the runner gets them beside the carry, so that one
+        # that splits the rows into microbatches (GPipe) splits them alike; a shared order's positions stay here
+        rows = (positions, segments) if segments is not None else ()
 
-        def layer(carry, xs):  # the carry: x, with experts (x, statistics so far[, expert layer index])
+        def layer(carry, xs, *per_row):  # the carry: x, with experts (x, statistics so far[, expert layer index])
             layer_state, layer_sketches = xs
             h, total, *index = carry if moe else (carry, None)
-            h, stats = nnx.merge(graphdef, layer_state)(h, dtype, positions, segments, layer_sketches)
+            h, stats = nnx.merge(graphdef, layer_state)(h, dtype, *(per_row or (positions, segments)), layer_sketches)
             if not moe:
                 return h
             return h, add_layer_stats(total, stats, index[0] if index else None, self.cfg), *(i + 1 for i in index)
@@ -219,7 +222,7 @@ class Decoder(nnx.Module):
         # the context's layer runner (a scan, or GPipe stages over `pp`); fixed sketches ride along with the parameters
         # (a sketched model is dense: one stack)
         return current().run_layers(layer, (stacked, stacked_sketches(self.cfg) if sketches is None else sketches),
-                                    carry)
+                                    carry, rows)
 
     def head(self, x: jax.Array) -> jax.Array:
         x = self.ln_f(x)

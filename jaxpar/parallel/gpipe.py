@@ -20,9 +20,13 @@ from jaxpar.ops import join_microbatches, scan_layers, split_microbatches
 
 
 def gpipe_layers(stages: int, microbatches: int, unroll: bool = False) -> Callable:
-    """A `run_layers(layer, stacked, x)` for the parallel context: the layer stack as a GPipe pipeline."""
-    def run_layers(layer: Callable, stacked, x: jax.Array) -> jax.Array:
-        return gpipe(lambda params, h: scan_layers(layer, params, h, unroll), stacked, x, stages, microbatches)
+    """A `run_layers(layer, stacked, x, rows)` for the parallel context: the layer stack as a GPipe pipeline. The
+    per-row `rows` (packed documents' positions and segment ids) travel with their microbatch's activations."""
+    def run_layers(layer: Callable, stacked, x: jax.Array, rows: tuple = ()) -> jax.Array:
+        def stage(params, carry):
+            h, rows = carry
+            return scan_layers(layer, params, h, rows, unroll), rows
+        return gpipe(stage, stacked, (x, rows), stages, microbatches)[0]
 
     return run_layers
 
