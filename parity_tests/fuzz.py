@@ -75,7 +75,8 @@ REGRESSIONS = (
      "torchpar divided the balance loss by every layer, jaxpar by the expert layers; loss 9.5e-4 off"),
     ("torch deepspeed:2 parallel.zero_stage=2 | 2 | torch deepspeed:2 parallel.zero_stage=2 train.steps=5",
      "2026-11-26, the first transition (issue 44's report): DeepSpeed's restored scheduler kept the old horizon, "
-     "lr at step 5 3.0e-4 where one device has 1.65e-3, parameters 1.1e-2 off"),
+     "lr at step 5 3.0e-4 where one device has 1.65e-3, parameters 1.1e-2 off; held by "
+     "tests/torchpar/test_deepspeed.py (resumed with train.steps and optim.lr changed)"),
     ("torch pipeline:4 parallel.mesh=pp=2,dp=2 parallel.pipeline_schedule=1f1b parallel.pipeline_microbatches=2",
      "seed 44001 case 11 (a transition onto pp x dp; shrunk by hand): as many pipeline microbatches as stages let "
      "DDP rebuild its buckets from two backwards (an internal assert in stage 0's forward); DDP's sync now held to "
