@@ -100,6 +100,7 @@ def test_a_float16_run_keeps_its_loss_scale_and_skipped_count(data, tmp_path):
     np.testing.assert_allclose([got[s]["loss"] for s in got], [ref[s]["loss"] for s in got], rtol=1e-3)
 
 
+@pytest.mark.slow  # the default run exports ZeRO-3 in test_deepspeed_import_then_export_is_the_state[3-float32]
 def test_deepspeed_to_jaxpar(data, tmp_path):
     """A DeepSpeed ZeRO-3 run of 2 ranks, read on one process (through the universal checkpoint) with DeepSpeed's
     whole-parameter accessors, goes on in jaxpar as its uninterrupted run."""

@@ -33,7 +33,8 @@ def test_the_chains_hold_every_ordered_pair():
 
 
 @pytest.mark.parametrize("first,then,named", [("ddp", "deepspeed", "torch.distributed.checkpoint"),
-                                              ("deepspeed", "fsdp", "DeepSpeed checkpoints")])
+                                              pytest.param("deepspeed", "fsdp", "DeepSpeed checkpoints",
+                                                           marks=pytest.mark.slow)])  # one direction by default
 def test_deepspeed_and_dcp_checkpoints_refuse_each_other(first, then, named, base):
     run_dir = base["tmp"] / f"mix-{first}"
     run(["--backend", first, *base["args"], "train.steps=2", f"run.dir={run_dir}"], nproc=2)
