@@ -53,6 +53,11 @@ class Trajectory:
     params: dict = field(repr=False)
 
 
+def error_lines(text: str) -> list[str]:
+    """The one-line refusals (`error: ...`) a trainer or tool printed."""
+    return [line[len("error: "):] for line in text.splitlines() if line.startswith("error: ")]
+
+
 def reference_settings(case: Case) -> list[str]:
     """The same model, data and training on one device: the case's settings without parallel.*."""
     return [o for o in case.overrides if not o.startswith("parallel.")]
@@ -174,7 +179,7 @@ class Fuzzer:
                 "--write-final", final]
         rc, text = self.launch(torch_command(args, case.world))
         records = self.metrics(run_dir)
-        errors = [line[len("error: "):] for line in text.splitlines() if line.startswith("error: ")]
+        errors = error_lines(text)
         if rc != 0 and errors and not os.path.exists(run_dir):  # refused before any process group or file
             raise UserError(errors[0])
         if rc != 0:

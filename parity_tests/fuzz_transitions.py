@@ -78,16 +78,15 @@ def _shared(case: Case) -> dict:
 
 
 def _valid(case: Case) -> bool:
-    """A second leg the config and the layout checks accept (or one the docs refuse: drawn now and then)."""
+    """A leg the config, its layout's checks (at every batch shape) and the key contract accept."""
     from jaxpar.checks import check_layout
+    from jaxpar.core.batch_shapes import for_each_shape
     from jaxpar.core.config import load_config
     from jaxpar.core.contract import Run, check_contract
     from jaxpar.core.errors import UserError
 
     if invalid_config(case) or indivisible(case):
         return False
-    from jaxpar.core.batch_shapes import for_each_shape
-
     cfg = load_config(None, [*BASE, *case.overrides])
     try:  # every batch shape of a ramp-up or of buckets, as the trainers check them
         if case.side == "jax":
@@ -257,6 +256,7 @@ def _joined_run(fuzzer, t: Transition):
 def _leg(fuzzer, case: Case, run_dir: str, extra: list[str], fault: dict, saved: int) -> None:
     """One leg: the trainer on `run_dir` (a refusal: UserError with its line; anything else that fails: an error)."""
     from jaxpar.core.errors import UserError
+    from parity_tests.fuzz_run import error_lines
     from tests.helpers import torch_command
 
     args = [*BASE, *case.overrides, *fuzzer.run_overrides, f"data.dataset={fuzzer.dataset}", f"run.dir={run_dir}",
@@ -268,7 +268,7 @@ def _leg(fuzzer, case: Case, run_dir: str, extra: list[str], fault: dict, saved:
         cmd = torch_command(["--backend", case.backend, *args], case.world)
         env = {f"TORCHPAR_{k}": v for k, v in fault.items()}
     rc, text = fuzzer.launch(cmd, env)
-    errors = [line[len("error: "):] for line in text.splitlines() if line.startswith("error: ")]
+    errors = error_lines(text)
     if rc != 0 and errors:
         raise UserError(errors[0])
     if rc != 0:
@@ -282,13 +282,14 @@ def _convert(fuzzer, first: Case, then: Case, src: str, dst: str) -> None:
     """The whole training state into the other framework's run directory (jaxpar.tools.convert, one command; a
     DeepSpeed run of the second leg's ZeRO stage where it runs DeepSpeed)."""
     from jaxpar.core.errors import UserError
+    from parity_tests.fuzz_run import error_lines
 
     target = ["--to", "jaxpar"] if then.side == "jax" else ["--to", "torchpar"]
     if then.backend == "deepspeed":
         target = ["--to", "deepspeed", "--zero-stage", then.get("parallel.zero_stage", "0")]
     source = "jaxpar" if first.side == "jax" else "torchpar"
     rc, text = fuzzer.launch([sys.executable, "-m", "jaxpar.tools.convert", "--from", source, src, *target, dst], {})
-    errors = [line[len("error: "):] for line in text.splitlines() if line.startswith("error: ")]
+    errors = error_lines(text)
     if rc != 0:
         raise (UserError(errors[0]) if errors else RuntimeError(f"convert exited {rc}\n{text[-3000:]}"))
 

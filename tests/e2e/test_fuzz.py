@@ -68,6 +68,16 @@ def test_regression(spec, worker):
     assert not out.failed, f"{spec}: {out.kind}\n{out.detail[:3000]}"
 
 
+def check_leg(case: Case) -> None:
+    """The checks a trainer makes before it runs: the layout's at every batch shape (a ramp-up's), the contract."""
+    cfg = load_config(None, [*BASE, *case.overrides])
+    if case.side == "jax":
+        for_each_shape(cfg, lambda at: check_layout(at, case.mesh()))
+        check_contract(Run(cfg, "jaxpar", mesh=case.mesh()))
+    else:
+        check_contract(Run(cfg, "torchpar", case.backend, {"pp": case.mesh()["pp"]}))
+
+
 def test_draws_are_valid_and_set_only_keys_their_modes_run():
     """300 draws: each a config the schema takes, every key one its mode consumes (the shrinker's normal
     form; the contract agrees), and sizes the mesh divides -- or a refusal the docs name."""
@@ -76,15 +86,9 @@ def test_draws_are_valid_and_set_only_keys_their_modes_run():
         case = draw_case(random.Random(f"test:{i}"))
         sides.add(case.backend if case.side == "torch" else case.side)
         assert Case.parse(case.spec) == case and normalize(case) == case, case.spec
-        cfg = load_config(None, [*BASE, *case.overrides])
         assert not indivisible(case), case.spec
-        if documented_refusal(case):
-            continue
-        if case.side == "jax":
-            check_layout(cfg, case.mesh())
-            check_contract(Run(cfg, "jaxpar", mesh=case.mesh()))
-        else:
-            check_contract(Run(cfg, "torchpar", case.backend, {"pp": case.mesh()["pp"]}))
+        if not documented_refusal(case):
+            check_leg(case)
     assert sides == {"jax", "none", "ddp", "fsdp", "deepspeed", "pipeline"}
 
 
@@ -151,12 +155,7 @@ def test_transition_draws_are_valid_and_cover_every_change():
         for leg in (t.first, t.then):
             assert normalize(leg) == leg and not indivisible(leg), t.spec
             assert leg.get("parallel.grad_compression") != "bf16", t.spec  # rounded by a trainer's leg
-            cfg = load_config(None, [*BASE, *leg.overrides])
-            if leg.side == "jax":
-                for_each_shape(cfg, lambda at: check_layout(at, leg.mesh()))  # a ramp-up's every size
-                check_contract(Run(cfg, "jaxpar", mesh=leg.mesh()))
-            else:
-                check_contract(Run(cfg, "torchpar", leg.backend, {"pp": leg.mesh()["pp"]}))
+            check_leg(leg)
         shaping = {k for leg in (t.first, t.then) for k, _ in leg.settings if k.startswith(("model.", "data."))}
         assert all(t.first.get(k) == t.then.get(k) for k in shaping), t.spec  # one model, one data order
         kinds.add(t.kind.split("+")[0])
