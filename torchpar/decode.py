@@ -1,8 +1,8 @@
 """Autoregressive decoding with a KV cache (the same algorithm as jaxpar/decode.py): the prompt fills
 the cache in one pass, then one token per step attends over the cache, masked by position. The model's
 own modules do everything but attention. Every family and variant: llama's cache holds its n_kv_head heads,
-model.attention=mla caches each token's latent (torchpar/models/variants.py), model.attention=dilated attends over
-its keys and values with its pairs' pattern (variants.key_counts: the segments of a max_seq_len row). A model
+model.attention=mla caches each token's latent (torchpar/models/mla.py), model.attention=dilated attends over
+its keys and values with its pairs' pattern (dilated.key_counts: the segments of a max_seq_len row). A model
 reading packed documents (Decoder.eod) keeps each cache slot's document and position: a token attends within
 its own document, positions restarting at each end-of-document token."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from torchpar.models.llama import repeat_kv
 from torchpar.models.decoder import Decoder, output_head
-from torchpar.models.layers import document_mask, documents
-from torchpar.models.variants import counted_attention, key_counts
+from torchpar.models.dilated import counted_attention, key_counts
+from torchpar.ops import document_mask, documents
 
 
 def _empty_cache(model: Decoder, prompt: torch.Tensor, length: int) -> list[tuple[torch.Tensor, ...]]:

@@ -1,6 +1,6 @@
 """The decoder in Flax NNX. model.family=gpt2: GPT-2 (learned positions, pre-LayerNorm, GELU MLP, tied
-embeddings). model.family=llama: the same stacked pre-norm decoder with llama.py's blocks (RMSNorm,
-grouped-query attention with rotary positions, SwiGLU), no position table, an untied head if asked.
+embeddings). model.family=llama: the same stacked pre-norm decoder with llama.py's blocks (grouped-query
+attention with rotary positions, SwiGLU) and layers.py's RMSNorm, no position table, an untied head if asked.
 
 Transformer blocks are one module whose parameters carry a leading `layers` axis; the forward
 pass scans over it, so compile time is flat in depth. Every parameter records its logical axes
@@ -35,31 +35,16 @@ from jaxpar.context import constrain, current
 from jaxpar.core.config import ModelConfig
 from jaxpar.core.sketches import sketch_dim, stacked_sketches
 from jaxpar.models.dilated import dilated_attention
-from jaxpar.models.llama import GQAttention, RMSNorm, SwiGLU
+from jaxpar.models.layers import LayerNorm, RMSNorm, normal, param
+from jaxpar.models.llama import GQAttention, SwiGLU
 from jaxpar.models.mla import MLAttention
 from jaxpar.models.moe import MoE, add_layer_stats, stats_width
-from jaxpar.models.params import normal, param
 from jaxpar.ops import project
 
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
     "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-
-
-class LayerNorm(nnx.Module):
-    def __init__(self, cfg: ModelConfig, stack: tuple[int, ...] = ()):
-        lead = ("layers",) * len(stack)
-        self.scale = param(jnp.ones(stack + (cfg.d_model,)), lead + ("embed",))
-        self.bias = param(jnp.zeros(stack + (cfg.d_model,)), lead + ("embed",))
-        self.eps = cfg.layernorm_eps
-
-    def __call__(self, x):
-        x32 = x.astype(jnp.float32)  # statistics in float32 whatever the compute dtype
-        mean = x32.mean(-1, keepdims=True)
-        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
-        return y.astype(x.dtype)
 
 
 class Attention(nnx.Module):

@@ -1,8 +1,45 @@
-"""Parameter-free layers shared by the model files (MLA and Llama): RMS normalisation and rotary embedding."""
+"""The building blocks every model file shares, logical axes only: parameter creation (every parameter records
+its logical axes), the norms (LayerNorm, RMSNorm) and rotary embedding."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.core.config import ModelConfig
+
+
+def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
+    assert value.ndim == len(axes), (value.shape, axes)
+    return nnx.Param(value, logical_axes=axes)
+
+
+def normal(rngs: nnx.Rngs, shape, std: float) -> jax.Array:
+    return std * jax.random.normal(rngs.params(), shape, jnp.float32)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig, stack: tuple[int, ...] = ()):
+        lead = ("layers",) * len(stack)
+        self.scale = param(jnp.ones(stack + (cfg.d_model,)), lead + ("embed",))
+        self.bias = param(jnp.zeros(stack + (cfg.d_model,)), lead + ("embed",))
+        self.eps = cfg.layernorm_eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)  # statistics in float32 whatever the compute dtype
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
+        return y.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig, stack: tuple[int, ...] = ()):
+        self.scale = param(jnp.ones(stack + (cfg.d_model,)), ("layers",) * len(stack) + ("embed",))
+        self.eps = cfg.layernorm_eps
+
+    def __call__(self, x):
+        return rms_norm(x, self.scale[...], self.eps)
 
 
 def rms_norm(x, scale, eps):

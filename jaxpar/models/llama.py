@@ -1,6 +1,6 @@
-"""Llama's block components (model.family=llama) in Flax NNX, logical axes only: RMSNorm, grouped-query
-attention with rotary positions, the SwiGLU MLP. jaxpar/models/decoder.py assembles them into the same
-stacked decoder as GPT-2 (embedding without positions, untied head when model.tie_embeddings=false).
+"""Llama's block components (model.family=llama) in Flax NNX, logical axes only: grouped-query attention with
+rotary positions, the SwiGLU MLP. jaxpar/models/decoder.py assembles them, with layers.py's RMSNorm, into the
+same stacked decoder as GPT-2 (embedding without positions, untied head when model.tie_embeddings=false).
 
 Grouped-query attention: n_kv_head key/value heads, each shared by n_head / n_kv_head consecutive
 query heads (query head i reads kv head i // group, Hugging Face's `repeat_kv`). Keys and values are
@@ -28,18 +28,8 @@ from flax import nnx
 from jaxpar.context import constrain, current
 from jaxpar.core.config import ModelConfig
 from jaxpar.models.dilated import dilated_attention
-from jaxpar.models.layers import rms_norm, rope
-from jaxpar.models.params import normal, param
+from jaxpar.models.layers import normal, param, rope
 from jaxpar.ops import project
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, cfg: ModelConfig, stack: tuple[int, ...] = ()):
-        self.scale = param(jnp.ones(stack + (cfg.d_model,)), ("layers",) * len(stack) + ("embed",))
-        self.eps = cfg.layernorm_eps
-
-    def __call__(self, x):
-        return rms_norm(x, self.scale[...], self.eps)
 
 
 def repeat_kv(t, n_head: int):

@@ -24,8 +24,7 @@ from flax import nnx
 
 from jaxpar.context import constrain, current
 from jaxpar.core.config import ModelConfig
-from jaxpar.models.layers import rms_norm, rope
-from jaxpar.models.params import normal, param
+from jaxpar.models.layers import normal, param, rms_norm, rope
 from jaxpar.ops import project
 
 

@@ -32,7 +32,7 @@ from jaxpar.context import constrain, current
 from jaxpar.core.config import ModelConfig
 from jaxpar.core.experts import row_capacity
 from jaxpar.models.llama import SwiGLU
-from jaxpar.models.params import normal, param
+from jaxpar.models.layers import normal, param
 
 
 def stats_width(cfg: ModelConfig) -> int:

@@ -20,10 +20,12 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from jaxpar.core.config import ModelConfig
 from jaxpar.core.data_order import unmasked
-from torchpar.models.layers import Dense, LayerNorm, RMSNorm, causal_attention, document_mask, documents
+from torchpar.models.dilated import dilated_attention
+from torchpar.models.layers import Dense, LayerNorm, RMSNorm, SketchedLinear
 from torchpar.models.llama import GQAttention, SwiGLU
+from torchpar.models.mla import MLAttention
 from torchpar.models.moe import MoE, layer_stats
-from torchpar.models.variants import MLAttention, SketchedLinear, dilated_attention
+from torchpar.ops import causal_attention, document_mask, documents
 
 # model.remat=save_matmuls: keep matmul outputs, recompute the rest (jaxpar: dots_with_no_batch_dims_saveable).
 _MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default]
@@ -35,7 +37,7 @@ class Attention(nn.Module):
         d, h, k = cfg.d_model, cfg.n_head, cfg.head_dim
         self.qkv = Dense((d, 3, h, k), (3, h, k))
         self.out = Dense((h, k, d), (d,))
-        self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None  # torchpar/models/variants.py
+        self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None  # torchpar/models/dilated.py
 
     def forward(self, x, positions=None, mask=None):
         if self.pairs is not None:
@@ -56,7 +58,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         d, f = cfg.d_model, cfg.ff_dim
-        if cfg.linear == "sketched":  # fixed sketch buffer + trained factor (torchpar/models/variants.py)
+        if cfg.linear == "sketched":  # fixed sketch buffer + trained factor (torchpar/models/layers.py)
             self.fc, self.proj = SketchedLinear(cfg, layer, "fc", d, f), SketchedLinear(cfg, layer, "proj", f, d)
         else:
             self.fc, self.proj = Dense((d, f), (f,)), Dense((f, d), (d,))

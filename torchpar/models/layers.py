@@ -1,10 +1,14 @@
 """Basic torch layers holding jaxpar's parameter shapes: einsum-applied weights of any rank, the norms, rotary
-embedding (jaxpar/models/layers.py's math); causal attention, within packed documents when asked."""
+embedding (jaxpar/models/layers.py's math), and sketched linear layers (jaxpar/core/sketches.py, whose
+`sketch_matrix` builds the very same sketch here)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from jaxpar.core.config import ModelConfig
+from jaxpar.core.sketches import sketch_dim, sketch_matrix
 
 
 class Dense(nn.Module):
@@ -65,26 +69,14 @@ def rope(x, theta: float, positions=None):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-def documents(tokens: torch.Tensor, eod: int, segment=0, position=0):
-    """(positions, segments) [B, T] of rows of packed documents, as jaxpar/ops.py `documents`: a document starts
-    at each `eod` token, its positions count from 0 there, its segment id is the previous one's plus one; a row's
-    first tokens continue document `segment` from `position` (ints or [B, 1])."""
-    starts, idx = tokens == eod, torch.arange(tokens.shape[1], device=tokens.device)
-    last_start = torch.cummax(torch.where(starts, idx, -1), dim=1).values
-    return torch.where(last_start >= 0, idx - last_start, position + idx), segment + torch.cumsum(starts, dim=1)
+class SketchedLinear(nn.Module):
+    """y = (x S) W + b: S a non-persistent buffer (derived, not trained, not saved), W = `factor`."""
 
+    def __init__(self, cfg: ModelConfig, layer: int, name: str, n_in: int, n_out: int):
+        super().__init__()
+        self.register_buffer("sketch", torch.from_numpy(sketch_matrix(cfg, layer, name)), persistent=False)
+        self.factor = nn.Parameter(torch.empty(sketch_dim(cfg, n_in), n_out))
+        self.bias = nn.Parameter(torch.zeros(n_out))
 
-def document_mask(positions, segments, k_positions=None, k_segments=None) -> torch.Tensor:
-    """[B, 1, T, K] bool, True where a query attends to a key: at or before it in its own document (keys: the
-    queries themselves, or a cache's)."""
-    k_positions = positions if k_positions is None else k_positions
-    k_segments = segments if k_segments is None else k_segments
-    mask = (positions[:, :, None] >= k_positions[:, None, :]) & (segments[:, :, None] == k_segments[:, None, :])
-    return mask[:, None]
-
-
-def causal_attention(q, k, v, mask=None):
-    """Causal attention on [b, h, t, k]; `mask` (document_mask) instead of the plain causal one when given."""
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    def forward(self, x, equation: str = ""):
+        return (x @ self.sketch.to(x.dtype)) @ self.factor.to(x.dtype) + self.bias.to(x.dtype)

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from jaxpar.core.config import ModelConfig
-from torchpar.models.layers import Kernel, causal_attention, rope
-from torchpar.models.variants import dilated_attention
+from torchpar.models.dilated import dilated_attention
+from torchpar.models.layers import Kernel, rope
+from torchpar.ops import causal_attention
 
 
 def repeat_kv(t, n_head: int):

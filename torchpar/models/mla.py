@@ -1,0 +1,47 @@
+"""Multi-head latent attention (model.attention=mla) in PyTorch with jaxpar's math and per-layer parameter shapes
+(jaxpar/models/mla.py). No parallelism; every parameter is used in the forward of the module that owns it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from jaxpar.core.config import ModelConfig
+from torchpar.models.layers import Dense, Kernel, RMSNorm, rope
+from torchpar.ops import causal_attention
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, h, k = cfg.d_model, cfg.n_head, cfg.head_dim
+        ql, kvl, r = cfg.q_latent_dim, cfg.kv_latent_dim, cfg.rope_head_dim
+        self.q_down, self.q_norm = Kernel((d, ql)), RMSNorm(ql, cfg.layernorm_eps)
+        self.q_up = Kernel((ql, h, k + r))
+        self.kv_down, self.kv_norm = Kernel((d, kvl + r)), RMSNorm(kvl, cfg.layernorm_eps)
+        self.kv_up = Kernel((kvl, 2, h, k))
+        self.out = Dense((h, k, d), (d,))
+        self.kvl, self.r, self.theta = kvl, r, cfg.rope_theta
+
+    def forward(self, x, positions=None, mask=None):
+        q, latent = self.project_q_latent(x, positions)
+        k, v = self.keys_values(latent)
+        return self.project_out(causal_attention(q, k, v, mask))
+
+    # the three steps below are also what decoding runs (torchpar/decode.py): it caches the latents
+    def project_q_latent(self, x, positions=None):
+        """(q [b, heads, t, kv + rope], latent [b, t, kv_latent + rope]: normalised c_kv and the rotated k_r)."""
+        q = self.q_up(self.q_norm(self.q_down(x, "btd,dl->btl")), "btl,lhk->bthk")
+        q = torch.cat([q[..., : -self.r], rope(q[..., -self.r:], self.theta, positions)], dim=-1)
+        ckv = self.kv_down(x, "btd,dl->btl")
+        latent = torch.cat([self.kv_norm(ckv[..., : self.kvl]), rope(ckv[..., self.kvl:], self.theta, positions)], -1)
+        return q.transpose(1, 2), latent
+
+    def keys_values(self, latent):
+        """Keys [b, heads, t, kv + rope] (the rotated k_r shared by every head) and values [b, heads, t, kv]."""
+        k_nope, v = self.kv_up(latent[..., : self.kvl], "btl,lchk->cbthk").unbind(0)
+        k_r = latent[:, :, None, self.kvl:].expand(*k_nope.shape[:3], self.r)
+        return torch.cat([k_nope, k_r], dim=-1).transpose(1, 2), v.transpose(1, 2)
+
+    def project_out(self, y):
+        return self.out(y, "bhtk,hkd->btd")
