@@ -11,7 +11,7 @@ model.attention=dilated caches keys and values as MHA does and attends with its 
 form (models/dilated.py `key_counts`): the segments of a row of max_seq_len tokens.
 
 With data.document_mask (`eod`: the token that starts a document) every cache slot also keeps its token's
-document and position (ops.documents), so a token attends only to its own document and positions restart at
+document and position (ops.document_positions), so a token attends only to its own document and positions restart at
 each end-of-document token, in the prompt or decoded: what the model was trained to read.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from jaxpar.core.sketches import stacked_sketches
 from jaxpar.models.dilated import counted_attention, key_counts
 from jaxpar.models.llama import repeat_kv
 from jaxpar.models.mla import kv_cache_width
-from jaxpar.ops import causal_attention, documents
+from jaxpar.ops import causal_attention, document_positions
 
 
 def _empty_cache(cfg: ModelConfig, batch: int, length: int) -> tuple[jax.Array, ...]:
@@ -69,7 +69,7 @@ def _where(tokens, start, slots, eod, length: int):
         return (start + jnp.arange(tokens.shape[1]), jnp.arange(length), None, None), None
     last = [jnp.where(start > 0, jax.lax.dynamic_index_in_dim(s, jnp.maximum(start - 1, 0), 1, False), 0)
             for s in slots]  # slot start-1's position and segment (none before the first)
-    positions, segments = documents(tokens, eod, last[1], last[0] + jnp.where(start > 0, 1, 0))
+    positions, segments = document_positions(tokens, eod, last[1], last[0] + jnp.where(start > 0, 1, 0))
     slots = tuple(jax.lax.dynamic_update_slice(s, new, (0, start)) for s, new in zip(slots, (positions, segments)))
     return (positions, slots[0], segments, slots[1]), slots
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxpar.core.config import Config
 from jaxpar.core.data_order import unmasked
-from jaxpar.ops import documents
+from jaxpar.ops import document_positions
 from jaxpar.parallel.sequence import zigzag_order
 
 
@@ -27,7 +27,7 @@ class Rows(NamedTuple):
     inputs: jax.Array  # [batch, seq] token ids
     targets: jax.Array  # [batch, seq]
     positions: jax.Array | None  # None: natural order; [seq] the order's positions; with documents [batch, seq]
-    segments: jax.Array | None  # with documents: [batch, seq] segment ids (ops.documents), else None
+    segments: jax.Array | None  # with documents: [batch, seq] segment ids (ops.document_positions), else None
 
 
 def split_rows(batch: jax.Array, order=None, eod: int | None = None) -> Rows:
@@ -35,7 +35,7 @@ def split_rows(batch: jax.Array, order=None, eod: int | None = None) -> Rows:
     document token (jaxpar/core/tokens.py: document_token) when attention stays within documents. A target
     the loss skips stays negative (data_order.Samples); the inputs are the tokens."""
     inputs, targets = unmasked(batch[:, :-1]), batch[:, 1:]
-    positions, segments = (None, None) if eod is None else documents(inputs, eod)
+    positions, segments = (None, None) if eod is None else document_positions(inputs, eod)
     if order is not None:
         inputs, targets = inputs[:, order], targets[:, order]
         positions, segments = ((order, None) if eod is None

@@ -34,7 +34,7 @@ def visible(q_pos, k_pos, q_seg=None, k_seg=None):
     return mask if mask.ndim == 2 else mask[:, None]
 
 
-def documents(tokens, eod: int, segment=None, position=None):
+def document_positions(tokens, eod: int, segment=None, position=None):
     """(positions, segments) [B, T] int32 of rows of packed documents: a document starts at each `eod` token (the
     data puts one before every document: jaxpar/core/tokens.py), its positions count from 0 there and its
     segment id is the previous one's plus one. `segment`, `position` [B]: the document a row's first tokens

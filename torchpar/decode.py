@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torchpar.models.llama import repeat_kv
 from torchpar.models.decoder import Decoder, output_head
 from torchpar.models.dilated import counted_attention, key_counts
-from torchpar.ops import document_mask, documents
+from torchpar.ops import document_mask, document_positions
 
 
 def _empty_cache(model: Decoder, prompt: torch.Tensor, length: int) -> list[tuple[torch.Tensor, ...]]:
@@ -55,7 +55,7 @@ def _where(model: Decoder, tokens, start: int, slots):
     at = slice(start, start + tokens.shape[1])
     segment = slots[1][:, start - 1:start] if start else 0
     position = slots[0][:, start - 1:start] + 1 if start else 0
-    slots[0][:, at], slots[1][:, at] = documents(tokens, model.eod, segment, position)
+    slots[0][:, at], slots[1][:, at] = document_positions(tokens, model.eod, segment, position)
     return slots[0][:, at], document_mask(slots[0][:, at], slots[1][:, at], *slots)
 
 

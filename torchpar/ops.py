@@ -1,13 +1,13 @@
 """Model-free tensor functions the models and decoding use (jaxpar/ops.py's counterparts): causal attention on one
-device, within packed documents when asked, and the documents' positions and ids."""
+device, within packed documents when asked, and the documents' positions and ids (document_positions)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 
-def documents(tokens: torch.Tensor, eod: int, segment=0, position=0):
-    """(positions, segments) [B, T] of rows of packed documents, as jaxpar/ops.py `documents`: a document starts
+def document_positions(tokens: torch.Tensor, eod: int, segment=0, position=0):
+    """(positions, segments) [B, T] of rows of packed documents, as jaxpar/ops.py `document_positions`: a document starts
     at each `eod` token, its positions count from 0 there, its segment id is the previous one's plus one; a row's
     first tokens continue document `segment` from `position` (ints or [B, 1])."""
     starts, idx = tokens == eod, torch.arange(tokens.shape[1], device=tokens.device)

@@ -75,7 +75,7 @@ def document(encoded: Iterable[tuple[np.ndarray, bool]], eod: int) -> tuple[np.n
 
 @dataclasses.dataclass
 class PackStats:
-    documents: int = 0
+    num_documents: int = 0
     windows: int = 0
     split: int = 0
     dropped: int = 0
@@ -123,7 +123,7 @@ def pack(docs: Iterable[tuple[str, np.ndarray, np.ndarray]], window: int, eod: i
                 np.concatenate([m for _, m in items] + [np.full(pad, PADDING, np.uint8)]))
 
     for where, tokens, mask in docs:
-        stats.documents += 1
+        stats.num_documents += 1
         if len(tokens) > window:
             if too_long == "refuse":
                 raise UserError(f"{where}: {len(tokens)} tokens (with its end-of-document token) do not fit a window "

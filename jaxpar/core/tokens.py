@@ -203,7 +203,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", text_field: st
         stats = PackStats()
         return _write_dataset(out, pack_windows(docs, pack + 1, eod, too_long, stats), vocab_size, name, eod=eod,
                               masked=True, extra=lambda: {
-                                  "window": pack + 1, "num_documents": stats.documents, "padding_tokens": stats.padding,
+                                  "window": pack + 1, "num_documents": stats.num_documents, "padding_tokens": stats.padding,
                                   "split_documents": stats.split, "dropped_documents": stats.dropped})
     finally:
         bar.close()

@@ -147,7 +147,7 @@ class Decoder(nnx.Module):
     def __call__(self, tokens: jax.Array, positions=None, segments=None) -> jax.Array:
         """tokens [batch, seq] int -> logits [batch, seq, vocab] float32. `positions` [seq]: the tokens'
         positions when they are not in natural order (zig-zag sequence parallelism); with `segments` [batch, seq]
-        (packed documents, data.document_mask) both per row, each document's own (ops.documents)."""
+        (packed documents, data.document_mask) both per row, each document's own (ops.document_positions)."""
         return self.forward(tokens, positions, segments)[0]
 
     def forward(self, tokens: jax.Array, positions=None, segments=None):

@@ -8,7 +8,7 @@ Formats:
           writes a step-0 checkpoint (fresh optimizer state) and its config.json, which fine-tuning
           starts from: `jaxpar.train --config DST/config.json [data/train overrides]` (the model keys
           must stay; data and batch keys may change until the run has trained)
-  state   the shared training-state file (jaxpar/core/train_state.py): the whole training state (parameters,
+  state   the shared training-state file (jaxpar/core/state_file.py): the whole training state (parameters,
           Adam's moments and count, the step, the loss scaler, the config), to or from any run format
   torchpar  a torchpar run directory (DCP or DeepSpeed checkpoints), its whole state; as a target, a DCP run
   deepspeed (target only) a DeepSpeed run of one rank (--zero-stage S, default the source config's), which
@@ -32,7 +32,7 @@ import sys
 import numpy as np
 
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.train_state import refuse_mixing, writing_run
+from jaxpar.core.state_file import refuse_mixing, writing_run
 from jaxpar.core.weights import SETTINGS, flatten, model_dims, read_settings, read_weights, save_weights, unflatten
 from jaxpar.tools import hf_gpt2, hf_llama, hf_mixtral
 from jaxpar.tools.convert_state import single_device_layout

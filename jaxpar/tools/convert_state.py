@@ -1,4 +1,4 @@
-"""A jaxpar run's whole training state <-> the shared training-state file (jaxpar/core/train_state.py).
+"""A jaxpar run's whole training state <-> the shared training-state file (jaxpar/core/state_file.py).
 
 Export reads the run's latest checkpoint (parameters, optax's Adam moments and count, the step) onto one device;
 import writes a run directory whose checkpoint at that step holds them, with the source's config: `jaxpar.train
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.train_state import save_state, state_for_run, state_meta, write_moved_config, writing_run
+from jaxpar.core.state_file import save_state, state_for_run, state_meta, write_moved_config, writing_run
 from jaxpar.core.weights import flatten, unflatten
 
 

@@ -1,5 +1,5 @@
 """A run goes on in the other framework: the whole training state (parameters, Adam's moments and count, the step)
-through the shared training-state file (jaxpar/core/train_state.py). jaxpar dp=2,tp=4 trains steps 1-10, torchpar
+through the shared training-state file (jaxpar/core/state_file.py). jaxpar dp=2,tp=4 trains steps 1-10, torchpar
 fsdp on 2 processes 11-20; torchpar ddp on 2 processes 1-10, jaxpar fsdp=4 11-20; jaxpar dp=2 1-10, DeepSpeed ZeRO-2
 on 2 processes 11-20 (and DeepSpeed ZeRO-3 1-10, jaxpar 11-20): each as its uninterrupted run."""
 import subprocess
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jaxpar.core.train_state import read_state, save_state
+from jaxpar.core.state_file import read_state, save_state
 
 from tests.helpers import ROOT, TINY, make_dataset, metrics, run_cli, run_in_session, torch_command, torch_env
 

@@ -17,7 +17,7 @@ from jaxpar.data import TokenBatches
 from jaxpar.loss import cross_entropy, split_rows, token_share
 from jaxpar.models.decoder import Decoder
 from tests.helpers import make_sft_dataset, run_steps, tiny_config
-from torchpar.models.decoder import Decoder as TorchDecoder, next_token_loss, split_rows as torch_split_rows
+from torchpar.models.decoder import Decoder as TorchDecoder, inputs_and_targets, next_token_loss
 from torchpar.weights import from_shared
 
 SFT = ("data.seq_len=16", "data.document_mask=true", "train.steps=6")
@@ -61,7 +61,7 @@ def test_the_loss_counts_the_response_targets_alone(sft_data):
     twin = TorchDecoder(cfg.model, 0)
     twin.load_state_dict(from_shared({k: torch.tensor(np.asarray(v)) for k, v in
                                       flatten(nnx.state(model, nnx.Param).to_pure_dict()).items()}, cfg.model.n_layer))
-    inputs, targets = torch_split_rows(torch.from_numpy(batch).long())
+    inputs, targets = inputs_and_targets(torch.from_numpy(batch).long())
     share = targets.numel() / int((targets >= 0).sum())
     with torch.no_grad():
         got = float(next_token_loss(twin.eval()(inputs), targets)) * share

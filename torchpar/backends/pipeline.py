@@ -43,7 +43,7 @@ from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
 from jaxpar.core.pipeline_schedules import (check, chunks as chunks_per_rank, placement, resolve_microbatches,
                                             virtual_stage)
 from torchpar.backends.base import TorchEngine, local, whole
-from torchpar.models.decoder import Decoder, embed, next_token_loss, output_head, split_rows
+from torchpar.models.decoder import Decoder, embed, inputs_and_targets, next_token_loss, output_head
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
              "zb_h1": ScheduleInterleavedZeroBubble, "zb_v": ScheduleZBVZeroBubble}
@@ -144,7 +144,7 @@ class PipelineEngine(TorchEngine):
         return batch.reshape(-1, self.M, batch.shape[-1]).transpose(0, 1).reshape(batch.shape)
 
     def _run(self, batch: torch.Tensor, train: bool) -> float:
-        (inputs, targets), s = split_rows(self._order(batch)), self.stage_module
+        (inputs, targets), s = inputs_and_targets(self._order(batch)), self.stage_module
         args = (inputs,) if s.first else ()
         kwargs = {"target": targets, "losses": []} if s.last else {}
         (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)

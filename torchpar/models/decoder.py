@@ -25,7 +25,7 @@ from torchpar.models.layers import Dense, LayerNorm, RMSNorm, SketchedLinear
 from torchpar.models.llama import GQAttention, SwiGLU
 from torchpar.models.mla import MLAttention
 from torchpar.models.moe import MoE, layer_stats
-from torchpar.ops import causal_attention, document_mask, documents
+from torchpar.ops import causal_attention, document_mask, document_positions
 
 # model.remat=save_matmuls: keep matmul outputs, recompute the rest (jaxpar: dots_with_no_batch_dims_saveable).
 _MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default]
@@ -140,7 +140,7 @@ class Decoder(nn.Module):
         """tokens [batch, seq] int64 -> logits [batch, seq, vocab] float32."""
         positions = mask = None
         if self.eod is not None:  # each document its own positions, attending within itself
-            positions, segments = documents(tokens, self.eod)
+            positions, segments = document_positions(tokens, self.eod)
             mask = document_mask(positions, segments)
         x = embed(self.wte, self.wpe, tokens, self.compute_dtype, positions)
         per_layer = []
@@ -173,7 +173,7 @@ def output_head(ln_f: nn.Module, table: nn.Parameter, x: torch.Tensor) -> torch.
     return F.linear(x, table.to(x.dtype)).float()
 
 
-def split_rows(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def inputs_and_targets(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """rows [batch, seq + 1] -> (inputs, targets); a target the loss skips stays negative (as jaxpar's
     loss.split_rows), the inputs are the tokens."""
     return unmasked(batch[:, :-1]), batch[:, 1:]

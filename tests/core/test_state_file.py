@@ -1,10 +1,10 @@
-"""The shared training-state file (jaxpar/core/train_state.py): what is written reads back; a file that is not one
+"""The shared training-state file (jaxpar/core/state_file.py): what is written reads back; a file that is not one
 (a weights file, a missing path) is one line naming it."""
 import numpy as np
 import pytest
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.train_state import read_state, save_state
+from jaxpar.core.state_file import read_state, save_state
 from jaxpar.core.weights import save_weights
 
 

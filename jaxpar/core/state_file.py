@@ -92,6 +92,6 @@ def read_state(path: str) -> tuple[dict[str, dict[str, np.ndarray]], dict]:
         raise UserError(f"{path} is not a readable training-state file: {e}") from None
     missing = [k for k in ("step", "adam_step", "config") if k not in meta]
     if missing or set(tensors) != set(KINDS) or tensors["param"].keys() != tensors["adam_m"].keys():
-        raise UserError(f"{path} is not a training-state file (jaxpar/core/train_state.py): "
+        raise UserError(f"{path} is not a training-state file (jaxpar/core/state_file.py): "
                         f"{'metadata ' + ', '.join(missing) if missing else 'tensors'} missing")
     return tensors, meta
