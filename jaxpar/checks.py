@@ -1,11 +1,26 @@
-"""What a (config, mesh) pair needs before anything is traced, stated in the user's terms, one line each."""
+"""What a (config, mesh) pair needs before anything is traced, stated in the user's terms, one line each;
+`validate` is the one entry that runs them all (torchpar/checks.py's `validate` is its twin)."""
 from __future__ import annotations
 
+from jaxpar.core.batch_shapes import for_each_shape
 from jaxpar.core.config import Config
+from jaxpar.core.contract import Run, check_contract
 from jaxpar.core.experts import check_expert_axis
 from jaxpar.core.errors import UserError
-from jaxpar.core.pipeline_schedules import check as check_schedule, resolve_microbatches
+from jaxpar.core.pipeline_schedules import check_schedule, resolve_microbatches
+from jaxpar.core.resume import check_resume
+from jaxpar.core.trackers import check_trackers
 from jaxpar.parallel.sequence import check_sequence
+
+
+def validate(cfg: Config, sizes, is_main: bool = True) -> None:
+    """Everything jaxpar refuses before it traces, in this order: run.dir and what a resume may change (every
+    process refuses alike; the main one says what changed), the trackers, the config contract, the layout at
+    every batch shape. sizes: the mesh's axis -> size."""
+    check_resume(cfg, is_main)
+    check_trackers(cfg)
+    check_contract(Run(cfg, "jaxpar", mesh=dict(sizes)))
+    for_each_shape(cfg, lambda at: check_layout(at, sizes))
 
 
 def check_layout(cfg: Config, sizes) -> None:

@@ -28,7 +28,8 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def check(args) -> dict[str, int]:
+def check_decoding(args) -> dict[str, int]:
+    """The sampling flags, and a mesh decoding runs on: its sizes."""
     check_sampling(args)
     sizes = parse_mesh(args.mesh)
     if sizes.get("pp", 1) != 1 or sizes.get("sp", 1) != 1:
@@ -53,7 +54,7 @@ def load(args) -> tuple[Config, dict | None, str]:
 @cli
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    sizes = check(args)
+    sizes = check_decoding(args)
     setup_devices(sizes)  # before anything starts jax (reading a run's checkpoint does)
     cfg, flat, tokenizer = load(args)
     encode, decode = text_codec(tokenizer)

@@ -1,5 +1,5 @@
-"""What torchpar refuses before a process group exists: one clear line, identical on every rank (the config
-contract, jaxpar/core/contract.py, last)."""
+"""What torchpar refuses before a process group exists: one clear line, identical on every rank. `validate` is the
+one entry that runs them all (jaxpar/checks.py's `validate` is its twin)."""
 from __future__ import annotations
 
 import torch
@@ -10,12 +10,21 @@ from jaxpar.core.errors import UserError
 from jaxpar.core.batch_shapes import for_each_shape
 from jaxpar.core.experts import check_expert_axis
 from jaxpar.core.mesh_spec import check_torch_mesh, parse_mesh, resolve_sizes
+from jaxpar.core.resume import check_resume
 from jaxpar.core.trackers import check_trackers
 from torchpar.dist import launch_env
 
 
-def check(cfg: Config, args) -> None:
-    """Everything knowable before a process group exists: one clear line, identical on every rank."""
+def validate(cfg: Config, args) -> None:
+    """Everything torchpar refuses before a process group exists, identical on every rank, in this order: what the
+    backend and launch run (the config contract last), then run.dir and what a resume may change (rank 0, from
+    torchrun's or srun's adopted variables, says what changed)."""
+    check_backend_settings(cfg, args)
+    check_resume(cfg, is_main=launch_env()[0] == 0)
+
+
+def check_backend_settings(cfg: Config, args) -> None:
+    """What --backend runs with this config and launch: the processes, the mesh, the settings it refuses."""
     _, world, _ = launch_env()
     if args.backend == "none" and world > 1:
         raise UserError(f"--backend none runs one process, but WORLD_SIZE={world}; use ddp, fsdp or deepspeed")
@@ -57,8 +66,11 @@ def check(cfg: Config, args) -> None:
         for_each_shape(cfg, lambda at: check_batch(at, world))
     if args.backend == "deepspeed":
         from torchpar.backends import deepspeed
-        deepspeed.check(cfg, args.deepspeed_config)
+        deepspeed.check_deepspeed(cfg, args.deepspeed_config)
     check_contract(Run(cfg, "torchpar", args.backend, stages))
+
+
+check = check_backend_settings  # until train.py calls validate (and drops its own check_resume call)
 
 
 def check_expert_parallel(cfg: Config, backend: str, world: int) -> None:

@@ -182,7 +182,7 @@ def resolve_microbatches(stages: int, microbatches: int) -> int:
     return microbatches or 2 * stages
 
 
-def check(schedule: str, S: int, M: int, V: int, n_layer: int | None = None) -> None:
+def check_schedule(schedule: str, S: int, M: int, V: int, n_layer: int | None = None) -> None:
     if schedule not in PROGRAMS:
         raise UserError(f"pipeline schedule {schedule!r} is not one of {', '.join(PROGRAMS)}")
     if S < 1 or M < 1 or V < 1:
@@ -201,7 +201,7 @@ def check(schedule: str, S: int, M: int, V: int, n_layer: int | None = None) -> 
 
 def simulate(schedule: str, S: int, M: int, V: int = 1) -> list[list[Op | None]]:
     """table[tick][device] = the op that device runs at that tick, or None (bubble)."""
-    check(schedule, S, M, V)
+    check_schedule(schedule, S, M, V)
     programs = [PROGRAMS[schedule](d, S, M, V) for d in range(S)]
     done: set[tuple[str, int, int]] = set()  # (kind, microbatch, virtual stage)
     pos, table, last = [0] * S, [], S * chunks(schedule, V) - 1

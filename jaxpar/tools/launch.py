@@ -44,7 +44,7 @@ def parse_args(argv):
     return p.parse_intermixed_args(argv)
 
 
-def check(args) -> str:
+def check_launch(args) -> str:
     """Refuse what cannot run; return the launcher."""
     launcher = args.launcher or "srun"
     if launcher not in LAUNCHERS[args.framework]:
@@ -121,7 +121,7 @@ def script(args, launcher: str, argv: list[str]) -> str:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    launcher = check(args)
+    launcher = check_launch(args)
     print(script(args, launcher, argv), end="")
     return 0
 

@@ -3,7 +3,7 @@ import pytest
 
 from jaxpar.tools import pipeline_table as pipeline
 from jaxpar.core.errors import UserError
-from jaxpar.core.pipeline_schedules import bubble_fraction, check, max_in_flight, placement, simulate, virtual_stage
+from jaxpar.core.pipeline_schedules import bubble_fraction, check_schedule, max_in_flight, placement, simulate, virtual_stage
 
 S, M = 4, 8
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
@@ -58,7 +58,7 @@ def test_zb_h1_splits_the_backward_and_fills_the_bubble_with_w():
         for d in range(S_):
             assert [o for o in order(table, d) if o[0] != "W"] == order(f1b1, d)
     with pytest.raises(UserError, match="virtual stages"):
-        check("zb_h1", 4, 8, 2)
+        check_schedule("zb_h1", 4, 8, 2)
 
 
 def test_zb_v_runs_two_chunks_in_a_v_at_1f1b_memory(capsys):
@@ -95,9 +95,9 @@ def test_zb_v_runs_two_chunks_in_a_v_at_1f1b_memory(capsys):
         assert pipeline.main(["--stages", "4", "--microbatches", "8", "--schedule", schedule]) == 0
         assert f"idle {units} units of a stage's F, B or W per device" in capsys.readouterr().out
     with pytest.raises(UserError, match="zb_v places two chunks per stage itself"):
-        check("zb_v", 4, 8, 2)
+        check_schedule("zb_v", 4, 8, 2)
     with pytest.raises(UserError, match="stages x 2 chunks"):
-        check("zb_v", 4, 8, 1, n_layer=4)
+        check_schedule("zb_v", 4, 8, 1, n_layer=4)
 
 
 def order(table, device):
@@ -126,8 +126,8 @@ def test_1f1b_textbook_order():
 
 def test_errors_are_user_errors(capsys):
     with pytest.raises(UserError, match="microbatches >= stages"):
-        check("1f1b", 4, 2, 1)
+        check_schedule("1f1b", 4, 2, 1)
     with pytest.raises(UserError, match="not divisible by stages x virtual stages"):
-        check("interleaved", 2, 4, 2, n_layer=6)
+        check_schedule("interleaved", 2, 4, 2, n_layer=6)
     assert pipeline.main(["--stages", "4", "--microbatches", "2", "--schedule", "1f1b"]) == 2
     assert "microbatches >= stages" in capsys.readouterr().err

@@ -77,18 +77,18 @@ def test_torchpar_mesh_flag_is_parallel_mesh(tmp_path, capsys, monkeypatch):
     process is told to start two for dp=2), and accepted where the world matches."""
     pytest.importorskip("torch")
     from torchpar import train
-    from torchpar.checks import check
+    from torchpar.checks import validate
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS"):
         monkeypatch.delenv(var, raising=False)
     rc = train.main(["--backend", "ddp", "--mesh", "dp=2", *TINY, f"run.dir={tmp_path / 'run'}"])
     assert_one_error_line(rc, capsys, "parallel.mesh=dp=2 needs 2 processes")
     assert not (tmp_path / "run").exists()
-    args = train.parse_args(["--mesh", "dp=2", *TINY, "parallel.mesh=dp=4"])
+    args = train.parse_args(["--mesh", "dp=2", *TINY, "parallel.mesh=dp=4", f"run.dir={tmp_path / 'run'}"])
     assert train.read_config(args).parallel.mesh == "dp=2"
     assert train.read_config(train.parse_args(TINY)).parallel.mesh == ""  # without the flag, the config's
     monkeypatch.setenv("WORLD_SIZE", "2")
-    check(train.read_config(args), args)  # two processes: nothing to refuse
+    validate(train.read_config(args), args)  # two processes: nothing to refuse
 
 
 def test_generate_decodes_by_default_what_the_context_leaves():

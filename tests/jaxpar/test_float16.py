@@ -197,4 +197,4 @@ def test_deepspeed_json_that_contradicts_the_shared_keys_is_refused(section, mes
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(section))
     with pytest.raises(UserError, match=message):
-        deepspeed.check(tiny_config(), str(path))
+        deepspeed.check_deepspeed(tiny_config(), str(path))

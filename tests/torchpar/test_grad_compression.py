@@ -108,8 +108,8 @@ def test_what_a_backend_does_not_run_is_refused(backend, key, named):
         if backend == "jaxpar":
             check_contract(Run(cfg, "jaxpar", "", {"dp": 1}))
         else:
-            from torchpar.checks import check
-            check(cfg, argparse.Namespace(backend=backend, cpu_offload=False, deepspeed_config=""))
+            from torchpar.checks import check_backend_settings
+            check_backend_settings(cfg, argparse.Namespace(backend=backend, cpu_offload=False, deepspeed_config=""))
     assert "\n" not in str(refused.value)
 
 
@@ -124,13 +124,14 @@ def test_powersgd_on_four_ranks_past_one_default_bucket(base):
 
 
 def test_a_deepspeed_json_that_contradicts_bf16_is_refused(tmp_path):
-    from torchpar.checks import check
+    from torchpar.checks import check_backend_settings
 
     user = tmp_path / "ds.json"
     user.write_text('{"communication_data_type": "fp32"}')
     cfg = load_config(None, TINY + ["parallel.grad_compression=bf16"])
     with pytest.raises(UserError, match="communication_data_type='fp32'"):
-        check(cfg, argparse.Namespace(backend="deepspeed", cpu_offload=False, deepspeed_config=str(user)))
+        check_backend_settings(cfg, argparse.Namespace(backend="deepspeed", cpu_offload=False,
+                                                       deepspeed_config=str(user)))
 
 
 class _RunsCode:

@@ -291,7 +291,7 @@ def check_user_config(user: dict, cfg) -> None:
                             f"set model.compute_dtype={dtype} (loss scaling: optim.loss_scale_*)")
 
 
-def check(cfg, deepspeed_config: str) -> None:
+def check_deepspeed(cfg, deepspeed_config: str) -> None:
     """What torchpar.train checks before any process group: DeepSpeed importable, float16 possible here,
     the user JSON readable and consistent with the shared keys."""
     import_deepspeed()

@@ -40,7 +40,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 
 from jaxpar.core.errors import UserError
 from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
-from jaxpar.core.pipeline_schedules import (check, chunks as chunks_per_rank, placement, resolve_microbatches,
+from jaxpar.core.pipeline_schedules import (check_schedule, chunks as chunks_per_rank, placement, resolve_microbatches,
                                             virtual_stage)
 from torchpar.backends.base import TorchEngine, local, whole
 from torchpar.models.decoder import Decoder, embed, inputs_and_targets, next_token_loss, output_head
@@ -90,7 +90,7 @@ def check_torch_pipeline(cfg, world: int) -> int:
         raise UserError(f"parallel.mesh={cfg.parallel.mesh}: --backend pipeline runs pp with dp (DDP per stage) or "
                         "with fsdp (FSDP2 per stage), not both")
     M = resolve_microbatches(S, p.pipeline_microbatches)
-    check(p.pipeline_schedule, S, M, p.pipeline_virtual_stages, cfg.model.n_layer)
+    check_schedule(p.pipeline_schedule, S, M, p.pipeline_virtual_stages, cfg.model.n_layer)
     if p.pipeline_schedule == "interleaved" and p.pipeline_virtual_stages < 2:
         raise UserError("--backend pipeline: the interleaved schedule needs parallel.pipeline_virtual_stages >= 2 "
                         "(torch's ScheduleInterleaved1F1B runs two or more stages per rank)")
