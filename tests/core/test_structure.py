@@ -16,6 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("jaxpar", "torchpar", "parity_tests", "tests")
 FRAMEWORKS = {"jax", "jaxlib", "flax", "optax", "orbax", "grain", "torch", "deepspeed"}
 TRAINERS = ("jaxpar/train.py", "torchpar/train.py")
+TWINS = ("jaxpar/models", "torchpar/models")  # the same files, each with the same role and names
 MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_TRAINER_LINES = 400, 60, 150
 
 
@@ -142,6 +143,13 @@ def long_functions(source, limit=MAX_FUNCTION_LINES):
             and (span := node.end_lineno - node.lineno + 1) > limit]
 
 
+def twin_mismatches(files, twins=TWINS):
+    """(folder, file) for every .py file under one twin folder that the other lacks."""
+    names = {d: {p[len(d) + 1:] for p in files if p.startswith(d + "/")} for d in twins}
+    shared = set.intersection(*names.values())
+    return sorted((d, name) for d in twins for name in names[d] - shared)
+
+
 _NAMED_PATH = re.compile(r"(?<![\w./-])((?:jaxpar|torchpar|tests|parity_tests|configs|docs|benchmarks|tools)/"
                          r"[\w./-]*\.(?:py|md|yaml|sh|json|toml))\b")
 
@@ -164,6 +172,11 @@ def test_models_and_parallel_are_independent():
     pairs = (imports_matching(GRAPH, "jaxpar.models", lambda d: under(d, "jaxpar.parallel"))
              + imports_matching(GRAPH, "jaxpar.parallel", lambda d: under(d, "jaxpar.models")))
     assert not pairs, f"models <-> parallel imports: {pairs}"
+
+
+def test_model_twins_mirror_file_for_file():
+    assert all((ROOT / d).is_dir() for d in TWINS), f"missing: {TWINS}"
+    assert not (bad := twin_mismatches(FILES)), f"models/ files without their twin (folder, file): {bad}"
 
 
 def test_shared_core_is_framework_free():
@@ -217,6 +230,9 @@ PLANTED = {
     "models imports parallel": lambda: imports_matching(
         build_graph({"jaxpar/models/m.py": "from jaxpar.parallel import seq\n", "jaxpar/parallel/seq.py": ""}),
         "jaxpar.models", lambda d: under(d, "jaxpar.parallel")) == [("jaxpar.models.m", "jaxpar.parallel.seq")],
+    "a model file without its twin": lambda: twin_mismatches(
+        {"jaxpar/models/a.py": "", "torchpar/models/a.py": "", "torchpar/models/stray.py": "", "jaxpar/b.py": ""})
+        == [("torchpar/models", "stray.py")],
     "core imports jax in a function": lambda: core_violations(
         build_graph({"jaxpar/core/c.py": "def f():\n    import jax.numpy\n"})) == [("jaxpar.core.c", "jax.numpy")],
     "core imports the project": lambda: core_violations(
