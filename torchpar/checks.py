@@ -70,7 +70,6 @@ def check_backend_settings(cfg: Config, args) -> None:
     check_contract(Run(cfg, "torchpar", args.backend, stages))
 
 
-check = check_backend_settings  # until train.py calls validate (and drops its own check_resume call)
 
 
 def check_expert_parallel(cfg: Config, backend: str, world: int) -> None:

@@ -220,7 +220,7 @@ def build_torch(a, compiled: bool):
     import torch
 
     from torchpar import backends, dist
-    from torchpar.compiling import compile_blocks
+    from torchpar.parallelize import compile_blocks
     from torchpar.models.decoder import Decoder
 
     cfg = config(a)

@@ -19,16 +19,16 @@ FAULTS = ("KILL_AFTER_STEP", "KILL_IN_SAVE_AFTER_STEP", "SIGTERM_AFTER_STEP", "N
 
 
 class FaultInjector:
-    """A loop hook (jaxpar/core/loop.py) injecting the faults the environment asks for into a framework:
-    `fw.poison()`, `fw.inject_overflow()` and `fw.settle()` are called from here only."""
+    """A loop hook (jaxpar/core/hooks.py) injecting the faults the environment asks for into a trainer:
+    `trainer.poison()`, `trainer.inject_overflow()` and `trainer.settle()` are called from here only."""
 
-    def __init__(self, fw, prefix: str):
-        self.fw, self.env = fw, {name: os.environ.get(f"{prefix}_FAULT_{name}") for name in FAULTS}
+    def __init__(self, trainer, prefix: str):
+        self.trainer, self.env = trainer, {name: os.environ.get(f"{prefix}_FAULT_{name}") for name in FAULTS}
 
     @classmethod
-    def from_env(cls, fw) -> "FaultInjector | None":
+    def from_env(cls, trainer) -> "FaultInjector | None":
         """The hook if any <PREFIX>_FAULT_* variable is set, else None (a normal run carries no test code)."""
-        hook = cls(fw, fw.fault_prefix)
+        hook = cls(trainer, trainer.fault_prefix)
         return hook if any(hook.env.values()) else None
 
     def _is(self, name: str, step: int) -> bool:
@@ -37,9 +37,9 @@ class FaultInjector:
     def before_step(self, step: int) -> None:
         """`step` (0-based) is about to run, as step step+1."""
         if self._is("NAN_AT_STEP", step + 1):
-            self.fw.poison()
+            self.trainer.poison()
         if self._is("OVERFLOW_AT_STEP", step + 1):
-            self.fw.inject_overflow()
+            self.trainer.inject_overflow()
 
     def after_step(self, step: int) -> None:
         """Step `step` (1-based) and its checkpoint, if any, have started."""
@@ -48,7 +48,7 @@ class FaultInjector:
         if self._is("KILL_IN_SAVE_AFTER_STEP", step):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._is("KILL_AFTER_STEP", step):
-            self.fw.settle()
+            self.trainer.settle()
             os.kill(os.getpid(), signal.SIGKILL)
         if self._is("SIGTERM_AFTER_STEP", step):
             os.kill(os.getpid(), signal.SIGTERM)

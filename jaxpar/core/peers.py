@@ -87,13 +87,13 @@ class Watchdog:
 
 class PeerGuard:
     """Both detectors around the shared loop (nothing to guard with one process): `beat(step)` once per
-    step, `saved = step` after each checkpoint; an exception leaving the `with` (other than a UserError)
-    first holds the roll call."""
+    step; `last_saved()` names the newest checkpoint this run wrote (None: none yet). An exception leaving the
+    `with` (other than a UserError) first holds the roll call."""
 
-    def __init__(self, fw, timeout_s: float, run_dir: str, step: int):
-        self.fw, self.timeout_s, self.run_dir = fw, timeout_s, run_dir
-        self.step, self.saved = step, step or None  # a resumed run starts from a checkpoint
-        self.dog = Watchdog(timeout_s, self._stalled) if fw.process_count > 1 else None
+    def __init__(self, trainer, timeout_s: float, run_dir: str, step: int, last_saved):
+        self.trainer, self.timeout_s, self.run_dir = trainer, timeout_s, run_dir
+        self.step, self.resumed_from, self.last_saved = step, step or None, last_saved  # resumed: from a checkpoint
+        self.dog = Watchdog(timeout_s, self._stalled) if trainer.process_count > 1 else None
 
     def beat(self, step: int) -> None:
         self.step = step
@@ -101,9 +101,9 @@ class PeerGuard:
             self.dog.beat()
 
     def _leave(self, what: str, always: bool = False) -> None:
-        where = (f"the last checkpoint is step {self.saved} in {self.run_dir}/checkpoints" if self.saved
-                 else "no checkpoint yet")
-        leave_if_peers_lost(self.fw.roll_call, self.fw.process_count, what, self.timeout_s, where, always)
+        saved = self.last_saved() or self.resumed_from
+        where = f"the last checkpoint is step {saved} in {self.run_dir}/checkpoints" if saved else "no checkpoint yet"
+        leave_if_peers_lost(self.trainer.roll_call, self.trainer.process_count, what, self.timeout_s, where, always)
 
     def _stalled(self) -> NoReturn:
         self._leave(f"no step finished for {self.timeout_s:g} s after step {self.step}", always=True)

@@ -1,56 +1,80 @@
-"""The run sequence, written once for both trainers: lock run.dir (jaxpar/core/run_lock.py), move an old run aside,
-restore or initialise, record the config, train in the shared loop (jaxpar/core/loop.py), write the final weights.
+"""The run, written once for both trainers and read top to bottom: lock run.dir, move an old run aside, restore or
+initialise, record the config, train in the loop below (its hooks in jaxpar/core/hooks.py), write the final weights.
 
-A trainer (jaxpar/train.py, torchpar/train.py) parses its arguments, checks them, sets up its devices or
-process group and reads its inputs, then hands a `Trainer` -- its adapter -- to `run_training`. Nothing here
-imports jax or torch.
+A trainer's entry point (jaxpar/train.py, torchpar/train.py) parses its arguments, validates them, sets up its devices
+or process group and reads its inputs, then hands its adapter -- a `Trainer`: jaxpar/trainer.py, torchpar/trainer.py
+-- to `run_training`. Nothing here imports jax or torch.
 """
 from __future__ import annotations
 
 import os
-from typing import Protocol
+import signal
+import sys
+from typing import Any, Protocol
 
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
-from jaxpar.core.flops import flops_per_token
-from jaxpar.core.loop import Framework, ignore_stop_requests, run_loop
+from jaxpar.core.hooks import Progress, hooks_of
 from jaxpar.core.metrics_log import MetricsLog
+from jaxpar.core.peers import PeerGuard
 from jaxpar.core.resume import already_complete, start_anew, write_run_config
 from jaxpar.core.run_lock import RunLock
 from jaxpar.core.trackers import open_trackers
 
 
 class Trainer(Protocol):
-    """A framework's side of the run sequence."""
+    """A framework's adapter: the one interface between the shared run and jax or torch."""
     is_main: bool  # process 0 / rank 0: the one that writes the run's shared files and prints
+    process_count: int
+    fault_prefix: str  # <PREFIX>_FAULT_* environment variables (jaxpar/core/faults.py)
+    train_data: Any  # the training GlobalBatches (jaxpar/core/data_order.py)
 
+    # the run sequence
     def any_of(self, flag: bool) -> bool:
         """Whether `flag` is true on any process (every process gets the same answer; a barrier too)."""
-
     def restore_or_init(self) -> int:
-        """The state: the latest checkpoint in run.dir (checkpoint.resume), else model.init_from, else the seeded
-        initialisation. Returns the data step to continue from (0 for a new run)."""
-
+        """The latest checkpoint in run.dir (checkpoint.resume), else model.init_from, else the seeded
+        initialisation; returns the data step to continue from (0 for a new run)."""
     def run_config(self) -> dict:
         """What config.json records beside the config: the resolved mesh, or the backend and world size."""
-
-    def framework(self) -> Framework:
-        """What the loop drives: the compiled step, data, evaluation, saves."""
-
-    def describe(self) -> str:
-        """The start-up line(s): layout, devices, parameter count (every process calls it: it may gather)."""
-
+    def start(self) -> str:
+        """Compile or build what the loop drives; the start-up line(s) (every process: it may gather)."""
     def peak_flops(self) -> float | None:
         """The summed peak FLOP/s of all devices for model.compute_dtype (None where unknown: no MFU)."""
-
     def record_extra(self) -> dict:
         """Constant fields of every metrics record (jaxpar: the pipeline bubble)."""
-
     def write_weights(self, path: str, which: str) -> None:
         """The parameters in the shared safetensors format (every process takes part; one writes)."""
-
     def close(self) -> None:
-        """Saves in flight complete; run even when training stopped on an error."""
+        """Read-ahead stopped, saves in flight complete; runs even when training stopped on an error."""
+
+    # the loop
+    def train_step(self, step: int) -> Any:
+        """Start the update on the batch of data step `step` (0-based; read ahead); a handle on its metrics."""
+    def fetch(self, handle: Any) -> dict:
+        """The step's loss, grad_norm and lr as floats (waits for the step)."""
+    def data_wait_s(self) -> float:
+        """Seconds spent so far waiting for training batches (the read-ahead was not ready)."""
+    def memory(self) -> dict:
+        """{"memory_in_use_gib", "memory_gib" (the peak)} on this process's first device; None where unknown."""
+    def roll_call(self, wait_s: float) -> list[int]:
+        """Announce this process in the launcher's store; the processes that did not within `wait_s`."""
+
+    # the hooks' work
+    def evaluate(self, batches: int) -> float:
+        """The mean loss over the first `batches` validation batches."""
+    def sample(self, step: int) -> list[int] | None:
+        """A validation prompt and a sampled continuation (token ids, on process 0; None elsewhere)."""
+    def save(self, step: int) -> None:
+        """Checkpoint the state after `step` (a no-op if saved already); may return before it is on disk."""
+    def settle(self) -> None:
+        """Wait until the checkpoints started so far are complete."""
+    def profile_start(self) -> None: ...
+    def profile_stop(self) -> None: ...
+    def poison(self) -> None:
+        """Test fault (<PREFIX>_FAULT_NAN_AT_STEP): make the parameters non-finite."""
+    def inject_overflow(self) -> None:
+        """Test fault (<PREFIX>_FAULT_OVERFLOW_AT_STEP): make the next step's gradients non-finite."""
 
 
 def run_training(cfg: Config, trainer: Trainer, stop: dict, write_final: str | None = None) -> int:
@@ -92,15 +116,66 @@ def claim_run_dir(cfg: Config, trainer: Trainer, lock: RunLock) -> None:
 
 
 def train_from(cfg: Config, trainer: Trainer, step: int, stop: dict) -> None:
-    fw = trainer.framework()
-    line = trainer.describe()
+    line = trainer.start()
     if trainer.is_main:
         print(line, flush=True)
     log = MetricsLog(cfg.run.dir, trainer.is_main, cfg.train.steps, step, open_trackers(cfg, trainer.is_main),
                      cfg.data.tokenizer)
     try:
-        run_loop(cfg, step, fw, log, trainer.peak_flops(), flops_per_token(cfg.model, cfg.data.seq_len), stop,
-                 trainer.record_extra(), fw.train_data)
+        train_loop(cfg, trainer, step, log, stop)
     finally:
-        fw.close()
         log.close()
+
+
+def train_loop(cfg: Config, trainer: Trainer, step: int, log: MetricsLog, stop: dict) -> int:
+    """Train from data step `step` to train.steps or a stop all processes agree on; returns the last step done.
+    `stop`: from `stop_requests()`. Everything but the step itself is a hook acting on its own cadence."""
+    progress = Progress(cfg, trainer, step)
+    hooks = hooks_of(cfg, trainer, log, progress)
+    try:
+        with PeerGuard(trainer, cfg.run.peer_timeout_s, cfg.run.dir, step, lambda: progress.saved) as peers:
+            while step < cfg.train.steps:
+                peers.beat(step)
+                if trainer.any_of("signal" in stop):  # asked on any process: all stop after the same step
+                    progress.metrics()
+                    trainer.save(step)
+                    print(f"stopped by signal {stop.get('signal', '(on another process)')} after step {step}; "
+                          "checkpoint saved", file=sys.stderr)
+                    break
+                for hook in hooks:
+                    hook.before_step(step)
+                progress.started(step + 1, trainer.train_step(step))
+                step += 1
+                for hook in hooks:
+                    hook.after_step(step)
+                progress.step_done(step)
+    finally:
+        for hook in hooks:
+            hook.close()
+    return step
+
+
+def stop_requests() -> dict:
+    """From now on SIGTERM / SIGINT only ask for a stop (the dict gains "signal"): trainers call this early,
+    so that a signal during start-up also ends in an agreed stop at the first step. A second signal ends
+    the process at once, as if there were no handler."""
+    stop: dict = {}
+
+    def ask(signum, _frame) -> None:
+        if "signal" in stop:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        stop["signal"] = signum
+        print(f"signal {signum}: stopping after this step with a checkpoint (again: stop now)", file=sys.stderr,
+              flush=True)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, ask)
+    return stop
+
+
+def ignore_stop_requests() -> None:
+    """The run is over and saved: a late SIGTERM (a scheduler signals every process, at different moments)
+    must not turn this process's clean exit into a kill."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)

@@ -85,7 +85,7 @@ def test_buckets_need_documents(tmp_path):
 
 def test_mfu_counts_each_buckets_attention_at_its_length(tmp_path):
     from jaxpar.core.flops import flops_per_token
-    from jaxpar.core.loop import Throughput
+    from jaxpar.core.hooks import Throughput
 
     data, cfg = batches(make_dataset(tmp_path / "d.bin", n_tokens=6000, document_length=12),
                         "train.tokens_per_batch=256")

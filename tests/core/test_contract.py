@@ -172,9 +172,9 @@ def data_rows(cfg) -> list:
     return [train.global_batch(s) for s in (0, 1)] + [val.global_batch(0)]
 
 
-class RecordingFramework:
+class RecordingTrainer:
     """The shared loop's view of a trainer, writing down every call it gets."""
-    fault_prefix, process_count = "NOBODY", 1
+    fault_prefix, process_count, train_data = "NOBODY", 1, None
 
     def __init__(self):
         self.calls = []
@@ -186,18 +186,20 @@ class RecordingFramework:
                 return {"loss": 1.0, "grad_norm": 1.0, "lr": 0.1}
             if name == "data_wait_s":
                 return 0.0
+            if name == "record_extra":
+                return {}
             return {"memory_in_use_gib": None, "memory_gib": None} if name == "memory" else (
                 [1, 2] if name == "sample" else (1.0 if name == "evaluate" else args[0] if args else None))
         return call
 
 
 def loop_calls(cfg, tmp_path) -> list:
-    from jaxpar.core.loop import run_loop
     from jaxpar.core.metrics_log import MetricsLog
+    from jaxpar.core.run import train_loop
 
     os.makedirs(tmp_path, exist_ok=True)
-    fw, log = RecordingFramework(), MetricsLog(str(tmp_path), True, cfg.train.steps)
-    run_loop(cfg, 0, fw, log, None, 1.0, {})
+    fw, log = RecordingTrainer(), MetricsLog(str(tmp_path), True, cfg.train.steps)
+    train_loop(cfg, fw, 0, log, {})
     log.close()
     with open(tmp_path / "metrics.jsonl") as f:
         logged = [json.loads(line)["step"] for line in f]
@@ -205,7 +207,7 @@ def loop_calls(cfg, tmp_path) -> list:
 
 
 def torch_params(cfg) -> dict:
-    from torchpar.train import build_model
+    from torchpar.trainer import build_model
 
     return {k: v.numpy().copy() for k, v in build_model(cfg).state_dict().items()}
 
@@ -215,7 +217,7 @@ def torch_step(cfg, tmp_path, batches) -> list:
     from torchpar.backends import build
     from torchpar.dist import Env
     from torchpar.dist import PRECISION
-    from torchpar.train import build_model
+    from torchpar.trainer import build_model
 
     torch.set_float32_matmul_precision(PRECISION[cfg.train.matmul_precision])
     model = build_model(cfg)
@@ -231,7 +233,7 @@ def torch_step(cfg, tmp_path, batches) -> list:
 def torch_engine(cfg, backend: str):
     """What torchpar hands the engine for `backend`, beside the model: DeepSpeed's JSON, the pipeline's
     schedule, torch.compile, the matmul precision."""
-    from torchpar.compiling import use_compile
+    from torchpar.parallelize import use_compile
     from jaxpar.core.mesh_spec import check_torch_mesh
     from torchpar.dist import PRECISION
 
@@ -303,7 +305,7 @@ def test_a_consumed_key_changes_the_run(key, datasets, tmp_path):
     if row.effect in ("params", "data", "loop") or (row.effect == "step" and not torch_engine_key(key)):
         runs = runs[:1] + [r for r in runs[1:2]]  # one torchpar backend stands for all: the model, data and loop are shared
         if row.effect in ("data", "loop"):
-            runs = runs[:1]  # one code path for both trainers (jaxpar/core/data_order.py, jaxpar/core/loop.py)
+            runs = runs[:1]  # one code path for both trainers (jaxpar/core/data_order.py, jaxpar/core/run.py)
     for trainer, backend in runs:
         base = load_config(None, TINY + [f"data.dataset={datasets[0]}"] + overrides)
         other = load_config(None, TINY + [f"data.dataset={datasets[0]}"] + changed)

@@ -1,18 +1,18 @@
-"""The shared loop with a framework made of sleeps: what it reports about where a step's time went."""
+"""The shared loop with a trainer made of sleeps: what it reports about where a step's time went."""
 import json
 import time
 
-from jaxpar.core.loop import run_loop
 from jaxpar.core.metrics_log import MetricsLog
 from jaxpar.core.prefetch import Prefetch
+from jaxpar.core.run import train_loop
 
 from tests.helpers import tiny_config
 
 
-class SleepyFramework:
+class SleepyTrainer:
     """Reading a batch takes 60 ms (read ahead through the trainers' Prefetch), the step 10 ms: the host waits on
     data for the 50 ms the read-ahead is behind, 5/6 of each step."""
-    fault_prefix, process_count = "NOBODY", 1
+    fault_prefix, process_count, train_data = "NOBODY", 1, None
 
     def __init__(self):
         self.prefetch = Prefetch(lambda step: time.sleep(0.06) or step)
@@ -25,8 +25,14 @@ class SleepyFramework:
     def data_wait_s(self):
         return self.prefetch.waited_s
 
-    def agree_stop(self, requested):
-        return requested
+    def any_of(self, flag):
+        return flag
+
+    def peak_flops(self):
+        return None
+
+    def record_extra(self):
+        return {}
 
     def fetch(self, handle):
         return handle
@@ -44,10 +50,10 @@ class SleepyFramework:
 def test_records_say_how_much_of_a_step_was_waiting_for_data(tmp_path):
     cfg = tiny_config("train.steps=8", "train.log_every=4", "train.eval_every=0", "checkpoint.every=0",
                       f"run.dir={tmp_path}")
-    fw = SleepyFramework()
+    fw = SleepyTrainer()
     fw.evaluate = lambda batches: 0.0
     log = MetricsLog(str(tmp_path), True, 8)
-    assert run_loop(cfg, 0, fw, log, None, 1.0, stop={}) == 8
+    assert train_loop(cfg, fw, 0, log, stop={}) == 8
     log.close()
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in records] == [4, 8]

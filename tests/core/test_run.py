@@ -20,7 +20,7 @@ class Recorder:
     def __getattr__(self, name):
         def call(*args):
             self.calls.append(name)
-            return {"restore_or_init": self.step, "run_config": {}, "describe": "", "record_extra": {},
+            return {"restore_or_init": self.step, "run_config": {}, "start": "", "record_extra": {},
                     "peak_flops": None}.get(name)
         return call
 

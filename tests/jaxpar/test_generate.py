@@ -101,7 +101,7 @@ def _assert_samples_of(run_dir, train_out: str, generate_out: str, logits_at, dr
     prompt continued token by token with draw(logits_at(row, n), index of the new token); the generate command
     (greedy, 8 tokens after "def ", from the run) printed the argmax continuation."""
     from jaxpar.core.data_order import open_splits
-    from jaxpar.core.loop import sample_lengths
+    from jaxpar.core.hooks import sample_lengths
     from jaxpar.core.resume import read_run_config
     from jaxpar.core.tokens import text_codec
 

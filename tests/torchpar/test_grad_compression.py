@@ -34,7 +34,7 @@ def losses(run_dir) -> list[float]:
 @pytest.fixture(scope="module")
 def shapes(base):
     """The model's parameter shapes (DDP's: a tied weight once), as base's config builds it."""
-    from torchpar.train import build_model
+    from torchpar.trainer import build_model
 
     params = list(build_model(load_config(None, base["args"])).parameters())
     return [tuple(p.shape) for p in params], sum(p.numel() for p in params)

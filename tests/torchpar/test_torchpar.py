@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 
 from jaxpar.core.config import load_config
 from torchpar.checkpoint import complete_steps
-from torchpar.train import build_model
+from torchpar.trainer import build_model
 
 from tests.helpers import (ABORTS, ROOT, assert_params_close, free_port, metrics, no_leftovers, run_in_session,
                            tensorboard_scalars, torch_command, torch_env)

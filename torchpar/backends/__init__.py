@@ -1,6 +1,6 @@
 """Backends wrap the plain Decoder (torchpar/models/decoder.py): `none` (one process), `ddp`, `fsdp` (FSDP2), `deepspeed` (ZeRO 0-3),
 `pipeline` (torch.distributed.pipelining). Each module's `build(model, cfg, env, **options)` returns an
-`Engine`; the trainer (torchpar/framework.py) uses nothing else of it.
+`Engine`; the trainer (torchpar/trainer.py) uses nothing else of it; torchpar/parallelize.py builds it.
 """
 from __future__ import annotations
 

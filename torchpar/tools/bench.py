@@ -18,7 +18,7 @@ from jaxpar.core.config import load_config
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.flops import flops_per_token, peak_flops
 from torchpar.backends import BACKENDS
-from torchpar.compiling import compile_blocks, use_compile
+from torchpar.parallelize import compile_blocks, use_compile
 
 
 def matmul_ceiling(device, dtype) -> float:

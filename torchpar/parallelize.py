@@ -1,8 +1,20 @@
-"""train.compile: torch.compile applied to the model's blocks, outside the model code (as torchtitan does)."""
+"""torchpar's parallelism, applied to the plain Decoder from outside its code in one visible order (as torchtitan's
+parallelize does): activation checkpointing (model.remat: today still inside the blocks, torchpar/models/decoder.py)
+-> torch.compile of each block (train.compile) -> the backend's wrapper (torchpar/backends/: DDP, FSDP2, pipeline
+stages, DeepSpeed), which also owns gradient reduction and its compression."""
 from __future__ import annotations
 
 from jaxpar.core.config import Config
 from jaxpar.core.mesh_spec import parse_mesh
+from torchpar import backends
+
+
+def parallelize(model, cfg: Config, env, backend: str, deepspeed_config: str = "") -> tuple[backends.Engine, bool]:
+    """The backend's engine over `model`, and whether its blocks were compiled."""
+    compiled = use_compile(cfg, backend, env.device.type)
+    if compiled:
+        compile_blocks(model)
+    return backends.build(backend, model, cfg, env, deepspeed_config=deepspeed_config), compiled
 
 
 def use_compile(cfg: Config, backend: str, device_type: str) -> bool:

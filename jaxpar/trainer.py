@@ -1,0 +1,200 @@
+"""jaxpar's adapter for the shared run (jaxpar/core/run.py, the `Trainer` it drives): restore or initialise the state,
+compile the train step, read batches ahead, evaluate, sample, save with orbax, and the collectives the run needs
+across processes."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxpar import state as st
+from jaxpar.checkpoint import Checkpointer
+from jaxpar.context import use
+from jaxpar.core.config import Config
+from jaxpar.core.data_order import unmasked
+from jaxpar.core.experts import expert_records
+from jaxpar.core.flops import params_phrase, peak_flops
+from jaxpar.core.hooks import sample_lengths
+from jaxpar.core.mesh_spec import format_mesh
+from jaxpar.core.peers import roll_call
+from jaxpar.core.pipeline_schedules import configured_bubble, resolve_microbatches
+from jaxpar.core.prefetch import Prefetch
+from jaxpar.core.tokens import document_token
+from jaxpar.core.weights import flatten, load_weights, save_weights, unflatten
+from jaxpar.data import device_batch
+from jaxpar.decode import make_generate
+from jaxpar.layout import Layout
+from jaxpar.mesh import device_memory
+from jaxpar.models.decoder import abstract_model
+from jaxpar.parallelize import parallel_context
+from jaxpar.step import compiled_train_step, make_eval_step, make_train_step
+
+
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is true on any process: a tiny all-gather of one flag per process (nothing to agree on
+    with one process)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(multihost_utils.process_allgather(np.array([flag], np.int32)).max())
+
+
+class JaxTrainer:
+    """The run on a Layout of (config, mesh): the state, its compiled steps by batch shape, the data, orbax saves."""
+    fault_prefix = "JAXPAR"
+
+    def __init__(self, cfg: Config, layout: Layout, data):
+        self.cfg, self.layout = cfg, layout
+        self.train_data, self.val_data = data
+        self.is_main, self.process_count = jax.process_index() == 0, jax.process_count()
+        self.state, self.ckpt, self.prefetch = None, None, None
+
+    # the run sequence
+    def any_of(self, flag: bool) -> bool:
+        return any_process(flag)
+
+    def initial_state(self):
+        """model.init_from, else the seed's random initialisation."""
+        if not self.cfg.model.init_from:
+            return st.init_state(self.layout)
+        shapes = {k: v.shape for k, v in flatten(st.abstract_state(self.layout)["params"]).items()}
+        return st.state_from_params(self.layout, unflatten(load_weights(self.cfg.model.init_from, shapes)))
+
+    def restore_or_init(self) -> int:
+        self.ckpt = Checkpointer(self.cfg.run.dir, self.cfg.checkpoint.keep, trainer=True)
+        restored = st.restore_latest(self.ckpt, self.layout) if self.cfg.checkpoint.resume else None
+        if restored:
+            print(f"resumed from {self.ckpt.dir}/{restored[1]['step']}", file=sys.stderr)
+        self.state = restored[0] if restored else self.initial_state()
+        return int(self.state["step"])
+
+    def run_config(self) -> dict:
+        return {"resolved_mesh": format_mesh(dict(self.layout.mesh.shape))}
+
+    def start(self) -> str:
+        """Compile the step for the next batch's shape (train.batch_rampup's and the buckets' others at their first
+        step); start reading ahead."""
+        t0, layout = time.perf_counter(), self.layout
+        first = self.train_data.shape(int(jax.device_get(self.state["step"])))
+        self._train_steps = {first: compiled_train_step(layout, self.state, shape=first)}  # by batch shape
+        self._eval_step = make_eval_step(layout)
+        self._generate = None  # train.sample_every's decoder, made on first use
+        self._overflow_step = None  # the test hook's step (<PREFIX>_FAULT_OVERFLOW_AT_STEP)
+        self.prefetch = Prefetch(lambda step: device_batch(self.train_data, step, layout.batch_sharding))
+        return self.describe(time.perf_counter() - t0)
+
+    def describe(self, compile_s: float) -> str:
+        n = sum(x.size for x in jax.tree.leaves(self.state["params"]))
+        line = (f"mesh {format_mesh(dict(self.layout.mesh.shape))} on {jax.device_count()} "
+                f"{jax.devices()[0].platform} devices; {params_phrase(self.cfg.model, n)}; compiled in {compile_s:.1f}s")
+        bubble, p = self.record_extra()["pipeline_bubble"], self.cfg.parallel
+        if bubble is not None:
+            line += (f"\npipeline {p.pipeline_schedule}: {self.layout.mesh.shape['pp']} stages x "
+                     f"{p.pipeline_virtual_stages} virtual, "
+                     f"{resolve_microbatches(self.layout.mesh.shape['pp'], p.pipeline_microbatches)} microbatches, "
+                     f"bubble {bubble:.3f}")
+        return line
+
+    def peak_flops(self) -> float | None:
+        peak = peak_flops(jax.devices()[0].device_kind, self.cfg.model.compute_dtype)
+        return peak * jax.device_count() if peak else None
+
+    def record_extra(self) -> dict:
+        """The pipeline schedule table's idle fraction (None without pp)."""
+        p = self.cfg.parallel
+        return {"pipeline_bubble": configured_bubble(p.pipeline_schedule, self.layout.mesh.shape["pp"],
+                                                     p.pipeline_microbatches, p.pipeline_virtual_stages)}
+
+    def write_weights(self, path: str, which: str) -> None:
+        """Gather the parameters (every process takes part) and write the shared file from process 0."""
+        params = multihost_utils.process_allgather(self.state["params"], tiled=True)
+        if self.is_main:
+            save_weights(path, params, vars(self.cfg.model))
+            print(f"wrote {which} weights to {path}", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch.close()
+        if self.ckpt is not None:
+            self.ckpt.close()  # the save in flight completes, also when training stopped on an error
+
+    # the loop
+    def _compiled(self, shape: tuple[int, int]):
+        """The step for a batch shape (train.batch_rampup's and the buckets' are compiled at their first step)."""
+        if shape not in self._train_steps:
+            t0 = time.perf_counter()
+            self._train_steps[shape] = compiled_train_step(self.layout, self.state, shape=shape)
+            if jax.process_index() == 0:
+                print(f"batch {shape[0]} x {shape[1] - 1}: compiled in {time.perf_counter() - t0:.1f}s",
+                      file=sys.stderr)
+        return self._train_steps[shape]
+
+    def train_step(self, step: int):
+        batch = self.prefetch(step)  # the next one is read ahead
+        step_fn, self._overflow_step = self._overflow_step or self._compiled(tuple(batch.shape)), None
+        self.state, metrics = step_fn(self.state, batch)
+        return metrics
+
+    def fetch(self, metrics) -> dict:
+        got = jax.device_get(metrics)
+        stats = got.pop("expert_stats", None)
+        records = {} if stats is None else expert_records(stats, self.cfg.model.moe_experts)
+        return {**{k: float(v) for k, v in got.items()}, **records}
+
+    def data_wait_s(self) -> float:
+        return self.prefetch.waited_s
+
+    def memory(self) -> dict:
+        return device_memory(jax.local_devices()[0])
+
+    def roll_call(self, wait_s: float) -> list[int]:
+        """Each process writes its key in the coordination service's store; the missing ones after `wait_s`
+        (every process but this one if the service, hosted by process 0, is gone)."""
+        from jax._src.distributed import global_state  # the service's key-value store has no public handle
+
+        client, me = global_state.client, jax.process_index()
+        return roll_call(lambda: client.key_value_set(f"jaxpar/present/{me}", "1"),
+                         lambda: {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get("jaxpar/present/")},
+                         me, jax.process_count(), wait_s)
+
+    # the hooks' work
+    def evaluate(self, batches: int) -> float:
+        losses = [self._eval_step(self.state["params"], device_batch(self.val_data, i, self.layout.batch_sharding)) for i in range(batches)]
+        return float(sum(jax.device_get(losses)) / len(losses))
+
+    def sample(self, step: int) -> list[int] | None:
+        """Every process decodes (the parameters are sharded); process 0 returns the tokens."""
+        prompt_len, new = sample_lengths(self.cfg.model.max_seq_len)
+        prompt = jnp.asarray(unmasked(self.val_data.rows(0, 0, 1)[:, :prompt_len]), jnp.int32)
+        self._generate = self._generate or make_generate(abstract_model(self.cfg.model)[0],  # compiled once
+                                                         document_token(self.cfg))
+        with use(parallel_context(self.layout)):
+            params = jax.device_put(self.state["params"], self.layout.device_shardings["params"])  # if offloaded
+            out = self._generate(params, prompt, jax.random.key(step), new_tokens=new, temperature=0.8,
+                                 top_k=40)
+        out = multihost_utils.process_allgather(out, tiled=True)
+        return prompt[0].tolist() + out[0].tolist() if jax.process_index() == 0 else None
+
+    def save(self, step: int) -> None:
+        self.ckpt.save(step, self.state, {"step": step, "data_step": step,
+                                          "mesh": format_mesh(dict(self.layout.mesh.shape))})
+
+    def settle(self) -> None:
+        self.ckpt.wait()
+
+    def profile_start(self) -> None:
+        jax.profiler.start_trace(os.path.join(self.cfg.run.dir, "profile"))
+
+    def profile_stop(self) -> None:
+        jax.profiler.stop_trace()
+
+    def poison(self) -> None:
+        nan = lambda x: jax.device_put(x * float("nan"), x.sharding)  # noqa: E731
+        self.state = {**self.state, "params": jax.tree.map(nan, self.state["params"])}
+
+    def inject_overflow(self) -> None:
+        self._overflow_step = make_train_step(self.layout, inject_overflow=True)  # compiled for this one step

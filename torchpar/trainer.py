@@ -1,0 +1,191 @@
+"""torchpar's adapter for the shared run (jaxpar/core/run.py, the `Trainer` it drives): the plain Decoder made
+parallel by torchpar/parallelize.py into a backend's engine (its whole step), this rank's rows of each batch read
+ahead, evaluation, sampling, saves, and the collectives the run needs."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from jaxpar.core.config import Config
+from jaxpar.core.data_order import GlobalBatches, unmasked
+from jaxpar.core.flops import params_phrase, peak_flops
+from jaxpar.core.hooks import sample_lengths
+from jaxpar.core.prefetch import Prefetch
+from jaxpar.core.tokens import document_token
+from jaxpar.core.weights import load_weights, save_weights, unflatten
+from torchpar import dist
+from torchpar.models.decoder import Decoder
+from torchpar.parallelize import parallelize
+from torchpar.weights import from_shared, shared_shapes, to_shared
+
+
+def build_model(cfg: Config) -> Decoder:
+    """The initial model: model.init_from's weights, else the seed's random initialisation."""
+    model = Decoder(cfg.model, document_token(cfg))
+    model.init_weights(cfg.train.seed)
+    if cfg.model.init_from:
+        model.load_state_dict(from_shared(load_weights(cfg.model.init_from, shared_shapes(cfg.model)),
+                                          cfg.model.n_layer))
+    return model
+
+
+class TorchTrainer:
+    """The run on one backend's engine over the plain Decoder, on this process's rank of the group."""
+    fault_prefix = "TORCHPAR"
+
+    def __init__(self, cfg: Config, backend: str, deepspeed_config: str, env, data):
+        self.cfg, self.backend, self.deepspeed_config, self.env = cfg, backend, deepspeed_config, env
+        self.train_data, self.val_data = data or (None, None)  # read straight from the memmap, in the shared order
+        self.is_main, self.process_count = env.is_main, env.world
+        self.engine, self.prefetch, self.profiler = None, None, None
+        self.model = build_model(cfg)  # before run.dir is touched: a weights file that fails moves nothing
+
+    # the run sequence
+    def any_of(self, flag: bool) -> bool:
+        return dist.any_rank(flag, self.env)  # one tiny all-reduce (the loop asks once per step)
+
+    def restore_or_init(self) -> int:
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.engine, self.compiled = parallelize(self.model, self.cfg, self.env, self.backend, self.deepspeed_config)
+        return (self.engine.restore() if self.cfg.checkpoint.resume else None) or 0
+
+    def run_config(self) -> dict:
+        return {"backend": self.backend, "world_size": self.env.world}
+
+    def start(self) -> str:
+        """Start reading ahead. The line also says the parameter elements each rank holds (a collective; a range
+        where ranks differ)."""
+        self.copy_stream = torch.cuda.Stream(self.env.device) if self.env.device.type == "cuda" else None
+        self.prefetch = Prefetch(self._read_ahead)
+        held, local = "", self.engine.local_params
+        if local is not None:
+            env = self.env
+            counts = [int(c) for c in dist.all_sum([local if r == env.rank else 0 for r in range(env.world)], env)]
+            held = f", {min(counts):,}" + (f"-{max(counts):,}" if min(counts) != max(counts) else "") + " per rank"
+        return (f"backend {self.backend} on {self.env.world} {self.env.device.type} processes; "
+                f"{params_phrase(self.cfg.model, self.n_params)}{held}; torch.compile {'on' if self.compiled else 'off'}")
+
+    def peak_flops(self) -> float | None:
+        device = self.env.device
+        peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                          self.cfg.model.compute_dtype)
+        return peak * self.env.world if peak else None
+
+    def record_extra(self) -> dict:
+        return {}
+
+    def write_weights(self, path: str, which: str) -> None:
+        full = self.engine.full_state_dict() if self.engine else self.model.state_dict()  # a collective if sharded
+        if self.is_main:
+            save_weights(path, unflatten(to_shared(full, self.cfg.model.n_layer)), vars(self.cfg.model))
+            print(f"wrote {which} weights to {path}", file=sys.stderr)
+
+    def close(self) -> None:
+        """Reading ahead stops; no save is in flight (DCP and DeepSpeed save synchronously); the groups go in
+        dist.teardown."""
+        if self.prefetch is not None:
+            self.prefetch.close()
+
+    # the loop
+    def _host_rows(self, data: GlobalBatches, step: int) -> torch.Tensor:
+        """This rank's rows of the global batch at `step` (pipeline: every stage of a replica reads its share)."""
+        share, ways, n = self.engine.data_rank, self.engine.data_ways, data.batch_size(step)
+        return torch.from_numpy(data.rows(step, share * n // ways, (share + 1) * n // ways)).long()
+
+    def _rows(self, data: GlobalBatches, step: int) -> torch.Tensor:
+        return self._host_rows(data, step).to(self.env.device)
+
+    def _read_ahead(self, step: int):
+        """On the prefetch thread: the rows, and on a GPU their copy from pinned memory on a side stream (the
+        copy overlaps the running step; the event marks its end)."""
+        rows = self._host_rows(self.train_data, step)
+        if self.copy_stream is None:
+            return rows, None
+        with torch.cuda.stream(self.copy_stream):
+            rows = rows.pin_memory().to(self.env.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return rows, done
+
+    def train_step(self, step: int):
+        rows, done = self.prefetch(step)
+        if done is not None:  # the step's stream waits for the copy; the memory is not reused before it ends
+            torch.cuda.current_stream().wait_event(done)
+            rows.record_stream(torch.cuda.current_stream())
+        return self.engine.train_step(rows, self._share(rows))
+
+    def _share(self, rows: torch.Tensor) -> float:
+        """jaxpar's token_share (jaxpar/loss.py) of the global batch: target positions per counted target over
+        every rank's rows (a collective; ranks that read the same rows count them alike, which the ratio
+        cancels). 1.0, and no collective, for data without a loss mask."""
+        if not self.train_data.masked:
+            return 1.0
+        targets = rows[:, 1:]
+        n, counted = dist.all_sum([targets.numel(), int((targets >= 0).sum())], self.env)
+        return n / max(counted, 1.0)
+
+    def fetch(self, handle) -> dict:
+        return self.engine.read(handle)
+
+    def data_wait_s(self) -> float:
+        return self.prefetch.waited_s
+
+    def memory(self) -> dict:
+        if self.env.device.type != "cuda":
+            return {"memory_in_use_gib": None, "memory_gib": None}
+        return {"memory_in_use_gib": torch.cuda.memory_allocated(self.env.device) / 2**30,
+                "memory_gib": torch.cuda.max_memory_allocated(self.env.device) / 2**30}
+
+    def roll_call(self, wait_s: float) -> list[int]:
+        return dist.roll_call(self.env, wait_s)
+
+    # the hooks' work
+    def evaluate(self, batches: int) -> float:
+        engine = self.engine
+        engine.module.eval()
+        losses = []
+        for i in range(batches):
+            rows = self._rows(self.val_data, i)
+            losses.append(engine.eval_loss(rows, self._share(rows)))
+        engine.module.train()
+        return dist.all_sum([sum(losses) / len(losses)], self.env)[0] / engine.data_ways
+
+    def sample(self, step: int) -> list[int] | None:
+        """Rank 0 decodes with its whole copy of the model (none and ddp: checks.validate refuses the others)."""
+        if not self.env.is_main:
+            return None
+        from torchpar.decode import generate
+
+        prompt_len, new = sample_lengths(self.cfg.model.max_seq_len)
+        prompt = unmasked(self._rows(self.val_data, 0)[:1, :prompt_len])
+        model = self.engine.raw.eval()
+        out = generate(model, prompt, new, seed=step, temperature=0.8, top_k=40)
+        model.train()
+        return prompt[0].tolist() + out[0].tolist()
+
+    def save(self, step: int) -> None:
+        self.engine.save(step, {"step": step, "data_step": step, "backend": self.backend,
+                                "world_size": self.env.world})
+
+    def settle(self) -> None:
+        """DCP saves here are synchronous: nothing in flight."""
+
+    def profile_start(self) -> None:  # train.profile_steps=a:b -> <run.dir>/profile/trace_rank<r>.json
+        self.profiler = torch.profiler.profile()
+        self.profiler.start()
+
+    def profile_stop(self) -> None:
+        self.profiler.stop()
+        os.makedirs(os.path.join(self.cfg.run.dir, "profile"), exist_ok=True)
+        self.profiler.export_chrome_trace(os.path.join(self.cfg.run.dir, "profile", f"trace_rank{self.env.rank}.json"))
+        self.profiler = None
+
+    def poison(self) -> None:
+        with torch.no_grad():
+            for p in self.engine.module.parameters():
+                p.mul_(float("nan"))
+
+    def inject_overflow(self) -> None:
+        self.engine.inject_overflow()
