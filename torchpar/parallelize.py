@@ -1,20 +1,57 @@
 """torchpar's parallelism, applied to the plain Decoder from outside its code in one visible order (as torchtitan's
-parallelize does): activation checkpointing (model.remat: today still inside the blocks, torchpar/models/decoder.py)
--> torch.compile of each block (train.compile) -> the backend's wrapper (torchpar/backends/: DDP, FSDP2, pipeline
-stages, DeepSpeed), which also owns gradient reduction and its compression."""
+parallelize does): activation checkpointing of each block (model.remat) -> torch.compile of each block
+(train.compile) -> the backend's wrapper (torchpar/backends/: DDP, FSDP2, pipeline stages, DeepSpeed), which also
+owns gradient reduction and its compression."""
 from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from jaxpar.core.config import Config
 from jaxpar.core.mesh_spec import parse_mesh
 from torchpar import backends
+from torchpar.models.decoder import Block
+
+# model.remat=save_matmuls: keep matmul outputs, recompute the rest (jaxpar: dots_with_no_batch_dims_saveable).
+_MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default]
 
 
-def parallelize(model, cfg: Config, env, backend: str, deepspeed_config: str = "") -> tuple[backends.Engine, bool]:
-    """The backend's engine over `model`, and whether its blocks were compiled."""
-    compiled = use_compile(cfg, backend, env.device.type)
+def parallelize(model, cfg: Config, env, backend: str, deepspeed_config: str = "",
+                compile_model: bool | None = None) -> tuple[backends.Engine, bool]:
+    """The backend's engine over `model`, and whether its blocks were compiled (`compile_model`: None follows
+    train.compile; the benchmarks' --compile sets it)."""
+    checkpoint_blocks(model, cfg.model.remat)
+    compiled = use_compile(cfg, backend, env.device.type) if compile_model is None else compile_model
     if compiled:
         compile_blocks(model)
     return backends.build(backend, model, cfg, env, deepspeed_config=deepspeed_config), compiled
+
+
+class CheckpointedBlock(Block):
+    """A Block whose forward the backward pass recomputes (model.remat: `full` keeps only its inputs, `save_matmuls`
+    its matmuls' outputs too). checkpoint_blocks turns a block into one in place: its class changes, not its
+    submodules, so parameter names (the shared weight format, DCP checkpoints) stay those of the plain Decoder,
+    where a wrapping module (torch's checkpoint_wrapper) would add a prefix. Without gradients (evaluation,
+    decoding) nothing is recomputed: it runs as a Block."""
+    remat = "full"
+
+    def forward(self, x, positions=None, mask=None):
+        if not torch.is_grad_enabled():
+            return super().forward(x, positions, mask)
+        context = partial(create_selective_checkpoint_contexts, _MATMULS) if self.remat == "save_matmuls" else None
+        kwargs = {"context_fn": context} if context else {}
+        return checkpoint(super().forward, x, positions, mask, use_reentrant=False, **kwargs)
+
+
+def checkpoint_blocks(model, remat: str) -> None:
+    """model.remat: each block recomputed in the backward pass (none: nothing changes). Before compile, which then
+    compiles the recomputing forward, and before any wrapper (FSDP2 shards per block, pipeline stages take blocks)."""
+    if remat == "none":
+        return
+    for block in model.blocks:
+        block.__class__, block.remat = CheckpointedBlock, remat
 
 
 def use_compile(cfg: Config, backend: str, device_type: str) -> bool:

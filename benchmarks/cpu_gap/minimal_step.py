@@ -219,17 +219,15 @@ def build_jaxpar(a, xla: dict | None = None, opts: set[str] = frozenset()):
 def build_torch(a, compiled: bool):
     import torch
 
-    from torchpar import backends, dist
-    from torchpar.parallelize import compile_blocks
+    from torchpar import dist
+    from torchpar.parallelize import parallelize
     from torchpar.models.decoder import Decoder
 
     cfg = config(a)
     env = dist.init(False, cfg.run.peer_timeout_s)
     model = Decoder(cfg.model)
     model.init_weights(cfg.train.seed)
-    if compiled:
-        compile_blocks(model)
-    engine = backends.build("none", model, cfg, env)
+    engine = parallelize(model, cfg, env, "none", compile_model=compiled)[0]
     batch = torch.from_numpy(tokens(a)).long()
     return lambda: engine.train_step(batch)
 

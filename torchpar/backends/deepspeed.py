@@ -7,8 +7,8 @@ model.compute_dtype (fp16: dynamic loss scaling from optim.loss_scale_*), commun
 parallel.grad_compression=bf16, CPU offload of the optimizer
 (parallel.offload=optimizer) and of parameters too (params+optimizer, stage 3).
 The user JSON may not contradict the shared keys where the model depends on them: precision sections
-other than model.compute_dtype's and an `activation_checkpointing` section (the model recomputes
-through torch.utils.checkpoint by model.remat; DeepSpeed's section would do nothing) are refused.
+other than model.compute_dtype's and an `activation_checkpointing` section (torchpar/parallelize.py recomputes
+the blocks through torch.utils.checkpoint by model.remat; DeepSpeed's section would do nothing) are refused.
 The learning rate follows jaxpar's warmup + cosine (torchpar.optim.SharedLRSchedule) unless the
 user JSON names a "scheduler". Checkpoints are DeepSpeed's own (save_checkpoint/load_checkpoint,
 tag = step, client_state = the step), in <run.dir>/checkpoints.

@@ -4,7 +4,8 @@ Every rank still reads its own share of each batch (both axes split the data).
 
 model.compute_dtype=bfloat16 or float16 -> MixedPrecisionPolicy(param_dtype=that) (float16: with the sharded
 GradScaler, torchpar/backends/base.py); gradients are reduced in float32, or in bfloat16 with
-parallel.grad_compression=bf16 (reduce_dtype); parallel.offload=params+optimizer -> CPUOffloadPolicy; model.remat is applied inside the model (torch.utils.checkpoint).
+parallel.grad_compression=bf16 (reduce_dtype); parallel.offload=params+optimizer -> CPUOffloadPolicy; model.remat is applied before this wrapper
+(torchpar/parallelize.py: torch.utils.checkpoint per block).
 parallel.zero_stage 1 or 2 keeps parameters gathered between forward and backward
 (reshard_after_forward=False, ZeRO-2-like); 0 or 3 reshards after forward (ZeRO-3).
 Full weights (--write-final): `get_model_state_dict(full_state_dict, cpu_offload)` gathers them to rank 0.

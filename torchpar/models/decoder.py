@@ -4,19 +4,17 @@ SwiGLU), no position table, an untied head (`lm_head`) if asked.
 
 Per-layer parameters keep the shapes of one slice of jaxpar's stacked weight format (qkv [embed, 3,
 heads, kv], out [heads, kv, embed], ...) and are applied with einsum, so converting weights
-(torchpar/weights.py) is pure stack/unstack. No parallelism here: backends wrap this module.
-Every parameter is used inside the forward of the module that owns it (DeepSpeed ZeRO-3 gathers
-parameters per module), which is why wte/wpe sit on the root module.
+(torchpar/weights.py) is pure stack/unstack. No parallelism and no recomputation here: torchpar/parallelize.py
+applies both from outside. Every parameter is used inside the forward of the module that owns it (DeepSpeed
+ZeRO-3 gathers parameters per module), which is why wte/wpe sit on the root module.
 """
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from jaxpar.core.config import ModelConfig
 from jaxpar.core.data_order import unmasked
@@ -26,9 +24,6 @@ from torchpar.models.llama import GQAttention, SwiGLU
 from torchpar.models.mla import MLAttention
 from torchpar.models.moe import MoE, layer_stats
 from torchpar.ops import causal_attention, document_mask, document_positions
-
-# model.remat=save_matmuls: keep matmul outputs, recompute the rest (jaxpar: dots_with_no_batch_dims_saveable).
-_MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default]
 
 
 class Attention(nn.Module):
@@ -79,24 +74,16 @@ class Block(nn.Module):
             self.moe = MoE(cfg)
         else:
             self.mlp = SwiGLU(cfg) if llama else MLP(cfg, layer)
-        self.remat = cfg.remat
 
     def feed_forward(self, x):
         return self.moe(x) if hasattr(self, "moe") else (self.mlp(x), None)
 
-    def _forward(self, x, positions=None, mask=None):
-        x = x + self.attn(self.ln1(x), positions, mask)
-        y, stats = self.feed_forward(self.ln2(x))
-        return x + y, stats
-
     def forward(self, x, positions=None, mask=None):
         """positions, mask: packed documents' (Decoder.forward), else None (one sequence, plain causal).
         -> (x, the experts' per-row statistics [batch, E + 2]; None with a dense MLP)."""
-        if self.remat == "none" or not torch.is_grad_enabled():
-            return self._forward(x, positions, mask)
-        context = partial(create_selective_checkpoint_contexts, _MATMULS) if self.remat == "save_matmuls" else None
-        kwargs = {"context_fn": context} if context else {}
-        return checkpoint(self._forward, x, positions, mask, use_reentrant=False, **kwargs)
+        x = x + self.attn(self.ln1(x), positions, mask)
+        y, stats = self.feed_forward(self.ln2(x))
+        return x + y, stats
 
 
 class Decoder(nn.Module):

@@ -18,7 +18,6 @@ from jaxpar.core.config import load_config
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.flops import flops_per_token, peak_flops
 from torchpar.backends import BACKENDS
-from torchpar.parallelize import compile_blocks, use_compile
 
 
 def matmul_ceiling(device, dtype) -> float:
@@ -40,16 +39,15 @@ def bench(cfg, backend: str, steps: int, warmup: int, compile_model: bool) -> di
     import numpy as np
     import torch
 
-    from torchpar import backends, dist
+    from torchpar import dist
     from torchpar.models.decoder import Decoder
+    from torchpar.parallelize import parallelize
 
     env = dist.init(backend != "none", cfg.run.peer_timeout_s)
     model = Decoder(cfg.model)
     model.init_weights(cfg.train.seed)
-    compile_model = compile_model or use_compile(cfg, backend, env.device.type)  # --compile, or train.compile
-    if compile_model:
-        compile_blocks(model)  # as torchpar.train does
-    engine = backends.build(backend, model, cfg, env)
+    # as torchpar.train does; --compile, or train.compile
+    engine, compile_model = parallelize(model, cfg, env, backend, compile_model=compile_model or None)
     B, W = cfg.train.global_batch_size, env.world
     share, ways = engine.data_rank, engine.data_ways  # as the trainer: pipeline stages read the whole batch
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (B, cfg.data.seq_len + 1))
