@@ -14,7 +14,7 @@ Outcomes: `equal`; `refused` (the trainer's one-line UserError) where the docs s
 and three failures: `differs`, `error` (a crash, a timeout), `refused-promised` (refused, but no line of
 the docs says it is, and PROMISES say it works). A failure is shrunk (settings back to their defaults,
 mesh axes halved, torch backends to `none`) while it still fails the same way, and printed as a
-command. Each failure found becomes an entry of REGRESSIONS, which tests/e2e/test_fuzz.py runs every time.
+command. Each failure found becomes an entry of REGRESSIONS, which tests/e2e/test_fuzz.py runs.
 """
 from __future__ import annotations
 

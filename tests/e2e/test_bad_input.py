@@ -230,8 +230,7 @@ def failed_save(r, run, reason: str) -> int:
     return last
 
 
-@pytest.mark.parametrize("module", ["jaxpar.train", "torchpar.train",
-                                    pytest.param("deepspeed", marks=pytest.mark.slow)])  # DCP's twin runs by default
+@pytest.mark.parametrize("module", ["jaxpar.train", "torchpar.train", "deepspeed"])
 def test_disk_full_during_save(module, dataset, small_disk):
     """The disk fills during a save; once space is freed, the same command resumes exactly."""
     run = small_disk / "run"

@@ -59,10 +59,7 @@ def worker(tmp_path_factory):
     w.close()
 
 
-# a case as drawn (its shrunk form runs by default), or one a test of its own holds ("held by ..."): under -m slow
-@pytest.mark.parametrize("spec", [pytest.param(spec, marks=pytest.mark.slow)
-                                  if why.endswith("as drawn") or "held by tests/" in why else spec
-                                  for spec, why in fuzz.REGRESSIONS])
+@pytest.mark.parametrize("spec", [spec for spec, _ in fuzz.REGRESSIONS])
 def test_regression(spec, worker):
     out = worker.run_case(parse_any(spec))
     assert not out.failed, f"{spec}: {out.kind}\n{out.detail[:3000]}"

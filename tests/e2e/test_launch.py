@@ -118,12 +118,11 @@ TORCH_PORT, JAX_PORT = (29500, 20000), (61440, 4096)  # torchpar/dist.py; jax's 
 @pytest.mark.parametrize("launcher,backend,mesh,ports,started", [
     (["--framework", "torchpar", "--launcher", "srun"], "fsdp", "fsdp=2", TORCH_PORT,
      "backend fsdp on 2 cpu processes"),
-    pytest.param(["--framework", "torchpar", "--launcher", "torchrun"], "fsdp", "fsdp=2", TORCH_PORT,
-                 "backend fsdp on 2 cpu processes", marks=pytest.mark.slow),  # the same torchpar line as srun's
-    pytest.param(["--framework", "torchpar", "--launcher", "deepspeed"], "deepspeed", "dp=2", TORCH_PORT,
-                 "backend deepspeed on 2 cpu processes", marks=pytest.mark.slow),  # 30-40 s: DeepSpeed's start
-    pytest.param([], None, "fsdp=2", JAX_PORT, "mesh fsdp=2 on 2 cpu devices",
-                 marks=pytest.mark.slow),  # 75 s: two compiles on a shared CPU; test_multiprocess covers jaxpar
+    (["--framework", "torchpar", "--launcher", "torchrun"], "fsdp", "fsdp=2", TORCH_PORT,
+     "backend fsdp on 2 cpu processes"),
+    (["--framework", "torchpar", "--launcher", "deepspeed"], "deepspeed", "dp=2", TORCH_PORT,
+     "backend deepspeed on 2 cpu processes"),
+    ([], None, "fsdp=2", JAX_PORT, "mesh fsdp=2 on 2 cpu devices"),
 ], ids=["torchpar-srun", "torchpar-torchrun", "torchpar-deepspeed", "jaxpar-srun"])
 def test_script_trains_on_two_processes(launcher, backend, mesh, ports, started, dataset, tmp_path, capsys):
     """The whole batch script, run by bash in its submit directory under the SLURM stand-ins as a

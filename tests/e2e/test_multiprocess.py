@@ -105,7 +105,6 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step(two_runs, dataset
                      lambda i: {"JAXPAR_FAULT_SIGTERM_AFTER_STEP": "2"} if i == 1 else {})
 
 
-@pytest.mark.slow  # one process signalled: the test above, by default
 def test_sigterm_to_both_at_different_moments(two_runs, dataset):
     """A scheduler's preemption: SIGTERM to process 0 as soon as it trains, to process 1 0.35 s later (steps
     slowed to 0.1 s, so that both signals land mid-run)."""

@@ -68,7 +68,6 @@ def test_checkpoint_restores_onto_another_mesh(dataset, uninterrupted, tmp_path)
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
-@pytest.mark.slow  # the executor against one device: test_pipeline.py; resharding a resume: the test above
 def test_checkpoint_continues_on_a_1f1b_pipeline(dataset, uninterrupted, tmp_path):
     """fsdp=8's step-10 checkpoint resumed on pp=2,dp=2,tp=2 with the hand-scheduled 1F1B executor."""
     assert interrupted(dataset, tmp_path, kill_after=10) == ["10"]
@@ -160,7 +159,6 @@ def test_trains_on_a_bpe_corpus_and_refuses_another_tokenizer_on_resume(tmp_path
     assert "trained with another tokenizer" in again.stderr
 
 
-@pytest.mark.slow
 def test_llama_tiny_config_learns_below_gpt2_tiny(tmp_path):
     """configs/llama-tiny.yaml (fewer parameters than gpt2-tiny) ends with a lower eval loss at the same 150
     steps on the default corpus (measured 2026-11-23: 2.353 vs 2.476, docs/architecture.md "Model families")."""

@@ -160,10 +160,8 @@ def one_device(documents_data):
 
 
 @pytest.mark.parametrize("mesh,overrides", [
-    ("dp=2,tp=2", ()), pytest.param("pp=2", ("parallel.pipeline_schedule=1f1b",), marks=pytest.mark.slow),
-    ("sp=2", ("parallel.sequence_attention=ring",)),
-    pytest.param("sp=2", ("parallel.sequence_attention=all_gather",), marks=pytest.mark.slow),
-    pytest.param("sp=2", ("parallel.sequence_attention=ulysses",), marks=pytest.mark.slow)],
+    ("dp=2,tp=2", ()), ("pp=2", ("parallel.pipeline_schedule=1f1b",)), ("sp=2", ("parallel.sequence_attention=ring",)),
+    ("sp=2", ("parallel.sequence_attention=all_gather",)), ("sp=2", ("parallel.sequence_attention=ulysses",))],
     ids=["dp=2,tp=2", "pp=2-1f1b", "sp=2-ring", "sp=2-all_gather", "sp=2-ulysses"])
 def test_masked_training_on_a_mesh_equals_one_device(mesh, overrides, documents_data, one_device):
     n = math.prod(parse_mesh(mesh).values())
@@ -181,9 +179,6 @@ def test_masked_training_on_a_mesh_equals_one_device(mesh, overrides, documents_
 DEEP = ("data.document_mask=true", "model.n_layer=4", "optim.lr=3e-3", "optim.min_lr=3e-4", "train.steps=6",
         "train.global_batch_size=16", "parallel.pipeline_microbatches=4")
 HAND_SCHEDULED = {"1f1b": (), "interleaved": ("parallel.pipeline_virtual_stages=2",), "zb_h1": (), "zb_v": ()}
-# by default: ZB-V's V with its split backward, and interleaved's round robin with dp (1f1b's executor keeps documents
-# apart in test_pipeline_stages_keep_documents_apart; the evaluation's GPipe forward is one for every schedule)
-DEFAULT = (("pp=2", "zb_v"), ("pp=2,dp=2", "interleaved"))
 
 
 def evaluated(cfg, mesh: str, flat_params: dict) -> float:
@@ -207,8 +202,7 @@ def deep_one_device(documents_data):
 
 
 @pytest.mark.parametrize("mesh,schedule", [
-    pytest.param(mesh, schedule, marks=() if (mesh, schedule) in DEFAULT else pytest.mark.slow)
-    for mesh in ("pp=2", "pp=2,dp=2") for schedule in HAND_SCHEDULED])
+    (mesh, schedule) for mesh in ("pp=2", "pp=2,dp=2") for schedule in HAND_SCHEDULED])
 def test_masked_training_and_evaluation_on_each_hand_scheduled_pipeline_equal_one_device(mesh, schedule,
                                                                                        documents_data, deep_one_device):
     """What a run on the schedule computes: each step's loss and the parameters (on the executor: each

@@ -26,9 +26,8 @@ def fp16_reference(dataset):
     return run_steps(tiny_config(*FP16), "dp=1", dataset, devices=jax.devices()[:1])
 
 
-# dp=8 and fsdp=8 also run in `-m slow` and, against torchpar, in parity_tests --parity-full (float16 rows)
-@pytest.mark.parametrize("mesh", [pytest.param("dp=8", marks=pytest.mark.slow),
-                                  pytest.param("fsdp=8", marks=pytest.mark.slow), "dp=2,tp=4"])
+# dp=8 and fsdp=8 also run against torchpar in parity_tests --parity-full (float16 rows)
+@pytest.mark.parametrize("mesh", ["dp=8", "fsdp=8", "dp=2,tp=4"])
 def test_float16_layout_matches_single_device(mesh, dataset, fp16_reference):
     ref = fp16_reference
     got = run_steps(tiny_config(*FP16), mesh, dataset, devices=jax.devices()[:math.prod(parse_mesh(mesh).values())])

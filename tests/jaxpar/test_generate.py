@@ -70,8 +70,7 @@ def continue_by_forward(next_token, prompt: list[int], length: int, new: int | N
     return row[len(prompt):end]
 
 
-@pytest.mark.parametrize("variant", [v if v in ("mla", "dilated") else pytest.param(v, marks=pytest.mark.slow)
-                                     for v in VARIANTS])  # sketched and llama+dilated: torchpar's twin runs by default
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_every_variant_decodes_as_its_training_forward(variant):
     layout, graphdef, params = model_on("dp=1", *ROW, *VARIANTS[variant])
     full_forward = jax.jit(lambda p, t, n: nnx.merge(graphdef, p)(t)[0, n].argmax(-1))
@@ -127,9 +126,7 @@ def _run(module: str, *args: str) -> subprocess.CompletedProcess:
 GREEDY_FROM_RUN = ("--prompt", "def ", "--max-new-tokens", "8", "--temperature", "0")
 
 
-# dilated under -m slow: the sampling hook is one for every variant, and each variant's decoding is
-# test_every_variant_decodes_as_its_training_forward's
-SAMPLED = ["mla", pytest.param("dilated", marks=pytest.mark.slow)]
+SAMPLED = ["mla", "dilated"]
 
 
 @pytest.mark.parametrize("variant", SAMPLED)

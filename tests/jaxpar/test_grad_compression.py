@@ -17,8 +17,7 @@ BF16 = "parallel.grad_compression=bf16"
 # ZeRO-3 on dp=2,fsdp=2: a gradient scattered over two data axes in one dimension (("fsdp", "dp"))
 MESHES = [("fsdp=8", ()), ("dp=2,fsdp=2,tp=2", ()), ("dp=2,fsdp=2", ("parallel.zero_stage=2",)),
           ("dp=2,fsdp=2", ("parallel.zero_stage=3",)),
-          pytest.param("dp=4,tp=2", ("parallel.zero_stage=3",), marks=pytest.mark.slow),
-          pytest.param("dp=2", ("train.microbatches=2",), marks=pytest.mark.slow)]
+          ("dp=4,tp=2", ("parallel.zero_stage=3",)), ("dp=2", ("train.microbatches=2",))]
 
 
 def run(mesh: str, dataset, *extra: str) -> dict:

@@ -12,12 +12,10 @@ MESHES = [("dp=8", ()), ("fsdp=8", ()), ("dp=2,tp=4", ()), ("dp=2,fsdp=2,tp=2", 
            ("dp=4", ("parallel.zero_stage=1",)), ("dp=2,fsdp=2", ("parallel.zero_stage=2",)),
            ("dp=4,tp=2", ("parallel.zero_stage=3",)),
            ("dp=2,tp=4", ("model.remat=full",)), ("fsdp=2", ("model.remat=save_matmuls",))]
-SLOW = {"dp=4,parallel.zero_stage=1", "fsdp=2,model.remat=save_matmuls"}  # zero 2/3 and remat=full stay by default
 IDS = [m + "".join(f",{e}" for e in x) for m, x in MESHES]
 
 
-@pytest.mark.parametrize("mesh,extra", [pytest.param(m, x, marks=[pytest.mark.slow] * (i in SLOW))
-                                        for (m, x), i in zip(MESHES, IDS)], ids=IDS)
+@pytest.mark.parametrize("mesh,extra", MESHES, ids=IDS)
 def test_mesh_matches_single_device(mesh, extra, dataset, reference):
     n = math.prod(parse_mesh(mesh).values())
     got = run_steps(tiny_config(*extra), mesh, dataset, devices=jax.devices()[:n])

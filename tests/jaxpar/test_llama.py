@@ -21,14 +21,11 @@ from tests.helpers import assert_params_close, run_steps, tiny_config
 
 LLAMA = ("model.family=llama", "model.n_kv_head=2", "model.tie_embeddings=false", "model.d_ff=64")
 ONE_F_ONE_B = ("parallel.pipeline_schedule=1f1b",)
-MESHES = [("dp=2,tp=4", ()), ("pp=2,dp=2,tp=2", ONE_F_ONE_B), ("sp=4,dp=2", ())]
-# -m slow: pure data layouts, the other schedules, Ulysses and ZeRO-3 on llama (held to one device for GPT-2
-# in test_layouts.py, test_pipeline.py, test_sequence_parallel.py; llama on dp=8, fsdp=8 also in parity_tests
-# --parity-full)
-SLOW_MESHES = [("dp=8", ()), ("fsdp=8", ()), ("pp=2,dp=2,tp=2", ("parallel.pipeline_schedule=gpipe",)),
-                ("pp=2,dp=2", ("parallel.pipeline_schedule=interleaved", "parallel.pipeline_virtual_stages=2",
-                               "model.n_layer=4")),
-                ("sp=2,tp=2", ("parallel.sequence_attention=ulysses",)), ("dp=4,tp=2", ("parallel.zero_stage=3",))]
+MESHES = [("dp=2,tp=4", ()), ("pp=2,dp=2,tp=2", ONE_F_ONE_B), ("sp=4,dp=2", ()),
+          ("dp=8", ()), ("fsdp=8", ()), ("pp=2,dp=2,tp=2", ("parallel.pipeline_schedule=gpipe",)),
+          ("pp=2,dp=2", ("parallel.pipeline_schedule=interleaved", "parallel.pipeline_virtual_stages=2",
+                         "model.n_layer=4")),
+          ("sp=2,tp=2", ("parallel.sequence_attention=ulysses",)), ("dp=4,tp=2", ("parallel.zero_stage=3",))]
 _REFERENCES: dict = {}
 
 
@@ -39,8 +36,8 @@ def _reference(dataset, extra):
     return _REFERENCES[key]
 
 
-@pytest.mark.parametrize("mesh,extra", MESHES + [pytest.param(*x, marks=pytest.mark.slow) for x in SLOW_MESHES],
-                         ids=[m + "".join(f",{e.split('=')[1]}" for e in x) for m, x in MESHES + SLOW_MESHES])
+@pytest.mark.parametrize("mesh,extra", MESHES,
+                         ids=[m + "".join(f",{e.split('=')[1]}" for e in x) for m, x in MESHES])
 def test_llama_layout_matches_single_device(mesh, extra, dataset):
     """tp=4 with 2 kv heads: kv heads replicated over tp (indivisible), query heads split."""
     ref = _reference(dataset, extra)

@@ -200,7 +200,7 @@ FIRST_DENSE = ("model.n_layer=4", "model.moe_first_dense=2", "model.d_ff=24", "t
                "model.moe_bias_update=0.001")
 
 
-@pytest.mark.parametrize("mesh", [pytest.param("ep=4,dp=2", marks=pytest.mark.slow), "ep=2,pp=2"])
+@pytest.mark.parametrize("mesh", ["ep=4,dp=2", "ep=2,pp=2"])
 def test_dense_first_layers_and_the_balance_bias_on_layouts_equal_one_device(mesh, dataset):
     """Both stacks split over the pipeline's stages, the experts over ep; the balance is the expert layers' mean;
     each layer's bias moves by the whole batch's loads, the same on every layout."""

@@ -11,8 +11,7 @@ from tests.helpers import (assert_resumes_exactly, metrics, run_cli, run_in_sess
                            torch_command, torch_env)
 
 
-@pytest.mark.parametrize("mesh,offload", [pytest.param("fsdp=4", "optimizer", marks=pytest.mark.slow),
-                                         ("dp=2,tp=2", "params+optimizer")])
+@pytest.mark.parametrize("mesh,offload", [("fsdp=4", "optimizer"), ("dp=2,tp=2", "params+optimizer")])
 def test_jaxpar_offloaded_run_equals_the_one_on_devices(mesh, offload, dataset):
     from jaxpar.core.mesh_spec import parse_mesh
     from jaxpar.layout import Layout
@@ -32,8 +31,8 @@ def test_jaxpar_offloaded_run_equals_the_one_on_devices(mesh, offload, dataset):
     assert all(kinds[k] == ({"pinned_host"} if k in host else {"device"}) for k in kinds), kinds
 
 
-@pytest.mark.slow  # the checkpoint of host-memory arrays; the in-process test above holds the numbers
 def test_jaxpar_offloaded_run_resumes_exactly_after_sigkill(dataset, tmp_path):
+    """The checkpoint of host-memory arrays: the resumed run equals the uninterrupted one."""
     args = ("--mesh", "fsdp=4", "parallel.offload=params+optimizer", "train.steps=8", "checkpoint.every=4",
             "train.eval_every=0")
     assert_resumes_exactly(tmp_path, dataset, args, kill_after=6)
@@ -50,8 +49,7 @@ def _deepspeed_final(tmp_path, dataset, name, *overrides):
     return metrics(tmp_path / name), load_file(str(final)), proc.stdout
 
 
-@pytest.mark.parametrize("stage,offload", [(3, "params+optimizer"),
-                                          pytest.param(2, "optimizer", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("stage,offload", [(3, "params+optimizer"), (2, "optimizer")])
 def test_deepspeed_offload_equals_no_offload(stage, offload, dataset, tmp_path):
     """Two processes on CPU with torch's AdamW on the host (no DeepSpeed C++ op build)."""
     ref_m, ref_w, _ = _deepspeed_final(tmp_path, dataset, "ref", f"parallel.zero_stage={stage}")

@@ -22,16 +22,9 @@ def references(dataset):
     return {n: run_steps(tiny_config(*model), "dp=1", dataset, devices=one) for n, model in ((4, DEEP), (8, DEEPER))}
 
 
-def _by_default(mesh: str, schedule: str) -> bool:
-    return mesh == "pp=2" or (mesh == "pp=4" and schedule == "interleaved")
-
-
 @pytest.mark.parametrize("mesh,n,schedule", [
-    pytest.param(mesh, n, s, marks=() if _by_default(mesh, s) else pytest.mark.slow)
-    for mesh, n in (("pp=2", 2), ("pp=4", 4), ("pp=2,dp=2,tp=2", 8)) for s in SCHEDULES])
+    (mesh, n, s) for mesh, n in (("pp=2", 2), ("pp=4", 4), ("pp=2,dp=2,tp=2", 8)) for s in SCHEDULES])
 def test_schedule_matches_single_device(schedule, mesh, n, dataset, references):
-    """(pp x dp x tp by default: test_train_cli.py's 1F1B resume and test_llama.py; pp=4 by default: interleaved,
-    and test_zero_bubble_matches_single_device's schedules)"""
     model = DEEPER if schedule == "interleaved" and mesh == "pp=4" else DEEP
     cfg = tiny_config(*model, f"parallel.pipeline_schedule={schedule}", *SCHEDULES[schedule])
     got = run_steps(cfg, mesh, dataset, devices=jax.devices()[:n])
@@ -40,11 +33,9 @@ def test_schedule_matches_single_device(schedule, mesh, n, dataset, references):
     assert_params_close(got["params"], reference["params"])
 
 
-@pytest.mark.parametrize("schedule,mesh,n,remat", [pytest.param("zb_h1", "pp=4", 4, "none", marks=pytest.mark.slow),
-                                                   ("zb_h1", "pp=4", 4, "full"),
-                                                   pytest.param("zb_h1", "pp=2,dp=2,tp=2", 8, "none",
-                                                                marks=pytest.mark.slow),
-                                                   ("zb_v", "pp=4", 4, "none"), ("zb_v", "pp=2,dp=2,tp=2", 8, "none")])
+@pytest.mark.parametrize("schedule,mesh,n,remat", [("zb_h1", "pp=4", 4, "none"), ("zb_h1", "pp=4", 4, "full"),
+                                                   ("zb_h1", "pp=2,dp=2,tp=2", 8, "none"), ("zb_v", "pp=4", 4, "none"),
+                                                   ("zb_v", "pp=2,dp=2,tp=2", 8, "none")])
 def test_zero_bubble_matches_single_device(schedule, mesh, n, remat, dataset, references):
     """ZB-H1 and ZB-V: input and weight gradients at different ticks (W deferred into the bubbles) sum to the
     same gradients as one device's; ZB-V's chunks run down the devices and back up (pp=4: 8 layers, one per
@@ -56,9 +47,7 @@ def test_zero_bubble_matches_single_device(schedule, mesh, n, remat, dataset, re
     assert_params_close(got["params"], references[cfg.model.n_layer]["params"])
 
 
-@pytest.mark.parametrize("schedule", [*(pytest.param(s, marks=pytest.mark.slow) for s in ("gpipe", "1f1b",
-                                                                                          "interleaved", "zb_h1")),
-                                      "zb_v"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb_h1", "zb_v"])
 def test_schedule_resumes_exactly_after_sigkill(schedule, dataset, tmp_path):
     """pp=2, killed after step 4 (checkpoint of step 3): the resumed steps 4-6 equal the uninterrupted run's bit
     for bit."""

@@ -78,7 +78,6 @@ def test_async_collectives_count_their_results_only():
                    "collective-permute": 8 * 256 * 4}
 
 
-@pytest.mark.slow  # compiles every dp x fsdp x tp factorisation of 8 devices (~40 s on 2 cores)
 def test_recommend_rejects_meshes_over_budget(capsys):
     rows = recommend(CFG, 4, budget=10**12, peak_flops=1e12, bandwidth=1e10)
     peaks = sorted(r["peak_bytes"] for r in rows)
@@ -110,7 +109,6 @@ def test_offload_moves_the_state_to_host_bytes():
     assert off["peak_bytes"] == base["peak_bytes"] - off["host_bytes"]
 
 
-@pytest.mark.slow  # compiles every factorisation of 2 devices, with and without offload
 def test_recommend_proposes_offload_when_nothing_else_fits():
     plain = recommend(CFG, 2, budget=10**12, peak_flops=1e12, bandwidth=1e10)
     smallest = min(r["peak_bytes"] for r in plain)

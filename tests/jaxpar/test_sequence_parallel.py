@@ -50,7 +50,7 @@ def test_attention_equals_full_attention(strategy, sp, zigzag):
 
 
 RUNS = [("sp=4,dp=2", ()), ("sp=2,fsdp=2,tp=2", ()),
-        pytest.param("pp=2,sp=2,dp=2", (), marks=pytest.mark.slow),  # pp with sp by default: test_pipeline.py
+        ("pp=2,sp=2,dp=2", ()),
         ("sp=2,fsdp=2,tp=2", ("parallel.sequence_attention=ulysses", "parallel.sequence_zigzag=false"))]
 
 

@@ -51,9 +51,6 @@ def _n(mesh: str) -> int:
     return math.prod(parse_mesh(mesh).values())
 
 
-# -m slow: the pipeline + sequence-parallel test below already splits every variant's parameters over tp
-# (pp=2,sp=2,tp=2), and test_layouts.py holds these meshes to one device for GPT-2.
-@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("variant", ["mla", "dilated", "sketched"])
 def test_variant_layout_matches_single_device(variant, mesh, dataset):
@@ -68,11 +65,8 @@ def test_variant_layout_matches_single_device(variant, mesh, dataset):
 ONE_F_ONE_B = ("parallel.pipeline_schedule=1f1b", "parallel.sequence_attention=all_gather")
 
 
-# all -m slow: the variants against torchpar and one device run by default; pp with sp: test_pipeline.py
-@pytest.mark.parametrize("variant,schedule", [pytest.param(v, (), marks=pytest.mark.slow)
-                                              for v in ("mla", "dilated", "sketched")] +
-                         # dilated + sp + 1f1b: refused; the 1F1B executor itself: test_pipeline.py (-m slow here)
-                         [pytest.param(v, ONE_F_ONE_B, marks=pytest.mark.slow) for v in ("mla", "sketched")],
+@pytest.mark.parametrize("variant,schedule", [(v, ()) for v in ("mla", "dilated", "sketched")] +
+                         [(v, ONE_F_ONE_B) for v in ("mla", "sketched")],  # dilated + sp + 1f1b: refused
                          ids=["mla-gpipe", "dilated-gpipe", "sketched-gpipe", "mla-1f1b", "sketched-1f1b"])
 def test_variant_pipeline_and_sequence_parallel_match_single_device(variant, schedule, dataset):
     """Stages over pp carry the variant's parameters (and the sketches ride along the layer stack)."""

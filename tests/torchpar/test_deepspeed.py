@@ -9,7 +9,7 @@ from tests.helpers import metrics
 from tests.torchpar.runs import CHANGED, STOP, assert_changed_run, assert_notes_once, run
 
 
-@pytest.mark.parametrize("stage", [3, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("stage", [3, 1, 2])
 def test_deepspeed_resume_after_sigkill(stage, base, changed_reference):
     """ZeRO-3 with DeepSpeed's own gradient accumulation (2 microbatches), killed after step 6 and resumed from
     its step-4 checkpoint with other settings."""
@@ -24,9 +24,7 @@ def test_deepspeed_resume_after_sigkill(stage, base, changed_reference):
     assert_changed_run(metrics(run_dir), changed_reference)
 
 
-@pytest.mark.parametrize("stage,nproc", [(2, 0), (3, 0), pytest.param(1, 0, marks=pytest.mark.slow),
-                                         pytest.param(2, 4, marks=pytest.mark.slow),
-                                         pytest.param(3, 4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("stage,nproc", [(2, 0), (3, 0), (1, 0), (2, 4), (3, 4)])
 def test_deepspeed_resumes_on_another_number_of_ranks(stage, nproc, base, changed_reference):
     """A ZeRO checkpoint of 2 ranks resumes on 1 (or 4) through DeepSpeed's universal checkpoint, with other
     settings: jaxpar's run given the same change (ZeRO-3: with the loader's slip repaired,
@@ -42,7 +40,6 @@ def test_deepspeed_resumes_on_another_number_of_ranks(stage, nproc, base, change
     assert not (run_dir / "checkpoints" / "universal").exists()
 
 
-@pytest.mark.slow
 def test_deepspeed_loss_scaler_takes_its_rules_from_the_config(base):
     """float16: DeepSpeed unpickles the saved loss scaler whole; its scale and counters resume, its rules are the
     config's. optim.loss_scale_growth_interval 1000 -> 1 on resume: the scale doubles after every clean step from

@@ -22,8 +22,7 @@ def stopped(base):
     return run_dir
 
 
-@pytest.mark.parametrize("backend,nproc", [("none", 0), ("ddp", 2), pytest.param("fsdp", 2, marks=pytest.mark.slow),
-                                           pytest.param("pipeline", 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend,nproc", [("none", 0), ("ddp", 2), ("fsdp", 2), ("pipeline", 2)])
 def test_a_resume_acts_on_changed_settings(backend, nproc, base, stopped, changed_reference):
     run_dir = base["tmp"] / f"changed-{backend}"
     shutil.copytree(stopped, run_dir)

@@ -34,8 +34,7 @@ def test_reference_learns(reference):
     assert set(reference[10]) == fields
 
 
-BACKENDS = [("ddp", []), ("fsdp", []), ("deepspeed", ["parallel.zero_stage=1"]),
-            pytest.param("deepspeed", ["parallel.zero_stage=2"], marks=pytest.mark.slow),  # between 1 and 3
+BACKENDS = [("ddp", []), ("fsdp", []), ("deepspeed", ["parallel.zero_stage=1"]), ("deepspeed", ["parallel.zero_stage=2"]),
             ("deepspeed", ["parallel.zero_stage=3"])]
 
 
@@ -75,8 +74,7 @@ def test_torchpar_never_imports_jax(base, tmp_path):
     assert sorted(metrics(tmp_path)) == [1, 2, 3] and os.path.isdir(tmp_path / "checkpoints" / "3")
 
 
-@pytest.mark.parametrize("backend,extra", BACKENDS, ids=[b + "".join(f",{e}" for e in x) for b, x in
-                                                          (getattr(p, "values", p) for p in BACKENDS)])
+@pytest.mark.parametrize("backend,extra", BACKENDS, ids=[b + "".join(f",{e}" for e in x) for b, x in BACKENDS])
 def test_two_processes_match_one(backend, extra, base, reference):
     run_dir = base["tmp"] / f"{backend}{''.join(extra)}"
     out = run(["--backend", backend, *base["args"], *extra, f"run.dir={run_dir}"], nproc=2)
@@ -165,8 +163,7 @@ def four_layers(base):
     return args, metrics(run_dir)
 
 
-@pytest.mark.parametrize("schedule,virtual", [("interleaved", 2), pytest.param("zb_h1", 1, marks=pytest.mark.slow),
-                                              ("zb_v", 1)])
+@pytest.mark.parametrize("schedule,virtual", [("interleaved", 2), ("zb_h1", 1), ("zb_v", 1)])
 def test_pipeline_multi_stage_schedules_match_one_process(schedule, virtual, four_layers, tmp_path):
     """torch's ScheduleInterleaved1F1B (virtual stages from parallel.pipeline_virtual_stages, jaxpar's layer split),
     ScheduleInterleavedZeroBubble (zb_h1) and ScheduleZBVZeroBubble (zb_v: rank 0 holds layers 0 and 3, rank 1
@@ -191,7 +188,7 @@ def test_pipeline_composes_with_data_parallelism(base, reference, tmp_path):
     assert_same_run(metrics(tmp_path), reference)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipeline_stages_sharded_by_fsdp(schedule, base, reference, tmp_path):
     """parallel.mesh=pp=2,fsdp=2 on 4 processes: FSDP2 inside each pipeline stage (torchtitan's layout) gives the
     one-process run, also across a SIGKILL and resume (DCP of the sharded stages), each rank holding half of its
@@ -238,8 +235,7 @@ def _worker_of_rank(parent: int, rank: int) -> int:
 
 
 @pytest.mark.parametrize("backend,ranks", [
-    ("ddp", [1]), pytest.param("fsdp", [0, 1], marks=pytest.mark.slow),  # fsdp resumes: the SIGKILL test above
-    pytest.param("ddp", [0, 1], marks=pytest.mark.slow), pytest.param("fsdp", [1], marks=pytest.mark.slow)],
+    ("ddp", [1]), ("fsdp", [0, 1]), ("ddp", [0, 1]), ("fsdp", [1])],
     ids=["ddp-rank1", "fsdp-both", "ddp-both", "fsdp-rank1"])
 def test_sigterm_stops_all_ranks_after_one_step_and_resume_is_exact(backend, ranks, base, reference):
     """SIGTERM to rank 1 only, or to rank 0 and 0.35 s later rank 1 (a scheduler's preemption; steps slowed
@@ -315,7 +311,6 @@ def test_non_finite_step_stops_before_it_is_saved(base, tmp_path):
     assert complete_steps(str(run_dir / "checkpoints")) == [2] and max(metrics(run_dir)) == 2
 
 
-@pytest.mark.slow  # inductor compiles for ~30 s on 2 cores
 def test_compiled_blocks_train_as_eager(base, reference, tmp_path):
     """train.compile=on (auto's choice on a GPU): the same run as eager, within float32 reassociation."""
     out = run(["--backend", "none", *base["args"], "train.compile=on", f"run.dir={tmp_path}"])
