@@ -10,7 +10,7 @@ GSPMD inserts every collective from these shardings; nothing is hand-written.
 
 parallel.offload keeps the optimizer state (and with params+optimizer the parameters) in host memory
 between steps: their `state_shardings` carry a host memory kind (pinned_host where the devices have it),
-`device_shardings` the same layout in device memory, and the step moves them in and out (jaxpar/step.py).
+`device_shardings` the same layout in device memory; the step moves them in and out (to_device, to_rest).
 """
 from __future__ import annotations
 
@@ -89,6 +89,14 @@ class Layout:
 
     def shardings(self, specs):
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec)
+
+    def to_device(self, state: dict) -> dict:
+        """The offloaded parts of the state (parallel.offload) moved into device memory, inside the jitted step."""
+        return {k: jax.device_put(v, self.device_shardings[k]) if k in self.offloaded else v for k, v in state.items()}
+
+    def to_rest(self, state: dict) -> dict:
+        """...and back to host memory, where they stay between steps."""
+        return {k: jax.device_put(v, self.state_shardings[k]) if k in self.offloaded else v for k, v in state.items()}
 
     def _opt_spec(self, path, leaf) -> P:
         """Optimizer moments follow their parameter (matched by path suffix); ZeRO>=1 adds dp."""

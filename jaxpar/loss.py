@@ -1,5 +1,6 @@
 """The training loss: next-token cross-entropy, and how the model reads a row: its token order, and with
-data.document_mask each packed document's own positions and segment ids."""
+data.document_mask each packed document's own positions and segment ids; a layout's model loss, and its
+gradients on the hand-scheduled pipeline executor (jaxpar/parallelize.py picks them)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -7,10 +8,16 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxpar.core.config import Config
 from jaxpar.core.data_order import unmasked
+from jaxpar.core.pipeline_schedules import resolve_microbatches
+from jaxpar.core.sketches import stacked_sketches
+from jaxpar.core.tokens import document_token
+from jaxpar.models.decoder import abstract_model
 from jaxpar.ops import document_positions
+from jaxpar.parallel.pipeline_executor import StageFns, pipeline_value_and_grad
 from jaxpar.parallel.sequence import zigzag_order
 
 
@@ -75,3 +82,43 @@ def loss_fn(model, batch: jax.Array, order=None, eod: int | None = None, balance
         return loss
     m = model.cfg
     return loss + balance * m.moe_aux_loss * jnp.mean(stats[:, -1]) / m.moe_layers, jnp.sum(stats, axis=0)
+
+
+def model_loss(layout, graphdef, eod, params, batch, scale=1.0, balance=True):
+    """The layout's mean loss times `scale` (float16's loss scale; 1.0, a no-op, otherwise); `eod`: document_token's;
+    `balance`: with the experts' balance loss (training), or the cross-entropy alone (evaluation)."""
+    order = token_order(layout.cfg, layout.mesh, batch.shape[1] - 1)
+    out = loss_fn(nnx.merge(graphdef, params), batch, order, eod, balance)
+    return (out[0] * scale, out[1]) if isinstance(out, tuple) else out * scale  # with experts: (loss, statistics)
+
+
+def hand_scheduled(layout, schedule: str):
+    """(params, batch, scale) -> (loss, grads) of the loss times `scale`, on the pipeline executor running
+    `schedule` over the layout's pp (any schedule: the memory benchmark also runs the GPipe order on it). Trace it in
+    the parallel context for the executor (jaxpar/parallelize.py): each stage runs its own layers as a scan."""
+    cfg, mesh, p = layout.cfg, layout.mesh, layout.cfg.parallel
+    graphdef, S, eod = abstract_model(cfg.model)[0], mesh.shape["pp"], document_token(cfg)
+
+    def value_and_grad(params, batch, scale=1.0):
+        rows = split_rows(batch, token_order(cfg, mesh, batch.shape[1] - 1), eod)
+        # each microbatch's (tokens, positions, segments): with documents per row, else the order's for every row
+        inputs = (rows.inputs, rows.positions, rows.segments) if rows.segments is not None else (rows.inputs,)
+        where = lambda r: r[1:] if len(r) > 1 else (rows.positions, None)  # noqa: E731
+        model = lambda rest, chunk: nnx.merge(graphdef, {**rest, "blocks": chunk})  # noqa: E731  a stage's view
+        fns = StageFns(
+            embed=lambda rest, chunk, r: model(rest, chunk).embed(r[0], where(r)[0]),
+            layers=lambda rest, chunk, sketches, x, r: model(rest, chunk).run_blocks(x, *where(r), sketches),
+            head_loss=lambda rest, chunk, h, targets: cross_entropy(model(rest, chunk).head(h), targets) * scale)
+        rest = {k: v for k, v in params.items() if k != "blocks"}
+        loss, g_rest, g_blocks = pipeline_value_and_grad(
+            fns, rest, params["blocks"], stacked_sketches(cfg.model), inputs, rows.targets, mesh=mesh,
+            schedule=schedule, S=S, M=resolve_microbatches(S, p.pipeline_microbatches), V=p.pipeline_virtual_stages,
+            width=cfg.model.d_model, dtype=jnp.dtype(cfg.model.compute_dtype),
+            weights_apart=cfg.model.remat == "none")  # a remat'ed layer recomputes its forward in B: W re-derives
+        grads = {**g_rest, "blocks": g_blocks}
+        # Pin the executor's gradients to the parameters' layout: left free, ZeRO-2's reduce-scatter layout
+        # (the train step's) propagates back into the schedule's per-tick branches, where XLA then places a resharding
+        # collective that only the devices taking that branch reach -- a deadlock (docs/fuzz.md, case 91).
+        return loss, jax.tree.map(jax.lax.with_sharding_constraint, grads, layout.shardings(layout.param_specs))
+
+    return value_and_grad

@@ -226,6 +226,23 @@ def scan_layers(layer: Callable, stacked, x: jax.Array, rows: tuple = (), unroll
     return jax.lax.scan(lambda h, p: (one(h, p), None), x, stacked, unroll=unroll)[0]
 
 
+# model.remat: what a recomputed layer keeps from its forward pass
+REMAT_POLICIES = {
+    "full": None,  # nothing: the backward pass recomputes the whole layer from its input
+    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def remat_layers(run_layers: Callable, remat: str) -> Callable:
+    """A layer runner (scan_layers' signature) whose layers the backward pass recomputes as model.remat says;
+    `none`: `run_layers` itself. The runner is the parallel context's (jaxpar/parallelize.py), so the same
+    recomputed layer runs in a scan, unrolled, as GPipe stages, or in the pipeline executor's stages."""
+    if remat == "none":
+        return run_layers
+    policy = REMAT_POLICIES[remat]
+    return lambda layer, stacked, x, rows=(): run_layers(jax.checkpoint(layer, policy=policy), stacked, x, rows)
+
+
 def split_microbatches(x: jax.Array, M: int) -> jax.Array:
     """[B, ...] -> [M, B/M, ...]; microbatch m takes rows m, m+M, ... so each device keeps its own rows."""
     return x.reshape(x.shape[0] // M, M, *x.shape[1:]).swapaxes(0, 1)

@@ -5,7 +5,8 @@ attention with rotary positions, SwiGLU) and layers.py's RMSNorm, no position ta
 Transformer blocks are one module whose parameters carry a leading `layers` axis; the forward
 pass scans over it, so compile time is flat in depth. Every parameter records its logical axes
 in `logical_axes` metadata; no mesh appears here: parallelism reaches the model only through
-the parallel context (jaxpar/context.py): constraints, attention and the layer runner.
+the parallel context (jaxpar/context.py): constraints, attention and the layer runner, which also recomputes
+the layers (model.remat) when jaxpar/parallelize.py says so.
 
 Parameter names and shapes are the shared weight format (jaxpar/core/weights.py maps them to torch names):
   wte [vocab, embed]  wpe [pos, embed]  ln_f.{scale,bias} [embed]
@@ -40,12 +41,6 @@ from jaxpar.models.llama import GQAttention, SwiGLU
 from jaxpar.models.mla import MLAttention
 from jaxpar.models.moe import MoE, add_layer_stats, stats_width
 from jaxpar.ops import project
-
-REMAT_POLICIES = {
-    "full": None,  # save nothing: recompute the whole block in the backward pass
-    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: tuple[int, ...]):
@@ -202,10 +197,8 @@ class Decoder(nnx.Module):
                 return h
             return h, add_layer_stats(total, stats, index[0] if index else None, self.cfg), *(i + 1 for i in index)
 
-        if self.cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat])
-        # the context's layer runner (a scan, or GPipe stages over `pp`); fixed sketches ride along with the parameters
-        # (a sketched model is dense: one stack)
+        # the context's layer runner (a scan, or GPipe stages over `pp`; with model.remat each layer recomputed in the
+        # backward pass); fixed sketches ride along with the parameters (a sketched model is dense: one stack)
         return current().run_layers(layer, (stacked, stacked_sketches(self.cfg) if sketches is None else sketches),
                                     carry, rows)
 
