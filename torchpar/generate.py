@@ -26,13 +26,15 @@ from torchpar.weights import from_shared
 def load_model(args):
     """(model, tokenizer) of the source the user named."""
     if args.run:
-        from torchpar import backends
+        from torchpar.parallelize import parallelize
 
         cfg = read_run_config(args.run)
         cfg.run.dir = args.run  # where the run is now (config.json holds where it was trained)
         model = Decoder(cfg.model, document_token(cfg))
         env = dist.init(False, cfg.run.peer_timeout_s)
-        engine = backends.build("none", model, cfg, env)
+        # the none backend's engine restores the run's checkpoint; decoding compiles nothing and, without gradients,
+        # recomputes nothing
+        engine = parallelize(model, cfg, env, "none", compile_model=False)[0]
         if engine.checkpointer.restore() is None:
             raise UserError(f"no checkpoint in {args.run}/checkpoints")
         return model, args.tokenizer or cfg.data.tokenizer

@@ -150,6 +150,78 @@ def twin_mismatches(files, twins=TWINS):
     return sorted((d, name) for d in twins for name in names[d] - shared)
 
 
+# Recomputation (model.remat) is applied from outside the models (issue 45): no model file imports a checkpointing
+# module or names a recomputation function, policy or setting
+RECOMPUTATION = {"checkpoint", "remat", "checkpoint_policies", "REMAT_POLICIES", "remat_layers", "checkpoint_blocks",
+                 "CheckpointedBlock", "create_selective_checkpoint_contexts", "checkpoint_wrapper"}
+
+
+def recomputation_in_models(files, folders=TWINS):
+    """(model file, module or name) for every checkpointing import and every recomputation name it uses."""
+    found = set()
+    for path, src in files.items():
+        if not path.startswith(tuple(d + "/" for d in folders)):
+            continue
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                found.update((path, m) for m in modules if "checkpoint" in m)
+                found.update((path, a.name) for a in node.names if a.name in RECOMPUTATION)
+            elif isinstance(node, ast.Name) and node.id in RECOMPUTATION:
+                found.add((path, node.id))
+            elif isinstance(node, ast.Attribute) and node.attr in RECOMPUTATION:
+                found.add((path, node.attr))
+    return sorted(found)
+
+
+# What wraps or shards a module or the model's computation, by the name called (its last part, or the whole
+# dotted name), and the only files that may call it: the two parallelize modules and what implements their stages
+# (torchpar's backends build the wrappers; jaxpar's ops.remat_layers is the one jax.checkpoint). Shipped code only:
+# tests assemble pieces on purpose.
+_TORCHPAR_STAGES = ("torchpar/parallelize.py",)
+_JAXPAR_STAGES = ("jaxpar/parallelize.py",)
+WRAPPERS = {
+    "checkpoint_blocks": _TORCHPAR_STAGES, "compile_blocks": _TORCHPAR_STAGES, "backends.build": _TORCHPAR_STAGES,
+    "torch.compile": _TORCHPAR_STAGES, "checkpoint": _TORCHPAR_STAGES,
+    "fully_shard": ("torchpar/backends/",), "DDP": ("torchpar/backends/",), "PipelineStage": ("torchpar/backends/",),
+    "DistributedDataParallel": ("torchpar/backends/",), "deepspeed.initialize": ("torchpar/backends/",),
+    "jax.checkpoint": ("jaxpar/ops.py",), "jax.remat": ("jaxpar/ops.py",), "nnx.remat": ("jaxpar/ops.py",),
+    "remat_layers": _JAXPAR_STAGES, "mesh_context": _JAXPAR_STAGES, "gpipe_layers": _JAXPAR_STAGES,
+    "sequence_attention": _JAXPAR_STAGES, "expert_parallel": _JAXPAR_STAGES, "hand_scheduled": _JAXPAR_STAGES,
+    "compressed_loss_and_grads": _JAXPAR_STAGES, "powersgd_loss_and_grads": _JAXPAR_STAGES,
+    "ParallelContext": _JAXPAR_STAGES + ("jaxpar/context.py",),  # context.py: the default, no parallelism
+}
+
+
+def dotted(node) -> str:
+    """A call's callee as written: `a.b.c`, `?.compile` where a part is not a name."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{dotted(node.value)}.{node.attr}"
+    return "?"
+
+
+def wrapped_outside_parallelize(files, wrappers=WRAPPERS):
+    """(file, callee) for every call of a wrapper outside the files allowed it; in torchpar a `.compile()` without
+    arguments (a module's torch.compile in place) counts as torch.compile."""
+    found = set()
+    for path, src in files.items():
+        if not path.startswith(("jaxpar/", "torchpar/")):
+            continue
+        for node in ast.walk(ast.parse(src)):
+            if not isinstance(node, ast.Call):
+                continue
+            name = dotted(node.func)
+            last = name.rpartition(".")[2]
+            key = name if name in wrappers else last if last in wrappers and "." not in last else None
+            if last == "compile" and not node.args and path.startswith("torchpar/"):  # re.compile has a pattern
+                key = "torch.compile"
+            if key is not None and not path.startswith(wrappers[key]):
+                found.add((path, name))
+    return sorted(found)
+
+
 _NAMED_PATH = re.compile(r"(?<![\w./-])((?:jaxpar|torchpar|tests|parity_tests|configs|docs|benchmarks|tools)/"
                          r"[\w./-]*\.(?:py|md|yaml|sh|json|toml))\b")
 
@@ -201,6 +273,18 @@ def test_every_path_a_doc_or_docstring_names_exists():
     assert not (bad := missing_paths({**docs, **code})), f"named but missing (file, path): {bad}"
 
 
+def test_models_hold_no_recomputation():
+    """model.remat is applied by jaxpar/parallelize.py and torchpar/parallelize.py, never inside a model file."""
+    assert not (bad := recomputation_in_models(FILES)), f"recomputation inside the models (file, name): {bad}"
+
+
+def test_only_the_parallelize_functions_wrap_or_shard():
+    """Checkpointing, compiling, the parallel context's strategies, gradient compression and the backends' wrappers
+    are applied by the parallelize modules (or the stage modules they call) alone."""
+    bad = wrapped_outside_parallelize(FILES)
+    assert not bad, f"wrapped or sharded outside the parallelize functions (file, call): {bad}"
+
+
 def test_no_long_files():
     assert not (bad := long_files(FILES)), f"files over {MAX_FILE_LINES} lines: {bad}"
 
@@ -247,6 +331,17 @@ PLANTED = {
     "a doc names a file that is gone": lambda: missing_paths(
         {"a.md": "see jaxpar/gone.py, jaxpar/core/config.py and `docs/gone.md`."},
         lambda p: p == "jaxpar/core/config.py") == [("a.md", "docs/gone.md"), ("a.md", "jaxpar/gone.py")],
+    "a model file recomputes": lambda: recomputation_in_models(
+        {"jaxpar/models/m.py": "import jax\nf = jax.checkpoint(g, policy=REMAT_POLICIES[cfg.remat])\n",
+         "torchpar/models/t.py": "from torch.utils.checkpoint import checkpoint\n", "jaxpar/ops.py": "jax.checkpoint(f)\n"})
+        == [("jaxpar/models/m.py", "REMAT_POLICIES"), ("jaxpar/models/m.py", "checkpoint"), ("jaxpar/models/m.py", "remat"),
+            ("torchpar/models/t.py", "checkpoint"), ("torchpar/models/t.py", "torch.utils.checkpoint")],
+    "a module wrapped outside parallelize": lambda: wrapped_outside_parallelize(
+        {"torchpar/trainer.py": "compile_blocks(model)\nblock.compile()\nx = backends.build('none', m)\nre.compile('a')\n",
+         "torchpar/parallelize.py": "compile_blocks(model)\nblock.compile()\n", "tests/t.py": "fully_shard(m)\n",
+         "jaxpar/step.py": "f = jax.jit(g).lower(a).compile()\nctx = ParallelContext(mesh)\nr = build(x)\n"})
+        == [("jaxpar/step.py", "ParallelContext"), ("torchpar/trainer.py", "backends.build"),
+            ("torchpar/trainer.py", "block.compile"), ("torchpar/trainer.py", "compile_blocks")],
     "long file": lambda: long_files({"a.py": "x = 1\n" * 401, "b.py": "x = 1\n" * 400}) == [("a.py", 401)],
     "long nested function": lambda: long_functions(
         "class C:\n    def m(self):\n        def inner():\n" + "            pass\n" * 80) == [("m", 2, 82), ("inner", 3, 81)],
