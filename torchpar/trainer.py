@@ -114,7 +114,7 @@ class TorchTrainer:
         if done is not None:  # the step's stream waits for the copy; the memory is not reused before it ends
             torch.cuda.current_stream().wait_event(done)
             rows.record_stream(torch.cuda.current_stream())
-        return self.engine.train_step(rows, self._share(rows))
+        return self.engine.update(rows, self._share(rows))
 
     def _share(self, rows: torch.Tensor) -> float:
         """jaxpar's token_share (jaxpar/loss.py) of the global batch: target positions per counted target over

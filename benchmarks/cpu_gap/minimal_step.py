@@ -229,7 +229,7 @@ def build_torch(a, compiled: bool):
     model.init_weights(cfg.train.seed)
     engine = parallelize(model, cfg, env, "none", compile_model=compiled)[0]
     batch = torch.from_numpy(tokens(a)).long()
-    return lambda: engine.train_step(batch)
+    return lambda: engine.update(batch)
 
 
 # ---------------------------------------------------------------- timing

@@ -225,7 +225,7 @@ def torch_step(cfg, tmp_path, batches) -> list:
     for module in model.modules():  # recomputation (model.remat) calls them again in the backward pass
         module.register_forward_hook(lambda *_: calls.append(1))
     engine = build("none", model, cfg, Env(0, 1, 0, torch.device("cpu")))
-    out = [engine.train_step(torch.from_numpy(b).long()) for b in batches]
+    out = [engine.update(torch.from_numpy(b).long()) for b in batches]
     return [[float(x) if not isinstance(x, dict) else x for x in o] for o in out] + [len(calls)] + [
         p.detach().numpy().copy() for p in model.parameters()]
 

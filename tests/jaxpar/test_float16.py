@@ -143,12 +143,12 @@ def test_torchpar_overflow_skips_exactly_that_update_and_halves_the_scale(tmp_pa
     batch = torch.randint(0, 256, (8, cfg.data.seq_len + 1), generator=torch.Generator().manual_seed(0))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     engine.inject_overflow()
-    _, norm, _, extra = engine.train_step(batch)
+    _, norm, _, extra = engine.update(batch)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert not engine.optimizer.state  # AdamW never stepped: no moments, no step count
     assert extra == {"loss_scale": 1024.0, "skipped_steps": 1} and engine.scaler.get_scale() == 512
     assert not torch.isfinite(norm)
-    _, norm, lr, extra = engine.train_step(batch)
+    _, norm, lr, extra = engine.update(batch)
     assert extra == {"loss_scale": 512.0, "skipped_steps": 1} and engine.scaler.get_scale() == 1024
     assert lr == lr_at(0, cfg.optim, cfg.train.steps) and torch.isfinite(norm)
     assert not torch.equal(model.wte, before["wte"])

@@ -20,7 +20,7 @@ class Engine(Protocol):
     data_ways: int  # ...of how many (the ranks whose losses make the mean)
     local_params: int | None  # parameter elements this rank holds (None where the engine does not say)
 
-    def train_step(self, batch, share: float = 1.0) -> object:
+    def update(self, batch, share: float = 1.0) -> object:
         """This rank's rows of the global batch: microbatches, backward, clipping, the update (and float16's
         loss scaler); a handle on the step's metrics. `share`: every loss is scaled by it (the framework's
         token_share: 1.0 unless the data has a loss mask)."""

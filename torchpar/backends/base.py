@@ -120,7 +120,7 @@ class TorchEngine:
     def inject_overflow(self) -> None:
         self.overflow_next = True
 
-    def train_step(self, batch: torch.Tensor, share: float = 1.0):
+    def update(self, batch: torch.Tensor, share: float = 1.0):
         """This rank's rows of the global batch: accumulate over train.microbatches, clip, update; a handle on
         the metrics (read them with `read`). `share`: the framework's token_share (1.0 without a loss mask)."""
         micro = microbatches(batch, self.cfg.train.microbatches)

@@ -108,9 +108,9 @@ class DDPEngine(TorchEngine):
     def clip_gradients(self, clip: float) -> torch.Tensor:
         return super().clip_gradients(clip) if self.experts is None else self.experts.clip(self.params, clip)
 
-    def train_step(self, batch: torch.Tensor, share: float = 1.0):
+    def update(self, batch: torch.Tensor, share: float = 1.0):
         before = self.powersgd.total_numel_after_compression if self.powersgd is not None else 0
-        total, norm, lr, extra = super().train_step(batch, share)
+        total, norm, lr, extra = super().update(batch, share)
         sent = self.plain_bytes
         if self.powersgd is not None and self.powersgd.total_numel_after_compression > before:
             sent = 4 * (self.powersgd.total_numel_after_compression - before)

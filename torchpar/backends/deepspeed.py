@@ -126,7 +126,7 @@ class DeepSpeedEngine:
     def inject_overflow(self) -> None:
         raise UserError("TORCHPAR_FAULT_OVERFLOW_AT_STEP (a test fault) is not implemented for --backend deepspeed")
 
-    def train_step(self, batch: torch.Tensor, share: float = 1.0):
+    def update(self, batch: torch.Tensor, share: float = 1.0):
         micro = microbatches(batch, self.cfg.train.microbatches)
         lr = self.engine.get_lr()[0]
         total, norm, experts = torch.zeros((), device=self.env.device), None, None

@@ -54,12 +54,12 @@ def bench(cfg, backend: str, steps: int, warmup: int, compile_model: bool) -> di
     mine = torch.from_numpy(tokens[share * B // ways:(share + 1) * B // ways]).long().to(env.device)
     sync = torch.cuda.synchronize if env.device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
-        handle = engine.train_step(mine)
+        handle = engine.update(mine)
     sync()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        handle = engine.train_step(mine)
+        handle = engine.update(mine)
         sync()
         times.append(time.perf_counter() - t0)
     step_s = float(np.median(times))
