@@ -140,9 +140,7 @@ CONTRACT: dict[str, Owner] = {
     "model.layernorm_eps": Owner(True, BOTH, "step"),
     "model.init_std": Owner(True, BOTH, "params"),
     "model.compute_dtype": Owner(True, BOTH, "step"),
-    # torchpar applies it in torchpar/parallelize.py, a stage before the engine that the "step" probe builds alone
-    "model.remat": Owner(True, BOTH, "test",
-                         evidence="tests/core/test_parallelize.py::test_model_remat_recomputes_in_both_trainers"),
+    "model.remat": Owner(True, BOTH, "step"),
     "model.init_from": Owner(True, BOTH, "test", evidence="tests/e2e/test_train_cli.py::test_write_init_then_init_from_starts_from_those_weights"),
     "model.attention": Owner(True, BOTH, "params"),
     "model.linear": Owner(True, BOTH, "params"),

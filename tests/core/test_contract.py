@@ -217,10 +217,12 @@ def torch_step(cfg, tmp_path, batches) -> list:
     from torchpar.backends import build
     from torchpar.dist import Env
     from torchpar.dist import PRECISION
+    from torchpar.parallelize import checkpoint_blocks
     from torchpar.trainer import build_model
 
     torch.set_float32_matmul_precision(PRECISION[cfg.train.matmul_precision])
     model = build_model(cfg)
+    checkpoint_blocks(model, cfg.model.remat)  # torchpar/parallelize.py's first stage
     calls = []
     for module in model.modules():  # recomputation (model.remat) calls them again in the backward pass
         module.register_forward_hook(lambda *_: calls.append(1))

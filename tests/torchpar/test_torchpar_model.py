@@ -13,6 +13,7 @@ from jaxpar.models.decoder import abstract_model
 from tests.helpers import tiny_config
 from jaxpar.core.weights import NAMES, shared_name
 from torchpar.weights import from_shared, shared_shapes, to_shared
+from torchpar.parallelize import checkpoint_blocks
 from torchpar.models.decoder import Decoder, next_token_loss
 from torchpar.optim import decays
 
@@ -91,6 +92,7 @@ def test_same_loss_and_gradients_as_jaxpar(remat, jax_reference):
     cfg = tiny_config(f"model.remat={remat}")
     model = Decoder(cfg.model)
     model.load_state_dict(from_shared(params, cfg.model.n_layer))
+    checkpoint_blocks(model, remat)  # as torchpar/parallelize.py applies model.remat
     tbatch = torch.from_numpy(batch).long()
     loss = next_token_loss(model(tbatch[:, :-1]), tbatch[:, 1:])
     loss.backward()
