@@ -232,6 +232,30 @@ def missing_paths(texts: dict[str, str], exists=lambda p: (ROOT / p).exists()) -
                    if not exists(m.group(1))})
 
 
+def batch_walks(doc: str) -> dict[str, list[str]]:
+    """docs/architecture.md's "One batch, in order": {framework: the files of its numbered "(walk)" list}."""
+    walks, name = {}, None
+    for line in doc.splitlines():
+        if line.endswith("(walk):"):
+            name = line.split()[0]
+            walks[name] = []
+        elif name and (m := re.match(r"\d+\. `([\w/.]+\.py)`", line)):
+            walks[name].append(m.group(1))
+        elif name and line.startswith("#"):
+            name = None
+    return walks
+
+
+def walk_violations(walk: list[str], graph, exists=lambda p: (ROOT / p).is_file()) -> list[str]:
+    """What breaks a batch's walk: more than ten files, a file twice or missing, a file importing an earlier one."""
+    bad = [f"{len(walk)} files"] if len(walk) > 10 else []
+    bad += [f"{p} twice" for p in sorted({p for p in walk if walk.count(p) > 1})]
+    bad += [f"{p} missing" for p in walk if not exists(p)]
+    mods = [module_of(p)[0] for p in walk]
+    bad += [f"{walk[i]} imports {walk[j]}" for i, m in enumerate(mods) for j in range(i) if mods[j] in graph.get(m, ())]
+    return bad
+
+
 FILES = load_files()
 GRAPH = build_graph(FILES)
 
@@ -295,6 +319,15 @@ def test_no_long_functions():
     assert not bad, f"functions over {MAX_FUNCTION_LINES} lines: {bad}"
 
 
+def test_one_batch_walks_down_through_few_files():
+    """docs/architecture.md states the path of one batch from each entry point; the files it names exist, at most
+    ten, each once, and the walk only goes down the imports. The loop that starts it reads on a page or so."""
+    walks = batch_walks((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8"))
+    assert set(walks) == {"jaxpar", "torchpar"} and all(walks.values()), walks
+    assert not (bad := {k: b for k, w in walks.items() if (b := walk_violations(w, GRAPH))}), bad
+    assert (lines := FILES["jaxpar/core/run.py"].count("\n")) <= 200, f"jaxpar/core/run.py: {lines} lines"
+
+
 @pytest.mark.parametrize("path", TRAINERS)
 def test_trainers_are_their_arguments_and_an_adapter(path):
     """The run sequence is jaxpar/core/run.py's; a trainer is its argument parsing and its adapter."""
@@ -331,6 +364,12 @@ PLANTED = {
     "a doc names a file that is gone": lambda: missing_paths(
         {"a.md": "see jaxpar/gone.py, jaxpar/core/config.py and `docs/gone.md`."},
         lambda p: p == "jaxpar/core/config.py") == [("a.md", "docs/gone.md"), ("a.md", "jaxpar/gone.py")],
+    "a batch's walk goes up, repeats, runs long": lambda: walk_violations(
+        ["a/x.py", "a/y.py", "a/x.py"] + [f"a/{i}.py" for i in range(8)],
+        build_graph({"a/x.py": "", "a/y.py": "import a.x\n"}), lambda p: p != "a/7.py")
+        == ["11 files", "a/x.py twice", "a/7.py missing", "a/y.py imports a/x.py"],
+    "the walks in a doc": lambda: batch_walks("jaxpar (walk):\n1. `a/x.py` -- x\n   more\n2. `a/y.py`\n\n## Next\n3. `b.py`")
+        == {"jaxpar": ["a/x.py", "a/y.py"]},
     "a model file recomputes": lambda: recomputation_in_models(
         {"jaxpar/models/m.py": "import jax\nf = jax.checkpoint(g, policy=REMAT_POLICIES[cfg.remat])\n",
          "torchpar/models/t.py": "from torch.utils.checkpoint import checkpoint\n", "jaxpar/ops.py": "jax.checkpoint(f)\n"})
