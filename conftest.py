@@ -15,3 +15,28 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # jaxpar's CLIs would re-execute themselves to set this (jaxpar/core/malloc.py); set here, every trainer process a
 # test starts skips that and runs with it from the start
 os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+
+# Test tiers (README "Run the tests"): a test is in the slow tier when its measured duration -- tests/durations.json,
+# pytest-split's file, written by `--store-durations` on a 2-core machine -- is over SLOW_S. The default run
+# (`python -m pytest`) leaves the slow tier out; `-m slow` runs it alone; CI (.ci/run) runs the default tier and the
+# share of the slow tier its commit picks (pytest-split's --splits/--group). A test not measured yet is in the
+# default tier; one marked every_commit stays there however long it takes.
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "durations.json")
+SLOW_S = 6.0
+
+
+def measured_durations() -> dict:
+    with open(DURATIONS) as f:
+        return json.load(f)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    durations = measured_durations()
+    for item in items:
+        if durations.get(item.nodeid, 0.0) > SLOW_S and item.get_closest_marker("every_commit") is None:
+            item.add_marker(pytest.mark.slow)

@@ -31,6 +31,7 @@ def commit_seed() -> int:
         return int(time.time()) % 2**31
 
 
+@pytest.mark.every_commit  # CI runs the commit's cases however long they take (conftest.py: test tiers)
 def test_two_cases_of_this_commit(capsys):
     seed = commit_seed()
     print(f"fuzz seed {seed}: python -m parity_tests.fuzz --seed {seed} --cases 2")
@@ -41,6 +42,7 @@ def test_two_cases_of_this_commit(capsys):
     assert out.count(": equal (") + out.count(": refused (") == 2, out
 
 
+@pytest.mark.every_commit
 def test_two_transitions_of_this_commit(capsys):
     """Two runs that change half-way (docs/fuzz.md 'Transitions'), drawn from the commit's seed."""
     seed = commit_seed()
