@@ -241,7 +241,7 @@ def test_sigterm_stops_all_ranks_after_one_step_and_resume_is_exact(backend, ran
     """SIGTERM to rank 1 only, or to rank 0 and 0.35 s later rank 1 (a scheduler's preemption; steps slowed
     to 0.1 s so that both land mid-run): all ranks stop after the same step, save that one checkpoint and
     exit 0 within 60 s; resuming continues the uninterrupted run."""
-    run_dir = base["tmp"] / f"sigterm-{backend}"
+    run_dir = base["tmp"] / f"sigterm-{backend}-{'-'.join(map(str, ranks))}"  # one per case: a finished run would resume as complete
     args = ["--backend", backend, *base["args"], f"run.dir={run_dir}"]
     proc = subprocess.Popen(torch_command(args, 2), cwd=ROOT, env=torch_env(TORCHPAR_FAULT_SLOW_STEP_S="0.1"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
