@@ -14,6 +14,7 @@ from jax.experimental import multihost_utils
 
 from jaxpar import state as st
 from jaxpar.checkpoint import Checkpointer
+from jaxpar.comm import CommTrace
 from jaxpar.context import use
 from jaxpar.core.config import Config
 from jaxpar.core.data_order import unmasked
@@ -50,12 +51,16 @@ class JaxTrainer:
     def __init__(self, cfg: Config, layout: Layout, data):
         self.cfg, self.layout = cfg, layout
         self.train_data, self.val_data = data
-        self.is_main, self.process_count = jax.process_index() == 0, jax.process_count()
-        self.state, self.ckpt, self.prefetch = None, None, None
+        self.is_main, self.process_count, self.rank = jax.process_index() == 0, jax.process_count(), jax.process_index()
+        self.state, self.ckpt, self.prefetch, self.synced_s, self.comm = None, None, None, 0.0, None
 
     # the run sequence
     def any_of(self, flag: bool) -> bool:
-        return any_process(flag)
+        t0 = time.perf_counter()  # the loop agrees once per step: the time spent here is waiting for the others
+        try:
+            return any_process(flag)
+        finally:
+            self.synced_s += time.perf_counter() - t0
 
     def initial_state(self):
         """model.init_from, else the seed's random initialisation."""
@@ -147,6 +152,28 @@ class JaxTrainer:
 
     def data_wait_s(self) -> float:
         return self.prefetch.waited_s
+
+    def sync_wait_s(self) -> float:
+        return self.synced_s
+
+    def gather(self, values: list[float]) -> list[list[float]]:
+        """Every process's `values` (a row each, by process index), on every process."""
+        return multihost_utils.process_allgather(np.asarray(values, np.float64)).reshape(self.process_count, -1).tolist()
+
+    def device_utilization(self) -> float | None:
+        return None  # jax exposes no device utilisation
+
+    def comm_axes(self) -> list[str]:
+        return [a for a, n in self.layout.mesh.shape.items() if n > 1]
+
+    def comm_profile_start(self) -> None:
+        self.comm = CommTrace()
+
+    def comm_profile_stop(self, step: int | None) -> dict[str, float]:
+        """Seconds data step `step`'s collectives were in flight per axis (None: just stop)."""
+        compiled = None if step is None else self._compiled(self.train_data.shape(step))
+        comm, self.comm = self.comm, None
+        return comm.stop(compiled, self.layout.mesh)
 
     def memory(self) -> dict:
         return device_memory(jax.local_devices()[0])

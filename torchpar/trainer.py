@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
+import torch.distributed
 
 from jaxpar.core.config import Config
 from jaxpar.core.data_order import GlobalBatches, unmasked
@@ -16,6 +18,7 @@ from jaxpar.core.prefetch import Prefetch
 from jaxpar.core.tokens import document_token
 from jaxpar.core.weights import load_weights, save_weights, unflatten
 from torchpar import dist
+from torchpar.comm import CommTrace, axis_sizes
 from torchpar.models.decoder import Decoder
 from torchpar.parallelize import parallelize
 from torchpar.weights import from_shared, shared_shapes, to_shared
@@ -38,13 +41,17 @@ class TorchTrainer:
     def __init__(self, cfg: Config, backend: str, deepspeed_config: str, env, data):
         self.cfg, self.backend, self.deepspeed_config, self.env = cfg, backend, deepspeed_config, env
         self.train_data, self.val_data = data or (None, None)  # read straight from the memmap, in the shared order
-        self.is_main, self.process_count = env.is_main, env.world
-        self.engine, self.prefetch, self.profiler = None, None, None
+        self.is_main, self.process_count, self.rank = env.is_main, env.world, env.rank
+        self.engine, self.prefetch, self.profiler, self.synced_s, self.comm = None, None, None, 0.0, None
         self.model = build_model(cfg)  # before run.dir is touched: a weights file that fails moves nothing
 
     # the run sequence
     def any_of(self, flag: bool) -> bool:
-        return dist.any_rank(flag, self.env)  # one tiny all-reduce (the loop asks once per step)
+        t0 = time.perf_counter()  # the loop agrees once per step: the time spent here is waiting for the others
+        try:
+            return dist.any_rank(flag, self.env)  # one tiny all-reduce
+        finally:
+            self.synced_s += time.perf_counter() - t0
 
     def restore_or_init(self) -> int:
         self.n_params = sum(p.numel() for p in self.model.parameters())
@@ -131,6 +138,33 @@ class TorchTrainer:
 
     def data_wait_s(self) -> float:
         return self.prefetch.waited_s
+
+    def sync_wait_s(self) -> float:
+        return self.synced_s
+
+    def gather(self, values: list[float]) -> list[list[float]]:
+        """Every rank's `values` (a row each, by rank), on every rank."""
+        rows = [None] * self.env.world
+        torch.distributed.all_gather_object(rows, [float(v) for v in values])
+        return rows
+
+    def device_utilization(self) -> float | None:
+        """The GPU's busy percentage over the last sample period (NVML, where pynvml is installed)."""
+        try:
+            return float(torch.cuda.utilization(self.env.device)) if self.env.device.type == "cuda" else None
+        except Exception:  # no pynvml, or NVML unavailable: not worth failing a run over
+            return None
+
+    def comm_axes(self) -> list[str]:
+        return list(axis_sizes(self.cfg, self.backend, self.env.world))
+
+    def comm_profile_start(self) -> None:
+        self.comm = CommTrace(self.env.device)
+
+    def comm_profile_stop(self, step: int | None) -> dict[str, float]:
+        """Seconds the sampled step's collectives were in flight per axis (None: just stop)."""
+        comm, self.comm = self.comm, None
+        return comm.stop(None if step is None else axis_sizes(self.cfg, self.backend, self.env.world))
 
     def memory(self) -> dict:
         if self.env.device.type != "cuda":

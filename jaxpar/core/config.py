@@ -154,6 +154,8 @@ class TrainConfig:
     # on an H100, compiling 5x longer; docs/gpu.md); auto: off on a GPU. torchpar's layers are always separate.
     scan_layers: str = field(default="auto", metadata=_check(choices=("auto", "on", "off")))
     profile_steps: str = ""  # "a:b" -> profiler trace of steps [a, b) in run.dir
+    # several processes: a process whose pace is this much slower than the median is named (core/stragglers.py)
+    straggler_threshold: float = field(default=0.2, metadata=_check(lo=0.0))
     batch_rampup: str = ""  # "START,INCREMENT,SAMPLES": Megatron's rampup_batch_size (core/rampup.py); "": off
     tokens_per_batch: int = field(default=0, metadata=_check(lo=0))  # data.batching=buckets; 0: batch x seq_len
 

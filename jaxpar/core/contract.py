@@ -195,6 +195,8 @@ CONTRACT: dict[str, Owner] = {
                            why_not="it switches torchpar's torch.compile (jaxpar's step is always compiled by XLA; "
                                    "deepspeed's engine wraps the model and its ZeRO hooks: leave train.compile=auto)"),
     "train.profile_steps": Owner(True, BOTH, "loop"),
+    "train.straggler_threshold": Owner(True, BOTH, "test", evidence="tests/e2e/test_stragglers.py::"
+                                       "test_the_threshold_decides_who_is_named"),
     "train.scan_layers": Owner(True, (), "step", why_not="it is jaxpar's layer scan (torchpar's layers are "
                                                          "separate modules, run one after another)"),
     # optim: optax and torch.optim with one schedule (jaxpar/core/lr_schedule.py)

@@ -6,7 +6,9 @@ done; <PREFIX>_FAULT_KILL_IN_SAVE_AFTER_STEP=N: it SIGKILLs itself as soon as st
 (an asynchronous save is then still being written); <PREFIX>_FAULT_SIGTERM_AFTER_STEP=N: it sends itself SIGTERM;
 <PREFIX>_FAULT_NAN_AT_STEP=N: the parameters are made non-finite just before step N (1-based) runs;
 <PREFIX>_FAULT_OVERFLOW_AT_STEP=N: step N's gradients are made non-finite, as a float16 overflow would;
-<PREFIX>_FAULT_SLOW_STEP_S=X: every step takes X seconds longer (signals then land mid-run).
+<PREFIX>_FAULT_SLOW_STEP_S=X: every step takes X seconds longer (signals then land mid-run);
+<PREFIX>_FAULT_SLOW_RANK=R: only process R is slow, by X seconds before each step starts (a straggler: the others
+wait for it inside the step; jaxpar/core/stragglers.py names it).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import signal
 import time
 
 FAULTS = ("KILL_AFTER_STEP", "KILL_IN_SAVE_AFTER_STEP", "SIGTERM_AFTER_STEP", "NAN_AT_STEP", "OVERFLOW_AT_STEP",
-          "SLOW_STEP_S")
+          "SLOW_STEP_S", "SLOW_RANK")
 
 
 class FaultInjector:
@@ -40,10 +42,12 @@ class FaultInjector:
             self.trainer.poison()
         if self._is("OVERFLOW_AT_STEP", step + 1):
             self.trainer.inject_overflow()
+        if self.env["SLOW_STEP_S"] and self.env["SLOW_RANK"] == str(self.trainer.rank):
+            time.sleep(float(self.env["SLOW_STEP_S"]))
 
     def after_step(self, step: int) -> None:
         """Step `step` (1-based) and its checkpoint, if any, have started."""
-        if self.env["SLOW_STEP_S"]:
+        if self.env["SLOW_STEP_S"] and self.env["SLOW_RANK"] is None:
             time.sleep(float(self.env["SLOW_STEP_S"]))
         if self._is("KILL_IN_SAVE_AFTER_STEP", step):
             os.kill(os.getpid(), signal.SIGKILL)

@@ -1,6 +1,7 @@
 """The shared loop's hooks (jaxpar/core/run.py), each owning its cadence: evaluation, the metrics record,
-samples, checkpoints, the profiler window, and the test faults (faults.py). Also what they share for one
-step (`Progress`: the metrics not read yet, the non-finite guard, the record, the throughput meter).
+samples, checkpoints, the profiler window, the slowest process and the sampled step's collectives (stragglers.py),
+and the test faults (faults.py). Also what they share for one step (`Progress`: the metrics not read yet, the
+non-finite guard, the record, the throughput meter).
 
 Nothing here imports jax or torch: a hook calls the trainer (the run's `Trainer` adapter) for the work.
 """
@@ -17,6 +18,7 @@ from jaxpar.core.faults import FaultInjector
 from jaxpar.core.flops import flops_per_token as flops_at
 from jaxpar.core.metrics_log import MetricsLog
 from jaxpar.core.rampup import BatchSizes
+from jaxpar.core.stragglers import CommShare, Stragglers
 
 
 class Hook:
@@ -85,24 +87,36 @@ class Throughput:
 
 class Progress:
     """What the hooks of one loop share: the steps whose metrics are not read yet (read at log and save points
-    only: reading waits for the step), the last checkpoint this run wrote, and the current step's record."""
+    only: reading waits for the step), the last checkpoint this run wrote, and the current step's record. Also the
+    seconds spent in the trainer's step and in reading its metrics (`blocked`: with several processes, partly
+    waiting for the others) and, with several processes, at the loop's agreement (`synced`), when the meter started."""
 
     def __init__(self, cfg: Config, trainer, step: int):
         self.trainer, self.min_scale, self.saved = trainer, cfg.optim.loss_scale_min, None
         self.pending, self.latest, self.current, self.busy = [], {}, None, False
+        self.blocked, self.handed = 0.0, None
         self.extra = trainer.record_extra()
         self.meter = Throughput(cfg, flops_at(cfg.model, cfg.data.seq_len), trainer.peak_flops(), trainer.train_data)
-        self.meter.restart(step, trainer.data_wait_s())
+        self.restart(step)
+
+    def restart(self, step: int) -> None:
+        self.meter.restart(step, self.trainer.data_wait_s())
+        self.synced = self.trainer.sync_wait_s() if self.trainer.process_count > 1 else 0.0
+        self.blocked_mark = self.blocked
 
     def started(self, step: int, handle) -> None:
         """Step `step` (1-based) was started; `handle` fetches its metrics."""
+        if self.handed is not None:  # StepClock: the trainer had the step since then
+            self.blocked += time.perf_counter() - self.handed
         self.pending.append((step, handle))
-        self.current, self.busy = None, False
+        self.current, self.busy, self.handed = None, False, None
 
     def metrics(self) -> dict:
         """The newest step's metrics, every step run so far checked to be finite."""
         if self.pending:
+            t0 = time.perf_counter()
             self.latest = read_finite(self.trainer, self.pending, self.saved, self.min_scale)
+            self.blocked += time.perf_counter() - t0
         return self.latest
 
     def record(self, step: int) -> dict:
@@ -116,7 +130,7 @@ class Progress:
     def step_done(self, step: int) -> None:
         """Time spent on records and samples is not training time: the meter starts again after it."""
         if self.busy:
-            self.meter.restart(step, self.trainer.data_wait_s())
+            self.restart(step)
 
 
 def due(step: int, every: int, last: bool = False) -> bool:
@@ -201,11 +215,26 @@ class Profiler(Hook):
             self.on = False
 
 
+class StepClock(Hook):
+    """Last in the list: when the step is handed to the trainer (every hook's before_step, test faults included,
+    done), for Progress.blocked."""
+
+    def __init__(self, progress: Progress):
+        self.progress = progress
+
+    def before_step(self, step: int) -> None:
+        self.progress.handed = time.perf_counter()
+
+
 def hooks_of(cfg: Config, trainer, log: MetricsLog, progress: Progress) -> list[Hook]:
-    """In the order they act after a step: the record is made before evaluation (whose time is not training
-    time) and written before the sample and the checkpoint; the test faults come last (a kill after the save)."""
+    """In the order they act after a step: the sampled step's trace ends first (before any evaluation); the record
+    is made before evaluation (whose time is not training time), gains the slowest process and is written before
+    the sample and the checkpoint; the test faults come last (a kill after the save)."""
     window = profile_window(cfg.train.profile_steps)
-    hooks = [Evaluate(cfg, trainer, progress), Log(cfg, log, progress), Sample(cfg, trainer, log, progress),
+    several = trainer.process_count > 1
+    hooks = [CommShare(cfg, trainer, progress, progress.meter.step, window), Evaluate(cfg, trainer, progress),
+             Stragglers(cfg, trainer, log, progress) if several else None, Log(cfg, log, progress),
+             Sample(cfg, trainer, log, progress),
              Checkpoint(cfg, trainer, progress), Profiler(trainer, window) if window else None,
-             FaultInjector.from_env(trainer)]
+             FaultInjector.from_env(trainer), StepClock(progress) if several else None]
     return [h for h in hooks if h is not None]

@@ -43,7 +43,8 @@ class MetricsLog:
                          ("padding_share", "pad {:.0%}"), ("moe_balance", "balance {:.3f}"),
                          ("moe_max_load", "max load {:.2f}"), ("moe_dropped", "dropped {:.1%}"),
                          ("mfu", "mfu {:.1%}"), ("memory_in_use_gib", "mem {:.2f}"),
-                         ("memory_gib", "peak {:.2f} GiB"), ("data_wait_share", "data {:.0%}")):
+                         ("memory_gib", "peak {:.2f} GiB"), ("data_wait_share", "data {:.0%}"),
+                         ("comm_share", "comm {:.0%}")):
             if record.get(key) is not None:
                 parts.append(fmt.format(record[key]))
         if self.bar is None:
@@ -54,13 +55,18 @@ class MetricsLog:
         if record.get("eval_loss") is not None:
             self.bar.write(" | ".join(parts))
 
+    def note(self, line: str) -> None:
+        """One line on the console of process 0 (above the progress bar on a terminal)."""
+        if self.is_main:
+            print(line, flush=True) if self.bar is None else self.bar.write(line)
+
     def sample(self, step: int, tokens: list[int] | None) -> None:
         """A sampled continuation, printed as text (the run's tokenizer) on process 0."""
         if not self.is_main or tokens is None:
             return
         self.decode = self.decode or text_codec(self.tokenizer)[1]
         line = f"sample at step {step}: {self.decode(tokens)!r}"
-        print(line, flush=True) if self.bar is None else self.bar.write(line)
+        self.note(line)
 
     def close(self) -> None:
         for tracker in self.trackers:

@@ -14,7 +14,7 @@ import numpy as np
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 OPS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(" + "|".join(OPS) + r")(-start)?\(")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(.*?)\s+(" + "|".join(OPS) + r")(-start)?\(")
 _ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 _CALLEE = re.compile(r"(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
@@ -28,6 +28,7 @@ class Collective:
     group_size: int
     groups: list[list[int]]
     count: int  # executions per step
+    name: str = ""  # the instruction's name: a profiler trace's hlo_op (jaxpar/comm.py)
 
     @property
     def traffic_bytes(self) -> float:
@@ -130,8 +131,8 @@ def parse(hlo_text: str, n_devices: int) -> list[Collective]:
             m = _INSTR.match(line)
             if m and multiplier.get(name):
                 groups = _groups(line, n_devices)
-                out.append(Collective(m[2], _result_bytes(m[1], m[2], bool(m[3])), len(groups[0]), groups,
-                                      multiplier[name]))
+                out.append(Collective(m[3], _result_bytes(m[2], m[3], bool(m[4])), len(groups[0]), groups,
+                                      multiplier[name], m["name"]))
     return out
 
 

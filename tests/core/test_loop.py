@@ -31,6 +31,9 @@ class SleepyTrainer:
     def peak_flops(self):
         return None
 
+    def comm_axes(self):  # one device: no collectives (jaxpar/core/stragglers.py)
+        return []
+
     def record_extra(self):
         return {}
 
