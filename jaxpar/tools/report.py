@@ -1,8 +1,12 @@
-"""python -m jaxpar.tools.report BENCH.json ... --out DIR [--scaling]
+"""python -m jaxpar.tools.report BENCH.json ... --out DIR [--scaling] [--run RUN_DIR ...]
 
 PNG plots from benchmark JSON files (`jaxpar.tools.bench --json`, `torchpar.tools.bench --json`):
 throughput, MFU and peak memory per device for each run, and scaling (tokens/s against device
 count) where runs of one framework differ in device count.
+
+--run RUN_DIR (either trainer's run.dir) plots its metrics.jsonl's view of the slow process and of communication
+(docs/observability.md): <out>/stragglers.png, straggler_ratio by step with the slowest rank marked, and
+<out>/comm_share.png, the sampled step's share of time in collectives per mesh axis.
 
 --scaling also writes <out>/scaling.md: per run its speedup over the same framework's run on the fewest
 devices and the scaling efficiency (speedup / device ratio), memory per device and the pipeline bubble
@@ -80,6 +84,44 @@ def plot(runs: list[dict], out_dir: str) -> list[str]:
     return written
 
 
+def run_records(run_dir: str) -> list[dict]:
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {run_dir}/metrics.jsonl: {e}") from None
+
+
+def plot_run(runs: dict[str, list[dict]], out_dir: str) -> list[str]:
+    """straggler_ratio by step (each point labelled with its slowest rank) and comm_share per axis, per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    fig, (ratio, comm) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for name, records in runs.items():
+        slow = [r for r in records if r.get("straggler_ratio") is not None]
+        ratio.plot([r["step"] for r in slow], [r["straggler_ratio"] for r in slow], "o-", label=name)
+        for r in slow:
+            ratio.annotate(str(r["slowest_rank"]), (r["step"], r["straggler_ratio"]), fontsize=7)
+        shares = next((r for r in records if "comm_share" in r), {})
+        axes = sorted(k[len("comm_share_"):] for k in shares if k.startswith("comm_share_"))
+        comm.bar([f"{name}\n{a}" for a in axes], [shares[f"comm_share_{a}"] for a in axes])
+    ratio.set_xlabel("step")
+    ratio.set_ylabel("slowest pace / median (rank marked)")
+    comm.set_ylabel("share of step time in collectives")
+    ratio.legend(fontsize=7)
+    written = []
+    for ax, filename in ((ratio, "stragglers.png"), (comm, "comm_share.png")):
+        extent = ax.get_tightbbox(fig.canvas.get_renderer()).transformed(fig.dpi_scale_trans.inverted())
+        fig.savefig(os.path.join(out_dir, filename), dpi=100, bbox_inches=extent.expanded(1.05, 1.1))
+        written.append(os.path.join(out_dir, filename))
+    plt.close(fig)
+    return written
+
+
 def scaling_rows(runs: list[dict]) -> list[dict]:
     """Speedup and efficiency of each run against its framework's run on the fewest devices."""
     out = []
@@ -123,13 +165,18 @@ def plot_efficiency(rows: list[dict], out_dir: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxpar.tools.report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("files", nargs="+")
+    ap.add_argument("files", nargs="*")
     ap.add_argument("--out", default="docs/benchmarks/plots")
     ap.add_argument("--scaling", action="store_true", help="also the speedup / efficiency table and plot")
+    ap.add_argument("--run", action="append", default=[], help="a run.dir: plot its slow process and comm_share")
     args = ap.parse_args(argv)
-    runs = load(args.files)
-    written = plot(runs, args.out)
-    if args.scaling:
+    if not args.files and not args.run:
+        raise UserError("give benchmark files, --run RUN_DIR, or both")
+    written = plot_run({os.path.basename(os.path.abspath(d)): run_records(d) for d in args.run}, args.out) if (
+        args.run) else []
+    runs = load(args.files) if args.files else []
+    written += plot(runs, args.out) if runs else []
+    if args.scaling and runs:
         rows = scaling_rows(runs)
         table = scaling_markdown(rows)
         with open(os.path.join(args.out, "scaling.md"), "w") as f:

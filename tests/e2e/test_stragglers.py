@@ -1,6 +1,7 @@
 """Which process is slow, and where the time goes (jaxpar/core/stragglers.py): one process made slow on purpose
 (<PREFIX>_FAULT_SLOW_RANK) is named within two records -- jaxpar's process 1 of two, torchpar's rank 0 of a ddp
 pair, so a detector naming a fixed process fails one of them -- and a one-device run spends no time in collectives."""
+import json
 import subprocess
 
 import pytest
@@ -113,3 +114,14 @@ def test_torchpar_ddp_names_the_slow_rank(dataset, tmp_path):
     board = tensorboard_scalars(tmp_path)  # the same scalars in TensorBoard
     assert board["slowest_rank"] == {s: 0 for s in records} and set(board["comm_share_dp"]) == {
         s for s, rec in records.items() if "comm_share_dp" in rec}
+
+
+def test_report_plots_a_runs_slow_process_and_comm_share(tmp_path):
+    from jaxpar.tools.report import main
+
+    records = [{"step": 2, "straggler_ratio": 1.8, "slowest_rank": 1},
+               {"step": 4, "straggler_ratio": 1.9, "slowest_rank": 1, "comm_share": 0.3, "comm_share_dp": 0.3}]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["--run", str(tmp_path / "run"), "--out", str(tmp_path / "plots")]) == 0
+    assert {p.name for p in (tmp_path / "plots").iterdir()} == {"stragglers.png", "comm_share.png"}
