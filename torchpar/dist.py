@@ -14,13 +14,24 @@ libraries hold (`before_teardown`); then the groups' destructors join those thre
 torch.distributed.nn is imported here, before any group: its functions take `group.WORLD` as a default
 argument when first imported (torch._dynamo imports it, DDP imports torch._dynamo), which would hold the
 default group for good.
+
+Under torchrun's elastic agent with the c10d rendezvous, the workers' store is by default one the agent keeps
+for its whole life (TORCHELASTIC_USE_AGENT_STORE=True): the keys of the worker group it restarted are still
+there, and a restarted rank reading a peer's old gloo address before the peer wrote its new one fails in
+"Gloo connectFullMesh ... Connection refused". Each group therefore works under a prefix of its own
+(`group_token`). The agent itself does not recover from that store when a node joins later (the joining agent
+waits for an address the first one wrote once): elastic runs start torchrun with
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which gives every worker group a fresh store on rank 0.
 """
 from __future__ import annotations
 
 import gc
 import os
 import re
+import socket
 import sys
+import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
@@ -79,13 +90,55 @@ def init(distributed: bool, peer_timeout_s: float) -> Env:
     if distributed and not dist.is_initialized():
         timeout = timedelta(seconds=peers.library_timeout_s(peer_timeout_s))
         if "MASTER_ADDR" in os.environ:  # torchrun (or any launcher exporting its variables)
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, store=agent_store(timeout),
                                     device_id=device if device.type == "cuda" else None)
         else:  # a plain process: rank 0 of 1 (DeepSpeed also reads these variables)
             for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
                 os.environ.setdefault(key, value)
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return Env(rank, world, local_rank, device)
+
+
+def agent_store(timeout: timedelta) -> dist.Store | None:
+    """torchrun's shared store (module docstring) under this worker group's own prefix; None for any other
+    launcher (init_process_group then reads MASTER_ADDR and MASTER_PORT itself)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    rank, world, _ = launch_env()
+    if rank == 0 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) and \
+            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        print("note: torchrun shares its rendezvous store with the workers (torch's default), so a node that joins "
+              "later waits in vain: for elastic runs start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+              file=sys.stderr, flush=True)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"torchpar/{group_token(store, rank, world, timeout.total_seconds())}", store)
+
+
+def group_token(store: dist.Store, rank: int, world: int, timeout_s: float) -> str:
+    """A name that this worker group alone holds, agreed over a store that keeps earlier groups' keys (their
+    workers are gone: the agent stops them before it forms a new group). Rank 0 draws it and hands it to
+    each rank that asks with a fresh random key, until every rank has confirmed under the new name; an
+    earlier group's request is answered too, and no one reads that answer."""
+    if rank != 0:
+        ask = uuid.uuid4().hex
+        store.set(f"torchpar/ask/{rank}", ask)
+        token = store.get(f"torchpar/answer/{ask}").decode()  # blocks until rank 0 answers (or the timeout)
+        store.set(f"torchpar/{token}/has/{rank}", "1")
+        return token
+    token, answered = uuid.uuid4().hex, set()
+    waiting, deadline = set(range(1, world)), time.monotonic() + timeout_s
+    while waiting:
+        for r in sorted(waiting):
+            if store.check([f"torchpar/{token}/has/{r}"]):
+                waiting.discard(r)
+            elif store.check([f"torchpar/ask/{r}"]) and (ask := store.get(f"torchpar/ask/{r}")) not in answered:
+                store.set(f"torchpar/answer/{ask.decode()}", token)
+                answered.add(ask)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"process {', '.join(map(str, sorted(waiting)))} of {world} did not join the "
+                               f"process group within {timeout_s:g} s")
+        time.sleep(0.01)
+    return token
 
 
 def any_rank(flag: bool, env: Env) -> bool:
@@ -105,10 +158,24 @@ def all_sum(values: list[float], env: Env) -> list[float]:
 def roll_call(env: Env, wait_s: float) -> list[int]:
     """Each rank sets its key in the process group's store (torchrun's agent, or rank 0 without torchrun);
     the ranks missing after `wait_s` (every other rank if the store itself is gone)."""
+    if not store_answers():
+        return [r for r in range(env.world) if r != env.rank]
     store = dist.distributed_c10d._get_default_store()  # the group's own store: no public handle
     key = "torchpar/present/{}".format
     return peers.roll_call(lambda: store.set(key(env.rank), "1"),
                            lambda: {r for r in range(env.world) if store.check([key(r)])}, env.rank, env.world, wait_s)
+
+
+def store_answers() -> bool:
+    """Whether the store's server at MASTER_ADDR:MASTER_PORT still takes connections, asked with a plain socket:
+    a TCPStore call on a lost server (rank 0's, lost with its node) prints a page of C++ stack before it raises."""
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return True  # one process: its store is in memory
+    try:
+        socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=10).close()
+    except OSError:
+        return False
+    return True
 
 
 def barrier() -> None:

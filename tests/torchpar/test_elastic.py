@@ -1,0 +1,159 @@
+"""torchpar under PyTorch's elastic agent: two torchrun agents of two processes each ("nodes") on loopback, with the
+c10d rendezvous. One node is lost -- its agent and its workers SIGKILLed after a checkpoint --: the other agent's
+workers fail at once (gloo sees the closed connections, the shared loop's roll call names the lost processes, exit
+3), the agent restarts them (TORCHELASTIC_RESTART_COUNT 1) and they resume from the last checkpoint on 2 processes
+(DCP reshards ddp and fsdp; DeepSpeed through the universal checkpoint). The node is started again: the running
+agent sees it waiting and stops its workers with SIGTERM (the loop stops after an agreed step, with a checkpoint),
+and the group grows back to 4. Every step logged, the replayed ones included, equals the one-process run within
+1e-5; both agents exit 0 and no worker is left behind.
+
+torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see torchpar/dist.py: with torch's shared store, a node
+that joins later waits in vain for the store's address). Steps are slowed (TORCHPAR_FAULT_SLOW_STEP_S) so that
+the kill lands mid-run and the shrunk run is still training when the node comes back.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from tests.helpers import ABORTS, ROOT, free_port, torch_env
+from tests.torchpar.runs import run
+
+STEPS, EVERY = 24, 4
+SLOW_S = "1.0"  # per step: ~20 s for the returning agent to start and be seen before the shrunk run would end
+EXTRA = [f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "run.peer_timeout_s=30"]
+WAIT_S = 240  # any one phase, on a loaded machine
+BACKENDS = {"ddp": ("ddp", []), "fsdp": ("fsdp", []), "deepspeed-zero2": ("deepspeed", ["parallel.zero_stage=2"])}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(base):
+    """The uninterrupted run of the same config: one process."""
+    run_dir = base["tmp"] / "elastic-reference"
+    run(["--backend", "none", *base["args"], *EXTRA, f"run.dir={run_dir}"])
+    return {r["step"]: r for r in records(run_dir)}
+
+
+def records(run_dir) -> list[dict]:
+    """Every step record of metrics.jsonl in order, a step logged again after a resume included."""
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            return [r for r in map(json.loads, f) if "loss" in r]
+    except FileNotFoundError:
+        return []
+
+
+class Node:
+    """One torchrun agent with two workers; `log` collects the output of every node (a line is one write)."""
+
+    def __init__(self, args: list[str], port: int, rdzv_id: str, host: bool, log: str):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2", "--max-restarts=3",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}",
+               f"--rdzv-conf=is_host={str(host).lower()},join_timeout={WAIT_S},last_call_timeout=3",
+               "-m", "torchpar.train", *args]
+        env = torch_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", TORCHPAR_FAULT_SLOW_STEP_S=SLOW_S)
+        with open(log, "a") as out:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def workers(self) -> list[int]:
+        """The agent's worker processes (each in a session of its own: torchrun starts them so)."""
+        return [pid for pid in all_pids() if parent(pid) == self.proc.pid]
+
+    def kill(self) -> None:
+        """The node lost: its agent and its workers, SIGKILL."""
+        workers = self.workers()
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def all_pids() -> list[int]:
+    return [int(d) for d in os.listdir("/proc") if d.isdigit()]
+
+
+def parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
+def environ(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return dict(kv.decode().split("=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return {}
+
+
+def of_run(rdzv_id: str) -> list[int]:
+    """Processes left of this run: workers carry the rendezvous id in TORCHELASTIC_RUN_ID."""
+    return [pid for pid in all_pids() if environ(pid).get("TORCHELASTIC_RUN_ID") == rdzv_id]
+
+
+def wait_for(what: str, ready, log: str, timeout: float = WAIT_S):
+    deadline = time.monotonic() + timeout
+    while not (result := ready()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"waited {timeout} s for {what}\n{tail(log)}")
+        time.sleep(0.2)
+    return result
+
+
+def tail(log: str) -> str:
+    with open(log) as f:
+        return f.read()[-6000:]
+
+
+def worlds(log: str) -> list[int]:
+    """The group sizes of the run so far, in order (rank 0's start-up line, one per group)."""
+    with open(log) as f:
+        return [int(n) for n in re.findall(r"backend \w+ on (\d+) cpu processes", f.read())]
+
+
+@pytest.mark.parametrize("backend,extra", BACKENDS.values(), ids=BACKENDS.keys())
+def test_a_lost_node_shrinks_the_run_and_its_return_grows_it(backend, extra, base, uninterrupted, tmp_path):
+    run_dir, log, rdzv_id = tmp_path / "run", str(tmp_path / "nodes.log"), f"elastic-{uuid.uuid4().hex[:8]}"
+    args = ["--backend", backend, *base["args"], *EXTRA, *extra, f"run.dir={run_dir}"]
+    port = free_port()
+    nodes = []
+    try:
+        nodes.append(Node(args, port, rdzv_id, host=False, log=log))  # lost later; A hosts the rendezvous store
+        nodes.append(Node(args, port, rdzv_id, host=True, log=log))  # within the last call: one group of 4
+        lost, survivor = nodes
+        wait_for("4 processes past a checkpoint", lambda: worlds(log)[-1:] == [4] and any(
+            r["step"] > EVERY for r in records(run_dir)[-1:]), log)
+        before = len(records(run_dir))
+        lost.kill()
+        shrunk = wait_for("the survivors' first step on 2 processes", lambda: worlds(log)[-1:] == [2] and len(
+            records(run_dir)) > before and survivor.workers(), log)
+        assert {environ(pid).get("TORCHELASTIC_RESTART_COUNT") for pid in shrunk} == {"1"}, tail(log)
+        nodes.append(Node(args, port, rdzv_id, host=False, log=log))  # the node comes back
+        for node in (survivor, nodes[-1]):
+            node.proc.wait(timeout=WAIT_S)
+        text = tail(log)
+        assert survivor.proc.returncode == 0 and nodes[-1].proc.returncode == 0, text
+        assert worlds(log)[-3:] == [4, 2, 4] and worlds(log)[0] == 4, (worlds(log), text)
+        assert not any(a in text for a in ABORTS), text
+        wait_for("no worker left", lambda: not of_run(rdzv_id), log, timeout=10)
+    finally:
+        for node in nodes:
+            if node.proc.poll() is None:
+                node.kill()
+        for pid in of_run(rdzv_id):
+            os.kill(pid, signal.SIGKILL)
+    got = records(run_dir)
+    assert sorted({r["step"] for r in got}) == list(range(1, STEPS + 1))
+    assert len(got) > STEPS, "no step was replayed: the survivors did not resume from a checkpoint"
+    np.testing.assert_allclose([r["loss"] for r in got], [uninterrupted[r["step"]]["loss"] for r in got], rtol=1e-5)
+    np.testing.assert_allclose([r["lr"] for r in got], [uninterrupted[r["step"]]["lr"] for r in got], rtol=1e-6)
