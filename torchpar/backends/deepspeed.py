@@ -15,6 +15,8 @@ tag = step, client_state = the step), in <run.dir>/checkpoints.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import math
@@ -45,6 +47,17 @@ def import_deepspeed():
     # DeepSpeed's ZeRO calls torch APIs that torch has deprecated; that is not the user's to fix.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     return deepspeed
+
+
+def quiet_comm_init(deepspeed) -> None:
+    """DeepSpeed's communication layer over the process group torchpar made (deepspeed.initialize then reuses it),
+    set up here because it prints "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully" on every
+    rank at every start (it loads, or first builds, its shared-memory op on CPU): not for the console."""
+    from deepspeed.accelerator import get_accelerator
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        deepspeed.comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                                        dist_init_required=False)
 
 
 def fp16_section(cfg) -> dict:
@@ -323,6 +336,7 @@ def build(model, cfg, env, deepspeed_config: str = "", **_):
     if universal:
         config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": True}
     scheduler = None if "scheduler" in config else (lambda opt: SharedLRSchedule(opt, cfg))
+    quiet_comm_init(deepspeed)
     try:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.optim.weight_decay),
                                           config=config, lr_scheduler=scheduler, dist_init_required=False)
