@@ -26,15 +26,33 @@ def _env(*names: str) -> str | None:
 
 def distributed_env() -> tuple[dict | None, int]:
     """(jax.distributed.initialize arguments or None for one process, the process count): JAXPAR_* or JAX_*
-    variables; under `srun` (SLURM_NTASKS > 1) jax reads SLURM_* itself (one process per GPU)."""
+    variables; else a worker of torchrun's elastic agent (elastic_env); under `srun` (SLURM_NTASKS > 1) jax
+    reads SLURM_* itself (one process per GPU)."""
     addr = _env("JAXPAR_COORDINATOR", "JAX_COORDINATOR_ADDRESS")
     nproc = _env("JAXPAR_NUM_PROCESSES", "JAX_NUM_PROCESSES")
     pid = _env("JAXPAR_PROCESS_ID", "JAX_PROCESS_ID")
     if addr and nproc and pid is not None:
         return {"coordinator_address": addr, "num_processes": int(nproc), "process_id": int(pid)}, int(nproc)
+    if os.environ.get("TORCHELASTIC_RUN_ID") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return elastic_env(), int(os.environ["WORLD_SIZE"])
     if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
         return {}, int(os.environ["SLURM_NTASKS"])
     return None, 1
+
+
+def elastic_env() -> dict:
+    """jax.distributed's arguments for a worker of torchrun's agent, read afresh at every (re)start: the agent
+    gives each group its RANK and WORLD_SIZE and MASTER_ADDR, the first worker's host, and MASTER_PORT, a port free
+    there for the workers' store -- jax's coordinator (process 0) here -- unless the agent shares its own store
+    (TORCHELASTIC_USE_AGENT_STORE; then one port above; JAXPAR_COORDINATOR_PORT to choose). With several workers per
+    host each takes the GPU of its LOCAL_RANK."""
+    port = int(os.environ["MASTER_PORT"]) + (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+    port = os.environ.get("JAXPAR_COORDINATOR_PORT") or str(port)
+    dist = {"coordinator_address": f"{os.environ['MASTER_ADDR']}:{port}",
+            "num_processes": int(os.environ["WORLD_SIZE"]), "process_id": int(os.environ["RANK"])}
+    if _has_accelerator() and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        dist["local_device_ids"] = [int(os.environ["LOCAL_RANK"])]
+    return dist
 
 
 def process_id() -> int:
@@ -58,6 +76,16 @@ def _has_gpu() -> bool:
     return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")
 
 
+def cpu_devices_for_elastic_axis(sizes: dict[str, int], processes: int) -> int:
+    """Simulated devices for a mesh with a -1 axis: one process, DEFAULT_CPU_DEVICES (or the fixed axes' product);
+    several, the fewest per process that hold the fixed axes -- one per process like a GPU each, so the -1 axis
+    grows and shrinks with the processes an elastic agent gives the run."""
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    if processes == 1:
+        return max(fixed, DEFAULT_CPU_DEVICES)
+    return -(-fixed // processes) * processes
+
+
 def setup_devices(sizes: dict[str, int], peer_timeout_s: float | None = None) -> None:
     """Before jax starts: XLA's GPU options on a GPU; simulate the mesh's devices on CPU if no accelerator;
     join processes (the coordination service's heartbeat and shutdown timeouts sit above run.peer_timeout_s:
@@ -71,7 +99,7 @@ def setup_devices(sizes: dict[str, int], peer_timeout_s: float | None = None) ->
         if os.environ.get("JAXPAR_CPU_DEVICES"):  # a fixed simulated machine, whatever the mesh
             total = int(os.environ["JAXPAR_CPU_DEVICES"])
         elif -1 in sizes.values():
-            total = max(math.prod(v for v in sizes.values() if v != -1), DEFAULT_CPU_DEVICES)
+            total = cpu_devices_for_elastic_axis(sizes, nproc)
         else:
             total = math.prod(sizes.values())
         if total > MAX_CPU_DEVICES:

@@ -20,11 +20,24 @@ from typing import Callable, NoReturn
 from jaxpar.core.errors import UserError
 
 LOST_PEER_EXIT = 3
+STORE_LINGER_S = 2.0  # how much longer the process hosting the launcher's store stays (leave_if_peers_lost)
+
+
+ELASTIC_ROLL_CALL_S = 5.0
+
+
+def under_elastic_agent() -> bool:
+    """Whether torchrun's elastic agent runs this process and will restart the group when it fails."""
+    restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return bool(os.environ.get("TORCHELASTIC_RUN_ID")) and restarts_left > 0
 
 
 def roll_call_wait_s(timeout_s: float) -> float:
-    """How long a survivor waits for the others to answer the roll call."""
-    return min(30.0, timeout_s / 2)
+    """How long a survivor waits for the others to answer the roll call: briefly under an elastic agent with restarts
+    left (it re-forms the group at once, so the survivors' quick exit is the recovery's start), else long enough for
+    a slow peer to answer."""
+    return min(ELASTIC_ROLL_CALL_S if under_elastic_agent() else 30.0, timeout_s / 2)
 
 
 def library_timeout_s(timeout_s: float) -> int:
@@ -49,9 +62,11 @@ def roll_call(announce: Callable[[], None], answered: Callable[[], set[int]], me
 
 
 def leave_if_peers_lost(roll_call: Callable[[float], list[int]], processes: int, what: str, timeout_s: float,
-                        last_checkpoint: str, always: bool = False) -> None:
+                        last_checkpoint: str, always: bool = False, hosts_store: bool = False) -> None:
     """Hold the roll call; if someone is missing (or `always`), print one line and exit now. Returns only
-    when every process answered and `always` is false (the failure was not about peers)."""
+    when every process answered and `always` is false (the failure was not about peers). The process that
+    `hosts_store` (jax's coordination service) leaves a moment after the others: losing it first, they would end
+    in the library's abort instead of their own line."""
     missing = roll_call(roll_call_wait_s(timeout_s))
     if not missing and not always:
         return
@@ -59,6 +74,8 @@ def leave_if_peers_lost(roll_call: Callable[[float], list[int]], processes: int,
            f"all {processes} processes answer, so a collective hangs")
     print(f"error: {who} ({what}; run.peer_timeout_s={timeout_s:g}); {last_checkpoint}", file=sys.stderr, flush=True)
     sys.stdout.flush()
+    if hosts_store:
+        time.sleep(STORE_LINGER_S)
     os._exit(LOST_PEER_EXIT)
 
 
@@ -103,7 +120,8 @@ class PeerGuard:
     def _leave(self, what: str, always: bool = False) -> None:
         saved = self.last_saved() or self.resumed_from
         where = f"the last checkpoint is step {saved} in {self.run_dir}/checkpoints" if saved else "no checkpoint yet"
-        leave_if_peers_lost(self.trainer.roll_call, self.trainer.process_count, what, self.timeout_s, where, always)
+        leave_if_peers_lost(self.trainer.roll_call, self.trainer.process_count, what, self.timeout_s, where, always,
+                            hosts_store=self.trainer.is_main)
 
     def _stalled(self) -> NoReturn:
         self._leave(f"no step finished for {self.timeout_s:g} s after step {self.step}", always=True)

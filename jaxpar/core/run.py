@@ -17,6 +17,7 @@ from jaxpar.core.errors import UserError
 from jaxpar.core.hooks import Progress, hooks_of
 from jaxpar.core.metrics_log import MetricsLog
 from jaxpar.core.peers import PeerGuard
+from jaxpar.core.recovery import Recovery
 from jaxpar.core.resume import already_complete, start_anew, write_run_config
 from jaxpar.core.run_lock import RunLock
 from jaxpar.core.trackers import open_trackers
@@ -26,6 +27,7 @@ class Trainer(Protocol):
     """A framework's adapter: the one interface between the shared run and jax or torch."""
     is_main: bool  # process 0 / rank 0: the one that writes the run's shared files and prints
     process_count: int
+    rank: int  # this process's index among them
     fault_prefix: str  # <PREFIX>_FAULT_* environment variables (jaxpar/core/faults.py)
     train_data: Any  # the training GlobalBatches (jaxpar/core/data_order.py)
 
@@ -59,6 +61,18 @@ class Trainer(Protocol):
         """{"memory_in_use_gib", "memory_gib" (the peak)} on this process's first device; None where unknown."""
     def roll_call(self, wait_s: float) -> list[int]:
         """Announce this process in the launcher's store; the processes that did not within `wait_s`."""
+
+    # the stragglers' and communication hooks' work (jaxpar/core/stragglers.py)
+    def sync_wait_s(self) -> float:
+        """Seconds spent so far in `any_of` (waiting, maybe, for the others)."""
+    def gather(self, values: list[float]) -> list[list[float]]:
+        """Every process's `values`, a row each by rank, on every process."""
+    def device_utilization(self) -> float | None: ...
+    def comm_axes(self) -> list[str]:
+        """The mesh axes (or process groups) with more than one device."""
+    def comm_profile_start(self) -> None: ...
+    def comm_profile_stop(self, step: int | None) -> dict[str, float]:
+        """Seconds data step `step`'s collectives were in flight, per axis (None: stop only)."""
 
     # the hooks' work
     def evaluate(self, batches: int) -> float:
@@ -131,7 +145,7 @@ def train_loop(cfg: Config, trainer: Trainer, step: int, log: MetricsLog, stop: 
     """Train from data step `step` to train.steps or a stop all processes agree on; returns the last step done.
     `stop`: from `stop_requests()`. Everything but the step itself is a hook acting on its own cadence."""
     progress = Progress(cfg, trainer, step)
-    hooks = hooks_of(cfg, trainer, log, progress)
+    hooks = [Recovery(cfg.run.dir, trainer, step, cfg.train.steps), *hooks_of(cfg, trainer, log, progress)]
     try:
         with PeerGuard(trainer, cfg.run.peer_timeout_s, cfg.run.dir, step, lambda: progress.saved) as peers:
             while step < cfg.train.steps:

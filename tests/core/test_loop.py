@@ -12,7 +12,7 @@ from tests.helpers import tiny_config
 class SleepyTrainer:
     """Reading a batch takes 60 ms (read ahead through the trainers' Prefetch), the step 10 ms: the host waits on
     data for the 50 ms the read-ahead is behind, 5/6 of each step."""
-    fault_prefix, process_count, train_data = "NOBODY", 1, None
+    fault_prefix, process_count, train_data, is_main = "NOBODY", 1, None, True
 
     def __init__(self):
         self.prefetch = Prefetch(lambda step: time.sleep(0.06) or step)

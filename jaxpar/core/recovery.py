@@ -1,0 +1,72 @@
+"""Recovery, measured: how long a restarted run was away and how much it did twice.
+
+The main process notes each step as it starts in run.dir/progress.json (step, time, processes; `finished` at the
+end). A run that resumes from a checkpoint behind that note -- its processes were lost and restarted, by torchrun's
+elastic agent or a requeue -- or any resume under the elastic agent (a node joined or left) prints, after its first
+step, `recovered in N s, M steps replayed` and appends the same to run.dir/recoveries.jsonl: N from the last step
+started before the loss to the first step started after it (the new group's rendezvous, start-up, restore and
+compilation included), M the steps started between the checkpoint and that last step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from jaxpar.core.hooks import Hook
+
+PROGRESS = "progress.json"
+RECOVERIES = "recoveries.jsonl"
+
+
+def read_progress(run_dir: str) -> dict | None:
+    try:
+        with open(os.path.join(run_dir, PROGRESS)) as f:
+            return json.load(f)
+    except (OSError, ValueError):  # none yet, or a note cut short by a kill: nothing to measure against
+        return None
+
+
+def write_progress(run_dir: str, note: dict) -> None:
+    """Atomically (a kill mid-write leaves the previous note)."""
+    path = os.path.join(run_dir, PROGRESS)
+    with open(path + ".tmp", "w") as f:
+        json.dump(note, f)
+    os.replace(path + ".tmp", path)
+
+
+class Recovery(Hook):
+    """Notes progress on the main process; reports the recovery after the first step of a restarted run."""
+
+    def __init__(self, run_dir: str, trainer, start: int, steps: int):
+        self.run_dir, self.start, self.steps, self.processes = run_dir, start, steps, trainer.process_count
+        self.on = trainer.is_main
+        last = read_progress(run_dir) if self.on else None
+        restarted = last is not None and not last.get("finished") and (
+            last["step"] > start or bool(os.environ.get("TORCHELASTIC_RUN_ID")))
+        self.last = last if restarted else None
+        self.step = start
+
+    def before_step(self, step: int) -> None:
+        if self.on:
+            write_progress(self.run_dir, {"step": step + 1, "time": time.time(), "processes": self.processes})
+            if self.last is not None:
+                self.report(time.time())
+
+    def after_step(self, step: int) -> None:
+        self.step = step
+
+    def report(self, now: float) -> None:
+        last, self.last = self.last, None
+        record = {"time": now, "recovered_s": round(now - last["time"], 3), "replayed_steps": last["step"] - self.start,
+                  "resumed_from": self.start, "processes": [last.get("processes"), self.processes],
+                  "agent_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+        with open(os.path.join(self.run_dir, RECOVERIES), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(f"recovered in {record['recovered_s']:.1f} s, {record['replayed_steps']} steps replayed "
+              f"(resumed from step {self.start}; {last.get('processes')} -> {self.processes} processes)", flush=True)
+
+    def close(self) -> None:
+        if self.on and self.step >= self.steps:
+            write_progress(self.run_dir, {"step": self.step, "time": time.time(), "processes": self.processes,
+                                          "finished": True})

@@ -1,0 +1,122 @@
+"""jaxpar under torchrun's elastic agent: the worker reads the agent's variables afresh at each start, a -1 mesh axis
+follows the processes it is given, and a restarted run reports its recovery. The whole story on loopback: two agents
+("nodes") of two processes each train `--mesh dp=-1,tp=2`; one agent is killed with its workers, the survivors
+continue on dp=1; the agent comes back and the run grows to dp=2 again -- every step equal to an uninterrupted run."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from jaxpar.core import recovery
+from jaxpar.mesh import cpu_devices_for_elastic_axis, distributed_env
+from tests.helpers import ROOT, TINY, free_port, metrics, run_cli
+
+AGENT = {"TORCHELASTIC_RUN_ID": "job", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+         "MASTER_ADDR": "node0", "MASTER_PORT": "29500", "JAX_PLATFORMS": "cpu"}
+
+
+def test_a_torchrun_worker_joins_jax_distributed_from_the_agents_variables(monkeypatch):
+    for key in [k for k in os.environ if k.startswith(("JAXPAR_", "JAX_", "SLURM_", "TORCHELASTIC_"))]:
+        monkeypatch.delenv(key)
+    for key, value in AGENT.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # the agent's store elsewhere: MASTER_PORT is free
+    assert distributed_env() == ({"coordinator_address": "node0:29500", "num_processes": 4, "process_id": 3}, 4)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # MASTER_PORT is the agent's store: the next one
+    assert distributed_env()[0]["coordinator_address"] == "node0:29501"
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a group of one: no jax.distributed
+    assert distributed_env() == (None, 1)
+
+
+@pytest.mark.parametrize("mesh, processes, devices", [
+    ({"dp": -1, "tp": 2}, 4, 4), ({"dp": -1, "tp": 2}, 2, 2), ({"dp": -1, "tp": 2}, 3, 3),  # 3: refused by the mesh
+    ({"dp": -1, "tp": 4}, 2, 4), ({"dp": -1}, 1, 8), ({"dp": -1, "tp": 16}, 1, 16)])
+def test_an_elastic_axis_simulates_one_device_per_process_beyond_the_fixed_axes(mesh, processes, devices):
+    assert cpu_devices_for_elastic_axis(mesh, processes) == devices
+
+
+class Main:
+    is_main, process_count = True, 2
+
+
+def test_recovery_reports_the_steps_replayed_and_only_after_a_loss(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    first = recovery.Recovery(str(tmp_path), Main(), 0, 20)
+    for step in range(7):  # started step 7, then lost
+        first.before_step(step)
+        first.after_step(step + 1)
+    time.sleep(0.05)
+    again = recovery.Recovery(str(tmp_path), Main(), 4, 20)  # resumed from the checkpoint of step 4
+    again.before_step(4)
+    (record,) = [json.loads(line) for line in open(tmp_path / recovery.RECOVERIES)]
+    assert record["replayed_steps"] == 3 and record["resumed_from"] == 4 and record["recovered_s"] >= 0.05
+    assert "recovered in" in capsys.readouterr().out
+    for step in range(4, 20):
+        again.before_step(step)
+        again.after_step(step + 1)
+    again.close()
+    done = recovery.Recovery(str(tmp_path), Main(), 20, 30)  # a finished run continued with more steps: no loss
+    done.before_step(20)
+    assert sum(1 for _ in open(tmp_path / recovery.RECOVERIES)) == 1
+
+
+KEYS = ["train.steps=24", "checkpoint.every=4", "train.eval_every=0"]
+
+
+def agent(port: int, dataset, run_dir, log) -> subprocess.Popen:
+    """One "node": torchrun with two workers, joining the c10d rendezvous on `port`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2", "--max-restarts=3",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic",
+           "--rdzv-conf=join_timeout=120,last_call_timeout=2,close_timeout=10", "-m", "jaxpar.train", *TINY, *KEYS,
+           "--mesh", "dp=-1,tp=2", f"data.dataset={dataset}", f"run.dir={run_dir}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAXPAR_", "TORCHELASTIC_"))}
+    env.update(JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1", JAXPAR_FAULT_SLOW_STEP_S="0.5",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # docs/cluster.md: a node that rejoins needs it
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """The agent and its workers (torchrun starts each worker in a session of its own), as a dead node."""
+    for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+        p.kill()
+
+
+def wait_for_step(run_dir, step: int, deadline: float, *alive) -> None:
+    while not (run_dir / "metrics.jsonl").exists() or max(metrics(run_dir), default=0) < step:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in alive), "the run stopped early"
+        time.sleep(0.3)
+
+
+def test_a_lost_node_shrinks_the_run_and_its_return_grows_it_back_exactly(dataset, tmp_path):
+    reference = run_cli(tmp_path / "reference", dataset, "--mesh", "dp=2,tp=2", *KEYS)
+    assert reference.returncode == 0, reference.stderr
+    run_dir, port, deadline = tmp_path / "elastic", free_port(), time.monotonic() + 480
+    logs = [open(tmp_path / f"agent{i}.log", "a") for i in range(2)]
+    first = agent(port, dataset, run_dir, logs[0])
+    second = agent(port, dataset, run_dir, logs[1])
+    try:
+        wait_for_step(run_dir, 6, deadline, first, second)
+        kill_tree(second)
+        wait_for_step(run_dir, 14, deadline, first)  # on dp=1 now
+        second = agent(port, dataset, run_dir, logs[1])
+        assert first.wait(timeout=deadline - time.monotonic()) == 0
+        assert second.wait(timeout=60) == 0
+    finally:
+        for proc in (first, second):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    out = (tmp_path / "agent0.log").read_text() + (tmp_path / "agent1.log").read_text()
+    changes = [(r["processes"], r["replayed_steps"]) for r in map(json.loads, open(run_dir / recovery.RECOVERIES))]
+    # the kill, then the return (an agreed stop: nothing replayed); a record before them: the second agent joined late
+    assert [p for p, _ in changes[-2:]] == [[4, 2], [2, 4]] and changes[-1][1] == 0, (changes, out[-3000:])
+    assert "mesh tp=2 on 2 cpu devices" in out and out.count("mesh dp=2,tp=2 on 4 cpu devices") >= 2
+    want = metrics(tmp_path / "reference")
+    done = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if '"loss"' in line]
+    assert sorted({r["step"] for r in done}) == sorted(want) and len(done) > len(want)  # replayed steps too
+    for record in done:
+        assert abs(record["loss"] - want[record["step"]]["loss"]) <= 1e-5 * abs(want[record["step"]]["loss"])
