@@ -7,7 +7,8 @@ gathered through the framework's collective (`trainer.gather`). In synchronous t
 per step is the same: the fast ones wait, inside the step's collectives or at the agreement, for the slow one. So a
 process's own pace is its step time less the time it spent in those places beyond the least any process spent
 there; the slowest process is the one the others wait for. The record gains `slowest_rank` and `straggler_ratio`
-(its pace / the median pace); above 1 + train.straggler_threshold one console line names it. A process slow on its
+(its pace / the median pace); above 1 + train.straggler_threshold on two records in a row (one alone is often a
+tiny step's noise: a page fault, a thread switch) one console line names it. A process slow on its
 device alone (the host waits for its own device as long as the others wait for it) is not told apart this way.
 
 `CommShare` (once per run start): the profiler of the trainer traces one sampled step after the first record;
@@ -71,6 +72,7 @@ class Stragglers:
     def __init__(self, cfg, trainer, log, progress):
         self.every, self.threshold = cfg.train.log_every, cfg.train.straggler_threshold
         self.trainer, self.log, self.progress = trainer, log, progress
+        self.suspect: int | None = None  # the process over the threshold at the last record
 
     def before_step(self, step: int) -> None:
         pass
@@ -86,7 +88,8 @@ class Stragglers:
         rows = self.trainer.gather([t, data, waited - data, math.nan if util is None else util])
         rank, ratio = slowest([r[0] for r in rows], [r[2] for r in rows])
         record.update(slowest_rank=rank, straggler_ratio=ratio)
-        if ratio > 1 + self.threshold:
+        suspect, self.suspect = self.suspect, (rank if ratio > 1 + self.threshold else None)
+        if self.suspect is not None and suspect == self.suspect:
             _, data, _, util = rows[rank]
             busy = "" if math.isnan(util) else f", device {util:.0f}% busy"
             self.log.note(f"straggler at step {step}: process {rank} is {ratio:.2f}x the median pace "
