@@ -2,7 +2,7 @@
 CommShare asks for it once per run start).
 
 The compiled step's optimized HLO names each collective instruction and its replica groups
-(parsed by jaxpar/tools/hlo_collectives.py), which give the mesh axes it spans; the profiler's trace events carry the
+(parsed by jaxpar/hlo_collectives.py), which give the mesh axes it spans; the profiler's trace events carry the
 instruction (`hlo_op`) and program (`hlo_module`) they ran, per device. A collective over several axes is counted
 under their names joined by "_" (e.g. dp_fsdp).
 """
@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jaxpar.core.stragglers import in_flight_s
-from jaxpar.tools.hlo_collectives import parse
+from jaxpar.hlo_collectives import parse
 
 
 def collective_axes(hlo_text: str, mesh) -> dict[str, str]:

@@ -123,7 +123,7 @@ def plan(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
 
 
 def plan_shape(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
-    from jaxpar.tools import hlo_collectives
+    from jaxpar import hlo_collectives
 
     compiled, layout, state = compile_layout(cfg, sizes, devices)
     mem = compiled.memory_analysis()

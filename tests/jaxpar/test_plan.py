@@ -4,7 +4,7 @@ import pytest
 
 from jaxpar.core.config import load_config
 from jaxpar.core.mesh_spec import parse_mesh
-from jaxpar.tools import hlo_collectives
+from jaxpar import hlo_collectives
 from jaxpar.tools.plan import candidate_meshes, main as plan_main, plan, recommend
 from tests.helpers import tiny_config
 
