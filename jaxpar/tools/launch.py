@@ -3,10 +3,13 @@
   python -m jaxpar.tools.launch --nodes 2 --gpus-per-node 8 --time 04:00:00 --partition gpu \\
       --config configs/gpt2-124m.yaml --mesh dp=2,fsdp=8 [key=value ...] > job.sbatch
   python -m jaxpar.tools.launch --framework torchpar --backend fsdp --launcher torchrun ... > job.sbatch
+  python -m jaxpar.tools.launch --elastic 1:4 --nodes 4 ... --mesh dp=-1,tp=8 > job.sbatch   # survives lost nodes
 
-Launch lines: jaxpar: `srun` with one task per GPU (jax.distributed reads SLURM_*); torchpar: `srun` with one
-task per GPU (torchpar reads SLURM_*), `torchrun` once per node (c10d rendezvous on the first node), or
-DeepSpeed's launcher from the first node (a hostfile from the node list; needs ssh between nodes).
+Launch lines: jaxpar: `srun` with one task per GPU (jax.distributed reads SLURM_*) or `torchrun` once per node;
+torchpar: `srun` with one task per GPU (torchpar reads SLURM_*), `torchrun` once per node (c10d rendezvous on the
+first node), or DeepSpeed's launcher from the first node (a hostfile from the node list; needs ssh between nodes).
+`--elastic MIN[:MAX]`: torchrun's elastic agent for either trainer -- a lost node ends its processes, the agent
+restarts the rest on the nodes left (at least MIN) from the last checkpoint, and a node back grows the group again.
 The config and overrides are validated now, so that a typo fails here and not after hours in the queue.
 """
 from __future__ import annotations
@@ -19,7 +22,7 @@ from jaxpar.core.config import load_config
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.mesh_spec import check_torch_mesh, parse_mesh, resolve_sizes
 
-LAUNCHERS = {"jaxpar": ("srun",), "torchpar": ("srun", "torchrun", "deepspeed")}
+LAUNCHERS = {"jaxpar": ("srun", "torchrun"), "torchpar": ("srun", "torchrun", "deepspeed")}
 # torchrun's / DeepSpeed's rendezvous port on the first node, by the formula torchpar uses under srun
 # (torchpar/dist.py): two jobs that share a first node do not collide
 PORT = "$((29500 + SLURM_JOB_ID % 20000))"
@@ -40,13 +43,18 @@ def parse_args(argv):
     p.add_argument("--job-name", help="default: <framework>-<run.dir's last part>")
     p.add_argument("--config", help="YAML config (configs/*.yaml)")
     p.add_argument("--mesh", help="mesh axes (overrides parallel.mesh); torchpar gets it as parallel.mesh=...")
+    p.add_argument("--elastic", metavar="MIN[:MAX]",
+                   help="nodes the run may shrink to and grow back to (MAX: --nodes); launches torchrun's agent")
+    p.add_argument("--max-restarts", type=int, default=3, help="--elastic: restarts after failures (default 3)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return p.parse_intermixed_args(argv)
 
 
 def check_launch(args) -> str:
     """Refuse what cannot run; return the launcher."""
-    launcher = args.launcher or "srun"
+    launcher = args.launcher or ("torchrun" if args.elastic else "srun")
+    if args.elastic and launcher != "torchrun":
+        raise UserError(f"--elastic runs under torchrun's agent, not --launcher {launcher}")
     if launcher not in LAUNCHERS[args.framework]:
         raise UserError(f"--launcher {launcher} is not one for {args.framework}; choose {', '.join(LAUNCHERS[args.framework])}")
     if args.framework == "torchpar" and not args.backend:
@@ -59,11 +67,29 @@ def check_launch(args) -> str:
         raise UserError("--nodes and --gpus-per-node must be at least 1")
     cfg = load_config(args.config, args.overrides)
     mesh = args.mesh or cfg.parallel.mesh
-    if args.framework == "torchpar":  # the backend and the axes it runs, before the job waits in the queue
-        check_torch_mesh(mesh, args.backend, args.nodes * args.gpus_per_node)
-    elif mesh:
-        resolve_sizes(parse_mesh(mesh), args.nodes * args.gpus_per_node)
+    for nodes in elastic_nodes(args, mesh) if args.elastic else (args.nodes,):
+        try:
+            if args.framework == "torchpar":  # the backend and the axes it runs, before the job waits in the queue
+                check_torch_mesh(mesh, args.backend, nodes * args.gpus_per_node)
+            elif mesh:
+                resolve_sizes(parse_mesh(mesh), nodes * args.gpus_per_node)
+        except UserError as e:
+            raise UserError(f"--elastic {args.elastic}, on {nodes} node(s): {e}" if args.elastic else str(e)) from None
     return launcher
+
+
+def elastic_nodes(args, mesh: str) -> tuple[int, int]:
+    """--elastic MIN[:MAX] as (MIN, MAX); the mesh must have an axis that follows the devices (-1) where it is set."""
+    low, _, high = args.elastic.partition(":")
+    try:
+        low, high = int(low), int(high or args.nodes)
+    except ValueError:
+        raise UserError(f"--elastic {args.elastic}: expected MIN or MIN:MAX nodes, e.g. 2:4") from None
+    if not 1 <= low <= high <= args.nodes:
+        raise UserError(f"--elastic {args.elastic}: needs 1 <= MIN <= MAX <= --nodes ({args.nodes})")
+    if args.framework == "jaxpar" and -1 not in parse_mesh(mesh or "dp=-1").values():
+        raise UserError(f"--elastic needs a mesh axis that follows the devices: -1 in --mesh (e.g. dp=-1), not {mesh}")
+    return low, high
 
 
 def trainer_args(args) -> str:
@@ -82,6 +108,12 @@ def launch_line(args, launcher: str) -> str:
     module = f"{args.framework}.train"
     if launcher == "srun":  # one task per GPU; each process finds its rank in SLURM_*
         return f"srun --kill-on-bad-exit=1 python -m {module} {trainer_args(args)}"
+    if launcher == "torchrun" and args.elastic:  # a node lost is not the job lost: the agents re-form the group
+        low, _, high = args.elastic.partition(":")
+        return ("export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # each group its own store: a node can join again\n"
+                f"srun --ntasks-per-node=1 --no-kill torchrun --nnodes={low}:{high or args.nodes} "
+                f"--nproc_per_node={args.gpus_per_node} --max-restarts={args.max_restarts} --rdzv_backend=c10d "
+                f"--rdzv_id=$SLURM_JOB_ID --rdzv_endpoint=$HEAD:$PORT -m {module} {trainer_args(args)}")
     if launcher == "torchrun":  # one torchrun per node; they meet on the first node
         return ("srun --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun --nnodes=$SLURM_JOB_NUM_NODES "
                 f"--nproc_per_node={args.gpus_per_node} --rdzv_backend=c10d --rdzv_id=$SLURM_JOB_ID "
@@ -102,6 +134,7 @@ def script(args, launcher: str, argv: list[str]) -> str:
               f"--partition={args.partition}", "--output=%x-%j.out",  # in the submit directory (exists already)
               "--signal=TERM@120",  # SIGTERM to every task 2 min before the limit: an agreed stop + checkpoint
               "--requeue"]  # a preempted job goes back to the queue and resumes from that checkpoint
+    header += ["--no-kill"] if args.elastic else []  # a failed node does not end the job: the agents carry on
     header += [f"--account={args.account}"] if args.account else []
     return "\n".join([
         "#!/bin/bash",

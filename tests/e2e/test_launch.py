@@ -35,9 +35,12 @@ def in_repo(monkeypatch):
     (["--framework", "torchpar", "--backend", "deepspeed", "--launcher", "deepspeed"], 1,
      'deepspeed --hostfile "hostfile.$SLURM_JOB_ID" --master_addr "$HEAD" --master_port "$PORT" '
      "--module torchpar.train"),
-], ids=["jaxpar-srun", "torchpar-srun", "torchpar-torchrun", "torchpar-deepspeed"])
+    (["--elastic", "1", "--mesh", "dp=-1,tp=2"], 1,
+     "srun --ntasks-per-node=1 --no-kill torchrun --nnodes=1:2 --nproc_per_node=4 --max-restarts=3 --rdzv_backend=c10d"),
+    (["--framework", "torchpar", "--backend", "fsdp", "--elastic", "2:2"], 1, "torchrun --nnodes=2:2 --nproc_per_node=4"),
+], ids=["jaxpar-srun", "torchpar-srun", "torchpar-torchrun", "torchpar-deepspeed", "jaxpar-elastic", "torchpar-elastic"])
 def test_script_parses_and_launches_each_framework(extra, tasks, line, capsys, tmp_path):
-    mesh = [] if "--launcher" in extra else ["--mesh", "dp=8"]
+    mesh = [] if "--launcher" in extra or "--elastic" in extra else ["--mesh", "dp=8"]
     assert main(CLUSTER + extra + mesh + (["train.steps=5"] if not extra else [])) == 0
     text = capsys.readouterr().out
     (tmp_path / "job.sbatch").write_text(text)
@@ -46,16 +49,25 @@ def test_script_parses_and_launches_each_framework(extra, tasks, line, capsys, t
     assert text.startswith("#!/bin/bash\n") and line in text
     assert f"#SBATCH --ntasks-per-node={tasks}\n" in text and "#SBATCH --nodes=2\n" in text
     assert "#SBATCH --signal=TERM@120" in text  # preemption warning -> agreed stop and checkpoint
+    elastic = "--elastic" in extra  # a lost node must not end the job, and a node must be able to join again
+    assert ("#SBATCH --no-kill" in text, "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text) == (elastic, elastic)
+    assert not (elastic and "--kill-on-bad-exit" in text)
 
 
 @pytest.mark.parametrize("extra,message", [
     (["--mesh", "dp=3"], "mesh dp=3 has 3 devices but 8 are available"),
     (["--framework", "torchpar"], "needs --backend"),
-    (["--launcher", "torchrun"], "--launcher torchrun is not one for jaxpar"),
+    (["--launcher", "deepspeed"], "--launcher deepspeed is not one for jaxpar"),
     (["--framework", "torchpar", "--backend", "ddp", "--launcher", "deepspeed"], "runs --backend deepspeed"),
     (["train.stepz=3"], "unknown config key 'train.stepz'"),
     (["--framework", "torchpar", "--backend", "fsdp", "--mesh", "dp=4,tp=2"], "--backend fsdp does not implement tp"),
     (["--framework", "torchpar", "--backend", "zero"], "unknown backend 'zero'"),
+    (["--elastic", "1", "--mesh", "dp=2,tp=4"], "--elastic needs a mesh axis that follows the devices"),
+    (["--elastic", "1:3"], "needs 1 <= MIN <= MAX <= --nodes (2)"),
+    (["--elastic", "x"], "expected MIN or MIN:MAX nodes"),
+    (["--elastic", "1", "--launcher", "srun"], "--elastic runs under torchrun's agent"),
+    (["--elastic", "1", "--gpus-per-node", "2", "--mesh", "dp=-1,tp=4"],
+     "--elastic 1, on 1 node(s): mesh dp=-1,tp=4: 2 devices are not divisible by 4"),
 ])
 def test_impossible_requests_are_one_line(extra, message, capsys):
     assert main(CLUSTER + extra) == 2
@@ -123,7 +135,8 @@ TORCH_PORT, JAX_PORT = (29500, 20000), (61440, 4096)  # torchpar/dist.py; jax's 
     (["--framework", "torchpar", "--launcher", "deepspeed"], "deepspeed", "dp=2", TORCH_PORT,
      "backend deepspeed on 2 cpu processes"),
     ([], None, "fsdp=2", JAX_PORT, "mesh fsdp=2 on 2 cpu devices"),
-], ids=["torchpar-srun", "torchpar-torchrun", "torchpar-deepspeed", "jaxpar-srun"])
+    (["--elastic", "1"], None, "dp=-1", TORCH_PORT, "mesh dp=2 on 2 cpu devices"),  # one device per process
+], ids=["torchpar-srun", "torchpar-torchrun", "torchpar-deepspeed", "jaxpar-srun", "jaxpar-elastic"])
 def test_script_trains_on_two_processes(launcher, backend, mesh, ports, started, dataset, tmp_path, capsys):
     """The whole batch script, run by bash in its submit directory under the SLURM stand-ins as a
     2-process job, trains one run over both processes with the mesh given to the writer, and exits 0."""
@@ -143,4 +156,5 @@ def test_script_trains_on_two_processes(launcher, backend, mesh, ports, started,
     assert sorted(metrics(run_dir)) == [1, 2, 3]
     with open(run_dir / "config.json") as f:
         saved = json.load(f)
-    assert mesh in (saved["parallel"]["mesh"], saved.get("resolved_mesh"))  # torchpar's key, jaxpar's record
+    recorded = "dp=2" if mesh == "dp=-1" else mesh  # jaxpar's elastic axis, resolved on two processes
+    assert recorded in (saved["parallel"]["mesh"], saved.get("resolved_mesh"))  # torchpar's key, jaxpar's record
