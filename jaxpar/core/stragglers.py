@@ -13,13 +13,14 @@ device alone (the host waits for its own device as long as the others wait for i
 
 `CommShare` (once per run start): the profiler of the trainer traces one sampled step after the first record;
 the time its collectives were in flight, per mesh axis (the union of their intervals on each device, averaged over
-this process's devices), over the step time of the next record, joins that record as `comm_share_<axis>`, and their
-sum as `comm_share`. A run whose step has no collectives (one device) logs `comm_share` 0.0 and no axis.
+this process's devices), over that step's own wall time (both under the profiler: a share, at most 1 per axis),
+joins the next record as `comm_share_<axis>`, and their sum as `comm_share`. A run whose step has no collectives (one device) logs `comm_share` 0.0 and no axis.
 """
 from __future__ import annotations
 
 import math
 import statistics
+import time
 from typing import Iterable
 
 
@@ -113,16 +114,17 @@ class CommShare:
     def before_step(self, step: int) -> None:
         if self.result is None and step == self.sample:
             self.trainer.comm_profile_start()
-            self.on = True
+            self.on, self.began = True, time.perf_counter()
 
     def after_step(self, step: int) -> None:
         if self.on:
             self.progress.metrics()  # the sampled step is complete
-            self.result = self.trainer.comm_profile_stop(step - 1)
+            took = time.perf_counter() - self.began
+            self.result = {axis: s / took for axis, s in self.trainer.comm_profile_stop(step - 1).items()}
             self.on, self.progress.busy = False, True  # the trace's cost is not training time: the meter restarts
         elif self.result is not None and (step % self.every == 0 or step == self.steps):
             record = self.progress.record(step)
-            shares = {f"comm_share_{axis}": s / record["step_time_s"] for axis, s in sorted(self.result.items())}
+            shares = {f"comm_share_{axis}": share for axis, share in sorted(self.result.items())}
             record.update(comm_share=sum(shares.values()), **shares)
             self.result, self.sample = None, None  # once per run start
 
