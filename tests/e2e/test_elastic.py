@@ -4,17 +4,14 @@ follows the processes it is given, and a restarted run reports its recovery. The
 continue on dp=1; the agent comes back and the run grows to dp=2 again -- every step equal to an uninterrupted run."""
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 
-import psutil
 import pytest
 
 from jaxpar.core import recovery
+from jaxpar.tools.bench_recovery import Node, environment, failure_schedule
 from jaxpar.mesh import cpu_devices_for_elastic_axis, distributed_env
-from tests.helpers import ROOT, TINY, free_port, metrics, run_cli
+from tests.helpers import TINY, free_port, metrics, run_cli
 
 AGENT = {"TORCHELASTIC_RUN_ID": "job", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
          "MASTER_ADDR": "node0", "MASTER_PORT": "29500", "JAX_PLATFORMS": "cpu"}
@@ -68,22 +65,10 @@ def test_recovery_reports_the_steps_replayed_and_only_after_a_loss(tmp_path, cap
 KEYS = ["train.steps=24", "checkpoint.every=4", "train.eval_every=0"]
 
 
-def agent(port: int, dataset, run_dir, log) -> subprocess.Popen:
-    """One "node": torchrun with two workers, joining the c10d rendezvous on `port`."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2", "--max-restarts=3",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic",
-           "--rdzv-conf=join_timeout=120,last_call_timeout=2,close_timeout=10", "-m", "jaxpar.train", *TINY, *KEYS,
-           "--mesh", "dp=-1,tp=2", f"data.dataset={dataset}", f"run.dir={run_dir}"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAXPAR_", "TORCHELASTIC_"))}
-    env.update(JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1", JAXPAR_FAULT_SLOW_STEP_S="0.5",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # docs/cluster.md: a node that rejoins needs it
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """The agent and its workers (torchrun starts each worker in a session of its own), as a dead node."""
-    for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
-        p.kill()
+def node(port: int, dataset, run_dir, log: str, host: bool) -> Node:
+    """One "node": torchrun with two workers, joining the c10d rendezvous on `port` (hosted by the first)."""
+    args = [*TINY, *KEYS, "--mesh", "dp=-1,tp=2", f"data.dataset={dataset}", f"run.dir={run_dir}"]
+    return Node("jaxpar.train", args, environment("JAXPAR", 0.5), port, "elastic", host, log, join_s=120)
 
 
 def wait_for_step(run_dir, step: int, deadline: float, *alive) -> None:
@@ -96,21 +81,20 @@ def test_a_lost_node_shrinks_the_run_and_its_return_grows_it_back_exactly(datase
     reference = run_cli(tmp_path / "reference", dataset, "--mesh", "dp=2,tp=2", *KEYS)
     assert reference.returncode == 0, reference.stderr
     run_dir, port, deadline = tmp_path / "elastic", free_port(), time.monotonic() + 480
-    logs = [open(tmp_path / f"agent{i}.log", "a") for i in range(2)]
-    first = agent(port, dataset, run_dir, logs[0])
-    second = agent(port, dataset, run_dir, logs[1])
+    log = str(tmp_path / "nodes.log")
+    first, second = node(port, dataset, run_dir, log, True), node(port, dataset, run_dir, log, False)
     try:
-        wait_for_step(run_dir, 6, deadline, first, second)
-        kill_tree(second)
-        wait_for_step(run_dir, 14, deadline, first)  # on dp=1 now
-        second = agent(port, dataset, run_dir, logs[1])
-        assert first.wait(timeout=deadline - time.monotonic()) == 0
-        assert second.wait(timeout=60) == 0
+        wait_for_step(run_dir, 6, deadline, first.proc, second.proc)
+        second.kill()
+        wait_for_step(run_dir, 14, deadline, first.proc)  # on dp=1 now
+        second = node(port, dataset, run_dir, log, False)
+        assert first.proc.wait(timeout=deadline - time.monotonic()) == 0
+        assert second.proc.wait(timeout=60) == 0
     finally:
-        for proc in (first, second):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-    out = (tmp_path / "agent0.log").read_text() + (tmp_path / "agent1.log").read_text()
+        for n in (first, second):
+            if n.proc.poll() is None:
+                n.kill()
+    out = (tmp_path / "nodes.log").read_text()
     changes = [(r["processes"], r["replayed_steps"]) for r in map(json.loads, open(run_dir / recovery.RECOVERIES))]
     # the kill, then the return (an agreed stop: nothing replayed); a record before them: the second agent joined late
     assert [p for p, _ in changes[-2:]] == [[4, 2], [2, 4]] and changes[-1][1] == 0, (changes, out[-3000:])
@@ -120,3 +104,10 @@ def test_a_lost_node_shrinks_the_run_and_its_return_grows_it_back_exactly(datase
     assert sorted({r["step"] for r in done}) == sorted(want) and len(done) > len(want)  # replayed steps too
     for record in done:
         assert abs(record["loss"] - want[record["step"]]["loss"]) <= 1e-5 * abs(want[record["step"]]["loss"])
+
+
+def test_the_benchmarks_failures_fall_one_per_window_each_past_a_checkpoint():
+    for seed in range(20):
+        steps = failure_schedule(5, 72, 4, seed)
+        assert steps == failure_schedule(5, 72, 4, seed) and len(steps) == 5
+        assert all(k * 12 + 4 < at <= (k + 1) * 12 - 2 for k, at in enumerate(steps)), steps
