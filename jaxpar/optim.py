@@ -1,4 +1,5 @@
-"""optax AdamW: global-norm clipping, weight decay by the shared rule, the shared warmup + cosine.
+"""optax AdamW: global-norm clipping, weight decay by the shared rule, the shared warmup + cosine; with
+optim.name=muon, Muon (jaxpar/core/muon.py) on the hidden matrices and that AdamW on the rest (optax.partition).
 
 Every hyperparameter is a closure over the config, none is in the optimizer state (counts and moments only), so a
 resumed run takes its optim.* and train.steps from the config it runs with. The state has one structure whether
@@ -7,10 +8,13 @@ resume may also turn clipping on or off.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import optax
 
+from jaxpar.core import muon
 from jaxpar.core.config import Config
 from jaxpar.core.lr_schedule import decays, lr_at
 
@@ -20,12 +24,71 @@ def lr_fn(cfg: Config):
     return lambda step: lr_at(jnp.asarray(step, jnp.float32), cfg.optim, cfg.train.steps, xp=jnp)
 
 
+def _name(path) -> str:
+    return ".".join(k.key for k in path)
+
+
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     o = cfg.optim
-    mask = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
-        lambda p, _: decays(".".join(k.key for k in p)), params)
+    mask = lambda params: jax.tree_util.tree_map_with_path(lambda p, _: decays(_name(p)), params)  # noqa: E731
     adamw = optax.adamw(lr_fn(cfg), b1=o.beta1, b2=o.beta2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
+    if o.name == "muon":
+        labels = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
+            lambda p, _: "muon" if muon.stacked_axes(_name(p)) else "adamw", params)
+        adamw = optax.partition({"muon": scale_by_muon(cfg), "adamw": adamw}, labels)
     return optax.chain(optax.clip_by_global_norm(o.grad_clip) if o.grad_clip else optax.identity(), adamw)
+
+
+class MuonState(NamedTuple):
+    count: jax.Array  # updates so far (the schedule's step)
+    mu: optax.Updates  # the momentum, one per matrix parameter
+
+
+def orthogonalize(x: jax.Array, axes, steps: int) -> jax.Array:
+    """jaxpar/core/muon.py's NS_k on every matrix of `x`: its (reduction, output) axes made one matrix, the other
+    axes batch axes (layers, experts, q/k/v), each matrix on its own."""
+    reduction, output = axes
+    batch = tuple(a for a in range(x.ndim) if a not in reduction + output)
+    order = batch + reduction + output
+    fan_in, fan_out = muon.fans(x.shape, axes)
+    y = x.transpose(order).reshape(*(x.shape[a] for a in batch), fan_in, fan_out)
+    wide = fan_in <= fan_out  # iterate on X X^T of the smaller side (torch.optim.Muon's orientation)
+    y = y if wide else jnp.swapaxes(y, -1, -2)
+    y = y / jnp.maximum(jnp.linalg.norm(y, axis=(-2, -1), keepdims=True), muon.EPS)
+    a, b, c = muon.COEFFS
+    for _ in range(steps):
+        gram = y @ jnp.swapaxes(y, -1, -2)
+        y = a * y + (b * gram + c * gram @ gram) @ y
+    y = y if wide else jnp.swapaxes(y, -1, -2)
+    return y.reshape(tuple(x.shape[a] for a in order)).transpose(tuple(order.index(a) for a in range(x.ndim)))
+
+
+def _lerp(start, end, weight: float):
+    """torch.lerp's formula (its rounding too): from the nearer end."""
+    return start + weight * (end - start) if weight < 0.5 else end - (end - start) * (1 - weight)
+
+
+def scale_by_muon(cfg: Config) -> optax.GradientTransformation:
+    """The whole Muon update of the matrices (jaxpar/core/muon.py), the learning rate and weight decay included."""
+    o, lr = cfg.optim, lr_fn(cfg)
+    m = o.muon_momentum
+
+    def init(params):
+        return MuonState(jnp.zeros((), jnp.int32), jax.tree.map(jnp.zeros_like, params))
+
+    def update(grads, state, params):
+        mu = jax.tree.map(lambda b, g: _lerp(b, g, 1 - m), state.mu, grads)
+
+        def step(path, g, b, w):
+            axes = muon.stacked_axes(_name(path))
+            o_ = orthogonalize(_lerp(g, b, m), axes, o.muon_ns_steps)  # Nesterov
+            decay = o.weight_decay if decays(_name(path)) else 0.0
+            return -lr(state.count) * (muon.lr_scale(o.muon_lr_rule, *muon.fans(w.shape, axes)) * o_ + decay * w)
+
+        updates = jax.tree_util.tree_map_with_path(step, grads, mu, params)
+        return updates, MuonState(optax.safe_increment(state.count), mu)
+
+    return optax.GradientTransformation(init, update)
 
 
 def with_clip_slot(fit):

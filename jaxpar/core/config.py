@@ -162,6 +162,9 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
+    # adamw: AdamW on every parameter; muon: Muon on the hidden matrices (attention, MLP and each expert's, per
+    # layer and per expert), AdamW on the rest (embeddings, head, router, norms, biases): jaxpar/core/muon.py
+    name: str = field(default="adamw", metadata=_check(choices=("adamw", "muon")))
     lr: float = field(default=3e-3, metadata=_check(lo=0.0))
     min_lr: float = field(default=3e-4, metadata=_check(lo=0.0))
     warmup_steps: int = field(default=30, metadata=_check(lo=0))
@@ -171,6 +174,12 @@ class OptimConfig:
     eps: float = field(default=1e-8, metadata=_check(lo=0.0, lo_open=True))
     weight_decay: float = field(default=0.1, metadata=_check(lo=0.0))
     grad_clip: float = field(default=1.0, metadata=_check(lo=0.0))  # 0 = no clipping
+    # optim.name=muon: the momentum (Nesterov), the Newton-Schulz steps, and how each matrix's step is scaled from
+    # optim.lr: match_rms_adamw = 0.2 * sqrt(max(fan_in, fan_out)) (Moonlight's: AdamW's lr and weight decay carry
+    # over), original = sqrt(max(1, fan_out / fan_in)) (Keller Jordan's: wants a larger lr than AdamW)
+    muon_momentum: float = field(default=0.95, metadata=_check(lo=0.0, hi=1.0))
+    muon_ns_steps: int = field(default=5, metadata=_check(lo=1, hi=20))
+    muon_lr_rule: str = field(default="match_rms_adamw", metadata=_check(choices=("match_rms_adamw", "original")))
     # dynamic loss scaling, model.compute_dtype=float16 only: the loss is multiplied by the scale before the
     # backward pass; a step whose gradients overflow is skipped and the scale multiplied by the backoff
     # factor (not below the minimum); after growth_interval clean steps in a row it grows by the growth factor

@@ -105,6 +105,10 @@ def _virtual(run: Run) -> bool:
     return run.cfg.parallel.pipeline_schedule == "interleaved" and (run.trainer == "torchpar" or _stages(run))
 
 
+MUON = dict(when=lambda r: r.cfg.optim.name == "muon", mode="optim.name=muon", example=("optim.name=muon",))
+NOT_DEEPSPEED = ("none", "ddp", "fsdp", "pipeline")
+DEEPSPEED_ADAMW = ("DeepSpeed builds its own AdamW from its JSON config (use --backend none, ddp, fsdp or pipeline, "
+                   "or jaxpar.train)")
 MLA = dict(when=_model("attention", "mla"), mode="model.attention=mla", example=("model.attention=mla",))
 DILATED = dict(when=_model("attention", "dilated"), mode="model.attention=dilated",
                example=("model.attention=dilated", "model.segment_lengths=8,16", "model.dilation_rates=1,2"))
@@ -202,6 +206,9 @@ CONTRACT: dict[str, Owner] = {
     # optim: optax and torch.optim with one schedule (jaxpar/core/lr_schedule.py)
     **{f"optim.{k}": Owner(True, BOTH, "step") for k in (
         "lr", "min_lr", "warmup_steps", "decay_steps", "beta1", "beta2", "eps", "weight_decay", "grad_clip")},
+    "optim.name": Owner(True, NOT_DEEPSPEED, "step", why_not=DEEPSPEED_ADAMW),
+    **{f"optim.muon_{k}": Owner(True, NOT_DEEPSPEED, "step", **MUON, why_not=DEEPSPEED_ADAMW)
+       for k in ("momentum", "ns_steps", "lr_rule")},
     **{f"optim.loss_scale_{k}": Owner(True, BOTH, "step", **FLOAT16) for k in (
         "init", "growth_interval", "growth_factor", "backoff_factor", "min")},
     # parallel

@@ -21,7 +21,8 @@ from jaxpar.core.errors import UserError, check_output_dir
 # Free to change on resume inside the model section: numerics and memory, not shapes.
 _MODEL_FREE = {"compute_dtype", "remat", "init_from"}
 _FIXED = {"data.dataset", "data.tokenizer", "data.seq_len", "data.val_fraction", "train.seed",
-          "train.global_batch_size", "train.batch_rampup", "data.batching", "data.buckets", "train.tokens_per_batch"}
+          "train.global_batch_size", "train.batch_rampup", "data.batching", "data.buckets", "train.tokens_per_batch",
+          "optim.name"}  # optim.name: the optimizer state of one cannot be read as the other's
 
 
 def _flat(d: dict) -> dict:
@@ -78,8 +79,8 @@ def check_resume(cfg: Config, is_main: bool = True) -> None:
                         "(its content hash differs); resume with that tokenizer, or use a new run.dir")
     now = _flat(cfg.to_dict())
     changed = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
-    # a step-0 run written by `jaxpar.tools.convert` has read no data yet: only its model must match
-    fixed = [k for k in changed if must_match(k) and (k.startswith("model.") or "converted_from" not in record)]
+    # a step-0 run written by `jaxpar.tools.convert` has read no data yet: only its model (and optimizer) must match
+    fixed = [k for k in changed if must_match(k) and (k.startswith(("model.", "optim.")) or "converted_from" not in record)]
     if "model.compute_dtype" in changed and "float16" in changed["model.compute_dtype"]:
         fixed.append("model.compute_dtype")  # float16 runs carry a loss scaler in their state; the others do not
     if fixed:
