@@ -18,7 +18,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ import uuid
 import numpy as np
 import pytest
 
+from jaxpar.tools.bench_recovery import Node, children, environment
 from tests.helpers import ABORTS, ROOT, free_port, run_in_session, torch_env
 from tests.torchpar.runs import run
 
@@ -61,43 +61,14 @@ def records(run_dir) -> list[dict]:
         return []
 
 
-class Node:
-    """One torchrun agent with two workers; `log` collects the output of every node (a line is one write)."""
-
-    def __init__(self, args: list[str], port: int, rdzv_id: str, host: bool, log: str, restarts: int = 3):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2",
-               f"--max-restarts={restarts}",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}",
-               f"--rdzv-conf=is_host={str(host).lower()},join_timeout={WAIT_S},last_call_timeout=3",
-               "-m", "torchpar.train", *args]
-        env = torch_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", TORCHPAR_FAULT_SLOW_STEP_S=SLOW_S)
-        with open(log, "a") as out:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-
-    def workers(self) -> list[int]:
-        """The agent's worker processes (each in a session of its own: torchrun starts them so)."""
-        return [pid for pid in all_pids() if parent(pid) == self.proc.pid]
-
-    def kill(self) -> None:
-        """The node lost: its agent and its workers, SIGKILL."""
-        workers = self.workers()
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        for pid in workers:
-            os.kill(pid, signal.SIGKILL)
-        self.proc.wait()
+def node(args: list[str], port: int, rdzv_id: str, host: bool, log: str, restarts: int = 3) -> Node:
+    """One torchrun agent with two workers (bench_recovery's); `log` collects every node's output."""
+    return Node("torchpar.train", args, environment("TORCHPAR", float(SLOW_S)), port, rdzv_id, host, log,
+                restarts=restarts, join_s=WAIT_S)
 
 
 def all_pids() -> list[int]:
     return [int(d) for d in os.listdir("/proc") if d.isdigit()]
-
-
-def parent(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return None
 
 
 def environ(pid: int) -> dict[str, str]:
@@ -141,27 +112,27 @@ def test_a_lost_node_shrinks_the_run_and_its_return_grows_it(backend, extra, los
     nodes = []
     try:
         for lost in (lost_first, not lost_first):  # the survivor holds the rendezvous store
-            nodes.append(Node(args, port, rdzv_id, host=not lost, log=log))
+            nodes.append(node(args, port, rdzv_id, host=not lost, log=log))
         lost, survivor = nodes if lost_first else nodes[::-1]
         wait_for("4 processes past a checkpoint", lambda: worlds(log)[-1:] == [4] and any(
             r["step"] > EVERY for r in records(run_dir)[-1:]), log)
         lost.kill()
         before = len(records(run_dir))  # rank 0 logs a step only when every process has done it
         shrunk = wait_for("the survivors' first step on 2 processes", lambda: worlds(log)[-1:] == [2] and len(
-            records(run_dir)) > before and survivor.workers(), log)
+            records(run_dir)) > before and children(survivor.proc.pid), log)
         assert {environ(pid).get("TORCHELASTIC_RESTART_COUNT") for pid in shrunk} == {"1"}, tail(log)
-        nodes.append(Node(args, port, rdzv_id, host=False, log=log))  # the node comes back
-        for node in (survivor, nodes[-1]):
-            node.proc.wait(timeout=WAIT_S)
+        nodes.append(node(args, port, rdzv_id, host=False, log=log))  # the node comes back
+        for agent in (survivor, nodes[-1]):
+            agent.proc.wait(timeout=WAIT_S)
         text = tail(log)
         assert survivor.proc.returncode == 0 and nodes[-1].proc.returncode == 0, text
         assert worlds(log)[-3:] == [4, 2, 4], (worlds(log), text)  # (a group of 2 first if the agents met late)
         assert not any(a in text for a in ABORTS), text
         wait_for("no worker left", lambda: not of_run(rdzv_id), log, timeout=10)
     finally:
-        for node in nodes:
-            if node.proc.poll() is None:
-                node.kill()
+        for agent in nodes:
+            if agent.proc.poll() is None:
+                agent.kill()
         for pid in of_run(rdzv_id):
             os.kill(pid, signal.SIGKILL)
     got = records(run_dir)
@@ -239,8 +210,8 @@ def test_a_mesh_the_new_group_cannot_hold_stops_with_one_line(base, tmp_path):
     """parallel.mesh=dp=2,fsdp=2 needs 4 processes; an agent that forms a group of 2 gets one line per attempt."""
     log = str(tmp_path / "node.log")
     args = ["--backend", "fsdp", *base["args"], "parallel.mesh=dp=2,fsdp=2", f"run.dir={tmp_path / 'run'}"]
-    node = Node(args, free_port(), f"elastic-{uuid.uuid4().hex[:8]}", host=True, log=log, restarts=1)
-    assert node.proc.wait(timeout=WAIT_S) != 0
+    agent = node(args, free_port(), f"elastic-{uuid.uuid4().hex[:8]}", host=True, log=log, restarts=1)
+    assert agent.proc.wait(timeout=WAIT_S) != 0
     errors = [line for line in tail(log).splitlines() if line.startswith("error:")]
     assert errors == ["error: parallel.mesh=dp=2,fsdp=2 needs 4 processes and 2 run: start 4 (torchrun "
                       "--nproc_per_node=4 on one host; across hosts, nnodes x nproc_per_node or srun's tasks)"] * 2
