@@ -10,6 +10,7 @@ same hierarchy for the shrinker: it drops the keys of a mode a simpler case no l
 from __future__ import annotations
 
 import random
+import zlib
 from dataclasses import dataclass
 
 STEPS = 3
@@ -22,6 +23,7 @@ BASE = ("model.n_layer=2", "model.n_head=4", "model.d_model=32", "model.max_seq_
         "train.eval_every=0", "checkpoint.every=0", "train.matmul_precision=highest")
 TORCH_SHARE = 0.25  # torchpar cases are subprocesses (seconds to start): drawn less often
 EXPERT_SHARE = 0.2  # cases with a mixture of experts (jaxpar: with ep in the mesh now and then)
+MUON_SHARE = 0.2  # cases with optim.name=muon
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,23 @@ def _pick(rng: random.Random, weighted: dict):
 
 
 def draw_case(rng: random.Random, torch_share: float = TORCH_SHARE) -> Case:
-    return draw_torch(rng) if rng.random() < torch_share else draw_jax(rng)
+    return with_optimizer(draw_torch(rng) if rng.random() < torch_share else draw_jax(rng))
+
+
+def with_optimizer(case: Case, share: float = MUON_SHARE) -> Case:
+    """optim.name=muon in a share of the cases (not on deepspeed, which builds its own AdamW), its keys now and then.
+    Drawn from the case's own spec, not the sweep's stream: the cases a seed drew before stay what they were."""
+    rng = random.Random(zlib.crc32(case.spec.encode()))
+    if case.backend == "deepspeed" or rng.random() >= share:
+        return case
+    s = {"optim.name": "muon"}
+    if rng.random() < 0.3:
+        s["optim.muon_lr_rule"] = "original"
+    if rng.random() < 0.3:
+        s["optim.muon_ns_steps"] = str(rng.choice((3, 7)))
+    if rng.random() < 0.3:
+        s["optim.muon_momentum"] = "0.9"
+    return case.with_settings(sorted({**dict(case.settings), **s}.items()))
 
 
 def draw_jax(rng: random.Random) -> Case:
@@ -338,6 +356,8 @@ MODE_KEYS = {  # key prefix -> whether the case's run consumes it (a mode's keys
     "model.moe_": lambda c: c.get("model.moe_experts", "0") != "0",
     "model.moe_bias_update": lambda c: c.side == "jax" or c.backend in ("none", "ddp"),
     "train.tokens_per_batch": lambda c: c.get("data.batching") == "buckets",
+    "optim.name": lambda c: c.side == "jax" or c.backend != "deepspeed",
+    "optim.muon_": lambda c: c.get("optim.name") == "muon",
 }
 
 

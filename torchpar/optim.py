@@ -92,8 +92,9 @@ class MuonAdamW(torch.optim.AdamW):
             if p.grad is None:
                 continue
             state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            if "momentum_buffer" not in state:  # and a step count, as AdamW's state (its load reads every "step")
+                state["step"], state["momentum_buffer"] = torch.tensor(0.0), torch.zeros_like(p.grad)
+            state["step"] += 1
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - m)
             update = _whole(p.grad.lerp(buf, m))  # Nesterov
