@@ -8,12 +8,15 @@ resume may also turn clipping on or off.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxpar.context import current, tracing_mesh
 from jaxpar.core import muon
 from jaxpar.core.config import Config
 from jaxpar.core.lr_schedule import decays, lr_at
@@ -46,12 +49,13 @@ class MuonState(NamedTuple):
 
 def orthogonalize(x: jax.Array, axes, steps: int) -> jax.Array:
     """jaxpar/core/muon.py's NS_k on every matrix of `x`: its (reduction, output) axes made one matrix, the other
-    axes batch axes (layers, experts, q/k/v), each matrix on its own."""
+    axes batch axes (layers, experts, q/k/v), each matrix on its own -- and, on a mesh, each device iterating on a
+    share of the whole matrices (spread_matrices) rather than every device on every matrix."""
     reduction, output = axes
     batch = tuple(a for a in range(x.ndim) if a not in reduction + output)
     order = batch + reduction + output
     fan_in, fan_out = muon.fans(x.shape, axes)
-    y = x.transpose(order).reshape(*(x.shape[a] for a in batch), fan_in, fan_out)
+    y = spread_matrices(x.transpose(order).reshape(-1, fan_in, fan_out))
     wide = fan_in <= fan_out  # iterate on X X^T of the smaller side (torch.optim.Muon's orientation)
     y = y if wide else jnp.swapaxes(y, -1, -2)
     y = y / jnp.maximum(jnp.linalg.norm(y, axis=(-2, -1), keepdims=True), muon.EPS)
@@ -59,8 +63,21 @@ def orthogonalize(x: jax.Array, axes, steps: int) -> jax.Array:
     for _ in range(steps):
         gram = y @ jnp.swapaxes(y, -1, -2)
         y = a * y + (b * gram + c * gram @ gram) @ y
-    y = y if wide else jnp.swapaxes(y, -1, -2)
+    y = (y if wide else jnp.swapaxes(y, -1, -2))[:math.prod(x.shape[a] for a in batch)]
     return y.reshape(tuple(x.shape[a] for a in order)).transpose(tuple(order.index(a) for a in range(x.ndim)))
+
+
+def spread_matrices(y: jax.Array) -> jax.Array:
+    """[matrices, rows, cols] laid out whole matrices per device, the matrices dealt out over every device of the
+    traced step's mesh (zero matrices pad their count to a multiple: Newton-Schulz keeps them zero). GSPMD moves
+    each parameter's shards there and the update back (all-to-alls) instead of gathering every matrix everywhere;
+    each device iterates on ceil(matrices / devices) of them. Outside a mesh: as it is."""
+    mesh = current().mesh
+    if mesh is None or mesh.size == 1:
+        return y
+    names = tuple(n for n in mesh.axis_names if mesh.shape[n] > 1)
+    y = jnp.pad(y, ((0, -y.shape[0] % mesh.size), (0, 0), (0, 0)))
+    return jax.lax.with_sharding_constraint(y, NamedSharding(tracing_mesh(mesh), P(names, None, None)))
 
 
 def _lerp(start, end, weight: float):
