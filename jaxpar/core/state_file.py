@@ -29,6 +29,14 @@ def state_meta(cfg, step: int, adam_step: int, source: str, loss_scale: dict | N
     return {**meta, "loss_scale": loss_scale} if loss_scale is not None else meta
 
 
+def refuse_other_optimizer(cfg, run_dir: str) -> None:
+    """One line for a run this file cannot hold the optimizer of: it carries AdamW's moments alone (Muon's momentum
+    not yet; the weights move with --write-final / model.init_from)."""
+    if cfg.optim.name != "adamw":
+        raise UserError(f"{run_dir} trains with optim.name={cfg.optim.name}: the training-state file holds AdamW's "
+                        "moments only; move its weights instead (a weights file and model.init_from)")
+
+
 def refuse_mixing(run_dir: str) -> None:
     """One line if a run directory a conversion would write already holds checkpoints (two runs never mix)."""
     if os.path.exists(os.path.join(run_dir, "checkpoints")):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.state_file import save_state, state_for_run, state_meta, write_moved_config, writing_run
+from jaxpar.core.state_file import (refuse_other_optimizer, save_state, state_for_run, state_meta, write_moved_config,
+                                    writing_run)
 from jaxpar.core.weights import flatten, unflatten
 
 
@@ -42,6 +43,7 @@ def export_state(run_dir: str, dst: str) -> int:
     from jaxpar.state import restore_latest
 
     cfg = read_run_config(run_dir)
+    refuse_other_optimizer(cfg, run_dir)
     restored = restore_latest(Checkpointer(run_dir, cfg.checkpoint.keep), single_device_layout(cfg))
     if restored is None:
         raise UserError(f"no checkpoint in {run_dir}/checkpoints")

@@ -21,7 +21,8 @@ import torch
 
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.resume import read_run_config
-from jaxpar.core.state_file import save_state, state_for_run, state_meta, write_moved_config, writing_run
+from jaxpar.core.state_file import (refuse_other_optimizer, save_state, state_for_run, state_meta, write_moved_config,
+                                    writing_run)
 from torchpar import dist
 from torchpar.backends import none
 from torchpar.models.decoder import Decoder
@@ -168,6 +169,7 @@ def export_deepspeed(cfg, dst: str) -> int:
 
 def export_state(run_dir: str, dst: str) -> int:
     cfg = read_run_config(run_dir)
+    refuse_other_optimizer(cfg, run_dir)
     cfg.run.dir = run_dir
     if os.path.exists(os.path.join(run_dir, "checkpoints", "latest")):  # DeepSpeed's tag file
         return export_deepspeed(cfg, dst)
