@@ -3,6 +3,7 @@ No jax: torchpar checks its `parallel.mesh` with the same rules, and which axes 
 from __future__ import annotations
 
 import math
+import os
 
 from jaxpar.core.errors import UserError
 
@@ -56,6 +57,12 @@ TORCH_MESH_AXES = {"none": (), "ddp": ("dp", "ep"), "fsdp": ("dp", "fsdp"), "dee
                    "pipeline": ("pp", "dp", "fsdp")}
 
 
+def _elastic_hint(sizes: dict[str, int]) -> str:
+    """The mesh with its first data axis as the one that follows the group."""
+    first = next((a for a in ("dp", "fsdp") if a in sizes), next(iter(sizes)))
+    return format_mesh({**sizes, first: -1})
+
+
 def check_torch_mesh(mesh: str, backend: str, world: int) -> None:
     """torchpar's parallel.mesh is honoured, not ignored: a known backend, axes it runs, over all `world` ranks."""
     if backend not in TORCH_BACKENDS:
@@ -71,7 +78,9 @@ def check_torch_mesh(mesh: str, backend: str, world: int) -> None:
     product = math.prod(n for n in sizes.values() if n != -1)
     if -1 not in sizes.values() and product != world:  # torchpar's devices are its processes: say how to start them
         runs = "runs" if world == 1 else "run"
-        raise UserError(f"parallel.mesh={mesh} needs {product} processes and {world} {runs}: start {product} "
-                        f"(torchrun --nproc_per_node={product} on one host; across hosts, nnodes x nproc_per_node "
-                        f"or srun's tasks)")
+        how = (f"an elastic run's group changes size: make one axis -1, e.g. {_elastic_hint(sizes)}"
+               if os.environ.get("TORCHELASTIC_RUN_ID") else
+               f"start {product} (torchrun --nproc_per_node={product} on one host; across hosts, nnodes x "
+               "nproc_per_node or srun's tasks)")
+        raise UserError(f"parallel.mesh={mesh} needs {product} processes and {world} {runs}: {how}")
     resolve_sizes(sizes, world)  # an axis of -1 takes the rest; the world must divide by the others

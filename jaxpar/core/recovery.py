@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 from jaxpar.core.hooks import Hook
@@ -49,9 +50,18 @@ class Recovery(Hook):
 
     def before_step(self, step: int) -> None:
         if self.on:
-            write_progress(self.run_dir, {"step": step + 1, "time": time.time(), "processes": self.processes})
+            self.note({"step": step + 1, "time": time.time(), "processes": self.processes})
             if self.last is not None:
                 self.report(time.time())
+
+    def note(self, progress: dict) -> None:
+        """The note is for measuring only: a run.dir that cannot take it costs the report, not the run."""
+        try:
+            write_progress(self.run_dir, progress)
+        except OSError as e:
+            print(f"warning: cannot note progress in {self.run_dir} ({e.strerror}); no recovery report for this run",
+                  file=sys.stderr, flush=True)
+            self.on, self.last = False, None
 
     def after_step(self, step: int) -> None:
         self.step = step
@@ -68,5 +78,4 @@ class Recovery(Hook):
 
     def close(self) -> None:
         if self.on and self.step >= self.steps:
-            write_progress(self.run_dir, {"step": self.step, "time": time.time(), "processes": self.processes,
-                                          "finished": True})
+            self.note({"step": self.step, "time": time.time(), "processes": self.processes, "finished": True})

@@ -111,3 +111,13 @@ def test_the_benchmarks_failures_fall_one_per_window_each_past_a_checkpoint():
         steps = failure_schedule(5, 72, 4, seed)
         assert steps == failure_schedule(5, 72, 4, seed) and len(steps) == 5
         assert all(k * 12 + 4 < at <= (k + 1) * 12 - 2 for k, at in enumerate(steps)), steps
+
+
+def test_a_run_dir_that_cannot_take_the_note_costs_the_report_not_the_run(tmp_path, capsys):
+    hook = recovery.Recovery(str(tmp_path / "missing"), Main(), 0, 3)
+    for step in range(3):
+        hook.before_step(step)
+        hook.after_step(step + 1)
+    hook.close()
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "cannot note progress" in warnings[0], warnings

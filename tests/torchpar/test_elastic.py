@@ -213,6 +213,6 @@ def test_a_mesh_the_new_group_cannot_hold_stops_with_one_line(base, tmp_path):
     agent = node(args, free_port(), f"elastic-{uuid.uuid4().hex[:8]}", host=True, log=log, restarts=1)
     assert agent.proc.wait(timeout=WAIT_S) != 0
     errors = [line for line in tail(log).splitlines() if line.startswith("error:")]
-    assert errors == ["error: parallel.mesh=dp=2,fsdp=2 needs 4 processes and 2 run: start 4 (torchrun "
-                      "--nproc_per_node=4 on one host; across hosts, nnodes x nproc_per_node or srun's tasks)"] * 2
+    assert errors == ["error: parallel.mesh=dp=2,fsdp=2 needs 4 processes and 2 run: an elastic run's group changes "
+                      "size: make one axis -1, e.g. dp=-1,fsdp=2"] * 2
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
