@@ -158,7 +158,7 @@ def all_sum(values: list[float], env: Env) -> list[float]:
 def roll_call(env: Env, wait_s: float) -> list[int]:
     """Each rank sets its key in the process group's store (torchrun's agent, or rank 0 without torchrun);
     the ranks missing after `wait_s` (every other rank if the store itself is gone)."""
-    if not store_answers():
+    if not store_answers(min(10.0, wait_s)):
         return [r for r in range(env.world) if r != env.rank]
     store = dist.distributed_c10d._get_default_store()  # the group's own store: no public handle
     key = "torchpar/present/{}".format
@@ -166,13 +166,13 @@ def roll_call(env: Env, wait_s: float) -> list[int]:
                            lambda: {r for r in range(env.world) if store.check([key(r)])}, env.rank, env.world, wait_s)
 
 
-def store_answers() -> bool:
+def store_answers(wait_s: float = 10.0) -> bool:
     """Whether the store's server at MASTER_ADDR:MASTER_PORT still takes connections, asked with a plain socket:
     a TCPStore call on a lost server (rank 0's, lost with its node) prints a page of C++ stack before it raises."""
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         return True  # one process: its store is in memory
     try:
-        socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=10).close()
+        socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=wait_s).close()
     except OSError:
         return False
     return True

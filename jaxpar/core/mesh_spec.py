@@ -79,7 +79,7 @@ def check_torch_mesh(mesh: str, backend: str, world: int) -> None:
     if -1 not in sizes.values() and product != world:  # torchpar's devices are its processes: say how to start them
         runs = "runs" if world == 1 else "run"
         how = (f"an elastic run's group changes size: make one axis -1, e.g. {_elastic_hint(sizes)}"
-               if os.environ.get("TORCHELASTIC_RUN_ID") else
+               if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 else
                f"start {product} (torchrun --nproc_per_node={product} on one host; across hosts, nnodes x "
                "nproc_per_node or srun's tasks)")
         raise UserError(f"parallel.mesh={mesh} needs {product} processes and {world} {runs}: {how}")

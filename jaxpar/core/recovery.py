@@ -1,11 +1,13 @@
 """Recovery, measured: how long a restarted run was away and how much it did twice.
 
-The main process notes each step as it starts in run.dir/progress.json (step, time, processes; `finished` at the
-end). A run that resumes from a checkpoint behind that note -- its processes were lost and restarted, by torchrun's
-elastic agent or a requeue -- or any resume under the elastic agent (a node joined or left) prints, after its first
-step, `recovered in N s, M steps replayed` and appends the same to run.dir/recoveries.jsonl: N from the last step
-started before the loss to the first step started after it (the new group's rendezvous, start-up, restore and
-compilation included), M the steps started between the checkpoint and that last step.
+The main process notes the step it starts in run.dir/progress.json (step, time, processes; at most once a second,
+so a slow shared file system does not stall the steps; `finished` at the end). A run that resumes behind that note
+-- its processes were lost and restarted, by torchrun's elastic agent or a requeue -- or on another number of
+processes, or after an agent's restart, prints `recovered in N s, M steps replayed` before its first step and
+appends the same to run.dir/recoveries.jsonl: N from the last step noted before the loss to the first step started
+after it (the new group's rendezvous, start-up, restore and jaxpar's compilation included), M the steps between
+the checkpoint and that note (at least; the note may lag by a second's steps). A plain resume -- a clean stop, the
+same processes, no restart -- reports nothing.
 """
 from __future__ import annotations
 
@@ -39,20 +41,23 @@ def write_progress(run_dir: str, note: dict) -> None:
 class Recovery(Hook):
     """Notes progress on the main process; reports the recovery after the first step of a restarted run."""
 
-    def __init__(self, run_dir: str, trainer, start: int, steps: int):
+    def __init__(self, run_dir: str, trainer, start: int, steps: int, every_s: float = 1.0):
         self.run_dir, self.start, self.steps, self.processes = run_dir, start, steps, trainer.process_count
-        self.on = trainer.is_main
+        self.on, self.every_s, self.noted = trainer.is_main, every_s, -float("inf")
         last = read_progress(run_dir) if self.on else None
         restarted = last is not None and not last.get("finished") and (
-            last["step"] > start or bool(os.environ.get("TORCHELASTIC_RUN_ID")))
+            last["step"] > start or last.get("processes") != self.processes
+            or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0)
         self.last = last if restarted else None
         self.step = start
 
     def before_step(self, step: int) -> None:
-        if self.on:
-            self.note({"step": step + 1, "time": time.time(), "processes": self.processes})
+        now = time.time()
+        if self.on and (now - self.noted >= self.every_s or self.last is not None):
+            self.noted = now
+            self.note({"step": step + 1, "time": now, "processes": self.processes})
             if self.last is not None:
-                self.report(time.time())
+                self.report(now)
 
     def note(self, progress: dict) -> None:
         """The note is for measuring only: a run.dir that cannot take it costs the report, not the run."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 import time
 from typing import Iterable
 
@@ -113,14 +114,15 @@ class CommShare:
 
     def before_step(self, step: int) -> None:
         if self.result is None and step == self.sample:
-            self.trainer.comm_profile_start()
-            self.on, self.began = True, time.perf_counter()
+            self.on = self.guarded(lambda: self.trainer.comm_profile_start() or True, False)
+            self.began = time.perf_counter()
 
     def after_step(self, step: int) -> None:
         if self.on:
             self.progress.metrics()  # the sampled step is complete
             took = time.perf_counter() - self.began
-            self.result = {axis: s / took for axis, s in self.trainer.comm_profile_stop(step - 1).items()}
+            spent = self.guarded(lambda: self.trainer.comm_profile_stop(step - 1), None)
+            self.result = None if spent is None else {axis: s / took for axis, s in spent.items()}
             self.on, self.progress.busy = False, True  # the trace's cost is not training time: the meter restarts
         elif self.result is not None and (step % self.every == 0 or step == self.steps):
             record = self.progress.record(step)
@@ -130,8 +132,19 @@ class CommShare:
 
     def close(self) -> None:
         if self.on:
-            self.trainer.comm_profile_stop(None)
+            self.guarded(lambda: self.trainer.comm_profile_stop(None), None)
             self.on = False
+
+    def guarded(self, work, failed):
+        """The profiler is for measuring only: one that fails (already tracing, a full /tmp, a cut trace) costs this
+        run's comm_share -- one warning, per process, with no collective waiting on it -- not the run."""
+        try:
+            return work()
+        except Exception as e:  # noqa: BLE001 - any profiler failure
+            print(f"warning: no comm_share this run: the profiler failed ({type(e).__name__}: {str(e)[:120]})",
+                  file=sys.stderr, flush=True)
+            self.sample = None
+            return failed
 
 
 def sample_step(start: int, every: int, eval_every: int, steps: int) -> int | None:

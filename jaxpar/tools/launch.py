@@ -45,7 +45,7 @@ def parse_args(argv):
     p.add_argument("--mesh", help="mesh axes (overrides parallel.mesh); torchpar gets it as parallel.mesh=...")
     p.add_argument("--elastic", metavar="MIN[:MAX]",
                    help="nodes the run may shrink to and grow back to (MAX: --nodes); launches torchrun's agent")
-    p.add_argument("--max-restarts", type=int, default=3, help="--elastic: restarts after failures (default 3)")
+    p.add_argument("--max-restarts", type=int, help="--elastic: restarts after failures (default 3)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return p.parse_intermixed_args(argv)
 
@@ -55,6 +55,8 @@ def check_launch(args) -> str:
     launcher = args.launcher or ("torchrun" if args.elastic else "srun")
     if args.elastic and launcher != "torchrun":
         raise UserError(f"--elastic runs under torchrun's agent, not --launcher {launcher}")
+    if args.max_restarts is not None and not args.elastic:
+        raise UserError("--max-restarts is --elastic's (a fixed-size job restarts by SLURM's --requeue)")
     if launcher not in LAUNCHERS[args.framework]:
         raise UserError(f"--launcher {launcher} is not one for {args.framework}; choose {', '.join(LAUNCHERS[args.framework])}")
     if args.framework == "torchpar" and not args.backend:
@@ -67,7 +69,8 @@ def check_launch(args) -> str:
         raise UserError("--nodes and --gpus-per-node must be at least 1")
     cfg = load_config(args.config, args.overrides)
     mesh = args.mesh or cfg.parallel.mesh
-    for nodes in elastic_nodes(args, mesh) if args.elastic else (args.nodes,):
+    low, high = elastic_nodes(args, mesh) if args.elastic else (args.nodes, args.nodes)
+    for nodes in range(low, high + 1):  # every size the group may take
         try:
             if args.framework == "torchpar":  # the backend and the axes it runs, before the job waits in the queue
                 check_torch_mesh(mesh, args.backend, nodes * args.gpus_per_node)
@@ -112,10 +115,12 @@ def launch_line(args, launcher: str) -> str:
         low, _, high = args.elastic.partition(":")
         return ("export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # each group its own store: a node can join again\n"
                 f"srun --ntasks-per-node=1 --no-kill torchrun --nnodes={low}:{high or args.nodes} "
-                f"--nproc_per_node={args.gpus_per_node} --max-restarts={args.max_restarts} --rdzv_backend=c10d "
+                f"--nproc_per_node={args.gpus_per_node} --max-restarts={args.max_restarts or 3} --rdzv_backend=c10d "
                 f"--rdzv_id=$SLURM_JOB_ID --rdzv_endpoint=$HEAD:$PORT -m {module} {trainer_args(args)}")
     if launcher == "torchrun":  # one torchrun per node; they meet on the first node
-        return ("srun --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun --nnodes=$SLURM_JOB_NUM_NODES "
+        # jaxpar's coordinator takes MASTER_PORT, free with a store per group (else one above, another job's port)
+        store = "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n" if args.framework == "jaxpar" else ""
+        return (store + "srun --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun --nnodes=$SLURM_JOB_NUM_NODES "
                 f"--nproc_per_node={args.gpus_per_node} --rdzv_backend=c10d --rdzv_id=$SLURM_JOB_ID "
                 f"--rdzv_endpoint=$HEAD:$PORT -m {module} {trainer_args(args)}")
     return ('scontrol show hostnames "$SLURM_JOB_NODELIST" | sed "s/$/ slots=' + str(args.gpus_per_node) +

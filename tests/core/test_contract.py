@@ -174,7 +174,7 @@ def data_rows(cfg) -> list:
 
 class RecordingTrainer:
     """The shared loop's view of a trainer, writing down every call it gets."""
-    fault_prefix, process_count, train_data = "NOBODY", 1, None
+    fault_prefix, process_count, train_data, is_main = "NOBODY", 1, None, False
 
     def __init__(self):
         self.calls = []

@@ -42,24 +42,36 @@ class Main:
 
 
 def test_recovery_reports_the_steps_replayed_and_only_after_a_loss(tmp_path, capsys, monkeypatch):
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    first = recovery.Recovery(str(tmp_path), Main(), 0, 20)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    first = recovery.Recovery(str(tmp_path), Main(), 0, 20, every_s=0)
     for step in range(7):  # started step 7, then lost
         first.before_step(step)
         first.after_step(step + 1)
     time.sleep(0.05)
-    again = recovery.Recovery(str(tmp_path), Main(), 4, 20)  # resumed from the checkpoint of step 4
+    again = recovery.Recovery(str(tmp_path), Main(), 4, 20, every_s=0)  # resumed from the checkpoint of step 4
     again.before_step(4)
     (record,) = [json.loads(line) for line in open(tmp_path / recovery.RECOVERIES)]
     assert record["replayed_steps"] == 3 and record["resumed_from"] == 4 and record["recovered_s"] >= 0.05
     assert "recovered in" in capsys.readouterr().out
-    for step in range(4, 20):
+    for step in range(4, 9):  # a clean stop after step 9 (its checkpoint), then a resume there: nothing to report
         again.before_step(step)
         again.after_step(step + 1)
-    again.close()
-    done = recovery.Recovery(str(tmp_path), Main(), 20, 30)  # a finished run continued with more steps: no loss
-    done.before_step(20)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # under torchrun, but no restart and the same processes
+    recovery.Recovery(str(tmp_path), Main(), 9, 20, every_s=0).before_step(9)
     assert sum(1 for _ in open(tmp_path / recovery.RECOVERIES)) == 1
+    Main.process_count = 4  # the same resume on another number of processes: a re-formed group
+    try:
+        recovery.Recovery(str(tmp_path), Main(), 10, 20, every_s=0).before_step(10)
+    finally:
+        Main.process_count = 2
+    assert json.loads(open(tmp_path / recovery.RECOVERIES).readlines()[-1])["processes"] == [2, 4]
+    done = recovery.Recovery(str(tmp_path / "done"), Main(), 0, 1, every_s=0)  # a finished run continued: no loss
+    (tmp_path / "done").mkdir()
+    done.before_step(0)
+    done.after_step(1)
+    done.close()
+    recovery.Recovery(str(tmp_path / "done"), Main(), 1, 30, every_s=0).before_step(1)
+    assert not (tmp_path / "done" / recovery.RECOVERIES).exists()
 
 
 KEYS = ["train.steps=24", "checkpoint.every=4", "train.eval_every=0", "optim.lr=3e-3"]  # no loss spike: see bench_recovery

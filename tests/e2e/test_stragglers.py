@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from jaxpar.core.config import load_config
-from jaxpar.core.stragglers import Stragglers, in_flight_s, paces, sample_step, slowest
+from jaxpar.core.stragglers import CommShare, Stragglers, in_flight_s, paces, sample_step, slowest
 from tests.e2e.test_multiprocess import finish, start_two
 from tests.helpers import ROOT, TINY, metrics, run_cli, tensorboard_scalars, torch_command, torch_env
 
@@ -130,3 +130,25 @@ def test_report_plots_a_runs_slow_process_and_comm_share(tmp_path):
     (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert main(["--run", str(tmp_path / "run"), "--out", str(tmp_path / "plots")]) == 0
     assert {p.name for p in (tmp_path / "plots").iterdir()} == {"stragglers.png", "comm_share.png"}
+
+
+class BrokenProfiler:
+    """comm_profile_start raises, as jax.profiler does when a trace is already running."""
+    process_count, rank = 2, 0
+
+    def comm_axes(self):
+        return ["dp"]
+
+    def comm_profile_start(self):
+        raise RuntimeError("Profile has already been started")
+
+
+def test_a_failing_profiler_costs_the_share_not_the_run(capsys):
+    cfg = load_config(None, TINY + ["train.steps=8", "train.log_every=2"])
+    hook = CommShare(cfg, BrokenProfiler(), Progress(), 0, None)
+    for step in range(8):
+        hook.before_step(step)
+        hook.after_step(step + 1)
+    hook.close()
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")] == [
+        "warning: no comm_share this run: the profiler failed (RuntimeError: Profile has already been started)"]
