@@ -40,6 +40,20 @@ def test_deepspeed_resumes_on_another_number_of_ranks(stage, nproc, base, change
     assert not (run_dir / "checkpoints" / "universal").exists()
 
 
+def test_a_stage_0_checkpoint_resumes_at_stage_1_on_other_ranks_only_refused(base):
+    """Stage 0 keeps one whole optimizer, which DeepSpeed's ZeRO loader takes only on the ranks that wrote it (the
+    transition fuzzer found the crash: seed 2141981325): resumed at stage 1 on 4 ranks, one line and nothing
+    written; at stage 0 on 4 ranks it resumes."""
+    run_dir = base["tmp"] / "ds-stage0"
+    args = ["--backend", "deepspeed", *base["args"], f"checkpoint.every={STOP}", f"run.dir={run_dir}"]
+    run(args, nproc=2, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP=str(STOP))
+    out = run(args + ["parallel.zero_stage=1"], nproc=4, expect_rc="nonzero")
+    errors = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("error:")]
+    assert errors and all("written at ZeRO stage 0 by 2 ranks" in e for e in errors), out.stderr[-3000:]
+    assert sorted(metrics(run_dir)) == list(range(1, STOP + 1))  # nothing trained or saved by the refused run
+    assert "resumed from" in run(args, nproc=4).stderr
+
+
 def test_deepspeed_loss_scaler_takes_its_rules_from_the_config(base):
     """float16: DeepSpeed unpickles the saved loss scaler whole; its scale and counters resume, its rules are the
     config's. optim.loss_scale_growth_interval 1000 -> 1 on resume: the scale doubles after every clean step from

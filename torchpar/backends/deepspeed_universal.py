@@ -39,6 +39,8 @@ def universal_source(cfg, env) -> str | None:
     """The universal folder to resume from when the ranks changed (converted here on rank 0), else None."""
     ckpt_dir = os.path.abspath(os.path.join(cfg.run.dir, "checkpoints"))
     saved = saved_ranks(ckpt_dir) if cfg.checkpoint.resume else None
+    if saved is None and cfg.checkpoint.resume:
+        refuse_unpartitioned(ckpt_dir, cfg.parallel.zero_stage, env.world)
     if saved is None or saved[1] == env.world:
         return None
     tag, ranks = saved
@@ -51,6 +53,26 @@ def universal_source(cfg, env) -> str | None:
     if dist.any_rank(bool(failure), env):  # every rank stops, none waits at a barrier for the others
         raise UserError(failure or "deepspeed: rank 0 could not convert the checkpoint to the universal format")
     return out
+
+
+def refuse_unpartitioned(ckpt_dir: str, stage: int, world: int) -> None:
+    """A stage-0 checkpoint holds one whole optimizer (no partitions for ds_to_universal to merge), and DeepSpeed's
+    ZeRO loader takes it only on the number of ranks that wrote it: at stages 1-3 on another number, one line."""
+    try:
+        with open(os.path.join(ckpt_dir, "latest")) as f:
+            tag = f.read().strip()
+    except OSError:
+        return
+    path = os.path.join(ckpt_dir, tag, "mp_rank_00_model_states.pt")
+    if stage == 0 or not os.path.exists(path):
+        return
+    import torch
+
+    written = torch.load(path, map_location="cpu", weights_only=False).get("dp_world_size", world)
+    if written != world:
+        raise UserError(f"deepspeed: the checkpoint of step {tag} was written at ZeRO stage 0 by {written} ranks, and "
+                        f"DeepSpeed loads it at stage {stage} only on {written}: resume on {written} ranks, or at "
+                        f"parallel.zero_stage=0 on {world} (whose next checkpoint loads at any stage there)")
 
 
 def convert(src: str, dst: str) -> str:
