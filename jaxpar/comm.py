@@ -16,31 +16,19 @@ import shutil
 import tempfile
 
 import jax
-import numpy as np
 
 from jaxpar.core.stragglers import in_flight_s
-from jaxpar.hlo_collectives import parse
+from jaxpar.hlo_collectives import group_axes, parse
 
 
 def collective_axes(hlo_text: str, mesh) -> dict[str, str]:
     """{instruction name: axis name} for every collective of a compiled program over more than one device."""
     out = {}
     for c in parse(hlo_text, mesh.devices.size):
-        axes = moved_axes(c.groups, mesh.devices.shape, mesh.axis_names)
+        axes = group_axes(c.groups, mesh)
         if axes:
             out[c.name] = "_".join(axes)
     return out
-
-
-def moved_axes(groups: list[list[int]], shape: tuple[int, ...], names) -> tuple[str, ...]:
-    """The mesh axes along which a collective's groups (or a permute's source-target pairs) differ. The ids are
-    positions in the program's device assignment -- the mesh's devices in order -- not device ids (which differ
-    from positions across processes)."""
-    varies = set()
-    for group in groups:
-        coords = [np.unravel_index(i, shape) for i in group if i < int(np.prod(shape))]
-        varies |= {k for k in range(len(shape)) if len({c[k] for c in coords}) > 1}
-    return tuple(a for k, a in enumerate(names) if k in varies)
 
 
 class CommTrace:

@@ -137,7 +137,11 @@ def parse(hlo_text: str, n_devices: int) -> list[Collective]:
 
 
 def group_axes(groups: list[list[int]], mesh) -> tuple[str, ...]:
-    """The mesh axes a collective's first group spans (device ids -> mesh coordinates)."""
-    coords = {int(d.id): idx for idx, d in np.ndenumerate(mesh.devices)}
-    members = [coords[i] for i in groups[0] if i in coords]
-    return tuple(a for k, a in enumerate(mesh.axis_names) if len({c[k] for c in members}) > 1)
+    """The mesh axes along which a collective's groups (or a permute's source-target pairs) differ. The ids are
+    positions in the program's device assignment -- the mesh's devices in order -- not device ids (which differ
+    from positions across processes, and need not be in order on one)."""
+    shape, varies = mesh.devices.shape, set()
+    for group in groups:
+        coords = [np.unravel_index(i, shape) for i in group if i < mesh.devices.size]
+        varies |= {k for k in range(len(shape)) if len({c[k] for c in coords}) > 1}
+    return tuple(a for k, a in enumerate(mesh.axis_names) if k in varies)
