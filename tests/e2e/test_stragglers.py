@@ -33,7 +33,7 @@ def test_pace_is_step_time_less_the_waiting_beyond_the_least():
 
 
 class Gathered:
-    """A trainer of two processes whose gathered rows are given: process 1 waited nothing, process 0 0.4 s/step."""
+    """Process 0 of two: its row is what the hook measured; process 1 waited nothing at 0.5 s per step."""
     process_count, rank = 2, 0
 
     def sync_wait_s(self):
@@ -43,11 +43,12 @@ class Gathered:
         return None
 
     def gather(self, values):
-        return [[0.5, 0.0, 0.4, float("nan")], [0.5, 0.0, 0.0, float("nan")]]
+        return [values, [0.5, 0.0, 0.0, float("nan")]]
 
 
 class Progress:
-    current, blocked, blocked_mark, synced = None, 0.0, 0.0, 0.0
+    """0.4 s spent in the step and reading its metrics since the meter started (step 0), all of it waiting."""
+    current, blocked, blocked_mark, synced = None, 0.4, 0.0, 0.0
 
     class meter:
         step = 0
@@ -67,8 +68,9 @@ class Lines:
 
 @pytest.mark.parametrize("threshold,named_lines", [(0.2, 1), (0.7, 0)])
 def test_the_threshold_decides_who_is_named(threshold, named_lines):
-    """Paces 0.1 and 0.5 s: the slow one is 1.67x the median, named above a 20% threshold (on the second record in
-    a row: one alone may be noise), not above 70%."""
+    """Process 0 waited 0.4 s in one step: paces 0.1 and 0.5 s, the slow one 1.67x the median; at the next record
+    (0.2 s a step over two) 1.25x: named above a 20% threshold (on the second record in a row: one alone may be
+    noise), not above 70%."""
     cfg = load_config(None, TINY + [f"train.straggler_threshold={threshold}"])
     progress, log = Progress(), Lines()
     hook = Stragglers(cfg, Gathered(), log, progress)
