@@ -18,6 +18,8 @@ import argparse
 import shlex
 import sys
 
+from jaxpar.checks import check_layout
+from jaxpar.core.batch_shapes import for_each_shape
 from jaxpar.core.config import load_config
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.mesh_spec import check_torch_mesh, parse_mesh, resolve_sizes
@@ -74,8 +76,9 @@ def check_launch(args) -> str:
         try:
             if args.framework == "torchpar":  # the backend and the axes it runs, before the job waits in the queue
                 check_torch_mesh(mesh, args.backend, nodes * args.gpus_per_node)
-            elif mesh:
-                resolve_sizes(parse_mesh(mesh), nodes * args.gpus_per_node)
+            else:  # the divisibility the layout needs (heads, batch per data way, sequence) at this size
+                sizes = resolve_sizes(parse_mesh(mesh or "dp=-1"), nodes * args.gpus_per_node)
+                for_each_shape(cfg, lambda at: check_layout(at, sizes))
         except UserError as e:
             raise UserError(f"--elastic {args.elastic}, on {nodes} node(s): {e}" if args.elastic else str(e)) from None
     return launcher

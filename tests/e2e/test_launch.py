@@ -67,8 +67,11 @@ def test_script_parses_and_launches_each_framework(extra, tasks, line, capsys, t
     (["--elastic", "x"], "expected MIN or MIN:MAX nodes"),
     (["--elastic", "1", "--launcher", "srun"], "--elastic runs under torchrun's agent"),
     (["--max-restarts", "5"], "--max-restarts is --elastic's"),
-    (["--elastic", "2:4", "--nodes", "4", "--mesh", "dp=-1,tp=8"],  # 2 and 4 nodes of 4 GPUs fit; 3 do not
-     "--elastic 2:4, on 3 node(s): mesh dp=-1,tp=8: 12 devices are not divisible by 8"),
+    (["--elastic", "1", "--mesh", "dp=-1", "train.global_batch_size=12"],  # 12 rows: 4 data ways fit, 8 do not
+     "--elastic 1, on 2 node(s): batch per microbatch 12 (train.global_batch_size=12 / train.microbatches=1) is not "
+     "divisible by the data axes dp*fsdp*ep=8"),
+    (["--elastic", "2:4", "--nodes", "4", "--mesh", "dp=-1,fsdp=8"],  # 2 and 4 nodes of 4 GPUs fit; 3 do not
+     "--elastic 2:4, on 3 node(s): mesh dp=-1,fsdp=8: 12 devices are not divisible by 8"),
     (["--elastic", "1", "--gpus-per-node", "2", "--mesh", "dp=-1,tp=4"],
      "--elastic 1, on 1 node(s): mesh dp=-1,tp=4: 2 devices are not divisible by 4"),
 ])
