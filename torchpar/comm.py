@@ -8,8 +8,10 @@ on dp -- the first of these with more than one rank, else the backend's one axis
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import tempfile
 
 import torch
@@ -43,6 +45,21 @@ def kind_axis(name: str, sizes: dict[str, int]) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def kineto_quiet():
+    """Kineto writes a line to fd 2 at every profiler start and stop ('USDT: ... profiler_start') whatever its log
+    level: not for the console. Python's own stderr is flushed first and restored after."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
 class CommTrace:
     """torch.profiler around one step; its chrome trace read back."""
 
@@ -52,13 +69,15 @@ class CommTrace:
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.profiler = torch.profiler.profile(activities=activities)
-        self.profiler.start()
+        with kineto_quiet():
+            self.profiler.start()
 
     def stop(self, sizes: dict[str, int] | None) -> dict[str, float]:
         """Seconds the step's collectives were in flight per axis (`sizes` None: stop and discard)."""
         if self.cuda:
             torch.cuda.synchronize()
-        self.profiler.stop()
+        with kineto_quiet():
+            self.profiler.stop()
         if sizes is None:
             return {}
         fd, path = tempfile.mkstemp(prefix="torchpar-comm-", suffix=".json")

@@ -154,3 +154,14 @@ def test_a_failing_profiler_costs_the_share_not_the_run(capsys):
     hook.close()
     assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")] == [
         "warning: no comm_share this run: the profiler failed (RuntimeError: Profile has already been started)"]
+
+
+def test_torchs_profiler_stays_off_the_console(capfd):
+    import torch
+
+    from torchpar.comm import CommTrace
+
+    trace = CommTrace(torch.device("cpu"))
+    torch.ones(3).sum()
+    assert trace.stop({"dp": 2}) == {}
+    assert "profiler_start" not in capfd.readouterr().err
