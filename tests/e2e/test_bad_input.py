@@ -99,7 +99,8 @@ def test_resume_refuses_another_model_shape_and_allows_other_changes(dataset, tm
     r = run_cli(tmp_path, dataset, "train.steps=4", "model.d_model=64", timeout=60)
     assert_one_line_error(r, "model.d_model: 32 -> 64")
     assert {p: os.path.getmtime(p) for p in before} == before
-    assert sorted(os.listdir(tmp_path)) == ["checkpoints", "config.json", "lock", "metrics.jsonl"]  # the first run's lock
+    assert sorted(os.listdir(tmp_path)) == ["checkpoints", "config.json", "lock", "metrics.jsonl",
+                                            "progress.json"]  # the first run's files, nothing new
     r = run_cli(tmp_path, dataset, "train.steps=4", "optim.lr=0.005")
     assert r.returncode == 0, r.stderr
     assert "resuming with train.steps changed: 2 -> 4" in r.stdout and "optim.lr changed: 0.01 -> 0.005" in r.stdout
