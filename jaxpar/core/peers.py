@@ -21,9 +21,7 @@ from jaxpar.core.errors import UserError
 
 LOST_PEER_EXIT = 3
 STORE_LINGER_S = 2.0  # how much longer the process hosting the launcher's store stays (leave_if_peers_lost)
-
-
-ELASTIC_ROLL_CALL_S = 5.0
+ELASTIC_ROLL_CALL_S = 5.0  # the roll call under an elastic agent with restarts left (roll_call_wait_s)
 
 
 def under_elastic_agent() -> bool:

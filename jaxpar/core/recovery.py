@@ -39,7 +39,7 @@ def write_progress(run_dir: str, note: dict) -> None:
 
 
 class Recovery(Hook):
-    """Notes progress on the main process; reports the recovery after the first step of a restarted run."""
+    """Notes progress on the main process; reports the recovery as the first step of a restarted run starts."""
 
     def __init__(self, run_dir: str, trainer, start: int, steps: int, every_s: float = 1.0):
         self.run_dir, self.start, self.steps, self.processes = run_dir, start, steps, trainer.process_count
