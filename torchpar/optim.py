@@ -8,7 +8,11 @@ state is its position alone.
 """
 from __future__ import annotations
 
+import logging
+from collections import defaultdict
+
 import torch
+import torch.nn.functional as F
 from torch.optim.lr_scheduler import LRScheduler
 
 from jaxpar.core import muon
@@ -45,28 +49,46 @@ def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer
     return torch.optim.AdamW(param_groups(model, o.weight_decay), **kwargs)
 
 
-def orthogonalize(x: torch.Tensor, axes, steps: int) -> torch.Tensor:
-    """jaxpar/core/muon.py's NS_k on every matrix of `x` (its other axes batch axes), float32: jaxpar/optim.py's."""
+def as_matrices(x: torch.Tensor, axes) -> torch.Tensor:
+    """`x` as its matrices [B, fan_in, fan_out]: the (reduction, output) axes made one matrix, every other axis a
+    batch axis (jaxpar/core/muon.py)."""
+    order = _order(x.ndim, axes)
+    return x.permute(order).reshape(-1 if x.numel() else 0, *muon.fans(x.shape, axes))
+
+
+def from_matrices(y: torch.Tensor, shape, axes) -> torch.Tensor:
+    """as_matrices undone: [B, fan_in, fan_out] back to a tensor of `shape`."""
+    order = _order(len(shape), axes)
+    return y.reshape([shape[a] for a in order]).permute([order.index(a) for a in range(len(shape))])
+
+
+def _order(ndim: int, axes) -> tuple[int, ...]:
     reduction, output = axes
-    batch = tuple(a for a in range(x.ndim) if a not in reduction + output)
-    order = batch + reduction + output
-    fan_in, fan_out = muon.fans(x.shape, axes)
-    y = x.permute(order).reshape(*(x.shape[a] for a in batch), fan_in, fan_out)
-    wide = fan_in <= fan_out
+    return tuple(a for a in range(ndim) if a not in reduction + output) + reduction + output
+
+
+def newton_schulz(y: torch.Tensor, steps: int) -> torch.Tensor:
+    """jaxpar/core/muon.py's NS_k on each matrix of y [B, fan_in, fan_out], float32: jaxpar/optim.py's."""
+    wide = y.shape[-2] <= y.shape[-1]  # iterate on X X^T of the smaller side (torch.optim.Muon's orientation)
     y = y if wide else y.mT
     y = y / torch.linalg.vector_norm(y, dim=(-2, -1), keepdim=True).clamp_min(muon.EPS)
     a, b, c = muon.COEFFS
     for _ in range(steps):
         gram = y @ y.mT
         y = a * y + (b * gram + c * gram @ gram) @ y
-    y = y if wide else y.mT
-    return y.reshape([x.shape[a] for a in order]).permute([order.index(a) for a in range(x.ndim)])
+    return y if wide else y.mT
+
+
+def orthogonalize(x: torch.Tensor, axes, steps: int) -> torch.Tensor:
+    """NS_k on every matrix of `x` (its other axes batch axes), each on its own."""
+    return from_matrices(newton_schulz(as_matrices(x, axes), steps), x.shape, axes)
 
 
 class MuonAdamW(torch.optim.AdamW):
     """Muon on the groups marked "muon", AdamW's own step on the others: one optimizer (one state dict, one DCP
     checkpoint), and the AdamW parameters stepped exactly as under optim.name=adamw. The momentum is kept as the
-    parameter is (an FSDP2 shard); Newton-Schulz reads the whole matrix (gathered), each rank keeps its shard."""
+    parameter is (an FSDP2 shard); under FSDP2 each rank runs Newton-Schulz on a share of the whole matrices
+    (`orthogonalized`)."""
 
     def __init__(self, groups: list[dict], axes: dict, cfg: Config, **kwargs):
         super().__init__(groups, **kwargs)
@@ -87,24 +109,97 @@ class MuonAdamW(torch.optim.AdamW):
 
     def _muon_step(self, group: dict) -> None:
         o = self.cfg.optim
-        m, lr, decay = o.muon_momentum, group["lr"], group["weight_decay"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if "momentum_buffer" not in state:  # and a step count, as AdamW's state (its load reads every "step")
-                state["step"], state["momentum_buffer"] = torch.tensor(0.0), torch.zeros_like(p.grad)
-            state["step"] += 1
-            buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - m)
-            update = _whole(p.grad.lerp(buf, m))  # Nesterov
-            ortho = _like(p, orthogonalize(update, self.axes[p], o.muon_ns_steps))
+        lr, decay = group["lr"], group["weight_decay"]
+        params = [p for p in group["params"] if p.grad is not None]
+        updates = [self._nesterov(p, o.muon_momentum) for p in params]
+        for p, ortho in zip(params, orthogonalized(updates, [self.axes[p] for p in params], o.muon_ns_steps)):
             p.mul_(1 - lr * decay)
             p.add_(ortho, alpha=-lr * muon.lr_scale(o.muon_lr_rule, *muon.fans(p.shape, self.axes[p])))
 
+    def _nesterov(self, p: torch.Tensor, m: float) -> torch.Tensor:
+        """The momentum updated with p's gradient, and the Nesterov update from it (laid out as p is)."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:  # and a step count, as AdamW's state (its load reads every "step")
+            state["step"], state["momentum_buffer"] = torch.tensor(0.0), torch.zeros_like(p.grad)
+        state["step"] += 1
+        state["momentum_buffer"].lerp_(p.grad, 1 - m)
+        return p.grad.lerp(state["momentum_buffer"], m)
+
+
+def orthogonalized(updates: list, axes: list, steps: int) -> list:
+    """Each update's NS_k, laid out as the update is. FSDP2's shards (a band of rows of every matrix on each rank)
+    of the same matrix shape are stacked, padded with zero matrices to a multiple of the ranks and moved by
+    DTensor's redistribute to whole matrices, a share on each rank (an all-to-all; on gloo torch all-gathers and
+    keeps its chunk), and the result back the same way: each rank iterates on 1/ranks of the matrices rather than
+    on all of them. A shard of whole matrices (experts: Shard(0) on a batch axis) is iterated where it is; a tensor
+    FSDP2 did not shard, or any other layout, whole on every rank."""
+    out, groups = [None] * len(updates), defaultdict(list)
+    for i, (u, a) in enumerate(zip(updates, axes)):
+        how = _sharding(u, a)
+        if how == "rows":
+            groups[(_band(u, a), muon.fans(u.shape, a), u.device_mesh, tuple(u.placements))].append(i)
+        elif how == "matrices":
+            out[i] = _local_like(u, orthogonalize(u.to_local(), a, steps))
+        else:
+            out[i] = _like(u, orthogonalize(_whole(u), a, steps))
+    for members in groups.values():
+        for i, o in zip(members, _spread([updates[i] for i in members], [axes[i] for i in members], steps)):
+            out[i] = o
+    return out
+
+
+def _sharding(u: torch.Tensor, axes) -> str | None:
+    """"rows" where u is FSDP2's Shard(0) on the first reduction axis (replicated on any other mesh axis: HSDP),
+    "matrices" where dim 0 is a batch axis, None for any other tensor."""
+    from torch.distributed.tensor import Shard
+
+    placements = getattr(u, "placements", ())
+    if [p for p in placements if not p.is_replicate()] != [Shard(0)]:
+        return None
+    return "rows" if 0 in axes[0] else None if 0 in axes[1] else "matrices"
+
+
+def _band(u, axes) -> int:
+    """Rows of its matrices each rank holds, padded as FSDP2 pads: ceil(dim 0 / shards) x the rest of fan_in."""
+    shards = u.device_mesh.size(next(i for i, p in enumerate(u.placements) if not p.is_replicate()))
+    return -(-u.shape[0] // shards) * (muon.fans(u.shape, axes)[0] // u.shape[0])
+
+
+# gloo has no all-to-all: DTensor all-gathers and keeps its chunk instead, and says so once per rank. Expected on
+# the CPU (orthogonalized, docs/torchpar.md), so kept off the console
+logging.getLogger("torch.distributed.tensor._collective_utils").addFilter(
+    lambda record: "does not support alltoall" not in record.getMessage())
+
+
+def _spread(updates: list, axes: list, steps: int) -> list:
+    """NS_k of row-sharded updates of one matrix shape and band: each rank a share of their matrices (see
+    orthogonalized). Zero rows pad each band and zero matrices the count: Newton-Schulz keeps both zero, and the
+    padding is dropped before it runs, so every matrix is iterated at its own shape."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh, band, fan_in = updates[0].device_mesh, _band(updates[0], axes[0]), muon.fans(updates[0].shape, axes[0])[0]
+    bands = [as_matrices(u.to_local(), a) for u, a in zip(updates, axes)]
+    stack = torch.cat([F.pad(b, (0, 0, 0, band - b.shape[1])) for b in bands])
+    n = stack.shape[0]
+    stack = F.pad(stack, (0, 0, 0, 0, 0, -n % mesh.size()))
+    rows = [Replicate() if p.is_replicate() else Shard(1) for p in updates[0].placements]
+    whole = [Shard(0)] * mesh.ndim  # the matrices dealt out over every mesh axis
+    mine = DTensor.from_local(stack, mesh, rows, run_check=False).redistribute(mesh, whole).to_local()
+    done = F.pad(newton_schulz(mine[:, :fan_in], steps), (0, 0, 0, mine.shape[1] - fan_in))
+    back = DTensor.from_local(done, mesh, whole, run_check=False).redistribute(mesh, rows).to_local()[:n]
+    pieces = back.split([b.shape[0] for b in bands])
+    return [_local_like(u, from_matrices(piece[:, :b.shape[1]], u.to_local().shape, a))
+            for u, a, b, piece in zip(updates, axes, bands, pieces)]
+
+
+def _local_like(u, local: torch.Tensor):
+    """`local` as this rank's share of a DTensor laid out as u."""
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(local, u.device_mesh, u.placements, run_check=False, shape=u.shape, stride=u.stride())
+
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
-    """A sharded tensor (FSDP2's DTensor) gathered whole on every rank; a plain one as it is."""
+    """A sharded tensor (a DTensor) gathered whole on every rank; a plain one as it is."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
