@@ -9,7 +9,8 @@ Formats:
           starts from: `jaxpar.train --config DST/config.json [data/train overrides]` (the model keys
           must stay; data and batch keys may change until the run has trained)
   state   the shared training-state file (jaxpar/core/state_file.py): the whole training state (parameters,
-          Adam's moments and count, the step, the loss scaler, the config), to or from any run format
+          Adam's moments and count -- with optim.name=muon Muon's momentum and count too --, the step, the loss
+          scaler, the config), to or from any run format
   torchpar  a torchpar run directory (DCP or DeepSpeed checkpoints), its whole state; as a target, a DCP run
   deepspeed (target only) a DeepSpeed run of one rank (--zero-stage S, default the source config's), which
           `torchpar.train --backend deepspeed` resumes on any number of ranks

@@ -2,14 +2,15 @@
    (or --from torchpar RUN --to state FILE)
 
 A torchpar run's whole training state <-> the shared training-state file (jaxpar/core/state_file.py), which
-jaxpar reads and writes too (python -m jaxpar.tools.convert): parameters, AdamW's moments and step count, the
-step (the data cursor) and the config. Import writes RUN/config.json and a DCP checkpoint at that step from one
-process; `torchpar.train --config RUN/config.json --backend ...` goes on from it on any DCP backend and number of
-ranks (DCP reshards). `--to deepspeed RUN` writes a DeepSpeed checkpoint instead (one rank, the ZeRO stage of
-the state's config, or --zero-stage): `torchpar.train --backend deepspeed` goes on from it on any number of ranks
-(through DeepSpeed's universal checkpoint, torchpar/backends/deepspeed_universal.py). Export reads DeepSpeed runs too
-(any ZeRO stage and number of ranks). float16 DeepSpeed runs are refused both ways: DeepSpeed's loss scaler counts
-its growth window differently from the shared one (`loss_scale` in the state file).
+jaxpar reads and writes too (python -m jaxpar.tools.convert): parameters, AdamW's moments and step count (and with
+optim.name=muon Muon's momentum and count, torchpar/optim.py's MuonAdamW), the step (the data cursor) and the
+config. Import writes RUN/config.json and a DCP checkpoint at that step from one process; `torchpar.train --config
+RUN/config.json --backend ...` goes on from it on any DCP backend and number of ranks (DCP reshards). `--to deepspeed
+RUN` writes a DeepSpeed checkpoint instead (one rank, the ZeRO stage of the state's config, or --zero-stage; AdamW's
+state only): `torchpar.train --backend deepspeed` goes on from it on any number of ranks (through DeepSpeed's
+universal checkpoint, torchpar/backends/deepspeed_universal.py). Export reads DeepSpeed runs too (any ZeRO stage and
+number of ranks). float16 DeepSpeed runs are refused both ways: DeepSpeed's loss scaler counts its growth window
+differently from the shared one (`loss_scale` in the state file).
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ import torch
 
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.resume import read_run_config
-from jaxpar.core.state_file import (refuse_other_optimizer, save_state, state_for_run, state_meta, write_moved_config,
-                                    writing_run)
+from jaxpar.core.state_file import (first_moments, refuse_other_optimizer, save_state, state_for_run, state_meta,
+                                    write_moved_config, writing_run)
 from torchpar import dist
 from torchpar.backends import none
 from torchpar.models.decoder import Decoder
@@ -38,10 +39,13 @@ def import_state(src: str, run_dir: str) -> int:
     engine = _engine(cfg)
     n = cfg.model.n_layer
     engine.raw.load_state_dict(from_shared(tensors["param"], n))
-    m, v = from_shared(tensors["adam_m"], n), from_shared(tensors["adam_v"], n)
-    for name, p in engine.raw.named_parameters():  # torch's AdamW state: the same moments, the same count
-        engine.optimizer.state[p] = {"step": torch.tensor(float(meta["adam_step"])), "exp_avg": m[name],
-                                     "exp_avg_sq": v[name]}
+    m, v = from_shared({**tensors["adam_m"], **tensors.get("muon_m", {})}, n), from_shared(tensors["adam_v"], n)
+    for name, p in engine.raw.named_parameters():  # torch's AdamW and Muon states: the same moments and counts
+        if name in v:  # AdamW's
+            state = {"step": meta["adam_step"], "exp_avg": m[name], "exp_avg_sq": v[name]}
+        else:  # one of Muon's matrices (optim.name=muon)
+            state = {"step": meta["muon_step"], "momentum_buffer": m[name]}
+        engine.optimizer.state[p] = {**state, "step": torch.tensor(float(state["step"]))}
     if engine.scaler is not None and "loss_scale" in meta:  # float16: GradScaler's scale and growth count
         ls = meta["loss_scale"]
         engine.scaler.load_state_dict({**engine.scaler.state_dict(), "scale": ls["scale"],
@@ -66,6 +70,9 @@ def import_deepspeed(src: str, run_dir: str, zero_stage: int | None) -> int:
 
     tensors, meta, cfg = state_for_run(src, run_dir)
     _refuse_float16(cfg, "import into")
+    if cfg.optim.name != "adamw":
+        raise UserError(f"{src} holds the state of optim.name={cfg.optim.name}, and DeepSpeed builds its own AdamW: "
+                        "convert it --to torchpar (a run for --backend none, ddp, fsdp or pipeline) or to jaxpar")
     if zero_stage is not None:
         cfg.parallel.zero_stage = zero_stage
     model, n = Decoder(cfg.model), cfg.model.n_layer
@@ -177,16 +184,17 @@ def export_state(run_dir: str, dst: str) -> int:
     meta = engine.checkpointer.restore()
     if meta is None:
         raise UserError(f"no checkpoint in {run_dir}/checkpoints")
-    params = dict(engine.raw.named_parameters())
-    state = {name: engine.optimizer.state[p] for name, p in params.items()}
-    moments = {k: to_shared({name: s[k] for name, s in state.items()}, cfg.model.n_layer)
-               for k in ("exp_avg", "exp_avg_sq")}
+    n, state = cfg.model.n_layer, {name: engine.optimizer.state[p] for name, p in engine.raw.named_parameters()}
+    adam = {name: s for name, s in state.items() if "exp_avg" in s}
+    muon = {name: s for name, s in state.items() if "momentum_buffer" in s}  # Muon's matrices (optim.name=muon)
+    first = to_shared({name: s["exp_avg"] if name in adam else s["momentum_buffer"] for name, s in state.items()}, n)
     scaler = meta.get("grad_scaler")  # float16
     loss_scale = None if scaler is None else {"scale": scaler["scale"], "good_steps": scaler["_growth_tracker"],
                                               "skipped": meta["skipped_steps"]}
-    save_state(dst, {"param": to_shared(engine.raw.state_dict(), cfg.model.n_layer), "adam_m": moments["exp_avg"],
-                     "adam_v": moments["exp_avg_sq"]},
-               state_meta(cfg, meta["data_step"], next(iter(state.values()))["step"], run_dir, loss_scale))
+    tensors = {"param": to_shared(engine.raw.state_dict(), n), **first_moments(first, cfg.optim.name),
+               "adam_v": to_shared({name: s["exp_avg_sq"] for name, s in adam.items()}, n)}
+    save_state(dst, tensors, state_meta(cfg, meta["data_step"], next(iter(adam.values()))["step"], run_dir,
+                                        loss_scale, next(iter(muon.values()))["step"] if muon else None))
     return int(meta["data_step"])
 
 
