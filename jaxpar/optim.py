@@ -1,5 +1,6 @@
 """optax AdamW: global-norm clipping, weight decay by the shared rule, the shared warmup + cosine; with
-optim.name=muon, Muon (jaxpar/core/muon.py) on the hidden matrices and that AdamW on the rest (optax.partition).
+optim.name=muon, Muon (jaxpar/core/muon.py) on the hidden matrices and that AdamW on the rest (optax.partition);
+with optim.name=adamw8bit, AdamW whose moments are held in 8 bits (jaxpar/core/adamw8bit.py: optax has none).
 
 Every hyperparameter is a closure over the config, none is in the optimizer state (counts and moments only), so a
 resumed run takes its optim.* and train.steps from the config it runs with. The state has one structure whether
@@ -17,7 +18,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.context import current, tracing_mesh
-from jaxpar.core import muon
+from jaxpar.core import adamw8bit, muon
 from jaxpar.core.config import Config
 from jaxpar.core.lr_schedule import decays, lr_at
 
@@ -35,6 +36,8 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     o = cfg.optim
     mask = lambda params: jax.tree_util.tree_map_with_path(lambda p, _: decays(_name(p)), params)  # noqa: E731
     adamw = optax.adamw(lr_fn(cfg), b1=o.beta1, b2=o.beta2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
+    if o.name == "adamw8bit":
+        adamw = scale_by_adamw8bit(cfg)
     if o.name == "muon":
         labels = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
             lambda p, _: "muon" if muon.stacked_axes(_name(p)) else "adamw", params)
@@ -104,6 +107,81 @@ def scale_by_muon(cfg: Config) -> optax.GradientTransformation:
 
         updates = jax.tree_util.tree_map_with_path(step, grads, mu, params)
         return updates, MuonState(optax.safe_increment(state.count), mu)
+
+    return optax.GradientTransformation(init, update)
+
+
+class AdamW8bitState(NamedTuple):
+    count: jax.Array  # updates so far (the schedule's step)
+    mu: optax.Updates  # per parameter: its first moment's 8-bit codes, or the float32 moment (a small tensor)
+    nu: optax.Updates  # the second moment's likewise
+    mu_scale: optax.Updates  # per parameter: its blocks' scales [numel / BLOCK] (float32 moments: a 0 stands in,
+    # as orbax keeps no empty arrays)
+    nu_scale: optax.Updates
+
+
+_QMAP = {signed: adamw8bit.dynamic_map(signed) for signed in (True, False)}
+
+
+def _holds_codes(path, p) -> bool:
+    """adamw8bit.quantized on one layer's tensor: a stacked parameter's leading axis is its layers."""
+    stacked = _name(path).startswith(muon.STACKS)
+    return adamw8bit.quantized(p.size // p.shape[0] if stacked else p.size)
+
+
+def quantize(x: jax.Array, signed: bool) -> tuple[jax.Array, jax.Array]:
+    """x -> (uint8 codes shaped as x, float32 scale per block): jaxpar/core/adamw8bit.py's q, with torchao's
+    branch-free search for the largest code at or below each value, then a step up past the midpoint."""
+    qmap = jnp.asarray(_QMAP[signed])
+    blocks = x.reshape(-1, adamw8bit.BLOCK)
+    scale = jnp.maximum(jnp.abs(blocks).max(axis=1), 1e-12)
+    y = blocks / scale[:, None]
+    code = jnp.zeros(y.shape, jnp.int32)
+    for bit in (128, 64, 32, 16, 8, 4, 2, 1):
+        code = code + jnp.where(y >= qmap[code + bit], bit, 0)
+    up = jnp.minimum(code + 1, 255)
+    code = jnp.where(y - qmap[code] >= (qmap[up] - qmap[code]) * 0.5, up, code)
+    return code.astype(jnp.uint8).reshape(x.shape), scale
+
+
+def dequantize(codes: jax.Array, scale: jax.Array, signed: bool) -> jax.Array:
+    values = jnp.asarray(_QMAP[signed])[codes.astype(jnp.int32)]
+    return (values.reshape(-1, adamw8bit.BLOCK) * scale[:, None]).reshape(codes.shape)
+
+
+def _stored(moments, scales, signed: bool):
+    """The float32 moments as kept: (codes, scales) trees, a small tensor's moment as it is."""
+    pairs = jax.tree.map(lambda x, s: quantize(x, signed) if s.ndim else (x, s), moments, scales)
+    return jax.tree.transpose(jax.tree.structure(moments), jax.tree.structure((0, 0)), pairs)
+
+
+def scale_by_adamw8bit(cfg: Config) -> optax.GradientTransformation:
+    """The whole 8-bit AdamW update (jaxpar/core/adamw8bit.py), the learning rate and weight decay included."""
+    o, lr = cfg.optim, lr_fn(cfg)
+
+    def init(params):
+        codes = lambda p, x: jnp.zeros(x.shape, jnp.uint8) if _holds_codes(p, x) else jnp.zeros_like(x)  # noqa: E731
+        scale = lambda p, x: jnp.zeros(x.size // adamw8bit.BLOCK if _holds_codes(p, x) else ())  # noqa: E731
+        mu, mu_scale = (jax.tree_util.tree_map_with_path(f, params) for f in (codes, scale))
+        return AdamW8bitState(jnp.zeros((), jnp.int32), mu, mu, mu_scale, mu_scale)
+
+    def update(grads, state, params):
+        count = optax.safe_increment(state.count)
+        t = count.astype(jnp.float32)
+        bc1, bc2 = 1 - o.beta1 ** t, 1 - o.beta2 ** t
+        read = lambda x, scale, signed: dequantize(x, scale, signed) if x.dtype == jnp.uint8 else x  # noqa: E731
+        m = jax.tree.map(lambda x, s, g: _lerp(read(x, s, True), g, 1 - o.beta1), state.mu, state.mu_scale, grads)
+        v = jax.tree.map(lambda x, s, g: _lerp(read(x, s, False), g * g, 1 - o.beta2), state.nu, state.nu_scale,
+                         grads)
+
+        def step(path, m, v, w):
+            decay = o.weight_decay if decays(_name(path)) else 0.0
+            return -lr(state.count) * (decay * w) - lr(state.count) * (m / bc1) / (jnp.sqrt(v) / jnp.sqrt(bc2) + o.eps)
+
+        mu, mu_scale = _stored(m, state.mu_scale, True)
+        nu, nu_scale = _stored(v, state.nu_scale, False)
+        updates = jax.tree_util.tree_map_with_path(step, m, v, params)
+        return updates, AdamW8bitState(count, mu, nu, mu_scale, nu_scale)
 
     return optax.GradientTransformation(init, update)
 

@@ -24,6 +24,7 @@ BASE = ("model.n_layer=2", "model.n_head=4", "model.d_model=32", "model.max_seq_
 TORCH_SHARE = 0.25  # torchpar cases are subprocesses (seconds to start): drawn less often
 EXPERT_SHARE = 0.2  # cases with a mixture of experts (jaxpar: with ep in the mesh now and then)
 MUON_SHARE = 0.2  # cases with optim.name=muon
+EIGHT_BIT_SHARE = 0.15  # cases with optim.name=adamw8bit
 
 
 @dataclass(frozen=True)
@@ -100,11 +101,15 @@ def draw_case(rng: random.Random, torch_share: float = TORCH_SHARE) -> Case:
 
 
 def with_optimizer(case: Case, share: float = MUON_SHARE) -> Case:
-    """optim.name=muon in a share of the cases (not on deepspeed, which builds its own AdamW), its keys now and then.
-    Drawn from the case's own spec, not the sweep's stream: the cases a seed drew before stay what they were."""
+    """optim.name=muon in a share of the cases and adamw8bit in another (not on deepspeed, which builds its own
+    AdamW), Muon's keys now and then. Drawn from the case's own spec, not the sweep's stream: the cases a seed drew
+    before stay what they were, but for the 8-bit share of those that stayed on AdamW."""
     rng = random.Random(zlib.crc32(case.spec.encode()))
-    if case.backend == "deepspeed" or rng.random() >= share:
+    draw = rng.random()
+    if case.backend == "deepspeed" or share <= draw < 1 - EIGHT_BIT_SHARE:
         return case
+    if draw >= share:
+        return case.with_settings(sorted({**dict(case.settings), "optim.name": "adamw8bit"}.items()))
     s = {"optim.name": "muon"}
     if rng.random() < 0.3:
         s["optim.muon_lr_rule"] = "original"

@@ -77,7 +77,7 @@ class Fuzzer:
 
     def run_case(self, case: Case) -> Outcome:
         from jaxpar.core.errors import UserError
-        from parity_tests.compare import compare
+        from parity_tests.compare import EIGHT_BIT, compare
 
         t0 = time.perf_counter()
         if not isinstance(case, Case):  # a transition (parity_tests/fuzz_transitions.py) runs its own legs
@@ -92,7 +92,7 @@ class Fuzzer:
         except Exception as e:  # a crash anywhere is what the fuzzer is for; keep its traceback's tail
             out = Outcome("error", f"{type(e).__name__}: {str(e)[:300]}\n{traceback.format_exc()[-3000:]}")
         else:
-            c = compare(got, ref, TOLERANCE)
+            c = compare(got, ref, EIGHT_BIT if "optim.name=adamw8bit" in case.overrides else TOLERANCE)
             out = Outcome("equal" if c.ok else "differs", "" if c.ok else c.message(), c.deviations)
         out.seconds = time.perf_counter() - t0
         return out

@@ -99,17 +99,17 @@ def run_steps(cfg: Config, mesh: str, dataset: str, steps: int | None = None, de
     return out
 
 
-def assert_params_close(got: dict, ref: dict) -> None:
-    """All parameters within 1e-5 relative norm, and no single tensor off by more than 5e-5.
+def assert_params_close(got: dict, ref: dict, rel: float = 1e-5, most: float = 5e-5) -> None:
+    """All parameters within `rel` (1e-5) relative norm, and no single tensor off by more than `most` (5e-5).
 
     Per-tensor relative norms are not used: the attention key bias has an exactly-zero true
     gradient (softmax ignores it), so Adam moves it by amplified rounding noise only.
     """
     diff = np.sqrt(sum(np.sum((got[k] - v) ** 2) for k, v in ref.items()))
     total = np.sqrt(sum(np.sum(v ** 2) for v in ref.values()))
-    assert diff / total < 1e-5, f"parameters differ by {diff / total:.2e} relative norm"
+    assert diff / total < rel, f"parameters differ by {diff / total:.2e} relative norm"
     for name, v in ref.items():
-        assert np.max(np.abs(got[name] - v)) < 5e-5, name
+        assert np.max(np.abs(got[name] - v)) < most, (name, np.max(np.abs(got[name] - v)))
 
 
 def metrics(run_dir) -> dict[int, dict]:

@@ -1,5 +1,6 @@
 """AdamW with jaxpar's weight-decay mask and learning-rate schedule (jaxpar.core.lr_schedule.lr_at); with
-optim.name=muon, Muon (jaxpar/core/muon.py) on the hidden matrices and that AdamW on the rest, one optimizer.
+optim.name=muon, Muon (jaxpar/core/muon.py) on the hidden matrices and that AdamW on the rest, one optimizer; with
+optim.name=adamw8bit, torchao's AdamW8bit (its moments in 8 bits: jaxpar/core/adamw8bit.py).
 
 The config decides every hyperparameter, also on resume: a checkpoint's copy of them (torch's optimizer state
 holds each parameter group's betas, eps, weight decay and lr; a scheduler's state what it was built with) is
@@ -10,12 +11,13 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch.optim.lr_scheduler import LRScheduler
 
-from jaxpar.core import muon
+from jaxpar.core import adamw8bit, muon
 from jaxpar.core.config import Config
 from jaxpar.core.lr_schedule import decays as decays_shared, lr_at
 from jaxpar.core.weights import shared_name
@@ -46,6 +48,9 @@ def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer
     if o.name == "muon":
         axes = {p: muon_axes(n) for n, p in model.named_parameters() if muon_axes(n)}
         return MuonAdamW(param_groups(model, o.weight_decay, with_muon=True), axes, cfg, **kwargs)
+    if o.name == "adamw8bit":
+        on_gpu = next(model.parameters()).device.type == "cuda"
+        return torchao_adamw8bit(param_groups(model, o.weight_decay), on_gpu and cfg.train.compile != "off", **kwargs)
     return torch.optim.AdamW(param_groups(model, o.weight_decay), **kwargs)
 
 
@@ -211,6 +216,14 @@ def _like(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
 
 
+def set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):  # torchao's optimizers hold it as a tensor (one compiled step)
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
 def group_settings(optimizer) -> list[dict]:
     """Each parameter group's settings as the optimizer was built (from the config), but its parameters and lr
     (the schedule's)."""
@@ -250,5 +263,46 @@ class SharedLRSchedule(LRScheduler):
     def apply(self) -> None:
         """Every group's lr: the schedule's at its position (after an optimizer load put the saved lr back)."""
         self._last_lr = self.get_lr()
-        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
-            group["lr"] = lr
+        set_lr(self.optimizer, self._last_lr[0])
+
+
+def torchao_adamw8bit(groups: list[dict], compile_step: bool, **kwargs) -> torch.optim.Optimizer:
+    """torchao's AdamW8bit with jaxpar/core/adamw8bit.py's block size, deciding which tensors hold 8-bit moments
+    on the whole parameter (torchao decides on this rank's FSDP shard, so a 2-way shard of a tensor at the size
+    limit would step differently from one process). Its step is compiled on a GPU only: on a CPU compiling each
+    parameter's step costs a minute and gains nothing at these sizes."""
+    from torch.distributed.tensor import DTensor
+    with quiet_logs("torchao", "torch.utils._pytree"):  # torchao's CUDA kernels it cannot load here: not ours to use
+        from torchao.optim import AdamW8bit
+
+    class Whole8bit(AdamW8bit):
+        def _new_buffer(self, p: torch.Tensor, signed: bool):
+            shard = p.to_local() if isinstance(p, DTensor) else p
+            if not (adamw8bit.quantized(p.numel()) and shard.numel() % adamw8bit.BLOCK == 0):
+                return torch.zeros_like(p)
+            codes = self._subclass_zeros(shard, signed, adamw8bit.BLOCK)
+            if isinstance(p, DTensor):
+                codes = DTensor.from_local(codes, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                           stride=p.stride())
+            return codes.to(p.device)
+
+        def step(self, closure=None):
+            if compile_step:
+                return super().step(closure)
+            with torch.compiler.set_stance("force_eager"):
+                return super().step(closure)
+
+    return Whole8bit(groups, block_size=adamw8bit.BLOCK, **kwargs)
+
+
+@contextmanager
+def quiet_logs(*names: str):
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)

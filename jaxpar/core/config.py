@@ -163,8 +163,10 @@ class TrainConfig:
 @dataclass
 class OptimConfig:
     # adamw: AdamW on every parameter; muon: Muon on the hidden matrices (attention, MLP and each expert's, per
-    # layer and per expert), AdamW on the rest (embeddings, head, router, norms, biases): jaxpar/core/muon.py
-    name: str = field(default="adamw", metadata=_check(choices=("adamw", "muon")))
+    # layer and per expert), AdamW on the rest (embeddings, head, router, norms, biases): jaxpar/core/muon.py;
+    # adamw8bit: AdamW with its moments in 8-bit codes, blocks of 256 values each with a float32 scale (about 0.26x
+    # AdamW's state): jaxpar/core/adamw8bit.py
+    name: str = field(default="adamw", metadata=_check(choices=("adamw", "muon", "adamw8bit")))
     lr: float = field(default=3e-3, metadata=_check(lo=0.0))
     min_lr: float = field(default=3e-4, metadata=_check(lo=0.0))
     warmup_steps: int = field(default=30, metadata=_check(lo=0))

@@ -26,7 +26,7 @@ from torchpar import dist
 from torchpar.checkpoint import DCPCheckpointer
 from torchpar.models.decoder import inputs_and_targets, next_token_loss
 from torchpar.models.moe import balance_loss, update_router_bias
-from torchpar.optim import group_settings, make_optimizer, put_back
+from torchpar.optim import group_settings, make_optimizer, put_back, set_lr
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -125,8 +125,7 @@ class TorchEngine:
         the metrics (read them with `read`). `share`: the framework's token_share (1.0 without a loss mask)."""
         micro = microbatches(batch, self.cfg.train.microbatches)
         lr = lr_at(self.step - self.skipped, self.cfg.optim, self.cfg.train.steps)  # counts applied updates
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         total = self.forward_backward(micro, share)
         if self.overflow_next:  # test hook: this step's gradients overflow
             next(p for p in self.params if p.grad is not None).grad.fill_(float("inf"))
