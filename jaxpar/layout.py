@@ -14,6 +14,8 @@ between steps: their `state_shardings` carry a host memory kind (pinned_host whe
 """
 from __future__ import annotations
 
+import math
+
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -63,6 +65,7 @@ class Layout:
         self.abstract_params = abstract_params
         self.param_specs = jax.tree_util.tree_map_with_path(
             lambda p, x: spec_for(self.axes[path_keys(p)], x.shape, mesh, self.rules), abstract_params)
+        self._param_at = {path_keys(p): x for p, x in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
         abstract_opt = jax.eval_shape(make_optimizer(cfg).init, abstract_params)
         opt_specs = jax.tree_util.tree_map_with_path(self._opt_spec, abstract_opt)
         self.state_shardings = {"params": self.shardings(self.param_specs), "opt_state": self.shardings(opt_specs),
@@ -99,7 +102,8 @@ class Layout:
         return {k: jax.device_put(v, self.state_shardings[k]) if k in self.offloaded else v for k, v in state.items()}
 
     def _opt_spec(self, path, leaf) -> P:
-        """Optimizer moments follow their parameter (matched by path suffix); ZeRO>=1 adds dp."""
+        """Optimizer moments follow their parameter (matched by path suffix); ZeRO>=1 adds dp. adamw8bit's scales
+        (one per block of a parameter's codes: a vector) are dealt over the devices its codes are on."""
         keys = path_keys(path)
         for start in range(len(keys)):
             axes = self.axes.get(keys[start:])
@@ -108,4 +112,13 @@ class Layout:
                 if self.cfg.parallel.zero_stage >= 1:
                     spec = with_extra_axis(spec, leaf.shape, self.mesh, "dp")
                 return spec
+            if axes is not None and leaf.ndim == 1 and len(axes) > 1:
+                return self._flat_spec(self._opt_spec(path, self._param_at[keys[start:]]), leaf.shape[0])
         return P()  # counters and other scalars: replicated
+
+    def _flat_spec(self, spec: P, n: int) -> P:
+        """A vector of n over the mesh axes of `spec` (those that divide it)."""
+        axes = [a for e in spec if e for a in (e if isinstance(e, tuple) else (e,))]
+        while axes and n % math.prod(self.mesh.shape[a] for a in axes):
+            axes.pop()
+        return P(tuple(axes) if axes else None)

@@ -130,15 +130,13 @@ def _holds_codes(path, p) -> bool:
 
 
 def quantize(x: jax.Array, signed: bool) -> tuple[jax.Array, jax.Array]:
-    """x -> (uint8 codes shaped as x, float32 scale per block): jaxpar/core/adamw8bit.py's q, with torchao's
-    branch-free search for the largest code at or below each value, then a step up past the midpoint."""
+    """x -> (uint8 codes shaped as x, float32 scale per block): jaxpar/core/adamw8bit.py's q, as torchao rounds:
+    the largest code at or below each value, then one up from its midpoint with the next."""
     qmap = jnp.asarray(_QMAP[signed])
     blocks = x.reshape(-1, adamw8bit.BLOCK)
     scale = jnp.maximum(jnp.abs(blocks).max(axis=1), 1e-12)
     y = blocks / scale[:, None]
-    code = jnp.zeros(y.shape, jnp.int32)
-    for bit in (128, 64, 32, 16, 8, 4, 2, 1):
-        code = code + jnp.where(y >= qmap[code + bit], bit, 0)
+    code = jnp.maximum(jnp.searchsorted(qmap, y, side="right") - 1, 0)
     up = jnp.minimum(code + 1, 255)
     code = jnp.where(y - qmap[code] >= (qmap[up] - qmap[code]) * 0.5, up, code)
     return code.astype(jnp.uint8).reshape(x.shape), scale

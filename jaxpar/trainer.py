@@ -19,7 +19,7 @@ from jaxpar.context import use
 from jaxpar.core.config import Config
 from jaxpar.core.data_order import unmasked
 from jaxpar.core.experts import expert_records
-from jaxpar.core.flops import params_phrase, peak_flops
+from jaxpar.core.flops import optimizer_phrase, params_phrase, peak_flops
 from jaxpar.core.hooks import sample_lengths
 from jaxpar.core.mesh_spec import format_mesh
 from jaxpar.core.peers import roll_call
@@ -95,7 +95,9 @@ class JaxTrainer:
     def describe(self, compile_s: float) -> str:
         n = sum(x.size for x in jax.tree.leaves(self.state["params"]))
         line = (f"mesh {format_mesh(dict(self.layout.mesh.shape))} on {jax.device_count()} "
-                f"{jax.devices()[0].platform} devices; {params_phrase(self.cfg.model, n)}; compiled in {compile_s:.1f}s")
+                f"{jax.devices()[0].platform} devices; {params_phrase(self.cfg.model, n)}; "
+                f"{optimizer_phrase(self.cfg.optim.name, self._optimizer_bytes(), 'device')}; "
+                f"compiled in {compile_s:.1f}s")
         bubble, p = self.record_extra()["pipeline_bubble"], self.cfg.parallel
         if bubble is not None:
             line += (f"\npipeline {p.pipeline_schedule}: {self.layout.mesh.shape['pp']} stages x "
@@ -103,6 +105,14 @@ class JaxTrainer:
                      f"{resolve_microbatches(self.layout.mesh.shape['pp'], p.pipeline_microbatches)} microbatches, "
                      f"bubble {bubble:.3f}")
         return line
+
+    def _optimizer_bytes(self) -> list[int]:
+        """The optimizer state's bytes on each of this process's devices (in host memory under parallel.offload)."""
+        held = dict.fromkeys(jax.local_devices(), 0)
+        for x in jax.tree.leaves(self.state["opt_state"]):
+            for shard in x.addressable_shards:
+                held[shard.device] += shard.data.nbytes
+        return list(held.values())
 
     def peak_flops(self) -> float | None:
         peak = peak_flops(jax.devices()[0].device_kind, self.cfg.model.compute_dtype)

@@ -272,15 +272,17 @@ def torchao_adamw8bit(groups: list[dict], compile_step: bool, **kwargs) -> torch
     limit would step differently from one process). Its step is compiled on a GPU only: on a CPU compiling each
     parameter's step costs a minute and gains nothing at these sizes."""
     from torch.distributed.tensor import DTensor
+
     with quiet_logs("torchao", "torch.utils._pytree"):  # torchao's CUDA kernels it cannot load here: not ours to use
         from torchao.optim import AdamW8bit
 
     class Whole8bit(AdamW8bit):
+        eight_bit = True
+
         def _new_buffer(self, p: torch.Tensor, signed: bool):
-            shard = p.to_local() if isinstance(p, DTensor) else p
-            if not (adamw8bit.quantized(p.numel()) and shard.numel() % adamw8bit.BLOCK == 0):
+            if not holds_codes(p):
                 return torch.zeros_like(p)
-            codes = self._subclass_zeros(shard, signed, adamw8bit.BLOCK)
+            codes = self._subclass_zeros(_shard(p), signed, adamw8bit.BLOCK)
             if isinstance(p, DTensor):
                 codes = DTensor.from_local(codes, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                            stride=p.stride())
@@ -293,6 +295,32 @@ def torchao_adamw8bit(groups: list[dict], compile_step: bool, **kwargs) -> torch
                 return super().step(closure)
 
     return Whole8bit(groups, block_size=adamw8bit.BLOCK, **kwargs)
+
+
+def _shard(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def holds_codes(p: torch.Tensor) -> bool:
+    """Whether adamw8bit keeps p's moments in 8 bits: the whole parameter's size decides, and this rank's shard
+    must be whole blocks."""
+    return adamw8bit.quantized(p.numel()) and _shard(p).numel() % adamw8bit.BLOCK == 0
+
+
+def state_bytes(optimizer) -> int:
+    """The bytes of state this rank's optimizer holds once it has stepped (torch makes it at the first step):
+    AdamW's two float32 moments per element, Muon's one momentum, adamw8bit's two codes and their blocks' scales."""
+    total = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            n = _shard(p).numel()
+            if group.get("muon"):
+                total += 4 * n
+            elif getattr(optimizer, "eight_bit", False) and holds_codes(p):
+                total += 2 * (n + 4 * n // adamw8bit.BLOCK)
+            else:
+                total += 8 * n
+    return total
 
 
 @contextmanager

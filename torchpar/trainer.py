@@ -12,7 +12,7 @@ import torch.distributed
 
 from jaxpar.core.config import Config
 from jaxpar.core.data_order import GlobalBatches, unmasked
-from jaxpar.core.flops import params_phrase, peak_flops
+from jaxpar.core.flops import optimizer_phrase, params_phrase, peak_flops
 from jaxpar.core.hooks import sample_lengths
 from jaxpar.core.prefetch import Prefetch
 from jaxpar.core.tokens import document_token
@@ -66,13 +66,19 @@ class TorchTrainer:
         where ranks differ)."""
         self.copy_stream = torch.cuda.Stream(self.env.device) if self.env.device.type == "cuda" else None
         self.prefetch = Prefetch(self._read_ahead)
-        held, local = "", self.engine.local_params
+        held, local, state = "", self.engine.local_params, self.engine.optimizer_bytes
         if local is not None:
-            env = self.env
-            counts = [int(c) for c in dist.all_sum([local if r == env.rank else 0 for r in range(env.world)], env)]
+            counts, state = self._per_rank(local), self._per_rank(state)
             held = f", {min(counts):,}" + (f"-{max(counts):,}" if min(counts) != max(counts) else "") + " per rank"
+        state = f"; {optimizer_phrase(self.cfg.optim.name, state, 'rank')}" if state is not None else ""
         return (f"backend {self.backend} on {self.env.world} {self.env.device.type} processes; "
-                f"{params_phrase(self.cfg.model, self.n_params)}{held}; torch.compile {'on' if self.compiled else 'off'}")
+                f"{params_phrase(self.cfg.model, self.n_params)}{held}{state}; "
+                f"torch.compile {'on' if self.compiled else 'off'}")
+
+    def _per_rank(self, mine: int) -> list[int]:
+        """Each rank's value of `mine` (a collective)."""
+        env = self.env
+        return [int(c) for c in dist.all_sum([mine if r == env.rank else 0 for r in range(env.world)], env)]
 
     def peak_flops(self) -> float | None:
         device = self.env.device

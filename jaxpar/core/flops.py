@@ -59,6 +59,13 @@ def params_phrase(m: ModelConfig, n: int) -> str:
     return f"{n:,} params ({count_params(m, active=True)['total']:,} active per token)"
 
 
+def optimizer_phrase(name: str, held: list[int], holder: str) -> str:
+    """"adamw8bit state 1.2 MiB per device" for the start-up line: `held` the bytes of optimizer state on each
+    device or rank (a range where they differ)."""
+    low, high = min(held) / 2**20, max(held) / 2**20
+    return f"{name} state {low:.1f}" + (f"-{high:.1f}" if f"{low:.1f}" != f"{high:.1f}" else "") + f" MiB per {holder}"
+
+
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 * (non-embedding params + output head) + attention 12*L*T*d; with experts the
     parameters a token runs through (its top_k experts, not all), so MFU counts no idle expert."""

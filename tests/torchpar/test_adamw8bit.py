@@ -47,6 +47,8 @@ def test_backends_equal_one_process_and_jaxpar_within_the_band(base, reference):
     one = base["tmp"] / "adamw8bit-none"
     out = run(["--backend", "none", *base["args"], *EIGHT_BIT, f"run.dir={one}"])
     assert "torchao" not in out.stderr and "Failed to load" not in out.stderr, out.stderr[-2000:]
+    # the start-up line counts the state: 8-bit codes of the MLP matrices and the embedding, float32 of the rest
+    assert "adamw8bit state 0.1 MiB per rank" in out.stdout + out.stderr, out.stdout
     ref = metrics(one)
     # the setting is used: AdamW's float32 moments go elsewhere (the tiny model's MLP matrices hold 8-bit ones)
     assert max(abs(ref[s]["loss"] - reference[s]["loss"]) for s in range(3, 11)) > 1e-5

@@ -19,6 +19,7 @@ class Engine(Protocol):
     data_rank: int  # which share of each global batch this rank reads...
     data_ways: int  # ...of how many (the ranks whose losses make the mean)
     local_params: int | None  # parameter elements this rank holds (None where the engine does not say)
+    optimizer_bytes: int | None  # bytes of optimizer state it holds (likewise)
 
     def update(self, batch, share: float = 1.0) -> object:
         """This rank's rows of the global batch: microbatches, backward, clipping, the update (and float16's

@@ -26,7 +26,7 @@ from torchpar import dist
 from torchpar.checkpoint import DCPCheckpointer
 from torchpar.models.decoder import inputs_and_targets, next_token_loss
 from torchpar.models.moe import balance_loss, update_router_bias
-from torchpar.optim import group_settings, make_optimizer, put_back, set_lr
+from torchpar.optim import group_settings, make_optimizer, put_back, set_lr, state_bytes
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -110,6 +110,11 @@ class TorchEngine:
     def local_params(self) -> int:
         """Parameter elements this rank holds: its shards under FSDP2, its stage under pipeline, else all."""
         return sum(local(p).numel() for p in self.params)
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (once it has stepped)."""
+        return state_bytes(self.optimizer)
 
     def eval_loss(self, batch: torch.Tensor, share: float = 1.0) -> float:
         return eval_loss(self.module, batch, share)

@@ -119,7 +119,7 @@ def load_user_config(path: str) -> dict:
 
 class DeepSpeedEngine:
     """The `Engine` (torchpar/backends/__init__.py) over DeepSpeed's: its step, loss scaler and checkpoints."""
-    local_params = None  # ZeRO's partitions are DeepSpeed's own business
+    local_params = optimizer_bytes = None  # ZeRO's partitions are DeepSpeed's own business
 
     def __init__(self, engine, cfg, env, config: dict, universal: str | None = None):
         self.engine = self.module = engine
