@@ -2,7 +2,9 @@
 
 Reads the optimized HLO text: a collective inside a `while` body (the layer scan, the microbatch
 scan) runs trip-count times, so each computation gets a multiplier from the call graph.
-Traffic per device uses the bandwidth-optimal (ring) cost of each collective over its group.
+Traffic per device uses the bandwidth-optimal (ring) cost of each collective over its group. Each collective
+also carries the source files on the stack of the jax operation it was made for (the HLO's stack frames), so a
+caller can tell whose it is (the planner: the optimizer's, jaxpar/optim.py).
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ _ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 _CALLEE = re.compile(r"(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_FRAME = re.compile(r"stack_frame_id=(\d+)")
+_TABLE_ROW = re.compile(r"^(\d+) (.*)$")
 
 
 @dataclasses.dataclass
@@ -29,6 +33,7 @@ class Collective:
     groups: list[list[int]]
     count: int  # executions per step
     name: str = ""  # the instruction's name: a profiler trace's hlo_op (jaxpar/comm.py)
+    files: frozenset = frozenset()  # source files on the stack of the jax operation it was made for
 
     @property
     def traffic_bytes(self) -> float:
@@ -96,6 +101,29 @@ def _groups(line: str, n_devices: int) -> list[list[int]]:
     return [list(range(n_devices))]  # empty replica_groups: everyone
 
 
+def stack_files(hlo_text: str) -> dict[int, frozenset]:
+    """stack frame id -> the source files on that stack, read from the HLO's FileNames, FileLocations and
+    StackFrames tables (ids from 1; a frame's parent_frame_id is its parent's id + 1, 1 for none)."""
+    tables, rows = {}, None
+    for line in hlo_text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            rows = tables[line] = {}
+        elif rows is not None and (m := _TABLE_ROW.match(line)):
+            rows[int(m[1])] = m[2]
+        else:
+            rows = None
+    names = {i: v.strip('"') for i, v in tables.get("FileNames", {}).items()}
+    file_of = {i: names.get(int(re.search(r"file_name_id=(\d+)", v)[1]))
+               for i, v in tables.get("FileLocations", {}).items()}
+    frames = {i: (int(re.search(r"file_location_id=(\d+)", v)[1]), int(re.search(r"parent_frame_id=(\d+)", v)[1]) - 1)
+              for i, v in tables.get("StackFrames", {}).items()}
+    stacks: dict[int, frozenset] = {}
+    for frame in sorted(frames):  # a parent's id is below its child's
+        location, parent = frames[frame]
+        stacks[frame] = stacks.get(parent, frozenset()) | {file_of.get(location)}
+    return stacks
+
+
 def parse(hlo_text: str, n_devices: int) -> list[Collective]:
     comps: dict[str, list[str]] = {}
     entry, current = None, None
@@ -125,14 +153,16 @@ def parse(hlo_text: str, n_devices: int) -> list[Collective]:
                 visit(callee, mult * (int(trip[1]) if kind == "body" and trip else 1))
 
     visit(entry, 1)
-    out = []
+    stacks, out = stack_files(hlo_text), []
     for name, lines in comps.items():
         for line in lines:
             m = _INSTR.match(line)
             if m and multiplier.get(name):
                 groups = _groups(line, n_devices)
+                frame = _FRAME.search(line)
                 out.append(Collective(m[3], _result_bytes(m[2], m[3], bool(m[4])), len(groups[0]), groups,
-                                      multiplier[name], m["name"]))
+                                      multiplier[name], m["name"], stacks.get(int(frame[1]) if frame else 0,
+                                                                              frozenset())))
     return out
 
 

@@ -2,8 +2,9 @@
 
 Ahead of time, nothing trained or allocated: compile the real train step for a layout, then
 report per-device memory from XLA's memory analysis and every collective per step (with loop
-trip counts) next to the analytic lower bound of each parallelism axis. With parallel.offload the
-state kept in host memory between steps is reported apart (`host`) from the device's peak.
+trip counts) next to the analytic lower bound of each parallelism axis, and of Muon's spread of its
+matrices (jaxpar/tools/plan_optimizer.py). With parallel.offload the state kept in host memory between
+steps is reported apart (`host`) from the device's peak.
 `--recommend` compiles every mesh that divides the model, drops those over the memory budget and ranks
 the rest by a predicted step time (compute at a peak FLOP rate + communication at a link bandwidth);
 when no mesh fits it tries them again with the optimizer state, then the parameters too, offloaded.
@@ -27,6 +28,7 @@ from jaxpar.core.errors import UserError, cli
 from jaxpar.core.pipeline_schedules import configured_bubble, resolve_microbatches
 from jaxpar.core.mesh_spec import format_mesh, parse_mesh
 from jaxpar.mesh import setup_devices
+from jaxpar.tools import plan_optimizer
 
 
 def parse_bytes(text: str) -> int:
@@ -134,22 +136,16 @@ def plan_shape(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
     for c in hlo_collectives.parse(compiled.as_text(), n_dev):
         axes = hlo_collectives.group_axes(c.groups, layout.mesh) if c.op != "collective-permute" else ("pp/sp",)
         collectives.append({"op": c.op, "axes": "+".join(axes) or "-", "result_bytes": c.result_bytes,
-                            "group": c.group_size, "count": c.count, "traffic_bytes": c.traffic_bytes * c.count})
+                            "group": c.group_size, "count": c.count, "traffic_bytes": c.traffic_bytes * c.count,
+                            "optimizer": plan_optimizer.is_optimizers(c.files)})
     from jaxpar.parallel import powersgd
 
     payload = powersgd.payload_bytes(layout) if powersgd.enabled(layout) else 0
     experts = _shard_bytes({k: v for k, v in state["params"]["blocks"].get("moe", {}).items() if k != "shared"
                             and k != "router"})
     bounds = analytic_bounds(cfg, full, params, layout.mesh.devices.flat[0].platform, payload, experts)
-    measured = {a: 0.0 for a in bounds}
-    for c in collectives:
-        axes = c["axes"].split("+")
-        if c["op"] == "all-to-all" and "ep" in axes:
-            key = "ep"  # the experts' exchange; any other collective over ep reduces data-parallel gradients
-        else:
-            key = next((a for a in ("tp", "fsdp", "dp") if a in axes), "dp" if "ep" in axes else None)
-        if key:
-            measured[key] += c["traffic_bytes"]
+    bounds["optimizer"], padded = plan_optimizer.muon_bounds(cfg, state["params"], n_dev)
+    measured = measure(collectives, bounds)
     from jaxpar.models.mla import kv_cache_width
 
     width = kv_cache_width(cfg.model)  # per token per layer: MLA its latent + rope key, MHA/GQA keys + values
@@ -168,18 +164,31 @@ def plan_shape(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
     par = cfg.parallel
     pipeline = None if full["pp"] == 1 else {"schedule": par.pipeline_schedule, "bubble": configured_bubble(
         par.pipeline_schedule, full["pp"], par.pipeline_microbatches, par.pipeline_virtual_stages)}
-    return {"mesh": format_mesh(full), "devices": n_dev, "model": model, "pipeline": pipeline,
-            "params_bytes": params, "opt_state_bytes": opt, "expert_bytes": experts,
-            "ragged_exchange_bytes": exchange_bytes(cfg, full, ragged=True),
-            "powersgd_bytes": _shard_bytes(state.get("powersgd", {})),  # error buffers and Q (in argument/peak too)
-            "offload": cfg.parallel.offload, "host_bytes": host, "peak_estimated": estimated,
-            "argument_bytes": mem.argument_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
-            "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes, "peak_bytes": peak,
-            "collectives": collectives, "bounds": bounds, "measured": measured,
-            "traffic_bytes": sum(c["traffic_bytes"] for c in collectives), "bound_bytes": sum(bounds.values()),
-            "gradient_bytes": gradient_traffic(collectives),
-            "notes": explain(collectives, bounds, measured, layout.mesh.devices.flat[0].platform,
-                             bool(cfg.model.moe_experts))}
+    p = {"mesh": format_mesh(full), "devices": n_dev, "model": model, "pipeline": pipeline,
+         "params_bytes": params, "opt_state_bytes": opt, "expert_bytes": experts,
+         "ragged_exchange_bytes": exchange_bytes(cfg, full, ragged=True),
+         "powersgd_bytes": _shard_bytes(state.get("powersgd", {})),  # error buffers and Q (in argument/peak too)
+         "offload": cfg.parallel.offload, "host_bytes": host, "peak_estimated": estimated,
+         "argument_bytes": mem.argument_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
+         "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes, "peak_bytes": peak,
+         "collectives": collectives, "bounds": bounds, "measured": measured,
+         "traffic_bytes": sum(c["traffic_bytes"] for c in collectives), "bound_bytes": sum(bounds.values()),
+         "gradient_bytes": gradient_traffic(collectives),
+         "notes": explain(collectives, bounds, measured, layout.mesh.devices.flat[0].platform,
+                          bool(cfg.model.moe_experts))}
+    return plan_optimizer.against_adamw(p, cfg, lambda adamw: plan_shape(adamw, sizes, devices), padded)
+
+
+def measure(collectives, bounds) -> dict[str, float]:
+    """Bytes sent per device per step against each bound: the experts' exchange on ep, others by their axes."""
+    measured = {a: 0.0 for a in bounds}
+    for c in collectives:
+        axes = c["axes"].split("+")
+        key = "optimizer" if c["optimizer"] else "ep" if c["op"] == "all-to-all" and "ep" in axes else \
+            next((a for a in ("tp", "fsdp", "dp") if a in axes), "dp" if "ep" in axes else None)
+        if key:
+            measured[key] += c["traffic_bytes"]
+    return measured
 
 
 def gradient_traffic(collectives) -> float:
@@ -204,7 +213,7 @@ def explain(collectives, bounds, measured, platform: str = "cpu", experts: bool 
         if axis == "tp" and experts:
             notes.append("tp: the experts' partial outputs are summed over tp on the padded buffer [experts, slots, "
                          "embed] (parallel/experts.py), not in the bound")
-        ops = [c for c in collectives if axis in c["axes"].split("+")]
+        ops = [c for c in collectives if axis in c["axes"].split("+") and not c["optimizer"]]  # Muon's: its own note
         if axis != "tp" and any(c["op"] == "all-reduce" for c in ops) and not any(c["op"] == "reduce-scatter" for c in ops):
             notes.append(f"{axis}: gradients are all-reduced and then sliced, where a reduce-scatter would do: up to "
                          "2x the gradient term. " + (CPU_REDUCE_SCATTER if platform == "cpu" else
@@ -247,10 +256,10 @@ def print_plan(p: dict) -> None:
         print(f"  {c['op']:<18} {c['axes']:<10} {c['group']:>5} {c['count']:>5} {c['result_bytes']:>14,} "
               f"{c['traffic_bytes']:>16,.0f}")
     print("per axis: measured vs analytic lower bound (bytes sent per device per step)")
-    for axis, bound in p["bounds"].items():
+    for axis, bound in ((a, b) for a, b in p["bounds"].items() if a != "optimizer" or b or p["measured"][a]):
         ratio = f"{p['measured'][axis] / bound:.2f}x" if bound else "-"
-        print(f"  {axis:<5} {p['measured'][axis]:>14,.0f} {bound:>14,.0f}  {ratio}")
-    print(f"  total {p['traffic_bytes']:>14,.0f} {p['bound_bytes']:>14,.0f}  "
+        print(f"  {axis:<9} {p['measured'][axis]:>14,.0f} {bound:>14,.0f}  {ratio}")
+    print(f"  total     {p['traffic_bytes']:>14,.0f} {p['bound_bytes']:>14,.0f}  "
           f"{p['traffic_bytes'] / max(p['bound_bytes'], 1):.2f}x")
     print(f"  gradient reductions over dp/fsdp: {p['gradient_bytes']:,.0f}")
     if p["bounds"]["ep"]:

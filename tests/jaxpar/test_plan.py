@@ -78,6 +78,35 @@ def test_async_collectives_count_their_results_only():
                    "collective-permute": 8 * 256 * 4}
 
 
+
+def test_collectives_carry_the_source_files_of_their_stack():
+    """The HLO's stack-frame tables (shapes by hand): frame 3 is step.py -> jaxpar/optim.py, frame 2 step.py alone
+    (a parent_frame_id is the parent's id + 1)."""
+    hlo = """HloModule m
+
+FileNames
+1 "/r/jaxpar/step.py"
+2 "/r/jaxpar/optim.py"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=5 end_line=5 column=1 end_column=1}
+2 {file_name_id=2 function_name_id=2 line=9 end_line=9 column=1 end_column=1}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=1 parent_frame_id=2}
+3 {file_location_id=2 parent_frame_id=2}
+
+ENTRY %main (p: f32[64,256]) -> f32[64,256] {
+  %a = f32[8,256]{1,0} all-to-all(%p), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, metadata={op_name="x" stack_frame_id=3}
+  %g = f32[64,256]{1,0} all-gather(%q), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, metadata={op_name="y" stack_frame_id=2}
+}
+"""
+    got = {c.op: c.files for c in hlo_collectives.parse(hlo, 8)}
+    assert got == {"all-to-all": {"/r/jaxpar/step.py", "/r/jaxpar/optim.py"}, "all-gather": {"/r/jaxpar/step.py"}}
+    from jaxpar.tools.plan_optimizer import is_optimizers
+    assert is_optimizers(got["all-to-all"]) and not is_optimizers(got["all-gather"])
+
 def test_recommend_rejects_meshes_over_budget(capsys):
     rows = recommend(CFG, 4, budget=10**12, peak_flops=1e12, bandwidth=1e10)
     peaks = sorted(r["peak_bytes"] for r in rows)
@@ -200,3 +229,43 @@ def test_recommend_proposes_ep_for_experts():
     meshes = list(candidate_meshes(cfg, 8))
     assert {"dp": 1, "fsdp": 1, "tp": 1, "ep": 8} in meshes and {"dp": 2, "fsdp": 1, "tp": 1, "ep": 4} in meshes
     assert all("ep" not in s for s in candidate_meshes(CFG, 8))  # a dense model: no ep
+
+
+
+def muon_plan(layers: int) -> tuple[dict, float, float]:
+    """The tiny model with optim.name=muon on fsdp=8: its plan, the bound of spreading its Muon matrices (2 x 7/8 x
+    1/8 of their bytes per device: the momentum there, the update back) and that bound with each parameter's
+    matrix count padded to a multiple of 8 (3 x layers q/k/v and `layers` of each other kind)."""
+    d, pad = 32, lambda b: b + -b % 8  # noqa: E731
+    square, wide = 4 * d * d, 4 * d * 4 * d  # bytes of a q/k/v or out matrix; of an fc or proj
+    bound = 2 * 7 / 8 * layers * (4 * square + 2 * wide) / 8
+    padded = 2 * 7 / 8 * ((pad(3 * layers) + pad(layers)) * square + 2 * pad(layers) * wide) / 8
+    return plan(tiny_config("optim.name=muon", f"model.n_layer={layers}"), {"fsdp": 8}, jax.devices()[:8]), bound, padded
+
+
+def test_muon_spreads_its_matrices_and_says_what_it_sends():
+    """optim.name=muon, 4 layers on fsdp=8: the optimizer's row is what Muon adds to its AdamW twin's step, between
+    the bound and the padded figure (gathering every whole matrix on every device would send 7/8 of the matrices'
+    bytes, 2.2x the padded figure here), with a note that says why where it passes 1.1x the bound; the per-axis
+    rows are the twin's, and the rows add up to the step's traffic."""
+    p, bound, padded = muon_plan(4)
+    assert p["bounds"]["optimizer"] == pytest.approx(bound)
+    assert 0.99 * bound <= p["measured"]["optimizer"] <= 1.001 * padded
+    assert sum(p["measured"].values()) == pytest.approx(p["traffic_bytes"])
+    assert {c["op"] for c in p["collectives"] if c["optimizer"]} == {"all-to-all"}
+    if p["measured"]["optimizer"] > 1.1 * bound:
+        assert any(n.startswith("optimizer: ") for n in p["notes"]), p["notes"]
+    adamw = plan(tiny_config("model.n_layer=4"), {"fsdp": 8}, jax.devices()[:8])
+    assert adamw["bounds"]["optimizer"] == adamw["measured"]["optimizer"] == 0
+    assert not any(c["optimizer"] for c in adamw["collectives"])
+
+
+@pytest.mark.xfail(strict=True, reason="jaxpar/optim.py deals each parameter's matrices out alone, padded to a "
+                   "multiple of the devices: 1.83x here; stacking the matrices of one shape from every parameter "
+                   "(issue 47, the Muon helper's report) sends the bound")
+@pytest.mark.parametrize("layers", [4, 8])
+def test_muon_sends_within_1_1x_of_its_bound_on_fsdp8(layers):
+    """Issue 47's acceptance: Muon's optimizer collectives on fsdp=8 within 1.1x of their bound, 4 layers (each
+    parameter's count of matrices no multiple of 8) and 8 (every count one)."""
+    p, bound, _ = muon_plan(layers)
+    assert p["measured"]["optimizer"] <= 1.1 * bound, p["notes"]
