@@ -89,6 +89,10 @@ def check_pipeline(cfg: Config, sizes) -> None:
     if cfg.model.moe_experts and p.pipeline_schedule != "gpipe":
         raise UserError(f"parallel.pipeline_schedule={p.pipeline_schedule} does not run a mixture of experts yet "
                         "(the executor passes activations alone, not the experts' statistics; gpipe runs it)")
+    if cfg.model.float8 and p.pipeline_schedule in ("zb_h1", "zb_v"):
+        raise UserError(f"parallel.pipeline_schedule={p.pipeline_schedule} does not run model.float8 yet (its split "
+                        "backward computes each projection's weight gradient itself, in the compute dtype; gpipe, 1f1b "
+                        "and interleaved run it)")
     sharded_params = sizes["fsdp"] > 1 or (p.zero_stage == 3 and sizes["dp"] > 1)
     what = ("model.linear=sketched" if cfg.model.linear == "sketched" else
             "model.attention=mla" if cfg.model.attention == "mla" else None)

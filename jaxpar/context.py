@@ -16,7 +16,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from jaxpar.dispatch import local_experts
-from jaxpar.ops import local_attention, scan_layers
+from jaxpar.ops import FLOAT8, local_attention, scan_layers
 from jaxpar.sharding import spec_for
 
 
@@ -29,6 +29,7 @@ class ParallelContext:
     # every layer reads, layer(h, slice, *rows))
     run_layers: Callable = scan_layers
     experts: Callable = local_experts  # (x, ids, weights, kept, gate, up, down, capacity) -> the experts' sum
+    float8: bool = False  # model.float8: every projection (jaxpar/ops.py project) multiplies in float8
 
 
 _CURRENT: contextvars.ContextVar = contextvars.ContextVar("jaxpar_parallel_context", default=ParallelContext())
@@ -40,10 +41,11 @@ def current() -> ParallelContext:
 
 @contextlib.contextmanager
 def use(ctx: ParallelContext):
-    token = _CURRENT.set(ctx)
+    token, float8 = _CURRENT.set(ctx), FLOAT8.set(ctx.float8)
     try:
         yield ctx
     finally:
+        FLOAT8.reset(float8)
         _CURRENT.reset(token)
 
 

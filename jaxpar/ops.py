@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import sys
 from functools import partial
 from typing import Callable
@@ -102,6 +103,8 @@ def project(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     backward (`split_backward`), what its mode says instead."""
     if _split is not None:
         return _split.project(x, w, n_in)
+    if FLOAT8.get():
+        return _float8_project(x, w, n_in)
     if jax.default_backend() == "cpu":
         return _cpu_project(x, w, n_in)
     return jnp.tensordot(x, w, n_in)
@@ -137,6 +140,43 @@ def _weight_grad(x, dy, n_in: int):
 
 
 _cpu_project.defvjp(_cpu_project_fwd, _cpu_project_bwd)
+
+# model.float8: the projections' matmuls in float8 (set while a step is traced: jaxpar/context.py `use`)
+FLOAT8: contextvars.ContextVar = contextvars.ContextVar("jaxpar_float8", default=False)
+
+
+def to_float8(t: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """Tensorwise current scaling: t divided by its largest magnitude over the format's largest value (the whole
+    tensor's, so every layout picks the same scale), in float8 `dtype`; and that scale, which undoes it."""
+    scale = jnp.maximum(jnp.max(jnp.abs(t)).astype(jnp.float32), 1e-12) / float(jnp.finfo(dtype).max)
+    return (t.astype(jnp.float32) / scale).astype(dtype), scale
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _float8_project(x, w, n_in):
+    return _float8_project_fwd(x, w, n_in)[0]
+
+
+def _float8_project_fwd(x, w, n_in):
+    """torchao's "tensorwise" recipe: input and weight in e4m3 forward, each with its own scale, the product
+    accumulated in float32 and scaled back; the float8 copies are what the backward keeps."""
+    (x8, sx), (w8, sw) = to_float8(x, jnp.float8_e4m3fn), to_float8(w, jnp.float8_e4m3fn)
+    y = jnp.tensordot(x8, w8, n_in, preferred_element_type=jnp.float32) * (sx * sw)
+    return y.astype(x.dtype), (x8, sx, w8, sw)
+
+
+def _float8_project_bwd(n_in, saved, dy):
+    """The output gradient in e5m2 (more range, less precision: gradients span more decades than activations)."""
+    x8, sx, w8, sw = saved
+    dy8, sdy = to_float8(dy, jnp.float8_e5m2)
+    lead = x8.ndim - n_in
+    dx = jnp.tensordot(dy8, w8, (tuple(range(lead, dy.ndim)), tuple(range(n_in, w8.ndim))),
+                       preferred_element_type=jnp.float32) * (sdy * sw)
+    dw = jnp.tensordot(x8, dy8, (tuple(range(lead)), tuple(range(lead))), preferred_element_type=jnp.float32)
+    return dx.astype(dy.dtype), (dw * (sx * sdy)).astype(dy.dtype)
+
+
+_float8_project.defvjp(_float8_project_fwd, _float8_project_bwd)
 
 
 class _SplitBackward:

@@ -9,12 +9,14 @@ resume may also turn clipping on or off.
 """
 from __future__ import annotations
 
-import math
+import itertools
+from collections import defaultdict
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.experimental.shard_alike import shard_alike
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.context import current, tracing_mesh
@@ -50,24 +52,67 @@ class MuonState(NamedTuple):
     mu: optax.Updates  # the momentum, one per matrix parameter
 
 
-def orthogonalize(x: jax.Array, axes, steps: int) -> jax.Array:
+def orthogonalize(x: jax.Array, axes, steps: int, like: jax.Array | None = None) -> jax.Array:
     """jaxpar/core/muon.py's NS_k on every matrix of `x`: its (reduction, output) axes made one matrix, the other
-    axes batch axes (layers, experts, q/k/v), each matrix on its own -- and, on a mesh, each device iterating on a
-    share of the whole matrices (spread_matrices) rather than every device on every matrix."""
-    reduction, output = axes
-    batch = tuple(a for a in range(x.ndim) if a not in reduction + output)
-    order = batch + reduction + output
+    axes batch axes (layers, experts, q/k/v), each matrix on its own (orthogonalize_all of x alone)."""
+    return orthogonalize_all([x], [axes], steps, None if like is None else [like])[0]
+
+
+def orthogonalize_all(xs: list, axes: list, steps: int, likes: list | None = None) -> list:
+    """orthogonalize on each of `xs`, and on a mesh each device iterating on a share of the whole matrices
+    (spread_matrices) rather than every device on every matrix. The matrices of one shape (as iterated) from
+    every parameter are stacked and dealt out together, so their count is padded to a multiple of the devices
+    once, not per parameter. Each result is laid out as its `like` (the parameter): the update then goes back to
+    the parameter's layout once, rather than drawing the parameter (weight decay) into the spread layout."""
+    mats = [_as_matrices(x, a) for x, a in zip(xs, axes)]
+    groups = defaultdict(list)
+    for i, y in enumerate(mats):
+        groups[y.shape[1:]].append(i)
+    out = [None] * len(xs)
+    for members in groups.values():
+        sizes = [mats[i].shape[0] for i in members]
+        done = newton_schulz(spread_matrices(jnp.concatenate([mats[i] for i in members])), steps)
+        for i, piece in zip(members, jnp.split(done[:sum(sizes)], list(itertools.accumulate(sizes))[:-1])):
+            out[i] = _from_matrices(piece, xs[i].shape, axes[i])
+            out[i] = out[i] if likes is None or current().mesh is None else shard_alike(likes[i], out[i])[1]
+    return out
+
+
+def _as_matrices(x: jax.Array, axes) -> jax.Array:
+    """x as [matrices, rows, cols], each matrix in the orientation iterated (_as_is)."""
     fan_in, fan_out = muon.fans(x.shape, axes)
-    y = spread_matrices(x.transpose(order).reshape(-1, fan_in, fan_out))
-    wide = fan_in <= fan_out  # iterate on X X^T of the smaller side (torch.optim.Muon's orientation)
-    y = y if wide else jnp.swapaxes(y, -1, -2)
+    y = x.transpose(_order(x.ndim, axes)).reshape(-1, fan_in, fan_out)
+    return y if _as_is(fan_in, fan_out, axes) else jnp.swapaxes(y, -1, -2)
+
+
+def _as_is(fan_in: int, fan_out: int, axes) -> bool:
+    """Whether a matrix is iterated as [fan_in, fan_out]: the wide orientation (X X^T on the smaller side, as
+    torch.optim.Muon). A square one is free (NS(X^T) = NS(X)^T): its side of one axis goes to the rows -- the
+    model dimension here, which the layout shards over fsdp -- so q/k/v ([embed] x [heads, head_dim]) and the
+    attention output ([heads, head_dim] x [embed]) stack with their shards alike, without a reshard."""
+    return fan_in < fan_out or (fan_in == fan_out and len(axes[0]) <= len(axes[1]))
+
+
+def _from_matrices(y: jax.Array, shape, axes) -> jax.Array:
+    fan_in, fan_out = muon.fans(shape, axes)
+    order = _order(len(shape), axes)
+    y = y if _as_is(fan_in, fan_out, axes) else jnp.swapaxes(y, -1, -2)
+    return y.reshape(tuple(shape[a] for a in order)).transpose(tuple(order.index(a) for a in range(len(shape))))
+
+
+def _order(ndim: int, axes) -> tuple[int, ...]:
+    reduction, output = axes
+    return tuple(a for a in range(ndim) if a not in reduction + output) + reduction + output
+
+
+def newton_schulz(y: jax.Array, steps: int) -> jax.Array:
+    """NS_k on each matrix of y [matrices, rows, cols], rows <= cols, float32."""
     y = y / jnp.maximum(jnp.linalg.norm(y, axis=(-2, -1), keepdims=True), muon.EPS)
     a, b, c = muon.COEFFS
     for _ in range(steps):
         gram = y @ jnp.swapaxes(y, -1, -2)
         y = a * y + (b * gram + c * gram @ gram) @ y
-    y = (y if wide else jnp.swapaxes(y, -1, -2))[:math.prod(x.shape[a] for a in batch)]
-    return y.reshape(tuple(x.shape[a] for a in order)).transpose(tuple(order.index(a) for a in range(x.ndim)))
+    return y
 
 
 def spread_matrices(y: jax.Array) -> jax.Array:
@@ -98,15 +143,14 @@ def scale_by_muon(cfg: Config) -> optax.GradientTransformation:
 
     def update(grads, state, params):
         mu = jax.tree.map(lambda b, g: _lerp(b, g, 1 - m), state.mu, grads)
-
-        def step(path, g, b, w):
-            axes = muon.stacked_axes(_name(path))
-            o_ = orthogonalize(_lerp(g, b, m), axes, o.muon_ns_steps)  # Nesterov
-            decay = o.weight_decay if decays(_name(path)) else 0.0
-            return -lr(state.count) * (muon.lr_scale(o.muon_lr_rule, *muon.fans(w.shape, axes)) * o_ + decay * w)
-
-        updates = jax.tree_util.tree_map_with_path(step, grads, mu, params)
-        return updates, MuonState(optax.safe_increment(state.count), mu)
+        leaves, tree = jax.tree_util.tree_flatten_with_path(params)
+        names = [_name(path) for path, _ in leaves]
+        axes, ws = [muon.stacked_axes(n) for n in names], [w for _, w in leaves]
+        nesterov = [_lerp(g, b, m) for g, b in zip(jax.tree.leaves(grads), jax.tree.leaves(mu))]
+        updates = [-lr(state.count) * (muon.lr_scale(o.muon_lr_rule, *muon.fans(w.shape, a)) * o_
+                                       + (o.weight_decay if decays(n) else 0.0) * w)
+                   for n, a, w, o_ in zip(names, axes, ws, orthogonalize_all(nesterov, axes, o.muon_ns_steps, ws))]
+        return jax.tree.unflatten(tree, updates), MuonState(optax.safe_increment(state.count), mu)
 
     return optax.GradientTransformation(init, update)
 

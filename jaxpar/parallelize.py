@@ -83,7 +83,7 @@ def mesh_context(layout: Layout, on_executor: bool = False) -> ParallelContext:
     else:
         run_layers = functools.partial(scan_layers, unroll=unroll)
     experts = expert_parallel(mesh, layout.rules) if layout.cfg.model.moe_experts else local_experts
-    return ParallelContext(mesh, layout.rules, attention, run_layers, experts)
+    return ParallelContext(mesh, layout.rules, attention, run_layers, experts, layout.cfg.model.float8)
 
 
 def parallel_context(layout: Layout, on_executor: bool = False) -> ParallelContext:

@@ -44,6 +44,10 @@ class ModelConfig:
     # float16: with dynamic loss scaling (optim.loss_scale_*; jaxpar/loss_scale.py, torch's GradScaler)
     compute_dtype: str = field(default="float32", metadata=_check(choices=("float32", "bfloat16", "float16")))
     remat: str = field(default="none", metadata=_check(choices=("none", "full", "save_matmuls")))
+    # the projections' matmuls in float8 with tensorwise current scaling (jaxpar/ops.py; torchao's "tensorwise"
+    # recipe): inputs and weights e4m3, output gradients e5m2, float32 accumulation; norms, attention, the head
+    # and the loss stay in compute_dtype. Emulated (upcast) where the device has no float8 matmul
+    float8: bool = False
     init_from: str = ""  # a .safetensors file in the shared weight format; empty = random init
     # variants (docs/architecture.md "Model variants"): attention core and MLP linear layers
     attention: str = field(default="mha", metadata=_check(choices=("mha", "mla", "dilated")))

@@ -260,9 +260,6 @@ def test_muon_spreads_its_matrices_and_says_what_it_sends():
     assert not any(c["optimizer"] for c in adamw["collectives"])
 
 
-@pytest.mark.xfail(strict=True, reason="jaxpar/optim.py deals each parameter's matrices out alone, padded to a "
-                   "multiple of the devices: 1.83x here; stacking the matrices of one shape from every parameter "
-                   "(issue 47, the Muon helper's report) sends the bound")
 @pytest.mark.parametrize("layers", [4, 8])
 def test_muon_sends_within_1_1x_of_its_bound_on_fsdp8(layers):
     """Issue 47's acceptance: Muon's optimizer collectives on fsdp=8 within 1.1x of their bound, 4 layers (each
