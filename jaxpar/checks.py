@@ -93,6 +93,11 @@ def check_pipeline(cfg: Config, sizes) -> None:
         raise UserError(f"parallel.pipeline_schedule={p.pipeline_schedule} does not run model.float8 yet (its split "
                         "backward computes each projection's weight gradient itself, in the compute dtype; gpipe, 1f1b "
                         "and interleaved run it)")
+    if cfg.model.remat == "offload" and p.pipeline_schedule != "gpipe":
+        # the executor keeps each microbatch's residuals in device buffers it writes slot by slot in a tick's
+        # branch; residuals in host memory would need host buffers there, which it does not have
+        raise UserError(f"parallel.pipeline_schedule={p.pipeline_schedule} does not run model.remat=offload (it runs "
+                        "with the gpipe schedule; or model.remat=full)")
     sharded_params = sizes["fsdp"] > 1 or (p.zero_stage == 3 and sizes["dp"] > 1)
     what = ("model.linear=sketched" if cfg.model.linear == "sketched" else
             "model.attention=mla" if cfg.model.attention == "mla" else None)

@@ -9,6 +9,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 
 def causal_attention(q, k, v, q_pos=None, k_pos=None, q_seg=None, k_seg=None):
@@ -94,13 +95,22 @@ def local_attention(q, k, v, positions=None, segments=None):
     return causal_attention(q, k, v, positions, positions, segments, segments)
 
 
+# the name of every projection's output (jax.ad_checkpoint.checkpoint_name): what model.remat=offload moves to the
+# host. A name, not the dot's shape (checkpoint_policies' "no batch dims"), so GPipe's vmap over the stages keeps it
+PROJECTION = "projection"
+
+
 def project(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
-    """x [..., *in] contracted with w [*in, *out] over its last `n_in` dims -> [..., *out]: the models'
-    projections (the logits keep their einsum). On XLA:CPU through `_cpu_project`, whose backward pass makes a
+    """x [..., *in] contracted with w [*in, *out] over its last `n_in` dims -> [..., *out], named PROJECTION: the
+    models' projections (the logits keep their einsum). On XLA:CPU through `_cpu_project`, whose backward pass makes a
     gpt2-tiny training step ~10% faster there (less on larger ones: benchmarks/cpu_gap/README.md); elsewhere
     autodiff's own. Inside a shard_map with check_vma=True (jaxpar's all pass False) its backward would need w
     marked varying (jax.lax.pvary) when x varies and w does not. While a pipeline stage splits its
     backward (`split_backward`), what its mode says instead."""
+    return checkpoint_name(_project(x, w, n_in), PROJECTION)
+
+
+def _project(x: jax.Array, w: jax.Array, n_in: int) -> jax.Array:
     if _split is not None:
         return _split.project(x, w, n_in)
     if FLOAT8.get():
@@ -270,6 +280,10 @@ def scan_layers(layer: Callable, stacked, x: jax.Array, rows: tuple = (), unroll
 REMAT_POLICIES = {
     "full": None,  # nothing: the backward pass recomputes the whole layer from its input
     "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # the projections' outputs kept in host memory from the forward pass to the backward, the rest recomputed
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=(PROJECTION,), offload_src="device",
+        offload_dst="pinned_host"),
 }
 
 

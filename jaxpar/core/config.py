@@ -43,7 +43,8 @@ class ModelConfig:
     init_std: float = field(default=0.02, metadata=_check(lo=0.0, lo_open=True))
     # float16: with dynamic loss scaling (optim.loss_scale_*; jaxpar/loss_scale.py, torch's GradScaler)
     compute_dtype: str = field(default="float32", metadata=_check(choices=("float32", "bfloat16", "float16")))
-    remat: str = field(default="none", metadata=_check(choices=("none", "full", "save_matmuls")))
+    # offload: the activations kept for the backward pass held in host memory (README "Model", docs/architecture.md)
+    remat: str = field(default="none", metadata=_check(choices=("none", "full", "save_matmuls", "offload")))
     # the projections' matmuls in float8 with tensorwise current scaling (jaxpar/ops.py; torchao's "tensorwise"
     # recipe): inputs and weights e4m3, output gradients e5m2, float32 accumulation; norms, attention, the head
     # and the loss stay in compute_dtype. Emulated (upcast) where the device has no float8 matmul

@@ -28,7 +28,7 @@ from jaxpar.core.errors import UserError, cli
 from jaxpar.core.pipeline_schedules import configured_bubble, resolve_microbatches
 from jaxpar.core.mesh_spec import format_mesh, parse_mesh
 from jaxpar.mesh import setup_devices
-from jaxpar.tools import plan_optimizer
+from jaxpar.tools import plan_activations, plan_optimizer
 
 
 def parse_bytes(text: str) -> int:
@@ -176,6 +176,7 @@ def plan_shape(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
          "gradient_bytes": gradient_traffic(collectives),
          "notes": explain(collectives, bounds, measured, layout.mesh.devices.flat[0].platform,
                           bool(cfg.model.moe_experts))}
+    plan_activations.account(p, layout)  # model.remat=offload's activations in host memory
     return plan_optimizer.against_adamw(p, cfg, lambda adamw: plan_shape(adamw, sizes, devices), padded)
 
 
