@@ -1,5 +1,5 @@
 """torchpar's parallelism, applied to the plain Decoder from outside its code in one visible order (as torchtitan's
-parallelize does): activation checkpointing of each block (model.remat) -> torch.compile of each block
+parallelize does): activation checkpointing or offload of each block (model.remat) -> torch.compile of each block
 (train.compile) -> the backend's wrapper (torchpar/backends/: DDP, FSDP2, pipeline stages, DeepSpeed), which also
 owns gradient reduction and its compression."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ def parallelize(model, cfg: Config, env, backend: str, deepspeed_config: str = "
                 compile_model: bool | None = None) -> tuple[backends.Engine, bool]:
     """The backend's engine over `model`, and whether its blocks were compiled (`compile_model`: None follows
     train.compile; the benchmarks' --compile sets it)."""
-    checkpoint_blocks(model, cfg.model.remat)
+    checkpoint_blocks(model, cfg.model.remat, backend)
     compiled = use_compile(cfg, backend, env.device.type) if compile_model is None else compile_model
     if compiled:
         compile_blocks(model)
@@ -31,27 +31,42 @@ def parallelize(model, cfg: Config, env, backend: str, deepspeed_config: str = "
 
 class CheckpointedBlock(Block):
     """A Block whose forward the backward pass recomputes (model.remat: `full` keeps only its inputs, `save_matmuls`
-    its matmuls' outputs too). checkpoint_blocks turns a block into one in place: its class changes, not its
-    submodules, so parameter names (the shared weight format, DCP checkpoints) stay those of the plain Decoder,
-    where a wrapping module (torch's checkpoint_wrapper) would add a prefix. Without gradients (evaluation,
-    decoding) nothing is recomputed: it runs as a Block."""
+    its matmuls' outputs too), or whose saved activations wait in host memory (`offload`: every tensor the block
+    saves for its backward, through torch's save_on_cpu -- pinned on a GPU -- nothing recomputed; under DeepSpeed
+    its activation checkpointing instead, the block's input on the host (`cpu_checkpointing`, configured by
+    torchpar/backends/deepspeed.py) and the block recomputed). checkpoint_blocks turns a block into one in place:
+    its class changes, not its submodules, so parameter names (the shared weight format, DCP checkpoints) stay
+    those of the plain Decoder, where a wrapping module (torch's checkpoint_wrapper) would add a prefix. Without
+    gradients (evaluation, decoding) nothing is recomputed or moved: it runs as a Block."""
     remat = "full"
 
     def forward(self, x, positions=None, mask=None):
         if not torch.is_grad_enabled():
             return super().forward(x, positions, mask)
+        if self.remat == "offload":
+            with torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda):
+                return super().forward(x, positions, mask)
+        if self.remat == "deepspeed_offload":
+            import deepspeed
+
+            # positions and mask by closure: DeepSpeed pairs each input it partitions with its size, and loses
+            # count at a None
+            forward = super().forward
+            return deepspeed.checkpointing.checkpoint(lambda x: forward(x, positions, mask), x)
         context = partial(create_selective_checkpoint_contexts, _MATMULS) if self.remat == "save_matmuls" else None
         kwargs = {"context_fn": context} if context else {}
         return checkpoint(super().forward, x, positions, mask, use_reentrant=False, **kwargs)
 
 
-def checkpoint_blocks(model, remat: str) -> None:
-    """model.remat: each block recomputed in the backward pass (none: nothing changes). Before compile, which then
-    compiles the recomputing forward, and before any wrapper (FSDP2 shards per block, pipeline stages take blocks)."""
+def checkpoint_blocks(model, remat: str, backend: str = "") -> None:
+    """model.remat: each block recomputed in the backward pass, or its activations offloaded (none: nothing
+    changes; offload on --backend deepspeed: DeepSpeed's checkpointing). Before compile, which then compiles the
+    recomputing forward, and before any wrapper (FSDP2 shards per block, pipeline stages take blocks)."""
     if remat == "none":
         return
+    mode = "deepspeed_offload" if remat == "offload" and backend == "deepspeed" else remat
     for block in model.blocks:
-        block.__class__, block.remat = CheckpointedBlock, remat
+        block.__class__, block.remat = CheckpointedBlock, mode
 
 
 def use_compile(cfg: Config, backend: str, device_type: str) -> bool:

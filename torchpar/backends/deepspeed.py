@@ -8,7 +8,8 @@ parallel.grad_compression=bf16, CPU offload of the optimizer
 (parallel.offload=optimizer) and of parameters too (params+optimizer, stage 3).
 The user JSON may not contradict the shared keys where the model depends on them: precision sections
 other than model.compute_dtype's and an `activation_checkpointing` section (torchpar/parallelize.py recomputes
-the blocks through torch.utils.checkpoint by model.remat; DeepSpeed's section would do nothing) are refused.
+the blocks through torch.utils.checkpoint by model.remat; model.remat=offload generates the section itself:
+DeepSpeed's checkpointing of each block with its input on the host, `cpu_checkpointing`) are refused.
 The learning rate follows jaxpar's warmup + cosine (torchpar.optim.SharedLRSchedule) unless the
 user JSON names a "scheduler". Checkpoints are DeepSpeed's own (save_checkpoint/load_checkpoint,
 tag = step, client_state = the step), in <run.dir>/checkpoints.
@@ -93,7 +94,15 @@ def generated_config(cfg, world: int) -> dict:
         "fp16": fp16_section(cfg) if dtype == "float16" else {"enabled": False},
         "steps_per_print": 2**31 - 1,
         **({"communication_data_type": "bf16"} if cfg.parallel.grad_compression == "bf16" else {}),
+        **({"activation_checkpointing": OFFLOAD_CHECKPOINTING} if cfg.model.remat == "offload" else {}),
     }
+
+
+# model.remat=offload: each block's input copied to the host and the block recomputed in the backward pass
+# (torchpar/parallelize.py calls deepspeed.checkpointing.checkpoint). DeepSpeed documents cpu_checkpointing as
+# working with partition_activations only (without it, on a CPU device its "copy" to the host is the input itself,
+# which it then empties); with no model parallelism the partition is the whole input: nothing moves between ranks
+OFFLOAD_CHECKPOINTING = {"partition_activations": True, "cpu_checkpointing": True}
 
 
 def merge(base: dict, user: dict) -> dict:
@@ -293,7 +302,8 @@ def check_user_config(user: dict, cfg) -> None:
     """Sections of a user JSON that would contradict what the model does: one line each."""
     if "activation_checkpointing" in user:
         raise UserError("the DeepSpeed config's activation_checkpointing section would do nothing here: torchpar "
-                        "recomputes blocks by model.remat (none|full|save_matmuls); set that key instead")
+                        "recomputes blocks by model.remat (none|full|save_matmuls|offload, which sets the section's "
+                        "cpu_checkpointing); set that key instead")
     wire = user.get("communication_data_type")
     if cfg.parallel.grad_compression == "bf16" and wire not in (None, "bf16"):
         raise UserError(f"the DeepSpeed config sets communication_data_type={wire!r}, but "
@@ -342,6 +352,8 @@ def build(model, cfg, env, deepspeed_config: str = "", **_):
                                           config=config, lr_scheduler=scheduler, dist_init_required=False)
     except AssertionError as e:  # DeepSpeed validates its config with asserts
         raise UserError(f"DeepSpeed rejected the config: {e}") from None
+    if "activation_checkpointing" in config:  # model.remat=offload: read by deepspeed.checkpointing.checkpoint
+        deepspeed.checkpointing.configure(None, deepspeed_config=config)
     wrapper = DeepSpeedEngine(engine, cfg, env, config, universal)
     dist.before_teardown(wrapper.release)
     return wrapper
