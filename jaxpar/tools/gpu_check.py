@@ -1,11 +1,12 @@
-"""python -m jaxpar.tools.gpu_check [--tiny] [--out REPORT.md] [--skip parity,throughput,attention,ceiling]
+"""python -m jaxpar.tools.gpu_check [--tiny] [--out REPORT.md] [--skip parity,throughput,attention,ceiling,offload]
 
 One command that validates and measures on a GPU (a device session runs it in one call; docs/gpu.md):
   (a) the parity suite on the device (jaxpar vs torchpar, float32 highest precision, bf16 in its band),
   (b) GPT-2 124M, sequence 1024, bf16 on one device: tokens/s, MFU (6N + 12·L·T·d FLOPs per token, see
       jaxpar/core/flops.py), peak memory, for jaxpar and torchpar (torch.compile) in the same run,
   (c) which attention implementation the compiled jaxpar step calls (cuDNN fused attention or XLA's),
-  (d) the measured bf16 matmul ceiling.
+  (d) the measured bf16 matmul ceiling,
+  (e) (b)'s jaxpar step with model.remat=offload (activations in host memory): tokens/s and peak memory.
 It prints and writes a dated markdown report with device, versions and every command. `--tiny` runs the
 same path on the CPU with the tiny config and a few parity steps, so that CI keeps it working. A part that
 cannot run (e.g. DeepSpeed or grain missing from the image) is reported with its reason, not hidden.
@@ -26,7 +27,7 @@ import time
 
 from jaxpar.core.errors import UserError, cli
 
-PARTS = ("parity", "throughput", "attention", "ceiling")
+PARTS = ("parity", "throughput", "attention", "ceiling", "offload")
 GPT2_124M = ["--config", "configs/gpt2-124m.yaml", "model.compute_dtype=bfloat16", "data.seq_len=1024",
              "train.global_batch_size=16"]
 TINY = ["--config", "configs/gpt2-tiny.yaml", "train.global_batch_size=8"]
@@ -63,6 +64,17 @@ def throughput(tiny: bool) -> dict:
     m = re.search(r"vs torchpar \(compiled\) ([\d,]+) tok/s: ratio ([\d.]+)", r["tail"])
     return {**r, "jaxpar": jax_row, "torchpar_tokens_per_sec": float(m.group(1).replace(",", "")) if m else None,
             "ratio": float(m.group(2)) if m else None, "ok": r["rc"] == 0 and jax_row is not None}
+
+
+def offload(tiny: bool) -> dict:
+    """(b)'s jaxpar run with each layer's projection outputs in host memory between its forward and backward."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "bench.json")
+        cmd = [sys.executable, "-m", "jaxpar.tools.bench", "--mesh", "dp=1", "--steps", "3" if tiny else "10",
+               "--warmup", "1" if tiny else "3", "--json", out, *(TINY if tiny else GPT2_124M), "model.remat=offload"]
+        r = _run(cmd, 300)
+        row = json.load(open(out)) if os.path.exists(out) else None
+    return {**r, "jaxpar": row, "ok": r["rc"] == 0 and row is not None}
 
 
 def attention(tiny: bool) -> dict:
@@ -124,6 +136,13 @@ def markdown(res: dict) -> str:
         c = res["ceiling"]
         lines += ["## (d) Matmul ceiling", "", f"{c['dtype']}: {c['flops'] / 1e12:.1f} TFLOP/s (one square matmul, "
                   "jaxpar/tools/bench.py:matmul_ceiling)", ""]
+    if "offload" in res:
+        o, b = res["offload"], (res.get("throughput") or {}).get("jaxpar") or {}
+        row = lambda name, j: (  # noqa: E731
+            f"| {name} | {j.get('tokens_per_sec', 0):,.0f} | {j.get('memory_gib') or '-'} |")
+        lines += ["## (e) Activation offload", "", f"`{o['command']}` -> rc {o['rc']}", "",
+                  "| jaxpar, model.remat | tokens/s | peak GiB |", "|---|---|---|", row("none ((b))", b),
+                  row("offload", o["jaxpar"] or {}), ""]
     failed = [k for k in PARTS if k in res and not res[k]["ok"]]
     lines += [f"Result: {'all parts ran' if not failed else 'FAILED: ' + ', '.join(failed)}", ""]
     return "\n".join(lines)
@@ -149,7 +168,7 @@ def main(argv=None) -> int:
            "command": "python -m jaxpar.tools.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv)}
     for part, fn in (("parity", lambda: parity("cpu" if args.tiny else "gpu", args.tiny)),
                      ("throughput", lambda: throughput(args.tiny)), ("attention", lambda: attention(args.tiny)),
-                     ("ceiling", lambda: ceiling(args.tiny))):
+                     ("ceiling", lambda: ceiling(args.tiny)), ("offload", lambda: offload(args.tiny))):
         if part not in skip:
             print(f"gpu_check: {part} ...", file=sys.stderr, flush=True)
             res[part] = fn()
