@@ -50,17 +50,6 @@ def split_rows(batch: jax.Array, order=None, eod: int | None = None) -> Rows:
     return Rows(inputs, targets, positions, segments)
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """The mean over all target positions of the cross-entropy, a skipped (negative) target counting 0: times
-    token_share of the whole batch, the mean over the counted targets."""
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    # the target's logit by a masked sum, not a gather: fuses with the pass logsumexp makes, splits over
-    # tp like it, and a gather along a tp-sharded vocab inside the pipeline's shard_map crashes XLA's partitioner
-    vocab = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
-    picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
-    return jnp.mean(jnp.where(targets >= 0, logz - picked, 0.0))
-
-
 def token_share(batch: jax.Array) -> jax.Array:
     """Target positions per counted target in the global batch: 1.0 (exactly) unless the data has a loss mask.
     Every microbatch's and data rank's mean is scaled by the same number, so the step's loss is the mean over
@@ -71,13 +60,12 @@ def token_share(batch: jax.Array) -> jax.Array:
 
 
 def loss_fn(model, batch: jax.Array, order=None, eod: int | None = None, balance: bool = True):
-    """Next-token cross-entropy of `model` over rows [batch, seq + 1] (as cross_entropy: times token_share, the
-    mean over the counted targets), read in `order` (None: natural), within documents when `eod` is given.
-    With experts (model.moe_experts): (that plus, if `balance`, the weighted balance loss; the experts' statistics
-    summed over rows)."""
+    """Next-token cross-entropy of `model` over rows [batch, seq + 1] (models/head.py's cross_entropy, taken in
+    model.loss_chunks chunks: times token_share, the mean over the counted targets), read in `order` (None: natural),
+    within documents when `eod` is given. With experts (model.moe_experts): (that plus, if `balance`, the weighted
+    balance loss; the experts' statistics summed over rows)."""
     rows = split_rows(batch, order, eod)
-    logits, stats = model.forward(rows.inputs, rows.positions, rows.segments)
-    loss = cross_entropy(logits, rows.targets)
+    loss, stats = model.loss(rows.inputs, rows.targets, rows.positions, rows.segments)
     if stats is None:
         return loss
     m = model.cfg
@@ -108,7 +96,7 @@ def hand_scheduled(layout, schedule: str):
         fns = StageFns(
             embed=lambda rest, chunk, r: model(rest, chunk).embed(r[0], where(r)[0]),
             layers=lambda rest, chunk, sketches, x, r: model(rest, chunk).run_blocks(x, *where(r), sketches),
-            head_loss=lambda rest, chunk, h, targets: cross_entropy(model(rest, chunk).head(h), targets) * scale)
+            head_loss=lambda rest, chunk, h, targets: model(rest, chunk).head_loss(h, targets) * scale)
         rest = {k: v for k, v in params.items() if k != "blocks"}
         loss, g_rest, g_blocks = pipeline_value_and_grad(
             fns, rest, params["blocks"], stacked_sketches(cfg.model), inputs, rows.targets, mesh=mesh,

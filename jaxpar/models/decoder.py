@@ -34,8 +34,10 @@ from flax import nnx
 
 from jaxpar.context import constrain, current
 from jaxpar.core.config import ModelConfig
+from jaxpar.core.loss_chunks import loss_chunks
 from jaxpar.core.sketches import sketch_dim, stacked_sketches
 from jaxpar.models.dilated import dilated_attention
+from jaxpar.models.head import chunked_cross_entropy, cross_entropy, logits
 from jaxpar.models.layers import LayerNorm, RMSNorm, normal, param
 from jaxpar.models.llama import GQAttention, SwiGLU
 from jaxpar.models.mla import MLAttention
@@ -150,6 +152,11 @@ class Decoder(nnx.Module):
         x, stats = self.run_blocks(self.embed(tokens, positions), positions, segments, with_stats=True)
         return self.head(x), stats
 
+    def loss(self, tokens: jax.Array, targets: jax.Array, positions=None, segments=None):
+        """forward's, with the head's cross-entropy against `targets` [batch, seq] (head_loss) for the logits."""
+        x, stats = self.run_blocks(self.embed(tokens, positions), positions, segments, with_stats=True)
+        return self.head_loss(x, targets), stats
+
     # The three pieces below are also what pipeline stages run (jaxpar/step.py for the executor):
     # embed on the first stage, a slice of the blocks on each, head and loss on the last.
     def embed(self, tokens: jax.Array, positions=None) -> jax.Array:
@@ -203,10 +210,20 @@ class Decoder(nnx.Module):
                                     carry, rows)
 
     def head(self, x: jax.Array) -> jax.Array:
-        x = self.ln_f(x)
-        table = self.wte if self.cfg.tie_embeddings else self.lm_head
-        logits = jnp.einsum("btd,vd->btv", x, table[...].astype(x.dtype))
-        return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
+        """The final norm and the output head: float32 logits [batch, seq, vocab]."""
+        return logits(self.ln_f(x), self.output_table())
+
+    def head_loss(self, x: jax.Array, targets: jax.Array) -> jax.Array:
+        """cross_entropy(self.head(x), targets), in model.loss_chunks chunks of positions (models/head.py) unless
+        that is one: the whole float32 logits never held at once."""
+        n = loss_chunks(self.cfg, targets.shape[1])
+        if n == 1:
+            return cross_entropy(self.head(x), targets)
+        return chunked_cross_entropy(self.ln_f(x), self.output_table(), targets, n)
+
+    def output_table(self) -> jax.Array:
+        """The output head's weights [vocab, embed]: the token embedding when tied, else lm_head."""
+        return (self.wte if self.cfg.tie_embeddings else self.lm_head)[...]
 
 
 def abstract_model(cfg: ModelConfig):

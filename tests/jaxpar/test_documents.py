@@ -18,9 +18,10 @@ from jaxpar.core.mesh_spec import parse_mesh
 from jaxpar.core.weights import flatten, unflatten
 from jaxpar.decode import make_generate
 from jaxpar.layout import Layout
-from jaxpar.loss import cross_entropy, split_rows, token_order
+from jaxpar.loss import split_rows, token_order
 from jaxpar.mesh import make_mesh
 from jaxpar.models.decoder import Decoder, abstract_model
+from jaxpar.models.head import cross_entropy
 from jaxpar.parallelize import parallel_context
 from jaxpar.step import loss_and_grad, make_eval_step
 from parity_tests.compare import split_key_bias

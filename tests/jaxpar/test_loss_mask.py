@@ -14,8 +14,9 @@ from jaxpar.core.data_order import Samples, unmasked
 from jaxpar.core.mesh_spec import parse_mesh
 from jaxpar.core.weights import flatten
 from jaxpar.data import TokenBatches
-from jaxpar.loss import cross_entropy, split_rows, token_share
+from jaxpar.loss import split_rows, token_share
 from jaxpar.models.decoder import Decoder
+from jaxpar.models.head import cross_entropy
 from tests.helpers import make_sft_dataset, run_steps, tiny_config
 from torchpar.models.decoder import Decoder as TorchDecoder, inputs_and_targets, next_token_loss
 from torchpar.weights import from_shared

@@ -24,7 +24,7 @@ from jaxpar.core.experts import expert_records
 from jaxpar.core.lr_schedule import lr_at
 from torchpar import dist
 from torchpar.checkpoint import DCPCheckpointer
-from torchpar.models.decoder import inputs_and_targets, next_token_loss
+from torchpar.models.decoder import inputs_and_targets
 from torchpar.models.moe import balance_loss, update_router_bias
 from torchpar.optim import group_settings, make_optimizer, put_back, set_lr, state_bytes
 
@@ -58,9 +58,10 @@ def read_metrics(handle, env, data_ways: int, experts: int = 0) -> dict:
 
 def microbatch_loss(module, raw, batch: torch.Tensor):
     """(the training loss of rows [batch, seq + 1]: cross-entropy, with experts plus their weighted balance loss;
-    the experts' statistics summed over the rows, the balance per layer and the row count appended, or None)."""
+    the experts' statistics summed over the rows, the balance per layer and the row count appended, or None). The
+    wrapped module computes the cross-entropy in its forward (model.loss_chunks: the whole logits never held)."""
     inputs, targets = inputs_and_targets(batch)
-    loss = next_token_loss(module(inputs), targets)
+    loss = module(inputs, targets)
     stats = raw.expert_stats  # the forward's (torchpar/models/decoder.py)
     if stats is None:
         return loss, None
@@ -76,7 +77,7 @@ def add_stats(total, stats):
 def eval_loss(module, batch: torch.Tensor, share: float = 1.0) -> float:
     inputs, targets = inputs_and_targets(batch)
     with torch.no_grad():
-        return float(next_token_loss(module(inputs), targets)) * share
+        return float(module(inputs, targets)) * share
 
 
 def grad_scaler(cfg, env, sharded: bool = False):

@@ -34,16 +34,18 @@ import torch.distributed as tdist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from jaxpar.core.errors import UserError
+from jaxpar.core.loss_chunks import loss_chunks
 from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
 from jaxpar.core.pipeline_schedules import (check_schedule, chunks as chunks_per_rank, placement, resolve_microbatches,
                                             virtual_stage)
 from torchpar.backends.base import TorchEngine, local, whole
-from torchpar.models.decoder import Decoder, embed, inputs_and_targets, next_token_loss, output_head
+from torchpar.models.decoder import Decoder, embed, inputs_and_targets
+from torchpar.models.head import chunked_cross_entropy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
              "zb_h1": ScheduleInterleavedZeroBubble, "zb_v": ScheduleZBVZeroBubble}
@@ -51,8 +53,9 @@ MULTI = ("interleaved", "zb_h1", "zb_v")  # schedules that take a list of stages
 
 
 class Stage(nn.Module):
-    """Some layers of a Decoder; the embedding when first, final norm + output head when last. A virtual stage's
-    chunk, or all of a rank's chunks together (the module the optimizer, clipping and checkpoints see)."""
+    """Some layers of a Decoder; the embedding when first, final norm, output head and loss (head_loss) when last. A
+    virtual stage's chunk, or all of a rank's chunks together (the module the optimizer, clipping and checkpoints
+    see)."""
 
     def __init__(self, model: Decoder, layers: list[int], first: bool, last: bool):
         super().__init__()
@@ -63,14 +66,23 @@ class Stage(nn.Module):
         if first:
             self.wpe = model.wpe  # None for llama
         if last:
-            self.ln_f, self.lm_head = model.ln_f, model.lm_head  # lm_head None when tied
+            self.ln_f, self.lm_head, self.cfg = model.ln_f, model.lm_head, model.cfg  # lm_head None when tied
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
             x = embed(self.wte, self.wpe, x, self.compute_dtype)
         for block in self.blocks.values():
             x = block(x)[0]  # (x, None): the pipeline refuses experts (jaxpar/core/contract.py)
-        return output_head(self.ln_f, self.wte if self.lm_head is None else self.lm_head, x) if self.last else x
+        return self.ln_f(x) if self.last else x  # the last stage's head and loss: the schedule's loss function
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The last stage's output head and cross-entropy of its output, in model.loss_chunks chunks: what the
+        schedule's loss function computes, so the whole logits are never a stage output held for the backward.
+        Through head.py's autograd Function even in one chunk: it keeps no input for its backward, and after the
+        input pass the zero-bubble schedules detach the stage's output in place (torch's stage.py) before their
+        weight pass. Under FSDP2 a forward method of the stage's (register_fsdp_forward_method)."""
+        table = self.wte if self.lm_head is None else self.lm_head
+        return chunked_cross_entropy(x, table, targets, loss_chunks(self.cfg, targets.shape[1]))
 
 
 def pipeline_sizes(cfg, world: int) -> tuple[int, int, str]:
@@ -121,6 +133,8 @@ class PipelineEngine(TorchEngine):
         # every stage of a replica reads the replica's share of the batch; only the last has the loss
         self.data_rank, self.data_ways = place.replica, place.replicas
         self.M, self.stage_module, self.scale, self.pp_group = M, stage, 1.0, place.pp_group
+        # the chunk that holds the model's last virtual stage, when this rank has it (DDP's: the module inside)
+        self.last_chunk = next((getattr(c, "module", c) for c in chunks if getattr(c, "module", c).last), None)
         S, schedule = place.stages, cfg.parallel.pipeline_schedule
         stages = [PipelineStage(chunk, virtual_stage(schedule, S, place.stage, c), S * len(chunks), env.device,
                                 group=place.pp_group) for c, chunk in enumerate(chunks)]
@@ -136,8 +150,8 @@ class PipelineEngine(TorchEngine):
         # wte's gradient counts once in the global norm: on the first stage only
         self.norm_params = [p for n, p in stage.named_parameters() if not (n == "wte" and not stage.first)]
 
-    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return next_token_loss(logits, target) * self.scale
+    def _loss(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.last_chunk.head_loss(x, target) * self.scale
 
     def _order(self, batch: torch.Tensor) -> torch.Tensor:
         """Rows so that contiguous chunk m holds rows m, m+M, ... (jaxpar's microbatch m)."""
@@ -224,6 +238,8 @@ def build(model: Decoder, cfg, env, **_):
         for block in chunks[0].blocks.values():
             fully_shard(block, mesh=place.data_mesh)
         fully_shard(chunks[0], mesh=place.data_mesh)
+        if chunks[0].last:  # its head and loss run outside its forward, with the weights gathered as in it
+            register_fsdp_forward_method(chunks[0], "head_loss")
         rank = chunks[0]  # one chunk per rank (check_torch_pipeline): the sharded module is the rank's
     elif place.replicas > 1:  # DDP per chunk over dp; the pipeline stage runs its all-reduce on the last backward
         ids = [env.device.index] if env.device.type == "cuda" else None

@@ -18,7 +18,9 @@ from torch import nn
 
 from jaxpar.core.config import ModelConfig
 from jaxpar.core.data_order import unmasked
+from jaxpar.core.loss_chunks import loss_chunks
 from torchpar.models.dilated import dilated_attention
+from torchpar.models.head import chunked_cross_entropy, cross_entropy, logits
 from torchpar.models.layers import Dense, LayerNorm, RMSNorm, SketchedLinear
 from torchpar.models.llama import GQAttention, SwiGLU
 from torchpar.models.mla import MLAttention
@@ -123,8 +125,9 @@ class Decoder(nn.Module):
             if isinstance(norm, LayerNorm):
                 norm.bias.zero_()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [batch, seq] int64 -> logits [batch, seq, vocab] float32."""
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [batch, seq] int64 -> logits [batch, seq, vocab] float32; with `targets` [batch, seq] their mean
+        cross-entropy instead (head_loss: in model.loss_chunks chunks, never the whole logits at once)."""
         positions = mask = None
         if self.eod is not None:  # each document its own positions, attending within itself
             positions, segments = document_positions(tokens, self.eod)
@@ -137,6 +140,8 @@ class Decoder(nn.Module):
                 per_layer.append(stats)
         # the loss reads them (moe.balance_loss): the wrappers return the logits alone
         self.expert_stats = layer_stats(per_layer, self.cfg) if per_layer else None
+        if targets is not None:
+            return head_loss(self.ln_f, self.output_table, x, targets, self.cfg)
         return output_head(self.ln_f, self.output_table, x)
 
     @property
@@ -156,8 +161,17 @@ def embed(wte: nn.Parameter, wpe: nn.Parameter | None, tokens: torch.Tensor, dty
 
 def output_head(ln_f: nn.Module, table: nn.Parameter, x: torch.Tensor) -> torch.Tensor:
     """Final norm, then logits against `table`: wte when tied (not a view: FSDP2 hooks it), else lm_head."""
-    x = ln_f(x)
-    return F.linear(x, table.to(x.dtype)).float()
+    return logits(ln_f(x), table)
+
+
+def head_loss(ln_f: nn.Module, table: nn.Parameter, x: torch.Tensor, targets: torch.Tensor,
+              cfg: ModelConfig) -> torch.Tensor:
+    """next_token_loss(output_head(ln_f, table, x), targets), in model.loss_chunks chunks of positions (head.py)
+    unless that is one."""
+    n = loss_chunks(cfg, targets.shape[1])
+    if n == 1:
+        return cross_entropy(output_head(ln_f, table, x), targets)
+    return chunked_cross_entropy(ln_f(x), table, targets, n)
 
 
 def inputs_and_targets(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,8 +181,6 @@ def inputs_and_targets(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The mean over all target positions of the cross-entropy, a skipped (negative) target counting 0 (jaxpar's
-    loss.cross_entropy: times the batch's token share, the mean over the counted targets)."""
-    targets = targets.reshape(-1)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.clamp(min=0), reduction="none")
-    return torch.where(targets >= 0, ce, 0.0).mean()
+    """The whole logits' loss: head.py's cross_entropy, the mean over all target positions of the cross-entropy, a
+    skipped (negative) target counting 0 (times the batch's token share, the mean over the counted targets)."""
+    return cross_entropy(logits, targets)

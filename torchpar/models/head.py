@@ -1,0 +1,78 @@
+"""The output head's logits and their cross-entropy, whole or in sequence chunks (model.loss_chunks): jaxpar's
+models/head.py in torch.
+
+Whole: the logits [batch, seq, vocab] in float32, then `cross_entropy`. In chunks: `chunked_cross_entropy` takes
+the final norm's output and the output table and runs the head and the loss one chunk of positions at a time (chunk
+c holds positions c, c + n, ... of every row, as jaxpar's), so no more than one chunk's float32 logits ever exist.
+An autograd Function: each chunk's gradients are taken in its forward, where the chunk's logits are at hand (the
+logits' gradient by autograd through the same per-position loss, the head's two products by hand, as F.linear's
+backward makes them), and kept at the size of the head's input and table; the backward only scales them, so nothing
+is recomputed and no checkpointing is involved. The table's gradient sums the chunks' in float32. It runs inside
+the model's forward, where DDP, FSDP2 and DeepSpeed ZeRO-3 have the table's full weights at hand.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def logits(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The normalized hidden states [batch, seq, embed] against the output table [vocab, embed] in x's dtype ->
+    float32 logits [batch, seq, vocab]."""
+    return F.linear(x, table.to(x.dtype)).float()
+
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy at each position [batch, seq], 0 where the target is skipped (negative)."""
+    ce = F.cross_entropy(logits.flatten(0, -2), targets.reshape(-1).clamp(min=0), reduction="none")
+    return torch.where(targets >= 0, ce.view(targets.shape), 0.0)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean over all target positions of the cross-entropy, a skipped (negative) target counting 0 (times the
+    batch's token share, the mean over the counted targets)."""
+    return token_losses(logits, targets).mean()
+
+
+def _split(a: torch.Tensor, n: int) -> torch.Tensor:
+    """[batch, seq, ...] -> [batch, seq / n, n, ...] (a view of a contiguous tensor): chunk c, [:, :, c], holds
+    positions c, c + n, ..."""
+    return a.reshape(a.shape[0], a.shape[1] // n, n, *a.shape[2:])
+
+
+class _Chunked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, table, targets, n: int):
+        xs, ts, w = _split(x, n), _split(targets, n), table.detach().to(x.dtype)
+        grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if grads else None
+        dtable = torch.zeros(table.shape, dtype=torch.float32, device=x.device) if grads else None
+        for c in range(n):
+            h, t = xs[:, :, c], ts[:, :, c]
+            z = logits(h, w)
+            if not grads:
+                total += token_losses(z, t).sum()
+                continue
+            with torch.enable_grad():
+                z.requires_grad_()
+                loss = token_losses(z, t).sum()
+                dz = torch.autograd.grad(loss, z)[0].to(x.dtype)  # the logits' gradient, cast back as autograd does
+            total += loss.detach()
+            _split(dx, n)[:, :, c] = dz @ w  # the head's transpose
+            dtable += (dz.flatten(0, 1).T @ h.flatten(0, 1)).float()
+        ctx.save_for_backward(dx, dtable)
+        ctx.table_dtype = table.dtype
+        return total / targets.numel()
+
+    @staticmethod
+    def backward(ctx, g):
+        dx, dtable = ctx.saved_tensors
+        scale = g / (dx.shape[0] * dx.shape[1])
+        return (dx.float() * scale).to(dx.dtype), (dtable * scale).to(ctx.table_dtype), None, None
+
+
+def chunked_cross_entropy(x: torch.Tensor, table: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
+    """cross_entropy(logits(x, table), targets), the logits made `chunks` chunks of positions at a time (the
+    sequence length a multiple of `chunks`)."""
+    return _Chunked.apply(x, table, targets, chunks)
