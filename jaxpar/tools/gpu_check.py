@@ -1,4 +1,4 @@
-"""python -m jaxpar.tools.gpu_check [--tiny] [--out REPORT.md] [--skip parity,throughput,attention,ceiling,offload]
+"""python -m jaxpar.tools.gpu_check [--tiny] [--out REPORT.md] [--skip parity,throughput,attention,ceiling,offload,models]
 
 One command that validates and measures on a GPU (a device session runs it in one call; docs/gpu.md):
   (a) the parity suite on the device (jaxpar vs torchpar, float32 highest precision, bf16 in its band),
@@ -6,7 +6,9 @@ One command that validates and measures on a GPU (a device session runs it in on
       jaxpar/core/flops.py), peak memory, for jaxpar and torchpar (torch.compile) in the same run,
   (c) which attention implementation the compiled jaxpar step calls (cuDNN fused attention or XLA's),
   (d) the measured bf16 matmul ceiling,
-  (e) (b)'s jaxpar step with model.remat=offload (activations in host memory): tokens/s and peak memory.
+  (e) (b)'s jaxpar step with model.remat=offload (activations in host memory): tokens/s and peak memory,
+  (f) the larger models, jaxpar on one device: Llama-3 1B in bf16 and with model.float8 (the float8 speed-up on
+      the 1B), a mixture of experts (configs/moe-1b.yaml): tokens/s, MFU, peak memory.
 It prints and writes a dated markdown report with device, versions and every command. `--tiny` runs the
 same path on the CPU with the tiny config and a few parity steps, so that CI keeps it working. A part that
 cannot run (e.g. DeepSpeed or grain missing from the image) is reported with its reason, not hidden.
@@ -27,10 +29,18 @@ import time
 
 from jaxpar.core.errors import UserError, cli
 
-PARTS = ("parity", "throughput", "attention", "ceiling", "offload")
+PARTS = ("parity", "throughput", "attention", "ceiling", "offload", "models")
 GPT2_124M = ["--config", "configs/gpt2-124m.yaml", "model.compute_dtype=bfloat16", "data.seq_len=1024",
              "train.global_batch_size=16"]
 TINY = ["--config", "configs/gpt2-tiny.yaml", "train.global_batch_size=8"]
+# (f)'s rows: the 1B configs at sequence 2048, 8 rows in one microbatch (remat full, as configured)
+MODELS = {"llama-1b bf16": ["--config", "configs/llama-1b.yaml"],
+          "llama-1b float8": ["--config", "configs/llama-1b.yaml", "model.float8=true"],
+          "moe-1b bf16": ["--config", "configs/moe-1b.yaml"]}
+ONE_DEVICE = ["train.global_batch_size=8", "train.microbatches=1"]
+TINY_MODELS = {"llama-tiny": ["--config", "configs/llama-tiny.yaml"],
+               "llama-tiny float8": ["--config", "configs/llama-tiny.yaml", "model.float8=true"],
+               "moe-tiny": ["--config", "configs/moe-tiny.yaml"]}
 
 
 def _run(cmd: list[str], timeout: int, env: dict | None = None) -> dict:
@@ -66,15 +76,29 @@ def throughput(tiny: bool) -> dict:
             "ratio": float(m.group(2)) if m else None, "ok": r["rc"] == 0 and jax_row is not None}
 
 
-def offload(tiny: bool) -> dict:
-    """(b)'s jaxpar run with each layer's projection outputs in host memory between its forward and backward."""
+def jaxpar_bench(args: list[str], tiny: bool, timeout: int = 300) -> dict:
+    """One jaxpar.tools.bench run on one device: its command, rc and row (None if it wrote none)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "bench.json")
         cmd = [sys.executable, "-m", "jaxpar.tools.bench", "--mesh", "dp=1", "--steps", "3" if tiny else "10",
-               "--warmup", "1" if tiny else "3", "--json", out, *(TINY if tiny else GPT2_124M), "model.remat=offload"]
-        r = _run(cmd, 300)
+               "--warmup", "1" if tiny else "3", "--json", out, *args]
+        r = _run(cmd, timeout)
         row = json.load(open(out)) if os.path.exists(out) else None
     return {**r, "jaxpar": row, "ok": r["rc"] == 0 and row is not None}
+
+
+def offload(tiny: bool) -> dict:
+    """(b)'s jaxpar run with each layer's projection outputs in host memory between its forward and backward."""
+    return jaxpar_bench([*(TINY if tiny else GPT2_124M), "model.remat=offload"], tiny)
+
+
+def models(tiny: bool) -> dict:
+    """(f): each of MODELS (the tiny configs with --tiny), and the float8 row's tokens/s over the bf16 one's."""
+    rows = {name: jaxpar_bench(args + ([] if tiny else ONE_DEVICE), tiny, 240)
+            for name, args in (TINY_MODELS if tiny else MODELS).items()}
+    bf16, float8 = (((rows[n]["jaxpar"] or {}).get("tokens_per_sec") or 0) for n in list(rows)[:2])
+    return {"rows": rows, "float8_speedup": float8 / bf16 if bf16 else None,
+            "ok": all(r["ok"] for r in rows.values())}
 
 
 def attention(tiny: bool) -> dict:
@@ -143,6 +167,16 @@ def markdown(res: dict) -> str:
         lines += ["## (e) Activation offload", "", f"`{o['command']}` -> rc {o['rc']}", "",
                   "| jaxpar, model.remat | tokens/s | peak GiB |", "|---|---|---|", row("none ((b))", b),
                   row("offload", o["jaxpar"] or {}), ""]
+    if "models" in res:
+        m = res["models"]
+        lines += ["## (f) Larger models, jaxpar, one device", "",
+                  "| model | tokens/s | MFU (datasheet) | peak GiB | command |", "|---|---|---|---|---|"]
+        for name, r in m["rows"].items():
+            j, mfu = r["jaxpar"] or {}, (r["jaxpar"] or {}).get("mfu_datasheet")
+            lines.append(f"| {name} | {j.get('tokens_per_sec', 0):,.0f} | {'-' if mfu is None else f'{mfu:.1%}'} | "
+                         f"{j.get('memory_gib') or '-'} | `{r['command']}` -> rc {r['rc']} |")
+        speedup = m["float8_speedup"]
+        lines += ["", f"float8 / bf16 tokens/s: {'-' if speedup is None else f'{speedup:.2f}'}", ""]
     failed = [k for k in PARTS if k in res and not res[k]["ok"]]
     lines += [f"Result: {'all parts ran' if not failed else 'FAILED: ' + ', '.join(failed)}", ""]
     return "\n".join(lines)
@@ -168,7 +202,8 @@ def main(argv=None) -> int:
            "command": "python -m jaxpar.tools.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv)}
     for part, fn in (("parity", lambda: parity("cpu" if args.tiny else "gpu", args.tiny)),
                      ("throughput", lambda: throughput(args.tiny)), ("attention", lambda: attention(args.tiny)),
-                     ("ceiling", lambda: ceiling(args.tiny)), ("offload", lambda: offload(args.tiny))):
+                     ("ceiling", lambda: ceiling(args.tiny)), ("offload", lambda: offload(args.tiny)),
+                     ("models", lambda: models(args.tiny))):
         if part not in skip:
             print(f"gpu_check: {part} ...", file=sys.stderr, flush=True)
             res[part] = fn()

@@ -14,11 +14,14 @@ def test_gpu_check_tiny_writes_its_report(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report, res = out.read_text(), json.loads(out.with_suffix(".json").read_text())
     for heading in ("(a) Parity suite", "(b) Throughput", "(c) Attention", "(d) Matmul ceiling",
-                    "(e) Activation offload"):
+                    "(e) Activation offload", "(f) Larger models"):
         assert heading in report, report
     assert res["parity"]["counts"] == {"passed": 1}, res["parity"]["tail"]  # float32, jaxpar vs torchpar
     assert res["throughput"]["jaxpar"]["tokens_per_sec"] > 0 and res["throughput"]["ratio"] > 0
     assert res["attention"]["cudnn_calls"] == [] and "XLA's own" in report  # no cuDNN on a CPU
     assert res["ceiling"]["dtype"] == "float32" and res["ceiling"]["flops"] > 0
     assert res["offload"]["jaxpar"]["remat"] == "offload" and res["offload"]["jaxpar"]["tokens_per_sec"] > 0
+    assert set(res["models"]["rows"]) == {"llama-tiny", "llama-tiny float8", "moe-tiny"}
+    assert all(r["jaxpar"]["tokens_per_sec"] > 0 for r in res["models"]["rows"].values())
+    assert res["models"]["rows"]["llama-tiny float8"]["jaxpar"]["float8"] and res["models"]["float8_speedup"] > 0
     assert "Result: all parts ran" in report and "Versions: python" in report
