@@ -1,7 +1,11 @@
 """The output head and its cross-entropy in chunks of positions (model.loss_chunks, jaxpar/models/head.py): the same
 loss and gradients as the whole logits on one device and on every kind of mesh, and a step that never holds the
 whole float32 logits (the planner's peak for issue 50's command; the largest array the step makes)."""
+import json
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +17,7 @@ from jaxpar.core.config import load_config
 from jaxpar.core.mesh_spec import parse_mesh
 from jaxpar.loss import loss_fn
 from jaxpar.models.decoder import Decoder
-from tests.helpers import assert_params_close, make_sft_dataset, run_steps, tiny_config
+from tests.helpers import ROOT, assert_params_close, make_sft_dataset, run_steps, tiny_config
 
 ISSUE_50 = ("model.vocab_size=50304", "data.seq_len=128", "train.global_batch_size=32")  # docs/benchmarks
 MIB = 2 ** 20
@@ -57,6 +61,29 @@ def test_chunks_give_the_whole_logits_loss_and_gradients(overrides):
         np.testing.assert_array_equal(got[1], whole[1])
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(grads)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+
+
+def test_torchpar_chunks_as_jaxpar_does():
+    """The same weights and rows, 4 chunks in both frameworks: the same loss and gradients (float32)."""
+    import torch
+
+    from jaxpar.core.weights import flatten
+    from torchpar.models.decoder import Decoder as TorchDecoder, inputs_and_targets
+    from torchpar.weights import from_shared, to_shared
+
+    cfg = chunked(tiny_config(), 4)
+    model, batch = Decoder(cfg.model, nnx.Rngs(0)), rows(cfg)
+    graphdef, params = nnx.split(model, nnx.Param)
+    loss, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch, eod=0))(params)
+    twin = TorchDecoder(cfg.model, eod=0)
+    twin.load_state_dict(from_shared({k: np.asarray(v) for k, v in flatten(params.to_pure_dict()).items()},
+                                     cfg.model.n_layer))
+    got = twin(*inputs_and_targets(torch.as_tensor(np.asarray(batch), dtype=torch.long)))
+    got.backward()
+    assert float(got) == pytest.approx(float(loss), rel=1e-6)
+    got_grads = to_shared({k: p.grad for k, p in twin.named_parameters()}, cfg.model.n_layer)
+    for name, g in flatten(grads.to_pure_dict()).items():
+        np.testing.assert_allclose(got_grads[name], g, rtol=1e-5, atol=1e-7, err_msg=name)
 
 
 SFT = ("data.seq_len=16", "data.document_mask=true", "train.steps=3")
@@ -103,6 +130,19 @@ def test_the_whole_logits_plan_over_2000_mib():
 
     peak = plan(issue_config(1), {"dp": 1}, jax.devices()[:1])["peak_bytes"]
     assert peak > 2000 * MIB, peak / MIB
+
+
+def test_the_issue_step_measures_under_1000_mib(tmp_path):
+    """jaxpar.tools.step_memory in a process of its own: the resident set's rise during the step plus the state, as
+    planned within 5%."""
+    command = [sys.executable, "-m", "jaxpar.tools.step_memory", "--config", "configs/gpt2-tiny.yaml", *ISSUE_50,
+               "--json", str(tmp_path / "m.json")]
+    out = subprocess.run(command, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    measured = json.loads((tmp_path / "m.json").read_text())
+    assert measured["peak_bytes"] < 1000 * MIB, measured
+    assert abs(measured["peak_bytes"] / measured["planned_peak_bytes"] - 1) < 0.05, measured
 
 
 def largest_array(jaxpr) -> int:

@@ -1,0 +1,87 @@
+"""A train step's memory measured on this host, for one CPU device (whose runtime keeps no memory counters):
+python -m jaxpar.tools.step_memory --config C [key=value ...], in a process of its own with one CPU device (where
+jax has several, XLA:CPU keeps buffers between steps and the rise below undercounts).
+
+The step is compiled and run once, the memory the compiler and that first step freed is handed back to the system
+(glibc's malloc_trim), then one more step runs while a thread samples the process's resident set: its rise over
+the resident set just before the step is what the step's own buffers took at their most (what the planner's
+`temp` estimates), and that rise plus the train state's bytes is the measured counterpart of the planner's peak
+(jaxpar.tools.plan, XLA's memory analysis of the same compiled step; the process's Python and libraries are left
+out of both). docs/benchmarks/chunked-loss-2026-11-27.md has its figures for the chunked loss.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import threading
+import time
+
+from jaxpar.core.config import Config, load_config
+from jaxpar.core.errors import cli
+
+MIB = 2 ** 20
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure(cfg: Config, every_s: float = 0.0005) -> dict:
+    """{"state_bytes", "step_bytes" (the resident set's rise during a warm step), "peak_bytes" (their sum),
+    "planned_temp_bytes", "planned_peak_bytes"} of the config's train step on the first device."""
+    import jax
+    import numpy as np
+
+    from jaxpar.step import build_step
+
+    layout, state, step = build_step(cfg, {"dp": 1}, jax.devices()[:1])
+    memory = step.memory_analysis()
+    rows = np.random.default_rng(0).integers(0, cfg.model.vocab_size, layout.batch_shape, dtype=np.int32)
+    batch = jax.device_put(rows, layout.batch_sharding)
+    state = jax.block_until_ready(step(state, batch)[0])
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    before, most, done = resident_bytes(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            most[0] = max(most[0], resident_bytes())
+            time.sleep(every_s)
+
+    watcher = threading.Thread(target=sample)
+    watcher.start()
+    try:
+        state = jax.block_until_ready(step(state, batch)[0])
+    finally:
+        done.set()
+        watcher.join()
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    rise = max(most[0], resident_bytes()) - before
+    return {"state_bytes": state_bytes, "step_bytes": rise, "peak_bytes": state_bytes + rise,
+            "planned_temp_bytes": memory.temp_size_in_bytes,
+            "planned_peak_bytes": memory.argument_size_in_bytes + memory.output_size_in_bytes
+            - memory.alias_size_in_bytes + memory.temp_size_in_bytes}
+
+
+@cli
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jaxpar.tools.step_memory", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config")
+    ap.add_argument("--json", help="also write the figures as JSON here")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_intermixed_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    result = measure(load_config(args.config, args.overrides))
+    for key, value in result.items():
+        print(f"{key:<20} {value / MIB:>10,.1f} MiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
