@@ -1,13 +1,12 @@
 """A train step's memory measured on this host, for one CPU device (whose runtime keeps no memory counters):
-python -m jaxpar.tools.step_memory --config C [key=value ...], in a process of its own with one CPU device (where
-jax has several, XLA:CPU keeps buffers between steps and the rise below undercounts).
+python -m jaxpar.tools.step_memory --config C [key=value ...].
 
 The step is compiled and run once, the memory the compiler and that first step freed is handed back to the system
-(glibc's malloc_trim), then one more step runs while a thread samples the process's resident set: its rise over
-the resident set just before the step is what the step's own buffers took at their most (what the planner's
-`temp` estimates), and that rise plus the train state's bytes is the measured counterpart of the planner's peak
-(jaxpar.tools.plan, XLA's memory analysis of the same compiled step; the process's Python and libraries are left
-out of both). docs/benchmarks/chunked-loss-2026-11-27.md has its figures for the chunked loss.
+(glibc's malloc_trim), the kernel's high-water mark of the process's resident set is reset, and one more step
+runs: the mark's rise over the resident set just before the step is what the step's own buffers took at their most
+(the planner's `temp` estimates it), and that rise plus the train state's bytes is the measured counterpart of the
+planner's peak (jaxpar.tools.plan, XLA's memory analysis of the same compiled step; the process's Python and
+libraries are left out of both). docs/benchmarks/chunked-loss-2026-11-27.md has its figures for the chunked loss.
 """
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ import argparse
 import ctypes
 import json
 import os
-import threading
-import time
+import re
 
 from jaxpar.core.config import Config, load_config
 from jaxpar.core.errors import cli
@@ -24,12 +22,13 @@ from jaxpar.core.errors import cli
 MIB = 2 ** 20
 
 
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _status_bytes(field: str) -> int:
+    """/proc/self/status's VmRSS (resident now) or VmHWM (its highest since the last reset) in bytes."""
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) * 1024
 
 
-def measure(cfg: Config, every_s: float = 0.0005) -> dict:
+def measure(cfg: Config) -> dict:
     """{"state_bytes", "step_bytes" (the resident set's rise during a warm step), "peak_bytes" (their sum),
     "planned_temp_bytes", "planned_peak_bytes"} of the config's train step on the first device."""
     import jax
@@ -43,22 +42,12 @@ def measure(cfg: Config, every_s: float = 0.0005) -> dict:
     batch = jax.device_put(rows, layout.batch_sharding)
     state = jax.block_until_ready(step(state, batch)[0])
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    before, most, done = resident_bytes(), [0], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            most[0] = max(most[0], resident_bytes())
-            time.sleep(every_s)
-
-    watcher = threading.Thread(target=sample)
-    watcher.start()
-    try:
-        state = jax.block_until_ready(step(state, batch)[0])
-    finally:
-        done.set()
-        watcher.join()
+    with open("/proc/self/clear_refs", "w") as f:  # the kernel's high-water mark starts again from now (Linux >= 4.0)
+        f.write("5")
+    before = _status_bytes("VmRSS")
+    state = jax.block_until_ready(step(state, batch)[0])
+    rise = _status_bytes("VmHWM") - before
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
-    rise = max(most[0], resident_bytes()) - before
     return {"state_bytes": state_bytes, "step_bytes": rise, "peak_bytes": state_bytes + rise,
             "planned_temp_bytes": memory.temp_size_in_bytes,
             "planned_peak_bytes": memory.argument_size_in_bytes + memory.output_size_in_bytes
