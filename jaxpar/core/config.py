@@ -49,6 +49,9 @@ class ModelConfig:
     # recipe): inputs and weights e4m3, output gradients e5m2, float32 accumulation; norms, attention, the head
     # and the loss stay in compute_dtype. Emulated (upcast) where the device has no float8 matmul
     float8: bool = False
+    # the output head and its cross-entropy in this many chunks of positions (lowered to a divisor of the sequence;
+    # jaxpar/core/loss_chunks.py): the float32 logits of the whole batch never exist at once; 1 = all at once
+    loss_chunks: int = field(default=8, metadata=_check(lo=1))
     init_from: str = ""  # a .safetensors file in the shared weight format; empty = random init
     # variants (docs/architecture.md "Model variants"): attention core and MLP linear layers
     attention: str = field(default="mha", metadata=_check(choices=("mha", "mla", "dilated")))

@@ -145,6 +145,7 @@ CONTRACT: dict[str, Owner] = {
     "model.init_std": Owner(True, BOTH, "params"),
     "model.compute_dtype": Owner(True, BOTH, "step"),
     "model.remat": Owner(True, BOTH, "step"),
+    "model.loss_chunks": Owner(True, BOTH, "step"),
     "model.float8": Owner(True, (), "step", why_not="torchpar's projections are einsums over jaxpar's weight shapes, "
                           "and torchao's float8 training swaps nn.Linear layers only: not written yet (jaxpar.train "
                           "runs it)"),
