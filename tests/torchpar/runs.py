@@ -91,3 +91,25 @@ def assert_notes_once(out: subprocess.CompletedProcess) -> None:
     """Every changed key said once, however many processes run (by the main one)."""
     keys = [line.split()[2] for line in out.stdout.splitlines() if line.startswith("resuming with")]
     assert len(keys) == len(set(keys)) and {c.split("=")[0] for c in CHANGED} <= set(keys), out.stdout[-3000:]
+
+
+def jaxpar_run(base, overrides: list[str], name: str) -> dict:
+    """jaxpar on one device from `base`'s initial weights with `overrides`: the run a torchpar run is held to."""
+    run_dir = base["tmp"] / f"{name}-jaxpar"
+    command = [sys.executable, "-m", "jaxpar.train", *base["args"], *overrides, f"run.dir={run_dir}"]
+    out = run_in_session(command, torch_env(JAXPAR_CPU_DEVICES="1"), 180, f"jaxpar's {name} run")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return metrics(run_dir)
+
+
+def assert_resumes_exactly_after_sigkill(base, backend: str, overrides: list[str], name: str) -> None:
+    """`backend` on two processes with `overrides`, whole and killed by SIGKILL after step 6 then resumed from its
+    step-4 checkpoint: every logged loss equal, bit for bit."""
+    args = ["--backend", backend, *base["args"], *overrides, "checkpoint.every=4"]
+    full, killed = base["tmp"] / f"{name}-{backend}-full", base["tmp"] / f"{name}-{backend}-killed"
+    run(args + [f"run.dir={full}"], nproc=2)
+    run(args + [f"run.dir={killed}"], nproc=2, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
+    out = run(args + [f"run.dir={killed}"], nproc=2)
+    assert "resumed from" in out.stderr
+    m, r = metrics(full), metrics(killed)
+    assert sorted(m) == sorted(r) and all(r[s]["loss"] == m[s]["loss"] for s in m)

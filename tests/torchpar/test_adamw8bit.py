@@ -2,16 +2,14 @@
 map and block quantization bit for bit; ddp and fsdp equal one process over 10 steps; jaxpar from the same weights
 file within the band quantization allows; a ddp run killed and resumed equals the uninterrupted one (the codes and
 scales in DCP)."""
-import sys
-
 import jax.numpy as jnp
 import numpy as np
 import torch
 
 from jaxpar.core import adamw8bit
 from jaxpar.optim import dequantize, quantize
-from tests.helpers import metrics, run_in_session, torch_env
-from tests.torchpar.runs import assert_same_run, run
+from tests.helpers import metrics
+from tests.torchpar.runs import assert_resumes_exactly_after_sigkill, assert_same_run, jaxpar_run, run
 from torchpar.optim import quiet_logs
 
 EIGHT_BIT = ["optim.name=adamw8bit"]
@@ -35,14 +33,6 @@ def test_the_map_and_the_codes_are_torchaos():
         assert np.abs(back - x).max() <= np.abs(x).max() * 0.05 and np.abs(back - x).mean() < 1e-3 * np.abs(x).max()
 
 
-def jaxpar_run(base) -> dict:
-    run_dir = base["tmp"] / "adamw8bit-jaxpar"
-    command = [sys.executable, "-m", "jaxpar.train", *base["args"], *EIGHT_BIT, f"run.dir={run_dir}"]
-    out = run_in_session(command, torch_env(JAXPAR_CPU_DEVICES="1"), 180, "jaxpar's adamw8bit run")
-    assert out.returncode == 0, out.stderr[-3000:]
-    return metrics(run_dir)
-
-
 def test_backends_equal_one_process_and_jaxpar_within_the_band(base, reference):
     one = base["tmp"] / "adamw8bit-none"
     out = run(["--backend", "none", *base["args"], *EIGHT_BIT, f"run.dir={one}"])
@@ -56,7 +46,7 @@ def test_backends_equal_one_process_and_jaxpar_within_the_band(base, reference):
         run_dir = base["tmp"] / f"adamw8bit-{backend}"
         run(["--backend", backend, *base["args"], *EIGHT_BIT, f"run.dir={run_dir}"], nproc=2)
         assert_same_run(metrics(run_dir), ref)
-    jax_run = jaxpar_run(base)
+    jax_run = jaxpar_run(base, EIGHT_BIT, "adamw8bit")
     # blocks are 256 consecutive values of each framework's own layout (torch's [out, in] against jaxpar's
     # [in, out]): other blocks, other scales, so the two need not agree to rounding; measured 2.8e-7 here, against
     # 6.5e-4 between the 8-bit and the float32 moments
@@ -65,11 +55,4 @@ def test_backends_equal_one_process_and_jaxpar_within_the_band(base, reference):
 
 
 def test_ddp_resumes_exactly_after_sigkill(base):
-    args = ["--backend", "ddp", *base["args"], *EIGHT_BIT, "checkpoint.every=4"]
-    full, killed = base["tmp"] / "adamw8bit-ddp-full", base["tmp"] / "adamw8bit-ddp-killed"
-    run(args + [f"run.dir={full}"], nproc=2)
-    run(args + [f"run.dir={killed}"], nproc=2, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
-    out = run(args + [f"run.dir={killed}"], nproc=2)
-    assert "resumed from" in out.stderr
-    m, r = metrics(full), metrics(killed)
-    assert sorted(m) == sorted(r) and all(r[s]["loss"] == m[s]["loss"] for s in m)
+    assert_resumes_exactly_after_sigkill(base, "ddp", EIGHT_BIT, "adamw8bit")

@@ -13,7 +13,7 @@ import torch
 from jaxpar.core import muon
 from jaxpar.optim import orthogonalize as jax_orthogonalize
 from tests.helpers import free_port, metrics, run_in_session, torch_env
-from tests.torchpar.runs import assert_same_run, run
+from tests.torchpar.runs import assert_resumes_exactly_after_sigkill, assert_same_run, jaxpar_run, run
 from torchpar.optim import orthogonalize
 
 MUON = ["optim.name=muon"]
@@ -50,17 +50,8 @@ def test_fsdp_ranks_share_the_newton_schulz_work(tmp_path, world, dp, share):
     assert max(r["worst"] for r in ranks) < 1e-5
 
 
-def jaxpar_run(base) -> dict:
-    """jaxpar on one device from the same initial weights: the run every backend is held to."""
-    run_dir = base["tmp"] / "muon-jaxpar"
-    command = [sys.executable, "-m", "jaxpar.train", *base["args"], *MUON, f"run.dir={run_dir}"]
-    out = run_in_session(command, torch_env(JAXPAR_CPU_DEVICES="1"), 180, "jaxpar's muon run")
-    assert out.returncode == 0, out.stderr[-3000:]
-    return metrics(run_dir)
-
-
 def test_backends_equal_one_process_and_jaxpar(base, reference):
-    ref = jaxpar_run(base)
+    ref = jaxpar_run(base, MUON, "muon")
     assert abs(ref[2]["loss"] - reference[2]["loss"]) > 1e-4  # AdamW's run goes elsewhere: the setting is used
     for backend, nproc in (("none", 0), ("ddp", 2), ("fsdp", 2)):
         run_dir = base["tmp"] / f"muon-{backend}"
@@ -69,11 +60,4 @@ def test_backends_equal_one_process_and_jaxpar(base, reference):
 
 
 def test_fsdp_resumes_exactly_after_sigkill(base):
-    args = ["--backend", "fsdp", *base["args"], *MUON, "checkpoint.every=4"]
-    full, killed = base["tmp"] / "muon-fsdp-full", base["tmp"] / "muon-fsdp-killed"
-    run(args + [f"run.dir={full}"], nproc=2)
-    run(args + [f"run.dir={killed}"], nproc=2, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
-    out = run(args + [f"run.dir={killed}"], nproc=2)
-    assert "resumed from" in out.stderr
-    m, r = metrics(full), metrics(killed)
-    assert sorted(m) == sorted(r) and all(r[s]["loss"] == m[s]["loss"] for s in m)
+    assert_resumes_exactly_after_sigkill(base, "fsdp", MUON, "muon")
