@@ -23,12 +23,6 @@ ISSUE_50 = ("model.vocab_size=50304", "data.seq_len=128", "train.global_batch_si
 MIB = 2 ** 20
 
 
-def chunked(cfg, n: int):
-    """cfg with the head and loss in `n` chunks (1: the whole logits)."""
-    cfg.model.loss_chunks = n
-    return cfg
-
-
 def rows(cfg, seed: int = 0) -> jax.Array:
     """Rows [batch, seq + 1] of random tokens with packed documents (token 0 starts one) and a third of the targets
     skipped by the loss (negative)."""
@@ -48,7 +42,7 @@ def test_chunks_give_the_whole_logits_loss_and_gradients(overrides):
     model, batch = Decoder(cfg.model, nnx.Rngs(0)), rows(cfg)
 
     def value_and_grads(n: int):
-        chunked(cfg, n)
+        cfg.model.loss_chunks = n  # the model reads its config as it is traced
         graphdef, params = nnx.split(model, nnx.Param)
         out = jax.jit(jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch, eod=0), has_aux=bool(
             cfg.model.moe_experts)))(params)
@@ -71,7 +65,7 @@ def test_torchpar_chunks_as_jaxpar_does():
     from torchpar.models.decoder import Decoder as TorchDecoder, inputs_and_targets
     from torchpar.weights import from_shared, to_shared
 
-    cfg = chunked(tiny_config(), 4)
+    cfg = tiny_config("model.loss_chunks=4")
     model, batch = Decoder(cfg.model, nnx.Rngs(0)), rows(cfg)
     graphdef, params = nnx.split(model, nnx.Param)
     loss, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch, eod=0))(params)
@@ -103,17 +97,16 @@ def sft_data(tmp_path_factory):
 def test_chunks_on_a_mesh_train_as_the_whole_logits_on_one_device(mesh, overrides, sft_data):
     """Loss-masked packed documents (token_share below one): the vocabulary split over tp, the hand-scheduled
     pipeline's last stage, the zig-zag sequence shards, experts over ep."""
-    whole = run_steps(chunked(tiny_config(*SFT, *overrides), 1), "dp=1", sft_data, devices=jax.devices()[:1])
+    whole = run_steps(tiny_config(*SFT, *overrides, "model.loss_chunks=1"), "dp=1", sft_data, devices=jax.devices()[:1])
     n = math.prod(parse_mesh(mesh).values())
-    got = run_steps(chunked(tiny_config(*SFT, *overrides), 4), mesh, sft_data, devices=jax.devices()[:n])
+    got = run_steps(tiny_config(*SFT, *overrides, "model.loss_chunks=4"), mesh, sft_data, devices=jax.devices()[:n])
     np.testing.assert_allclose(got["loss"], whole["loss"], rtol=1e-5)
     np.testing.assert_allclose(got["grad_norm"], whole["grad_norm"], rtol=1e-5)
     assert_params_close(got["params"], whole["params"])
 
 
-def issue_config(n: int | None = None):
-    cfg = load_config("configs/gpt2-tiny.yaml", list(ISSUE_50))
-    return cfg if n is None else chunked(cfg, n)
+def issue_config(*overrides: str):
+    return load_config("configs/gpt2-tiny.yaml", [*ISSUE_50, *overrides])
 
 
 def test_the_issue_step_plans_under_1000_mib_with_the_default_chunks():
@@ -128,7 +121,7 @@ def test_the_whole_logits_plan_over_2000_mib():
     """The same step with the head and loss unchunked: what the chunks save (and proof the planner sees them)."""
     from jaxpar.tools.plan import plan
 
-    peak = plan(issue_config(1), {"dp": 1}, jax.devices()[:1])["peak_bytes"]
+    peak = plan(issue_config("model.loss_chunks=1"), {"dp": 1}, jax.devices()[:1])["peak_bytes"]
     assert peak > 2000 * MIB, peak / MIB
 
 
@@ -167,7 +160,7 @@ def _subjaxprs(eqn):
 @pytest.mark.parametrize("n", [1, 8])
 def test_no_array_of_the_step_holds_more_than_one_chunk_of_logits(n):
     """The gradient step's largest array, forward and backward: the whole logits unchunked, one chunk's in chunks."""
-    cfg = chunked(tiny_config("model.vocab_size=4096", "data.seq_len=32"), n)
+    cfg = tiny_config("model.vocab_size=4096", "data.seq_len=32", f"model.loss_chunks={n}")
     model, batch = Decoder(cfg.model, nnx.Rngs(0)), rows(cfg)
     graphdef, params = nnx.split(model, nnx.Param)
     jaxpr = jax.make_jaxpr(jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch)))(params)

@@ -31,8 +31,7 @@ def rows(cfg) -> torch.Tensor:
 
 
 def trained(backend: str, overrides: list[str], n: int) -> dict:
-    cfg = tiny_config("data.document_mask=true", *overrides)
-    cfg.model.loss_chunks = n
+    cfg = tiny_config("data.document_mask=true", *overrides, f"model.loss_chunks={n}")
     env = dist.setup(cfg, backend)
     engine = parallelize(build_model(cfg), cfg, env, backend)[0]
     batch, calls = rows(cfg), len(CALLS)
