@@ -52,10 +52,10 @@ class MuonState(NamedTuple):
     mu: optax.Updates  # the momentum, one per matrix parameter
 
 
-def orthogonalize(x: jax.Array, axes, steps: int, like: jax.Array | None = None) -> jax.Array:
+def orthogonalize(x: jax.Array, axes, steps: int) -> jax.Array:
     """jaxpar/core/muon.py's NS_k on every matrix of `x`: its (reduction, output) axes made one matrix, the other
     axes batch axes (layers, experts, q/k/v), each matrix on its own (orthogonalize_all of x alone)."""
-    return orthogonalize_all([x], [axes], steps, None if like is None else [like])[0]
+    return orthogonalize_all([x], [axes], steps)[0]
 
 
 def orthogonalize_all(xs: list, axes: list, steps: int, likes: list | None = None) -> list:
@@ -216,9 +216,11 @@ def scale_by_adamw8bit(cfg: Config) -> optax.GradientTransformation:
         v = jax.tree.map(lambda x, s, g: _lerp(read(x, s, False), g * g, 1 - o.beta2), state.nu, state.nu_scale,
                          grads)
 
+        rate = lr(state.count)
+
         def step(path, m, v, w):
             decay = o.weight_decay if decays(_name(path)) else 0.0
-            return -lr(state.count) * (decay * w) - lr(state.count) * (m / bc1) / (jnp.sqrt(v) / jnp.sqrt(bc2) + o.eps)
+            return -rate * (decay * w) - rate * (m / bc1) / (jnp.sqrt(v) / jnp.sqrt(bc2) + o.eps)
 
         mu, mu_scale = _stored(m, state.mu_scale, True)
         nu, nu_scale = _stored(v, state.nu_scale, False)

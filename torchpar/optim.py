@@ -146,7 +146,7 @@ def orthogonalized(updates: list, axes: list, steps: int) -> list:
         elif how == "matrices":
             out[i] = _local_like(u, orthogonalize(u.to_local(), a, steps))
         else:
-            out[i] = _like(u, orthogonalize(_whole(u), a, steps))
+            out[i] = _like(u, orthogonalize(whole(u), a, steps))
     for members in groups.values():
         for i, o in zip(members, _spread([updates[i] for i in members], [axes[i] for i in members], steps)):
             out[i] = o
@@ -188,10 +188,10 @@ def _spread(updates: list, axes: list, steps: int) -> list:
     n = stack.shape[0]
     stack = F.pad(stack, (0, 0, 0, 0, 0, -n % mesh.size()))
     rows = [Replicate() if p.is_replicate() else Shard(1) for p in updates[0].placements]
-    whole = [Shard(0)] * mesh.ndim  # the matrices dealt out over every mesh axis
-    mine = DTensor.from_local(stack, mesh, rows, run_check=False).redistribute(mesh, whole).to_local()
+    dealt = [Shard(0)] * mesh.ndim  # the matrices dealt out over every mesh axis
+    mine = DTensor.from_local(stack, mesh, rows, run_check=False).redistribute(mesh, dealt).to_local()
     done = F.pad(newton_schulz(mine[:, :fan_in], steps), (0, 0, 0, mine.shape[1] - fan_in))
-    back = DTensor.from_local(done, mesh, whole, run_check=False).redistribute(mesh, rows).to_local()[:n]
+    back = DTensor.from_local(done, mesh, dealt, run_check=False).redistribute(mesh, rows).to_local()[:n]
     pieces = back.split([b.shape[0] for b in bands])
     return [_local_like(u, from_matrices(piece[:, :b.shape[1]], u.to_local().shape, a))
             for u, a, b, piece in zip(updates, axes, bands, pieces)]
@@ -203,17 +203,22 @@ def _local_like(u, local: torch.Tensor):
     return DTensor.from_local(local, u.device_mesh, u.placements, run_check=False, shape=u.shape, stride=u.stride())
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """A sharded tensor (a DTensor) gathered whole on every rank; a plain one as it is."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def _like(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     """`whole` laid out as the parameter is: this rank's shard of it (no communication: every rank holds it all)."""
     if not hasattr(p, "device_mesh"):
         return whole
     from torch.distributed.tensor import distribute_tensor
     return distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 DTensor (a plain tensor as it is)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of an FSDP2 DTensor (a collective over its mesh; a plain tensor as it is)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def set_lr(optimizer, lr: float) -> None:
@@ -282,7 +287,7 @@ def torchao_adamw8bit(groups: list[dict], compile_step: bool, **kwargs) -> torch
         def _new_buffer(self, p: torch.Tensor, signed: bool):
             if not holds_codes(p):
                 return torch.zeros_like(p)
-            codes = self._subclass_zeros(_shard(p), signed, adamw8bit.BLOCK)
+            codes = self._subclass_zeros(local(p), signed, adamw8bit.BLOCK)
             if isinstance(p, DTensor):
                 codes = DTensor.from_local(codes, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                            stride=p.stride())
@@ -297,14 +302,10 @@ def torchao_adamw8bit(groups: list[dict], compile_step: bool, **kwargs) -> torch
     return Whole8bit(groups, block_size=adamw8bit.BLOCK, **kwargs)
 
 
-def _shard(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if hasattr(p, "to_local") else p
-
-
 def holds_codes(p: torch.Tensor) -> bool:
     """Whether adamw8bit keeps p's moments in 8 bits: the whole parameter's size decides, and this rank's shard
     must be whole blocks."""
-    return adamw8bit.quantized(p.numel()) and _shard(p).numel() % adamw8bit.BLOCK == 0
+    return adamw8bit.quantized(p.numel()) and local(p).numel() % adamw8bit.BLOCK == 0
 
 
 def state_bytes(optimizer) -> int:
@@ -313,7 +314,7 @@ def state_bytes(optimizer) -> int:
     total = 0
     for group in optimizer.param_groups:
         for p in group["params"]:
-            n = _shard(p).numel()
+            n = local(p).numel()
             if group.get("muon"):
                 total += 4 * n
             elif getattr(optimizer, "eight_bit", False) and holds_codes(p):

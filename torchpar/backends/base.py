@@ -18,7 +18,6 @@ import math
 from contextlib import nullcontext
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from jaxpar.core.experts import expert_records
 from jaxpar.core.lr_schedule import lr_at
@@ -26,17 +25,7 @@ from torchpar import dist
 from torchpar.checkpoint import DCPCheckpointer
 from torchpar.models.decoder import inputs_and_targets
 from torchpar.models.moe import balance_loss, update_router_bias
-from torchpar.optim import group_settings, make_optimizer, put_back, set_lr, state_bytes
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of an FSDP2 DTensor (a plain tensor as it is)."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    """The full tensor of an FSDP2 DTensor (a collective over its mesh; a plain tensor as it is)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+from torchpar.optim import group_settings, local, make_optimizer, put_back, set_lr, state_bytes, whole
 
 
 def microbatches(batch: torch.Tensor, M: int) -> list[torch.Tensor]:

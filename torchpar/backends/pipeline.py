@@ -43,9 +43,10 @@ from jaxpar.core.loss_chunks import loss_chunks
 from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
 from jaxpar.core.pipeline_schedules import (check_schedule, chunks as chunks_per_rank, placement, resolve_microbatches,
                                             virtual_stage)
-from torchpar.backends.base import TorchEngine, local, whole
+from torchpar.backends.base import TorchEngine
 from torchpar.models.decoder import Decoder, embed, inputs_and_targets
 from torchpar.models.head import chunked_cross_entropy
+from torchpar.optim import local, whole
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
              "zb_h1": ScheduleInterleavedZeroBubble, "zb_v": ScheduleZBVZeroBubble}
