@@ -97,8 +97,10 @@ def test_torchpar_to_jaxpar(data, tmp_path):
 
 def test_a_float16_run_keeps_its_loss_scale_and_skipped_count(data, tmp_path):
     """jaxpar float16 (the scale grows every 3 clean steps, and backs off on overflows) -> torchpar: the scale, its
-    growth count and the skipped updates go on where they were."""
-    f16 = [*ARGS, "model.compute_dtype=float16", "optim.loss_scale_init=4096", "optim.loss_scale_growth_interval=3"]
+    growth count and the skipped updates go on where they were. The scale starts at 2^18, where the first steps
+    overflow, and grows into overflows again after the move (the chunked loss keeps its table gradient in float32,
+    so overflows come later than with whole logits)."""
+    f16 = [*ARGS, "model.compute_dtype=float16", "optim.loss_scale_init=262144", "optim.loss_scale_growth_interval=3"]
     full, half, moved = tmp_path / "full", tmp_path / "half", tmp_path / "moved"
     assert run_cli(full, data, "--mesh", "dp=1", *f16).returncode == 0
     r = run_cli(half, data, "--mesh", "dp=1", *f16, env={"JAXPAR_FAULT_SIGTERM_AFTER_STEP": "10"})
@@ -110,7 +112,7 @@ def test_a_float16_run_keeps_its_loss_scale_and_skipped_count(data, tmp_path):
     got, ref = metrics(moved), metrics(full)
     assert [(got[s]["loss_scale"], got[s]["skipped_steps"]) for s in range(11, 21)] == \
            [(ref[s]["loss_scale"], ref[s]["skipped_steps"]) for s in range(11, 21)]
-    assert ref[20]["skipped_steps"] > ref[10]["skipped_steps"]  # an overflow after the move: the scaler acted
+    assert 0 < ref[10]["skipped_steps"] < ref[20]["skipped_steps"]  # overflows before and after the move
     np.testing.assert_allclose([got[s]["loss"] for s in got], [ref[s]["loss"] for s in got], rtol=1e-3)
 
 
