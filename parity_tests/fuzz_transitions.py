@@ -179,11 +179,14 @@ DOCUMENTED_TRANSITION_REFUSALS = (
     ("docs/torchpar.md 'Checkpoints and resume': DeepSpeed's checkpoints and DCP's refuse each other",
      lambda t: t.first.side == t.then.side == "torch" and (t.first.backend == "deepspeed") != (
          t.then.backend == "deepspeed")),
-    ("docs/torchpar.md 'Checkpoints and resume': a DeepSpeed stage-0 checkpoint resumes at stages 1-3 only on the "
-     "number of ranks that wrote it",
-     lambda t: t.first.backend == t.then.backend == "deepspeed" and t.first.get("parallel.zero_stage", "0") == "0"
-     and t.then.get("parallel.zero_stage", "0") != "0" and max(t.first.world, 1) != max(t.then.world, 1)),
+    ("docs/torchpar.md 'Checkpoints and resume': a DeepSpeed checkpoint resumes only at a stage of its layout (0; 1 "
+     "or 2; 3)",
+     lambda t: t.first.backend == t.then.backend == "deepspeed" and _layout(t.first) != _layout(t.then)),
 )
+
+
+def _layout(case: Case) -> str:
+    return {"0": "0", "1": "1-2", "2": "1-2", "3": "3"}[case.get("parallel.zero_stage", "0")]
 
 
 def refusal_of(t: Transition) -> str | None:

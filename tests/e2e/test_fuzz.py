@@ -164,6 +164,10 @@ def test_transition_draws_are_valid_and_cover_every_change():
     assert max(batches) > 8
     deepspeed_to_dcp = Transition.parse("torch deepspeed:2 | 1 | torch ddp:2")
     assert refusal_of(deepspeed_to_dcp) and not refusal_of(Transition.parse("torch ddp:2 | 1 | torch fsdp:2"))
+    stages = "torch deepspeed:2 parallel.zero_stage={} | 1 | torch deepspeed:{} parallel.zero_stage={}"
+    assert refusal_of(Transition.parse(stages.format(1, 2, 3))) and refusal_of(Transition.parse(stages.format(0, 4, 1)))
+    assert not refusal_of(Transition.parse(stages.format(1, 4, 2))) and not refusal_of(
+        Transition.parse(stages.format(0, 4, 0)))
 
 
 def test_a_transition_that_ignores_its_change_differs(fuzzer):

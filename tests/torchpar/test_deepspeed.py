@@ -3,10 +3,13 @@ DeepSpeed's universal checkpoint), each with the settings changed on resume (run
 weight decay, betas, eps, clipping), so the run must be jaxpar's given the same change (`changed_reference`): what
 DeepSpeed restores of a setting (its scheduler's state, the optimizer's param_groups, the clipping threshold, the
 loss scaler's rules) never wins over the config."""
+import subprocess
+import sys
+
 import pytest
 
-from tests.helpers import metrics
-from tests.torchpar.runs import CHANGED, STOP, assert_changed_run, assert_notes_once, run
+from tests.helpers import ROOT, metrics, torch_env
+from tests.torchpar.runs import CHANGED, STOP, assert_changed_run, assert_notes_once, assert_same_run, run
 
 
 @pytest.mark.parametrize("stage", [3, 1, 2])
@@ -40,18 +43,31 @@ def test_deepspeed_resumes_on_another_number_of_ranks(stage, nproc, base, change
     assert not (run_dir / "checkpoints" / "universal").exists()
 
 
-def test_a_stage_0_checkpoint_resumes_at_stage_1_on_other_ranks_only_refused(base):
-    """Stage 0 keeps one whole optimizer, which DeepSpeed's ZeRO loader takes only on the ranks that wrote it (the
-    transition fuzzer found the crash: seed 2141981325): resumed at stage 1 on 4 ranks, one line and nothing
-    written; at stage 0 on 4 ranks it resumes."""
-    run_dir = base["tmp"] / "ds-stage0"
+@pytest.mark.parametrize("saved,resumed,nproc", [(0, 1, 4), (1, 3, 2), (3, 2, 4)])
+def test_a_checkpoint_resumes_only_at_a_stage_of_its_layout(saved, resumed, nproc, base, reference, tmp_path):
+    """DeepSpeed loads a checkpoint only at a stage of its layout (0; 1 or 2; 3): at another, a missing file or an
+    assertion inside DeepSpeed (the transition fuzzer's seeds 2141981325 and 1110493062). One line, nothing trained
+    or saved. Stage 0 resumes at stage 0 on 4 ranks; the conversion the line names moves the run (ZeRO-1 -> 3, on 4
+    ranks), which goes on as the one-process run."""
+    run_dir = base["tmp"] / f"ds-layout-{saved}-{resumed}"
     args = ["--backend", "deepspeed", *base["args"], f"checkpoint.every={STOP}", f"run.dir={run_dir}"]
-    run(args, nproc=2, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP=str(STOP))
-    out = run(args + ["parallel.zero_stage=1"], nproc=4, expect_rc="nonzero")
+    run([*args, f"parallel.zero_stage={saved}"], nproc=2, expect_rc="nonzero",
+        TORCHPAR_FAULT_KILL_AFTER_STEP=str(STOP))
+    out = run([*args, f"parallel.zero_stage={resumed}"], nproc=nproc, expect_rc="nonzero")
     errors = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("error:")]
-    assert errors and all("written at ZeRO stage 0 by 2 ranks" in e for e in errors), out.stderr[-3000:]
-    assert sorted(metrics(run_dir)) == list(range(1, STOP + 1))  # nothing trained or saved by the refused run
-    assert "resumed from" in run(args, nproc=4).stderr
+    assert errors and all(f"written at ZeRO stage {saved}, and DeepSpeed loads it only at" in e and
+                          f"--zero-stage {resumed} NEW_DIR" in e for e in errors), out.stderr[-3000:]
+    assert sorted(metrics(run_dir)) == list(range(1, STOP + 1))
+    if saved == 0:  # stage 0's whole optimizer: at its own stage on any number of ranks
+        assert "resumed from" in run([*args, "parallel.zero_stage=0"], nproc=4).stderr
+    if resumed == 3:
+        moved = tmp_path / "moved"
+        r = subprocess.run([sys.executable, "-m", "jaxpar.tools.convert", "--from", "torchpar", str(run_dir), "--to",
+                            "deepspeed", "--zero-stage", "3", str(moved)], cwd=ROOT, env=torch_env(),
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        run(["--backend", "deepspeed", "--config", str(moved / "config.json")], nproc=4)
+        assert_same_run(metrics(moved), reference, steps=range(STOP + 1, 11))
 
 
 def test_deepspeed_loss_scaler_takes_its_rules_from_the_config(base):

@@ -6,7 +6,8 @@ DeepSpeed's own converter (`deepspeed.checkpoint.ds_to_universal`: parameters an
 parameter, unpartitioned) into <run.dir>/checkpoints/universal/<step>, every rank loads that with the engine's
 `checkpoint.load_universal` option, and the folder is removed once loaded: the run saves ordinary checkpoints
 at its new size from then on. Measured exact: ZeRO-1/2/3, 2 -> 1 and 2 -> 4 ranks (ZeRO-3 after
-`repair_zero3_load`).
+`repair_zero3_load`). A checkpoint resumes at another stage only within its layout (1 <-> 2); across layouts (0, 1-2,
+3) one line names the conversion that moves the run.
 """
 from __future__ import annotations
 
@@ -23,56 +24,61 @@ from jaxpar.core.errors import UserError
 from torchpar import dist
 
 
-def saved_ranks(ckpt_dir: str) -> tuple[str, int] | None:
-    """(tag, ranks) of the latest complete checkpoint where ZeRO partitioned its optimizer (stages 1-3: one
-    optimizer file per rank), else None (no checkpoint, or stage 0, which loads on any world size)."""
+# DeepSpeed's checkpoint layouts: stage 0 one whole optimizer in the model-states file, stages 1 and 2 one model
+# file and an optimizer partition per rank, stage 3 a model partition and an optimizer partition per rank. Its loader
+# reads a checkpoint only at a stage of the same layout (any other: a missing file, or a crash inside DeepSpeed)
+LAYOUTS = {0: "0", 1: "1-2", 2: "1-2", 3: "3"}
+
+
+def saved_checkpoint(ckpt_dir: str) -> tuple[str, int, int] | None:
+    """(tag, ZeRO stage, ranks) of the latest complete checkpoint, from its model-states file, else None."""
     try:
         with open(os.path.join(ckpt_dir, "latest")) as f:
             tag = f.read().strip()
     except OSError:
         return None
-    ranks = len(glob.glob(os.path.join(ckpt_dir, tag, "*zero_pp_rank_*_optim_states.pt")))
-    return (tag, ranks) if ranks else None
+    files = sorted(glob.glob(os.path.join(ckpt_dir, tag, "*model_states.pt")))
+    if not files:
+        return None
+    import torch
+
+    saved = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
+    stage = int((saved.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0))
+    return tag, stage, int(saved.get("dp_world_size", 1))
 
 
 def universal_source(cfg, env) -> str | None:
     """The universal folder to resume from when the ranks changed (converted here on rank 0), else None."""
     ckpt_dir = os.path.abspath(os.path.join(cfg.run.dir, "checkpoints"))
-    saved = saved_ranks(ckpt_dir) if cfg.checkpoint.resume else None
-    if saved is None and cfg.checkpoint.resume:
-        refuse_unpartitioned(ckpt_dir, cfg.parallel.zero_stage, env.world)
-    if saved is None or saved[1] == env.world:
+    saved = saved_checkpoint(ckpt_dir) if cfg.checkpoint.resume else None
+    if saved is None:
         return None
-    tag, ranks = saved
+    tag, stage, ranks = saved
+    refuse_other_layout(cfg, tag, stage)
+    if stage == 0 or ranks == env.world:  # stage 0's whole optimizer loads on any number of ranks
+        return None
     out = os.path.join(ckpt_dir, "universal")
     failure = ""
     if env.is_main:
-        print(f"deepspeed: the checkpoint of step {tag} was written by {ranks} ranks; converting it to DeepSpeed's "
-              f"universal format to resume on {env.world} ({out})", file=sys.stderr, flush=True)
+        print(f"deepspeed: the checkpoint of step {tag} was written by {ranks} rank{'s' * (ranks != 1)}; converting "
+              f"it to DeepSpeed's universal format to resume on {env.world} ({out})", file=sys.stderr, flush=True)
         failure = convert(os.path.join(ckpt_dir, tag), os.path.join(out, tag))
     if dist.any_rank(bool(failure), env):  # every rank stops, none waits at a barrier for the others
         raise UserError(failure or "deepspeed: rank 0 could not convert the checkpoint to the universal format")
     return out
 
 
-def refuse_unpartitioned(ckpt_dir: str, stage: int, world: int) -> None:
-    """A stage-0 checkpoint holds one whole optimizer (no partitions for ds_to_universal to merge), and DeepSpeed's
-    ZeRO loader takes it only on the number of ranks that wrote it: at stages 1-3 on another number, one line."""
-    try:
-        with open(os.path.join(ckpt_dir, "latest")) as f:
-            tag = f.read().strip()
-    except OSError:
+def refuse_other_layout(cfg, tag: str, stage: int) -> None:
+    """A checkpoint of another layout than parallel.zero_stage's: one line, with the command that moves the run
+    (through the shared training-state file, jaxpar/tools/convert.py) to the asked stage."""
+    want = cfg.parallel.zero_stage
+    if LAYOUTS[stage] == LAYOUTS[want]:
         return
-    path = os.path.join(ckpt_dir, tag, "mp_rank_00_model_states.pt")
-    if stage == 0 or not os.path.exists(path):
-        return
-    import torch
-
-    written = torch.load(path, map_location="cpu", weights_only=False).get("dp_world_size", world)
-    if written != world:
-        raise UserError(f"deepspeed: the checkpoint of step {tag} was written at ZeRO stage 0 by {written} ranks, and "
-                        f"DeepSpeed loads it at stage {stage} only on {written}: resume on {written} ranks, or at "
-                        f"parallel.zero_stage=0 on {world} (whose next checkpoint loads at any stage there)")
+    raise UserError(f"deepspeed: the checkpoint of step {tag} was written at ZeRO stage {stage}, and DeepSpeed loads "
+                    f"it only at stage{'s' * (stage in (1, 2))} {LAYOUTS[stage].replace('-', ' or ')}: resume at "
+                    f"parallel.zero_stage={stage}, or move the run to stage {want} with `python -m "
+                    f"jaxpar.tools.convert --from torchpar {cfg.run.dir} --to deepspeed --zero-stage {want} NEW_DIR` "
+                    f"and resume NEW_DIR/config.json")
 
 
 def convert(src: str, dst: str) -> str:
