@@ -84,6 +84,13 @@ class ModelConfig:
     # each expert takes at most capacity_factor x its even share (top_k x seq_len / experts) of a row's tokens,
     # first choices first, earlier tokens first; the rest of its tokens skip it. 0: dropless
     moe_capacity_factor: float = field(default=0.0, metadata=_check(lo=0.0))
+    # DeepSeek-V3's group-limited routing (models/moe.py route): the experts in moe_n_group groups of equal size, each
+    # scored by its best two (scores plus the balance bias), the top_k chosen among the moe_topk_group best groups'
+    # experts; 1 and 1: no grouping
+    moe_n_group: int = field(default=1, metadata=_check(lo=1))
+    moe_topk_group: int = field(default=1, metadata=_check(lo=1))
+    # the routed experts' weights times this, after moe_norm_topk's division (DeepSeek-V3's routed_scaling_factor)
+    moe_routed_scale: float = field(default=1.0, metadata=_check(lo=0.0, lo_open=True))
 
     @property
     def ff_dim(self) -> int:

@@ -74,6 +74,24 @@ def _check_experts(m) -> None:
     if m.moe_experts and m.moe_first_dense >= m.n_layer:
         raise UserError(f"model.moe_first_dense={m.moe_first_dense} leaves no layer of model.n_layer={m.n_layer} to "
                         "the experts (set model.moe_experts=0 for a dense model)")
+    _check_groups(m)
+
+
+def _check_groups(m) -> None:
+    """DeepSeek-V3's group-limited routing: groups of equal size, each scored by its best two experts."""
+    if m.moe_topk_group > m.moe_n_group:
+        raise UserError(f"model.moe_topk_group={m.moe_topk_group} exceeds model.moe_n_group={m.moe_n_group}")
+    if m.moe_n_group == 1 or not m.moe_experts:
+        return
+    if m.moe_experts % m.moe_n_group:
+        raise UserError(f"model.moe_n_group={m.moe_n_group} does not divide model.moe_experts={m.moe_experts}")
+    size = m.moe_experts // m.moe_n_group
+    if size < 2:
+        raise UserError(f"model.moe_n_group={m.moe_n_group} leaves one expert per group; a group is scored by its "
+                        "best two experts (DeepSeek-V3), so each needs two or more")
+    if m.moe_top_k > m.moe_topk_group * size:
+        raise UserError(f"model.moe_top_k={m.moe_top_k} exceeds the {m.moe_topk_group * size} experts of the "
+                        f"model.moe_topk_group={m.moe_topk_group} groups kept ({size} experts each)")
 
 
 def _check_family(m) -> None:

@@ -166,7 +166,10 @@ CONTRACT: dict[str, Owner] = {
     **{f"model.moe_{k}": Owner(True, NOT_PIPELINE, "params", **MOE, why_not=NO_PIPELINE_MOE)
        for k in ("shared_experts", "d_ff", "first_dense")},
     **{f"model.moe_{k}": Owner(True, NOT_PIPELINE, "step", **MOE, why_not=NO_PIPELINE_MOE)
-       for k in ("top_k", "router", "norm_topk", "aux_loss", "capacity_factor")},
+       for k in ("top_k", "router", "norm_topk", "aux_loss", "capacity_factor", "n_group", "routed_scale")},
+    "model.moe_topk_group": Owner(True, NOT_PIPELINE, "step", when=lambda r: r.cfg.model.moe_experts > 0 and
+                                  r.cfg.model.moe_n_group > 1, mode="model.moe_experts>0 and model.moe_n_group>1",
+                                  example=("model.moe_experts=8", "model.moe_n_group=4"), why_not=NO_PIPELINE_MOE),
     "model.moe_bias_update": Owner(True, ("none", "ddp"), "params", **MOE, why_not=NO_BIAS_UPDATE),
     # data: one order for both (jaxpar/core/data_order.py)
     "data.dataset": Owner(True, BOTH, "data"),

@@ -3,7 +3,10 @@
 Per token x [embed] of a row of T tokens, with E experts, the k best of them and float32 routing:
   scores  = softmax(x W_r) or sigmoid(x W_r)             [E]      (model.moe_router; router.kernel [embed, E])
   choices = the k highest scores (ties: the lower id)     weights = their scores, divided by their sum when
-            model.moe_norm_topk
+            model.moe_norm_topk, times model.moe_routed_scale
+            with model.moe_n_group G > 1 (DeepSeek-V3's group-limited routing): the E experts in G groups of E/G
+            (consecutive ids), each group scored by the sum of its two highest scores, and the k chosen among the
+            experts of the model.moe_topk_group best groups alone
   capacity (model.moe_capacity_factor c > 0): expert e takes at most ceil(c k T / E) of a row's choices, first
             choices before second ones, earlier tokens first; the rest skip it (the token keeps its other
             choices and the residual). c = 0: dropless. Fixed by the row alone, so every layout drops alike.
@@ -53,15 +56,28 @@ def add_layer_stats(total, stats, layer, cfg: ModelConfig):
     return total + jnp.concatenate([received.reshape(stats.shape[0], -1), stats[:, E:]], axis=-1)
 
 
+def limit_to_groups(choice, cfg: ModelConfig):
+    """The choice's scores [..., E] with every expert outside the moe_topk_group best of moe_n_group groups at -inf
+    (DeepSeek-V3: a group's score is the sum of its best two; ties to the lower group)."""
+    G = cfg.moe_n_group
+    grouped = choice.reshape(*choice.shape[:-1], G, cfg.moe_experts // G)
+    _, best = jax.lax.top_k(jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1), cfg.moe_topk_group)
+    kept = jnp.any(jax.nn.one_hot(best, G, dtype=jnp.bool_), axis=-2)  # [..., G]
+    return jnp.where(kept[..., None], grouped, -jnp.inf).reshape(choice.shape)
+
+
 def route(logits, cfg: ModelConfig, index=None, bias=None):
     """Router logits [B, T, E] float32 -> (ids, weights, kept [B, T, k], stats [B, E + 2]); `index` [T]: each
     token's place in its row when the tokens are not in natural order (zig-zag sequence parallelism); `bias` [E]:
     added to the scores for the choice alone (model.moe_bias_update, core/experts.py)."""
     E, k = cfg.moe_experts, cfg.moe_top_k
     scores = jax.nn.softmax(logits, axis=-1) if cfg.moe_router == "softmax" else jax.nn.sigmoid(logits)
-    top, ids = jax.lax.top_k(scores, k) if bias is None else jax.lax.top_k(scores + bias, k)
-    top = top if bias is None else jnp.take_along_axis(scores, ids, axis=-1)
+    choice = scores if bias is None else scores + bias
+    choice = choice if cfg.moe_n_group == 1 else limit_to_groups(choice, cfg)
+    top, ids = jax.lax.top_k(choice, k)
+    top = top if choice is scores else jnp.take_along_axis(scores, ids, axis=-1)  # the weights never see the bias
     weights = top / jnp.sum(top, axis=-1, keepdims=True) if cfg.moe_norm_topk else top
+    weights = weights if cfg.moe_routed_scale == 1.0 else weights * cfg.moe_routed_scale
     chosen = jax.nn.one_hot(ids, E, dtype=jnp.int32)  # [B, T, k, E]
     capacity = row_capacity(cfg, logits.shape[1])
     if capacity:  # the order a row's choices claim their expert's places in: choice rank, then position

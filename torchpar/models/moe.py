@@ -15,15 +15,28 @@ from torchpar.models.layers import Kernel
 from torchpar.models.llama import SwiGLU
 
 
+def limit_to_groups(choice: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """jaxpar's limit_to_groups: every expert outside the moe_topk_group best of moe_n_group groups (each scored by
+    the sum of its best two) at -inf."""
+    G = cfg.moe_n_group
+    grouped = choice.unflatten(-1, (G, cfg.moe_experts // G))
+    best = grouped.topk(2, dim=-1).values.sum(-1).topk(cfg.moe_topk_group, dim=-1).indices
+    kept = torch.zeros(grouped.shape[:-1], dtype=torch.bool, device=choice.device).scatter(-1, best, True)
+    return grouped.masked_fill(~kept[..., None], float("-inf")).flatten(-2)
+
+
 def route(logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = None):
     """Router logits [B, T, E] float32 -> (ids, weights, kept [B, T, k], stats [B, E + 2]) as jaxpar's route
     (`bias`: the choice's balance bias, model.moe_bias_update)."""
     E, k = cfg.moe_experts, cfg.moe_top_k
     B, T = logits.shape[:2]
     scores = logits.softmax(-1) if cfg.moe_router == "softmax" else logits.sigmoid()
-    top, ids = scores.topk(k, dim=-1) if bias is None else (scores + bias).topk(k, dim=-1)
-    top = top if bias is None else scores.gather(-1, ids)
+    choice = scores if bias is None else scores + bias
+    choice = choice if cfg.moe_n_group == 1 else limit_to_groups(choice, cfg)
+    top, ids = choice.topk(k, dim=-1)
+    top = top if choice is scores else scores.gather(-1, ids)  # the weights never see the bias
     weights = top / top.sum(-1, keepdim=True) if cfg.moe_norm_topk else top
+    weights = weights if cfg.moe_routed_scale == 1.0 else weights * cfg.moe_routed_scale
     chosen = F.one_hot(ids, E)  # [B, T, k, E]
     capacity = row_capacity(cfg, T)
     if capacity:  # a row's choices claim places by choice rank, then position
