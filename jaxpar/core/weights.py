@@ -40,7 +40,8 @@ def unflatten(flat: dict[str, np.ndarray]) -> dict:
 # What the tensors' shapes cannot tell, kept in the file's metadata (json under "model") so that a file
 # alone rebuilds its model (the sampling commands, conversion): llama's context length, rotary base, eps.
 SETTINGS = ("max_seq_len", "layernorm_eps", "rope_theta", "moe_top_k", "moe_shared_experts", "moe_router",
-            "moe_norm_topk", "moe_capacity_factor", "moe_aux_loss", "moe_bias_update")
+            "moe_norm_topk", "moe_capacity_factor", "moe_aux_loss", "moe_bias_update", "moe_n_group", "moe_topk_group",
+            "moe_routed_scale")
 
 
 def save_weights(path: str, params: dict, model: dict | None = None) -> None:

@@ -55,10 +55,12 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict) -> None
                         "(model.moe_first_dense); Mixtral has experts in every layer, so they have no Mixtral form")
     if model.get("moe_shared_experts") or model.get("moe_router", "softmax") != "softmax" or \
             not model.get("moe_norm_topk", True) or model.get("moe_capacity_factor") or \
-            "blocks.moe.router.bias" in flat:
-        raise UserError("Mixtral routes by softmax over the chosen experts, dropless, with no shared experts and no "
-                        "balance bias: these weights' model (moe_shared_experts, moe_router, moe_norm_topk, "
-                        "moe_capacity_factor, moe_bias_update) has no Mixtral equivalent")
+            "blocks.moe.router.bias" in flat or model.get("moe_n_group", 1) > 1 or \
+            model.get("moe_routed_scale", 1.0) != 1.0:
+        raise UserError("Mixtral routes by softmax over the chosen experts, dropless, with no shared experts, no "
+                        "balance bias, no expert groups and no scale: these weights' model (moe_shared_experts, "
+                        "moe_router, moe_norm_topk, moe_capacity_factor, moe_bias_update, moe_n_group, "
+                        "moe_routed_scale) has no Mixtral equivalent")
     E, f = flat["blocks.moe.gate"].shape[1], flat["blocks.moe.gate"].shape[-1]
     config = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "intermediate_size": f,
               "num_local_experts": E, "num_experts_per_tok": int(model.get("moe_top_k", 2)),

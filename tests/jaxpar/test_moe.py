@@ -482,3 +482,10 @@ def test_grouped_routing_gives_both_frameworks_the_same_loss_and_gradients():
     for name, g in flatten(grads.to_pure_dict()).items():
         if name in got_grads:
             np.testing.assert_allclose(got_grads[name], g, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize("setting", [{"moe_n_group": 4, "moe_topk_group": 2}, {"moe_routed_scale": 2.5}])
+def test_mixtral_export_refuses_expert_groups_and_a_scale(setting, tmp_path):
+    from jaxpar.tools.hf_mixtral import shared_to_hf
+    with pytest.raises(UserError, match="moe_n_group, moe_routed_scale"):
+        shared_to_hf({}, str(tmp_path), setting)

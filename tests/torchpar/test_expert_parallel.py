@@ -82,6 +82,28 @@ def test_an_expert_parallel_checkpoint_moves_to_other_layouts(base, one_process)
     assert_same_run(metrics(run_dir), one_process["dropless"])
 
 
+# DeepSeek-V3's routing (model.moe_n_group, moe_topk_group, moe_routed_scale; tests/jaxpar/test_moe.py holds it to
+# HF's router): the 8 experts in 4 groups of 2, the best 2 groups kept, weights scaled by 2.5, sigmoid scores and the
+# balance bias, which a group's score counts
+GROUPED = ["model.moe_n_group=4", "model.moe_topk_group=2", "model.moe_routed_scale=2.5", "model.moe_router=sigmoid",
+           "model.moe_bias_update=0.001"]
+
+
+def test_grouped_routing_split_over_ranks_equals_one_process(base):
+    runs, finals = {}, {}
+    for name, backend, mesh, nproc in (("one", "none", [], 0), ("ep", "ddp", ["parallel.mesh=dp=2,ep=2"], 4)):
+        run_dir, finals[name] = base["tmp"] / f"grouped-{name}", base["tmp"] / f"grouped-{name}.safetensors"
+        run(["--backend", backend, *_args(base, *GROUPED, *mesh), f"run.dir={run_dir}", "--write-final",
+             str(finals[name])], nproc=nproc)
+        runs[name] = metrics(run_dir)
+    assert_same_run(runs["ep"], runs["one"])
+    _assert_same_experts(runs["ep"], runs["one"])
+    want, have = load_file(str(finals["one"])), load_file(str(finals["ep"]))
+    assert np.abs(want["blocks.moe.router.bias"]).max() > 0
+    for name in want:
+        np.testing.assert_allclose(have[name], want[name], atol=5e-6, err_msg=name)
+
+
 @pytest.mark.parametrize("setting,backend,world,named", [
     ("parallel.mesh=ep=2,dp=2", "fsdp", 4, "--backend fsdp does not implement ep"),
     ("parallel.mesh=ep=3", "ddp", 3, "model.moe_experts=8 is not divisible by ep=3"),
