@@ -25,6 +25,7 @@ TORCH_SHARE = 0.25  # torchpar cases are subprocesses (seconds to start): drawn 
 EXPERT_SHARE = 0.2  # cases with a mixture of experts (jaxpar: with ep in the mesh now and then)
 MUON_SHARE = 0.2  # cases with optim.name=muon
 EIGHT_BIT_SHARE = 0.15  # cases with optim.name=adamw8bit
+ROUTING_SHARE = 0.5  # of the expert cases: DeepSeek-V3's expert groups and routed scale
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,25 @@ def _pick(rng: random.Random, weighted: dict):
 
 
 def draw_case(rng: random.Random, torch_share: float = TORCH_SHARE) -> Case:
-    return with_optimizer(draw_torch(rng) if rng.random() < torch_share else draw_jax(rng))
+    return with_routing(with_optimizer(draw_torch(rng) if rng.random() < torch_share else draw_jax(rng)))
+
+
+def with_routing(case: Case) -> Case:
+    """DeepSeek-V3's routing in a share of the expert cases: the experts in 2 or 4 groups of two or more, fewer
+    groups kept than there are, and/or the weights scaled. Drawn from the case's own spec (as with_optimizer, after
+    it), so the cases a seed drew before stay what they were, but for these keys."""
+    E = int(case.get("model.moe_experts", "0"))
+    rng = random.Random(zlib.crc32(b"routing " + case.spec.encode()))
+    if not E or rng.random() >= ROUTING_SHARE:
+        return case
+    s = {}
+    if rng.random() < 0.8:
+        groups = rng.choice([g for g in (2, 4) if E % g == 0 and E // g >= 2])
+        s["model.moe_n_group"] = str(groups)
+        s["model.moe_topk_group"] = str(rng.randrange(1, groups))  # top_k <= 2 <= any group's experts
+    if rng.random() < 0.5:
+        s["model.moe_routed_scale"] = "2.5"
+    return case.with_settings(sorted(_drop_defaults({**dict(case.settings), **s}).items()))
 
 
 def with_optimizer(case: Case, share: float = MUON_SHARE) -> Case:
@@ -360,6 +379,7 @@ MODE_KEYS = {  # key prefix -> whether the case's run consumes it (a mode's keys
     "data.buckets": lambda c: c.get("data.batching") == "buckets",
     "model.moe_": lambda c: c.get("model.moe_experts", "0") != "0",
     "model.moe_bias_update": lambda c: c.side == "jax" or c.backend in ("none", "ddp"),
+    "model.moe_topk_group": lambda c: c.get("model.moe_n_group", "1") != "1",
     "train.tokens_per_batch": lambda c: c.get("data.batching") == "buckets",
     "optim.name": lambda c: c.side == "jax" or c.backend != "deepspeed",
     "optim.muon_": lambda c: c.get("optim.name") == "muon",

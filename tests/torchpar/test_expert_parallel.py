@@ -82,8 +82,8 @@ def test_an_expert_parallel_checkpoint_moves_to_other_layouts(base, one_process)
     assert_same_run(metrics(run_dir), one_process["dropless"])
 
 
-# DeepSeek-V3's routing (model.moe_n_group, moe_topk_group, moe_routed_scale; tests/jaxpar/test_moe.py holds it to
-# HF's router): the 8 experts in 4 groups of 2, the best 2 groups kept, weights scaled by 2.5, sigmoid scores and the
+# DeepSeek-V3's routing (model.moe_n_group, moe_topk_group, moe_routed_scale; tests/jaxpar/test_moe_routing.py holds it
+# to HF's router): the 8 experts in 4 groups of 2, the best 2 groups kept, weights scaled by 2.5, sigmoid scores and the
 # balance bias, which a group's score counts
 GROUPED = ["model.moe_n_group=4", "model.moe_topk_group=2", "model.moe_routed_scale=2.5", "model.moe_router=sigmoid",
            "model.moe_bias_update=0.001"]
