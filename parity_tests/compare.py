@@ -45,8 +45,9 @@ FLOAT32 = Tolerance("float32", loss=1e-5, grad_norm=1e-4, lr=1e-6, params=1e-5, 
 # float32 with 8-bit optimizer moments (optim.name=adamw8bit), against its one-device run: a gradient that differs
 # in its last bits can put a moment value on the other side of a rounding midpoint, one code away, and that weight
 # then steps differently (tests/jaxpar/test_adamw8bit.py, fsdp=2,ep=2 at lr 1e-2 over 10 steps: 40 of 16,384 expert
-# weights moved, at most 1.0e-3; parameters 1.4e-4 relative norm; the loss within 3e-7)
-EIGHT_BIT = Tolerance("float32, 8-bit moments", loss=1e-5, grad_norm=1e-4, lr=1e-6, params=5e-4, param_abs=5e-3,
+# weights moved, at most 1.0e-3; parameters 1.4e-4 relative norm; the loss within 3e-7; torchpar ddp against one
+# process, tests/torchpar/test_adamw8bit.py: the gradient norm of step 9 2.9e-4 away, the loss within 1e-5)
+EIGHT_BIT = Tolerance("float32, 8-bit moments", loss=1e-5, grad_norm=1e-3, lr=1e-6, params=5e-4, param_abs=5e-3,
                       key_bias_lr=0.01)
 # bfloat16 compute against the same framework's float32 run (docs/parity.md has the measured deviations).
 BFLOAT16 = Tolerance("bfloat16 vs float32", loss=5e-3, grad_norm=5e-2, lr=1e-6, params=2e-2, param_abs=2e-2,

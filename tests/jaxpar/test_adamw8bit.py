@@ -45,7 +45,7 @@ def test_resume_after_sigkill_is_exact(tmp_path, dataset):
 
 def test_the_state_is_a_quarter_of_adamws_planned_and_held():
     """configs/gpt2-tiny.yaml (every matrix and the embeddings hold codes; norms and biases float32 moments): 1
-    byte per moment value and a float32 scale per 256 against AdamW's 4 bytes -- 0.26x, under the issue's 0.3x --
+    byte per moment value and a float32 scale per 64 against AdamW's 4 bytes -- 0.27x, under the issue's 0.3x --
     in the planner's figure on fsdp=2 and in the bytes of the state a run initialises on one device."""
     base = load_config("configs/gpt2-tiny.yaml")
     eight = load_config("configs/gpt2-tiny.yaml", list(EIGHT_BIT))

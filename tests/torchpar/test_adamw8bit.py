@@ -8,6 +8,7 @@ import torch
 
 from jaxpar.core import adamw8bit
 from jaxpar.optim import dequantize, quantize
+from parity_tests.compare import EIGHT_BIT as BAND
 from tests.helpers import metrics
 from tests.torchpar.runs import assert_resumes_exactly_after_sigkill, assert_same_run, jaxpar_run, run
 from torchpar.optim import quiet_logs
@@ -45,9 +46,10 @@ def test_backends_equal_one_process_and_jaxpar_within_the_band(base, reference):
     for backend in ("ddp", "fsdp"):
         run_dir = base["tmp"] / f"adamw8bit-{backend}"
         run(["--backend", backend, *base["args"], *EIGHT_BIT, f"run.dir={run_dir}"], nproc=2)
-        assert_same_run(metrics(run_dir), ref)
+        # a moment value one code away steps its weight differently: the gradient norm within EIGHT_BIT's band
+        assert_same_run(metrics(run_dir), ref, grad_norm=BAND.grad_norm)
     jax_run = jaxpar_run(base, EIGHT_BIT, "adamw8bit")
-    # blocks are 256 consecutive values of each framework's own layout (torch's [out, in] against jaxpar's
+    # blocks are 64 consecutive values of each framework's own layout (torch's [out, in] against jaxpar's
     # [in, out]): other blocks, other scales, so the two need not agree to rounding; measured 2.8e-7 here, against
     # 6.5e-4 between the 8-bit and the float32 moments
     worst = max(abs(jax_run[s]["loss"] - ref[s]["loss"]) / ref[s]["loss"] for s in range(1, 11))
