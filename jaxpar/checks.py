@@ -7,7 +7,7 @@ from jaxpar.core.config import Config
 from jaxpar.core.contract import Run, check_contract
 from jaxpar.core.experts import check_expert_axis
 from jaxpar.core.errors import UserError
-from jaxpar.core.pipeline_schedules import check_schedule, resolve_microbatches
+from jaxpar.core.pipeline_schedules import check_schedule, concrete, resolve_microbatches
 from jaxpar.core.resume import check_resume
 from jaxpar.core.trackers import check_trackers
 from jaxpar.parallel.sequence import check_sequence
@@ -79,40 +79,41 @@ def check_pipeline(cfg: Config, sizes) -> None:
     if stages == 1:
         return
     p, t = cfg.parallel, cfg.train
+    schedule = concrete(p.pipeline_schedule)  # auto unresolved: what the layout runs
     M = resolve_microbatches(stages, p.pipeline_microbatches)
-    check_schedule(p.pipeline_schedule, stages, M, p.pipeline_virtual_stages, cfg.model.n_layer)
+    check_schedule(schedule, stages, M, p.pipeline_virtual_stages, cfg.model.n_layer)
     data_ways = sizes["dp"] * sizes["fsdp"] * sizes["ep"]
     batch = t.global_batch_size // t.microbatches
     if batch % (M * data_ways):
         raise UserError(f"batch per microbatch {batch} is not divisible by parallel.pipeline_microbatches={M} "
                         f"x data axes dp*fsdp*ep={data_ways}")
-    if cfg.model.moe_experts and p.pipeline_schedule != "gpipe":
-        raise UserError(f"parallel.pipeline_schedule={p.pipeline_schedule} does not run a mixture of experts yet "
+    if cfg.model.moe_experts and schedule != "gpipe":
+        raise UserError(f"parallel.pipeline_schedule={schedule} does not run a mixture of experts yet "
                         "(the executor passes activations alone, not the experts' statistics; gpipe runs it)")
-    if cfg.model.float8 and p.pipeline_schedule in ("zb_h1", "zb_v"):
-        raise UserError(f"parallel.pipeline_schedule={p.pipeline_schedule} does not run model.float8 yet (its split "
+    if cfg.model.float8 and schedule in ("zb_h1", "zb_v"):
+        raise UserError(f"parallel.pipeline_schedule={schedule} does not run model.float8 yet (its split "
                         "backward computes each projection's weight gradient itself, in the compute dtype; gpipe, 1f1b "
                         "and interleaved run it)")
-    if cfg.model.remat == "offload" and p.pipeline_schedule != "gpipe":
+    if cfg.model.remat == "offload" and schedule != "gpipe":
         # the executor keeps each microbatch's residuals in device buffers it writes slot by slot in a tick's
         # branch; residuals in host memory would need host buffers there, which it does not have
-        raise UserError(f"parallel.pipeline_schedule={p.pipeline_schedule} does not run model.remat=offload (it runs "
+        raise UserError(f"parallel.pipeline_schedule={schedule} does not run model.remat=offload (it runs "
                         "with the gpipe schedule; or model.remat=full)")
     sharded_params = sizes["fsdp"] > 1 or (p.zero_stage == 3 and sizes["dp"] > 1)
     what = ("model.linear=sketched" if cfg.model.linear == "sketched" else
             "model.attention=mla" if cfg.model.attention == "mla" else None)
-    if what and p.pipeline_schedule != "gpipe" and sizes["tp"] > 1 and sharded_params:
+    if what and schedule != "gpipe" and sizes["tp"] > 1 and sharded_params:
         # XLA reshards a sketched factor or MLA's latent projections between the data and tp axes with a
         # collective-permute inside one tick's branch of the executor, which the devices taking another branch
         # never reach: a deadlock (docs/fuzz.md)
-        raise UserError(f"parallel.pipeline_schedule={p.pipeline_schedule} does not run {what} with tp>1 and "
+        raise UserError(f"parallel.pipeline_schedule={schedule} does not run {what} with tp>1 and "
                         "parameters sharded over fsdp or ZeRO-3 (it runs with the gpipe schedule)")
-    if p.pipeline_schedule != "gpipe" and sizes["sp"] > 1:
+    if schedule != "gpipe" and sizes["sp"] > 1:
         # inside the executor's shard_map (manual over pp), jax 0.10 / XLA:CPU give wrong values for ring
         # attention's nested shard_map and crash partitioning dilated attention's sp-sharded segments
         if cfg.model.attention == "dilated":
-            raise UserError(f"parallel.pipeline_schedule={p.pipeline_schedule} with sp>1 does not run "
+            raise UserError(f"parallel.pipeline_schedule={schedule} with sp>1 does not run "
                             "model.attention=dilated (it runs with the gpipe schedule)")
         if p.sequence_attention == "ring":
-            raise UserError(f"parallel.pipeline_schedule={p.pipeline_schedule} with sp>1 needs "
+            raise UserError(f"parallel.pipeline_schedule={schedule} with sp>1 needs "
                             "parallel.sequence_attention=all_gather or ulysses (ring runs with the gpipe schedule)")

@@ -18,6 +18,8 @@ from jaxpar.core.mesh_spec import parse_mesh
 from jaxpar.core.run import run_training, stop_requests
 from jaxpar.data import grain_batches
 from jaxpar.layout import Layout
+from jaxpar.pipeline_auto import resolve_schedule
+from jaxpar.tools.plan import peak_bytes
 from jaxpar.mesh import make_mesh, process_id, setup_devices, show_library_logs
 from jaxpar.trainer import JaxTrainer
 
@@ -43,6 +45,9 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_fina
     if cfg.train.matmul_precision != "default":
         jax.config.update("jax_default_matmul_precision", cfg.train.matmul_precision)
     mesh = make_mesh(sizes)
+    cfg, chosen = resolve_schedule(cfg, dict(mesh.shape), mesh.devices.flat, peak_bytes)  # pipeline_schedule=auto
+    if chosen and process_id() == 0:
+        print(chosen, file=sys.stderr)
     validate(cfg, dict(mesh.shape), is_main=process_id() == 0)
     trainer = JaxTrainer(cfg, Layout(cfg, mesh), open_splits(cfg, grain_batches))
     if write_init:

@@ -10,6 +10,7 @@ from jaxpar.core.errors import UserError
 from jaxpar.core.batch_shapes import for_each_shape
 from jaxpar.core.experts import check_expert_axis
 from jaxpar.core.mesh_spec import check_torch_mesh, parse_mesh, resolve_sizes
+from jaxpar.core.pipeline_choice import resolve
 from jaxpar.core.resume import check_resume
 from jaxpar.core.trackers import check_trackers
 from torchpar.dist import launch_env
@@ -21,6 +22,19 @@ def validate(cfg: Config, args) -> None:
     torchrun's or srun's adopted variables, says what changed)."""
     check_backend_settings(cfg, args)
     check_resume(cfg, is_main=launch_env()[0] == 0)
+
+
+def resolve_schedule(cfg: Config, args):
+    """(cfg, the start-up line): parallel.pipeline_schedule=auto on --backend pipeline is the shared choice
+    (jaxpar/core/pipeline_choice.py) among the schedules torchpar runs for this config and launch (its refusals
+    below). torchpar's FLOPs figure is 1.00 for each: torch's schedules run every F, B (and W) once on real
+    microbatches, GPipe computes nothing in its idle ticks; so the least bubble wins, 1f1b before gpipe at a tie."""
+    if args.backend != "pipeline":
+        return cfg, None
+    from torchpar.backends.pipeline import pipeline_sizes
+
+    return resolve(cfg, pipeline_sizes(cfg, launch_env()[1])[0], lambda c: check_backend_settings(c, args),
+                   lambda c: 1.0)
 
 
 def check_backend_settings(cfg: Config, args) -> None:

@@ -20,7 +20,7 @@ from jaxpar.core.data_order import open_splits
 from jaxpar.core.errors import cli
 from jaxpar.core.run import run_training, stop_requests
 from torchpar import backends, dist
-from torchpar.checks import validate
+from torchpar.checks import resolve_schedule, validate
 from torchpar.dist import launch_env
 from torchpar.trainer import TorchTrainer
 
@@ -53,7 +53,9 @@ def main(argv=None) -> int:
     dist.adopt_slurm_env()
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    cfg = read_config(args)
+    cfg, chosen = resolve_schedule(read_config(args), args)  # parallel.pipeline_schedule=auto
+    if chosen and launch_env()[0] == 0:
+        print(chosen, file=sys.stderr)
     validate(cfg, args)  # before the group: identical on every rank
     if args.write_init:  # one process, no group: rank 0 writes
         if launch_env()[0] == 0:

@@ -15,6 +15,7 @@ from typing import Callable
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
 from jaxpar.core.mesh_spec import TORCH_BACKENDS
+from jaxpar.core.pipeline_schedules import concrete
 
 BACKENDS = TORCH_BACKENDS  # torchpar's (torchpar/backends)
 BOTH = BACKENDS
@@ -85,7 +86,7 @@ def _buckets(run: Run) -> bool:
 
 
 def _documents(run: Run) -> bool:  # dilated attention has its own pattern; GPipe's ticks see activations only
-    gpipe = run.trainer == "jaxpar" and _stages(run) and run.cfg.parallel.pipeline_schedule == "gpipe"
+    gpipe = run.trainer == "jaxpar" and _stages(run) and concrete(run.cfg.parallel.pipeline_schedule) == "gpipe"
     return run.cfg.model.attention != "dilated" and not gpipe
 
 
@@ -231,6 +232,7 @@ CONTRACT: dict[str, Owner] = {
     "parallel.sequence_zigzag": Owner(True, (), "step", when=_zigzag, mode="sp>1 in the mesh and an attention other "
                                       "than dilated (which keeps the natural order)", example=("mesh:sp=2",),
                                       why_not=NO_TORCH_SP),
+    # auto (the default): both trainers choose with jaxpar/core/pipeline_choice.py before anything else reads it
     "parallel.pipeline_schedule": Owner(True, ("pipeline",), "step", **PIPELINE),
     "parallel.pipeline_microbatches": Owner(True, ("pipeline",), "step", **PIPELINE),
     "parallel.pipeline_virtual_stages": Owner(True, ("pipeline",), "step", when=_virtual,

@@ -156,6 +156,14 @@ def _zb_v_programs(S: int, M: int) -> tuple[tuple[Op, ...], ...]:
 PROGRAMS = {"gpipe": gpipe_program, "1f1b": one_f_one_b_program, "interleaved": interleaved_program,
             "zb_h1": zb_h1_program, "zb_v": zb_v_program}
 SPLIT_BACKWARD = ("zb_h1", "zb_v")  # B is the input gradient alone, W the weights'
+AUTO = "auto"  # parallel.pipeline_schedule's default: the least modeled step time (jaxpar/core/pipeline_choice.py)
+# what a layout built without an entry point's choice runs (library calls such as build_step, and their tests):
+# GSPMD GPipe, which runs every config; jaxpar.train, torchpar.train, plan and bench resolve auto first
+UNRESOLVED = "gpipe"
+
+
+def concrete(schedule: str) -> str:
+    return UNRESOLVED if schedule == AUTO else schedule
 
 
 def chunks(schedule: str, V: int) -> int:
@@ -257,4 +265,4 @@ def configured_bubble(schedule: str, stages: int, microbatches: int, virtual: in
     """The idle fraction of a run's pipeline (parallel.pipeline_* on `stages` stages); None without one."""
     if stages == 1:
         return None
-    return bubble_fraction(simulate(schedule, stages, resolve_microbatches(stages, microbatches), virtual))
+    return bubble_fraction(simulate(concrete(schedule), stages, resolve_microbatches(stages, microbatches), virtual))

@@ -67,7 +67,10 @@ def bench(cfg: Config, sizes: dict[str, int], steps: int, warmup: int, devices=N
     import numpy as np
 
     from jaxpar.mesh import device_memory
+    from jaxpar.pipeline_auto import resolve_schedule
+    from jaxpar.tools.plan import peak_bytes
 
+    cfg, _ = resolve_schedule(cfg, sizes, jax.devices() if devices is None else devices, peak_bytes)  # auto
     step, state, batch, layout = warm_step(cfg, sizes, warmup, devices)
     shape = batch.shape
     times = []

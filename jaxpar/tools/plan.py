@@ -9,7 +9,9 @@ steps is reported apart (`host`) from the device's peak.
 the rest by a predicted step time (compute at a peak FLOP rate + communication at a link bandwidth);
 when no mesh fits it tries them again with the optimizer state, then the parameters too, offloaded.
 `--schedules` (a mesh with pp > 1) sets every pipeline schedule side by side for the config and mesh: the
-table's bubble, the compiled step's peak and temporary memory per device, matmul FLOPs against one device's.
+table's bubble, the compiled step's peak and temporary memory per device, matmul FLOPs against one device's, the
+modeled step time FLOPs / (1 - bubble), and the schedule parallel.pipeline_schedule=auto picks (the least modeled
+time within --memory-per-device; jaxpar/core/pipeline_choice.py).
 """
 from __future__ import annotations
 
@@ -25,10 +27,11 @@ import sys
 from jaxpar.core.batch_shapes import batch_shapes, bucket_shapes, shape_config
 from jaxpar.core.config import Config, load_config
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.pipeline_schedules import configured_bubble, resolve_microbatches
+from jaxpar.core.pipeline_schedules import concrete, configured_bubble, resolve_microbatches
 from jaxpar.core.mesh_spec import format_mesh, parse_mesh
 from jaxpar.mesh import setup_devices
-from jaxpar.tools import plan_activations, plan_optimizer
+from jaxpar.pipeline_auto import resolve_schedule
+from jaxpar.tools import plan_activations, plan_optimizer, plan_schedules
 
 
 def parse_bytes(text: str) -> int:
@@ -124,6 +127,11 @@ def plan(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
                                  "traffic_bytes": p["traffic_bytes"]} for r, T, p in plans]}
 
 
+def peak_bytes(cfg: Config, sizes: dict[str, int], devices=None) -> int:
+    """The plan's peak bytes per device (parallel.pipeline_schedule=auto's memory fit: jaxpar/pipeline_auto.py)."""
+    return plan(cfg, sizes, devices)["peak_bytes"]
+
+
 def plan_shape(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
     from jaxpar import hlo_collectives
 
@@ -162,7 +170,7 @@ def plan_shape(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
     if estimated:
         peak -= host
     par = cfg.parallel
-    pipeline = None if full["pp"] == 1 else {"schedule": par.pipeline_schedule, "bubble": configured_bubble(
+    pipeline = None if full["pp"] == 1 else {"schedule": concrete(par.pipeline_schedule), "bubble": configured_bubble(
         par.pipeline_schedule, full["pp"], par.pipeline_microbatches, par.pipeline_virtual_stages)}
     p = {"mesh": format_mesh(full), "devices": n_dev, "model": model, "pipeline": pipeline,
          "params_bytes": params, "opt_state_bytes": opt, "expert_bytes": experts,
@@ -305,46 +313,9 @@ def recommend(cfg: Config, n: int, budget: int, peak_flops: float, bandwidth: fl
     return sorted(rows, key=lambda r: (not r["fits"], r["predicted_step_s"]))
 
 
-def compare_schedules(cfg: Config, sizes: dict[str, int], devices=None) -> list[dict]:
-    """Each pipeline schedule on this config and mesh: bubble, peak and temp bytes per device, matmul FLOPs as a
-    ratio to one device's program of the same batch (jaxpr_flops: a recomputing W shows above 1.0), or the
-    one line that refuses it. Interleaved takes the config's virtual stages, 2 where it has 1."""
-    import jax
-
-    from jaxpar.core.pipeline_schedules import PROGRAMS
-    from jaxpar.parallel.pipeline_executor import HAND_SCHEDULED
-    from jaxpar.tools.pipeline_memory import step_flops
-
-    if sizes.get("pp", 1) < 2:
-        raise UserError("--schedules compares pipeline schedules: the mesh needs pp > 1")
-    devices = jax.devices() if devices is None else devices
-    one = step_flops(cfg, {"dp": 1}, devices[:1], None)
-    rows = []
-    for schedule in PROGRAMS:
-        V = max(cfg.parallel.pipeline_virtual_stages, 2) if schedule == "interleaved" else 1
-        c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pipeline_schedule=schedule,
-                                                                  pipeline_virtual_stages=V))
-        try:
-            p = plan(c, sizes, devices)
-        except UserError as e:
-            rows.append({"schedule": schedule, "refused": str(e)})
-            continue
-        flops = step_flops(c, sizes, devices, schedule if schedule in HAND_SCHEDULED else None)
-        rows.append({"schedule": schedule, "virtual_stages": V, "bubble": p["pipeline"]["bubble"],
-                     "peak_bytes": p["peak_bytes"], "temp_bytes": p["temp_bytes"], "flops_ratio": flops / one})
-    return rows
-
-
-def print_schedules(rows: list[dict]) -> None:
-    print(f"{'schedule':<12} {'bubble':>7} {'peak/device':>14} {'temp/device':>14} {'matmul FLOPs':>13}")
-    for r in rows:
-        if "refused" in r:
-            print(f"{r['schedule']:<12} refused: {r['refused']}")
-            continue
-        print(f"{r['schedule']:<12} {r['bubble']:>7.3f} {r['peak_bytes'] / 2**20:>10.2f} MiB "
-              f"{r['temp_bytes'] / 2**20:>10.2f} MiB {r['flops_ratio']:>12.2f}x")
-    print("bubble: the schedule table's idle share (python -m jaxpar.tools.pipeline_table); matmul FLOPs: the step's "
-          "against one device's (above 1.0: work the schedule adds: GSPMD GPipe's bubble ticks, a ZB W under remat)")
+def compare_schedules(cfg: Config, sizes: dict[str, int], devices=None, budget: int | None = None) -> list[dict]:
+    """Every pipeline schedule's row of the `--schedules` table (plan_schedules.compare)."""
+    return plan_schedules.compare(cfg, sizes, plan, devices, budget)
 
 
 @cli
@@ -358,7 +329,7 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-per-device", default="80GiB")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="per-device compute rate for predictions")
     ap.add_argument("--bandwidth-gbs", type=float, default=400.0, help="per-device link bandwidth, GB/s")
-    ap.add_argument("--schedules", action="store_true", help="every pipeline schedule side by side (pp > 1)")
+    ap.add_argument("--schedules", action="store_true", help="every pipeline schedule side by side (pp > 1), auto's choice marked")
     ap.add_argument("--json", help="also write the result as JSON here")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
@@ -385,9 +356,12 @@ def main(argv=None) -> int:
         sizes = parse_mesh(args.mesh or cfg.parallel.mesh)
         setup_devices(sizes)
         if args.schedules:
-            result = compare_schedules(cfg, sizes)
-            print_schedules(result)
+            result = compare_schedules(cfg, sizes, budget=parse_bytes(args.memory_per_device))
+            plan_schedules.print_schedules(result)
         else:
+            cfg, chosen = resolve_schedule(cfg, sizes, None, peak_bytes, parse_bytes(args.memory_per_device))
+            if chosen:  # parallel.pipeline_schedule=auto's choice
+                print(chosen)
             result = plan(cfg, sizes)
             print_plan(result)
     if args.json:

@@ -245,10 +245,10 @@ def torch_engine(cfg, backend: str):
         out["deepspeed"] = generated_config(cfg, 2)
     if backend == "pipeline":
         from torchpar.backends.pipeline import SCHEDULES, pipeline_sizes
-        from jaxpar.core.pipeline_schedules import resolve_microbatches
+        from jaxpar.core.pipeline_schedules import concrete, resolve_microbatches
         S = pipeline_sizes(cfg, 4)[0]
         p = cfg.parallel
-        out["pipeline"] = (S, SCHEDULES[p.pipeline_schedule], resolve_microbatches(S, p.pipeline_microbatches),
+        out["pipeline"] = (S, SCHEDULES[concrete(p.pipeline_schedule)], resolve_microbatches(S, p.pipeline_microbatches),
                            p.pipeline_virtual_stages)
     if backend == "fsdp":
         from torchpar.backends.fsdp import fsdp_options

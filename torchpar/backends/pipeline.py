@@ -41,8 +41,8 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from jaxpar.core.errors import UserError
 from jaxpar.core.loss_chunks import loss_chunks
 from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
-from jaxpar.core.pipeline_schedules import (check_schedule, chunks as chunks_per_rank, placement, resolve_microbatches,
-                                            virtual_stage)
+from jaxpar.core.pipeline_schedules import (check_schedule, chunks as chunks_per_rank, concrete, placement,
+                                            resolve_microbatches, virtual_stage)
 from torchpar.backends.base import TorchEngine
 from torchpar.models.decoder import Decoder, embed, inputs_and_targets
 from torchpar.models.head import chunked_cross_entropy
@@ -98,27 +98,28 @@ def pipeline_sizes(cfg, world: int) -> tuple[int, int, str]:
 def check_torch_pipeline(cfg, world: int) -> int:
     """The number of pipeline microbatches; one-line errors for what the backend cannot run."""
     p, t = cfg.parallel, cfg.train
+    schedule = concrete(p.pipeline_schedule)  # auto unresolved (a library call): what the engine runs
     S, D, axis = pipeline_sizes(cfg, world)
     if cfg.parallel.mesh and min(resolve_sizes(parse_mesh(cfg.parallel.mesh), world)[a] for a in ("dp", "fsdp")) > 1:
         raise UserError(f"parallel.mesh={cfg.parallel.mesh}: --backend pipeline runs pp with dp (DDP per stage) or "
                         "with fsdp (FSDP2 per stage), not both")
     M = resolve_microbatches(S, p.pipeline_microbatches)
-    check_schedule(p.pipeline_schedule, S, M, p.pipeline_virtual_stages, cfg.model.n_layer)
-    if p.pipeline_schedule == "interleaved" and p.pipeline_virtual_stages < 2:
+    check_schedule(schedule, S, M, p.pipeline_virtual_stages, cfg.model.n_layer)
+    if schedule == "interleaved" and p.pipeline_virtual_stages < 2:
         raise UserError("--backend pipeline: the interleaved schedule needs parallel.pipeline_virtual_stages >= 2 "
                         "(torch's ScheduleInterleaved1F1B runs two or more stages per rank)")
-    if D > 1 and axis == "fsdp" and p.pipeline_schedule not in ("gpipe", "1f1b"):
+    if D > 1 and axis == "fsdp" and schedule not in ("gpipe", "1f1b"):
         # interleaved, zb_v: two stages per rank around one sharded module (not built); zb_h1: its weight pass runs
         # outside FSDP2's post-backward hooks, so the gradients are not reduce-scattered (wrong from step 2)
         raise UserError(f"--backend pipeline: parallel.mesh with fsdp={D} runs parallel.pipeline_schedule=gpipe or "
-                        f"1f1b (FSDP2 inside the stages), not {p.pipeline_schedule}")
-    if D > 1 and axis == "dp" and p.pipeline_schedule != "1f1b":
+                        f"1f1b (FSDP2 inside the stages), not {schedule}")
+    if D > 1 and axis == "dp" and schedule != "1f1b":
         # zb_h1's weight pass bypasses DDP's gradient hooks (docs/fuzz.md, case 99); gpipe/interleaved failed in
         # DDP's bucket rebuild, whose cause hold_sync removes (not yet tested under pp x dp: still refused)
         raise UserError(f"--backend pipeline: parallel.mesh with dp={D} runs parallel.pipeline_schedule=1f1b only "
-                        f"(got {p.pipeline_schedule}: DDP inside torch's pipeline stages is not correct with it)")
-    if p.pipeline_schedule in ("zb_h1", "zb_v") and cfg.model.remat == "save_matmuls":
-        raise UserError(f"--backend pipeline: parallel.pipeline_schedule={p.pipeline_schedule} splits each backward "
+                        f"(got {schedule}: DDP inside torch's pipeline stages is not correct with it)")
+    if schedule in ("zb_h1", "zb_v") and cfg.model.remat == "save_matmuls":
+        raise UserError(f"--backend pipeline: parallel.pipeline_schedule={schedule} splits each backward "
                         "into an input and a weight pass, and torch's selective checkpoint (model.remat=save_matmuls) "
                         "allows one backward per region; use model.remat=full or none")
     micro = t.global_batch_size // t.microbatches
@@ -136,7 +137,7 @@ class PipelineEngine(TorchEngine):
         self.M, self.stage_module, self.scale, self.pp_group = M, stage, 1.0, place.pp_group
         # the chunk that holds the model's last virtual stage, when this rank has it (DDP's: the module inside)
         self.last_chunk = next((getattr(c, "module", c) for c in chunks if getattr(c, "module", c).last), None)
-        S, schedule = place.stages, cfg.parallel.pipeline_schedule
+        S, schedule = place.stages, concrete(cfg.parallel.pipeline_schedule)
         stages = [PipelineStage(chunk, virtual_stage(schedule, S, place.stage, c), S * len(chunks), env.device,
                                 group=place.pp_group) for c, chunk in enumerate(chunks)]
         self.schedule = SCHEDULES[schedule](stages if schedule in MULTI else stages[0], M, loss_fn=self._loss,
