@@ -224,7 +224,7 @@ def test_masked_training_and_evaluation_on_each_hand_scheduled_pipeline_equal_on
 
 @pytest.mark.parametrize("overrides,trainer,backend,mesh", [
     (("model.attention=dilated", "model.segment_lengths=8,16", "model.dilation_rates=1,2"), "jaxpar", "", {}),
-    ((), "jaxpar", "", {"pp": 2}),  # GPipe, the default schedule
+    (("parallel.pipeline_schedule=gpipe",), "jaxpar", "", {"pp": 2}),  # GPipe (auto picks another: documents)
     ((), "torchpar", "pipeline", {"pp": 2})])
 def test_where_documents_cannot_be_kept_apart_the_setting_is_refused(overrides, trainer, backend, mesh):
     cfg = tiny_config("data.document_mask=true", *overrides)
