@@ -5,6 +5,9 @@ import numpy as np
 import pytest
 
 from jaxpar.core.errors import UserError
+from jaxpar.core.mesh_spec import parse_mesh
+from jaxpar.pipeline_auto import resolve_schedule
+from jaxpar.tools.plan import peak_bytes
 from tests.helpers import assert_params_close, assert_resumes_exactly, run_steps, tiny_config
 from jaxpar.parallel.pipeline_executor import tick_plan
 
@@ -23,10 +26,15 @@ def references(dataset):
 
 
 @pytest.mark.parametrize("mesh,n,schedule", [
-    (mesh, n, s) for mesh, n in (("pp=2", 2), ("pp=4", 4), ("pp=2,dp=2,tp=2", 8)) for s in SCHEDULES])
+    (mesh, n, s) for mesh, n in (("pp=2", 2), ("pp=4", 4), ("pp=2,dp=2,tp=2", 8)) for s in SCHEDULES]
+    + [("pp=4", 4, "auto")])
 def test_schedule_matches_single_device(schedule, mesh, n, dataset, references):
+    """auto: the schedule jaxpar.train resolves it to (jaxpar/pipeline_auto.py), whichever that is."""
     model = DEEPER if schedule == "interleaved" and mesh == "pp=4" else DEEP
-    cfg = tiny_config(*model, f"parallel.pipeline_schedule={schedule}", *SCHEDULES[schedule])
+    cfg = tiny_config(*model, f"parallel.pipeline_schedule={schedule}", *SCHEDULES.get(schedule, ()))
+    if schedule == "auto":
+        cfg, line = resolve_schedule(cfg, parse_mesh(mesh), jax.devices()[:n], peak_bytes)
+        assert cfg.parallel.pipeline_schedule != "auto" and line.startswith("pipeline schedule auto -> "), line
     got = run_steps(cfg, mesh, dataset, devices=jax.devices()[:n])
     reference = references[cfg.model.n_layer]
     np.testing.assert_allclose(got["loss"], reference["loss"], rtol=1e-5)
