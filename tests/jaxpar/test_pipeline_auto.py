@@ -1,37 +1,63 @@
-"""parallel.pipeline_schedule=auto on pp=4 with 8 microbatches: jaxpar's choice is the planner's `--schedules` row of
-least modeled time, and configs where different schedules win get different choices (a fixed auto fails one)."""
+"""parallel.pipeline_schedule=auto on pp=4 with 8 microbatches: jaxpar's choice is the schedule of least modeled
+time in the full table of the chooser's own figures, and configs where different schedules win get different choices
+(a fixed auto fails one). Each schedule is traced once (its FLOPs), nothing is compiled: the table reuses the figures
+the choice took and traces only the schedules it skipped."""
 import jax
 import pytest
 
+from jaxpar import pipeline_auto
+from jaxpar.core.pipeline_choice import candidates, modeled_time, with_schedule
 from jaxpar.pipeline_auto import resolve_schedule
-from jaxpar.tools.plan import compare_schedules, peak_bytes
 from tests.helpers import tiny_config
 
 EIGHT = ("model.n_layer=8", "parallel.pipeline_microbatches=8", "train.global_batch_size=8")
+SIZES = {"pp": 4}
+NEVER = lambda *a: pytest.fail("nothing is compiled without a memory budget")  # noqa: E731
+
+
+@pytest.fixture
+def memo_flops(monkeypatch):
+    """pipeline_auto.flops_ratio, each schedule traced once: {schedule: ratio} of those asked for so far."""
+    real, figures = pipeline_auto.flops_ratio, {}
+
+    def once(cfg, *args):
+        s = cfg.parallel.pipeline_schedule
+        if s not in figures:
+            figures[s] = real(cfg, *args)
+        return figures[s]
+
+    monkeypatch.setattr(pipeline_auto, "flops_ratio", once)
+    return figures
 
 
 @pytest.mark.parametrize("remat,winner", [("none", "zb_v"), ("full", "interleaved")])
-def test_auto_picks_the_least_modeled_time_of_the_planners_table(remat, winner):
+def test_auto_picks_the_least_modeled_time_of_the_full_table(remat, winner, memo_flops):
     """Without remat zero-bubble V wins (FLOPs 1.00x, bubble 0.059); with model.remat=full its W recomputes the
     forward (1.41x) and interleaved's 1.00x / (1 - 0.158) is least (issue 48's table)."""
     cfg = tiny_config(*EIGHT, f"model.remat={remat}")
     devices = jax.devices()[:4]
-    chosen, line = resolve_schedule(cfg, {"pp": 4}, devices, peak_bytes)
-    rows = {r["schedule"]: r for r in compare_schedules(cfg, {"pp": 4}, devices) if "refused" not in r}
-    least = min(rows, key=lambda s: rows[s]["modeled_time"])
-    assert chosen.parallel.pipeline_schedule == least == winner
-    assert [s for s, r in rows.items() if r["auto"]] == [winner]  # the table marks it
-    assert line.startswith(f"pipeline schedule auto -> {winner} (modeled step time {rows[winner]['modeled_time']:.2f}")
+    chosen, line = resolve_schedule(cfg, SIZES, devices, NEVER)
+    asked = set(memo_flops)
+    sizes = pipeline_auto._full(SIZES)
+    bubbles, refused = candidates(cfg, 4, lambda c: pipeline_auto.refusal(c, sizes))
+    assert set(bubbles) == {"gpipe", "1f1b", "interleaved", "zb_h1", "zb_v"} and not refused
+    one: list = []
+    table = {s: modeled_time(b, pipeline_auto.flops_ratio(with_schedule(cfg, s), sizes, devices, one))
+             for s, b in bubbles.items()}
+    assert chosen.parallel.pipeline_schedule == min(table, key=table.get) == winner
+    assert len(asked) < len(table)  # the choice took fewer figures than the table has
+    assert line.startswith(f"pipeline schedule auto -> {winner} (modeled step time {table[winner]:.2f}")
 
 
-def test_auto_leaves_out_what_the_config_refuses_and_what_does_not_fit():
-    """A mixture of experts runs on gpipe alone; a memory budget under every schedule's peak but gpipe's (remat
-    full: gpipe holds the least) leaves gpipe."""
+def test_auto_leaves_out_what_the_config_refuses_and_what_does_not_fit(monkeypatch):
+    """A mixture of experts runs on gpipe alone; a budget that only gpipe's peak fits leaves gpipe. The figures
+    here are stand-ins: what is tested is which schedules are candidates."""
+    monkeypatch.setattr(pipeline_auto, "flops_ratio", lambda cfg, *a: 1.0)
     devices = jax.devices()[:4]
     moe = tiny_config(*EIGHT, "model.moe_experts=4")
-    assert resolve_schedule(moe, {"pp": 4}, devices, peak_bytes)[0].parallel.pipeline_schedule == "gpipe"
-    cfg = tiny_config(*EIGHT, "model.remat=full")
-    rows = {r["schedule"]: r for r in compare_schedules(cfg, {"pp": 4}, devices) if "refused" not in r}
-    budget = min(r["peak_bytes"] for s, r in rows.items() if s != "gpipe") - 1
-    assert rows["gpipe"]["peak_bytes"] <= budget
-    assert resolve_schedule(cfg, {"pp": 4}, devices, peak_bytes, budget)[0].parallel.pipeline_schedule == "gpipe"
+    assert resolve_schedule(moe, SIZES, devices, NEVER)[0].parallel.pipeline_schedule == "gpipe"
+    cfg = tiny_config(*EIGHT)
+    peaks = {"gpipe": 100, "1f1b": 200, "interleaved": 200, "zb_h1": 200, "zb_v": 200}
+    peak = lambda c, sizes, devices: peaks[c.parallel.pipeline_schedule]  # noqa: E731
+    assert resolve_schedule(cfg, SIZES, devices, peak, 150)[0].parallel.pipeline_schedule == "gpipe"
+    assert resolve_schedule(cfg, SIZES, devices, peak, 250)[0].parallel.pipeline_schedule == "zb_v"
