@@ -179,7 +179,7 @@ class TrainConfig:
 class OptimConfig:
     # adamw: AdamW on every parameter; muon: Muon on the hidden matrices (attention, MLP and each expert's, per
     # layer and per expert), AdamW on the rest (embeddings, head, router, norms, biases): jaxpar/core/muon.py;
-    # adamw8bit: AdamW with its moments in 8-bit codes, blocks of 256 values each with a float32 scale (about 0.26x
+    # adamw8bit: AdamW with its moments in 8-bit codes, blocks of 64 values each with a float32 scale (about 0.27x
     # AdamW's state): jaxpar/core/adamw8bit.py
     name: str = field(default="adamw", metadata=_check(choices=("adamw", "muon", "adamw8bit")))
     lr: float = field(default=3e-3, metadata=_check(lo=0.0))
