@@ -26,6 +26,7 @@ EXPERT_SHARE = 0.2  # cases with a mixture of experts (jaxpar: with ep in the me
 MUON_SHARE = 0.2  # cases with optim.name=muon
 EIGHT_BIT_SHARE = 0.15  # cases with optim.name=adamw8bit
 ROUTING_SHARE = 0.5  # of the expert cases: DeepSeek-V3's expert groups and routed scale
+AUTO_SHARE, PIPELINE_SCHEDULE_KEYS = 0.3, ("parallel.pipeline_schedule", "parallel.pipeline_virtual_stages")  # auto
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,13 @@ def _pick(rng: random.Random, weighted: dict):
 
 
 def draw_case(rng: random.Random, torch_share: float = TORCH_SHARE) -> Case:
-    return with_routing(with_optimizer(draw_torch(rng) if rng.random() < torch_share else draw_jax(rng)))
+    return with_auto(with_routing(with_optimizer(draw_torch(rng) if rng.random() < torch_share else draw_jax(rng))))
+
+
+def with_auto(case: Case) -> Case:
+    on = case.mesh()["pp"] > 1 if case.side == "jax" else case.backend == "pipeline"
+    on = on and random.Random(zlib.crc32(b"auto " + case.spec.encode())).random() < AUTO_SHARE
+    return case.with_settings(tuple(kv for kv in case.settings if kv[0] not in PIPELINE_SCHEDULE_KEYS)) if on else case
 
 
 def with_routing(case: Case) -> Case:

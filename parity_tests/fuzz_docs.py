@@ -46,17 +46,22 @@ PROMISES = (
 )
 
 
+# a case without parallel.pipeline_schedule runs auto (the default), which falls back to gpipe where the settings
+# refuse the hand-scheduled executor: what gpipe runs, auto runs
+GPIPE_RUNS = ("gpipe", "auto")
+
+
 def _pipeline_resharded(c: Case) -> bool:
     m = c.mesh()
-    return (c.side == "jax" and m["pp"] > 1 and c.get("parallel.pipeline_schedule", "gpipe") != "gpipe" and
+    return (c.side == "jax" and m["pp"] > 1 and c.get("parallel.pipeline_schedule", "auto") not in GPIPE_RUNS and
             (c.get("model.linear") == "sketched" or c.get("model.attention") == "mla") and m["tp"] > 1 and
             (m["fsdp"] > 1 or (m["dp"] > 1 and c.get("parallel.zero_stage") == "3")))
 
 
 def _pipeline_sp(c: Case) -> bool:
-    sched = c.get("parallel.pipeline_schedule", "gpipe")
+    sched = c.get("parallel.pipeline_schedule", "auto")
     m = c.mesh()
-    return c.side == "jax" and m["pp"] > 1 and m["sp"] > 1 and sched != "gpipe" and (
+    return c.side == "jax" and m["pp"] > 1 and m["sp"] > 1 and sched not in GPIPE_RUNS and (
         c.get("parallel.sequence_attention", "ring") == "ring" or c.get("model.attention") == "dilated")
 
 
@@ -84,9 +89,10 @@ def indivisible(c: Case) -> bool:
         bad = bad or g("data.seq_len", 16) % (m["sp"] * (2 if zigzag else 1)) or (
             c.get("parallel.sequence_attention") == "ulysses" and heads % (m["tp"] * m["sp"]))
     if m["pp"] > 1:
-        S, V, schedule = m["pp"], g("parallel.pipeline_virtual_stages", 1), c.get("parallel.pipeline_schedule", "gpipe")
-        V, M = 2 if schedule == "zb_v" else V, g("parallel.pipeline_microbatches", 0) or 2 * S
-        bad = bad or g("model.n_layer", 2) % (S * V) or micro % (M * ways) or (schedule != "gpipe" and M < S) or (
+        S, V, schedule = m["pp"], g("parallel.pipeline_virtual_stages", 1), c.get("parallel.pipeline_schedule", "auto")
+        V = 2 if schedule == "zb_v" else 1 if schedule == "auto" else V  # auto: refused where gpipe is (V 1)
+        M = g("parallel.pipeline_microbatches", 0) or 2 * S
+        bad = bad or g("model.n_layer", 2) % (S * V) or micro % (M * ways) or (schedule not in GPIPE_RUNS and M < S) or (
             schedule == "interleaved" and M % S)
     return bool(bad)
 
@@ -120,10 +126,10 @@ DOCUMENTED_REFUSALS = (
      "interleaved" and int(c.get("parallel.pipeline_virtual_stages", "1")) < 2),
     ("docs/torchpar.md pipeline: pp x dp (parallel.mesh=pp=S,dp=D) runs the 1f1b schedule only",
      lambda c: c.side == "torch" and c.backend == "pipeline" and c.mesh()["dp"] > 1 and
-     c.get("parallel.pipeline_schedule", "gpipe") != "1f1b"),
+     c.get("parallel.pipeline_schedule", "auto") not in ("1f1b", "auto")),  # auto: 1f1b
     ("docs/torchpar.md pipeline: pp x fsdp (parallel.mesh=pp=S,fsdp=F) runs gpipe and 1f1b",
      lambda c: c.side == "torch" and c.backend == "pipeline" and c.mesh()["fsdp"] > 1 and
-     c.get("parallel.pipeline_schedule", "gpipe") not in ("gpipe", "1f1b")),
+     c.get("parallel.pipeline_schedule", "auto") not in ("gpipe", "1f1b", "auto")),
     ("docs/torchpar.md 'Gradient compression': jaxpar compresses on dp, fsdp and tp meshes (pp, sp: refused); "
      "PowerSGD runs on ddp only",
      lambda c: c.get("parallel.grad_compression", "none") != "none" and (

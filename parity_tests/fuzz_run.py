@@ -118,12 +118,18 @@ class Fuzzer:
     def run_jax(self, case: Case) -> Trajectory:
         from jaxpar.core.contract import Run, check_contract
 
+        import jax
         import jax.numpy as jnp
+
+        from jaxpar.pipeline_auto import resolve_schedule
+        from jaxpar.tools.plan import peak_bytes
 
         from jaxpar.parallel import compression
 
         cfg = self.config([*case.overrides, *self.run_overrides])
-        check_contract(Run(cfg, "jaxpar", mesh=case.mesh()))  # as jaxpar.train does: a key no mode consumes
+        # as jaxpar.train does: parallel.pipeline_schedule=auto resolved first, then a key no mode consumes refused
+        cfg, _ = resolve_schedule(cfg, case.mesh(), jax.devices(), peak_bytes)
+        check_contract(Run(cfg, "jaxpar", mesh=case.mesh()))
         wire, compression.WIRE = compression.WIRE, jnp.float32  # bf16's program, nothing rounded (fuzz_cases.py)
         try:
             return self.jax_trajectory(cfg, case.layout, case.layout)
