@@ -273,7 +273,7 @@ def set_keys(cfg: Config) -> dict[str, object]:
 def refusal(key: str, value, run: Run) -> str | None:
     """Why `run` will not consume `key` (set to `value`), or None if it will."""
     row = CONTRACT[key]
-    setting = f"{key}={value}"
+    setting = f"{key}={str(value).lower() if isinstance(value, bool) else value}"  # as a user writes it: true
     if run.trainer == "jaxpar" and not row.jaxpar:
         return f"{setting} is not used by jaxpar.train: {row.why_not}"
     if run.trainer == "torchpar" and run.backend not in row.torchpar:

@@ -109,6 +109,12 @@ def refused(overrides: list[str], run: tuple[str, str], mesh: dict) -> str | Non
     return None
 
 
+def test_a_refusal_writes_the_setting_as_a_user_types_it():
+    """A bool as the config and the command line spell it (true), not Python's True."""
+    why = refused(["model.float8=true"], ("torchpar", "none"), {})
+    assert why and "model.float8=true " in why, why
+
+
 @pytest.mark.parametrize("key", KEYS)
 def test_a_key_is_refused_wherever_its_row_says_it_is_not_consumed(key):
     row = CONTRACT[key]
