@@ -184,7 +184,7 @@ def test_schedules_side_by_side():
     """--schedules on pp=2 (4 layers, M=4): every schedule with its table's bubble (the textbook fractions), 1F1B at
     one device's matmul FLOPs and so are ZB-H1 and ZB-V (W: the projections' weight gradients alone), ZB-H1's
     memory within 1.05x of 1F1B's (W's stash: the projections' inputs, and their output gradients mostly in
-    residual buffers B has done with), ZB-V's within 1.1x."""
+    residual buffers B has done with), ZB-V's within 1.1x; the modeled step time, and auto marked on its least."""
     from jaxpar.tools.plan import compare_schedules
 
     rows = {r["schedule"]: r for r in compare_schedules(tiny_config("model.n_layer=4"), {"pp": 2}, jax.devices()[:2])}
@@ -195,6 +195,10 @@ def test_schedules_side_by_side():
     assert all(rows[s]["flops_ratio"] == pytest.approx(1.0, abs=0.01) for s in ("1f1b", "zb_h1", "zb_v"))
     assert rows["zb_h1"]["temp_bytes"] <= 1.05 * rows["1f1b"]["temp_bytes"]
     assert rows["zb_v"]["temp_bytes"] <= 1.1 * rows["1f1b"]["temp_bytes"]
+    # the modeled time column, and auto's mark on its least (every schedule fits: no --memory-per-device)
+    times = {s: r["flops_ratio"] / (1 - r["bubble"]) for s, r in rows.items()}
+    assert all(rows[s]["modeled_time"] == pytest.approx(t) for s, t in times.items())
+    assert [s for s, r in rows.items() if r["auto"]] == [min(times, key=times.get)]
 
 
 def test_plan_compiles_each_bucket_and_reports_the_highest_peak():
