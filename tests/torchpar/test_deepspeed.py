@@ -70,6 +70,28 @@ def test_a_checkpoint_resumes_only_at_a_stage_of_its_layout(saved, resumed, npro
         assert_same_run(metrics(moved), reference, steps=range(STOP + 1, 11))
 
 
+def test_the_layout_check_reads_the_engines_stage_not_only_the_key(tmp_path):
+    """A user's DeepSpeed JSON may set zero_optimization.stage over parallel.zero_stage (docs/torchpar.md): a ZeRO-3
+    checkpoint resumes under a JSON of stage 3 with the key left at 0, and is refused under one of stage 1."""
+    import types
+
+    import torch
+
+    from jaxpar.core.errors import UserError
+    from tests.helpers import tiny_config
+    from torchpar.backends.deepspeed_universal import universal_source
+
+    step = tmp_path / "checkpoints" / "4"
+    step.mkdir(parents=True)
+    (step.parent / "latest").write_text("4")
+    torch.save({"ds_config": {"zero_optimization": {"stage": 3}}, "dp_world_size": 2},
+               step / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    cfg, env = tiny_config(f"run.dir={tmp_path}"), types.SimpleNamespace(world=2, is_main=True)
+    assert cfg.parallel.zero_stage == 0 and universal_source(cfg, env, 3) is None
+    with pytest.raises(UserError, match="written at ZeRO stage 3, and DeepSpeed loads it only at stage 3, not 1"):
+        universal_source(cfg, env, 1)
+
+
 def test_deepspeed_loss_scaler_takes_its_rules_from_the_config(base):
     """float16: DeepSpeed unpickles the saved loss scaler whole; its scale and counters resume, its rules are the
     config's. optim.loss_scale_growth_interval 1000 -> 1 on resume: the scale doubles after every clean step from

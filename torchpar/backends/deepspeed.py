@@ -342,7 +342,8 @@ def build(model, cfg, env, deepspeed_config: str = "", **_):
         model.compute_dtype = torch.bfloat16
     else:
         model.compute_dtype = torch.float32
-    universal = universal_source(cfg, env)  # the last checkpoint came from another number of ranks
+    # the last checkpoint came from another number of ranks (the stage: a user JSON's may differ from the key's)
+    universal = universal_source(cfg, env, int(config.get("zero_optimization", {}).get("stage", 0)))
     if universal:
         config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": True}
     scheduler = None if "scheduler" in config else (lambda opt: SharedLRSchedule(opt, cfg))

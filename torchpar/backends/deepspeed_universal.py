@@ -47,14 +47,15 @@ def saved_checkpoint(ckpt_dir: str) -> tuple[str, int, int] | None:
     return tag, stage, int(saved.get("dp_world_size", 1))
 
 
-def universal_source(cfg, env) -> str | None:
-    """The universal folder to resume from when the ranks changed (converted here on rank 0), else None."""
+def universal_source(cfg, env, stage_now: int) -> str | None:
+    """The universal folder to resume from when the ranks changed (converted here on rank 0), else None. stage_now:
+    the engine's ZeRO stage (parallel.zero_stage, or a user JSON's zero_optimization.stage over it)."""
     ckpt_dir = os.path.abspath(os.path.join(cfg.run.dir, "checkpoints"))
     saved = saved_checkpoint(ckpt_dir) if cfg.checkpoint.resume else None
     if saved is None:
         return None
     tag, stage, ranks = saved
-    refuse_other_layout(cfg, tag, stage)
+    refuse_other_layout(cfg, tag, stage, stage_now)
     if stage == 0 or ranks == env.world:  # stage 0's whole optimizer loads on any number of ranks
         return None
     out = os.path.join(ckpt_dir, "universal")
@@ -68,15 +69,14 @@ def universal_source(cfg, env) -> str | None:
     return out
 
 
-def refuse_other_layout(cfg, tag: str, stage: int) -> None:
-    """A checkpoint of another layout than parallel.zero_stage's: one line, with the command that moves the run
-    (through the shared training-state file, jaxpar/tools/convert.py) to the asked stage."""
-    want = cfg.parallel.zero_stage
+def refuse_other_layout(cfg, tag: str, stage: int, want: int) -> None:
+    """A checkpoint of another layout than the engine's stage `want`: one line, with the command that moves the run
+    (through the shared training-state file, jaxpar/tools/convert.py) to that stage."""
     if LAYOUTS[stage] == LAYOUTS[want]:
         return
     raise UserError(f"deepspeed: the checkpoint of step {tag} was written at ZeRO stage {stage}, and DeepSpeed loads "
-                    f"it only at stage{'s' * (stage in (1, 2))} {LAYOUTS[stage].replace('-', ' or ')}: resume at "
-                    f"parallel.zero_stage={stage}, or move the run to stage {want} with `python -m "
+                    f"it only at stage{'s' * (stage in (1, 2))} {LAYOUTS[stage].replace('-', ' or ')}, not {want}: "
+                    f"resume at parallel.zero_stage={stage}, or move the run to stage {want} with `python -m "
                     f"jaxpar.tools.convert --from torchpar {cfg.run.dir} --to deepspeed --zero-stage {want} NEW_DIR` "
                     f"and resume NEW_DIR/config.json")
 
