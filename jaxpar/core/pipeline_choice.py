@@ -55,6 +55,9 @@ def candidates(cfg, stages: int, refusal: Callable[[object], None]) -> tuple[dic
     """({schedule: bubble} of those the config's checks accept, {schedule: the line that refuses it})."""
     p, bubbles, refused = cfg.parallel, {}, {}
     for s in PROGRAMS:
+        if p.pipeline_virtual_stages > 1 and s != "interleaved":  # set by the user: only interleaved runs it
+            refused[s] = f"parallel.pipeline_virtual_stages={p.pipeline_virtual_stages} is for interleaved only"
+            continue
         c = with_schedule(cfg, s)
         try:
             refusal(c)

@@ -45,3 +45,10 @@ def test_resolve_is_inert_without_a_pipeline_or_a_named_schedule_and_names_every
                 (_ for _ in ()).throw(UserError("no gpipe")), lambda c: 1.0)
     with pytest.raises(UserError, match="^the same for all$"):  # a refusal no schedule changes, said once
         resolve(cfg, 4, lambda c: (_ for _ in ()).throw(UserError("the same for all")), lambda c: 1.0)
+
+
+def test_virtual_stages_the_user_set_leave_auto_interleaved_alone():
+    """parallel.pipeline_virtual_stages=4 under auto: interleaved with its 4 (another schedule would drop them)."""
+    cfg = load_config(None, ["parallel.pipeline_virtual_stages=4"])
+    chosen, line = resolve(cfg, 2, lambda c: None, lambda c: 1.0)
+    assert (chosen.parallel.pipeline_schedule, chosen.parallel.pipeline_virtual_stages) == ("interleaved", 4), line
