@@ -23,7 +23,7 @@ from jaxpar.core.flops import optimizer_phrase, params_phrase, peak_flops
 from jaxpar.core.hooks import sample_lengths
 from jaxpar.core.mesh_spec import format_mesh
 from jaxpar.core.peers import roll_call
-from jaxpar.core.pipeline_schedules import configured_bubble, resolve_microbatches
+from jaxpar.core.pipeline_schedules import concrete, configured_bubble, resolve_microbatches
 from jaxpar.core.prefetch import Prefetch
 from jaxpar.core.tokens import document_token
 from jaxpar.core.weights import flatten, load_weights, save_weights, unflatten
@@ -100,7 +100,7 @@ class JaxTrainer:
                 f"compiled in {compile_s:.1f}s")
         bubble, p = self.record_extra()["pipeline_bubble"], self.cfg.parallel
         if bubble is not None:
-            line += (f"\npipeline {p.pipeline_schedule}: {self.layout.mesh.shape['pp']} stages x "
+            line += (f"\npipeline {concrete(p.pipeline_schedule)}: {self.layout.mesh.shape['pp']} stages x "
                      f"{p.pipeline_virtual_stages} virtual, "
                      f"{resolve_microbatches(self.layout.mesh.shape['pp'], p.pipeline_microbatches)} microbatches, "
                      f"bubble {bubble:.3f}")
