@@ -127,7 +127,7 @@ def test_grouped_routing_gives_both_frameworks_the_same_loss_and_gradients():
         plain = tiny_config(*MOE[:-3], *GROUPED_RUN, "model.moe_top_k=3", "model.moe_n_group=1",
                             "model.moe_topk_group=1", "model.moe_routed_scale=1.0").model
         other, other_stats = loss_fn(nnx.merge(nnx.split(Decoder(plain, nnx.Rngs(0)), nnx.Param)[0], params), batch)
-    assert abs(float(other) - float(loss)) > 1e-5 * float(loss)  # measured: 1.5e-5 (small initial experts)
+    assert abs(float(other) - float(loss)) > 3e-6 * float(loss)  # measured 1.5e-5; the check below: 1e-6
     moved = np.abs(np.asarray(other_stats) - np.asarray(stats))[:-2].sum() / 2  # each moved choice counts twice
     assert moved > 25  # of the 768 choices (measured: 65)
     twin = TorchDecoder(cfg.model)
