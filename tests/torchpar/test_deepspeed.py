@@ -72,7 +72,8 @@ def test_a_checkpoint_resumes_only_at_a_stage_of_its_layout(saved, resumed, npro
 
 def test_the_layout_check_reads_the_engines_stage_not_only_the_key(tmp_path):
     """A user's DeepSpeed JSON may set zero_optimization.stage over parallel.zero_stage (docs/torchpar.md): a ZeRO-3
-    checkpoint resumes under a JSON of stage 3 with the key left at 0, and is refused under one of stage 1."""
+    checkpoint resumes under a JSON of stage 3 with the key left at 0, and is refused under one of stage 1; a damaged
+    model-states file is one line."""
     import types
 
     import torch
@@ -90,6 +91,9 @@ def test_the_layout_check_reads_the_engines_stage_not_only_the_key(tmp_path):
     assert cfg.parallel.zero_stage == 0 and universal_source(cfg, env, 3) is None
     with pytest.raises(UserError, match="written at ZeRO stage 3, and DeepSpeed loads it only at stage 3, not 1"):
         universal_source(cfg, env, 1)
+    (step / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError, match="model_states.pt could not be read"):
+        universal_source(cfg, env, 3)
 
 
 def test_deepspeed_loss_scaler_takes_its_rules_from_the_config(base):

@@ -42,7 +42,11 @@ def saved_checkpoint(ckpt_dir: str) -> tuple[str, int, int] | None:
         return None
     import torch
 
-    saved = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
+    try:
+        saved = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file: one line, nothing loaded
+        raise UserError(f"deepspeed: {files[0]} could not be read ({type(e).__name__}: {e}); resume from an "
+                        "earlier checkpoint (write its step into checkpoints/latest) or start a new run.dir") from None
     stage = int((saved.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0))
     return tag, stage, int(saved.get("dp_world_size", 1))
 
