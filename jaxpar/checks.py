@@ -87,9 +87,9 @@ def check_pipeline(cfg: Config, sizes) -> None:
     if batch % (M * data_ways):
         raise UserError(f"batch per microbatch {batch} is not divisible by parallel.pipeline_microbatches={M} "
                         f"x data axes dp*fsdp*ep={data_ways}")
-    if cfg.model.moe_experts and schedule != "gpipe":
-        raise UserError(f"parallel.pipeline_schedule={schedule} does not run a mixture of experts yet "
-                        "(the executor passes activations alone, not the experts' statistics; gpipe runs it)")
+    if cfg.model.moe_experts and cfg.model.moe_first_dense and schedule != "gpipe":
+        raise UserError(f"parallel.pipeline_schedule={schedule} does not run model.moe_first_dense yet (the executor "
+                        "splits one layer stack over its stages, not two; gpipe runs it)")
     if cfg.model.float8 and schedule in ("zb_h1", "zb_v"):
         raise UserError(f"parallel.pipeline_schedule={schedule} does not run model.float8 yet (its split "
                         "backward computes each projection's weight gradient itself, in the compute dtype; gpipe, 1f1b "

@@ -16,6 +16,7 @@ from jaxpar.core.pipeline_schedules import resolve_microbatches
 from jaxpar.core.sketches import stacked_sketches
 from jaxpar.core.tokens import document_token
 from jaxpar.models.decoder import abstract_model
+from jaxpar.models.moe import shift_layer_stats, stats_width
 from jaxpar.ops import document_positions
 from jaxpar.parallel.pipeline_executor import StageFns, pipeline_value_and_grad
 from jaxpar.parallel.sequence import zigzag_order
@@ -83,30 +84,46 @@ def model_loss(layout, graphdef, eod, params, batch, scale=1.0, balance=True):
 def hand_scheduled(layout, schedule: str):
     """(params, batch, scale) -> (loss, grads) of the loss times `scale`, on the pipeline executor running
     `schedule` over the layout's pp (any schedule: the memory benchmark also runs the GPipe order on it). Trace it in
-    the parallel context for the executor (jaxpar/parallelize.py): each stage runs its own layers as a scan."""
-    cfg, mesh, p = layout.cfg, layout.mesh, layout.cfg.parallel
-    graphdef, S, eod = abstract_model(cfg.model)[0], mesh.shape["pp"], document_token(cfg)
+    the parallel context for the executor (jaxpar/parallelize.py): each stage runs its own layers as a scan. With
+    experts, ((loss, their statistics summed over rows), grads), as model_loss under jax.value_and_grad: each stage
+    reports its layers' statistics, the balance loss weighed in as loss_fn does."""
+    cfg, mesh, p, m = layout.cfg, layout.mesh, layout.cfg.parallel, layout.cfg.model
+    graphdef, S, eod = abstract_model(m)[0], mesh.shape["pp"], document_token(cfg)
+    # each layer's place in the stack rides beside the sketches (a stage's first expert layer: the balance bias's
+    # per-layer loads; checks.py keeps model.moe_first_dense on gpipe, so an expert layer's index is its layer's)
+    consts = {"sketches": stacked_sketches(m), **({"layer": np.arange(m.n_layer)} if m.moe_experts else {})}
+    model = lambda rest, chunk: nnx.merge(graphdef, {**rest, "blocks": chunk})  # noqa: E731  a stage's view
+
+    def layers(rest, chunk, consts, x, where):
+        stage = model(rest, chunk)
+        if not m.moe_experts:
+            return stage.run_blocks(x, *where, consts["sketches"])
+        h, stats = stage.run_blocks(x, *where, consts["sketches"], with_stats=True)
+        return h, shift_layer_stats(stats, consts["layer"][0], m)
 
     def value_and_grad(params, batch, scale=1.0):
         rows = split_rows(batch, token_order(cfg, mesh, batch.shape[1] - 1), eod)
         # each microbatch's (tokens, positions, segments): with documents per row, else the order's for every row
         inputs = (rows.inputs, rows.positions, rows.segments) if rows.segments is not None else (rows.inputs,)
         where = lambda r: r[1:] if len(r) > 1 else (rows.positions, None)  # noqa: E731
-        model = lambda rest, chunk: nnx.merge(graphdef, {**rest, "blocks": chunk})  # noqa: E731  a stage's view
         fns = StageFns(
             embed=lambda rest, chunk, r: model(rest, chunk).embed(r[0], where(r)[0]),
-            layers=lambda rest, chunk, sketches, x, r: model(rest, chunk).run_blocks(x, *where(r), sketches),
-            head_loss=lambda rest, chunk, h, targets: model(rest, chunk).head_loss(h, targets) * scale)
+            layers=lambda rest, chunk, consts, x, r: layers(rest, chunk, consts, x, where(r)),
+            head_loss=lambda rest, chunk, h, targets: model(rest, chunk).head_loss(h, targets) * scale,
+            # loss_fn's balance loss: moe_aux_loss x its mean over the batch's rows and the expert layers
+            stats_cotangent=None if not m.moe_experts else jnp.zeros((stats_width(m),), jnp.float32).at[-1].set(
+                m.moe_aux_loss * jnp.asarray(scale, jnp.float32) / (m.moe_layers * batch.shape[0])))
         rest = {k: v for k, v in params.items() if k != "blocks"}
-        loss, g_rest, g_blocks = pipeline_value_and_grad(
-            fns, rest, params["blocks"], stacked_sketches(cfg.model), inputs, rows.targets, mesh=mesh,
+        loss, stats, g_rest, g_blocks = pipeline_value_and_grad(
+            fns, rest, params["blocks"], consts, inputs, rows.targets, mesh=mesh,
             schedule=schedule, S=S, M=resolve_microbatches(S, p.pipeline_microbatches), V=p.pipeline_virtual_stages,
-            width=cfg.model.d_model, dtype=jnp.dtype(cfg.model.compute_dtype),
-            weights_apart=cfg.model.remat == "none")  # a remat'ed layer recomputes its forward in B: W re-derives
+            width=m.d_model, dtype=jnp.dtype(m.compute_dtype),
+            weights_apart=m.remat == "none")  # a remat'ed layer recomputes its forward in B: W re-derives
         grads = {**g_rest, "blocks": g_blocks}
         # Pin the executor's gradients to the parameters' layout: left free, ZeRO-2's reduce-scatter layout
         # (the train step's) propagates back into the schedule's per-tick branches, where XLA then places a resharding
         # collective that only the devices taking that branch reach -- a deadlock (docs/fuzz.md, case 91).
-        return loss, jax.tree.map(jax.lax.with_sharding_constraint, grads, layout.shardings(layout.param_specs))
+        grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, layout.shardings(layout.param_specs))
+        return ((loss, stats) if m.moe_experts else loss), grads
 
     return value_and_grad

@@ -56,6 +56,16 @@ def add_layer_stats(total, stats, layer, cfg: ModelConfig):
     return total + jnp.concatenate([received.reshape(stats.shape[0], -1), stats[:, E:]], axis=-1)
 
 
+def shift_layer_stats(stats, first, cfg: ModelConfig):
+    """Statistics [B, stats_width] of a run of expert layers counted from 0 (a pipeline stage's slice of the stack),
+    with each layer's choices moved to the place of its expert layer `first` + i (model.moe_bias_update; the
+    places after the run are zero, so a roll moves them); as they are where the layers are summed."""
+    if not cfg.moe_bias_update:
+        return stats
+    loads = jnp.roll(stats[:, :cfg.moe_layers * cfg.moe_experts], first * cfg.moe_experts, axis=1)
+    return jnp.concatenate([loads, stats[:, cfg.moe_layers * cfg.moe_experts:]], axis=-1)
+
+
 def limit_to_groups(choice, cfg: ModelConfig):
     """The choice's scores [..., E] with every expert outside the moe_topk_group best of moe_n_group groups at -inf
     (DeepSeek-V3: a group's score is the sum of its best two; ties to the lower group)."""

@@ -28,6 +28,10 @@ loss on the last.
   S, both on the last device) the output stays on its device.
 - Gradients of the layers stay on their stage; those of the other parameters (`rest`: used on the
   first and the last stage, e.g. a tied embedding) are summed over `pp`.
+- Per-row statistics the layers report beside their output (a mixture of experts': loads, drops, balance loss)
+  enter the loss linearly with a weight known up front (`StageFns.stats_cotangent`): a forward sums its chunk's
+  over the rows into the device's total (summed over `pp` at the end, as one device sums them over the layers and
+  rows), and every backward pulls that weight back beside the output's cotangent.
 """
 from __future__ import annotations
 
@@ -65,8 +69,11 @@ class StageFns:
     `chunk` this virtual stage's slice of it."""
     # `inputs`: a microbatch's slice of pipeline_value_and_grad's (token ids, or a tuple of per-row arrays)
     embed: Callable  # (rest, chunk, inputs) -> x [rows, seq, width]
-    layers: Callable  # (rest, chunk, chunk_consts, x, inputs) -> h
+    layers: Callable  # (rest, chunk, chunk_consts, x, inputs) -> h; with stats_cotangent (h, stats [rows, n])
     head_loss: Callable  # (rest, chunk, h, targets) -> the microbatch's loss (a scalar)
+    # [n]: the loss's derivative by each per-row statistic the layers report (the loss adds their sum over rows
+    # and microbatches times it); None: the layers report none
+    stats_cotangent: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,11 +183,15 @@ class _Stage:
         self.inputs, self.targets, self.M, self.dtype, self.split = inputs, targets, M, dtype, split
         self.weights_apart = weights_apart
         self.zeros = jnp.zeros(act_shape, dtype)
+        n = 0 if fns.stats_cotangent is None else fns.stats_cotangent.shape[0]
+        # every microbatch's statistics get the same cotangent: the loss is linear in them
+        self.d_stats = (jnp.zeros((act_shape[0], 0), jnp.float32) if not n else
+                        jnp.broadcast_to(jnp.asarray(fns.stats_cotangent, jnp.float32), (act_shape[0], n)))
         self.taps = []  # the projections' outputs, stacked over the chunk's layers (weights_apart)
         if weights_apart:
             def probe(x):
                 with split_backward("probe") as traced:
-                    self.fns.layers(self.rest, self.at(self.blocks, 0), self.at(self.consts, 0), x, self.rows(0))
+                    self.layers(self.at(self.blocks, 0), self.at(self.consts, 0), x, self.rows(0))
                 return traced.recorded
             self.taps = [y for _, y in jax.eval_shape(probe, self.zeros)]
         # residuals have one structure for every chunk, stage and microbatch: their buffers, and how to rebuild a
@@ -188,7 +199,7 @@ class _Stage:
         found = {}
 
         def probe(x):
-            _, leaves, found["treedef"], inputs = self.layers_vjp(0, 0, x)
+            _, _, leaves, found["treedef"], inputs = self.layers_vjp(0, 0, x)
             return {"res": leaves, "x": inputs, "dy": [jnp.zeros(t.shape, t.dtype) for t in self.taps]}
 
         shapes = jax.eval_shape(probe, self.zeros)
@@ -203,23 +214,33 @@ class _Stage:
         """Microbatch m's slice of the inputs."""
         return jax.tree.map(lambda a: a[m], self.inputs)
 
+    def layers(self, chunk, consts, x, rows):
+        """(the chunk's output, its per-row statistics: [rows, 0] where the layers report none)."""
+        out = self.fns.layers(self.rest, chunk, consts, x, rows)
+        return out if self.fns.stats_cotangent is not None else (out, jnp.zeros((x.shape[0], 0), jnp.float32))
+
     def layers_vjp(self, c, m, x):
-        """Chunk c's layers on x (of microbatch m), their pullback as a flat list of residuals, and (weights_apart)
-        each projection's input; the pullback then gives no projection weight a gradient, and each tap its output's."""
+        """Chunk c's layers on x (of microbatch m): output, statistics, their pullback as a flat list of residuals,
+        and (weights_apart) each projection's input; the pullback then gives no projection weight a gradient, and
+        each tap its output's."""
         chunk, consts, rows = self.at(self.blocks, c), self.at(self.consts, c), self.rows(m)
         if not self.weights_apart:
-            h, pullback = jax.vjp(lambda b, x: self.fns.layers(self.rest, b, consts, x, rows), chunk, x)
-            return h, jax.tree.leaves(pullback), jax.tree.structure(pullback), []
+            (h, stats), pullback = jax.vjp(lambda b, x: self.layers(b, consts, x, rows), chunk, x)
+            return h, stats, jax.tree.leaves(pullback), jax.tree.structure(pullback), []
 
         def tapped(b, x, taps):
             with split_backward("tap", taps) as traced:
-                return self.fns.layers(self.rest, b, consts, x, rows), traced.recorded
+                return self.layers(b, consts, x, rows), traced.recorded
         taps = [jnp.zeros(t.shape, t.dtype) for t in self.taps]
-        h, pullback, inputs = jax.vjp(tapped, chunk, x, taps, has_aux=True)
-        return h, jax.tree.leaves(pullback), jax.tree.structure(pullback), inputs
+        (h, stats), pullback, inputs = jax.vjp(tapped, chunk, x, taps, has_aux=True)
+        return h, stats, jax.tree.leaves(pullback), jax.tree.structure(pullback), inputs
 
     def new_stash(self, slots: int) -> dict:
         return jax.tree.map(lambda s: jnp.zeros((slots,) + s.shape, s.dtype), self.shapes)
+
+    def zero_sums(self) -> tuple:
+        """The loss's and the statistics' running sums before the first forward."""
+        return jnp.zeros((), jnp.float32), jnp.zeros(self.d_stats.shape[1:], jnp.float32)
 
     def nothing_kept(self) -> dict:
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.shapes)
@@ -231,8 +252,9 @@ class _Stage:
         def run(acts, cots, stash, own, grads, op):
             c, m = op["chunk"], op["microbatch"]
             x = self.fns.embed(self.rest, self.at(self.blocks, c), self.rows(m)) if first else acts[op["in_slot"]]
-            h, residuals, _, inputs = self.layers_vjp(c, m, x)
-            g_rest, g_blocks, loss_sum = grads
+            h, stats, residuals, _, inputs = self.layers_vjp(c, m, x)
+            g_rest, g_blocks, loss_sum, stats_sum = grads
+            stats_sum = stats_sum + jnp.sum(stats, axis=0)
             d_h = self.zeros
             if last:  # head and loss differentiated now: their cotangent is the loss's 1/M
                 loss, head_pullback = jax.vjp(
@@ -240,7 +262,8 @@ class _Stage:
                 d_rest, d_h = head_pullback(jnp.asarray(1.0 / self.M, loss.dtype))
                 g_rest, loss_sum = jax.tree.map(jnp.add, g_rest, d_rest), loss_sum + loss
             kept = {**self.nothing_kept(), "res": residuals, "x": inputs}
-            return h.astype(self.dtype), self.zeros, kept, d_h.astype(self.dtype), (g_rest, g_blocks, loss_sum)
+            return (h.astype(self.dtype), self.zeros, kept, d_h.astype(self.dtype),
+                    (g_rest, g_blocks, loss_sum, stats_sum))
         return run
 
     def pullback(self, cots, stash, own, op, last: bool):
@@ -248,17 +271,17 @@ class _Stage:
         residuals."""
         pullback = jax.tree.unflatten(self.treedef, [buf[op["res_slot"]] for buf in stash["res"]])
         d_h = own[op["res_slot"]] if last else cots[op["cot_slot"]]
-        return pullback(d_h)
+        return pullback((d_h, self.d_stats))
 
     def add_weights(self, grads, op, first: bool, d_chunk, d_x):
-        g_rest, g_blocks, loss_sum = grads
+        g_rest, g_blocks, *sums = grads
         g_blocks = jax.tree.map(lambda a, g: a.at[op["chunk"]].add(g), g_blocks, d_chunk)
         if first:  # the embedding's gradient: its lookup recomputed under vjp (a gather)
             _, embed_pullback = jax.vjp(
                 lambda r: self.fns.embed(r, self.at(self.blocks, op["chunk"]), self.rows(op["microbatch"])),
                 self.rest)
             g_rest = jax.tree.map(jnp.add, g_rest, embed_pullback(d_x.astype(self.dtype))[0])
-        return g_rest, g_blocks, loss_sum
+        return g_rest, g_blocks, *sums
 
     def backward(self, first: bool, last: bool):
         """The whole backward (1F1B, interleaved), or ZB's B: the input gradient (none on the first stage, whose
@@ -290,7 +313,7 @@ class _Stage:
 
                 def surrogate(b):
                     with split_backward("weights", list(zip(inputs, d_taps))) as traced:
-                        self.fns.layers(self.rest, b, self.at(self.consts, c), self.zeros, self.rows(op["microbatch"]))
+                        self.layers(b, self.at(self.consts, c), self.zeros, self.rows(op["microbatch"]))
                     return sum(jnp.sum(r) for r in traced.recorded)
                 grads = self.add_weights(grads, op, False, jax.grad(surrogate)(self.at(self.blocks, c)), None)
             return self.zeros, self.zeros, self.nothing_kept(), self.zeros, grads
@@ -312,11 +335,12 @@ def _exchange(used: tuple, S: int, send_act, send_cot) -> dict:
 
 def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets, *, mesh, schedule: str,
                             S: int, M: int, V: int, width: int, dtype, weights_apart: bool = False):
-    """(mean loss, grads of `rest`, grads of `blocks`) of a model pipelined over `pp`: S stages, M
-    microbatches, V chunks per stage. blocks (trained) and consts (not) carry a leading layers axis;
-    inputs/targets are [rows, seq] token ids in the order the model reads them (inputs may be a tuple of such
-    per-row arrays: the stage functions read each microbatch's slice). weights_apart (ZB-H1, ZB-V; the
-    layers' residuals kept whole, i.e. no remat): W computes the projections' weight gradients alone."""
+    """(mean loss, the layers' statistics summed over rows and microbatches ([0] without fns.stats_cotangent), grads
+    of `rest`, grads of `blocks`) of a model pipelined over `pp`: S stages, M microbatches, V chunks per stage.
+    blocks (trained) and consts (not) carry a leading layers axis; inputs/targets are [rows, seq] token ids in the
+    order the model reads them (inputs may be a tuple of such per-row arrays: the stage functions read each
+    microbatch's slice). weights_apart (ZB-H1, ZB-V; the layers' residuals kept whole, i.e. no remat): W computes
+    the projections' weight gradients alone."""
     weights_apart = weights_apart and schedule in SPLIT_BACKWARD
     plan, C = tick_plan(schedule, S, M, V, weights_apart), chunks(schedule, V)
     inputs, targets = jax.tree.map(lambda a: split_microbatches(a, M), inputs), split_microbatches(targets, M)
@@ -353,18 +377,19 @@ def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets
             own = own.at[op["res_write"]].set(d_h)
             return (acts, cots, stash, own, grads, _exchange(used, S, send_act, send_cot)), None
 
-        grads = (jax.tree.map(jnp.zeros_like, rest), jax.tree.map(jnp.zeros_like, blocks), jnp.zeros((), jnp.float32))
+        grads = (*jax.tree.map(jnp.zeros_like, (rest, blocks)), *stage.zero_sums())
         carry = (jnp.zeros((plan.act_slots,) + act_shape, dtype), jnp.zeros((plan.cot_slots,) + act_shape, dtype),
                  stage.new_stash(plan.res_slots), jnp.zeros((plan.res_slots,) + act_shape, dtype), grads,
                  {name: stage.zeros for name in used})
-        (_, _, _, _, (g_rest, g_blocks, loss_sum), _), _ = jax.lax.scan(tick, carry, tables)
-        g_rest, loss_sum = jax.lax.psum((g_rest, loss_sum), AXIS)
-        return loss_sum / M, g_rest, jax.tree.map(lambda g: g[:, None], g_blocks)
+        (_, _, _, _, (g_rest, g_blocks, loss_sum, stats), _), _ = jax.lax.scan(tick, carry, tables)
+        g_rest, loss_sum, stats = jax.lax.psum((g_rest, loss_sum, stats), AXIS)
+        g_blocks = jax.tree.map(lambda g: g[:, None], g_blocks)
+        return loss_sum / M + jnp.sum(stats * stage.d_stats[0]), stats, g_rest, g_blocks
 
-    loss, g_rest, g_blocks = jax.shard_map(
+    loss, stats, g_rest, g_blocks = jax.shard_map(
         body, mesh=mesh, axis_names={AXIS}, check_vma=False,
-        in_specs=(P(), P(None, AXIS), P(None, AXIS), P(), P(), P()), out_specs=(P(), P(), P(None, AXIS)),
+        in_specs=(P(), P(None, AXIS), P(None, AXIS), P(), P(), P()), out_specs=(P(), P(), P(), P(None, AXIS)),
     )(rest, blocks, consts, inputs, targets, jnp.asarray(plan.tables))
     back = np.argsort(order)  # [chunk, stage] order -> virtual stages in model order
-    return loss, g_rest, jax.tree.map(lambda g: permute(g.reshape(C * S, *g.shape[2:]), back).reshape(L, *g.shape[3:]),
-                                      g_blocks)
+    return loss, stats, g_rest, jax.tree.map(lambda g: permute(g.reshape(C * S, *g.shape[2:]), back).reshape(
+        L, *g.shape[3:]), g_blocks)

@@ -151,6 +151,26 @@ def test_dropless_experts_on_every_layout_equal_one_device(mesh, dataset):
     assert_params_close(got["params"], ref["params"])
 
 
+# moe-tiny's balance loss and the auxiliary-loss-free bias on 4 layers: interleaved and ZB-V give pp=2 a layer per chunk
+ON_EXECUTOR = ("model.n_layer=4", "model.moe_bias_update=0.001", "train.steps=4")
+
+
+@pytest.mark.parametrize("mesh", ["pp=2", "pp=2,ep=2"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb_h1", "zb_v"])
+def test_experts_on_each_hand_scheduled_pipeline_equal_one_device(schedule, mesh, dataset):
+    """The executor carries the experts' statistics: each stage sums its layers' (the balance loss's gradient pulled
+    back through every stage, each expert layer's loads for its bias), as one device does over the layers."""
+    ref = _reference(dataset, *ON_EXECUTOR)
+    virtual = ("parallel.pipeline_virtual_stages=2",) if schedule == "interleaved" else ()
+    cfg = tiny_config(*MOE, *ON_EXECUTOR, f"parallel.pipeline_schedule={schedule}", *virtual)
+    got = run_steps(cfg, mesh, dataset, devices=_devices(mesh))
+    np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got["moe_balance"], ref["moe_balance"], rtol=1e-5)
+    np.testing.assert_allclose(got["moe_max_load"], ref["moe_max_load"], rtol=1e-5)
+    assert np.abs(ref["params"]["blocks.moe.router.bias"]).max() >= 0.001  # the bias moved
+    assert_params_close(got["params"], ref["params"])
+
+
 def test_dropped_tokens_are_counted_alike_on_every_layout(dataset):
     capacity = ("model.moe_capacity_factor=0.5",)
     assert row_capacity(tiny_config(*MOE, *capacity).model, 16) == 2  # ceil(0.5 x 2 x 16 / 8)
@@ -179,8 +199,10 @@ def test_ep_needs_experts_it_divides():
         check_layout(tiny_config(), sizes)
     with pytest.raises(UserError, match="moe_experts=3 is not divisible by ep=2"):
         check_layout(tiny_config("model.moe_experts=3"), sizes)
-    with pytest.raises(UserError, match="gpipe runs it"):
-        check_layout(tiny_config(*MOE, "parallel.pipeline_schedule=1f1b"), {**sizes, "ep": 1, "pp": 2})
+    check_layout(tiny_config(*MOE, "parallel.pipeline_schedule=1f1b"), {**sizes, "ep": 1, "pp": 2})  # runs
+    with pytest.raises(UserError, match="does not run model.moe_first_dense yet"):
+        check_layout(tiny_config(*MOE, "parallel.pipeline_schedule=1f1b", "model.n_layer=4", "model.moe_first_dense=2"),
+                     {**sizes, "ep": 1, "pp": 2})
 
 
 def test_a_run_records_the_experts_load_and_says_it(dataset, tmp_path):
