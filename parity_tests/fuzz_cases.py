@@ -157,8 +157,7 @@ def draw_jax(rng: random.Random) -> Case:
         _draw_experts(rng, s, sizes["ep"])
     if sizes["dp"] > 1:
         s["parallel.zero_stage"] = str(rng.randrange(4))
-    # a mixture of experts runs on GPipe alone among the pipeline schedules (docs/architecture.md)
-    stages_v, M = _draw_pipeline(rng, s, sizes["pp"], {"gpipe": 1} if experts else None) if sizes["pp"] > 1 else (1, 1)
+    stages_v, M = _draw_pipeline(rng, s, sizes["pp"]) if sizes["pp"] > 1 else (1, 1)
     heads_div = sizes["tp"]
     if sizes["sp"] > 1 and attention != "dilated":  # dilated attention runs its own segments under sp
         s["parallel.sequence_attention"] = _pick(rng, {"ring": 2, "all_gather": 1, "ulysses": 1})
@@ -179,7 +178,7 @@ def draw_jax(rng: random.Random) -> Case:
         s["parallel.offload"] = _pick(rng, {"optimizer": 1, "params+optimizer": 1})
     if sizes["dp"] * sizes["fsdp"] > 1 and rng.random() < 0.15 and not experts:
         _draw_compression(rng, s)
-    if experts and rng.random() < 0.3:
+    if experts and rng.random() < 0.3 and s.get("parallel.pipeline_schedule", "gpipe") == "gpipe":  # one stack else
         _draw_first_dense(rng, s, stages_v)
     if experts and rng.random() < 0.25:
         s["model.moe_bias_update"] = _pick(rng, {"0.001": 1, "0.01": 1})

@@ -35,7 +35,7 @@ PROMISES = (
      "docs/torchpar.md 'Gradient compression' (ddp bf16 and powersgd, fsdp and deepspeed bf16; jaxpar both on dp, "
      "fsdp and tp meshes)"),
     ("mixture of experts", lambda c: "model.moe_experts" in dict(c.settings),
-     "docs/architecture.md 'Mixture of experts': ep composes with dp, fsdp, tp, sp and GPipe; torchpar runs it on "
+     "docs/architecture.md 'Mixture of experts': ep composes with dp, fsdp, tp, sp and the pipeline schedules; torchpar runs it on "
      "none/ddp/fsdp/deepspeed, split over ep under ddp (docs/torchpar.md ddp bullet)"),
     ("batching", lambda c: any(k in ("data.document_mask", "data.batching", "train.batch_rampup")
                                for k, _ in c.settings),
