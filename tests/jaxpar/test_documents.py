@@ -228,6 +228,6 @@ def test_masked_training_and_evaluation_on_each_hand_scheduled_pipeline_equal_on
     ((), "torchpar", "pipeline", {"pp": 2})])
 def test_where_documents_cannot_be_kept_apart_the_setting_is_refused(overrides, trainer, backend, mesh):
     cfg = tiny_config("data.document_mask=true", *overrides)
-    with pytest.raises(UserError, match=r"^data.document_mask=True .*") as e:
+    with pytest.raises(UserError, match=r"^data.document_mask=true .*") as e:
         check_contract(Run(cfg, trainer, backend, mesh))
     assert "\n" not in str(e.value)
