@@ -162,6 +162,8 @@ def test_bad_pipeline_layouts(overrides, message, dataset):
     ((), "needs parallel.sequence_attention=all_gather or ulysses"),
     (("model.attention=dilated", "model.segment_lengths=4,8,16", "model.dilation_rates=1,2,4"),
      "does not run model.attention=dilated"),
+    (("parallel.sequence_attention=all_gather", "parallel.sequence_zigzag=false"),
+     "needs parallel.sequence_zigzag=true"),  # a deadlock otherwise (fuzz seed 48002)
 ])
 def test_hand_scheduled_pipeline_refuses_what_breaks_inside_its_shard_map(overrides, message, dataset):
     with pytest.raises(UserError, match=message):
