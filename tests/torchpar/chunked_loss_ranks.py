@@ -54,4 +54,7 @@ def main(backend: str, out: str, *overrides: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    try:
+        main(*sys.argv[1:])
+    finally:  # after main's frame let go of the engines: their groups and gloo threads freed while the interpreter
+        dist.teardown()  # is whole (left to exit, a gloo thread aborted it now and then: "terminate called ...")
