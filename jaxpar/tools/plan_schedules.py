@@ -8,19 +8,18 @@ def compare(cfg, sizes: dict[str, int], plan, devices=None, budget: int | None =
     """Each pipeline schedule on this config and mesh: bubble, peak and temp bytes per device, matmul FLOPs as a
     ratio to one device's program of the same batch (jaxpr_flops: a recomputing W shows above 1.0), the modeled
     step time (FLOPs / (1 - bubble)) and whether parallel.pipeline_schedule=auto picks it (among those within
-    `budget` bytes per device), or the one line that refuses it. plan(cfg, sizes, devices): the planner's dict. Interleaved takes the config's virtual stages, 2
-    where it has 1."""
+    `budget` bytes per device), or the one line that refuses it. plan(cfg, sizes, devices): the planner's dict.
+    Interleaved takes the config's virtual stages, 2 where it has 1. The FLOPs ratio is auto's own figure."""
     import jax
 
     from jaxpar.core.pipeline_choice import choose, modeled_time, with_schedule
     from jaxpar.core.pipeline_schedules import PROGRAMS
-    from jaxpar.parallel.pipeline_executor import HAND_SCHEDULED
-    from jaxpar.tools.pipeline_memory import step_flops
+    from jaxpar.pipeline_auto import flops_ratio
 
     if sizes.get("pp", 1) < 2:
         raise UserError("--schedules compares pipeline schedules: the mesh needs pp > 1")
     devices = jax.devices() if devices is None else devices
-    one = step_flops(cfg, {"dp": 1}, devices[:1], None)
+    one: list = []  # one device's FLOPs, counted once for every schedule
     rows = []
     for schedule in PROGRAMS:
         c = with_schedule(cfg, schedule)
@@ -29,10 +28,10 @@ def compare(cfg, sizes: dict[str, int], plan, devices=None, budget: int | None =
         except UserError as e:
             rows.append({"schedule": schedule, "refused": str(e)})
             continue
-        flops = step_flops(c, sizes, devices, schedule if schedule in HAND_SCHEDULED else None)
+        ratio = flops_ratio(c, sizes, devices, one)
         rows.append({"schedule": schedule, "virtual_stages": c.parallel.pipeline_virtual_stages,
                      "bubble": p["pipeline"]["bubble"], "peak_bytes": p["peak_bytes"], "temp_bytes": p["temp_bytes"],
-                     "flops_ratio": flops / one, "modeled_time": modeled_time(p["pipeline"]["bubble"], flops / one),
+                     "flops_ratio": ratio, "modeled_time": modeled_time(p["pipeline"]["bubble"], ratio),
                      "fits": budget is None or p["peak_bytes"] <= budget})
     by = {r["schedule"]: r for r in rows if "refused" not in r}
     auto, _ = choose({s: r["bubble"] for s, r in by.items()}, lambda s: by[s]["flops_ratio"], lambda s: by[s]["fits"])
