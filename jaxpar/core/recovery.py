@@ -6,8 +6,10 @@ so a slow shared file system does not stall the steps; `finished` at the end). A
 processes, or after an agent's restart, prints `recovered in N s, M steps replayed` before its first step and
 appends the same to run.dir/recoveries.jsonl: N from the last step noted before the loss to the first step started
 after it (the new group's rendezvous, start-up, restore and jaxpar's compilation included), M the steps between
-the checkpoint and that note (at least; the note may lag by a second's steps). A plain resume -- a clean stop, the
-same processes, no restart -- reports nothing.
+the checkpoint and that note (at least: the note may lag by a second's steps, so a checkpoint newer than the note
+counts 0). A run that ends -- finished, stopped by a signal with its checkpoint, or on an error -- notes the steps
+it completed, so an agreed stop resumed elsewhere reports 0 replayed. A plain resume -- a clean stop, the same
+processes, no restart -- reports nothing.
 """
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ class Recovery(Hook):
 
     def report(self, now: float) -> None:
         last, self.last = self.last, None
-        record = {"time": now, "recovered_s": round(now - last["time"], 3), "replayed_steps": last["step"] - self.start,
+        record = {"time": now, "recovered_s": round(now - last["time"], 3), "replayed_steps": max(0, last["step"] - self.start),
                   "resumed_from": self.start, "processes": [last.get("processes"), self.processes],
                   "agent_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
         with open(os.path.join(self.run_dir, RECOVERIES), "a") as f:
@@ -82,5 +84,7 @@ class Recovery(Hook):
               f"(resumed from step {self.start}; {last.get('processes')} -> {self.processes} processes)", flush=True)
 
     def close(self) -> None:
-        if self.on and self.step >= self.steps:
-            self.note({"step": self.step, "time": time.time(), "processes": self.processes, "finished": True})
+        """The steps completed, not the last (rate-limited) note: a stop after a step just saved replays nothing."""
+        if self.on:
+            self.note({"step": self.step, "time": time.time(), "processes": self.processes,
+                       **({"finished": True} if self.step >= self.steps else {})})

@@ -65,6 +65,18 @@ def test_recovery_reports_the_steps_replayed_and_only_after_a_loss(tmp_path, cap
     finally:
         Main.process_count = 2
     assert json.loads(open(tmp_path / recovery.RECOVERIES).readlines()[-1])["processes"] == [2, 4]
+    lagging = recovery.Recovery(str(tmp_path / "stop"), Main(), 0, 20, every_s=1e9)  # notes once, at its first step
+    (tmp_path / "stop").mkdir()
+    for step in range(6):
+        lagging.before_step(step)
+        lagging.after_step(step + 1)
+    lagging.close()  # an agreed stop after step 6, saved there; resumed on other processes: nothing replayed
+    Main.process_count = 4
+    try:
+        recovery.Recovery(str(tmp_path / "stop"), Main(), 6, 20, every_s=0).before_step(6)
+    finally:
+        Main.process_count = 2
+    assert json.loads(open(tmp_path / "stop" / recovery.RECOVERIES).read())["replayed_steps"] == 0
     done = recovery.Recovery(str(tmp_path / "done"), Main(), 0, 1, every_s=0)  # a finished run continued: no loss
     (tmp_path / "done").mkdir()
     done.before_step(0)
