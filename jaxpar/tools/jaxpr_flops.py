@@ -24,25 +24,28 @@ def _live(jaxpr):
     return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]
 
 
-def matmul_flops(jaxpr, branch_cost=max) -> float:
+def matmul_flops(jaxpr, branch_cost=max, scope: str | None = None) -> float:
     """FLOPs of every dot_general in `jaxpr` (a core Jaxpr) that an output needs, nested calls included; a
-    conditional counts `branch_cost` of its branches' FLOPs (default: the largest)."""
+    conditional counts `branch_cost` of its branches' FLOPs (default: the largest). `scope`: only those traced
+    under jax.named_scope(scope), their gradients included (the backward pass keeps the forward's name)."""
     from jax.extend.core import jaxprs_in_params
 
     jaxpr, total = _live(jaxpr), 0.0
     for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
+        name, inner = eqn.primitive.name, scope
+        if scope is not None and scope in str(eqn.source_info.name_stack):
+            inner = None  # all of it counts, nested calls (jnp.einsum's jit) too
         if name == "dot_general":
-            total += dot_flops(eqn)
+            total += dot_flops(eqn) if inner is None else 0.0
         elif name == "cond":
-            total += branch_cost([matmul_flops(b.jaxpr, branch_cost) for b in eqn.params["branches"]])
+            total += branch_cost([matmul_flops(b.jaxpr, branch_cost, inner) for b in eqn.params["branches"]])
         elif name == "scan":
-            total += eqn.params["length"] * matmul_flops(eqn.params["jaxpr"].jaxpr, branch_cost)
+            total += eqn.params["length"] * matmul_flops(eqn.params["jaxpr"].jaxpr, branch_cost, inner)
         elif name.startswith("custom_"):  # the primal computation only, not the rule beside it
-            inner = eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
-            total += matmul_flops(getattr(inner, "jaxpr", inner), branch_cost)
+            sub = eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+            total += matmul_flops(getattr(sub, "jaxpr", sub), branch_cost, inner)
         else:
-            total += sum(matmul_flops(sub, branch_cost) for sub in jaxprs_in_params(eqn.params))
+            total += sum(matmul_flops(sub, branch_cost, inner) for sub in jaxprs_in_params(eqn.params))
     return total
 
 
