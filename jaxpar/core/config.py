@@ -81,6 +81,8 @@ class ModelConfig:
     moe_aux_loss: float = field(default=0.0, metadata=_check(lo=0.0))  # the sequence-wise balance loss's coefficient
     # the auxiliary-loss-free balance (DeepSeek-V3's bias update speed, e.g. 0.001; core/experts.py); 0: off
     moe_bias_update: float = field(default=0.0, metadata=_check(lo=0.0))
+    # that bias kept with moe_bias_update=0 too, fixed (a converted DeepSeek-V3's e_score_correction_bias)
+    moe_router_bias: bool = False
     # each expert takes at most capacity_factor x its even share (top_k x seq_len / experts) of a row's tokens,
     # first choices first, earlier tokens first; the rest of its tokens skip it. 0: dropless
     moe_capacity_factor: float = field(default=0.0, metadata=_check(lo=0.0))
@@ -107,6 +109,11 @@ class ModelConfig:
     def moe_layers(self) -> int:
         """The layers whose feed-forward is a mixture of experts: the last n_layer - moe_first_dense."""
         return self.n_layer - self.moe_first_dense if self.moe_experts else 0
+
+    @property
+    def router_bias(self) -> bool:
+        """The router keeps the choice's balance bias: moved by model.moe_bias_update, else fixed."""
+        return bool(self.moe_experts and (self.moe_bias_update or self.moe_router_bias))
 
     @property
     def kv_heads(self) -> int:

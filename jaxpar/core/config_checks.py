@@ -104,10 +104,9 @@ def _check_family(m) -> None:
                 raise UserError(f"model.{key} applies to model.family=llama only (GPT-2 has one key/value head per "
                                 "query head, a 4*d_model MLP unless model.d_ff is set, and a tied head)")
         return
-    for key, refused in (("attention", "mla"), ("linear", "sketched")):
-        if getattr(m, key) == refused:
-            raise UserError(f"model.{key}={refused} is a GPT-2-family variant; model.family=llama supports "
-                            "model.attention=mha|dilated and model.linear=dense")
-    if m.head_dim % 2:
+    if m.linear == "sketched":
+        raise UserError("model.linear=sketched is a GPT-2-family variant; model.family=llama supports "
+                        "model.linear=dense")
+    if m.head_dim % 2 and m.attention != "mla":  # mla rotates its own rope_head_dim features
         raise UserError(f"model.family=llama needs an even head dimension for rotary pairs "
                         f"(d_model/n_head = {m.head_dim})")

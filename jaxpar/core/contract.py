@@ -172,6 +172,7 @@ CONTRACT: dict[str, Owner] = {
                                   r.cfg.model.moe_n_group > 1, mode="model.moe_experts>0 and model.moe_n_group>1",
                                   example=("model.moe_experts=8", "model.moe_n_group=4"), why_not=NO_PIPELINE_MOE),
     "model.moe_bias_update": Owner(True, ("none", "ddp"), "params", **MOE, why_not=NO_BIAS_UPDATE),
+    "model.moe_router_bias": Owner(True, ("none", "ddp"), "params", **MOE, why_not=NO_BIAS_UPDATE),
     # data: one order for both (jaxpar/core/data_order.py)
     "data.dataset": Owner(True, BOTH, "data"),
     "data.tokenizer": Owner(True, BOTH, "test", evidence="tests/e2e/test_train_cli.py::test_trains_on_a_bpe_corpus_and_refuses_another_tokenizer_on_resume"),

@@ -18,9 +18,9 @@ PEAK_FLOPS = {
 
 def _attention_params(m: ModelConfig) -> int:
     d, hk = m.d_model, m.n_head * m.head_dim
-    if m.family == "llama":  # q, grouped k and v, out; no biases
+    if m.family == "llama" and m.attention != "mla":  # q, grouped k and v, out; no biases
         return d * hk + d * 2 * m.kv_heads * m.head_dim + hk * d
-    out = hk * d + d
+    out = hk * d + (d if m.family == "gpt2" else 0)  # llama's mla: no out bias
     if m.attention != "mla":  # mha and dilated share GPT-2's qkv projection
         return d * 3 * hk + 3 * hk + out
     ql, kvl, r = m.q_latent_dim, m.kv_latent_dim, m.rope_head_dim
@@ -33,7 +33,7 @@ def _mlp_params(m: ModelConfig, active: bool = False) -> int:
     d, f = m.d_model, m.ff_dim
     routed = m.moe_top_k if active else m.moe_experts
     experts = 3 * d * m.expert_dim * (routed + m.moe_shared_experts) + d * m.moe_experts  # SwiGLUs and the router
-    experts += m.moe_experts if m.moe_bias_update else 0  # the router's balance bias
+    experts += m.moe_experts if m.router_bias else 0  # the router's balance bias
     if m.family == "llama":  # SwiGLU: gate, up, down; no biases
         dense = 3 * d * f
     else:

@@ -150,23 +150,37 @@ def shared_name(torch_name: str) -> str:
 def model_dims(flat: dict[str, np.ndarray], settings: dict | None = None) -> dict:
     """Model config keys read off the shared tensors themselves (GPT-2 with MHA/dense layers, or llama),
     then `settings` (read_settings) for what shapes cannot tell."""
-    if "blocks.attn.q.kernel" in flat:
-        n_layer, d, n_head, _ = flat["blocks.attn.q.kernel"].shape
-        dims = {"family": "llama", "n_layer": n_layer, "d_model": d, "n_head": n_head,
-                "n_kv_head": flat["blocks.attn.kv.kernel"].shape[3], "vocab_size": flat["wte"].shape[0],
+    if "blocks.attn.q.kernel" in flat or ("blocks.attn.q_down.kernel" in flat and "wpe" not in flat):
+        dims = {"family": "llama", **_llama_attention(flat), "vocab_size": flat["wte"].shape[0],
                 "tie_embeddings": "lm_head" not in flat}
-        if "blocks.moe.gate" in flat:  # a mixture of experts (Mixtral): [L, experts, embed, width]
+        if "blocks.moe.gate" in flat:  # a mixture of experts (Mixtral, DeepSeek-V3): [L, experts, embed, width]
             _, experts, _, width = flat["blocks.moe.gate"].shape
             dims.update(moe_experts=experts, moe_d_ff=width)
+        if "blocks.moe.shared.gate.kernel" in flat:  # one SwiGLU as wide as the shared experts
+            dims["moe_shared_experts"] = flat["blocks.moe.shared.gate.kernel"].shape[-1] // dims["moe_d_ff"]
         if "dense_blocks.mlp.gate.kernel" in flat:  # model.moe_first_dense's dense layers before the experts'
             first, _, dims["d_ff"] = flat["dense_blocks.mlp.gate.kernel"].shape
-            dims.update(moe_first_dense=first, n_layer=n_layer + first)
+            dims.update(moe_first_dense=first, n_layer=dims["n_layer"] + first)
         elif "blocks.mlp.gate.kernel" in flat:
             dims["d_ff"] = flat["blocks.mlp.gate.kernel"].shape[-1]
-        return {"max_seq_len": ModelConfig.max_seq_len, **dims, **(settings or {})}  # the default, unless kept
+        dims = {"max_seq_len": ModelConfig.max_seq_len, **dims, **(settings or {})}  # the default, unless kept
+        if "blocks.moe.router.bias" in flat and not dims.get("moe_bias_update"):  # a fixed bias (DeepSeek-V3's)
+            dims["moe_router_bias"] = True
+        return dims
     if "blocks.attn.qkv.kernel" not in flat or "blocks.mlp.fc.kernel" not in flat:
         raise UserError("these weights use a model variant (model.attention=mla, model.linear=sketched or GPT-2 with "
                         "experts); conversion supports only GPT-2's parameters (mha attention, dense linear layers)")
     n_layer, d, _, n_head, _ = flat["blocks.attn.qkv.kernel"].shape
     return {**(settings or {}), "n_layer": n_layer, "d_model": d, "n_head": n_head, "vocab_size": flat["wte"].shape[0],
             "max_seq_len": flat["wpe"].shape[0], "d_ff": flat["blocks.mlp.fc.kernel"].shape[-1]}
+
+
+def _llama_attention(flat: dict[str, np.ndarray]) -> dict:
+    """The attention's config keys of llama-family tensors: grouped-query, or multi-head latent (DeepSeek-V3)."""
+    if "blocks.attn.q.kernel" in flat:
+        n_layer, d, n_head, _ = flat["blocks.attn.q.kernel"].shape
+        return {"n_layer": n_layer, "d_model": d, "n_head": n_head, "n_kv_head": flat["blocks.attn.kv.kernel"].shape[3]}
+    n_layer, d, q_latent = flat["blocks.attn.q_down.kernel"].shape
+    _, kv_latent, _, n_head, k = flat["blocks.attn.kv_up.kernel"].shape
+    return {"n_layer": n_layer, "d_model": d, "n_head": n_head, "attention": "mla", "q_latent_dim": q_latent,
+            "kv_latent_dim": kv_latent, "rope_head_dim": flat["blocks.attn.q_up.kernel"].shape[-1] - k}

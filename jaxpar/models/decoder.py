@@ -111,7 +111,7 @@ class Block(nnx.Module):
         llama = cfg.family == "llama"
         norm = RMSNorm if llama else LayerNorm
         self.ln1 = norm(cfg, stack)
-        self.attn = (GQAttention if llama else MLAttention if cfg.attention == "mla" else Attention)(cfg, rngs, stack)
+        self.attn = (MLAttention if cfg.attention == "mla" else GQAttention if llama else Attention)(cfg, rngs, stack)
         self.ln2 = norm(cfg, stack)
         if cfg.moe_experts:  # a mixture of experts instead of the MLP (moe.py)
             self.moe = MoE(cfg, rngs, stack)

@@ -13,7 +13,8 @@ table ("q_latent", "kv_latent": replicated). The core is the same fused attentio
 
 Shared weight format (blocks.attn.*): q_down.kernel [L, embed, q_latent]  q_norm.scale [L, q_latent]
   q_up.kernel [L, q_latent, heads, kv + rope]  kv_down.kernel [L, embed, kv_latent + rope]
-  kv_norm.scale [L, kv_latent]  kv_up.kernel [L, kv_latent, 2, heads, kv]  out.kernel/bias as MHA.
+  kv_norm.scale [L, kv_latent]  kv_up.kernel [L, kv_latent, 2, heads, kv]  out.kernel/bias as MHA (model.family=llama:
+  out.kernel alone, no bias: DeepSeek-V3's attention, jaxpar/tools/hf_deepseek_v3.py).
 """
 from __future__ import annotations
 
@@ -46,9 +47,9 @@ class MLAttention(nnx.Module):
         self.kv_norm = nnx.Dict(scale=param(jnp.ones(L + (kvl,)), lead + ("kv_latent",)))
         self.kv_up = nnx.Dict(
             kernel=param(normal(rngs, L + (kvl, 2, h, k), std), lead + ("kv_latent", "qkv", "heads", "kv")))
-        self.out = nnx.Dict(
-            kernel=param(normal(rngs, L + (h, k, d), proj_std), lead + ("heads", "kv", "embed")),
-            bias=param(jnp.zeros(L + (d,)), lead + ("embed",)))
+        self.out = nnx.Dict(kernel=param(normal(rngs, L + (h, k, d), proj_std), lead + ("heads", "kv", "embed")))
+        if cfg.family == "gpt2":  # llama's projections have no biases (DeepSeek-V3's o_proj neither)
+            self.out["bias"] = param(jnp.zeros(L + (d,)), lead + ("embed",))
         self.eps, self.theta, self.kvl, self.r = cfg.layernorm_eps, cfg.rope_theta, kvl, r
 
     def __call__(self, x, dtype, positions=None, segments=None):
@@ -82,4 +83,5 @@ class MLAttention(nnx.Module):
     def project_out(self, y, dtype):
         """Drop the padded value features (the core's scale was 1/sqrt(kv + rope): the default for that width)."""
         y = constrain(y[..., :-self.r], ("batch", "seq", "heads", "kv"))
-        return project(y, self.out["kernel"][...].astype(dtype), n_in=2) + self.out["bias"][...].astype(dtype)
+        out = project(y, self.out["kernel"][...].astype(dtype), n_in=2)
+        return out + self.out["bias"][...].astype(dtype) if "bias" in self.out else out

@@ -19,9 +19,9 @@ the sequence-wise balance loss sum_e f_e P_e (DeepSeek-V3, eq. 17-19: f_e = E/(k
 P_e = the row's mean normalised score of e; 1.0 when balanced). loss.py adds model.moe_aux_loss x its mean.
 
 Shared weight format (blocks.moe.*; L: the expert layers): router.kernel [L, embed, E]  router.bias [L, E]
-  (model.moe_bias_update)  gate, up [L, E, embed, moe_d_ff]  down [L, E, moe_d_ff, embed]  shared.{gate,up}.kernel
-  [L, embed, S x moe_d_ff]  shared.down.kernel [L, S x moe_d_ff, embed] (S = moe_shared_experts, one SwiGLU as
-  wide as S experts, as DeepSeek's).
+  (model.moe_bias_update or model.moe_router_bias)  gate, up [L, E, embed, moe_d_ff]  down [L, E, moe_d_ff, embed]
+  shared.{gate,up}.kernel [L, embed, S x moe_d_ff]  shared.down.kernel [L, S x moe_d_ff, embed] (S =
+  moe_shared_experts, one SwiGLU as wide as S experts, as DeepSeek's).
 """
 from __future__ import annotations
 
@@ -111,7 +111,9 @@ class MoE(nnx.Module):
         L, d, E, f, lead = stack, cfg.d_model, cfg.moe_experts, cfg.expert_dim, ("layers",) * len(stack)
         down_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
         self.router = nnx.Dict(kernel=param(normal(rngs, L + (d, E), cfg.init_std), lead + ("embed", "expert_scores")))
-        if cfg.moe_bias_update:  # the choice's balance bias (core/experts.py): a Param the step moves, no gradient
+        # the choice's balance bias (core/experts.py): a Param without gradient that the step moves by
+        # model.moe_bias_update, or that stays as loaded (model.moe_router_bias: DeepSeek-V3's e_score_correction_bias)
+        if cfg.router_bias:
             self.router["bias"] = param(jnp.zeros(L + (E,)), lead + ("expert_scores",))
         self.gate = param(normal(rngs, L + (E, d, f), cfg.init_std), lead + ("experts", "embed", "mlp"))
         self.up = param(normal(rngs, L + (E, d, f), cfg.init_std), lead + ("experts", "embed", "mlp"))

@@ -2,8 +2,8 @@
 
 Formats:
   shared  a .safetensors file in the shared weight format (what torchpar and model.init_from read)
-  hf      a Hugging Face GPT-2, Llama or Mixtral directory (config.json + safetensors; model_type gpt2, llama or
-          mixtral)
+  hf      a Hugging Face GPT-2, Llama, Mixtral or DeepSeek-V3 directory (config.json + safetensors; model_type gpt2,
+          llama, mixtral or deepseek_v3)
   jaxpar  a jaxpar run directory: reads the parameters of its latest checkpoint; as a target,
           writes a step-0 checkpoint (fresh optimizer state) and its config.json, which fine-tuning
           starts from: `jaxpar.train --config DST/config.json [data/train overrides]` (the model keys
@@ -35,7 +35,7 @@ import numpy as np
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.state_file import refuse_mixing, writing_run
 from jaxpar.core.weights import SETTINGS, flatten, model_dims, read_settings, read_weights, save_weights, unflatten
-from jaxpar.tools import hf_gpt2, hf_llama, hf_mixtral
+from jaxpar.tools import hf_deepseek_v3, hf_gpt2, hf_llama, hf_mixtral
 from jaxpar.tools.convert_state import single_device_layout
 
 FORMATS = ("shared", "hf", "jaxpar", "state", "torchpar", "deepspeed")
@@ -54,9 +54,9 @@ def read(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
     from jaxpar.state import restore_latest
 
     cfg = read_run_config(src)
-    if cfg.model.attention != "mha" or cfg.model.linear != "dense":
+    if cfg.model.attention == "dilated" or cfg.model.linear != "dense":  # (gpt2's mla: model_dims refuses it)
         raise UserError(f"{src} trains model.attention={cfg.model.attention}, model.linear={cfg.model.linear}; "
-                        "conversion supports only mha attention and dense layers")
+                        "conversion supports only mha attention (llama's mla too) and dense layers")
     restored = restore_latest(Checkpointer(src, cfg.checkpoint.keep), single_device_layout(cfg))
     if restored is None:
         raise UserError(f"no checkpoint in {src}/checkpoints")
@@ -70,17 +70,21 @@ def _hf_module(src: str):
         raise UserError(f"not a Hugging Face model directory: {path} is missing")
     with open(path) as f:
         model_type = json.load(f).get("model_type")
-    modules = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral": hf_mixtral}
+    modules = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral": hf_mixtral, "deepseek_v3": hf_deepseek_v3}
     if model_type not in modules:
         raise UserError(f"{path}: model_type {model_type!r} is not one of {', '.join(modules)}")
     return modules[model_type]
 
 
 def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict, src: str = "") -> None:
+    if fmt == "hf" and model.get("mtp_depth") and model.get("attention") != "mla":
+        raise UserError(f"the Hugging Face GPT-2, Llama and Mixtral formats have no place for multi-token prediction's "
+                        f"modules (model.mtp_depth={model['mtp_depth']}); convert to shared, jaxpar or state instead")
     if fmt == "shared":
         save_weights(dst, unflatten(flat), model)
     elif fmt == "hf" and model.get("family") == "llama":
-        (hf_mixtral if "blocks.moe.gate" in flat else hf_llama).shared_to_hf(flat, dst, model)
+        llama = hf_mixtral if "blocks.moe.gate" in flat else hf_llama
+        (hf_deepseek_v3 if model.get("attention") == "mla" else llama).shared_to_hf(flat, dst, model)
     elif fmt == "hf":
         hf_gpt2.shared_to_hf(flat, dst, model.get("layernorm_eps", 1e-5))
     else:

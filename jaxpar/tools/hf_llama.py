@@ -46,9 +46,9 @@ def read_config(hf_dir: str) -> dict:
     return hf
 
 
-def read_dir(hf_dir: str) -> tuple[dict, dict[str, np.ndarray]]:
-    """(config.json checked, every tensor) of an HF Llama-like directory (sharded files read whole)."""
-    hf = read_config(hf_dir)
+def read_dir(hf_dir: str, check=read_config) -> tuple[dict, dict[str, np.ndarray]]:
+    """(config.json checked by `check`, every tensor) of an HF Llama-like directory (sharded files read whole)."""
+    hf = check(hf_dir)
     files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
     if not files:
         raise UserError(f"not a Hugging Face {hf.get('model_type', 'llama')} directory: no *.safetensors in {hf_dir}")
@@ -112,6 +112,11 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict, mlp=Non
               "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
               "tie_word_embeddings": "lm_head" not in flat,
               "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32", **(config or {})}
+    write_dir(out_dir, tensors, config)
+
+
+def write_dir(out_dir: str, tensors: dict[str, np.ndarray], config: dict) -> None:
+    """config.json and model.safetensors (float32, written atomically) into out_dir."""
     os.makedirs(out_dir, exist_ok=True)
     tmp = os.path.join(out_dir, f".model.safetensors.tmp{os.getpid()}")
     save_file({n: np.ascontiguousarray(v, dtype=np.float32) for n, v in tensors.items()}, tmp,

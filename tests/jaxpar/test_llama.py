@@ -164,7 +164,6 @@ def test_kv_cache_decoding_with_grouped_heads_in_both_frameworks():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (("model.family=llama", "model.attention=mla"), "model.attention=mla is a GPT-2-family variant"),
     (("model.family=llama", "model.linear=sketched"), "model.linear=sketched is a GPT-2-family variant"),
     (("model.n_kv_head=2",), "model.n_kv_head applies to model.family=llama only"),
     (("model.tie_embeddings=false",), "model.tie_embeddings applies to model.family=llama only"),

@@ -69,7 +69,7 @@ class Block(nn.Module):
         super().__init__()
         llama = cfg.family == "llama"
         norm = RMSNorm if llama else LayerNorm
-        attn = GQAttention(cfg) if llama else MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
+        attn = MLAttention(cfg) if cfg.attention == "mla" else GQAttention(cfg) if llama else Attention(cfg)
         self.ln1, self.attn = norm(cfg.d_model, cfg.layernorm_eps), attn
         self.ln2 = norm(cfg.d_model, cfg.layernorm_eps)
         if cfg.moe_experts and layer >= cfg.moe_first_dense:  # experts instead of the MLP (torchpar/models/moe.py)

@@ -20,7 +20,7 @@ class MLAttention(nn.Module):
         self.q_up = Kernel((ql, h, k + r))
         self.kv_down, self.kv_norm = Kernel((d, kvl + r)), RMSNorm(kvl, cfg.layernorm_eps)
         self.kv_up = Kernel((kvl, 2, h, k))
-        self.out = Dense((h, k, d), (d,))
+        self.out = Dense((h, k, d), (d,)) if cfg.family == "gpt2" else Kernel((h, k, d))  # llama: no biases
         self.kvl, self.r, self.theta = kvl, r, cfg.rope_theta
 
     def forward(self, x, positions=None, mask=None):

@@ -1,0 +1,184 @@
+"""Hugging Face DeepseekV3ForCausalLM <-> both frameworks (jaxpar/tools/hf_deepseek_v3.py): a small random
+transformers model is the oracle for logits and greedy tokens, through --from hf and back through --to hf; what
+the format cannot hold is refused in one line."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpar.core.errors import UserError
+
+# every DeepSeek-V3 part at once: latent attention with interleaved rotary features, a dense first layer, sigmoid
+# group-limited routing (4 groups, the best 2 kept), a shared expert, the routed scale, the choice's bias
+CONFIG = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+              routed_scaling_factor=2.5, kv_lora_rank=12, q_lora_rank=20, qk_rope_head_dim=4, v_head_dim=8,
+              qk_nope_head_dim=8, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+              norm_topk_prob=True, max_position_embeddings=32, rope_theta=500.0, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def hf_deepseek(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**CONFIG)).eval()
+    with torch.no_grad():  # weights away from init and norms away from 1: a mixed-up tensor would show
+        for name, p in model.named_parameters():
+            p.add_(0.3 * torch.randn_like(p)) if "norm" in name else p.mul_(4.0)
+        for name, b in model.named_buffers():  # a bias that changes the choice: it must be carried
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn_like(b))
+    path = tmp_path_factory.mktemp("hf_deepseek_v3")
+    model.save_pretrained(path)
+    tokens = np.random.default_rng(0).integers(0, 97, (2, 24))
+    with torch.no_grad():
+        out = model(torch.as_tensor(tokens))
+        greedy = model.generate(torch.as_tensor(tokens[:1, :8]), max_new_tokens=12, do_sample=False).numpy()
+    return path, tokens, out.logits.numpy(), greedy
+
+
+def test_hf_deepseek_v3_logits_and_greedy_tokens_match_both_frameworks(hf_deepseek):
+    import torch
+    from flax import nnx
+
+    from jaxpar.core.config import load_config
+    from jaxpar.core.weights import unflatten
+    from jaxpar.decode import make_generate
+    from jaxpar.models.decoder import Decoder
+    from jaxpar.tools.convert import read
+    from torchpar.decode import generate
+    from torchpar.models.decoder import Decoder as TorchDecoder
+    from torchpar.weights import from_shared
+
+    path, tokens, want, greedy = hf_deepseek
+    flat, model = read("hf", str(path))
+    assert {k: model[k] for k in ("attention", "moe_first_dense", "moe_experts", "moe_shared_experts", "moe_router",
+                                  "moe_n_group", "moe_topk_group", "moe_routed_scale", "moe_router_bias")} == \
+        dict(attention="mla", moe_first_dense=1, moe_experts=8, moe_shared_experts=1, moe_router="sigmoid",
+             moe_n_group=4, moe_topk_group=2, moe_routed_scale=2.5, moe_router_bias=True)
+    cfg = load_config(None, [f"model.{k}={v}" for k, v in model.items()] + ["data.seq_len=24"]).model
+    scale = np.max(np.abs(want))
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
+    params = unflatten({k: jnp.asarray(v) for k, v in flat.items()})
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(nnx.merge(graphdef, params)(jnp.asarray(tokens)))
+        generated = make_generate(graphdef)(params, jnp.asarray(tokens[:1, :8]), jax.random.key(0), new_tokens=12,
+                                            temperature=0.0)
+    print(f"jaxpar logits off HF DeepSeek-V3's by {np.max(np.abs(got - want)):.1e} (scale {scale:.1f})")
+    np.testing.assert_allclose(got, want, atol=1e-5 * max(scale, 1.0))
+    assert np.asarray(generated).tolist() == greedy[:, 8:].tolist()
+    torch_model = TorchDecoder(cfg)
+    torch_model.load_state_dict(from_shared(flat, cfg.n_layer))
+    with torch.no_grad():
+        np.testing.assert_allclose(torch_model(torch.as_tensor(tokens)).numpy(), want, atol=1e-5 * max(scale, 1.0))
+    assert generate(torch_model.eval(), torch.as_tensor(tokens[:1, :8]), 12).tolist() == greedy[:, 8:].tolist()
+
+
+def test_deepseek_v3_round_trip_through_a_jaxpar_run_is_bit_exact(hf_deepseek, tmp_path):
+    import torch
+    import transformers
+    from safetensors.numpy import load_file
+
+    from jaxpar.tools import convert
+
+    path = hf_deepseek[0]
+    assert convert.main(["--from", "hf", str(path), "--to", "jaxpar", str(tmp_path / "run")]) == 0
+    assert convert.main(["--from", "jaxpar", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "back")]) == 0
+    original, returned = (load_file(str(p / "model.safetensors")) for p in (path, tmp_path / "back"))
+    assert set(returned) == set(original)
+    for name, value in original.items():
+        assert np.array_equal(returned[name], value), name
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "back").eval()  # the export's config.json too
+    with torch.no_grad():
+        np.testing.assert_array_equal(hf(torch.as_tensor(hf_deepseek[1])).logits.numpy(), hf_deepseek[2])
+
+
+def test_ours_to_hf_gives_our_logits(tmp_path):
+    """A model of ours (random weights, a nonzero choice bias, tied embeddings, two shared experts) written --to hf:
+    transformers' logits are ours."""
+    import torch
+    import transformers
+    from flax import nnx
+
+    from jaxpar.core.weights import flatten, unflatten
+    from jaxpar.models.decoder import Decoder
+    from jaxpar.tools import hf_deepseek_v3
+    from tests.helpers import tiny_config
+    from torchpar.models.decoder import Decoder as TorchDecoder
+    from torchpar.weights import from_shared
+
+    cfg = tiny_config(*DEEPSEEK).model
+    graphdef, state = nnx.split(Decoder(cfg, nnx.Rngs(1)), nnx.Param)
+    flat = {k: np.asarray(v) * (4.0 if v.ndim > 1 else 1.0) for k, v in flatten(nnx.to_pure_dict(state)).items()}
+    flat["blocks.moe.router.bias"] = np.random.default_rng(0).normal(0, 0.2, (cfg.moe_layers, cfg.moe_experts))
+    flat = {k: v.astype(np.float32) for k, v in flat.items()}
+    hf_deepseek_v3.shared_to_hf(flat, str(tmp_path), _settings(cfg))
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 16))
+    with jax.default_matmul_precision("highest"):
+        ours = np.asarray(nnx.merge(graphdef, unflatten({k: jnp.asarray(v) for k, v in flat.items()}))(
+            jnp.asarray(tokens)))
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        theirs = hf(torch.as_tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-5 * max(np.max(np.abs(theirs)), 1.0))
+    torch_model = TorchDecoder(cfg)
+    torch_model.load_state_dict(from_shared(flat, cfg.n_layer))
+    with torch.no_grad():
+        np.testing.assert_allclose(torch_model(torch.as_tensor(tokens)).numpy(), theirs,
+                                   atol=1e-5 * max(np.max(np.abs(theirs)), 1.0))
+
+
+DEEPSEEK = ("model.family=llama", "model.attention=mla", "model.n_layer=3", "model.moe_first_dense=1",
+            "model.d_ff=40", "model.moe_experts=8", "model.moe_d_ff=16", "model.moe_shared_experts=2",
+            "model.moe_router=sigmoid", "model.moe_n_group=2", "model.moe_topk_group=1", "model.moe_top_k=3",
+            "model.moe_routed_scale=1.5", "model.moe_router_bias=true", "model.layernorm_eps=1e-6",
+            "model.q_latent_dim=24", "model.kv_latent_dim=16", "model.rope_head_dim=8", "model.rope_theta=300.0",
+            "model.tie_embeddings=true", "model.vocab_size=64")
+
+
+def _settings(cfg) -> dict:
+    from jaxpar.core.weights import SETTINGS
+    return {k: getattr(cfg, k) for k in SETTINGS}
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500.0,
+                          "original_max_position_embeddings": 8}}, "rope type 'yarn'"),
+    ({"q_lora_rank": None}, "q_lora_rank null"),
+    ({"v_head_dim": 4}, "v_head_dim=4"),
+    ({"rms_norm_eps": 1e-5}, "rms_norm_eps=1e-05"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
+])
+def test_what_our_model_cannot_hold_is_refused_in_one_line(hf_deepseek, tmp_path, change, message):
+    from jaxpar.tools import hf_deepseek_v3
+
+    config = json.loads((hf_deepseek[0] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(UserError, match=message) as e:
+        hf_deepseek_v3.read_config(str(tmp_path))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (("model.moe_router=softmax", "model.moe_n_group=1", "model.moe_topk_group=1"), "moe_router=softmax"),
+    (("model.layernorm_eps=1e-5",), "layernorm_eps=1e-05"),
+    (("model.moe_capacity_factor=1.0",), "moe_capacity_factor"),
+])
+def test_what_hf_cannot_hold_is_refused_in_one_line(tmp_path, extra, message):
+    from flax import nnx
+
+    from jaxpar.core.weights import flatten
+    from jaxpar.models.decoder import Decoder
+    from jaxpar.tools import hf_deepseek_v3
+    from tests.helpers import tiny_config
+
+    cfg = tiny_config(*DEEPSEEK, *extra).model
+    model = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
+    flat = {k: np.zeros(v.shape, np.float32) for k, v in flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
+    with pytest.raises(UserError, match=message) as e:
+        hf_deepseek_v3.shared_to_hf(flat, str(tmp_path), _settings(cfg))
+    assert "\n" not in str(e.value)
