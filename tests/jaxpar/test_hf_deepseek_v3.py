@@ -167,6 +167,7 @@ def test_what_our_model_cannot_hold_is_refused_in_one_line(hf_deepseek, tmp_path
     (("model.moe_router=softmax", "model.moe_n_group=1", "model.moe_topk_group=1"), "moe_router=softmax"),
     (("model.layernorm_eps=1e-5",), "layernorm_eps=1e-05"),
     (("model.moe_capacity_factor=1.0",), "moe_capacity_factor"),
+    (("mtp",), "model.mtp_depth>0"),  # multi-token prediction's modules (mtp.*) beside the model's
 ])
 def test_what_hf_cannot_hold_is_refused_in_one_line(tmp_path, extra, message):
     from flax import nnx
@@ -176,9 +177,61 @@ def test_what_hf_cannot_hold_is_refused_in_one_line(tmp_path, extra, message):
     from jaxpar.tools import hf_deepseek_v3
     from tests.helpers import tiny_config
 
-    cfg = tiny_config(*DEEPSEEK, *extra).model
+    cfg = tiny_config(*DEEPSEEK, *(e for e in extra if e != "mtp")).model
     model = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
     flat = {k: np.zeros(v.shape, np.float32) for k, v in flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
+    if "mtp" in extra:
+        flat["mtp.proj.kernel"] = np.zeros((1, 2 * cfg.d_model, cfg.d_model), np.float32)
     with pytest.raises(UserError, match=message) as e:
         hf_deepseek_v3.shared_to_hf(flat, str(tmp_path), _settings(cfg))
     assert "\n" not in str(e.value)
+
+
+def test_the_deepseek_configs_build_with_their_documented_counts():
+    from jaxpar.core.config import load_config
+    from jaxpar.core.flops import count_params
+    from tests.helpers import ROOT
+
+    small = load_config(f"{ROOT}/configs/deepseek-v3-small.yaml").model
+    assert (count_params(small)["total"], count_params(small, active=True)["total"]) == (680_494_272, 178_750_656)
+    tiny = load_config(f"{ROOT}/configs/deepseek-v3-tiny.yaml").model
+    assert (tiny.family, tiny.attention, tiny.moe_first_dense, tiny.moe_router, tiny.moe_n_group) == \
+        ("llama", "mla", 1, "sigmoid", 4)
+
+
+@pytest.mark.slow
+def test_the_tiny_config_trains_and_its_run_converts_to_hf(tmp_path):
+    """python -m jaxpar.train --config configs/deepseek-v3-tiny.yaml train.steps=2, then --to hf: transformers'
+    logits are the run's (its balance bias moved off zero by the two steps)."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+    import transformers
+    from flax import nnx
+
+    from jaxpar.core.config import load_config
+    from jaxpar.core.weights import unflatten
+    from jaxpar.models.decoder import Decoder
+    from jaxpar.tools import convert
+    from tests.helpers import ROOT
+
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "jaxpar.train", "--config", "configs/deepseek-v3-tiny.yaml",
+                        "train.steps=2", "train.eval_every=0", f"run.dir={run}"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    flat, model = convert.read("jaxpar", str(run))
+    assert np.abs(flat["blocks.moe.router.bias"]).max() > 0
+    assert convert.main(["--from", "jaxpar", str(run), "--to", "hf", str(tmp_path / "hf")]) == 0
+    cfg = load_config(f"{ROOT}/configs/deepseek-v3-tiny.yaml").model
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 32))
+    with jax.default_matmul_precision("highest"):
+        ours = np.asarray(nnx.merge(graphdef, unflatten({k: jnp.asarray(v) for k, v in flat.items()}))(
+            jnp.asarray(tokens)))
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        theirs = hf(torch.as_tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-5 * max(np.max(np.abs(theirs)), 1.0))
