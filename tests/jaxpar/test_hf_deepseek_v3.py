@@ -236,3 +236,19 @@ def test_the_tiny_config_trains_and_its_run_converts_to_hf(tmp_path):
     with torch.no_grad():
         theirs = hf(torch.as_tensor(tokens)).logits.numpy()
     np.testing.assert_allclose(ours, theirs, atol=1e-5 * max(np.max(np.abs(theirs)), 1.0))
+
+
+@pytest.mark.slow
+def test_deepseek_v3_shape_on_a_layout_equals_one_device_and_keeps_its_fixed_bias(dataset):
+    """The whole DeepSeek-V3 block (llama with mla, a dense first layer, grouped sigmoid routing, shared experts, the
+    routed scale, a fixed router bias) with the experts over ep and the heads over tp equals one device; the fixed
+    bias (model.moe_router_bias, moe_bias_update=0) stays as it started, through AdamW and its weight decay."""
+    from tests.helpers import assert_params_close, run_steps, tiny_config
+
+    overrides = (*(o for o in DEEPSEEK if "vocab_size" not in o), "train.steps=4")
+    ref = run_steps(tiny_config(*overrides), "dp=1", dataset, devices=jax.devices()[:1])
+    assert ref["loss"][-1] < ref["loss"][0]
+    assert not ref["params"]["blocks.moe.router.bias"].any()
+    got = run_steps(tiny_config(*overrides), "ep=2,tp=2,dp=2", dataset, devices=jax.devices()[:8])
+    np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
+    assert_params_close(got["params"], ref["params"])
