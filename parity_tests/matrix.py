@@ -5,8 +5,9 @@ process; the llama family on torchpar's one process and pipeline (its untied hea
 bfloat16 on both one-device sides; bfloat16 gradient reduction (compressed) on torchpar ddp against jaxpar
 dp=2,tp=4; packed documents (data.document_mask) on torchpar's one process; fine-tuning data with a loss mask
 (sft), batch-size ramp-up and length buckets on torchpar ddp; a mixture of experts (moe) on torchpar ddp and
-DeepSeek-V2's block (mla_moe) on torchpar's one process. Full: every config (the GPT-2 variants mla,
-dilated, sketched and the llama family included) on every side (packed, rampup, buckets, moe and mla_moe: every
+DeepSeek-V2's block (mla_moe) split over torchpar's ep ranks, DeepSeek-V3's (deepseek_v3) on its one process.
+Full: every config (the GPT-2 variants mla, dilated, sketched and the llama family included) on every side
+(packed, rampup, buckets, moe, mla_moe and deepseek_v3: every
 side but torchpar's pipeline, which refuses them; jaxpar ep=4,dp=2 runs the mixtures of experts alone).
 
 float32, accum and remat: a side against the jaxpar one-device run of the same config.
@@ -25,7 +26,7 @@ AS_FLOAT32 = ("model.compute_dtype=float32",)
 # accelerator with float16 (refused on CPU, tests/torchpar/test_torchpar.py), pipeline refuses float16
 FLOAT16_SIDES = ("jax:dp=8", "jax:fsdp=8", "jax:dp=2,tp=4", "torch:none", "torch:ddp", "torch:fsdp")
 VARIANTS = ("mla", "dilated", "sketched", "llama")  # model variants and families (configs/parity/<name>.yaml)
-EXPERTS = ("moe", "mla_moe")  # mixtures of experts: every side but torchpar's pipeline, which refuses them
+EXPERTS = ("moe", "mla_moe", "deepseek_v3")  # mixtures of experts: every side but torchpar's pipeline, which refuses them
 DENSE_SIDES = tuple(s for s in SIDES if "ep=" not in s)  # ep shards experts: a dense model refuses it
 
 
@@ -74,4 +75,5 @@ def cases(full: bool = False) -> list[Case]:
     # experts on torchpar's data ranks (their statistics and balance loss summed over ranks and microbatches) and
     # split over them (ep, with capacity); jaxpar's ep layouts against one device: tests/jaxpar/test_moe.py
     out += [Case("moe", "torch:ddp", REFERENCE), Case("mla_moe", "torch:ep=2", REFERENCE)]
+    out += [Case("deepseek_v3", "torch:none", REFERENCE)]  # llama's mla, dense first layer, grouped routing
     return out + [Case("bfloat16", s, s, AS_FLOAT32) for s in (REFERENCE, "torch:none")]
