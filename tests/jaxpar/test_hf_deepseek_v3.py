@@ -96,17 +96,19 @@ def test_deepseek_v3_round_trip_through_a_jaxpar_run_is_bit_exact(hf_deepseek, t
         np.testing.assert_array_equal(hf(torch.as_tensor(hf_deepseek[1])).logits.numpy(), hf_deepseek[2])
 
 
-def test_ours_to_hf_gives_our_logits(tmp_path):
+def test_ours_to_hf_gives_our_logits_and_greedy_tokens(tmp_path):
     """A model of ours (random weights, a nonzero choice bias, tied embeddings, two shared experts) written --to hf:
-    transformers' logits are ours."""
+    transformers' logits and greedy tokens are ours (jaxpar's and torchpar's)."""
     import torch
     import transformers
     from flax import nnx
 
     from jaxpar.core.weights import flatten, unflatten
+    from jaxpar.decode import make_generate
     from jaxpar.models.decoder import Decoder
     from jaxpar.tools import hf_deepseek_v3
     from tests.helpers import tiny_config
+    from torchpar.decode import generate
     from torchpar.models.decoder import Decoder as TorchDecoder
     from torchpar.weights import from_shared
 
@@ -130,6 +132,44 @@ def test_ours_to_hf_gives_our_logits(tmp_path):
     with torch.no_grad():
         np.testing.assert_allclose(torch_model(torch.as_tensor(tokens)).numpy(), theirs,
                                    atol=1e-5 * max(np.max(np.abs(theirs)), 1.0))
+        greedy = hf.generate(torch.as_tensor(tokens[:1, :6]), max_new_tokens=8, do_sample=False)[:, 6:].tolist()
+    assert len(set(greedy[0])) > 1, greedy  # a degenerate continuation would prove little
+    assert generate(torch_model.eval(), torch.as_tensor(tokens[:1, :6]), 8).tolist() == greedy
+    with jax.default_matmul_precision("highest"):
+        ours = make_generate(graphdef)(unflatten({k: jnp.asarray(v) for k, v in flat.items()}),
+                                       jnp.asarray(tokens[:1, :6]), jax.random.key(0), new_tokens=8, temperature=0.0)
+    assert np.asarray(ours).tolist() == greedy
+
+
+def test_de_interleaved_hf_weights_read_the_same(hf_deepseek, tmp_path):
+    """rope_interleave=false (the rotary features of q_b_proj and kv_a_proj_with_mqa already in halves): the same
+    transformers model once its rotary rows are in halves, and the same shared tensors."""
+    import torch
+    import transformers
+    from safetensors.numpy import load_file, save_file
+
+    from jaxpar.tools.convert import read
+
+    path, tokens, want, _ = hf_deepseek
+    raw, k, r, h = load_file(str(path / "model.safetensors")), CONFIG["qk_nope_head_dim"], CONFIG["qk_rope_head_dim"], \
+        CONFIG["num_attention_heads"]
+    halves = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])
+    for name, w in raw.items():
+        if name.endswith("q_b_proj.weight"):  # [heads x (nope + rope), q_lora]: each head's rope rows
+            w = w.reshape(h, k + r, -1)
+            raw[name] = np.concatenate([w[:, :k], w[:, k:][:, halves]], axis=1).reshape(h * (k + r), -1)
+        elif name.endswith("kv_a_proj_with_mqa.weight"):  # [kv_lora + rope, embed]
+            raw[name] = np.concatenate([w[:-r], w[-r:][halves]])
+    save_file(raw, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_interleave": False}))
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(hf(torch.as_tensor(tokens)).logits.numpy(), want, atol=1e-5 * np.abs(want).max())
+    (a, dims_a), (b, dims_b) = read("hf", str(path)), read("hf", str(tmp_path))
+    assert dims_a == dims_b and sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
 DEEPSEEK = ("model.family=llama", "model.attention=mla", "model.n_layer=3", "model.moe_first_dense=1",
