@@ -167,10 +167,12 @@ def _feed_forward_out(flat: dict, p: str, i: int) -> dict[str, np.ndarray]:
     bias = flat.get(p + "moe.router.bias")
     out = {"mlp.gate.weight": t(flat[p + "moe.router.kernel"][i]),
            "mlp.gate.e_score_correction_bias": np.zeros(E, np.float32) if bias is None else bias[i]}
+    d = flat[p + "moe.gate"].shape[2]
     for ours, theirs in MLP.items():
         out.update({f"mlp.experts.{j}.{theirs}.weight": t(flat[f"{p}moe.{ours}"][i, j]) for j in range(E)})
-        if p + f"moe.shared.{ours}.kernel" in flat:
-            out[f"mlp.shared_experts.{theirs}.weight"] = t(flat[f"{p}moe.shared.{ours}.kernel"][i])
+        shared = flat.get(f"{p}moe.shared.{ours}.kernel")  # none: HF's zero-wide shared MLP (n_shared_experts=0)
+        out[f"mlp.shared_experts.{theirs}.weight"] = t(shared[i]) if shared is not None else \
+            np.zeros((d, 0) if ours == "down" else (0, d), np.float32)
     return out
 
 
