@@ -68,6 +68,9 @@ def check_compression(cfg: Config, sizes) -> None:
     if method != "none" and (sizes["pp"] > 1 or sizes["sp"] > 1):
         raise UserError(f"parallel.grad_compression={method} runs on dp, fsdp and tp meshes in jaxpar (pp and sp "
                         "with it are not built yet)")
+    if method != "none" and cfg.model.mtp_depth:
+        raise UserError(f"parallel.grad_compression={method} with model.mtp_depth is not built yet in jaxpar (its "
+                        "reduction carries the loss alone, not the prediction depths' losses)")
     if method == "powersgd" and cfg.model.compute_dtype == "float16":
         raise UserError("parallel.grad_compression=powersgd with model.compute_dtype=float16: an overflowing step's "
                         "inf would stay in PowerSGD's error feedback and poison every later step; use bfloat16")
@@ -90,6 +93,9 @@ def check_pipeline(cfg: Config, sizes) -> None:
     if cfg.model.moe_experts and cfg.model.moe_first_dense and schedule != "gpipe":
         raise UserError(f"parallel.pipeline_schedule={schedule} does not run model.moe_first_dense yet (the executor "
                         "splits one layer stack over its stages, not two; gpipe runs it)")
+    if cfg.model.mtp_depth and schedule != "gpipe":
+        raise UserError(f"parallel.pipeline_schedule={schedule} does not run model.mtp_depth yet (the executor's last "
+                        "stage computes the main loss alone; gpipe runs it)")
     if cfg.model.float8 and schedule in ("zb_h1", "zb_v"):
         raise UserError(f"parallel.pipeline_schedule={schedule} does not run model.float8 yet (its split "
                         "backward computes each projection's weight gradient itself, in the compute dtype; gpipe, 1f1b "

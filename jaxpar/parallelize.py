@@ -27,9 +27,8 @@ from jaxpar.core.pipeline_schedules import resolve_microbatches
 from jaxpar.core.tokens import document_token
 from jaxpar.dispatch import local_experts
 from jaxpar.layout import Layout
-from jaxpar.loss import hand_scheduled, model_loss
+from jaxpar.loss import aux_zeros, hand_scheduled, has_aux, model_loss
 from jaxpar.models.decoder import abstract_model
-from jaxpar.models.moe import stats_width
 from jaxpar.ops import local_attention, remat_layers, scan_layers, sum_over_microbatches
 from jaxpar.parallel import powersgd
 from jaxpar.parallel.compression import compressed_loss_and_grads, data_axes
@@ -45,7 +44,8 @@ class Parallel:
     context: ParallelContext  # stages 3 and 4: what the model asks for while it is traced
     value_and_grad: Callable  # (params, microbatch, scale) -> (loss, grads) of the loss times scale, in `context`
     # stage 5: (params, batch, state, scale, token share) -> (mean loss, mean gradients, extras: the experts'
-    # statistics "expert_stats", PowerSGD's next state "powersgd")
+    # statistics "expert_stats", multi-token prediction's per-depth losses "mtp_losses", PowerSGD's next state
+    # "powersgd")
     gradients: Callable
 
 
@@ -61,7 +61,7 @@ def parallelize(layout: Layout, schedule: str | None = None) -> Parallel:
         value_and_grad = hand_scheduled(layout, schedule)
     else:  # jax.grad, through GPipe's ticks too
         loss = functools.partial(model_loss, layout, abstract_model(cfg.model)[0], document_token(cfg))
-        value_and_grad = jax.value_and_grad(loss, has_aux=cfg.model.moe_experts > 0)
+        value_and_grad = jax.value_and_grad(loss, has_aux=has_aux(cfg.model))
     return Parallel(context, value_and_grad, reduce_gradients(layout, value_and_grad))  # 5. gradient reduction
 
 
@@ -112,7 +112,7 @@ def reduce_gradients(layout: Layout, value_and_grad: Callable) -> Callable:
             params, batch, jnp.asarray(scale, jnp.float32) * share)
     else:
         zero = jnp.zeros((), jnp.float32)  # the loss's shape; with experts (loss, their summed statistics)
-        zero = (zero, jnp.zeros((stats_width(cfg.model),), jnp.float32)) if cfg.model.moe_experts else zero
+        zero = (zero, aux_zeros(cfg.model)) if has_aux(cfg.model) else zero
         pin = lambda mb: jax.lax.with_sharding_constraint(mb, layout.batch_sharding)  # noqa: E731
         summed = lambda params, batch, scale, share: sum_over_microbatches(  # noqa: E731
             value_and_grad, params, batch, scale * share, accum, pin, zero)
@@ -120,8 +120,11 @@ def reduce_gradients(layout: Layout, value_and_grad: Callable) -> Callable:
     def reduced(params, batch, state, scale, share):
         loss, grads = summed(params, batch, scale, share)
         extras = {}
-        if cfg.model.moe_experts:
-            loss, extras["expert_stats"] = loss
+        if has_aux(cfg.model):  # the experts' statistics, or with multi-token prediction a dict (loss.loss_fn)
+            loss, aux = loss
+            extras = dict(aux) if isinstance(aux, dict) else {"expert_stats": aux}
+            if "mtp_losses" in extras:  # scaled as the loss (model_loss)
+                extras["mtp_losses"] = extras["mtp_losses"] / (accum * scale)
         return loss / (accum * scale), jax.tree.map(lambda g: g / (accum * scale), grads), extras
 
     return reduced

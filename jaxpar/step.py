@@ -57,6 +57,8 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
             expert_stats = extras["expert_stats"]
             metrics["expert_stats"] = expert_stats.at[-1].divide(batch.shape[0] * cfg.model.moe_layers)
             new["params"] = update_router_bias(new["params"], expert_stats, cfg.model)  # (a skipped step keeps it)
+        for d in range(cfg.model.mtp_depth):  # multi-token prediction: each depth's cross-entropy, as "loss" is
+            metrics[f"mtp_loss_{d + 1}"] = extras["mtp_losses"][d]
         if fp16:  # skip a step that overflowed (its parameters and optimizer state stay), adjust the scale
             ls, finite = state["loss_scale"], loss_scale.all_finite(grads)
             new["params"], new["opt_state"] = loss_scale.keep_if(finite, (new["params"], opt_state),

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from jaxpar.core.config import ModelConfig
-from jaxpar.core.weights import ALL_NAMES, layer_stacks, stacked_name
+from jaxpar.core.weights import ALL_NAMES, stacked_name, stacks_of
 
 
 def shared_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -27,13 +27,14 @@ def to_shared(state_dict: dict, n_layer: int, like=lambda t: t.detach().cpu().fl
     """torch state dict (full tensors) -> flat shared {name: float32 numpy} (per-layer tensors stacked, each layer
     stack of its own: layer_stacks). Names the model does not have (another variant's) are skipped."""
     first = next((i for i in range(n_layer) if f"blocks.{i}.moe.router.weight" in state_dict), 0)
+    depth = next(d for d in range(len(state_dict) + 1) if f"mtp.{d}.proj.weight" not in state_dict)
     out = {}
     for shared, t in ALL_NAMES.items():
         if "{l}" not in t:
             if t in state_dict:
                 out[shared] = like(state_dict[t])
             continue
-        for prefix, layers in layer_stacks(first, n_layer):
+        for prefix, layers in stacks_of(shared, first, n_layer, depth):
             if t.format(l=layers[0]) in state_dict:
                 parts = [like(state_dict[t.format(l=i)]) for i in layers]
                 stack = torch.stack if isinstance(parts[0], torch.Tensor) else np.stack
@@ -44,9 +45,10 @@ def to_shared(state_dict: dict, n_layer: int, like=lambda t: t.detach().cpu().fl
 def from_shared(flat: dict, n_layer: int) -> dict[str, torch.Tensor]:
     """flat shared {name: array} -> torch state dict (stacked tensors unstacked per layer)."""
     first = next((len(v) for k, v in flat.items() if k.startswith("dense_blocks.")), 0)
+    depth = len(flat["mtp.proj.kernel"]) if "mtp.proj.kernel" in flat else 0
     out = {}
     for shared, t in ALL_NAMES.items():
-        for prefix, layers in layer_stacks(first, n_layer) if "{l}" in t else [("", None)]:
+        for prefix, layers in stacks_of(shared, first, n_layer, depth) if "{l}" in t else [("", None)]:
             name = stacked_name(prefix, shared) if layers else shared
             if name not in flat:
                 continue

@@ -93,6 +93,12 @@ class ModelConfig:
     moe_topk_group: int = field(default=1, metadata=_check(lo=1))
     # the routed experts' weights times this, after moe_norm_topk's division (DeepSeek-V3's routed_scaling_factor)
     moe_routed_scale: float = field(default=1.0, metadata=_check(lo=0.0, lo_open=True))
+    # DeepSeek-V3's multi-token prediction (models/decoder.py MTP): mtp_depth extra modules after the main model, depth
+    # d predicting token t+1+d from depth d-1's hidden state and token t+d's embedding (the embedding and the output
+    # head shared); the loss adds mtp_loss_weight x the mean of their losses. 0: off. The weight's default is
+    # DeepSeek-V3's for the first 10T of its 14.8T tokens (0.1 after): runs here are short, in that early phase
+    mtp_depth: int = field(default=0, metadata=_check(lo=0))
+    mtp_loss_weight: float = field(default=0.3, metadata=_check(lo=0.0))
 
     @property
     def ff_dim(self) -> int:

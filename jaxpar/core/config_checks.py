@@ -37,6 +37,7 @@ def check_consistency(cfg) -> None:
         raise UserError(f"optim.min_lr={cfg.optim.min_lr} exceeds optim.lr={cfg.optim.lr}")
     _check_family(m)
     _check_experts(m)
+    _check_mtp(m, cfg.data.seq_len)
     _check_loss_scale(cfg)
     if m.attention == "mla" and m.rope_head_dim % 2:
         raise UserError(f"model.rope_head_dim={m.rope_head_dim} must be even (rotary pairs)")
@@ -48,6 +49,16 @@ def check_consistency(cfg) -> None:
                                 f"divisible by the segment length min({w}, {T}), and that by the rate {r}")
         if 1 not in dict(m.dilation_pairs).values():
             raise UserError("model.dilation_rates needs a rate of 1 (otherwise some tokens attend to nothing)")
+
+
+def _check_mtp(m, seq_len: int) -> None:
+    """Multi-token prediction: depth d predicts token t+1+d, so a row needs more than mtp_depth positions."""
+    if m.mtp_depth >= seq_len:
+        raise UserError(f"model.mtp_depth={m.mtp_depth} leaves no target in a row of data.seq_len={seq_len} (depth d "
+                        "predicts the token d+1 ahead)")
+    if m.mtp_depth and m.linear == "sketched":
+        raise UserError("model.mtp_depth with model.linear=sketched is not built (the sketches are the main "
+                        "layers'; the prediction modules' blocks are dense)")
 
 
 def _set_keys(section, keys) -> list[str]:

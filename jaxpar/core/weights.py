@@ -123,13 +123,29 @@ MOE_NAMES = {
     **{f"blocks.moe.{n}": f"blocks.{{l}}.moe.experts.{n}" for n in ("gate", "up", "down")},
     **{f"blocks.moe.shared.{n}.kernel": f"blocks.{{l}}.moe.shared.{n}.weight" for n in ("gate", "up", "down")},
 }
-ALL_NAMES = {**NAMES, **LLAMA_NAMES, **VARIANT_NAMES, **MOE_NAMES}
+# multi-token prediction (model.mtp_depth; jaxpar/models/decoder.py MTP): "{l}" is the depth; its dense block is
+# named as a layer's
+MTP_NAMES = {
+    **{f"mtp.{n}.{p}": f"mtp.{{l}}.{n}.{t}" for n in ("norm_emb", "norm_hidden", "norm_out")
+       for p, t in (("scale", "weight"), ("bias", "bias"))},
+    "mtp.proj.kernel": "mtp.{l}.proj.weight",
+    **{"mtp.block." + k.removeprefix("blocks."): "mtp.{l}.block." + v.removeprefix("blocks.{l}.")
+       for k, v in {**NAMES, **LLAMA_NAMES, **VARIANT_NAMES}.items() if k.startswith("blocks.")},
+}
+ALL_NAMES = {**NAMES, **LLAMA_NAMES, **VARIANT_NAMES, **MOE_NAMES, **MTP_NAMES}
 
 
 def layer_stacks(first_dense: int, n_layer: int) -> list[tuple[str, range]]:
     """The shared format's layer stacks as (name prefix, torch layer indices): model.moe_first_dense's dense layers
     ("dense_blocks.*", named as a dense model's "blocks.*") before the rest ("blocks.*")."""
     return ([("dense_blocks.", range(first_dense))] if first_dense else []) + [("blocks.", range(first_dense, n_layer))]
+
+
+def stacks_of(shared: str, first_dense: int, n_layer: int, mtp_depth: int) -> list[tuple[str, range]]:
+    """layer_stacks for a per-layer name of ALL_NAMES; multi-token prediction's ("mtp.*") stack its depths."""
+    if shared.startswith("mtp."):
+        return [("", range(mtp_depth))] if mtp_depth else []
+    return layer_stacks(first_dense, n_layer)
 
 
 def stacked_name(prefix: str, shared: str) -> str:
@@ -150,9 +166,10 @@ def shared_name(torch_name: str) -> str:
 def model_dims(flat: dict[str, np.ndarray], settings: dict | None = None) -> dict:
     """Model config keys read off the shared tensors themselves (GPT-2 with MHA/dense layers, or llama),
     then `settings` (read_settings) for what shapes cannot tell."""
+    depth = {"mtp_depth": flat["mtp.proj.kernel"].shape[0]} if "mtp.proj.kernel" in flat else {}
     if "blocks.attn.q.kernel" in flat or ("blocks.attn.q_down.kernel" in flat and "wpe" not in flat):
         dims = {"family": "llama", **_llama_attention(flat), "vocab_size": flat["wte"].shape[0],
-                "tie_embeddings": "lm_head" not in flat}
+                "tie_embeddings": "lm_head" not in flat, **depth}
         if "blocks.moe.gate" in flat:  # a mixture of experts (Mixtral, DeepSeek-V3): [L, experts, embed, width]
             _, experts, _, width = flat["blocks.moe.gate"].shape
             dims.update(moe_experts=experts, moe_d_ff=width)
@@ -172,7 +189,7 @@ def model_dims(flat: dict[str, np.ndarray], settings: dict | None = None) -> dic
                         "experts); conversion supports only GPT-2's parameters (mha attention, dense linear layers)")
     n_layer, d, _, n_head, _ = flat["blocks.attn.qkv.kernel"].shape
     return {**(settings or {}), "n_layer": n_layer, "d_model": d, "n_head": n_head, "vocab_size": flat["wte"].shape[0],
-            "max_seq_len": flat["wpe"].shape[0], "d_ff": flat["blocks.mlp.fc.kernel"].shape[-1]}
+            "max_seq_len": flat["wpe"].shape[0], "d_ff": flat["blocks.mlp.fc.kernel"].shape[-1], **depth}
 
 
 def _llama_attention(flat: dict[str, np.ndarray]) -> dict:

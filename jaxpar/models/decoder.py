@@ -128,6 +128,37 @@ class Block(nnx.Module):
         return self.moe(x, dtype, positions) if hasattr(self, "moe") else (self.mlp(x, dtype, sketches), None)
 
 
+class MTP(nnx.Module):
+    """DeepSeek-V3's multi-token prediction modules, model.mtp_depth of them stacked on a leading `layers` axis.
+    Depth d reads depth d-1's hidden state h (the main model's last, before its final norm, for d=1) and the
+    embedding e of the token d positions ahead: h_d = Block_d(proj_d([norm_emb_d(e); norm_hidden_d(h)])) -- the
+    embedding first, as DeepSeek-V3's released weights (eh_proj) concatenate them -- and predicts the token d+1
+    ahead through its own final norm and the main model's output head. Its blocks are dense (a mixture of experts
+    would add statistics the main model's balance rules do not count) and run whole, outside the layer runner: a
+    pipeline's stages hold the main stack alone. Decoding ignores the modules (decode.py)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, d = (cfg.mtp_depth,), cfg.d_model
+        norm = RMSNorm if cfg.family == "llama" else LayerNorm
+        self.norm_emb, self.norm_hidden, self.norm_out = norm(cfg, D), norm(cfg, D), norm(cfg, D)
+        # [depth, (embedding, hidden), embed in, embed out]: one axis named "embed" (fsdp), the other replicated
+        self.proj = nnx.Dict(kernel=param(normal(rngs, D + (2, d, d), cfg.init_std),
+                                          ("layers", None, "embed", "act_embed")))
+        self.block = Block(dataclasses.replace(cfg, moe_experts=0), rngs, stack=D)
+
+    def depth(self, d: int):
+        """Depth d's (1-based) parameters as modules of their own: (norm_emb, norm_hidden, proj kernel, block,
+        norm_out)."""
+        pick = lambda module: nnx.merge(*_sliced(nnx.split(module), d - 1))  # noqa: E731
+        return (pick(self.norm_emb), pick(self.norm_hidden), self.proj["kernel"][d - 1], pick(self.block),
+                pick(self.norm_out))
+
+
+def _sliced(split, i: int):
+    graphdef, state = split
+    return graphdef, jax.tree.map(lambda a: a[i], state)
+
+
 class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -140,6 +171,8 @@ class Decoder(nnx.Module):
         self.ln_f = (RMSNorm if cfg.family == "llama" else LayerNorm)(cfg)
         if not cfg.tie_embeddings:
             self.lm_head = param(normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std), ("vocab", "embed"))
+        if cfg.mtp_depth:  # multi-token prediction (model.mtp_depth): after the head, so the main draws stay as they were
+            self.mtp = MTP(cfg, rngs)
 
     def __call__(self, tokens: jax.Array, positions=None, segments=None) -> jax.Array:
         """tokens [batch, seq] int -> logits [batch, seq, vocab] float32. `positions` [seq]: the tokens'
@@ -152,22 +185,42 @@ class Decoder(nnx.Module):
         x, stats = self.run_blocks(self.embed(tokens, positions), positions, segments, with_stats=True)
         return self.head(x), stats
 
-    def loss(self, tokens: jax.Array, targets: jax.Array, positions=None, segments=None):
-        """forward's, with the head's cross-entropy against `targets` [batch, seq] (head_loss) for the logits."""
+    def loss(self, tokens: jax.Array, targets: jax.Array, positions=None, segments=None, mtp=None):
+        """forward's, with the head's cross-entropy against `targets` [batch, seq] (head_loss) for the logits. `mtp`
+        (model.mtp_depth): (tokens, targets) [depth, batch, seq] of the prediction modules (jaxpar/loss.py
+        mtp_rows); then (loss, statistics, each depth's cross-entropy [depth])."""
         x, stats = self.run_blocks(self.embed(tokens, positions), positions, segments, with_stats=True)
-        return self.head_loss(x, targets), stats
+        if mtp is None:
+            return self.head_loss(x, targets), stats
+        return self.head_loss(x, targets), stats, self.mtp_losses(x, *mtp, positions, segments)
+
+    def mtp_losses(self, h: jax.Array, tokens: jax.Array, targets: jax.Array, positions=None, segments=None):
+        """Each prediction module's cross-entropy [depth] (MTP), as head_loss takes the main one: depth d reads
+        tokens[d-1] (the tokens d positions ahead) beside depth d-1's hidden state h and predicts targets[d-1]."""
+        dtype, losses = jnp.dtype(self.cfg.compute_dtype), []
+        for d in range(1, self.cfg.mtp_depth + 1):
+            norm_emb, norm_hidden, kernel, block, norm_out = self.mtp.depth(d)
+            e = constrain(self.token_embedding(tokens[d - 1]).astype(dtype), ("batch", "seq", "act_embed"))
+            both = jnp.stack([norm_emb(e), norm_hidden(h)], axis=2)  # [batch, seq, 2, embed]
+            h = constrain(project(both, kernel.astype(dtype), n_in=2), ("batch", "seq", "act_embed"))
+            h = block(h, dtype, positions, segments)[0]
+            losses.append(self.head_loss(h, targets[d - 1], norm_out))
+        return jnp.stack(losses)
 
     # The three pieces below are also what pipeline stages run (jaxpar/step.py for the executor):
     # embed on the first stage, a slice of the blocks on each, head and loss on the last.
     def embed(self, tokens: jax.Array, positions=None) -> jax.Array:
         dtype = jnp.dtype(self.cfg.compute_dtype)
-        # Gather the table's fsdp shards before the lookup: a gather from a table split on both
-        # vocab (tp) and embed (fsdp) makes GSPMD replicate its output the slow way.
-        x = jnp.take(constrain(self.wte[...], ("vocab", "act_embed")), tokens, axis=0)
+        x = self.token_embedding(tokens)
         if self.cfg.family == "gpt2":
             T = tokens.shape[1]
             x = x + (self.wpe[...][:T] if positions is None else jnp.take(self.wpe[...], positions, axis=0))
         return constrain(x.astype(dtype), ("batch", "seq", "act_embed"))
+
+    def token_embedding(self, tokens: jax.Array) -> jax.Array:
+        # Gather the table's fsdp shards before the lookup: a gather from a table split on both
+        # vocab (tp) and embed (fsdp) makes GSPMD replicate its output the slow way.
+        return jnp.take(constrain(self.wte[...], ("vocab", "act_embed")), tokens, axis=0)
 
     def stacks(self) -> list:
         """The layer stacks in order: `dense_blocks` (model.moe_first_dense) when there is one, then `blocks`."""
@@ -213,13 +266,13 @@ class Decoder(nnx.Module):
         """The final norm and the output head: float32 logits [batch, seq, vocab]."""
         return logits(self.ln_f(x), self.output_table())
 
-    def head_loss(self, x: jax.Array, targets: jax.Array) -> jax.Array:
+    def head_loss(self, x: jax.Array, targets: jax.Array, norm=None) -> jax.Array:
         """cross_entropy(self.head(x), targets), in model.loss_chunks chunks of positions (models/head.py) unless
-        that is one: the whole float32 logits never held at once."""
-        n = loss_chunks(self.cfg, targets.shape[1])
+        that is one: the whole float32 logits never held at once. `norm`: another final norm than ln_f (MTP's)."""
+        n, norm = loss_chunks(self.cfg, targets.shape[1]), norm or self.ln_f
         if n == 1:
-            return cross_entropy(self.head(x), targets)
-        return chunked_cross_entropy(self.ln_f(x), self.output_table(), targets, n)
+            return cross_entropy(logits(norm(x), self.output_table()), targets)
+        return chunked_cross_entropy(norm(x), self.output_table(), targets, n)
 
     def output_table(self) -> jax.Array:
         """The output head's weights [vocab, embed]: the token embedding when tied, else lm_head."""

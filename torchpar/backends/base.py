@@ -38,8 +38,11 @@ def read_metrics(handle, env, data_ways: int, experts: int = 0) -> dict:
     share of the batch, the experts' statistics summed over them (a collective: every rank calls it at the same
     steps)."""
     loss, grad_norm, lr, extra = handle
-    stats = extra.pop("expert_stats", None)
-    loss_sum, *stats = dist.all_sum([float(loss)] + ([] if stats is None else stats.tolist()), env)
+    stats, depths = extra.pop("expert_stats", None), extra.pop("mtp_losses", None)
+    depths = [] if depths is None else depths.tolist()  # multi-token prediction's, each depth's as the loss is
+    loss_sum, *stats = dist.all_sum([float(loss)] + depths + ([] if stats is None else stats.tolist()), env)
+    extra = {**extra, **{f"mtp_loss_{d + 1}": v / data_ways for d, v in enumerate(stats[:len(depths)])}}
+    stats = stats[len(depths):]
     if stats:  # [choices per expert, dropped, balance loss per layer, rows] over every rank and microbatch
         extra = {**extra, **expert_records(stats[:-2] + [stats[-2] / stats[-1]], experts)}
     return {"loss": loss_sum / data_ways, "grad_norm": float(grad_norm), "lr": float(lr), **extra}
@@ -57,6 +60,11 @@ def microbatch_loss(module, raw, batch: torch.Tensor):
     summed = stats.detach().sum(0)
     summed[-1] /= raw.cfg.moe_layers
     return loss + balance_loss(raw, stats), torch.cat([summed, summed.new_tensor([stats.shape[0]])])
+
+
+def mtp_share(raw, weight: float):
+    """The last forward's per-depth losses (model.mtp_depth) times `weight`, as a microbatch's loss is; None without."""
+    return None if not raw.cfg.mtp_depth else raw.mtp_losses * weight
 
 
 def add_stats(total, stats):
@@ -88,6 +96,7 @@ class TorchEngine:
         self.scaler = scaler if scaler is not None else grad_scaler(cfg, env)
         self.skipped, self.overflow_next = 0, False  # float16: updates skipped so far; the test hook
         self.expert_stats = None  # with experts: their statistics of the step so far (microbatch_loss)
+        self.mtp_losses = None  # with multi-token prediction: each depth's loss of the step so far, as the loss
         self.full_state_dict = full_state or raw.state_dict
         self.params = [p for p in raw.parameters()]
         self.optimizer = make_optimizer(raw, cfg)
@@ -146,6 +155,8 @@ class TorchEngine:
                                                       self.env))
         if self.expert_stats is not None:
             extra["expert_stats"] = self.expert_stats
+        if self.mtp_losses is not None:
+            extra["mtp_losses"] = self.mtp_losses
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return total, norm, lr, extra
@@ -183,7 +194,7 @@ class TorchEngine:
     def forward_backward(self, micro: list[torch.Tensor], share: float = 1.0) -> torch.Tensor:
         """Gradients of the mean loss (times `share`) over the microbatches accumulated in .grad; returns that
         loss."""
-        total, self.expert_stats = torch.zeros((), device=micro[0].device), None
+        total, self.expert_stats, self.mtp_losses = torch.zeros((), device=micro[0].device), None, None
         for m, batch in enumerate(micro):
             with self.sync(m == len(micro) - 1):
                 loss, stats = microbatch_loss(self.module, self.raw, batch)
@@ -191,6 +202,7 @@ class TorchEngine:
                 (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             total += loss.detach()
             self.expert_stats = add_stats(self.expert_stats, stats)
+            self.mtp_losses = add_stats(self.mtp_losses, mtp_share(self.raw, share / len(micro)))
         return total
 
     def clip_gradients(self, clip: float) -> torch.Tensor:

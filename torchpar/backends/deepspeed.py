@@ -31,7 +31,7 @@ import torch
 from jaxpar.core.errors import UserError
 from jaxpar.core.lr_schedule import lr_at
 from torchpar import dist
-from torchpar.backends.base import add_stats, eval_loss, microbatch_loss, microbatches, read_metrics
+from torchpar.backends.base import add_stats, eval_loss, microbatch_loss, microbatches, mtp_share, read_metrics
 from torchpar.backends.deepspeed_universal import forget, quiet_universal_load, repair_zero3_load, universal_source
 from torchpar.checkpoint import complete_steps, failing_save
 from torchpar.optim import SharedLRSchedule, group_settings, param_groups, put_back
@@ -151,11 +151,12 @@ class DeepSpeedEngine:
     def update(self, batch: torch.Tensor, share: float = 1.0):
         micro = microbatches(batch, self.cfg.train.microbatches)
         lr = self.engine.get_lr()[0]
-        total, norm, experts = torch.zeros((), device=self.env.device), None, None
+        total, norm, experts, depths = torch.zeros((), device=self.env.device), None, None, None
         for m, batch in enumerate(micro):
             loss, stats = microbatch_loss(self.engine, self.engine.module, batch)
             loss = loss * share
             experts = add_stats(experts, stats)
+            depths = add_stats(depths, mtp_share(self.engine.module, share / len(micro)))
             self.engine.backward(loss)  # DeepSpeed scales by 1/accumulation and reduces at the boundary
             if m == len(micro) - 1 and self.stage == 0 and not self.engine.fp16_enabled():
                 grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
@@ -170,6 +171,8 @@ class DeepSpeedEngine:
                      "skipped_steps": int(self.engine.skipped_steps)}
         if experts is not None:
             extra["expert_stats"] = experts
+        if depths is not None:
+            extra["mtp_losses"] = depths
         return total, torch.as_tensor(float("nan") if norm is None else float(norm)), lr, extra
 
     def full_state_dict(self) -> dict:

@@ -10,6 +10,7 @@ ZeRO-3 gathers parameters per module), which is why wte/wpe sit on the root modu
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -21,7 +22,7 @@ from jaxpar.core.data_order import unmasked
 from jaxpar.core.loss_chunks import loss_chunks
 from torchpar.models.dilated import dilated_attention
 from torchpar.models.head import chunked_cross_entropy, cross_entropy, logits
-from torchpar.models.layers import Dense, LayerNorm, RMSNorm, SketchedLinear
+from torchpar.models.layers import Dense, Kernel, LayerNorm, RMSNorm, SketchedLinear
 from torchpar.models.llama import GQAttention, SwiGLU
 from torchpar.models.mla import MLAttention
 from torchpar.models.moe import MoE, layer_stats
@@ -88,6 +89,40 @@ class Block(nn.Module):
         return x + y, stats
 
 
+class MTP(nn.Module):
+    """One of DeepSeek-V3's multi-token prediction modules (model.mtp_depth; jaxpar/models/decoder.py MTP): the
+    embedding of the token d positions ahead and depth d-1's hidden state, each normed, projected to one vector
+    (the embedding first), then a dense block and a final norm before the main model's output head."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        norm = RMSNorm if cfg.family == "llama" else LayerNorm
+        d, eps = cfg.d_model, cfg.layernorm_eps
+        self.norm_emb, self.norm_hidden, self.norm_out = norm(d, eps), norm(d, eps), norm(d, eps)
+        self.proj = Kernel((2, d, d))  # [(embedding, hidden), embed in, embed out] as jaxpar's kernel slice
+        self.block = Block(dataclasses.replace(cfg, moe_experts=0))
+
+    def forward(self, e, h, positions=None, mask=None):
+        both = torch.stack([self.norm_emb(e), self.norm_hidden(h)], dim=2)
+        return self.block(self.proj(both, "btcd,cde->bte"), positions, mask)[0]
+
+
+def mtp_rows(inputs, targets, segments, depth: int):
+    """jaxpar/loss.py's mtp_rows in torch: [(tokens, targets)] of each depth, depth d reading the main row's input
+    and target d positions later; a target kept where the main one is counted and, with documents (`segments`),
+    token t+d is in t's document; -1 (skipped) past the row's end."""
+    def ahead(a, d, fill):
+        return torch.cat([a[:, d:], a.new_full((a.shape[0], d), fill)], dim=1)
+
+    out = []
+    for d in range(1, depth + 1):
+        t = ahead(targets, d, -1)
+        if segments is not None:
+            t = torch.where(ahead(segments, d, -1) == segments, t, -1)
+        out.append((ahead(inputs, d, 0), t))
+    return out
+
+
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, eod: int | None = None):
         """eod: the token that starts each packed document, attention staying within documents
@@ -100,6 +135,8 @@ class Decoder(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = (RMSNorm if cfg.family == "llama" else LayerNorm)(cfg.d_model, cfg.layernorm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
+        self.mtp = nn.ModuleList(MTP(cfg) for _ in range(cfg.mtp_depth))  # multi-token prediction (model.mtp_depth)
+        self.mtp_losses = None  # with it: each depth's cross-entropy of the last forward, detached
         self.expert_stats = None  # with experts: their per-row statistics of the last forward (moe.layer_stats)
 
     @torch.no_grad()
@@ -110,7 +147,7 @@ class Decoder(nn.Module):
         std, proj_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layer)
         for p in (p for p in (self.wte, self.wpe, self.lm_head) if p is not None):
             p.copy_(torch.randn(p.shape, generator=gen) * std)
-        for block in self.blocks:
+        for block in [*self.blocks, *(m.block for m in self.mtp)]:
             for name, p in block.named_parameters():
                 if name.endswith("bias"):
                     p.zero_()
@@ -120,6 +157,8 @@ class Decoder(nn.Module):
                     s = proj_std if name.startswith(("attn.out.", "mlp.proj.", "mlp.down.", "moe.experts.down",
                                                      "moe.shared.down.")) else std
                     p.copy_(torch.randn(p.shape, generator=gen) * s)
+        for m in self.mtp:
+            m.proj.weight.copy_(torch.randn(m.proj.weight.shape, generator=gen) * std)
         for norm in (m for m in self.modules() if isinstance(m, (LayerNorm, RMSNorm))):
             norm.weight.fill_(1.0)
             if isinstance(norm, LayerNorm):
@@ -128,7 +167,7 @@ class Decoder(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [batch, seq] int64 -> logits [batch, seq, vocab] float32; with `targets` [batch, seq] their mean
         cross-entropy instead (head_loss: in model.loss_chunks chunks, never the whole logits at once)."""
-        positions = mask = None
+        positions = mask = segments = None
         if self.eod is not None:  # each document its own positions, attending within itself
             positions, segments = document_positions(tokens, self.eod)
             mask = document_mask(positions, segments)
@@ -140,9 +179,22 @@ class Decoder(nn.Module):
                 per_layer.append(stats)
         # the loss reads them (moe.balance_loss): the wrappers return the logits alone
         self.expert_stats = layer_stats(per_layer, self.cfg) if per_layer else None
-        if targets is not None:
-            return head_loss(self.ln_f, self.output_table, x, targets, self.cfg)
-        return output_head(self.ln_f, self.output_table, x)
+        if targets is None:  # sampling and decoding: the main head alone (the prediction modules unused)
+            return output_head(self.ln_f, self.output_table, x)
+        loss = head_loss(self.ln_f, self.output_table, x, targets, self.cfg)
+        if not self.mtp or not self.training:  # evaluation: the main loss alone, as jaxpar's
+            return loss
+        depths = self.mtp_forward(x, tokens, targets, segments, positions, mask)
+        self.mtp_losses = depths.detach()
+        return loss + self.cfg.mtp_loss_weight * depths.mean()
+
+    def mtp_forward(self, h, tokens, targets, segments, positions, mask) -> torch.Tensor:
+        """Each prediction depth's cross-entropy [depth], taken as the main one's (jaxpar's Decoder.mtp_losses)."""
+        losses = []
+        for module, (ahead, later) in zip(self.mtp, mtp_rows(tokens, targets, segments, len(self.mtp))):
+            h = module(self.wte[ahead].to(self.compute_dtype), h, positions, mask)
+            losses.append(head_loss(module.norm_out, self.output_table, h, later, self.cfg))
+        return torch.stack(losses)
 
     @property
     def output_table(self) -> nn.Parameter:
