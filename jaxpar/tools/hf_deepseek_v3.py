@@ -52,7 +52,7 @@ def read_config(hf_dir: str) -> dict:
         f"hidden_size/num_attention_heads = {d / h:g} wide)":
             d % h or hf.get("qk_nope_head_dim") != d // h or hf.get("v_head_dim") != d // h,
         f"num_key_value_heads={hf.get('num_key_value_heads')} (mla's keys and values are per head: "
-        f"{h})": hf.get("num_key_value_heads", h) != h,
+        f"{h})": (hf.get("num_key_value_heads") or h) != h,
         f"rms_norm_eps={hf.get('rms_norm_eps')} (HF's latent norms keep {EPS}; jaxpar's share model.layernorm_eps)":
             hf.get("rms_norm_eps", EPS) != EPS,
     }
