@@ -168,8 +168,9 @@ _QMAP = {signed: adamw8bit.dynamic_map(signed) for signed in (True, False)}
 
 
 def _holds_codes(path, p) -> bool:
-    """adamw8bit.quantized on one layer's tensor: a stacked parameter's leading axis is its layers."""
-    stacked = _name(path).startswith(muon.STACKS)
+    """adamw8bit.quantized on one layer's tensor: a stacked parameter's leading axis is its layers (multi-token
+    prediction's: its depths, torchpar's modules)."""
+    stacked = _name(path).startswith((*muon.STACKS, "mtp."))
     return adamw8bit.quantized(p.size // p.shape[0] if stacked else p.size)
 
 

@@ -21,6 +21,7 @@ from jaxpar.core.weights import ALL_NAMES
 
 SERIES = ("loss", "grad_norm", "lr")
 QKV_BIAS, KEY_BIAS = "blocks.attn.qkv.bias", "blocks.attn.qkv.bias[key]"
+MTP_QKV_BIAS = "mtp.block.attn.qkv.bias"  # multi-token prediction's blocks (model.mtp_depth): their key bias likewise
 STACKS = ("dense_", "")  # model.moe_first_dense's stack ("dense_blocks.*") runs before the experts' ("blocks.*")
 # model order: embeddings, each stack's blocks (ln1, attn, ln2, mlp), the final norm, the output projection; the key
 # bias after the rest of qkv.bias
@@ -77,9 +78,10 @@ class Comparison:
 
 def split_key_bias(params: dict) -> dict:
     """qkv.bias [L, 3, heads, kv] -> its query/value slices [L, 2, heads, kv] and the key slice [L, heads, kv],
-    in each stack."""
+    in each stack (multi-token prediction's too)."""
     out = dict(params)
-    for qkv, key in ((stack + QKV_BIAS, stack + KEY_BIAS) for stack in STACKS if stack + QKV_BIAS in params):
+    pairs = [(stack + QKV_BIAS, stack + KEY_BIAS) for stack in STACKS] + [(MTP_QKV_BIAS, MTP_QKV_BIAS + "[key]")]
+    for qkv, key in ((qkv, key) for qkv, key in pairs if qkv in params):
         b = np.asarray(params[qkv])
         out[qkv], out[key] = b[:, [0, 2]], b[:, 1]
     return out

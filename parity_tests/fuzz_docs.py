@@ -37,6 +37,9 @@ PROMISES = (
     ("mixture of experts", lambda c: "model.moe_experts" in dict(c.settings),
      "docs/architecture.md 'Mixture of experts': ep composes with dp, fsdp, tp, sp and the pipeline schedules; torchpar runs it on "
      "none/ddp/fsdp/deepspeed, split over ep under ddp (docs/torchpar.md ddp bullet)"),
+    ("multi-token prediction", lambda c: "model.mtp_depth" in dict(c.settings),
+     "docs/architecture.md 'Multi-token prediction': every layout, the gpipe schedule on a jaxpar pipeline, "
+     "torchpar none/ddp/fsdp/deepspeed"),
     ("batching", lambda c: any(k in ("data.document_mask", "data.batching", "train.batch_rampup")
                                for k, _ in c.settings),
      "README.md 'Data' (data.document_mask), 'Variable-length batches' (data.batching=buckets) and 'Optimiser' "

@@ -60,8 +60,8 @@ def _model(key: str, value) -> Callable[[Run], bool]:
 
 
 def _dense_width(run: Run) -> bool:  # the MLP's width is used: no experts, dense first layers, or experts that take it
-    m = run.cfg.model
-    return not (m.moe_experts and m.moe_d_ff and not m.moe_first_dense)
+    m = run.cfg.model  # (or multi-token prediction's blocks, which are dense)
+    return not (m.moe_experts and m.moe_d_ff and not m.moe_first_dense and not m.mtp_depth)
 
 
 def _stages(run: Run) -> bool:
@@ -138,7 +138,8 @@ CONTRACT: dict[str, Owner] = {
     "model.d_model": Owner(True, BOTH, "params"),
     "model.n_kv_head": Owner(True, BOTH, "params", **LLAMA),
     "model.d_ff": Owner(True, BOTH, "params", when=_dense_width, mode="a dense MLP, dense first layers "
-                        "(model.moe_first_dense), or experts with model.moe_d_ff=0 (which then take the MLP's width)"),
+                        "(model.moe_first_dense), multi-token prediction (model.mtp_depth), or experts with "
+                        "model.moe_d_ff=0 (which then take the MLP's width)"),
     "model.ffn_multiple_of": Owner(True, BOTH, "params", when=lambda r: r.cfg.model.family == "llama" and
                                    not r.cfg.model.d_ff and _dense_width(r),
                                    mode="model.family=llama with model.d_ff=0 (and experts without model.moe_d_ff)",

@@ -38,7 +38,8 @@ MATRICES = {
     **{f"moe.{n}": ((1,), (2,)) for n in ("gate", "up", "down")},  # [experts, in, out]
     **{f"moe.shared.{n}.kernel": _FLAT for n in ("gate", "up", "down")},
 }
-STACKS = ("blocks.", "dense_blocks.")  # jaxpar's layer stacks (jaxpar/core/weights.py layer_stacks)
+# jaxpar's layer stacks (jaxpar/core/weights.py layer_stacks), multi-token prediction's blocks stacked on their depth
+STACKS = ("blocks.", "dense_blocks.", "mtp.block.")
 LR_RULES = ("match_rms_adamw", "original")
 
 
