@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import zlib
 from dataclasses import dataclass
+from parity_tests.fuzz_mtp import MODE_KEYS as MTP_MODE_KEYS, with_mtp
 
 STEPS = 3
 # the tiny model of tests/helpers.py, STEPS steps, nothing but the training steps. lr 3e-3 as configs/parity/,
@@ -26,7 +27,6 @@ EXPERT_SHARE = 0.2  # cases with a mixture of experts (jaxpar: with ep in the me
 MUON_SHARE = 0.2  # cases with optim.name=muon
 EIGHT_BIT_SHARE = 0.15  # cases with optim.name=adamw8bit
 ROUTING_SHARE = 0.5  # of the expert cases: DeepSeek-V3's expert groups and routed scale
-MTP_SHARE = 0.15  # cases with multi-token prediction (model.mtp_depth), where the docs say it runs
 AUTO_SHARE, PIPELINE_SCHEDULE_KEYS = 0.3, ("parallel.pipeline_schedule", "parallel.pipeline_virtual_stages")  # auto
 
 
@@ -100,8 +100,7 @@ def _pick(rng: random.Random, weighted: dict):
 
 
 def draw_case(rng: random.Random, torch_share: float = TORCH_SHARE) -> Case:
-    return with_auto(with_mtp(with_routing(with_optimizer(draw_torch(rng) if rng.random() < torch_share
-                                                          else draw_jax(rng)))))
+    return with_auto(with_mtp(with_routing(with_optimizer((draw_jax, draw_torch)[rng.random() < torch_share](rng)))))
 
 
 def with_auto(case: Case) -> Case:
@@ -126,22 +125,6 @@ def with_routing(case: Case) -> Case:
     if rng.random() < 0.5:
         s["model.moe_routed_scale"] = "2.5"
     return case.with_settings(sorted(_drop_defaults({**dict(case.settings), **s}).items()))
-
-
-def with_mtp(case: Case) -> Case:
-    """Multi-token prediction (one or two depths, now and then another loss weight) in a share of the cases that run
-    it: not on a hand-scheduled pipeline schedule or with jaxpar's gradient compression, not on torchpar's pipeline
-    backend, not with model.linear=sketched. Drawn from the case's own spec (as with_routing)."""
-    rng = random.Random(zlib.crc32(b"mtp " + case.spec.encode()))
-    if rng.random() >= MTP_SHARE or case.get("model.linear") == "sketched" or case.backend == "pipeline":
-        return case
-    if case.side == "jax" and (case.get("parallel.grad_compression", "none") != "none" or (
-            case.mesh()["pp"] > 1 and case.get("parallel.pipeline_schedule", "auto") not in ("gpipe", "auto"))):
-        return case
-    s = {"model.mtp_depth": str(_pick(rng, {1: 2, 2: 1}))}
-    if rng.random() < 0.3:
-        s["model.mtp_loss_weight"] = _pick(rng, {"0.1": 1, "1.0": 1})
-    return case.with_settings(sorted({**dict(case.settings), **s}.items()))
 
 
 def with_optimizer(case: Case, share: float = MUON_SHARE) -> Case:
@@ -404,10 +387,9 @@ MODE_KEYS = {  # key prefix -> whether the case's run consumes it (a mode's keys
     "model.moe_": lambda c: c.get("model.moe_experts", "0") != "0",
     "model.moe_bias_update": lambda c: c.side == "jax" or c.backend in ("none", "ddp"),
     "model.moe_topk_group": lambda c: c.get("model.moe_n_group", "1") != "1",
-    "model.mtp_loss_weight": lambda c: c.get("model.mtp_depth", "0") != "0",
     "train.tokens_per_batch": lambda c: c.get("data.batching") == "buckets",
     "optim.name": lambda c: c.side == "jax" or c.backend != "deepspeed",
-    "optim.muon_": lambda c: c.get("optim.name") == "muon",
+    "optim.muon_": lambda c: c.get("optim.name") == "muon", **MTP_MODE_KEYS,
 }
 
 

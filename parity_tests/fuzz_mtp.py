@@ -1,0 +1,32 @@
+"""Multi-token prediction in the layout fuzzer's cases (parity_tests/fuzz_cases.py draws them through `with_mtp`):
+one or two depths, now and then another loss weight, in a share of the cases whose run takes model.mtp_depth."""
+from __future__ import annotations
+
+import random
+import zlib
+
+MTP_SHARE = 0.15  # of the cases that run it
+# the fuzz_cases.MODE_KEYS entry: the weight goes when the depth goes
+MODE_KEYS = {"model.mtp_loss_weight": lambda c: c.get("model.mtp_depth", "0") != "0"}
+
+
+def runs_mtp(case) -> bool:
+    """Whether the case's run takes model.mtp_depth: not on a hand-scheduled pipeline schedule or with jaxpar's
+    gradient compression, not on torchpar's pipeline backend, not with model.linear=sketched (docs/architecture.md
+    'Multi-token prediction')."""
+    if case.get("model.linear") == "sketched" or case.backend == "pipeline":
+        return False
+    return case.side != "jax" or case.get("parallel.grad_compression", "none") == "none" and (
+        case.mesh()["pp"] == 1 or case.get("parallel.pipeline_schedule", "auto") in ("gpipe", "auto"))
+
+
+def with_mtp(case):
+    """The case with multi-token prediction in a share of those that run it, drawn from the case's own spec (as
+    fuzz_cases.with_routing): the cases a seed drew before stay what they were, but for these keys."""
+    rng = random.Random(zlib.crc32(b"mtp " + case.spec.encode()))
+    if rng.random() >= MTP_SHARE or not runs_mtp(case):
+        return case
+    s = {"model.mtp_depth": rng.choice(("1", "1", "2"))}
+    if rng.random() < 0.3:
+        s["model.mtp_loss_weight"] = rng.choice(("0.1", "1.0"))
+    return case.with_settings(tuple(sorted({**dict(case.settings), **s}.items())))
