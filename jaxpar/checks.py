@@ -65,9 +65,9 @@ def check_experts(cfg: Config, sizes) -> None:
 def check_compression(cfg: Config, sizes) -> None:
     """parallel.grad_compression: what jaxpar runs (over dp/fsdp, tp beside them), else one line."""
     method = cfg.parallel.grad_compression
-    if method != "none" and (sizes["pp"] > 1 or sizes["sp"] > 1):
-        raise UserError(f"parallel.grad_compression={method} runs on dp, fsdp and tp meshes in jaxpar (pp and sp "
-                        "with it are not built yet)")
+    if method != "none" and sizes["sp"] > 1:
+        raise UserError(f"parallel.grad_compression={method} runs on dp, fsdp, tp and pp meshes in jaxpar (sp "
+                        "with it is not built yet)")
     if method != "none" and cfg.model.mtp_depth:
         raise UserError(f"parallel.grad_compression={method} with model.mtp_depth is not built yet in jaxpar (its "
                         "reduction carries the loss alone, not the prediction depths' losses)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 from jax.sharding import PartitionSpec as P
 
 # logical name -> mesh axes (a tuple is sharded over their product). Weights and activations use
@@ -60,3 +61,11 @@ def with_extra_axis(spec: P, shape: tuple[int, ...], mesh, axis: str) -> P:
             entries[i] = cur + (axis,) if cur else axis
             return P(*entries)
     return spec
+
+
+def context_mesh(mesh):
+    """The mesh a shard_map traced now names: `mesh`, or inside another shard_map (manual over some axes: the data
+    axes' of parallel.grad_compression, jaxpar/parallel/compression.py) the mesh as that context sees it, which jax
+    asks a nested shard_map for."""
+    context = jax.sharding.get_abstract_mesh()
+    return context if context.manual_axes else mesh

@@ -92,11 +92,16 @@ def compressed_loss_and_grads(layout, value_and_grad, accum: int):
     grad_specs = jax.tree.map(lambda s: over_data(s, axes), layout.grad_specs, is_leaf=lambda s: isinstance(s, P))
     rank_loss_and_grads, batch_spec = per_rank(layout, value_and_grad, accum)
 
-    def local(params, batch, scale):
-        loss, grads = rank_loss_and_grads(params, batch, scale)
-        grads = jax.tree.map(lambda g, s: reduce_gradient(g / n, s, axes, wire), grads, grad_specs,
-                             is_leaf=lambda s: isinstance(s, P))
-        return jax.lax.psum(loss, axes) / n, grads
+    def compressed(params, batch, scale):
+        # `scale` is closed over, not an argument: with pp on the hand-scheduled schedules the pipeline executor's
+        # shard_map (manual over pp) runs nested in this one, and takes no value made inside this one
+        def local(params, batch):
+            loss, grads = rank_loss_and_grads(params, batch, scale)
+            grads = jax.tree.map(lambda g, s: reduce_gradient(g / n, s, axes, wire), grads, grad_specs,
+                                 is_leaf=lambda s: isinstance(s, P))
+            return jax.lax.psum(loss, axes) / n, grads
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), batch_spec, P()), out_specs=(P(), grad_specs),
-                         axis_names=set(axes), check_vma=False)
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(), batch_spec), out_specs=(P(), grad_specs),
+                             axis_names=set(axes), check_vma=False)(params, batch)
+
+    return compressed

@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.pipeline_schedules import SPLIT_BACKWARD, chunks, placement, simulate, virtual_stage
 from jaxpar.ops import split_backward, split_microbatches
+from jaxpar.sharding import context_mesh
 
 AXIS = "pp"
 HAND_SCHEDULED = ("1f1b", "interleaved", "zb_h1", "zb_v")  # GPipe trains through gpipe.py (jax.grad through its ticks)
@@ -387,7 +388,7 @@ def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets
         return loss_sum / M + jnp.sum(stats * stage.d_stats[0]), stats, g_rest, g_blocks
 
     loss, stats, g_rest, g_blocks = jax.shard_map(
-        body, mesh=mesh, axis_names={AXIS}, check_vma=False,
+        body, mesh=context_mesh(mesh), axis_names={AXIS}, check_vma=False,
         in_specs=(P(), P(None, AXIS), P(None, AXIS), P(), P(), P()), out_specs=(P(), P(), P(), P(None, AXIS)),
     )(rest, blocks, consts, inputs, targets, jnp.asarray(plan.tables))
     back = np.argsort(order)  # [chunk, stage] order -> virtual stages in model order

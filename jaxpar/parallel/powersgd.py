@@ -14,7 +14,8 @@ The first parallel.powersgd_warmup_steps steps reduce plainly and keep e = 0 (as
 It runs in a shard_map manual over the data axes, as grad_compression=bf16 does (compression.py): each device
 computes its rows' gradients whole; tp stays GSPMD's. State, in the train state under "powersgd": "error", per
 parameter (n, *shape) with n = dp*fsdp, its leading dim sharded over the data axes (one buffer per data rank,
-as torch keeps one per rank), and "q", per compressed parameter (*layers, *rest, r), replicated. A checkpoint
+as torch keeps one per rank), and "q", per compressed parameter (*layers, *rest, r), replicated over the data
+axes (its layers on their pipeline stage, as the parameter's). A checkpoint
 resumed on another data size gives every new rank the mean of the saved buffers: the sum the next steps owe,
 divided by n, is what the old ranks owed (`restore_fit`).
 """
@@ -66,12 +67,13 @@ def factor_shapes(layout, shapes: dict) -> dict:
 
 def shardings(layout) -> dict:
     """The "powersgd" entry's shardings: error buffers (the data axes, then the parameter's other axes), Q
-    replicated."""
+    replicated but for a stacked leaf's layers, which stay on their pipeline stage as the parameter's do."""
     axes, mesh = data_axes(layout.mesh), layout.mesh
-    specs = flatten(jax.tree.map(lambda s: P(axes, *off_data(s, axes)), layout.param_specs, is_leaf=_is_spec))
+    specs = flatten(jax.tree.map(lambda s: off_data(s, axes), layout.param_specs, is_leaf=_is_spec))
     shapes = {k: v.shape for k, v in flatten(layout.abstract_params).items()}
-    return {"error": {k: NamedSharding(mesh, s) for k, s in specs.items()},
-            "q": {k: NamedSharding(mesh, P()) for k in factor_shapes(layout, shapes)}}
+    return {"error": {k: NamedSharding(mesh, P(axes, *s)) for k, s in specs.items()},
+            "q": {k: NamedSharding(mesh, P(*specs[k][:1]) if layers_first(layout, k) else P())
+                  for k in factor_shapes(layout, shapes)}}
 
 
 def initial(layout, params) -> dict:
@@ -145,18 +147,24 @@ def powersgd_loss_and_grads(layout, value_and_grad, accum: int):
     def compressed(grads, state):
         return reduce_powersgd(layout, grads, state, axes, n)
 
-    def local(params, batch, state, step, share):
-        loss, grads = rank_loss_and_grads(params, batch, share)  # share: step.py's token_share
-        grads = {k: g / accum for k, g in flatten(grads).items()}
-        if warmup:  # (0: the planner's steady state, jaxpar/tools/plan.py; the config asks for 2 or more)
-            grads, state = jax.lax.cond(step < warmup, plain, compressed, grads, state)
-        else:
-            grads, state = compressed(grads, state)
-        return jax.lax.psum(loss, axes) / (n * accum), unflatten(grads), state
+    def reduced(params, batch, state, step, share):
+        def local(params, batch, state, step):
+            loss, grads = rank_loss_and_grads(params, batch, share)  # share: step.py's token_share
+            grads = {k: g / accum for k, g in flatten(grads).items()}
+            if warmup:  # (0: the planner's steady state, jaxpar/tools/plan.py; the config asks for 2 or more)
+                grads, state = jax.lax.cond(step < warmup, plain, compressed, grads, state)
+            else:
+                grads, state = compressed(grads, state)
+            return jax.lax.psum(loss, axes) / (n * accum), unflatten(grads), state
+
+        # `share` is closed over, not an argument: the pipeline executor's own shard_map (over pp, nested in this
+        # one) takes no value made inside this one (compression.compressed_loss_and_grads)
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(), batch_spec, state_spec, P()),
+                             out_specs=(P(), P(), state_spec), axis_names=set(axes), check_vma=False)(
+            params, batch, state, step)
 
     state_spec = {"error": P(axes), "q": P()}
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), batch_spec, state_spec, P(), P()),
-                         out_specs=(P(), P(), state_spec), axis_names=set(axes), check_vma=False)
+    return reduced
 
 
 def restore_fit(layout, abstract: dict):

@@ -132,7 +132,7 @@ def test_powersgd_run_resumes_exactly_after_sigkill(dataset, tmp_path):
 
 
 @pytest.mark.parametrize("mesh,setting,named", [
-    ("pp=2,dp=2", PSGD, "pp and sp with it are not built"),
+    ("sp=2,dp=2", PSGD, "sp with it is not built"),
     ("dp=4", "model.compute_dtype=float16", "powersgd with model.compute_dtype=float16"),
 ])
 def test_what_jaxpar_powersgd_does_not_run_is_refused(mesh, setting, named, dataset):
