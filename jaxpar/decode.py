@@ -24,6 +24,7 @@ from flax import nnx
 
 from jaxpar.core.config import ModelConfig
 from jaxpar.core.sketches import stacked_sketches
+from jaxpar.core.block_sparsity import block_sparsity
 from jaxpar.models.dilated import counted_attention, key_counts
 from jaxpar.models.llama import repeat_kv
 from jaxpar.models.mla import kv_cache_width
@@ -54,7 +55,7 @@ def _attend(attn, cfg: ModelConfig, x, dtype, where, start, cache):
         k, v = (repeat_kv(c, cfg.n_head) for c in cache)
     if cfg.attention == "dilated":
         y = counted_attention(q, k, v, key_counts(positions, k_positions, cfg.n_head, cfg.dilation_pairs,
-                                                  cfg.max_seq_len))
+                                                  cfg.max_seq_len, block_sparsity(cfg)))
     else:
         y = causal_attention(q, k, v, positions, k_positions, segments, k_segments)
     return attn.project_out(y, dtype), cache

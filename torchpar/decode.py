@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from torchpar.models.llama import repeat_kv
 from torchpar.models.decoder import Decoder, output_head
+from jaxpar.core.block_sparsity import block_sparsity
 from torchpar.models.dilated import counted_attention, key_counts
 from torchpar.ops import document_mask, document_positions
 
@@ -42,7 +43,8 @@ def _attend(attn, cfg, x, positions, start: int, cache, mask=None):
     k_positions = torch.arange(k.shape[2], device=x.device)
     if cfg.attention == "dilated":
         return attn.project_out(counted_attention(
-            q, k, v, key_counts(positions, k_positions, cfg.n_head, cfg.dilation_pairs, cfg.max_seq_len)))
+            q, k, v, key_counts(positions, k_positions, cfg.n_head, cfg.dilation_pairs, cfg.max_seq_len,
+                                   block_sparsity(cfg))))
     mask = positions[:, None] >= k_positions if mask is None else mask
     return attn.project_out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.config_checks import check_consistency
+from jaxpar.core.config_checks import check_consistency, int_list
 
 
 def _check(choices=None, lo=None, hi=None, lo_open=False):
@@ -64,6 +64,12 @@ class ModelConfig:
     # dilated (models/dilated.py): (segment length, rate) pairs, comma-separated; empty: plain causal attention
     segment_lengths: str = ""
     dilation_rates: str = ""
+    # block-sparse dilated attention (core/block_sparsity.py): each query block of a pair's selected row computes
+    # ceil(sparsity_ratio x its causal blocks) key blocks of sparsity_block tokens (its own and past ones drawn from
+    # sparsity_seed); 0 or 1: dense
+    sparsity_ratio: float = field(default=0.0, metadata=_check(lo=0.0, hi=1.0))
+    sparsity_block: int = field(default=64, metadata=_check(lo=1))
+    sparsity_seed: int = 0
     # sketched (core/sketches.py): fixed random sketch [in, sketch_ratio*in] from sketch_seed, trained factor
     sketch: str = field(default="gaussian", metadata=_check(choices=("gaussian", "sign")))
     sketch_ratio: float = field(default=0.5, metadata=_check(lo=0.0, hi=1.0, lo_open=True))
@@ -132,22 +138,12 @@ class ModelConfig:
     @property
     def dilation_pairs(self) -> tuple[tuple[int, int], ...]:
         """((segment length, dilation rate), ...); empty lists mean ((max_seq_len, 1),)."""
-        ws, rs = (_ints(f"model.{k}", getattr(self, k)) for k in ("segment_lengths", "dilation_rates"))
+        ws, rs = (int_list(f"model.{k}", getattr(self, k)) for k in ("segment_lengths", "dilation_rates"))
         if not ws and not rs:
             return ((self.max_seq_len, 1),)
         if len(ws) != len(rs):
             raise UserError(f"model.segment_lengths has {len(ws)} entries but model.dilation_rates has {len(rs)}")
         return tuple(zip(ws, rs))
-
-
-def _ints(key: str, text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.replace(" ", "").split(",") if v)
-    except ValueError:
-        raise UserError(f"config key {key}: {text!r} is not a comma-separated list of integers") from None
-    if any(v < 1 for v in values):
-        raise UserError(f"config key {key}: {text!r} has a value < 1")
-    return values
 
 
 @dataclass

@@ -18,6 +18,17 @@ def profile_window(spec: str) -> tuple[int, int] | None:
     return int(a), int(b)
 
 
+def int_list(key: str, text: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers (model.segment_lengths) -> a tuple."""
+    try:
+        values = tuple(int(v) for v in text.replace(" ", "").split(",") if v)
+    except ValueError:
+        raise UserError(f"config key {key}: {text!r} is not a comma-separated list of integers") from None
+    if any(v < 1 for v in values):
+        raise UserError(f"config key {key}: {text!r} has a value < 1")
+    return values
+
+
 def check_consistency(cfg) -> None:
     m, t = cfg.model, cfg.train
     profile_window(t.profile_steps)
@@ -42,13 +53,19 @@ def check_consistency(cfg) -> None:
     if m.attention == "mla" and m.rope_head_dim % 2:
         raise UserError(f"model.rope_head_dim={m.rope_head_dim} must be even (rotary pairs)")
     if m.attention == "dilated":
-        T = cfg.data.seq_len
-        for w, r in m.dilation_pairs:
-            if T % min(w, T) or min(w, T) % r:
-                raise UserError(f"model.segment_lengths/dilation_rates pair ({w}, {r}): data.seq_len={T} must be "
-                                f"divisible by the segment length min({w}, {T}), and that by the rate {r}")
-        if 1 not in dict(m.dilation_pairs).values():
-            raise UserError("model.dilation_rates needs a rate of 1 (otherwise some tokens attend to nothing)")
+        _check_dilated(m, cfg.data.seq_len)
+
+
+def _check_dilated(m, T: int) -> None:
+    for w, r in m.dilation_pairs:
+        if T % min(w, T) or min(w, T) % r:
+            raise UserError(f"model.segment_lengths/dilation_rates pair ({w}, {r}): data.seq_len={T} must be "
+                            f"divisible by the segment length min({w}, {T}), and that by the rate {r}")
+        if 0 < m.sparsity_ratio < 1 and min(w, T) // r % m.sparsity_block:
+            raise UserError(f"model.sparsity_block={m.sparsity_block} does not divide the {min(w, T) // r} tokens a "
+                            f"head selects in a segment of the pair ({w}, {r}) (min({w}, data.seq_len={T}) / {r})")
+    if 1 not in dict(m.dilation_pairs).values():
+        raise UserError("model.dilation_rates needs a rate of 1 (otherwise some tokens attend to nothing)")
 
 
 def _check_mtp(m, seq_len: int) -> None:

@@ -113,6 +113,9 @@ DEEPSPEED_ADAMW = ("DeepSpeed builds its own AdamW from its JSON config (use --b
 MLA = dict(when=_model("attention", "mla"), mode="model.attention=mla", example=("model.attention=mla",))
 DILATED = dict(when=_model("attention", "dilated"), mode="model.attention=dilated",
                example=("model.attention=dilated", "model.segment_lengths=8,16", "model.dilation_rates=1,2"))
+BLOCK_SPARSE = dict(when=lambda r: r.cfg.model.attention == "dilated" and 0 < r.cfg.model.sparsity_ratio < 1,
+                    mode="model.attention=dilated with 0 < model.sparsity_ratio < 1",
+                    example=DILATED["example"] + ("model.sparsity_ratio=0.5", "model.sparsity_block=2"))
 SKETCHED = dict(when=_model("linear", "sketched"), mode="model.linear=sketched", example=("model.linear=sketched",))
 LLAMA = dict(when=_model("family", "llama"), mode="model.family=llama", example=("model.family=llama",))
 FLOAT16 = dict(when=_model("compute_dtype", "float16"), mode="model.compute_dtype=float16",
@@ -164,6 +167,10 @@ CONTRACT: dict[str, Owner] = {
                               "(rotary positions; GPT-2 learns its positions)", example=("model.family=llama",)),
     "model.segment_lengths": Owner(True, BOTH, "step", **DILATED),
     "model.dilation_rates": Owner(True, BOTH, "step", **DILATED),
+    "model.sparsity_ratio": Owner(True, BOTH, "step", when=DILATED["when"], mode=DILATED["mode"],
+                                  example=DILATED["example"] + ("model.sparsity_block=2",)),
+    "model.sparsity_block": Owner(True, BOTH, "step", **BLOCK_SPARSE),
+    "model.sparsity_seed": Owner(True, BOTH, "step", **BLOCK_SPARSE),
     "model.sketch": Owner(True, BOTH, "step", **SKETCHED),
     "model.sketch_ratio": Owner(True, BOTH, "params", **SKETCHED),
     "model.sketch_seed": Owner(True, BOTH, "step", **SKETCHED),

@@ -36,6 +36,7 @@ from jaxpar.context import constrain, current
 from jaxpar.core.config import ModelConfig
 from jaxpar.core.loss_chunks import loss_chunks
 from jaxpar.core.sketches import sketch_dim, stacked_sketches
+from jaxpar.core.block_sparsity import block_sparsity
 from jaxpar.models.dilated import dilated_attention
 from jaxpar.models.head import chunked_cross_entropy, cross_entropy, logits
 from jaxpar.models.layers import LayerNorm, RMSNorm, normal, param
@@ -56,12 +57,13 @@ class Attention(nnx.Module):
             kernel=param(normal(rngs, L + (h, k, d), proj_std), lead + ("heads", "kv", "embed")),
             bias=param(jnp.zeros(L + (d,)), lead + ("embed",)))
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None
+        self.sparsity = block_sparsity(cfg)  # block-sparse dilated attention's pattern, or None
 
     def __call__(self, x, dtype, positions=None, segments=None):
         q, k, v = self.project_qkv(x, dtype, positions)
         # the context's attention: local (cuDNN flash on GPU where it applies), or across `sp` shards
         y = (current().attention(q, k, v, positions, segments) if self.pairs is None
-             else dilated_attention(q, k, v, self.pairs))
+             else dilated_attention(q, k, v, self.pairs, self.sparsity))
         return self.project_out(y, dtype)
 
     # the two projections are also what decoding with a KV cache runs around its own attention (decode.py)

@@ -27,6 +27,7 @@ from flax import nnx
 
 from jaxpar.context import constrain, current
 from jaxpar.core.config import ModelConfig
+from jaxpar.core.block_sparsity import block_sparsity
 from jaxpar.models.dilated import dilated_attention
 from jaxpar.models.layers import normal, param, rope
 from jaxpar.ops import project
@@ -48,12 +49,13 @@ class GQAttention(nnx.Module):
                                          lead + ("heads", "kv", "embed")))
         self.theta, self.n_head = cfg.rope_theta, h
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None
+        self.sparsity = block_sparsity(cfg)  # block-sparse dilated attention's pattern, or None
 
     def __call__(self, x, dtype, positions=None, segments=None):
         q, k, v = self.project_qkv(x, dtype, positions)
         k, v = (constrain(repeat_kv(t, self.n_head), ("batch", "seq", "heads", "kv")) for t in (k, v))
         y = (current().attention(q, k, v, positions, segments) if self.pairs is None
-             else dilated_attention(q, k, v, self.pairs))
+             else dilated_attention(q, k, v, self.pairs, self.sparsity))
         return self.project_out(y, dtype)
 
     # the two projections are also what decoding with a KV cache runs (decode.py): it caches k, v at kv_heads width

@@ -30,7 +30,8 @@ ALTERNATIVE = {
     "train.scan_layers": "off",  # "on" is what auto does on the CPU
     "model.family": "llama", "model.n_head": "2", "model.d_model": "64", "model.n_kv_head": "2", "model.d_ff": "64",
     "model.ffn_multiple_of": "32", "model.max_seq_len": "64", "model.vocab_size": "300", "model.rope_head_dim": "8",
-    "model.segment_lengths": "4,16", "model.dilation_rates": "1,4", "model.attention": "mla", "model.linear": "sketched",
+    "model.segment_lengths": "4,16", "model.dilation_rates": "1,4", "model.sparsity_ratio": "0.5",
+    "model.sparsity_block": "4", "model.attention": "mla", "model.linear": "sketched",
     "model.compute_dtype": "bfloat16", "model.remat": "full", "model.sketch": "sign", "model.sketch_ratio": "0.25",
     "data.seq_len": "8", "data.val_fraction": "0.3", "train.global_batch_size": "16", "train.microbatches": "2",
     "train.profile_steps": "1:2", "train.sample_every": "1", "train.eval_every": "2", "train.log_every": "2",

@@ -20,6 +20,7 @@ from torch import nn
 from jaxpar.core.config import ModelConfig
 from jaxpar.core.data_order import unmasked
 from jaxpar.core.loss_chunks import loss_chunks
+from jaxpar.core.block_sparsity import block_sparsity
 from torchpar.models.dilated import dilated_attention
 from torchpar.models.head import chunked_cross_entropy, cross_entropy, logits
 from torchpar.models.layers import Dense, Kernel, LayerNorm, RMSNorm, SketchedLinear
@@ -36,11 +37,12 @@ class Attention(nn.Module):
         self.qkv = Dense((d, 3, h, k), (3, h, k))
         self.out = Dense((h, k, d), (d,))
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None  # torchpar/models/dilated.py
+        self.sparsity = block_sparsity(cfg)  # block-sparse dilated attention's pattern, or None
 
     def forward(self, x, positions=None, mask=None):
         if self.pairs is not None:
             q, k, v = self.qkv(x, "btd,dchk->btchk").unbind(2)  # each [b, t, h, k]
-            return self.out(dilated_attention(q, k, v, self.pairs), "bthk,hkd->btd")
+            return self.out(dilated_attention(q, k, v, self.pairs, self.sparsity), "bthk,hkd->btd")
         q, k, v = self.project_qkv(x)
         return self.project_out(causal_attention(q, k, v, mask))
 

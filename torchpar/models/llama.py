@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jaxpar.core.config import ModelConfig
+from jaxpar.core.block_sparsity import block_sparsity
 from torchpar.models.dilated import dilated_attention
 from torchpar.models.layers import Kernel, rope
 from torchpar.ops import causal_attention
@@ -25,12 +26,14 @@ class GQAttention(nn.Module):
         self.q, self.kv, self.out = Kernel((d, h, k)), Kernel((d, 2, g, k)), Kernel((h, k, d))
         self.theta, self.n_head = cfg.rope_theta, h
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None
+        self.sparsity = block_sparsity(cfg)  # block-sparse dilated attention's pattern, or None
 
     def forward(self, x, positions=None, mask=None):
         q, k, v = self.project_qkv(x, positions)
         k, v = repeat_kv(k, self.n_head), repeat_kv(v, self.n_head)
         if self.pairs is not None:  # dilated_attention works on [b, t, h, k]
-            y = dilated_attention(*(t.transpose(1, 2) for t in (q, k, v)), self.pairs).transpose(1, 2)
+            y = dilated_attention(*(t.transpose(1, 2) for t in (q, k, v)), self.pairs,
+                                 self.sparsity).transpose(1, 2)
         else:
             y = causal_attention(q, k, v, mask)
         return self.project_out(y)
