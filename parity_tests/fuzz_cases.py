@@ -5,14 +5,17 @@ size, plus config settings over a tiny base config (BASE), drawn hierarchically:
 the mode is on (pipeline keys with pp > 1 or the pipeline backend, sequence keys with sp > 1, ZeRO with
 dp > 1 or fsdp/deepspeed, a variant's keys with that variant), with sizes the mesh divides, so that every
 draw is a run the docs promise -- or, now and then on purpose, one they say is refused. `normalize` is the
-same hierarchy for the shrinker: it drops the keys of a mode a simpler case no longer runs.
+same hierarchy for the shrinker (parity_tests/fuzz_modes.py): it drops the keys of a mode a simpler case no
+longer runs.
 """
 from __future__ import annotations
 
 import random
 import zlib
 from dataclasses import dataclass
-from parity_tests.fuzz_mtp import MODE_KEYS as MTP_MODE_KEYS, with_mtp
+
+from parity_tests.fuzz_modes import MODE_KEYS, normalize  # noqa: F401  the hierarchy, imported from here too
+from parity_tests.fuzz_mtp import with_mtp
 
 STEPS = 3
 # the tiny model of tests/helpers.py, STEPS steps, nothing but the training steps. lr 3e-3 as configs/parity/,
@@ -27,6 +30,7 @@ EXPERT_SHARE = 0.2  # cases with a mixture of experts (jaxpar: with ep in the me
 MUON_SHARE = 0.2  # cases with optim.name=muon
 EIGHT_BIT_SHARE = 0.15  # cases with optim.name=adamw8bit
 ROUTING_SHARE = 0.5  # of the expert cases: DeepSeek-V3's expert groups and routed scale
+SPARSITY_SHARE = 0.5  # of the dilated cases: block-sparse dilated attention
 AUTO_SHARE, PIPELINE_SCHEDULE_KEYS = 0.3, ("parallel.pipeline_schedule", "parallel.pipeline_virtual_stages")  # auto
 
 
@@ -100,7 +104,8 @@ def _pick(rng: random.Random, weighted: dict):
 
 
 def draw_case(rng: random.Random, torch_share: float = TORCH_SHARE) -> Case:
-    return with_auto(with_mtp(with_routing(with_optimizer((draw_jax, draw_torch)[rng.random() < torch_share](rng)))))
+    case = with_auto(with_mtp(with_routing(with_optimizer((draw_jax, draw_torch)[rng.random() < torch_share](rng)))))
+    return with_sparsity(case)
 
 
 def with_auto(case: Case) -> Case:
@@ -125,6 +130,18 @@ def with_routing(case: Case) -> Case:
     if rng.random() < 0.5:
         s["model.moe_routed_scale"] = "2.5"
     return case.with_settings(sorted(_drop_defaults({**dict(case.settings), **s}).items()))
+
+
+def with_sparsity(case: Case) -> Case:
+    """Block-sparse dilated attention in a share of the dilated cases, blocks of a quarter of every pair's row (4
+    tokens at data.seq_len=16, else 8). Drawn from the case's own spec, last: the cases a seed drew stay what they
+    were, but for these keys."""
+    rng = random.Random(zlib.crc32(b"sparsity " + case.spec.encode()))
+    if case.get("model.attention") != "dilated" or rng.random() >= SPARSITY_SHARE:
+        return case
+    s = {"model.sparsity_ratio": rng.choice(["0.25", "0.5"]), "model.sparsity_seed": str(rng.randrange(1000)),
+         "model.sparsity_block": str(int(case.get("data.seq_len", "16")) // 16)}
+    return case.with_settings(sorted({**dict(case.settings), **s}.items()))
 
 
 def with_optimizer(case: Case, share: float = MUON_SHARE) -> Case:
@@ -360,41 +377,3 @@ def _drop_defaults(s: dict) -> dict:
         if str(current).lower() != value.lower():
             out[key] = value
     return out
-
-
-# ------------------------------------------------------------------------------------------- the hierarchy
-
-MODE_KEYS = {  # key prefix -> whether the case's run consumes it (a mode's keys go when the mode goes)
-    "parallel.pipeline_": lambda c: c.mesh()["pp"] > 1 if c.side == "jax" else c.backend == "pipeline",
-    "parallel.sequence_": lambda c: c.side == "jax" and c.mesh()["sp"] > 1 and c.get("model.attention") != "dilated",
-    "parallel.zero_stage": lambda c: c.mesh()["dp"] > 1 if c.side == "jax" else c.backend in ("ddp", "fsdp",
-                                                                                                "deepspeed"),
-    "parallel.offload": lambda c: c.side == "jax" or c.backend not in ("none", "pipeline"),
-    "parallel.grad_compression": lambda c: (c.mesh()["dp"] * c.mesh()["fsdp"] > 1 if c.side == "jax" else
-                                            c.backend in ("ddp", "fsdp", "deepspeed")),
-    "parallel.powersgd_": lambda c: c.get("parallel.grad_compression") == "powersgd",
-    "parallel.mesh": lambda c: c.side == "torch" and (c.backend in ("fsdp", "pipeline") and c.world == 4 or
-                                                      c.backend == "ddp" and c.get("model.moe_experts", "0") != "0"),
-    "model.q_latent_dim": lambda c: c.get("model.attention") == "mla",
-    "model.kv_latent_dim": lambda c: c.get("model.attention") == "mla",
-    "model.rope_head_dim": lambda c: c.get("model.attention") == "mla",
-    "model.segment_lengths": lambda c: c.get("model.attention") == "dilated",
-    "model.dilation_rates": lambda c: c.get("model.attention") == "dilated",
-    "model.sketch": lambda c: c.get("model.linear") == "sketched",
-    "model.n_kv_head": lambda c: c.get("model.family") == "llama",
-    "model.tie_embeddings": lambda c: c.get("model.family") == "llama",
-    "data.buckets": lambda c: c.get("data.batching") == "buckets",
-    "model.moe_": lambda c: c.get("model.moe_experts", "0") != "0",
-    "model.moe_bias_update": lambda c: c.side == "jax" or c.backend in ("none", "ddp"),
-    "model.moe_topk_group": lambda c: c.get("model.moe_n_group", "1") != "1",
-    "train.tokens_per_batch": lambda c: c.get("data.batching") == "buckets",
-    "optim.name": lambda c: c.side == "jax" or c.backend != "deepspeed",
-    "optim.muon_": lambda c: c.get("optim.name") == "muon", **MTP_MODE_KEYS,
-}
-
-
-def normalize(case: Case) -> Case:
-    """Drop the keys of modes the case no longer runs (what the hierarchical draw would not have set)."""
-    keep = [(k, v) for k, v in case.settings
-            if all(consumed(case) for prefix, consumed in MODE_KEYS.items() if k.startswith(prefix))]
-    return case.with_settings(keep)
