@@ -21,7 +21,9 @@ mla.py (blocks.attn.*), dilated.py (MHA's parameters, another attention core), c
 (blocks.mlp.{fc,proj}.factor instead of .kernel); model.moe_experts puts moe.py's experts (blocks.moe.*) in place
 of the MLP, whose per-row statistics ride the layer scan's carry beside the activations; the first
 model.moe_first_dense layers keep the dense MLP in a stack of their own before them (dense_blocks.*, the same
-names as a dense model's blocks.*).
+names as a dense model's blocks.*). model.mtp_depth adds multi-token prediction's modules (MTP, stacked on the depth):
+mtp.norm_{emb,hidden,out}.* [depth, embed], mtp.proj.kernel [depth, 2, embed, embed], mtp.block.* (a dense block's
+names); the forward pass, decoding and sampling leave them out, the training loss (loss) adds their losses.
 """
 from __future__ import annotations
 
