@@ -33,6 +33,8 @@ VARIANTS = {
     "sketched": ("model.linear=sketched", "model.sketch_ratio=0.5"),
     "llama_dilated": ("model.family=llama", "model.n_kv_head=1", "model.d_ff=48", "model.attention=dilated",
                       "model.segment_lengths=4,8,16", "model.dilation_rates=1,2,4"),
+    "dilated_sparse": ("model.attention=dilated", "model.segment_lengths=8,16,32", "model.dilation_rates=1,2,4",
+                       "model.sparsity_ratio=0.5", "model.sparsity_block=2"),  # rows of 8: 4 blocks, 2 kept at most
 }
 ROW = ("data.seq_len=32",)
 
