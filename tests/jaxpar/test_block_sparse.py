@@ -213,3 +213,10 @@ def test_attention_flops_of_the_step_are_a_quarter_of_dense():
 def test_blocks_that_do_not_divide_a_row_are_refused(overrides, message):
     with pytest.raises(UserError, match=message):
         tiny_config(*SPARSE_MODEL, *overrides)
+
+
+def test_sparsity_without_dilated_attention_is_refused():
+    from jaxpar.core.contract import Run, check_contract
+
+    with pytest.raises(UserError, match="model.sparsity_ratio=0.25 .*model.attention=dilated"):
+        check_contract(Run(tiny_config("model.sparsity_ratio=0.25"), "jaxpar"))
