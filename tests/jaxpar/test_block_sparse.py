@@ -12,7 +12,7 @@ import pytest
 import torch
 from flax import nnx
 
-from jaxpar.core.block_sparsity import BlockSparsity, block_sparsity, kept_blocks, kept_count
+from jaxpar.core.block_sparsity import BlockSparsity, block_sparsity, dense_blocks, kept_blocks, kept_count
 from jaxpar.core.errors import UserError
 from jaxpar.core.weights import flatten, read_weights, save_weights, unflatten
 from jaxpar.loss import loss_fn as jax_loss
@@ -105,6 +105,14 @@ def test_torchpar_blocked_and_flex_attention_equal_jaxpar():
         flex = td._flex_core(*rows, kept)
     for a, b in zip(flex, blocked):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5)
+    # the block lists the fused kernel visits (the CPU's unfused form reads the mask_mod alone): the kept blocks,
+    # the diagonal partial (causal), the past ones full
+    mask = td.flex_block_mask(kept, 16, "cpu")
+    np.testing.assert_array_equal(mask.to_dense()[0].numpy() > 0, dense_blocks(kept))
+    full = torch.zeros(4, 8, 8, dtype=torch.bool)
+    for h, i in np.ndindex(4, 8):
+        full[h, i, mask.full_kv_indices[0, h, i, :mask.full_kv_num_blocks[0, h, i]].long()] = True
+    np.testing.assert_array_equal(full.numpy(), dense_blocks(kept) & ~np.eye(8, dtype=bool))
 
 
 def test_decoding_attends_the_same_blocks():
@@ -136,7 +144,8 @@ def test_model_same_loss_and_gradients_in_both_frameworks_from_one_weights_file(
     nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, unflatten(params)))
     batch = np.random.default_rng(0).integers(0, 256, (4, cfg.data.seq_len + 1)).astype(np.int32)
     with jax.default_matmul_precision("highest"):
-        jloss, jgrads = jax.jit(jax.value_and_grad(lambda s: jax_loss(nnx.merge(graphdef, s), jnp.asarray(batch))))(state)
+        loss_of = lambda s: jax_loss(nnx.merge(graphdef, s), jnp.asarray(batch))  # noqa: E731
+        jloss, jgrads = jax.jit(jax.value_and_grad(loss_of))(state)
     jgrads = {k: np.asarray(v) for k, v in flatten(nnx.to_pure_dict(jgrads)).items()}
     model = Decoder(cfg.model)
     model.load_state_dict(from_shared(params, cfg.model.n_layer))

@@ -42,25 +42,33 @@ def _blocked_core(qs, ks, vs, kept):
 
 
 def _flex_core(qs, ks, vs, kept):
-    """The kept blocks on FlexAttention. Its mask_mod is the whole mask (causal, within the kept blocks: what its
-    unfused path applies); the BlockMask lists the same blocks from kept_blocks, the diagonal as partial (masked)
-    and the past ones as full, so that the fused kernel visits only those. torch 2.13 runs its backward on CUDA
-    only (the CPU refuses it; there _blocked_core computes the same sum); fused when compiled (train.compile)."""
-    from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+    """The kept blocks on FlexAttention (flex_block_mask). torch 2.13 runs its backward on CUDA only (the CPU
+    refuses it; there _blocked_core computes the same sum); fused when compiled (train.compile)."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     B, S, n, H, D = qs.shape
-    _, nb, K = kept.shape
-    b, dev = n // nb, qs.device
+    rows = lambda x: x.float().permute(0, 1, 3, 2, 4).reshape(B * S, H, n, D)  # noqa: E731
+    o, aux = flex_attention(rows(qs), rows(ks), rows(vs), block_mask=flex_block_mask(kept, n, qs.device),
+                            return_aux=AuxRequest(lse=True))
+    return o.reshape(B, S, H, n, D).permute(0, 1, 3, 2, 4), aux.lse.reshape(B, S, H, n)
+
+
+def flex_block_mask(kept, n: int, device):
+    """FlexAttention's BlockMask of kept_blocks' pattern on rows of n tokens. Its mask_mod is the whole mask
+    (causal, within the kept blocks: what the unfused path applies); its block lists name the same blocks, the
+    diagonal as partial (masked) and the past ones as full, so that the fused kernel visits only those."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    H, nb, K = kept.shape
+    b = n // nb
     past = np.zeros((1, H, nb, nb), np.int32)
     past[..., :K - 1] = np.maximum(kept[..., 1:], 0)  # kept: the diagonal first, then the past blocks, -1 unused
-    table = torch.from_numpy(dense_blocks(kept)).to(dev)
-    mask = BlockMask.from_kv_blocks(
-        torch.ones(1, H, nb, dtype=torch.int32, device=dev), torch.arange(nb, device=dev).int()[:, None].expand(1, H, nb, nb),
-        torch.from_numpy((kept[..., 1:] >= 0).sum(-1, dtype=np.int32)[None]).to(dev), torch.from_numpy(past).to(dev),
+    table = torch.from_numpy(dense_blocks(kept)).to(device)
+    diagonal = torch.arange(nb, dtype=torch.int32, device=device)[:, None].expand(1, H, nb, nb)
+    n_past = torch.from_numpy((kept[..., 1:] >= 0).sum(-1, dtype=np.int32)[None]).to(device)
+    return BlockMask.from_kv_blocks(
+        torch.ones(1, H, nb, dtype=torch.int32, device=device), diagonal, n_past, torch.from_numpy(past).to(device),
         BLOCK_SIZE=b, mask_mod=lambda _, h, q, k: (q >= k) & table[h, q // b, k // b], seq_lengths=(n, n))
-    rows = lambda x: x.float().permute(0, 1, 3, 2, 4).reshape(B * S, H, n, D)  # noqa: E731
-    o, aux = flex_attention(rows(qs), rows(ks), rows(vs), block_mask=mask, return_aux=AuxRequest(lse=True))
-    return o.reshape(B, S, H, n, D).permute(0, 1, 3, 2, 4), aux.lse.reshape(B, S, H, n)
 
 
 def _segment_attention(q, k, v, w: int, r: int, sparsity=None):
