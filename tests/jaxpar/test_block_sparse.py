@@ -218,7 +218,7 @@ def test_attention_flops_of_the_step_are_a_quarter_of_dense():
 @pytest.mark.parametrize("overrides,message", [
     (("model.sparsity_block=3",), "model.sparsity_block=3"),  # rows of 16 tokens
     (("model.dilation_rates=1,4", "model.sparsity_block=16"), "pair \\(32, 4\\)"),  # 16 and 8 tokens
-])
+], ids=["block-3", "rate-4-block-16"])
 def test_blocks_that_do_not_divide_a_row_are_refused(overrides, message):
     with pytest.raises(UserError, match=message):
         tiny_config(*SPARSE_MODEL, *overrides)
