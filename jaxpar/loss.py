@@ -167,8 +167,7 @@ def hand_scheduled(layout, schedule: str):
         loss, stats, g_rest, g_blocks = pipeline_value_and_grad(
             fns, rest, params["blocks"], consts, inputs, rows.targets, mesh=mesh,
             schedule=schedule, S=S, M=resolve_microbatches(S, p.pipeline_microbatches), V=p.pipeline_virtual_stages,
-            width=m.d_model, dtype=jnp.dtype(m.compute_dtype),
-            weights_apart=m.remat == "none")  # a remat'ed layer recomputes its forward in B: W re-derives
+            width=m.d_model, dtype=jnp.dtype(m.compute_dtype))
         grads = {**g_rest, "blocks": g_blocks}
         # Pin the executor's gradients to the parameters' layout: left free, ZeRO-2's reduce-scatter layout
         # (the train step's) propagates back into the schedule's per-tick branches, where XLA then places a resharding

@@ -193,13 +193,17 @@ class _SplitBackward:
     """How a pipeline stage's projections are traced when its backward is split in two (ZB-H1, ZB-V), so that
     B computes no weight gradient of a projection and W computes nothing else (jaxpar/parallel/pipeline_executor.py):
     - "probe": as usual, each projection's input and output recorded (their shapes);
-    - "tap": the weight a constant (B's pullback computes no gradient for it) and a zero `tap` added to the output,
-      whose cotangent is then the projection's output gradient; the input recorded for W;
+    - "tap": the weight a constant (B's pullback computes no gradient for it) and a pair of zero taps, (y_tap, x_tap)
+      (`_tapped_project`): B's pullback gives y_tap the projection's output gradient dy and x_tap its input x,
+      which B's own pass has (kept by F, or recomputed under model.remat). Nothing is recorded, so the layer may be
+      a jax.checkpoint (model.remat): what W needs leaves B as cotangents, whatever the remat policy kept;
     - "weights": nothing computed (zeros out); records a scalar zero whose gradient w.r.t. the weight is x^T dy
       from the kept input and output gradient: W differentiates the sum of those scalars, so the layers' own
       forward and backward are dead code.
-    scan_layers hands each layer its slice of `side` (taps, or (input, output gradient) pairs, one per projection
-    in the order the layer calls them) and stacks what the layer records into `recorded`."""
+    scan_layers hands each layer its slice of `side` (tap pairs, or (input, output gradient) pairs, one per
+    projection in the order the layer calls them) and stacks what the layer records into `recorded`. remat_layers
+    leaves the layer unrecomputed while probing or in W (`recording`): a record made inside a jax.checkpoint would
+    leak from its trace, and neither runs a backward of the layers."""
 
     def __init__(self, mode: str, side):
         self.mode, self.side, self.layer, self.recorded = mode, side, None, None
@@ -213,13 +217,17 @@ class _SplitBackward:
             y = jnp.tensordot(x, w, n_in)
             records.append((x, y))
         elif self.mode == "tap":
-            y = jnp.tensordot(x, jax.lax.stop_gradient(w), n_in) + side[i]
-            records.append(x)
+            y = _tapped_project(x, jax.lax.stop_gradient(w), *side[i], n_in)
+            records.append(None)  # counts the layer's projections
         else:
             x, dy = side[i]
             y = jnp.zeros(dy.shape, dy.dtype)
             records.append(_weight_only(w, x, dy, n_in))
         return y
+
+    @property
+    def recording(self) -> bool:
+        return self.mode != "tap"
 
     def scan(self, layer: Callable, stacked, x: jax.Array, unroll: bool) -> jax.Array:
         def body(h, xs):
@@ -227,7 +235,7 @@ class _SplitBackward:
             self.layer = (side, [])
             h = layer(h, p)
             records, self.layer = self.layer[1], None
-            return h, records
+            return h, records if self.recording else []
 
         h, self.recorded = jax.lax.scan(body, x, (stacked, self.side), unroll=unroll)
         return h
@@ -265,6 +273,28 @@ def _weight_only_bwd(n_in, saved, scale):
 _weight_only.defvjp(_weight_only_fwd, _weight_only_bwd)
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _tapped_project(x, w, y_tap, x_tap, n_in):
+    """x . w + y_tap (x_tap unused): the cotangents are dx = dy . w^T, none for w (a constant), dy for y_tap and
+    x itself for x_tap -- the pair W's x^T dy needs, out of B's pullback. Where dy is a symbolic zero JAX skips
+    this rule and both taps get zeros: x^T 0 is that weight's gradient anyway."""
+    return jnp.tensordot(x, w, n_in) + y_tap
+
+
+def _tapped_project_fwd(x, w, y_tap, x_tap, n_in):
+    return jnp.tensordot(x, w, n_in) + y_tap, (x, w)
+
+
+def _tapped_project_bwd(n_in, saved, dy):
+    x, w = saved
+    lead = x.ndim - n_in
+    dx = jnp.tensordot(dy, w, (tuple(range(lead, dy.ndim)), tuple(range(n_in, w.ndim))))
+    return dx.astype(x.dtype), jnp.zeros_like(w), dy, x
+
+
+_tapped_project.defvjp(_tapped_project_fwd, _tapped_project_bwd)
+
+
 def scan_layers(layer: Callable, stacked, x: jax.Array, rows: tuple = (), unroll: bool = False) -> jax.Array:
     """`layer(h, per_layer_slice, *rows) -> h` applied over the leading axis of `stacked`, in order; `rows`: per-row
     arrays every layer reads (packed documents' positions and segment ids), loop constants outside the carry;
@@ -294,7 +324,12 @@ def remat_layers(run_layers: Callable, remat: str) -> Callable:
     if remat == "none":
         return run_layers
     policy = REMAT_POLICIES[remat]
-    return lambda layer, stacked, x, rows=(): run_layers(jax.checkpoint(layer, policy=policy), stacked, x, rows)
+
+    def recomputed(layer, stacked, x, rows=()):
+        if _split is not None and _split.recording:  # no backward of the layers runs (_SplitBackward)
+            return run_layers(layer, stacked, x, rows)
+        return run_layers(jax.checkpoint(layer, policy=policy), stacked, x, rows)
+    return recomputed
 
 
 def split_microbatches(x: jax.Array, M: int) -> jax.Array:

@@ -17,10 +17,13 @@ loss on the last.
   keeps the cotangent of its layers' output beside the residuals; the first stage recomputes the
   embedding lookup (a gather) for its gradient.
 - ZB-H1 and ZB-V split the backward: B applies the residuals for the stage input's gradient (and every gradient
-  but the projections' weights'), W later computes the projections' weight gradients x^T dy from their inputs
-  (kept by F) and output gradients (kept by B), traced through ops.split_backward. With model.remat B recomputes
-  the layer, so W applies the kept residuals a second time for the weights' gradients only (XLA drops the unused
-  half of each), which re-derives the activation gradients: residuals and cotangents are kept until W.
+  but the projections' weights'), W later computes the projections' weight gradients x^T dy and nothing else,
+  traced through ops.split_backward. B's pullback hands out each projection's input x and output gradient dy (as
+  the cotangents of zero taps), so W recomputes nothing under any model.remat: B recomputes what the policy did not
+  keep, as 1F1B's backward does. From B to W a stage keeps every projection's x and dy of the microbatch-chunk
+  (in residual buffers B has done with where shapes match, else in "tap" buffers): with remat that is more than
+  the layer inputs the residuals were (GPT: 16 activations' worth per layer against 1), the memory ZB pays for W
+  without a recomputed forward; the cotangent that arrived is dropped at B.
 - After every tick each device sends its forward output to device d+1 and its input cotangent to
   d-1 (`ppermute`, circular so interleaved chunks wrap from the last device to the first); the
   tables say which slot, if any, keeps what arrives. ZB-V's second chunk runs back up the devices, so
@@ -59,7 +62,7 @@ SOURCES = ("left", "right", "self")
 # one row per (tick, device): the branch, its chunk and microbatch, the slots it reads its stage input,
 # cotangent and residuals from, the residual slot its forward fills, and the slots where this tick's
 # arrivals from each source are kept
-COLUMNS = ("code", "chunk", "microbatch", "in_slot", "cot_slot", "res_slot", "res_write", "x_write", "dy_write",
+COLUMNS = ("code", "chunk", "microbatch", "in_slot", "cot_slot", "res_slot", "res_write", "tap_slot", "tap_write",
            *(f"recv_{kind}_{src}" for kind in ("act", "cot") for src in SOURCES))
 COL = {name: i for i, name in enumerate(COLUMNS)}
 
@@ -83,6 +86,7 @@ class TickPlan:
     act_slots: int  # received stage-input buffers per device, + 1 spare
     cot_slots: int  # received-cotangent buffers per device, + 1 spare
     res_slots: int  # residual buffers per device (microbatch-chunks between F and the end of their backward), + 1
+    tap_slots: int = 1  # ZB: "tap" buffers per device (microbatch-chunks between B and W), + 1
 
 
 def _allocate(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
@@ -102,34 +106,37 @@ def _source(S: int, sender: int, receiver: int) -> str:
     return "self" if sender == receiver else "left" if sender == (receiver - 1) % S else "right"
 
 
-def tick_plan(schedule: str, S: int, M: int, V: int, weights_apart: bool = False) -> TickPlan:
-    """The tables of a schedule; `weights_apart`: B keeps the projections' output gradients for W (written at
-    the B tick into the microbatch's slot of the residual and "dy" buffers; F writes the projections' inputs into
-    "x"), so the cotangent that came in is dropped at B."""
+def tick_plan(schedule: str, S: int, M: int, V: int) -> TickPlan:
+    """The tables of a schedule. With a split backward (ZB) B keeps the projections' inputs and output gradients
+    for W (written at the B tick into the microbatch's slot of the residual buffers and a slot of the "tap" buffers,
+    which hold microbatch-chunks from B to W only), so the cotangent that came in is dropped at B."""
     table, last = simulate(schedule, S, M, V), S * chunks(schedule, V) - 1
+    split = schedule in SPLIT_BACKWARD
     dev = lambda v: placement(schedule, S, v)[0]  # noqa: E731
     when = {}  # (kind, microbatch, virtual stage) -> tick
     for t, row in enumerate(table):
         for d, op in enumerate(row):
             if op is not None:
                 when[(op.kind, op.microbatch, virtual_stage(schedule, S, d, op.chunk))] = t
-    # what each device must keep until the backward is over (ZB-H1: until W): an arrived stage input until
-    # its forward has run, an arrived cotangent, and the residuals of each forward
+    # what each device must keep until the backward is over: an arrived stage input until its forward has run,
+    # an arrived cotangent until its B, and the residuals of each forward (ZB: what B keeps for W) until W
     end = lambda m, v: when.get(("W", m, v), when[("B", m, v)])  # noqa: E731
-    cot_end = (lambda m, v: when[("B", m, v)]) if weights_apart else end  # noqa: E731
-    acts, cots, res = ([[] for _ in range(S)] for _ in range(3))
+    acts, cots, res, taps = ([[] for _ in range(S)] for _ in range(4))
     for m in range(M):
         for v in range(last + 1):
             res[dev(v)].append((when[("F", m, v)], end(m, v), (m, v)))
+            if split:
+                taps[dev(v)].append((when[("B", m, v)], end(m, v), (m, v)))
             if v:
                 acts[dev(v)].append((when[("F", m, v - 1)] + 1, when[("F", m, v)], (m, v)))
             if v < last:
-                cots[dev(v)].append((when[("B", m, v + 1)] + 1, cot_end(m, v), (m, v)))
-    act_slot, cot_slot, res_slot = ([_allocate(x) for x in kept] for kept in (acts, cots, res))
-    n_act, n_cot, n_res = (max(n for _, n in slots) + 1 for slots in (act_slot, cot_slot, res_slot))  # + scratch
+                cots[dev(v)].append((when[("B", m, v + 1)] + 1, when[("B", m, v)], (m, v)))
+    act_slot, cot_slot, res_slot, tap_slot = ([_allocate(x) for x in kept] for kept in (acts, cots, res, taps))
+    n_act, n_cot, n_res, n_tap = (max(n for _, n in slots) + 1  # + scratch
+                                  for slots in (act_slot, cot_slot, res_slot, tap_slot))
     out = np.zeros((len(table), S, len(COLUMNS)), np.int32)
     for name, scratch in (("in_slot", n_act), ("cot_slot", n_cot), ("res_slot", n_res), ("res_write", n_res),
-                          ("x_write", n_res), ("dy_write", n_res),
+                          ("tap_slot", n_tap), ("tap_write", n_tap),
                           *((f"recv_{kind}_{src}", n) for kind, n in (("act", n_act), ("cot", n_cot))
                             for src in SOURCES)):
         out[..., COL[name]] = scratch - 1
@@ -139,33 +146,32 @@ def tick_plan(schedule: str, S: int, M: int, V: int, weights_apart: bool = False
         out[t, d, [COL["code"], COL["chunk"], COL["microbatch"]]] = code, chunk, m
         slot = res_slot[d][0][(m, v)]
         out[t, d, COL["res_write" if kind == "F" else "res_slot"]] = slot
-        if kind == "F":
-            out[t, d, COL["x_write"]] = slot
-        elif kind == "B" and weights_apart:  # B's output gradients go into residual and "dy" buffers
-            out[t, d, [COL["res_write"], COL["dy_write"]]] = slot
+        if kind == "B" and split:  # B's taps go into residual and "tap" buffers
+            out[t, d, [COL["res_write"], COL["tap_write"]]] = slot, tap_slot[d][0][(m, v)]
+        elif kind == "W":
+            out[t, d, COL["tap_slot"]] = tap_slot[d][0][(m, v)]
         if kind == "F" and not first:
             out[t, d, COL["in_slot"]] = act_slot[d][0][(m, v)]
             recv = f"recv_act_{_source(S, dev(v - 1), d)}"
             out[when[("F", m, v - 1)] + 1, d, COL[recv]] = act_slot[d][0][(m, v)]
-        if kind != "F" and not final and (kind == "B" or not weights_apart):
+        if kind == "B" and not final:
             out[t, d, COL["cot_slot"]] = cot_slot[d][0][(m, v)]
-            if kind == "B":
-                recv = f"recv_cot_{_source(S, dev(v + 1), d)}"
-                out[when[("B", m, v + 1)] + 1, d, COL[recv]] = cot_slot[d][0][(m, v)]
-    return TickPlan(out, n_act, n_cot, n_res)
+            recv = f"recv_cot_{_source(S, dev(v + 1), d)}"
+            out[when[("B", m, v + 1)] + 1, d, COL[recv]] = cot_slot[d][0][(m, v)]
+    return TickPlan(out, n_act, n_cot, n_res, n_tap)
 
 
-def _place_output_gradients(residuals: list, dys: list) -> list[tuple[str, int]]:
-    """Where B keeps each projection's output gradient: ("res", j), residual buffer j, which has its shape and
-    dtype and which B has done with; ("dy", k), a buffer of its own, where no residual matches."""
+def _place_taps(residuals: list, taps: list) -> list[tuple[str, int]]:
+    """Where B keeps each tap (a projection's output gradient or input) for W: ("res", j), residual buffer j, which
+    has its shape and dtype and which B has done with; ("tap", k), a buffer of its own, where no residual matches."""
     free, places = [(tuple(r.shape), r.dtype) for r in residuals], []
-    for dy in dys:
-        if (tuple(dy.shape), dy.dtype) in free:
-            j = free.index((tuple(dy.shape), dy.dtype))
+    for tap in taps:
+        if (tuple(tap.shape), tap.dtype) in free:
+            j = free.index((tuple(tap.shape), tap.dtype))
             free[j] = None
             places.append(("res", j))
         else:
-            places.append(("dy", sum(pool == "dy" for pool, _ in places)))
+            places.append(("tap", sum(pool == "tap" for pool, _ in places)))
     return places
 
 
@@ -174,38 +180,37 @@ class _Stage:
     code runs. A branch takes (acts, cots, stash, own, grads, op) and returns (activation to send, cotangent to
     send, what to keep in each pool of the stash, the loss's own cotangent to keep, grads). The stash's pools,
     each a list of buffers with a slot per microbatch-chunk in flight: "res", the forward's residuals for the
-    backward; with `weights_apart` (ZB's W as the projections' weight gradients alone) also "x", each
-    projection's input, kept for W. B writes each projection's output gradient for W into a residual buffer of
-    its shape (B's residuals are dead then) or, where there is none, into a buffer of "dy"."""
+    backward; with `split` (ZB: W as the projections' weight gradients alone) also "tap": B writes each
+    projection's output gradient and input for W into a residual buffer of its shape (B's residuals are dead
+    then) or, where there is none, into a buffer of "tap"."""
 
-    def __init__(self, fns: StageFns, rest, blocks, consts, inputs, targets, M: int, act_shape, dtype, split: bool,
-                 weights_apart: bool):
+    def __init__(self, fns: StageFns, rest, blocks, consts, inputs, targets, M: int, act_shape, dtype, split: bool):
         self.fns, self.rest, self.blocks, self.consts = fns, rest, blocks, consts
         self.inputs, self.targets, self.M, self.dtype, self.split = inputs, targets, M, dtype, split
-        self.weights_apart = weights_apart
         self.zeros = jnp.zeros(act_shape, dtype)
         n = 0 if fns.stats_cotangent is None else fns.stats_cotangent.shape[0]
         # every microbatch's statistics get the same cotangent: the loss is linear in them
         self.d_stats = (jnp.zeros((act_shape[0], 0), jnp.float32) if not n else
                         jnp.broadcast_to(jnp.asarray(fns.stats_cotangent, jnp.float32), (act_shape[0], n)))
-        self.taps = []  # the projections' outputs, stacked over the chunk's layers (weights_apart)
-        if weights_apart:
+        self.projections = []  # (input, output) of each projection, stacked over the chunk's layers (split)
+        if split:
             def probe(x):
                 with split_backward("probe") as traced:
                     self.layers(self.at(self.blocks, 0), self.at(self.consts, 0), x, self.rows(0))
                 return traced.recorded
-            self.taps = [y for _, y in jax.eval_shape(probe, self.zeros)]
+            self.projections = jax.eval_shape(probe, self.zeros)
         # residuals have one structure for every chunk, stage and microbatch: their buffers, and how to rebuild a
         # pullback from a slot of them
         found = {}
 
         def probe(x):
-            _, _, leaves, found["treedef"], inputs = self.layers_vjp(0, 0, x)
-            return {"res": leaves, "x": inputs, "dy": [jnp.zeros(t.shape, t.dtype) for t in self.taps]}
+            _, _, leaves, found["treedef"] = self.layers_vjp(0, 0, x)
+            return leaves
 
-        shapes = jax.eval_shape(probe, self.zeros)
-        self.treedef, self.dy_at = found["treedef"], _place_output_gradients(shapes["res"], shapes["dy"])
-        self.shapes = {**shapes, "dy": [dy for dy, (pool, _) in zip(shapes["dy"], self.dy_at) if pool == "dy"]}
+        residuals = jax.eval_shape(probe, self.zeros)
+        taps = [t for x, y in self.projections for t in (y, x)]  # B's order: (dy, x) of each projection
+        self.treedef, self.tap_at = found["treedef"], _place_taps(residuals, taps)
+        self.shapes = {"res": residuals, "tap": [t for t, (pool, _) in zip(taps, self.tap_at) if pool == "tap"]}
 
     @staticmethod
     def at(tree, i):
@@ -221,23 +226,25 @@ class _Stage:
         return out if self.fns.stats_cotangent is not None else (out, jnp.zeros((x.shape[0], 0), jnp.float32))
 
     def layers_vjp(self, c, m, x):
-        """Chunk c's layers on x (of microbatch m): output, statistics, their pullback as a flat list of residuals,
-        and (weights_apart) each projection's input; the pullback then gives no projection weight a gradient, and
-        each tap its output's."""
+        """Chunk c's layers on x (of microbatch m): output, statistics, and their pullback as a flat list of
+        residuals; with `split` the pullback gives no projection weight a gradient, and the taps each projection's
+        (output gradient, input)."""
         chunk, consts, rows = self.at(self.blocks, c), self.at(self.consts, c), self.rows(m)
-        if not self.weights_apart:
+        if not self.split:
             (h, stats), pullback = jax.vjp(lambda b, x: self.layers(b, consts, x, rows), chunk, x)
-            return h, stats, jax.tree.leaves(pullback), jax.tree.structure(pullback), []
+            return h, stats, jax.tree.leaves(pullback), jax.tree.structure(pullback)
 
         def tapped(b, x, taps):
-            with split_backward("tap", taps) as traced:
-                return self.layers(b, consts, x, rows), traced.recorded
-        taps = [jnp.zeros(t.shape, t.dtype) for t in self.taps]
-        (h, stats), pullback, inputs = jax.vjp(tapped, chunk, x, taps, has_aux=True)
-        return h, stats, jax.tree.leaves(pullback), jax.tree.structure(pullback), inputs
+            with split_backward("tap", taps):
+                return self.layers(b, consts, x, rows)
+        taps = [(jnp.zeros(y.shape, y.dtype), jnp.zeros(x.shape, x.dtype)) for x, y in self.projections]
+        (h, stats), pullback = jax.vjp(tapped, chunk, x, taps)
+        return h, stats, jax.tree.leaves(pullback), jax.tree.structure(pullback)
 
-    def new_stash(self, slots: int) -> dict:
-        return jax.tree.map(lambda s: jnp.zeros((slots,) + s.shape, s.dtype), self.shapes)
+    def new_stash(self, plan: TickPlan) -> dict:
+        slots = {"res": plan.res_slots, "tap": plan.tap_slots}
+        return {pool: [jnp.zeros((slots[pool],) + s.shape, s.dtype) for s in shapes]
+                for pool, shapes in self.shapes.items()}
 
     def zero_sums(self) -> tuple:
         """The loss's and the statistics' running sums before the first forward."""
@@ -253,7 +260,7 @@ class _Stage:
         def run(acts, cots, stash, own, grads, op):
             c, m = op["chunk"], op["microbatch"]
             x = self.fns.embed(self.rest, self.at(self.blocks, c), self.rows(m)) if first else acts[op["in_slot"]]
-            h, stats, residuals, _, inputs = self.layers_vjp(c, m, x)
+            h, stats, residuals, _ = self.layers_vjp(c, m, x)
             g_rest, g_blocks, loss_sum, stats_sum = grads
             stats_sum = stats_sum + jnp.sum(stats, axis=0)
             d_h = self.zeros
@@ -262,13 +269,13 @@ class _Stage:
                     lambda r, h: self.fns.head_loss(r, self.at(self.blocks, c), h, self.targets[m]), self.rest, h)
                 d_rest, d_h = head_pullback(jnp.asarray(1.0 / self.M, loss.dtype))
                 g_rest, loss_sum = jax.tree.map(jnp.add, g_rest, d_rest), loss_sum + loss
-            kept = {**self.nothing_kept(), "res": residuals, "x": inputs}
+            kept = {**self.nothing_kept(), "res": residuals}
             return (h.astype(self.dtype), self.zeros, kept, d_h.astype(self.dtype),
                     (g_rest, g_blocks, loss_sum, stats_sum))
         return run
 
     def pullback(self, cots, stash, own, op, last: bool):
-        """The cotangents of the chunk's weights and of its input (weights_apart: and of its taps) from the kept
+        """The cotangents of the chunk's weights and of its input (split: and of its taps) from the kept
         residuals."""
         pullback = jax.tree.unflatten(self.treedef, [buf[op["res_slot"]] for buf in stash["res"]])
         d_h = own[op["res_slot"]] if last else cots[op["cot_slot"]]
@@ -285,44 +292,38 @@ class _Stage:
         return g_rest, g_blocks, *sums
 
     def backward(self, first: bool, last: bool):
-        """The whole backward (1F1B, interleaved), or ZB's B: the input gradient (none on the first stage, whose
-        input is the tokens); with weights_apart also every gradient but the projections' weights', and the
-        projections' output gradients kept for W."""
+        """The whole backward (1F1B, interleaved), or ZB's B: the input gradient and every gradient but the
+        projections' weights', the projections' output gradients and inputs kept for W."""
         def run(acts, cots, stash, own, grads, op):
-            if self.split and first and not self.weights_apart:
-                return self.idle(acts, cots, stash, own, grads, op)
             d_chunk, d_x, *d_taps = self.pullback(cots, stash, own, op, last)
-            if not self.split or self.weights_apart:
-                grads = self.add_weights(grads, op, first, d_chunk, d_x)
+            grads = self.add_weights(grads, op, first, d_chunk, d_x)
             kept = self.nothing_kept()
-            for dy, (pool, i) in zip(d_taps[0] if d_taps else [], self.dy_at):
-                kept[pool][i] = dy
+            for tap, (pool, i) in zip([t for pair in d_taps[0] for t in pair] if d_taps else [], self.tap_at):
+                kept[pool][i] = tap
             return self.zeros, d_x.astype(self.dtype), kept, self.zeros, grads
         return run
 
     def weights(self, first: bool, last: bool):
-        """ZB's W: the weight gradients; with weights_apart the projections' alone, x^T dy from what F and B kept
-        (ops.split_backward: the layers traced again, everything but those products dead)."""
+        """ZB's W: the projections' weight gradients alone, x^T dy from what B kept (ops.split_backward: the layers
+        traced again, everything but those products dead)."""
         def run(acts, cots, stash, own, grads, op):
-            if not self.weights_apart:
-                d_chunk, d_x = self.pullback(cots, stash, own, op, last)
-                grads = self.add_weights(grads, op, first, d_chunk, d_x)
-            else:
-                inputs = [buf[op["res_slot"]] for buf in stash["x"]]
-                d_taps = [stash[pool][i][op["res_slot"]] for pool, i in self.dy_at]
-                c = op["chunk"]
+            kept = [stash[pool][i][op[f"{pool}_slot"]] for pool, i in self.tap_at]
+            pairs = [(x, dy) for dy, x in zip(kept[::2], kept[1::2])]
+            c = op["chunk"]
 
-                def surrogate(b):
-                    with split_backward("weights", list(zip(inputs, d_taps))) as traced:
-                        self.layers(b, self.at(self.consts, c), self.zeros, self.rows(op["microbatch"]))
-                    return sum(jnp.sum(r) for r in traced.recorded)
-                grads = self.add_weights(grads, op, False, jax.grad(surrogate)(self.at(self.blocks, c)), None)
+            def surrogate(b):
+                with split_backward("weights", pairs) as traced:
+                    self.layers(b, self.at(self.consts, c), self.zeros, self.rows(op["microbatch"]))
+                return sum(jnp.sum(r) for r in traced.recorded)
+            grads = self.add_weights(grads, op, False, jax.grad(surrogate)(self.at(self.blocks, c)), None)
             return self.zeros, self.zeros, self.nothing_kept(), self.zeros, grads
         return run
 
     def branches(self) -> list:
-        """Indexed by the tick code (CODES): idle, then F, B, W each as (middle, first, last) stage."""
-        return [self.idle, *(make(first, last) for make in (self.forward, self.backward, self.weights)
+        """Indexed by the tick code (CODES): idle, then F, B, W each as (middle, first, last) stage (W idle where
+        the schedule has none)."""
+        weights = self.weights if self.split else lambda first, last: self.idle
+        return [self.idle, *(make(first, last) for make in (self.forward, self.backward, weights)
                              for first, last in ((False, False), (True, False), (False, True)))]
 
 
@@ -335,15 +336,13 @@ def _exchange(used: tuple, S: int, send_act, send_cot) -> dict:
 
 
 def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets, *, mesh, schedule: str,
-                            S: int, M: int, V: int, width: int, dtype, weights_apart: bool = False):
+                            S: int, M: int, V: int, width: int, dtype):
     """(mean loss, the layers' statistics summed over rows and microbatches ([0] without fns.stats_cotangent), grads
     of `rest`, grads of `blocks`) of a model pipelined over `pp`: S stages, M microbatches, V chunks per stage.
     blocks (trained) and consts (not) carry a leading layers axis; inputs/targets are [rows, seq] token ids in the
     order the model reads them (inputs may be a tuple of such per-row arrays: the stage functions read each
-    microbatch's slice). weights_apart (ZB-H1, ZB-V; the layers' residuals kept whole, i.e. no remat): W computes
-    the projections' weight gradients alone."""
-    weights_apart = weights_apart and schedule in SPLIT_BACKWARD
-    plan, C = tick_plan(schedule, S, M, V, weights_apart), chunks(schedule, V)
+    microbatch's slice)."""
+    plan, C = tick_plan(schedule, S, M, V), chunks(schedule, V)
     inputs, targets = jax.tree.map(lambda a: split_microbatches(a, M), inputs), split_microbatches(targets, M)
     L = jax.tree.leaves(blocks)[0].shape[0]
     # [chunk, stage, layer]: the layers of virtual stage virtual_stage(c, d) at [c, d]
@@ -359,7 +358,7 @@ def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets
     def body(rest, blocks, consts, inputs, targets, tables):
         blocks, consts = (jax.tree.map(lambda w: w[:, 0], t) for t in (blocks, consts))  # this device's chunks
         stage = _Stage(fns, rest, blocks, consts, inputs, targets, M, act_shape, dtype,
-                       split=schedule in SPLIT_BACKWARD, weights_apart=weights_apart)
+                       split=schedule in SPLIT_BACKWARD)
         device, branches = jax.lax.axis_index(AXIS), stage.branches()
 
         def tick(carry, rows):
@@ -380,7 +379,7 @@ def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets
 
         grads = (*jax.tree.map(jnp.zeros_like, (rest, blocks)), *stage.zero_sums())
         carry = (jnp.zeros((plan.act_slots,) + act_shape, dtype), jnp.zeros((plan.cot_slots,) + act_shape, dtype),
-                 stage.new_stash(plan.res_slots), jnp.zeros((plan.res_slots,) + act_shape, dtype), grads,
+                 stage.new_stash(plan), jnp.zeros((plan.res_slots,) + act_shape, dtype), grads,
                  {name: stage.zeros for name in used})
         (_, _, _, _, (g_rest, g_blocks, loss_sum, stats), _), _ = jax.lax.scan(tick, carry, tables)
         g_rest, loss_sum, stats = jax.lax.psum((g_rest, loss_sum, stats), AXIS)

@@ -8,8 +8,8 @@ at most ~S in flight (1F1B) stays flat. Rows:
   gpipe                GPipe on GSPMD, gradients by jax.grad through the ticks (gpipe.py)
   gpipe (executor)     the GPipe order on the hand-scheduled executor (pipeline_executor.py)
   1f1b                 1F1B on the executor
-  zb_h1                ZB-H1 on the executor (W: the projections' weight gradients from the inputs F kept and
-                       the output gradients B kept)
+  zb_h1                ZB-H1 on the executor (W: the projections' weight gradients from the inputs and output
+                       gradients B kept, under every model.remat)
   zb_v                 ZB-V on the executor (two chunks of half a stage per device, in a V; W as ZB-H1's)
 Memory: XLA's `temp_size_in_bytes` per device. FLOPs: matmul FLOPs of one step summed over the devices
 (jaxpr_flops.py; the executor's ticks counted from its table), as a ratio to one device's program of the

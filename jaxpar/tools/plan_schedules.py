@@ -6,7 +6,7 @@ from jaxpar.core.errors import UserError
 
 def compare(cfg, sizes: dict[str, int], plan, devices=None, budget: int | None = None) -> list[dict]:
     """Each pipeline schedule on this config and mesh: bubble, peak and temp bytes per device, matmul FLOPs as a
-    ratio to one device's program of the same batch (jaxpr_flops: a recomputing W shows above 1.0), the modeled
+    ratio to one device's program of the same batch (jaxpr_flops: recomputed work shows above 1.0), the modeled
     step time (FLOPs / (1 - bubble)) and whether parallel.pipeline_schedule=auto picks it (among those within
     `budget` bytes per device), or the one line that refuses it. plan(cfg, sizes, devices): the planner's dict.
     Interleaved takes the config's virtual stages, 2 where it has 1. The FLOPs ratio is auto's own figure."""
@@ -51,6 +51,8 @@ def print_schedules(rows: list[dict]) -> None:
         print(f"{r['schedule']:<12} {r['bubble']:>7.3f} {r['peak_bytes'] / 2**20:>10.2f} MiB "
               f"{r['temp_bytes'] / 2**20:>10.2f} MiB {r['flops_ratio']:>12.2f}x {r['modeled_time']:>13.2f}{mark}")
     print("bubble: the schedule table's idle share (python -m jaxpar.tools.pipeline_table); matmul FLOPs: the step's "
-          "against one device's (above 1.0: work the schedule adds: GSPMD GPipe's bubble ticks, a ZB W under remat); "
+          "against one device's (above 1.0: work the schedule adds: GSPMD GPipe's bubble ticks); ZB's peak and temp "
+          "include W's stash, each projection's input and output gradient from B to W (with remat, more than the "
+          "layer inputs remat keeps); "
           "modeled time: FLOPs / (1 - bubble), 1.00 = one device's work on every stage without an idle tick; auto: "
           "parallel.pipeline_schedule=auto's choice, the least modeled time that fits in --memory-per-device")
