@@ -68,9 +68,6 @@ def check_compression(cfg: Config, sizes) -> None:
     if method != "none" and sizes["sp"] > 1:
         raise UserError(f"parallel.grad_compression={method} runs on dp, fsdp, tp and pp meshes in jaxpar (sp "
                         "with it is not built yet)")
-    if method != "none" and cfg.model.mtp_depth:
-        raise UserError(f"parallel.grad_compression={method} with model.mtp_depth is not built yet in jaxpar (its "
-                        "reduction carries the loss alone, not the prediction depths' losses)")
     if method == "powersgd" and cfg.model.compute_dtype == "float16":
         raise UserError("parallel.grad_compression=powersgd with model.compute_dtype=float16: an overflowing step's "
                         "inf would stay in PowerSGD's error feedback and poison every later step; use bfloat16")

@@ -98,33 +98,42 @@ def reduce_gradients(layout: Layout, value_and_grad: Callable) -> Callable:
     over the data axes as parallel.grad_compression says: by GSPMD wherever the shardings place it (none),
     in bfloat16 in a shard_map over the data axes (bf16), or by PowerSGD (powersgd, its state in the train state)."""
     cfg, accum = layout.cfg, layout.cfg.train.microbatches
+    zero = jnp.zeros((), jnp.float32)  # the loss's shape; with its aux (loss, the experts' statistics or a dict)
+    zero = (zero, aux_zeros(cfg.model)) if has_aux(cfg.model) else zero
     if powersgd.enabled(layout):
-        psgd = powersgd.powersgd_loss_and_grads(layout, value_and_grad, accum)
+        psgd = powersgd.powersgd_loss_and_grads(layout, value_and_grad, accum, zero)
 
         def powersgd_reduced(params, batch, state, scale, share):  # the mean already; float16's scale unused
             loss, grads, new = psgd(params, batch, state["powersgd"], state["step"], share)
-            return loss, grads, {"powersgd": new}
+            loss, extras = split_aux(cfg.model, loss)
+            return loss, grads, {**extras, "powersgd": new}
 
         return powersgd_reduced
     if cfg.parallel.grad_compression == "bf16" and data_axes(layout.mesh):
-        compressed = compressed_loss_and_grads(layout, value_and_grad, accum)
+        compressed = compressed_loss_and_grads(layout, value_and_grad, accum, zero)
         summed = lambda params, batch, scale, share: compressed(  # noqa: E731
             params, batch, jnp.asarray(scale, jnp.float32) * share)
     else:
-        zero = jnp.zeros((), jnp.float32)  # the loss's shape; with experts (loss, their summed statistics)
-        zero = (zero, aux_zeros(cfg.model)) if has_aux(cfg.model) else zero
         pin = lambda mb: jax.lax.with_sharding_constraint(mb, layout.batch_sharding)  # noqa: E731
         summed = lambda params, batch, scale, share: sum_over_microbatches(  # noqa: E731
             value_and_grad, params, batch, scale * share, accum, pin, zero)
 
     def reduced(params, batch, state, scale, share):
         loss, grads = summed(params, batch, scale, share)
-        extras = {}
-        if has_aux(cfg.model):  # the experts' statistics, or with multi-token prediction a dict (loss.loss_fn)
-            loss, aux = loss
-            extras = dict(aux) if isinstance(aux, dict) else {"expert_stats": aux}
-            if "mtp_losses" in extras:  # scaled as the loss (model_loss)
-                extras["mtp_losses"] = extras["mtp_losses"] / (accum * scale)
+        loss, extras = split_aux(cfg.model, loss, accum * scale)
         return loss / (accum * scale), jax.tree.map(lambda g: g / (accum * scale), grads), extras
 
     return reduced
+
+
+def split_aux(m, loss, divisor=1.0):
+    """(loss, extras) of a loss that may come with its aux (loss.loss_fn): the experts' statistics ("expert_stats",
+    summed), or with multi-token prediction a dict whose "mtp_losses" are scaled as the loss and divided by
+    `divisor` as it will be."""
+    if not has_aux(m):
+        return loss, {}
+    loss, aux = loss
+    extras = dict(aux) if isinstance(aux, dict) else {"expert_stats": aux}
+    if "mtp_losses" in extras:
+        extras["mtp_losses"] = extras["mtp_losses"] / divisor
+    return loss, extras

@@ -56,15 +56,16 @@ def off_data(spec: P, axes: tuple[str, ...]) -> P:
     return _spec_keeping(spec, lambda a: a not in axes)
 
 
-def per_rank(layout, value_and_grad, accum: int):
+def per_rank(layout, value_and_grad, accum: int, value=None):
     """(this data rank's (params, batch, scale) -> (loss, gradients) summed over its microbatches, the batch's
-    spec over the data axes), for a shard_map manual over them: inside, the rules table leaves them out."""
+    spec over the data axes), for a shard_map manual over them: inside, the rules table leaves them out. `value`:
+    zeros shaped as the loss where it comes with more than the scalar (ops.sum_over_microbatches)."""
     axes = data_axes(layout.mesh)
     inner_rules = {k: tuple(a for a in v if a not in axes) for k, v in layout.rules.items()}
 
     def loss_and_grads(params, batch, scale):
         with use(dataclasses.replace(current(), rules=inner_rules)):
-            return sum_over_microbatches(value_and_grad, params, batch, scale, accum)
+            return sum_over_microbatches(value_and_grad, params, batch, scale, accum, value=value)
 
     return loss_and_grads, over_data(layout.batch_sharding.spec, axes)
 
@@ -85,12 +86,13 @@ def reduce_gradient(g: jax.Array, spec: P, axes: tuple[str, ...], wire) -> jax.A
     return (jax.lax.psum(x, rest) if rest else x).astype(g.dtype)
 
 
-def compressed_loss_and_grads(layout, value_and_grad, accum: int):
+def compressed_loss_and_grads(layout, value_and_grad, accum: int, value=None):
     """(params, batch, scale) -> (loss summed over the microbatches, gradients summed over them and reduced
-    over the data axes in `wire`), both as the plain step's scan over microbatches makes them."""
+    over the data axes in `wire`), both as the plain step's scan over microbatches makes them; `value`: per_rank's
+    (the loss with its aux, e.g. multi-token prediction's depth losses, averaged over the data ranks alike)."""
     mesh, axes, wire, n = layout.mesh, data_axes(layout.mesh), WIRE, data_size(layout.mesh)
     grad_specs = jax.tree.map(lambda s: over_data(s, axes), layout.grad_specs, is_leaf=lambda s: isinstance(s, P))
-    rank_loss_and_grads, batch_spec = per_rank(layout, value_and_grad, accum)
+    rank_loss_and_grads, batch_spec = per_rank(layout, value_and_grad, accum, value)
 
     def compressed(params, batch, scale):
         # `scale` is closed over, not an argument: with pp on the hand-scheduled schedules the pipeline executor's
@@ -99,7 +101,7 @@ def compressed_loss_and_grads(layout, value_and_grad, accum: int):
             loss, grads = rank_loss_and_grads(params, batch, scale)
             grads = jax.tree.map(lambda g, s: reduce_gradient(g / n, s, axes, wire), grads, grad_specs,
                                  is_leaf=lambda s: isinstance(s, P))
-            return jax.lax.psum(loss, axes) / n, grads
+            return jax.tree.map(lambda v: jax.lax.psum(v, axes) / n, loss), grads
 
         return jax.shard_map(local, mesh=mesh, in_specs=(P(), batch_spec), out_specs=(P(), grad_specs),
                              axis_names=set(axes), check_vma=False)(params, batch)

@@ -134,12 +134,12 @@ def reduce_powersgd(layout, grads: dict, state: dict, axes: tuple[str, ...], n: 
     return out, {"error": error, "q": qs}
 
 
-def powersgd_loss_and_grads(layout, value_and_grad, accum: int):
+def powersgd_loss_and_grads(layout, value_and_grad, accum: int, value=None):
     """(params, batch, powersgd state, step, token share) -> (mean loss, mean gradients, new powersgd state): the step's loss
     and gradients as the plain step makes them, reduced over the data axes by PowerSGD after its warm-up."""
     mesh, axes = layout.mesh, data_axes(layout.mesh)
     n, warmup = data_size(mesh), layout.cfg.parallel.powersgd_warmup_steps
-    rank_loss_and_grads, batch_spec = per_rank(layout, value_and_grad, accum)
+    rank_loss_and_grads, batch_spec = per_rank(layout, value_and_grad, accum, value)  # value: the loss's zeros
 
     def plain(grads, state):
         return {k: jax.lax.psum(g, axes) / n for k, g in grads.items()}, state
@@ -155,7 +155,7 @@ def powersgd_loss_and_grads(layout, value_and_grad, accum: int):
                 grads, state = jax.lax.cond(step < warmup, plain, compressed, grads, state)
             else:
                 grads, state = compressed(grads, state)
-            return jax.lax.psum(loss, axes) / (n * accum), unflatten(grads), state
+            return jax.tree.map(lambda v: jax.lax.psum(v, axes) / (n * accum), loss), unflatten(grads), state
 
         # `share` is closed over, not an argument: the pipeline executor's own shard_map (over pp, nested in this
         # one) takes no value made inside this one (compression.compressed_loss_and_grads)
