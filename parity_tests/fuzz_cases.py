@@ -207,7 +207,7 @@ def draw_jax(rng: random.Random) -> Case:
 def draw_torch(rng: random.Random) -> Case:
     backend = _pick(rng, {"none": 2, "ddp": 3, "fsdp": 3, "deepspeed": 3, "pipeline": 3})
     s: dict[str, str] = {}
-    experts = backend != "pipeline" and rng.random() < EXPERT_SHARE
+    experts = rng.random() < EXPERT_SHARE
     _draw_model_kind(rng, s, experts)
     if experts:
         _draw_experts(rng, s, 1)
@@ -243,7 +243,8 @@ def draw_torch(rng: random.Random) -> Case:
         _draw_data(rng, s, need, documents=not dilated, buckets=not dilated)
     if experts and rng.random() < 0.3:
         _draw_first_dense(rng, s, 1)
-    if experts and backend in ("none", "ddp") and rng.random() < 0.25:  # fsdp and deepspeed refuse the bias
+    sharded = backend in ("fsdp", "deepspeed") or "fsdp=" in s.get("parallel.mesh", "")
+    if experts and not sharded and rng.random() < 0.25:  # fsdp (pp x fsdp too) and deepspeed refuse the bias
         s["model.moe_bias_update"] = _pick(rng, {"0.001": 1, "0.01": 1})
     return Case("torch", f"{backend}:{world}", tuple(sorted(_drop_defaults(s).items())))
 

@@ -36,7 +36,7 @@ PROMISES = (
      "fsdp and tp meshes)"),
     ("mixture of experts", lambda c: "model.moe_experts" in dict(c.settings),
      "docs/architecture.md 'Mixture of experts': ep composes with dp, fsdp, tp, sp and the pipeline schedules; torchpar runs it on "
-     "none/ddp/fsdp/deepspeed, split over ep under ddp (docs/torchpar.md ddp bullet)"),
+     "none/ddp/fsdp/deepspeed/pipeline, split over ep under ddp (docs/torchpar.md ddp and pipeline bullets)"),
     ("multi-token prediction", lambda c: "model.mtp_depth" in dict(c.settings),
      "docs/architecture.md 'Multi-token prediction': every layout, the gpipe schedule on a jaxpar pipeline, "
      "torchpar none/ddp/fsdp/deepspeed"),

@@ -8,7 +8,8 @@ dp=2,tp=4; packed documents (data.document_mask) on torchpar's one process; fine
 DeepSeek-V2's block (mla_moe) split over torchpar's ep ranks, DeepSeek-V3's (deepseek_v3) on its one process.
 Full: every config (the GPT-2 variants mla, dilated, sketched and the llama family included) on every side
 (packed, rampup, buckets, moe, mla_moe and deepseek_v3: every
-side but torchpar's pipeline, which refuses them; jaxpar ep=4,dp=2 runs the mixtures of experts alone).
+side but torchpar's pipeline, which refuses the first three and is left out for the experts; jaxpar ep=4,dp=2 runs the
+mixtures of experts alone).
 
 float32, accum and remat: a side against the jaxpar one-device run of the same config.
 bfloat16: a side against its own float32 run (same side, `model.compute_dtype=float32`).
@@ -26,7 +27,7 @@ AS_FLOAT32 = ("model.compute_dtype=float32",)
 # accelerator with float16 (refused on CPU, tests/torchpar/test_torchpar.py), pipeline refuses float16
 FLOAT16_SIDES = ("jax:dp=8", "jax:fsdp=8", "jax:dp=2,tp=4", "torch:none", "torch:ddp", "torch:fsdp")
 VARIANTS = ("mla", "dilated", "sketched", "llama")  # model variants and families (configs/parity/<name>.yaml)
-EXPERTS = ("moe", "mla_moe", "deepseek_v3")  # mixtures of experts: every side but torchpar's pipeline, which refuses them
+EXPERTS = ("moe", "mla_moe", "deepseek_v3")  # mixtures of experts: every side but torchpar's pipeline (not in the matrix)
 DENSE_SIDES = tuple(s for s in SIDES if "ep=" not in s)  # ep shards experts: a dense model refuses it
 
 

@@ -123,10 +123,8 @@ FLOAT16 = dict(when=_model("compute_dtype", "float16"), mode="model.compute_dtyp
 PIPELINE = dict(when=_stages, mode="a pipeline (jaxpar: pp>1 in the mesh; torchpar: --backend pipeline)",
                 example=("mesh:pp=2",))
 MOE = dict(when=lambda r: r.cfg.model.moe_experts > 0, mode="model.moe_experts>0", example=("model.moe_experts=4",))
-NO_PIPELINE_MOE = ("torch.distributed.pipelining passes activations alone between stages, not the experts' load "
-                   "and balance loss (use --backend none, ddp, fsdp or deepspeed)")
-NO_BIAS_UPDATE = ("torchpar moves the experts' balance bias on whole parameters, which fsdp and deepspeed shard and "
-                  "the pipeline splits (use --backend none or ddp, or jaxpar.train)")
+NO_BIAS_UPDATE = ("torchpar moves the experts' balance bias on whole parameters, which fsdp and deepspeed shard "
+                  "(use --backend none, ddp or pipeline, or jaxpar.train)")
 NO_PIPELINE_MTP = ("torch.distributed.pipelining passes activations alone between stages, and the prediction "
                    "modules read the main model's last hidden state beside the tokens (use --backend none, ddp, fsdp "
                    "or deepspeed)")
@@ -174,16 +172,15 @@ CONTRACT: dict[str, Owner] = {
     "model.sketch": Owner(True, BOTH, "step", **SKETCHED),
     "model.sketch_ratio": Owner(True, BOTH, "params", **SKETCHED),
     "model.sketch_seed": Owner(True, BOTH, "step", **SKETCHED),
-    "model.moe_experts": Owner(True, NOT_PIPELINE, "params", why_not=NO_PIPELINE_MOE),
-    **{f"model.moe_{k}": Owner(True, NOT_PIPELINE, "params", **MOE, why_not=NO_PIPELINE_MOE)
-       for k in ("shared_experts", "d_ff", "first_dense")},
-    **{f"model.moe_{k}": Owner(True, NOT_PIPELINE, "step", **MOE, why_not=NO_PIPELINE_MOE)
+    "model.moe_experts": Owner(True, BOTH, "params"),
+    **{f"model.moe_{k}": Owner(True, BOTH, "params", **MOE) for k in ("shared_experts", "d_ff", "first_dense")},
+    **{f"model.moe_{k}": Owner(True, BOTH, "step", **MOE)
        for k in ("top_k", "router", "norm_topk", "aux_loss", "capacity_factor", "n_group", "routed_scale")},
-    "model.moe_topk_group": Owner(True, NOT_PIPELINE, "step", when=lambda r: r.cfg.model.moe_experts > 0 and
+    "model.moe_topk_group": Owner(True, BOTH, "step", when=lambda r: r.cfg.model.moe_experts > 0 and
                                   r.cfg.model.moe_n_group > 1, mode="model.moe_experts>0 and model.moe_n_group>1",
-                                  example=("model.moe_experts=8", "model.moe_n_group=4"), why_not=NO_PIPELINE_MOE),
-    "model.moe_bias_update": Owner(True, ("none", "ddp"), "params", **MOE, why_not=NO_BIAS_UPDATE),
-    "model.moe_router_bias": Owner(True, ("none", "ddp"), "params", **MOE, why_not=NO_BIAS_UPDATE),
+                                  example=("model.moe_experts=8", "model.moe_n_group=4")),
+    "model.moe_bias_update": Owner(True, ("none", "ddp", "pipeline"), "params", **MOE, why_not=NO_BIAS_UPDATE),
+    "model.moe_router_bias": Owner(True, ("none", "ddp", "pipeline"), "params", **MOE, why_not=NO_BIAS_UPDATE),
     "model.mtp_depth": Owner(True, NOT_PIPELINE, "params", why_not=NO_PIPELINE_MTP),
     "model.mtp_loss_weight": Owner(True, NOT_PIPELINE, "step", when=lambda r: r.cfg.model.mtp_depth > 0,
                                    mode="model.mtp_depth>0", example=("model.mtp_depth=1",), why_not=NO_PIPELINE_MTP),

@@ -151,8 +151,7 @@ class TorchEngine:
             extra = {"loss_scale": scale, "skipped_steps": self.skipped}
         if self.cfg.model.moe_bias_update and (self.scaler is None or applied):  # a skipped step keeps the bias
             m = self.cfg.model
-            update_router_bias(self.raw, dist.all_sum(self.expert_stats[:m.moe_layers * m.moe_experts].tolist(),
-                                                      self.env))
+            self.move_router_bias(dist.all_sum(self.expert_stats[:m.moe_layers * m.moe_experts].tolist(), self.env))
         if self.expert_stats is not None:
             extra["expert_stats"] = self.expert_stats
         if self.mtp_losses is not None:
@@ -160,6 +159,11 @@ class TorchEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return total, norm, lr, extra
+
+    def move_router_bias(self, loads: list[float]) -> None:
+        """The experts' balance bias moved by the step's loads (every rank's, layer-major); the pipeline moves its
+        stage's layers' alone."""
+        update_router_bias(self.raw, loads)
 
     def save(self, step: int, meta: dict) -> None:
         """A DCP checkpoint; meta.json also carries float16's scaler and skipped count."""

@@ -24,6 +24,11 @@ checkpoints (DCP) and weight files are interchangeable with every other backend.
   are summed over a two-rank group (Megatron's embedding group) so both copies take the same step.
   An untied head (llama's lm_head) lives on the last stage only.
 - Gradient clipping uses the global norm: the squared norms of the stages are summed over the pp group.
+- A mixture of experts: each stage passes its per-row statistics on beside its activations (a second stage
+  output, float32 [rows, width]), adding its expert layers' (with model.moe_bias_update each layer's choices in
+  that layer's columns, as moe.layer_stats lays them out); the last stage's loss function weighs in the balance
+  loss, whose gradient flows back through that output to every stage's routers, and keeps the step's statistics.
+  Each stage moves its own layers' balance bias by every layer's loads, summed over the ranks.
 """
 from __future__ import annotations
 
@@ -67,14 +72,21 @@ class Stage(nn.Module):
         if first:
             self.wpe = model.wpe  # None for llama
         if last:
-            self.ln_f, self.lm_head, self.cfg = model.ln_f, model.lm_head, model.cfg  # lm_head None when tied
+            self.ln_f, self.lm_head = model.ln_f, model.lm_head  # lm_head None when tied
+        self.cfg = model.cfg
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, stats: torch.Tensor | None = None):
+        """-> this stage's output (the last: the final norm's; its head and loss are the schedule's loss
+        function), with experts (output, the statistics so far: `stats` plus this stage's layers')."""
         if self.first:
             x = embed(self.wte, self.wpe, x, self.compute_dtype)
-        for block in self.blocks.values():
-            x = block(x)[0]  # (x, None): the pipeline refuses experts (jaxpar/core/contract.py)
-        return self.ln_f(x) if self.last else x  # the last stage's head and loss: the schedule's loss function
+        per_layer = []
+        for name, block in self.blocks.items():
+            x, layer = block(x)
+            if layer is not None:  # an expert layer (the dense first ones report none)
+                per_layer.append((int(name) - self.cfg.moe_first_dense, layer))
+        x = self.ln_f(x) if self.last else x
+        return (x, add_stats(stats, per_layer, self.cfg, x)) if self.cfg.moe_experts else x
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The last stage's output head and cross-entropy of its output, in model.loss_chunks chunks: what the
@@ -84,6 +96,33 @@ class Stage(nn.Module):
         weight pass. Under FSDP2 a forward method of the stage's (register_fsdp_forward_method)."""
         table = self.wte if self.lm_head is None else self.lm_head
         return chunked_cross_entropy(x, table, targets, loss_chunks(self.cfg, targets.shape[1]))
+
+
+def stats_width(cfg) -> int:
+    """moe.layer_stats' width: the choices per expert (per expert layer with model.moe_bias_update), dropped
+    choices, balance loss."""
+    return (cfg.moe_layers if cfg.moe_bias_update else 1) * cfg.moe_experts + 2
+
+
+def add_stats(stats: torch.Tensor | None, per_layer: list, cfg, x: torch.Tensor) -> torch.Tensor:
+    """The statistics a stage passes on: `stats` (zeros on the first stage) plus each (expert layer j, its per-row
+    statistics [rows, E + 2]) of `per_layer`, summed in layer order as moe.layer_stats sums them (x: the rows)."""
+    if stats is None:
+        stats = torch.zeros(x.shape[0], stats_width(cfg), device=x.device)
+    if not per_layer:
+        return stats
+    E, parts = cfg.moe_experts, []
+    if cfg.moe_bias_update:  # each layer's choices in its own columns; the rest summed
+        loads = dict((j, s[:, :E]) for j, s in per_layer)
+        parts = [stats[:, j * E:(j + 1) * E] + loads[j] if j in loads else stats[:, j * E:(j + 1) * E]
+                 for j in range(cfg.moe_layers)]
+        tail = stats[:, -2:]
+        for _, s in per_layer:
+            tail = tail + s[:, E:]
+        return torch.cat([*parts, tail], dim=-1)
+    for _, s in per_layer:
+        stats = stats + s
+    return stats
 
 
 def pipeline_sizes(cfg, world: int) -> tuple[int, int, str]:
@@ -118,6 +157,9 @@ def check_torch_pipeline(cfg, world: int) -> int:
         # DDP's bucket rebuild, whose cause hold_sync removes (not yet tested under pp x dp: still refused)
         raise UserError(f"--backend pipeline: parallel.mesh with dp={D} runs parallel.pipeline_schedule=1f1b only "
                         f"(got {schedule}: DDP inside torch's pipeline stages is not correct with it)")
+    if D > 1 and axis == "fsdp" and cfg.model.moe_experts and cfg.model.moe_bias_update:
+        raise UserError(f"--backend pipeline: model.moe_bias_update with fsdp={D}: each stage moves its layers' "
+                        "balance bias on whole parameters, which FSDP2 shards (pp x dp or pp alone runs it)")
     if schedule in ("zb_h1", "zb_v") and cfg.model.remat == "save_matmuls":
         raise UserError(f"--backend pipeline: parallel.pipeline_schedule={schedule} splits each backward "
                         "into an input and a weight pass, and torch's selective checkpoint (model.remat=save_matmuls) "
@@ -135,6 +177,7 @@ class PipelineEngine(TorchEngine):
         # every stage of a replica reads the replica's share of the batch; only the last has the loss
         self.data_rank, self.data_ways = place.replica, place.replicas
         self.M, self.stage_module, self.scale, self.pp_group = M, stage, 1.0, place.pp_group
+        self.training, self.step_stats = True, []  # with experts: the balance loss counts; the step's statistics
         # the chunk that holds the model's last virtual stage, when this rank has it (DDP's: the module inside)
         self.last_chunk = next((getattr(c, "module", c) for c in chunks if getattr(c, "module", c).last), None)
         S, schedule = place.stages, concrete(cfg.parallel.pipeline_schedule)
@@ -152,8 +195,20 @@ class PipelineEngine(TorchEngine):
         # wte's gradient counts once in the global norm: on the first stage only
         self.norm_params = [p for n, p in stage.named_parameters() if not (n == "wte" and not stage.first)]
 
-    def _loss(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.last_chunk.head_loss(x, target) * self.scale
+    def _loss(self, out, target: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of a pipeline microbatch, times the step's scale; with experts, in training, plus
+        their balance loss (as microbatch_loss), their statistics kept for the step."""
+        if not self.cfg.model.moe_experts:
+            return self.last_chunk.head_loss(out, target) * self.scale
+        x, stats = out
+        loss = self.last_chunk.head_loss(x, target)
+        if self.training:
+            m = self.cfg.model
+            summed = stats.detach().sum(0)
+            summed[-1] /= m.moe_layers
+            self.step_stats.append(torch.cat([summed, summed.new_tensor([stats.shape[0]])]))
+            loss = loss + m.moe_aux_loss * stats[:, -1].mean() / m.moe_layers
+        return loss * self.scale
 
     def _order(self, batch: torch.Tensor) -> torch.Tensor:
         """Rows so that contiguous chunk m holds rows m, m+M, ... (jaxpar's microbatch m)."""
@@ -163,12 +218,20 @@ class PipelineEngine(TorchEngine):
         (inputs, targets), s = inputs_and_targets(self._order(batch)), self.stage_module
         args = (inputs,) if s.first else ()
         kwargs = {"target": targets, "losses": []} if s.last else {}
+        kept = len(self.step_stats)
         (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
+        if s.last and self.training:  # the first step's metadata inference (a real forward and loss) ran the loss
+            # function once more before the microbatches: their statistics are the last ones
+            self.step_stats[kept:] = self.step_stats[len(self.step_stats) - len(kwargs["losses"]):]
         return float(sum(kwargs["losses"])) if s.last else 0.0
 
     def forward_backward(self, micro: list[torch.Tensor], share: float = 1.0) -> torch.Tensor:
         self.scale = share / (self.M * len(micro))  # mean over all microbatches of the step
+        self.training, self.step_stats = True, []
         total = sum(self._run(batch, train=True) for batch in micro)
+        if self.cfg.model.moe_experts:  # the last stage's; zeros elsewhere (read_metrics sums them over the ranks)
+            self.expert_stats = (sum(self.step_stats) if self.step_stats else
+                                 torch.zeros(stats_width(self.cfg.model) + 1, device=self.env.device))
         if self.tied is not None and (self.stage_module.first or self.stage_module.last):
             tdist.all_reduce(local(self.stage_module.wte.grad), group=self.tied)  # FSDP2: the matching shards
         return torch.tensor(total)
@@ -183,7 +246,7 @@ class PipelineEngine(TorchEngine):
         return norm
 
     def eval_loss(self, batch: torch.Tensor, share: float = 1.0) -> float:
-        self.scale = share / self.M
+        self.scale, self.training = share / self.M, False  # the cross-entropy alone, as the other backends
         if self.cfg.parallel.pipeline_schedule == "zb_v":
             # torch 2.13's ScheduleZBVZeroBubble.eval runs the backward actions' local hand-off at the V's turn
             # with no backward ("can't steal_bwd_input"): evaluate with a training pass, its gradients dropped
@@ -192,6 +255,18 @@ class PipelineEngine(TorchEngine):
             return loss
         with torch.no_grad():
             return self._run(batch, train=False)
+
+    def move_router_bias(self, loads: list[float]) -> None:
+        """This stage's expert layers' balance bias, each moved by its row of every layer's loads (summed over the
+        ranks): moe.update_router_bias's rule on the layers this rank holds."""
+        m = self.cfg.model
+        loads = torch.tensor(loads, dtype=torch.float32).reshape(m.moe_layers, m.moe_experts)
+        step = m.moe_bias_update * torch.sign(loads.mean(-1, keepdim=True) - loads)
+        with torch.no_grad():
+            for name, block in self.stage_module.blocks.items():
+                if hasattr(block, "moe"):
+                    bias = block.moe.router.bias
+                    bias.add_(step[int(name) - m.moe_first_dense].to(bias.device))
 
     def _gather_state(self) -> dict:
         """Every stage's parameters gathered to rank 0 (a collective), by whole-model name."""
