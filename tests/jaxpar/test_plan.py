@@ -183,8 +183,8 @@ def test_powersgd_gradient_bytes_are_its_low_rank_factors():
 def test_schedules_side_by_side():
     """--schedules on pp=2 (4 layers, M=4): every schedule with its table's bubble (the textbook fractions), 1F1B at
     one device's matmul FLOPs and so are ZB-H1 and ZB-V (W: the projections' weight gradients alone), ZB-H1's
-    memory within 1.05x of 1F1B's (W's stash: the projections' inputs, and their output gradients mostly in
-    residual buffers B has done with), ZB-V's within 1.1x; the modeled step time, and auto marked on its least."""
+    memory within 1.05x of 1F1B's (W's stash: each projection's input and output gradient, which B hands out, mostly
+    in residual buffers B has done with), ZB-V's within 1.1x; the modeled step time, and auto marked on its least."""
     from jaxpar.tools.plan import compare_schedules
 
     rows = {r["schedule"]: r for r in compare_schedules(tiny_config("model.n_layer=4"), {"pp": 2}, jax.devices()[:2])}
