@@ -63,7 +63,7 @@ def check_experts(cfg: Config, sizes) -> None:
 
 
 def check_compression(cfg: Config, sizes) -> None:
-    """parallel.grad_compression: what jaxpar runs (over dp/fsdp, tp beside them), else one line."""
+    """parallel.grad_compression: what jaxpar runs (over dp/fsdp, tp and pp beside them), else one line."""
     method = cfg.parallel.grad_compression
     if method != "none" and sizes["sp"] > 1:
         raise UserError(f"parallel.grad_compression={method} runs on dp, fsdp, tp and pp meshes in jaxpar (sp "
