@@ -30,16 +30,25 @@ def _attention_params(m: ModelConfig) -> int:
 def _mlp_params(m: ModelConfig, active: bool = False) -> int:
     """Every layer's feed-forward parameters; with experts, `active`: those one token runs through (its top_k
     experts, the shared ones and the router), else all of them."""
-    d, f = m.d_model, m.ff_dim
+    d = m.d_model
     routed = m.moe_top_k if active else m.moe_experts
     experts = 3 * d * m.expert_dim * (routed + m.moe_shared_experts) + d * m.moe_experts  # SwiGLUs and the router
     experts += m.moe_experts if m.router_bias else 0  # the router's balance bias
+    return m.moe_layers * experts + (m.n_layer - m.moe_layers) * _dense_mlp_params(m)
+
+
+def _dense_mlp_params(m: ModelConfig) -> int:
+    d, f = m.d_model, m.ff_dim
     if m.family == "llama":  # SwiGLU: gate, up, down; no biases
-        dense = 3 * d * f
-    else:
-        fc_in, proj_in = (sketch_dim(m, d), sketch_dim(m, f)) if m.linear == "sketched" else (d, f)
-        dense = fc_in * f + f + proj_in * d + d
-    return m.moe_layers * experts + (m.n_layer - m.moe_layers) * dense
+        return 3 * d * f
+    fc_in, proj_in = (sketch_dim(m, d), sketch_dim(m, f)) if m.linear == "sketched" else (d, f)
+    return fc_in * f + f + proj_in * d + d
+
+
+def _mtp_params(m: ModelConfig, norm: int) -> int:
+    """Multi-token prediction's modules (model.mtp_depth): per depth three norms, the [2, embed, embed] projection
+    and a dense block."""
+    return m.mtp_depth * (5 * norm + 2 * m.d_model ** 2 + _attention_params(m) + _dense_mlp_params(m))
 
 
 def count_params(m: ModelConfig, active: bool = False) -> dict[str, int]:
@@ -47,6 +56,7 @@ def count_params(m: ModelConfig, active: bool = False) -> dict[str, int]:
     experts, those one token runs through (what its FLOPs count)."""
     norm = m.d_model if m.family == "llama" else 2 * m.d_model  # RMSNorm: scale; LayerNorm: scale and bias
     non_embedding = m.n_layer * (2 * norm + _attention_params(m)) + _mlp_params(m, active) + norm  # + final norm
+    non_embedding += _mtp_params(m, norm)
     tables = 1 + (not m.tie_embeddings)  # token embedding, and the output head when untied
     positions = m.max_seq_len if m.family == "gpt2" else 0
     return {"total": non_embedding + (tables * m.vocab_size + positions) * m.d_model, "non_embedding": non_embedding}
@@ -68,9 +78,10 @@ def optimizer_phrase(name: str, held: list[int], holder: str) -> str:
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 * (non-embedding params + output head) + attention 12*L*T*d; with experts the
-    parameters a token runs through (its top_k experts, not all), so MFU counts no idle expert."""
-    n = count_params(m, active=True)["non_embedding"] + m.vocab_size * m.d_model
-    return 6 * n + 12 * m.n_layer * seq_len * m.d_model
+    parameters a token runs through (its top_k experts, not all), so MFU counts no idle expert; with multi-token
+    prediction each depth's block, its attention and its pass through the shared head too."""
+    n = count_params(m, active=True)["non_embedding"] + (1 + m.mtp_depth) * m.vocab_size * m.d_model
+    return 6 * n + 12 * (m.n_layer + m.mtp_depth) * seq_len * m.d_model
 
 
 def peak_flops(device_kind: str, dtype: str) -> float | None:

@@ -23,7 +23,10 @@ VARIANTS = {"mha": (), "mla": ("model.attention=mla", "model.q_latent_dim=16", "
             "deepseek_v3": ("model.family=llama", "model.attention=mla", "model.q_latent_dim=16", "model.kv_latent_dim=8",
                             "model.rope_head_dim=4", "model.n_layer=3", "model.moe_first_dense=1", "model.d_ff=40",
                             "model.moe_experts=4", "model.moe_d_ff=24", "model.moe_shared_experts=1",
-                            "model.moe_router_bias=true", "model.tie_embeddings=false")}
+                            "model.moe_router_bias=true", "model.tie_embeddings=false"),
+            "mtp": ("model.mtp_depth=2",),
+            "mtp_llama_moe": ("model.family=llama", "model.n_kv_head=2", "model.d_ff=40", "model.moe_experts=4",
+                              "model.moe_d_ff=24", "model.mtp_depth=1")}
 
 
 @pytest.mark.parametrize("name", VARIANTS)
