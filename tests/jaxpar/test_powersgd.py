@@ -131,6 +131,16 @@ def test_powersgd_run_resumes_exactly_after_sigkill(dataset, tmp_path):
     assert np.isfinite(metrics(tmp_path / "k")[10]["loss"])
 
 
+def test_the_state_follows_the_stage_sharding():
+    """dp=2,pp=2: a stacked leaf's error buffers and Q keep its layers on their stage (sharded over pp, as the
+    parameter); Q of an unstacked one is whole."""
+    layout = layout_of("dp=2,pp=2", "model.n_layer=4")
+    shard = powersgd.shardings(layout)
+    stacked = [k for k in shard["q"] if powersgd.layers_first(layout, k)]
+    assert stacked and all(shard["q"][k].spec[0] == "pp" and shard["error"][k].spec[1] == "pp" for k in stacked)
+    assert all(shard["q"][k].spec == P() for k in shard["q"] if k not in stacked)
+
+
 @pytest.mark.parametrize("mesh,setting,named", [
     ("sp=2,dp=2", PSGD, "sp with it is not built"),
     ("dp=4", "model.compute_dtype=float16", "powersgd with model.compute_dtype=float16"),
