@@ -68,6 +68,13 @@ def check_compression(cfg: Config, sizes) -> None:
     if method != "none" and sizes["sp"] > 1:
         raise UserError(f"parallel.grad_compression={method} runs on dp, fsdp, tp and pp meshes in jaxpar (sp "
                         "with it is not built yet)")
+    sharded = sizes["fsdp"] > 1 or (cfg.parallel.zero_stage == 3 and sizes["dp"] > 1)
+    schedule = concrete(cfg.parallel.pipeline_schedule)
+    if method != "none" and sizes["pp"] > 1 and schedule != "gpipe" and sharded:
+        # the executor pins its gradients to the parameters' layout, which names the data axes that are manual
+        # in compression's shard_map (jaxpar/loss.py hand_scheduled): jax refuses that constraint
+        raise UserError(f"parallel.grad_compression={method} with parallel.pipeline_schedule={schedule} does not run "
+                        "parameters sharded over fsdp or ZeRO-3 yet (gpipe runs it)")
     if method == "powersgd" and cfg.model.compute_dtype == "float16":
         raise UserError("parallel.grad_compression=powersgd with model.compute_dtype=float16: an overflowing step's "
                         "inf would stay in PowerSGD's error feedback and poison every later step; use bfloat16")

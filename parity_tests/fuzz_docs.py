@@ -134,10 +134,12 @@ DOCUMENTED_REFUSALS = (
     ("docs/torchpar.md pipeline: pp x fsdp (parallel.mesh=pp=S,fsdp=F) runs gpipe and 1f1b",
      lambda c: c.side == "torch" and c.backend == "pipeline" and c.mesh()["fsdp"] > 1 and
      c.get("parallel.pipeline_schedule", "auto") not in ("gpipe", "1f1b", "auto")),
-    ("docs/torchpar.md 'Gradient compression': jaxpar compresses on dp, fsdp, tp and pp meshes (sp: refused); "
-     "PowerSGD runs on ddp only",
+    ("docs/torchpar.md 'Gradient compression': jaxpar compresses on dp, fsdp, tp and pp meshes (sp: refused; "
+     "the hand-scheduled schedules with fsdp or ZeRO-3: refused); PowerSGD runs on ddp only",
      lambda c: c.get("parallel.grad_compression", "none") != "none" and (
          (c.side == "jax" and c.mesh()["sp"] > 1) or
+         (c.side == "jax" and c.mesh()["pp"] > 1 and c.get("parallel.pipeline_schedule", "auto") not in (
+             "gpipe", "auto") and (c.mesh()["fsdp"] > 1 or c.mesh()["dp"] > 1 and c.get("parallel.zero_stage") == "3")) or
          (c.get("parallel.grad_compression") == "powersgd" and c.side == "torch" and c.backend != "ddp"))),
     ("docs/torchpar.md: offload needs --backend fsdp or deepspeed",
      lambda c: c.side == "torch" and c.backend not in ("fsdp", "deepspeed") and "parallel.offload" in

@@ -75,6 +75,15 @@ def test_compression_with_a_pipeline_is_dp_alone_compressed(method, schedule, da
     assert distance(want["params"], plain["params"]) > 10 * 3e-5  # it compressed
 
 
+@pytest.mark.parametrize("mesh,extra", [("fsdp=2,pp=2", ()), ("dp=2,pp=2", ("parallel.zero_stage=3",))])
+def test_hand_scheduled_pipelines_refuse_sharded_parameters(mesh, extra, dataset):
+    """The executor pins its gradients to the parameters' layout, which names the data axes manual here: one line
+    (gpipe runs it, and auto picks gpipe)."""
+    with pytest.raises(UserError, match="pipeline_schedule=1f1b does not run parameters sharded over fsdp or ZeRO-3"):
+        run_steps(tiny_config(BF16, "model.n_layer=4", "parallel.pipeline_schedule=1f1b", *extra), mesh, dataset,
+                  devices=jax.devices()[:4])
+
+
 @pytest.mark.parametrize("mesh,setting,named", [
     ("sp=2,dp=2", BF16, "sp with it is not built"),
 ])
