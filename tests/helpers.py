@@ -196,3 +196,48 @@ def run_in_session(cmd: list[str], env: dict, timeout: int, what: str) -> subpro
         pytest.fail(f"{what} timed out after {timeout}s\n{out[-3000:]}\n{err[-3000:]}")
     no_leftovers(proc.pid)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def hf_oracle(model, path) -> tuple:
+    """A transformers model saved to `path`, with the answers both frameworks must give after `--from hf`: its
+    logits on two rows of 24 tokens and 12 greedy tokens after the first row's 8."""
+    import torch
+    model.save_pretrained(path)
+    tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 24))
+    with torch.no_grad():
+        out = model(torch.as_tensor(tokens))
+        greedy = model.generate(torch.as_tensor(tokens[:1, :8]), max_new_tokens=12, do_sample=False).numpy()
+    return path, tokens, out.logits.numpy(), greedy
+
+
+def assert_both_frameworks_give_hf_answers(flat: dict, cfg, tokens, want, greedy, name: str) -> None:
+    """jaxpar and torchpar, from the converted weights `flat`, give `want`'s logits within 1e-5 of their scale
+    and the same greedy tokens (`hf_oracle`)."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from flax import nnx
+
+    from jaxpar.core.weights import unflatten
+    from jaxpar.decode import make_generate
+    from jaxpar.models.decoder import Decoder
+    from torchpar.decode import generate
+    from torchpar.models.decoder import Decoder as TorchDecoder
+    from torchpar.weights import from_shared
+
+    scale = np.max(np.abs(want))
+    assert scale > 1.0  # weights scaled up in the oracle: a mixed-up tensor cannot hide under the tolerance
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
+    params = unflatten({k: jnp.asarray(v) for k, v in flat.items()})
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, jnp.asarray(tokens)))
+        generated = make_generate(graphdef)(params, jnp.asarray(tokens[:1, :8]), jax.random.key(0), new_tokens=12,
+                                            temperature=0.0)
+    print(f"jaxpar logits off HF {name}'s by {np.max(np.abs(got - want)) / scale:.1e} of their scale {scale:.1f}")
+    np.testing.assert_allclose(got, want, atol=1e-5 * scale)
+    assert np.asarray(generated).tolist() == greedy[:, 8:].tolist()
+    torch_model = TorchDecoder(cfg)
+    torch_model.load_state_dict(from_shared(flat, cfg.n_layer))
+    with torch.no_grad():
+        np.testing.assert_allclose(torch_model(torch.as_tensor(tokens)).numpy(), want, atol=1e-5 * scale)
+    assert generate(torch_model.eval(), torch.as_tensor(tokens[:1, :8]), 12).tolist() == greedy[:, 8:].tolist()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxpar.core.errors import UserError
+from tests.helpers import assert_both_frameworks_give_hf_answers, hf_oracle
 
 # every DeepSeek-V3 part at once: latent attention with interleaved rotary features, a dense first layer, sigmoid
 # group-limited routing (4 groups, the best 2 kept), a shared expert, the routed scale, the choice's bias
@@ -31,27 +32,12 @@ def hf_deepseek(tmp_path_factory):
         for name, b in model.named_buffers():  # a bias that changes the choice: it must be carried
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.2 * torch.randn_like(b))
-    path = tmp_path_factory.mktemp("hf_deepseek_v3")
-    model.save_pretrained(path)
-    tokens = np.random.default_rng(0).integers(0, 97, (2, 24))
-    with torch.no_grad():
-        out = model(torch.as_tensor(tokens))
-        greedy = model.generate(torch.as_tensor(tokens[:1, :8]), max_new_tokens=12, do_sample=False).numpy()
-    return path, tokens, out.logits.numpy(), greedy
+    return hf_oracle(model, tmp_path_factory.mktemp("hf_deepseek_v3"))
 
 
 def test_hf_deepseek_v3_logits_and_greedy_tokens_match_both_frameworks(hf_deepseek):
-    import torch
-    from flax import nnx
-
     from jaxpar.core.config import load_config
-    from jaxpar.core.weights import unflatten
-    from jaxpar.decode import make_generate
-    from jaxpar.models.decoder import Decoder
     from jaxpar.tools.convert import read
-    from torchpar.decode import generate
-    from torchpar.models.decoder import Decoder as TorchDecoder
-    from torchpar.weights import from_shared
 
     path, tokens, want, greedy = hf_deepseek
     flat, model = read("hf", str(path))
@@ -60,21 +46,7 @@ def test_hf_deepseek_v3_logits_and_greedy_tokens_match_both_frameworks(hf_deepse
         dict(attention="mla", moe_first_dense=1, moe_experts=8, moe_shared_experts=1, moe_router="sigmoid",
              moe_n_group=4, moe_topk_group=2, moe_routed_scale=2.5, moe_router_bias=True)
     cfg = load_config(None, [f"model.{k}={v}" for k, v in model.items()] + ["data.seq_len=24"]).model
-    scale = np.max(np.abs(want))
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
-    params = unflatten({k: jnp.asarray(v) for k, v in flat.items()})
-    with jax.default_matmul_precision("highest"):
-        got = np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, jnp.asarray(tokens)))
-        generated = make_generate(graphdef)(params, jnp.asarray(tokens[:1, :8]), jax.random.key(0), new_tokens=12,
-                                            temperature=0.0)
-    print(f"jaxpar logits off HF DeepSeek-V3's by {np.max(np.abs(got - want)):.1e} (scale {scale:.1f})")
-    np.testing.assert_allclose(got, want, atol=1e-5 * max(scale, 1.0))
-    assert np.asarray(generated).tolist() == greedy[:, 8:].tolist()
-    torch_model = TorchDecoder(cfg)
-    torch_model.load_state_dict(from_shared(flat, cfg.n_layer))
-    with torch.no_grad():
-        np.testing.assert_allclose(torch_model(torch.as_tensor(tokens)).numpy(), want, atol=1e-5 * max(scale, 1.0))
-    assert generate(torch_model.eval(), torch.as_tensor(tokens[:1, :8]), 12).tolist() == greedy[:, 8:].tolist()
+    assert_both_frameworks_give_hf_answers(flat, cfg, tokens, want, greedy, "DeepSeek-V3")
 
 
 def test_deepseek_v3_round_trip_through_a_jaxpar_run_is_bit_exact(hf_deepseek, tmp_path):

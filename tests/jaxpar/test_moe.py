@@ -12,7 +12,7 @@ from jaxpar.core.errors import UserError
 from jaxpar.dispatch import local_experts
 from jaxpar.core.experts import row_capacity
 from jaxpar.models.moe import route
-from tests.helpers import assert_params_close, run_steps, tiny_config
+from tests.helpers import assert_both_frameworks_give_hf_answers, assert_params_close, hf_oracle, run_steps, tiny_config
 
 # Mixtral's shape (llama blocks, experts instead of the MLP) plus a shared expert and the balance loss; llama has no
 # attention biases, whose key bias has no true gradient and drifts on rounding noise over 20 steps. The schema's
@@ -302,48 +302,18 @@ def hf_mixtral(tmp_path_factory):
     with torch.no_grad():  # large weights and norms away from 1: a mixed-up expert or router would show
         for name, p in model.named_parameters():
             p.add_(0.3 * torch.randn_like(p)) if "norm" in name else p.mul_(8.0)
-    path = tmp_path_factory.mktemp("hf_mixtral")
-    model.save_pretrained(path)
-    tokens = np.random.default_rng(0).integers(0, 97, (2, 24))
-    with torch.no_grad():
-        out = model(torch.as_tensor(tokens))
-        greedy = model.generate(torch.as_tensor(tokens[:1, :8]), max_new_tokens=12, do_sample=False).numpy()
-    return path, tokens, out.logits.numpy(), greedy
+    return hf_oracle(model, tmp_path_factory.mktemp("hf_mixtral"))
 
 
 def test_hf_mixtral_logits_and_greedy_tokens_match_both_frameworks(hf_mixtral):
-    import torch
-    from flax import nnx
-
     from jaxpar.core.config import load_config
-    from jaxpar.core.weights import unflatten
-    from jaxpar.decode import make_generate
-    from jaxpar.models.decoder import Decoder
     from jaxpar.tools.convert import read
-    from torchpar.models.decoder import Decoder as TorchDecoder
-    from torchpar.weights import from_shared
 
     path, tokens, want, greedy = hf_mixtral
     flat, model = read("hf", str(path))
     assert (model["moe_experts"], model["moe_top_k"], model["moe_d_ff"]) == (4, 2, 24)
     cfg = load_config(None, [f"model.{k}={v}" for k, v in model.items()] + ["data.seq_len=24"]).model
-    scale = np.max(np.abs(want))
-    assert scale > 1.0
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
-    params = unflatten({k: jnp.asarray(v) for k, v in flat.items()})
-    with jax.default_matmul_precision("highest"):
-        got = np.asarray(nnx.merge(graphdef, params)(jnp.asarray(tokens)))
-        generated = make_generate(graphdef)(params, jnp.asarray(tokens[:1, :8]), jax.random.key(0), new_tokens=12,
-                                            temperature=0.0)
-    np.testing.assert_allclose(got, want, atol=1e-5 * scale)
-    print(f"jaxpar logits off HF Mixtral's by {np.max(np.abs(got - want)) / scale:.1e} of their scale {scale:.1f}")
-    assert np.asarray(generated).tolist() == greedy[:, 8:].tolist()
-    torch_model = TorchDecoder(cfg)
-    torch_model.load_state_dict(from_shared(flat, cfg.n_layer))
-    with torch.no_grad():
-        np.testing.assert_allclose(torch_model(torch.as_tensor(tokens)).numpy(), want, atol=1e-5 * scale)
-    from torchpar.decode import generate
-    assert generate(torch_model.eval(), torch.as_tensor(tokens[:1, :8]), 12).tolist() == greedy[:, 8:].tolist()
+    assert_both_frameworks_give_hf_answers(flat, cfg, tokens, want, greedy, "Mixtral")
 
 
 def test_mixtral_round_trip_through_a_jaxpar_run_is_bit_exact(hf_mixtral, tmp_path):
