@@ -88,15 +88,15 @@ def check_pipeline(cfg: Config, sizes) -> None:
     p, t = cfg.parallel, cfg.train
     schedule = concrete(p.pipeline_schedule)  # auto unresolved: what the layout runs
     M = resolve_microbatches(stages, p.pipeline_microbatches)
-    check_schedule(schedule, stages, M, p.pipeline_virtual_stages, cfg.model.n_layer)
+    # the stack the stages split: model.moe_first_dense's dense layers run whole on the executor's first stage
+    # (gpipe splits them too: check_experts)
+    check_schedule(schedule, stages, M, p.pipeline_virtual_stages,
+                   cfg.model.n_layer - (cfg.model.moe_first_dense if cfg.model.moe_experts else 0))
     data_ways = sizes["dp"] * sizes["fsdp"] * sizes["ep"]
     batch = t.global_batch_size // t.microbatches
     if batch % (M * data_ways):
         raise UserError(f"batch per microbatch {batch} is not divisible by parallel.pipeline_microbatches={M} "
                         f"x data axes dp*fsdp*ep={data_ways}")
-    if cfg.model.moe_experts and cfg.model.moe_first_dense and schedule != "gpipe":
-        raise UserError(f"parallel.pipeline_schedule={schedule} does not run model.moe_first_dense yet (the executor "
-                        "splits one layer stack over its stages, not two; gpipe runs it)")
     if cfg.model.mtp_depth and schedule != "gpipe":
         raise UserError(f"parallel.pipeline_schedule={schedule} does not run model.mtp_depth yet (the executor's last "
                         "stage computes the main loss alone; gpipe runs it)")

@@ -139,16 +139,24 @@ def hand_scheduled(layout, schedule: str):
     reports its layers' statistics, the balance loss weighed in as loss_fn does."""
     cfg, mesh, p, m = layout.cfg, layout.mesh, layout.cfg.parallel, layout.cfg.model
     graphdef, S, eod = abstract_model(m)[0], mesh.shape["pp"], document_token(cfg)
-    # each layer's place in the stack rides beside the sketches (a stage's first expert layer: the balance bias's
-    # per-layer loads; checks.py keeps model.moe_first_dense on gpipe, so an expert layer's index is its layer's)
-    consts = {"sketches": stacked_sketches(m), **({"layer": np.arange(m.n_layer)} if m.moe_experts else {})}
+    # each layer's place in the `blocks` stack rides beside the sketches (a stage's first expert layer: the balance
+    # bias's per-layer loads, counted over the expert layers as one device counts them)
+    consts = {"sketches": stacked_sketches(m), **({"layer": np.arange(m.moe_layers)} if m.moe_experts else {})}
     model = lambda rest, chunk: nnx.merge(graphdef, {**rest, "blocks": chunk})  # noqa: E731  a stage's view
+
+    def embed(rest, chunk, tokens, positions, segments):
+        """The first stage's input: the embedding, then model.moe_first_dense's dense stack whole (it is in `rest`,
+        so its gradient comes with the embedding's, from the first stage's recomputed lookup)."""
+        stage = model(rest, chunk)
+        x = stage.embed(tokens, positions)
+        dense = stage.stacks()[:-1]
+        return stage.run_blocks(x, positions, segments, stacks=dense) if dense else x
 
     def layers(rest, chunk, consts, x, where):
         stage = model(rest, chunk)
         if not m.moe_experts:
-            return stage.run_blocks(x, *where, consts["sketches"])
-        h, stats = stage.run_blocks(x, *where, consts["sketches"], with_stats=True)
+            return stage.run_blocks(x, *where, consts["sketches"], stacks=[stage.blocks])
+        h, stats = stage.run_blocks(x, *where, consts["sketches"], with_stats=True, stacks=[stage.blocks])
         return h, shift_layer_stats(stats, consts["layer"][0], m)
 
     def value_and_grad(params, batch, scale=1.0):
@@ -157,7 +165,7 @@ def hand_scheduled(layout, schedule: str):
         inputs = (rows.inputs, rows.positions, rows.segments) if rows.segments is not None else (rows.inputs,)
         where = lambda r: r[1:] if len(r) > 1 else (rows.positions, None)  # noqa: E731
         fns = StageFns(
-            embed=lambda rest, chunk, r: model(rest, chunk).embed(r[0], where(r)[0]),
+            embed=lambda rest, chunk, r: embed(rest, chunk, r[0], *where(r)),
             layers=lambda rest, chunk, consts, x, r: layers(rest, chunk, consts, x, where(r)),
             head_loss=lambda rest, chunk, h, targets: model(rest, chunk).head_loss(h, targets) * scale,
             # loss_fn's balance loss: moe_aux_loss x its mean over the batch's rows and the expert layers

@@ -196,7 +196,7 @@ def draw_jax(rng: random.Random) -> Case:
         s["parallel.offload"] = _pick(rng, {"optimizer": 1, "params+optimizer": 1})
     if sizes["dp"] * sizes["fsdp"] > 1 and rng.random() < 0.15 and not experts:
         _draw_compression(rng, s)
-    if experts and rng.random() < 0.3 and s.get("parallel.pipeline_schedule", "gpipe") == "gpipe":  # one stack else
+    if experts and rng.random() < 0.3:  # on every schedule (the executor runs the dense stack on its first stage)
         _draw_first_dense(rng, s, stages_v)
     if experts and rng.random() < 0.25:
         s["model.moe_bias_update"] = _pick(rng, {"0.001": 1, "0.01": 1})
@@ -279,7 +279,8 @@ def _draw_experts(rng: random.Random, s: dict, ep: int) -> None:
 
 def _draw_first_dense(rng: random.Random, s: dict, stages: int) -> None:
     """DeepSeek's dense first layers (model.moe_first_dense) before the experts' (at least one): under a pipeline
-    both stacks split over the stages, so half of 2 x stages layers."""
+    both stacks split over the stages (gpipe; the executor splits the expert stack over its virtual stages), so
+    half of 2 x stages layers."""
     if stages > 1:
         s["model.n_layer"], s["model.moe_first_dense"] = str(2 * stages), str(stages)
     else:

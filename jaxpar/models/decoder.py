@@ -230,12 +230,13 @@ class Decoder(nnx.Module):
         """The layer stacks in order: `dense_blocks` (model.moe_first_dense) when there is one, then `blocks`."""
         return [self.dense_blocks, self.blocks] if hasattr(self, "dense_blocks") else [self.blocks]
 
-    def run_blocks(self, x: jax.Array, positions=None, segments=None, sketches=None, with_stats=False):
-        """Every layer of every stack (whatever their leading lengths) in order; `sketches` default to
-        the whole model's (model.linear=sketched), a pipeline stage passes its own slice. `with_stats`:
+    def run_blocks(self, x: jax.Array, positions=None, segments=None, sketches=None, with_stats=False, stacks=None):
+        """Every layer of every stack (whatever their leading lengths) in order, or of `stacks` alone (the
+        pipeline executor runs the dense stack on its first stage, a slice of `blocks` on each); `sketches` default
+        to the whole model's (model.linear=sketched), a pipeline stage passes its own slice. `with_stats`:
         (x, the experts' per-row statistics summed over the layers, None when dense)."""
         stats = None
-        for stack in self.stacks():
+        for stack in self.stacks() if stacks is None else stacks:
             moe = hasattr(stack, "moe")
             # with experts the carry holds their statistics so far (and, for the balance bias's per-layer counts, each
             # row's index of the next expert layer)

@@ -200,9 +200,9 @@ def test_ep_needs_experts_it_divides():
     with pytest.raises(UserError, match="moe_experts=3 is not divisible by ep=2"):
         check_layout(tiny_config("model.moe_experts=3"), sizes)
     check_layout(tiny_config(*MOE, "parallel.pipeline_schedule=1f1b"), {**sizes, "ep": 1, "pp": 2})  # runs
-    with pytest.raises(UserError, match="does not run model.moe_first_dense yet"):
-        check_layout(tiny_config(*MOE, "parallel.pipeline_schedule=1f1b", "model.n_layer=4", "model.moe_first_dense=2"),
-                     {**sizes, "ep": 1, "pp": 2})
+    # dense first layers: the executor's stages split the expert stack alone (the dense one runs on the first)
+    check_layout(tiny_config(*MOE, "parallel.pipeline_schedule=zb_v", "model.n_layer=6", "model.moe_first_dense=2"),
+                 {**sizes, "ep": 1, "pp": 2})
 
 
 def test_a_run_records_the_experts_load_and_says_it(dataset, tmp_path):
@@ -236,6 +236,28 @@ def test_dense_first_layers_and_the_balance_bias_on_layouts_equal_one_device(mes
     got = run_steps(tiny_config(*MOE, *FIRST_DENSE), mesh, dataset, devices=_devices(mesh))
     np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
     np.testing.assert_allclose(got["moe_balance"], ref["moe_balance"], rtol=1e-5)
+    assert_params_close(got["params"], ref["params"])
+
+
+# dense first layers before four expert layers: interleaved and ZB-V give pp=2 an expert layer per chunk
+FIRST_DENSE_ON_EXECUTOR = ("model.n_layer=6", "model.moe_first_dense=2", "model.d_ff=24", "train.steps=4",
+                           "model.moe_bias_update=0.001")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_v", pytest.param("interleaved", marks=pytest.mark.slow),
+                                      pytest.param("zb_h1", marks=pytest.mark.slow)])
+def test_dense_first_layers_on_each_hand_scheduled_pipeline_equal_one_device(schedule, dataset):
+    """The executor's first stage runs the dense stack whole after the embedding (its gradient with the
+    embedding's), the stages split the expert stack; the bias's loads are counted over the expert layers. Skipped
+    dense layers (or ones every stage ran) would change the loss and leave the dense weights' gradient elsewhere."""
+    ref = _reference(dataset, *FIRST_DENSE_ON_EXECUTOR)
+    virtual = ("parallel.pipeline_virtual_stages=2",) if schedule == "interleaved" else ()
+    cfg = tiny_config(*MOE, *FIRST_DENSE_ON_EXECUTOR, f"parallel.pipeline_schedule={schedule}", *virtual)
+    got = run_steps(cfg, "pp=2", dataset, devices=_devices("pp=2"))
+    np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got["moe_balance"], ref["moe_balance"], rtol=1e-5)
+    dense = ref["params"]["dense_blocks.mlp.gate.kernel"]
+    assert dense.shape[0] == 2 and np.abs(dense - got["params"]["dense_blocks.mlp.gate.kernel"]).max() < 5e-5
     assert_params_close(got["params"], ref["params"])
 
 

@@ -52,15 +52,17 @@ def test_auto_picks_the_least_modeled_time_of_the_full_table(layers, remat, winn
 
 
 def test_auto_leaves_out_what_the_config_refuses_and_what_does_not_fit(monkeypatch):
-    """A mixture of experts runs on every schedule, so the least bubble (zb_v) wins at equal FLOPs; with dense first
-    layers it runs on gpipe alone; a budget that only gpipe's peak fits leaves gpipe. The figures here are
-    stand-ins: what is tested is which schedules are candidates."""
+    """A mixture of experts (dense first layers too) runs on every schedule, so the least bubble (zb_v) wins at equal
+    FLOPs; with model.remat=offload it runs on gpipe alone; a budget that only gpipe's peak fits leaves gpipe. The
+    figures here are stand-ins: what is tested is which schedules are candidates."""
     monkeypatch.setattr(pipeline_auto, "flops_ratio", lambda cfg, *a: 1.0)
     devices = jax.devices()[:4]
     moe = tiny_config(*EIGHT, "model.moe_experts=4")
     assert resolve_schedule(moe, SIZES, devices, NEVER)[0].parallel.pipeline_schedule == "zb_v"
-    first_dense = tiny_config(*EIGHT, "model.moe_experts=4", "model.moe_first_dense=4")
-    assert resolve_schedule(first_dense, SIZES, devices, NEVER)[0].parallel.pipeline_schedule == "gpipe"
+    first_dense = tiny_config(*EIGHT, "model.n_layer=12", "model.moe_experts=4", "model.moe_first_dense=4")
+    assert resolve_schedule(first_dense, SIZES, devices, NEVER)[0].parallel.pipeline_schedule == "zb_v"
+    offload = tiny_config(*EIGHT, "model.moe_experts=4", "model.remat=offload")
+    assert resolve_schedule(offload, SIZES, devices, NEVER)[0].parallel.pipeline_schedule == "gpipe"
     cfg = tiny_config(*EIGHT)
     peaks = {"gpipe": 100, "1f1b": 200, "interleaved": 200, "zb_h1": 200, "zb_v": 200}
     peak = lambda c, sizes, devices: peaks[c.parallel.pipeline_schedule]  # noqa: E731
