@@ -3,7 +3,8 @@ import pytest
 
 from jaxpar.tools import pipeline_table as pipeline
 from jaxpar.core.errors import UserError
-from jaxpar.core.pipeline_schedules import bubble_fraction, check_schedule, max_in_flight, placement, simulate, virtual_stage
+from jaxpar.core.pipeline_schedules import (Op, bubble_fraction, check_schedule, max_in_flight, placement, simulate,
+                                            virtual_stage)
 
 S, M = 4, 8
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
@@ -131,3 +132,82 @@ def test_errors_are_user_errors(capsys):
         check_schedule("interleaved", 2, 4, 2, n_layer=6)
     assert pipeline.main(["--stages", "4", "--microbatches", "2", "--schedule", "1f1b"]) == 2
     assert "microbatches >= stages" in capsys.readouterr().err
+
+
+def dualpipev_ticks(table, S_):
+    """(kind, microbatch, virtual stage) -> tick of a DualPipeV table, BW as a B and a W at one tick; fails on an op
+    run twice, missing, on the wrong device, or before what it needs (F before its B before its W; a forward after
+    the previous virtual stage's, a backward after the next one's)."""
+    at = {}
+    for t, row in enumerate(table):
+        for d, op in enumerate(row):
+            for kind, m, c in (op.parts() if op is not None else []):
+                v = virtual_stage("dualpipev", S_, d, c)
+                for k in ("B", "W") if kind == "BW" else (kind,):
+                    assert (k, m, v) not in at, f"{k}{m} of virtual stage {v} twice"
+                    at[(k, m, v)] = t
+    M_ = len({m for _, m, _ in at})
+    assert sorted(at) == sorted((k, m, v) for k in "FBW" for m in range(M_) for v in range(2 * S_))
+    for m in range(M_):
+        for v in range(2 * S_):
+            assert at[("F", m, v)] < at[("B", m, v)] <= at[("W", m, v)]
+            assert v == 0 or at[("F", m, v - 1)] < at[("F", m, v)]
+            assert v == 2 * S_ - 1 or at[("B", m, v + 1)] < at[("B", m, v)]
+    return at
+
+
+def test_dualpipev_program_is_valid_and_torchs():
+    """Every chunk-microbatch's F, B and W once on its V-placed device, in dependency order across the devices (the
+    check fails on a table with an op dropped, repeated or moved before its input); each device's program is
+    torch.distributed.pipelining's ScheduleDualPipeV's op for op (its FULL_BACKWARD our BW, BACKWARD_INPUT our B)."""
+    import types
+
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV
+
+    from jaxpar.core.pipeline_schedules import TABLES
+    names = {"FORWARD": "F", "FULL_BACKWARD": "BW", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
+
+    def theirs(a, rank):
+        if a.sub_actions:  # torch's OVERLAP_F_B: its forward, then its full backward
+            return "+".join(theirs(sub, rank) for sub in a.sub_actions)
+        return str(Op(names[a.computation_type.name], a.microbatch_index, int(a.stage_index != rank)))
+
+    for S_, M_ in ((2, 4), (2, 5), (3, 6), (4, 8), (4, 11), (8, 16)):
+        dualpipev_ticks(simulate("dualpipev", S_, M_), S_)
+        torch_order = types.SimpleNamespace(pp_group_size=S_, _n_microbatches=M_)
+        for d in range(S_):
+            assert [str(op) for op in TABLES["dualpipev"](d, S_, M_)] == [
+                theirs(a, d) for a in ScheduleDualPipeV._calculate_single_rank_operations(torch_order, d)]
+    table = simulate("dualpipev", 2, 4)
+    dropped = [row[:] for row in table]
+    dropped[-1][0] = None
+    repeated = [row[:] for row in table] + [table[0]]
+    t = next(t for t, row in enumerate(table) if row[1] is not None)  # device 1's first F, moved a tick early
+    early = [row[:] for row in table]
+    early[t - 1][1], early[t][1] = early[t][1], early[t - 1][1]
+    for broken in (dropped, repeated, early):
+        with pytest.raises(AssertionError):
+            dualpipev_ticks(broken, 2)
+
+
+def test_dualpipev_in_lockstep_against_zb_v(capsys):
+    """DualPipeV's unit-tick bubble would count an overlapped F+BW tick as one unit; in lockstep (a tick lasts its
+    slowest op: the executor's) it idles more than ZB-V, whose ops are all one unit, and less than 1F1B, whose
+    F beside a two-unit backward idles half a tick. It holds one chunk-microbatch more than ZB-V (2S+1) on the last
+    device. The table tool prints both bubbles."""
+    from jaxpar.core.pipeline_schedules import lockstep_bubble
+    for S_, M_ in ((2, 4), (4, 8), (4, 16), (8, 16)):
+        dpv, zb_v = simulate("dualpipev", S_, M_), simulate("zb_v", S_, M_)
+        assert lockstep_bubble("zb_v", zb_v) == pytest.approx(bubble_fraction(zb_v))
+        assert lockstep_bubble("zb_v", zb_v) < lockstep_bubble("dualpipev", dpv) < lockstep_bubble(
+            "1f1b", simulate("1f1b", S_, M_))
+        assert lockstep_bubble("dualpipev", dpv) > bubble_fraction(dpv)
+        assert [max_in_flight(dpv, d) for d in range(S_)] == [2 * S_] * (S_ - 1) + [2 * S_ + 1]
+    assert lockstep_bubble("1f1b", simulate("1f1b", 4, 8)) == pytest.approx(0.4)
+    assert pipeline.main(["--stages", "4", "--microbatches", "8", "--schedule", "dualpipev"]) == 0
+    out = capsys.readouterr().out
+    assert "F5+BW1.1" in out and "lockstep 0.200" in out
+    with pytest.raises(UserError, match="dualpipev needs microbatches >= 2 x stages"):
+        check_schedule("dualpipev", 4, 7, 1)
+    with pytest.raises(UserError, match=r"stages x 2 chunks \(dualpipev\)"):
+        check_schedule("dualpipev", 4, 8, 1, n_layer=4)
