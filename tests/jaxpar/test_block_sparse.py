@@ -1,8 +1,9 @@
 """Block-sparse dilated attention (model.sparsity_ratio; the pattern: jaxpar/core/block_sparsity.py, the cores:
 models/dilated.py on both sides): the pattern's rules; at sparsity 0.25 equal to a dense computation masked to
 the same blocks (and far from dense dilated attention, so that ignoring the sparsity fails); torchpar's blocked
-sum and FlexAttention's block mask equal to jaxpar; decoding's form; the model in both frameworks from one
-weights file; sp=2 equal to one device; the compiled step's attention FLOPs against dense dilated attention's."""
+sum and FlexAttention's block mask equal to jaxpar; decoding's form; both trainers from one weights file (the
+model's loss and gradients: tests/jaxpar/test_variants.py's twins); sp=2 equal to one device; the compiled step's
+attention FLOPs against dense dilated attention's."""
 import warnings
 
 import jax
@@ -10,18 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from flax import nnx
 
 from jaxpar.core.block_sparsity import BlockSparsity, block_sparsity, dense_blocks, kept_blocks, kept_count
 from jaxpar.core.errors import UserError
-from jaxpar.core.weights import flatten, read_weights, save_weights, unflatten
-from jaxpar.loss import loss_fn as jax_loss
 from jaxpar.models import dilated as jd
-from jaxpar.models.decoder import Decoder as JaxDecoder
 from tests.helpers import assert_params_close, metrics, run_cli, run_steps, tiny_config
 from torchpar.models import dilated as td
-from torchpar.models.decoder import Decoder, next_token_loss
-from torchpar.weights import from_shared, to_shared
 
 PAIRS = ((16, 1), (32, 2), (64, 4))  # on 64 tokens: every pair's selected row holds 16 tokens, 8 blocks of 2
 SPARSE = BlockSparsity(0.25, 2, 0)  # 2 of a row's 8 blocks at most: a quarter of the dense scores
@@ -131,31 +126,6 @@ def test_decoding_attends_the_same_blocks():
     np.testing.assert_array_equal(longer, counts)
     tpos = torch.arange(T)
     np.testing.assert_array_equal(td.key_counts(tpos, tpos, H, PAIRS, T, SPARSE).numpy(), counts)
-
-
-def test_model_same_loss_and_gradients_in_both_frameworks_from_one_weights_file(tmp_path):
-    cfg = tiny_config(*SPARSE_MODEL)
-    torch_model = Decoder(cfg.model)
-    torch_model.init_weights(0)
-    path = str(tmp_path / "init.safetensors")
-    save_weights(path, to_shared(torch_model.state_dict(), cfg.model.n_layer))  # the shared format (--write-init)
-    params = read_weights(path)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: JaxDecoder(cfg.model, nnx.Rngs(0))))
-    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, unflatten(params)))
-    batch = np.random.default_rng(0).integers(0, 256, (4, cfg.data.seq_len + 1)).astype(np.int32)
-    with jax.default_matmul_precision("highest"):
-        loss_of = lambda s: jax_loss(nnx.merge(graphdef, s), jnp.asarray(batch))  # noqa: E731
-        jloss, jgrads = jax.jit(jax.value_and_grad(loss_of))(state)
-    jgrads = {k: np.asarray(v) for k, v in flatten(nnx.to_pure_dict(jgrads)).items()}
-    model = Decoder(cfg.model)
-    model.load_state_dict(from_shared(params, cfg.model.n_layer))
-    tbatch = torch.from_numpy(batch).long()
-    loss = next_token_loss(model(tbatch[:, :-1]), tbatch[:, 1:])
-    loss.backward()
-    np.testing.assert_allclose(loss.item(), float(jloss), rtol=1e-5)
-    grads = to_shared({n: p.grad for n, p in model.named_parameters()}, cfg.model.n_layer)
-    diff = np.sqrt(sum(np.sum((grads[k] - g) ** 2) for k, g in jgrads.items()))
-    assert diff / np.sqrt(sum(np.sum(g ** 2) for g in jgrads.values())) < 1e-5
 
 
 def test_trainers_agree_from_torchpar_write_init(tmp_path, dataset):

@@ -35,6 +35,11 @@ VARIANTS = {
     "llama_dilated": ("model.family=llama", "model.n_kv_head=1", "model.d_ff=48", "model.attention=dilated",
                       "model.segment_lengths=4,8,16", "model.dilation_rates=1,2,4"),
 }
+# the framework twins also hold block-sparse dilated attention (tests/jaxpar/test_block_sparse.py): 32 tokens,
+# rows of 16 selected tokens in both pairs, blocks of 2, a quarter kept
+TWINS = {**VARIANTS, "dilated_sparse": ("data.seq_len=32", "model.attention=dilated", "model.segment_lengths=16,32",
+                                        "model.dilation_rates=1,2", "model.sparsity_block=2",
+                                        "model.sparsity_ratio=0.25")}
 MESHES = ["dp=8", "dp=2,tp=4", "fsdp=8"]
 
 
@@ -88,9 +93,9 @@ def test_dilated_sequence_parallel_matches_single_device(mesh, dataset):
 
 # --- jaxpar vs torchpar: same loss and gradients from the same weights -------------------------------
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", list(TWINS))
 def test_variant_same_loss_and_gradients_as_torchpar(variant):
-    cfg = tiny_config(*VARIANTS[variant])
+    cfg = tiny_config(*TWINS[variant])
     torch_model = Decoder(cfg.model)
     torch_model.init_weights(0)
     params = to_shared(torch_model.state_dict(), cfg.model.n_layer)
