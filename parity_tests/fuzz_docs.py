@@ -65,8 +65,7 @@ def _pipeline_sp(c: Case) -> bool:
     sched = c.get("parallel.pipeline_schedule", "auto")
     m = c.mesh()
     return c.side == "jax" and m["pp"] > 1 and m["sp"] > 1 and sched not in GPIPE_RUNS and (
-        c.get("parallel.sequence_attention", "ring") == "ring" or c.get("model.attention") == "dilated"
-        or c.get("parallel.sequence_zigzag", "true") == "false")
+        c.get("parallel.sequence_attention", "ring") == "ring" or c.get("model.attention") == "dilated")
 
 
 def invalid_config(c: Case) -> bool:

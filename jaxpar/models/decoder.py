@@ -218,7 +218,10 @@ class Decoder(nnx.Module):
         x = self.token_embedding(tokens)
         if self.cfg.family == "gpt2":
             T = tokens.shape[1]
-            x = x + (self.wpe[...][:T] if positions is None else jnp.take(self.wpe[...], positions, axis=0))
+            # the natural order's rows sliced replicated: left to GSPMD, the slice of the sp-sharded sequence was a
+            # collective-permute, inside the pipeline executor's first-stage branches a deadlock (docs/architecture.md)
+            x = x + (constrain(self.wpe[...][:T], (None, "act_embed")) if positions is None else
+                     jnp.take(self.wpe[...], positions, axis=0))
         return constrain(x.astype(dtype), ("batch", "seq", "act_embed"))
 
     def token_embedding(self, tokens: jax.Array) -> jax.Array:
