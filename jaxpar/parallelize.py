@@ -34,7 +34,7 @@ from jaxpar.parallel import powersgd
 from jaxpar.parallel.compression import compressed_loss_and_grads, data_axes
 from jaxpar.parallel.experts import expert_parallel
 from jaxpar.parallel.gpipe import gpipe_layers
-from jaxpar.parallel.pipeline_executor import HAND_SCHEDULED
+from jaxpar.parallel.pipeline_plan import HAND_SCHEDULED
 from jaxpar.parallel.sequence import sequence_attention
 
 

@@ -29,7 +29,7 @@ def refusal(cfg, sizes: dict) -> None:
 def flops_ratio(cfg, sizes: dict, devices, one: list) -> float:
     """The step's matmul FLOPs over one device's; `one` holds one device's once counted (the same for every
     schedule)."""
-    from jaxpar.parallel.pipeline_executor import HAND_SCHEDULED
+    from jaxpar.parallel.pipeline_plan import HAND_SCHEDULED
     from jaxpar.tools.pipeline_memory import step_flops
 
     if not one:

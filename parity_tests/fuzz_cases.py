@@ -306,14 +306,14 @@ def _draw_model_kind(rng: random.Random, s: dict, experts: bool = False) -> str:
 
 def _draw_pipeline(rng: random.Random, s: dict, S: int, weights=None) -> tuple[int, int]:
     """Schedule, virtual stages and microbatches for S stages: (stages x virtual stages, microbatches)."""
-    schedule = _pick(rng, weights or {"gpipe": 2, "1f1b": 2, "interleaved": 2, "zb_h1": 1, "zb_v": 1})
+    schedule = _pick(rng, weights or {"gpipe": 2, "1f1b": 2, "interleaved": 2, "zb_h1": 1, "zb_v": 1, "dualpipev": 1})
     s["parallel.pipeline_schedule"] = schedule
     V = 2 if schedule == "interleaved" else 1
     s["parallel.pipeline_virtual_stages"] = str(V)
-    M = _pick(rng, {0: 2, S: 1, 4 * S: 1})
+    M = _pick(rng, {0: 2, S: 1, 4 * S: 1} if schedule != "dualpipev" else {0: 2, 4 * S: 1})  # dualpipev: M >= 2S
     if M:
         s["parallel.pipeline_microbatches"] = str(M)
-    return S * (2 if schedule == "zb_v" else V), M or 2 * S
+    return S * (2 if schedule in ("zb_v", "dualpipev") else V), M or 2 * S
 
 
 def _draw_dims(rng: random.Random, s: dict, heads_div: int, layers_div: int) -> None:

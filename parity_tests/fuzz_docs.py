@@ -93,9 +93,10 @@ def indivisible(c: Case) -> bool:
             c.get("parallel.sequence_attention") == "ulysses" and heads % (m["tp"] * m["sp"]))
     if m["pp"] > 1:
         S, V, schedule = m["pp"], g("parallel.pipeline_virtual_stages", 1), c.get("parallel.pipeline_schedule", "auto")
-        V = 2 if schedule == "zb_v" else 1 if schedule == "auto" else V  # auto: refused where gpipe is (V 1)
+        V = 2 if schedule in ("zb_v", "dualpipev") else 1 if schedule == "auto" else V  # auto: refused as gpipe (V 1)
         M = g("parallel.pipeline_microbatches", 0) or 2 * S
         bad = bad or g("model.n_layer", 2) % (S * V) or micro % (M * ways) or (schedule not in GPIPE_RUNS and M < S) or (
+            schedule == "dualpipev" and M < 2 * S) or (
             schedule == "interleaved" and M % S)
     return bool(bad)
 
@@ -112,9 +113,10 @@ DOCUMENTED_REFUSALS = (
      "all_gather or ulysses, the zig-zag order and not model.attention=dilated", _pipeline_sp),
     ("docs/architecture.md 'Pipeline parallelism': model.linear=sketched or model.attention=mla in the executor "
      "with tp>1 and parameters sharded over fsdp or ZeRO-3", _pipeline_resharded),
-    ("docs/torchpar.md pipeline: zb_h1 and zb_v with model.remat=save_matmuls (torch's selective checkpoint allows "
+    ("docs/torchpar.md pipeline: zb_h1, zb_v and dualpipev with model.remat=save_matmuls (torch's selective checkpoint "
+     "allows "
      "one backward per region)", lambda c: c.side == "torch" and c.backend == "pipeline" and
-     c.get("parallel.pipeline_schedule") in ("zb_h1", "zb_v") and c.get("model.remat") == "save_matmuls"),
+     c.get("parallel.pipeline_schedule") in ("zb_h1", "zb_v", "dualpipev") and c.get("model.remat") == "save_matmuls"),
     ("docs/torchpar.md ddp: parallel.zero_stage must be 0",
      lambda c: c.side == "torch" and c.backend == "ddp" and c.get("parallel.zero_stage", "0") != "0"),
     ("docs/torchpar.md fsdp: CPUOffloadPolicy is GPU only; optimizer alone is refused",

@@ -226,7 +226,7 @@ class ParallelConfig:
     # pipeline over `pp` (jaxpar/parallel/gpipe.py, jaxpar/parallel/pipeline_executor.py); schedule tables: python -m jaxpar.tools.pipeline_table
     # auto: the least modeled step time for the config and mesh (jaxpar/core/pipeline_choice.py)
     pipeline_schedule: str = field(default="auto", metadata=_check(
-        choices=("auto", "gpipe", "1f1b", "interleaved", "zb_h1", "zb_v")))
+        choices=("auto", "gpipe", "1f1b", "interleaved", "zb_h1", "zb_v", "dualpipev")))
     pipeline_microbatches: int = field(default=0, metadata=_check(lo=0))  # 0 -> 2 x stages
     pipeline_virtual_stages: int = field(default=1, metadata=_check(lo=1))
     # state kept in host memory between steps, moved to the devices for the step (jaxpar: memory kinds;

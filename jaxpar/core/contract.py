@@ -194,7 +194,7 @@ CONTRACT: dict[str, Owner] = {
                             evidence="tests/core/test_data.py::test_stdlib_prepared_once_and_reused"),
     "data.document_mask": Owner(True, ("none", "ddp", "fsdp", "deepspeed"), "step", when=_documents,
                                 mode="an attention other than dilated, and on a jaxpar pipeline a hand-scheduled "
-                                     "parallel.pipeline_schedule (1f1b, interleaved, zb_h1, zb_v; not gpipe)",
+                                     "parallel.pipeline_schedule (1f1b, interleaved, zb_h1, zb_v, dualpipev; not gpipe)",
                                 why_not="torch.distributed.pipelining passes activations alone between stages "
                                         "(use --backend none, ddp, fsdp or deepspeed)"),
     "data.batching": Owner(True, NOT_PIPELINE, "data", why_not=ONE_SHAPE),

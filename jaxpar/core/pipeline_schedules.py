@@ -212,11 +212,8 @@ def dualpipev_program(stage: int, S: int, M: int, V: int = 1) -> list[Op]:
 
 
 PROGRAMS = {"gpipe": gpipe_program, "1f1b": one_f_one_b_program, "interleaved": interleaved_program,
-            "zb_h1": zb_h1_program, "zb_v": zb_v_program}
+            "zb_h1": zb_h1_program, "zb_v": zb_v_program, "dualpipev": dualpipev_program}
 SPLIT_BACKWARD = ("zb_h1", "zb_v")  # B is the input gradient alone, W the weights'
-# every schedule the tables know: PROGRAMS, which the trainers run, and DualPipeV, which no executor runs yet (its
-# tables for the planner's tools: python -m jaxpar.tools.pipeline_table --schedule dualpipev)
-TABLES = {**PROGRAMS, "dualpipev": dualpipev_program}
 V_SHAPED = ("zb_v", "dualpipev")  # two chunks per device, chunk 0 down the devices and chunk 1 back up
 AUTO = "auto"  # parallel.pipeline_schedule's default: the least modeled step time (jaxpar/core/pipeline_choice.py)
 # what a layout built without an entry point's choice runs (library calls such as build_step, and their tests):
@@ -253,8 +250,8 @@ def resolve_microbatches(stages: int, microbatches: int) -> int:
 
 
 def check_schedule(schedule: str, S: int, M: int, V: int, n_layer: int | None = None) -> None:
-    if schedule not in TABLES:
-        raise UserError(f"pipeline schedule {schedule!r} is not one of {', '.join(TABLES)}")
+    if schedule not in PROGRAMS:
+        raise UserError(f"pipeline schedule {schedule!r} is not one of {', '.join(PROGRAMS)}")
     if S < 1 or M < 1 or V < 1:
         raise UserError(f"pipeline needs stages, microbatches and virtual stages >= 1 (got {S}, {M}, {V})")
     if schedule != "interleaved" and V != 1:
@@ -284,7 +281,7 @@ def _needs(kind: str, m: int, v: int, last: int) -> list[tuple[str, int, int]]:
 def simulate(schedule: str, S: int, M: int, V: int = 1) -> list[list[Op | None]]:
     """table[tick][device] = the op that device runs at that tick, or None (bubble)."""
     check_schedule(schedule, S, M, V)
-    programs = [TABLES[schedule](d, S, M, V) for d in range(S)]
+    programs = [PROGRAMS[schedule](d, S, M, V) for d in range(S)]
     done: set[tuple[str, int, int]] = set()  # (kind, microbatch, virtual stage); BW makes a B and a W
     pos, table, last = [0] * S, [], S * chunks(schedule, V) - 1
     while any(p < len(prog) for p, prog in zip(pos, programs)):
@@ -351,7 +348,11 @@ def render(table: list[list[Op | None]]) -> str:
 
 
 def configured_bubble(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float | None:
-    """The idle fraction of a run's pipeline (parallel.pipeline_* on `stages` stages); None without one."""
+    """The idle fraction of a run's pipeline (parallel.pipeline_* on `stages` stages); None without one. DualPipeV's
+    is its lockstep bubble (its overlapped ticks are three units of work: a unit-tick count would flatter it); the
+    others' the unit-tick table's, which for ZB-H1 and ZB-V (every op one unit) is their lockstep one too."""
     if stages == 1:
         return None
-    return bubble_fraction(simulate(concrete(schedule), stages, resolve_microbatches(stages, microbatches), virtual))
+    schedule = concrete(schedule)
+    table = simulate(schedule, stages, resolve_microbatches(stages, microbatches), virtual)
+    return lockstep_bubble(schedule, table) if schedule == "dualpipev" else bubble_fraction(table)

@@ -1,6 +1,6 @@
 """Hand-scheduled pipeline over `pp`: runs a schedule table from jaxpar/core/pipeline_schedules.py
-(1F1B, interleaved, ZB-H1, ZB-V, or GPipe for comparison) tick by tick, each stage doing its own forward or
-backward. It knows no model: the caller passes a `StageFns` (embedding, a chunk of layers, head and loss).
+(1F1B, interleaved, ZB-H1, ZB-V, DualPipeV, or GPipe for comparison) tick by tick, each stage doing its own forward
+or backward. It knows no model: the caller passes a `StageFns` (embedding, a chunk of layers, head and loss).
 
 Inside `jax.shard_map` over `pp` only (dp/fsdp/tp/sp stay with GSPMD inside each stage), every
 device reads its row of precomputed tables at each tick and runs one branch of a `lax.switch`:
@@ -24,6 +24,11 @@ loss on the last.
   (in residual buffers B has done with where shapes match, else in "tap" buffers): with remat that is more than
   the layer inputs the residuals were (GPT: 16 activations' worth per layer against 1), the memory ZB pays for W
   without a recomputed forward; the cotangent that arrived is dropped at B.
+- DualPipeV places its chunks as ZB-V and adds two ops: BW, a whole backward (B, then W at once from the x and dy
+  B hands out, nothing kept), and FB, a forward and another microbatch-chunk's BW in one tick (the forward's output
+  and the BW's input gradient both sent at the tick's end). A BW reads its own columns (b_chunk, b_microbatch,
+  b_res_slot, b_cot_slot), so one row holds both halves of an FB; its drain splits B and W as ZB's.
+- The tables (jaxpar/parallel/pipeline_plan.py) say what each device does at each tick and where it keeps what.
 - After every tick each device sends its forward output to device d+1 and its input cotangent to
   d-1 (`ppermute`, circular so interleaved chunks wrap from the last device to the first); the
   tables say which slot, if any, keeps what arrives. ZB-V's second chunk runs back up the devices, so
@@ -46,25 +51,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.core.pipeline_schedules import SPLIT_BACKWARD, chunks, placement, simulate, virtual_stage
+from jaxpar.core.pipeline_schedules import chunks, virtual_stage
 from jaxpar.ops import split_backward, split_microbatches
+from jaxpar.parallel.pipeline_plan import COL, COLUMNS, SPLIT, TickPlan, tick_plan
 from jaxpar.sharding import context_mesh
 
 AXIS = "pp"
-HAND_SCHEDULED = ("1f1b", "interleaved", "zb_h1", "zb_v")  # GPipe trains through gpipe.py (jax.grad through its ticks)
-# branch index of a tick: what one device does
-IDLE, F_MID, F_FIRST, F_LAST, B_MID, B_FIRST, B_LAST, W_MID, W_FIRST, W_LAST = range(10)
-BRANCHES = W_LAST + 1  # lax.switch branches of a tick
-CODES = {"F": (F_FIRST, F_MID, F_LAST), "B": (B_FIRST, B_MID, B_LAST), "W": (W_FIRST, W_MID, W_LAST)}
-# where a device's arrivals come from: the device before it (d-1, circularly), the one after it (d+1), or its own
-# last tick (ZB-V's turn, virtual stage S-1 to S on the last device)
-SOURCES = ("left", "right", "self")
-# one row per (tick, device): the branch, its chunk and microbatch, the slots it reads its stage input,
-# cotangent and residuals from, the residual slot its forward fills, and the slots where this tick's
-# arrivals from each source are kept
-COLUMNS = ("code", "chunk", "microbatch", "in_slot", "cot_slot", "res_slot", "res_write", "tap_slot", "tap_write",
-           *(f"recv_{kind}_{src}" for kind in ("act", "cot") for src in SOURCES))
-COL = {name: i for i, name in enumerate(COLUMNS)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,85 +72,6 @@ class StageFns:
     stats_cotangent: jax.Array | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class TickPlan:
-    tables: np.ndarray  # [ticks, devices, COLUMNS] int32
-    act_slots: int  # received stage-input buffers per device, + 1 spare
-    cot_slots: int  # received-cotangent buffers per device, + 1 spare
-    res_slots: int  # residual buffers per device (microbatch-chunks between F and the end of their backward), + 1
-    tap_slots: int = 1  # ZB: "tap" buffers per device (microbatch-chunks between B and W), + 1
-
-
-def _allocate(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
-    """Greedy slots for [start, end] tick intervals (a slot is reusable after its end tick)."""
-    free_after, slot_of = [], {}
-    for start, end, key in sorted(intervals, key=lambda x: x[0]):
-        slot = next((i for i, f in enumerate(free_after) if f < start), None)
-        if slot is None:
-            slot = len(free_after)
-            free_after.append(end)
-        free_after[slot] = end
-        slot_of[key] = slot
-    return slot_of, len(free_after)
-
-
-def _source(S: int, sender: int, receiver: int) -> str:
-    return "self" if sender == receiver else "left" if sender == (receiver - 1) % S else "right"
-
-
-def tick_plan(schedule: str, S: int, M: int, V: int) -> TickPlan:
-    """The tables of a schedule. With a split backward (ZB) B keeps the projections' inputs and output gradients
-    for W (written at the B tick into the microbatch's slot of the residual buffers and a slot of the "tap" buffers,
-    which hold microbatch-chunks from B to W only), so the cotangent that came in is dropped at B."""
-    table, last = simulate(schedule, S, M, V), S * chunks(schedule, V) - 1
-    split = schedule in SPLIT_BACKWARD
-    dev = lambda v: placement(schedule, S, v)[0]  # noqa: E731
-    when = {}  # (kind, microbatch, virtual stage) -> tick
-    for t, row in enumerate(table):
-        for d, op in enumerate(row):
-            if op is not None:
-                when[(op.kind, op.microbatch, virtual_stage(schedule, S, d, op.chunk))] = t
-    # what each device must keep until the backward is over: an arrived stage input until its forward has run,
-    # an arrived cotangent until its B, and the residuals of each forward (ZB: what B keeps for W) until W
-    end = lambda m, v: when.get(("W", m, v), when[("B", m, v)])  # noqa: E731
-    acts, cots, res, taps = ([[] for _ in range(S)] for _ in range(4))
-    for m in range(M):
-        for v in range(last + 1):
-            res[dev(v)].append((when[("F", m, v)], end(m, v), (m, v)))
-            if split:
-                taps[dev(v)].append((when[("B", m, v)], end(m, v), (m, v)))
-            if v:
-                acts[dev(v)].append((when[("F", m, v - 1)] + 1, when[("F", m, v)], (m, v)))
-            if v < last:
-                cots[dev(v)].append((when[("B", m, v + 1)] + 1, when[("B", m, v)], (m, v)))
-    act_slot, cot_slot, res_slot, tap_slot = ([_allocate(x) for x in kept] for kept in (acts, cots, res, taps))
-    n_act, n_cot, n_res, n_tap = (max(n for _, n in slots) + 1  # + scratch
-                                  for slots in (act_slot, cot_slot, res_slot, tap_slot))
-    out = np.zeros((len(table), S, len(COLUMNS)), np.int32)
-    for name, scratch in (("in_slot", n_act), ("cot_slot", n_cot), ("res_slot", n_res), ("res_write", n_res),
-                          ("tap_slot", n_tap), ("tap_write", n_tap),
-                          *((f"recv_{kind}_{src}", n) for kind, n in (("act", n_act), ("cot", n_cot))
-                            for src in SOURCES)):
-        out[..., COL[name]] = scratch - 1
-    for (kind, m, v), t in when.items():
-        (d, chunk), first, final = placement(schedule, S, v), v == 0, v == last
-        code = CODES[kind][0 if first else 2 if final else 1]
-        out[t, d, [COL["code"], COL["chunk"], COL["microbatch"]]] = code, chunk, m
-        slot = res_slot[d][0][(m, v)]
-        out[t, d, COL["res_write" if kind == "F" else "res_slot"]] = slot
-        if kind == "B" and split:  # B's taps go into residual and "tap" buffers
-            out[t, d, [COL["res_write"], COL["tap_write"]]] = slot, tap_slot[d][0][(m, v)]
-        elif kind == "W":
-            out[t, d, COL["tap_slot"]] = tap_slot[d][0][(m, v)]
-        if kind == "F" and not first:
-            out[t, d, COL["in_slot"]] = act_slot[d][0][(m, v)]
-            recv = f"recv_act_{_source(S, dev(v - 1), d)}"
-            out[when[("F", m, v - 1)] + 1, d, COL[recv]] = act_slot[d][0][(m, v)]
-        if kind == "B" and not final:
-            out[t, d, COL["cot_slot"]] = cot_slot[d][0][(m, v)]
-            recv = f"recv_cot_{_source(S, dev(v + 1), d)}"
-            out[when[("B", m, v + 1)] + 1, d, COL[recv]] = cot_slot[d][0][(m, v)]
-    return TickPlan(out, n_act, n_cot, n_res, n_tap)
 
 
 def _place_taps(residuals: list, taps: list) -> list[tuple[str, int]]:
@@ -303,28 +216,56 @@ class _Stage:
             return self.zeros, d_x.astype(self.dtype), kept, self.zeros, grads
         return run
 
+    def weight_grads(self, grads, op, pairs):
+        """grads plus the projections' weight gradients alone, x^T dy of each projection's (input, output gradient) in
+        `pairs` (ops.split_backward: the layers traced again, everything but those products dead)."""
+        c = op["chunk"]
+
+        def surrogate(b):
+            with split_backward("weights", pairs) as traced:
+                self.layers(b, self.at(self.consts, c), self.zeros, self.rows(op["microbatch"]))
+            return sum(jnp.sum(r) for r in traced.recorded)
+        return self.add_weights(grads, op, False, jax.grad(surrogate)(self.at(self.blocks, c)), None)
+
     def weights(self, first: bool, last: bool):
-        """ZB's W: the projections' weight gradients alone, x^T dy from what B kept (ops.split_backward: the layers
-        traced again, everything but those products dead)."""
+        """ZB's W, from what B kept."""
         def run(acts, cots, stash, own, grads, op):
             kept = [stash[pool][i][op[f"{pool}_slot"]] for pool, i in self.tap_at]
-            pairs = [(x, dy) for dy, x in zip(kept[::2], kept[1::2])]
-            c = op["chunk"]
-
-            def surrogate(b):
-                with split_backward("weights", pairs) as traced:
-                    self.layers(b, self.at(self.consts, c), self.zeros, self.rows(op["microbatch"]))
-                return sum(jnp.sum(r) for r in traced.recorded)
-            grads = self.add_weights(grads, op, False, jax.grad(surrogate)(self.at(self.blocks, c)), None)
+            grads = self.weight_grads(grads, op, [(x, dy) for dy, x in zip(kept[::2], kept[1::2])])
             return self.zeros, self.zeros, self.nothing_kept(), self.zeros, grads
         return run
 
-    def branches(self) -> list:
-        """Indexed by the tick code (CODES): idle, then F, B, W each as (middle, first, last) stage (W idle where
-        the schedule has none)."""
-        weights = self.weights if self.split else lambda first, last: self.idle
-        return [self.idle, *(make(first, last) for make in (self.forward, self.backward, weights)
-                             for first, last in ((False, False), (True, False), (False, True)))]
+    def whole_backward(self, first: bool, last: bool):
+        """DualPipeV's BW, of the b_ columns' microbatch-chunk: B, then W from the taps B hands out (none kept)."""
+        def run(acts, cots, stash, own, grads, op):
+            op = {**op, **{k: op[f"b_{k}"] for k in ("chunk", "microbatch", "res_slot", "cot_slot")}}
+            d_chunk, d_x, d_taps = self.pullback(cots, stash, own, op, last)
+            grads = self.add_weights(grads, op, first, d_chunk, d_x)
+            grads = self.weight_grads(grads, op, [(x, dy) for dy, x in d_taps])
+            return self.zeros, d_x.astype(self.dtype), self.nothing_kept(), self.zeros, grads
+        return run
+
+    def overlapped(self, f_at: tuple[bool, bool], b_at: tuple[bool, bool]):
+        """DualPipeV's FB: a forward (its activation sent on, its residuals kept) and another microbatch-chunk's BW
+        (its input gradient sent back) in one tick; (first, last) of each."""
+        forward, backward = self.forward(*f_at), self.whole_backward(*b_at)
+
+        def run(acts, cots, stash, own, grads, op):
+            send_act, _, kept, d_h, grads = forward(acts, cots, stash, own, grads, op)
+            _, send_cot, _, _, grads = backward(acts, cots, stash, own, grads, op)
+            return send_act, send_cot, kept, d_h, grads
+        return run
+
+    def branches(self, dual: bool) -> list:
+        """Indexed by the tick code (CODES, FB_CODES): idle, then F, B, W, BW each as (middle, first, last) stage,
+        then FB as (middle, middle), (first, last), (last, first) (idle where the schedule has none: W without
+        `split`, BW and FB without `dual`, DualPipeV)."""
+        absent = lambda *_: self.idle  # noqa: E731
+        makers = (self.forward, self.backward, self.weights if self.split else absent,
+                  self.whole_backward if dual else absent)
+        places = ((False, False), (True, False), (False, True))
+        fb = [self.overlapped(places[f], places[b]) if dual else self.idle for f, b in ((0, 0), (1, 2), (2, 1))]
+        return [self.idle, *(make(first, last) for make in makers for first, last in places), *fb]
 
 
 def _exchange(used: tuple, S: int, send_act, send_cot) -> dict:
@@ -358,8 +299,8 @@ def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets
     def body(rest, blocks, consts, inputs, targets, tables):
         blocks, consts = (jax.tree.map(lambda w: w[:, 0], t) for t in (blocks, consts))  # this device's chunks
         stage = _Stage(fns, rest, blocks, consts, inputs, targets, M, act_shape, dtype,
-                       split=schedule in SPLIT_BACKWARD)
-        device, branches = jax.lax.axis_index(AXIS), stage.branches()
+                       split=schedule in SPLIT)
+        device, branches = jax.lax.axis_index(AXIS), stage.branches(dual=schedule == "dualpipev")
 
         def tick(carry, rows):
             acts, cots, stash, own, grads, got = carry

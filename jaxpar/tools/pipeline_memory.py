@@ -31,7 +31,7 @@ def step_flops(cfg, sizes, devices, on_executor: str | None) -> float:
     import jax
 
     from jaxpar.core.pipeline_schedules import resolve_microbatches
-    from jaxpar.parallel.pipeline_executor import BRANCHES, COL, tick_plan
+    from jaxpar.parallel.pipeline_plan import BRANCHES, COL, tick_plan
     from jaxpar.tools.jaxpr_flops import branch_flops, matmul_flops
     from jaxpar.tools.sequence_memory import loss_and_grad_program
 
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.stages)
     from jaxpar.core.config import load_config
-    from jaxpar.parallel.pipeline_executor import tick_plan
+    from jaxpar.parallel.pipeline_plan import tick_plan
     from jaxpar.tools.sequence_memory import measure
 
     S, T, b = args.stages, args.seq_len, args.microbatch_size

@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from jaxpar.core.errors import cli
-from jaxpar.core.pipeline_schedules import (SPLIT_BACKWARD, TABLES, V_SHAPED, bubble_fraction, chunks,
+from jaxpar.core.pipeline_schedules import (SPLIT_BACKWARD, PROGRAMS, V_SHAPED, bubble_fraction, chunks,
                                             lockstep_bubble, max_in_flight, render, simulate)
 
 
@@ -23,7 +23,7 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stages", type=int, required=True)
     ap.add_argument("--microbatches", type=int, required=True)
-    ap.add_argument("--schedule", default="1f1b", choices=tuple(TABLES))
+    ap.add_argument("--schedule", default="1f1b", choices=tuple(PROGRAMS))
     ap.add_argument("--virtual-stages", type=int, default=1)
     args = ap.parse_args(argv)
     table = simulate(args.schedule, args.stages, args.microbatches, args.virtual_stages)

@@ -50,7 +50,8 @@ def print_schedules(rows: list[dict]) -> None:
         mark = "  <- auto" if r["auto"] else "" if r["fits"] else "  over --memory-per-device"
         print(f"{r['schedule']:<12} {r['bubble']:>7.3f} {r['peak_bytes'] / 2**20:>10.2f} MiB "
               f"{r['temp_bytes'] / 2**20:>10.2f} MiB {r['flops_ratio']:>12.2f}x {r['modeled_time']:>13.2f}{mark}")
-    print("bubble: the schedule table's idle share (python -m jaxpar.tools.pipeline_table); matmul FLOPs: the step's "
+    print("bubble: the schedule table's idle share (python -m jaxpar.tools.pipeline_table; dualpipev's in lockstep, a "
+          "tick as long as its slowest op, its overlapped forward and backward three units); matmul FLOPs: the step's "
           "against one device's (above 1.0: work the schedule adds: GSPMD GPipe's bubble ticks); ZB's peak and temp "
           "include W's stash, each projection's input and output gradient from B to W (with remat, more than the "
           "layer inputs remat keeps); "

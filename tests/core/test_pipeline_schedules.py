@@ -164,7 +164,7 @@ def test_dualpipev_program_is_valid_and_torchs():
 
     from torch.distributed.pipelining.schedules import ScheduleDualPipeV
 
-    from jaxpar.core.pipeline_schedules import TABLES
+    from jaxpar.core.pipeline_schedules import PROGRAMS
     names = {"FORWARD": "F", "FULL_BACKWARD": "BW", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
 
     def theirs(a, rank):
@@ -176,7 +176,7 @@ def test_dualpipev_program_is_valid_and_torchs():
         dualpipev_ticks(simulate("dualpipev", S_, M_), S_)
         torch_order = types.SimpleNamespace(pp_group_size=S_, _n_microbatches=M_)
         for d in range(S_):
-            assert [str(op) for op in TABLES["dualpipev"](d, S_, M_)] == [
+            assert [str(op) for op in PROGRAMS["dualpipev"](d, S_, M_)] == [
                 theirs(a, d) for a in ScheduleDualPipeV._calculate_single_rank_operations(torch_order, d)]
     table = simulate("dualpipev", 2, 4)
     dropped = [row[:] for row in table]

@@ -9,7 +9,7 @@ from jaxpar.core.mesh_spec import parse_mesh
 from jaxpar.pipeline_auto import resolve_schedule
 from jaxpar.tools.plan import peak_bytes
 from tests.helpers import assert_params_close, assert_resumes_exactly, run_steps, tiny_config
-from jaxpar.parallel.pipeline_executor import tick_plan
+from jaxpar.parallel.pipeline_plan import tick_plan
 
 # 4 layers so that pp=4 has a layer per stage. At the tiny config's lr=1e-2 a 4-layer model lets Adam
 # amplify float32 rounding to ~3e-5 in parameters on *any* sharded layout (dp=2,tp=2 too, no pipeline);
@@ -108,6 +108,7 @@ def _branch_matmuls(*overrides) -> list[int]:
     from jaxpar.context import use
     from jaxpar.layout import Layout
     from jaxpar.mesh import make_mesh
+    from jaxpar.parallel.pipeline_plan import BRANCHES
     from jaxpar.state import abstract_state
     from jaxpar.step import loss_and_grad
 
@@ -120,14 +121,15 @@ def _branch_matmuls(*overrides) -> list[int]:
 
     jaxpr = jax.make_jaxpr(traced)(abstract_state(layout)["params"], jax.ShapeDtypeStruct(layout.batch_shape, "int32"))
     walk = lambda j: [e for e in j.eqns for e in [e, *(x for sub in jaxprs_in_params(e.params) for x in walk(sub))]]  # noqa: E731
-    tick = next(e for e in walk(jaxpr.jaxpr) if e.primitive.name == "cond" and len(e.params["branches"]) == 10)
+    tick = next(e for e in walk(jaxpr.jaxpr)
+                if e.primitive.name == "cond" and len(e.params["branches"]) == BRANCHES)
     return [sum(e.primitive.name == "dot_general" for e in walk(b.jaxpr)) for b in tick.params["branches"]]
 
 
 def test_executor_backward_does_not_recompute_the_forward_unless_remat_says_so():
     """A middle stage's backward applies the residuals its forward kept: two matmuls per forward matmul (the
     gradients of both operands), none recomputed; model.remat=full trades memory for a recomputed forward."""
-    from jaxpar.parallel.pipeline_executor import B_MID, F_MID
+    from jaxpar.parallel.pipeline_plan import B_MID, F_MID
 
     kept = _branch_matmuls("parallel.pipeline_schedule=1f1b")
     assert kept[F_MID] == 6 and kept[B_MID] == 2 * kept[F_MID]  # qkv, QK^T, PV, out, fc, proj per layer
@@ -163,7 +165,7 @@ def test_zero_bubble_weight_pass_is_the_weight_matmuls_alone(remat):
     x^T dy and no other matmul (a W that recomputed the forward or the activation gradients fails here), B does
     1F1B's backward less exactly those, and the step is one device's matmul work, ZB-V's too."""
     from jaxpar.core.pipeline_schedules import resolve_microbatches
-    from jaxpar.parallel.pipeline_executor import B_MID, BRANCHES, F_MID, W_MID
+    from jaxpar.parallel.pipeline_plan import B_MID, BRANCHES, F_MID, W_MID
     from jaxpar.tools.jaxpr_flops import branch_flops
     from jaxpar.tools.pipeline_memory import step_flops
     from jaxpar.tools.sequence_memory import loss_and_grad_program

@@ -41,8 +41,8 @@ def test_auto_picks_the_least_modeled_time_of_the_full_table(layers, remat, winn
     asked = set(memo_flops)
     sizes = pipeline_auto._full(SIZES)
     bubbles, refused = candidates(cfg, 4, lambda c: pipeline_auto.refusal(c, sizes))
-    assert set(bubbles) | set(refused) == {"gpipe", "1f1b", "interleaved", "zb_h1", "zb_v"}
-    assert set(refused) == (set() if layers == 8 else {"interleaved", "zb_v"})
+    assert set(bubbles) | set(refused) == {"gpipe", "1f1b", "interleaved", "zb_h1", "zb_v", "dualpipev"}
+    assert set(refused) == (set() if layers == 8 else {"interleaved", "zb_v", "dualpipev"})
     one: list = []
     table = {s: modeled_time(b, pipeline_auto.flops_ratio(with_schedule(cfg, s), sizes, devices, one))
              for s, b in bubbles.items()}
@@ -64,7 +64,7 @@ def test_auto_leaves_out_what_the_config_refuses_and_what_does_not_fit(monkeypat
     offload = tiny_config(*EIGHT, "model.moe_experts=4", "model.remat=offload")
     assert resolve_schedule(offload, SIZES, devices, NEVER)[0].parallel.pipeline_schedule == "gpipe"
     cfg = tiny_config(*EIGHT)
-    peaks = {"gpipe": 100, "1f1b": 200, "interleaved": 200, "zb_h1": 200, "zb_v": 200}
+    peaks = {"gpipe": 100, "1f1b": 200, "interleaved": 200, "zb_h1": 200, "zb_v": 200, "dualpipev": 200}
     peak = lambda c, sizes, devices: peaks[c.parallel.pipeline_schedule]  # noqa: E731
     assert resolve_schedule(cfg, SIZES, devices, peak, 150)[0].parallel.pipeline_schedule == "gpipe"
     assert resolve_schedule(cfg, SIZES, devices, peak, 250)[0].parallel.pipeline_schedule == "zb_v"

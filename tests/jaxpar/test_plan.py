@@ -184,15 +184,18 @@ def test_schedules_side_by_side():
     """--schedules on pp=2 (4 layers, M=4): every schedule with its table's bubble (the textbook fractions), 1F1B at
     one device's matmul FLOPs and so are ZB-H1 and ZB-V (W: the projections' weight gradients alone), ZB-H1's
     memory within 1.05x of 1F1B's (W's stash: each projection's input and output gradient, which B hands out, mostly
-    in residual buffers B has done with), ZB-V's within 1.1x; the modeled step time, and auto marked on its least."""
+    in residual buffers B has done with), ZB-V's within 1.1x; DualPipeV's bubble in lockstep (pipeline_schedules.
+    lockstep_bubble) and one device's FLOPs; the modeled step time, and auto marked on its least."""
+    from jaxpar.core.pipeline_schedules import lockstep_bubble, simulate
     from jaxpar.tools.plan import compare_schedules
 
     rows = {r["schedule"]: r for r in compare_schedules(tiny_config("model.n_layer=4"), {"pp": 2}, jax.devices()[:2])}
     S, M = 2, 4
     want = {"gpipe": (S - 1) / (M + S - 1), "1f1b": (S - 1) / (M + S - 1), "interleaved": (S - 1) / (2 * M + S - 1),
-            "zb_h1": (S - 1) / (3 * M + S - 1), "zb_v": (S - 1) / (6 * M + S - 1)}
+            "zb_h1": (S - 1) / (3 * M + S - 1), "zb_v": (S - 1) / (6 * M + S - 1),
+            "dualpipev": lockstep_bubble("dualpipev", simulate("dualpipev", S, M))}  # its FB ticks: 3 units
     assert {k: round(r["bubble"], 6) for k, r in rows.items()} == {k: round(v, 6) for k, v in want.items()}
-    assert all(rows[s]["flops_ratio"] == pytest.approx(1.0, abs=0.01) for s in ("1f1b", "zb_h1", "zb_v"))
+    assert all(rows[s]["flops_ratio"] == pytest.approx(1.0, abs=0.01) for s in ("1f1b", "zb_h1", "zb_v", "dualpipev"))
     assert rows["zb_h1"]["temp_bytes"] <= 1.05 * rows["1f1b"]["temp_bytes"]
     assert rows["zb_v"]["temp_bytes"] <= 1.1 * rows["1f1b"]["temp_bytes"]
     # the modeled time column, and auto's mark on its least (every schedule fits: no --memory-per-device)

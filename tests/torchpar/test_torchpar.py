@@ -163,7 +163,7 @@ def four_layers(base):
     return args, metrics(run_dir)
 
 
-@pytest.mark.parametrize("schedule,virtual", [("interleaved", 2), ("zb_h1", 1), ("zb_v", 1)])
+@pytest.mark.parametrize("schedule,virtual", [("interleaved", 2), ("zb_h1", 1), ("zb_v", 1), ("dualpipev", 1)])
 def test_pipeline_multi_stage_schedules_match_one_process(schedule, virtual, four_layers, tmp_path):
     """torch's ScheduleInterleaved1F1B (virtual stages from parallel.pipeline_virtual_stages, jaxpar's layer split),
     ScheduleInterleavedZeroBubble (zb_h1) and ScheduleZBVZeroBubble (zb_v: rank 0 holds layers 0 and 3, rank 1

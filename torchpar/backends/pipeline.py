@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                         ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+                                         ScheduleDualPipeV, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from jaxpar.core.errors import UserError
 from jaxpar.core.loss_chunks import loss_chunks
@@ -54,8 +54,8 @@ from torchpar.models.head import chunked_cross_entropy
 from torchpar.optim import local, whole
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
-             "zb_h1": ScheduleInterleavedZeroBubble, "zb_v": ScheduleZBVZeroBubble}
-MULTI = ("interleaved", "zb_h1", "zb_v")  # schedules that take a list of stages
+             "zb_h1": ScheduleInterleavedZeroBubble, "zb_v": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+MULTI = ("interleaved", "zb_h1", "zb_v", "dualpipev")  # schedules that take a list of stages
 
 
 class Stage(nn.Module):
@@ -160,7 +160,7 @@ def check_torch_pipeline(cfg, world: int) -> int:
     if D > 1 and axis == "fsdp" and cfg.model.moe_experts and cfg.model.moe_bias_update:
         raise UserError(f"--backend pipeline: model.moe_bias_update with fsdp={D}: each stage moves its layers' "
                         "balance bias on whole parameters, which FSDP2 shards (pp x dp or pp alone runs it)")
-    if schedule in ("zb_h1", "zb_v") and cfg.model.remat == "save_matmuls":
+    if schedule in ("zb_h1", "zb_v", "dualpipev") and cfg.model.remat == "save_matmuls":
         raise UserError(f"--backend pipeline: parallel.pipeline_schedule={schedule} splits each backward "
                         "into an input and a weight pass, and torch's selective checkpoint (model.remat=save_matmuls) "
                         "allows one backward per region; use model.remat=full or none")
@@ -247,9 +247,10 @@ class PipelineEngine(TorchEngine):
 
     def eval_loss(self, batch: torch.Tensor, share: float = 1.0) -> float:
         self.scale, self.training = share / self.M, False  # the cross-entropy alone, as the other backends
-        if self.cfg.parallel.pipeline_schedule == "zb_v":
-            # torch 2.13's ScheduleZBVZeroBubble.eval runs the backward actions' local hand-off at the V's turn
-            # with no backward ("can't steal_bwd_input"): evaluate with a training pass, its gradients dropped
+        if self.cfg.parallel.pipeline_schedule in ("zb_v", "dualpipev"):
+            # torch 2.13's ScheduleZBVZeroBubble.eval (ScheduleDualPipeV's too) runs the backward actions' local
+            # hand-off at the V's turn with no backward ("can't steal_bwd_input"): evaluate with a training pass, its
+            # gradients dropped
             loss = self._run(batch, train=True)
             self.optimizer.zero_grad(set_to_none=True)
             return loss
