@@ -97,9 +97,6 @@ def check_pipeline(cfg: Config, sizes) -> None:
     if batch % (M * data_ways):
         raise UserError(f"batch per microbatch {batch} is not divisible by parallel.pipeline_microbatches={M} "
                         f"x data axes dp*fsdp*ep={data_ways}")
-    if cfg.model.mtp_depth and schedule != "gpipe":
-        raise UserError(f"parallel.pipeline_schedule={schedule} does not run model.mtp_depth yet (the executor's last "
-                        "stage computes the main loss alone; gpipe runs it)")
     if cfg.model.float8 and schedule in ("zb_h1", "zb_v", "dualpipev"):
         raise UserError(f"parallel.pipeline_schedule={schedule} does not run model.float8 yet (its split "
                         "backward computes each projection's weight gradient itself, in the compute dtype; gpipe, 1f1b "

@@ -11,12 +11,9 @@ MODE_KEYS = {"model.mtp_loss_weight": lambda c: c.get("model.mtp_depth", "0") !=
 
 
 def runs_mtp(case) -> bool:
-    """Whether the case's run takes model.mtp_depth: not on a hand-scheduled pipeline schedule, not on torchpar's
-    pipeline backend, not with model.linear=sketched (docs/architecture.md 'Multi-token prediction')."""
-    if case.get("model.linear") == "sketched" or case.backend == "pipeline":
-        return False
-    return case.side != "jax" or case.mesh()["pp"] == 1 or case.get("parallel.pipeline_schedule", "auto") in (
-        "gpipe", "auto")
+    """Whether the case's run takes model.mtp_depth: every jaxpar pipeline schedule does, torchpar's pipeline
+    backend and model.linear=sketched do not (docs/architecture.md 'Multi-token prediction')."""
+    return case.get("model.linear") != "sketched" and case.backend != "pipeline"
 
 
 def with_mtp(case):

@@ -66,7 +66,9 @@ class StageFns:
     # `inputs`: a microbatch's slice of pipeline_value_and_grad's (token ids, or a tuple of per-row arrays)
     embed: Callable  # (rest, chunk, inputs) -> x [rows, seq, width]
     layers: Callable  # (rest, chunk, chunk_consts, x, inputs) -> h; with stats_cotangent (h, stats [rows, n])
+    # `targets`: the microbatch's slice of pipeline_value_and_grad's; with `reports`, head_loss returns [1 + reports]
     head_loss: Callable  # (rest, chunk, h, targets) -> the microbatch's loss (a scalar)
+    reports: int = 0  # values head_loss reports after the loss (MTP's depths): no gradient, their means returned
     # [n]: the loss's derivative by each per-row statistic the layers report (the loss adds their sum over rows
     # and microbatches times it); None: the layers report none
     stats_cotangent: jax.Array | None = None
@@ -161,7 +163,7 @@ class _Stage:
 
     def zero_sums(self) -> tuple:
         """The loss's and the statistics' running sums before the first forward."""
-        return jnp.zeros((), jnp.float32), jnp.zeros(self.d_stats.shape[1:], jnp.float32)
+        return jnp.zeros((1 + self.fns.reports,), jnp.float32), jnp.zeros(self.d_stats.shape[1:], jnp.float32)
 
     def nothing_kept(self) -> dict:
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.shapes)
@@ -177,10 +179,10 @@ class _Stage:
             g_rest, g_blocks, loss_sum, stats_sum = grads
             stats_sum = stats_sum + jnp.sum(stats, axis=0)
             d_h = self.zeros
-            if last:  # head and loss differentiated now: their cotangent is the loss's 1/M
-                loss, head_pullback = jax.vjp(
-                    lambda r, h: self.fns.head_loss(r, self.at(self.blocks, c), h, self.targets[m]), self.rest, h)
-                d_rest, d_h = head_pullback(jnp.asarray(1.0 / self.M, loss.dtype))
+            if last:  # head and loss differentiated now: their cotangent is the loss's 1/M (the reports' zero)
+                loss, head_pullback = jax.vjp(lambda r, h: jnp.reshape(self.fns.head_loss(
+                    r, self.at(self.blocks, c), h, self.at(self.targets, m)), (-1,)), self.rest, h)
+                d_rest, d_h = head_pullback(jnp.zeros(loss.shape, loss.dtype).at[0].set(1.0 / self.M))
                 g_rest, loss_sum = jax.tree.map(jnp.add, g_rest, d_rest), loss_sum + loss
             kept = {**self.nothing_kept(), "res": residuals}
             return (h.astype(self.dtype), self.zeros, kept, d_h.astype(self.dtype),
@@ -278,13 +280,14 @@ def _exchange(used: tuple, S: int, send_act, send_cot) -> dict:
 
 def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets, *, mesh, schedule: str,
                             S: int, M: int, V: int, width: int, dtype):
-    """(mean loss, the layers' statistics summed over rows and microbatches ([0] without fns.stats_cotangent), grads
-    of `rest`, grads of `blocks`) of a model pipelined over `pp`: S stages, M microbatches, V chunks per stage.
+    """(mean loss (with fns.reports: [1 + reports], then the reports' means), the layers' statistics summed over rows
+    and microbatches ([0] without fns.stats_cotangent), grads of `rest`, grads of `blocks`) of a model pipelined over
+    `pp`: S stages, M microbatches, V chunks per stage.
     blocks (trained) and consts (not) carry a leading layers axis; inputs/targets are [rows, seq] token ids in the
     order the model reads them (inputs may be a tuple of such per-row arrays: the stage functions read each
-    microbatch's slice)."""
+    microbatch's slice; targets a tuple whose first is the token ids, head_loss reading each's)."""
     plan, C = tick_plan(schedule, S, M, V), chunks(schedule, V)
-    inputs, targets = jax.tree.map(lambda a: split_microbatches(a, M), inputs), split_microbatches(targets, M)
+    inputs, targets = (jax.tree.map(lambda a: split_microbatches(a, M), t) for t in (inputs, targets))
     L = jax.tree.leaves(blocks)[0].shape[0]
     # [chunk, stage, layer]: the layers of virtual stage virtual_stage(c, d) at [c, d]
     order = np.array([virtual_stage(schedule, S, d, c) for c in range(C) for d in range(S)])
@@ -292,7 +295,7 @@ def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets
     staged = lambda w: permute(jnp.asarray(w).reshape(C * S, L // (S * C), *w.shape[1:]), order).reshape(  # noqa: E731
         C, S, L // (S * C), *w.shape[1:])
     blocks, consts = jax.tree.map(staged, blocks), jax.tree.map(staged, consts)
-    act_shape = targets.shape[1:] + (width,)
+    act_shape = jax.tree.leaves(targets)[0].shape[1:] + (width,)
     used = tuple(name for name in COLUMNS[COL["recv_act_left"]:]  # a tuple in COLUMNS' order: every process
                  if np.any(plan.tables[..., COL[name]] != (plan.act_slots if "act" in name else plan.cot_slots) - 1))
 
@@ -325,7 +328,8 @@ def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets
         (_, _, _, _, (g_rest, g_blocks, loss_sum, stats), _), _ = jax.lax.scan(tick, carry, tables)
         g_rest, loss_sum, stats = jax.lax.psum((g_rest, loss_sum, stats), AXIS)
         g_blocks = jax.tree.map(lambda g: g[:, None], g_blocks)
-        return loss_sum / M + jnp.sum(stats * stage.d_stats[0]), stats, g_rest, g_blocks
+        loss = loss_sum / M + jnp.zeros_like(loss_sum).at[0].set(jnp.sum(stats * stage.d_stats[0]))
+        return (loss if fns.reports else loss[0]), stats, g_rest, g_blocks
 
     loss, stats, g_rest, g_blocks = jax.shard_map(
         body, mesh=context_mesh(mesh), axis_names={AXIS}, check_vma=False,
