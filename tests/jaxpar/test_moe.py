@@ -156,7 +156,8 @@ ON_EXECUTOR = ("model.n_layer=4", "model.moe_bias_update=0.001", "train.steps=4"
 
 
 @pytest.mark.parametrize("mesh", ["pp=2", "pp=2,ep=2"])
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb_h1", "zb_v"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb_h1", "zb_v",
+                                      pytest.param("dualpipev", marks=pytest.mark.slow)])
 def test_experts_on_each_hand_scheduled_pipeline_equal_one_device(schedule, mesh, dataset):
     """The executor carries the experts' statistics: each stage sums its layers' (the balance loss's gradient pulled
     back through every stage, each expert layer's loads for its bias), as one device does over the layers."""
