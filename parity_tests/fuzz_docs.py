@@ -38,7 +38,7 @@ PROMISES = (
      "docs/architecture.md 'Mixture of experts': ep composes with dp, fsdp, tp, sp and the pipeline schedules; torchpar runs it on "
      "none/ddp/fsdp/deepspeed/pipeline, split over ep under ddp (docs/torchpar.md ddp and pipeline bullets)"),
     ("multi-token prediction", lambda c: "model.mtp_depth" in dict(c.settings),
-     "docs/architecture.md 'Multi-token prediction': every layout, the gpipe schedule on a jaxpar pipeline, "
+     "docs/architecture.md 'Multi-token prediction': every layout, every schedule of a jaxpar pipeline, "
      "torchpar none/ddp/fsdp/deepspeed"),
     ("batching", lambda c: any(k in ("data.document_mask", "data.batching", "train.batch_rampup")
                                for k, _ in c.settings),
