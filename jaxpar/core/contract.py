@@ -125,9 +125,6 @@ PIPELINE = dict(when=_stages, mode="a pipeline (jaxpar: pp>1 in the mesh; torchp
 MOE = dict(when=lambda r: r.cfg.model.moe_experts > 0, mode="model.moe_experts>0", example=("model.moe_experts=4",))
 NO_BIAS_UPDATE = ("torchpar moves the experts' balance bias on whole parameters, which fsdp and deepspeed shard "
                   "(use --backend none, ddp or pipeline, or jaxpar.train)")
-NO_PIPELINE_MTP = ("torch.distributed.pipelining passes activations alone between stages, and the prediction "
-                   "modules read the main model's last hidden state beside the tokens (use --backend none, ddp, fsdp "
-                   "or deepspeed)")
 NO_TORCH_SP = "torchpar has no sequence parallelism (jaxpar.train runs sp)"
 
 CONTRACT: dict[str, Owner] = {
@@ -181,9 +178,10 @@ CONTRACT: dict[str, Owner] = {
                                   example=("model.moe_experts=8", "model.moe_n_group=4")),
     "model.moe_bias_update": Owner(True, ("none", "ddp", "pipeline"), "params", **MOE, why_not=NO_BIAS_UPDATE),
     "model.moe_router_bias": Owner(True, ("none", "ddp", "pipeline"), "params", **MOE, why_not=NO_BIAS_UPDATE),
-    "model.mtp_depth": Owner(True, NOT_PIPELINE, "params", why_not=NO_PIPELINE_MTP),
-    "model.mtp_loss_weight": Owner(True, NOT_PIPELINE, "step", when=lambda r: r.cfg.model.mtp_depth > 0,
-                                   mode="model.mtp_depth>0", example=("model.mtp_depth=1",), why_not=NO_PIPELINE_MTP),
+    # the pipeline: its last stage's loss function runs the modules (torchpar/backends/pipeline.py)
+    "model.mtp_depth": Owner(True, BOTH, "params"),
+    "model.mtp_loss_weight": Owner(True, BOTH, "step", when=lambda r: r.cfg.model.mtp_depth > 0,
+                                   mode="model.mtp_depth>0", example=("model.mtp_depth=1",)),
     # data: one order for both (jaxpar/core/data_order.py)
     "data.dataset": Owner(True, BOTH, "data"),
     "data.tokenizer": Owner(True, BOTH, "test", evidence="tests/e2e/test_train_cli.py::test_trains_on_a_bpe_corpus_and_refuses_another_tokenizer_on_resume"),

@@ -29,6 +29,11 @@ checkpoints (DCP) and weight files are interchangeable with every other backend.
   that layer's columns, as moe.layer_stats lays them out); the last stage's loss function weighs in the balance
   loss, whose gradient flows back through that output to every stage's routers, and keeps the step's statistics.
   Each stage moves its own layers' balance bias by every layer's loads, summed over the ranks.
+- Multi-token prediction (model.mtp_depth; pp alone, gpipe, 1f1b, interleaved): the last stage's output is the state
+  before the final norm; its loss function (Stage.mtp_loss) takes the final norm, the head and the prediction
+  modules, which read the microbatch's whole rows passed as the schedule's target (the depths' tokens and targets).
+  The last stage holds the embedding table for their lookups, tied head or not, its gradient summed with the
+  first stage's as a tied head's; each depth's loss is kept, scaled as the loss, for metrics (mtp_loss_1..D).
 """
 from __future__ import annotations
 
@@ -49,7 +54,7 @@ from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
 from jaxpar.core.pipeline_schedules import (check_schedule, chunks as chunks_per_rank, concrete, placement,
                                             resolve_microbatches, virtual_stage)
 from torchpar.backends.base import TorchEngine
-from torchpar.models.decoder import Decoder, embed, inputs_and_targets
+from torchpar.models.decoder import Decoder, embed, inputs_and_targets, mtp_rows
 from torchpar.models.head import chunked_cross_entropy
 from torchpar.optim import local, whole
 
@@ -67,12 +72,13 @@ class Stage(nn.Module):
         super().__init__()
         self.first, self.last, self.compute_dtype = first, last, model.compute_dtype
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})  # global names
-        if first or (last and model.lm_head is None):
+        if first or (last and (model.lm_head is None or model.mtp)):  # the last's: a tied head, MTP's lookups
             self.wte = model.wte
         if first:
             self.wpe = model.wpe  # None for llama
         if last:
             self.ln_f, self.lm_head = model.ln_f, model.lm_head  # lm_head None when tied
+            self.mtp = model.mtp  # multi-token prediction's modules (empty without): run in mtp_loss
         self.cfg = model.cfg
 
     def forward(self, x: torch.Tensor, stats: torch.Tensor | None = None):
@@ -85,7 +91,7 @@ class Stage(nn.Module):
             x, layer = block(x)
             if layer is not None:  # an expert layer (the dense first ones report none)
                 per_layer.append((int(name) - self.cfg.moe_first_dense, layer))
-        x = self.ln_f(x) if self.last else x
+        x = self.ln_f(x) if self.last and not self.cfg.mtp_depth else x  # MTP reads the state before it
         return (x, add_stats(stats, per_layer, self.cfg, x)) if self.cfg.moe_experts else x
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -96,6 +102,21 @@ class Stage(nn.Module):
         weight pass. Under FSDP2 a forward method of the stage's (register_fsdp_forward_method)."""
         table = self.wte if self.lm_head is None else self.lm_head
         return chunked_cross_entropy(x, table, targets, loss_chunks(self.cfg, targets.shape[1]))
+
+    def mtp_loss(self, h: torch.Tensor, rows: torch.Tensor, train: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """With multi-token prediction: (the main cross-entropy, each depth's [depth] or None out of training) of
+        the last stage's output `h` (before the final norm) and the microbatch's rows [rows, seq + 1] (the
+        schedule's target): Decoder.forward's and mtp_forward's steps, the lookups in this stage's copy of wte."""
+        inputs, targets = inputs_and_targets(rows)
+        loss = self.head_loss(self.ln_f(h), targets)
+        if not train:  # evaluation: the main loss alone, as the other backends
+            return loss, None
+        table, losses = self.wte if self.lm_head is None else self.lm_head, []
+        for module, (ahead, later) in zip(self.mtp, mtp_rows(inputs, targets, None, len(self.mtp))):
+            h = module(self.wte[ahead].to(self.compute_dtype), h)
+            losses.append(chunked_cross_entropy(module.norm_out(h), table, later,
+                                                loss_chunks(self.cfg, later.shape[1])))
+        return loss, torch.stack(losses)
 
 
 def stats_width(cfg) -> int:
@@ -160,6 +181,11 @@ def check_torch_pipeline(cfg, world: int) -> int:
     if D > 1 and axis == "fsdp" and cfg.model.moe_experts and cfg.model.moe_bias_update:
         raise UserError(f"--backend pipeline: model.moe_bias_update with fsdp={D}: each stage moves its layers' "
                         "balance bias on whole parameters, which FSDP2 shards (pp x dp or pp alone runs it)")
+    if cfg.model.mtp_depth and (schedule in ("zb_h1", "zb_v", "dualpipev") or D > 1):
+        raise UserError(f"--backend pipeline: model.mtp_depth runs on pp alone with gpipe, 1f1b or interleaved (got "
+                        f"{schedule}" + (f", {axis}={D}" if D > 1 else "") + "): the prediction modules run in the "
+                        "last stage's loss function, outside the stage; zero-bubble's split backward fails with them, "
+                        "DDP and FSDP2 inside the stages are not verified with them")
     if schedule in ("zb_h1", "zb_v", "dualpipev") and cfg.model.remat == "save_matmuls":
         raise UserError(f"--backend pipeline: parallel.pipeline_schedule={schedule} splits each backward "
                         "into an input and a weight pass, and torch's selective checkpoint (model.remat=save_matmuls) "
@@ -177,7 +203,8 @@ class PipelineEngine(TorchEngine):
         # every stage of a replica reads the replica's share of the batch; only the last has the loss
         self.data_rank, self.data_ways = place.replica, place.replicas
         self.M, self.stage_module, self.scale, self.pp_group = M, stage, 1.0, place.pp_group
-        self.training, self.step_stats = True, []  # with experts: the balance loss counts; the step's statistics
+        # with experts: the balance loss counts, the step's statistics; with MTP: each depth's losses of the step
+        self.training, self.step_stats, self.step_depths = True, [], []
         # the chunk that holds the model's last virtual stage, when this rank has it (DDP's: the module inside)
         self.last_chunk = next((getattr(c, "module", c) for c in chunks if getattr(c, "module", c).last), None)
         S, schedule = place.stages, concrete(cfg.parallel.pipeline_schedule)
@@ -189,7 +216,8 @@ class PipelineEngine(TorchEngine):
         ends_at = {placement(schedule, S, v)[0] for v in (0, S * len(chunks) - 1)}  # zb_v: both on stage 0
         for replica in range(place.replicas):
             ends = sorted(replica * S + e for e in ends_at)
-            group = tdist.new_group(ends) if len(ends) == 2 and cfg.model.tie_embeddings else None
+            shared = cfg.model.tie_embeddings or cfg.model.mtp_depth  # the last stage's wte: its head's, MTP's lookups
+            group = tdist.new_group(ends) if len(ends) == 2 and shared else None
             if replica == place.replica:
                 self.tied = group
         # wte's gradient counts once in the global norm: on the first stage only
@@ -197,13 +225,18 @@ class PipelineEngine(TorchEngine):
 
     def _loss(self, out, target: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of a pipeline microbatch, times the step's scale; with experts, in training, plus
-        their balance loss (as microbatch_loss), their statistics kept for the step."""
-        if not self.cfg.model.moe_experts:
-            return self.last_chunk.head_loss(out, target) * self.scale
-        x, stats = out
-        loss = self.last_chunk.head_loss(x, target)
-        if self.training:
-            m = self.cfg.model
+        their balance loss (as microbatch_loss), their statistics kept for the step; with multi-token prediction,
+        in training, plus mtp_loss_weight x the depths' mean, each depth's loss (scaled as the loss) kept."""
+        m = self.cfg.model
+        x, stats = out if m.moe_experts else (out, None)
+        if m.mtp_depth:  # `target`: the microbatch's rows, for the depths' tokens and targets
+            loss, depths = self.last_chunk.mtp_loss(x, target, self.training)
+            if depths is not None:
+                self.step_depths.append(depths.detach() * self.scale)
+                loss = loss + m.mtp_loss_weight * depths.mean()
+        else:
+            loss = self.last_chunk.head_loss(x, target)
+        if stats is not None and self.training:
             summed = stats.detach().sum(0)
             summed[-1] /= m.moe_layers
             self.step_stats.append(torch.cat([summed, summed.new_tensor([stats.shape[0]])]))
@@ -215,20 +248,28 @@ class PipelineEngine(TorchEngine):
         return batch.reshape(-1, self.M, batch.shape[-1]).transpose(0, 1).reshape(batch.shape)
 
     def _run(self, batch: torch.Tensor, train: bool) -> float:
-        (inputs, targets), s = inputs_and_targets(self._order(batch)), self.stage_module
+        rows, s = self._order(batch), self.stage_module
+        inputs, targets = inputs_and_targets(rows)
         args = (inputs,) if s.first else ()
-        kwargs = {"target": targets, "losses": []} if s.last else {}
-        kept = len(self.step_stats)
+        # multi-token prediction's loss reads the rows' tokens too: the whole ordered rows as the target
+        target = rows if self.cfg.model.mtp_depth else targets
+        kwargs = {"target": target, "losses": []} if s.last else {}
+        kept = (len(self.step_stats), len(self.step_depths))
         (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
         if s.last and self.training:  # the first step's metadata inference (a real forward and loss) ran the loss
-            # function once more before the microbatches: their statistics are the last ones
-            self.step_stats[kept:] = self.step_stats[len(self.step_stats) - len(kwargs["losses"]):]
+            # function once more before the microbatches: their records are the last ones
+            for records, k in zip((self.step_stats, self.step_depths), kept):
+                if len(records) > k:  # a record kept this step (experts, MTP)
+                    records[k:] = records[len(records) - len(kwargs["losses"]):]
         return float(sum(kwargs["losses"])) if s.last else 0.0
 
     def forward_backward(self, micro: list[torch.Tensor], share: float = 1.0) -> torch.Tensor:
         self.scale = share / (self.M * len(micro))  # mean over all microbatches of the step
-        self.training, self.step_stats = True, []
+        self.training, self.step_stats, self.step_depths = True, [], []
         total = sum(self._run(batch, train=True) for batch in micro)
+        if self.cfg.model.mtp_depth:  # the last stage's; zeros elsewhere (read_metrics sums them over the ranks)
+            self.mtp_losses = (sum(self.step_depths) if self.step_depths else
+                               torch.zeros(self.cfg.model.mtp_depth, device=self.env.device))
         if self.cfg.model.moe_experts:  # the last stage's; zeros elsewhere (read_metrics sums them over the ranks)
             self.expert_stats = (sum(self.step_stats) if self.step_stats else
                                  torch.zeros(stats_width(self.cfg.model) + 1, device=self.env.device))
