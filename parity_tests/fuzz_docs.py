@@ -39,7 +39,7 @@ PROMISES = (
      "none/ddp/fsdp/deepspeed/pipeline, split over ep under ddp (docs/torchpar.md ddp and pipeline bullets)"),
     ("multi-token prediction", lambda c: "model.mtp_depth" in dict(c.settings),
      "docs/architecture.md 'Multi-token prediction': every layout, every schedule of a jaxpar pipeline, "
-     "torchpar none/ddp/fsdp/deepspeed, and pipeline on pp alone with gpipe, 1f1b or interleaved"),
+     "torchpar none/ddp/fsdp/deepspeed, and pipeline with gpipe, 1f1b or interleaved (pp x dp too, not pp x fsdp)"),
     ("batching", lambda c: any(k in ("data.document_mask", "data.batching", "train.batch_rampup")
                                for k, _ in c.settings),
      "README.md 'Data' (data.document_mask), 'Variable-length batches' (data.batching=buckets) and 'Optimiser' "

@@ -10,20 +10,20 @@ MTP_SHARE = 0.15  # of the cases that run it
 MODE_KEYS = {"model.mtp_loss_weight": lambda c: c.get("model.mtp_depth", "0") != "0"}
 
 
-# the schedules torchpar's pipeline runs it on (pp alone); auto picks among those it does not refuse
+# the schedules torchpar's pipeline runs it on (pp alone or pp x dp); auto picks among those it does not refuse
 TORCH_PIPELINE = ("auto", "gpipe", "1f1b", "interleaved")
 
 
 def runs_mtp(case) -> bool:
     """Whether the case's run takes model.mtp_depth: every jaxpar pipeline schedule does, torchpar's pipeline
-    backend on pp alone with gpipe, 1f1b or interleaved; model.linear=sketched does not (docs/architecture.md
+    backend with gpipe, 1f1b or interleaved, but pp x fsdp; model.linear=sketched does not (docs/architecture.md
     'Multi-token prediction')."""
     if case.get("model.linear") == "sketched":
         return False
     if case.side == "jax" or case.backend != "pipeline":
         return True
     sizes = case.mesh()
-    return sizes["dp"] * sizes["fsdp"] == 1 and case.get("parallel.pipeline_schedule", "auto") in TORCH_PIPELINE
+    return sizes["fsdp"] == 1 and case.get("parallel.pipeline_schedule", "auto") in TORCH_PIPELINE
 
 
 def with_mtp(case):

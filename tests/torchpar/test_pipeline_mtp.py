@@ -38,15 +38,17 @@ def test_mtp_on_a_pipeline_equals_one_process(family, base, tmp_path):
 
 
 def test_what_the_pipeline_refuses_with_mtp_is_one_line():
-    """Zero-bubble's split backward and data parallelism inside the stages are refused in one line; 1f1b runs."""
+    """Zero-bubble's split backward and FSDP2 inside the stages are refused in one line; 1f1b runs, pp x dp too
+    (measured equal to one process alike)."""
     from jaxpar.core.errors import UserError
     from tests.helpers import tiny_config
     from torchpar.backends.pipeline import check_torch_pipeline
 
     mtp = ["model.mtp_depth=2", "model.n_layer=4"]
-    with pytest.raises(UserError, match=r"model.mtp_depth runs on pp alone .*got zb_h1\)") as refused:
+    with pytest.raises(UserError, match=r"model.mtp_depth runs on gpipe, .*got zb_h1\)") as refused:
         check_torch_pipeline(tiny_config(*mtp, "parallel.pipeline_schedule=zb_h1"), 2)
     assert "\n" not in str(refused.value)
-    with pytest.raises(UserError, match="got 1f1b, dp=2"):
-        check_torch_pipeline(tiny_config(*mtp, "parallel.mesh=pp=2,dp=2", "parallel.pipeline_schedule=1f1b"), 4)
+    with pytest.raises(UserError, match="got 1f1b, fsdp=2"):
+        check_torch_pipeline(tiny_config(*mtp, "parallel.mesh=pp=2,fsdp=2", "parallel.pipeline_schedule=1f1b"), 4)
     assert check_torch_pipeline(tiny_config(*mtp, "parallel.pipeline_schedule=1f1b"), 2)
+    assert check_torch_pipeline(tiny_config(*mtp, "parallel.mesh=pp=2,dp=2", "parallel.pipeline_schedule=1f1b"), 4)

@@ -29,7 +29,7 @@ checkpoints (DCP) and weight files are interchangeable with every other backend.
   that layer's columns, as moe.layer_stats lays them out); the last stage's loss function weighs in the balance
   loss, whose gradient flows back through that output to every stage's routers, and keeps the step's statistics.
   Each stage moves its own layers' balance bias by every layer's loads, summed over the ranks.
-- Multi-token prediction (model.mtp_depth; pp alone, gpipe, 1f1b, interleaved): the last stage's output is the state
+- Multi-token prediction (model.mtp_depth; gpipe, 1f1b, interleaved; pp x dp too): the last stage's output is the state
   before the final norm; its loss function (Stage.mtp_loss) takes the final norm, the head and the prediction
   modules, which read the microbatch's whole rows passed as the schedule's target (the depths' tokens and targets).
   The last stage holds the embedding table for their lookups, tied head or not, its gradient summed with the
@@ -181,11 +181,11 @@ def check_torch_pipeline(cfg, world: int) -> int:
     if D > 1 and axis == "fsdp" and cfg.model.moe_experts and cfg.model.moe_bias_update:
         raise UserError(f"--backend pipeline: model.moe_bias_update with fsdp={D}: each stage moves its layers' "
                         "balance bias on whole parameters, which FSDP2 shards (pp x dp or pp alone runs it)")
-    if cfg.model.mtp_depth and (schedule in ("zb_h1", "zb_v", "dualpipev") or D > 1):
-        raise UserError(f"--backend pipeline: model.mtp_depth runs on pp alone with gpipe, 1f1b or interleaved (got "
-                        f"{schedule}" + (f", {axis}={D}" if D > 1 else "") + "): the prediction modules run in the "
+    if cfg.model.mtp_depth and (schedule in ("zb_h1", "zb_v", "dualpipev") or (D > 1 and axis == "fsdp")):
+        raise UserError(f"--backend pipeline: model.mtp_depth runs on gpipe, 1f1b or interleaved, pp alone or pp x dp "
+                        f"(got {schedule}" + (f", fsdp={D}" if D > 1 else "") + "): the prediction modules run in the "
                         "last stage's loss function, outside the stage; zero-bubble's split backward fails with them, "
-                        "DDP and FSDP2 inside the stages are not verified with them")
+                        "FSDP2 inside the stages is not verified with them")
     if schedule in ("zb_h1", "zb_v", "dualpipev") and cfg.model.remat == "save_matmuls":
         raise UserError(f"--backend pipeline: parallel.pipeline_schedule={schedule} splits each backward "
                         "into an input and a weight pass, and torch's selective checkpoint (model.remat=save_matmuls) "
