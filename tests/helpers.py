@@ -241,3 +241,23 @@ def assert_both_frameworks_give_hf_answers(flat: dict, cfg, tokens, want, greedy
     with torch.no_grad():
         np.testing.assert_allclose(torch_model(torch.as_tensor(tokens)).numpy(), want, atol=1e-5 * scale)
     assert generate(torch_model.eval(), torch.as_tensor(tokens[:1, :8]), 12).tolist() == greedy[:, 8:].tolist()
+
+
+def assert_hf_round_trip_through_a_jaxpar_run(oracle: tuple, tmp_path, model_class) -> None:
+    """`hf_oracle`'s model --from hf into a jaxpar run and --to hf back: every tensor bit for bit, and the export's
+    config.json loads into `model_class` giving the same logits."""
+    import torch
+    from safetensors.numpy import load_file
+
+    from jaxpar.tools import convert
+
+    path, tokens, logits = oracle[:3]
+    assert convert.main(["--from", "hf", str(path), "--to", "jaxpar", str(tmp_path / "run")]) == 0
+    assert convert.main(["--from", "jaxpar", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "back")]) == 0
+    original, returned = (load_file(str(p / "model.safetensors")) for p in (path, tmp_path / "back"))
+    assert set(returned) == set(original)
+    for name, value in original.items():
+        assert np.array_equal(returned[name], value), name
+    hf = model_class.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        np.testing.assert_array_equal(hf(torch.as_tensor(tokens)).logits.numpy(), logits)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxpar.core.errors import UserError
-from tests.helpers import assert_both_frameworks_give_hf_answers, hf_oracle
+from tests.helpers import assert_both_frameworks_give_hf_answers, assert_hf_round_trip_through_a_jaxpar_run, hf_oracle
 
 # every DeepSeek-V3 part at once: latent attention with interleaved rotary features, a dense first layer, sigmoid
 # group-limited routing (4 groups, the best 2 kept), a shared expert, the routed scale, the choice's bias
@@ -50,22 +50,8 @@ def test_hf_deepseek_v3_logits_and_greedy_tokens_match_both_frameworks(hf_deepse
 
 
 def test_deepseek_v3_round_trip_through_a_jaxpar_run_is_bit_exact(hf_deepseek, tmp_path):
-    import torch
     import transformers
-    from safetensors.numpy import load_file
-
-    from jaxpar.tools import convert
-
-    path = hf_deepseek[0]
-    assert convert.main(["--from", "hf", str(path), "--to", "jaxpar", str(tmp_path / "run")]) == 0
-    assert convert.main(["--from", "jaxpar", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "back")]) == 0
-    original, returned = (load_file(str(p / "model.safetensors")) for p in (path, tmp_path / "back"))
-    assert set(returned) == set(original)
-    for name, value in original.items():
-        assert np.array_equal(returned[name], value), name
-    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "back").eval()  # the export's config.json too
-    with torch.no_grad():
-        np.testing.assert_array_equal(hf(torch.as_tensor(hf_deepseek[1])).logits.numpy(), hf_deepseek[2])
+    assert_hf_round_trip_through_a_jaxpar_run(hf_deepseek, tmp_path, transformers.DeepseekV3ForCausalLM)
 
 
 def test_ours_to_hf_gives_our_logits_and_greedy_tokens(tmp_path):

@@ -12,7 +12,8 @@ from jaxpar.core.errors import UserError
 from jaxpar.dispatch import local_experts
 from jaxpar.core.experts import row_capacity
 from jaxpar.models.moe import route
-from tests.helpers import assert_both_frameworks_give_hf_answers, assert_params_close, hf_oracle, run_steps, tiny_config
+from tests.helpers import (assert_both_frameworks_give_hf_answers, assert_hf_round_trip_through_a_jaxpar_run,
+                           assert_params_close, hf_oracle, run_steps, tiny_config)
 
 # Mixtral's shape (llama blocks, experts instead of the MLP) plus a shared expert and the balance loss; llama has no
 # attention biases, whose key bias has no true gradient and drifts on rounding noise over 20 steps. The schema's
@@ -340,22 +341,8 @@ def test_hf_mixtral_logits_and_greedy_tokens_match_both_frameworks(hf_mixtral):
 
 
 def test_mixtral_round_trip_through_a_jaxpar_run_is_bit_exact(hf_mixtral, tmp_path):
-    from safetensors.numpy import load_file
-
-    from jaxpar.tools import convert
-
-    path = hf_mixtral[0]
-    assert convert.main(["--from", "hf", str(path), "--to", "jaxpar", str(tmp_path / "run")]) == 0
-    assert convert.main(["--from", "jaxpar", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "back")]) == 0
-    original, returned = (load_file(str(p / "model.safetensors")) for p in (path, tmp_path / "back"))
-    assert set(returned) == set(original)
-    for name, value in original.items():
-        assert np.array_equal(returned[name], value), name
-    import torch
     import transformers
-    hf = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "back").eval()  # the export's config.json too
-    with torch.no_grad():
-        np.testing.assert_array_equal(hf(torch.as_tensor(hf_mixtral[1])).logits.numpy(), hf_mixtral[2])
+    assert_hf_round_trip_through_a_jaxpar_run(hf_mixtral, tmp_path, transformers.MixtralForCausalLM)
 
 
 def test_a_killed_expert_parallel_run_resumes_exactly(dataset, tmp_path):
