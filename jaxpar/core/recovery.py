@@ -76,7 +76,8 @@ class Recovery(Hook):
     def report(self, now: float) -> None:
         last, self.last = self.last, None
         record = {"time": now, "recovered_s": round(now - last["time"], 3),
-                  "replayed_steps": max(0, last["step"] - self.start), "resumed_from": self.start, "processes": [last.get("processes"), self.processes],
+                  "replayed_steps": max(0, last["step"] - self.start), "resumed_from": self.start,
+                  "processes": [last.get("processes"), self.processes],
                   "agent_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
         with open(os.path.join(self.run_dir, RECOVERIES), "a") as f:
             f.write(json.dumps(record) + "\n")
