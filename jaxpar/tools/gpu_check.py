@@ -1,15 +1,18 @@
-"""python -m jaxpar.tools.gpu_check [--tiny] [--out REPORT.md] [--skip parity,throughput,attention,ceiling,offload,models]
+"""python -m jaxpar.tools.gpu_check [--tiny] [--out REPORT.md] [--skip parity,throughput,profile,attention,...]
 
 One command that validates and measures on a GPU (a device session runs it in one call; docs/gpu.md):
   (a) the parity suite on the device (jaxpar vs torchpar, float32 highest precision, bf16 in its band),
   (b) GPT-2 124M, sequence 1024, bf16 on one device: tokens/s, MFU (6N + 12·L·T·d FLOPs per token, see
       jaxpar/core/flops.py), peak memory, for jaxpar and torchpar (torch.compile) in the same run,
+  (b2) where (b)'s jaxpar step spends its device time: kernel milliseconds by kind and the top kernels
+      (jaxpar/tools/gpu_profile.py), the profile the cast/reduction work is guided by,
   (c) which attention implementation the compiled jaxpar step calls (cuDNN fused attention or XLA's),
   (d) the measured bf16 matmul ceiling,
   (e) (b)'s jaxpar step with model.remat=offload (activations in host memory): tokens/s and peak memory,
   (f) the larger models, jaxpar on one device: Llama-3 1B in bf16 and with model.float8 (the float8 speed-up on
       the 1B), a mixture of experts (configs/moe-1b.yaml): tokens/s, MFU, peak memory.
-It prints and writes a dated markdown report with device, versions and every command. `--tiny` runs the
+It prints and writes a dated markdown report with device, versions and every command, rewritten after each
+part, so that a device call cut off at its time limit still brings back the parts that ran. `--tiny` runs the
 same path on the CPU with the tiny config and a few parity steps, so that CI keeps it working. A part that
 cannot run (e.g. DeepSpeed or grain missing from the image) is reported with its reason, not hidden.
 """
@@ -29,7 +32,7 @@ import time
 
 from jaxpar.core.errors import UserError, cli
 
-PARTS = ("parity", "throughput", "attention", "ceiling", "offload", "models")
+PARTS = ("parity", "throughput", "profile", "attention", "ceiling", "offload", "models")
 GPT2_124M = ["--config", "configs/gpt2-124m.yaml", "model.compute_dtype=bfloat16", "data.seq_len=1024",
              "train.global_batch_size=16"]
 TINY = ["--config", "configs/gpt2-tiny.yaml", "train.global_batch_size=8"]
@@ -74,6 +77,17 @@ def throughput(tiny: bool) -> dict:
     m = re.search(r"vs torchpar \(compiled\) ([\d,]+) tok/s: ratio ([\d.]+)", r["tail"])
     return {**r, "jaxpar": jax_row, "torchpar_tokens_per_sec": float(m.group(1).replace(",", "")) if m else None,
             "ratio": float(m.group(2)) if m else None, "ok": r["rc"] == 0 and jax_row is not None}
+
+
+def gpu_profile(tiny: bool) -> dict:
+    """(b2): (b)'s jaxpar step profiled, in a process of its own (the trace's memory and XLA flags stay there)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "profile.json")
+        cmd = [sys.executable, "-m", "jaxpar.tools.gpu_profile", "--steps", "2" if tiny else "5", "--warmup",
+               "1" if tiny else "3", "--json", out, *(TINY if tiny else GPT2_124M)]
+        r = _run(cmd, 300)
+        summary = json.load(open(out)) if os.path.exists(out) else None
+    return {**r, "summary": summary, "ok": r["rc"] == 0 and summary is not None}
 
 
 def jaxpar_bench(args: list[str], tiny: bool, timeout: int = 300) -> dict:
@@ -154,6 +168,12 @@ def markdown(res: dict) -> str:
                   f"| torchpar ({'eager: --tiny' if res['tiny'] else 'torch.compile'}) | "
                   f"{t['torchpar_tokens_per_sec'] or 0:,.0f} | | | |", "",
                   f"jaxpar / torchpar: {t['ratio'] or float('nan'):.2f}", ""]
+    if "profile" in res:
+        from jaxpar.tools.gpu_profile import markdown as profile_lines
+
+        p = res["profile"]
+        lines += ["## (b2) Profile of (b)'s jaxpar step", "", f"`{p['command']}` -> rc {p['rc']}", "",
+                  *(profile_lines(p["summary"]) if p["summary"] else ["(no summary: see the JSON's tail)"]), ""]
     if "attention" in res:
         lines += ["## (c) Attention", "", f"The compiled jaxpar step calls {res['attention']['implementation']}.", ""]
     if "ceiling" in res:
@@ -182,6 +202,15 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
+def write_report(out: str, res: dict) -> str:
+    report = markdown(res)
+    with open(out, "w") as f:
+        f.write(report)
+    with open(os.path.splitext(out)[0] + ".json", "w") as f:
+        json.dump(res, f, indent=2, default=str)
+    return report
+
+
 @cli
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxpar.tools.gpu_check", description=__doc__,
@@ -200,21 +229,17 @@ def main(argv=None) -> int:
     date = datetime.date.today().isoformat()
     res = {"date": date, "tiny": args.tiny, "device": jax.devices()[0].device_kind, "devices": jax.device_count(), "versions": versions(),
            "command": "python -m jaxpar.tools.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv)}
+    out = args.out or os.path.join("docs", "benchmarks", f"gpu-check-{date}.md")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     for part, fn in (("parity", lambda: parity("cpu" if args.tiny else "gpu", args.tiny)),
-                     ("throughput", lambda: throughput(args.tiny)), ("attention", lambda: attention(args.tiny)),
-                     ("ceiling", lambda: ceiling(args.tiny)), ("offload", lambda: offload(args.tiny)),
-                     ("models", lambda: models(args.tiny))):
+                     ("throughput", lambda: throughput(args.tiny)), ("profile", lambda: gpu_profile(args.tiny)),
+                     ("attention", lambda: attention(args.tiny)), ("ceiling", lambda: ceiling(args.tiny)),
+                     ("offload", lambda: offload(args.tiny)), ("models", lambda: models(args.tiny))):
         if part not in skip:
             print(f"gpu_check: {part} ...", file=sys.stderr, flush=True)
             res[part] = fn()
-    report = markdown(res)
-    out = args.out or os.path.join("docs", "benchmarks", f"gpu-check-{date}.md")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        f.write(report)
-    with open(os.path.splitext(out)[0] + ".json", "w") as f:
-        json.dump(res, f, indent=2, default=str)
-    print(report)
+            write_report(out, res)  # after each part: a call cut off still returns what ran
+    print(write_report(out, res))
     return 0 if all(res[k]["ok"] for k in PARTS if k in res) else 1
 
 

@@ -13,11 +13,13 @@ def test_gpu_check_tiny_writes_its_report(tmp_path):
                        capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report, res = out.read_text(), json.loads(out.with_suffix(".json").read_text())
-    for heading in ("(a) Parity suite", "(b) Throughput", "(c) Attention", "(d) Matmul ceiling",
+    for heading in ("(a) Parity suite", "(b) Throughput", "(b2) Profile", "(c) Attention", "(d) Matmul ceiling",
                     "(e) Activation offload", "(f) Larger models"):
         assert heading in report, report
     assert res["parity"]["counts"] == {"passed": 1}, res["parity"]["tail"]  # float32, jaxpar vs torchpar
     assert res["throughput"]["jaxpar"]["tokens_per_sec"] > 0 and res["throughput"]["ratio"] > 0
+    kinds = res["profile"]["summary"]["kinds"]  # XLA:CPU's thunks: its matmuls are YNNPACK fusions
+    assert kinds["matmul"]["ms"] > 0 and abs(sum(k["share"] for k in kinds.values()) - 1) < 1e-6, kinds
     assert res["attention"]["cudnn_calls"] == [] and "XLA's own" in report  # no cuDNN on a CPU
     assert res["ceiling"]["dtype"] == "float32" and res["ceiling"]["flops"] > 0
     assert res["offload"]["jaxpar"]["remat"] == "offload" and res["offload"]["jaxpar"]["tokens_per_sec"] > 0

@@ -1,0 +1,123 @@
+"""python -m jaxpar.tools.gpu_profile --config C [--steps 5 --warmup 3] [--json F] [k=v ...]
+
+Where the device time of one jaxpar step goes: traces `--steps` steps of the real compiled step (one device,
+after `--warmup`), sums the device's kernel time per step by kernel name and by kind (matmul, attention,
+convert, reduce, elementwise/other), and reports the share of the step the device was busy. It is the profile
+docs/gpu.md's cast/reduction work is guided by (issue 50 item 2), written so that a device session gets it in
+the same call as the throughput rows (jaxpar.tools.gpu_check, part "profile"). On a CPU the "kernels" are
+XLA:CPU's thunks on its threads (the same path, for tests).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+from jaxpar.core.config import load_config
+from jaxpar.core.errors import UserError, cli
+
+# kinds by kernel name, first match wins: cuBLAS/cuDNN/Triton names on a GPU, XLA's fusion names anywhere
+KINDS = (("attention", r"fmha|flash|cudnn|attention"),
+         ("matmul", r"gemm|nvjet|cublas|cutlass|xmma|sm90|dot|ynn_fusion|matmul"),
+         ("convert", r"convert"),
+         ("reduce", r"reduce"),
+         ("copy/transpose", r"copy|transpose|slice|concatenate|memcpy|memset"))
+HOST_IDLE = re.compile(r"Await|Wait|Barrier|ThunkExecutor")  # XLA:CPU's waiting and dispatch, not work
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, pattern in KINDS if re.search(pattern, low)), "elementwise/other")
+
+
+def kernel_events(trace: dict) -> list[dict]:
+    """The trace's kernel events: a GPU's stream threads, or else XLA:CPU's threads (its thunks)."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    meta = lambda what: {(e["pid"], e.get("tid")) if what == "thread_name" else e["pid"]: e["args"]["name"]  # noqa: E731
+                         for e in events if e.get("ph") == "M" and e.get("name") == what}
+    procs, threads = meta("process_name"), meta("thread_name")
+    done = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    device = [e for e in done if procs.get(e["pid"], "").startswith("/device:")
+              and threads.get((e["pid"], e["tid"]), "").startswith("Stream")]
+    if device:
+        return device
+    return [e for e in done if threads.get((e["pid"], e["tid"]), "").startswith("tf_XLA")
+            and not HOST_IDLE.search(e["name"])]
+
+
+def summarize(trace: dict, steps: int, step_s: float, top: int = 15) -> dict:
+    """Per-step kernel milliseconds by kind and for the `top` kernels, and the busy share of the step."""
+    by_name = collections.Counter()
+    for e in kernel_events(trace):
+        by_name[e["name"]] += e["dur"] / 1e3 / steps  # microseconds -> ms per step
+    by_kind = collections.Counter()
+    for name, ms in by_name.items():
+        by_kind[kind_of(name)] += ms
+    total = sum(by_name.values())
+    share = lambda ms: ms / total if total else 0.0  # noqa: E731
+    return {"step_ms": step_s * 1e3, "kernel_ms": total, "busy": total / (step_s * 1e3) if step_s else None,
+            "kinds": {k: {"ms": ms, "share": share(ms)} for k, ms in by_kind.most_common()},
+            "top": [{"name": n[:120], "kind": kind_of(n), "ms": ms, "share": share(ms)}
+                    for n, ms in by_name.most_common(top)]}
+
+
+def profile(cfg, steps: int, warmup: int) -> dict:
+    import jax
+
+    from jaxpar.tools.bench import warm_step
+
+    step, state, batch, _ = warm_step(cfg, {"dp": 1}, warmup, jax.devices()[:1])
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                state, metrics = step(state, batch)
+            jax.block_until_ready(metrics)
+            step_s = (time.perf_counter() - t0) / steps
+        paths = glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True)
+        if not paths:
+            raise UserError(f"jax.profiler wrote no perfetto trace under {tmp} (is the profiler plugin installed?)")
+        with gzip.open(paths[0]) as f:
+            trace = json.load(f)
+    return {**summarize(trace, steps, step_s), "device": jax.devices()[0].device_kind}
+
+
+def markdown(p: dict) -> list[str]:
+    lines = [f"Step {p['step_ms']:.2f} ms under the profiler; kernels {p['kernel_ms']:.2f} ms per step "
+             f"(busy {p['busy'] or 0:.0%}).", "", "| kind | ms per step | share of kernel time |", "|---|---|---|"]
+    lines += [f"| {k} | {v['ms']:.3f} | {v['share']:.1%} |" for k, v in p["kinds"].items()]
+    lines += ["", "| kernel | kind | ms per step | share |", "|---|---|---|---|"]
+    lines += [f"| `{t['name']}` | {t['kind']} | {t['ms']:.3f} | {t['share']:.1%} |" for t in p["top"]]
+    return lines
+
+
+@cli
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jaxpar.tools.gpu_profile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--json", help="write the summary here too")
+    ap.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = ap.parse_args(argv)
+    from jaxpar.mesh import setup_devices
+
+    setup_devices({"dp": 1})
+    result = profile(load_config(args.config, args.overrides), args.steps, args.warmup)
+    print("\n".join(markdown(result)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
