@@ -16,7 +16,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.experimental.shard_alike import shard_alike
+try:  # jax 0.11 removed shard_alike; there the update's layout is left to GSPMD (a layout hint, never a value)
+    from jax.experimental.shard_alike import shard_alike
+except ImportError:
+    shard_alike = None
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.context import current, tracing_mesh
@@ -74,7 +77,7 @@ def orthogonalize_all(xs: list, axes: list, steps: int, likes: list | None = Non
         done = newton_schulz(spread_matrices(jnp.concatenate([mats[i] for i in members])), steps)
         for i, piece in zip(members, jnp.split(done[:sum(sizes)], list(itertools.accumulate(sizes))[:-1])):
             out[i] = _from_matrices(piece, xs[i].shape, axes[i])
-            out[i] = out[i] if likes is None or current().mesh is None else shard_alike(likes[i], out[i])[1]
+            out[i] = out[i] if likes is None or shard_alike is None or current().mesh is None else shard_alike(likes[i], out[i])[1]
     return out
 
 

@@ -149,6 +149,10 @@ def versions() -> dict:
     return out
 
 
+def gib(row: dict) -> str:
+    return "-" if row.get("memory_gib") is None else f"{row['memory_gib']:.2f}"
+
+
 def markdown(res: dict) -> str:
     lines = [f"# GPU check, {res['date']}", "", f"Device: {res['device']} ({res['devices']} visible). "
              f"Versions: {', '.join(f'{k} {v}' for k, v in res['versions'].items())}.", "",
@@ -164,7 +168,7 @@ def markdown(res: dict) -> str:
         lines += ["## (b) Throughput, one device", "", f"`{t['command']}` -> rc {t['rc']}", "",
                   "| framework | tokens/s | MFU (datasheet) | MFU (matmul ceiling) | peak GiB |", "|---|---|---|---|---|",
                   f"| jaxpar | {j.get('tokens_per_sec', 0):,.0f} | {'-' if mfu is None else f'{mfu:.1%}'} | "
-                  f"{j.get('mfu_ceiling') or 0:.1%} | {j.get('memory_gib') or '-'} |",
+                  f"{j.get('mfu_ceiling') or 0:.1%} | {gib(j)} |",
                   f"| torchpar ({'eager: --tiny' if res['tiny'] else 'torch.compile'}) | "
                   f"{t['torchpar_tokens_per_sec'] or 0:,.0f} | | | |", "",
                   f"jaxpar / torchpar: {t['ratio'] or float('nan'):.2f}", ""]
@@ -183,7 +187,7 @@ def markdown(res: dict) -> str:
     if "offload" in res:
         o, b = res["offload"], (res.get("throughput") or {}).get("jaxpar") or {}
         row = lambda name, j: (  # noqa: E731
-            f"| {name} | {j.get('tokens_per_sec', 0):,.0f} | {j.get('memory_gib') or '-'} |")
+            f"| {name} | {j.get('tokens_per_sec', 0):,.0f} | {gib(j)} |")
         lines += ["## (e) Activation offload", "", f"`{o['command']}` -> rc {o['rc']}", "",
                   "| jaxpar, model.remat | tokens/s | peak GiB |", "|---|---|---|", row("none ((b))", b),
                   row("offload", o["jaxpar"] or {}), ""]
@@ -194,7 +198,7 @@ def markdown(res: dict) -> str:
         for name, r in m["rows"].items():
             j, mfu = r["jaxpar"] or {}, (r["jaxpar"] or {}).get("mfu_datasheet")
             lines.append(f"| {name} | {j.get('tokens_per_sec', 0):,.0f} | {'-' if mfu is None else f'{mfu:.1%}'} | "
-                         f"{j.get('memory_gib') or '-'} | `{r['command']}` -> rc {r['rc']} |")
+                         f"{gib(j)} | `{r['command']}` -> rc {r['rc']} |")
         speedup = m["float8_speedup"]
         lines += ["", f"float8 / bf16 tokens/s: {'-' if speedup is None else f'{speedup:.2f}'}", ""]
     failed = [k for k in PARTS if k in res and not res[k]["ok"]]
@@ -222,6 +226,9 @@ def main(argv=None) -> int:
     skip = {s for s in args.skip.split(",") if s}
     if skip - set(PARTS):
         raise UserError(f"--skip {args.skip}: parts are {', '.join(PARTS)}")
+    # this process runs parts (c) and (d) itself: without this, jax would hold 75% of the GPU's memory here
+    # while (e) and (f) run in their own processes (they ran out of memory, 2026-11-27)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
 
     if jax.devices()[0].platform != "gpu" and not args.tiny:
