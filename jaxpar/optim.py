@@ -77,7 +77,8 @@ def orthogonalize_all(xs: list, axes: list, steps: int, likes: list | None = Non
         done = newton_schulz(spread_matrices(jnp.concatenate([mats[i] for i in members])), steps)
         for i, piece in zip(members, jnp.split(done[:sum(sizes)], list(itertools.accumulate(sizes))[:-1])):
             out[i] = _from_matrices(piece, xs[i].shape, axes[i])
-            out[i] = out[i] if likes is None or shard_alike is None or current().mesh is None else shard_alike(likes[i], out[i])[1]
+            if likes is not None and shard_alike is not None and current().mesh is not None:
+                out[i] = shard_alike(likes[i], out[i])[1]
     return out
 
 

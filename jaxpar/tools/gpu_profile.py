@@ -40,9 +40,9 @@ def kind_of(name: str) -> str:
 def kernel_events(trace: dict) -> list[dict]:
     """The trace's kernel events: a GPU's stream threads, or else XLA:CPU's threads (its thunks)."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    meta = lambda what: {(e["pid"], e.get("tid")) if what == "thread_name" else e["pid"]: e["args"]["name"]  # noqa: E731
-                         for e in events if e.get("ph") == "M" and e.get("name") == what}
-    procs, threads = meta("process_name"), meta("thread_name")
+    named = [e for e in events if e.get("ph") == "M"]
+    procs = {e["pid"]: e["args"]["name"] for e in named if e.get("name") == "process_name"}
+    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in named if e.get("name") == "thread_name"}
     done = [e for e in events if e.get("ph") == "X" and "dur" in e]
     device = [e for e in done if procs.get(e["pid"], "").startswith("/device:")
               and threads.get((e["pid"], e["tid"]), "").startswith("Stream")]
