@@ -116,11 +116,8 @@ def check_pipeline(cfg: Config, sizes) -> None:
         raise UserError(f"parallel.pipeline_schedule={schedule} does not run {what} with tp>1 and "
                         "parameters sharded over fsdp or ZeRO-3 (it runs with the gpipe schedule)")
     if schedule != "gpipe" and sizes["sp"] > 1:
-        # inside the executor's shard_map (manual over pp), jax 0.10 / XLA:CPU give wrong values for ring
-        # attention's nested shard_map and crash partitioning dilated attention's sp-sharded segments
+        # inside the executor's shard_map (manual over pp), jax 0.10 / XLA:CPU crash partitioning dilated attention's
+        # sp-sharded segments (ring attention runs there: its hops are all_to_alls, jaxpar/parallel/ring_attention.py)
         if cfg.model.attention == "dilated":
             raise UserError(f"parallel.pipeline_schedule={schedule} with sp>1 does not run "
                             "model.attention=dilated (it runs with the gpipe schedule)")
-        if p.sequence_attention == "ring":
-            raise UserError(f"parallel.pipeline_schedule={schedule} with sp>1 needs "
-                            "parallel.sequence_attention=all_gather or ulysses (ring runs with the gpipe schedule)")

@@ -15,6 +15,13 @@ half-pair is skipped when none of its queries sees a key of its own document.
 Backward is a custom VJP that saves only q, k, v, the output and the log-sum-exp (O(T/N) per
 device): it recomputes each score block, and dK/dV accumulators travel around the ring with
 their K/V block, arriving home after N hops.
+
+A hop is a `ppermute`, or with exchange="all_to_all" an `all_to_all` in which each device's only non-zero piece goes
+to its successor: the pipeline executor runs the layers in one branch of a `lax.switch` per tick, taken by one pp
+stage's devices alone, and XLA:CPU joins a collective-permute's rendezvous across every device its source-target
+pairs name (all of pp x sp), so a ppermute there waits on, or is matched with, another stage's at another tick
+(wrong values); an all_to_all's rendezvous is its sp group's. At sp=2 it moves the same bytes as the ppermute; at
+sp=N it moves N-1 times as many (the zero pieces).
 """
 from __future__ import annotations
 
@@ -77,11 +84,21 @@ def _bwd_block(acc, q, do, lse, delta, k, v, qp, kp, scale):
     return dq, dk, dv
 
 
-def _rotate(x, axis: str, n: int):
-    return jax.lax.ppermute(x, axis, [(i, (i + 1) % n) for i in range(n)])
+def _rotate(x, axis: str, n: int, exchange: str):
+    """Each device's block (a pytree) to device i+1 of `axis`, as the module docstring's `exchange` says."""
+    with jax.named_scope("ring_hop"):
+        if exchange == "ppermute":
+            return jax.lax.ppermute(x, axis, [(i, (i + 1) % n) for i in range(n)])
+        i = jax.lax.axis_index(axis)
+
+        def one(a):
+            to = (jnp.arange(n) == (i + 1) % n).reshape((n,) + (1,) * a.ndim)
+            got = jax.lax.all_to_all(jnp.where(to, a[None], jnp.zeros((), a.dtype)), axis, 0, 0, tiled=True)
+            return jax.lax.dynamic_index_in_dim(got, (i - 1) % n, keepdims=False)  # the predecessor's piece
+        return jax.tree.map(one, x)
 
 
-def _forward(q, k, v, pos, axis, n):
+def _forward(q, k, v, pos, axis, n, exchange):
     b, t, h, d = q.shape
     scale = 1.0 / math.sqrt(d)
     qs, qps = _halves(q, 1), _halves(pos, 0)
@@ -100,7 +117,7 @@ def _forward(q, k, v, pos, axis, n):
 
     def hop(carry, _):
         states, kv = carry
-        kv = _rotate(kv, axis, n)
+        kv = _rotate(kv, axis, n, exchange)
         return (step(states, kv), kv), None
 
     states = step(init, (k, v, pos))
@@ -110,17 +127,17 @@ def _forward(q, k, v, pos, axis, n):
     return jnp.einsum("bhqd->bqhd", o).astype(q.dtype), lse
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _ring(q, k, v, pos, axis, n):
-    return _forward(q, k, v, pos, axis, n)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _ring(q, k, v, pos, axis, n, exchange):
+    return _forward(q, k, v, pos, axis, n, exchange)[0]
 
 
-def _ring_fwd(q, k, v, pos, axis, n):
-    out, lse = _forward(q, k, v, pos, axis, n)
+def _ring_fwd(q, k, v, pos, axis, n, exchange):
+    out, lse = _forward(q, k, v, pos, axis, n, exchange)
     return out, (q, k, v, pos, out, lse)
 
 
-def _ring_bwd(axis, n, res, do):
+def _ring_bwd(axis, n, exchange, res, do):
     q, k, v, pos, out, lse = res
     scale = 1.0 / math.sqrt(q.shape[-1])
     do = do.astype(F32)
@@ -142,21 +159,22 @@ def _ring_bwd(axis, n, res, do):
 
     def hop(carry, _):
         dqs, kv, dkv = carry
-        kv, dkv = _rotate((kv, dkv), axis, n)
+        kv, dkv = _rotate((kv, dkv), axis, n, exchange)
         dqs, dkv = step(dqs, kv, dkv)
         return (dqs, kv, dkv), None
 
     zeros = jnp.zeros(k.shape, F32)
     dqs, dkv = step([jnp.zeros(x.shape, F32) for x in qs], (k, v, pos), (zeros, zeros))
     (dqs, _, dkv), _ = jax.lax.scan(hop, (dqs, (k, v, pos), dkv), None, length=n - 1)
-    dk, dv = _rotate(dkv, axis, n)  # the N-th hop brings each block's gradients home
+    dk, dv = _rotate(dkv, axis, n, exchange)  # the N-th hop brings each block's gradients home
     return jnp.concatenate(dqs, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attention(q, k, v, pos, seg, *, axis: str, n: int):
+def ring_attention(q, k, v, pos, seg, *, axis: str, n: int, exchange: str = "ppermute"):
     """Inside shard_map: q, k, v [b, T/N, h, d] and their global positions [T/N] on each device, or with segment
-    ids [b, T/N] (packed documents) both per row."""
-    return _ring(q, k, v, (pos, seg), axis, n)
+    ids [b, T/N] (packed documents) both per row. `exchange`: how a block hops, "ppermute" or "all_to_all" (inside a
+    branch that some devices do not take: the module docstring)."""
+    return _ring(q, k, v, (pos, seg), axis, n, exchange)

@@ -60,6 +60,11 @@ def all_gather_attention(q, k, v, pos, seg, *, axis: str, n: int):
     return causal_attention(q, gather(k, 1), gather(v, 1), pos, gather(pos, pos.ndim - 1), seg, k_seg)
 
 
+def in_pipeline_branch() -> bool:
+    """Traced inside the pipeline executor's shard_map, manual over pp (jaxpar/parallel/pipeline_executor.py)?"""
+    return "pp" in jax.sharding.get_abstract_mesh().manual_axes
+
+
 def sequence_attention(mesh, rules, strategy: str):
     """attention(q, k, v, positions, segments) over the sp shards of `mesh`; `positions` [seq] are the global
     positions of the (possibly permuted) sequence, None for natural order; with segment ids [batch, seq] (packed
@@ -76,7 +81,10 @@ def sequence_attention(mesh, rules, strategy: str):
         if spec[1] != AXIS:
             raise UserError(f"the rules table must map the sequence dimension to {AXIS!r} for sequence parallelism")
         rows = jax.P(*spec[:2])  # per-row positions and segment ids: [batch, seq]
-        sharded = jax.shard_map(lambda *a: fn(*a, axis=AXIS, n=n), mesh=tracing_mesh(mesh), out_specs=spec,
+        # in the hand-scheduled executor (manual over pp) the layers run in a branch one stage takes: ring's hops
+        # must not be collective-permutes there (ring_attention.py)
+        hops = {"exchange": "all_to_all"} if strategy == "ring" and in_pipeline_branch() else {}
+        sharded = jax.shard_map(lambda *a: fn(*a, axis=AXIS, n=n, **hops), mesh=tracing_mesh(mesh), out_specs=spec,
                                 in_specs=(spec, spec, spec, rows if segments is not None else jax.P(AXIS), rows),
                                 check_vma=False)
         positions = jnp.asarray(jnp.arange(T) if positions is None else positions, jnp.int32)

@@ -49,6 +49,28 @@ def test_attention_equals_full_attention(strategy, sp, zigzag):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.parametrize("strategy", ["ring", "all_gather", "ulysses"])
+def test_attention_in_a_branch_one_pipeline_stage_takes(strategy):
+    """As in the pipeline executor (manual over pp): attention in the lax.switch branch that stage 0 takes while
+    stage 1 idles. XLA:CPU joins a collective-permute's rendezvous across every device its pairs name, both stages'
+    here, so ring's hops there are all_to_alls (sp=4: each device's pieces for the other two are zeros)."""
+    mesh = make_mesh({"pp": 2, "sp": 4}, jax.devices()[:8])
+    attention = sequence_attention(mesh, RULES, strategy)
+
+    def stages(q, k, v):
+        out = jax.lax.switch(jax.lax.axis_index("pp"), [attention, lambda q, k, v: jnp.zeros_like(q)], q, k, v)
+        return jax.lax.psum(out, "pp")
+
+    f = jax.shard_map(stages, mesh=mesh, in_specs=(jax.P(),) * 3, out_specs=jax.P(), axis_names={"pp"},
+                      check_vma=False)
+    q, k, v, dy = (jax.random.normal(key, (B, T, H, D), jnp.float32) for key in jax.random.split(jax.random.key(1), 4))
+    ref, ref_vjp = jax.vjp(full_attention, q, k, v)
+    out, grads = jax.jit(lambda q, k, v, dy: (lambda o, vjp: (o, vjp(dy)))(*jax.vjp(f, q, k, v)))(q, k, v, dy)
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+    for name, got, want in zip(("dQ", "dK", "dV"), grads, ref_vjp(dy)):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=name)
+
+
 RUNS = [("sp=4,dp=2", ()), ("sp=2,fsdp=2,tp=2", ()),
         ("pp=2,sp=2,dp=2", ()),
         ("sp=2,fsdp=2,tp=2", ("parallel.sequence_attention=ulysses", "parallel.sequence_zigzag=false"))]
