@@ -82,6 +82,11 @@ REGRESSIONS = (
      "DDP rebuild its buckets from two backwards (an internal assert in stage 0's forward); DDP's sync now held to "
      "the last backward (torchpar/backends/pipeline.py); held by "
      "tests/torchpar/test_pipeline_backend.py::test_pp_by_dp_with_as_many_microbatches_as_stages"),
+    ("jax fsdp=2,pp=2,sp=2 data.document_mask=true parallel.pipeline_schedule=1f1b",
+     "2026-11-27, checking ring attention in the pipeline executor (issue 48): gpt2's positional rows gathered by "
+     "per-row positions from a table sharded over fsdp (or ZeRO-3) crashed XLA's SPMD partitioner in the executor "
+     "(spmd_partitioner_util.cc's replica-group check; all_gather and ulysses too); the table's shards are gathered "
+     "first now (jaxpar/models/decoder.py embed)"),
 )
 
 

@@ -219,9 +219,11 @@ class Decoder(nnx.Module):
         if self.cfg.family == "gpt2":
             T = tokens.shape[1]
             # the natural order's rows sliced replicated: left to GSPMD, the slice of the sp-sharded sequence was a
-            # collective-permute, inside the pipeline executor's first-stage branches a deadlock (docs/architecture.md)
+            # collective-permute, inside the pipeline executor's first-stage branches a deadlock (docs/architecture.md);
+            # gathered by positions from the table's fsdp shards gathered first, as token_embedding's (per-row
+            # positions from a table sharded over data axes crashed XLA's partitioner in the executor)
             x = x + (constrain(self.wpe[...][:T], (None, "act_embed")) if positions is None else
-                     jnp.take(self.wpe[...], positions, axis=0))
+                     jnp.take(constrain(self.wpe[...], (None, "act_embed")), positions, axis=0))
         return constrain(x.astype(dtype), ("batch", "seq", "act_embed"))
 
     def token_embedding(self, tokens: jax.Array) -> jax.Array:
