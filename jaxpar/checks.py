@@ -115,9 +115,3 @@ def check_pipeline(cfg: Config, sizes) -> None:
         # never reach: a deadlock (docs/fuzz.md)
         raise UserError(f"parallel.pipeline_schedule={schedule} does not run {what} with tp>1 and "
                         "parameters sharded over fsdp or ZeRO-3 (it runs with the gpipe schedule)")
-    if schedule != "gpipe" and sizes["sp"] > 1:
-        # inside the executor's shard_map (manual over pp), jax 0.10 / XLA:CPU crash partitioning dilated attention's
-        # sp-sharded segments (ring attention runs there: its hops are all_to_alls, jaxpar/parallel/ring_attention.py)
-        if cfg.model.attention == "dilated":
-            raise UserError(f"parallel.pipeline_schedule={schedule} with sp>1 does not run "
-                            "model.attention=dilated (it runs with the gpipe schedule)")

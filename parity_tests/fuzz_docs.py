@@ -61,13 +61,6 @@ def _pipeline_resharded(c: Case) -> bool:
             (m["fsdp"] > 1 or (m["dp"] > 1 and c.get("parallel.zero_stage") == "3")))
 
 
-def _pipeline_sp(c: Case) -> bool:
-    sched = c.get("parallel.pipeline_schedule", "auto")
-    m = c.mesh()
-    return c.side == "jax" and m["pp"] > 1 and m["sp"] > 1 and sched not in GPIPE_RUNS and (
-        c.get("model.attention") == "dilated")
-
-
 def invalid_config(c: Case) -> bool:
     from jaxpar.core.config import load_config
     from jaxpar.core.errors import UserError
@@ -108,8 +101,6 @@ DOCUMENTED_REFUSALS = (
     ("docs/architecture.md 'Sharding' (divisibility the user controls is checked up front with one line), "
      "'Sequence parallelism' (its checks); docs/torchpar.md (a world size that does not divide the batch per "
      "microbatch); the pipeline's sizes (jaxpar/core/pipeline_schedules.py)", indivisible),
-    ("docs/architecture.md 'Pipeline parallelism': sp inside the hand-scheduled executor (1f1b, interleaved, zb_h1, "
-     "zb_v, dualpipev) runs every sequence attention, not model.attention=dilated", _pipeline_sp),
     ("docs/architecture.md 'Pipeline parallelism': model.linear=sketched or model.attention=mla in the executor "
      "with tp>1 and parameters sharded over fsdp or ZeRO-3", _pipeline_resharded),
     ("docs/torchpar.md pipeline: zb_h1, zb_v and dualpipev with model.remat=save_matmuls (torch's selective checkpoint "

@@ -145,7 +145,7 @@ def test_the_shrinker_keeps_only_what_fails():
 
 
 def test_a_refusal_the_docs_do_not_name_is_a_failure(fuzzer, monkeypatch):
-    case = Case.parse("jax pp=2,sp=2 parallel.pipeline_schedule=1f1b model.attention=dilated")  # in the executor
+    case = Case.parse("jax fsdp=2,pp=2,tp=2 model.linear=sketched parallel.pipeline_schedule=1f1b")
     out = fuzzer.run_case(case)
     assert out.kind == "refused" and "docs/architecture.md" in out.detail, out.detail
     monkeypatch.setattr(fuzz_docs, "DOCUMENTED_REFUSALS", ())
