@@ -1,6 +1,9 @@
 """Model-free tensor functions the models and decoding use (jaxpar/ops.py's counterparts): causal attention on one
-device, within packed documents when asked, and the documents' positions and ids (document_positions)."""
+device, within packed documents when asked, the documents' positions and ids (document_positions), and the
+projections' float8 matmul (model.float8, torchao's float8 training)."""
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -29,3 +32,78 @@ def causal_attention(q, k, v, mask=None):
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+# model.float8: the projections in float8 through torchao's float8 training (its "tensorwise" recipe, as jaxpar/ops.py
+# `_float8_project`): input and weight e4m3, output gradient e5m2, each with its tensor's current scale, float32
+# accumulation (torch._scaled_mm: a GPU's float8 matmul; on a CPU torch's own). torchao swaps nn.Linear modules,
+# which these einsum projections are not: its functional pieces are used on the projection as a 2-D matmul.
+_FLOAT8: dict = {}
+
+
+def _torchao_float8():
+    """torchao's tensorwise recipe and its three matmuls' settings (as its Float8Linear builds them), made once."""
+    if not _FLOAT8:
+        import logging
+        logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+        levels = [log.level for log in logs]
+        try:  # torchao's CUDA kernels, which it cannot load on a CPU, are not what is used here
+            for log in logs:
+                log.setLevel(logging.ERROR)
+            from torchao.float8 import float8_linear, float8_scaling_utils, float8_training_tensor as t
+            from torchao.float8.config import Float8LinearConfig
+        finally:
+            for log, level in zip(logs, levels):
+                log.setLevel(level)
+
+        c = Float8LinearConfig.from_recipe_name("tensorwise")
+        mm = t.LinearMMConfig(*(t.ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim) for g in
+                                (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)))
+        _FLOAT8.update(config=c, mm=mm, matmul=float8_linear.matmul_with_hp_or_float8_args, roles=t.GemmInputRole,
+                       cast=float8_scaling_utils.hp_tensor_to_float8_dynamic)
+    return _FLOAT8
+
+
+def _whole_batch() -> bool:
+    """Whether a tensor's scale takes its largest magnitude over every rank's batch (all_reduce MAX): in a training
+    step of a group, so that a layout picks one process's scales (jaxpar's amax is the whole array's). Not under
+    no_grad -- evaluation, and decoding, which rank 0 alone runs: there each rank's own (torchao's default)."""
+    import torch.distributed as dist
+    return torch.is_grad_enabled() and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class _GradToFloat8(torch.autograd.Function):
+    """Forward: y itself. Backward: its gradient cast to e5m2 once, for both of the matmul's backward products
+    (torchao's NoopFwToFloat8BwDynamic, with the amax reduced over the group when asked)."""
+
+    @staticmethod
+    def forward(ctx, y, reduce: bool):
+        ctx.reduce = reduce
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        f = _torchao_float8()
+        return f["cast"](dy, torch.float8_e5m2, f["mm"], reduce_amax=ctx.reduce,
+                         gemm_input_role=f["roles"].GRAD_OUTPUT), None
+
+
+def float8_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [tokens, in] @ w [in, out] in float8: both cast here (x's amax over the batch, w's over the whole
+    weight -- FSDP2 has gathered it), so the matmul's backward reuses these float8 copies (jaxpar's saved ones)."""
+    f, reduce = _torchao_float8(), _whole_batch()
+    x8 = f["cast"](x, torch.float8_e4m3fn, f["mm"], reduce_amax=reduce, gemm_input_role=f["roles"].INPUT)
+    w8 = f["cast"](w, torch.float8_e4m3fn, f["mm"], gemm_input_role=f["roles"].WEIGHT)
+    return _GradToFloat8.apply(f["matmul"].apply(x8, w8, f["mm"], f["config"]), reduce)
+
+
+def float8_einsum(equation: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """torch.einsum(equation, x, w) for a projection (x's leading dims kept, w's last ones produced, no batch dims
+    in w) as one float8_matmul: x's contracted dims moved last in w's order, flattened, and the output put back."""
+    (xs, ws), out = equation.replace(" ", "").split("->")[0].split(","), equation.split("->")[1].strip()
+    summed = [c for c in ws if c in xs and c not in out]
+    lead, made = [c for c in xs if c not in summed], [c for c in ws if c not in summed]
+    x2 = x.permute(*(xs.index(c) for c in lead + summed)).reshape(-1, math.prod(w.shape[ws.index(c)] for c in summed))
+    w2 = w.permute(*(ws.index(c) for c in summed + made)).reshape(x2.shape[1], -1)
+    y = float8_matmul(x2, w2).reshape(*(x.shape[xs.index(c)] for c in lead), *(w.shape[ws.index(c)] for c in made))
+    return y.permute(*((lead + made).index(c) for c in out))

@@ -140,6 +140,10 @@ class Decoder(nn.Module):
         self.mtp = nn.ModuleList(MTP(cfg) for _ in range(cfg.mtp_depth))  # multi-token prediction (model.mtp_depth)
         self.mtp_losses = None  # with it: each depth's cross-entropy of the last forward, detached
         self.expert_stats = None  # with experts: their per-row statistics of the last forward (moe.layer_stats)
+        if cfg.float8:  # model.float8: every projection jaxpar's `project` runs; the router stays float32, as there
+            for name, m in self.named_modules():
+                if isinstance(m, (Dense, Kernel, SketchedLinear)) and not name.endswith(".router"):
+                    m.float8 = True
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

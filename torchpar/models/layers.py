@@ -9,10 +9,18 @@ from torch import nn
 
 from jaxpar.core.config import ModelConfig
 from jaxpar.core.sketches import sketch_dim, sketch_matrix
+from torchpar.ops import float8_einsum, float8_matmul
+
+
+def project(x: torch.Tensor, w: torch.Tensor, equation: str, float8: bool) -> torch.Tensor:
+    """A projection's einsum, in float8 under model.float8 (torchpar/ops.py; jaxpar/ops.py `project`)."""
+    return float8_einsum(equation, x, w) if float8 else torch.einsum(equation, x, w)
 
 
 class Dense(nn.Module):
-    """weight/bias of arbitrary rank applied by an einsum equation (jaxpar's `kernel`/`bias`)."""
+    """weight/bias of arbitrary rank applied by an einsum equation (jaxpar's `kernel`/`bias`); `float8`: set by the
+    Decoder under model.float8."""
+    float8 = False
 
     def __init__(self, w_shape: tuple[int, ...], b_shape: tuple[int, ...]):
         super().__init__()
@@ -20,18 +28,19 @@ class Dense(nn.Module):
         self.bias = nn.Parameter(torch.zeros(b_shape))
 
     def forward(self, x: torch.Tensor, equation: str) -> torch.Tensor:
-        return torch.einsum(equation, x, self.weight.to(x.dtype)) + self.bias.to(x.dtype)
+        return project(x, self.weight.to(x.dtype), equation, self.float8) + self.bias.to(x.dtype)
 
 
 class Kernel(nn.Module):
     """A bias-free weight of any rank applied by an einsum equation (jaxpar's `kernel`)."""
+    float8 = False
 
     def __init__(self, shape: tuple[int, ...]):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(shape))
 
     def forward(self, x, equation: str):
-        return torch.einsum(equation, x, self.weight.to(x.dtype))
+        return project(x, self.weight.to(x.dtype), equation, self.float8)
 
 
 class LayerNorm(nn.Module):
@@ -70,7 +79,9 @@ def rope(x, theta: float, positions=None):
 
 
 class SketchedLinear(nn.Module):
-    """y = (x S) W + b: S a non-persistent buffer (derived, not trained, not saved), W = `factor`."""
+    """y = (x S) W + b: S a non-persistent buffer (derived, not trained, not saved), W = `factor` (x S times W in
+    float8 under model.float8, as jaxpar's)."""
+    float8 = False
 
     def __init__(self, cfg: ModelConfig, layer: int, name: str, n_in: int, n_out: int):
         super().__init__()
@@ -79,4 +90,6 @@ class SketchedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(n_out))
 
     def forward(self, x, equation: str = ""):
-        return (x @ self.sketch.to(x.dtype)) @ self.factor.to(x.dtype) + self.bias.to(x.dtype)
+        x, w = x @ self.sketch.to(x.dtype), self.factor.to(x.dtype)
+        return (float8_matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], -1) if self.float8 else x @ w
+                ) + self.bias.to(x.dtype)
