@@ -46,8 +46,9 @@ class ModelConfig:
     # offload: the activations kept for the backward pass held in host memory (README "Model", docs/architecture.md)
     remat: str = field(default="none", metadata=_check(choices=("none", "full", "save_matmuls", "offload")))
     # the projections' matmuls in float8 with tensorwise current scaling (jaxpar/ops.py; torchao's "tensorwise"
-    # recipe): inputs and weights e4m3, output gradients e5m2, float32 accumulation; norms, attention, the head
-    # and the loss stay in compute_dtype. Emulated (upcast) where the device has no float8 matmul
+    # recipe, which torchpar/ops.py runs): inputs and weights e4m3, output gradients e5m2, float32 accumulation;
+    # norms, attention, the head and the loss stay in compute_dtype. Emulated (upcast) where the device has no
+    # float8 matmul
     float8: bool = False
     # the output head and its cross-entropy in this many chunks of positions (lowered to a divisor of the sequence;
     # jaxpar/core/loss_chunks.py): the float32 logits of the whole batch never exist at once; 1 = all at once
