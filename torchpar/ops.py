@@ -35,8 +35,9 @@ def causal_attention(q, k, v, mask=None):
 
 
 # model.float8: the projections in float8 through torchao's float8 training (its "tensorwise" recipe, as jaxpar/ops.py
-# `_float8_project`): input and weight e4m3, output gradient e5m2, each with its tensor's current scale, float32
-# accumulation (torch._scaled_mm: a GPU's float8 matmul; on a CPU torch's own). torchao swaps nn.Linear modules,
+# `_float8_project`): input and weight e4m3, output gradient e5m2, each with its tensor's current scale, accumulated
+# in float32 (torch._scaled_mm: a GPU's float8 matmul, the output's with cuBLAS's fast accumulation as the recipe
+# sets, which jaxpar's XLA product does not ask for; on a CPU torch's own). torchao swaps nn.Linear modules,
 # which these einsum projections are not: its functional pieces are used on the projection as a 2-D matmul.
 _FLOAT8: dict = {}
 

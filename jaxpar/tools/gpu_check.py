@@ -36,7 +36,8 @@ PARTS = ("parity", "throughput", "profile", "attention", "ceiling", "offload", "
 GPT2_124M = ["--config", "configs/gpt2-124m.yaml", "model.compute_dtype=bfloat16", "data.seq_len=1024",
              "train.global_batch_size=16"]
 TINY = ["--config", "configs/gpt2-tiny.yaml", "train.global_batch_size=8"]
-# (f)'s rows: the 1B configs at sequence 2048, 8 rows in one microbatch (remat full, as configured)
+# (f)'s rows: the 1B configs at sequence 2048, 8 rows in one microbatch, remat as configured (llama-1b:
+# save_matmuls since 2026-11-27; that day's report measured full, see its notes)
 MODELS = {"llama-1b bf16": ["--config", "configs/llama-1b.yaml"],
           "llama-1b float8": ["--config", "configs/llama-1b.yaml", "model.float8=true"],
           "moe-1b bf16": ["--config", "configs/moe-1b.yaml"]}
@@ -58,7 +59,7 @@ def _run(cmd: list[str], timeout: int, env: dict | None = None) -> dict:
 
 def parity(device: str, tiny: bool) -> dict:
     cmd = [sys.executable, "-m", "pytest", "parity_tests", "-p", "no:cacheprovider", "-W", "ignore",
-           "-m", "", f"--device={device}",  # -m "": every parity case, whatever its test tier (conftest.py) "--parity-steps", "20" if tiny else "50",
+           "-m", "", f"--device={device}", "--parity-steps", "20" if tiny else "50",  # -m "": every tier's cases
            *(["-k", "float32 and none and not bfloat16"] if tiny else [])]  # tiny: one case, jax vs torch
     r = _run(cmd, 300 if tiny else 420)
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", r["tail"])}
@@ -66,38 +67,39 @@ def parity(device: str, tiny: bool) -> dict:
     return {**r, "counts": counts, "failed": failed, "ok": r["rc"] == 0}
 
 
-def throughput(tiny: bool) -> dict:
+def _run_json(cmd: list[str], timeout: int, env: dict | None = None) -> tuple[dict, dict | None]:
+    """_run of a tool that writes its result to the file after `--json` (appended here): (the run, that result or
+    None if it wrote none)."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "bench.json")
-        cmd = [sys.executable, "-m", "jaxpar.tools.bench", "--mesh", "dp=1", "--steps", "3" if tiny else "20",
-               "--warmup", "1" if tiny else "5", "--compare", "--json", out, *(TINY if tiny else GPT2_124M)]
-        # tiny: torch.compile is a no-op (TORCH_COMPILE_DISABLE), the same code path without minutes of compiling
-        r = _run(cmd, 300 if tiny else 480, {"TORCH_COMPILE_DISABLE": "1"} if tiny else None)
-        jax_row = json.load(open(out)) if os.path.exists(out) else None
+        out = os.path.join(tmp, "result.json")
+        r = _run([*cmd, "--json", out], timeout, env)
+        if not os.path.exists(out):
+            return r, None
+        with open(out) as f:
+            return r, json.load(f)
+
+
+def throughput(tiny: bool) -> dict:
+    cmd = [sys.executable, "-m", "jaxpar.tools.bench", "--mesh", "dp=1", "--steps", "3" if tiny else "20",
+           "--warmup", "1" if tiny else "5", "--compare", *(TINY if tiny else GPT2_124M)]
+    # tiny: torch.compile is a no-op (TORCH_COMPILE_DISABLE), the same code path without minutes of compiling
+    r, jax_row = _run_json(cmd, 300 if tiny else 480, {"TORCH_COMPILE_DISABLE": "1"} if tiny else None)
     m = re.search(r"vs torchpar \(compiled\) ([\d,]+) tok/s: ratio ([\d.]+)", r["tail"])
     return {**r, "jaxpar": jax_row, "torchpar_tokens_per_sec": float(m.group(1).replace(",", "")) if m else None,
             "ratio": float(m.group(2)) if m else None, "ok": r["rc"] == 0 and jax_row is not None}
 
 
-def gpu_profile(tiny: bool) -> dict:
+def profile_step(tiny: bool) -> dict:
     """(b2): (b)'s jaxpar step profiled, in a process of its own (the trace's memory and XLA flags stay there)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "profile.json")
-        cmd = [sys.executable, "-m", "jaxpar.tools.gpu_profile", "--steps", "2" if tiny else "5", "--warmup",
-               "1" if tiny else "3", "--json", out, *(TINY if tiny else GPT2_124M)]
-        r = _run(cmd, 300)
-        summary = json.load(open(out)) if os.path.exists(out) else None
+    r, summary = _run_json([sys.executable, "-m", "jaxpar.tools.gpu_profile", "--steps", "2" if tiny else "5",
+                            "--warmup", "1" if tiny else "3", *(TINY if tiny else GPT2_124M)], 300)
     return {**r, "summary": summary, "ok": r["rc"] == 0 and summary is not None}
 
 
 def jaxpar_bench(args: list[str], tiny: bool, timeout: int = 300) -> dict:
     """One jaxpar.tools.bench run on one device: its command, rc and row (None if it wrote none)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "bench.json")
-        cmd = [sys.executable, "-m", "jaxpar.tools.bench", "--mesh", "dp=1", "--steps", "3" if tiny else "10",
-               "--warmup", "1" if tiny else "3", "--json", out, *args]
-        r = _run(cmd, timeout)
-        row = json.load(open(out)) if os.path.exists(out) else None
+    r, row = _run_json([sys.executable, "-m", "jaxpar.tools.bench", "--mesh", "dp=1", "--steps", "3" if tiny else "10",
+                        "--warmup", "1" if tiny else "3", *args], timeout)
     return {**r, "jaxpar": row, "ok": r["rc"] == 0 and row is not None}
 
 
@@ -227,19 +229,23 @@ def main(argv=None) -> int:
     if skip - set(PARTS):
         raise UserError(f"--skip {args.skip}: parts are {', '.join(PARTS)}")
     # this process runs parts (c) and (d) itself: without this, jax would hold 75% of the GPU's memory here
-    # while (e) and (f) run in their own processes (they ran out of memory, 2026-11-27)
+    # while (e) and (f) run in their own processes (they ran out of memory, 2026-11-27); those keep jax's default
+    own = "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
 
+    jax.devices()  # the backend starts here, reading the setting
+    if own:
+        del os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"]
     if jax.devices()[0].platform != "gpu" and not args.tiny:
         raise UserError(f"no GPU here (jax sees {jax.devices()[0].platform}); use --tiny to check the path on the CPU")
     date = datetime.date.today().isoformat()
-    res = {"date": date, "tiny": args.tiny, "device": jax.devices()[0].device_kind, "devices": jax.device_count(), "versions": versions(),
-           "command": "python -m jaxpar.tools.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv)}
+    res = {"date": date, "tiny": args.tiny, "device": jax.devices()[0].device_kind, "devices": jax.device_count(),
+           "versions": versions(), "command": "python -m jaxpar.tools.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv)}
     out = args.out or os.path.join("docs", "benchmarks", f"gpu-check-{date}.md")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     for part, fn in (("parity", lambda: parity("cpu" if args.tiny else "gpu", args.tiny)),
-                     ("throughput", lambda: throughput(args.tiny)), ("profile", lambda: gpu_profile(args.tiny)),
+                     ("throughput", lambda: throughput(args.tiny)), ("profile", lambda: profile_step(args.tiny)),
                      ("attention", lambda: attention(args.tiny)), ("ceiling", lambda: ceiling(args.tiny)),
                      ("offload", lambda: offload(args.tiny)), ("models", lambda: models(args.tiny))):
         if part not in skip:

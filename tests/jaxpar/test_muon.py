@@ -32,6 +32,32 @@ def test_stacked_layers_experts_and_qkv_are_matrices_of_their_own():
                                                    "blocks.ln1.scale", "blocks.attn.qkv.bias"))
 
 
+def test_the_update_does_not_depend_on_the_layout_hint(monkeypatch):
+    """jax 0.11 has no shard_alike, and optim.py then leaves the update's layout to GSPMD: on an fsdp=4 mesh the
+    values must be those with the hint (it moves each result to its parameter's layout, never a value)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxpar import optim
+    from jaxpar.context import ParallelContext, use
+
+    mesh = jax.make_mesh((4,), ("fsdp",), (jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+    rng = np.random.default_rng(0)
+    shapes, axes = [(2, 16, 24), (24, 16), (3, 8, 8)], [((1,), (2,)), ((0,), (1,)), ((1,), (2,))]
+    rows = [NamedSharding(mesh, P(*[None] * (len(s) - 2), "fsdp", None)) for s in shapes]  # as fsdp shards them
+    ws = [jax.device_put(rng.standard_normal(s).astype(np.float32), r) for s, r in zip(shapes, rows)]
+    grads = [jnp.asarray(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+
+    def update():
+        with use(ParallelContext(mesh=mesh)):
+            return jax.jit(lambda g, w: optim.orthogonalize_all(g, axes, 5, w))(grads, ws)
+
+    hinted = update()
+    monkeypatch.setattr(optim, "shard_alike", None)
+    for got, want, w in zip(update(), hinted, ws):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        assert want.sharding.is_equivalent_to(w.sharding, w.ndim)  # the hint acted where it exists
+
+
 @pytest.fixture(scope="module")
 def muon_reference(dataset):
     return run_steps(tiny_config(*MUON), "dp=1", dataset, devices=jax.devices()[:1])
