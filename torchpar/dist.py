@@ -187,8 +187,10 @@ _releases: list[Callable[[], None]] = []
 
 
 def before_teardown(release: Callable[[], None]) -> None:
-    """`release()` runs first in `teardown`: it drops what a library keeps of the process groups."""
-    _releases.append(release)
+    """`release()` runs first in `teardown`, the last registered first: it drops what a library keeps of the
+    process groups. A release registered again runs once, in its first place."""
+    if release not in _releases:
+        _releases.append(release)
 
 
 def teardown() -> None:

@@ -217,12 +217,11 @@ class DeepSpeedEngine:
 
     def release(self) -> None:
         """Before the process groups are destroyed (torchpar.dist.teardown): let go of them, so that they are
-        freed then. destroy() removes the engine's hooks; DeepSpeed's destroy_process_group empties its group
-        registry; ZeRO-3 also keeps the model (whose parameters name a group) in two globals for good."""
-        deepspeed = import_deepspeed()
+        freed then. destroy() removes the engine's hooks (ZeRO-3's asks DeepSpeed's communication for the rank,
+        so it runs before release_deepspeed_groups); ZeRO-3 also keeps the model (whose parameters name a group)
+        in two globals for good."""
         self.engine.destroy()
         forget_module(self.engine.module)
-        deepspeed.comm.destroy_process_group()
 
     def restore(self) -> int | None:
         """The latest complete checkpoint (partial saves removed first); its data step, or None."""
@@ -359,5 +358,12 @@ def build(model, cfg, env, deepspeed_config: str = "", **_):
     if "activation_checkpointing" in config:  # model.remat=offload: read by deepspeed.checkpointing.checkpoint
         deepspeed.checkpointing.configure(None, deepspeed_config=config)
     wrapper = DeepSpeedEngine(engine, cfg, env, config, universal)
+    dist.before_teardown(release_deepspeed_groups)  # registered once, so it runs after every engine's release
     dist.before_teardown(wrapper.release)
     return wrapper
+
+
+def release_deepspeed_groups() -> None:
+    """DeepSpeed's destroy_process_group empties its group registry (teardown's last DeepSpeed release: a process
+    that built two engines -- tests/torchpar/chunked_loss_ranks.py -- failed in the second's destroy after it)."""
+    import_deepspeed().comm.destroy_process_group()
