@@ -3,10 +3,13 @@ device, within packed documents when asked, the documents' positions and ids (do
 projections' float8 matmul (model.float8, torchao's float8 training)."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
+
+from jaxpar.core.errors import quiet_logs
 
 
 def document_positions(tokens: torch.Tensor, eod: int, segment=0, position=0):
@@ -39,30 +42,20 @@ def causal_attention(q, k, v, mask=None):
 # in float32 (torch._scaled_mm: a GPU's float8 matmul, the output's with cuBLAS's fast accumulation as the recipe
 # sets, which jaxpar's XLA product does not ask for; on a CPU torch's own). torchao swaps nn.Linear modules,
 # which these einsum projections are not: its functional pieces are used on the projection as a 2-D matmul.
-_FLOAT8: dict = {}
 
 
-def _torchao_float8():
+@functools.cache
+def _torchao_float8() -> dict:
     """torchao's tensorwise recipe and its three matmuls' settings (as its Float8Linear builds them), made once."""
-    if not _FLOAT8:
-        import logging
-        logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-        levels = [log.level for log in logs]
-        try:  # torchao's CUDA kernels, which it cannot load on a CPU, are not what is used here
-            for log in logs:
-                log.setLevel(logging.ERROR)
-            from torchao.float8 import float8_linear, float8_scaling_utils, float8_training_tensor as t
-            from torchao.float8.config import Float8LinearConfig
-        finally:
-            for log, level in zip(logs, levels):
-                log.setLevel(level)
+    with quiet_logs("torchao", "torch.utils._pytree"):  # torchao's CUDA kernels it cannot load here: not used
+        from torchao.float8 import float8_linear, float8_scaling_utils, float8_training_tensor as t
+        from torchao.float8.config import Float8LinearConfig
 
-        c = Float8LinearConfig.from_recipe_name("tensorwise")
-        mm = t.LinearMMConfig(*(t.ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim) for g in
-                                (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)))
-        _FLOAT8.update(config=c, mm=mm, matmul=float8_linear.matmul_with_hp_or_float8_args, roles=t.GemmInputRole,
-                       cast=float8_scaling_utils.hp_tensor_to_float8_dynamic)
-    return _FLOAT8
+    c = Float8LinearConfig.from_recipe_name("tensorwise")
+    mm = t.LinearMMConfig(*(t.ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim) for g in
+                            (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)))
+    return dict(config=c, mm=mm, matmul=float8_linear.matmul_with_hp_or_float8_args, roles=t.GemmInputRole,
+                cast=float8_scaling_utils.hp_tensor_to_float8_dynamic)
 
 
 def _whole_batch() -> bool:

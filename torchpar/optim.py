@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +18,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from jaxpar.core import adamw8bit, muon
 from jaxpar.core.config import Config
+from jaxpar.core.errors import quiet_logs
 from jaxpar.core.lr_schedule import decays as decays_shared, lr_at
 from jaxpar.core.weights import shared_name
 
@@ -322,16 +322,3 @@ def state_bytes(optimizer) -> int:
             else:
                 total += 8 * n
     return total
-
-
-@contextmanager
-def quiet_logs(*names: str):
-    loggers = [logging.getLogger(n) for n in names]
-    levels = [log.level for log in loggers]
-    for log in loggers:
-        log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for log, level in zip(loggers, levels):
-            log.setLevel(level)

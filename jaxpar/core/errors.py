@@ -1,5 +1,9 @@
-"""One exception type for bad user input: printed as a single line, non-zero exit."""
+"""One exception type for bad user input: printed as a single line, non-zero exit; and library noise kept out of
+the console (quiet_logs)."""
 from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
 
 
 class UserError(Exception):
@@ -100,3 +104,17 @@ def wait_for_rank_zero() -> None:
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     time.sleep(RANK_ZERO_WAIT_S)
+
+
+@contextmanager
+def quiet_logs(*names: str):
+    """These libraries' loggers at ERROR while inside (e.g. an import that warns of what it cannot load here)."""
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)

@@ -21,7 +21,7 @@ import tempfile
 import time
 
 from jaxpar.core.config import load_config
-from jaxpar.core.errors import UserError, cli
+from jaxpar.core.errors import UserError, check_output_file, cli
 
 # kinds by kernel name, first match wins: cuBLAS/cuDNN/Triton names on a GPU, XLA's fusion names anywhere
 KINDS = (("attention", r"fmha|flash|cudnn|attention"),
@@ -114,12 +114,15 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the summary here too")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = ap.parse_args(argv)
+    if args.json:
+        check_output_file(args.json, "--json")  # before the trace, as bench_collectives does
     from jaxpar.mesh import setup_devices
 
     setup_devices({"dp": 1})
     result = profile(load_config(args.config, args.overrides), args.steps, args.warmup)
     print("\n".join(markdown(result)))
-    if args.json:
+    if args.json:  # its folder made here, as check_output_file expects
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0

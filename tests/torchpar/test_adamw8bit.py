@@ -11,7 +11,7 @@ from jaxpar.optim import dequantize, quantize
 from parity_tests.compare import EIGHT_BIT as BAND
 from tests.helpers import metrics
 from tests.torchpar.runs import assert_resumes_exactly_after_sigkill, assert_same_run, jaxpar_run, run
-from torchpar.optim import quiet_logs
+from jaxpar.core.errors import quiet_logs
 
 EIGHT_BIT = ["optim.name=adamw8bit"]
 
