@@ -54,7 +54,7 @@ from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
 from jaxpar.core.pipeline_schedules import (check_schedule, chunks as chunks_per_rank, concrete, placement,
                                             resolve_microbatches, virtual_stage)
 from torchpar.backends.base import TorchEngine
-from torchpar.models.decoder import Decoder, embed, inputs_and_targets, mtp_rows
+from torchpar.models.decoder import Decoder, embed, inputs_and_targets, mtp_losses
 from torchpar.models.head import chunked_cross_entropy
 from torchpar.optim import local, whole
 
@@ -106,17 +106,14 @@ class Stage(nn.Module):
     def mtp_loss(self, h: torch.Tensor, rows: torch.Tensor, train: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """With multi-token prediction: (the main cross-entropy, each depth's [depth] or None out of training) of
         the last stage's output `h` (before the final norm) and the microbatch's rows [rows, seq + 1] (the
-        schedule's target): Decoder.forward's and mtp_forward's steps, the lookups in this stage's copy of wte."""
+        schedule's target): Decoder.forward's steps, the lookups in this stage's copy of wte."""
         inputs, targets = inputs_and_targets(rows)
         loss = self.head_loss(self.ln_f(h), targets)
         if not train:  # evaluation: the main loss alone, as the other backends
             return loss, None
-        table, losses = self.wte if self.lm_head is None else self.lm_head, []
-        for module, (ahead, later) in zip(self.mtp, mtp_rows(inputs, targets, None, len(self.mtp))):
-            h = module(self.wte[ahead].to(self.compute_dtype), h)
-            losses.append(chunked_cross_entropy(module.norm_out(h), table, later,
-                                                loss_chunks(self.cfg, later.shape[1])))
-        return loss, torch.stack(losses)
+        depths = mtp_losses(self.mtp, self.wte, h, (inputs, targets, None), self.compute_dtype,
+                            lambda norm, x, t: self.head_loss(norm(x), t))
+        return loss, depths
 
 
 def stats_width(cfg) -> int:

@@ -190,17 +190,11 @@ class Decoder(nn.Module):
         loss = head_loss(self.ln_f, self.output_table, x, targets, self.cfg)
         if not self.mtp or not self.training:  # evaluation: the main loss alone, as jaxpar's
             return loss
-        depths = self.mtp_forward(x, tokens, targets, segments, positions, mask)
+        table = self.output_table
+        depths = mtp_losses(self.mtp, self.wte, x, (tokens, targets, segments), self.compute_dtype,
+                            lambda norm, h, t: head_loss(norm, table, h, t, self.cfg), positions, mask)
         self.mtp_losses = depths.detach()
         return loss + self.cfg.mtp_loss_weight * depths.mean()
-
-    def mtp_forward(self, h, tokens, targets, segments, positions, mask) -> torch.Tensor:
-        """Each prediction depth's cross-entropy [depth], taken as the main one's (jaxpar's Decoder.mtp_losses)."""
-        losses = []
-        for module, (ahead, later) in zip(self.mtp, mtp_rows(tokens, targets, segments, len(self.mtp))):
-            h = module(self.wte[ahead].to(self.compute_dtype), h, positions, mask)
-            losses.append(head_loss(module.norm_out, self.output_table, h, later, self.cfg))
-        return torch.stack(losses)
 
     @property
     def output_table(self) -> nn.Parameter:
@@ -215,6 +209,18 @@ def embed(wte: nn.Parameter, wpe: nn.Parameter | None, tokens: torch.Tensor, dty
     if wpe is not None:  # llama: no position table
         x = x + (wpe[: tokens.shape[1]] if positions is None else wpe[positions])
     return x.to(dtype)
+
+
+def mtp_losses(mtp: nn.ModuleList, wte: nn.Parameter, h: torch.Tensor, rows: tuple, dtype: torch.dtype, loss,
+               positions=None, mask=None) -> torch.Tensor:
+    """Each prediction depth's cross-entropy [depth] (jaxpar's Decoder.mtp_losses) from the main model's last
+    state h (before its final norm) and rows = (tokens, targets, segments or None): depth d's module reads the
+    token d positions ahead and depth d-1's state; `loss(norm, h, targets)` is the caller's head loss."""
+    losses = []
+    for module, (ahead, later) in zip(mtp, mtp_rows(*rows, len(mtp))):
+        h = module(wte[ahead].to(dtype), h, positions, mask)
+        losses.append(loss(module.norm_out, h, later))
+    return torch.stack(losses)
 
 
 def output_head(ln_f: nn.Module, table: nn.Parameter, x: torch.Tensor) -> torch.Tensor:
