@@ -16,7 +16,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # test starts skips that and runs with it from the start
 os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
 
-# Test tiers (README "Run the tests"): a test is in the slow tier when its measured duration -- tests/durations.json,
+# Test tiers (README.md "Run the tests"): a test is in the slow tier when its measured duration -- tests/durations.json,
 # pytest-split's file, written by `--store-durations` on a 2-core machine -- is over SLOW_S. The default run
 # (`python -m pytest`) leaves the slow tier out; `-m slow` runs it alone; CI (.ci/run) runs the default tier and the
 # share of the slow tier its commit picks (pytest-split's --splits/--group). A test not measured yet is in the
@@ -40,3 +40,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if durations.get(item.nodeid, 0.0) > SLOW_S and item.get_closest_marker("every_commit") is None:
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """pyproject's addopts hold -q, so a -q of one's own (`python -m pytest --co -q`) makes -qq, where pytest prints
+    no total: print the count line that a single -q ends with (N tests collected, N passed, ...)."""
+    if terminalreporter.verbosity < -1:
+        parts, color = terminalreporter.build_summary_stats_line()
+        terminalreporter.write_line(", ".join(text for text, _ in parts), **{color: True})

@@ -28,6 +28,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jaxpar.core.errors import UserError, os_error_line
+from jaxpar.core.run_dir import foreign_checkpoint
 
 _TMP = ".orbax-checkpoint-tmp"  # orbax writes step N to N.orbax-checkpoint-tmp[-...] and renames it when complete
 
@@ -75,6 +76,7 @@ class Checkpointer:
         flight looks the same)."""
         self.dir = os.path.abspath(os.path.join(run_dir, "checkpoints"))
         self.keep, self.asynchronous, self.last = keep, asynchronous, None  # last: saved or being saved
+        self.own: set[int] = set()  # steps this run saved or restored: the only ones a save may find on disk
         self.trainer = trainer
         self.failed = False  # a save failed: no more saves, close() only releases the manager
         _hide_orbax_logs()
@@ -87,14 +89,18 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.dir, item_handlers=handlers, options=options)
 
     def save(self, step: int, state, meta: dict) -> None:
-        """Start saving `step` (a no-op if it is saved or being saved already: the final save right after a
-        periodic one)."""
-        if self.failed or step == self.last or step in self.manager.all_steps():
+        """Start saving `step` (a no-op if this run saved or restored it already: the final save right after a
+        periodic one; after a failed save, which raised, nothing is saved). A step on disk that is not this run's
+        is refused."""
+        if self.failed or step in self.own:
             return
+        if step in self.manager.all_steps():
+            raise foreign_checkpoint(self.dir, step)
         with self._failing_save(step):  # also the previous step's asynchronous save: this call waits for it
             self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                               meta=ocp.args.JsonSave(meta)))
         self.last = step
+        self.own.add(step)
 
     def wait(self) -> None:
         """Until the save in flight, if any, is complete on disk."""
@@ -160,6 +166,7 @@ class Checkpointer:
                 continue
             for bad, _ in failures:
                 self._set_aside(bad)
+            self.own.add(step)
             # fitted after the read: a failure here is not the checkpoint's, and sets nothing aside
             return (after(out["state"]) if after is not None else out["state"]), dict(out["meta"])
         if failures:

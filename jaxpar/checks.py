@@ -9,6 +9,7 @@ from jaxpar.core.experts import check_expert_axis
 from jaxpar.core.errors import UserError
 from jaxpar.core.pipeline_schedules import check_schedule, concrete, resolve_microbatches
 from jaxpar.core.resume import check_resume
+from jaxpar.core.run_dir import check_run_dir_framework
 from jaxpar.core.trackers import check_trackers
 from jaxpar.parallel.sequence import check_sequence
 
@@ -17,6 +18,7 @@ def validate(cfg: Config, sizes, is_main: bool = True) -> None:
     """Everything jaxpar refuses before it traces, in this order: run.dir and what a resume may change (every
     process refuses alike; the main one says what changed), the trackers, the config contract, the layout at
     every batch shape. sizes: the mesh's axis -> size."""
+    check_run_dir_framework(cfg, "jaxpar")
     check_resume(cfg, is_main)
     check_trackers(cfg)
     check_contract(Run(cfg, "jaxpar", mesh=dict(sizes)))

@@ -105,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "tokenizer":
         size = train_tokenizer(args.inputs, args.out, args.vocab_size, args.text_field)
         print(f"wrote {args.out}: byte-level BPE, {size} tokens (use it with data.tokenizer={args.out})")
+        if size < args.vocab_size:  # BPE ran out of pairs to merge: the corpus is too small for the size asked
+            print(f"note: the corpus gave {size:,} tokens, fewer than --vocab-size {args.vocab_size}: set "
+                  f"model.vocab_size={size} (or more) to train with it, or give a larger corpus for "
+                  f"{args.vocab_size:,}", file=sys.stderr)
     else:
         if args.seq_len < 1 or not 0 <= args.val_fraction < 1:
             raise UserError("need --seq-len >= 1 and 0 <= --val-fraction < 1")

@@ -1,4 +1,4 @@
-"""python -m jaxpar.generate --run runs/gpt2-tiny --prompt "def " [--max-new-tokens N] [--temperature 0.8
+"""python -m jaxpar.generate --run runs/jaxpar/gpt2-tiny --prompt "def " [--max-new-tokens N] [--temperature 0.8
     --top-k 40 --top-p 0.95 --seed 0 --num-samples 1 --mesh tp=4]
 
 Samples from a trained model: the latest checkpoint of a jaxpar run (`--run`, any family or variant, with its
@@ -14,6 +14,7 @@ from jaxpar.core.config import Config, config_for_weights
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.mesh_spec import parse_mesh
 from jaxpar.core.resume import read_run_config
+from jaxpar.core.run_dir import check_framework
 from jaxpar.core.sampling_cli import check_sampling, decodable_tokens, print_samples, sampling_parser
 from jaxpar.core.tokens import text_codec
 from jaxpar.mesh import setup_devices
@@ -55,6 +56,8 @@ def load(args) -> tuple[Config, dict | None, str]:
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     sizes = check_decoding(args)
+    if args.run:
+        check_framework(args.run, "jaxpar", "sample")
     setup_devices(sizes)  # before anything starts jax (reading a run's checkpoint does)
     cfg, flat, tokenizer = load(args)
     encode, decode = text_codec(tokenizer)

@@ -31,8 +31,8 @@ from jaxpar.sharding import RULES, spec_for, with_extra_axis
 
 
 def rules_for(cfg: Config) -> dict[str, tuple[str, ...]]:
-    """The rules table for a config: ZeRO-3 shards the weights over dp wherever fsdp shards them (README: the same
-    as putting those devices on fsdp; "embed" alone left a sketched factor's input dim on fsdp only)."""
+    """The rules table for a config: ZeRO-3 shards the weights over dp wherever fsdp shards them (docs/features.md:
+    the same as putting those devices on fsdp; "embed" alone left a sketched factor's input dim on fsdp only)."""
     if cfg.parallel.zero_stage != 3:
         return dict(RULES)
     return {name: axes + ("dp",) if "fsdp" in axes and "dp" not in axes else axes for name, axes in RULES.items()}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 from jaxpar.core.errors import UserError
 from jaxpar.core.mesh_spec import AXES, format_mesh, resolve_sizes
@@ -86,18 +87,44 @@ def cpu_devices_for_elastic_axis(sizes: dict[str, int], processes: int) -> int:
     return -(-fixed // processes) * processes
 
 
+FORCED_COUNT = "xla_force_host_platform_device_count"
+
+
+def forced_cpu_devices() -> int | None:
+    """The simulated CPU devices per process that the user set in XLA_FLAGS (--xla_force_host_platform_device_count=N,
+    the last one winning as in XLA), or None."""
+    found = re.findall(rf"--{FORCED_COUNT}=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(found[-1]) if found else None
+
+
+def check_forced_count(sizes: dict[str, int], forced: int, processes: int) -> int:
+    """The simulated devices of all processes where XLA_FLAGS sets their count (the user's machine: kept as set);
+    a mesh of fixed axes that needs another count is refused, naming both numbers."""
+    total = forced * processes
+    needed = math.prod(sizes.values())
+    if -1 not in sizes.values() and needed != total:
+        per = f" per process, {total} over {processes} processes" if processes > 1 else ""
+        raise UserError(f"the mesh {format_mesh(sizes)} needs {needed} device{'s' * (needed > 1)}; XLA_FLAGS sets "
+                        f"--{FORCED_COUNT}={forced}{per}: choose a mesh of {total} devices, or drop the flag (jaxpar "
+                        "then simulates the mesh's devices itself)")
+    return total
+
+
 def setup_devices(sizes: dict[str, int], peer_timeout_s: float | None = None) -> None:
-    """Before jax starts: XLA's GPU options on a GPU; simulate the mesh's devices on CPU if no accelerator;
-    join processes (the coordination service's heartbeat and shutdown timeouts sit above run.peer_timeout_s:
-    core/peers.py)."""
+    """Before jax starts: XLA's GPU options on a GPU; simulate the mesh's devices on CPU if no accelerator (as many
+    as JAXPAR_CPU_DEVICES or XLA_FLAGS's device count says, where set; else the mesh's); join processes (the
+    coordination service's heartbeat and shutdown timeouts sit above run.peer_timeout_s: core/peers.py)."""
     import jax
 
     dist, nproc = distributed_env()
     if _has_gpu():
         set_gpu_flags()
     if not _has_accelerator():
+        forced = forced_cpu_devices()
         if os.environ.get("JAXPAR_CPU_DEVICES"):  # a fixed simulated machine, whatever the mesh
             total = int(os.environ["JAXPAR_CPU_DEVICES"])
+        elif forced is not None:  # the user's count in XLA_FLAGS, which jax_num_cpu_devices would override
+            total = check_forced_count(sizes, forced, nproc)
         elif -1 in sizes.values():
             total = cpu_devices_for_elastic_axis(sizes, nproc)
         else:

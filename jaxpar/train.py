@@ -15,7 +15,9 @@ from jaxpar.core.config import Config, load_config
 from jaxpar.core.data_order import open_splits
 from jaxpar.core.errors import cli
 from jaxpar.core.mesh_spec import parse_mesh
-from jaxpar.core.run import run_training, stop_requests
+from jaxpar.core.run import run_training
+from jaxpar.core.run_dir import with_run_dir
+from jaxpar.core.stop_signals import stop_requests
 from jaxpar.data import grain_batches
 from jaxpar.layout import Layout
 from jaxpar.pipeline_auto import resolve_schedule
@@ -60,7 +62,7 @@ def train(cfg: Config, mesh_spec: str, write_init: str | None = None, write_fina
 @cli
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    cfg = load_config(args.config, args.overrides)
+    cfg = with_run_dir(load_config(args.config, args.overrides), "jaxpar", args.config)
     return train(cfg, args.mesh or cfg.parallel.mesh, args.write_init, args.write_final)
 
 

@@ -78,7 +78,7 @@ class JaxTrainer:
         return int(self.state["step"])
 
     def run_config(self) -> dict:
-        return {"resolved_mesh": format_mesh(dict(self.layout.mesh.shape))}
+        return {"framework": "jaxpar", "resolved_mesh": format_mesh(dict(self.layout.mesh.shape))}
 
     def start(self) -> str:
         """Compile the step for the next batch's shape (train.batch_rampup's and the buckets' others at their first

@@ -9,27 +9,30 @@ from parity_tests.fuzz_cases import BASE, Case
 # and that no DOCUMENTED_REFUSALS line explains, is a failure (`refused-promised`).
 PROMISES = (
     ("jaxpar mesh", lambda c: c.side == "jax",
-     "README.md tour (dp/fsdp/tp/pp/sp); docs/architecture.md 'Numerical equivalence': every supported mesh "
+     "docs/features.md 'Parallelism' (dp/fsdp/tp/pp/sp); docs/architecture.md 'Numerical equivalence': "
+     "every supported mesh "
      "reproduces the one-device run; docs/torchpar.md: jaxpar composes pp with dp/fsdp/tp/sp"),
     ("ZeRO stages", lambda c: "parallel.zero_stage" in dict(c.settings),
-     "README.md 'ZeRO vocabulary' (jaxpar 0-3 on dp); docs/torchpar.md fsdp and deepspeed bullets (0-3)"),
+     "docs/features.md 'ZeRO vocabulary' (jaxpar 0-3 on dp); docs/torchpar.md fsdp and deepspeed bullets (0-3)"),
     ("pipeline schedules", lambda c: c.mesh()["pp"] > 1,
-     "README.md 'Pipeline' and docs/architecture.md 'Pipeline parallelism' (gpipe, 1f1b, interleaved, zb_h1, zb_v, "
+     "docs/features.md 'Pipeline' and docs/architecture.md 'Pipeline parallelism' (gpipe, 1f1b, "
+     "interleaved, zb_h1, zb_v, "
      "virtual stages); docs/torchpar.md pipeline bullet (one stage per rank, interleaved >= 2, zb_v two, pp x dp with "
      "1f1b)"),
     ("sequence attention", lambda c: c.mesh()["sp"] > 1,
-     "README.md 'Sequence parallelism' (ring, all_gather, ulysses, zig-zag); docs/architecture.md 'Sequence "
+     "docs/features.md 'Sequence parallelism' (ring, all_gather, ulysses, zig-zag); docs/architecture.md 'Sequence "
      "parallelism (sp)'"),
     ("model variants and families", lambda c: any(k in ("model.attention", "model.linear", "model.family")
                                                   for k, _ in c.settings),
      "docs/architecture.md 'Model variants': any combination, jaxpar and torchpar alike, under every layout; "
-     "README.md 'Llama': every mesh and torchpar backend; 'Model families': llama with attention=dilated"),
+     "docs/features.md 'Llama': every mesh and torchpar backend; 'Model families': llama with attention=dilated"),
     ("remat, accumulation, unrolled layers",
      lambda c: any(k in ("model.remat", "train.microbatches", "train.scan_layers") for k, _ in c.settings),
-     "README.md 'Model' (model.remat none/full/save_matmuls; train.scan_layers) and 'Optimiser' (train.microbatches); "
+     "docs/features.md 'Model' (model.remat none/full/save_matmuls; train.scan_layers) and 'Optimiser' "
+     "(train.microbatches); "
      "docs/torchpar.md 'Same math as jaxpar'"),
     ("offload", lambda c: "parallel.offload" in dict(c.settings),
-     "README.md 'Offload'; docs/architecture.md 'Mixed precision and offload' (jaxpar: host memory kinds; "
+     "docs/features.md 'Offload'; docs/architecture.md 'Mixed precision and offload' (jaxpar: host memory kinds; "
      "deepspeed: optimizer at stages 1-3, params+optimizer at stage 3)"),
     ("gradient compression", lambda c: "parallel.grad_compression" in dict(c.settings),
      "docs/torchpar.md 'Gradient compression' (ddp bf16 and powersgd, fsdp and deepspeed bf16; jaxpar both on dp, "
@@ -42,7 +45,7 @@ PROMISES = (
      "torchpar none/ddp/fsdp/deepspeed, and pipeline with gpipe, 1f1b or interleaved (pp x dp too, not pp x fsdp)"),
     ("batching", lambda c: any(k in ("data.document_mask", "data.batching", "train.batch_rampup")
                                for k, _ in c.settings),
-     "README.md 'Data' (data.document_mask), 'Variable-length batches' (data.batching=buckets) and 'Optimiser' "
+     "docs/features.md 'Data' (data.document_mask), 'Variable-length batches' (data.batching=buckets) and 'Optimiser' "
      "(train.batch_rampup): both trainers, every layout but torchpar's pipeline"),
     ("torchpar backends", lambda c: c.side == "torch",
      "docs/torchpar.md 'Backends': none, ddp, fsdp (HSDP with parallel.mesh=dp=D,fsdp=F), deepspeed, pipeline"),
@@ -96,7 +99,8 @@ def indivisible(c: Case) -> bool:
 
 # (where the docs say it, predicate): combinations the docs say are refused with one line
 DOCUMENTED_REFUSALS = (
-    ("README.md 'Config' (unknown keys, types, ranges are errors); docs/architecture.md 'Model families' (keys of "
+    ("docs/features.md 'Config' (unknown keys, types, ranges are errors); docs/architecture.md 'Model "
+     "families' (keys of "
      "the other family, llama with mla or sketched)", invalid_config),
     ("docs/architecture.md 'Sharding' (divisibility the user controls is checked up front with one line), "
      "'Sequence parallelism' (its checks); docs/torchpar.md (a world size that does not divide the batch per "

@@ -184,9 +184,9 @@ def no_leftovers(pgid: int) -> None:
     pytest.fail("processes left behind after the run")
 
 
-def run_in_session(cmd: list[str], env: dict, timeout: int, what: str) -> subprocess.CompletedProcess:
+def run_in_session(cmd: list[str], env: dict, timeout: int, what: str, cwd: str = ROOT) -> subprocess.CompletedProcess:
     """Run `cmd` in its own session; fail on a timeout (killing the session) or on a process left behind."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from jaxpar.core.errors import UserError, error_line
+from jaxpar.core.run_dir import foreign_checkpoint
 from torchpar import dist
 from torchpar.dist import Env
 
@@ -93,6 +94,7 @@ class DCPCheckpointer:
         self.keep, self.model, self.optimizer, self.env = keep, model, optimizer, env
         self.rank_state = None  # each rank's own state beside DCP's (save(folder), load(folder)): DDP's PowerSGD
         self.views = None  # views(state) / unviews(state): tensors DCP must see as DTensors (ddp's split experts)
+        self.own: set[int] = set()  # steps this run saved or restored: the only ones a save may find on disk
 
     def remove_partial_saves(self) -> None:
         """The trainer, before its first restore: a `<step>.partial` is a save its run did not finish (killed,
@@ -108,9 +110,13 @@ class DCPCheckpointer:
         return state if self.views is None else self.views.views(state)
 
     def save(self, step: int, meta: dict) -> None:
+        """A DCP checkpoint of `step` (done already if this run saved or restored it: the final save right after a
+        periodic one); a step on disk that is not this run's is refused."""
         final = os.path.join(self.dir, str(step))
+        if step in self.own:
+            return
         if os.path.exists(final):
-            return  # e.g. the final save right after a periodic one
+            raise foreign_checkpoint(self.dir, step)
         tmp = final + ".partial"
         if self.env.is_main and os.path.exists(tmp):
             shutil.rmtree(tmp)
@@ -128,6 +134,7 @@ class DCPCheckpointer:
             for old in complete_steps(self.dir)[:-self.keep]:
                 shutil.rmtree(os.path.join(self.dir, str(old)), ignore_errors=True)
         dist.barrier()
+        self.own.add(step)
 
     def _save_rank_state(self, folder: str) -> None:
         """Every rank's own file, or a failure on every rank (no rank waits at the next barrier for one that
@@ -167,6 +174,7 @@ class DCPCheckpointer:
             self.rank_state.load(path)
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
+        self.own.add(steps[-1])
         if self.env.is_main:
             print(f"resumed from {path}", file=sys.stderr)
         return meta

@@ -2,6 +2,8 @@
 one entry that runs them all (jaxpar/checks.py's `validate` is its twin)."""
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from jaxpar.core.config import Config
@@ -12,16 +14,37 @@ from jaxpar.core.experts import check_expert_axis
 from jaxpar.core.mesh_spec import check_torch_mesh, parse_mesh, resolve_sizes
 from jaxpar.core.pipeline_choice import resolve
 from jaxpar.core.resume import check_resume
+from jaxpar.core.run_dir import check_run_dir_framework
 from jaxpar.core.trackers import check_trackers
-from torchpar.dist import launch_env
+from torchpar.dist import launch_env, launched
 
 
 def validate(cfg: Config, args) -> None:
     """Everything torchpar refuses before a process group exists, identical on every rank, in this order: what the
-    backend and launch run (the config contract last), then run.dir and what a resume may change (rank 0, from
-    torchrun's or srun's adopted variables, says what changed)."""
+    backend and launch run (the config contract last), a launch without a launcher (check_launch), then run.dir and
+    what a resume may change (rank 0, from torchrun's or srun's adopted variables, says what changed). A line about
+    the launch comes after them all: a refused run says one line."""
     check_backend_settings(cfg, args)
+    note = check_launch(args)  # after the config's refusals: they stand however the run is launched
+    check_run_dir_framework(cfg, "torchpar")
     check_resume(cfg, is_main=launch_env()[0] == 0)
+    if note:
+        print(note, file=sys.stderr, flush=True)
+
+
+def check_launch(args) -> str | None:
+    """A multi-process backend started as a plain process (no launcher's variables): None where a launcher started
+    it or the backend is none; the line saying that it runs as one process, where one process still means the
+    backend (ddp and fsdp compute the one-process run, DeepSpeed's ZeRO stages and offload run on one GPU, a
+    DeepSpeed checkpoint resumes on one rank); a refusal for the pipeline, whose stages are its processes (one
+    process is a pipeline of one stage: --backend none's run). --write-init writes from one process anyway."""
+    if args.backend == "none" or launched() or getattr(args, "write_init", None):
+        return None
+    how = f"torchrun --nproc_per_node=N -m torchpar.train --backend {args.backend} ... (or srun, one task each)"
+    if args.backend == "pipeline":
+        raise UserError(f"--backend pipeline without a launcher is one process, a pipeline of one stage: start one "
+                        f"process per stage with {how}, or run one process with --backend none")
+    return f"torchpar: --backend {args.backend} without a launcher runs as one process; to run N, start {how}"
 
 
 def resolve_schedule(cfg: Config, args):

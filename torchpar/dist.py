@@ -74,6 +74,12 @@ def adopt_slurm_env() -> None:
     os.environ.setdefault("MASTER_PORT", str(29500 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
 
 
+def launched() -> bool:
+    """Whether a launcher started this process: torchrun's, DeepSpeed's or srun's variables (adopt_slurm_env turns
+    srun's into torchrun's; SLURM_NTASKS alone is a task count the user chose), not a plain `python -m`."""
+    return any(key in os.environ for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS"))
+
+
 def launch_env() -> tuple[int, int, int]:
     """(rank, world size, local rank) as torchrun set them; (0, 1, 0) for a plain process."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))

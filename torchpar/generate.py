@@ -1,5 +1,5 @@
-"""python -m torchpar.generate --run runs/x --prompt "def " [--max-new-tokens N --temperature 0.8 --top-k 40
-    --top-p 0.95 --seed 0 --num-samples 1]
+"""python -m torchpar.generate --run runs/torchpar/gpt2-tiny --prompt "def " [--max-new-tokens N
+    --temperature 0.8 --top-k 40 --top-p 0.95 --seed 0 --num-samples 1]
 
 Samples from a trained torchpar model: the latest checkpoint of a none / ddp / fsdp run (`--run`, loaded on
 one process: DCP reshards) or a shared-weights file (`--weights`, e.g. written by jaxpar). Decoding uses a
@@ -14,6 +14,7 @@ import torch
 from jaxpar.core.config import config_for_weights
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.resume import read_run_config
+from jaxpar.core.run_dir import check_framework
 from jaxpar.core.sampling_cli import check_sampling, decodable_tokens, print_samples, sampling_parser
 from jaxpar.core.tokens import document_token, text_codec
 from jaxpar.core.weights import model_dims, read_settings, read_weights
@@ -28,6 +29,7 @@ def load_model(args):
     if args.run:
         from torchpar.parallelize import parallelize
 
+        check_framework(args.run, "torchpar", "sample")
         cfg = read_run_config(args.run)
         cfg.run.dir = args.run  # where the run is now (config.json holds where it was trained)
         model = Decoder(cfg.model, document_token(cfg))

@@ -18,7 +18,9 @@ import torch
 from jaxpar.core.config import Config, load_config
 from jaxpar.core.data_order import open_splits
 from jaxpar.core.errors import cli
-from jaxpar.core.run import run_training, stop_requests
+from jaxpar.core.run import run_training
+from jaxpar.core.run_dir import with_run_dir
+from jaxpar.core.stop_signals import stop_requests
 from torchpar import backends, dist
 from torchpar.checks import resolve_schedule, validate
 from torchpar.dist import launch_env
@@ -44,7 +46,8 @@ def parse_args(argv):
 def read_config(args) -> Config:
     """The config of the command line: --mesh is parallel.mesh's override, winning over any other (jaxpar.train's
     --mesh wins over parallel.mesh too)."""
-    return load_config(args.config, args.overrides + ([f"parallel.mesh={args.mesh}"] if args.mesh else []))
+    cfg = load_config(args.config, args.overrides + ([f"parallel.mesh={args.mesh}"] if args.mesh else []))
+    return with_run_dir(cfg, "torchpar", args.config)
 
 
 @cli(rank=lambda: launch_env()[0], teardown=dist.teardown)  # teardown: groups freed now (a live gloo thread aborts)

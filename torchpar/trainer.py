@@ -59,7 +59,7 @@ class TorchTrainer:
         return (self.engine.restore() if self.cfg.checkpoint.resume else None) or 0
 
     def run_config(self) -> dict:
-        return {"backend": self.backend, "world_size": self.env.world}
+        return {"framework": "torchpar", "backend": self.backend, "world_size": self.env.world}
 
     def start(self) -> str:
         """Start reading ahead. The line also says the parameter elements each rank holds (a collective; a range

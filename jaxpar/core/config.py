@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.config_checks import check_consistency, int_list
+from jaxpar.core.config_checks import check_consistency, did_you_mean, int_list
 
 
 def _check(choices=None, lo=None, hi=None, lo_open=False):
@@ -43,7 +43,8 @@ class ModelConfig:
     init_std: float = field(default=0.02, metadata=_check(lo=0.0, lo_open=True))
     # float16: with dynamic loss scaling (optim.loss_scale_*; jaxpar/loss_scale.py, torch's GradScaler)
     compute_dtype: str = field(default="float32", metadata=_check(choices=("float32", "bfloat16", "float16")))
-    # offload: the activations kept for the backward pass held in host memory (README "Model", docs/architecture.md)
+    # offload: the activations kept for the backward pass held in host memory (docs/features.md "Model",
+    # docs/architecture.md)
     remat: str = field(default="none", metadata=_check(choices=("none", "full", "save_matmuls", "offload")))
     # the projections' matmuls in float8 with tensorwise current scaling (jaxpar/ops.py; torchao's "tensorwise"
     # recipe, which torchpar/ops.py runs): inputs and weights e4m3, output gradients e5m2, float32 accumulation;
@@ -248,7 +249,7 @@ class CheckpointConfig:
 
 @dataclass
 class RunConfig:
-    dir: str = "runs/default"
+    dir: str = ""  # empty: runs/<framework>/<config file name> (jaxpar/core/run_dir.py)
     # how long a process waits on the others (a step, a collective, start-up) before it exits with
     # one line naming the lost processes (jaxpar/core/peers.py); multi-process runs only
     peer_timeout_s: float = field(default=300.0, metadata=_check(lo=0.0, lo_open=True))
@@ -322,11 +323,13 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
     section_name, _, key = dotted.partition(".")
     sections = {f.name: f for f in dataclasses.fields(Config)}
     if section_name not in sections:
-        raise UserError(f"unknown config section {section_name!r} (in {dotted!r}); known: {', '.join(sections)}")
+        raise UserError(f"unknown config section {section_name!r} (in {dotted!r}){did_you_mean(dotted, Config)} "
+                        f"(known: {', '.join(sections)})")
     section = getattr(cfg, section_name)
     fields = {f.name: f for f in dataclasses.fields(section)}
     if key not in fields:
-        raise UserError(f"unknown config key {dotted!r}; {section_name} has: {', '.join(fields)}")
+        hint = did_you_mean(dotted, Config) or f"; {section_name} has: {', '.join(fields)}"
+        raise UserError(f"unknown config key {dotted!r}{hint}")
     f = fields[key]
     typ = {"int": int, "float": float, "str": str, "bool": bool}[f.type] if isinstance(f.type, str) else f.type
     coerced = _coerce(dotted, value, typ)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 
 from jaxpar.core.errors import UserError
 from jaxpar.core.batch_shapes import bucket_shapes
@@ -16,6 +17,21 @@ def profile_window(spec: str) -> tuple[int, int] | None:
     if not (colon and a.strip().isdigit() and b.strip().isdigit() and int(a) < int(b)):
         raise UserError(f"config key train.profile_steps: {spec!r} is not of the form a:b with a < b")
     return int(a), int(b)
+
+
+def did_you_mean(dotted: str, schema) -> str:
+    """'; did you mean optim.lr?' for an unknown key of the config class `schema`: the known key whose name is
+    closest (optim.lrr, train.lr, optm.lr; at a tie, in the section spelt most like it's), else the closest section
+    (optm.nonsense); '' where nothing is close (difflib's ratio under 0.6)."""
+    section, _, name = dotted.partition(".")
+    ratio = lambda a, b: difflib.SequenceMatcher(None, a, b).ratio()  # noqa: E731
+    sections = [s.name for s in dataclasses.fields(schema)]
+    (close, _), key = max(((ratio(name, f.name), ratio(section, s.name)), f"{s.name}.{f.name}")
+                          for s in dataclasses.fields(schema) for f in dataclasses.fields(s.default_factory()))
+    if close >= 0.6:
+        return f"; did you mean {key}?"
+    near = [] if section in sections else difflib.get_close_matches(section, sections, n=1)
+    return f"; did you mean {near[0]}?" if near else ""
 
 
 def int_list(key: str, text: str) -> tuple[int, ...]:

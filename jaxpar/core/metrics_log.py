@@ -15,8 +15,10 @@ class MetricsLog:
     """Appends one JSON object per logged step; prints progress on process 0 only."""
 
     def __init__(self, run_dir: str, is_main: bool, total_steps: int, start_step: int = 0, trackers=(),
-                 tokenizer: str = "byte"):
+                 tokenizer: str = "byte", outcome=None):
+        """`outcome`: a run_summary.Outcome that gathers the numbers of the run's closing lines."""
         self.is_main, self.total, self.trackers = is_main, total_steps, list(trackers)  # core/trackers.py
+        self.outcome = outcome
         self.tokenizer, self.decode = tokenizer, None  # the decoder is loaded at the first sample
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.file = open(self.path, "a") if is_main else None
@@ -30,6 +32,7 @@ class MetricsLog:
         if not self.is_main:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self._gather(clean)
         self.file.write(json.dumps(clean) + "\n")
         self.file.flush()
         scalars = {k: v for k, v in clean.items() if k != "step" and isinstance(v, (int, float))}
@@ -54,6 +57,17 @@ class MetricsLog:
         self.bar.set_postfix_str(" | ".join(parts[1:]))
         if record.get("eval_loss") is not None:
             self.bar.write(" | ".join(parts))
+
+    def _gather(self, record: dict) -> None:
+        o = self.outcome
+        if o is None:
+            return
+        o.loss = record.get("loss", o.loss)
+        o.eval_loss = record.get("eval_loss") if record.get("eval_loss") is not None else o.eval_loss
+        if record.get("tokens_per_sec") is not None:
+            o.rates.append(record["tokens_per_sec"])
+        if record.get("mfu") is not None:
+            o.mfus.append(record["mfu"])
 
     def note(self, line: str) -> None:
         """One line on the console of process 0 (above the progress bar on a terminal)."""

@@ -10,6 +10,7 @@ hyperparameters, a scheduler, a loss scaler's rules) never wins over the config 
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -17,6 +18,7 @@ import sys
 
 from jaxpar.core.config import Config, config_from_dict
 from jaxpar.core.errors import UserError, check_output_dir
+from jaxpar.core.lr_schedule import lr_at
 
 # Free to change on resume inside the model section: numerics and memory, not shapes.
 _MODEL_FREE = {"compute_dtype", "remat", "init_from"}
@@ -90,6 +92,45 @@ def check_resume(cfg: Config, is_main: bool = True) -> None:
     if is_main:
         for k, (old, new) in changed.items():
             print(f"resuming with {k} changed: {old!r} -> {new!r}", flush=True)
+
+
+# the keys lr_at reads: a change to any of them may move the learning rate of the steps still to train
+SCHEDULE_KEYS = ("train.steps", "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.decay_steps")
+
+
+def _key(cfg: Config, dotted: str):
+    section, _, name = dotted.partition(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def schedule_change_line(old: Config, new: Config, step: int) -> str | None:
+    """What a resume after `step` updates does to the learning rate, where a schedule key changed: its value at the
+    next update (0-based `step`, the first the resumed run trains) under the old settings and under the new. None
+    for a new run (step 0) or an unchanged schedule. (A float16 run's schedule counts applied updates: its skipped
+    steps shift the figure by their number.)"""
+    changed = [k for k in SCHEDULE_KEYS if _key(old, k) != _key(new, k)]
+    if not step or not changed:
+        return None
+    before, after = (lr_at(step, c.optim, c.train.steps) for c in (old, new))
+    moves = f"stays {after:.1e}" if f"{before:.1e}" == f"{after:.1e}" else f"moves from {before:.1e} to {after:.1e}"
+    return (f"resuming after step {step}: the learning rate of step {step + 1} {moves} ({', '.join(changed)} "
+            "changed)")
+
+
+def schedule_change(cfg: Config, step: int) -> str | None:
+    """schedule_change_line against the settings in <run.dir>/config.json (read before write_run_config replaces it;
+    None where it is missing or unreadable: check_resume has said so already where it matters)."""
+    try:
+        with open(os.path.join(cfg.run.dir, "config.json")) as f:
+            saved = _flat(json.load(f))
+    except (OSError, ValueError):
+        return None
+    old = copy.deepcopy(cfg)
+    for key in SCHEDULE_KEYS:
+        if key in saved:
+            section, _, name = key.partition(".")
+            setattr(getattr(old, section), name, saved[key])
+    return schedule_change_line(old, cfg, step)
 
 
 def start_anew(cfg: Config, is_main: bool) -> None:

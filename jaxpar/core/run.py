@@ -1,5 +1,6 @@
 """The run, written once for both trainers and read top to bottom: lock run.dir, move an old run aside, restore or
-initialise, record the config, train in the loop below (its hooks in jaxpar/core/hooks.py), write the final weights.
+initialise, record the config, train in the loop below (its hooks in jaxpar/core/hooks.py), write the final weights,
+say what the run did and what comes next (jaxpar/core/run_summary.py).
 
 A trainer's entry point (jaxpar/train.py, torchpar/train.py) parses its arguments, validates them, sets up its devices
 or process group and reads its inputs, then hands its adapter -- a `Trainer`: jaxpar/trainer.py, torchpar/trainer.py
@@ -8,8 +9,8 @@ or process group and reads its inputs, then hands its adapter -- a `Trainer`: ja
 from __future__ import annotations
 
 import os
-import signal
 import sys
+import time
 from typing import Any, Protocol
 
 from jaxpar.core.config import Config
@@ -18,8 +19,10 @@ from jaxpar.core.hooks import Progress, hooks_of
 from jaxpar.core.metrics_log import MetricsLog
 from jaxpar.core.peers import PeerGuard
 from jaxpar.core.recovery import Recovery
-from jaxpar.core.resume import already_complete, start_anew, write_run_config
+from jaxpar.core.resume import already_complete, schedule_change, start_anew, write_run_config
 from jaxpar.core.run_lock import RunLock
+from jaxpar.core.run_summary import Outcome, start_line, summary_lines
+from jaxpar.core.stop_signals import ignore_stop_requests
 from jaxpar.core.trackers import open_trackers
 
 
@@ -94,19 +97,28 @@ class Trainer(Protocol):
 def run_training(cfg: Config, trainer: Trainer, stop: dict, write_final: str | None = None) -> int:
     """After the trainer's own checks and set-up (a refused run moves and writes nothing): the run, with run.dir
     locked by the main process until its end (the kernel lets go if the process dies)."""
+    if not cfg.run.dir:
+        raise UserError("run.dir is empty: name the run's directory (the trainers' default: runs/<framework>/<config>)")
+    t0, outcome = time.monotonic(), None
     with RunLock(cfg.run.dir) as lock:
         claim_run_dir(cfg, trainer, lock)
         try:
             step = trainer.restore_or_init()
+            info = trainer.run_config()
+            framework = info.get("framework", "jaxpar")
             if trainer.is_main:
-                write_run_config(cfg, **trainer.run_config())
+                lines = [schedule_change(cfg, step), start_line(cfg, framework, step)]
+                print("\n".join(filter(None, lines)), flush=True)
+                write_run_config(cfg, **info)  # over the old config.json, which schedule_change reads
             if not already_complete(cfg, step, trainer.is_main):
-                train_from(cfg, trainer, step, stop)
+                outcome = train_from(cfg, trainer, step, stop)
             if write_final:
                 trainer.write_weights(write_final, "final")
         finally:
             trainer.close()
     ignore_stop_requests()  # the run is saved: a late SIGTERM must not turn the clean exit into a kill
+    if outcome is not None and trainer.is_main:  # after close: every checkpoint is on disk
+        print("\n".join(summary_lines(cfg, framework, info, outcome, time.monotonic() - t0)), flush=True)
     return 0
 
 
@@ -129,16 +141,20 @@ def claim_run_dir(cfg: Config, trainer: Trainer, lock: RunLock) -> None:
     os.makedirs(cfg.run.dir, exist_ok=True)
 
 
-def train_from(cfg: Config, trainer: Trainer, step: int, stop: dict) -> None:
+def train_from(cfg: Config, trainer: Trainer, step: int, stop: dict) -> Outcome:
     line = trainer.start()
     if trainer.is_main:
         print(line, flush=True)
+    outcome = Outcome(first_step=step)
     log = MetricsLog(cfg.run.dir, trainer.is_main, cfg.train.steps, step, open_trackers(cfg, trainer.is_main),
-                     cfg.data.tokenizer)
+                     cfg.data.tokenizer, outcome)
     try:
-        train_loop(cfg, trainer, step, log, stop)
+        outcome.last_step = train_loop(cfg, trainer, step, log, stop)
     finally:
         log.close()
+    if outcome.last_step < cfg.train.steps:  # the loop ends early on an agreed stop alone
+        outcome.stopped_by = f"signal {stop['signal']}" if "signal" in stop else "a signal to another process"
+    return outcome
 
 
 def train_loop(cfg: Config, trainer: Trainer, step: int, log: MetricsLog, stop: dict) -> int:
@@ -167,29 +183,3 @@ def train_loop(cfg: Config, trainer: Trainer, step: int, log: MetricsLog, stop: 
         for hook in hooks:
             hook.close()
     return step
-
-
-def stop_requests() -> dict:
-    """From now on SIGTERM / SIGINT only ask for a stop (the dict gains "signal"): trainers call this early,
-    so that a signal during start-up also ends in an agreed stop at the first step. A second signal ends
-    the process at once, as if there were no handler."""
-    stop: dict = {}
-
-    def ask(signum, _frame) -> None:
-        if "signal" in stop:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        stop["signal"] = signum
-        print(f"signal {signum}: stopping after this step with a checkpoint (again: stop now)", file=sys.stderr,
-              flush=True)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, ask)
-    return stop
-
-
-def ignore_stop_requests() -> None:
-    """The run is over and saved: a late SIGTERM (a scheduler signals every process, at different moments)
-    must not turn this process's clean exit into a kill."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)

@@ -22,6 +22,19 @@ new run goes on from the source's step in the other framework.
 Every conversion is a lossless reshape/transpose/rename of float32 tensors. The model family (gpt2 or
 llama) follows the source; a shared file keeps what shapes cannot tell (context length, eps, rotary base)
 in its metadata.
+
+A Hugging Face export is ready for `AutoTokenizer` and `pipeline("text-generation")`: besides the weights it
+writes tokenizer.json, tokenizer_config.json, special_tokens_map.json, generation_config.json and config.json's
+bos/eos/pad ids, all the end-of-document token (hf_tokenizer.py). The tokenizer is --tokenizer (byte or a
+tokenizers JSON file), else an HF source's own (copied), else the run's data.tokenizer, else the byte tokenizer
+when the vocabulary has 256 tokens; otherwise the command says in one line that it wrote none. For the byte
+tokenizer the ids are the byte values and bos = eos = pad = 0; for a BPE file, its <|endoftext|> id.
+
+How the end-of-document token stops each generator: jaxpar.generate and torchpar.generate do not stop at it; they
+decode every --max-new-tokens token (a decoded end-of-document token is a NUL character in byte-level text, left
+out of a BPE tokenizer's, and with data.document_mask starts a new document that attends only to itself).
+transformers' generate and pipeline stop a row at eos_token_id (0 for bytes) from generation_config.json, so their
+text ends where jaxpar's next document would begin.
 """
 from __future__ import annotations
 
@@ -35,7 +48,7 @@ import numpy as np
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.state_file import refuse_mixing, writing_run
 from jaxpar.core.weights import SETTINGS, flatten, model_dims, read_settings, read_weights, save_weights, unflatten
-from jaxpar.tools import hf_deepseek_v3, hf_gpt2, hf_llama, hf_mixtral
+from jaxpar.tools import hf_deepseek_v3, hf_gpt2, hf_llama, hf_mixtral, hf_tokenizer
 from jaxpar.tools.convert_state import single_device_layout
 
 FORMATS = ("shared", "hf", "jaxpar", "state", "torchpar", "deepspeed")
@@ -49,6 +62,8 @@ def read(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
     if fmt == "shared":
         flat = read_weights(src)
         return flat, model_dims(flat, read_settings(src))
+    if fmt in ("state", "torchpar"):
+        return _state_weights(fmt, src)
     from jaxpar.checkpoint import Checkpointer
     from jaxpar.core.resume import read_run_config
     from jaxpar.state import restore_latest
@@ -61,6 +76,24 @@ def read(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
     if restored is None:
         raise UserError(f"no checkpoint in {src}/checkpoints")
     flat = {k: np.asarray(v) for k, v in flatten(restored[0]["params"]).items()}
+    return flat, model_dims(flat, {k: getattr(cfg.model, k) for k in SETTINGS})
+
+
+def _state_weights(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
+    """The parameters of a training-state file, or of a torchpar run's latest checkpoint (through a state file)."""
+    import tempfile
+
+    from jaxpar.core.config import config_from_dict
+    from jaxpar.core.state_file import read_state
+
+    if fmt == "torchpar":
+        with tempfile.TemporaryDirectory() as tmp:
+            state = os.path.join(tmp, "state.safetensors")
+            _export(fmt, src, state)
+            return _state_weights("state", state)
+    tensors, meta = read_state(src)
+    cfg = config_from_dict(meta["config"])
+    flat = tensors["param"]
     return flat, model_dims(flat, {k: getattr(cfg.model, k) for k in SETTINGS})
 
 
@@ -111,17 +144,51 @@ def main(argv=None) -> int:
     p.add_argument("--to", dest="dst_fmt", choices=FORMATS, required=True)
     p.add_argument("dst")
     p.add_argument("--zero-stage", choices=("0", "1", "2", "3"), help="--to deepspeed: the new run's ZeRO stage")
+    p.add_argument("--tokenizer", help="--to hf: 'byte' or a tokenizers JSON file to export with the weights "
+                   "(default: the run's data.tokenizer, an HF source's own, byte for a vocabulary of 256)")
     args = p.parse_intermixed_args(argv)
     if args.zero_stage is not None and args.dst_fmt != "deepspeed":
         raise UserError("--zero-stage is for --to deepspeed")
-    if {args.src_fmt, args.dst_fmt} & {"state", "torchpar", "deepspeed"}:
+    if args.tokenizer is not None and args.dst_fmt != "hf":
+        raise UserError("--tokenizer is for --to hf")
+    if args.src_fmt in ("jaxpar", "torchpar"):
+        check_source(args.src, args.src_fmt)
+    if {args.src_fmt, args.dst_fmt} & {"state", "torchpar", "deepspeed"} and args.dst_fmt not in ("hf", "shared"):
         return _whole_state(args)
     if args.dst_fmt == "jaxpar":
         refuse_mixing(args.dst)
     flat, model = read(args.src_fmt, args.src)
+    tokenizer = _hf_tokenizer(args, model["vocab_size"]) if args.dst_fmt == "hf" else None  # before writing
     write(args.dst_fmt, args.dst, flat, model, args.src)
     print(f"converted {args.src_fmt} {args.src} -> {args.dst_fmt} {args.dst} ({len(flat)} tensors)")
+    if tokenizer is not None:
+        hf_tokenizer.write(args.dst, tokenizer, model["max_seq_len"])
+        if tokenizer.kind is None:
+            print(f"no tokenizer written: {tokenizer.why}; name one with --tokenizer byte|FILE")
+        else:
+            what = {"byte": "byte-level", "file": tokenizer.path, "hf": "copied"}[tokenizer.kind]
+            ids = ", ".join(f"{k} {v}" for k, v in tokenizer.ids.items()) or "no special-token ids"
+            print(f"tokenizer: {what} ({tokenizer.why}); {ids}")
     return 0
+
+
+def check_source(src: str, fmt: str) -> None:
+    """--from jaxpar on a torchpar run (or the reverse): one line naming the format that reads it."""
+    from jaxpar.core.run_dir import framework_of
+
+    held_by = framework_of(src) if os.path.isdir(src) else None
+    if held_by not in (None, fmt):
+        raise UserError(f"--from {fmt} {src}: it holds a {held_by} run; convert it with --from {held_by}")
+
+
+def _hf_tokenizer(args, vocab_size: int) -> hf_tokenizer.Choice:
+    """What a Hugging Face export carries (hf_tokenizer.choose) for this source and --tokenizer."""
+    run_tokenizer = None
+    if args.src_fmt in ("jaxpar", "torchpar"):
+        from jaxpar.core.resume import read_run_config
+
+        run_tokenizer = read_run_config(args.src).data.tokenizer
+    return hf_tokenizer.choose(vocab_size, args.tokenizer, run_tokenizer, args.src if args.src_fmt == "hf" else None)
 
 
 def _whole_state(args) -> int:

@@ -22,6 +22,7 @@ from jaxpar.checks import check_layout
 from jaxpar.core.batch_shapes import for_each_shape
 from jaxpar.core.config import load_config
 from jaxpar.core.errors import UserError, cli
+from jaxpar.core.run_dir import with_run_dir
 from jaxpar.core.mesh_spec import check_torch_mesh, parse_mesh, resolve_sizes
 
 LAUNCHERS = {"jaxpar": ("srun", "torchrun"), "torchpar": ("srun", "torchrun", "deepspeed")}
@@ -133,7 +134,7 @@ def launch_line(args, launcher: str) -> str:
 
 
 def script(args, launcher: str, argv: list[str]) -> str:
-    cfg = load_config(args.config, args.overrides)
+    cfg = with_run_dir(load_config(args.config, args.overrides), args.framework, args.config)
     name = args.job_name or f"{args.framework}-{cfg.run.dir.rstrip('/').rsplit('/', 1)[-1]}"
     tasks = 1 if launcher != "srun" else args.gpus_per_node
     cpus = args.cpus_per_gpu * args.gpus_per_node // tasks

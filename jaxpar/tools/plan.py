@@ -23,6 +23,7 @@ import math
 import os
 import re
 import sys
+import time
 
 from jaxpar.core.batch_shapes import batch_shapes, bucket_shapes, shape_config
 from jaxpar.core.config import Config, load_config
@@ -291,20 +292,35 @@ def candidate_meshes(cfg: Config, n: int):
                     yield {"dp": dp, "fsdp": fsdp, "tp": tp, **({"ep": ep} if E else {})}
 
 
-def recommend(cfg: Config, n: int, budget: int, peak_flops: float, bandwidth: float) -> list[dict]:
+def say_progress(line: str) -> None:
+    """A long tool's progress, on stderr (its result goes to stdout)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def recommend(cfg: Config, n: int, budget: int, peak_flops: float, bandwidth: float,
+              progress=say_progress) -> list[dict]:
+    """Every candidate mesh of n devices compiled and ranked; `progress(line)` hears of each as it is compiled (the
+    whole takes a minute for a small model)."""
     from jaxpar.core.flops import flops_per_token
 
     import jax
 
     tokens = max(rows * T for rows, T in batch_shapes(cfg))  # the largest batch (a ramp's end; about each bucket's)
     compute_s = tokens * flops_per_token(cfg.model, cfg.data.seq_len) / n / peak_flops
-    rows = []
+    rows, meshes = [], list(candidate_meshes(cfg, n))
+    progress(f"plan: compiling the train step on each of {len(meshes)} meshes of {n} devices (nothing allocated)")
     for offload in ("none", "optimizer", "params+optimizer"):  # offload only when nothing fits without it
         trial = copy.deepcopy(cfg)
         trial.parallel.offload = offload
-        for sizes in candidate_meshes(cfg, n):
+        if offload != "none":
+            progress(f"plan: no mesh fits in the budget; compiling them again with parallel.offload={offload}")
+        for i, sizes in enumerate(meshes, 1):
+            t0 = time.perf_counter()
             p = plan(trial, sizes, jax.devices()[:n])
             fits = p["peak_bytes"] <= budget
+            progress(f"plan: mesh {i} of {len(meshes)}, {p['mesh']} (offload {offload}): peak "
+                     f"{p['peak_bytes'] / 2**30:.3f} GiB{'' if fits else ', over the budget'}, compiled in "
+                     f"{time.perf_counter() - t0:.1f} s")
             rows.append({"mesh": p["mesh"], "offload": offload, "peak_bytes": p["peak_bytes"],
                          "host_bytes": p["host_bytes"], "fits": fits, "traffic_bytes": p["traffic_bytes"],
                          "predicted_step_s": compute_s + p["traffic_bytes"] / bandwidth})
@@ -314,8 +330,14 @@ def recommend(cfg: Config, n: int, budget: int, peak_flops: float, bandwidth: fl
 
 
 def compare_schedules(cfg: Config, sizes: dict[str, int], devices=None, budget: int | None = None) -> list[dict]:
-    """Every pipeline schedule's row of the `--schedules` table (plan_schedules.compare)."""
-    return plan_schedules.compare(cfg, sizes, plan, devices, budget)
+    """Every pipeline schedule's row of the `--schedules` table (plan_schedules.compare), each schedule said on
+    stderr as it is compiled."""
+    def planned(c: Config, sizes: dict[str, int], devices=None) -> dict:
+        say_progress(f"plan: compiling parallel.pipeline_schedule={c.parallel.pipeline_schedule} on "
+                     f"{format_mesh(sizes)}")
+        return plan(c, sizes, devices)
+
+    return plan_schedules.compare(cfg, sizes, planned, devices, budget)
 
 
 @cli

@@ -48,6 +48,32 @@ def test_a_bad_key_or_value_is_one_line_naming_it(override, named):
     assert named in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("override, suggested", [
+    ("optim.lrr=1", "optim.lr"),  # a typo in the key
+    ("train.stepz=3", "train.steps"),
+    ("optm.lr=1", "optim.lr"),  # a typo in the section
+    ("train.lr=1", "optim.lr"),  # the right key in the wrong section
+    ("optim.warmup=3", "optim.warmup_steps"),
+    ("optm.nothing_like_it=1", "optim"),  # no key is close: the section is
+])
+def test_an_unknown_key_suggests_the_closest_known_one(override, suggested, tmp_path):
+    """A misspelt key, in an override or in the YAML file, is answered with the closest known key in one line."""
+    with pytest.raises(UserError, match=f"; did you mean {suggested}\\?") as e:
+        load_config(None, [override])
+    assert "\n" not in str(e.value)
+    section, key = override.split("=")[0].split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {key}: 1\n")
+    with pytest.raises(UserError, match=f"; did you mean {suggested}\\?"):
+        load_config(str(path))
+
+
+def test_an_unknown_key_with_nothing_close_lists_its_section():
+    with pytest.raises(UserError, match="optim has: name, lr, min_lr") as e:
+        load_config(None, ["optim.xyz=1"])
+    assert "did you mean" not in str(e.value)
+
+
 def test_keys_that_disagree_are_refused_together():
     with pytest.raises(UserError, match="data.seq_len=256 exceeds model.max_seq_len=128"):
         load_config(None, ["data.seq_len=256", "model.max_seq_len=128"])

@@ -301,3 +301,24 @@ def test_parallel_prepare_ends_where_sigterm_is_ignored(corpus_files, tmp_path):
             f"prepare({corpus_files!r}, {str(tmp_path / 'two.bin')!r}, {tok!r}, 'body', workers=2)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and (tmp_path / "two.bin").exists(), r.stderr
+
+
+def test_a_tokenizer_smaller_than_asked_is_said(tmp_path, capsys):
+    """BPE stops merging where a small corpus has no pairs left: the vocabulary it wrote is smaller than --vocab-size,
+    and one line on stderr gives the model.vocab_size that goes with it."""
+    pytest.importorskip("tokenizers")
+    from jaxpar.data import main
+
+    corpus = tmp_path / "small.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n")
+    out = tmp_path / "tokenizer.json"
+    assert main(["tokenizer", "--out", str(out), "--vocab-size", "1000", str(corpus)]) == 0
+    from tokenizers import Tokenizer
+
+    size = Tokenizer.from_file(str(out)).get_vocab_size()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert size < 1000 and err == [f"note: the corpus gave {size:,} tokens, fewer than --vocab-size 1000: set "
+                                   f"model.vocab_size={size} (or more) to train with it, or give a larger corpus "
+                                   "for 1,000"], err
+    assert main(["tokenizer", "--out", str(out), "--vocab-size", str(size), str(corpus)]) == 0
+    assert capsys.readouterr().err == ""  # the size asked: nothing to say

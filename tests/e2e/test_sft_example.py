@@ -1,5 +1,5 @@
-"""The README's fine-tuning example, on a tiny Hugging Face GPT-2 and a small JSON-lines file: convert, prepare
-with a loss mask and packing, train; and what the run reads is the prepared file's windows."""
+"""The fine-tuning example of docs/features.md, on a tiny Hugging Face GPT-2 and a small JSON-lines file: convert,
+prepare with a loss mask and packing, train; and what the run reads is the prepared file's windows."""
 import json
 import subprocess
 import sys

@@ -121,6 +121,44 @@ def test_recommend_rejects_meshes_over_budget(capsys):
     assert [r["predicted_step_s"] for r in proposed] == sorted(r["predicted_step_s"] for r in proposed)
 
 
+def test_recommend_says_each_mesh_as_it_is_compiled(capsys, monkeypatch):
+    """--recommend compiles every candidate mesh (a minute for a small model): a line on stderr before the first and
+    one per mesh compiled (each offload round's too), so a long run is never silent; the table stays on stdout.
+    The compile is stubbed here: the lines are the subject, not the plans."""
+    from jaxpar.core.mesh_spec import format_mesh
+    from jaxpar.tools import plan as planner
+
+    peaks = {"none": 100, "optimizer": 60, "params+optimizer": 40}  # only the last fits: three rounds
+    monkeypatch.setattr(planner, "plan", lambda cfg, sizes, devices=None: {
+        "mesh": format_mesh(sizes), "peak_bytes": peaks[cfg.parallel.offload], "host_bytes": 0, "traffic_bytes": 0})
+    meshes = [format_mesh(s) for s in candidate_meshes(CFG, 4)]
+    recommend(CFG, 4, budget=50, peak_flops=1e12, bandwidth=1e10)
+    out, err = capsys.readouterr()
+    lines, n = err.strip().splitlines(), len(meshes)
+    assert out == "" and len(lines) == 3 + 3 * n and n == 6, err
+    assert lines[0] == f"plan: compiling the train step on each of {n} meshes of 4 devices (nothing allocated)"
+    assert lines[1:1 + n] == [f"plan: mesh {i} of {n}, {m} (offload none): peak 0.000 GiB, over the budget, "
+                              f"compiled in {line.rsplit(' in ', 1)[1]}" for i, (m, line) in
+                              enumerate(zip(meshes, lines[1:]), 1)]
+    assert lines[1 + n] == "plan: no mesh fits in the budget; compiling them again with parallel.offload=optimizer"
+    assert "offload params+optimizer): peak 0.000 GiB, compiled in" in lines[-1]
+
+
+def test_schedules_say_each_schedule_as_it_is_compiled(capsys, monkeypatch):
+    """--schedules compiles the step of every pipeline schedule: a line on stderr for each (the compiles stubbed)."""
+    from jaxpar import pipeline_auto
+    from jaxpar.core.pipeline_schedules import PROGRAMS
+    from jaxpar.tools import plan as planner
+
+    monkeypatch.setattr(planner, "plan", lambda cfg, sizes, devices=None: {
+        "pipeline": {"bubble": 0.1}, "peak_bytes": 1, "temp_bytes": 1})
+    monkeypatch.setattr(pipeline_auto, "flops_ratio", lambda *args: 1.0)
+    planner.compare_schedules(tiny_config("model.n_layer=4"), {"pp": 2}, jax.devices()[:2])
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [f"plan: compiling parallel.pipeline_schedule={s} on pp=2"
+                                              for s in PROGRAMS], err
+
+
 def test_plan_cli_bad_memory_size(capsys):
     assert plan_main(["--config", "configs/gpt2-tiny.yaml", "--recommend", "--devices", "4",
                       "--memory-per-device", "lots"]) == 2

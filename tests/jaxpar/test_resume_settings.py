@@ -53,3 +53,45 @@ def test_the_first_process_alone_says_what_changed(launcher, tmp_path, monkeypat
         monkeypatch.setenv("JAXPAR_PROCESS_ID" if "JAXPAR_COORDINATOR" in launcher else "SLURM_PROCID", process)
         check_resume(tiny_config(f"run.dir={tmp_path}", "train.steps=20"), is_main=process_id() == 0)
         assert ("resuming with train.steps changed: 10 -> 20" in capsys.readouterr().out) == says
+
+
+# the tiny config's schedule (10 steps, 3 of warmup, cosine from 1e-2 to 1e-3) at 0-based step 7, by hand:
+# 1e-3 + 0.5 * 9e-3 * (1 + cos(pi * 4/7)) = 4.5e-3; with 20 steps, cos(pi * 4/17): 8.8e-3; from 2e-2 to 2e-3: 9.0e-3
+@pytest.mark.parametrize("changes, said", [
+    (["train.steps=20"], "the learning rate of step 8 moves from 4.5e-03 to 8.8e-03 (train.steps changed)"),
+    (["optim.lr=2e-2", "optim.min_lr=2e-3"],
+     "the learning rate of step 8 moves from 4.5e-03 to 9.0e-03 (optim.lr, optim.min_lr changed)"),
+    (["optim.decay_steps=10", "train.steps=20"], "the learning rate of step 8 stays 4.5e-03 (train.steps changed)"),
+])
+def test_a_resume_that_changes_the_schedule_says_where_the_learning_rate_goes(changes, said):
+    """A schedule key changed on resume moves the learning rate of the steps still to train: the line gives it at
+    the first of them under the old settings and the new (lr_at, the schedule's definition, checked alongside);
+    an unchanged rate is said to stay (the cosine ends at optim.decay_steps, not train.steps)."""
+    from jaxpar.core.lr_schedule import lr_at
+    from jaxpar.core.resume import schedule_change_line
+
+    old = tiny_config(*[c for c in changes if c.startswith("optim.decay_steps")])  # decay_steps: in both runs
+    new = tiny_config(*changes)
+    line = schedule_change_line(old, new, 7)
+    assert line == f"resuming after step 7: {said}", line
+    before, after = lr_at(7, old.optim, old.train.steps), lr_at(7, new.optim, new.train.steps)
+    assert f"{before:.1e}" in line and f"{after:.1e}" in line
+
+
+def test_a_new_run_or_an_unchanged_schedule_says_nothing_of_it():
+    from jaxpar.core.resume import schedule_change_line
+
+    assert schedule_change_line(tiny_config(), tiny_config("train.steps=20"), 0) is None  # nothing resumed
+    assert schedule_change_line(tiny_config(), tiny_config("optim.weight_decay=0.3"), 7) is None  # not the schedule
+
+
+def test_the_schedule_line_reads_the_old_settings_from_the_run_dir(tmp_path):
+    """schedule_change: the run's config.json holds the settings it was trained with (read before the resumed run
+    writes its own)."""
+    from jaxpar.core.resume import schedule_change, schedule_change_line
+
+    old = tiny_config(f"run.dir={tmp_path}")
+    (tmp_path / "config.json").write_text(json.dumps({**old.to_dict(), "framework": "jaxpar"}))
+    new = tiny_config(f"run.dir={tmp_path}", "train.steps=20")
+    assert schedule_change(new, 7) == schedule_change_line(old, new, 7) and "moves from" in schedule_change(new, 7)
+    assert schedule_change(tiny_config(f"run.dir={tmp_path / 'new'}", "train.steps=20"), 7) is None  # no run there

@@ -30,6 +30,7 @@ import torch
 
 from jaxpar.core.errors import UserError
 from jaxpar.core.lr_schedule import lr_at
+from jaxpar.core.run_dir import foreign_checkpoint
 from torchpar import dist
 from torchpar.backends.base import add_stats, eval_loss, microbatch_loss, microbatches, mtp_share, read_metrics
 from torchpar.backends.deepspeed_universal import forget, quiet_universal_load, repair_zero3_load, universal_source
@@ -138,6 +139,7 @@ class DeepSpeedEngine:
         self.stage = config.get("zero_optimization", {}).get("stage", 0)
         self.dir = os.path.abspath(os.path.join(cfg.run.dir, "checkpoints"))
         self.data_rank, self.data_ways = env.rank, env.world
+        self.own: set[int] = set()  # steps this run saved or restored: the only ones a save may find on disk
 
     def eval_loss(self, batch: torch.Tensor, share: float = 1.0) -> float:
         return eval_loss(self.module, batch, share)
@@ -204,8 +206,12 @@ class DeepSpeedEngine:
                     shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
 
     def save(self, step: int, meta: dict) -> None:
-        if self.latest() == step:
-            return  # e.g. the final save right after a periodic one
+        """DeepSpeed's checkpoint of `step` (done already if this run saved or restored it: the final save right
+        after a periodic one); a step on disk that is not this run's is refused."""
+        if step in self.own:
+            return
+        if os.path.exists(os.path.join(self.dir, str(step))):
+            raise foreign_checkpoint(self.dir, step)
         with failing_save(step, os.path.join(self.dir, str(step)), self.env.is_main, self.latest):
             self.engine.save_checkpoint(self.dir, tag=str(step), client_state=meta)
         dist.barrier()
@@ -214,6 +220,7 @@ class DeepSpeedEngine:
             for old in tags[:-self.cfg.checkpoint.keep]:
                 shutil.rmtree(os.path.join(self.dir, str(old)), ignore_errors=True)
         dist.barrier()
+        self.own.add(step)
 
     def release(self) -> None:
         """Before the process groups are destroyed (torchpar.dist.teardown): let go of them, so that they are
@@ -241,6 +248,8 @@ class DeepSpeedEngine:
         if path is None:
             raise UserError(f"DeepSpeed checkpoint in {self.universal or self.dir} could not be loaded")
         put_back_settings(self.engine, settings)
+        if "step" in client_state:
+            self.own.add(int(client_state["step"]))
         if self.universal:
             if self.stage == 3:
                 repair_zero3_load(self.engine.optimizer)

@@ -1,0 +1,120 @@
+"""The README's first hour, walked in order on a clean directory with the README's own commands: the main job and
+its closing lines, a sample, the curves, the other framework from the same weights (its own run directory, its
+checkpoints), a conversion that goes on in torchpar, the run continued on another mesh, and the Hugging Face export
+in transformers' pipeline, greedy, giving jaxpar.generate's tokens."""
+import json
+import os
+import re
+import shlex
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, run_in_session, torch_env
+
+RUN, TORCH_RUN, INIT = "runs/jaxpar/gpt2-tiny", "runs/torchpar/gpt2-tiny", "runs/gpt2-tiny-init.safetensors"
+N = 24  # new tokens sampled greedily
+
+
+def one_line(text: str) -> str:
+    """Shell continuations joined and every run of white space one space: a command as the README wraps it."""
+    return re.sub(r"\s+", " ", text.replace("\\\n", " "))
+
+
+class Walk:
+    """Runs commands as a person pastes them, in a fresh directory holding the project's configs."""
+
+    def __init__(self, where):
+        self.where = str(where)
+        with open(os.path.join(ROOT, "README.md")) as f:
+            self.readme = one_line(f.read())
+        os.symlink(os.path.join(ROOT, "configs"), os.path.join(self.where, "configs"))
+
+    def __call__(self, command: str, in_readme: bool = True, ok: bool = True):
+        assert not in_readme or one_line(command) in self.readme, f"the README no longer shows: {command}"
+        argv = shlex.split(command)
+        if argv[0] == "torchrun":  # the same launcher, from this Python (one node: a port of its own choosing)
+            argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+        elif argv[0] == "python":
+            argv[0] = sys.executable
+        r = run_in_session(argv, torch_env(), 300, command, cwd=self.where)
+        assert not ok or r.returncode == 0, f"{command}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        return r
+
+    def path(self, rel: str) -> str:
+        return os.path.join(self.where, rel)
+
+    def metrics(self, run: str) -> list[dict]:
+        with open(self.path(f"{run}/metrics.jsonl")) as f:
+            return [json.loads(line) for line in f]
+
+    def steps(self, run: str) -> list[str]:
+        return sorted(os.listdir(self.path(f"{run}/checkpoints")), key=int)
+
+
+@pytest.mark.every_commit
+def test_the_readme_first_hour(tmp_path):
+    from jaxpar.tools.report import curves
+
+    walk = Walk(tmp_path)
+    # the main job: where it goes, what it did, what comes next
+    out = walk("python -m jaxpar.train --config configs/gpt2-tiny.yaml --mesh dp=2,tp=4").stdout
+    assert out.startswith(f"jaxpar: run {RUN} (150 steps from scratch"), out[:300]
+    assert f"jaxpar: trained to step 150 of 150 (from step 0)" in out and f"; run {RUN}" in out
+    assert "checkpoints at steps 100, 150" in out and "eval loss" in out
+    sample, report = f'python -m jaxpar.generate --run {RUN} --prompt "def "', f"python -m jaxpar.tools.report {RUN}"
+    for command in (sample, report, f"python -m jaxpar.tools.convert --from jaxpar {RUN} --to hf runs/hf/gpt2-tiny"):
+        assert command in out, out
+
+    assert walk(sample).stdout.startswith("def ")
+    assert walk(report).stdout.strip() == f"wrote {walk.path(RUN)}/curves.png"
+    _, data = curves([walk.path(RUN)], str(tmp_path / "again.png"))  # what the picture plots
+    logged = [(m["step"], m["loss"]) for m in walk.metrics(RUN)]
+    assert [tuple(zip(*line)) for line in data["loss"].values()] == [tuple(logged)]
+
+    # the other framework from the same weights: a run directory of its own, its checkpoints saved
+    walk(f"python -m jaxpar.train --config configs/gpt2-tiny.yaml --write-init {INIT}")
+    out = walk(f"torchrun --nproc_per_node=2 -m torchpar.train --config configs/gpt2-tiny.yaml --backend fsdp "
+               f"model.init_from={INIT}").stdout
+    assert f"torchpar: trained to step 150 of 150" in out and f"python -m torchpar.generate --run {TORCH_RUN}" in out
+    assert walk.steps(TORCH_RUN) == ["100", "150"] and walk.steps(RUN) == ["100", "150"]
+    for run, framework in ((RUN, "jaxpar"), (TORCH_RUN, "torchpar")):  # each records whose run it is
+        with open(walk.path(f"{run}/config.json")) as f:
+            assert json.load(f)["framework"] == framework
+    jax_loss, torch_loss = ({m["step"]: m["loss"] for m in walk.metrics(run)} for run in (RUN, TORCH_RUN))
+    assert len(walk.metrics(RUN)) == 15  # nothing appended to the jaxpar run
+    assert torch_loss[10] == pytest.approx(jax_loss[10], rel=1e-3)  # one init, one data order
+    both = walk(f"python -m jaxpar.tools.report {RUN} {TORCH_RUN}").stdout.strip()
+    assert both == f"wrote {walk.path('runs')}/curves.png"
+    assert len(curves([walk.path(RUN), walk.path(TORCH_RUN)], str(tmp_path / "both.png"))[1]["loss"]) == 2
+
+    # convert, and go on in torchpar from the same step
+    moved = "runs/torchpar/gpt2-tiny-from-jaxpar"
+    walk(f"python -m jaxpar.tools.convert --from jaxpar {RUN} --to torchpar {moved}")
+    out = walk(f"torchrun --nproc_per_node=2 -m torchpar.train --config {moved}/config.json --backend fsdp "
+               "train.steps=160", in_readme=False).stdout
+    assert "torchpar: trained to step 160 of 160 (from step 150)" in out and walk.steps(moved)[-1] == "160"
+
+    # a mesh of one's own: the run goes on there, saying what its longer schedule does to the learning rate
+    out = walk("python -m jaxpar.train --config configs/gpt2-tiny.yaml --mesh dp=2,fsdp=2,tp=2 train.steps=300").stdout
+    assert "the learning rate of step 151 moves from 3.0e-04 to" in out and "(from step 150)" in out
+
+    # Hugging Face: the export loads in transformers' pipeline and decodes jaxpar.generate's greedy tokens
+    walk(f"python -m jaxpar.tools.convert --from jaxpar {RUN} --to hf runs/hf/gpt2-tiny")
+    want = walk(f'python -m jaxpar.generate --run {RUN} --prompt "def " --temperature 0 --max-new-tokens {N}',
+                in_readme=False).stdout.rstrip("\n").encode()[len(b"def "):]
+    assert len(want) == N
+    import transformers
+
+    pipe = transformers.pipeline("text-generation", model=walk.path("runs/hf/gpt2-tiny"), device="cpu")
+    got = pipe("def ", do_sample=False, max_new_tokens=N, return_tensors=True)[0]["generated_token_ids"][4:]
+    assert got == list(want[:want.index(0) + 1] if 0 in want else want)  # transformers stops after token 0
+
+    # the torchpar run's summary names its export too
+    walk(f"python -m jaxpar.tools.convert --from torchpar {TORCH_RUN} --to hf runs/hf/gpt2-tiny-torchpar",
+         in_readme=False)
+    want = walk(f'python -m torchpar.generate --run {TORCH_RUN} --prompt "def " --temperature 0 --max-new-tokens {N}',
+                in_readme=False).stdout.rstrip("\n").encode()[len(b"def "):]
+    pipe = transformers.pipeline("text-generation", model=walk.path("runs/hf/gpt2-tiny-torchpar"), device="cpu")
+    got = pipe("def ", do_sample=False, max_new_tokens=N, return_tensors=True)[0]["generated_token_ids"][4:]
+    assert len(want) == N and got == list(want[:want.index(0) + 1] if 0 in want else want)
