@@ -28,10 +28,14 @@ def refusal(cfg, sizes: dict) -> None:
 
 def flops_ratio(cfg, sizes: dict, devices, one: list) -> float:
     """The step's matmul FLOPs over one device's; `one` holds one device's once counted (the same for every
-    schedule)."""
+    schedule). Counted with the state on the devices: parallel.offload moves it to the host between steps only, and
+    a program traced on host-resident parameters is not the step's (the trainer brings them in first)."""
+    import dataclasses
+
     from jaxpar.parallel.pipeline_plan import HAND_SCHEDULED
     from jaxpar.tools.pipeline_memory import step_flops
 
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, offload="none"))
     if not one:
         one.append(step_flops(cfg, {"dp": 1}, devices[:1], None))
     schedule = cfg.parallel.pipeline_schedule
