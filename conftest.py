@@ -12,6 +12,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
+# Tests choose their own simulated devices: a device count in the caller's XLA_FLAGS is the user's (jaxpar refuses a
+# mesh that needs another, jaxpar/mesh.py), so it would refuse the tests' meshes; dropped for the session
+os.environ["XLA_FLAGS"] = " ".join(flag for flag in os.environ.get("XLA_FLAGS", "").split()
+                                   if not flag.startswith("--xla_force_host_platform_device_count"))
+if not os.environ["XLA_FLAGS"]:
+    del os.environ["XLA_FLAGS"]
+
 # jaxpar's CLIs would re-execute themselves to set this (jaxpar/core/malloc.py); set here, every trainer process a
 # test starts skips that and runs with it from the start
 os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")

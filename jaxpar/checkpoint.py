@@ -90,9 +90,10 @@ class Checkpointer:
 
     def save(self, step: int, state, meta: dict) -> None:
         """Start saving `step` (a no-op if this run saved or restored it already: the final save right after a
-        periodic one; after a failed save, which raised, nothing is saved). A step on disk that is not this run's
-        is refused."""
-        if self.failed or step in self.own:
+        periodic one). A step on disk that is not this run's is refused, and so is any save after a failed one."""
+        if self.failed:
+            raise UserError(f"a checkpoint save in {self.dir} failed earlier in this run: step {step} is not saved")
+        if step in self.own:
             return
         if step in self.manager.all_steps():
             raise foreign_checkpoint(self.dir, step)

@@ -2,9 +2,10 @@
     --top-k 40 --top-p 0.95 --seed 0 --num-samples 1 --mesh tp=4]
 
 Samples from a trained model: the latest checkpoint of a jaxpar run (`--run`, any family or variant, with its
-tokenizer), a shared-weights file (`--weights`) or a Hugging Face GPT-2 or Llama directory (`--hf`; both with
-`--tokenizer`, default byte-level). Decoding uses a KV cache in one jitted loop (jaxpar/decode.py) on any
-dp / fsdp / tp mesh; temperature 0 is greedy.
+tokenizer), a shared-weights file (`--weights`) or a Hugging Face directory that convert reads (`--hf`: GPT-2, Llama,
+Mixtral, DeepSeek-V3); `--tokenizer` names the tokenizer, by default the run's, an HF directory's own
+tokenizer.json, else byte-level. Decoding uses a KV cache in one jitted loop (jaxpar/decode.py) on any dp / fsdp /
+tp mesh; temperature 0 is greedy.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def parse_args(argv):
     p = sampling_parser("python -m jaxpar.generate", __doc__, {
         "run": "a jaxpar run directory: its latest checkpoint and config",
         "weights": "a .safetensors file in the shared weight format",
-        "hf": "a Hugging Face GPT-2 or Llama directory (config.json + safetensors)"})
+        "hf": "a Hugging Face GPT-2, Llama, Mixtral or DeepSeek-V3 directory (config.json + safetensors)"})
     p.add_argument("--mesh", default="dp=1", help="dp / fsdp / tp axes (default dp=1)")
     return p.parse_args(argv)
 
@@ -43,13 +44,14 @@ def load(args) -> tuple[Config, dict | None, str]:
     restored by sample_rows straight onto the decoding mesh, whatever the model's variant (the shared format
     holds GPT-2's and llama's parameters only)."""
     from jaxpar.tools.convert import read
+    from jaxpar.tools.hf_tokenizer import source_tokenizer
 
     if args.run:
         cfg = read_run_config(args.run)
         return cfg, None, args.tokenizer or cfg.data.tokenizer
     flat, model = read("hf" if args.hf else "shared", args.hf or args.weights)
     cfg = config_for_weights(model)
-    return cfg, flat, args.tokenizer or "byte"
+    return cfg, flat, args.tokenizer or (source_tokenizer(args.hf) if args.hf else None) or "byte"
 
 
 @cli

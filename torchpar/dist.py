@@ -75,9 +75,9 @@ def adopt_slurm_env() -> None:
 
 
 def launched() -> bool:
-    """Whether a launcher started this process: torchrun's, DeepSpeed's or srun's variables (adopt_slurm_env turns
-    srun's into torchrun's; SLURM_NTASKS alone is a task count the user chose), not a plain `python -m`."""
-    return any(key in os.environ for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS"))
+    """Whether a launcher started this process as one of several: torchrun's or DeepSpeed's variables, or srun's
+    tasks, which adopt_slurm_env (called first) turns into torchrun's; not a plain `python -m` (nor one srun task)."""
+    return any(key in os.environ for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
 def launch_env() -> tuple[int, int, int]:

@@ -47,11 +47,14 @@ def load_model(args):
     return model, args.tokenizer or "byte"
 
 
-@cli
-def main(argv=None) -> int:
-    args = sampling_parser("python -m torchpar.generate", __doc__, {
+def parse_args(argv):
+    return sampling_parser("python -m torchpar.generate", __doc__, {
         "run": "a torchpar run directory (none, ddp or fsdp): its latest checkpoint and config",
         "weights": "a .safetensors file in the shared weight format"}).parse_args(argv)
+
+
+def sample_rows(args) -> tuple[list[list[int]], object]:
+    """(the continuations' token ids, the tokenizer's decoder) of the command's arguments."""
     check_sampling(args)
     model, tokenizer = load_model(args)
     encode, decode = text_codec(tokenizer)
@@ -59,7 +62,14 @@ def main(argv=None) -> int:
     new_tokens = decodable_tokens(model.cfg, len(ids), args.max_new_tokens)
     prompt = torch.tensor([ids] * args.num_samples, device=next(model.parameters()).device)
     rows = generate(model.eval(), prompt, new_tokens, args.seed, args.temperature, args.top_k, args.top_p)
-    print_samples(args.prompt, rows.tolist(), decode)
+    return rows.tolist(), decode
+
+
+@cli
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rows, decode = sample_rows(args)
+    print_samples(args.prompt, rows, decode)
     return 0
 
 

@@ -19,6 +19,7 @@ import sys
 from jaxpar.core.config import Config, config_from_dict
 from jaxpar.core.errors import UserError, check_output_dir
 from jaxpar.core.lr_schedule import lr_at
+from jaxpar.core.run_dir import holds_run
 
 # Free to change on resume inside the model section: numerics and memory, not shapes.
 _MODEL_FREE = {"compute_dtype", "remat", "init_from"}
@@ -89,6 +90,9 @@ def check_resume(cfg: Config, is_main: bool = True) -> None:
         detail = ", ".join(f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in fixed)
         raise UserError(f"{run_dir} was started with another {'/'.join(fixed)} ({detail}); resume with the "
                         f"run's values, or use a new run.dir (or checkpoint.resume=false: the old run is moved aside)")
+    if changed.get("model.init_from", ("", ""))[1]:  # a run starts from model.init_from at step 0 alone
+        raise UserError(f"{run_dir} holds a checkpoint to resume: model.init_from={cfg.model.init_from} would not act "
+                        "on it (weights are read from it when a run starts); drop the key, or use a new run.dir")
     if is_main:
         for k, (old, new) in changed.items():
             print(f"resuming with {k} changed: {old!r} -> {new!r}", flush=True)
@@ -138,9 +142,7 @@ def start_anew(cfg: Config, is_main: bool) -> None:
     aside intact to <run.dir>.prev-<k>, so the new run never mixes with it (by the main process, before any
     process writes into run.dir)."""
     run_dir = cfg.run.dir.rstrip("/")
-    held = os.path.isdir(run_dir) and any(os.path.exists(os.path.join(run_dir, name))
-                                          for name in ("config.json", "metrics.jsonl", "checkpoints"))
-    if cfg.checkpoint.resume or not held or not is_main:
+    if cfg.checkpoint.resume or not holds_run(run_dir) or not is_main:
         return
     k = 1
     while os.path.exists(f"{run_dir}.prev-{k}"):

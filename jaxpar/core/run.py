@@ -9,6 +9,7 @@ or process group and reads its inputs, then hands its adapter -- a `Trainer`: ja
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from typing import Any, Protocol
@@ -106,11 +107,13 @@ def run_training(cfg: Config, trainer: Trainer, stop: dict, write_final: str | N
             step = trainer.restore_or_init()
             info = trainer.run_config()
             framework = info.get("framework", "jaxpar")
-            if trainer.is_main:
+            complete = already_complete(cfg, step, trainer.is_main)  # says so; its config.json is kept
+            if trainer.is_main and not complete:
                 lines = [schedule_change(cfg, step), start_line(cfg, framework, step)]
                 print("\n".join(filter(None, lines)), flush=True)
-                write_run_config(cfg, **info)  # over the old config.json, which schedule_change reads
-            if not already_complete(cfg, step, trainer.is_main):
+            if trainer.is_main and not (complete and os.path.isfile(os.path.join(cfg.run.dir, "config.json"))):
+                write_run_config(cfg, **info)  # over the old config.json, which schedule_change has read
+            if not complete:
                 outcome = train_from(cfg, trainer, step, stop)
             if write_final:
                 trainer.write_weights(write_final, "final")
@@ -118,6 +121,7 @@ def run_training(cfg: Config, trainer: Trainer, stop: dict, write_final: str | N
             trainer.close()
     ignore_stop_requests()  # the run is saved: a late SIGTERM must not turn the clean exit into a kill
     if outcome is not None and trainer.is_main:  # after close: every checkpoint is on disk
+        info["processes"] = trainer.process_count
         print("\n".join(summary_lines(cfg, framework, info, outcome, time.monotonic() - t0)), flush=True)
     return 0
 
@@ -153,7 +157,7 @@ def train_from(cfg: Config, trainer: Trainer, step: int, stop: dict) -> Outcome:
     finally:
         log.close()
     if outcome.last_step < cfg.train.steps:  # the loop ends early on an agreed stop alone
-        outcome.stopped_by = f"signal {stop['signal']}" if "signal" in stop else "a signal to another process"
+        outcome.stopped_by = signal.Signals(stop["signal"]).name if "signal" in stop else "a signal to another process"
     return outcome
 
 
@@ -169,8 +173,9 @@ def train_loop(cfg: Config, trainer: Trainer, step: int, log: MetricsLog, stop: 
                 if trainer.any_of("signal" in stop):  # asked on any process: all stop after the same step
                     progress.metrics()
                     trainer.save(step)
-                    print(f"stopped by signal {stop.get('signal', '(on another process)')} after step {step}; "
-                          "checkpoint saved", file=sys.stderr)
+                    if trainer.is_main:
+                        print(f"stopped by signal {stop.get('signal', '(on another process)')} after step {step}; "
+                              "checkpoint saved", file=sys.stderr)
                     break
                 for hook in hooks:
                     hook.before_step(step)

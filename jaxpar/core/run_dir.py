@@ -45,6 +45,7 @@ def framework_of(run_dir: str) -> str | None:
             record = json.load(f)
     except (OSError, ValueError):
         record = {}
+    record = record if isinstance(record, dict) else {}
     if record.get("framework") in FRAMEWORKS:
         return record["framework"]
     if "backend" in record:
@@ -63,17 +64,13 @@ def framework_of(run_dir: str) -> str | None:
     return None
 
 
-def other(framework: str) -> str:
-    return FRAMEWORKS[1 - FRAMEWORKS.index(framework)]
-
-
 def converted_dir(run_dir: str, framework: str, to: str) -> str:
-    """Where a conversion of `framework`'s run into the format `to` goes by default: runs/<to>/<name>-from-
-    <framework> beside runs/<framework>/<name> (runs/hf/<name> for Hugging Face), else <run_dir>-<to>."""
+    """Where a conversion of `framework`'s run into the format `to` (a framework, or hf) goes by default:
+    runs/<to>/<name>-from-<framework> beside runs/<framework>/<name>, else <run_dir>-<to>."""
     src = os.path.normpath(run_dir)
     parent, name = os.path.split(src)
     if os.path.basename(parent) == framework:
-        return os.path.join(os.path.dirname(parent), to, name if to == "hf" else f"{name}-from-{framework}")
+        return os.path.join(os.path.dirname(parent), to, f"{name}-from-{framework}")
     return f"{src}-{to}"
 
 

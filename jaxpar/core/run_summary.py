@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from jaxpar.core.config import Config
-from jaxpar.core.run_dir import converted_dir
+from jaxpar.core.run_dir import converted_dir, framework_of
 
 
 @dataclass
@@ -27,8 +27,15 @@ class Outcome:
 
 
 def start_line(cfg: Config, framework: str, step: int) -> str:
+    """Where the run goes; a new run in a default directory also names the run the same config made before run
+    directories were per framework (runs/<config name>), which it does not continue."""
     where = f"resuming at step {step} of {cfg.train.steps}" if step else f"{cfg.train.steps} steps from scratch"
-    return f"{framework}: run {cfg.run.dir} ({where}; metrics, checkpoints and config.json there)"
+    line = f"{framework}: run {cfg.run.dir} ({where}; metrics, checkpoints and config.json there)"
+    parent, name = os.path.split(os.path.normpath(cfg.run.dir))
+    older = os.path.join(os.path.dirname(parent), name)
+    if not step and os.path.basename(parent) == framework and framework_of(older) == framework:
+        line += f"; {older} holds an earlier {framework} run of this config: run.dir={older} continues it"
+    return line
 
 
 def checkpoints_kept(run_dir: str) -> list[int]:
@@ -40,16 +47,23 @@ def next_commands(cfg: Config, framework: str, info: dict, steps_done: int) -> l
     """(what, command) of the steps a person takes next with this run."""
     run = shlex.quote(os.path.normpath(cfg.run.dir))
     more = f"train.steps={max(2 * steps_done, steps_done + 1)}"
-    if framework == "jaxpar":
+    processes, backend = info.get("processes", 1), info.get("backend", "ddp")
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", processes))  # torchrun's processes on this node
+    if framework == "jaxpar" and processes == 1:
         mesh = f" --mesh {info['resolved_mesh']}" if info.get("resolved_mesh") else ""
         go_on = f"python -m jaxpar.train --config {run}/config.json{mesh} {more}"
+    elif framework == "torchpar" and processes == here:  # one node: its launch is known
+        launch = f"torchrun --nproc_per_node={processes} -m" if processes > 1 else "python -m"
+        go_on = f"{launch} torchpar.train --config {run}/config.json --backend {backend} {more}"
     else:
-        world = info.get("world_size", 1)
-        launch = f"torchrun --nproc_per_node={world} -m" if world > 1 else "python -m"
-        go_on = f"{launch} torchpar.train --config {run}/config.json --backend {info.get('backend', 'ddp')} {more}"
+        go_on = f"this run's launch, with --config {run}/config.json {more}"
     other = "torchpar" if framework == "jaxpar" else "jaxpar"
     convert = f"python -m jaxpar.tools.convert --from {framework} {run}"
-    return [("sample", f'python -m {framework}.generate --run {run} --prompt "def "'),
+    sample = f'python -m {framework}.generate --run {run} --prompt "def "'
+    if backend == "deepspeed":  # torchpar.generate reads DCP runs; DeepSpeed's through a weights file
+        weights = shlex.quote(converted_dir(cfg.run.dir, framework, "shared") + ".safetensors")
+        sample = f'{convert} --to shared {weights} && python -m torchpar.generate --weights {weights} --prompt "def "'
+    return [("sample", sample),
             ("curves", f"python -m jaxpar.tools.report {run}"),
             ("continue", go_on),
             (other, f"{convert} --to {other} {shlex.quote(converted_dir(cfg.run.dir, framework, other))}"),
@@ -72,7 +86,8 @@ def summary_lines(cfg: Config, framework: str, info: dict, outcome: Outcome, wal
     if o.mfus:
         numbers.append(f"MFU {statistics.median(o.mfus):.1%}")
     kept = checkpoints_kept(cfg.run.dir)
-    numbers.append(f"checkpoints at steps {', '.join(map(str, kept))}" if kept else "no checkpoint kept")
+    numbers.append(f"checkpoint{'s' * (len(kept) > 1)} at step{'s' * (len(kept) > 1)} {', '.join(map(str, kept))}"
+                   if kept else "no checkpoint kept")
     lines.append("  " + " | ".join(numbers))
     commands = next_commands(cfg, framework, info, o.last_step)
     if o.stopped_by:  # the same command resumes it; the rest waits for the run to finish

@@ -111,14 +111,12 @@ def write_moved_config(cfg, meta: dict, src: str, **extra) -> None:
 def save_state(path: str, tensors: dict[str, dict[str, np.ndarray]], meta: dict) -> None:
     """tensors: kind -> {shared name: array}, the kinds of meta's optimizer; written atomically (temp file +
     rename)."""
-    from safetensors.numpy import save_file
+    from jaxpar.core.weights import write_safetensors
 
     assert set(tensors) == set(KINDS[meta.get("optimizer", "adamw")]), (sorted(tensors), meta.get("optimizer"))
     flat = {f"{kind}/{name}": np.ascontiguousarray(a, dtype=np.float32)
             for kind, named in tensors.items() for name, a in named.items()}
-    tmp = f"{path}.tmp{os.getpid()}"
-    save_file(flat, tmp, metadata={k: json.dumps(v) for k, v in meta.items()})
-    os.replace(tmp, path)
+    write_safetensors(path, flat, {k: json.dumps(v) for k, v in meta.items()})
 
 
 def read_state(path: str) -> tuple[dict[str, dict[str, np.ndarray]], dict]:

@@ -44,14 +44,23 @@ SETTINGS = ("max_seq_len", "layernorm_eps", "rope_theta", "moe_top_k", "moe_shar
             "moe_routed_scale")
 
 
+def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+    """A safetensors file written atomically (temp file + rename), readable as the umask allows any new file (the
+    library's own files are its owner's alone: weights are often shared)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp{os.getpid()}")
+    save_file(tensors, tmp, metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, path)
+
+
 def save_weights(path: str, params: dict, model: dict | None = None) -> None:
-    """Write float32 weights atomically (temp file + rename); `model`: config keys, SETTINGS are kept."""
+    """Write float32 weights; `model`: config keys, SETTINGS are kept."""
     flat = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in flatten(params).items()}
     settings = {k: model[k] for k in SETTINGS if k in model} if model else {}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    save_file(flat, tmp, metadata={"model": json.dumps(settings)})
-    os.replace(tmp, path)
+    write_safetensors(path, flat, {"model": json.dumps(settings)})
 
 
 def read_settings(path: str) -> dict:
@@ -79,7 +88,8 @@ def load_weights(path: str, expected_shapes: dict[str, tuple]) -> dict[str, np.n
         raise UserError(f"weights file {path} does not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
     for name, shape in expected_shapes.items():
         if tuple(flat[name].shape) != tuple(shape):
-            raise UserError(f"weights file {path}: {name} has shape {tuple(flat[name].shape)}, model expects {tuple(shape)}")
+            raise UserError(f"weights file {path}: {name} has shape {tuple(flat[name].shape)}, model expects "
+                            f"{tuple(shape)}")
     return flat
 
 

@@ -117,7 +117,8 @@ line. So is a key set away from its default that the run at hand would not act o
 trainers and torchpar backends act on it, and in which mode. A run writes its resolved config to
 `<run.dir>/config.json`; `--config <run.dir>/config.json` reads it back.
 
-Sections: {links}.
+Sections:
+{links}.
 """
 
 
@@ -204,7 +205,7 @@ def render(config_cls=Config, contract: dict | None = None, source: str | None =
     """The whole page (the arguments are for tests: another schema, contract or config.py source)."""
     contract = CONTRACT if contract is None else contract
     comments = field_comments(inspect.getsource(config_module) if source is None else source)
-    parts = [HEADER.format(links=", ".join(f"[{s}](#{s})" for s in sections(config_cls)))]
+    parts = [HEADER.format(links=",\n".join(f"[{s}](#{s})" for s in sections(config_cls)))]
     for section, cls in sections(config_cls).items():
         parts.append(f"## {section}\n\n{SECTIONS.get(section, '')}".rstrip() + "\n")
         defaults = cls()

@@ -125,7 +125,8 @@ def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict, src: str
         from jaxpar.core.config import config_for_weights
         from jaxpar.state import state_from_params
 
-        cfg = config_for_weights(model, f"run.dir={dst}")
+        own = hf_tokenizer.source_tokenizer(src) if src and os.path.isdir(src) else None  # an HF source's
+        cfg = config_for_weights(model, f"run.dir={dst}", *([f"data.tokenizer={own}"] if own else []))
         state = state_from_params(single_device_layout(cfg), unflatten(flat))
         with writing_run(dst):
             with open(os.path.join(dst, "config.json"), "w") as f:
@@ -151,6 +152,11 @@ def main(argv=None) -> int:
         raise UserError("--zero-stage is for --to deepspeed")
     if args.tokenizer is not None and args.dst_fmt != "hf":
         raise UserError("--tokenizer is for --to hf")
+    if args.dst_fmt == "hf" and os.path.isdir(args.dst) and os.listdir(args.dst) and not (
+            args.src_fmt == "hf" and os.path.samefile(args.src, args.dst)):  # in place: its own files, read first
+        raise UserError(f"--to hf {args.dst}: the directory is not empty; export into a new one (nothing written)")
+    if args.src_fmt == "deepspeed":
+        raise UserError("--from deepspeed: deepspeed is a target format; a DeepSpeed run is read with --from torchpar")
     if args.src_fmt in ("jaxpar", "torchpar"):
         check_source(args.src, args.src_fmt)
     if {args.src_fmt, args.dst_fmt} & {"state", "torchpar", "deepspeed"} and args.dst_fmt not in ("hf", "shared"):

@@ -9,10 +9,10 @@ import json
 import os
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.weights import model_dims
+from jaxpar.core.weights import model_dims, write_safetensors
 
 # shared per-layer name -> HF per-layer name (under transformer.h.{i}.)
 BLOCK_NAMES = {
@@ -68,9 +68,6 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, layernorm_eps: float
               "n_positions": dims["max_seq_len"], "n_embd": d, "n_layer": L, "n_head": dims["n_head"],
               "n_inner": dims["d_ff"], "activation_function": "gelu_new", "layer_norm_epsilon": layernorm_eps,
               "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True}
-    os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, f".model.safetensors.tmp{os.getpid()}")
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
+    write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors, {"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

@@ -14,10 +14,10 @@ import json
 import os
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.weights import model_dims
+from jaxpar.core.weights import model_dims, write_safetensors
 
 PREFIX = "model.layers.{i}."
 # shared per-layer name -> HF per-layer name (under model.layers.{i}.); MLP weights are transposed
@@ -117,10 +117,7 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict, mlp=Non
 
 def write_dir(out_dir: str, tensors: dict[str, np.ndarray], config: dict) -> None:
     """config.json and model.safetensors (float32, written atomically) into out_dir."""
-    os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, f".model.safetensors.tmp{os.getpid()}")
-    save_file({n: np.ascontiguousarray(v, dtype=np.float32) for n, v in tensors.items()}, tmp,
-              metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
+    write_safetensors(os.path.join(out_dir, "model.safetensors"),
+                      {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in tensors.items()}, {"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

@@ -43,6 +43,18 @@ def byte_tokenizer():
     return tok
 
 
+def source_tokenizer(hf_dir: str) -> str | None:
+    """What a run converted from an HF directory tokenizes with: "byte" for the byte tokenizer an export writes, the
+    directory's tokenizer.json for another, None where it has none."""
+    path = os.path.join(hf_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        model = json.load(f).get("model", {})
+    byte_ids = {t: b for b, t in enumerate(BYTE_TOKENS)}
+    return "byte" if model.get("vocab") == byte_ids and not model.get("merges") else os.path.abspath(path)
+
+
 class Choice(NamedTuple):
     """What an export carries: kind "byte", "file" (a tokenizers JSON at path), "hf" (the directory at path's files)
     or None; why (for the command's line); the special-token ids and, for byte and file, the token's text."""

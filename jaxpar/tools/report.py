@@ -35,6 +35,7 @@ import os
 import sys
 
 from jaxpar.core.errors import UserError, check_output_dir, check_output_file, cli
+from jaxpar.core.run_dir import framework_of
 
 
 def load(paths: list[str]) -> list[dict]:
@@ -123,24 +124,11 @@ def run_records(run_dir: str) -> list[dict]:
     return records
 
 
-def framework(run_dir: str) -> str | None:
-    """The trainer that wrote a run: config.json's framework, else torchpar where it names a backend (runs from
-    before the framework key), else jaxpar; None without a readable config.json."""
-    try:
-        with open(os.path.join(run_dir, "config.json")) as f:
-            saved = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return None
-    if not isinstance(saved, dict):
-        return None
-    return saved.get("framework") or ("torchpar" if "backend" in saved else "jaxpar")
-
-
 def run_labels(run_dirs: list[str]) -> list[str]:
     """Each run's legend label, '<dir name> (<framework>)': the path below the runs' common folder where two
     labels would be alike, and a count where two paths are."""
     paths = [os.path.abspath(d) for d in run_dirs]
-    frameworks = [framework(d) for d in run_dirs]
+    frameworks = [framework_of(d) for d in run_dirs]  # None where nothing tells
 
     def named(names: list[str]) -> list[str]:
         return [f"{name} ({fw})" if fw else name for name, fw in zip(names, frameworks)]

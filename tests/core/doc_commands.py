@@ -43,8 +43,9 @@ PROGRAMS = ("python", "python3", "torchrun", "deepspeed", "srun", "./setup.sh")
 MODULES = re.compile(r"^(jaxpar|torchpar|parity_tests)(\.\w+)+$|^pytest$")
 STAND_INS = {"C": "configs/gpt2-tiny.yaml", "M": "dp=2,tp=4", "S": "1", "N": "2", "K": "3", "MIN": "1", "MAX": "2",
              "FILE": "tests/core/test_config.py", "PATH": "init.safetensors", "W": "w", "$OUT": "/tmp/out",
-             "DIR": "out/dir", "NEW_DIR": "out/new", "RUN": "runs/jaxpar/gpt2-tiny", "RUN_DIR": "runs/jaxpar/gpt2-tiny",
-             "RUN2": "runs/torchpar/gpt2-tiny", "GPT2_DIR": "hf/gpt2", "LLAMA_DIR": "hf/llama", "MIXTRAL_DIR": "hf/mixtral"}
+             "DIR": "out/dir", "NEW_DIR": "out/new", "RUN": "runs/jaxpar/gpt2-tiny",
+             "RUN_DIR": "runs/jaxpar/gpt2-tiny", "RUN2": "runs/torchpar/gpt2-tiny", "GPT2_DIR": "hf/gpt2",
+             "LLAMA_DIR": "hf/llama", "MIXTRAL_DIR": "hf/mixtral"}
 RUN_CONFIG = "configs/gpt2-124m.yaml"  # what a converted Hugging Face GPT-2 run's config.json holds
 PARSERS = ("parse_args", "parse_known_args", "parse_intermixed_args", "parse_known_intermixed_args")
 

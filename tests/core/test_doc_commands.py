@@ -38,8 +38,8 @@ def test_the_docs_index_links_every_page():
 
 
 def test_anchors_are_github_s():
-    assert slugs("# A\n## Planner, benchmarks and plots\n```\n# not a heading\n```\n### `model.x` (the key)\n## A\n") == \
-        {"a", "planner-benchmarks-and-plots", "modelx-the-key", "a-1"}
+    doc = "# A\n## Planner, benchmarks and plots\n```\n# not a heading\n```\n### `model.x` (the key)\n## A\n"
+    assert slugs(doc) == {"a", "planner-benchmarks-and-plots", "modelx-the-key", "a-1"}
 
 
 def test_links_between_the_docs_reach_a_page_and_a_heading():

@@ -44,6 +44,19 @@ def test_the_sequence_restores_records_the_config_and_closes(tmp_path):
     assert json.load(open(tmp_path / "run" / "config.json"))["train"]["steps"] == 3
 
 
+def test_a_complete_run_keeps_its_config_and_says_only_that_it_is_complete(tmp_path, capsys):
+    """Run again with fewer steps than it has (the README's first command after a longer run): nothing trains, so
+    nothing of the run is rewritten and no start line says it resumes."""
+    run = tmp_path / "run"
+    run.mkdir()
+    trained = json.dumps({**tiny_config(f"run.dir={run}", "train.steps=30").to_dict(), "resolved_mesh": "fsdp=2"})
+    (run / "config.json").write_text(trained)
+    assert run_training(tiny_config(f"run.dir={run}", "train.steps=15"), Recorder(step=30), {}) == 0
+    assert (run / "config.json").read_text() == trained
+    out, err = capsys.readouterr()
+    assert "is complete: its checkpoint is at step 30" in err and "resuming" not in out + err
+
+
 def test_a_failed_move_aside_stops_every_process(tmp_path, monkeypatch):
     cfg = old_run(tmp_path)
 

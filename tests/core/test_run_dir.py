@@ -83,15 +83,40 @@ def test_the_closing_lines_name_the_run_its_numbers_and_the_next_commands(tmp_pa
     for command in (f'python -m jaxpar.generate --run {run} --prompt "def "', f"python -m jaxpar.tools.report {run}",
                     f"python -m jaxpar.train --config {run}/config.json --mesh dp=2,tp=4 train.steps=40",
                     f"--from jaxpar {run} --to torchpar {tmp_path / 'runs' / 'torchpar' / 't-from-jaxpar'}",
-                    f"--from jaxpar {run} --to hf {tmp_path / 'runs' / 'hf' / 't'}"):
+                    f"--from jaxpar {run} --to hf {tmp_path / 'runs' / 'hf' / 't-from-jaxpar'}"):
         assert command in text, text
 
 
 def test_a_torchpar_run_continues_under_its_launcher_and_a_stopped_one_with_its_steps(tmp_path):
     cfg = tiny_config(f"run.dir={tmp_path}", "train.steps=50")
-    info = {"backend": "fsdp", "world_size": 2}
-    text = "\n".join(summary_lines(cfg, "torchpar", info, outcome(stopped_by="signal 15"), 1.0))
-    assert "torchpar: stopped by signal 15 after step 20 of 50" in text and "no checkpoint kept" in text
+    info = {"backend": "fsdp", "world_size": 2, "processes": 2}
+    text = "\n".join(summary_lines(cfg, "torchpar", info, outcome(stopped_by="SIGTERM"), 1.0))
+    assert "torchpar: stopped by SIGTERM after step 20 of 50" in text and "no checkpoint kept" in text
     assert (f"continue  torchrun --nproc_per_node=2 -m torchpar.train --config {tmp_path}/config.json --backend fsdp "
             "train.steps=50") in text
     assert "generate" not in text  # a stopped run's next step is to go on
+
+
+def test_a_deepspeed_run_samples_through_a_weights_file_and_a_run_over_nodes_keeps_its_launch(tmp_path, monkeypatch):
+    run = tmp_path / "runs" / "torchpar" / "t"
+    cfg = tiny_config(f"run.dir={run}", "train.steps=20")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's processes on this node, of 4
+    text = "\n".join(summary_lines(cfg, "torchpar", {"backend": "deepspeed", "world_size": 4, "processes": 4},
+                                   outcome(), 1.0))
+    weights = tmp_path / "runs" / "shared" / "t-from-torchpar.safetensors"
+    assert (f"python -m jaxpar.tools.convert --from torchpar {run} --to shared {weights} && python -m "
+            f'torchpar.generate --weights {weights} --prompt "def "') in text
+    assert f"continue      this run's launch, with --config {run}/config.json train.steps=40" in text
+    assert "torchrun" not in text
+
+
+def test_a_new_run_names_the_run_its_config_made_before_directories_were_per_framework(tmp_path):
+    old = tmp_path / "runs" / "gpt2-tiny"
+    os.makedirs(old)
+    (old / "config.json").write_text(json.dumps({"model": {}, "resolved_mesh": "dp=2"}))  # jaxpar's, by its record
+    cfg = tiny_config(f"run.dir={tmp_path / 'runs' / 'jaxpar' / 'gpt2-tiny'}")
+    from jaxpar.core.run_summary import start_line
+
+    assert f"{old} holds an earlier jaxpar run of this config: run.dir={old} continues it" in start_line(
+        cfg, "jaxpar", 0)
+    assert "earlier" not in start_line(cfg, "torchpar", 0) and "earlier" not in start_line(cfg, "jaxpar", 5)

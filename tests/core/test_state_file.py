@@ -1,5 +1,7 @@
 """The shared training-state file (jaxpar/core/state_file.py): what is written reads back; a file that is not one
 (a weights file, a missing path) is one line naming it."""
+import os
+
 import numpy as np
 import pytest
 
@@ -21,3 +23,16 @@ def test_state_reads_back_and_other_files_are_refused(tmp_path):
         read_state(str(tmp_path / "w.safetensors"))
     with pytest.raises(UserError, match="not found"):
         read_state(str(tmp_path / "none.safetensors"))
+
+
+def test_weights_files_are_readable_as_the_umask_allows(tmp_path):
+    """safetensors writes its files for their owner alone; a weights file is for the run's readers too."""
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        save_weights(str(tmp_path / "w.safetensors"), {"a": np.ones(2, np.float32)})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "w.safetensors").st_mode) == 0o644
+    assert os.listdir(tmp_path) == ["w.safetensors"]  # no temporary file left

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from jaxpar.core.tokens import text_codec
 from tests.helpers import ROOT, run_in_session, torch_env
 
 RUN, TORCH_RUN, INIT = "runs/jaxpar/gpt2-tiny", "runs/torchpar/gpt2-tiny", "runs/gpt2-tiny-init.safetensors"
@@ -53,17 +54,17 @@ class Walk:
 
 
 @pytest.mark.every_commit
-def test_the_readme_first_hour(tmp_path):
+def test_the_readme_first_hour(tmp_path, monkeypatch):
     from jaxpar.tools.report import curves
 
     walk = Walk(tmp_path)
     # the main job: where it goes, what it did, what comes next
-    out = walk("python -m jaxpar.train --config configs/gpt2-tiny.yaml --mesh dp=2,tp=4").stdout
+    jax_summary = out = walk("python -m jaxpar.train --config configs/gpt2-tiny.yaml --mesh dp=2,tp=4").stdout
     assert out.startswith(f"jaxpar: run {RUN} (150 steps from scratch"), out[:300]
-    assert f"jaxpar: trained to step 150 of 150 (from step 0)" in out and f"; run {RUN}" in out
+    assert "jaxpar: trained to step 150 of 150 (from step 0)" in out and f"; run {RUN}" in out
     assert "checkpoints at steps 100, 150" in out and "eval loss" in out
     sample, report = f'python -m jaxpar.generate --run {RUN} --prompt "def "', f"python -m jaxpar.tools.report {RUN}"
-    for command in (sample, report, f"python -m jaxpar.tools.convert --from jaxpar {RUN} --to hf runs/hf/gpt2-tiny"):
+    for command in (sample, report):
         assert command in out, out
 
     assert walk(sample).stdout.startswith("def ")
@@ -74,9 +75,9 @@ def test_the_readme_first_hour(tmp_path):
 
     # the other framework from the same weights: a run directory of its own, its checkpoints saved
     walk(f"python -m jaxpar.train --config configs/gpt2-tiny.yaml --write-init {INIT}")
-    out = walk(f"torchrun --nproc_per_node=2 -m torchpar.train --config configs/gpt2-tiny.yaml --backend fsdp "
-               f"model.init_from={INIT}").stdout
-    assert f"torchpar: trained to step 150 of 150" in out and f"python -m torchpar.generate --run {TORCH_RUN}" in out
+    torch_summary = out = walk(f"torchrun --nproc_per_node=2 -m torchpar.train --config configs/gpt2-tiny.yaml "
+                               f"--backend fsdp model.init_from={INIT}").stdout
+    assert "torchpar: trained to step 150 of 150" in out and f"python -m torchpar.generate --run {TORCH_RUN}" in out
     assert walk.steps(TORCH_RUN) == ["100", "150"] and walk.steps(RUN) == ["100", "150"]
     for run, framework in ((RUN, "jaxpar"), (TORCH_RUN, "torchpar")):  # each records whose run it is
         with open(walk.path(f"{run}/config.json")) as f:
@@ -99,22 +100,37 @@ def test_the_readme_first_hour(tmp_path):
     out = walk("python -m jaxpar.train --config configs/gpt2-tiny.yaml --mesh dp=2,fsdp=2,tp=2 train.steps=300").stdout
     assert "the learning rate of step 151 moves from 3.0e-04 to" in out and "(from step 150)" in out
 
-    # Hugging Face: the export loads in transformers' pipeline and decodes jaxpar.generate's greedy tokens
-    walk(f"python -m jaxpar.tools.convert --from jaxpar {RUN} --to hf runs/hf/gpt2-tiny")
-    want = walk(f'python -m jaxpar.generate --run {RUN} --prompt "def " --temperature 0 --max-new-tokens {N}',
-                in_readme=False).stdout.rstrip("\n").encode()[len(b"def "):]
-    assert len(want) == N
+    # Hugging Face: each run's export, as its summary names it, loads in transformers' pipeline and decodes the
+    # greedy tokens of the framework's own generate (which goes on past the end-of-document token 0; transformers
+    # stops after it)
+    for framework, run, summary in (("jaxpar", RUN, jax_summary), ("torchpar", TORCH_RUN, torch_summary)):
+        export = f"python -m jaxpar.tools.convert --from {framework} {run} --to hf runs/hf/gpt2-tiny-from-{framework}"
+        assert export in summary
+        walk(export, in_readme=framework == "jaxpar")
+        command = f'python -m {framework}.generate --run {run} --prompt "def " --temperature 0 --max-new-tokens {N}'
+        printed = walk(command, in_readme=False).stdout
+        want = greedy(framework, walk.path(run), monkeypatch)
+        assert len(want) == N and printed == "def " + text_codec("byte")[1](want) + "\n"
+        got = pipeline(walk.path(f"runs/hf/gpt2-tiny-from-{framework}"))
+        assert got == (want[:want.index(0) + 1] if 0 in want else want), framework
+
+
+def greedy(framework: str, run: str, monkeypatch) -> list[int]:
+    """The token ids `python -m FRAMEWORK.generate --run RUN --prompt "def " --temperature 0 --max-new-tokens N`
+    prints, from the command's own functions in this process."""
+    if framework == "jaxpar":
+        from tests.jaxpar.test_hf_export import jaxpar_greedy
+
+        return jaxpar_greedy(run, monkeypatch, "def ", N)
+    from torchpar import generate
+
+    args = generate.parse_args(["--run", run, "--prompt", "def ", "--temperature", "0", "--max-new-tokens", str(N)])
+    return generate.sample_rows(args)[0][0]
+
+
+def pipeline(model_dir: str) -> list[int]:
+    """transformers' greedy continuation of "def " from an exported directory: its new token ids."""
     import transformers
 
-    pipe = transformers.pipeline("text-generation", model=walk.path("runs/hf/gpt2-tiny"), device="cpu")
-    got = pipe("def ", do_sample=False, max_new_tokens=N, return_tensors=True)[0]["generated_token_ids"][4:]
-    assert got == list(want[:want.index(0) + 1] if 0 in want else want)  # transformers stops after token 0
-
-    # the torchpar run's summary names its export too
-    walk(f"python -m jaxpar.tools.convert --from torchpar {TORCH_RUN} --to hf runs/hf/gpt2-tiny-torchpar",
-         in_readme=False)
-    want = walk(f'python -m torchpar.generate --run {TORCH_RUN} --prompt "def " --temperature 0 --max-new-tokens {N}',
-                in_readme=False).stdout.rstrip("\n").encode()[len(b"def "):]
-    pipe = transformers.pipeline("text-generation", model=walk.path("runs/hf/gpt2-tiny-torchpar"), device="cpu")
-    got = pipe("def ", do_sample=False, max_new_tokens=N, return_tensors=True)[0]["generated_token_ids"][4:]
-    assert len(want) == N and got == list(want[:want.index(0) + 1] if 0 in want else want)
+    pipe = transformers.pipeline("text-generation", model=model_dir, device="cpu")
+    return pipe("def ", do_sample=False, max_new_tokens=N, return_tensors=True)[0]["generated_token_ids"][4:]

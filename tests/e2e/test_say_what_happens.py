@@ -15,7 +15,6 @@ from tests.helpers import ROOT, TINY, torch_env
 pytest.importorskip("torch")
 
 
-
 def plain_torchpar(run_dir, dataset, *args: str) -> subprocess.CompletedProcess:
     """`python -m torchpar.train` on the tiny config as one plain process: no launcher's variables (torchrun's,
     srun's) in its environment."""

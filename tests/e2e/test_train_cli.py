@@ -87,8 +87,8 @@ def test_sigterm_saves_and_exits_zero(dataset, tmp_path):
     assert "stopped by signal" in r.stderr
     assert os.listdir(tmp_path / "checkpoints") == ["3"]
     # the closing lines: where the run is, its checkpoint, and the command that goes on from it
-    assert f"jaxpar: stopped by signal {signal.SIGTERM.value} after step 3 of 50" in r.stdout, r.stdout
-    assert f"run {tmp_path}" in r.stdout and "checkpoints at steps 3" in r.stdout
+    assert "jaxpar: stopped by SIGTERM after step 3 of 50" in r.stdout, r.stdout
+    assert f"run {tmp_path}" in r.stdout and "checkpoint at step 3" in r.stdout
     assert f"continue  python -m jaxpar.train --config {tmp_path}/config.json --mesh dp=2 train.steps=50" in r.stdout
     assert max(metrics(tmp_path)) == 3
 

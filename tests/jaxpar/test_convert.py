@@ -74,7 +74,8 @@ def test_convert_errors_are_one_line(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,named", [
     (["--from", "state", "a", "--to", "state", "b"], "the training state converts from"),
-    (["--from", "deepspeed", "a", "--to", "jaxpar", "b"], "the training state converts from"),
+    (["--from", "deepspeed", "a", "--to", "jaxpar", "b"], "a DeepSpeed run is read with --from torchpar"),
+    (["--from", "deepspeed", "a", "--to", "hf", "b"], "a DeepSpeed run is read with --from torchpar"),
     (["--from", "jaxpar", "a", "--to", "torchpar", "b", "--zero-stage", "2"], "--zero-stage is for --to deepspeed"),
     (["--from", "jaxpar", "a", "--to", "shared", "b", "--zero-stage", "2"], "--zero-stage is for --to deepspeed"),
     (["--from", "state", "missing.safetensors", "--to", "torchpar", "b"], "training-state file not found"),

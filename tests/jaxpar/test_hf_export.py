@@ -35,7 +35,7 @@ def make_run(tmp_path, name: str, *overrides: str) -> str:
     return run
 
 
-def jaxpar_greedy(run: str, monkeypatch) -> list[int]:
+def jaxpar_greedy(run: str, monkeypatch, prompt: str = PROMPT, new: int = NEW) -> list[int]:
     """The token ids `python -m jaxpar.generate --run RUN --prompt PROMPT --temperature 0 --max-new-tokens NEW`
     decodes, through its own functions on one of the test's devices."""
     import jaxpar.mesh
@@ -43,10 +43,10 @@ def jaxpar_greedy(run: str, monkeypatch) -> list[int]:
 
     mesh = jaxpar.mesh.make_mesh
     monkeypatch.setattr(jaxpar.mesh, "make_mesh", lambda sizes, devices=None: mesh(sizes, jax.devices()[:1]))
-    args = generate.parse_args(["--run", run, "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", str(NEW)])
+    args = generate.parse_args(["--run", run, "--prompt", prompt, "--temperature", "0", "--max-new-tokens", str(new)])
     sizes = generate.check_decoding(args)
     cfg, flat, tokenizer = generate.load(args)
-    return generate.sample_rows(cfg, sizes, flat, text_codec(tokenizer)[0](PROMPT), args)[0]
+    return generate.sample_rows(cfg, sizes, flat, text_codec(tokenizer)[0](prompt), args)[0]
 
 
 def test_byte_level_run_exports_a_ready_pipeline(tmp_path, monkeypatch, capsys):
@@ -71,6 +71,8 @@ def test_byte_level_run_exports_a_ready_pipeline(tmp_path, monkeypatch, capsys):
 
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, len(tok)) == (0, 0, 0, 256)
+    assert convert.main(["--from", "hf", str(out), "--to", "jaxpar", str(tmp_path / "back")]) == 0  # bytes again
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["data"]["tokenizer"] == "byte"
     encode = text_codec("byte")[0]
     for text in TEXTS:
         assert tok(text)["input_ids"] == encode(text) == list(text.encode()), text
@@ -108,6 +110,15 @@ def test_bpe_run_exports_its_tokenizer_and_end_of_document_id(tmp_path, capsys):
         assert tok(text)["input_ids"] == encode(text), text
         assert tok.decode(encode(text), skip_special_tokens=True) == decode(encode(text))  # tokenizers' default
     assert eod in tok(TEXTS[2])["input_ids"]
+
+    # read back: sampling from the directory and a run converted from it use its tokenizer, not bytes
+    from jaxpar import generate
+
+    args = generate.parse_args(["--hf", str(out), "--prompt", "x"])
+    assert generate.load(args)[2] == str(out / "tokenizer.json")
+    assert convert.main(["--from", "hf", str(out), "--to", "jaxpar", str(tmp_path / "back")]) == 0
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["data"]["tokenizer"] == str(
+        out / "tokenizer.json")
 
     # the same weights from a shared file name no tokenizer: none is written (not the byte tokenizer's 256)
     capsys.readouterr()

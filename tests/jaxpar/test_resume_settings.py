@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxpar.checkpoint import Checkpointer
+from jaxpar.core.errors import UserError
 from jaxpar.core.resume import check_resume
 from jaxpar.layout import Layout
 from jaxpar.mesh import make_mesh, process_id
@@ -95,3 +96,16 @@ def test_the_schedule_line_reads_the_old_settings_from_the_run_dir(tmp_path):
     new = tiny_config(f"run.dir={tmp_path}", "train.steps=20")
     assert schedule_change(new, 7) == schedule_change_line(old, new, 7) and "moves from" in schedule_change(new, 7)
     assert schedule_change(tiny_config(f"run.dir={tmp_path / 'new'}", "train.steps=20"), 7) is None  # no run there
+
+
+def test_a_resume_refuses_new_initial_weights_it_would_not_read(tmp_path):
+    """model.init_from names the weights a run starts from: on a run with a checkpoint a new value would not act
+    (the README's torchpar command with init_from, run again after a first torchpar run); dropping it is fine."""
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config(f"run.dir={tmp_path}").to_dict()))
+    with pytest.raises(UserError, match=r"model.init_from=w.safetensors would not act on it"):
+        check_resume(tiny_config(f"run.dir={tmp_path}", "model.init_from=w.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config(f"run.dir={tmp_path}",
+                                                                 "model.init_from=w.safetensors").to_dict()))
+    check_resume(tiny_config(f"run.dir={tmp_path}", "model.init_from=w.safetensors"))  # unchanged
+    check_resume(tiny_config(f"run.dir={tmp_path}"))  # dropped: the legs of a run after its first

@@ -36,9 +36,46 @@ def test_dcp_saves_its_own_step_once_and_a_resumed_one_is_its_own(tmp_path):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["5"]
 
 
-def test_deepspeed_refuses_a_planted_step(tmp_path):
-    engine = object.__new__(DeepSpeedEngine)  # the save's check runs before DeepSpeed's engine is asked anything
-    engine.dir, engine.own, engine.env = str(tmp_path), set(), CPU
+class DeepSpeedStub:
+    """DeepSpeed's engine as the save and restore ask it: its checkpoint calls recorded, a restore giving step 5."""
+
+    def __init__(self):
+        self.saved, self.optimizer = [], torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+        self.lr_scheduler = None
+
+    def save_checkpoint(self, folder, tag, client_state):
+        self.saved.append(int(tag))
+        os.makedirs(os.path.join(folder, tag), exist_ok=True)
+        with open(os.path.join(folder, "latest"), "w") as f:
+            f.write(tag)
+
+    def load_checkpoint(self, folder):
+        return os.path.join(folder, "5"), {"step": 5, "data_step": 5}
+
+
+def deepspeed_engine(ckpt_dir) -> DeepSpeedEngine:
+    engine = object.__new__(DeepSpeedEngine)  # the save's bookkeeping around DeepSpeed's own calls
+    engine.engine, engine.dir, engine.own, engine.env, engine.universal = DeepSpeedStub(), str(ckpt_dir), set(), CPU, None
+    engine.cfg = type("Cfg", (), {"checkpoint": type("C", (), {"keep": 3})})
+    return engine
+
+
+def test_deepspeed_refuses_a_complete_step_it_did_not_write(tmp_path):
     os.makedirs(tmp_path / "5")
+    (tmp_path / "latest").write_text("5")
+    engine = deepspeed_engine(tmp_path)
     with pytest.raises(UserError, match=r"/5 exists and was not written by this run"):
         engine.save(5, {"step": 5})
+    assert engine.engine.saved == []
+
+
+def test_deepspeed_writes_again_a_save_left_unfinished_and_its_restored_step_is_its_own(tmp_path):
+    os.makedirs(tmp_path / "5")  # a first save killed before DeepSpeed wrote `latest`
+    engine = deepspeed_engine(tmp_path)
+    engine.save(5, {"step": 5})
+    engine.save(5, {"step": 5})  # the final save right after a periodic one
+    assert engine.engine.saved == [5]
+    resumed = deepspeed_engine(tmp_path)
+    assert resumed.load()["step"] == 5
+    resumed.save(5, {"step": 5})  # stopped at once after resuming: its own step
+    assert resumed.engine.saved == []

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.helpers import metrics
+from tests.helpers import assert_params_close, metrics
 from tests.torchpar.runs import assert_same_run, run
 
 MTP = ["model.mtp_depth=2", "model.mtp_loss_weight=0.5", "train.steps=4", "train.microbatches=2"]
@@ -33,8 +33,9 @@ def test_mtp_on_a_pipeline_equals_one_process(family, base, tmp_path):
         np.testing.assert_allclose([got[s][key] for s in STEPS], [ref[s][key] for s in STEPS], rtol=1e-5)
     have, want = load_file(str(final_pp)), load_file(str(final_one))
     assert any(name.startswith("mtp.") for name in want)
-    for name in want:
-        np.testing.assert_allclose(have[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    # the project's bound for weights after Adam (tests/helpers.py): an element whose gradient is near float32
+    # rounding moves by amplified noise (llama's down projection: one of 16,384 at 1.1e-5, 4.8e-3 relative)
+    assert_params_close(have, want)
 
 
 def test_what_the_pipeline_refuses_with_mtp_is_one_line():

@@ -207,10 +207,13 @@ class DeepSpeedEngine:
 
     def save(self, step: int, meta: dict) -> None:
         """DeepSpeed's checkpoint of `step` (done already if this run saved or restored it: the final save right
-        after a periodic one); a step on disk that is not this run's is refused."""
+        after a periodic one); a complete step on disk that is not this run's is refused. DeepSpeed writes into the
+        step's folder itself: one past `latest` (or with no `latest` yet) is a save a killed process left unfinished,
+        written again."""
         if step in self.own:
             return
-        if os.path.exists(os.path.join(self.dir, str(step))):
+        latest = self.latest()
+        if os.path.exists(os.path.join(self.dir, str(step))) and latest is not None and step <= latest:
             raise foreign_checkpoint(self.dir, step)
         with failing_save(step, os.path.join(self.dir, str(step)), self.env.is_main, self.latest):
             self.engine.save_checkpoint(self.dir, tag=str(step), client_state=meta)
