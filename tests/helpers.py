@@ -157,6 +157,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def deepspeed_cpu_has_float16() -> bool:
+    """What DeepSpeed's CPU accelerator asks before it runs float16 (oneDNN's float16 kernels, which depend on the
+    CPU's instruction set): where it says no, torchpar refuses float16 on --backend deepspeed in one line."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:  # noqa: BLE001 - a torch without the query: no float16 kernels either
+        return False
+
+
 def torch_env(**extra) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}

@@ -12,7 +12,7 @@ import pytest
 
 from jaxpar.core.errors import UserError
 from jaxpar.core.mesh_spec import parse_mesh
-from tests.helpers import metrics, run_cli, run_steps, tiny_config
+from tests.helpers import deepspeed_cpu_has_float16, metrics, run_cli, run_steps, tiny_config
 
 FP16 = ("model.compute_dtype=float16",)
 # the float16 band of a layout against one device (docs/parity.md "float16"): float16 rounds at 2^-11, and
@@ -159,23 +159,13 @@ def test_torchpar_float16_overflow_run_resumes_exactly_after_sigkill(dataset, tm
     _overflow_run_resumes_exactly(tmp_path, dataset, ("--backend", "none", *RUN), "TORCHPAR", "torchpar.train")
 
 
-def _deepspeed_cpu_has_float16() -> bool:
-    """What DeepSpeed's CPU accelerator asks (oneDNN's float16 support depends on the CPU's instruction set)."""
-    import torch
-
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    except Exception:
-        return False
-
-
 @pytest.mark.parametrize("backend,overrides,message", [
     ("deepspeed", FP16, "accelerator has no float16 support on this machine"),
     ("deepspeed", (*FP16, "optim.loss_scale_init=1000"), "DeepSpeed's loss scaler grows x2"),
     ("pipeline", FP16, "runs on --backend none, ddp, fsdp or deepspeed, not pipeline"),
 ])
 def test_torchpar_float16_refusals_are_one_line(backend, overrides, message, dataset, tmp_path):
-    if "no float16 support" in message and _deepspeed_cpu_has_float16():
+    if "no float16 support" in message and deepspeed_cpu_has_float16():
         pytest.skip("this CPU has oneDNN float16 kernels: DeepSpeed's CPU accelerator runs float16 here")
     r = run_cli(tmp_path, dataset, "--backend", backend, *overrides, module="torchpar.train")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
