@@ -28,7 +28,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jaxpar.core.errors import UserError, os_error_line
-from jaxpar.core.run_dir import foreign_checkpoint
+from jaxpar.core.run_dir import foreign_checkpoint, step_dirs
 
 _TMP = ".orbax-checkpoint-tmp"  # orbax writes step N to N.orbax-checkpoint-tmp[-...] and renames it when complete
 
@@ -130,7 +130,7 @@ class Checkpointer:
 
     def _complete_steps(self) -> list[int]:
         """Step directories orbax has finished (renamed from their temporary name), read from disk."""
-        return sorted(int(d) for d in os.listdir(self.dir) if d.isdigit()) if os.path.isdir(self.dir) else []
+        return step_dirs(self.dir)
 
     def _remove_partial(self) -> None:
         """The failed step's temporary directory. tensorstore goes on for a moment with the writes orbax gave up

@@ -19,7 +19,7 @@ import sys
 from jaxpar.core.config import Config, config_from_dict
 from jaxpar.core.errors import UserError, check_output_dir
 from jaxpar.core.lr_schedule import lr_at
-from jaxpar.core.run_dir import holds_run
+from jaxpar.core.run_dir import holds_run, step_dirs
 
 # Free to change on resume inside the model section: numerics and memory, not shapes.
 _MODEL_FREE = {"compute_dtype", "remat", "init_from"}
@@ -67,7 +67,7 @@ def check_resume(cfg: Config, is_main: bool = True) -> None:
     check_output_dir(cfg.run.dir, "run.dir")
     run_dir, path = cfg.run.dir, os.path.join(cfg.run.dir, "config.json")
     ckpts = os.path.join(run_dir, "checkpoints")
-    has_checkpoint = os.path.isdir(ckpts) and any(d.isdigit() for d in os.listdir(ckpts))
+    has_checkpoint = bool(step_dirs(ckpts))
     if not cfg.checkpoint.resume or not has_checkpoint or not os.path.isfile(path):
         return
     try:

@@ -32,6 +32,11 @@ def with_run_dir(cfg: Config, framework: str, config_path: str | None) -> Config
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=default_run_dir(framework, config_path)))
 
 
+def step_dirs(ckpt_dir: str) -> list[int]:
+    """The steps of a checkpoints folder's step directories (named by their step), in order; [] without one."""
+    return sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit()) if os.path.isdir(ckpt_dir) else []
+
+
 def holds_run(run_dir: str) -> bool:
     return os.path.isdir(run_dir) and any(os.path.exists(os.path.join(run_dir, n)) for n in RUN_FILES)
 
@@ -55,8 +60,7 @@ def framework_of(run_dir: str) -> str | None:
     ckpts = os.path.join(run_dir, "checkpoints")
     if os.path.exists(os.path.join(ckpts, "latest")):
         return "torchpar"  # DeepSpeed's
-    steps = [os.path.join(ckpts, d) for d in os.listdir(ckpts) if d.isdigit()] if os.path.isdir(ckpts) else []
-    for step in steps:
+    for step in (os.path.join(ckpts, str(s)) for s in step_dirs(ckpts)):
         if os.path.exists(os.path.join(step, ".metadata")) or os.path.exists(os.path.join(step, "meta.json")):
             return "torchpar"
         if os.path.exists(os.path.join(step, "_CHECKPOINT_METADATA")) or os.path.isdir(os.path.join(step, "state")):
@@ -83,7 +87,7 @@ def convert_hint(run_dir: str, held_by: str, wanted: str) -> str:
 def check_framework(run_dir: str, framework: str, doing: str) -> None:
     """Refuse, in one line naming the conversion, a run directory that holds the other framework's run.
     `doing`: what this command would do with it ("resume", "sample")."""
-    held_by = framework_of(run_dir) if os.path.isdir(run_dir) else None
+    held_by = framework_of(run_dir)
     if held_by is None or held_by == framework:
         return
     instead = f"python -m {held_by}.generate" if doing == "sample" else f"{held_by}.train, or another run.dir"

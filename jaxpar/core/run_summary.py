@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from jaxpar.core.config import Config
-from jaxpar.core.run_dir import converted_dir, framework_of
+from jaxpar.core.run_dir import converted_dir, framework_of, step_dirs
 
 
 @dataclass
@@ -36,11 +36,6 @@ def start_line(cfg: Config, framework: str, step: int) -> str:
     if not step and os.path.basename(parent) == framework and framework_of(older) == framework:
         line += f"; {older} holds an earlier {framework} run of this config: run.dir={older} continues it"
     return line
-
-
-def checkpoints_kept(run_dir: str) -> list[int]:
-    ckpts = os.path.join(run_dir, "checkpoints")
-    return sorted(int(d) for d in os.listdir(ckpts) if d.isdigit()) if os.path.isdir(ckpts) else []
 
 
 def next_commands(cfg: Config, framework: str, info: dict, steps_done: int) -> list[tuple[str, str]]:
@@ -85,7 +80,7 @@ def summary_lines(cfg: Config, framework: str, info: dict, outcome: Outcome, wal
         numbers.append(f"{statistics.median(o.rates):,.0f} tokens/s")
     if o.mfus:
         numbers.append(f"MFU {statistics.median(o.mfus):.1%}")
-    kept = checkpoints_kept(cfg.run.dir)
+    kept = step_dirs(os.path.join(cfg.run.dir, "checkpoints"))
     numbers.append(f"checkpoint{'s' * (len(kept) > 1)} at step{'s' * (len(kept) > 1)} {', '.join(map(str, kept))}"
                    if kept else "no checkpoint kept")
     lines.append("  " + " | ".join(numbers))

@@ -182,7 +182,7 @@ def check_source(src: str, fmt: str) -> None:
     """--from jaxpar on a torchpar run (or the reverse): one line naming the format that reads it."""
     from jaxpar.core.run_dir import framework_of
 
-    held_by = framework_of(src) if os.path.isdir(src) else None
+    held_by = framework_of(src)
     if held_by not in (None, fmt):
         raise UserError(f"--from {fmt} {src}: it holds a {held_by} run; convert it with --from {held_by}")
 

@@ -30,7 +30,7 @@ import torch
 
 from jaxpar.core.errors import UserError
 from jaxpar.core.lr_schedule import lr_at
-from jaxpar.core.run_dir import foreign_checkpoint
+from jaxpar.core.run_dir import foreign_checkpoint, step_dirs
 from torchpar import dist
 from torchpar.backends.base import add_stats, eval_loss, microbatch_loss, microbatches, mtp_share, read_metrics
 from torchpar.backends.deepspeed_universal import forget, quiet_universal_load, repair_zero3_load, universal_source
@@ -219,8 +219,7 @@ class DeepSpeedEngine:
             self.engine.save_checkpoint(self.dir, tag=str(step), client_state=meta)
         dist.barrier()
         if self.env.is_main:
-            tags = sorted(int(d) for d in os.listdir(self.dir) if d.isdigit())
-            for old in tags[:-self.cfg.checkpoint.keep]:
+            for old in step_dirs(self.dir)[:-self.cfg.checkpoint.keep]:
                 shutil.rmtree(os.path.join(self.dir, str(old)), ignore_errors=True)
         dist.barrier()
         self.own.add(step)
