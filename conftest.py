@@ -19,7 +19,7 @@ os.environ["XLA_FLAGS"] = " ".join(flag for flag in os.environ.get("XLA_FLAGS", 
 if not os.environ["XLA_FLAGS"]:
     del os.environ["XLA_FLAGS"]
 
-# jaxpar's CLIs would re-execute themselves to set this (jaxpar/core/malloc.py); set here, every trainer process a
+# jaxpar's CLIs would re-execute themselves to set this (jaxpar/core/run/malloc.py); set here, every trainer process a
 # test starts skips that and runs with it from the start
 os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
 

@@ -16,12 +16,12 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jaxpar.core.buckets import BucketBatches  # noqa: E402
-from jaxpar.core.config import load_config  # noqa: E402
-from jaxpar.core.batch_shapes import bucket_shapes  # noqa: E402
-from jaxpar.core.data_order import Samples  # noqa: E402
-from jaxpar.core.packing import PackStats, pack  # noqa: E402
-from jaxpar.core.tokens import write_tokens  # noqa: E402
+from jaxpar.core.data.buckets import BucketBatches  # noqa: E402
+from jaxpar.core.config.schema import load_config  # noqa: E402
+from jaxpar.core.data.batch_shapes import bucket_shapes  # noqa: E402
+from jaxpar.core.data.order import Samples  # noqa: E402
+from jaxpar.core.data.packing import PackStats, pack  # noqa: E402
+from jaxpar.core.data.tokens import write_tokens  # noqa: E402
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jaxpar.core.errors import UserError, os_error_line
-from jaxpar.core.run_dir import foreign_checkpoint, step_dirs
+from jaxpar.core.run.directory import foreign_checkpoint, step_dirs
 
 _TMP = ".orbax-checkpoint-tmp"  # orbax writes step N to N.orbax-checkpoint-tmp[-...] and renames it when complete
 

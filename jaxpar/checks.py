@@ -2,15 +2,15 @@
 `validate` is the one entry that runs them all (torchpar/checks.py's `validate` is its twin)."""
 from __future__ import annotations
 
-from jaxpar.core.batch_shapes import for_each_shape
-from jaxpar.core.config import Config
-from jaxpar.core.contract import Run, check_contract
-from jaxpar.core.experts import check_expert_axis
+from jaxpar.core.data.batch_shapes import for_each_shape
+from jaxpar.core.config.schema import Config
+from jaxpar.core.config.contract import Run, check_contract
+from jaxpar.core.model.experts import check_expert_axis
 from jaxpar.core.errors import UserError
-from jaxpar.core.pipeline_schedules import check_schedule, concrete, resolve_microbatches
-from jaxpar.core.resume import check_resume
-from jaxpar.core.run_dir import check_run_dir_framework
-from jaxpar.core.trackers import check_trackers
+from jaxpar.core.pipeline.schedules import check_schedule, concrete, resolve_microbatches
+from jaxpar.core.run.resume import check_resume
+from jaxpar.core.run.directory import check_run_dir_framework
+from jaxpar.core.run.trackers import check_trackers
 from jaxpar.parallel.sequence import check_sequence
 
 
@@ -46,7 +46,7 @@ def check_layout(cfg: Config, sizes) -> None:
 
 
 def check_experts(cfg: Config, sizes) -> None:
-    """The ep axis needs a mixture of experts whose experts it divides (core/experts.py); what jaxpar's experts do
+    """The ep axis needs a mixture of experts whose experts it divides (core/model/experts.py); what jaxpar's experts do
     not run beside."""
     check_expert_axis(cfg.model, sizes["ep"])
     E, first, pp = cfg.model.moe_experts, cfg.model.moe_first_dense, sizes["pp"]
@@ -74,7 +74,7 @@ def check_compression(cfg: Config, sizes) -> None:
     schedule = concrete(cfg.parallel.pipeline_schedule)
     if method != "none" and sizes["pp"] > 1 and schedule != "gpipe" and sharded:
         # the executor pins its gradients to the parameters' layout, which names the data axes that are manual
-        # in compression's shard_map (jaxpar/loss.py hand_scheduled): jax refuses that constraint
+        # in compression's shard_map (jaxpar/pipeline/gradients.py hand_scheduled): jax refuses that constraint
         raise UserError(f"parallel.grad_compression={method} with parallel.pipeline_schedule={schedule} does not run "
                         "parameters sharded over fsdp or ZeRO-3 yet (gpipe runs it)")
     if method == "powersgd" and cfg.model.compute_dtype == "float16":

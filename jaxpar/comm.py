@@ -1,8 +1,8 @@
-"""One sampled train step's time in collectives per mesh axis, from a jax profiler trace (jaxpar/core/stragglers.py's
+"""One sampled train step's time in collectives per mesh axis, from a jax profiler trace (jaxpar/core/run/stragglers.py's
 CommShare asks for it once per run start).
 
 The compiled step's optimized HLO names each collective instruction and its replica groups
-(parsed by jaxpar/hlo_collectives.py), which give the mesh axes it spans; the profiler's trace events carry the
+(parsed by jaxpar/cost/hlo_collectives.py), which give the mesh axes it spans; the profiler's trace events carry the
 instruction (`hlo_op`) and program (`hlo_module`) they ran, per device. A collective over several axes is counted
 under their names joined by "_" (e.g. dp_fsdp).
 """
@@ -17,8 +17,8 @@ import tempfile
 
 import jax
 
-from jaxpar.core.stragglers import in_flight_s
-from jaxpar.hlo_collectives import group_axes, parse
+from jaxpar.core.run.stragglers import in_flight_s
+from jaxpar.cost.hlo_collectives import group_axes, parse
 
 
 def collective_axes(hlo_text: str, mesh) -> dict[str, str]:

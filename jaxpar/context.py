@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax
 from jax.sharding import NamedSharding
 
-from jaxpar.dispatch import local_experts
+from jaxpar.parallel.expert_dispatch import local_experts
 from jaxpar.ops import FLOAT8, local_attention, scan_layers
 from jaxpar.sharding import spec_for
 

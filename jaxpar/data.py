@@ -1,4 +1,4 @@
-"""jaxpar's data: the shared order (jaxpar/core/data_order.py) served through grain, and batches placed
+"""jaxpar's data: the shared order (jaxpar/core/data/order.py) served through grain, and batches placed
 on the mesh. Also the command line for token files:
 
   python -m jaxpar.data prepare --out data/my.bin [--tokenizer byte|tokenizer.json] [--text-field text]
@@ -15,11 +15,11 @@ import json
 import os
 import sys
 
-from jaxpar.core.bpe import train_tokenizer
-from jaxpar.core.data_order import GlobalBatches, Samples
+from jaxpar.core.data.bpe import train_tokenizer
+from jaxpar.core.data.order import GlobalBatches, Samples
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.packing import TOO_LONG, SftFields
-from jaxpar.core.tokens import prepare, read_meta, split_range
+from jaxpar.core.data.packing import TOO_LONG, SftFields
+from jaxpar.core.data.tokens import prepare, read_meta, split_range
 
 
 def grain_batches(samples: Samples, global_batch_size: int, sizes=None) -> GlobalBatches:

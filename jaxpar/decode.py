@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.core.config import ModelConfig
-from jaxpar.core.sketches import stacked_sketches
-from jaxpar.core.block_sparsity import block_sparsity
+from jaxpar.core.config.schema import ModelConfig
+from jaxpar.core.model.layer_rules import stacked_sketches
+from jaxpar.core.model.layer_rules import block_sparsity
 from jaxpar.models.dilated import counted_attention, key_counts
 from jaxpar.models.llama import repeat_kv
 from jaxpar.models.mla import kv_cache_width
@@ -120,7 +120,7 @@ def sample(logits, key, temperature: float, top_k: int, top_p: float):
 def make_generate(graphdef, eod: int | None = None):
     """The jitted decoder of a model's graphdef: generate(params, prompt [B, P] int32, key, new_tokens,
     temperature=0, top_k=0, top_p=1) -> the next `new_tokens` tokens [B, new_tokens]. `eod`: attention within
-    documents, each starting at that token (data.document_mask; jaxpar.core.tokens.document_token)."""
+    documents, each starting at that token (data.document_mask; jaxpar.core.data.tokens.document_token)."""
 
     @partial(jax.jit, static_argnames=("new_tokens", "temperature", "top_k", "top_p"))
     def generate(params, prompt, key, new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):

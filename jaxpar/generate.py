@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import sys
 
-from jaxpar.core.config import Config, config_for_weights
+from jaxpar.core.config.schema import Config, config_for_weights
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.mesh_spec import parse_mesh
-from jaxpar.core.resume import read_run_config
-from jaxpar.core.run_dir import check_framework
+from jaxpar.core.config.mesh_spec import parse_mesh
+from jaxpar.core.run.resume import read_run_config
+from jaxpar.core.run.directory import check_framework
 from jaxpar.core.sampling_cli import check_sampling, decodable_tokens, print_samples, sampling_parser
-from jaxpar.core.tokens import text_codec
+from jaxpar.core.data.tokens import text_codec
 from jaxpar.mesh import setup_devices
 
 
@@ -43,8 +43,8 @@ def load(args) -> tuple[Config, dict | None, str]:
     """(config, flat shared weights, tokenizer) of the source the user named; a run's weights (None here) are
     restored by sample_rows straight onto the decoding mesh, whatever the model's variant (the shared format
     holds GPT-2's and llama's parameters only)."""
-    from jaxpar.tools.convert import read
-    from jaxpar.tools.hf_tokenizer import source_tokenizer
+    from jaxpar.formats.weights_io import read
+    from jaxpar.formats.hf_tokenizer import source_tokenizer
 
     if args.run:
         cfg = read_run_config(args.run)
@@ -74,10 +74,10 @@ def sample_rows(cfg: Config, sizes: dict, flat: dict, prompt: list[int], args) -
     import jax.numpy as jnp
 
     from jaxpar.context import use
-    from jaxpar.core.weights import unflatten
+    from jaxpar.core.weights.names import unflatten
     from jaxpar.decode import make_generate
     from jaxpar.layout import Layout
-    from jaxpar.core.tokens import document_token
+    from jaxpar.core.data.tokens import document_token
     from jaxpar.mesh import make_mesh
     from jaxpar.models.decoder import abstract_model
     from jaxpar.parallelize import parallel_context

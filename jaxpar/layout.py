@@ -21,9 +21,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import loss_scale
 from jaxpar.checks import check_layout
-from jaxpar.core.config import Config
+from jaxpar.core.config.schema import Config
 from jaxpar.core.errors import UserError
-from jaxpar.core.batch_shapes import for_each_shape
+from jaxpar.core.data.batch_shapes import for_each_shape
 from jaxpar.models.decoder import abstract_model
 from jaxpar.optim import make_optimizer
 from jaxpar.parallel import powersgd

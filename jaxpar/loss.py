@@ -1,6 +1,8 @@
-"""The training loss: next-token cross-entropy, and how the model reads a row: its token order, and with
-data.document_mask each packed document's own positions and segment ids; a layout's model loss, and its
-gradients on the hand-scheduled pipeline executor (jaxpar/parallelize.py picks them)."""
+"""The training loss: next-token cross-entropy, and how the model reads a row.
+
+A row's token order and, with data.document_mask, each packed document's own positions and segment ids; a
+layout's model loss (its gradients on the hand-scheduled pipeline executor: jaxpar/pipeline/gradients.py).
+"""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -10,15 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.core.config import Config
-from jaxpar.core.data_order import unmasked
-from jaxpar.core.pipeline_schedules import resolve_microbatches
-from jaxpar.core.sketches import stacked_sketches
-from jaxpar.core.tokens import document_token
-from jaxpar.models.decoder import abstract_model
-from jaxpar.models.moe import shift_layer_stats, stats_width
+from jaxpar.core.config.schema import Config
+from jaxpar.core.data.order import unmasked
+from jaxpar.models.moe import stats_width
 from jaxpar.ops import document_positions
-from jaxpar.parallel.pipeline_executor import StageFns, pipeline_value_and_grad
 from jaxpar.parallel.sequence import zigzag_order
 
 
@@ -41,7 +38,7 @@ class Rows(NamedTuple):
 
 def split_rows(batch: jax.Array, order=None, eod: int | None = None, mtp_depth: int = 0) -> Rows:
     """rows [batch, seq + 1] -> Rows, permuted alike by `order` (the mean loss is unchanged); `eod`: the
-    document token (jaxpar/core/tokens.py: document_token) when attention stays within documents. A target
+    document token (jaxpar/core/data/tokens.py: document_token) when attention stays within documents. A target
     the loss skips stays negative (data_order.Samples); the inputs are the tokens. `mtp_depth`: the prediction
     modules' rows too (mtp_rows), shifted in token order before the permutation."""
     inputs, targets = unmasked(batch[:, :-1]), batch[:, 1:]
@@ -129,88 +126,3 @@ def model_loss(layout, graphdef, eod, params, batch, scale=1.0, balance=True):
         return out * scale
     loss, aux = out  # the experts' statistics, or with multi-token prediction a dict
     return loss * scale, ({**aux, "mtp_losses": aux["mtp_losses"] * scale} if isinstance(aux, dict) else aux)
-
-
-def hand_scheduled(layout, schedule: str):
-    """(params, batch, scale) -> (loss, grads) of the loss times `scale`, on the pipeline executor running
-    `schedule` over the layout's pp (any schedule: the memory benchmark also runs the GPipe order on it). Trace it in
-    the parallel context for the executor (jaxpar/parallelize.py): each stage runs its own layers as a scan. With
-    experts, ((loss, their statistics summed over rows), grads), as model_loss under jax.value_and_grad: each stage
-    reports its layers' statistics, the balance loss weighed in as loss_fn does. With multi-token prediction,
-    ((loss, loss_fn's aux dict), grads): the last stage runs the modules after the head (_last_stage_loss)."""
-    cfg, mesh, p, m = layout.cfg, layout.mesh, layout.cfg.parallel, layout.cfg.model
-    graphdef, S, eod = abstract_model(m)[0], mesh.shape["pp"], document_token(cfg)
-    # each layer's place in the `blocks` stack rides beside the sketches (a stage's first expert layer: the balance
-    # bias's per-layer loads, counted over the expert layers as one device counts them)
-    consts = {"sketches": stacked_sketches(m), **({"layer": np.arange(m.moe_layers)} if m.moe_experts else {})}
-    model = lambda rest, chunk: nnx.merge(graphdef, {**rest, "blocks": chunk})  # noqa: E731  a stage's view
-
-    def embed(rest, chunk, tokens, positions, segments):
-        """The first stage's input: the embedding, then model.moe_first_dense's dense stack whole (it is in `rest`,
-        so its gradient comes with the embedding's, from the first stage's recomputed lookup)."""
-        stage = model(rest, chunk)
-        x = stage.embed(tokens, positions)
-        dense = stage.stacks()[:-1]
-        return stage.run_blocks(x, positions, segments, stacks=dense) if dense else x
-
-    def layers(rest, chunk, consts, x, where):
-        stage = model(rest, chunk)
-        if not m.moe_experts:
-            return stage.run_blocks(x, *where, consts["sketches"], stacks=[stage.blocks])
-        h, stats = stage.run_blocks(x, *where, consts["sketches"], with_stats=True, stacks=[stage.blocks])
-        return h, shift_layer_stats(stats, consts["layer"][0], m)
-
-    def value_and_grad(params, batch, scale=1.0):
-        rows = split_rows(batch, token_order(cfg, mesh, batch.shape[1] - 1), eod, m.mtp_depth)
-        # each microbatch's (tokens, positions, segments): with documents per row, else the order's for every row
-        inputs = (rows.inputs, rows.positions, rows.segments) if rows.segments is not None else (rows.inputs,)
-        where = lambda r: r[1:] if len(r) > 1 else (rows.positions, None)  # noqa: E731
-        targets = _last_stage_targets(rows, inputs, m.mtp_depth)
-        fns = StageFns(
-            embed=lambda rest, chunk, r: embed(rest, chunk, r[0], *where(r)),
-            layers=lambda rest, chunk, consts, x, r: layers(rest, chunk, consts, x, where(r)),
-            head_loss=lambda rest, chunk, h, t: _last_stage_loss(model(rest, chunk), h, t, rows.positions) * scale,
-            reports=m.mtp_depth,
-            # loss_fn's balance loss: moe_aux_loss x its mean over the batch's rows and the expert layers
-            stats_cotangent=None if not m.moe_experts else jnp.zeros((stats_width(m),), jnp.float32).at[-1].set(
-                m.moe_aux_loss * jnp.asarray(scale, jnp.float32) / (m.moe_layers * batch.shape[0])))
-        rest = {k: v for k, v in params.items() if k != "blocks"}
-        loss, stats, g_rest, g_blocks = pipeline_value_and_grad(
-            fns, rest, params["blocks"], consts, inputs, targets, mesh=mesh,
-            schedule=schedule, S=S, M=resolve_microbatches(S, p.pipeline_microbatches), V=p.pipeline_virtual_stages,
-            width=m.d_model, dtype=jnp.dtype(m.compute_dtype))
-        grads = {**g_rest, "blocks": g_blocks}
-        # Pin the executor's gradients to the parameters' layout: left free, ZeRO-2's reduce-scatter layout
-        # (the train step's) propagates back into the schedule's per-tick branches, where XLA then places a resharding
-        # collective that only the devices taking that branch reach -- a deadlock (docs/fuzz.md, case 91).
-        grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, layout.shardings(layout.param_specs))
-        if m.mtp_depth:  # loss_fn's aux: each depth's loss (scaled as the loss), the experts' statistics
-            return (loss[0], {"mtp_losses": loss[1:], **({"expert_stats": stats} if m.moe_experts else {})}), grads
-        return ((loss, stats) if m.moe_experts else loss), grads
-
-    return value_and_grad
-
-
-def _last_stage_targets(rows: Rows, inputs: tuple, depth: int):
-    """hand_scheduled's targets for the executor: the main ones; with multi-token prediction a tuple of them,
-    mtp_rows' tokens and targets [rows, depth, seq] (split into microbatches by row, as the targets) and, with
-    documents, the rows' positions and segments (inputs[1:])."""
-    if not depth:
-        return rows.targets
-    return (rows.targets, *(jnp.swapaxes(a, 0, 1) for a in rows.mtp), *inputs[1:])
-
-
-def _last_stage_loss(stage, h: jax.Array, targets, positions) -> jax.Array:
-    """hand_scheduled's last stage: the head's loss on the last layers' output h; with multi-token prediction
-    (targets: _last_stage_targets'; `positions` the order's where rows carry none) [the main loss plus
-    mtp_loss_weight x the depths' mean, then each depth's] (StageFns.reports), as loss_fn. The modules are in the
-    executor's `rest`: their gradient, and the shared table's from their lookups, come from this stage's head
-    pullback, summed over pp with the first stage's embedding gradient as a tied head's is. They run outside the
-    layer stack, so ZB-H1/ZB-V's B/W split leaves them whole: their weight gradients are taken in this stage's F,
-    as the head's."""
-    m = stage.cfg
-    if not m.mtp_depth:
-        return stage.head_loss(h, targets)
-    (main, tokens, depth_targets), where = targets[:3], targets[3:] or (positions, None)
-    depths = stage.mtp_losses(h, jnp.swapaxes(tokens, 0, 1), jnp.swapaxes(depth_targets, 0, 1), *where)
-    return jnp.concatenate([(stage.head_loss(h, main) + m.mtp_loss_weight * jnp.mean(depths))[None], depths])

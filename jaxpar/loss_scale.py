@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpar.core.config import Config
+from jaxpar.core.config.schema import Config
 
 
 def enabled(cfg: Config) -> bool:

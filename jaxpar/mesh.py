@@ -10,8 +10,8 @@ import os
 import re
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.mesh_spec import AXES, format_mesh, resolve_sizes
-from jaxpar.core.peers import library_timeout_s
+from jaxpar.core.config.mesh_spec import AXES, format_mesh, resolve_sizes
+from jaxpar.core.run.peers import library_timeout_s
 from jaxpar.xla_flags import set_gpu_flags
 
 DEFAULT_CPU_DEVICES = 8  # simulated devices for a -1 mesh axis without accelerator (or JAXPAR_CPU_DEVICES)
@@ -113,7 +113,7 @@ def check_forced_count(sizes: dict[str, int], forced: int, processes: int) -> in
 def setup_devices(sizes: dict[str, int], peer_timeout_s: float | None = None) -> None:
     """Before jax starts: XLA's GPU options on a GPU; simulate the mesh's devices on CPU if no accelerator (as many
     as JAXPAR_CPU_DEVICES or XLA_FLAGS's device count says, where set; else the mesh's); join processes (the
-    coordination service's heartbeat and shutdown timeouts sit above run.peer_timeout_s: core/peers.py)."""
+    coordination service's heartbeat and shutdown timeouts sit above run.peer_timeout_s: core/run/peers.py)."""
     import jax
 
     dist, nproc = distributed_env()

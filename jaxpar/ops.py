@@ -38,7 +38,7 @@ def visible(q_pos, k_pos, q_seg=None, k_seg=None):
 
 def document_positions(tokens, eod: int, segment=None, position=None):
     """(positions, segments) [B, T] int32 of rows of packed documents: a document starts at each `eod` token (the
-    data puts one before every document: jaxpar/core/tokens.py), its positions count from 0 there and its
+    data puts one before every document: jaxpar/core/data/tokens.py), its positions count from 0 there and its
     segment id is the previous one's plus one. `segment`, `position` [B]: the document a row's first tokens
     continue and their first position (a row decoded in pieces); by default a document starting at 0."""
     B, T = tokens.shape
@@ -191,7 +191,7 @@ _float8_project.defvjp(_float8_project_fwd, _float8_project_bwd)
 
 class _SplitBackward:
     """How a pipeline stage's projections are traced when its backward is split in two (ZB-H1, ZB-V), so that
-    B computes no weight gradient of a projection and W computes nothing else (jaxpar/parallel/pipeline_executor.py):
+    B computes no weight gradient of a projection and W computes nothing else (jaxpar/pipeline/executor.py):
     - "probe": as usual, each projection's input and output recorded (their shapes);
     - "tap": the weight a constant (B's pullback computes no gradient for it) and a pair of zero taps, (y_tap, x_tap)
       (`_tapped_project`): B's pullback gives y_tap the projection's output gradient dy and x_tap its input x,

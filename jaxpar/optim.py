@@ -1,6 +1,6 @@
 """optax AdamW: global-norm clipping, weight decay by the shared rule, the shared warmup + cosine; with
-optim.name=muon, Muon (jaxpar/core/muon.py) on the hidden matrices and that AdamW on the rest (optax.partition);
-with optim.name=adamw8bit, AdamW whose moments are held in 8 bits (jaxpar/core/adamw8bit.py: optax has none).
+optim.name=muon, Muon (jaxpar/core/optimizer/muon.py) on the hidden matrices and that AdamW on the rest (optax.partition);
+with optim.name=adamw8bit, AdamW whose moments are held in 8 bits (jaxpar/core/optimizer/adamw8bit.py: optax has none).
 
 Every hyperparameter is a closure over the config, none is in the optimizer state (counts and moments only), so a
 resumed run takes its optim.* and train.steps from the config it runs with. The state has one structure whether
@@ -23,9 +23,9 @@ except ImportError:
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.context import current, tracing_mesh
-from jaxpar.core import adamw8bit, muon
-from jaxpar.core.config import Config
-from jaxpar.core.lr_schedule import decays, lr_at
+from jaxpar.core.optimizer import adamw8bit, muon
+from jaxpar.core.config.schema import Config
+from jaxpar.core.optimizer.lr_schedule import decays, lr_at
 
 
 def lr_fn(cfg: Config):
@@ -56,7 +56,7 @@ class MuonState(NamedTuple):
 
 
 def orthogonalize(x: jax.Array, axes, steps: int) -> jax.Array:
-    """jaxpar/core/muon.py's NS_k on every matrix of `x`: its (reduction, output) axes made one matrix, the other
+    """jaxpar/core/optimizer/muon.py's NS_k on every matrix of `x`: its (reduction, output) axes made one matrix, the other
     axes batch axes (layers, experts, q/k/v), each matrix on its own (orthogonalize_all of x alone)."""
     return orthogonalize_all([x], [axes], steps)[0]
 
@@ -138,7 +138,7 @@ def _lerp(start, end, weight: float):
 
 
 def scale_by_muon(cfg: Config) -> optax.GradientTransformation:
-    """The whole Muon update of the matrices (jaxpar/core/muon.py), the learning rate and weight decay included."""
+    """The whole Muon update of the matrices (jaxpar/core/optimizer/muon.py), the learning rate and weight decay included."""
     o, lr = cfg.optim, lr_fn(cfg)
     m = o.muon_momentum
 
@@ -179,7 +179,7 @@ def _holds_codes(path, p) -> bool:
 
 
 def quantize(x: jax.Array, signed: bool) -> tuple[jax.Array, jax.Array]:
-    """x -> (uint8 codes shaped as x, float32 scale per block): jaxpar/core/adamw8bit.py's q, as torchao rounds:
+    """x -> (uint8 codes shaped as x, float32 scale per block): jaxpar/core/optimizer/adamw8bit.py's q, as torchao rounds:
     the largest code at or below each value, then one up from its midpoint with the next."""
     qmap = jnp.asarray(_QMAP[signed])
     blocks = x.reshape(-1, adamw8bit.BLOCK)
@@ -203,7 +203,7 @@ def _stored(moments, scales, signed: bool):
 
 
 def scale_by_adamw8bit(cfg: Config) -> optax.GradientTransformation:
-    """The whole 8-bit AdamW update (jaxpar/core/adamw8bit.py), the learning rate and weight decay included."""
+    """The whole 8-bit AdamW update (jaxpar/core/optimizer/adamw8bit.py), the learning rate and weight decay included."""
     o, lr = cfg.optim, lr_fn(cfg)
 
     def init(params):

@@ -4,9 +4,9 @@
 2. ZeRO and offload: the train state's shardings, ZeRO stages 0-3, and parallel.offload's host memory, which the step
    moves onto the devices and back (jaxpar/layout.py: Layout, Layout.to_device, Layout.to_rest)
 3. sp, pp, ep: the parallel context the model is traced in (jaxpar/context.py): attention across `sp` shards
-   (parallel/sequence.py), the layer stack as GPipe stages over `pp` (parallel/gpipe.py) -- or, for the hand-scheduled
-   schedules, each stage's layers run by parallel/pipeline_executor.py (loss.hand_scheduled) -- and a mixture of
-   experts' tokens sent to their experts over `ep` (parallel/experts.py)
+   (parallel/sequence.py), the layer stack as GPipe stages over `pp` (pipeline/gpipe.py) -- or, for the hand-scheduled
+   schedules, each stage's layers run by pipeline/executor.py (jaxpar/pipeline/gradients.py) -- and a mixture of
+   experts' tokens sent to their experts over `ep` (parallel/expert_parallel.py)
 4. remat: the context's layer runner recomputes each layer in the backward pass (model.remat: ops.remat_layers)
 5. gradient reduction and compression: loss and gradients summed over the microbatches (ops.sum_over_microbatches),
    reduced over the data axes by GSPMD, in bfloat16 (parallel/compression.py) or by PowerSGD (parallel/powersgd.py)
@@ -23,18 +23,19 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.context import ParallelContext
-from jaxpar.core.pipeline_schedules import resolve_microbatches
-from jaxpar.core.tokens import document_token
-from jaxpar.dispatch import local_experts
+from jaxpar.core.pipeline.schedules import resolve_microbatches
+from jaxpar.core.data.tokens import document_token
+from jaxpar.parallel.expert_dispatch import local_experts
 from jaxpar.layout import Layout
-from jaxpar.loss import aux_zeros, hand_scheduled, has_aux, model_loss
+from jaxpar.loss import aux_zeros, has_aux, model_loss
+from jaxpar.pipeline.gradients import hand_scheduled
 from jaxpar.models.decoder import abstract_model
 from jaxpar.ops import local_attention, remat_layers, scan_layers, sum_over_microbatches
 from jaxpar.parallel import powersgd
 from jaxpar.parallel.compression import compressed_loss_and_grads, data_axes
-from jaxpar.parallel.experts import expert_parallel
-from jaxpar.parallel.gpipe import gpipe_layers
-from jaxpar.parallel.pipeline_plan import HAND_SCHEDULED
+from jaxpar.parallel.expert_parallel import expert_parallel
+from jaxpar.pipeline.gpipe import gpipe_layers
+from jaxpar.pipeline.tick_plan import HAND_SCHEDULED
 from jaxpar.parallel.sequence import sequence_attention
 
 

@@ -30,7 +30,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "pos": (),
     "q_latent": (),  # MLA's latent down-projections: small, replicated (heads carry tp)
     "kv_latent": (),
-    "experts": ("ep",),  # a mixture of experts' expert axis (models/moe.py; tokens travel: parallel/experts.py)
+    "experts": ("ep",),  # a mixture of experts' expert axis (models/moe.py; tokens travel: parallel/expert_parallel.py)
     "expert_scores": (),  # the router's output: every token scores every expert
     "sketch": ("fsdp",),  # a sketched layer's factor [sketch, out]: its input dim, sharded like "embed"
 }

@@ -9,7 +9,7 @@ import optax
 
 from jaxpar import loss_scale
 from jaxpar.context import use
-from jaxpar.core.tokens import document_token
+from jaxpar.core.data.tokens import document_token
 from jaxpar.layout import Layout
 from jaxpar.loss import model_loss, token_share
 from jaxpar.mesh import make_mesh
@@ -53,7 +53,7 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
         if "powersgd" in extras:  # its error buffers and factors after this step
             new["powersgd"] = extras["powersgd"]
         metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr(state["step"])}
-        if experts:  # core/experts.py: expert_records (the balance loss per row and layer); the balance bias moved
+        if experts:  # core/model/experts.py: expert_records (the balance loss per row and layer); the balance bias moved
             expert_stats = extras["expert_stats"]
             metrics["expert_stats"] = expert_stats.at[-1].divide(batch.shape[0] * cfg.model.moe_layers)
             new["params"] = update_router_bias(new["params"], expert_stats, cfg.model)  # (a skipped step keeps it)
@@ -78,7 +78,7 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
 
 def compiled_train_step(layout: Layout, state, compiler_options: dict | None = None, shape=None):
     """The train step compiled ahead of time for `state` (arrays or shapes) and the layout's batch (or a batch of
-    `shape`: one of train.batch_rampup's or a bucket's, core/batch_shapes.py)."""
+    `shape`: one of train.batch_rampup's or a bucket's, core/data/batch_shapes.py)."""
     batch = jax.ShapeDtypeStruct(shape or layout.batch_shape, "int32", sharding=layout.batch_sharding)
     return make_train_step(layout).lower(state, batch).compile(compiler_options)
 

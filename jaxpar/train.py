@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 if __name__ == "__main__":  # before jax is imported: glibc reads its malloc tunables at process start
-    from jaxpar.core.malloc import relaunch_with_huge_pages
+    from jaxpar.core.run.malloc import relaunch_with_huge_pages
     relaunch_with_huge_pages("jaxpar.train")
 
 import argparse
@@ -11,17 +11,17 @@ import sys
 import jax
 
 from jaxpar.checks import validate
-from jaxpar.core.config import Config, load_config
-from jaxpar.core.data_order import open_splits
+from jaxpar.core.config.schema import Config, load_config
+from jaxpar.core.data.order import open_splits
 from jaxpar.core.errors import cli
-from jaxpar.core.mesh_spec import parse_mesh
-from jaxpar.core.run import run_training
-from jaxpar.core.run_dir import with_run_dir
-from jaxpar.core.stop_signals import stop_requests
+from jaxpar.core.config.mesh_spec import parse_mesh
+from jaxpar.core.run.loop import run_training
+from jaxpar.core.run.directory import with_run_dir
+from jaxpar.core.run.signals import stop_requests
 from jaxpar.data import grain_batches
 from jaxpar.layout import Layout
-from jaxpar.pipeline_auto import resolve_schedule
-from jaxpar.tools.plan import peak_bytes
+from jaxpar.pipeline.auto import resolve_schedule
+from jaxpar.cost.peak_bytes import peak_bytes
 from jaxpar.mesh import make_mesh, process_id, setup_devices, show_library_logs
 from jaxpar.trainer import JaxTrainer
 

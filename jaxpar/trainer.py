@@ -1,4 +1,4 @@
-"""jaxpar's adapter for the shared run (jaxpar/core/run.py, the `Trainer` it drives): restore or initialise the state,
+"""jaxpar's adapter for the shared run (jaxpar/core/run/loop.py, the `Trainer` it drives): restore or initialise the state,
 compile the train step, read batches ahead, evaluate, sample, save with orbax, and the collectives the run needs
 across processes."""
 from __future__ import annotations
@@ -16,17 +16,17 @@ from jaxpar import state as st
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.comm import CommTrace
 from jaxpar.context import use
-from jaxpar.core.config import Config
-from jaxpar.core.data_order import unmasked
-from jaxpar.core.experts import expert_records
-from jaxpar.core.flops import optimizer_phrase, params_phrase, peak_flops
-from jaxpar.core.hooks import sample_lengths
-from jaxpar.core.mesh_spec import format_mesh
-from jaxpar.core.peers import roll_call
-from jaxpar.core.pipeline_schedules import concrete, configured_bubble, resolve_microbatches
-from jaxpar.core.prefetch import Prefetch
-from jaxpar.core.tokens import document_token
-from jaxpar.core.weights import flatten, load_weights, save_weights, unflatten
+from jaxpar.core.config.schema import Config
+from jaxpar.core.data.order import unmasked
+from jaxpar.core.model.experts import expert_records
+from jaxpar.core.model.flops import optimizer_phrase, params_phrase, peak_flops
+from jaxpar.core.run.hooks import sample_lengths
+from jaxpar.core.config.mesh_spec import format_mesh
+from jaxpar.core.run.peers import roll_call
+from jaxpar.core.pipeline.schedules import concrete, configured_bubble, resolve_microbatches
+from jaxpar.core.data.prefetch import Prefetch
+from jaxpar.core.data.tokens import document_token
+from jaxpar.core.weights.names import flatten, load_weights, save_weights, unflatten
 from jaxpar.data import device_batch
 from jaxpar.decode import make_generate
 from jaxpar.layout import Layout

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxpar.core.weights import ALL_NAMES
+from jaxpar.core.weights.names import ALL_NAMES
 
 SERIES = ("loss", "grad_norm", "lr")
 QKV_BIAS, KEY_BIAS = "blocks.attn.qkv.bias", "blocks.attn.qkv.bias[key]"

@@ -90,7 +90,7 @@ REGRESSIONS = (
     ("jax pp=2 parallel.offload=params+optimizer",
      "seed 51129 case 1 (issue 58; shrunk by hand): parallel.pipeline_schedule=auto's FLOPs probe traced the model "
      "on host-resident parameters and died in a gather (`memory_space of all inputs passed to gather must be the "
-     "same`); the probe counts with the state on the devices now (jaxpar/pipeline_auto.py)"),
+     "same`); the probe counts with the state on the devices now (jaxpar/pipeline/auto.py)"),
 )
 
 

@@ -93,7 +93,7 @@ class Case:
 def _schema_keys() -> set[str]:
     import dataclasses
 
-    from jaxpar.core.config import Config
+    from jaxpar.core.config.schema import Config
 
     return {f"{name}.{f.name}" for name, section in vars(Config()).items() for f in dataclasses.fields(section)}
 
@@ -369,7 +369,7 @@ def _draw_data(rng: random.Random, s: dict, need: int, documents: bool, buckets:
 
 def _drop_defaults(s: dict) -> dict:
     """Keys at their base or schema value are left out: a case lists what it changes."""
-    from jaxpar.core.config import load_config
+    from jaxpar.core.config.schema import load_config
 
     ref = load_config(None, list(BASE))
     out = {}

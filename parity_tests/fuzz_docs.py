@@ -65,7 +65,7 @@ def _pipeline_resharded(c: Case) -> bool:
 
 
 def invalid_config(c: Case) -> bool:
-    from jaxpar.core.config import load_config
+    from jaxpar.core.config.schema import load_config
     from jaxpar.core.errors import UserError
 
     try:
@@ -104,7 +104,7 @@ DOCUMENTED_REFUSALS = (
      "the other family, llama with mla or sketched)", invalid_config),
     ("docs/architecture.md 'Sharding' (divisibility the user controls is checked up front with one line), "
      "'Sequence parallelism' (its checks); docs/torchpar.md (a world size that does not divide the batch per "
-     "microbatch); the pipeline's sizes (jaxpar/core/pipeline_schedules.py)", indivisible),
+     "microbatch); the pipeline's sizes (jaxpar/core/pipeline/schedules.py)", indivisible),
     ("docs/architecture.md 'Pipeline parallelism': model.linear=sketched or model.attention=mla in the executor "
      "with tp>1 and parameters sharded over fsdp or ZeRO-3", _pipeline_resharded),
     ("docs/torchpar.md pipeline: zb_h1, zb_v and dualpipev with model.remat=save_matmuls (torch's selective checkpoint "

@@ -104,7 +104,7 @@ class Fuzzer:
         return Outcome("refused-promised", f"{line} [but promised by: {' | '.join(promises(case))}]")
 
     def config(self, overrides):
-        from jaxpar.core.config import load_config
+        from jaxpar.core.config.schema import load_config
 
         return load_config(None, [*BASE, *overrides])
 
@@ -116,13 +116,13 @@ class Fuzzer:
         return self.references[key]
 
     def run_jax(self, case: Case) -> Trajectory:
-        from jaxpar.core.contract import Run, check_contract
+        from jaxpar.core.config.contract import Run, check_contract
 
         import jax
         import jax.numpy as jnp
 
-        from jaxpar.pipeline_auto import resolve_schedule
-        from jaxpar.tools.plan import peak_bytes
+        from jaxpar.pipeline.auto import resolve_schedule
+        from jaxpar.cost.peak_bytes import peak_bytes
 
         from jaxpar.parallel import compression
 
@@ -139,7 +139,7 @@ class Fuzzer:
     def jax_trajectory(self, cfg, mesh: str, name: str) -> Trajectory:
         import jax
 
-        from jaxpar.core.mesh_spec import parse_mesh
+        from jaxpar.core.config.mesh_spec import parse_mesh
         from tests.helpers import run_steps
 
         n = math.prod(parse_mesh(mesh).values())
@@ -153,8 +153,8 @@ class Fuzzer:
         """The reference's initial parameters as a shared weights file (what torchpar starts from)."""
         import jax
 
-        from jaxpar.core.mesh_spec import parse_mesh
-        from jaxpar.core.weights import flatten, save_weights
+        from jaxpar.core.config.mesh_spec import parse_mesh
+        from jaxpar.core.weights.names import flatten, save_weights
         from jaxpar.layout import Layout
         from jaxpar.mesh import make_mesh
         from jaxpar.state import init_state

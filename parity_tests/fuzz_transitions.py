@@ -80,9 +80,9 @@ def _shared(case: Case) -> dict:
 def _valid(case: Case) -> bool:
     """A leg the config, its layout's checks (at every batch shape) and the key contract accept."""
     from jaxpar.checks import check_layout
-    from jaxpar.core.batch_shapes import for_each_shape
-    from jaxpar.core.config import load_config
-    from jaxpar.core.contract import Run, check_contract
+    from jaxpar.core.data.batch_shapes import for_each_shape
+    from jaxpar.core.config.schema import load_config
+    from jaxpar.core.config.contract import Run, check_contract
     from jaxpar.core.errors import UserError
 
     if invalid_config(case) or indivisible(case):
@@ -105,7 +105,7 @@ def _check_torch(cfg, case: Case) -> None:
     from torchpar.backends.pipeline import check_torch_pipeline
     from torchpar.checks import check_batch
 
-    from jaxpar.core.batch_shapes import for_each_shape
+    from jaxpar.core.data.batch_shapes import for_each_shape
 
     world = max(case.world, 1)
     if case.backend == "pipeline":

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jaxpar.core.config import load_config
-from jaxpar.core.mesh_spec import parse_mesh
+from jaxpar.core.config.schema import load_config
+from jaxpar.core.config.mesh_spec import parse_mesh
 from tests.helpers import ABORTS, make_dataset, make_sft_dataset, run_in_session, torch_command, torch_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,8 +13,8 @@ import time
 import numpy as np
 import pytest
 
-from jaxpar.core.config import Config, load_config
-from jaxpar.core.tokens import write_tokens
+from jaxpar.core.config.schema import Config, load_config
+from jaxpar.core.data.tokens import write_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ABORTS = ("Abort", "SIGABRT", "core dumped", "Fatal Python error")
@@ -44,8 +44,8 @@ def make_sft_dataset(path, seq_len: int = 16, records: int = 300, seed: int = 0)
     """Prompt/completion records of random lengths (1-12 and 1-16 bytes of make_dataset's pattern), prepared with
     a loss mask and packed for data.seq_len=`seq_len` (the longest split): a batch's rows and microbatches hold
     unequal numbers of counted targets."""
-    from jaxpar.core.packing import SftFields
-    from jaxpar.core.tokens import prepare
+    from jaxpar.core.data.packing import SftFields
+    from jaxpar.core.data.tokens import prepare
 
     rng = np.random.default_rng(seed)
     text = "def f(x):\n    return x + 1\n" * 4
@@ -66,12 +66,12 @@ def run_steps(cfg: Config, mesh: str, dataset: str, steps: int | None = None, de
 
     import jax
 
-    from jaxpar.core.batch_shapes import batch_shapes
-    from jaxpar.core.data_order import open_splits
-    from jaxpar.core.experts import expert_records
-    from jaxpar.core.weights import flatten
+    from jaxpar.core.data.batch_shapes import batch_shapes
+    from jaxpar.core.data.order import open_splits
+    from jaxpar.core.model.experts import expert_records
+    from jaxpar.core.weights.names import flatten
     from jaxpar.data import device_batch, grain_batches
-    from jaxpar.core.mesh_spec import parse_mesh
+    from jaxpar.core.config.mesh_spec import parse_mesh
     from jaxpar.step import build_step, make_train_step
 
     first = cfg.train.steps if steps is None else steps
@@ -229,7 +229,7 @@ def assert_both_frameworks_give_hf_answers(flat: dict, cfg, tokens, want, greedy
     import torch
     from flax import nnx
 
-    from jaxpar.core.weights import unflatten
+    from jaxpar.core.weights.names import unflatten
     from jaxpar.decode import make_generate
     from jaxpar.models.decoder import Decoder
     from torchpar.decode import generate

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from jaxpar.core.errors import UserError, error_line
-from jaxpar.core.run_dir import foreign_checkpoint
+from jaxpar.core.run.directory import foreign_checkpoint
 from torchpar import dist
 from torchpar.dist import Env
 

@@ -6,16 +6,16 @@ import sys
 
 import torch
 
-from jaxpar.core.config import Config
-from jaxpar.core.contract import Run, check_contract
+from jaxpar.core.config.schema import Config
+from jaxpar.core.config.contract import Run, check_contract
 from jaxpar.core.errors import UserError
-from jaxpar.core.batch_shapes import for_each_shape
-from jaxpar.core.experts import check_expert_axis
-from jaxpar.core.mesh_spec import check_torch_mesh, parse_mesh, resolve_sizes
-from jaxpar.core.pipeline_choice import resolve
-from jaxpar.core.resume import check_resume
-from jaxpar.core.run_dir import check_run_dir_framework
-from jaxpar.core.trackers import check_trackers
+from jaxpar.core.data.batch_shapes import for_each_shape
+from jaxpar.core.model.experts import check_expert_axis
+from jaxpar.core.config.mesh_spec import check_torch_mesh, parse_mesh, resolve_sizes
+from jaxpar.core.pipeline.choice import resolve
+from jaxpar.core.run.resume import check_resume
+from jaxpar.core.run.directory import check_run_dir_framework
+from jaxpar.core.run.trackers import check_trackers
 from torchpar.dist import launch_env, launched
 
 
@@ -49,7 +49,7 @@ def check_launch(args) -> str | None:
 
 def resolve_schedule(cfg: Config, args):
     """(cfg, the start-up line): parallel.pipeline_schedule=auto on --backend pipeline is the shared choice
-    (jaxpar/core/pipeline_choice.py) among the schedules torchpar runs for this config and launch (its refusals
+    (jaxpar/core/pipeline/choice.py) among the schedules torchpar runs for this config and launch (its refusals
     below). torchpar's FLOPs figure is 1.00 for each: torch's schedules run every F, B (and W) once on real
     microbatches, GPipe computes nothing in its idle ticks; so the least bubble wins, 1f1b before gpipe at a tie."""
     if args.backend != "pipeline":

@@ -1,4 +1,4 @@
-"""One sampled train step's time in collectives per mesh axis, from a torch.profiler trace (jaxpar/core/stragglers.py's
+"""One sampled train step's time in collectives per mesh axis, from a torch.profiler trace (jaxpar/core/run/stragglers.py's
 CommShare asks for it once per run start; jaxpar/comm.py is jax's counterpart, the same names and meaning).
 
 A collective is gloo's own span (`gloo:all_reduce`, enqueued to completed) on the CPU, an NCCL kernel on a GPU. Neither
@@ -16,15 +16,15 @@ import tempfile
 
 import torch
 
-from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
-from jaxpar.core.stragglers import in_flight_s
+from jaxpar.core.config.mesh_spec import parse_mesh, resolve_sizes
+from jaxpar.core.run.stragglers import in_flight_s
 
 KINDS = (("reducescatter", ("fsdp", "dp")), ("allgather", ("fsdp", "dp")), ("alltoall", ("ep", "dp")),
          ("send", ("pp",)), ("recv", ("pp",)), ("", ("dp", "fsdp")))  # "": any other collective
 
 
 def axis_sizes(cfg, backend: str, world: int) -> dict[str, int]:
-    """The axes of more than one rank that `backend` runs (jaxpar/core/mesh_spec.py's TORCH_MESH_AXES)."""
+    """The axes of more than one rank that `backend` runs (jaxpar/core/config/mesh_spec.py's TORCH_MESH_AXES)."""
     if world == 1 or backend == "none":
         return {}
     if cfg.parallel.mesh:

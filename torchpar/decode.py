@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from torchpar.models.llama import repeat_kv
 from torchpar.models.decoder import Decoder, output_head
-from jaxpar.core.block_sparsity import block_sparsity
+from jaxpar.core.model.layer_rules import block_sparsity
 from torchpar.models.dilated import counted_attention, key_counts
 from torchpar.ops import document_mask, document_positions
 

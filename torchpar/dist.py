@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401 - before any group exists (see teardown)
 
-from jaxpar.core import peers
+from jaxpar.core.run import peers
 
 
 @dataclass

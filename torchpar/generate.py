@@ -11,13 +11,13 @@ import sys
 
 import torch
 
-from jaxpar.core.config import config_for_weights
+from jaxpar.core.config.schema import config_for_weights
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.resume import read_run_config
-from jaxpar.core.run_dir import check_framework
+from jaxpar.core.run.resume import read_run_config
+from jaxpar.core.run.directory import check_framework
 from jaxpar.core.sampling_cli import check_sampling, decodable_tokens, print_samples, sampling_parser
-from jaxpar.core.tokens import document_token, text_codec
-from jaxpar.core.weights import model_dims, read_settings, read_weights
+from jaxpar.core.data.tokens import document_token, text_codec
+from jaxpar.core.weights.names import model_dims, read_settings, read_weights
 from torchpar import dist
 from torchpar.decode import generate
 from torchpar.models.decoder import Decoder

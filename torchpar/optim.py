@@ -1,6 +1,6 @@
-"""AdamW with jaxpar's weight-decay mask and learning-rate schedule (jaxpar.core.lr_schedule.lr_at); with
-optim.name=muon, Muon (jaxpar/core/muon.py) on the hidden matrices and that AdamW on the rest, one optimizer; with
-optim.name=adamw8bit, torchao's AdamW8bit (its moments in 8 bits: jaxpar/core/adamw8bit.py).
+"""AdamW with jaxpar's weight-decay mask and learning-rate schedule (jaxpar.core.optimizer.lr_schedule.lr_at); with
+optim.name=muon, Muon (jaxpar/core/optimizer/muon.py) on the hidden matrices and that AdamW on the rest, one optimizer; with
+optim.name=adamw8bit, torchao's AdamW8bit (its moments in 8 bits: jaxpar/core/optimizer/adamw8bit.py).
 
 The config decides every hyperparameter, also on resume: a checkpoint's copy of them (torch's optimizer state
 holds each parameter group's betas, eps, weight decay and lr; a scheduler's state what it was built with) is
@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch.optim.lr_scheduler import LRScheduler
 
-from jaxpar.core import adamw8bit, muon
-from jaxpar.core.config import Config
+from jaxpar.core.optimizer import adamw8bit, muon
+from jaxpar.core.config.schema import Config
 from jaxpar.core.errors import quiet_logs
-from jaxpar.core.lr_schedule import decays as decays_shared, lr_at
-from jaxpar.core.weights import shared_name
+from jaxpar.core.optimizer.lr_schedule import decays as decays_shared, lr_at
+from jaxpar.core.weights.names import shared_name
 
 
 def decays(torch_name: str) -> bool:
@@ -29,7 +29,7 @@ def decays(torch_name: str) -> bool:
 
 
 def muon_axes(torch_name: str):
-    """(reduction, output) axes of a parameter Muon steps (jaxpar/core/muon.py), None for AdamW's."""
+    """(reduction, output) axes of a parameter Muon steps (jaxpar/core/optimizer/muon.py), None for AdamW's."""
     return muon.per_layer_axes(shared_name(torch_name))
 
 
@@ -56,7 +56,7 @@ def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer
 
 def as_matrices(x: torch.Tensor, axes) -> torch.Tensor:
     """`x` as its matrices [B, fan_in, fan_out]: the (reduction, output) axes made one matrix, every other axis a
-    batch axis (jaxpar/core/muon.py)."""
+    batch axis (jaxpar/core/optimizer/muon.py)."""
     order = _order(x.ndim, axes)
     return x.permute(order).reshape(-1 if x.numel() else 0, *muon.fans(x.shape, axes))
 
@@ -73,7 +73,7 @@ def _order(ndim: int, axes) -> tuple[int, ...]:
 
 
 def newton_schulz(y: torch.Tensor, steps: int) -> torch.Tensor:
-    """jaxpar/core/muon.py's NS_k on each matrix of y [B, fan_in, fan_out], float32: jaxpar/optim.py's."""
+    """jaxpar/core/optimizer/muon.py's NS_k on each matrix of y [B, fan_in, fan_out], float32: jaxpar/optim.py's."""
     wide = y.shape[-2] <= y.shape[-1]  # iterate on X X^T of the smaller side (torch.optim.Muon's orientation)
     y = y if wide else y.mT
     y = y / torch.linalg.vector_norm(y, dim=(-2, -1), keepdim=True).clamp_min(muon.EPS)
@@ -272,7 +272,7 @@ class SharedLRSchedule(LRScheduler):
 
 
 def torchao_adamw8bit(groups: list[dict], compile_step: bool, **kwargs) -> torch.optim.Optimizer:
-    """torchao's AdamW8bit with jaxpar/core/adamw8bit.py's block size, deciding which tensors hold 8-bit moments
+    """torchao's AdamW8bit with jaxpar/core/optimizer/adamw8bit.py's block size, deciding which tensors hold 8-bit moments
     on the whole parameter (torchao decides on this rank's FSDP shard, so a 2-way shard of a tensor at the size
     limit would step differently from one process). Its step is compiled on a GPU only: on a CPU compiling each
     parameter's step costs a minute and gains nothing at these sizes."""

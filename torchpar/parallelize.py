@@ -9,8 +9,8 @@ from functools import partial
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from jaxpar.core.config import Config
-from jaxpar.core.mesh_spec import parse_mesh
+from jaxpar.core.config.schema import Config
+from jaxpar.core.config.mesh_spec import parse_mesh
 from torchpar import backends
 from torchpar.models.decoder import Block
 

@@ -3,7 +3,7 @@
 Also launched by `srun` (one task per process; ranks from SLURM_*) and by DeepSpeed's launcher.
 
 The same model, configs and data order as jaxpar.train, on PyTorch, through the same run sequence
-(jaxpar/core/run.py). Also: --mesh M (parallel.mesh=M, as jaxpar.train's --mesh), --deepspeed-config J (merged over
+(jaxpar/core/run/loop.py). Also: --mesh M (parallel.mesh=M, as jaxpar.train's --mesh), --deepspeed-config J (merged over
 the generated DeepSpeed JSON), --write-init PATH (write the initial weights in the shared safetensors format and
 exit), --write-final PATH (the final weights).
 """
@@ -15,12 +15,12 @@ import sys
 
 import torch
 
-from jaxpar.core.config import Config, load_config
-from jaxpar.core.data_order import open_splits
+from jaxpar.core.config.schema import Config, load_config
+from jaxpar.core.data.order import open_splits
 from jaxpar.core.errors import cli
-from jaxpar.core.run import run_training
-from jaxpar.core.run_dir import with_run_dir
-from jaxpar.core.stop_signals import stop_requests
+from jaxpar.core.run.loop import run_training
+from jaxpar.core.run.directory import with_run_dir
+from jaxpar.core.run.signals import stop_requests
 from torchpar import backends, dist
 from torchpar.checks import resolve_schedule, validate
 from torchpar.dist import launch_env

@@ -1,4 +1,4 @@
-"""torchpar's adapter for the shared run (jaxpar/core/run.py, the `Trainer` it drives): the plain Decoder made
+"""torchpar's adapter for the shared run (jaxpar/core/run/loop.py, the `Trainer` it drives): the plain Decoder made
 parallel by torchpar/parallelize.py into a backend's engine (its whole step), this rank's rows of each batch read
 ahead, evaluation, sampling, saves, and the collectives the run needs."""
 from __future__ import annotations
@@ -10,13 +10,13 @@ import time
 import torch
 import torch.distributed
 
-from jaxpar.core.config import Config
-from jaxpar.core.data_order import GlobalBatches, unmasked
-from jaxpar.core.flops import optimizer_phrase, params_phrase, peak_flops
-from jaxpar.core.hooks import sample_lengths
-from jaxpar.core.prefetch import Prefetch
-from jaxpar.core.tokens import document_token
-from jaxpar.core.weights import load_weights, save_weights, unflatten
+from jaxpar.core.config.schema import Config
+from jaxpar.core.data.order import GlobalBatches, unmasked
+from jaxpar.core.model.flops import optimizer_phrase, params_phrase, peak_flops
+from jaxpar.core.run.hooks import sample_lengths
+from jaxpar.core.data.prefetch import Prefetch
+from jaxpar.core.data.tokens import document_token
+from jaxpar.core.weights.names import load_weights, save_weights, unflatten
 from torchpar import dist
 from torchpar.comm import CommTrace, axis_sizes
 from torchpar.models.decoder import Decoder

@@ -1,4 +1,4 @@
-"""torchpar state dicts <-> the shared weight format, by the one name table in jaxpar/core/weights.py.
+"""torchpar state dicts <-> the shared weight format, by the one name table in jaxpar/core/weights/names.py.
 
 Shared names/shapes are jaxpar's (jaxpar/models/decoder.py): per-layer parameters are stacked on a
 leading `layers` axis ("blocks.attn.qkv.kernel" [L, embed, 3, heads, kv]). torchpar keeps one
@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from jaxpar.core.config import ModelConfig
-from jaxpar.core.weights import ALL_NAMES, stacked_name, stacks_of
+from jaxpar.core.config.schema import ModelConfig
+from jaxpar.core.weights.names import ALL_NAMES, stacked_name, stacks_of
 
 
 def shared_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

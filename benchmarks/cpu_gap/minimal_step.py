@@ -191,7 +191,7 @@ def overrides(a) -> list[str]:
 
 
 def config(a):
-    from jaxpar.core.config import load_config
+    from jaxpar.core.config.schema import load_config
 
     here = os.path.dirname(os.path.abspath(__file__))
     return load_config(os.path.join(here, "..", "..", "configs", "gpt2-tiny.yaml"), overrides(a) + a.override)

@@ -1,8 +1,8 @@
-"""The shared core: what jaxpar and torchpar both read. Imports neither jax nor torch (a test checks).
+"""The shared core: what jaxpar and torchpar both read, free of jax and torch (tests/core/test_structure.py).
 
-config.py (the schema) and contract.py (who consumes each key), errors.py, faults.py (the test-fault hook),
-lr_schedule.py, flops.py (FLOP and parameter counts by formula), pipeline_schedules.py, tokens.py, corpus.py and
-bpe.py (token files, corpora, a BPE), data_order.py, weights.py (the weight-name table), sketches.py, loop.py (the
-training loop) and run.py (the run sequence of both trainers) with metrics_log.py, trackers.py, peers.py and prefetch.py, resume.py (run
-directories), mesh_spec.py, bench_records.py, sampling_cli.py, malloc.py (the CLIs' allocator setting).
+config/ (the schema, its checks, who consumes each key, the mesh spec), data/ (tokens, corpora, the data order,
+packing, buckets, batch shapes), run/ (the run loop of both trainers, its hooks, resume, recovery, peers, the run
+directory), pipeline/ (schedule tables and the automatic choice), optimizer/ (learning rate, Muon, 8-bit AdamW rules),
+model/ (FLOPs, expert rules, shared layer rules), weights/ (weight names, the training-state file); errors.py (one
+line per bad input), sampling_cli.py (the samplers' command line), bench_records.py (benchmark rows).
 """

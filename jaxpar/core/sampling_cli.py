@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxpar.core.config import ModelConfig
+from jaxpar.core.config.schema import ModelConfig
 from jaxpar.core.errors import UserError
 
 

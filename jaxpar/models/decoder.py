@@ -8,7 +8,7 @@ in `logical_axes` metadata; no mesh appears here: parallelism reaches the model 
 the parallel context (jaxpar/context.py): constraints, attention and the layer runner, which also recomputes
 the layers (model.remat) when jaxpar/parallelize.py says so.
 
-Parameter names and shapes are the shared weight format (jaxpar/core/weights.py maps them to torch names):
+Parameter names and shapes are the shared weight format (jaxpar/core/weights/names.py maps them to torch names):
   wte [vocab, embed]  wpe [pos, embed]  ln_f.{scale,bias} [embed]
   blocks.ln1/ln2.{scale,bias} [layers, embed]
   blocks.attn.qkv.kernel [layers, embed, 3, heads, kv]   .bias [layers, 3, heads, kv]
@@ -17,7 +17,7 @@ Parameter names and shapes are the shared weight format (jaxpar/core/weights.py 
   blocks.mlp.proj.kernel [layers, mlp, embed] .bias [layers, embed]
 Llama's parameter names: llama.py. Variants (`model.attention`, `model.linear`; one file each) swap in
 their own parameters:
-mla.py (blocks.attn.*), dilated.py (MHA's parameters, another attention core), core/sketches.py
+mla.py (blocks.attn.*), dilated.py (MHA's parameters, another attention core), core/model/layer_rules.py
 (blocks.mlp.{fc,proj}.factor instead of .kernel); model.moe_experts puts moe.py's experts (blocks.moe.*) in place
 of the MLP, whose per-row statistics ride the layer scan's carry beside the activations; the first
 model.moe_first_dense layers keep the dense MLP in a stack of their own before them (dense_blocks.*, the same
@@ -35,10 +35,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.context import constrain, current
-from jaxpar.core.config import ModelConfig
-from jaxpar.core.loss_chunks import loss_chunks
-from jaxpar.core.sketches import sketch_dim, stacked_sketches
-from jaxpar.core.block_sparsity import block_sparsity
+from jaxpar.core.config.schema import ModelConfig
+from jaxpar.core.model.layer_rules import loss_chunks
+from jaxpar.core.model.layer_rules import sketch_dim, stacked_sketches
+from jaxpar.core.model.layer_rules import block_sparsity
 from jaxpar.models.dilated import dilated_attention
 from jaxpar.models.head import chunked_cross_entropy, cross_entropy, logits
 from jaxpar.models.layers import LayerNorm, RMSNorm, normal, param
@@ -85,7 +85,7 @@ class MLP(nnx.Module):
         L, d, f = stack, cfg.d_model, cfg.ff_dim
         lead = ("layers",) * len(stack)
         proj_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
-        sketched = cfg.linear == "sketched"  # core/sketches.py: a trained factor [m, out] after a fixed sketch [in, m]
+        sketched = cfg.linear == "sketched"  # core/model/layer_rules.py: a trained factor [m, out] after a fixed sketch [in, m]
         fc_in, fc_axis = ((sketch_dim(cfg, d), "sketch") if sketched else (d, "embed"))
         proj_in, proj_axis = ((sketch_dim(cfg, f), "sketch") if sketched else (f, "mlp"))
         name = "factor" if sketched else "kernel"

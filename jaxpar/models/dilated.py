@@ -13,7 +13,7 @@ with the sequence sharded over `sp` GSPMD keeps segments that fit in a shard loc
 longer segments, moves only the selected (dilated) keys and values across sp. Cost per pair
 O(T w' / r^2) scores, not O(T^2). Token order must be natural (the model switches zig-zag off).
 
-Block-sparse (model.sparsity_ratio; the pattern: jaxpar/core/block_sparsity.py): each pair's selected row is cut
+Block-sparse (model.sparsity_ratio; the pattern: jaxpar/core/model/layer_rules.py): each pair's selected row is cut
 into blocks and a query block attends only its kept key blocks, which it gathers (constant indices along the row;
 under sp GSPMD partitions the gather): about sparsity_ratio of the pair's scores, never a dense [n, n] matrix.
 """
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.core.block_sparsity import BlockSparsity, block_mask, kept_blocks
+from jaxpar.core.model.layer_rules import BlockSparsity, block_mask, kept_blocks
 
 F32 = jnp.float32
 NEG = -1e30
@@ -42,7 +42,7 @@ def _dense_core(qs, ks, vs):
 
 
 def _sparse_core(qs, ks, vs, kept):
-    """_dense_core on the kept blocks only (kept [H, nb, K], core/block_sparsity.py): each query block gathers
+    """_dense_core on the kept blocks only (kept [H, nb, K], core/model/layer_rules.py): each query block gathers
     its K key and value blocks and attends over those K x b keys; no [n, n] scores exist."""
     B, S, n, H, D = qs.shape
     _, nb, K = kept.shape
@@ -77,7 +77,7 @@ def _segment_attention(q, k, v, w: int, r: int, sparsity: BlockSparsity | None =
 
 def dilated_attention(q, k, v, pairs, sparsity: BlockSparsity | None = None) -> jax.Array:
     """Causal dilated attention on q, k, v [batch, seq, heads, head_dim]; pairs ((w, r), ...); `sparsity`:
-    block-sparse (core/block_sparsity.py), None: dense."""
+    block-sparse (core/model/layer_rules.py), None: dense."""
     with jax.named_scope("dilated_attention"):  # what the FLOPs test counts
         outs, lses = zip(*(_segment_attention(q, k, v, w, r, sparsity) for w, r in pairs))
         lse = jnp.stack(lses)  # [P, B, T, H]

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.core.config import ModelConfig
+from jaxpar.core.config.schema import ModelConfig
 
 
 def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.context import constrain, current
-from jaxpar.core.config import ModelConfig
-from jaxpar.core.block_sparsity import block_sparsity
+from jaxpar.core.config.schema import ModelConfig
+from jaxpar.core.model.layer_rules import block_sparsity
 from jaxpar.models.dilated import dilated_attention
 from jaxpar.models.layers import normal, param, rope
 from jaxpar.ops import project

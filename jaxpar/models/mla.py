@@ -14,7 +14,7 @@ table ("q_latent", "kv_latent": replicated). The core is the same fused attentio
 Shared weight format (blocks.attn.*): q_down.kernel [L, embed, q_latent]  q_norm.scale [L, q_latent]
   q_up.kernel [L, q_latent, heads, kv + rope]  kv_down.kernel [L, embed, kv_latent + rope]
   kv_norm.scale [L, kv_latent]  kv_up.kernel [L, kv_latent, 2, heads, kv]  out.kernel/bias as MHA (model.family=llama:
-  out.kernel alone, no bias: DeepSeek-V3's attention, jaxpar/tools/hf_deepseek_v3.py).
+  out.kernel alone, no bias: DeepSeek-V3's attention, jaxpar/formats/hf_deepseek_v3.py).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.context import constrain, current
-from jaxpar.core.config import ModelConfig
+from jaxpar.core.config.schema import ModelConfig
 from jaxpar.models.layers import normal, param, rms_norm, rope
 from jaxpar.ops import project
 

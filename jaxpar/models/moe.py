@@ -11,8 +11,8 @@ Per token x [embed] of a row of T tokens, with E experts, the k best of them and
             choices before second ones, earlier tokens first; the rest skip it (the token keeps its other
             choices and the residual). c = 0: dropless. Fixed by the row alone, so every layout drops alike.
   y       = sum over kept choices of weight x SwiGLU_e(x)  + SwiGLU_shared(x) with moe_shared_experts > 0
-The experts run where the parallel context puts them (`current().experts`: jaxpar/dispatch.py on one device,
-jaxpar/parallel/experts.py across `ep`).
+The experts run where the parallel context puts them (`current().experts`: jaxpar/parallel/expert_dispatch.py on one device,
+jaxpar/parallel/expert_parallel.py across `ep`).
 
 Each layer also reports per row: the choices each expert received (before any drop), the choices dropped and
 the sequence-wise balance loss sum_e f_e P_e (DeepSeek-V3, eq. 17-19: f_e = E/(kT) x the row's choices of e,
@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.context import constrain, current
-from jaxpar.core.config import ModelConfig
-from jaxpar.core.experts import row_capacity
+from jaxpar.core.config.schema import ModelConfig
+from jaxpar.core.model.experts import row_capacity
 from jaxpar.models.llama import SwiGLU
 from jaxpar.models.layers import normal, param
 
@@ -79,7 +79,7 @@ def limit_to_groups(choice, cfg: ModelConfig):
 def route(logits, cfg: ModelConfig, index=None, bias=None):
     """Router logits [B, T, E] float32 -> (ids, weights, kept [B, T, k], stats [B, E + 2]); `index` [T]: each
     token's place in its row when the tokens are not in natural order (zig-zag sequence parallelism); `bias` [E]:
-    added to the scores for the choice alone (model.moe_bias_update, core/experts.py)."""
+    added to the scores for the choice alone (model.moe_bias_update, core/model/experts.py)."""
     E, k = cfg.moe_experts, cfg.moe_top_k
     scores = jax.nn.softmax(logits, axis=-1) if cfg.moe_router == "softmax" else jax.nn.sigmoid(logits)
     choice = scores if bias is None else scores + bias
@@ -111,7 +111,7 @@ class MoE(nnx.Module):
         L, d, E, f, lead = stack, cfg.d_model, cfg.moe_experts, cfg.expert_dim, ("layers",) * len(stack)
         down_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
         self.router = nnx.Dict(kernel=param(normal(rngs, L + (d, E), cfg.init_std), lead + ("embed", "expert_scores")))
-        # the choice's balance bias (core/experts.py): a Param without gradient that the step moves by
+        # the choice's balance bias (core/model/experts.py): a Param without gradient that the step moves by
         # model.moe_bias_update, or that stays as loaded (model.moe_router_bias: DeepSeek-V3's e_score_correction_bias)
         if cfg.router_bias:
             self.router["bias"] = param(jnp.zeros(L + (E,)), lead + ("expert_scores",))
@@ -138,7 +138,7 @@ class MoE(nnx.Module):
 
 def update_router_bias(params: dict, stats, cfg: ModelConfig) -> dict:
     """params with each expert layer's balance bias moved by the step's choices (stats: the step's statistics
-    summed over its rows, stats_width; the rule: core/experts.py); as they are without model.moe_bias_update."""
+    summed over its rows, stats_width; the rule: core/model/experts.py); as they are without model.moe_bias_update."""
     if not cfg.moe_bias_update:
         return params
     L, E = cfg.moe_layers, cfg.moe_experts

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.core.weights import flatten, unflatten
+from jaxpar.core.weights.names import flatten, unflatten
 from jaxpar.parallel.compression import data_axes, data_size, off_data, per_rank
 
 MIN_RATE = 2  # torch's min_compression_rate: a matrix is compressed only where r(m+n) * 2 < m*n

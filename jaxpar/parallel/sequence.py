@@ -61,7 +61,7 @@ def all_gather_attention(q, k, v, pos, seg, *, axis: str, n: int):
 
 
 def in_pipeline_branch() -> bool:
-    """Traced inside the pipeline executor's shard_map, manual over pp (jaxpar/parallel/pipeline_executor.py)?"""
+    """Traced inside the pipeline executor's shard_map, manual over pp (jaxpar/pipeline/executor.py)?"""
     return "pp" in jax.sharding.get_abstract_mesh().manual_axes
 
 

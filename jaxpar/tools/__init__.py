@@ -1,1 +1,1 @@
-"""Commands around training: planning, benchmarks, HLO inspection, reports, weight conversion."""
+"""Command-line entry points around training: planning, benchmarks, reports, conversion, the GPU check."""

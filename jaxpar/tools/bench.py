@@ -9,7 +9,7 @@ runs `torchpar.tools.bench` (torch.compile on, one process) on the same config a
 from __future__ import annotations
 
 if __name__ == "__main__":  # before jax is imported: glibc reads its malloc tunables at process start
-    from jaxpar.core.malloc import relaunch_with_huge_pages
+    from jaxpar.core.run.malloc import relaunch_with_huge_pages
     relaunch_with_huge_pages("jaxpar.tools.bench")
 
 import argparse
@@ -21,11 +21,11 @@ import sys
 import time
 
 from jaxpar.core.bench_records import publish, record_row
-from jaxpar.core.config import Config, load_config
+from jaxpar.core.config.schema import Config, load_config
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.flops import flops_per_token, peak_flops
-from jaxpar.core.mesh_spec import format_mesh, parse_mesh
-from jaxpar.core.pipeline_schedules import configured_bubble
+from jaxpar.core.model.flops import flops_per_token, peak_flops
+from jaxpar.core.config.mesh_spec import format_mesh, parse_mesh
+from jaxpar.core.pipeline.schedules import configured_bubble
 from jaxpar.mesh import setup_devices
 
 def matmul_ceiling(dtype: str) -> float:
@@ -67,8 +67,8 @@ def bench(cfg: Config, sizes: dict[str, int], steps: int, warmup: int, devices=N
     import numpy as np
 
     from jaxpar.mesh import device_memory
-    from jaxpar.pipeline_auto import resolve_schedule
-    from jaxpar.tools.plan import peak_bytes
+    from jaxpar.pipeline.auto import resolve_schedule
+    from jaxpar.cost.peak_bytes import peak_bytes
 
     cfg, _ = resolve_schedule(cfg, sizes, jax.devices() if devices is None else devices, peak_bytes)  # auto
     step, state, batch, layout = warm_step(cfg, sizes, warmup, devices)
@@ -126,7 +126,7 @@ def compare(args, result: dict) -> dict:
     import subprocess
     import tempfile
 
-    from jaxpar.core.contract import CONTRACT
+    from jaxpar.core.config.contract import CONTRACT
 
     # jaxpar's own keys (e.g. train.scan_layers) have no torchpar meaning: torchpar runs without them
     row = lambda o: CONTRACT.get(o.split("=", 1)[0].strip())  # noqa: E731

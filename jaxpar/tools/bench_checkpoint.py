@@ -10,7 +10,7 @@ the previous one has finished, as in a real run. `--record` appends a dated row 
 from __future__ import annotations
 
 if __name__ == "__main__":  # before jax is imported: glibc reads its malloc tunables at process start
-    from jaxpar.core.malloc import relaunch_with_huge_pages
+    from jaxpar.core.run.malloc import relaunch_with_huge_pages
     relaunch_with_huge_pages("jaxpar.tools.bench_checkpoint")
 
 import argparse
@@ -22,9 +22,9 @@ import tempfile
 import time
 
 from jaxpar.core.bench_records import append_row
-from jaxpar.core.config import load_config
+from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.mesh_spec import format_mesh, parse_mesh
+from jaxpar.core.config.mesh_spec import format_mesh, parse_mesh
 from jaxpar.mesh import setup_devices
 
 HEADER = ("| date | device | config | mesh | plain step s | async save step s (ratio; of it the save call) | "

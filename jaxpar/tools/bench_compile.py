@@ -16,11 +16,11 @@ import sys
 import time
 
 from jaxpar.core.bench_records import append_row
-from jaxpar.core.config import load_config
+from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.mesh_spec import parse_mesh
+from jaxpar.core.config.mesh_spec import parse_mesh
 from jaxpar.mesh import setup_devices
-from jaxpar.tools.plan import compile_layout
+from jaxpar.cost.peak_bytes import compile_layout
 
 HEADER = "| date | device | config | mesh | layers: seconds (trace + compile) | ratio | versions | command |\n" \
          "|---|---|---|---|---|---|---|---|\n"

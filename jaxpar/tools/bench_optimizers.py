@@ -23,7 +23,7 @@ import statistics
 import subprocess
 import sys
 
-from jaxpar.core.config import load_config
+from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError, cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

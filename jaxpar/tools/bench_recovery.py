@@ -6,7 +6,7 @@ lands mid-run); `--kills` times, at a step drawn from `--seed`, the second node 
 survivors' agent restarts them on the smaller group, and once they train the node is started again and the group
 grows back. Then every logged step (the replayed ones too) is compared with an uninterrupted one-process run.
 Reported: runs lost (an agent that did not exit 0), steps differing by more than 1e-5 (relative), and each
-recovery's seconds and replayed steps from run.dir/recoveries.jsonl (jaxpar/core/recovery.py). `--record` appends
+recovery's seconds and replayed steps from run.dir/recoveries.jsonl (jaxpar/core/run/recovery.py). `--record` appends
 the row to docs/benchmarks/recovery.md. The first node hosts the c10d rendezvous, which cannot be lost
 (docs/cluster.md).
 """

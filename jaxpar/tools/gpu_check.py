@@ -3,7 +3,7 @@
 One command that validates and measures on a GPU (a device session runs it in one call; docs/gpu.md):
   (a) the parity suite on the device (jaxpar vs torchpar, float32 highest precision, bf16 in its band),
   (b) GPT-2 124M, sequence 1024, bf16 on one device: tokens/s, MFU (6N + 12·L·T·d FLOPs per token, see
-      jaxpar/core/flops.py), peak memory, for jaxpar and torchpar (torch.compile) in the same run,
+      jaxpar/core/model/flops.py), peak memory, for jaxpar and torchpar (torch.compile) in the same run,
   (b2) where (b)'s jaxpar step spends its device time: kernel milliseconds by kind and the top kernels
       (jaxpar/tools/gpu_profile.py), the profile the cast/reduction work is guided by,
   (c) which attention implementation the compiled jaxpar step calls (cuDNN fused attention or XLA's),
@@ -121,7 +121,7 @@ def attention(tiny: bool) -> dict:
     """Which attention the compiled jaxpar step calls: cuDNN's fused kernel shows as a custom call."""
     import jax
 
-    from jaxpar.core.config import load_config
+    from jaxpar.core.config.schema import load_config
     from jaxpar.step import build_step
 
     args = TINY if tiny else GPT2_124M

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from jaxpar.core.config import load_config
+from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError, check_output_file, cli
 
 # kinds by kernel name, first match wins: cuBLAS/cuDNN/Triton names on a GPU, XLA's fusion names anywhere

@@ -19,11 +19,11 @@ import shlex
 import sys
 
 from jaxpar.checks import check_layout
-from jaxpar.core.batch_shapes import for_each_shape
-from jaxpar.core.config import load_config
+from jaxpar.core.data.batch_shapes import for_each_shape
+from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.run_dir import with_run_dir
-from jaxpar.core.mesh_spec import check_torch_mesh, parse_mesh, resolve_sizes
+from jaxpar.core.run.directory import with_run_dir
+from jaxpar.core.config.mesh_spec import check_torch_mesh, parse_mesh, resolve_sizes
 
 LAUNCHERS = {"jaxpar": ("srun", "torchrun"), "torchpar": ("srun", "torchrun", "deepspeed")}
 # torchrun's / DeepSpeed's rendezvous port on the first node, by the formula torchpar uses under srun

@@ -6,13 +6,13 @@ The microbatch size is fixed (global batch = M x microbatch size), so a schedule
 every microbatch's activations until the backward (GPipe) grows linearly in M, and one that keeps
 at most ~S in flight (1F1B) stays flat. Rows:
   gpipe                GPipe on GSPMD, gradients by jax.grad through the ticks (gpipe.py)
-  gpipe (executor)     the GPipe order on the hand-scheduled executor (pipeline_executor.py)
+  gpipe (executor)     the GPipe order on the hand-scheduled executor (pipeline/executor.py)
   1f1b                 1F1B on the executor
   zb_h1                ZB-H1 on the executor (W: the projections' weight gradients from the inputs and output
                        gradients B kept, under every model.remat)
   zb_v                 ZB-V on the executor (two chunks of half a stage per device, in a V; W as ZB-H1's)
 Memory: XLA's `temp_size_in_bytes` per device. FLOPs: matmul FLOPs of one step summed over the devices
-(jaxpr_flops.py; the executor's ticks counted from its table), as a ratio to one device's program of the
+(jaxpar/cost/jaxpr_flops.py; the executor's ticks counted from its table), as a ratio to one device's program of the
 same batch: above 1.0 is computation a schedule adds (GSPMD GPipe's bubble ticks compute on garbage; a
 recomputed forward). Target: 1F1B's temp at M=16 <= 1.25x its temp at M=4.
 """
@@ -22,28 +22,9 @@ import argparse
 import sys
 
 from jaxpar.core.errors import UserError, cli
+from jaxpar.cost.loss_and_grad import compiled_memory, step_flops
 
 ROWS = {"gpipe": "gpipe", "gpipe (executor)": "gpipe", "1f1b": "1f1b", "zb_h1": "zb_h1", "zb_v": "zb_v"}
-
-
-def step_flops(cfg, sizes, devices, on_executor: str | None) -> float:
-    """Matmul FLOPs of (loss, grads), all devices together."""
-    import jax
-
-    from jaxpar.core.pipeline_schedules import resolve_microbatches
-    from jaxpar.parallel.pipeline_plan import BRANCHES, COL, tick_plan
-    from jaxpar.tools.jaxpr_flops import branch_flops, matmul_flops
-    from jaxpar.tools.sequence_memory import loss_and_grad_program
-
-    traced, params, batch = loss_and_grad_program(cfg, sizes, devices, on_executor)
-    jaxpr = jax.make_jaxpr(traced)(params, batch).jaxpr
-    if not on_executor:
-        return matmul_flops(jaxpr)  # GSPMD: the logical program, every device's share together
-    per_branch = branch_flops(jaxpr, BRANCHES)  # one device's tick, by branch
-    p, S = cfg.parallel, sizes["pp"]
-    M = resolve_microbatches(S, p.pipeline_microbatches)
-    codes = tick_plan(on_executor, S, M, p.pipeline_virtual_stages).tables
-    return sum(per_branch[c] for c in codes[..., COL["code"]].flat)
 
 
 @cli
@@ -66,9 +47,8 @@ def main(argv=None) -> int:
     import jax
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.stages)
-    from jaxpar.core.config import load_config
-    from jaxpar.parallel.pipeline_plan import tick_plan
-    from jaxpar.tools.sequence_memory import measure
+    from jaxpar.core.config.schema import load_config
+    from jaxpar.pipeline.tick_plan import tick_plan
 
     S, T, b = args.stages, args.seq_len, args.microbatch_size
     counts = [int(m) for m in args.microbatches.split(",")]
@@ -86,7 +66,7 @@ def main(argv=None) -> int:
                 f"parallel.pipeline_microbatches={M}", f"parallel.pipeline_schedule={schedule}",
                 "train.matmul_precision=highest"])
             on_executor = schedule if row != "gpipe" else None
-            temp = measure(cfg, {"pp": S}, jax.devices(), on_executor).temp_size_in_bytes
+            temp = compiled_memory(cfg, {"pp": S}, jax.devices(), on_executor).temp_size_in_bytes
             base = base or temp
             kept = tick_plan(schedule, S, M, 1).res_slots - 1 if on_executor else "all activations"
             kept = f"{kept} chunks of half a stage" if schedule == "zb_v" else kept

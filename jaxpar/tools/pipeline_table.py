@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from jaxpar.core.errors import cli
-from jaxpar.core.pipeline_schedules import (SPLIT_BACKWARD, PROGRAMS, V_SHAPED, bubble_fraction, chunks,
+from jaxpar.core.pipeline.schedules import (SPLIT_BACKWARD, PROGRAMS, V_SHAPED, bubble_fraction, chunks,
                                             lockstep_bubble, max_in_flight, render, simulate)
 
 

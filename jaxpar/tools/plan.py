@@ -3,7 +3,7 @@
 Ahead of time, nothing trained or allocated: compile the real train step for a layout, then
 report per-device memory from XLA's memory analysis and every collective per step (with loop
 trip counts) next to the analytic lower bound of each parallelism axis, and of Muon's spread of its
-matrices (jaxpar/tools/plan_optimizer.py). With parallel.offload the state kept in host memory between
+matrices (jaxpar/cost/optimizer_traffic.py). With parallel.offload the state kept in host memory between
 steps is reported apart (`host`) from the device's peak.
 `--recommend` compiles every mesh that divides the model, drops those over the memory budget and ranks
 the rest by a predicted step time (compute at a peak FLOP rate + communication at a link bandwidth);
@@ -11,28 +11,27 @@ when no mesh fits it tries them again with the optimizer state, then the paramet
 `--schedules` (a mesh with pp > 1) sets every pipeline schedule side by side for the config and mesh: the
 table's bubble, the compiled step's peak and temporary memory per device, matmul FLOPs against one device's, the
 modeled step time FLOPs / (1 - bubble), and the schedule parallel.pipeline_schedule=auto picks (the least modeled
-time within --memory-per-device; jaxpar/core/pipeline_choice.py).
+time within --memory-per-device; jaxpar/core/pipeline/choice.py).
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
-import math
 import os
 import re
 import sys
 import time
 
-from jaxpar.core.batch_shapes import batch_shapes, bucket_shapes, shape_config
-from jaxpar.core.config import Config, load_config
+from jaxpar.core.data.batch_shapes import batch_shapes, bucket_shapes, shape_config
+from jaxpar.core.config.schema import Config, load_config
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.pipeline_schedules import concrete, configured_bubble, resolve_microbatches
-from jaxpar.core.mesh_spec import format_mesh, parse_mesh
+from jaxpar.core.pipeline.schedules import concrete, configured_bubble, resolve_microbatches
+from jaxpar.core.config.mesh_spec import format_mesh, parse_mesh
 from jaxpar.mesh import setup_devices
-from jaxpar.pipeline_auto import resolve_schedule
-from jaxpar.tools import plan_activations, plan_optimizer, plan_schedules
+from jaxpar.cost.peak_bytes import compile_layout, device_memory, peak_bytes, shard_bytes
+from jaxpar.pipeline.auto import resolve_schedule
+from jaxpar.cost import activations as plan_activations, optimizer_traffic as plan_optimizer, schedule_times as plan_schedules
 
 
 def parse_bytes(text: str) -> int:
@@ -45,11 +44,11 @@ def parse_bytes(text: str) -> int:
 
 
 def exchange_bytes(cfg: Config, sizes: dict[str, int], ragged: bool = False) -> float:
-    """Bytes each device sends per step over ep by the experts' exchange (jaxpar/parallel/experts.py): per layer
+    """Bytes each device sends per step over ep by the experts' exchange (jaxpar/parallel/expert_parallel.py): per layer
     and microbatch two all-to-alls of the buffer [experts, slots, embed] forward and two backward (a third and
     fourth forward with model.remat), each sending (ep-1)/ep of it. `ragged`: the slots filled alone (each token's
     top_k choices), what an exchange without padding would send."""
-    from jaxpar.core.experts import row_capacity, slots_for
+    from jaxpar.core.model.experts import row_capacity, slots_for
 
     m, t, ep = cfg.model, cfg.train, sizes.get("ep", 1)
     if ep == 1 or not m.moe_experts:
@@ -98,24 +97,6 @@ def analytic_bounds(cfg: Config, sizes: dict[str, int], param_bytes_per_device: 
     }
 
 
-def compile_layout(cfg: Config, sizes: dict[str, int], devices=None):
-    """(compiled train step, layout, abstract state) for abstract inputs: nothing is allocated. PowerSGD's step
-    is compiled without its warm-up (whose plain reduction would count beside the compressed one)."""
-    from jaxpar.step import build_step
-
-    if cfg.parallel.grad_compression == "powersgd":
-        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, powersgd_warmup_steps=0))
-
-    layout, state, step = build_step(cfg, sizes, devices, abstract=True)
-    return step, layout, state
-
-
-def _shard_bytes(tree) -> int:
-    import jax
-
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
 def plan(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
     """The plan of the step at the config's batch shape; with data.batching=buckets, of each bucket's shape, the
     one with the highest peak returned, every shape's peak under "shapes". (A train.batch_rampup's largest
@@ -128,19 +109,14 @@ def plan(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
                                  "traffic_bytes": p["traffic_bytes"]} for r, T, p in plans]}
 
 
-def peak_bytes(cfg: Config, sizes: dict[str, int], devices=None) -> int:
-    """The plan's peak bytes per device (parallel.pipeline_schedule=auto's memory fit: jaxpar/pipeline_auto.py)."""
-    return plan(cfg, sizes, devices)["peak_bytes"]
-
-
 def plan_shape(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
-    from jaxpar import hlo_collectives
+    from jaxpar.cost import hlo_collectives
 
     compiled, layout, state = compile_layout(cfg, sizes, devices)
-    mem = compiled.memory_analysis()
+    memory = device_memory(compiled, layout, state)
     full = dict(layout.mesh.shape)
     n_dev = layout.mesh.devices.size
-    params, opt = _shard_bytes(state["params"]), _shard_bytes(state["opt_state"])
+    params, opt = shard_bytes(state["params"]), shard_bytes(state["opt_state"])
     collectives = []
     for c in hlo_collectives.parse(compiled.as_text(), n_dev):
         axes = hlo_collectives.group_axes(c.groups, layout.mesh) if c.op != "collective-permute" else ("pp/sp",)
@@ -150,7 +126,7 @@ def plan_shape(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
     from jaxpar.parallel import powersgd
 
     payload = powersgd.payload_bytes(layout) if powersgd.enabled(layout) else 0
-    experts = _shard_bytes({k: v for k, v in state["params"]["blocks"].get("moe", {}).items() if k != "shared"
+    experts = shard_bytes({k: v for k, v in state["params"]["blocks"].get("moe", {}).items() if k != "shared"
                             and k != "router"})
     bounds = analytic_bounds(cfg, full, params, layout.mesh.devices.flat[0].platform, payload, experts)
     bounds["optimizer"], padded = plan_optimizer.muon_bounds(cfg, state["params"], n_dev)
@@ -162,24 +138,14 @@ def plan_shape(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
     model = {"compute_dtype": cfg.model.compute_dtype, "family": cfg.model.family,
              "attention": cfg.model.attention, "linear": cfg.model.linear, "kv_cache_width": width,
              "kv_cache_bytes_per_token": width * cfg.model.n_layer * itemsize}
-    peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
-    # parallel.offload: GPU backends count host-memory arguments apart; XLA:CPU counts them with the rest, so
-    # there the device's share is the peak less the offloaded state (which the step holds on the device only
-    # while it uses it)
-    host = _shard_bytes({k: state[k] for k in layout.offloaded})
-    estimated = bool(host) and not getattr(mem, "host_argument_size_in_bytes", 0)
-    if estimated:
-        peak -= host
     par = cfg.parallel
     pipeline = None if full["pp"] == 1 else {"schedule": concrete(par.pipeline_schedule), "bubble": configured_bubble(
         par.pipeline_schedule, full["pp"], par.pipeline_microbatches, par.pipeline_virtual_stages)}
     p = {"mesh": format_mesh(full), "devices": n_dev, "model": model, "pipeline": pipeline,
          "params_bytes": params, "opt_state_bytes": opt, "expert_bytes": experts,
          "ragged_exchange_bytes": exchange_bytes(cfg, full, ragged=True),
-         "powersgd_bytes": _shard_bytes(state.get("powersgd", {})),  # error buffers and Q (in argument/peak too)
-         "offload": cfg.parallel.offload, "host_bytes": host, "peak_estimated": estimated,
-         "argument_bytes": mem.argument_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
-         "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes, "peak_bytes": peak,
+         "powersgd_bytes": shard_bytes(state.get("powersgd", {})),  # error buffers and Q (in argument/peak too)
+         "offload": cfg.parallel.offload, **memory,
          "collectives": collectives, "bounds": bounds, "measured": measured,
          "traffic_bytes": sum(c["traffic_bytes"] for c in collectives), "bound_bytes": sum(bounds.values()),
          "gradient_bytes": gradient_traffic(collectives),
@@ -222,7 +188,7 @@ def explain(collectives, bounds, measured, platform: str = "cpu", experts: bool 
             continue
         if axis == "tp" and experts:
             notes.append("tp: the experts' partial outputs are summed over tp on the padded buffer [experts, slots, "
-                         "embed] (parallel/experts.py), not in the bound")
+                         "embed] (parallel/expert_parallel.py), not in the bound")
         ops = [c for c in collectives if axis in c["axes"].split("+") and not c["optimizer"]]  # Muon's: its own note
         if axis != "tp" and any(c["op"] == "all-reduce" for c in ops) and not any(c["op"] == "reduce-scatter" for c in ops):
             notes.append(f"{axis}: gradients are all-reduced and then sliced, where a reduce-scatter would do: up to "
@@ -301,7 +267,7 @@ def recommend(cfg: Config, n: int, budget: int, peak_flops: float, bandwidth: fl
               progress=say_progress) -> list[dict]:
     """Every candidate mesh of n devices compiled and ranked; `progress(line)` hears of each as it is compiled (the
     whole takes a minute for a small model)."""
-    from jaxpar.core.flops import flops_per_token
+    from jaxpar.core.model.flops import flops_per_token
 
     import jax
 

@@ -35,7 +35,7 @@ import os
 import sys
 
 from jaxpar.core.errors import UserError, check_output_dir, check_output_file, cli
-from jaxpar.core.run_dir import framework_of
+from jaxpar.core.run.directory import framework_of
 
 
 def load(paths: list[str]) -> list[dict]:

@@ -12,39 +12,7 @@ import argparse
 import sys
 
 from jaxpar.core.errors import UserError, cli
-
-
-def loss_and_grad_program(cfg, sizes: dict[str, int], devices, schedule: str | None = None):
-    """(fn, abstract params, abstract batch): (loss, grads) on a mesh of `sizes` as the train step computes
-    them (`schedule`: run that pipeline schedule on the hand-scheduled executor), ready to trace."""
-    import math
-
-    import jax
-
-    from jaxpar.context import use
-    from jaxpar.layout import Layout
-    from jaxpar.mesh import make_mesh
-    from jaxpar.state import abstract_state
-    from jaxpar.step import loss_and_grad
-
-    layout = Layout(cfg, make_mesh(sizes, devices[:math.prod(sizes.values())]))
-    fn, context = loss_and_grad(layout, schedule)
-    params = abstract_state(layout)["params"]
-    batch = jax.ShapeDtypeStruct(layout.batch_shape, jax.numpy.int32, sharding=layout.batch_sharding)
-
-    def traced(params, batch):
-        with use(context):
-            return fn(params, batch)
-
-    return traced, params, batch
-
-
-def measure(cfg, sizes: dict[str, int], devices, schedule: str | None = None):
-    """Compiled memory analysis of (loss, grads) on a mesh of `sizes` (see loss_and_grad_program)."""
-    import jax
-
-    traced, params, batch = loss_and_grad_program(cfg, sizes, devices, schedule)
-    return jax.jit(traced).lower(params, batch).compile().memory_analysis()
+from jaxpar.cost.loss_and_grad import compiled_memory
 
 
 @cli
@@ -61,7 +29,7 @@ def main(argv=None) -> int:
     import jax
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.devices)
-    from jaxpar.core.config import load_config
+    from jaxpar.core.config.schema import load_config
 
     T, sizes = args.seq_len, [n for n in (1, 2, 4, 8) if n <= args.devices]
     overrides = args.model.split(",") + [f"data.seq_len={T}", f"model.max_seq_len={T}", "train.global_batch_size=1",
@@ -77,7 +45,7 @@ def main(argv=None) -> int:
                                                  f"parallel.sequence_zigzag={zigzag}"])
             base = None
             for n in sizes:
-                temp = measure(cfg, {"sp": n}, devices).temp_size_in_bytes
+                temp = compiled_memory(cfg, {"sp": n}, devices).temp_size_in_bytes
                 base = base or temp
                 ratio, bound = temp / base, 1.3 / n
                 print(f"| {strategy} | {'yes' if zigzag else 'no'} | {n} | {temp:,} | {ratio:.3f} | {bound:.3f} | "

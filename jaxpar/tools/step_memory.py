@@ -16,7 +16,7 @@ import json
 import os
 import re
 
-from jaxpar.core.config import Config, load_config
+from jaxpar.core.config.schema import Config, load_config
 from jaxpar.core.errors import cli
 
 MIB = 2 ** 20

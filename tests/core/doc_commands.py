@@ -33,8 +33,8 @@ import tempfile
 from pathlib import Path
 from unittest import mock
 
-from jaxpar.core.config import load_config
-from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
+from jaxpar.core.config.schema import load_config
+from jaxpar.core.config.mesh_spec import parse_mesh, resolve_sizes
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted(["README.md", *(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")),
@@ -211,8 +211,8 @@ def mesh_sizes(spec: str) -> dict[str, int]:
 
 def check_jaxpar(module: str, ns) -> None:
     from jaxpar.checks import check_layout, validate
-    from jaxpar.core.batch_shapes import for_each_shape
-    from jaxpar.core.contract import Run, check_contract
+    from jaxpar.core.data.batch_shapes import for_each_shape
+    from jaxpar.core.config.contract import Run, check_contract
 
     cfg = config_of(ns)
     meshes = ns.mesh if isinstance(getattr(ns, "mesh", None), list) else [getattr(ns, "mesh", None)]
@@ -241,11 +241,11 @@ def check_module(module: str, args: list[str], world: int = 1, illustrative: boo
     """`python -m module args`, as its program takes it."""
     if module == "pytest":
         return check_pytest(args)
-    if illustrative or module == "jaxpar.core.config" or not args:  # a module named, or a parser of its own
+    if illustrative or module == "jaxpar.core.config.schema" or not args:  # a module named, or a parser of its own
         main, out = importlib.import_module(module).main, io.StringIO()
-        if module == "jaxpar.core.config" and args:  # prints the resolved config: quick
+        if module == "jaxpar.core.config.schema" and args:  # prints the resolved config: quick
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-                assert main(args) == 0, f"python -m jaxpar.core.config refuses {shlex.join(args)}: {out.getvalue()}"
+                assert main(args) == 0, f"python -m jaxpar.core.config.schema refuses {shlex.join(args)}: {out.getvalue()}"
         return
     partial = "..." in args
     mod = importlib.import_module(module)

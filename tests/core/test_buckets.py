@@ -1,14 +1,14 @@
-"""data.batching=buckets (jaxpar/core/buckets.py): whole documents grouped by length, each target read once,
+"""data.batching=buckets (jaxpar/core/data/buckets.py): whole documents grouped by length, each target read once,
 the order a function of (data, seed, step), the padding skipped, and one line for buckets that cannot run."""
 import numpy as np
 import pytest
 
-from jaxpar.core.batch_shapes import bucket_shapes
-from jaxpar.core.buckets import BucketBatches, spans
-from jaxpar.core.config import load_config
-from jaxpar.core.data_order import Samples, unmasked
+from jaxpar.core.data.batch_shapes import bucket_shapes
+from jaxpar.core.data.buckets import BucketBatches, spans
+from jaxpar.core.config.schema import load_config
+from jaxpar.core.data.order import Samples, unmasked
 from jaxpar.core.errors import UserError
-from jaxpar.core.tokens import write_tokens
+from jaxpar.core.data.tokens import write_tokens
 from tests.helpers import TINY, make_dataset
 
 
@@ -84,8 +84,8 @@ def test_buckets_need_documents(tmp_path):
 
 
 def test_mfu_counts_each_buckets_attention_at_its_length(tmp_path):
-    from jaxpar.core.flops import flops_per_token
-    from jaxpar.core.hooks import Throughput
+    from jaxpar.core.model.flops import flops_per_token
+    from jaxpar.core.run.hooks import Throughput
 
     data, cfg = batches(make_dataset(tmp_path / "d.bin", n_tokens=6000, document_length=12),
                         "train.tokens_per_batch=256")

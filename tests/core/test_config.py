@@ -1,10 +1,10 @@
-"""The config schema (jaxpar/core/config.py): defaults <- YAML <- key=value, typed and validated, with one line
+"""The config schema (jaxpar/core/config/schema.py): defaults <- YAML <- key=value, typed and validated, with one line
 naming the key for anything it refuses; a run's config.json reads back to the same config."""
 import json
 
 import pytest
 
-from jaxpar.core.config import Config, config_from_dict, load_config, main
+from jaxpar.core.config.schema import Config, config_from_dict, load_config, main
 from jaxpar.core.errors import UserError
 
 
@@ -84,6 +84,6 @@ def test_keys_that_disagree_are_refused_together():
 def test_a_resolved_config_reads_back_unchanged(capsys):
     cfg = load_config("configs/gpt2-tiny.yaml", ["model.family=llama", "model.n_kv_head=2", "train.seed=3"])
     assert config_from_dict(json.loads(cfg.to_json())).to_dict() == cfg.to_dict()
-    assert main(["configs/gpt2-tiny.yaml", "train.seed=3"]) == 0  # python -m jaxpar.core.config prints it
+    assert main(["configs/gpt2-tiny.yaml", "train.seed=3"]) == 0  # python -m jaxpar.core.config.schema prints it
     printed = json.loads(capsys.readouterr().out)
     assert printed["train"]["seed"] == 3 and printed["model"]["n_layer"] == 4

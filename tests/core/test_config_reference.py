@@ -4,8 +4,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from jaxpar.core.config import Config
-from jaxpar.core.contract import BACKENDS, Owner
+from jaxpar.core.config.schema import Config
+from jaxpar.core.config.contract import BACKENDS, Owner
 from jaxpar.tools import config_reference as ref
 
 REGENERATE = "run: python -m jaxpar.tools.config_reference --write"
@@ -30,7 +30,7 @@ def test_every_key_is_on_the_page_with_what_it_does():
     assert not missing, f"keys missing from docs/configuration.md: {missing}; {REGENERATE}"
     silent = [key for key, cls, f in schema_keys() if not ref.describe(key, comments, cls.__name__, f.name)]
     assert not silent, (f"keys without a description: {silent}; write a comment beside the field in "
-                        "jaxpar/core/config.py")
+                        "jaxpar/core/config/schema.py")
 
 
 def test_notes_only_fill_in_for_keys_without_a_comment():

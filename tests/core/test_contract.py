@@ -1,4 +1,4 @@
-"""The config contract (jaxpar/core/contract.py) against the code, over the whole schema.
+"""The config contract (jaxpar/core/config/contract.py) against the code, over the whole schema.
 
 For every key: its row exists; where the row says a trainer/backend does not consume it (or its mode is off),
 setting it is refused in one line naming it; where the row says it is consumed, setting it to another valid
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from jaxpar.core.config import Config, load_config
-from jaxpar.core.contract import BACKENDS, CONTRACT, EFFECTS, Run, check_contract, refusal
+from jaxpar.core.config.schema import Config, load_config
+from jaxpar.core.config.contract import BACKENDS, CONTRACT, EFFECTS, Run, check_contract, refusal
 from jaxpar.core.errors import UserError
 from tests.helpers import ROOT, TINY, make_dataset
 
@@ -145,7 +145,7 @@ def datasets(tmp_path_factory):
 
 
 def jax_params(cfg) -> dict:
-    from jaxpar.core.weights import flatten
+    from jaxpar.core.weights.names import flatten
     from jaxpar.layout import Layout
     from jaxpar.mesh import make_mesh
     from jaxpar.state import init_state
@@ -156,7 +156,7 @@ def jax_params(cfg) -> dict:
 
 def jax_step(cfg, mesh: dict) -> str:
     """The train step lowered for this config and mesh (StableHLO text: ops, constants and shardings)."""
-    from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
+    from jaxpar.core.config.mesh_spec import parse_mesh, resolve_sizes
     from jaxpar.layout import Layout
     from jaxpar.mesh import make_mesh
     from jaxpar.state import abstract_state, init_state
@@ -173,7 +173,7 @@ def jax_step(cfg, mesh: dict) -> str:
 
 
 def data_rows(cfg) -> list:
-    from jaxpar.core.data_order import open_splits
+    from jaxpar.core.data.order import open_splits
 
     train, val = open_splits(cfg)
     return [train.global_batch(s) for s in (0, 1)] + [val.global_batch(0)]
@@ -201,8 +201,8 @@ class RecordingTrainer:
 
 
 def loop_calls(cfg, tmp_path) -> list:
-    from jaxpar.core.metrics_log import MetricsLog
-    from jaxpar.core.run import train_loop
+    from jaxpar.core.run.metrics import MetricsLog
+    from jaxpar.core.run.loop import train_loop
 
     os.makedirs(tmp_path, exist_ok=True)
     fw, log = RecordingTrainer(), MetricsLog(str(tmp_path), True, cfg.train.steps)
@@ -243,7 +243,7 @@ def torch_engine(cfg, backend: str):
     """What torchpar hands the engine for `backend`, beside the model: DeepSpeed's JSON, the pipeline's
     schedule, torch.compile, the matmul precision."""
     from torchpar.parallelize import use_compile
-    from jaxpar.core.mesh_spec import check_torch_mesh
+    from jaxpar.core.config.mesh_spec import check_torch_mesh
     from torchpar.dist import PRECISION
 
     out = {"compile": use_compile(cfg, backend, "cpu"), "precision": PRECISION[cfg.train.matmul_precision]}
@@ -252,7 +252,7 @@ def torch_engine(cfg, backend: str):
         out["deepspeed"] = generated_config(cfg, 2)
     if backend == "pipeline":
         from torchpar.backends.pipeline import SCHEDULES, pipeline_sizes
-        from jaxpar.core.pipeline_schedules import concrete, resolve_microbatches
+        from jaxpar.core.pipeline.schedules import concrete, resolve_microbatches
         S = pipeline_sizes(cfg, 4)[0]
         p = cfg.parallel
         out["pipeline"] = (S, SCHEDULES[concrete(p.pipeline_schedule)], resolve_microbatches(S, p.pipeline_microbatches),
@@ -314,7 +314,7 @@ def test_a_consumed_key_changes_the_run(key, datasets, tmp_path):
     if row.effect in ("params", "data", "loop") or (row.effect == "step" and not torch_engine_key(key)):
         runs = runs[:1] + [r for r in runs[1:2]]  # one torchpar backend stands for all: the model, data and loop are shared
         if row.effect in ("data", "loop"):
-            runs = runs[:1]  # one code path for both trainers (jaxpar/core/data_order.py, jaxpar/core/run.py)
+            runs = runs[:1]  # one code path for both trainers (jaxpar/core/data/order.py, jaxpar/core/run/loop.py)
     for trainer, backend in runs:
         base = load_config(None, TINY + [f"data.dataset={datasets[0]}"] + overrides)
         other = load_config(None, TINY + [f"data.dataset={datasets[0]}"] + changed)

@@ -5,9 +5,9 @@ import sys
 import numpy as np
 import pytest
 
-from jaxpar.core import corpus, tokens as data
-from jaxpar.core.config import DataConfig
-from jaxpar.core.tokens import prepare, read_meta, resolve_dataset, write_tokens
+from jaxpar.core.data import corpus, tokens as data
+from jaxpar.core.config.schema import DataConfig
+from jaxpar.core.data.tokens import prepare, read_meta, resolve_dataset, write_tokens
 from jaxpar.data import TokenBatches
 from jaxpar.core.errors import UserError
 from tests.helpers import ROOT
@@ -234,11 +234,11 @@ def test_hf_tokenizer_branch_with_fake_library(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("n,seed", [(1, 0), (23, 7), (279, 0), (70_000, 2**32 - 1)])
 def test_shared_order_is_grains_shuffle(n, seed):
-    """The order defined in jaxpar/core/data_order.py (pure Python; what torchpar reads) is, epoch after epoch,
+    """The order defined in jaxpar/core/data/order.py (pure Python; what torchpar reads) is, epoch after epoch,
     the one grain's MapDataset.shuffle(seed).repeat() gives, so runs keep their data order."""
     import grain
 
-    from jaxpar.core.shuffle import shuffled_index
+    from jaxpar.core.data.shuffle import shuffled_index
 
     ds = grain.MapDataset.source(range(n)).shuffle(seed=seed).repeat()
     idx = [i for e in range(3) for i in range(e * n, e * n + min(n, 300))]
@@ -271,8 +271,8 @@ def test_jsonl_and_parquet_documents_with_end_of_document_tokens(corpus_files, t
 
 def test_trained_bpe_round_trips_and_parallel_prepare_matches_one_worker(corpus_files, tmp_path):
     pytest.importorskip("tokenizers")
-    from jaxpar.core.bpe import train_tokenizer
-    from jaxpar.core.tokens import eod_token, text_codec
+    from jaxpar.core.data.bpe import train_tokenizer
+    from jaxpar.core.data.tokens import eod_token, text_codec
 
     tok = str(tmp_path / "tokenizer.json")
     assert train_tokenizer(corpus_files, tok, vocab_size=320, text_field="body") == 320
@@ -293,11 +293,11 @@ def test_parallel_prepare_ends_where_sigterm_is_ignored(corpus_files, tmp_path):
     """A parent that ignores SIGTERM (a finished run ignores late stop signals) hands that on to the workers;
     the pool must still end them (it hung in Pool.terminate's join)."""
     pytest.importorskip("tokenizers")
-    from jaxpar.core.bpe import train_tokenizer
+    from jaxpar.core.data.bpe import train_tokenizer
 
     tok = str(tmp_path / "tokenizer.json")
     train_tokenizer(corpus_files, tok, vocab_size=320, text_field="body")
-    code = ("import signal, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); from jaxpar.core.tokens import prepare; "
+    code = ("import signal, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); from jaxpar.core.data.tokens import prepare; "
             f"prepare({corpus_files!r}, {str(tmp_path / 'two.bin')!r}, {tok!r}, 'body', workers=2)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and (tmp_path / "two.bin").exists(), r.stderr

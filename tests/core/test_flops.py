@@ -1,11 +1,11 @@
-"""Parameter counts by formula (jaxpar/core/flops.py, what MFU and the planner use, torch-free) equal the
+"""Parameter counts by formula (jaxpar/core/model/flops.py, what MFU and the planner use, torch-free) equal the
 parameters the Flax model creates, for every variant."""
 import math
 
 import jax
 import pytest
 
-from jaxpar.core.flops import count_params, flops_per_token
+from jaxpar.core.model.flops import count_params, flops_per_token
 from jaxpar.models.decoder import abstract_model
 from tests.helpers import tiny_config
 
@@ -49,7 +49,7 @@ def test_flops_per_token_textbook():
 
 def test_llama_3_2_1b_count():
     """configs/llama-1b.yaml has Llama 3.2 1B's shape: Meta's model card and HF count 1,235,814,400 parameters."""
-    from jaxpar.core.config import load_config
+    from jaxpar.core.config.schema import load_config
     from tests.helpers import ROOT
 
     assert count_params(load_config(f"{ROOT}/configs/llama-1b.yaml").model)["total"] == 1_235_814_400

@@ -2,9 +2,9 @@
 import json
 import time
 
-from jaxpar.core.metrics_log import MetricsLog
-from jaxpar.core.prefetch import Prefetch
-from jaxpar.core.run import train_loop
+from jaxpar.core.run.metrics import MetricsLog
+from jaxpar.core.data.prefetch import Prefetch
+from jaxpar.core.run.loop import train_loop
 
 from tests.helpers import tiny_config
 
@@ -31,7 +31,7 @@ class SleepyTrainer:
     def peak_flops(self):
         return None
 
-    def comm_axes(self):  # one device: no collectives (jaxpar/core/stragglers.py)
+    def comm_axes(self):  # one device: no collectives (jaxpar/core/run/stragglers.py)
         return []
 
     def record_extra(self):

@@ -1,12 +1,12 @@
-"""parallel.pipeline_schedule=auto's chooser (jaxpar/core/pipeline_choice.py): the least modeled step time, found
+"""parallel.pipeline_schedule=auto's chooser (jaxpar/core/pipeline/choice.py): the least modeled step time, found
 without taking every schedule's figures."""
 import itertools
 
 import pytest
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.pipeline_choice import choose, modeled_time, resolve
-from jaxpar.core.config import load_config
+from jaxpar.core.pipeline.choice import choose, modeled_time, resolve
+from jaxpar.core.config.schema import load_config
 
 
 def test_choose_is_the_argmin_of_every_figure_and_asks_only_for_those_that_could_win():

@@ -3,7 +3,7 @@ import pytest
 
 from jaxpar.tools import pipeline_table as pipeline
 from jaxpar.core.errors import UserError
-from jaxpar.core.pipeline_schedules import (Op, bubble_fraction, check_schedule, max_in_flight, placement, simulate,
+from jaxpar.core.pipeline.schedules import (Op, bubble_fraction, check_schedule, max_in_flight, placement, simulate,
                                             virtual_stage)
 
 S, M = 4, 8
@@ -164,7 +164,7 @@ def test_dualpipev_program_is_valid_and_torchs():
 
     from torch.distributed.pipelining.schedules import ScheduleDualPipeV
 
-    from jaxpar.core.pipeline_schedules import PROGRAMS
+    from jaxpar.core.pipeline.schedules import PROGRAMS
     names = {"FORWARD": "F", "FULL_BACKWARD": "BW", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
 
     def theirs(a, rank):
@@ -195,7 +195,7 @@ def test_dualpipev_in_lockstep_against_zb_v(capsys):
     slowest op: the executor's) it idles more than ZB-V, whose ops are all one unit, and less than 1F1B, whose
     F beside a two-unit backward idles half a tick. It holds one chunk-microbatch more than ZB-V (2S+1) on the last
     device. The table tool prints both bubbles."""
-    from jaxpar.core.pipeline_schedules import lockstep_bubble
+    from jaxpar.core.pipeline.schedules import lockstep_bubble
     for S_, M_ in ((2, 4), (4, 8), (4, 16), (8, 16)):
         dpv, zb_v = simulate("dualpipev", S_, M_), simulate("zb_v", S_, M_)
         assert lockstep_bubble("zb_v", zb_v) == pytest.approx(bubble_fraction(zb_v))

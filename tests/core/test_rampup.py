@@ -1,12 +1,12 @@
-"""train.batch_rampup (jaxpar/core/rampup.py): Megatron's rule for the batch size of each step, the samples a
+"""train.batch_rampup (jaxpar/core/data/rampup.py): Megatron's rule for the batch size of each step, the samples a
 step reads, and one line for a ramp-up that cannot run."""
 import numpy as np
 import pytest
 
-from jaxpar.core.config import load_config
-from jaxpar.core.data_order import GlobalBatches, Samples
+from jaxpar.core.config.schema import load_config
+from jaxpar.core.data.order import GlobalBatches, Samples
 from jaxpar.core.errors import UserError
-from jaxpar.core.rampup import BatchSizes
+from jaxpar.core.data.rampup import BatchSizes
 from tests.helpers import TINY, make_dataset
 
 
@@ -51,6 +51,6 @@ def test_every_batch_size_of_the_ramp_must_fit_the_mesh():
 
 
 def test_a_resume_keeps_the_keys_that_decide_each_steps_batch():
-    from jaxpar.core.resume import must_match
+    from jaxpar.core.run.resume import must_match
 
     assert all(map(must_match, ("train.batch_rampup", "data.batching", "data.buckets", "train.tokens_per_batch")))

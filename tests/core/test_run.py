@@ -1,4 +1,4 @@
-"""The run sequence of both trainers (jaxpar/core/run.py), with a recording trainer: its order, and that all
+"""The run sequence of both trainers (jaxpar/core/run/loop.py), with a recording trainer: its order, and that all
 processes stop together when the main one cannot move an old run aside."""
 import json
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.run import run_training
+from jaxpar.core.run.loop import run_training
 from tests.helpers import tiny_config
 
 

@@ -1,6 +1,6 @@
-"""A run directory belongs to one framework (jaxpar/core/run_dir.py): the default directories of the two trainers
+"""A run directory belongs to one framework (jaxpar/core/run/directory.py): the default directories of the two trainers
 differ, a run is recognised by its record or, written before it, by what it holds, and the other framework is
-refused in one line naming the conversion. Also the closing lines a run prints (jaxpar/core/run_summary.py)."""
+refused in one line naming the conversion. Also the closing lines a run prints (jaxpar/core/run/summary.py)."""
 import json
 import os
 
@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.run_dir import check_framework, default_run_dir, framework_of, with_run_dir
-from jaxpar.core.run_summary import Outcome, summary_lines
+from jaxpar.core.run.directory import check_framework, default_run_dir, framework_of, with_run_dir
+from jaxpar.core.run.summary import Outcome, summary_lines
 from tests.helpers import ROOT, tiny_config
 
 
@@ -115,7 +115,7 @@ def test_a_new_run_names_the_run_its_config_made_before_directories_were_per_fra
     os.makedirs(old)
     (old / "config.json").write_text(json.dumps({"model": {}, "resolved_mesh": "dp=2"}))  # jaxpar's, by its record
     cfg = tiny_config(f"run.dir={tmp_path / 'runs' / 'jaxpar' / 'gpt2-tiny'}")
-    from jaxpar.core.run_summary import start_line
+    from jaxpar.core.run.summary import start_line
 
     assert f"{old} holds an earlier jaxpar run of this config: run.dir={old} continues it" in start_line(
         cfg, "jaxpar", 0)

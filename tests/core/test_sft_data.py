@@ -1,11 +1,11 @@
-"""Fine-tuning records and packed windows (jaxpar/core/packing.py, `python -m jaxpar.data prepare --format sft
+"""Fine-tuning records and packed windows (jaxpar/core/data/packing.py, `python -m jaxpar.data prepare --format sft
 / --pack`): what the loss mask counts, that packing keeps documents whole, and bad records in one line."""
 import json
 
 import numpy as np
 import pytest
 
-from jaxpar.core.data_order import Samples, unmasked
+from jaxpar.core.data.order import Samples, unmasked
 from jaxpar.core.errors import UserError
 from jaxpar.data import main as data_main
 

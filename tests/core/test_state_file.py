@@ -1,4 +1,4 @@
-"""The shared training-state file (jaxpar/core/state_file.py): what is written reads back; a file that is not one
+"""The shared training-state file (jaxpar/core/weights/state_file.py): what is written reads back; a file that is not one
 (a weights file, a missing path) is one line naming it."""
 import os
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.state_file import read_state, save_state
-from jaxpar.core.weights import save_weights
+from jaxpar.core.weights.state_file import read_state, save_state
+from jaxpar.core.weights.names import save_weights
 
 
 def test_state_reads_back_and_other_files_are_refused(tmp_path):

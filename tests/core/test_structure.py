@@ -325,16 +325,16 @@ def test_one_batch_walks_down_through_few_files():
     walks = batch_walks((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8"))
     assert set(walks) == {"jaxpar", "torchpar"} and all(walks.values()), walks
     assert not (bad := {k: b for k, w in walks.items() if (b := walk_violations(w, GRAPH))}), bad
-    assert (lines := FILES["jaxpar/core/run.py"].count("\n")) <= 200, f"jaxpar/core/run.py: {lines} lines"
+    assert (lines := FILES["jaxpar/core/run/loop.py"].count("\n")) <= 200, f"jaxpar/core/run/loop.py: {lines} lines"
 
 
 @pytest.mark.parametrize("path", TRAINERS)
 def test_trainers_are_their_arguments_and_an_adapter(path):
-    """The run sequence is jaxpar/core/run.py's; a trainer is its argument parsing and its adapter."""
+    """The run sequence is jaxpar/core/run/loop.py's; a trainer is its argument parsing and its adapter."""
     assert (ROOT / path).is_file(), f"{path} does not exist"
     lines = FILES[path].count("\n")
     assert lines <= MAX_TRAINER_LINES, f"{path}: {lines} lines (at most {MAX_TRAINER_LINES})"
-    assert "run_training(" in FILES[path], f"{path} does not hand its adapter to jaxpar.core.run.run_training"
+    assert "run_training(" in FILES[path], f"{path} does not hand its adapter to jaxpar.core.run.loop.run_training"
 
 
 # --- self-checks: each helper must report a violation planted in a tiny in-memory tree ---------
@@ -362,8 +362,8 @@ PLANTED = {
     "pyproject ships tests": lambda: packaged_test_dirs(
         '[tool.setuptools.packages.find]\ninclude = ["jaxpar*", "parity_tests*"]\n') == [("parity_tests*", "parity_tests")],
     "a doc names a file that is gone": lambda: missing_paths(
-        {"a.md": "see jaxpar/gone.py, jaxpar/core/config.py and `docs/gone.md`."},
-        lambda p: p == "jaxpar/core/config.py") == [("a.md", "docs/gone.md"), ("a.md", "jaxpar/gone.py")],
+        {"a.md": "see jaxpar/gone.py, jaxpar/core/config/schema.py and `docs/gone.md`."},
+        lambda p: p == "jaxpar/core/config/schema.py") == [("a.md", "docs/gone.md"), ("a.md", "jaxpar/gone.py")],
     "a batch's walk goes up, repeats, runs long": lambda: walk_violations(
         ["a/x.py", "a/y.py", "a/x.py"] + [f"a/{i}.py" for i in range(8)],
         build_graph({"a/x.py": "", "a/y.py": "import a.x\n"}), lambda p: p != "a/7.py")

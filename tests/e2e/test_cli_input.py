@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from jaxpar.core.config import ModelConfig, load_config
+from jaxpar.core.config.schema import ModelConfig, load_config
 from jaxpar.core.errors import UserError
-from jaxpar.core.resume import already_complete
+from jaxpar.core.run.resume import already_complete
 from tests.helpers import TINY
 
 

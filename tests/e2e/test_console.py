@@ -11,7 +11,7 @@ from tests.helpers import ROOT
 
 LOG_FOUR_STEPS = """
 import sys
-from jaxpar.core.metrics_log import MetricsLog
+from jaxpar.core.run.metrics import MetricsLog
 log = MetricsLog(sys.argv[1], True, 4)
 for step in range(1, 5):
     log.log({"step": step, "loss": 2.0 / step, "tokens_per_sec": 1000.0, "mfu": 0.25,

@@ -1,5 +1,5 @@
 """A run goes on in the other framework: the whole training state (parameters, Adam's moments and count, the step)
-through the shared training-state file (jaxpar/core/state_file.py). jaxpar dp=2,tp=4 trains steps 1-10, torchpar
+through the shared training-state file (jaxpar/core/weights/state_file.py). jaxpar dp=2,tp=4 trains steps 1-10, torchpar
 fsdp on 2 processes 11-20; torchpar ddp on 2 processes 1-10, jaxpar fsdp=4 11-20; jaxpar dp=2 1-10, DeepSpeed ZeRO-2
 on 2 processes 11-20 (and DeepSpeed ZeRO-3 1-10, jaxpar 11-20): each as its uninterrupted run. With optim.name=muon
 (Muon's momentum and count too): jaxpar dp=2,tp=2 1-10, torchpar fsdp on 2 processes and jaxpar fsdp=4 11-20;
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jaxpar.core import muon
+from jaxpar.core.optimizer import muon
 from jaxpar.core.errors import UserError
-from jaxpar.core.state_file import read_state, refuse_other_optimizer, save_state
+from jaxpar.core.weights.state_file import read_state, refuse_other_optimizer, save_state
 from jaxpar.tools import convert as jaxpar_convert
 
 from tests.helpers import (ROOT, TINY, make_dataset, metrics, run_cli, run_in_session, tiny_config, torch_command,

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from jaxpar.core import recovery
+from jaxpar.core.run import recovery
 from jaxpar.tools.bench_recovery import Node, environment, failure_schedule
 from jaxpar.mesh import cpu_devices_for_elastic_axis, distributed_env
 from tests.helpers import TINY, free_port, metrics, run_cli

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from jaxpar.core.tokens import text_codec
+from jaxpar.core.data.tokens import text_codec
 from tests.helpers import ROOT, run_in_session, torch_env
 
 RUN, TORCH_RUN, INIT = "runs/jaxpar/gpt2-tiny", "runs/torchpar/gpt2-tiny", "runs/gpt2-tiny-init.safetensors"

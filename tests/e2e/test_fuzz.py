@@ -9,11 +9,11 @@ import time
 import pytest
 
 from jaxpar.checks import check_layout
-from jaxpar.core.batch_shapes import for_each_shape
-from jaxpar.core.config import load_config
-from jaxpar.core.contract import Run, check_contract
+from jaxpar.core.data.batch_shapes import for_each_shape
+from jaxpar.core.config.schema import load_config
+from jaxpar.core.config.contract import Run, check_contract
 from jaxpar.core.errors import UserError
-from jaxpar.core.pipeline_choice import candidates
+from jaxpar.core.pipeline.choice import candidates
 from parity_tests import fuzz, fuzz_docs
 from parity_tests.fuzz import shrink
 from parity_tests.fuzz_cases import BASE, Case, draw_case, normalize

@@ -1,4 +1,4 @@
-"""One writer per run directory (jaxpar/core/run_lock.py): a second trainer on a run.dir in use is refused in one
+"""One writer per run directory (jaxpar/core/run/lock.py): a second trainer on a run.dir in use is refused in one
 line naming the holder and touches nothing; a holder's death leaves a lock the next run takes over; a conversion
 writing a run takes it too; a file system that cannot lock warns (or refuses) in one line.
 
@@ -18,10 +18,10 @@ import time
 
 import pytest
 
-from jaxpar.core import run_lock
+from jaxpar.core.run import lock as run_lock
 from jaxpar.core.errors import UserError
-from jaxpar.core.run import claim_run_dir
-from jaxpar.core.run_lock import RunLock
+from jaxpar.core.run.loop import claim_run_dir
+from jaxpar.core.run.lock import RunLock
 from tests.helpers import ROOT, TINY, metrics, run_cli, tiny_config, torch_env
 
 STEPS = 6
@@ -140,10 +140,10 @@ def test_a_conversion_into_a_run_dir_in_use_is_refused(tmp_path, capsys):
     trainer holds run.dir; done, and the lock let go, once it is free."""
     import jax
 
-    from jaxpar.core.weights import save_weights
+    from jaxpar.core.weights.names import save_weights
     from jaxpar.state import init_state
     from jaxpar.tools import convert
-    from jaxpar.tools.convert_state import single_device_layout
+    from jaxpar.formats.train_state import single_device_layout
 
     cfg = tiny_config()
     weights, run_dir = str(tmp_path / "w.safetensors"), tmp_path / "run"

@@ -1,4 +1,4 @@
-"""Which process is slow, and where the time goes (jaxpar/core/stragglers.py): one process made slow on purpose
+"""Which process is slow, and where the time goes (jaxpar/core/run/stragglers.py): one process made slow on purpose
 (<PREFIX>_FAULT_SLOW_RANK) is named within two records -- jaxpar's process 1 of two, torchpar's rank 0 of a ddp
 pair, so a detector naming a fixed process fails one of them -- and a one-device run spends no time in collectives."""
 import json
@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 
-from jaxpar.core.config import load_config
-from jaxpar.core.stragglers import CommShare, Stragglers, in_flight_s, paces, sample_step, slowest
+from jaxpar.core.config.schema import load_config
+from jaxpar.core.run.stragglers import CommShare, Stragglers, in_flight_s, paces, sample_step, slowest
 from tests.e2e.test_multiprocess import finish, start_two
 from tests.helpers import ROOT, TINY, metrics, run_cli, tensorboard_scalars, torch_command, torch_env
 

@@ -127,8 +127,8 @@ def test_default_tiny_config_learns(tmp_path):
     assert records[min(records)]["loss"] > final["loss"] + 0.5  # from near log(256) = 5.5 down
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s", "mfu"} <= set(final)
     # train.sample_every=150: one sample, continuing the validation split's first 16 tokens
-    from jaxpar.core.config import load_config
-    from jaxpar.core.data_order import open_splits
+    from jaxpar.core.config.schema import load_config
+    from jaxpar.core.data.order import open_splits
 
     val = open_splits(load_config(os.path.join(ROOT, "configs/gpt2-tiny.yaml")))[1]
     prompt = bytes(val.rows(0, 0, 1)[0, :16].tolist()).decode("utf-8", "replace")
@@ -142,8 +142,8 @@ def test_trains_on_a_bpe_corpus_and_refuses_another_tokenizer_on_resume(tmp_path
     replaced by another one, and resuming is refused with one line."""
     import json
 
-    from jaxpar.core.bpe import train_tokenizer
-    from jaxpar.core.tokens import prepare
+    from jaxpar.core.data.bpe import train_tokenizer
+    from jaxpar.core.data.tokens import prepare
 
     with open(tmp_path / "corpus.jsonl", "w") as f:
         for i in range(400):

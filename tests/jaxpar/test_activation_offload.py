@@ -71,9 +71,9 @@ def test_the_step_keeps_the_projections_in_host_memory(remat):
 @pytest.mark.parametrize("mesh,share", [({"dp": 1}, 1.0), ({"fsdp": 2, "tp": 2}, (3 * D / 4 + D / 2 + D) / (8 * D)),
                                         ({"dp": 2}, 0.5)], ids=["dp=1", "fsdp=2,tp=2", "dp=2"])
 def test_offloaded_bytes_per_device(mesh, share):
-    """What the planner counts (jaxpar/tools/plan_activations.py): one device's shard of them as GSPMD places it --
+    """What the planner counts (jaxpar/cost/activations.py): one device's shard of them as GSPMD places it --
     fsdp halves the rows, tp the heads and the MLP width; the attention output is whole on each tp device."""
-    from jaxpar.tools.plan_activations import offloaded_bytes
+    from jaxpar.cost.activations import offloaded_bytes
 
     assert offloaded_bytes(_layout(tiny_config("model.remat=offload"), mesh)) == PROJECTED * share
     assert offloaded_bytes(_layout(tiny_config("model.remat=save_matmuls"), mesh)) == 0
@@ -88,7 +88,7 @@ def test_the_executor_schedules_refuse_it_in_one_line(schedule):
 def test_the_planner_shows_the_device_bytes_falling():
     """jaxpar.tools.plan: offload's activations per device, and the peak on the device below save_matmuls' by them
     (on XLA:CPU by subtraction: its memory analysis counts host memory with the device's)."""
-    from jaxpar.core.mesh_spec import parse_mesh
+    from jaxpar.core.config.mesh_spec import parse_mesh
     from jaxpar.tools.plan import plan
 
     plans = {r: plan(tiny_config(f"model.remat={r}"), parse_mesh("dp=1"), jax.devices()[:1])

@@ -1,4 +1,4 @@
-"""optim.name=adamw8bit in jaxpar (jaxpar/optim.py, jaxpar/core/adamw8bit.py): sharded layouts equal one device over
+"""optim.name=adamw8bit in jaxpar (jaxpar/optim.py, jaxpar/core/optimizer/adamw8bit.py): sharded layouts equal one device over
 10 steps (the loss within 1e-5; the weights within the band of parity_tests/compare.py's EIGHT_BIT), a run stops
 and resumes exactly, and the state is about a quarter of AdamW's -- in the planner and in the
 arrays a run holds. (The codes against torchao's, and jaxpar against torchpar: tests/torchpar/test_adamw8bit.py.)"""
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar.core import adamw8bit
-from jaxpar.core.config import load_config
+from jaxpar.core.optimizer import adamw8bit
+from jaxpar.core.config.schema import load_config
 from jaxpar.tools.plan import plan
 from jaxpar.step import build_step
 from parity_tests.compare import EIGHT_BIT as BAND

@@ -2,9 +2,9 @@
 import os
 
 from jaxpar.core.bench_records import HEADER, markdown_row
-from jaxpar.core.config import load_config
+from jaxpar.core.config.schema import load_config
 from jaxpar.tools import bench, bench_collectives
-from jaxpar.core.mesh_spec import parse_mesh
+from jaxpar.core.config.mesh_spec import parse_mesh
 
 
 def test_bench_reports_cpu_figures():

@@ -1,4 +1,4 @@
-"""Block-sparse dilated attention (model.sparsity_ratio; the pattern: jaxpar/core/block_sparsity.py, the cores:
+"""Block-sparse dilated attention (model.sparsity_ratio; the pattern: jaxpar/core/model/layer_rules.py, the cores:
 models/dilated.py on both sides): the pattern's rules; at sparsity 0.25 equal to a dense computation masked to
 the same blocks (and far from dense dilated attention, so that ignoring the sparsity fails); torchpar's blocked
 sum and FlexAttention's block mask equal to jaxpar; decoding's form; both trainers from one weights file (the
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxpar.core.block_sparsity import BlockSparsity, block_sparsity, dense_blocks, kept_blocks, kept_count
+from jaxpar.core.model.layer_rules import BlockSparsity, block_sparsity, dense_blocks, kept_blocks, kept_count
 from jaxpar.core.errors import UserError
 from jaxpar.models import dilated as jd
 from tests.helpers import assert_params_close, metrics, run_cli, run_steps, tiny_config
@@ -174,8 +174,8 @@ def test_sequence_parallel_equals_one_device(dataset):
 def test_attention_flops_of_the_step_are_a_quarter_of_dense():
     """The dilated attention's matmuls in the traced (loss, gradients) program: 2 key blocks of 8 per query
     block, so 0.25x; an upper bound of 0.35x leaves room for a cheaper first block."""
-    from jaxpar.tools.jaxpr_flops import matmul_flops
-    from jaxpar.tools.sequence_memory import loss_and_grad_program
+    from jaxpar.cost.jaxpr_flops import matmul_flops
+    from jaxpar.cost.loss_and_grad import loss_and_grad_program
 
     def attention_flops(cfg):
         traced, params, batch = loss_and_grad_program(cfg, {"dp": 1}, jax.devices()[:1])
@@ -195,7 +195,7 @@ def test_blocks_that_do_not_divide_a_row_are_refused(overrides, message):
 
 
 def test_sparsity_without_dilated_attention_is_refused():
-    from jaxpar.core.contract import Run, check_contract
+    from jaxpar.core.config.contract import Run, check_contract
 
     with pytest.raises(UserError, match="model.sparsity_ratio=0.25 .*model.attention=dilated"):
         check_contract(Run(tiny_config("model.sparsity_ratio=0.25"), "jaxpar"))

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar.core.config import load_config
-from jaxpar.core.mesh_spec import parse_mesh
+from jaxpar.core.config.schema import load_config
+from jaxpar.core.config.mesh_spec import parse_mesh
 from jaxpar.loss import loss_fn
 from jaxpar.models.decoder import Decoder
 from tests.helpers import ROOT, assert_params_close, make_sft_dataset, run_steps, tiny_config
@@ -61,7 +61,7 @@ def test_torchpar_chunks_as_jaxpar_does():
     """The same weights and rows, 4 chunks in both frameworks: the same loss and gradients (float32)."""
     import torch
 
-    from jaxpar.core.weights import flatten
+    from jaxpar.core.weights.names import flatten
     from torchpar.models.decoder import Decoder as TorchDecoder, inputs_and_targets
     from torchpar.weights import from_shared, to_shared
 

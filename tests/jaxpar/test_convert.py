@@ -6,7 +6,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from jaxpar.tools import convert
-from jaxpar.tools.hf_gpt2 import hf_to_shared
+from jaxpar.formats.hf_gpt2 import hf_to_shared
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -36,8 +36,8 @@ def test_hf_logits_match_jaxpar(hf_dir):
     import jax
     from flax import nnx
 
-    from jaxpar.core.weights import unflatten
-    from jaxpar.core.config import load_config
+    from jaxpar.core.weights.names import unflatten
+    from jaxpar.core.config.schema import load_config
     from jaxpar.models.decoder import Decoder
 
     flat, dims = hf_to_shared(str(hf_dir))

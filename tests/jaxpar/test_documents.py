@@ -12,10 +12,10 @@ import torch
 from flax import nnx
 
 from jaxpar.context import use
-from jaxpar.core.contract import Run, check_contract
+from jaxpar.core.config.contract import Run, check_contract
 from jaxpar.core.errors import UserError
-from jaxpar.core.mesh_spec import parse_mesh
-from jaxpar.core.weights import flatten, unflatten
+from jaxpar.core.config.mesh_spec import parse_mesh
+from jaxpar.core.weights.names import flatten, unflatten
 from jaxpar.decode import make_generate
 from jaxpar.layout import Layout
 from jaxpar.loss import split_rows, token_order

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.parallel.pipeline_plan import COL, FB_CODES, tick_plan
+from jaxpar.pipeline.tick_plan import COL, FB_CODES, tick_plan
 from tests.helpers import assert_params_close, run_steps, tiny_config
 
 DEEPER = ("model.n_layer=8", "optim.lr=3e-3", "optim.min_lr=3e-4")  # pp=4: 8 chunks of one layer

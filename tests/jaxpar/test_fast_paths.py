@@ -78,10 +78,10 @@ def _eqns(jaxpr):
 
 
 def test_cli_relaunches_itself_once_with_huge_pages_unless_the_user_set_glibc_tunables(tmp_path):
-    from jaxpar.core.malloc import HUGE_PAGES, wants_relaunch
+    from jaxpar.core.run.malloc import HUGE_PAGES, wants_relaunch
 
     (tmp_path / "probe.py").write_text(
-        "import os; print('start', flush=True); from jaxpar.core.malloc import relaunch_with_huge_pages; "
+        "import os; print('start', flush=True); from jaxpar.core.run.malloc import relaunch_with_huge_pages; "
         "relaunch_with_huge_pages('probe'); print(repr(os.environ.get('GLIBC_TUNABLES')))\n")
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), os.getcwd(), env.get("PYTHONPATH", "")])

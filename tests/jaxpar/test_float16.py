@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.mesh_spec import parse_mesh
+from jaxpar.core.config.mesh_spec import parse_mesh
 from tests.helpers import deepspeed_cpu_has_float16, metrics, run_cli, run_steps, tiny_config
 
 FP16 = ("model.compute_dtype=float16",)
@@ -67,7 +67,7 @@ def test_overflow_skips_exactly_that_update_and_halves_the_scale(dataset):
     state, m = make_train_step(layout)(state, device_batch(data, 1, layout.batch_sharding))
     changed = jax.device_get(state)
     assert float(m["loss_scale"]) == 512 and float(changed["loss_scale"]["scale"]) == 1024
-    from jaxpar.core.lr_schedule import lr_at
+    from jaxpar.core.optimizer.lr_schedule import lr_at
     assert np.isclose(float(m["lr"]), lr_at(0, cfg.optim, cfg.train.steps))  # the schedule counts applied updates
     assert not np.array_equal(changed["params"]["wte"], after["params"]["wte"])
 
@@ -117,7 +117,7 @@ def test_loss_scale_refusals_are_one_line(overrides, message):
 def test_resume_may_not_switch_into_float16(tmp_path):
     import json
 
-    from jaxpar.core.resume import check_resume
+    from jaxpar.core.run.resume import check_resume
 
     (tmp_path / "checkpoints" / "0").mkdir(parents=True)
     (tmp_path / "config.json").write_text(json.dumps(tiny_config(f"run.dir={tmp_path}").to_dict()))
@@ -131,7 +131,7 @@ def test_resume_may_not_switch_into_float16(tmp_path):
 def test_torchpar_overflow_skips_exactly_that_update_and_halves_the_scale(tmp_path):
     import torch
 
-    from jaxpar.core.lr_schedule import lr_at
+    from jaxpar.core.optimizer.lr_schedule import lr_at
     from torchpar import backends, dist
     from torchpar.models.decoder import Decoder
 

@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 from jaxpar.context import use
-from jaxpar.core.mesh_spec import parse_mesh
-from jaxpar.core.weights import read_weights, save_weights, unflatten
+from jaxpar.core.config.mesh_spec import parse_mesh
+from jaxpar.core.weights.names import read_weights, save_weights, unflatten
 from jaxpar.decode import make_generate
 from jaxpar.layout import Layout
 from jaxpar.mesh import make_mesh
@@ -101,10 +101,10 @@ def _assert_samples_of(run_dir, train_out: str, generate_out: str, logits_at, dr
     """The run (train.sample_every=2, train.steps=2) printed the sample its final model draws: the validation
     prompt continued token by token with draw(logits_at(row, n), index of the new token); the generate command
     (greedy, 8 tokens after "def ", from the run) printed the argmax continuation."""
-    from jaxpar.core.data_order import open_splits
-    from jaxpar.core.hooks import sample_lengths
-    from jaxpar.core.resume import read_run_config
-    from jaxpar.core.tokens import text_codec
+    from jaxpar.core.data.order import open_splits
+    from jaxpar.core.run.hooks import sample_lengths
+    from jaxpar.core.run.resume import read_run_config
+    from jaxpar.core.data.tokens import text_codec
 
     cfg = read_run_config(str(run_dir))
     decode = text_codec(cfg.data.tokenizer)[1]
@@ -135,7 +135,7 @@ SAMPLED = ["mla", "dilated"]
 def test_samples_during_training_come_from_the_trained_model(variant, dataset, tmp_path):
     """jaxpar: train.sample_every's sample (temperature 0.8, top_k 40, key = the step) is the final checkpoint's
     continuation drawn from the whole forward pass with the decoder's keys; `jaxpar.generate --run` decodes it."""
-    from jaxpar.core.resume import read_run_config
+    from jaxpar.core.run.resume import read_run_config
     from jaxpar.decode import sample
     from jaxpar.generate import restore_params
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.mesh_spec import parse_mesh
+from jaxpar.core.config.mesh_spec import parse_mesh
 from jaxpar.parallel import compression
 from tests.helpers import assert_params_close, run_steps, tiny_config
 

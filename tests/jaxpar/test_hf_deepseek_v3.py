@@ -1,4 +1,4 @@
-"""Hugging Face DeepseekV3ForCausalLM <-> both frameworks (jaxpar/tools/hf_deepseek_v3.py): a small random
+"""Hugging Face DeepseekV3ForCausalLM <-> both frameworks (jaxpar/formats/hf_deepseek_v3.py): a small random
 transformers model is the oracle for logits and greedy tokens, through --from hf and back through --to hf; what
 the format cannot hold is refused in one line."""
 import json
@@ -36,7 +36,7 @@ def hf_deepseek(tmp_path_factory):
 
 
 def test_hf_deepseek_v3_logits_and_greedy_tokens_match_both_frameworks(hf_deepseek):
-    from jaxpar.core.config import load_config
+    from jaxpar.core.config.schema import load_config
     from jaxpar.tools.convert import read
 
     path, tokens, want, greedy = hf_deepseek
@@ -61,10 +61,10 @@ def test_ours_to_hf_gives_our_logits_and_greedy_tokens(tmp_path):
     import transformers
     from flax import nnx
 
-    from jaxpar.core.weights import flatten, unflatten
+    from jaxpar.core.weights.names import flatten, unflatten
     from jaxpar.decode import make_generate
     from jaxpar.models.decoder import Decoder
-    from jaxpar.tools import hf_deepseek_v3
+    from jaxpar.formats import hf_deepseek_v3
     from tests.helpers import tiny_config
     from torchpar.decode import generate
     from torchpar.models.decoder import Decoder as TorchDecoder
@@ -139,7 +139,7 @@ DEEPSEEK = ("model.family=llama", "model.attention=mla", "model.n_layer=3", "mod
 
 
 def _settings(cfg) -> dict:
-    from jaxpar.core.weights import SETTINGS
+    from jaxpar.core.weights.names import SETTINGS
     return {k: getattr(cfg, k) for k in SETTINGS}
 
 
@@ -153,7 +153,7 @@ def _settings(cfg) -> dict:
     ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
 ])
 def test_what_our_model_cannot_hold_is_refused_in_one_line(hf_deepseek, tmp_path, change, message):
-    from jaxpar.tools import hf_deepseek_v3
+    from jaxpar.formats import hf_deepseek_v3
 
     config = json.loads((hf_deepseek[0] / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
@@ -171,9 +171,9 @@ def test_what_our_model_cannot_hold_is_refused_in_one_line(hf_deepseek, tmp_path
 def test_what_hf_cannot_hold_is_refused_in_one_line(tmp_path, extra, message):
     from flax import nnx
 
-    from jaxpar.core.weights import flatten
+    from jaxpar.core.weights.names import flatten
     from jaxpar.models.decoder import Decoder
-    from jaxpar.tools import hf_deepseek_v3
+    from jaxpar.formats import hf_deepseek_v3
     from tests.helpers import tiny_config
 
     cfg = tiny_config(*DEEPSEEK, *extra).model
@@ -185,8 +185,8 @@ def test_what_hf_cannot_hold_is_refused_in_one_line(tmp_path, extra, message):
 
 
 def test_the_deepseek_configs_build_with_their_documented_counts():
-    from jaxpar.core.config import load_config
-    from jaxpar.core.flops import count_params
+    from jaxpar.core.config.schema import load_config
+    from jaxpar.core.model.flops import count_params
     from tests.helpers import ROOT
 
     small = load_config(f"{ROOT}/configs/deepseek-v3-small.yaml").model
@@ -208,8 +208,8 @@ def test_the_tiny_config_trains_and_its_run_converts_to_hf(tmp_path):
     import transformers
     from flax import nnx
 
-    from jaxpar.core.config import load_config
-    from jaxpar.core.weights import unflatten
+    from jaxpar.core.config.schema import load_config
+    from jaxpar.core.weights.names import unflatten
     from jaxpar.models.decoder import Decoder
     from jaxpar.tools import convert
     from tests.helpers import ROOT

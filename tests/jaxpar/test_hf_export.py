@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.core.tokens import eod_token, text_codec
-from jaxpar.core.weights import save_weights
+from jaxpar.core.data.tokens import eod_token, text_codec
+from jaxpar.core.weights.names import save_weights
 from jaxpar.tools import convert
 
 from tests.helpers import tiny_config
@@ -22,7 +22,7 @@ TEXTS = ["def f(x):\n    return x , y .", "héllo wörld ✓ 日本語 Ā", "a <
 def make_run(tmp_path, name: str, *overrides: str) -> str:
     """A one-layer jaxpar run (step-0 checkpoint, config.json) of random weights large enough that greedy
     decoding does not settle on one token; its weights file is tmp_path/NAME.safetensors."""
-    from jaxpar.core.weights import flatten, unflatten
+    from jaxpar.core.weights.names import flatten, unflatten
     from jaxpar.models.decoder import abstract_model
 
     rng = np.random.default_rng(0)
@@ -89,8 +89,8 @@ def test_byte_level_run_exports_a_ready_pipeline(tmp_path, monkeypatch, capsys):
 
 def test_bpe_run_exports_its_tokenizer_and_end_of_document_id(tmp_path, capsys):
     """A run with a BPE tokenizer (python -m jaxpar.data tokenizer): the file and its <|endoftext|> id; AutoTokenizer
-    encodes as jaxpar.core.tokens.text_codec does (the special token's text is the token)."""
-    from jaxpar.core.bpe import train_tokenizer
+    encodes as jaxpar.core.data.tokens.text_codec does (the special token's text is the token)."""
+    from jaxpar.core.data.bpe import train_tokenizer
 
     corpus, path = tmp_path / "corpus.txt", str(tmp_path / "tokenizer.json")
     corpus.write_text("def f(x):\n    return x + 1\n" * 50 + "héllo wörld, the quick brown fox\n" * 20)

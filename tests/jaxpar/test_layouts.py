@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import assert_params_close, run_steps, tiny_config
-from jaxpar.core.mesh_spec import parse_mesh
+from jaxpar.core.config.mesh_spec import parse_mesh
 
 MESHES = [("dp=8", ()), ("fsdp=8", ()), ("dp=2,tp=4", ()), ("dp=2,fsdp=2,tp=2", ()),
            ("dp=4", ("parallel.zero_stage=1",)), ("dp=2,fsdp=2", ("parallel.zero_stage=2",)),

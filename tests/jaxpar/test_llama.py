@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar.core.config import load_config
+from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError
-from jaxpar.core.mesh_spec import parse_mesh
-from jaxpar.core.weights import unflatten
+from jaxpar.core.config.mesh_spec import parse_mesh
+from jaxpar.core.weights.names import unflatten
 from jaxpar.models.decoder import Decoder, abstract_model
 from tests.helpers import assert_params_close, run_steps, tiny_config
 
@@ -156,7 +156,7 @@ def test_kv_cache_decoding_with_grouped_heads_in_both_frameworks():
     assert len(set(cached[0].tolist())) > 3, cached  # a degenerate run would prove nothing
     np.testing.assert_array_equal(cached, np.asarray(tokens[:, 5:]))
 
-    from jaxpar.core.weights import flatten
+    from jaxpar.core.weights.names import flatten
     torch_model = TorchGPT(cfg.model)
     torch_model.load_state_dict(from_shared(flatten(jax.device_get(params)), cfg.model.n_layer))
     got = torch_generate(torch_model, torch.as_tensor(np.asarray(prompt)).long(), 20)
@@ -178,7 +178,7 @@ def test_family_refusals_are_one_line(overrides, message):
 def test_converted_run_may_change_data_and_batch_but_not_the_model(tmp_path):
     """A step-0 run written by jaxpar.tools.convert (config.json with converted_from) fine-tunes with its own
     data and batch; a trained run may not change them; neither may change the model."""
-    from jaxpar.core.resume import check_resume
+    from jaxpar.core.run.resume import check_resume
 
     (tmp_path / "checkpoints" / "0").mkdir(parents=True)
     saved = tiny_config(*LLAMA, f"run.dir={tmp_path}").to_dict()

@@ -10,9 +10,9 @@ import pytest
 import torch
 from flax import nnx
 
-from jaxpar.core.data_order import Samples, unmasked
-from jaxpar.core.mesh_spec import parse_mesh
-from jaxpar.core.weights import flatten
+from jaxpar.core.data.order import Samples, unmasked
+from jaxpar.core.config.mesh_spec import parse_mesh
+from jaxpar.core.weights.names import flatten
 from jaxpar.data import TokenBatches
 from jaxpar.loss import split_rows, token_share
 from jaxpar.models.decoder import Decoder

@@ -1,5 +1,5 @@
 """Mixture of experts (model.moe_*, jaxpar/models/moe.py) and expert parallelism over `ep`
-(jaxpar/parallel/experts.py): the router's rules against hand-derived cases, the token dispatch against a
+(jaxpar/parallel/expert_parallel.py): the router's rules against hand-derived cases, the token dispatch against a
 per-token numpy sum, and every layout against one device, drops included."""
 import math
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from jaxpar.core.errors import UserError
-from jaxpar.dispatch import local_experts
-from jaxpar.core.experts import row_capacity
+from jaxpar.parallel.expert_dispatch import local_experts
+from jaxpar.core.model.experts import row_capacity
 from jaxpar.models.moe import route
 from tests.helpers import (assert_both_frameworks_give_hf_answers, assert_hf_round_trip_through_a_jaxpar_run,
                            assert_params_close, hf_oracle, run_steps, tiny_config)
@@ -269,9 +269,9 @@ def test_dense_first_layers_are_torchpars_dense_blocks(tmp_path):
     import torch
     from flax import nnx
 
-    from jaxpar.core.weights import flatten, model_dims, unflatten
+    from jaxpar.core.weights.names import flatten, model_dims, unflatten
     from jaxpar.decode import make_generate
-    from jaxpar.tools import hf_mixtral
+    from jaxpar.formats import hf_mixtral
     from jaxpar.models.decoder import Decoder
     from torchpar.decode import generate
     from torchpar.models.decoder import Decoder as TorchDecoder
@@ -330,7 +330,7 @@ def hf_mixtral(tmp_path_factory):
 
 
 def test_hf_mixtral_logits_and_greedy_tokens_match_both_frameworks(hf_mixtral):
-    from jaxpar.core.config import load_config
+    from jaxpar.core.config.schema import load_config
     from jaxpar.tools.convert import read
 
     path, tokens, want, greedy = hf_mixtral

@@ -106,7 +106,7 @@ def test_grouped_routing_gives_both_frameworks_the_same_loss_and_gradients():
     import torch
     from flax import nnx
 
-    from jaxpar.core.weights import flatten
+    from jaxpar.core.weights.names import flatten
     from jaxpar.loss import loss_fn
     from jaxpar.models.decoder import Decoder
     from torchpar.models.decoder import Decoder as TorchDecoder, inputs_and_targets
@@ -148,6 +148,6 @@ def test_grouped_routing_gives_both_frameworks_the_same_loss_and_gradients():
 
 @pytest.mark.parametrize("setting", [{"moe_n_group": 4, "moe_topk_group": 2}, {"moe_routed_scale": 2.5}])
 def test_mixtral_export_refuses_expert_groups_and_a_scale(setting, tmp_path):
-    from jaxpar.tools.hf_mixtral import shared_to_hf
+    from jaxpar.formats.hf_mixtral import shared_to_hf
     with pytest.raises(UserError, match="moe_n_group, moe_routed_scale"):
         shared_to_hf({}, str(tmp_path), setting)

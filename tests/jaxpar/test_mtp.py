@@ -12,7 +12,7 @@ import torch
 from flax import nnx
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.weights import flatten, model_dims
+from jaxpar.core.weights.names import flatten, model_dims
 from jaxpar.loss import loss_fn
 from jaxpar.models.decoder import Decoder
 from tests.helpers import assert_params_close, run_steps, tiny_config
@@ -44,7 +44,7 @@ def _depth_by_hand(model, rows: np.ndarray, d: int, eod=None) -> float:
     the main model's last), both normed, projected, the block, the depth's norm and the shared head; a target only
     where token t+d exists, is counted, and (with documents) is in t's document; divided by all positions."""
     assert d == 1
-    from jaxpar.core.data_order import unmasked
+    from jaxpar.core.data.order import unmasked
     from jaxpar.ops import document_positions
 
     inputs, targets = unmasked(rows[:, :-1]), rows[:, 1:]
@@ -189,7 +189,7 @@ def test_each_hand_scheduled_pipeline_equals_one_device(schedule, dataset):
 
 
 def test_what_is_refused_is_one_line():
-    from jaxpar.core.contract import Run, check_contract
+    from jaxpar.core.config.contract import Run, check_contract
 
     with pytest.raises(UserError, match="model.mtp_depth=16 leaves no target"):
         tiny_config("model.mtp_depth=16")

@@ -1,4 +1,4 @@
-"""optim.name=muon in jaxpar (jaxpar/optim.py, jaxpar/core/muon.py): each matrix of a stacked tensor orthogonalised
+"""optim.name=muon in jaxpar (jaxpar/optim.py, jaxpar/core/optimizer/muon.py): each matrix of a stacked tensor orthogonalised
 on its own, a sharded layout equal to one device over 10 steps, and a run that stops and resumes exactly (and is
 refused if it resumes as another optimizer). Its conversion to torchpar: tests/e2e/test_convert_state.py."""
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar.core import muon
+from jaxpar.core.optimizer import muon
 from jaxpar.optim import orthogonalize
 from tests.helpers import assert_params_close, assert_resumes_exactly, run_cli, run_steps, tiny_config
 

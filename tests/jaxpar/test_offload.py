@@ -13,7 +13,7 @@ from tests.helpers import (assert_resumes_exactly, metrics, run_cli, run_in_sess
 
 @pytest.mark.parametrize("mesh,offload", [("fsdp=4", "optimizer"), ("dp=2,tp=2", "params+optimizer")])
 def test_jaxpar_offloaded_run_equals_the_one_on_devices(mesh, offload, dataset):
-    from jaxpar.core.mesh_spec import parse_mesh
+    from jaxpar.core.config.mesh_spec import parse_mesh
     from jaxpar.layout import Layout
     from jaxpar.mesh import make_mesh
     from jaxpar.state import init_state

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.mesh_spec import parse_mesh
-from jaxpar.pipeline_auto import resolve_schedule
-from jaxpar.tools.plan import peak_bytes
+from jaxpar.core.config.mesh_spec import parse_mesh
+from jaxpar.pipeline.auto import resolve_schedule
+from jaxpar.cost.peak_bytes import peak_bytes
 from tests.helpers import assert_params_close, assert_resumes_exactly, run_steps, tiny_config
-from jaxpar.parallel.pipeline_plan import tick_plan
+from jaxpar.pipeline.tick_plan import tick_plan
 
 # 4 layers so that pp=4 has a layer per stage. At the tiny config's lr=1e-2 a 4-layer model lets Adam
 # amplify float32 rounding to ~3e-5 in parameters on *any* sharded layout (dp=2,tp=2 too, no pipeline);
@@ -31,7 +31,7 @@ def references(dataset):
     (mesh, n, s) for mesh, n in (("pp=2", 2), ("pp=4", 4), ("pp=2,dp=2,tp=2", 8)) for s in SCHEDULES]
     + [("pp=4", 4, "auto")])
 def test_schedule_matches_single_device(schedule, mesh, n, dataset, references):
-    """auto: the schedule jaxpar.train resolves it to (jaxpar/pipeline_auto.py), whichever that is."""
+    """auto: the schedule jaxpar.train resolves it to (jaxpar/pipeline/auto.py), whichever that is."""
     model = DEEPER if schedule == "interleaved" and mesh == "pp=4" else DEEP
     cfg = tiny_config(*model, f"parallel.pipeline_schedule={schedule}", *SCHEDULES.get(schedule, ()))
     if schedule == "auto":
@@ -137,7 +137,7 @@ def _branch_matmuls(*overrides) -> list[int]:
     from jaxpar.context import use
     from jaxpar.layout import Layout
     from jaxpar.mesh import make_mesh
-    from jaxpar.parallel.pipeline_plan import BRANCHES
+    from jaxpar.pipeline.tick_plan import BRANCHES
     from jaxpar.state import abstract_state
     from jaxpar.step import loss_and_grad
 
@@ -158,7 +158,7 @@ def _branch_matmuls(*overrides) -> list[int]:
 def test_executor_backward_does_not_recompute_the_forward_unless_remat_says_so():
     """A middle stage's backward applies the residuals its forward kept: two matmuls per forward matmul (the
     gradients of both operands), none recomputed; model.remat=full trades memory for a recomputed forward."""
-    from jaxpar.parallel.pipeline_plan import B_MID, F_MID
+    from jaxpar.pipeline.tick_plan import B_MID, F_MID
 
     kept = _branch_matmuls("parallel.pipeline_schedule=1f1b")
     assert kept[F_MID] == 6 and kept[B_MID] == 2 * kept[F_MID]  # qkv, QK^T, PV, out, fc, proj per layer
@@ -171,8 +171,8 @@ def test_matmul_flops_count_loops_and_find_what_each_schedule_adds():
     does one device's matmul work, GPipe on GSPMD (M+S-1)/M of it (its bubble ticks compute too)."""
     import jax.numpy as jnp
 
-    from jaxpar.tools.jaxpr_flops import matmul_flops
-    from jaxpar.tools.pipeline_memory import step_flops
+    from jaxpar.cost.jaxpr_flops import matmul_flops
+    from jaxpar.cost.loss_and_grad import step_flops
 
     x = jnp.ones((64, 64))
     scan = jax.make_jaxpr(lambda x: jax.lax.scan(lambda c, _: (c @ x, None), x, None, length=10)[0])(x)
@@ -193,11 +193,11 @@ def test_zero_bubble_weight_pass_is_the_weight_matmuls_alone(remat):
     """Under every remat policy a middle stage's W (ZB-H1, pp=2) computes the projections' weight gradients
     x^T dy and no other matmul (a W that recomputed the forward or the activation gradients fails here), B does
     1F1B's backward less exactly those, and the step is one device's matmul work, ZB-V's too."""
-    from jaxpar.core.pipeline_schedules import resolve_microbatches
-    from jaxpar.parallel.pipeline_plan import B_MID, BRANCHES, F_MID, W_MID
-    from jaxpar.tools.jaxpr_flops import branch_flops
-    from jaxpar.tools.pipeline_memory import step_flops
-    from jaxpar.tools.sequence_memory import loss_and_grad_program
+    from jaxpar.core.pipeline.schedules import resolve_microbatches
+    from jaxpar.pipeline.tick_plan import B_MID, BRANCHES, F_MID, W_MID
+    from jaxpar.cost.jaxpr_flops import branch_flops
+    from jaxpar.cost.loss_and_grad import step_flops
+    from jaxpar.cost.loss_and_grad import loss_and_grad_program
 
     S, devices = 2, jax.devices()[:2]
     cfg = lambda schedule: tiny_config(*DEEP, f"parallel.pipeline_schedule={schedule}", f"model.remat={remat}")  # noqa: E731
@@ -252,7 +252,7 @@ def test_hand_scheduled_pipeline_runs_dilated_attention_over_sp(schedule, datase
 def test_unrolled_layers_compute_the_scans_run(mesh, n, schedule, dataset, references):
     """train.scan_layers=off (each layer traced on its own, on GPipe and the hand-scheduled executor alike):
     the single-device scan's numbers, and no loop over layers left in the step."""
-    from jaxpar.core.mesh_spec import parse_mesh
+    from jaxpar.core.config.mesh_spec import parse_mesh
     from jaxpar.step import build_step
 
     cfg = tiny_config(*DEEP, "train.scan_layers=off", f"parallel.pipeline_schedule={schedule}")

@@ -5,9 +5,9 @@ the choice took and traces only the schedules it skipped."""
 import jax
 import pytest
 
-from jaxpar import pipeline_auto
-from jaxpar.core.pipeline_choice import candidates, modeled_time, with_schedule
-from jaxpar.pipeline_auto import resolve_schedule
+from jaxpar.pipeline import auto as pipeline_auto
+from jaxpar.core.pipeline.choice import candidates, modeled_time, with_schedule
+from jaxpar.pipeline.auto import resolve_schedule
 from tests.helpers import tiny_config
 
 EIGHT = ("model.n_layer=8", "parallel.pipeline_microbatches=8", "train.global_batch_size=8")

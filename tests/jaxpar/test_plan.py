@@ -2,9 +2,9 @@
 import jax
 import pytest
 
-from jaxpar.core.config import load_config
-from jaxpar.core.mesh_spec import parse_mesh
-from jaxpar import hlo_collectives
+from jaxpar.core.config.schema import load_config
+from jaxpar.core.config.mesh_spec import parse_mesh
+from jaxpar.cost import hlo_collectives
 from jaxpar.tools.plan import candidate_meshes, main as plan_main, plan, recommend
 from tests.helpers import tiny_config
 
@@ -104,7 +104,7 @@ ENTRY %main (p: f32[64,256]) -> f32[64,256] {
 """
     got = {c.op: c.files for c in hlo_collectives.parse(hlo, 8)}
     assert got == {"all-to-all": {"/r/jaxpar/step.py", "/r/jaxpar/optim.py"}, "all-gather": {"/r/jaxpar/step.py"}}
-    from jaxpar.tools.plan_optimizer import is_optimizers
+    from jaxpar.cost.optimizer_traffic import is_optimizers
     assert is_optimizers(got["all-to-all"]) and not is_optimizers(got["all-gather"])
 
 def test_recommend_rejects_meshes_over_budget(capsys):
@@ -125,7 +125,7 @@ def test_recommend_says_each_mesh_as_it_is_compiled(capsys, monkeypatch):
     """--recommend compiles every candidate mesh (a minute for a small model): a line on stderr before the first and
     one per mesh compiled (each offload round's too), so a long run is never silent; the table stays on stdout.
     The compile is stubbed here: the lines are the subject, not the plans."""
-    from jaxpar.core.mesh_spec import format_mesh
+    from jaxpar.core.config.mesh_spec import format_mesh
     from jaxpar.tools import plan as planner
 
     peaks = {"none": 100, "optimizer": 60, "params+optimizer": 40}  # only the last fits: three rounds
@@ -146,8 +146,8 @@ def test_recommend_says_each_mesh_as_it_is_compiled(capsys, monkeypatch):
 
 def test_schedules_say_each_schedule_as_it_is_compiled(capsys, monkeypatch):
     """--schedules compiles the step of every pipeline schedule: a line on stderr for each (the compiles stubbed)."""
-    from jaxpar import pipeline_auto
-    from jaxpar.core.pipeline_schedules import PROGRAMS
+    from jaxpar.pipeline import auto as pipeline_auto
+    from jaxpar.core.pipeline.schedules import PROGRAMS
     from jaxpar.tools import plan as planner
 
     monkeypatch.setattr(planner, "plan", lambda cfg, sizes, devices=None: {
@@ -224,7 +224,7 @@ def test_schedules_side_by_side():
     memory within 1.05x of 1F1B's (W's stash: each projection's input and output gradient, which B hands out, mostly
     in residual buffers B has done with), ZB-V's within 1.1x; DualPipeV's bubble in lockstep (pipeline_schedules.
     lockstep_bubble) and one device's FLOPs; the modeled step time, and auto marked on its least."""
-    from jaxpar.core.pipeline_schedules import lockstep_bubble, simulate
+    from jaxpar.core.pipeline.schedules import lockstep_bubble, simulate
     from jaxpar.tools.plan import compare_schedules
 
     rows = {r["schedule"]: r for r in compare_schedules(tiny_config("model.n_layer=4"), {"pp": 2}, jax.devices()[:2])}

@@ -10,8 +10,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.core.errors import UserError
-from jaxpar.core.mesh_spec import parse_mesh
-from jaxpar.core.weights import flatten
+from jaxpar.core.config.mesh_spec import parse_mesh
+from jaxpar.core.weights.names import flatten
 from jaxpar.layout import Layout
 from jaxpar.mesh import make_mesh
 from jaxpar.parallel import powersgd

@@ -12,7 +12,7 @@ import pytest
 
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.core.errors import UserError
-from jaxpar.core.resume import check_resume
+from jaxpar.core.run.resume import check_resume
 from jaxpar.layout import Layout
 from jaxpar.mesh import make_mesh, process_id
 from jaxpar.state import abstract_state, init_state, restore_latest
@@ -68,8 +68,8 @@ def test_a_resume_that_changes_the_schedule_says_where_the_learning_rate_goes(ch
     """A schedule key changed on resume moves the learning rate of the steps still to train: the line gives it at
     the first of them under the old settings and the new (lr_at, the schedule's definition, checked alongside);
     an unchanged rate is said to stay (the cosine ends at optim.decay_steps, not train.steps)."""
-    from jaxpar.core.lr_schedule import lr_at
-    from jaxpar.core.resume import schedule_change_line
+    from jaxpar.core.optimizer.lr_schedule import lr_at
+    from jaxpar.core.run.resume import schedule_change_line
 
     old = tiny_config(*[c for c in changes if c.startswith("optim.decay_steps")])  # decay_steps: in both runs
     new = tiny_config(*changes)
@@ -80,7 +80,7 @@ def test_a_resume_that_changes_the_schedule_says_where_the_learning_rate_goes(ch
 
 
 def test_a_new_run_or_an_unchanged_schedule_says_nothing_of_it():
-    from jaxpar.core.resume import schedule_change_line
+    from jaxpar.core.run.resume import schedule_change_line
 
     assert schedule_change_line(tiny_config(), tiny_config("train.steps=20"), 0) is None  # nothing resumed
     assert schedule_change_line(tiny_config(), tiny_config("optim.weight_decay=0.3"), 7) is None  # not the schedule
@@ -89,7 +89,7 @@ def test_a_new_run_or_an_unchanged_schedule_says_nothing_of_it():
 def test_the_schedule_line_reads_the_old_settings_from_the_run_dir(tmp_path):
     """schedule_change: the run's config.json holds the settings it was trained with (read before the resumed run
     writes its own)."""
-    from jaxpar.core.resume import schedule_change, schedule_change_line
+    from jaxpar.core.run.resume import schedule_change, schedule_change_line
 
     old = tiny_config(f"run.dir={tmp_path}")
     (tmp_path / "config.json").write_text(json.dumps({**old.to_dict(), "framework": "jaxpar"}))

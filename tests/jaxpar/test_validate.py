@@ -4,7 +4,7 @@ import pytest
 
 from jaxpar.checks import validate
 from jaxpar.core.errors import UserError
-from jaxpar.core.mesh_spec import AXES
+from jaxpar.core.config.mesh_spec import AXES
 from tests.helpers import tiny_config
 
 
@@ -17,7 +17,7 @@ def test_a_config_that_fits_its_mesh_passes(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, sizes, refused", [
-    (["run.dir=FILE"], mesh(), "is a file, not a directory"),  # run.dir first (core/resume.py)
+    (["run.dir=FILE"], mesh(), "is a file, not a directory"),  # run.dir first (core/run/resume.py)
     (["parallel.grad_compression=bf16"], mesh(), "applies with dp or fsdp > 1"),  # the config contract
     ([], mesh(tp=3), "model.n_head=4 is not divisible by tp=3"),  # the layout
     (["train.batch_rampup=2,2,16"], mesh(dp=4), "not divisible by the data axes"),  # the layout at a ramp's batch

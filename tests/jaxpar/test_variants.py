@@ -14,14 +14,14 @@ import pytest
 import torch
 from flax import nnx
 
-from jaxpar.core.weights import flatten, unflatten
+from jaxpar.core.weights.names import flatten, unflatten
 from tests.helpers import assert_params_close, run_steps, tiny_config
-from jaxpar.core.mesh_spec import parse_mesh
+from jaxpar.core.config.mesh_spec import parse_mesh
 from jaxpar.models.dilated import dilated_attention
 from jaxpar.models.decoder import Decoder as JaxGPT
 from jaxpar.loss import loss_fn as jax_loss
 from jaxpar.models.mla import MLAttention, kv_cache_width
-from jaxpar.core.sketches import sketch_matrix
+from jaxpar.core.model.layer_rules import sketch_matrix
 from torchpar.weights import from_shared, shared_shapes, to_shared
 from torchpar.models.decoder import Decoder, next_token_loss
 
@@ -227,7 +227,7 @@ seed = int(sys.argv[1])
 random.seed(seed); np.random.seed(seed); torch.manual_seed(seed)  # perturb every global RNG state
 np.random.random(seed + 1)
 from jaxpar.models.decoder import Decoder
-from jaxpar.core.sketches import stacked_sketches
+from jaxpar.core.model.layer_rules import stacked_sketches
 from torchpar.models.decoder import Decoder as TorchGPT
 from tests.helpers import tiny_config
 cfg = tiny_config('model.linear=sketched', 'model.sketch_seed=7').model
@@ -246,7 +246,7 @@ def test_sketch_identical_across_processes_and_frameworks():
     digests = [subprocess.run([sys.executable, "-c", _SKETCH_SCRIPT, str(seed)], cwd=root, env=env, check=True,
                               capture_output=True, text=True).stdout.strip() for seed in (1, 2)]
     cfg = tiny_config("model.linear=sketched", "model.sketch_seed=7").model
-    from jaxpar.core.sketches import stacked_sketches
+    from jaxpar.core.model.layer_rules import stacked_sketches
 
     here = hashlib.sha256(b"".join(a.tobytes() for _, a in sorted(stacked_sketches(cfg).items()))).hexdigest()
     assert digests[0] == digests[1] == here

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxpar.core.lr_schedule import lr_at
+from jaxpar.core.optimizer.lr_schedule import lr_at
 from tests.helpers import ABORTS, TINY, make_dataset, metrics, run_in_session, tiny_config, torch_command, torch_env
 
 # A resume that changes settings (DESIGN.md 9): a run of the tiny config stopped after step 4, resumed with every

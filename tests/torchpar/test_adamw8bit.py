@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jaxpar.core import adamw8bit
+from jaxpar.core.optimizer import adamw8bit
 from jaxpar.optim import dequantize, quantize
 from parity_tests.compare import EIGHT_BIT as BAND
 from tests.helpers import metrics

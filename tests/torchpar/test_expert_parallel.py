@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jaxpar.core.config import load_config
+from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError
-from jaxpar.core.mesh_spec import check_torch_mesh
+from jaxpar.core.config.mesh_spec import check_torch_mesh
 from tests.helpers import metrics
 from tests.torchpar.runs import assert_same_run, run
 from torchpar.checks import check_expert_parallel

@@ -10,7 +10,7 @@ import torch
 from flax import nnx
 
 from jaxpar.context import ParallelContext, use
-from jaxpar.core.weights import flatten
+from jaxpar.core.weights.names import flatten
 from jaxpar.loss import loss_fn
 from jaxpar.models.decoder import Decoder
 from jaxpar.ops import FLOAT8, project

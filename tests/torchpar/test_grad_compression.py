@@ -6,8 +6,8 @@ import argparse
 import numpy as np
 import pytest
 
-from jaxpar.core.config import load_config
-from jaxpar.core.contract import Run, check_contract
+from jaxpar.core.config.schema import load_config
+from jaxpar.core.config.contract import Run, check_contract
 from jaxpar.core.errors import UserError
 from tests.helpers import TINY, metrics
 from tests.torchpar.runs import run

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxpar.core import muon
+from jaxpar.core.optimizer import muon
 from jaxpar.optim import orthogonalize as jax_orthogonalize
 from tests.helpers import free_port, metrics, run_in_session, torch_env
 from tests.torchpar.runs import assert_resumes_exactly_after_sigkill, assert_same_run, jaxpar_run, run

@@ -17,7 +17,7 @@ import pytest
 
 from safetensors.numpy import load_file
 
-from jaxpar.core.config import load_config
+from jaxpar.core.config.schema import load_config
 from torchpar.checkpoint import complete_steps
 from torchpar.trainer import build_model
 
@@ -351,7 +351,7 @@ def test_mesh_axes_the_backend_lacks_are_refused(backend, mesh, message, base):
 def test_a_mesh_the_processes_do_not_fill_says_how_many_to_start(mesh, backend, world, named):
     """torchpar's devices are its processes: a mesh of another size names the count to launch."""
     from jaxpar.core.errors import UserError
-    from jaxpar.core.mesh_spec import check_torch_mesh
+    from jaxpar.core.config.mesh_spec import check_torch_mesh
 
     with pytest.raises(UserError, match=re.escape(named)):
         check_torch_mesh(mesh, backend, world)

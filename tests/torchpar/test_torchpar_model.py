@@ -6,12 +6,12 @@ import pytest
 import torch
 from flax import nnx
 
-from jaxpar.core.weights import flatten, load_weights, save_weights, unflatten
+from jaxpar.core.weights.names import flatten, load_weights, save_weights, unflatten
 from jaxpar.models.decoder import Decoder as JaxGPT
 from jaxpar.loss import loss_fn as jax_loss
 from jaxpar.models.decoder import abstract_model
 from tests.helpers import tiny_config
-from jaxpar.core.weights import NAMES, shared_name
+from jaxpar.core.weights.names import NAMES, shared_name
 from torchpar.weights import from_shared, shared_shapes, to_shared
 from torchpar.parallelize import checkpoint_blocks
 from torchpar.models.decoder import Decoder, next_token_loss

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 from typing import Protocol
 
-from jaxpar.core.mesh_spec import TORCH_BACKENDS
+from jaxpar.core.config.mesh_spec import TORCH_BACKENDS
 
 BACKENDS = TORCH_BACKENDS  # the list lives in the shared core, where jaxpar.tools.launch checks it too
 

@@ -19,8 +19,8 @@ from contextlib import nullcontext
 
 import torch
 
-from jaxpar.core.experts import expert_records
-from jaxpar.core.lr_schedule import lr_at
+from jaxpar.core.model.experts import expert_records
+from jaxpar.core.optimizer.lr_schedule import lr_at
 from torchpar import dist
 from torchpar.checkpoint import DCPCheckpointer
 from torchpar.models.decoder import inputs_and_targets

@@ -29,8 +29,8 @@ import warnings
 import torch
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.lr_schedule import lr_at
-from jaxpar.core.run_dir import foreign_checkpoint, step_dirs
+from jaxpar.core.optimizer.lr_schedule import lr_at
+from jaxpar.core.run.directory import foreign_checkpoint, step_dirs
 from torchpar import dist
 from torchpar.backends.base import add_stats, eval_loss, microbatch_loss, microbatches, mtp_share, read_metrics
 from torchpar.backends.deepspeed_universal import forget, quiet_universal_load, repair_zero3_load, universal_source

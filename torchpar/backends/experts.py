@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
+from jaxpar.core.config.mesh_spec import parse_mesh, resolve_sizes
 
 
 def ep_size(cfg, world: int) -> int:

@@ -19,13 +19,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
+from jaxpar.core.config.mesh_spec import parse_mesh, resolve_sizes
 from torchpar.backends.base import TorchEngine, grad_scaler
 
 
 def fsdp_options(cfg, world: int) -> dict:
     """What the config asks of FSDP2: the mesh's (shape, axis names) -- parallel.mesh's dp x fsdp, all ranks on
-    fsdp when it is not set (jaxpar.core.mesh_spec.check_torch_mesh vetted it) -- and fully_shard's settings."""
+    fsdp when it is not set (jaxpar.core.config.mesh_spec.check_torch_mesh vetted it) -- and fully_shard's settings."""
     sizes = resolve_sizes(parse_mesh(cfg.parallel.mesh), world) if cfg.parallel.mesh else {"dp": 1}
     mesh = ((world,), ("fsdp",)) if sizes["dp"] == 1 else ((sizes["dp"], sizes["fsdp"]), ("dp", "fsdp"))
     compute = None if cfg.model.compute_dtype == "float32" else cfg.model.compute_dtype

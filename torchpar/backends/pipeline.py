@@ -2,7 +2,7 @@
 per rank: `ScheduleInterleaved1F1B`) and zero-bubble (`ScheduleInterleavedZeroBubble` for zb_h1,
 `ScheduleZBVZeroBubble` for zb_v).
 
-The stage split is jaxpar's (jaxpar/core/pipeline_schedules.py: virtual_stage): with S ranks and V chunks each,
+The stage split is jaxpar's (jaxpar/core/pipeline/schedules.py: virtual_stage): with S ranks and V chunks each,
 virtual stage v = c*S + s (chunk c of rank s; zb_v: rank s holds s and 2S-1-s) holds layers
 [v*L/(SV), (v+1)*L/(SV)); the embedding lives on the first virtual stage, the final norm and output head (and
 the loss) on the last. Module names stay those of the whole Decoder ("blocks.3.attn..."), so
@@ -49,9 +49,9 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                          ScheduleDualPipeV, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.loss_chunks import loss_chunks
-from jaxpar.core.mesh_spec import parse_mesh, resolve_sizes
-from jaxpar.core.pipeline_schedules import (check_schedule, chunks as chunks_per_rank, concrete, placement,
+from jaxpar.core.model.layer_rules import loss_chunks
+from jaxpar.core.config.mesh_spec import parse_mesh, resolve_sizes
+from jaxpar.core.pipeline.schedules import (check_schedule, chunks as chunks_per_rank, concrete, placement,
                                             resolve_microbatches, virtual_stage)
 from torchpar.backends.base import TorchEngine
 from torchpar.models.decoder import Decoder, embed, inputs_and_targets, mtp_losses

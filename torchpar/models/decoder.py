@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jaxpar.core.config import ModelConfig
-from jaxpar.core.data_order import unmasked
-from jaxpar.core.loss_chunks import loss_chunks
-from jaxpar.core.block_sparsity import block_sparsity
+from jaxpar.core.config.schema import ModelConfig
+from jaxpar.core.data.order import unmasked
+from jaxpar.core.model.layer_rules import loss_chunks
+from jaxpar.core.model.layer_rules import block_sparsity
 from torchpar.models.dilated import dilated_attention
 from torchpar.models.head import chunked_cross_entropy, cross_entropy, logits
 from torchpar.models.layers import Dense, Kernel, LayerNorm, RMSNorm, SketchedLinear
@@ -128,7 +128,7 @@ def mtp_rows(inputs, targets, segments, depth: int):
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, eod: int | None = None):
         """eod: the token that starts each packed document, attention staying within documents
-        (data.document_mask: jaxpar/core/tokens.py document_token); None reads a row as one sequence."""
+        (data.document_mask: jaxpar/core/data/tokens.py document_token); None reads a row as one sequence."""
         super().__init__()
         self.cfg, self.eod = cfg, eod
         self.compute_dtype = getattr(torch, cfg.compute_dtype)  # DeepSpeed fp16 may override it

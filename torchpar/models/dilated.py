@@ -8,7 +8,7 @@ import math
 import numpy as np
 import torch
 
-from jaxpar.core.block_sparsity import block_mask, dense_blocks, kept_blocks
+from jaxpar.core.model.layer_rules import block_mask, dense_blocks, kept_blocks
 
 NEG = -1e30
 FLEX_BLOCK = 128  # FlexAttention's default block: its fused kernel's tiles must fit the blocks

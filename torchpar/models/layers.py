@@ -1,5 +1,5 @@
 """Basic torch layers holding jaxpar's parameter shapes: einsum-applied weights of any rank, the norms, rotary
-embedding (jaxpar/models/layers.py's math), and sketched linear layers (jaxpar/core/sketches.py, whose
+embedding (jaxpar/models/layers.py's math), and sketched linear layers (jaxpar/core/model/layer_rules.py, whose
 `sketch_matrix` builds the very same sketch here)."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jaxpar.core.config import ModelConfig
-from jaxpar.core.sketches import sketch_dim, sketch_matrix
+from jaxpar.core.config.schema import ModelConfig
+from jaxpar.core.model.layer_rules import sketch_dim, sketch_matrix
 from torchpar.ops import float8_einsum, float8_matmul
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
-from jaxpar.core.config import ModelConfig
-from jaxpar.core.block_sparsity import block_sparsity
+from jaxpar.core.config.schema import ModelConfig
+from jaxpar.core.model.layer_rules import block_sparsity
 from torchpar.models.dilated import dilated_attention
 from torchpar.models.layers import Kernel, rope
 from torchpar.ops import causal_attention

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from jaxpar.core.config import ModelConfig
+from jaxpar.core.config.schema import ModelConfig
 from torchpar.models.layers import Dense, Kernel, RMSNorm, rope
 from torchpar.ops import causal_attention
 

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jaxpar.core.config import ModelConfig
-from jaxpar.core.experts import row_capacity
+from jaxpar.core.config.schema import ModelConfig
+from jaxpar.core.model.experts import row_capacity
 from torchpar.models.layers import Kernel
 from torchpar.models.llama import SwiGLU
 
@@ -75,7 +75,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.router = Kernel((cfg.d_model, cfg.moe_experts))
-        if cfg.router_bias:  # the choice's balance bias (jaxpar/core/experts.py): no gradient, moe_bias_update moves it
+        if cfg.router_bias:  # the choice's balance bias (jaxpar/core/model/experts.py): no gradient, moe_bias_update moves it
             self.router.bias = nn.Parameter(torch.zeros(cfg.moe_experts), requires_grad=False)
         self.experts = Experts(cfg, cfg.moe_experts)
         self.shared = SwiGLU(cfg, cfg.moe_shared_experts * cfg.expert_dim) if cfg.moe_shared_experts else None

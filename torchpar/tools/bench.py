@@ -14,9 +14,9 @@ import sys
 import time
 
 from jaxpar.core.bench_records import publish
-from jaxpar.core.config import load_config
+from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.flops import flops_per_token, peak_flops
+from jaxpar.core.model.flops import flops_per_token, peak_flops
 from torchpar.backends import BACKENDS
 
 

@@ -13,7 +13,7 @@ import sys
 import time
 
 from jaxpar.core.bench_records import measurement, print_rows
-from jaxpar.core.config import RunConfig
+from jaxpar.core.config.schema import RunConfig
 from jaxpar.core.errors import UserError, check_output_file, cli
 
 

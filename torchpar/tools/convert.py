@@ -1,7 +1,7 @@
 """python -m torchpar.tools.convert --from state FILE --to torchpar|deepspeed RUN
    (or --from torchpar RUN --to state FILE)
 
-A torchpar run's whole training state <-> the shared training-state file (jaxpar/core/state_file.py), which
+A torchpar run's whole training state <-> the shared training-state file (jaxpar/core/weights/state_file.py), which
 jaxpar reads and writes too (python -m jaxpar.tools.convert): parameters, AdamW's moments and step count (and with
 optim.name=muon Muon's momentum and count, torchpar/optim.py's MuonAdamW), the step (the data cursor) and the
 config. Import writes RUN/config.json and a DCP checkpoint at that step from one process; `torchpar.train --config
@@ -21,8 +21,8 @@ import sys
 import torch
 
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.resume import read_run_config
-from jaxpar.core.state_file import (first_moments, refuse_other_optimizer, save_state, state_for_run, state_meta,
+from jaxpar.core.run.resume import read_run_config
+from jaxpar.core.weights.state_file import (first_moments, refuse_other_optimizer, save_state, state_for_run, state_meta,
                                     write_moved_config, writing_run)
 from torchpar import dist
 from torchpar.backends import none

@@ -1,0 +1,1 @@
+"""Training data both frameworks read: token files, corpora and a BPE, the data order, packing, buckets, batch shapes."""

@@ -1,0 +1,1 @@
+"""Model rules both frameworks share: parameter and FLOP counts, the experts' rules, sketches, block sparsity."""

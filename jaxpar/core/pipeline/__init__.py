@@ -1,0 +1,1 @@
+"""Pipeline schedules as tables both frameworks run, and the automatic choice between them."""

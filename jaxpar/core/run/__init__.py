@@ -1,0 +1,1 @@
+"""A training run: the loop both trainers share, its hooks, the run directory, resume, recovery, peers, signals."""

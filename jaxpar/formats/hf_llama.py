@@ -1,0 +1,123 @@
+"""Hugging Face Llama (`LlamaForCausalLM`: config.json + safetensors) <-> the shared weight format. numpy only.
+
+HF keeps nn.Linear weights [out, in] with heads flattened on `out`; the shared format keeps [in, ...heads]
+(jaxpar/models/llama.py). Every conversion is a transpose and a reshape, so round trips are bit-exact.
+The rotary permutation: HF's Llama checkpoints already pair feature i with i + head_dim/2 (`rotate_half`),
+which is jaxpar's and torchpar's rotary layout, so q and k need no permutation in either direction (Meta's
+original checkpoints interleave the pairs; HF's own conversion script permutes them once, on the way in).
+Sharded HF checkpoints (model-0000x-of-0000y.safetensors) are read whole.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import numpy as np
+from safetensors.numpy import load_file
+
+from jaxpar.core.errors import UserError
+from jaxpar.core.weights.names import model_dims, write_safetensors
+
+PREFIX = "model.layers.{i}."
+# shared per-layer name -> HF per-layer name (under model.layers.{i}.); MLP weights are transposed
+NORMS = {"ln1.scale": "input_layernorm.weight", "ln2.scale": "post_attention_layernorm.weight"}
+MLP = {"mlp.gate.kernel": "mlp.gate_proj.weight", "mlp.up.kernel": "mlp.up_proj.weight",
+       "mlp.down.kernel": "mlp.down_proj.weight"}
+
+
+def read_config(hf_dir: str) -> dict:
+    path = os.path.join(hf_dir, "config.json")
+    with open(path) as f:
+        hf = json.load(f)
+    # transformers >= 5 keeps the rotary settings in rope_parameters, earlier versions in rope_theta/rope_scaling
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    refused = {"rope type": rope.get("rope_type", rope.get("type", "default")) != "default" and rope,
+               "attention_bias": hf.get("attention_bias"), "mlp_bias": hf.get("mlp_bias")}
+    for key, value in refused.items():
+        if value:
+            raise UserError(f"{path}: {key} {value!r} is not supported (plain rotary positions, no biases)")
+    hf["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UserError(f"{path}: hidden_act {hf['hidden_act']!r} is not Llama's silu")
+    d, h = hf["hidden_size"], hf["num_attention_heads"]
+    if (hf.get("head_dim") or d // h) * h != d:
+        raise UserError(f"{path}: head_dim={hf['head_dim']} x {h} heads != hidden_size={d}")
+    return hf
+
+
+def read_dir(hf_dir: str, check=read_config) -> tuple[dict, dict[str, np.ndarray]]:
+    """(config.json checked by `check`, every tensor) of an HF Llama-like directory (sharded files read whole)."""
+    hf = check(hf_dir)
+    files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
+    if not files:
+        raise UserError(f"not a Hugging Face {hf.get('model_type', 'llama')} directory: no *.safetensors in {hf_dir}")
+    return hf, {k: v for f in files for k, v in load_file(f).items()}
+
+
+def layers(raw: dict, L: int, name: str) -> np.ndarray:
+    """A per-layer HF tensor stacked over the L layers."""
+    return np.stack([raw[PREFIX.format(i=i) + name] for i in range(L)])
+
+
+def hf_to_shared(hf_dir: str, mlp=None) -> tuple[dict[str, np.ndarray], dict]:
+    """Read an HF Llama directory -> (flat shared tensors, model config overrides); `mlp(hf, raw)`: the shared
+    feed-forward tensors of another layout of it (Mixtral's experts: hf_mixtral.py), else Llama's MLP."""
+    hf, raw = read_dir(hf_dir)
+    L, d, h = hf["num_hidden_layers"], hf["hidden_size"], hf["num_attention_heads"]
+    g, k = hf.get("num_key_value_heads") or h, d // h
+    tied = hf.get("tie_word_embeddings", False)
+    out = {"wte": raw["model.embed_tokens.weight"], "ln_f.scale": raw["model.norm.weight"]}
+    if not tied:
+        out["lm_head"] = raw["lm_head.weight"]
+    out.update({f"blocks.{ours}": layers(raw, L, theirs) for ours, theirs in NORMS.items()})
+    if mlp is None:
+        out.update({f"blocks.{ours}": layers(raw, L, theirs).transpose(0, 2, 1) for ours, theirs in MLP.items()})
+    else:
+        out.update(mlp(hf, raw))
+    out["blocks.attn.q.kernel"] = layers(raw, L, "self_attn.q_proj.weight").transpose(0, 2, 1).reshape(L, d, h, k)
+    kv = [layers(raw, L, f"self_attn.{n}_proj.weight").transpose(0, 2, 1).reshape(L, d, g, k) for n in "kv"]
+    out["blocks.attn.kv.kernel"] = np.stack(kv, axis=2)
+    out["blocks.attn.out.kernel"] = layers(raw, L, "self_attn.o_proj.weight").transpose(0, 2, 1).reshape(L, h, k, d)
+    settings = {"max_seq_len": hf.get("max_position_embeddings", 2048), "layernorm_eps": hf.get("rms_norm_eps", 1e-6),
+                "rope_theta": hf["rope_theta"]}
+    return {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in out.items()}, model_dims(out, settings)
+
+
+def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict, mlp=None, config=None) -> None:
+    """Write an HF Llama directory (config.json + model.safetensors) from flat shared tensors; `mlp(flat, i)`: layer
+    i's HF feed-forward tensors and `config`: config.json entries of another layout of it (hf_mixtral.py)."""
+    dims = model_dims(flat, model)
+    L, d, h, g = dims["n_layer"], dims["d_model"], dims["n_head"], dims["n_kv_head"]
+    theta = float(dims.get("rope_theta", 10000.0))
+    t = lambda a: np.ascontiguousarray(a.T)  # noqa: E731 - shared [in, out] -> HF [out, in]
+    tensors = {"model.embed_tokens.weight": flat["wte"], "model.norm.weight": flat["ln_f.scale"]}
+    if "lm_head" in flat:
+        tensors["lm_head.weight"] = flat["lm_head"]
+    for i in range(L):
+        p = PREFIX.format(i=i)
+        tensors.update({p + theirs: flat[f"blocks.{ours}"][i] for ours, theirs in NORMS.items()})
+        if mlp is None:
+            tensors.update({p + theirs: t(flat[f"blocks.{ours}"][i]) for ours, theirs in MLP.items()})
+        else:
+            tensors.update({p + theirs: value for theirs, value in mlp(flat, i).items()})
+        tensors[p + "self_attn.q_proj.weight"] = t(flat["blocks.attn.q.kernel"][i].reshape(d, d))
+        for j, n in enumerate("kv"):
+            tensors[p + f"self_attn.{n}_proj.weight"] = t(flat["blocks.attn.kv.kernel"][i, :, j].reshape(d, -1))
+        tensors[p + "self_attn.o_proj.weight"] = t(flat["blocks.attn.out.kernel"][i].reshape(d, d))
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": dims["vocab_size"],
+              "hidden_size": d, "intermediate_size": dims.get("d_ff"), "num_hidden_layers": L,
+              "num_attention_heads": h, "num_key_value_heads": g, "hidden_act": "silu",
+              "max_position_embeddings": dims["max_seq_len"], "rms_norm_eps": dims.get("layernorm_eps", 1e-5),
+              "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+              "tie_word_embeddings": "lm_head" not in flat,
+              "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32", **(config or {})}
+    write_dir(out_dir, tensors, config)
+
+
+def write_dir(out_dir: str, tensors: dict[str, np.ndarray], config: dict) -> None:
+    """config.json and model.safetensors (float32, written atomically) into out_dir."""
+    write_safetensors(os.path.join(out_dir, "model.safetensors"),
+                      {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in tensors.items()}, {"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)

@@ -1,0 +1,135 @@
+"""Weights and training states in every format the converter knows: read, write, and whole states through a file.
+
+`python -m jaxpar.tools.convert` is the command line over these; `python -m jaxpar.generate --hf/--weights` reads
+with `read`. The torchpar side of a whole state runs as `python -m torchpar.tools.convert` in a subprocess (jaxpar
+does not import torch).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+from jaxpar.core.errors import UserError
+from jaxpar.core.weights.names import SETTINGS, flatten, model_dims, read_settings, read_weights, save_weights, unflatten
+from jaxpar.formats import hf_deepseek_v3, hf_gpt2, hf_llama, hf_mixtral, hf_tokenizer
+from jaxpar.formats.train_state import single_device_layout
+from jaxpar.core.weights.state_file import writing_run
+
+FORMATS = ("shared", "hf", "jaxpar", "state", "torchpar", "deepspeed")
+RUNS = ("jaxpar", "torchpar", "deepspeed")  # formats a whole training state converts between, with "state"
+
+
+def read(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
+    """-> (flat shared tensors, model config overrides)."""
+    if fmt == "hf":
+        return _hf_module(src).hf_to_shared(src)
+    if fmt == "shared":
+        flat = read_weights(src)
+        return flat, model_dims(flat, read_settings(src))
+    if fmt in ("state", "torchpar"):
+        return _state_weights(fmt, src)
+    from jaxpar.checkpoint import Checkpointer
+    from jaxpar.core.run.resume import read_run_config
+    from jaxpar.state import restore_latest
+
+    cfg = read_run_config(src)
+    if cfg.model.attention == "dilated" or cfg.model.linear != "dense":  # (gpt2's mla: model_dims refuses it)
+        raise UserError(f"{src} trains model.attention={cfg.model.attention}, model.linear={cfg.model.linear}; "
+                        "conversion supports only mha attention (llama's mla too) and dense layers")
+    restored = restore_latest(Checkpointer(src, cfg.checkpoint.keep), single_device_layout(cfg))
+    if restored is None:
+        raise UserError(f"no checkpoint in {src}/checkpoints")
+    flat = {k: np.asarray(v) for k, v in flatten(restored[0]["params"]).items()}
+    return flat, model_dims(flat, {k: getattr(cfg.model, k) for k in SETTINGS})
+
+
+def _state_weights(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
+    """The parameters of a training-state file, or of a torchpar run's latest checkpoint (through a state file)."""
+    import tempfile
+
+    from jaxpar.core.config.schema import config_from_dict
+    from jaxpar.core.weights.state_file import read_state
+
+    if fmt == "torchpar":
+        with tempfile.TemporaryDirectory() as tmp:
+            state = os.path.join(tmp, "state.safetensors")
+            export_run_state(fmt, src, state)
+            return _state_weights("state", state)
+    tensors, meta = read_state(src)
+    cfg = config_from_dict(meta["config"])
+    flat = tensors["param"]
+    return flat, model_dims(flat, {k: getattr(cfg.model, k) for k in SETTINGS})
+
+
+def _hf_module(src: str):
+    path = os.path.join(src, "config.json")
+    if not os.path.exists(path):
+        raise UserError(f"not a Hugging Face model directory: {path} is missing")
+    with open(path) as f:
+        model_type = json.load(f).get("model_type")
+    modules = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral": hf_mixtral, "deepseek_v3": hf_deepseek_v3}
+    if model_type not in modules:
+        raise UserError(f"{path}: model_type {model_type!r} is not one of {', '.join(modules)}")
+    return modules[model_type]
+
+
+def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict, src: str = "") -> None:
+    if fmt == "hf" and model.get("mtp_depth") and model.get("attention") != "mla":
+        raise UserError(f"the Hugging Face GPT-2, Llama and Mixtral formats have no place for multi-token prediction's "
+                        f"modules (model.mtp_depth={model['mtp_depth']}); convert to shared, jaxpar or state instead")
+    if fmt == "shared":
+        save_weights(dst, unflatten(flat), model)
+    elif fmt == "hf" and model.get("family") == "llama":
+        llama = hf_mixtral if "blocks.moe.gate" in flat else hf_llama
+        (hf_deepseek_v3 if model.get("attention") == "mla" else llama).shared_to_hf(flat, dst, model)
+    elif fmt == "hf":
+        hf_gpt2.shared_to_hf(flat, dst, model.get("layernorm_eps", 1e-5))
+    else:
+        from jaxpar.checkpoint import Checkpointer
+        from jaxpar.core.config.schema import config_for_weights
+        from jaxpar.state import state_from_params
+
+        own = hf_tokenizer.source_tokenizer(src) if src and os.path.isdir(src) else None  # an HF source's
+        cfg = config_for_weights(model, f"run.dir={dst}", *([f"data.tokenizer={own}"] if own else []))
+        state = state_from_params(single_device_layout(cfg), unflatten(flat))
+        with writing_run(dst):
+            with open(os.path.join(dst, "config.json"), "w") as f:
+                json.dump({**cfg.to_dict(), "converted_from": os.path.abspath(src)}, f, indent=2)
+            ckpt = Checkpointer(dst, cfg.checkpoint.keep)
+            ckpt.save(0, state, {"step": 0, "data_step": 0, "mesh": "dp=1"})
+            ckpt.close()
+
+
+def export_run_state(fmt: str, run_dir: str, state: str) -> int:
+    from jaxpar.formats.train_state import export_state
+
+    return export_state(run_dir, state) if fmt == "jaxpar" else torchpar_convert("--from", "torchpar", run_dir, "--to",
+                                                                           "state", state)
+
+
+def import_run_state(state: str, fmt: str, run_dir: str, zero_stage: str | None) -> int:
+    from jaxpar.formats.train_state import import_state
+
+    if fmt == "jaxpar":
+        return import_state(state, run_dir)
+    return torchpar_convert("--from", "state", state, "--to", fmt, run_dir, *(("--zero-stage", zero_stage) if zero_stage
+                                                                        else ()))
+
+
+def torchpar_convert(*args: str) -> int:
+    """python -m torchpar.tools.convert ARGS: the step it converted, or its error line as ours."""
+    import re
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "torchpar.tools.convert", *args], capture_output=True, text=True)
+    done = re.search(r"converted the training state of step (\d+)", proc.stdout)
+    if proc.returncode or not done:
+        line = next((ln for ln in reversed(proc.stderr.splitlines()) if ln.startswith("error:")), None)
+        if line is None:  # not a refusal: a bug, whose traceback is the report
+            raise RuntimeError(f"torchpar.tools.convert {' '.join(args)} failed (exit {proc.returncode}):\n"
+                               f"{proc.stderr[-4000:]}")
+        raise UserError(f"torchpar.tools.convert {' '.join(args)} failed: {line.removeprefix('error: ')}")
+    return int(done.group(1))

@@ -1,0 +1,61 @@
+"""Tokens to their experts and back, mesh-free: what a mixture-of-experts layer runs between its router and the
+sum of its experts' outputs (jaxpar/models/moe.py routes; jaxpar/parallel/expert_parallel.py runs this across `ep`).
+
+Each of a device's N tokens has k (expert id, weight) choices, some dropped by the router's capacity. The
+choices are sorted into a buffer [experts, slots, embed]: expert e's slot s holds the s-th token (in token
+order) that chose e; a slot nobody fills stays zero. The buffer goes to the devices owning the experts
+(`exchange`: an all-to-all over ep; nothing on one device), every expert runs its SwiGLU on its slots as one
+batched matmul, the results come back (`back`), and each token sums its choices' outputs by their weights.
+
+The buffer is padded: slots = N holds any routing without a drop (a token picks an expert at most once), at the
+price of experts x N rows in flight per device. The padded all-to-all is what XLA:CPU runs (it has no
+ragged_all_to_all); a ragged exchange of the filled slots alone is not built yet.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.core.model.experts import slots_for
+
+
+def _same(a):
+    return a
+
+
+def swiglu_experts(buffer, gate, up, down, reduce: Callable = _same):
+    """buffer [experts, slots, embed] through each expert's SwiGLU (gate, up [experts, embed, width], down
+    [experts, width, embed]); `reduce` sums partial outputs when the width is split (a psum over tp)."""
+    h = jax.nn.silu(jnp.einsum("esd,edf->esf", buffer, gate)) * jnp.einsum("esd,edf->esf", buffer, up)
+    return reduce(jnp.einsum("esf,efd->esd", h, down))
+
+
+def dispatch(x, ids, weights, kept, n_experts: int, slots: int, experts: Callable,
+             exchange: Callable = _same, back: Callable = _same):
+    """x [N, embed]; ids, weights, kept [N, k] -> [N, embed]: sum over the kept choices of weight x expert(x).
+    `experts` maps the received buffer to outputs of the same shape."""
+    N, k = ids.shape
+    flat, keep = ids.reshape(-1), kept.reshape(-1)
+    chosen = (flat[:, None] == jnp.arange(n_experts)) & keep[:, None]  # [N*k, experts]
+    rank = jnp.sum(jnp.where(chosen, jnp.cumsum(chosen, axis=0, dtype=jnp.int32) - 1, 0), axis=1)
+    slot = jnp.where(keep, rank, slots)  # a dropped choice points past the buffer: the scatter skips it
+    buffer = jnp.zeros((n_experts, slots, x.shape[1]), x.dtype).at[flat, slot].set(jnp.repeat(x, k, axis=0),
+                                                                                    mode="drop")
+    out = back(experts(exchange(buffer)))
+    picked = out.at[flat, slot].get(mode="fill", fill_value=0).reshape(N, k, -1)
+    return jnp.sum(picked * weights[..., None].astype(x.dtype), axis=1)
+
+
+def local_experts(x, ids, weights, kept, gate, up, down, capacity: int, owners: int = 1, exchange: Callable = _same,
+                  back: Callable = _same, reduce: Callable = _same):
+    """The parallel context's default: every expert on this device. x [B, T, embed]; ids, weights, kept
+    [B, T, k]; `capacity`: slots per expert per row (0: dropless). Inside expert parallelism's shard_map
+    (parallel/expert_parallel.py) the same on this device's rows and experts: `owners` devices hold gate.shape[0] experts
+    each, `exchange`/`back` move the buffer to them and home, `reduce` sums outputs of a split width."""
+    B, T, D = x.shape
+    flat = (a.reshape(B * T, -1) for a in (x, ids, weights, kept))
+    y = dispatch(*flat, gate.shape[0] * owners, slots_for(B * T, B, capacity),
+                 lambda b: swiglu_experts(b, gate, up, down, reduce), exchange, back)
+    return y.reshape(B, T, D)
