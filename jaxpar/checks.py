@@ -1,6 +1,12 @@
-"""What a (config, mesh) pair needs before anything is traced, stated in the user's terms, one line each;
-`validate` is the one entry that runs them all (torchpar/checks.py's `validate` is its twin)."""
+"""What a (config, mesh) pair needs before anything is traced, stated in the user's terms, one line each.
+
+`validate` is the one entry that runs them all (torchpar/checks.py's `validate` is its twin). A (config, mesh) pair
+is checked once per process: the automatic pipeline schedule checks its candidates, the trainer the chosen one, and
+each Layout its own, and a pair accepted before is not checked again.
+"""
 from __future__ import annotations
+
+import json
 
 from jaxpar.core.data.batch_shapes import for_each_shape
 from jaxpar.core.config.schema import Config
@@ -21,12 +27,37 @@ def validate(cfg: Config, sizes, is_main: bool = True) -> None:
     check_run_dir_framework(cfg, "jaxpar")
     check_resume(cfg, is_main)
     check_trackers(cfg)
-    check_contract(Run(cfg, "jaxpar", mesh=dict(sizes)))
-    for_each_shape(cfg, lambda at: check_layout(at, sizes))
+    check_config(cfg, sizes)
+
+
+_ACCEPTED: set[str] = set()  # the (check, config, mesh) triples accepted so far in this process
+
+
+def once(what: str, cfg: Config, sizes, check) -> None:
+    """Run `check()` unless it accepted this config on this mesh before in this process; remember it if it does."""
+    key = json.dumps([what, cfg.to_dict(), sorted(dict(sizes).items())], default=str)
+    if key not in _ACCEPTED:
+        check()
+        _ACCEPTED.add(key)
+
+
+def check_config(cfg: Config, sizes) -> None:
+    """The config contract, then the layout at every batch shape (sizes: mesh axis -> size)."""
+
+    def check():
+        check_contract(Run(cfg, "jaxpar", mesh=dict(sizes)))
+        for_each_shape(cfg, lambda at: check_layout(at, sizes))
+
+    once("config", cfg, sizes, check)
 
 
 def check_layout(cfg: Config, sizes) -> None:
     """Divisibility the sharded program needs (sizes: mesh axis -> size)."""
+    once("layout", cfg, sizes, lambda: divisibility(cfg, sizes))
+
+
+def divisibility(cfg: Config, sizes) -> None:
+    """check_layout's checks, each time it is called."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     if m.n_head % sizes["tp"]:
         raise UserError(f"model.n_head={m.n_head} is not divisible by tp={sizes['tp']}")

@@ -24,7 +24,7 @@ from jaxpar.core.data.tokens import prepare, read_meta, split_range
 
 def grain_batches(samples: Samples, global_batch_size: int, sizes=None) -> GlobalBatches:
     """Global batches whose samples are read through a grain MapDataset over the shared order."""
-    import grain  # here, not at module level: grain imports jax (~1 s), which prepare/info don't need
+    import grain  # deferred: grain imports jax (~1 s), which prepare, tokenizer and info don't need
 
     dataset = grain.MapDataset.range(0, 2**62).map(samples.__getitem__)  # sample i, any i >= 0
     return GlobalBatches(samples, global_batch_size, read=dataset.__getitem__, sizes=sizes)
@@ -38,7 +38,7 @@ def TokenBatches(path: str, seq_len: int, global_batch_size: int, seed: int, spl
 
 def device_batch(data: GlobalBatches, step: int, sharding):
     """The global batch at `step` as a sharded array; this process reads only the rows it holds."""
-    import jax
+    import jax  # deferred: jax (~1 s), which prepare, tokenizer and info don't need
 
     shape = data.shape(step)
     index_map = sharding.addressable_devices_indices_map(shape)

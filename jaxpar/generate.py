@@ -17,8 +17,11 @@ from jaxpar.core.config.mesh_spec import parse_mesh
 from jaxpar.core.run.resume import read_run_config
 from jaxpar.core.run.directory import check_framework
 from jaxpar.core.sampling_cli import check_sampling, decodable_tokens, print_samples, sampling_parser
-from jaxpar.core.data.tokens import text_codec
-from jaxpar.mesh import setup_devices
+from jaxpar.core.data.tokens import document_token, text_codec
+from jaxpar.core.weights.names import unflatten
+from jaxpar.formats.hf_tokenizer import source_tokenizer
+from jaxpar.formats.weights_io import read
+from jaxpar.mesh import make_mesh, setup_devices
 
 
 def parse_args(argv):
@@ -43,9 +46,6 @@ def load(args) -> tuple[Config, dict | None, str]:
     """(config, flat shared weights, tokenizer) of the source the user named; a run's weights (None here) are
     restored by sample_rows straight onto the decoding mesh, whatever the model's variant (the shared format
     holds GPT-2's and llama's parameters only)."""
-    from jaxpar.formats.weights_io import read
-    from jaxpar.formats.hf_tokenizer import source_tokenizer
-
     if args.run:
         cfg = read_run_config(args.run)
         return cfg, None, args.tokenizer or cfg.data.tokenizer
@@ -70,17 +70,14 @@ def main(argv=None) -> int:
 
 
 def sample_rows(cfg: Config, sizes: dict, flat: dict, prompt: list[int], args) -> list[list[int]]:
-    import jax
-    import jax.numpy as jnp
+    import jax  # deferred: jax (~1 s), after setup_devices
+    import jax.numpy as jnp  # deferred: jax (~1 s), after setup_devices
 
-    from jaxpar.context import use
-    from jaxpar.core.weights.names import unflatten
-    from jaxpar.decode import make_generate
-    from jaxpar.layout import Layout
-    from jaxpar.core.data.tokens import document_token
-    from jaxpar.mesh import make_mesh
-    from jaxpar.models.decoder import abstract_model
-    from jaxpar.parallelize import parallel_context
+    from jaxpar.context import use  # deferred: imports jax, after setup_devices
+    from jaxpar.decode import make_generate  # deferred: imports jax, after setup_devices
+    from jaxpar.layout import Layout  # deferred: imports jax, after setup_devices
+    from jaxpar.models.decoder import abstract_model  # deferred: imports jax, after setup_devices
+    from jaxpar.parallelize import parallel_context  # deferred: imports jax, after setup_devices
 
     layout = Layout(cfg, make_mesh(sizes))
     params = restore_params(args.run, layout) if flat is None else unflatten(flat)
@@ -94,8 +91,8 @@ def sample_rows(cfg: Config, sizes: dict, flat: dict, prompt: list[int], args) -
 
 def restore_params(run: str, layout) -> dict:
     """The parameters of a run's latest checkpoint, in the layout's shardings (orbax reshards)."""
-    from jaxpar.checkpoint import Checkpointer
-    from jaxpar.state import restore_latest
+    from jaxpar.checkpoint import Checkpointer  # deferred: orbax, jax (~1 s), after setup_devices
+    from jaxpar.state import restore_latest  # deferred: imports jax, after setup_devices
 
     restored = restore_latest(Checkpointer(run, layout.cfg.checkpoint.keep), layout)
     if restored is None:

@@ -9,6 +9,8 @@ import math
 import os
 import re
 
+from absl import logging as absl_logging
+
 from jaxpar.core.errors import UserError
 from jaxpar.core.config.mesh_spec import AXES, format_mesh, resolve_sizes
 from jaxpar.core.run.peers import library_timeout_s
@@ -114,7 +116,7 @@ def setup_devices(sizes: dict[str, int], peer_timeout_s: float | None = None) ->
     """Before jax starts: XLA's GPU options on a GPU; simulate the mesh's devices on CPU if no accelerator (as many
     as JAXPAR_CPU_DEVICES or XLA_FLAGS's device count says, where set; else the mesh's); join processes (the
     coordination service's heartbeat and shutdown timeouts sit above run.peer_timeout_s: core/run/peers.py)."""
-    import jax
+    import jax  # deferred: jax (~1 s): command lines import this before parsing
 
     dist, nproc = distributed_env()
     if _has_gpu():
@@ -147,8 +149,8 @@ def setup_devices(sizes: dict[str, int], peer_timeout_s: float | None = None) ->
 def make_mesh(sizes: dict[str, int], devices=None):
     """A Mesh over `devices` (default: all, across processes) with Auto axis types, so GSPMD
     propagates shardings from the ones we pin."""
-    import jax
-    from jax.sharding import AxisType
+    import jax  # deferred: jax (~1 s): command lines import this before parsing
+    from jax.sharding import AxisType  # deferred: jax (~1 s): command lines import this before parsing
 
     devices = jax.devices() if devices is None else list(devices)
     full = resolve_sizes(sizes, len(devices))
@@ -164,8 +166,7 @@ def device_memory(device) -> dict:
 
 def show_library_logs() -> None:
     """run.debug: jax's and orbax's (absl's) logs at INFO on stderr; otherwise warnings and up only."""
-    import jax
-    from absl import logging as absl_logging
+    import jax  # deferred: jax (~1 s): command lines import this before parsing
 
     jax.config.update("jax_logging_level", "INFO")
     absl_logging.set_verbosity(absl_logging.INFO)

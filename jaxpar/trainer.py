@@ -1,6 +1,9 @@
-"""jaxpar's adapter for the shared run (jaxpar/core/run/loop.py, the `Trainer` it drives): restore or initialise the state,
-compile the train step, read batches ahead, evaluate, sample, save with orbax, and the collectives the run needs
-across processes."""
+"""jaxpar's adapter for the shared run (jaxpar/core/run/loop.py, the `Trainer` it drives) and its collaborators.
+
+Restore or initialise the state, compile the train step, read batches ahead, evaluate, sample, save with orbax; the
+collectives the run needs across processes, the measurements, the profiler and the test faults
+(jaxpar/core/run/adapter.py).
+"""
 from __future__ import annotations
 
 import os
@@ -8,6 +11,7 @@ import sys
 import time
 
 import jax
+from jax._src.distributed import global_state  # the coordination service's store has no public handle
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
@@ -46,22 +50,20 @@ def any_process(flag: bool) -> bool:
 
 class JaxTrainer:
     """The run on a Layout of (config, mesh): the state, its compiled steps by batch shape, the data, orbax saves."""
-    fault_prefix = "JAXPAR"
+    processes: JaxProcesses
+    probes: JaxProbes
+    profiling: JaxProfiling
+    faults: JaxFaults
 
     def __init__(self, cfg: Config, layout: Layout, data):
         self.cfg, self.layout = cfg, layout
         self.train_data, self.val_data = data
         self.is_main, self.process_count, self.rank = jax.process_index() == 0, jax.process_count(), jax.process_index()
-        self.state, self.ckpt, self.prefetch, self.synced_s, self.comm = None, None, None, 0.0, None
+        self.state, self.ckpt, self.prefetch = None, None, None
+        self.processes, self.probes, self.profiling, self.faults = (JaxProcesses(), JaxProbes(self), JaxProfiling(self),
+                                                                    JaxFaults(self))
 
     # the run sequence
-    def any_of(self, flag: bool) -> bool:
-        t0 = time.perf_counter()  # the loop agrees once per step: the time spent here is waiting for the others
-        try:
-            return any_process(flag)
-        finally:
-            self.synced_s += time.perf_counter() - t0
-
     def initial_state(self):
         """model.init_from, else the seed's random initialisation."""
         if not self.cfg.model.init_from:
@@ -88,7 +90,7 @@ class JaxTrainer:
         self._train_steps = {first: compiled_train_step(layout, self.state, shape=first)}  # by batch shape
         self._eval_step = make_eval_step(layout)
         self._generate = None  # train.sample_every's decoder, made on first use
-        self._overflow_step = None  # the test hook's step (<PREFIX>_FAULT_OVERFLOW_AT_STEP)
+        self.overflow_step = None  # the test fault's step (<PREFIX>_FAULT_OVERFLOW_AT_STEP: JaxFaults)
         self.prefetch = Prefetch(lambda step: device_batch(self.train_data, step, layout.batch_sharding))
         return self.describe(time.perf_counter() - t0)
 
@@ -98,7 +100,7 @@ class JaxTrainer:
                 f"{jax.devices()[0].platform} devices; {params_phrase(self.cfg.model, n)}; "
                 f"{optimizer_phrase(self.cfg.optim.name, self._optimizer_bytes(), 'device')}; "
                 f"compiled in {compile_s:.1f}s")
-        bubble, p = self.record_extra()["pipeline_bubble"], self.cfg.parallel
+        bubble, p = self.probes.record_extra()["pipeline_bubble"], self.cfg.parallel
         if bubble is not None:
             line += (f"\npipeline {concrete(p.pipeline_schedule)}: {self.layout.mesh.shape['pp']} stages x "
                      f"{p.pipeline_virtual_stages} virtual, "
@@ -114,16 +116,6 @@ class JaxTrainer:
                 held[shard.device] += shard.data.nbytes
         return list(held.values())
 
-    def peak_flops(self) -> float | None:
-        peak = peak_flops(jax.devices()[0].device_kind, self.cfg.model.compute_dtype)
-        return peak * jax.device_count() if peak else None
-
-    def record_extra(self) -> dict:
-        """The pipeline schedule table's idle fraction (None without pp)."""
-        p = self.cfg.parallel
-        return {"pipeline_bubble": configured_bubble(p.pipeline_schedule, self.layout.mesh.shape["pp"],
-                                                     p.pipeline_microbatches, p.pipeline_virtual_stages)}
-
     def write_weights(self, path: str, which: str) -> None:
         """Gather the parameters (every process takes part) and write the shared file from process 0."""
         params = multihost_utils.process_allgather(self.state["params"], tiled=True)
@@ -138,7 +130,7 @@ class JaxTrainer:
             self.ckpt.close()  # the save in flight completes, also when training stopped on an error
 
     # the loop
-    def _compiled(self, shape: tuple[int, int]):
+    def step_for(self, shape: tuple[int, int]):
         """The step for a batch shape (train.batch_rampup's and the buckets' are compiled at their first step)."""
         if shape not in self._train_steps:
             t0 = time.perf_counter()
@@ -150,7 +142,7 @@ class JaxTrainer:
 
     def train_step(self, step: int):
         batch = self.prefetch(step)  # the next one is read ahead
-        step_fn, self._overflow_step = self._overflow_step or self._compiled(tuple(batch.shape)), None
+        step_fn, self.overflow_step = self.overflow_step or self.step_for(tuple(batch.shape)), None
         self.state, metrics = step_fn(self.state, batch)
         return metrics
 
@@ -160,47 +152,10 @@ class JaxTrainer:
         records = {} if stats is None else expert_records(stats, self.cfg.model.moe_experts)
         return {**{k: float(v) for k, v in got.items()}, **records}
 
-    def data_wait_s(self) -> float:
-        return self.prefetch.waited_s
-
-    def sync_wait_s(self) -> float:
-        return self.synced_s
-
-    def gather(self, values: list[float]) -> list[list[float]]:
-        """Every process's `values` (a row each, by process index), on every process."""
-        return multihost_utils.process_allgather(np.asarray(values, np.float64)).reshape(self.process_count, -1).tolist()
-
-    def device_utilization(self) -> float | None:
-        return None  # jax exposes no device utilisation
-
-    def comm_axes(self) -> list[str]:
-        return [a for a, n in self.layout.mesh.shape.items() if n > 1]
-
-    def comm_profile_start(self) -> None:
-        self.comm = CommTrace()
-
-    def comm_profile_stop(self, step: int | None) -> dict[str, float]:
-        """Seconds data step `step`'s collectives were in flight per axis (None: just stop)."""
-        compiled = None if step is None else self._compiled(self.train_data.shape(step))
-        comm, self.comm = self.comm, None
-        return comm.stop(compiled, self.layout.mesh)
-
-    def memory(self) -> dict:
-        return device_memory(jax.local_devices()[0])
-
-    def roll_call(self, wait_s: float) -> list[int]:
-        """Each process writes its key in the coordination service's store; the missing ones after `wait_s`
-        (every process but this one if the service, hosted by process 0, is gone)."""
-        from jax._src.distributed import global_state  # the service's key-value store has no public handle
-
-        client, me = global_state.client, jax.process_index()
-        return roll_call(lambda: client.key_value_set(f"jaxpar/present/{me}", "1"),
-                         lambda: {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get("jaxpar/present/")},
-                         me, jax.process_count(), wait_s)
-
     # the hooks' work
     def evaluate(self, batches: int) -> float:
-        losses = [self._eval_step(self.state["params"], device_batch(self.val_data, i, self.layout.batch_sharding)) for i in range(batches)]
+        params, sharding = self.state["params"], self.layout.batch_sharding
+        losses = [self._eval_step(params, device_batch(self.val_data, i, sharding)) for i in range(batches)]
         return float(sum(jax.device_get(losses)) / len(losses))
 
     def sample(self, step: int) -> list[int] | None:
@@ -220,18 +175,107 @@ class JaxTrainer:
         self.ckpt.save(step, self.state, {"step": step, "data_step": step,
                                           "mesh": format_mesh(dict(self.layout.mesh.shape))})
 
-    def settle(self) -> None:
-        self.ckpt.wait()
 
-    def profile_start(self) -> None:
-        jax.profiler.start_trace(os.path.join(self.cfg.run.dir, "profile"))
+class JaxProcesses:
+    """The process group's work (jaxpar/core/run/adapter.py's `Processes`): jax's multihost collectives and store."""
 
-    def profile_stop(self) -> None:
+    def __init__(self):
+        self.synced_s = 0.0
+
+    def any_of(self, flag: bool) -> bool:
+        """Whether `flag` is true on any process; the time spent here counts as `sync_wait_s`."""
+        t0 = time.perf_counter()  # the loop agrees once per step: the time spent here is waiting for the others
+        try:
+            return any_process(flag)
+        finally:
+            self.synced_s += time.perf_counter() - t0
+
+    def sync_wait_s(self) -> float:
+        return self.synced_s
+
+    def gather(self, values: list[float]) -> list[list[float]]:
+        """Every process's `values` (a row each, by process index), on every process."""
+        rows = multihost_utils.process_allgather(np.asarray(values, np.float64))
+        return rows.reshape(jax.process_count(), -1).tolist()
+
+    def roll_call(self, wait_s: float) -> list[int]:
+        """The processes missing from the coordination service's store after `wait_s`.
+
+        Each process writes its key there; every process but this one is missing if the service, hosted by process
+        0, is gone.
+        """
+        client, me = global_state.client, jax.process_index()
+        return roll_call(lambda: client.key_value_set(f"jaxpar/present/{me}", "1"),
+                         lambda: {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get("jaxpar/present/")},
+                         me, jax.process_count(), wait_s)
+
+
+class JaxProbes:
+    """A JaxTrainer's measurements (`Probes`): peak FLOP/s, the pipeline bubble, the data wait, device memory."""
+
+    def __init__(self, trainer: JaxTrainer):
+        self.trainer = trainer
+
+    def peak_flops(self) -> float | None:
+        peak = peak_flops(jax.devices()[0].device_kind, self.trainer.cfg.model.compute_dtype)
+        return peak * jax.device_count() if peak else None
+
+    def record_extra(self) -> dict:
+        """The pipeline schedule table's idle fraction (None without pp)."""
+        p, pp = self.trainer.cfg.parallel, self.trainer.layout.mesh.shape["pp"]
+        return {"pipeline_bubble": configured_bubble(p.pipeline_schedule, pp, p.pipeline_microbatches,
+                                                     p.pipeline_virtual_stages)}
+
+    def data_wait_s(self) -> float:
+        return self.trainer.prefetch.waited_s
+
+    def memory(self) -> dict:
+        return device_memory(jax.local_devices()[0])
+
+    def device_utilization(self) -> float | None:
+        return None  # jax exposes no device utilisation
+
+
+class JaxProfiling:
+    """jax.profiler for a JaxTrainer (`Profiling`): train.profile_steps's trace, the sampled step's collectives."""
+
+    def __init__(self, trainer: JaxTrainer):
+        self.trainer, self.comm = trainer, None
+
+    def start(self) -> None:
+        jax.profiler.start_trace(os.path.join(self.trainer.cfg.run.dir, "profile"))
+
+    def stop(self) -> None:
         jax.profiler.stop_trace()
 
-    def poison(self) -> None:
-        nan = lambda x: jax.device_put(x * float("nan"), x.sharding)  # noqa: E731
-        self.state = {**self.state, "params": jax.tree.map(nan, self.state["params"])}
+    def comm_axes(self) -> list[str]:
+        return [a for a, n in self.trainer.layout.mesh.shape.items() if n > 1]
 
-    def inject_overflow(self) -> None:
-        self._overflow_step = make_train_step(self.layout, inject_overflow=True)  # compiled for this one step
+    def comm_start(self) -> None:
+        self.comm = CommTrace()
+
+    def comm_stop(self, step: int | None) -> dict[str, float]:
+        """Seconds data step `step`'s collectives were in flight per axis (None: just stop)."""
+        t = self.trainer
+        compiled = None if step is None else t.step_for(t.train_data.shape(step))
+        comm, self.comm = self.comm, None
+        return comm.stop(compiled, t.layout.mesh)
+
+
+class JaxFaults:
+    """The test faults on a JaxTrainer's state (`Faults`: JAXPAR_FAULT_*, jaxpar/core/run/faults.py)."""
+    prefix = "JAXPAR"
+
+    def __init__(self, trainer: JaxTrainer):
+        self.trainer = trainer
+
+    def poison(self) -> None:
+        t = self.trainer
+        nan = lambda x: jax.device_put(x * float("nan"), x.sharding)  # noqa: E731
+        t.state = {**t.state, "params": jax.tree.map(nan, t.state["params"])}
+
+    def overflow(self) -> None:
+        self.trainer.overflow_step = make_train_step(self.trainer.layout, inject_overflow=True)  # for this one step
+
+    def settle(self) -> None:
+        self.trainer.ckpt.wait()

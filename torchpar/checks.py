@@ -54,7 +54,7 @@ def resolve_schedule(cfg: Config, args):
     microbatches, GPipe computes nothing in its idle ticks; so the least bubble wins, 1f1b before gpipe at a tie."""
     if args.backend != "pipeline":
         return cfg, None
-    from torchpar.backends.pipeline import pipeline_sizes
+    from torchpar.backends.pipeline import pipeline_sizes  # deferred: pipelining, FSDP (~1 s): pipeline backend
 
     return resolve(cfg, pipeline_sizes(cfg, launch_env()[1])[0], lambda c: check_backend_settings(c, args),
                    lambda c: 1.0)
@@ -96,13 +96,13 @@ def check_backend_settings(cfg: Config, args) -> None:
         raise UserError("--deepspeed-config needs --backend deepspeed")
     stages = {}
     if args.backend == "pipeline":
-        from torchpar.backends.pipeline import check_torch_pipeline, pipeline_sizes
+        from torchpar.backends.pipeline import check_torch_pipeline, pipeline_sizes  # deferred: pipelining, FSDP (~1 s)
         check_torch_pipeline(cfg, world)
         stages = {"pp": pipeline_sizes(cfg, world)[0]}
     else:
         for_each_shape(cfg, lambda at: check_batch(at, world))
     if args.backend == "deepspeed":
-        from torchpar.backends import deepspeed
+        from torchpar.backends import deepspeed  # deferred: DCP, DTensor (~1 s): --backend deepspeed only
         deepspeed.check_deepspeed(cfg, args.deepspeed_config)
     check_contract(Run(cfg, "torchpar", args.backend, stages))
 

@@ -216,7 +216,7 @@ def forget_meshes() -> None:
     """DTensor (FSDP2) caches redistribution plans and shardings by device mesh, and a mesh holds its groups."""
     if "torch.distributed.tensor" not in sys.modules:
         return
-    from torch.distributed.tensor import _collective_utils, _redistribute, debug
+    from torch.distributed.tensor import _collective_utils, _redistribute, debug  # deferred: DTensor internals (~1 s)
 
     _redistribute.clear_redistribute_planner_cache()
     _redistribute._gen_transform_infos.cache_clear()

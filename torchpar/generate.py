@@ -21,14 +21,13 @@ from jaxpar.core.weights.names import model_dims, read_settings, read_weights
 from torchpar import dist
 from torchpar.decode import generate
 from torchpar.models.decoder import Decoder
+from torchpar.parallelize import parallelize
 from torchpar.weights import from_shared
 
 
 def load_model(args):
     """(model, tokenizer) of the source the user named."""
     if args.run:
-        from torchpar.parallelize import parallelize
-
         check_framework(args.run, "torchpar", "sample")
         cfg = read_run_config(args.run)
         cfg.run.dir = args.run  # where the run is now (config.json holds where it was trained)

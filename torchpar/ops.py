@@ -7,6 +7,7 @@ import functools
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from jaxpar.core.errors import quiet_logs
@@ -48,8 +49,9 @@ def causal_attention(q, k, v, mask=None):
 def _torchao_float8() -> dict:
     """torchao's tensorwise recipe and its three matmuls' settings (as its Float8Linear builds them), made once."""
     with quiet_logs("torchao", "torch.utils._pytree"):  # torchao's CUDA kernels it cannot load here: not used
-        from torchao.float8 import float8_linear, float8_scaling_utils, float8_training_tensor as t
-        from torchao.float8.config import Float8LinearConfig
+        from torchao.float8 import (  # deferred: torchao, optional (~2 s): model.float8 only
+            float8_linear, float8_scaling_utils, float8_training_tensor as t)
+        from torchao.float8.config import Float8LinearConfig  # deferred: torchao, optional (~2 s): model.float8 only
 
     c = Float8LinearConfig.from_recipe_name("tensorwise")
     mm = t.LinearMMConfig(*(t.ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim) for g in
@@ -62,7 +64,6 @@ def _whole_batch() -> bool:
     """Whether a tensor's scale takes its largest magnitude over every rank's batch (all_reduce MAX): in a training
     step of a group, so that a layout picks one process's scales (jaxpar's amax is the whole array's). Not under
     no_grad -- evaluation, and decoding, which rank 0 alone runs: there each rank's own (torchao's default)."""
-    import torch.distributed as dist
     return torch.is_grad_enabled() and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 

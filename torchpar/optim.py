@@ -156,7 +156,7 @@ def orthogonalized(updates: list, axes: list, steps: int) -> list:
 def _sharding(u: torch.Tensor, axes) -> str | None:
     """"rows" where u is FSDP2's Shard(0) on the first reduction axis (replicated on any other mesh axis: HSDP),
     "matrices" where dim 0 is a batch axis, None for any other tensor."""
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Shard  # deferred: DTensor on import keeps gloo alive at exit
 
     placements = getattr(u, "placements", ())
     if [p for p in placements if not p.is_replicate()] != [Shard(0)]:
@@ -180,7 +180,7 @@ def _spread(updates: list, axes: list, steps: int) -> list:
     """NS_k of row-sharded updates of one matrix shape and band: each rank a share of their matrices (see
     orthogonalized). Zero rows pad each band and zero matrices the count: Newton-Schulz keeps both zero, and the
     padding is dropped before it runs, so every matrix is iterated at its own shape."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard  # deferred: DTensor on import keeps gloo alive at exit
 
     mesh, band, fan_in = updates[0].device_mesh, _band(updates[0], axes[0]), muon.fans(updates[0].shape, axes[0])[0]
     bands = [as_matrices(u.to_local(), a) for u, a in zip(updates, axes)]
@@ -199,7 +199,7 @@ def _spread(updates: list, axes: list, steps: int) -> list:
 
 def _local_like(u, local: torch.Tensor):
     """`local` as this rank's share of a DTensor laid out as u."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # deferred: DTensor on import keeps gloo alive at exit
     return DTensor.from_local(local, u.device_mesh, u.placements, run_check=False, shape=u.shape, stride=u.stride())
 
 
@@ -207,7 +207,7 @@ def _like(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     """`whole` laid out as the parameter is: this rank's shard of it (no communication: every rank holds it all)."""
     if not hasattr(p, "device_mesh"):
         return whole
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import distribute_tensor  # deferred: DTensor on import keeps gloo alive at exit
     return distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
 
 
@@ -276,10 +276,10 @@ def torchao_adamw8bit(groups: list[dict], compile_step: bool, **kwargs) -> torch
     on the whole parameter (torchao decides on this rank's FSDP shard, so a 2-way shard of a tensor at the size
     limit would step differently from one process). Its step is compiled on a GPU only: on a CPU compiling each
     parameter's step costs a minute and gains nothing at these sizes."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # deferred: DTensor on import keeps gloo alive at exit
 
     with quiet_logs("torchao", "torch.utils._pytree"):  # torchao's CUDA kernels it cannot load here: not ours to use
-        from torchao.optim import AdamW8bit
+        from torchao.optim import AdamW8bit  # deferred: torchao, optional (~2 s): optim.name=adamw8bit
 
     class Whole8bit(AdamW8bit):
         eight_bit = True

@@ -47,7 +47,7 @@ class CheckpointedBlock(Block):
             with torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda):
                 return super().forward(x, positions, mask)
         if self.remat == "deepspeed_offload":
-            import deepspeed
+            import deepspeed  # deferred: deepspeed, optional: --backend deepspeed only
 
             # positions and mask by closure: DeepSpeed pairs each input it partitions with its size, and loses
             # count at a None

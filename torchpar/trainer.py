@@ -1,6 +1,9 @@
-"""torchpar's adapter for the shared run (jaxpar/core/run/loop.py, the `Trainer` it drives): the plain Decoder made
-parallel by torchpar/parallelize.py into a backend's engine (its whole step), this rank's rows of each batch read
-ahead, evaluation, sampling, saves, and the collectives the run needs."""
+"""torchpar's adapter for the shared run (jaxpar/core/run/loop.py, the `Trainer` it drives) and its collaborators.
+
+The plain Decoder made parallel by torchpar/parallelize.py into a backend's engine (its whole step), this rank's rows
+of each batch read ahead, evaluation, sampling, saves; the collectives the run needs, the measurements, the profiler
+and the test faults (jaxpar/core/run/adapter.py).
+"""
 from __future__ import annotations
 
 import os
@@ -22,6 +25,7 @@ from torchpar.comm import CommTrace, axis_sizes
 from torchpar.models.decoder import Decoder
 from torchpar.parallelize import parallelize
 from torchpar.weights import from_shared, shared_shapes, to_shared
+from torchpar.decode import generate
 
 
 def build_model(cfg: Config) -> Decoder:
@@ -36,23 +40,21 @@ def build_model(cfg: Config) -> Decoder:
 
 class TorchTrainer:
     """The run on one backend's engine over the plain Decoder, on this process's rank of the group."""
-    fault_prefix = "TORCHPAR"
+    processes: TorchProcesses
+    probes: TorchProbes
+    profiling: TorchProfiling
+    faults: TorchFaults
 
     def __init__(self, cfg: Config, backend: str, deepspeed_config: str, env, data):
         self.cfg, self.backend, self.deepspeed_config, self.env = cfg, backend, deepspeed_config, env
         self.train_data, self.val_data = data or (None, None)  # read straight from the memmap, in the shared order
         self.is_main, self.process_count, self.rank = env.is_main, env.world, env.rank
-        self.engine, self.prefetch, self.profiler, self.synced_s, self.comm = None, None, None, 0.0, None
+        self.engine, self.prefetch = None, None
+        self.processes, self.probes = TorchProcesses(env), TorchProbes(self)
+        self.profiling, self.faults = TorchProfiling(cfg, backend, env), TorchFaults(self)
         self.model = build_model(cfg)  # before run.dir is touched: a weights file that fails moves nothing
 
     # the run sequence
-    def any_of(self, flag: bool) -> bool:
-        t0 = time.perf_counter()  # the loop agrees once per step: the time spent here is waiting for the others
-        try:
-            return dist.any_rank(flag, self.env)  # one tiny all-reduce
-        finally:
-            self.synced_s += time.perf_counter() - t0
-
     def restore_or_init(self) -> int:
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.engine, self.compiled = parallelize(self.model, self.cfg, self.env, self.backend, self.deepspeed_config)
@@ -79,15 +81,6 @@ class TorchTrainer:
         """Each rank's value of `mine` (a collective)."""
         env = self.env
         return [int(c) for c in dist.all_sum([mine if r == env.rank else 0 for r in range(env.world)], env)]
-
-    def peak_flops(self) -> float | None:
-        device = self.env.device
-        peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                          self.cfg.model.compute_dtype)
-        return peak * self.env.world if peak else None
-
-    def record_extra(self) -> dict:
-        return {}
 
     def write_weights(self, path: str, which: str) -> None:
         full = self.engine.full_state_dict() if self.engine else self.model.state_dict()  # a collective if sharded
@@ -142,45 +135,6 @@ class TorchTrainer:
     def fetch(self, handle) -> dict:
         return self.engine.read(handle)
 
-    def data_wait_s(self) -> float:
-        return self.prefetch.waited_s
-
-    def sync_wait_s(self) -> float:
-        return self.synced_s
-
-    def gather(self, values: list[float]) -> list[list[float]]:
-        """Every rank's `values` (a row each, by rank), on every rank."""
-        rows = [None] * self.env.world
-        torch.distributed.all_gather_object(rows, [float(v) for v in values])
-        return rows
-
-    def device_utilization(self) -> float | None:
-        """The GPU's busy percentage over the last sample period (NVML, where pynvml is installed)."""
-        try:
-            return float(torch.cuda.utilization(self.env.device)) if self.env.device.type == "cuda" else None
-        except Exception:  # no pynvml, or NVML unavailable: not worth failing a run over
-            return None
-
-    def comm_axes(self) -> list[str]:
-        return list(axis_sizes(self.cfg, self.backend, self.env.world))
-
-    def comm_profile_start(self) -> None:
-        self.comm = CommTrace(self.env.device)
-
-    def comm_profile_stop(self, step: int | None) -> dict[str, float]:
-        """Seconds the sampled step's collectives were in flight per axis (None: just stop)."""
-        comm, self.comm = self.comm, None
-        return comm.stop(None if step is None else axis_sizes(self.cfg, self.backend, self.env.world))
-
-    def memory(self) -> dict:
-        if self.env.device.type != "cuda":
-            return {"memory_in_use_gib": None, "memory_gib": None}
-        return {"memory_in_use_gib": torch.cuda.memory_allocated(self.env.device) / 2**30,
-                "memory_gib": torch.cuda.max_memory_allocated(self.env.device) / 2**30}
-
-    def roll_call(self, wait_s: float) -> list[int]:
-        return dist.roll_call(self.env, wait_s)
-
     # the hooks' work
     def evaluate(self, batches: int) -> float:
         engine = self.engine
@@ -196,8 +150,6 @@ class TorchTrainer:
         """Rank 0 decodes with its whole copy of the model (none and ddp: checks.validate refuses the others)."""
         if not self.env.is_main:
             return None
-        from torchpar.decode import generate
-
         prompt_len, new = sample_lengths(self.cfg.model.max_seq_len)
         prompt = unmasked(self._rows(self.val_data, 0)[:1, :prompt_len])
         model = self.engine.raw.eval()
@@ -209,23 +161,111 @@ class TorchTrainer:
         self.engine.save(step, {"step": step, "data_step": step, "backend": self.backend,
                                 "world_size": self.env.world})
 
-    def settle(self) -> None:
-        """DCP saves here are synchronous: nothing in flight."""
 
-    def profile_start(self) -> None:  # train.profile_steps=a:b -> <run.dir>/profile/trace_rank<r>.json
+class TorchProcesses:
+    """The process group's work (jaxpar/core/run/adapter.py's `Processes`): torch.distributed, the launcher's store."""
+
+    def __init__(self, env):
+        self.env, self.synced_s = env, 0.0
+
+    def any_of(self, flag: bool) -> bool:
+        """Whether `flag` is true on any rank; the time spent here counts as `sync_wait_s`."""
+        t0 = time.perf_counter()  # the loop agrees once per step: the time spent here is waiting for the others
+        try:
+            return dist.any_rank(flag, self.env)  # one tiny all-reduce
+        finally:
+            self.synced_s += time.perf_counter() - t0
+
+    def sync_wait_s(self) -> float:
+        return self.synced_s
+
+    def gather(self, values: list[float]) -> list[list[float]]:
+        """Every rank's `values` (a row each, by rank), on every rank."""
+        rows = [None] * self.env.world
+        torch.distributed.all_gather_object(rows, [float(v) for v in values])
+        return rows
+
+    def roll_call(self, wait_s: float) -> list[int]:
+        return dist.roll_call(self.env, wait_s)
+
+
+class TorchProbes:
+    """A TorchTrainer's measurements (`Probes`): peak FLOP/s, the data wait, CUDA memory and utilisation."""
+
+    def __init__(self, trainer: TorchTrainer):
+        self.trainer = trainer
+
+    def peak_flops(self) -> float | None:
+        device = self.trainer.env.device
+        peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                          self.trainer.cfg.model.compute_dtype)
+        return peak * self.trainer.env.world if peak else None
+
+    def record_extra(self) -> dict:
+        return {}
+
+    def data_wait_s(self) -> float:
+        return self.trainer.prefetch.waited_s
+
+    def memory(self) -> dict:
+        device = self.trainer.env.device
+        if device.type != "cuda":
+            return {"memory_in_use_gib": None, "memory_gib": None}
+        return {"memory_in_use_gib": torch.cuda.memory_allocated(device) / 2**30,
+                "memory_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+
+    def device_utilization(self) -> float | None:
+        """The GPU's busy percentage over the last sample period (NVML, where pynvml is installed)."""
+        device = self.trainer.env.device
+        try:
+            return float(torch.cuda.utilization(device)) if device.type == "cuda" else None
+        except Exception:  # no pynvml, or NVML unavailable: not worth failing a run over
+            return None
+
+
+class TorchProfiling:
+    """torch.profiler for a TorchTrainer (`Profiling`): train.profile_steps's trace, the sampled step's collectives."""
+
+    def __init__(self, cfg: Config, backend: str, env):
+        self.cfg, self.backend, self.env, self.profiler, self.comm = cfg, backend, env, None, None
+
+    def start(self) -> None:
+        """train.profile_steps=a:b -> <run.dir>/profile/trace_rank<r>.json."""
         self.profiler = torch.profiler.profile()
         self.profiler.start()
 
-    def profile_stop(self) -> None:
+    def stop(self) -> None:
         self.profiler.stop()
         os.makedirs(os.path.join(self.cfg.run.dir, "profile"), exist_ok=True)
         self.profiler.export_chrome_trace(os.path.join(self.cfg.run.dir, "profile", f"trace_rank{self.env.rank}.json"))
         self.profiler = None
 
+    def comm_axes(self) -> list[str]:
+        return list(axis_sizes(self.cfg, self.backend, self.env.world))
+
+    def comm_start(self) -> None:
+        self.comm = CommTrace(self.env.device)
+
+    def comm_stop(self, step: int | None) -> dict[str, float]:
+        """Seconds the sampled step's collectives were in flight per axis (None: just stop)."""
+        comm, self.comm = self.comm, None
+        return comm.stop(None if step is None else axis_sizes(self.cfg, self.backend, self.env.world))
+
+
+class TorchFaults:
+    """The test faults on a TorchTrainer's engine (`Faults`: TORCHPAR_FAULT_*, jaxpar/core/run/faults.py)."""
+    prefix = "TORCHPAR"
+
+    def __init__(self, trainer: TorchTrainer):
+        self.trainer = trainer
+
     def poison(self) -> None:
         with torch.no_grad():
-            for p in self.engine.module.parameters():
+            for p in self.trainer.engine.module.parameters():
                 p.mul_(float("nan"))
 
-    def inject_overflow(self) -> None:
-        self.engine.inject_overflow()
+    def overflow(self) -> None:
+        self.trainer.engine.inject_overflow()
+
+    def settle(self) -> None:
+        """DCP saves here are synchronous: nothing in flight."""

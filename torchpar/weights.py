@@ -12,12 +12,11 @@ import torch
 
 from jaxpar.core.config.schema import ModelConfig
 from jaxpar.core.weights.names import ALL_NAMES, stacked_name, stacks_of
+from torchpar.models.decoder import Decoder
 
 
 def shared_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Expected shapes in the shared weight format, from a model built on the meta device (nothing allocated)."""
-    from torchpar.models.decoder import Decoder
-
     with torch.device("meta"):
         sd = Decoder(cfg).state_dict()
     return {name: tuple(a.shape) for name, a in to_shared(sd, cfg.n_layer, like=lambda t: t).items()}

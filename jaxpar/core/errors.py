@@ -2,7 +2,12 @@
 the console (quiet_logs)."""
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import signal
+import sys
+import time
 from contextlib import contextmanager
 
 
@@ -30,8 +35,6 @@ def error_line(e: BaseException) -> str | None:
 def check_output_dir(path: str, name: str, given: str | None = None) -> None:
     """`path` is a directory, or can be made one: else one line naming `name` (the key or flag) and the value
     `given` to it, before any work (os.makedirs would say only 'File exists' of a file there, or above it)."""
-    import os
-
     at, path = os.path.abspath(path), path if given is None else given
     while not os.path.lexists(at):  # the nearest part of the path that is there
         at = os.path.dirname(at)
@@ -44,8 +47,6 @@ def check_output_dir(path: str, name: str, given: str | None = None) -> None:
 
 def check_output_file(path: str, name: str) -> None:
     """A file the command will write at its end: checked before the work (its folder is made when written)."""
-    import os
-
     if os.path.isdir(path):
         raise UserError(f"{name}={path} is a directory; name a file")
     check_output_dir(os.path.dirname(os.path.abspath(path)), name, path)
@@ -61,10 +62,6 @@ def cli(main=None, *, rank=None, teardown=None):
     status 2. Where several processes run one command, `rank()` says which this is: a UserError (every process
     meets the same) is printed by rank 0 alone, an OSError (this process's own file system) by each process
     that meets it, naming its rank. `teardown()` runs after `main`, error or not (after rank 0's line)."""
-    import functools
-    import os
-    import sys
-
     def wrap(main):
         @functools.wraps(main)
         def run(*args, **kwargs) -> int:
@@ -99,9 +96,6 @@ def wait_for_rank_zero() -> None:
     """torchrun and DeepSpeed's launcher stop every process as soon as one fails: had this rank exited first,
     rank 0 could be stopped before printing the line. So it waits until the launcher stops it, which rank 0's
     exit brings about (SIGTERM takes its default action: a stop handler may be installed), or for the limit."""
-    import signal
-    import time
-
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     time.sleep(RANK_ZERO_WAIT_S)
 

@@ -18,6 +18,13 @@ import math
 
 import jax
 
+from jaxpar.context import use
+from jaxpar.core.data.tokens import document_token
+from jaxpar.loss import model_loss
+from jaxpar.models.decoder import abstract_model
+from jaxpar.parallelize import parallelize
+from jaxpar.state import abstract_state
+
 
 def is_host(sharding) -> bool:
     return sharding.memory_kind in ("pinned_host", "unpinned_host")
@@ -29,12 +36,6 @@ def offloaded_bytes(layout) -> int:
     model.remat=offload."""
     if layout.cfg.model.remat != "offload":
         return 0
-    from jaxpar.context import use
-    from jaxpar.core.data.tokens import document_token
-    from jaxpar.loss import model_loss
-    from jaxpar.models.decoder import abstract_model
-    from jaxpar.parallelize import parallelize
-    from jaxpar.state import abstract_state
 
     cfg = layout.cfg
     context = parallelize(layout).context

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import math
 
+from jax._src.interpreters import partial_eval as pe
+from jax.extend.core import jaxprs_in_params
+
 
 def dot_flops(eqn) -> float:
     """2 x every element of the left operand x the right operand's free (not contracted, not batch) size."""
@@ -19,8 +22,6 @@ def dot_flops(eqn) -> float:
 def _live(jaxpr):
     """`jaxpr` without the equations none of its outputs needs, as XLA will compile it (a ZB-H1 B applies a
     pullback and keeps only the input's gradient). jax's own dead-code pass; an internal module."""
-    from jax._src.interpreters import partial_eval as pe
-
     return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]
 
 
@@ -28,8 +29,6 @@ def matmul_flops(jaxpr, branch_cost=max, scope: str | None = None) -> float:
     """FLOPs of every dot_general in `jaxpr` (a core Jaxpr) that an output needs, nested calls included; a
     conditional counts `branch_cost` of its branches' FLOPs (default: the largest). `scope`: only those traced
     under jax.named_scope(scope), their gradients included (the backward pass keeps the forward's name)."""
-    from jax.extend.core import jaxprs_in_params
-
     jaxpr, total = _live(jaxpr), 0.0
     for eqn in jaxpr.eqns:
         name, inner = eqn.primitive.name, scope
@@ -51,8 +50,6 @@ def matmul_flops(jaxpr, branch_cost=max, scope: str | None = None) -> float:
 
 def branch_flops(jaxpr, n_branches: int) -> list[float]:
     """FLOPs of each branch of the first conditional with `n_branches` branches (the executor's tick)."""
-    from jax.extend.core import jaxprs_in_params
-
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "cond" and len(eqn.params["branches"]) == n_branches:
             return [matmul_flops(b.jaxpr) for b in eqn.params["branches"]]

@@ -7,20 +7,23 @@ from __future__ import annotations
 
 import math
 
+import jax
+
+from jaxpar.context import use
+from jaxpar.core.pipeline.schedules import resolve_microbatches
+from jaxpar.cost.jaxpr_flops import branch_flops, matmul_flops
+from jaxpar.layout import Layout
+from jaxpar.mesh import make_mesh
+from jaxpar.pipeline.tick_plan import BRANCHES, COL, tick_plan
+from jaxpar.state import abstract_state
+from jaxpar.step import loss_and_grad
+
 
 def loss_and_grad_program(cfg, sizes: dict[str, int], devices, schedule: str | None = None):
     """(fn, abstract params, abstract batch): (loss, grads) on a mesh of `sizes` as the train step computes them.
 
     `schedule`: run that pipeline schedule on the hand-scheduled executor. The result is ready to trace.
     """
-    import jax
-
-    from jaxpar.context import use
-    from jaxpar.layout import Layout
-    from jaxpar.mesh import make_mesh
-    from jaxpar.state import abstract_state
-    from jaxpar.step import loss_and_grad
-
     layout = Layout(cfg, make_mesh(sizes, devices[:math.prod(sizes.values())]))
     fn, context = loss_and_grad(layout, schedule)
     params = abstract_state(layout)["params"]
@@ -35,20 +38,12 @@ def loss_and_grad_program(cfg, sizes: dict[str, int], devices, schedule: str | N
 
 def compiled_memory(cfg, sizes: dict[str, int], devices, schedule: str | None = None):
     """Compiled memory analysis of (loss, grads) on a mesh of `sizes` (see loss_and_grad_program)."""
-    import jax
-
     traced, params, batch = loss_and_grad_program(cfg, sizes, devices, schedule)
     return jax.jit(traced).lower(params, batch).compile().memory_analysis()
 
 
 def step_flops(cfg, sizes, devices, on_executor: str | None) -> float:
     """Matmul FLOPs of (loss, grads), all devices together; `on_executor`: that schedule's ticks, from its table."""
-    import jax
-
-    from jaxpar.core.pipeline.schedules import resolve_microbatches
-    from jaxpar.cost.jaxpr_flops import branch_flops, matmul_flops
-    from jaxpar.pipeline.tick_plan import BRANCHES, COL, tick_plan
-
     traced, params, batch = loss_and_grad_program(cfg, sizes, devices, on_executor)
     jaxpr = jax.make_jaxpr(traced)(params, batch).jaxpr
     if not on_executor:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
+
 from jaxpar.core.optimizer import muon
 
 OPTIMIZER_FILE = "jaxpar/optim.py"  # a collective made for an operation there is the optimizer's
@@ -39,8 +41,6 @@ def _name(path) -> str:
 def muon_bounds(cfg, params, n: int) -> tuple[float, float]:
     """(bound, padded): bytes each device sends per step spreading Muon's matrices of the abstract sharded
     `params` over n devices, and the same with each parameter's matrix count padded to a multiple of n."""
-    import jax
-
     if cfg.optim.name != "muon" or n == 1:
         return 0.0, 0.0
     bound = padded = 0.0

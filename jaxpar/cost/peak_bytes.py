@@ -8,9 +8,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
+
 from jaxpar.core.config.schema import Config
 from jaxpar.core.data.batch_shapes import bucket_shapes, shape_config
 from jaxpar.cost.activations import offloaded_bytes
+from jaxpar.step import build_step
 
 
 def compile_layout(cfg: Config, sizes: dict[str, int], devices=None):
@@ -18,8 +21,6 @@ def compile_layout(cfg: Config, sizes: dict[str, int], devices=None):
 
     PowerSGD's step is compiled without its warm-up (whose plain reduction would count beside the compressed one).
     """
-    from jaxpar.step import build_step
-
     if cfg.parallel.grad_compression == "powersgd":
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, powersgd_warmup_steps=0))
 
@@ -29,8 +30,6 @@ def compile_layout(cfg: Config, sizes: dict[str, int], devices=None):
 
 def shard_bytes(tree) -> int:
     """Bytes one device holds of the (abstract, sharded) arrays of `tree`."""
-    import jax
-
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 

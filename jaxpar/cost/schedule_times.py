@@ -1,7 +1,12 @@
 """The planner's `--schedules` table: python -m jaxpar.tools.plan --config C --mesh pp=4 --schedules."""
 from __future__ import annotations
 
+import jax
+
 from jaxpar.core.errors import UserError
+from jaxpar.core.pipeline.choice import choose, modeled_time, with_schedule
+from jaxpar.core.pipeline.schedules import PROGRAMS
+from jaxpar.pipeline import auto as pipeline_auto
 
 
 def compare(cfg, sizes: dict[str, int], plan, devices=None, budget: int | None = None) -> list[dict]:
@@ -10,12 +15,6 @@ def compare(cfg, sizes: dict[str, int], plan, devices=None, budget: int | None =
     step time (FLOPs / (1 - bubble)) and whether parallel.pipeline_schedule=auto picks it (among those within
     `budget` bytes per device), or the one line that refuses it. plan(cfg, sizes, devices): the planner's dict.
     Interleaved takes the config's virtual stages, 2 where it has 1. The FLOPs ratio is auto's own figure."""
-    import jax
-
-    from jaxpar.core.pipeline.choice import choose, modeled_time, with_schedule
-    from jaxpar.core.pipeline.schedules import PROGRAMS
-    from jaxpar.pipeline.auto import flops_ratio
-
     if sizes.get("pp", 1) < 2:
         raise UserError("--schedules compares pipeline schedules: the mesh needs pp > 1")
     devices = jax.devices() if devices is None else devices
@@ -28,7 +27,7 @@ def compare(cfg, sizes: dict[str, int], plan, devices=None, budget: int | None =
         except UserError as e:
             rows.append({"schedule": schedule, "refused": str(e)})
             continue
-        ratio = flops_ratio(c, sizes, devices, one)
+        ratio = pipeline_auto.flops_ratio(c, sizes, devices, one)
         rows.append({"schedule": schedule, "virtual_stages": c.parallel.pipeline_virtual_stages,
                      "bubble": p["pipeline"]["bubble"], "peak_bytes": p["peak_bytes"], "temp_bytes": p["temp_bytes"],
                      "flops_ratio": ratio, "modeled_time": modeled_time(p["pipeline"]["bubble"], ratio),

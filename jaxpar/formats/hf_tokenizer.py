@@ -36,7 +36,7 @@ ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 def byte_tokenizer():
     """The byte-level tokenizer as a `tokenizers.Tokenizer`: the ids of a text are its UTF-8 bytes."""
-    from tokenizers import Tokenizer, decoders, models
+    from tokenizers import Tokenizer, decoders, models  # deferred: tokenizers, optional (hf extra): the byte tokenizer
 
     tok = Tokenizer(models.BPE(vocab={t: b for b, t in enumerate(BYTE_TOKENS)}, merges=[], byte_fallback=True))
     tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
@@ -101,7 +101,7 @@ def _file(path: str, vocab_size: int, named: str) -> Choice:
         eod = eod_token(path)
     except UserError as e:
         raise UserError(f"{named}: {e}") from None
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # deferred: tokenizers, optional (hf extra): a tokenizer.json
 
     tok = Tokenizer.from_file(path)
     if tok.get_vocab_size() > vocab_size:

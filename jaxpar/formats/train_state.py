@@ -7,37 +7,35 @@ import writes a run directory whose checkpoint at that step holds them, with the
 """
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
+from jaxpar.checkpoint import Checkpointer
 from jaxpar.core.errors import UserError
+from jaxpar.core.run.resume import read_run_config
 from jaxpar.core.weights.state_file import (refuse_other_optimizer, save_state, state_for_run, state_meta, write_moved_config,
                                     writing_run)
 from jaxpar.core.weights.names import flatten, unflatten
+from jaxpar.layout import Layout
+from jaxpar.mesh import make_mesh
+from jaxpar.optim import MuonState
+from jaxpar.state import restore_latest, state_from_params
 
 
 def single_device_layout(cfg):
     """The config's layout on one device: what conversions read a checkpoint onto and write one from."""
-    import jax
-
-    from jaxpar.layout import Layout
-    from jaxpar.mesh import make_mesh
-
     return Layout(cfg, make_mesh({"dp": 1}, jax.devices()[:1]))
 
 
 def _moment_states():
     """The optimizer states holding moments or counts: optax's Adam and schedule states, and Muon's."""
-    import optax
-
-    from jaxpar.optim import MuonState
-
     return optax.ScaleByAdamState, optax.ScaleByScheduleState, MuonState
 
 
 def _map_moments(opt_state, fn):
     """opt_state with fn(state) applied to each of _moment_states."""
-    import jax
-
     is_kind = lambda s: isinstance(s, _moment_states())  # noqa: E731
     return jax.tree.map(lambda s: fn(s) if is_kind(s) else s, opt_state, is_leaf=is_kind)
 
@@ -45,28 +43,15 @@ def _map_moments(opt_state, fn):
 def _named(tree, flat: dict):
     """tree (params-shaped) with each array replaced by flat's of its name; a MaskedNode (optax.partition's place of
     a parameter the other optimizer steps) has no array and stays."""
-    import jax
-    import jax.numpy as jnp
-
     return jax.tree_util.tree_map_with_path(lambda path, _: jnp.asarray(flat[".".join(k.key for k in path)]), tree)
 
 
 def _as_np(tree) -> dict:
     """flat {name: numpy} of a params-shaped tree, without its MaskedNodes."""
-    import optax
-
     return {k: np.asarray(v) for k, v in flatten(tree).items() if not isinstance(v, optax.MaskedNode)}
 
 
 def export_state(run_dir: str, dst: str) -> int:
-    import jax
-    import optax
-
-    from jaxpar.checkpoint import Checkpointer
-    from jaxpar.core.run.resume import read_run_config
-    from jaxpar.optim import MuonState
-    from jaxpar.state import restore_latest
-
     cfg = read_run_config(run_dir)
     refuse_other_optimizer(cfg, run_dir)
     restored = restore_latest(Checkpointer(run_dir, cfg.checkpoint.keep), single_device_layout(cfg))
@@ -88,11 +73,6 @@ def export_state(run_dir: str, dst: str) -> int:
 
 
 def import_state(src: str, run_dir: str) -> int:
-    import jax.numpy as jnp
-
-    from jaxpar.checkpoint import Checkpointer
-    from jaxpar.state import state_from_params
-
     tensors, meta, cfg = state_for_run(src, run_dir)
     state = state_from_params(single_device_layout(cfg), unflatten(tensors["param"]))
     state["opt_state"] = _map_moments(state["opt_state"], lambda s: _moments_of(s, tensors, meta))
@@ -112,11 +92,6 @@ def import_state(src: str, run_dir: str) -> int:
 def _moments_of(s, tensors: dict, meta: dict):
     """One of _moment_states as the state file has it: Muon's momentum and count, Adam's moments and count (the
     schedule's count is Adam's: it sets AdamW's learning rate)."""
-    import jax.numpy as jnp
-    import optax
-
-    from jaxpar.optim import MuonState
-
     if isinstance(s, MuonState):
         return s._replace(count=jnp.asarray(meta["muon_step"], jnp.int32), mu=_named(s.mu, tensors["muon_m"]))
     count = jnp.asarray(meta["adam_step"], jnp.int32)

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import numpy as np
 
+from jaxpar.core.config.schema import config_for_weights, config_from_dict
 from jaxpar.core.errors import UserError
+from jaxpar.core.run.resume import read_run_config
 from jaxpar.core.weights.names import SETTINGS, flatten, model_dims, read_settings, read_weights, save_weights, unflatten
 from jaxpar.formats import hf_deepseek_v3, hf_gpt2, hf_llama, hf_mixtral, hf_tokenizer
-from jaxpar.formats.train_state import single_device_layout
-from jaxpar.core.weights.state_file import writing_run
+from jaxpar.core.weights.state_file import read_state, writing_run
 
 FORMATS = ("shared", "hf", "jaxpar", "state", "torchpar", "deepspeed")
 RUNS = ("jaxpar", "torchpar", "deepspeed")  # formats a whole training state converts between, with "state"
@@ -31,9 +35,9 @@ def read(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
         return flat, model_dims(flat, read_settings(src))
     if fmt in ("state", "torchpar"):
         return _state_weights(fmt, src)
-    from jaxpar.checkpoint import Checkpointer
-    from jaxpar.core.run.resume import read_run_config
-    from jaxpar.state import restore_latest
+    from jaxpar.checkpoint import Checkpointer  # deferred: orbax, jax (~1 s): hf and shared conversions skip it
+    from jaxpar.formats.train_state import single_device_layout  # deferred: imports jax: hf/shared conversions skip it
+    from jaxpar.state import restore_latest  # deferred: imports jax: hf/shared conversions skip it
 
     cfg = read_run_config(src)
     if cfg.model.attention == "dilated" or cfg.model.linear != "dense":  # (gpt2's mla: model_dims refuses it)
@@ -48,11 +52,6 @@ def read(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
 
 def _state_weights(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
     """The parameters of a training-state file, or of a torchpar run's latest checkpoint (through a state file)."""
-    import tempfile
-
-    from jaxpar.core.config.schema import config_from_dict
-    from jaxpar.core.weights.state_file import read_state
-
     if fmt == "torchpar":
         with tempfile.TemporaryDirectory() as tmp:
             state = os.path.join(tmp, "state.safetensors")
@@ -88,9 +87,9 @@ def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict, src: str
     elif fmt == "hf":
         hf_gpt2.shared_to_hf(flat, dst, model.get("layernorm_eps", 1e-5))
     else:
-        from jaxpar.checkpoint import Checkpointer
-        from jaxpar.core.config.schema import config_for_weights
-        from jaxpar.state import state_from_params
+        from jaxpar.checkpoint import Checkpointer  # deferred: orbax, jax (~1 s): hf and shared conversions skip it
+        from jaxpar.formats.train_state import single_device_layout  # deferred: imports jax
+        from jaxpar.state import state_from_params  # deferred: imports jax: hf/shared conversions skip it
 
         own = hf_tokenizer.source_tokenizer(src) if src and os.path.isdir(src) else None  # an HF source's
         cfg = config_for_weights(model, f"run.dir={dst}", *([f"data.tokenizer={own}"] if own else []))
@@ -104,14 +103,14 @@ def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict, src: str
 
 
 def export_run_state(fmt: str, run_dir: str, state: str) -> int:
-    from jaxpar.formats.train_state import export_state
+    from jaxpar.formats.train_state import export_state  # deferred: imports jax: hf/shared conversions skip it
 
     return export_state(run_dir, state) if fmt == "jaxpar" else torchpar_convert("--from", "torchpar", run_dir, "--to",
                                                                            "state", state)
 
 
 def import_run_state(state: str, fmt: str, run_dir: str, zero_stage: str | None) -> int:
-    from jaxpar.formats.train_state import import_state
+    from jaxpar.formats.train_state import import_state  # deferred: imports jax: hf/shared conversions skip it
 
     if fmt == "jaxpar":
         return import_state(state, run_dir)
@@ -121,9 +120,6 @@ def import_run_state(state: str, fmt: str, run_dir: str, zero_stage: str | None)
 
 def torchpar_convert(*args: str) -> int:
     """python -m torchpar.tools.convert ARGS: the step it converted, or its error line as ours."""
-    import re
-    import subprocess
-
     proc = subprocess.run([sys.executable, "-m", "torchpar.tools.convert", *args], capture_output=True, text=True)
     done = re.search(r"converted the training state of step (\d+)", proc.stdout)
     if proc.returncode or not done:

@@ -9,9 +9,15 @@ one or three schedules' (about 2-5 s on a CPU core).
 """
 from __future__ import annotations
 
-from jaxpar.core.data.batch_shapes import for_each_shape
-from jaxpar.core.config.contract import Run, check_contract
+import dataclasses
+import math
+
+import jax
+
+from jaxpar.checks import check_config
 from jaxpar.core.pipeline.choice import resolve
+from jaxpar.cost.loss_and_grad import step_flops
+from jaxpar.pipeline.tick_plan import HAND_SCHEDULED
 
 
 def _full(sizes: dict) -> dict:
@@ -20,21 +26,13 @@ def _full(sizes: dict) -> dict:
 
 def refusal(cfg, sizes: dict) -> None:
     """The UserError jaxpar refuses `cfg` on `sizes` with, if any (validate's checks short of run.dir's)."""
-    from jaxpar.checks import check_layout
-
-    check_contract(Run(cfg, "jaxpar", mesh=dict(sizes)))
-    for_each_shape(cfg, lambda at: check_layout(at, sizes))
+    check_config(cfg, sizes)
 
 
 def flops_ratio(cfg, sizes: dict, devices, one: list) -> float:
     """The step's matmul FLOPs over one device's; `one` holds one device's once counted (the same for every
     schedule). Counted with the state on the devices: parallel.offload moves it to the host between steps only, and
     a program traced on host-resident parameters is not the step's (the trainer brings them in first)."""
-    import dataclasses
-
-    from jaxpar.pipeline.tick_plan import HAND_SCHEDULED
-    from jaxpar.cost.loss_and_grad import step_flops
-
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, offload="none"))
     if not one:
         one.append(step_flops(cfg, {"dp": 1}, devices[:1], None))
@@ -51,10 +49,6 @@ def resolve_schedule(cfg, sizes: dict, devices, peak, budget: int | None = None)
     """(cfg with parallel.pipeline_schedule=auto resolved for this mesh, the start-up line or None). peak(cfg, sizes,
     devices): the planner's peak bytes per device (jaxpar/cost/peak_bytes.py; compiled only where a budget is known);
     `budget`: bytes per device (default: the device's reported limit)."""
-    import math
-
-    import jax
-
     sizes = _full(sizes)
     devices = list(jax.devices() if devices is None else devices)[:math.prod(sizes.values())]
     budget = memory_limit(jax.local_devices()[0]) if budget is None else budget

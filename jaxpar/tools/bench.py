@@ -15,23 +15,29 @@ if __name__ == "__main__":  # before jax is imported: glibc reads its malloc tun
 import argparse
 import datetime
 import json
+import math
 import platform
 import shlex
+import subprocess
 import sys
+import tempfile
 import time
 
+import numpy as np
+
 from jaxpar.core.bench_records import publish, record_row
+from jaxpar.core.config.contract import CONTRACT
 from jaxpar.core.config.schema import Config, load_config
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.model.flops import flops_per_token, peak_flops
 from jaxpar.core.config.mesh_spec import format_mesh, parse_mesh
 from jaxpar.core.pipeline.schedules import configured_bubble
-from jaxpar.mesh import setup_devices
+from jaxpar.mesh import device_memory, setup_devices
 
 def matmul_ceiling(dtype: str) -> float:
     """FLOP/s of one large square matmul on one device: the practical roof for MFU."""
-    import jax
-    import jax.numpy as jnp
+    import jax  # deferred: jax (~1 s), after the arguments are checked
+    import jax.numpy as jnp  # deferred: jax (~1 s), after the arguments are checked
 
     n = 8192 if jax.devices()[0].platform == "gpu" else 1024
     a = jnp.ones((n, n), dtype)
@@ -46,10 +52,9 @@ def matmul_ceiling(dtype: str) -> float:
 
 def warm_step(cfg: Config, sizes: dict[str, int], warmup: int, devices=None):
     """(compiled step, state after `warmup` steps, a synthetic batch, layout) of one mesh on `devices`."""
-    import jax
-    import numpy as np
+    import jax  # deferred: jax (~1 s), after the arguments are checked
 
-    from jaxpar.step import build_step
+    from jaxpar.step import build_step  # deferred: imports jax, after the arguments are checked
 
     layout, state, step = build_step(cfg, sizes, devices)
     shape = (cfg.train.global_batch_size, cfg.data.seq_len + 1)
@@ -63,12 +68,10 @@ def warm_step(cfg: Config, sizes: dict[str, int], warmup: int, devices=None):
 
 def bench(cfg: Config, sizes: dict[str, int], steps: int, warmup: int, devices=None) -> dict:
     """One mesh on `devices` (default: all): the median step time and what follows from it."""
-    import jax
-    import numpy as np
+    import jax  # deferred: jax (~1 s), after the arguments are checked
 
-    from jaxpar.mesh import device_memory
-    from jaxpar.pipeline.auto import resolve_schedule
-    from jaxpar.cost.peak_bytes import peak_bytes
+    from jaxpar.pipeline.auto import resolve_schedule  # deferred: imports jax, after the arguments are checked
+    from jaxpar.cost.peak_bytes import peak_bytes  # deferred: imports jax, after the arguments are checked
 
     cfg, _ = resolve_schedule(cfg, sizes, jax.devices() if devices is None else devices, peak_bytes)  # auto
     step, state, batch, layout = warm_step(cfg, sizes, warmup, devices)
@@ -105,9 +108,7 @@ def bench(cfg: Config, sizes: dict[str, int], steps: int, warmup: int, devices=N
 
 def sweep(cfg: Config, meshes: list[dict[str, int]], args) -> int:
     """Each mesh on the first devices it needs (on CPU: as many simulated devices as the largest needs)."""
-    import math
-
-    import jax
+    import jax  # deferred: jax (~1 s), after the arguments are checked
 
     setup_devices(max(meshes, key=lambda sizes: math.prod(sizes.values())))
     rows = [bench(cfg, sizes, args.steps, args.warmup, jax.devices()[:math.prod(sizes.values())]) for sizes in meshes]
@@ -123,11 +124,6 @@ def sweep(cfg: Config, meshes: list[dict[str, int]], args) -> int:
 
 def compare(args, result: dict) -> dict:
     """Run torchpar (torch.compile on, one process) on the same config and device; tokens/s ratio."""
-    import subprocess
-    import tempfile
-
-    from jaxpar.core.config.contract import CONTRACT
-
     # jaxpar's own keys (e.g. train.scan_layers) have no torchpar meaning: torchpar runs without them
     row = lambda o: CONTRACT.get(o.split("=", 1)[0].strip())  # noqa: E731
     shared = [o for o in args.overrides if row(o) is None or row(o).torchpar]

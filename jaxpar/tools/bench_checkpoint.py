@@ -21,11 +21,14 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 from jaxpar.core.bench_records import append_row
 from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.config.mesh_spec import format_mesh, parse_mesh
 from jaxpar.mesh import setup_devices
+from jaxpar.tools.bench import warm_step
 
 HEADER = ("| date | device | config | mesh | plain step s | async save step s (ratio; of it the save call) | "
           "async save on disk after s | blocking save step s (ratio) | versions | command |\n"
@@ -35,7 +38,7 @@ HEADER = ("| date | device | config | mesh | plain step s | async save step s (r
 def timed_steps(step, state, batch, steps: int, every: int, ckpt):
     """(plain step times, times of the steps a save started in, times of the save calls alone, times from a
     save's start to its end on disk, final state)."""
-    import jax
+    import jax  # deferred: jax (~1 s), after the arguments are checked
 
     plain, saving, calls, written = [], [], [], []
     for i in range(1, steps + 1):
@@ -56,11 +59,9 @@ def timed_steps(step, state, batch, steps: int, every: int, ckpt):
 
 
 def bench(cfg, sizes, steps: int, every: int, warmup: int) -> dict:
-    import jax
-    import numpy as np
+    import jax  # deferred: jax (~1 s), after the arguments are checked
 
-    from jaxpar.checkpoint import Checkpointer
-    from jaxpar.tools.bench import warm_step
+    from jaxpar.checkpoint import Checkpointer  # deferred: orbax, jax (~1 s), after the arguments are checked
 
     step, state, batch, layout = warm_step(cfg, sizes, warmup)
     out = {}

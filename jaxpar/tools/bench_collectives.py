@@ -15,10 +15,11 @@ import time
 
 from jaxpar.core.bench_records import measurement, print_rows
 from jaxpar.core.errors import UserError, check_output_file, cli
+from jaxpar.mesh import setup_devices
 
 
 def _ops(n: int):
-    import jax
+    import jax  # deferred: jax (~1 s), after the arguments are checked
 
     ring = [(i, (i + 1) % n) for i in range(n)]
     return {
@@ -30,9 +31,9 @@ def _ops(n: int):
 
 
 def run(max_bytes: int, reps: int = 5) -> list[dict]:
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jax  # deferred: jax (~1 s), after the arguments are checked
+    import jax.numpy as jnp  # deferred: jax (~1 s), after the arguments are checked
+    from jax.sharding import NamedSharding, PartitionSpec as P  # deferred: jax (~1 s), after the arguments are checked
 
     devices = jax.devices()
     n = len(devices)
@@ -67,7 +68,6 @@ def main(argv=None) -> int:
         raise UserError("--devices must be at least 1 and --max-mib above 0")
     if args.json:
         check_output_file(args.json, "--json")  # before the measurements, not after them
-    from jaxpar.mesh import setup_devices
 
     setup_devices({"dp": args.devices})
     rows = run(int(args.max_mib * 2**20))

@@ -15,6 +15,8 @@ import shlex
 import sys
 import time
 
+import jax
+
 from jaxpar.core.bench_records import append_row
 from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError, cli
@@ -42,7 +44,6 @@ def main(argv=None) -> int:
         raise UserError(f"--layers {args.layers!r} is not a comma-separated list of integers") from None
     sizes = parse_mesh(args.mesh)
     setup_devices(sizes)
-    import jax
 
     # one untimed compile first: backend start, autotuning and kernel caches would otherwise count against the first depth
     compile_layout(load_config(args.config, [*args.overrides, "model.n_layer=1"]), sizes)

@@ -136,7 +136,7 @@ def equal_time_table(best: list[dict], total: int) -> str:
 
 
 def environment() -> str:
-    import jax
+    import jax  # deferred: jax (~1 s), for the device's name: the runs train in subprocesses
 
     device = jax.devices()[0]
     return (f"{datetime.date.today().isoformat()}, {device.platform}:{device.device_kind}, {os.cpu_count()} CPU cores, "

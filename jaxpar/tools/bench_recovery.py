@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 
 from jaxpar.core.bench_records import append_row
 from jaxpar.core.errors import UserError, cli
@@ -166,7 +167,6 @@ def row(trainer: str, kills: int, steps: int, every: int, result: dict, argv: li
 
 
 def versions() -> str:
-    from importlib.metadata import version
     return (f"cpu x{os.cpu_count()}, python {platform.python_version()}, jax {version('jax')}, torch {version('torch')}"
             f", deepspeed {version('deepspeed')}")
 

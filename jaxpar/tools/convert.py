@@ -41,9 +41,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 
 from jaxpar.core.errors import UserError, cli
+from jaxpar.core.run.directory import framework_of
+from jaxpar.core.run.resume import read_run_config
 from jaxpar.core.weights.state_file import refuse_mixing
 from jaxpar.formats import hf_tokenizer
 from jaxpar.formats.weights_io import FORMATS, RUNS, export_run_state, import_run_state, read, write
@@ -92,8 +95,6 @@ def main(argv=None) -> int:
 
 def check_source(src: str, fmt: str) -> None:
     """--from jaxpar on a torchpar run (or the reverse): one line naming the format that reads it."""
-    from jaxpar.core.run.directory import framework_of
-
     held_by = framework_of(src)
     if held_by not in (None, fmt):
         raise UserError(f"--from {fmt} {src}: it holds a {held_by} run; convert it with --from {held_by}")
@@ -103,16 +104,12 @@ def _hf_tokenizer(args, vocab_size: int) -> hf_tokenizer.Choice:
     """What a Hugging Face export carries (hf_tokenizer.choose) for this source and --tokenizer."""
     run_tokenizer = None
     if args.src_fmt in ("jaxpar", "torchpar"):
-        from jaxpar.core.run.resume import read_run_config
-
         run_tokenizer = read_run_config(args.src).data.tokenizer
     return hf_tokenizer.choose(vocab_size, args.tokenizer, run_tokenizer, args.src if args.src_fmt == "hf" else None)
 
 
 def _whole_state(args) -> int:
     """run or state file -> run or state file, through a state file beside the destination where neither is one."""
-    import tempfile
-
     src, dst = args.src_fmt, args.dst_fmt
     if src not in (*RUNS[:2], "state") or dst not in (*RUNS, "state") or src == dst == "state" or \
             (src, dst) == ("jaxpar", "jaxpar"):

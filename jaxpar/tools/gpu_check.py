@@ -30,7 +30,10 @@ import sys
 import tempfile
 import time
 
+from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError, cli
+from jaxpar.tools.bench import matmul_ceiling
+from jaxpar.tools.gpu_profile import markdown as profile_lines
 
 PARTS = ("parity", "throughput", "profile", "attention", "ceiling", "offload", "models")
 GPT2_124M = ["--config", "configs/gpt2-124m.yaml", "model.compute_dtype=bfloat16", "data.seq_len=1024",
@@ -119,10 +122,9 @@ def models(tiny: bool) -> dict:
 
 def attention(tiny: bool) -> dict:
     """Which attention the compiled jaxpar step calls: cuDNN's fused kernel shows as a custom call."""
-    import jax
+    import jax  # deferred: jax (~1 s), after the arguments are checked
 
-    from jaxpar.core.config.schema import load_config
-    from jaxpar.step import build_step
+    from jaxpar.step import build_step  # deferred: imports jax, after the arguments are checked
 
     args = TINY if tiny else GPT2_124M
     cfg = load_config(args[1], args[2:])
@@ -133,14 +135,12 @@ def attention(tiny: bool) -> dict:
 
 
 def ceiling(tiny: bool) -> dict:
-    from jaxpar.tools.bench import matmul_ceiling
-
     dtype = "float32" if tiny else "bfloat16"
     return {"dtype": dtype, "flops": matmul_ceiling(dtype), "ok": True}
 
 
 def versions() -> dict:
-    import jax
+    import jax  # deferred: jax (~1 s), after the arguments are checked
 
     out = {"python": platform.python_version(), "jax": jax.__version__}
     for name in ("torch", "flax", "optax", "orbax.checkpoint", "grain", "deepspeed"):
@@ -175,8 +175,6 @@ def markdown(res: dict) -> str:
                   f"{t['torchpar_tokens_per_sec'] or 0:,.0f} | | | |", "",
                   f"jaxpar / torchpar: {t['ratio'] or float('nan'):.2f}", ""]
     if "profile" in res:
-        from jaxpar.tools.gpu_profile import markdown as profile_lines
-
         p = res["profile"]
         lines += ["## (b2) Profile of (b)'s jaxpar step", "", f"`{p['command']}` -> rc {p['rc']}", "",
                   *(profile_lines(p["summary"]) if p["summary"] else ["(no summary: see the JSON's tail)"]), ""]
@@ -232,7 +230,7 @@ def main(argv=None) -> int:
     # while (e) and (f) run in their own processes (they ran out of memory, 2026-11-27); those keep jax's default
     own = "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    import jax
+    import jax  # deferred: jax (~1 s), after the arguments are checked
 
     jax.devices()  # the backend starts here, reading the setting
     if own:

@@ -22,6 +22,8 @@ import time
 
 from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError, check_output_file, cli
+from jaxpar.mesh import setup_devices
+from jaxpar.tools.bench import warm_step
 
 # kinds by kernel name, first match wins: cuBLAS/cuDNN/Triton names on a GPU, XLA's fusion names anywhere
 KINDS = (("attention", r"fmha|flash|cudnn|attention"),
@@ -73,9 +75,7 @@ def summarize(trace: dict, steps: int, step_s: float, platform: str, top: int = 
 
 
 def profile(cfg, steps: int, warmup: int) -> dict:
-    import jax
-
-    from jaxpar.tools.bench import warm_step
+    import jax  # deferred: jax (~1 s), after the arguments are checked
 
     step, state, batch, _ = warm_step(cfg, {"dp": 1}, warmup, jax.devices()[:1])
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,7 +116,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.json:
         check_output_file(args.json, "--json")  # before the trace, as bench_collectives does
-    from jaxpar.mesh import setup_devices
 
     setup_devices({"dp": 1})
     result = profile(load_config(args.config, args.overrides), args.steps, args.warmup)

@@ -21,8 +21,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError, cli
-from jaxpar.cost.loss_and_grad import compiled_memory, step_flops
+from jaxpar.pipeline.tick_plan import tick_plan
 
 ROWS = {"gpipe": "gpipe", "gpipe (executor)": "gpipe", "1f1b": "1f1b", "zb_h1": "zb_h1", "zb_v": "zb_v"}
 
@@ -44,11 +45,10 @@ def main(argv=None) -> int:
     if not all(m.isdigit() and int(m) > 0 for m in args.microbatches.split(",")):
         raise UserError(f"--microbatches {args.microbatches!r}: positive whole numbers, comma-separated")
 
-    import jax
+    import jax  # deferred: jax (~1 s) loads after the arguments are checked; its CPU devices set below
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.stages)
-    from jaxpar.core.config.schema import load_config
-    from jaxpar.pipeline.tick_plan import tick_plan
+    from jaxpar.cost.loss_and_grad import compiled_memory, step_flops  # deferred: imports jax, once the devices are set
 
     S, T, b = args.stages, args.seq_len, args.microbatch_size
     counts = [int(m) for m in args.microbatches.split(",")]

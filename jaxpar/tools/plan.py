@@ -23,15 +23,22 @@ import re
 import sys
 import time
 
+import jax
+
 from jaxpar.core.data.batch_shapes import batch_shapes, bucket_shapes, shape_config
 from jaxpar.core.config.schema import Config, load_config
 from jaxpar.core.errors import UserError, cli
+from jaxpar.core.model.experts import row_capacity, slots_for
+from jaxpar.core.model.flops import flops_per_token
 from jaxpar.core.pipeline.schedules import concrete, configured_bubble, resolve_microbatches
 from jaxpar.core.config.mesh_spec import format_mesh, parse_mesh
 from jaxpar.mesh import setup_devices
 from jaxpar.cost.peak_bytes import compile_layout, device_memory, peak_bytes, shard_bytes
+from jaxpar.models.mla import kv_cache_width
+from jaxpar.parallel import powersgd
 from jaxpar.pipeline.auto import resolve_schedule
-from jaxpar.cost import activations as plan_activations, optimizer_traffic as plan_optimizer, schedule_times as plan_schedules
+from jaxpar.cost import (activations as plan_activations, hlo_collectives, optimizer_traffic as plan_optimizer,
+                         schedule_times as plan_schedules)
 
 
 def parse_bytes(text: str) -> int:
@@ -48,8 +55,6 @@ def exchange_bytes(cfg: Config, sizes: dict[str, int], ragged: bool = False) -> 
     and microbatch two all-to-alls of the buffer [experts, slots, embed] forward and two backward (a third and
     fourth forward with model.remat), each sending (ep-1)/ep of it. `ragged`: the slots filled alone (each token's
     top_k choices), what an exchange without padding would send."""
-    from jaxpar.core.model.experts import row_capacity, slots_for
-
     m, t, ep = cfg.model, cfg.train, sizes.get("ep", 1)
     if ep == 1 or not m.moe_experts:
         return 0.0
@@ -110,8 +115,6 @@ def plan(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
 
 
 def plan_shape(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
-    from jaxpar.cost import hlo_collectives
-
     compiled, layout, state = compile_layout(cfg, sizes, devices)
     memory = device_memory(compiled, layout, state)
     full = dict(layout.mesh.shape)
@@ -123,7 +126,6 @@ def plan_shape(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
         collectives.append({"op": c.op, "axes": "+".join(axes) or "-", "result_bytes": c.result_bytes,
                             "group": c.group_size, "count": c.count, "traffic_bytes": c.traffic_bytes * c.count,
                             "optimizer": plan_optimizer.is_optimizers(c.files)})
-    from jaxpar.parallel import powersgd
 
     payload = powersgd.payload_bytes(layout) if powersgd.enabled(layout) else 0
     experts = shard_bytes({k: v for k, v in state["params"]["blocks"].get("moe", {}).items() if k != "shared"
@@ -131,7 +133,6 @@ def plan_shape(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
     bounds = analytic_bounds(cfg, full, params, layout.mesh.devices.flat[0].platform, payload, experts)
     bounds["optimizer"], padded = plan_optimizer.muon_bounds(cfg, state["params"], n_dev)
     measured = measure(collectives, bounds)
-    from jaxpar.models.mla import kv_cache_width
 
     width = kv_cache_width(cfg.model)  # per token per layer: MLA its latent + rope key, MHA/GQA keys + values
     itemsize = 4 if cfg.model.compute_dtype == "float32" else 2
@@ -267,10 +268,6 @@ def recommend(cfg: Config, n: int, budget: int, peak_flops: float, bandwidth: fl
               progress=say_progress) -> list[dict]:
     """Every candidate mesh of n devices compiled and ranked; `progress(line)` hears of each as it is compiled (the
     whole takes a minute for a small model)."""
-    from jaxpar.core.model.flops import flops_per_token
-
-    import jax
-
     tokens = max(rows * T for rows, T in batch_shapes(cfg))  # the largest batch (a ramp's end; about each bucket's)
     compute_s = tokens * flops_per_token(cfg.model, cfg.data.seq_len) / n / peak_flops
     rows, meshes = [], list(candidate_meshes(cfg, n))

@@ -61,10 +61,10 @@ def label(r: dict) -> str:
 
 
 def plot(runs: list[dict], out_dir: str) -> list[str]:
-    import matplotlib
+    import matplotlib  # deferred: matplotlib, optional (the report extra): plots only
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: matplotlib, optional (report extra), after use("Agg")
 
     os.makedirs(out_dir, exist_ok=True)
     names = [label(r) for r in runs]
@@ -181,7 +181,7 @@ def curve_data(runs: dict[str, list[dict]]) -> dict[str, dict[str, tuple[list[in
 def curve_figure(data: dict[str, dict[str, tuple[list[int], list[float]]]], labels: list[str]):
     """One figure, a panel per curve in `data` (the Axes labelled with the curve's key), a line per run labelled
     with its run; each run keeps one colour in every panel, named once in the figure's legend."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # deferred: matplotlib, optional (the report extra): plots only
 
     titles = dict(CURVES)
     cols = 1 if len(data) == 1 else 2
@@ -232,7 +232,7 @@ def curves(run_dirs: list[str], out: str | None = None) -> tuple[str, dict]:
 def plot_run(runs: dict[str, list[dict]], out_dir: str) -> list[str]:
     """stragglers.png (straggler_ratio by step, each point labelled with its slowest rank) where a run has
     straggler_ratio, and comm_share.png (the share per mesh axis, per run) where a run has a per-axis share."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # deferred: matplotlib, optional (the report extra): plots only
 
     slow = {name: [r for r in records if r.get("straggler_ratio") is not None] for name, records in runs.items()}
     shares = {name: next((r for r in records if any(k.startswith("comm_share_") for k in r)), None)
@@ -292,10 +292,10 @@ def scaling_markdown(rows: list[dict]) -> str:
 
 
 def plot_efficiency(rows: list[dict], out_dir: str) -> str:
-    import matplotlib
+    import matplotlib  # deferred: matplotlib, optional (the report extra): plots only
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: matplotlib, optional (report extra), after use("Agg")
 
     fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(rows)), 3.5))
     ax.bar(range(len(rows)), [r["efficiency"] for r in rows])

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError, cli
-from jaxpar.cost.loss_and_grad import compiled_memory
 
 
 @cli
@@ -26,10 +26,10 @@ def main(argv=None) -> int:
     if args.devices < 1 or args.seq_len < 1:
         raise UserError("--devices and --seq-len must be at least 1")
 
-    import jax
+    import jax  # deferred: jax (~1 s) loads after the arguments are checked; its CPU devices set below
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.devices)
-    from jaxpar.core.config.schema import load_config
+    from jaxpar.cost.loss_and_grad import compiled_memory  # deferred: imports jax, once the devices are set
 
     T, sizes = args.seq_len, [n for n in (1, 2, 4, 8) if n <= args.devices]
     overrides = args.model.split(",") + [f"data.seq_len={T}", f"model.max_seq_len={T}", "train.global_batch_size=1",

@@ -16,6 +16,8 @@ import json
 import os
 import re
 
+import numpy as np
+
 from jaxpar.core.config.schema import Config, load_config
 from jaxpar.core.errors import cli
 
@@ -31,10 +33,9 @@ def _status_bytes(field: str) -> int:
 def measure(cfg: Config) -> dict:
     """{"state_bytes", "step_bytes" (the resident set's rise during a warm step), "peak_bytes" (their sum),
     "planned_temp_bytes", "planned_peak_bytes"} of the config's train step on the first device."""
-    import jax
-    import numpy as np
+    import jax  # deferred: jax reads JAX_PLATFORMS, which main sets, on import
 
-    from jaxpar.step import build_step
+    from jaxpar.step import build_step  # deferred: imports jax, after main sets JAX_PLATFORMS
 
     layout, state, step = build_step(cfg, {"dp": 1}, jax.devices()[:1])
     memory = step.memory_analysis()

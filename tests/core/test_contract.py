@@ -179,16 +179,15 @@ def data_rows(cfg) -> list:
     return [train.global_batch(s) for s in (0, 1)] + [val.global_batch(0)]
 
 
-class RecordingTrainer:
-    """The shared loop's view of a trainer, writing down every call it gets."""
-    fault_prefix, process_count, train_data, is_main = "NOBODY", 1, None, False
+class Recording:
+    """One part of a RecordingTrainer (the trainer or one of its collaborators), writing down every call it gets."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, calls: list, part: str = ""):
+        self.calls, self.part = calls, part
 
     def __getattr__(self, name):
         def call(*args):
-            self.calls.append((name, *args))
+            self.calls.append((self.part + name, *args))
             if name == "train_step":
                 return {"loss": 1.0, "grad_norm": 1.0, "lr": 0.1}
             if name == "data_wait_s":
@@ -198,6 +197,17 @@ class RecordingTrainer:
             return {"memory_in_use_gib": None, "memory_gib": None} if name == "memory" else (
                 [1, 2] if name == "sample" else (1.0 if name == "evaluate" else args[0] if args else None))
         return call
+
+
+class RecordingTrainer(Recording):
+    """The shared loop's view of a trainer, writing down every call it and its collaborators get."""
+    process_count, rank, train_data, is_main = 1, 0, None, False
+
+    def __init__(self):
+        super().__init__([])
+        self.processes, self.probes, self.profiling, self.faults = (
+            Recording(self.calls, f"{part}.") for part in ("processes", "probes", "profiling", "faults"))
+        self.faults.prefix = "NOBODY"
 
 
 def loop_calls(cfg, tmp_path) -> list:
@@ -210,7 +220,7 @@ def loop_calls(cfg, tmp_path) -> list:
     log.close()
     with open(tmp_path / "metrics.jsonl") as f:
         logged = [json.loads(line)["step"] for line in f]
-    return [c for c in fw.calls if c[0] not in ("memory", "fetch", "data_wait_s")] + logged
+    return [c for c in fw.calls if c[0] not in ("probes.memory", "fetch", "probes.data_wait_s")] + logged
 
 
 def torch_params(cfg) -> dict:

@@ -9,44 +9,65 @@ from jaxpar.core.run.loop import train_loop
 from tests.helpers import tiny_config
 
 
+class OneProcess:
+    """The process group of a one-process run: nothing to agree on."""
+
+    def any_of(self, flag):
+        return flag
+
+
+class SleepyProbes:
+    """The measurements: the read-ahead's wait, a fixed memory, no peak FLOP/s (no MFU)."""
+
+    def __init__(self, prefetch):
+        self.prefetch = prefetch
+
+    def data_wait_s(self):
+        return self.prefetch.waited_s
+
+    def peak_flops(self):
+        return None
+
+    def record_extra(self):
+        return {}
+
+    def memory(self):
+        return {"memory_in_use_gib": 1.5, "memory_gib": 2.0}
+
+
+class NoCollectives:
+    """One device: no collectives to profile (jaxpar/core/run/stragglers.py)."""
+
+    def comm_axes(self):
+        return []
+
+
+class NoFaults:
+    """No <PREFIX>_FAULT_* variable names this prefix: no test faults."""
+    prefix = "NOBODY"
+
+
 class SleepyTrainer:
-    """Reading a batch takes 60 ms (read ahead through the trainers' Prefetch), the step 10 ms: the host waits on
-    data for the 50 ms the read-ahead is behind, 5/6 of each step."""
-    fault_prefix, process_count, train_data, is_main = "NOBODY", 1, None, True
+    """Reading a batch takes 60 ms (read ahead through the trainers' Prefetch), the step 10 ms.
+
+    The host waits on data for the 50 ms the read-ahead is behind, 5/6 of each step.
+    """
+    process_count, rank, train_data, is_main = 1, 0, None, True
 
     def __init__(self):
         self.prefetch = Prefetch(lambda step: time.sleep(0.06) or step)
+        self.processes, self.probes, self.profiling = OneProcess(), SleepyProbes(self.prefetch), NoCollectives()
+        self.faults = NoFaults()
 
     def train_step(self, step):
         assert self.prefetch(step) == step
         time.sleep(0.01)
         return {"loss": 1.0, "grad_norm": 1.0, "lr": 0.1}
 
-    def data_wait_s(self):
-        return self.prefetch.waited_s
-
-    def any_of(self, flag):
-        return flag
-
-    def peak_flops(self):
-        return None
-
-    def comm_axes(self):  # one device: no collectives (jaxpar/core/run/stragglers.py)
-        return []
-
-    def record_extra(self):
-        return {}
-
     def fetch(self, handle):
         return handle
 
-    def memory(self):
-        return {"memory_in_use_gib": 1.5, "memory_gib": 2.0}
-
     def save(self, step):
-        pass
-
-    def settle(self):
         pass
 
 

@@ -10,23 +10,29 @@ from jaxpar.core.run.loop import run_training
 from tests.helpers import tiny_config
 
 
-class Recorder:
-    """A trainer adapter that writes down what the run sequence asks of it; `others_failed` plays the other
-    processes' answer to `any_of`."""
+class Agreement:
+    """A Recorder's process group: `any_of` is written down; `others_failed` plays the other processes' answer."""
 
-    def __init__(self, is_main=True, others_failed=False, step=0):
-        self.is_main, self.others_failed, self.step, self.calls = is_main, others_failed, step, []
-
-    def __getattr__(self, name):
-        def call(*args):
-            self.calls.append(name)
-            return {"restore_or_init": self.step, "run_config": {}, "start": "", "record_extra": {},
-                    "peak_flops": None}.get(name)
-        return call
+    def __init__(self, calls, others_failed):
+        self.calls, self.others_failed = calls, others_failed
 
     def any_of(self, flag):
         self.calls.append("any_of")
         return flag or self.others_failed
+
+
+class Recorder:
+    """A trainer adapter that writes down what the run sequence asks of it (its process group's `any_of` too)."""
+
+    def __init__(self, is_main=True, others_failed=False, step=0):
+        self.is_main, self.step, self.calls = is_main, step, []
+        self.processes = Agreement(self.calls, others_failed)
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append(name)
+            return {"restore_or_init": self.step, "run_config": {}, "start": ""}.get(name)
+        return call
 
 
 def old_run(tmp_path):

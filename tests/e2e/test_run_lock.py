@@ -100,11 +100,12 @@ def test_a_killed_holder_leaves_its_lock_and_the_next_run_takes_it_over(dataset,
 
 def test_resume_false_moves_the_old_run_aside_and_locks_the_new_run_dir(tmp_path):
     """The lock file goes aside with the old run: the new run.dir is locked again, the old lock let go."""
-    class OneProcess:
-        is_main = True
-
+    class Agreement:
         def any_of(self, flag):
             return flag
+
+    class OneProcess:
+        is_main, processes = True, Agreement()
 
     run_dir = tmp_path / "run"
     os.makedirs(run_dir / "checkpoints")

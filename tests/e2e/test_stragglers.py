@@ -32,18 +32,29 @@ def test_pace_is_step_time_less_the_waiting_beyond_the_least():
     assert sample_step(8, 2, 0, 10) is None  # no step after the first record that is not a record step
 
 
-class Gathered:
-    """Process 0 of two: its row is what the hook measured; process 1 waited nothing at 0.5 s per step."""
-    process_count, rank = 2, 0
+class Pair:
+    """The process group, seen from process 0 of two.
+
+    Process 0's row is what the hook measured; process 1 waited nothing at 0.5 s per step.
+    """
 
     def sync_wait_s(self):
         return 0.0
 
+    def gather(self, values):
+        return [values, [0.5, 0.0, 0.0, float("nan")]]
+
+
+class NoUtilization:
+    """Probes that cannot tell the device's utilisation (as jax's)."""
+
     def device_utilization(self):
         return None
 
-    def gather(self, values):
-        return [values, [0.5, 0.0, 0.0, float("nan")]]
+
+class Gathered:
+    """A trainer of two processes whose process group is `Pair`."""
+    process_count, rank, processes, probes = 2, 0, Pair(), NoUtilization()
 
 
 class Progress:
@@ -135,13 +146,12 @@ def test_report_plots_a_runs_slow_process_and_comm_share(tmp_path):
 
 
 class BrokenProfiler:
-    """comm_profile_start raises, as jax.profiler does when a trace is already running."""
-    process_count, rank = 2, 0
+    """A trainer's `profiling` whose comm_start raises, as jax.profiler does when a trace is already running."""
 
     def comm_axes(self):
         return ["dp"]
 
-    def comm_profile_start(self):
+    def comm_start(self):
         raise RuntimeError("Profile has already been started")
 
 

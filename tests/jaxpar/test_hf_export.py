@@ -38,11 +38,10 @@ def make_run(tmp_path, name: str, *overrides: str) -> str:
 def jaxpar_greedy(run: str, monkeypatch, prompt: str = PROMPT, new: int = NEW) -> list[int]:
     """The token ids `python -m jaxpar.generate --run RUN --prompt PROMPT --temperature 0 --max-new-tokens NEW`
     decodes, through its own functions on one of the test's devices."""
-    import jaxpar.mesh
     from jaxpar import generate
 
-    mesh = jaxpar.mesh.make_mesh
-    monkeypatch.setattr(jaxpar.mesh, "make_mesh", lambda sizes, devices=None: mesh(sizes, jax.devices()[:1]))
+    mesh = generate.make_mesh
+    monkeypatch.setattr(generate, "make_mesh", lambda sizes, devices=None: mesh(sizes, jax.devices()[:1]))
     args = generate.parse_args(["--run", run, "--prompt", prompt, "--temperature", "0", "--max-new-tokens", str(new)])
     sizes = generate.check_decoding(args)
     cfg, flat, tokenizer = generate.load(args)

@@ -85,7 +85,9 @@ def grad_scaler(cfg, env, sharded: bool = False):
     kwargs = {"init_scale": o.loss_scale_init, "growth_factor": o.loss_scale_growth_factor,
               "backoff_factor": o.loss_scale_backoff_factor, "growth_interval": o.loss_scale_growth_interval}
     if sharded:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # deferred: at import time it keeps
+        # gloo threads alive at exit (tests/torchpar/test_torchpar_exit.py)
+
         return ShardedGradScaler(env.device.type, **kwargs)
     return torch.amp.GradScaler(env.device.type, **kwargs)
 

@@ -42,7 +42,7 @@ def import_deepspeed():
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
-        import deepspeed
+        import deepspeed  # deferred: deepspeed, optional: --backend deepspeed only
     except ImportError as e:
         raise UserError(f"--backend deepspeed needs the deepspeed package (pip install deepspeed): {e}") from None
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -55,7 +55,7 @@ def quiet_comm_init(deepspeed) -> None:
     """DeepSpeed's communication layer over the process group torchpar made (deepspeed.initialize then reuses it),
     set up here because it prints "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully" on every
     rank at every start (it loads, or first builds, its shared-memory op on CPU): not for the console."""
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator import get_accelerator  # deferred: deepspeed, optional: --backend deepspeed only
 
     with contextlib.redirect_stdout(io.StringIO()):
         deepspeed.comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
@@ -180,7 +180,7 @@ class DeepSpeedEngine:
     def full_state_dict(self) -> dict:
         """Whole fp32 weights by torch name: the optimizer's fp32 master copy (gathered over ranks, a
         collective) at ZeRO 1-3 or with bf16; the parameters themselves where there is no such copy."""
-        from deepspeed.utils import safe_get_full_fp32_param
+        from deepspeed.utils import safe_get_full_fp32_param  # deferred: deepspeed, optional: --backend deepspeed only
 
         out = {}
         for name, p in self.engine.module.named_parameters():
@@ -300,8 +300,9 @@ def forget_module(module) -> None:
     """DeepSpeed 0.19's ZeRO-3 holds a model after engine.destroy(): on its forward-module stack (the root
     module is pushed at setup and never popped) and, with its submodules, as keys of a class-level cache of
     the parameter coordinator (functools.lru_cache on a method). Both let go of it here."""
-    from deepspeed.runtime.zero import parameter_offload
-    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+    from deepspeed.runtime.zero import parameter_offload  # deferred: deepspeed, optional: --backend deepspeed only
+    from deepspeed.runtime.zero.partitioned_param_coordinator import (  # deferred: deepspeed, optional
+        PartitionedParameterCoordinator)
 
     stack = parameter_offload.FWD_MODULE_STACK
     stack[:] = [m for m in stack if m is not module]
@@ -331,7 +332,7 @@ def check_deepspeed(cfg, deepspeed_config: str) -> None:
     """What torchpar.train checks before any process group: DeepSpeed importable, float16 possible here,
     the user JSON readable and consistent with the shared keys."""
     import_deepspeed()
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator import get_accelerator  # deferred: deepspeed, optional: --backend deepspeed only
 
     if cfg.model.compute_dtype == "float16":
         fp16_section(cfg)

@@ -20,6 +20,8 @@ import os
 import shutil
 import sys
 
+import torch
+
 from jaxpar.core.errors import UserError
 from torchpar import dist
 
@@ -40,7 +42,6 @@ def saved_checkpoint(ckpt_dir: str) -> tuple[str, int, int] | None:
     files = sorted(glob.glob(os.path.join(ckpt_dir, tag, "*model_states.pt")))
     if not files:
         return None
-    import torch
 
     try:
         saved = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
@@ -87,7 +88,7 @@ def refuse_other_layout(cfg, tag: str, stage: int, want: int) -> None:
 
 def convert(src: str, dst: str) -> str:
     """DeepSpeed's converter, its progress output kept off the console; '' or the reason it failed."""
-    from deepspeed.checkpoint import ds_to_universal
+    from deepspeed.checkpoint import ds_to_universal  # deferred: deepspeed, optional: --backend deepspeed only
 
     shutil.rmtree(os.path.dirname(dst), ignore_errors=True)  # a conversion cut short before
     args = argparse.Namespace(input_folder=src, output_folder=dst, num_extract_workers=1, num_merge_workers=1,

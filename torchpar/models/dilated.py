@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from jaxpar.core.model.layer_rules import block_mask, dense_blocks, kept_blocks
 
@@ -44,7 +45,7 @@ def _blocked_core(qs, ks, vs, kept):
 def _flex_core(qs, ks, vs, kept):
     """The kept blocks on FlexAttention (flex_block_mask). torch 2.13 runs its backward on CUDA only (the CPU
     refuses it; there _blocked_core computes the same sum); fused when compiled (train.compile)."""
-    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest  # deferred: torch >= 2.9's (pyproject allows 2.5)
 
     B, S, n, H, D = qs.shape
     rows = lambda x: x.float().permute(0, 1, 3, 2, 4).reshape(B * S, H, n, D)  # noqa: E731
@@ -57,8 +58,6 @@ def flex_block_mask(kept, n: int, device):
     """FlexAttention's BlockMask of kept_blocks' pattern on rows of n tokens. Its mask_mod is the whole mask
     (causal, within the kept blocks: what the unfused path applies); its block lists name the same blocks, the
     diagonal as partial (masked) and the past ones as full, so that the fused kernel visits only those."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     H, nb, K = kept.shape
     b = n // nb
     past = np.zeros((1, H, nb, nb), np.int32)

@@ -13,6 +13,8 @@ import shlex
 import sys
 import time
 
+import numpy as np
+
 from jaxpar.core.bench_records import publish
 from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError, cli
@@ -21,7 +23,7 @@ from torchpar.backends import BACKENDS
 
 
 def matmul_ceiling(device, dtype) -> float:
-    import torch
+    import torch  # deferred: torch (~1.5 s), after the arguments are checked
 
     n = 8192 if device.type == "cuda" else 1024
     a = torch.ones((n, n), dtype=dtype, device=device)
@@ -36,12 +38,11 @@ def matmul_ceiling(device, dtype) -> float:
 
 
 def bench(cfg, backend: str, steps: int, warmup: int, compile_model: bool) -> dict:
-    import numpy as np
-    import torch
+    import torch  # deferred: torch (~1.5 s), after the arguments are checked
 
-    from torchpar import dist
-    from torchpar.models.decoder import Decoder
-    from torchpar.parallelize import parallelize
+    from torchpar import dist  # deferred: imports torch, after the arguments are checked
+    from torchpar.models.decoder import Decoder  # deferred: imports torch, after the arguments are checked
+    from torchpar.parallelize import parallelize  # deferred: imports torch, after the arguments are checked
 
     env = dist.init(backend != "none", cfg.run.peer_timeout_s)
     model = Decoder(cfg.model)
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
     if args.steps < 1 or args.warmup < 0:
         raise UserError("--steps must be >= 1 and --warmup >= 0")
     cfg = load_config(args.config, args.overrides)
-    from torchpar import dist
+    from torchpar import dist  # deferred: imports torch, after the arguments are checked
 
     try:
         result = bench(cfg, args.backend, args.steps, args.warmup, args.compile)

@@ -25,7 +25,7 @@ from jaxpar.core.run.resume import read_run_config
 from jaxpar.core.weights.state_file import (first_moments, refuse_other_optimizer, save_state, state_for_run, state_meta,
                                     write_moved_config, writing_run)
 from torchpar import dist
-from torchpar.backends import none
+from torchpar.backends import deepspeed, none
 from torchpar.models.decoder import Decoder
 from torchpar.weights import from_shared, to_shared
 
@@ -64,9 +64,7 @@ def import_deepspeed(src: str, run_dir: str, zero_stage: int | None) -> int:
     gradients makes the state (and leaves the weights as they are: AdamW's update and its decay are both lr x ...),
     and DeepSpeed's whole-parameter setters then put the float32 weights (bf16 runs: the master was made from
     the bfloat16 cast) and the moments in their partitions."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-    from torchpar.backends import deepspeed
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state  # deferred: deepspeed, optional
 
     tensors, meta, cfg = state_for_run(src, run_dir)
     _refuse_float16(cfg, "import into")
@@ -122,7 +120,7 @@ def _link_adam_state(zero) -> None:
     first parameter group's first update: not at all after a same-size load_checkpoint, and not for the second
     (no-decay) group, which had no state yet then. The whole-parameter accessors need the link: made here."""
     if hasattr(zero, "bit16_groups") and hasattr(zero, "single_partition_of_fp32_groups"):
-        from deepspeed.utils import lazy_init_hp_params_optimizer_state
+        from deepspeed.utils import lazy_init_hp_params_optimizer_state  # deferred: deepspeed, optional
 
         for lp, hp in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
             lazy_init_hp_params_optimizer_state(lp, hp, zero.optimizer.state)
@@ -142,7 +140,7 @@ def _own_state(p) -> bool:
 
 def _whole(p, inner, key: str | None) -> torch.Tensor:
     """p's whole float32 value (key None) or Adam state `key`."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # deferred: deepspeed, optional
 
     if _own_state(p):
         return (p if key is None else inner.state[p][key]).detach().float()
@@ -152,8 +150,6 @@ def _whole(p, inner, key: str | None) -> torch.Tensor:
 def export_deepspeed(cfg, dst: str) -> int:
     """A DeepSpeed run's state, read on one process (a run of more ranks through the universal checkpoint:
     torchpar/backends/deepspeed_universal.py) with DeepSpeed's own whole-parameter accessors."""
-    from torchpar.backends import deepspeed
-
     _refuse_float16(cfg, "export")
     env = dist.setup(cfg, "deepspeed")
     try:

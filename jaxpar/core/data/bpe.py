@@ -13,7 +13,7 @@ EOD = "<|endoftext|>"
 def train_tokenizer(inputs: list[str], out: str, vocab_size: int, text_field: str = "text") -> int:
     """Writes `out` (tokenizer.json); returns its vocabulary size."""
     try:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # deferred: tokenizers, optional
     except ImportError:
         raise UserError("training a tokenizer needs the 'tokenizers' package (pip install tokenizers)") from None
     if vocab_size < 257:

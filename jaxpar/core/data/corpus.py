@@ -82,7 +82,7 @@ def _jsonl(path: str) -> Iterator[tuple[str, dict]]:
 def _parquet(path: str, wanted: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
     """(where, row) of each row, with the columns of `wanted` the file has (where: path:row)."""
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # deferred: pyarrow, optional (the data extra): Parquet files only
     except ImportError:
         raise UserError(f"{path}: Parquet needs the pyarrow package (pip install pyarrow)") from None
     try:

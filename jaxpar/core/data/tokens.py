@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 import signal
 import sys
@@ -15,6 +16,7 @@ import tempfile
 from contextlib import nullcontext
 
 import numpy as np
+from tqdm import tqdm
 
 from jaxpar.core.config.schema import DataConfig
 from jaxpar.core.data.corpus import collect, documents, read_bytes, records
@@ -30,7 +32,7 @@ def _hf_tokenizer(path: str):
     if not os.path.isfile(path):
         raise UserError(f"tokenizer must be 'byte' or a Hugging Face tokenizers JSON file; not found: {path}")
     try:
-        from tokenizers import Tokenizer  # optional dependency, only needed for this branch
+        from tokenizers import Tokenizer  # deferred: tokenizers, optional (the data extra): tokenizer.json files only
     except ImportError:
         raise UserError(f"tokenizer {path} needs the 'tokenizers' package (pip install tokenizers)") from None
     try:
@@ -87,7 +89,6 @@ def _encoded(docs, tokenizer: str, encode, workers: int):
     if tokenizer == "byte" or workers <= 1:
         yield from (_encode_pieces(encode, doc) for doc in docs)
         return
-    import multiprocessing
 
     pool = multiprocessing.get_context("spawn").Pool(workers, _start_worker, (tokenizer,))
     try:
@@ -172,8 +173,6 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", text_field: st
     `out.json`, with the end-of-document token between documents; a progress bar on a terminal.
     `sft`: prompt/response records, with a loss mask (`out.mask`); `pack`: whole documents packed into windows
     of pack + 1 tokens (packing.py), with the padding masked out of the loss."""
-    from tqdm import tqdm
-
     files = collect(inputs)
     encode, vocab_size, name = _tokenizer(tokenizer)
     eod = eod_token(tokenizer)

@@ -21,16 +21,20 @@ FAULTS = ("KILL_AFTER_STEP", "KILL_IN_SAVE_AFTER_STEP", "SIGTERM_AFTER_STEP", "N
 
 
 class FaultInjector:
-    """A loop hook (jaxpar/core/run/hooks.py) injecting the faults the environment asks for into a trainer:
-    `trainer.poison()`, `trainer.inject_overflow()` and `trainer.settle()` are called from here only."""
+    """A loop hook (jaxpar/core/run/hooks.py) injecting the faults the environment asks for into a trainer.
 
-    def __init__(self, trainer, prefix: str):
-        self.trainer, self.env = trainer, {name: os.environ.get(f"{prefix}_FAULT_{name}") for name in FAULTS}
+    The trainer's `faults` (jaxpar/core/run/adapter.py's `Faults`) are called from here only.
+    """
+
+    def __init__(self, faults, rank: int):
+        """`faults`: the trainer's; `rank`: this process's (<PREFIX>_FAULT_SLOW_RANK)."""
+        self.faults, self.rank = faults, rank
+        self.env = {name: os.environ.get(f"{faults.prefix}_FAULT_{name}") for name in FAULTS}
 
     @classmethod
     def from_env(cls, trainer) -> "FaultInjector | None":
         """The hook if any <PREFIX>_FAULT_* variable is set, else None (a normal run carries no test code)."""
-        hook = cls(trainer, trainer.fault_prefix)
+        hook = cls(trainer.faults, trainer.rank)
         return hook if any(hook.env.values()) else None
 
     def _is(self, name: str, step: int) -> bool:
@@ -39,10 +43,10 @@ class FaultInjector:
     def before_step(self, step: int) -> None:
         """`step` (0-based) is about to run, as step step+1."""
         if self._is("NAN_AT_STEP", step + 1):
-            self.trainer.poison()
+            self.faults.poison()
         if self._is("OVERFLOW_AT_STEP", step + 1):
-            self.trainer.inject_overflow()
-        if self.env["SLOW_STEP_S"] and self.env["SLOW_RANK"] == str(self.trainer.rank):
+            self.faults.overflow()
+        if self.env["SLOW_STEP_S"] and self.env["SLOW_RANK"] == str(self.rank):
             time.sleep(float(self.env["SLOW_STEP_S"]))
 
     def after_step(self, step: int) -> None:
@@ -52,7 +56,7 @@ class FaultInjector:
         if self._is("KILL_IN_SAVE_AFTER_STEP", step):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._is("KILL_AFTER_STEP", step):
-            self.trainer.settle()
+            self.faults.settle()
             os.kill(os.getpid(), signal.SIGKILL)
         if self._is("SIGTERM_AFTER_STEP", step):
             os.kill(os.getpid(), signal.SIGTERM)

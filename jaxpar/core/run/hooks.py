@@ -3,7 +3,8 @@ samples, checkpoints, the profiler window, the slowest process and the sampled s
 and the test faults (faults.py). Also what they share for one step (`Progress`: the metrics not read yet, the
 non-finite guard, the record, the throughput meter).
 
-Nothing here imports jax or torch: a hook calls the trainer (the run's `Trainer` adapter) for the work.
+Nothing here imports jax or torch: a hook calls the trainer (the run's `Trainer` adapter) or its collaborators
+(jaxpar/core/run/adapter.py) for the work.
 """
 from __future__ import annotations
 
@@ -95,13 +96,14 @@ class Progress:
         self.trainer, self.min_scale, self.saved = trainer, cfg.optim.loss_scale_min, None
         self.pending, self.latest, self.current, self.busy = [], {}, None, False
         self.blocked, self.handed = 0.0, None
-        self.extra = trainer.record_extra()
-        self.meter = Throughput(cfg, flops_at(cfg.model, cfg.data.seq_len), trainer.peak_flops(), trainer.train_data)
+        self.extra = trainer.probes.record_extra()
+        self.meter = Throughput(cfg, flops_at(cfg.model, cfg.data.seq_len), trainer.probes.peak_flops(),
+                                trainer.train_data)
         self.restart(step)
 
     def restart(self, step: int) -> None:
-        self.meter.restart(step, self.trainer.data_wait_s())
-        self.synced = self.trainer.sync_wait_s() if self.trainer.process_count > 1 else 0.0
+        self.meter.restart(step, self.trainer.probes.data_wait_s())
+        self.synced = self.trainer.processes.sync_wait_s() if self.trainer.process_count > 1 else 0.0
         self.blocked_mark = self.blocked
 
     def started(self, step: int, handle) -> None:
@@ -122,8 +124,9 @@ class Progress:
     def record(self, step: int) -> dict:
         """The metrics record of step `step`, made once (its throughput up to now: before any evaluation)."""
         if self.current is None:
-            self.current = {"step": step, **self.metrics(), **self.meter.record(step, self.trainer.data_wait_s()),
-                            **self.trainer.memory(), **self.extra}
+            probes = self.trainer.probes
+            self.current = {"step": step, **self.metrics(), **self.meter.record(step, probes.data_wait_s()),
+                            **probes.memory(), **self.extra}
             self.busy = True
         return self.current
 
@@ -195,14 +198,14 @@ class Checkpoint(Hook):
 
 
 class Profiler(Hook):
-    """train.profile_steps=a:b: the trainer's profiler runs from before step a to after step b."""
+    """train.profile_steps=a:b: the trainer's profiler (its `profiling`) runs from before step a to after step b."""
 
-    def __init__(self, trainer, window: tuple[int, int]):
-        self.trainer, self.window, self.on = trainer, window, False
+    def __init__(self, profiling, window: tuple[int, int]):
+        self.profiling, self.window, self.on = profiling, window, False
 
     def before_step(self, step: int) -> None:
         if step == self.window[0]:
-            self.trainer.profile_start()
+            self.profiling.start()
             self.on = True
 
     def after_step(self, step: int) -> None:
@@ -211,7 +214,7 @@ class Profiler(Hook):
 
     def close(self) -> None:  # also when the loop stopped inside the window
         if self.on:
-            self.trainer.profile_stop()
+            self.profiling.stop()
             self.on = False
 
 
@@ -232,9 +235,9 @@ def hooks_of(cfg: Config, trainer, log: MetricsLog, progress: Progress) -> list[
     the sample and the checkpoint; the test faults come last (a kill after the save)."""
     window = profile_window(cfg.train.profile_steps)
     several = trainer.process_count > 1
-    hooks = [CommShare(cfg, trainer, progress, progress.meter.step, window), Evaluate(cfg, trainer, progress),
+    hooks = [CommShare(cfg, trainer.profiling, progress, progress.meter.step, window), Evaluate(cfg, trainer, progress),
              Stragglers(cfg, trainer, log, progress) if several else None, Log(cfg, log, progress),
              Sample(cfg, trainer, log, progress),
-             Checkpoint(cfg, trainer, progress), Profiler(trainer, window) if window else None,
+             Checkpoint(cfg, trainer, progress), Profiler(trainer.profiling, window) if window else None,
              FaultInjector.from_env(trainer), StepClock(progress) if several else None]
     return [h for h in hooks if h is not None]

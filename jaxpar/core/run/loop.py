@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from jaxpar.core.config.schema import Config
 from jaxpar.core.errors import UserError
+from jaxpar.core.run.adapter import Faults, Probes, Processes, Profiling
 from jaxpar.core.run.hooks import Progress, hooks_of
 from jaxpar.core.run.metrics import MetricsLog
 from jaxpar.core.run.peers import PeerGuard
@@ -28,71 +29,46 @@ from jaxpar.core.run.trackers import open_trackers
 
 
 class Trainer(Protocol):
-    """A framework's adapter: the one interface between the shared run and jax or torch."""
+    """A framework's adapter: the one interface between the shared run and jax or torch.
+
+    Its methods are the run sequence's and the loop's; the rest of the hooks' work goes to its collaborators
+    (jaxpar/core/run/adapter.py), each a class of the trainer's own.
+    """
     is_main: bool  # process 0 / rank 0: the one that writes the run's shared files and prints
     process_count: int
     rank: int  # this process's index among them
-    fault_prefix: str  # <PREFIX>_FAULT_* environment variables (jaxpar/core/run/faults.py)
     train_data: Any  # the training GlobalBatches (jaxpar/core/data/order.py)
+    processes: Processes  # the process group: the loop's agreement, the stragglers' gather, the roll call
+    probes: Probes  # measurements for the metrics record
+    profiling: Profiling  # train.profile_steps and the sampled step's collectives
+    faults: Faults  # <PREFIX>_FAULT_* (jaxpar/core/run/faults.py)
 
     # the run sequence
-    def any_of(self, flag: bool) -> bool:
-        """Whether `flag` is true on any process (every process gets the same answer; a barrier too)."""
     def restore_or_init(self) -> int:
-        """The latest checkpoint in run.dir (checkpoint.resume), else model.init_from, else the seeded
-        initialisation; returns the data step to continue from (0 for a new run)."""
+        """The data step to continue from (0 for a new run), once the state is restored or initialised.
+
+        The latest checkpoint in run.dir (checkpoint.resume), else model.init_from, else the seeded initialisation.
+        """
     def run_config(self) -> dict:
         """What config.json records beside the config: the resolved mesh, or the backend and world size."""
     def start(self) -> str:
         """Compile or build what the loop drives; the start-up line(s) (every process: it may gather)."""
-    def peak_flops(self) -> float | None:
-        """The summed peak FLOP/s of all devices for model.compute_dtype (None where unknown: no MFU)."""
-    def record_extra(self) -> dict:
-        """Constant fields of every metrics record (jaxpar: the pipeline bubble)."""
     def write_weights(self, path: str, which: str) -> None:
         """The parameters in the shared safetensors format (every process takes part; one writes)."""
     def close(self) -> None:
         """Read-ahead stopped, saves in flight complete; runs even when training stopped on an error."""
 
-    # the loop
+    # the loop and its hooks
     def train_step(self, step: int) -> Any:
         """Start the update on the batch of data step `step` (0-based; read ahead); a handle on its metrics."""
     def fetch(self, handle: Any) -> dict:
         """The step's loss, grad_norm and lr as floats (waits for the step)."""
-    def data_wait_s(self) -> float:
-        """Seconds spent so far waiting for training batches (the read-ahead was not ready)."""
-    def memory(self) -> dict:
-        """{"memory_in_use_gib", "memory_gib" (the peak)} on this process's first device; None where unknown."""
-    def roll_call(self, wait_s: float) -> list[int]:
-        """Announce this process in the launcher's store; the processes that did not within `wait_s`."""
-
-    # the stragglers' and communication hooks' work (jaxpar/core/run/stragglers.py)
-    def sync_wait_s(self) -> float:
-        """Seconds spent so far in `any_of` (waiting, maybe, for the others)."""
-    def gather(self, values: list[float]) -> list[list[float]]:
-        """Every process's `values`, a row each by rank, on every process."""
-    def device_utilization(self) -> float | None: ...
-    def comm_axes(self) -> list[str]:
-        """The mesh axes (or process groups) with more than one device."""
-    def comm_profile_start(self) -> None: ...
-    def comm_profile_stop(self, step: int | None) -> dict[str, float]:
-        """Seconds data step `step`'s collectives were in flight, per axis (None: stop only)."""
-
-    # the hooks' work
     def evaluate(self, batches: int) -> float:
         """The mean loss over the first `batches` validation batches."""
     def sample(self, step: int) -> list[int] | None:
         """A validation prompt and a sampled continuation (token ids, on process 0; None elsewhere)."""
     def save(self, step: int) -> None:
         """Checkpoint the state after `step` (a no-op if saved already); may return before it is on disk."""
-    def settle(self) -> None:
-        """Wait until the checkpoints started so far are complete."""
-    def profile_start(self) -> None: ...
-    def profile_stop(self) -> None: ...
-    def poison(self) -> None:
-        """Test fault (<PREFIX>_FAULT_NAN_AT_STEP): make the parameters non-finite."""
-    def inject_overflow(self) -> None:
-        """Test fault (<PREFIX>_FAULT_OVERFLOW_AT_STEP): make the next step's gradients non-finite."""
 
 
 def run_training(cfg: Config, trainer: Trainer, stop: dict, write_final: str | None = None) -> int:
@@ -139,7 +115,7 @@ def claim_run_dir(cfg: Config, trainer: Trainer, lock: RunLock) -> None:
             lock.acquire()
     except (OSError, UserError) as e:
         failure = e
-    if trainer.any_of(failure is not None):
+    if trainer.processes.any_of(failure is not None):
         raise failure or UserError(f"{cfg.run.dir}: the main process could not move the old run aside, or not lock "
                                    "run.dir (its line says why)")
     os.makedirs(cfg.run.dir, exist_ok=True)
@@ -170,7 +146,7 @@ def train_loop(cfg: Config, trainer: Trainer, step: int, log: MetricsLog, stop: 
         with PeerGuard(trainer, cfg.run.peer_timeout_s, cfg.run.dir, step, lambda: progress.saved) as peers:
             while step < cfg.train.steps:
                 peers.beat(step)
-                if trainer.any_of("signal" in stop):  # asked on any process: all stop after the same step
+                if trainer.processes.any_of("signal" in stop):  # asked on any process: all stop after the same step
                     progress.metrics()
                     trainer.save(step)
                     if trainer.is_main:

@@ -8,6 +8,8 @@ import math
 import os
 import sys
 
+from tqdm import tqdm
+
 from jaxpar.core.data.tokens import text_codec
 
 
@@ -24,8 +26,6 @@ class MetricsLog:
         self.file = open(self.path, "a") if is_main else None
         self.bar = None
         if is_main and sys.stdout.isatty():
-            from tqdm import tqdm
-
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stdout)
 
     def log(self, record: dict) -> None:

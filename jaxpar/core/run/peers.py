@@ -118,8 +118,9 @@ class PeerGuard:
     def _leave(self, what: str, always: bool = False) -> None:
         saved = self.last_saved() or self.resumed_from
         where = f"the last checkpoint is step {saved} in {self.run_dir}/checkpoints" if saved else "no checkpoint yet"
-        leave_if_peers_lost(self.trainer.roll_call, self.trainer.process_count, what, self.timeout_s, where, always,
-                            hosts_store=self.trainer.is_main)
+        t = self.trainer
+        leave_if_peers_lost(t.processes.roll_call, t.process_count, what, self.timeout_s, where, always,
+                            hosts_store=t.is_main)
 
     def _stalled(self) -> NoReturn:
         self._leave(f"no step finished for {self.timeout_s:g} s after step {self.step}", always=True)

@@ -2,19 +2,21 @@
 
 `Stragglers` (multi-process runs, every record): at each record every process's step time, data wait, the time it
 spent where it may be waiting for the others -- in the trainer's step (less its data wait), reading the step's
-metrics, at the loop's per-step agreement (`trainer.any_of`) -- and, where known, its device's utilisation are
-gathered through the framework's collective (`trainer.gather`). In synchronous training every process's wall time
-per step is the same: the fast ones wait, inside the step's collectives or at the agreement, for the slow one. So a
-process's own pace is its step time less the time it spent in those places beyond the least any process spent
-there; the slowest process is the one the others wait for. The record gains `slowest_rank` and `straggler_ratio`
-(its pace / the median pace); above 1 + train.straggler_threshold on two records in a row (one alone is often a
-tiny step's noise: a page fault, a thread switch) one console line names it. A process slow on its
-device alone (the host waits for its own device as long as the others wait for it) is not told apart this way.
+metrics, at the loop's per-step agreement (`trainer.processes.any_of`) -- and, where known, its device's utilisation
+(`trainer.probes`) are gathered through the framework's collective (`trainer.processes.gather`). In synchronous
+training every process's wall time per step is the same: the fast ones wait, inside the step's collectives or at the
+agreement, for the slow one. So a process's own pace is its step time less the time it spent in those places beyond
+the least any process spent there; the slowest process is the one the others wait for. The record gains
+`slowest_rank` and `straggler_ratio` (its pace / the median pace); above 1 + train.straggler_threshold on two
+records in a row (one alone is often a tiny step's noise: a page fault, a thread switch) one console line names it.
+A process slow on its device alone (the host waits for its own device as long as the others wait for it) is not told
+apart this way.
 
-`CommShare` (once per run start): the profiler of the trainer traces one sampled step after the first record;
-the time its collectives were in flight, per mesh axis (the union of their intervals on each device, averaged over
-this process's devices), over that step's own wall time (both under the profiler: a share, at most 1 per axis),
-joins the next record as `comm_share_<axis>`, and their sum as `comm_share`. A run whose step has no collectives (one device) logs `comm_share` 0.0 and no axis.
+`CommShare` (once per run start): the profiler of the trainer (`trainer.profiling`) traces one sampled step after
+the first record; the time its collectives were in flight, per mesh axis (the union of their intervals on each
+device, averaged over this process's devices), over that step's own wall time (both under the profiler: a share, at
+most 1 per axis), joins the next record as `comm_share_<axis>`, and their sum as `comm_share`. A run whose step has
+no collectives (one device) logs `comm_share` 0.0 and no axis.
 """
 from __future__ import annotations
 
@@ -85,9 +87,10 @@ class Stragglers:
         record, progress = self.progress.record(step), self.progress
         t, steps = record["step_time_s"], max(step - progress.meter.step, 1)
         data = record["data_wait_share"] * t
-        waited = ((progress.blocked - progress.blocked_mark) + (self.trainer.sync_wait_s() - progress.synced)) / steps
-        util = self.trainer.device_utilization()
-        rows = self.trainer.gather([t, data, waited - data, math.nan if util is None else util])
+        processes = self.trainer.processes
+        waited = ((progress.blocked - progress.blocked_mark) + (processes.sync_wait_s() - progress.synced)) / steps
+        util = self.trainer.probes.device_utilization()
+        rows = processes.gather([t, data, waited - data, math.nan if util is None else util])
         rank, ratio = slowest([r[0] for r in rows], [r[2] for r in rows])
         record.update(slowest_rank=rank, straggler_ratio=ratio)
         suspect, self.suspect = self.suspect, (rank if ratio > 1 + self.threshold else None)
@@ -104,9 +107,10 @@ class Stragglers:
 class CommShare:
     """A loop hook first in the list (its trace ends before evaluation): one sampled step's collectives per axis."""
 
-    def __init__(self, cfg, trainer, progress, start: int, window: tuple[int, int] | None):
-        self.every, self.trainer, self.progress, self.on = cfg.train.log_every, trainer, progress, False
-        self.result: dict[str, float] | None = None if trainer.comm_axes() else {}  # {}: no collectives, share 0
+    def __init__(self, cfg, profiling, progress, start: int, window: tuple[int, int] | None):
+        """`profiling`: the trainer's (jaxpar/core/run/adapter.py's `Profiling`)."""
+        self.every, self.profiling, self.progress, self.on = cfg.train.log_every, profiling, progress, False
+        self.result: dict[str, float] | None = None if profiling.comm_axes() else {}  # {}: no collectives, share 0
         self.sample = sample_step(start, cfg.train.log_every, cfg.train.eval_every, cfg.train.steps)
         if window and self.sample is not None and window[0] <= self.sample < window[1]:
             self.sample = None  # train.profile_steps traces then: one profiler at a time
@@ -114,14 +118,14 @@ class CommShare:
 
     def before_step(self, step: int) -> None:
         if self.result is None and step == self.sample:
-            self.on = self.guarded(lambda: self.trainer.comm_profile_start() or True, False)
+            self.on = self.guarded(lambda: self.profiling.comm_start() or True, False)
             self.began = time.perf_counter()
 
     def after_step(self, step: int) -> None:
         if self.on:
             self.progress.metrics()  # the sampled step is complete
             took = time.perf_counter() - self.began
-            spent = self.guarded(lambda: self.trainer.comm_profile_stop(step - 1), None)
+            spent = self.guarded(lambda: self.profiling.comm_stop(step - 1), None)
             self.result = None if spent is None else {axis: s / took for axis, s in spent.items()}
             self.on, self.progress.busy = False, True  # the trace's cost is not training time: the meter restarts
         elif self.result is not None and (step % self.every == 0 or step == self.steps):
@@ -132,7 +136,7 @@ class CommShare:
 
     def close(self) -> None:
         if self.on:
-            self.guarded(lambda: self.trainer.comm_profile_stop(None), None)
+            self.guarded(lambda: self.profiling.comm_stop(None), None)
             self.on = False
 
     def guarded(self, work, failed):

@@ -21,7 +21,7 @@ def check_trackers(cfg: Config) -> None:
 
 class TensorBoard:
     def __init__(self, cfg: Config):
-        from tensorboardX import SummaryWriter
+        from tensorboardX import SummaryWriter  # deferred: tensorboardX, optional: run.tensorboard only
 
         self.writer = SummaryWriter(logdir=os.path.join(cfg.run.dir, "tensorboard"))
 
@@ -35,7 +35,7 @@ class TensorBoard:
 
 class WandB:
     def __init__(self, cfg: Config):
-        import wandb
+        import wandb  # deferred: wandb, optional: run.wandb only
 
         name = os.path.basename(os.path.abspath(cfg.run.dir))
         self.run = wandb.init(project="jaxpar", name=name, id=name, resume="allow", dir=cfg.run.dir,

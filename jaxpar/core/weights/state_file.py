@@ -20,10 +20,14 @@ import json
 import os
 
 import numpy as np
+from safetensors import safe_open
 
+from jaxpar.core.config.schema import config_from_dict
 from jaxpar.core.optimizer import muon
 from jaxpar.core.errors import UserError
 from jaxpar.core.run.lock import RunLock
+from jaxpar.core.run.resume import write_run_config
+from jaxpar.core.weights.names import write_safetensors
 
 # optim.name -> the tensor kinds of its state
 KINDS = {"adamw": ("param", "adam_m", "adam_v"), "muon": ("param", "adam_m", "adam_v", "muon_m")}
@@ -87,8 +91,6 @@ def writing_run(run_dir: str):
 def state_for_run(src: str, run_dir: str):
     """(tensors, metadata, config with run.dir = run_dir) of a state file a new run directory is written from
     (refuse_mixing first)."""
-    from jaxpar.core.config.schema import config_from_dict
-
     refuse_mixing(run_dir)
     tensors, meta = read_state(src)
     cfg = config_from_dict(meta["config"])
@@ -102,8 +104,6 @@ def state_for_run(src: str, run_dir: str):
 
 def write_moved_config(cfg, meta: dict, src: str, **extra) -> None:
     """The new run directory and its config.json, naming the run the state came from (`state_from`)."""
-    from jaxpar.core.run.resume import write_run_config
-
     os.makedirs(cfg.run.dir, exist_ok=True)
     write_run_config(cfg, state_from=meta.get("source", os.path.abspath(src)), **extra)
 
@@ -111,8 +111,6 @@ def write_moved_config(cfg, meta: dict, src: str, **extra) -> None:
 def save_state(path: str, tensors: dict[str, dict[str, np.ndarray]], meta: dict) -> None:
     """tensors: kind -> {shared name: array}, the kinds of meta's optimizer; written atomically (temp file +
     rename)."""
-    from jaxpar.core.weights.names import write_safetensors
-
     assert set(tensors) == set(KINDS[meta.get("optimizer", "adamw")]), (sorted(tensors), meta.get("optimizer"))
     flat = {f"{kind}/{name}": np.ascontiguousarray(a, dtype=np.float32)
             for kind, named in tensors.items() for name, a in named.items()}
@@ -121,8 +119,6 @@ def save_state(path: str, tensors: dict[str, dict[str, np.ndarray]], meta: dict)
 
 def read_state(path: str) -> tuple[dict[str, dict[str, np.ndarray]], dict]:
     """(kind -> {name: array}, metadata) of a training-state file; one line if it is not one."""
-    from safetensors import safe_open
-
     if not os.path.isfile(path):
         raise UserError(f"training-state file not found: {path}")
     try:
