@@ -1,6 +1,8 @@
-"""Shared by tests/ and parity_tests/: one persistent XLA compilation cache per test session, so that the
-many trainer processes compiling the same tiny programs compile each once (a fresh directory: every
-session still compiles everything at least once)."""
+"""Shared by tests/ and parity_tests/.
+
+One persistent XLA compilation cache per test session, so that the many trainer processes compiling the same tiny
+programs compile each once (a fresh directory: every session still compiles everything at least once).
+"""
 import atexit
 import os
 import shutil
@@ -50,8 +52,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """pyproject's addopts hold -q, so a -q of one's own (`python -m pytest --co -q`) makes -qq, where pytest prints
-    no total: print the count line that a single -q ends with (N tests collected, N passed, ...)."""
+    """Print the count line that a single -q ends with, which -qq leaves out.
+
+    pyproject's addopts hold -q, so a -q of one's own (`python -m pytest --co -q`) makes -qq, where pytest prints
+    no total (N tests collected, N passed, ...).
+    """
     if terminalreporter.verbosity < -1:
         parts, color = terminalreporter.build_summary_stats_line()
         terminalreporter.write_line(", ".join(text for text, _ in parts), **{color: True})

@@ -49,7 +49,8 @@ def main() -> None:
             data = BucketBatches(Samples(path, T, 0, val_fraction=cfg.data.val_fraction), bucket_shapes(cfg))
             steps = range(data.ends(0))
             share = sum(map(data.padding, steps)) / sum(r * w for r, w in map(data.shape, steps))
-            print(f"| buckets, {per_octave} per octave (`data.buckets={buckets}`) | {len(data.lengths)} | {share:.1%} |")
+            print(f"| buckets, {per_octave} per octave (`data.buckets={buckets}`) "
+                  f"| {len(data.lengths)} | {share:.1%} |")
 
 
 if __name__ == "__main__":

@@ -42,15 +42,20 @@ class _HideOrbaxLogs(logging.Filter):
 
 
 def _orbax_noise(unraisable) -> bool:
-    """After a failed write, tensorstore completes the other writes' futures on orbax's event loop, closed by
-    then (each prints 'Event loop is closed'), and orbax's unfinished coroutines are collected at exit."""
+    """Whether an unraisable exception is orbax's harmless noise after a failed save.
+
+    After a failed write, tensorstore completes the other writes' futures on orbax's event loop, closed by then (each
+    prints 'Event loop is closed'), and orbax's unfinished coroutines are collected at exit.
+    """
     e, where = unraisable.exc_value, repr(unraisable.object)
     return (isinstance(e, RuntimeError) and str(e) == "Event loop is closed") or "orbax" in where
 
 
 def _hide_orbax_logs() -> None:
-    """Unless run.debug raised absl's verbosity to INFO (jaxpar.train.show_library_logs), drop what orbax
-    prints: its log records (absl), its tasks' (asyncio's) and the exceptions it leaves unraisable."""
+    """Unless run.debug raised absl's verbosity to INFO (jaxpar.train.show_library_logs), drop what orbax prints.
+
+    Its log records (absl), its tasks' (asyncio's) and the exceptions it leaves unraisable.
+    """
     absl = logging.getLogger("absl")
     if absl.getEffectiveLevel() <= logging.INFO or any(isinstance(f, _HideOrbaxLogs) for f in absl.filters):
         return
@@ -62,7 +67,9 @@ def _hide_orbax_logs() -> None:
 
 def save_failure(e: BaseException) -> str | None:
     """What the system said when a save failed on the filesystem, or None when `e` is not such a failure.
-    tensorstore reports an OS error inside a ValueError's text (`... [os_error_code='28']`)."""
+
+    tensorstore reports an OS error inside a ValueError's text (`... [os_error_code='28']`).
+    """
     if isinstance(e, OSError):
         return os_error_line(e)
     code = re.search(r"os_error_code='?(\d+)", str(e))
@@ -71,9 +78,11 @@ def save_failure(e: BaseException) -> str | None:
 
 class Checkpointer:
     def __init__(self, run_dir: str, keep: int, asynchronous: bool = True, trainer: bool = False):
-        """asynchronous=False: what a blocking save costs; trainer=True: the run's own trainer, which removes
-        saves an earlier process left unfinished (a reader, such as generate, must not: a live run's save in
-        flight looks the same)."""
+        """asynchronous=False: what a blocking save costs.
+
+        Trainer=True: the run's own trainer, which removes saves an earlier process left unfinished (a reader,
+        such as generate, must not: a live run's save in flight looks the same).
+        """
         self.dir = os.path.abspath(os.path.join(run_dir, "checkpoints"))
         self.keep, self.asynchronous, self.last = keep, asynchronous, None  # last: saved or being saved
         self.own: set[int] = set()  # steps this run saved or restored: the only ones a save may find on disk
@@ -89,8 +98,11 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.dir, item_handlers=handlers, options=options)
 
     def save(self, step: int, state, meta: dict) -> None:
-        """Start saving `step` (a no-op if this run saved or restored it already: the final save right after a
-        periodic one). A step on disk that is not this run's is refused, and so is any save after a failed one."""
+        """Start saving `step`.
+
+        A no-op if this run saved or restored it already (the final save right after a periodic one). A step on disk
+        that is not this run's is refused, and so is any save after a failed one.
+        """
         if self.failed:
             raise UserError(f"a checkpoint save in {self.dir} failed earlier in this run: step {step} is not saved")
         if step in self.own:
@@ -111,8 +123,11 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def _failing_save(self, step: int | None):
-        """A save that fails: its partial directory removed, then one UserError naming it and the last
-        complete checkpoint (an error that is no filesystem failure keeps its traceback: a bug)."""
+        """Turn a failing save into one UserError, after removing its partial directory.
+
+        The error names the failed step and the last complete checkpoint. An error that is no filesystem failure
+        keeps its traceback (a bug).
+        """
         try:
             yield
         except Exception as e:
@@ -133,8 +148,11 @@ class Checkpointer:
         return step_dirs(self.dir)
 
     def _remove_partial(self) -> None:
-        """The failed step's temporary directory. tensorstore goes on for a moment with the writes orbax gave up
-        on, on threads of its own, and may make their directories again: remove until none came back for 0.5 s."""
+        """The failed step's temporary directory.
+
+        tensorstore goes on for a moment with the writes orbax gave up on, on threads of its own, and may make
+        their directories again: remove until none came back for 0.5 s.
+        """
         if jax.process_index() != 0:
             return
         t0 = quiet_since = time.monotonic()
@@ -146,9 +164,11 @@ class Checkpointer:
             time.sleep(0.05)
 
     def restore_latest(self, abstract_state, fit=None):
-        """(state, meta) from the newest loadable checkpoint, or None if there is none at all. `fit`: the saved
-        state's metadata tree -> (what to read instead of `abstract_state`, a function of what was read, or None)
-        -- parts of the state that depend on the layout they were saved on (jaxpar/state.py: restore_latest).
+        """(state, meta) from the newest loadable checkpoint, or None if there is none at all.
+
+        `fit`: the saved state's metadata tree -> (what to read instead of `abstract_state`, a function of what
+        was read, or None) -- parts of the state that depend on the layout they were saved on (jaxpar/state.py:
+        restore_latest).
 
         Newer checkpoints that fail to load are set aside only once an older one has loaded, so
         that new saves cannot collide with them; if none loads, nothing is touched and we stop.

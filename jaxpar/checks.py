@@ -21,9 +21,11 @@ from jaxpar.parallel.sequence import check_sequence
 
 
 def validate(cfg: Config, sizes, is_main: bool = True) -> None:
-    """Everything jaxpar refuses before it traces, in this order: run.dir and what a resume may change (every
-    process refuses alike; the main one says what changed), the trackers, the config contract, the layout at
-    every batch shape. sizes: the mesh's axis -> size."""
+    """Everything jaxpar refuses before it traces, in this order.
+
+    Run.dir and what a resume may change (every process refuses alike; the main one says what changed), the
+    trackers, the config contract, the layout at every batch shape. sizes: the mesh's axis -> size.
+    """
     check_run_dir_framework(cfg, "jaxpar")
     check_resume(cfg, is_main)
     check_trackers(cfg)
@@ -77,8 +79,10 @@ def divisibility(cfg: Config, sizes) -> None:
 
 
 def check_experts(cfg: Config, sizes) -> None:
-    """The ep axis needs a mixture of experts whose experts it divides (core/model/experts.py); what jaxpar's experts do
-    not run beside."""
+    """The ep axis needs a mixture of experts whose experts it divides (core/model/experts.py).
+
+    What jaxpar's experts do not run beside.
+    """
     check_expert_axis(cfg.model, sizes["ep"])
     E, first, pp = cfg.model.moe_experts, cfg.model.moe_first_dense, sizes["pp"]
     if E and first and (first % pp or cfg.model.moe_layers % pp):

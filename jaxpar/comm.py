@@ -1,5 +1,6 @@
-"""One sampled train step's time in collectives per mesh axis, from a jax profiler trace (jaxpar/core/run/stragglers.py's
-CommShare asks for it once per run start).
+"""One sampled train step's time in collectives per mesh axis, from a jax profiler trace.
+
+jaxpar/core/run/stragglers.py's CommShare asks for it once per run start.
 
 The compiled step's optimized HLO names each collective instruction and its replica groups
 (parsed by jaxpar/cost/hlo_collectives.py), which give the mesh axes it spans; the profiler's trace events carry the
@@ -52,8 +53,10 @@ class CommTrace:
 
 
 def spans(trace_dir: str, module: str | None, axes: dict[str, str]):
-    """(device, axis, start, end) in seconds for each traced run of one of `axes`' instructions in `module`: on a
-    device's own timeline (GPU), or on the host's threads that run each CPU device (`device_ordinal`)."""
+    """(device, axis, start, end) in seconds for each traced run of one of `axes`' instructions in `module`.
+
+    On a device's own timeline (GPU), or on the host's threads that run each CPU device (`device_ordinal`).
+    """
     for path in glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True):
         with gzip.open(path) as f:
             events = json.load(f).get("traceEvents", [])

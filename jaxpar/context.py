@@ -2,8 +2,9 @@
 
 Models call `constrain(x, logical_axes)` to pin an activation's layout, and `current().attention`,
 `current().run_layers` and `current().experts` for the computations a parallel strategy replaces (attention
-across sequence shards; the layer stack as pipeline stages; a mixture of experts across `ep`). jaxpar/parallelize.py builds the context from
-the config and mesh; with none active, constraints are no-ops and both are the plain local versions.
+across sequence shards; the layer stack as pipeline stages; a mixture of experts across `ep`). jaxpar/parallelize.py
+builds the context from the config and mesh; with none active, constraints are no-ops and both are the plain local
+versions.
 """
 from __future__ import annotations
 
@@ -59,7 +60,10 @@ def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
 
 
 def tracing_mesh(mesh):
-    """`mesh`, or inside a shard_map (the pipeline executor is manual over pp) the context's abstract
-    mesh, which sharding constraints and nested shard_maps must name; activations never use its manual axes."""
+    """The mesh that sharding constraints should name while tracing: `mesh`, or the abstract one inside a shard_map.
+
+    Inside a shard_map (the pipeline executor is manual over pp) sharding constraints and nested shard_maps must name
+    the context's abstract mesh; activations never use its manual axes.
+    """
     context = jax.sharding.get_abstract_mesh()
     return context if not context.empty and context.manual_axes else mesh

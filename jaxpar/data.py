@@ -1,5 +1,6 @@
-"""jaxpar's data: the shared order (jaxpar/core/data/order.py) served through grain, and batches placed
-on the mesh. Also the command line for token files:
+"""jaxpar's data: the shared order (jaxpar/core/data/order.py) served through grain, and batches placed on the mesh.
+
+Also the command line for token files:
 
   python -m jaxpar.data prepare --out data/my.bin [--tokenizer byte|tokenizer.json] [--text-field text]
       [--workers N] my_texts/ corpus.jsonl shard.parquet ...

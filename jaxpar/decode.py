@@ -1,6 +1,7 @@
-"""Autoregressive decoding with a KV cache, in one jitted function: the prompt fills the cache in one
-pass, then a scan emits one token per step, attending over the cache (masked by position, so the
-unused tail of the cache is never seen). The model's own modules do everything but attention, so a
+"""Autoregressive decoding with a KV cache, in one jitted function.
+
+The prompt fills the cache in one pass, then a scan emits one token per step, attending over the cache (masked by
+position, so the unused tail of the cache is never seen). The model's own modules do everything but attention, so a
 decoded token is the one the training forward pass would predict; run it inside a parallel context
 (`jaxpar.context.use`) and the same code decodes on a tp or fsdp mesh.
 
@@ -39,8 +40,10 @@ def _empty_cache(cfg: ModelConfig, batch: int, length: int) -> tuple[jax.Array, 
 
 
 def _attend(attn, cfg: ModelConfig, x, dtype, where, start, cache):
-    """One layer's attention of x over its cache, x's own entries written in first; where: (positions, cache slots'
-    positions, segments, cache slots' segments) of _where."""
+    """One layer's attention of x over its cache, x's own entries written in first.
+
+    Where: (positions, cache slots' positions, segments, cache slots' segments) of _where.
+    """
     positions, k_positions, segments, k_segments = where
     def write(c, new):
         return jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (0, start) + (0,) * (c.ndim - 2))
@@ -62,10 +65,13 @@ def _attend(attn, cfg: ModelConfig, x, dtype, where, start, cache):
 
 
 def _where(tokens, start, slots, eod, length: int):
-    """(positions, cache slots' positions, segments, cache slots' segments) of `tokens` [B, T] written at slot
+    """Where `tokens` go in the cache: their positions and segments, and the cache slots' own, with the slots updated.
+
+    Returns (positions, cache slots' positions, segments, cache slots' segments) of `tokens` [B, T] written at slot
     `start` of a cache of `length`, and the slots updated. One document (eod None): positions start.., no slots.
     Documents: slots (positions, segments) [B, length], the tokens continuing the document of slot start-1 (an
-    empty slot's segment is -1: never anyone's)."""
+    empty slot's segment is -1: never anyone's).
+    """
     if eod is None:
         return (start + jnp.arange(tokens.shape[1]), jnp.arange(length), None, None), None
     last = [jnp.where(start > 0, jax.lax.dynamic_index_in_dim(s, jnp.maximum(start - 1, 0), 1, False), 0)
@@ -76,8 +82,11 @@ def _where(tokens, start, slots, eod, length: int):
 
 
 def _forward(model, tokens, start, cache, slots, eod=None):
-    """Logits of `tokens` [B, T] written at cache slot `start`, and the cache (per layer and token: see
-    _empty_cache) and slots (_where) with their entries written in."""
+    """Run `tokens` [B, T] through the model at cache slot `start`, returning logits and the updated cache and slots.
+
+    The cache is per layer and token (see _empty_cache) and the slots as _where keeps them; both come back with
+    their entries written in.
+    """
     cfg, dtype = model.cfg, jnp.dtype(model.cfg.compute_dtype)
     where, slots = _where(tokens, start, slots, eod, cache[0].shape[2])
     h, offset, caches = model.embed(tokens, where[0]), 0, []
@@ -100,8 +109,11 @@ def _forward(model, tokens, start, cache, slots, eod=None):
 
 
 def sample(logits, key, temperature: float, top_k: int, top_p: float):
-    """One token per row of logits [B, vocab]: greedy at temperature 0, else from the tempered softmax
-    restricted to the top_k tokens (0: all) and to the smallest set holding top_p of the mass."""
+    """One token per row of logits [B, vocab].
+
+    Greedy at temperature 0, else from the tempered softmax restricted to the top_k tokens (0: all) and to the
+    smallest set holding top_p of the mass.
+    """
     if temperature == 0:
         return jnp.argmax(logits, axis=-1)
     logits = logits / temperature
@@ -118,9 +130,12 @@ def sample(logits, key, temperature: float, top_k: int, top_p: float):
 
 
 def make_generate(graphdef, eod: int | None = None):
-    """The jitted decoder of a model's graphdef: generate(params, prompt [B, P] int32, key, new_tokens,
-    temperature=0, top_k=0, top_p=1) -> the next `new_tokens` tokens [B, new_tokens]. `eod`: attention within
-    documents, each starting at that token (data.document_mask; jaxpar.core.data.tokens.document_token)."""
+    """The jitted decoder of a model's graphdef.
+
+    Generate(params, prompt [B, P] int32, key, new_tokens, temperature=0, top_k=0, top_p=1) -> the next `new_tokens`
+    tokens [B, new_tokens]. `eod`: attention within documents, each starting at that token (data.document_mask;
+    jaxpar.core.data.tokens.document_token).
+    """
 
     @partial(jax.jit, static_argnames=("new_tokens", "temperature", "top_k", "top_p"))
     def generate(params, prompt, key, new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):

@@ -1,4 +1,6 @@
-"""python -m jaxpar.generate --run runs/jaxpar/gpt2-tiny --prompt "def " [--max-new-tokens N] [--temperature 0.8
+"""Sample text from a trained jaxpar model, a shared-weights file or a Hugging Face directory.
+
+python -m jaxpar.generate --run runs/jaxpar/gpt2-tiny --prompt "def " [--max-new-tokens N] [--temperature 0.8
     --top-k 40 --top-p 0.95 --seed 0 --num-samples 1 --mesh tp=4]
 
 Samples from a trained model: the latest checkpoint of a jaxpar run (`--run`, any family or variant, with its
@@ -43,9 +45,11 @@ def check_decoding(args) -> dict[str, int]:
 
 
 def load(args) -> tuple[Config, dict | None, str]:
-    """(config, flat shared weights, tokenizer) of the source the user named; a run's weights (None here) are
-    restored by sample_rows straight onto the decoding mesh, whatever the model's variant (the shared format
-    holds GPT-2's and llama's parameters only)."""
+    """(config, flat shared weights, tokenizer) of the source the user named.
+
+    A run's weights (None here) are restored by sample_rows straight onto the decoding mesh, whatever the model's
+    variant (the shared format holds GPT-2's and llama's parameters only).
+    """
     if args.run:
         cfg = read_run_config(args.run)
         return cfg, None, args.tokenizer or cfg.data.tokenizer

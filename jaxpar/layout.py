@@ -31,8 +31,11 @@ from jaxpar.sharding import RULES, spec_for, with_extra_axis
 
 
 def rules_for(cfg: Config) -> dict[str, tuple[str, ...]]:
-    """The rules table for a config: ZeRO-3 shards the weights over dp wherever fsdp shards them (docs/features.md:
-    the same as putting those devices on fsdp; "embed" alone left a sketched factor's input dim on fsdp only)."""
+    """The rules table for a config.
+
+    ZeRO-3 shards the weights over dp wherever fsdp shards them (docs/features.md: the same as putting those devices
+    on fsdp; "embed" alone left a sketched factor's input dim on fsdp only).
+    """
     if cfg.parallel.zero_stage != 3:
         return dict(RULES)
     return {name: axes + ("dp",) if "fsdp" in axes and "dp" not in axes else axes for name, axes in RULES.items()}
@@ -102,8 +105,11 @@ class Layout:
         return {k: jax.device_put(v, self.state_shardings[k]) if k in self.offloaded else v for k, v in state.items()}
 
     def _opt_spec(self, path, leaf) -> P:
-        """Optimizer moments follow their parameter (matched by path suffix); ZeRO>=1 adds dp. adamw8bit's scales
-        (one per block of a parameter's codes: a vector) are dealt over the devices its codes are on."""
+        """Optimizer moments follow their parameter (matched by path suffix); ZeRO>=1 adds dp.
+
+        adamw8bit's scales (one per block of a parameter's codes: a vector) are dealt over the devices its codes
+        are on.
+        """
         keys = path_keys(path)
         for start in range(len(keys)):
             axes = self.axes.get(keys[start:])

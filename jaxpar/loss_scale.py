@@ -1,5 +1,6 @@
-"""Dynamic loss scaling for float16 compute (model.compute_dtype=float16), with torch.amp.GradScaler's rule
-so that jaxpar and torchpar skip the same steps and hold the same scale.
+"""Dynamic loss scaling for float16 compute (model.compute_dtype=float16), with torch.amp.GradScaler's rule.
+
+jaxpar and torchpar follow the same rule, so they skip the same steps and hold the same scale.
 
 The loss is multiplied by `scale` before the backward pass (small float16 cotangents stay representable),
 gradients are divided by it again in float32. A step whose gradients are not all finite is skipped: its

@@ -28,9 +28,11 @@ def _env(*names: str) -> str | None:
 
 
 def distributed_env() -> tuple[dict | None, int]:
-    """(jax.distributed.initialize arguments or None for one process, the process count): JAXPAR_* or JAX_*
-    variables; else a worker of torchrun's elastic agent (elastic_env); under `srun` (SLURM_NTASKS > 1) jax
-    reads SLURM_* itself (one process per GPU)."""
+    """(jax.distributed.initialize arguments or None for one process, the process count): JAXPAR_* or JAX_* variables.
+
+    Else a worker of torchrun's elastic agent (elastic_env); under `srun` (SLURM_NTASKS > 1) jax reads SLURM_*
+    itself (one process per GPU).
+    """
     addr = _env("JAXPAR_COORDINATOR", "JAX_COORDINATOR_ADDRESS")
     nproc = _env("JAXPAR_NUM_PROCESSES", "JAX_NUM_PROCESSES")
     pid = _env("JAXPAR_PROCESS_ID", "JAX_PROCESS_ID")
@@ -44,11 +46,13 @@ def distributed_env() -> tuple[dict | None, int]:
 
 
 def elastic_env() -> dict:
-    """jax.distributed's arguments for a worker of torchrun's agent, read afresh at every (re)start: the agent
-    gives each group its RANK and WORLD_SIZE and MASTER_ADDR, the first worker's host, and MASTER_PORT, a port free
-    there for the workers' store -- jax's coordinator (process 0) here -- unless the agent shares its own store
-    (TORCHELASTIC_USE_AGENT_STORE; then one port above; JAXPAR_COORDINATOR_PORT to choose). With several workers per
-    host each takes the GPU of its LOCAL_RANK."""
+    """jax.distributed's arguments for a worker of torchrun's agent, read afresh at every (re)start.
+
+    The agent gives each group its RANK and WORLD_SIZE and MASTER_ADDR, the first worker's host, and MASTER_PORT, a
+    port free there for the workers' store -- jax's coordinator (process 0) here -- unless the agent shares its own
+    store (TORCHELASTIC_USE_AGENT_STORE; then one port above; JAXPAR_COORDINATOR_PORT to choose). With several
+    workers per host each takes the GPU of its LOCAL_RANK.
+    """
     port = int(os.environ["MASTER_PORT"]) + (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
     port = os.environ.get("JAXPAR_COORDINATOR_PORT") or str(port)
     dist = {"coordinator_address": f"{os.environ['MASTER_ADDR']}:{port}",
@@ -59,8 +63,10 @@ def elastic_env() -> dict:
 
 
 def process_id() -> int:
-    """This process's index among the run's processes, before jax.distributed starts (which would tell): the
-    launcher's variables, as distributed_env reads them (srun: SLURM_PROCID); 0 for one process."""
+    """This process's index among the run's processes, before jax.distributed starts (which would tell).
+
+    The launcher's variables, as distributed_env reads them (srun: SLURM_PROCID); 0 for one process.
+    """
     dist, _ = distributed_env()
     return int(dist["process_id"]) if dist and "process_id" in dist else int(os.environ.get("SLURM_PROCID", "0"))
 
@@ -80,9 +86,11 @@ def _has_gpu() -> bool:
 
 
 def cpu_devices_for_elastic_axis(sizes: dict[str, int], processes: int) -> int:
-    """Simulated devices for a mesh with a -1 axis: one process, DEFAULT_CPU_DEVICES (or the fixed axes' product);
-    several, the fewest per process that hold the fixed axes -- one per process like a GPU each, so the -1 axis
-    grows and shrinks with the processes an elastic agent gives the run."""
+    """Simulated devices for a mesh with a -1 axis: one process, DEFAULT_CPU_DEVICES (or the fixed axes' product).
+
+    Several, the fewest per process that hold the fixed axes -- one per process like a GPU each, so the -1 axis
+    grows and shrinks with the processes an elastic agent gives the run.
+    """
     fixed = math.prod(v for v in sizes.values() if v != -1)
     if processes == 1:
         return max(fixed, DEFAULT_CPU_DEVICES)
@@ -93,15 +101,19 @@ FORCED_COUNT = "xla_force_host_platform_device_count"
 
 
 def forced_cpu_devices() -> int | None:
-    """The simulated CPU devices per process that the user set in XLA_FLAGS (--xla_force_host_platform_device_count=N,
-    the last one winning as in XLA), or None."""
+    """The simulated CPU devices per process that the user set in XLA_FLAGS, or None.
+
+    Read from --xla_force_host_platform_device_count=N, the last one winning as in XLA.
+    """
     found = re.findall(rf"--{FORCED_COUNT}=(\d+)", os.environ.get("XLA_FLAGS", ""))
     return int(found[-1]) if found else None
 
 
 def check_forced_count(sizes: dict[str, int], forced: int, processes: int) -> int:
-    """The simulated devices of all processes where XLA_FLAGS sets their count (the user's machine: kept as set);
-    a mesh of fixed axes that needs another count is refused, naming both numbers."""
+    """The simulated devices of all processes where XLA_FLAGS sets their count (the user's machine: kept as set).
+
+    A mesh of fixed axes that needs another count is refused, naming both numbers.
+    """
     total = forced * processes
     needed = math.prod(sizes.values())
     if -1 not in sizes.values() and needed != total:
@@ -113,9 +125,12 @@ def check_forced_count(sizes: dict[str, int], forced: int, processes: int) -> in
 
 
 def setup_devices(sizes: dict[str, int], peer_timeout_s: float | None = None) -> None:
-    """Before jax starts: XLA's GPU options on a GPU; simulate the mesh's devices on CPU if no accelerator (as many
-    as JAXPAR_CPU_DEVICES or XLA_FLAGS's device count says, where set; else the mesh's); join processes (the
-    coordination service's heartbeat and shutdown timeouts sit above run.peer_timeout_s: core/run/peers.py)."""
+    """Before jax starts: XLA's GPU options on a GPU.
+
+    Simulate the mesh's devices on CPU if no accelerator (as many as JAXPAR_CPU_DEVICES or XLA_FLAGS's device count
+    says, where set; else the mesh's); join processes (the coordination service's heartbeat and shutdown timeouts
+    sit above run.peer_timeout_s: core/run/peers.py).
+    """
     import jax  # deferred: jax (~1 s): command lines import this before parsing
 
     dist, nproc = distributed_env()
@@ -147,8 +162,10 @@ def setup_devices(sizes: dict[str, int], peer_timeout_s: float | None = None) ->
 
 
 def make_mesh(sizes: dict[str, int], devices=None):
-    """A Mesh over `devices` (default: all, across processes) with Auto axis types, so GSPMD
-    propagates shardings from the ones we pin."""
+    """A Mesh over `devices` (default: all, across processes) with Auto axis types.
+
+    With Auto axes GSPMD propagates shardings from the ones we pin.
+    """
     import jax  # deferred: jax (~1 s): command lines import this before parsing
     from jax.sharding import AxisType  # deferred: jax (~1 s): command lines import this before parsing
 
@@ -160,7 +177,7 @@ def make_mesh(sizes: dict[str, int], devices=None):
 def device_memory(device) -> dict:
     """Memory in use on `device` now and at its peak (GiB), where the backend reports it (GPUs; not the CPU)."""
     stats = device.memory_stats() or {}
-    gib = lambda key: stats[key] / 2**30 if key in stats else None  # noqa: E731
+    gib = lambda key: stats[key] / 2**30 if key in stats else None
     return {"memory_in_use_gib": gib("bytes_in_use"), "memory_gib": gib("peak_bytes_in_use")}
 
 

@@ -13,11 +13,13 @@ from jax.ad_checkpoint import checkpoint_name
 
 
 def causal_attention(q, k, v, q_pos=None, k_pos=None, q_seg=None, k_seg=None):
-    """Causal attention on q, k, v [batch, seq, heads, head_dim] on one device; masked by global
-    positions when given (a permuted or partial sequence) and, with segment ids, within each document
-    (`visible`). cuDNN flash attention on GPU where it applies.
-    float16 on CPU runs in float32 (XLA:CPU has no float16 dot with float32 accumulation, which the scores
-    need; GPU kernels accumulate in float32 too) and returns float16."""
+    """Causal attention on q, k, v [batch, seq, heads, head_dim] on one device.
+
+    Masked by global positions when given (a permuted or partial sequence) and, with segment ids, within each
+    document (`visible`). cuDNN flash attention on GPU where it applies. float16 on CPU runs in float32 (XLA:CPU has
+    no float16 dot with float32 accumulation, which the scores need; GPU kernels accumulate in float32 too) and
+    returns float16.
+    """
     if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
         upcast = (t.astype(jnp.float32) for t in (q, k, v))
         return causal_attention(*upcast, q_pos, k_pos, q_seg, k_seg).astype(q.dtype)
@@ -28,8 +30,10 @@ def causal_attention(q, k, v, q_pos=None, k_pos=None, q_seg=None, k_seg=None):
 
 
 def visible(q_pos, k_pos, q_seg=None, k_seg=None):
-    """Which keys each query attends to: those at its position or before and, with segment ids, in its own
-    document. Positions [q], [k] -> [q, k]; per row ([b, q], [b, k]) -> [b, 1, q, k], against scores [b, h, q, k]."""
+    """Which keys each query attends to: those at its position or before and, with segment ids, in its own document.
+
+    Positions [q], [k] -> [q, k]; per row ([b, q], [b, k]) -> [b, 1, q, k], against scores [b, h, q, k].
+    """
     mask = q_pos[..., :, None] >= k_pos[..., None, :]
     if q_seg is not None:
         mask = mask & (q_seg[..., :, None] == k_seg[..., None, :])
@@ -37,10 +41,13 @@ def visible(q_pos, k_pos, q_seg=None, k_seg=None):
 
 
 def document_positions(tokens, eod: int, segment=None, position=None):
-    """(positions, segments) [B, T] int32 of rows of packed documents: a document starts at each `eod` token (the
-    data puts one before every document: jaxpar/core/data/tokens.py), its positions count from 0 there and its
-    segment id is the previous one's plus one. `segment`, `position` [B]: the document a row's first tokens
-    continue and their first position (a row decoded in pieces); by default a document starting at 0."""
+    """(positions, segments) [B, T] int32 of rows of packed documents.
+
+    A document starts at each `eod` token (the data puts one before every document: jaxpar/core/data/tokens.py), its
+    positions count from 0 there and its segment id is the previous one's plus one. `segment`, `position` [B]: the
+    document a row's first tokens continue and their first position (a row decoded in pieces); by default a document
+    starting at 0.
+    """
     B, T = tokens.shape
     starts, idx = tokens == eod, jnp.arange(T, dtype=jnp.int32)
     last_start = jax.lax.cummax(jnp.where(starts, idx, -1), axis=1)
@@ -58,9 +65,12 @@ _said: set[str] = set()
 
 
 def _attention(q, k, v, **mask):
-    """On a GPU cuDNN's fused (flash) attention where it accepts the inputs, else XLA's own, the fallback said
-    once per reason, never silent (gpu_check also reports what the compiled step calls); elsewhere the
-    attention written out (_softmax_attention)."""
+    """Attention: on a GPU cuDNN's fused kernel where it accepts the inputs, else XLA's; elsewhere written out.
+
+    On a GPU cuDNN's fused (flash) attention where it accepts the inputs, else XLA's own, the fallback said once per
+    reason, never silent (gpu_check also reports what the compiled step calls); elsewhere the attention written out
+    (_softmax_attention).
+    """
     if not _on_gpu():
         return _softmax_attention(q, k, v, **mask)
     if q.dtype in (jnp.bfloat16, jnp.float16):
@@ -78,9 +88,10 @@ def _attention(q, k, v, **mask):
 
 
 def _softmax_attention(q, k, v, is_causal: bool = False, mask=None):
-    """softmax(q k^T / sqrt(d)) v written out (scores [batch, heads, q, k], float32 softmax): what
-    jax.nn.dot_product_attention's XLA path computes, 5-8% faster a training step on XLA:CPU
-    (benchmarks/cpu_gap/README.md)."""
+    """softmax(q k^T / sqrt(d)) v written out (scores [batch, heads, q, k], float32 softmax).
+
+    What jax.nn.dot_product_attention's XLA path computes, faster on XLA:CPU (benchmarks/cpu_gap/README.md).
+    """
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
     if is_causal:
         mask = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
@@ -101,12 +112,13 @@ PROJECTION = "projection"
 
 
 def project(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
-    """x [..., *in] contracted with w [*in, *out] over its last `n_in` dims -> [..., *out], named PROJECTION: the
-    models' projections (the logits keep their einsum). On XLA:CPU through `_cpu_project`, whose backward pass makes a
-    gpt2-tiny training step ~10% faster there (less on larger ones: benchmarks/cpu_gap/README.md); elsewhere
-    autodiff's own. Inside a shard_map with check_vma=True (jaxpar's all pass False) its backward would need w
-    marked varying (jax.lax.pvary) when x varies and w does not. While a pipeline stage splits its
-    backward (`split_backward`), what its mode says instead."""
+    """x [..., *in] contracted with w [*in, *out] over its last `n_in` dims -> [..., *out], named PROJECTION.
+
+    The models' projections (the logits keep their einsum). On XLA:CPU through `_cpu_project`, whose backward pass makes
+    a training step faster there (benchmarks/cpu_gap/README.md); elsewhere autodiff's own. Inside a shard_map with
+    check_vma=True (jaxpar's all pass False) its backward would need w marked varying (jax.lax.pvary) when x varies and
+    w does not. While a pipeline stage splits its backward (`split_backward`), what its mode says instead.
+    """
     return checkpoint_name(_project(x, w, n_in), PROJECTION)
 
 
@@ -130,10 +142,13 @@ def _cpu_project_fwd(x, w, n_in):
 
 
 def _cpu_project_bwd(n_in, saved, dy):
-    """Autodiff's weight gradient x^T @ dy is a dot whose left operand XLA:CPU reads transposed, which it runs
-    in Eigen at a third of the speed of YNNPACK; here x is transposed in a copy of its own ([*in, *lead]), kept
-    from being folded back into the dot by an optimization barrier, so the dot is a plain [in, tokens] @
-    [tokens, out]. No reshapes: a sharded dim (tp's heads) never merges with another one."""
+    """A projection's backward on the CPU, its weight gradient computed as a plain dot that XLA:CPU runs fast.
+
+    Autodiff's weight gradient x^T @ dy is a dot whose left operand XLA:CPU reads transposed, which it runs in Eigen,
+    slower than YNNPACK; here x is transposed in a copy of its own ([*in, *lead]), kept from being folded back into the
+    dot by an optimization barrier, so the dot is a plain [in, tokens] @ [tokens, out]. No reshapes: a sharded dim
+    (tp's heads) never merges with another one.
+    """
     x, w = saved
     lead = x.ndim - n_in
     dx = jnp.tensordot(dy, w, (tuple(range(lead, dy.ndim)), tuple(range(n_in, w.ndim))))
@@ -156,8 +171,11 @@ FLOAT8: contextvars.ContextVar = contextvars.ContextVar("jaxpar_float8", default
 
 
 def to_float8(t: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """Tensorwise current scaling: t divided by its largest magnitude over the format's largest value (the whole
-    tensor's, so every layout picks the same scale), in float8 `dtype`; and that scale, which undoes it."""
+    """Tensorwise current scaling.
+
+    T divided by its largest magnitude over the format's largest value (the whole tensor's, so every layout picks
+    the same scale), in float8 `dtype`; and that scale, which undoes it.
+    """
     scale = jnp.maximum(jnp.max(jnp.abs(t)).astype(jnp.float32), 1e-12) / float(jnp.finfo(dtype).max)
     return (t.astype(jnp.float32) / scale).astype(dtype), scale
 
@@ -168,8 +186,11 @@ def _float8_project(x, w, n_in):
 
 
 def _float8_project_fwd(x, w, n_in):
-    """torchao's "tensorwise" recipe: input and weight in e4m3 forward, each with its own scale, the product
-    accumulated in float32 and scaled back; the float8 copies are what the backward keeps."""
+    """torchao's "tensorwise" recipe.
+
+    Input and weight in e4m3 forward, each with its own scale, the product accumulated in float32 and scaled back;
+    the float8 copies are what the backward keeps.
+    """
     (x8, sx), (w8, sw) = to_float8(x, jnp.float8_e4m3fn), to_float8(w, jnp.float8_e4m3fn)
     y = jnp.tensordot(x8, w8, n_in, preferred_element_type=jnp.float32) * (sx * sw)
     return y.astype(x.dtype), (x8, sx, w8, sw)
@@ -190,8 +211,10 @@ _float8_project.defvjp(_float8_project_fwd, _float8_project_bwd)
 
 
 class _SplitBackward:
-    """How a pipeline stage's projections are traced when its backward is split in two (ZB-H1, ZB-V), so that
-    B computes no weight gradient of a projection and W computes nothing else (jaxpar/pipeline/executor.py):
+    """How a pipeline stage's projections are traced when its backward is split in two (ZB-H1, ZB-V).
+
+    The split makes B compute no weight gradient of a projection and W compute nothing else
+    (jaxpar/pipeline/executor.py):
     - "probe": as usual, each projection's input and output recorded (their shapes);
     - "tap": the weight a constant (B's pullback computes no gradient for it) and a pair of zero taps, (y_tap, x_tap)
       (`_tapped_project`): B's pullback gives y_tap the projection's output gradient dy and x_tap its input x,
@@ -203,7 +226,8 @@ class _SplitBackward:
     scan_layers hands each layer its slice of `side` (tap pairs, or (input, output gradient) pairs, one per
     projection in the order the layer calls them) and stacks what the layer records into `recorded`. remat_layers
     leaves the layer unrecomputed while probing or in W (`recording`): a record made inside a jax.checkpoint would
-    leak from its trace, and neither runs a backward of the layers."""
+    leak from its trace, and neither runs a backward of the layers.
+    """
 
     def __init__(self, mode: str, side):
         self.mode, self.side, self.layer, self.recorded = mode, side, None, None
@@ -246,8 +270,10 @@ _split: _SplitBackward | None = None
 
 @contextlib.contextmanager
 def split_backward(mode: str, side=None):
-    """Within: projections traced as `mode` says (_SplitBackward); yields it, whose `recorded` holds what the
-    layer scan's projections recorded, stacked over the layers."""
+    """Within: projections traced as `mode` says (_SplitBackward).
+
+    Yields it, whose `recorded` holds what the layer scan's projections recorded, stacked over the layers.
+    """
     global _split
     saved, _split = _split, _SplitBackward(mode, side)
     try:
@@ -275,9 +301,12 @@ _weight_only.defvjp(_weight_only_fwd, _weight_only_bwd)
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _tapped_project(x, w, y_tap, x_tap, n_in):
-    """x . w + y_tap (x_tap unused): the cotangents are dx = dy . w^T, none for w (a constant), dy for y_tap and
-    x itself for x_tap -- the pair W's x^T dy needs, out of B's pullback. Where dy is a symbolic zero JAX skips
-    this rule and both taps get zeros: x^T 0 is that weight's gradient anyway."""
+    """x .
+
+    w + y_tap (x_tap unused): the cotangents are dx = dy . w^T, none for w (a constant), dy for y_tap and x itself
+    for x_tap -- the pair W's x^T dy needs, out of B's pullback. Where dy is a symbolic zero JAX skips this rule and
+    both taps get zeros: x^T 0 is that weight's gradient anyway.
+    """
     return jnp.tensordot(x, w, n_in) + y_tap
 
 
@@ -296,11 +325,13 @@ _tapped_project.defvjp(_tapped_project_fwd, _tapped_project_bwd)
 
 
 def scan_layers(layer: Callable, stacked, x: jax.Array, rows: tuple = (), unroll: bool = False) -> jax.Array:
-    """`layer(h, per_layer_slice, *rows) -> h` applied over the leading axis of `stacked`, in order; `rows`: per-row
-    arrays every layer reads (packed documents' positions and segment ids), loop constants outside the carry;
-    unrolled: each layer traced on its own (no loop: no per-layer copies into and out of stacked buffers, longer
-    compile)."""
-    one = (lambda h, p: layer(h, p, *rows)) if rows else layer  # noqa: E731
+    """`layer(h, per_layer_slice, *rows) -> h` applied over the leading axis of `stacked`, in order.
+
+    `rows`: per-row arrays every layer reads (packed documents' positions and segment ids), loop constants outside
+    the carry; unrolled: each layer traced on its own (no loop: no per-layer copies into and out of stacked buffers,
+    longer compile).
+    """
+    one = (lambda h, p: layer(h, p, *rows)) if rows else layer
     if _split is not None:
         return _split.scan(one, stacked, x, unroll)
     return jax.lax.scan(lambda h, p: (one(h, p), None), x, stacked, unroll=unroll)[0]
@@ -318,9 +349,11 @@ REMAT_POLICIES = {
 
 
 def remat_layers(run_layers: Callable, remat: str) -> Callable:
-    """A layer runner (scan_layers' signature) whose layers the backward pass recomputes as model.remat says;
+    """A layer runner (scan_layers' signature) whose layers the backward pass recomputes as model.remat says.
+
     `none`: `run_layers` itself. The runner is the parallel context's (jaxpar/parallelize.py), so the same
-    recomputed layer runs in a scan, unrolled, as GPipe stages, or in the pipeline executor's stages."""
+    recomputed layer runs in a scan, unrolled, as GPipe stages, or in the pipeline executor's stages.
+    """
     if remat == "none":
         return run_layers
     policy = REMAT_POLICIES[remat]
@@ -339,9 +372,11 @@ def split_microbatches(x: jax.Array, M: int) -> jax.Array:
 
 def sum_over_microbatches(value_and_grad: Callable, params, batch: jax.Array, scale, M: int,
                           pin: Callable = lambda mb: mb, value=None):
-    """(loss, grads) of value_and_grad(params, microbatch, scale) summed over the batch's M microbatches, in a
-    scan whose float32 carry is the accumulation; `pin` places each microbatch first (a sharding constraint);
-    `value`: zeros shaped as the loss (with experts, (loss, their statistics))."""
+    """(loss, grads) of value_and_grad(params, microbatch, scale) summed over the batch's M microbatches.
+
+    The sum runs in a scan whose float32 carry is the accumulation; `pin` places each microbatch first (a sharding
+    constraint); `value`: zeros shaped as the loss (with experts, (loss, their statistics)).
+    """
     def accumulate(carry, mb):
         return jax.tree.map(jnp.add, carry, value_and_grad(params, pin(mb), scale)), None
 

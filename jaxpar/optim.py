@@ -1,6 +1,8 @@
-"""optax AdamW: global-norm clipping, weight decay by the shared rule, the shared warmup + cosine; with
-optim.name=muon, Muon (jaxpar/core/optimizer/muon.py) on the hidden matrices and that AdamW on the rest (optax.partition);
-with optim.name=adamw8bit, AdamW whose moments are held in 8 bits (jaxpar/core/optimizer/adamw8bit.py: optax has none).
+"""optax AdamW: global-norm clipping, weight decay by the shared rule, the shared warmup + cosine.
+
+With optim.name=muon, Muon (jaxpar/core/optimizer/muon.py) on the hidden matrices and that AdamW on the rest
+(optax.partition); with optim.name=adamw8bit, AdamW whose moments are held in 8 bits
+(jaxpar/core/optimizer/adamw8bit.py: optax has none).
 
 Every hyperparameter is a closure over the config, none is in the optimizer state (counts and moments only), so a
 resumed run takes its optim.* and train.steps from the config it runs with. The state has one structure whether
@@ -39,12 +41,12 @@ def _name(path) -> str:
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     o = cfg.optim
-    mask = lambda params: jax.tree_util.tree_map_with_path(lambda p, _: decays(_name(p)), params)  # noqa: E731
+    mask = lambda params: jax.tree_util.tree_map_with_path(lambda p, _: decays(_name(p)), params)
     adamw = optax.adamw(lr_fn(cfg), b1=o.beta1, b2=o.beta2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
     if o.name == "adamw8bit":
         adamw = scale_by_adamw8bit(cfg)
     if o.name == "muon":
-        labels = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
+        labels = lambda params: jax.tree_util.tree_map_with_path(
             lambda p, _: "muon" if muon.stacked_axes(_name(p)) else "adamw", params)
         adamw = optax.partition({"muon": scale_by_muon(cfg), "adamw": adamw}, labels)
     return optax.chain(optax.clip_by_global_norm(o.grad_clip) if o.grad_clip else optax.identity(), adamw)
@@ -56,17 +58,23 @@ class MuonState(NamedTuple):
 
 
 def orthogonalize(x: jax.Array, axes, steps: int) -> jax.Array:
-    """jaxpar/core/optimizer/muon.py's NS_k on every matrix of `x`: its (reduction, output) axes made one matrix, the other
-    axes batch axes (layers, experts, q/k/v), each matrix on its own (orthogonalize_all of x alone)."""
+    """jaxpar/core/optimizer/muon.py's NS_k on every matrix of `x`.
+
+    Its (reduction, output) axes made one matrix, the other axes batch axes (layers, experts, q/k/v), each matrix on
+    its own (orthogonalize_all of x alone).
+    """
     return orthogonalize_all([x], [axes], steps)[0]
 
 
 def orthogonalize_all(xs: list, axes: list, steps: int, likes: list | None = None) -> list:
-    """orthogonalize on each of `xs`, and on a mesh each device iterating on a share of the whole matrices
-    (spread_matrices) rather than every device on every matrix. The matrices of one shape (as iterated) from
-    every parameter are stacked and dealt out together, so their count is padded to a multiple of the devices
-    once, not per parameter. Each result is laid out as its `like` (the parameter): the update then goes back to
-    the parameter's layout once, rather than drawing the parameter (weight decay) into the spread layout."""
+    """Orthogonalize each of `xs`, on a mesh sharing the whole matrices out among the devices.
+
+    On a mesh each device iterates on a share of the whole matrices (spread_matrices) rather than every device on every
+    matrix. The matrices of one shape (as iterated) from every parameter are stacked and dealt out together, so their
+    count is padded to a multiple of the devices once, not per parameter. Each result is laid out as its `like` (the
+    parameter): the update then goes back to the parameter's layout once, rather than drawing the parameter (weight
+    decay) into the spread layout.
+    """
     mats = [_as_matrices(x, a) for x, a in zip(xs, axes)]
     groups = defaultdict(list)
     for i, y in enumerate(mats):
@@ -90,10 +98,13 @@ def _as_matrices(x: jax.Array, axes) -> jax.Array:
 
 
 def _as_is(fan_in: int, fan_out: int, axes) -> bool:
-    """Whether a matrix is iterated as [fan_in, fan_out]: the wide orientation (X X^T on the smaller side, as
-    torch.optim.Muon). A square one is free (NS(X^T) = NS(X)^T): its side of one axis goes to the rows -- the
-    model dimension here, which the layout shards over fsdp -- so q/k/v ([embed] x [heads, head_dim]) and the
-    attention output ([heads, head_dim] x [embed]) stack with their shards alike, without a reshard."""
+    """Whether a matrix is iterated as [fan_in, fan_out].
+
+    The wide orientation (X X^T on the smaller side, as torch.optim.Muon). A square one is free (NS(X^T) = NS(X)^T):
+    its side of one axis goes to the rows -- the model dimension here, which the layout shards over fsdp -- so q/k/v
+    ([embed] x [heads, head_dim]) and the attention output ([heads, head_dim] x [embed]) stack with their shards
+    alike, without a reshard.
+    """
     return fan_in < fan_out or (fan_in == fan_out and len(axes[0]) <= len(axes[1]))
 
 
@@ -120,10 +131,12 @@ def newton_schulz(y: jax.Array, steps: int) -> jax.Array:
 
 
 def spread_matrices(y: jax.Array) -> jax.Array:
-    """[matrices, rows, cols] laid out whole matrices per device, the matrices dealt out over every device of the
-    traced step's mesh (zero matrices pad their count to a multiple: Newton-Schulz keeps them zero). GSPMD moves
-    each parameter's shards there and the update back (all-to-alls) instead of gathering every matrix everywhere;
-    each device iterates on ceil(matrices / devices) of them. Outside a mesh: as it is."""
+    """`y` [matrices, rows, cols] laid out as whole matrices per device, dealt out over the traced step's mesh.
+
+    The matrices go to every device of the mesh (zero matrices pad their count to a multiple: Newton-Schulz keeps them
+    zero). GSPMD moves each parameter's shards there and the update back (all-to-alls) instead of gathering every
+    matrix everywhere; each device iterates on ceil(matrices / devices) of them. Outside a mesh: as it is.
+    """
     mesh = current().mesh
     if mesh is None or mesh.size == 1:
         return y
@@ -138,7 +151,10 @@ def _lerp(start, end, weight: float):
 
 
 def scale_by_muon(cfg: Config) -> optax.GradientTransformation:
-    """The whole Muon update of the matrices (jaxpar/core/optimizer/muon.py), the learning rate and weight decay included."""
+    """The whole Muon update of the matrices, the learning rate and weight decay included.
+
+    The rule: jaxpar/core/optimizer/muon.py.
+    """
     o, lr = cfg.optim, lr_fn(cfg)
     m = o.muon_momentum
 
@@ -172,15 +188,20 @@ _QMAP = {signed: adamw8bit.dynamic_map(signed) for signed in (True, False)}
 
 
 def _holds_codes(path, p) -> bool:
-    """adamw8bit.quantized on one layer's tensor: a stacked parameter's leading axis is its layers (multi-token
-    prediction's: its depths, torchpar's modules)."""
+    """adamw8bit.quantized on one layer's tensor.
+
+    A stacked parameter's leading axis is its layers (multi-token prediction's: its depths, torchpar's modules).
+    """
     stacked = _name(path).startswith((*muon.STACKS, "mtp."))
     return adamw8bit.quantized(p.size // p.shape[0] if stacked else p.size)
 
 
 def quantize(x: jax.Array, signed: bool) -> tuple[jax.Array, jax.Array]:
-    """x -> (uint8 codes shaped as x, float32 scale per block): jaxpar/core/optimizer/adamw8bit.py's q, as torchao rounds:
-    the largest code at or below each value, then one up from its midpoint with the next."""
+    """x -> (uint8 codes shaped as x, float32 scale per block).
+
+    Jaxpar/core/optimizer/adamw8bit.py's q, as torchao rounds: the largest code at or below each value, then one up
+    from its midpoint with the next.
+    """
     qmap = jnp.asarray(_QMAP[signed])
     blocks = x.reshape(-1, adamw8bit.BLOCK)
     scale = jnp.maximum(jnp.abs(blocks).max(axis=1), 1e-12)
@@ -203,12 +224,15 @@ def _stored(moments, scales, signed: bool):
 
 
 def scale_by_adamw8bit(cfg: Config) -> optax.GradientTransformation:
-    """The whole 8-bit AdamW update (jaxpar/core/optimizer/adamw8bit.py), the learning rate and weight decay included."""
+    """The whole 8-bit AdamW update, the learning rate and weight decay included.
+
+    The rule: jaxpar/core/optimizer/adamw8bit.py.
+    """
     o, lr = cfg.optim, lr_fn(cfg)
 
     def init(params):
-        codes = lambda p, x: jnp.zeros(x.shape, jnp.uint8) if _holds_codes(p, x) else jnp.zeros_like(x)  # noqa: E731
-        scale = lambda p, x: jnp.zeros(x.size // adamw8bit.BLOCK if _holds_codes(p, x) else ())  # noqa: E731
+        codes = lambda p, x: jnp.zeros(x.shape, jnp.uint8) if _holds_codes(p, x) else jnp.zeros_like(x)
+        scale = lambda p, x: jnp.zeros(x.size // adamw8bit.BLOCK if _holds_codes(p, x) else ())
         mu, mu_scale = (jax.tree_util.tree_map_with_path(f, params) for f in (codes, scale))
         return AdamW8bitState(jnp.zeros((), jnp.int32), mu, mu, mu_scale, mu_scale)
 
@@ -216,7 +240,7 @@ def scale_by_adamw8bit(cfg: Config) -> optax.GradientTransformation:
         count = optax.safe_increment(state.count)
         t = count.astype(jnp.float32)
         bc1, bc2 = 1 - o.beta1 ** t, 1 - o.beta2 ** t
-        read = lambda x, scale, signed: dequantize(x, scale, signed) if x.dtype == jnp.uint8 else x  # noqa: E731
+        read = lambda x, scale, signed: dequantize(x, scale, signed) if x.dtype == jnp.uint8 else x
         m = jax.tree.map(lambda x, s, g: _lerp(read(x, s, True), g, 1 - o.beta1), state.mu, state.mu_scale, grads)
         v = jax.tree.map(lambda x, s, g: _lerp(read(x, s, False), g * g, 1 - o.beta2), state.nu, state.nu_scale,
                          grads)
@@ -236,8 +260,11 @@ def scale_by_adamw8bit(cfg: Config) -> optax.GradientTransformation:
 
 
 def with_clip_slot(fit):
-    """Checkpointer.restore_latest's `fit`, extended to checkpoints written while optim.grad_clip=0 left the
-    clipping slot out (AdamW's state alone): read as saved, then the empty slot put in front."""
+    """Extend Checkpointer.restore_latest's `fit` to checkpoints saved without the gradient-clipping slot.
+
+    Checkpoints written while optim.grad_clip=0 left the clipping slot out (AdamW's state alone): they are read as
+    saved, then the empty slot is put in front.
+    """
     def extended(saved: dict):
         target, after = fit(saved)
         if len(saved["opt_state"]) == len(target["opt_state"]):

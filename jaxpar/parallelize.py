@@ -1,4 +1,4 @@
-"""jaxpar's parallelism, applied from outside the model in one fixed order (torchpar/parallelize.py is its twin):
+"""jaxpar's parallelism, applied from outside the model in one fixed order (torchpar/parallelize.py is its twin):.
 
 1. rules: logical axis names -> mesh axes, jaxpar/sharding.py's table (ZeRO-3 adds dp beside fsdp: layout.rules_for)
 2. ZeRO and offload: the train state's shardings, ZeRO stages 0-3, and parallel.offload's host memory, which the step
@@ -51,8 +51,11 @@ class Parallel:
 
 
 def parallelize(layout: Layout, schedule: str | None = None) -> Parallel:
-    """Stages 3 to 5 (the module docstring) for a layout, in order. `schedule` puts any pp schedule on the
-    executor (the memory benchmark); by default parallel.pipeline_schedule's hand-scheduled ones run there."""
+    """Stages 3 to 5 (the module docstring) for a layout, in order.
+
+    `schedule` puts any pp schedule on the executor (the memory benchmark); by default parallel.pipeline_schedule's
+    hand-scheduled ones run there.
+    """
     cfg, p = layout.cfg, layout.cfg.parallel
     if schedule is None and layout.mesh.shape["pp"] > 1 and p.pipeline_schedule in HAND_SCHEDULED:
         schedule = p.pipeline_schedule
@@ -67,18 +70,25 @@ def parallelize(layout: Layout, schedule: str | None = None) -> Parallel:
 
 
 def unrolled_layers(setting: str, mesh) -> bool:
-    """train.scan_layers: auto unrolls on a GPU, where the scan's per-layer copies cost a third of a GPT-2 124M
-    step (docs/gpu.md), and scans elsewhere, where compile time matters more (tests, CPU runs)."""
+    """Whether the layer stack is unrolled rather than scanned, per train.scan_layers.
+
+    auto unrolls on a GPU, where the scan's per-layer copies are costly (docs/gpu.md), and scans elsewhere, where
+    compile time matters more (tests, CPU runs).
+    """
     return setting == "off" or (setting == "auto" and mesh.devices.flat[0].platform == "gpu")
 
 
 def mesh_context(layout: Layout, on_executor: bool = False) -> ParallelContext:
-    """Stage 3: attention across `sp` shards with the configured strategy, the layer stack as a GPipe pipeline over
-    `pp` -- or a plain scan when the stages run on the executor, which calls each stage's layers itself -- and a
-    mixture of experts' tokens sent to their experts over `ep`."""
+    """Stage 3: the parallel context for the mesh's sp, pp and ep axes.
+
+    Attention across `sp` shards with the configured strategy, the layer stack as a GPipe pipeline over `pp` -- or a
+    plain scan when the stages run on the executor, which calls each stage's layers itself -- and a mixture of
+    experts' tokens sent to their experts over `ep`.
+    """
     mesh, p, S = layout.mesh, layout.cfg.parallel, layout.mesh.shape["pp"]
     unroll = unrolled_layers(layout.cfg.train.scan_layers, mesh)
-    attention = sequence_attention(mesh, layout.rules, p.sequence_attention) if mesh.shape["sp"] > 1 else local_attention
+    attention = (sequence_attention(mesh, layout.rules, p.sequence_attention) if mesh.shape["sp"] > 1
+                 else local_attention)
     if S > 1 and not on_executor:
         run_layers = gpipe_layers(S, resolve_microbatches(S, p.pipeline_microbatches), unroll)
     else:
@@ -88,16 +98,22 @@ def mesh_context(layout: Layout, on_executor: bool = False) -> ParallelContext:
 
 
 def parallel_context(layout: Layout, on_executor: bool = False) -> ParallelContext:
-    """Stages 3 and 4 alone: the context a forward pass is traced in (evaluation, decoding; GPipe over pp for every
-    schedule unless `on_executor`)."""
+    """Stages 3 and 4 alone.
+
+    The context a forward pass is traced in (evaluation, decoding; GPipe over pp for every schedule unless
+    `on_executor`).
+    """
     context = mesh_context(layout, on_executor)
     return dataclasses.replace(context, run_layers=remat_layers(context.run_layers, layout.cfg.model.remat))
 
 
 def reduce_gradients(layout: Layout, value_and_grad: Callable) -> Callable:
-    """Stage 5, Parallel.gradients: `value_and_grad` over the batch's train.microbatches, the gradients reduced
-    over the data axes as parallel.grad_compression says: by GSPMD wherever the shardings place it (none),
-    in bfloat16 in a shard_map over the data axes (bf16), or by PowerSGD (powersgd, its state in the train state)."""
+    """Stage 5, Parallel.gradients.
+
+    `value_and_grad` over the batch's train.microbatches, the gradients reduced over the data axes as
+    parallel.grad_compression says: by GSPMD wherever the shardings place it (none), in bfloat16 in a shard_map over
+    the data axes (bf16), or by PowerSGD (powersgd, its state in the train state).
+    """
     cfg, accum = layout.cfg, layout.cfg.train.microbatches
     zero = jnp.zeros((), jnp.float32)  # the loss's shape; with its aux (loss, the experts' statistics or a dict)
     zero = (zero, aux_zeros(cfg.model)) if has_aux(cfg.model) else zero
@@ -112,11 +128,11 @@ def reduce_gradients(layout: Layout, value_and_grad: Callable) -> Callable:
         return powersgd_reduced
     if cfg.parallel.grad_compression == "bf16" and data_axes(layout.mesh):
         compressed = compressed_loss_and_grads(layout, value_and_grad, accum, zero)
-        summed = lambda params, batch, scale, share: compressed(  # noqa: E731
+        summed = lambda params, batch, scale, share: compressed(
             params, batch, jnp.asarray(scale, jnp.float32) * share)
     else:
-        pin = lambda mb: jax.lax.with_sharding_constraint(mb, layout.batch_sharding)  # noqa: E731
-        summed = lambda params, batch, scale, share: sum_over_microbatches(  # noqa: E731
+        pin = lambda mb: jax.lax.with_sharding_constraint(mb, layout.batch_sharding)
+        summed = lambda params, batch, scale, share: sum_over_microbatches(
             value_and_grad, params, batch, scale * share, accum, pin, zero)
 
     def reduced(params, batch, state, scale, share):
@@ -128,9 +144,11 @@ def reduce_gradients(layout: Layout, value_and_grad: Callable) -> Callable:
 
 
 def split_aux(m, loss, divisor=1.0):
-    """(loss, extras) of a loss that may come with its aux (loss.loss_fn): the experts' statistics ("expert_stats",
-    summed), or with multi-token prediction a dict whose "mtp_losses" are scaled as the loss and divided by
-    `divisor` as it will be."""
+    """(loss, extras) of a loss that may come with its aux (loss.loss_fn).
+
+    The experts' statistics ("expert_stats", summed), or with multi-token prediction a dict whose "mtp_losses" are
+    scaled as the loss and divided by `divisor` as it will be.
+    """
     if not has_aux(m):
         return loss, {}
     loss, aux = loss

@@ -64,8 +64,10 @@ def with_extra_axis(spec: P, shape: tuple[int, ...], mesh, axis: str) -> P:
 
 
 def context_mesh(mesh):
-    """The mesh a shard_map traced now names: `mesh`, or inside another shard_map (manual over some axes: the data
-    axes' of parallel.grad_compression, jaxpar/parallel/compression.py) the mesh as that context sees it, which jax
-    asks a nested shard_map for."""
+    """The mesh a shard_map traced now names.
+
+    `mesh`, or inside another shard_map (manual over some axes: the data axes' of parallel.grad_compression,
+    jaxpar/parallel/compression.py) the mesh as that context sees it, which jax asks a nested shard_map for.
+    """
     context = jax.sharding.get_abstract_mesh()
     return context if context.manual_axes else mesh

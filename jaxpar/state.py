@@ -1,6 +1,9 @@
-"""The train state, a plain pytree {"params": nested dict, "opt_state": optax state, "step": int32, and with
-float16 "loss_scale": jaxpar/loss_scale.py's scaler, with PowerSGD "powersgd": jaxpar/parallel/powersgd.py's},
-created directly in the layout's shardings (never materialised on one device)."""
+"""The train state, a plain pytree {"params".
+
+Nested dict, "opt_state": optax state, "step": int32, and with float16 "loss_scale": jaxpar/loss_scale.py's scaler, with
+PowerSGD "powersgd": jaxpar/parallel/powersgd.py's}, created directly in the layout's shardings (never materialised on
+one device).
+"""
 from __future__ import annotations
 
 import jax
@@ -43,8 +46,10 @@ def abstract_state(layout: Layout):
 
 
 def restore_latest(ckpt, layout: Layout):
-    """(state, meta) of the newest loadable checkpoint in `ckpt` (a Checkpointer), in the layout's shardings,
-    PowerSGD's per-data-rank state fitted to this layout (and an older unclipped optimizer state to today's);
-    None if there is no checkpoint."""
+    """(state, meta) of the newest loadable checkpoint in `ckpt` (a Checkpointer), or None if there is none.
+
+    The state comes in the layout's shardings, PowerSGD's per-data-rank state fitted to this layout (and an older
+    unclipped optimizer state to today's).
+    """
     abstract = abstract_state(layout)
     return ckpt.restore_latest(abstract, fit=with_clip_slot(powersgd.restore_fit(layout, abstract)))

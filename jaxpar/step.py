@@ -1,6 +1,8 @@
-"""The jitted train and eval steps of a layout: the loss and gradients jaxpar/parallelize.py makes of the model
-(over the microbatches, reduced over the data axes), the optimizer update, float16's loss scale, the experts'
-balance bias."""
+"""The jitted train and eval steps of a layout.
+
+The loss and gradients jaxpar/parallelize.py makes of the model (over the microbatches, reduced over the data axes), the
+optimizer update, float16's loss scale, the experts' balance bias.
+"""
 from __future__ import annotations
 
 import jax
@@ -21,18 +23,23 @@ from jaxpar.state import abstract_state, init_state
 
 
 def loss_and_grad(layout: Layout, schedule: str | None = None):
-    """((params, batch, scale) -> (loss, grads) of the loss times scale, the parallel context to trace it in), as
-    the train step computes them (jaxpar/parallelize.py): jax.value_and_grad (GPipe over pp included: jax.grad
-    through its ticks), or the pipeline executor for the hand-scheduled schedules. `schedule` puts any schedule on
-    the executor (memory benchmark)."""
+    """The train step's loss-and-gradients function and the parallel context to trace it in.
+
+    Returns ((params, batch, scale) -> (loss, grads) of the loss times scale, the parallel context), as the train step
+    computes them (jaxpar/parallelize.py): jax.value_and_grad (GPipe over pp included: jax.grad through its ticks), or
+    the pipeline executor for the hand-scheduled schedules. `schedule` puts any schedule on the executor (memory
+    benchmark).
+    """
     parallel = parallelize(layout, schedule)
     return parallel.value_and_grad, parallel.context
 
 
 def make_train_step(layout: Layout, inject_overflow: bool = False):
     """The jitted step (state, batch) -> (state, metrics), of the layout's model parallelized (jaxpar/parallelize.py).
+
     `inject_overflow` (a test hook, <PREFIX>_FAULT_OVERFLOW_AT_STEP) makes this step's gradients non-finite, as a
-    float16 overflow would."""
+    float16 overflow would.
+    """
     cfg = layout.cfg
     tx, lr = make_optimizer(cfg), lr_fn(cfg)
     parallel = parallelize(layout)
@@ -53,7 +60,8 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
         if "powersgd" in extras:  # its error buffers and factors after this step
             new["powersgd"] = extras["powersgd"]
         metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr(state["step"])}
-        if experts:  # core/model/experts.py: expert_records (the balance loss per row and layer); the balance bias moved
+        # core/model/experts.py: expert_records (the balance loss per row and layer); the balance bias moved
+        if experts:
             expert_stats = extras["expert_stats"]
             metrics["expert_stats"] = expert_stats.at[-1].divide(batch.shape[0] * cfg.model.moe_layers)
             new["params"] = update_router_bias(new["params"], expert_stats, cfg.model)  # (a skipped step keeps it)
@@ -77,15 +85,20 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
 
 
 def compiled_train_step(layout: Layout, state, compiler_options: dict | None = None, shape=None):
-    """The train step compiled ahead of time for `state` (arrays or shapes) and the layout's batch (or a batch of
-    `shape`: one of train.batch_rampup's or a bucket's, core/data/batch_shapes.py)."""
+    """The train step compiled ahead of time for `state` (arrays or shapes) and the layout's batch.
+
+    Or for a batch of `shape`: one of train.batch_rampup's or a bucket's (core/data/batch_shapes.py).
+    """
     batch = jax.ShapeDtypeStruct(shape or layout.batch_shape, "int32", sharding=layout.batch_sharding)
     return make_train_step(layout).lower(state, batch).compile(compiler_options)
 
 
 def build_step(cfg, sizes: dict[str, int], devices=None, abstract: bool = False, compiler_options=None):
-    """(layout, state, compiled step) of a config on a mesh -- the one assembly the trainer's tools, the tests and
-    the benchmarks share. `abstract`: the state as shapes only, nothing allocated (plan, gpu_check)."""
+    """(layout, state, compiled step) of a config on a mesh.
+
+    The one assembly the trainer's tools, the tests and the benchmarks share. `abstract`: the state as shapes only,
+    nothing allocated (plan, gpu_check).
+    """
     layout = Layout(cfg, make_mesh(sizes, devices))
     state = abstract_state(layout) if abstract else init_state(layout)
     return layout, state, compiled_train_step(layout, state, compiler_options)

@@ -1,4 +1,7 @@
-"""python -m jaxpar.train --config configs/gpt2-tiny.yaml --mesh dp=2,tp=4 [section.key=value ...]"""
+"""Train a model from a YAML config on a device mesh.
+
+python -m jaxpar.train --config configs/gpt2-tiny.yaml --mesh dp=2,tp=4 [section.key=value ...]
+"""
 from __future__ import annotations
 
 if __name__ == "__main__":  # before jax is imported: glibc reads its malloc tunables at process start

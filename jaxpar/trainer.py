@@ -41,8 +41,10 @@ from jaxpar.step import compiled_train_step, make_eval_step, make_train_step
 
 
 def any_process(flag: bool) -> bool:
-    """Whether `flag` is true on any process: a tiny all-gather of one flag per process (nothing to agree on
-    with one process)."""
+    """Whether `flag` is true on any process.
+
+    A tiny all-gather of one flag per process (nothing to agree on with one process).
+    """
     if jax.process_count() == 1:
         return flag
     return bool(multihost_utils.process_allgather(np.array([flag], np.int32)).max())
@@ -83,8 +85,10 @@ class JaxTrainer:
         return {"framework": "jaxpar", "resolved_mesh": format_mesh(dict(self.layout.mesh.shape))}
 
     def start(self) -> str:
-        """Compile the step for the next batch's shape (train.batch_rampup's and the buckets' others at their first
-        step); start reading ahead."""
+        """Compile the step for the next batch's shape and start reading ahead.
+
+        train.batch_rampup's and the buckets' other shapes are compiled at their first step.
+        """
         t0, layout = time.perf_counter(), self.layout
         first = self.train_data.shape(int(jax.device_get(self.state["step"])))
         self._train_steps = {first: compiled_train_step(layout, self.state, shape=first)}  # by batch shape
@@ -271,7 +275,7 @@ class JaxFaults:
 
     def poison(self) -> None:
         t = self.trainer
-        nan = lambda x: jax.device_put(x * float("nan"), x.sharding)  # noqa: E731
+        nan = lambda x: jax.device_put(x * float("nan"), x.sharding)
         t.state = {**t.state, "params": jax.tree.map(nan, t.state["params"])}
 
     def overflow(self) -> None:

@@ -1,6 +1,8 @@
-"""The parity checks: one run's per-step loss, gradient norm and lr and its final parameters against a
-reference run's, within a `Tolerance`. A failure reads as a table (step, reference, run, difference)
-for each failing series and names the first parameter, in model order, that diverges.
+"""The parity checks: one run's training series and final parameters against a reference run's.
+
+The per-step loss, gradient norm and lr and the final parameters must match the reference run's within a
+`Tolerance`. A failure reads as a table (step, reference, run, difference) for each failing series and names the
+first parameter, in model order, that diverges.
 
 Parameters are held by two numbers, as in tests/jaxpar/test_layouts.py: the relative norm of the difference
 over all parameters, and a per-tensor maximum absolute difference. One slice is held apart: the
@@ -77,8 +79,11 @@ class Comparison:
 
 
 def split_key_bias(params: dict) -> dict:
-    """qkv.bias [L, 3, heads, kv] -> its query/value slices [L, 2, heads, kv] and the key slice [L, heads, kv],
-    in each stack (multi-token prediction's too)."""
+    """Split qkv.bias into its query/value slices and its key slice.
+
+    qkv.bias [L, 3, heads, kv] -> its query/value slices [L, 2, heads, kv] and the key slice [L, heads, kv],
+    in each stack (multi-token prediction's too).
+    """
     out = dict(params)
     pairs = [(stack + QKV_BIAS, stack + KEY_BIAS) for stack in STACKS] + [(MTP_QKV_BIAS, MTP_QKV_BIAS + "[key]")]
     for qkv, key in ((qkv, key) for qkv, key in pairs if qkv in params):
@@ -88,8 +93,10 @@ def split_key_bias(params: dict) -> dict:
 
 
 def _rel(got, ref) -> np.ndarray:
-    """Relative deviation per step; a step non-finite on both sides (a float16 overflow both skipped) is 0,
-    on one side only inf."""
+    """Relative deviation per step.
+
+    A step non-finite on both sides (a float16 overflow both skipped) is 0, on one side only inf.
+    """
     got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
     both = ~np.isfinite(got) & ~np.isfinite(ref)
     with np.errstate(invalid="ignore"):

@@ -1,5 +1,8 @@
-"""Options of the parity suite: --parity-full (the whole matrix), --device cpu|gpu (or PARITY_DEVICE),
---parity-steps K (or PARITY_STEPS; default 50). One Runner per session caches every run."""
+"""Options of the parity suite.
+
+--parity-full (the whole matrix), --device cpu|gpu (or PARITY_DEVICE), --parity-steps K (or PARITY_STEPS; default 50).
+One Runner per session caches every run.
+"""
 import os
 
 import pytest

@@ -177,8 +177,11 @@ def select(args, seed: int) -> list[tuple[str, Case]]:
 
 
 def draw(seed: int, i: int, torch_share: float = TORCH_SHARE, transition_share: float = TRANSITION_SHARE):
-    """Case i of a seed: a transition with probability transition_share (decided apart, so the fresh cases a seed
-    draws do not depend on the share), else a fresh case."""
+    """Case i of a seed: a transition or a fresh case.
+
+    A transition with probability transition_share (decided apart, so the fresh cases a seed draws do not depend on
+    the share), else a fresh case.
+    """
     if random.Random(f"{seed}:{i}:transition").random() < transition_share:
         return draw_transition(random.Random(f"{seed}:{i}"))
     return draw_case(random.Random(f"{seed}:{i}"), torch_share)

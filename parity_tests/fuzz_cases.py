@@ -115,9 +115,12 @@ def with_auto(case: Case) -> Case:
 
 
 def with_routing(case: Case) -> Case:
-    """DeepSeek-V3's routing in a share of the expert cases: the experts in 2 or 4 groups of two or more, fewer
-    groups kept than there are, and/or the weights scaled. Drawn from the case's own spec (as with_optimizer, after
-    it), so the cases a seed drew before stay what they were, but for these keys."""
+    """DeepSeek-V3's routing in a share of the expert cases.
+
+    The experts in 2 or 4 groups of two or more, fewer groups kept than there are, and/or the weights scaled. Drawn
+    from the case's own spec (as with_optimizer, after it), so the cases a seed drew before stay what they were, but
+    for these keys.
+    """
     E = int(case.get("model.moe_experts", "0"))
     rng = random.Random(zlib.crc32(b"routing " + case.spec.encode()))
     if not E or rng.random() >= ROUTING_SHARE:
@@ -133,9 +136,11 @@ def with_routing(case: Case) -> Case:
 
 
 def with_sparsity(case: Case) -> Case:
-    """Block-sparse dilated attention in a share of the dilated cases, blocks of a quarter of every pair's row (4
-    tokens at data.seq_len=16, else 8). Drawn from the case's own spec, last: the cases a seed drew stay what they
-    were, but for these keys."""
+    """Block-sparse dilated attention in a share of the dilated cases.
+
+    Blocks are a quarter of every pair's row (4 tokens at data.seq_len=16, else 8). Drawn from the case's own spec,
+    last: the cases a seed drew stay what they were, but for these keys.
+    """
     rng = random.Random(zlib.crc32(b"sparsity " + case.spec.encode()))
     if case.get("model.attention") != "dilated" or rng.random() >= SPARSITY_SHARE:
         return case
@@ -145,9 +150,12 @@ def with_sparsity(case: Case) -> Case:
 
 
 def with_optimizer(case: Case, share: float = MUON_SHARE) -> Case:
-    """optim.name=muon in a share of the cases and adamw8bit in another (not on deepspeed, which builds its own
+    """The Muon or 8-bit AdamW optimizer in a share of the cases.
+
+    optim.name=muon in a share of the cases and adamw8bit in another (not on deepspeed, which builds its own
     AdamW), Muon's keys now and then. Drawn from the case's own spec, not the sweep's stream: the cases a seed drew
-    before stay what they were, but for the 8-bit share of those that stayed on AdamW."""
+    before stay what they were, but for the 8-bit share of those that stayed on AdamW.
+    """
     rng = random.Random(zlib.crc32(case.spec.encode()))
     draw = rng.random()
     if case.backend == "deepspeed" or share <= draw < 1 - EIGHT_BIT_SHARE:
@@ -250,10 +258,12 @@ def draw_torch(rng: random.Random) -> Case:
 
 
 def _draw_compression(rng: random.Random, s: dict, methods=None) -> None:
-    """parallel.grad_compression. The fuzz runs compare with one device in float32, so the cases run the compressed
-    program with nothing lost: PowerSGD never past its warm-up (STEPS plain steps; its compressed branch is
-    compiled all the same), bf16 (jaxpar only) with a float32 wire (fuzz_run.py;
-    tests/jaxpar/test_grad_compression.py)."""
+    """parallel.grad_compression.
+
+    The fuzz runs compare with one device in float32, so the cases run the compressed program with nothing lost:
+    PowerSGD never past its warm-up (STEPS plain steps; its compressed branch is compiled all the same), bf16
+    (jaxpar only) with a float32 wire (fuzz_run.py; tests/jaxpar/test_grad_compression.py).
+    """
     s["parallel.grad_compression"] = _pick(rng, methods or {"bf16": 1, "powersgd": 1})
     if s["parallel.grad_compression"] == "powersgd":
         s["parallel.powersgd_warmup_steps"] = str(STEPS + rng.randrange(2))
@@ -278,9 +288,11 @@ def _draw_experts(rng: random.Random, s: dict, ep: int) -> None:
 
 
 def _draw_first_dense(rng: random.Random, s: dict, stages: int) -> None:
-    """DeepSeek's dense first layers (model.moe_first_dense) before the experts' (at least one): under a pipeline
-    both stacks split over the stages (gpipe; the executor splits the expert stack over its virtual stages), so
-    half of 2 x stages layers."""
+    """DeepSeek's dense first layers (model.moe_first_dense) before the experts' (at least one).
+
+    Under a pipeline both stacks split over the stages (gpipe; the executor splits the expert stack over its virtual
+    stages), so half of 2 x stages layers.
+    """
     if stages > 1:
         s["model.n_layer"], s["model.moe_first_dense"] = str(2 * stages), str(stages)
     else:
@@ -338,9 +350,11 @@ def _draw_dims(rng: random.Random, s: dict, heads_div: int, layers_div: int) -> 
 
 
 def _draw_training(rng: random.Random, s: dict, ways: int) -> int:
-    """Accumulation, remat, and a global batch every data split divides: mostly the smallest (>= 8), one case in
-    four twice or three times that, so that a microbatch holds more than one row per way (a batch-shaped input split
-    the wrong way hid there: docs/fuzz.md); returns the divisor."""
+    """Accumulation, remat, and a global batch every data split divides.
+
+    Mostly the smallest (>= 8), one case in four twice or three times that, so that a microbatch holds more than one
+    row per way (a batch-shaped input split the wrong way hid there: docs/fuzz.md); returns the divisor.
+    """
     micro = _pick(rng, {1: 6, 2: 4, 4: 1})
     if micro > 1:
         s["train.microbatches"] = str(micro)
@@ -353,9 +367,11 @@ def _draw_training(rng: random.Random, s: dict, ways: int) -> int:
 
 
 def _draw_data(rng: random.Random, s: dict, need: int, documents: bool, buckets: bool) -> None:
-    """How the batches are made (the fuzzer's data has short documents, fuzz_run.py): documents kept apart,
-    length buckets, or a batch-size ramp-up, each with sizes every split divides (`need`: rows per data way and
-    microbatch)."""
+    """How the batches are made (the fuzzer's data has short documents, fuzz_run.py).
+
+    Documents kept apart, length buckets, or a batch-size ramp-up, each with sizes every split divides (`need`: rows
+    per data way and microbatch).
+    """
     if documents and rng.random() < 0.15:
         s["data.document_mask"] = "true"
     kind = _pick(rng, {"windows": 8, "buckets": 1 if buckets else 0, "ramp": 1})

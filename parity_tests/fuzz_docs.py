@@ -1,6 +1,8 @@
-"""What the docs say of the fuzzer's cases (parity_tests/fuzz_cases.py): PROMISES and DOCUMENTED_REFUSALS are
-the docs' own words, kept as a small table; a refusal that no DOCUMENTED_REFUSALS line explains is a failure of
-the case (the docs promise it works)."""
+"""What the docs say of the fuzzer's cases (parity_tests/fuzz_cases.py).
+
+PROMISES and DOCUMENTED_REFUSALS are the docs' own words, kept as a small table; a refusal that no DOCUMENTED_REFUSALS
+line explains is a failure of the case (the docs promise it works).
+"""
 from __future__ import annotations
 
 from parity_tests.fuzz_cases import BASE, Case
@@ -38,7 +40,8 @@ PROMISES = (
      "docs/torchpar.md 'Gradient compression' (ddp bf16 and powersgd, fsdp and deepspeed bf16; jaxpar both on dp, "
      "fsdp and tp meshes)"),
     ("mixture of experts", lambda c: "model.moe_experts" in dict(c.settings),
-     "docs/architecture.md 'Mixture of experts': ep composes with dp, fsdp, tp, sp and the pipeline schedules; torchpar runs it on "
+     "docs/architecture.md 'Mixture of experts': ep composes with dp, fsdp, tp, sp and the pipeline schedules; "
+     "torchpar runs it on "
      "none/ddp/fsdp/deepspeed/pipeline, split over ep under ddp (docs/torchpar.md ddp and pipeline bullets)"),
     ("multi-token prediction", lambda c: "model.mtp_depth" in dict(c.settings),
      "docs/architecture.md 'Multi-token prediction': every layout, every schedule of a jaxpar pipeline, "
@@ -76,10 +79,13 @@ def invalid_config(c: Case) -> bool:
 
 
 def indivisible(c: Case) -> bool:
-    """Sizes the layout does not divide: heads by tp (x sp for Ulysses), the batch per microbatch by the data
-    ways (x pipeline microbatches), the sequence by sp (2 sp with zig-zag), layers by stages x virtual stages,
-    pipeline microbatches by the schedule's rules."""
-    g = lambda key, default: int(c.get(key, default))  # noqa: E731
+    """Sizes the layout does not divide.
+
+    Heads by tp (x sp for Ulysses), the batch per microbatch by the data ways (x pipeline microbatches), the
+    sequence by sp (2 sp with zig-zag), layers by stages x virtual stages, pipeline microbatches by the schedule's
+    rules.
+    """
+    g = lambda key, default: int(c.get(key, default))
     m, micro, heads = c.mesh(), g("train.global_batch_size", 8) // g("train.microbatches", 1), g("model.n_head", 4)
     ways = m["dp"] * m["fsdp"] * m["ep"] if c.side == "jax" or c.backend == "pipeline" else max(c.world, 1)
     bad = heads % m["tp"] or micro % ways
@@ -91,7 +97,8 @@ def indivisible(c: Case) -> bool:
         S, V, schedule = m["pp"], g("parallel.pipeline_virtual_stages", 1), c.get("parallel.pipeline_schedule", "auto")
         V = 2 if schedule in ("zb_v", "dualpipev") else 1 if schedule == "auto" else V  # auto: refused as gpipe (V 1)
         M = g("parallel.pipeline_microbatches", 0) or 2 * S
-        bad = bad or g("model.n_layer", 2) % (S * V) or micro % (M * ways) or (schedule not in GPIPE_RUNS and M < S) or (
+        bad = bad or g("model.n_layer", 2) % (S * V) or micro % (M * ways) or (
+            schedule not in GPIPE_RUNS and M < S) or (
             schedule == "dualpipev" and M < 2 * S) or (
             schedule == "interleaved" and M % S)
     return bool(bad)
@@ -134,7 +141,8 @@ DOCUMENTED_REFUSALS = (
      lambda c: c.get("parallel.grad_compression", "none") != "none" and (
          (c.side == "jax" and c.mesh()["sp"] > 1) or
          (c.side == "jax" and c.mesh()["pp"] > 1 and c.get("parallel.pipeline_schedule", "auto") not in (
-             "gpipe", "auto") and (c.mesh()["fsdp"] > 1 or c.mesh()["dp"] > 1 and c.get("parallel.zero_stage") == "3")) or
+             "gpipe", "auto") and (c.mesh()["fsdp"] > 1 or
+                                   c.mesh()["dp"] > 1 and c.get("parallel.zero_stage") == "3")) or
          (c.get("parallel.grad_compression") == "powersgd" and c.side == "torch" and c.backend != "ddp"))),
     ("docs/torchpar.md: offload needs --backend fsdp or deepspeed",
      lambda c: c.side == "torch" and c.backend not in ("fsdp", "deepspeed") and "parallel.offload" in

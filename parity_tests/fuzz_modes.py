@@ -1,6 +1,7 @@
-"""The hierarchy of the layout fuzzer's cases (parity_tests/fuzz_cases.py draws them): which keys each mode owns,
-and `normalize`, which drops the keys of the modes a case (a fuzz_cases.Case) no longer runs -- what the
-hierarchical draw would not have set: the shrinker's normal form.
+"""The hierarchy of the layout fuzzer's cases (parity_tests/fuzz_cases.py draws them).
+
+Which keys each mode owns, and `normalize`, which drops the keys of the modes a case (a fuzz_cases.Case) no longer runs
+-- what the hierarchical draw would not have set: the shrinker's normal form.
 """
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""Multi-token prediction in the layout fuzzer's cases (parity_tests/fuzz_cases.py draws them through `with_mtp`):
-one or two depths, now and then another loss weight, in a share of the cases whose run takes model.mtp_depth."""
+"""Multi-token prediction in the layout fuzzer's cases (parity_tests/fuzz_cases.py draws them through `with_mtp`).
+
+One or two depths, now and then another loss weight, in a share of the cases whose run takes model.mtp_depth.
+"""
 from __future__ import annotations
 
 import random
@@ -15,9 +17,11 @@ TORCH_PIPELINE = ("auto", "gpipe", "1f1b", "interleaved")
 
 
 def runs_mtp(case) -> bool:
-    """Whether the case's run takes model.mtp_depth: every jaxpar pipeline schedule does, torchpar's pipeline
-    backend with gpipe, 1f1b or interleaved, but pp x fsdp; model.linear=sketched does not (docs/architecture.md
-    'Multi-token prediction')."""
+    """Whether the case's run takes model.mtp_depth.
+
+    Every jaxpar pipeline schedule does, torchpar's pipeline backend with gpipe, 1f1b or interleaved, but pp x fsdp;
+    model.linear=sketched does not (docs/architecture.md 'Multi-token prediction').
+    """
     if case.get("model.linear") == "sketched":
         return False
     if case.side == "jax" or case.backend != "pipeline":
@@ -27,8 +31,11 @@ def runs_mtp(case) -> bool:
 
 
 def with_mtp(case):
-    """The case with multi-token prediction in a share of those that run it, drawn from the case's own spec (as
-    fuzz_cases.with_routing): the cases a seed drew before stay what they were, but for these keys."""
+    """The case with multi-token prediction, in a share of the cases that can run it.
+
+    Drawn from the case's own spec (as fuzz_cases.with_routing): the cases a seed drew before stay what they were,
+    but for these keys.
+    """
     rng = random.Random(zlib.crc32(b"mtp " + case.spec.encode()))
     if rng.random() >= MTP_SHARE or not runs_mtp(case):
         return case

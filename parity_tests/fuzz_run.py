@@ -1,7 +1,9 @@
-"""Running one fuzz case: its trainer run (jaxpar in this process, torchpar as torchrun subprocesses), the
-one-device jaxpar reference, and the comparison (parity_tests/compare.py) -- in a worker process that keeps
-jax started and survives a case that kills it. The cases themselves: parity_tests/fuzz_cases.py; the CLI,
-the shrinker and the regressions: parity_tests/fuzz.py."""
+"""Running one fuzz case.
+
+Its trainer run (jaxpar in this process, torchpar as torchrun subprocesses), the one-device jaxpar reference, and the
+comparison (parity_tests/compare.py) -- in a worker process that keeps jax started and survives a case that kills it.
+The cases themselves: parity_tests/fuzz_cases.py; the CLI, the shrinker and the regressions: parity_tests/fuzz.py.
+"""
 from __future__ import annotations
 
 import hashlib
@@ -36,9 +38,11 @@ class Outcome:
         return self.kind in ("differs", "error", "refused-promised")
 
     def same_failure(self, other: "Outcome") -> bool:
-        """What the shrinker keeps: the same kind, and for errors the same first word (exception type, or
-        the dead process)."""
-        first = lambda o: o.detail.split(":", 1)[0] if o.kind == "error" else ""  # noqa: E731
+        """What the shrinker keeps.
+
+        The same kind, and for errors the same first word (exception type, or the dead process).
+        """
+        first = lambda o: o.detail.split(":", 1)[0] if o.kind == "error" else ""
         return self.kind == other.kind and first(self) == first(other)
 
 
@@ -231,9 +235,11 @@ class Fuzzer:
 
 
 class Worker:
-    """Runs each case in a child process that keeps jax started (and the reference runs cached) from case to
-    case. A case that kills it -- an XLA abort, a deadlocked collective -- or outlasts the timeout is an
-    `error` holding the child's last output, and a fresh child takes the next case: a sweep survives."""
+    """Runs each case in a child process that keeps jax started (and the reference runs cached) from case to case.
+
+    A case that kills it -- an XLA abort, a deadlocked collective -- or outlasts the timeout is an `error` holding
+    the child's last output, and a fresh child takes the next case: a sweep survives.
+    """
 
     def __init__(self, workdir: str, timeout: int = TIMEOUT_S):
         self.workdir, self.timeout, self.proc = workdir, timeout, None

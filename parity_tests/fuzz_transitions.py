@@ -26,8 +26,8 @@ SEP = " | "
 # what a second leg may change beside its layout (the first leg keeps BASE's)
 CHANGES = {"train.steps": ("2", "4", "5"), "optim.lr": ("1e-3", "5e-3"), "optim.warmup_steps": ("1", "2", "4"),
            "checkpoint.every": ("1", "2"), "train.microbatches": ("1", "2", "4")}
-KEPT = ("model.", "data.", "train.global_batch_size", "train.batch_rampup", "train.tokens_per_batch", "train.microbatches",
-           "train.scan_layers", "train.seed", "optim.eps", "optim.min_lr")
+KEPT = ("model.", "data.", "train.global_batch_size", "train.batch_rampup", "train.tokens_per_batch",
+        "train.microbatches", "train.scan_layers", "train.seed", "optim.eps", "optim.min_lr")
 
 
 @dataclass(frozen=True)
@@ -115,8 +115,11 @@ def _check_torch(cfg, case: Case) -> None:
 
 
 def _layout_for(rng: random.Random, first: Case, side: str, keep, tries: int = 60) -> Case | None:
-    """A layout of `side` (and its parallel settings) for the first leg's model and data, drawn until one fits
-    (`keep(candidate)` says which layouts count: another mesh, another backend, another world size)."""
+    """A layout of `side` for the first leg's model and data, drawn until one fits.
+
+    The layout comes with its parallel settings; `keep(candidate)` says which layouts count: another mesh, another
+    backend, another world size.
+    """
     shared = _shared(first)
     for _ in range(tries):
         drawn = draw_jax(rng) if side == "jax" else draw_torch(rng)
@@ -124,14 +127,18 @@ def _layout_for(rng: random.Random, first: Case, side: str, keep, tries: int = 6
         cand = normalize(Case(side, drawn.layout, tuple(sorted({**shared, **parallel}.items()))))
         # a layout whose run would not consume one of the model's keys (fsdp and deepspeed refuse the balance bias)
         # is another model: not a transition of this one
-        if keep(cand) and _shared(cand) == shared and _valid(cand) and not documented_refusal(cand) and _resumable(cand):
+        if (keep(cand) and _shared(cand) == shared and _valid(cand) and not documented_refusal(cand)
+                and _resumable(cand)):
             return cand
     return None
 
 
 def _resumable(case: Case) -> bool:
-    """A leg the trainer runs as the fresh case's numbers: no bf16 wire (the fuzzer widens it to float32 in-process
-    only; a trainer's leg rounds the gradients, seed 44001 case 22)."""
+    """A leg the trainer runs as the fresh case's numbers.
+
+    No bf16 wire (the fuzzer widens it to float32 in-process only; a trainer's leg rounds the gradients, seed 44001
+    case 22).
+    """
     return case.get("parallel.grad_compression") != "bf16"
 
 
@@ -235,8 +242,11 @@ def _reference(fuzzer, t: Transition):
 
 
 def _joined_run(fuzzer, t: Transition):
-    """Both legs with the real trainers (subprocesses), the second resuming the first's run directory (or its
-    conversion to the other framework): the trajectory of all steps and the final parameters."""
+    """Run both legs with the real trainers and return the trajectory of all steps and the final parameters.
+
+    The trainers run as subprocesses, the second resuming the first's run directory (or its conversion to the other
+    framework).
+    """
     from safetensors.numpy import load_file
 
     from parity_tests.fuzz_run import Trajectory
@@ -286,8 +296,11 @@ def _leg(fuzzer, case: Case, run_dir: str, extra: list[str], fault: dict, saved:
 
 
 def _convert(fuzzer, first: Case, then: Case, src: str, dst: str) -> None:
-    """The whole training state into the other framework's run directory (jaxpar.tools.convert, one command; a
-    DeepSpeed run of the second leg's ZeRO stage where it runs DeepSpeed)."""
+    """Convert the whole training state into the other framework's run directory.
+
+    One jaxpar.tools.convert command; the result is a DeepSpeed run of the second leg's ZeRO stage where that leg runs
+    DeepSpeed.
+    """
     from jaxpar.core.errors import UserError
     from parity_tests.fuzz_run import error_lines
 
@@ -302,9 +315,11 @@ def _convert(fuzzer, first: Case, then: Case, src: str, dst: str) -> None:
 
 
 def candidates(t: Transition):
-    """Simpler transitions, the biggest simplifications first: no layout change, then each changed key kept as
-    the first leg had it, then each shared setting dropped from both legs (the fuzz case's own shrinker does the
-    rest on a fresh case)."""
+    """Simpler transitions, the biggest simplifications first.
+
+    No layout change, then each changed key kept as the first leg had it, then each shared setting dropped from both
+    legs (the fuzz case's own shrinker does the rest on a fresh case).
+    """
     if t.then.layout != t.first.layout or t.then.side != t.first.side:
         parallel = tuple((k, v) for k, v in t.first.settings if k.startswith("parallel."))
         rest = tuple((k, v) for k, v in t.then.settings if not k.startswith("parallel."))
@@ -316,5 +331,5 @@ def candidates(t: Transition):
             yield Transition(t.first, t.at, t.then.with_settings(tuple(sorted(kept))))
     for k, v in t.first.settings:
         if t.then.get(k) == v:
-            drop = lambda c: normalize(c.with_settings(tuple(kv for kv in c.settings if kv[0] != k)))  # noqa: E731
+            drop = lambda c: normalize(c.with_settings(tuple(kv for kv in c.settings if kv[0] != k)))
             yield Transition(drop(t.first), t.at, drop(t.then))

@@ -27,7 +27,8 @@ AS_FLOAT32 = ("model.compute_dtype=float32",)
 # accelerator with float16 (refused on CPU, tests/torchpar/test_torchpar.py), pipeline refuses float16
 FLOAT16_SIDES = ("jax:dp=8", "jax:fsdp=8", "jax:dp=2,tp=4", "torch:none", "torch:ddp", "torch:fsdp")
 VARIANTS = ("mla", "dilated", "sketched", "llama")  # model variants and families (configs/parity/<name>.yaml)
-EXPERTS = ("moe", "mla_moe", "deepseek_v3")  # mixtures of experts: every side but torchpar's pipeline (not in the matrix)
+# mixtures of experts: every side but torchpar's pipeline (not in the matrix)
+EXPERTS = ("moe", "mla_moe", "deepseek_v3")
 DENSE_SIDES = tuple(s for s in SIDES if "ep=" not in s)  # ep shards experts: a dense model refuses it
 
 
@@ -59,7 +60,8 @@ def cases(full: bool = False) -> list[Case]:
         out += [Case("float16", s, REFERENCE) for s in FLOAT16_SIDES]
         out += [Case("packed", s, REFERENCE) for s in DENSE_SIDES if s not in (REFERENCE, "torch:pp=2")]
         out += [Case("sft", s, REFERENCE) for s in DENSE_SIDES if s != REFERENCE]
-        out += [Case(c, s, REFERENCE) for c in ("rampup", "buckets") for s in DENSE_SIDES if s not in (REFERENCE, "torch:pp=2")]
+        out += [Case(c, s, REFERENCE) for c in ("rampup", "buckets")
+                for s in DENSE_SIDES if s not in (REFERENCE, "torch:pp=2")]
         out += [Case("compressed", s, "jax:dp=2,tp=4") for s in ("jax:dp=8", "jax:fsdp=8", "torch:ddp", "torch:fsdp",
                                                                  "torch:zero2", "torch:zero3")]
         return out + [Case("bfloat16", s, s, AS_FLOAT32) for s in DENSE_SIDES]

@@ -1,4 +1,4 @@
-"""python -m parity_tests.report --out docs/parity-report [--full] [--device cpu|gpu] [--steps K]
+"""python -m parity_tests.report --out docs/parity-report [--full] [--device cpu|gpu] [--steps K].
 
 Runs the parity selection (the default one, or every config x layout/backend with --full) and writes
 <out>/report.md (maximum deviations per config x side, against the reference each is checked

@@ -108,8 +108,11 @@ class Runner:
         return text
 
     def dataset(self, kind: str = "tokens") -> str:
-        """The synthetic token file of a kind: tokens, documents (short packed documents, for
-        data.document_mask), or sft (prompt/completion records with a loss mask, packed for seq_len 16)."""
+        """The synthetic token file of a kind.
+
+        Tokens, documents (short packed documents, for data.document_mask), or sft (prompt/completion records
+        with a loss mask, packed for seq_len 16).
+        """
         if kind not in self._datasets:
             os.makedirs(self.workdir, exist_ok=True)
             path = os.path.join(self.workdir, f"{kind}.bin")
@@ -175,7 +178,7 @@ class Runner:
         steps = range(1, self.steps + 1)
         if sorted(records) != list(steps):
             pytest.fail(f"{config} on {side}: logged steps {sorted(records)[:5]}..., expected 1..{self.steps}")
-        value = lambda v: float("nan") if v is None else float(v)  # noqa: E731 - null: a non-finite (float16) step
+        value = lambda v: float("nan") if v is None else float(v)  # null: a non-finite (float16) step
         run = Run(side, config, *([value(records[s][k]) for s in steps] for k in ("loss", "grad_norm", "lr")),
                   params=load_file(final), seconds=seconds)
         self.cache[key] = run

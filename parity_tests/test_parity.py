@@ -1,5 +1,7 @@
-"""jaxpar and torchpar compute the same training run: same reference config, initial weights and
-batches -> the same per-step loss, gradient norm and lr, and the same final parameters.
+"""jaxpar and torchpar compute the same training run.
+
+Same reference config, initial weights and batches -> the same per-step loss, gradient norm and lr, and the same final
+parameters.
 
 Default selection: float32 on jaxpar dp=2,tp=4 and every torchpar backend; accum and remat on torchpar's
 one process; llama on torchpar's one process and pipeline; float16 on torchpar's one process; bfloat16 on
@@ -33,8 +35,10 @@ def test_parity(case, runner):
 
 
 def test_checker_reports_a_different_layernorm_epsilon(runner):
-    """torchpar with model.layernorm_eps=1e-3 (jaxpar keeps 1e-5): the suite fails, shows the loss table
-    and names a parameter."""
+    """torchpar with model.layernorm_eps=1e-3 (jaxpar keeps 1e-5).
+
+    The suite fails, shows the loss table and names a parameter.
+    """
     ref = _run(runner, "float32", REFERENCE)
     got = _run(runner, "float32", "torch:none", ["model.layernorm_eps=1e-3"])
     c = compare(got, ref, FLOAT32)
@@ -46,8 +50,10 @@ def test_checker_reports_a_different_layernorm_epsilon(runner):
 
 
 def test_checker_names_a_nudged_parameter(runner):
-    """One final weight of the torchpar run nudged by 1e-3: the step series still pass, the parameter
-    check fails and names exactly that tensor."""
+    """One final weight of the torchpar run nudged by 1e-3.
+
+    The step series still pass, the parameter check fails and names exactly that tensor.
+    """
     ref = _run(runner, "float32", REFERENCE)
     got = _run(runner, "float32", "torch:none")
     params = dict(got.params)
@@ -61,8 +67,11 @@ def test_checker_names_a_nudged_parameter(runner):
 
 
 def test_checker_reads_both_stacks_in_model_order():
-    """model.moe_first_dense's dense stack runs first: a nudge there is named before one in the experts' stack,
-    and each stack's attention key bias is held apart (its bound from the summed lr), not by the tensor bound."""
+    """model.moe_first_dense's dense stack runs first.
+
+    A nudge there is named before one in the experts' stack, and each stack's attention key bias is held apart (its
+    bound from the summed lr), not by the tensor bound.
+    """
     rng = np.random.default_rng(0)
     ref = {f"{stack}blocks.{n}": rng.normal(size=(2, 3, 4)).astype(np.float32)
            for stack in ("", "dense_") for n in ("attn.qkv.bias", "mlp.fc.kernel")}

@@ -15,9 +15,11 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _signal_handlers():
-    """A trainer run in-process sets SIGTERM/SIGINT handlers (stop_requests, then ignore_stop_requests): put the
-    test process's back, so later tests and the processes they start do not inherit them (an ignored SIGTERM
-    is inherited across exec)."""
+    """A trainer run in-process sets SIGTERM/SIGINT handlers (stop_requests, then ignore_stop_requests).
+
+    Put the test process's back, so later tests and the processes they start do not inherit them (an ignored SIGTERM
+    is inherited across exec).
+    """
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     yield
     for sig, handler in saved.items():

@@ -1,5 +1,8 @@
-"""Test support shared by tests/ and parity_tests/: tiny configs and data, in-process training runs,
-trainer subprocesses (each in its own session, checked for aborts and leftovers), metrics.jsonl."""
+"""Test support shared by tests/ and parity_tests/.
+
+Tiny configs and data, in-process training runs, trainer subprocesses (each in its own session, checked for aborts and
+leftovers), metrics.jsonl.
+"""
 from __future__ import annotations
 
 import json
@@ -28,8 +31,11 @@ def tiny_config(*overrides: str):
 
 
 def make_dataset(path, n_tokens: int = 40_000, seed: int = 0, document_length: int = 0) -> str:
-    """Random text with structure (a noisy repeating pattern) so losses move. `document_length` > 0: packed
-    documents of 1 to 2x that many tokens, each after an end-of-document token (0, the byte tokenizer's)."""
+    """Random text with structure (a noisy repeating pattern) so losses move.
+
+    `document_length` > 0: packed documents of 1 to 2x that many tokens, each after an end-of-document token (0, the
+    byte tokenizer's).
+    """
     rng = np.random.default_rng(seed)
     base = np.tile(np.frombuffer(b"def f(x):\n    return x + 1\n", np.uint8), n_tokens // 27 + 1)[:n_tokens]
     noise = rng.integers(0, 256, n_tokens)
@@ -41,15 +47,18 @@ def make_dataset(path, n_tokens: int = 40_000, seed: int = 0, document_length: i
 
 
 def make_sft_dataset(path, seq_len: int = 16, records: int = 300, seed: int = 0) -> str:
-    """Prompt/completion records of random lengths (1-12 and 1-16 bytes of make_dataset's pattern), prepared with
-    a loss mask and packed for data.seq_len=`seq_len` (the longest split): a batch's rows and microbatches hold
-    unequal numbers of counted targets."""
+    """Write a prepared, packed fine-tuning dataset of random prompt/completion records.
+
+    Prompt/completion records of random lengths (1-12 and 1-16 bytes of make_dataset's pattern), prepared with a loss
+    mask and packed for data.seq_len=`seq_len` (the longest split): a batch's rows and microbatches hold unequal numbers
+    of counted targets.
+    """
     from jaxpar.core.data.packing import SftFields
     from jaxpar.core.data.tokens import prepare
 
     rng = np.random.default_rng(seed)
     text = "def f(x):\n    return x + 1\n" * 4
-    pick = lambda n: text[(s := int(rng.integers(0, 27))):s + int(rng.integers(1, n + 1))]  # noqa: E731
+    pick = lambda n: text[(s := int(rng.integers(0, 27))):s + int(rng.integers(1, n + 1))]
     lines = [json.dumps({"prompt": pick(12), "completion": pick(16)}) for _ in range(records)]
     corpus = f"{path}.jsonl"
     with open(corpus, "w") as f:
@@ -58,10 +67,12 @@ def make_sft_dataset(path, seq_len: int = 16, records: int = 300, seed: int = 0)
 
 
 def run_steps(cfg: Config, mesh: str, dataset: str, steps: int | None = None, devices=None, then=None) -> dict:
-    """K training steps of a config on a mesh, in-process, with the trainer's own layout, state, step and
-    data code: per-step loss / grad_norm / lr (lists of floats) and the final parameters (flat numpy).
-    `then=(k, cfg2)`: after k steps the same state goes on under cfg2 (its step, batches and train.steps) -- what a
-    resume with changed settings must compute, with no checkpoint in between (parity_tests/fuzz_transitions.py)."""
+    """K training steps of a config on a mesh, in-process, with the trainer's own layout, state, step and data code.
+
+    Per-step loss / grad_norm / lr (lists of floats) and the final parameters (flat numpy). `then=(k, cfg2)`: after
+    k steps the same state goes on under cfg2 (its step, batches and train.steps) -- what a resume with changed
+    settings must compute, with no checkpoint in between (parity_tests/fuzz_transitions.py).
+    """
     import dataclasses
 
     import jax
@@ -137,9 +148,12 @@ def run_cli(run_dir, dataset, *args, env=None, timeout=300, module="jaxpar.train
 
 
 def assert_resumes_exactly(tmp_path, dataset, args, kill_after: int) -> None:
-    """`python -m jaxpar.train *args` whole (tmp_path/full), and killed by SIGKILL after step `kill_after` then
-    resumed (tmp_path/k): every step equal in loss and gradient norm, bit for bit (the resumed run's records of
-    the steps it ran again replace the killed run's)."""
+    """Assert a jaxpar run killed by SIGKILL and resumed repeats the whole run bit for bit.
+
+    `python -m jaxpar.train *args` whole (tmp_path/full), and killed by SIGKILL after step `kill_after` then resumed
+    (tmp_path/k): every step equal in loss and gradient norm, bit for bit (the resumed run's records of the steps it ran
+    again replace the killed run's).
+    """
     full = run_cli(tmp_path / "full", dataset, *args)
     assert full.returncode == 0, full.stderr
     killed = run_cli(tmp_path / "k", dataset, *args, env={"JAXPAR_FAULT_KILL_AFTER_STEP": str(kill_after)})
@@ -158,8 +172,11 @@ def free_port() -> int:
 
 
 def deepspeed_cpu_has_float16() -> bool:
-    """What DeepSpeed's CPU accelerator asks before it runs float16 (oneDNN's float16 kernels, which depend on the
-    CPU's instruction set): where it says no, torchpar refuses float16 on --backend deepspeed in one line."""
+    """Whether DeepSpeed's CPU accelerator runs float16 on this machine.
+
+    What DeepSpeed's CPU accelerator asks before it runs float16 (oneDNN's float16 kernels, which depend on the CPU's
+    instruction set): where it says no, torchpar refuses float16 on --backend deepspeed in one line.
+    """
     import torch
 
     try:
@@ -171,7 +188,8 @@ def deepspeed_cpu_has_float16() -> bool:
 def torch_env(**extra) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    for key in ("TORCHPAR_FAULT_KILL_AFTER_STEP", "TORCHPAR_FAULT_SIGTERM_AFTER_STEP", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+    for key in ("TORCHPAR_FAULT_KILL_AFTER_STEP", "TORCHPAR_FAULT_SIGTERM_AFTER_STEP", "RANK", "WORLD_SIZE",
+                "LOCAL_RANK"):
         env.pop(key, None)
     return {**env, **extra}
 
@@ -210,8 +228,10 @@ def run_in_session(cmd: list[str], env: dict, timeout: int, what: str, cwd: str 
 
 
 def hf_oracle(model, path) -> tuple:
-    """A transformers model saved to `path`, with the answers both frameworks must give after `--from hf`: its
-    logits on two rows of 24 tokens and 12 greedy tokens after the first row's 8."""
+    """A transformers model saved to `path`, with the answers both frameworks must give after `--from hf`.
+
+    Its logits on two rows of 24 tokens and 12 greedy tokens after the first row's 8.
+    """
     import torch
     model.save_pretrained(path)
     tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 24))
@@ -222,8 +242,11 @@ def hf_oracle(model, path) -> tuple:
 
 
 def assert_both_frameworks_give_hf_answers(flat: dict, cfg, tokens, want, greedy, name: str) -> None:
-    """jaxpar and torchpar, from the converted weights `flat`, give `want`'s logits within 1e-5 of their scale
-    and the same greedy tokens (`hf_oracle`)."""
+    """Assert both frameworks reproduce Hugging Face's logits and greedy tokens from converted weights.
+
+    jaxpar and torchpar, from the converted weights `flat`, give `want`'s logits within 1e-5 of their scale and the same
+    greedy tokens (`hf_oracle`).
+    """
     import jax
     import jax.numpy as jnp
     import torch
@@ -255,8 +278,10 @@ def assert_both_frameworks_give_hf_answers(flat: dict, cfg, tokens, want, greedy
 
 
 def assert_hf_round_trip_through_a_jaxpar_run(oracle: tuple, tmp_path, model_class) -> None:
-    """`hf_oracle`'s model --from hf into a jaxpar run and --to hf back: every tensor bit for bit, and the export's
-    config.json loads into `model_class` giving the same logits."""
+    """`hf_oracle`'s model --from hf into a jaxpar run and --to hf back.
+
+    Every tensor bit for bit, and the export's config.json loads into `model_class` giving the same logits.
+    """
     import torch
     from safetensors.numpy import load_file
 

@@ -50,9 +50,11 @@ def complete_steps(ckpt_dir: str) -> list[int]:
 
 
 def filesystem_failure(e: BaseException, where: str) -> str | None:
-    """What the system said when a write under `where` failed, or None (not a filesystem failure). torch.save's
-    zip writer turns a failed write into a RuntimeError ('unexpected pos', after an 'iostream error' under
-    DeepSpeed) whose chain may not hold the OSError; nor does DCP's gather of the ranks' errors keep it."""
+    """What the system said when a write under `where` failed, or None (not a filesystem failure).
+
+    torch.save's zip writer turns a failed write into a RuntimeError ('unexpected pos', after an 'iostream error'
+    under DeepSpeed) whose chain may not hold the OSError; nor does DCP's gather of the ranks' errors keep it.
+    """
     chain = []
     while e is not None:
         chain.append(e)
@@ -68,9 +70,12 @@ def filesystem_failure(e: BaseException, where: str) -> str | None:
 
 @contextmanager
 def failing_save(step: int, partial: str, is_main: bool, last_complete):
-    """A save into `partial` that fails on the filesystem (DCP gathers every rank's error into one
-    CheckpointException, raised on every rank): `partial` removed, then one UserError naming the step and
-    `last_complete()`, the newest complete step (None: none). Any other error is a bug and keeps its traceback."""
+    """Turn a save into `partial` that fails on the filesystem into one UserError, the partial save removed.
+
+    DCP gathers every rank's error into one CheckpointException, raised on every rank. `partial` is removed, then one
+    UserError names the step and `last_complete()`, the newest complete step (None: none). Any other error is a bug
+    and keeps its traceback.
+    """
     try:
         yield
     except (Exception, CheckpointException) as e:
@@ -97,8 +102,11 @@ class DCPCheckpointer:
         self.own: set[int] = set()  # steps this run saved or restored: the only ones a save may find on disk
 
     def remove_partial_saves(self) -> None:
-        """The trainer, before its first restore: a `<step>.partial` is a save its run did not finish (killed,
-        disk full). Not for readers (generate): a live run's save in flight looks the same."""
+        """The trainer, before its first restore.
+
+        A `<step>.partial` is a save its run did not finish (killed, disk full). Not for readers (generate): a
+        live run's save in flight looks the same.
+        """
         if self.env.is_main and os.path.isdir(self.dir):
             for name in os.listdir(self.dir):
                 if name.endswith(".partial"):
@@ -110,8 +118,11 @@ class DCPCheckpointer:
         return state if self.views is None else self.views.views(state)
 
     def save(self, step: int, meta: dict) -> None:
-        """A DCP checkpoint of `step` (done already if this run saved or restored it: the final save right after a
-        periodic one); a step on disk that is not this run's is refused."""
+        """A DCP checkpoint of `step`.
+
+        Done already if this run saved or restored it (the final save right after a periodic one); a step on disk that
+        is not this run's is refused.
+        """
         final = os.path.join(self.dir, str(step))
         if step in self.own:
             return
@@ -137,8 +148,10 @@ class DCPCheckpointer:
         self.own.add(step)
 
     def _save_rank_state(self, folder: str) -> None:
-        """Every rank's own file, or a failure on every rank (no rank waits at the next barrier for one that
-        stopped): the failing rank's error, or an OSError naming another rank's."""
+        """Every rank's own file, or a failure on every rank (no rank waits at the next barrier for one that stopped).
+
+        The failing rank's error, or an OSError naming another rank's.
+        """
         error = None
         try:
             self.rank_state.save(folder)

@@ -1,5 +1,7 @@
-"""What torchpar refuses before a process group exists: one clear line, identical on every rank. `validate` is the
-one entry that runs them all (jaxpar/checks.py's `validate` is its twin)."""
+"""What torchpar refuses before a process group exists: one clear line, identical on every rank.
+
+`validate` is the one entry that runs them all (jaxpar/checks.py's `validate` is its twin).
+"""
 from __future__ import annotations
 
 import sys
@@ -20,10 +22,12 @@ from torchpar.dist import launch_env, launched
 
 
 def validate(cfg: Config, args) -> None:
-    """Everything torchpar refuses before a process group exists, identical on every rank, in this order: what the
-    backend and launch run (the config contract last), a launch without a launcher (check_launch), then run.dir and
-    what a resume may change (rank 0, from torchrun's or srun's adopted variables, says what changed). A line about
-    the launch comes after them all: a refused run says one line."""
+    """Everything torchpar refuses before a process group exists, identical on every rank, in this order.
+
+    What the backend and launch run (the config contract last), a launch without a launcher (check_launch), then
+    run.dir and what a resume may change (rank 0, from torchrun's or srun's adopted variables, says what changed). A
+    line about the launch comes after them all: a refused run says one line.
+    """
     check_backend_settings(cfg, args)
     note = check_launch(args)  # after the config's refusals: they stand however the run is launched
     check_run_dir_framework(cfg, "torchpar")
@@ -33,11 +37,14 @@ def validate(cfg: Config, args) -> None:
 
 
 def check_launch(args) -> str | None:
-    """A multi-process backend started as a plain process (no launcher's variables): None where a launcher started
-    it or the backend is none; the line saying that it runs as one process, where one process still means the
-    backend (ddp and fsdp compute the one-process run, DeepSpeed's ZeRO stages and offload run on one GPU, a
-    DeepSpeed checkpoint resumes on one rank); a refusal for the pipeline, whose stages are its processes (one
-    process is a pipeline of one stage: --backend none's run). --write-init writes from one process anyway."""
+    """A multi-process backend started as a plain process (no launcher's variables).
+
+    None where a launcher started it or the backend is none; the line saying that it runs as one process, where one
+    process still means the backend (ddp and fsdp compute the one-process run, DeepSpeed's ZeRO stages and offload
+    run on one GPU, a DeepSpeed checkpoint resumes on one rank); a refusal for the pipeline, whose stages are its
+    processes (one process is a pipeline of one stage: --backend none's run). --write-init writes from one process
+    anyway.
+    """
     if args.backend == "none" or launched() or getattr(args, "write_init", None):
         return None
     how = f"torchrun --nproc_per_node=N -m torchpar.train --backend {args.backend} ... (or srun, one task each)"
@@ -48,10 +55,13 @@ def check_launch(args) -> str | None:
 
 
 def resolve_schedule(cfg: Config, args):
-    """(cfg, the start-up line): parallel.pipeline_schedule=auto on --backend pipeline is the shared choice
-    (jaxpar/core/pipeline/choice.py) among the schedules torchpar runs for this config and launch (its refusals
-    below). torchpar's FLOPs figure is 1.00 for each: torch's schedules run every F, B (and W) once on real
-    microbatches, GPipe computes nothing in its idle ticks; so the least bubble wins, 1f1b before gpipe at a tie."""
+    """(cfg, the start-up line).
+
+    Parallel.pipeline_schedule=auto on --backend pipeline is the shared choice (jaxpar/core/pipeline/choice.py)
+    among the schedules torchpar runs for this config and launch (its refusals below). torchpar's FLOPs figure is
+    1.00 for each: torch's schedules run every F, B (and W) once on real microbatches, GPipe computes nothing in its
+    idle ticks; so the least bubble wins, 1f1b before gpipe at a tie.
+    """
     if args.backend != "pipeline":
         return cfg, None
     from torchpar.backends.pipeline import pipeline_sizes  # deferred: pipelining, FSDP (~1 s): pipeline backend
@@ -69,8 +79,8 @@ def check_backend_settings(cfg: Config, args) -> None:
     check_expert_parallel(cfg, args.backend, world)
     check_trackers(cfg)
     if cfg.train.sample_every and args.backend not in ("none", "ddp"):
-        raise UserError(f"train.sample_every needs the whole model on rank 0: --backend none or ddp, not {args.backend} "
-                        "(sample from a checkpoint with python -m torchpar.generate)")
+        raise UserError("train.sample_every needs the whole model on rank 0: --backend none or ddp, "
+                        f"not {args.backend} (sample from a checkpoint with python -m torchpar.generate)")
     if args.backend == "ddp" and cfg.parallel.zero_stage:
         raise UserError(f"parallel.zero_stage={cfg.parallel.zero_stage} needs --backend deepspeed or fsdp "
                         "(ddp is ZeRO-0)")
@@ -110,8 +120,10 @@ def check_backend_settings(cfg: Config, args) -> None:
 
 
 def check_expert_parallel(cfg: Config, backend: str, world: int) -> None:
-    """parallel.mesh's ep (ddp alone runs it; check_torch_mesh refuses it elsewhere): what its exchange and the
-    experts' replicas (torchpar/backends/experts.py) do not run beside."""
+    """parallel.mesh's ep (ddp alone runs it; check_torch_mesh refuses it elsewhere).
+
+    What its exchange and the experts' replicas (torchpar/backends/experts.py) do not run beside.
+    """
     if backend != "ddp" or not cfg.parallel.mesh:
         return
     ep = resolve_sizes(parse_mesh(cfg.parallel.mesh), world)["ep"]

@@ -1,5 +1,7 @@
-"""One sampled train step's time in collectives per mesh axis, from a torch.profiler trace (jaxpar/core/run/stragglers.py's
-CommShare asks for it once per run start; jaxpar/comm.py is jax's counterpart, the same names and meaning).
+"""One sampled train step's time in collectives per mesh axis, from a torch.profiler trace.
+
+jaxpar/core/run/stragglers.py's CommShare asks for it once per run start; jaxpar/comm.py is jax's counterpart, the
+same names and meaning.
 
 A collective is gloo's own span (`gloo:all_reduce`, enqueued to completed) on the CPU, an NCCL kernel on a GPU. Neither
 names its process group, so each kind is counted under the axis the backend runs that kind on: all-gather and
@@ -47,8 +49,11 @@ def kind_axis(name: str, sizes: dict[str, int]) -> str | None:
 
 @contextlib.contextmanager
 def kineto_quiet():
-    """Kineto writes a line to fd 2 at every profiler start and stop ('USDT: ... profiler_start') whatever its log
-    level: not for the console. Python's own stderr is flushed first and restored after."""
+    """Kineto writes a line to fd 2 at every profiler start and stop ('USDT: ...
+
+    profiler_start') whatever its log level: not for the console. Python's own stderr is flushed first and restored
+    after.
+    """
     sys.stderr.flush()
     saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     try:

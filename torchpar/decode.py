@@ -1,10 +1,12 @@
-"""Autoregressive decoding with a KV cache (the same algorithm as jaxpar/decode.py): the prompt fills
-the cache in one pass, then one token per step attends over the cache, masked by position. The model's
+"""Autoregressive decoding with a KV cache (the same algorithm as jaxpar/decode.py).
+
+The prompt fills the cache in one pass, then one token per step attends over the cache, masked by position. The model's
 own modules do everything but attention. Every family and variant: llama's cache holds its n_kv_head heads,
-model.attention=mla caches each token's latent (torchpar/models/mla.py), model.attention=dilated attends over
-its keys and values with its pairs' pattern (dilated.key_counts: the segments of a max_seq_len row). A model
-reading packed documents (Decoder.eod) keeps each cache slot's document and position: a token attends within
-its own document, positions restarting at each end-of-document token."""
+model.attention=mla caches each token's latent (torchpar/models/mla.py), model.attention=dilated attends over its keys
+and values with its pairs' pattern (dilated.key_counts: the segments of a max_seq_len row). A model reading packed
+documents (Decoder.eod) keeps each cache slot's document and position: a token attends within its own document,
+positions restarting at each end-of-document token.
+"""
 from __future__ import annotations
 
 import torch
@@ -18,8 +20,10 @@ from torchpar.ops import document_mask, document_positions
 
 
 def _empty_cache(model: Decoder, prompt: torch.Tensor, length: int) -> list[tuple[torch.Tensor, ...]]:
-    """Per layer: MLA the latents [B, length, kv_latent + rope], the others keys and values [B, kv heads,
-    length, kv]."""
+    """An empty KV cache for `length` positions, per layer.
+
+    Per layer: MLA the latents [B, length, kv_latent + rope], the others keys and values [B, kv heads, length, kv].
+    """
     cfg, B = model.cfg, prompt.shape[0]
     if cfg.attention == "mla":
         shapes = [(B, length, cfg.kv_latent_dim + cfg.rope_head_dim)]
@@ -29,8 +33,10 @@ def _empty_cache(model: Decoder, prompt: torch.Tensor, length: int) -> list[tupl
 
 
 def _attend(attn, cfg, x, positions, start: int, cache, mask=None):
-    """One layer's attention of x (the tokens at `positions`) over its cache, x's own entries written in first;
-    `mask` [B, 1, T, length] for packed documents (_where), else by position."""
+    """One layer's attention of x (the tokens at `positions`) over its cache, x's own entries written in first.
+
+    `mask` [B, 1, T, length] for packed documents (_where), else by position.
+    """
     at = slice(start, start + x.shape[1])
     if cfg.attention == "mla":
         q, latent = attn.project_q_latent(x, positions)
@@ -50,8 +56,11 @@ def _attend(attn, cfg, x, positions, start: int, cache, mask=None):
 
 
 def _where(model: Decoder, tokens, start: int, slots):
-    """(positions, attention mask or None) of tokens written at cache slot `start`; with packed documents the slots
-    ([B, length] positions and segments, an empty slot's segment -1) get theirs, continuing slot start-1's."""
+    """(positions, attention mask or None) of tokens written at cache slot `start`.
+
+    With packed documents the slots ([B, length] positions and segments, an empty slot's segment -1) get theirs,
+    continuing slot start-1's.
+    """
     if model.eod is None:
         return torch.arange(start, start + tokens.shape[1], device=tokens.device), None
     at = slice(start, start + tokens.shape[1])
@@ -72,8 +81,11 @@ def _forward(model: Decoder, tokens, start: int, cache, slots):
 
 
 def sample(logits, generator, temperature: float, top_k: int, top_p: float):
-    """One token per row of logits [B, vocab]: greedy at temperature 0, else from the tempered softmax
-    restricted to the top_k tokens (0: all) and to the smallest set holding top_p of the mass."""
+    """One token per row of logits [B, vocab].
+
+    Greedy at temperature 0, else from the tempered softmax restricted to the top_k tokens (0: all) and to the
+    smallest set holding top_p of the mass.
+    """
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits / temperature

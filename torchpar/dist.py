@@ -62,9 +62,11 @@ def first_host(nodelist: str) -> str:
 
 
 def adopt_slurm_env() -> None:
-    """`srun python -m torchpar.train` (one task per process, no torchrun): rank, world and local rank
-    from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, the master on the first node of the step; a
-    MASTER_ADDR or MASTER_PORT already set wins. Nothing changes under torchrun (it sets RANK)."""
+    """`srun python -m torchpar.train` (one task per process, no torchrun).
+
+    Rank, world and local rank from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, the master on the first node of the
+    step; a MASTER_ADDR or MASTER_PORT already set wins. Nothing changes under torchrun (it sets RANK).
+    """
     if "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) < 2:
         return
     os.environ.update(RANK=os.environ.get("SLURM_PROCID", "0"), WORLD_SIZE=os.environ["SLURM_NTASKS"],
@@ -75,8 +77,11 @@ def adopt_slurm_env() -> None:
 
 
 def launched() -> bool:
-    """Whether a launcher started this process as one of several: torchrun's or DeepSpeed's variables, or srun's
-    tasks, which adopt_slurm_env (called first) turns into torchrun's; not a plain `python -m` (nor one srun task)."""
+    """Whether a launcher started this process as one of several.
+
+    Torchrun's or DeepSpeed's variables, or srun's tasks, which adopt_slurm_env (called first) turns into
+    torchrun's; not a plain `python -m` (nor one srun task).
+    """
     return any(key in os.environ for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
@@ -106,8 +111,10 @@ def init(distributed: bool, peer_timeout_s: float) -> Env:
 
 
 def agent_store(timeout: timedelta) -> dist.Store | None:
-    """torchrun's shared store (module docstring) under this worker group's own prefix; None for any other
-    launcher (init_process_group then reads MASTER_ADDR and MASTER_PORT itself)."""
+    """torchrun's shared store (module docstring) under this worker group's own prefix.
+
+    None for any other launcher (init_process_group then reads MASTER_ADDR and MASTER_PORT itself).
+    """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     rank, world, _ = launch_env()
@@ -121,10 +128,12 @@ def agent_store(timeout: timedelta) -> dist.Store | None:
 
 
 def group_token(store: dist.Store, rank: int, world: int, timeout_s: float) -> str:
-    """A name that this worker group alone holds, agreed over a store that keeps earlier groups' keys (their
-    workers are gone: the agent stops them before it forms a new group). Rank 0 draws it and hands it to
-    each rank that asks with a fresh random key, until every rank has confirmed under the new name; an
-    earlier group's request is answered too, and no one reads that answer."""
+    """A name that this worker group alone holds, agreed over a store that keeps earlier groups' keys.
+
+    The earlier groups' workers are gone: the agent stops them before it forms a new group. Rank 0 draws the name and
+    hands it to each rank that asks with a fresh random key, until every rank has confirmed under the new name; an
+    earlier group's request is answered too, and no one reads that answer.
+    """
     if rank != 0:
         ask = uuid.uuid4().hex
         store.set(f"torchpar/ask/{rank}", ask)
@@ -162,8 +171,10 @@ def all_sum(values: list[float], env: Env) -> list[float]:
 
 
 def roll_call(env: Env, wait_s: float) -> list[int]:
-    """Each rank sets its key in the process group's store (torchrun's agent, or rank 0 without torchrun);
-    the ranks missing after `wait_s` (every other rank if the store itself is gone)."""
+    """Each rank sets its key in the process group's store (torchrun's agent, or rank 0 without torchrun).
+
+    The ranks missing after `wait_s` (every other rank if the store itself is gone).
+    """
     if not store_answers(min(10.0, wait_s)):
         return [r for r in range(env.world) if r != env.rank]
     store = dist.distributed_c10d._get_default_store()  # the group's own store: no public handle
@@ -173,8 +184,10 @@ def roll_call(env: Env, wait_s: float) -> list[int]:
 
 
 def store_answers(wait_s: float = 10.0) -> bool:
-    """Whether the store's server at MASTER_ADDR:MASTER_PORT still takes connections, asked with a plain socket:
-    a TCPStore call on a lost server (rank 0's, lost with its node) prints a page of C++ stack before it raises."""
+    """Whether the store's server at MASTER_ADDR:MASTER_PORT still takes connections, asked with a plain socket.
+
+    A TCPStore call on a lost server (rank 0's, lost with its node) prints a page of C++ stack before it raises.
+    """
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         return True  # one process: its store is in memory
     try:
@@ -193,15 +206,19 @@ _releases: list[Callable[[], None]] = []
 
 
 def before_teardown(release: Callable[[], None]) -> None:
-    """`release()` runs first in `teardown`, the last registered first: it drops what a library keeps of the
-    process groups. A release registered again runs once, in its first place."""
+    """`release()` runs first in `teardown`, the last registered first.
+
+    It drops what a library keeps of the process groups. A release registered again runs once, in its first place.
+    """
     if release not in _releases:
         _releases.append(release)
 
 
 def teardown() -> None:
-    """Destroy the process groups and free them now, their gloo threads joined, while the interpreter is
-    whole (module docstring). Safe to call again."""
+    """Destroy the process groups and free them now, while the interpreter is whole.
+
+    Their gloo threads are joined (module docstring). Safe to call again.
+    """
     try:
         while _releases:
             _releases.pop()()

@@ -1,5 +1,7 @@
-"""python -m torchpar.generate --run runs/torchpar/gpt2-tiny --prompt "def " [--max-new-tokens N
-    --temperature 0.8 --top-k 40 --top-p 0.95 --seed 0 --num-samples 1]
+"""Sample text from a trained torchpar model.
+
+    python -m torchpar.generate --run runs/torchpar/gpt2-tiny --prompt "def " [--max-new-tokens N
+        --temperature 0.8 --top-k 40 --top-p 0.95 --seed 0 --num-samples 1]
 
 Samples from a trained torchpar model: the latest checkpoint of a none / ddp / fsdp run (`--run`, loaded on
 one process: DCP reshards) or a shared-weights file (`--weights`, e.g. written by jaxpar). Decoding uses a

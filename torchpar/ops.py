@@ -1,6 +1,8 @@
-"""Model-free tensor functions the models and decoding use (jaxpar/ops.py's counterparts): causal attention on one
-device, within packed documents when asked, the documents' positions and ids (document_positions), and the
-projections' float8 matmul (model.float8, torchao's float8 training)."""
+"""Model-free tensor functions the models and decoding use (jaxpar/ops.py's counterparts).
+
+Causal attention on one device, within packed documents when asked, the documents' positions and ids
+(document_positions), and the projections' float8 matmul (model.float8, torchao's float8 training).
+"""
 from __future__ import annotations
 
 import functools
@@ -14,17 +16,21 @@ from jaxpar.core.errors import quiet_logs
 
 
 def document_positions(tokens: torch.Tensor, eod: int, segment=0, position=0):
-    """(positions, segments) [B, T] of rows of packed documents, as jaxpar/ops.py `document_positions`: a document starts
-    at each `eod` token, its positions count from 0 there, its segment id is the previous one's plus one; a row's
-    first tokens continue document `segment` from `position` (ints or [B, 1])."""
+    """(positions, segments) [B, T] of rows of packed documents, as jaxpar/ops.py `document_positions`.
+
+    A document starts at each `eod` token, its positions count from 0 there, its segment id is the previous one's
+    plus one; a row's first tokens continue document `segment` from `position` (ints or [B, 1]).
+    """
     starts, idx = tokens == eod, torch.arange(tokens.shape[1], device=tokens.device)
     last_start = torch.cummax(torch.where(starts, idx, -1), dim=1).values
     return torch.where(last_start >= 0, idx - last_start, position + idx), segment + torch.cumsum(starts, dim=1)
 
 
 def document_mask(positions, segments, k_positions=None, k_segments=None) -> torch.Tensor:
-    """[B, 1, T, K] bool, True where a query attends to a key: at or before it in its own document (keys: the
-    queries themselves, or a cache's)."""
+    """[B, 1, T, K] bool, True where a query attends to a key.
+
+    At or before it in its own document (keys: the queries themselves, or a cache's).
+    """
     k_positions = positions if k_positions is None else k_positions
     k_segments = segments if k_segments is None else k_segments
     mask = (positions[:, :, None] >= k_positions[:, None, :]) & (segments[:, :, None] == k_segments[:, None, :])
@@ -61,15 +67,21 @@ def _torchao_float8() -> dict:
 
 
 def _whole_batch() -> bool:
-    """Whether a tensor's scale takes its largest magnitude over every rank's batch (all_reduce MAX): in a training
-    step of a group, so that a layout picks one process's scales (jaxpar's amax is the whole array's). Not under
-    no_grad -- evaluation, and decoding, which rank 0 alone runs: there each rank's own (torchao's default)."""
+    """Whether a tensor's scale takes its largest magnitude over every rank's batch (all_reduce MAX).
+
+    In a training step of a group, so that a layout picks one process's scales (jaxpar's amax is the whole array's).
+    Not under no_grad -- evaluation, and decoding, which rank 0 alone runs: there each rank's own (torchao's
+    default).
+    """
     return torch.is_grad_enabled() and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 class _GradToFloat8(torch.autograd.Function):
-    """Forward: y itself. Backward: its gradient cast to e5m2 once, for both of the matmul's backward products
-    (torchao's NoopFwToFloat8BwDynamic, with the amax reduced over the group when asked)."""
+    """Forward: y itself.
+
+    Backward: its gradient cast to e5m2 once, for both of the matmul's backward products (torchao's
+    NoopFwToFloat8BwDynamic, with the amax reduced over the group when asked).
+    """
 
     @staticmethod
     def forward(ctx, y, reduce: bool):
@@ -84,8 +96,11 @@ class _GradToFloat8(torch.autograd.Function):
 
 
 def float8_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [tokens, in] @ w [in, out] in float8: both cast here (x's amax over the batch, w's over the whole
-    weight -- FSDP2 has gathered it), so the matmul's backward reuses these float8 copies (jaxpar's saved ones)."""
+    """x [tokens, in] @ w [in, out] in float8.
+
+    Both cast here (x's amax over the batch, w's over the whole weight -- FSDP2 has gathered it), so the matmul's
+    backward reuses these float8 copies (jaxpar's saved ones).
+    """
     f, reduce = _torchao_float8(), _whole_batch()
     x8 = f["cast"](x, torch.float8_e4m3fn, f["mm"], reduce_amax=reduce, gemm_input_role=f["roles"].INPUT)
     w8 = f["cast"](w, torch.float8_e4m3fn, f["mm"], gemm_input_role=f["roles"].WEIGHT)
@@ -93,8 +108,11 @@ def float8_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def float8_einsum(equation: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """torch.einsum(equation, x, w) for a projection (x's leading dims kept, w's last ones produced, no batch dims
-    in w) as one float8_matmul: x's contracted dims moved last in w's order, flattened, and the output put back."""
+    """torch.einsum(equation, x, w) for a projection, computed as one float8_matmul.
+
+    A projection keeps x's leading dims and produces w's last ones, with no batch dims in w. x's contracted dims are
+    moved last in w's order and flattened, and the output is put back.
+    """
     (xs, ws), out = equation.replace(" ", "").split("->")[0].split(","), equation.split("->")[1].strip()
     summed = [c for c in ws if c in xs and c not in out]
     lead, made = [c for c in xs if c not in summed], [c for c in ws if c not in summed]

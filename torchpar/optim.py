@@ -1,6 +1,7 @@
-"""AdamW with jaxpar's weight-decay mask and learning-rate schedule (jaxpar.core.optimizer.lr_schedule.lr_at); with
-optim.name=muon, Muon (jaxpar/core/optimizer/muon.py) on the hidden matrices and that AdamW on the rest, one optimizer; with
-optim.name=adamw8bit, torchao's AdamW8bit (its moments in 8 bits: jaxpar/core/optimizer/adamw8bit.py).
+"""AdamW with jaxpar's weight-decay mask and learning-rate schedule (jaxpar.core.optimizer.lr_schedule.lr_at).
+
+With optim.name=muon, Muon (jaxpar/core/optimizer/muon.py) on the hidden matrices and that AdamW on the rest, one
+optimizer; with optim.name=adamw8bit, torchao's AdamW8bit (its moments in 8 bits: jaxpar/core/optimizer/adamw8bit.py).
 
 The config decides every hyperparameter, also on resume: a checkpoint's copy of them (torch's optimizer state
 holds each parameter group's betas, eps, weight decay and lr; a scheduler's state what it was built with) is
@@ -55,8 +56,10 @@ def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer
 
 
 def as_matrices(x: torch.Tensor, axes) -> torch.Tensor:
-    """`x` as its matrices [B, fan_in, fan_out]: the (reduction, output) axes made one matrix, every other axis a
-    batch axis (jaxpar/core/optimizer/muon.py)."""
+    """`x` as its matrices [B, fan_in, fan_out].
+
+    The (reduction, output) axes made one matrix, every other axis a batch axis (jaxpar/core/optimizer/muon.py).
+    """
     order = _order(x.ndim, axes)
     return x.permute(order).reshape(-1 if x.numel() else 0, *muon.fans(x.shape, axes))
 
@@ -90,10 +93,12 @@ def orthogonalize(x: torch.Tensor, axes, steps: int) -> torch.Tensor:
 
 
 class MuonAdamW(torch.optim.AdamW):
-    """Muon on the groups marked "muon", AdamW's own step on the others: one optimizer (one state dict, one DCP
-    checkpoint), and the AdamW parameters stepped exactly as under optim.name=adamw. The momentum is kept as the
-    parameter is (an FSDP2 shard); under FSDP2 each rank runs Newton-Schulz on a share of the whole matrices
-    (`orthogonalized`)."""
+    """Muon on the groups marked "muon", AdamW's own step on the others.
+
+    One optimizer (one state dict, one DCP checkpoint), and the AdamW parameters stepped exactly as under
+    optim.name=adamw. The momentum is kept as the parameter is (an FSDP2 shard); under FSDP2 each rank runs
+    Newton-Schulz on a share of the whole matrices (`orthogonalized`).
+    """
 
     def __init__(self, groups: list[dict], axes: dict, cfg: Config, **kwargs):
         super().__init__(groups, **kwargs)
@@ -132,12 +137,14 @@ class MuonAdamW(torch.optim.AdamW):
 
 
 def orthogonalized(updates: list, axes: list, steps: int) -> list:
-    """Each update's NS_k, laid out as the update is. FSDP2's shards (a band of rows of every matrix on each rank)
-    of the same matrix shape are stacked, padded with zero matrices to a multiple of the ranks and moved by
-    DTensor's redistribute to whole matrices, a share on each rank (an all-to-all; on gloo torch all-gathers and
-    keeps its chunk), and the result back the same way: each rank iterates on 1/ranks of the matrices rather than
-    on all of them. A shard of whole matrices (experts: Shard(0) on a batch axis) is iterated where it is; a tensor
-    FSDP2 did not shard, or any other layout, whole on every rank."""
+    """Each update's NS_k, laid out as the update is.
+
+    FSDP2's shards (a band of rows of every matrix on each rank) of the same matrix shape are stacked, padded with
+    zero matrices to a multiple of the ranks and moved by DTensor's redistribute to whole matrices, a share on each
+    rank (an all-to-all; on gloo torch all-gathers and keeps its chunk), and the result back the same way: each rank
+    iterates on 1/ranks of the matrices rather than on all of them. A shard of whole matrices (experts: Shard(0) on
+    a batch axis) is iterated where it is; a tensor FSDP2 did not shard, or any other layout, whole on every rank.
+    """
     out, groups = [None] * len(updates), defaultdict(list)
     for i, (u, a) in enumerate(zip(updates, axes)):
         how = _sharding(u, a)
@@ -154,8 +161,11 @@ def orthogonalized(updates: list, axes: list, steps: int) -> list:
 
 
 def _sharding(u: torch.Tensor, axes) -> str | None:
-    """"rows" where u is FSDP2's Shard(0) on the first reduction axis (replicated on any other mesh axis: HSDP),
-    "matrices" where dim 0 is a batch axis, None for any other tensor."""
+    """How the update u is sharded for Muon: "rows", "matrices" or None.
+
+    "rows" where u is FSDP2's Shard(0) on the first reduction axis (replicated on any other mesh axis: HSDP),
+    "matrices" where dim 0 is a batch axis, None for any other tensor.
+    """
     from torch.distributed.tensor import Shard  # deferred: DTensor on import keeps gloo alive at exit
 
     placements = getattr(u, "placements", ())
@@ -177,10 +187,13 @@ logging.getLogger("torch.distributed.tensor._collective_utils").addFilter(
 
 
 def _spread(updates: list, axes: list, steps: int) -> list:
-    """NS_k of row-sharded updates of one matrix shape and band: each rank a share of their matrices (see
-    orthogonalized). Zero rows pad each band and zero matrices the count: Newton-Schulz keeps both zero, and the
-    padding is dropped before it runs, so every matrix is iterated at its own shape."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard  # deferred: DTensor on import keeps gloo alive at exit
+    """NS_k of row-sharded updates of one matrix shape and band.
+
+    Each rank a share of their matrices (see orthogonalized). Zero rows pad each band and zero matrices the count:
+    Newton-Schulz keeps both zero, and the padding is dropped before it runs, so every matrix is iterated at its own
+    shape.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard  # deferred: on import, gloo stays alive at exit
 
     mesh, band, fan_in = updates[0].device_mesh, _band(updates[0], axes[0]), muon.fans(updates[0].shape, axes[0])[0]
     bands = [as_matrices(u.to_local(), a) for u, a in zip(updates, axes)]
@@ -230,22 +243,28 @@ def set_lr(optimizer, lr: float) -> None:
 
 
 def group_settings(optimizer) -> list[dict]:
-    """Each parameter group's settings as the optimizer was built (from the config), but its parameters and lr
-    (the schedule's)."""
+    """Each parameter group's settings as the optimizer was built (from the config).
+
+    All but its parameters and lr (the schedule's).
+    """
     return [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
 
 
 def put_back(optimizer, settings: list[dict]) -> None:
-    """After a checkpoint load (torch's Optimizer.load_state_dict replaces every group's settings with the saved
-    ones): the config's settings again, the restored moments and step counts kept."""
+    """After a checkpoint load (torch's Optimizer.load_state_dict replaces every group's settings with the saved ones).
+
+    The config's settings again, the restored moments and step counts kept.
+    """
     for group, own in zip(optimizer.param_groups, settings):
         group.update(own)
 
 
 class SharedLRSchedule(LRScheduler):
-    """The lr of the update at 0-based step s is lr_at(s): warmup + cosine, written once in jaxpar. Its state is
-    its position (updates applied so far) alone: the schedule is the config's, so a run resumed with other
-    optim.* or train.steps follows the new schedule from where it stood."""
+    """The lr of the update at 0-based step s is lr_at(s): warmup + cosine, written once in jaxpar.
+
+    Its state is its position (updates applied so far) alone: the schedule is the config's, so a run resumed with
+    other optim.* or train.steps follows the new schedule from where it stood.
+    """
     POSITION = ("last_epoch", "_step_count")
 
     def __init__(self, optimizer, cfg: Config, last_epoch: int = -1):
@@ -259,8 +278,10 @@ class SharedLRSchedule(LRScheduler):
         return {k: getattr(self, k) for k in self.POSITION}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """The saved position (a checkpoint written before this held the whole scheduler, its config too: only
-        the position is taken), and the lr there under this config."""
+        """Restore the saved position, and the lr there under this config.
+
+        Only the position is taken, also from a checkpoint that holds the whole scheduler, its config too.
+        """
         for k in self.POSITION:
             setattr(self, k, state_dict[k])
         self.apply()
@@ -272,10 +293,12 @@ class SharedLRSchedule(LRScheduler):
 
 
 def torchao_adamw8bit(groups: list[dict], compile_step: bool, **kwargs) -> torch.optim.Optimizer:
-    """torchao's AdamW8bit with jaxpar/core/optimizer/adamw8bit.py's block size, deciding which tensors hold 8-bit moments
-    on the whole parameter (torchao decides on this rank's FSDP shard, so a 2-way shard of a tensor at the size
-    limit would step differently from one process). Its step is compiled on a GPU only: on a CPU compiling each
-    parameter's step costs a minute and gains nothing at these sizes."""
+    """torchao's AdamW8bit with jaxpar/core/optimizer/adamw8bit.py's block size.
+
+    It decides which tensors hold 8-bit moments on the whole parameter (torchao decides on this rank's FSDP shard, so
+    a 2-way shard of a tensor at the size limit would step differently from one process). Its step is compiled on a
+    GPU only: on a CPU compiling each parameter's step costs far more than it gains at these sizes.
+    """
     from torch.distributed.tensor import DTensor  # deferred: DTensor on import keeps gloo alive at exit
 
     with quiet_logs("torchao", "torch.utils._pytree"):  # torchao's CUDA kernels it cannot load here: not ours to use
@@ -303,14 +326,18 @@ def torchao_adamw8bit(groups: list[dict], compile_step: bool, **kwargs) -> torch
 
 
 def holds_codes(p: torch.Tensor) -> bool:
-    """Whether adamw8bit keeps p's moments in 8 bits: the whole parameter's size decides, and this rank's shard
-    must be whole blocks."""
+    """Whether adamw8bit keeps p's moments in 8 bits.
+
+    The whole parameter's size decides, and this rank's shard must be whole blocks.
+    """
     return adamw8bit.quantized(p.numel()) and local(p).numel() % adamw8bit.BLOCK == 0
 
 
 def state_bytes(optimizer) -> int:
-    """The bytes of state this rank's optimizer holds once it has stepped (torch makes it at the first step):
-    AdamW's two float32 moments per element, Muon's one momentum, adamw8bit's two codes and their blocks' scales."""
+    """The bytes of state this rank's optimizer holds once it has stepped (torch makes it at the first step).
+
+    AdamW's two float32 moments per element, Muon's one momentum, adamw8bit's two codes and their blocks' scales.
+    """
     total = 0
     for group in optimizer.param_groups:
         for p in group["params"]:

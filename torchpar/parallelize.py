@@ -1,7 +1,9 @@
-"""torchpar's parallelism, applied to the plain Decoder from outside its code in one visible order (as torchtitan's
-parallelize does): activation checkpointing or offload of each block (model.remat) -> torch.compile of each block
-(train.compile) -> the backend's wrapper (torchpar/backends/: DDP, FSDP2, pipeline stages, DeepSpeed), which also
-owns gradient reduction and its compression."""
+"""torchpar's parallelism, applied to the plain Decoder from outside its code in one visible order.
+
+As torchtitan's parallelize does: activation checkpointing or offload of each block (model.remat) -> torch.compile of
+each block (train.compile) -> the backend's wrapper (torchpar/backends/: DDP, FSDP2, pipeline stages, DeepSpeed),
+which also owns gradient reduction and its compression.
+"""
 from __future__ import annotations
 
 from functools import partial
@@ -20,8 +22,10 @@ _MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.ate
 
 def parallelize(model, cfg: Config, env, backend: str, deepspeed_config: str = "",
                 compile_model: bool | None = None) -> tuple[backends.Engine, bool]:
-    """The backend's engine over `model`, and whether its blocks were compiled (`compile_model`: None follows
-    train.compile; the benchmarks' --compile sets it)."""
+    """The backend's engine over `model`, and whether its blocks were compiled.
+
+    `compile_model`: None follows train.compile; the benchmarks' --compile sets it.
+    """
     checkpoint_blocks(model, cfg.model.remat, backend)
     compiled = use_compile(cfg, backend, env.device.type) if compile_model is None else compile_model
     if compiled:
@@ -30,14 +34,16 @@ def parallelize(model, cfg: Config, env, backend: str, deepspeed_config: str = "
 
 
 class CheckpointedBlock(Block):
-    """A Block whose forward the backward pass recomputes (model.remat: `full` keeps only its inputs, `save_matmuls`
-    its matmuls' outputs too), or whose saved activations wait in host memory (`offload`: every tensor the block
-    saves for its backward, through torch's save_on_cpu -- pinned on a GPU -- nothing recomputed; under DeepSpeed
-    its activation checkpointing instead, the block's input on the host (`cpu_checkpointing`, configured by
-    torchpar/backends/deepspeed.py) and the block recomputed). checkpoint_blocks turns a block into one in place:
-    its class changes, not its submodules, so parameter names (the shared weight format, DCP checkpoints) stay
-    those of the plain Decoder, where a wrapping module (torch's checkpoint_wrapper) would add a prefix. Without
-    gradients (evaluation, decoding) nothing is recomputed or moved: it runs as a Block."""
+    """A Block that is recomputed in the backward pass or whose saved activations wait in host memory (model.remat).
+
+    Recomputed: `full` keeps only its inputs, `save_matmuls` its matmuls' outputs too. In host memory (`offload`):
+    every tensor the block saves for its backward, through torch's save_on_cpu -- pinned on a GPU -- nothing
+    recomputed; under DeepSpeed its activation checkpointing instead, the block's input on the host
+    (`cpu_checkpointing`, configured by torchpar/backends/deepspeed.py) and the block recomputed. checkpoint_blocks
+    turns a block into one in place: its class changes, not its submodules, so parameter names (the shared weight
+    format, DCP checkpoints) stay those of the plain Decoder, where a wrapping module (torch's checkpoint_wrapper)
+    would add a prefix. Without gradients (evaluation, decoding) nothing is recomputed or moved: it runs as a Block.
+    """
     remat = "full"
 
     def forward(self, x, positions=None, mask=None):
@@ -59,9 +65,12 @@ class CheckpointedBlock(Block):
 
 
 def checkpoint_blocks(model, remat: str, backend: str = "") -> None:
-    """model.remat: each block recomputed in the backward pass, or its activations offloaded (none: nothing
-    changes; offload on --backend deepspeed: DeepSpeed's checkpointing). Before compile, which then compiles the
-    recomputing forward, and before any wrapper (FSDP2 shards per block, pipeline stages take blocks)."""
+    """Apply model.remat: each block recomputed in the backward pass, or its activations offloaded.
+
+    none: nothing changes; offload on --backend deepspeed: DeepSpeed's checkpointing. Called before compile, which
+    then compiles the recomputing forward, and before any wrapper (FSDP2 shards per block, pipeline stages take
+    blocks).
+    """
     if remat == "none":
         return
     mode = "deepspeed_offload" if remat == "offload" and backend == "deepspeed" else remat
@@ -70,8 +79,11 @@ def checkpoint_blocks(model, remat: str, backend: str = "") -> None:
 
 
 def use_compile(cfg: Config, backend: str, device_type: str) -> bool:
-    """train.compile: on, off, or auto = on a GPU for every backend but deepspeed, and not under expert parallelism
-    (its exchange sizes its buffers from the routing on the host)."""
+    """Whether to compile the blocks, by train.compile: on, off, or auto.
+
+    auto = on a GPU for every backend but deepspeed, and not under expert parallelism (its exchange sizes its buffers
+    from the routing on the host).
+    """
     if cfg.train.compile != "auto":
         return cfg.train.compile == "on"
     ep = parse_mesh(cfg.parallel.mesh).get("ep", 1) if backend == "ddp" else 1
@@ -79,7 +91,10 @@ def use_compile(cfg: Config, backend: str, device_type: str) -> bool:
 
 
 def compile_blocks(model) -> None:
-    """torch.compile each block in place, before any wrapper (FSDP2 shards per block, pipeline stages take
-    whole blocks); the blocks share one compiled graph (parameters are graph inputs), as torchtitan does."""
+    """torch.compile each block in place, before any wrapper.
+
+    Before any wrapper because FSDP2 shards per block and pipeline stages take whole blocks. The blocks share one
+    compiled graph (parameters are graph inputs), as torchtitan does.
+    """
     for block in model.blocks:
         block.compile()

@@ -1,4 +1,4 @@
-"""torchrun --nproc_per_node=N -m torchpar.train --config C --backend ddp|fsdp|deepspeed|pipeline|none [k=v ...]
+"""torchrun --nproc_per_node=N -m torchpar.train --config C --backend ddp|fsdp|deepspeed|pipeline|none [k=v ...].
 
 Also launched by `srun` (one task per process; ranks from SLURM_*) and by DeepSpeed's launcher.
 
@@ -44,8 +44,10 @@ def parse_args(argv):
 
 
 def read_config(args) -> Config:
-    """The config of the command line: --mesh is parallel.mesh's override, winning over any other (jaxpar.train's
-    --mesh wins over parallel.mesh too)."""
+    """The config of the command line.
+
+    --mesh is parallel.mesh's override, winning over any other (jaxpar.train's --mesh wins over parallel.mesh too).
+    """
     cfg = load_config(args.config, args.overrides + ([f"parallel.mesh={args.mesh}"] if args.mesh else []))
     return with_run_dir(cfg, "torchpar", args.config)
 

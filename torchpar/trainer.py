@@ -64,8 +64,10 @@ class TorchTrainer:
         return {"framework": "torchpar", "backend": self.backend, "world_size": self.env.world}
 
     def start(self) -> str:
-        """Start reading ahead. The line also says the parameter elements each rank holds (a collective; a range
-        where ranks differ)."""
+        """Start reading ahead.
+
+        The line also says the parameter elements each rank holds (a collective; a range where ranks differ).
+        """
         self.copy_stream = torch.cuda.Stream(self.env.device) if self.env.device.type == "cuda" else None
         self.prefetch = Prefetch(self._read_ahead)
         held, local, state = "", self.engine.local_params, self.engine.optimizer_bytes
@@ -89,8 +91,10 @@ class TorchTrainer:
             print(f"wrote {which} weights to {path}", file=sys.stderr)
 
     def close(self) -> None:
-        """Reading ahead stops; no save is in flight (DCP and DeepSpeed save synchronously); the groups go in
-        dist.teardown."""
+        """Stop reading ahead.
+
+        No save is in flight (DCP and DeepSpeed save synchronously); the groups go in dist.teardown.
+        """
         if self.prefetch is not None:
             self.prefetch.close()
 
@@ -104,8 +108,11 @@ class TorchTrainer:
         return self._host_rows(data, step).to(self.env.device)
 
     def _read_ahead(self, step: int):
-        """On the prefetch thread: the rows, and on a GPU their copy from pinned memory on a side stream (the
-        copy overlaps the running step; the event marks its end)."""
+        """On the prefetch thread.
+
+        The rows, and on a GPU their copy from pinned memory on a side stream (the copy overlaps the running
+        step; the event marks its end).
+        """
         rows = self._host_rows(self.train_data, step)
         if self.copy_stream is None:
             return rows, None
@@ -123,9 +130,11 @@ class TorchTrainer:
         return self.engine.update(rows, self._share(rows))
 
     def _share(self, rows: torch.Tensor) -> float:
-        """jaxpar's token_share (jaxpar/loss.py) of the global batch: target positions per counted target over
-        every rank's rows (a collective; ranks that read the same rows count them alike, which the ratio
-        cancels). 1.0, and no collective, for data without a loss mask."""
+        """jaxpar's token_share (jaxpar/loss.py) of the global batch.
+
+        Target positions per counted target over every rank's rows (a collective; ranks that read the same rows
+        count them alike, which the ratio cancels). 1.0, and no collective, for data without a loss mask.
+        """
         if not self.train_data.masked:
             return 1.0
         targets = rows[:, 1:]

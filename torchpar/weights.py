@@ -23,8 +23,11 @@ def shared_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def to_shared(state_dict: dict, n_layer: int, like=lambda t: t.detach().cpu().float().numpy()) -> dict:
-    """torch state dict (full tensors) -> flat shared {name: float32 numpy} (per-layer tensors stacked, each layer
-    stack of its own: layer_stacks). Names the model does not have (another variant's) are skipped."""
+    """torch state dict (full tensors) -> flat shared {name.
+
+    Float32 numpy} (per-layer tensors stacked, each layer stack of its own: layer_stacks). Names the model does not
+    have (another variant's) are skipped.
+    """
     first = next((i for i in range(n_layer) if f"blocks.{i}.moe.router.weight" in state_dict), 0)
     depth = next(d for d in range(len(state_dict) + 1) if f"mtp.{d}.proj.weight" not in state_dict)
     out = {}

@@ -1,5 +1,7 @@
-"""A standalone single-device JAX train step of jaxpar's GPT-2 (no jaxpar code), timed like jaxpar.tools.bench,
-optionally A/B against jaxpar's own step (and torchpar's) in the same process, the variants alternating.
+"""Time a standalone single-device JAX train step of jaxpar's GPT-2, optionally against jaxpar's and torchpar's.
+
+The step here uses no jaxpar code and is timed like jaxpar.tools.bench; it can be A/B-compared with jaxpar's own step
+(and torchpar's) in the same process, the variants alternating.
 
     python benchmarks/cpu_gap/minimal_step.py [--d_model 128 --n_layer 4 --n_head 4 --seq_len 64 --batch 16 --vocab 256]
         [--impls min,jaxpar] [--rounds 5] [--steps 10] [--warmup 3]
@@ -50,7 +52,7 @@ def init_params(key, a, w4d: bool):
     d, L, V, P, f, h = a.d_model, a.n_layer, a.vocab, a.seq_len, 4 * a.d_model, a.n_head
     k = d // h
     keys = iter(jax.random.split(key, 8))
-    nrm = lambda shape, std=INIT_STD: std * jax.random.normal(next(keys), shape, jnp.float32)  # noqa: E731
+    nrm = lambda shape, std=INIT_STD: std * jax.random.normal(next(keys), shape, jnp.float32)
     ps = INIT_STD / math.sqrt(2 * L)
     blocks = {
         "ln1": {"scale": jnp.ones((L, d)), "bias": jnp.zeros((L, d))},
@@ -102,7 +104,7 @@ def build_min(a, opts: set[str], xla: dict | None = None):
         return dy @ w.T, xt @ dy.reshape(-1, dy.shape[-1])
 
     dense_t.defvjp(dense_t_fwd, dense_t_bwd)
-    mm = dense_t if {"tgrad", "tgradfwd"} & opts else (lambda x, w: x @ w)  # noqa: E731
+    mm = dense_t if {"tgrad", "tgradfwd"} & opts else (lambda x, w: x @ w)
 
     def block(x, p):
         B, T, d = x.shape
@@ -143,7 +145,7 @@ def build_min(a, opts: set[str], xla: dict | None = None):
         progress = jnp.clip((step - WARMUP) / (TOTAL - WARMUP), 0.0, 1.0)
         return jnp.where(step < WARMUP, ramp, MIN_LR + 0.5 * (LR - MIN_LR) * (1 + jnp.cos(math.pi * progress)))
 
-    decay_mask = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
+    decay_mask = lambda params: jax.tree_util.tree_map_with_path(
         lambda path, _: path[-1].key not in ("bias", "scale"), params)
     if "noopt" in opts:
         tx = optax.sgd(lr)

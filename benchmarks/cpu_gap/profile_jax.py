@@ -24,8 +24,11 @@ import minimal_step as ms  # noqa: E402
 
 
 def classify(hlo_text: str) -> dict[str, str]:
-    """op name -> what it computes: dot (XLA's own Eigen dot), ynn-dot / ynn-reduce (YNNPACK library fusions),
-    onednn-dot, copy/transpose, dynamic-update-slice (scan stacking), broadcast, reduce / elementwise fusions."""
+    """op name -> what it computes.
+
+    Dot (XLA's own Eigen dot), ynn-dot / ynn-reduce (YNNPACK library fusions), onednn-dot, copy/transpose,
+    dynamic-update-slice (scan stacking), broadcast, reduce / elementwise fusions.
+    """
     import re
 
     comps, cur = {}, None

@@ -1,5 +1,8 @@
-"""Benchmark records both frameworks write: the dated markdown rows of docs/benchmarks/ and the
-collective-bandwidth rows (nccl-tests' definitions of algorithm and bus bandwidth)."""
+"""Benchmark records both frameworks write.
+
+The dated markdown rows of docs/benchmarks/ and the collective-bandwidth rows (nccl-tests' definitions of algorithm and
+bus bandwidth).
+"""
 from __future__ import annotations
 
 import json
@@ -11,7 +14,7 @@ BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path
 
 
 def markdown_row(r: dict) -> str:
-    pct = lambda x: "-" if x is None else f"{x:.1%}"  # noqa: E731
+    pct = lambda x: "-" if x is None else f"{x:.1%}"
     mem = "-" if r["memory_gib"] is None else f"{r['memory_gib']:.2f}"
     layout = r.get("mesh") or r.get("backend", "") + (" (compiled)" if r.get("compiled") else "")
     versions = ", ".join(f"{k} {v}" for k, v in r["versions"].items())

@@ -1,5 +1,7 @@
-"""One exception type for bad user input: printed as a single line, non-zero exit; and library noise kept out of
-the console (quiet_logs)."""
+"""One exception type for bad user input: printed as a single line, non-zero exit.
+
+And library noise kept out of the console (quiet_logs).
+"""
 from __future__ import annotations
 
 import functools
@@ -23,8 +25,11 @@ def os_error_line(e: OSError) -> str:
 
 
 def error_line(e: BaseException) -> str | None:
-    """The one line for an error the user must fix (bad input, a missing file or directory, a full disk, no
-    permission), or None for anything else: a bug, whose traceback must stay."""
+    """The one line for an error the user must fix, or None for anything else.
+
+    An error the user must fix: bad input, a missing file or directory, a full disk, no permission. Anything else is a
+    bug, whose traceback must stay.
+    """
     if isinstance(e, UserError):
         return str(e)
     if isinstance(e, OSError):  # FileNotFoundError, PermissionError, IsADirectoryError, ENOSPC, ...
@@ -33,8 +38,11 @@ def error_line(e: BaseException) -> str | None:
 
 
 def check_output_dir(path: str, name: str, given: str | None = None) -> None:
-    """`path` is a directory, or can be made one: else one line naming `name` (the key or flag) and the value
-    `given` to it, before any work (os.makedirs would say only 'File exists' of a file there, or above it)."""
+    """`path` is a directory, or can be made one.
+
+    Else one line naming `name` (the key or flag) and the value `given` to it, before any work (os.makedirs would
+    say only 'File exists' of a file there, or above it).
+    """
     at, path = os.path.abspath(path), path if given is None else given
     while not os.path.lexists(at):  # the nearest part of the path that is there
         at = os.path.dirname(at)
@@ -58,10 +66,13 @@ RANK_ZERO_WAIT_S = 30.0
 
 
 def cli(main=None, *, rank=None, teardown=None):
-    """Decorate a command's `main(argv) -> int`: a UserError or an OSError becomes one `error:` line, exit
-    status 2. Where several processes run one command, `rank()` says which this is: a UserError (every process
-    meets the same) is printed by rank 0 alone, an OSError (this process's own file system) by each process
-    that meets it, naming its rank. `teardown()` runs after `main`, error or not (after rank 0's line)."""
+    """Decorate a command's `main(argv) -> int`.
+
+    A UserError or an OSError becomes one `error:` line, exit status 2. Where several processes run one command,
+    `rank()` says which this is: a UserError (every process meets the same) is printed by rank 0 alone, an OSError
+    (this process's own file system) by each process that meets it, naming its rank. `teardown()` runs after `main`,
+    error or not (after rank 0's line).
+    """
     def wrap(main):
         @functools.wraps(main)
         def run(*args, **kwargs) -> int:
@@ -93,9 +104,12 @@ def cli(main=None, *, rank=None, teardown=None):
 
 
 def wait_for_rank_zero() -> None:
-    """torchrun and DeepSpeed's launcher stop every process as soon as one fails: had this rank exited first,
-    rank 0 could be stopped before printing the line. So it waits until the launcher stops it, which rank 0's
-    exit brings about (SIGTERM takes its default action: a stop handler may be installed), or for the limit."""
+    """torchrun and DeepSpeed's launcher stop every process as soon as one fails.
+
+    Had this rank exited first, rank 0 could be stopped before printing the line. So it waits until the launcher
+    stops it, which rank 0's exit brings about (SIGTERM takes its default action: a stop handler may be installed),
+    or for the limit.
+    """
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     time.sleep(RANK_ZERO_WAIT_S)
 

@@ -1,5 +1,7 @@
-"""The command line shared by `python -m jaxpar.generate` and `python -m torchpar.generate`: where the weights
-come from, the prompt, the sampling settings, their checks and how samples are printed."""
+"""The command line shared by `python -m jaxpar.generate` and `python -m torchpar.generate`.
+
+Where the weights come from, the prompt, the sampling settings, their checks and how samples are printed.
+"""
 from __future__ import annotations
 
 import argparse
@@ -37,9 +39,12 @@ def check_sampling(args) -> None:
 
 
 def decodable_tokens(cfg: ModelConfig, prompt_len: int, asked: int | None) -> int:
-    """How many tokens to decode: --max-new-tokens, else as many as the context leaves after the prompt (at most
-    DEFAULT_NEW_TOKENS), so that a small model samples by default. Checked for what both decoders
-    (jaxpar/decode.py, torchpar/decode.py; every family and variant) need: a prompt, the context."""
+    """How many tokens to decode.
+
+    --max-new-tokens, else as many as the context leaves after the prompt (at most DEFAULT_NEW_TOKENS), so that a
+    small model samples by default. Checked for what both decoders (jaxpar/decode.py, torchpar/decode.py; every
+    family and variant) need: a prompt, the context.
+    """
     if prompt_len < 1:
         raise UserError("the prompt is empty: give at least one token")
     room = cfg.max_seq_len - prompt_len

@@ -1,5 +1,6 @@
-"""model.remat=offload in a plan (jaxpar.tools.plan): the activations each device keeps in host memory between a
-microbatch's forward and backward passes.
+"""model.remat=offload in a plan (jaxpar.tools.plan).
+
+The activations each device keeps in host memory between a microbatch's forward and backward passes.
 
 The offload policy (jaxpar/ops.py REMAT_POLICIES) names what moves: each layer's projection outputs, typed
 `float32<host>` in the traced step. Counted here on the residuals of one microbatch's forward pass (jax.vjp of the
@@ -31,9 +32,11 @@ def is_host(sharding) -> bool:
 
 
 def offloaded_bytes(layout) -> int:
-    """Bytes of activations one device holds in host memory at once (one microbatch's, all its layers; copied out
-    in the forward pass and back in the backward, once per microbatch of train.microbatches); 0 unless
-    model.remat=offload."""
+    """Bytes of activations one device holds in host memory at once; 0 unless model.remat=offload.
+
+    That is one microbatch's, all its layers: copied out in the forward pass and back in the backward, once per
+    microbatch of train.microbatches.
+    """
     if layout.cfg.model.remat != "offload":
         return 0
 

@@ -69,8 +69,11 @@ def _top_level(shape_text: str) -> list[str]:
 
 
 def _result_bytes(shape_text: str, op: str, is_start: bool) -> int:
-    """Bytes of the result. An asynchronous `-start` (XLA:GPU) of all but all-reduce returns (operands,
-    results[, context]): only the second element is the result."""
+    """Bytes of the result.
+
+    An asynchronous `-start` (XLA:GPU) of all but all-reduce returns (operands, results[, context]): only the second
+    element is the result.
+    """
     if is_start and op != "all-reduce" and shape_text.strip().startswith("("):
         return _shape_bytes(_top_level(shape_text)[1])
     return _shape_bytes(shape_text)
@@ -102,8 +105,11 @@ def _groups(line: str, n_devices: int) -> list[list[int]]:
 
 
 def stack_files(hlo_text: str) -> dict[int, frozenset]:
-    """stack frame id -> the source files on that stack, read from the HLO's FileNames, FileLocations and
-    StackFrames tables (ids from 1; a frame's parent_frame_id is its parent's id + 1, 1 for none)."""
+    """Stack frame id -> the source files on that stack, from the HLO's tables.
+
+    Read from the HLO's FileNames, FileLocations and StackFrames tables (ids from 1; a frame's parent_frame_id is its
+    parent's id + 1, 1 for none).
+    """
     tables, rows = {}, None
     for line in hlo_text.splitlines():
         if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
@@ -167,9 +173,11 @@ def parse(hlo_text: str, n_devices: int) -> list[Collective]:
 
 
 def group_axes(groups: list[list[int]], mesh) -> tuple[str, ...]:
-    """The mesh axes along which a collective's groups (or a permute's source-target pairs) differ. The ids are
-    positions in the program's device assignment -- the mesh's devices in order -- not device ids (which differ
-    from positions across processes, and need not be in order on one)."""
+    """The mesh axes along which a collective's groups (or a permute's source-target pairs) differ.
+
+    The ids are positions in the program's device assignment -- the mesh's devices in order -- not device ids (which
+    differ from positions across processes, and need not be in order on one).
+    """
     shape, varies = mesh.devices.shape, set()
     for group in groups:
         coords = [np.unravel_index(i, shape) for i in group if i < mesh.devices.size]

@@ -1,7 +1,8 @@
-"""Matmul FLOPs of a traced program, counted on its jaxpr: 2*M*N*K per dot_general, a scan's body times its
-length. XLA's own cost analysis cannot compare pipeline schedules: it counts a while-loop body once and one
-branch of a conditional (a 10-step scan of a matmul reports one matmul's FLOPs), and the executor is a scan
-over ticks of a switch. Used by pipeline_memory for the FLOPs column.
+"""Matmul FLOPs of a traced program, counted on its jaxpr: 2*M*N*K per dot_general, a scan's body times its length.
+
+XLA's own cost analysis cannot compare pipeline schedules: it counts a while-loop body once and one branch of a
+conditional (a 10-step scan of a matmul reports one matmul's FLOPs), and the executor is a scan over ticks of a switch.
+Used by pipeline_memory for the FLOPs column.
 """
 from __future__ import annotations
 
@@ -20,15 +21,19 @@ def dot_flops(eqn) -> float:
 
 
 def _live(jaxpr):
-    """`jaxpr` without the equations none of its outputs needs, as XLA will compile it (a ZB-H1 B applies a
-    pullback and keeps only the input's gradient). jax's own dead-code pass; an internal module."""
+    """`jaxpr` without the equations none of its outputs needs, as XLA will compile it.
+
+    A ZB-H1 B applies a pullback and keeps only the input's gradient. jax's own dead-code pass; an internal module.
+    """
     return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]
 
 
 def matmul_flops(jaxpr, branch_cost=max, scope: str | None = None) -> float:
-    """FLOPs of every dot_general in `jaxpr` (a core Jaxpr) that an output needs, nested calls included; a
-    conditional counts `branch_cost` of its branches' FLOPs (default: the largest). `scope`: only those traced
-    under jax.named_scope(scope), their gradients included (the backward pass keeps the forward's name)."""
+    """FLOPs of every dot_general in `jaxpr` (a core Jaxpr) that an output needs, nested calls included.
+
+    A conditional counts `branch_cost` of its branches' FLOPs (default: the largest). `scope`: only those traced
+    under jax.named_scope(scope), their gradients included (the backward pass keeps the forward's name).
+    """
     jaxpr, total = _live(jaxpr), 0.0
     for eqn in jaxpr.eqns:
         name, inner = eqn.primitive.name, scope

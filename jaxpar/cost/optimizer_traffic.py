@@ -1,6 +1,7 @@
-"""The optimizer's own collectives in a plan (jaxpar.tools.plan): with optim.name=muon, the moves that deal each
-parameter's matrices out over the devices for Newton-Schulz and bring the update back (jaxpar/optim.py
-spread_matrices), against the bound of that spreading.
+"""The optimizer's own collectives in a plan (jaxpar.tools.plan).
+
+With optim.name=muon, the moves that deal each parameter's matrices out over the devices for Newton-Schulz and bring the
+update back (jaxpar/optim.py spread_matrices), against the bound of that spreading.
 
 Bound, per Muon parameter of P bytes (its momentum; the update has its bytes too) whose layout shards it S ways
 over the N devices of the mesh (replicated over the other N/S): every device ends up with P/N of whole matrices,
@@ -39,8 +40,11 @@ def _name(path) -> str:
 
 
 def muon_bounds(cfg, params, n: int) -> tuple[float, float]:
-    """(bound, padded): bytes each device sends per step spreading Muon's matrices of the abstract sharded
-    `params` over n devices, and the same with each parameter's matrix count padded to a multiple of n."""
+    """Bytes each device sends per step to spread Muon's matrices over n devices: (bound, padded).
+
+    `params`: the abstract sharded parameters. `padded`: the same with each parameter's matrix count padded to a
+    multiple of n.
+    """
     if cfg.optim.name != "muon" or n == 1:
         return 0.0, 0.0
     bound = padded = 0.0
@@ -57,8 +61,11 @@ def muon_bounds(cfg, params, n: int) -> tuple[float, float]:
 
 
 def against_adamw(p: dict, cfg, plan_of, padded: float) -> dict:
-    """With optim.name=muon, plan `p` with its optimizer row measured against the AdamW twin (`plan_of` plans a
-    config on the same mesh), the per-axis rows the twin's, and the note; any other optimizer: `p` as it is."""
+    """A Muon plan with its optimizer row measured against its AdamW twin.
+
+    With optim.name=muon, plan `p` with its optimizer row measured against the AdamW twin (`plan_of` plans a config on
+    the same mesh), the per-axis rows the twin's, and the note; any other optimizer: `p` as it is.
+    """
     if cfg.optim.name != "muon":
         return p
     twin = plan_of(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, name="adamw")))
@@ -69,8 +76,10 @@ def against_adamw(p: dict, cfg, plan_of, padded: float) -> dict:
 
 
 def note(measured: float, own: float, bound: float, padded: float, n: int) -> list[str]:
-    """Why Muon's moves pass 1.1x their bound: the padding, or moves made outside jaxpar/optim.py (`own`: those
-    made there)."""
+    """Why Muon's moves pass 1.1x their bound.
+
+    The padding, or moves made outside jaxpar/optim.py (`own`: those made there).
+    """
     if not bound or measured <= 1.1 * bound:
         return []
     if measured > own + 0.05 * bound:

@@ -10,11 +10,14 @@ from jaxpar.pipeline import auto as pipeline_auto
 
 
 def compare(cfg, sizes: dict[str, int], plan, devices=None, budget: int | None = None) -> list[dict]:
-    """Each pipeline schedule on this config and mesh: bubble, peak and temp bytes per device, matmul FLOPs as a
-    ratio to one device's program of the same batch (jaxpr_flops: recomputed work shows above 1.0), the modeled
-    step time (FLOPs / (1 - bubble)) and whether parallel.pipeline_schedule=auto picks it (among those within
-    `budget` bytes per device), or the one line that refuses it. plan(cfg, sizes, devices): the planner's dict.
-    Interleaved takes the config's virtual stages, 2 where it has 1. The FLOPs ratio is auto's own figure."""
+    """Each pipeline schedule on this config and mesh.
+
+    Bubble, peak and temp bytes per device, matmul FLOPs as a ratio to one device's program of the same batch
+    (jaxpr_flops: recomputed work shows above 1.0), the modeled step time (FLOPs / (1 - bubble)) and whether
+    parallel.pipeline_schedule=auto picks it (among those within `budget` bytes per device), or the one line that
+    refuses it. plan(cfg, sizes, devices): the planner's dict. Interleaved takes the config's virtual stages, 2
+    where it has 1. The FLOPs ratio is auto's own figure.
+    """
     if sizes.get("pp", 1) < 2:
         raise UserError("--schedules compares pipeline schedules: the mesh needs pp > 1")
     devices = jax.devices() if devices is None else devices

@@ -77,7 +77,8 @@ def _attention_in(hf: dict, g, order) -> dict[str, np.ndarray]:
     q_up = g("self_attn.q_b_proj.weight").T.reshape(ql, h, k + r)
     kv_down = g("self_attn.kv_a_proj_with_mqa.weight").T
     kv_up = g("self_attn.kv_b_proj.weight").T.reshape(kvl, h, 2 * k)
-    return {"attn.q_down.kernel": g("self_attn.q_a_proj.weight").T, "attn.q_norm.scale": g("self_attn.q_a_layernorm.weight"),
+    return {"attn.q_down.kernel": g("self_attn.q_a_proj.weight").T,
+            "attn.q_norm.scale": g("self_attn.q_a_layernorm.weight"),
             "attn.q_up.kernel": np.concatenate([q_up[..., :k], q_up[..., k:][..., order]], axis=-1),
             "attn.kv_down.kernel": np.concatenate([kv_down[:, :kvl], kv_down[:, kvl:][:, order]], axis=-1),
             "attn.kv_norm.scale": g("self_attn.kv_a_layernorm.weight"),
@@ -105,7 +106,7 @@ def hf_to_shared(hf_dir: str) -> tuple[dict[str, np.ndarray], dict]:
                         "save_pretrained first")
     per_layer = []
     for i in range(L):
-        g = lambda name, i=i: raw[f"model.layers.{i}.{name}"]  # noqa: E731
+        g = lambda name, i=i: raw[f"model.layers.{i}.{name}"]
         ff = {f"mlp.{o}.kernel": g(f"mlp.{t}.weight").T for o, t in MLP.items()} if i < first else _experts_in(hf, g)
         per_layer.append({**_attention_in(hf, g, order), **ff})
     stacks = [("dense_blocks." if first < L else "blocks.", per_layer[:first]), ("blocks.", per_layer[first:])]
@@ -144,23 +145,24 @@ def _refuse(flat: dict, model: dict) -> None:
 
 def _attention_out(flat: dict, p: str, i: int, back) -> dict[str, np.ndarray]:
     """Layer i (of the stack `p`, "blocks." or "dense_blocks.") of the attention in HF's names."""
-    w = lambda name: flat[p + name][i]  # noqa: E731
+    w = lambda name: flat[p + name][i]
     ql, h, kr = w("attn.q_up.kernel").shape
     kvl, _, _, k = w("attn.kv_up.kernel").shape
     q_up, kv_down, kv_up = w("attn.q_up.kernel"), w("attn.kv_down.kernel"), w("attn.kv_up.kernel")
     q_up = np.concatenate([q_up[..., :k], q_up[..., k:][..., back]], axis=-1)
     kv_down = np.concatenate([kv_down[:, :kvl], kv_down[:, kvl:][:, back]], axis=-1)
-    t = lambda a: np.ascontiguousarray(a.T)  # noqa: E731 - shared [in, out] -> HF [out, in]
+    t = lambda a: np.ascontiguousarray(a.T)  # shared [in, out] -> HF [out, in]
     return {"self_attn.q_a_proj.weight": t(w("attn.q_down.kernel")), "self_attn.q_a_layernorm.weight":
             w("attn.q_norm.scale"), "self_attn.q_b_proj.weight": t(q_up.reshape(ql, h * kr)),
-            "self_attn.kv_a_proj_with_mqa.weight": t(kv_down), "self_attn.kv_a_layernorm.weight": w("attn.kv_norm.scale"),
+            "self_attn.kv_a_proj_with_mqa.weight": t(kv_down),
+            "self_attn.kv_a_layernorm.weight": w("attn.kv_norm.scale"),
             "self_attn.kv_b_proj.weight": t(np.concatenate([kv_up[:, 0], kv_up[:, 1]], axis=-1).reshape(kvl, -1)),
             "self_attn.o_proj.weight": t(w("attn.out.kernel").reshape(h * k, -1)),
             "input_layernorm.weight": w("ln1.scale"), "post_attention_layernorm.weight": w("ln2.scale")}
 
 
 def _feed_forward_out(flat: dict, p: str, i: int) -> dict[str, np.ndarray]:
-    t = lambda a: np.ascontiguousarray(a.T)  # noqa: E731
+    t = lambda a: np.ascontiguousarray(a.T)
     if p + "mlp.gate.kernel" in flat:
         return {f"mlp.{theirs}.weight": t(flat[f"{p}mlp.{ours}.kernel"][i]) for ours, theirs in MLP.items()}
     E = flat[p + "moe.gate"].shape[1]

@@ -61,8 +61,11 @@ def layers(raw: dict, L: int, name: str) -> np.ndarray:
 
 
 def hf_to_shared(hf_dir: str, mlp=None) -> tuple[dict[str, np.ndarray], dict]:
-    """Read an HF Llama directory -> (flat shared tensors, model config overrides); `mlp(hf, raw)`: the shared
-    feed-forward tensors of another layout of it (Mixtral's experts: hf_mixtral.py), else Llama's MLP."""
+    """Read an HF Llama directory -> (flat shared tensors, model config overrides).
+
+    `mlp(hf, raw)`: the shared feed-forward tensors of another layout of it (Mixtral's experts: hf_mixtral.py), else
+    Llama's MLP.
+    """
     hf, raw = read_dir(hf_dir)
     L, d, h = hf["num_hidden_layers"], hf["hidden_size"], hf["num_attention_heads"]
     g, k = hf.get("num_key_value_heads") or h, d // h
@@ -85,12 +88,15 @@ def hf_to_shared(hf_dir: str, mlp=None) -> tuple[dict[str, np.ndarray], dict]:
 
 
 def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict, mlp=None, config=None) -> None:
-    """Write an HF Llama directory (config.json + model.safetensors) from flat shared tensors; `mlp(flat, i)`: layer
-    i's HF feed-forward tensors and `config`: config.json entries of another layout of it (hf_mixtral.py)."""
+    """Write an HF Llama directory (config.json + model.safetensors) from flat shared tensors.
+
+    `mlp(flat, i)`: layer i's HF feed-forward tensors and `config`: config.json entries of another layout of it
+    (hf_mixtral.py).
+    """
     dims = model_dims(flat, model)
     L, d, h, g = dims["n_layer"], dims["d_model"], dims["n_head"], dims["n_kv_head"]
     theta = float(dims.get("rope_theta", 10000.0))
-    t = lambda a: np.ascontiguousarray(a.T)  # noqa: E731 - shared [in, out] -> HF [out, in]
+    t = lambda a: np.ascontiguousarray(a.T)  # shared [in, out] -> HF [out, in]
     tensors = {"model.embed_tokens.weight": flat["wte"], "model.norm.weight": flat["ln_f.scale"]}
     if "lm_head" in flat:
         tensors["lm_head.weight"] = flat["lm_head"]

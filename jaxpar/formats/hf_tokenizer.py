@@ -44,8 +44,11 @@ def byte_tokenizer():
 
 
 def source_tokenizer(hf_dir: str) -> str | None:
-    """What a run converted from an HF directory tokenizes with: "byte" for the byte tokenizer an export writes, the
-    directory's tokenizer.json for another, None where it has none."""
+    """What a run converted from an HF directory tokenizes with.
+
+    "byte" for the byte tokenizer an export writes, the directory's tokenizer.json for another, None where it has
+    none.
+    """
     path = os.path.join(hf_dir, "tokenizer.json")
     if not os.path.isfile(path):
         return None
@@ -56,8 +59,11 @@ def source_tokenizer(hf_dir: str) -> str | None:
 
 
 class Choice(NamedTuple):
-    """What an export carries: kind "byte", "file" (a tokenizers JSON at path), "hf" (the directory at path's files)
-    or None; why (for the command's line); the special-token ids and, for byte and file, the token's text."""
+    """What an export carries.
+
+    Kind "byte", "file" (a tokenizers JSON at path), "hf" (the directory at path's files) or None; why (for the
+    command's line); the special-token ids and, for byte and file, the token's text.
+    """
     kind: str | None
     path: str
     why: str
@@ -67,8 +73,11 @@ class Choice(NamedTuple):
 
 def choose(vocab_size: int, given: str | None = None, run_tokenizer: str | None = None,
            hf_src: str | None = None) -> Choice:
-    """The tokenizer of an export, by the order above, read before anything is written (an HF source may be the
-    destination); one that the user or the run names but that cannot serve this model is refused in one line."""
+    """The tokenizer of an export, chosen by the order above.
+
+    It is read before anything is written (an HF source may be the destination); one that the user or the run names but
+    that cannot serve this model is refused in one line.
+    """
     if given == "byte":
         if vocab_size < 256:
             raise UserError(f"--tokenizer byte: the byte tokenizer's 256 tokens do not fit this model's vocabulary "
@@ -111,8 +120,10 @@ def _file(path: str, vocab_size: int, named: str) -> Choice:
 
 
 def write(out_dir: str, choice: Choice, max_len: int) -> None:
-    """The tokenizer files of `choice` in out_dir, and its special-token ids in config.json (and, but for a copied
-    directory's own, generation_config.json)."""
+    """Writes the tokenizer files of `choice` to out_dir, and its special-token ids to config.json.
+
+    The ids also go to generation_config.json, but for a copied directory's own.
+    """
     if choice.kind == "hf":
         for name in HF_FILES:
             path, dst = os.path.join(choice.path, name), os.path.join(out_dir, name)

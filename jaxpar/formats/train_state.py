@@ -15,8 +15,8 @@ import optax
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.core.errors import UserError
 from jaxpar.core.run.resume import read_run_config
-from jaxpar.core.weights.state_file import (refuse_other_optimizer, save_state, state_for_run, state_meta, write_moved_config,
-                                    writing_run)
+from jaxpar.core.weights.state_file import (refuse_other_optimizer, save_state, state_for_run, state_meta,
+                                            write_moved_config, writing_run)
 from jaxpar.core.weights.names import flatten, unflatten
 from jaxpar.layout import Layout
 from jaxpar.mesh import make_mesh
@@ -36,13 +36,15 @@ def _moment_states():
 
 def _map_moments(opt_state, fn):
     """opt_state with fn(state) applied to each of _moment_states."""
-    is_kind = lambda s: isinstance(s, _moment_states())  # noqa: E731
+    is_kind = lambda s: isinstance(s, _moment_states())
     return jax.tree.map(lambda s: fn(s) if is_kind(s) else s, opt_state, is_leaf=is_kind)
 
 
 def _named(tree, flat: dict):
-    """tree (params-shaped) with each array replaced by flat's of its name; a MaskedNode (optax.partition's place of
-    a parameter the other optimizer steps) has no array and stays."""
+    """tree (params-shaped) with each array replaced by flat's of its name.
+
+    A MaskedNode (optax.partition's place of a parameter the other optimizer steps) has no array and stays.
+    """
     return jax.tree_util.tree_map_with_path(lambda path, _: jnp.asarray(flat[".".join(k.key for k in path)]), tree)
 
 
@@ -58,7 +60,7 @@ def export_state(run_dir: str, dst: str) -> int:
     if restored is None:
         raise UserError(f"no checkpoint in {run_dir}/checkpoints")
     state, meta = restored
-    is_kind = lambda s: isinstance(s, _moment_states())  # noqa: E731
+    is_kind = lambda s: isinstance(s, _moment_states())
     found = {type(s): s for s in jax.tree.leaves(state["opt_state"], is_leaf=is_kind) if is_kind(s)}
     adam, muon = found[optax.ScaleByAdamState], found.get(MuonState)  # Muon's under optim.name=muon only
     ls = state.get("loss_scale")  # float16: the scaler goes on where it was
@@ -90,8 +92,11 @@ def import_state(src: str, run_dir: str) -> int:
 
 
 def _moments_of(s, tensors: dict, meta: dict):
-    """One of _moment_states as the state file has it: Muon's momentum and count, Adam's moments and count (the
-    schedule's count is Adam's: it sets AdamW's learning rate)."""
+    """One of _moment_states as the state file has it.
+
+    Muon's momentum and count, Adam's moments and count (the schedule's count is Adam's: it sets AdamW's learning
+    rate).
+    """
     if isinstance(s, MuonState):
         return s._replace(count=jnp.asarray(meta["muon_step"], jnp.int32), mu=_named(s.mu, tensors["muon_m"]))
     count = jnp.asarray(meta["adam_step"], jnp.int32)

@@ -18,7 +18,8 @@ import numpy as np
 from jaxpar.core.config.schema import config_for_weights, config_from_dict
 from jaxpar.core.errors import UserError
 from jaxpar.core.run.resume import read_run_config
-from jaxpar.core.weights.names import SETTINGS, flatten, model_dims, read_settings, read_weights, save_weights, unflatten
+from jaxpar.core.weights.names import (SETTINGS, flatten, model_dims, read_settings, read_weights, save_weights,
+                                       unflatten)
 from jaxpar.formats import hf_deepseek_v3, hf_gpt2, hf_llama, hf_mixtral, hf_tokenizer
 from jaxpar.core.weights.state_file import read_state, writing_run
 

@@ -1,6 +1,8 @@
-"""The decoder in Flax NNX. model.family=gpt2: GPT-2 (learned positions, pre-LayerNorm, GELU MLP, tied
-embeddings). model.family=llama: the same stacked pre-norm decoder with llama.py's blocks (grouped-query
-attention with rotary positions, SwiGLU) and layers.py's RMSNorm, no position table, an untied head if asked.
+"""The decoder in Flax NNX.
+
+model.family=gpt2: GPT-2 (learned positions, pre-LayerNorm, GELU MLP, tied embeddings). model.family=llama: the same
+stacked pre-norm decoder with llama.py's blocks (grouped-query attention with rotary positions, SwiGLU) and layers.py's
+RMSNorm, no position table, an untied head if asked.
 
 Transformer blocks are one module whose parameters carry a leading `layers` axis; the forward
 pass scans over it, so compile time is flat in depth. Every parameter records its logical axes
@@ -85,7 +87,8 @@ class MLP(nnx.Module):
         L, d, f = stack, cfg.d_model, cfg.ff_dim
         lead = ("layers",) * len(stack)
         proj_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
-        sketched = cfg.linear == "sketched"  # core/model/layer_rules.py: a trained factor [m, out] after a fixed sketch [in, m]
+        # core/model/layer_rules.py: a trained factor [m, out] after a fixed sketch [in, m]
+        sketched = cfg.linear == "sketched"
         fc_in, fc_axis = ((sketch_dim(cfg, d), "sketch") if sketched else (d, "embed"))
         proj_in, proj_axis = ((sketch_dim(cfg, f), "sketch") if sketched else (f, "mlp"))
         name = "factor" if sketched else "kernel"
@@ -134,12 +137,14 @@ class Block(nnx.Module):
 
 class MTP(nnx.Module):
     """DeepSeek-V3's multi-token prediction modules, model.mtp_depth of them stacked on a leading `layers` axis.
+
     Depth d reads depth d-1's hidden state h (the main model's last, before its final norm, for d=1) and the
     embedding e of the token d positions ahead: h_d = Block_d(proj_d([norm_emb_d(e); norm_hidden_d(h)])) -- the
     embedding first, as DeepSeek-V3's released weights (eh_proj) concatenate them -- and predicts the token d+1
     ahead through its own final norm and the main model's output head. Its blocks are dense (a mixture of experts
     would add statistics the main model's balance rules do not count) and run whole, outside the layer runner: a
-    pipeline's stages hold the main stack alone. Decoding ignores the modules (decode.py)."""
+    pipeline's stages hold the main stack alone. Decoding ignores the modules (decode.py).
+    """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         D, d = (cfg.mtp_depth,), cfg.d_model
@@ -151,9 +156,11 @@ class MTP(nnx.Module):
         self.block = Block(dataclasses.replace(cfg, moe_experts=0), rngs, stack=D)
 
     def depth(self, d: int):
-        """Depth d's (1-based) parameters as modules of their own: (norm_emb, norm_hidden, proj kernel, block,
-        norm_out)."""
-        pick = lambda module: nnx.merge(*_sliced(nnx.split(module), d - 1))  # noqa: E731
+        """Depth d's (1-based) parameters as modules of their own.
+
+        (norm_emb, norm_hidden, proj kernel, block, norm_out).
+        """
+        pick = lambda module: nnx.merge(*_sliced(nnx.split(module), d - 1))
         return (pick(self.norm_emb), pick(self.norm_hidden), self.proj["kernel"][d - 1], pick(self.block),
                 pick(self.norm_out))
 
@@ -175,13 +182,17 @@ class Decoder(nnx.Module):
         self.ln_f = (RMSNorm if cfg.family == "llama" else LayerNorm)(cfg)
         if not cfg.tie_embeddings:
             self.lm_head = param(normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std), ("vocab", "embed"))
-        if cfg.mtp_depth:  # multi-token prediction (model.mtp_depth): after the head, so the main draws stay as they were
+        # multi-token prediction (model.mtp_depth): after the head, so the main draws stay as they were
+        if cfg.mtp_depth:
             self.mtp = MTP(cfg, rngs)
 
     def __call__(self, tokens: jax.Array, positions=None, segments=None) -> jax.Array:
-        """tokens [batch, seq] int -> logits [batch, seq, vocab] float32. `positions` [seq]: the tokens'
-        positions when they are not in natural order (zig-zag sequence parallelism); with `segments` [batch, seq]
-        (packed documents, data.document_mask) both per row, each document's own (ops.document_positions)."""
+        """tokens [batch, seq] int -> logits [batch, seq, vocab] float32.
+
+        `positions` [seq]: the tokens' positions when they are not in natural order (zig-zag sequence
+        parallelism); with `segments` [batch, seq] (packed documents, data.document_mask) both per row, each
+        document's own (ops.document_positions).
+        """
         return self.forward(tokens, positions, segments)[0]
 
     def forward(self, tokens: jax.Array, positions=None, segments=None):
@@ -190,17 +201,22 @@ class Decoder(nnx.Module):
         return self.head(x), stats
 
     def loss(self, tokens: jax.Array, targets: jax.Array, positions=None, segments=None, mtp=None):
-        """forward's, with the head's cross-entropy against `targets` [batch, seq] (head_loss) for the logits. `mtp`
-        (model.mtp_depth): (tokens, targets) [depth, batch, seq] of the prediction modules (jaxpar/loss.py
-        mtp_rows); then (loss, statistics, each depth's cross-entropy [depth])."""
+        """forward's, with the head's cross-entropy against `targets` [batch, seq] (head_loss) for the logits.
+
+        `mtp` (model.mtp_depth): (tokens, targets) [depth, batch, seq] of the prediction modules (jaxpar/loss.py
+        mtp_rows); then (loss, statistics, each depth's cross-entropy [depth]).
+        """
         x, stats = self.run_blocks(self.embed(tokens, positions), positions, segments, with_stats=True)
         if mtp is None:
             return self.head_loss(x, targets), stats
         return self.head_loss(x, targets), stats, self.mtp_losses(x, *mtp, positions, segments)
 
     def mtp_losses(self, h: jax.Array, tokens: jax.Array, targets: jax.Array, positions=None, segments=None):
-        """Each prediction module's cross-entropy [depth] (MTP), as head_loss takes the main one: depth d reads
-        tokens[d-1] (the tokens d positions ahead) beside depth d-1's hidden state h and predicts targets[d-1]."""
+        """Each prediction module's cross-entropy [depth] (MTP), as head_loss takes the main one.
+
+        Depth d reads tokens[d-1] (the tokens d positions ahead) beside depth d-1's hidden state h and predicts
+        targets[d-1].
+        """
         dtype, losses = jnp.dtype(self.cfg.compute_dtype), []
         for d in range(1, self.cfg.mtp_depth + 1):
             norm_emb, norm_hidden, kernel, block, norm_out = self.mtp.depth(d)
@@ -236,10 +252,13 @@ class Decoder(nnx.Module):
         return [self.dense_blocks, self.blocks] if hasattr(self, "dense_blocks") else [self.blocks]
 
     def run_blocks(self, x: jax.Array, positions=None, segments=None, sketches=None, with_stats=False, stacks=None):
-        """Every layer of every stack (whatever their leading lengths) in order, or of `stacks` alone (the
-        pipeline executor runs the dense stack on its first stage, a slice of `blocks` on each); `sketches` default
-        to the whole model's (model.linear=sketched), a pipeline stage passes its own slice. `with_stats`:
-        (x, the experts' per-row statistics summed over the layers, None when dense)."""
+        """Run `x` through every layer of every stack in order, or through `stacks` alone.
+
+        The stacks may have any leading lengths. `stacks`: the pipeline executor runs the dense stack on its first
+        stage, a slice of `blocks` on each; `sketches` default to the whole model's (model.linear=sketched), a pipeline
+        stage passes its own slice. `with_stats`: (x, the experts' per-row statistics summed over the layers, None when
+        dense).
+        """
         stats = None
         for stack in self.stacks() if stacks is None else stacks:
             moe = hasattr(stack, "moe")
@@ -277,8 +296,11 @@ class Decoder(nnx.Module):
         return logits(self.ln_f(x), self.output_table())
 
     def head_loss(self, x: jax.Array, targets: jax.Array, norm=None) -> jax.Array:
-        """cross_entropy(self.head(x), targets), in model.loss_chunks chunks of positions (models/head.py) unless
-        that is one: the whole float32 logits never held at once. `norm`: another final norm than ln_f (MTP's)."""
+        """cross_entropy(self.head(x), targets), computed in chunks of positions.
+
+        In model.loss_chunks chunks (models/head.py) unless that is one, so the whole float32 logits are never held at
+        once. `norm`: another final norm than ln_f (MTP's).
+        """
         n, norm = loss_chunks(self.cfg, targets.shape[1]), norm or self.ln_f
         if n == 1:
             return cross_entropy(logits(norm(x), self.output_table()), targets)

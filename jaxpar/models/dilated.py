@@ -32,8 +32,10 @@ NEG = -1e30
 
 
 def _dense_core(qs, ks, vs):
-    """Causal attention within each segment's selected row: qs, ks, vs [B, S, n, H, D] -> (out [B, S, n, H, D]
-    float32, lse [B, S, H, n] float32)."""
+    """Causal attention within each segment's selected row.
+
+    Qs, ks, vs [B, S, n, H, D] -> (out [B, S, n, H, D] float32, lse [B, S, H, n] float32).
+    """
     n, D = qs.shape[2], qs.shape[-1]
     s = jnp.einsum("bsqhd,bskhd->bshqk", qs, ks, preferred_element_type=F32) / math.sqrt(D)
     s = jnp.where(jnp.tril(jnp.ones((n, n), bool)), s, NEG)
@@ -42,14 +44,16 @@ def _dense_core(qs, ks, vs):
 
 
 def _sparse_core(qs, ks, vs, kept):
-    """_dense_core on the kept blocks only (kept [H, nb, K], core/model/layer_rules.py): each query block gathers
-    its K key and value blocks and attends over those K x b keys; no [n, n] scores exist."""
+    """_dense_core on the kept blocks only (kept [H, nb, K], core/model/layer_rules.py).
+
+    Each query block gathers its K key and value blocks and attends over those K x b keys; no [n, n] scores exist.
+    """
     B, S, n, H, D = qs.shape
     _, nb, K = kept.shape
     b = n // nb
     idx = np.where(kept < 0, np.arange(nb)[None, :, None], kept)  # an unused slot reads the diagonal, masked below
     heads = np.arange(H)[:, None, None]
-    blocks = lambda x: jnp.moveaxis(x.reshape(B, S, nb, b, H, D), (4, 2), (0, 1))[heads, idx]  # noqa: E731
+    blocks = lambda x: jnp.moveaxis(x.reshape(B, S, nb, b, H, D), (4, 2), (0, 1))[heads, idx]
     kg, vg = blocks(ks), blocks(vs)  # [H, nb, K, B, S, b, D]
     s = jnp.einsum("bsiqhd,hijbsld->bshiqjl", qs.reshape(B, S, nb, b, H, D), kg, preferred_element_type=F32)
     causal = (np.arange(K) > 0)[None, :, None] | np.tril(np.ones((b, b), bool))[:, None, :]  # [b, K, b]: slot 0
@@ -64,7 +68,7 @@ def _segment_attention(q, k, v, w: int, r: int, sparsity: BlockSparsity | None =
     B, T, H, D = q.shape
     S, n = T // min(w, T), min(w, T) // r
     sel = jnp.asarray(np.arange(r)[:, None] == np.arange(H)[None, :] % r)  # [r, H]: head h keeps offset h % r
-    pick = lambda x: jnp.sum(jnp.where(sel[:, :, None], x.reshape(B, S, n, r, H, D), 0), axis=3)  # noqa: E731
+    pick = lambda x: jnp.sum(jnp.where(sel[:, :, None], x.reshape(B, S, n, r, H, D), 0), axis=3)
     qs, ks, vs = pick(q), pick(k), pick(v)  # [B, S, n, H, D]
     if sparsity is None:
         o, lse = _dense_core(qs, ks, vs)
@@ -76,8 +80,10 @@ def _segment_attention(q, k, v, w: int, r: int, sparsity: BlockSparsity | None =
 
 
 def dilated_attention(q, k, v, pairs, sparsity: BlockSparsity | None = None) -> jax.Array:
-    """Causal dilated attention on q, k, v [batch, seq, heads, head_dim]; pairs ((w, r), ...); `sparsity`:
-    block-sparse (core/model/layer_rules.py), None: dense."""
+    """Causal dilated attention on q, k, v [batch, seq, heads, head_dim].
+
+    Pairs ((w, r), ...); `sparsity`: block-sparse (core/model/layer_rules.py), None: dense.
+    """
     with jax.named_scope("dilated_attention"):  # what the FLOPs test counts
         outs, lses = zip(*(_segment_attention(q, k, v, w, r, sparsity) for w, r in pairs))
         lse = jnp.stack(lses)  # [P, B, T, H]
@@ -107,8 +113,10 @@ def key_counts(q_pos, k_pos, n_head: int, pairs, context: int, sparsity: BlockSp
 
 
 def counted_attention(q, k, v, counts) -> jax.Array:
-    """Causal dilated attention of q [b, tq, heads, d] over k, v [b, tk, heads, d] with key_counts' counts:
-    dilated_attention's output at those query positions, float32 inside as there."""
+    """Causal dilated attention of q [b, tq, heads, d] over k, v [b, tk, heads, d] with key_counts' counts.
+
+    Dilated_attention's output at those query positions, float32 inside as there.
+    """
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=F32) / math.sqrt(q.shape[-1])
     s = jnp.where(counts > 0, s + jnp.log(jnp.maximum(counts, 1).astype(F32)), NEG)
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v.astype(F32)).astype(q.dtype)

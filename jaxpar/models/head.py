@@ -22,8 +22,10 @@ from jaxpar.sharding import spec_for
 
 
 def logits(x: jax.Array, table: jax.Array) -> jax.Array:
-    """The normalized hidden states [batch, seq, embed] against the output table [vocab, embed] in x's dtype ->
-    float32 logits [batch, seq, vocab]."""
+    """Float32 logits [batch, seq, vocab] of the normalized hidden states against the output table.
+
+    x [batch, seq, embed] times the output table [vocab, embed], in x's dtype.
+    """
     out = jnp.einsum("btd,vd->btv", x, table.astype(x.dtype))
     return constrain(out.astype(jnp.float32), ("batch", "seq", "vocab"))
 
@@ -39,8 +41,10 @@ def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """The mean over all target positions of the cross-entropy, a skipped (negative) target counting 0: times
-    token_share of the whole batch (jaxpar/loss.py), the mean over the counted targets."""
+    """The mean over all target positions of the cross-entropy, a skipped (negative) target counting 0.
+
+    Times token_share of the whole batch (jaxpar/loss.py), the mean over the counted targets.
+    """
     return jnp.mean(token_losses(logits, targets))
 
 
@@ -69,8 +73,10 @@ def _chunks(x, table, targets, n):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def chunked_cross_entropy(x: jax.Array, table: jax.Array, targets: jax.Array, chunks: int) -> jax.Array:
-    """cross_entropy(logits(x, table), targets), the logits made `chunks` chunks of positions at a time (the
-    sequence length a multiple of `chunks`)."""
+    """cross_entropy(logits(x, table), targets), with the logits made one chunk of positions at a time.
+
+    The positions are split into `chunks` chunks (the sequence length a multiple of `chunks`).
+    """
     table, xs, ts = _chunks(x, table, targets, chunks)
     groups = _shards(("batch", "seq"), xs.shape[1:3])
     total = jax.lax.scan(lambda s, c: (s + _chunk_losses(c[0], table, c[1], groups), None), _zeros(groups),

@@ -1,5 +1,7 @@
-"""The building blocks every model file shares, logical axes only: parameter creation (every parameter records
-its logical axes), the norms (LayerNorm, RMSNorm) and rotary embedding."""
+"""The building blocks every model file shares, logical axes only.
+
+Parameter creation (every parameter records its logical axes), the norms (LayerNorm, RMSNorm) and rotary embedding.
+"""
 from __future__ import annotations
 
 import jax
@@ -48,8 +50,10 @@ def rms_norm(x, scale, eps):
 
 
 def rope(x, positions, theta: float):
-    """Rotary embedding on the last dim of x [batch, seq, ..., r]: pairs (i, i + r/2) rotated by pos * theta^(-2i/r);
-    positions [seq], or per row [batch, seq] (packed documents)."""
+    """Rotary embedding on the last dim of x [batch, seq, ..., r]: pairs (i, i + r/2) rotated by pos * theta^(-2i/r).
+
+    Positions [seq], or per row [batch, seq] (packed documents).
+    """
     r = x.shape[-1]
     freqs = theta ** (-jnp.arange(0, r // 2, dtype=jnp.float32) * 2 / r)
     angle = positions.astype(jnp.float32)[..., None] * freqs  # [(batch,) seq, r/2]

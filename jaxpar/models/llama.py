@@ -1,6 +1,8 @@
-"""Llama's block components (model.family=llama) in Flax NNX, logical axes only: grouped-query attention with
-rotary positions, the SwiGLU MLP. jaxpar/models/decoder.py assembles them, with layers.py's RMSNorm, into the
-same stacked decoder as GPT-2 (embedding without positions, untied head when model.tie_embeddings=false).
+"""Llama's block components (model.family=llama) in Flax NNX, logical axes only.
+
+Grouped-query attention with rotary positions, the SwiGLU MLP. jaxpar/models/decoder.py assembles them, with layers.py's
+RMSNorm, into the same stacked decoder as GPT-2 (embedding without positions, untied head when
+model.tie_embeddings=false).
 
 Grouped-query attention: n_kv_head key/value heads, each shared by n_head / n_kv_head consecutive
 query heads (query head i reads kv head i // group, Hugging Face's `repeat_kv`). Keys and values are
@@ -83,6 +85,6 @@ class SwiGLU(nnx.Module):
                                           lead + ("mlp", "embed")))
 
     def __call__(self, x, dtype, sketches=None):
-        w = lambda p: p["kernel"][...].astype(dtype)  # noqa: E731
+        w = lambda p: p["kernel"][...].astype(dtype)
         h = constrain(jax.nn.silu(project(x, w(self.gate))) * project(x, w(self.up)), ("batch", "seq", "mlp"))
         return project(h, w(self.down))

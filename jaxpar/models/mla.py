@@ -30,8 +30,10 @@ from jaxpar.ops import project
 
 
 def kv_cache_width(cfg: ModelConfig) -> int:
-    """Values cached per token per layer for decoding (MHA: keys and values of every head; llama's GQA: of
-    its n_kv_head heads)."""
+    """Values cached per token per layer for decoding.
+
+    MHA: keys and values of every head; llama's GQA: of its n_kv_head heads.
+    """
     return cfg.kv_latent_dim + cfg.rope_head_dim if cfg.attention == "mla" else 2 * cfg.kv_heads * cfg.head_dim
 
 
@@ -62,7 +64,7 @@ class MLAttention(nnx.Module):
     def project_q_latent(self, x, dtype, positions=None):
         """(q [b, t, heads, kv + rope], latent [b, t, kv_latent + rope]: normalised c_kv and the rotated k_r)."""
         pos = jnp.arange(x.shape[1]) if positions is None else positions
-        w = lambda p: p["kernel"][...].astype(dtype)  # noqa: E731
+        w = lambda p: p["kernel"][...].astype(dtype)
         c_q = rms_norm(project(x, w(self.q_down)), self.q_norm["scale"][...], self.eps)
         q = project(c_q, w(self.q_up))
         q = jnp.concatenate([q[..., :-self.r], rope(q[..., -self.r:], pos, self.theta)], axis=-1)
@@ -72,8 +74,10 @@ class MLAttention(nnx.Module):
         return constrain(q, ("batch", "seq", "heads", "kv")), latent
 
     def keys_values(self, latent, dtype):
-        """Keys and values [b, t, heads, kv + rope] of latents; v zero-padded to the query/key width, which the
-        fused core wants for all three."""
+        """Keys and values [b, t, heads, kv + rope] of latents.
+
+        V zero-padded to the query/key width, which the fused core wants for all three.
+        """
         kv = project(latent[..., : self.kvl], self.kv_up["kernel"][...].astype(dtype))  # [b, t, 2, h, k]
         k_nope, v = kv[:, :, 0], kv[:, :, 1]
         k_r = jnp.broadcast_to(latent[:, :, None, self.kvl:], k_nope.shape[:3] + (self.r,))  # one for every head

@@ -11,8 +11,8 @@ Per token x [embed] of a row of T tokens, with E experts, the k best of them and
             choices before second ones, earlier tokens first; the rest skip it (the token keeps its other
             choices and the residual). c = 0: dropless. Fixed by the row alone, so every layout drops alike.
   y       = sum over kept choices of weight x SwiGLU_e(x)  + SwiGLU_shared(x) with moe_shared_experts > 0
-The experts run where the parallel context puts them (`current().experts`: jaxpar/parallel/expert_dispatch.py on one device,
-jaxpar/parallel/expert_parallel.py across `ep`).
+The experts run where the parallel context puts them (`current().experts`: jaxpar/parallel/expert_dispatch.py on one
+device, jaxpar/parallel/expert_parallel.py across `ep`).
 
 Each layer also reports per row: the choices each expert received (before any drop), the choices dropped and
 the sequence-wise balance loss sum_e f_e P_e (DeepSeek-V3, eq. 17-19: f_e = E/(kT) x the row's choices of e,
@@ -39,16 +39,20 @@ from jaxpar.models.layers import normal, param
 
 
 def stats_width(cfg: ModelConfig) -> int:
-    """Per-row statistics the layers report together: choices per expert (summed over the layers, or each expert
-    layer's with model.moe_bias_update, whose update needs them), dropped choices, the balance loss (a layer reports
-    [E + 2]: add_layer_stats places it)."""
+    """Per-row statistics the layers report together.
+
+    Choices per expert (summed over the layers, or each expert layer's with model.moe_bias_update, whose update
+    needs them), dropped choices, the balance loss (a layer reports [E + 2]: add_layer_stats places it).
+    """
     return (cfg.moe_layers if cfg.moe_bias_update else 1) * cfg.moe_experts + 2
 
 
 def add_layer_stats(total, stats, layer, cfg: ModelConfig):
-    """Add an expert layer's per-row statistics [B, E + 2] to the running total [B, stats_width]; `layer` [B]: its
-    index among the expert layers (per row: it rides the layer scan's carry, through GPipe's stages too), None
-    where the layers are summed."""
+    """Add an expert layer's per-row statistics [B, E + 2] to the running total [B, stats_width].
+
+    `layer` [B]: its index among the expert layers (per row: it rides the layer scan's carry, through GPipe's stages
+    too), None where the layers are summed.
+    """
     if not cfg.moe_bias_update:
         return total + stats
     E = cfg.moe_experts
@@ -57,9 +61,12 @@ def add_layer_stats(total, stats, layer, cfg: ModelConfig):
 
 
 def shift_layer_stats(stats, first, cfg: ModelConfig):
-    """Statistics [B, stats_width] of a run of expert layers counted from 0 (a pipeline stage's slice of the stack),
-    with each layer's choices moved to the place of its expert layer `first` + i (model.moe_bias_update; the
-    places after the run are zero, so a roll moves them); as they are where the layers are summed."""
+    """Move a run of expert layers' per-layer choices to the places of their expert layers in the whole model.
+
+    `stats` [B, stats_width] of a run of expert layers counted from 0 (a pipeline stage's slice of the stack): each
+    layer's choices moved to the place of its expert layer `first` + i (model.moe_bias_update; the places after the
+    run are zero, so a roll moves them); as they are where the layers are summed.
+    """
     if not cfg.moe_bias_update:
         return stats
     loads = jnp.roll(stats[:, :cfg.moe_layers * cfg.moe_experts], first * cfg.moe_experts, axis=1)
@@ -67,8 +74,10 @@ def shift_layer_stats(stats, first, cfg: ModelConfig):
 
 
 def limit_to_groups(choice, cfg: ModelConfig):
-    """The choice's scores [..., E] with every expert outside the moe_topk_group best of moe_n_group groups at -inf
-    (DeepSeek-V3: a group's score is the sum of its best two; ties to the lower group)."""
+    """The choice's scores [..., E] with every expert outside the moe_topk_group best of moe_n_group groups at -inf.
+
+    As DeepSeek-V3: a group's score is the sum of its best two; ties go to the lower group.
+    """
     G = cfg.moe_n_group
     grouped = choice.reshape(*choice.shape[:-1], G, cfg.moe_experts // G)
     _, best = jax.lax.top_k(jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1), cfg.moe_topk_group)
@@ -77,9 +86,12 @@ def limit_to_groups(choice, cfg: ModelConfig):
 
 
 def route(logits, cfg: ModelConfig, index=None, bias=None):
-    """Router logits [B, T, E] float32 -> (ids, weights, kept [B, T, k], stats [B, E + 2]); `index` [T]: each
-    token's place in its row when the tokens are not in natural order (zig-zag sequence parallelism); `bias` [E]:
-    added to the scores for the choice alone (model.moe_bias_update, core/model/experts.py)."""
+    """Router logits [B, T, E] float32 -> (ids, weights, kept [B, T, k], stats [B, E + 2]).
+
+    `index` [T]: each token's place in its row when the tokens are not in natural order (zig-zag sequence
+    parallelism); `bias` [E]: added to the scores for the choice alone (model.moe_bias_update,
+    core/model/experts.py).
+    """
     E, k = cfg.moe_experts, cfg.moe_top_k
     scores = jax.nn.softmax(logits, axis=-1) if cfg.moe_router == "softmax" else jax.nn.sigmoid(logits)
     choice = scores if bias is None else scores + bias
@@ -122,14 +134,17 @@ class MoE(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x, dtype, positions=None):
-        """x [B, T, embed] -> (y [B, T, embed], stats [B, E + 2]). `positions` [T]: the tokens' places in the row
-        when they are permuted (zig-zag), which the capacity's order follows; per row (packed documents) they
-        restart per document and the tokens are in natural order (checks.py refuses the two together)."""
+        """x [B, T, embed] -> (y [B, T, embed], stats [B, E + 2]).
+
+        `positions` [T]: the tokens' places in the row when they are permuted (zig-zag), which the capacity's
+        order follows; per row (packed documents) they restart per document and the tokens are in natural order
+        (checks.py refuses the two together).
+        """
         logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router["kernel"][...].astype(jnp.float32))
         index = positions if positions is not None and positions.ndim == 1 else None
         bias = jax.lax.stop_gradient(self.router["bias"][...]) if "bias" in self.router else None
         ids, weights, kept, stats = route(logits, self.cfg, index, bias)
-        w = lambda p: p[...].astype(dtype)  # noqa: E731
+        w = lambda p: p[...].astype(dtype)
         y = current().experts(x, ids, weights, kept, w(self.gate), w(self.up), w(self.down),
                               row_capacity(self.cfg, x.shape[1]))
         y = constrain(y, ("batch", "seq", "act_embed"))
@@ -137,8 +152,11 @@ class MoE(nnx.Module):
 
 
 def update_router_bias(params: dict, stats, cfg: ModelConfig) -> dict:
-    """params with each expert layer's balance bias moved by the step's choices (stats: the step's statistics
-    summed over its rows, stats_width; the rule: core/model/experts.py); as they are without model.moe_bias_update."""
+    """`params` with each expert layer's balance bias moved by the step's choices.
+
+    `stats`: the step's statistics summed over its rows (stats_width); the rule: core/model/experts.py. Without
+    model.moe_bias_update the params come back as they are.
+    """
     if not cfg.moe_bias_update:
         return params
     L, E = cfg.moe_layers, cfg.moe_experts

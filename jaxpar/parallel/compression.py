@@ -57,9 +57,12 @@ def off_data(spec: P, axes: tuple[str, ...]) -> P:
 
 
 def per_rank(layout, value_and_grad, accum: int, value=None):
-    """(this data rank's (params, batch, scale) -> (loss, gradients) summed over its microbatches, the batch's
-    spec over the data axes), for a shard_map manual over them: inside, the rules table leaves them out. `value`:
-    zeros shaped as the loss where it comes with more than the scalar (ops.sum_over_microbatches)."""
+    """One data rank's loss-and-gradients function and the batch's spec, for a shard_map manual over the data axes.
+
+    Returns (this data rank's (params, batch, scale) -> (loss, gradients) summed over its microbatches, the batch's
+    spec over the data axes); inside the shard_map the rules table leaves the data axes out. `value`: zeros shaped as
+    the loss where it comes with more than the scalar (ops.sum_over_microbatches).
+    """
     axes = data_axes(layout.mesh)
     inner_rules = {k: tuple(a for a in v if a not in axes) for k, v in layout.rules.items()}
 
@@ -71,9 +74,11 @@ def per_rank(layout, value_and_grad, accum: int, value=None):
 
 
 def reduce_gradient(g: jax.Array, spec: P, axes: tuple[str, ...], wire) -> jax.Array:
-    """This device's whole gradient -> its share of the sum over the data axes, the collectives in `wire` dtype:
-    psum_scatter along each dimension `spec` (the gradient's spec over the data axes: `over_data`) shards over
-    data axes, psum over the data axes it does not use."""
+    """This device's whole gradient -> its share of the sum over the data axes, the collectives in `wire` dtype.
+
+    Psum_scatter along each dimension `spec` (the gradient's spec over the data axes: `over_data`) shards over data
+    axes, psum over the data axes it does not use.
+    """
     x, used = g.astype(wire), set()
     if jax.default_backend() == "cpu" and wire != g.dtype:  # see the module docstring
         x = x.astype(g.dtype)
@@ -87,9 +92,12 @@ def reduce_gradient(g: jax.Array, spec: P, axes: tuple[str, ...], wire) -> jax.A
 
 
 def compressed_loss_and_grads(layout, value_and_grad, accum: int, value=None):
-    """(params, batch, scale) -> (loss summed over the microbatches, gradients summed over them and reduced
-    over the data axes in `wire`), both as the plain step's scan over microbatches makes them; `value`: per_rank's
-    (the loss with its aux, e.g. multi-token prediction's depth losses, averaged over the data ranks alike)."""
+    """The step's loss and gradients with the gradients reduced over the data axes in the `wire` dtype.
+
+    (params, batch, scale) -> (loss summed over the microbatches, gradients summed over them and reduced over the data
+    axes in `wire`), both as the plain step's scan over microbatches makes them; `value`: per_rank's (the loss with its
+    aux, e.g. multi-token prediction's depth losses, averaged over the data ranks alike).
+    """
     mesh, axes, wire, n = layout.mesh, data_axes(layout.mesh), WIRE, data_size(layout.mesh)
     grad_specs = jax.tree.map(lambda s: over_data(s, axes), layout.grad_specs, is_leaf=lambda s: isinstance(s, P))
     rank_loss_and_grads, batch_spec = per_rank(layout, value_and_grad, accum, value)

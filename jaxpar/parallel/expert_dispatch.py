@@ -1,5 +1,7 @@
-"""Tokens to their experts and back, mesh-free: what a mixture-of-experts layer runs between its router and the
-sum of its experts' outputs (jaxpar/models/moe.py routes; jaxpar/parallel/expert_parallel.py runs this across `ep`).
+"""Tokens to their experts and back, mesh-free.
+
+What a mixture-of-experts layer runs between its router and the sum of its experts' outputs (jaxpar/models/moe.py
+routes; jaxpar/parallel/expert_parallel.py runs this across `ep`).
 
 Each of a device's N tokens has k (expert id, weight) choices, some dropped by the router's capacity. The
 choices are sorted into a buffer [experts, slots, embed]: expert e's slot s holds the s-th token (in token
@@ -26,8 +28,11 @@ def _same(a):
 
 
 def swiglu_experts(buffer, gate, up, down, reduce: Callable = _same):
-    """buffer [experts, slots, embed] through each expert's SwiGLU (gate, up [experts, embed, width], down
-    [experts, width, embed]); `reduce` sums partial outputs when the width is split (a psum over tp)."""
+    """Run `buffer` [experts, slots, embed] through each expert's SwiGLU.
+
+    gate, up [experts, embed, width], down [experts, width, embed]; `reduce` sums partial outputs when the width is
+    split (a psum over tp).
+    """
     h = jax.nn.silu(jnp.einsum("esd,edf->esf", buffer, gate)) * jnp.einsum("esd,edf->esf", buffer, up)
     return reduce(jnp.einsum("esf,efd->esd", h, down))
 
@@ -35,7 +40,9 @@ def swiglu_experts(buffer, gate, up, down, reduce: Callable = _same):
 def dispatch(x, ids, weights, kept, n_experts: int, slots: int, experts: Callable,
              exchange: Callable = _same, back: Callable = _same):
     """x [N, embed]; ids, weights, kept [N, k] -> [N, embed]: sum over the kept choices of weight x expert(x).
-    `experts` maps the received buffer to outputs of the same shape."""
+
+    `experts` maps the received buffer to outputs of the same shape.
+    """
     N, k = ids.shape
     flat, keep = ids.reshape(-1), kept.reshape(-1)
     chosen = (flat[:, None] == jnp.arange(n_experts)) & keep[:, None]  # [N*k, experts]
@@ -50,10 +57,13 @@ def dispatch(x, ids, weights, kept, n_experts: int, slots: int, experts: Callabl
 
 def local_experts(x, ids, weights, kept, gate, up, down, capacity: int, owners: int = 1, exchange: Callable = _same,
                   back: Callable = _same, reduce: Callable = _same):
-    """The parallel context's default: every expert on this device. x [B, T, embed]; ids, weights, kept
-    [B, T, k]; `capacity`: slots per expert per row (0: dropless). Inside expert parallelism's shard_map
-    (parallel/expert_parallel.py) the same on this device's rows and experts: `owners` devices hold gate.shape[0] experts
-    each, `exchange`/`back` move the buffer to them and home, `reduce` sums outputs of a split width."""
+    """The parallel context's default: every expert on this device.
+
+    x [B, T, embed]; ids, weights, kept [B, T, k]; `capacity`: slots per expert per row (0: dropless). Inside expert
+    parallelism's shard_map (parallel/expert_parallel.py) the same on this device's rows and experts: `owners`
+    devices hold gate.shape[0] experts each, `exchange`/`back` move the buffer to them and home, `reduce` sums
+    outputs of a split width.
+    """
     B, T, D = x.shape
     flat = (a.reshape(B * T, -1) for a in (x, ids, weights, kept))
     y = dispatch(*flat, gate.shape[0] * owners, slots_for(B * T, B, capacity),

@@ -2,12 +2,12 @@
 
 The rules table puts the experts' axis on ep ("experts" -> ep) and the batch on ep as well ("batch" -> dp,
 fsdp, ep), so outside the experts an ep rank is one more data rank. Inside a shard_map (manual over every
-axis) each device sorts its own tokens' choices into a buffer [experts, slots, embed] (jaxpar/parallel/expert_dispatch.py),
-an all-to-all over ep hands each rank the slots of the experts it holds (from every ep rank), the experts run
-as one batched matmul, and a second all-to-all brings the outputs home. An expert's width may be split over
-tp (rules: "mlp" -> tp): the partial outputs are summed over tp, as in a tensor-parallel MLP. The expert weights
-enter whole along embed: a weight sharded over fsdp is gathered on the way in, its gradient reduce-scattered
-on the way out (GSPMD, from the shard_map's input layout).
+axis) each device sorts its own tokens' choices into a buffer [experts, slots, embed]
+(jaxpar/parallel/expert_dispatch.py), an all-to-all over ep hands each rank the slots of the experts it holds (from
+every ep rank), the experts run as one batched matmul, and a second all-to-all brings the outputs home. An expert's
+width may be split over tp (rules: "mlp" -> tp): the partial outputs are summed over tp, as in a tensor-parallel MLP.
+The expert weights enter whole along embed: a weight sharded over fsdp is gathered on the way in, its gradient
+reduce-scattered on the way out (GSPMD, from the shard_map's input layout).
 
 The all-to-all moves slots = every token of the device (dropless) or a row's capacity per row, zero-padded:
 XLA:CPU has no ragged all-to-all. Which exchange ran is said once at trace time.

@@ -1,6 +1,8 @@
-"""parallel.grad_compression=powersgd in jaxpar: each gradient matrix reduced over the data axes (dp, fsdp) as
-two rank-r factors, with error feedback and warm start -- the algorithm of torch's `powerSGD_hook` (Vogels et
-al. 2019), which torchpar's ddp backend runs; docs/torchpar.md "Gradient compression" sets them side by side.
+"""parallel.grad_compression=powersgd in jaxpar.
+
+Each gradient matrix reduced over the data axes (dp, fsdp) as two rank-r factors, with error feedback and warm start --
+the algorithm of torch's `powerSGD_hook` (Vogels et al. 2019), which torchpar's ddp backend runs; docs/torchpar.md
+"Gradient compression" sets them side by side.
 
 Per step, on each data rank i, for every gradient g_i of the step (summed over its microbatches):
   M_i = g_i + e_i                          e_i: this rank's error buffer (what compression left out so far)
@@ -66,8 +68,11 @@ def factor_shapes(layout, shapes: dict) -> dict:
 
 
 def shardings(layout) -> dict:
-    """The "powersgd" entry's shardings: error buffers (the data axes, then the parameter's other axes), Q
-    replicated but for a stacked leaf's layers, which stay on their pipeline stage as the parameter's do."""
+    """The "powersgd" entry's shardings.
+
+    Error buffers (the data axes, then the parameter's other axes), Q replicated but for a stacked leaf's layers,
+    which stay on their pipeline stage as the parameter's do.
+    """
     axes, mesh = data_axes(layout.mesh), layout.mesh
     specs = flatten(jax.tree.map(lambda s: off_data(s, axes), layout.param_specs, is_leaf=_is_spec))
     shapes = {k: v.shape for k, v in flatten(layout.abstract_params).items()}
@@ -92,9 +97,11 @@ def initial_q(layout, params) -> dict:
 
 
 def orthogonalize(x: jax.Array, lead: int) -> jax.Array:
-    """Gram-Schmidt on the r columns of x (*lead dims, *vector dims, r), each batch of `lead` dims apart, as
-    torch's _orthogonalize_gram_schmidt: each column normalised, then taken out of the columns after it. A zero
-    column stays zero (torch, its epsilon 0, would divide by zero)."""
+    """Gram-Schmidt on the r columns of x (*lead dims, *vector dims, r), each batch of `lead` dims apart.
+
+    As torch's _orthogonalize_gram_schmidt: each column normalised, then taken out of the columns after it. A zero
+    column stays zero (torch, its epsilon 0, would divide by zero).
+    """
     vec = tuple(range(lead, x.ndim - 1))
     cols = [x[..., i] for i in range(x.shape[-1])]
     for i in range(len(cols)):
@@ -135,8 +142,11 @@ def reduce_powersgd(layout, grads: dict, state: dict, axes: tuple[str, ...], n: 
 
 
 def powersgd_loss_and_grads(layout, value_and_grad, accum: int, value=None):
-    """(params, batch, powersgd state, step, token share) -> (mean loss, mean gradients, new powersgd state): the step's loss
-    and gradients as the plain step makes them, reduced over the data axes by PowerSGD after its warm-up."""
+    """(params, batch, powersgd state, step, token share) -> (mean loss, mean gradients, new powersgd state).
+
+    The step's loss and gradients as the plain step makes them, reduced over the data axes by PowerSGD after its
+    warm-up.
+    """
     mesh, axes = layout.mesh, data_axes(layout.mesh)
     n, warmup = data_size(mesh), layout.cfg.parallel.powersgd_warmup_steps
     rank_loss_and_grads, batch_spec = per_rank(layout, value_and_grad, accum, value)  # value: the loss's zeros
@@ -168,10 +178,12 @@ def powersgd_loss_and_grads(layout, value_and_grad, accum: int, value=None):
 
 
 def restore_fit(layout, abstract: dict):
-    """For Checkpointer.restore_latest: saved state's metadata -> (what to read, what to do with it after). The
-    "powersgd" entry read as saved and fitted to this layout: kept where its shapes are this layout's, else
+    """For Checkpointer.restore_latest: saved state's metadata -> (what to read, what to do with it after).
+
+    The "powersgd" entry read as saved and fitted to this layout: kept where its shapes are this layout's, else
     remapped (another data size: every rank gets the mean of the saved error buffers; another rank r: Q starts
-    afresh), made afresh where the checkpoint has none, dropped where this layout runs without it."""
+    afresh), made afresh where the checkpoint has none, dropped where this layout runs without it.
+    """
     want = "powersgd" in abstract
     rest = {k: v for k, v in abstract.items() if k != "powersgd"}
 
@@ -194,9 +206,11 @@ def restore_fit(layout, abstract: dict):
 
 
 def _read_as_saved(layout, saved: dict) -> dict:
-    """What to read a saved "powersgd" entry of another shape as: every saved rank's error buffer, its parameter's
-    dims sharded as this layout shards the parameter (so a restore onto another data size holds n_saved x the
-    parameter's shard per device for a moment), Q whole."""
+    """What to read a saved "powersgd" entry of another shape as.
+
+    Every saved rank's error buffer, its parameter's dims sharded as this layout shards the parameter (so a restore
+    onto another data size holds n_saved x the parameter's shard per device for a moment), Q whole.
+    """
     params = flatten(layout.state_shardings["params"])
 
     def error(k, m):
@@ -213,8 +227,10 @@ def _fresh(layout, params) -> dict:
 
 
 def _remap(layout, saved: dict, params) -> dict:
-    """Saved PowerSGD state -> this layout's: error buffers averaged onto another data size, Q kept where its
-    shape (rank r) is the same."""
+    """Saved PowerSGD state -> this layout's.
+
+    Error buffers averaged onto another data size, Q kept where its shape (rank r) is the same.
+    """
     shard, n = layout.state_shardings["powersgd"], data_size(layout.mesh)
     old = next(iter(saved["error"].values())).shape[0]
     if old != n and jax.process_index() == 0:
@@ -238,8 +254,11 @@ def _remap(layout, saved: dict, params) -> dict:
 
 
 def payload_bytes(layout) -> int:
-    """Bytes one data rank hands to PowerSGD's all-reduces per step after the warm-up: r(m+n) float32 values per
-    compressed m x n matrix (per layer), the other leaves whole -- the figure torch's hook counts."""
+    """Bytes one data rank hands to PowerSGD's all-reduces per step after the warm-up.
+
+    R(m+n) float32 values per compressed m x n matrix (per layer), the other leaves whole -- the figure torch's hook
+    counts.
+    """
     total = 0
     for k, x in flatten(layout.abstract_params).items():
         layered = layers_first(layout, k)

@@ -38,8 +38,10 @@ NEG = -1e30  # finite "minus infinity": a fully masked row never makes NaNs
 
 
 def _halves(x, axis: int):
-    """Two halves along `axis` (one piece when the length is odd); positions and segment ids (pos, seg) along
-    their last axis, seq."""
+    """Two halves along `axis` (one piece when the length is odd).
+
+    Positions and segment ids (pos, seg) along their last axis, seq.
+    """
     if isinstance(x, tuple):
         pos, seg = x
         halves = _halves(pos, pos.ndim - 1)
@@ -142,7 +144,7 @@ def _ring_bwd(axis, n, exchange, res, do):
     scale = 1.0 / math.sqrt(q.shape[-1])
     do = do.astype(F32)
     delta = jnp.einsum("bqhd,bqhd->bhq", do, out.astype(F32))
-    split = lambda x, ax: _halves(x, ax)  # noqa: E731
+    split = lambda x, ax: _halves(x, ax)
     qs, dos, qps, lses, deltas = split(q, 1), split(do, 1), split(pos, 0), split(lse, 2), split(delta, 2)
 
     def step(dqs, kv, dkv):
@@ -174,7 +176,10 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_attention(q, k, v, pos, seg, *, axis: str, n: int, exchange: str = "ppermute"):
-    """Inside shard_map: q, k, v [b, T/N, h, d] and their global positions [T/N] on each device, or with segment
-    ids [b, T/N] (packed documents) both per row. `exchange`: how a block hops, "ppermute" or "all_to_all" (inside a
-    branch that some devices do not take: the module docstring)."""
+    """Ring attention over the `n` devices of `axis`, called inside shard_map.
+
+    q, k, v [b, T/N, h, d] and their global positions [T/N] on each device, or with segment ids [b, T/N] (packed
+    documents) both per row. `exchange`: how a block hops, "ppermute" or "all_to_all" (inside a branch that some
+    devices do not take: the module docstring).
+    """
     return _ring(q, k, v, (pos, seg), axis, n, exchange)

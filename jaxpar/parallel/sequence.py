@@ -55,7 +55,7 @@ def zigzag_order(T: int, n: int) -> np.ndarray:
 def all_gather_attention(q, k, v, pos, seg, *, axis: str, n: int):
     """Inside shard_map: local queries against K/V gathered along the sequence axis."""
     del n
-    gather = lambda x, dim: jax.lax.all_gather(x, axis, axis=dim, tiled=True)  # noqa: E731
+    gather = lambda x, dim: jax.lax.all_gather(x, axis, axis=dim, tiled=True)
     k_seg = None if seg is None else gather(seg, 1)
     return causal_attention(q, gather(k, 1), gather(v, 1), pos, gather(pos, pos.ndim - 1), seg, k_seg)
 
@@ -66,9 +66,11 @@ def in_pipeline_branch() -> bool:
 
 
 def sequence_attention(mesh, rules, strategy: str):
-    """attention(q, k, v, positions, segments) over the sp shards of `mesh`; `positions` [seq] are the global
-    positions of the (possibly permuted) sequence, None for natural order; with segment ids [batch, seq] (packed
-    documents) both are per row, sharded as the activations' first two dimensions."""
+    """attention(q, k, v, positions, segments) over the sp shards of `mesh`.
+
+    `positions` [seq] are the global positions of the (possibly permuted) sequence, None for natural order; with
+    segment ids [batch, seq] (packed documents) both are per row, sharded as the activations' first two dimensions.
+    """
     if strategy not in STRATEGIES:
         raise UserError(f"sequence attention {strategy!r} is not one of {', '.join(STRATEGIES)}")
     fn = {"ring": ring_attention, "all_gather": all_gather_attention, "ulysses": ulysses_attention}[strategy]

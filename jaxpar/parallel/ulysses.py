@@ -1,7 +1,9 @@
-"""Ulysses sequence parallelism (DeepSpeed-Ulysses): inside shard_map over `sp`, an all_to_all
-turns sequence-sharded q/k/v [b, T/N, h, d] into head-sharded [b, T, h/N, d], every device runs
-full-sequence attention on its heads, and a second all_to_all turns the output back.
-Needs the (per-tp-shard) head count divisible by sp (checked by sequence.check_sequence)."""
+"""Ulysses sequence parallelism (DeepSpeed-Ulysses).
+
+Inside shard_map over `sp`, an all_to_all turns sequence-sharded q/k/v [b, T/N, h, d] into head-sharded [b, T, h/N, d],
+every device runs full-sequence attention on its heads, and a second all_to_all turns the output back. Needs the
+(per-tp-shard) head count divisible by sp (checked by sequence.check_sequence).
+"""
 from __future__ import annotations
 
 import jax
@@ -11,7 +13,7 @@ from jaxpar.ops import causal_attention
 
 def ulysses_attention(q, k, v, pos, seg, *, axis: str, n: int):
     del n
-    to_heads = lambda x: jax.lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)  # noqa: E731
+    to_heads = lambda x: jax.lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
     # positions [seq] or per row [batch, seq]: shard order = the order all_to_all concatenates
     pos, seg = (None if t is None else jax.lax.all_gather(t, axis, axis=t.ndim - 1, tiled=True) for t in (pos, seg))

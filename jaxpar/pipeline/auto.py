@@ -30,9 +30,11 @@ def refusal(cfg, sizes: dict) -> None:
 
 
 def flops_ratio(cfg, sizes: dict, devices, one: list) -> float:
-    """The step's matmul FLOPs over one device's; `one` holds one device's once counted (the same for every
-    schedule). Counted with the state on the devices: parallel.offload moves it to the host between steps only, and
-    a program traced on host-resident parameters is not the step's (the trainer brings them in first)."""
+    """The step's matmul FLOPs over one device's; `one` holds one device's once counted (the same for every schedule).
+
+    Counted with the state on the devices: parallel.offload moves it to the host between steps only, and a program
+    traced on host-resident parameters is not the step's (the trainer brings them in first).
+    """
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, offload="none"))
     if not one:
         one.append(step_flops(cfg, {"dp": 1}, devices[:1], None))
@@ -46,9 +48,11 @@ def memory_limit(device) -> int | None:
 
 
 def resolve_schedule(cfg, sizes: dict, devices, peak, budget: int | None = None):
-    """(cfg with parallel.pipeline_schedule=auto resolved for this mesh, the start-up line or None). peak(cfg, sizes,
-    devices): the planner's peak bytes per device (jaxpar/cost/peak_bytes.py; compiled only where a budget is known);
-    `budget`: bytes per device (default: the device's reported limit)."""
+    """(cfg with parallel.pipeline_schedule=auto resolved for this mesh, the start-up line or None).
+
+    peak(cfg, sizes, devices): the planner's peak bytes per device (jaxpar/cost/peak_bytes.py; compiled only where a
+    budget is known); `budget`: bytes per device (default: the device's reported limit).
+    """
     sizes = _full(sizes)
     devices = list(jax.devices() if devices is None else devices)[:math.prod(sizes.values())]
     budget = memory_limit(jax.local_devices()[0]) if budget is None else budget

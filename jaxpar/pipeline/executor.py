@@ -1,6 +1,8 @@
-"""Hand-scheduled pipeline over `pp`: runs a schedule table from jaxpar/core/pipeline/schedules.py
-(1F1B, interleaved, ZB-H1, ZB-V, DualPipeV, or GPipe for comparison) tick by tick, each stage doing its own forward
-or backward. It knows no model: the caller passes a `StageFns` (embedding, a chunk of layers, head and loss).
+"""Hand-scheduled pipeline over `pp`.
+
+Runs a schedule table from jaxpar/core/pipeline/schedules.py (1F1B, interleaved, ZB-H1, ZB-V, DualPipeV, or GPipe for
+comparison) tick by tick, each stage doing its own forward or backward. It knows no model: the caller passes a
+`StageFns` (embedding, a chunk of layers, head and loss).
 
 Inside `jax.shard_map` over `pp` only (dp/fsdp/tp/sp stay with GSPMD inside each stage), every
 device reads its row of precomputed tables at each tick and runs one branch of a `lax.switch`:
@@ -61,8 +63,10 @@ AXIS = "pp"
 
 @dataclasses.dataclass(frozen=True)
 class StageFns:
-    """What a stage computes, as functions of (rest, chunk): `rest` the parameters outside the layer stack,
-    `chunk` this virtual stage's slice of it."""
+    """What a stage computes, as functions of (rest, chunk).
+
+    `rest` the parameters outside the layer stack, `chunk` this virtual stage's slice of it.
+    """
     # `inputs`: a microbatch's slice of pipeline_value_and_grad's (token ids, or a tuple of per-row arrays)
     embed: Callable  # (rest, chunk, inputs) -> x [rows, seq, width]
     layers: Callable  # (rest, chunk, chunk_consts, x, inputs) -> h; with stats_cotangent (h, stats [rows, n])
@@ -77,8 +81,11 @@ class StageFns:
 
 
 def _place_taps(residuals: list, taps: list) -> list[tuple[str, int]]:
-    """Where B keeps each tap (a projection's output gradient or input) for W: ("res", j), residual buffer j, which
-    has its shape and dtype and which B has done with; ("tap", k), a buffer of its own, where no residual matches."""
+    """Where B keeps each tap (a projection's output gradient or input) for W.
+
+    ("res", j), residual buffer j, which has its shape and dtype and which B has done with; ("tap", k), a buffer of
+    its own, where no residual matches.
+    """
     free, places = [(tuple(r.shape), r.dtype) for r in residuals], []
     for tap in taps:
         if (tuple(tap.shape), tap.dtype) in free:
@@ -91,13 +98,15 @@ def _place_taps(residuals: list, taps: list) -> list[tuple[str, int]]:
 
 
 class _Stage:
-    """One device's side of the executor inside shard_map: its chunks of the model, and the branch each tick
-    code runs. A branch takes (acts, cots, stash, own, grads, op) and returns (activation to send, cotangent to
-    send, what to keep in each pool of the stash, the loss's own cotangent to keep, grads). The stash's pools,
-    each a list of buffers with a slot per microbatch-chunk in flight: "res", the forward's residuals for the
-    backward; with `split` (ZB: W as the projections' weight gradients alone) also "tap": B writes each
-    projection's output gradient and input for W into a residual buffer of its shape (B's residuals are dead
-    then) or, where there is none, into a buffer of "tap"."""
+    """One device's side of the executor inside shard_map: its chunks of the model, and the branch each tick code runs.
+
+    A branch takes (acts, cots, stash, own, grads, op) and returns (activation to send, cotangent to send, what to
+    keep in each pool of the stash, the loss's own cotangent to keep, grads). The stash's pools, each a list of
+    buffers with a slot per microbatch-chunk in flight: "res", the forward's residuals for the backward; with
+    `split` (ZB: W as the projections' weight gradients alone) also "tap": B writes each projection's output
+    gradient and input for W into a residual buffer of its shape (B's residuals are dead then) or, where there is
+    none, into a buffer of "tap".
+    """
 
     def __init__(self, fns: StageFns, rest, blocks, consts, inputs, targets, M: int, act_shape, dtype, split: bool):
         self.fns, self.rest, self.blocks, self.consts = fns, rest, blocks, consts
@@ -141,9 +150,11 @@ class _Stage:
         return out if self.fns.stats_cotangent is not None else (out, jnp.zeros((x.shape[0], 0), jnp.float32))
 
     def layers_vjp(self, c, m, x):
-        """Chunk c's layers on x (of microbatch m): output, statistics, and their pullback as a flat list of
-        residuals; with `split` the pullback gives no projection weight a gradient, and the taps each projection's
-        (output gradient, input)."""
+        """Chunk c's layers on x (of microbatch m): output, statistics, and their pullback as a flat list of residuals.
+
+        With `split` the pullback gives no projection weight a gradient, and the taps each projection's (output
+        gradient, input).
+        """
         chunk, consts, rows = self.at(self.blocks, c), self.at(self.consts, c), self.rows(m)
         if not self.split:
             (h, stats), pullback = jax.vjp(lambda b, x: self.layers(b, consts, x, rows), chunk, x)
@@ -190,8 +201,7 @@ class _Stage:
         return run
 
     def pullback(self, cots, stash, own, op, last: bool):
-        """The cotangents of the chunk's weights and of its input (split: and of its taps) from the kept
-        residuals."""
+        """The cotangents of the chunk's weights and of its input (split: and of its taps) from the kept residuals."""
         pullback = jax.tree.unflatten(self.treedef, [buf[op["res_slot"]] for buf in stash["res"]])
         d_h = own[op["res_slot"]] if last else cots[op["cot_slot"]]
         return pullback((d_h, self.d_stats))
@@ -207,8 +217,11 @@ class _Stage:
         return g_rest, g_blocks, *sums
 
     def backward(self, first: bool, last: bool):
-        """The whole backward (1F1B, interleaved), or ZB's B: the input gradient and every gradient but the
-        projections' weights', the projections' output gradients and inputs kept for W."""
+        """The whole backward (1F1B, interleaved), or ZB's B.
+
+        The input gradient and every gradient but the projections' weights', the projections' output gradients
+        and inputs kept for W.
+        """
         def run(acts, cots, stash, own, grads, op):
             d_chunk, d_x, *d_taps = self.pullback(cots, stash, own, op, last)
             grads = self.add_weights(grads, op, first, d_chunk, d_x)
@@ -219,8 +232,11 @@ class _Stage:
         return run
 
     def weight_grads(self, grads, op, pairs):
-        """grads plus the projections' weight gradients alone, x^T dy of each projection's (input, output gradient) in
-        `pairs` (ops.split_backward: the layers traced again, everything but those products dead)."""
+        """`grads` plus the projections' weight gradients alone, from the (input, output gradient) pairs in `pairs`.
+
+        Each weight gradient is x^T dy of a projection's pair (ops.split_backward: the layers traced again, everything
+        but those products dead).
+        """
         c = op["chunk"]
 
         def surrogate(b):
@@ -248,8 +264,11 @@ class _Stage:
         return run
 
     def overlapped(self, f_at: tuple[bool, bool], b_at: tuple[bool, bool]):
-        """DualPipeV's FB: a forward (its activation sent on, its residuals kept) and another microbatch-chunk's BW
-        (its input gradient sent back) in one tick; (first, last) of each."""
+        """DualPipeV's FB: a forward and another microbatch-chunk's BW in one tick.
+
+        The forward's activation is sent on and its residuals kept; the BW's input gradient is sent back. `f_at`,
+        `b_at`: (first, last) of each.
+        """
         forward, backward = self.forward(*f_at), self.whole_backward(*b_at)
 
         def run(acts, cots, stash, own, grads, op):
@@ -259,10 +278,13 @@ class _Stage:
         return run
 
     def branches(self, dual: bool) -> list:
-        """Indexed by the tick code (CODES, FB_CODES): idle, then F, B, W, BW each as (middle, first, last) stage,
-        then FB as (middle, middle), (first, last), (last, first) (idle where the schedule has none: W without
-        `split`, BW and FB without `dual`, DualPipeV)."""
-        absent = lambda *_: self.idle  # noqa: E731
+        """Indexed by the tick code (CODES, FB_CODES).
+
+        Idle, then F, B, W, BW each as (middle, first, last) stage, then FB as (middle, middle), (first, last),
+        (last, first) (idle where the schedule has none: W without `split`, BW and FB without `dual`,
+        DualPipeV).
+        """
+        absent = lambda *_: self.idle
         makers = (self.forward, self.backward, self.weights if self.split else absent,
                   self.whole_backward if dual else absent)
         places = ((False, False), (True, False), (False, True))
@@ -280,19 +302,21 @@ def _exchange(used: tuple, S: int, send_act, send_cot) -> dict:
 
 def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets, *, mesh, schedule: str,
                             S: int, M: int, V: int, width: int, dtype):
-    """(mean loss (with fns.reports: [1 + reports], then the reports' means), the layers' statistics summed over rows
-    and microbatches ([0] without fns.stats_cotangent), grads of `rest`, grads of `blocks`) of a model pipelined over
-    `pp`: S stages, M microbatches, V chunks per stage.
+    """Loss, statistics and gradients of a model pipelined over `pp`: S stages, M microbatches, V chunks per stage.
+
+    Returns (mean loss (with fns.reports: [1 + reports], then the reports' means), the layers' statistics summed over
+    rows and microbatches ([0] without fns.stats_cotangent), grads of `rest`, grads of `blocks`).
     blocks (trained) and consts (not) carry a leading layers axis; inputs/targets are [rows, seq] token ids in the
     order the model reads them (inputs may be a tuple of such per-row arrays: the stage functions read each
-    microbatch's slice; targets a tuple whose first is the token ids, head_loss reading each's)."""
+    microbatch's slice; targets a tuple whose first is the token ids, head_loss reading each's).
+    """
     plan, C = tick_plan(schedule, S, M, V), chunks(schedule, V)
     inputs, targets = (jax.tree.map(lambda a: split_microbatches(a, M), t) for t in (inputs, targets))
     L = jax.tree.leaves(blocks)[0].shape[0]
     # [chunk, stage, layer]: the layers of virtual stage virtual_stage(c, d) at [c, d]
     order = np.array([virtual_stage(schedule, S, d, c) for c in range(C) for d in range(S)])
-    permute = (lambda x, idx: x[idx]) if np.any(order != np.arange(C * S)) else (lambda x, idx: x)  # noqa: E731
-    staged = lambda w: permute(jnp.asarray(w).reshape(C * S, L // (S * C), *w.shape[1:]), order).reshape(  # noqa: E731
+    permute = (lambda x, idx: x[idx]) if np.any(order != np.arange(C * S)) else (lambda x, idx: x)
+    staged = lambda w: permute(jnp.asarray(w).reshape(C * S, L // (S * C), *w.shape[1:]), order).reshape(
         C, S, L // (S * C), *w.shape[1:])
     blocks, consts = jax.tree.map(staged, blocks), jax.tree.map(staged, consts)
     act_shape = jax.tree.leaves(targets)[0].shape[1:] + (width,)

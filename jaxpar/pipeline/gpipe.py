@@ -20,8 +20,10 @@ from jaxpar.ops import join_microbatches, scan_layers, split_microbatches
 
 
 def gpipe_layers(stages: int, microbatches: int, unroll: bool = False) -> Callable:
-    """A `run_layers(layer, stacked, x, rows)` for the parallel context: the layer stack as a GPipe pipeline. The
-    per-row `rows` (packed documents' positions and segment ids) travel with their microbatch's activations."""
+    """A `run_layers(layer, stacked, x, rows)` for the parallel context: the layer stack as a GPipe pipeline.
+
+    The per-row `rows` (packed documents' positions and segment ids) travel with their microbatch's activations.
+    """
     def run_layers(layer: Callable, stacked, x: jax.Array, rows: tuple = ()) -> jax.Array:
         def stage(params, carry):
             h, rows = carry
@@ -32,8 +34,10 @@ def gpipe_layers(stages: int, microbatches: int, unroll: bool = False) -> Callab
 
 
 def _pin(tree):
-    """Each stage's activations [stage, batch, seq, embed] (and per-row statistics [stage, batch, n] and layer
-    indices [stage, batch]) on pp."""
+    """Pin each stage's activations [stage, batch, seq, embed] on pp.
+
+    The per-row statistics [stage, batch, n] and layer indices [stage, batch] are pinned likewise.
+    """
     axes = {4: ("stage", "batch", "seq", "act_embed"), 3: ("stage", "batch", None), 2: ("stage", "batch")}
     return jax.tree.map(lambda a: constrain(a, axes[a.ndim]), tree)
 
@@ -48,7 +52,7 @@ def gpipe(stage_fn: Callable, stacked, x, stages: int, microbatches: int):
     S, M = stages, microbatches
     staged = jax.tree.map(lambda w: w.reshape(S, w.shape[0] // S, *w.shape[1:]), stacked)
     micro = jax.tree.map(lambda a: split_microbatches(a, M), x)
-    at = lambda tree, i: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
+    at = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
 
     def tick(carry, t):
         buffer, outputs = carry

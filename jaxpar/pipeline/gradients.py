@@ -20,22 +20,28 @@ from jaxpar.pipeline.executor import StageFns, pipeline_value_and_grad
 
 
 def hand_scheduled(layout, schedule: str):
-    """(params, batch, scale) -> (loss, grads) of the loss times `scale`, on the pipeline executor running
-    `schedule` over the layout's pp (any schedule: the memory benchmark also runs the GPipe order on it). Trace it in
+    """(params, batch, scale) -> (loss, grads) of the loss times `scale`, on the pipeline executor.
+
+    The executor runs `schedule` over the layout's pp (any schedule: the memory benchmark also runs the GPipe order on
+    it). Trace it in
     the parallel context for the executor (jaxpar/parallelize.py): each stage runs its own layers as a scan. With
     experts, ((loss, their statistics summed over rows), grads), as model_loss under jax.value_and_grad: each stage
     reports its layers' statistics, the balance loss weighed in as loss_fn does. With multi-token prediction,
-    ((loss, loss_fn's aux dict), grads): the last stage runs the modules after the head (_last_stage_loss)."""
+    ((loss, loss_fn's aux dict), grads): the last stage runs the modules after the head (_last_stage_loss).
+    """
     cfg, mesh, p, m = layout.cfg, layout.mesh, layout.cfg.parallel, layout.cfg.model
     graphdef, S, eod = abstract_model(m)[0], mesh.shape["pp"], document_token(cfg)
     # each layer's place in the `blocks` stack rides beside the sketches (a stage's first expert layer: the balance
     # bias's per-layer loads, counted over the expert layers as one device counts them)
     consts = {"sketches": stacked_sketches(m), **({"layer": np.arange(m.moe_layers)} if m.moe_experts else {})}
-    model = lambda rest, chunk: nnx.merge(graphdef, {**rest, "blocks": chunk})  # noqa: E731  a stage's view
+    model = lambda rest, chunk: nnx.merge(graphdef, {**rest, "blocks": chunk})  # a stage's view
 
     def embed(rest, chunk, tokens, positions, segments):
-        """The first stage's input: the embedding, then model.moe_first_dense's dense stack whole (it is in `rest`,
-        so its gradient comes with the embedding's, from the first stage's recomputed lookup)."""
+        """The first stage's input.
+
+        The embedding, then model.moe_first_dense's dense stack whole (it is in `rest`, so its gradient comes
+        with the embedding's, from the first stage's recomputed lookup).
+        """
         stage = model(rest, chunk)
         x = stage.embed(tokens, positions)
         dense = stage.stacks()[:-1]
@@ -52,7 +58,7 @@ def hand_scheduled(layout, schedule: str):
         rows = split_rows(batch, token_order(cfg, mesh, batch.shape[1] - 1), eod, m.mtp_depth)
         # each microbatch's (tokens, positions, segments): with documents per row, else the order's for every row
         inputs = (rows.inputs, rows.positions, rows.segments) if rows.segments is not None else (rows.inputs,)
-        where = lambda r: r[1:] if len(r) > 1 else (rows.positions, None)  # noqa: E731
+        where = lambda r: r[1:] if len(r) > 1 else (rows.positions, None)
         targets = _last_stage_targets(rows, inputs, m.mtp_depth)
         fns = StageFns(
             embed=lambda rest, chunk, r: embed(rest, chunk, r[0], *where(r)),
@@ -80,22 +86,26 @@ def hand_scheduled(layout, schedule: str):
 
 
 def _last_stage_targets(rows: Rows, inputs: tuple, depth: int):
-    """hand_scheduled's targets for the executor: the main ones; with multi-token prediction a tuple of them,
-    mtp_rows' tokens and targets [rows, depth, seq] (split into microbatches by row, as the targets) and, with
-    documents, the rows' positions and segments (inputs[1:])."""
+    """hand_scheduled's targets for the executor: the main ones.
+
+    With multi-token prediction a tuple of them, mtp_rows' tokens and targets [rows, depth, seq] (split into
+    microbatches by row, as the targets) and, with documents, the rows' positions and segments (inputs[1:]).
+    """
     if not depth:
         return rows.targets
     return (rows.targets, *(jnp.swapaxes(a, 0, 1) for a in rows.mtp), *inputs[1:])
 
 
 def _last_stage_loss(stage, h: jax.Array, targets, positions) -> jax.Array:
-    """hand_scheduled's last stage: the head's loss on the last layers' output h; with multi-token prediction
-    (targets: _last_stage_targets'; `positions` the order's where rows carry none) [the main loss plus
-    mtp_loss_weight x the depths' mean, then each depth's] (StageFns.reports), as loss_fn. The modules are in the
-    executor's `rest`: their gradient, and the shared table's from their lookups, come from this stage's head
-    pullback, summed over pp with the first stage's embedding gradient as a tied head's is. They run outside the
-    layer stack, so ZB-H1/ZB-V's B/W split leaves them whole: their weight gradients are taken in this stage's F,
-    as the head's."""
+    """hand_scheduled's last stage: the head's loss on the last layers' output h.
+
+    With multi-token prediction (targets: _last_stage_targets'; `positions` the order's where rows carry none) [the
+    main loss plus mtp_loss_weight x the depths' mean, then each depth's] (StageFns.reports), as loss_fn. The
+    modules are in the executor's `rest`: their gradient, and the shared table's from their lookups, come from this
+    stage's head pullback, summed over pp with the first stage's embedding gradient as a tied head's is. They run
+    outside the layer stack, so ZB-H1/ZB-V's B/W split leaves them whole: their weight gradients are taken in this
+    stage's F, as the head's.
+    """
     m = stage.cfg
     if not m.mtp_depth:
         return stage.head_loss(h, targets)

@@ -1,8 +1,9 @@
-"""The hand-scheduled pipeline executor's tables (jaxpar/pipeline/executor.py): for a schedule's clock
-table (jaxpar/core/pipeline/schedules.py), what each device does at each tick -- the lax.switch branch, its chunk
-and microbatch -- and which buffer slot it reads its stage input, cotangent and residuals from, writes its residuals
-(and ZB's taps) to, and keeps each arrival in. Slots are allocated per device over the ticks each value lives.
-Pure numpy: the planner reads them without tracing.
+"""The hand-scheduled pipeline executor's tables (jaxpar/pipeline/executor.py).
+
+For a schedule's clock table (jaxpar/core/pipeline/schedules.py), what each device does at each tick -- the lax.switch
+branch, its chunk and microbatch -- and which buffer slot it reads its stage input, cotangent and residuals from, writes
+its residuals (and ZB's taps) to, and keeps each arrival in. Slots are allocated per device over the ticks each value
+lives. Pure numpy: the planner reads them without tracing.
 """
 from __future__ import annotations
 
@@ -64,8 +65,11 @@ def _source(S: int, sender: int, receiver: int) -> str:
 
 
 def _timing(schedule: str, S: int, table: list) -> tuple[dict, set]:
-    """({(kind, microbatch, virtual stage): tick} of every F, B and W, a BW's B and W at its tick; the (microbatch,
-    virtual stage) of the BWs)."""
+    """The tick of every F, B and W in a schedule's table, and which of them run as one BW.
+
+    Returns ({(kind, microbatch, virtual stage): tick} of every F, B and W, a BW's B and W at its tick; the
+    (microbatch, virtual stage) of the BWs).
+    """
     when, whole = {}, set()
     for t, row in enumerate(table):
         for d, op in enumerate(row):
@@ -79,17 +83,20 @@ def _timing(schedule: str, S: int, table: list) -> tuple[dict, set]:
 
 
 def tick_plan(schedule: str, S: int, M: int, V: int) -> TickPlan:
-    """The tables of a schedule. With a split backward (ZB) B keeps the projections' inputs and output gradients
-    for W (written at the B tick into the microbatch's slot of the residual buffers and a slot of the "tap" buffers,
-    which hold microbatch-chunks from B to W only), so the cotangent that came in is dropped at B."""
+    """The tables of a schedule.
+
+    With a split backward (ZB) B keeps the projections' inputs and output gradients for W (written at the B tick
+    into the microbatch's slot of the residual buffers and a slot of the "tap" buffers, which hold microbatch-chunks
+    from B to W only), so the cotangent that came in is dropped at B.
+    """
     table, last = simulate(schedule, S, M, V), S * chunks(schedule, V) - 1
     split = schedule in SPLIT
-    dev = lambda v: placement(schedule, S, v)[0]  # noqa: E731
-    place = lambda v: 0 if v == 0 else 2 if v == last else 1  # noqa: E731  first, middle, last virtual stage
+    dev = lambda v: placement(schedule, S, v)[0]
+    place = lambda v: 0 if v == 0 else 2 if v == last else 1  # first, middle, last virtual stage
     when, whole = _timing(schedule, S, table)
     # what each device must keep until the backward is over: an arrived stage input until its forward has run,
     # an arrived cotangent until its B, and the residuals of each forward (ZB: what B keeps for W) until W
-    end = lambda m, v: when.get(("W", m, v), when[("B", m, v)])  # noqa: E731
+    end = lambda m, v: when.get(("W", m, v), when[("B", m, v)])
     acts, cots, res, taps = ([[] for _ in range(S)] for _ in range(4))
     for m in range(M):
         for v in range(last + 1):

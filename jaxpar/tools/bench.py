@@ -1,4 +1,6 @@
-"""python -m jaxpar.tools.bench --config C --mesh M [--steps 10 --warmup 3] [--json F] [--record] [k=v ...]
+"""Throughput benchmark of the real jaxpar train step on one layout.
+
+python -m jaxpar.tools.bench --config C --mesh M [--steps 10 --warmup 3] [--json F] [--record] [k=v ...]
 
 Times the real train step (compiled once, warmed up, each timed step synchronised on the device)
 on synthetic tokens, and reports tokens/s, MFU against the datasheet peak and against a matmul
@@ -125,17 +127,18 @@ def sweep(cfg: Config, meshes: list[dict[str, int]], args) -> int:
 def compare(args, result: dict) -> dict:
     """Run torchpar (torch.compile on, one process) on the same config and device; tokens/s ratio."""
     # jaxpar's own keys (e.g. train.scan_layers) have no torchpar meaning: torchpar runs without them
-    row = lambda o: CONTRACT.get(o.split("=", 1)[0].strip())  # noqa: E731
+    row = lambda o: CONTRACT.get(o.split("=", 1)[0].strip())
     shared = [o for o in args.overrides if row(o) is None or row(o).torchpar]
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, "-m", "torchpar.tools.bench", "--backend", "none", "--compile", "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--json", out.name, *(["--config", args.config] if args.config else []),
-               *shared]
+        cmd = [sys.executable, "-m", "torchpar.tools.bench", "--backend", "none", "--compile",
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--json", out.name,
+               *(["--config", args.config] if args.config else []), *shared]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             raise UserError(f"torchpar.tools.bench failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
         torch_result = json.load(open(out.name))
-    return {"jaxpar_tokens_per_sec": result["tokens_per_sec"], "torchpar_tokens_per_sec": torch_result["tokens_per_sec"],
+    return {"jaxpar_tokens_per_sec": result["tokens_per_sec"],
+            "torchpar_tokens_per_sec": torch_result["tokens_per_sec"],
             "ratio": result["tokens_per_sec"] / torch_result["tokens_per_sec"], "torchpar": torch_result}
 
 

@@ -1,4 +1,6 @@
-"""python -m jaxpar.tools.bench_checkpoint --config C --mesh M [--steps 24 --every 6] [--record] [k=v ...]
+"""Checkpoint-stall benchmark: the train step's time with and without a save started in it.
+
+python -m jaxpar.tools.bench_checkpoint --config C --mesh M [--steps 24 --every 6] [--record] [k=v ...]
 
 What a checkpoint save costs the training step it starts in: the real train step and the real Checkpointer
 (orbax) on synthetic tokens, a save started before every `--every`-th timed step. Each timed step is "save
@@ -36,8 +38,11 @@ HEADER = ("| date | device | config | mesh | plain step s | async save step s (r
 
 
 def timed_steps(step, state, batch, steps: int, every: int, ckpt):
-    """(plain step times, times of the steps a save started in, times of the save calls alone, times from a
-    save's start to its end on disk, final state)."""
+    """Runs the steps with a save every `every` steps, and times them.
+
+    Returns (plain step times, times of the steps a save started in, times of the save calls alone, times from a save's
+    start to its end on disk, final state).
+    """
     import jax  # deferred: jax (~1 s), after the arguments are checked
 
     plain, saving, calls, written = [], [], [], []
@@ -101,7 +106,8 @@ def main(argv=None) -> int:
     setup_devices(sizes)
     r = bench(cfg, sizes, args.steps, args.every, args.warmup)
     row = (f"| {r['date']} | {r['device']} | {args.config or 'defaults'} | {r['mesh']} | {r['plain_step_s']:.3f} | "
-           f"{r['async_save_step_s']:.3f} ({r['async_ratio']:.2f}x; {r['async_call_s']:.3f}) | {r['async_written_s']:.3f} | "
+           f"{r['async_save_step_s']:.3f} ({r['async_ratio']:.2f}x; {r['async_call_s']:.3f}) | "
+           f"{r['async_written_s']:.3f} | "
            f"{r['blocking_save_step_s']:.3f} "
            f"({r['blocking_ratio']:.2f}x) | {', '.join(f'{k} {v}' for k, v in r['versions'].items())} | "
            f"`{r['command']}` |")

@@ -1,4 +1,6 @@
-"""python -m jaxpar.tools.bench_collectives [--devices N] [--max-mib 64] [--json F]
+"""Collective-bandwidth benchmark over all devices, in nccl-tests' terms.
+
+python -m jaxpar.tools.bench_collectives [--devices N] [--max-mib 64] [--json F]
 
 Bandwidth of all-reduce, all-gather, reduce-scatter and a ring ppermute over all devices, for
 message sizes from 4 KiB up, via `jax.shard_map`. Message size and bandwidths follow nccl-tests:

@@ -1,4 +1,6 @@
-"""python -m jaxpar.tools.bench_compile --config configs/gpt2-124m.yaml [--layers 12,48] [--mesh dp=1] [--record]
+"""Compile time of the real train step against model depth.
+
+python -m jaxpar.tools.bench_compile --config configs/gpt2-124m.yaml [--layers 12,48] [--mesh dp=1] [--record]
 
 Compile time of the real train step against depth (nothing is allocated or run: abstract inputs, as the
 planner compiles), after one untimed compile of a one-layer model. The blocks are one stacked module under
@@ -45,7 +47,8 @@ def main(argv=None) -> int:
     sizes = parse_mesh(args.mesh)
     setup_devices(sizes)
 
-    # one untimed compile first: backend start, autotuning and kernel caches would otherwise count against the first depth
+    # one untimed compile first: backend start, autotuning and kernel caches would otherwise count against the
+    # first depth
     compile_layout(load_config(args.config, [*args.overrides, "model.n_layer=1"]), sizes)
     seconds = {}
     for n in depths:

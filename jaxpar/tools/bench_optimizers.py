@@ -1,15 +1,16 @@
-"""python -m jaxpar.tools.bench_optimizers --config configs/gpt2-tiny.yaml --sweep adamw=1e-3,3e-3,1e-2
+"""Optimizer quality on one model and corpus: learning-rate sweeps trained in turn and compared.
+
+python -m jaxpar.tools.bench_optimizers --config configs/gpt2-tiny.yaml --sweep adamw=1e-3,3e-3,1e-2
     --sweep muon=1e-3,3e-3,1e-2 [--out runs/bench-optimizers] [--reuse] [--table PATH] [section.key=value ...]
 
-Optimizer quality on one model and corpus. Each (optim.name, optim.lr) of the sweeps is trained in turn by
-`python -m jaxpar.train` (one device, `--mesh dp=1`, the overrides given, optim.min_lr kept at the config's ratio to
-optim.lr, a checkpoint at the end only) into OUT/<name>-lr<lr>; then its metrics.jsonl is read back. Reported: every
-run's evaluation losses; for the best run of each sweep (lowest evaluation loss at the last step) the evaluation loss
-at equal steps and at equal training time. Training time is what metrics.jsonl's meter counts (step_time_s over each
-logged interval: the steps, not evaluations or saves), summed; the equal-time budget is the shortest best run's
-total. The runs are sequential and timed under whatever else the machine runs: compare times within one
-invocation only. `--reuse` reads a run that already reached train.steps in OUT instead of training it again. The
-markdown tables are printed and written to --table (default OUT/table.md).
+Each (optim.name, optim.lr) of the sweeps is trained in turn by `python -m jaxpar.train` (one device, `--mesh dp=1`, the
+overrides given, optim.min_lr kept at the config's ratio to optim.lr, a checkpoint at the end only) into
+OUT/<name>-lr<lr>; then its metrics.jsonl is read back. Reported: every run's evaluation losses; for the best run of
+each sweep (lowest evaluation loss at the last step) the evaluation loss at equal steps and at equal training time.
+Training time is what metrics.jsonl's meter counts (step_time_s over each logged interval: the steps, not evaluations or
+saves), summed; the equal-time budget is the shortest best run's total. The runs are sequential and timed under whatever
+else the machine runs: compare times within one invocation only. `--reuse` reads a run that already reached train.steps
+in OUT instead of training it again. The markdown tables are printed and written to --table (default OUT/table.md).
 """
 from __future__ import annotations
 

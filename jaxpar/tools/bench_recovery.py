@@ -1,4 +1,6 @@
-"""python -m jaxpar.tools.bench_recovery --trainer jaxpar|ddp|fsdp|deepspeed --kills 5 [--seed 0] [--record]
+"""Recovery benchmark: a scripted schedule of node failures, and what each recovery costs.
+
+python -m jaxpar.tools.bench_recovery --trainer jaxpar|ddp|fsdp|deepspeed --kills 5 [--seed 0] [--record]
 
 Recovery under a scripted schedule of failures, on one machine: two torchrun agents ("nodes") of two processes each
 train the tiny model (the embedded corpus, CPU; steps slowed by the trainers' SLOW_STEP_S test fault so a failure
@@ -128,15 +130,16 @@ def run_schedule(trainer: str, kills: int, seed: int, steps: int, every: int, sl
     env, port = environment(prefix, slow_s), free_port()
     nodes = [Node(module, [*args, *common, f"run.dir={run_dir}"], env, port, f"bench-{seed}", i == 0, log,
                   restarts=kills + 1) for i in range(2)]  # the first hosts the rendezvous: never lost
-    progress = lambda: json.load(open(os.path.join(run_dir, "progress.json")))  # noqa: E731
-    recoveries = lambda: read_jsonl(os.path.join(run_dir, "recoveries.jsonl"))  # noqa: E731
+    progress = lambda: json.load(open(os.path.join(run_dir, "progress.json")))
+    recoveries = lambda: read_jsonl(os.path.join(run_dir, "recoveries.jsonl"))
     try:
         for at in failure_schedule(kills, steps, every, seed):
             wait_for(f"4 processes past step {at}", lambda: os.path.exists(os.path.join(run_dir, "progress.json"))
                      and progress()["processes"] == 4 and progress()["step"] > at, 600, log)
             seen = len(recoveries())
             nodes[1].kill()
-            wait_for("the survivors to train", lambda: any(r["processes"][1] == 2 for r in recoveries()[seen:]), 600, log)
+            wait_for("the survivors to train", lambda: any(r["processes"][1] == 2 for r in recoveries()[seen:]),
+                     600, log)
             nodes[1] = Node(module, [*args, *common, f"run.dir={run_dir}"], env, port, f"bench-{seed}", False, log)
             wait_for("the group to grow back", lambda: any(r["processes"] == [2, 4] for r in recoveries()[seen:]),
                      600, log)
@@ -150,7 +153,8 @@ def run_schedule(trainer: str, kills: int, seed: int, steps: int, every: int, sl
                    env=environment(prefix, 0.0), capture_output=True, check=True)
     want = {r["step"]: r["loss"] for r in read_jsonl(os.path.join(reference, "metrics.jsonl")) if "loss" in r}
     got = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "loss" in r]
-    return {"codes": codes, "recoveries": recoveries(), "logged": len(got), "steps_covered": len({r["step"] for r in got}),
+    return {"codes": codes, "recoveries": recoveries(), "logged": len(got),
+            "steps_covered": len({r["step"] for r in got}),
             "differing": sum(abs(r["loss"] - want[r["step"]]) > 1e-5 * abs(want[r["step"]]) for r in got),
             "expected_steps": len(want)}
 
@@ -158,10 +162,11 @@ def run_schedule(trainer: str, kills: int, seed: int, steps: int, every: int, sl
 def row(trainer: str, kills: int, steps: int, every: int, result: dict, argv: list[str]) -> str:
     shrink = [r for r in result["recoveries"] if r["processes"][1] == 2]
     grow = [r["recovered_s"] for r in result["recoveries"] if r["processes"] == [2, 4]]
-    median = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+    median = lambda xs: statistics.median(xs) if xs else float("nan")
     lost = sum(c != 0 for c in result["codes"]) + (result["steps_covered"] != result["expected_steps"])
     return (f"| {datetime.date.today()} | {trainer} | {kills} | {lost} | {result['differing']} of {result['logged']} | "
-            f"{median([r['recovered_s'] for r in shrink]):.1f}, {max((r['recovered_s'] for r in shrink), default=0):.1f}"
+            f"{median([r['recovered_s'] for r in shrink]):.1f}, "
+            f"{max((r['recovered_s'] for r in shrink), default=0):.1f}"
             f" | {', '.join(str(r['replayed_steps']) for r in shrink)} | {median(grow):.1f} | {steps}, {every} | "
             f"{versions()} | `python -m jaxpar.tools.bench_recovery {' '.join(argv)}` |")
 

@@ -1,4 +1,6 @@
-"""python -m jaxpar.tools.convert --from FORMAT SRC --to FORMAT DST
+"""Converts weights and training states between formats: shared, hf, jaxpar, state, torchpar, deepspeed.
+
+python -m jaxpar.tools.convert --from FORMAT SRC --to FORMAT DST
 
 Formats:
   shared  a .safetensors file in the shared weight format (what torchpar and model.init_from read)
@@ -125,7 +127,8 @@ def _whole_state(args) -> int:
             export_run_state(src, args.src, state)
             step = import_run_state(state, dst, args.dst, args.zero_stage)
     else:
-        step = export_run_state(src, args.src, args.dst) if dst == "state" else import_run_state(args.src, dst, args.dst, args.zero_stage)
+        step = (export_run_state(src, args.src, args.dst) if dst == "state"
+                else import_run_state(args.src, dst, args.dst, args.zero_stage))
     print(f"converted the training state of step {step}: {src} {args.src} -> {dst} {args.dst}")
     return 0
 

@@ -1,4 +1,6 @@
-"""python -m jaxpar.tools.gpu_check [--tiny] [--out REPORT.md] [--skip parity,throughput,profile,attention,...]
+"""Validation and measurement on a GPU in one command, written up as a markdown report.
+
+python -m jaxpar.tools.gpu_check [--tiny] [--out REPORT.md] [--skip parity,throughput,profile,attention,...]
 
 One command that validates and measures on a GPU (a device session runs it in one call; docs/gpu.md):
   (a) the parity suite on the device (jaxpar vs torchpar, float32 highest precision, bf16 in its band),
@@ -56,7 +58,8 @@ def _run(cmd: list[str], timeout: int, env: dict | None = None) -> dict:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
         rc, out = p.returncode, p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
-        rc, out = "timeout", (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else str(e.stdout)
+        rc, out = "timeout", ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes)
+                              else str(e.stdout))
     return {"command": shlex.join(cmd), "rc": rc, "seconds": time.perf_counter() - t0, "tail": out[-4000:]}
 
 
@@ -71,8 +74,10 @@ def parity(device: str, tiny: bool) -> dict:
 
 
 def _run_json(cmd: list[str], timeout: int, env: dict | None = None) -> tuple[dict, dict | None]:
-    """_run of a tool that writes its result to the file after `--json` (appended here): (the run, that result or
-    None if it wrote none)."""
+    """_run of a tool that writes its result to the file after `--json` (appended here).
+
+    Returns (the run, that result or None if it wrote none).
+    """
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         r = _run([*cmd, "--json", out], timeout, env)
@@ -168,7 +173,8 @@ def markdown(res: dict) -> str:
         t, j = res["throughput"], res["throughput"]["jaxpar"] or {}
         mfu = j.get("mfu_datasheet")
         lines += ["## (b) Throughput, one device", "", f"`{t['command']}` -> rc {t['rc']}", "",
-                  "| framework | tokens/s | MFU (datasheet) | MFU (matmul ceiling) | peak GiB |", "|---|---|---|---|---|",
+                  "| framework | tokens/s | MFU (datasheet) | MFU (matmul ceiling) | peak GiB |",
+                  "|---|---|---|---|---|",
                   f"| jaxpar | {j.get('tokens_per_sec', 0):,.0f} | {'-' if mfu is None else f'{mfu:.1%}'} | "
                   f"{j.get('mfu_ceiling') or 0:.1%} | {gib(j)} |",
                   f"| torchpar ({'eager: --tiny' if res['tiny'] else 'torch.compile'}) | "
@@ -186,7 +192,7 @@ def markdown(res: dict) -> str:
                   "jaxpar/tools/bench.py:matmul_ceiling)", ""]
     if "offload" in res:
         o, b = res["offload"], (res.get("throughput") or {}).get("jaxpar") or {}
-        row = lambda name, j: (  # noqa: E731
+        row = lambda name, j: (
             f"| {name} | {j.get('tokens_per_sec', 0):,.0f} | {gib(j)} |")
         lines += ["## (e) Activation offload", "", f"`{o['command']}` -> rc {o['rc']}", "",
                   "| jaxpar, model.remat | tokens/s | peak GiB |", "|---|---|---|", row("none ((b))", b),
@@ -239,7 +245,8 @@ def main(argv=None) -> int:
         raise UserError(f"no GPU here (jax sees {jax.devices()[0].platform}); use --tiny to check the path on the CPU")
     date = datetime.date.today().isoformat()
     res = {"date": date, "tiny": args.tiny, "device": jax.devices()[0].device_kind, "devices": jax.device_count(),
-           "versions": versions(), "command": "python -m jaxpar.tools.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv)}
+           "versions": versions(),
+           "command": "python -m jaxpar.tools.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv)}
     out = args.out or os.path.join("docs", "benchmarks", f"gpu-check-{date}.md")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     for part, fn in (("parity", lambda: parity("cpu" if args.tiny else "gpu", args.tiny)),

@@ -1,9 +1,11 @@
-"""python -m jaxpar.tools.gpu_profile --config C [--steps 5 --warmup 3] [--json F] [k=v ...]
+"""Kernel-time profile of one jaxpar train step on a device.
+
+python -m jaxpar.tools.gpu_profile --config C [--steps 5 --warmup 3] [--json F] [k=v ...]
 
 Where the device time of one jaxpar step goes: traces `--steps` steps of the real compiled step (one device,
 after `--warmup`), sums the device's kernel time per step by kernel name and by kind (matmul, attention,
 convert, reduce, elementwise/other), and reports the share of the step the device was busy. It is the profile
-docs/gpu.md's cast/reduction work is guided by (issue 50 item 2), written so that a device session gets it in
+docs/gpu.md's cast/reduction work is guided by, written so that a device session gets it in
 the same call as the throughput rows (jaxpar.tools.gpu_check, part "profile"). On a CPU the "kernels" are
 XLA:CPU's thunks on its threads (the same path, for tests).
 """
@@ -57,8 +59,10 @@ def kernel_events(trace: dict, platform: str) -> list[dict]:
 
 
 def summarize(trace: dict, steps: int, step_s: float, platform: str, top: int = 15) -> dict:
-    """Per-step kernel milliseconds by kind and for the `top` kernels (with their launches per step: one name
-    can be one kernel per layer), and the busy share of the step."""
+    """Per-step kernel milliseconds by kind and for the `top` kernels, and the busy share of the step.
+
+    The top kernels come with their launches per step: one name can be one kernel per layer.
+    """
     by_name, launches = collections.Counter(), collections.Counter()
     for e in kernel_events(trace, platform):
         by_name[e["name"]] += e["dur"] / 1e3 / steps  # microseconds -> ms per step
@@ -67,7 +71,7 @@ def summarize(trace: dict, steps: int, step_s: float, platform: str, top: int = 
     for name, ms in by_name.items():
         by_kind[kind_of(name)] += ms
     total = sum(by_name.values())
-    share = lambda ms: ms / total if total else 0.0  # noqa: E731
+    share = lambda ms: ms / total if total else 0.0
     return {"step_ms": step_s * 1e3, "kernel_ms": total, "busy": total / (step_s * 1e3) if step_s else None,
             "kinds": {k: {"ms": ms, "share": share(ms)} for k, ms in by_kind.most_common()},
             "top": [{"name": n[:120], "kind": kind_of(n), "ms": ms, "share": share(ms), "launches": launches[n]}
@@ -99,7 +103,7 @@ def markdown(p: dict) -> list[str]:
              f"(busy {p['busy'] or 0:.0%}).", "", "| kind | ms per step | share of kernel time |", "|---|---|---|"]
     lines += [f"| {k} | {v['ms']:.3f} | {v['share']:.1%} |" for k, v in p["kinds"].items()]
     lines += ["", "| kernel | kind | launches per step | ms per step | share |", "|---|---|---|---|---|"]
-    count = lambda t: f"{t['launches']:g}" if "launches" in t else "-"  # noqa: E731 (earlier reports have no count)
+    count = lambda t: f"{t['launches']:g}" if "launches" in t else "-"  # (earlier reports have no count)
     lines += [f"| `{t['name']}` | {t['kind']} | {count(t)} | {t['ms']:.3f} | {t['share']:.1%} |" for t in p["top"]]
     return lines
 

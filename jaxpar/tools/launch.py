@@ -61,7 +61,8 @@ def check_launch(args) -> str:
     if args.max_restarts is not None and not args.elastic:
         raise UserError("--max-restarts is --elastic's (a fixed-size job restarts by SLURM's --requeue)")
     if launcher not in LAUNCHERS[args.framework]:
-        raise UserError(f"--launcher {launcher} is not one for {args.framework}; choose {', '.join(LAUNCHERS[args.framework])}")
+        raise UserError(f"--launcher {launcher} is not one for {args.framework}; "
+                        f"choose {', '.join(LAUNCHERS[args.framework])}")
     if args.framework == "torchpar" and not args.backend:
         raise UserError("--framework torchpar needs --backend (ddp, fsdp, deepspeed or pipeline)")
     if args.framework == "jaxpar" and args.backend:
@@ -100,8 +101,11 @@ def elastic_nodes(args, mesh: str) -> tuple[int, int]:
 
 
 def trainer_args(args) -> str:
-    """The trainer's own arguments: jaxpar.train takes --mesh; torchpar.train has no --mesh flag and reads
-    the mesh as the override parallel.mesh=..., put last so that it wins over one in the overrides."""
+    """The trainer's own arguments: jaxpar.train takes --mesh.
+
+    torchpar.train has no --mesh flag and reads the mesh as the override parallel.mesh=..., put last so that it wins
+    over one in the overrides.
+    """
     words = [] if args.framework == "jaxpar" else ["--backend", args.backend]
     words += ["--config", args.config] if args.config else []
     if args.framework == "jaxpar":

@@ -1,5 +1,6 @@
-"""Per-device temporary memory and matmul FLOPs of a pipelined loss+grad as the microbatch count grows
-(compiled and traced, nothing is run):
+"""Per-device temporary memory and matmul FLOPs of a pipelined loss+grad as the microbatch count grows.
+
+Compiled and traced, nothing is run:
 `python -m jaxpar.tools.pipeline_memory [--stages 4] [--microbatches 4,8,16] [--seq-len 512] [--rows ...]`.
 
 The microbatch size is fixed (global batch = M x microbatch size), so a schedule whose stages keep

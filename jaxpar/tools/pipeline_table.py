@@ -1,4 +1,6 @@
-"""python -m jaxpar.tools.pipeline_table --stages S --microbatches M [--schedule 1f1b] [--virtual-stages V]
+"""Prints the clock-cycle table and bubble fraction of a pipeline schedule.
+
+python -m jaxpar.tools.pipeline_table --stages S --microbatches M [--schedule 1f1b] [--virtual-stages V]
 
 Prints the clock-cycle table of a pipeline schedule (which stage runs the forward F or backward B
 of which microbatch at each tick; `F3.1` = microbatch 3 on the device's virtual chunk 1; zb_h1 and zb_v

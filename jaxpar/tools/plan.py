@@ -1,4 +1,6 @@
-"""python -m jaxpar.tools.plan --config C --mesh M [--schedules] [--recommend --devices N --memory-per-device 80GiB]
+"""Ahead-of-time plan of a layout: per-device memory and per-step collectives of the compiled train step.
+
+python -m jaxpar.tools.plan --config C --mesh M [--schedules] [--recommend --devices N --memory-per-device 80GiB]
 
 Ahead of time, nothing trained or allocated: compile the real train step for a layout, then
 report per-device memory from XLA's memory analysis and every collective per step (with loop
@@ -51,10 +53,12 @@ def parse_bytes(text: str) -> int:
 
 
 def exchange_bytes(cfg: Config, sizes: dict[str, int], ragged: bool = False) -> float:
-    """Bytes each device sends per step over ep by the experts' exchange (jaxpar/parallel/expert_parallel.py): per layer
-    and microbatch two all-to-alls of the buffer [experts, slots, embed] forward and two backward (a third and
-    fourth forward with model.remat), each sending (ep-1)/ep of it. `ragged`: the slots filled alone (each token's
-    top_k choices), what an exchange without padding would send."""
+    """Bytes each device sends per step over ep by the experts' exchange (jaxpar/parallel/expert_parallel.py).
+
+    Per layer and microbatch two all-to-alls of the buffer [experts, slots, embed] forward and two backward (a third
+    and fourth forward with model.remat), each sending (ep-1)/ep of it. `ragged`: the slots filled alone (each
+    token's top_k choices), what an exchange without padding would send.
+    """
     m, t, ep = cfg.model, cfg.train, sizes.get("ep", 1)
     if ep == 1 or not m.moe_experts:
         return 0.0
@@ -71,11 +75,13 @@ def exchange_bytes(cfg: Config, sizes: dict[str, int], ragged: bool = False) -> 
 
 def analytic_bounds(cfg: Config, sizes: dict[str, int], param_bytes_per_device: int,
                     platform: str = "gpu", powersgd_bytes: int = 0, expert_bytes: int = 0) -> dict[str, float]:
-    """Per-device bytes sent per step by bandwidth-optimal collectives, one term per mesh axis. Gradients
-    travel at half their float32 bytes with parallel.grad_compression=bf16, except on the CPU (rounded to
-    bfloat16 there, reduced in float32: jaxpar/parallel/compression.py); with powersgd, `powersgd_bytes` (a
-    rank's payload: r(m+n) per matrix, the rest whole; divided by tp here, an estimate there) all-reduced over
-    dp x fsdp at once, after the parameters are gathered whole over fsdp."""
+    """Per-device bytes sent per step by bandwidth-optimal collectives, one term per mesh axis.
+
+    Gradients travel at half their float32 bytes with parallel.grad_compression=bf16, except on the CPU (rounded to
+    bfloat16 there, reduced in float32: jaxpar/parallel/compression.py); with powersgd, `powersgd_bytes` (a rank's
+    payload: r(m+n) per matrix, the rest whole; divided by tp here, an estimate there) all-reduced over dp x fsdp at
+    once, after the parameters are gathered whole over fsdp.
+    """
     m, t = cfg.model, cfg.train
     grads = 0.5 if cfg.parallel.grad_compression == "bf16" and platform != "cpu" else 1.0
     dp, fsdp, tp, ep = sizes["dp"], sizes["fsdp"], sizes["tp"], sizes.get("ep", 1)
@@ -103,9 +109,11 @@ def analytic_bounds(cfg: Config, sizes: dict[str, int], param_bytes_per_device: 
 
 
 def plan(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
-    """The plan of the step at the config's batch shape; with data.batching=buckets, of each bucket's shape, the
-    one with the highest peak returned, every shape's peak under "shapes". (A train.batch_rampup's largest
-    batch is the config's own.)"""
+    """The plan of the step at the config's batch shape.
+
+    With data.batching=buckets, of each bucket's shape, the one with the highest peak returned, every shape's peak
+    under "shapes". (A train.batch_rampup's largest batch is the config's own.)
+    """
     if cfg.data.batching != "buckets":
         return plan_shape(cfg, sizes, devices)
     plans = [(rows, T, plan_shape(shape_config(cfg, rows, T), sizes, devices)) for rows, T in bucket_shapes(cfg)]
@@ -169,8 +177,10 @@ def measure(collectives, bounds) -> dict[str, float]:
 
 
 def gradient_traffic(collectives) -> float:
-    """Bytes sent per device per step by the reductions over the data axes alone (dp, fsdp): the gradients
-    (and the loss, 4 bytes); parallel.grad_compression shows here."""
+    """Bytes sent per device per step by the reductions over the data axes alone (dp, fsdp).
+
+    The gradients (and the loss, 4 bytes); parallel.grad_compression shows here.
+    """
     return sum(c["traffic_bytes"] for c in collectives
                if c["op"] in ("all-reduce", "reduce-scatter") and set(c["axes"].split("+")) <= {"dp", "fsdp", "ep"})
 
@@ -191,7 +201,8 @@ def explain(collectives, bounds, measured, platform: str = "cpu", experts: bool 
             notes.append("tp: the experts' partial outputs are summed over tp on the padded buffer [experts, slots, "
                          "embed] (parallel/expert_parallel.py), not in the bound")
         ops = [c for c in collectives if axis in c["axes"].split("+") and not c["optimizer"]]  # Muon's: its own note
-        if axis != "tp" and any(c["op"] == "all-reduce" for c in ops) and not any(c["op"] == "reduce-scatter" for c in ops):
+        if (axis != "tp" and any(c["op"] == "all-reduce" for c in ops)
+                and not any(c["op"] == "reduce-scatter" for c in ops)):
             notes.append(f"{axis}: gradients are all-reduced and then sliced, where a reduce-scatter would do: up to "
                          "2x the gradient term. " + (CPU_REDUCE_SCATTER if platform == "cpu" else
                                                      "This backend formed no reduce-scatter: worth a look."))
@@ -205,7 +216,7 @@ def explain(collectives, bounds, measured, platform: str = "cpu", experts: bool 
 
 
 def print_plan(p: dict) -> None:
-    gib = lambda b: f"{b / 2**20:,.2f} MiB"  # noqa: E731
+    gib = lambda b: f"{b / 2**20:,.2f} MiB"
     m = p["model"]
     print(f"model: family={m['family']} attention={m['attention']} linear={m['linear']}, key/value cache per token: "
           f"{m['kv_cache_width']} values per layer ({m['kv_cache_bytes_per_token']:,} bytes over all layers)")
@@ -248,7 +259,7 @@ def print_plan(p: dict) -> None:
 
 def candidate_meshes(cfg: Config, n: int):
     """Every dp x fsdp x tp (x ep, with experts) factorisation of n that the model and batch divide."""
-    divisors = lambda k: (d for d in range(1, k + 1) if k % d == 0)  # noqa: E731
+    divisors = lambda k: (d for d in range(1, k + 1) if k % d == 0)
     E = cfg.model.moe_experts
     for ep in (d for d in divisors(n) if E % d == 0 and (E or d == 1)):
         for tp in divisors(n // ep):
@@ -266,8 +277,10 @@ def say_progress(line: str) -> None:
 
 def recommend(cfg: Config, n: int, budget: int, peak_flops: float, bandwidth: float,
               progress=say_progress) -> list[dict]:
-    """Every candidate mesh of n devices compiled and ranked; `progress(line)` hears of each as it is compiled (the
-    whole takes a minute for a small model)."""
+    """Every candidate mesh of n devices compiled and ranked.
+
+    `progress(line)` hears of each as it is compiled (the whole takes a minute for a small model).
+    """
     tokens = max(rows * T for rows, T in batch_shapes(cfg))  # the largest batch (a ramp's end; about each bucket's)
     compute_s = tokens * flops_per_token(cfg.model, cfg.data.seq_len) / n / peak_flops
     rows, meshes = [], list(candidate_meshes(cfg, n))
@@ -293,8 +306,10 @@ def recommend(cfg: Config, n: int, budget: int, peak_flops: float, bandwidth: fl
 
 
 def compare_schedules(cfg: Config, sizes: dict[str, int], devices=None, budget: int | None = None) -> list[dict]:
-    """Every pipeline schedule's row of the `--schedules` table (plan_schedules.compare), each schedule said on
-    stderr as it is compiled."""
+    """Every pipeline schedule's row of the `--schedules` table (plan_schedules.compare).
+
+    Each schedule is said on stderr as it is compiled.
+    """
     def planned(c: Config, sizes: dict[str, int], devices=None) -> dict:
         say_progress(f"plan: compiling parallel.pipeline_schedule={c.parallel.pipeline_schedule} on "
                      f"{format_mesh(sizes)}")
@@ -314,7 +329,8 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-per-device", default="80GiB")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="per-device compute rate for predictions")
     ap.add_argument("--bandwidth-gbs", type=float, default=400.0, help="per-device link bandwidth, GB/s")
-    ap.add_argument("--schedules", action="store_true", help="every pipeline schedule side by side (pp > 1), auto's choice marked")
+    ap.add_argument("--schedules", action="store_true",
+                    help="every pipeline schedule side by side (pp > 1), auto's choice marked")
     ap.add_argument("--json", help="also write the result as JSON here")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)

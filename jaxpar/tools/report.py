@@ -125,8 +125,10 @@ def run_records(run_dir: str) -> list[dict]:
 
 
 def run_labels(run_dirs: list[str]) -> list[str]:
-    """Each run's legend label, '<dir name> (<framework>)': the path below the runs' common folder where two
-    labels would be alike, and a count where two paths are."""
+    """Each run's legend label, '<dir name> (<framework>)'.
+
+    The path below the runs' common folder where two labels would be alike, and a count where two paths are.
+    """
     paths = [os.path.abspath(d) for d in run_dirs]
     frameworks = [framework_of(d) for d in run_dirs]  # None where nothing tells
 
@@ -148,8 +150,10 @@ def source_root() -> str | None:
 
 
 def beside(paths: list[str]) -> str:
-    """The default output folder: the one run (or file's folder) given, or the common parent folder of several;
-    refused where that is this checkout's root or one of its source folders (--out must say where)."""
+    """The default output folder: the one run (or file's folder) given, or the common parent folder of several.
+
+    Refused where that is this checkout's root or one of its source folders (--out must say where).
+    """
     paths = [os.path.abspath(p) for p in paths]
     folder = paths[0] if len(paths) == 1 else os.path.commonpath([os.path.dirname(p) for p in paths])
     root = source_root()
@@ -160,8 +164,11 @@ def beside(paths: list[str]) -> str:
 
 
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of one metric in step order; a step logged twice (a resumed run replaying it) keeps its
-    last value, and a null (a value that was not finite) is left out."""
+    """(steps, values) of one metric in step order.
+
+    A step logged twice (a resumed run replaying it) keeps its last value, and a null (a value that was not finite)
+    is left out.
+    """
     by_step = {r["step"]: r[key] for r in records if "step" in r and r.get(key) is not None}
     steps = sorted(by_step)
     return steps, [by_step[s] for s in steps]
@@ -179,8 +186,11 @@ def curve_data(runs: dict[str, list[dict]]) -> dict[str, dict[str, tuple[list[in
 
 
 def curve_figure(data: dict[str, dict[str, tuple[list[int], list[float]]]], labels: list[str]):
-    """One figure, a panel per curve in `data` (the Axes labelled with the curve's key), a line per run labelled
-    with its run; each run keeps one colour in every panel, named once in the figure's legend."""
+    """One figure with a panel per curve in `data` and a line per run.
+
+    Each panel's Axes are labelled with the curve's key, each line with its run; each run keeps one colour in every
+    panel, named once in the figure's legend.
+    """
     from matplotlib.figure import Figure  # deferred: matplotlib, optional (the report extra): plots only
 
     titles = dict(CURVES)
@@ -213,8 +223,10 @@ def curves_path(run_dirs: list[str], out: str | None) -> str:
 
 
 def curves(run_dirs: list[str], out: str | None = None) -> tuple[str, dict]:
-    """Draw the runs' curves into one PNG (path: `curves_path`); returns the path written and the plotted data,
-    {curve key: {run label: (steps, values)}}."""
+    """Draw the runs' curves into one PNG (path: `curves_path`).
+
+    Returns the path written and the plotted data, {curve key: {run label: (steps, values)}}.
+    """
     path = curves_path(run_dirs, out)
     check_output_file(path, "--out")
     labels = run_labels(run_dirs)
@@ -230,8 +242,11 @@ def curves(run_dirs: list[str], out: str | None = None) -> tuple[str, dict]:
 
 
 def plot_run(runs: dict[str, list[dict]], out_dir: str) -> list[str]:
-    """stragglers.png (straggler_ratio by step, each point labelled with its slowest rank) where a run has
-    straggler_ratio, and comm_share.png (the share per mesh axis, per run) where a run has a per-axis share."""
+    """Writes the straggler and communication-share plots of the runs that have them; returns the files written.
+
+    stragglers.png (straggler_ratio by step, each point labelled with its slowest rank) where a run has straggler_ratio,
+    and comm_share.png (the share per mesh axis, per run) where a run has a per-axis share.
+    """
     from matplotlib.figure import Figure  # deferred: matplotlib, optional (the report extra): plots only
 
     slow = {name: [r for r in records if r.get("straggler_ratio") is not None] for name, records in runs.items()}
@@ -282,7 +297,7 @@ def scaling_rows(runs: list[dict]) -> list[dict]:
 
 
 def scaling_markdown(rows: list[dict]) -> str:
-    fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+    fmt = lambda x, f: "-" if x is None else format(x, f)
     lines = ["| run | devices | tokens/s | speedup | efficiency | peak GiB / device | bubble | baseline |",
              "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {label(r)} | {r['devices']} | {r['tokens_per_sec']:,.0f} | {r['speedup']:.2f}x | "
@@ -310,8 +325,11 @@ def plot_efficiency(rows: list[dict], out_dir: str) -> str:
 
 
 def split_inputs(paths: list[str]) -> tuple[list[str], list[str]]:
-    """The positional arguments as (run directories, benchmark files): a directory is a run, a file (or a missing
-    path ending in .json) a benchmark result; any other missing path is one line."""
+    """The positional arguments as (run directories, benchmark files).
+
+    A directory is a run, a file (or a missing path ending in .json) a benchmark result; any other missing path is
+    one line.
+    """
     run_dirs, files = [], []
     for path in paths:
         if os.path.isdir(path):

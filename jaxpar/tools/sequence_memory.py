@@ -1,5 +1,6 @@
-"""Per-device activation memory of loss+grad under sequence parallelism, from XLA's compiled memory
-analysis (nothing is run): `python -m jaxpar.tools.sequence_memory [--seq-len T] [--devices 8]`.
+"""Per-device activation memory of loss+grad under sequence parallelism, from XLA's compiled memory analysis.
+
+Nothing is run: `python -m jaxpar.tools.sequence_memory [--seq-len T] [--devices 8]`.
 
 For each attention strategy and sp = N it compiles value_and_grad of the training loss on an
 sp=N mesh and reports `temp_size_in_bytes` (the per-device scratch: activations, residuals,

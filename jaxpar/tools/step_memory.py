@@ -1,4 +1,5 @@
-"""A train step's memory measured on this host, for one CPU device (whose runtime keeps no memory counters):
+"""A train step's memory measured on this host, for one CPU device (whose runtime keeps no memory counters).
+
 python -m jaxpar.tools.step_memory --config C [key=value ...].
 
 The step is compiled and run once, the memory the compiler and that first step freed is handed back to the system
@@ -31,8 +32,11 @@ def _status_bytes(field: str) -> int:
 
 
 def measure(cfg: Config) -> dict:
-    """{"state_bytes", "step_bytes" (the resident set's rise during a warm step), "peak_bytes" (their sum),
-    "planned_temp_bytes", "planned_peak_bytes"} of the config's train step on the first device."""
+    """Measured and planned memory of the config's train step on the first device.
+
+    Returns {"state_bytes", "step_bytes" (the resident set's rise during a warm step), "peak_bytes" (their sum),
+    "planned_temp_bytes", "planned_peak_bytes"}.
+    """
     import jax  # deferred: jax reads JAX_PLATFORMS, which main sets, on import
 
     from jaxpar.step import build_step  # deferred: imports jax, after main sets JAX_PLATFORMS

@@ -77,8 +77,11 @@ def shell_words(text: str) -> list[list[str]]:
 
 
 def is_command(words: list[str]) -> bool:
-    """A program of PROGRAMS; python with -m and one of this repository's modules (or pytest); DeepSpeed's launcher
-    with its options first (`deepspeed config: ...` is prose)."""
+    """A program of PROGRAMS.
+
+    Python with -m and one of this repository's modules (or pytest); DeepSpeed's launcher with its options first
+    (`deepspeed config: ...` is prose).
+    """
     if not words or words[0] not in PROGRAMS:
         return False
     if words[0] == "deepspeed":
@@ -88,8 +91,10 @@ def is_command(words: list[str]) -> bool:
 
 
 def commands_of(where: str, line: str, illustrative: bool) -> list[Command]:
-    """The commands of one shell line; a line that starts with a program but that the shell cannot read is one
-    broken command."""
+    """The commands of one shell line.
+
+    A line that starts with a program but that the shell cannot read is one broken command.
+    """
     try:
         return [Command(where, ws, illustrative) for ws in shell_words(line) if is_command(ws)]
     except ValueError as e:  # unbalanced quotes
@@ -245,7 +250,8 @@ def check_module(module: str, args: list[str], world: int = 1, illustrative: boo
         main, out = importlib.import_module(module).main, io.StringIO()
         if module == "jaxpar.core.config.schema" and args:  # prints the resolved config: quick
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-                assert main(args) == 0, f"python -m jaxpar.core.config.schema refuses {shlex.join(args)}: {out.getvalue()}"
+                assert main(args) == 0, (f"python -m jaxpar.core.config.schema refuses {shlex.join(args)}: "
+                                         f"{out.getvalue()}")
         return
     partial = "..." in args
     mod = importlib.import_module(module)
@@ -347,7 +353,9 @@ def problem(command: Command) -> list[str]:
 
 def slugs(markdown: str) -> set[str]:
     """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as hyphens, -1, -2, ...
-    after a repeat."""
+
+    after a repeat.
+    """
     repeats: dict[str, int] = {}
     anchors = set()
     for heading in re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M), re.M):

@@ -1,5 +1,8 @@
-"""data.batching=buckets (jaxpar/core/data/buckets.py): whole documents grouped by length, each target read once,
-the order a function of (data, seed, step), the padding skipped, and one line for buckets that cannot run."""
+"""data.batching=buckets (jaxpar/core/data/buckets.py).
+
+Whole documents grouped by length, each target read once, the order a function of (data, seed, step), the padding
+skipped, and one line for buckets that cannot run.
+"""
 import numpy as np
 import pytest
 
@@ -57,8 +60,10 @@ def test_batches_hold_whole_documents_of_their_bucket(tmp_path):
 
 
 def test_buckets_waste_little_on_long_tailed_lengths(tmp_path):
-    """Log-normal lengths with median 1/8 of the window: one document per fixed window pads most of it; four
-    buckets per octave pad under a tenth (docs/benchmarks/padding-share.md has the rows)."""
+    """Log-normal lengths with median 1/8 of the window: one document per fixed window pads most of it.
+
+    Four buckets per octave pad under a tenth (docs/benchmarks/padding-share.md has the rows).
+    """
     T = 256
     lengths = lognormal_documents(tmp_path / "ln.bin", 3000, T // 8)
     per_window = 1 - np.minimum(lengths + 2, T + 1).sum() / (len(lengths) * (T + 1))

@@ -1,5 +1,8 @@
-"""The config schema (jaxpar/core/config/schema.py): defaults <- YAML <- key=value, typed and validated, with one line
-naming the key for anything it refuses; a run's config.json reads back to the same config."""
+"""The config schema (jaxpar/core/config/schema.py).
+
+Defaults <- YAML <- key=value, typed and validated, with one line naming the key for anything it refuses; a run's
+config.json reads back to the same config.
+"""
 import json
 
 import pytest

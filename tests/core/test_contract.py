@@ -38,9 +38,11 @@ ALTERNATIVE = {
     "train.steps": "3", "train.matmul_precision": "high", "train.compile": "on", "optim.min_lr": "0.0",
     "optim.warmup_steps": "1", "optim.decay_steps": "5", "optim.loss_scale_init": "1e30",
     "optim.loss_scale_growth_interval": "1", "optim.loss_scale_backoff_factor": "0.25",
-    "optim.loss_scale_min": "1e20", "optim.loss_scale_growth_factor": "4", "parallel.mesh": "dp=2,fsdp=-1", "parallel.zero_stage": "1",
+    "optim.loss_scale_min": "1e20", "optim.loss_scale_growth_factor": "4", "parallel.mesh": "dp=2,fsdp=-1",
+    "parallel.zero_stage": "1",
     "parallel.sequence_attention": "ulysses", "parallel.pipeline_schedule": "1f1b",
-    "parallel.pipeline_microbatches": "2", "parallel.pipeline_virtual_stages": "2", "parallel.offload": "params+optimizer",
+    "parallel.pipeline_microbatches": "2", "parallel.pipeline_virtual_stages": "2",
+    "parallel.offload": "params+optimizer",
     "checkpoint.every": "2", "train.batch_rampup": "4,4,8", "data.buckets": "16", "train.tokens_per_batch": "256",
     "model.moe_experts": "4", "model.moe_aux_loss": "0.01", "model.moe_capacity_factor": "1.0",
     "model.moe_bias_update": "0.01",
@@ -250,8 +252,10 @@ def torch_step(cfg, tmp_path, batches) -> list:
 
 
 def torch_engine(cfg, backend: str):
-    """What torchpar hands the engine for `backend`, beside the model: DeepSpeed's JSON, the pipeline's
-    schedule, torch.compile, the matmul precision."""
+    """What torchpar hands the engine for `backend`, beside the model.
+
+    DeepSpeed's JSON, the pipeline's schedule, torch.compile, the matmul precision.
+    """
     from torchpar.parallelize import use_compile
     from jaxpar.core.config.mesh_spec import check_torch_mesh
     from torchpar.dist import PRECISION
@@ -265,8 +269,8 @@ def torch_engine(cfg, backend: str):
         from jaxpar.core.pipeline.schedules import concrete, resolve_microbatches
         S = pipeline_sizes(cfg, 4)[0]
         p = cfg.parallel
-        out["pipeline"] = (S, SCHEDULES[concrete(p.pipeline_schedule)], resolve_microbatches(S, p.pipeline_microbatches),
-                           p.pipeline_virtual_stages)
+        out["pipeline"] = (S, SCHEDULES[concrete(p.pipeline_schedule)],
+                           resolve_microbatches(S, p.pipeline_microbatches), p.pipeline_virtual_stages)
     if backend == "fsdp":
         from torchpar.backends.fsdp import fsdp_options
         out["fsdp"] = fsdp_options(cfg, 4)
@@ -322,7 +326,8 @@ def test_a_consumed_key_changes_the_run(key, datasets, tmp_path):
         changed[-1] = f"data.dataset={datasets[1]}"
     runs = ([("jaxpar", "")] if row.jaxpar else []) + [("torchpar", b) for b in row.torchpar]
     if row.effect in ("params", "data", "loop") or (row.effect == "step" and not torch_engine_key(key)):
-        runs = runs[:1] + [r for r in runs[1:2]]  # one torchpar backend stands for all: the model, data and loop are shared
+        # one torchpar backend stands for all: the model, data and loop are shared
+        runs = runs[:1] + [r for r in runs[1:2]]
         if row.effect in ("data", "loop"):
             runs = runs[:1]  # one code path for both trainers (jaxpar/core/data/order.py, jaxpar/core/run/loop.py)
     for trainer, backend in runs:

@@ -234,8 +234,11 @@ def test_hf_tokenizer_branch_with_fake_library(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("n,seed", [(1, 0), (23, 7), (279, 0), (70_000, 2**32 - 1)])
 def test_shared_order_is_grains_shuffle(n, seed):
-    """The order defined in jaxpar/core/data/order.py (pure Python; what torchpar reads) is, epoch after epoch,
-    the one grain's MapDataset.shuffle(seed).repeat() gives, so runs keep their data order."""
+    """The shared data order is grain's shuffle, epoch after epoch.
+
+    The order defined in jaxpar/core/data/order.py (pure Python; what torchpar reads) is, epoch after epoch, the one
+    grain's MapDataset.shuffle(seed).repeat() gives, so runs keep their data order.
+    """
     import grain
 
     from jaxpar.core.data.shuffle import shuffled_index
@@ -286,26 +289,33 @@ def test_trained_bpe_round_trips_and_parallel_prepare_matches_one_worker(corpus_
     ids = np.fromfile(one, dtype="<u2")
     cuts = np.flatnonzero(ids == eod_token(tok))  # <|endoftext|> between documents, nowhere else
     parts = np.split(ids, cuts)
-    assert len(cuts) == len(DOCS) - 1 and [decode(parts[0].tolist())] + [decode(p[1:].tolist()) for p in parts[1:]] == DOCS
+    assert len(cuts) == len(DOCS) - 1 and (
+        [decode(parts[0].tolist())] + [decode(p[1:].tolist()) for p in parts[1:]] == DOCS)
 
 
 def test_parallel_prepare_ends_where_sigterm_is_ignored(corpus_files, tmp_path):
-    """A parent that ignores SIGTERM (a finished run ignores late stop signals) hands that on to the workers;
-    the pool must still end them (it hung in Pool.terminate's join)."""
+    """A parent that ignores SIGTERM (a finished run ignores late stop signals) hands that on to the workers.
+
+    The pool must still end them (it hung in Pool.terminate's join).
+    """
     pytest.importorskip("tokenizers")
     from jaxpar.core.data.bpe import train_tokenizer
 
     tok = str(tmp_path / "tokenizer.json")
     train_tokenizer(corpus_files, tok, vocab_size=320, text_field="body")
-    code = ("import signal, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); from jaxpar.core.data.tokens import prepare; "
+    code = ("import signal, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "from jaxpar.core.data.tokens import prepare; "
             f"prepare({corpus_files!r}, {str(tmp_path / 'two.bin')!r}, {tok!r}, 'body', workers=2)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and (tmp_path / "two.bin").exists(), r.stderr
 
 
 def test_a_tokenizer_smaller_than_asked_is_said(tmp_path, capsys):
-    """BPE stops merging where a small corpus has no pairs left: the vocabulary it wrote is smaller than --vocab-size,
-    and one line on stderr gives the model.vocab_size that goes with it."""
+    """BPE stops merging where a small corpus has no pairs left.
+
+    The vocabulary it wrote is smaller than --vocab-size, and one line on stderr gives the model.vocab_size that
+    goes with it.
+    """
     pytest.importorskip("tokenizers")
     from jaxpar.data import main
 

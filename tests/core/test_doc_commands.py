@@ -1,5 +1,7 @@
-"""Every command that README.md and the docs show is one its program accepts (how: tests/core/doc_commands.py);
-README.md's first screen is what CI runs; the docs' index and links reach their pages and headings."""
+"""Every command that README.md and the docs show is one its program accepts (how: tests/core/doc_commands.py).
+
+README.md's first screen is what CI runs; the docs' index and links reach their pages and headings.
+"""
 from __future__ import annotations
 
 import os

@@ -1,5 +1,8 @@
-"""Parameter counts by formula (jaxpar/core/model/flops.py, what MFU and the planner use, torch-free) equal the
-parameters the Flax model creates, for every variant."""
+"""Formula parameter counts equal the parameters the Flax model creates.
+
+Parameter counts by formula (jaxpar/core/model/flops.py, what MFU and the planner use, torch-free) equal the parameters
+the Flax model creates, for every variant.
+"""
 import math
 
 import jax
@@ -20,10 +23,10 @@ VARIANTS = {"mha": (), "mla": ("model.attention=mla", "model.q_latent_dim=16", "
                           "model.rope_head_dim=4"), "model.moe_experts=4", "model.family=gpt2"),
             "first_dense": ("model.family=llama", "model.n_layer=3", "model.moe_first_dense=1", "model.d_ff=40",
                             "model.moe_experts=4", "model.moe_d_ff=24"),
-            "deepseek_v3": ("model.family=llama", "model.attention=mla", "model.q_latent_dim=16", "model.kv_latent_dim=8",
-                            "model.rope_head_dim=4", "model.n_layer=3", "model.moe_first_dense=1", "model.d_ff=40",
-                            "model.moe_experts=4", "model.moe_d_ff=24", "model.moe_shared_experts=1",
-                            "model.moe_router_bias=true", "model.tie_embeddings=false"),
+            "deepseek_v3": ("model.family=llama", "model.attention=mla", "model.q_latent_dim=16",
+                            "model.kv_latent_dim=8", "model.rope_head_dim=4", "model.n_layer=3",
+                            "model.moe_first_dense=1", "model.d_ff=40", "model.moe_experts=4", "model.moe_d_ff=24",
+                            "model.moe_shared_experts=1", "model.moe_router_bias=true", "model.tie_embeddings=false"),
             "mtp": ("model.mtp_depth=2",),
             "mtp_llama_moe": ("model.family=llama", "model.n_kv_head=2", "model.d_ff=40", "model.moe_experts=4",
                               "model.moe_d_ff=24", "model.mtp_depth=1")}
@@ -39,8 +42,11 @@ def test_formula_counts_the_models_parameters(name):
 
 
 def test_flops_per_token_textbook():
-    """GPT-2 small has HF's 124,439,808 parameters; 6 N (non-embedding + tied head) + 12 L T d at T=1024
-    is 6 * 123.5M + 12 * 12 * 1024 * 768 = ~0.854 GFLOP per token."""
+    """GPT-2 small has HF's 124,439,808 parameters.
+
+    6 N (non-embedding + tied head) + 12 L T d at T=1024 is 6 * 123.5M + 12 * 12 * 1024 * 768 = ~0.854 GFLOP per
+    token.
+    """
     cfg = tiny_config("model.n_layer=12", "model.n_head=12", "model.d_model=768", "model.vocab_size=50257",
                       "model.max_seq_len=1024", "data.seq_len=1024").model
     assert count_params(cfg)["total"] == 124_439_808
@@ -56,8 +62,11 @@ def test_llama_3_2_1b_count():
 
 
 def test_flops_count_the_experts_a_token_runs_through():
-    """Top-2 of 8 experts (width 16) and one shared: a token's feed-forward runs 3 experts' SwiGLUs (3 x 3 x d x 16)
-    and the router (d x 8), not the 9 experts' weights the model holds."""
+    """Top-2 of 8 experts (width 16) and one shared.
+
+    A token's feed-forward runs 3 experts' SwiGLUs (3 x 3 x d x 16) and the router (d x 8), not the 9 experts'
+    weights the model holds.
+    """
     cfg = tiny_config("model.family=llama", "model.moe_experts=8", "model.moe_top_k=2", "model.moe_shared_experts=1",
                       "model.moe_d_ff=16").model
     d, L = cfg.d_model, cfg.n_layer

@@ -49,7 +49,7 @@ def imports(source: str) -> tuple[list[ast.stmt], list[ast.stmt]]:
         if isinstance(node, (ast.Import, ast.ImportFrom))
     }
     every = [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
-    by_line = lambda nodes: sorted(nodes, key=lambda n: n.lineno)  # noqa: E731
+    by_line = lambda nodes: sorted(nodes, key=lambda n: n.lineno)
     return by_line(inner.values()), by_line(n for n in every if id(n) not in inner)
 
 

@@ -1,5 +1,8 @@
-"""Both parallelize functions (jaxpar/parallelize.py, torchpar/parallelize.py) apply recomputation (model.remat)
-from outside the models, in their fixed order; the models alone never recompute."""
+"""Recomputation is applied by the parallelize functions, never by the models.
+
+Both parallelize functions (jaxpar/parallelize.py, torchpar/parallelize.py) apply recomputation (model.remat) from
+outside the models, in their fixed order; the models alone never recompute.
+"""
 import jax
 import numpy as np
 import pytest
@@ -37,8 +40,11 @@ def jax_step_primitives(cfg) -> set[str]:
 
 
 def torch_run(cfg, checkpointed: bool):
-    """(loss, gradients, modules' forward calls, bytes autograd saved outside recomputed regions) of one forward and
-    backward of the tiny model, its blocks checkpointed by torchpar's parallelize stage or left plain."""
+    """Run one forward and backward of the tiny model, its blocks checkpointed or plain.
+
+    Returns (loss, gradients, modules' forward calls, bytes autograd saved outside recomputed regions); the blocks are
+    checkpointed by torchpar's parallelize stage or left plain.
+    """
     from torchpar.models.decoder import next_token_loss
     from torchpar.parallelize import checkpoint_blocks
     from torchpar.trainer import build_model
@@ -59,9 +65,11 @@ def torch_run(cfg, checkpointed: bool):
 
 
 def test_model_remat_recomputes_in_both_trainers():
-    """The contract's evidence for model.remat (jaxpar/core/config/contract.py): jaxpar's train step holds a checkpointed
-    region exactly when model.remat is set, and torchpar's parallelized blocks run their forward again in the
-    backward pass."""
+    """The contract's evidence for model.remat (jaxpar/core/config/contract.py).
+
+    Jaxpar's train step holds a checkpointed region exactly when model.remat is set, and torchpar's parallelized
+    blocks run their forward again in the backward pass.
+    """
     assert not recomputes(jax_step_primitives(tiny_config()))
     assert recomputes(jax_step_primitives(tiny_config("model.remat=full")))
     plain = torch_run(tiny_config(), checkpointed=True)[2]
@@ -71,8 +79,11 @@ def test_model_remat_recomputes_in_both_trainers():
 @pytest.mark.parametrize("remat", ["full", "save_matmuls"])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_torchpar_checkpointed_blocks_keep_names_and_numbers(remat, family):
-    """checkpoint_blocks: the same parameter names (the shared weight format, DCP), the same loss and gradients,
-    the forward recomputed, less kept for the backward pass; under no_grad the blocks run as plain ones."""
+    """Checkpointed torchpar blocks keep the parameter names and numbers and recompute the forward.
+
+    checkpoint_blocks: the same parameter names (the shared weight format, DCP), the same loss and gradients, the
+    forward recomputed, less kept for the backward pass; under no_grad the blocks run as plain ones.
+    """
     cfg = tiny_config(f"model.remat={remat}", f"model.family={family}")
     loss, grads, calls, saved, names = torch_run(cfg, checkpointed=False)
     c_loss, c_grads, c_calls, c_saved, c_names = torch_run(cfg, checkpointed=True)
@@ -91,7 +102,7 @@ def test_torchpar_parallelize_checkpoints_then_compiles_then_wraps(monkeypatch):
     from torchpar.trainer import build_model
 
     seen = []
-    checkpointed = lambda model: all(isinstance(b, stages.CheckpointedBlock) for b in model.blocks)  # noqa: E731
+    checkpointed = lambda model: all(isinstance(b, stages.CheckpointedBlock) for b in model.blocks)
     monkeypatch.setattr(stages, "compile_blocks", lambda model: seen.append(("compile", checkpointed(model))))
     monkeypatch.setattr(backends, "build", lambda backend, model, *a, **k: seen.append(("wrap", checkpointed(model))))
     cfg = tiny_config("model.remat=full", "train.compile=on")

@@ -1,5 +1,7 @@
-"""parallel.pipeline_schedule=auto's chooser (jaxpar/core/pipeline/choice.py): the least modeled step time, found
-without taking every schedule's figures."""
+"""parallel.pipeline_schedule=auto's chooser (jaxpar/core/pipeline/choice.py).
+
+The least modeled step time, found without taking every schedule's figures.
+"""
 import itertools
 
 import pytest
@@ -10,8 +12,10 @@ from jaxpar.core.config.schema import load_config
 
 
 def test_choose_is_the_argmin_of_every_figure_and_asks_only_for_those_that_could_win():
-    """On a grid of FLOPs ratios (each >= 1.0) the lazy visit picks what the full table's argmin picks; a ratio
-    is asked for only while its bubble's bound could still beat the best."""
+    """On a grid of FLOPs ratios (each >= 1.0) the lazy visit picks what the full table's argmin picks.
+
+    A ratio is asked for only while its bubble's bound could still beat the best.
+    """
     bubbles = {"gpipe": 0.273, "1f1b": 0.273, "interleaved": 0.158, "zb_h1": 0.111, "zb_v": 0.059}
     asked = set()
     for ratios in itertools.product((1.0, 1.2, 1.45), repeat=5):
@@ -29,7 +33,7 @@ def test_choose_is_the_argmin_of_every_figure_and_asks_only_for_those_that_could
 def test_resolve_is_inert_without_a_pipeline_or_a_named_schedule_and_names_every_refusal():
     cfg = load_config(None, [])
     assert cfg.parallel.pipeline_schedule == "auto"  # the default
-    never = lambda c: pytest.fail("no figures without a pipeline")  # noqa: E731
+    never = lambda c: pytest.fail("no figures without a pipeline")
     assert resolve(cfg, 1, never, never) == (cfg, None)
     named = load_config(None, ["parallel.pipeline_schedule=1f1b"])
     assert resolve(named, 4, never, never) == (named, None)

@@ -42,8 +42,11 @@ def test_bubble_is_the_textbook_fraction(schedule, V):
 
 
 def test_zb_h1_splits_the_backward_and_fills_the_bubble_with_w():
-    """Every F, B and W once; W after its own B; bubble (S-1)/(3M+S-1) (Qi et al. 2024: about a third of
-    1F1B's); at most S microbatches held by any stage (1F1B's peak); F and B in 1F1B's order."""
+    """Every F, B and W once.
+
+    W after its own B; bubble (S-1)/(3M+S-1) (Qi et al. 2024: about a third of 1F1B's); at most S microbatches held
+    by any stage (1F1B's peak); F and B in 1F1B's order.
+    """
     for S_, M_ in ((2, 4), (4, 8), (4, 16), (8, 16)):
         table = simulate("zb_h1", S_, M_)
         at = ticks(table)
@@ -63,11 +66,13 @@ def test_zb_h1_splits_the_backward_and_fills_the_bubble_with_w():
 
 
 def test_zb_v_runs_two_chunks_in_a_v_at_1f1b_memory(capsys):
-    """Device d holds virtual stages d and 2S-1-d (the first and the last on device 0); every F, B and W once,
-    in dependency order; at most 2S chunk-microbatches (half a stage each: 1F1B's S stages' worth) between F and
-    W on any device; the bubble never below the least a unit-time table allows, (S-1)/(6M+S-1) -- the last device
-    starts after S-1 chunk forwards -- and equal to it at S = 2, 3, 4, 8 (at 5-7 mostly above: the greedy rule's); at
-    S=4 half ZB-H1's idle time (S-1 half-stage ticks against S-1 stage ticks)."""
+    """Device d holds virtual stages d and 2S-1-d (the first and the last on device 0).
+
+    Every F, B and W once, in dependency order; at most 2S chunk-microbatches (half a stage each: 1F1B's S stages'
+    worth) between F and W on any device; the bubble never below the least a unit-time table allows, (S-1)/(6M+S-1)
+    -- the last device starts after S-1 chunk forwards -- and equal to it at S = 2, 3, 4, 8 (at 5-7 mostly above:
+    the greedy rule's); at S=4 half ZB-H1's idle time (S-1 half-stage ticks against S-1 stage ticks).
+    """
     for S_, M_ in [(2, 2)] + [(s, m * s) for s in range(2, 9) for m in (2, 3, 4)]:
         assert [placement("zb_v", S_, v) for v in range(2 * S_)] == (
             [(d, 0) for d in range(S_)] + [(d, 1) for d in reversed(range(S_))])
@@ -90,7 +95,7 @@ def test_zb_v_runs_two_chunks_in_a_v_at_1f1b_memory(capsys):
             bubble_fraction(table) >= least - 1e-12)
         assert all(max_in_flight(table, d) <= 2 * S_ for d in range(S_))
     zb_h1, zb_v = simulate("zb_h1", 4, 8), simulate("zb_v", 4, 8)
-    idle = lambda table, unit: sum(op is None for row in table for op in row) * unit / 4  # noqa: E731  per device
+    idle = lambda table, unit: sum(op is None for row in table for op in row) * unit / 4  # per device
     assert idle(zb_v, 0.5) == idle(zb_h1, 1.0) / 2 and bubble_fraction(zb_v) < 0.53 * bubble_fraction(zb_h1)
     for schedule, units in (("zb_v", "1.5"), ("zb_h1", "3")):  # the table tool prints that idle time
         assert pipeline.main(["--stages", "4", "--microbatches", "8", "--schedule", schedule]) == 0
@@ -135,9 +140,11 @@ def test_errors_are_user_errors(capsys):
 
 
 def dualpipev_ticks(table, S_):
-    """(kind, microbatch, virtual stage) -> tick of a DualPipeV table, BW as a B and a W at one tick; fails on an op
-    run twice, missing, on the wrong device, or before what it needs (F before its B before its W; a forward after
-    the previous virtual stage's, a backward after the next one's)."""
+    """(kind, microbatch, virtual stage) -> tick of a DualPipeV table, BW as a B and a W at one tick.
+
+    Fails on an op run twice, missing, on the wrong device, or before what it needs (F before its B before its W; a
+    forward after the previous virtual stage's, a backward after the next one's).
+    """
     at = {}
     for t, row in enumerate(table):
         for d, op in enumerate(row):
@@ -157,9 +164,12 @@ def dualpipev_ticks(table, S_):
 
 
 def test_dualpipev_program_is_valid_and_torchs():
-    """Every chunk-microbatch's F, B and W once on its V-placed device, in dependency order across the devices (the
-    check fails on a table with an op dropped, repeated or moved before its input); each device's program is
-    torch.distributed.pipelining's ScheduleDualPipeV's op for op (its FULL_BACKWARD our BW, BACKWARD_INPUT our B)."""
+    """The DualPipeV program is valid and is torch's ScheduleDualPipeV op for op.
+
+    Every chunk-microbatch's F, B and W once on its V-placed device, in dependency order across the devices (the check
+    fails on a table with an op dropped, repeated or moved before its input); each device's program is
+    torch.distributed.pipelining's ScheduleDualPipeV's op for op (its FULL_BACKWARD our BW, BACKWARD_INPUT our B).
+    """
     import types
 
     from torch.distributed.pipelining.schedules import ScheduleDualPipeV
@@ -191,10 +201,12 @@ def test_dualpipev_program_is_valid_and_torchs():
 
 
 def test_dualpipev_in_lockstep_against_zb_v(capsys):
-    """DualPipeV's unit-tick bubble would count an overlapped F+BW tick as one unit; in lockstep (a tick lasts its
-    slowest op: the executor's) it idles more than ZB-V, whose ops are all one unit, and less than 1F1B, whose
-    F beside a two-unit backward idles half a tick. It holds one chunk-microbatch more than ZB-V (2S+1) on the last
-    device. The table tool prints both bubbles."""
+    """DualPipeV's unit-tick bubble would count an overlapped F+BW tick as one unit.
+
+    In lockstep (a tick lasts its slowest op: the executor's) it idles more than ZB-V, whose ops are all one unit,
+    and less than 1F1B, whose F beside a two-unit backward idles half a tick. It holds one chunk-microbatch more
+    than ZB-V (2S+1) on the last device. The table tool prints both bubbles.
+    """
     from jaxpar.core.pipeline.schedules import lockstep_bubble
     for S_, M_ in ((2, 4), (4, 8), (4, 16), (8, 16)):
         dpv, zb_v = simulate("dualpipev", S_, M_), simulate("zb_v", S_, M_)

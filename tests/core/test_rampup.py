@@ -1,5 +1,7 @@
-"""train.batch_rampup (jaxpar/core/data/rampup.py): Megatron's rule for the batch size of each step, the samples a
-step reads, and one line for a ramp-up that cannot run."""
+"""train.batch_rampup (jaxpar/core/data/rampup.py).
+
+Megatron's rule for the batch size of each step, the samples a step reads, and one line for a ramp-up that cannot run.
+"""
 import numpy as np
 import pytest
 
@@ -30,7 +32,8 @@ def test_a_step_reads_the_samples_after_those_read_before_it(tmp_path):
 
 
 @pytest.mark.parametrize("spec,phrase", [
-    ("8,8", "not START,INCREMENT,SAMPLES"), ("8,5,64", "INCREMENT 5 does not divide train.global_batch_size - START = 24"),
+    ("8,8", "not START,INCREMENT,SAMPLES"),
+    ("8,5,64", "INCREMENT 5 does not divide train.global_batch_size - START = 24"),
     ("32,8,64", "START below train.global_batch_size=32"), ("8,0,64", "INCREMENT, SAMPLES >= 1"),
     ("6,2,64", "multiples of train.microbatches=4")])
 def test_a_ramp_that_cannot_run_gets_one_line(spec, phrase):
@@ -45,7 +48,8 @@ def test_every_batch_size_of_the_ramp_must_fit_the_mesh():
     from jaxpar.mesh import make_mesh
 
     cfg = load_config(None, [*TINY, "train.batch_rampup=2,2,16"])
-    with pytest.raises(UserError, match=r"train.batch_rampup=2,2,16, at a batch of 2 x 16 tokens: batch per microbatch 2 .* "
+    with pytest.raises(UserError, match=r"train.batch_rampup=2,2,16, at a batch of 2 x 16 tokens: "
+                                        r"batch per microbatch 2 .* "
                                         r"not divisible by the data axes dp\*fsdp\*ep=4"):
         Layout(cfg, make_mesh({"dp": 4}, jax.devices()[:4]))
 

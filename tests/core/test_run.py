@@ -1,5 +1,7 @@
-"""The run sequence of both trainers (jaxpar/core/run/loop.py), with a recording trainer: its order, and that all
-processes stop together when the main one cannot move an old run aside."""
+"""The run sequence of both trainers (jaxpar/core/run/loop.py), with a recording trainer.
+
+Its order, and that all processes stop together when the main one cannot move an old run aside.
+"""
 import json
 import os
 
@@ -51,8 +53,10 @@ def test_the_sequence_restores_records_the_config_and_closes(tmp_path):
 
 
 def test_a_complete_run_keeps_its_config_and_says_only_that_it_is_complete(tmp_path, capsys):
-    """Run again with fewer steps than it has (the README's first command after a longer run): nothing trains, so
-    nothing of the run is rewritten and no start line says it resumes."""
+    """Run again with fewer steps than it has (the README's first command after a longer run).
+
+    Nothing trains, so nothing of the run is rewritten and no start line says it resumes.
+    """
     run = tmp_path / "run"
     run.mkdir()
     trained = json.dumps({**tiny_config(f"run.dir={run}", "train.steps=30").to_dict(), "resolved_mesh": "fsdp=2"})

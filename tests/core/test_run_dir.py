@@ -1,6 +1,9 @@
-"""A run directory belongs to one framework (jaxpar/core/run/directory.py): the default directories of the two trainers
-differ, a run is recognised by its record or, written before it, by what it holds, and the other framework is
-refused in one line naming the conversion. Also the closing lines a run prints (jaxpar/core/run/summary.py)."""
+"""A run directory belongs to one framework (jaxpar/core/run/directory.py).
+
+The default directories of the two trainers differ, a run is recognised by its record or, written before it, by what it
+holds, and the other framework is refused in one line naming the conversion. Also the closing lines a run prints
+(jaxpar/core/run/summary.py).
+"""
 import json
 import os
 

@@ -1,5 +1,8 @@
-"""Fine-tuning records and packed windows (jaxpar/core/data/packing.py, `python -m jaxpar.data prepare --format sft
-/ --pack`): what the loss mask counts, that packing keeps documents whole, and bad records in one line."""
+"""Fine-tuning records and packed windows: the loss mask, whole documents and one-line refusals.
+
+Covers jaxpar/core/data/packing.py and `python -m jaxpar.data prepare --format sft / --pack`: what the loss mask counts,
+that packing keeps documents whole, and bad records in one line.
+"""
 import json
 
 import numpy as np

@@ -1,5 +1,7 @@
-"""The shared training-state file (jaxpar/core/weights/state_file.py): what is written reads back; a file that is not one
-(a weights file, a missing path) is one line naming it."""
+"""The shared training-state file (jaxpar/core/weights/state_file.py): what is written reads back.
+
+A file that is not one (a weights file, a missing path) is one line naming it.
+"""
 import os
 
 import numpy as np

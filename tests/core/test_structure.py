@@ -17,7 +17,9 @@ PACKAGES = ("jaxpar", "torchpar", "parity_tests", "tests")
 FRAMEWORKS = {"jax", "jaxlib", "flax", "optax", "orbax", "grain", "torch", "deepspeed"}
 TRAINERS = ("jaxpar/train.py", "torchpar/train.py")
 TWINS = ("jaxpar/models", "torchpar/models")  # the same files, each with the same role and names
-MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_TRAINER_LINES = 450, 60, 150
+# Smell detectors on formatted code (ruff format spreads a long call over lines): a file or a function past them is
+# worth a look, and a concept is not split to meet them
+MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_TRAINER_LINES = 600, 100, 150
 
 
 def load_files(root=ROOT):
@@ -122,7 +124,7 @@ def torchpar_violations(graph):
 
 def tools_violations(graph):
     """(importer, tools module) for every import of a tools folder from outside one: the library never reads them."""
-    is_tools = lambda m: under(m, "jaxpar.tools") or under(m, "torchpar.tools")  # noqa: E731
+    is_tools = lambda m: under(m, "jaxpar.tools") or under(m, "torchpar.tools")
     return sorted((mod, dep) for mod, deps in graph.items() if mod.split(".")[0] in ("jaxpar", "torchpar")
                   and not is_tools(mod) for dep in deps if is_tools(dep))
 
@@ -138,7 +140,7 @@ def shared_base_names(files, package="jaxpar"):
 
 
 def imports_of_test_code(graph):
-    is_test = lambda dep: dep.split(".")[0] in {"tests", "parity_tests", "pytest"}  # noqa: E731
+    is_test = lambda dep: dep.split(".")[0] in {"tests", "parity_tests", "pytest"}
     return imports_matching(graph, "jaxpar", is_test) + imports_matching(graph, "torchpar", is_test)
 
 
@@ -220,8 +222,10 @@ def dotted(node) -> str:
 
 
 def wrapped_outside_parallelize(files, wrappers=WRAPPERS):
-    """(file, callee) for every call of a wrapper outside the files allowed it; in torchpar a `.compile()` without
-    arguments (a module's torch.compile in place) counts as torch.compile."""
+    """(file, callee) for every call of a wrapper outside the files allowed it.
+
+    In torchpar a `.compile()` without arguments (a module's torch.compile in place) counts as torch.compile.
+    """
     found = set()
     for path, src in files.items():
         if not path.startswith(("jaxpar/", "torchpar/")):
@@ -336,8 +340,11 @@ def test_models_hold_no_recomputation():
 
 
 def test_only_the_parallelize_functions_wrap_or_shard():
-    """Checkpointing, compiling, the parallel context's strategies, gradient compression and the backends' wrappers
-    are applied by the parallelize modules (or the stage modules they call) alone."""
+    """Only the parallelize modules wrap, compile or shard the model.
+
+    Checkpointing, compiling, the parallel context's strategies, gradient compression and the backends' wrappers are
+    applied by the parallelize modules (or the stage modules they call) alone.
+    """
     bad = wrapped_outside_parallelize(FILES)
     assert not bad, f"wrapped or sharded outside the parallelize functions (file, call): {bad}"
 
@@ -348,13 +355,17 @@ def test_no_long_files():
 
 def test_no_long_functions():
     """Outside tests/, every function reads on one screen (the loop and the pipeline executor's body included)."""
-    bad = {path: found for path, src in FILES.items() if not path.startswith("tests/") and (found := long_functions(src))}
+    bad = {path: found for path, src in FILES.items()
+           if not path.startswith("tests/") and (found := long_functions(src))}
     assert not bad, f"functions over {MAX_FUNCTION_LINES} lines: {bad}"
 
 
 def test_one_batch_walks_down_through_few_files():
-    """docs/architecture.md states the path of one batch from each entry point; the files it names exist, at most
-    ten, each once, and the walk only goes down the imports. The loop that starts it reads on a page or so."""
+    """docs/architecture.md states the path of one batch from each entry point.
+
+    The files it names exist, at most ten, each once, and the walk only goes down the imports. The loop that starts
+    it reads on a page or so.
+    """
     walks = batch_walks((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8"))
     assert set(walks) == {"jaxpar", "torchpar"} and all(walks.values()), walks
     assert not (bad := {k: b for k, w in walks.items() if (b := walk_violations(w, GRAPH))}), bad
@@ -386,21 +397,24 @@ PLANTED = {
     "core imports jax in a function": lambda: core_violations(
         build_graph({"jaxpar/core/c.py": "def f():\n    import jax.numpy\n"})) == [("jaxpar.core.c", "jax.numpy")],
     "core imports the project": lambda: core_violations(
-        build_graph({"jaxpar/core/c.py": "from .. import mesh\n", "jaxpar/mesh.py": ""})) == [("jaxpar.core.c", "jaxpar.mesh")],
+        build_graph({"jaxpar/core/c.py": "from .. import mesh\n", "jaxpar/mesh.py": ""}))
+        == [("jaxpar.core.c", "jaxpar.mesh")],
     "torchpar imports the jaxpar package": lambda: torchpar_violations(
         build_graph({"torchpar/t.py": "import jaxpar\nimport jaxpar.core.x\n", "jaxpar/__init__.py": "",
                      "jaxpar/core/x.py": ""})) == [("torchpar.t", "jaxpar")],
     "the library imports a tool": lambda: tools_violations(build_graph(
         {"jaxpar/train.py": "from jaxpar.tools.plan import peak\n", "jaxpar/tools/plan.py": "import jaxpar.cost\n",
          "jaxpar/cost.py": "", "torchpar/x.py": "def f():\n    import torchpar.tools.bench\n",
-         "torchpar/tools/bench.py": ""})) == [("jaxpar.train", "jaxpar.tools.plan"), ("torchpar.x", "torchpar.tools.bench")],
+         "torchpar/tools/bench.py": ""}))
+        == [("jaxpar.train", "jaxpar.tools.plan"), ("torchpar.x", "torchpar.tools.bench")],
     "two files share a name": lambda: shared_base_names(
         {"jaxpar/a/experts.py": "", "jaxpar/experts.py": "", "jaxpar/a/__init__.py": "", "jaxpar/__init__.py": "",
          "torchpar/experts.py": ""}) == {"experts.py": ["jaxpar/a/experts.py", "jaxpar/experts.py"]},
     "shipped code imports pytest": lambda: imports_of_test_code(
         build_graph({"jaxpar/x.py": "import pytest\n"})) == [("jaxpar.x", "pytest")],
     "pyproject ships tests": lambda: packaged_test_dirs(
-        '[tool.setuptools.packages.find]\ninclude = ["jaxpar*", "parity_tests*"]\n') == [("parity_tests*", "parity_tests")],
+        '[tool.setuptools.packages.find]\ninclude = ["jaxpar*", "parity_tests*"]\n')
+        == [("parity_tests*", "parity_tests")],
     "a doc names a file that is gone": lambda: missing_paths(
         {"a.md": "see jaxpar/gone.py, jaxpar/core/config/schema.py and `docs/gone.md`."},
         lambda p: p == "jaxpar/core/config/schema.py") == [("a.md", "docs/gone.md"), ("a.md", "jaxpar/gone.py")],
@@ -408,22 +422,27 @@ PLANTED = {
         ["a/x.py", "a/y.py", "a/x.py"] + [f"a/{i}.py" for i in range(8)],
         build_graph({"a/x.py": "", "a/y.py": "import a.x\n"}), lambda p: p != "a/7.py")
         == ["11 files", "a/x.py twice", "a/7.py missing", "a/y.py imports a/x.py"],
-    "the walks in a doc": lambda: batch_walks("jaxpar (walk):\n1. `a/x.py` -- x\n   more\n2. `a/y.py`\n\n## Next\n3. `b.py`")
+    "the walks in a doc": lambda: batch_walks("jaxpar (walk):\n1. `a/x.py` -- x\n   more\n2. `a/y.py`\n\n"
+                                              "## Next\n3. `b.py`")
         == {"jaxpar": ["a/x.py", "a/y.py"]},
     "a model file recomputes": lambda: recomputation_in_models(
         {"jaxpar/models/m.py": "import jax\nf = jax.checkpoint(g, policy=REMAT_POLICIES[cfg.remat])\n",
-         "torchpar/models/t.py": "from torch.utils.checkpoint import checkpoint\n", "jaxpar/ops.py": "jax.checkpoint(f)\n"})
-        == [("jaxpar/models/m.py", "REMAT_POLICIES"), ("jaxpar/models/m.py", "checkpoint"), ("jaxpar/models/m.py", "remat"),
+         "torchpar/models/t.py": "from torch.utils.checkpoint import checkpoint\n",
+         "jaxpar/ops.py": "jax.checkpoint(f)\n"})
+        == [("jaxpar/models/m.py", "REMAT_POLICIES"), ("jaxpar/models/m.py", "checkpoint"),
+            ("jaxpar/models/m.py", "remat"),
             ("torchpar/models/t.py", "checkpoint"), ("torchpar/models/t.py", "torch.utils.checkpoint")],
     "a module wrapped outside parallelize": lambda: wrapped_outside_parallelize(
-        {"torchpar/trainer.py": "compile_blocks(model)\nblock.compile()\nx = backends.build('none', m)\nre.compile('a')\n",
+        {"torchpar/trainer.py": "compile_blocks(model)\nblock.compile()\nx = backends.build('none', m)\n"
+                                "re.compile('a')\n",
          "torchpar/parallelize.py": "compile_blocks(model)\nblock.compile()\n", "tests/t.py": "fully_shard(m)\n",
          "jaxpar/step.py": "f = jax.jit(g).lower(a).compile()\nctx = ParallelContext(mesh)\nr = build(x)\n"})
         == [("jaxpar/step.py", "ParallelContext"), ("torchpar/trainer.py", "backends.build"),
             ("torchpar/trainer.py", "block.compile"), ("torchpar/trainer.py", "compile_blocks")],
     "long file": lambda: long_files({"a.py": "x = 1\n" * 401, "b.py": "x = 1\n" * 400}, 400) == [("a.py", 401)],
     "long nested function": lambda: long_functions(
-        "class C:\n    def m(self):\n        def inner():\n" + "            pass\n" * 80) == [("m", 2, 82), ("inner", 3, 81)],
+        "class C:\n    def m(self):\n        def inner():\n" + "            pass\n" * 80, 60)
+        == [("m", 2, 82), ("inner", 3, 81)],
 }
 
 

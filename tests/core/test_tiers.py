@@ -10,8 +10,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_every_test_file_is_measured_and_every_measurement_names_a_file():
-    """A test file missing from the durations would put all its tests in the default tier, however slow: measure
-    it with `python -m pytest FILE -m "" --store-durations`."""
+    """A test file missing from the durations would put all its tests in the default tier, however slow.
+
+    Measure it with `python -m pytest FILE -m "" --store-durations`.
+    """
     measured = {nodeid.split("::")[0] for nodeid in measured_durations()}
     files = {os.path.relpath(f, ROOT) for d in ("tests", "parity_tests")
              for f in glob.glob(os.path.join(ROOT, d, "**", "test_*.py"), recursive=True)
@@ -27,8 +29,11 @@ def collected(*args) -> set[str]:
 
 
 def test_the_slow_tier_is_the_tests_measured_slow_but_the_commits_fuzz_cases():
-    """tests/e2e/test_fuzz.py holds fast tests, slow ones and every_commit ones (the commit's fuzz cases, slow but
-    in the default tier): `-m slow` collects exactly the measured-slow others, the default run the rest."""
+    """`-m slow` collects the measured-slow tests, while the commit's fuzz cases stay in the default tier.
+
+    tests/e2e/test_fuzz.py holds fast tests, slow ones and every_commit ones (the commit's fuzz cases, slow but in the
+    default tier): `-m slow` collects exactly the measured-slow others, the default run the rest.
+    """
     path = "tests/e2e/test_fuzz.py"
     every_commit = {f"{path}::test_two_cases_of_this_commit", f"{path}::test_two_transitions_of_this_commit"}
     durations = {k: v for k, v in measured_durations().items() if k.startswith(path + "::")}

@@ -41,7 +41,8 @@ CASES = {
     "top_k_above_experts": (["model.moe_experts=4", "model.moe_top_k=5"], {}, ["moe_top_k=5", "moe_experts=4"]),
     "experts_vs_ep": (["--mesh", "ep=4,dp=2", "model.moe_experts=6"], {}, ["moe_experts=6", "ep=4"]),
     "ep_without_experts": (["--mesh", "ep=2"], {}, ["ep=2", "has none"]),
-    "1f1b_microbatches_below_stages": (["--mesh", "pp=2", "parallel.pipeline_schedule=1f1b", "parallel.pipeline_microbatches=1"],
+    "1f1b_microbatches_below_stages": (["--mesh", "pp=2", "parallel.pipeline_schedule=1f1b",
+                                        "parallel.pipeline_microbatches=1"],
                                        {}, ["1f1b needs microbatches >= stages"]),
 }
 
@@ -94,8 +95,10 @@ def test_unreadable_latest_falls_back_to_previous(dataset, tmp_path):
 
 
 def test_resume_refuses_another_model_shape_and_allows_other_changes(dataset, tmp_path):
-    """The run's config.json decides what a resume may change: a model shape never (one line, nothing
-    touched), the step count and the learning rate yes (printed)."""
+    """The run's config.json decides what a resume may change.
+
+    A model shape never (one line, nothing touched), the step count and the learning rate yes (printed).
+    """
     assert run_cli(tmp_path, dataset, "train.steps=2").returncode == 0
     before = {p: os.path.getmtime(p) for p in map(str, [tmp_path / "config.json", *tmp_path.glob("checkpoints/**/*")])}
     r = run_cli(tmp_path, dataset, "train.steps=4", "model.d_model=64", timeout=60)
@@ -110,8 +113,10 @@ def test_resume_refuses_another_model_shape_and_allows_other_changes(dataset, tm
 
 
 def test_non_finite_step_stops_before_it_is_saved(dataset, tmp_path):
-    """A NaN at step 5 (fault hook): exit non-zero with one line naming the step; the checkpoints
-    are those of the finite steps only, and metrics.jsonl holds no non-finite record."""
+    """A NaN at step 5 (fault hook): exit non-zero with one line naming the step.
+
+    The checkpoints are those of the finite steps only, and metrics.jsonl holds no non-finite record.
+    """
     r = run_cli(tmp_path, dataset, "--mesh", "dp=2", "checkpoint.every=2", env={"JAXPAR_FAULT_NAN_AT_STEP": "5"})
     assert_one_line_error(r, "step 5: loss nan", "last checkpoint this run wrote is step 4")
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
@@ -120,8 +125,11 @@ def test_non_finite_step_stops_before_it_is_saved(dataset, tmp_path):
 
 
 def test_os_errors_are_one_line_and_bugs_keep_their_traceback(capsys):
-    """@cli: an OSError (no space, no permission, a file where a folder must be) is one line naming the path and
-    what the system said; any other exception is a bug and propagates."""
+    """OS errors are one line naming the path; any other exception is a bug and keeps its traceback.
+
+    @cli: an OSError (no space, no permission, a file where a folder must be) is one line naming the path and what the
+    system said; any other exception is a bug and propagates.
+    """
     from jaxpar.core.errors import cli
 
     def fails(e):
@@ -178,9 +186,11 @@ def test_tool_bad_input_is_one_line(case, tmp_path):
 
 
 def _mount_small_disk(disk) -> str | None:
-    """A real filesystem of 1.5 MB (tmpfs) at `disk`: room for some of the four checkpoints of an 8-step run of the
-    tiny model (0.4 MB each from jaxpar, 1.1 MB from torchpar), never all. Mounting needs root in a sandbox that
-    allows it: why not, if it cannot be had."""
+    """A real filesystem of 1.5 MB (tmpfs) at `disk`.
+
+    Room for some of the four checkpoints of an 8-step run of the tiny model (0.4 MB each from jaxpar, 1.1 MB from
+    torchpar), never all. Mounting needs root in a sandbox that allows it: why not, if it cannot be had.
+    """
     disk.mkdir()
     try:
         r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(disk)], capture_output=True,
@@ -210,8 +220,11 @@ QUIET_ENV = {"OMP_NUM_THREADS": "1", "JAXPAR_CPU_DEVICES": "1"}
 
 
 def assert_resumes_exactly(run, dataset, module, before: dict, last: int):
-    """The same command resumes from checkpoint `last` and repeats exactly the steps the failed run computed
-    after it (that run had trained on from its state in memory: an uninterrupted trajectory)."""
+    """Assert the same command resumes from checkpoint `last` and repeats the failed run's later steps exactly.
+
+    The same command resumes from checkpoint `last` and repeats exactly the steps the failed run computed after it (that
+    run had trained on from its state in memory: an uninterrupted trajectory).
+    """
     r = run_cli(run, dataset, *ONE_DEVICE[module], module=MODULE.get(module, module), env=QUIET_ENV)
     assert r.returncode == 0, r.stderr
     said = [line for line in r.stderr.splitlines() if "without a launcher runs as one process" not in line]
@@ -223,8 +236,11 @@ def assert_resumes_exactly(run, dataset, module, before: dict, last: int):
 
 
 def failed_save(r, run, reason: str) -> int:
-    """One line naming the failed step and the last complete checkpoint (returned), the partial save removed and
-    the complete ones kept."""
+    """Check the one-line report of a failed save and return the last complete checkpoint's step.
+
+    One line naming the failed step and the last complete checkpoint (returned), the partial save removed and the
+    complete ones kept.
+    """
     assert_one_line_error(r, f"could not be written: {reason}; its partial files were removed")
     failed, last = map(int, re.search(r"checkpoint of step (\d+) .*last complete checkpoint is step (\d+) in "
                                       + re.escape(str(run / "checkpoints")), r.stderr).groups())
@@ -250,15 +266,18 @@ def test_disk_full_during_save(module, dataset, small_disk):
 
 
 def test_failed_write_during_save(dataset, tmp_path):
-    """Where no small disk can be mounted: the same failing write from a limit on the size of a file (RLIMIT_FSIZE,
-    below a checkpoint's data file, above the logs), set after step 2's checkpoint is complete."""
+    """Where no small disk can be mounted.
+
+    The same failing write from a limit on the size of a file (RLIMIT_FSIZE, below a checkpoint's data file, above
+    the logs), set after step 2's checkpoint is complete.
+    """
     if not _mount_small_disk(tmp_path / "disk"):
         subprocess.run(["umount", "-l", str(tmp_path / "disk")], check=False)
         pytest.skip("test_disk_full_during_save fills a real disk here")
     run = tmp_path / "run"
     r = run_cli(run, dataset, *ONE_DEVICE["jaxpar.train"], env={**QUIET_ENV, "JAXPAR_FAULT_KILL_AFTER_STEP": "2"})
     assert r.returncode == -signal.SIGKILL and os.listdir(run / "checkpoints") == ["2"], r.stderr
-    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # noqa: E731
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
     r = subprocess.run([sys.executable, "-m", "jaxpar.train", *TINY, f"data.dataset={dataset}", f"run.dir={run}",
                         *ONE_DEVICE["jaxpar.train"]], cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu", **QUIET_ENV},
                        capture_output=True, text=True, timeout=300, preexec_fn=limit)

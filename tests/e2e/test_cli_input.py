@@ -1,6 +1,8 @@
-"""Small command-line edges, each through the command's own main in-process (no trainer starts): input that
-means nothing is one `error:` line and exit status 2 with nothing written, and a flag one trainer takes means the
-same in the other."""
+"""Small command-line edges, each through the command's own main in-process (no trainer starts).
+
+Input that means nothing is one `error:` line and exit status 2 with nothing written, and a flag one trainer takes means
+the same in the other.
+"""
 import json
 
 import pytest
@@ -73,8 +75,10 @@ def test_prepare_names_the_flag_for_fine_tuning_columns_of_parquet(tmp_path, cap
 
 
 def test_torchpar_mesh_flag_is_parallel_mesh(tmp_path, capsys, monkeypatch):
-    """torchpar.train --mesh M is parallel.mesh=M and wins over it, as jaxpar.train's --mesh: honoured (a plain
-    process is told to start two for dp=2), and accepted where the world matches."""
+    """torchpar.train --mesh M is parallel.mesh=M and wins over it, as jaxpar.train's --mesh.
+
+    Honoured (a plain process is told to start two for dp=2), and accepted where the world matches.
+    """
     pytest.importorskip("torch")
     from torchpar import train
     from torchpar.checks import validate
@@ -92,8 +96,11 @@ def test_torchpar_mesh_flag_is_parallel_mesh(tmp_path, capsys, monkeypatch):
 
 
 def test_generate_decodes_by_default_what_the_context_leaves():
-    """No --max-new-tokens: the model's context after the prompt (a 32-position model after 9 prompt tokens:
-    23), at most 200; an explicit count that does not fit, or a prompt that fills the context, is one line."""
+    """Without --max-new-tokens, generate decodes what the model's context leaves after the prompt.
+
+    No --max-new-tokens: the model's context after the prompt (a 32-position model after 9 prompt tokens: 23), at most
+    200; an explicit count that does not fit, or a prompt that fills the context, is one line.
+    """
     from jaxpar.core.sampling_cli import decodable_tokens, sampling_parser
 
     args = sampling_parser("generate", "", {"run": ""}).parse_args(["--run", "r", "--prompt", "hi"])

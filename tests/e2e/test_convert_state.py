@@ -1,9 +1,12 @@
-"""A run goes on in the other framework: the whole training state (parameters, Adam's moments and count, the step)
-through the shared training-state file (jaxpar/core/weights/state_file.py). jaxpar dp=2,tp=4 trains steps 1-10, torchpar
-fsdp on 2 processes 11-20; torchpar ddp on 2 processes 1-10, jaxpar fsdp=4 11-20; jaxpar dp=2 1-10, DeepSpeed ZeRO-2
-on 2 processes 11-20 (and DeepSpeed ZeRO-3 1-10, jaxpar 11-20): each as its uninterrupted run. With optim.name=muon
-(Muon's momentum and count too): jaxpar dp=2,tp=2 1-10, torchpar fsdp on 2 processes and jaxpar fsdp=4 11-20;
-torchpar ddp on 2 processes 1-10, jaxpar fsdp=2,tp=2 11-20."""
+"""A run goes on in the other framework.
+
+The whole training state (parameters, Adam's moments and count, the step) through the shared training-state file
+(jaxpar/core/weights/state_file.py). jaxpar dp=2,tp=4 trains steps 1-10, torchpar fsdp on 2 processes 11-20; torchpar
+ddp on 2 processes 1-10, jaxpar fsdp=4 11-20; jaxpar dp=2 1-10, DeepSpeed ZeRO-2 on 2 processes 11-20 (and DeepSpeed
+ZeRO-3 1-10, jaxpar 11-20): each as its uninterrupted run. With optim.name=muon (Muon's momentum and count too): jaxpar
+dp=2,tp=2 1-10, torchpar fsdp on 2 processes and jaxpar fsdp=4 11-20; torchpar ddp on 2 processes 1-10, jaxpar
+fsdp=2,tp=2 11-20.
+"""
 import json
 import subprocess
 import sys
@@ -64,8 +67,11 @@ def assert_same_weights(a_path, b_path) -> None:
 
 
 def test_jaxpar_to_torchpar(data, tmp_path):
-    """... and the final parameters within the parity suite's float32 bound (1e-5 relative norm); the moved run's
-    config is the source's, so resuming it with another model or dataset is one line, nothing touched."""
+    """...
+
+    and the final parameters within the parity suite's float32 bound (1e-5 relative norm); the moved run's config is
+    the source's, so resuming it with another model or dataset is one line, nothing touched.
+    """
     full, half, moved = tmp_path / "full", tmp_path / "half", tmp_path / "moved"
     assert run_cli(full, data, "--mesh", "dp=2,tp=4", *ARGS, "--write-final", str(tmp_path / "a.st")).returncode == 0
     r = run_cli(half, data, "--mesh", "dp=2,tp=4", *ARGS, env={"JAXPAR_FAULT_SIGTERM_AFTER_STEP": "10"})
@@ -96,10 +102,12 @@ def test_torchpar_to_jaxpar(data, tmp_path):
 
 
 def test_a_float16_run_keeps_its_loss_scale_and_skipped_count(data, tmp_path):
-    """jaxpar float16 (the scale grows every 3 clean steps, and backs off on overflows) -> torchpar: the scale, its
-    growth count and the skipped updates go on where they were. The scale starts at 2^18, where the first steps
-    overflow, and grows into overflows again after the move (the chunked loss keeps its table gradient in float32,
-    so overflows come later than with whole logits)."""
+    """jaxpar float16 (the scale grows every 3 clean steps, and backs off on overflows) -> torchpar.
+
+    The scale, its growth count and the skipped updates go on where they were. The scale starts at 2^18, where the
+    first steps overflow, and grows into overflows again after the move (the chunked loss keeps its table gradient
+    in float32, so overflows come later than with whole logits).
+    """
     f16 = [*ARGS, "model.compute_dtype=float16", "optim.loss_scale_init=262144", "optim.loss_scale_growth_interval=3"]
     full, half, moved = tmp_path / "full", tmp_path / "half", tmp_path / "moved"
     assert run_cli(full, data, "--mesh", "dp=1", *f16).returncode == 0
@@ -117,8 +125,11 @@ def test_a_float16_run_keeps_its_loss_scale_and_skipped_count(data, tmp_path):
 
 
 def test_deepspeed_to_jaxpar(data, tmp_path):
-    """A DeepSpeed ZeRO-3 run of 2 ranks, read on one process (through the universal checkpoint) with DeepSpeed's
-    whole-parameter accessors, goes on in jaxpar as its uninterrupted run."""
+    """A DeepSpeed ZeRO-3 run converted to jaxpar goes on as its uninterrupted run.
+
+    A DeepSpeed ZeRO-3 run of 2 ranks, read on one process (through the universal checkpoint) with DeepSpeed's
+    whole-parameter accessors, goes on in jaxpar as its uninterrupted run.
+    """
     full, half, moved = tmp_path / "full", tmp_path / "half", tmp_path / "moved"
     args = ["--backend", "deepspeed", *TINY, f"data.dataset={data}", *ARGS, "parallel.zero_stage=3"]
     torchpar([*args, f"run.dir={full}"], nproc=2)
@@ -142,8 +153,11 @@ def jaxpar_halfway(data, tmp_path_factory):
 
 
 def test_jaxpar_to_deepspeed_on_two_ranks(jaxpar_halfway, tmp_path):
-    """The state written as a DeepSpeed ZeRO-2 checkpoint of one rank (Adam's state made by a step at lr 0, then
-    set), continued on 2 ranks through the universal checkpoint: the schedule and Adam's count go on too."""
+    """A jaxpar state written as a one-rank DeepSpeed ZeRO-2 checkpoint goes on on 2 ranks.
+
+    The state written as a DeepSpeed ZeRO-2 checkpoint of one rank (Adam's state made by a step at lr 0, then set),
+    continued on 2 ranks through the universal checkpoint: the schedule and Adam's count go on too.
+    """
     full, state = jaxpar_halfway
     convert("torchpar.tools.convert", "--from", "state", str(state), "--to", "deepspeed", str(tmp_path / "moved"),
             "--zero-stage", "2")
@@ -154,9 +168,12 @@ def test_jaxpar_to_deepspeed_on_two_ranks(jaxpar_halfway, tmp_path):
 @pytest.mark.parametrize("stage,dtype", [(0, "float32"), (3, "float32"), (2, "bfloat16"), (1, "float32"),
                                          (2, "float32")])
 def test_deepspeed_import_then_export_is_the_state(jaxpar_halfway, tmp_path, stage, dtype):
-    """state -> DeepSpeed run -> state gives the same tensors and counts, bit for bit: ZeRO-0's moments live in
-    torch's AdamW (where DeepSpeed's setters do nothing), ZeRO-3's in DeepSpeed's partitions; a bfloat16 run's
-    float32 master is the state's weights, not their bfloat16 cast (DeepSpeed casts the model first)."""
+    """state -> DeepSpeed run -> state gives the same tensors and counts, bit for bit.
+
+    ZeRO-0's moments live in torch's AdamW (where DeepSpeed's setters do nothing), ZeRO-3's in DeepSpeed's
+    partitions; a bfloat16 run's float32 master is the state's weights, not their bfloat16 cast (DeepSpeed casts the
+    model first).
+    """
     (a, meta_a), state = read_state(str(jaxpar_halfway[1])), tmp_path / "a"
     meta_a["config"]["model"]["compute_dtype"] = dtype
     save_state(str(state), a, meta_a)
@@ -175,8 +192,10 @@ MUON = [*ARGS, "optim.name=muon"]
 
 @pytest.fixture(scope="module")
 def muon_halfway(data, tmp_path_factory):
-    """jaxpar dp=2,tp=2 with Muon: the uninterrupted run of 20 steps (its final weights too), and steps 1-10 exported
-    to a training-state file."""
+    """jaxpar dp=2,tp=2 with Muon.
+
+    The uninterrupted run of 20 steps (its final weights too), and steps 1-10 exported to a training-state file.
+    """
     tmp = tmp_path_factory.mktemp("muon-halfway")
     r = run_cli(tmp / "full", data, "--mesh", "dp=2,tp=2", *MUON, "--write-final", str(tmp / "full.st"))
     assert r.returncode == 0, r.stderr[-2000:]
@@ -187,8 +206,11 @@ def muon_halfway(data, tmp_path_factory):
 
 
 def test_muon_jaxpar_to_torchpar_and_another_jaxpar_mesh(muon_halfway, tmp_path):
-    """The file holds Muon's momentum of each matrix (per-layer names, stacked as the parameter), AdamW's moments of
-    the rest and both counts; torchpar fsdp and jaxpar fsdp=4 go on from it as the uninterrupted run."""
+    """A jaxpar Muon state goes on in torchpar and on another jaxpar mesh.
+
+    The file holds Muon's momentum of each matrix (per-layer names, stacked as the parameter), AdamW's moments of the
+    rest and both counts; torchpar fsdp and jaxpar fsdp=4 go on from it as the uninterrupted run.
+    """
     origin, state = muon_halfway
     tensors, meta = read_state(str(state))
     assert (meta["optimizer"], meta["step"], meta["adam_step"], meta["muon_step"]) == ("muon", 10, 10, 10)
@@ -208,8 +230,11 @@ def test_muon_jaxpar_to_torchpar_and_another_jaxpar_mesh(muon_halfway, tmp_path)
 
 
 def test_muon_torchpar_to_jaxpar(data, tmp_path):
-    """... and torchpar's Muon state through the file and back to torchpar is the file, bit for bit (the
-    momentum of each per-layer matrix in its stacked place)."""
+    """...
+
+    and torchpar's Muon state through the file and back to torchpar is the file, bit for bit (the momentum of each
+    per-layer matrix in its stacked place).
+    """
     full, half, moved = tmp_path / "full", tmp_path / "half", tmp_path / "moved"
     args = [*TINY, f"data.dataset={data}", *MUON]
     torchpar(["--backend", "none", *args, f"run.dir={full}"], nproc=0)
@@ -239,8 +264,11 @@ def refused(argv: list[str], capsys) -> str:
 
 
 def test_an_optimizer_the_state_is_not_of_is_refused(muon_halfway, tmp_path, capsys):
-    """A Muon state into a run of optim.name=adamw (its config edited), an AdamW state into one of muon, a Muon state
-    into DeepSpeed (its own AdamW), and an optimizer the file does not hold: each one line, nothing written."""
+    """A state of another optimizer than the run's is refused in one line, with nothing written.
+
+    A Muon state into a run of optim.name=adamw (its config edited), an AdamW state into one of muon, a Muon state into
+    DeepSpeed (its own AdamW), and an optimizer the file does not hold: each one line, nothing written.
+    """
     tensors, meta = read_state(str(muon_halfway[1]))
     as_adamw = tmp_path / "adamw.safetensors"
     save_state(str(as_adamw), tensors, {**meta, "config": {**meta["config"], "optim": {**meta["config"]["optim"],

@@ -1,7 +1,10 @@
-"""jaxpar under torchrun's elastic agent: the worker reads the agent's variables afresh at each start, a -1 mesh axis
-follows the processes it is given, and a restarted run reports its recovery. The whole story on loopback: two agents
-("nodes") of two processes each train `--mesh dp=-1,tp=2`; one agent is killed with its workers, the survivors
-continue on dp=1; the agent comes back and the run grows to dp=2 again -- every step equal to an uninterrupted run."""
+"""jaxpar under torchrun's elastic agent.
+
+The worker reads the agent's variables afresh at each start, a -1 mesh axis follows the processes it is given, and a
+restarted run reports its recovery. The whole story on loopback: two agents ("nodes") of two processes each train
+`--mesh dp=-1,tp=2`; one agent is killed with its workers, the survivors continue on dp=1; the agent comes back and the
+run grows to dp=2 again -- every step equal to an uninterrupted run.
+"""
 import json
 import os
 import time
@@ -86,7 +89,8 @@ def test_recovery_reports_the_steps_replayed_and_only_after_a_loss(tmp_path, cap
     assert not (tmp_path / "done" / recovery.RECOVERIES).exists()
 
 
-KEYS = ["train.steps=24", "checkpoint.every=4", "train.eval_every=0", "optim.lr=3e-3"]  # no loss spike: see bench_recovery
+# no loss spike: see bench_recovery
+KEYS = ["train.steps=24", "checkpoint.every=4", "train.eval_every=0", "optim.lr=3e-3"]
 
 
 def node(port: int, dataset, run_dir, log: str, host: bool) -> Node:

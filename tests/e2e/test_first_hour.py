@@ -1,7 +1,9 @@
-"""The README's first hour, walked in order on a clean directory with the README's own commands: the main job and
-its closing lines, a sample, the curves, the other framework from the same weights (its own run directory, its
-checkpoints), a conversion that goes on in torchpar, the run continued on another mesh, and the Hugging Face export
-in transformers' pipeline, greedy, giving jaxpar.generate's tokens."""
+"""The README's first hour, walked in order on a clean directory with the README's own commands.
+
+The main job and its closing lines, a sample, the curves, the other framework from the same weights (its own run
+directory, its checkpoints), a conversion that goes on in torchpar, the run continued on another mesh, and the Hugging
+Face export in transformers' pipeline, greedy, giving jaxpar.generate's tokens.
+"""
 import json
 import os
 import re
@@ -116,8 +118,11 @@ def test_the_readme_first_hour(tmp_path, monkeypatch):
 
 
 def greedy(framework: str, run: str, monkeypatch) -> list[int]:
-    """The token ids `python -m FRAMEWORK.generate --run RUN --prompt "def " --temperature 0 --max-new-tokens N`
-    prints, from the command's own functions in this process."""
+    """Return the token ids the framework's generate command prints greedily for the prompt "def ".
+
+    The token ids `python -m FRAMEWORK.generate --run RUN --prompt "def " --temperature 0 --max-new-tokens N` prints,
+    from the command's own functions in this process.
+    """
     if framework == "jaxpar":
         from tests.jaxpar.test_hf_export import jaxpar_greedy
 

@@ -1,6 +1,8 @@
-"""The layout-equivalence fuzzer (parity_tests/fuzz.py): two random cases per commit (the seed from the commit
-hash, printed), the failures it found; valid draws; and that it can fail: a differing run is found, the shrinker
-keeps only what fails, a refusal the docs do not explain is a failure."""
+"""The layout-equivalence fuzzer (parity_tests/fuzz.py).
+
+Two random cases per commit (the seed from the commit hash, printed), the failures it found; valid draws; and that it
+can fail: a differing run is found, the shrinker keeps only what fails, a refusal the docs do not explain is a failure.
+"""
 import copy
 import random
 import subprocess
@@ -69,9 +71,11 @@ def test_regression(spec, worker):
 
 
 def check_leg(case: Case) -> None:
-    """The checks a trainer makes before it runs: the layout's at every batch shape (a ramp-up's), the contract;
-    under parallel.pipeline_schedule=auto, those of the schedules auto chooses among: one must pass (the figures
-    that pick one are not taken here)."""
+    """The checks a trainer makes before it runs: the layout's at every batch shape (a ramp-up's), the contract.
+
+    Under parallel.pipeline_schedule=auto, those of the schedules auto chooses among: one must pass (the figures
+    that pick one are not taken here).
+    """
     cfg = load_config(None, [*BASE, *case.overrides])
 
     def check(c):
@@ -89,8 +93,11 @@ def check_leg(case: Case) -> None:
 
 
 def test_draws_are_valid_and_set_only_keys_their_modes_run():
-    """300 draws: each a config the schema takes, every key one its mode consumes (the shrinker's normal
-    form; the contract agrees), and sizes the mesh divides -- or a refusal the docs name."""
+    """Drawn cases are valid configs that set only keys their modes run.
+
+    300 draws: each a config the schema takes, every key one its mode consumes (the shrinker's normal form; the contract
+    agrees), and sizes the mesh divides -- or a refusal the docs name.
+    """
     sides = set()
     for i in range(300):
         case = draw_case(random.Random(f"test:{i}"))
@@ -116,8 +123,10 @@ def test_a_differing_run_is_found(fuzzer):
 
 
 class Stub:
-    """A fuzzer whose cases fail exactly when tp > 1 and model.remat=full (no training); it checks each
-    case against the config contract as the trainer would."""
+    """A fuzzer whose cases fail exactly when tp > 1 and model.remat=full (no training).
+
+    It checks each case against the config contract as the trainer would.
+    """
     def __init__(self):
         self.runs, self.unconsumed = [], []
 
@@ -132,9 +141,11 @@ class Stub:
 
 
 def test_the_shrinker_keeps_only_what_fails():
-    """From a big case down to the smallest that still fails: tp halved to 2, dp and the unrelated keys gone
-    (the pipeline's and ZeRO's keys with their axes: no case it tries sets a key its run would not consume),
-    and nothing tried twice."""
+    """From a big case down to the smallest that still fails.
+
+    Tp halved to 2, dp and the unrelated keys gone (the pipeline's and ZeRO's keys with their axes: no case it tries
+    sets a key its run would not consume), and nothing tried twice.
+    """
     case = Case.parse("jax dp=2,tp=2,pp=2 model.n_layer=4 model.remat=full parallel.pipeline_schedule=1f1b "
                       "parallel.zero_stage=1 train.microbatches=2")
     stub = Stub()
@@ -154,9 +165,12 @@ def test_a_refusal_the_docs_do_not_name_is_a_failure(fuzzer, monkeypatch):
 
 
 def test_transition_draws_are_valid_and_cover_every_change():
-    """200 transitions: each leg a valid case (or a refusal the docs name), the step between the legs' ends, the
-    spec read back as drawn; the draws move across meshes, backends, world sizes and frameworks, change each key of
-    CHANGES, and hold batches larger than the smallest the splits divide."""
+    """Drawn transitions are valid and together cover every change.
+
+    200 transitions: each leg a valid case (or a refusal the docs name), the step between the legs' ends, the spec read
+    back as drawn; the draws move across meshes, backends, world sizes and frameworks, change each key of CHANGES, and
+    hold batches larger than the smallest the splits divide.
+    """
     kinds, keys, batches = set(), set(), set()
     for i in range(200):
         t = draw_transition(random.Random(f"test:{i}"))
@@ -182,8 +196,11 @@ def test_transition_draws_are_valid_and_cover_every_change():
 
 
 def test_a_transition_that_ignores_its_change_differs(fuzzer):
-    """Both legs run with optim.lr=3e-3 appended, so the second leg's lr=1e-3 is lost as a resume that kept the old
-    setting would lose it: the joined run differs from one device's switched run, in the lr column first."""
+    """A transition whose second leg ignores its change differs from the switched run.
+
+    Both legs run with optim.lr=3e-3 appended, so the second leg's lr=1e-3 is lost as a resume that kept the old setting
+    would lose it: the joined run differs from one device's switched run, in the lr column first.
+    """
     broken = copy.copy(fuzzer)
     broken.run_overrides = ["optim.lr=3e-3"]
     out = broken.run_case(Transition.parse("jax dp=1 | 1 | jax dp=1 optim.lr=1e-3 train.steps=2"))
@@ -191,8 +208,10 @@ def test_a_transition_that_ignores_its_change_differs(fuzzer):
 
 
 def test_the_shrinker_reduces_a_transition_to_its_failing_change():
-    """A transition that fails whenever its second leg changes optim.lr: the mesh change, the other changed key and
-    the shared setting go; the lr change stays."""
+    """A transition that fails whenever its second leg changes optim.lr.
+
+    The mesh change, the other changed key and the shared setting go; the lr change stays.
+    """
     class LrStub:
         runs = []
 

@@ -1,6 +1,8 @@
-"""The sbatch writer: each framework and launcher gives a script that bash parses, with its launch line;
-the torchpar scripts, run under stand-ins for srun and scontrol on one machine, train on 2 processes;
-impossible requests are one line."""
+"""The sbatch writer: each framework and launcher gives a script that bash parses, with its launch line.
+
+The torchpar scripts, run under stand-ins for srun and scontrol on one machine, train on 2 processes; impossible
+requests are one line.
+"""
 import json
 import os
 import random
@@ -26,7 +28,8 @@ def in_repo(monkeypatch):
 
 
 @pytest.mark.parametrize("extra,tasks,line", [
-    ([], 4, "srun --kill-on-bad-exit=1 python -m jaxpar.train --config configs/gpt2-tiny.yaml --mesh dp=8 train.steps=5"),
+    ([], 4, "srun --kill-on-bad-exit=1 python -m jaxpar.train --config configs/gpt2-tiny.yaml "
+            "--mesh dp=8 train.steps=5"),
     (["--framework", "torchpar", "--backend", "fsdp"], 4,
      "srun --kill-on-bad-exit=1 python -m torchpar.train --backend fsdp --config configs/gpt2-tiny.yaml "
      "parallel.mesh=dp=8\n"),  # torchpar.train has no --mesh flag
@@ -36,9 +39,12 @@ def in_repo(monkeypatch):
      'deepspeed --hostfile "hostfile.$SLURM_JOB_ID" --master_addr "$HEAD" --master_port "$PORT" '
      "--module torchpar.train"),
     (["--elastic", "1", "--mesh", "dp=-1,tp=2"], 1,
-     "srun --ntasks-per-node=1 --no-kill torchrun --nnodes=1:2 --nproc_per_node=4 --max-restarts=3 --rdzv_backend=c10d"),
-    (["--framework", "torchpar", "--backend", "fsdp", "--elastic", "2:2"], 1, "torchrun --nnodes=2:2 --nproc_per_node=4"),
-], ids=["jaxpar-srun", "torchpar-srun", "torchpar-torchrun", "torchpar-deepspeed", "jaxpar-elastic", "torchpar-elastic"])
+     "srun --ntasks-per-node=1 --no-kill torchrun --nnodes=1:2 --nproc_per_node=4 --max-restarts=3 "
+     "--rdzv_backend=c10d"),
+    (["--framework", "torchpar", "--backend", "fsdp", "--elastic", "2:2"], 1,
+     "torchrun --nnodes=2:2 --nproc_per_node=4"),
+], ids=["jaxpar-srun", "torchpar-srun", "torchpar-torchrun", "torchpar-deepspeed", "jaxpar-elastic",
+        "torchpar-elastic"])
 def test_script_parses_and_launches_each_framework(extra, tasks, line, capsys, tmp_path):
     mesh = [] if "--launcher" in extra or "--elastic" in extra else ["--mesh", "dp=8"]
     assert main(CLUSTER + extra + mesh + (["train.steps=5"] if not extra else [])) == 0
@@ -114,8 +120,11 @@ def job_id_with_free_port(base: int, span: int) -> int:
 
 
 def slurm_job_env(text: str, bin_dir, port_base: int, port_span: int) -> dict:
-    """What sbatch gives the script on one node: the job's variables from its #SBATCH header, a job id
-    whose port (the trainer's formula: base + id mod span) is free, and the stand-ins first on PATH."""
+    """What sbatch gives the script on one node.
+
+    The job's variables from its #SBATCH header, a job id whose port (the trainer's formula: base + id mod span) is
+    free, and the stand-ins first on PATH.
+    """
     nodes, per_node = (int(re.search(rf"#SBATCH --{k}=(\d+)", text).group(1)) for k in ("nodes", "ntasks-per-node"))
     assert nodes == 1, "the stand-ins run one node"
     for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("ssh", FAKE_SSH)):
@@ -144,8 +153,11 @@ TORCH_PORT, JAX_PORT = (29500, 20000), (61440, 4096)  # torchpar/dist.py; jax's 
     (["--elastic", "1"], None, "dp=-1", TORCH_PORT, "mesh dp=2 on 2 cpu devices"),  # one device per process
 ], ids=["torchpar-srun", "torchpar-torchrun", "torchpar-deepspeed", "jaxpar-srun", "jaxpar-elastic"])
 def test_script_trains_on_two_processes(launcher, backend, mesh, ports, started, dataset, tmp_path, capsys):
-    """The whole batch script, run by bash in its submit directory under the SLURM stand-ins as a
-    2-process job, trains one run over both processes with the mesh given to the writer, and exits 0."""
+    """The batch script trains one run over two processes and exits 0.
+
+    The whole batch script, run by bash in its submit directory under the SLURM stand-ins as a 2-process job, trains one
+    run over both processes with the mesh given to the writer, and exits 0.
+    """
     run_dir = tmp_path / "run"
     assert main([*launcher, *(["--backend", backend] if backend else []), "--nodes", "1", "--gpus-per-node", "2",
                  "--time", "00:10:00", "--partition", "cpu", "--mesh", mesh,

@@ -1,6 +1,8 @@
-"""Two local CPU processes (2 simulated devices each) form one dp=2,tp=2 mesh via jax.distributed: launched
-as SLURM's srun would (jax reads SLURM_*) they reproduce one process; signalled, one or both, they stop
-together after one step with one checkpoint; when one is killed the other leaves with one line."""
+"""Two local CPU processes (2 simulated devices each) form one dp=2,tp=2 mesh via jax.distributed.
+
+Launched as SLURM's srun would (jax reads SLURM_*) they reproduce one process; signalled, one or both, they stop
+together after one step with one checkpoint; when one is killed the other leaves with one line.
+"""
 import os
 import signal
 import socket
@@ -29,15 +31,17 @@ def slurm_job_id() -> int:
 
 
 def start_two(run_dir, dataset, args, env_of=lambda i: {}, slurm=False):
-    """`python -m jaxpar.train` as processes 0 and 1 of one job on loopback: JAXPAR_* variables, or the
-    variables `srun --ntasks=2` sets (then jax finds the coordinator itself)."""
+    """`python -m jaxpar.train` as processes 0 and 1 of one job on loopback.
+
+    JAXPAR_* variables, or the variables `srun --ntasks=2` sets (then jax finds the coordinator itself).
+    """
     if slurm:
         job = slurm_job_id()
-        launch = lambda i: {"SLURM_JOB_ID": str(job), "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",  # noqa: E731
+        launch = lambda i: {"SLURM_JOB_ID": str(job), "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
                             "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i), "SLURM_STEP_NUM_NODES": "1"}
     else:
         port = free_port()
-        launch = lambda i: {"JAXPAR_COORDINATOR": f"127.0.0.1:{port}", "JAXPAR_NUM_PROCESSES": "2",  # noqa: E731
+        launch = lambda i: {"JAXPAR_COORDINATOR": f"127.0.0.1:{port}", "JAXPAR_NUM_PROCESSES": "2",
                             "JAXPAR_PROCESS_ID": str(i)}
     cmd = [sys.executable, "-m", "jaxpar.train", *TINY, f"data.dataset={dataset}", f"run.dir={run_dir}", *args]
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAXPAR_"))}
@@ -83,8 +87,10 @@ def test_srun_launch_reproduces_one_process(two_runs):
 
 
 def _stop_and_resume(run_dir, dataset, signal_them, env_of=lambda i: {}):
-    """Start two processes, let `signal_them(procs)` stop them; both exit 0 with one checkpoint, and resuming
-    continues the uninterrupted two-process run exactly."""
+    """Start two processes, let `signal_them(procs)` stop them.
+
+    Both exit 0 with one checkpoint, and resuming continues the uninterrupted two-process run exactly.
+    """
     procs = start_two(run_dir, dataset, MESH, env_of)
     signal_them(procs)
     t0 = time.monotonic()
@@ -106,8 +112,11 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step(two_runs, dataset
 
 
 def test_sigterm_to_both_at_different_moments(two_runs, dataset):
-    """A scheduler's preemption: SIGTERM to process 0 as soon as it trains, to process 1 0.35 s later (steps
-    slowed to 0.1 s, so that both signals land mid-run)."""
+    """A scheduler's preemption.
+
+    SIGTERM to process 0 as soon as it trains, to process 1 0.35 s later (steps slowed to 0.1 s, so that both
+    signals land mid-run).
+    """
     def preempt(procs):
         line = procs[0].stdout.readline()
         while line and not line.startswith("step"):
@@ -120,8 +129,11 @@ def test_sigterm_to_both_at_different_moments(two_runs, dataset):
 
 
 def test_killed_peer_is_named_within_the_timeout(dataset, tmp_path):
-    """kill -9 of process 1 after step 3: process 0 leaves with one line naming it and the last checkpoint
-    (step 2), within run.peer_timeout_s; that checkpoint restores on one process."""
+    """kill -9 of process 1 after step 3.
+
+    Process 0 leaves with one line naming it and the last checkpoint (step 2), within run.peer_timeout_s; that
+    checkpoint restores on one process.
+    """
     run_dir = tmp_path / "run"
     args = ["--mesh", "dp=2,tp=2", "train.steps=6", "checkpoint.every=2", "run.peer_timeout_s=10"]
     procs = start_two(run_dir, dataset, args, lambda i: {"JAXPAR_FAULT_KILL_AFTER_STEP": "3"} if i else {})

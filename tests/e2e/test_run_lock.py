@@ -1,10 +1,13 @@
-"""One writer per run directory (jaxpar/core/run/lock.py): a second trainer on a run.dir in use is refused in one
-line naming the holder and touches nothing; a holder's death leaves a lock the next run takes over; a conversion
-writing a run takes it too; a file system that cannot lock warns (or refuses) in one line.
+"""One writer per run directory (jaxpar/core/run/lock.py).
+
+A second trainer on a run.dir in use is refused in one line naming the holder and touches nothing; a holder's death
+leaves a lock the next run takes over; a conversion writing a run takes it too; a file system that cannot lock warns (or
+refuses) in one line.
 
 Multi-process runs share the lock (only rank 0 / jax process 0 takes it): the torchrun runs of tests/torchpar
 (e.g. tests/torchpar/test_torchpar.py::test_fsdp_resume_after_sigkill_and_on_one_process: 2 ranks killed by
-SIGKILL, then resumed under torchrun) and jax.distributed's in tests/e2e/test_multiprocess.py pass through it."""
+SIGKILL, then resumed under torchrun) and jax.distributed's in tests/e2e/test_multiprocess.py pass through it.
+"""
 import datetime
 import errno
 import json
@@ -58,9 +61,12 @@ def assert_names_holder(stderr: str, pid: int, not_before: float) -> None:
 
 
 def test_a_second_trainer_on_a_run_dir_in_use_is_refused_and_touches_nothing(dataset, tmp_path):
-    """Started while the first holds run.dir (stopped by SIGSTOP after step 2, its steps slowed so that it is
-    still mid-run then): the same command, and one with checkpoint.resume=false (which would move the run aside),
-    exit 2 with the holder's host, pid and start; the first then completes with one metrics row per step."""
+    """A second trainer on a run dir in use is refused and leaves the first run untouched.
+
+    Started while the first holds run.dir (stopped by SIGSTOP after step 2, its steps slowed so that it is still mid-run
+    then): the same command, and one with checkpoint.resume=false (which would move the run aside), exit 2 with the
+    holder's host, pid and start; the first then completes with one metrics row per step.
+    """
     run_dir, t0 = tmp_path / "run", time.time()
     first = start(run_dir, dataset, "jaxpar.train", *JAX_ARGS, env={"JAXPAR_FAULT_SLOW_STEP_S": "1"})
     try:
@@ -85,8 +91,10 @@ def test_a_second_trainer_on_a_run_dir_in_use_is_refused_and_touches_nothing(dat
 
 
 def test_a_killed_holder_leaves_its_lock_and_the_next_run_takes_it_over(dataset, tmp_path):
-    """torchpar (the run sequence is shared) killed by SIGKILL after step 3: the lock file names the dead process;
-    the same command then resumes from step 2's checkpoint and completes."""
+    """torchpar (the run sequence is shared) killed by SIGKILL after step 3: the lock file names the dead process.
+
+    The same command then resumes from step 2's checkpoint and completes.
+    """
     args = ["--backend", "none", "train.steps=4", "checkpoint.every=2"]
     killed = start(tmp_path, dataset, "torchpar.train", *args, env={"TORCHPAR_FAULT_KILL_AFTER_STEP": "3"})
     _, err = killed.communicate(timeout=300)
@@ -137,8 +145,10 @@ def test_a_file_system_that_cannot_lock(code, tmp_path, monkeypatch, capsys):
 
 
 def test_a_conversion_into_a_run_dir_in_use_is_refused(tmp_path, capsys):
-    """jaxpar.tools.convert writing a run takes the lock while it writes: refused, nothing written, while a
-    trainer holds run.dir; done, and the lock let go, once it is free."""
+    """jaxpar.tools.convert writing a run takes the lock while it writes.
+
+    Refused, nothing written, while a trainer holds run.dir; done, and the lock let go, once it is free.
+    """
     import jax
 
     from jaxpar.core.weights.names import save_weights

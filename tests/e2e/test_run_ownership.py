@@ -1,5 +1,7 @@
-"""The other framework's run directory, met by a trainer or a sampler (each command's own main, in-process): one
-`error:` line naming the conversion, exit status 2, and the directory exactly as it was."""
+"""The other framework's run directory, met by a trainer or a sampler (each command's own main, in-process).
+
+One `error:` line naming the conversion, exit status 2, and the directory exactly as it was.
+"""
 import json
 import os
 

@@ -1,8 +1,10 @@
-"""Issue 57's "say what happens": what a command does that its user may not expect is said in one line -- a
-multi-process backend started as one plain process, a device count the user fixed in XLA_FLAGS. (The other points
-are tested beside their subjects: unknown config keys in tests/core/test_config.py, the learning rate a resume
-moves in tests/jaxpar/test_resume_settings.py, a tokenizer smaller than asked in tests/core/test_data.py, the
-planner's progress in tests/jaxpar/test_plan.py.)"""
+"""Issue 57's "say what happens": what a command does that its user may not expect is said in one line.
+
+A multi-process backend started as one plain process, a device count the user fixed in XLA_FLAGS. (The other points are
+tested beside their subjects: unknown config keys in tests/core/test_config.py, the learning rate a resume moves in
+tests/jaxpar/test_resume_settings.py, a tokenizer smaller than asked in tests/core/test_data.py, the planner's progress
+in tests/jaxpar/test_plan.py.)
+"""
 import os
 import subprocess
 import sys
@@ -16,8 +18,10 @@ pytest.importorskip("torch")
 
 
 def plain_torchpar(run_dir, dataset, *args: str) -> subprocess.CompletedProcess:
-    """`python -m torchpar.train` on the tiny config as one plain process: no launcher's variables (torchrun's,
-    srun's) in its environment."""
+    """`python -m torchpar.train` on the tiny config as one plain process.
+
+    No launcher's variables (torchrun's, srun's) in its environment.
+    """
     env = {k: v for k, v in torch_env().items() if not k.startswith("SLURM_")}
     cmd = [sys.executable, "-m", "torchpar.train", *TINY, f"data.dataset={dataset}", f"run.dir={run_dir}", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)

@@ -1,5 +1,7 @@
-"""The fine-tuning example of docs/features.md, on a tiny Hugging Face GPT-2 and a small JSON-lines file: convert,
-prepare with a loss mask and packing, train; and what the run reads is the prepared file's windows."""
+"""The fine-tuning example of docs/features.md, on a tiny Hugging Face GPT-2 and a small JSON-lines file.
+
+Convert, prepare with a loss mask and packing, train; and what the run reads is the prepared file's windows.
+"""
 import json
 import subprocess
 import sys
@@ -35,14 +37,18 @@ def test_fine_tune_a_converted_model_on_prompt_completion_records(tmp_path):
     assert "packed into" in out and "0 documents split" in out
     cli("jaxpar.train", "--config", str(run / "config.json"), f"run.dir={run}", f"data.dataset={tmp_path / 'sft.bin'}",
         f"data.tokenizer={tmp_path / 'tok.json'}", "data.seq_len=31", "data.document_mask=true", "train.steps=6",
-        "train.global_batch_size=4", "data.val_fraction=0.1", "train.log_every=1", "train.eval_every=0", "--mesh", "dp=1")
+        "train.global_batch_size=4", "data.val_fraction=0.1", "train.log_every=1", "train.eval_every=0",
+        "--mesh", "dp=1")
     losses = [m["loss"] for _, m in sorted(metrics(run).items())]
     assert len(losses) == 6 and losses[-1] < losses[0]
 
 
 def test_padding_is_logged_and_left_out_of_the_throughput(tmp_path):
-    """Documents of 10 bytes packed for seq_len 15: one per window of 16 (two would need 22), 5 tokens of
-    padding in each, so every batch's padding share is 5/16 whatever the order."""
+    """Documents of 10 bytes packed for seq_len 15.
+
+    One per window of 16 (two would need 22), 5 tokens of padding in each, so every batch's padding share is 5/16
+    whatever the order.
+    """
     docs = tmp_path / "docs"
     docs.mkdir()
     for i in range(40):

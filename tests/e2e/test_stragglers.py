@@ -1,6 +1,9 @@
-"""Which process is slow, and where the time goes (jaxpar/core/run/stragglers.py): one process made slow on purpose
-(<PREFIX>_FAULT_SLOW_RANK) is named within two records -- jaxpar's process 1 of two, torchpar's rank 0 of a ddp
-pair, so a detector naming a fixed process fails one of them -- and a one-device run spends no time in collectives."""
+"""Which process is slow, and where the time goes (jaxpar/core/run/stragglers.py).
+
+One process made slow on purpose (<PREFIX>_FAULT_SLOW_RANK) is named within two records -- jaxpar's process 1 of two,
+torchpar's rank 0 of a ddp pair, so a detector naming a fixed process fails one of them -- and a one-device run spends
+no time in collectives.
+"""
 import json
 import subprocess
 
@@ -79,9 +82,11 @@ class Lines:
 
 @pytest.mark.parametrize("threshold,named_lines", [(0.2, 1), (0.7, 0)])
 def test_the_threshold_decides_who_is_named(threshold, named_lines):
-    """Process 0 waited 0.4 s in one step: paces 0.1 and 0.5 s, the slow one 1.67x the median; at the next record
-    (0.2 s a step over two) 1.25x: named above a 20% threshold (on the second record in a row: one alone may be
-    noise), not above 70%."""
+    """Process 0 waited 0.4 s in one step: paces 0.1 and 0.5 s, the slow one 1.67x the median.
+
+    At the next record (0.2 s a step over two) 1.25x: named above a 20% threshold (on the second record in a row:
+    one alone may be noise), not above 70%.
+    """
     cfg = load_config(None, TINY + [f"train.straggler_threshold={threshold}"])
     progress, log = Progress(), Lines()
     hook = Stragglers(cfg, Gathered(), log, progress)
@@ -103,8 +108,10 @@ def test_a_one_device_run_spends_nothing_in_collectives(dataset, tmp_path):
 
 
 def check_named(records: dict, out: str, slow: int, axes: set) -> None:
-    """The slow process is named in a line by the second record (steps 2, 4), and every record says it is the
-    slowest; one record has the sampled step's share per axis."""
+    """The slow process is named in a line by the second record (steps 2, 4), and every record says it is the slowest.
+
+    One record has the sampled step's share per axis.
+    """
     lines = named(out)
     assert lines and lines[0][0] <= 4 and {p for _, p in lines} == {slow}, out[-3000:]
     assert [rec["slowest_rank"] for rec in records.values()] == [slow] * len(records), records

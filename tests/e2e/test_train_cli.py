@@ -54,8 +54,8 @@ def test_tensorboard_holds_the_metrics(uninterrupted_dir, uninterrupted):
     scalars = tensorboard_scalars(uninterrupted_dir)
     assert {"loss", "lr", "grad_norm", "tokens_per_sec"} <= set(scalars), scalars.keys()
     for tag in ("loss", "lr", "grad_norm"):  # float32 in the event file
-        np.testing.assert_allclose([scalars[tag][s] for s in range(1, 21)], [uninterrupted[s][tag] for s in range(1, 21)],
-                                   rtol=1e-6)
+        np.testing.assert_allclose([scalars[tag][s] for s in range(1, 21)],
+                                   [uninterrupted[s][tag] for s in range(1, 21)], rtol=1e-6)
 
 
 def test_checkpoint_restores_onto_another_mesh(dataset, uninterrupted, tmp_path):
@@ -94,9 +94,11 @@ def test_sigterm_saves_and_exits_zero(dataset, tmp_path):
 
 
 def test_write_init_then_init_from_starts_from_those_weights(dataset, tmp_path):
-    """Weights drawn with seed 7, loaded into runs that train with seed 0: the run starts from the file's
-    weights, not from its own seed's draw (its --write-init writes them back bit for bit), and trains
-    from them (its first loss is not the plain seed-0 run's)."""
+    """Weights drawn with seed 7, loaded into runs that train with seed 0.
+
+    The run starts from the file's weights, not from its own seed's draw (its --write-init writes them back bit for
+    bit), and trains from them (its first loss is not the plain seed-0 run's).
+    """
     drawn, started = tmp_path / "seed7.safetensors", tmp_path / "started.safetensors"
     r = run_cli(tmp_path / "a", dataset, "train.seed=7", "--write-init", str(drawn))
     assert r.returncode == 0, r.stderr
@@ -138,8 +140,10 @@ def test_default_tiny_config_learns(tmp_path):
 
 
 def test_trains_on_a_bpe_corpus_and_refuses_another_tokenizer_on_resume(tmp_path):
-    """JSON lines -> a trained byte-level BPE -> a dataset -> a run whose loss falls; the tokenizer file is then
-    replaced by another one, and resuming is refused with one line."""
+    """JSON lines -> a trained byte-level BPE -> a dataset -> a run whose loss falls.
+
+    The tokenizer file is then replaced by another one, and resuming is refused with one line.
+    """
     import json
 
     from jaxpar.core.data.bpe import train_tokenizer
@@ -157,15 +161,19 @@ def test_trains_on_a_bpe_corpus_and_refuses_another_tokenizer_on_resume(tmp_path
     assert r.returncode == 0, r.stderr
     losses = metrics(tmp_path / "run")
     assert losses[30]["loss"] < losses[5]["loss"] - 1.0, losses
-    assert train_tokenizer([str(tmp_path / "corpus.jsonl")], tok, vocab_size=vocab - 10) == vocab - 10  # same path, other tokenizer
+    # same path, other tokenizer
+    assert train_tokenizer([str(tmp_path / "corpus.jsonl")], tok, vocab_size=vocab - 10) == vocab - 10
     again = run_cli(tmp_path / "run", data, *args[:2], "train.steps=40")
     assert again.returncode == 2 and again.stderr.count("error:") == 1, again.stderr
     assert "trained with another tokenizer" in again.stderr
 
 
 def test_llama_tiny_config_learns_below_gpt2_tiny(tmp_path):
-    """configs/llama-tiny.yaml (fewer parameters than gpt2-tiny) ends with a lower eval loss at the same 150
-    steps on the default corpus (measured 2026-11-23: 2.353 vs 2.476, docs/architecture.md "Model families")."""
+    """configs/llama-tiny.yaml ends with a lower eval loss than gpt2-tiny.
+
+    With fewer parameters than gpt2-tiny, it ends with a lower eval loss at the same 150 steps on the default corpus
+    (docs/architecture.md "Model families").
+    """
     import subprocess
     import sys
     from tests.helpers import ROOT

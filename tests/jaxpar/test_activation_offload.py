@@ -1,7 +1,10 @@
-"""model.remat=offload in jaxpar: each layer's projection outputs wait in host memory (pinned_host) between the
-forward and the backward pass, the rest recomputed (jaxpar/ops.py REMAT_POLICIES). Training equals the run without
-it; the traced step really holds those residuals in host memory (XLA:CPU then keeps them in its one memory: what a
-CPU can and cannot show, docs/architecture.md "Mixed precision and offload"); the planner counts them per device."""
+"""model.remat=offload in jaxpar.
+
+Each layer's projection outputs wait in host memory (pinned_host) between the forward and the backward pass, the rest
+recomputed (jaxpar/ops.py REMAT_POLICIES). Training equals the run without it; the traced step really holds those
+residuals in host memory (XLA:CPU then keeps them in its one memory: what a CPU can and cannot show,
+docs/architecture.md "Mixed precision and offload"); the planner counts them per device.
+"""
 import math
 
 import jax
@@ -25,8 +28,11 @@ def _layout(cfg, mesh: dict):
 
 @pytest.mark.parametrize("mesh", ["dp=1", "fsdp=2,tp=2", "pp=2"])
 def test_offload_equals_no_offload(mesh, dataset):
-    """Three steps: the same losses and weights within 1e-5 (pp=2: GPipe, whose vmap over the stages keeps the
-    projections' names)."""
+    """Activation offload gives the same losses and weights as no offload.
+
+    Three steps: the same losses and weights within 1e-5 (pp=2: GPipe, whose vmap over the stages keeps the projections'
+    names).
+    """
     n = math.prod(int(a.split("=")[1]) for a in mesh.split(","))
     ref = run_steps(tiny_config(), mesh, dataset, steps=3, devices=jax.devices()[:n])
     got = run_steps(tiny_config("model.remat=offload"), mesh, dataset, steps=3, devices=jax.devices()[:n])
@@ -51,8 +57,11 @@ def host_residuals(jaxpr) -> list:
 
 @pytest.mark.parametrize("remat", ["offload", "save_matmuls"])
 def test_the_step_keeps_the_projections_in_host_memory(remat):
-    """The traced train step: with offload, the layers' loop stacks each projection's output in host memory (qkv,
-    attention output, MLP up), nothing else; save_matmuls keeps its matmuls on the device."""
+    """The traced train step.
+
+    With offload, the layers' loop stacks each projection's output in host memory (qkv, attention output, MLP up),
+    nothing else; save_matmuls keeps its matmuls on the device.
+    """
     from jaxpar.state import abstract_state
     from jaxpar.step import make_train_step
 
@@ -71,8 +80,10 @@ def test_the_step_keeps_the_projections_in_host_memory(remat):
 @pytest.mark.parametrize("mesh,share", [({"dp": 1}, 1.0), ({"fsdp": 2, "tp": 2}, (3 * D / 4 + D / 2 + D) / (8 * D)),
                                         ({"dp": 2}, 0.5)], ids=["dp=1", "fsdp=2,tp=2", "dp=2"])
 def test_offloaded_bytes_per_device(mesh, share):
-    """What the planner counts (jaxpar/cost/activations.py): one device's shard of them as GSPMD places it --
-    fsdp halves the rows, tp the heads and the MLP width; the attention output is whole on each tp device."""
+    """What the planner counts (jaxpar/cost/activations.py): one device's shard of them as GSPMD places it.
+
+    Fsdp halves the rows, tp the heads and the MLP width; the attention output is whole on each tp device.
+    """
     from jaxpar.cost.activations import offloaded_bytes
 
     assert offloaded_bytes(_layout(tiny_config("model.remat=offload"), mesh)) == PROJECTED * share
@@ -86,8 +97,11 @@ def test_the_executor_schedules_refuse_it_in_one_line(schedule):
 
 
 def test_the_planner_shows_the_device_bytes_falling():
-    """jaxpar.tools.plan: offload's activations per device, and the peak on the device below save_matmuls' by them
-    (on XLA:CPU by subtraction: its memory analysis counts host memory with the device's)."""
+    """The planner shows offload lowering the device's activation bytes and peak.
+
+    jaxpar.tools.plan: offload's activations per device, and the peak on the device below save_matmuls' by them (on
+    XLA:CPU by subtraction: its memory analysis counts host memory with the device's).
+    """
     from jaxpar.core.config.mesh_spec import parse_mesh
     from jaxpar.tools.plan import plan
 

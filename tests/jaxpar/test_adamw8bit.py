@@ -1,7 +1,10 @@
-"""optim.name=adamw8bit in jaxpar (jaxpar/optim.py, jaxpar/core/optimizer/adamw8bit.py): sharded layouts equal one device over
-10 steps (the loss within 1e-5; the weights within the band of parity_tests/compare.py's EIGHT_BIT), a run stops
-and resumes exactly, and the state is about a quarter of AdamW's -- in the planner and in the
-arrays a run holds. (The codes against torchao's, and jaxpar against torchpar: tests/torchpar/test_adamw8bit.py.)"""
+"""optim.name=adamw8bit in jaxpar (jaxpar/optim.py, jaxpar/core/optimizer/adamw8bit.py).
+
+Sharded layouts equal one device over 10 steps (the loss within 1e-5; the weights within the band of
+parity_tests/compare.py's EIGHT_BIT), a run stops and resumes exactly, and the state is about a quarter of AdamW's -- in
+the planner and in the arrays a run holds. (The codes against torchao's, and jaxpar against torchpar:
+tests/torchpar/test_adamw8bit.py.)
+"""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,9 +47,11 @@ def test_resume_after_sigkill_is_exact(tmp_path, dataset):
 
 
 def test_the_state_is_a_quarter_of_adamws_planned_and_held():
-    """configs/gpt2-tiny.yaml (every matrix and the embeddings hold codes; norms and biases float32 moments): 1
-    byte per moment value and a float32 scale per 64 against AdamW's 4 bytes -- 0.27x, under the issue's 0.3x --
-    in the planner's figure on fsdp=2 and in the bytes of the state a run initialises on one device."""
+    """configs/gpt2-tiny.yaml (every matrix and the embeddings hold codes; norms and biases float32 moments).
+
+    1 byte per moment value and a float32 scale per 64 against AdamW's 4 bytes -- 0.27x, under the issue's 0.3x --
+    in the planner's figure on fsdp=2 and in the bytes of the state a run initialises on one device.
+    """
     base = load_config("configs/gpt2-tiny.yaml")
     eight = load_config("configs/gpt2-tiny.yaml", list(EIGHT_BIT))
     planned = [plan(c, {"fsdp": 2}, jax.devices()[:2])["opt_state_bytes"] for c in (base, eight)]

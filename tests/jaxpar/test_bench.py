@@ -50,8 +50,9 @@ def test_torchpar_bench_reports_the_same_fields(tmp_path):
     from tests.helpers import ROOT, TINY
 
     out = tmp_path / "t.json"
-    r = subprocess.run([sys.executable, "-m", "torchpar.tools.bench", "--backend", "none", "--steps", "2", "--warmup", "1",
-                        "--json", str(out), *TINY], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "torchpar.tools.bench", "--backend", "none", "--steps", "2",
+                        "--warmup", "1", "--json", str(out), *TINY],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     t = json.loads(out.read_text())
     assert t["framework"] == "torchpar" and t["device_kind"].startswith("cpu") and t["mfu_datasheet"] is None
@@ -99,8 +100,11 @@ def test_profile_steps_write_traces(tmp_path):
 
 
 def test_sweep_and_scaling_report(tmp_path):
-    """Two meshes in one bench run, then report --scaling: the table's speedups and efficiencies are the
-    rows' own tokens/s ratios (recomputed here), and the plots are written."""
+    """Two meshes in one bench run, then report --scaling.
+
+    The table's speedups and efficiencies are the rows' own tokens/s ratios (recomputed here), and the plots are
+    written.
+    """
     import json
     import subprocess
     import sys
@@ -128,8 +132,10 @@ def test_sweep_and_scaling_report(tmp_path):
 
 
 def test_optimizer_bench_trains_two_optimizers_and_writes_its_tables(tmp_path):
-    """bench_optimizers trains each sweep point through jaxpar.train and tabulates the runs' own metrics.jsonl:
-    the evaluation losses in the table are the ones the runs logged."""
+    """bench_optimizers trains each sweep point through jaxpar.train and tabulates the runs' own metrics.jsonl.
+
+    The evaluation losses in the table are the ones the runs logged.
+    """
     import json
     import subprocess
     import sys

@@ -1,9 +1,11 @@
-"""Block-sparse dilated attention (model.sparsity_ratio; the pattern: jaxpar/core/model/layer_rules.py, the cores:
-models/dilated.py on both sides): the pattern's rules; at sparsity 0.25 equal to a dense computation masked to
-the same blocks (and far from dense dilated attention, so that ignoring the sparsity fails); torchpar's blocked
-sum and FlexAttention's block mask equal to jaxpar; decoding's form; both trainers from one weights file (the
-model's loss and gradients: tests/jaxpar/test_variants.py's twins); sp=2 equal to one device; the compiled step's
-attention FLOPs against dense dilated attention's."""
+"""Block-sparse dilated attention (model.sparsity_ratio) in both frameworks.
+
+The pattern is in jaxpar/core/model/layer_rules.py, the cores in models/dilated.py on both sides. Tested: the pattern's
+rules; at sparsity 0.25 equal to a dense computation masked to the same blocks (and far from dense dilated attention, so
+that ignoring the sparsity fails); torchpar's blocked sum and FlexAttention's block mask equal to jaxpar; decoding's
+form; both trainers from one weights file (the model's loss and gradients: tests/jaxpar/test_variants.py's twins); sp=2
+equal to one device; the compiled step's attention FLOPs against dense dilated attention's.
+"""
 import warnings
 
 import jax
@@ -51,8 +53,11 @@ def test_pattern_keeps_the_diagonal_and_a_share_of_past_blocks():
 
 
 def _oracle(q, k, v, pairs, sp):
-    """Dense [T, T] scores of each head, masked to the pairs' selections and to the kept blocks (a key that c pairs
-    show a query enters its one softmax c times), float64."""
+    """Reference attention: dense float64 scores masked to the pairs' selections and the kept blocks.
+
+    Dense [T, T] scores of each head, masked to the pairs' selections and to the kept blocks (a key that c pairs show a
+    query enters its one softmax c times), float64.
+    """
     q, k, v = (a.astype(np.float64) for a in (q, k, v))
     B, T, H, D = q.shape
     t = np.arange(T)
@@ -111,8 +116,11 @@ def test_torchpar_blocked_and_flex_attention_equal_jaxpar():
 
 
 def test_decoding_attends_the_same_blocks():
-    """key_counts (decoding over a cache, both frameworks) with the pattern is the training forward, also over a
-    longer context."""
+    """Decoding attends the same blocks as the training forward.
+
+    key_counts (decoding over a cache, both frameworks) with the pattern is the training forward, also over a longer
+    context.
+    """
     q, k, v = _qkv()
     T, H = q.shape[1], q.shape[2]
     pos = jnp.arange(T)
@@ -146,8 +154,10 @@ def test_trainers_agree_from_torchpar_write_init(tmp_path, dataset):
 
 @pytest.mark.parametrize("axis", [1, 2], ids=["sequence", "heads"])
 def test_sharded_over_sp_equals_one_device(axis):
-    """The sequence cut in halves over sp=2 (segments of 32 and 64 span both shards; or the heads, as tp cuts
-    them): GSPMD partitions the block gathers; output and input gradients as on one device."""
+    """The sequence cut in halves over sp=2 (segments of 32 and 64 span both shards; or the heads, as tp cuts them).
+
+    GSPMD partitions the block gathers; output and input gradients as on one device.
+    """
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
     q, k, v = map(jnp.asarray, _qkv())
@@ -172,8 +182,10 @@ def test_sequence_parallel_equals_one_device(dataset):
 
 
 def test_attention_flops_of_the_step_are_a_quarter_of_dense():
-    """The dilated attention's matmuls in the traced (loss, gradients) program: 2 key blocks of 8 per query
-    block, so 0.25x; an upper bound of 0.35x leaves room for a cheaper first block."""
+    """The dilated attention's matmuls in the traced (loss, gradients) program.
+
+    2 key blocks of 8 per query block, so 0.25x; an upper bound of 0.35x leaves room for a cheaper first block.
+    """
     from jaxpar.cost.jaxpr_flops import matmul_flops
     from jaxpar.cost.loss_and_grad import loss_and_grad_program
 

@@ -1,5 +1,7 @@
-"""A checkpoint save never returns without saving or raising (jaxpar/checkpoint.py): a step on disk that this run
-did not write or restore is refused and left as it was; the run's own step is saved once."""
+"""A checkpoint save never returns without saving or raising (jaxpar/checkpoint.py).
+
+A step on disk that this run did not write or restore is refused and left as it was; the run's own step is saved once.
+"""
 import jax
 import jax.numpy as jnp
 import numpy as np

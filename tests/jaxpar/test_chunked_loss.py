@@ -1,6 +1,8 @@
-"""The output head and its cross-entropy in chunks of positions (model.loss_chunks, jaxpar/models/head.py): the same
-loss and gradients as the whole logits on one device and on every kind of mesh, and a step that never holds the
-whole float32 logits (the planner's peak for issue 50's command; the largest array the step makes)."""
+"""The output head and its cross-entropy in chunks of positions (model.loss_chunks, jaxpar/models/head.py).
+
+The same loss and gradients as the whole logits on one device and on every kind of mesh, and a step that never holds the
+whole float32 logits (the planner's peak for issue 50's command; the largest array the step makes).
+"""
 import json
 import math
 import os
@@ -24,8 +26,11 @@ MIB = 2 ** 20
 
 
 def rows(cfg, seed: int = 0) -> jax.Array:
-    """Rows [batch, seq + 1] of random tokens with packed documents (token 0 starts one) and a third of the targets
-    skipped by the loss (negative)."""
+    """Random token rows with packed documents and a third of the targets masked out.
+
+    Rows [batch, seq + 1] of random tokens with packed documents (token 0 starts one) and a third of the targets skipped
+    by the loss (negative).
+    """
     rng = np.random.default_rng(seed)
     B, T = cfg.train.global_batch_size, cfg.data.seq_len
     tokens = rng.integers(1, cfg.model.vocab_size, (B, T + 1))
@@ -95,8 +100,11 @@ def sft_data(tmp_path_factory):
 
 @pytest.mark.parametrize("mesh,overrides", MESHES.values(), ids=MESHES.keys())
 def test_chunks_on_a_mesh_train_as_the_whole_logits_on_one_device(mesh, overrides, sft_data):
-    """Loss-masked packed documents (token_share below one): the vocabulary split over tp, the hand-scheduled
-    pipeline's last stage, the zig-zag sequence shards, experts over ep."""
+    """Loss-masked packed documents (token_share below one).
+
+    The vocabulary split over tp, the hand-scheduled pipeline's last stage, the zig-zag sequence shards, experts
+    over ep.
+    """
     whole = run_steps(tiny_config(*SFT, *overrides, "model.loss_chunks=1"), "dp=1", sft_data, devices=jax.devices()[:1])
     n = math.prod(parse_mesh(mesh).values())
     got = run_steps(tiny_config(*SFT, *overrides, "model.loss_chunks=4"), mesh, sft_data, devices=jax.devices()[:n])
@@ -126,8 +134,11 @@ def test_the_whole_logits_plan_over_2000_mib():
 
 
 def test_the_issue_step_measures_under_1000_mib(tmp_path):
-    """jaxpar.tools.step_memory: the kernel's high-water mark of the resident set during the step, over the resident
-    set before it, plus the state: under 1,000 MiB, and as planned within 5%."""
+    """jaxpar.tools.step_memory.
+
+    The kernel's high-water mark of the resident set during the step, over the resident set before it, plus the
+    state: under 1,000 MiB, and as planned within 5%.
+    """
     command = [sys.executable, "-m", "jaxpar.tools.step_memory", "--config", "configs/gpt2-tiny.yaml", *ISSUE_50,
                "--json", str(tmp_path / "m.json")]
     out = subprocess.run(command, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,

@@ -1,7 +1,10 @@
-"""data.document_mask: in a packed row each document is read as if it were alone (attention within it, positions
-restarting at its end-of-document token) on every attention path -- one device, GSPMD dp/tp, each sp strategy,
-the pipeline executor, GPipe's forward (evaluation on a pipeline), the KV-cache decoder -- and in torchpar; training
-(and evaluation) on a mesh equals one device; the settings that cannot honour it are refused in one line."""
+"""data.document_mask: each document in a packed row is read as if it were alone.
+
+In a packed row each document is read as if it were alone (attention within it, positions restarting at its
+end-of-document token) on every attention path -- one device, GSPMD dp/tp, each sp strategy, the pipeline executor,
+GPipe's forward (evaluation on a pipeline), the KV-cache decoder -- and in torchpar; training (and evaluation) on a mesh
+equals one device; the settings that cannot honour it are refused in one line.
+"""
 import math
 
 import jax
@@ -133,8 +136,11 @@ def test_torchpar_reads_packed_rows_as_jaxpar_does(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_decoding_inside_a_packed_row_continues_the_last_document_alone(variant):
-    """Greedy continuation of [document A, EOD, prompt B] equals that of [EOD, prompt B], in both frameworks
-    (a model with large weights, so that its greedy tokens vary)."""
+    """Decoding inside a packed row continues the last document alone.
+
+    Greedy continuation of [document A, EOD, prompt B] equals that of [EOD, prompt B], in both frameworks (a model with
+    large weights, so that its greedy tokens vary).
+    """
     cfg, model, (graphdef, params) = model_and_params(variant, "model.init_std=0.5", "model.max_seq_len=48")
     a, b, _ = packed_documents(7)
     packed, own = np.r_[a, b][None].astype(np.int32), b[None].astype(np.int32)
@@ -194,10 +200,10 @@ def evaluated(cfg, mesh: str, flat_params: dict) -> float:
 @pytest.fixture(scope="module")
 def deep_one_device(documents_data):
     """The masked one-device run and its evaluation; the unmasked run's losses and evaluation."""
-    run = lambda *extra: run_steps(tiny_config(*DEEP, *extra), "dp=1", documents_data,  # noqa: E731
+    run = lambda *extra: run_steps(tiny_config(*DEEP, *extra), "dp=1", documents_data,
                                    devices=jax.devices()[:1])
     masked = run()
-    evaluate = lambda *extra: evaluated(tiny_config(*DEEP, *extra), "dp=1", masked["params"])  # noqa: E731
+    evaluate = lambda *extra: evaluated(tiny_config(*DEEP, *extra), "dp=1", masked["params"])
     return {**masked, "eval": evaluate(), "unmasked": run("data.document_mask=false")["loss"],
             "eval_unmasked": evaluate("data.document_mask=false")}
 
@@ -206,9 +212,12 @@ def deep_one_device(documents_data):
     (mesh, schedule) for mesh in ("pp=2", "pp=2,dp=2") for schedule in HAND_SCHEDULED])
 def test_masked_training_and_evaluation_on_each_hand_scheduled_pipeline_equal_one_device(mesh, schedule,
                                                                                        documents_data, deep_one_device):
-    """What a run on the schedule computes: each step's loss and the parameters (on the executor: each
-    microbatch's positions and segment ids ride with its tokens), then the evaluation of the trained parameters (the
-    eval step's GPipe forward: they travel with the microbatch's activations)."""
+    """What a run on the schedule computes.
+
+    Each step's loss and the parameters (on the executor: each microbatch's positions and segment ids ride with its
+    tokens), then the evaluation of the trained parameters (the eval step's GPipe forward: they travel with the
+    microbatch's activations).
+    """
     ref = deep_one_device
     # masks change these short documents' losses: the checks below could tell a mask that was ignored
     assert np.max(np.abs(np.subtract(ref["unmasked"], ref["loss"]))) > 1e-3

@@ -1,5 +1,8 @@
-"""DualPipeV on the hand-scheduled executor (issue 48 item 4): one chunk's forward and another microbatch's whole
-backward of the other chunk in one tick, chunks placed in a V as zb_v's, reproduces the single-device float32 run."""
+"""DualPipeV on the hand-scheduled executor (issue 48 item 4).
+
+One chunk's forward and another microbatch's whole backward of the other chunk in one tick, chunks placed in a V as
+zb_v's, reproduces the single-device float32 run.
+"""
 import jax
 import numpy as np
 import pytest
@@ -19,8 +22,11 @@ def reference(dataset):
 @pytest.mark.parametrize("mesh,n,remat", [("pp=2", 2, "none"), pytest.param("pp=4", 4, "none", marks=pytest.mark.slow),
                                           ("pp=2", 2, "full")])
 def test_dualpipev_matches_single_device(mesh, n, remat, dataset, reference):
-    """BW (B, then W from the projections' inputs and output gradients B hands out) alone or beside a forward, and the
-    split B/W of the drain, sum to one device's gradients; with model.remat=full B recomputes what remat dropped."""
+    """DualPipeV's backward passes sum to one device's gradients.
+
+    BW (B, then W from the projections' inputs and output gradients B hands out) alone or beside a forward, and the
+    split B/W of the drain, sum to one device's gradients; with model.remat=full B recomputes what remat dropped.
+    """
     cfg = tiny_config(*DEEPER, "parallel.pipeline_schedule=dualpipev", f"model.remat={remat}")
     got = run_steps(cfg, mesh, dataset, devices=jax.devices()[:n])
     np.testing.assert_allclose(got["loss"], reference["loss"], rtol=1e-5)
@@ -28,8 +34,11 @@ def test_dualpipev_matches_single_device(mesh, n, remat, dataset, reference):
 
 
 def test_dualpipev_ticks_overlap():
-    """The tables run overlapped ticks (each of the three FB branches on pp=2) and keep no more than 2S+1
-    microbatch-chunks' residuals per device."""
+    """DualPipeV's tables run overlapped ticks and bound the residuals kept per device.
+
+    The tables run overlapped ticks (each of the three FB branches on pp=2) and keep no more than 2S+1
+    microbatch-chunks' residuals per device.
+    """
     plan = tick_plan("dualpipev", 2, 4, 1)
     assert set(FB_CODES.values()) <= set(plan.tables[..., COL["code"]].flat)
     assert plan.res_slots - 1 <= 2 * 2 + 1

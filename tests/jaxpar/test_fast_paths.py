@@ -29,8 +29,10 @@ def test_gpu_flags_are_options_this_xla_knows_and_the_users_own_win():
 
 
 def test_cudnn_attention_fallback_is_said_once_per_reason(monkeypatch, capsys):
-    """On a 'GPU' without cuDNN (this CPU), the cuDNN attempt fails at trace time: XLA's attention runs and
-    the reason is printed once; float32 inputs name their dtype."""
+    """On a 'GPU' without cuDNN (this CPU), the cuDNN attempt fails at trace time.
+
+    XLA's attention runs and the reason is printed once; float32 inputs name their dtype.
+    """
     monkeypatch.setattr(ops, "_on_gpu", lambda: True)
     monkeypatch.setattr(ops, "_said", set())
     q, k, v = (jax.random.normal(jax.random.key(i), (2, 16, 4, 8)) for i in range(3))
@@ -45,8 +47,11 @@ def test_cudnn_attention_fallback_is_said_once_per_reason(monkeypatch, capsys):
 
 
 def test_cpu_projection_has_autodiffs_gradients_from_an_untransposed_weight_gradient_dot():
-    """ops.project's CPU backward (x transposed in a copy behind a barrier) gives tensordot's gradients, for
-    the model's shapes: [b,t,d] @ [d,3,h,k] (qkv) and [b,t,h,k] @ [h,k,d] (out, two contracted dims)."""
+    """The CPU projection's backward gives autodiff's gradients.
+
+    ops.project's CPU backward (x transposed in a copy behind a barrier) gives tensordot's gradients, for the model's
+    shapes: [b,t,d] @ [d,3,h,k] (qkv) and [b,t,h,k] @ [h,k,d] (out, two contracted dims).
+    """
     keys = jax.random.split(jax.random.key(0), 4)
     cases = [(jax.random.normal(keys[0], (2, 5, 8)), jax.random.normal(keys[1], (8, 3, 2, 4)), 1),
              (jax.random.normal(keys[2], (2, 5, 2, 4)), jax.random.normal(keys[3], (2, 4, 8)), 2)]

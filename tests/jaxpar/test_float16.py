@@ -1,7 +1,10 @@
-"""float16 compute with dynamic loss scaling (jaxpar/loss_scale.py, torchpar: torch.amp.GradScaler): an
-overflowing step is skipped exactly and halves the scale, clean steps grow it, the scaler resumes exactly after
-SIGKILL, layouts agree with one device within the float16 band (docs/parity.md), refusals are one line.
-jaxpar vs torchpar float16 trajectories: parity_tests (configs/parity/float16.yaml)."""
+"""float16 compute with dynamic loss scaling, in jaxpar and torchpar.
+
+jaxpar/loss_scale.py, torchpar: torch.amp.GradScaler. An overflowing step is skipped exactly and halves the scale, clean
+steps grow it, the scaler resumes exactly after SIGKILL, layouts agree with one device within the float16 band
+(docs/parity.md), refusals are one line.
+jaxpar vs torchpar float16 trajectories: parity_tests (configs/parity/float16.yaml).
+"""
 import math
 import os
 import signal
@@ -44,8 +47,11 @@ def test_float16_is_not_float32_under_another_name(fp16_reference, reference):
 
 
 def test_overflow_skips_exactly_that_update_and_halves_the_scale(dataset):
-    """In process: a step with overflowing gradients leaves parameters and optimizer state bit-identical,
-    halves the scale, counts one skipped step; the next clean step grows it back (growth interval 1)."""
+    """An overflowing step skips exactly its update and halves the loss scale.
+
+    In process: a step with overflowing gradients leaves parameters and optimizer state bit-identical, halves the scale,
+    counts one skipped step; the next clean step grows it back (growth interval 1).
+    """
     from jaxpar.data import TokenBatches, device_batch
     from jaxpar.layout import Layout
     from jaxpar.mesh import make_mesh
@@ -78,8 +84,11 @@ SCALES = [65536] * 3 + [32768] * 3 + [65536] * 3 + [131072] * 3
 
 
 def _overflow_run_resumes_exactly(tmp_path, dataset, args, prefix: str, module: str):
-    """An injected overflow at step 3 shows in metrics.jsonl (skipped_steps, loss_scale, the schedule held),
-    and a run killed after step 6 resumes from its step-4 checkpoint to the same numbers. -> the full run."""
+    """Check an injected overflow's records and an exact resume after SIGKILL; return the full run.
+
+    An injected overflow at step 3 shows in metrics.jsonl (skipped_steps, loss_scale, the schedule held), and a run
+    killed after step 6 resumes from its step-4 checkpoint to the same numbers.
+    """
     fault = {f"{prefix}_FAULT_OVERFLOW_AT_STEP": "3"}
     full = run_cli(tmp_path / "full", dataset, *args, env=fault, module=module)
     assert full.returncode == 0, full.stderr
@@ -177,8 +186,11 @@ def test_torchpar_float16_refusals_are_one_line(backend, overrides, message, dat
     ({"fp16": {"enabled": True}}, "enables fp16, but model.compute_dtype=float32"),
 ])
 def test_deepspeed_json_that_contradicts_the_shared_keys_is_refused(section, message, tmp_path):
-    """A user's DeepSpeed section the model would not act on (activation checkpointing: the model recomputes by
-    model.remat) or a precision other than model.compute_dtype: one line before any process group."""
+    """A DeepSpeed section that contradicts the shared keys is refused in one line.
+
+    A user's DeepSpeed section the model would not act on (activation checkpointing: the model recomputes by
+    model.remat) or a precision other than model.compute_dtype: one line before any process group.
+    """
     import json
 
     from torchpar.backends import deepspeed

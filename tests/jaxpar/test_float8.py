@@ -1,6 +1,9 @@
-"""model.float8 in jaxpar (jaxpar/ops.py): each projection multiplies float8 copies of its input and weight (e4m3,
-tensorwise current scaling) and, backward, an e5m2 copy of its output gradient. On a CPU XLA upcasts the float8
-operands (emulated): the numbers are float8's, the speed is not."""
+"""model.float8 in jaxpar (jaxpar/ops.py).
+
+Each projection multiplies float8 copies of its input and weight (e4m3, tensorwise current scaling) and, backward, an
+e5m2 copy of its output gradient. On a CPU XLA upcasts the float8 operands (emulated): the numbers are float8's, the
+speed is not.
+"""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,7 +35,7 @@ def test_a_projection_is_float8s_product_forward_and_backward():
     # the same products of the float8 copies, computed here in float32 from to_float8's values and scales
     (x8, sx), (w8, sw), (dy8, sdy) = (to_float8(x, jnp.float8_e4m3fn), to_float8(w, jnp.float8_e4m3fn),
                                       to_float8(dy, jnp.float8_e5m2))
-    up = lambda t: t.astype(jnp.float32)  # noqa: E731
+    up = lambda t: t.astype(jnp.float32)
     expected = (jnp.tensordot(up(x8), up(w8), 1) * sx * sw,
                 jnp.tensordot(up(dy8), up(w8), ((2, 3), (1, 2))) * sdy * sw,
                 jnp.tensordot(up(x8), up(dy8), ((0, 1), (0, 1))) * sx * sdy)
@@ -44,9 +47,12 @@ def test_a_projection_is_float8s_product_forward_and_backward():
 
 
 def test_one_device_layouts_and_the_setting_acts(dataset, reference):
-    """dp=2,tp=2 against one device: the scales are whole tensors' (the same on every layout), but an activation
-    whose last bits differ can round to the neighbouring float8 value, so float8 layouts agree within float8's
-    band, not float32's: measured 6.4e-5 in loss over 10 steps, against 1.2e-3 between float8 and float32."""
+    """dp=2,tp=2 against one device.
+
+    The scales are whole tensors' (the same on every layout), but an activation whose last bits differ can round to
+    the neighbouring float8 value, so float8 layouts agree within float8's band, not float32's: measured 6.4e-5 in
+    loss over 10 steps, against 1.2e-3 between float8 and float32.
+    """
     ref = run_steps(tiny_config(*FLOAT8_ON), "dp=1", dataset, devices=jax.devices()[:1])
     got = run_steps(tiny_config(*FLOAT8_ON), "dp=2,tp=2", dataset, devices=jax.devices()[:4])
     assert ref["loss"][-1] < ref["loss"][0] - 0.1

@@ -1,6 +1,9 @@
-"""Decoding: the KV-cache loop emits exactly what re-running the whole forward pass would (one device and
-tp=4; every family and variant, jaxpar and torchpar, and during training), sampling is reproducible from its
-seed, top_p keeps exactly the nucleus, and a converted Hugging Face GPT-2 decodes as transformers does."""
+"""Decoding: the KV-cache loop, sampling, and a converted Hugging Face GPT-2.
+
+The KV-cache loop emits exactly what re-running the whole forward pass would (one device and tp=4; every family and
+variant, jaxpar and torchpar, and during training), sampling is reproducible from its seed, top_p keeps exactly the
+nucleus, and a converted Hugging Face GPT-2 decodes as transformers does.
+"""
 import os
 import subprocess
 import sys
@@ -62,9 +65,12 @@ def test_kv_cache_decoding_equals_rerunning_the_full_forward(mesh):
 
 
 def continue_by_forward(next_token, prompt: list[int], length: int, new: int | None = None) -> list[int]:
-    """The independent reference: `prompt` continued by `new` tokens (default: to `length`), each one
-    next_token(row, n) of the whole forward pass over a fixed row of `length` tokens at position n (causal: the
-    zero padding after n cannot change the logits there), re-run for every token."""
+    """The independent reference.
+
+    `prompt` continued by `new` tokens (default: to `length`), each one next_token(row, n) of the whole forward pass
+    over a fixed row of `length` tokens at position n (causal: the zero padding after n cannot change the logits
+    there), re-run for every token.
+    """
     row = prompt + [0] * (length - len(prompt))
     end = length if new is None else len(prompt) + new
     for n in range(len(prompt) - 1, end - 1):
@@ -98,9 +104,11 @@ def test_torchpar_decodes_every_variant_as_its_forward(variant):
 
 
 def _assert_samples_of(run_dir, train_out: str, generate_out: str, logits_at, draw) -> None:
-    """The run (train.sample_every=2, train.steps=2) printed the sample its final model draws: the validation
-    prompt continued token by token with draw(logits_at(row, n), index of the new token); the generate command
-    (greedy, 8 tokens after "def ", from the run) printed the argmax continuation."""
+    """The run (train.sample_every=2, train.steps=2) printed the sample its final model draws.
+
+    The validation prompt continued token by token with draw(logits_at(row, n), index of the new token); the
+    generate command (greedy, 8 tokens after "def ", from the run) printed the argmax continuation.
+    """
     from jaxpar.core.data.order import open_splits
     from jaxpar.core.run.hooks import sample_lengths
     from jaxpar.core.run.resume import read_run_config
@@ -133,8 +141,11 @@ SAMPLED = ["mla", "dilated"]
 
 @pytest.mark.parametrize("variant", SAMPLED)
 def test_samples_during_training_come_from_the_trained_model(variant, dataset, tmp_path):
-    """jaxpar: train.sample_every's sample (temperature 0.8, top_k 40, key = the step) is the final checkpoint's
-    continuation drawn from the whole forward pass with the decoder's keys; `jaxpar.generate --run` decodes it."""
+    """Samples drawn during training come from the trained model.
+
+    jaxpar: train.sample_every's sample (temperature 0.8, top_k 40, key = the step) is the final checkpoint's
+    continuation drawn from the whole forward pass with the decoder's keys; `jaxpar.generate --run` decodes it.
+    """
     from jaxpar.core.run.resume import read_run_config
     from jaxpar.decode import sample
     from jaxpar.generate import restore_params
@@ -198,8 +209,11 @@ NUCLEUS_ORDER = [3, 0, 5, 1, 4, 2]  # vocabulary position of each probability ab
 @pytest.mark.parametrize("top_p,size", [(0.85, 3), (0.3, 1), (0.95, 4)])
 @pytest.mark.parametrize("side", ["jaxpar", "torchpar"])
 def test_top_p_draws_exactly_the_nucleus_in_proportion(side, top_p, size):
-    """4000 draws at temperature 1: every token of the nucleus and nothing else, each about as often as its
-    probability renormalised over the nucleus (binomial standard deviation < 0.008; tolerance 0.04)."""
+    """4000 draws at temperature 1.
+
+    Every token of the nucleus and nothing else, each about as often as its probability renormalised over the
+    nucleus (binomial standard deviation < 0.008; tolerance 0.04).
+    """
     probs = np.zeros(len(NUCLEUS_PROBS))
     probs[NUCLEUS_ORDER] = NUCLEUS_PROBS
     logits = np.log(probs)[None].repeat(4000, 0)
@@ -244,9 +258,12 @@ def test_converted_hugging_face_gpt2_decodes_as_transformers(tmp_path):
 
 
 def test_jaxpar_and_torchpar_decode_the_same_tokens(tmp_path):
-    """The same shared weights through both commands, greedy, without --max-new-tokens (the tiny model's 32
-    positions hold fewer than 200 new tokens; both decode what the context leaves): the same text; torchpar's
-    sampling is reproducible from its seed too."""
+    """jaxpar and torchpar decode the same tokens from the same weights.
+
+    The same shared weights through both commands, greedy, without --max-new-tokens (the tiny model's 32 positions hold
+    fewer than 200 new tokens; both decode what the context leaves): the same text; torchpar's sampling is reproducible
+    from its seed too.
+    """
     torch = pytest.importorskip("torch")
     from torchpar.decode import generate as torch_generate
     from torchpar.models.decoder import Decoder
@@ -264,6 +281,6 @@ def test_jaxpar_and_torchpar_decode_the_same_tokens(tmp_path):
     model = Decoder(layout.cfg.model)
     model.load_state_dict(from_shared(read_weights(weights), layout.cfg.model.n_layer))
     prompt = torch.tensor(PROMPT * 2)
-    draw = lambda seed: torch_generate(model, prompt, 12, seed, temperature=1.0, top_k=50, top_p=0.9)  # noqa: E731
+    draw = lambda seed: torch_generate(model, prompt, 12, seed, temperature=1.0, top_k=50, top_p=0.9)
     first = draw(1)
     assert torch.equal(first, draw(1)) and not torch.equal(first, draw(2)) and not torch.equal(first[0], first[1])

@@ -1,7 +1,10 @@
-"""parallel.grad_compression=bf16 in jaxpar (jaxpar/parallel/compression.py): the data axes' gradient reduction
-written in a shard_map manual over dp and fsdp. With a float32 wire the same program is the plain step on every
-layout (so its scatter dimensions and axes are right); with bfloat16 the run moves by the rounding only. With pp
-(every schedule) each stage's gradients are compressed over dp as dp alone compresses them, bf16 and PowerSGD."""
+"""parallel.grad_compression=bf16 in jaxpar (jaxpar/parallel/compression.py).
+
+The data axes' gradient reduction written in a shard_map manual over dp and fsdp. With a float32 wire the same program
+is the plain step on every layout (so its scatter dimensions and axes are right); with bfloat16 the run moves by the
+rounding only. With pp (every schedule) each stage's gradients are compressed over dp as dp alone compresses them, bf16
+and PowerSGD.
+"""
 import math
 
 import jax
@@ -53,9 +56,11 @@ _dp_alone = {}
 
 
 def dp_alone(method: str, dataset) -> dict:
-    """dp=2 with `method` (none: the plain step), once per session; its gradient accumulated over the 4
-    microbatches the pp=2 runs split each batch into (parallel.pipeline_microbatches' default, 2 per stage), so
-    that both compress float32 gradients summed alike."""
+    """dp=2 with `method` (none: the plain step), once per session.
+
+    Its gradient accumulated over the 4 microbatches the pp=2 runs split each batch into
+    (parallel.pipeline_microbatches' default, 2 per stage), so that both compress float32 gradients summed alike.
+    """
     if method not in _dp_alone:
         _dp_alone[method] = run("dp=2", dataset, *PIPELINE, f"parallel.grad_compression={method}",
                                 "train.microbatches=4")
@@ -65,10 +70,13 @@ def dp_alone(method: str, dataset) -> dict:
 @pytest.mark.parametrize("method,schedule", [("bf16", "gpipe"), ("powersgd", "gpipe"), ("bf16", "1f1b"),
                                              ("powersgd", "interleaved"), ("powersgd", "zb_h1"), ("bf16", "zb_v")])
 def test_compression_with_a_pipeline_is_dp_alone_compressed(method, schedule, dataset):
-    """dp=2,pp=2 compresses each stage's gradients over dp: the dp=2 run's numbers. The losses and the parameters
-    within 1e-5 (measured 2.6e-7 to 2e-6 against the reference that accumulates the same 4 microbatches; 5e-6 to
-    7.8e-6 against one whole-batch gradient, whose float32 sums round otherwise before the bf16 cast or PowerSGD's
-    projection), while compression itself moves them 1.4e-3 (bf16) and 2e-2 (PowerSGD) from the plain step's."""
+    """dp=2,pp=2 compresses each stage's gradients over dp: the dp=2 run's numbers.
+
+    The losses and the parameters within 1e-5 (measured 2.6e-7 to 2e-6 against the reference that accumulates the
+    same 4 microbatches; 5e-6 to 7.8e-6 against one whole-batch gradient, whose float32 sums round otherwise before
+    the bf16 cast or PowerSGD's projection), while compression itself moves them 1.4e-3 (bf16) and 2e-2 (PowerSGD)
+    from the plain step's.
+    """
     got = run("dp=2,pp=2", dataset, *PIPELINE, f"parallel.grad_compression={method}",
               f"parallel.pipeline_schedule={schedule}",
               *(["parallel.pipeline_virtual_stages=2"] if schedule == "interleaved" else []))
@@ -80,8 +88,10 @@ def test_compression_with_a_pipeline_is_dp_alone_compressed(method, schedule, da
 
 @pytest.mark.parametrize("mesh,extra", [("fsdp=2,pp=2", ()), ("dp=2,pp=2", ("parallel.zero_stage=3",))])
 def test_hand_scheduled_pipelines_refuse_sharded_parameters(mesh, extra, dataset):
-    """The executor pins its gradients to the parameters' layout, which names the data axes manual here: one line
-    (gpipe runs it, and auto picks gpipe)."""
+    """The executor pins its gradients to the parameters' layout, which names the data axes manual here.
+
+    One line (gpipe runs it, and auto picks gpipe).
+    """
     with pytest.raises(UserError, match="pipeline_schedule=1f1b does not run parameters sharded over fsdp or ZeRO-3"):
         run_steps(tiny_config(BF16, "model.n_layer=4", "parallel.pipeline_schedule=1f1b", *extra), mesh, dataset,
                   devices=jax.devices()[:4])

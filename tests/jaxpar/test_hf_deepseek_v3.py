@@ -1,6 +1,8 @@
-"""Hugging Face DeepseekV3ForCausalLM <-> both frameworks (jaxpar/formats/hf_deepseek_v3.py): a small random
-transformers model is the oracle for logits and greedy tokens, through --from hf and back through --to hf; what
-the format cannot hold is refused in one line."""
+"""Hugging Face DeepseekV3ForCausalLM <-> both frameworks (jaxpar/formats/hf_deepseek_v3.py).
+
+A small random transformers model is the oracle for logits and greedy tokens, through --from hf and back through --to
+hf; what the format cannot hold is refused in one line.
+"""
 import json
 
 import jax
@@ -55,8 +57,10 @@ def test_deepseek_v3_round_trip_through_a_jaxpar_run_is_bit_exact(hf_deepseek, t
 
 
 def test_ours_to_hf_gives_our_logits_and_greedy_tokens(tmp_path):
-    """A model of ours (random weights, a nonzero choice bias, tied embeddings, two shared experts) written --to hf:
-    transformers' logits and greedy tokens are ours (jaxpar's and torchpar's)."""
+    """A model of ours (random weights, a nonzero choice bias, tied embeddings, two shared experts) written --to hf.
+
+    Transformers' logits and greedy tokens are ours (jaxpar's and torchpar's).
+    """
     import torch
     import transformers
     from flax import nnx
@@ -100,8 +104,10 @@ def test_ours_to_hf_gives_our_logits_and_greedy_tokens(tmp_path):
 
 
 def test_de_interleaved_hf_weights_read_the_same(hf_deepseek, tmp_path):
-    """rope_interleave=false (the rotary features of q_b_proj and kv_a_proj_with_mqa already in halves): the same
-    transformers model once its rotary rows are in halves, and the same shared tensors."""
+    """rope_interleave=false (the rotary features of q_b_proj and kv_a_proj_with_mqa already in halves).
+
+    The same transformers model once its rotary rows are in halves, and the same shared tensors.
+    """
     import torch
     import transformers
     from safetensors.numpy import load_file, save_file
@@ -198,8 +204,10 @@ def test_the_deepseek_configs_build_with_their_documented_counts():
 
 @pytest.mark.slow
 def test_the_tiny_config_trains_and_its_run_converts_to_hf(tmp_path):
-    """python -m jaxpar.train --config configs/deepseek-v3-tiny.yaml train.steps=2, then --to hf: transformers'
-    logits are the run's (its balance bias moved off zero by the two steps)."""
+    """python -m jaxpar.train --config configs/deepseek-v3-tiny.yaml train.steps=2, then --to hf.
+
+    Transformers' logits are the run's (its balance bias moved off zero by the two steps).
+    """
     import os
     import subprocess
     import sys
@@ -236,9 +244,12 @@ def test_the_tiny_config_trains_and_its_run_converts_to_hf(tmp_path):
 
 @pytest.mark.slow
 def test_deepseek_v3_shape_on_a_layout_equals_one_device_and_keeps_its_fixed_bias(dataset):
-    """The whole DeepSeek-V3 block (llama with mla, a dense first layer, grouped sigmoid routing, shared experts, the
-    routed scale, a fixed router bias) with the experts over ep and the heads over tp equals one device; the fixed
-    bias (model.moe_router_bias, moe_bias_update=0) stays as it started, through AdamW and its weight decay."""
+    """The DeepSeek-V3 block on an ep/tp layout equals one device and keeps its fixed router bias.
+
+    The whole DeepSeek-V3 block (llama with mla, a dense first layer, grouped sigmoid routing, shared experts, the
+    routed scale, a fixed router bias) with the experts over ep and the heads over tp equals one device; the fixed bias
+    (model.moe_router_bias, moe_bias_update=0) stays as it started, through AdamW and its weight decay.
+    """
     from tests.helpers import assert_params_close, run_steps, tiny_config
 
     overrides = (*(o for o in DEEPSEEK if "vocab_size" not in o), "train.steps=4")

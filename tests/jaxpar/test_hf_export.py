@@ -1,5 +1,8 @@
-"""A Hugging Face export is ready to use: `--to hf` writes the run's tokenizer and its end-of-document id, so
-transformers' pipeline decodes what jaxpar.generate decodes and AutoTokenizer gives the project's token ids."""
+"""A Hugging Face export is ready to use.
+
+`--to hf` writes the run's tokenizer and its end-of-document id, so transformers' pipeline decodes what jaxpar.generate
+decodes and AutoTokenizer gives the project's token ids.
+"""
 import json
 
 import jax
@@ -20,8 +23,11 @@ TEXTS = ["def f(x):\n    return x , y .", "héllo wörld ✓ 日本語 Ā", "a <
 
 
 def make_run(tmp_path, name: str, *overrides: str) -> str:
-    """A one-layer jaxpar run (step-0 checkpoint, config.json) of random weights large enough that greedy
-    decoding does not settle on one token; its weights file is tmp_path/NAME.safetensors."""
+    """Write a one-layer jaxpar run of random weights and return its directory.
+
+    The run holds a step-0 checkpoint and config.json; its weights are large enough that greedy decoding does not settle
+    on one token; its weights file is tmp_path/NAME.safetensors.
+    """
     from jaxpar.core.weights.names import flatten, unflatten
     from jaxpar.models.decoder import abstract_model
 
@@ -36,8 +42,11 @@ def make_run(tmp_path, name: str, *overrides: str) -> str:
 
 
 def jaxpar_greedy(run: str, monkeypatch, prompt: str = PROMPT, new: int = NEW) -> list[int]:
-    """The token ids `python -m jaxpar.generate --run RUN --prompt PROMPT --temperature 0 --max-new-tokens NEW`
-    decodes, through its own functions on one of the test's devices."""
+    """Return the token ids jaxpar.generate decodes greedily for the prompt.
+
+    The token ids `python -m jaxpar.generate --run RUN --prompt PROMPT --temperature 0 --max-new-tokens NEW` decodes,
+    through its own functions on one of the test's devices.
+    """
     from jaxpar import generate
 
     mesh = generate.make_mesh
@@ -58,7 +67,7 @@ def test_byte_level_run_exports_a_ready_pipeline(tmp_path, monkeypatch, capsys):
     assert {k: config[k] for k in ids} == ids
 
     pipe = transformers.pipeline("text-generation", model=str(out), device="cpu")
-    greedy = lambda **how: pipe(PROMPT, do_sample=False, max_new_tokens=NEW, return_tensors=True,  # noqa: E731
+    greedy = lambda **how: pipe(PROMPT, do_sample=False, max_new_tokens=NEW, return_tensors=True,
                                 **how)[0]["generated_token_ids"][len(PROMPT.encode()):]
     want = jaxpar_greedy(run, monkeypatch)
     assert len(set(want)) > 3, want  # a degenerate continuation would prove little
@@ -87,8 +96,10 @@ def test_byte_level_run_exports_a_ready_pipeline(tmp_path, monkeypatch, capsys):
 
 
 def test_bpe_run_exports_its_tokenizer_and_end_of_document_id(tmp_path, capsys):
-    """A run with a BPE tokenizer (python -m jaxpar.data tokenizer): the file and its <|endoftext|> id; AutoTokenizer
-    encodes as jaxpar.core.data.tokens.text_codec does (the special token's text is the token)."""
+    """A run with a BPE tokenizer (python -m jaxpar.data tokenizer): the file and its <|endoftext|> id.
+
+    AutoTokenizer encodes as jaxpar.core.data.tokens.text_codec does (the special token's text is the token).
+    """
     from jaxpar.core.data.bpe import train_tokenizer
 
     corpus, path = tmp_path / "corpus.txt", str(tmp_path / "tokenizer.json")

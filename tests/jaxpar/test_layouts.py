@@ -47,8 +47,10 @@ def test_bfloat16_compute_stays_close_to_float32(dataset, reference):
 
 
 def test_zero3_shards_over_dp_wherever_fsdp_shards():
-    """ZeRO-3 is fsdp over the dp devices (docs/features.md): the sketched factor's input dim included, not "embed"
-    alone."""
+    """ZeRO-3 is fsdp over the dp devices (docs/features.md).
+
+    The sketched factor's input dim included, not "embed" alone.
+    """
     from jaxpar.layout import rules_for
     from jaxpar.sharding import RULES
 

@@ -1,5 +1,8 @@
-"""A run's start does what it needs, once: importing the trainer loads no tool and no optional library, and before
-the first step the checks of each (config, mesh) and the automatic pipeline schedule's probe each run once."""
+"""A run's start does what it needs, once.
+
+Importing the trainer loads no tool and no optional library, and before the first step the checks of each (config, mesh)
+and the automatic pipeline schedule's probe each run once.
+"""
 import collections
 import json
 import os

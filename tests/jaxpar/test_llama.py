@@ -1,8 +1,11 @@
-"""model.family=llama: every layout equals one device, a random Hugging Face LlamaForCausalLM (GQA, untied
-head) converts into both frameworks with transformers' logits and back bit-exactly, decoding with a
-grouped KV cache equals the full forward in both frameworks, and the family's one-line refusals.
+"""model.family=llama: layouts, Hugging Face conversion, grouped-KV decoding and refusals.
+
+Every layout equals one device, a random Hugging Face LlamaForCausalLM (GQA, untied head) converts into both frameworks
+with transformers' logits and back bit-exactly, decoding with a grouped KV cache equals the full forward in both
+frameworks, and the family's one-line refusals.
 jaxpar == torchpar loss and gradients: tests/jaxpar/test_variants.py ("llama", "llama_dilated"); trajectories:
-parity_tests (configs/parity/llama.yaml)."""
+parity_tests (configs/parity/llama.yaml).
+"""
 import json
 import math
 
@@ -101,8 +104,10 @@ def test_hf_llama_logits_match_both_frameworks(hf_llama):
 
 
 def test_jaxpar_run_exports_to_hf_llama_bit_exact_and_transformers_reproduces_it(hf_llama, tmp_path):
-    """HF -> jaxpar run (step-0 checkpoint) -> HF: every tensor bit-exact; transformers loads the export and
-    its logits equal jaxpar's on the run's own weights."""
+    """HF -> jaxpar run (step-0 checkpoint) -> HF: every tensor bit-exact.
+
+    Transformers loads the export and its logits equal jaxpar's on the run's own weights.
+    """
     import torch
     import transformers
     from safetensors.numpy import load_file
@@ -129,8 +134,10 @@ def test_jaxpar_run_exports_to_hf_llama_bit_exact_and_transformers_reproduces_it
 
 
 def test_kv_cache_decoding_with_grouped_heads_in_both_frameworks():
-    """jaxpar on tp=4 (2 kv heads replicated, query heads split) and torchpar: 20 greedy tokens each equal to
-    re-running the whole forward pass."""
+    """jaxpar on tp=4 (2 kv heads replicated, query heads split) and torchpar.
+
+    20 greedy tokens each equal to re-running the whole forward pass.
+    """
     import torch
 
     from jaxpar.context import use
@@ -176,8 +183,11 @@ def test_family_refusals_are_one_line(overrides, message):
 
 
 def test_converted_run_may_change_data_and_batch_but_not_the_model(tmp_path):
-    """A step-0 run written by jaxpar.tools.convert (config.json with converted_from) fine-tunes with its own
-    data and batch; a trained run may not change them; neither may change the model."""
+    """A converted run may change its data and batch but not its model.
+
+    A step-0 run written by jaxpar.tools.convert (config.json with converted_from) fine-tunes with its own data and
+    batch; a trained run may not change them; neither may change the model.
+    """
     from jaxpar.core.run.resume import check_resume
 
     (tmp_path / "checkpoints" / "0").mkdir(parents=True)

@@ -1,6 +1,8 @@
-"""Fine-tuning data's loss mask (tests/helpers.make_sft_dataset): the loss is the mean cross-entropy over the
-response targets of the whole batch, in jaxpar and torchpar, however the batch is split over devices and
-microbatches."""
+"""Fine-tuning data's loss mask (tests/helpers.make_sft_dataset).
+
+The loss is the mean cross-entropy over the response targets of the whole batch, in jaxpar and torchpar, however the
+batch is split over devices and microbatches.
+"""
 import math
 
 import jax
@@ -47,13 +49,13 @@ def test_the_loss_counts_the_response_targets_alone(sft_data):
     model = Decoder(cfg.model, nnx.Rngs(0))
     rows = split_rows(jnp.asarray(batch), eod=0)
     logits = model(rows.inputs, rows.positions, rows.segments)
-    loss = lambda targets: float(cross_entropy(logits, targets) * token_share(jnp.asarray(batch)))  # noqa: E731
+    loss = lambda targets: float(cross_entropy(logits, targets) * token_share(jnp.asarray(batch)))
     want = counted_mean(np.asarray(logits, np.float64), tokens, mask)
     assert loss(rows.targets) == pytest.approx(want, rel=1e-5)
 
     prompt = tuple(np.argwhere(mask[:, 1:] == 0)[0])  # a target the loss skips, and one it counts
     response = tuple(np.argwhere(mask[:, 1:] == 1)[0])
-    other = lambda t: (t + 1) % 256  # noqa: E731
+    other = lambda t: (t + 1) % 256
     skipped = rows.targets.at[prompt].set(~other(tokens[:, 1:][prompt]))  # still skipped, another token
     assert loss(skipped) == loss(rows.targets)
     assert loss(rows.targets.at[response].set(other(tokens[:, 1:][response]))) != pytest.approx(want, rel=1e-4)

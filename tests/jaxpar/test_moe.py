@@ -1,6 +1,8 @@
-"""Mixture of experts (model.moe_*, jaxpar/models/moe.py) and expert parallelism over `ep`
-(jaxpar/parallel/expert_parallel.py): the router's rules against hand-derived cases, the token dispatch against a
-per-token numpy sum, and every layout against one device, drops included."""
+"""Mixture of experts and expert parallelism over `ep`.
+
+model.moe_*, jaxpar/models/moe.py and jaxpar/parallel/expert_parallel.py: the router's rules against hand-derived cases,
+the token dispatch against a per-token numpy sum, and every layout against one device, drops included.
+"""
 import math
 
 import jax
@@ -52,8 +54,10 @@ def test_first_choices_claim_places_before_second_choices():
 
 
 def test_capacity_follows_the_tokens_places_when_they_are_permuted():
-    """Zig-zag sequence parallelism hands the router a row in another order; `index` (each token's place) keeps
-    the drops those of the natural order."""
+    """Zig-zag sequence parallelism hands the router a row in another order.
+
+    `index` (each token's place) keeps the drops those of the natural order.
+    """
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(16, 4)).astype(np.float32)
     overrides = ("model.moe_experts=4", "model.moe_capacity_factor=0.5")
@@ -95,8 +99,11 @@ def test_the_balance_bias_moves_by_its_speed_towards_the_mean_load():
 
 
 def test_the_balance_bias_follows_each_steps_loads(dataset):
-    """One expert layer: after each step the bias has moved by the speed towards the step's mean load (1/E of the
-    choices, read off the records)."""
+    """The balance bias follows each step's expert loads.
+
+    One expert layer: after each step the bias has moved by the speed towards the step's mean load (1/E of the choices,
+    read off the records).
+    """
     cfg = tiny_config(*MOE, "model.n_layer=1", "model.moe_bias_update=0.01", "train.steps=3")
     runs = [run_steps(cfg, "dp=1", dataset, steps=s, devices=jax.devices()[:1]) for s in (1, 3)]
     for run in runs:
@@ -119,7 +126,7 @@ def test_the_dispatch_sums_each_tokens_kept_choices(capacity):
         ids[:] = [[0, 1]] * T
         kept[:, 1:] = False
     y = local_experts(*map(jnp.asarray, (x, ids, weights, kept, gate, up, down)), capacity)
-    silu = lambda a: a / (1 + np.exp(-a))  # noqa: E731
+    silu = lambda a: a / (1 + np.exp(-a))
     want = np.zeros_like(x)
     for b, t, j in np.ndindex(B, T, k):
         if kept[b, t, j]:
@@ -160,8 +167,11 @@ ON_EXECUTOR = ("model.n_layer=4", "model.moe_bias_update=0.001", "train.steps=4"
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb_h1", "zb_v",
                                       pytest.param("dualpipev", marks=pytest.mark.slow)])
 def test_experts_on_each_hand_scheduled_pipeline_equal_one_device(schedule, mesh, dataset):
-    """The executor carries the experts' statistics: each stage sums its layers' (the balance loss's gradient pulled
-    back through every stage, each expert layer's loads for its bias), as one device does over the layers."""
+    """The executor carries the experts' statistics.
+
+    Each stage sums its layers' (the balance loss's gradient pulled back through every stage, each expert layer's
+    loads for its bias), as one device does over the layers.
+    """
     ref = _reference(dataset, *ON_EXECUTOR)
     virtual = ("parallel.pipeline_virtual_stages=2",) if schedule == "interleaved" else ()
     cfg = tiny_config(*MOE, *ON_EXECUTOR, f"parallel.pipeline_schedule={schedule}", *virtual)
@@ -187,8 +197,10 @@ def test_dropped_tokens_are_counted_alike_on_every_layout(dataset):
 
 
 def test_the_balance_loss_moves_the_router(dataset):
-    """moe_aux_loss weighs the balance loss into the gradient: weight 1 brings it close to its even value 1.0
-    (measured: 1.01 against 1.15 without, over the last steps of 20)."""
+    """moe_aux_loss weighs the balance loss into the gradient.
+
+    Weight 1 brings it close to its even value 1.0 (measured: 1.01 against 1.15 without, over the last steps of 20).
+    """
     balance = {w: run_steps(tiny_config(*MOE, f"model.moe_aux_loss={w}"), "dp=1", dataset,
                             devices=jax.devices()[:1])["moe_balance"] for w in (0.0, 1.0)}
     assert np.mean(balance[1.0][-5:]) < min(1.05, np.mean(balance[0.0][-5:]) - 0.05)
@@ -226,8 +238,11 @@ FIRST_DENSE = ("model.n_layer=4", "model.moe_first_dense=2", "model.d_ff=24", "t
 
 @pytest.mark.parametrize("mesh", ["ep=4,dp=2", "ep=2,pp=2"])
 def test_dense_first_layers_and_the_balance_bias_on_layouts_equal_one_device(mesh, dataset):
-    """Both stacks split over the pipeline's stages, the experts over ep; the balance is the expert layers' mean;
-    each layer's bias moves by the whole batch's loads, the same on every layout."""
+    """Both stacks split over the pipeline's stages, the experts over ep.
+
+    The balance is the expert layers' mean; each layer's bias moves by the whole batch's loads, the same on every
+    layout.
+    """
     ref = _reference(dataset, *FIRST_DENSE)
     bias = ref["params"]["blocks.moe.router.bias"]
     assert np.abs(bias).max() >= 0.001 and not np.array_equal(bias[0], bias[1])  # each layer by its own loads
@@ -249,9 +264,12 @@ FIRST_DENSE_ON_EXECUTOR = ("model.n_layer=6", "model.moe_first_dense=2", "model.
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_v", pytest.param("interleaved", marks=pytest.mark.slow),
                                       pytest.param("zb_h1", marks=pytest.mark.slow)])
 def test_dense_first_layers_on_each_hand_scheduled_pipeline_equal_one_device(schedule, dataset):
-    """The executor's first stage runs the dense stack whole after the embedding (its gradient with the
-    embedding's), the stages split the expert stack; the bias's loads are counted over the expert layers. Skipped
-    dense layers (or ones every stage ran) would change the loss and leave the dense weights' gradient elsewhere."""
+    """Dense first layers on each hand-scheduled pipeline equal one device.
+
+    The executor's first stage runs the dense stack whole after the embedding (its gradient with the embedding's), the
+    stages split the expert stack; the bias's loads are counted over the expert layers. Skipped dense layers (or ones
+    every stage ran) would change the loss and leave the dense weights' gradient elsewhere.
+    """
     ref = _reference(dataset, *FIRST_DENSE_ON_EXECUTOR)
     virtual = ("parallel.pipeline_virtual_stages=2",) if schedule == "interleaved" else ()
     cfg = tiny_config(*MOE, *FIRST_DENSE_ON_EXECUTOR, f"parallel.pipeline_schedule={schedule}", *virtual)
@@ -264,8 +282,10 @@ def test_dense_first_layers_on_each_hand_scheduled_pipeline_equal_one_device(sch
 
 
 def test_dense_first_layers_are_torchpars_dense_blocks(tmp_path):
-    """jaxpar's two stacks against torchpar's per-layer blocks (layer i < moe_first_dense with an MLP): the same
-    weights through the shared format give the same logits, statistics and greedy tokens."""
+    """jaxpar's two stacks against torchpar's per-layer blocks (layer i < moe_first_dense with an MLP).
+
+    The same weights through the shared format give the same logits, statistics and greedy tokens.
+    """
     import torch
     from flax import nnx
 
@@ -346,8 +366,11 @@ def test_mixtral_round_trip_through_a_jaxpar_run_is_bit_exact(hf_mixtral, tmp_pa
 
 
 def test_a_killed_expert_parallel_run_resumes_exactly(dataset, tmp_path):
-    """ep-sharded experts and their Adam moments through an orbax checkpoint: SIGKILL after step 3 of 6 on
-    ep=2,dp=2, resumed: every loss and gradient norm bit-equal to the uninterrupted run."""
+    """ep-sharded experts and their Adam moments through an orbax checkpoint.
+
+    SIGKILL after step 3 of 6 on ep=2,dp=2, resumed: every loss and gradient norm bit-equal to the uninterrupted
+    run.
+    """
     from tests.helpers import assert_resumes_exactly
     assert_resumes_exactly(tmp_path, dataset, ["--mesh", "ep=2,dp=2", "model.moe_experts=4", "model.moe_top_k=2",
                                                "model.moe_capacity_factor=1.0", "train.steps=6", "checkpoint.every=2"],

@@ -1,7 +1,9 @@
-"""DeepSeek-V3's group-limited routing and routed scale (model.moe_n_group, moe_topk_group, moe_routed_scale;
-jaxpar/models/moe.py and torchpar/models/moe.py route): both frameworks' choices and weights against transformers'
-DeepseekV3TopkRouter, the settings the experts cannot hold refused, an expert layout against one device, and jaxpar's
-loss and gradients against torchpar's."""
+"""DeepSeek-V3's group-limited routing and routed scale in both frameworks.
+
+model.moe_n_group, moe_topk_group, moe_routed_scale (jaxpar/models/moe.py and torchpar/models/moe.py route): both
+frameworks' choices and weights against transformers' DeepseekV3TopkRouter, the settings the experts cannot hold
+refused, an expert layout against one device, and jaxpar's loss and gradients against torchpar's.
+"""
 import re
 
 import jax
@@ -22,8 +24,11 @@ GROUPED = ("model.moe_experts=16", "model.moe_top_k=4", "model.moe_n_group=4", "
 
 
 def _hf_route(logits, bias, cfg):
-    """transformers' DeepseekV3TopkRouter (the oracle of HF conversion) on router logits: an identity router weight
-    makes its logits the hidden states. -> (ids, weights) [T, k], each token's sorted by expert id."""
+    """transformers' DeepseekV3TopkRouter (the oracle of HF conversion) on router logits.
+
+    An identity router weight makes its logits the hidden states. -> (ids, weights) [T, k], each token's sorted by
+    expert id.
+    """
     import torch
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
@@ -56,8 +61,11 @@ def _framework_route(framework, logits, bias, cfg):
 @pytest.mark.parametrize("framework", ["jaxpar", "torchpar"])
 @pytest.mark.parametrize("norm", ["true", "false"])
 def test_group_limited_routing_is_hf_deepseek_v3s(framework, norm):
-    """64 tokens' random logits and balance bias: the experts chosen and their weights are HF's router's. Ignoring
-    the groups would choose otherwise (checked on this input), ignoring the scale would weigh 2.5x less."""
+    """64 tokens' random logits and balance bias.
+
+    The experts chosen and their weights are HF's router's. Ignoring the groups would choose otherwise (checked on
+    this input), ignoring the scale would weigh 2.5x less.
+    """
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(64, 16)).astype(np.float32)
     bias = (0.1 * rng.normal(size=16)).astype(np.float32)
@@ -101,8 +109,11 @@ def test_grouped_routing_on_an_expert_layout_equals_one_device(dataset):
 
 
 def test_grouped_routing_gives_both_frameworks_the_same_loss_and_gradients():
-    """The same weights (a random balance bias included) and rows: jaxpar's loss, gradients and expert statistics are
-    torchpar's; without the groups and the scale the loss is another."""
+    """The same weights (a random balance bias included) and rows.
+
+    Jaxpar's loss, gradients and expert statistics are torchpar's; without the groups and the scale the loss is
+    another.
+    """
     import torch
     from flax import nnx
 

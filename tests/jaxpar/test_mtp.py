@@ -1,7 +1,9 @@
-"""Multi-token prediction (model.mtp_depth, model.mtp_loss_weight; jaxpar/models/decoder.py MTP, jaxpar/loss.py
-mtp_rows): the loss against a depth computed by hand, jaxpar against torchpar from one set of weights (loss and
-gradients, with packed documents, a loss mask and chunks), every layout against one device, the weight format and
-what is refused."""
+"""Multi-token prediction (model.mtp_depth, model.mtp_loss_weight).
+
+jaxpar/models/decoder.py MTP, jaxpar/loss.py mtp_rows: the loss against a depth computed by hand, jaxpar against
+torchpar from one set of weights (loss and gradients, with packed documents, a loss mask and chunks), every layout
+against one device, the weight format and what is refused.
+"""
 import math
 
 import jax
@@ -40,9 +42,12 @@ def _rows(cfg, documents: bool = False, masked: bool = False, seed: int = 0) -> 
 
 
 def _depth_by_hand(model, rows: np.ndarray, d: int, eod=None) -> float:
-    """Depth d's cross-entropy written out: the embedding of token t+d and the hidden state of depth d-1 (here d=1:
-    the main model's last), both normed, projected, the block, the depth's norm and the shared head; a target only
-    where token t+d exists, is counted, and (with documents) is in t's document; divided by all positions."""
+    """Depth d's cross-entropy written out.
+
+    The embedding of token t+d and the hidden state of depth d-1 (here d=1: the main model's last), both normed,
+    projected, the block, the depth's norm and the shared head; a target only where token t+d exists, is counted,
+    and (with documents) is in t's document; divided by all positions.
+    """
     assert d == 1
     from jaxpar.core.data.order import unmasked
     from jaxpar.ops import document_positions
@@ -77,9 +82,11 @@ def _depth_by_hand(model, rows: np.ndarray, d: int, eod=None) -> float:
 
 @pytest.mark.parametrize("documents", [False, True])
 def test_the_loss_adds_the_weighted_mean_of_the_depths(documents):
-    """Dropping the prediction loss, its weight, a depth, or the documents' mask fails here: the total is the main
-    loss plus weight x the mean of the depths, depth 1 equals the loss written out by hand, and every prediction
-    module's parameter gets a gradient."""
+    """Dropping the prediction loss, its weight, a depth, or the documents' mask fails here.
+
+    The total is the main loss plus weight x the mean of the depths, depth 1 equals the loss written out by hand,
+    and every prediction module's parameter gets a gradient.
+    """
     cfg, graphdef, params = _model()
     rows = jnp.asarray(_rows(cfg, documents, masked=True))
     eod = 0 if documents else None
@@ -99,8 +106,11 @@ def test_the_loss_adds_the_weighted_mean_of_the_depths(documents):
 @pytest.mark.parametrize("overrides", [(), ("model.loss_chunks=4", "model.family=llama", "model.n_kv_head=2")],
                          ids=["gpt2", "llama-chunks"])
 def test_jaxpar_and_torchpar_agree_from_one_set_of_weights(overrides):
-    """Loss, each depth's loss and every gradient within 1e-5 of each other, through the shared weight format (the
-    prediction modules' parameters included), with packed documents and a loss mask."""
+    """jaxpar and torchpar agree on the multi-token loss and gradients from one set of weights.
+
+    Loss, each depth's loss and every gradient within 1e-5 of each other, through the shared weight format (the
+    prediction modules' parameters included), with packed documents and a loss mask.
+    """
     cfg, graphdef, params = _model(*overrides)
     rows = _rows(cfg, documents=True, masked=True)
     (jloss, aux), jgrads = jax.jit(jax.value_and_grad(
@@ -135,9 +145,11 @@ def _devices(mesh: str):
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["dp=2", "fsdp=2,tp=2", "sp=2", "pp=2", "ep=2"])
 def test_every_layout_equals_one_device(mesh, dataset):
-    """The loss, each depth's loss (the metrics' mtp_loss_1, mtp_loss_2) and the parameters after 4 steps; sp in
-    zig-zag order (the depths' rows shifted before the permutation), pp on gpipe (the modules after the stages),
-    ep with experts in the main blocks."""
+    """The loss, each depth's loss (the metrics' mtp_loss_1, mtp_loss_2) and the parameters after 4 steps.
+
+    Sp in zig-zag order (the depths' rows shifted before the permutation), pp on gpipe (the modules after the
+    stages), ep with experts in the main blocks.
+    """
     experts = ("model.moe_experts=4", "model.moe_top_k=2") if "ep" in mesh else ()
     cfg = tiny_config(*MTP, *experts, "train.steps=4")
     if experts not in _REFERENCE:
@@ -154,8 +166,10 @@ def test_every_layout_equals_one_device(mesh, dataset):
 @pytest.mark.slow
 @pytest.mark.parametrize("compression", ["bf16", "powersgd"])
 def test_gradient_compression_carries_the_depths(compression, dataset, monkeypatch):
-    """The compressed reductions average each depth's loss over the data ranks as the loss: bf16's program with a
-    float32 wire, and PowerSGD within its warm-up (a plain reduction), equal one device."""
+    """The compressed reductions average each depth's loss over the data ranks as the loss.
+
+    Bf16's program with a float32 wire, and PowerSGD within its warm-up (a plain reduction), equal one device.
+    """
     from jaxpar.parallel import compression as bf16
 
     monkeypatch.setattr(bf16, "WIRE", jnp.float32)
@@ -173,9 +187,12 @@ def test_gradient_compression_carries_the_depths(compression, dataset, monkeypat
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_v", pytest.param("interleaved", marks=pytest.mark.slow),
                                       pytest.param("zb_h1", marks=pytest.mark.slow)])
 def test_each_hand_scheduled_pipeline_equals_one_device(schedule, dataset):
-    """The executor's last stage runs the modules after the head (their parameters and the shared table's lookups
-    in `rest`, their gradient from that stage): the loss, each depth's loss and the parameters after 3 steps equal
-    one device. A last stage that dropped the depths' loss would give another loss (and no mtp.* gradient)."""
+    """Multi-token prediction on each hand-scheduled pipeline equals one device.
+
+    The executor's last stage runs the modules after the head (their parameters and the shared table's lookups in
+    `rest`, their gradient from that stage): the loss, each depth's loss and the parameters after 3 steps equal one
+    device. A last stage that dropped the depths' loss would give another loss (and no mtp.* gradient).
+    """
     steps = ("train.steps=3", "model.n_layer=4")  # interleaved and ZB-V: a layer per chunk
     if steps not in _REFERENCE:
         _REFERENCE[steps] = run_steps(tiny_config(*MTP, *steps), "dp=1", dataset, devices=jax.devices()[:1])

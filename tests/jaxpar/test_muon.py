@@ -1,6 +1,9 @@
-"""optim.name=muon in jaxpar (jaxpar/optim.py, jaxpar/core/optimizer/muon.py): each matrix of a stacked tensor orthogonalised
-on its own, a sharded layout equal to one device over 10 steps, and a run that stops and resumes exactly (and is
-refused if it resumes as another optimizer). Its conversion to torchpar: tests/e2e/test_convert_state.py."""
+"""optim.name=muon in jaxpar (jaxpar/optim.py, jaxpar/core/optimizer/muon.py).
+
+Each matrix of a stacked tensor orthogonalised on its own, a sharded layout equal to one device over 10 steps, and a run
+that stops and resumes exactly (and is refused if it resumes as another optimizer). Its conversion to torchpar:
+tests/e2e/test_convert_state.py.
+"""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,8 +17,10 @@ MUON = ("optim.name=muon",)
 
 
 def test_stacked_layers_experts_and_qkv_are_matrices_of_their_own():
-    """A [layers, embed, 3, heads, head_dim] kernel is 2 x 3 matrices [embed, heads*head_dim]: the same as each
-    orthogonalised alone; the whole tensor read as one matrix is something else."""
+    """A [layers, embed, 3, heads, head_dim] kernel is 2 x 3 matrices [embed, heads*head_dim].
+
+    The same as each orthogonalised alone; the whole tensor read as one matrix is something else.
+    """
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 32, 3, 4, 8)), jnp.float32)
     axes = muon.stacked_axes("blocks.attn.qkv.kernel")
     assert axes == ((1,), (3, 4))
@@ -33,8 +38,11 @@ def test_stacked_layers_experts_and_qkv_are_matrices_of_their_own():
 
 
 def test_the_update_does_not_depend_on_the_layout_hint(monkeypatch):
-    """jax 0.11 has no shard_alike, and optim.py then leaves the update's layout to GSPMD: on an fsdp=4 mesh the
-    values must be those with the hint (it moves each result to its parameter's layout, never a value)."""
+    """jax 0.11 has no shard_alike, and optim.py then leaves the update's layout to GSPMD.
+
+    On an fsdp=4 mesh the values must be those with the hint (it moves each result to its parameter's layout, never
+    a value).
+    """
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jaxpar import optim

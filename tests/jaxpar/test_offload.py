@@ -1,6 +1,8 @@
-"""parallel.offload: state kept in host memory between steps reproduces the run that keeps it on the devices
-(jaxpar: memory kinds; torchpar: DeepSpeed's offload_optimizer/offload_param); a resumed offloaded run is
-exact; where a backend cannot offload on this machine, one line says why."""
+"""parallel.offload: state kept in host memory between steps reproduces the on-device run.
+
+jaxpar offloads by memory kinds, torchpar by DeepSpeed's offload_optimizer/offload_param. A resumed offloaded run is
+exact; where a backend cannot offload on this machine, one line says why.
+"""
 import jax
 import numpy as np
 import pytest

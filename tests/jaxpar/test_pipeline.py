@@ -1,5 +1,8 @@
-"""Every pipeline schedule over pp reproduces the single-device float32 run; bad pipeline layouts are
-one-line errors; the hand-scheduled executor keeps ~S microbatches of residuals for 1F1B whatever M is."""
+"""Every pipeline schedule over pp reproduces the single-device float32 run.
+
+Bad pipeline layouts are one-line errors; the hand-scheduled executor keeps ~S microbatches of residuals for 1F1B
+whatever M is.
+"""
 import re
 
 import jax
@@ -48,9 +51,12 @@ def test_schedule_matches_single_device(schedule, mesh, n, dataset, references):
                                                    ("zb_v", "pp=4", 4, "save_matmuls"),
                                                    ("zb_v", "pp=2,dp=2,tp=2", 8, "none")])
 def test_zero_bubble_matches_single_device(schedule, mesh, n, remat, dataset, references):
-    """ZB-H1 and ZB-V: input and weight gradients at different ticks (W deferred into the bubbles) sum to the
-    same gradients as one device's; ZB-V's chunks run down the devices and back up (pp=4: 8 layers, one per
-    chunk). W is the projections' weight gradients from the inputs and output gradients B kept, with remat too."""
+    """ZB-H1 and ZB-V give one device's gradients.
+
+    Input and weight gradients at different ticks (W deferred into the bubbles) sum to the same gradients as one
+    device's; ZB-V's chunks run down the devices and back up (pp=4: 8 layers, one per chunk). W is the projections'
+    weight gradients from the inputs and output gradients B kept, with remat too.
+    """
     model = DEEPER if schedule == "zb_v" and mesh == "pp=4" else DEEP
     cfg = tiny_config(*model, f"parallel.pipeline_schedule={schedule}", f"model.remat={remat}")
     got = run_steps(cfg, mesh, dataset, devices=jax.devices()[:n])
@@ -60,8 +66,10 @@ def test_zero_bubble_matches_single_device(schedule, mesh, n, remat, dataset, re
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb_h1", "zb_v"])
 def test_schedule_resumes_exactly_after_sigkill(schedule, dataset, tmp_path):
-    """pp=2, killed after step 4 (checkpoint of step 3): the resumed steps 4-6 equal the uninterrupted run's bit
-    for bit."""
+    """pp=2, killed after step 4 (checkpoint of step 3).
+
+    The resumed steps 4-6 equal the uninterrupted run's bit for bit.
+    """
     args = ("--mesh", "pp=2", *DEEP, f"parallel.pipeline_schedule={schedule}", "train.steps=6", "checkpoint.every=3",
             "train.eval_every=0", *(("parallel.pipeline_virtual_stages=2",) if schedule == "interleaved" else ()))
     assert_resumes_exactly(tmp_path, dataset, args, kill_after=4)
@@ -77,9 +85,12 @@ def test_1f1b_composes_with_fsdp_and_sequence_parallel(dataset, references):
 @pytest.mark.parametrize("schedule,attention", [("1f1b", "all_gather"), pytest.param("zb_v", "ulysses",
                                                                                    marks=pytest.mark.slow)])
 def test_hand_scheduled_pipeline_runs_sequence_parallel_in_natural_order(schedule, attention, dataset, references):
-    """parallel.sequence_zigzag=false: gpt2's positional rows for the sp-sharded sequence are sliced from a replicated
-    table (models/decoder.py embed); left to GSPMD the slice was a collective-permute inside the first stage's
-    branches, which XLA's rendezvous waits for on every device (fuzz seed 48002's deadlock)."""
+    """parallel.sequence_zigzag=false.
+
+    Gpt2's positional rows for the sp-sharded sequence are sliced from a replicated table (models/decoder.py embed);
+    left to GSPMD the slice was a collective-permute inside the first stage's branches, which XLA's rendezvous waits
+    for on every device (fuzz seed 48002's deadlock).
+    """
     cfg = tiny_config(*DEEP, f"parallel.pipeline_schedule={schedule}", f"parallel.sequence_attention={attention}",
                       "parallel.sequence_zigzag=false")
     got = run_steps(cfg, "pp=2,sp=2", dataset, devices=jax.devices()[:4])
@@ -93,8 +104,11 @@ HAND_SCHEDULED = {"1f1b": (), "interleaved": ("parallel.pipeline_virtual_stages=
 
 @pytest.mark.parametrize("schedule", list(HAND_SCHEDULED))
 def test_hand_scheduled_pipeline_runs_ring_attention(schedule, dataset, references):
-    """sp=2,pp=2 with ring attention: its K/V hops inside a tick's branch are all_to_alls (a collective-permute's
-    rendezvous there spans the other stage's devices: wrong values; jaxpar/parallel/ring_attention.py)."""
+    """sp=2,pp=2 with ring attention.
+
+    Its K/V hops inside a tick's branch are all_to_alls (a collective-permute's rendezvous there spans the other
+    stage's devices: wrong values; jaxpar/parallel/ring_attention.py).
+    """
     cfg = tiny_config(*DEEP, f"parallel.pipeline_schedule={schedule}", "parallel.sequence_attention=ring",
                       *HAND_SCHEDULED[schedule])
     got = run_steps(cfg, "pp=2,sp=2", dataset, devices=jax.devices()[:4])
@@ -103,8 +117,11 @@ def test_hand_scheduled_pipeline_runs_ring_attention(schedule, dataset, referenc
 
 
 def test_executor_runs_ring_attention_not_another_strategy():
-    """The compiled 1f1b step's sequence collectives are ring's hops (named scope ring_hop), as all_to_alls, none a
-    collective-permute: ring is neither replaced by all_gather nor left with the ppermute that breaks there."""
+    """The pipeline executor runs ring attention, not another sequence strategy.
+
+    The compiled 1f1b step's sequence collectives are ring's hops (named scope ring_hop), as all_to_alls, none a
+    collective-permute: ring is neither replaced by all_gather nor left with the ppermute that breaks there.
+    """
     from jaxpar.step import build_step
 
     cfg = tiny_config(*DEEP, "parallel.pipeline_schedule=1f1b", "parallel.sequence_attention=ring")
@@ -149,15 +166,18 @@ def _branch_matmuls(*overrides) -> list[int]:
             return fn(params, batch)
 
     jaxpr = jax.make_jaxpr(traced)(abstract_state(layout)["params"], jax.ShapeDtypeStruct(layout.batch_shape, "int32"))
-    walk = lambda j: [e for e in j.eqns for e in [e, *(x for sub in jaxprs_in_params(e.params) for x in walk(sub))]]  # noqa: E731
+    walk = lambda j: [e for e in j.eqns for e in [e, *(x for sub in jaxprs_in_params(e.params) for x in walk(sub))]]
     tick = next(e for e in walk(jaxpr.jaxpr)
                 if e.primitive.name == "cond" and len(e.params["branches"]) == BRANCHES)
     return [sum(e.primitive.name == "dot_general" for e in walk(b.jaxpr)) for b in tick.params["branches"]]
 
 
 def test_executor_backward_does_not_recompute_the_forward_unless_remat_says_so():
-    """A middle stage's backward applies the residuals its forward kept: two matmuls per forward matmul (the
-    gradients of both operands), none recomputed; model.remat=full trades memory for a recomputed forward."""
+    """A middle stage's backward applies the residuals its forward kept.
+
+    Two matmuls per forward matmul (the gradients of both operands), none recomputed; model.remat=full trades memory
+    for a recomputed forward.
+    """
     from jaxpar.pipeline.tick_plan import B_MID, F_MID
 
     kept = _branch_matmuls("parallel.pipeline_schedule=1f1b")
@@ -167,8 +187,11 @@ def test_executor_backward_does_not_recompute_the_forward_unless_remat_says_so()
 
 
 def test_matmul_flops_count_loops_and_find_what_each_schedule_adds():
-    """A 10-step scan of a 64x64 matmul is 10 matmuls (XLA's cost analysis reports one); 1F1B on the executor
-    does one device's matmul work, GPipe on GSPMD (M+S-1)/M of it (its bubble ticks compute too)."""
+    """A 10-step scan of a 64x64 matmul is 10 matmuls (XLA's cost analysis reports one).
+
+    1F1B on the executor does one device's matmul work, GPipe on GSPMD (M+S-1)/M of it (its bubble ticks compute
+    too).
+    """
     import jax.numpy as jnp
 
     from jaxpar.cost.jaxpr_flops import matmul_flops
@@ -178,7 +201,7 @@ def test_matmul_flops_count_loops_and_find_what_each_schedule_adds():
     scan = jax.make_jaxpr(lambda x: jax.lax.scan(lambda c, _: (c @ x, None), x, None, length=10)[0])(x)
     assert matmul_flops(scan.jaxpr) == 10 * 2 * 64**3
     S, M = 2, 4
-    cfg = lambda schedule: tiny_config(*DEEP, f"parallel.pipeline_schedule={schedule}")  # noqa: E731  8 rows, M=4
+    cfg = lambda schedule: tiny_config(*DEEP, f"parallel.pipeline_schedule={schedule}")  # 8 rows, M=4
     one = step_flops(cfg("gpipe"), {"pp": 1}, jax.devices()[:1], None)
     assert step_flops(cfg("1f1b"), {"pp": S}, jax.devices()[:S], "1f1b") == pytest.approx(one)
     # ZB's W: the projections' weight gradients alone (x^T dy from what B kept), so F + B + W is one device's work
@@ -190,9 +213,12 @@ def test_matmul_flops_count_loops_and_find_what_each_schedule_adds():
 
 @pytest.mark.parametrize("remat", ["none", "full", "save_matmuls"])
 def test_zero_bubble_weight_pass_is_the_weight_matmuls_alone(remat):
-    """Under every remat policy a middle stage's W (ZB-H1, pp=2) computes the projections' weight gradients
-    x^T dy and no other matmul (a W that recomputed the forward or the activation gradients fails here), B does
-    1F1B's backward less exactly those, and the step is one device's matmul work, ZB-V's too."""
+    """Zero-bubble's W pass computes the weight matmuls alone.
+
+    Under every remat policy a middle stage's W (ZB-H1, pp=2) computes the projections' weight gradients x^T dy and no
+    other matmul (a W that recomputed the forward or the activation gradients fails here), B does 1F1B's backward less
+    exactly those, and the step is one device's matmul work, ZB-V's too.
+    """
     from jaxpar.core.pipeline.schedules import resolve_microbatches
     from jaxpar.pipeline.tick_plan import B_MID, BRANCHES, F_MID, W_MID
     from jaxpar.cost.jaxpr_flops import branch_flops
@@ -200,7 +226,7 @@ def test_zero_bubble_weight_pass_is_the_weight_matmuls_alone(remat):
     from jaxpar.cost.loss_and_grad import loss_and_grad_program
 
     S, devices = 2, jax.devices()[:2]
-    cfg = lambda schedule: tiny_config(*DEEP, f"parallel.pipeline_schedule={schedule}", f"model.remat={remat}")  # noqa: E731
+    cfg = lambda schedule: tiny_config(*DEEP, f"parallel.pipeline_schedule={schedule}", f"model.remat={remat}")
 
     def per_branch(schedule):
         traced, params, batch = loss_and_grad_program(cfg(schedule), {"pp": S}, devices, schedule)
@@ -222,8 +248,8 @@ def test_zero_bubble_weight_pass_is_the_weight_matmuls_alone(remat):
     (("parallel.pipeline_microbatches=3",), "not divisible by parallel.pipeline_microbatches=3"),
     (("parallel.pipeline_schedule=1f1b", "parallel.pipeline_microbatches=1", "train.global_batch_size=2"),
      "1f1b needs microbatches >= stages"),
-    (("parallel.pipeline_schedule=interleaved", "parallel.pipeline_virtual_stages=2", "parallel.pipeline_microbatches=3",
-      "train.global_batch_size=6"), "divisible by stages"),
+    (("parallel.pipeline_schedule=interleaved", "parallel.pipeline_virtual_stages=2",
+      "parallel.pipeline_microbatches=3", "train.global_batch_size=6"), "divisible by stages"),
 ])
 def test_bad_pipeline_layouts(overrides, message, dataset):
     with pytest.raises(UserError, match=message):
@@ -240,8 +266,11 @@ def dilated_reference(dataset):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_v"])
 def test_hand_scheduled_pipeline_runs_dilated_attention_over_sp(schedule, dataset, dilated_reference):
-    """Dilated attention's segments of 8 and 16 tokens span both sp shards of a 16-token row (GSPMD moves the
-    selected keys across sp inside a tick's branch); refused once for a partitioner crash that no longer happens."""
+    """Each hand-scheduled pipeline runs dilated attention over sp.
+
+    Dilated attention's segments of 8 and 16 tokens span both sp shards of a 16-token row (GSPMD moves the selected keys
+    across sp inside a tick's branch).
+    """
     got = run_steps(tiny_config(*DILATED, f"parallel.pipeline_schedule={schedule}"), "pp=2,sp=2", dataset,
                     devices=jax.devices()[:4])
     np.testing.assert_allclose(got["loss"], dilated_reference["loss"], rtol=1e-5)
@@ -250,8 +279,10 @@ def test_hand_scheduled_pipeline_runs_dilated_attention_over_sp(schedule, datase
 
 @pytest.mark.parametrize("mesh,n,schedule", [("dp=1", 1, "gpipe"), ("pp=2", 2, "gpipe"), ("pp=2", 2, "1f1b")])
 def test_unrolled_layers_compute_the_scans_run(mesh, n, schedule, dataset, references):
-    """train.scan_layers=off (each layer traced on its own, on GPipe and the hand-scheduled executor alike):
-    the single-device scan's numbers, and no loop over layers left in the step."""
+    """train.scan_layers=off (each layer traced on its own, on GPipe and the hand-scheduled executor alike).
+
+    The single-device scan's numbers, and no loop over layers left in the step.
+    """
     from jaxpar.core.config.mesh_spec import parse_mesh
     from jaxpar.step import build_step
 
@@ -270,6 +301,6 @@ def test_scan_layers_auto_unrolls_on_a_gpu_only():
 
     from jaxpar.parallelize import unrolled_layers
 
-    mesh = lambda platform: SimpleNamespace(devices=np.array([SimpleNamespace(platform=platform)]))  # noqa: E731
+    mesh = lambda platform: SimpleNamespace(devices=np.array([SimpleNamespace(platform=platform)]))
     assert unrolled_layers("auto", mesh("gpu")) and not unrolled_layers("auto", mesh("cpu"))
     assert unrolled_layers("off", mesh("cpu")) and not unrolled_layers("on", mesh("gpu"))

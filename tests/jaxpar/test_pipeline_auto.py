@@ -1,7 +1,9 @@
-"""parallel.pipeline_schedule=auto on pp=4 with 8 microbatches: jaxpar's choice is the schedule of least modeled
-time in the full table of the chooser's own figures, and configs where different schedules win get different choices
-(a fixed auto fails one). Each schedule is traced once (its FLOPs), nothing is compiled: the table reuses the figures
-the choice took and traces only the schedules it skipped."""
+"""parallel.pipeline_schedule=auto on pp=4 with 8 microbatches.
+
+Jaxpar's choice is the schedule of least modeled time in the full table of the chooser's own figures, and configs where
+different schedules win get different choices (a fixed auto fails one). Each schedule is traced once (its FLOPs),
+nothing is compiled: the table reuses the figures the choice took and traces only the schedules it skipped.
+"""
 import jax
 import pytest
 
@@ -12,7 +14,7 @@ from tests.helpers import tiny_config
 
 EIGHT = ("model.n_layer=8", "parallel.pipeline_microbatches=8", "train.global_batch_size=8")
 SIZES = {"pp": 4}
-NEVER = lambda *a: pytest.fail("nothing is compiled without a memory budget")  # noqa: E731
+NEVER = lambda *a: pytest.fail("nothing is compiled without a memory budget")
 
 
 @pytest.fixture
@@ -32,9 +34,12 @@ def memo_flops(monkeypatch):
 
 @pytest.mark.parametrize("layers,remat,winner", [(8, "none", "zb_v"), (8, "full", "zb_v"), (4, "full", "zb_h1")])
 def test_auto_picks_the_least_modeled_time_of_the_full_table(layers, remat, winner, memo_flops):
-    """Zero-bubble V has the least bubble (0.059) and, its W the weight matmuls alone, one device's FLOPs with
-    model.remat=full too (its W recomputed the forward before, 1.41x, and interleaved won): it wins on 8 layers. 4
-    layers do not split into pp=4's 8 chunks, so zb_v and interleaved are refused and ZB-H1 (0.111) wins."""
+    """pipeline_schedule=auto picks the least modeled time of the full table.
+
+    Zero-bubble V has the least bubble (0.059) and, its W the weight matmuls alone, one device's FLOPs with
+    model.remat=full too: it wins on 8 layers. 4 layers do not split into pp=4's 8 chunks, so zb_v and interleaved are
+    refused and ZB-H1 (0.111) wins.
+    """
     cfg = tiny_config(f"model.n_layer={layers}", *EIGHT[1:], f"model.remat={remat}")
     devices = jax.devices()[:4]
     chosen, line = resolve_schedule(cfg, SIZES, devices, NEVER)
@@ -52,9 +57,12 @@ def test_auto_picks_the_least_modeled_time_of_the_full_table(layers, remat, winn
 
 
 def test_auto_leaves_out_what_the_config_refuses_and_what_does_not_fit(monkeypatch):
-    """A mixture of experts (dense first layers too) runs on every schedule, so the least bubble (zb_v) wins at equal
+    """pipeline_schedule=auto leaves out the schedules the config refuses and those that do not fit.
+
+    A mixture of experts (dense first layers too) runs on every schedule, so the least bubble (zb_v) wins at equal
     FLOPs; with model.remat=offload it runs on gpipe alone; a budget that only gpipe's peak fits leaves gpipe. The
-    figures here are stand-ins: what is tested is which schedules are candidates."""
+    figures here are stand-ins: what is tested is which schedules are candidates.
+    """
     monkeypatch.setattr(pipeline_auto, "flops_ratio", lambda cfg, *a: 1.0)
     devices = jax.devices()[:4]
     moe = tiny_config(*EIGHT, "model.moe_experts=4")
@@ -65,6 +73,6 @@ def test_auto_leaves_out_what_the_config_refuses_and_what_does_not_fit(monkeypat
     assert resolve_schedule(offload, SIZES, devices, NEVER)[0].parallel.pipeline_schedule == "gpipe"
     cfg = tiny_config(*EIGHT)
     peaks = {"gpipe": 100, "1f1b": 200, "interleaved": 200, "zb_h1": 200, "zb_v": 200, "dualpipev": 200}
-    peak = lambda c, sizes, devices: peaks[c.parallel.pipeline_schedule]  # noqa: E731
+    peak = lambda c, sizes, devices: peaks[c.parallel.pipeline_schedule]
     assert resolve_schedule(cfg, SIZES, devices, peak, 150)[0].parallel.pipeline_schedule == "gpipe"
     assert resolve_schedule(cfg, SIZES, devices, peak, 250)[0].parallel.pipeline_schedule == "zb_v"

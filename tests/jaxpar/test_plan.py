@@ -41,9 +41,11 @@ def test_dp2_tp4_traffic_is_megatron_plus_gradients():
 
 
 def test_fsdp8_shards_state_and_explains_its_traffic():
-    """Traffic between the bound (parameters gathered once, gradients reduce-scattered) and what GSPMD emits:
-    parameters gathered in the forward and again in the backward, gradients reduce-scattered or, on XLA:CPU
-    (no ReduceScatterCreator: docs/benchmarks/README.md "Planner"), all-reduced whole and then sliced."""
+    """Traffic between the bound (parameters gathered once, gradients reduce-scattered) and what GSPMD emits.
+
+    Parameters gathered in the forward and again in the backward, gradients reduce-scattered or, on XLA:CPU (no
+    ReduceScatterCreator: docs/benchmarks/README.md "Planner"), all-reduced whole and then sliced.
+    """
     p = run("fsdp=8")
     assert p["params_bytes"] + p["opt_state_bytes"] <= 1.05 * (3 * 4 * N) / 8  # params + Adam mu, nu
     gather = 4 * N * 7 / 8  # one ring all-gather of all parameters; a gradient reduce-scatter moves the same
@@ -67,7 +69,8 @@ def test_plan_knows_the_pipeline_bubble(capsys):
 def test_async_collectives_count_their_results_only():
     """XLA:GPU's `-start` ops return (operands, results): the operands are not traffic (shapes by hand)."""
     hlo = """ENTRY %main (p: f32[64,256]) -> f32[64,256] {
-  %rs = ((f32[64,256]{1,0}), f32[8,256]{1,0}) reduce-scatter-start(%p), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %rs = ((f32[64,256]{1,0}), f32[8,256]{1,0}) reduce-scatter-start(%p), replica_groups={{0,1,2,3,4,5,6,7}}, \
+dimensions={0}
   %ag = (f32[8,256]{1,0}, f32[64,256]{1,0}) all-gather-start(%q), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
   %ar = (f32[64,256]{1,0}, f32[4]{0}) all-reduce-start(%p, %s), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
   %cp = (f32[8,256]{1,0}, f32[8,256]{1,0}, u32[], u32[]) collective-permute-start(%q), source_target_pairs={{0,1},{1,0}}
@@ -80,8 +83,10 @@ def test_async_collectives_count_their_results_only():
 
 
 def test_collectives_carry_the_source_files_of_their_stack():
-    """The HLO's stack-frame tables (shapes by hand): frame 3 is step.py -> jaxpar/optim.py, frame 2 step.py alone
-    (a parent_frame_id is the parent's id + 1)."""
+    """The HLO's stack-frame tables (shapes by hand).
+
+    Frame 3 is step.py -> jaxpar/optim.py, frame 2 step.py alone (a parent_frame_id is the parent's id + 1).
+    """
     hlo = """HloModule m
 
 FileNames
@@ -98,8 +103,10 @@ StackFrames
 3 {file_location_id=2 parent_frame_id=2}
 
 ENTRY %main (p: f32[64,256]) -> f32[64,256] {
-  %a = f32[8,256]{1,0} all-to-all(%p), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, metadata={op_name="x" stack_frame_id=3}
-  %g = f32[64,256]{1,0} all-gather(%q), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, metadata={op_name="y" stack_frame_id=2}
+  %a = f32[8,256]{1,0} all-to-all(%p), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, \
+metadata={op_name="x" stack_frame_id=3}
+  %g = f32[64,256]{1,0} all-gather(%q), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, \
+metadata={op_name="y" stack_frame_id=2}
 }
 """
     got = {c.op: c.files for c in hlo_collectives.parse(hlo, 8)}
@@ -122,9 +129,11 @@ def test_recommend_rejects_meshes_over_budget(capsys):
 
 
 def test_recommend_says_each_mesh_as_it_is_compiled(capsys, monkeypatch):
-    """--recommend compiles every candidate mesh (a minute for a small model): a line on stderr before the first and
-    one per mesh compiled (each offload round's too), so a long run is never silent; the table stays on stdout.
-    The compile is stubbed here: the lines are the subject, not the plans."""
+    """--recommend compiles every candidate mesh (a minute for a small model).
+
+    A line on stderr before the first and one per mesh compiled (each offload round's too), so a long run is never
+    silent; the table stays on stdout. The compile is stubbed here: the lines are the subject, not the plans.
+    """
     from jaxpar.core.config.mesh_spec import format_mesh
     from jaxpar.tools import plan as planner
 
@@ -166,8 +175,11 @@ def test_plan_cli_bad_memory_size(capsys):
 
 
 def test_offload_moves_the_state_to_host_bytes():
-    """parallel.offload=optimizer: host bytes are the optimizer state (2 Adam moments of this device's
-    parameter shard: 2 x 4 N / 2 on fsdp=2) and the device peak drops by them."""
+    """parallel.offload=optimizer.
+
+    Host bytes are the optimizer state (2 Adam moments of this device's parameter shard: 2 x 4 N / 2 on fsdp=2) and
+    the device peak drops by them.
+    """
     sizes = parse_mesh("fsdp=2")
     base = plan(CFG, sizes, jax.devices()[:2])
     off_cfg = load_config("configs/gpt2-tiny.yaml", ["parallel.offload=optimizer"])
@@ -185,8 +197,10 @@ def test_recommend_proposes_offload_when_nothing_else_fits():
 
 
 def test_bf16_gradient_compression_halves_the_gradient_terms_of_the_bound():
-    """Gradients travel at 2 bytes where the wire is bfloat16 (not on the CPU, which reduces in float32); the
-    parameters' all-gather over fsdp stays at 4; only data-axis reductions count as gradient traffic."""
+    """Gradients travel at 2 bytes where the wire is bfloat16 (not on the CPU, which reduces in float32).
+
+    The parameters' all-gather over fsdp stays at 4; only data-axis reductions count as gradient traffic.
+    """
     from jaxpar.tools.plan import analytic_bounds, gradient_traffic
 
     sizes = {"dp": 4, "fsdp": 2, "tp": 1}
@@ -201,9 +215,12 @@ def test_bf16_gradient_compression_halves_the_gradient_terms_of_the_bound():
 
 
 def test_powersgd_gradient_bytes_are_its_low_rank_factors():
-    """PowerSGD rank 4 on dp=8: what the compiled step all-reduces over dp is r(m+n) per compressed matrix plus the
-    uncompressed leaves, per rank 414,720 bytes for this model -- the figure torch's powerSGD_hook counted for
-    torchpar's copy of it (docs/benchmarks/grad-compression.md) -- sent by a ring all-reduce (2 (n-1)/n)."""
+    """PowerSGD rank 4 on dp=8.
+
+    What the compiled step all-reduces over dp is r(m+n) per compressed matrix plus the uncompressed leaves, per
+    rank 414,720 bytes for this model -- the figure torch's powerSGD_hook counted for torchpar's copy of it
+    (docs/benchmarks/grad-compression.md) -- sent by a ring all-reduce (2 (n-1)/n).
+    """
     r = 4
     compressed = L * r * (4 * d + 2 * (d + f)) + r * (V + d) + r * (m.max_seq_len + d)  # qkv, fc, proj; wte, wpe
     whole = N - L * (3 * d * d + 2 * d * f) - (V + m.max_seq_len) * d
@@ -219,11 +236,14 @@ def test_powersgd_gradient_bytes_are_its_low_rank_factors():
 
 
 def test_schedules_side_by_side():
-    """--schedules on pp=2 (4 layers, M=4): every schedule with its table's bubble (the textbook fractions), 1F1B at
-    one device's matmul FLOPs and so are ZB-H1 and ZB-V (W: the projections' weight gradients alone), ZB-H1's
-    memory within 1.05x of 1F1B's (W's stash: each projection's input and output gradient, which B hands out, mostly
-    in residual buffers B has done with), ZB-V's within 1.1x; DualPipeV's bubble in lockstep (pipeline_schedules.
-    lockstep_bubble) and one device's FLOPs; the modeled step time, and auto marked on its least."""
+    """--schedules on pp=2 (4 layers, M=4).
+
+    Every schedule with its table's bubble (the textbook fractions), 1F1B at one device's matmul FLOPs and so are
+    ZB-H1 and ZB-V (W: the projections' weight gradients alone), ZB-H1's memory within 1.05x of 1F1B's (W's stash:
+    each projection's input and output gradient, which B hands out, mostly in residual buffers B has done with),
+    ZB-V's within 1.1x; DualPipeV's bubble in lockstep (pipeline_schedules. lockstep_bubble) and one device's FLOPs;
+    the modeled step time, and auto marked on its least.
+    """
     from jaxpar.core.pipeline.schedules import lockstep_bubble, simulate
     from jaxpar.tools.plan import compare_schedules
 
@@ -243,8 +263,11 @@ def test_schedules_side_by_side():
 
 
 def test_plan_compiles_each_bucket_and_reports_the_highest_peak():
-    """data.batching=buckets: as many rows x targets shapes as buckets, each with the same tokens; the longest
-    holds the largest attention scores (rows x T^2), so its peak is the highest and the plan shown is its."""
+    """data.batching=buckets: as many rows x targets shapes as buckets, each with the same tokens.
+
+    The longest holds the largest attention scores (rows x T^2), so its peak is the highest and the plan shown is
+    its.
+    """
     cfg = tiny_config("data.batching=buckets", "data.seq_len=32", "model.max_seq_len=32", "train.tokens_per_batch=512")
     p = plan(cfg, parse_mesh("dp=2"), jax.devices()[:2])
     assert [(s["rows"], s["seq_len"]) for s in p["shapes"]] == [(128, 4), (64, 8), (32, 16), (16, 32)]
@@ -256,9 +279,12 @@ def test_plan_compiles_each_bucket_and_reports_the_highest_peak():
 
 
 def test_the_experts_exchange_is_four_buffers_per_layer_and_microbatch():
-    """ep=4,dp=2 on configs/moe-tiny.yaml: per layer and step the experts' padded buffer [8 experts, 2 rows x 64
-    tokens, 128] float32 crosses ep four times (two all-to-alls forward, their two transposes backward), each
-    sending 3/4 of it; within 1.1x, as the ragged figure counts top_k slots per token instead of 8."""
+    """ep=4,dp=2 on configs/moe-tiny.yaml.
+
+    Per layer and step the experts' padded buffer [8 experts, 2 rows x 64 tokens, 128] float32 crosses ep four times
+    (two all-to-alls forward, their two transposes backward), each sending 3/4 of it; within 1.1x, as the ragged
+    figure counts top_k slots per token instead of 8.
+    """
     cfg = load_config("configs/moe-tiny.yaml")
     p = plan(cfg, {"ep": 4, "dp": 2}, jax.devices()[:8])
     buffer = 8 * (16 // 8) * 64 * 128 * 4
@@ -278,21 +304,28 @@ def test_recommend_proposes_ep_for_experts():
 
 
 def muon_plan(layers: int) -> tuple[dict, float, float]:
-    """The tiny model with optim.name=muon on fsdp=8: its plan, the bound of spreading its Muon matrices (2 x 7/8 x
-    1/8 of their bytes per device: the momentum there, the update back) and that bound with each parameter's
-    matrix count padded to a multiple of 8 (3 x layers q/k/v and `layers` of each other kind)."""
-    d, pad = 32, lambda b: b + -b % 8  # noqa: E731
+    """The tiny model with optim.name=muon on fsdp=8.
+
+    Its plan, the bound of spreading its Muon matrices (2 x 7/8 x 1/8 of their bytes per device: the momentum there,
+    the update back) and that bound with each parameter's matrix count padded to a multiple of 8 (3 x layers q/k/v
+    and `layers` of each other kind).
+    """
+    d, pad = 32, lambda b: b + -b % 8
     square, wide = 4 * d * d, 4 * d * 4 * d  # bytes of a q/k/v or out matrix; of an fc or proj
     bound = 2 * 7 / 8 * layers * (4 * square + 2 * wide) / 8
     padded = 2 * 7 / 8 * ((pad(3 * layers) + pad(layers)) * square + 2 * pad(layers) * wide) / 8
-    return plan(tiny_config("optim.name=muon", f"model.n_layer={layers}"), {"fsdp": 8}, jax.devices()[:8]), bound, padded
+    return (plan(tiny_config("optim.name=muon", f"model.n_layer={layers}"), {"fsdp": 8}, jax.devices()[:8]),
+            bound, padded)
 
 
 def test_muon_spreads_its_matrices_and_says_what_it_sends():
-    """optim.name=muon, 4 layers on fsdp=8: the optimizer's row is what Muon adds to its AdamW twin's step, between
-    the bound and the padded figure (gathering every whole matrix on every device would send 7/8 of the matrices'
-    bytes, 2.2x the padded figure here), with a note that says why where it passes 1.1x the bound; the per-axis
-    rows are the twin's, and the rows add up to the step's traffic."""
+    """optim.name=muon, 4 layers on fsdp=8.
+
+    The optimizer's row is what Muon adds to its AdamW twin's step, between the bound and the padded figure
+    (gathering every whole matrix on every device would send 7/8 of the matrices' bytes, 2.2x the padded figure
+    here), with a note that says why where it passes 1.1x the bound; the per-axis rows are the twin's, and the rows
+    add up to the step's traffic.
+    """
     p, bound, padded = muon_plan(4)
     assert p["bounds"]["optimizer"] == pytest.approx(bound)
     assert 0.99 * bound <= p["measured"]["optimizer"] <= 1.001 * padded
@@ -307,7 +340,10 @@ def test_muon_spreads_its_matrices_and_says_what_it_sends():
 
 @pytest.mark.parametrize("layers", [4, 8])
 def test_muon_sends_within_1_1x_of_its_bound_on_fsdp8(layers):
-    """Issue 47's acceptance: Muon's optimizer collectives on fsdp=8 within 1.1x of their bound, 4 layers (each
-    parameter's count of matrices no multiple of 8) and 8 (every count one)."""
+    """Issue 47's acceptance.
+
+    Muon's optimizer collectives on fsdp=8 within 1.1x of their bound, 4 layers (each parameter's count of matrices
+    no multiple of 8) and 8 (every count one).
+    """
     p, bound, _ = muon_plan(layers)
     assert p["measured"]["optimizer"] <= 1.1 * bound, p["notes"]

@@ -1,7 +1,9 @@
-"""parallel.grad_compression=powersgd in jaxpar (jaxpar/parallel/powersgd.py): the reduction against a numpy
-reading of the algorithm (Vogels et al. 2019, as torch's powerSGD_hook runs it: error feedback, warm start),
-the warm-up, the planner's bytes against r(m+n) per matrix, and its state across checkpoints: bit for bit after
-SIGKILL, averaged onto another data size, dropped where a layout runs without it."""
+"""parallel.grad_compression=powersgd in jaxpar (jaxpar/parallel/powersgd.py).
+
+The reduction against a numpy reading of the algorithm (Vogels et al. 2019, as torch's powerSGD_hook runs it: error
+feedback, warm start), the warm-up, the planner's bytes against r(m+n) per matrix, and its state across checkpoints: bit
+for bit after SIGKILL, averaged onto another data size, dropped where a layout runs without it.
+"""
 import math
 import jax
 import numpy as np
@@ -27,9 +29,11 @@ def layout_of(mesh: str, *extra: str) -> Layout:
 
 
 def numpy_powersgd(layout, grads: dict, error: dict, qs: dict) -> tuple[dict, dict, dict]:
-    """(mean gradients, error buffers, Q) in numpy: per rank i, M_i = g_i + e_i; a matrix (first dim x the rest,
-    one per layer of a stacked leaf): Q orthonormalised (here by QR), P = sum_i M_i Q, orthonormalised, Q' =
-    sum_i M_i^T P / n, R = P Q'^T; anything else: R = mean_i M_i; e_i = M_i - R."""
+    """(mean gradients, error buffers, Q) in numpy: per rank i, M_i = g_i + e_i.
+
+    A matrix (first dim x the rest, one per layer of a stacked leaf): Q orthonormalised (here by QR), P = sum_i M_i
+    Q, orthonormalised, Q' = sum_i M_i^T P / n, R = P Q'^T; anything else: R = mean_i M_i; e_i = M_i - R.
+    """
     out, errors, new_q = {}, {}, {}
     for k, g in grads.items():
         m = g + error[k]
@@ -85,8 +89,10 @@ def test_the_reduction_is_powersgd_with_error_feedback():
 
 
 def test_warm_up_steps_run_plain_then_powersgd_moves_the_run(dataset, reference):
-    """dp=2,tp=2, 3 plain steps: losses 1-4 are the one-device run's (the 4th follows the 3rd plain update);
-    from the 5th on PowerSGD's first update shows."""
+    """dp=2,tp=2, 3 plain steps: losses 1-4 are the one-device run's (the 4th follows the 3rd plain update).
+
+    From the 5th on PowerSGD's first update shows.
+    """
     got = run_steps(tiny_config(PSGD, "parallel.powersgd_warmup_steps=3"), "dp=2,tp=2", dataset, steps=6,
                     devices=jax.devices()[:4])
     np.testing.assert_allclose(got["loss"][:4], reference["loss"][:4], rtol=1e-5)
@@ -94,8 +100,11 @@ def test_warm_up_steps_run_plain_then_powersgd_moves_the_run(dataset, reference)
 
 
 def test_state_fits_another_data_size(tmp_path):
-    """Saved on dp=2: restored on fsdp=2 as it was, on dp=4 each rank gets the mean of the two buffers, with
-    another rank r the buffers as they were and Q afresh, on one device (a conversion's layout) dropped."""
+    """A saved PowerSGD state fits another data-parallel layout.
+
+    Saved on dp=2: restored on fsdp=2 as it was, on dp=4 each rank gets the mean of the two buffers, with another rank r
+    the buffers as they were and Q afresh, on one device (a conversion's layout) dropped.
+    """
     src = layout_of("dp=2")
     state = init_state(src)
     rng = np.random.default_rng(1)
@@ -132,8 +141,11 @@ def test_powersgd_run_resumes_exactly_after_sigkill(dataset, tmp_path):
 
 
 def test_the_state_follows_the_stage_sharding():
-    """dp=2,pp=2: a stacked leaf's error buffers and Q keep its layers on their stage (sharded over pp, as the
-    parameter); Q of an unstacked one is whole."""
+    """PowerSGD's state follows the pipeline-stage sharding.
+
+    dp=2,pp=2: a stacked leaf's error buffers and Q keep its layers on their stage (sharded over pp, as the parameter);
+    Q of an unstacked one is whole.
+    """
     layout = layout_of("dp=2,pp=2", "model.n_layer=4")
     shard = powersgd.shardings(layout)
     stacked = [k for k in shard["q"] if powersgd.layers_first(layout, k)]

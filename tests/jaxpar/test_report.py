@@ -1,6 +1,9 @@
-"""jaxpar.tools.report on run directories: the curves figure holds the runs' own metrics.jsonl values (read back from
-the figure's lines), a panel no run has data for is left out, the default output lies beside the runs, and bad input
-is one line. Hand-written metrics.jsonl files: no training."""
+"""jaxpar.tools.report on run directories.
+
+The curves figure holds the runs' own metrics.jsonl values (read back from the figure's lines), a panel no run has data
+for is left out, the default output lies beside the runs, and bad input is one line. Hand-written metrics.jsonl files:
+no training.
+"""
 import json
 import os
 

@@ -1,8 +1,10 @@
-"""jaxpar's optimizer state across a resume with other optim.* settings (jaxpar/optim.py): it holds no
-hyperparameter, and has one structure whether or not it clips, so optim.grad_clip may go to or from 0 on resume;
-a checkpoint written while grad_clip=0 left the clipping slot out still resumes; the notes of what changed come
+"""jaxpar's optimizer state across a resume with other optim.* settings (jaxpar/optim.py).
+
+It holds no hyperparameter, and has one structure whether or not it clips, so optim.grad_clip may go to or from 0 on
+resume; a checkpoint written while grad_clip=0 left the clipping slot out still resumes; the notes of what changed come
 from process 0 alone. (Every setting acting on resume, jaxpar against each torchpar backend:
-tests/torchpar/test_resume_changes.py.)"""
+tests/torchpar/test_resume_changes.py.)
+"""
 import json
 
 import jax
@@ -25,8 +27,11 @@ def layout_with(clip: str) -> Layout:
 
 @pytest.mark.parametrize("written", ["today", "unclipped-before"])
 def test_clipping_may_be_turned_on_or_off_on_resume(written, tmp_path):
-    """A state saved without clipping (today's structure, or AdamW's state alone as grad_clip=0 once saved it)
-    restores as saved, into a layout without clipping and into one with."""
+    """Gradient clipping may be turned on or off on resume.
+
+    A state saved without clipping (the current structure, or AdamW's state alone, as grad_clip=0 once saved it)
+    restores as saved, into a layout without clipping and into one with.
+    """
     state = jax.tree.map(lambda x: x + jnp.ones_like(x), init_state(layout_with("0")))  # moments, counts non-zero
     saved = {**state, "opt_state": state["opt_state"][1]} if written == "unclipped-before" else state
     ckpt = Checkpointer(str(tmp_path), keep=1)
@@ -44,8 +49,10 @@ def test_clipping_may_be_turned_on_or_off_on_resume(written, tmp_path):
 @pytest.mark.parametrize("launcher", [{"JAXPAR_COORDINATOR": "localhost:1", "JAXPAR_NUM_PROCESSES": "2"},
                                       {"SLURM_NTASKS": "2"}])
 def test_the_first_process_alone_says_what_changed(launcher, tmp_path, monkeypatch, capsys):
-    """Every process checks a resume (jaxpar.train, before the processes join); process 0 alone, as the
-    launcher's variables name it, prints what changed."""
+    """Every process checks a resume (jaxpar.train, before the processes join).
+
+    Process 0 alone, as the launcher's variables name it, prints what changed.
+    """
     (tmp_path / "checkpoints" / "4").mkdir(parents=True)
     (tmp_path / "config.json").write_text(json.dumps(tiny_config(f"run.dir={tmp_path}").to_dict()))
     for key, value in launcher.items():
@@ -65,9 +72,11 @@ def test_the_first_process_alone_says_what_changed(launcher, tmp_path, monkeypat
     (["optim.decay_steps=10", "train.steps=20"], "the learning rate of step 8 stays 4.5e-03 (train.steps changed)"),
 ])
 def test_a_resume_that_changes_the_schedule_says_where_the_learning_rate_goes(changes, said):
-    """A schedule key changed on resume moves the learning rate of the steps still to train: the line gives it at
-    the first of them under the old settings and the new (lr_at, the schedule's definition, checked alongside);
-    an unchanged rate is said to stay (the cosine ends at optim.decay_steps, not train.steps)."""
+    """A schedule key changed on resume moves the learning rate of the steps still to train.
+
+    The line gives it at the first of them under the old settings and the new (lr_at, the schedule's definition,
+    checked alongside); an unchanged rate is said to stay (the cosine ends at optim.decay_steps, not train.steps).
+    """
     from jaxpar.core.optimizer.lr_schedule import lr_at
     from jaxpar.core.run.resume import schedule_change_line
 
@@ -87,8 +96,11 @@ def test_a_new_run_or_an_unchanged_schedule_says_nothing_of_it():
 
 
 def test_the_schedule_line_reads_the_old_settings_from_the_run_dir(tmp_path):
-    """schedule_change: the run's config.json holds the settings it was trained with (read before the resumed run
-    writes its own)."""
+    """The schedule-change line reads the old settings from the run dir.
+
+    schedule_change: the run's config.json holds the settings it was trained with (read before the resumed run writes
+    its own).
+    """
     from jaxpar.core.run.resume import schedule_change, schedule_change_line
 
     old = tiny_config(f"run.dir={tmp_path}")
@@ -99,8 +111,11 @@ def test_the_schedule_line_reads_the_old_settings_from_the_run_dir(tmp_path):
 
 
 def test_a_resume_refuses_new_initial_weights_it_would_not_read(tmp_path):
-    """model.init_from names the weights a run starts from: on a run with a checkpoint a new value would not act
-    (the README's torchpar command with init_from, run again after a first torchpar run); dropping it is fine."""
+    """model.init_from names the weights a run starts from.
+
+    On a run with a checkpoint a new value would not act (the README's torchpar command with init_from, run again
+    after a first torchpar run); dropping it is fine.
+    """
     (tmp_path / "checkpoints" / "4").mkdir(parents=True)
     (tmp_path / "config.json").write_text(json.dumps(tiny_config(f"run.dir={tmp_path}").to_dict()))
     with pytest.raises(UserError, match=r"model.init_from=w.safetensors would not act on it"):

@@ -1,5 +1,8 @@
-"""Sequence parallelism on `sp`: each attention strategy equals full causal attention (outputs and
-each of dQ, dK, dV), training runs equal the one-device run, and bad input fails in one line."""
+"""Sequence parallelism on `sp`.
+
+Each attention strategy equals full causal attention (outputs and each of dQ, dK, dV), training runs equal the
+one-device run, and bad input fails in one line.
+"""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,9 +54,12 @@ def test_attention_equals_full_attention(strategy, sp, zigzag):
 
 @pytest.mark.parametrize("strategy", ["ring", "all_gather", "ulysses"])
 def test_attention_in_a_branch_one_pipeline_stage_takes(strategy):
-    """As in the pipeline executor (manual over pp): attention in the lax.switch branch that stage 0 takes while
-    stage 1 idles. XLA:CPU joins a collective-permute's rendezvous across every device its pairs name, both stages'
-    here, so ring's hops there are all_to_alls (sp=4: each device's pieces for the other two are zeros)."""
+    """As in the pipeline executor (manual over pp).
+
+    Attention in the lax.switch branch that stage 0 takes while stage 1 idles. XLA:CPU joins a collective-permute's
+    rendezvous across every device its pairs name, both stages' here, so ring's hops there are all_to_alls (sp=4:
+    each device's pieces for the other two are zeros).
+    """
     mesh = make_mesh({"pp": 2, "sp": 4}, jax.devices()[:8])
     attention = sequence_attention(mesh, RULES, strategy)
 

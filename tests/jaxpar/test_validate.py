@@ -1,5 +1,8 @@
-"""jaxpar.checks.validate, the one entry for what jaxpar refuses before it traces: each of its parts refuses in one
-line (run.dir and the resume, the contract, the layout), and a config that fits its mesh passes."""
+"""jaxpar.checks.validate, the one entry for what jaxpar refuses before it traces.
+
+Each of its parts refuses in one line (run.dir and the resume, the contract, the layout), and a config that fits its
+mesh passes.
+"""
 import pytest
 
 from jaxpar.checks import validate

@@ -1,6 +1,8 @@
-"""Model variants (model.attention = mla | dilated, model.linear = sketched): every layout equals one
-device, jaxpar equals torchpar, MLA equals DeepSeek-V2's equations, dilated attention equals
-causal attention in its degenerate case and a brute-force union softmax, and sketches are derived."""
+"""Model variants (model.attention = mla | dilated, model.linear = sketched).
+
+Every layout equals one device, jaxpar equals torchpar, MLA equals DeepSeek-V2's equations, dilated attention equals
+causal attention in its degenerate case and a brute-force union softmax, and sketches are derived.
+"""
 import hashlib
 import math
 import os
@@ -105,7 +107,7 @@ def test_variant_same_loss_and_gradients_as_torchpar(variant):
     nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, unflatten(params)))
     batch = np.random.default_rng(0).integers(0, 256, (4, cfg.data.seq_len + 1)).astype(np.int32)
     with jax.default_matmul_precision("highest"):
-        loss_of = lambda s: jax_loss(nnx.merge(graphdef, s), jnp.asarray(batch))  # noqa: E731
+        loss_of = lambda s: jax_loss(nnx.merge(graphdef, s), jnp.asarray(batch))
         jloss, jgrads = jax.jit(jax.value_and_grad(loss_of))(state)
     jgrads = {k: np.asarray(v) for k, v in flatten(nnx.to_pure_dict(jgrads)).items()}
 
@@ -136,7 +138,7 @@ def _mla_reference(x, p, cfg):
     """DeepSeek-V2 eqs. (9)-(19) for one sequence x [T, d], float64, head by head."""
     T, _ = x.shape
     k, r, kvl, eps = cfg.head_dim, cfg.rope_head_dim, cfg.kv_latent_dim, cfg.layernorm_eps
-    rms = lambda c, g: c / np.sqrt(np.mean(c ** 2, -1, keepdims=True) + eps) * g  # noqa: E731
+    rms = lambda c, g: c / np.sqrt(np.mean(c ** 2, -1, keepdims=True) + eps) * g
     c_q = rms(x @ p["q_down"]["kernel"], p["q_norm"]["scale"])                 # c^Q = W^DQ h
     c_kv = rms(x @ p["kv_down"]["kernel"][:, :kvl], p["kv_norm"]["scale"])      # c^KV = W^DKV h
     k_rope = _rope_complex(x @ p["kv_down"]["kernel"][:, kvl:], cfg.rope_theta)  # k^R = RoPE(W^KR h), shared

@@ -1,9 +1,12 @@
-"""Run under torchrun (or as one process for --backend none) by tests/torchpar/test_chunked_loss.py: two updates of
+"""Run under torchrun (or as one process for --backend none) by tests/torchpar/test_chunked_loss.py.
+
+Two updates of
 the tiny model on a backend's engine, once with the whole logits (model.loss_chunks=1) and once in 4 chunks, from
 the same weights, on rows with packed documents and a loss mask. Rank 0 writes OUT/result.json (both runs' losses,
 how often the ranks ran the head and loss in more than one chunk) and each run's final parameters (OUT/whole.npz,
 OUT/chunked.npz).
-python -m torch.distributed.run --nproc_per_node=2 tests/torchpar/chunked_loss_ranks.py BACKEND OUT [OVERRIDE...]"""
+python -m torch.distributed.run --nproc_per_node=2 tests/torchpar/chunked_loss_ranks.py BACKEND OUT [OVERRIDE...]
+"""
 import json
 import sys
 

@@ -1,7 +1,10 @@
-"""Run under torchrun by tests/torchpar/test_muon.py::test_fsdp_ranks_share_the_newton_schulz_work: FSDP2-sharded
+"""Run under torchrun by tests/torchpar/test_muon.py::test_fsdp_ranks_share_the_newton_schulz_work.
+
+FSDP2-sharded
 tensors of several matrix shapes (B=1 matrices, q/k/v, an uneven band, experts) stepped by MuonAdamW, which must
 equal one process's step and count how many matrices this rank's Newton-Schulz ran on. Writes OUT/rank-N.json.
-python -m torch.distributed.run --nproc_per_node=W tests/torchpar/muon_shares.py OUT [DP]"""
+python -m torch.distributed.run --nproc_per_node=W tests/torchpar/muon_shares.py OUT [DP]
+"""
 import json
 import sys
 

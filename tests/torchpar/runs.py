@@ -1,7 +1,10 @@
-"""What the torchpar tests share: running torchpar.train (plain or under torchrun) with the abort and exit checks,
-the tiny config on a synthetic dataset from one initial-weights file (`base`), the one-process run every backend
-is held to (`reference`), and that comparison; a run resumed with other settings (`CHANGED`) and the run it must
-equal (`changed_reference`). Registered for tests/torchpar by its conftest.py."""
+"""What the torchpar tests share.
+
+Running torchpar.train (plain or under torchrun) with the abort and exit checks, the tiny config on a synthetic dataset
+from one initial-weights file (`base`), the one-process run every backend is held to (`reference`), and that comparison;
+a run resumed with other settings (`CHANGED`) and the run it must equal (`changed_reference`). Registered for
+tests/torchpar by its conftest.py.
+"""
 import subprocess
 import sys
 
@@ -62,9 +65,12 @@ def assert_same_run(got: dict, ref: dict, steps=range(1, 11), grad_norm: float =
 
 @pytest.fixture(scope="session")
 def changed_reference(base):
-    """jaxpar's run (one device) stopped by SIGTERM after step STOP and resumed with CHANGED: what a resumed run with
-    those changes must be in every backend. An independent reading: jaxpar keeps no hyperparameter in its state
-    (optax's transforms close over the config), torch keeps them in the optimizer's and the scheduler's."""
+    """jaxpar's run (one device) stopped by SIGTERM after step STOP and resumed with CHANGED.
+
+    What a resumed run with those changes must be in every backend. An independent reading: jaxpar keeps no
+    hyperparameter in its state (optax's transforms close over the config), torch keeps them in the optimizer's and
+    the scheduler's.
+    """
     run_dir = base["tmp"] / "changed-jaxpar"
     command = [sys.executable, "-m", "jaxpar.train", *base["args"], f"run.dir={run_dir}"]
     for extra, env in (([], {"JAXPAR_FAULT_SIGTERM_AFTER_STEP": str(STOP)}), (CHANGED, {})):
@@ -74,15 +80,21 @@ def changed_reference(base):
 
 
 def expected_lr(step: int) -> float:
-    """The lr of (1-based) `step` in the changed run: the tiny config's schedule up to step STOP, CHANGED's after
-    (lr_at, the shared formula, is the schedule's definition)."""
+    """The lr of (1-based) `step` in the changed run.
+
+    The tiny config's schedule up to step STOP, CHANGED's after (lr_at, the shared formula, is the schedule's
+    definition).
+    """
     cfg = tiny_config(*(CHANGED if step > STOP else []))
     return lr_at(step - 1, cfg.optim, cfg.train.steps)
 
 
 def assert_changed_run(got: dict, ref: dict) -> None:
-    """`got` is the run resumed with CHANGED: equal to `changed_reference` in loss, grad norm and lr, and its lr the
-    schedule's of the settings in force at each step."""
+    """`got` is the run resumed with CHANGED.
+
+    Equal to `changed_reference` in loss, grad norm and lr, and its lr the schedule's of the settings in force at
+    each step.
+    """
     steps = range(1, 13)
     assert_same_run(got, ref, steps)
     np.testing.assert_allclose([got[s]["lr"] for s in steps], [expected_lr(s) for s in steps], rtol=1e-6)
@@ -104,8 +116,11 @@ def jaxpar_run(base, overrides: list[str], name: str) -> dict:
 
 
 def assert_resumes_exactly_after_sigkill(base, backend: str, overrides: list[str], name: str) -> None:
-    """`backend` on two processes with `overrides`, whole and killed by SIGKILL after step 6 then resumed from its
-    step-4 checkpoint: every logged loss equal, bit for bit."""
+    """Assert a two-process torchpar run killed by SIGKILL and resumed logs the whole run's losses.
+
+    `backend` on two processes with `overrides`, whole and killed by SIGKILL after step 6 then resumed from its step-4
+    checkpoint: every logged loss equal, bit for bit.
+    """
     args = ["--backend", backend, *base["args"], *overrides, "checkpoint.every=4"]
     full, killed = base["tmp"] / f"{name}-{backend}-full", base["tmp"] / f"{name}-{backend}-killed"
     run(args + [f"run.dir={full}"], nproc=2)

@@ -1,7 +1,9 @@
-"""model.remat=offload in torchpar (torchpar/parallelize.py): every tensor a block saves for its backward is packed
-to host memory by torch's save_on_cpu and nothing is recomputed; under --backend deepspeed, DeepSpeed's activation
-checkpointing with cpu_checkpointing (each block's input on the host, the block recomputed). Training equals the
-run without it."""
+"""model.remat=offload in torchpar (torchpar/parallelize.py).
+
+Every tensor a block saves for its backward is packed to host memory by torch's save_on_cpu and nothing is recomputed;
+under --backend deepspeed, DeepSpeed's activation checkpointing with cpu_checkpointing (each block's input on the host,
+the block recomputed). Training equals the run without it.
+"""
 import numpy as np
 import pytest
 import torch
@@ -12,8 +14,10 @@ from tests.torchpar.runs import run
 
 
 def _step(remat: str, compiled: bool = False):
-    """(loss, gradients, modules' forward calls, sizes of the tensors save_on_cpu packed) of one forward and
-    backward of the tiny model, its blocks set up by torchpar's parallelize stage."""
+    """Run one forward and backward of the tiny model, its blocks set up by torchpar's parallelize stage.
+
+    Returns (loss, gradients, modules' forward calls, sizes of the tensors save_on_cpu packed).
+    """
     from torchpar.models.decoder import next_token_loss
     from torchpar.parallelize import checkpoint_blocks, compile_blocks
     from torchpar.trainer import build_model
@@ -42,8 +46,11 @@ def _step(remat: str, compiled: bool = False):
 
 
 def test_offload_packs_the_blocks_activations_and_changes_nothing():
-    """The same loss and gradients as plain blocks, no forward run twice, and save_on_cpu packed tensors in each
-    block's forward (without the setting it packs none)."""
+    """Activation offload packs each block's activations and changes nothing else.
+
+    The same loss and gradients as plain blocks, no forward run twice, and save_on_cpu packed tensors in each block's
+    forward (without the setting it packs none).
+    """
     loss, grads, calls, packed = _step("none")
     got_loss, got_grads, got_calls, got_packed = _step("offload")
     assert packed == [] and len(got_packed) >= 2 * 10  # 2 blocks, each saving its norms', projections', ... inputs
@@ -54,8 +61,10 @@ def test_offload_packs_the_blocks_activations_and_changes_nothing():
 
 
 def test_compiled_blocks_offload_alike():
-    """train.compile's torch.compile of each block compiles the offloading forward (a GPU's default): equal
-    within 1e-5, and save_on_cpu's hooks still pack."""
+    """train.compile's torch.compile of each block compiles the offloading forward (a GPU's default).
+
+    Equal within 1e-5, and save_on_cpu's hooks still pack.
+    """
     loss, grads, _, _ = _step("none")
     got_loss, got_grads, _, packed = _step("offload", compiled=True)
     assert packed
@@ -73,8 +82,11 @@ def _final(base, name: str, backend: str, *overrides: str):
 
 @pytest.mark.parametrize("backend,overrides", [("fsdp", ()), ("deepspeed", ("parallel.zero_stage=2",))])
 def test_offload_equals_no_offload(backend, overrides, base):
-    """Two processes, four steps: losses and final weights within 1e-5. DeepSpeed's config carries the section that
-    turns its cpu_checkpointing on (read by deepspeed.checkpointing.configure)."""
+    """Two processes, four steps: losses and final weights within 1e-5.
+
+    DeepSpeed's config carries the section that turns its cpu_checkpointing on (read by
+    deepspeed.checkpointing.configure).
+    """
     ref_m, ref_w, _ = _final(base, f"{backend}-ref", backend, *overrides)
     got_m, got_w, out = _final(base, f"{backend}-offload", backend, *overrides, "model.remat=offload")
     if backend == "deepspeed":

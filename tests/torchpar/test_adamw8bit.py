@@ -1,7 +1,9 @@
-"""optim.name=adamw8bit in torchpar (torchao's AdamW8bit, torchpar/optim.py) and jaxpar (jaxpar/optim.py): the same
-map and block quantization bit for bit; ddp and fsdp equal one process over 10 steps; jaxpar from the same weights
-file within the band quantization allows; a ddp run killed and resumed equals the uninterrupted one (the codes and
-scales in DCP)."""
+"""optim.name=adamw8bit in torchpar (torchao's AdamW8bit, torchpar/optim.py) and jaxpar (jaxpar/optim.py).
+
+The same map and block quantization bit for bit; ddp and fsdp equal one process over 10 steps; jaxpar from the same
+weights file within the band quantization allows; a ddp run killed and resumed equals the uninterrupted one (the codes
+and scales in DCP).
+"""
 import jax.numpy as jnp
 import numpy as np
 import torch

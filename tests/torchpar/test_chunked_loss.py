@@ -1,5 +1,7 @@
-"""torchpar's output head and cross-entropy in chunks of positions (model.loss_chunks, torchpar/models/head.py): the
-whole logits' loss and gradients on the plain model, and the same training on every backend's engine."""
+"""torchpar's output head and cross-entropy in chunks of positions (model.loss_chunks, torchpar/models/head.py).
+
+The whole logits' loss and gradients on the plain model, and the same training on every backend's engine.
+"""
 import json
 import sys
 
@@ -12,8 +14,11 @@ from torchpar.models.decoder import Decoder
 
 
 def rows(cfg, seed: int = 0) -> torch.Tensor:
-    """Rows [batch, seq + 1] of random tokens with packed documents (token 0 starts one) and a third of the targets
-    skipped by the loss (negative)."""
+    """Random token rows with packed documents and a third of the targets masked out.
+
+    Rows [batch, seq + 1] of random tokens with packed documents (token 0 starts one) and a third of the targets skipped
+    by the loss (negative).
+    """
     rng = np.random.default_rng(seed)
     tokens = rng.integers(1, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.data.seq_len + 1))
     tokens[rng.random(tokens.shape) < 0.1] = 0
@@ -52,9 +57,12 @@ BACKENDS = {"none": ("none", 0, ()), "ddp": ("ddp", 2, ()), "fsdp": ("fsdp", 2, 
 
 @pytest.mark.parametrize("backend,nproc,overrides", BACKENDS.values(), ids=BACKENDS.keys())
 def test_a_backend_trains_in_chunks_as_with_the_whole_logits(backend, nproc, overrides, tmp_path):
-    """tests/torchpar/chunked_loss_ranks.py: two updates in 4 chunks equal two with the whole logits -- the table's
-    gradient taken in the model's forward reaches each wrapper's reduction (DDP's all-reduce, FSDP2's and ZeRO-3's
-    reduce-scatter, the pipeline's last stage and tied-embedding sum) -- and only the chunked run chunks."""
+    """tests/torchpar/chunked_loss_ranks.py: two updates in 4 chunks equal two with the whole logits.
+
+    The table's gradient taken in the model's forward reaches each wrapper's reduction (DDP's all-reduce, FSDP2's
+    and ZeRO-3's reduce-scatter, the pipeline's last stage and tied-embedding sum) -- and only the chunked run
+    chunks.
+    """
     script = ["tests/torchpar/chunked_loss_ranks.py", backend, str(tmp_path), *overrides]
     command = ([sys.executable, *script] if nproc == 0 else
                [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",

@@ -1,8 +1,10 @@
-"""torchpar --backend deepspeed checkpoints: resume after SIGKILL, and on another number of ranks (through
-DeepSpeed's universal checkpoint), each with the settings changed on resume (runs.CHANGED: the schedule's keys,
-weight decay, betas, eps, clipping), so the run must be jaxpar's given the same change (`changed_reference`): what
-DeepSpeed restores of a setting (its scheduler's state, the optimizer's param_groups, the clipping threshold, the
-loss scaler's rules) never wins over the config."""
+"""torchpar --backend deepspeed checkpoints.
+
+Resume after SIGKILL, and on another number of ranks (through DeepSpeed's universal checkpoint), each with the settings
+changed on resume (runs.CHANGED: the schedule's keys, weight decay, betas, eps, clipping), so the run must be jaxpar's
+given the same change (`changed_reference`): what DeepSpeed restores of a setting (its scheduler's state, the
+optimizer's param_groups, the clipping threshold, the loss scaler's rules) never wins over the config.
+"""
 import subprocess
 import sys
 
@@ -14,8 +16,11 @@ from tests.torchpar.runs import CHANGED, STOP, assert_changed_run, assert_notes_
 
 @pytest.mark.parametrize("stage", [3, 1, 2])
 def test_deepspeed_resume_after_sigkill(stage, base, changed_reference):
-    """ZeRO-3 with DeepSpeed's own gradient accumulation (2 microbatches), killed after step 6 and resumed from
-    its step-4 checkpoint with other settings."""
+    """DeepSpeed resumes exactly after SIGKILL with other settings.
+
+    ZeRO-3 with DeepSpeed's own gradient accumulation (2 microbatches), killed after step 6 and resumed from its step-4
+    checkpoint with other settings.
+    """
     run_dir = base["tmp"] / f"ds-killed-{stage}"
     args = ["--backend", "deepspeed", *base["args"], f"parallel.zero_stage={stage}", "train.microbatches=2",
             f"checkpoint.every={STOP}", f"run.dir={run_dir}"]
@@ -29,9 +34,11 @@ def test_deepspeed_resume_after_sigkill(stage, base, changed_reference):
 
 @pytest.mark.parametrize("stage,nproc", [(2, 0), (3, 0), (1, 0), (2, 4), (3, 4)])
 def test_deepspeed_resumes_on_another_number_of_ranks(stage, nproc, base, changed_reference):
-    """A ZeRO checkpoint of 2 ranks resumes on 1 (or 4) through DeepSpeed's universal checkpoint, with other
-    settings: jaxpar's run given the same change (ZeRO-3: with the loader's slip repaired,
-    deepspeed_universal.repair_zero3_load), and the converted copy gone once loaded."""
+    """A ZeRO checkpoint of 2 ranks resumes on 1 (or 4) through DeepSpeed's universal checkpoint, with other settings.
+
+    Jaxpar's run given the same change (ZeRO-3: with the loader's slip repaired,
+    deepspeed_universal.repair_zero3_load), and the converted copy gone once loaded.
+    """
     run_dir = base["tmp"] / f"ds-reshard-{stage}-{nproc}"
     args = ["--backend", "deepspeed", *base["args"], f"parallel.zero_stage={stage}", f"checkpoint.every={STOP}",
             f"run.dir={run_dir}"]
@@ -45,10 +52,12 @@ def test_deepspeed_resumes_on_another_number_of_ranks(stage, nproc, base, change
 
 @pytest.mark.parametrize("saved,resumed,nproc", [(0, 1, 4), (1, 3, 2), (3, 2, 4)])
 def test_a_checkpoint_resumes_only_at_a_stage_of_its_layout(saved, resumed, nproc, base, reference, tmp_path):
-    """DeepSpeed loads a checkpoint only at a stage of its layout (0; 1 or 2; 3): at another, a missing file or an
-    assertion inside DeepSpeed (the transition fuzzer's seeds 2141981325 and 1110493062). One line, nothing trained
-    or saved. Stage 0 resumes at stage 0 on 4 ranks; the conversion the line names moves the run (ZeRO-1 -> 3, on 4
-    ranks), which goes on as the one-process run."""
+    """DeepSpeed loads a checkpoint only at a stage of its layout (0; 1 or 2; 3).
+
+    At another, a missing file or an assertion inside DeepSpeed (the transition fuzzer's seeds 2141981325 and
+    1110493062). One line, nothing trained or saved. Stage 0 resumes at stage 0 on 4 ranks; the conversion the line
+    names moves the run (ZeRO-1 -> 3, on 4 ranks), which goes on as the one-process run.
+    """
     run_dir = base["tmp"] / f"ds-layout-{saved}-{resumed}"
     args = ["--backend", "deepspeed", *base["args"], f"checkpoint.every={STOP}", f"run.dir={run_dir}"]
     run([*args, f"parallel.zero_stage={saved}"], nproc=2, expect_rc="nonzero",
@@ -71,9 +80,11 @@ def test_a_checkpoint_resumes_only_at_a_stage_of_its_layout(saved, resumed, npro
 
 
 def test_the_layout_check_reads_the_engines_stage_not_only_the_key(tmp_path):
-    """A user's DeepSpeed JSON may set zero_optimization.stage over parallel.zero_stage (docs/torchpar.md): a ZeRO-3
-    checkpoint resumes under a JSON of stage 3 with the key left at 0, and is refused under one of stage 1; a damaged
-    model-states file is one line."""
+    """A user's DeepSpeed JSON may set zero_optimization.stage over parallel.zero_stage (docs/torchpar.md).
+
+    A ZeRO-3 checkpoint resumes under a JSON of stage 3 with the key left at 0, and is refused under one of stage 1;
+    a damaged model-states file is one line.
+    """
     import types
 
     import torch
@@ -97,9 +108,12 @@ def test_the_layout_check_reads_the_engines_stage_not_only_the_key(tmp_path):
 
 
 def test_deepspeed_loss_scaler_takes_its_rules_from_the_config(base):
-    """float16: DeepSpeed unpickles the saved loss scaler whole; its scale and counters resume, its rules are the
-    config's. optim.loss_scale_growth_interval 1000 -> 1 on resume: the scale doubles after every clean step from
-    then on (DynamicLossScaler's rule; the record is the scale after the step), where the saved window held it."""
+    """float16: DeepSpeed unpickles the saved loss scaler whole.
+
+    Its scale and counters resume, its rules are the config's. optim.loss_scale_growth_interval 1000 -> 1 on resume:
+    the scale doubles after every clean step from then on (DynamicLossScaler's rule; the record is the scale after
+    the step), where the saved window held it.
+    """
     if not deepspeed_cpu_has_float16():  # the refusal is tests/jaxpar/test_float16.py's, which runs here then
         pytest.skip("this CPU has no oneDNN float16 kernels: DeepSpeed's CPU accelerator refuses float16")
     run_dir = base["tmp"] / "ds-fp16-rules"

@@ -1,11 +1,13 @@
-"""torchpar under PyTorch's elastic agent: two torchrun agents of two processes each ("nodes") on loopback, with the
-c10d rendezvous. One node is lost -- its agent and its workers SIGKILLed after a checkpoint --: the other agent's
-workers fail at once (gloo sees the closed connections, the shared loop's roll call names the lost processes, exit
-3), the agent restarts them (TORCHELASTIC_RESTART_COUNT 1) and they resume from the last checkpoint on 2 processes
-(DCP reshards ddp and fsdp; DeepSpeed through the universal checkpoint). The node is started again: the running
-agent sees it waiting and stops its workers with SIGTERM (the loop stops after an agreed step, with a checkpoint),
-and the group grows back to 4. Every step logged, the replayed ones included, equals the one-process run within
-1e-5; both agents exit 0 and no worker is left behind.
+"""torchpar under PyTorch's elastic agent.
+
+Two torchrun agents of two processes each ("nodes") on loopback, with the c10d rendezvous. One node is lost -- its agent
+and its workers SIGKILLed after a checkpoint --: the other agent's workers fail at once (gloo sees the closed
+connections, the shared loop's roll call names the lost processes, exit 3), the agent restarts them
+(TORCHELASTIC_RESTART_COUNT 1) and they resume from the last checkpoint on 2 processes (DCP reshards ddp and fsdp;
+DeepSpeed through the universal checkpoint). The node is started again: the running agent sees it waiting and stops its
+workers with SIGTERM (the loop stops after an agreed step, with a checkpoint), and the group grows back to 4. Every step
+logged, the replayed ones included, equals the one-process run within 1e-5; both agents exit 0 and no worker is left
+behind.
 
 torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see torchpar/dist.py: with torch's shared store, a node
 that joins later waits in vain for the store's address). Steps are slowed (TORCHPAR_FAULT_SLOW_STEP_S) so that
@@ -27,7 +29,7 @@ import numpy as np
 import pytest
 
 from jaxpar.tools.bench_recovery import Node, children, environment
-from tests.helpers import ABORTS, ROOT, free_port, run_in_session, torch_env
+from tests.helpers import ABORTS, free_port, run_in_session, torch_env
 from tests.torchpar.runs import run
 
 STEPS, EVERY = 24, 4
@@ -159,9 +161,12 @@ sys.exit(1 if (attempt, rank) == (0, 1) else 0)  # one restart
 
 
 def test_workers_restarted_on_torchruns_shared_store_form_a_new_group(tmp_path):
-    """torchrun's default store outlives the worker groups it serves: a restarted rank that read a peer's old gloo
-    address failed in 'Gloo connectFullMesh ... Connection refused' where it was the side that connects (4 runs in 5
-    here without torchpar.dist's prefix, rank 0 starting 3 s late; group_token's own test below is exact)."""
+    """torchrun's default store outlives the worker groups it serves.
+
+    A restarted rank that read a peer's old gloo address failed in 'Gloo connectFullMesh ... Connection refused'
+    where it was the side that connects (4 runs in 5 here without torchpar.dist's prefix, rank 0 starting 3 s late;
+    group_token's own test below is exact).
+    """
     script = tmp_path / "restarted.py"
     script.write_text(_RESTARTED)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1",
@@ -175,9 +180,12 @@ def test_workers_restarted_on_torchruns_shared_store_form_a_new_group(tmp_path):
 
 
 def test_a_new_group_agrees_on_a_name_the_earlier_groups_keys_do_not_hold():
-    """group_token over one store: later groups of 3 agree on names of their own, the one with rank 0 a second late
-    (the others wait for answers to their new requests) and the one with rank 1 late (rank 0 finds its
-    predecessor's request and answers it in vain first)."""
+    """group_token over one store.
+
+    Later groups of 3 agree on names of their own, the one with rank 0 a second late (the others wait for answers to
+    their new requests) and the one with rank 1 late (rank 0 finds its predecessor's request and answers it in vain
+    first).
+    """
     from datetime import timedelta
 
     from torch.distributed import TCPStore

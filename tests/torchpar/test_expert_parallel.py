@@ -1,6 +1,8 @@
-"""torchpar's expert parallelism (parallel.mesh=ep=N on --backend ddp, torchpar/backends/experts.py): the experts
-split over the ranks give the one-process run's numbers, dropped choices included; its checkpoints move to other
-layouts and back; what it does not run beside is refused in one line."""
+"""torchpar's expert parallelism (parallel.mesh=ep=N on --backend ddp, torchpar/backends/experts.py).
+
+The experts split over the ranks give the one-process run's numbers, dropped choices included; its checkpoints move to
+other layouts and back; what it does not run beside is refused in one line.
+"""
 import re
 
 import numpy as np
@@ -15,8 +17,9 @@ from tests.torchpar.runs import assert_same_run, run
 from torchpar.checks import check_expert_parallel
 
 # Mixtral's shape plus a shared expert and the balance loss (as tests/jaxpar/test_moe.py), at its learning rate
-MOE = ["model.family=llama", "model.n_kv_head=2", "model.moe_experts=8", "model.moe_top_k=2", "model.moe_shared_experts=1",
-       "model.moe_d_ff=16", "model.moe_aux_loss=0.01", "optim.lr=3e-3", "optim.min_lr=3e-4", "train.microbatches=2"]
+MOE = ["model.family=llama", "model.n_kv_head=2", "model.moe_experts=8", "model.moe_top_k=2",
+       "model.moe_shared_experts=1", "model.moe_d_ff=16", "model.moe_aux_loss=0.01", "optim.lr=3e-3",
+       "optim.min_lr=3e-4", "train.microbatches=2"]
 # 2 choices per expert and row of 16: many dropped; behind a dense first layer (model.moe_first_dense), which the
 # experts' split skips; the balance bias (model.moe_bias_update) moved alike on every rank by every rank's loads
 CAPACITY = ["model.moe_capacity_factor=0.5", "model.moe_first_dense=1", "model.d_ff=24", "model.moe_bias_update=0.001"]
@@ -71,8 +74,11 @@ def test_dropped_choices_are_the_one_process_runs(base, one_process):
 
 
 def test_an_expert_parallel_checkpoint_moves_to_other_layouts(base, one_process):
-    """ep=2 stops after step 3, one process resumes to step 6, ep=4 finishes: the one-process run. Each rank saves
-    only its experts (as DTensor shards): were they saved as replicas, the next layout would read rank 0's alone."""
+    """ep=2 stops after step 3, one process resumes to step 6, ep=4 finishes: the one-process run.
+
+    Each rank saves only its experts (as DTensor shards): were they saved as replicas, the next layout would read
+    rank 0's alone.
+    """
     run_dir = base["tmp"] / "ep-chain"
     for i, (mesh, nproc, stop) in enumerate([("ep=2", 2, 3), (None, 0, 6), ("ep=4", 4, None)]):
         args = ["--backend", "ddp" if mesh else "none", *_args(base, *([f"parallel.mesh={mesh}"] if mesh else [])),

@@ -1,7 +1,10 @@
-"""model.float8 in torchpar (torchpar/ops.py): torchao's float8 training, its "tensorwise" recipe, on the projections
-jaxpar runs in float8 (jaxpar/ops.py `_float8_project`): e4m3 input and weight, e5m2 output gradient, each scaled by
-its whole tensor's largest magnitude, float32 accumulation. Both frameworks quantize the same float32 values to the
-same float8 codes, so they agree to float32's rounding; the setting acts; ddp and fsdp equal one process."""
+"""model.float8 in torchpar (torchpar/ops.py).
+
+Torchao's float8 training, its "tensorwise" recipe, on the projections jaxpar runs in float8 (jaxpar/ops.py
+`_float8_project`): e4m3 input and weight, e5m2 output gradient, each scaled by its whole tensor's largest magnitude,
+float32 accumulation. Both frameworks quantize the same float32 values to the same float8 codes, so they agree to
+float32's rounding; the setting acts; ddp and fsdp equal one process.
+"""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,8 +33,11 @@ FORMS = [("btd,dchk->btchk", (4, 8, 32), (32, 3, 4, 8), 1, None),  # GPT-2's qkv
 
 @pytest.mark.parametrize("form", FORMS, ids=[f[0] for f in FORMS])
 def test_a_projection_is_jaxpars_float8_product(form):
-    """From the same float32 values: output, input and weight gradients within float32's rounding of jaxpar's
-    (the same float8 codes and scales; only the sums' order differs), and float8's distance from the exact ones."""
+    """From the same float32 values.
+
+    Output, input and weight gradients within float32's rounding of jaxpar's (the same float8 codes and scales; only
+    the sums' order differs), and float8's distance from the exact ones.
+    """
     equation, x_shape, w_shape, n_in, order = form
     rng = np.random.default_rng(0)
     x, w = rng.standard_normal(x_shape).astype(np.float32), (rng.standard_normal(w_shape) * 0.1).astype(np.float32)
@@ -98,11 +104,13 @@ def _distance(a: dict, b: dict) -> float:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_one_step_equals_jaxpars_float8_from_one_set_of_weights(family):
-    """Loss within 1e-6 and every gradient within 1e-5 (relative, in norm) of jaxpar's float8 step: measured 8.6e-8
-    and 3.8e-7 (gpt2), 6.2e-7 (llama), float32's rounding. The band assumes the codes are the same: an activation
-    whose float32 value differs in its last bit between the frameworks and sits on a float8 rounding boundary would
-    move one code, and through its amax every e5m2 gradient code after it (a few percent on some tensors: seen with
-    model.mtp_depth or experts on, which is why these two configurations are the ones held here)."""
+    """Loss within 1e-6 and every gradient within 1e-5 (relative, in norm) of jaxpar's float8 step.
+
+    Measured 8.6e-8 and 3.8e-7 (gpt2), 6.2e-7 (llama), float32's rounding. The band assumes the codes are the same:
+    an activation whose float32 value differs in its last bit between the frameworks and sits on a float8 rounding
+    boundary would move one code, and through its amax every e5m2 gradient code after it (a few percent on some
+    tensors: seen with model.mtp_depth or experts on, which is why these two configurations are the ones held here).
+    """
     (jloss, jgrads, _), (tloss, tgrads) = _jaxpar_step(family), _torchpar_step(family, True)
     np.testing.assert_allclose(tloss, jloss, rtol=1e-6)
     assert _distance(tgrads, jgrads) < 1e-5
@@ -110,8 +118,11 @@ def test_one_step_equals_jaxpars_float8_from_one_set_of_weights(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_setting_acts(family):
-    """torchpar's float8 step against its float32 one from the same weights: the loss 5x and a gradient 100x
-    beyond the band above (measured 1.2e-5 and 0.11 on both): ignoring model.float8 fails here and above."""
+    """torchpar's float8 step against its float32 one from the same weights.
+
+    The loss 5x and a gradient 100x beyond the band above (measured 1.2e-5 and 0.11 on both): ignoring model.float8
+    fails here and above.
+    """
     (loss8, grads8), (loss32, grads32) = _torchpar_step(family, True), _torchpar_step(family, False)
     assert abs(loss8 / loss32 - 1) > 5e-6
     assert _distance(grads8, grads32) > 1e-3
@@ -119,11 +130,14 @@ def test_the_setting_acts(family):
 
 @pytest.mark.slow
 def test_ddp_and_fsdp_equal_one_process(base, reference):
-    """Two processes against one, 10 steps from one weights file: each activation's and output gradient's scale is
-    taken over the whole batch of the group (an all_reduce of its amax), so the first steps are float32's rounding
-    apart (measured 4.3e-8 in loss, 1.1e-7 in grad norm; each rank's own amax, torchao's default: 7e-6 and 6.6e-4)
-    and the 10 steps within float8's band, jaxpar's float8 layouts' 5e-4 (measured 3.4e-5), which float32's run is
-    not (3.9e-3). ddp also samples on rank 0 (no collective: under no_grad each rank scales its own tensors)."""
+    """Two processes against one, 10 steps from one weights file.
+
+    Each activation's and output gradient's scale is taken over the whole batch of the group (an all_reduce of its
+    amax), so the first steps are float32's rounding apart (measured 4.3e-8 in loss, 1.1e-7 in grad norm; each
+    rank's own amax, torchao's default: 7e-6 and 6.6e-4) and the 10 steps within float8's band, jaxpar's float8
+    layouts' 5e-4 (measured 3.4e-5), which float32's run is not (3.9e-3). ddp also samples on rank 0 (no collective:
+    under no_grad each rank scales its own tensors).
+    """
     runs = {}
     for backend, nproc, extra in (("none", 0, []), ("ddp", 2, ["train.sample_every=5"]), ("fsdp", 2, [])):
         run_dir = base["tmp"] / f"float8-{backend}"

@@ -1,6 +1,9 @@
-"""parallel.grad_compression in torchpar (jaxpar's: tests/jaxpar/test_grad_compression.py): bfloat16 on the wire under ddp (torch's bf16 hook), fsdp (FSDP2's
-reduce dtype) and deepspeed (communication_data_type); PowerSGD under ddp (torch's hook), its error-feedback state
-resumed exactly after SIGKILL; what a backend does not run is refused in one line."""
+"""parallel.grad_compression in torchpar: bfloat16 on the wire and PowerSGD.
+
+jaxpar's counterpart: tests/jaxpar/test_grad_compression.py. bfloat16 on the wire under ddp (torch's bf16 hook), fsdp
+(FSDP2's reduce dtype) and deepspeed (communication_data_type); PowerSGD under ddp (torch's hook), its error-feedback
+state resumed exactly after SIGKILL; what a backend does not run is refused in one line.
+"""
 import argparse
 
 import numpy as np
@@ -16,8 +19,11 @@ POWERSGD = ["parallel.grad_compression=powersgd", "parallel.powersgd_rank=2", "p
 
 
 def powersgd_bytes(shapes, rank: int) -> int:
-    """The issue's analytic figure: r(n+m) float32 elements for an n x m matrix (a tensor viewed as [shape[0], -1],
-    r at most min(n, m)), n x m where that would not halve the matrix (torch's default min_compression_rate)."""
+    """The issue's analytic figure.
+
+    R(n+m) float32 elements for an n x m matrix (a tensor viewed as [shape[0], -1], r at most min(n, m)), n x m
+    where that would not halve the matrix (torch's default min_compression_rate).
+    """
     total = 0
     for shape in shapes:
         n, m = shape[0], int(np.prod(shape[1:], dtype=int))
@@ -48,9 +54,11 @@ def plain(base):
 
 
 def test_bf16_on_the_wire_under_every_backend(base, plain, shapes):
-    """Each backend's run moves off the float32 one (the setting acts: step 3 on differs), by bfloat16's rounding
-    only (within 1e-3 after 10 steps: 2e-4 measured), and the three agree with each other within 1e-5 (3e-7
-    measured): they reduce the same bfloat16 values."""
+    """bfloat16 on the wire changes each backend's run by its rounding only, alike on every backend.
+
+    Each backend's run moves off the float32 one (the setting acts: step 3 on differs), by bfloat16's rounding only
+    (within 1e-3 after 10 steps), and the three agree with each other within 1e-5: they reduce the same bfloat16 values.
+    """
     runs = {}
     for backend, extra in (("ddp", []), ("fsdp", []), ("deepspeed", ["parallel.zero_stage=2"])):
         run_dir = base["tmp"] / f"bf16-{backend}"
@@ -66,11 +74,13 @@ def test_bf16_on_the_wire_under_every_backend(base, plain, shapes):
 
 
 def test_powersgd_resumes_exactly_after_sigkill(base, plain, shapes):
-    """Rank-2 PowerSGD after 2 plain steps, killed after step 5 (checkpoint of step 4): the resumed run restores
-    each rank's error buffers and Q factors and equals the uninterrupted one bit for bit. With another rank r the
-    buffers stay and the factors start afresh; on 4 ranks each takes the mean of the 2 saved buffers: both say so
-    and compress from their first step (no second warm-up). More than 2 ranks need the one gradient bucket
-    ddp.one_bucket_mb gives PowerSGD over gloo."""
+    """Rank-2 PowerSGD after 2 plain steps, killed after step 5 (checkpoint of step 4).
+
+    The resumed run restores each rank's error buffers and Q factors and equals the uninterrupted one bit for bit.
+    With another rank r the buffers stay and the factors start afresh; on 4 ranks each takes the mean of the 2 saved
+    buffers: both say so and compress from their first step (no second warm-up). More than 2 ranks need the one
+    gradient bucket ddp.one_bucket_mb gives PowerSGD over gloo.
+    """
     full, half = base["tmp"] / "psgd-full", base["tmp"] / "psgd-half"
     run(["--backend", "ddp", *base["args"], *POWERSGD, f"run.dir={full}"], nproc=2)
     assert losses(full)[:3] == plain[:3] and losses(full)[3:] != plain[3:]  # the warm-up, then compressed
@@ -114,8 +124,11 @@ def test_what_a_backend_does_not_run_is_refused(backend, key, named):
 
 
 def test_powersgd_on_four_ranks_past_one_default_bucket(base):
-    """3.4 MB of gradients, more than DDP's 1 MB first bucket: without ddp.one_bucket_mb gloo pairs collectives of
-    different buckets across 4 ranks and the step aborts or hangs after the warm-up."""
+    """3.4 MB of gradients, more than DDP's 1 MB first bucket.
+
+    Without ddp.one_bucket_mb gloo pairs collectives of different buckets across 4 ranks and the step aborts or
+    hangs after the warm-up.
+    """
     run_dir = base["tmp"] / "psgd-buckets"
     out = run(["--backend", "ddp", *base["args"], *POWERSGD, "model.d_model=128", "model.n_layer=4", "model.init_from=",
                "train.steps=4", "run.peer_timeout_s=60", f"run.dir={run_dir}"], nproc=4)
@@ -145,8 +158,11 @@ class _RunsCode:
 
 
 def test_powersgd_state_loads_no_code(tmp_path):
-    """PowerSGD's saved state round-trips as tensors and plain numbers (numpy's generator included, so the random
-    draws go on where they were), and a file holding any other object is refused in one line, unexecuted."""
+    """PowerSGD's saved state loads as data, executing no code.
+
+    PowerSGD's saved state round-trips as tensors and plain numbers (numpy's generator included, so the random draws go
+    on where they were), and a file holding any other object is refused in one line, unexecuted.
+    """
     import torch
     from types import SimpleNamespace
 

@@ -1,7 +1,9 @@
-"""optim.name=muon in torchpar (torchpar/optim.py): the same Newton-Schulz as jaxpar's on one matrix (and as
-torch.optim.Muon's, up to its bfloat16); ddp and fsdp equal one process, and jaxpar from the same weights file,
-over 10 steps; an fsdp run killed and resumed equals the uninterrupted one (the momentum in DCP); under FSDP2
-each rank runs Newton-Schulz on its share of the matrices."""
+"""optim.name=muon in torchpar (torchpar/optim.py).
+
+The same Newton-Schulz as jaxpar's on one matrix (and as torch.optim.Muon's, up to its bfloat16); ddp and fsdp equal one
+process, and jaxpar from the same weights file, over 10 steps; an fsdp run killed and resumed equals the uninterrupted
+one (the momentum in DCP); under FSDP2 each rank runs Newton-Schulz on its share of the matrices.
+"""
 import json
 import sys
 
@@ -37,10 +39,13 @@ def test_one_matrix_is_orthogonalised_alike():
 
 @pytest.mark.parametrize("world,dp,share", [(2, 1, 7), (4, 2, 5)])
 def test_fsdp_ranks_share_the_newton_schulz_work(tmp_path, world, dp, share):
-    """tests/torchpar/muon_shares.py's 13 matrices, FSDP2-sharded, stepped twice: every rank equals one process, and
-    its Newton-Schulz ran on its share -- 7 of them on fsdp=2: 2 of the four 16x32, 2 of the four 16x16 (q, k, v,
-    out), 1 of the 24x16 (padded with a zero matrix), its 2 experts; on dp=2,fsdp=2 1+1+1 and its fsdp shard's 2
-    experts -- where gathering every matrix everywhere runs all 13 on each rank."""
+    """tests/torchpar/muon_shares.py's 13 matrices, FSDP2-sharded, stepped twice.
+
+    Every rank equals one process, and its Newton-Schulz ran on its share -- 7 of them on fsdp=2: 2 of the four
+    16x32, 2 of the four 16x16 (q, k, v, out), 1 of the 24x16 (padded with a zero matrix), its 2 experts; on
+    dp=2,fsdp=2 1+1+1 and its fsdp shard's 2 experts -- where gathering every matrix everywhere runs all 13 on each
+    rank.
+    """
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
                f"--master_port={free_port()}", "tests/torchpar/muon_shares.py", str(tmp_path), str(dp)]
     out = run_in_session(command, torch_env(), 120, "the FSDP2 Muon share")

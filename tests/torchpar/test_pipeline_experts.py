@@ -1,8 +1,11 @@
-"""torchpar's pipeline backend with a mixture of experts (configs/moe-tiny.yaml's shape at the tiny size: llama, 8
-experts, 2 chosen, a shared one, the balance loss at 0.01 and the balance bias moved): each stage passes the
-experts' per-row statistics on beside its activations, the last stage's loss weighs in the balance loss (its
-gradient back through every stage's routers), and each stage moves its own layers' bias by every layer's loads.
-Held to the one-process run: losses, gradient norms, the experts' records and the final weights, bias included."""
+"""torchpar's pipeline backend with a mixture of experts equals the one-process run.
+
+The shape is configs/moe-tiny.yaml's at the tiny size: llama, 8 experts, 2 chosen, a shared one, the balance loss at
+0.01 and the balance bias moved. Each stage passes the experts' per-row statistics on beside its activations, the last
+stage's loss weighs in the balance loss (its gradient back through every stage's routers), and each stage moves its own
+layers' bias by every layer's loads.
+Held to the one-process run: losses, gradient norms, the experts' records and the final weights, bias included.
+"""
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -28,8 +31,11 @@ def one_process(base):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
 def test_experts_on_a_pipeline_equal_one_process(schedule, base, one_process, tmp_path):
-    """pp=2: each stage two expert layers. The balance loss is 0.01 x ~1 on a loss of ~5 (2e-3, far over the
-    1e-5 band) and the bias moves every layer's routing from step 2 on: a stage that dropped either would differ."""
+    """pp=2: each stage two expert layers.
+
+    The balance loss is 0.01 x ~1 on a loss of ~5 (2e-3, far over the 1e-5 band) and the bias moves every layer's
+    routing from step 2 on: a stage that dropped either would differ.
+    """
     final = tmp_path / "final.safetensors"
     run(["--backend", "pipeline", *_args(base), f"parallel.pipeline_schedule={schedule}", f"run.dir={tmp_path}",
          "--write-final", str(final)], nproc=2)

@@ -1,7 +1,9 @@
-"""torchpar's pipeline backend with multi-token prediction (model.mtp_depth=2): the last stage's loss function
-runs the prediction modules on its output (the state before the final norm) and the microbatch's rows (the
-schedule's target), the depths' lookups in its copy of the embedding table, whose gradient is summed with the
-first stage's. Held to the one-process run: the loss, each depth's loss and the final weights."""
+"""torchpar's pipeline backend with multi-token prediction (model.mtp_depth=2).
+
+The last stage's loss function runs the prediction modules on its output (the state before the final norm) and the
+microbatch's rows (the schedule's target), the depths' lookups in its copy of the embedding table, whose gradient is
+summed with the first stage's. Held to the one-process run: the loss, each depth's loss and the final weights.
+"""
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -19,8 +21,11 @@ def _args(base, family):
 
 @pytest.mark.parametrize("family", [[], ["model.family=llama", "model.n_kv_head=2"]], ids=["gpt2-tied", "llama"])
 def test_mtp_on_a_pipeline_equals_one_process(family, base, tmp_path):
-    """pp=2 on 1f1b. The weighted depths are ~0.5 x 5 on a loss of ~5: a last stage that dropped them, or a
-    depth's lookups missing from the table's gradient, would differ far past 1e-5."""
+    """pp=2 on 1f1b.
+
+    The weighted depths are ~0.5 x 5 on a loss of ~5: a last stage that dropped them, or a depth's lookups missing
+    from the table's gradient, would differ far past 1e-5.
+    """
     one, final_one = tmp_path / "one", tmp_path / "one.safetensors"
     run(["--backend", "none", *_args(base, family), f"run.dir={one}", "--write-final", str(final_one)])
     pp, final_pp = tmp_path / "pp", tmp_path / "pp.safetensors"
@@ -39,8 +44,10 @@ def test_mtp_on_a_pipeline_equals_one_process(family, base, tmp_path):
 
 
 def test_what_the_pipeline_refuses_with_mtp_is_one_line():
-    """Zero-bubble's split backward and FSDP2 inside the stages are refused in one line; 1f1b runs, pp x dp too
-    (measured equal to one process alike)."""
+    """Zero-bubble's split backward and FSDP2 inside the stages are refused in one line.
+
+    1f1b runs, pp x dp too (measured equal to one process alike).
+    """
     from jaxpar.core.errors import UserError
     from tests.helpers import tiny_config
     from torchpar.backends.pipeline import check_torch_pipeline

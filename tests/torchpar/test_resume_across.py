@@ -1,6 +1,8 @@
-"""A torchpar run moves between the DCP backends and world sizes (DCP reshards on load): none, ddp, fsdp and
-pipeline each write a checkpoint that another resumes, and the run stays the one-process run. DeepSpeed's
-checkpoints and DCP's do not mix: each refuses the other's in one line."""
+"""A torchpar run moves between the DCP backends and world sizes (DCP reshards on load).
+
+None, ddp, fsdp and pipeline each write a checkpoint that another resumes, and the run stays the one-process run.
+DeepSpeed's checkpoints and DCP's do not mix: each refuses the other's in one line.
+"""
 import pytest
 
 from tests.helpers import metrics

@@ -34,8 +34,8 @@ def test_reference_learns(reference):
     assert set(reference[10]) == fields
 
 
-BACKENDS = [("ddp", []), ("fsdp", []), ("deepspeed", ["parallel.zero_stage=1"]), ("deepspeed", ["parallel.zero_stage=2"]),
-            ("deepspeed", ["parallel.zero_stage=3"])]
+BACKENDS = [("ddp", []), ("fsdp", []), ("deepspeed", ["parallel.zero_stage=1"]),
+            ("deepspeed", ["parallel.zero_stage=2"]), ("deepspeed", ["parallel.zero_stage=3"])]
 
 
 _NO_JAX = """
@@ -57,8 +57,10 @@ def test_tensorboard_holds_the_metrics(base, reference):
 
 
 def test_samples_at_their_steps(base, reference):
-    """train.sample_every=5: a continuation of the validation data's first tokens at steps 5 and 10; refused
-    where rank 0 does not hold the whole model."""
+    """train.sample_every=5: a continuation of the validation data's first tokens at steps 5 and 10.
+
+    Refused where rank 0 does not hold the whole model.
+    """
     lines = [line for line in (base["tmp"] / "reference.out").read_text().splitlines() if line.startswith("sample")]
     assert [line.split(":")[0] for line in lines] == ["sample at step 5", "sample at step 10"], lines
     assert lines[0] != lines[1]  # the model changed in between
@@ -83,8 +85,11 @@ def test_two_processes_match_one(backend, extra, base, reference):
 
 
 def test_srun_style_launch_matches_one_process(base, reference, tmp_path):
-    """Two processes started the way srun starts them (SLURM_* variables, no torchrun) form one ddp
-    world of 2 and reproduce the one-process run; DeepSpeed's launcher flag --local_rank is accepted."""
+    """Two processes launched the way srun does reproduce the one-process run.
+
+    Two processes started the way srun starts them (SLURM_* variables, no torchrun) form one ddp world of 2 and
+    reproduce the one-process run; DeepSpeed's launcher flag --local_rank is accepted.
+    """
     run_dir, port = tmp_path / "slurm", free_port()
     cmd = [sys.executable, "-m", "torchpar.train", "--backend", "ddp", *base["args"], f"run.dir={run_dir}"]
     procs = [subprocess.Popen(cmd + [f"--local_rank={r}"], cwd=ROOT, text=True, start_new_session=True,
@@ -128,8 +133,11 @@ def test_fsdp_resume_after_sigkill_and_on_one_process(base, reference):
 
 
 def test_fsdp_on_a_dp_by_fsdp_mesh_matches_one_process(base, reference, tmp_path):
-    """parallel.mesh=dp=2,fsdp=2 on 4 processes is HSDP: each rank holds half of the parameters (the startup line),
-    and the run is the one-process run (losses, eval, final weights), also across a SIGKILL and a DCP resume."""
+    """parallel.mesh=dp=2,fsdp=2 on 4 processes is HSDP.
+
+    Each rank holds half of the parameters (the startup line), and the run is the one-process run (losses, eval,
+    final weights), also across a SIGKILL and a DCP resume.
+    """
     final, args = tmp_path / "final.safetensors", ["--backend", "fsdp", *base["args"], "parallel.mesh=dp=2,fsdp=2",
                                                    "checkpoint.every=4", f"run.dir={tmp_path}"]
     run(args, nproc=4, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
@@ -165,9 +173,12 @@ def four_layers(base):
 
 @pytest.mark.parametrize("schedule,virtual", [("interleaved", 2), ("zb_h1", 1), ("zb_v", 1), ("dualpipev", 1)])
 def test_pipeline_multi_stage_schedules_match_one_process(schedule, virtual, four_layers, tmp_path):
-    """torch's ScheduleInterleaved1F1B (virtual stages from parallel.pipeline_virtual_stages, jaxpar's layer split),
-    ScheduleInterleavedZeroBubble (zb_h1) and ScheduleZBVZeroBubble (zb_v: rank 0 holds layers 0 and 3, rank 1
-    layers 1 and 2) reproduce the one-process run."""
+    """torch's multi-stage pipeline schedules reproduce the one-process run.
+
+    torch's ScheduleInterleaved1F1B (virtual stages from parallel.pipeline_virtual_stages, jaxpar's layer split),
+    ScheduleInterleavedZeroBubble (zb_h1) and ScheduleZBVZeroBubble (zb_v: rank 0 holds layers 0 and 3, rank 1 layers 1
+    and 2) reproduce the one-process run.
+    """
     args, ref = four_layers
     run(["--backend", "pipeline", *args, f"parallel.pipeline_schedule={schedule}",
          f"parallel.pipeline_virtual_stages={virtual}", f"run.dir={tmp_path}"], nproc=2)
@@ -178,8 +189,11 @@ def test_pipeline_multi_stage_schedules_match_one_process(schedule, virtual, fou
 
 
 def test_pipeline_composes_with_data_parallelism(base, reference, tmp_path):
-    """parallel.mesh=pp=2,dp=2 on 4 processes: two pipeline replicas on a 2-D DeviceMesh, each reading its half of
-    every batch (DDP per stage over dp): the one-process run, also across a SIGKILL and resume."""
+    """parallel.mesh=pp=2,dp=2 on 4 processes.
+
+    Two pipeline replicas on a 2-D DeviceMesh, each reading its half of every batch (DDP per stage over dp): the
+    one-process run, also across a SIGKILL and resume.
+    """
     args = ["--backend", "pipeline", *base["args"], "parallel.mesh=pp=2,dp=2", "parallel.pipeline_schedule=1f1b",
             "checkpoint.every=4", f"run.dir={tmp_path}"]
     run(args, nproc=4, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
@@ -190,9 +204,11 @@ def test_pipeline_composes_with_data_parallelism(base, reference, tmp_path):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipeline_stages_sharded_by_fsdp(schedule, base, reference, tmp_path):
-    """parallel.mesh=pp=2,fsdp=2 on 4 processes: FSDP2 inside each pipeline stage (torchtitan's layout) gives the
-    one-process run, also across a SIGKILL and resume (DCP of the sharded stages), each rank holding half of its
-    stage's parameters."""
+    """parallel.mesh=pp=2,fsdp=2 on 4 processes.
+
+    FSDP2 inside each pipeline stage (torchtitan's layout) gives the one-process run, also across a SIGKILL and
+    resume (DCP of the sharded stages), each rank holding half of its stage's parameters.
+    """
     args = ["--backend", "pipeline", *base["args"], "parallel.mesh=pp=2,fsdp=2",
             f"parallel.pipeline_schedule={schedule}", "checkpoint.every=4", f"run.dir={tmp_path}"]
     run(args, nproc=4, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
@@ -238,10 +254,14 @@ def _worker_of_rank(parent: int, rank: int) -> int:
     ("ddp", [1]), ("fsdp", [0, 1]), ("ddp", [0, 1]), ("fsdp", [1])],
     ids=["ddp-rank1", "fsdp-both", "ddp-both", "fsdp-rank1"])
 def test_sigterm_stops_all_ranks_after_one_step_and_resume_is_exact(backend, ranks, base, reference):
-    """SIGTERM to rank 1 only, or to rank 0 and 0.35 s later rank 1 (a scheduler's preemption; steps slowed
-    to 0.1 s so that both land mid-run): all ranks stop after the same step, save that one checkpoint and
-    exit 0 within 60 s; resuming continues the uninterrupted run."""
-    run_dir = base["tmp"] / f"sigterm-{backend}-{'-'.join(map(str, ranks))}"  # one per case: a finished run would resume as complete
+    """SIGTERM stops all ranks after the same step, and the resume is exact.
+
+    SIGTERM to rank 1 only, or to rank 0 and 0.35 s later rank 1 (a scheduler's preemption; steps slowed to 0.1 s so
+    that both land mid-run): all ranks stop after the same step, save that one checkpoint and exit 0 within 60 s;
+    resuming continues the uninterrupted run.
+    """
+    # one per case: a finished run would resume as complete
+    run_dir = base["tmp"] / f"sigterm-{backend}-{'-'.join(map(str, ranks))}"
     args = ["--backend", backend, *base["args"], f"run.dir={run_dir}"]
     proc = subprocess.Popen(torch_command(args, 2), cwd=ROOT, env=torch_env(TORCHPAR_FAULT_SLOW_STEP_S="0.1"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -266,9 +286,11 @@ def test_sigterm_stops_all_ranks_after_one_step_and_resume_is_exact(backend, ran
 
 
 def test_killed_peer_is_named_within_the_timeout(base, tmp_path):
-    """Two processes started as srun starts them (no torchrun to tear the job down): rank 1 is killed after
-    step 3; rank 0 leaves with one line naming it and the last checkpoint (step 2) within run.peer_timeout_s,
-    and that checkpoint restores on one process."""
+    """Two processes started as srun starts them (no torchrun to tear the job down): rank 1 is killed after step 3.
+
+    Rank 0 leaves with one line naming it and the last checkpoint (step 2) within run.peer_timeout_s, and that
+    checkpoint restores on one process.
+    """
     run_dir, port = tmp_path / "run", free_port()
     args = ["--backend", "ddp", *base["args"], "checkpoint.every=2", "run.peer_timeout_s=10", f"run.dir={run_dir}"]
     procs = [subprocess.Popen([sys.executable, "-m", "torchpar.train", *args], cwd=ROOT, text=True,
@@ -302,8 +324,10 @@ def _one_error_line(result) -> str:
 
 
 def test_non_finite_step_stops_before_it_is_saved(base, tmp_path):
-    """NaN parameters before step 3 on both ddp ranks: every rank stops at step 3 with one line, and the
-    only checkpoint is step 2's."""
+    """NaN parameters before step 3 on both ddp ranks.
+
+    Every rank stops at step 3 with one line, and the only checkpoint is step 2's.
+    """
     run_dir = tmp_path / "run"
     result = run(["--backend", "ddp", *base["args"], "checkpoint.every=2", f"run.dir={run_dir}"], nproc=2,
                  expect_rc="nonzero", TORCHPAR_FAULT_NAN_AT_STEP="3")

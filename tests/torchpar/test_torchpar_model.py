@@ -72,8 +72,11 @@ def test_weight_decay_mask_is_jaxpars(cfg):
 
 @pytest.fixture(scope="module")
 def jax_reference(cfg):
-    """jaxpar's loss and gradients for one batch, float32 at highest matmul precision (jitted once),
-    with torchpar-initialised weights loaded into jaxpar's model through the shared weight format."""
+    """jaxpar's loss and gradients for one batch, from torchpar-initialised weights.
+
+    Float32 at highest matmul precision (jitted once), with torchpar-initialised weights loaded into jaxpar's model
+    through the shared weight format.
+    """
     torch_model = Decoder(cfg.model)
     torch_model.init_weights(0)
     params = to_shared(torch_model.state_dict(), cfg.model.n_layer)

@@ -1,5 +1,7 @@
-"""torchpar.checks.validate, the one entry for what torchpar refuses before a process group exists: the backend's
-settings and run.dir with the resume, each in one line; a config the backend runs passes."""
+"""torchpar.checks.validate, the one entry for what torchpar refuses before a process group exists.
+
+The backend's settings and run.dir with the resume, each in one line; a config the backend runs passes.
+"""
 import argparse
 
 import pytest
@@ -43,8 +45,10 @@ def test_each_part_refuses_in_one_line(tmp_path, backend, overrides, refused):
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
 def test_a_multi_process_backend_without_a_launcher_says_it_runs_one_process(backend, tmp_path, capsys, monkeypatch):
-    """`python -m torchpar.train --backend ddp` is one process: one line on stderr says so and how to start more;
-    under a launcher (its RANK, WORLD_SIZE, LOCAL_RANK) nothing is said."""
+    """`python -m torchpar.train --backend ddp` is one process: one line on stderr says so and how to start more.
+
+    Under a launcher (its RANK, WORLD_SIZE, LOCAL_RANK) nothing is said.
+    """
     from torchpar.checks import validate
 
     validate(tiny_config(f"run.dir={tmp_path / 'run'}"), args(backend))

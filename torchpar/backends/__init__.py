@@ -1,6 +1,8 @@
-"""Backends wrap the plain Decoder (torchpar/models/decoder.py): `none` (one process), `ddp`, `fsdp` (FSDP2), `deepspeed` (ZeRO 0-3),
-`pipeline` (torch.distributed.pipelining). Each module's `build(model, cfg, env, **options)` returns an
-`Engine`; the trainer (torchpar/trainer.py) uses nothing else of it; torchpar/parallelize.py builds it.
+"""Backends wrap the plain Decoder (torchpar/models/decoder.py).
+
+`none` (one process), `ddp`, `fsdp` (FSDP2), `deepspeed` (ZeRO 0-3), `pipeline` (torch.distributed.pipelining). Each
+module's `build(model, cfg, env, **options)` returns an `Engine`; the trainer (torchpar/trainer.py) uses nothing else of
+it; torchpar/parallelize.py builds it.
 """
 from __future__ import annotations
 
@@ -22,13 +24,18 @@ class Engine(Protocol):
     optimizer_bytes: int | None  # bytes of optimizer state it holds (likewise)
 
     def update(self, batch, share: float = 1.0) -> object:
-        """This rank's rows of the global batch: microbatches, backward, clipping, the update (and float16's
-        loss scaler); a handle on the step's metrics. `share`: every loss is scaled by it (the framework's
-        token_share: 1.0 unless the data has a loss mask)."""
+        """This rank's rows of the global batch.
+
+        Microbatches, backward, clipping, the update (and float16's loss scaler); a handle on the step's
+        metrics. `share`: every loss is scaled by it (the framework's token_share: 1.0 unless the data has a
+        loss mask).
+        """
 
     def read(self, handle) -> dict:
-        """loss (averaged over the data ranks: a collective), grad_norm, lr, and float16's loss_scale and
-        skipped_steps."""
+        """The step's metrics: loss, grad_norm, lr, and float16's loss_scale and skipped_steps.
+
+        The loss is averaged over the data ranks: a collective.
+        """
 
     def eval_loss(self, batch, share: float = 1.0) -> float:
         """This rank's loss on its rows of a validation batch, times `share`."""

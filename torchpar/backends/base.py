@@ -34,9 +34,11 @@ def microbatches(batch: torch.Tensor, M: int) -> list[torch.Tensor]:
 
 
 def read_metrics(handle, env, data_ways: int, experts: int = 0) -> dict:
-    """A step's (local loss, grad_norm, lr, extra) as floats, the loss averaged over the ranks that hold a
-    share of the batch, the experts' statistics summed over them (a collective: every rank calls it at the same
-    steps)."""
+    """A step's (local loss, grad_norm, lr, extra) as a dict of floats.
+
+    The loss is averaged over the ranks that hold a share of the batch, the experts' statistics summed over them
+    (a collective: every rank calls it at the same steps).
+    """
     loss, grad_norm, lr, extra = handle
     stats, depths = extra.pop("expert_stats", None), extra.pop("mtp_losses", None)
     depths = [] if depths is None else depths.tolist()  # multi-token prediction's, each depth's as the loss is
@@ -49,9 +51,12 @@ def read_metrics(handle, env, data_ways: int, experts: int = 0) -> dict:
 
 
 def microbatch_loss(module, raw, batch: torch.Tensor):
-    """(the training loss of rows [batch, seq + 1]: cross-entropy, with experts plus their weighted balance loss;
+    """The training loss of a microbatch and its experts' statistics.
+
+    (the training loss of rows [batch, seq + 1]: cross-entropy, with experts plus their weighted balance loss;
     the experts' statistics summed over the rows, the balance per layer and the row count appended, or None). The
-    wrapped module computes the cross-entropy in its forward (model.loss_chunks: the whole logits never held)."""
+    wrapped module computes the cross-entropy in its forward (model.loss_chunks: the whole logits never held).
+    """
     inputs, targets = inputs_and_targets(batch)
     loss = module(inputs, targets)
     stats = raw.expert_stats  # the forward's (torchpar/models/decoder.py)
@@ -127,8 +132,11 @@ class TorchEngine:
         self.overflow_next = True
 
     def update(self, batch: torch.Tensor, share: float = 1.0):
-        """This rank's rows of the global batch: accumulate over train.microbatches, clip, update; a handle on
-        the metrics (read them with `read`). `share`: the framework's token_share (1.0 without a loss mask)."""
+        """This rank's rows of the global batch: accumulate over train.microbatches, clip, update.
+
+        A handle on the metrics (read them with `read`). `share`: the framework's token_share (1.0 without a
+        loss mask).
+        """
         micro = microbatches(batch, self.cfg.train.microbatches)
         lr = lr_at(self.step - self.skipped, self.cfg.optim, self.cfg.train.steps)  # counts applied updates
         set_lr(self.optimizer, lr)
@@ -163,8 +171,10 @@ class TorchEngine:
         return total, norm, lr, extra
 
     def move_router_bias(self, loads: list[float]) -> None:
-        """The experts' balance bias moved by the step's loads (every rank's, layer-major); the pipeline moves its
-        stage's layers' alone."""
+        """The experts' balance bias moved by the step's loads (every rank's, layer-major).
+
+        The pipeline moves its stage's layers' alone.
+        """
         update_router_bias(self.raw, loads)
 
     def save(self, step: int, meta: dict) -> None:
@@ -174,8 +184,10 @@ class TorchEngine:
         self.checkpointer.save(step, meta)
 
     def restore(self) -> int | None:
-        """The latest complete checkpoint loaded (what an earlier process left unfinished removed first); its
-        data step, or None where there is none."""
+        """The latest complete checkpoint loaded (what an earlier process left unfinished removed first).
+
+        Its data step, or None where there is none.
+        """
         self.checkpointer.remove_partial_saves()
         settings = group_settings(self.optimizer)  # the config's betas, eps, weight decay: not the checkpoint's
         meta = self.checkpointer.restore()
@@ -189,17 +201,19 @@ class TorchEngine:
         return self.step
 
     def restore_scaler(self, saved: dict) -> None:
-        """float16: the saved scale and count of clean steps; the growth and backoff rules stay the config's
-        (GradScaler.load_state_dict would take the saved ones too). GradScaler grows when the count reaches the
-        interval exactly: a count past a shortened interval is held at one below it, so the next clean step grows
-        the scale, as jaxpar's rule (count >= interval, jaxpar/loss_scale.py) does."""
+        """float16: the saved scale and count of clean steps.
+
+        The growth and backoff rules stay the config's (GradScaler.load_state_dict would take the saved ones
+        too). GradScaler grows when the count reaches the interval exactly: a count past a shortened interval is
+        held at one below it, so the next clean step grows the scale, as jaxpar's rule (count >= interval,
+        jaxpar/loss_scale.py) does.
+        """
         state = self.scaler.state_dict()
         count = min(saved["_growth_tracker"], state["growth_interval"] - 1)
         self.scaler.load_state_dict({**state, "scale": saved["scale"], "_growth_tracker": count})
 
     def forward_backward(self, micro: list[torch.Tensor], share: float = 1.0) -> torch.Tensor:
-        """Gradients of the mean loss (times `share`) over the microbatches accumulated in .grad; returns that
-        loss."""
+        """Gradients of the mean loss (times `share`) over the microbatches accumulated in .grad; returns that loss."""
         total, self.expert_stats, self.mtp_losses = torch.zeros((), device=micro[0].device), None, None
         for m, batch in enumerate(micro):
             with self.sync(m == len(micro) - 1):

@@ -41,23 +41,31 @@ def comm_hook(cfg) -> tuple[str, dict]:
 
 
 def bf16_hook(process_group, bucket):
-    """torch's bf16_compress_hook itself. DDP refuses that function by name unless CUDA with NCCL 2.10+ runs it;
-    gloo reduces bfloat16 as well (checked with torch 2.13), so on the CPU it goes through this wrapper."""
+    """torch's bf16_compress_hook itself.
+
+    DDP refuses that function by name unless CUDA with NCCL 2.10+ runs it; gloo reduces bfloat16 as well (checked
+    with torch 2.13), so on the CPU it goes through this wrapper.
+    """
     return default_hooks.bf16_compress_hook(process_group, bucket)
 
 
 def one_bucket_mb(model) -> int:
-    """A bucket size that holds every gradient: PowerSGD over gloo. Its hook chains three all-reduces per bucket
-    in future callbacks; with two buckets in flight, gloo (which matches collectives by issue order) pairs one
-    rank's P factors with another's uncompressed vectors past 2 ranks (a size-mismatch abort, or a hang)."""
+    """A bucket size that holds every gradient: PowerSGD over gloo.
+
+    Its hook chains three all-reduces per bucket in future callbacks; with two buckets in flight, gloo (which
+    matches collectives by issue order) pairs one rank's P factors with another's uncompressed vectors past 2 ranks
+    (a size-mismatch abort, or a hang).
+    """
     return math.ceil(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20) + 1
 
 
 def rebuild_buckets_first(ddp, cfg, env) -> None:
-    """One synchronised backward of a zero loss (gradients all zero, then dropped; no update): DDP rebuilds its
-    buckets in the order gradients arrive after its first backward, so a hook registered after this one sees
-    the final buckets from its first step on. PowerSGD keys its error buffers by bucket: a run resumed from a
-    checkpoint would otherwise apply the saved buffers to its first step's other buckets."""
+    """One synchronised backward of a zero loss (gradients all zero, then dropped; no update).
+
+    DDP rebuilds its buckets in the order gradients arrive after its first backward, so a hook registered after this
+    one sees the final buckets from its first step on. PowerSGD keys its error buffers by bucket: a run resumed from
+    a checkpoint would otherwise apply the saved buffers to its first step's other buckets.
+    """
     x = torch.ones((1, cfg.data.seq_len), dtype=torch.long, device=env.device)
     (ddp(x).float().mean() * 0.0).backward()
     for p in ddp.parameters():
@@ -79,7 +87,8 @@ def build(model, cfg, env, **_):
         state = powerSGD_hook.PowerSGDState(process_group=None, **settings)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     # Accumulation: no all-reduce until the last microbatch's backward (the hooks run only then too).
-    sync = (lambda last: experts.sync(last, ddp)) if experts else (lambda last: nullcontext() if last else ddp.no_sync())
+    sync = ((lambda last: experts.sync(last, ddp)) if experts
+            else (lambda last: nullcontext() if last else ddp.no_sync()))
     engine = DDPEngine(ddp, model, cfg, env, sync=sync)
     if experts is not None:
         engine.use_experts(experts)
@@ -92,10 +101,12 @@ def build(model, cfg, env, **_):
 
 
 class DDPEngine(TorchEngine):
-    """TorchEngine, its step also reporting `grad_comm_bytes`: what this rank handed to the gradient all-reduce
-    (the payload; a ring all-reduce sends about twice that): 4 bytes per gradient element plain, 2 with bf16,
-    and with PowerSGD what its hook counted (r(n+m) per compressed n x m matrix, the rest whole; its warm-up
-    steps send everything whole)."""
+    """TorchEngine, its step also reporting `grad_comm_bytes`.
+
+    What this rank handed to the gradient all-reduce (the payload; a ring all-reduce sends about twice that): 4
+    bytes per gradient element plain, 2 with bf16, and with PowerSGD what its hook counted (r(n+m) per compressed n
+    x m matrix, the rest whole; its warm-up steps send everything whole).
+    """
     plain_bytes, powersgd = 0, None  # what the hook sends whole (set by build), PowerSGD's state
     experts = None  # parallel.mesh's ep: ExpertParallel (torchpar/backends/experts.py)
 
@@ -118,11 +129,13 @@ class DDPEngine(TorchEngine):
 
 
 class PowerSGDCheckpoint:
-    """This rank's PowerSGD state in a checkpoint directory (torchpar/checkpoint.py calls save and load): the
-    runtime slots only (the settings come from the config at hand), and the buckets they were keyed by.
-    Resumed on another number of ranks, every rank takes the mean of the saved error buffers (what the next steps
-    owe on average over the ranks stays what it was; DDP's buckets do not depend on the number of ranks), as jaxpar
-    does (jaxpar/parallel/powersgd.py); with another rank r, the buffers stay and the factors start afresh."""
+    """This rank's PowerSGD state in a checkpoint directory (torchpar/checkpoint.py calls save and load).
+
+    The runtime slots only (the settings come from the config at hand), and the buckets they were keyed by. Resumed
+    on another number of ranks, every rank takes the mean of the saved error buffers (what the next steps owe on
+    average over the ranks stays what it was; DDP's buckets do not depend on the number of ranks), as jaxpar does
+    (jaxpar/parallel/powersgd.py); with another rank r, the buffers stay and the factors start afresh.
+    """
     RUNTIME = ("rng", "error_dict", "p_memory_dict", "q_memory_dict", "iter", "total_numel_before_compression",
                "total_numel_after_compression", "next_stats_report")
     FACTORS = ("p_memory_dict", "q_memory_dict")
@@ -145,12 +158,16 @@ class PowerSGDCheckpoint:
             return torch.load(path, map_location=self.env.device, weights_only=True)
         except pickle.UnpicklingError:
             raise UserError(f"{path} holds objects other than tensors (an older torchpar's format, or "
-                            "not torchpar's): it is not unpickled, as that could run code; remove the powersgd-rank*.pt "
-                            "files of that checkpoint to resume with PowerSGD's state afresh") from None
+                            "not torchpar's): it is not unpickled, as that could run code; remove the "
+                            "powersgd-rank*.pt files of that checkpoint to resume with PowerSGD's "
+                            "state afresh") from None
 
     def _saved(self, folder: str) -> dict:
-        """This rank's file; where the checkpoint was written by another number of ranks, rank 0's with the error
-        buffers averaged over all of theirs."""
+        """The PowerSGD state this rank restores from `folder`.
+
+        This rank's file; where the checkpoint was written by another number of ranks, rank 0's with the error
+        buffers averaged over all of theirs.
+        """
         load = self._load
         if os.path.exists(self.path(folder)):
             return load(self.path(folder))

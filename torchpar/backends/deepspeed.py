@@ -1,5 +1,6 @@
-"""DeepSpeed ZeRO 0-3: the DeepSpeed JSON is generated from the shared config; a user's JSON
-(--deepspeed-config) is merged on top and wins wherever it speaks; rank 0 prints the result.
+"""DeepSpeed ZeRO 0-3: the DeepSpeed JSON is generated from the shared config.
+
+A user's JSON (--deepspeed-config) is merged on top and wins wherever it speaks; rank 0 prints the result.
 
 Generated: batch sizes and accumulation from train.*, ZeRO stage from parallel.zero_stage,
 torch AdamW (`torch_adam`, no op builds) with optim.*, gradient_clipping, bf16 / fp16 from
@@ -52,9 +53,12 @@ def import_deepspeed():
 
 
 def quiet_comm_init(deepspeed) -> None:
-    """DeepSpeed's communication layer over the process group torchpar made (deepspeed.initialize then reuses it),
-    set up here because it prints "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully" on every
-    rank at every start (it loads, or first builds, its shared-memory op on CPU): not for the console."""
+    """Set up DeepSpeed's communication layer over torchpar's process group, its start-up message silenced.
+
+    deepspeed.initialize then reuses it. It is set up here because it prints
+    "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully" on every rank at every start (it loads, or
+    first builds, its shared-memory op on CPU): not for the console.
+    """
     from deepspeed.accelerator import get_accelerator  # deferred: deepspeed, optional: --backend deepspeed only
 
     with contextlib.redirect_stdout(io.StringIO()):
@@ -178,8 +182,11 @@ class DeepSpeedEngine:
         return total, torch.as_tensor(float("nan") if norm is None else float(norm)), lr, extra
 
     def full_state_dict(self) -> dict:
-        """Whole fp32 weights by torch name: the optimizer's fp32 master copy (gathered over ranks, a
-        collective) at ZeRO 1-3 or with bf16; the parameters themselves where there is no such copy."""
+        """Whole fp32 weights by torch name.
+
+        The optimizer's fp32 master copy (gathered over ranks, a collective) at ZeRO 1-3 or with bf16; the
+        parameters themselves where there is no such copy.
+        """
         from deepspeed.utils import safe_get_full_fp32_param  # deferred: deepspeed, optional: --backend deepspeed only
 
         out = {}
@@ -197,8 +204,11 @@ class DeepSpeedEngine:
             return None
 
     def remove_partial_saves(self) -> None:
-        """The trainer, before its first restore: step directories newer than `latest` are saves a process did not
-        finish (killed, disk full). Nothing without a readable `latest` (another backend's run, or none)."""
+        """The trainer, before its first restore.
+
+        Step directories newer than `latest` are saves a process did not finish (killed, disk full). Nothing
+        without a readable `latest` (another backend's run, or none).
+        """
         latest = self.latest()
         if latest is not None and self.env.is_main:
             for name in os.listdir(self.dir):
@@ -206,10 +216,12 @@ class DeepSpeedEngine:
                     shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
 
     def save(self, step: int, meta: dict) -> None:
-        """DeepSpeed's checkpoint of `step` (done already if this run saved or restored it: the final save right
-        after a periodic one); a complete step on disk that is not this run's is refused. DeepSpeed writes into the
-        step's folder itself: one past `latest` (or with no `latest` yet) is a save a killed process left unfinished,
-        written again."""
+        """DeepSpeed's checkpoint of `step`.
+
+        Done already if this run saved or restored it (the final save right after a periodic one); a complete step on
+        disk that is not this run's is refused. DeepSpeed writes into the step's folder itself: one past `latest` (or
+        with no `latest` yet) is a save a killed process left unfinished, written again.
+        """
         if step in self.own:
             return
         latest = self.latest()
@@ -225,10 +237,12 @@ class DeepSpeedEngine:
         self.own.add(step)
 
     def release(self) -> None:
-        """Before the process groups are destroyed (torchpar.dist.teardown): let go of them, so that they are
-        freed then. destroy() removes the engine's hooks (ZeRO-3's asks DeepSpeed's communication for the rank,
-        so it runs before release_deepspeed_groups); ZeRO-3 also keeps the model (whose parameters name a group)
-        in two globals for good."""
+        """Before the process groups are destroyed (torchpar.dist.teardown).
+
+        Let go of them, so that they are freed then. destroy() removes the engine's hooks (ZeRO-3's asks
+        DeepSpeed's communication for the rank, so it runs before release_deepspeed_groups); ZeRO-3 also keeps
+        the model (whose parameters name a group) in two globals for good.
+        """
         self.engine.destroy()
         forget_module(self.engine.module)
 
@@ -273,9 +287,11 @@ def _scaler(optimizer):
 
 
 def config_settings(optimizer) -> dict:
-    """What load_checkpoint would set from the checkpoint although the config decides it, as the engine was built
-    from the config: every parameter group's settings (lr aside), the clipping threshold (ZeRO 1-2, the fp16/bf16
-    wrappers keep it), the loss scaler's rules (ZeRO 1-3 unpickle the saved scaler whole)."""
+    """The settings that the config decides but load_checkpoint would overwrite from the checkpoint.
+
+    The engine was built from the config: every parameter group's settings (lr aside), the clipping threshold
+    (ZeRO 1-2, the fp16/bf16 wrappers keep it), the loss scaler's rules (ZeRO 1-3 unpickle the saved scaler whole).
+    """
     scaler = _scaler(optimizer)
     return {"groups": group_settings(getattr(optimizer, "optimizer", optimizer)),
             "clip_grad": getattr(optimizer, "clip_grad", None),
@@ -283,8 +299,11 @@ def config_settings(optimizer) -> dict:
 
 
 def put_back_settings(engine, settings: dict) -> None:
-    """After load_checkpoint: the config's settings again, and the lr of the shared schedule at its restored
-    position under this config (the restored groups carry the lr the saved run's schedule had set)."""
+    """After load_checkpoint.
+
+    The config's settings again, and the lr of the shared schedule at its restored position under this config (the
+    restored groups carry the lr the saved run's schedule had set).
+    """
     optimizer = engine.optimizer
     put_back(getattr(optimizer, "optimizer", optimizer), settings["groups"])
     if settings["clip_grad"] is not None:
@@ -297,9 +316,12 @@ def put_back_settings(engine, settings: dict) -> None:
 
 
 def forget_module(module) -> None:
-    """DeepSpeed 0.19's ZeRO-3 holds a model after engine.destroy(): on its forward-module stack (the root
-    module is pushed at setup and never popped) and, with its submodules, as keys of a class-level cache of
-    the parameter coordinator (functools.lru_cache on a method). Both let go of it here."""
+    """DeepSpeed 0.19's ZeRO-3 holds a model after engine.destroy().
+
+    On its forward-module stack (the root module is pushed at setup and never popped) and, with its submodules, as
+    keys of a class-level cache of the parameter coordinator (functools.lru_cache on a method). Both let go of it
+    here.
+    """
     from deepspeed.runtime.zero import parameter_offload  # deferred: deepspeed, optional: --backend deepspeed only
     from deepspeed.runtime.zero.partitioned_param_coordinator import (  # deferred: deepspeed, optional
         PartitionedParameterCoordinator)
@@ -329,8 +351,10 @@ def check_user_config(user: dict, cfg) -> None:
 
 
 def check_deepspeed(cfg, deepspeed_config: str) -> None:
-    """What torchpar.train checks before any process group: DeepSpeed importable, float16 possible here,
-    the user JSON readable and consistent with the shared keys."""
+    """What torchpar.train checks before any process group.
+
+    DeepSpeed importable, float16 possible here, the user JSON readable and consistent with the shared keys.
+    """
     import_deepspeed()
     from deepspeed.accelerator import get_accelerator  # deferred: deepspeed, optional: --backend deepspeed only
 
@@ -376,6 +400,9 @@ def build(model, cfg, env, deepspeed_config: str = "", **_):
 
 
 def release_deepspeed_groups() -> None:
-    """DeepSpeed's destroy_process_group empties its group registry (teardown's last DeepSpeed release: a process
-    that built two engines -- tests/torchpar/chunked_loss_ranks.py -- failed in the second's destroy after it)."""
+    """Empty DeepSpeed's group registry with its destroy_process_group.
+
+    This is teardown's last DeepSpeed release: in a process that built two engines
+    (tests/torchpar/chunked_loss_ranks.py), the second engine's destroy fails after it.
+    """
     import_deepspeed().comm.destroy_process_group()

@@ -53,8 +53,10 @@ def saved_checkpoint(ckpt_dir: str) -> tuple[str, int, int] | None:
 
 
 def universal_source(cfg, env, stage_now: int) -> str | None:
-    """The universal folder to resume from when the ranks changed (converted here on rank 0), else None. stage_now:
-    the engine's ZeRO stage (parallel.zero_stage, or a user JSON's zero_optimization.stage over it)."""
+    """The universal folder to resume from when the ranks changed (converted here on rank 0), else None.
+
+    stage_now: the engine's ZeRO stage (parallel.zero_stage, or a user JSON's zero_optimization.stage over it).
+    """
     ckpt_dir = os.path.abspath(os.path.join(cfg.run.dir, "checkpoints"))
     saved = saved_checkpoint(ckpt_dir) if cfg.checkpoint.resume else None
     if saved is None:
@@ -75,8 +77,11 @@ def universal_source(cfg, env, stage_now: int) -> str | None:
 
 
 def refuse_other_layout(cfg, tag: str, stage: int, want: int) -> None:
-    """A checkpoint of another layout than the engine's stage `want`: one line, with the command that moves the run
-    (through the shared training-state file, jaxpar/tools/convert.py) to that stage."""
+    """A checkpoint of another layout than the engine's stage `want`.
+
+    One line, with the command that moves the run (through the shared training-state file, jaxpar/tools/convert.py)
+    to that stage.
+    """
     if LAYOUTS[stage] == LAYOUTS[want]:
         return
     raise UserError(f"deepspeed: the checkpoint of step {tag} was written at ZeRO stage {stage}, and DeepSpeed loads "
@@ -117,11 +122,14 @@ def quiet_universal_load(universal: bool):
 
 
 def repair_zero3_load(optimizer) -> None:
-    """Undo a slip of deepspeed 0.19.8's ZeRO-3 universal loader (stage3.py,
+    """Give every parameter group's state its own Adam step counter after a ZeRO-3 universal load.
+
+    This undoes a slip of deepspeed 0.19.8's ZeRO-3 universal loader (stage3.py,
     load_hp_checkpoint_state_from_checkpoint_dir_stage3): it gives one Adam step counter object to every group's
     state, which torch's AdamW then advances once per group each step (bias correction off from the first step
     on). (Its other slip, every group given the first group's settings, is undone with every load's settings:
-    deepspeed.put_back_settings.)"""
+    deepspeed.put_back_settings.)
+    """
     inner = getattr(optimizer, "optimizer", optimizer)
     for state in inner.state.values():
         if hasattr(state.get("step"), "clone"):  # a tensor (a plain number is never shared)

@@ -35,16 +35,21 @@ def ep_size(cfg, world: int) -> int:
 
 
 def mean_over_world(state, bucket):
-    """DDP communication hook of the experts' replicas: the bucket summed over the dp group, divided by the world
-    size (state: (group, world)). torch's allreduce_hook divides by the group's own size."""
+    """DDP communication hook of the experts' replicas.
+
+    The bucket summed over the dp group, divided by the world size (state: (group, world)). torch's allreduce_hook
+    divides by the group's own size.
+    """
     group, world = state
     buffer = bucket.buffer().div_(world)
     return tdist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
 class Exchange:
-    """A layer's kept choices (rows grouped by expert, counts[e] of them expert e's) to the ep ranks owning those
-    experts, through `run` (the experts' DDP), and back in the same order."""
+    """Send a layer's kept choices to the ep ranks owning their experts, and back in the same order.
+
+    The rows are grouped by expert, counts[e] of them expert e's; they travel through `run` (the experts' DDP).
+    """
 
     def __init__(self, run, group, n: int):
         self.run, self.group, self.n = run, group, n

@@ -1,11 +1,13 @@
-"""FSDP2: `fully_shard` per block and at the root on a DeviceMesh: 1-D ("fsdp") over all ranks, or 2-D ("dp", "fsdp")
-for parallel.mesh=dp=D,fsdp=F (HSDP: FSDP2 shards over fsdp and replicates over dp; fsdp=1 is plain replication).
-Every rank still reads its own share of each batch (both axes split the data).
+"""The fsdp backend: FSDP2's `fully_shard` per block and at the root on a DeviceMesh.
+
+The mesh is 1-D ("fsdp") over all ranks, or 2-D ("dp", "fsdp") for parallel.mesh=dp=D,fsdp=F (HSDP: FSDP2 shards over
+fsdp and replicates over dp; fsdp=1 is plain replication). Every rank still reads its own share of each batch (both
+axes split the data).
 
 model.compute_dtype=bfloat16 or float16 -> MixedPrecisionPolicy(param_dtype=that) (float16: with the sharded
 GradScaler, torchpar/backends/base.py); gradients are reduced in float32, or in bfloat16 with
-parallel.grad_compression=bf16 (reduce_dtype); parallel.offload=params+optimizer -> CPUOffloadPolicy; model.remat is applied before this wrapper
-(torchpar/parallelize.py: torch.utils.checkpoint per block).
+parallel.grad_compression=bf16 (reduce_dtype); parallel.offload=params+optimizer -> CPUOffloadPolicy; model.remat is
+applied before this wrapper (torchpar/parallelize.py: torch.utils.checkpoint per block).
 parallel.zero_stage 1 or 2 keeps parameters gathered between forward and backward
 (reshard_after_forward=False, ZeRO-2-like); 0 or 3 reshards after forward (ZeRO-3).
 Full weights (--write-final): `get_model_state_dict(full_state_dict, cpu_offload)` gathers them to rank 0.
@@ -24,8 +26,11 @@ from torchpar.backends.base import TorchEngine, grad_scaler
 
 
 def fsdp_options(cfg, world: int) -> dict:
-    """What the config asks of FSDP2: the mesh's (shape, axis names) -- parallel.mesh's dp x fsdp, all ranks on
-    fsdp when it is not set (jaxpar.core.config.mesh_spec.check_torch_mesh vetted it) -- and fully_shard's settings."""
+    """What the config asks of FSDP2: the mesh's (shape, axis names).
+
+    Parallel.mesh's dp x fsdp, all ranks on fsdp when it is not set (jaxpar.core.config.mesh_spec.check_torch_mesh
+    vetted it) -- and fully_shard's settings.
+    """
     sizes = resolve_sizes(parse_mesh(cfg.parallel.mesh), world) if cfg.parallel.mesh else {"dp": 1}
     mesh = ((world,), ("fsdp",)) if sizes["dp"] == 1 else ((sizes["dp"], sizes["fsdp"]), ("dp", "fsdp"))
     compute = None if cfg.model.compute_dtype == "float32" else cfg.model.compute_dtype

@@ -1,6 +1,7 @@
-"""Pipeline parallelism with torch.distributed.pipelining: GPipe, 1F1B, interleaved 1F1B (V virtual stages
-per rank: `ScheduleInterleaved1F1B`) and zero-bubble (`ScheduleInterleavedZeroBubble` for zb_h1,
-`ScheduleZBVZeroBubble` for zb_v).
+"""Pipeline parallelism with torch.distributed.pipelining.
+
+GPipe, 1F1B, interleaved 1F1B (V virtual stages per rank: `ScheduleInterleaved1F1B`) and zero-bubble
+(`ScheduleInterleavedZeroBubble` for zb_h1, `ScheduleZBVZeroBubble` for zb_v).
 
 The stage split is jaxpar's (jaxpar/core/pipeline/schedules.py: virtual_stage): with S ranks and V chunks each,
 virtual stage v = c*S + s (chunk c of rank s; zb_v: rank s holds s and 2S-1-s) holds layers
@@ -64,9 +65,11 @@ MULTI = ("interleaved", "zb_h1", "zb_v", "dualpipev")  # schedules that take a l
 
 
 class Stage(nn.Module):
-    """Some layers of a Decoder; the embedding when first, final norm, output head and loss (head_loss) when last. A
-    virtual stage's chunk, or all of a rank's chunks together (the module the optimizer, clipping and checkpoints
-    see)."""
+    """Some layers of a Decoder; the embedding when first, final norm, output head and loss (head_loss) when last.
+
+    A virtual stage's chunk, or all of a rank's chunks together (the module the optimizer, clipping and checkpoints
+    see).
+    """
 
     def __init__(self, model: Decoder, layers: list[int], first: bool, last: bool):
         super().__init__()
@@ -82,8 +85,11 @@ class Stage(nn.Module):
         self.cfg = model.cfg
 
     def forward(self, x: torch.Tensor, stats: torch.Tensor | None = None):
-        """-> this stage's output (the last: the final norm's; its head and loss are the schedule's loss
-        function), with experts (output, the statistics so far: `stats` plus this stage's layers')."""
+        """Run this stage's layers and return its output.
+
+        -> this stage's output (the last: the final norm's; its head and loss are the schedule's loss
+        function), with experts (output, the statistics so far: `stats` plus this stage's layers').
+        """
         if self.first:
             x = embed(self.wte, self.wpe, x, self.compute_dtype)
         per_layer = []
@@ -95,18 +101,23 @@ class Stage(nn.Module):
         return (x, add_stats(stats, per_layer, self.cfg, x)) if self.cfg.moe_experts else x
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The last stage's output head and cross-entropy of its output, in model.loss_chunks chunks: what the
-        schedule's loss function computes, so the whole logits are never a stage output held for the backward.
-        Through head.py's autograd Function even in one chunk: it keeps no input for its backward, and after the
-        input pass the zero-bubble schedules detach the stage's output in place (torch's stage.py) before their
-        weight pass. Under FSDP2 a forward method of the stage's (register_fsdp_forward_method)."""
+        """The last stage's output head and cross-entropy of its output, in model.loss_chunks chunks.
+
+        What the schedule's loss function computes, so the whole logits are never a stage output held for the
+        backward. Through head.py's autograd Function even in one chunk: it keeps no input for its backward, and
+        after the input pass the zero-bubble schedules detach the stage's output in place (torch's stage.py)
+        before their weight pass. Under FSDP2 a forward method of the stage's (register_fsdp_forward_method).
+        """
         table = self.wte if self.lm_head is None else self.lm_head
         return chunked_cross_entropy(x, table, targets, loss_chunks(self.cfg, targets.shape[1]))
 
     def mtp_loss(self, h: torch.Tensor, rows: torch.Tensor, train: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """With multi-token prediction: (the main cross-entropy, each depth's [depth] or None out of training) of
-        the last stage's output `h` (before the final norm) and the microbatch's rows [rows, seq + 1] (the
-        schedule's target): Decoder.forward's steps, the lookups in this stage's copy of wte."""
+        """With multi-token prediction.
+
+        (the main cross-entropy, each depth's [depth] or None out of training) of the last stage's output `h`
+        (before the final norm) and the microbatch's rows [rows, seq + 1] (the schedule's target):
+        Decoder.forward's steps, the lookups in this stage's copy of wte.
+        """
         inputs, targets = inputs_and_targets(rows)
         loss = self.head_loss(self.ln_f(h), targets)
         if not train:  # evaluation: the main loss alone, as the other backends
@@ -117,14 +128,19 @@ class Stage(nn.Module):
 
 
 def stats_width(cfg) -> int:
-    """moe.layer_stats' width: the choices per expert (per expert layer with model.moe_bias_update), dropped
-    choices, balance loss."""
+    """moe.layer_stats' width.
+
+    The choices per expert (per expert layer with model.moe_bias_update), dropped choices, balance loss.
+    """
     return (cfg.moe_layers if cfg.moe_bias_update else 1) * cfg.moe_experts + 2
 
 
 def add_stats(stats: torch.Tensor | None, per_layer: list, cfg, x: torch.Tensor) -> torch.Tensor:
-    """The statistics a stage passes on: `stats` (zeros on the first stage) plus each (expert layer j, its per-row
-    statistics [rows, E + 2]) of `per_layer`, summed in layer order as moe.layer_stats sums them (x: the rows)."""
+    """The statistics a stage passes on.
+
+    `stats` (zeros on the first stage) plus each (expert layer j, its per-row statistics [rows, E + 2]) of
+    `per_layer`, summed in layer order as moe.layer_stats sums them (x: the rows).
+    """
     if stats is None:
         stats = torch.zeros(x.shape[0], stats_width(cfg), device=x.device)
     if not per_layer:
@@ -144,8 +160,10 @@ def add_stats(stats: torch.Tensor | None, per_layer: list, cfg, x: torch.Tensor)
 
 
 def pipeline_sizes(cfg, world: int) -> tuple[int, int, str]:
-    """(stages, data-parallel ways, their axis): parallel.mesh's pp and dp (DDP per stage) or fsdp (FSDP2 per
-    stage), or every rank a stage."""
+    """(stages, data-parallel ways, their axis).
+
+    Parallel.mesh's pp and dp (DDP per stage) or fsdp (FSDP2 per stage), or every rank a stage.
+    """
     if not cfg.parallel.mesh:
         return world, 1, "dp"
     sizes = resolve_sizes(parse_mesh(cfg.parallel.mesh), world)
@@ -221,9 +239,12 @@ class PipelineEngine(TorchEngine):
         self.norm_params = [p for n, p in stage.named_parameters() if not (n == "wte" and not stage.first)]
 
     def _loss(self, out, target: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss of a pipeline microbatch, times the step's scale; with experts, in training, plus
-        their balance loss (as microbatch_loss), their statistics kept for the step; with multi-token prediction,
-        in training, plus mtp_loss_weight x the depths' mean, each depth's loss (scaled as the loss) kept."""
+        """The last stage's loss of a pipeline microbatch, times the step's scale.
+
+        With experts, in training, plus their balance loss (as microbatch_loss), their statistics kept for the
+        step; with multi-token prediction, in training, plus mtp_loss_weight x the depths' mean, each depth's
+        loss (scaled as the loss) kept.
+        """
         m = self.cfg.model
         x, stats = out if m.moe_experts else (out, None)
         if m.mtp_depth:  # `target`: the microbatch's rows, for the depths' tokens and targets
@@ -296,8 +317,11 @@ class PipelineEngine(TorchEngine):
             return self._run(batch, train=False)
 
     def move_router_bias(self, loads: list[float]) -> None:
-        """This stage's expert layers' balance bias, each moved by its row of every layer's loads (summed over the
-        ranks): moe.update_router_bias's rule on the layers this rank holds."""
+        """Move the balance bias of this stage's expert layers by the layers' loads.
+
+        Each layer's bias moves by its row of every layer's loads (summed over the ranks): moe.update_router_bias's
+        rule on the layers this rank holds.
+        """
         m = self.cfg.model
         loads = torch.tensor(loads, dtype=torch.float32).reshape(m.moe_layers, m.moe_experts)
         step = m.moe_bias_update * torch.sign(loads.mean(-1, keepdim=True) - loads)
@@ -317,9 +341,12 @@ class PipelineEngine(TorchEngine):
 
 @dataclasses.dataclass
 class Replicas:
-    """Where this rank sits: stage `stage` of `stages` in pipeline replica `replica` of `replicas` (rank =
-    replica * stages + stage, a 2-D DeviceMesh ("dp", "pp")); the groups its pipeline and its gradient
-    all-reduce run in (None: the default group / no data parallelism)."""
+    """Where this rank sits.
+
+    Stage `stage` of `stages` in pipeline replica `replica` of `replicas` (rank = replica * stages + stage, a 2-D
+    DeviceMesh ("dp", "pp")); the groups its pipeline and its gradient all-reduce run in (None: the default group /
+    no data parallelism).
+    """
     stages: int
     replicas: int
     stage: int
@@ -366,9 +393,11 @@ def build(model: Decoder, cfg, env, **_):
 
 
 def hold_sync(ddp: DDP) -> None:
-    """Leave DDP's all-reduce to the stage's last backward (PipelineStage arms the reducer there itself). The stage
-    runs its microbatch forwards under no_sync, but torch 2.13's shape inference at the first step calls the DDP
-    module outside it, which arms the reducer: the first step's earlier backwards then all-reduced too and each
-    fed DDP's one-time bucket rebuild, which with every backward before the next forward (stage 0 when
-    pipeline_microbatches == stages) saw each parameter twice and failed an internal assert."""
+    """Leave DDP's all-reduce to the stage's last backward (PipelineStage arms the reducer there itself).
+
+    The stage runs its microbatch forwards under no_sync, but torch 2.13's shape inference at the first step calls
+    the DDP module outside it, which arms the reducer: the first step's earlier backwards then all-reduced too and
+    each fed DDP's one-time bucket rebuild, which with every backward before the next forward (stage 0 when
+    pipeline_microbatches == stages) saw each parameter twice and failed an internal assert.
+    """
     ddp.require_backward_grad_sync = False  # what no_sync sets; the forward then never arms the reducer

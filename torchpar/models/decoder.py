@@ -1,6 +1,7 @@
-"""The decoder in PyTorch with jaxpar's math. model.family=gpt2: GPT-2 (learned positions, pre-LN, tanh
-GELU, tied embeddings); model.family=llama: llama.py's blocks (RMSNorm, grouped-query rotary attention,
-SwiGLU), no position table, an untied head (`lm_head`) if asked.
+"""The decoder in PyTorch with jaxpar's math.
+
+model.family=gpt2: GPT-2 (learned positions, pre-LN, tanh GELU, tied embeddings); model.family=llama: llama.py's blocks
+(RMSNorm, grouped-query rotary attention, SwiGLU), no position table, an untied head (`lm_head`) if asked.
 
 Per-layer parameters keep the shapes of one slice of jaxpar's stacked weight format (qkv [embed, 3,
 heads, kv], out [heads, kv, embed], ...) and are applied with einsum, so converting weights
@@ -85,16 +86,20 @@ class Block(nn.Module):
 
     def forward(self, x, positions=None, mask=None):
         """positions, mask: packed documents' (Decoder.forward), else None (one sequence, plain causal).
-        -> (x, the experts' per-row statistics [batch, E + 2]; None with a dense MLP)."""
+
+        -> (x, the experts' per-row statistics [batch, E + 2]; None with a dense MLP).
+        """
         x = x + self.attn(self.ln1(x), positions, mask)
         y, stats = self.feed_forward(self.ln2(x))
         return x + y, stats
 
 
 class MTP(nn.Module):
-    """One of DeepSeek-V3's multi-token prediction modules (model.mtp_depth; jaxpar/models/decoder.py MTP): the
-    embedding of the token d positions ahead and depth d-1's hidden state, each normed, projected to one vector
-    (the embedding first), then a dense block and a final norm before the main model's output head."""
+    """One of DeepSeek-V3's multi-token prediction modules (model.mtp_depth; jaxpar/models/decoder.py MTP).
+
+    The embedding of the token d positions ahead and depth d-1's hidden state, each normed, projected to one vector
+    (the embedding first), then a dense block and a final norm before the main model's output head.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -110,9 +115,12 @@ class MTP(nn.Module):
 
 
 def mtp_rows(inputs, targets, segments, depth: int):
-    """jaxpar/loss.py's mtp_rows in torch: [(tokens, targets)] of each depth, depth d reading the main row's input
-    and target d positions later; a target kept where the main one is counted and, with documents (`segments`),
-    token t+d is in t's document; -1 (skipped) past the row's end."""
+    """jaxpar/loss.py's mtp_rows in torch.
+
+    [(tokens, targets)] of each depth, depth d reading the main row's input and target d positions later; a target
+    kept where the main one is counted and, with documents (`segments`), token t+d is in t's document; -1 (skipped)
+    past the row's end.
+    """
     def ahead(a, d, fill):
         return torch.cat([a[:, d:], a.new_full((a.shape[0], d), fill)], dim=1)
 
@@ -127,8 +135,11 @@ def mtp_rows(inputs, targets, segments, depth: int):
 
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, eod: int | None = None):
-        """eod: the token that starts each packed document, attention staying within documents
-        (data.document_mask: jaxpar/core/data/tokens.py document_token); None reads a row as one sequence."""
+        """Build the decoder's parameters from `cfg`.
+
+        eod: the token that starts each packed document, attention staying within documents
+        (data.document_mask: jaxpar/core/data/tokens.py document_token); None reads a row as one sequence.
+        """
         super().__init__()
         self.cfg, self.eod = cfg, eod
         self.compute_dtype = getattr(torch, cfg.compute_dtype)  # DeepSpeed fp16 may override it
@@ -147,8 +158,11 @@ class Decoder(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """jaxpar's distribution: N(0, init_std), residual projections N(0, init_std/sqrt(2L)), biases 0, scales 1.
-        Drawn per block in parameter order (for GPT-2: qkv, out, fc, proj), every variant and family alike."""
+        """jaxpar's distribution.
+
+        N(0, init_std), residual projections N(0, init_std/sqrt(2L)), biases 0, scales 1. Drawn per block in
+        parameter order (for GPT-2: qkv, out, fc, proj), every variant and family alike.
+        """
         gen = torch.Generator().manual_seed(seed)
         std, proj_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layer)
         for p in (p for p in (self.wte, self.wpe, self.lm_head) if p is not None):
@@ -171,8 +185,11 @@ class Decoder(nn.Module):
                 norm.bias.zero_()
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [batch, seq] int64 -> logits [batch, seq, vocab] float32; with `targets` [batch, seq] their mean
-        cross-entropy instead (head_loss: in model.loss_chunks chunks, never the whole logits at once)."""
+        """tokens [batch, seq] int64 -> logits [batch, seq, vocab] float32.
+
+        With `targets` [batch, seq] their mean cross-entropy instead (head_loss: in model.loss_chunks chunks,
+        never the whole logits at once).
+        """
         positions = mask = segments = None
         if self.eod is not None:  # each document its own positions, attending within itself
             positions, segments = document_positions(tokens, self.eod)
@@ -213,9 +230,12 @@ def embed(wte: nn.Parameter, wpe: nn.Parameter | None, tokens: torch.Tensor, dty
 
 def mtp_losses(mtp: nn.ModuleList, wte: nn.Parameter, h: torch.Tensor, rows: tuple, dtype: torch.dtype, loss,
                positions=None, mask=None) -> torch.Tensor:
-    """Each prediction depth's cross-entropy [depth] (jaxpar's Decoder.mtp_losses) from the main model's last
-    state h (before its final norm) and rows = (tokens, targets, segments or None): depth d's module reads the
-    token d positions ahead and depth d-1's state; `loss(norm, h, targets)` is the caller's head loss."""
+    """Each multi-token prediction depth's cross-entropy [depth], as jaxpar's Decoder.mtp_losses.
+
+    From the main model's last state h (before its final norm) and rows = (tokens, targets, segments or None): depth
+    d's module reads the token d positions ahead and depth d-1's state; `loss(norm, h, targets)` is the caller's head
+    loss.
+    """
     losses = []
     for module, (ahead, later) in zip(mtp, mtp_rows(*rows, len(mtp))):
         h = module(wte[ahead].to(dtype), h, positions, mask)
@@ -230,8 +250,11 @@ def output_head(ln_f: nn.Module, table: nn.Parameter, x: torch.Tensor) -> torch.
 
 def head_loss(ln_f: nn.Module, table: nn.Parameter, x: torch.Tensor, targets: torch.Tensor,
               cfg: ModelConfig) -> torch.Tensor:
-    """next_token_loss(output_head(ln_f, table, x), targets), in model.loss_chunks chunks of positions (head.py)
-    unless that is one."""
+    """The cross-entropy of the output head's logits against `targets`.
+
+    next_token_loss(output_head(ln_f, table, x), targets), in model.loss_chunks chunks of positions (head.py)
+    unless that is one.
+    """
     n = loss_chunks(cfg, targets.shape[1])
     if n == 1:
         return cross_entropy(output_head(ln_f, table, x), targets)
@@ -239,12 +262,17 @@ def head_loss(ln_f: nn.Module, table: nn.Parameter, x: torch.Tensor, targets: to
 
 
 def inputs_and_targets(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows [batch, seq + 1] -> (inputs, targets); a target the loss skips stays negative (as jaxpar's
-    loss.split_rows), the inputs are the tokens."""
+    """rows [batch, seq + 1] -> (inputs, targets).
+
+    A target the loss skips stays negative (as jaxpar's loss.split_rows), the inputs are the tokens.
+    """
     return unmasked(batch[:, :-1]), batch[:, 1:]
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The whole logits' loss: head.py's cross_entropy, the mean over all target positions of the cross-entropy, a
-    skipped (negative) target counting 0 (times the batch's token share, the mean over the counted targets)."""
+    """The whole logits' loss.
+
+    Head.py's cross_entropy, the mean over all target positions of the cross-entropy, a skipped (negative) target
+    counting 0 (times the batch's token share, the mean over the counted targets).
+    """
     return cross_entropy(logits, targets)

@@ -1,6 +1,8 @@
-"""Dilated attention (model.attention=dilated) in PyTorch with jaxpar's math (jaxpar/models/dilated.py): the
-training core (block-sparse too: FlexAttention's block masks on CUDA, the same blocked sum as jaxpar's on the CPU,
-where torch 2.13 has no FlexAttention backward), and decoding's form of it over a cache."""
+"""Dilated attention (model.attention=dilated) in PyTorch with jaxpar's math (jaxpar/models/dilated.py).
+
+The training core (block-sparse too: FlexAttention's block masks on CUDA, the same blocked sum as jaxpar's on the CPU,
+where torch 2.13 has no FlexAttention backward), and decoding's form of it over a cache.
+"""
 from __future__ import annotations
 
 import math
@@ -32,7 +34,7 @@ def _blocked_core(qs, ks, vs, kept):
     dev = qs.device
     idx = torch.from_numpy(np.where(kept < 0, np.arange(nb)[None, :, None], kept).astype(np.int64)).to(dev)
     heads = torch.arange(H, device=dev)[:, None, None]
-    blocks = lambda x: x.float().reshape(B, S, nb, b, H, D).permute(4, 2, 0, 1, 3, 5)[heads, idx]  # noqa: E731
+    blocks = lambda x: x.float().reshape(B, S, nb, b, H, D).permute(4, 2, 0, 1, 3, 5)[heads, idx]
     kg, vg = blocks(ks), blocks(vs)  # [H, nb, K, B, S, b, D]
     s = torch.einsum("bsiqhd,hijbsld->bshiqjl", qs.float().reshape(B, S, nb, b, H, D), kg) / math.sqrt(D)
     causal = (np.arange(K) > 0)[None, :, None] | np.tril(np.ones((b, b), bool))[:, None, :]
@@ -43,21 +45,27 @@ def _blocked_core(qs, ks, vs, kept):
 
 
 def _flex_core(qs, ks, vs, kept):
-    """The kept blocks on FlexAttention (flex_block_mask). torch 2.13 runs its backward on CUDA only (the CPU
-    refuses it; there _blocked_core computes the same sum); fused when compiled (train.compile)."""
+    """The kept blocks on FlexAttention (flex_block_mask).
+
+    torch 2.13 runs its backward on CUDA only (the CPU refuses it; there _blocked_core computes the same sum); fused
+    when compiled (train.compile).
+    """
     from torch.nn.attention.flex_attention import AuxRequest  # deferred: torch >= 2.9's (pyproject allows 2.5)
 
     B, S, n, H, D = qs.shape
-    rows = lambda x: x.float().permute(0, 1, 3, 2, 4).reshape(B * S, H, n, D)  # noqa: E731
+    rows = lambda x: x.float().permute(0, 1, 3, 2, 4).reshape(B * S, H, n, D)
     o, aux = flex_attention(rows(qs), rows(ks), rows(vs), block_mask=flex_block_mask(kept, n, qs.device),
                             return_aux=AuxRequest(lse=True))
     return o.reshape(B, S, H, n, D).permute(0, 1, 3, 2, 4), aux.lse.reshape(B, S, H, n)
 
 
 def flex_block_mask(kept, n: int, device):
-    """FlexAttention's BlockMask of kept_blocks' pattern on rows of n tokens. Its mask_mod is the whole mask
-    (causal, within the kept blocks: what the unfused path applies); its block lists name the same blocks, the
-    diagonal as partial (masked) and the past ones as full, so that the fused kernel visits only those."""
+    """FlexAttention's BlockMask of kept_blocks' pattern on rows of n tokens.
+
+    Its mask_mod is the whole mask (causal, within the kept blocks: what the unfused path applies); its block lists
+    name the same blocks, the diagonal as partial (masked) and the past ones as full, so that the fused kernel
+    visits only those.
+    """
     H, nb, K = kept.shape
     b = n // nb
     past = np.zeros((1, H, nb, nb), np.int32)
@@ -75,7 +83,7 @@ def _segment_attention(q, k, v, w: int, r: int, sparsity=None):
     B, T, H, D = q.shape
     S, n = T // min(w, T), min(w, T) // r
     sel = torch.from_numpy(np.arange(r)[:, None] == np.arange(H)[None, :] % r).to(q.device)  # [r, H]
-    pick = lambda x: torch.where(sel[:, :, None], x.reshape(B, S, n, r, H, D), 0).sum(3)  # noqa: E731
+    pick = lambda x: torch.where(sel[:, :, None], x.reshape(B, S, n, r, H, D), 0).sum(3)
     qs, ks, vs = pick(q), pick(k), pick(v)
     if sparsity is None:
         o, lse = _dense_core(qs, ks, vs)

@@ -1,5 +1,6 @@
-"""The output head's logits and their cross-entropy, whole or in sequence chunks (model.loss_chunks): jaxpar's
-models/head.py in torch.
+"""The output head's logits and their cross-entropy, whole or in sequence chunks (model.loss_chunks).
+
+Jaxpar's models/head.py in torch.
 
 Whole: the logits [batch, seq, vocab] in float32, then `cross_entropy`. In chunks: `chunked_cross_entropy` takes
 the final norm's output and the output table and runs the head and the loss one chunk of positions at a time (chunk
@@ -17,8 +18,11 @@ import torch.nn.functional as F
 
 
 def logits(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """The normalized hidden states [batch, seq, embed] against the output table [vocab, embed] in x's dtype ->
-    float32 logits [batch, seq, vocab]."""
+    """Float32 logits of the normalized hidden states against the output table.
+
+    The hidden states [batch, seq, embed] against the output table [vocab, embed] in x's dtype -> float32 logits
+    [batch, seq, vocab].
+    """
     return F.linear(x, table.to(x.dtype)).float()
 
 
@@ -29,14 +33,18 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The mean over all target positions of the cross-entropy, a skipped (negative) target counting 0 (times the
-    batch's token share, the mean over the counted targets)."""
+    """The mean over all target positions of the cross-entropy, a skipped (negative) target counting 0.
+
+    Times the batch's token share, this is the mean over the counted targets.
+    """
     return token_losses(logits, targets).mean()
 
 
 def _split(a: torch.Tensor, n: int) -> torch.Tensor:
-    """[batch, seq, ...] -> [batch, seq / n, n, ...] (a view of a contiguous tensor): chunk c, [:, :, c], holds
-    positions c, c + n, ..."""
+    """[batch, seq, ...] -> [batch, seq / n, n, ...] (a view of a contiguous tensor).
+
+    Chunk c, [:, :, c], holds positions c, c + n, ...
+    """
     return a.reshape(a.shape[0], a.shape[1] // n, n, *a.shape[2:])
 
 
@@ -73,6 +81,8 @@ class _Chunked(torch.autograd.Function):
 
 
 def chunked_cross_entropy(x: torch.Tensor, table: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
-    """cross_entropy(logits(x, table), targets), the logits made `chunks` chunks of positions at a time (the
-    sequence length a multiple of `chunks`)."""
+    """cross_entropy(logits(x, table), targets), the logits made one chunk of positions at a time.
+
+    There are `chunks` chunks; the sequence length must be a multiple of `chunks`.
+    """
     return _Chunked.apply(x, table, targets, chunks)

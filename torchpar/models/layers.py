@@ -1,6 +1,8 @@
-"""Basic torch layers holding jaxpar's parameter shapes: einsum-applied weights of any rank, the norms, rotary
-embedding (jaxpar/models/layers.py's math), and sketched linear layers (jaxpar/core/model/layer_rules.py, whose
-`sketch_matrix` builds the very same sketch here)."""
+"""Basic torch layers holding jaxpar's parameter shapes.
+
+Einsum-applied weights of any rank, the norms, rotary embedding (jaxpar/models/layers.py's math), and sketched linear
+layers (jaxpar/core/model/layer_rules.py, whose `sketch_matrix` builds the very same sketch here).
+"""
 from __future__ import annotations
 
 import torch
@@ -18,8 +20,10 @@ def project(x: torch.Tensor, w: torch.Tensor, equation: str, float8: bool) -> to
 
 
 class Dense(nn.Module):
-    """weight/bias of arbitrary rank applied by an einsum equation (jaxpar's `kernel`/`bias`); `float8`: set by the
-    Decoder under model.float8."""
+    """weight/bias of arbitrary rank applied by an einsum equation (jaxpar's `kernel`/`bias`).
+
+    `float8`: set by the Decoder under model.float8.
+    """
     float8 = False
 
     def __init__(self, w_shape: tuple[int, ...], b_shape: tuple[int, ...]):
@@ -66,8 +70,10 @@ class RMSNorm(nn.Module):
 
 
 def rope(x, theta: float, positions=None):
-    """x [batch, seq, ..., r]: pairs (i, i + r/2) rotated by pos * theta^(-2i/r); positions [seq] default 0..T-1,
-    or per row [batch, seq] (packed documents)."""
+    """x [batch, seq, ..., r]: pairs (i, i + r/2) rotated by pos * theta^(-2i/r).
+
+    Positions [seq] default 0..T-1, or per row [batch, seq] (packed documents).
+    """
     r, T = x.shape[-1], x.shape[1]
     pos = torch.arange(T, device=x.device) if positions is None else positions
     freqs = theta ** (-torch.arange(r // 2, dtype=torch.float32, device=x.device) * 2 / r)
@@ -79,8 +85,11 @@ def rope(x, theta: float, positions=None):
 
 
 class SketchedLinear(nn.Module):
-    """y = (x S) W + b: S a non-persistent buffer (derived, not trained, not saved), W = `factor` (x S times W in
-    float8 under model.float8, as jaxpar's)."""
+    """A linear layer through a fixed sketch: y = (x S) W + b.
+
+    S is a non-persistent buffer (derived, not trained, not saved), W = `factor` (x S times W in float8 under
+    model.float8, as jaxpar's).
+    """
     float8 = False
 
     def __init__(self, cfg: ModelConfig, layer: int, name: str, n_in: int, n_out: int):

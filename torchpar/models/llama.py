@@ -1,6 +1,8 @@
-"""Llama's block components (model.family=llama) in PyTorch with jaxpar's math and per-layer parameter
-shapes (jaxpar/models/llama.py): grouped-query attention with rotary positions, SwiGLU. torchpar/models/decoder.py
-assembles them (with layers.RMSNorm) into the same decoder as GPT-2. No parallelism here.
+"""Llama's block components (model.family=llama) in PyTorch.
+
+They have jaxpar's math and per-layer parameter shapes (jaxpar/models/llama.py): grouped-query attention with rotary
+positions, SwiGLU. torchpar/models/decoder.py assembles them (with layers.RMSNorm) into the same decoder as GPT-2.
+No parallelism here.
 """
 from __future__ import annotations
 

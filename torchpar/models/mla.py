@@ -1,5 +1,7 @@
-"""Multi-head latent attention (model.attention=mla) in PyTorch with jaxpar's math and per-layer parameter shapes
-(jaxpar/models/mla.py). No parallelism; every parameter is used in the forward of the module that owns it.
+"""Multi-head latent attention (model.attention=mla) in PyTorch.
+
+It has jaxpar's math and per-layer parameter shapes (jaxpar/models/mla.py). No parallelism; every parameter is used
+in the forward of the module that owns it.
 """
 from __future__ import annotations
 

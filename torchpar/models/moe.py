@@ -1,7 +1,8 @@
-"""The mixture-of-experts feed-forward block in PyTorch with jaxpar's routing and per-layer parameter shapes
-(jaxpar/models/moe.py has the rules: float32 router, top-k, capacity by choice rank then position, shared
-experts, the per-row statistics). Every expert runs on this rank unless a backend plugs in its exchange
-(torchpar/backends/experts.py: expert parallelism over the ranks of `ep`).
+"""The mixture-of-experts feed-forward block in PyTorch.
+
+It has jaxpar's routing and per-layer parameter shapes (jaxpar/models/moe.py has the rules: float32 router, top-k,
+capacity by choice rank then position, shared experts, the per-row statistics). Every expert runs on this rank unless
+a backend plugs in its exchange (torchpar/backends/experts.py: expert parallelism over the ranks of `ep`).
 """
 from __future__ import annotations
 
@@ -16,8 +17,11 @@ from torchpar.models.llama import SwiGLU
 
 
 def limit_to_groups(choice: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """jaxpar's limit_to_groups: every expert outside the moe_topk_group best of moe_n_group groups (each scored by
-    the sum of its best two) at -inf."""
+    """jaxpar's limit_to_groups.
+
+    Every expert outside the moe_topk_group best of moe_n_group groups (each scored by the sum of its best two) at
+    -inf.
+    """
     G = cfg.moe_n_group
     grouped = choice.unflatten(-1, (G, cfg.moe_experts // G))
     best = grouped.topk(2, dim=-1).values.sum(-1).topk(cfg.moe_topk_group, dim=-1).indices
@@ -26,8 +30,11 @@ def limit_to_groups(choice: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
 
 
 def route(logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = None):
-    """Router logits [B, T, E] float32 -> (ids, weights, kept [B, T, k], stats [B, E + 2]) as jaxpar's route
-    (`bias`: the choice's balance bias, model.moe_bias_update)."""
+    """Route each token to its top-k experts, as jaxpar's route.
+
+    Router logits [B, T, E] float32 -> (ids, weights, kept [B, T, k], stats [B, E + 2]) (`bias`: the choice's balance
+    bias, model.moe_bias_update).
+    """
     E, k = cfg.moe_experts, cfg.moe_top_k
     B, T = logits.shape[:2]
     scores = logits.softmax(-1) if cfg.moe_router == "softmax" else logits.sigmoid()
@@ -52,8 +59,10 @@ def route(logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = No
 
 
 class Experts(nn.Module):
-    """E experts' SwiGLU weights stacked on a leading experts axis (gate, up [E, embed, width], down [E, width,
-    embed]); under expert parallelism (torchpar/backends/experts.py) this rank's E/ep of them."""
+    """E experts' SwiGLU weights stacked on a leading experts axis (gate, up [E, embed, width], down [E, width, embed]).
+
+    Under expert parallelism (torchpar/backends/experts.py) this rank's E/ep of them.
+    """
 
     def __init__(self, cfg: ModelConfig, n: int):
         super().__init__()
@@ -62,8 +71,10 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(n, f, d))
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """rows [n, embed] grouped by expert, counts[e] of them expert e's -> its outputs, the same order. Every
-        expert runs, on no rows too: each weight then has a gradient (zero), as DDP expects of every step."""
+        """rows [n, embed] grouped by expert, counts[e] of them expert e's -> its outputs, the same order.
+
+        Every expert runs, on no rows too: each weight then has a gradient (zero), as DDP expects of every step.
+        """
         out = []
         for e, h in enumerate(rows.split(counts)):
             h = F.silu(h @ self.gate[e].to(h.dtype)) * (h @ self.up[e].to(h.dtype))
@@ -75,7 +86,8 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.router = Kernel((cfg.d_model, cfg.moe_experts))
-        if cfg.router_bias:  # the choice's balance bias (jaxpar/core/model/experts.py): no gradient, moe_bias_update moves it
+        # the choice's balance bias (jaxpar/core/model/experts.py): no gradient, moe_bias_update moves it
+        if cfg.router_bias:
             self.router.bias = nn.Parameter(torch.zeros(cfg.moe_experts), requires_grad=False)
         self.experts = Experts(cfg, cfg.moe_experts)
         self.shared = SwiGLU(cfg, cfg.moe_shared_experts * cfg.expert_dim) if cfg.moe_shared_experts else None
@@ -83,8 +95,11 @@ class MoE(nn.Module):
         self.exchange = None  # (rows, counts) -> outputs: expert parallelism's trip over the ep ranks
 
     def forward(self, x):
-        """x [B, T, embed] -> (y, stats [B, E + 2]). The kept choices are sorted by expert (a stable sort: token
-        order within an expert), their rows go through `exchange` and come back in that order."""
+        """x [B, T, embed] -> (y, stats [B, E + 2]).
+
+        The kept choices are sorted by expert (a stable sort: token order within an expert), their rows go
+        through `exchange` and come back in that order.
+        """
         bias = getattr(self.router, "bias", None)
         ids, weights, kept, stats = route(self.router(x.float(), "btd,de->bte"), self.cfg, bias)
         flat = x.reshape(-1, x.shape[-1])
@@ -102,9 +117,12 @@ class MoE(nn.Module):
 
 
 def layer_stats(per_layer: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
-    """The expert layers' per-row statistics [B, E + 2] each -> their sum, or with model.moe_bias_update
+    """Combine the expert layers' per-row statistics, as jaxpar's add_layer_stats.
+
+    The expert layers' per-row statistics [B, E + 2] each -> their sum, or with model.moe_bias_update
     [B, layers x E + 2] (each layer's choices per expert, then the dropped choices and the balance loss summed over
-    the layers): jaxpar's add_layer_stats."""
+    the layers).
+    """
     if not cfg.moe_bias_update:
         return sum(per_layer)
     E = cfg.moe_experts
@@ -113,8 +131,10 @@ def layer_stats(per_layer: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor
 
 @torch.no_grad()
 def update_router_bias(model, loads: list[float]) -> None:
-    """Each expert layer's balance bias moved by the step's choices (`loads`: every rank's, layer-major), as
-    jaxpar/models/moe.py update_router_bias."""
+    """Move each expert layer's balance bias by the step's choices, as jaxpar/models/moe.py update_router_bias.
+
+    `loads`: every rank's choices, layer-major.
+    """
     cfg = model.cfg
     loads = torch.tensor(loads, dtype=torch.float32).reshape(cfg.moe_layers, cfg.moe_experts)
     step = cfg.moe_bias_update * torch.sign(loads.mean(-1, keepdim=True) - loads)

@@ -1,4 +1,4 @@
-"""torchrun --nproc_per_node=N -m torchpar.tools.bench --config C --backend B [--compile] [--json F] [--record]
+"""torchrun --nproc_per_node=N -m torchpar.tools.bench --config C --backend B [--compile] [--json F] [--record].
 
 torchpar's twin of `jaxpar.tools.bench`: the real backend step on synthetic tokens, warmed up, each
 timed step synchronised on the device; tokens/s, MFU against the datasheet peak and a matmul
@@ -80,7 +80,8 @@ def bench(cfg, backend: str, steps: int, warmup: int, compile_model: bool) -> di
         "mfu_datasheet": tps * fpt / (peak * W) if peak else None,
         "matmul_ceiling_flops": ceiling, "mfu_ceiling": tps * fpt / (ceiling * W),
         "memory_gib": torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else None,
-        "loss": engine.read(handle)["loss"], "command": "python -m torchpar.tools.bench " + shlex.join(sys.argv[1:]), "is_main": env.is_main,
+        "loss": engine.read(handle)["loss"], "command": "python -m torchpar.tools.bench " + shlex.join(sys.argv[1:]),
+        "is_main": env.is_main,
     }
 
 

@@ -1,4 +1,4 @@
-"""torchrun --nproc_per_node=N -m torchpar.tools.bench_collectives [--max-mib 16] [--json F]
+"""torchrun --nproc_per_node=N -m torchpar.tools.bench_collectives [--max-mib 16] [--json F].
 
 torch.distributed's all_reduce, all_gather_into_tensor, reduce_scatter_tensor and a ring of
 send/recv (batch_isend_irecv) over message sizes from 4 KiB up: algorithm and bus bandwidth with

@@ -1,5 +1,7 @@
-"""python -m torchpar.tools.convert --from state FILE --to torchpar|deepspeed RUN
-   (or --from torchpar RUN --to state FILE)
+"""Convert a torchpar run's whole training state to or from the shared training-state file.
+
+    python -m torchpar.tools.convert --from state FILE --to torchpar|deepspeed RUN
+       (or --from torchpar RUN --to state FILE)
 
 A torchpar run's whole training state <-> the shared training-state file (jaxpar/core/weights/state_file.py), which
 jaxpar reads and writes too (python -m jaxpar.tools.convert): parameters, AdamW's moments and step count (and with
@@ -22,8 +24,8 @@ import torch
 
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.run.resume import read_run_config
-from jaxpar.core.weights.state_file import (first_moments, refuse_other_optimizer, save_state, state_for_run, state_meta,
-                                    write_moved_config, writing_run)
+from jaxpar.core.weights.state_file import (first_moments, refuse_other_optimizer, save_state, state_for_run,
+                                            state_meta, write_moved_config, writing_run)
 from torchpar import dist
 from torchpar.backends import deepspeed, none
 from torchpar.models.decoder import Decoder
@@ -59,11 +61,13 @@ def import_state(src: str, run_dir: str) -> int:
 
 
 def import_deepspeed(src: str, run_dir: str, zero_stage: int | None) -> int:
-    """A DeepSpeed checkpoint of one rank at the state's step. DeepSpeed makes Adam's state at the first step, so
-    the weights go into the model before DeepSpeed copies them to its fp32 master, one step at lr 0 on zero
-    gradients makes the state (and leaves the weights as they are: AdamW's update and its decay are both lr x ...),
-    and DeepSpeed's whole-parameter setters then put the float32 weights (bf16 runs: the master was made from
-    the bfloat16 cast) and the moments in their partitions."""
+    """A DeepSpeed checkpoint of one rank at the state's step.
+
+    DeepSpeed makes Adam's state at the first step, so the weights go into the model before DeepSpeed copies them to
+    its fp32 master, one step at lr 0 on zero gradients makes the state (and leaves the weights as they are: AdamW's
+    update and its decay are both lr x ...), and DeepSpeed's whole-parameter setters then put the float32 weights
+    (bf16 runs: the master was made from the bfloat16 cast) and the moments in their partitions.
+    """
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state  # deferred: deepspeed, optional
 
     tensors, meta, cfg = state_for_run(src, run_dir)
@@ -104,8 +108,10 @@ def import_deepspeed(src: str, run_dir: str, zero_stage: int | None) -> int:
 
 
 def _step_at_zero_lr(engine) -> None:
-    """One optimizer step (every accumulation micro-step) on zero gradients at lr 0: DeepSpeed's Adam state exists
-    afterwards; the weights are unchanged (0 x update, and decay 1 - 0 x wd)."""
+    """One optimizer step (every accumulation micro-step) on zero gradients at lr 0.
+
+    DeepSpeed's Adam state exists afterwards; the weights are unchanged (0 x update, and decay 1 - 0 x wd).
+    """
     ds, cfg = engine.engine, engine.cfg
     for group in ds.optimizer.param_groups:
         group["lr"] = 0.0
@@ -116,9 +122,11 @@ def _step_at_zero_lr(engine) -> None:
 
 
 def _link_adam_state(zero) -> None:
-    """ZeRO-1/2 of deepspeed 0.19.8 link each parameter to its slice of Adam's state only once, right after the
-    first parameter group's first update: not at all after a same-size load_checkpoint, and not for the second
-    (no-decay) group, which had no state yet then. The whole-parameter accessors need the link: made here."""
+    """Link each parameter to its slice of Adam's state, which DeepSpeed's whole-parameter accessors need.
+
+    ZeRO-1/2 of deepspeed 0.19.8 make that link only once, right after the first parameter group's first update: not
+    at all after a same-size load_checkpoint, and not for the second (no-decay) group, which had no state yet then.
+    """
     if hasattr(zero, "bit16_groups") and hasattr(zero, "single_partition_of_fp32_groups"):
         from deepspeed.utils import lazy_init_hp_params_optimizer_state  # deferred: deepspeed, optional
 
@@ -133,8 +141,11 @@ def _refuse_float16(cfg, what: str) -> None:
 
 
 def _own_state(p) -> bool:
-    """True where DeepSpeed keeps no master copy of p (ZeRO-0 float32): its value and torch's AdamW state are the
-    parameter's own, and DeepSpeed's whole-parameter accessors answer None (setters do nothing)."""
+    """True where DeepSpeed keeps no master copy of p (ZeRO-0 float32).
+
+    Its value and torch's AdamW state are the parameter's own, and DeepSpeed's whole-parameter accessors answer None
+    (setters do nothing).
+    """
     return getattr(p, "_hp_mapping", None) is None and not hasattr(p, "ds_id")
 
 
@@ -148,8 +159,10 @@ def _whole(p, inner, key: str | None) -> torch.Tensor:
 
 
 def export_deepspeed(cfg, dst: str) -> int:
-    """A DeepSpeed run's state, read on one process (a run of more ranks through the universal checkpoint:
-    torchpar/backends/deepspeed_universal.py) with DeepSpeed's own whole-parameter accessors."""
+    """A DeepSpeed run's state, read on one process with DeepSpeed's own whole-parameter accessors.
+
+    A run of more ranks is read through the universal checkpoint (torchpar/backends/deepspeed_universal.py).
+    """
     _refuse_float16(cfg, "export")
     env = dist.setup(cfg, "deepspeed")
     try:

@@ -20,11 +20,13 @@ def profile_window(spec: str) -> tuple[int, int] | None:
 
 
 def did_you_mean(dotted: str, schema) -> str:
-    """'; did you mean optim.lr?' for an unknown key of the config class `schema`: the known key whose name is
-    closest (optim.lrr, train.lr, optm.lr; at a tie, in the section spelt most like it's), else the closest section
-    (optm.nonsense); '' where nothing is close (difflib's ratio under 0.6)."""
+    """'; did you mean optim.lr?' for an unknown key of the config class `schema`.
+
+    The known key whose name is closest (optim.lrr, train.lr, optm.lr; at a tie, in the section spelt most like
+    it's), else the closest section (optm.nonsense); '' where nothing is close (difflib's ratio under 0.6).
+    """
     section, _, name = dotted.partition(".")
-    ratio = lambda a, b: difflib.SequenceMatcher(None, a, b).ratio()  # noqa: E731
+    ratio = lambda a, b: difflib.SequenceMatcher(None, a, b).ratio()
     sections = [s.name for s in dataclasses.fields(schema)]
     (close, _), key = max(((ratio(name, f.name), ratio(section, s.name)), f"{s.name}.{f.name}")
                           for s in dataclasses.fields(schema) for f in dataclasses.fields(s.default_factory()))

@@ -154,7 +154,9 @@ CONTRACT: dict[str, Owner] = {
                           "the group); a pipeline stage would need a group of its own for that, and DeepSpeed's "
                           "engine is not tested with it: not written (jaxpar.train runs it on every layout but "
                           "the split-backward schedules)"),
-    "model.init_from": Owner(True, BOTH, "test", evidence="tests/e2e/test_train_cli.py::test_write_init_then_init_from_starts_from_those_weights"),
+    "model.init_from": Owner(True, BOTH, "test",
+                             evidence=("tests/e2e/test_train_cli.py::"
+                                       "test_write_init_then_init_from_starts_from_those_weights")),
     "model.attention": Owner(True, BOTH, "params"),
     "model.linear": Owner(True, BOTH, "params"),
     "model.q_latent_dim": Owner(True, BOTH, "params", **MLA),
@@ -186,15 +188,19 @@ CONTRACT: dict[str, Owner] = {
                                    mode="model.mtp_depth>0", example=("model.mtp_depth=1",)),
     # data: one order for both (jaxpar/core/data/order.py)
     "data.dataset": Owner(True, BOTH, "data"),
-    "data.tokenizer": Owner(True, BOTH, "test", evidence="tests/e2e/test_train_cli.py::test_trains_on_a_bpe_corpus_and_refuses_another_tokenizer_on_resume"),
+    "data.tokenizer": Owner(True, BOTH, "test",
+                            evidence=("tests/e2e/test_train_cli.py::"
+                                      "test_trains_on_a_bpe_corpus_and_refuses_another_tokenizer_on_resume")),
     "data.seq_len": Owner(True, BOTH, "data"),
     "data.val_fraction": Owner(True, BOTH, "data"),
     "data.cache_dir": Owner(True, BOTH, "test", when=lambda r: r.cfg.data.dataset == "stdlib",
                             mode="data.dataset=stdlib (where the prepared standard library is kept)",
-                            evidence="tests/core/test_data.py::test_stdlib_prepared_once_and_reused"),
+                            evidence=("tests/core/test_data.py::"
+                                      "test_stdlib_prepared_once_and_reused")),
     "data.document_mask": Owner(True, ("none", "ddp", "fsdp", "deepspeed"), "step", when=_documents,
                                 mode="an attention other than dilated, and on a jaxpar pipeline a hand-scheduled "
-                                     "parallel.pipeline_schedule (1f1b, interleaved, zb_h1, zb_v, dualpipev; not gpipe)",
+                                     "parallel.pipeline_schedule (1f1b, interleaved, zb_h1, zb_v, dualpipev; "
+                                     "not gpipe)",
                                 why_not="torch.distributed.pipelining passes activations alone between stages "
                                         "(use --backend none, ddp, fsdp or deepspeed)"),
     "data.batching": Owner(True, NOT_PIPELINE, "data", why_not=ONE_SHAPE),
@@ -237,7 +243,8 @@ CONTRACT: dict[str, Owner] = {
     "parallel.zero_stage": Owner(True, ("fsdp", "deepspeed"), "step", when=_zero,
                                  mode="dp>1 in the mesh (jaxpar shards the stages over dp; fsdp shards everything "
                                       "already)", example=("mesh:dp=2",),
-                                 why_not="it applies to --backend fsdp and deepspeed (ddp, none and pipeline are ZeRO-0)"),
+                                 why_not="it applies to --backend fsdp and deepspeed "
+                                         "(ddp, none and pipeline are ZeRO-0)"),
     "parallel.sequence_attention": Owner(True, (), "step", when=_zigzag, mode="sp>1 in the mesh and an attention "
                                          "other than dilated (which moves its own keys and values)",
                                          example=("mesh:sp=2",), why_not=NO_TORCH_SP),
@@ -265,13 +272,24 @@ CONTRACT: dict[str, Owner] = {
        for k in ("rank", "warmup_steps")},
     # checkpoint and run: the shared loop and run directory
     "checkpoint.every": Owner(True, BOTH, "loop"),
-    "checkpoint.keep": Owner(True, BOTH, "test", evidence="tests/core/test_contract.py::test_checkpoint_keep_is_the_number_of_steps_kept"),
-    "checkpoint.resume": Owner(True, BOTH, "test", evidence="tests/e2e/test_train_cli.py::test_resume_false_keeps_the_old_run_apart"),
-    "run.dir": Owner(True, BOTH, "test", evidence="tests/e2e/test_train_cli.py::test_resume_after_sigkill_is_exact"),
+    "checkpoint.keep": Owner(True, BOTH, "test",
+                             evidence=("tests/core/test_contract.py::"
+                                       "test_checkpoint_keep_is_the_number_of_steps_kept")),
+    "checkpoint.resume": Owner(True, BOTH, "test",
+                               evidence=("tests/e2e/test_train_cli.py::"
+                                         "test_resume_false_keeps_the_old_run_apart")),
+    "run.dir": Owner(True, BOTH, "test",
+                     evidence=("tests/e2e/test_train_cli.py::"
+                               "test_resume_after_sigkill_is_exact")),
     "run.peer_timeout_s": Owner(True, BOTH, "test",
-                                evidence="tests/e2e/test_multiprocess.py::test_killed_peer_is_named_within_the_timeout"),
-    "run.debug": Owner(True, BOTH, "test", evidence="tests/e2e/test_multiprocess.py::test_killed_peer_is_named_within_the_timeout"),
-    "run.tensorboard": Owner(True, BOTH, "test", evidence="tests/e2e/test_train_cli.py::test_tensorboard_holds_the_metrics"),
+                                evidence=("tests/e2e/test_multiprocess.py::"
+                                          "test_killed_peer_is_named_within_the_timeout")),
+    "run.debug": Owner(True, BOTH, "test",
+                       evidence=("tests/e2e/test_multiprocess.py::"
+                                 "test_killed_peer_is_named_within_the_timeout")),
+    "run.tensorboard": Owner(True, BOTH, "test",
+                             evidence=("tests/e2e/test_train_cli.py::"
+                                       "test_tensorboard_holds_the_metrics")),
     "run.wandb": Owner(True, BOTH, "test", evidence="tests/e2e/test_bad_input.py::test_bad_input_is_one_line"),
 }
 

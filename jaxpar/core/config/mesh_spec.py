@@ -1,5 +1,7 @@
 """Mesh specs as users write them (`dp=2,tp=4`): parsing, filling the -1 axis, the product check.
-No jax: torchpar checks its `parallel.mesh` with the same rules, and which axes each of its backends runs."""
+
+No jax: torchpar checks its `parallel.mesh` with the same rules, and which axes each of its backends runs.
+"""
 from __future__ import annotations
 
 import math

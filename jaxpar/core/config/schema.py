@@ -225,7 +225,8 @@ class ParallelConfig:
     # attention across `sp` shards (jaxpar/parallel/sequence.py) and causal load balancing by zig-zag order
     sequence_attention: str = field(default="ring", metadata=_check(choices=("ring", "all_gather", "ulysses")))
     sequence_zigzag: bool = True
-    # pipeline over `pp` (jaxpar/pipeline/gpipe.py, jaxpar/pipeline/executor.py); schedule tables: python -m jaxpar.tools.pipeline_table
+    # pipeline over `pp` (jaxpar/pipeline/gpipe.py, jaxpar/pipeline/executor.py);
+    # schedule tables: python -m jaxpar.tools.pipeline_table
     # auto: the least modeled step time for the config and mesh (jaxpar/core/pipeline/choice.py)
     pipeline_schedule: str = field(default="auto", metadata=_check(
         choices=("auto", "gpipe", "1f1b", "interleaved", "zb_h1", "zb_v", "dualpipev")))
@@ -389,7 +390,10 @@ def config_from_dict(d: dict) -> Config:
 
 @cli
 def main(argv=None) -> int:
-    """python -m jaxpar.core.config.schema [configs/gpt2-tiny.yaml] [section.key=value ...]: print the resolved config."""
+    """Print the resolved config.
+
+    python -m jaxpar.core.config.schema [configs/gpt2-tiny.yaml] [section.key=value ...]
+    """
     args = sys.argv[1:] if argv is None else argv
     has_path = bool(args) and "=" not in args[0]
     print(load_config(args[0] if has_path else None, args[1:] if has_path else args).to_json())

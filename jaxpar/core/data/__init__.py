@@ -1,1 +1,4 @@
-"""Training data both frameworks read: token files, corpora and a BPE, the data order, packing, buckets, batch shapes."""
+"""Training data both frameworks read.
+
+Token files, corpora and a BPE, the data order, packing, buckets, batch shapes.
+"""

@@ -1,6 +1,8 @@
-"""The shapes of a run's training batches, from its config alone: one shape without train.batch_rampup or
-buckets, a batch size per ramp step (rampup.py), a (rows, length) per bucket (buckets.py). Each is checked
-against the layout before anything is traced, and jaxpar compiles its step once per shape."""
+"""The shapes of a run's training batches, from its config alone.
+
+One shape without train.batch_rampup or buckets, a batch size per ramp step (rampup.py), a (rows, length) per bucket
+(buckets.py). Each is checked against the layout before anything is traced, and jaxpar compiles its step once per shape.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +26,10 @@ def bucket_lengths(spec: str, seq_len: int) -> list[int]:
 
 
 def bucket_shapes(cfg) -> list[tuple[int, int]]:
-    """(rows, targets per row) of each bucket: train.tokens_per_batch // length rows, a multiple of
-    train.microbatches; one line where the longest bucket gets no row."""
+    """(rows, targets per row) of each bucket: train.tokens_per_batch // length rows, a multiple of train.microbatches.
+
+    One line where the longest bucket gets no row.
+    """
     t, d = cfg.train, cfg.data
     tokens, lengths = t.tokens_per_batch or t.global_batch_size * d.seq_len, bucket_lengths(d.buckets, d.seq_len)
     shapes = [(tokens // T // t.microbatches * t.microbatches, T) for T in lengths]
@@ -50,8 +54,10 @@ def shape_config(cfg, rows: int, T: int):
 
 
 def for_each_shape(cfg, check) -> None:
-    """check(cfg) at every batch shape (train.global_batch_size and data.seq_len in their place); one line
-    naming the shape where a check fails."""
+    """check(cfg) at every batch shape (train.global_batch_size and data.seq_len in their place).
+
+    One line naming the shape where a check fails.
+    """
     t, d = cfg.train, cfg.data
     for rows, T in batch_shapes(cfg):
         try:

@@ -1,5 +1,7 @@
-"""Train a byte-level BPE tokenizer on a corpus with Hugging Face `tokenizers` (offline): every text
-round-trips exactly (bytes are the base alphabet), and <|endoftext|> is its end-of-document token."""
+"""Train a byte-level BPE tokenizer on a corpus with Hugging Face `tokenizers` (offline).
+
+Every text round-trips exactly (bytes are the base alphabet), and <|endoftext|> is its end-of-document token.
+"""
 from __future__ import annotations
 
 import os

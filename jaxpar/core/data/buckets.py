@@ -21,8 +21,11 @@ from jaxpar.core.data.shuffle import shuffled_index
 
 
 def spans(tokens: np.ndarray, eod: int, lo: int, hi: int, longest: int) -> np.ndarray:
-    """[n, 2] token ranges of the documents in [lo, hi): from a document's first token (its end-of-document token)
-    to the next end-of-document token, included; pieces of at most `longest` targets, overlapping by one token."""
+    """Token ranges [n, 2] of the documents in [lo, hi), in pieces of at most `longest` targets.
+
+    A range runs from a document's first token (its end-of-document token) to the next end-of-document token, included;
+    a longer document is cut into pieces of at most `longest` targets, overlapping by one token.
+    """
     chunk = 1 << 26  # the token file is scanned a chunk at a time, never read whole
     found = [c + np.flatnonzero(np.asarray(tokens[c:min(c + chunk, hi)]) == eod) for c in range(lo, hi, chunk)]
     starts = np.unique(np.concatenate([[lo], *found]))
@@ -38,8 +41,10 @@ class BucketBatches:
     """The training batches of data.batching=buckets: step -> rows [n, T + 1] (the GlobalBatches interface)."""
 
     def __init__(self, samples, shapes: list[tuple[int, int]]):
-        """`samples`: the split's data_order.Samples; `shapes`: (rows, targets per row) of each bucket
-        (batch_shapes.bucket_shapes)."""
+        """`samples`: the split's data_order.Samples.
+
+        `shapes`: (rows, targets per row) of each bucket (batch_shapes.bucket_shapes).
+        """
         meta, self.samples = samples.meta, samples
         if "eod_token" not in meta or meta.get("window", 1) > 1:
             raise UserError(f"data.batching=buckets reads documents: dataset {samples.path} needs its end-of-document "

@@ -1,6 +1,9 @@
-"""The documents of a corpus, as bytes: a text file is one document (.py, .txt, .md, or any file named
-explicitly), a JSON-lines file one per line (its `text_field`), a Parquet file one per row (its
-`text_field` column, read with pyarrow). Directories are walked for those suffixes in sorted order."""
+"""The documents of a corpus, as bytes.
+
+A text file is one document (.py, .txt, .md, or any file named explicitly), a JSON-lines file one per line (its
+`text_field`), a Parquet file one per row (its `text_field` column, read with pyarrow). Directories are walked for those
+suffixes in sorted order.
+"""
 from __future__ import annotations
 
 import json
@@ -45,8 +48,10 @@ def _text(value, where: str, field: str) -> bytes:
 
 
 def _sft_hint(fields) -> str:
-    """Where a text record lacks its text but holds fine-tuning fields (packing.py's default names): the flag that
-    reads them."""
+    """Where a text record lacks its text but holds fine-tuning fields (packing.py's default names).
+
+    The flag that reads them.
+    """
     sft = SftFields()
     if sft.messages in fields:
         held = repr(sft.messages)

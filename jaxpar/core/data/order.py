@@ -54,8 +54,11 @@ class Samples:
         return shuffled_index(j, self.num_windows, (self.seed % 2**32 + epoch) % 2**32)  # a new order each epoch
 
     def __getitem__(self, i: int) -> np.ndarray:
-        """Sample i; where the dataset has a loss mask, a token the loss skips as a target reads as ~token
-        (negative: loss.py and torchpar's loss skip it, `unmasked` gives the token back)."""
+        """Sample i, with the tokens the loss skips as targets negated.
+
+        Where the dataset has a loss mask, a token the loss skips as a target reads as ~token (negative: loss.py and
+        torchpar's loss skip it, `unmasked` gives the token back).
+        """
         start = self.offset + self.window(i) * self.width
         row, mask = self.span(start, start + self.width)
         return row if mask is None else np.where(mask == COUNTED, row, ~row)
@@ -91,14 +94,18 @@ class Samples:
 
 def unmasked(rows):
     """The token ids of rows read from a dataset with a loss mask (Samples): ~t gives t back, and t stays.
-    Operators only, so numpy, torch and jax arrays alike (an arithmetic shift: -1 where negative, else 0)."""
+
+    Operators only, so numpy, torch and jax arrays alike (an arithmetic shift: -1 where negative, else 0).
+    """
     return rows ^ (rows >> 31)
 
 
 class GlobalBatches:
-    """Rows of the global batch at a step; `read(i)` returns sample i (the Samples themselves, or a
-    framework's loader over them). `sizes`: the batch size of each step (train.batch_rampup; rampup.py), else
-    global_batch_size at every step."""
+    """Rows of the global batch at a step.
+
+    `read(i)` returns sample i (the Samples themselves, or a framework's loader over them). `sizes`: the batch size
+    of each step (train.batch_rampup; rampup.py), else global_batch_size at every step.
+    """
 
     def __init__(self, samples: Samples, global_batch_size: int, read=None, sizes: BatchSizes | None = None):
         self.samples, self.global_batch_size = samples, global_batch_size
@@ -143,9 +150,11 @@ class GlobalBatches:
 
 
 def open_splits(cfg: Config, batches=GlobalBatches) -> tuple[GlobalBatches, GlobalBatches]:
-    """(train, val) global batches of the configured dataset (the default corpus is prepared on first use);
-    a validation batch is one microbatch of windows. `batches(samples, global_batch_size, sizes=None)` builds
-    each but data.batching=buckets' training batches (buckets.py)."""
+    """(train, val) global batches of the configured dataset (the default corpus is prepared on first use).
+
+    A validation batch is one microbatch of windows. `batches(samples, global_batch_size, sizes=None)` builds each
+    but data.batching=buckets' training batches (buckets.py).
+    """
     t, d = cfg.train, cfg.data
     dataset = resolve_dataset(d)
     samples = Samples(dataset, d.seq_len, t.seed, "train", d.val_fraction)

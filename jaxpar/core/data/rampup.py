@@ -1,9 +1,10 @@
-"""train.batch_rampup=START,INCREMENT,SAMPLES (as Megatron's rampup_batch_size): the global batch starts at
-START samples and grows by INCREMENT in equal shares of the first SAMPLES samples, up to
-train.global_batch_size. A step's batch size is a function of the samples read before it, so the data cursor
-counts samples: step s reads samples first(s) .. first(s) + size(s) - 1 of the shared order (data_order.py),
-the same on any mesh and in both frameworks, and a resume from step s, on any mesh, reads on from first(s).
-The learning-rate schedule counts steps (optim.warmup_steps, optim.decay_steps, train.steps), as without it.
+"""train.batch_rampup=START,INCREMENT,SAMPLES (as Megatron's rampup_batch_size).
+
+The global batch starts at START samples and grows by INCREMENT in equal shares of the first SAMPLES samples, up to
+train.global_batch_size. A step's batch size is a function of the samples read before it, so the data cursor counts
+samples: step s reads samples first(s) .. first(s) + size(s) - 1 of the shared order (data_order.py), the same on any
+mesh and in both frameworks, and a resume from step s, on any mesh, reads on from first(s). The learning-rate schedule
+counts steps (optim.warmup_steps, optim.decay_steps, train.steps), as without it.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class BatchSizes:
         if ramp is not None:
             start, increment, samples = ramp
             steps = (global_batch_size - start) // increment
-            self._at = lambda read: start + increment * min(steps, read * steps // samples)  # noqa: E731
+            self._at = lambda read: start + increment * min(steps, read * steps // samples)
             while self._at(self._firsts[-1]) < global_batch_size:
                 self._firsts.append(self._firsts[-1] + self._at(self._firsts[-1]))
 

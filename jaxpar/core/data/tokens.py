@@ -84,8 +84,10 @@ def _encode_in_worker(doc):
 
 
 def _encoded(docs, tokenizer: str, encode, workers: int):
-    """(where, [(tokens, counted)]) of each (where, [(bytes, counted)]) document, in order: in this process with
-    `encode` for bytes (a copy), else in `workers` processes."""
+    """(where, [(tokens, counted)]) of each (where, [(bytes, counted)]) document, in order.
+
+    In this process with `encode` for bytes (a copy), else in `workers` processes.
+    """
     if tokenizer == "byte" or workers <= 1:
         yield from (_encode_pieces(encode, doc) for doc in docs)
         return
@@ -104,7 +106,8 @@ def _encoded(docs, tokenizer: str, encode, workers: int):
 def text_codec(tokenizer: str):
     """(encode: str -> list of ids, decode: ids -> str) of 'byte' or a tokenizer.json, for prompts and samples."""
     if tokenizer == "byte":
-        return (lambda text: list(text.encode("utf-8"))), (lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", "replace"))
+        return ((lambda text: list(text.encode("utf-8"))),
+                (lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", "replace")))
     tok = _hf_tokenizer(tokenizer)
     return (lambda text: tok.encode(text, add_special_tokens=False).ids), tok.decode
 
@@ -119,8 +122,9 @@ def _temp_for(path: str, tmps: list, mode: str):
 
 def _write_dataset(out: str, chunks, vocab_size: int, tokenizer: str, eod: int | None = None, masked: bool = False,
                    extra=dict) -> str:
-    """Streams token chunks (`masked`: (tokens, loss mask) pairs) to temp files, then renames; the sidecar goes
-    last, marking a complete dataset; `extra()` adds to it once the chunks are written.
+    """Streams token chunks (`masked`: (tokens, loss mask) pairs) to temp files, then renames.
+
+    The sidecar goes last, marking a complete dataset; `extra()` adds to it once the chunks are written.
 
     An interrupted write leaves the old dataset; concurrent writers each rename their own complete file.
     """
@@ -169,10 +173,13 @@ def _documents(files: list[str], text_field: str, sft: SftFields | None):
 
 def prepare(inputs: list[str], out: str, tokenizer: str = "byte", text_field: str = "text", workers: int = 1,
             sft: SftFields | None = None, pack: int = 0, too_long: str = "refuse") -> str:
-    """Tokenizes a corpus (corpus.py: text files, JSON lines, Parquet; directories walked) into `out` +
-    `out.json`, with the end-of-document token between documents; a progress bar on a terminal.
-    `sft`: prompt/response records, with a loss mask (`out.mask`); `pack`: whole documents packed into windows
-    of pack + 1 tokens (packing.py), with the padding masked out of the loss."""
+    """Tokenizes a corpus into the dataset `out` + `out.json`.
+
+    The corpus is read with corpus.py (text files, JSON lines, Parquet; directories walked); the end-of-document token
+    goes between documents; a progress bar shows on a terminal. `sft`: prompt/response records, with a loss mask
+    (`out.mask`); `pack`: whole documents packed into windows of pack + 1 tokens (packing.py), with the padding masked
+    out of the loss.
+    """
     files = collect(inputs)
     encode, vocab_size, name = _tokenizer(tokenizer)
     eod = eod_token(tokenizer)
@@ -202,15 +209,18 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", text_field: st
         stats = PackStats()
         return _write_dataset(out, pack_windows(docs, pack + 1, eod, too_long, stats), vocab_size, name, eod=eod,
                               masked=True, extra=lambda: {
-                                  "window": pack + 1, "num_documents": stats.num_documents, "padding_tokens": stats.padding,
+                                  "window": pack + 1, "num_documents": stats.num_documents,
+                                  "padding_tokens": stats.padding,
                                   "split_documents": stats.split, "dropped_documents": stats.dropped})
     finally:
         bar.close()
 
 
 def write_tokens(out: str, tokens, vocab_size: int, tokenizer: str = "synthetic", eod: int | None = None) -> str:
-    """Writes an already tokenized array as a dataset (tests, synthetic data, other converters); `eod`: the token
-    that starts each document, if the data has one."""
+    """Writes an already tokenized array as a dataset (tests, synthetic data, other converters).
+
+    `eod`: the token that starts each document, if the data has one.
+    """
     return _write_dataset(out, [np.asarray(tokens)], vocab_size, tokenizer, eod=eod)
 
 
@@ -229,7 +239,8 @@ def read_meta(path: str) -> dict:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"dataset sidecar {side} is invalid ({type(e).__name__}: {e})") from None
     if dtype.name not in ("uint16", "uint32") or n < 0 or vocab < 1:
-        raise UserError(f"dataset sidecar {side} is invalid (dtype={meta['dtype']}, num_tokens={n}, vocab_size={vocab})")
+        raise UserError(f"dataset sidecar {side} is invalid "
+                        f"(dtype={meta['dtype']}, num_tokens={n}, vocab_size={vocab})")
     size = os.path.getsize(path)
     if size != n * dtype.itemsize:  # e.g. a .bin truncated by a copy, or paired with another sidecar
         raise UserError(f"dataset {path} has {size} bytes but its sidecar says {n} {dtype.name} tokens")
@@ -277,7 +288,9 @@ def resolve_dataset(cfg: DataConfig) -> str:
 
 
 def split_range(num_tokens: int, val_fraction: float, split: str, window: int = 1) -> tuple[int, int]:
-    """Token range [lo, hi) of a split: validation is the last `val_fraction` of the file, in whole windows of a
-    packed dataset (`window` tokens each)."""
+    """Token range [lo, hi) of a split of the token file.
+
+    Validation is the last `val_fraction` of the file, in whole windows of a packed dataset (`window` tokens each).
+    """
     n_val = int(num_tokens // window * val_fraction) * window
     return (0, num_tokens - n_val) if split == "train" else (num_tokens - n_val, num_tokens)

@@ -1,5 +1,8 @@
-"""A mixture of experts' rules that both frameworks share (jax-free, torch-free): the capacity of an expert in a
-row, the dispatch buffer's slots (jaxpar and its planner), and the records a step's expert statistics make (jaxpar/models/moe.py, torchpar/models/moe.py)."""
+"""A mixture of experts' rules that both frameworks share (jax-free, torch-free).
+
+The capacity of an expert in a row, the dispatch buffer's slots (jaxpar and its planner), and the records a step's
+expert statistics make (jaxpar/models/moe.py, torchpar/models/moe.py).
+"""
 from __future__ import annotations
 
 import math
@@ -8,24 +11,30 @@ from jaxpar.core.errors import UserError
 
 
 def row_capacity(cfg, T: int) -> int:
-    """Choices one expert takes from a row of T tokens (model.moe_capacity_factor x its even share, rounded up);
-    0: no limit (dropless)."""
+    """Choices one expert takes from a row of T tokens (model.moe_capacity_factor x its even share, rounded up).
+
+    0: no limit (dropless).
+    """
     c = cfg.moe_capacity_factor
     return 0 if c <= 0 else max(1, math.ceil(c * cfg.moe_top_k * T / cfg.moe_experts))
 
 
 def slots_for(tokens: int, rows: int, capacity: int) -> int:
-    """Slots per expert a device's dispatch buffer needs (jaxpar/parallel/expert_dispatch.py): all its tokens (dropless, capacity
-    0: a token picks an expert at most once), or a row's capacity per row."""
+    """Slots per expert a device's dispatch buffer needs (jaxpar/parallel/expert_dispatch.py).
+
+    All its tokens (dropless, capacity 0: a token picks an expert at most once), or a row's capacity per row.
+    """
     return tokens if capacity <= 0 else min(tokens, rows * capacity)
 
 
 def expert_records(stats, experts: int) -> dict:
-    """The step's records from [choices each expert received (summed over rows and microbatches; over the layers
-    too, or layer-major per expert layer), choices dropped, the mean balance loss per row and layer]: each
-    expert's share of the choices over the layers (moe_load), the busiest one's share x experts (moe_max_load; 1.0
-    when even), the share dropped by the capacity, the balance loss (1.0 when even; model.moe_aux_loss weighs it
-    into the loss)."""
+    """The step's mixture-of-experts records, from the experts' statistics.
+
+    `stats`: [choices each expert received (summed over rows and microbatches; over the layers too, or layer-major per
+    expert layer), choices dropped, the mean balance loss per row and layer]. The records: each expert's share of the
+    choices over the layers (moe_load), the busiest one's share x experts (moe_max_load; 1.0 when even), the share
+    dropped by the capacity, the balance loss (1.0 when even; model.moe_aux_loss weighs it into the loss).
+    """
     per_layer = [float(r) for r in stats[:-2]]
     received = [sum(per_layer[e::experts]) for e in range(experts)]
     total = max(sum(received), 1.0)

@@ -28,8 +28,11 @@ def _attention_params(m: ModelConfig) -> int:
 
 
 def _mlp_params(m: ModelConfig, active: bool = False) -> int:
-    """Every layer's feed-forward parameters; with experts, `active`: those one token runs through (its top_k
-    experts, the shared ones and the router), else all of them."""
+    """Every layer's feed-forward parameters.
+
+    With experts, `active`: those one token runs through (its top_k experts, the shared ones and the router), else
+    all of them.
+    """
     d = m.d_model
     routed = m.moe_top_k if active else m.moe_experts
     experts = 3 * d * m.expert_dim * (routed + m.moe_shared_experts) + d * m.moe_experts  # SwiGLUs and the router
@@ -46,14 +49,18 @@ def _dense_mlp_params(m: ModelConfig) -> int:
 
 
 def _mtp_params(m: ModelConfig, norm: int) -> int:
-    """Multi-token prediction's modules (model.mtp_depth): per depth three norms, the [2, embed, embed] projection
-    and a dense block."""
+    """Multi-token prediction's modules (model.mtp_depth).
+
+    Per depth three norms, the [2, embed, embed] projection and a dense block.
+    """
     return m.mtp_depth * (5 * norm + 2 * m.d_model ** 2 + _attention_params(m) + _dense_mlp_params(m))
 
 
 def count_params(m: ModelConfig, active: bool = False) -> dict[str, int]:
-    """Total parameters and those outside the token and position embeddings (and an untied head); `active`: with
-    experts, those one token runs through (what its FLOPs count)."""
+    """Total parameters and those outside the token and position embeddings (and an untied head).
+
+    `active`: with experts, those one token runs through (what its FLOPs count).
+    """
     norm = m.d_model if m.family == "llama" else 2 * m.d_model  # RMSNorm: scale; LayerNorm: scale and bias
     non_embedding = m.n_layer * (2 * norm + _attention_params(m)) + _mlp_params(m, active) + norm  # + final norm
     non_embedding += _mtp_params(m, norm)
@@ -70,16 +77,20 @@ def params_phrase(m: ModelConfig, n: int) -> str:
 
 
 def optimizer_phrase(name: str, held: list[int], holder: str) -> str:
-    """"adamw8bit state 1.2 MiB per device" for the start-up line: `held` the bytes of optimizer state on each
-    device or rank (a range where they differ)."""
+    """"adamw8bit state 1.2 MiB per device" for the start-up line.
+
+    `held` the bytes of optimizer state on each device or rank (a range where they differ).
+    """
     low, high = min(held) / 2**20, max(held) / 2**20
     return f"{name} state {low:.1f}" + (f"-{high:.1f}" if f"{low:.1f}" != f"{high:.1f}" else "") + f" MiB per {holder}"
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 * (non-embedding params + output head) + attention 12*L*T*d; with experts the
-    parameters a token runs through (its top_k experts, not all), so MFU counts no idle expert; with multi-token
-    prediction each depth's block, its attention and its pass through the shared head too."""
+    """Training FLOPs per token: 6 * (non-embedding params + output head) + attention 12*L*T*d.
+
+    With experts the parameters a token runs through (its top_k experts, not all), so MFU counts no idle expert;
+    with multi-token prediction each depth's block, its attention and its pass through the shared head too.
+    """
     n = count_params(m, active=True)["non_embedding"] + (1 + m.mtp_depth) * m.vocab_size * m.d_model
     return 6 * n + 12 * (m.n_layer + m.mtp_depth) * seq_len * m.d_model
 

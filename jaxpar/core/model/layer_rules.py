@@ -98,9 +98,12 @@ def kept_count(ratio: float, candidates: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def kept_blocks(sp: BlockSparsity, w: int, r: int, n_head: int, n_blocks: int) -> np.ndarray:
-    """[heads, n_blocks, K] int32: the key blocks query block i of head h computes in the pair (w, r) (w as
-    configured, not cut to the sequence): slot 0 its own block, then its drawn past blocks ascending, -1 in the
-    slots it leaves unused. Read-only (cached)."""
+    """[heads, n_blocks, K] int32.
+
+    The key blocks query block i of head h computes in the pair (w, r) (w as configured, not cut to the sequence):
+    slot 0 its own block, then its drawn past blocks ascending, -1 in the slots it leaves unused. Read-only
+    (cached).
+    """
     K = kept_count(sp.ratio, n_blocks)
     out = np.full((n_head, n_blocks, K), -1, np.int32)
     for h in range(n_head):
@@ -126,6 +129,8 @@ def dense_blocks(kept: np.ndarray) -> np.ndarray:
 
 
 def loss_chunks(model_cfg, seq_len: int) -> int:
-    """model.loss_chunks lowered to the largest count that divides `seq_len` (each chunk holds seq_len / n positions
-    of every row); 1: the whole logits at once."""
+    """model.loss_chunks lowered to the largest count that divides `seq_len`.
+
+    Each chunk holds seq_len / n positions of every row; 1: the whole logits at once.
+    """
     return max(n for n in range(1, max(1, min(model_cfg.loss_chunks, seq_len)) + 1) if seq_len % n == 0)

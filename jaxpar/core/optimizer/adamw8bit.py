@@ -1,5 +1,7 @@
-"""8-bit AdamW's shared rules (optim.name=adamw8bit), written once for jaxpar/optim.py; torchpar steps torchao's
-AdamW8bit, which follows the same rules (tests/torchpar/test_adamw8bit.py holds the two to them).
+"""8-bit AdamW's shared rules (optim.name=adamw8bit), written once for jaxpar/optim.py.
+
+Torchpar steps torchao's AdamW8bit, which follows the same rules (tests/torchpar/test_adamw8bit.py holds the two to
+them).
 
 The algorithm (Dettmers et al., "8-bit Optimizers via Block-wise Quantization", arXiv 2110.02861), per parameter:
     m <- lerp(deq(M), g, 1 - beta1)          the moments held as 8-bit codes, read back in float32 each step
@@ -30,17 +32,22 @@ def quantized(numel: int) -> bool:
 
 
 def _linspace(n: int) -> np.ndarray:
-    """torch.linspace(0.1, 1, n) in float32 as torch computes it (a float32 step; from each end, one rounding), so
-    the map below is bit for bit torchao's."""
+    """torch.linspace(0.1, 1, n) in float32, computed as torch computes it.
+
+    A float32 step, and from each end one rounding, so the map below is bit for bit torchao's.
+    """
     step = float((np.float32(1) - np.float32(0.1)) / np.float32(n - 1))
     start = float(np.float32(0.1))
     return np.array([start + step * i if i < n // 2 else 1.0 - step * (n - 1 - i) for i in range(n)]).astype(np.float32)
 
 
 def dynamic_map(signed: bool) -> np.ndarray:
-    """The 256 sorted float32 values a code stands for: 0, 1 and, for each power of ten from 1e-6 to 1, the
-    midpoints of an even split of [0.1, 1] times it -- twice as many points at each larger power (the dynamic
-    exponent of arXiv 1511.04561); signed: the same below zero, with half as many points per power."""
+    """The 256 sorted float32 values a code stands for.
+
+    0, 1 and, for each power of ten from 1e-6 to 1, the midpoints of an even split of [0.1, 1] times it -- twice as
+    many points at each larger power (the dynamic exponent of arXiv 1511.04561); signed: the same below zero, with
+    half as many points per power.
+    """
     values = [0.0, 1.0]
     for i in range(7):
         edges = _linspace((2 ** i if signed else 2 ** (i + 1)) + 1)

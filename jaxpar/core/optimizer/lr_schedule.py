@@ -1,5 +1,6 @@
-"""Learning-rate schedule (linear warmup, then cosine down to min_lr) and the weight-decay rule: one definition for both sides.
+"""Learning-rate schedule and weight-decay rule: one definition for both sides.
 
+The schedule is a linear warmup, then a cosine down to min_lr.
 `xp` is the array module the caller computes with (jax.numpy inside a jitted step, numpy or math
 in torchpar), so the formula is written once.
 """

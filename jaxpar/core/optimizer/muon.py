@@ -1,11 +1,13 @@
-"""Muon's shared rules (optim.name=muon), written once for jaxpar/optim.py and torchpar/optim.py: which parameters
-are its matrices, how each is read as a matrix, and how its step is scaled.
+"""Muon's shared rules (optim.name=muon), written once for jaxpar/optim.py and torchpar/optim.py.
+
+Which parameters are its matrices, how each is read as a matrix, and how its step is scaled.
 
 The algorithm both frameworks run (Keller Jordan's, as torch.optim.Muon), per matrix W with gradient G:
     B <- m B + (1 - m) G                      momentum (optim.muon_momentum), no bias correction
     U <- (1 - m) G + m B                      Nesterov
-    O <- NS_k(U)                              k = optim.muon_ns_steps quintic Newton-Schulz steps on U / max(|U|_F, EPS),
-                                              X <- a X + (b A + c A A) X with A = X X^T, on the wide orientation
+    O <- NS_k(U)                              k = optim.muon_ns_steps quintic Newton-Schulz steps on
+                                              U / max(|U|_F, EPS), X <- a X + (b A + c A A) X with A = X X^T,
+                                              on the wide orientation
     W <- W (1 - lr wd) - lr scale(W) O        wd = optim.weight_decay, scale: optim.muon_lr_rule
 in float32. Neither library's own Muon is used as it is: optax.contrib.muon bias-corrects its Nesterov momentum (the
 first steps point elsewhere) and torch.optim.Muon runs Newton-Schulz in bfloat16 (no float32 parity).
@@ -38,7 +40,8 @@ MATRICES = {
     **{f"moe.{n}": ((1,), (2,)) for n in ("gate", "up", "down")},  # [experts, in, out]
     **{f"moe.shared.{n}.kernel": _FLAT for n in ("gate", "up", "down")},
 }
-# jaxpar's layer stacks (jaxpar/core/weights/names.py layer_stacks), multi-token prediction's blocks stacked on their depth
+# jaxpar's layer stacks (jaxpar/core/weights/names.py layer_stacks),
+# multi-token prediction's blocks stacked on their depth
 STACKS = ("blocks.", "dense_blocks.", "mtp.block.")
 LR_RULES = ("match_rms_adamw", "original")
 
@@ -63,9 +66,12 @@ def fans(shape, axes) -> tuple[int, int]:
 
 
 def lr_scale(rule: str, fan_in: int, fan_out: int) -> float:
-    """A matrix's step relative to optim.lr: match_rms_adamw (Moonlight's, arXiv 2502.16982) gives the update
-    AdamW's typical RMS, 0.2, so AdamW's lr and weight decay carry over; original (Keller Jordan's) scales by the
-    aspect ratio only. torch.optim.Muon's adjust_lr_fn of the same names."""
+    """A matrix's step relative to optim.lr.
+
+    match_rms_adamw (Moonlight's, arXiv 2502.16982) gives the update AdamW's typical RMS, 0.2, so AdamW's lr and
+    weight decay carry over; original (Keller Jordan's) scales by the aspect ratio only. torch.optim.Muon's
+    adjust_lr_fn of the same names.
+    """
     if rule == "match_rms_adamw":
         return 0.2 * math.sqrt(max(fan_in, fan_out))
     return math.sqrt(max(1.0, fan_out / fan_in))

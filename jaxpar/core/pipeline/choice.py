@@ -40,7 +40,9 @@ def _order(bubbles: dict[str, float]) -> list[str]:
 def choose(bubbles: dict[str, float], flops_ratio: Callable[[str], float],
            fits: Callable[[str], bool] = lambda s: True) -> tuple[str | None, dict[str, float]]:
     """(the schedule of least modeled time, {schedule: modeled time} of those whose figures were taken).
-    bubbles: the candidates' bubble; flops_ratio and fits are called only for schedules that could still win."""
+
+    bubbles: the candidates' bubble; flops_ratio and fits are called only for schedules that could still win.
+    """
     best, times = None, {}
     for s in _order(bubbles):
         if best is not None and modeled_time(bubbles[s], 1.0) >= times[best]:
@@ -69,9 +71,11 @@ def candidates(cfg, stages: int, refusal: Callable[[object], None]) -> tuple[dic
 
 def resolve(cfg, stages: int, refusal: Callable[[object], None], flops_ratio: Callable[[object], float],
             fits: Callable[[object], bool] = lambda c: True) -> tuple[object, str | None]:
-    """(cfg with auto replaced by its choice, the start-up line saying it); `cfg` and None where the schedule is
-    not auto or there is no pipeline. refusal(cfg) raises the UserError that refuses a schedule's config;
-    flops_ratio(cfg) and fits(cfg) give the framework's figures."""
+    """(cfg with auto replaced by its choice, the start-up line saying it).
+
+    `cfg` and None where the schedule is not auto or there is no pipeline. refusal(cfg) raises the UserError that
+    refuses a schedule's config; flops_ratio(cfg) and fits(cfg) give the framework's figures.
+    """
     if cfg.parallel.pipeline_schedule != AUTO or stages < 2:
         return cfg, None
     bubbles, refused = candidates(cfg, stages, refusal)

@@ -52,8 +52,10 @@ def gpipe_program(stage: int, S: int, M: int, V: int = 1) -> list[Op]:
 
 
 def one_f_one_b_program(stage: int, S: int, M: int, V: int = 1) -> list[Op]:
-    """Warm up with S-1-stage forwards, then alternate one forward and one backward, then drain:
-    at most S-stage microbatches' activations are alive on a stage at once (PipeDream-Flush)."""
+    """Warm up with S-1-stage forwards, then alternate one forward and one backward, then drain.
+
+    At most S-stage microbatches' activations are alive on a stage at once (PipeDream-Flush).
+    """
     warmup = min(S - 1 - stage, M)
     ops = [Op("F", m) for m in range(warmup)]
     f, b = warmup, 0
@@ -85,9 +87,11 @@ def interleaved_program(stage: int, S: int, M: int, V: int) -> list[Op]:
 
 
 def zb_h1_program(stage: int, S: int, M: int, V: int = 1) -> list[Op]:
-    """1F1B's order of F and B; a W runs whenever the next F or B cannot (its input has not arrived), and
-    at the end. A stage keeps at most S microbatches between F and W: 1F1B's peak (stage 0's), so the
-    pipeline's peak memory is 1F1B's."""
+    """1F1B's order of F and B; a W runs whenever the next F or B cannot (its input has not arrived), and at the end.
+
+    A stage keeps at most S microbatches between F and W: 1F1B's peak (stage 0's), so the pipeline's peak memory is
+    1F1B's.
+    """
     return _zb_h1_programs(S, M)[stage]
 
 
@@ -122,20 +126,24 @@ def _zb_h1_programs(S: int, M: int) -> tuple[tuple[Op, ...], ...]:
 
 
 def zb_v_program(stage: int, S: int, M: int, V: int = 1) -> list[Op]:
-    """ZB-V (Qi et al. 2024, the V-shaped zero-bubble schedule): two chunks per device placed in a V (`placement`),
-    F, B and W split as ZB-H1's. Each tick a device runs the first of: a B whose inputs are there (chunk 0's
-    first: its input gradient unblocks the device before it), an F (chunk 1's first: it heads for the loss)
-    while fewer than 2S chunk-microbatches are between their F and their W, the oldest W. 2S chunks of half a
-    stage's layers are 1F1B's peak of S microbatches of a whole stage."""
+    """ZB-V (Qi et al. 2024, the V-shaped zero-bubble schedule).
+
+    Two chunks per device placed in a V (`placement`), F, B and W split as ZB-H1's. Each tick a device runs the
+    first of: a B whose inputs are there (chunk 0's first: its input gradient unblocks the device before it), an F
+    (chunk 1's first: it heads for the loss) while fewer than 2S chunk-microbatches are between their F and their W,
+    the oldest W. 2S chunks of half a stage's layers are 1F1B's peak of S microbatches of a whole stage.
+    """
     return _zb_v_programs(S, M)[stage]
 
 
 @functools.lru_cache(maxsize=32)
 def _zb_v_programs(S: int, M: int) -> tuple[tuple[Op, ...], ...]:
-    """The rule above played on all devices at once; each device's order is its program. The least bubble a
-    unit-time table allows is (S-1)/(6M+S-1) (the last device starts after S-1 chunk forwards); the rule reaches it
-    at S = 2, 3, 4 and 8 (M = 2S..4S) and stays above it at 5-7 (S=6, M=12: 0.089 against 0.065;
-    tests/core/test_pipeline_schedules.py)."""
+    """The rule above played on all devices at once; each device's order is its program.
+
+    The least bubble a unit-time table allows is (S-1)/(6M+S-1) (the last device starts after S-1 chunk forwards);
+    the rule reaches it at S = 2, 3, 4 and 8 (M = 2S..4S) and stays above it at 5-7 (S=6, M=12: 0.089 against 0.065;
+    tests/core/test_pipeline_schedules.py).
+    """
     last, limit = 2 * S - 1, 2 * S
     nxt = {(kind, d, c): 0 for kind in "FB" for d in range(S) for c in (0, 1)}
     waiting: list[list[tuple[int, int]]] = [[] for _ in range(S)]  # (microbatch, chunk) whose W is due, oldest first
@@ -171,10 +179,12 @@ def _zb_v_programs(S: int, M: int) -> tuple[tuple[Op, ...], ...]:
 
 
 def dualpipev_program(stage: int, S: int, M: int, V: int = 1) -> list[Op]:
-    """DualPipeV (DeepSeek's DualPipe cut in a V; torch.distributed.pipelining's ScheduleDualPipeV): with r the
-    device, 2(S-1-r) forwards of chunk 0; r+1 pairs F0 F1; S-1-r times B1 W1 F1; M-2S+r+1 times F0+BW1 then F1+BW0,
-    each an overlapped tick (the last device's first F0, BW1 apart); S-1-r times BW1 then F1+BW0; r+1 pairs of
-    backwards B1 B0 whose second half splits off W; S-1-r times W then B0; the W's left. Needs M >= 2S-1."""
+    """DualPipeV (DeepSeek's DualPipe cut in a V; torch.distributed.pipelining's ScheduleDualPipeV).
+
+    With r the device, 2(S-1-r) forwards of chunk 0; r+1 pairs F0 F1; S-1-r times B1 W1 F1; M-2S+r+1 times F0+BW1
+    then F1+BW0, each an overlapped tick (the last device's first F0, BW1 apart); S-1-r times BW1 then F1+BW0; r+1
+    pairs of backwards B1 B0 whose second half splits off W; S-1-r times W then B0; the W's left. Needs M >= 2S-1.
+    """
     count = {(kind, c): 0 for kind in "FB" for c in (0, 1)}
     due: list[tuple[int, int]] = []  # (microbatch, chunk) whose B ran without its W, oldest first
 
@@ -231,9 +241,11 @@ def chunks(schedule: str, V: int) -> int:
 
 
 def virtual_stage(schedule: str, S: int, device: int, chunk: int) -> int:
-    """Which of the S x chunks virtual stages (layer slices, in model order) a device's chunk runs: round robin
-    (chunk * S + device), or ZB-V's V (chunk 0 down the devices, chunk 1 back up: device d holds d and 2S-1-d,
-    so the first and the last virtual stage, embedding and loss, are both on device 0)."""
+    """Which of the S x chunks virtual stages (layer slices, in model order) a device's chunk runs.
+
+    Round robin (chunk * S + device), or ZB-V's V (chunk 0 down the devices, chunk 1 back up: device d holds d and
+    2S-1-d, so the first and the last virtual stage, embedding and loss, are both on device 0).
+    """
     return 2 * S - 1 - device if schedule in V_SHAPED and chunk else chunk * S + device
 
 
@@ -269,8 +281,10 @@ def check_schedule(schedule: str, S: int, M: int, V: int, n_layer: int | None = 
 
 
 def _needs(kind: str, m: int, v: int, last: int) -> list[tuple[str, int, int]]:
-    """What a computation (kind, microbatch, virtual stage) waits for: a forward its input, a backward its forward
-    and the next stage's input gradient, a W its B."""
+    """What a computation (kind, microbatch, virtual stage) waits for.
+
+    A forward its input, a backward its forward and the next stage's input gradient, a W its B.
+    """
     if kind == "F":
         return [("F", m, v - 1)] if v else []
     if kind == "W":
@@ -315,18 +329,22 @@ def op_cost(op: Op | None, split: bool) -> int:
 
 
 def lockstep_bubble(schedule: str, table: list[list[Op | None]]) -> float:
-    """The idle share of a table run in lockstep, as the executor runs it (every tick ends with an exchange between
-    the devices, so a tick lasts as long as its slowest op): 1 - work / (devices x the sum of each tick's longest
-    op). Unlike bubble_fraction it counts an overlapped FB as the three units it computes and 1F1B's backward as
-    two: a device running F beside one running B idles half the tick."""
+    """The idle share of a table run in lockstep, as the executor runs it.
+
+    Every tick ends with an exchange between the devices, so a tick lasts as long as its slowest op: 1 - work / (devices
+    x the sum of each tick's longest op). Unlike bubble_fraction it counts an overlapped FB as the three units it
+    computes and 1F1B's backward as two: a device running F beside one running B idles half the tick.
+    """
     split = schedule in SPLIT_BACKWARD or schedule == "dualpipev"
     costs = [[op_cost(op, split) for op in row] for row in table]
     return 1.0 - sum(map(sum, costs)) / (len(table[0]) * sum(max(row) for row in costs))
 
 
 def max_in_flight(table: list[list[Op | None]], device: int) -> int:
-    """Most microbatch-chunks whose forward ran but backward has not (ZB-H1: whose W has not), on one device:
-    the stage inputs it holds."""
+    """The most stage inputs one device holds: microbatch-chunks whose forward ran but backward has not.
+
+    With a split backward (ZB-H1), a chunk is held until its W has run.
+    """
     split = any(kind == "W" for row in table for op in row if op is not None for kind, _, _ in op.parts())
     live, peak = set(), 0
     for row in table:
@@ -348,9 +366,12 @@ def render(table: list[list[Op | None]]) -> str:
 
 
 def configured_bubble(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float | None:
-    """The idle fraction of a run's pipeline (parallel.pipeline_* on `stages` stages); None without one. DualPipeV's
-    is its lockstep bubble (its overlapped ticks are three units of work: a unit-tick count would flatter it); the
-    others' the unit-tick table's, which for ZB-H1 and ZB-V (every op one unit) is their lockstep one too."""
+    """The idle fraction of a run's pipeline (parallel.pipeline_* on `stages` stages); None without one.
+
+    DualPipeV's is its lockstep bubble (its overlapped ticks are three units of work: a unit-tick count would
+    flatter it); the others' the unit-tick table's, which for ZB-H1 and ZB-V (every op one unit) is their lockstep
+    one too.
+    """
     if stages == 1:
         return None
     schedule = concrete(schedule)

@@ -19,8 +19,7 @@ RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints")  # what makes a dire
 
 
 def default_run_dir(framework: str, config_path: str | None) -> str:
-    """runs/<framework>/<the config file's name>: the README's two trainers on one config never share a
-    directory."""
+    """runs/<framework>/<the config file's name>: the README's two trainers on one config never share a directory."""
     name = os.path.splitext(os.path.basename(config_path.rstrip("/")))[0] if config_path else "default"
     return os.path.join("runs", framework, name)
 
@@ -42,9 +41,12 @@ def holds_run(run_dir: str) -> bool:
 
 
 def framework_of(run_dir: str) -> str | None:
-    """The framework whose run `run_dir` holds: config.json's record, else what its files show (a run written
-    before the record: torchpar's config.json names a backend, its checkpoints are DCP's `.metadata` or
-    DeepSpeed's `latest`; jaxpar's are orbax's), else None (no run, or nothing to tell by)."""
+    """The framework whose run `run_dir` holds.
+
+    From config.json's record, else what its files show (a run written before the record: torchpar's config.json names a
+    backend, its checkpoints are DCP's `.metadata` or DeepSpeed's `latest`; jaxpar's are orbax's), else None (no
+    run, or nothing to tell by).
+    """
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
             record = json.load(f)
@@ -69,8 +71,10 @@ def framework_of(run_dir: str) -> str | None:
 
 
 def converted_dir(run_dir: str, framework: str, to: str) -> str:
-    """Where a conversion of `framework`'s run into the format `to` (a framework, or hf) goes by default:
-    runs/<to>/<name>-from-<framework> beside runs/<framework>/<name>, else <run_dir>-<to>."""
+    """Where a conversion of `framework`'s run into the format `to` (a framework, or hf) goes by default.
+
+    Runs/<to>/<name>-from-<framework> beside runs/<framework>/<name>, else <run_dir>-<to>.
+    """
     src = os.path.normpath(run_dir)
     parent, name = os.path.split(src)
     if os.path.basename(parent) == framework:
@@ -86,7 +90,9 @@ def convert_hint(run_dir: str, held_by: str, wanted: str) -> str:
 
 def check_framework(run_dir: str, framework: str, doing: str) -> None:
     """Refuse, in one line naming the conversion, a run directory that holds the other framework's run.
-    `doing`: what this command would do with it ("resume", "sample")."""
+
+    `doing`: what this command would do with it ("resume", "sample").
+    """
     held_by = framework_of(run_dir)
     if held_by is None or held_by == framework:
         return
@@ -96,8 +102,11 @@ def check_framework(run_dir: str, framework: str, doing: str) -> None:
 
 
 def check_run_dir_framework(cfg: Config, framework: str) -> None:
-    """A trainer about to resume run.dir: refused there when it holds the other framework's run (with
-    checkpoint.resume=false any old run is moved aside instead)."""
+    """A trainer about to resume run.dir.
+
+    Refused there when it holds the other framework's run (with checkpoint.resume=false any old run is moved aside
+    instead).
+    """
     if cfg.checkpoint.resume and holds_run(cfg.run.dir):
         check_framework(cfg.run.dir, framework, "resume")
 

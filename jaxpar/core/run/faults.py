@@ -1,5 +1,6 @@
-"""Fault injection for tests, shared by jaxpar.train and torchpar.train (no jax, no torch): a loop hook
-that exists only when one of these variables is set.
+"""Fault injection for tests, shared by jaxpar.train and torchpar.train (no jax, no torch).
+
+A loop hook that exists only when one of these variables is set.
 
 <PREFIX>_FAULT_KILL_AFTER_STEP=N: the process SIGKILLs itself once step N (and its checkpoint) is
 done; <PREFIX>_FAULT_KILL_IN_SAVE_AFTER_STEP=N: it SIGKILLs itself as soon as step N's checkpoint has started

@@ -1,7 +1,8 @@
-"""The shared loop's hooks (jaxpar/core/run/loop.py), each owning its cadence: evaluation, the metrics record,
-samples, checkpoints, the profiler window, the slowest process and the sampled step's collectives (stragglers.py),
-and the test faults (faults.py). Also what they share for one step (`Progress`: the metrics not read yet, the
-non-finite guard, the record, the throughput meter).
+"""The shared loop's hooks (jaxpar/core/run/loop.py), each owning its cadence.
+
+Evaluation, the metrics record, samples, checkpoints, the profiler window, the slowest process and the sampled step's
+collectives (stragglers.py), and the test faults (faults.py). Also what they share for one step (`Progress`: the metrics
+not read yet, the non-finite guard, the record, the throughput meter).
 
 Nothing here imports jax or torch: a hook calls the trainer (the run's `Trainer` adapter) or its collaborators
 (jaxpar/core/run/adapter.py) for the work.
@@ -36,10 +37,12 @@ class Hook:
 
 
 def read_finite(trainer, pending: list, saved: int | None, min_scale: float) -> dict:
-    """Read the metrics of the steps run since the last read, oldest first; returns the newest. The first
-    non-finite loss or gradient norm ends training there, before anything later is saved -- except under
-    float16 loss scaling, where such a step was skipped and the scale reduced, until the scale is at its
-    minimum (`min_scale`)."""
+    """Read the metrics of the steps run since the last read, oldest first; returns the newest.
+
+    The first non-finite loss or gradient norm ends training there, before anything later is saved -- except under
+    float16 loss scaling, where such a step was skipped and the scale reduced, until the scale is at its minimum
+    (`min_scale`).
+    """
     m: dict = {}
     for step, handle in pending:
         m = trainer.fetch(handle)
@@ -54,8 +57,10 @@ def read_finite(trainer, pending: list, saved: int | None, min_scale: float) -> 
 
 
 class Throughput:
-    """Tokens per second, step time, MFU and the share of time spent waiting for data, over the training
-    steps since the last record (evaluation, samples and saves are not counted)."""
+    """Tokens per second, step time, MFU and the share of time spent waiting for data.
+
+    Measured over the training steps since the last record (evaluation, samples and saves are not counted).
+    """
 
     def __init__(self, cfg: Config, flops_per_token: float, peak_flops_total: float | None, data=None):
         """`data`: the training GlobalBatches (or buckets.py's), whose steps' shapes and padding are counted."""
@@ -87,10 +92,13 @@ class Throughput:
 
 
 class Progress:
-    """What the hooks of one loop share: the steps whose metrics are not read yet (read at log and save points
-    only: reading waits for the step), the last checkpoint this run wrote, and the current step's record. Also the
-    seconds spent in the trainer's step and in reading its metrics (`blocked`: with several processes, partly
-    waiting for the others) and, with several processes, at the loop's agreement (`synced`), when the meter started."""
+    """What the hooks of one loop share.
+
+    The steps whose metrics are not read yet (read at log and save points only: reading waits for the step), the
+    last checkpoint this run wrote, and the current step's record. Also the seconds spent in the trainer's step and
+    in reading its metrics (`blocked`: with several processes, partly waiting for the others) and, with several
+    processes, at the loop's agreement (`synced`), when the meter started.
+    """
 
     def __init__(self, cfg: Config, trainer, step: int):
         self.trainer, self.min_scale, self.saved = trainer, cfg.optim.loss_scale_min, None
@@ -152,8 +160,10 @@ class Evaluate(Hook):
 
 
 class Log(Hook):
-    """train.log_every, and every step that has a record already (an evaluated one): metrics.jsonl, the console,
-    the trackers."""
+    """train.log_every, and every step that has a record already (an evaluated one).
+
+    It writes to metrics.jsonl, the console and the trackers.
+    """
 
     def __init__(self, cfg: Config, log: MetricsLog, progress: Progress):
         self.every, self.log, self.progress = cfg.train.log_every, log, progress
@@ -219,8 +229,10 @@ class Profiler(Hook):
 
 
 class StepClock(Hook):
-    """Last in the list: when the step is handed to the trainer (every hook's before_step, test faults included,
-    done), for Progress.blocked."""
+    """Notes when the step is handed to the trainer, for Progress.blocked.
+
+    Last in the list of hooks: the step is handed over once every hook's before_step (test faults included) is done.
+    """
 
     def __init__(self, progress: Progress):
         self.progress = progress
@@ -230,9 +242,11 @@ class StepClock(Hook):
 
 
 def hooks_of(cfg: Config, trainer, log: MetricsLog, progress: Progress) -> list[Hook]:
-    """In the order they act after a step: the sampled step's trace ends first (before any evaluation); the record
-    is made before evaluation (whose time is not training time), gains the slowest process and is written before
-    the sample and the checkpoint; the test faults come last (a kill after the save)."""
+    """In the order they act after a step: the sampled step's trace ends first (before any evaluation).
+
+    The record is made before evaluation (whose time is not training time), gains the slowest process and is written
+    before the sample and the checkpoint; the test faults come last (a kill after the save).
+    """
     window = profile_window(cfg.train.profile_steps)
     several = trainer.process_count > 1
     hooks = [CommShare(cfg, trainer.profiling, progress, progress.meter.step, window), Evaluate(cfg, trainer, progress),

@@ -1,7 +1,8 @@
-"""One writer per run directory: <run.dir>/lock, held with flock(2) by the process that writes the run -- a
-trainer's main process (rank 0 / jax process 0) for the whole run, a conversion that writes a run while it writes
-it. Another process that would write there is refused in one line naming the holder (host, pid, since when)
-before it writes or moves anything; the other processes of the holder's own job take no lock.
+"""One writer per run directory: <run.dir>/lock, held with flock(2) by the process that writes the run.
+
+A trainer's main process (rank 0 / jax process 0) for the whole run, a conversion that writes a run while it writes it.
+Another process that would write there is refused in one line naming the holder (host, pid, since when) before it writes
+or moves anything; the other processes of the holder's own job take no lock.
 
 The kernel drops the lock when its holder's process ends, however it ends (SIGKILL, a lost node, torchrun stopping
 its workers before a restart): the file stays, with the dead holder's name in it, and the next run takes it over.
@@ -31,8 +32,11 @@ _HELD: set = set()  # the RunLocks this process holds
 
 
 class RunLock:
-    """`with RunLock(run_dir) as lock: lock.acquire() ...`: held from acquire() (by the process that writes the
-    run; the others of its job never call it) until the with-block ends, or until the process does."""
+    """The lock on a run directory, held by the process that writes the run.
+
+    `with RunLock(run_dir) as lock: lock.acquire() ...`: held from acquire() (by the process that writes the run; the
+    others of its job never call it) until the with-block ends, or until the process does.
+    """
 
     def __init__(self, run_dir: str):
         self.run_dir, self.path = run_dir, os.path.join(run_dir, LOCK_FILE)
@@ -45,8 +49,11 @@ class RunLock:
         self.release()
 
     def acquire(self) -> "RunLock":
-        """Hold <run_dir>/lock, or one line naming its holder (UserError). Again after run_dir was moved (resume=false
-        moves an old run aside with its lock file): the lock of the new run_dir."""
+        """Hold <run_dir>/lock, or one line naming its holder (UserError).
+
+        Again after run_dir was moved (resume=false moves an old run aside with its lock file): the lock of the
+        new run_dir.
+        """
         if self.unguarded or (self.fd is not None and _same_file(self.fd, self.path)):
             return self
         self.release()
@@ -90,8 +97,11 @@ class RunLock:
 
 
 def _lock_or_holder(fd: int) -> str | None:
-    """None once this process holds the lock; else who does. A new holder writes its name just after taking the
-    lock, and an old one empties the file just before letting go: an empty file is read again for a moment."""
+    """None once this process holds the lock; else who does.
+
+    A new holder writes its name just after taking the lock, and an old one empties the file just before letting go:
+    an empty file is read again for a moment.
+    """
     for _ in range(40):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -129,7 +139,9 @@ def _same_file(fd: int, path: str) -> bool:
 
 def _forget_in_child() -> None:
     """A forked child (a data loader's worker) closes its copy: the lock must end with the process that took it.
-    (The parent's descriptor keeps it held; closing a copy does not release a flock.)"""
+
+    (The parent's descriptor keeps it held; closing a copy does not release a flock.)
+    """
     for lock in _HELD:
         os.close(lock.fd)
         lock.fd = None

@@ -1,6 +1,8 @@
-"""The run, written once for both trainers and read top to bottom: lock run.dir, move an old run aside, restore or
-initialise, record the config, train in the loop below (its hooks in jaxpar/core/run/hooks.py), write the final weights,
-say what the run did and what comes next (jaxpar/core/run/summary.py).
+"""The run, written once for both trainers and read top to bottom.
+
+Lock run.dir, move an old run aside, restore or initialise, record the config, train in the loop below (its hooks in
+jaxpar/core/run/hooks.py), write the final weights, say what the run did and what comes next
+(jaxpar/core/run/summary.py).
 
 A trainer's entry point (jaxpar/train.py, torchpar/train.py) parses its arguments, validates them, sets up its devices
 or process group and reads its inputs, then hands its adapter -- a `Trainer`: jaxpar/trainer.py, torchpar/trainer.py
@@ -72,8 +74,10 @@ class Trainer(Protocol):
 
 
 def run_training(cfg: Config, trainer: Trainer, stop: dict, write_final: str | None = None) -> int:
-    """After the trainer's own checks and set-up (a refused run moves and writes nothing): the run, with run.dir
-    locked by the main process until its end (the kernel lets go if the process dies)."""
+    """After the trainer's own checks and set-up (a refused run moves and writes nothing).
+
+    The run, with run.dir locked by the main process until its end (the kernel lets go if the process dies).
+    """
     if not cfg.run.dir:
         raise UserError("run.dir is empty: name the run's directory (the trainers' default: runs/<framework>/<config>)")
     t0, outcome = time.monotonic(), None
@@ -103,9 +107,12 @@ def run_training(cfg: Config, trainer: Trainer, stop: dict, write_final: str | N
 
 
 def claim_run_dir(cfg: Config, trainer: Trainer, lock: RunLock) -> None:
-    """The main process locks run.dir (another run there refuses this one) and, for checkpoint.resume=false on a run
-    directory, moves the old run aside -- its lock file goes with it: the new run.dir is locked too. No process
-    touches run.dir before -- or all stop, when the main process could not."""
+    """Locks run.dir for this run, moving an old run aside for checkpoint.resume=false.
+
+    The main process locks run.dir (another run there refuses this one) and, for checkpoint.resume=false on a run
+    directory, moves the old run aside -- its lock file goes with it: the new run.dir is locked too. No process touches
+    run.dir before -- or all stop, when the main process could not.
+    """
     failure = None
     try:
         if trainer.is_main:
@@ -139,7 +146,9 @@ def train_from(cfg: Config, trainer: Trainer, step: int, stop: dict) -> Outcome:
 
 def train_loop(cfg: Config, trainer: Trainer, step: int, log: MetricsLog, stop: dict) -> int:
     """Train from data step `step` to train.steps or a stop all processes agree on; returns the last step done.
-    `stop`: from `stop_requests()`. Everything but the step itself is a hook acting on its own cadence."""
+
+    `stop`: from `stop_requests()`. Everything but the step itself is a hook acting on its own cadence.
+    """
     progress = Progress(cfg, trainer, step)
     hooks = [Recovery(cfg.run.dir, trainer, step, cfg.train.steps), *hooks_of(cfg, trainer, log, progress)]
     try:

@@ -18,8 +18,11 @@ HUGE_PAGES = "glibc.malloc.hugetlb=1"
 
 def wants_relaunch(module: str, argv: list[str] = sys.orig_argv, environ=os.environ,
                    platform: str = sys.platform) -> bool:
-    """Only for `python [options] -m <module> ...` itself: not under a host program that runs the module as
-    __main__ in its own process (pdb, cProfile, coverage, a notebook's %run), whose command line is not ours."""
+    """Only for `python [options] -m <module> ...` itself.
+
+    Not under a host program that runs the module as __main__ in its own process (pdb, cProfile, coverage, a
+    notebook's %run), whose command line is not ours.
+    """
     if platform != "linux" or "GLIBC_TUNABLES" in environ:
         return False
     if "-m" not in argv or argv[argv.index("-m") + 1:argv.index("-m") + 2] != [module]:
@@ -32,8 +35,10 @@ def wants_relaunch(module: str, argv: list[str] = sys.orig_argv, environ=os.envi
 
 
 def relaunch_with_huge_pages(module: str) -> None:
-    """Re-execute `python ... -m module ...` with `HUGE_PAGES` set (same PID, same signals); if the exec fails,
-    go on without it."""
+    """Re-execute `python ...
+
+    -m module ...` with `HUGE_PAGES` set (same PID, same signals); if the exec fails, go on without it.
+    """
     if wants_relaunch(module):
         os.environ["GLIBC_TUNABLES"] = HUGE_PAGES
         sys.stdout.flush()

@@ -1,6 +1,8 @@
-"""metrics.jsonl (one JSON object per logged step, the source of truth) and the console: a live progress
-bar (tqdm: step, loss, tokens/s, MFU, ETA) when stdout is a terminal, one plain line per logged step when
-it is not (CI, log files); evaluations are kept as lines in both."""
+"""metrics.jsonl (one JSON object per logged step, the source of truth) and the console.
+
+A live progress bar (tqdm: step, loss, tokens/s, MFU, ETA) when stdout is a terminal, one plain line per logged step
+when it is not (CI, log files); evaluations are kept as lines in both.
+"""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,7 @@
-"""Lost peers, bounded: when another process dies or hangs, a survivor must neither wait forever in a
-collective nor end in a library's abort (a core dump after pages of coordination-service log).
+"""Lost peers, bounded: a survivor names the processes that died or hang and leaves with one line.
+
+When another process dies or hangs, a survivor must neither wait forever in a collective nor end in a library's abort (a
+core dump after pages of coordination-service log).
 
 Two detectors, both run by the shared loop in multi-process runs: a step that raises (gloo reports a
 closed connection at once) and a watchdog thread that sees no step finish for run.peer_timeout_s (NCCL
@@ -32,9 +34,11 @@ def under_elastic_agent() -> bool:
 
 
 def roll_call_wait_s(timeout_s: float) -> float:
-    """How long a survivor waits for the others to answer the roll call: briefly under an elastic agent with restarts
-    left (it re-forms the group at once, so the survivors' quick exit is the recovery's start), else long enough for
-    a slow peer to answer."""
+    """How long a survivor waits for the others to answer the roll call.
+
+    Briefly under an elastic agent with restarts left (it re-forms the group at once, so the survivors' quick exit
+    is the recovery's start), else long enough for a slow peer to answer.
+    """
     return min(ELASTIC_ROLL_CALL_S if under_elastic_agent() else 30.0, timeout_s / 2)
 
 
@@ -45,8 +49,11 @@ def library_timeout_s(timeout_s: float) -> int:
 
 def roll_call(announce: Callable[[], None], answered: Callable[[], set[int]], me: int, processes: int,
               wait_s: float) -> list[int]:
-    """`announce()` this process in a key-value store, then poll `answered()` (the processes that announced)
-    until all have or `wait_s` passes; the missing ones (every other process if the store itself is gone)."""
+    """Roll call: the processes that do not answer within `wait_s`.
+
+    `announce()` this process in a key-value store, then poll `answered()` (the processes that announced) until all have
+    or `wait_s` passes; returns the missing ones (every other process if the store itself is gone).
+    """
     try:
         announce()
         deadline = time.monotonic() + wait_s
@@ -61,10 +68,12 @@ def roll_call(announce: Callable[[], None], answered: Callable[[], set[int]], me
 
 def leave_if_peers_lost(roll_call: Callable[[float], list[int]], processes: int, what: str, timeout_s: float,
                         last_checkpoint: str, always: bool = False, hosts_store: bool = False) -> None:
-    """Hold the roll call; if someone is missing (or `always`), print one line and exit now. Returns only
-    when every process answered and `always` is false (the failure was not about peers). The process that
-    `hosts_store` (jax's coordination service) leaves a moment after the others: losing it first, they would end
-    in the library's abort instead of their own line."""
+    """Hold the roll call; if someone is missing (or `always`), print one line and exit now.
+
+    Returns only when every process answered and `always` is false (the failure was not about peers). The process
+    that `hosts_store` (jax's coordination service) leaves a moment after the others: losing it first, they would
+    end in the library's abort instead of their own line.
+    """
     missing = roll_call(roll_call_wait_s(timeout_s))
     if not missing and not always:
         return
@@ -101,9 +110,11 @@ class Watchdog:
 
 
 class PeerGuard:
-    """Both detectors around the shared loop (nothing to guard with one process): `beat(step)` once per
-    step; `last_saved()` names the newest checkpoint this run wrote (None: none yet). An exception leaving the
-    `with` (other than a UserError) first holds the roll call."""
+    """Both detectors around the shared loop (nothing to guard with one process): `beat(step)` once per step.
+
+    `last_saved()` names the newest checkpoint this run wrote (None: none yet). An exception leaving the `with`
+    (other than a UserError) first holds the roll call.
+    """
 
     def __init__(self, trainer, timeout_s: float, run_dir: str, step: int, last_saved):
         self.trainer, self.timeout_s, self.run_dir = trainer, timeout_s, run_dir

@@ -62,8 +62,11 @@ def read_run_config(run_dir: str) -> Config:
 
 
 def check_resume(cfg: Config, is_main: bool = True) -> None:
-    """Compare with the config the run was started with, when run.dir holds a checkpoint to resume (first:
-    run.dir is usable at all). Every process checks (each refuses alike); the main one says what changed."""
+    """Compares the config with the one the run was started with, when run.dir holds a checkpoint to resume.
+
+    First checks that run.dir is usable at all. Every process checks (each refuses alike); the main one says what
+    changed.
+    """
     check_output_dir(cfg.run.dir, "run.dir")
     run_dir, path = cfg.run.dir, os.path.join(cfg.run.dir, "config.json")
     ckpts = os.path.join(run_dir, "checkpoints")
@@ -83,7 +86,8 @@ def check_resume(cfg: Config, is_main: bool = True) -> None:
     now = _flat(cfg.to_dict())
     changed = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
     # a step-0 run written by `jaxpar.tools.convert` has read no data yet: only its model (and optimizer) must match
-    fixed = [k for k in changed if must_match(k) and (k.startswith(("model.", "optim.")) or "converted_from" not in record)]
+    fixed = [k for k in changed
+             if must_match(k) and (k.startswith(("model.", "optim.")) or "converted_from" not in record)]
     if "model.compute_dtype" in changed and "float16" in changed["model.compute_dtype"]:
         fixed.append("model.compute_dtype")  # float16 runs carry a loss scaler in their state; the others do not
     if fixed:
@@ -108,10 +112,12 @@ def _key(cfg: Config, dotted: str):
 
 
 def schedule_change_line(old: Config, new: Config, step: int) -> str | None:
-    """What a resume after `step` updates does to the learning rate, where a schedule key changed: its value at the
-    next update (0-based `step`, the first the resumed run trains) under the old settings and under the new. None
-    for a new run (step 0) or an unchanged schedule. (A float16 run's schedule counts applied updates: its skipped
-    steps shift the figure by their number.)"""
+    """What a resume after `step` updates does to the learning rate, where a schedule key changed.
+
+    Its value at the next update (0-based `step`, the first the resumed run trains) under the old settings and under
+    the new. None for a new run (step 0) or an unchanged schedule. (A float16 run's schedule counts applied updates:
+    its skipped steps shift the figure by their number.)
+    """
     changed = [k for k in SCHEDULE_KEYS if _key(old, k) != _key(new, k)]
     if not step or not changed:
         return None
@@ -122,8 +128,11 @@ def schedule_change_line(old: Config, new: Config, step: int) -> str | None:
 
 
 def schedule_change(cfg: Config, step: int) -> str | None:
-    """schedule_change_line against the settings in <run.dir>/config.json (read before write_run_config replaces it;
-    None where it is missing or unreadable: check_resume has said so already where it matters)."""
+    """schedule_change_line against the settings in <run.dir>/config.json.
+
+    The file is read before write_run_config replaces it; None where it is missing or unreadable: check_resume has said
+    so already where it matters.
+    """
     try:
         with open(os.path.join(cfg.run.dir, "config.json")) as f:
             saved = _flat(json.load(f))
@@ -138,9 +147,11 @@ def schedule_change(cfg: Config, step: int) -> str | None:
 
 
 def start_anew(cfg: Config, is_main: bool) -> None:
-    """checkpoint.resume=false where run.dir holds a run (a config, metrics or checkpoints): that run is moved
-    aside intact to <run.dir>.prev-<k>, so the new run never mixes with it (by the main process, before any
-    process writes into run.dir)."""
+    """checkpoint.resume=false where run.dir holds a run (a config, metrics or checkpoints).
+
+    That run is moved aside intact to <run.dir>.prev-<k>, so the new run never mixes with it (by the main process,
+    before any process writes into run.dir).
+    """
     run_dir = cfg.run.dir.rstrip("/")
     if cfg.checkpoint.resume or not holds_run(run_dir) or not is_main:
         return

@@ -52,8 +52,10 @@ def union_s(intervals: Iterable[tuple[float, float]]) -> float:
 
 
 def in_flight_s(spans: Iterable[tuple[object, str, float, float]]) -> dict[str, float]:
-    """Seconds some collective of each axis was in flight, from (device, axis, start, end) spans: the union per
-    device, averaged over the devices seen."""
+    """Seconds some collective of each axis was in flight, from (device, axis, start, end) spans.
+
+    The union per device, averaged over the devices seen.
+    """
     by: dict[tuple, list] = {}
     devices = set()
     for device, axis, a, b in spans:
@@ -140,8 +142,11 @@ class CommShare:
             self.on = False
 
     def guarded(self, work, failed):
-        """The profiler is for measuring only: one that fails (already tracing, a full /tmp, a cut trace) costs this
-        run's comm_share -- one warning, per process, with no collective waiting on it -- not the run."""
+        """The profiler is for measuring only.
+
+        One that fails (already tracing, a full /tmp, a cut trace) costs this run's comm_share -- one warning,
+        per process, with no collective waiting on it -- not the run.
+        """
         try:
             return work()
         except Exception as e:  # noqa: BLE001 - any profiler failure
@@ -152,8 +157,11 @@ class CommShare:
 
 
 def sample_step(start: int, every: int, eval_every: int, steps: int) -> int | None:
-    """The data step (0-based) to trace: after the first record past `start` (warmed up), and ending neither on a
-    record step (whose throughput would carry the trace) nor on an evaluation, where one such step exists."""
+    """The data step (0-based) to trace.
+
+    After the first record past `start` (warmed up), and ending neither on a record step (whose throughput would
+    carry the trace) nor on an evaluation, where one such step exists.
+    """
     first = (start // every + 1) * every
     for s in range(first, min(first + 2 * every + 2, steps)):
         done = s + 1

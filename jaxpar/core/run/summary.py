@@ -27,8 +27,11 @@ class Outcome:
 
 
 def start_line(cfg: Config, framework: str, step: int) -> str:
-    """Where the run goes; a new run in a default directory also names the run the same config made before run
-    directories were per framework (runs/<config name>), which it does not continue."""
+    """The line that says where the run goes.
+
+    A new run in a default directory also names the run the same config made before run directories were per framework
+    (runs/<config name>), which it does not continue.
+    """
     where = f"resuming at step {step} of {cfg.train.steps}" if step else f"{cfg.train.steps} steps from scratch"
     line = f"{framework}: run {cfg.run.dir} ({where}; metrics, checkpoints and config.json there)"
     parent, name = os.path.split(os.path.normpath(cfg.run.dir))

@@ -1,7 +1,9 @@
-"""Experiment trackers beside metrics.jsonl (which stays the source of truth), process 0 only:
-TensorBoard event files in <run.dir>/tensorboard (run.tensorboard=true; the tensorboardX writer, an
-extra: pip install 'jaxpar[tensorboard]') and Weights & Biases (run.wandb=offline|online, if the wandb
-package is installed; offline runs sync later with `wandb sync`). Both get every numeric metric by step."""
+"""Experiment trackers beside metrics.jsonl (which stays the source of truth), process 0 only.
+
+TensorBoard event files in <run.dir>/tensorboard (run.tensorboard=true; the tensorboardX writer, an extra: pip install
+'jaxpar[tensorboard]') and Weights & Biases (run.wandb=offline|online, if the wandb package is installed; offline runs
+sync later with `wandb sync`). Both get every numeric metric by step.
+"""
 from __future__ import annotations
 
 import importlib.util

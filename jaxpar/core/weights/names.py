@@ -45,8 +45,11 @@ SETTINGS = ("max_seq_len", "layernorm_eps", "rope_theta", "moe_top_k", "moe_shar
 
 
 def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
-    """A safetensors file written atomically (temp file + rename), readable as the umask allows any new file (the
-    library's own files are its owner's alone: weights are often shared)."""
+    """Writes a safetensors file atomically (temp file + rename).
+
+    The file is readable as the umask allows any new file (the library's own files are its owner's alone: weights are
+    often shared).
+    """
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp{os.getpid()}")
     save_file(tensors, tmp, metadata=metadata)
@@ -146,8 +149,11 @@ ALL_NAMES = {**NAMES, **LLAMA_NAMES, **VARIANT_NAMES, **MOE_NAMES, **MTP_NAMES}
 
 
 def layer_stacks(first_dense: int, n_layer: int) -> list[tuple[str, range]]:
-    """The shared format's layer stacks as (name prefix, torch layer indices): model.moe_first_dense's dense layers
-    ("dense_blocks.*", named as a dense model's "blocks.*") before the rest ("blocks.*")."""
+    """The shared format's layer stacks as (name prefix, torch layer indices).
+
+    model.moe_first_dense's dense layers ("dense_blocks.*", named as a dense model's "blocks.*") come before the rest
+    ("blocks.*").
+    """
     return ([("dense_blocks.", range(first_dense))] if first_dense else []) + [("blocks.", range(first_dense, n_layer))]
 
 
@@ -174,8 +180,11 @@ def shared_name(torch_name: str) -> str:
 
 
 def model_dims(flat: dict[str, np.ndarray], settings: dict | None = None) -> dict:
-    """Model config keys read off the shared tensors themselves (GPT-2 with MHA/dense layers, or llama),
-    then `settings` (read_settings) for what shapes cannot tell."""
+    """Model config keys read off the shared tensors, then off `settings`.
+
+    The tensors themselves tell GPT-2 (with MHA/dense layers) or llama and their sizes; `settings` (read_settings) gives
+    what shapes cannot tell.
+    """
     depth = {"mtp_depth": flat["mtp.proj.kernel"].shape[0]} if "mtp.proj.kernel" in flat else {}
     if "blocks.attn.q.kernel" in flat or ("blocks.attn.q_down.kernel" in flat and "wpe" not in flat):
         dims = {"family": "llama", **_llama_attention(flat), "vocab_size": flat["wte"].shape[0],

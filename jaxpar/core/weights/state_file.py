@@ -1,10 +1,11 @@
 """The shared training state: what a run needs to go on in the other framework (or on any layout).
 
-One safetensors file beside the weight format (jaxpar/core/weights/names.py), float32, shared names and shapes (names as in
-the weights file: stacked over layers):
+One safetensors file beside the weight format (jaxpar/core/weights/names.py), float32, shared names and shapes (names
+as in the weights file: stacked over layers):
   param/<name>   the parameters                       adam_m/<name>  Adam's first moment
   adam_v/<name>  Adam's second moment (not its root)  muon_m/<name>  Muon's momentum (optim.name=muon)
-Under optim.name=muon, muon_m holds Muon's matrices (jaxpar/core/optimizer/muon.py) and adam_m, adam_v the other parameters.
+Under optim.name=muon, muon_m holds Muon's matrices (jaxpar/core/optimizer/muon.py) and adam_m, adam_v the other
+parameters.
 Metadata: `optimizer` (the optim.name whose state it holds: adamw, or muon; a file without it is AdamW's), `step`
 (updates done, = the data cursor: the batch of step s is a function of (data, seed, s)), `adam_step` (Adam's
 bias-correction count: updates applied), `muon_step` (Muon's count, muon only), `loss_scale` (float16 runs: {scale,
@@ -39,8 +40,10 @@ NOT_HELD = {"adamw8bit": "its moments are quantized in blocks of each framework'
 
 def state_meta(cfg, step: int, adam_step: int, source: str, loss_scale: dict | None = None,
                muon_step: int | None = None) -> dict:
-    """The metadata every exporter writes (module docstring); `loss_scale` for float16 runs only, `muon_step` for
-    optim.name=muon only."""
+    """The metadata every exporter writes (module docstring).
+
+    `loss_scale` for float16 runs only, `muon_step` for optim.name=muon only.
+    """
     meta = {"optimizer": cfg.optim.name, "step": int(step), "adam_step": int(adam_step), "config": cfg.to_dict(),
             "source": os.path.abspath(source)}
     return {**meta, **({"loss_scale": loss_scale} if loss_scale is not None else {}),
@@ -59,16 +62,21 @@ def _not_held(subject: str, name: str) -> str:
 
 
 def first_moments(first: dict, optimizer: str) -> dict:
-    """Every parameter's first moment (shared name -> array: Adam's m, or Muon's momentum of its matrices) as the
-    file's kinds: under optim.name=muon its matrices' in muon_m, the rest's in adam_m."""
+    """Every parameter's first moment, split into the file's kinds.
+
+    `first`: shared name -> array (Adam's m, or Muon's momentum of its matrices). Under optim.name=muon its matrices' go
+    in muon_m, the rest's in adam_m.
+    """
     matrices = _expected("muon_m", first, optimizer)
     return {"adam_m": {n: a for n, a in first.items() if n not in matrices},
             **({"muon_m": {n: first[n] for n in matrices}} if optimizer == "muon" else {})}
 
 
 def _expected(kind: str, params, optimizer: str) -> set[str]:
-    """The names a kind holds, of the parameters' names `params`: Muon's matrices its own (muon_m), the others
-    AdamW's."""
+    """The names a kind holds, of the parameters' names `params`.
+
+    Muon's matrices its own (muon_m), the others AdamW's.
+    """
     matrices = {n for n in params if optimizer == "muon" and muon.per_layer_axes(n)}
     return set(params) if kind == "param" else matrices if kind == "muon_m" else set(params) - matrices
 
@@ -81,16 +89,21 @@ def refuse_mixing(run_dir: str) -> None:
 
 @contextlib.contextmanager
 def writing_run(run_dir: str):
-    """While a conversion writes a run directory: it is its one writer (jaxpar/core/run/lock.py; a trainer or
-    another conversion there refuses it), and the directory holds no checkpoints (checked again under the lock)."""
+    """While a conversion writes a run directory.
+
+    It is its one writer (jaxpar/core/run/lock.py; a trainer or another conversion there refuses it), and the
+    directory holds no checkpoints (checked again under the lock).
+    """
     with RunLock(run_dir).acquire():
         refuse_mixing(run_dir)
         yield
 
 
 def state_for_run(src: str, run_dir: str):
-    """(tensors, metadata, config with run.dir = run_dir) of a state file a new run directory is written from
-    (refuse_mixing first)."""
+    """Reads a state file that a new run directory is written from.
+
+    Returns (tensors, metadata, config with run.dir = run_dir); refuse_mixing runs first.
+    """
     refuse_mixing(run_dir)
     tensors, meta = read_state(src)
     cfg = config_from_dict(meta["config"])
@@ -109,8 +122,7 @@ def write_moved_config(cfg, meta: dict, src: str, **extra) -> None:
 
 
 def save_state(path: str, tensors: dict[str, dict[str, np.ndarray]], meta: dict) -> None:
-    """tensors: kind -> {shared name: array}, the kinds of meta's optimizer; written atomically (temp file +
-    rename)."""
+    """tensors: kind -> {shared name: array}, the kinds of meta's optimizer; written atomically (temp file + rename)."""
     assert set(tensors) == set(KINDS[meta.get("optimizer", "adamw")]), (sorted(tensors), meta.get("optimizer"))
     flat = {f"{kind}/{name}": np.ascontiguousarray(a, dtype=np.float32)
             for kind, named in tensors.items() for name, a in named.items()}
@@ -134,8 +146,10 @@ def read_state(path: str) -> tuple[dict[str, dict[str, np.ndarray]], dict]:
 
 
 def _checked(path: str, tensors: dict, meta: dict) -> tuple[dict, dict]:
-    """read_state's answer: the file's metadata and its tensors by kind, each kind naming the parameters it should
-    (a kind with no tensors is not in the file); one line if not."""
+    """read_state's answer, checked: the file's tensors by kind and its metadata.
+
+    Each kind must name the parameters it should (a kind with no tensors is not in the file); one line if not.
+    """
     optimizer = meta.setdefault("optimizer", "adamw")  # files written before Muon's held AdamW's state
     if optimizer not in KINDS:
         raise UserError(_not_held(f"{path} holds the state of", optimizer))
@@ -148,6 +162,7 @@ def _checked(path: str, tensors: dict, meta: dict) -> tuple[dict, dict]:
     wrong = [k for k, named in tensors.items() if k not in KINDS[optimizer] or
              named.keys() != _expected(k, tensors["param"], optimizer)]
     if wrong:
-        raise UserError(f"{path} is not a training-state file of optim.name={optimizer} (jaxpar/core/weights/state_file.py): "
+        raise UserError(f"{path} is not a training-state file of optim.name={optimizer} "
+                        "(jaxpar/core/weights/state_file.py): "
                         f"its tensors under {', '.join(k + '/' for k in wrong)} are not those of its parameters")
     return tensors, meta
