@@ -3,6 +3,7 @@
 One persistent XLA compilation cache per test session, so that the many trainer processes compiling the same tiny
 programs compile each once (a fresh directory: every session still compiles everything at least once).
 """
+
 import atexit
 import os
 import shutil
@@ -11,13 +12,19 @@ import tempfile
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="jaxpar-test-xla-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
-    os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    os.environ.update(
+        JAX_COMPILATION_CACHE_DIR=_cache,
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
 
 # Tests choose their own simulated devices: a device count in the caller's XLA_FLAGS is the user's (jaxpar refuses a
 # mesh that needs another, jaxpar/mesh.py), so it would refuse the tests' meshes; dropped for the session
-os.environ["XLA_FLAGS"] = " ".join(flag for flag in os.environ.get("XLA_FLAGS", "").split()
-                                   if not flag.startswith("--xla_force_host_platform_device_count"))
+os.environ["XLA_FLAGS"] = " ".join(
+    flag
+    for flag in os.environ.get("XLA_FLAGS", "").split()
+    if not flag.startswith("--xla_force_host_platform_device_count")
+)
 if not os.environ["XLA_FLAGS"]:
     del os.environ["XLA_FLAGS"]
 

@@ -6,6 +6,7 @@ Log-normal document lengths, median seq_len / 8. Rows: one document per fixed wi
 packed windows (`prepare --pack`, best fit), and data.batching=buckets at 1, 2 and 4 buckets per octave (the
 train split's batches of one epoch, at train.tokens_per_batch = 16 windows). Data only: no model runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,20 +38,36 @@ def main() -> None:
     rows = np.minimum(lengths + 2, T + 1)  # a document with its end-of-document tokens, cut at a window
     print(f"| one document per window of {T + 1} | 1 | {1 - rows.sum() / (len(rows) * (T + 1)):.1%} |")
     stats = PackStats()
-    list(pack(((str(i), d[1:] if i == 0 else d, np.ones(len(d), np.uint8)) for i, d in enumerate(docs)),
-              T + 1, 0, "split", stats))
+    list(
+        pack(
+            ((str(i), d[1:] if i == 0 else d, np.ones(len(d), np.uint8)) for i, d in enumerate(docs)),
+            T + 1,
+            0,
+            "split",
+            stats,
+        )
+    )
     print(f"| packed windows (`prepare --pack {T}`, best fit) | 1 | {stats.padding / (stats.windows * (T + 1)):.1%} |")
     with tempfile.TemporaryDirectory() as tmp:
         path = write_tokens(os.path.join(tmp, "d.bin"), np.concatenate(docs), 256, eod=0)
         for per_octave in (1, 2, 4):
             buckets = ",".join(str(round(T * 2 ** (-k / per_octave))) for k in range(5 * per_octave + 1))
-            cfg = load_config(None, [f"data.seq_len={T}", f"model.max_seq_len={T}", "data.batching=buckets",
-                                     f"data.buckets={buckets}", f"train.tokens_per_batch={16 * T}"])
+            cfg = load_config(
+                None,
+                [
+                    f"data.seq_len={T}",
+                    f"model.max_seq_len={T}",
+                    "data.batching=buckets",
+                    f"data.buckets={buckets}",
+                    f"train.tokens_per_batch={16 * T}",
+                ],
+            )
             data = BucketBatches(Samples(path, T, 0, val_fraction=cfg.data.val_fraction), bucket_shapes(cfg))
             steps = range(data.ends(0))
             share = sum(map(data.padding, steps)) / sum(r * w for r, w in map(data.shape, steps))
-            print(f"| buckets, {per_octave} per octave (`data.buckets={buckets}`) "
-                  f"| {len(data.lengths)} | {share:.1%} |")
+            print(
+                f"| buckets, {per_octave} per octave (`data.buckets={buckets}`) | {len(data.lengths)} | {share:.1%} |"
+            )
 
 
 if __name__ == "__main__":

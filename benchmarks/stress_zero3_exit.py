@@ -14,6 +14,7 @@ from an atexit handler (just before finalization), how many gloo threads are sti
 a process group outlived the teardown, the precondition of the abort, and counts as a failure too.
 Exit status 0 when every run passed, 1 otherwise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,20 +46,45 @@ runpy.run_module("torchpar.train", run_name="__main__", alter_sys=True)
 def one_run(workdir: str, dataset: str, args, i: int) -> tuple[str, str, float]:
     """('' or why the run failed, its stderr, seconds)."""
     run_dir = os.path.join(workdir, f"run{i}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           os.path.join(workdir, "wrapper.py"), "--backend", "deepspeed", "--config", os.path.join(ROOT, args.config),
-           "parallel.zero_stage=3", f"data.dataset={dataset}", f"train.steps={args.steps}", "train.log_every=1",
-           "train.eval_every=0", "checkpoint.every=0", f"run.dir={run_dir}",
-           "--write-final", os.path.join(run_dir, "final.safetensors"), *args.overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        os.path.join(workdir, "wrapper.py"),
+        "--backend",
+        "deepspeed",
+        "--config",
+        os.path.join(ROOT, args.config),
+        "parallel.zero_stage=3",
+        f"data.dataset={dataset}",
+        f"train.steps={args.steps}",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "checkpoint.every=0",
+        f"run.dir={run_dir}",
+        "--write-final",
+        os.path.join(run_dir, "final.safetensors"),
+        *args.overrides,
+    ]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=torch_env(), capture_output=True, text=True, timeout=args.timeout,
-                          start_new_session=True)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=torch_env(), capture_output=True, text=True, timeout=args.timeout, start_new_session=True
+    )
     text = proc.stdout + proc.stderr
     left = [int(n) for n in re.findall(r"gloo threads at exit: (\d+)", proc.stderr)]
-    why = (f"exit {proc.returncode}" if proc.returncode else
-           "abort message" if any(a in text for a in ABORT_TEXT) else
-           f"{len(left)} of 2 ranks reported" if len(left) != 2 else
-           f"gloo threads alive at exit: {left}" if any(left) else "")
+    why = (
+        f"exit {proc.returncode}"
+        if proc.returncode
+        else "abort message"
+        if any(a in text for a in ABORT_TEXT)
+        else f"{len(left)} of 2 ranks reported"
+        if len(left) != 2
+        else f"gloo threads alive at exit: {left}"
+        if any(left)
+        else ""
+    )
     return why, proc.stderr, time.perf_counter() - t0
 
 

@@ -12,6 +12,7 @@ complete checkpoint; its partial directory is removed (and any left by an earlie
 opens), so a resume after freeing space continues from that checkpoint. Without run.debug, orbax's own log
 records are hidden: a failed save logs the same error from several threads, each with a traceback.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -92,8 +93,12 @@ class Checkpointer:
         self._open()
 
     def _open(self):
-        options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True, cleanup_tmp_directories=self.trainer,
-                                               enable_async_checkpointing=self.asynchronous)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=self.keep,
+            create=True,
+            cleanup_tmp_directories=self.trainer,
+            enable_async_checkpointing=self.asynchronous,
+        )
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}  # item_metadata
         self.manager = ocp.CheckpointManager(self.dir, item_handlers=handlers, options=options)
 
@@ -110,8 +115,9 @@ class Checkpointer:
         if step in self.manager.all_steps():
             raise foreign_checkpoint(self.dir, step)
         with self._failing_save(step):  # also the previous step's asynchronous save: this call waits for it
-            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                              meta=ocp.args.JsonSave(meta)))
+            self.manager.save(
+                step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+            )
         self.last = step
         self.own.add(step)
 
@@ -138,10 +144,15 @@ class Checkpointer:
             reason = save_failure(e)
             if reason is None:
                 raise
-            last = (f"the last complete checkpoint is step {complete[-1]} in {self.dir}" if complete
-                    else f"there is no complete checkpoint in {self.dir} yet")
-            raise UserError(f"the checkpoint of step {failed} could not be written: {reason}; its partial files "
-                            f"were removed; {last}") from None
+            last = (
+                f"the last complete checkpoint is step {complete[-1]} in {self.dir}"
+                if complete
+                else f"there is no complete checkpoint in {self.dir} yet"
+            )
+            raise UserError(
+                f"the checkpoint of step {failed} could not be written: {reason}; its partial files "
+                f"were removed; {last}"
+            ) from None
 
     def _complete_steps(self) -> list[int]:
         """Step directories orbax has finished (renamed from their temporary name), read from disk."""
@@ -178,8 +189,9 @@ class Checkpointer:
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
                 target, after = fit(self.manager.item_metadata(step)["state"].tree) if fit else (abstract_state, None)
-                out = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+                out = self.manager.restore(
+                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+                )
             except Exception as e:  # noqa: BLE001 - any failure to read means: try the previous one
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
                 failures.append((step, reason))

@@ -4,6 +4,7 @@
 is checked once per process: the automatic pipeline schedule checks its candidates, the trainer the chosen one, and
 each Layout its own, and a pair accepted before is not checked again.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,9 +67,11 @@ def divisibility(cfg: Config, sizes) -> None:
     data_ways = sizes["dp"] * sizes["fsdp"] * sizes["ep"]
     micro = t.global_batch_size // t.microbatches
     if micro % data_ways:
-        raise UserError(f"batch per microbatch {micro} (train.global_batch_size={t.global_batch_size} / "
-                        f"train.microbatches={t.microbatches}) is not divisible by the data axes "
-                        f"dp*fsdp*ep={data_ways}")
+        raise UserError(
+            f"batch per microbatch {micro} (train.global_batch_size={t.global_batch_size} / "
+            f"train.microbatches={t.microbatches}) is not divisible by the data axes "
+            f"dp*fsdp*ep={data_ways}"
+        )
     check_experts(cfg, sizes)
     if m.attention == "dilated":  # its own exchange over sp, in natural token order (models/dilated.py)
         check_sequence(cfg.data.seq_len, m.n_head, sizes, "all_gather", zigzag=False)
@@ -86,35 +89,47 @@ def check_experts(cfg: Config, sizes) -> None:
     check_expert_axis(cfg.model, sizes["ep"])
     E, first, pp = cfg.model.moe_experts, cfg.model.moe_first_dense, sizes["pp"]
     if E and first and (first % pp or cfg.model.moe_layers % pp):
-        raise UserError(f"model.moe_first_dense={first}: the dense first layers and the {cfg.model.moe_layers} expert "
-                        f"layers after them are stacks of their own, each split over the pipeline: pp={pp} must "
-                        "divide both")
+        raise UserError(
+            f"model.moe_first_dense={first}: the dense first layers and the {cfg.model.moe_layers} expert "
+            f"layers after them are stacks of their own, each split over the pipeline: pp={pp} must "
+            "divide both"
+        )
     zigzag = sizes["sp"] > 1 and cfg.parallel.sequence_zigzag and cfg.model.attention != "dilated"
     if E and cfg.model.moe_capacity_factor and zigzag and cfg.data.document_mask:
-        raise UserError("model.moe_capacity_factor with data.document_mask under zig-zag sequence parallelism: the "
-                        "capacity's token order is not built for that combination (parallel.sequence_zigzag=false "
-                        "runs it)")
+        raise UserError(
+            "model.moe_capacity_factor with data.document_mask under zig-zag sequence parallelism: the "
+            "capacity's token order is not built for that combination (parallel.sequence_zigzag=false "
+            "runs it)"
+        )
     if E and cfg.parallel.grad_compression != "none":
-        raise UserError(f"parallel.grad_compression={cfg.parallel.grad_compression} with a mixture of experts is "
-                        "not built yet in jaxpar (its reduction runs outside the experts' exchange)")
+        raise UserError(
+            f"parallel.grad_compression={cfg.parallel.grad_compression} with a mixture of experts is "
+            "not built yet in jaxpar (its reduction runs outside the experts' exchange)"
+        )
 
 
 def check_compression(cfg: Config, sizes) -> None:
     """parallel.grad_compression: what jaxpar runs (over dp/fsdp, tp and pp beside them), else one line."""
     method = cfg.parallel.grad_compression
     if method != "none" and sizes["sp"] > 1:
-        raise UserError(f"parallel.grad_compression={method} runs on dp, fsdp, tp and pp meshes in jaxpar (sp "
-                        "with it is not built yet)")
+        raise UserError(
+            f"parallel.grad_compression={method} runs on dp, fsdp, tp and pp meshes in jaxpar (sp "
+            "with it is not built yet)"
+        )
     sharded = sizes["fsdp"] > 1 or (cfg.parallel.zero_stage == 3 and sizes["dp"] > 1)
     schedule = concrete(cfg.parallel.pipeline_schedule)
     if method != "none" and sizes["pp"] > 1 and schedule != "gpipe" and sharded:
         # the executor pins its gradients to the parameters' layout, which names the data axes that are manual
         # in compression's shard_map (jaxpar/pipeline/gradients.py hand_scheduled): jax refuses that constraint
-        raise UserError(f"parallel.grad_compression={method} with parallel.pipeline_schedule={schedule} does not run "
-                        "parameters sharded over fsdp or ZeRO-3 yet (gpipe runs it)")
+        raise UserError(
+            f"parallel.grad_compression={method} with parallel.pipeline_schedule={schedule} does not run "
+            "parameters sharded over fsdp or ZeRO-3 yet (gpipe runs it)"
+        )
     if method == "powersgd" and cfg.model.compute_dtype == "float16":
-        raise UserError("parallel.grad_compression=powersgd with model.compute_dtype=float16: an overflowing step's "
-                        "inf would stay in PowerSGD's error feedback and poison every later step; use bfloat16")
+        raise UserError(
+            "parallel.grad_compression=powersgd with model.compute_dtype=float16: an overflowing step's "
+            "inf would stay in PowerSGD's error feedback and poison every later step; use bfloat16"
+        )
 
 
 def check_pipeline(cfg: Config, sizes) -> None:
@@ -127,28 +142,46 @@ def check_pipeline(cfg: Config, sizes) -> None:
     M = resolve_microbatches(stages, p.pipeline_microbatches)
     # the stack the stages split: model.moe_first_dense's dense layers run whole on the executor's first stage
     # (gpipe splits them too: check_experts)
-    check_schedule(schedule, stages, M, p.pipeline_virtual_stages,
-                   cfg.model.n_layer - (cfg.model.moe_first_dense if cfg.model.moe_experts else 0))
+    check_schedule(
+        schedule,
+        stages,
+        M,
+        p.pipeline_virtual_stages,
+        cfg.model.n_layer - (cfg.model.moe_first_dense if cfg.model.moe_experts else 0),
+    )
     data_ways = sizes["dp"] * sizes["fsdp"] * sizes["ep"]
     batch = t.global_batch_size // t.microbatches
     if batch % (M * data_ways):
-        raise UserError(f"batch per microbatch {batch} is not divisible by parallel.pipeline_microbatches={M} "
-                        f"x data axes dp*fsdp*ep={data_ways}")
+        raise UserError(
+            f"batch per microbatch {batch} is not divisible by parallel.pipeline_microbatches={M} "
+            f"x data axes dp*fsdp*ep={data_ways}"
+        )
     if cfg.model.float8 and schedule in ("zb_h1", "zb_v", "dualpipev"):
-        raise UserError(f"parallel.pipeline_schedule={schedule} does not run model.float8 yet (its split "
-                        "backward computes each projection's weight gradient itself, in the compute dtype; gpipe, 1f1b "
-                        "and interleaved run it)")
+        raise UserError(
+            f"parallel.pipeline_schedule={schedule} does not run model.float8 yet (its split "
+            "backward computes each projection's weight gradient itself, in the compute dtype; gpipe, 1f1b "
+            "and interleaved run it)"
+        )
     if cfg.model.remat == "offload" and schedule != "gpipe":
         # the executor keeps each microbatch's residuals in device buffers it writes slot by slot in a tick's
         # branch; residuals in host memory would need host buffers there, which it does not have
-        raise UserError(f"parallel.pipeline_schedule={schedule} does not run model.remat=offload (it runs "
-                        "with the gpipe schedule; or model.remat=full)")
+        raise UserError(
+            f"parallel.pipeline_schedule={schedule} does not run model.remat=offload (it runs "
+            "with the gpipe schedule; or model.remat=full)"
+        )
     sharded_params = sizes["fsdp"] > 1 or (p.zero_stage == 3 and sizes["dp"] > 1)
-    what = ("model.linear=sketched" if cfg.model.linear == "sketched" else
-            "model.attention=mla" if cfg.model.attention == "mla" else None)
+    what = (
+        "model.linear=sketched"
+        if cfg.model.linear == "sketched"
+        else "model.attention=mla"
+        if cfg.model.attention == "mla"
+        else None
+    )
     if what and schedule != "gpipe" and sizes["tp"] > 1 and sharded_params:
         # XLA reshards a sketched factor or MLA's latent projections between the data and tp axes with a
         # collective-permute inside one tick's branch of the executor, which the devices taking another branch
         # never reach: a deadlock (docs/fuzz.md)
-        raise UserError(f"parallel.pipeline_schedule={schedule} does not run {what} with tp>1 and "
-                        "parameters sharded over fsdp or ZeRO-3 (it runs with the gpipe schedule)")
+        raise UserError(
+            f"parallel.pipeline_schedule={schedule} does not run {what} with tp>1 and "
+            "parameters sharded over fsdp or ZeRO-3 (it runs with the gpipe schedule)"
+        )

@@ -7,6 +7,7 @@ The compiled step's optimized HLO names each collective instruction and its repl
 instruction (`hlo_op`) and program (`hlo_module`) they ran, per device. A collective over several axes is counted
 under their names joined by "_" (e.g. dp_fsdp).
 """
+
 from __future__ import annotations
 
 import glob
@@ -60,8 +61,13 @@ def spans(trace_dir: str, module: str | None, axes: dict[str, str]):
     for path in glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True):
         with gzip.open(path) as f:
             events = json.load(f).get("traceEvents", [])
-        devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                   and str((e.get("args") or {}).get("name", "")).startswith("/device:")}
+        devices = {
+            e["pid"]
+            for e in events
+            if e.get("ph") == "M"
+            and e.get("name") == "process_name"
+            and str((e.get("args") or {}).get("name", "")).startswith("/device:")
+        }
         for e in events:
             args = e.get("args") or {}
             op = args.get("hlo_op")

@@ -6,6 +6,7 @@ across sequence shards; the layer stack as pipeline stages; a mixture of experts
 builds the context from the config and mesh; with none active, constraints are no-ops and both are the plain local
 versions.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,8 +56,9 @@ def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     ctx = current()
     if ctx.mesh is None:
         return x
-    return jax.lax.with_sharding_constraint(x, NamedSharding(tracing_mesh(ctx.mesh), spec_for(axes, x.shape, ctx.mesh,
-                                                                                               ctx.rules)))
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(tracing_mesh(ctx.mesh), spec_for(axes, x.shape, ctx.mesh, ctx.rules))
+    )
 
 
 def tracing_mesh(mesh):

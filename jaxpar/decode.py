@@ -15,6 +15,7 @@ With data.document_mask (`eod`: the token that starts a document) every cache sl
 document and position (ops.document_positions), so a token attends only to its own document and positions restart at
 each end-of-document token, in the prompt or decoded: what the model was trained to read.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -45,6 +46,7 @@ def _attend(attn, cfg: ModelConfig, x, dtype, where, start, cache):
     Where: (positions, cache slots' positions, segments, cache slots' segments) of _where.
     """
     positions, k_positions, segments, k_segments = where
+
     def write(c, new):
         return jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (0, start) + (0,) * (c.ndim - 2))
 
@@ -57,8 +59,12 @@ def _attend(attn, cfg: ModelConfig, x, dtype, where, start, cache):
         cache = (write(cache[0], k), write(cache[1], v))
         k, v = (repeat_kv(c, cfg.n_head) for c in cache)
     if cfg.attention == "dilated":
-        y = counted_attention(q, k, v, key_counts(positions, k_positions, cfg.n_head, cfg.dilation_pairs,
-                                                  cfg.max_seq_len, block_sparsity(cfg)))
+        y = counted_attention(
+            q,
+            k,
+            v,
+            key_counts(positions, k_positions, cfg.n_head, cfg.dilation_pairs, cfg.max_seq_len, block_sparsity(cfg)),
+        )
     else:
         y = causal_attention(q, k, v, positions, k_positions, segments, k_segments)
     return attn.project_out(y, dtype), cache
@@ -74,8 +80,9 @@ def _where(tokens, start, slots, eod, length: int):
     """
     if eod is None:
         return (start + jnp.arange(tokens.shape[1]), jnp.arange(length), None, None), None
-    last = [jnp.where(start > 0, jax.lax.dynamic_index_in_dim(s, jnp.maximum(start - 1, 0), 1, False), 0)
-            for s in slots]  # slot start-1's position and segment (none before the first)
+    last = [
+        jnp.where(start > 0, jax.lax.dynamic_index_in_dim(s, jnp.maximum(start - 1, 0), 1, False), 0) for s in slots
+    ]  # slot start-1's position and segment (none before the first)
     positions, segments = document_positions(tokens, eod, last[1], last[0] + jnp.where(start > 0, 1, 0))
     slots = tuple(jax.lax.dynamic_update_slice(s, new, (0, start)) for s, new in zip(slots, (positions, segments)))
     return (positions, slots[0], segments, slots[1]), slots
@@ -102,7 +109,7 @@ def _forward(model, tokens, start, cache, slots, eod=None):
             h = h + block.feed_forward(block.ln2(h), dtype, sketches)[0]
             return h, layer_cache
 
-        h, part = jax.lax.scan(layer, h, (stacked, stacked_sketches(cfg), *(c[offset:offset + n] for c in cache)))
+        h, part = jax.lax.scan(layer, h, (stacked, stacked_sketches(cfg), *(c[offset : offset + n] for c in cache)))
         offset, caches = offset + n, caches + [part]
     cache = tuple(jnp.concatenate(parts) for parts in zip(*caches))
     return model.head(h), cache, slots
@@ -143,8 +150,11 @@ def make_generate(graphdef, eod: int | None = None):
         cfg = model.cfg
         B, P = prompt.shape
         cache = _empty_cache(cfg, B, P + new_tokens)
-        slots = None if eod is None else (jnp.zeros((B, P + new_tokens), jnp.int32),
-                                          jnp.full((B, P + new_tokens), -1, jnp.int32))
+        slots = (
+            None
+            if eod is None
+            else (jnp.zeros((B, P + new_tokens), jnp.int32), jnp.full((B, P + new_tokens), -1, jnp.int32))
+        )
         draw = partial(sample, temperature=temperature, top_k=top_k, top_p=top_p)
         logits, cache, slots = _forward(model, prompt, 0, cache, slots, eod)
         first = draw(logits[:, -1], jax.random.fold_in(key, 0))

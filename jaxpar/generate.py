@@ -9,6 +9,7 @@ Mixtral, DeepSeek-V3); `--tokenizer` names the tokenizer, by default the run's, 
 tokenizer.json, else byte-level. Decoding uses a KV cache in one jitted loop (jaxpar/decode.py) on any dp / fsdp /
 tp mesh; temperature 0 is greedy.
 """
+
 from __future__ import annotations
 
 import sys
@@ -27,10 +28,15 @@ from jaxpar.mesh import make_mesh, setup_devices
 
 
 def parse_args(argv):
-    p = sampling_parser("python -m jaxpar.generate", __doc__, {
-        "run": "a jaxpar run directory: its latest checkpoint and config",
-        "weights": "a .safetensors file in the shared weight format",
-        "hf": "a Hugging Face GPT-2, Llama, Mixtral or DeepSeek-V3 directory (config.json + safetensors)"})
+    p = sampling_parser(
+        "python -m jaxpar.generate",
+        __doc__,
+        {
+            "run": "a jaxpar run directory: its latest checkpoint and config",
+            "weights": "a .safetensors file in the shared weight format",
+            "hf": "a Hugging Face GPT-2, Llama, Mixtral or DeepSeek-V3 directory (config.json + safetensors)",
+        },
+    )
     p.add_argument("--mesh", default="dp=1", help="dp / fsdp / tp axes (default dp=1)")
     return p.parse_args(argv)
 
@@ -88,8 +94,14 @@ def sample_rows(cfg: Config, sizes: dict, flat: dict, prompt: list[int], args) -
     params = jax.device_put(params, layout.device_shardings["params"])  # on the devices even if the run offloaded
     with use(parallel_context(layout)):
         out = make_generate(abstract_model(cfg.model)[0], document_token(cfg))(
-            params, jnp.asarray([prompt] * args.num_samples, jnp.int32), jax.random.key(args.seed),
-            new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+            params,
+            jnp.asarray([prompt] * args.num_samples, jnp.int32),
+            jax.random.key(args.seed),
+            new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+        )
     return jax.device_get(out).tolist()
 
 

@@ -12,6 +12,7 @@ parallel.offload keeps the optimizer state (and with params+optimizer the parame
 between steps: their `state_shardings` carry a host memory kind (pinned_host where the devices have it),
 `device_shardings` the same layout in device memory; the step moves them in and out (to_device, to_rest).
 """
+
 from __future__ import annotations
 
 import math
@@ -56,8 +57,10 @@ def host_memory_kind(mesh) -> str:
     for kind in ("pinned_host", "unpinned_host"):
         if kind in kinds:
             return kind
-    raise UserError(f"parallel.offload: {device.platform} devices have no host memory to offload to "
-                    f"(memory kinds: {', '.join(sorted(kinds))}); use parallel.offload=none")
+    raise UserError(
+        f"parallel.offload: {device.platform} devices have no host memory to offload to "
+        f"(memory kinds: {', '.join(sorted(kinds))}); use parallel.offload=none"
+    )
 
 
 class Layout:
@@ -67,31 +70,41 @@ class Layout:
         _, self.axes, abstract_params = abstract_model(cfg.model)
         self.abstract_params = abstract_params
         self.param_specs = jax.tree_util.tree_map_with_path(
-            lambda p, x: spec_for(self.axes[path_keys(p)], x.shape, mesh, self.rules), abstract_params)
+            lambda p, x: spec_for(self.axes[path_keys(p)], x.shape, mesh, self.rules), abstract_params
+        )
         self._param_at = {path_keys(p): x for p, x in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
         abstract_opt = jax.eval_shape(make_optimizer(cfg).init, abstract_params)
         opt_specs = jax.tree_util.tree_map_with_path(self._opt_spec, abstract_opt)
-        self.state_shardings = {"params": self.shardings(self.param_specs), "opt_state": self.shardings(opt_specs),
-                                "step": NamedSharding(mesh, P())}
+        self.state_shardings = {
+            "params": self.shardings(self.param_specs),
+            "opt_state": self.shardings(opt_specs),
+            "step": NamedSharding(mesh, P()),
+        }
         if loss_scale.enabled(cfg):  # the loss scaler's scalars
-            self.state_shardings["loss_scale"] = {k: NamedSharding(mesh, P()) for k in ("scale", "good_steps",
-                                                                                       "skipped")}
+            self.state_shardings["loss_scale"] = {
+                k: NamedSharding(mesh, P()) for k in ("scale", "good_steps", "skipped")
+            }
         if powersgd.enabled(self):  # its error buffers and factors (jaxpar/parallel/powersgd.py)
             self.state_shardings["powersgd"] = powersgd.shardings(self)
         self.device_shardings = dict(self.state_shardings)  # where the step computes on them
-        self.offloaded = {"none": (), "optimizer": ("opt_state",),
-                          "params+optimizer": ("params", "opt_state")}[cfg.parallel.offload]
+        self.offloaded = {"none": (), "optimizer": ("opt_state",), "params+optimizer": ("params", "opt_state")}[
+            cfg.parallel.offload
+        ]
         if self.offloaded:
             kind = host_memory_kind(mesh)
             for key in self.offloaded:
                 self.state_shardings[key] = jax.tree.map(lambda s: s.with_memory_kind(kind), self.state_shardings[key])
         # ZeRO-2: gradients reduce-scattered to the optimizer-state layout instead of all-reduced.
-        self.grad_specs = (jax.tree_util.tree_map_with_path(self._opt_spec, abstract_params)
-                           if cfg.parallel.zero_stage >= 2 else self.param_specs)
+        self.grad_specs = (
+            jax.tree_util.tree_map_with_path(self._opt_spec, abstract_params)
+            if cfg.parallel.zero_stage >= 2
+            else self.param_specs
+        )
         t = cfg.train
         self.batch_shape = (t.global_batch_size, cfg.data.seq_len + 1)
-        self.batch_sharding = NamedSharding(mesh, spec_for(("batch", None), (t.global_batch_size // t.microbatches, 1),
-                                                           mesh, self.rules))
+        self.batch_sharding = NamedSharding(
+            mesh, spec_for(("batch", None), (t.global_batch_size // t.microbatches, 1), mesh, self.rules)
+        )
 
     def shardings(self, specs):
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec)

@@ -3,6 +3,7 @@
 A row's token order and, with data.document_mask, each packed document's own positions and segment ids; a
 layout's model loss (its gradients on the hand-scheduled pipeline executor: jaxpar/pipeline/gradients.py).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -31,6 +32,7 @@ def token_order(cfg: Config, mesh, T: int) -> np.ndarray | None:
 
 class Rows(NamedTuple):
     """Rows as the model reads them, every array in the same (possibly permuted) token order."""
+
     inputs: jax.Array  # [batch, seq] token ids
     targets: jax.Array  # [batch, seq]
     positions: jax.Array | None  # None: natural order; [seq] the order's positions; with documents [batch, seq]
@@ -50,8 +52,7 @@ def split_rows(batch: jax.Array, order=None, eod: int | None = None, mtp_depth: 
     mtp = mtp_rows(inputs, targets, segments, mtp_depth) if mtp_depth else None
     if order is not None:
         inputs, targets = inputs[:, order], targets[:, order]
-        positions, segments = ((order, None) if eod is None
-                               else (positions[:, order], segments[:, order]))
+        positions, segments = (order, None) if eod is None else (positions[:, order], segments[:, order])
         mtp = None if mtp is None else (mtp[0][:, :, order], mtp[1][:, :, order])
     return Rows(inputs, targets, positions, segments, mtp)
 
@@ -65,6 +66,7 @@ def mtp_rows(inputs: jax.Array, targets: jax.Array, segments, depth: int) -> tup
     next document's first token as the main loss does; none past the row's end (-1, skipped; the token 0 there is
     never read by a counted target).
     """
+
     def ahead(a, d, fill):
         return jnp.concatenate([a[:, d:], jnp.full((a.shape[0], d), fill, a.dtype)], axis=1)
 

@@ -10,6 +10,7 @@ backoff factor, not below the minimum. After `growth_interval` finite steps in a
 the growth factor. The scaler's state lives in the train state (`state["loss_scale"]`), so a resumed run
 continues with the scale it had.
 """
+
 from __future__ import annotations
 
 import jax
@@ -24,8 +25,11 @@ def enabled(cfg: Config) -> bool:
 
 
 def initial(cfg: Config) -> dict:
-    return {"scale": jnp.asarray(cfg.optim.loss_scale_init, jnp.float32), "good_steps": jnp.zeros((), jnp.int32),
-            "skipped": jnp.zeros((), jnp.int32)}
+    return {
+        "scale": jnp.asarray(cfg.optim.loss_scale_init, jnp.float32),
+        "good_steps": jnp.zeros((), jnp.int32),
+        "skipped": jnp.zeros((), jnp.int32),
+    }
 
 
 def all_finite(grads) -> jax.Array:
@@ -35,10 +39,16 @@ def all_finite(grads) -> jax.Array:
 def update(ls: dict, finite: jax.Array, cfg: Config) -> dict:
     o = cfg.optim
     grow = finite & (ls["good_steps"] + 1 >= o.loss_scale_growth_interval)
-    scale = jnp.where(finite, jnp.where(grow, ls["scale"] * o.loss_scale_growth_factor, ls["scale"]),
-                      jnp.maximum(ls["scale"] * o.loss_scale_backoff_factor, o.loss_scale_min))
-    return {"scale": scale, "good_steps": jnp.where(finite & ~grow, ls["good_steps"] + 1, 0),
-            "skipped": ls["skipped"] + (~finite).astype(jnp.int32)}
+    scale = jnp.where(
+        finite,
+        jnp.where(grow, ls["scale"] * o.loss_scale_growth_factor, ls["scale"]),
+        jnp.maximum(ls["scale"] * o.loss_scale_backoff_factor, o.loss_scale_min),
+    )
+    return {
+        "scale": scale,
+        "good_steps": jnp.where(finite & ~grow, ls["good_steps"] + 1, 0),
+        "skipped": ls["skipped"] + (~finite).astype(jnp.int32),
+    }
 
 
 def keep_if(finite: jax.Array, new, old):

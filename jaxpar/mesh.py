@@ -3,6 +3,7 @@
 Call `setup_devices` before anything touches a jax backend: the simulated CPU device count
 and `jax.distributed.initialize` must both happen before jax initialises.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,8 +56,11 @@ def elastic_env() -> dict:
     """
     port = int(os.environ["MASTER_PORT"]) + (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
     port = os.environ.get("JAXPAR_COORDINATOR_PORT") or str(port)
-    dist = {"coordinator_address": f"{os.environ['MASTER_ADDR']}:{port}",
-            "num_processes": int(os.environ["WORLD_SIZE"]), "process_id": int(os.environ["RANK"])}
+    dist = {
+        "coordinator_address": f"{os.environ['MASTER_ADDR']}:{port}",
+        "num_processes": int(os.environ["WORLD_SIZE"]),
+        "process_id": int(os.environ["RANK"]),
+    }
     if _has_accelerator() and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
         dist["local_device_ids"] = [int(os.environ["LOCAL_RANK"])]
     return dist
@@ -118,9 +122,11 @@ def check_forced_count(sizes: dict[str, int], forced: int, processes: int) -> in
     needed = math.prod(sizes.values())
     if -1 not in sizes.values() and needed != total:
         per = f" per process, {total} over {processes} processes" if processes > 1 else ""
-        raise UserError(f"the mesh {format_mesh(sizes)} needs {needed} device{'s' * (needed > 1)}; XLA_FLAGS sets "
-                        f"--{FORCED_COUNT}={forced}{per}: choose a mesh of {total} devices, or drop the flag (jaxpar "
-                        "then simulates the mesh's devices itself)")
+        raise UserError(
+            f"the mesh {format_mesh(sizes)} needs {needed} device{'s' * (needed > 1)}; XLA_FLAGS sets "
+            f"--{FORCED_COUNT}={forced}{per}: choose a mesh of {total} devices, or drop the flag (jaxpar "
+            "then simulates the mesh's devices itself)"
+        )
     return total
 
 
@@ -147,8 +153,10 @@ def setup_devices(sizes: dict[str, int], peer_timeout_s: float | None = None) ->
         else:
             total = math.prod(sizes.values())
         if total > MAX_CPU_DEVICES:
-            raise UserError(f"mesh {format_mesh(sizes)} needs {total} devices; without an accelerator they are "
-                            f"simulated on the CPU, at most {MAX_CPU_DEVICES}")
+            raise UserError(
+                f"mesh {format_mesh(sizes)} needs {total} devices; without an accelerator they are "
+                f"simulated on the CPU, at most {MAX_CPU_DEVICES}"
+            )
         if total % nproc:
             raise UserError(f"{total} simulated CPU devices cannot be split over {nproc} processes")
         jax.config.update("jax_platforms", "cpu")
@@ -156,8 +164,13 @@ def setup_devices(sizes: dict[str, int], peer_timeout_s: float | None = None) ->
         if dist is not None:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if dist is not None:
-        limits = {} if peer_timeout_s is None else dict.fromkeys(
-            ("heartbeat_timeout_seconds", "shutdown_timeout_seconds"), library_timeout_s(peer_timeout_s))
+        limits = (
+            {}
+            if peer_timeout_s is None
+            else dict.fromkeys(
+                ("heartbeat_timeout_seconds", "shutdown_timeout_seconds"), library_timeout_s(peer_timeout_s)
+            )
+        )
         jax.distributed.initialize(**dist, **limits)
 
 

@@ -2,6 +2,7 @@
 
 Installed by jaxpar/__init__.py; an old `python -m` path or import fails with one line naming the module to use.
 """
+
 from __future__ import annotations
 
 import importlib.abc
@@ -70,8 +71,9 @@ class MovedModules(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname in MOVED:
-            raise ModuleNotFoundError(f"{fullname} moved to {MOVED[fullname]} (docs/architecture.md has the map)",
-                                      name=fullname)
+            raise ModuleNotFoundError(
+                f"{fullname} moved to {MOVED[fullname]} (docs/architecture.md has the map)", name=fullname
+            )
         return None
 
 

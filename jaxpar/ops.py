@@ -1,4 +1,5 @@
 """Mesh-free array functions that models, parallel strategies and the train step all use."""
+
 from __future__ import annotations
 
 import contextlib
@@ -82,8 +83,11 @@ def _attention(q, k, v, **mask):
         reason = f"{q.dtype} inputs; cuDNN's kernel takes bfloat16 or float16"
     if reason not in _said:
         _said.add(reason)
-        print(f"attention: cuDNN flash attention not used ({reason}); XLA's attention runs instead",
-              file=sys.stderr, flush=True)
+        print(
+            f"attention: cuDNN flash attention not used ({reason}); XLA's attention runs instead",
+            file=sys.stderr,
+            flush=True,
+        )
     return jax.nn.dot_product_attention(q, k, v, implementation="xla", **mask)
 
 
@@ -201,8 +205,9 @@ def _float8_project_bwd(n_in, saved, dy):
     x8, sx, w8, sw = saved
     dy8, sdy = to_float8(dy, jnp.float8_e5m2)
     lead = x8.ndim - n_in
-    dx = jnp.tensordot(dy8, w8, (tuple(range(lead, dy.ndim)), tuple(range(n_in, w8.ndim))),
-                       preferred_element_type=jnp.float32) * (sdy * sw)
+    dx = jnp.tensordot(
+        dy8, w8, (tuple(range(lead, dy.ndim)), tuple(range(n_in, w8.ndim))), preferred_element_type=jnp.float32
+    ) * (sdy * sw)
     dw = jnp.tensordot(x8, dy8, (tuple(range(lead)), tuple(range(lead))), preferred_element_type=jnp.float32)
     return dx.astype(dy.dtype), (dw * (sx * sdy)).astype(dy.dtype)
 
@@ -343,8 +348,11 @@ REMAT_POLICIES = {
     "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     # the projections' outputs kept in host memory from the forward pass to the backward, the rest recomputed
     "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=(), names_which_can_be_offloaded=(PROJECTION,), offload_src="device",
-        offload_dst="pinned_host"),
+        names_which_can_be_saved=(),
+        names_which_can_be_offloaded=(PROJECTION,),
+        offload_src="device",
+        offload_dst="pinned_host",
+    ),
 }
 
 
@@ -362,6 +370,7 @@ def remat_layers(run_layers: Callable, remat: str) -> Callable:
         if _split is not None and _split.recording:  # no backward of the layers runs (_SplitBackward)
             return run_layers(layer, stacked, x, rows)
         return run_layers(jax.checkpoint(layer, policy=policy), stacked, x, rows)
+
     return recomputed
 
 
@@ -370,13 +379,15 @@ def split_microbatches(x: jax.Array, M: int) -> jax.Array:
     return x.reshape(x.shape[0] // M, M, *x.shape[1:]).swapaxes(0, 1)
 
 
-def sum_over_microbatches(value_and_grad: Callable, params, batch: jax.Array, scale, M: int,
-                          pin: Callable = lambda mb: mb, value=None):
+def sum_over_microbatches(
+    value_and_grad: Callable, params, batch: jax.Array, scale, M: int, pin: Callable = lambda mb: mb, value=None
+):
     """(loss, grads) of value_and_grad(params, microbatch, scale) summed over the batch's M microbatches.
 
     The sum runs in a scan whose float32 carry is the accumulation; `pin` places each microbatch first (a sharding
     constraint); `value`: zeros shaped as the loss (with experts, (loss, their statistics)).
     """
+
     def accumulate(carry, mb):
         return jax.tree.map(jnp.add, carry, value_and_grad(params, pin(mb), scale)), None
 

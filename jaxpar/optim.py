@@ -9,6 +9,7 @@ resumed run takes its optim.* and train.steps from the config it runs with. The 
 or not it clips (optim.grad_clip=0: an identity in the clipping slot; both slots hold optax's empty state), so a
 resume may also turn clipping on or off.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -18,6 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+
 try:  # jax 0.11 removed shard_alike; there the update's layout is left to GSPMD (a layout hint, never a value)
     from jax.experimental.shard_alike import shard_alike
 except ImportError:
@@ -47,7 +49,8 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
         adamw = scale_by_adamw8bit(cfg)
     if o.name == "muon":
         labels = lambda params: jax.tree_util.tree_map_with_path(
-            lambda p, _: "muon" if muon.stacked_axes(_name(p)) else "adamw", params)
+            lambda p, _: "muon" if muon.stacked_axes(_name(p)) else "adamw", params
+        )
         adamw = optax.partition({"muon": scale_by_muon(cfg), "adamw": adamw}, labels)
     return optax.chain(optax.clip_by_global_norm(o.grad_clip) if o.grad_clip else optax.identity(), adamw)
 
@@ -83,7 +86,7 @@ def orthogonalize_all(xs: list, axes: list, steps: int, likes: list | None = Non
     for members in groups.values():
         sizes = [mats[i].shape[0] for i in members]
         done = newton_schulz(spread_matrices(jnp.concatenate([mats[i] for i in members])), steps)
-        for i, piece in zip(members, jnp.split(done[:sum(sizes)], list(itertools.accumulate(sizes))[:-1])):
+        for i, piece in zip(members, jnp.split(done[: sum(sizes)], list(itertools.accumulate(sizes))[:-1])):
             out[i] = _from_matrices(piece, xs[i].shape, axes[i])
             if likes is not None and shard_alike is not None and current().mesh is not None:
                 out[i] = shard_alike(likes[i], out[i])[1]
@@ -167,9 +170,11 @@ def scale_by_muon(cfg: Config) -> optax.GradientTransformation:
         names = [_name(path) for path, _ in leaves]
         axes, ws = [muon.stacked_axes(n) for n in names], [w for _, w in leaves]
         nesterov = [_lerp(g, b, m) for g, b in zip(jax.tree.leaves(grads), jax.tree.leaves(mu))]
-        updates = [-lr(state.count) * (muon.lr_scale(o.muon_lr_rule, *muon.fans(w.shape, a)) * o_
-                                       + (o.weight_decay if decays(n) else 0.0) * w)
-                   for n, a, w, o_ in zip(names, axes, ws, orthogonalize_all(nesterov, axes, o.muon_ns_steps, ws))]
+        updates = [
+            -lr(state.count)
+            * (muon.lr_scale(o.muon_lr_rule, *muon.fans(w.shape, a)) * o_ + (o.weight_decay if decays(n) else 0.0) * w)
+            for n, a, w, o_ in zip(names, axes, ws, orthogonalize_all(nesterov, axes, o.muon_ns_steps, ws))
+        ]
         return jax.tree.unflatten(tree, updates), MuonState(optax.safe_increment(state.count), mu)
 
     return optax.GradientTransformation(init, update)
@@ -239,11 +244,10 @@ def scale_by_adamw8bit(cfg: Config) -> optax.GradientTransformation:
     def update(grads, state, params):
         count = optax.safe_increment(state.count)
         t = count.astype(jnp.float32)
-        bc1, bc2 = 1 - o.beta1 ** t, 1 - o.beta2 ** t
+        bc1, bc2 = 1 - o.beta1**t, 1 - o.beta2**t
         read = lambda x, scale, signed: dequantize(x, scale, signed) if x.dtype == jnp.uint8 else x
         m = jax.tree.map(lambda x, s, g: _lerp(read(x, s, True), g, 1 - o.beta1), state.mu, state.mu_scale, grads)
-        v = jax.tree.map(lambda x, s, g: _lerp(read(x, s, False), g * g, 1 - o.beta2), state.nu, state.nu_scale,
-                         grads)
+        v = jax.tree.map(lambda x, s, g: _lerp(read(x, s, False), g * g, 1 - o.beta2), state.nu, state.nu_scale, grads)
 
         rate = lr(state.count)
 
@@ -265,6 +269,7 @@ def with_clip_slot(fit):
     Checkpoints written while optim.grad_clip=0 left the clipping slot out (AdamW's state alone): they are read as
     saved, then the empty slot is put in front.
     """
+
     def extended(saved: dict):
         target, after = fit(saved)
         if len(saved["opt_state"]) == len(target["opt_state"]):

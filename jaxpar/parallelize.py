@@ -13,6 +13,7 @@
 
 A Layout is stages 1 and 2; `parallelize(layout)` applies 3 to 5 and is what jaxpar/step.py builds the step from.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,6 +43,7 @@ from jaxpar.parallel.sequence import sequence_attention
 @dataclasses.dataclass(frozen=True)
 class Parallel:
     """A layout's model, parallelized: what the train step is built from."""
+
     context: ParallelContext  # stages 3 and 4: what the model asks for while it is traced
     value_and_grad: Callable  # (params, microbatch, scale) -> (loss, grads) of the loss times scale, in `context`
     # stage 5: (params, batch, state, scale, token share) -> (mean loss, mean gradients, extras: the experts'
@@ -87,8 +89,9 @@ def mesh_context(layout: Layout, on_executor: bool = False) -> ParallelContext:
     """
     mesh, p, S = layout.mesh, layout.cfg.parallel, layout.mesh.shape["pp"]
     unroll = unrolled_layers(layout.cfg.train.scan_layers, mesh)
-    attention = (sequence_attention(mesh, layout.rules, p.sequence_attention) if mesh.shape["sp"] > 1
-                 else local_attention)
+    attention = (
+        sequence_attention(mesh, layout.rules, p.sequence_attention) if mesh.shape["sp"] > 1 else local_attention
+    )
     if S > 1 and not on_executor:
         run_layers = gpipe_layers(S, resolve_microbatches(S, p.pipeline_microbatches), unroll)
     else:
@@ -128,12 +131,12 @@ def reduce_gradients(layout: Layout, value_and_grad: Callable) -> Callable:
         return powersgd_reduced
     if cfg.parallel.grad_compression == "bf16" and data_axes(layout.mesh):
         compressed = compressed_loss_and_grads(layout, value_and_grad, accum, zero)
-        summed = lambda params, batch, scale, share: compressed(
-            params, batch, jnp.asarray(scale, jnp.float32) * share)
+        summed = lambda params, batch, scale, share: compressed(params, batch, jnp.asarray(scale, jnp.float32) * share)
     else:
         pin = lambda mb: jax.lax.with_sharding_constraint(mb, layout.batch_sharding)
         summed = lambda params, batch, scale, share: sum_over_microbatches(
-            value_and_grad, params, batch, scale * share, accum, pin, zero)
+            value_and_grad, params, batch, scale * share, accum, pin, zero
+        )
 
     def reduced(params, batch, state, scale, share):
         loss, grads = summed(params, batch, scale, share)

@@ -4,6 +4,7 @@ Model code names axes ("batch", "embed", "heads", ...) and calls `jaxpar.context
 else. Changing a layout means changing `RULES` here (ZeRO-3 adds dp to "embed": jaxpar/layout.py),
 never the model.
 """
+
 from __future__ import annotations
 
 import math

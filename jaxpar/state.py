@@ -4,6 +4,7 @@ Nested dict, "opt_state": optax state, "step": int32, and with float16 "loss_sca
 PowerSGD "powersgd": jaxpar/parallel/powersgd.py's}, created directly in the layout's shardings (never materialised on
 one device).
 """
+
 from __future__ import annotations
 
 import jax

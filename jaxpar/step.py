@@ -3,6 +3,7 @@
 The loss and gradients jaxpar/parallelize.py makes of the model (over the microbatches, reduced over the data axes), the
 optimizer update, float16's loss scale, the experts' balance bias.
 """
+
 from __future__ import annotations
 
 import jax
@@ -69,19 +70,27 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
             metrics[f"mtp_loss_{d + 1}"] = extras["mtp_losses"][d]
         if fp16:  # skip a step that overflowed (its parameters and optimizer state stay), adjust the scale
             ls, finite = state["loss_scale"], loss_scale.all_finite(grads)
-            new["params"], new["opt_state"] = loss_scale.keep_if(finite, (new["params"], opt_state),
-                                                                 (params, state["opt_state"]))
+            new["params"], new["opt_state"] = loss_scale.keep_if(
+                finite, (new["params"], opt_state), (params, state["opt_state"])
+            )
             new["loss_scale"] = loss_scale.update(ls, finite, cfg)
-            metrics.update(lr=lr(state["step"] - ls["skipped"]),  # the schedule counts applied updates
-                           loss_scale=scale, skipped_steps=new["loss_scale"]["skipped"])
+            metrics.update(
+                lr=lr(state["step"] - ls["skipped"]),  # the schedule counts applied updates
+                loss_scale=scale,
+                skipped_steps=new["loss_scale"]["skipped"],
+            )
         return layout.to_rest(new), metrics
 
     def traced(state, batch):
         with use(parallel.context):
             return step(state, batch)
 
-    return jax.jit(traced, in_shardings=(layout.state_shardings, layout.batch_sharding),
-                   out_shardings=(layout.state_shardings, None), donate_argnums=0)
+    return jax.jit(
+        traced,
+        in_shardings=(layout.state_shardings, layout.batch_sharding),
+        out_shardings=(layout.state_shardings, None),
+        donate_argnums=0,
+    )
 
 
 def compiled_train_step(layout: Layout, state, compiler_options: dict | None = None, shape=None):

@@ -2,10 +2,12 @@
 
 python -m jaxpar.train --config configs/gpt2-tiny.yaml --mesh dp=2,tp=4 [section.key=value ...]
 """
+
 from __future__ import annotations
 
 if __name__ == "__main__":  # before jax is imported: glibc reads its malloc tunables at process start
     from jaxpar.core.run.malloc import relaunch_with_huge_pages
+
     relaunch_with_huge_pages("jaxpar.train")
 
 import argparse
@@ -33,10 +35,16 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m jaxpar.train", description=__doc__)
     p.add_argument("--config", help="YAML config (configs/*.yaml); built-in defaults if omitted")
     p.add_argument("--mesh", help="mesh axes, e.g. dp=2,fsdp=2,tp=2 (overrides parallel.mesh)")
-    p.add_argument("--write-init", metavar="PATH",
-                   help="write the initial weights (model.init_from's, else the seed's) to PATH and exit")
-    p.add_argument("--write-final", metavar="PATH",
-                   help="after training, also write the final weights (shared safetensors format) to PATH")
+    p.add_argument(
+        "--write-init",
+        metavar="PATH",
+        help="write the initial weights (model.init_from's, else the seed's) to PATH and exit",
+    )
+    p.add_argument(
+        "--write-final",
+        metavar="PATH",
+        help="after training, also write the final weights (shared safetensors format) to PATH",
+    )
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return p.parse_intermixed_args(argv)
 

@@ -4,6 +4,7 @@ Restore or initialise the state, compile the train step, read batches ahead, eva
 collectives the run needs across processes, the measurements, the profiler and the test faults
 (jaxpar/core/run/adapter.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -52,6 +53,7 @@ def any_process(flag: bool) -> bool:
 
 class JaxTrainer:
     """The run on a Layout of (config, mesh): the state, its compiled steps by batch shape, the data, orbax saves."""
+
     processes: JaxProcesses
     probes: JaxProbes
     profiling: JaxProfiling
@@ -62,8 +64,12 @@ class JaxTrainer:
         self.train_data, self.val_data = data
         self.is_main, self.process_count, self.rank = jax.process_index() == 0, jax.process_count(), jax.process_index()
         self.state, self.ckpt, self.prefetch = None, None, None
-        self.processes, self.probes, self.profiling, self.faults = (JaxProcesses(), JaxProbes(self), JaxProfiling(self),
-                                                                    JaxFaults(self))
+        self.processes, self.probes, self.profiling, self.faults = (
+            JaxProcesses(),
+            JaxProbes(self),
+            JaxProfiling(self),
+            JaxFaults(self),
+        )
 
     # the run sequence
     def initial_state(self):
@@ -100,16 +106,20 @@ class JaxTrainer:
 
     def describe(self, compile_s: float) -> str:
         n = sum(x.size for x in jax.tree.leaves(self.state["params"]))
-        line = (f"mesh {format_mesh(dict(self.layout.mesh.shape))} on {jax.device_count()} "
-                f"{jax.devices()[0].platform} devices; {params_phrase(self.cfg.model, n)}; "
-                f"{optimizer_phrase(self.cfg.optim.name, self._optimizer_bytes(), 'device')}; "
-                f"compiled in {compile_s:.1f}s")
+        line = (
+            f"mesh {format_mesh(dict(self.layout.mesh.shape))} on {jax.device_count()} "
+            f"{jax.devices()[0].platform} devices; {params_phrase(self.cfg.model, n)}; "
+            f"{optimizer_phrase(self.cfg.optim.name, self._optimizer_bytes(), 'device')}; "
+            f"compiled in {compile_s:.1f}s"
+        )
         bubble, p = self.probes.record_extra()["pipeline_bubble"], self.cfg.parallel
         if bubble is not None:
-            line += (f"\npipeline {concrete(p.pipeline_schedule)}: {self.layout.mesh.shape['pp']} stages x "
-                     f"{p.pipeline_virtual_stages} virtual, "
-                     f"{resolve_microbatches(self.layout.mesh.shape['pp'], p.pipeline_microbatches)} microbatches, "
-                     f"bubble {bubble:.3f}")
+            line += (
+                f"\npipeline {concrete(p.pipeline_schedule)}: {self.layout.mesh.shape['pp']} stages x "
+                f"{p.pipeline_virtual_stages} virtual, "
+                f"{resolve_microbatches(self.layout.mesh.shape['pp'], p.pipeline_microbatches)} microbatches, "
+                f"bubble {bubble:.3f}"
+            )
         return line
 
     def _optimizer_bytes(self) -> list[int]:
@@ -140,8 +150,9 @@ class JaxTrainer:
             t0 = time.perf_counter()
             self._train_steps[shape] = compiled_train_step(self.layout, self.state, shape=shape)
             if jax.process_index() == 0:
-                print(f"batch {shape[0]} x {shape[1] - 1}: compiled in {time.perf_counter() - t0:.1f}s",
-                      file=sys.stderr)
+                print(
+                    f"batch {shape[0]} x {shape[1] - 1}: compiled in {time.perf_counter() - t0:.1f}s", file=sys.stderr
+                )
         return self._train_steps[shape]
 
     def train_step(self, step: int):
@@ -166,18 +177,20 @@ class JaxTrainer:
         """Every process decodes (the parameters are sharded); process 0 returns the tokens."""
         prompt_len, new = sample_lengths(self.cfg.model.max_seq_len)
         prompt = jnp.asarray(unmasked(self.val_data.rows(0, 0, 1)[:, :prompt_len]), jnp.int32)
-        self._generate = self._generate or make_generate(abstract_model(self.cfg.model)[0],  # compiled once
-                                                         document_token(self.cfg))
+        self._generate = self._generate or make_generate(
+            abstract_model(self.cfg.model)[0],  # compiled once
+            document_token(self.cfg),
+        )
         with use(parallel_context(self.layout)):
             params = jax.device_put(self.state["params"], self.layout.device_shardings["params"])  # if offloaded
-            out = self._generate(params, prompt, jax.random.key(step), new_tokens=new, temperature=0.8,
-                                 top_k=40)
+            out = self._generate(params, prompt, jax.random.key(step), new_tokens=new, temperature=0.8, top_k=40)
         out = multihost_utils.process_allgather(out, tiled=True)
         return prompt[0].tolist() + out[0].tolist() if jax.process_index() == 0 else None
 
     def save(self, step: int) -> None:
-        self.ckpt.save(step, self.state, {"step": step, "data_step": step,
-                                          "mesh": format_mesh(dict(self.layout.mesh.shape))})
+        self.ckpt.save(
+            step, self.state, {"step": step, "data_step": step, "mesh": format_mesh(dict(self.layout.mesh.shape))}
+        )
 
 
 class JaxProcesses:
@@ -209,9 +222,13 @@ class JaxProcesses:
         0, is gone.
         """
         client, me = global_state.client, jax.process_index()
-        return roll_call(lambda: client.key_value_set(f"jaxpar/present/{me}", "1"),
-                         lambda: {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get("jaxpar/present/")},
-                         me, jax.process_count(), wait_s)
+        return roll_call(
+            lambda: client.key_value_set(f"jaxpar/present/{me}", "1"),
+            lambda: {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get("jaxpar/present/")},
+            me,
+            jax.process_count(),
+            wait_s,
+        )
 
 
 class JaxProbes:
@@ -227,8 +244,11 @@ class JaxProbes:
     def record_extra(self) -> dict:
         """The pipeline schedule table's idle fraction (None without pp)."""
         p, pp = self.trainer.cfg.parallel, self.trainer.layout.mesh.shape["pp"]
-        return {"pipeline_bubble": configured_bubble(p.pipeline_schedule, pp, p.pipeline_microbatches,
-                                                     p.pipeline_virtual_stages)}
+        return {
+            "pipeline_bubble": configured_bubble(
+                p.pipeline_schedule, pp, p.pipeline_microbatches, p.pipeline_virtual_stages
+            )
+        }
 
     def data_wait_s(self) -> float:
         return self.trainer.prefetch.waited_s
@@ -268,6 +288,7 @@ class JaxProfiling:
 
 class JaxFaults:
     """The test faults on a JaxTrainer's state (`Faults`: JAXPAR_FAULT_*, jaxpar/core/run/faults.py)."""
+
     prefix = "JAXPAR"
 
     def __init__(self, trainer: JaxTrainer):

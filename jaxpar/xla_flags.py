@@ -4,6 +4,7 @@ They let XLA overlap collectives with compute, which the scan over layers makes 
 all-gather of layer i+1's weights and the reduce-scatter of layer i-1's gradients run during layer i.
 A flag the user already put in XLA_FLAGS is left as the user set it.
 """
+
 from __future__ import annotations
 
 import os

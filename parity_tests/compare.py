@@ -13,6 +13,7 @@ large as the whole float32 budget of the other parameters, so it is compared on 
 ("blocks.attn.qkv.bias[key]"), against a fraction of the run's summed learning rate (`key_bias_lr`):
 a real gradient would move it by up to ~lr every step; the rest of qkv.bias is checked as usual.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -50,11 +51,13 @@ FLOAT32 = Tolerance("float32", loss=1e-5, grad_norm=1e-4, lr=1e-6, params=1e-5, 
 # then steps differently (tests/jaxpar/test_adamw8bit.py, fsdp=2,ep=2 at lr 1e-2 over 10 steps: 40 of 16,384 expert
 # weights moved, at most 1.0e-3; parameters 1.4e-4 relative norm; the loss within 3e-7; torchpar ddp against one
 # process, tests/torchpar/test_adamw8bit.py: the gradient norm of step 9 2.9e-4 away, the loss within 1e-5)
-EIGHT_BIT = Tolerance("float32, 8-bit moments", loss=1e-5, grad_norm=1e-3, lr=1e-6, params=5e-4, param_abs=5e-3,
-                      key_bias_lr=0.01)
+EIGHT_BIT = Tolerance(
+    "float32, 8-bit moments", loss=1e-5, grad_norm=1e-3, lr=1e-6, params=5e-4, param_abs=5e-3, key_bias_lr=0.01
+)
 # bfloat16 compute against the same framework's float32 run (docs/parity.md has the measured deviations).
-BFLOAT16 = Tolerance("bfloat16 vs float32", loss=5e-3, grad_norm=5e-2, lr=1e-6, params=2e-2, param_abs=2e-2,
-                     key_bias_lr=2.0)
+BFLOAT16 = Tolerance(
+    "bfloat16 vs float32", loss=5e-3, grad_norm=5e-2, lr=1e-6, params=2e-2, param_abs=2e-2, key_bias_lr=2.0
+)
 # float16 compute on both sides against jaxpar's one-device float16 run: the frameworks round float16 matmuls
 # and attention differently (docs/parity.md has the measured deviations).
 FLOAT16 = Tolerance("float16", loss=1e-3, grad_norm=1e-2, lr=1e-6, params=1e-2, param_abs=1e-2, key_bias_lr=2.0)
@@ -109,13 +112,16 @@ def _table(series: str, got, ref, rel, bound, run: str, ref_name: str, rows: int
     first, worst = int(bad[0]), int(np.argmax(rel))
     shown = sorted(set(range(first, min(first + rows, len(rel)))) | {worst})
     width = max(len(run), len(ref_name), 14)
-    lines = [f"{series}: {len(bad)} of {len(rel)} steps over {bound:g} relative; first at step {first + 1}, "
-             f"worst {rel[worst]:.3e} at step {worst + 1}",
-             f"  {'step':>5}  {ref_name:>{width}}  {run:>{width}}  {'diff':>11}  {'rel':>9}"]
+    lines = [
+        f"{series}: {len(bad)} of {len(rel)} steps over {bound:g} relative; first at step {first + 1}, "
+        f"worst {rel[worst]:.3e} at step {worst + 1}",
+        f"  {'step':>5}  {ref_name:>{width}}  {run:>{width}}  {'diff':>11}  {'rel':>9}",
+    ]
     for i in shown:
         mark = " !" if rel[i] > bound else ""
-        lines.append(f"  {i + 1:>5}  {ref[i]:>{width}.8g}  {got[i]:>{width}.8g}  {got[i] - ref[i]:>11.3e}  "
-                     f"{rel[i]:>9.2e}{mark}")
+        lines.append(
+            f"  {i + 1:>5}  {ref[i]:>{width}.8g}  {got[i]:>{width}.8g}  {got[i] - ref[i]:>11.3e}  {rel[i]:>9.2e}{mark}"
+        )
     return "\n".join(lines)
 
 
@@ -155,10 +161,12 @@ def compare(got, ref, tol: Tolerance) -> Comparison:
         first = c.first_param = over[0] if over else max(sq, key=sq.get)
         d = diff[first]
         at = np.unravel_index(int(np.argmax(np.abs(d))), d.shape)
-        lines = [f"parameters: relative norm of the difference {c.deviations['params']:.3e} (bound {tol.params:g}); "
-                 f"{len(over)} tensor(s) over their absolute bound ({tol.param_abs:g}; key bias {key_bound:.2g})",
-                 f"  first divergent parameter: {first} (max abs diff {np.max(np.abs(d)):.3e} at "
-                 f"index {tuple(int(i) for i in at)}: {ref.side} {rp[first][at]:.8g}, {got.side} {gp[first][at]:.8g})"]
+        lines = [
+            f"parameters: relative norm of the difference {c.deviations['params']:.3e} (bound {tol.params:g}); "
+            f"{len(over)} tensor(s) over their absolute bound ({tol.param_abs:g}; key bias {key_bound:.2g})",
+            f"  first divergent parameter: {first} (max abs diff {np.max(np.abs(d)):.3e} at "
+            f"index {tuple(int(i) for i in at)}: {ref.side} {rp[first][at]:.8g}, {got.side} {gp[first][at]:.8g})",
+        ]
         lines += [f"  {n:<26} max abs diff {np.max(np.abs(diff[n])):.3e}" for n in over[1:6]]
         c.failures.append("\n".join(lines))
     return c

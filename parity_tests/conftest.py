@@ -3,6 +3,7 @@
 --parity-full (the whole matrix), --device cpu|gpu (or PARITY_DEVICE), --parity-steps K (or PARITY_STEPS; default 50).
 One Runner per session caches every run.
 """
+
 import os
 
 import pytest
@@ -11,8 +12,12 @@ import pytest
 def pytest_addoption(parser):
     group = parser.getgroup("parity", "jaxpar <-> torchpar parity suite (parity_tests/)")
     group.addoption("--parity-full", action="store_true", help="run every config x every layout/backend")
-    group.addoption("--device", choices=("cpu", "gpu"), default=None,
-                    help="where the parity runs train (default: $PARITY_DEVICE or cpu)")
+    group.addoption(
+        "--device",
+        choices=("cpu", "gpu"),
+        default=None,
+        help="where the parity runs train (default: $PARITY_DEVICE or cpu)",
+    )
     group.addoption("--parity-steps", type=int, default=None, help="steps per run (default: $PARITY_STEPS or 50)")
 
 

@@ -8,6 +8,7 @@ draw is a run the docs promise -- or, now and then on purpose, one they say is r
 same hierarchy for the shrinker (parity_tests/fuzz_modes.py): it drops the keys of a mode a simpler case no
 longer runs.
 """
+
 from __future__ import annotations
 
 import random
@@ -21,10 +22,25 @@ STEPS = 3
 # the tiny model of tests/helpers.py, STEPS steps, nothing but the training steps. lr 3e-3 as configs/parity/,
 # and Adam's eps 1e-6: a gradient element near zero (|g| ~ eps) turns a float32 rounding difference dg into an
 # update difference of ~lr*dg/eps, with eps 1e-8 past the per-tensor bound (docs/fuzz.md: seed 26001 cases 1, 78)
-BASE = ("model.n_layer=2", "model.n_head=4", "model.d_model=32", "model.max_seq_len=32", "data.seq_len=16",
-        "train.global_batch_size=8", f"train.steps={STEPS}", "optim.warmup_steps=3", "optim.lr=3e-3",
-        "optim.min_lr=3e-4", "optim.eps=1e-6", "data.val_fraction=0.1", "train.eval_batches=1", "train.log_every=1",
-        "train.eval_every=0", "checkpoint.every=0", "train.matmul_precision=highest")
+BASE = (
+    "model.n_layer=2",
+    "model.n_head=4",
+    "model.d_model=32",
+    "model.max_seq_len=32",
+    "data.seq_len=16",
+    "train.global_batch_size=8",
+    f"train.steps={STEPS}",
+    "optim.warmup_steps=3",
+    "optim.lr=3e-3",
+    "optim.min_lr=3e-4",
+    "optim.eps=1e-6",
+    "data.val_fraction=0.1",
+    "train.eval_batches=1",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "checkpoint.every=0",
+    "train.matmul_precision=highest",
+)
 TORCH_SHARE = 0.25  # torchpar cases are subprocesses (seconds to start): drawn less often
 EXPERT_SHARE = 0.2  # cases with a mixture of experts (jaxpar: with ep in the mesh now and then)
 MUON_SHARE = 0.2  # cases with optim.name=muon
@@ -37,6 +53,7 @@ AUTO_SHARE, PIPELINE_SCHEDULE_KEYS = 0.3, ("parallel.pipeline_schedule", "parall
 @dataclass(frozen=True)
 class Case:
     """`jax dp=2,tp=2 k=v ...` or `torch fsdp:2 k=v ...` (backend:world size; world 0 = one plain process)."""
+
     side: str
     layout: str  # jax: the mesh ("dp=1" for one device); torch: "backend:nproc"
     settings: tuple[tuple[str, str], ...] = ()
@@ -97,7 +114,9 @@ def _schema_keys() -> set[str]:
 
     return {f"{name}.{f.name}" for name, section in vars(Config()).items() for f in dataclasses.fields(section)}
 
+
 # ----------------------------------------------------------------------------------------------- drawing
+
 
 def _pick(rng: random.Random, weighted: dict):
     return rng.choices(list(weighted), weights=list(weighted.values()))[0]
@@ -144,8 +163,11 @@ def with_sparsity(case: Case) -> Case:
     rng = random.Random(zlib.crc32(b"sparsity " + case.spec.encode()))
     if case.get("model.attention") != "dilated" or rng.random() >= SPARSITY_SHARE:
         return case
-    s = {"model.sparsity_ratio": rng.choice(["0.25", "0.5"]), "model.sparsity_seed": str(rng.randrange(1000)),
-         "model.sparsity_block": str(int(case.get("data.seq_len", "16")) // 16)}
+    s = {
+        "model.sparsity_ratio": rng.choice(["0.25", "0.5"]),
+        "model.sparsity_seed": str(rng.randrange(1000)),
+        "model.sparsity_block": str(int(case.get("data.seq_len", "16")) // 16),
+    }
     return case.with_settings(sorted({**dict(case.settings), **s}.items()))
 
 
@@ -196,8 +218,13 @@ def draw_jax(rng: random.Random) -> Case:
     need = _draw_training(rng, s, data_ways)
     gpipe = sizes["pp"] > 1 and s.get("parallel.pipeline_schedule") == "gpipe"
     capacity_zigzag = "model.moe_capacity_factor" in s and sizes["sp"] > 1  # refused with documents (checks.py)
-    _draw_data(rng, s, need, documents=attention != "dilated" and not gpipe and not capacity_zigzag,
-               buckets=sizes["sp"] == 1 and attention != "dilated")
+    _draw_data(
+        rng,
+        s,
+        need,
+        documents=attention != "dilated" and not gpipe and not capacity_zigzag,
+        buckets=sizes["sp"] == 1 and attention != "dilated",
+    )
     if rng.random() < 0.2:  # the CPU scans the layers by default; a GPU unrolls them
         s["train.scan_layers"] = "off"
     if rng.random() < 0.2:
@@ -241,8 +268,16 @@ def draw_torch(rng: random.Random) -> Case:
             s["parallel.mesh"] = f"pp={world // D},{axis}={D}"
         # torchpar's pp x dp runs 1f1b only, pp x fsdp gpipe and 1f1b (docs/torchpar.md); the others are drawn now
         # and then, refused
-        stages_v, M = _draw_pipeline(rng, s, world // D, None if D == 1 else {"gpipe": 1, "1f1b": 8, "interleaved": 1}
-                                     if axis == "dp" else {"gpipe": 3, "1f1b": 6, "zb_h1": 1})
+        stages_v, M = _draw_pipeline(
+            rng,
+            s,
+            world // D,
+            None
+            if D == 1
+            else {"gpipe": 1, "1f1b": 8, "interleaved": 1}
+            if axis == "dp"
+            else {"gpipe": 3, "1f1b": 6, "zb_h1": 1},
+        )
         ways = D * M
     _draw_dims(rng, s, 1, stages_v)
     need = _draw_training(rng, s, ways)
@@ -273,8 +308,13 @@ def _draw_compression(rng: random.Random, s: dict, methods=None) -> None:
 def _draw_experts(rng: random.Random, s: dict, ep: int) -> None:
     """A mixture of experts whose count ep divides, and its routing keys."""
     experts = _pick(rng, {4: 2, 8: 1}) * ep // min(ep, 4)
-    s.update({"model.moe_experts": str(experts), "model.moe_top_k": str(_pick(rng, {1: 1, 2: 2})),
-              "model.moe_d_ff": str(_pick(rng, {16: 1, 32: 1}))})
+    s.update(
+        {
+            "model.moe_experts": str(experts),
+            "model.moe_top_k": str(_pick(rng, {1: 1, 2: 2})),
+            "model.moe_d_ff": str(_pick(rng, {16: 1, 32: 1})),
+        }
+    )
     if rng.random() < 0.4:
         s["model.moe_shared_experts"] = "1"
     if rng.random() < 0.3:

@@ -3,6 +3,7 @@
 Which keys each mode owns, and `normalize`, which drops the keys of the modes a case (a fuzz_cases.Case) no longer runs
 -- what the hierarchical draw would not have set: the shrinker's normal form.
 """
+
 from __future__ import annotations
 
 from parity_tests.fuzz_mtp import MODE_KEYS as MTP_MODE_KEYS
@@ -10,14 +11,23 @@ from parity_tests.fuzz_mtp import MODE_KEYS as MTP_MODE_KEYS
 MODE_KEYS = {  # key prefix -> whether the case's run consumes it (a mode's keys go when the mode goes)
     "parallel.pipeline_": lambda c: c.mesh()["pp"] > 1 if c.side == "jax" else c.backend == "pipeline",
     "parallel.sequence_": lambda c: c.side == "jax" and c.mesh()["sp"] > 1 and c.get("model.attention") != "dilated",
-    "parallel.zero_stage": lambda c: c.mesh()["dp"] > 1 if c.side == "jax" else c.backend in ("ddp", "fsdp",
-                                                                                                "deepspeed"),
+    "parallel.zero_stage": lambda c: (
+        c.mesh()["dp"] > 1 if c.side == "jax" else c.backend in ("ddp", "fsdp", "deepspeed")
+    ),
     "parallel.offload": lambda c: c.side == "jax" or c.backend not in ("none", "pipeline"),
-    "parallel.grad_compression": lambda c: (c.mesh()["dp"] * c.mesh()["fsdp"] > 1 if c.side == "jax" else
-                                            c.backend in ("ddp", "fsdp", "deepspeed")),
+    "parallel.grad_compression": lambda c: (
+        c.mesh()["dp"] * c.mesh()["fsdp"] > 1 if c.side == "jax" else c.backend in ("ddp", "fsdp", "deepspeed")
+    ),
     "parallel.powersgd_": lambda c: c.get("parallel.grad_compression") == "powersgd",
-    "parallel.mesh": lambda c: c.side == "torch" and (c.backend in ("fsdp", "pipeline") and c.world == 4 or
-                                                      c.backend == "ddp" and c.get("model.moe_experts", "0") != "0"),
+    "parallel.mesh": lambda c: (
+        c.side == "torch"
+        and (
+            c.backend in ("fsdp", "pipeline")
+            and c.world == 4
+            or c.backend == "ddp"
+            and c.get("model.moe_experts", "0") != "0"
+        )
+    ),
     "model.q_latent_dim": lambda c: c.get("model.attention") == "mla",
     "model.kv_latent_dim": lambda c: c.get("model.attention") == "mla",
     "model.rope_head_dim": lambda c: c.get("model.attention") == "mla",
@@ -35,12 +45,16 @@ MODE_KEYS = {  # key prefix -> whether the case's run consumes it (a mode's keys
     "model.moe_topk_group": lambda c: c.get("model.moe_n_group", "1") != "1",
     "train.tokens_per_batch": lambda c: c.get("data.batching") == "buckets",
     "optim.name": lambda c: c.side == "jax" or c.backend != "deepspeed",
-    "optim.muon_": lambda c: c.get("optim.name") == "muon", **MTP_MODE_KEYS,
+    "optim.muon_": lambda c: c.get("optim.name") == "muon",
+    **MTP_MODE_KEYS,
 }
 
 
 def normalize(case):
     """Drop the keys of modes the case no longer runs (what the hierarchical draw would not have set)."""
-    keep = [(k, v) for k, v in case.settings
-            if all(consumed(case) for prefix, consumed in MODE_KEYS.items() if k.startswith(prefix))]
+    keep = [
+        (k, v)
+        for k, v in case.settings
+        if all(consumed(case) for prefix, consumed in MODE_KEYS.items() if k.startswith(prefix))
+    ]
     return case.with_settings(keep)

@@ -2,6 +2,7 @@
 
 One or two depths, now and then another loss weight, in a share of the cases whose run takes model.mtp_depth.
 """
+
 from __future__ import annotations
 
 import random

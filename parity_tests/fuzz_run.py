@@ -4,6 +4,7 @@ Its trainer run (jaxpar in this process, torchpar as torchrun subprocesses), the
 comparison (parity_tests/compare.py) -- in a worker process that keeps jax started and survives a case that kills it.
 The cases themselves: parity_tests/fuzz_cases.py; the CLI, the shrinker and the regressions: parity_tests/fuzz.py.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -49,6 +50,7 @@ class Outcome:
 @dataclass
 class Trajectory:
     """What compare() reads: per-step series and final parameters of one run."""
+
     side: str
     config: str
     loss: list
@@ -59,7 +61,7 @@ class Trajectory:
 
 def error_lines(text: str) -> list[str]:
     """The one-line refusals (`error: ...`) a trainer or tool printed."""
-    return [line[len("error: "):] for line in text.splitlines() if line.startswith("error: ")]
+    return [line[len("error: ") :] for line in text.splitlines() if line.startswith("error: ")]
 
 
 def reference_settings(case: Case) -> list[str]:
@@ -184,9 +186,18 @@ class Fuzzer:
         # a fresh run (never a resumed one) in a directory the trainer creates: one it refused never existed
         run_dir = os.path.join(tempfile.mkdtemp(dir=os.path.join(self.workdir, "runs")), "run")
         final = os.path.join(run_dir, "final.safetensors")
-        args = ["--backend", case.backend, *BASE, *case.overrides, *self.run_overrides,
-                f"model.init_from={self.init_weights(case)}", f"data.dataset={self.dataset}", f"run.dir={run_dir}",
-                "--write-final", final]
+        args = [
+            "--backend",
+            case.backend,
+            *BASE,
+            *case.overrides,
+            *self.run_overrides,
+            f"model.init_from={self.init_weights(case)}",
+            f"data.dataset={self.dataset}",
+            f"run.dir={run_dir}",
+            "--write-final",
+            final,
+        ]
         rc, text = self.launch(torch_command(args, case.world))
         records = self.metrics(run_dir)
         errors = error_lines(text)
@@ -197,8 +208,10 @@ class Fuzzer:
         steps = range(1, STEPS + 1)
         if sorted(records) != list(steps):
             raise RuntimeError(f"torchpar logged steps {sorted(records)}, expected 1..{STEPS}")
-        series = [[float("nan") if records[s][k] is None else records[s][k] for s in steps]
-                  for k in ("loss", "grad_norm", "lr")]
+        series = [
+            [float("nan") if records[s][k] is None else records[s][k] for s in steps]
+            for k in ("loss", "grad_norm", "lr")
+        ]
         return Trajectory(case.layout, "torchpar", *series, params=load_file(final))
 
     def launch(self, cmd: list[str], env: dict | None = None) -> tuple[int, str]:
@@ -208,8 +221,9 @@ class Fuzzer:
         from tests.helpers import ABORTS, ROOT, torch_env
 
         env = {**torch_env(), "CUDA_VISIBLE_DEVICES": "", **(env or {})}
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         try:
             out, _ = proc.communicate(timeout=self.timeout)
         except subprocess.TimeoutExpired:
@@ -267,8 +281,11 @@ class Worker:
         self.proc, code = None, self.proc.exitcode
         with open(self.log, errors="replace") as f:
             tail = "".join(line for line in f.readlines()[-40:] if not line.lstrip().startswith("@"))
-        return Outcome("error", f"worker: the process running the case {why} (exit {code}); its last output:\n"
-                                f"{tail[-3000:]}", seconds=time.perf_counter() - t0)
+        return Outcome(
+            "error",
+            f"worker: the process running the case {why} (exit {code}); its last output:\n{tail[-3000:]}",
+            seconds=time.perf_counter() - t0,
+        )
 
     def close(self) -> None:
         if self.proc is not None:

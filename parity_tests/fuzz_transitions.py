@@ -10,6 +10,7 @@ one device doing the same without a checkpoint: the first leg's settings for `at
 
     python -m parity_tests.fuzz --case "jax dp=2 | 2 | jax tp=2 optim.lr=1e-3 train.steps=4"
 """
+
 from __future__ import annotations
 
 import os
@@ -24,10 +25,25 @@ from parity_tests.fuzz_docs import documented_refusal, indivisible, invalid_conf
 
 SEP = " | "
 # what a second leg may change beside its layout (the first leg keeps BASE's)
-CHANGES = {"train.steps": ("2", "4", "5"), "optim.lr": ("1e-3", "5e-3"), "optim.warmup_steps": ("1", "2", "4"),
-           "checkpoint.every": ("1", "2"), "train.microbatches": ("1", "2", "4")}
-KEPT = ("model.", "data.", "train.global_batch_size", "train.batch_rampup", "train.tokens_per_batch",
-        "train.microbatches", "train.scan_layers", "train.seed", "optim.eps", "optim.min_lr")
+CHANGES = {
+    "train.steps": ("2", "4", "5"),
+    "optim.lr": ("1e-3", "5e-3"),
+    "optim.warmup_steps": ("1", "2", "4"),
+    "checkpoint.every": ("1", "2"),
+    "train.microbatches": ("1", "2", "4"),
+}
+KEPT = (
+    "model.",
+    "data.",
+    "train.global_batch_size",
+    "train.batch_rampup",
+    "train.tokens_per_batch",
+    "train.microbatches",
+    "train.scan_layers",
+    "train.seed",
+    "optim.eps",
+    "optim.min_lr",
+)
 
 
 @dataclass(frozen=True)
@@ -59,10 +75,22 @@ class Transition:
     def kind(self) -> str:
         """What changes: framework, backend, world, mesh, and the settings' keys."""
         a, b = self.first, self.then
-        what = ["framework" if a.side != b.side else "backend" if a.backend != b.backend and a.side == "torch" else
-                "world" if a.layout != b.layout and a.side == "torch" else "mesh" if a.layout != b.layout else ""]
-        keys = sorted(k for k in set(dict(a.settings)) | set(dict(b.settings))
-                      if not k.startswith("parallel.") and a.get(k) != b.get(k))
+        what = [
+            "framework"
+            if a.side != b.side
+            else "backend"
+            if a.backend != b.backend and a.side == "torch"
+            else "world"
+            if a.layout != b.layout and a.side == "torch"
+            else "mesh"
+            if a.layout != b.layout
+            else ""
+        ]
+        keys = sorted(
+            k
+            for k in set(dict(a.settings)) | set(dict(b.settings))
+            if not k.startswith("parallel.") and a.get(k) != b.get(k)
+        )
         return "+".join([w for w in what if w] + keys) or "resume"
 
 
@@ -71,6 +99,7 @@ def parse_any(spec: str):
 
 
 # ----------------------------------------------------------------------------------------------- drawing
+
 
 def _shared(case: Case) -> dict:
     """What both legs keep: the settings that shape the model, the data and the optimizer's state."""
@@ -127,8 +156,13 @@ def _layout_for(rng: random.Random, first: Case, side: str, keep, tries: int = 6
         cand = normalize(Case(side, drawn.layout, tuple(sorted({**shared, **parallel}.items()))))
         # a layout whose run would not consume one of the model's keys (fsdp and deepspeed refuse the balance bias)
         # is another model: not a transition of this one
-        if (keep(cand) and _shared(cand) == shared and _valid(cand) and not documented_refusal(cand)
-                and _resumable(cand)):
+        if (
+            keep(cand)
+            and _shared(cand) == shared
+            and _valid(cand)
+            and not documented_refusal(cand)
+            and _resumable(cand)
+        ):
             return cand
     return None
 
@@ -151,17 +185,39 @@ def _first_leg(rng: random.Random) -> Case:
 
 def draw_transition(rng: random.Random) -> Transition:
     first = _first_leg(rng)
-    kind = rng.choice(["mesh" if first.side == "jax" else "backend", "world" if first.side == "torch" else "mesh",
-                       "framework", "settings"])
+    kind = rng.choice(
+        [
+            "mesh" if first.side == "jax" else "backend",
+            "world" if first.side == "torch" else "mesh",
+            "framework",
+            "settings",
+        ]
+    )
     then = first
     if kind == "framework":
         then = _layout_for(rng, first, "torch" if first.side == "jax" else "jax", lambda c: True) or first
     elif kind == "backend":
-        then = _layout_for(rng, first, "torch", lambda c: c.backend != first.backend and (
-            "deepspeed" not in (c.backend, first.backend) or rng.random() < 0.2)) or first  # DCP/DeepSpeed: refused
+        then = (
+            _layout_for(
+                rng,
+                first,
+                "torch",
+                lambda c: (
+                    c.backend != first.backend and ("deepspeed" not in (c.backend, first.backend) or rng.random() < 0.2)
+                ),
+            )
+            or first
+        )  # DCP/DeepSpeed: refused
     elif kind in ("mesh", "world"):
-        then = _layout_for(rng, first, first.side, lambda c: c.layout != first.layout and (
-            c.side == "jax" or c.backend == first.backend)) or first
+        then = (
+            _layout_for(
+                rng,
+                first,
+                first.side,
+                lambda c: c.layout != first.layout and (c.side == "jax" or c.backend == first.backend),
+            )
+            or first
+        )
     changes = _draw_changes(rng, then, force=kind == "settings" or then == first)
     changed = normalize(then.with_settings(tuple(sorted({**dict(then.settings), **changes}.items()))))
     if not _valid(changed):  # accumulation the second layout cannot split: keep the first leg's
@@ -183,12 +239,18 @@ def _draw_changes(rng: random.Random, then: Case, force: bool) -> dict:
 
 # (where the docs say it, predicate on the transition): second legs the docs say are refused with one line
 DOCUMENTED_TRANSITION_REFUSALS = (
-    ("docs/torchpar.md 'Checkpoints and resume': DeepSpeed's checkpoints and DCP's refuse each other",
-     lambda t: t.first.side == t.then.side == "torch" and (t.first.backend == "deepspeed") != (
-         t.then.backend == "deepspeed")),
-    ("docs/torchpar.md 'Checkpoints and resume': a DeepSpeed checkpoint resumes only at a stage of its layout (0; 1 "
-     "or 2; 3)",
-     lambda t: t.first.backend == t.then.backend == "deepspeed" and _layout(t.first) != _layout(t.then)),
+    (
+        "docs/torchpar.md 'Checkpoints and resume': DeepSpeed's checkpoints and DCP's refuse each other",
+        lambda t: (
+            t.first.side == t.then.side == "torch"
+            and (t.first.backend == "deepspeed") != (t.then.backend == "deepspeed")
+        ),
+    ),
+    (
+        "docs/torchpar.md 'Checkpoints and resume': a DeepSpeed checkpoint resumes only at a stage of its layout (0; 1 "
+        "or 2; 3)",
+        lambda t: t.first.backend == t.then.backend == "deepspeed" and _layout(t.first) != _layout(t.then),
+    ),
 )
 
 
@@ -215,8 +277,11 @@ def run_transition(fuzzer, t: Transition):
         ref = _reference(fuzzer, t)
     except UserError as e:
         doc = refusal_of(t)
-        return (Outcome("refused", f"{e} [documented: {doc}]") if doc else
-                Outcome("refused-promised", f"{e} [but promised by: docs/fuzz.md 'Transitions', design principle 9]"))
+        return (
+            Outcome("refused", f"{e} [documented: {doc}]")
+            if doc
+            else Outcome("refused-promised", f"{e} [but promised by: docs/fuzz.md 'Transitions', design principle 9]")
+        )
     except Exception as e:  # a leg that crashed, hung or stopped at the wrong step
         return Outcome("error", f"{type(e).__name__}: {str(e)[:300]}\n{traceback.format_exc()[-3000:]}")
     c = compare(got, ref, TOLERANCE)
@@ -236,8 +301,9 @@ def _reference(fuzzer, t: Transition):
             out = run_steps(cfg_a, "dp=1", fuzzer.dataset, devices=jax.devices()[:1], then=(t.at, cfg_b))
         finally:
             jax.clear_caches()
-        fuzzer.references[key] = Trajectory("one device", "jaxpar", out["loss"], out["grad_norm"], out["lr"],
-                                            out["params"])
+        fuzzer.references[key] = Trajectory(
+            "one device", "jaxpar", out["loss"], out["grad_norm"], out["lr"], out["params"]
+        )
     return fuzzer.references[key]
 
 
@@ -265,8 +331,9 @@ def _joined_run(fuzzer, t: Transition):
     steps = range(1, t.steps(t.then) + 1)
     if sorted(records) != list(steps):
         raise RuntimeError(f"the joined run logged steps {sorted(records)}, expected 1..{t.steps(t.then)}")
-    series = [[float("nan") if records[s][k] is None else records[s][k] for s in steps]
-              for k in ("loss", "grad_norm", "lr")]
+    series = [
+        [float("nan") if records[s][k] is None else records[s][k] for s in steps] for k in ("loss", "grad_norm", "lr")
+    ]
     return Trajectory(t.then.layout, t.then.side, *series, params=load_file(final))
 
 
@@ -276,8 +343,14 @@ def _leg(fuzzer, case: Case, run_dir: str, extra: list[str], fault: dict, saved:
     from parity_tests.fuzz_run import error_lines
     from tests.helpers import torch_command
 
-    args = [*BASE, *case.overrides, *fuzzer.run_overrides, f"data.dataset={fuzzer.dataset}", f"run.dir={run_dir}",
-            *extra]
+    args = [
+        *BASE,
+        *case.overrides,
+        *fuzzer.run_overrides,
+        f"data.dataset={fuzzer.dataset}",
+        f"run.dir={run_dir}",
+        *extra,
+    ]
     if case.side == "jax":
         cmd = [sys.executable, "-m", "jaxpar.train", "--mesh", case.layout, *args]
         env = {f"JAXPAR_{k}": v for k, v in fault.items()}
@@ -291,8 +364,9 @@ def _leg(fuzzer, case: Case, run_dir: str, extra: list[str], fault: dict, saved:
     if rc != 0:
         raise RuntimeError(f"{case.spec} exited {rc}\n{text[-3000:]}")
     if max(fuzzer.metrics(run_dir), default=0) != saved:
-        raise RuntimeError(f"{case.spec} stopped at step {max(fuzzer.metrics(run_dir), default=0)}, not {saved}\n"
-                           f"{text[-2000:]}")
+        raise RuntimeError(
+            f"{case.spec} stopped at step {max(fuzzer.metrics(run_dir), default=0)}, not {saved}\n{text[-2000:]}"
+        )
 
 
 def _convert(fuzzer, first: Case, then: Case, src: str, dst: str) -> None:

@@ -14,6 +14,7 @@ mixtures of experts alone).
 float32, accum and remat: a side against the jaxpar one-device run of the same config.
 bfloat16: a side against its own float32 run (same side, `model.compute_dtype=float32`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,16 +55,26 @@ class Case:
 
 def cases(full: bool = False) -> list[Case]:
     if full:
-        out = [Case(c, s, REFERENCE) for c in ("float32", "accum", "remat", *VARIANTS) for s in DENSE_SIDES
-               if s != REFERENCE]
+        out = [
+            Case(c, s, REFERENCE)
+            for c in ("float32", "accum", "remat", *VARIANTS)
+            for s in DENSE_SIDES
+            if s != REFERENCE
+        ]
         out += [Case(c, s, REFERENCE) for c in EXPERTS for s in SIDES if s not in (REFERENCE, "torch:pp=2")]
         out += [Case("float16", s, REFERENCE) for s in FLOAT16_SIDES]
         out += [Case("packed", s, REFERENCE) for s in DENSE_SIDES if s not in (REFERENCE, "torch:pp=2")]
         out += [Case("sft", s, REFERENCE) for s in DENSE_SIDES if s != REFERENCE]
-        out += [Case(c, s, REFERENCE) for c in ("rampup", "buckets")
-                for s in DENSE_SIDES if s not in (REFERENCE, "torch:pp=2")]
-        out += [Case("compressed", s, "jax:dp=2,tp=4") for s in ("jax:dp=8", "jax:fsdp=8", "torch:ddp", "torch:fsdp",
-                                                                 "torch:zero2", "torch:zero3")]
+        out += [
+            Case(c, s, REFERENCE)
+            for c in ("rampup", "buckets")
+            for s in DENSE_SIDES
+            if s not in (REFERENCE, "torch:pp=2")
+        ]
+        out += [
+            Case("compressed", s, "jax:dp=2,tp=4")
+            for s in ("jax:dp=8", "jax:fsdp=8", "torch:ddp", "torch:fsdp", "torch:zero2", "torch:zero3")
+        ]
         return out + [Case("bfloat16", s, s, AS_FLOAT32) for s in DENSE_SIDES]
     # jaxpar dp=8 and fsdp=8 are left to --parity-full: tests/jaxpar/test_layouts.py holds every mesh to one device;
     # so are the variants: tests/jaxpar/test_variants.py holds their loss and gradients to torchpar's.

@@ -4,6 +4,7 @@ Runs the parity selection (the default one, or every config x layout/backend wit
 <out>/report.md (maximum deviations per config x side, against the reference each is checked
 against, pass/fail) and <out>/loss_curves.png (loss per step, jaxpar and torchpar overlaid).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,14 @@ def _plot(runs_by_config: dict, path: str) -> None:
     for ax, (config, runs) in zip(axes[0], runs_by_config.items()):
         for run in runs:
             jax_side = run.side.startswith("jax")
-            ax.plot(range(1, len(run.loss) + 1), run.loss, label=run.side, lw=2.5 if jax_side else 1.0,
-                    ls="-" if jax_side else "--", alpha=0.6 if jax_side else 1.0)
+            ax.plot(
+                range(1, len(run.loss) + 1),
+                run.loss,
+                label=run.side,
+                lw=2.5 if jax_side else 1.0,
+                ls="-" if jax_side else "--",
+                alpha=0.6 if jax_side else 1.0,
+            )
         ax.set_title(config)
         ax.set_xlabel("step")
         ax.set_ylabel("training loss")
@@ -58,8 +65,9 @@ def key_bias(d: dict) -> str:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m parity_tests.report", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m parity_tests.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", default="docs/parity-report", help="output directory (report.md, loss_curves.png)")
     p.add_argument("--full", action="store_true", help="every config x every layout/backend")
     p.add_argument("--device", choices=("cpu", "gpu"), default=os.environ.get("PARITY_DEVICE", "cpu"))
@@ -97,16 +105,24 @@ def run_cases(args, runner) -> tuple[list, dict]:
 
 
 def report_lines(args, rows, runs: int, elapsed: float) -> list[str]:
-    lines = [f"# Parity report ({'full matrix' if args.full else 'default selection'})", "",
-             f"{datetime.date.today().isoformat()}, device {args.device}, {args.steps} steps per run, "
-             f"{runs} runs in {elapsed:.0f} s.  ", _versions() + ".  ",
-             f"Command: `python -m parity_tests.report --out {args.out}" + (" --full" if args.full else "")
-             + (f" --device {args.device}" if args.device != "cpu" else "") + "`", "",
-             "Maximum deviation over all steps (relative) and over final parameters (relative norm; max abs per "
-             "tensor, key bias apart). Tolerances: docs/parity.md.", "",
-             "| config | side | against | loss | grad_norm | lr | params (rel norm) | max abs (tensor) "
-             "| key bias abs | result |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Parity report ({'full matrix' if args.full else 'default selection'})",
+        "",
+        f"{datetime.date.today().isoformat()}, device {args.device}, {args.steps} steps per run, "
+        f"{runs} runs in {elapsed:.0f} s.  ",
+        _versions() + ".  ",
+        f"Command: `python -m parity_tests.report --out {args.out}"
+        + (" --full" if args.full else "")
+        + (f" --device {args.device}" if args.device != "cpu" else "")
+        + "`",
+        "",
+        "Maximum deviation over all steps (relative) and over final parameters (relative norm; max abs per "
+        "tensor, key bias apart). Tolerances: docs/parity.md.",
+        "",
+        "| config | side | against | loss | grad_norm | lr | params (rel norm) | max abs (tensor) "
+        "| key bias abs | result |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for case, c, skipped in rows:
         against = f"{case.ref_side}" + (" float32" if case.ref_overrides else "")
         if c is None:
@@ -114,9 +130,11 @@ def report_lines(args, rows, runs: int, elapsed: float) -> list[str]:
             continue
         d = c.deviations
         result = "(info)" if informational(case) else ("pass" if c.ok else f"**FAIL** ({c.first_param or 'series'})")
-        lines.append(f"| {case.config} | {case.side} | {against} | {d['loss']:.1e} | {d['grad_norm']:.1e} | "
-                     f"{d['lr']:.1e} | {d['params']:.1e} | {d['param_abs']:.1e} ({d['param_abs_name']}) | "
-                     f"{key_bias(d)} | {result} |")
+        lines.append(
+            f"| {case.config} | {case.side} | {against} | {d['loss']:.1e} | {d['grad_norm']:.1e} | "
+            f"{d['lr']:.1e} | {d['params']:.1e} | {d['param_abs']:.1e} ({d['param_abs_name']}) | "
+            f"{key_bias(d)} | {result} |"
+        )
     return lines + ["", "![loss curves](loss_curves.png)", ""]
 
 

@@ -8,6 +8,7 @@ weight format (`--write-final`). Runs are subprocesses (simulated CPU devices fo
 tests/torchpar/test_torchpar.py's helpers, and cached by (side, resolved config), so a run several comparisons
 need (the jaxpar one-device reference) runs once.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,8 +33,13 @@ CONFIGS = ("float32", "bfloat16", "accum", "remat")
 REFERENCE = "jax:1"
 INIT_SEED_OFFSET = 7  # the initial weights are drawn with train.seed + 7: no side trains with that seed
 # side -> jaxpar mesh
-JAX_MESHES = {"jax:1": "dp=1", "jax:dp=8": "dp=8", "jax:fsdp=8": "fsdp=8", "jax:dp=2,tp=4": "dp=2,tp=4",
-              "jax:ep=4,dp=2": "ep=4,dp=2"}  # ep: the mixture-of-experts configs only
+JAX_MESHES = {
+    "jax:1": "dp=1",
+    "jax:dp=8": "dp=8",
+    "jax:fsdp=8": "fsdp=8",
+    "jax:dp=2,tp=4": "dp=2,tp=4",
+    "jax:ep=4,dp=2": "ep=4,dp=2",
+}  # ep: the mixture-of-experts configs only
 # side -> (processes, torchpar arguments); 0 processes = one plain `python -m torchpar.train`
 TORCH_BACKENDS = {
     "torch:none": (0, ["--backend", "none"]),
@@ -116,8 +122,11 @@ class Runner:
         if kind not in self._datasets:
             os.makedirs(self.workdir, exist_ok=True)
             path = os.path.join(self.workdir, f"{kind}.bin")
-            self._datasets[kind] = (make_sft_dataset(path) if kind == "sft" else
-                                    make_dataset(path, document_length=8 if kind == "documents" else 0))
+            self._datasets[kind] = (
+                make_sft_dataset(path)
+                if kind == "sft"
+                else make_dataset(path, document_length=8 if kind == "documents" else 0)
+            )
         return self._datasets[kind]
 
     @staticmethod
@@ -128,8 +137,16 @@ class Runner:
 
     def base_args(self, config: str, overrides=()) -> list[str]:
         kind = self.data_kind(config, overrides)
-        return ["--config", config_path(config), f"data.dataset={self.dataset(kind)}", f"train.steps={self.steps}",
-                "train.log_every=1", "train.eval_every=0", "checkpoint.every=0", *overrides]
+        return [
+            "--config",
+            config_path(config),
+            f"data.dataset={self.dataset(kind)}",
+            f"train.steps={self.steps}",
+            "train.log_every=1",
+            "train.eval_every=0",
+            "checkpoint.every=0",
+            *overrides,
+        ]
 
     def init_weights(self, config: str, overrides=()) -> str:
         """One exported initial-weights file per model section and seed (shared by every config that has them).
@@ -144,9 +161,19 @@ class Runner:
         key = hashlib.sha1(model.encode()).hexdigest()[:12]
         if key not in self._inits:
             path = os.path.join(self.workdir, "init", f"{key}.safetensors")
-            cmd = [sys.executable, "-m", "jaxpar.train", *self.base_args(config, overrides), "--mesh", "dp=1",
-                   f"train.seed={cfg.train.seed + INIT_SEED_OFFSET}", "parallel.grad_compression=none",  # one device
-                   f"run.dir={os.path.join(self.workdir, 'init', key)}", "--write-init", path]
+            cmd = [
+                sys.executable,
+                "-m",
+                "jaxpar.train",
+                *self.base_args(config, overrides),
+                "--mesh",
+                "dp=1",
+                f"train.seed={cfg.train.seed + INIT_SEED_OFFSET}",
+                "parallel.grad_compression=none",  # one device
+                f"run.dir={os.path.join(self.workdir, 'init', key)}",
+                "--write-init",
+                path,
+            ]
             self.launch(cmd, f"export of initial weights for {config}")
             self._inits[key] = path
         return self._inits[key]
@@ -163,8 +190,13 @@ class Runner:
         slug = side.replace(":", "-").replace(",", "-").replace("=", "")
         run_dir = os.path.join(self.workdir, "runs", f"{config}-{slug}-{key}")
         final = os.path.join(run_dir, "final.safetensors")
-        args = [*self.base_args(config, overrides), f"model.init_from={self.init_weights(config, overrides)}",
-                f"run.dir={run_dir}", "--write-final", final]
+        args = [
+            *self.base_args(config, overrides),
+            f"model.init_from={self.init_weights(config, overrides)}",
+            f"run.dir={run_dir}",
+            "--write-final",
+            final,
+        ]
         if side in JAX_MESHES:
             cmd = [sys.executable, "-m", "jaxpar.train", *args, "--mesh", JAX_MESHES[side]]
         else:
@@ -179,7 +211,12 @@ class Runner:
         if sorted(records) != list(steps):
             pytest.fail(f"{config} on {side}: logged steps {sorted(records)[:5]}..., expected 1..{self.steps}")
         value = lambda v: float("nan") if v is None else float(v)  # null: a non-finite (float16) step
-        run = Run(side, config, *([value(records[s][k]) for s in steps] for k in ("loss", "grad_norm", "lr")),
-                  params=load_file(final), seconds=seconds)
+        run = Run(
+            side,
+            config,
+            *([value(records[s][k]) for s in steps] for k in ("loss", "grad_norm", "lr")),
+            params=load_file(final),
+            seconds=seconds,
+        )
         self.cache[key] = run
         return run

@@ -8,6 +8,7 @@ one process; llama on torchpar's one process and pipeline; float16 on torchpar's
 both one-device sides against their own float32 run. `--parity-full`: every
 config on every side. The last two tests show that the checker can fail, and what it then says.
 """
+
 import dataclasses
 
 import numpy as np
@@ -73,15 +74,19 @@ def test_checker_reads_both_stacks_in_model_order():
     bound from the summed lr), not by the tensor bound.
     """
     rng = np.random.default_rng(0)
-    ref = {f"{stack}blocks.{n}": rng.normal(size=(2, 3, 4)).astype(np.float32)
-           for stack in ("", "dense_") for n in ("attn.qkv.bias", "mlp.fc.kernel")}
+    ref = {
+        f"{stack}blocks.{n}": rng.normal(size=(2, 3, 4)).astype(np.float32)
+        for stack in ("", "dense_")
+        for n in ("attn.qkv.bias", "mlp.fc.kernel")
+    }
     got = {n: v.copy() for n, v in ref.items()}
     got["blocks.mlp.fc.kernel"][0, 0, 0] += 1e-3
     got["dense_blocks.mlp.fc.kernel"][1, 2, 3] += 1e-3
     got["dense_blocks.attn.qkv.bias"][:, 1] += 1e-3  # the key slice: within 0.01 x sum(lr) = 1e-2
     series = {"loss": [1.0], "grad_norm": [1.0], "lr": [1.0]}
-    c = compare(Trajectory("torch:none", "moe", params=got, **series), Trajectory("jax", "moe", params=ref, **series),
-                FLOAT32)
+    c = compare(
+        Trajectory("torch:none", "moe", params=got, **series), Trajectory("jax", "moe", params=ref, **series), FLOAT32
+    )
     assert c.first_param == "dense_blocks.mlp.fc.kernel" and "index (1, 2, 3)" in c.message(), c.message()
     assert c.deviations["key_bias_abs"] == pytest.approx(1e-3, rel=1e-3), c.deviations
     assert "dense_blocks.attn.qkv.bias" not in c.message(), c.message()

@@ -1,4 +1,5 @@
 """Simulated CPU devices for the in-process tests: set before any jax backend starts."""
+
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -3,6 +3,7 @@
 Tiny configs and data, in-process training runs, trainer subprocesses (each in its own session, checked for aborts and
 leftovers), metrics.jsonl.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,9 +22,22 @@ from jaxpar.core.data.tokens import write_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ABORTS = ("Abort", "SIGABRT", "core dumped", "Fatal Python error")
-TINY = ["model.n_layer=2", "model.n_head=4", "model.d_model=32", "model.max_seq_len=32", "data.seq_len=16",
-        "train.global_batch_size=8", "train.steps=10", "optim.warmup_steps=3", "optim.lr=1e-2", "optim.min_lr=1e-3",
-        "data.val_fraction=0.1", "train.eval_batches=2", "train.log_every=1", "train.matmul_precision=highest"]
+TINY = [
+    "model.n_layer=2",
+    "model.n_head=4",
+    "model.d_model=32",
+    "model.max_seq_len=32",
+    "data.seq_len=16",
+    "train.global_batch_size=8",
+    "train.steps=10",
+    "optim.warmup_steps=3",
+    "optim.lr=1e-2",
+    "optim.min_lr=1e-3",
+    "data.val_fraction=0.1",
+    "train.eval_batches=2",
+    "train.log_every=1",
+    "train.matmul_precision=highest",
+]
 
 
 def tiny_config(*overrides: str):
@@ -58,7 +72,7 @@ def make_sft_dataset(path, seq_len: int = 16, records: int = 300, seed: int = 0)
 
     rng = np.random.default_rng(seed)
     text = "def f(x):\n    return x + 1\n" * 4
-    pick = lambda n: text[(s := int(rng.integers(0, 27))):s + int(rng.integers(1, n + 1))]
+    pick = lambda n: text[(s := int(rng.integers(0, 27))) : s + int(rng.integers(1, n + 1))]
     lines = [json.dumps({"prompt": pick(12), "completion": pick(16)}) for _ in range(records)]
     corpus = f"{path}.jsonl"
     with open(corpus, "w") as f:
@@ -94,14 +108,17 @@ def run_steps(cfg: Config, mesh: str, dataset: str, steps: int | None = None, de
         if len(batch_shapes(leg)) > 1:  # a ramp-up's or the buckets' shapes: the jitted step compiles each
             train_step = make_train_step(layout)
         # the training batches as the trainer makes them (windows, a ramp-up, buckets), from `dataset`
-        data = open_splits(dataclasses.replace(leg, data=dataclasses.replace(leg.data, dataset=str(dataset))),
-                           grain_batches)[0]
+        data = open_splits(
+            dataclasses.replace(leg, data=dataclasses.replace(leg.data, dataset=str(dataset))), grain_batches
+        )[0]
         for step in range(start, stop):
             state, metrics = train_step(state, device_batch(data, step, layout.batch_sharding))
             history.append(metrics)
     cfg = legs[-1][0]
-    history = [{**m, **(expert_records(m["expert_stats"], cfg.model.moe_experts) if "expert_stats" in m else {})}
-               for m in jax.device_get(history)]
+    history = [
+        {**m, **(expert_records(m["expert_stats"], cfg.model.moe_experts) if "expert_stats" in m else {})}
+        for m in jax.device_get(history)
+    ]
     scalars = [k for k in history[0] if np.ndim(history[0][k]) == 0]  # loss, grad_norm, lr, the experts' records
     out = {k: [float(m[k]) for m in history] for k in scalars}
     if "moe_load" in history[0]:  # each expert's share of the choices, per step
@@ -117,7 +134,7 @@ def assert_params_close(got: dict, ref: dict, rel: float = 1e-5, most: float = 5
     gradient (softmax ignores it), so Adam moves it by amplified rounding noise only.
     """
     diff = np.sqrt(sum(np.sum((got[k] - v) ** 2) for k, v in ref.items()))
-    total = np.sqrt(sum(np.sum(v ** 2) for v in ref.values()))
+    total = np.sqrt(sum(np.sum(v**2) for v in ref.values()))
     assert diff / total < rel, f"parameters differ by {diff / total:.2e} relative norm"
     for name, v in ref.items():
         assert np.max(np.abs(got[name] - v)) < most, (name, np.max(np.abs(got[name] - v)))
@@ -186,10 +203,20 @@ def deepspeed_cpu_has_float16() -> bool:
 
 
 def torch_env(**extra) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    for key in ("TORCHPAR_FAULT_KILL_AFTER_STEP", "TORCHPAR_FAULT_SIGTERM_AFTER_STEP", "RANK", "WORLD_SIZE",
-                "LOCAL_RANK"):
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "DS_ACCELERATOR": "cpu",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
+    for key in (
+        "TORCHPAR_FAULT_KILL_AFTER_STEP",
+        "TORCHPAR_FAULT_SIGTERM_AFTER_STEP",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+    ):
         env.pop(key, None)
     return {**env, **extra}
 
@@ -198,8 +225,16 @@ def torch_command(args: list[str], nproc: int) -> list[str]:
     """`python -m torchpar.train ARGS` (nproc=0), or torchrun with nproc processes on a free port."""
     if not nproc:
         return [sys.executable, "-m", "torchpar.train", *args]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-            f"--master_port={free_port()}", "-m", "torchpar.train", *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        "-m",
+        "torchpar.train",
+        *args,
+    ]
 
 
 def no_leftovers(pgid: int) -> None:
@@ -215,8 +250,9 @@ def no_leftovers(pgid: int) -> None:
 
 def run_in_session(cmd: list[str], env: dict, timeout: int, what: str, cwd: str = ROOT) -> subprocess.CompletedProcess:
     """Run `cmd` in its own session; fail on a timeout (killing the session) or on a process left behind."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -233,6 +269,7 @@ def hf_oracle(model, path) -> tuple:
     Its logits on two rows of 24 tokens and 12 greedy tokens after the first row's 8.
     """
     import torch
+
     model.save_pretrained(path)
     tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 24))
     with torch.no_grad():
@@ -265,8 +302,9 @@ def assert_both_frameworks_give_hf_answers(flat: dict, cfg, tokens, want, greedy
     params = unflatten({k: jnp.asarray(v) for k, v in flat.items()})
     with jax.default_matmul_precision("highest"):
         got = np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, jnp.asarray(tokens)))
-        generated = make_generate(graphdef)(params, jnp.asarray(tokens[:1, :8]), jax.random.key(0), new_tokens=12,
-                                            temperature=0.0)
+        generated = make_generate(graphdef)(
+            params, jnp.asarray(tokens[:1, :8]), jax.random.key(0), new_tokens=12, temperature=0.0
+        )
     print(f"jaxpar logits off HF {name}'s by {np.max(np.abs(got - want)) / scale:.1e} of their scale {scale:.1f}")
     np.testing.assert_allclose(got, want, atol=1e-5 * scale)
     assert np.asarray(generated).tolist() == greedy[:, 8:].tolist()

@@ -8,6 +8,7 @@ renamed when every rank has finished, so a process killed mid-save leaves the pr
 fails (a full disk) is removed and stops the run with one line naming the step and the last complete
 checkpoint, and partial saves an earlier process left are removed when the next one starts.
 """
+
 from __future__ import annotations
 
 import errno
@@ -45,8 +46,9 @@ def _single_process_ok():
 def complete_steps(ckpt_dir: str) -> list[int]:
     if not os.path.isdir(ckpt_dir):
         return []
-    return sorted(int(d) for d in os.listdir(ckpt_dir)
-                  if d.isdigit() and os.path.exists(os.path.join(ckpt_dir, d, "meta.json")))
+    return sorted(
+        int(d) for d in os.listdir(ckpt_dir) if d.isdigit() and os.path.exists(os.path.join(ckpt_dir, d, "meta.json"))
+    )
 
 
 def filesystem_failure(e: BaseException, where: str) -> str | None:
@@ -87,10 +89,15 @@ def failing_save(step: int, partial: str, is_main: bool, last_complete):
         if is_main:
             shutil.rmtree(partial, ignore_errors=True)
         last = last_complete()
-        last = (f"the last complete checkpoint is step {last} in {where}" if last is not None
-                else f"there is no complete checkpoint in {where} yet")
-        raise UserError(f"the checkpoint of step {step} could not be written: {'; '.join(sorted(reasons))}; "
-                        f"its partial files were removed; {last}") from None
+        last = (
+            f"the last complete checkpoint is step {last} in {where}"
+            if last is not None
+            else f"there is no complete checkpoint in {where} yet"
+        )
+        raise UserError(
+            f"the checkpoint of step {step} could not be written: {'; '.join(sorted(reasons))}; "
+            f"its partial files were removed; {last}"
+        ) from None
 
 
 class DCPCheckpointer:
@@ -142,7 +149,7 @@ class DCPCheckpointer:
                 with open(os.path.join(tmp, "meta.json"), "w") as f:
                     json.dump(meta, f)
                 os.replace(tmp, final)
-            for old in complete_steps(self.dir)[:-self.keep]:
+            for old in complete_steps(self.dir)[: -self.keep]:
                 shutil.rmtree(os.path.join(self.dir, str(old)), ignore_errors=True)
         dist.barrier()
         self.own.add(step)
@@ -168,8 +175,9 @@ class DCPCheckpointer:
         steps = complete_steps(self.dir)
         if not steps:
             if os.path.exists(os.path.join(self.dir, "latest")):
-                raise UserError(f"{self.dir} holds DeepSpeed checkpoints; resume with --backend deepspeed "
-                                "or start a new run.dir")
+                raise UserError(
+                    f"{self.dir} holds DeepSpeed checkpoints; resume with --backend deepspeed or start a new run.dir"
+                )
             return None
         path = os.path.join(self.dir, str(steps[-1]))
         state = self._state()
@@ -181,8 +189,9 @@ class DCPCheckpointer:
             raise UserError(f"checkpoint {path} could not be loaded: {reason}") from None
         if self.views is not None:
             state = self.views.unviews(state)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=FLAT)
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=FLAT
+        )
         if self.rank_state is not None:
             self.rank_state.load(path)
         with open(os.path.join(path, "meta.json")) as f:

@@ -2,6 +2,7 @@
 
 `validate` is the one entry that runs them all (jaxpar/checks.py's `validate` is its twin).
 """
+
 from __future__ import annotations
 
 import sys
@@ -49,8 +50,10 @@ def check_launch(args) -> str | None:
         return None
     how = f"torchrun --nproc_per_node=N -m torchpar.train --backend {args.backend} ... (or srun, one task each)"
     if args.backend == "pipeline":
-        raise UserError(f"--backend pipeline without a launcher is one process, a pipeline of one stage: start one "
-                        f"process per stage with {how}, or run one process with --backend none")
+        raise UserError(
+            f"--backend pipeline without a launcher is one process, a pipeline of one stage: start one "
+            f"process per stage with {how}, or run one process with --backend none"
+        )
     return f"torchpar: --backend {args.backend} without a launcher runs as one process; to run N, start {how}"
 
 
@@ -66,8 +69,9 @@ def resolve_schedule(cfg: Config, args):
         return cfg, None
     from torchpar.backends.pipeline import pipeline_sizes  # deferred: pipelining, FSDP (~1 s): pipeline backend
 
-    return resolve(cfg, pipeline_sizes(cfg, launch_env()[1])[0], lambda c: check_backend_settings(c, args),
-                   lambda c: 1.0)
+    return resolve(
+        cfg, pipeline_sizes(cfg, launch_env()[1])[0], lambda c: check_backend_settings(c, args), lambda c: 1.0
+    )
 
 
 def check_backend_settings(cfg: Config, args) -> None:
@@ -79,44 +83,56 @@ def check_backend_settings(cfg: Config, args) -> None:
     check_expert_parallel(cfg, args.backend, world)
     check_trackers(cfg)
     if cfg.train.sample_every and args.backend not in ("none", "ddp"):
-        raise UserError("train.sample_every needs the whole model on rank 0: --backend none or ddp, "
-                        f"not {args.backend} (sample from a checkpoint with python -m torchpar.generate)")
+        raise UserError(
+            "train.sample_every needs the whole model on rank 0: --backend none or ddp, "
+            f"not {args.backend} (sample from a checkpoint with python -m torchpar.generate)"
+        )
     if args.backend == "ddp" and cfg.parallel.zero_stage:
-        raise UserError(f"parallel.zero_stage={cfg.parallel.zero_stage} needs --backend deepspeed or fsdp "
-                        "(ddp is ZeRO-0)")
+        raise UserError(
+            f"parallel.zero_stage={cfg.parallel.zero_stage} needs --backend deepspeed or fsdp (ddp is ZeRO-0)"
+        )
     if args.cpu_offload:
         raise UserError("--cpu-offload was replaced by the config key parallel.offload=optimizer|params+optimizer")
     check_offload(cfg, args.backend)
     if cfg.parallel.grad_compression == "powersgd" and args.backend in ("fsdp", "deepspeed"):
-        why = {"fsdp": "FSDP2 reduce-scatters flat shards, which PowerSGD cannot factor",
-               "deepspeed": "deepspeed 0.19 has no 1-bit or 0/1 Adam any more, and ZeRO++'s quantized gradients "
-                            "need its CUDA kernels"}[args.backend]
-        raise UserError(f"parallel.grad_compression=powersgd runs on --backend ddp (torch's DDP communication hook), "
-                        f"not {args.backend}: {why}; parallel.grad_compression=bf16 runs there")
+        why = {
+            "fsdp": "FSDP2 reduce-scatters flat shards, which PowerSGD cannot factor",
+            "deepspeed": "deepspeed 0.19 has no 1-bit or 0/1 Adam any more, and ZeRO++'s quantized gradients "
+            "need its CUDA kernels",
+        }[args.backend]
+        raise UserError(
+            f"parallel.grad_compression=powersgd runs on --backend ddp (torch's DDP communication hook), "
+            f"not {args.backend}: {why}; parallel.grad_compression=bf16 runs there"
+        )
     if cfg.parallel.grad_compression == "powersgd" and cfg.model.compute_dtype == "float16":
-        raise UserError("parallel.grad_compression=powersgd with model.compute_dtype=float16: an overflowing step's "
-                        "inf would stay in PowerSGD's error feedback and poison every later step; use bfloat16")
+        raise UserError(
+            "parallel.grad_compression=powersgd with model.compute_dtype=float16: an overflowing step's "
+            "inf would stay in PowerSGD's error feedback and poison every later step; use bfloat16"
+        )
     if cfg.model.compute_dtype == "float16" and args.backend == "pipeline":
-        raise UserError("model.compute_dtype=float16 (loss scaling) runs on --backend none, ddp, fsdp or deepspeed, "
-                        "not pipeline")
+        raise UserError(
+            "model.compute_dtype=float16 (loss scaling) runs on --backend none, ddp, fsdp or deepspeed, not pipeline"
+        )
     if cfg.train.compile == "on" and args.backend == "deepspeed":
-        raise UserError("train.compile=on is not supported with --backend deepspeed (its engine wraps the model "
-                        "and its ZeRO hooks); leave train.compile=auto")
+        raise UserError(
+            "train.compile=on is not supported with --backend deepspeed (its engine wraps the model "
+            "and its ZeRO hooks); leave train.compile=auto"
+        )
     if args.deepspeed_config and args.backend != "deepspeed":
         raise UserError("--deepspeed-config needs --backend deepspeed")
     stages = {}
     if args.backend == "pipeline":
         from torchpar.backends.pipeline import check_torch_pipeline, pipeline_sizes  # deferred: pipelining, FSDP (~1 s)
+
         check_torch_pipeline(cfg, world)
         stages = {"pp": pipeline_sizes(cfg, world)[0]}
     else:
         for_each_shape(cfg, lambda at: check_batch(at, world))
     if args.backend == "deepspeed":
         from torchpar.backends import deepspeed  # deferred: DCP, DTensor (~1 s): --backend deepspeed only
+
         deepspeed.check_deepspeed(cfg, args.deepspeed_config)
     check_contract(Run(cfg, "torchpar", args.backend, stages))
-
-
 
 
 def check_expert_parallel(cfg: Config, backend: str, world: int) -> None:
@@ -130,14 +146,18 @@ def check_expert_parallel(cfg: Config, backend: str, world: int) -> None:
     check_expert_axis(cfg.model, ep)
     if ep == 1:
         return
-    refused = {"parallel.grad_compression": cfg.parallel.grad_compression != "none",
-               "model.compute_dtype=float16": cfg.model.compute_dtype == "float16",
-               "train.compile=on": cfg.train.compile == "on",
-               "train.sample_every": bool(cfg.train.sample_every)}
+    refused = {
+        "parallel.grad_compression": cfg.parallel.grad_compression != "none",
+        "model.compute_dtype=float16": cfg.model.compute_dtype == "float16",
+        "train.compile=on": cfg.train.compile == "on",
+        "train.sample_every": bool(cfg.train.sample_every),
+    }
     for setting, on in refused.items():
         if on:
-            raise UserError(f"{setting} with expert parallelism (ep={ep}) is not built in torchpar (its experts "
-                            "live on several ranks); jaxpar.train runs it, or drop ep from parallel.mesh")
+            raise UserError(
+                f"{setting} with expert parallelism (ep={ep}) is not built in torchpar (its experts "
+                "live on several ranks); jaxpar.train runs it, or drop ep from parallel.mesh"
+            )
 
 
 def check_offload(cfg: Config, backend: str) -> None:
@@ -146,23 +166,32 @@ def check_offload(cfg: Config, backend: str) -> None:
     if off == "none":
         return
     if backend not in ("fsdp", "deepspeed"):
-        raise UserError(f"parallel.offload={off} needs --backend fsdp or deepspeed ({backend} keeps its state on the "
-                        "device)")
+        raise UserError(
+            f"parallel.offload={off} needs --backend fsdp or deepspeed ({backend} keeps its state on the device)"
+        )
     if backend == "fsdp" and off == "optimizer":
-        raise UserError("FSDP2 offloads parameters, gradients and the optimizer step together: use "
-                        "parallel.offload=params+optimizer")
+        raise UserError(
+            "FSDP2 offloads parameters, gradients and the optimizer step together: use "
+            "parallel.offload=params+optimizer"
+        )
     if backend == "fsdp" and not torch.cuda.is_available():
-        raise UserError("parallel.offload with --backend fsdp needs a GPU to offload from (on the CPU, parameters "
-                        "and optimizer state are in host memory already)")
+        raise UserError(
+            "parallel.offload with --backend fsdp needs a GPU to offload from (on the CPU, parameters "
+            "and optimizer state are in host memory already)"
+        )
     if backend == "deepspeed" and stage == 0:
         raise UserError(f"parallel.offload={off} with deepspeed needs parallel.zero_stage >= 1 (ZeRO-Offload)")
     if backend == "deepspeed" and off == "params+optimizer" and stage != 3:
-        raise UserError("parallel.offload=params+optimizer with deepspeed needs parallel.zero_stage=3 (DeepSpeed "
-                        "offloads parameters at stage 3 only); parallel.offload=optimizer works at 1-3")
+        raise UserError(
+            "parallel.offload=params+optimizer with deepspeed needs parallel.zero_stage=3 (DeepSpeed "
+            "offloads parameters at stage 3 only); parallel.offload=optimizer works at 1-3"
+        )
 
 
 def check_batch(cfg: Config, world: int) -> None:
     micro = cfg.train.global_batch_size // cfg.train.microbatches
     if micro % world:
-        raise UserError(f"batch per microbatch {micro} (train.global_batch_size={cfg.train.global_batch_size} / "
-                        f"train.microbatches={cfg.train.microbatches}) is not divisible by the world size {world}")
+        raise UserError(
+            f"batch per microbatch {micro} (train.global_batch_size={cfg.train.global_batch_size} / "
+            f"train.microbatches={cfg.train.microbatches}) is not divisible by the world size {world}"
+        )

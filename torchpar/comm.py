@@ -8,6 +8,7 @@ names its process group, so each kind is counted under the axis the backend runs
 reduce-scatter on fsdp (FSDP2's shards), send and receive on pp, all-to-all on ep, the rest (all-reduce, broadcast)
 on dp -- the first of these with more than one rank, else the backend's one axis of more than one rank.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,14 @@ import torch
 from jaxpar.core.config.mesh_spec import parse_mesh, resolve_sizes
 from jaxpar.core.run.stragglers import in_flight_s
 
-KINDS = (("reducescatter", ("fsdp", "dp")), ("allgather", ("fsdp", "dp")), ("alltoall", ("ep", "dp")),
-         ("send", ("pp",)), ("recv", ("pp",)), ("", ("dp", "fsdp")))  # "": any other collective
+KINDS = (
+    ("reducescatter", ("fsdp", "dp")),
+    ("allgather", ("fsdp", "dp")),
+    ("alltoall", ("ep", "dp")),
+    ("send", ("pp",)),
+    ("recv", ("pp",)),
+    ("", ("dp", "fsdp")),
+)  # "": any other collective
 
 
 def axis_sizes(cfg, backend: str, world: int) -> dict[str, int]:
@@ -94,6 +101,9 @@ class CommTrace:
         finally:
             os.remove(path)
         wanted = "kernel" if self.cuda else "user_annotation"  # a GPU's kernels; gloo's spans on the CPU
-        spans = ((e.get("cat"), axis, e["ts"] * 1e-6, (e["ts"] + e.get("dur", 0)) * 1e-6) for e in events
-                 if e.get("ph") == "X" and e.get("cat") == wanted and (axis := kind_axis(e["name"], sizes)))
+        spans = (
+            (e.get("cat"), axis, e["ts"] * 1e-6, (e["ts"] + e.get("dur", 0)) * 1e-6)
+            for e in events
+            if e.get("ph") == "X" and e.get("cat") == wanted and (axis := kind_axis(e["name"], sizes))
+        )
         return in_flight_s(spans)

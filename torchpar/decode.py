@@ -7,6 +7,7 @@ and values with its pairs' pattern (dilated.key_counts: the segments of a max_se
 documents (Decoder.eod) keeps each cache slot's document and position: a token attends within its own document,
 positions restarting at each end-of-document token.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,9 +49,16 @@ def _attend(attn, cfg, x, positions, start: int, cache, mask=None):
         k, v = repeat_kv(cache[0], cfg.n_head), repeat_kv(cache[1], cfg.n_head)
     k_positions = torch.arange(k.shape[2], device=x.device)
     if cfg.attention == "dilated":
-        return attn.project_out(counted_attention(
-            q, k, v, key_counts(positions, k_positions, cfg.n_head, cfg.dilation_pairs, cfg.max_seq_len,
-                                   block_sparsity(cfg))))
+        return attn.project_out(
+            counted_attention(
+                q,
+                k,
+                v,
+                key_counts(
+                    positions, k_positions, cfg.n_head, cfg.dilation_pairs, cfg.max_seq_len, block_sparsity(cfg)
+                ),
+            )
+        )
     mask = positions[:, None] >= k_positions if mask is None else mask
     return attn.project_out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
@@ -64,8 +72,8 @@ def _where(model: Decoder, tokens, start: int, slots):
     if model.eod is None:
         return torch.arange(start, start + tokens.shape[1], device=tokens.device), None
     at = slice(start, start + tokens.shape[1])
-    segment = slots[1][:, start - 1:start] if start else 0
-    position = slots[0][:, start - 1:start] + 1 if start else 0
+    segment = slots[1][:, start - 1 : start] if start else 0
+    position = slots[0][:, start - 1 : start] + 1 if start else 0
     slots[0][:, at], slots[1][:, at] = document_positions(tokens, model.eod, segment, position)
     return slots[0][:, at], document_mask(slots[0][:, at], slots[1][:, at], *slots)
 
@@ -100,8 +108,15 @@ def sample(logits, generator, temperature: float, top_k: int, top_p: float):
 
 
 @torch.no_grad()
-def generate(model: Decoder, prompt: torch.Tensor, new_tokens: int, seed: int = 0, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def generate(
+    model: Decoder,
+    prompt: torch.Tensor,
+    new_tokens: int,
+    seed: int = 0,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> torch.Tensor:
     """prompt [B, P] int64 -> the next `new_tokens` tokens [B, new_tokens]."""
     P = prompt.shape[1]
     cache = _empty_cache(model, prompt, P + new_tokens)

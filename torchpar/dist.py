@@ -23,6 +23,7 @@ there, and a restarted rank reading a peer's old gloo address before the peer wr
 waits for an address the first one wrote once): elastic runs start torchrun with
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which gives every worker group a fresh store on rank 0.
 """
+
 from __future__ import annotations
 
 import gc
@@ -69,8 +70,11 @@ def adopt_slurm_env() -> None:
     """
     if "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) < 2:
         return
-    os.environ.update(RANK=os.environ.get("SLURM_PROCID", "0"), WORLD_SIZE=os.environ["SLURM_NTASKS"],
-                      LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
+    os.environ.update(
+        RANK=os.environ.get("SLURM_PROCID", "0"),
+        WORLD_SIZE=os.environ["SLURM_NTASKS"],
+        LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"),
+    )
     nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST") or "localhost"
     os.environ.setdefault("MASTER_ADDR", first_host(nodes))
     os.environ.setdefault("MASTER_PORT", str(29500 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
@@ -101,8 +105,14 @@ def init(distributed: bool, peer_timeout_s: float) -> Env:
     if distributed and not dist.is_initialized():
         timeout = timedelta(seconds=peers.library_timeout_s(peer_timeout_s))
         if "MASTER_ADDR" in os.environ:  # torchrun (or any launcher exporting its variables)
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, store=agent_store(timeout),
-                                    device_id=device if device.type == "cuda" else None)
+            dist.init_process_group(
+                backend,
+                rank=rank,
+                world_size=world,
+                timeout=timeout,
+                store=agent_store(timeout),
+                device_id=device if device.type == "cuda" else None,
+            )
         else:  # a plain process: rank 0 of 1 (DeepSpeed also reads these variables)
             for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
                 os.environ.setdefault(key, value)
@@ -118,11 +128,17 @@ def agent_store(timeout: timedelta) -> dist.Store | None:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     rank, world, _ = launch_env()
-    if rank == 0 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) and \
-            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        print("note: torchrun shares its rendezvous store with the workers (torch's default), so a node that joins "
-              "later waits in vain: for elastic runs start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
-              file=sys.stderr, flush=True)
+    if (
+        rank == 0
+        and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    ):
+        print(
+            "note: torchrun shares its rendezvous store with the workers (torch's default), so a node that joins "
+            "later waits in vain: for elastic runs start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+            file=sys.stderr,
+            flush=True,
+        )
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     return dist.PrefixStore(f"torchpar/{group_token(store, rank, world, timeout.total_seconds())}", store)
 
@@ -150,8 +166,10 @@ def group_token(store: dist.Store, rank: int, world: int, timeout_s: float) -> s
                 store.set(f"torchpar/answer/{ask.decode()}", token)
                 answered.add(ask)
         if time.monotonic() > deadline:
-            raise RuntimeError(f"process {', '.join(map(str, sorted(waiting)))} of {world} did not join the "
-                               f"process group within {timeout_s:g} s")
+            raise RuntimeError(
+                f"process {', '.join(map(str, sorted(waiting)))} of {world} did not join the "
+                f"process group within {timeout_s:g} s"
+            )
         time.sleep(0.01)
     return token
 
@@ -179,8 +197,13 @@ def roll_call(env: Env, wait_s: float) -> list[int]:
         return [r for r in range(env.world) if r != env.rank]
     store = dist.distributed_c10d._get_default_store()  # the group's own store: no public handle
     key = "torchpar/present/{}".format
-    return peers.roll_call(lambda: store.set(key(env.rank), "1"),
-                           lambda: {r for r in range(env.world) if store.check([key(r)])}, env.rank, env.world, wait_s)
+    return peers.roll_call(
+        lambda: store.set(key(env.rank), "1"),
+        lambda: {r for r in range(env.world) if store.check([key(r)])},
+        env.rank,
+        env.world,
+        wait_s,
+    )
 
 
 def store_answers(wait_s: float = 10.0) -> bool:

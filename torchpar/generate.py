@@ -7,6 +7,7 @@ Samples from a trained torchpar model: the latest checkpoint of a none / ddp / f
 one process: DCP reshards) or a shared-weights file (`--weights`, e.g. written by jaxpar). Decoding uses a
 KV cache (torchpar/decode.py); temperature 0 is greedy and gives jaxpar.generate's tokens on the same weights.
 """
+
 from __future__ import annotations
 
 import sys
@@ -49,9 +50,14 @@ def load_model(args):
 
 
 def parse_args(argv):
-    return sampling_parser("python -m torchpar.generate", __doc__, {
-        "run": "a torchpar run directory (none, ddp or fsdp): its latest checkpoint and config",
-        "weights": "a .safetensors file in the shared weight format"}).parse_args(argv)
+    return sampling_parser(
+        "python -m torchpar.generate",
+        __doc__,
+        {
+            "run": "a torchpar run directory (none, ddp or fsdp): its latest checkpoint and config",
+            "weights": "a .safetensors file in the shared weight format",
+        },
+    ).parse_args(argv)
 
 
 def sample_rows(args) -> tuple[list[list[int]], object]:

@@ -3,6 +3,7 @@
 Causal attention on one device, within packed documents when asked, the documents' positions and ids
 (document_positions), and the projections' float8 matmul (model.float8, torchao's float8 training).
 """
+
 from __future__ import annotations
 
 import functools
@@ -56,14 +57,26 @@ def _torchao_float8() -> dict:
     """torchao's tensorwise recipe and its three matmuls' settings (as its Float8Linear builds them), made once."""
     with quiet_logs("torchao", "torch.utils._pytree"):  # torchao's CUDA kernels it cannot load here: not used
         from torchao.float8 import (  # deferred: torchao, optional (~2 s): model.float8 only
-            float8_linear, float8_scaling_utils, float8_training_tensor as t)
+            float8_linear,
+            float8_scaling_utils,
+            float8_training_tensor as t,
+        )
         from torchao.float8.config import Float8LinearConfig  # deferred: torchao, optional (~2 s): model.float8 only
 
     c = Float8LinearConfig.from_recipe_name("tensorwise")
-    mm = t.LinearMMConfig(*(t.ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim) for g in
-                            (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)))
-    return dict(config=c, mm=mm, matmul=float8_linear.matmul_with_hp_or_float8_args, roles=t.GemmInputRole,
-                cast=float8_scaling_utils.hp_tensor_to_float8_dynamic)
+    mm = t.LinearMMConfig(
+        *(
+            t.ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim)
+            for g in (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)
+        )
+    )
+    return dict(
+        config=c,
+        mm=mm,
+        matmul=float8_linear.matmul_with_hp_or_float8_args,
+        roles=t.GemmInputRole,
+        cast=float8_scaling_utils.hp_tensor_to_float8_dynamic,
+    )
 
 
 def _whole_batch() -> bool:
@@ -91,8 +104,9 @@ class _GradToFloat8(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         f = _torchao_float8()
-        return f["cast"](dy, torch.float8_e5m2, f["mm"], reduce_amax=ctx.reduce,
-                         gemm_input_role=f["roles"].GRAD_OUTPUT), None
+        return f["cast"](
+            dy, torch.float8_e5m2, f["mm"], reduce_amax=ctx.reduce, gemm_input_role=f["roles"].GRAD_OUTPUT
+        ), None
 
 
 def float8_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ holds each parameter group's betas, eps, weight decay and lr; a scheduler's stat
 never what a resumed run uses. `group_settings` / `put_back` keep the config's over a load; the schedule's
 state is its position alone.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,10 +38,13 @@ def muon_axes(torch_name: str):
 def param_groups(model: torch.nn.Module, weight_decay: float, with_muon: bool = False) -> list[dict]:
     named = list(model.named_parameters())
     mine = {n for n, _ in named if with_muon and muon_axes(n)}
-    groups = [{"params": [p for n, p in named if decays(n) and n not in mine], "weight_decay": weight_decay},
-              {"params": [p for n, p in named if not decays(n) and n not in mine], "weight_decay": 0.0}]
-    return groups + ([{"params": [p for n, p in named if n in mine], "weight_decay": weight_decay, "muon": True}]
-                     if mine else [])
+    groups = [
+        {"params": [p for n, p in named if decays(n) and n not in mine], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if not decays(n) and n not in mine], "weight_decay": 0.0},
+    ]
+    return groups + (
+        [{"params": [p for n, p in named if n in mine], "weight_decay": weight_decay, "muon": True}] if mine else []
+    )
 
 
 def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
@@ -183,7 +187,8 @@ def _band(u, axes) -> int:
 # gloo has no all-to-all: DTensor all-gathers and keeps its chunk instead, and says so once per rank. Expected on
 # the CPU (orthogonalized, docs/torchpar.md), so kept off the console
 logging.getLogger("torch.distributed.tensor._collective_utils").addFilter(
-    lambda record: "does not support alltoall" not in record.getMessage())
+    lambda record: "does not support alltoall" not in record.getMessage()
+)
 
 
 def _spread(updates: list, axes: list, steps: int) -> list:
@@ -206,13 +211,16 @@ def _spread(updates: list, axes: list, steps: int) -> list:
     done = F.pad(newton_schulz(mine[:, :fan_in], steps), (0, 0, 0, mine.shape[1] - fan_in))
     back = DTensor.from_local(done, mesh, dealt, run_check=False).redistribute(mesh, rows).to_local()[:n]
     pieces = back.split([b.shape[0] for b in bands])
-    return [_local_like(u, from_matrices(piece[:, :b.shape[1]], u.to_local().shape, a))
-            for u, a, b, piece in zip(updates, axes, bands, pieces)]
+    return [
+        _local_like(u, from_matrices(piece[:, : b.shape[1]], u.to_local().shape, a))
+        for u, a, b, piece in zip(updates, axes, bands, pieces)
+    ]
 
 
 def _local_like(u, local: torch.Tensor):
     """`local` as this rank's share of a DTensor laid out as u."""
     from torch.distributed.tensor import DTensor  # deferred: DTensor on import keeps gloo alive at exit
+
     return DTensor.from_local(local, u.device_mesh, u.placements, run_check=False, shape=u.shape, stride=u.stride())
 
 
@@ -221,6 +229,7 @@ def _like(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     if not hasattr(p, "device_mesh"):
         return whole
     from torch.distributed.tensor import distribute_tensor  # deferred: DTensor on import keeps gloo alive at exit
+
     return distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
 
 
@@ -265,6 +274,7 @@ class SharedLRSchedule(LRScheduler):
     Its state is its position (updates applied so far) alone: the schedule is the config's, so a run resumed with
     other optim.* or train.steps follows the new schedule from where it stood.
     """
+
     POSITION = ("last_epoch", "_step_count")
 
     def __init__(self, optimizer, cfg: Config, last_epoch: int = -1):
@@ -312,8 +322,9 @@ def torchao_adamw8bit(groups: list[dict], compile_step: bool, **kwargs) -> torch
                 return torch.zeros_like(p)
             codes = self._subclass_zeros(local(p), signed, adamw8bit.BLOCK)
             if isinstance(p, DTensor):
-                codes = DTensor.from_local(codes, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                           stride=p.stride())
+                codes = DTensor.from_local(
+                    codes, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                )
             return codes.to(p.device)
 
         def step(self, closure=None):

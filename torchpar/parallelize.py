@@ -4,6 +4,7 @@ As torchtitan's parallelize does: activation checkpointing or offload of each bl
 each block (train.compile) -> the backend's wrapper (torchpar/backends/: DDP, FSDP2, pipeline stages, DeepSpeed),
 which also owns gradient reduction and its compression.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -20,8 +21,9 @@ from torchpar.models.decoder import Block
 _MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default]
 
 
-def parallelize(model, cfg: Config, env, backend: str, deepspeed_config: str = "",
-                compile_model: bool | None = None) -> tuple[backends.Engine, bool]:
+def parallelize(
+    model, cfg: Config, env, backend: str, deepspeed_config: str = "", compile_model: bool | None = None
+) -> tuple[backends.Engine, bool]:
     """The backend's engine over `model`, and whether its blocks were compiled.
 
     `compile_model`: None follows train.compile; the benchmarks' --compile sets it.
@@ -44,6 +46,7 @@ class CheckpointedBlock(Block):
     format, DCP checkpoints) stay those of the plain Decoder, where a wrapping module (torch's checkpoint_wrapper)
     would add a prefix. Without gradients (evaluation, decoding) nothing is recomputed or moved: it runs as a Block.
     """
+
     remat = "full"
 
     def forward(self, x, positions=None, mask=None):

@@ -7,6 +7,7 @@ The same model, configs and data order as jaxpar.train, on PyTorch, through the 
 the generated DeepSpeed JSON), --write-init PATH (write the initial weights in the shared safetensors format and
 exit), --write-final PATH (the final weights).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,11 +35,19 @@ def parse_args(argv):
     p.add_argument("--mesh", help="the same as parallel.mesh=MESH, over the overrides (as in jaxpar.train)")
     p.add_argument("--deepspeed-config", default="", help="DeepSpeed JSON merged over the generated one")
     p.add_argument("--cpu-offload", action="store_true", help="replaced by the config key parallel.offload")
-    p.add_argument("--write-init", metavar="PATH",
-                   help="write the initial weights (model.init_from's, else the seed's) as .safetensors and exit")
+    p.add_argument(
+        "--write-init",
+        metavar="PATH",
+        help="write the initial weights (model.init_from's, else the seed's) as .safetensors and exit",
+    )
     p.add_argument("--write-final", metavar="PATH", help="after training, also write the final weights (.safetensors)")
-    p.add_argument("--local_rank", "--local-rank", type=int, dest="local_rank",
-                   help="set by DeepSpeed's launcher (LOCAL_RANK in the environment says the same)")
+    p.add_argument(
+        "--local_rank",
+        "--local-rank",
+        type=int,
+        dest="local_rank",
+        help="set by DeepSpeed's launcher (LOCAL_RANK in the environment says the same)",
+    )
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return p.parse_intermixed_args(argv)
 
@@ -65,7 +74,8 @@ def main(argv=None) -> int:
     if args.write_init:  # one process, no group: rank 0 writes
         if launch_env()[0] == 0:
             TorchTrainer(cfg, args.backend, "", dist.Env(0, 1, 0, torch.device("cpu")), None).write_weights(
-                args.write_init, "initial")
+                args.write_init, "initial"
+            )
         return 0
     stop = stop_requests()  # early: a signal during start-up also ends in an agreed stop at the first step
     env = dist.setup(cfg, args.backend)

@@ -4,6 +4,7 @@ The plain Decoder made parallel by torchpar/parallelize.py into a backend's engi
 of each batch read ahead, evaluation, sampling, saves; the collectives the run needs, the measurements, the profiler
 and the test faults (jaxpar/core/run/adapter.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -33,13 +34,15 @@ def build_model(cfg: Config) -> Decoder:
     model = Decoder(cfg.model, document_token(cfg))
     model.init_weights(cfg.train.seed)
     if cfg.model.init_from:
-        model.load_state_dict(from_shared(load_weights(cfg.model.init_from, shared_shapes(cfg.model)),
-                                          cfg.model.n_layer))
+        model.load_state_dict(
+            from_shared(load_weights(cfg.model.init_from, shared_shapes(cfg.model)), cfg.model.n_layer)
+        )
     return model
 
 
 class TorchTrainer:
     """The run on one backend's engine over the plain Decoder, on this process's rank of the group."""
+
     processes: TorchProcesses
     probes: TorchProbes
     profiling: TorchProfiling
@@ -75,9 +78,11 @@ class TorchTrainer:
             counts, state = self._per_rank(local), self._per_rank(state)
             held = f", {min(counts):,}" + (f"-{max(counts):,}" if min(counts) != max(counts) else "") + " per rank"
         state = f"; {optimizer_phrase(self.cfg.optim.name, state, 'rank')}" if state is not None else ""
-        return (f"backend {self.backend} on {self.env.world} {self.env.device.type} processes; "
-                f"{params_phrase(self.cfg.model, self.n_params)}{held}{state}; "
-                f"torch.compile {'on' if self.compiled else 'off'}")
+        return (
+            f"backend {self.backend} on {self.env.world} {self.env.device.type} processes; "
+            f"{params_phrase(self.cfg.model, self.n_params)}{held}{state}; "
+            f"torch.compile {'on' if self.compiled else 'off'}"
+        )
 
     def _per_rank(self, mine: int) -> list[int]:
         """Each rank's value of `mine` (a collective)."""
@@ -167,8 +172,7 @@ class TorchTrainer:
         return prompt[0].tolist() + out[0].tolist()
 
     def save(self, step: int) -> None:
-        self.engine.save(step, {"step": step, "data_step": step, "backend": self.backend,
-                                "world_size": self.env.world})
+        self.engine.save(step, {"step": step, "data_step": step, "backend": self.backend, "world_size": self.env.world})
 
 
 class TorchProcesses:
@@ -206,8 +210,9 @@ class TorchProbes:
 
     def peak_flops(self) -> float | None:
         device = self.trainer.env.device
-        peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                          self.trainer.cfg.model.compute_dtype)
+        peak = peak_flops(
+            torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", self.trainer.cfg.model.compute_dtype
+        )
         return peak * self.trainer.env.world if peak else None
 
     def record_extra(self) -> dict:
@@ -220,8 +225,10 @@ class TorchProbes:
         device = self.trainer.env.device
         if device.type != "cuda":
             return {"memory_in_use_gib": None, "memory_gib": None}
-        return {"memory_in_use_gib": torch.cuda.memory_allocated(device) / 2**30,
-                "memory_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+        return {
+            "memory_in_use_gib": torch.cuda.memory_allocated(device) / 2**30,
+            "memory_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        }
 
     def device_utilization(self) -> float | None:
         """The GPU's busy percentage over the last sample period (NVML, where pynvml is installed)."""
@@ -263,6 +270,7 @@ class TorchProfiling:
 
 class TorchFaults:
     """The test faults on a TorchTrainer's engine (`Faults`: TORCHPAR_FAULT_*, jaxpar/core/run/faults.py)."""
+
     prefix = "TORCHPAR"
 
     def __init__(self, trainer: TorchTrainer):

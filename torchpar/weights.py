@@ -5,6 +5,7 @@ leading `layers` axis ("blocks.attn.qkv.kernel" [L, embed, 3, heads, kv]). torch
 module per layer with the same per-layer shape ("blocks.{l}.attn.qkv.weight" [embed, 3, heads,
 kv]), so conversion is stack/unstack and nothing else: no transposes, no reshapes.
 """
+
 from __future__ import annotations
 
 import numpy as np

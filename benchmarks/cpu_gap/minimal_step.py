@@ -27,6 +27,7 @@ Impl specs (comma separated):
 A JAX impl may end in @flag=value@flag=value: XLA debug options for that compilation only (compiler_options), e.g.
   jaxpar@xla_cpu_use_onednn=true@xla_cpu_experimental_onednn_fusion_type=dot
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,14 +58,20 @@ def init_params(key, a, w4d: bool):
     blocks = {
         "ln1": {"scale": jnp.ones((L, d)), "bias": jnp.zeros((L, d))},
         "ln2": {"scale": jnp.ones((L, d)), "bias": jnp.zeros((L, d))},
-        "qkv": {"kernel": nrm((L, d, 3, h, k) if w4d else (L, d, 3 * d)),
-                "bias": jnp.zeros((L, 3, h, k) if w4d else (L, 3 * d))},
+        "qkv": {
+            "kernel": nrm((L, d, 3, h, k) if w4d else (L, d, 3 * d)),
+            "bias": jnp.zeros((L, 3, h, k) if w4d else (L, 3 * d)),
+        },
         "out": {"kernel": nrm((L, h, k, d) if w4d else (L, d, d), ps), "bias": jnp.zeros((L, d))},
         "fc": {"kernel": nrm((L, d, f)), "bias": jnp.zeros((L, f))},
         "proj": {"kernel": nrm((L, f, d), ps), "bias": jnp.zeros((L, d))},
     }
-    return {"wte": nrm((V, d)), "wpe": nrm((P, d)), "blocks": blocks,
-            "ln_f": {"scale": jnp.ones((d,)), "bias": jnp.zeros((d,))}}
+    return {
+        "wte": nrm((V, d)),
+        "wpe": nrm((P, d)),
+        "blocks": blocks,
+        "ln_f": {"scale": jnp.ones((d,)), "bias": jnp.zeros((d,))},
+    }
 
 
 def build_min(a, opts: set[str], xla: dict | None = None):
@@ -128,8 +135,9 @@ def build_min(a, opts: set[str], xla: dict | None = None):
             for i in range(a.n_layer):
                 x = block(x, jax.tree.map(lambda t: t[i], params["blocks"]))
         else:
-            x = jax.lax.scan(lambda c, p: (block(c, p), None), x, params["blocks"],
-                             unroll=True if layers == "scanU" else 1)[0]
+            x = jax.lax.scan(
+                lambda c, p: (block(c, p), None), x, params["blocks"], unroll=True if layers == "scanU" else 1
+            )[0]
         logits = layernorm(x, params["ln_f"]) @ params["wte"].T
         logz = jax.nn.logsumexp(logits, -1)
         if "masked" in opts:
@@ -146,18 +154,23 @@ def build_min(a, opts: set[str], xla: dict | None = None):
         return jnp.where(step < WARMUP, ramp, MIN_LR + 0.5 * (LR - MIN_LR) * (1 + jnp.cos(math.pi * progress)))
 
     decay_mask = lambda params: jax.tree_util.tree_map_with_path(
-        lambda path, _: path[-1].key not in ("bias", "scale"), params)
+        lambda path, _: path[-1].key not in ("bias", "scale"), params
+    )
     if "noopt" in opts:
         tx = optax.sgd(lr)
     else:
-        tx = optax.chain(optax.clip_by_global_norm(CLIP),
-                         optax.adamw(lr, b1=B1, b2=B2, eps=EPS, weight_decay=WD, mask=decay_mask))
+        tx = optax.chain(
+            optax.clip_by_global_norm(CLIP), optax.adamw(lr, b1=B1, b2=B2, eps=EPS, weight_decay=WD, mask=decay_mask)
+        )
 
     def step(state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        new = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
-               "step": state["step"] + 1}
+        new = {
+            "params": optax.apply_updates(state["params"], updates),
+            "opt_state": opt_state,
+            "step": state["step"] + 1,
+        }
         return new, {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr(state["step"])}
 
     params = init_params(jax.random.key(0), a, w4d)
@@ -187,9 +200,15 @@ def jax_runner(compiled, state, batch):
 
 # ---------------------------------------------------------------- jaxpar's own step (A/B mode)
 def overrides(a) -> list[str]:
-    return [f"model.d_model={a.d_model}", f"model.n_layer={a.n_layer}", f"model.n_head={a.n_head}",
-            f"model.vocab_size={a.vocab}", f"data.seq_len={a.seq_len}", f"model.max_seq_len={a.seq_len}",
-            f"train.global_batch_size={a.batch}"]
+    return [
+        f"model.d_model={a.d_model}",
+        f"model.n_layer={a.n_layer}",
+        f"model.n_head={a.n_head}",
+        f"model.vocab_size={a.vocab}",
+        f"data.seq_len={a.seq_len}",
+        f"model.max_seq_len={a.seq_len}",
+        f"train.global_batch_size={a.batch}",
+    ]
 
 
 def config(a):
@@ -237,8 +256,14 @@ def build_torch(a, compiled: bool):
 # ---------------------------------------------------------------- timing
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, default in (("d_model", 128), ("n_layer", 4), ("n_head", 4), ("seq_len", 64), ("batch", 16),
-                          ("vocab", 256)):
+    for name, default in (
+        ("d_model", 128),
+        ("n_layer", 4),
+        ("n_head", 4),
+        ("seq_len", 64),
+        ("batch", 16),
+        ("vocab", 256),
+    ):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--impls", default="min,jaxpar")
     ap.add_argument("--steps", type=int, default=10)
@@ -278,8 +303,10 @@ def main(argv=None) -> int:
                 times.append(time.perf_counter() - t0)
             per_round[impl].append(statistics.median(times))
     tok = a.batch * a.seq_len
-    print(f"# d_model={a.d_model} n_layer={a.n_layer} n_head={a.n_head} seq_len={a.seq_len} batch={a.batch} "
-          f"vocab={a.vocab}; {a.rounds} rounds x {a.steps} steps")
+    print(
+        f"# d_model={a.d_model} n_layer={a.n_layer} n_head={a.n_head} seq_len={a.seq_len} batch={a.batch} "
+        f"vocab={a.vocab}; {a.rounds} rounds x {a.steps} steps"
+    )
     print(f"{'impl':<32} {'tok/s best':>11} {'tok/s median':>13} {'ms best':>8} {'ms median':>10}")
     for impl, ts in per_round.items():
         best, med = min(ts), statistics.median(ts)

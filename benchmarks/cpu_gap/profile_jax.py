@@ -7,6 +7,7 @@ Traces `--steps` steps after the warmup, reads the .xplane.pb back with jax's Pr
 op (thunk: fusion, dot, custom-call, while...) by total self time per step, grouped also by kind. `--hlo` writes
 the optimized HLO text of the step, to map the op names back to what they compute.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,8 +73,21 @@ def classify(hlo_text: str) -> dict[str, str]:
 
 def kind(name: str) -> str:
     n = name.split(".")[0].split("(")[0]
-    for k in ("loop_", "input_", "wrapped_", "copy", "dot", "custom-call", "while", "fusion", "scatter", "gather",
-              "reduce", "transpose", "convolution"):
+    for k in (
+        "loop_",
+        "input_",
+        "wrapped_",
+        "copy",
+        "dot",
+        "custom-call",
+        "while",
+        "fusion",
+        "scatter",
+        "gather",
+        "reduce",
+        "transpose",
+        "convolution",
+    ):
         if n.startswith(k) or k in n:
             return k.rstrip("_")
     return n
@@ -81,8 +95,14 @@ def kind(name: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    for name, default in (("d_model", 128), ("n_layer", 4), ("n_head", 4), ("seq_len", 64), ("batch", 16),
-                          ("vocab", 256)):
+    for name, default in (
+        ("d_model", 128),
+        ("n_layer", 4),
+        ("n_head", 4),
+        ("seq_len", 64),
+        ("batch", 16),
+        ("vocab", 256),
+    ):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--impl", default="jaxpar")
     ap.add_argument("--steps", type=int, default=10)
@@ -133,15 +153,62 @@ def main() -> int:
                 end, n, child = stack.pop()
                 ops[n] -= child
     # keep only XLA ops: names that look like HLO instruction names
-    hlo = {n: t for n, t in ops.items() if any(n.split(".")[0].startswith(p) for p in (
-        "loop_", "input_", "wrapped_", "copy", "dot", "custom-call", "while", "fusion", "scatter", "gather", "reduce",
-        "transpose", "convolution", "bitcast", "broadcast", "add", "multiply", "select", "concatenate", "slice",
-        "dynamic", "xnn", "onednn", "ynn", "call", "conditional", "sort", "iota", "exp", "tanh", "convert",
-        "compare", "rng", "pad", "reverse", "subtract", "divide", "negate", "maximum", "tuple", "constant"))}
+    hlo = {
+        n: t
+        for n, t in ops.items()
+        if any(
+            n.split(".")[0].startswith(p)
+            for p in (
+                "loop_",
+                "input_",
+                "wrapped_",
+                "copy",
+                "dot",
+                "custom-call",
+                "while",
+                "fusion",
+                "scatter",
+                "gather",
+                "reduce",
+                "transpose",
+                "convolution",
+                "bitcast",
+                "broadcast",
+                "add",
+                "multiply",
+                "select",
+                "concatenate",
+                "slice",
+                "dynamic",
+                "xnn",
+                "onednn",
+                "ynn",
+                "call",
+                "conditional",
+                "sort",
+                "iota",
+                "exp",
+                "tanh",
+                "convert",
+                "compare",
+                "rng",
+                "pad",
+                "reverse",
+                "subtract",
+                "divide",
+                "negate",
+                "maximum",
+                "tuple",
+                "constant",
+            )
+        )
+    }
     total = sum(hlo.values())
     print(f"# {a.impl}: {len(hlo)} XLA ops, {total / a.steps / 1e6:.2f} ms/step of op self time over {a.steps} steps")
-    print("# other events (top): " + ", ".join(f"{n[:40]}={t / a.steps / 1e6:.2f}ms" for n, t in
-                                                   ops.most_common(8) if n not in hlo))
+    print(
+        "# other events (top): "
+        + ", ".join(f"{n[:40]}={t / a.steps / 1e6:.2f}ms" for n, t in ops.most_common(8) if n not in hlo)
+    )
     classes = classify(run.compiled.as_text())
     by_kind = collections.Counter()
     for n, t in hlo.items():
@@ -150,9 +217,11 @@ def main() -> int:
     for k, t in by_kind.most_common():
         print(f"{k:<20} {t / a.steps / 1e6:>8.3f} {t / total:>6.1%}")
     print(f"{'op':<36} {'class':<22} {'ms/step':>8} {'share':>6} {'calls/step':>10}")
-    for n, t in sorted(hlo.items(), key=lambda kv: -kv[1])[:a.top]:
-        print(f"{n[:36]:<36} {classes.get(n, '?'):<22} {t / a.steps / 1e6:>8.3f} {t / total:>6.1%} "
-              f"{counts[n] / a.steps:>10.1f}")
+    for n, t in sorted(hlo.items(), key=lambda kv: -kv[1])[: a.top]:
+        print(
+            f"{n[:36]:<36} {classes.get(n, '?'):<22} {t / a.steps / 1e6:>8.3f} {t / total:>6.1%} "
+            f"{counts[n] / a.steps:>10.1f}"
+        )
     return 0
 
 

@@ -4,6 +4,7 @@
 
 Compiled: inductor's generated C++ kernels are recorded too (torch._inductor.config.cpp.enable_kernel_profile).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,14 @@ import minimal_step as ms  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    for name, default in (("d_model", 128), ("n_layer", 4), ("n_head", 4), ("seq_len", 64), ("batch", 16),
-                          ("vocab", 256)):
+    for name, default in (
+        ("d_model", 128),
+        ("n_layer", 4),
+        ("n_head", 4),
+        ("seq_len", 64),
+        ("batch", 16),
+        ("vocab", 256),
+    ):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--compiled", action="store_true")
     ap.add_argument("--steps", type=int, default=10)
@@ -43,9 +50,11 @@ def main() -> int:
     rows = sorted((e for e in avgs if e.key != "train_step"), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in rows)
     print(f"{'op':<60} {'self ms/step':>12} {'share':>6} {'calls/step':>10}")
-    for e in rows[:a.top]:
-        print(f"{e.key[:60]:<60} {e.self_cpu_time_total / a.steps / 1e3:>12.3f} {e.self_cpu_time_total / total:>6.1%} "
-              f"{e.count / a.steps:>10.1f}")
+    for e in rows[: a.top]:
+        print(
+            f"{e.key[:60]:<60} {e.self_cpu_time_total / a.steps / 1e3:>12.3f} {e.self_cpu_time_total / total:>6.1%} "
+            f"{e.count / a.steps:>10.1f}"
+        )
     return 0
 
 

@@ -2,6 +2,7 @@
 
 And library noise kept out of the console (quiet_logs).
 """
+
 from __future__ import annotations
 
 import functools
@@ -73,6 +74,7 @@ def cli(main=None, *, rank=None, teardown=None):
     (this process's own file system) by each process that meets it, naming its rank. `teardown()` runs after `main`,
     error or not (after rank 0's line).
     """
+
     def wrap(main):
         @functools.wraps(main)
         def run(*args, **kwargs) -> int:

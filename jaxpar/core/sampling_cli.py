@@ -2,6 +2,7 @@
 
 Where the weights come from, the prompt, the sampling settings, their checks and how samples are printed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,11 @@ def sampling_parser(prog: str, doc: str, sources: dict[str, str]) -> argparse.Ar
         src.add_argument(f"--{name}", help=help_text)
     p.add_argument("--tokenizer", help="'byte' or a tokenizer.json (default: the run's, else byte)")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, help="default: what the model's context leaves after the prompt, "
-                   f"at most {DEFAULT_NEW_TOKENS}")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help=f"default: what the model's context leaves after the prompt, at most {DEFAULT_NEW_TOKENS}",
+    )
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus: the smallest set holding this much mass")
@@ -49,12 +53,16 @@ def decodable_tokens(cfg: ModelConfig, prompt_len: int, asked: int | None) -> in
         raise UserError("the prompt is empty: give at least one token")
     room = cfg.max_seq_len - prompt_len
     if room < 1:
-        raise UserError(f"the prompt ({prompt_len} tokens) fills the model's max_seq_len {cfg.max_seq_len}: no room "
-                        "for new tokens; shorten it")
+        raise UserError(
+            f"the prompt ({prompt_len} tokens) fills the model's max_seq_len {cfg.max_seq_len}: no room "
+            "for new tokens; shorten it"
+        )
     new_tokens = min(DEFAULT_NEW_TOKENS, room) if asked is None else asked
     if new_tokens > room:
-        raise UserError(f"prompt ({prompt_len} tokens) + {new_tokens} new tokens exceed the model's max_seq_len "
-                        f"{cfg.max_seq_len}: ask for at most --max-new-tokens {room} (or leave it out)")
+        raise UserError(
+            f"prompt ({prompt_len} tokens) + {new_tokens} new tokens exceed the model's max_seq_len "
+            f"{cfg.max_seq_len}: ask for at most --max-new-tokens {room} (or leave it out)"
+        )
     return new_tokens
 
 

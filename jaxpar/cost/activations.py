@@ -12,6 +12,7 @@ memory kinds to nothing (jax registers the host-placement annotations for TPU an
 counts them in the device's peak; a GPU's counts them apart. The plan subtracts them from the peak where the
 backend did not.
 """
+
 from __future__ import annotations
 
 import functools
@@ -51,12 +52,18 @@ def offloaded_bytes(layout) -> int:
             return jax.vjp(lambda p: loss(p, batch), params)[1]
 
     # in device memory, as the step computes on them (parallel.offload keeps them on the host between steps)
-    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          abstract_state(layout)["params"], layout.device_shardings["params"])
+    params = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        abstract_state(layout)["params"],
+        layout.device_shardings["params"],
+    )
     shapes = jax.tree.leaves(jax.eval_shape(residuals, params, batch))
     shardings = jax.tree.leaves(jax.jit(residuals).lower(params, batch).compile().output_shardings)
-    return sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
-               for a, s in zip(shapes, shardings, strict=True) if is_host(s))
+    return sum(
+        math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+        for a, s in zip(shapes, shardings, strict=True)
+        if is_host(s)
+    )
 
 
 def account(p: dict, layout) -> None:
@@ -69,7 +76,13 @@ def account(p: dict, layout) -> None:
     if not held:
         return
     counted = layout.mesh.devices.flat[0].platform == "cpu"
-    p["notes"].append(f"model.remat=offload: {held / 2**20:,.2f} MiB of activations per device wait in host memory "
-                      "between a microbatch's forward and backward passes (out and back once per microbatch)" +
-                      ("; XLA:CPU lowers the move to host memory to nothing and counts them in its peak: the peak "
-                       "above is that less them" if counted else ""))
+    p["notes"].append(
+        f"model.remat=offload: {held / 2**20:,.2f} MiB of activations per device wait in host memory "
+        "between a microbatch's forward and backward passes (out and back once per microbatch)"
+        + (
+            "; XLA:CPU lowers the move to host memory to nothing and counts them in its peak: the peak "
+            "above is that less them"
+            if counted
+            else ""
+        )
+    )

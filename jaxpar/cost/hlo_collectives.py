@@ -6,6 +6,7 @@ Traffic per device uses the bandwidth-optimal (ring) cost of each collective ove
 also carries the source files on the stack of the jax operation it was made for (the HLO's stack frames), so a
 caller can tell whose it is (the planner: the optimizer's, jaxpar/optim.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,8 +14,21 @@ import re
 
 import numpy as np
 
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-               "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+}
 OPS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(.*?)\s+(" + "|".join(OPS) + r")(-start)?\(")
 _ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
@@ -41,9 +55,13 @@ class Collective:
         n, s = self.group_size, self.result_bytes
         if n <= 1:
             return 0.0
-        return {"all-reduce": 2 * s * (n - 1) / n, "all-gather": s * (n - 1) / n,
-                "reduce-scatter": s * (n - 1), "all-to-all": s * (n - 1) / n,
-                "collective-permute": s}[self.op]
+        return {
+            "all-reduce": 2 * s * (n - 1) / n,
+            "all-gather": s * (n - 1) / n,
+            "reduce-scatter": s * (n - 1),
+            "all-to-all": s * (n - 1) / n,
+            "collective-permute": s,
+        }[self.op]
 
 
 def _shape_bytes(shape_text: str) -> int:
@@ -119,10 +137,13 @@ def stack_files(hlo_text: str) -> dict[int, frozenset]:
         else:
             rows = None
     names = {i: v.strip('"') for i, v in tables.get("FileNames", {}).items()}
-    file_of = {i: names.get(int(re.search(r"file_name_id=(\d+)", v)[1]))
-               for i, v in tables.get("FileLocations", {}).items()}
-    frames = {i: (int(re.search(r"file_location_id=(\d+)", v)[1]), int(re.search(r"parent_frame_id=(\d+)", v)[1]) - 1)
-              for i, v in tables.get("StackFrames", {}).items()}
+    file_of = {
+        i: names.get(int(re.search(r"file_name_id=(\d+)", v)[1])) for i, v in tables.get("FileLocations", {}).items()
+    }
+    frames = {
+        i: (int(re.search(r"file_location_id=(\d+)", v)[1]), int(re.search(r"parent_frame_id=(\d+)", v)[1]) - 1)
+        for i, v in tables.get("StackFrames", {}).items()
+    }
     stacks: dict[int, frozenset] = {}
     for frame in sorted(frames):  # a parent's id is below its child's
         location, parent = frames[frame]
@@ -166,9 +187,17 @@ def parse(hlo_text: str, n_devices: int) -> list[Collective]:
             if m and multiplier.get(name):
                 groups = _groups(line, n_devices)
                 frame = _FRAME.search(line)
-                out.append(Collective(m[3], _result_bytes(m[2], m[3], bool(m[4])), len(groups[0]), groups,
-                                      multiplier[name], m["name"], stacks.get(int(frame[1]) if frame else 0,
-                                                                              frozenset())))
+                out.append(
+                    Collective(
+                        m[3],
+                        _result_bytes(m[2], m[3], bool(m[4])),
+                        len(groups[0]),
+                        groups,
+                        multiplier[name],
+                        m["name"],
+                        stacks.get(int(frame[1]) if frame else 0, frozenset()),
+                    )
+                )
     return out
 
 

@@ -4,6 +4,7 @@ XLA's own cost analysis cannot compare pipeline schedules: it counts a while-loo
 conditional (a 10-step scan of a matmul reports one matmul's FLOPs), and the executor is a scan over ticks of a switch.
 Used by pipeline_memory for the FLOPs column.
 """
+
 from __future__ import annotations
 
 import math

@@ -3,6 +3,7 @@
 The automatic pipeline schedule (jaxpar/pipeline/auto.py) weighs schedules by these FLOPs; the memory tools
 (python -m jaxpar.tools.pipeline_memory, python -m jaxpar.tools.sequence_memory) print both.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,7 +25,7 @@ def loss_and_grad_program(cfg, sizes: dict[str, int], devices, schedule: str | N
 
     `schedule`: run that pipeline schedule on the hand-scheduled executor. The result is ready to trace.
     """
-    layout = Layout(cfg, make_mesh(sizes, devices[:math.prod(sizes.values())]))
+    layout = Layout(cfg, make_mesh(sizes, devices[: math.prod(sizes.values())]))
     fn, context = loss_and_grad(layout, schedule)
     params = abstract_state(layout)["params"]
     batch = jax.ShapeDtypeStruct(layout.batch_shape, jax.numpy.int32, sharding=layout.batch_sharding)

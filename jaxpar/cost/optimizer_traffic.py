@@ -18,6 +18,7 @@ optim.name=adamw, compiled beside it), whose per-axis rows the plan shows. That 
 causes, also one GSPMD places outside jaxpar/optim.py (e.g. the update taken back to the parameter's layout where
 optax applies it); the collectives made for operations in jaxpar/optim.py are flagged `optimizer` (--json).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -71,8 +72,11 @@ def against_adamw(p: dict, cfg, plan_of, padded: float) -> dict:
     twin = plan_of(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, name="adamw")))
     measured = {**twin["measured"], "optimizer": p["traffic_bytes"] - twin["traffic_bytes"]}
     own = sum(c["traffic_bytes"] for c in p["collectives"] if c["optimizer"])
-    return {**p, "measured": measured, "notes": p["notes"] + note(measured["optimizer"], own, p["bounds"]["optimizer"],
-                                                                  padded, p["devices"])}
+    return {
+        **p,
+        "measured": measured,
+        "notes": p["notes"] + note(measured["optimizer"], own, p["bounds"]["optimizer"], padded, p["devices"]),
+    }
 
 
 def note(measured: float, own: float, bound: float, padded: float, n: int) -> list[str]:
@@ -83,11 +87,15 @@ def note(measured: float, own: float, bound: float, padded: float, n: int) -> li
     if not bound or measured <= 1.1 * bound:
         return []
     if measured > own + 0.05 * bound:
-        why = (f"{measured - own:,.0f} of them are moves GSPMD placed outside jaxpar/optim.py (e.g. the parameter "
-               "drawn into the spread layout for weight decay, and the update moved back where optax applies it)")
+        why = (
+            f"{measured - own:,.0f} of them are moves GSPMD placed outside jaxpar/optim.py (e.g. the parameter "
+            "drawn into the spread layout for weight decay, and the update moved back where optax applies it)"
+        )
     elif padded > 1.05 * bound:
-        why = (f"each parameter's matrices are padded to a multiple of the {n} devices with zero matrices (all-to-"
-               f"alls send equal blocks): {padded:,.0f} bytes with that padding, {padded / bound:.2f}x the bound")
+        why = (
+            f"each parameter's matrices are padded to a multiple of the {n} devices with zero matrices (all-to-"
+            f"alls send equal blocks): {padded:,.0f} bytes with that padding, {padded / bound:.2f}x the bound"
+        )
     else:
         why = "the spreading moves more than its all-to-alls: worth a look"
     return [f"optimizer: Muon's spread of its matrices sends {measured / bound:.2f}x its bound: {why}"]

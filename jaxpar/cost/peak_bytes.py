@@ -3,6 +3,7 @@
 The trainer's automatic pipeline schedule (jaxpar/pipeline/auto.py) fits schedules to a memory budget with it;
 the planner (python -m jaxpar.tools.plan) reports it beside the step's collectives.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,9 +51,16 @@ def device_memory(compiled, layout, state) -> dict:
     if held and layout.mesh.devices.flat[0].platform == "cpu":
         peak -= held
         estimated = True
-    return {"argument_bytes": mem.argument_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
-            "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes, "peak_bytes": peak,
-            "host_bytes": host, "activation_host_bytes": held, "peak_estimated": estimated}
+    return {
+        "argument_bytes": mem.argument_size_in_bytes,
+        "temp_bytes": mem.temp_size_in_bytes,
+        "output_bytes": mem.output_size_in_bytes,
+        "alias_bytes": mem.alias_size_in_bytes,
+        "peak_bytes": peak,
+        "host_bytes": host,
+        "activation_host_bytes": held,
+        "peak_estimated": estimated,
+    }
 
 
 def shape_peak_bytes(cfg: Config, sizes: dict[str, int], devices=None) -> int:

@@ -21,6 +21,7 @@ other than hidden_size / num_attention_heads, num_key_value_heads other than num
 other than 1e-6 (HF's latent norms keep 1e-6 whatever it is; ours share model.layernorm_eps). The multi-token
 prediction layers (num_nextn_predict_layers) are not in transformers' model: read, they are left out.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,12 +50,17 @@ def read_config(hf_dir: str) -> dict:
         "q_lora_rank null (jaxpar's mla always has the low-rank query)": hf.get("q_lora_rank") is None,
         f"hidden_act {hf.get('hidden_act')!r} (SwiGLU is silu's)": hf.get("hidden_act", "silu") != "silu",
         f"qk_nope_head_dim={hf.get('qk_nope_head_dim')} and v_head_dim={hf.get('v_head_dim')} (jaxpar's mla heads are "
-        f"hidden_size/num_attention_heads = {d / h:g} wide)":
-            d % h or hf.get("qk_nope_head_dim") != d // h or hf.get("v_head_dim") != d // h,
-        f"num_key_value_heads={hf.get('num_key_value_heads')} (mla's keys and values are per head: "
-        f"{h})": (hf.get("num_key_value_heads") or h) != h,
-        f"rms_norm_eps={hf.get('rms_norm_eps')} (HF's latent norms keep {EPS}; jaxpar's share model.layernorm_eps)":
-            hf.get("rms_norm_eps", EPS) != EPS,
+        f"hidden_size/num_attention_heads = {d / h:g} wide)": d % h
+        or hf.get("qk_nope_head_dim") != d // h
+        or hf.get("v_head_dim") != d // h,
+        f"num_key_value_heads={hf.get('num_key_value_heads')} (mla's keys and values are per head: {h})": (
+            hf.get("num_key_value_heads") or h
+        )
+        != h,
+        f"rms_norm_eps={hf.get('rms_norm_eps')} (HF's latent norms keep {EPS}; jaxpar's share model.layernorm_eps)": hf.get(
+            "rms_norm_eps", EPS
+        )
+        != EPS,
     }
     for what, bad in refused.items():
         if bad:
@@ -66,8 +72,7 @@ def read_config(hf_dir: str) -> dict:
 def _rope_order(hf: dict) -> np.ndarray:
     """Our rotary feature j is HF's feature order[j]: (evens, odds) with rope_interleave, else as it is."""
     r = hf["qk_rope_head_dim"]
-    return np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)]) if hf.get("rope_interleave", True) else \
-        np.arange(r)
+    return np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)]) if hf.get("rope_interleave", True) else np.arange(r)
 
 
 def _attention_in(hf: dict, g, order) -> dict[str, np.ndarray]:
@@ -77,14 +82,17 @@ def _attention_in(hf: dict, g, order) -> dict[str, np.ndarray]:
     q_up = g("self_attn.q_b_proj.weight").T.reshape(ql, h, k + r)
     kv_down = g("self_attn.kv_a_proj_with_mqa.weight").T
     kv_up = g("self_attn.kv_b_proj.weight").T.reshape(kvl, h, 2 * k)
-    return {"attn.q_down.kernel": g("self_attn.q_a_proj.weight").T,
-            "attn.q_norm.scale": g("self_attn.q_a_layernorm.weight"),
-            "attn.q_up.kernel": np.concatenate([q_up[..., :k], q_up[..., k:][..., order]], axis=-1),
-            "attn.kv_down.kernel": np.concatenate([kv_down[:, :kvl], kv_down[:, kvl:][:, order]], axis=-1),
-            "attn.kv_norm.scale": g("self_attn.kv_a_layernorm.weight"),
-            "attn.kv_up.kernel": np.stack([kv_up[..., :k], kv_up[..., k:]], axis=1),
-            "attn.out.kernel": g("self_attn.o_proj.weight").T.reshape(h, k, d),
-            "ln1.scale": g("input_layernorm.weight"), "ln2.scale": g("post_attention_layernorm.weight")}
+    return {
+        "attn.q_down.kernel": g("self_attn.q_a_proj.weight").T,
+        "attn.q_norm.scale": g("self_attn.q_a_layernorm.weight"),
+        "attn.q_up.kernel": np.concatenate([q_up[..., :k], q_up[..., k:][..., order]], axis=-1),
+        "attn.kv_down.kernel": np.concatenate([kv_down[:, :kvl], kv_down[:, kvl:][:, order]], axis=-1),
+        "attn.kv_norm.scale": g("self_attn.kv_a_layernorm.weight"),
+        "attn.kv_up.kernel": np.stack([kv_up[..., :k], kv_up[..., k:]], axis=1),
+        "attn.out.kernel": g("self_attn.o_proj.weight").T.reshape(h, k, d),
+        "ln1.scale": g("input_layernorm.weight"),
+        "ln2.scale": g("post_attention_layernorm.weight"),
+    }
 
 
 def _experts_in(hf: dict, g) -> dict[str, np.ndarray]:
@@ -99,11 +107,16 @@ def _experts_in(hf: dict, g) -> dict[str, np.ndarray]:
 def hf_to_shared(hf_dir: str) -> tuple[dict[str, np.ndarray], dict]:
     """-> (flat shared tensors, model config overrides)."""
     hf, raw = hf_llama.read_dir(hf_dir, check=read_config)
-    L, first, order = hf["num_hidden_layers"], min(hf.get("first_k_dense_replace", 0), hf["num_hidden_layers"]), \
-        _rope_order(hf)
+    L, first, order = (
+        hf["num_hidden_layers"],
+        min(hf.get("first_k_dense_replace", 0), hf["num_hidden_layers"]),
+        _rope_order(hf),
+    )
     if first < L and f"model.layers.{first}.mlp.experts.0.gate_proj.weight" not in raw:
-        raise UserError(f"{hf_dir}: no mlp.experts.{{j}}.*_proj tensors (the Hub's names); save it with transformers' "
-                        "save_pretrained first")
+        raise UserError(
+            f"{hf_dir}: no mlp.experts.{{j}}.*_proj tensors (the Hub's names); save it with transformers' "
+            "save_pretrained first"
+        )
     per_layer = []
     for i in range(L):
         g = lambda name, i=i: raw[f"model.layers.{i}.{name}"]
@@ -118,23 +131,37 @@ def hf_to_shared(hf_dir: str) -> tuple[dict[str, np.ndarray], dict]:
     if "blocks.moe.router.bias" in out and not out["blocks.moe.router.bias"].any():
         del out["blocks.moe.router.bias"]  # HF's always-present bias, all zero: no bias at all
     n_group = hf.get("n_group") or 1
-    settings = {"max_seq_len": hf.get("max_position_embeddings", 2048), "layernorm_eps": EPS,
-                "rope_theta": hf["rope_theta"], **({} if first >= L else {
-                    "moe_top_k": hf["num_experts_per_tok"], "moe_router": "sigmoid",
-                    "moe_norm_topk": bool(hf.get("norm_topk_prob", True)),
-                    "moe_routed_scale": float(hf.get("routed_scaling_factor", 1.0)), "moe_n_group": n_group,
-                    "moe_topk_group": hf.get("topk_group") or 1 if n_group > 1 else 1})}
+    settings = {
+        "max_seq_len": hf.get("max_position_embeddings", 2048),
+        "layernorm_eps": EPS,
+        "rope_theta": hf["rope_theta"],
+        **(
+            {}
+            if first >= L
+            else {
+                "moe_top_k": hf["num_experts_per_tok"],
+                "moe_router": "sigmoid",
+                "moe_norm_topk": bool(hf.get("norm_topk_prob", True)),
+                "moe_routed_scale": float(hf.get("routed_scaling_factor", 1.0)),
+                "moe_n_group": n_group,
+                "moe_topk_group": hf.get("topk_group") or 1 if n_group > 1 else 1,
+            }
+        ),
+    }
     return {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in out.items()}, model_dims(out, settings)
 
 
 def _refuse(flat: dict, model: dict) -> None:
     """One line for what DeepseekV3ForCausalLM cannot hold."""
     refused = {
-        "model.mtp_depth>0 (multi-token prediction modules: transformers' DeepseekV3ForCausalLM has none)":
-            model.get("mtp_depth", 0) > 0 or any(n.startswith("mtp") for n in flat),
+        "model.mtp_depth>0 (multi-token prediction modules: transformers' DeepseekV3ForCausalLM has none)": model.get(
+            "mtp_depth", 0
+        )
+        > 0
+        or any(n.startswith("mtp") for n in flat),
         "a model without experts (model.moe_experts=0: DeepSeek-V3 has them)": "blocks.moe.gate" not in flat,
-        f"model.layernorm_eps={model.get('layernorm_eps')} (HF's latent norms keep {EPS})":
-            model.get("layernorm_eps") != EPS,
+        f"model.layernorm_eps={model.get('layernorm_eps')} (HF's latent norms keep {EPS})": model.get("layernorm_eps")
+        != EPS,
         "model.moe_router=softmax (DeepSeek-V3 scores by sigmoid)": model.get("moe_router", "softmax") != "sigmoid",
         "model.moe_capacity_factor>0 (DeepSeek-V3 is dropless)": model.get("moe_capacity_factor", 0.0) > 0,
     }
@@ -152,13 +179,17 @@ def _attention_out(flat: dict, p: str, i: int, back) -> dict[str, np.ndarray]:
     q_up = np.concatenate([q_up[..., :k], q_up[..., k:][..., back]], axis=-1)
     kv_down = np.concatenate([kv_down[:, :kvl], kv_down[:, kvl:][:, back]], axis=-1)
     t = lambda a: np.ascontiguousarray(a.T)  # shared [in, out] -> HF [out, in]
-    return {"self_attn.q_a_proj.weight": t(w("attn.q_down.kernel")), "self_attn.q_a_layernorm.weight":
-            w("attn.q_norm.scale"), "self_attn.q_b_proj.weight": t(q_up.reshape(ql, h * kr)),
-            "self_attn.kv_a_proj_with_mqa.weight": t(kv_down),
-            "self_attn.kv_a_layernorm.weight": w("attn.kv_norm.scale"),
-            "self_attn.kv_b_proj.weight": t(np.concatenate([kv_up[:, 0], kv_up[:, 1]], axis=-1).reshape(kvl, -1)),
-            "self_attn.o_proj.weight": t(w("attn.out.kernel").reshape(h * k, -1)),
-            "input_layernorm.weight": w("ln1.scale"), "post_attention_layernorm.weight": w("ln2.scale")}
+    return {
+        "self_attn.q_a_proj.weight": t(w("attn.q_down.kernel")),
+        "self_attn.q_a_layernorm.weight": w("attn.q_norm.scale"),
+        "self_attn.q_b_proj.weight": t(q_up.reshape(ql, h * kr)),
+        "self_attn.kv_a_proj_with_mqa.weight": t(kv_down),
+        "self_attn.kv_a_layernorm.weight": w("attn.kv_norm.scale"),
+        "self_attn.kv_b_proj.weight": t(np.concatenate([kv_up[:, 0], kv_up[:, 1]], axis=-1).reshape(kvl, -1)),
+        "self_attn.o_proj.weight": t(w("attn.out.kernel").reshape(h * k, -1)),
+        "input_layernorm.weight": w("ln1.scale"),
+        "post_attention_layernorm.weight": w("ln2.scale"),
+    }
 
 
 def _feed_forward_out(flat: dict, p: str, i: int) -> dict[str, np.ndarray]:
@@ -167,14 +198,17 @@ def _feed_forward_out(flat: dict, p: str, i: int) -> dict[str, np.ndarray]:
         return {f"mlp.{theirs}.weight": t(flat[f"{p}mlp.{ours}.kernel"][i]) for ours, theirs in MLP.items()}
     E = flat[p + "moe.gate"].shape[1]
     bias = flat.get(p + "moe.router.bias")
-    out = {"mlp.gate.weight": t(flat[p + "moe.router.kernel"][i]),
-           "mlp.gate.e_score_correction_bias": np.zeros(E, np.float32) if bias is None else bias[i]}
+    out = {
+        "mlp.gate.weight": t(flat[p + "moe.router.kernel"][i]),
+        "mlp.gate.e_score_correction_bias": np.zeros(E, np.float32) if bias is None else bias[i],
+    }
     d = flat[p + "moe.gate"].shape[2]
     for ours, theirs in MLP.items():
         out.update({f"mlp.experts.{j}.{theirs}.weight": t(flat[f"{p}moe.{ours}"][i, j]) for j in range(E)})
         shared = flat.get(f"{p}moe.shared.{ours}.kernel")  # none: HF's zero-wide shared MLP (n_shared_experts=0)
-        out[f"mlp.shared_experts.{theirs}.weight"] = t(shared[i]) if shared is not None else \
-            np.zeros((d, 0) if ours == "down" else (0, d), np.float32)
+        out[f"mlp.shared_experts.{theirs}.weight"] = (
+            t(shared[i]) if shared is not None else np.zeros((d, 0) if ours == "down" else (0, d), np.float32)
+        )
     return out
 
 
@@ -194,18 +228,38 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict) -> None
         tensors.update({f"model.layers.{layer}.{n}": v for n, v in hf_names.items()})
     theta, k = float(dims.get("rope_theta", 10000.0)), d // h
     n_group = int(dims.get("moe_n_group", 1))
-    config = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": dims["vocab_size"],
-              "hidden_size": d, "intermediate_size": dims.get("d_ff") or dims["moe_d_ff"],
-              "moe_intermediate_size": dims["moe_d_ff"], "num_hidden_layers": L, "num_attention_heads": h,
-              "num_key_value_heads": h, "n_shared_experts": int(dims.get("moe_shared_experts", 0)),
-              "n_routed_experts": E, "routed_scaling_factor": float(dims.get("moe_routed_scale", 1.0)),
-              "kv_lora_rank": dims["kv_latent_dim"], "q_lora_rank": dims["q_latent_dim"], "qk_rope_head_dim": r,
-              "qk_nope_head_dim": k, "v_head_dim": k, "head_dim": r, "n_group": n_group,
-              "topk_group": int(dims.get("moe_topk_group", 1)) if n_group > 1 else 1,
-              "num_experts_per_tok": int(dims.get("moe_top_k", 2)), "first_k_dense_replace": first,
-              "norm_topk_prob": bool(dims.get("moe_norm_topk", True)), "hidden_act": "silu",
-              "max_position_embeddings": dims["max_seq_len"], "rms_norm_eps": EPS,
-              "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "rope_interleave": True,
-              "attention_bias": False, "tie_word_embeddings": "lm_head" not in flat, "num_nextn_predict_layers": 0,
-              "torch_dtype": "float32"}
+    config = {
+        "model_type": "deepseek_v3",
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": dims["vocab_size"],
+        "hidden_size": d,
+        "intermediate_size": dims.get("d_ff") or dims["moe_d_ff"],
+        "moe_intermediate_size": dims["moe_d_ff"],
+        "num_hidden_layers": L,
+        "num_attention_heads": h,
+        "num_key_value_heads": h,
+        "n_shared_experts": int(dims.get("moe_shared_experts", 0)),
+        "n_routed_experts": E,
+        "routed_scaling_factor": float(dims.get("moe_routed_scale", 1.0)),
+        "kv_lora_rank": dims["kv_latent_dim"],
+        "q_lora_rank": dims["q_latent_dim"],
+        "qk_rope_head_dim": r,
+        "qk_nope_head_dim": k,
+        "v_head_dim": k,
+        "head_dim": r,
+        "n_group": n_group,
+        "topk_group": int(dims.get("moe_topk_group", 1)) if n_group > 1 else 1,
+        "num_experts_per_tok": int(dims.get("moe_top_k", 2)),
+        "first_k_dense_replace": first,
+        "norm_topk_prob": bool(dims.get("moe_norm_topk", True)),
+        "hidden_act": "silu",
+        "max_position_embeddings": dims["max_seq_len"],
+        "rms_norm_eps": EPS,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "rope_interleave": True,
+        "attention_bias": False,
+        "tie_word_embeddings": "lm_head" not in flat,
+        "num_nextn_predict_layers": 0,
+        "torch_dtype": "float32",
+    }
     hf_llama.write_dir(out_dir, tensors, config)

@@ -3,6 +3,7 @@
 HF stores GPT-2 projections as Conv1D weights [in, out] with q, k, v concatenated on `out`, so
 every conversion is a reshape; nothing is transposed or rounded, and round trips are bit-exact.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,12 +17,18 @@ from jaxpar.core.weights.names import model_dims, write_safetensors
 
 # shared per-layer name -> HF per-layer name (under transformer.h.{i}.)
 BLOCK_NAMES = {
-    "ln1.scale": "ln_1.weight", "ln1.bias": "ln_1.bias",
-    "attn.qkv.kernel": "attn.c_attn.weight", "attn.qkv.bias": "attn.c_attn.bias",
-    "attn.out.kernel": "attn.c_proj.weight", "attn.out.bias": "attn.c_proj.bias",
-    "ln2.scale": "ln_2.weight", "ln2.bias": "ln_2.bias",
-    "mlp.fc.kernel": "mlp.c_fc.weight", "mlp.fc.bias": "mlp.c_fc.bias",
-    "mlp.proj.kernel": "mlp.c_proj.weight", "mlp.proj.bias": "mlp.c_proj.bias",
+    "ln1.scale": "ln_1.weight",
+    "ln1.bias": "ln_1.bias",
+    "attn.qkv.kernel": "attn.c_attn.weight",
+    "attn.qkv.bias": "attn.c_attn.bias",
+    "attn.out.kernel": "attn.c_proj.weight",
+    "attn.out.bias": "attn.c_proj.bias",
+    "ln2.scale": "ln_2.weight",
+    "ln2.bias": "ln_2.bias",
+    "mlp.fc.kernel": "mlp.c_fc.weight",
+    "mlp.fc.bias": "mlp.c_fc.bias",
+    "mlp.proj.kernel": "mlp.c_proj.weight",
+    "mlp.proj.bias": "mlp.c_proj.bias",
 }
 TOP_NAMES = {"wte": "wte.weight", "wpe": "wpe.weight", "ln_f.scale": "ln_f.weight", "ln_f.bias": "ln_f.bias"}
 
@@ -64,10 +71,22 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, layernorm_eps: float
     for ours, theirs in BLOCK_NAMES.items():
         for i in range(L):
             tensors[f"transformer.h.{i}.{theirs}"] = np.ascontiguousarray(reshaped[f"blocks.{ours}"][i])
-    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": dims["vocab_size"],
-              "n_positions": dims["max_seq_len"], "n_embd": d, "n_layer": L, "n_head": dims["n_head"],
-              "n_inner": dims["d_ff"], "activation_function": "gelu_new", "layer_norm_epsilon": layernorm_eps,
-              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True}
+    config = {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": dims["vocab_size"],
+        "n_positions": dims["max_seq_len"],
+        "n_embd": d,
+        "n_layer": L,
+        "n_head": dims["n_head"],
+        "n_inner": dims["d_ff"],
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": layernorm_eps,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "tie_word_embeddings": True,
+    }
     write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors, {"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

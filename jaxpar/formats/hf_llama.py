@@ -7,6 +7,7 @@ which is jaxpar's and torchpar's rotary layout, so q and k need no permutation i
 original checkpoints interleave the pairs; HF's own conversion script permutes them once, on the way in).
 Sharded HF checkpoints (model-0000x-of-0000y.safetensors) are read whole.
 """
+
 from __future__ import annotations
 
 import glob
@@ -22,8 +23,11 @@ from jaxpar.core.weights.names import model_dims, write_safetensors
 PREFIX = "model.layers.{i}."
 # shared per-layer name -> HF per-layer name (under model.layers.{i}.); MLP weights are transposed
 NORMS = {"ln1.scale": "input_layernorm.weight", "ln2.scale": "post_attention_layernorm.weight"}
-MLP = {"mlp.gate.kernel": "mlp.gate_proj.weight", "mlp.up.kernel": "mlp.up_proj.weight",
-       "mlp.down.kernel": "mlp.down_proj.weight"}
+MLP = {
+    "mlp.gate.kernel": "mlp.gate_proj.weight",
+    "mlp.up.kernel": "mlp.up_proj.weight",
+    "mlp.down.kernel": "mlp.down_proj.weight",
+}
 
 
 def read_config(hf_dir: str) -> dict:
@@ -32,8 +36,11 @@ def read_config(hf_dir: str) -> dict:
         hf = json.load(f)
     # transformers >= 5 keeps the rotary settings in rope_parameters, earlier versions in rope_theta/rope_scaling
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    refused = {"rope type": rope.get("rope_type", rope.get("type", "default")) != "default" and rope,
-               "attention_bias": hf.get("attention_bias"), "mlp_bias": hf.get("mlp_bias")}
+    refused = {
+        "rope type": rope.get("rope_type", rope.get("type", "default")) != "default" and rope,
+        "attention_bias": hf.get("attention_bias"),
+        "mlp_bias": hf.get("mlp_bias"),
+    }
     for key, value in refused.items():
         if value:
             raise UserError(f"{path}: {key} {value!r} is not supported (plain rotary positions, no biases)")
@@ -82,8 +89,11 @@ def hf_to_shared(hf_dir: str, mlp=None) -> tuple[dict[str, np.ndarray], dict]:
     kv = [layers(raw, L, f"self_attn.{n}_proj.weight").transpose(0, 2, 1).reshape(L, d, g, k) for n in "kv"]
     out["blocks.attn.kv.kernel"] = np.stack(kv, axis=2)
     out["blocks.attn.out.kernel"] = layers(raw, L, "self_attn.o_proj.weight").transpose(0, 2, 1).reshape(L, h, k, d)
-    settings = {"max_seq_len": hf.get("max_position_embeddings", 2048), "layernorm_eps": hf.get("rms_norm_eps", 1e-6),
-                "rope_theta": hf["rope_theta"]}
+    settings = {
+        "max_seq_len": hf.get("max_position_embeddings", 2048),
+        "layernorm_eps": hf.get("rms_norm_eps", 1e-6),
+        "rope_theta": hf["rope_theta"],
+    }
     return {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in out.items()}, model_dims(out, settings)
 
 
@@ -111,19 +121,35 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict, mlp=Non
         for j, n in enumerate("kv"):
             tensors[p + f"self_attn.{n}_proj.weight"] = t(flat["blocks.attn.kv.kernel"][i, :, j].reshape(d, -1))
         tensors[p + "self_attn.o_proj.weight"] = t(flat["blocks.attn.out.kernel"][i].reshape(d, d))
-    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": dims["vocab_size"],
-              "hidden_size": d, "intermediate_size": dims.get("d_ff"), "num_hidden_layers": L,
-              "num_attention_heads": h, "num_key_value_heads": g, "hidden_act": "silu",
-              "max_position_embeddings": dims["max_seq_len"], "rms_norm_eps": dims.get("layernorm_eps", 1e-5),
-              "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-              "tie_word_embeddings": "lm_head" not in flat,
-              "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32", **(config or {})}
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": dims["vocab_size"],
+        "hidden_size": d,
+        "intermediate_size": dims.get("d_ff"),
+        "num_hidden_layers": L,
+        "num_attention_heads": h,
+        "num_key_value_heads": g,
+        "hidden_act": "silu",
+        "max_position_embeddings": dims["max_seq_len"],
+        "rms_norm_eps": dims.get("layernorm_eps", 1e-5),
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "tie_word_embeddings": "lm_head" not in flat,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+        **(config or {}),
+    }
     write_dir(out_dir, tensors, config)
 
 
 def write_dir(out_dir: str, tensors: dict[str, np.ndarray], config: dict) -> None:
     """config.json and model.safetensors (float32, written atomically) into out_dir."""
-    write_safetensors(os.path.join(out_dir, "model.safetensors"),
-                      {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in tensors.items()}, {"format": "pt"})
+    write_safetensors(
+        os.path.join(out_dir, "model.safetensors"),
+        {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in tensors.items()},
+        {"format": "pt"},
+    )
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

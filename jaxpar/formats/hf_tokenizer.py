@@ -17,6 +17,7 @@ stays its six bytes, as the project encodes it. A BPE file (python -m jaxpar.dat
 tokenizer.json; its end-of-document token is the one jaxpar.core.data.tokens.eod_token finds, and, as the project
 encodes, that token's text in a string is the token.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,17 @@ from jaxpar.core.data.tokens import eod_token
 
 BYTE_TOKENS = [f"<0x{b:02X}>" for b in range(256)]
 # an HF directory's tokenizer, copied whole from a source directory that has tokenizer.json or tokenizer.model
-HF_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-            "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+HF_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
@@ -64,6 +74,7 @@ class Choice(NamedTuple):
     Kind "byte", "file" (a tokenizers JSON at path), "hf" (the directory at path's files) or None; why (for the
     command's line); the special-token ids and, for byte and file, the token's text.
     """
+
     kind: str | None
     path: str
     why: str
@@ -71,8 +82,9 @@ class Choice(NamedTuple):
     token: str = ""
 
 
-def choose(vocab_size: int, given: str | None = None, run_tokenizer: str | None = None,
-           hf_src: str | None = None) -> Choice:
+def choose(
+    vocab_size: int, given: str | None = None, run_tokenizer: str | None = None, hf_src: str | None = None
+) -> Choice:
     """The tokenizer of an export, chosen by the order above.
 
     It is read before anything is written (an HF source may be the destination); one that the user or the run names but
@@ -80,8 +92,9 @@ def choose(vocab_size: int, given: str | None = None, run_tokenizer: str | None 
     """
     if given == "byte":
         if vocab_size < 256:
-            raise UserError(f"--tokenizer byte: the byte tokenizer's 256 tokens do not fit this model's vocabulary "
-                            f"of {vocab_size}")
+            raise UserError(
+                f"--tokenizer byte: the byte tokenizer's 256 tokens do not fit this model's vocabulary of {vocab_size}"
+            )
         return _byte("--tokenizer byte")
     if given is not None:
         return _file(given, vocab_size, "--tokenizer")
@@ -96,8 +109,9 @@ def choose(vocab_size: int, given: str | None = None, run_tokenizer: str | None 
         return _byte("the run's data.tokenizer" if run_tokenizer else "a vocabulary of 256 tokens")
     if run_tokenizer:
         return Choice(None, "", f"the run's data.tokenizer is byte but its vocabulary has {vocab_size} tokens, not 256")
-    return Choice(None, "", f"the source names none, and its vocabulary has {vocab_size} tokens, not the byte "
-                  "tokenizer's 256")
+    return Choice(
+        None, "", f"the source names none, and its vocabulary has {vocab_size} tokens, not the byte tokenizer's 256"
+    )
 
 
 def _byte(why: str) -> Choice:
@@ -114,8 +128,9 @@ def _file(path: str, vocab_size: int, named: str) -> Choice:
 
     tok = Tokenizer.from_file(path)
     if tok.get_vocab_size() > vocab_size:
-        raise UserError(f"{named} {path} has {tok.get_vocab_size()} tokens; this model's vocabulary has only "
-                        f"{vocab_size}")
+        raise UserError(
+            f"{named} {path} has {tok.get_vocab_size()} tokens; this model's vocabulary has only {vocab_size}"
+        )
     return Choice("file", path, named, dict.fromkeys(ID_KEYS, eod), tok.id_to_token(eod))
 
 
@@ -136,9 +151,17 @@ def write(out_dir: str, choice: Choice, max_len: int) -> None:
             shutil.copyfile(choice.path, os.path.join(out_dir, "tokenizer.json"))
         special = dict.fromkeys(("bos_token", "eos_token", "pad_token"), choice.token)
         _dump(out_dir, "special_tokens_map.json", special)
-        _dump(out_dir, "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast", **special,
-                                                 "model_max_length": max_len, "clean_up_tokenization_spaces": False,
-                                                 "split_special_tokens": choice.kind == "byte"})
+        _dump(
+            out_dir,
+            "tokenizer_config.json",
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                **special,
+                "model_max_length": max_len,
+                "clean_up_tokenization_spaces": False,
+                "split_special_tokens": choice.kind == "byte",
+            },
+        )
         _dump(out_dir, "generation_config.json", choice.ids)
     with open(os.path.join(out_dir, "config.json")) as f:
         config = json.load(f)

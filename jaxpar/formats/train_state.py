@@ -5,6 +5,7 @@ parameters AdamW steps, and Muon's momentum and count of its matrices --, the st
 import writes a run directory whose checkpoint at that step holds them, with the source's config: `jaxpar.train
 --config RUN/config.json --mesh ...` then goes on from there, on any mesh (orbax reshards on restore).
 """
+
 from __future__ import annotations
 
 import jax
@@ -15,8 +16,14 @@ import optax
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.core.errors import UserError
 from jaxpar.core.run.resume import read_run_config
-from jaxpar.core.weights.state_file import (refuse_other_optimizer, save_state, state_for_run, state_meta,
-                                            write_moved_config, writing_run)
+from jaxpar.core.weights.state_file import (
+    refuse_other_optimizer,
+    save_state,
+    state_for_run,
+    state_meta,
+    write_moved_config,
+    writing_run,
+)
 from jaxpar.core.weights.names import flatten, unflatten
 from jaxpar.layout import Layout
 from jaxpar.mesh import make_mesh
@@ -64,13 +71,19 @@ def export_state(run_dir: str, dst: str) -> int:
     found = {type(s): s for s in jax.tree.leaves(state["opt_state"], is_leaf=is_kind) if is_kind(s)}
     adam, muon = found[optax.ScaleByAdamState], found.get(MuonState)  # Muon's under optim.name=muon only
     ls = state.get("loss_scale")  # float16: the scaler goes on where it was
-    loss_scale = None if ls is None else {"scale": float(ls["scale"]), "good_steps": int(ls["good_steps"]),
-                                          "skipped": int(ls["skipped"])}
+    loss_scale = (
+        None
+        if ls is None
+        else {"scale": float(ls["scale"]), "good_steps": int(ls["good_steps"]), "skipped": int(ls["skipped"])}
+    )
     tensors = {"param": _as_np(state["params"]), "adam_m": _as_np(adam.mu), "adam_v": _as_np(adam.nu)}
     if muon is not None:
         tensors["muon_m"] = _as_np(muon.mu)
-    save_state(dst, tensors, state_meta(cfg, meta["data_step"], adam.count, run_dir, loss_scale,
-                                        None if muon is None else muon.count))
+    save_state(
+        dst,
+        tensors,
+        state_meta(cfg, meta["data_step"], adam.count, run_dir, loss_scale, None if muon is None else muon.count),
+    )
     return int(meta["data_step"])
 
 
@@ -81,8 +94,10 @@ def import_state(src: str, run_dir: str) -> int:
     state["step"] = jnp.asarray(meta["step"], jnp.int32)
     if "loss_scale" in state:
         ls = meta.get("loss_scale") or {"scale": cfg.optim.loss_scale_init, "good_steps": 0, "skipped": 0}
-        state["loss_scale"] = {"scale": jnp.asarray(ls["scale"], jnp.float32),
-                               **{k: jnp.asarray(ls[k], jnp.int32) for k in ("good_steps", "skipped")}}
+        state["loss_scale"] = {
+            "scale": jnp.asarray(ls["scale"], jnp.float32),
+            **{k: jnp.asarray(ls[k], jnp.int32) for k in ("good_steps", "skipped")},
+        }
     with writing_run(run_dir):
         write_moved_config(cfg, meta, src)
         ckpt = Checkpointer(run_dir, cfg.checkpoint.keep)

@@ -4,6 +4,7 @@
 with `read`. The torchpar side of a whole state runs as `python -m torchpar.tools.convert` in a subprocess (jaxpar
 does not import torch).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,15 @@ import numpy as np
 from jaxpar.core.config.schema import config_for_weights, config_from_dict
 from jaxpar.core.errors import UserError
 from jaxpar.core.run.resume import read_run_config
-from jaxpar.core.weights.names import (SETTINGS, flatten, model_dims, read_settings, read_weights, save_weights,
-                                       unflatten)
+from jaxpar.core.weights.names import (
+    SETTINGS,
+    flatten,
+    model_dims,
+    read_settings,
+    read_weights,
+    save_weights,
+    unflatten,
+)
 from jaxpar.formats import hf_deepseek_v3, hf_gpt2, hf_llama, hf_mixtral, hf_tokenizer
 from jaxpar.core.weights.state_file import read_state, writing_run
 
@@ -42,8 +50,10 @@ def read(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
 
     cfg = read_run_config(src)
     if cfg.model.attention == "dilated" or cfg.model.linear != "dense":  # (gpt2's mla: model_dims refuses it)
-        raise UserError(f"{src} trains model.attention={cfg.model.attention}, model.linear={cfg.model.linear}; "
-                        "conversion supports only mha attention (llama's mla too) and dense layers")
+        raise UserError(
+            f"{src} trains model.attention={cfg.model.attention}, model.linear={cfg.model.linear}; "
+            "conversion supports only mha attention (llama's mla too) and dense layers"
+        )
     restored = restore_latest(Checkpointer(src, cfg.checkpoint.keep), single_device_layout(cfg))
     if restored is None:
         raise UserError(f"no checkpoint in {src}/checkpoints")
@@ -78,8 +88,10 @@ def _hf_module(src: str):
 
 def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict, src: str = "") -> None:
     if fmt == "hf" and model.get("mtp_depth") and model.get("attention") != "mla":
-        raise UserError(f"the Hugging Face GPT-2, Llama and Mixtral formats have no place for multi-token prediction's "
-                        f"modules (model.mtp_depth={model['mtp_depth']}); convert to shared, jaxpar or state instead")
+        raise UserError(
+            f"the Hugging Face GPT-2, Llama and Mixtral formats have no place for multi-token prediction's "
+            f"modules (model.mtp_depth={model['mtp_depth']}); convert to shared, jaxpar or state instead"
+        )
     if fmt == "shared":
         save_weights(dst, unflatten(flat), model)
     elif fmt == "hf" and model.get("family") == "llama":
@@ -106,8 +118,11 @@ def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict, src: str
 def export_run_state(fmt: str, run_dir: str, state: str) -> int:
     from jaxpar.formats.train_state import export_state  # deferred: imports jax: hf/shared conversions skip it
 
-    return export_state(run_dir, state) if fmt == "jaxpar" else torchpar_convert("--from", "torchpar", run_dir, "--to",
-                                                                           "state", state)
+    return (
+        export_state(run_dir, state)
+        if fmt == "jaxpar"
+        else torchpar_convert("--from", "torchpar", run_dir, "--to", "state", state)
+    )
 
 
 def import_run_state(state: str, fmt: str, run_dir: str, zero_stage: str | None) -> int:
@@ -115,8 +130,9 @@ def import_run_state(state: str, fmt: str, run_dir: str, zero_stage: str | None)
 
     if fmt == "jaxpar":
         return import_state(state, run_dir)
-    return torchpar_convert("--from", "state", state, "--to", fmt, run_dir, *(("--zero-stage", zero_stage) if zero_stage
-                                                                        else ()))
+    return torchpar_convert(
+        "--from", "state", state, "--to", fmt, run_dir, *(("--zero-stage", zero_stage) if zero_stage else ())
+    )
 
 
 def torchpar_convert(*args: str) -> int:
@@ -126,7 +142,8 @@ def torchpar_convert(*args: str) -> int:
     if proc.returncode or not done:
         line = next((ln for ln in reversed(proc.stderr.splitlines()) if ln.startswith("error:")), None)
         if line is None:  # not a refusal: a bug, whose traceback is the report
-            raise RuntimeError(f"torchpar.tools.convert {' '.join(args)} failed (exit {proc.returncode}):\n"
-                               f"{proc.stderr[-4000:]}")
+            raise RuntimeError(
+                f"torchpar.tools.convert {' '.join(args)} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+            )
         raise UserError(f"torchpar.tools.convert {' '.join(args)} failed: {line.removeprefix('error: ')}")
     return int(done.group(1))

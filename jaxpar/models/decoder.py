@@ -27,6 +27,7 @@ names as a dense model's blocks.*). model.mtp_depth adds multi-token prediction'
 mtp.norm_{emb,hidden,out}.* [depth, embed], mtp.proj.kernel [depth, 2, embed, embed], mtp.block.* (a dense block's
 names); the forward pass, decoding and sampling leave them out, the training loss (loss) adds their losses.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,6 +50,7 @@ from jaxpar.models.mla import MLAttention
 from jaxpar.models.moe import MoE, add_layer_stats, stats_width
 from jaxpar.ops import project
 
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: tuple[int, ...]):
         L, d, h, k = stack, cfg.d_model, cfg.n_head, cfg.head_dim
@@ -56,18 +58,23 @@ class Attention(nnx.Module):
         proj_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)  # GPT-2: residual projections scaled
         self.qkv = nnx.Dict(
             kernel=param(normal(rngs, L + (d, 3, h, k), cfg.init_std), lead + ("embed", "qkv", "heads", "kv")),
-            bias=param(jnp.zeros(L + (3, h, k)), lead + ("qkv", "heads", "kv")))
+            bias=param(jnp.zeros(L + (3, h, k)), lead + ("qkv", "heads", "kv")),
+        )
         self.out = nnx.Dict(
             kernel=param(normal(rngs, L + (h, k, d), proj_std), lead + ("heads", "kv", "embed")),
-            bias=param(jnp.zeros(L + (d,)), lead + ("embed",)))
+            bias=param(jnp.zeros(L + (d,)), lead + ("embed",)),
+        )
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None
         self.sparsity = block_sparsity(cfg)  # block-sparse dilated attention's pattern, or None
 
     def __call__(self, x, dtype, positions=None, segments=None):
         q, k, v = self.project_qkv(x, dtype, positions)
         # the context's attention: local (cuDNN flash on GPU where it applies), or across `sp` shards
-        y = (current().attention(q, k, v, positions, segments) if self.pairs is None
-             else dilated_attention(q, k, v, self.pairs, self.sparsity))
+        y = (
+            current().attention(q, k, v, positions, segments)
+            if self.pairs is None
+            else dilated_attention(q, k, v, self.pairs, self.sparsity)
+        )
         return self.project_out(y, dtype)
 
     # the two projections are also what decoding with a KV cache runs around its own attention (decode.py)
@@ -89,15 +96,21 @@ class MLP(nnx.Module):
         proj_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
         # core/model/layer_rules.py: a trained factor [m, out] after a fixed sketch [in, m]
         sketched = cfg.linear == "sketched"
-        fc_in, fc_axis = ((sketch_dim(cfg, d), "sketch") if sketched else (d, "embed"))
-        proj_in, proj_axis = ((sketch_dim(cfg, f), "sketch") if sketched else (f, "mlp"))
+        fc_in, fc_axis = (sketch_dim(cfg, d), "sketch") if sketched else (d, "embed")
+        proj_in, proj_axis = (sketch_dim(cfg, f), "sketch") if sketched else (f, "mlp")
         name = "factor" if sketched else "kernel"
-        self.fc = nnx.Dict({
-            name: param(normal(rngs, L + (fc_in, f), cfg.init_std), lead + (fc_axis, "mlp")),
-            "bias": param(jnp.zeros(L + (f,)), lead + ("mlp",))})
-        self.proj = nnx.Dict({
-            name: param(normal(rngs, L + (proj_in, d), proj_std), lead + (proj_axis, "embed")),
-            "bias": param(jnp.zeros(L + (d,)), lead + ("embed",))})
+        self.fc = nnx.Dict(
+            {
+                name: param(normal(rngs, L + (fc_in, f), cfg.init_std), lead + (fc_axis, "mlp")),
+                "bias": param(jnp.zeros(L + (f,)), lead + ("mlp",)),
+            }
+        )
+        self.proj = nnx.Dict(
+            {
+                name: param(normal(rngs, L + (proj_in, d), proj_std), lead + (proj_axis, "embed")),
+                "bias": param(jnp.zeros(L + (d,)), lead + ("embed",)),
+            }
+        )
 
     def __call__(self, x, dtype, sketches=None):
         def linear(p, x, name):
@@ -151,8 +164,9 @@ class MTP(nnx.Module):
         norm = RMSNorm if cfg.family == "llama" else LayerNorm
         self.norm_emb, self.norm_hidden, self.norm_out = norm(cfg, D), norm(cfg, D), norm(cfg, D)
         # [depth, (embedding, hidden), embed in, embed out]: one axis named "embed" (fsdp), the other replicated
-        self.proj = nnx.Dict(kernel=param(normal(rngs, D + (2, d, d), cfg.init_std),
-                                          ("layers", None, "embed", "act_embed")))
+        self.proj = nnx.Dict(
+            kernel=param(normal(rngs, D + (2, d, d), cfg.init_std), ("layers", None, "embed", "act_embed"))
+        )
         self.block = Block(dataclasses.replace(cfg, moe_experts=0), rngs, stack=D)
 
     def depth(self, d: int):
@@ -161,8 +175,13 @@ class MTP(nnx.Module):
         (norm_emb, norm_hidden, proj kernel, block, norm_out).
         """
         pick = lambda module: nnx.merge(*_sliced(nnx.split(module), d - 1))
-        return (pick(self.norm_emb), pick(self.norm_hidden), self.proj["kernel"][d - 1], pick(self.block),
-                pick(self.norm_out))
+        return (
+            pick(self.norm_emb),
+            pick(self.norm_hidden),
+            self.proj["kernel"][d - 1],
+            pick(self.block),
+            pick(self.norm_out),
+        )
 
 
 def _sliced(split, i: int):
@@ -238,8 +257,11 @@ class Decoder(nnx.Module):
             # collective-permute, inside the pipeline executor's first-stage branches a deadlock (docs/architecture.md);
             # gathered by positions from the table's fsdp shards gathered first, as token_embedding's (per-row
             # positions from a table sharded over data axes crashed XLA's partitioner in the executor)
-            x = x + (constrain(self.wpe[...][:T], (None, "act_embed")) if positions is None else
-                     jnp.take(constrain(self.wpe[...], (None, "act_embed")), positions, axis=0))
+            x = x + (
+                constrain(self.wpe[...][:T], (None, "act_embed"))
+                if positions is None
+                else jnp.take(constrain(self.wpe[...], (None, "act_embed")), positions, axis=0)
+            )
         return constrain(x.astype(dtype), ("batch", "seq", "act_embed"))
 
     def token_embedding(self, tokens: jax.Array) -> jax.Array:
@@ -288,8 +310,9 @@ class Decoder(nnx.Module):
 
         # the context's layer runner (a scan, or GPipe stages over `pp`; with model.remat each layer recomputed in the
         # backward pass); fixed sketches ride along with the parameters (a sketched model is dense: one stack)
-        return current().run_layers(layer, (stacked, stacked_sketches(self.cfg) if sketches is None else sketches),
-                                    carry, rows)
+        return current().run_layers(
+            layer, (stacked, stacked_sketches(self.cfg) if sketches is None else sketches), carry, rows
+        )
 
     def head(self, x: jax.Array) -> jax.Array:
         """The final norm and the output head: float32 logits [batch, seq, vocab]."""

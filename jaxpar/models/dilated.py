@@ -17,6 +17,7 @@ Block-sparse (model.sparsity_ratio; the pattern: jaxpar/core/model/layer_rules.p
 into blocks and a query block attends only its kept key blocks, which it gathers (constant indices along the row;
 under sp GSPMD partitions the gather): about sparsity_ratio of the pair's scores, never a dense [n, n] matrix.
 """
+
 from __future__ import annotations
 
 import math

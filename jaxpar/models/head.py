@@ -9,6 +9,7 @@ only scales them, so nothing is recomputed. Chunk c holds positions c, c + n, c 
 leaves the batch and sequence axes as sharded as they were (sequence parallelism's shards each give every chunk
 their share); the vocabulary stays split over tp, the logsumexp and the target's logit reduced over it by GSPMD.
 """
+
 from __future__ import annotations
 
 import functools
@@ -79,8 +80,7 @@ def chunked_cross_entropy(x: jax.Array, table: jax.Array, targets: jax.Array, ch
     """
     table, xs, ts = _chunks(x, table, targets, chunks)
     groups = _shards(("batch", "seq"), xs.shape[1:3])
-    total = jax.lax.scan(lambda s, c: (s + _chunk_losses(c[0], table, c[1], groups), None), _zeros(groups),
-                         (xs, ts))[0]
+    total = jax.lax.scan(lambda s, c: (s + _chunk_losses(c[0], table, c[1], groups), None), _zeros(groups), (xs, ts))[0]
     return jnp.sum(total) / targets.size
 
 
@@ -97,8 +97,9 @@ def _forward(x, table, targets, chunks):
         dh = jnp.einsum("btv,vd->btd", dz, cast)  # the head's transpose
         # the table's gradient kept per shard of the rows and positions, summed over them once after the last
         # chunk: not reduced over the data axes in every chunk
-        dw = jnp.einsum("gbhsv,gbhsd->ghvd", _grouped(dz, groups), _grouped(h, groups),
-                        preferred_element_type=jnp.float32)
+        dw = jnp.einsum(
+            "gbhsv,gbhsd->ghvd", _grouped(dz, groups), _grouped(h, groups), preferred_element_type=jnp.float32
+        )
         total = total + constrain(jnp.sum(_grouped(losses, groups), axis=(1, 3)), ("batch", "seq"))
         return (total, dtable + constrain(dw, per_shard)), dh
 

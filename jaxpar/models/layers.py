@@ -2,6 +2,7 @@
 
 Parameter creation (every parameter records its logical axes), the norms (LayerNorm, RMSNorm) and rotary embedding.
 """
+
 from __future__ import annotations
 
 import jax
@@ -59,5 +60,5 @@ def rope(x, positions, theta: float):
     angle = positions.astype(jnp.float32)[..., None] * freqs  # [(batch,) seq, r/2]
     angle = angle.reshape(angle.shape[:-1] + (1,) * (x.ndim - 3) + angle.shape[-1:])
     cos, sin = jnp.cos(angle).astype(x.dtype), jnp.sin(angle).astype(x.dtype)
-    x1, x2 = x[..., : r // 2], x[..., r // 2:]
+    x1, x2 = x[..., : r // 2], x[..., r // 2 :]
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)

@@ -19,6 +19,7 @@ Shared weight format (biases: none):
   blocks.mlp.gate.kernel / .up.kernel [layers, embed, mlp]   blocks.mlp.down.kernel [layers, mlp, embed]
   blocks.ln1.scale / .ln2.scale [layers, embed]   ln_f.scale [embed]   lm_head [vocab, embed] (untied)
 """
+
 from __future__ import annotations
 
 import math
@@ -45,10 +46,14 @@ class GQAttention(nnx.Module):
         L, d, h, g, k = stack, cfg.d_model, cfg.n_head, cfg.kv_heads, cfg.head_dim
         lead = ("layers",) * len(stack)
         self.q = nnx.Dict(kernel=param(normal(rngs, L + (d, h, k), cfg.init_std), lead + ("embed", "heads", "kv")))
-        self.kv = nnx.Dict(kernel=param(normal(rngs, L + (d, 2, g, k), cfg.init_std),
-                                        lead + ("embed", "qkv", "kv_heads", "kv")))
-        self.out = nnx.Dict(kernel=param(normal(rngs, L + (h, k, d), cfg.init_std / math.sqrt(2 * cfg.n_layer)),
-                                         lead + ("heads", "kv", "embed")))
+        self.kv = nnx.Dict(
+            kernel=param(normal(rngs, L + (d, 2, g, k), cfg.init_std), lead + ("embed", "qkv", "kv_heads", "kv"))
+        )
+        self.out = nnx.Dict(
+            kernel=param(
+                normal(rngs, L + (h, k, d), cfg.init_std / math.sqrt(2 * cfg.n_layer)), lead + ("heads", "kv", "embed")
+            )
+        )
         self.theta, self.n_head = cfg.rope_theta, h
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None
         self.sparsity = block_sparsity(cfg)  # block-sparse dilated attention's pattern, or None
@@ -56,8 +61,11 @@ class GQAttention(nnx.Module):
     def __call__(self, x, dtype, positions=None, segments=None):
         q, k, v = self.project_qkv(x, dtype, positions)
         k, v = (constrain(repeat_kv(t, self.n_head), ("batch", "seq", "heads", "kv")) for t in (k, v))
-        y = (current().attention(q, k, v, positions, segments) if self.pairs is None
-             else dilated_attention(q, k, v, self.pairs, self.sparsity))
+        y = (
+            current().attention(q, k, v, positions, segments)
+            if self.pairs is None
+            else dilated_attention(q, k, v, self.pairs, self.sparsity)
+        )
         return self.project_out(y, dtype)
 
     # the two projections are also what decoding with a KV cache runs (decode.py): it caches k, v at kv_heads width
@@ -67,8 +75,10 @@ class GQAttention(nnx.Module):
         kv = project(x, self.kv["kernel"][...].astype(dtype))  # [b, t, 2, kv_heads, k]
         k, v = kv[:, :, 0], kv[:, :, 1]
         q, k = rope(q, pos, self.theta), rope(k, pos, self.theta)
-        return (constrain(q, ("batch", "seq", "heads", "kv")),
-                *(constrain(t, ("batch", "seq", "kv_heads", "kv")) for t in (k, v)))
+        return (
+            constrain(q, ("batch", "seq", "heads", "kv")),
+            *(constrain(t, ("batch", "seq", "kv_heads", "kv")) for t in (k, v)),
+        )
 
     def project_out(self, y, dtype):
         y = constrain(y, ("batch", "seq", "heads", "kv"))
@@ -81,8 +91,9 @@ class SwiGLU(nnx.Module):
         L, d, f, lead = stack, cfg.d_model, width or cfg.ff_dim, ("layers",) * len(stack)
         self.gate = nnx.Dict(kernel=param(normal(rngs, L + (d, f), cfg.init_std), lead + ("embed", "mlp")))
         self.up = nnx.Dict(kernel=param(normal(rngs, L + (d, f), cfg.init_std), lead + ("embed", "mlp")))
-        self.down = nnx.Dict(kernel=param(normal(rngs, L + (f, d), cfg.init_std / math.sqrt(2 * cfg.n_layer)),
-                                          lead + ("mlp", "embed")))
+        self.down = nnx.Dict(
+            kernel=param(normal(rngs, L + (f, d), cfg.init_std / math.sqrt(2 * cfg.n_layer)), lead + ("mlp", "embed"))
+        )
 
     def __call__(self, x, dtype, sketches=None):
         w = lambda p: p["kernel"][...].astype(dtype)

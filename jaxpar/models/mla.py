@@ -16,6 +16,7 @@ Shared weight format (blocks.attn.*): q_down.kernel [L, embed, q_latent]  q_norm
   kv_norm.scale [L, kv_latent]  kv_up.kernel [L, kv_latent, 2, heads, kv]  out.kernel/bias as MHA (model.family=llama:
   out.kernel alone, no bias: DeepSeek-V3's attention, jaxpar/formats/hf_deepseek_v3.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -48,7 +49,8 @@ class MLAttention(nnx.Module):
         self.kv_down = nnx.Dict(kernel=param(normal(rngs, L + (d, kvl + r), std), lead + ("embed", "kv_latent")))
         self.kv_norm = nnx.Dict(scale=param(jnp.ones(L + (kvl,)), lead + ("kv_latent",)))
         self.kv_up = nnx.Dict(
-            kernel=param(normal(rngs, L + (kvl, 2, h, k), std), lead + ("kv_latent", "qkv", "heads", "kv")))
+            kernel=param(normal(rngs, L + (kvl, 2, h, k), std), lead + ("kv_latent", "qkv", "heads", "kv"))
+        )
         self.out = nnx.Dict(kernel=param(normal(rngs, L + (h, k, d), proj_std), lead + ("heads", "kv", "embed")))
         if cfg.family == "gpt2":  # llama's projections have no biases (DeepSeek-V3's o_proj neither)
             self.out["bias"] = param(jnp.zeros(L + (d,)), lead + ("embed",))
@@ -67,10 +69,10 @@ class MLAttention(nnx.Module):
         w = lambda p: p["kernel"][...].astype(dtype)
         c_q = rms_norm(project(x, w(self.q_down)), self.q_norm["scale"][...], self.eps)
         q = project(c_q, w(self.q_up))
-        q = jnp.concatenate([q[..., :-self.r], rope(q[..., -self.r:], pos, self.theta)], axis=-1)
+        q = jnp.concatenate([q[..., : -self.r], rope(q[..., -self.r :], pos, self.theta)], axis=-1)
         ckv = project(x, w(self.kv_down))
         c_kv = rms_norm(ckv[..., : self.kvl], self.kv_norm["scale"][...], self.eps)
-        latent = jnp.concatenate([c_kv, rope(ckv[..., self.kvl:], pos, self.theta)], axis=-1)
+        latent = jnp.concatenate([c_kv, rope(ckv[..., self.kvl :], pos, self.theta)], axis=-1)
         return constrain(q, ("batch", "seq", "heads", "kv")), latent
 
     def keys_values(self, latent, dtype):
@@ -80,12 +82,12 @@ class MLAttention(nnx.Module):
         """
         kv = project(latent[..., : self.kvl], self.kv_up["kernel"][...].astype(dtype))  # [b, t, 2, h, k]
         k_nope, v = kv[:, :, 0], kv[:, :, 1]
-        k_r = jnp.broadcast_to(latent[:, :, None, self.kvl:], k_nope.shape[:3] + (self.r,))  # one for every head
+        k_r = jnp.broadcast_to(latent[:, :, None, self.kvl :], k_nope.shape[:3] + (self.r,))  # one for every head
         k, v = jnp.concatenate([k_nope, k_r], axis=-1), jnp.pad(v, ((0, 0),) * 3 + ((0, self.r),))
         return tuple(constrain(t, ("batch", "seq", "heads", "kv")) for t in (k, v))
 
     def project_out(self, y, dtype):
         """Drop the padded value features (the core's scale was 1/sqrt(kv + rope): the default for that width)."""
-        y = constrain(y[..., :-self.r], ("batch", "seq", "heads", "kv"))
+        y = constrain(y[..., : -self.r], ("batch", "seq", "heads", "kv"))
         out = project(y, self.out["kernel"][...].astype(dtype), n_in=2)
         return out + self.out["bias"][...].astype(dtype) if "bias" in self.out else out

@@ -23,6 +23,7 @@ Shared weight format (blocks.moe.*; L: the expert layers): router.kernel [L, emb
   shared.{gate,up}.kernel [L, embed, S x moe_d_ff]  shared.down.kernel [L, S x moe_d_ff, embed] (S =
   moe_shared_experts, one SwiGLU as wide as S experts, as DeepSeek's).
 """
+
 from __future__ import annotations
 
 import math
@@ -69,8 +70,8 @@ def shift_layer_stats(stats, first, cfg: ModelConfig):
     """
     if not cfg.moe_bias_update:
         return stats
-    loads = jnp.roll(stats[:, :cfg.moe_layers * cfg.moe_experts], first * cfg.moe_experts, axis=1)
-    return jnp.concatenate([loads, stats[:, cfg.moe_layers * cfg.moe_experts:]], axis=-1)
+    loads = jnp.roll(stats[:, : cfg.moe_layers * cfg.moe_experts], first * cfg.moe_experts, axis=1)
+    return jnp.concatenate([loads, stats[:, cfg.moe_layers * cfg.moe_experts :]], axis=-1)
 
 
 def limit_to_groups(choice, cfg: ModelConfig):
@@ -145,8 +146,9 @@ class MoE(nnx.Module):
         bias = jax.lax.stop_gradient(self.router["bias"][...]) if "bias" in self.router else None
         ids, weights, kept, stats = route(logits, self.cfg, index, bias)
         w = lambda p: p[...].astype(dtype)
-        y = current().experts(x, ids, weights, kept, w(self.gate), w(self.up), w(self.down),
-                              row_capacity(self.cfg, x.shape[1]))
+        y = current().experts(
+            x, ids, weights, kept, w(self.gate), w(self.up), w(self.down), row_capacity(self.cfg, x.shape[1])
+        )
         y = constrain(y, ("batch", "seq", "act_embed"))
         return (y if self.shared is None else y + self.shared(x, dtype)), stats
 
@@ -160,7 +162,7 @@ def update_router_bias(params: dict, stats, cfg: ModelConfig) -> dict:
     if not cfg.moe_bias_update:
         return params
     L, E = cfg.moe_layers, cfg.moe_experts
-    loads = stats[:L * E].reshape(L, E)
+    loads = stats[: L * E].reshape(L, E)
     moe = params["blocks"]["moe"]
     bias = moe["router"]["bias"] + cfg.moe_bias_update * jnp.sign(jnp.mean(loads, -1, keepdims=True) - loads)
     return {**params, "blocks": {**params["blocks"], "moe": {**moe, "router": {**moe["router"], "bias": bias}}}}

@@ -12,6 +12,7 @@ all-reduce-promotion pass widens one to float32 after rounding each operand to b
 reducer a partially manual shard_map gives it, jax 0.10.2). On the CPU the gradients are therefore rounded to
 bfloat16 here and reduced in float32: the numbers of a bfloat16 reduction, the bytes of a float32 one.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -107,11 +108,21 @@ def compressed_loss_and_grads(layout, value_and_grad, accum: int, value=None):
         # shard_map (manual over pp) runs nested in this one, and takes no value made inside this one
         def local(params, batch):
             loss, grads = rank_loss_and_grads(params, batch, scale)
-            grads = jax.tree.map(lambda g, s: reduce_gradient(g / n, s, axes, wire), grads, grad_specs,
-                                 is_leaf=lambda s: isinstance(s, P))
+            grads = jax.tree.map(
+                lambda g, s: reduce_gradient(g / n, s, axes, wire),
+                grads,
+                grad_specs,
+                is_leaf=lambda s: isinstance(s, P),
+            )
             return jax.tree.map(lambda v: jax.lax.psum(v, axes) / n, loss), grads
 
-        return jax.shard_map(local, mesh=mesh, in_specs=(P(), batch_spec), out_specs=(P(), grad_specs),
-                             axis_names=set(axes), check_vma=False)(params, batch)
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(), batch_spec),
+            out_specs=(P(), grad_specs),
+            axis_names=set(axes),
+            check_vma=False,
+        )(params, batch)
 
     return compressed

@@ -13,6 +13,7 @@ The buffer is padded: slots = N holds any routing without a drop (a token picks 
 price of experts x N rows in flight per device. The padded all-to-all is what XLA:CPU runs (it has no
 ragged_all_to_all); a ragged exchange of the filled slots alone is not built yet.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -37,8 +38,17 @@ def swiglu_experts(buffer, gate, up, down, reduce: Callable = _same):
     return reduce(jnp.einsum("esf,efd->esd", h, down))
 
 
-def dispatch(x, ids, weights, kept, n_experts: int, slots: int, experts: Callable,
-             exchange: Callable = _same, back: Callable = _same):
+def dispatch(
+    x,
+    ids,
+    weights,
+    kept,
+    n_experts: int,
+    slots: int,
+    experts: Callable,
+    exchange: Callable = _same,
+    back: Callable = _same,
+):
     """x [N, embed]; ids, weights, kept [N, k] -> [N, embed]: sum over the kept choices of weight x expert(x).
 
     `experts` maps the received buffer to outputs of the same shape.
@@ -48,15 +58,28 @@ def dispatch(x, ids, weights, kept, n_experts: int, slots: int, experts: Callabl
     chosen = (flat[:, None] == jnp.arange(n_experts)) & keep[:, None]  # [N*k, experts]
     rank = jnp.sum(jnp.where(chosen, jnp.cumsum(chosen, axis=0, dtype=jnp.int32) - 1, 0), axis=1)
     slot = jnp.where(keep, rank, slots)  # a dropped choice points past the buffer: the scatter skips it
-    buffer = jnp.zeros((n_experts, slots, x.shape[1]), x.dtype).at[flat, slot].set(jnp.repeat(x, k, axis=0),
-                                                                                    mode="drop")
+    buffer = (
+        jnp.zeros((n_experts, slots, x.shape[1]), x.dtype).at[flat, slot].set(jnp.repeat(x, k, axis=0), mode="drop")
+    )
     out = back(experts(exchange(buffer)))
     picked = out.at[flat, slot].get(mode="fill", fill_value=0).reshape(N, k, -1)
     return jnp.sum(picked * weights[..., None].astype(x.dtype), axis=1)
 
 
-def local_experts(x, ids, weights, kept, gate, up, down, capacity: int, owners: int = 1, exchange: Callable = _same,
-                  back: Callable = _same, reduce: Callable = _same):
+def local_experts(
+    x,
+    ids,
+    weights,
+    kept,
+    gate,
+    up,
+    down,
+    capacity: int,
+    owners: int = 1,
+    exchange: Callable = _same,
+    back: Callable = _same,
+    reduce: Callable = _same,
+):
     """The parallel context's default: every expert on this device.
 
     x [B, T, embed]; ids, weights, kept [B, T, k]; `capacity`: slots per expert per row (0: dropless). Inside expert
@@ -66,6 +89,12 @@ def local_experts(x, ids, weights, kept, gate, up, down, capacity: int, owners: 
     """
     B, T, D = x.shape
     flat = (a.reshape(B * T, -1) for a in (x, ids, weights, kept))
-    y = dispatch(*flat, gate.shape[0] * owners, slots_for(B * T, B, capacity),
-                 lambda b: swiglu_experts(b, gate, up, down, reduce), exchange, back)
+    y = dispatch(
+        *flat,
+        gate.shape[0] * owners,
+        slots_for(B * T, B, capacity),
+        lambda b: swiglu_experts(b, gate, up, down, reduce),
+        exchange,
+        back,
+    )
     return y.reshape(B, T, D)

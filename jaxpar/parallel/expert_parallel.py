@@ -12,6 +12,7 @@ reduce-scattered on the way out (GSPMD, from the shard_map's input layout).
 The all-to-all moves slots = every token of the device (dropless) or a row's capacity per row, zero-padded:
 XLA:CPU has no ragged all-to-all. Which exchange ran is said once at trace time.
 """
+
 from __future__ import annotations
 
 import functools
@@ -50,8 +51,11 @@ def expert_parallel(mesh, rules):
     n = mesh.shape[AXIS]
     if n > 1 and "padded" not in _said:
         _said.add("padded")
-        print(f"experts: tokens travel over ep={n} by a padded all-to-all (fixed slots per expert)", file=sys.stderr,
-              flush=True)
+        print(
+            f"experts: tokens travel over ep={n} by a padded all-to-all (fixed slots per expert)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def experts(x, ids, weights, kept, gate, up, down, capacity: int):
         act = spec_for(("batch", "seq", "act_embed"), x.shape, mesh, rules)
@@ -61,11 +65,24 @@ def expert_parallel(mesh, rules):
         split = _axes(w_out[1])  # the axes an expert's width is split over: their partial outputs are summed
 
         owners = n if AXIS in _axes(w_in[0]) else 1
-        moves = {} if owners == 1 else {"exchange": lambda buf: _to_owners(buf, owners),
-                                        "back": lambda out: _to_sources(out, owners)}
-        local = functools.partial(local_experts, capacity=capacity, owners=owners, **moves,
-                                  reduce=(lambda y: jax.lax.psum(y, split)) if split else (lambda y: y))
-        return jax.shard_map(local, mesh=tracing_mesh(mesh), in_specs=(act, choice, choice, choice, w_in, w_in, w_out),
-                             out_specs=act, check_vma=False)(x, ids, weights, kept, gate, up, down)
+        moves = (
+            {}
+            if owners == 1
+            else {"exchange": lambda buf: _to_owners(buf, owners), "back": lambda out: _to_sources(out, owners)}
+        )
+        local = functools.partial(
+            local_experts,
+            capacity=capacity,
+            owners=owners,
+            **moves,
+            reduce=(lambda y: jax.lax.psum(y, split)) if split else (lambda y: y),
+        )
+        return jax.shard_map(
+            local,
+            mesh=tracing_mesh(mesh),
+            in_specs=(act, choice, choice, choice, w_in, w_in, w_out),
+            out_specs=act,
+            check_vma=False,
+        )(x, ids, weights, kept, gate, up, down)
 
     return experts

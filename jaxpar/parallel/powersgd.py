@@ -21,6 +21,7 @@ axes (its layers on their pipeline stage, as the parameter's). A checkpoint
 resumed on another data size gives every new rank the mean of the saved buffers: the sum the next steps owe,
 divided by n, is what the old ranks owed (`restore_fit`).
 """
+
 from __future__ import annotations
 
 import math
@@ -76,24 +77,32 @@ def shardings(layout) -> dict:
     axes, mesh = data_axes(layout.mesh), layout.mesh
     specs = flatten(jax.tree.map(lambda s: off_data(s, axes), layout.param_specs, is_leaf=_is_spec))
     shapes = {k: v.shape for k, v in flatten(layout.abstract_params).items()}
-    return {"error": {k: NamedSharding(mesh, P(axes, *s)) for k, s in specs.items()},
-            "q": {k: NamedSharding(mesh, P(*specs[k][:1]) if layers_first(layout, k) else P())
-                  for k in factor_shapes(layout, shapes)}}
+    return {
+        "error": {k: NamedSharding(mesh, P(axes, *s)) for k, s in specs.items()},
+        "q": {
+            k: NamedSharding(mesh, P(*specs[k][:1]) if layers_first(layout, k) else P())
+            for k in factor_shapes(layout, shapes)
+        },
+    }
 
 
 def initial(layout, params) -> dict:
     """Zero error buffers, and Q as `initial_q` makes it."""
     n = data_size(layout.mesh)
-    return {"error": {k: jnp.zeros((n, *v.shape), v.dtype) for k, v in flatten(params).items()},
-            "q": initial_q(layout, params)}
+    return {
+        "error": {k: jnp.zeros((n, *v.shape), v.dtype) for k, v in flatten(params).items()},
+        "q": initial_q(layout, params),
+    }
 
 
 def initial_q(layout, params) -> dict:
     """Q random normal (seeded by train.seed) with orthonormal columns, as torch starts it."""
     qs = sorted(factor_shapes(layout, {k: v.shape for k, v in flatten(params).items()}).items())
     keys = jax.random.split(jax.random.key(layout.cfg.train.seed), max(len(qs), 1))
-    return {k: orthogonalize(jax.random.normal(key, s, jnp.float32), int(layers_first(layout, k)))
-            for key, (k, s) in zip(keys, qs)}
+    return {
+        k: orthogonalize(jax.random.normal(key, s, jnp.float32), int(layers_first(layout, k)))
+        for key, (k, s) in zip(keys, qs)
+    }
 
 
 def orthogonalize(x: jax.Array, lead: int) -> jax.Array:
@@ -115,7 +124,7 @@ def orthogonalize(x: jax.Array, lead: int) -> jax.Array:
 def _rest(m: jax.Array, lead: int) -> str:
     """einsum letters: batch dims, the rows, the rest."""
     letters = "abcdefghijklmnopq"
-    return letters[:lead], letters[lead], letters[lead + 1:m.ndim]
+    return letters[:lead], letters[lead], letters[lead + 1 : m.ndim]
 
 
 def compress(m: jax.Array, q: jax.Array, lead: int, axes: tuple[str, ...], n: int) -> tuple[jax.Array, jax.Array]:
@@ -169,9 +178,14 @@ def powersgd_loss_and_grads(layout, value_and_grad, accum: int, value=None):
 
         # `share` is closed over, not an argument: the pipeline executor's own shard_map (over pp, nested in this
         # one) takes no value made inside this one (compression.compressed_loss_and_grads)
-        return jax.shard_map(local, mesh=mesh, in_specs=(P(), batch_spec, state_spec, P()),
-                             out_specs=(P(), P(), state_spec), axis_names=set(axes), check_vma=False)(
-            params, batch, state, step)
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(), batch_spec, state_spec, P()),
+            out_specs=(P(), P(), state_spec),
+            axis_names=set(axes),
+            check_vma=False,
+        )(params, batch, state, step)
 
     state_spec = {"error": P(axes), "q": P()}
     return reduced
@@ -191,8 +205,10 @@ def restore_fit(layout, abstract: dict):
         if not want:
             return {k: v for k, v in state.items() if k != "powersgd"}
         saved = state.get("powersgd")
-        return {**state, "powersgd": _fresh(layout, state["params"]) if saved is None else
-                _remap(layout, saved, state["params"])}
+        return {
+            **state,
+            "powersgd": _fresh(layout, state["params"]) if saved is None else _remap(layout, saved, state["params"]),
+        }
 
     def fit(saved: dict):
         if "powersgd" not in saved:
@@ -218,8 +234,10 @@ def _read_as_saved(layout, saved: dict) -> dict:
         return jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=NamedSharding(layout.mesh, P(None, *spec)))
 
     whole = NamedSharding(layout.mesh, P())
-    return {"error": {k: error(k, m) for k, m in saved["error"].items()},
-            "q": {k: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=whole) for k, m in saved["q"].items()}}
+    return {
+        "error": {k: error(k, m) for k, m in saved["error"].items()},
+        "q": {k: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=whole) for k, m in saved["q"].items()},
+    }
 
 
 def _fresh(layout, params) -> dict:
@@ -234,8 +252,10 @@ def _remap(layout, saved: dict, params) -> dict:
     shard, n = layout.state_shardings["powersgd"], data_size(layout.mesh)
     old = next(iter(saved["error"].values())).shape[0]
     if old != n and jax.process_index() == 0:
-        print(f"PowerSGD: the error buffers of {old} data ranks averaged onto {n} (resumed on another data size)",
-              file=sys.stderr)
+        print(
+            f"PowerSGD: the error buffers of {old} data ranks averaged onto {n} (resumed on another data size)",
+            file=sys.stderr,
+        )
 
     def fit_error(e):
         return e if old == n else jnp.broadcast_to(jnp.mean(e, axis=0, keepdims=True), (n, *e.shape[1:]))
@@ -248,8 +268,10 @@ def _remap(layout, saved: dict, params) -> dict:
         fresh = jax.jit(lambda p: initial_q(layout, p))(params)
         qs.update({k: fresh[k] for k in set(shapes) - kept})
         if jax.process_index() == 0:
-            print("PowerSGD: another rank r (or other matrices) than the checkpoint's: its factors start afresh",
-                  file=sys.stderr)
+            print(
+                "PowerSGD: another rank r (or other matrices) than the checkpoint's: its factors start afresh",
+                file=sys.stderr,
+            )
     return {"error": error, "q": jax.device_put(qs, shard["q"])}
 
 
@@ -264,5 +286,5 @@ def payload_bytes(layout) -> int:
         layered = layers_first(layout, k)
         q = factor_shape(x.shape, layered, layout.cfg.parallel.powersgd_rank)
         rows = x.shape[int(layered)]  # P's: (*layers, m, r)
-        total += x.size if q is None else math.prod(q) + math.prod(q[:int(layered)]) * rows * q[-1]
+        total += x.size if q is None else math.prod(q) + math.prod(q[: int(layered)]) * rows * q[-1]
     return 4 * total

@@ -23,6 +23,7 @@ pairs name (all of pp x sp), so a ppermute there waits on, or is matched with, a
 (wrong values); an all_to_all's rendezvous is its sp group's. At sp=2 it moves the same bytes as the ppermute; at
 sp=N it moves N-1 times as many (the zero pieces).
 """
+
 from __future__ import annotations
 
 import math
@@ -97,6 +98,7 @@ def _rotate(x, axis: str, n: int, exchange: str):
             to = (jnp.arange(n) == (i + 1) % n).reshape((n,) + (1,) * a.ndim)
             got = jax.lax.all_to_all(jnp.where(to, a[None], jnp.zeros((), a.dtype)), axis, 0, 0, tiled=True)
             return jax.lax.dynamic_index_in_dim(got, (i - 1) % n, keepdims=False)  # the predecessor's piece
+
         return jax.tree.map(one, x)
 
 
@@ -104,16 +106,23 @@ def _forward(q, k, v, pos, axis, n, exchange):
     b, t, h, d = q.shape
     scale = 1.0 / math.sqrt(d)
     qs, qps = _halves(q, 1), _halves(pos, 0)
-    init = [(jnp.zeros((b, h, x.shape[1], d), F32), jnp.full((b, h, x.shape[1]), NEG, F32),
-             jnp.zeros((b, h, x.shape[1]), F32)) for x in qs]
+    init = [
+        (
+            jnp.zeros((b, h, x.shape[1], d), F32),
+            jnp.full((b, h, x.shape[1]), NEG, F32),
+            jnp.zeros((b, h, x.shape[1]), F32),
+        )
+        for x in qs
+    ]
 
     def step(states, kv):
         k, v, kp = kv
         out = []
         for qh, qph, st in zip(qs, qps, states):
             for kh, vh, kph in zip(_halves(k, 1), _halves(v, 1), _halves(kp, 0)):
-                st = jax.lax.cond(_visible(qph, kph), partial(_fwd_block, scale=scale), lambda st, *_: st,
-                                  st, qh, kh, vh, qph, kph)
+                st = jax.lax.cond(
+                    _visible(qph, kph), partial(_fwd_block, scale=scale), lambda st, *_: st, st, qh, kh, vh, qph, kph
+                )
             out.append(st)
         return out
 
@@ -155,8 +164,19 @@ def _ring_bwd(axis, n, exchange, res, do):
         for i, (qh, doh, qph, lseh, dh) in enumerate(zip(qs, dos, qps, lses, deltas)):
             for j, (kh, vh, kph) in enumerate(zip(ks, vs, kps)):
                 dqs[i], dks[j], dvs[j] = jax.lax.cond(
-                    _visible(qph, kph), partial(_bwd_block, scale=scale), lambda acc, *_: acc,
-                    (dqs[i], dks[j], dvs[j]), qh, doh, lseh, dh, kh, vh, qph, kph)
+                    _visible(qph, kph),
+                    partial(_bwd_block, scale=scale),
+                    lambda acc, *_: acc,
+                    (dqs[i], dks[j], dvs[j]),
+                    qh,
+                    doh,
+                    lseh,
+                    dh,
+                    kh,
+                    vh,
+                    qph,
+                    kph,
+                )
         return dqs, (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
 
     def hop(carry, _):

@@ -12,6 +12,7 @@ Zig-zag (`parallel.sequence_zigzag`): the token order is permuted once at the lo
 positions, so every device does the same causal work. `sequence_attention` returns the function
 jaxpar/parallelize.py puts in the parallel context; the model never sees the mesh.
 """
+
 from __future__ import annotations
 
 import jax
@@ -39,8 +40,10 @@ def check_sequence(seq_len: int, n_head: int, sizes, attention: str, zigzag: boo
         what = f"2*sp={chunks} (zig-zag)" if zigzag else f"sp={sp}"
         raise UserError(f"data.seq_len={seq_len} is not divisible by {what}")
     if attention == "ulysses" and n_head % (sizes["tp"] * sp):
-        raise UserError(f"model.n_head={n_head} is not divisible by tp*sp={sizes['tp'] * sp} "
-                        f"(ulysses attention shards heads over sp)")
+        raise UserError(
+            f"model.n_head={n_head} is not divisible by tp*sp={sizes['tp'] * sp} "
+            f"(ulysses attention shards heads over sp)"
+        )
 
 
 def zigzag_order(T: int, n: int) -> np.ndarray:
@@ -86,9 +89,13 @@ def sequence_attention(mesh, rules, strategy: str):
         # in the hand-scheduled executor (manual over pp) the layers run in a branch one stage takes: ring's hops
         # must not be collective-permutes there (ring_attention.py)
         hops = {"exchange": "all_to_all"} if strategy == "ring" and in_pipeline_branch() else {}
-        sharded = jax.shard_map(lambda *a: fn(*a, axis=AXIS, n=n, **hops), mesh=tracing_mesh(mesh), out_specs=spec,
-                                in_specs=(spec, spec, spec, rows if segments is not None else jax.P(AXIS), rows),
-                                check_vma=False)
+        sharded = jax.shard_map(
+            lambda *a: fn(*a, axis=AXIS, n=n, **hops),
+            mesh=tracing_mesh(mesh),
+            out_specs=spec,
+            in_specs=(spec, spec, spec, rows if segments is not None else jax.P(AXIS), rows),
+            check_vma=False,
+        )
         positions = jnp.asarray(jnp.arange(T) if positions is None else positions, jnp.int32)
         return sharded(q, k, v, positions, segments)
 

@@ -4,6 +4,7 @@ Inside shard_map over `sp`, an all_to_all turns sequence-sharded q/k/v [b, T/N, 
 every device runs full-sequence attention on its heads, and a second all_to_all turns the output back. Needs the
 (per-tp-shard) head count divisible by sp (checked by sequence.check_sequence).
 """
+
 from __future__ import annotations
 
 import jax

@@ -7,6 +7,7 @@ reports a memory limit (GPUs) and the planner's compiled peak is within it (only
 compiled; on a CPU nothing is). On gpt2-tiny with 8 layers on pp=4 the choice traces one device's program and
 one or three schedules' (about 2-5 s on a CPU core).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,8 +55,13 @@ def resolve_schedule(cfg, sizes: dict, devices, peak, budget: int | None = None)
     budget is known); `budget`: bytes per device (default: the device's reported limit).
     """
     sizes = _full(sizes)
-    devices = list(jax.devices() if devices is None else devices)[:math.prod(sizes.values())]
+    devices = list(jax.devices() if devices is None else devices)[: math.prod(sizes.values())]
     budget = memory_limit(jax.local_devices()[0]) if budget is None else budget
     one: list = []
-    return resolve(cfg, sizes["pp"], lambda c: refusal(c, sizes), lambda c: flops_ratio(c, sizes, devices, one),
-                   lambda c: budget is None or peak(c, sizes, devices) <= budget)
+    return resolve(
+        cfg,
+        sizes["pp"],
+        lambda c: refusal(c, sizes),
+        lambda c: flops_ratio(c, sizes, devices, one),
+        lambda c: budget is None or peak(c, sizes, devices) <= budget,
+    )

@@ -43,6 +43,7 @@ loss on the last.
   over the rows into the device's total (summed over `pp` at the end, as one device sums them over the layers and
   rows), and every backward pulls that weight back beside the output's cotangent.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -67,6 +68,7 @@ class StageFns:
 
     `rest` the parameters outside the layer stack, `chunk` this virtual stage's slice of it.
     """
+
     # `inputs`: a microbatch's slice of pipeline_value_and_grad's (token ids, or a tuple of per-row arrays)
     embed: Callable  # (rest, chunk, inputs) -> x [rows, seq, width]
     layers: Callable  # (rest, chunk, chunk_consts, x, inputs) -> h; with stats_cotangent (h, stats [rows, n])
@@ -76,8 +78,6 @@ class StageFns:
     # [n]: the loss's derivative by each per-row statistic the layers report (the loss adds their sum over rows
     # and microbatches times it); None: the layers report none
     stats_cotangent: jax.Array | None = None
-
-
 
 
 def _place_taps(residuals: list, taps: list) -> list[tuple[str, int]]:
@@ -114,14 +114,19 @@ class _Stage:
         self.zeros = jnp.zeros(act_shape, dtype)
         n = 0 if fns.stats_cotangent is None else fns.stats_cotangent.shape[0]
         # every microbatch's statistics get the same cotangent: the loss is linear in them
-        self.d_stats = (jnp.zeros((act_shape[0], 0), jnp.float32) if not n else
-                        jnp.broadcast_to(jnp.asarray(fns.stats_cotangent, jnp.float32), (act_shape[0], n)))
+        self.d_stats = (
+            jnp.zeros((act_shape[0], 0), jnp.float32)
+            if not n
+            else jnp.broadcast_to(jnp.asarray(fns.stats_cotangent, jnp.float32), (act_shape[0], n))
+        )
         self.projections = []  # (input, output) of each projection, stacked over the chunk's layers (split)
         if split:
+
             def probe(x):
                 with split_backward("probe") as traced:
                     self.layers(self.at(self.blocks, 0), self.at(self.consts, 0), x, self.rows(0))
                 return traced.recorded
+
             self.projections = jax.eval_shape(probe, self.zeros)
         # residuals have one structure for every chunk, stage and microbatch: their buffers, and how to rebuild a
         # pullback from a slot of them
@@ -163,14 +168,16 @@ class _Stage:
         def tapped(b, x, taps):
             with split_backward("tap", taps):
                 return self.layers(b, consts, x, rows)
+
         taps = [(jnp.zeros(y.shape, y.dtype), jnp.zeros(x.shape, x.dtype)) for x, y in self.projections]
         (h, stats), pullback = jax.vjp(tapped, chunk, x, taps)
         return h, stats, jax.tree.leaves(pullback), jax.tree.structure(pullback)
 
     def new_stash(self, plan: TickPlan) -> dict:
         slots = {"res": plan.res_slots, "tap": plan.tap_slots}
-        return {pool: [jnp.zeros((slots[pool],) + s.shape, s.dtype) for s in shapes]
-                for pool, shapes in self.shapes.items()}
+        return {
+            pool: [jnp.zeros((slots[pool],) + s.shape, s.dtype) for s in shapes] for pool, shapes in self.shapes.items()
+        }
 
     def zero_sums(self) -> tuple:
         """The loss's and the statistics' running sums before the first forward."""
@@ -191,13 +198,24 @@ class _Stage:
             stats_sum = stats_sum + jnp.sum(stats, axis=0)
             d_h = self.zeros
             if last:  # head and loss differentiated now: their cotangent is the loss's 1/M (the reports' zero)
-                loss, head_pullback = jax.vjp(lambda r, h: jnp.reshape(self.fns.head_loss(
-                    r, self.at(self.blocks, c), h, self.at(self.targets, m)), (-1,)), self.rest, h)
+                loss, head_pullback = jax.vjp(
+                    lambda r, h: jnp.reshape(
+                        self.fns.head_loss(r, self.at(self.blocks, c), h, self.at(self.targets, m)), (-1,)
+                    ),
+                    self.rest,
+                    h,
+                )
                 d_rest, d_h = head_pullback(jnp.zeros(loss.shape, loss.dtype).at[0].set(1.0 / self.M))
                 g_rest, loss_sum = jax.tree.map(jnp.add, g_rest, d_rest), loss_sum + loss
             kept = {**self.nothing_kept(), "res": residuals}
-            return (h.astype(self.dtype), self.zeros, kept, d_h.astype(self.dtype),
-                    (g_rest, g_blocks, loss_sum, stats_sum))
+            return (
+                h.astype(self.dtype),
+                self.zeros,
+                kept,
+                d_h.astype(self.dtype),
+                (g_rest, g_blocks, loss_sum, stats_sum),
+            )
+
         return run
 
     def pullback(self, cots, stash, own, op, last: bool):
@@ -211,8 +229,8 @@ class _Stage:
         g_blocks = jax.tree.map(lambda a, g: a.at[op["chunk"]].add(g), g_blocks, d_chunk)
         if first:  # the embedding's gradient: its lookup recomputed under vjp (a gather)
             _, embed_pullback = jax.vjp(
-                lambda r: self.fns.embed(r, self.at(self.blocks, op["chunk"]), self.rows(op["microbatch"])),
-                self.rest)
+                lambda r: self.fns.embed(r, self.at(self.blocks, op["chunk"]), self.rows(op["microbatch"])), self.rest
+            )
             g_rest = jax.tree.map(jnp.add, g_rest, embed_pullback(d_x.astype(self.dtype))[0])
         return g_rest, g_blocks, *sums
 
@@ -222,6 +240,7 @@ class _Stage:
         The input gradient and every gradient but the projections' weights', the projections' output gradients
         and inputs kept for W.
         """
+
         def run(acts, cots, stash, own, grads, op):
             d_chunk, d_x, *d_taps = self.pullback(cots, stash, own, op, last)
             grads = self.add_weights(grads, op, first, d_chunk, d_x)
@@ -229,6 +248,7 @@ class _Stage:
             for tap, (pool, i) in zip([t for pair in d_taps[0] for t in pair] if d_taps else [], self.tap_at):
                 kept[pool][i] = tap
             return self.zeros, d_x.astype(self.dtype), kept, self.zeros, grads
+
         return run
 
     def weight_grads(self, grads, op, pairs):
@@ -243,24 +263,29 @@ class _Stage:
             with split_backward("weights", pairs) as traced:
                 self.layers(b, self.at(self.consts, c), self.zeros, self.rows(op["microbatch"]))
             return sum(jnp.sum(r) for r in traced.recorded)
+
         return self.add_weights(grads, op, False, jax.grad(surrogate)(self.at(self.blocks, c)), None)
 
     def weights(self, first: bool, last: bool):
         """ZB's W, from what B kept."""
+
         def run(acts, cots, stash, own, grads, op):
             kept = [stash[pool][i][op[f"{pool}_slot"]] for pool, i in self.tap_at]
             grads = self.weight_grads(grads, op, [(x, dy) for dy, x in zip(kept[::2], kept[1::2])])
             return self.zeros, self.zeros, self.nothing_kept(), self.zeros, grads
+
         return run
 
     def whole_backward(self, first: bool, last: bool):
         """DualPipeV's BW, of the b_ columns' microbatch-chunk: B, then W from the taps B hands out (none kept)."""
+
         def run(acts, cots, stash, own, grads, op):
             op = {**op, **{k: op[f"b_{k}"] for k in ("chunk", "microbatch", "res_slot", "cot_slot")}}
             d_chunk, d_x, d_taps = self.pullback(cots, stash, own, op, last)
             grads = self.add_weights(grads, op, first, d_chunk, d_x)
             grads = self.weight_grads(grads, op, [(x, dy) for dy, x in d_taps])
             return self.zeros, d_x.astype(self.dtype), self.nothing_kept(), self.zeros, grads
+
         return run
 
     def overlapped(self, f_at: tuple[bool, bool], b_at: tuple[bool, bool]):
@@ -275,6 +300,7 @@ class _Stage:
             send_act, _, kept, d_h, grads = forward(acts, cots, stash, own, grads, op)
             _, send_cot, _, _, grads = backward(acts, cots, stash, own, grads, op)
             return send_act, send_cot, kept, d_h, grads
+
         return run
 
     def branches(self, dual: bool) -> list:
@@ -285,8 +311,12 @@ class _Stage:
         DualPipeV).
         """
         absent = lambda *_: self.idle
-        makers = (self.forward, self.backward, self.weights if self.split else absent,
-                  self.whole_backward if dual else absent)
+        makers = (
+            self.forward,
+            self.backward,
+            self.weights if self.split else absent,
+            self.whole_backward if dual else absent,
+        )
         places = ((False, False), (True, False), (False, True))
         fb = [self.overlapped(places[f], places[b]) if dual else self.idle for f, b in ((0, 0), (1, 2), (2, 1))]
         return [self.idle, *(make(first, last) for make in makers for first, last in places), *fb]
@@ -295,13 +325,30 @@ class _Stage:
 def _exchange(used: tuple, S: int, send_act, send_cot) -> dict:
     """Each used receive column's arrival: ppermute to d+1 ("left" of the receiver) and d-1, or kept here."""
     up, down = [(i, (i + 1) % S) for i in range(S)], [(i, (i - 1) % S) for i in range(S)]
-    moves = {"left": lambda x: jax.lax.ppermute(x, AXIS, up), "self": lambda x: x,
-             "right": lambda x: jax.lax.ppermute(x, AXIS, down)}
+    moves = {
+        "left": lambda x: jax.lax.ppermute(x, AXIS, up),
+        "self": lambda x: x,
+        "right": lambda x: jax.lax.ppermute(x, AXIS, down),
+    }
     return {name: moves[name.rsplit("_", 1)[1]](send_act if "_act_" in name else send_cot) for name in used}
 
 
-def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets, *, mesh, schedule: str,
-                            S: int, M: int, V: int, width: int, dtype):
+def pipeline_value_and_grad(
+    fns: StageFns,
+    rest,
+    blocks,
+    consts,
+    inputs,
+    targets,
+    *,
+    mesh,
+    schedule: str,
+    S: int,
+    M: int,
+    V: int,
+    width: int,
+    dtype,
+):
     """Loss, statistics and gradients of a model pipelined over `pp`: S stages, M microbatches, V chunks per stage.
 
     Returns (mean loss (with fns.reports: [1 + reports], then the reports' means), the layers' statistics summed over
@@ -317,16 +364,19 @@ def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets
     order = np.array([virtual_stage(schedule, S, d, c) for c in range(C) for d in range(S)])
     permute = (lambda x, idx: x[idx]) if np.any(order != np.arange(C * S)) else (lambda x, idx: x)
     staged = lambda w: permute(jnp.asarray(w).reshape(C * S, L // (S * C), *w.shape[1:]), order).reshape(
-        C, S, L // (S * C), *w.shape[1:])
+        C, S, L // (S * C), *w.shape[1:]
+    )
     blocks, consts = jax.tree.map(staged, blocks), jax.tree.map(staged, consts)
     act_shape = jax.tree.leaves(targets)[0].shape[1:] + (width,)
-    used = tuple(name for name in COLUMNS[COL["recv_act_left"]:]  # a tuple in COLUMNS' order: every process
-                 if np.any(plan.tables[..., COL[name]] != (plan.act_slots if "act" in name else plan.cot_slots) - 1))
+    used = tuple(
+        name
+        for name in COLUMNS[COL["recv_act_left"] :]  # a tuple in COLUMNS' order: every process
+        if np.any(plan.tables[..., COL[name]] != (plan.act_slots if "act" in name else plan.cot_slots) - 1)
+    )
 
     def body(rest, blocks, consts, inputs, targets, tables):
         blocks, consts = (jax.tree.map(lambda w: w[:, 0], t) for t in (blocks, consts))  # this device's chunks
-        stage = _Stage(fns, rest, blocks, consts, inputs, targets, M, act_shape, dtype,
-                       split=schedule in SPLIT)
+        stage = _Stage(fns, rest, blocks, consts, inputs, targets, M, act_shape, dtype, split=schedule in SPLIT)
         device, branches = jax.lax.axis_index(AXIS), stage.branches(dual=schedule == "dualpipev")
 
         def tick(carry, rows):
@@ -338,17 +388,24 @@ def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets
                 else:
                     cots = cots.at[op[name]].set(got[name])
             send_act, send_cot, kept, d_h, grads = jax.lax.switch(
-                op["code"], branches, acts, cots, stash, own, grads, op)
+                op["code"], branches, acts, cots, stash, own, grads, op
+            )
             # a forward's residuals and inputs, a B's output gradients; else written to the scratch slot
-            stash = {pool: [buf.at[op[f"{pool}_write"]].set(r)
-                            for buf, r in zip(stash[pool], kept[pool])] for pool in stash}
+            stash = {
+                pool: [buf.at[op[f"{pool}_write"]].set(r) for buf, r in zip(stash[pool], kept[pool])] for pool in stash
+            }
             own = own.at[op["res_write"]].set(d_h)
             return (acts, cots, stash, own, grads, _exchange(used, S, send_act, send_cot)), None
 
         grads = (*jax.tree.map(jnp.zeros_like, (rest, blocks)), *stage.zero_sums())
-        carry = (jnp.zeros((plan.act_slots,) + act_shape, dtype), jnp.zeros((plan.cot_slots,) + act_shape, dtype),
-                 stage.new_stash(plan), jnp.zeros((plan.res_slots,) + act_shape, dtype), grads,
-                 {name: stage.zeros for name in used})
+        carry = (
+            jnp.zeros((plan.act_slots,) + act_shape, dtype),
+            jnp.zeros((plan.cot_slots,) + act_shape, dtype),
+            stage.new_stash(plan),
+            jnp.zeros((plan.res_slots,) + act_shape, dtype),
+            grads,
+            {name: stage.zeros for name in used},
+        )
         (_, _, _, _, (g_rest, g_blocks, loss_sum, stats), _), _ = jax.lax.scan(tick, carry, tables)
         g_rest, loss_sum, stats = jax.lax.psum((g_rest, loss_sum, stats), AXIS)
         g_blocks = jax.tree.map(lambda g: g[:, None], g_blocks)
@@ -356,9 +413,17 @@ def pipeline_value_and_grad(fns: StageFns, rest, blocks, consts, inputs, targets
         return (loss if fns.reports else loss[0]), stats, g_rest, g_blocks
 
     loss, stats, g_rest, g_blocks = jax.shard_map(
-        body, mesh=context_mesh(mesh), axis_names={AXIS}, check_vma=False,
-        in_specs=(P(), P(None, AXIS), P(None, AXIS), P(), P(), P()), out_specs=(P(), P(), P(), P(None, AXIS)),
+        body,
+        mesh=context_mesh(mesh),
+        axis_names={AXIS},
+        check_vma=False,
+        in_specs=(P(), P(None, AXIS), P(None, AXIS), P(), P(), P()),
+        out_specs=(P(), P(), P(), P(None, AXIS)),
     )(rest, blocks, consts, inputs, targets, jnp.asarray(plan.tables))
     back = np.argsort(order)  # [chunk, stage] order -> virtual stages in model order
-    return loss, stats, g_rest, jax.tree.map(lambda g: permute(g.reshape(C * S, *g.shape[2:]), back).reshape(
-        L, *g.shape[3:]), g_blocks)
+    return (
+        loss,
+        stats,
+        g_rest,
+        jax.tree.map(lambda g: permute(g.reshape(C * S, *g.shape[2:]), back).reshape(L, *g.shape[3:]), g_blocks),
+    )

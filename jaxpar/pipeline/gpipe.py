@@ -8,6 +8,7 @@ to a collective-permute: the stage-to-stage send). After M + S - 1 ticks every m
 passed every stage. Backward comes from `jax.grad` through the ticks: all forwards, then all
 backwards — the GPipe schedule, bubble (S-1)/(M+S-1).
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -24,10 +25,12 @@ def gpipe_layers(stages: int, microbatches: int, unroll: bool = False) -> Callab
 
     The per-row `rows` (packed documents' positions and segment ids) travel with their microbatch's activations.
     """
+
     def run_layers(layer: Callable, stacked, x: jax.Array, rows: tuple = ()) -> jax.Array:
         def stage(params, carry):
             h, rows = carry
             return scan_layers(layer, params, h, rows, unroll), rows
+
         return gpipe(stage, stacked, (x, rows), stages, microbatches)[0]
 
     return run_layers
@@ -60,8 +63,11 @@ def gpipe(stage_fn: Callable, stacked, x, stages: int, microbatches: int):
         buffer = jax.tree.map(lambda b, f: b.at[0].set(jnp.where(t < M, f, b[0])), buffer, fresh)
         out = _pin(jax.vmap(stage_fn, spmd_axis_name="pp")(staged, _pin(buffer)))
         done = jnp.maximum(t - (S - 1), 0)
-        outputs = jax.tree.map(lambda o, last: jax.lax.dynamic_update_index_in_dim(
-            o, jnp.where(t >= S - 1, last, o[done]), done, axis=0), outputs, at(out, S - 1))
+        outputs = jax.tree.map(
+            lambda o, last: jax.lax.dynamic_update_index_in_dim(o, jnp.where(t >= S - 1, last, o[done]), done, axis=0),
+            outputs,
+            at(out, S - 1),
+        )
         return (jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), out), outputs), None
 
     buffer = jax.tree.map(lambda m: jnp.zeros((S,) + m.shape[1:], m.dtype), micro)

@@ -3,6 +3,7 @@
 jaxpar/parallelize.py picks this for the schedules the executor runs (jaxpar/pipeline/executor.py); the executor's
 tick programs come from jaxpar/pipeline/tick_plan.py.
 """
+
 from __future__ import annotations
 
 import jax
@@ -66,13 +67,28 @@ def hand_scheduled(layout, schedule: str):
             head_loss=lambda rest, chunk, h, t: _last_stage_loss(model(rest, chunk), h, t, rows.positions) * scale,
             reports=m.mtp_depth,
             # loss_fn's balance loss: moe_aux_loss x its mean over the batch's rows and the expert layers
-            stats_cotangent=None if not m.moe_experts else jnp.zeros((stats_width(m),), jnp.float32).at[-1].set(
-                m.moe_aux_loss * jnp.asarray(scale, jnp.float32) / (m.moe_layers * batch.shape[0])))
+            stats_cotangent=None
+            if not m.moe_experts
+            else jnp.zeros((stats_width(m),), jnp.float32)
+            .at[-1]
+            .set(m.moe_aux_loss * jnp.asarray(scale, jnp.float32) / (m.moe_layers * batch.shape[0])),
+        )
         rest = {k: v for k, v in params.items() if k != "blocks"}
         loss, stats, g_rest, g_blocks = pipeline_value_and_grad(
-            fns, rest, params["blocks"], consts, inputs, targets, mesh=mesh,
-            schedule=schedule, S=S, M=resolve_microbatches(S, p.pipeline_microbatches), V=p.pipeline_virtual_stages,
-            width=m.d_model, dtype=jnp.dtype(m.compute_dtype))
+            fns,
+            rest,
+            params["blocks"],
+            consts,
+            inputs,
+            targets,
+            mesh=mesh,
+            schedule=schedule,
+            S=S,
+            M=resolve_microbatches(S, p.pipeline_microbatches),
+            V=p.pipeline_virtual_stages,
+            width=m.d_model,
+            dtype=jnp.dtype(m.compute_dtype),
+        )
         grads = {**g_rest, "blocks": g_blocks}
         # Pin the executor's gradients to the parameters' layout: left free, ZeRO-2's reduce-scatter layout
         # (the train step's) propagates back into the schedule's per-tick branches, where XLA then places a resharding

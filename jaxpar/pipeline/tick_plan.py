@@ -5,6 +5,7 @@ branch, its chunk and microbatch -- and which buffer slot it reads its stage inp
 its residuals (and ZB's taps) to, and keeps each arrival in. Slots are allocated per device over the ticks each value
 lives. Pure numpy: the planner reads them without tracing.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,11 +18,31 @@ HAND_SCHEDULED = ("1f1b", "interleaved", "zb_h1", "zb_v", "dualpipev")  # GPipe 
 # with B and W (DualPipeV also BW, B and W in one tick)
 SPLIT = (*SPLIT_BACKWARD, "dualpipev")
 # branch index of a tick: what one device does
-(IDLE, F_MID, F_FIRST, F_LAST, B_MID, B_FIRST, B_LAST, W_MID, W_FIRST, W_LAST, BW_MID, BW_FIRST, BW_LAST,
- FB_MID, FB_FIRST_LAST, FB_LAST_FIRST) = range(16)
+(
+    IDLE,
+    F_MID,
+    F_FIRST,
+    F_LAST,
+    B_MID,
+    B_FIRST,
+    B_LAST,
+    W_MID,
+    W_FIRST,
+    W_LAST,
+    BW_MID,
+    BW_FIRST,
+    BW_LAST,
+    FB_MID,
+    FB_FIRST_LAST,
+    FB_LAST_FIRST,
+) = range(16)
 BRANCHES = FB_LAST_FIRST + 1  # lax.switch branches of a tick
-CODES = {"F": (F_FIRST, F_MID, F_LAST), "B": (B_FIRST, B_MID, B_LAST), "W": (W_FIRST, W_MID, W_LAST),
-         "BW": (BW_FIRST, BW_MID, BW_LAST)}
+CODES = {
+    "F": (F_FIRST, F_MID, F_LAST),
+    "B": (B_FIRST, B_MID, B_LAST),
+    "W": (W_FIRST, W_MID, W_LAST),
+    "BW": (BW_FIRST, BW_MID, BW_LAST),
+}
 # DualPipeV's overlapped F and BW by (F's place, BW's place), 0 first, 1 middle, 2 last virtual stage: on the V
 # a device's chunks are both in the middle, or (device 0) the first and the last
 FB_CODES = {(1, 1): FB_MID, (0, 2): FB_FIRST_LAST, (2, 0): FB_LAST_FIRST}
@@ -32,9 +53,22 @@ SOURCES = ("left", "right", "self")
 # cotangent and residuals from, the residual slot its forward fills, and the slots where this tick's
 # arrivals from each source are kept
 # (BW, alone or in an FB, reads b_chunk, b_microbatch, b_res_slot, b_cot_slot: its own, beside FB's forward's)
-COLUMNS = ("code", "chunk", "microbatch", "in_slot", "cot_slot", "res_slot", "res_write", "tap_slot", "tap_write",
-           "b_chunk", "b_microbatch", "b_res_slot", "b_cot_slot",
-           *(f"recv_{kind}_{src}" for kind in ("act", "cot") for src in SOURCES))
+COLUMNS = (
+    "code",
+    "chunk",
+    "microbatch",
+    "in_slot",
+    "cot_slot",
+    "res_slot",
+    "res_write",
+    "tap_slot",
+    "tap_write",
+    "b_chunk",
+    "b_microbatch",
+    "b_res_slot",
+    "b_cot_slot",
+    *(f"recv_{kind}_{src}" for kind in ("act", "cot") for src in SOURCES),
+)
 COL = {name: i for i, name in enumerate(COLUMNS)}
 
 
@@ -108,13 +142,22 @@ def tick_plan(schedule: str, S: int, M: int, V: int) -> TickPlan:
             if v < last:
                 cots[dev(v)].append((when[("B", m, v + 1)] + 1, when[("B", m, v)], (m, v)))
     act_slot, cot_slot, res_slot, tap_slot = ([_allocate(x) for x in kept] for kept in (acts, cots, res, taps))
-    n_act, n_cot, n_res, n_tap = (max((n for _, n in slots), default=0) + 1  # + scratch
-                                  for slots in (act_slot, cot_slot, res_slot, tap_slot))
+    n_act, n_cot, n_res, n_tap = (
+        max((n for _, n in slots), default=0) + 1  # + scratch
+        for slots in (act_slot, cot_slot, res_slot, tap_slot)
+    )
     out = np.zeros((len(table), S, len(COLUMNS)), np.int32)
-    for name, scratch in (("in_slot", n_act), ("cot_slot", n_cot), ("res_slot", n_res), ("res_write", n_res),
-                          ("tap_slot", n_tap), ("tap_write", n_tap), ("b_res_slot", n_res), ("b_cot_slot", n_cot),
-                          *((f"recv_{kind}_{src}", n) for kind, n in (("act", n_act), ("cot", n_cot))
-                            for src in SOURCES)):
+    for name, scratch in (
+        ("in_slot", n_act),
+        ("cot_slot", n_cot),
+        ("res_slot", n_res),
+        ("res_write", n_res),
+        ("tap_slot", n_tap),
+        ("tap_write", n_tap),
+        ("b_res_slot", n_res),
+        ("b_cot_slot", n_cot),
+        *((f"recv_{kind}_{src}", n) for kind, n in (("act", n_act), ("cot", n_cot)) for src in SOURCES),
+    ):
         out[..., COL[name]] = scratch - 1
     for (kind, m, v), t in when.items():
         (d, chunk), first, final = placement(schedule, S, v), v == 0, v == last

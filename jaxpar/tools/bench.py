@@ -8,10 +8,12 @@ ceiling measured on the spot, and peak device memory. `--record` appends a dated
 docs/benchmarks/jaxpar-bench.md with device, versions and the exact command. `--compare` also
 runs `torchpar.tools.bench` (torch.compile on, one process) on the same config and reports the ratio.
 """
+
 from __future__ import annotations
 
 if __name__ == "__main__":  # before jax is imported: glibc reads its malloc tunables at process start
     from jaxpar.core.run.malloc import relaunch_with_huge_pages
+
     relaunch_with_huge_pages("jaxpar.tools.bench")
 
 import argparse
@@ -35,6 +37,7 @@ from jaxpar.core.model.flops import flops_per_token, peak_flops
 from jaxpar.core.config.mesh_spec import format_mesh, parse_mesh
 from jaxpar.core.pipeline.schedules import configured_bubble
 from jaxpar.mesh import device_memory, setup_devices
+
 
 def matmul_ceiling(dtype: str) -> float:
     """FLOP/s of one large square matmul on one device: the practical roof for MFU."""
@@ -93,17 +96,27 @@ def bench(cfg: Config, sizes: dict[str, int], steps: int, warmup: int, devices=N
     ceiling = matmul_ceiling(cfg.model.compute_dtype)
     p = cfg.parallel
     return {
-        "date": datetime.date.today().isoformat(), "framework": "jaxpar", "mesh": format_mesh(dict(layout.mesh.shape)),
-        "devices": n_dev, "device_kind": f"{device.platform}:{device.device_kind}",
+        "date": datetime.date.today().isoformat(),
+        "framework": "jaxpar",
+        "mesh": format_mesh(dict(layout.mesh.shape)),
+        "devices": n_dev,
+        "device_kind": f"{device.platform}:{device.device_kind}",
         "versions": {"jax": jax.__version__, "python": platform.python_version()},
-        "compute_dtype": cfg.model.compute_dtype, "float8": cfg.model.float8, "remat": cfg.model.remat,
+        "compute_dtype": cfg.model.compute_dtype,
+        "float8": cfg.model.float8,
+        "remat": cfg.model.remat,
         "seq_len": cfg.data.seq_len,
-        "global_batch_size": shape[0], "step_time_s": step_s, "tokens_per_sec": tps,
+        "global_batch_size": shape[0],
+        "step_time_s": step_s,
+        "tokens_per_sec": tps,
         "mfu_datasheet": tps * fpt / (peak * n_dev) if peak else None,
-        "matmul_ceiling_flops": ceiling, "mfu_ceiling": tps * fpt / (ceiling * n_dev),
-        "memory_gib": device_memory(device)["memory_gib"], "loss": float(metrics["loss"]),
-        "pipeline_bubble": configured_bubble(p.pipeline_schedule, layout.mesh.shape["pp"], p.pipeline_microbatches,
-                                             p.pipeline_virtual_stages),
+        "matmul_ceiling_flops": ceiling,
+        "mfu_ceiling": tps * fpt / (ceiling * n_dev),
+        "memory_gib": device_memory(device)["memory_gib"],
+        "loss": float(metrics["loss"]),
+        "pipeline_bubble": configured_bubble(
+            p.pipeline_schedule, layout.mesh.shape["pp"], p.pipeline_microbatches, p.pipeline_virtual_stages
+        ),
         "command": "python -m jaxpar.tools.bench " + shlex.join(sys.argv[1:]),
     }
 
@@ -113,7 +126,7 @@ def sweep(cfg: Config, meshes: list[dict[str, int]], args) -> int:
     import jax  # deferred: jax (~1 s), after the arguments are checked
 
     setup_devices(max(meshes, key=lambda sizes: math.prod(sizes.values())))
-    rows = [bench(cfg, sizes, args.steps, args.warmup, jax.devices()[:math.prod(sizes.values())]) for sizes in meshes]
+    rows = [bench(cfg, sizes, args.steps, args.warmup, jax.devices()[: math.prod(sizes.values())]) for sizes in meshes]
     for row in rows:
         print(f"{row['mesh']:>24}: {row['tokens_per_sec']:,.0f} tok/s on {row['devices']} devices")
         if args.record:
@@ -130,31 +143,52 @@ def compare(args, result: dict) -> dict:
     row = lambda o: CONTRACT.get(o.split("=", 1)[0].strip())
     shared = [o for o in args.overrides if row(o) is None or row(o).torchpar]
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, "-m", "torchpar.tools.bench", "--backend", "none", "--compile",
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--json", out.name,
-               *(["--config", args.config] if args.config else []), *shared]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torchpar.tools.bench",
+            "--backend",
+            "none",
+            "--compile",
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--json",
+            out.name,
+            *(["--config", args.config] if args.config else []),
+            *shared,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             raise UserError(f"torchpar.tools.bench failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
         torch_result = json.load(open(out.name))
-    return {"jaxpar_tokens_per_sec": result["tokens_per_sec"],
-            "torchpar_tokens_per_sec": torch_result["tokens_per_sec"],
-            "ratio": result["tokens_per_sec"] / torch_result["tokens_per_sec"], "torchpar": torch_result}
+    return {
+        "jaxpar_tokens_per_sec": result["tokens_per_sec"],
+        "torchpar_tokens_per_sec": torch_result["tokens_per_sec"],
+        "ratio": result["tokens_per_sec"] / torch_result["tokens_per_sec"],
+        "torchpar": torch_result,
+    }
 
 
 @cli
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxpar.tools.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m jaxpar.tools.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config")
-    ap.add_argument("--mesh", action="append",
-                    help="mesh axes; repeat it to sweep several meshes in one run (for report --scaling)")
+    ap.add_argument(
+        "--mesh", action="append", help="mesh axes; repeat it to sweep several meshes in one run (for report --scaling)"
+    )
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--record", action="store_true", help="append a row to docs/benchmarks/jaxpar-bench.md")
-    ap.add_argument("--compare", action="store_true",
-                    help="also run torchpar (torch.compile, one process) on the same config; report the ratio")
+    ap.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run torchpar (torch.compile, one process) on the same config; report the ratio",
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
     if args.steps < 1 or args.warmup < 0:
@@ -170,8 +204,10 @@ def main(argv=None) -> int:
     publish(result, args.json, args.record)
     if args.compare:
         cmp = compare(args, result)
-        print(f"jaxpar {cmp['jaxpar_tokens_per_sec']:,.0f} tok/s vs torchpar (compiled) "
-              f"{cmp['torchpar_tokens_per_sec']:,.0f} tok/s: ratio {cmp['ratio']:.2f}")
+        print(
+            f"jaxpar {cmp['jaxpar_tokens_per_sec']:,.0f} tok/s vs torchpar (compiled) "
+            f"{cmp['torchpar_tokens_per_sec']:,.0f} tok/s: ratio {cmp['ratio']:.2f}"
+        )
         if args.record:
             record_row(cmp["torchpar"])
     return 0

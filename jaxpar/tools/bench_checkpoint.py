@@ -9,10 +9,12 @@ save started in it, asynchronous (the trainer's) and blocking, and their ratios;
 an asynchronous save is on disk (saves closer together than that wait for each other). Each save starts after
 the previous one has finished, as in a real run. `--record` appends a dated row to docs/benchmarks/checkpoint-stall.md.
 """
+
 from __future__ import annotations
 
 if __name__ == "__main__":  # before jax is imported: glibc reads its malloc tunables at process start
     from jaxpar.core.run.malloc import relaunch_with_huge_pages
+
     relaunch_with_huge_pages("jaxpar.tools.bench_checkpoint")
 
 import argparse
@@ -32,9 +34,11 @@ from jaxpar.core.config.mesh_spec import format_mesh, parse_mesh
 from jaxpar.mesh import setup_devices
 from jaxpar.tools.bench import warm_step
 
-HEADER = ("| date | device | config | mesh | plain step s | async save step s (ratio; of it the save call) | "
-          "async save on disk after s | blocking save step s (ratio) | versions | command |\n"
-          "|---|---|---|---|---|---|---|---|---|---|\n")
+HEADER = (
+    "| date | device | config | mesh | plain step s | async save step s (ratio; of it the save call) | "
+    "async save on disk after s | blocking save step s (ratio) | versions | command |\n"
+    "|---|---|---|---|---|---|---|---|---|---|\n"
+)
 
 
 def timed_steps(step, state, batch, steps: int, every: int, ckpt):
@@ -78,19 +82,29 @@ def bench(cfg, sizes, steps: int, every: int, warmup: int) -> dict:
         out[mode] = [float(np.median(t)) for t in (plain, saving, calls, written)]
     plain_s = min(out["async"][0], out["blocking"][0])  # the plain steps of both passes agree; take the quieter
     device = jax.devices()[0]
-    return {"date": datetime.date.today().isoformat(), "device": f"{device.platform}:{device.device_kind}",
-            "mesh": format_mesh(dict(layout.mesh.shape)), "plain_step_s": plain_s,
-            "async_save_step_s": out["async"][1], "blocking_save_step_s": out["blocking"][1],
-            "async_ratio": out["async"][1] / plain_s, "blocking_ratio": out["blocking"][1] / plain_s,
-            "async_call_s": out["async"][2], "async_written_s": out["async"][3],
-            "versions": {"jax": jax.__version__, "python": platform.python_version()},
-            "command": "python -m jaxpar.tools.bench_checkpoint " + shlex.join(sys.argv[1:])}
+    return {
+        "date": datetime.date.today().isoformat(),
+        "device": f"{device.platform}:{device.device_kind}",
+        "mesh": format_mesh(dict(layout.mesh.shape)),
+        "plain_step_s": plain_s,
+        "async_save_step_s": out["async"][1],
+        "blocking_save_step_s": out["blocking"][1],
+        "async_ratio": out["async"][1] / plain_s,
+        "blocking_ratio": out["blocking"][1] / plain_s,
+        "async_call_s": out["async"][2],
+        "async_written_s": out["async"][3],
+        "versions": {"jax": jax.__version__, "python": platform.python_version()},
+        "command": "python -m jaxpar.tools.bench_checkpoint " + shlex.join(sys.argv[1:]),
+    }
 
 
 @cli
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxpar.tools.bench_checkpoint", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m jaxpar.tools.bench_checkpoint",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--config")
     ap.add_argument("--mesh", default="dp=1")
     ap.add_argument("--steps", type=int, default=24)
@@ -105,12 +119,14 @@ def main(argv=None) -> int:
     sizes = parse_mesh(args.mesh)
     setup_devices(sizes)
     r = bench(cfg, sizes, args.steps, args.every, args.warmup)
-    row = (f"| {r['date']} | {r['device']} | {args.config or 'defaults'} | {r['mesh']} | {r['plain_step_s']:.3f} | "
-           f"{r['async_save_step_s']:.3f} ({r['async_ratio']:.2f}x; {r['async_call_s']:.3f}) | "
-           f"{r['async_written_s']:.3f} | "
-           f"{r['blocking_save_step_s']:.3f} "
-           f"({r['blocking_ratio']:.2f}x) | {', '.join(f'{k} {v}' for k, v in r['versions'].items())} | "
-           f"`{r['command']}` |")
+    row = (
+        f"| {r['date']} | {r['device']} | {args.config or 'defaults'} | {r['mesh']} | {r['plain_step_s']:.3f} | "
+        f"{r['async_save_step_s']:.3f} ({r['async_ratio']:.2f}x; {r['async_call_s']:.3f}) | "
+        f"{r['async_written_s']:.3f} | "
+        f"{r['blocking_save_step_s']:.3f} "
+        f"({r['blocking_ratio']:.2f}x) | {', '.join(f'{k} {v}' for k, v in r['versions'].items())} | "
+        f"`{r['command']}` |"
+    )
     print(HEADER + row)
     if args.record:
         append_row("checkpoint-stall.md", HEADER, row)

@@ -7,6 +7,7 @@ message sizes from 4 KiB up, via `jax.shard_map`. Message size and bandwidths fo
 algbw = size / time (size = the all-gather's output, the other ops' input), busbw = algbw times
 the bytes each link must carry per byte of message, so numbers compare across tools.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,11 @@ def run(max_bytes: int, reps: int = 5) -> list[dict]:
 
 @cli
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxpar.tools.bench_collectives", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m jaxpar.tools.bench_collectives",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--devices", type=int, default=8, help="simulated CPU devices when there is no accelerator")
     ap.add_argument("--max-mib", type=float, default=16)
     ap.add_argument("--json")

@@ -8,6 +8,7 @@ planner compiles), after one untimed compile of a one-layer model. The blocks ar
 this shows it (unrolled, the GPU's default, compile time grows with depth). `--record` appends a dated row to
 docs/benchmarks/compile-time.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,14 +27,19 @@ from jaxpar.core.config.mesh_spec import parse_mesh
 from jaxpar.mesh import setup_devices
 from jaxpar.cost.peak_bytes import compile_layout
 
-HEADER = "| date | device | config | mesh | layers: seconds (trace + compile) | ratio | versions | command |\n" \
-         "|---|---|---|---|---|---|---|---|\n"
+HEADER = (
+    "| date | device | config | mesh | layers: seconds (trace + compile) | ratio | versions | command |\n"
+    "|---|---|---|---|---|---|---|---|\n"
+)
 
 
 @cli
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxpar.tools.bench_compile", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m jaxpar.tools.bench_compile",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--config")
     ap.add_argument("--mesh", default="dp=1")
     ap.add_argument("--layers", default="12,48", help="comma-separated depths (model.n_layer)")
@@ -59,11 +65,13 @@ def main(argv=None) -> int:
         print(f"{n} layers: compiled in {seconds[n]:.1f}s", flush=True)
     ratio = seconds[depths[-1]] / seconds[depths[0]]
     device = jax.devices()[0]
-    row = (f"| {datetime.date.today().isoformat()} | {device.platform}:{device.device_kind} | "
-           f"{args.config or 'defaults'} "
-           f"| {args.mesh} | {', '.join(f'{n}: {s:.1f}' for n, s in seconds.items())} | {ratio:.2f}x | "
-           f"jax {jax.__version__}, python {platform.python_version()} | "
-           f"`python -m jaxpar.tools.bench_compile {shlex.join(sys.argv[1:])}` |")
+    row = (
+        f"| {datetime.date.today().isoformat()} | {device.platform}:{device.device_kind} | "
+        f"{args.config or 'defaults'} "
+        f"| {args.mesh} | {', '.join(f'{n}: {s:.1f}' for n, s in seconds.items())} | {ratio:.2f}x | "
+        f"jax {jax.__version__}, python {platform.python_version()} | "
+        f"`python -m jaxpar.tools.bench_compile {shlex.join(sys.argv[1:])}` |"
+    )
     print(f"{depths[-1]} vs {depths[0]} layers: {ratio:.2f}x the compile time")
     if args.record:
         append_row("compile-time.md", HEADER, row)

@@ -12,6 +12,7 @@ saves), summed; the equal-time budget is the shortest best run's total. The runs
 else the machine runs: compare times within one invocation only. `--reuse` reads a run that already reached train.steps
 in OUT instead of training it again. The markdown tables are printed and written to --table (default OUT/table.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,9 +53,21 @@ def read_metrics(run_dir: str) -> list[dict]:
 
 def train_run(args, name: str, lr: float, ratio: float, run_dir: str) -> None:
     """One sweep point through the trainer's own entry point; its output goes to run_dir/train.log."""
-    cmd = [sys.executable, "-m", "jaxpar.train", *(["--config", args.config] if args.config else []),
-           "--mesh", "dp=1", *args.overrides, f"optim.name={name}", f"optim.lr={lr:g}",
-           f"optim.min_lr={lr * ratio:g}", "checkpoint.every=0", "checkpoint.resume=false", f"run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpar.train",
+        *(["--config", args.config] if args.config else []),
+        "--mesh",
+        "dp=1",
+        *args.overrides,
+        f"optim.name={name}",
+        f"optim.lr={lr:g}",
+        f"optim.min_lr={lr * ratio:g}",
+        "checkpoint.every=0",
+        "checkpoint.resume=false",
+        f"run.dir={run_dir}",
+    ]
     os.makedirs(run_dir, exist_ok=True)
     print(f"training {name} lr {lr:g} -> {run_dir}", flush=True)
     with open(os.path.join(run_dir, "train.log"), "w") as log:
@@ -75,8 +88,12 @@ def summarize(records: list[dict]) -> dict:
         last = r["step"]
         if r.get("eval_loss") is not None:
             evals[r["step"]] = (r["eval_loss"], elapsed)
-    return {"evals": evals, "seconds": elapsed, "last_step": last,
-            "median_step_s": statistics.median(steps[1:] or steps) if steps else None}
+    return {
+        "evals": evals,
+        "seconds": elapsed,
+        "last_step": last,
+        "median_step_s": statistics.median(steps[1:] or steps) if steps else None,
+    }
 
 
 def marks(steps: list[int], total: int) -> list[int]:
@@ -86,14 +103,21 @@ def marks(steps: list[int], total: int) -> list[int]:
 
 def sweep_table(runs: list[dict], total: int) -> str:
     cols = marks(sorted(runs[0]["evals"]), total)
-    head = "| optimizer | lr | " + " | ".join(f"eval loss @{s}" for s in cols) + \
-           " | lowest (step) | training s | s/step (median) |\n|---|---|" + "---|" * (len(cols) + 3) + "\n"
+    head = (
+        "| optimizer | lr | "
+        + " | ".join(f"eval loss @{s}" for s in cols)
+        + " | lowest (step) | training s | s/step (median) |\n|---|---|"
+        + "---|" * (len(cols) + 3)
+        + "\n"
+    )
     lines = []
     for r in runs:
         low = min(r["evals"], key=lambda s: r["evals"][s][0])
         cells = " | ".join(f"{r['evals'][s][0]:.4f}" if s in r["evals"] else "-" for s in cols)
-        lines.append(f"| {r['name']} | {r['lr']:g} | {cells} | {r['evals'][low][0]:.4f} ({low}) | "
-                     f"{r['seconds']:.0f} | {r['median_step_s']:.3f} |")
+        lines.append(
+            f"| {r['name']} | {r['lr']:g} | {cells} | {r['evals'][low][0]:.4f} ({low}) | "
+            f"{r['seconds']:.0f} | {r['median_step_s']:.3f} |"
+        )
     return head + "\n".join(lines) + "\n"
 
 
@@ -107,10 +131,19 @@ def best_runs(runs: list[dict], total: int) -> list[dict]:
 
 
 def curve_table(best: list[dict]) -> str:
-    head = "| step | " + " | ".join(f"{r['name']} lr {r['lr']:g}: eval loss (training s)" for r in best) + \
-           " |\n|---|" + "---|" * len(best) + "\n"
-    rows = [f"| {s} | " + " | ".join(f"{r['evals'][s][0]:.4f} ({r['evals'][s][1]:.0f})" if s in r["evals"] else "-"
-                                     for r in best) + " |" for s in sorted(best[0]["evals"])]
+    head = (
+        "| step | "
+        + " | ".join(f"{r['name']} lr {r['lr']:g}: eval loss (training s)" for r in best)
+        + " |\n|---|"
+        + "---|" * len(best)
+        + "\n"
+    )
+    rows = [
+        f"| {s} | "
+        + " | ".join(f"{r['evals'][s][0]:.4f} ({r['evals'][s][1]:.0f})" if s in r["evals"] else "-" for r in best)
+        + " |"
+        for s in sorted(best[0]["evals"])
+    ]
     return head + "\n".join(rows) + "\n"
 
 
@@ -127,27 +160,40 @@ def equal_time_table(best: list[dict], total: int) -> str:
         at = max(within, default=None)
         rows.append((r, r["evals"][total][0], at, r["evals"][at][0] if at else None))
     _, base_final, _, base_budget = rows[0]
-    lines = [f"| {r['name']} | {r['lr']:g} | {final:.4f} | {relative(final, base_final) if i else ''} | "
-             f"{r['seconds']:.0f} | " + (f"{loss:.4f} (step {at}) | {relative(loss, base_budget) if i else ''} |"
-                                         if at else "no evaluation within the budget | |")
-             for i, (r, final, at, loss) in enumerate(rows)]
+    lines = [
+        f"| {r['name']} | {r['lr']:g} | {final:.4f} | {relative(final, base_final) if i else ''} | "
+        f"{r['seconds']:.0f} | "
+        + (
+            f"{loss:.4f} (step {at}) | {relative(loss, base_budget) if i else ''} |"
+            if at
+            else "no evaluation within the budget | |"
+        )
+        for i, (r, final, at, loss) in enumerate(rows)
+    ]
     name = best[0]["name"]
-    return (f"| optimizer | lr | eval loss @{total} | vs {name} | training s | eval loss within {budget:.0f} s of "
-            f"training | vs {name} |\n|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
+    return (
+        f"| optimizer | lr | eval loss @{total} | vs {name} | training s | eval loss within {budget:.0f} s of "
+        f"training | vs {name} |\n|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n"
+    )
 
 
 def environment() -> str:
     import jax  # deferred: jax (~1 s), for the device's name: the runs train in subprocesses
 
     device = jax.devices()[0]
-    return (f"{datetime.date.today().isoformat()}, {device.platform}:{device.device_kind}, {os.cpu_count()} CPU cores, "
-            f"jax {jax.__version__}, python {platform.python_version()}")
+    return (
+        f"{datetime.date.today().isoformat()}, {device.platform}:{device.device_kind}, {os.cpu_count()} CPU cores, "
+        f"jax {jax.__version__}, python {platform.python_version()}"
+    )
 
 
 @cli
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxpar.tools.bench_optimizers", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m jaxpar.tools.bench_optimizers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--config")
     ap.add_argument("--sweep", action="append", required=True, help="NAME=LR[,LR...]: optim.name and its lrs")
     ap.add_argument("--out", default="runs/bench-optimizers", help="the runs' parent directory")
@@ -172,9 +218,11 @@ def main(argv=None) -> int:
             runs.append({"name": name, "lr": lr, **summary})
     best = best_runs(runs, total)
     command = shlex.join(sys.argv[1:] if argv is None else argv)
-    text = (f"{environment()}; `python -m jaxpar.tools.bench_optimizers {command}`"
-            f"\n\nEvery run:\n\n{sweep_table(runs, total)}\nThe best of each sweep, at equal steps:\n\n"
-            f"{curve_table(best)}\nAt the last step and at equal training time:\n\n{equal_time_table(best, total)}")
+    text = (
+        f"{environment()}; `python -m jaxpar.tools.bench_optimizers {command}`"
+        f"\n\nEvery run:\n\n{sweep_table(runs, total)}\nThe best of each sweep, at equal steps:\n\n"
+        f"{curve_table(best)}\nAt the last step and at equal training time:\n\n{equal_time_table(best, total)}"
+    )
     print(text)
     path = args.table or os.path.join(args.out, "table.md")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -12,6 +12,7 @@ recovery's seconds and replayed steps from run.dir/recoveries.jsonl (jaxpar/core
 the row to docs/benchmarks/recovery.md. The first node hosts the c10d rendezvous, which cannot be lost
 (docs/cluster.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,43 +34,88 @@ from jaxpar.core.bench_records import append_row
 from jaxpar.core.errors import UserError, cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MODEL = ["model.n_layer=2", "model.n_head=4", "model.d_model=32", "model.max_seq_len=32", "data.seq_len=16",
-         "train.global_batch_size=8", "optim.warmup_steps=3",  # gpt2-tiny's lr 3e-3: at 1e-2 the loss spikes
-         # near step 18 and amplifies float32 rounding: two uninterrupted meshes then differ by 3% by step 72
-         "train.log_every=1", "train.eval_every=0", "train.matmul_precision=highest", "run.peer_timeout_s=60"]
+MODEL = [
+    "model.n_layer=2",
+    "model.n_head=4",
+    "model.d_model=32",
+    "model.max_seq_len=32",
+    "data.seq_len=16",
+    "train.global_batch_size=8",
+    "optim.warmup_steps=3",  # gpt2-tiny's lr 3e-3: at 1e-2 the loss spikes
+    # near step 18 and amplifies float32 rounding: two uninterrupted meshes then differ by 3% by step 72
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.matmul_precision=highest",
+    "run.peer_timeout_s=60",
+]
 TRAINERS = {  # module, the trainer's arguments, the uninterrupted run's arguments (one process), the fault prefix
     "jaxpar": ("jaxpar.train", ["--mesh", "dp=-1,tp=2"], ["--mesh", "dp=2,tp=2"], "JAXPAR"),
     "ddp": ("torchpar.train", ["--backend", "ddp"], ["--backend", "none"], "TORCHPAR"),
     "fsdp": ("torchpar.train", ["--backend", "fsdp"], ["--backend", "none"], "TORCHPAR"),
-    "deepspeed": ("torchpar.train", ["--backend", "deepspeed", "parallel.zero_stage=2"], ["--backend", "none"],
-                  "TORCHPAR")}
-HEADER = ("| date | trainer | kills | runs lost | differing steps | recovered in s (median, max) | steps replayed "
-          "(each) | grown back in s (median) | steps, checkpoint every | machine, versions | command |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|\n")
+    "deepspeed": (
+        "torchpar.train",
+        ["--backend", "deepspeed", "parallel.zero_stage=2"],
+        ["--backend", "none"],
+        "TORCHPAR",
+    ),
+}
+HEADER = (
+    "| date | trainer | kills | runs lost | differing steps | recovered in s (median, max) | steps replayed "
+    "(each) | grown back in s (median) | steps, checkpoint every | machine, versions | command |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|\n"
+)
 
 
 def environment(prefix: str, slow_s: float) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAXPAR_", "TORCHELASTIC_"))}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    return {**env, "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # a node can join again (docs/cluster.md)
-            f"{prefix}_FAULT_SLOW_STEP_S": str(slow_s),
-            "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    return {
+        **env,
+        "JAX_PLATFORMS": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "DS_ACCELERATOR": "cpu",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # a node can join again (docs/cluster.md)
+        f"{prefix}_FAULT_SLOW_STEP_S": str(slow_s),
+        "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
 
 
 class Node:
     """One torchrun agent with `workers` processes of `module args`; its output appended to `log`."""
 
-    def __init__(self, module: str, args: list[str], env: dict, port: int, rdzv_id: str, host: bool, log: str,
-                 workers: int = 2, restarts: int = 3, join_s: int = 240):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", f"--nproc-per-node={workers}",
-               f"--max-restarts={restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               f"--rdzv-id={rdzv_id}", f"--rdzv-conf=is_host={str(host).lower()},join_timeout={join_s},"
-               "last_call_timeout=3", "-m", module, *args]
+    def __init__(
+        self,
+        module: str,
+        args: list[str],
+        env: dict,
+        port: int,
+        rdzv_id: str,
+        host: bool,
+        log: str,
+        workers: int = 2,
+        restarts: int = 3,
+        join_s: int = 240,
+    ):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1:2",
+            f"--nproc-per-node={workers}",
+            f"--max-restarts={restarts}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id={rdzv_id}",
+            f"--rdzv-conf=is_host={str(host).lower()},join_timeout={join_s},last_call_timeout=3",
+            "-m",
+            module,
+            *args,
+        ]
         with open(log, "a") as out:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def kill(self) -> None:
         """The node lost: its agent and its workers (torchrun starts each in a session of its own), SIGKILL."""
@@ -90,6 +136,7 @@ def children(pid: int) -> list[int]:
                 return int(f.read().rsplit(")", 1)[1].split()[1])
         except OSError:
             return None
+
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and parent(p) == pid]
 
 
@@ -128,35 +175,58 @@ def run_schedule(trainer: str, kills: int, seed: int, steps: int, every: int, sl
     common = ["--config", "configs/gpt2-tiny.yaml", *MODEL, f"train.steps={steps}", f"checkpoint.every={every}"]
     run_dir, log = os.path.join(workdir, "run"), os.path.join(workdir, "nodes.log")
     env, port = environment(prefix, slow_s), free_port()
-    nodes = [Node(module, [*args, *common, f"run.dir={run_dir}"], env, port, f"bench-{seed}", i == 0, log,
-                  restarts=kills + 1) for i in range(2)]  # the first hosts the rendezvous: never lost
+    nodes = [
+        Node(
+            module, [*args, *common, f"run.dir={run_dir}"], env, port, f"bench-{seed}", i == 0, log, restarts=kills + 1
+        )
+        for i in range(2)
+    ]  # the first hosts the rendezvous: never lost
     progress = lambda: json.load(open(os.path.join(run_dir, "progress.json")))
     recoveries = lambda: read_jsonl(os.path.join(run_dir, "recoveries.jsonl"))
     try:
         for at in failure_schedule(kills, steps, every, seed):
-            wait_for(f"4 processes past step {at}", lambda: os.path.exists(os.path.join(run_dir, "progress.json"))
-                     and progress()["processes"] == 4 and progress()["step"] > at, 600, log)
+            wait_for(
+                f"4 processes past step {at}",
+                lambda: (
+                    os.path.exists(os.path.join(run_dir, "progress.json"))
+                    and progress()["processes"] == 4
+                    and progress()["step"] > at
+                ),
+                600,
+                log,
+            )
             seen = len(recoveries())
             nodes[1].kill()
-            wait_for("the survivors to train", lambda: any(r["processes"][1] == 2 for r in recoveries()[seen:]),
-                     600, log)
+            wait_for(
+                "the survivors to train", lambda: any(r["processes"][1] == 2 for r in recoveries()[seen:]), 600, log
+            )
             nodes[1] = Node(module, [*args, *common, f"run.dir={run_dir}"], env, port, f"bench-{seed}", False, log)
-            wait_for("the group to grow back", lambda: any(r["processes"] == [2, 4] for r in recoveries()[seen:]),
-                     600, log)
+            wait_for(
+                "the group to grow back", lambda: any(r["processes"] == [2, 4] for r in recoveries()[seen:]), 600, log
+            )
         codes = [node.proc.wait(timeout=900) for node in nodes]
     finally:
         for node in nodes:
             if node.proc.poll() is None:
                 node.kill()
     reference = os.path.join(workdir, "reference")
-    subprocess.run([sys.executable, "-m", module, *reference_args, *common, f"run.dir={reference}"], cwd=ROOT,
-                   env=environment(prefix, 0.0), capture_output=True, check=True)
+    subprocess.run(
+        [sys.executable, "-m", module, *reference_args, *common, f"run.dir={reference}"],
+        cwd=ROOT,
+        env=environment(prefix, 0.0),
+        capture_output=True,
+        check=True,
+    )
     want = {r["step"]: r["loss"] for r in read_jsonl(os.path.join(reference, "metrics.jsonl")) if "loss" in r}
     got = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "loss" in r]
-    return {"codes": codes, "recoveries": recoveries(), "logged": len(got),
-            "steps_covered": len({r["step"] for r in got}),
-            "differing": sum(abs(r["loss"] - want[r["step"]]) > 1e-5 * abs(want[r["step"]]) for r in got),
-            "expected_steps": len(want)}
+    return {
+        "codes": codes,
+        "recoveries": recoveries(),
+        "logged": len(got),
+        "steps_covered": len({r["step"] for r in got}),
+        "differing": sum(abs(r["loss"] - want[r["step"]]) > 1e-5 * abs(want[r["step"]]) for r in got),
+        "expected_steps": len(want),
+    }
 
 
 def row(trainer: str, kills: int, steps: int, every: int, result: dict, argv: list[str]) -> str:
@@ -164,21 +234,28 @@ def row(trainer: str, kills: int, steps: int, every: int, result: dict, argv: li
     grow = [r["recovered_s"] for r in result["recoveries"] if r["processes"] == [2, 4]]
     median = lambda xs: statistics.median(xs) if xs else float("nan")
     lost = sum(c != 0 for c in result["codes"]) + (result["steps_covered"] != result["expected_steps"])
-    return (f"| {datetime.date.today()} | {trainer} | {kills} | {lost} | {result['differing']} of {result['logged']} | "
-            f"{median([r['recovered_s'] for r in shrink]):.1f}, "
-            f"{max((r['recovered_s'] for r in shrink), default=0):.1f}"
-            f" | {', '.join(str(r['replayed_steps']) for r in shrink)} | {median(grow):.1f} | {steps}, {every} | "
-            f"{versions()} | `python -m jaxpar.tools.bench_recovery {' '.join(argv)}` |")
+    return (
+        f"| {datetime.date.today()} | {trainer} | {kills} | {lost} | {result['differing']} of {result['logged']} | "
+        f"{median([r['recovered_s'] for r in shrink]):.1f}, "
+        f"{max((r['recovered_s'] for r in shrink), default=0):.1f}"
+        f" | {', '.join(str(r['replayed_steps']) for r in shrink)} | {median(grow):.1f} | {steps}, {every} | "
+        f"{versions()} | `python -m jaxpar.tools.bench_recovery {' '.join(argv)}` |"
+    )
 
 
 def versions() -> str:
-    return (f"cpu x{os.cpu_count()}, python {platform.python_version()}, jax {version('jax')}, torch {version('torch')}"
-            f", deepspeed {version('deepspeed')}")
+    return (
+        f"cpu x{os.cpu_count()}, python {platform.python_version()}, jax {version('jax')}, torch {version('torch')}"
+        f", deepspeed {version('deepspeed')}"
+    )
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m jaxpar.tools.bench_recovery", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jaxpar.tools.bench_recovery",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--trainer", choices=tuple(TRAINERS), default="jaxpar")
     p.add_argument("--kills", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)

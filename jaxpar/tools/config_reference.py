@@ -10,6 +10,7 @@ row in jaxpar/core/config/contract.py: the trainers, the torchpar backends, the 
 
 tests/core/test_config_reference.py makes the --check comparison, so a key added without regenerating fails it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,9 @@ from jaxpar.core.config.schema import REMOVED, Config
 from jaxpar.core.config.contract import BACKENDS, CONTRACT, Owner
 from jaxpar.core.errors import cli
 
-PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs",
-                    "configuration.md")
+PAGE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "configuration.md"
+)
 WIDTH = 118
 
 # What a key does, for the keys that have no comment beside them in config.py. A comment there wins: a key listed
@@ -42,20 +44,19 @@ NOTES = {
     "model.max_seq_len": "the longest context the model takes (gpt2: its learned positions).",
     "model.init_std": "the standard deviation of the random initial weights.",
     "model.linear": "the MLP's linear layers: dense, or sketched (a fixed random sketch times a trained factor; "
-                    "model.sketch*).",
+    "model.sketch*).",
     "model.kv_latent_dim": "mla: the width of the key/value latent.",
     "model.rope_head_dim": "mla: the width of each head's decoupled rotary part.",
     "model.rope_theta": "the base of the rotary position frequencies (llama, mla).",
     "model.dilation_rates": "dilated: the rate of each segment length in model.segment_lengths, comma-separated.",
     "model.sparsity_block": "block-sparse dilated attention: tokens per block.",
-    "model.sparsity_seed": "block-sparse dilated attention: the seed that draws each query block's past key "
-                           "blocks.",
+    "model.sparsity_seed": "block-sparse dilated attention: the seed that draws each query block's past key blocks.",
     "model.sketch_ratio": "sketched: the sketch's width as a share of the layer's input width.",
     "model.sketch_seed": "sketched: the seed of the fixed random sketch.",
     "model.moe_top_k": "experts each token is sent to.",
     "model.moe_d_ff": "the width of each expert; 0: the MLP's width.",
     "model.moe_topk_group": "group-limited routing: the best groups whose experts a token may choose "
-                            "(model.moe_n_group).",
+    "(model.moe_n_group).",
     "model.mtp_loss_weight": "the weight of the multi-token prediction loss (model.mtp_depth).",
     "data.seq_len": "tokens per training row.",
     "data.val_fraction": "the share of the token file held out for evaluation.",
@@ -64,7 +65,7 @@ NOTES = {
     "train.log_every": "steps between metrics records (metrics.jsonl, the console).",
     "train.eval_batches": "validation batches per evaluation.",
     "train.matmul_precision": "float32 matmul precision (jax's default_matmul_precision; torch's "
-                              "set_float32_matmul_precision).",
+    "set_float32_matmul_precision).",
     "optim.lr": "the peak learning rate, reached after the warmup.",
     "optim.min_lr": "the learning rate at the end of the cosine decay.",
     "optim.warmup_steps": "steps of linear warmup from 0 to optim.lr.",
@@ -73,23 +74,22 @@ NOTES = {
     "optim.eps": "Adam's epsilon.",
     "optim.weight_decay": "AdamW's decoupled weight decay (not on biases and norms).",
     "optim.muon_ns_steps": "optim.name=muon: Newton-Schulz iterations per step (float32).",
-    "optim.muon_lr_rule": "optim.name=muon: how each matrix's step is scaled from optim.lr (see "
-                          "optim.muon_momentum).",
+    "optim.muon_lr_rule": "optim.name=muon: how each matrix's step is scaled from optim.lr (see optim.muon_momentum).",
     "optim.loss_scale_growth_interval": "float16: clean steps in a row before the loss scale grows.",
     "optim.loss_scale_growth_factor": "float16: what the loss scale is multiplied by when it grows.",
     "optim.loss_scale_backoff_factor": "float16: what the loss scale is multiplied by after an overflow.",
     "optim.loss_scale_min": "float16: the loss scale never backs off below this; an overflow there stops the run.",
     "parallel.zero_stage": "ZeRO over dp: 0 replicates parameters and optimizer state, 1 shards the optimizer "
-                           "state, 2 also reduce-scatters the gradients to that layout, 3 shards the parameters "
-                           "too.",
+    "state, 2 also reduce-scatters the gradients to that layout, 3 shards the parameters "
+    "too.",
     "parallel.sequence_zigzag": "sp: deal the sequence's chunks out in zig-zag order, so causal attention's work "
-                                "is even over the devices.",
+    "is even over the devices.",
     "parallel.pipeline_virtual_stages": "interleaved schedule: model chunks per pipeline device.",
     "parallel.powersgd_rank": "powersgd: the rank of the gradient factors.",
     "parallel.powersgd_warmup_steps": "powersgd: the first steps reduce plainly, without compression.",
     "checkpoint.keep": "the latest checkpoints kept on disk.",
     "checkpoint.resume": "resume from run.dir's latest checkpoint; false moves a run already there aside to "
-                         "<run.dir>.prev-<k> and starts anew.",
+    "<run.dir>.prev-<k> and starts anew.",
     "run.wandb": "log to Weights & Biases (offline or online), where the wandb package is installed.",
 }
 
@@ -131,8 +131,11 @@ def sections(config_cls=Config) -> dict[str, type]:
 
 def field_comments(source: str) -> dict[tuple[str, str], str]:
     """{(class name, field name): the comment lines right above the field and the comment on its own lines}."""
-    comments = {tok.start[0]: tok.string.lstrip("#").strip()
-                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+    comments = {
+        tok.start[0]: tok.string.lstrip("#").strip()
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    }
     lines = source.splitlines()
     found = {}
     for cls in (node for node in ast.parse(source).body if isinstance(node, ast.ClassDef)):
@@ -167,8 +170,13 @@ def shown(value) -> str:
 
 def acted_on(owner: Owner) -> str:
     """Who acts on a key, from its contract row."""
-    torch = ("torchpar (every backend)" if set(owner.torchpar) == set(BACKENDS) else
-             f"torchpar --backend {', '.join(owner.torchpar)}" if owner.torchpar else "")
+    torch = (
+        "torchpar (every backend)"
+        if set(owner.torchpar) == set(BACKENDS)
+        else f"torchpar --backend {', '.join(owner.torchpar)}"
+        if owner.torchpar
+        else ""
+    )
     who = " and ".join(filter(None, ("jaxpar" if owner.jaxpar else "", torch))) + ("" if torch else " only")
     text = f"Acted on by {who}."
     text += f" Only with {owner.mode}." if owner.mode else ""
@@ -185,6 +193,7 @@ def markdown_text(text: str) -> str:
 
     Outside code spans, a `<` that would open an HTML tag and a `*` that could be emphasis are escaped.
     """
+
     def escape(part: str) -> str:
         return re.sub(r"(?<! )\*|\*(?! )", r"\\*", re.sub(r"<(?=[A-Za-z/])", r"\\<", part))
 
@@ -218,8 +227,10 @@ def render(config_cls=Config, contract: dict | None = None, source: str | None =
             text = describe(key, comments, cls.__name__, f.name)
             parts.append(entry(key, f, getattr(defaults, f.name), text, contract.get(key)))
         parts.append("")
-    parts.append("## Removed keys\n\nKeys that earlier versions took; a run's old config.json holding one at its "
-                 "\"off\" value still loads.\n")
+    parts.append(
+        "## Removed keys\n\nKeys that earlier versions took; a run's old config.json holding one at its "
+        '"off" value still loads.\n'
+    )
     parts += [f"- `{key}`: {why}." for key, (_, why) in REMOVED.items()]
     return "\n".join(parts) + "\n"
 
@@ -227,8 +238,11 @@ def render(config_cls=Config, contract: dict | None = None, source: str | None =
 @cli
 def main(argv=None) -> int:
     """Print, write or check docs/configuration.md."""
-    p = argparse.ArgumentParser(prog="python -m jaxpar.tools.config_reference", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jaxpar.tools.config_reference",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     what = p.add_mutually_exclusive_group()
     what.add_argument("--write", action="store_true", help="write docs/configuration.md")
     what.add_argument("--check", action="store_true", help="exit 1 if the page differs from the schema's")

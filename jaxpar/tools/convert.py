@@ -38,6 +38,7 @@ out of a BPE tokenizer's, and with data.document_mask starts a new document that
 transformers' generate and pipeline stop a row at eos_token_id (0 for bytes) from generation_config.json, so their
 text ends where jaxpar's next document would begin.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,24 +54,33 @@ from jaxpar.core.weights.state_file import refuse_mixing
 from jaxpar.formats import hf_tokenizer
 from jaxpar.formats.weights_io import FORMATS, RUNS, export_run_state, import_run_state, read, write
 
+
 @cli
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jaxpar.tools.convert", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jaxpar.tools.convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--from", dest="src_fmt", choices=FORMATS, required=True)
     p.add_argument("src")
     p.add_argument("--to", dest="dst_fmt", choices=FORMATS, required=True)
     p.add_argument("dst")
     p.add_argument("--zero-stage", choices=("0", "1", "2", "3"), help="--to deepspeed: the new run's ZeRO stage")
-    p.add_argument("--tokenizer", help="--to hf: 'byte' or a tokenizers JSON file to export with the weights "
-                   "(default: the run's data.tokenizer, an HF source's own, byte for a vocabulary of 256)")
+    p.add_argument(
+        "--tokenizer",
+        help="--to hf: 'byte' or a tokenizers JSON file to export with the weights "
+        "(default: the run's data.tokenizer, an HF source's own, byte for a vocabulary of 256)",
+    )
     args = p.parse_intermixed_args(argv)
     if args.zero_stage is not None and args.dst_fmt != "deepspeed":
         raise UserError("--zero-stage is for --to deepspeed")
     if args.tokenizer is not None and args.dst_fmt != "hf":
         raise UserError("--tokenizer is for --to hf")
-    if args.dst_fmt == "hf" and os.path.isdir(args.dst) and os.listdir(args.dst) and not (
-            args.src_fmt == "hf" and os.path.samefile(args.src, args.dst)):  # in place: its own files, read first
+    if (
+        args.dst_fmt == "hf"
+        and os.path.isdir(args.dst)
+        and os.listdir(args.dst)
+        and not (args.src_fmt == "hf" and os.path.samefile(args.src, args.dst))
+    ):  # in place: its own files, read first
         raise UserError(f"--to hf {args.dst}: the directory is not empty; export into a new one (nothing written)")
     if args.src_fmt == "deepspeed":
         raise UserError("--from deepspeed: deepspeed is a target format; a DeepSpeed run is read with --from torchpar")
@@ -113,10 +123,16 @@ def _hf_tokenizer(args, vocab_size: int) -> hf_tokenizer.Choice:
 def _whole_state(args) -> int:
     """run or state file -> run or state file, through a state file beside the destination where neither is one."""
     src, dst = args.src_fmt, args.dst_fmt
-    if src not in (*RUNS[:2], "state") or dst not in (*RUNS, "state") or src == dst == "state" or \
-            (src, dst) == ("jaxpar", "jaxpar"):
-        raise UserError(f"--from {src} --to {dst}: the training state converts from a jaxpar or torchpar run or a "
-                        "state file to a jaxpar, torchpar or deepspeed run or a state file")
+    if (
+        src not in (*RUNS[:2], "state")
+        or dst not in (*RUNS, "state")
+        or src == dst == "state"
+        or (src, dst) == ("jaxpar", "jaxpar")
+    ):
+        raise UserError(
+            f"--from {src} --to {dst}: the training state converts from a jaxpar or torchpar run or a "
+            "state file to a jaxpar, torchpar or deepspeed run or a state file"
+        )
     if dst in RUNS:  # before anything is read or written
         refuse_mixing(args.dst)
     if src != "state" and dst != "state":
@@ -127,8 +143,11 @@ def _whole_state(args) -> int:
             export_run_state(src, args.src, state)
             step = import_run_state(state, dst, args.dst, args.zero_stage)
     else:
-        step = (export_run_state(src, args.src, args.dst) if dst == "state"
-                else import_run_state(args.src, dst, args.dst, args.zero_stage))
+        step = (
+            export_run_state(src, args.src, args.dst)
+            if dst == "state"
+            else import_run_state(args.src, dst, args.dst, args.zero_stage)
+        )
     print(f"converted the training state of step {step}: {src} {args.src} -> {dst} {args.dst}")
     return 0
 

@@ -18,6 +18,7 @@ part, so that a device call cut off at its time limit still brings back the part
 same path on the CPU with the tiny config and a few parity steps, so that CI keeps it working. A part that
 cannot run (e.g. DeepSpeed or grain missing from the image) is reported with its reason, not hidden.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,18 +39,27 @@ from jaxpar.tools.bench import matmul_ceiling
 from jaxpar.tools.gpu_profile import markdown as profile_lines
 
 PARTS = ("parity", "throughput", "profile", "attention", "ceiling", "offload", "models")
-GPT2_124M = ["--config", "configs/gpt2-124m.yaml", "model.compute_dtype=bfloat16", "data.seq_len=1024",
-             "train.global_batch_size=16"]
+GPT2_124M = [
+    "--config",
+    "configs/gpt2-124m.yaml",
+    "model.compute_dtype=bfloat16",
+    "data.seq_len=1024",
+    "train.global_batch_size=16",
+]
 TINY = ["--config", "configs/gpt2-tiny.yaml", "train.global_batch_size=8"]
 # (f)'s rows: the 1B configs at sequence 2048, 8 rows in one microbatch, remat as configured (llama-1b:
 # save_matmuls since 2026-11-27; that day's report measured full, see its notes)
-MODELS = {"llama-1b bf16": ["--config", "configs/llama-1b.yaml"],
-          "llama-1b float8": ["--config", "configs/llama-1b.yaml", "model.float8=true"],
-          "moe-1b bf16": ["--config", "configs/moe-1b.yaml"]}
+MODELS = {
+    "llama-1b bf16": ["--config", "configs/llama-1b.yaml"],
+    "llama-1b float8": ["--config", "configs/llama-1b.yaml", "model.float8=true"],
+    "moe-1b bf16": ["--config", "configs/moe-1b.yaml"],
+}
 ONE_DEVICE = ["train.global_batch_size=8", "train.microbatches=1"]
-TINY_MODELS = {"llama-tiny": ["--config", "configs/llama-tiny.yaml"],
-               "llama-tiny float8": ["--config", "configs/llama-tiny.yaml", "model.float8=true"],
-               "moe-tiny": ["--config", "configs/moe-tiny.yaml"]}
+TINY_MODELS = {
+    "llama-tiny": ["--config", "configs/llama-tiny.yaml"],
+    "llama-tiny float8": ["--config", "configs/llama-tiny.yaml", "model.float8=true"],
+    "moe-tiny": ["--config", "configs/moe-tiny.yaml"],
+}
 
 
 def _run(cmd: list[str], timeout: int, env: dict | None = None) -> dict:
@@ -58,15 +68,30 @@ def _run(cmd: list[str], timeout: int, env: dict | None = None) -> dict:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
         rc, out = p.returncode, p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
-        rc, out = "timeout", ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes)
-                              else str(e.stdout))
+        rc, out = (
+            "timeout",
+            ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else str(e.stdout)),
+        )
     return {"command": shlex.join(cmd), "rc": rc, "seconds": time.perf_counter() - t0, "tail": out[-4000:]}
 
 
 def parity(device: str, tiny: bool) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "parity_tests", "-p", "no:cacheprovider", "-W", "ignore",
-           "-m", "", f"--device={device}", "--parity-steps", "20" if tiny else "50",  # -m "": every tier's cases
-           *(["-k", "float32 and none and not bfloat16"] if tiny else [])]  # tiny: one case, jax vs torch
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "parity_tests",
+        "-p",
+        "no:cacheprovider",
+        "-W",
+        "ignore",
+        "-m",
+        "",
+        f"--device={device}",
+        "--parity-steps",
+        "20" if tiny else "50",  # -m "": every tier's cases
+        *(["-k", "float32 and none and not bfloat16"] if tiny else []),
+    ]  # tiny: one case, jax vs torch
     r = _run(cmd, 300 if tiny else 420)
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", r["tail"])}
     failed = re.findall(r"^FAILED (\S+)", r["tail"], re.M)
@@ -88,26 +113,66 @@ def _run_json(cmd: list[str], timeout: int, env: dict | None = None) -> tuple[di
 
 
 def throughput(tiny: bool) -> dict:
-    cmd = [sys.executable, "-m", "jaxpar.tools.bench", "--mesh", "dp=1", "--steps", "3" if tiny else "20",
-           "--warmup", "1" if tiny else "5", "--compare", *(TINY if tiny else GPT2_124M)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpar.tools.bench",
+        "--mesh",
+        "dp=1",
+        "--steps",
+        "3" if tiny else "20",
+        "--warmup",
+        "1" if tiny else "5",
+        "--compare",
+        *(TINY if tiny else GPT2_124M),
+    ]
     # tiny: torch.compile is a no-op (TORCH_COMPILE_DISABLE), the same code path without minutes of compiling
     r, jax_row = _run_json(cmd, 300 if tiny else 480, {"TORCH_COMPILE_DISABLE": "1"} if tiny else None)
     m = re.search(r"vs torchpar \(compiled\) ([\d,]+) tok/s: ratio ([\d.]+)", r["tail"])
-    return {**r, "jaxpar": jax_row, "torchpar_tokens_per_sec": float(m.group(1).replace(",", "")) if m else None,
-            "ratio": float(m.group(2)) if m else None, "ok": r["rc"] == 0 and jax_row is not None}
+    return {
+        **r,
+        "jaxpar": jax_row,
+        "torchpar_tokens_per_sec": float(m.group(1).replace(",", "")) if m else None,
+        "ratio": float(m.group(2)) if m else None,
+        "ok": r["rc"] == 0 and jax_row is not None,
+    }
 
 
 def profile_step(tiny: bool) -> dict:
     """(b2): (b)'s jaxpar step profiled, in a process of its own (the trace's memory and XLA flags stay there)."""
-    r, summary = _run_json([sys.executable, "-m", "jaxpar.tools.gpu_profile", "--steps", "2" if tiny else "5",
-                            "--warmup", "1" if tiny else "3", *(TINY if tiny else GPT2_124M)], 300)
+    r, summary = _run_json(
+        [
+            sys.executable,
+            "-m",
+            "jaxpar.tools.gpu_profile",
+            "--steps",
+            "2" if tiny else "5",
+            "--warmup",
+            "1" if tiny else "3",
+            *(TINY if tiny else GPT2_124M),
+        ],
+        300,
+    )
     return {**r, "summary": summary, "ok": r["rc"] == 0 and summary is not None}
 
 
 def jaxpar_bench(args: list[str], tiny: bool, timeout: int = 300) -> dict:
     """One jaxpar.tools.bench run on one device: its command, rc and row (None if it wrote none)."""
-    r, row = _run_json([sys.executable, "-m", "jaxpar.tools.bench", "--mesh", "dp=1", "--steps", "3" if tiny else "10",
-                        "--warmup", "1" if tiny else "3", *args], timeout)
+    r, row = _run_json(
+        [
+            sys.executable,
+            "-m",
+            "jaxpar.tools.bench",
+            "--mesh",
+            "dp=1",
+            "--steps",
+            "3" if tiny else "10",
+            "--warmup",
+            "1" if tiny else "3",
+            *args,
+        ],
+        timeout,
+    )
     return {**r, "jaxpar": row, "ok": r["rc"] == 0 and row is not None}
 
 
@@ -118,11 +183,12 @@ def offload(tiny: bool) -> dict:
 
 def models(tiny: bool) -> dict:
     """(f): each of MODELS (the tiny configs with --tiny), and the float8 row's tokens/s over the bf16 one's."""
-    rows = {name: jaxpar_bench(args + ([] if tiny else ONE_DEVICE), tiny, 240)
-            for name, args in (TINY_MODELS if tiny else MODELS).items()}
+    rows = {
+        name: jaxpar_bench(args + ([] if tiny else ONE_DEVICE), tiny, 240)
+        for name, args in (TINY_MODELS if tiny else MODELS).items()
+    }
     bf16, float8 = (((rows[n]["jaxpar"] or {}).get("tokens_per_sec") or 0) for n in list(rows)[:2])
-    return {"rows": rows, "float8_speedup": float8 / bf16 if bf16 else None,
-            "ok": all(r["ok"] for r in rows.values())}
+    return {"rows": rows, "float8_speedup": float8 / bf16 if bf16 else None, "ok": all(r["ok"] for r in rows.values())}
 
 
 def attention(tiny: bool) -> dict:
@@ -161,50 +227,91 @@ def gib(row: dict) -> str:
 
 
 def markdown(res: dict) -> str:
-    lines = [f"# GPU check, {res['date']}", "", f"Device: {res['device']} ({res['devices']} visible). "
-             f"Versions: {', '.join(f'{k} {v}' for k, v in res['versions'].items())}.", "",
-             f"Command: `{res['command']}`", ""]
+    lines = [
+        f"# GPU check, {res['date']}",
+        "",
+        f"Device: {res['device']} ({res['devices']} visible). "
+        f"Versions: {', '.join(f'{k} {v}' for k, v in res['versions'].items())}.",
+        "",
+        f"Command: `{res['command']}`",
+        "",
+    ]
     if "parity" in res:
         p = res["parity"]
-        lines += ["## (a) Parity suite", "", f"`{p['command']}` -> rc {p['rc']} in {p['seconds']:.0f} s: "
-                  f"{', '.join(f'{n} {k}' for k, n in p['counts'].items()) or 'no summary'}",
-                  *([f"- FAILED {f}" for f in p["failed"]]), ""]
+        lines += [
+            "## (a) Parity suite",
+            "",
+            f"`{p['command']}` -> rc {p['rc']} in {p['seconds']:.0f} s: "
+            f"{', '.join(f'{n} {k}' for k, n in p['counts'].items()) or 'no summary'}",
+            *([f"- FAILED {f}" for f in p["failed"]]),
+            "",
+        ]
     if "throughput" in res:
         t, j = res["throughput"], res["throughput"]["jaxpar"] or {}
         mfu = j.get("mfu_datasheet")
-        lines += ["## (b) Throughput, one device", "", f"`{t['command']}` -> rc {t['rc']}", "",
-                  "| framework | tokens/s | MFU (datasheet) | MFU (matmul ceiling) | peak GiB |",
-                  "|---|---|---|---|---|",
-                  f"| jaxpar | {j.get('tokens_per_sec', 0):,.0f} | {'-' if mfu is None else f'{mfu:.1%}'} | "
-                  f"{j.get('mfu_ceiling') or 0:.1%} | {gib(j)} |",
-                  f"| torchpar ({'eager: --tiny' if res['tiny'] else 'torch.compile'}) | "
-                  f"{t['torchpar_tokens_per_sec'] or 0:,.0f} | | | |", "",
-                  f"jaxpar / torchpar: {t['ratio'] or float('nan'):.2f}", ""]
+        lines += [
+            "## (b) Throughput, one device",
+            "",
+            f"`{t['command']}` -> rc {t['rc']}",
+            "",
+            "| framework | tokens/s | MFU (datasheet) | MFU (matmul ceiling) | peak GiB |",
+            "|---|---|---|---|---|",
+            f"| jaxpar | {j.get('tokens_per_sec', 0):,.0f} | {'-' if mfu is None else f'{mfu:.1%}'} | "
+            f"{j.get('mfu_ceiling') or 0:.1%} | {gib(j)} |",
+            f"| torchpar ({'eager: --tiny' if res['tiny'] else 'torch.compile'}) | "
+            f"{t['torchpar_tokens_per_sec'] or 0:,.0f} | | | |",
+            "",
+            f"jaxpar / torchpar: {t['ratio'] or float('nan'):.2f}",
+            "",
+        ]
     if "profile" in res:
         p = res["profile"]
-        lines += ["## (b2) Profile of (b)'s jaxpar step", "", f"`{p['command']}` -> rc {p['rc']}", "",
-                  *(profile_lines(p["summary"]) if p["summary"] else ["(no summary: see the JSON's tail)"]), ""]
+        lines += [
+            "## (b2) Profile of (b)'s jaxpar step",
+            "",
+            f"`{p['command']}` -> rc {p['rc']}",
+            "",
+            *(profile_lines(p["summary"]) if p["summary"] else ["(no summary: see the JSON's tail)"]),
+            "",
+        ]
     if "attention" in res:
         lines += ["## (c) Attention", "", f"The compiled jaxpar step calls {res['attention']['implementation']}.", ""]
     if "ceiling" in res:
         c = res["ceiling"]
-        lines += ["## (d) Matmul ceiling", "", f"{c['dtype']}: {c['flops'] / 1e12:.1f} TFLOP/s (one square matmul, "
-                  "jaxpar/tools/bench.py:matmul_ceiling)", ""]
+        lines += [
+            "## (d) Matmul ceiling",
+            "",
+            f"{c['dtype']}: {c['flops'] / 1e12:.1f} TFLOP/s (one square matmul, jaxpar/tools/bench.py:matmul_ceiling)",
+            "",
+        ]
     if "offload" in res:
         o, b = res["offload"], (res.get("throughput") or {}).get("jaxpar") or {}
-        row = lambda name, j: (
-            f"| {name} | {j.get('tokens_per_sec', 0):,.0f} | {gib(j)} |")
-        lines += ["## (e) Activation offload", "", f"`{o['command']}` -> rc {o['rc']}", "",
-                  "| jaxpar, model.remat | tokens/s | peak GiB |", "|---|---|---|", row("none ((b))", b),
-                  row("offload", o["jaxpar"] or {}), ""]
+        row = lambda name, j: f"| {name} | {j.get('tokens_per_sec', 0):,.0f} | {gib(j)} |"
+        lines += [
+            "## (e) Activation offload",
+            "",
+            f"`{o['command']}` -> rc {o['rc']}",
+            "",
+            "| jaxpar, model.remat | tokens/s | peak GiB |",
+            "|---|---|---|",
+            row("none ((b))", b),
+            row("offload", o["jaxpar"] or {}),
+            "",
+        ]
     if "models" in res:
         m = res["models"]
-        lines += ["## (f) Larger models, jaxpar, one device", "",
-                  "| model | tokens/s | MFU (datasheet) | peak GiB | command |", "|---|---|---|---|---|"]
+        lines += [
+            "## (f) Larger models, jaxpar, one device",
+            "",
+            "| model | tokens/s | MFU (datasheet) | peak GiB | command |",
+            "|---|---|---|---|---|",
+        ]
         for name, r in m["rows"].items():
             j, mfu = r["jaxpar"] or {}, (r["jaxpar"] or {}).get("mfu_datasheet")
-            lines.append(f"| {name} | {j.get('tokens_per_sec', 0):,.0f} | {'-' if mfu is None else f'{mfu:.1%}'} | "
-                         f"{gib(j)} | `{r['command']}` -> rc {r['rc']} |")
+            lines.append(
+                f"| {name} | {j.get('tokens_per_sec', 0):,.0f} | {'-' if mfu is None else f'{mfu:.1%}'} | "
+                f"{gib(j)} | `{r['command']}` -> rc {r['rc']} |"
+            )
         speedup = m["float8_speedup"]
         lines += ["", f"float8 / bf16 tokens/s: {'-' if speedup is None else f'{speedup:.2f}'}", ""]
     failed = [k for k in PARTS if k in res and not res[k]["ok"]]
@@ -223,8 +330,11 @@ def write_report(out: str, res: dict) -> str:
 
 @cli
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxpar.tools.gpu_check", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m jaxpar.tools.gpu_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--tiny", action="store_true", help="the same path on the CPU, tiny config (CI)")
     ap.add_argument("--out", help="report path (default docs/benchmarks/gpu-check-<date>.md)")
     ap.add_argument("--skip", default="", help=f"comma-separated parts to leave out: {', '.join(PARTS)}")
@@ -244,15 +354,25 @@ def main(argv=None) -> int:
     if jax.devices()[0].platform != "gpu" and not args.tiny:
         raise UserError(f"no GPU here (jax sees {jax.devices()[0].platform}); use --tiny to check the path on the CPU")
     date = datetime.date.today().isoformat()
-    res = {"date": date, "tiny": args.tiny, "device": jax.devices()[0].device_kind, "devices": jax.device_count(),
-           "versions": versions(),
-           "command": "python -m jaxpar.tools.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv)}
+    res = {
+        "date": date,
+        "tiny": args.tiny,
+        "device": jax.devices()[0].device_kind,
+        "devices": jax.device_count(),
+        "versions": versions(),
+        "command": "python -m jaxpar.tools.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv),
+    }
     out = args.out or os.path.join("docs", "benchmarks", f"gpu-check-{date}.md")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    for part, fn in (("parity", lambda: parity("cpu" if args.tiny else "gpu", args.tiny)),
-                     ("throughput", lambda: throughput(args.tiny)), ("profile", lambda: profile_step(args.tiny)),
-                     ("attention", lambda: attention(args.tiny)), ("ceiling", lambda: ceiling(args.tiny)),
-                     ("offload", lambda: offload(args.tiny)), ("models", lambda: models(args.tiny))):
+    for part, fn in (
+        ("parity", lambda: parity("cpu" if args.tiny else "gpu", args.tiny)),
+        ("throughput", lambda: throughput(args.tiny)),
+        ("profile", lambda: profile_step(args.tiny)),
+        ("attention", lambda: attention(args.tiny)),
+        ("ceiling", lambda: ceiling(args.tiny)),
+        ("offload", lambda: offload(args.tiny)),
+        ("models", lambda: models(args.tiny)),
+    ):
         if part not in skip:
             print(f"gpu_check: {part} ...", file=sys.stderr, flush=True)
             res[part] = fn()

@@ -9,6 +9,7 @@ docs/gpu.md's cast/reduction work is guided by, written so that a device session
 the same call as the throughput rows (jaxpar.tools.gpu_check, part "profile"). On a CPU the "kernels" are
 XLA:CPU's thunks on its threads (the same path, for tests).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,11 +29,13 @@ from jaxpar.mesh import setup_devices
 from jaxpar.tools.bench import warm_step
 
 # kinds by kernel name, first match wins: cuBLAS/cuDNN/Triton names on a GPU, XLA's fusion names anywhere
-KINDS = (("attention", r"fmha|flash|cudnn|attention"),
-         ("matmul", r"gemm|nvjet|cublas|cutlass|xmma|sm90|dot|ynn_fusion|matmul"),
-         ("convert", r"convert"),
-         ("reduce", r"reduce"),
-         ("copy/transpose", r"copy|transpose|slice|concatenate|memcpy|memset"))
+KINDS = (
+    ("attention", r"fmha|flash|cudnn|attention"),
+    ("matmul", r"gemm|nvjet|cublas|cutlass|xmma|sm90|dot|ynn_fusion|matmul"),
+    ("convert", r"convert"),
+    ("reduce", r"reduce"),
+    ("copy/transpose", r"copy|transpose|slice|concatenate|memcpy|memset"),
+)
 HOST_IDLE = re.compile(r"Await|Wait|Barrier|ThunkExecutor")  # XLA:CPU's waiting and dispatch, not work
 
 
@@ -48,14 +51,20 @@ def kernel_events(trace: dict, platform: str) -> list[dict]:
     procs = {e["pid"]: e["args"]["name"] for e in named if e.get("name") == "process_name"}
     threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in named if e.get("name") == "thread_name"}
     done = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    device = [e for e in done if procs.get(e["pid"], "").startswith("/device:")
-              and threads.get((e["pid"], e["tid"]), "").startswith("Stream")]
+    device = [
+        e
+        for e in done
+        if procs.get(e["pid"], "").startswith("/device:") and threads.get((e["pid"], e["tid"]), "").startswith("Stream")
+    ]
     if device or platform != "cpu":
         if not device:  # a GPU trace without its device's events: the profiler's CUPTI part did not load
             raise UserError(f"the {platform} trace has no device kernel events (jax.profiler without CUPTI?)")
         return device
-    return [e for e in done if threads.get((e["pid"], e["tid"]), "").startswith("tf_XLA")
-            and not HOST_IDLE.search(e["name"])]
+    return [
+        e
+        for e in done
+        if threads.get((e["pid"], e["tid"]), "").startswith("tf_XLA") and not HOST_IDLE.search(e["name"])
+    ]
 
 
 def summarize(trace: dict, steps: int, step_s: float, platform: str, top: int = 15) -> dict:
@@ -72,10 +81,16 @@ def summarize(trace: dict, steps: int, step_s: float, platform: str, top: int = 
         by_kind[kind_of(name)] += ms
     total = sum(by_name.values())
     share = lambda ms: ms / total if total else 0.0
-    return {"step_ms": step_s * 1e3, "kernel_ms": total, "busy": total / (step_s * 1e3) if step_s else None,
-            "kinds": {k: {"ms": ms, "share": share(ms)} for k, ms in by_kind.most_common()},
-            "top": [{"name": n[:120], "kind": kind_of(n), "ms": ms, "share": share(ms), "launches": launches[n]}
-                    for n, ms in by_name.most_common(top)]}
+    return {
+        "step_ms": step_s * 1e3,
+        "kernel_ms": total,
+        "busy": total / (step_s * 1e3) if step_s else None,
+        "kinds": {k: {"ms": ms, "share": share(ms)} for k, ms in by_kind.most_common()},
+        "top": [
+            {"name": n[:120], "kind": kind_of(n), "ms": ms, "share": share(ms), "launches": launches[n]}
+            for n, ms in by_name.most_common(top)
+        ],
+    }
 
 
 def profile(cfg, steps: int, warmup: int) -> dict:
@@ -99,8 +114,13 @@ def profile(cfg, steps: int, warmup: int) -> dict:
 
 
 def markdown(p: dict) -> list[str]:
-    lines = [f"Step {p['step_ms']:.2f} ms under the profiler; kernels {p['kernel_ms']:.2f} ms per step "
-             f"(busy {p['busy'] or 0:.0%}).", "", "| kind | ms per step | share of kernel time |", "|---|---|---|"]
+    lines = [
+        f"Step {p['step_ms']:.2f} ms under the profiler; kernels {p['kernel_ms']:.2f} ms per step "
+        f"(busy {p['busy'] or 0:.0%}).",
+        "",
+        "| kind | ms per step | share of kernel time |",
+        "|---|---|---|",
+    ]
     lines += [f"| {k} | {v['ms']:.3f} | {v['share']:.1%} |" for k, v in p["kinds"].items()]
     lines += ["", "| kernel | kind | launches per step | ms per step | share |", "|---|---|---|---|---|"]
     count = lambda t: f"{t['launches']:g}" if "launches" in t else "-"  # (earlier reports have no count)
@@ -110,8 +130,11 @@ def markdown(p: dict) -> list[str]:
 
 @cli
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxpar.tools.gpu_profile", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m jaxpar.tools.gpu_profile",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--config", required=True)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)

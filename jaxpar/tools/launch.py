@@ -12,6 +12,7 @@ first node), or DeepSpeed's launcher from the first node (a hostfile from the no
 restarts the rest on the nodes left (at least MIN) from the last checkpoint, and a node back grows the group again.
 The config and overrides are validated now, so that a typo fails here and not after hours in the queue.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,9 @@ PORT = "$((29500 + SLURM_JOB_ID % 20000))"
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m jaxpar.tools.launch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m jaxpar.tools.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--framework", choices=tuple(LAUNCHERS), default="jaxpar")
     p.add_argument("--launcher", help="srun (default), torchrun or deepspeed (torchpar only)")
     p.add_argument("--backend", help="torchpar backend: ddp, fsdp, deepspeed, pipeline")
@@ -46,8 +48,11 @@ def parse_args(argv):
     p.add_argument("--job-name", help="default: <framework>-<run.dir's last part>")
     p.add_argument("--config", help="YAML config (configs/*.yaml)")
     p.add_argument("--mesh", help="mesh axes (overrides parallel.mesh); torchpar gets it as parallel.mesh=...")
-    p.add_argument("--elastic", metavar="MIN[:MAX]",
-                   help="nodes the run may shrink to and grow back to (MAX: --nodes); launches torchrun's agent")
+    p.add_argument(
+        "--elastic",
+        metavar="MIN[:MAX]",
+        help="nodes the run may shrink to and grow back to (MAX: --nodes); launches torchrun's agent",
+    )
     p.add_argument("--max-restarts", type=int, help="--elastic: restarts after failures (default 3)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return p.parse_intermixed_args(argv)
@@ -61,8 +66,9 @@ def check_launch(args) -> str:
     if args.max_restarts is not None and not args.elastic:
         raise UserError("--max-restarts is --elastic's (a fixed-size job restarts by SLURM's --requeue)")
     if launcher not in LAUNCHERS[args.framework]:
-        raise UserError(f"--launcher {launcher} is not one for {args.framework}; "
-                        f"choose {', '.join(LAUNCHERS[args.framework])}")
+        raise UserError(
+            f"--launcher {launcher} is not one for {args.framework}; choose {', '.join(LAUNCHERS[args.framework])}"
+        )
     if args.framework == "torchpar" and not args.backend:
         raise UserError("--framework torchpar needs --backend (ddp, fsdp, deepspeed or pipeline)")
     if args.framework == "jaxpar" and args.backend:
@@ -121,20 +127,27 @@ def launch_line(args, launcher: str) -> str:
         return f"srun --kill-on-bad-exit=1 python -m {module} {trainer_args(args)}"
     if launcher == "torchrun" and args.elastic:  # a node lost is not the job lost: the agents re-form the group
         low, _, high = args.elastic.partition(":")
-        return ("export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # each group its own store: a node can join again\n"
-                f"srun --ntasks-per-node=1 --no-kill torchrun --nnodes={low}:{high or args.nodes} "
-                f"--nproc_per_node={args.gpus_per_node} --max-restarts={args.max_restarts or 3} --rdzv_backend=c10d "
-                f"--rdzv_id=$SLURM_JOB_ID --rdzv_endpoint=$HEAD:$PORT -m {module} {trainer_args(args)}")
+        return (
+            "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # each group its own store: a node can join again\n"
+            f"srun --ntasks-per-node=1 --no-kill torchrun --nnodes={low}:{high or args.nodes} "
+            f"--nproc_per_node={args.gpus_per_node} --max-restarts={args.max_restarts or 3} --rdzv_backend=c10d "
+            f"--rdzv_id=$SLURM_JOB_ID --rdzv_endpoint=$HEAD:$PORT -m {module} {trainer_args(args)}"
+        )
     if launcher == "torchrun":  # one torchrun per node; they meet on the first node
         # jaxpar's coordinator takes MASTER_PORT, free with a store per group (else one above, another job's port)
         store = "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n" if args.framework == "jaxpar" else ""
-        return (store + "srun --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun --nnodes=$SLURM_JOB_NUM_NODES "
-                f"--nproc_per_node={args.gpus_per_node} --rdzv_backend=c10d --rdzv_id=$SLURM_JOB_ID "
-                f"--rdzv_endpoint=$HEAD:$PORT -m {module} {trainer_args(args)}")
-    return ('scontrol show hostnames "$SLURM_JOB_NODELIST" | sed "s/$/ slots=' + str(args.gpus_per_node) +
-            '/" > "hostfile.$SLURM_JOB_ID"\n'
-            f'deepspeed --hostfile "hostfile.$SLURM_JOB_ID" --master_addr "$HEAD" --master_port "$PORT" '
-            f"--module {module} {trainer_args(args)}")
+        return (
+            store + "srun --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun --nnodes=$SLURM_JOB_NUM_NODES "
+            f"--nproc_per_node={args.gpus_per_node} --rdzv_backend=c10d --rdzv_id=$SLURM_JOB_ID "
+            f"--rdzv_endpoint=$HEAD:$PORT -m {module} {trainer_args(args)}"
+        )
+    return (
+        'scontrol show hostnames "$SLURM_JOB_NODELIST" | sed "s/$/ slots='
+        + str(args.gpus_per_node)
+        + '/" > "hostfile.$SLURM_JOB_ID"\n'
+        f'deepspeed --hostfile "hostfile.$SLURM_JOB_ID" --master_addr "$HEAD" --master_port "$PORT" '
+        f"--module {module} {trainer_args(args)}"
+    )
 
 
 def script(args, launcher: str, argv: list[str]) -> str:
@@ -142,25 +155,42 @@ def script(args, launcher: str, argv: list[str]) -> str:
     name = args.job_name or f"{args.framework}-{cfg.run.dir.rstrip('/').rsplit('/', 1)[-1]}"
     tasks = 1 if launcher != "srun" else args.gpus_per_node
     cpus = args.cpus_per_gpu * args.gpus_per_node // tasks
-    header = [f"--job-name={name}", f"--nodes={args.nodes}", f"--ntasks-per-node={tasks}",
-              f"--gpus-per-node={args.gpus_per_node}", f"--cpus-per-task={cpus}", f"--time={args.time}",
-              f"--partition={args.partition}", "--output=%x-%j.out",  # in the submit directory (exists already)
-              "--signal=TERM@120",  # SIGTERM to every task 2 min before the limit: an agreed stop + checkpoint
-              "--requeue"]  # a preempted job goes back to the queue and resumes from that checkpoint
+    header = [
+        f"--job-name={name}",
+        f"--nodes={args.nodes}",
+        f"--ntasks-per-node={tasks}",
+        f"--gpus-per-node={args.gpus_per_node}",
+        f"--cpus-per-task={cpus}",
+        f"--time={args.time}",
+        f"--partition={args.partition}",
+        "--output=%x-%j.out",  # in the submit directory (exists already)
+        "--signal=TERM@120",  # SIGTERM to every task 2 min before the limit: an agreed stop + checkpoint
+        "--requeue",
+    ]  # a preempted job goes back to the queue and resumes from that checkpoint
     header += ["--no-kill"] if args.elastic else []  # a failed node does not end the job: the agents carry on
     header += [f"--account={args.account}"] if args.account else []
-    return "\n".join([
-        "#!/bin/bash",
-        f"# written by: python -m jaxpar.tools.launch {' '.join(shlex.quote(a) for a in argv)}",
-        *(f"#SBATCH {h}" for h in header),
-        "set -euo pipefail",
-        *(['HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)  # the first node',
-           f"PORT={PORT}  # the rendezvous port"] if launcher != "srun" else []),
-        "export PYTHONUNBUFFERED=1",
-        "# NCCL (docs/cluster.md): name the inter-node interface if NCCL picks a wrong one; INFO to debug a hang",
-        "# export NCCL_SOCKET_IFNAME=ib0",
-        "export NCCL_DEBUG=${NCCL_DEBUG:-WARN}",
-        launch_line(args, launcher), ""])
+    return "\n".join(
+        [
+            "#!/bin/bash",
+            f"# written by: python -m jaxpar.tools.launch {' '.join(shlex.quote(a) for a in argv)}",
+            *(f"#SBATCH {h}" for h in header),
+            "set -euo pipefail",
+            *(
+                [
+                    'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)  # the first node',
+                    f"PORT={PORT}  # the rendezvous port",
+                ]
+                if launcher != "srun"
+                else []
+            ),
+            "export PYTHONUNBUFFERED=1",
+            "# NCCL (docs/cluster.md): name the inter-node interface if NCCL picks a wrong one; INFO to debug a hang",
+            "# export NCCL_SOCKET_IFNAME=ib0",
+            "export NCCL_DEBUG=${NCCL_DEBUG:-WARN}",
+            launch_line(args, launcher),
+            "",
+        ]
+    )
 
 
 @cli

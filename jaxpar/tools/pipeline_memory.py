@@ -17,6 +17,7 @@ Memory: XLA's `temp_size_in_bytes` per device. FLOPs: matmul FLOPs of one step s
 same batch: above 1.0 is computation a schedule adds (GSPMD GPipe's bubble ticks compute on garbage; a
 recomputed forward). Target: 1F1B's temp at M=16 <= 1.25x its temp at M=4.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,25 +48,38 @@ def main(argv=None) -> int:
         raise UserError(f"--microbatches {args.microbatches!r}: positive whole numbers, comma-separated")
 
     import jax  # deferred: jax (~1 s) loads after the arguments are checked; its CPU devices set below
+
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.stages)
     from jaxpar.cost.loss_and_grad import compiled_memory, step_flops  # deferred: imports jax, once the devices are set
 
     S, T, b = args.stages, args.seq_len, args.microbatch_size
     counts = [int(m) for m in args.microbatches.split(",")]
-    print(f"jax {jax.__version__}, {jax.devices()[0].platform} x{S} (pp={S}), seq_len {T}, "
-          f"{' '.join(args.model.split(','))}, microbatch size {b}, float32\n")
-    print(f"| schedule | M | temp bytes / device | ratio to M={counts[0]} | microbatches' residuals kept (executor) "
-          "| matmul FLOPs / step | ratio to one device |")
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].platform} x{S} (pp={S}), seq_len {T}, "
+        f"{' '.join(args.model.split(','))}, microbatch size {b}, float32\n"
+    )
+    print(
+        f"| schedule | M | temp bytes / device | ratio to M={counts[0]} | microbatches' residuals kept (executor) "
+        "| matmul FLOPs / step | ratio to one device |"
+    )
     print("|---|---|---|---|---|---|---|")
     one_device = {}  # M -> matmul FLOPs of the same batch on one device (the same for every row)
     for row, schedule in ((r, ROWS[r]) for r in args.rows.split(",")):
         base = None
         for M in counts:
-            cfg = load_config(None, args.model.split(",") + [
-                f"data.seq_len={T}", f"model.max_seq_len={T}", f"train.global_batch_size={M * b}",
-                f"parallel.pipeline_microbatches={M}", f"parallel.pipeline_schedule={schedule}",
-                "train.matmul_precision=highest"])
+            cfg = load_config(
+                None,
+                args.model.split(",")
+                + [
+                    f"data.seq_len={T}",
+                    f"model.max_seq_len={T}",
+                    f"train.global_batch_size={M * b}",
+                    f"parallel.pipeline_microbatches={M}",
+                    f"parallel.pipeline_schedule={schedule}",
+                    "train.matmul_precision=highest",
+                ],
+            )
             on_executor = schedule if row != "gpipe" else None
             temp = compiled_memory(cfg, {"pp": S}, jax.devices(), on_executor).temp_size_in_bytes
             base = base or temp
@@ -75,8 +89,9 @@ def main(argv=None) -> int:
             if M not in one_device:
                 one_device[M] = step_flops(cfg, {"pp": 1}, jax.devices()[:1], None)
             one = one_device[M]
-            print(f"| {row} | {M} | {temp:,} | {temp / base:.2f} | {kept} | {flops:.3e} | {flops / one:.2f} |",
-                  flush=True)
+            print(
+                f"| {row} | {M} | {temp:,} | {temp / base:.2f} | {kept} | {flops:.3e} | {flops / one:.2f} |", flush=True
+            )
     return 0
 
 

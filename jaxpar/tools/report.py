@@ -27,6 +27,7 @@ of time in collectives per mesh axis. Written beside the run(s), as curves.png.
 --out PATH: the folder for every plot, or a .png file for the curves (the other plots then go to its folder). The
 default never lies in this checkout's source folders.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,9 +70,11 @@ def plot(runs: list[dict], out_dir: str) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     names = [label(r) for r in runs]
     written = []
-    panels = [("throughput.png", "tokens/s", [r["tokens_per_sec"] for r in runs]),
-              ("mfu.png", "MFU vs matmul ceiling", [r.get("mfu_ceiling") or 0 for r in runs]),
-              ("memory.png", "peak GiB per device", [r.get("memory_gib") or 0 for r in runs])]
+    panels = [
+        ("throughput.png", "tokens/s", [r["tokens_per_sec"] for r in runs]),
+        ("mfu.png", "MFU vs matmul ceiling", [r.get("mfu_ceiling") or 0 for r in runs]),
+        ("memory.png", "peak GiB per device", [r.get("memory_gib") or 0 for r in runs]),
+    ]
     for filename, ylabel, values in panels:
         fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(runs)), 3.5))
         ax.bar(range(len(runs)), values)
@@ -101,8 +104,13 @@ def plot(runs: list[dict], out_dir: str) -> list[str]:
 
 
 # the curves drawn from a run's metrics.jsonl, in panel order: (record key, axis label)
-CURVES = (("loss", "loss"), ("eval_loss", "eval loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"),
-          ("tokens_per_sec", "tokens/s"))
+CURVES = (
+    ("loss", "loss"),
+    ("eval_loss", "eval loss"),
+    ("lr", "learning rate"),
+    ("grad_norm", "gradient norm"),
+    ("tokens_per_sec", "tokens/s"),
+)
 # folders of this checkout that hold its code and documents: no default output goes there
 SOURCE_FOLDERS = ("jaxpar", "torchpar", "parity_tests", "tests", "docs", "configs", "benchmarks", "tools")
 
@@ -139,8 +147,10 @@ def run_labels(run_dirs: list[str]) -> list[str]:
     if len(set(labels)) < len(labels):
         common = os.path.commonpath([os.path.dirname(p) for p in paths])
         labels = named([os.path.relpath(p, common) for p in paths])
-    return [label_ if label_ not in labels[:i] else f"{label_} #{labels[:i].count(label_) + 1}"
-            for i, label_ in enumerate(labels)]
+    return [
+        label_ if label_ not in labels[:i] else f"{label_} #{labels[:i].count(label_) + 1}"
+        for i, label_ in enumerate(labels)
+    ]
 
 
 def source_root() -> str | None:
@@ -157,8 +167,10 @@ def beside(paths: list[str]) -> str:
     paths = [os.path.abspath(p) for p in paths]
     folder = paths[0] if len(paths) == 1 else os.path.commonpath([os.path.dirname(p) for p in paths])
     root = source_root()
-    if root is not None and (folder == root or any(
-            os.path.commonpath([folder, os.path.join(root, s)]) == os.path.join(root, s) for s in SOURCE_FOLDERS)):
+    if root is not None and (
+        folder == root
+        or any(os.path.commonpath([folder, os.path.join(root, s)]) == os.path.join(root, s) for s in SOURCE_FOLDERS)
+    ):
         raise UserError(f"the default output folder {folder} is in the source tree; choose one with --out")
     return folder
 
@@ -203,14 +215,20 @@ def curve_figure(data: dict[str, dict[str, tuple[list[int], list[float]]]], labe
         ax = fig.add_subplot(rows, cols, i + 1, label=key)
         for name, (steps, values) in lines.items():
             style = "o-" if key == "eval_loss" else "-"
-            handles[name], = ax.plot(steps, values, style, color=colours[name], label=name, markersize=3)
+            (handles[name],) = ax.plot(steps, values, style, color=colours[name], label=name, markersize=3)
         ax.set_title(titles[key], fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         if key == "lr":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
-    fig.legend([handles[n] for n in labels if n in handles], [n for n in labels if n in handles],
-               loc="upper center", ncols=min(len(handles), 3), fontsize=8, frameon=False)
+    fig.legend(
+        [handles[n] for n in labels if n in handles],
+        [n for n in labels if n in handles],
+        loc="upper center",
+        ncols=min(len(handles), 3),
+        fontsize=8,
+        frameon=False,
+    )
     fig.tight_layout(rect=(0, 0, 1, 1 - (0.1 + 0.22 * -(-len(handles) // 3)) / fig.get_figheight()))
     return fig
 
@@ -250,8 +268,10 @@ def plot_run(runs: dict[str, list[dict]], out_dir: str) -> list[str]:
     from matplotlib.figure import Figure  # deferred: matplotlib, optional (the report extra): plots only
 
     slow = {name: [r for r in records if r.get("straggler_ratio") is not None] for name, records in runs.items()}
-    shares = {name: next((r for r in records if any(k.startswith("comm_share_") for k in r)), None)
-              for name, records in runs.items()}
+    shares = {
+        name: next((r for r in records if any(k.startswith("comm_share_") for k in r)), None)
+        for name, records in runs.items()
+    }
     written = []
     if any(slow.values()):
         fig = Figure(figsize=(5, 3.5))
@@ -269,7 +289,7 @@ def plot_run(runs: dict[str, list[dict]], out_dir: str) -> list[str]:
         fig = Figure(figsize=(5, 3.5))
         ax = fig.add_subplot()
         for name, record in shares.items():
-            axes = sorted(k[len("comm_share_"):] for k in record or {} if k.startswith("comm_share_"))
+            axes = sorted(k[len("comm_share_") :] for k in record or {} if k.startswith("comm_share_"))
             ax.bar([f"{name}\n{a}" for a in axes], [record[f"comm_share_{a}"] for a in axes])
         ax.set_ylabel("share of step time in collectives")
         written.append(save(fig, out_dir, "comm_share.png"))
@@ -291,18 +311,24 @@ def scaling_rows(runs: list[dict]) -> list[dict]:
     for r in sorted(runs, key=lambda r: (r.get("framework", "?"), r["devices"], label(r))):
         base = min((b for b in runs if b.get("framework") == r.get("framework")), key=lambda b: b["devices"])
         speedup = r["tokens_per_sec"] / base["tokens_per_sec"]
-        out.append({**r, "speedup": speedup, "efficiency": speedup / (r["devices"] / base["devices"]),
-                    "baseline": label(base)})
+        out.append(
+            {**r, "speedup": speedup, "efficiency": speedup / (r["devices"] / base["devices"]), "baseline": label(base)}
+        )
     return out
 
 
 def scaling_markdown(rows: list[dict]) -> str:
     fmt = lambda x, f: "-" if x is None else format(x, f)
-    lines = ["| run | devices | tokens/s | speedup | efficiency | peak GiB / device | bubble | baseline |",
-             "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {label(r)} | {r['devices']} | {r['tokens_per_sec']:,.0f} | {r['speedup']:.2f}x | "
-              f"{r['efficiency']:.0%} | {fmt(r.get('memory_gib'), '.2f')} | {fmt(r.get('pipeline_bubble'), '.3f')} | "
-              f"{r['baseline']} |" for r in rows]
+    lines = [
+        "| run | devices | tokens/s | speedup | efficiency | peak GiB / device | bubble | baseline |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {label(r)} | {r['devices']} | {r['tokens_per_sec']:,.0f} | {r['speedup']:.2f}x | "
+        f"{r['efficiency']:.0%} | {fmt(r.get('memory_gib'), '.2f')} | {fmt(r.get('pipeline_bubble'), '.3f')} | "
+        f"{r['baseline']} |"
+        for r in rows
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -353,11 +379,16 @@ def out_folder(out: str | None, default_beside: list[str]) -> str:
 
 @cli
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxpar.tools.report", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m jaxpar.tools.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("inputs", nargs="*", metavar="RUN_OR_BENCH", help="run directories and benchmark JSON files")
-    ap.add_argument("--out", default=None, help="a folder for the plots, or a .png file for the curves "
-                                                "(default: beside the runs, or the first benchmark file)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="a folder for the plots, or a .png file for the curves "
+        "(default: beside the runs, or the first benchmark file)",
+    )
     ap.add_argument("--scaling", action="store_true", help="also the speedup / efficiency table and plot")
     ap.add_argument("--run", action="append", default=[], help="a run.dir: plot its slow process and comm_share")
     args = ap.parse_args(argv)
@@ -370,8 +401,10 @@ def main(argv=None) -> int:
     if slow:
         drawn = plot_run(slow, out_folder(args.out, args.run))
         if not drawn:
-            print(f"no straggler plots: no straggler_ratio or per-axis comm_share in {', '.join(args.run)} "
-                  "(a run of one process on one device has neither)")
+            print(
+                f"no straggler plots: no straggler_ratio or per-axis comm_share in {', '.join(args.run)} "
+                "(a run of one process on one device has neither)"
+            )
         written += drawn
     if runs:
         out_dir = out_folder(args.out, [os.path.dirname(os.path.abspath(files[0]))])

@@ -9,6 +9,7 @@ runs: the mark's rise over the resident set just before the step is what the ste
 planner's peak (jaxpar.tools.plan, XLA's memory analysis of the same compiled step; the process's Python and
 libraries are left out of both). docs/benchmarks/chunked-loss-2026-11-27.md has its figures for the chunked loss.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,7 @@ import numpy as np
 from jaxpar.core.config.schema import Config, load_config
 from jaxpar.core.errors import cli
 
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def _status_bytes(field: str) -> int:
@@ -53,16 +54,25 @@ def measure(cfg: Config) -> dict:
     state = jax.block_until_ready(step(state, batch)[0])
     rise = _status_bytes("VmHWM") - before
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
-    return {"state_bytes": state_bytes, "step_bytes": rise, "peak_bytes": state_bytes + rise,
-            "planned_temp_bytes": memory.temp_size_in_bytes,
-            "planned_peak_bytes": memory.argument_size_in_bytes + memory.output_size_in_bytes
-            - memory.alias_size_in_bytes + memory.temp_size_in_bytes}
+    return {
+        "state_bytes": state_bytes,
+        "step_bytes": rise,
+        "peak_bytes": state_bytes + rise,
+        "planned_temp_bytes": memory.temp_size_in_bytes,
+        "planned_peak_bytes": memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes,
+    }
 
 
 @cli
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxpar.tools.step_memory", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m jaxpar.tools.step_memory",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--config")
     ap.add_argument("--json", help="also write the figures as JSON here")
     ap.add_argument("overrides", nargs="*")

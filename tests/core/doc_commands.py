@@ -17,6 +17,7 @@ A missing `<run>/config.json` (a run that an earlier command writes) stands in a
 marks a partial command: the options it shows must exist. A command followed by "(illustrative)" is only checked
 to name a module that runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,15 +38,32 @@ from jaxpar.core.config.schema import load_config
 from jaxpar.core.config.mesh_spec import parse_mesh, resolve_sizes
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = sorted(["README.md", *(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")),
-               "docs/benchmarks/README.md"])
+DOCS = sorted(
+    ["README.md", *(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")), "docs/benchmarks/README.md"]
+)
 PROGRAMS = ("python", "python3", "torchrun", "deepspeed", "srun", "./setup.sh")
 MODULES = re.compile(r"^(jaxpar|torchpar|parity_tests)(\.\w+)+$|^pytest$")
-STAND_INS = {"C": "configs/gpt2-tiny.yaml", "M": "dp=2,tp=4", "S": "1", "N": "2", "K": "3", "MIN": "1", "MAX": "2",
-             "FILE": "tests/core/test_config.py", "PATH": "init.safetensors", "W": "w", "$OUT": "/tmp/out",
-             "DIR": "out/dir", "NEW_DIR": "out/new", "RUN": "runs/jaxpar/gpt2-tiny",
-             "RUN_DIR": "runs/jaxpar/gpt2-tiny", "RUN2": "runs/torchpar/gpt2-tiny", "GPT2_DIR": "hf/gpt2",
-             "LLAMA_DIR": "hf/llama", "MIXTRAL_DIR": "hf/mixtral"}
+STAND_INS = {
+    "C": "configs/gpt2-tiny.yaml",
+    "M": "dp=2,tp=4",
+    "S": "1",
+    "N": "2",
+    "K": "3",
+    "MIN": "1",
+    "MAX": "2",
+    "FILE": "tests/core/test_config.py",
+    "PATH": "init.safetensors",
+    "W": "w",
+    "$OUT": "/tmp/out",
+    "DIR": "out/dir",
+    "NEW_DIR": "out/new",
+    "RUN": "runs/jaxpar/gpt2-tiny",
+    "RUN_DIR": "runs/jaxpar/gpt2-tiny",
+    "RUN2": "runs/torchpar/gpt2-tiny",
+    "GPT2_DIR": "hf/gpt2",
+    "LLAMA_DIR": "hf/llama",
+    "MIXTRAL_DIR": "hf/mixtral",
+}
 RUN_CONFIG = "configs/gpt2-124m.yaml"  # what a converted Hugging Face GPT-2 run's config.json holds
 PARSERS = ("parse_args", "parse_known_args", "parse_intermixed_args", "parse_known_intermixed_args")
 
@@ -73,7 +91,7 @@ def shell_words(text: str) -> list[list[str]]:
         else:
             skip = False
     commands.append(words)
-    return [ws[next((i for i, w in enumerate(ws) if not re.match(r"^[A-Z_]+=", w)), len(ws)):] for ws in commands]
+    return [ws[next((i for i, w in enumerate(ws) if not re.match(r"^[A-Z_]+=", w)), len(ws)) :] for ws in commands]
 
 
 def is_command(words: list[str]) -> bool:
@@ -86,8 +104,9 @@ def is_command(words: list[str]) -> bool:
         return False
     if words[0] == "deepspeed":
         return len(words) == 1 or words[1].startswith("-")
-    return words[0] not in ("python", "python3") or (len(words) > 2 and words[1] == "-m" and
-                                                     bool(MODULES.match(words[2])))
+    return words[0] not in ("python", "python3") or (
+        len(words) > 2 and words[1] == "-m" and bool(MODULES.match(words[2]))
+    )
 
 
 def commands_of(where: str, line: str, illustrative: bool) -> list[Command]:
@@ -118,7 +137,7 @@ def commands_in(name: str, text: str) -> list[Command]:
             line = ""
     prose = fence.sub(lambda m: "\n" * m.group(0).count("\n"), text)
     for span in re.finditer(r"(?<!`)`([^`]+)`(?!`)", prose):
-        mark = prose[span.end():].lstrip().startswith("(illustrative)")
+        mark = prose[span.end() :].lstrip().startswith("(illustrative)")
         line = prose.count("\n", 0, span.start()) + 1
         found += commands_of(f"{name}:{line}", " ".join(span.group(1).split()), mark)
     return found
@@ -126,6 +145,7 @@ def commands_in(name: str, text: str) -> list[Command]:
 
 def filled(words: list[str]) -> list[str]:
     """Placeholders replaced by their stand-ins; a placeholder without one is an error."""
+
     def fill(word: str) -> str:
         word = word.replace("$OUT", STAND_INS["$OUT"])
         for name in re.findall(r"(?<![\w$.-])[A-Z][A-Z0-9_]*(?![\w])", word):
@@ -160,6 +180,7 @@ def stop_at_parse(parse: bool):
             finally:
                 inside.clear()
             raise Parsed(self, namespace)
+
         return method
 
     try:
@@ -250,8 +271,9 @@ def check_module(module: str, args: list[str], world: int = 1, illustrative: boo
         main, out = importlib.import_module(module).main, io.StringIO()
         if module == "jaxpar.core.config.schema" and args:  # prints the resolved config: quick
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-                assert main(args) == 0, (f"python -m jaxpar.core.config.schema refuses {shlex.join(args)}: "
-                                         f"{out.getvalue()}")
+                assert main(args) == 0, (
+                    f"python -m jaxpar.core.config.schema refuses {shlex.join(args)}: {out.getvalue()}"
+                )
         return
     partial = "..." in args
     mod = importlib.import_module(module)
@@ -277,8 +299,9 @@ def pytest_parser():
     from _pytest.config import get_config
 
     config = get_config(["tests", "parity_tests"])
-    config = config.pluginmanager.hook.pytest_cmdline_parse(pluginmanager=config.pluginmanager,
-                                                            args=["tests", "parity_tests"])
+    config = config.pluginmanager.hook.pytest_cmdline_parse(
+        pluginmanager=config.pluginmanager, args=["tests", "parity_tests"]
+    )
     return config._parser
 
 

@@ -3,6 +3,7 @@
 Whole documents grouped by length, each target read once, the order a function of (data, seed, step), the padding
 skipped, and one line for buckets that cannot run.
 """
+
 import numpy as np
 import pytest
 
@@ -33,8 +34,9 @@ def test_each_target_of_the_split_is_read_once():
 
 
 def batches(path, *overrides, seq_len=32):
-    cfg = load_config(None, [*TINY, f"data.seq_len={seq_len}", f"model.max_seq_len={seq_len}",
-                             "data.batching=buckets", *overrides])
+    cfg = load_config(
+        None, [*TINY, f"data.seq_len={seq_len}", f"model.max_seq_len={seq_len}", "data.batching=buckets", *overrides]
+    )
     return BucketBatches(Samples(str(path), seq_len, 0, val_fraction=cfg.data.val_fraction), bucket_shapes(cfg)), cfg
 
 
@@ -74,10 +76,14 @@ def test_buckets_waste_little_on_long_tailed_lengths(tmp_path):
     assert per_window > 0.4 and share < 0.1, (per_window, share)
 
 
-@pytest.mark.parametrize("overrides,phrase", [
-    (["data.buckets=8,64"], "every bucket must be between 1 and data.seq_len=32 tokens"),
-    (["train.tokens_per_batch=16"], "train.tokens_per_batch=16 holds no row of the 32-token bucket"),
-    (["train.batch_rampup=4,4,8"], "train.batch_rampup with data.batching=buckets")])
+@pytest.mark.parametrize(
+    "overrides,phrase",
+    [
+        (["data.buckets=8,64"], "every bucket must be between 1 and data.seq_len=32 tokens"),
+        (["train.tokens_per_batch=16"], "train.tokens_per_batch=16 holds no row of the 32-token bucket"),
+        (["train.batch_rampup=4,4,8"], "train.batch_rampup with data.batching=buckets"),
+    ],
+)
 def test_buckets_that_cannot_run_get_one_line(overrides, phrase):
     with pytest.raises(UserError, match=phrase):
         load_config(None, [*TINY, "data.seq_len=32", "model.max_seq_len=32", "data.batching=buckets", *overrides])
@@ -92,13 +98,15 @@ def test_mfu_counts_each_buckets_attention_at_its_length(tmp_path):
     from jaxpar.core.model.flops import flops_per_token
     from jaxpar.core.run.hooks import Throughput
 
-    data, cfg = batches(make_dataset(tmp_path / "d.bin", n_tokens=6000, document_length=12),
-                        "train.tokens_per_batch=256")
+    data, cfg = batches(
+        make_dataset(tmp_path / "d.bin", n_tokens=6000, document_length=12), "train.tokens_per_batch=256"
+    )
     meter = Throughput(cfg, flops_per_token(cfg.model, 32), 1.0, data)
     meter.restart(0, 0.0)
     r = meter.record(6, 0.0)
     shapes = [data.shape(k) for k in range(6)]
-    per_token = sum(n * (w - 1) * flops_per_token(cfg.model, w - 1) for n, w in shapes) / sum(n * (w - 1)
-                                                                                                for n, w in shapes)
+    per_token = sum(n * (w - 1) * flops_per_token(cfg.model, w - 1) for n, w in shapes) / sum(
+        n * (w - 1) for n, w in shapes
+    )
     assert len({w for _, w in shapes}) > 1 and r["mfu"] / r["tokens_per_sec"] == pytest.approx(per_token, rel=1e-9)
     assert per_token < flops_per_token(cfg.model, 32)  # the full-length count would overstate it

@@ -3,6 +3,7 @@
 Defaults <- YAML <- key=value, typed and validated, with one line naming the key for anything it refuses; a run's
 config.json reads back to the same config.
 """
+
 import json
 
 import pytest
@@ -28,37 +29,52 @@ def test_a_bare_on_or_off_in_yaml_is_the_choice_not_a_boolean(tmp_path):
 
 
 def test_override_strings_take_the_fields_types():
-    cfg = load_config(None, ["train.steps=12", "optim.lr=1e-3", "checkpoint.resume=false",
-                             "model.segment_lengths=4,8", "model.dilation_rates=1,2", "data.seq_len=32"])
+    cfg = load_config(
+        None,
+        [
+            "train.steps=12",
+            "optim.lr=1e-3",
+            "checkpoint.resume=false",
+            "model.segment_lengths=4,8",
+            "model.dilation_rates=1,2",
+            "data.seq_len=32",
+        ],
+    )
     assert cfg.train.steps == 12 and isinstance(cfg.train.steps, int)
     assert cfg.optim.lr == 1e-3 and cfg.checkpoint.resume is False
     assert cfg.model.segment_lengths == "4,8" and cfg.model.dilation_pairs == ((4, 1), (8, 2))
 
 
-@pytest.mark.parametrize("override, named", [
-    ("model.n_layers=2", "model.n_layers"),  # a typo: the key and the section's real keys
-    ("modle.n_layer=2", "modle"),
-    ("train.steps=many", "train.steps"),
-    ("train.steps=-1", "train.steps"),
-    ("parallel.zero_stage=4", "parallel.zero_stage"),
-    ("optim.lr=nan", "optim.lr"),
-    ("model.dropout=0.1", "model.dropout"),  # removed, with why
-    ("train.steps", "train.steps"),  # not key=value
-])
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("model.n_layers=2", "model.n_layers"),  # a typo: the key and the section's real keys
+        ("modle.n_layer=2", "modle"),
+        ("train.steps=many", "train.steps"),
+        ("train.steps=-1", "train.steps"),
+        ("parallel.zero_stage=4", "parallel.zero_stage"),
+        ("optim.lr=nan", "optim.lr"),
+        ("model.dropout=0.1", "model.dropout"),  # removed, with why
+        ("train.steps", "train.steps"),  # not key=value
+    ],
+)
 def test_a_bad_key_or_value_is_one_line_naming_it(override, named):
     with pytest.raises(UserError) as e:
         load_config(None, [override])
     assert named in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("override, suggested", [
-    ("optim.lrr=1", "optim.lr"),  # a typo in the key
-    ("train.stepz=3", "train.steps"),
-    ("optm.lr=1", "optim.lr"),  # a typo in the section
-    ("train.lr=1", "optim.lr"),  # the right key in the wrong section
-    ("optim.warmup=3", "optim.warmup_steps"),
-    ("optm.nothing_like_it=1", "optim"),  # no key is close: the section is
-])
+@pytest.mark.parametrize(
+    "override, suggested",
+    [
+        ("optim.lrr=1", "optim.lr"),  # a typo in the key
+        ("train.stepz=3", "train.steps"),
+        ("optm.lr=1", "optim.lr"),  # a typo in the section
+        ("train.lr=1", "optim.lr"),  # the right key in the wrong section
+        ("optim.warmup=3", "optim.warmup_steps"),
+        ("optm.nothing_like_it=1", "optim"),  # no key is close: the section is
+    ],
+)
 def test_an_unknown_key_suggests_the_closest_known_one(override, suggested, tmp_path):
     """A misspelt key, in an override or in the YAML file, is answered with the closest known key in one line."""
     with pytest.raises(UserError, match=f"; did you mean {suggested}\\?") as e:

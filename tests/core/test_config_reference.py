@@ -1,4 +1,5 @@
 """docs/configuration.md is what jaxpar/tools/config_reference.py makes of the schema and the key contract."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,8 +30,9 @@ def test_every_key_is_on_the_page_with_what_it_does():
     missing = [key for key, _, _ in schema_keys() if f"- **`{key}`** (" not in page]
     assert not missing, f"keys missing from docs/configuration.md: {missing}; {REGENERATE}"
     silent = [key for key, cls, f in schema_keys() if not ref.describe(key, comments, cls.__name__, f.name)]
-    assert not silent, (f"keys without a description: {silent}; write a comment beside the field in "
-                        "jaxpar/core/config/schema.py")
+    assert not silent, (
+        f"keys without a description: {silent}; write a comment beside the field in jaxpar/core/config/schema.py"
+    )
 
 
 def test_notes_only_fill_in_for_keys_without_a_comment():
@@ -50,7 +52,7 @@ def test_the_comments_beside_and_above_a_field_are_read():
 
 
 # A planted schema: the page follows whatever the schema, its comments and the contract say.
-TOY_SOURCE = '''
+TOY_SOURCE = """
 @dataclass
 class ToySection:
     # how big it is,
@@ -58,7 +60,7 @@ class ToySection:
     size: int = field(default=2, metadata=_check(lo=1))
     mode: str = field(default="a", metadata=_check(choices=("a", "b")))  # which <kind> * of thing
     ratio: float = field(default=0.5, metadata=_check(lo=0.0, hi=1.0, lo_open=True))
-'''
+"""
 
 
 def _meta(choices=None, lo=None, hi=None, lo_open=False):
@@ -78,13 +80,19 @@ class Toy:
 
 
 def test_a_planted_schema_shows_on_the_page():
-    contract = {"toy.size": Owner(True, ("ddp",), "step", mode="x>1", why_not="ddp alone"),
-                "toy.mode": Owner(False, BACKENDS, "step")}
+    contract = {
+        "toy.size": Owner(True, ("ddp",), "step", mode="x>1", why_not="ddp alone"),
+        "toy.mode": Owner(False, BACKENDS, "step"),
+    }
     page = ref.render(Toy, contract, TOY_SOURCE)
-    assert ("- **`toy.size`** (`int`, default `2`, >= 1): how big it is, over two lines. Acted on by jaxpar and "
-            "torchpar --backend ddp. Only with x>1. Elsewhere it is refused: ddp alone.") in page.replace("\n  ", " ")
-    assert "- **`toy.mode`** (`str`, default `a`, one of `a`, `b`): which \\<kind> * of thing. Acted on by torchpar " \
-           "(every backend)." in page.replace("\n  ", " ")
+    assert (
+        "- **`toy.size`** (`int`, default `2`, >= 1): how big it is, over two lines. Acted on by jaxpar and "
+        "torchpar --backend ddp. Only with x>1. Elsewhere it is refused: ddp alone."
+    ) in page.replace("\n  ", " ")
+    assert (
+        "- **`toy.mode`** (`str`, default `a`, one of `a`, `b`): which \\<kind> * of thing. Acted on by torchpar "
+        "(every backend)." in page.replace("\n  ", " ")
+    )
     assert "- **`toy.ratio`** (`float`, default `0.5`, > 0.0 and <= 1.0). No contract row." in page
     assert "## toy" in page and "## model" not in page
     assert page != ref.render()  # so a key added to the real schema changes the page the first test compares

@@ -5,6 +5,7 @@ setting it is refused in one line naming it; where the row says it is consumed, 
 value changes what the row says it changes -- the initial parameters, the traced step, the batches, the shared
 loop's calls, torchpar's engine settings -- measured here on tiny models, or shown by the named test.
 """
+
 from __future__ import annotations
 
 import ast
@@ -28,30 +29,68 @@ RUNS = [("jaxpar", "")] + [("torchpar", b) for b in BACKENDS]
 # another valid value for each key where adding or flipping the default would not be valid on the tiny config
 ALTERNATIVE = {
     "train.scan_layers": "off",  # "on" is what auto does on the CPU
-    "model.family": "llama", "model.n_head": "2", "model.d_model": "64", "model.n_kv_head": "2", "model.d_ff": "64",
-    "model.ffn_multiple_of": "32", "model.max_seq_len": "64", "model.vocab_size": "300", "model.rope_head_dim": "8",
-    "model.segment_lengths": "4,16", "model.dilation_rates": "1,4", "model.sparsity_ratio": "0.5",
-    "model.sparsity_block": "4", "model.attention": "mla", "model.linear": "sketched",
-    "model.compute_dtype": "bfloat16", "model.remat": "full", "model.sketch": "sign", "model.sketch_ratio": "0.25",
-    "data.seq_len": "8", "data.val_fraction": "0.3", "train.global_batch_size": "16", "train.microbatches": "2",
-    "train.profile_steps": "1:2", "train.sample_every": "1", "train.eval_every": "2", "train.log_every": "2",
-    "train.steps": "3", "train.matmul_precision": "high", "train.compile": "on", "optim.min_lr": "0.0",
-    "optim.warmup_steps": "1", "optim.decay_steps": "5", "optim.loss_scale_init": "1e30",
-    "optim.loss_scale_growth_interval": "1", "optim.loss_scale_backoff_factor": "0.25",
-    "optim.loss_scale_min": "1e20", "optim.loss_scale_growth_factor": "4", "parallel.mesh": "dp=2,fsdp=-1",
+    "model.family": "llama",
+    "model.n_head": "2",
+    "model.d_model": "64",
+    "model.n_kv_head": "2",
+    "model.d_ff": "64",
+    "model.ffn_multiple_of": "32",
+    "model.max_seq_len": "64",
+    "model.vocab_size": "300",
+    "model.rope_head_dim": "8",
+    "model.segment_lengths": "4,16",
+    "model.dilation_rates": "1,4",
+    "model.sparsity_ratio": "0.5",
+    "model.sparsity_block": "4",
+    "model.attention": "mla",
+    "model.linear": "sketched",
+    "model.compute_dtype": "bfloat16",
+    "model.remat": "full",
+    "model.sketch": "sign",
+    "model.sketch_ratio": "0.25",
+    "data.seq_len": "8",
+    "data.val_fraction": "0.3",
+    "train.global_batch_size": "16",
+    "train.microbatches": "2",
+    "train.profile_steps": "1:2",
+    "train.sample_every": "1",
+    "train.eval_every": "2",
+    "train.log_every": "2",
+    "train.steps": "3",
+    "train.matmul_precision": "high",
+    "train.compile": "on",
+    "optim.min_lr": "0.0",
+    "optim.warmup_steps": "1",
+    "optim.decay_steps": "5",
+    "optim.loss_scale_init": "1e30",
+    "optim.loss_scale_growth_interval": "1",
+    "optim.loss_scale_backoff_factor": "0.25",
+    "optim.loss_scale_min": "1e20",
+    "optim.loss_scale_growth_factor": "4",
+    "parallel.mesh": "dp=2,fsdp=-1",
     "parallel.zero_stage": "1",
-    "parallel.sequence_attention": "ulysses", "parallel.pipeline_schedule": "1f1b",
-    "parallel.pipeline_microbatches": "2", "parallel.pipeline_virtual_stages": "2",
+    "parallel.sequence_attention": "ulysses",
+    "parallel.pipeline_schedule": "1f1b",
+    "parallel.pipeline_microbatches": "2",
+    "parallel.pipeline_virtual_stages": "2",
     "parallel.offload": "params+optimizer",
-    "checkpoint.every": "2", "train.batch_rampup": "4,4,8", "data.buckets": "16", "train.tokens_per_batch": "256",
-    "model.moe_experts": "4", "model.moe_aux_loss": "0.01", "model.moe_capacity_factor": "1.0",
+    "checkpoint.every": "2",
+    "train.batch_rampup": "4,4,8",
+    "data.buckets": "16",
+    "train.tokens_per_batch": "256",
+    "model.moe_experts": "4",
+    "model.moe_aux_loss": "0.01",
+    "model.moe_capacity_factor": "1.0",
     "model.moe_bias_update": "0.01",
 }
 # settings a key's effect needs beyond its mode (a loss scale that overflows, so that backing off shows)
-NEEDS = {"optim.loss_scale_backoff_factor": ["optim.loss_scale_init=1e30"],
-         "optim.loss_scale_min": ["optim.loss_scale_init=1e30"],
-         "optim.loss_scale_growth_factor": ["optim.loss_scale_growth_interval=1"],
-         "optim.min_lr": ["optim.warmup_steps=0"], "optim.decay_steps": ["optim.warmup_steps=0"]}
+NEEDS = {
+    "optim.loss_scale_backoff_factor": ["optim.loss_scale_init=1e30"],
+    "optim.loss_scale_min": ["optim.loss_scale_init=1e30"],
+    "optim.loss_scale_growth_factor": ["optim.loss_scale_growth_interval=1"],
+    "optim.min_lr": ["optim.warmup_steps=0"],
+    "optim.decay_steps": ["optim.warmup_steps=0"],
+}
 
 
 def alternative(key: str) -> str:
@@ -139,6 +178,7 @@ def test_a_key_is_refused_wherever_its_row_says_it_is_not_consumed(key):
 
 # ---- effects: what a consumed key changes, measured ----
 
+
 @pytest.fixture(scope="module")
 def datasets(tmp_path_factory):
     d = tmp_path_factory.mktemp("contract")
@@ -166,7 +206,7 @@ def jax_step(cfg, mesh: dict) -> str:
 
     spec = cfg.parallel.mesh or ",".join(f"{a}={n}" for a, n in mesh.items()) or "dp=1"  # as jaxpar.train: the key wins
     sizes = resolve_sizes(parse_mesh(spec), int(np.prod([n for n in parse_mesh(spec).values() if n > 0])))
-    layout = Layout(cfg, make_mesh(sizes, jax.devices()[:int(np.prod(list(sizes.values())))]))
+    layout = Layout(cfg, make_mesh(sizes, jax.devices()[: int(np.prod(list(sizes.values())))]))
     batch = jax.ShapeDtypeStruct(layout.batch_shape, "int32", sharding=layout.batch_sharding)
     with jax.default_matmul_precision(cfg.train.matmul_precision):
         text = make_train_step(layout).lower(abstract_state(layout), batch).as_text()
@@ -196,19 +236,25 @@ class Recording:
                 return 0.0
             if name == "record_extra":
                 return {}
-            return {"memory_in_use_gib": None, "memory_gib": None} if name == "memory" else (
-                [1, 2] if name == "sample" else (1.0 if name == "evaluate" else args[0] if args else None))
+            return (
+                {"memory_in_use_gib": None, "memory_gib": None}
+                if name == "memory"
+                else ([1, 2] if name == "sample" else (1.0 if name == "evaluate" else args[0] if args else None))
+            )
+
         return call
 
 
 class RecordingTrainer(Recording):
     """The shared loop's view of a trainer, writing down every call it and its collaborators get."""
+
     process_count, rank, train_data, is_main = 1, 0, None, False
 
     def __init__(self):
         super().__init__([])
         self.processes, self.probes, self.profiling, self.faults = (
-            Recording(self.calls, f"{part}.") for part in ("processes", "probes", "profiling", "faults"))
+            Recording(self.calls, f"{part}.") for part in ("processes", "probes", "profiling", "faults")
+        )
         self.faults.prefix = "NOBODY"
 
 
@@ -247,8 +293,11 @@ def torch_step(cfg, tmp_path, batches) -> list:
         module.register_forward_hook(lambda *_: calls.append(1))
     engine = build("none", model, cfg, Env(0, 1, 0, torch.device("cpu")))
     out = [engine.update(torch.from_numpy(b).long()) for b in batches]
-    return [[float(x) if not isinstance(x, dict) else x for x in o] for o in out] + [len(calls)] + [
-        p.detach().numpy().copy() for p in model.parameters()]
+    return (
+        [[float(x) if not isinstance(x, dict) else x for x in o] for o in out]
+        + [len(calls)]
+        + [p.detach().numpy().copy() for p in model.parameters()]
+    )
 
 
 def torch_engine(cfg, backend: str):
@@ -263,19 +312,27 @@ def torch_engine(cfg, backend: str):
     out = {"compile": use_compile(cfg, backend, "cpu"), "precision": PRECISION[cfg.train.matmul_precision]}
     if backend == "deepspeed":
         from torchpar.backends.deepspeed import generated_config
+
         out["deepspeed"] = generated_config(cfg, 2)
     if backend == "pipeline":
         from torchpar.backends.pipeline import SCHEDULES, pipeline_sizes
         from jaxpar.core.pipeline.schedules import concrete, resolve_microbatches
+
         S = pipeline_sizes(cfg, 4)[0]
         p = cfg.parallel
-        out["pipeline"] = (S, SCHEDULES[concrete(p.pipeline_schedule)],
-                           resolve_microbatches(S, p.pipeline_microbatches), p.pipeline_virtual_stages)
+        out["pipeline"] = (
+            S,
+            SCHEDULES[concrete(p.pipeline_schedule)],
+            resolve_microbatches(S, p.pipeline_microbatches),
+            p.pipeline_virtual_stages,
+        )
     if backend == "fsdp":
         from torchpar.backends.fsdp import fsdp_options
+
         out["fsdp"] = fsdp_options(cfg, 4)
     if backend == "ddp":
         from torchpar.backends.ddp import comm_hook
+
         out["ddp"] = comm_hook(cfg)
     try:
         check_torch_mesh(cfg.parallel.mesh, backend, 4)

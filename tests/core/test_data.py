@@ -35,8 +35,14 @@ def test_byte_roundtrip_and_directory_walk(tmp_path):
     want = [(src / n).read_bytes() for n in ("a.txt", "b.py", "sub/c.md")] + [extra.read_bytes()]
     assert bytes(tokens.astype(np.uint8)) == b"\0".join(want)  # byte 0: the end-of-document token
     meta = read_meta(out)
-    assert meta == {"dtype": "uint16", "vocab_size": 256, "num_tokens": len(tokens), "tokenizer": "byte",
-                    "num_documents": 4, "eod_token": 0}
+    assert meta == {
+        "dtype": "uint16",
+        "vocab_size": 256,
+        "num_tokens": len(tokens),
+        "tokenizer": "byte",
+        "num_documents": 4,
+        "eod_token": 0,
+    }
 
 
 def test_prepare_is_deterministic(tmp_path):
@@ -110,8 +116,10 @@ def test_train_val_split_disjoint(tmp_path):
     assert train_tok.max() < n_train_tok <= val_rows.min()
     assert not set(train_tok.ravel()) & set(val_rows.ravel())
     # val is not shuffled: consecutive windows starting at the split point
-    assert all(np.array_equal(r, np.arange(n_train_tok + i * width, n_train_tok + (i + 1) * width))
-               for i, r in enumerate(val_rows[:val.num_windows]))
+    assert all(
+        np.array_equal(r, np.arange(n_train_tok + i * width, n_train_tok + (i + 1) * width))
+        for i, r in enumerate(val_rows[: val.num_windows])
+    )
 
 
 def test_each_window_once_per_epoch(tmp_path):
@@ -123,7 +131,7 @@ def test_each_window_once_per_epoch(tmp_path):
     flat = np.concatenate([tb.global_batch(s) for s in range(2 * nw // 4 + 1)])
     assert all(_is_window(r, width) for r in flat)
     ids = flat[:, 0] // width
-    epoch1, epoch2 = ids[:nw], ids[nw:2 * nw]
+    epoch1, epoch2 = ids[:nw], ids[nw : 2 * nw]
     assert sorted(epoch1) == list(range(nw)) and sorted(epoch2) == list(range(nw))
     assert list(epoch1) != list(range(nw))  # shuffled
     assert list(epoch1) != list(epoch2)  # reshuffled each epoch
@@ -219,8 +227,11 @@ def test_hf_tokenizer_branch_with_fake_library(tmp_path, monkeypatch):
         def token_to_id(self, name):
             return 69999 if name == "<|endoftext|>" else None
 
-    monkeypatch.setitem(sys.modules, "tokenizers", types.SimpleNamespace(
-        Tokenizer=types.SimpleNamespace(from_file=lambda path: FakeTokenizer())))
+    monkeypatch.setitem(
+        sys.modules,
+        "tokenizers",
+        types.SimpleNamespace(Tokenizer=types.SimpleNamespace(from_file=lambda path: FakeTokenizer())),
+    )
     tok = tmp_path / "tok.json"
     tok.write_text("{}")
     (tmp_path / "a.txt").write_text("hé")
@@ -228,8 +239,13 @@ def test_hf_tokenizer_branch_with_fake_library(tmp_path, monkeypatch):
     out = prepare([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], str(tmp_path / "hf.bin"), str(tok))
     meta = read_meta(out)
     assert meta["dtype"] == "uint32" and meta["tokenizer"] == str(tok)
-    assert list(np.fromfile(out, dtype="<u4")) == [70000 + ord("h"), 70000 + ord("é"), 69999, 70000 + ord("y"),
-                                                   70000 + ord("o")]
+    assert list(np.fromfile(out, dtype="<u4")) == [
+        70000 + ord("h"),
+        70000 + ord("é"),
+        69999,
+        70000 + ord("y"),
+        70000 + ord("o"),
+    ]
 
 
 @pytest.mark.parametrize("n,seed", [(1, 0), (23, 7), (279, 0), (70_000, 2**32 - 1)])
@@ -290,7 +306,8 @@ def test_trained_bpe_round_trips_and_parallel_prepare_matches_one_worker(corpus_
     cuts = np.flatnonzero(ids == eod_token(tok))  # <|endoftext|> between documents, nowhere else
     parts = np.split(ids, cuts)
     assert len(cuts) == len(DOCS) - 1 and (
-        [decode(parts[0].tolist())] + [decode(p[1:].tolist()) for p in parts[1:]] == DOCS)
+        [decode(parts[0].tolist())] + [decode(p[1:].tolist()) for p in parts[1:]] == DOCS
+    )
 
 
 def test_parallel_prepare_ends_where_sigterm_is_ignored(corpus_files, tmp_path):
@@ -303,9 +320,11 @@ def test_parallel_prepare_ends_where_sigterm_is_ignored(corpus_files, tmp_path):
 
     tok = str(tmp_path / "tokenizer.json")
     train_tokenizer(corpus_files, tok, vocab_size=320, text_field="body")
-    code = ("import signal, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-            "from jaxpar.core.data.tokens import prepare; "
-            f"prepare({corpus_files!r}, {str(tmp_path / 'two.bin')!r}, {tok!r}, 'body', workers=2)")
+    code = (
+        "import signal, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "from jaxpar.core.data.tokens import prepare; "
+        f"prepare({corpus_files!r}, {str(tmp_path / 'two.bin')!r}, {tok!r}, 'body', workers=2)"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and (tmp_path / "two.bin").exists(), r.stderr
 
@@ -327,8 +346,10 @@ def test_a_tokenizer_smaller_than_asked_is_said(tmp_path, capsys):
 
     size = Tokenizer.from_file(str(out)).get_vocab_size()
     err = capsys.readouterr().err.strip().splitlines()
-    assert size < 1000 and err == [f"note: the corpus gave {size:,} tokens, fewer than --vocab-size 1000: set "
-                                   f"model.vocab_size={size} (or more) to train with it, or give a larger corpus "
-                                   "for 1,000"], err
+    assert size < 1000 and err == [
+        f"note: the corpus gave {size:,} tokens, fewer than --vocab-size 1000: set "
+        f"model.vocab_size={size} (or more) to train with it, or give a larger corpus "
+        "for 1,000"
+    ], err
     assert main(["tokenizer", "--out", str(out), "--vocab-size", str(size), str(corpus)]) == 0
     assert capsys.readouterr().err == ""  # the size asked: nothing to say

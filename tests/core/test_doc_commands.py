@@ -2,6 +2,7 @@
 
 README.md's first screen is what CI runs; the docs' index and links reach their pages and headings.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,10 @@ def test_ci_runs_the_readme_commands_as_the_readme_writes_them():
     """The README's first screen holds setup + the first run, and the tests; .ci/run runs exactly those lines."""
     head = "\n".join((ROOT / "README.md").read_text(encoding="utf-8").splitlines()[:40])
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
-    for line in ("./setup.sh && python -m jaxpar.train --config configs/gpt2-tiny.yaml --mesh dp=2,tp=4",
-                 "python -m pytest"):
+    for line in (
+        "./setup.sh && python -m jaxpar.train --config configs/gpt2-tiny.yaml --mesh dp=2,tp=4",
+        "python -m pytest",
+    ):
         assert f"\n{line}\n" in head, f"README.md's first 40 lines do not show {line!r}"
         assert line in ci, f".ci/run does not run {line!r} as the README writes it"
 
@@ -89,11 +92,15 @@ def test_a_changed_command_line_is_refused(command):
 
 
 def test_commands_are_found_where_the_docs_write_them():
-    text = ("Run `python -m jaxpar.train --config C` (illustrative) or\n```bash\nXLA_FLAGS=--x python3 -m jaxpar.tools"
-            ".bench \\\n    --mesh dp=1 > out.txt  # a comment\ntorchrun --nproc_per_node=2 -m torchpar.train && ls\n"
-            "error: not a command\n```\nand `deepspeed.initialize`, `python -m pip install x`, `srun`.")
+    text = (
+        "Run `python -m jaxpar.train --config C` (illustrative) or\n```bash\nXLA_FLAGS=--x python3 -m jaxpar.tools"
+        ".bench \\\n    --mesh dp=1 > out.txt  # a comment\ntorchrun --nproc_per_node=2 -m torchpar.train && ls\n"
+        "error: not a command\n```\nand `deepspeed.initialize`, `python -m pip install x`, `srun`."
+    )
     found = [(c.where, c.words, c.illustrative) for c in commands_in("t.md", text)]
-    assert found == [("t.md:3", ["python3", "-m", "jaxpar.tools.bench", "--mesh", "dp=1"], False),
-                     ("t.md:5", ["torchrun", "--nproc_per_node=2", "-m", "torchpar.train"], False),
-                     ("t.md:1", ["python", "-m", "jaxpar.train", "--config", "C"], True),
-                     ("t.md:8", ["srun"], False)]
+    assert found == [
+        ("t.md:3", ["python3", "-m", "jaxpar.tools.bench", "--mesh", "dp=1"], False),
+        ("t.md:5", ["torchrun", "--nproc_per_node=2", "-m", "torchpar.train"], False),
+        ("t.md:1", ["python", "-m", "jaxpar.train", "--config", "C"], True),
+        ("t.md:8", ["srun"], False),
+    ]

@@ -3,6 +3,7 @@
 Parameter counts by formula (jaxpar/core/model/flops.py, what MFU and the planner use, torch-free) equal the parameters
 the Flax model creates, for every variant.
 """
+
 import math
 
 import jax
@@ -12,24 +13,53 @@ from jaxpar.core.model.flops import count_params, flops_per_token
 from jaxpar.models.decoder import abstract_model
 from tests.helpers import tiny_config
 
-VARIANTS = {"mha": (), "mla": ("model.attention=mla", "model.q_latent_dim=16", "model.kv_latent_dim=8",
-                               "model.rope_head_dim=4"),
-            "dilated": ("model.attention=dilated",), "sketched": ("model.linear=sketched", "model.sketch_ratio=0.3"),
-            "d_ff": ("model.d_ff=40", "model.vocab_size=300"),
-            "llama": ("model.family=llama", "model.n_kv_head=2", "model.tie_embeddings=false", "model.d_ff=40"),
-            "llama_tied_rounded": ("model.family=llama", "model.n_kv_head=1", "model.ffn_multiple_of=16"),
-            "moe": ("model.moe_experts=6", "model.moe_shared_experts=2", "model.moe_d_ff=24"),
-            "mla_moe": (*("model.attention=mla", "model.q_latent_dim=16", "model.kv_latent_dim=8",
-                          "model.rope_head_dim=4"), "model.moe_experts=4", "model.family=gpt2"),
-            "first_dense": ("model.family=llama", "model.n_layer=3", "model.moe_first_dense=1", "model.d_ff=40",
-                            "model.moe_experts=4", "model.moe_d_ff=24"),
-            "deepseek_v3": ("model.family=llama", "model.attention=mla", "model.q_latent_dim=16",
-                            "model.kv_latent_dim=8", "model.rope_head_dim=4", "model.n_layer=3",
-                            "model.moe_first_dense=1", "model.d_ff=40", "model.moe_experts=4", "model.moe_d_ff=24",
-                            "model.moe_shared_experts=1", "model.moe_router_bias=true", "model.tie_embeddings=false"),
-            "mtp": ("model.mtp_depth=2",),
-            "mtp_llama_moe": ("model.family=llama", "model.n_kv_head=2", "model.d_ff=40", "model.moe_experts=4",
-                              "model.moe_d_ff=24", "model.mtp_depth=1")}
+VARIANTS = {
+    "mha": (),
+    "mla": ("model.attention=mla", "model.q_latent_dim=16", "model.kv_latent_dim=8", "model.rope_head_dim=4"),
+    "dilated": ("model.attention=dilated",),
+    "sketched": ("model.linear=sketched", "model.sketch_ratio=0.3"),
+    "d_ff": ("model.d_ff=40", "model.vocab_size=300"),
+    "llama": ("model.family=llama", "model.n_kv_head=2", "model.tie_embeddings=false", "model.d_ff=40"),
+    "llama_tied_rounded": ("model.family=llama", "model.n_kv_head=1", "model.ffn_multiple_of=16"),
+    "moe": ("model.moe_experts=6", "model.moe_shared_experts=2", "model.moe_d_ff=24"),
+    "mla_moe": (
+        *("model.attention=mla", "model.q_latent_dim=16", "model.kv_latent_dim=8", "model.rope_head_dim=4"),
+        "model.moe_experts=4",
+        "model.family=gpt2",
+    ),
+    "first_dense": (
+        "model.family=llama",
+        "model.n_layer=3",
+        "model.moe_first_dense=1",
+        "model.d_ff=40",
+        "model.moe_experts=4",
+        "model.moe_d_ff=24",
+    ),
+    "deepseek_v3": (
+        "model.family=llama",
+        "model.attention=mla",
+        "model.q_latent_dim=16",
+        "model.kv_latent_dim=8",
+        "model.rope_head_dim=4",
+        "model.n_layer=3",
+        "model.moe_first_dense=1",
+        "model.d_ff=40",
+        "model.moe_experts=4",
+        "model.moe_d_ff=24",
+        "model.moe_shared_experts=1",
+        "model.moe_router_bias=true",
+        "model.tie_embeddings=false",
+    ),
+    "mtp": ("model.mtp_depth=2",),
+    "mtp_llama_moe": (
+        "model.family=llama",
+        "model.n_kv_head=2",
+        "model.d_ff=40",
+        "model.moe_experts=4",
+        "model.moe_d_ff=24",
+        "model.mtp_depth=1",
+    ),
+}
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -47,8 +77,14 @@ def test_flops_per_token_textbook():
     6 N (non-embedding + tied head) + 12 L T d at T=1024 is 6 * 123.5M + 12 * 12 * 1024 * 768 = ~0.854 GFLOP per
     token.
     """
-    cfg = tiny_config("model.n_layer=12", "model.n_head=12", "model.d_model=768", "model.vocab_size=50257",
-                      "model.max_seq_len=1024", "data.seq_len=1024").model
+    cfg = tiny_config(
+        "model.n_layer=12",
+        "model.n_head=12",
+        "model.d_model=768",
+        "model.vocab_size=50257",
+        "model.max_seq_len=1024",
+        "data.seq_len=1024",
+    ).model
     assert count_params(cfg)["total"] == 124_439_808
     assert 0.85e9 < flops_per_token(cfg, 1024) < 0.86e9
 
@@ -67,8 +103,13 @@ def test_flops_count_the_experts_a_token_runs_through():
     A token's feed-forward runs 3 experts' SwiGLUs (3 x 3 x d x 16) and the router (d x 8), not the 9 experts'
     weights the model holds.
     """
-    cfg = tiny_config("model.family=llama", "model.moe_experts=8", "model.moe_top_k=2", "model.moe_shared_experts=1",
-                      "model.moe_d_ff=16").model
+    cfg = tiny_config(
+        "model.family=llama",
+        "model.moe_experts=8",
+        "model.moe_top_k=2",
+        "model.moe_shared_experts=1",
+        "model.moe_d_ff=16",
+    ).model
     d, L = cfg.d_model, cfg.n_layer
     gap = count_params(cfg)["total"] - count_params(cfg, active=True)["total"]
     assert gap == L * 6 * 3 * d * 16  # the 6 experts a token skips, per layer

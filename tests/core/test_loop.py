@@ -1,4 +1,5 @@
 """The shared loop with a trainer made of sleeps: what it reports about where a step's time went."""
+
 import json
 import time
 
@@ -44,6 +45,7 @@ class NoCollectives:
 
 class NoFaults:
     """No <PREFIX>_FAULT_* variable names this prefix: no test faults."""
+
     prefix = "NOBODY"
 
 
@@ -52,6 +54,7 @@ class SleepyTrainer:
 
     The host waits on data for the 50 ms the read-ahead is behind, 5/6 of each step.
     """
+
     process_count, rank, train_data, is_main = 1, 0, None, True
 
     def __init__(self):
@@ -72,8 +75,9 @@ class SleepyTrainer:
 
 
 def test_records_say_how_much_of_a_step_was_waiting_for_data(tmp_path):
-    cfg = tiny_config("train.steps=8", "train.log_every=4", "train.eval_every=0", "checkpoint.every=0",
-                      f"run.dir={tmp_path}")
+    cfg = tiny_config(
+        "train.steps=8", "train.log_every=4", "train.eval_every=0", "checkpoint.every=0", f"run.dir={tmp_path}"
+    )
     fw = SleepyTrainer()
     fw.evaluate = lambda batches: 0.0
     log = MetricsLog(str(tmp_path), True, 8)

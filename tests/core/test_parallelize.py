@@ -3,6 +3,7 @@
 Both parallelize functions (jaxpar/parallelize.py, torchpar/parallelize.py) apply recomputation (model.remat) from
 outside the models, in their fixed order; the models alone never recompute.
 """
+
 import jax
 import numpy as np
 import pytest
@@ -56,8 +57,9 @@ def torch_run(cfg, checkpointed: bool):
     for module in model.modules():
         module.register_forward_hook(lambda *_: calls.append(1))
     batch = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (4, cfg.data.seq_len + 1))).long()
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
-                                                  lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t
+    ):
         loss = next_token_loss(model(batch[:, :-1]), batch[:, 1:])
         loss.backward()
     grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}

@@ -2,6 +2,7 @@
 
 The least modeled step time, found without taking every schedule's figures.
 """
+
 import itertools
 
 import pytest
@@ -45,8 +46,14 @@ def test_resolve_is_inert_without_a_pipeline_or_a_named_schedule_and_names_every
     chosen, line = resolve(cfg, 4, refuse, lambda c: 1.37)
     assert chosen.parallel.pipeline_schedule == "gpipe" and line.startswith("pipeline schedule auto -> gpipe")
     with pytest.raises(UserError, match="no schedule runs this config.*gpipe: no.*zb_v: no zb_v"):
-        resolve(cfg, 4, lambda c: refuse(c) if c.parallel.pipeline_schedule != "gpipe" else
-                (_ for _ in ()).throw(UserError("no gpipe")), lambda c: 1.0)
+        resolve(
+            cfg,
+            4,
+            lambda c: (
+                refuse(c) if c.parallel.pipeline_schedule != "gpipe" else (_ for _ in ()).throw(UserError("no gpipe"))
+            ),
+            lambda c: 1.0,
+        )
     with pytest.raises(UserError, match="^the same for all$"):  # a refusal no schedule changes, said once
         resolve(cfg, 4, lambda c: (_ for _ in ()).throw(UserError("the same for all")), lambda c: 1.0)
 

@@ -1,10 +1,18 @@
 """Pipeline clock tables: textbook orderings, dependencies, bubbles and in-flight activations."""
+
 import pytest
 
 from jaxpar.tools import pipeline_table as pipeline
 from jaxpar.core.errors import UserError
-from jaxpar.core.pipeline.schedules import (Op, bubble_fraction, check_schedule, max_in_flight, placement, simulate,
-                                            virtual_stage)
+from jaxpar.core.pipeline.schedules import (
+    Op,
+    bubble_fraction,
+    check_schedule,
+    max_in_flight,
+    placement,
+    simulate,
+    virtual_stage,
+)
 
 S, M = 4, 8
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
@@ -75,7 +83,8 @@ def test_zb_v_runs_two_chunks_in_a_v_at_1f1b_memory(capsys):
     """
     for S_, M_ in [(2, 2)] + [(s, m * s) for s in range(2, 9) for m in (2, 3, 4)]:
         assert [placement("zb_v", S_, v) for v in range(2 * S_)] == (
-            [(d, 0) for d in range(S_)] + [(d, 1) for d in reversed(range(S_))])
+            [(d, 0) for d in range(S_)] + [(d, 1) for d in reversed(range(S_))]
+        )
         table = simulate("zb_v", S_, M_)
         at = {}
         for t, row in enumerate(table):
@@ -91,8 +100,11 @@ def test_zb_v_runs_two_chunks_in_a_v_at_1f1b_memory(capsys):
                 if v:
                     assert at[("F", m, v - 1)] < at[("F", m, v)] and at[("B", m, v)] < at[("B", m, v - 1)]
         least = (S_ - 1) / (6 * M_ + S_ - 1)
-        assert bubble_fraction(table) == pytest.approx(least) if S_ in (2, 3, 4, 8) else (
-            bubble_fraction(table) >= least - 1e-12)
+        assert (
+            bubble_fraction(table) == pytest.approx(least)
+            if S_ in (2, 3, 4, 8)
+            else (bubble_fraction(table) >= least - 1e-12)
+        )
         assert all(max_in_flight(table, d) <= 2 * S_ for d in range(S_))
     zb_h1, zb_v = simulate("zb_h1", 4, 8), simulate("zb_v", 4, 8)
     idle = lambda table, unit: sum(op is None for row in table for op in row) * unit / 4  # per device
@@ -148,7 +160,7 @@ def dualpipev_ticks(table, S_):
     at = {}
     for t, row in enumerate(table):
         for d, op in enumerate(row):
-            for kind, m, c in (op.parts() if op is not None else []):
+            for kind, m, c in op.parts() if op is not None else []:
                 v = virtual_stage("dualpipev", S_, d, c)
                 for k in ("B", "W") if kind == "BW" else (kind,):
                     assert (k, m, v) not in at, f"{k}{m} of virtual stage {v} twice"
@@ -175,6 +187,7 @@ def test_dualpipev_program_is_valid_and_torchs():
     from torch.distributed.pipelining.schedules import ScheduleDualPipeV
 
     from jaxpar.core.pipeline.schedules import PROGRAMS
+
     names = {"FORWARD": "F", "FULL_BACKWARD": "BW", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
 
     def theirs(a, rank):
@@ -187,7 +200,8 @@ def test_dualpipev_program_is_valid_and_torchs():
         torch_order = types.SimpleNamespace(pp_group_size=S_, _n_microbatches=M_)
         for d in range(S_):
             assert [str(op) for op in PROGRAMS["dualpipev"](d, S_, M_)] == [
-                theirs(a, d) for a in ScheduleDualPipeV._calculate_single_rank_operations(torch_order, d)]
+                theirs(a, d) for a in ScheduleDualPipeV._calculate_single_rank_operations(torch_order, d)
+            ]
     table = simulate("dualpipev", 2, 4)
     dropped = [row[:] for row in table]
     dropped[-1][0] = None
@@ -208,11 +222,15 @@ def test_dualpipev_in_lockstep_against_zb_v(capsys):
     than ZB-V (2S+1) on the last device. The table tool prints both bubbles.
     """
     from jaxpar.core.pipeline.schedules import lockstep_bubble
+
     for S_, M_ in ((2, 4), (4, 8), (4, 16), (8, 16)):
         dpv, zb_v = simulate("dualpipev", S_, M_), simulate("zb_v", S_, M_)
         assert lockstep_bubble("zb_v", zb_v) == pytest.approx(bubble_fraction(zb_v))
-        assert lockstep_bubble("zb_v", zb_v) < lockstep_bubble("dualpipev", dpv) < lockstep_bubble(
-            "1f1b", simulate("1f1b", S_, M_))
+        assert (
+            lockstep_bubble("zb_v", zb_v)
+            < lockstep_bubble("dualpipev", dpv)
+            < lockstep_bubble("1f1b", simulate("1f1b", S_, M_))
+        )
         assert lockstep_bubble("dualpipev", dpv) > bubble_fraction(dpv)
         assert [max_in_flight(dpv, d) for d in range(S_)] == [2 * S_] * (S_ - 1) + [2 * S_ + 1]
     assert lockstep_bubble("1f1b", simulate("1f1b", 4, 8)) == pytest.approx(0.4)

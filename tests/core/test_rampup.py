@@ -2,6 +2,7 @@
 
 Megatron's rule for the batch size of each step, the samples a step reads, and one line for a ramp-up that cannot run.
 """
+
 import numpy as np
 import pytest
 
@@ -31,11 +32,16 @@ def test_a_step_reads_the_samples_after_those_read_before_it(tmp_path):
     assert (data.rows(3, 1, 3) == read[3][1:3]).all()
 
 
-@pytest.mark.parametrize("spec,phrase", [
-    ("8,8", "not START,INCREMENT,SAMPLES"),
-    ("8,5,64", "INCREMENT 5 does not divide train.global_batch_size - START = 24"),
-    ("32,8,64", "START below train.global_batch_size=32"), ("8,0,64", "INCREMENT, SAMPLES >= 1"),
-    ("6,2,64", "multiples of train.microbatches=4")])
+@pytest.mark.parametrize(
+    "spec,phrase",
+    [
+        ("8,8", "not START,INCREMENT,SAMPLES"),
+        ("8,5,64", "INCREMENT 5 does not divide train.global_batch_size - START = 24"),
+        ("32,8,64", "START below train.global_batch_size=32"),
+        ("8,0,64", "INCREMENT, SAMPLES >= 1"),
+        ("6,2,64", "multiples of train.microbatches=4"),
+    ],
+)
 def test_a_ramp_that_cannot_run_gets_one_line(spec, phrase):
     with pytest.raises(UserError, match=phrase):
         load_config(None, [*TINY, "train.global_batch_size=32", "train.microbatches=4", f"train.batch_rampup={spec}"])
@@ -48,9 +54,12 @@ def test_every_batch_size_of_the_ramp_must_fit_the_mesh():
     from jaxpar.mesh import make_mesh
 
     cfg = load_config(None, [*TINY, "train.batch_rampup=2,2,16"])
-    with pytest.raises(UserError, match=r"train.batch_rampup=2,2,16, at a batch of 2 x 16 tokens: "
-                                        r"batch per microbatch 2 .* "
-                                        r"not divisible by the data axes dp\*fsdp\*ep=4"):
+    with pytest.raises(
+        UserError,
+        match=r"train.batch_rampup=2,2,16, at a batch of 2 x 16 tokens: "
+        r"batch per microbatch 2 .* "
+        r"not divisible by the data axes dp\*fsdp\*ep=4",
+    ):
         Layout(cfg, make_mesh({"dp": 4}, jax.devices()[:4]))
 
 

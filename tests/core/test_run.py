@@ -2,6 +2,7 @@
 
 Its order, and that all processes stop together when the main one cannot move an old run aside.
 """
+
 import json
 import os
 
@@ -34,6 +35,7 @@ class Recorder:
         def call(*args):
             self.calls.append(name)
             return {"restore_or_init": self.step, "run_config": {}, "start": ""}.get(name)
+
         return call
 
 

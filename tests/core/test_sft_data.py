@@ -3,6 +3,7 @@
 Covers jaxpar/core/data/packing.py and `python -m jaxpar.data prepare --format sft / --pack`: what the loss mask counts,
 that packing keeps documents whole, and bad records in one line.
 """
+
 import json
 
 import numpy as np
@@ -12,10 +13,18 @@ from jaxpar.core.data.order import Samples, unmasked
 from jaxpar.core.errors import UserError
 from jaxpar.data import main as data_main
 
-PAIRS = [{"prompt": "What is 2+2?", "completion": " 4"},
-         {"prompt": "Name a colour.", "completion": " Blue, like the sky."}]
-CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"},
-                     {"role": "user", "content": "bye"}, {"role": "assistant", "content": "goodbye"}]}
+PAIRS = [
+    {"prompt": "What is 2+2?", "completion": " 4"},
+    {"prompt": "Name a colour.", "completion": " Blue, like the sky."},
+]
+CHAT = {
+    "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello there"},
+        {"role": "user", "content": "bye"},
+        {"role": "assistant", "content": "goodbye"},
+    ]
+}
 
 
 def write_jsonl(path, records) -> str:
@@ -44,8 +53,9 @@ def test_the_loss_mask_counts_the_responses_and_their_ends(tmp_path):
 
 def test_parquet_records_read_as_json_lines_do(tmp_path):
     pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
-    pq.write_table(pa.table({"q": [r["prompt"] for r in PAIRS], "a": [r["completion"] for r in PAIRS]}),
-                   tmp_path / "a.parquet")
+    pq.write_table(
+        pa.table({"q": [r["prompt"] for r in PAIRS], "a": [r["completion"] for r in PAIRS]}), tmp_path / "a.parquet"
+    )
     fields = ("--format", "sft", "--prompt-field", "q", "--completion-field", "a")
     got = prepared(tmp_path, [tmp_path / "a.parquet"], *fields)[:2]
     want = prepared(tmp_path, [write_jsonl(tmp_path / "a.jsonl", PAIRS)], "--format", "sft")[:2]
@@ -72,8 +82,18 @@ def test_packing_keeps_each_document_whole_in_one_window(tmp_path):
 @pytest.mark.parametrize("choice", ["refuse", "split", "drop"])
 def test_a_document_longer_than_a_window(tmp_path, choice, capsys):
     corpus = write_jsonl(tmp_path / "a.jsonl", PAIRS)  # the second pair is 35 tokens with its end
-    args = ["prepare", "--out", str(tmp_path / "out.bin"), "--format", "sft", "--pack", "15", "--too-long", choice,
-            corpus]
+    args = [
+        "prepare",
+        "--out",
+        str(tmp_path / "out.bin"),
+        "--format",
+        "sft",
+        "--pack",
+        "15",
+        "--too-long",
+        choice,
+        corpus,
+    ]
     if choice == "refuse":
         assert data_main(args) == 2
         assert f"{corpus}:2: 35 tokens" in capsys.readouterr().err
@@ -110,11 +130,15 @@ def test_a_skipped_target_reads_as_its_complement(tmp_path):
     assert ((row < 0) == (mask == 0)).all() and (unmasked(row) == tokens).all()
 
 
-@pytest.mark.parametrize("record,phrase", [
-    ({"text": "x"}, "a.jsonl:2: no 'messages' list and no 'prompt'/'completion' fields"),
-    ({"prompt": "x", "completion": 3}, "a.jsonl:2: 'completion' is int, not text"),
-    ({"messages": "hi"}, "a.jsonl:2: field 'messages' is str, not a list of messages"),
-    ({"messages": [{"role": "user"}]}, "a.jsonl:2: message 0 of 'messages' needs 'role' and 'content'")])
+@pytest.mark.parametrize(
+    "record,phrase",
+    [
+        ({"text": "x"}, "a.jsonl:2: no 'messages' list and no 'prompt'/'completion' fields"),
+        ({"prompt": "x", "completion": 3}, "a.jsonl:2: 'completion' is int, not text"),
+        ({"messages": "hi"}, "a.jsonl:2: field 'messages' is str, not a list of messages"),
+        ({"messages": [{"role": "user"}]}, "a.jsonl:2: message 0 of 'messages' needs 'role' and 'content'"),
+    ],
+)
 def test_a_record_without_the_named_fields_gets_one_line(tmp_path, capsys, record, phrase):
     corpus = write_jsonl(tmp_path / "a.jsonl", [PAIRS[0], record])
     assert data_main(["prepare", "--out", str(tmp_path / "out.bin"), "--format", "sft", corpus]) == 2

@@ -2,6 +2,7 @@
 
 A file that is not one (a weights file, a missing path) is one line naming it.
 """
+
 import os
 
 import numpy as np
@@ -15,8 +16,11 @@ from jaxpar.core.weights.names import save_weights
 def test_state_reads_back_and_other_files_are_refused(tmp_path):
     w = {"wte": np.arange(6, dtype=np.float32).reshape(2, 3)}
     path = str(tmp_path / "s.safetensors")
-    save_state(path, {"param": w, "adam_m": {"wte": w["wte"] / 2}, "adam_v": {"wte": w["wte"] ** 2}},
-               {"step": 7, "adam_step": 7, "config": {"train": {"steps": 9}}})
+    save_state(
+        path,
+        {"param": w, "adam_m": {"wte": w["wte"] / 2}, "adam_v": {"wte": w["wte"] ** 2}},
+        {"step": 7, "adam_step": 7, "config": {"train": {"steps": 9}}},
+    )
     tensors, meta = read_state(path)
     assert meta["step"] == 7 and meta["config"] == {"train": {"steps": 9}}
     np.testing.assert_array_equal(tensors["adam_v"]["wte"], w["wte"] ** 2)

@@ -24,13 +24,16 @@ MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_TRAINER_LINES = 600, 100, 150
 
 def load_files(root=ROOT):
     """{relative posix path: source} for every .py file under the four directories."""
-    return {p.relative_to(root).as_posix(): p.read_text(encoding="utf-8")
-            for d in PACKAGES for p in sorted((root / d).rglob("*.py"))}
+    return {
+        p.relative_to(root).as_posix(): p.read_text(encoding="utf-8")
+        for d in PACKAGES
+        for p in sorted((root / d).rglob("*.py"))
+    }
 
 
 def module_of(path):
     """'a/b/c.py' -> ('a.b.c', False); 'a/b/__init__.py' -> ('a.b', True)."""
-    parts = path[:-len(".py")].split("/")
+    parts = path[: -len(".py")].split("/")
     is_pkg = parts[-1] == "__init__"
     return ".".join(parts[:-1] if is_pkg else parts), is_pkg
 
@@ -45,6 +48,7 @@ def imports_of(source, module, is_pkg, known):
     Project targets are resolved to the named module only; the parent packages' __init__s that
     Python also runs are left out on purpose, else every empty __init__ would close a cycle.
     """
+
     def longest_known(name):
         parts = name.split(".")
         for i in range(len(parts), 0, -1):
@@ -60,7 +64,7 @@ def imports_of(source, module, is_pkg, known):
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: climb level-1 packages up from our own package
-                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
             for alias in node.names:
                 full = f"{base}.{alias.name}" if base else alias.name
@@ -73,8 +77,7 @@ def build_graph(files):
     """{module: set of imported names}; edges to project modules use their module names."""
     mods = {path: module_of(path) for path in files}
     known = {name for name, _ in mods.values()}
-    return {name: imports_of(files[path], name, is_pkg, known)
-            for path, (name, is_pkg) in mods.items()}
+    return {name: imports_of(files[path], name, is_pkg, known) for path, (name, is_pkg) in mods.items()}
 
 
 def find_cycles(graph):
@@ -107,26 +110,34 @@ def find_cycles(graph):
 
 def imports_matching(graph, importer_prefix, bad):
     """Sorted (importer, imported) pairs where an importer under the prefix imports a `bad` name."""
-    return sorted((mod, dep) for mod, deps in graph.items() if under(mod, importer_prefix)
-                  for dep in deps if bad(dep))
+    return sorted((mod, dep) for mod, deps in graph.items() if under(mod, importer_prefix) for dep in deps if bad(dep))
 
 
 def core_violations(graph):
     # Shared core: no framework at all, and nothing from the project outside itself.
-    return imports_matching(graph, "jaxpar.core", lambda dep: dep.split(".")[0] in FRAMEWORKS or (
-        dep.split(".")[0] in PACKAGES and not under(dep, "jaxpar.core")))
+    return imports_matching(
+        graph,
+        "jaxpar.core",
+        lambda dep: (
+            dep.split(".")[0] in FRAMEWORKS or (dep.split(".")[0] in PACKAGES and not under(dep, "jaxpar.core"))
+        ),
+    )
 
 
 def torchpar_violations(graph):
-    return imports_matching(graph, "torchpar",
-                            lambda dep: under(dep, "jaxpar") and not under(dep, "jaxpar.core"))
+    return imports_matching(graph, "torchpar", lambda dep: under(dep, "jaxpar") and not under(dep, "jaxpar.core"))
 
 
 def tools_violations(graph):
     """(importer, tools module) for every import of a tools folder from outside one: the library never reads them."""
     is_tools = lambda m: under(m, "jaxpar.tools") or under(m, "torchpar.tools")
-    return sorted((mod, dep) for mod, deps in graph.items() if mod.split(".")[0] in ("jaxpar", "torchpar")
-                  and not is_tools(mod) for dep in deps if is_tools(dep))
+    return sorted(
+        (mod, dep)
+        for mod, deps in graph.items()
+        if mod.split(".")[0] in ("jaxpar", "torchpar") and not is_tools(mod)
+        for dep in deps
+        if is_tools(dep)
+    )
 
 
 def shared_base_names(files, package="jaxpar"):
@@ -147,8 +158,14 @@ def imports_of_test_code(graph):
 def packaged_test_dirs(pyproject_text):
     """Test packages that pyproject's setuptools `include` patterns would ship."""
     find = tomllib.loads(pyproject_text).get("tool", {}).get("setuptools", {}).get("packages", {})
-    return sorted({(pat, name) for pat in find.get("find", {}).get("include", [])
-                   for name in ("tests", "parity_tests") if fnmatch.fnmatchcase(name, pat)})
+    return sorted(
+        {
+            (pat, name)
+            for pat in find.get("find", {}).get("include", [])
+            for name in ("tests", "parity_tests")
+            if fnmatch.fnmatchcase(name, pat)
+        }
+    )
 
 
 def long_files(files, limit=MAX_FILE_LINES):
@@ -157,22 +174,34 @@ def long_files(files, limit=MAX_FILE_LINES):
 
 def long_functions(source, limit=MAX_FUNCTION_LINES):
     """(name, first line, span) of every def longer than `limit`, nested ones and methods included."""
-    return [(node.name, node.lineno, span) for node in ast.walk(ast.parse(source))
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and (span := node.end_lineno - node.lineno + 1) > limit]
+    return [
+        (node.name, node.lineno, span)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (span := node.end_lineno - node.lineno + 1) > limit
+    ]
 
 
 def twin_mismatches(files, twins=TWINS):
     """(folder, file) for every .py file under one twin folder that the other lacks."""
-    names = {d: {p[len(d) + 1:] for p in files if p.startswith(d + "/")} for d in twins}
+    names = {d: {p[len(d) + 1 :] for p in files if p.startswith(d + "/")} for d in twins}
     shared = set.intersection(*names.values())
     return sorted((d, name) for d in twins for name in names[d] - shared)
 
 
 # Recomputation (model.remat) is applied from outside the models (issue 45): no model file imports a checkpointing
 # module or names a recomputation function, policy or setting
-RECOMPUTATION = {"checkpoint", "remat", "checkpoint_policies", "REMAT_POLICIES", "remat_layers", "checkpoint_blocks",
-                 "CheckpointedBlock", "create_selective_checkpoint_contexts", "checkpoint_wrapper"}
+RECOMPUTATION = {
+    "checkpoint",
+    "remat",
+    "checkpoint_policies",
+    "REMAT_POLICIES",
+    "remat_layers",
+    "checkpoint_blocks",
+    "CheckpointedBlock",
+    "create_selective_checkpoint_contexts",
+    "checkpoint_wrapper",
+}
 
 
 def recomputation_in_models(files, folders=TWINS):
@@ -200,14 +229,27 @@ def recomputation_in_models(files, folders=TWINS):
 _TORCHPAR_STAGES = ("torchpar/parallelize.py",)
 _JAXPAR_STAGES = ("jaxpar/parallelize.py",)
 WRAPPERS = {
-    "checkpoint_blocks": _TORCHPAR_STAGES, "compile_blocks": _TORCHPAR_STAGES, "backends.build": _TORCHPAR_STAGES,
-    "torch.compile": _TORCHPAR_STAGES, "checkpoint": _TORCHPAR_STAGES,
-    "fully_shard": ("torchpar/backends/",), "DDP": ("torchpar/backends/",), "PipelineStage": ("torchpar/backends/",),
-    "DistributedDataParallel": ("torchpar/backends/",), "deepspeed.initialize": ("torchpar/backends/",),
-    "jax.checkpoint": ("jaxpar/ops.py",), "jax.remat": ("jaxpar/ops.py",), "nnx.remat": ("jaxpar/ops.py",),
-    "remat_layers": _JAXPAR_STAGES, "mesh_context": _JAXPAR_STAGES, "gpipe_layers": _JAXPAR_STAGES,
-    "sequence_attention": _JAXPAR_STAGES, "expert_parallel": _JAXPAR_STAGES, "hand_scheduled": _JAXPAR_STAGES,
-    "compressed_loss_and_grads": _JAXPAR_STAGES, "powersgd_loss_and_grads": _JAXPAR_STAGES,
+    "checkpoint_blocks": _TORCHPAR_STAGES,
+    "compile_blocks": _TORCHPAR_STAGES,
+    "backends.build": _TORCHPAR_STAGES,
+    "torch.compile": _TORCHPAR_STAGES,
+    "checkpoint": _TORCHPAR_STAGES,
+    "fully_shard": ("torchpar/backends/",),
+    "DDP": ("torchpar/backends/",),
+    "PipelineStage": ("torchpar/backends/",),
+    "DistributedDataParallel": ("torchpar/backends/",),
+    "deepspeed.initialize": ("torchpar/backends/",),
+    "jax.checkpoint": ("jaxpar/ops.py",),
+    "jax.remat": ("jaxpar/ops.py",),
+    "nnx.remat": ("jaxpar/ops.py",),
+    "remat_layers": _JAXPAR_STAGES,
+    "mesh_context": _JAXPAR_STAGES,
+    "gpipe_layers": _JAXPAR_STAGES,
+    "sequence_attention": _JAXPAR_STAGES,
+    "expert_parallel": _JAXPAR_STAGES,
+    "hand_scheduled": _JAXPAR_STAGES,
+    "compressed_loss_and_grads": _JAXPAR_STAGES,
+    "powersgd_loss_and_grads": _JAXPAR_STAGES,
     "ParallelContext": _JAXPAR_STAGES + ("jaxpar/context.py",),  # context.py: the default, no parallelism
 }
 
@@ -243,14 +285,22 @@ def wrapped_outside_parallelize(files, wrappers=WRAPPERS):
     return sorted(found)
 
 
-_NAMED_PATH = re.compile(r"(?<![\w./-])((?:jaxpar|torchpar|tests|parity_tests|configs|docs|benchmarks|tools)/"
-                         r"[\w./-]*\.(?:py|md|yaml|sh|json|toml))\b")
+_NAMED_PATH = re.compile(
+    r"(?<![\w./-])((?:jaxpar|torchpar|tests|parity_tests|configs|docs|benchmarks|tools)/"
+    r"[\w./-]*\.(?:py|md|yaml|sh|json|toml))\b"
+)
 
 
 def missing_paths(texts: dict[str, str], exists=lambda p: (ROOT / p).exists()) -> list[tuple[str, str]]:
     """(file, path) for every repository file a text names (docstrings, comments, docs) that does not exist."""
-    return sorted({(name, m.group(1)) for name, text in texts.items() for m in _NAMED_PATH.finditer(text)
-                   if not exists(m.group(1))})
+    return sorted(
+        {
+            (name, m.group(1))
+            for name, text in texts.items()
+            for m in _NAMED_PATH.finditer(text)
+            if not exists(m.group(1))
+        }
+    )
 
 
 def batch_walks(doc: str) -> dict[str, list[str]]:
@@ -286,8 +336,9 @@ def test_no_import_cycles():
 
 
 def test_models_and_parallel_are_independent():
-    pairs = (imports_matching(GRAPH, "jaxpar.models", lambda d: under(d, "jaxpar.parallel"))
-             + imports_matching(GRAPH, "jaxpar.parallel", lambda d: under(d, "jaxpar.models")))
+    pairs = imports_matching(GRAPH, "jaxpar.models", lambda d: under(d, "jaxpar.parallel")) + imports_matching(
+        GRAPH, "jaxpar.parallel", lambda d: under(d, "jaxpar.models")
+    )
     assert not pairs, f"models <-> parallel imports: {pairs}"
 
 
@@ -328,8 +379,10 @@ def test_shipped_packages_contain_no_test_code():
 
 
 def test_every_path_a_doc_or_docstring_names_exists():
-    docs = {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8") for p in [ROOT / "README.md",
-                                                                          *(ROOT / "docs").rglob("*.md")]}
+    docs = {
+        str(p.relative_to(ROOT)): p.read_text(encoding="utf-8")
+        for p in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
+    }
     code = {path: src for path, src in FILES.items() if path != "tests/core/test_structure.py"}  # its planted paths
     assert not (bad := missing_paths({**docs, **code})), f"named but missing (file, path): {bad}"
 
@@ -355,8 +408,9 @@ def test_no_long_files():
 
 def test_no_long_functions():
     """Outside tests/, every function reads on one screen (the loop and the pipeline executor's body included)."""
-    bad = {path: found for path, src in FILES.items()
-           if not path.startswith("tests/") and (found := long_functions(src))}
+    bad = {
+        path: found for path, src in FILES.items() if not path.startswith("tests/") and (found := long_functions(src))
+    }
     assert not bad, f"functions over {MAX_FUNCTION_LINES} lines: {bad}"
 
 
@@ -383,66 +437,134 @@ def test_trainers_are_their_arguments_and_an_adapter(path):
 
 # --- self-checks: each helper must report a violation planted in a tiny in-memory tree ---------
 
-CYCLE = {"p/__init__.py": "from p import a\n", "p/a.py": "def f():\n    from . import b\n",
-         "p/b.py": "import p.a.x\n"}
+CYCLE = {"p/__init__.py": "from p import a\n", "p/a.py": "def f():\n    from . import b\n", "p/b.py": "import p.a.x\n"}
 PLANTED = {
     "cycle inside functions, via relative import": lambda: find_cycles(build_graph(CYCLE)) == [["p.a", "p.b"]],
     "no cycle through an __init__": lambda: find_cycles(build_graph({**CYCLE, "p/b.py": ""})) == [],
-    "models imports parallel": lambda: imports_matching(
-        build_graph({"jaxpar/models/m.py": "from jaxpar.parallel import seq\n", "jaxpar/parallel/seq.py": ""}),
-        "jaxpar.models", lambda d: under(d, "jaxpar.parallel")) == [("jaxpar.models.m", "jaxpar.parallel.seq")],
-    "a model file without its twin": lambda: twin_mismatches(
-        {"jaxpar/models/a.py": "", "torchpar/models/a.py": "", "torchpar/models/stray.py": "", "jaxpar/b.py": ""})
-        == [("torchpar/models", "stray.py")],
-    "core imports jax in a function": lambda: core_violations(
-        build_graph({"jaxpar/core/c.py": "def f():\n    import jax.numpy\n"})) == [("jaxpar.core.c", "jax.numpy")],
-    "core imports the project": lambda: core_violations(
-        build_graph({"jaxpar/core/c.py": "from .. import mesh\n", "jaxpar/mesh.py": ""}))
-        == [("jaxpar.core.c", "jaxpar.mesh")],
-    "torchpar imports the jaxpar package": lambda: torchpar_violations(
-        build_graph({"torchpar/t.py": "import jaxpar\nimport jaxpar.core.x\n", "jaxpar/__init__.py": "",
-                     "jaxpar/core/x.py": ""})) == [("torchpar.t", "jaxpar")],
-    "the library imports a tool": lambda: tools_violations(build_graph(
-        {"jaxpar/train.py": "from jaxpar.tools.plan import peak\n", "jaxpar/tools/plan.py": "import jaxpar.cost\n",
-         "jaxpar/cost.py": "", "torchpar/x.py": "def f():\n    import torchpar.tools.bench\n",
-         "torchpar/tools/bench.py": ""}))
-        == [("jaxpar.train", "jaxpar.tools.plan"), ("torchpar.x", "torchpar.tools.bench")],
-    "two files share a name": lambda: shared_base_names(
-        {"jaxpar/a/experts.py": "", "jaxpar/experts.py": "", "jaxpar/a/__init__.py": "", "jaxpar/__init__.py": "",
-         "torchpar/experts.py": ""}) == {"experts.py": ["jaxpar/a/experts.py", "jaxpar/experts.py"]},
-    "shipped code imports pytest": lambda: imports_of_test_code(
-        build_graph({"jaxpar/x.py": "import pytest\n"})) == [("jaxpar.x", "pytest")],
-    "pyproject ships tests": lambda: packaged_test_dirs(
-        '[tool.setuptools.packages.find]\ninclude = ["jaxpar*", "parity_tests*"]\n')
-        == [("parity_tests*", "parity_tests")],
-    "a doc names a file that is gone": lambda: missing_paths(
-        {"a.md": "see jaxpar/gone.py, jaxpar/core/config/schema.py and `docs/gone.md`."},
-        lambda p: p == "jaxpar/core/config/schema.py") == [("a.md", "docs/gone.md"), ("a.md", "jaxpar/gone.py")],
-    "a batch's walk goes up, repeats, runs long": lambda: walk_violations(
-        ["a/x.py", "a/y.py", "a/x.py"] + [f"a/{i}.py" for i in range(8)],
-        build_graph({"a/x.py": "", "a/y.py": "import a.x\n"}), lambda p: p != "a/7.py")
-        == ["11 files", "a/x.py twice", "a/7.py missing", "a/y.py imports a/x.py"],
-    "the walks in a doc": lambda: batch_walks("jaxpar (walk):\n1. `a/x.py` -- x\n   more\n2. `a/y.py`\n\n"
-                                              "## Next\n3. `b.py`")
-        == {"jaxpar": ["a/x.py", "a/y.py"]},
-    "a model file recomputes": lambda: recomputation_in_models(
-        {"jaxpar/models/m.py": "import jax\nf = jax.checkpoint(g, policy=REMAT_POLICIES[cfg.remat])\n",
-         "torchpar/models/t.py": "from torch.utils.checkpoint import checkpoint\n",
-         "jaxpar/ops.py": "jax.checkpoint(f)\n"})
-        == [("jaxpar/models/m.py", "REMAT_POLICIES"), ("jaxpar/models/m.py", "checkpoint"),
+    "models imports parallel": lambda: (
+        imports_matching(
+            build_graph({"jaxpar/models/m.py": "from jaxpar.parallel import seq\n", "jaxpar/parallel/seq.py": ""}),
+            "jaxpar.models",
+            lambda d: under(d, "jaxpar.parallel"),
+        )
+        == [("jaxpar.models.m", "jaxpar.parallel.seq")]
+    ),
+    "a model file without its twin": lambda: (
+        twin_mismatches(
+            {"jaxpar/models/a.py": "", "torchpar/models/a.py": "", "torchpar/models/stray.py": "", "jaxpar/b.py": ""}
+        )
+        == [("torchpar/models", "stray.py")]
+    ),
+    "core imports jax in a function": lambda: (
+        core_violations(build_graph({"jaxpar/core/c.py": "def f():\n    import jax.numpy\n"}))
+        == [("jaxpar.core.c", "jax.numpy")]
+    ),
+    "core imports the project": lambda: (
+        core_violations(build_graph({"jaxpar/core/c.py": "from .. import mesh\n", "jaxpar/mesh.py": ""}))
+        == [("jaxpar.core.c", "jaxpar.mesh")]
+    ),
+    "torchpar imports the jaxpar package": lambda: (
+        torchpar_violations(
+            build_graph(
+                {
+                    "torchpar/t.py": "import jaxpar\nimport jaxpar.core.x\n",
+                    "jaxpar/__init__.py": "",
+                    "jaxpar/core/x.py": "",
+                }
+            )
+        )
+        == [("torchpar.t", "jaxpar")]
+    ),
+    "the library imports a tool": lambda: (
+        tools_violations(
+            build_graph(
+                {
+                    "jaxpar/train.py": "from jaxpar.tools.plan import peak\n",
+                    "jaxpar/tools/plan.py": "import jaxpar.cost\n",
+                    "jaxpar/cost.py": "",
+                    "torchpar/x.py": "def f():\n    import torchpar.tools.bench\n",
+                    "torchpar/tools/bench.py": "",
+                }
+            )
+        )
+        == [("jaxpar.train", "jaxpar.tools.plan"), ("torchpar.x", "torchpar.tools.bench")]
+    ),
+    "two files share a name": lambda: (
+        shared_base_names(
+            {
+                "jaxpar/a/experts.py": "",
+                "jaxpar/experts.py": "",
+                "jaxpar/a/__init__.py": "",
+                "jaxpar/__init__.py": "",
+                "torchpar/experts.py": "",
+            }
+        )
+        == {"experts.py": ["jaxpar/a/experts.py", "jaxpar/experts.py"]}
+    ),
+    "shipped code imports pytest": lambda: (
+        imports_of_test_code(build_graph({"jaxpar/x.py": "import pytest\n"})) == [("jaxpar.x", "pytest")]
+    ),
+    "pyproject ships tests": lambda: (
+        packaged_test_dirs('[tool.setuptools.packages.find]\ninclude = ["jaxpar*", "parity_tests*"]\n')
+        == [("parity_tests*", "parity_tests")]
+    ),
+    "a doc names a file that is gone": lambda: (
+        missing_paths(
+            {"a.md": "see jaxpar/gone.py, jaxpar/core/config/schema.py and `docs/gone.md`."},
+            lambda p: p == "jaxpar/core/config/schema.py",
+        )
+        == [("a.md", "docs/gone.md"), ("a.md", "jaxpar/gone.py")]
+    ),
+    "a batch's walk goes up, repeats, runs long": lambda: (
+        walk_violations(
+            ["a/x.py", "a/y.py", "a/x.py"] + [f"a/{i}.py" for i in range(8)],
+            build_graph({"a/x.py": "", "a/y.py": "import a.x\n"}),
+            lambda p: p != "a/7.py",
+        )
+        == ["11 files", "a/x.py twice", "a/7.py missing", "a/y.py imports a/x.py"]
+    ),
+    "the walks in a doc": lambda: (
+        batch_walks("jaxpar (walk):\n1. `a/x.py` -- x\n   more\n2. `a/y.py`\n\n## Next\n3. `b.py`")
+        == {"jaxpar": ["a/x.py", "a/y.py"]}
+    ),
+    "a model file recomputes": lambda: (
+        recomputation_in_models(
+            {
+                "jaxpar/models/m.py": "import jax\nf = jax.checkpoint(g, policy=REMAT_POLICIES[cfg.remat])\n",
+                "torchpar/models/t.py": "from torch.utils.checkpoint import checkpoint\n",
+                "jaxpar/ops.py": "jax.checkpoint(f)\n",
+            }
+        )
+        == [
+            ("jaxpar/models/m.py", "REMAT_POLICIES"),
+            ("jaxpar/models/m.py", "checkpoint"),
             ("jaxpar/models/m.py", "remat"),
-            ("torchpar/models/t.py", "checkpoint"), ("torchpar/models/t.py", "torch.utils.checkpoint")],
-    "a module wrapped outside parallelize": lambda: wrapped_outside_parallelize(
-        {"torchpar/trainer.py": "compile_blocks(model)\nblock.compile()\nx = backends.build('none', m)\n"
-                                "re.compile('a')\n",
-         "torchpar/parallelize.py": "compile_blocks(model)\nblock.compile()\n", "tests/t.py": "fully_shard(m)\n",
-         "jaxpar/step.py": "f = jax.jit(g).lower(a).compile()\nctx = ParallelContext(mesh)\nr = build(x)\n"})
-        == [("jaxpar/step.py", "ParallelContext"), ("torchpar/trainer.py", "backends.build"),
-            ("torchpar/trainer.py", "block.compile"), ("torchpar/trainer.py", "compile_blocks")],
+            ("torchpar/models/t.py", "checkpoint"),
+            ("torchpar/models/t.py", "torch.utils.checkpoint"),
+        ]
+    ),
+    "a module wrapped outside parallelize": lambda: (
+        wrapped_outside_parallelize(
+            {
+                "torchpar/trainer.py": "compile_blocks(model)\nblock.compile()\nx = backends.build('none', m)\n"
+                "re.compile('a')\n",
+                "torchpar/parallelize.py": "compile_blocks(model)\nblock.compile()\n",
+                "tests/t.py": "fully_shard(m)\n",
+                "jaxpar/step.py": "f = jax.jit(g).lower(a).compile()\nctx = ParallelContext(mesh)\nr = build(x)\n",
+            }
+        )
+        == [
+            ("jaxpar/step.py", "ParallelContext"),
+            ("torchpar/trainer.py", "backends.build"),
+            ("torchpar/trainer.py", "block.compile"),
+            ("torchpar/trainer.py", "compile_blocks"),
+        ]
+    ),
     "long file": lambda: long_files({"a.py": "x = 1\n" * 401, "b.py": "x = 1\n" * 400}, 400) == [("a.py", 401)],
-    "long nested function": lambda: long_functions(
-        "class C:\n    def m(self):\n        def inner():\n" + "            pass\n" * 80, 60)
-        == [("m", 2, 82), ("inner", 3, 81)],
+    "long nested function": lambda: (
+        long_functions("class C:\n    def m(self):\n        def inner():\n" + "            pass\n" * 80, 60)
+        == [("m", 2, 82), ("inner", 3, 81)]
+    ),
 }
 
 

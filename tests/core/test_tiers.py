@@ -1,4 +1,5 @@
 """The test tiers (conftest.py): a test's tier comes from its measured duration in tests/durations.json."""
+
 import glob
 import os
 import subprocess
@@ -15,16 +16,24 @@ def test_every_test_file_is_measured_and_every_measurement_names_a_file():
     Measure it with `python -m pytest FILE -m "" --store-durations`.
     """
     measured = {nodeid.split("::")[0] for nodeid in measured_durations()}
-    files = {os.path.relpath(f, ROOT) for d in ("tests", "parity_tests")
-             for f in glob.glob(os.path.join(ROOT, d, "**", "test_*.py"), recursive=True)
-             if "\ndef test_" in open(f).read()}
+    files = {
+        os.path.relpath(f, ROOT)
+        for d in ("tests", "parity_tests")
+        for f in glob.glob(os.path.join(ROOT, d, "**", "test_*.py"), recursive=True)
+        if "\ndef test_" in open(f).read()
+    }
     assert sorted(files - measured) == [], "test files without measured durations"
     assert sorted(measured - files) == [], "durations of test files that no longer exist"
 
 
 def collected(*args) -> set[str]:
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-p", "no:cacheprovider", *args],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-p", "no:cacheprovider", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return {line for line in out.stdout.splitlines() if "::" in line}
 
 

@@ -1,4 +1,5 @@
 """Bad input: one line naming the problem, exit code 2, nothing already saved lost."""
+
 import errno
 import importlib.util
 import os
@@ -24,8 +25,11 @@ def assert_one_line_error(r, *phrases):
 
 CASES = {
     "mesh_vs_devices": (["--mesh", "dp=3"], {"JAXPAR_CPU_DEVICES": "8"}, ["3 devices", "8 are available"]),
-    "mesh_vs_xla_flags": (["--mesh", "dp=4,tp=4"], {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
-                          ["the mesh dp=4,tp=4 needs 16 devices", "--xla_force_host_platform_device_count=8"]),
+    "mesh_vs_xla_flags": (
+        ["--mesh", "dp=4,tp=4"],
+        {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        ["the mesh dp=4,tp=4 needs 16 devices", "--xla_force_host_platform_device_count=8"],
+    ),
     "heads_vs_tp": (["--mesh", "tp=8"], {}, ["n_head=4", "tp=8"]),
     "batch_vs_data_axes": (["--mesh", "dp=3"], {}, ["global_batch_size=8", "dp*fsdp*ep=3"]),
     "unknown_key": (["model.n_layers=3"], {}, ["model.n_layers"]),
@@ -41,9 +45,11 @@ CASES = {
     "top_k_above_experts": (["model.moe_experts=4", "model.moe_top_k=5"], {}, ["moe_top_k=5", "moe_experts=4"]),
     "experts_vs_ep": (["--mesh", "ep=4,dp=2", "model.moe_experts=6"], {}, ["moe_experts=6", "ep=4"]),
     "ep_without_experts": (["--mesh", "ep=2"], {}, ["ep=2", "has none"]),
-    "1f1b_microbatches_below_stages": (["--mesh", "pp=2", "parallel.pipeline_schedule=1f1b",
-                                        "parallel.pipeline_microbatches=1"],
-                                       {}, ["1f1b needs microbatches >= stages"]),
+    "1f1b_microbatches_below_stages": (
+        ["--mesh", "pp=2", "parallel.pipeline_schedule=1f1b", "parallel.pipeline_microbatches=1"],
+        {},
+        ["1f1b needs microbatches >= stages"],
+    ),
 }
 
 
@@ -104,8 +110,13 @@ def test_resume_refuses_another_model_shape_and_allows_other_changes(dataset, tm
     r = run_cli(tmp_path, dataset, "train.steps=4", "model.d_model=64", timeout=60)
     assert_one_line_error(r, "model.d_model: 32 -> 64")
     assert {p: os.path.getmtime(p) for p in before} == before
-    assert sorted(os.listdir(tmp_path)) == ["checkpoints", "config.json", "lock", "metrics.jsonl",
-                                            "progress.json"]  # the first run's files, nothing new
+    assert sorted(os.listdir(tmp_path)) == [
+        "checkpoints",
+        "config.json",
+        "lock",
+        "metrics.jsonl",
+        "progress.json",
+    ]  # the first run's files, nothing new
     r = run_cli(tmp_path, dataset, "train.steps=4", "optim.lr=0.005")
     assert r.returncode == 0, r.stderr
     assert "resuming with train.steps changed: 2 -> 4" in r.stdout and "optim.lr changed: 0.01 -> 0.005" in r.stdout
@@ -121,7 +132,6 @@ def test_non_finite_step_stops_before_it_is_saved(dataset, tmp_path):
     assert_one_line_error(r, "step 5: loss nan", "last checkpoint this run wrote is step 4")
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
     assert max(metrics(tmp_path)) == 4
-
 
 
 def test_os_errors_are_one_line_and_bugs_keep_their_traceback(capsys):
@@ -166,10 +176,14 @@ def test_prepare_refuses_a_jsonl_that_is_not_utf8(tmp_path):
 TOOL_CASES = {  # each before any measurement or run, so also fast
     "sequence_memory": (["jaxpar.tools.sequence_memory", "--devices", "0"], ["--devices"]),
     "pipeline_memory": (["jaxpar.tools.pipeline_memory", "--microbatches", "4,x"], ["--microbatches '4,x'"]),
-    "jaxpar_bench_collectives": (["jaxpar.tools.bench_collectives", "--max-mib", "0.004", "--json", "{file}/out.json"],
-                                 ["--json={file}/out.json: {file} is a file"]),
-    "torchpar_bench_collectives": (["torchpar.tools.bench_collectives", "--max-mib", "0.004", "--json", "{dir}"],
-                                   ["--json={dir} is a directory"]),
+    "jaxpar_bench_collectives": (
+        ["jaxpar.tools.bench_collectives", "--max-mib", "0.004", "--json", "{file}/out.json"],
+        ["--json={file}/out.json: {file} is a file"],
+    ),
+    "torchpar_bench_collectives": (
+        ["torchpar.tools.bench_collectives", "--max-mib", "0.004", "--json", "{dir}"],
+        ["--json={dir} is a directory"],
+    ),
     "parity_report": (["parity_tests.report", "--steps", "1", "--out", "{file}"], ["--out={file}: {file} is a file"]),
 }
 
@@ -193,8 +207,9 @@ def _mount_small_disk(disk) -> str | None:
     """
     disk.mkdir()
     try:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(disk)], capture_output=True,
-                           text=True)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(disk)], capture_output=True, text=True
+        )
     except OSError as e:
         return str(e)
     return (r.stderr.strip() or f"mount exited {r.returncode}") if r.returncode else None
@@ -212,8 +227,11 @@ def small_disk(tmp_path):
 
 
 STEPS = ["train.steps=8", "checkpoint.every=2"]
-ONE_DEVICE = {"jaxpar.train": STEPS + ["--mesh", "dp=1"], "torchpar.train": STEPS,  # torchpar: one process
-              "deepspeed": STEPS + ["--backend", "deepspeed", "parallel.zero_stage=1"]}
+ONE_DEVICE = {
+    "jaxpar.train": STEPS + ["--mesh", "dp=1"],
+    "torchpar.train": STEPS,  # torchpar: one process
+    "deepspeed": STEPS + ["--backend", "deepspeed", "parallel.zero_stage=1"],
+}
 MODULE = {"deepspeed": "torchpar.train"}
 LEFTOVER = {"jaxpar.train": "99.orbax-checkpoint-tmp", "torchpar.train": "99.partial", "deepspeed": "99"}
 QUIET_ENV = {"OMP_NUM_THREADS": "1", "JAXPAR_CPU_DEVICES": "1"}
@@ -242,8 +260,14 @@ def failed_save(r, run, reason: str) -> int:
     complete ones kept.
     """
     assert_one_line_error(r, f"could not be written: {reason}; its partial files were removed")
-    failed, last = map(int, re.search(r"checkpoint of step (\d+) .*last complete checkpoint is step (\d+) in "
-                                      + re.escape(str(run / "checkpoints")), r.stderr).groups())
+    failed, last = map(
+        int,
+        re.search(
+            r"checkpoint of step (\d+) .*last complete checkpoint is step (\d+) in "
+            + re.escape(str(run / "checkpoints")),
+            r.stderr,
+        ).groups(),
+    )
     assert last == failed - 2
     steps = [d for d in os.listdir(run / "checkpoints") if d[:1].isdigit()]  # (deepspeed: also "latest", scripts)
     assert sorted(steps) == sorted(str(s) for s in range(2, last + 1, 2))
@@ -278,9 +302,23 @@ def test_failed_write_during_save(dataset, tmp_path):
     r = run_cli(run, dataset, *ONE_DEVICE["jaxpar.train"], env={**QUIET_ENV, "JAXPAR_FAULT_KILL_AFTER_STEP": "2"})
     assert r.returncode == -signal.SIGKILL and os.listdir(run / "checkpoints") == ["2"], r.stderr
     limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
-    r = subprocess.run([sys.executable, "-m", "jaxpar.train", *TINY, f"data.dataset={dataset}", f"run.dir={run}",
-                        *ONE_DEVICE["jaxpar.train"]], cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu", **QUIET_ENV},
-                       capture_output=True, text=True, timeout=300, preexec_fn=limit)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxpar.train",
+            *TINY,
+            f"data.dataset={dataset}",
+            f"run.dir={run}",
+            *ONE_DEVICE["jaxpar.train"],
+        ],
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", **QUIET_ENV},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limit,
+    )
     last, before = failed_save(r, run, "File too large"), metrics(run)
     assert last == 2
     assert_resumes_exactly(run, dataset, "jaxpar.train", before, last)

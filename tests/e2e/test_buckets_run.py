@@ -1,10 +1,16 @@
 """data.batching=buckets in a run: one compiled step per bucket, and a SIGKILL mid-epoch resumed exactly."""
+
 import re
 
 from tests.helpers import assert_resumes_exactly, make_dataset, metrics, run_cli
 
-BUCKETS = ["data.batching=buckets", "data.seq_len=32", "model.max_seq_len=32", "train.tokens_per_batch=256",
-           "data.val_fraction=0.1"]
+BUCKETS = [
+    "data.batching=buckets",
+    "data.seq_len=32",
+    "model.max_seq_len=32",
+    "train.tokens_per_batch=256",
+    "data.val_fraction=0.1",
+]
 
 
 def test_each_bucket_is_compiled_once(tmp_path):
@@ -18,5 +24,6 @@ def test_each_bucket_is_compiled_once(tmp_path):
 
 def test_a_run_killed_mid_epoch_resumes_exactly(tmp_path):
     dataset = make_dataset(tmp_path / "d.bin", n_tokens=6000, document_length=12)
-    assert_resumes_exactly(tmp_path, dataset, [*BUCKETS, "train.steps=10", "checkpoint.every=2", "--mesh", "dp=2"],
-                           kill_after=5)
+    assert_resumes_exactly(
+        tmp_path, dataset, [*BUCKETS, "train.steps=10", "checkpoint.every=2", "--mesh", "dp=2"], kill_after=5
+    )

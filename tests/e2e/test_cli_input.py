@@ -3,6 +3,7 @@
 Input that means nothing is one `error:` line and exit status 2 with nothing written, and a flag one trainer takes means
 the same in the other.
 """
+
 import json
 
 import pytest
@@ -26,8 +27,9 @@ def test_zero_train_steps_is_refused_before_the_run_dir_is_touched(tmp_path, cap
     from jaxpar.train import main
 
     run_dir = tmp_path / "run"
-    assert_one_error_line(main([*TINY, "train.steps=0", f"run.dir={run_dir}"]), capsys, "train.steps: 0",
-                          "must be >= 1")
+    assert_one_error_line(
+        main([*TINY, "train.steps=0", f"run.dir={run_dir}"]), capsys, "train.steps: 0", "must be >= 1"
+    )
     assert not run_dir.exists()
 
 
@@ -54,11 +56,17 @@ def test_prepare_refuses_pack_zero(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl"]
 
 
-@pytest.mark.parametrize("record, held", [({"prompt": "2+2=", "completion": "4"}, "'prompt'/'completion'"),
-                                          ({"messages": [{"role": "user", "content": "hi"}]}, "'messages'")])
+@pytest.mark.parametrize(
+    "record, held",
+    [
+        ({"prompt": "2+2=", "completion": "4"}, "'prompt'/'completion'"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "'messages'"),
+    ],
+)
 def test_prepare_names_the_flag_for_fine_tuning_records(record, held, tmp_path, capsys):
-    assert_one_error_line(_prepare(tmp_path, [record]), capsys, "no field 'text'", f"but has {held}",
-                          "read with --format sft")
+    assert_one_error_line(
+        _prepare(tmp_path, [record]), capsys, "no field 'text'", f"but has {held}", "read with --format sft"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl"]
     assert _prepare(tmp_path, [record], "--format", "sft") == 0  # the flag named reads them
 
@@ -108,8 +116,9 @@ def test_generate_decodes_by_default_what_the_context_leaves():
     assert decodable_tokens(ModelConfig(max_seq_len=32), 9, None) == 23
     assert decodable_tokens(ModelConfig(max_seq_len=1024), 4, None) == 200
     assert decodable_tokens(ModelConfig(max_seq_len=32), 9, 23) == 23
-    with pytest.raises(UserError, match="9 tokens.*24 new tokens exceed .* max_seq_len 32: ask for at most "
-                                        "--max-new-tokens 23"):
+    with pytest.raises(
+        UserError, match="9 tokens.*24 new tokens exceed .* max_seq_len 32: ask for at most --max-new-tokens 23"
+    ):
         decodable_tokens(ModelConfig(max_seq_len=32), 9, 24)
     with pytest.raises(UserError, match="the prompt .32 tokens. fills the model's max_seq_len 32"):
         decodable_tokens(ModelConfig(max_seq_len=32), 32, None)

@@ -1,4 +1,5 @@
 """The console: a live progress bar on a terminal (a pseudo-terminal here), plain lines when piped."""
+
 import fcntl
 import os
 import pty

@@ -7,6 +7,7 @@ ZeRO-3 1-10, jaxpar 11-20): each as its uninterrupted run. With optim.name=muon 
 dp=2,tp=2 1-10, torchpar fsdp on 2 processes and jaxpar fsdp=4 11-20; torchpar ddp on 2 processes 1-10, jaxpar
 fsdp=2,tp=2 11-20.
 """
+
 import json
 import subprocess
 import sys
@@ -20,13 +21,28 @@ from jaxpar.core.errors import UserError
 from jaxpar.core.weights.state_file import read_state, refuse_other_optimizer, save_state
 from jaxpar.tools import convert as jaxpar_convert
 
-from tests.helpers import (ROOT, TINY, make_dataset, metrics, run_cli, run_in_session, tiny_config, torch_command,
-                           torch_env)
+from tests.helpers import (
+    ROOT,
+    TINY,
+    make_dataset,
+    metrics,
+    run_cli,
+    run_in_session,
+    tiny_config,
+    torch_command,
+    torch_env,
+)
 
 # the parity configs' optimizer (lr 3e-3, eps 1e-6): at the tiny config's lr 1e-2 and eps 1e-8 Adam amplifies float32
 # rounding between the frameworks to 3e-5 in the parameters after 20 steps (docs/fuzz.md explains the eps)
-ARGS = ["train.steps=20", "checkpoint.every=0", "train.eval_every=0", "optim.lr=3e-3", "optim.min_lr=3e-4",
-        "optim.eps=1e-6"]
+ARGS = [
+    "train.steps=20",
+    "checkpoint.every=0",
+    "train.eval_every=0",
+    "optim.lr=3e-3",
+    "optim.min_lr=3e-4",
+    "optim.eps=1e-6",
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +51,9 @@ def data(tmp_path_factory):
 
 
 def convert(module: str, *args: str) -> None:
-    r = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=torch_env(), capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, env=torch_env(), capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0 and "converted the training state of step 10" in r.stdout, r.stderr[-2000:]
 
 
@@ -47,8 +64,14 @@ def torchpar(args: list[str], nproc: int, **env) -> None:
 
 def jaxpar_resumes(run_dir, mesh: str) -> None:
     """`jaxpar.train --config RUN/config.json --mesh M`: the moved run goes on from its checkpoint."""
-    r = subprocess.run([sys.executable, "-m", "jaxpar.train", "--config", str(run_dir / "config.json"), "--mesh", mesh],
-                       cwd=ROOT, env=torch_env(), capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "jaxpar.train", "--config", str(run_dir / "config.json"), "--mesh", mesh],
+        cwd=ROOT,
+        env=torch_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-2000:]
 
 
@@ -62,7 +85,7 @@ def assert_continues(got: dict, ref: dict) -> float:
 def assert_same_weights(a_path, b_path) -> None:
     """Two weights files within the parity suite's float32 bound (1e-5 relative norm)."""
     a, b = load_file(a_path), load_file(b_path)
-    diff = np.sqrt(sum(np.sum((a[k] - b[k]) ** 2) for k in a)) / np.sqrt(sum(np.sum(v ** 2) for v in a.values()))
+    diff = np.sqrt(sum(np.sum((a[k] - b[k]) ** 2) for k in a)) / np.sqrt(sum(np.sum(v**2) for v in a.values()))
     assert diff < 1e-5, diff
 
 
@@ -85,8 +108,9 @@ def test_jaxpar_to_torchpar(data, tmp_path):
     assert refused.returncode == 2 and len(errors) == 1, refused.stderr
     assert "was started with another model.n_layer/data.dataset" in errors[0], errors
     assert sorted(p.name for p in (moved / "checkpoints").iterdir()) == saved
-    torchpar(["--backend", "fsdp", "--config", str(moved / "config.json"), "--write-final", str(tmp_path / "b.st")],
-             nproc=2)
+    torchpar(
+        ["--backend", "fsdp", "--config", str(moved / "config.json"), "--write-final", str(tmp_path / "b.st")], nproc=2
+    )
     assert_continues(metrics(moved), metrics(full))
     assert_same_weights(tmp_path / "a.st", tmp_path / "b.st")
 
@@ -114,12 +138,14 @@ def test_a_float16_run_keeps_its_loss_scale_and_skipped_count(data, tmp_path):
     r = run_cli(half, data, "--mesh", "dp=1", *f16, env={"JAXPAR_FAULT_SIGTERM_AFTER_STEP": "10"})
     assert r.returncode == 0, r.stderr[-2000:]
     convert("jaxpar.tools.convert", "--from", "jaxpar", str(half), "--to", "state", str(tmp_path / "s.safetensors"))
-    convert("torchpar.tools.convert", "--from", "state", str(tmp_path / "s.safetensors"), "--to", "torchpar",
-            str(moved))
+    convert(
+        "torchpar.tools.convert", "--from", "state", str(tmp_path / "s.safetensors"), "--to", "torchpar", str(moved)
+    )
     torchpar(["--backend", "none", "--config", str(moved / "config.json")], nproc=0)
     got, ref = metrics(moved), metrics(full)
-    assert [(got[s]["loss_scale"], got[s]["skipped_steps"]) for s in range(11, 21)] == \
-           [(ref[s]["loss_scale"], ref[s]["skipped_steps"]) for s in range(11, 21)]
+    assert [(got[s]["loss_scale"], got[s]["skipped_steps"]) for s in range(11, 21)] == [
+        (ref[s]["loss_scale"], ref[s]["skipped_steps"]) for s in range(11, 21)
+    ]
     assert 0 < ref[10]["skipped_steps"] < ref[20]["skipped_steps"]  # overflows before and after the move
     np.testing.assert_allclose([got[s]["loss"] for s in got], [ref[s]["loss"] for s in got], rtol=1e-3)
 
@@ -159,14 +185,24 @@ def test_jaxpar_to_deepspeed_on_two_ranks(jaxpar_halfway, tmp_path):
     continued on 2 ranks through the universal checkpoint: the schedule and Adam's count go on too.
     """
     full, state = jaxpar_halfway
-    convert("torchpar.tools.convert", "--from", "state", str(state), "--to", "deepspeed", str(tmp_path / "moved"),
-            "--zero-stage", "2")
+    convert(
+        "torchpar.tools.convert",
+        "--from",
+        "state",
+        str(state),
+        "--to",
+        "deepspeed",
+        str(tmp_path / "moved"),
+        "--zero-stage",
+        "2",
+    )
     torchpar(["--backend", "deepspeed", "--config", str(tmp_path / "moved" / "config.json")], nproc=2)
     assert_continues(metrics(tmp_path / "moved"), metrics(full))
 
 
-@pytest.mark.parametrize("stage,dtype", [(0, "float32"), (3, "float32"), (2, "bfloat16"), (1, "float32"),
-                                         (2, "float32")])
+@pytest.mark.parametrize(
+    "stage,dtype", [(0, "float32"), (3, "float32"), (2, "bfloat16"), (1, "float32"), (2, "float32")]
+)
 def test_deepspeed_import_then_export_is_the_state(jaxpar_halfway, tmp_path, stage, dtype):
     """state -> DeepSpeed run -> state gives the same tensors and counts, bit for bit.
 
@@ -177,8 +213,17 @@ def test_deepspeed_import_then_export_is_the_state(jaxpar_halfway, tmp_path, sta
     (a, meta_a), state = read_state(str(jaxpar_halfway[1])), tmp_path / "a"
     meta_a["config"]["model"]["compute_dtype"] = dtype
     save_state(str(state), a, meta_a)
-    convert("torchpar.tools.convert", "--from", "state", str(state), "--to", "deepspeed", str(tmp_path / "ds"),
-            "--zero-stage", str(stage))
+    convert(
+        "torchpar.tools.convert",
+        "--from",
+        "state",
+        str(state),
+        "--to",
+        "deepspeed",
+        str(tmp_path / "ds"),
+        "--zero-stage",
+        str(stage),
+    )
     convert("torchpar.tools.convert", "--from", "torchpar", str(tmp_path / "ds"), "--to", "state", str(tmp_path / "b"))
     b, meta_b = read_state(str(tmp_path / "b"))
     assert (meta_b["step"], meta_b["adam_step"]) == (meta_a["step"], meta_a["adam_step"]) == (10, 10)
@@ -219,8 +264,10 @@ def test_muon_jaxpar_to_torchpar_and_another_jaxpar_mesh(muon_halfway, tmp_path)
     assert all(tensors["muon_m"][n].shape == tensors["param"][n].shape for n in matrices)
     to_torch, to_jaxpar = tmp_path / "torchpar", tmp_path / "jaxpar"
     convert("jaxpar.tools.convert", "--from", "state", str(state), "--to", "torchpar", str(to_torch))
-    torchpar(["--backend", "fsdp", "--config", str(to_torch / "config.json"), "--write-final",
-              str(tmp_path / "b.st")], nproc=2)
+    torchpar(
+        ["--backend", "fsdp", "--config", str(to_torch / "config.json"), "--write-final", str(tmp_path / "b.st")],
+        nproc=2,
+    )
     worst = assert_continues(metrics(to_torch), metrics(origin / "full"))
     assert_same_weights(origin / "full.st", tmp_path / "b.st")
     convert("jaxpar.tools.convert", "--from", "state", str(state), "--to", "jaxpar", str(to_jaxpar))
@@ -271,22 +318,31 @@ def test_an_optimizer_the_state_is_not_of_is_refused(muon_halfway, tmp_path, cap
     """
     tensors, meta = read_state(str(muon_halfway[1]))
     as_adamw = tmp_path / "adamw.safetensors"
-    save_state(str(as_adamw), tensors, {**meta, "config": {**meta["config"], "optim": {**meta["config"]["optim"],
-                                                                                        "name": "adamw"}}})
+    save_state(
+        str(as_adamw),
+        tensors,
+        {**meta, "config": {**meta["config"], "optim": {**meta["config"]["optim"], "name": "adamw"}}},
+    )
     for target in ("jaxpar", "torchpar"):
         line = refused(["--from", "state", str(as_adamw), "--to", target, str(tmp_path / target)], capsys)
         assert "holds the state of optim.name=muon, but its config trains optim.name=adamw" in line, line
     zeros = {n: np.zeros_like(a) for n, a in tensors["muon_m"].items()}
-    adamw = {"param": tensors["param"], "adam_m": {**tensors["adam_m"], **tensors["muon_m"]},
-             "adam_v": {**tensors["adam_v"], **zeros}}
+    adamw = {
+        "param": tensors["param"],
+        "adam_m": {**tensors["adam_m"], **tensors["muon_m"]},
+        "adam_v": {**tensors["adam_v"], **zeros},
+    }
     save_state(str(tmp_path / "m.safetensors"), adamw, {**meta, "optimizer": "adamw"})
     line = refused(["--from", "state", str(tmp_path / "m.safetensors"), "--to", "jaxpar", str(tmp_path / "j")], capsys)
     assert "holds the state of optim.name=adamw, but its config trains optim.name=muon" in line, line
     line = refused(["--from", "state", str(muon_halfway[1]), "--to", "deepspeed", str(tmp_path / "ds")], capsys)
     assert "optim.name=muon, and DeepSpeed builds its own AdamW" in line, line
     unheld = {k: json.dumps(v) for k, v in {**meta, "optimizer": "adamw8bit"}.items()}  # save_state writes no such
-    save_file({f"{kind}/{n}": a for kind, named in adamw.items() for n, a in named.items()},
-              str(tmp_path / "q.safetensors"), unheld)
+    save_file(
+        {f"{kind}/{n}": a for kind, named in adamw.items() for n, a in named.items()},
+        str(tmp_path / "q.safetensors"),
+        unheld,
+    )
     line = refused(["--from", "state", str(tmp_path / "q.safetensors"), "--to", "jaxpar", str(tmp_path / "q")], capsys)
     assert "optim.name=adamw8bit: its moments are quantized in blocks of each framework's own layout" in line, line
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]

@@ -5,6 +5,7 @@ restarted run reports its recovery. The whole story on loopback: two agents ("no
 `--mesh dp=-1,tp=2`; one agent is killed with its workers, the survivors continue on dp=1; the agent comes back and the
 run grows to dp=2 again -- every step equal to an uninterrupted run.
 """
+
 import json
 import os
 import time
@@ -16,8 +17,16 @@ from jaxpar.tools.bench_recovery import Node, environment, failure_schedule
 from jaxpar.mesh import cpu_devices_for_elastic_axis, distributed_env
 from tests.helpers import TINY, free_port, metrics, run_cli
 
-AGENT = {"TORCHELASTIC_RUN_ID": "job", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-         "MASTER_ADDR": "node0", "MASTER_PORT": "29500", "JAX_PLATFORMS": "cpu"}
+AGENT = {
+    "TORCHELASTIC_RUN_ID": "job",
+    "RANK": "3",
+    "WORLD_SIZE": "4",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "node0",
+    "MASTER_PORT": "29500",
+    "JAX_PLATFORMS": "cpu",
+}
 
 
 def test_a_torchrun_worker_joins_jax_distributed_from_the_agents_variables(monkeypatch):
@@ -33,9 +42,17 @@ def test_a_torchrun_worker_joins_jax_distributed_from_the_agents_variables(monke
     assert distributed_env() == (None, 1)
 
 
-@pytest.mark.parametrize("mesh, processes, devices", [
-    ({"dp": -1, "tp": 2}, 4, 4), ({"dp": -1, "tp": 2}, 2, 2), ({"dp": -1, "tp": 2}, 3, 3),  # 3: refused by the mesh
-    ({"dp": -1, "tp": 4}, 2, 4), ({"dp": -1}, 1, 8), ({"dp": -1, "tp": 16}, 1, 16)])
+@pytest.mark.parametrize(
+    "mesh, processes, devices",
+    [
+        ({"dp": -1, "tp": 2}, 4, 4),
+        ({"dp": -1, "tp": 2}, 2, 2),
+        ({"dp": -1, "tp": 2}, 3, 3),  # 3: refused by the mesh
+        ({"dp": -1, "tp": 4}, 2, 4),
+        ({"dp": -1}, 1, 8),
+        ({"dp": -1, "tp": 16}, 1, 16),
+    ],
+)
 def test_an_elastic_axis_simulates_one_device_per_process_beyond_the_fixed_axes(mesh, processes, devices):
     assert cpu_devices_for_elastic_axis(mesh, processes) == devices
 

@@ -4,6 +4,7 @@ The main job and its closing lines, a sample, the curves, the other framework fr
 directory, its checkpoints), a conversion that goes on in torchpar, the run continued on another mesh, and the Hugging
 Face export in transformers' pipeline, greedy, giving jaxpar.generate's tokens.
 """
+
 import json
 import os
 import re
@@ -77,8 +78,10 @@ def test_the_readme_first_hour(tmp_path, monkeypatch):
 
     # the other framework from the same weights: a run directory of its own, its checkpoints saved
     walk(f"python -m jaxpar.train --config configs/gpt2-tiny.yaml --write-init {INIT}")
-    torch_summary = out = walk(f"torchrun --nproc_per_node=2 -m torchpar.train --config configs/gpt2-tiny.yaml "
-                               f"--backend fsdp model.init_from={INIT}").stdout
+    torch_summary = out = walk(
+        f"torchrun --nproc_per_node=2 -m torchpar.train --config configs/gpt2-tiny.yaml "
+        f"--backend fsdp model.init_from={INIT}"
+    ).stdout
     assert "torchpar: trained to step 150 of 150" in out and f"python -m torchpar.generate --run {TORCH_RUN}" in out
     assert walk.steps(TORCH_RUN) == ["100", "150"] and walk.steps(RUN) == ["100", "150"]
     for run, framework in ((RUN, "jaxpar"), (TORCH_RUN, "torchpar")):  # each records whose run it is
@@ -94,8 +97,10 @@ def test_the_readme_first_hour(tmp_path, monkeypatch):
     # convert, and go on in torchpar from the same step
     moved = "runs/torchpar/gpt2-tiny-from-jaxpar"
     walk(f"python -m jaxpar.tools.convert --from jaxpar {RUN} --to torchpar {moved}")
-    out = walk(f"torchrun --nproc_per_node=2 -m torchpar.train --config {moved}/config.json --backend fsdp "
-               "train.steps=160", in_readme=False).stdout
+    out = walk(
+        f"torchrun --nproc_per_node=2 -m torchpar.train --config {moved}/config.json --backend fsdp train.steps=160",
+        in_readme=False,
+    ).stdout
     assert "torchpar: trained to step 160 of 160 (from step 150)" in out and walk.steps(moved)[-1] == "160"
 
     # a mesh of one's own: the run goes on there, saying what its longer schedule does to the learning rate
@@ -114,7 +119,7 @@ def test_the_readme_first_hour(tmp_path, monkeypatch):
         want = greedy(framework, walk.path(run), monkeypatch)
         assert len(want) == N and printed == "def " + text_codec("byte")[1](want) + "\n"
         got = pipeline(walk.path(f"runs/hf/gpt2-tiny-from-{framework}"))
-        assert got == (want[:want.index(0) + 1] if 0 in want else want), framework
+        assert got == (want[: want.index(0) + 1] if 0 in want else want), framework
 
 
 def greedy(framework: str, run: str, monkeypatch) -> list[int]:

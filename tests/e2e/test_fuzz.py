@@ -3,6 +3,7 @@
 Two random cases per commit (the seed from the commit hash, printed), the failures it found; valid draws; and that it
 can fail: a differing run is found, the shrinker keeps only what fails, a refusal the docs do not explain is a failure.
 """
+
 import copy
 import random
 import subprocess
@@ -127,6 +128,7 @@ class Stub:
 
     It checks each case against the config contract as the trainer would.
     """
+
     def __init__(self):
         self.runs, self.unconsumed = [], []
 
@@ -146,8 +148,10 @@ def test_the_shrinker_keeps_only_what_fails():
     Tp halved to 2, dp and the unrelated keys gone (the pipeline's and ZeRO's keys with their axes: no case it tries
     sets a key its run would not consume), and nothing tried twice.
     """
-    case = Case.parse("jax dp=2,tp=2,pp=2 model.n_layer=4 model.remat=full parallel.pipeline_schedule=1f1b "
-                      "parallel.zero_stage=1 train.microbatches=2")
+    case = Case.parse(
+        "jax dp=2,tp=2,pp=2 model.n_layer=4 model.remat=full parallel.pipeline_schedule=1f1b "
+        "parallel.zero_stage=1 train.microbatches=2"
+    )
     stub = Stub()
     small, out = shrink(stub, case, stub.run_case(case), log=lambda line: None)
     assert small.spec == "jax tp=2 model.remat=full" and out.kind == "differs"
@@ -192,7 +196,8 @@ def test_transition_draws_are_valid_and_cover_every_change():
     stages = "torch deepspeed:2 parallel.zero_stage={} | 1 | torch deepspeed:{} parallel.zero_stage={}"
     assert refusal_of(Transition.parse(stages.format(1, 2, 3))) and refusal_of(Transition.parse(stages.format(0, 4, 1)))
     assert not refusal_of(Transition.parse(stages.format(1, 4, 2))) and not refusal_of(
-        Transition.parse(stages.format(0, 4, 0)))
+        Transition.parse(stages.format(0, 4, 0))
+    )
 
 
 def test_a_transition_that_ignores_its_change_differs(fuzzer):
@@ -212,6 +217,7 @@ def test_the_shrinker_reduces_a_transition_to_its_failing_change():
 
     The mesh change, the other changed key and the shared setting go; the lr change stays.
     """
+
     class LrStub:
         runs = []
 

@@ -3,6 +3,7 @@
 The torchpar scripts, run under stand-ins for srun and scontrol on one machine, train on 2 processes; impossible
 requests are one line.
 """
+
 import json
 import os
 import random
@@ -18,8 +19,18 @@ from jaxpar.tools.launch import main
 
 from tests.helpers import ROOT, TINY, metrics, run_in_session, torch_env
 
-CLUSTER = ["--nodes", "2", "--gpus-per-node", "4", "--time", "01:00:00", "--partition", "gpu",
-           "--config", "configs/gpt2-tiny.yaml"]
+CLUSTER = [
+    "--nodes",
+    "2",
+    "--gpus-per-node",
+    "4",
+    "--time",
+    "01:00:00",
+    "--partition",
+    "gpu",
+    "--config",
+    "configs/gpt2-tiny.yaml",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -27,24 +38,53 @@ def in_repo(monkeypatch):
     monkeypatch.chdir(ROOT)  # the config path as a user in the checkout writes it
 
 
-@pytest.mark.parametrize("extra,tasks,line", [
-    ([], 4, "srun --kill-on-bad-exit=1 python -m jaxpar.train --config configs/gpt2-tiny.yaml "
-            "--mesh dp=8 train.steps=5"),
-    (["--framework", "torchpar", "--backend", "fsdp"], 4,
-     "srun --kill-on-bad-exit=1 python -m torchpar.train --backend fsdp --config configs/gpt2-tiny.yaml "
-     "parallel.mesh=dp=8\n"),  # torchpar.train has no --mesh flag
-    (["--framework", "torchpar", "--backend", "ddp", "--launcher", "torchrun"], 1,
-     "torchrun --nnodes=$SLURM_JOB_NUM_NODES --nproc_per_node=4 --rdzv_backend=c10d"),
-    (["--framework", "torchpar", "--backend", "deepspeed", "--launcher", "deepspeed"], 1,
-     'deepspeed --hostfile "hostfile.$SLURM_JOB_ID" --master_addr "$HEAD" --master_port "$PORT" '
-     "--module torchpar.train"),
-    (["--elastic", "1", "--mesh", "dp=-1,tp=2"], 1,
-     "srun --ntasks-per-node=1 --no-kill torchrun --nnodes=1:2 --nproc_per_node=4 --max-restarts=3 "
-     "--rdzv_backend=c10d"),
-    (["--framework", "torchpar", "--backend", "fsdp", "--elastic", "2:2"], 1,
-     "torchrun --nnodes=2:2 --nproc_per_node=4"),
-], ids=["jaxpar-srun", "torchpar-srun", "torchpar-torchrun", "torchpar-deepspeed", "jaxpar-elastic",
-        "torchpar-elastic"])
+@pytest.mark.parametrize(
+    "extra,tasks,line",
+    [
+        (
+            [],
+            4,
+            "srun --kill-on-bad-exit=1 python -m jaxpar.train --config configs/gpt2-tiny.yaml "
+            "--mesh dp=8 train.steps=5",
+        ),
+        (
+            ["--framework", "torchpar", "--backend", "fsdp"],
+            4,
+            "srun --kill-on-bad-exit=1 python -m torchpar.train --backend fsdp --config configs/gpt2-tiny.yaml "
+            "parallel.mesh=dp=8\n",
+        ),  # torchpar.train has no --mesh flag
+        (
+            ["--framework", "torchpar", "--backend", "ddp", "--launcher", "torchrun"],
+            1,
+            "torchrun --nnodes=$SLURM_JOB_NUM_NODES --nproc_per_node=4 --rdzv_backend=c10d",
+        ),
+        (
+            ["--framework", "torchpar", "--backend", "deepspeed", "--launcher", "deepspeed"],
+            1,
+            'deepspeed --hostfile "hostfile.$SLURM_JOB_ID" --master_addr "$HEAD" --master_port "$PORT" '
+            "--module torchpar.train",
+        ),
+        (
+            ["--elastic", "1", "--mesh", "dp=-1,tp=2"],
+            1,
+            "srun --ntasks-per-node=1 --no-kill torchrun --nnodes=1:2 --nproc_per_node=4 --max-restarts=3 "
+            "--rdzv_backend=c10d",
+        ),
+        (
+            ["--framework", "torchpar", "--backend", "fsdp", "--elastic", "2:2"],
+            1,
+            "torchrun --nnodes=2:2 --nproc_per_node=4",
+        ),
+    ],
+    ids=[
+        "jaxpar-srun",
+        "torchpar-srun",
+        "torchpar-torchrun",
+        "torchpar-deepspeed",
+        "jaxpar-elastic",
+        "torchpar-elastic",
+    ],
+)
 def test_script_parses_and_launches_each_framework(extra, tasks, line, capsys, tmp_path):
     mesh = [] if "--launcher" in extra or "--elastic" in extra else ["--mesh", "dp=8"]
     assert main(CLUSTER + extra + mesh + (["train.steps=5"] if not extra else [])) == 0
@@ -60,27 +100,39 @@ def test_script_parses_and_launches_each_framework(extra, tasks, line, capsys, t
     assert not (elastic and "--kill-on-bad-exit" in text)
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--mesh", "dp=3"], "mesh dp=3 has 3 devices but 8 are available"),
-    (["--framework", "torchpar"], "needs --backend"),
-    (["--launcher", "deepspeed"], "--launcher deepspeed is not one for jaxpar"),
-    (["--framework", "torchpar", "--backend", "ddp", "--launcher", "deepspeed"], "runs --backend deepspeed"),
-    (["train.stepz=3"], "unknown config key 'train.stepz'"),
-    (["--framework", "torchpar", "--backend", "fsdp", "--mesh", "dp=4,tp=2"], "--backend fsdp does not implement tp"),
-    (["--framework", "torchpar", "--backend", "zero"], "unknown backend 'zero'"),
-    (["--elastic", "1", "--mesh", "dp=2,tp=4"], "--elastic needs a mesh axis that follows the devices"),
-    (["--elastic", "1:3"], "needs 1 <= MIN <= MAX <= --nodes (2)"),
-    (["--elastic", "x"], "expected MIN or MIN:MAX nodes"),
-    (["--elastic", "1", "--launcher", "srun"], "--elastic runs under torchrun's agent"),
-    (["--max-restarts", "5"], "--max-restarts is --elastic's"),
-    (["--elastic", "1", "--mesh", "dp=-1", "train.global_batch_size=12"],  # 12 rows: 4 data ways fit, 8 do not
-     "--elastic 1, on 2 node(s): batch per microbatch 12 (train.global_batch_size=12 / train.microbatches=1) is not "
-     "divisible by the data axes dp*fsdp*ep=8"),
-    (["--elastic", "2:4", "--nodes", "4", "--mesh", "dp=-1,fsdp=8"],  # 2 and 4 nodes of 4 GPUs fit; 3 do not
-     "--elastic 2:4, on 3 node(s): mesh dp=-1,fsdp=8: 12 devices are not divisible by 8"),
-    (["--elastic", "1", "--gpus-per-node", "2", "--mesh", "dp=-1,tp=4"],
-     "--elastic 1, on 1 node(s): mesh dp=-1,tp=4: 2 devices are not divisible by 4"),
-])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--mesh", "dp=3"], "mesh dp=3 has 3 devices but 8 are available"),
+        (["--framework", "torchpar"], "needs --backend"),
+        (["--launcher", "deepspeed"], "--launcher deepspeed is not one for jaxpar"),
+        (["--framework", "torchpar", "--backend", "ddp", "--launcher", "deepspeed"], "runs --backend deepspeed"),
+        (["train.stepz=3"], "unknown config key 'train.stepz'"),
+        (
+            ["--framework", "torchpar", "--backend", "fsdp", "--mesh", "dp=4,tp=2"],
+            "--backend fsdp does not implement tp",
+        ),
+        (["--framework", "torchpar", "--backend", "zero"], "unknown backend 'zero'"),
+        (["--elastic", "1", "--mesh", "dp=2,tp=4"], "--elastic needs a mesh axis that follows the devices"),
+        (["--elastic", "1:3"], "needs 1 <= MIN <= MAX <= --nodes (2)"),
+        (["--elastic", "x"], "expected MIN or MIN:MAX nodes"),
+        (["--elastic", "1", "--launcher", "srun"], "--elastic runs under torchrun's agent"),
+        (["--max-restarts", "5"], "--max-restarts is --elastic's"),
+        (
+            ["--elastic", "1", "--mesh", "dp=-1", "train.global_batch_size=12"],  # 12 rows: 4 data ways fit, 8 do not
+            "--elastic 1, on 2 node(s): batch per microbatch 12 (train.global_batch_size=12 / train.microbatches=1) is not "
+            "divisible by the data axes dp*fsdp*ep=8",
+        ),
+        (
+            ["--elastic", "2:4", "--nodes", "4", "--mesh", "dp=-1,fsdp=8"],  # 2 and 4 nodes of 4 GPUs fit; 3 do not
+            "--elastic 2:4, on 3 node(s): mesh dp=-1,fsdp=8: 12 devices are not divisible by 8",
+        ),
+        (
+            ["--elastic", "1", "--gpus-per-node", "2", "--mesh", "dp=-1,tp=4"],
+            "--elastic 1, on 1 node(s): mesh dp=-1,tp=4: 2 devices are not divisible by 4",
+        ),
+    ],
+)
 def test_impossible_requests_are_one_line(extra, message, capsys):
     assert main(CLUSTER + extra) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -130,10 +182,15 @@ def slurm_job_env(text: str, bin_dir, port_base: int, port_span: int) -> dict:
     for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("ssh", FAKE_SSH)):
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
-    env = torch_env(SLURM_JOB_ID=str(job_id_with_free_port(port_base, port_span)), SLURM_JOB_NODELIST="localhost",
-                    SLURM_JOB_NUM_NODES="1", SLURM_NNODES="1", SLURM_NTASKS=str(nodes * per_node),
-                    SLURM_NTASKS_PER_NODE=str(per_node),
-                    PATH=os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), os.environ["PATH"]]))
+    env = torch_env(
+        SLURM_JOB_ID=str(job_id_with_free_port(port_base, port_span)),
+        SLURM_JOB_NODELIST="localhost",
+        SLURM_JOB_NUM_NODES="1",
+        SLURM_NNODES="1",
+        SLURM_NTASKS=str(nodes * per_node),
+        SLURM_NTASKS_PER_NODE=str(per_node),
+        PATH=os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), os.environ["PATH"]]),
+    )
     for key in ("MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return env
@@ -142,16 +199,35 @@ def slurm_job_env(text: str, bin_dir, port_base: int, port_span: int) -> dict:
 TORCH_PORT, JAX_PORT = (29500, 20000), (61440, 4096)  # torchpar/dist.py; jax's SLURM cluster detection
 
 
-@pytest.mark.parametrize("launcher,backend,mesh,ports,started", [
-    (["--framework", "torchpar", "--launcher", "srun"], "fsdp", "fsdp=2", TORCH_PORT,
-     "backend fsdp on 2 cpu processes"),
-    (["--framework", "torchpar", "--launcher", "torchrun"], "fsdp", "fsdp=2", TORCH_PORT,
-     "backend fsdp on 2 cpu processes"),
-    (["--framework", "torchpar", "--launcher", "deepspeed"], "deepspeed", "dp=2", TORCH_PORT,
-     "backend deepspeed on 2 cpu processes"),
-    ([], None, "fsdp=2", JAX_PORT, "mesh fsdp=2 on 2 cpu devices"),
-    (["--elastic", "1"], None, "dp=-1", TORCH_PORT, "mesh dp=2 on 2 cpu devices"),  # one device per process
-], ids=["torchpar-srun", "torchpar-torchrun", "torchpar-deepspeed", "jaxpar-srun", "jaxpar-elastic"])
+@pytest.mark.parametrize(
+    "launcher,backend,mesh,ports,started",
+    [
+        (
+            ["--framework", "torchpar", "--launcher", "srun"],
+            "fsdp",
+            "fsdp=2",
+            TORCH_PORT,
+            "backend fsdp on 2 cpu processes",
+        ),
+        (
+            ["--framework", "torchpar", "--launcher", "torchrun"],
+            "fsdp",
+            "fsdp=2",
+            TORCH_PORT,
+            "backend fsdp on 2 cpu processes",
+        ),
+        (
+            ["--framework", "torchpar", "--launcher", "deepspeed"],
+            "deepspeed",
+            "dp=2",
+            TORCH_PORT,
+            "backend deepspeed on 2 cpu processes",
+        ),
+        ([], None, "fsdp=2", JAX_PORT, "mesh fsdp=2 on 2 cpu devices"),
+        (["--elastic", "1"], None, "dp=-1", TORCH_PORT, "mesh dp=2 on 2 cpu devices"),  # one device per process
+    ],
+    ids=["torchpar-srun", "torchpar-torchrun", "torchpar-deepspeed", "jaxpar-srun", "jaxpar-elastic"],
+)
 def test_script_trains_on_two_processes(launcher, backend, mesh, ports, started, dataset, tmp_path, capsys):
     """The batch script trains one run over two processes and exits 0.
 
@@ -159,9 +235,29 @@ def test_script_trains_on_two_processes(launcher, backend, mesh, ports, started,
     run over both processes with the mesh given to the writer, and exits 0.
     """
     run_dir = tmp_path / "run"
-    assert main([*launcher, *(["--backend", backend] if backend else []), "--nodes", "1", "--gpus-per-node", "2",
-                 "--time", "00:10:00", "--partition", "cpu", "--mesh", mesh,
-                 *TINY, "train.steps=3", f"data.dataset={dataset}", f"run.dir={run_dir}"]) == 0
+    assert (
+        main(
+            [
+                *launcher,
+                *(["--backend", backend] if backend else []),
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "2",
+                "--time",
+                "00:10:00",
+                "--partition",
+                "cpu",
+                "--mesh",
+                mesh,
+                *TINY,
+                "train.steps=3",
+                f"data.dataset={dataset}",
+                f"run.dir={run_dir}",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     (tmp_path / "job.sbatch").write_text(text)
     (tmp_path / "bin").mkdir()

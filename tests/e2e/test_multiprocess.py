@@ -3,6 +3,7 @@
 Launched as SLURM's srun would (jax reads SLURM_*) they reproduce one process; signalled, one or both, they stop
 together after one step with one checkpoint; when one is killed the other leaves with one line.
 """
+
 import os
 import signal
 import socket
@@ -37,16 +38,34 @@ def start_two(run_dir, dataset, args, env_of=lambda i: {}, slurm=False):
     """
     if slurm:
         job = slurm_job_id()
-        launch = lambda i: {"SLURM_JOB_ID": str(job), "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
-                            "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i), "SLURM_STEP_NUM_NODES": "1"}
+        launch = lambda i: {
+            "SLURM_JOB_ID": str(job),
+            "SLURM_STEP_NODELIST": "localhost",
+            "SLURM_NTASKS": "2",
+            "SLURM_PROCID": str(i),
+            "SLURM_LOCALID": str(i),
+            "SLURM_STEP_NUM_NODES": "1",
+        }
     else:
         port = free_port()
-        launch = lambda i: {"JAXPAR_COORDINATOR": f"127.0.0.1:{port}", "JAXPAR_NUM_PROCESSES": "2",
-                            "JAXPAR_PROCESS_ID": str(i)}
+        launch = lambda i: {
+            "JAXPAR_COORDINATOR": f"127.0.0.1:{port}",
+            "JAXPAR_NUM_PROCESSES": "2",
+            "JAXPAR_PROCESS_ID": str(i),
+        }
     cmd = [sys.executable, "-m", "jaxpar.train", *TINY, f"data.dataset={dataset}", f"run.dir={run_dir}", *args]
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAXPAR_"))}
-    return [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**base, "JAX_PLATFORMS": "cpu", **launch(i), **env_of(i)}) for i in range(2)]
+    return [
+        subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**base, "JAX_PLATFORMS": "cpu", **launch(i), **env_of(i)},
+        )
+        for i in range(2)
+    ]
 
 
 def finish(procs, timeout=120):
@@ -80,8 +99,9 @@ def test_srun_launch_reproduces_one_process(two_runs):
     assert "4 cpu devices" in outs[0] and "step 20/20" in outs[0]
     assert "step 20/20" not in outs[1]  # progress from process 0 only
     one, two = metrics(tmp / "one"), metrics(tmp / "two")
-    np.testing.assert_allclose([two[s]["loss"] for s in range(1, 21)], [one[s]["loss"] for s in range(1, 21)],
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        [two[s]["loss"] for s in range(1, 21)], [one[s]["loss"] for s in range(1, 21)], rtol=1e-5
+    )
     np.testing.assert_allclose(two[20]["eval_loss"], one[20]["eval_loss"], rtol=1e-5)
     assert os.listdir(tmp / "two" / "checkpoints") == ["20"]
 
@@ -107,8 +127,12 @@ def _stop_and_resume(run_dir, dataset, signal_them, env_of=lambda i: {}):
 
 def test_sigterm_to_one_process_stops_both_after_the_same_step(two_runs, dataset):
     """Process 1 signals itself after step 2 (fault hook); process 0 is never signalled."""
-    _stop_and_resume(two_runs[0] / "sigterm_one", dataset, lambda procs: None,
-                     lambda i: {"JAXPAR_FAULT_SIGTERM_AFTER_STEP": "2"} if i == 1 else {})
+    _stop_and_resume(
+        two_runs[0] / "sigterm_one",
+        dataset,
+        lambda procs: None,
+        lambda i: {"JAXPAR_FAULT_SIGTERM_AFTER_STEP": "2"} if i == 1 else {},
+    )
 
 
 def test_sigterm_to_both_at_different_moments(two_runs, dataset):
@@ -117,6 +141,7 @@ def test_sigterm_to_both_at_different_moments(two_runs, dataset):
     SIGTERM to process 0 as soon as it trains, to process 1 0.35 s later (steps slowed to 0.1 s, so that both
     signals land mid-run).
     """
+
     def preempt(procs):
         line = procs[0].stdout.readline()
         while line and not line.startswith("step"):

@@ -8,6 +8,7 @@ Multi-process runs share the lock (only rank 0 / jax process 0 takes it): the to
 (e.g. tests/torchpar/test_torchpar.py::test_fsdp_resume_after_sigkill_and_on_one_process: 2 ranks killed by
 SIGKILL, then resumed under torchrun) and jax.distributed's in tests/e2e/test_multiprocess.py pass through it.
 """
+
 import datetime
 import errno
 import json
@@ -34,8 +35,15 @@ JAX_ARGS = ["--mesh", "dp=1", f"train.steps={STEPS}", "checkpoint.every=2"]
 def start(run_dir, dataset, module: str, *args: str, env=None) -> subprocess.Popen:
     """`python -m module` on the tiny config, in its own session (its pid is the trainer's)."""
     cmd = [sys.executable, "-m", module, *TINY, f"data.dataset={dataset}", f"run.dir={run_dir}", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=torch_env(**(env or {})), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=torch_env(**(env or {})),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def wait_for_step(proc: subprocess.Popen, run_dir, step: int, timeout: float = 300) -> None:
@@ -108,6 +116,7 @@ def test_a_killed_holder_leaves_its_lock_and_the_next_run_takes_it_over(dataset,
 
 def test_resume_false_moves_the_old_run_aside_and_locks_the_new_run_dir(tmp_path):
     """The lock file goes aside with the old run: the new run.dir is locked again, the old lock let go."""
+
     class Agreement:
         def any_of(self, flag):
             return flag
@@ -130,6 +139,7 @@ def test_resume_false_moves_the_old_run_aside_and_locks_the_new_run_dir(tmp_path
 @pytest.mark.parametrize("code", [errno.ENOLCK, errno.EIO], ids=["ENOLCK", "EIO"])
 def test_a_file_system_that_cannot_lock(code, tmp_path, monkeypatch, capsys):
     """No lock support (ENOLCK, EOPNOTSUPP, ENOSYS): one warning, the run goes on; any other failure: one line."""
+
     def fail(*_):
         raise OSError(code, os.strerror(code))
 

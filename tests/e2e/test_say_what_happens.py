@@ -5,6 +5,7 @@ tested beside their subjects: unknown config keys in tests/core/test_config.py, 
 tests/jaxpar/test_resume_settings.py, a tokenizer smaller than asked in tests/core/test_data.py, the planner's progress
 in tests/jaxpar/test_plan.py.)
 """
+
 import os
 import subprocess
 import sys
@@ -32,23 +33,35 @@ def test_ddp_as_one_plain_process_says_so_and_trains(dataset, tmp_path):
     r = plain_torchpar(tmp_path, dataset, "--backend", "ddp", "train.steps=2", "model.n_layer=1")
     assert r.returncode == 0, r.stderr[-3000:]
     said = [line for line in r.stderr.splitlines() if "without a launcher" in line]
-    assert said == [("torchpar: --backend ddp without a launcher runs as one process; to run N, start torchrun "
-                     "--nproc_per_node=N -m torchpar.train --backend ddp ... (or srun, one task each)")], r.stderr
+    assert said == [
+        (
+            "torchpar: --backend ddp without a launcher runs as one process; to run N, start torchrun "
+            "--nproc_per_node=N -m torchpar.train --backend ddp ... (or srun, one task each)"
+        )
+    ], r.stderr
 
 
 def test_a_pipeline_as_one_plain_process_is_refused_in_one_line(dataset, tmp_path):
     """One process is a pipeline of one stage: refused before run.dir is written."""
     r = plain_torchpar(tmp_path, dataset, "--backend", "pipeline", "train.steps=2")
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == [(
-        "error: --backend pipeline without a launcher is one process, a pipeline of one stage: start one process per "
-        "stage with torchrun --nproc_per_node=N -m torchpar.train --backend pipeline ... (or srun, one task each), or "
-        "run one process with --backend none")], r.stderr
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        (
+            "error: --backend pipeline without a launcher is one process, a pipeline of one stage: start one process per "
+            "stage with torchrun --nproc_per_node=N -m torchpar.train --backend pipeline ... (or srun, one task each), or "
+            "run one process with --backend none"
+        )
+    ], r.stderr
     assert not (tmp_path / "config.json").exists()
 
 
-@pytest.mark.parametrize("flags, count", [("", None), ("--xla_force_host_platform_device_count=8", 8),
-                                          (("--xla_cpu_foo=1 --xla_force_host_platform_device_count=4 "
-                                            "--xla_force_host_platform_device_count=2"), 2)])
+@pytest.mark.parametrize(
+    "flags, count",
+    [
+        ("", None),
+        ("--xla_force_host_platform_device_count=8", 8),
+        (("--xla_cpu_foo=1 --xla_force_host_platform_device_count=4 --xla_force_host_platform_device_count=2"), 2),
+    ],
+)
 def test_the_users_device_count_is_read_from_xla_flags(flags, count, monkeypatch):
     """XLA_FLAGS's --xla_force_host_platform_device_count, the last one where it is given twice (as XLA reads it)."""
     from jaxpar.mesh import forced_cpu_devices
@@ -61,8 +74,11 @@ def test_a_mesh_needing_another_count_than_xla_flags_sets_is_refused():
     """The user's count is kept: a mesh of fixed axes needing another is refused naming both numbers."""
     from jaxpar.mesh import check_forced_count
 
-    with pytest.raises(UserError, match="the mesh dp=4,tp=4 needs 16 devices; XLA_FLAGS sets "
-                                        "--xla_force_host_platform_device_count=8: choose a mesh of 8 devices"):
+    with pytest.raises(
+        UserError,
+        match="the mesh dp=4,tp=4 needs 16 devices; XLA_FLAGS sets "
+        "--xla_force_host_platform_device_count=8: choose a mesh of 8 devices",
+    ):
         check_forced_count({"dp": 4, "tp": 4}, 8, 1)
     with pytest.raises(UserError, match="=4 per process, 8 over 2 processes"):
         check_forced_count({"dp": 4}, 4, 2)
@@ -74,6 +90,7 @@ def test_a_fill_axis_takes_the_count_xla_flags_sets():
     code = "from jaxpar.mesh import setup_devices; setup_devices({'dp': -1}); import jax; print(len(jax.devices()))"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     env.pop("JAXPAR_CPU_DEVICES", None)
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-                       check=False)
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
     assert r.returncode == 0 and r.stdout.split() == ["2"], r.stdout + r.stderr[-3000:]

@@ -4,6 +4,7 @@ One process made slow on purpose (<PREFIX>_FAULT_SLOW_RANK) is named within two 
 torchpar's rank 0 of a ddp pair, so a detector naming a fixed process fails one of them -- and a one-device run spends
 no time in collectives.
 """
+
 import json
 import subprocess
 
@@ -29,8 +30,9 @@ def test_pace_is_step_time_less_the_waiting_beyond_the_least():
     assert paces([0.6, 0.6], [0.55, 0.05]) == pytest.approx([0.1, 0.6])
     assert slowest([0.6, 0.6], [0.55, 0.05]) == (1, pytest.approx(0.6 / 0.35))
     assert slowest([0.6, 0.6, 0.6], [0.05, 0.55, 0.55]) == (0, pytest.approx(6.0))
-    assert in_flight_s([("d0", "dp", 0.0, 2.0), ("d0", "dp", 1.0, 3.0), ("d1", "dp", 0.0, 1.0),
-                        ("d0", "tp", 5.0, 6.0)]) == {"dp": 2.0, "tp": 0.5}  # overlaps once; averaged over devices
+    assert in_flight_s(
+        [("d0", "dp", 0.0, 2.0), ("d0", "dp", 1.0, 3.0), ("d1", "dp", 0.0, 1.0), ("d0", "tp", 5.0, 6.0)]
+    ) == {"dp": 2.0, "tp": 0.5}  # overlaps once; averaged over devices
     assert sample_step(0, 2, 0, 10) == 2 and sample_step(0, 1, 0, 10) == 1 and sample_step(0, 2, 3, 10) == 4
     assert sample_step(8, 2, 0, 10) is None  # no step after the first record that is not a record step
 
@@ -57,11 +59,13 @@ class NoUtilization:
 
 class Gathered:
     """A trainer of two processes whose process group is `Pair`."""
+
     process_count, rank, processes, probes = 2, 0, Pair(), NoUtilization()
 
 
 class Progress:
     """0.4 s spent in the step and reading its metrics since the meter started (step 0), all of it waiting."""
+
     current, blocked, blocked_mark, synced = None, 0.4, 0.0, 0.0
 
     class meter:
@@ -103,8 +107,9 @@ def test_a_one_device_run_spends_nothing_in_collectives(dataset, tmp_path):
     assert r.returncode == 0, r.stderr
     records = list(metrics(tmp_path).values())
     assert [rec["comm_share"] for rec in records if "comm_share" in rec] == [0.0]
-    assert not any(k.startswith("comm_share_") or k in ("slowest_rank", "straggler_ratio") for rec in records
-                   for k in rec)  # one process: nothing gathered
+    assert not any(
+        k.startswith("comm_share_") or k in ("slowest_rank", "straggler_ratio") for rec in records for k in rec
+    )  # one process: nothing gathered
 
 
 def check_named(records: dict, out: str, slow: int, axes: set) -> None:
@@ -117,14 +122,15 @@ def check_named(records: dict, out: str, slow: int, axes: set) -> None:
     assert [rec["slowest_rank"] for rec in records.values()] == [slow] * len(records), records
     assert all(rec["straggler_ratio"] > 1 for rec in records.values()), records
     shared = [rec for rec in records.values() if "comm_share" in rec]
-    assert len(shared) == 1 and {k[len("comm_share_"):] for k in shared[0] if k.startswith("comm_share_")} == axes
+    assert len(shared) == 1 and {k[len("comm_share_") :] for k in shared[0] if k.startswith("comm_share_")} == axes
     assert all(0 < v <= 1 for k, v in shared[0].items() if k.startswith("comm_share_")), shared  # shares of a step
 
 
 def test_jaxpar_names_the_slow_process(dataset, tmp_path):
     slow = {"JAXPAR_FAULT_SLOW_STEP_S": SLOW_S, "JAXPAR_FAULT_SLOW_RANK": "1"}
-    rcs, outs = finish(start_two(tmp_path, dataset, ["--mesh", "dp=2,tp=2", *STEPS], env_of=lambda i: slow),
-                       timeout=300)
+    rcs, outs = finish(
+        start_two(tmp_path, dataset, ["--mesh", "dp=2,tp=2", *STEPS], env_of=lambda i: slow), timeout=300
+    )
     assert rcs == [0, 0], outs
     check_named(metrics(tmp_path), outs[0], 1, {"dp", "tp", "dp_tp"})  # dp_tp: over all four devices
 
@@ -138,14 +144,17 @@ def test_torchpar_ddp_names_the_slow_rank(dataset, tmp_path):
     check_named(records, r.stdout, 0, {"dp"})
     board = tensorboard_scalars(tmp_path)  # the same scalars in TensorBoard
     assert board["slowest_rank"] == {s: 0 for s in records} and set(board["comm_share_dp"]) == {
-        s for s, rec in records.items() if "comm_share_dp" in rec}
+        s for s, rec in records.items() if "comm_share_dp" in rec
+    }
 
 
 def test_report_plots_a_runs_slow_process_and_comm_share(tmp_path):
     from jaxpar.tools.report import main
 
-    records = [{"step": 2, "straggler_ratio": 1.8, "slowest_rank": 1},
-               {"step": 4, "straggler_ratio": 1.9, "slowest_rank": 1, "comm_share": 0.3, "comm_share_dp": 0.3}]
+    records = [
+        {"step": 2, "straggler_ratio": 1.8, "slowest_rank": 1},
+        {"step": 4, "straggler_ratio": 1.9, "slowest_rank": 1, "comm_share": 0.3, "comm_share_dp": 0.3},
+    ]
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert main(["--run", str(tmp_path / "run"), "--out", str(tmp_path / "plots")]) == 0
@@ -170,7 +179,8 @@ def test_a_failing_profiler_costs_the_share_not_the_run(capsys):
         hook.after_step(step + 1)
     hook.close()
     assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")] == [
-        "warning: no comm_share this run: the profiler failed (RuntimeError: Profile has already been started)"]
+        "warning: no comm_share this run: the profiler failed (RuntimeError: Profile has already been started)"
+    ]
 
 
 def test_torchs_profiler_stays_off_the_console(capfd):

@@ -1,4 +1,5 @@
 """The main job end to end: resume after SIGKILL, SIGTERM, resharding, weights export, learning."""
+
 import os
 import signal
 
@@ -22,7 +23,6 @@ def uninterrupted_dir(dataset, tmp_path_factory):
 @pytest.fixture(scope="module")
 def uninterrupted(uninterrupted_dir):
     return metrics(uninterrupted_dir)
-
 
 
 def interrupted(dataset, run_dir, kill_after, hook="KILL_AFTER_STEP"):
@@ -54,8 +54,9 @@ def test_tensorboard_holds_the_metrics(uninterrupted_dir, uninterrupted):
     scalars = tensorboard_scalars(uninterrupted_dir)
     assert {"loss", "lr", "grad_norm", "tokens_per_sec"} <= set(scalars), scalars.keys()
     for tag in ("loss", "lr", "grad_norm"):  # float32 in the event file
-        np.testing.assert_allclose([scalars[tag][s] for s in range(1, 21)],
-                                   [uninterrupted[s][tag] for s in range(1, 21)], rtol=1e-6)
+        np.testing.assert_allclose(
+            [scalars[tag][s] for s in range(1, 21)], [uninterrupted[s][tag] for s in range(1, 21)], rtol=1e-6
+        )
 
 
 def test_checkpoint_restores_onto_another_mesh(dataset, uninterrupted, tmp_path):
@@ -75,14 +76,22 @@ def test_checkpoint_continues_on_a_1f1b_pipeline(dataset, uninterrupted, tmp_pat
     assert r.returncode == 0, r.stderr
     assert "pipeline 1f1b: 2 stages x 1 virtual, 4 microbatches, bubble 0.200" in r.stdout  # (S-1)/(M+S-1)
     resumed = metrics(tmp_path)
-    np.testing.assert_allclose([resumed[s]["loss"] for s in range(11, 21)],
-                               [uninterrupted[s]["loss"] for s in range(11, 21)], rtol=1e-5)
+    np.testing.assert_allclose(
+        [resumed[s]["loss"] for s in range(11, 21)], [uninterrupted[s]["loss"] for s in range(11, 21)], rtol=1e-5
+    )
     assert resumed[20]["pipeline_bubble"] == pytest.approx(0.2)
 
 
 def test_sigterm_saves_and_exits_zero(dataset, tmp_path):
-    r = run_cli(tmp_path, dataset, "--mesh", "dp=2", "train.steps=50", "checkpoint.every=0",
-                env={"JAXPAR_FAULT_SIGTERM_AFTER_STEP": "3"})
+    r = run_cli(
+        tmp_path,
+        dataset,
+        "--mesh",
+        "dp=2",
+        "train.steps=50",
+        "checkpoint.every=0",
+        env={"JAXPAR_FAULT_SIGTERM_AFTER_STEP": "3"},
+    )
     assert r.returncode == 0, r.stderr
     assert "stopped by signal" in r.stderr
     assert os.listdir(tmp_path / "checkpoints") == ["3"]
@@ -106,8 +115,9 @@ def test_write_init_then_init_from_starts_from_those_weights(dataset, tmp_path):
     assert r.returncode == 0, r.stderr
     want, got = load_file(drawn), load_file(started)
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
-    loaded = run_cli(tmp_path / "c", dataset, "--mesh", "dp=2", "train.steps=1", "train.seed=0",
-                     f"model.init_from={drawn}")
+    loaded = run_cli(
+        tmp_path / "c", dataset, "--mesh", "dp=2", "train.steps=1", "train.seed=0", f"model.init_from={drawn}"
+    )
     drawn_here = run_cli(tmp_path / "d", dataset, "--mesh", "dp=2", "train.steps=1", "train.seed=0")
     assert loaded.returncode == drawn_here.returncode == 0, loaded.stderr + drawn_here.stderr
     # same data (seed 0), other weights: the first loss moves well beyond rounding
@@ -119,9 +129,25 @@ def test_default_tiny_config_learns(tmp_path):
     import subprocess
     import sys
     from tests.helpers import ROOT
-    r = subprocess.run([sys.executable, "-m", "jaxpar.train", "--config", "configs/gpt2-tiny.yaml",
-                        "--mesh", "dp=2,tp=4", f"run.dir={tmp_path}", "train.sample_every=150"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxpar.train",
+            "--config",
+            "configs/gpt2-tiny.yaml",
+            "--mesh",
+            "dp=2,tp=4",
+            f"run.dir={tmp_path}",
+            "train.sample_every=150",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert r.returncode == 0, r.stderr
     records = metrics(tmp_path)
     final = records[max(records)]
@@ -155,8 +181,13 @@ def test_trains_on_a_bpe_corpus_and_refuses_another_tokenizer_on_resume(tmp_path
     tok = str(tmp_path / "tokenizer.json")
     vocab = train_tokenizer([str(tmp_path / "corpus.jsonl")], tok, vocab_size=300)
     data = prepare([str(tmp_path / "corpus.jsonl")], str(tmp_path / "bpe.bin"), tok)
-    args = [f"model.vocab_size={vocab}", f"data.tokenizer={tok}", "train.steps=30", "train.log_every=5",
-            "checkpoint.every=0"]
+    args = [
+        f"model.vocab_size={vocab}",
+        f"data.tokenizer={tok}",
+        "train.steps=30",
+        "train.log_every=5",
+        "checkpoint.every=0",
+    ]
     r = run_cli(tmp_path / "run", data, *args)
     assert r.returncode == 0, r.stderr
     losses = metrics(tmp_path / "run")
@@ -177,11 +208,17 @@ def test_llama_tiny_config_learns_below_gpt2_tiny(tmp_path):
     import subprocess
     import sys
     from tests.helpers import ROOT
+
     finals = {}
     for name in ("gpt2-tiny", "llama-tiny"):
-        r = subprocess.run([sys.executable, "-m", "jaxpar.train", "--config", f"configs/{name}.yaml",
-                            f"run.dir={tmp_path / name}"], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        r = subprocess.run(
+            [sys.executable, "-m", "jaxpar.train", "--config", f"configs/{name}.yaml", f"run.dir={tmp_path / name}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
         assert r.returncode == 0, r.stderr
         records = metrics(tmp_path / name)
         finals[name] = records[max(records)]["eval_loss"]
@@ -191,8 +228,11 @@ def test_llama_tiny_config_learns_below_gpt2_tiny(tmp_path):
 def _checksums(root) -> dict:
     import hashlib
 
-    return {os.path.relpath(os.path.join(d, n), root): hashlib.sha256(open(os.path.join(d, n), "rb").read()).hexdigest()
-            for d, _, names in os.walk(root) for n in names}
+    return {
+        os.path.relpath(os.path.join(d, n), root): hashlib.sha256(open(os.path.join(d, n), "rb").read()).hexdigest()
+        for d, _, names in os.walk(root)
+        for n in names
+    }
 
 
 @pytest.mark.parametrize("module", ["jaxpar.train", "torchpar.train"])

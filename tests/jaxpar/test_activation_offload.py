@@ -5,6 +5,7 @@ recomputed (jaxpar/ops.py REMAT_POLICIES). Training equals the run without it; t
 residuals in host memory (XLA:CPU then keeps them in its one memory: what a CPU can and cannot show,
 docs/architecture.md "Mixed precision and offload"); the planner counts them per device.
 """
+
 import math
 
 import jax
@@ -23,7 +24,7 @@ def _layout(cfg, mesh: dict):
     from jaxpar.layout import Layout
     from jaxpar.mesh import make_mesh
 
-    return Layout(cfg, make_mesh(mesh, jax.devices()[:math.prod(mesh.values())]))
+    return Layout(cfg, make_mesh(mesh, jax.devices()[: math.prod(mesh.values())]))
 
 
 @pytest.mark.parametrize("mesh", ["dp=1", "fsdp=2,tp=2", "pp=2"])
@@ -72,13 +73,17 @@ def test_the_step_keeps_the_projections_in_host_memory(remat):
     if remat == "save_matmuls":
         assert host == []
         return
-    assert sorted(a.shape for a in host) == sorted([(LAYERS, ROWS, T, 3, 4, D // 4), (LAYERS, ROWS, T, D),
-                                                    (LAYERS, ROWS, T, 4 * D)])
+    assert sorted(a.shape for a in host) == sorted(
+        [(LAYERS, ROWS, T, 3, 4, D // 4), (LAYERS, ROWS, T, D), (LAYERS, ROWS, T, 4 * D)]
+    )
     assert sum(a.size * a.dtype.itemsize for a in host) == PROJECTED
 
 
-@pytest.mark.parametrize("mesh,share", [({"dp": 1}, 1.0), ({"fsdp": 2, "tp": 2}, (3 * D / 4 + D / 2 + D) / (8 * D)),
-                                        ({"dp": 2}, 0.5)], ids=["dp=1", "fsdp=2,tp=2", "dp=2"])
+@pytest.mark.parametrize(
+    "mesh,share",
+    [({"dp": 1}, 1.0), ({"fsdp": 2, "tp": 2}, (3 * D / 4 + D / 2 + D) / (8 * D)), ({"dp": 2}, 0.5)],
+    ids=["dp=1", "fsdp=2,tp=2", "dp=2"],
+)
 def test_offloaded_bytes_per_device(mesh, share):
     """What the planner counts (jaxpar/cost/activations.py): one device's shard of them as GSPMD places it.
 
@@ -105,8 +110,10 @@ def test_the_planner_shows_the_device_bytes_falling():
     from jaxpar.core.config.mesh_spec import parse_mesh
     from jaxpar.tools.plan import plan
 
-    plans = {r: plan(tiny_config(f"model.remat={r}"), parse_mesh("dp=1"), jax.devices()[:1])
-             for r in ("save_matmuls", "offload")}
+    plans = {
+        r: plan(tiny_config(f"model.remat={r}"), parse_mesh("dp=1"), jax.devices()[:1])
+        for r in ("save_matmuls", "offload")
+    }
     assert plans["save_matmuls"]["activation_host_bytes"] == 0 and not plans["save_matmuls"]["peak_estimated"]
     got = plans["offload"]
     assert got["activation_host_bytes"] == PROJECTED and got["peak_estimated"]

@@ -5,6 +5,7 @@ parity_tests/compare.py's EIGHT_BIT), a run stops and resumes exactly, and the s
 the planner and in the arrays a run holds. (The codes against torchao's, and jaxpar against torchpar:
 tests/torchpar/test_adamw8bit.py.)
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,13 +26,22 @@ def eight_bit_reference(dataset):
     return run_steps(tiny_config(*EIGHT_BIT), "dp=1", dataset, devices=jax.devices()[:1])
 
 
-@pytest.mark.parametrize("mesh,extra", [("dp=2,fsdp=2,tp=2", ("parallel.zero_stage=1",)), ("pp=2,sp=2", ()),
-                                        ("fsdp=2,ep=2", ("model.moe_experts=4", "model.moe_d_ff=64"))])
+@pytest.mark.parametrize(
+    "mesh,extra",
+    [
+        ("dp=2,fsdp=2,tp=2", ("parallel.zero_stage=1",)),
+        ("pp=2,sp=2", ()),
+        ("fsdp=2,ep=2", ("model.moe_experts=4", "model.moe_d_ff=64")),
+    ],
+)
 def test_layout_matches_one_device(mesh, extra, dataset, eight_bit_reference, reference):
     n = int(np.prod([int(p.split("=")[1]) for p in mesh.split(",")]))
     moe = any("moe" in e for e in extra)
-    ref = eight_bit_reference if not moe else run_steps(tiny_config(*EIGHT_BIT, *extra), "dp=1", dataset,
-                                                        devices=jax.devices()[:1])
+    ref = (
+        eight_bit_reference
+        if not moe
+        else run_steps(tiny_config(*EIGHT_BIT, *extra), "dp=1", dataset, devices=jax.devices()[:1])
+    )
     got = run_steps(tiny_config(*EIGHT_BIT, *extra), mesh, dataset, devices=jax.devices()[:n])
     assert ref["loss"][-1] < ref["loss"][0] - 0.1, "the reference run should learn something"
     np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
@@ -55,11 +65,16 @@ def test_the_state_is_a_quarter_of_adamws_planned_and_held():
     base = load_config("configs/gpt2-tiny.yaml")
     eight = load_config("configs/gpt2-tiny.yaml", list(EIGHT_BIT))
     planned = [plan(c, {"fsdp": 2}, jax.devices()[:2])["opt_state_bytes"] for c in (base, eight)]
-    held = [sum(x.nbytes for x in jax.tree.leaves(build_step(c, {"dp": 1}, jax.devices()[:1])[1]["opt_state"]))
-            for c in (base, eight)]
+    held = [
+        sum(x.nbytes for x in jax.tree.leaves(build_step(c, {"dp": 1}, jax.devices()[:1])[1]["opt_state"]))
+        for c in (base, eight)
+    ]
     for adamw, ours in (planned, held):
         assert 0.25 < ours / adamw <= 0.3, (ours, adamw)
-    codes = [x for x in jax.tree.leaves(build_step(eight, {"dp": 1}, jax.devices()[:1])[1]["opt_state"])
-             if x.dtype == jnp.uint8]
+    codes = [
+        x
+        for x in jax.tree.leaves(build_step(eight, {"dp": 1}, jax.devices()[:1])[1]["opt_state"])
+        if x.dtype == jnp.uint8
+    ]
     assert sum(x.size for x in codes) > 0.95 * held[0] / 8  # nearly every moment value is a code
     assert all(x.size % adamw8bit.BLOCK == 0 for x in codes)

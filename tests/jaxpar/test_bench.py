@@ -1,4 +1,5 @@
 """bench, bench_collectives, report and profiling run on CPU (figures labelled CPU): the code paths are exercised."""
+
 import os
 
 from jaxpar.core.bench_records import HEADER, markdown_row
@@ -30,9 +31,19 @@ def test_report_draws_pngs(tmp_path, capsys):
 
     from jaxpar.tools import report
 
-    runs = [{"framework": "jaxpar", "mesh": f"dp={n}", "devices": n, "tokens_per_sec": 100.0 * n,
-             "mfu_ceiling": 0.1, "memory_gib": None, "device_kind": "cpu:cpu", "compute_dtype": "float32"}
-            for n in (1, 2, 4)]
+    runs = [
+        {
+            "framework": "jaxpar",
+            "mesh": f"dp={n}",
+            "devices": n,
+            "tokens_per_sec": 100.0 * n,
+            "mfu_ceiling": 0.1,
+            "memory_gib": None,
+            "device_kind": "cpu:cpu",
+            "compute_dtype": "float32",
+        }
+        for n in (1, 2, 4)
+    ]
     (tmp_path / "b.json").write_text(json.dumps(runs))
     assert report.main([str(tmp_path / "b.json"), "--out", str(tmp_path / "plots")]) == 0
     for name in ("throughput.png", "mfu.png", "memory.png", "scaling.png"):
@@ -50,9 +61,26 @@ def test_torchpar_bench_reports_the_same_fields(tmp_path):
     from tests.helpers import ROOT, TINY
 
     out = tmp_path / "t.json"
-    r = subprocess.run([sys.executable, "-m", "torchpar.tools.bench", "--backend", "none", "--steps", "2",
-                        "--warmup", "1", "--json", str(out), *TINY],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchpar.tools.bench",
+            "--backend",
+            "none",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            str(out),
+            *TINY,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     t = json.loads(out.read_text())
     assert t["framework"] == "torchpar" and t["device_kind"].startswith("cpu") and t["mfu_datasheet"] is None
@@ -69,10 +97,26 @@ def test_torchpar_collectives_bench_on_two_processes(tmp_path):
     from tests.helpers import ROOT, free_port
 
     out = tmp_path / "c.json"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        f"--master_port={free_port()}", "-m", "torchpar.tools.bench_collectives", "--max-mib", "0.02",
-                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+            "-m",
+            "torchpar.tools.bench_collectives",
+            "--max-mib",
+            "0.02",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(out.read_text())
     assert {x["op"] for x in rows} == {"all_reduce", "all_gather", "reduce_scatter", "ppermute"}
@@ -90,9 +134,24 @@ def test_profile_steps_write_traces(tmp_path):
     r = run_cli(tmp_path / "jax", dataset, "train.steps=4", "train.profile_steps=1:3")
     assert r.returncode == 0, r.stderr
     assert any(f.endswith(".xplane.pb") for _, _, fs in os.walk(tmp_path / "jax" / "profile") for f in fs)
-    r = subprocess.run([sys.executable, "-m", "torchpar.train", "--backend", "none", *TINY, f"data.dataset={dataset}",
-                        f"run.dir={tmp_path / 'torch'}", "train.steps=4", "train.profile_steps=1:3"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchpar.train",
+            "--backend",
+            "none",
+            *TINY,
+            f"data.dataset={dataset}",
+            f"run.dir={tmp_path / 'torch'}",
+            "train.steps=4",
+            "train.profile_steps=1:3",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "torch" / "profile" / "trace_rank0.json").stat().st_size > 0
     bad = run_cli(tmp_path / "bad", dataset, "train.profile_steps=3:1")
@@ -112,22 +171,44 @@ def test_sweep_and_scaling_report(tmp_path):
     from tests.helpers import ROOT, TINY
 
     rows_path = tmp_path / "rows.json"
-    cmd = [sys.executable, "-m", "jaxpar.tools.bench", "--mesh", "dp=1", "--mesh", "dp=2",
-           "--steps", "2", "--warmup", "1", "--json", str(rows_path), *TINY]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpar.tools.bench",
+        "--mesh",
+        "dp=1",
+        "--mesh",
+        "dp=2",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+        str(rows_path),
+        *TINY,
+    ]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     assert subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=300).returncode == 0
     rows = json.loads(rows_path.read_text())
     assert [(r["mesh"], r["devices"]) for r in rows] == [("dp=1", 1), ("dp=2", 2)]
     assert rows[0]["pipeline_bubble"] is None
-    out = subprocess.run([sys.executable, "-m", "jaxpar.tools.report", str(rows_path), "--out", str(tmp_path / "p"),
-                          "--scaling"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxpar.tools.report", str(rows_path), "--out", str(tmp_path / "p"), "--scaling"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     table = (tmp_path / "p" / "scaling.md").read_text()
     base = rows[0]["tokens_per_sec"]
     for r in rows:
         speedup = r["tokens_per_sec"] / base
-        assert f"| jaxpar {r['mesh']} float32 | {r['devices']} | {r['tokens_per_sec']:,.0f} | {speedup:.2f}x | " \
-               f"{speedup / r['devices']:.0%} |" in table, table
+        assert (
+            f"| jaxpar {r['mesh']} float32 | {r['devices']} | {r['tokens_per_sec']:,.0f} | {speedup:.2f}x | "
+            f"{speedup / r['devices']:.0%} |" in table
+        ), table
     assert {"scaling.png", "efficiency.png", "throughput.png"} <= set(os.listdir(tmp_path / "p"))
 
 
@@ -144,11 +225,27 @@ def test_optimizer_bench_trains_two_optimizers_and_writes_its_tables(tmp_path):
 
     dataset = make_dataset(tmp_path / "tokens.bin")
     table = tmp_path / "table.md"
-    cmd = [sys.executable, "-m", "jaxpar.tools.bench_optimizers", "--sweep", "adamw=1e-2", "--sweep", "muon=1e-2",
-           "--out", str(tmp_path / "runs"), "--table", str(table), *TINY, f"data.dataset={dataset}", "train.steps=4",
-           "train.eval_every=2", "train.log_every=2"]
-    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
-                       timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpar.tools.bench_optimizers",
+        "--sweep",
+        "adamw=1e-2",
+        "--sweep",
+        "muon=1e-2",
+        "--out",
+        str(tmp_path / "runs"),
+        "--table",
+        str(table),
+        *TINY,
+        f"data.dataset={dataset}",
+        "train.steps=4",
+        "train.eval_every=2",
+        "train.log_every=2",
+    ]
+    r = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     text = table.read_text()
     for name in ("adamw", "muon"):

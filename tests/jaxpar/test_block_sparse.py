@@ -6,6 +6,7 @@ that ignoring the sparsity fails); torchpar's blocked sum and FlexAttention's bl
 form; both trainers from one weights file (the model's loss and gradients: tests/jaxpar/test_variants.py's twins); sp=2
 equal to one device; the compiled step's attention FLOPs against dense dilated attention's.
 """
+
 import warnings
 
 import jax
@@ -23,8 +24,13 @@ from torchpar.models import dilated as td
 PAIRS = ((16, 1), (32, 2), (64, 4))  # on 64 tokens: every pair's selected row holds 16 tokens, 8 blocks of 2
 SPARSE = BlockSparsity(0.25, 2, 0)  # 2 of a row's 8 blocks at most: a quarter of the dense scores
 # the model: 32 tokens, rows of 16 selected tokens in both pairs (8 blocks of 2)
-MODEL = ("data.seq_len=32", "model.attention=dilated", "model.segment_lengths=16,32", "model.dilation_rates=1,2",
-         "model.sparsity_block=2")
+MODEL = (
+    "data.seq_len=32",
+    "model.attention=dilated",
+    "model.segment_lengths=16,32",
+    "model.dilation_rates=1,2",
+    "model.sparsity_block=2",
+)
 SPARSE_MODEL = MODEL + ("model.sparsity_ratio=0.25",)
 
 
@@ -71,8 +77,13 @@ def _oracle(q, k, v, pairs, sp):
             for i, js in enumerate(blocks):
                 allowed[i, js[js >= 0]] = True
             chosen, blk = t % seg % r == h % r, t % seg // r // sp.block
-            count += ((t[:, None] // seg == t[None, :] // seg) & (t[None, :] <= t[:, None]) & chosen[:, None]
-                      & chosen[None, :] & allowed[blk[:, None], blk[None, :]])
+            count += (
+                (t[:, None] // seg == t[None, :] // seg)
+                & (t[None, :] <= t[:, None])
+                & chosen[:, None]
+                & chosen[None, :]
+                & allowed[blk[:, None], blk[None, :]]
+            )
         s = np.einsum("bqd,bkd->bqk", q[:, :, h], k[:, :, h]) / np.sqrt(D) + np.log(np.maximum(count, 1))
         s = np.where(count > 0, s, -np.inf)
         a = np.exp(s - s.max(-1, keepdims=True))
@@ -111,7 +122,7 @@ def test_torchpar_blocked_and_flex_attention_equal_jaxpar():
     np.testing.assert_array_equal(mask.to_dense()[0].numpy() > 0, dense_blocks(kept))
     full = torch.zeros(4, 8, 8, dtype=torch.bool)
     for h, i in np.ndindex(4, 8):
-        full[h, i, mask.full_kv_indices[0, h, i, :mask.full_kv_num_blocks[0, h, i]].long()] = True
+        full[h, i, mask.full_kv_indices[0, h, i, : mask.full_kv_num_blocks[0, h, i]].long()] = True
     np.testing.assert_array_equal(full.numpy(), dense_blocks(kept) & ~np.eye(8, dtype=bool))
 
 
@@ -139,8 +150,9 @@ def test_decoding_attends_the_same_blocks():
 def test_trainers_agree_from_torchpar_write_init(tmp_path, dataset):
     """torchpar.train --write-init, then both trainers from that file (model.init_from): 3 steps alike."""
     init, args = str(tmp_path / "init.safetensors"), [*SPARSE_MODEL, "train.steps=3", "checkpoint.every=0"]
-    torch_run = run_cli(tmp_path / "t", dataset, "--backend", "none", "--write-init", init, *args,
-                        module="torchpar.train")
+    torch_run = run_cli(
+        tmp_path / "t", dataset, "--backend", "none", "--write-init", init, *args, module="torchpar.train"
+    )
     assert torch_run.returncode == 0, torch_run.stderr[-3000:]
     for trainer in ("torchpar.train", "jaxpar.train"):
         extra = ("--backend", "none") if trainer == "torchpar.train" else ()
@@ -148,8 +160,9 @@ def test_trainers_agree_from_torchpar_write_init(tmp_path, dataset):
         assert r.returncode == 0, r.stderr[-3000:]
     t, j = metrics(tmp_path / "torchpar.train"), metrics(tmp_path / "jaxpar.train")
     np.testing.assert_allclose([j[s]["loss"] for s in (1, 2, 3)], [t[s]["loss"] for s in (1, 2, 3)], rtol=1e-5)
-    np.testing.assert_allclose([j[s]["grad_norm"] for s in (1, 2, 3)], [t[s]["grad_norm"] for s in (1, 2, 3)],
-                               rtol=1e-4)
+    np.testing.assert_allclose(
+        [j[s]["grad_norm"] for s in (1, 2, 3)], [t[s]["grad_norm"] for s in (1, 2, 3)], rtol=1e-4
+    )
 
 
 @pytest.mark.parametrize("axis", [1, 2], ids=["sequence", "heads"])
@@ -197,10 +210,14 @@ def test_attention_flops_of_the_step_are_a_quarter_of_dense():
     assert dense > 0 and sparse <= 0.35 * dense, (sparse, dense)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (("model.sparsity_block=3",), "model.sparsity_block=3"),  # rows of 16 tokens
-    (("model.dilation_rates=1,4", "model.sparsity_block=16"), "pair \\(32, 4\\)"),  # 16 and 8 tokens
-], ids=["block-3", "rate-4-block-16"])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (("model.sparsity_block=3",), "model.sparsity_block=3"),  # rows of 16 tokens
+        (("model.dilation_rates=1,4", "model.sparsity_block=16"), "pair \\(32, 4\\)"),  # 16 and 8 tokens
+    ],
+    ids=["block-3", "rate-4-block-16"],
+)
 def test_blocks_that_do_not_divide_a_row_are_refused(overrides, message):
     with pytest.raises(UserError, match=message):
         tiny_config(*SPARSE_MODEL, *overrides)

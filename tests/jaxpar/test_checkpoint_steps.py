@@ -2,6 +2,7 @@
 
 A step on disk that this run did not write or restore is refused and left as it was; the run's own step is saved once.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -3,6 +3,7 @@
 The same loss and gradients as the whole logits on one device and on every kind of mesh, and a step that never holds the
 whole float32 logits (the planner's peak for issue 50's command; the largest array the step makes).
 """
+
 import json
 import math
 import os
@@ -22,7 +23,7 @@ from jaxpar.models.decoder import Decoder
 from tests.helpers import ROOT, assert_params_close, make_sft_dataset, run_steps, tiny_config
 
 ISSUE_50 = ("model.vocab_size=50304", "data.seq_len=128", "train.global_batch_size=32")  # docs/benchmarks
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def rows(cfg, seed: int = 0) -> jax.Array:
@@ -38,9 +39,15 @@ def rows(cfg, seed: int = 0) -> jax.Array:
     return jnp.asarray(np.where(rng.random((B, T + 1)) < 0.3, ~tokens, tokens), jnp.int32)
 
 
-@pytest.mark.parametrize("overrides", [
-    (), ("model.family=llama", "model.n_kv_head=2", "model.tie_embeddings=false"),
-    ("model.moe_experts=4", "model.moe_aux_loss=0.01")], ids=["gpt2", "llama-untied", "moe"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (),
+        ("model.family=llama", "model.n_kv_head=2", "model.tie_embeddings=false"),
+        ("model.moe_experts=4", "model.moe_aux_loss=0.01"),
+    ],
+    ids=["gpt2", "llama-untied", "moe"],
+)
 def test_chunks_give_the_whole_logits_loss_and_gradients(overrides):
     """Loss masks, packed documents and the experts' balance loss (its statistics as well) as the whole logits."""
     cfg = tiny_config(*overrides)
@@ -49,13 +56,17 @@ def test_chunks_give_the_whole_logits_loss_and_gradients(overrides):
     def value_and_grads(n: int):
         cfg.model.loss_chunks = n  # the model reads its config as it is traced
         graphdef, params = nnx.split(model, nnx.Param)
-        out = jax.jit(jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch, eod=0), has_aux=bool(
-            cfg.model.moe_experts)))(params)
+        out = jax.jit(
+            jax.value_and_grad(
+                lambda p: loss_fn(nnx.merge(graphdef, p), batch, eod=0), has_aux=bool(cfg.model.moe_experts)
+            )
+        )(params)
         return jax.tree.map(np.asarray, (out[0], out[1].to_pure_dict()))
 
     (whole, grads), (got, got_grads) = value_and_grads(1), value_and_grads(4)
-    np.testing.assert_allclose(got[0] if cfg.model.moe_experts else got, whole[0] if cfg.model.moe_experts else whole,
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        got[0] if cfg.model.moe_experts else got, whole[0] if cfg.model.moe_experts else whole, rtol=1e-6
+    )
     if cfg.model.moe_experts:  # the experts' statistics are the layers' own
         np.testing.assert_array_equal(got[1], whole[1])
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(grads)):
@@ -75,8 +86,9 @@ def test_torchpar_chunks_as_jaxpar_does():
     graphdef, params = nnx.split(model, nnx.Param)
     loss, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch, eod=0))(params)
     twin = TorchDecoder(cfg.model, eod=0)
-    twin.load_state_dict(from_shared({k: np.asarray(v) for k, v in flatten(params.to_pure_dict()).items()},
-                                     cfg.model.n_layer))
+    twin.load_state_dict(
+        from_shared({k: np.asarray(v) for k, v in flatten(params.to_pure_dict()).items()}, cfg.model.n_layer)
+    )
     got = twin(*inputs_and_targets(torch.as_tensor(np.asarray(batch), dtype=torch.long)))
     got.backward()
     assert float(got) == pytest.approx(float(loss), rel=1e-6)
@@ -86,11 +98,21 @@ def test_torchpar_chunks_as_jaxpar_does():
 
 
 SFT = ("data.seq_len=16", "data.document_mask=true", "train.steps=3")
-MESHES = {"dp=2,tp=2": ("dp=2,tp=2", ()), "pp=2-1f1b": ("pp=2", ("parallel.pipeline_schedule=1f1b",)),
-          "pp=2-zb_v": ("pp=2", ("parallel.pipeline_schedule=zb_v", "model.n_layer=4", "train.global_batch_size=16",
-                                 "parallel.pipeline_microbatches=4")),
-          "sp=2-ring": ("sp=2", ("parallel.sequence_attention=ring",)),
-          "fsdp=2,ep=2-moe": ("fsdp=2,ep=2", ("model.moe_experts=4",))}
+MESHES = {
+    "dp=2,tp=2": ("dp=2,tp=2", ()),
+    "pp=2-1f1b": ("pp=2", ("parallel.pipeline_schedule=1f1b",)),
+    "pp=2-zb_v": (
+        "pp=2",
+        (
+            "parallel.pipeline_schedule=zb_v",
+            "model.n_layer=4",
+            "train.global_batch_size=16",
+            "parallel.pipeline_microbatches=4",
+        ),
+    ),
+    "sp=2-ring": ("sp=2", ("parallel.sequence_attention=ring",)),
+    "fsdp=2,ep=2-moe": ("fsdp=2,ep=2", ("model.moe_experts=4",)),
+}
 
 
 @pytest.fixture(scope="module")
@@ -139,10 +161,19 @@ def test_the_issue_step_measures_under_1000_mib(tmp_path):
     The kernel's high-water mark of the resident set during the step, over the resident set before it, plus the
     state: under 1,000 MiB, and as planned within 5%.
     """
-    command = [sys.executable, "-m", "jaxpar.tools.step_memory", "--config", "configs/gpt2-tiny.yaml", *ISSUE_50,
-               "--json", str(tmp_path / "m.json")]
-    out = subprocess.run(command, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
-                         text=True, timeout=300)
+    command = [
+        sys.executable,
+        "-m",
+        "jaxpar.tools.step_memory",
+        "--config",
+        "configs/gpt2-tiny.yaml",
+        *ISSUE_50,
+        "--json",
+        str(tmp_path / "m.json"),
+    ]
+    out = subprocess.run(
+        command, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     measured = json.loads((tmp_path / "m.json").read_text())
     assert measured["peak_bytes"] < 1000 * MIB, measured

@@ -1,4 +1,5 @@
 """Weight conversion: HF GPT-2 <-> shared weight format <-> jaxpar checkpoint, bit-exact; HF logits match."""
+
 import json
 
 import numpy as np
@@ -15,8 +16,9 @@ torch = pytest.importorskip("torch")
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=97, n_positions=24, n_embd=32, n_layer=2, n_head=4,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(
+        vocab_size=97, n_positions=24, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     model = transformers.GPT2LMHeadModel(cfg).eval()
     with torch.no_grad():  # non-trivial biases and norms, so a mix-up would show
         for name, p in model.named_parameters():
@@ -28,8 +30,11 @@ def hf_dir(tmp_path_factory):
 
 
 def hf_tensors(path):
-    return {k.removeprefix("transformer."): v for k, v in load_file(str(path / "model.safetensors")).items()
-            if not k.startswith("lm_head")}
+    return {
+        k.removeprefix("transformer."): v
+        for k, v in load_file(str(path / "model.safetensors")).items()
+        if not k.startswith("lm_head")
+    }
 
 
 def test_hf_logits_match_jaxpar(hf_dir):
@@ -72,15 +77,18 @@ def test_convert_errors_are_one_line(tmp_path, capsys):
     assert "config.json is missing" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv,named", [
-    (["--from", "state", "a", "--to", "state", "b"], "the training state converts from"),
-    (["--from", "deepspeed", "a", "--to", "jaxpar", "b"], "a DeepSpeed run is read with --from torchpar"),
-    (["--from", "deepspeed", "a", "--to", "hf", "b"], "a DeepSpeed run is read with --from torchpar"),
-    (["--from", "jaxpar", "a", "--to", "torchpar", "b", "--zero-stage", "2"], "--zero-stage is for --to deepspeed"),
-    (["--from", "jaxpar", "a", "--to", "shared", "b", "--zero-stage", "2"], "--zero-stage is for --to deepspeed"),
-    (["--from", "state", "missing.safetensors", "--to", "torchpar", "b"], "training-state file not found"),
-    (["--from", "jaxpar", "a", "--to", "deepspeed", "held"], "held already holds checkpoints; refusing to mix"),
-])
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        (["--from", "state", "a", "--to", "state", "b"], "the training state converts from"),
+        (["--from", "deepspeed", "a", "--to", "jaxpar", "b"], "a DeepSpeed run is read with --from torchpar"),
+        (["--from", "deepspeed", "a", "--to", "hf", "b"], "a DeepSpeed run is read with --from torchpar"),
+        (["--from", "jaxpar", "a", "--to", "torchpar", "b", "--zero-stage", "2"], "--zero-stage is for --to deepspeed"),
+        (["--from", "jaxpar", "a", "--to", "shared", "b", "--zero-stage", "2"], "--zero-stage is for --to deepspeed"),
+        (["--from", "state", "missing.safetensors", "--to", "torchpar", "b"], "training-state file not found"),
+        (["--from", "jaxpar", "a", "--to", "deepspeed", "held"], "held already holds checkpoints; refusing to mix"),
+    ],
+)
 def test_whole_state_conversions_refused_in_one_line(argv, named, tmp_path, capsys, monkeypatch):
     """The last one fails in torchpar.tools.convert (a subprocess): its error line comes back as this one's."""
     monkeypatch.chdir(tmp_path)

@@ -5,6 +5,7 @@ end-of-document token) on every attention path -- one device, GSPMD dp/tp, each 
 GPipe's forward (evaluation on a pipeline), the KV-cache decoder -- and in torchpar; training (and evaluation) on a mesh
 equals one device; the settings that cannot honour it are refused in one line.
 """
+
 import math
 
 import jax
@@ -34,8 +35,11 @@ from torchpar.models.decoder import Decoder as TorchDecoder
 from torchpar.weights import from_shared
 
 EOD = 0  # the byte tokenizer's end-of-document token
-VARIANTS = {"gpt2": (), "llama": ("model.family=llama", "model.n_kv_head=2"),
-            "mla": ("model.attention=mla", "model.q_latent_dim=16", "model.kv_latent_dim=8", "model.rope_head_dim=4")}
+VARIANTS = {
+    "gpt2": (),
+    "llama": ("model.family=llama", "model.n_kv_head=2"),
+    "mla": ("model.attention=mla", "model.q_latent_dim=16", "model.kv_latent_dim=8", "model.rope_head_dim=4"),
+}
 
 
 def packed_documents(seed: int):
@@ -75,7 +79,7 @@ def test_each_document_of_a_packed_row_reads_as_if_alone(variant):
 def layout_logits(cfg, mesh: str, params, batch) -> np.ndarray:
     """The packed rows' logits computed under a layout's parallel context (zig-zag order undone)."""
     sizes = parse_mesh(mesh)
-    layout = Layout(cfg, make_mesh(sizes, jax.devices()[:math.prod(sizes.values())]))
+    layout = Layout(cfg, make_mesh(sizes, jax.devices()[: math.prod(sizes.values())]))
     graphdef, order = abstract_model(cfg.model)[0], token_order(cfg, layout.mesh, batch.shape[1] - 1)
 
     @jax.jit
@@ -85,15 +89,25 @@ def layout_logits(cfg, mesh: str, params, batch) -> np.ndarray:
             out = nnx.merge(graphdef, params)(rows.inputs, rows.positions, rows.segments)
         return out if order is None else out[:, np.argsort(order)]
 
-    return np.asarray(logits(jax.device_put(params, layout.device_shardings["params"]),
-                             jax.device_put(jnp.asarray(batch), layout.batch_sharding)))
+    return np.asarray(
+        logits(
+            jax.device_put(params, layout.device_shardings["params"]),
+            jax.device_put(jnp.asarray(batch), layout.batch_sharding),
+        )
+    )
 
 
-@pytest.mark.parametrize("mesh,overrides", [
-    ("dp=2,tp=2", ()), ("sp=2", ("parallel.sequence_attention=ring",)),
-    ("sp=2", ("parallel.sequence_attention=all_gather",)), ("sp=2", ("parallel.sequence_attention=ulysses",)),
-    ("sp=2", ("parallel.sequence_attention=ring", "parallel.sequence_zigzag=false"))],
-    ids=["dp=2,tp=2", "sp=2-ring", "sp=2-all_gather", "sp=2-ulysses", "sp=2-ring-natural-order"])
+@pytest.mark.parametrize(
+    "mesh,overrides",
+    [
+        ("dp=2,tp=2", ()),
+        ("sp=2", ("parallel.sequence_attention=ring",)),
+        ("sp=2", ("parallel.sequence_attention=all_gather",)),
+        ("sp=2", ("parallel.sequence_attention=ulysses",)),
+        ("sp=2", ("parallel.sequence_attention=ring", "parallel.sequence_zigzag=false")),
+    ],
+    ids=["dp=2,tp=2", "sp=2-ring", "sp=2-all_gather", "sp=2-ulysses", "sp=2-ring-natural-order"],
+)
 def test_sharded_attention_keeps_documents_apart(mesh, overrides):
     cfg, model, (_, params) = model_and_params("llama", *overrides)
     batch, docs = batch_of_packed_rows()
@@ -104,15 +118,18 @@ def test_sharded_attention_keeps_documents_apart(mesh, overrides):
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
 def test_pipeline_stages_keep_documents_apart(schedule):
     """The executor's loss of packed rows is the cross-entropy of each document's own logits."""
-    cfg, model, (_, params) = model_and_params("gpt2", "model.n_layer=4", f"parallel.pipeline_schedule={schedule}",
-                                               "parallel.pipeline_microbatches=2")
+    cfg, model, (_, params) = model_and_params(
+        "gpt2", "model.n_layer=4", f"parallel.pipeline_schedule={schedule}", "parallel.pipeline_microbatches=2"
+    )
     batch, docs = batch_of_packed_rows(4)
     want = float(cross_entropy(jnp.asarray(alone(model, docs)), jnp.asarray(batch[:, 1:])))
     layout = Layout(cfg, make_mesh({"pp": 2}, jax.devices()[:2]))
     value_and_grad, context = loss_and_grad(layout)
     with use(context):
-        loss, _ = jax.jit(value_and_grad)(jax.device_put(params, layout.device_shardings["params"]),
-                                          jax.device_put(jnp.asarray(batch), layout.batch_sharding))
+        loss, _ = jax.jit(value_and_grad)(
+            jax.device_put(params, layout.device_shardings["params"]),
+            jax.device_put(jnp.asarray(batch), layout.batch_sharding),
+        )
     np.testing.assert_allclose(float(loss), want, rtol=1e-6)
     unmasked = float(cross_entropy(model(jnp.asarray(batch[:, :-1])), jnp.asarray(batch[:, 1:])))
     assert abs(unmasked - want) > 1e-4  # the check above could tell a pipeline that ignored the mask
@@ -146,8 +163,9 @@ def test_decoding_inside_a_packed_row_continues_the_last_document_alone(variant)
     packed, own = np.r_[a, b][None].astype(np.int32), b[None].astype(np.int32)
     generate = make_generate(graphdef, EOD)
     want = np.asarray(generate(params, jnp.asarray(own), jax.random.key(0), new_tokens=24))
-    np.testing.assert_array_equal(np.asarray(generate(params, jnp.asarray(packed), jax.random.key(0), new_tokens=24)),
-                                  want)
+    np.testing.assert_array_equal(
+        np.asarray(generate(params, jnp.asarray(packed), jax.random.key(0), new_tokens=24)), want
+    )
     unmasked = make_generate(graphdef)(params, jnp.asarray(packed), jax.random.key(0), new_tokens=24)
     assert not np.array_equal(np.asarray(unmasked), want)
     twin = torch_twin(cfg, model)
@@ -162,18 +180,30 @@ def documents_data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_device(documents_data):
-    return run_steps(tiny_config("data.document_mask=true", "train.steps=20"), "dp=1", documents_data,
-                     devices=jax.devices()[:1])
+    return run_steps(
+        tiny_config("data.document_mask=true", "train.steps=20"), "dp=1", documents_data, devices=jax.devices()[:1]
+    )
 
 
-@pytest.mark.parametrize("mesh,overrides", [
-    ("dp=2,tp=2", ()), ("pp=2", ("parallel.pipeline_schedule=1f1b",)), ("sp=2", ("parallel.sequence_attention=ring",)),
-    ("sp=2", ("parallel.sequence_attention=all_gather",)), ("sp=2", ("parallel.sequence_attention=ulysses",))],
-    ids=["dp=2,tp=2", "pp=2-1f1b", "sp=2-ring", "sp=2-all_gather", "sp=2-ulysses"])
+@pytest.mark.parametrize(
+    "mesh,overrides",
+    [
+        ("dp=2,tp=2", ()),
+        ("pp=2", ("parallel.pipeline_schedule=1f1b",)),
+        ("sp=2", ("parallel.sequence_attention=ring",)),
+        ("sp=2", ("parallel.sequence_attention=all_gather",)),
+        ("sp=2", ("parallel.sequence_attention=ulysses",)),
+    ],
+    ids=["dp=2,tp=2", "pp=2-1f1b", "sp=2-ring", "sp=2-all_gather", "sp=2-ulysses"],
+)
 def test_masked_training_on_a_mesh_equals_one_device(mesh, overrides, documents_data, one_device):
     n = math.prod(parse_mesh(mesh).values())
-    got = run_steps(tiny_config("data.document_mask=true", "train.steps=20", *overrides), mesh, documents_data,
-                    devices=jax.devices()[:n])
+    got = run_steps(
+        tiny_config("data.document_mask=true", "train.steps=20", *overrides),
+        mesh,
+        documents_data,
+        devices=jax.devices()[:n],
+    )
     np.testing.assert_allclose(got["loss"], one_device["loss"], rtol=1e-5)
     # the key bias has no true gradient (softmax ignores it): Adam moves it by rounding noise alone
     got_p, ref_p = (split_key_bias(p) for p in (got["params"], one_device["params"]))
@@ -183,35 +213,51 @@ def test_masked_training_on_a_mesh_equals_one_device(mesh, overrides, documents_
 
 # 4 layers: interleaved and ZB-V run two chunks a stage on pp=2; 16 rows in 4 microbatches, more than the fewest every
 # split divides (pp=2,dp=2: 2 rows of each microbatch on each data rank)
-DEEP = ("data.document_mask=true", "model.n_layer=4", "optim.lr=3e-3", "optim.min_lr=3e-4", "train.steps=6",
-        "train.global_batch_size=16", "parallel.pipeline_microbatches=4")
+DEEP = (
+    "data.document_mask=true",
+    "model.n_layer=4",
+    "optim.lr=3e-3",
+    "optim.min_lr=3e-4",
+    "train.steps=6",
+    "train.global_batch_size=16",
+    "parallel.pipeline_microbatches=4",
+)
 HAND_SCHEDULED = {"1f1b": (), "interleaved": ("parallel.pipeline_virtual_stages=2",), "zb_h1": (), "zb_v": ()}
 
 
 def evaluated(cfg, mesh: str, flat_params: dict) -> float:
     """The eval step's loss (on a pipeline layout: GPipe's forward) of parameters on packed rows of short documents."""
     sizes = parse_mesh(mesh)
-    layout = Layout(cfg, make_mesh(sizes, jax.devices()[:math.prod(sizes.values())]))
+    layout = Layout(cfg, make_mesh(sizes, jax.devices()[: math.prod(sizes.values())]))
     batch = batch_of_packed_rows(cfg.train.global_batch_size)[0]
-    return float(make_eval_step(layout)(jax.device_put(unflatten(flat_params), layout.device_shardings["params"]),
-                                        jax.device_put(jnp.asarray(batch), layout.batch_sharding)))
+    return float(
+        make_eval_step(layout)(
+            jax.device_put(unflatten(flat_params), layout.device_shardings["params"]),
+            jax.device_put(jnp.asarray(batch), layout.batch_sharding),
+        )
+    )
 
 
 @pytest.fixture(scope="module")
 def deep_one_device(documents_data):
     """The masked one-device run and its evaluation; the unmasked run's losses and evaluation."""
-    run = lambda *extra: run_steps(tiny_config(*DEEP, *extra), "dp=1", documents_data,
-                                   devices=jax.devices()[:1])
+    run = lambda *extra: run_steps(tiny_config(*DEEP, *extra), "dp=1", documents_data, devices=jax.devices()[:1])
     masked = run()
     evaluate = lambda *extra: evaluated(tiny_config(*DEEP, *extra), "dp=1", masked["params"])
-    return {**masked, "eval": evaluate(), "unmasked": run("data.document_mask=false")["loss"],
-            "eval_unmasked": evaluate("data.document_mask=false")}
+    return {
+        **masked,
+        "eval": evaluate(),
+        "unmasked": run("data.document_mask=false")["loss"],
+        "eval_unmasked": evaluate("data.document_mask=false"),
+    }
 
 
-@pytest.mark.parametrize("mesh,schedule", [
-    (mesh, schedule) for mesh in ("pp=2", "pp=2,dp=2") for schedule in HAND_SCHEDULED])
-def test_masked_training_and_evaluation_on_each_hand_scheduled_pipeline_equal_one_device(mesh, schedule,
-                                                                                       documents_data, deep_one_device):
+@pytest.mark.parametrize(
+    "mesh,schedule", [(mesh, schedule) for mesh in ("pp=2", "pp=2,dp=2") for schedule in HAND_SCHEDULED]
+)
+def test_masked_training_and_evaluation_on_each_hand_scheduled_pipeline_equal_one_device(
+    mesh, schedule, documents_data, deep_one_device
+):
     """What a run on the schedule computes.
 
     Each step's loss and the parameters (on the executor: each microbatch's positions and segment ids ride with its
@@ -223,7 +269,7 @@ def test_masked_training_and_evaluation_on_each_hand_scheduled_pipeline_equal_on
     assert np.max(np.abs(np.subtract(ref["unmasked"], ref["loss"]))) > 1e-3
     assert abs(ref["eval_unmasked"] - ref["eval"]) > 1e-4  # (rel=1e-5 below: ~5e-5)
     cfg = tiny_config(*DEEP, f"parallel.pipeline_schedule={schedule}", *HAND_SCHEDULED[schedule])
-    got = run_steps(cfg, mesh, documents_data, devices=jax.devices()[:math.prod(parse_mesh(mesh).values())])
+    got = run_steps(cfg, mesh, documents_data, devices=jax.devices()[: math.prod(parse_mesh(mesh).values())])
     np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
     got_p, ref_p = (split_key_bias(p) for p in (got["params"], ref["params"]))
     for name in (k for k in ref_p if k != "blocks.attn.qkv.bias[key]"):  # the key bias: see the test above
@@ -231,10 +277,14 @@ def test_masked_training_and_evaluation_on_each_hand_scheduled_pipeline_equal_on
     assert evaluated(cfg, mesh, got["params"]) == pytest.approx(ref["eval"], rel=1e-5)
 
 
-@pytest.mark.parametrize("overrides,trainer,backend,mesh", [
-    (("model.attention=dilated", "model.segment_lengths=8,16", "model.dilation_rates=1,2"), "jaxpar", "", {}),
-    (("parallel.pipeline_schedule=gpipe",), "jaxpar", "", {"pp": 2}),  # GPipe (auto picks another: documents)
-    ((), "torchpar", "pipeline", {"pp": 2})])
+@pytest.mark.parametrize(
+    "overrides,trainer,backend,mesh",
+    [
+        (("model.attention=dilated", "model.segment_lengths=8,16", "model.dilation_rates=1,2"), "jaxpar", "", {}),
+        (("parallel.pipeline_schedule=gpipe",), "jaxpar", "", {"pp": 2}),  # GPipe (auto picks another: documents)
+        ((), "torchpar", "pipeline", {"pp": 2}),
+    ],
+)
 def test_where_documents_cannot_be_kept_apart_the_setting_is_refused(overrides, trainer, backend, mesh):
     cfg = tiny_config("data.document_mask=true", *overrides)
     with pytest.raises(UserError, match=r"^data.document_mask=true .*") as e:

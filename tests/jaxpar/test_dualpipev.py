@@ -3,6 +3,7 @@
 One chunk's forward and another microbatch's whole backward of the other chunk in one tick, chunks placed in a V as
 zb_v's, reproduces the single-device float32 run.
 """
+
 import jax
 import numpy as np
 import pytest
@@ -19,8 +20,9 @@ def reference(dataset):
     return run_steps(tiny_config(*DEEPER), "dp=1", dataset, devices=jax.devices()[:1])
 
 
-@pytest.mark.parametrize("mesh,n,remat", [("pp=2", 2, "none"), pytest.param("pp=4", 4, "none", marks=pytest.mark.slow),
-                                          ("pp=2", 2, "full")])
+@pytest.mark.parametrize(
+    "mesh,n,remat", [("pp=2", 2, "none"), pytest.param("pp=4", 4, "none", marks=pytest.mark.slow), ("pp=2", 2, "full")]
+)
 def test_dualpipev_matches_single_device(mesh, n, remat, dataset, reference):
     """DualPipeV's backward passes sum to one device's gradients.
 

@@ -1,4 +1,5 @@
 """The GPU fast paths that can be checked on a CPU: XLA's GPU options, cuDNN attention's fallback message."""
+
 import os
 import subprocess
 import sys
@@ -13,8 +14,13 @@ from jaxpar.xla_flags import GPU_FLAGS, with_gpu_flags
 
 def _start_jax(xla_flags: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-c", "import jax; print(jax.numpy.ones(2).sum())"], env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", "import jax; print(jax.numpy.ones(2).sum())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_gpu_flags_are_options_this_xla_knows_and_the_users_own_win():
@@ -53,8 +59,10 @@ def test_cpu_projection_has_autodiffs_gradients_from_an_untransposed_weight_grad
     shapes: [b,t,d] @ [d,3,h,k] (qkv) and [b,t,h,k] @ [h,k,d] (out, two contracted dims).
     """
     keys = jax.random.split(jax.random.key(0), 4)
-    cases = [(jax.random.normal(keys[0], (2, 5, 8)), jax.random.normal(keys[1], (8, 3, 2, 4)), 1),
-             (jax.random.normal(keys[2], (2, 5, 2, 4)), jax.random.normal(keys[3], (2, 4, 8)), 2)]
+    cases = [
+        (jax.random.normal(keys[0], (2, 5, 8)), jax.random.normal(keys[1], (8, 3, 2, 4)), 1),
+        (jax.random.normal(keys[2], (2, 5, 2, 4)), jax.random.normal(keys[3], (2, 4, 8)), 2),
+    ]
     for x, w, n_in in cases:
         mine = jax.value_and_grad(lambda x, w: jnp.sin(ops.project(x, w, n_in)).sum(), (0, 1))
         autodiff = jax.value_and_grad(lambda x, w: jnp.sin(jnp.tensordot(x, w, n_in)).sum(), (0, 1))
@@ -87,13 +95,15 @@ def test_cli_relaunches_itself_once_with_huge_pages_unless_the_user_set_glibc_tu
 
     (tmp_path / "probe.py").write_text(
         "import os; print('start', flush=True); from jaxpar.core.run.malloc import relaunch_with_huge_pages; "
-        "relaunch_with_huge_pages('probe'); print(repr(os.environ.get('GLIBC_TUNABLES')))\n")
+        "relaunch_with_huge_pages('probe'); print(repr(os.environ.get('GLIBC_TUNABLES')))\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), os.getcwd(), env.get("PYTHONPATH", "")])
 
     def probe(*how, **extra):
-        ran = subprocess.run([sys.executable, *how], env={**env, **extra}, capture_output=True, text=True,
-                             timeout=60, cwd=tmp_path)
+        ran = subprocess.run(
+            [sys.executable, *how], env={**env, **extra}, capture_output=True, text=True, timeout=60, cwd=tmp_path
+        )
         assert ran.returncode == 0, ran.stderr
         return ran.stdout.split()
 
@@ -115,8 +125,14 @@ def test_the_clis_relaunch_before_anything_imports_jax():
     root = pathlib.Path(__file__).resolve().parents[2]
     for module in ("jaxpar.train", "jaxpar.tools.bench", "jaxpar.tools.bench_checkpoint"):
         body = ast.parse((root / (module.replace(".", "/") + ".py")).read_text()).body
-        body = [n for n in body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
-                and not (isinstance(n, ast.ImportFrom) and n.module == "__future__")]
+        body = [
+            n
+            for n in body
+            if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
+            and not (isinstance(n, ast.ImportFrom) and n.module == "__future__")
+        ]
         first = ast.unparse(body[0])
-        assert first.startswith("if __name__ == '__main__':") and f"relaunch_with_huge_pages('{module}')" in first, \
-            (module, first)
+        assert first.startswith("if __name__ == '__main__':") and f"relaunch_with_huge_pages('{module}')" in first, (
+            module,
+            first,
+        )

@@ -5,6 +5,7 @@ steps grow it, the scaler resumes exactly after SIGKILL, layouts agree with one 
 (docs/parity.md), refusals are one line.
 jaxpar vs torchpar float16 trajectories: parity_tests (configs/parity/float16.yaml).
 """
+
 import math
 import os
 import signal
@@ -33,12 +34,12 @@ def fp16_reference(dataset):
 @pytest.mark.parametrize("mesh", ["dp=8", "fsdp=8", "dp=2,tp=4"])
 def test_float16_layout_matches_single_device(mesh, dataset, fp16_reference):
     ref = fp16_reference
-    got = run_steps(tiny_config(*FP16), mesh, dataset, devices=jax.devices()[:math.prod(parse_mesh(mesh).values())])
+    got = run_steps(tiny_config(*FP16), mesh, dataset, devices=jax.devices()[: math.prod(parse_mesh(mesh).values())])
     assert ref["loss"][-1] < ref["loss"][0] - 0.1, "the reference run should learn something"
     np.testing.assert_allclose(got["loss"], ref["loss"], rtol=LOSS_RTOL)
     np.testing.assert_allclose(got["grad_norm"], ref["grad_norm"], rtol=GNORM_RTOL)
     diff = np.sqrt(sum(np.sum((got["params"][k] - v) ** 2) for k, v in ref["params"].items()))
-    assert diff / np.sqrt(sum(np.sum(v ** 2) for v in ref["params"].values())) < PARAM_RTOL
+    assert diff / np.sqrt(sum(np.sum(v**2) for v in ref["params"].values())) < PARAM_RTOL
 
 
 def test_float16_is_not_float32_under_another_name(fp16_reference, reference):
@@ -65,8 +66,9 @@ def test_overflow_skips_exactly_that_update_and_halves_the_scale(dataset):
     before = jax.device_get(state)
     state, m = make_train_step(layout, inject_overflow=True)(state, device_batch(data, 0, layout.batch_sharding))
     after = jax.device_get(state)
-    for a, b in zip(jax.tree.leaves((before["params"], before["opt_state"])),
-                    jax.tree.leaves((after["params"], after["opt_state"]))):
+    for a, b in zip(
+        jax.tree.leaves((before["params"], before["opt_state"])), jax.tree.leaves((after["params"], after["opt_state"]))
+    ):
         np.testing.assert_array_equal(a, b)
     assert (float(m["loss_scale"]), int(m["skipped_steps"]), float(after["loss_scale"]["scale"])) == (1024, 1, 512)
     assert not math.isfinite(float(m["grad_norm"])) and math.isfinite(float(m["loss"]))
@@ -74,6 +76,7 @@ def test_overflow_skips_exactly_that_update_and_halves_the_scale(dataset):
     changed = jax.device_get(state)
     assert float(m["loss_scale"]) == 512 and float(changed["loss_scale"]["scale"]) == 1024
     from jaxpar.core.optimizer.lr_schedule import lr_at
+
     assert np.isclose(float(m["lr"]), lr_at(0, cfg.optim, cfg.train.steps))  # the schedule counts applied updates
     assert not np.array_equal(changed["params"]["wte"], after["params"]["wte"])
 
@@ -96,8 +99,9 @@ def _overflow_run_resumes_exactly(tmp_path, dataset, args, prefix: str, module: 
     assert [m[s]["skipped_steps"] for s in range(1, 13)] == [0, 0] + [1] * 10
     assert [m[s]["loss_scale"] for s in range(1, 13)] == SCALES
     assert m[4]["lr"] == m[3]["lr"]  # the skipped update did not advance the schedule
-    killed = run_cli(tmp_path / "k", dataset, *args, env={**fault, f"{prefix}_FAULT_KILL_AFTER_STEP": "6"},
-                     module=module)
+    killed = run_cli(
+        tmp_path / "k", dataset, *args, env={**fault, f"{prefix}_FAULT_KILL_AFTER_STEP": "6"}, module=module
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert sorted(os.listdir(tmp_path / "k" / "checkpoints")) == ["4"]
     resumed = run_cli(tmp_path / "k", dataset, *args, module=module)
@@ -114,10 +118,13 @@ def test_float16_run_with_an_overflow_resumes_exactly_after_sigkill(dataset, tmp
     assert "scale 32768" in full.stdout and "skipped 1" in full.stdout  # the console line
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (("optim.loss_scale_init=1024",), "optim.loss_scale_init applies to model.compute_dtype=float16 only"),
-    ((*FP16, "optim.loss_scale_min=4096", "optim.loss_scale_init=1024"), "optim.loss_scale_min=4096.0 exceeds"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (("optim.loss_scale_init=1024",), "optim.loss_scale_init applies to model.compute_dtype=float16 only"),
+        ((*FP16, "optim.loss_scale_min=4096", "optim.loss_scale_init=1024"), "optim.loss_scale_min=4096.0 exceeds"),
+    ],
+)
 def test_loss_scale_refusals_are_one_line(overrides, message):
     with pytest.raises(UserError, match=message):
         tiny_config(*overrides)
@@ -137,6 +144,7 @@ def test_resume_may_not_switch_into_float16(tmp_path):
 
 # --- torchpar: torch.amp.GradScaler with the same keys and rule -----------------------------------------
 
+
 def test_torchpar_overflow_skips_exactly_that_update_and_halves_the_scale(tmp_path):
     import torch
 
@@ -144,8 +152,7 @@ def test_torchpar_overflow_skips_exactly_that_update_and_halves_the_scale(tmp_pa
     from torchpar import backends, dist
     from torchpar.models.decoder import Decoder
 
-    cfg = tiny_config(*FP16, "optim.loss_scale_growth_interval=1", "optim.loss_scale_init=1024",
-                      f"run.dir={tmp_path}")
+    cfg = tiny_config(*FP16, "optim.loss_scale_growth_interval=1", "optim.loss_scale_init=1024", f"run.dir={tmp_path}")
     model = Decoder(cfg.model)
     model.init_weights(0)
     engine = backends.build("none", model, cfg, dist.init(False, 60.0))
@@ -168,11 +175,14 @@ def test_torchpar_float16_overflow_run_resumes_exactly_after_sigkill(dataset, tm
     _overflow_run_resumes_exactly(tmp_path, dataset, ("--backend", "none", *RUN), "TORCHPAR", "torchpar.train")
 
 
-@pytest.mark.parametrize("backend,overrides,message", [
-    ("deepspeed", FP16, "accelerator has no float16 support on this machine"),
-    ("deepspeed", (*FP16, "optim.loss_scale_init=1000"), "DeepSpeed's loss scaler grows x2"),
-    ("pipeline", FP16, "runs on --backend none, ddp, fsdp or deepspeed, not pipeline"),
-])
+@pytest.mark.parametrize(
+    "backend,overrides,message",
+    [
+        ("deepspeed", FP16, "accelerator has no float16 support on this machine"),
+        ("deepspeed", (*FP16, "optim.loss_scale_init=1000"), "DeepSpeed's loss scaler grows x2"),
+        ("pipeline", FP16, "runs on --backend none, ddp, fsdp or deepspeed, not pipeline"),
+    ],
+)
 def test_torchpar_float16_refusals_are_one_line(backend, overrides, message, dataset, tmp_path):
     if "no float16 support" in message and deepspeed_cpu_has_float16():
         pytest.skip("this CPU has oneDNN float16 kernels: DeepSpeed's CPU accelerator runs float16 here")
@@ -181,10 +191,13 @@ def test_torchpar_float16_refusals_are_one_line(backend, overrides, message, dat
     assert message in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("section,message", [
-    ({"activation_checkpointing": {"partition_activations": True}}, "recomputes blocks by model.remat"),
-    ({"fp16": {"enabled": True}}, "enables fp16, but model.compute_dtype=float32"),
-])
+@pytest.mark.parametrize(
+    "section,message",
+    [
+        ({"activation_checkpointing": {"partition_activations": True}}, "recomputes blocks by model.remat"),
+        ({"fp16": {"enabled": True}}, "enables fp16, but model.compute_dtype=float32"),
+    ],
+)
 def test_deepspeed_json_that_contradicts_the_shared_keys_is_refused(section, message, tmp_path):
     """A DeepSpeed section that contradicts the shared keys is refused in one line.
 

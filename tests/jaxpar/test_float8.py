@@ -4,6 +4,7 @@ Each projection multiplies float8 copies of its input and weight (e4m3, tensorwi
 e5m2 copy of its output gradient. On a CPU XLA upcasts the float8 operands (emulated): the numbers are float8's, the
 speed is not.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,12 +34,17 @@ def test_a_projection_is_float8s_product_forward_and_backward():
 
     exact, ours = grads(False), grads(True)
     # the same products of the float8 copies, computed here in float32 from to_float8's values and scales
-    (x8, sx), (w8, sw), (dy8, sdy) = (to_float8(x, jnp.float8_e4m3fn), to_float8(w, jnp.float8_e4m3fn),
-                                      to_float8(dy, jnp.float8_e5m2))
+    (x8, sx), (w8, sw), (dy8, sdy) = (
+        to_float8(x, jnp.float8_e4m3fn),
+        to_float8(w, jnp.float8_e4m3fn),
+        to_float8(dy, jnp.float8_e5m2),
+    )
     up = lambda t: t.astype(jnp.float32)
-    expected = (jnp.tensordot(up(x8), up(w8), 1) * sx * sw,
-                jnp.tensordot(up(dy8), up(w8), ((2, 3), (1, 2))) * sdy * sw,
-                jnp.tensordot(up(x8), up(dy8), ((0, 1), (0, 1))) * sx * sdy)
+    expected = (
+        jnp.tensordot(up(x8), up(w8), 1) * sx * sw,
+        jnp.tensordot(up(dy8), up(w8), ((2, 3), (1, 2))) * sdy * sw,
+        jnp.tensordot(up(x8), up(dy8), ((0, 1), (0, 1))) * sx * sdy,
+    )
     for got, want, full in zip(ours, expected, exact):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
         err = float(jnp.linalg.norm(got - full) / jnp.linalg.norm(full))
@@ -62,5 +68,6 @@ def test_one_device_layouts_and_the_setting_acts(dataset, reference):
 
 def test_the_split_backward_schedules_refuse_it():
     with pytest.raises(UserError, match="does not run model.float8"):
-        build_step(tiny_config(*FLOAT8_ON, "model.n_layer=4", "parallel.pipeline_schedule=zb_h1"), {"pp": 2},
-                   jax.devices()[:2])
+        build_step(
+            tiny_config(*FLOAT8_ON, "model.n_layer=4", "parallel.pipeline_schedule=zb_h1"), {"pp": 2}, jax.devices()[:2]
+        )

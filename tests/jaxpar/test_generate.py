@@ -4,6 +4,7 @@ The KV-cache loop emits exactly what re-running the whole forward pass would (on
 variant, jaxpar and torchpar, and during training), sampling is reproducible from its seed, top_p keeps exactly the
 nucleus, and a converted Hugging Face GPT-2 decodes as transformers does.
 """
+
 import os
 import subprocess
 import sys
@@ -34,10 +35,21 @@ VARIANTS = {
     "mla": ("model.attention=mla", "model.q_latent_dim=16", "model.kv_latent_dim=8", "model.rope_head_dim=4"),
     "dilated": ("model.attention=dilated", "model.segment_lengths=4,8,16", "model.dilation_rates=1,2,4"),
     "sketched": ("model.linear=sketched", "model.sketch_ratio=0.5"),
-    "llama_dilated": ("model.family=llama", "model.n_kv_head=1", "model.d_ff=48", "model.attention=dilated",
-                      "model.segment_lengths=4,8,16", "model.dilation_rates=1,2,4"),
-    "dilated_sparse": ("model.attention=dilated", "model.segment_lengths=8,16,32", "model.dilation_rates=1,2,4",
-                       "model.sparsity_ratio=0.5", "model.sparsity_block=2"),  # rows of 8: 4 blocks, 2 kept at most
+    "llama_dilated": (
+        "model.family=llama",
+        "model.n_kv_head=1",
+        "model.d_ff=48",
+        "model.attention=dilated",
+        "model.segment_lengths=4,8,16",
+        "model.dilation_rates=1,2,4",
+    ),
+    "dilated_sparse": (
+        "model.attention=dilated",
+        "model.segment_lengths=8,16,32",
+        "model.dilation_rates=1,2,4",
+        "model.sparsity_ratio=0.5",
+        "model.sparsity_block=2",
+    ),  # rows of 8: 4 blocks, 2 kept at most
 }
 ROW = ("data.seq_len=32",)
 
@@ -45,7 +57,7 @@ ROW = ("data.seq_len=32",)
 def model_on(mesh: str, *overrides: str):
     """The tiny model with large random weights (so greedy decoding does not settle on one token)."""
     cfg = tiny_config("model.init_std=0.5", *overrides)
-    layout = Layout(cfg, make_mesh(parse_mesh(mesh), jax.devices()[:int(mesh.split("=")[1])]))
+    layout = Layout(cfg, make_mesh(parse_mesh(mesh), jax.devices()[: int(mesh.split("=")[1])]))
     return layout, abstract_model(cfg.model)[0], init_state(layout)["params"]
 
 
@@ -75,7 +87,7 @@ def continue_by_forward(next_token, prompt: list[int], length: int, new: int | N
     end = length if new is None else len(prompt) + new
     for n in range(len(prompt) - 1, end - 1):
         row[n + 1] = next_token(row, n)
-    return row[len(prompt):end]
+    return row[len(prompt) : end]
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -127,8 +139,9 @@ def _assert_samples_of(run_dir, train_out: str, generate_out: str, logits_at, dr
 def _run(module: str, *args: str) -> subprocess.CompletedProcess:
     from tests.helpers import torch_env
 
-    r = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=torch_env(), capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, env=torch_env(), capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 
@@ -157,8 +170,13 @@ def test_samples_during_training_come_from_the_trained_model(variant, dataset, t
     params = restore_params(str(tmp_path), Layout(cfg, make_mesh({"dp": 1}, jax.devices()[:1])))
     graphdef, key = abstract_model(cfg.model)[0], jax.random.key(2)
     forward = jax.jit(lambda p, t, n: nnx.merge(graphdef, p)(t)[:, n])
-    _assert_samples_of(tmp_path, train.stdout, generate.stdout, lambda row, n: forward(params, jnp.asarray([row]), n),
-                       lambda logits, i: int(sample(logits, jax.random.fold_in(key, i), 0.8, 40, 1.0)[0]))
+    _assert_samples_of(
+        tmp_path,
+        train.stdout,
+        generate.stdout,
+        lambda row, n: forward(params, jnp.asarray([row]), n),
+        lambda logits, i: int(sample(logits, jax.random.fold_in(key, i), 0.8, 40, 1.0)[0]),
+    )
 
 
 @pytest.mark.parametrize("variant", SAMPLED)
@@ -172,15 +190,32 @@ def test_torchpar_samples_during_training_come_from_the_trained_model(variant, d
     from tests.helpers import TINY
 
     weights = str(tmp_path / "final.safetensors")
-    train = _run("torchpar.train", "--backend", "none", *TINY, *ROW, *VARIANTS[variant], f"data.dataset={dataset}",
-                 f"run.dir={tmp_path}", "train.steps=2", "train.sample_every=2", "--write-final", weights)
+    train = _run(
+        "torchpar.train",
+        "--backend",
+        "none",
+        *TINY,
+        *ROW,
+        *VARIANTS[variant],
+        f"data.dataset={dataset}",
+        f"run.dir={tmp_path}",
+        "train.steps=2",
+        "train.sample_every=2",
+        "--write-final",
+        weights,
+    )
     generate = _run("torchpar.generate", "--run", str(tmp_path), *GREEDY_FROM_RUN)
     model = Decoder(tiny_config(*ROW, *VARIANTS[variant]).model).eval()
     model.load_state_dict(from_shared(read_weights(weights), model.cfg.n_layer))
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
-        _assert_samples_of(tmp_path, train.stdout, generate.stdout, lambda row, n: model(torch.tensor([row]))[:, n],
-                           lambda logits, i: int(sample(logits, generator, 0.8, 40, 1.0)[0]))
+        _assert_samples_of(
+            tmp_path,
+            train.stdout,
+            generate.stdout,
+            lambda row, n: model(torch.tensor([row]))[:, n],
+            lambda logits, i: int(sample(logits, generator, 0.8, 40, 1.0)[0]),
+        )
 
 
 def test_sampling_is_reproducible_from_its_seed():
@@ -239,20 +274,38 @@ def test_converted_hugging_face_gpt2_decodes_as_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     from jaxpar.tools.convert import read
 
-    config = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=4,
-                                     initializer_range=0.5)
+    config = transformers.GPT2Config(
+        vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=4, initializer_range=0.5
+    )
     torch.manual_seed(0)
     hf_model = transformers.GPT2LMHeadModel(config).eval()
     hf_model.save_pretrained(tmp_path / "hf")
     prompt = "def f(x):"
     with torch.no_grad():
-        want = hf_model.generate(torch.tensor([list(prompt.encode())]), max_new_tokens=20, do_sample=False,
-                                 pad_token_id=0)[0, len(prompt):].tolist()
+        want = hf_model.generate(
+            torch.tensor([list(prompt.encode())]), max_new_tokens=20, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :].tolist()
     assert len(set(want)) > 3, want
     save_weights(str(tmp_path / "w.safetensors"), unflatten(read("hf", str(tmp_path / "hf"))[0]))
-    out = subprocess.run([sys.executable, "-m", "jaxpar.generate", "--weights", str(tmp_path / "w.safetensors"),
-                          "--prompt", prompt, "--max-new-tokens", "20", "--temperature", "0"],
-                         cwd=ROOT, capture_output=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxpar.generate",
+            "--weights",
+            str(tmp_path / "w.safetensors"),
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "20",
+            "--temperature",
+            "0",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout == (prompt + bytes(want).decode("utf-8", "replace") + "\n").encode(), (out.stdout, want)
 
@@ -272,9 +325,26 @@ def test_jaxpar_and_torchpar_decode_the_same_tokens(tmp_path):
     layout, _, params = model_on("dp=1")
     weights = str(tmp_path / "w.safetensors")
     save_weights(weights, jax.device_get(params))
-    outs = [subprocess.run([sys.executable, "-m", f"{side}.generate", "--weights", weights, "--prompt", "def f(x):",
-                            "--temperature", "0"], cwd=ROOT, capture_output=True,
-                           timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"}) for side in ("jaxpar", "torchpar")]
+    outs = [
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                f"{side}.generate",
+                "--weights",
+                weights,
+                "--prompt",
+                "def f(x):",
+                "--temperature",
+                "0",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            timeout=300,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
+        for side in ("jaxpar", "torchpar")
+    ]
     assert outs[0].returncode == outs[1].returncode == 0, (outs[0].stderr, outs[1].stderr)
     assert outs[0].stdout == outs[1].stdout and len(set(outs[0].stdout)) > 5, outs[0].stdout
 

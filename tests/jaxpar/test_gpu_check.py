@@ -1,4 +1,5 @@
 """The GPU validation command runs end to end on the CPU (--tiny), so that it works when a GPU session comes."""
+
 import json
 import os
 import subprocess
@@ -9,12 +10,25 @@ from tests.helpers import ROOT
 
 def test_gpu_check_tiny_writes_its_report(tmp_path):
     out = tmp_path / "report.md"
-    r = subprocess.run([sys.executable, "-m", "jaxpar.tools.gpu_check", "--tiny", "--out", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    r = subprocess.run(
+        [sys.executable, "-m", "jaxpar.tools.gpu_check", "--tiny", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report, res = out.read_text(), json.loads(out.with_suffix(".json").read_text())
-    for heading in ("(a) Parity suite", "(b) Throughput", "(b2) Profile", "(c) Attention", "(d) Matmul ceiling",
-                    "(e) Activation offload", "(f) Larger models"):
+    for heading in (
+        "(a) Parity suite",
+        "(b) Throughput",
+        "(b2) Profile",
+        "(c) Attention",
+        "(d) Matmul ceiling",
+        "(e) Activation offload",
+        "(f) Larger models",
+    ):
         assert heading in report, report
     assert res["parity"]["counts"] == {"passed": 1}, res["parity"]["tail"]  # float32, jaxpar vs torchpar
     assert res["throughput"]["jaxpar"]["tokens_per_sec"] > 0 and res["throughput"]["ratio"] > 0

@@ -5,6 +5,7 @@ is the plain step on every layout (so its scatter dimensions and axes are right)
 rounding only. With pp (every schedule) each stage's gradients are compressed over dp as dp alone compresses them, bf16
 and PowerSGD.
 """
+
 import math
 
 import jax
@@ -19,9 +20,14 @@ from tests.helpers import assert_params_close, run_steps, tiny_config
 
 BF16 = "parallel.grad_compression=bf16"
 # ZeRO-3 on dp=2,fsdp=2: a gradient scattered over two data axes in one dimension (("fsdp", "dp"))
-MESHES = [("fsdp=8", ()), ("dp=2,fsdp=2,tp=2", ()), ("dp=2,fsdp=2", ("parallel.zero_stage=2",)),
-          ("dp=2,fsdp=2", ("parallel.zero_stage=3",)),
-          ("dp=4,tp=2", ("parallel.zero_stage=3",)), ("dp=2", ("train.microbatches=2",))]
+MESHES = [
+    ("fsdp=8", ()),
+    ("dp=2,fsdp=2,tp=2", ()),
+    ("dp=2,fsdp=2", ("parallel.zero_stage=2",)),
+    ("dp=2,fsdp=2", ("parallel.zero_stage=3",)),
+    ("dp=4,tp=2", ("parallel.zero_stage=3",)),
+    ("dp=2", ("train.microbatches=2",)),
+]
 
 
 def run(mesh: str, dataset, *extra: str) -> dict:
@@ -47,8 +53,10 @@ def test_bf16_moves_the_run_by_its_rounding_only(dataset, reference):
 
 def distance(got: dict, ref: dict) -> float:
     """The parameters' relative distance (assert_params_close's norm)."""
-    return float(np.sqrt(sum(np.sum((got[k] - v) ** 2) for k, v in ref.items())) /
-                 np.sqrt(sum(np.sum(v ** 2) for v in ref.values())))
+    return float(
+        np.sqrt(sum(np.sum((got[k] - v) ** 2) for k, v in ref.items()))
+        / np.sqrt(sum(np.sum(v**2) for v in ref.values()))
+    )
 
 
 PIPELINE = ("model.n_layer=4", "parallel.powersgd_warmup_steps=2", "train.steps=3")  # PowerSGD from step 3 on
@@ -62,13 +70,23 @@ def dp_alone(method: str, dataset) -> dict:
     (parallel.pipeline_microbatches' default, 2 per stage), so that both compress float32 gradients summed alike.
     """
     if method not in _dp_alone:
-        _dp_alone[method] = run("dp=2", dataset, *PIPELINE, f"parallel.grad_compression={method}",
-                                "train.microbatches=4")
+        _dp_alone[method] = run(
+            "dp=2", dataset, *PIPELINE, f"parallel.grad_compression={method}", "train.microbatches=4"
+        )
     return _dp_alone[method]
 
 
-@pytest.mark.parametrize("method,schedule", [("bf16", "gpipe"), ("powersgd", "gpipe"), ("bf16", "1f1b"),
-                                             ("powersgd", "interleaved"), ("powersgd", "zb_h1"), ("bf16", "zb_v")])
+@pytest.mark.parametrize(
+    "method,schedule",
+    [
+        ("bf16", "gpipe"),
+        ("powersgd", "gpipe"),
+        ("bf16", "1f1b"),
+        ("powersgd", "interleaved"),
+        ("powersgd", "zb_h1"),
+        ("bf16", "zb_v"),
+    ],
+)
 def test_compression_with_a_pipeline_is_dp_alone_compressed(method, schedule, dataset):
     """dp=2,pp=2 compresses each stage's gradients over dp: the dp=2 run's numbers.
 
@@ -77,9 +95,14 @@ def test_compression_with_a_pipeline_is_dp_alone_compressed(method, schedule, da
     the bf16 cast or PowerSGD's projection), while compression itself moves them 1.4e-3 (bf16) and 2e-2 (PowerSGD)
     from the plain step's.
     """
-    got = run("dp=2,pp=2", dataset, *PIPELINE, f"parallel.grad_compression={method}",
-              f"parallel.pipeline_schedule={schedule}",
-              *(["parallel.pipeline_virtual_stages=2"] if schedule == "interleaved" else []))
+    got = run(
+        "dp=2,pp=2",
+        dataset,
+        *PIPELINE,
+        f"parallel.grad_compression={method}",
+        f"parallel.pipeline_schedule={schedule}",
+        *(["parallel.pipeline_virtual_stages=2"] if schedule == "interleaved" else []),
+    )
     want, plain = dp_alone(method, dataset), dp_alone("none", dataset)
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
     assert distance(got["params"], want["params"]) < 1e-5
@@ -93,13 +116,20 @@ def test_hand_scheduled_pipelines_refuse_sharded_parameters(mesh, extra, dataset
     One line (gpipe runs it, and auto picks gpipe).
     """
     with pytest.raises(UserError, match="pipeline_schedule=1f1b does not run parameters sharded over fsdp or ZeRO-3"):
-        run_steps(tiny_config(BF16, "model.n_layer=4", "parallel.pipeline_schedule=1f1b", *extra), mesh, dataset,
-                  devices=jax.devices()[:4])
+        run_steps(
+            tiny_config(BF16, "model.n_layer=4", "parallel.pipeline_schedule=1f1b", *extra),
+            mesh,
+            dataset,
+            devices=jax.devices()[:4],
+        )
 
 
-@pytest.mark.parametrize("mesh,setting,named", [
-    ("sp=2,dp=2", BF16, "sp with it is not built"),
-])
+@pytest.mark.parametrize(
+    "mesh,setting,named",
+    [
+        ("sp=2,dp=2", BF16, "sp with it is not built"),
+    ],
+)
 def test_what_jaxpar_does_not_run_is_refused(mesh, setting, named, dataset):
     with pytest.raises(UserError, match=named):
         run_steps(tiny_config(setting), mesh, dataset, devices=jax.devices()[:4])

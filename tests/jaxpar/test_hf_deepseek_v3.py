@@ -3,6 +3,7 @@
 A small random transformers model is the oracle for logits and greedy tokens, through --from hf and back through --to
 hf; what the format cannot hold is refused in one line.
 """
+
 import json
 
 import jax
@@ -15,11 +16,31 @@ from tests.helpers import assert_both_frameworks_give_hf_answers, assert_hf_roun
 
 # every DeepSeek-V3 part at once: latent attention with interleaved rotary features, a dense first layer, sigmoid
 # group-limited routing (4 groups, the best 2 kept), a shared expert, the routed scale, the choice's bias
-CONFIG = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
-              routed_scaling_factor=2.5, kv_lora_rank=12, q_lora_rank=20, qk_rope_head_dim=4, v_head_dim=8,
-              qk_nope_head_dim=8, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
-              norm_topk_prob=True, max_position_embeddings=32, rope_theta=500.0, tie_word_embeddings=False)
+CONFIG = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=1,
+    n_routed_experts=8,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=12,
+    q_lora_rank=20,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    qk_nope_head_dim=8,
+    n_group=4,
+    topk_group=2,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    max_position_embeddings=32,
+    rope_theta=500.0,
+    tie_word_embeddings=False,
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,16 +64,37 @@ def test_hf_deepseek_v3_logits_and_greedy_tokens_match_both_frameworks(hf_deepse
 
     path, tokens, want, greedy = hf_deepseek
     flat, model = read("hf", str(path))
-    assert {k: model[k] for k in ("attention", "moe_first_dense", "moe_experts", "moe_shared_experts", "moe_router",
-                                  "moe_n_group", "moe_topk_group", "moe_routed_scale", "moe_router_bias")} == \
-        dict(attention="mla", moe_first_dense=1, moe_experts=8, moe_shared_experts=1, moe_router="sigmoid",
-             moe_n_group=4, moe_topk_group=2, moe_routed_scale=2.5, moe_router_bias=True)
+    assert {
+        k: model[k]
+        for k in (
+            "attention",
+            "moe_first_dense",
+            "moe_experts",
+            "moe_shared_experts",
+            "moe_router",
+            "moe_n_group",
+            "moe_topk_group",
+            "moe_routed_scale",
+            "moe_router_bias",
+        )
+    } == dict(
+        attention="mla",
+        moe_first_dense=1,
+        moe_experts=8,
+        moe_shared_experts=1,
+        moe_router="sigmoid",
+        moe_n_group=4,
+        moe_topk_group=2,
+        moe_routed_scale=2.5,
+        moe_router_bias=True,
+    )
     cfg = load_config(None, [f"model.{k}={v}" for k, v in model.items()] + ["data.seq_len=24"]).model
     assert_both_frameworks_give_hf_answers(flat, cfg, tokens, want, greedy, "DeepSeek-V3")
 
 
 def test_deepseek_v3_round_trip_through_a_jaxpar_run_is_bit_exact(hf_deepseek, tmp_path):
     import transformers
+
     assert_hf_round_trip_through_a_jaxpar_run(hf_deepseek, tmp_path, transformers.DeepseekV3ForCausalLM)
 
 
@@ -77,14 +119,22 @@ def test_ours_to_hf_gives_our_logits_and_greedy_tokens(tmp_path):
     cfg = tiny_config(*DEEPSEEK).model
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
     rng = np.random.default_rng(0)  # norms near 1, the bias 0.2 wide: it changes choices
-    flat = {k: ((1.0 + 0.3 * rng.standard_normal(v.shape)) if k.endswith("scale") else
-                (0.2 if k.endswith("bias") else 0.08) * rng.standard_normal(v.shape)).astype(np.float32)
-            for k, v in flatten(nnx.to_pure_dict(state)).items()}
+    flat = {
+        k: (
+            (1.0 + 0.3 * rng.standard_normal(v.shape))
+            if k.endswith("scale")
+            else (0.2 if k.endswith("bias") else 0.08) * rng.standard_normal(v.shape)
+        ).astype(np.float32)
+        for k, v in flatten(nnx.to_pure_dict(state)).items()
+    }
     hf_deepseek_v3.shared_to_hf(flat, str(tmp_path), _settings(cfg))
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 16))
     with jax.default_matmul_precision("highest"):
-        ours = np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(
-            unflatten({k: jnp.asarray(v) for k, v in flat.items()}), jnp.asarray(tokens)))
+        ours = np.asarray(
+            jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(
+                unflatten({k: jnp.asarray(v) for k, v in flat.items()}), jnp.asarray(tokens)
+            )
+        )
     hf = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         theirs = hf(torch.as_tensor(tokens)).logits.numpy()
@@ -92,14 +142,20 @@ def test_ours_to_hf_gives_our_logits_and_greedy_tokens(tmp_path):
     torch_model = TorchDecoder(cfg)
     torch_model.load_state_dict(from_shared(flat, cfg.n_layer))
     with torch.no_grad():
-        np.testing.assert_allclose(torch_model(torch.as_tensor(tokens)).numpy(), theirs,
-                                   atol=1e-5 * max(np.max(np.abs(theirs)), 1.0))
+        np.testing.assert_allclose(
+            torch_model(torch.as_tensor(tokens)).numpy(), theirs, atol=1e-5 * max(np.max(np.abs(theirs)), 1.0)
+        )
         greedy = hf.generate(torch.as_tensor(tokens[:1, :6]), max_new_tokens=8, do_sample=False)[:, 6:].tolist()
     assert len(set(greedy[0])) > 1, greedy  # a degenerate continuation would prove little
     assert generate(torch_model.eval(), torch.as_tensor(tokens[:1, :6]), 8).tolist() == greedy
     with jax.default_matmul_precision("highest"):
-        ours = make_generate(graphdef)(unflatten({k: jnp.asarray(v) for k, v in flat.items()}),
-                                       jnp.asarray(tokens[:1, :6]), jax.random.key(0), new_tokens=8, temperature=0.0)
+        ours = make_generate(graphdef)(
+            unflatten({k: jnp.asarray(v) for k, v in flat.items()}),
+            jnp.asarray(tokens[:1, :6]),
+            jax.random.key(0),
+            new_tokens=8,
+            temperature=0.0,
+        )
     assert np.asarray(ours).tolist() == greedy
 
 
@@ -115,8 +171,12 @@ def test_de_interleaved_hf_weights_read_the_same(hf_deepseek, tmp_path):
     from jaxpar.tools.convert import read
 
     path, tokens, want, _ = hf_deepseek
-    raw, k, r, h = load_file(str(path / "model.safetensors")), CONFIG["qk_nope_head_dim"], CONFIG["qk_rope_head_dim"], \
-        CONFIG["num_attention_heads"]
+    raw, k, r, h = (
+        load_file(str(path / "model.safetensors")),
+        CONFIG["qk_nope_head_dim"],
+        CONFIG["qk_rope_head_dim"],
+        CONFIG["num_attention_heads"],
+    )
     halves = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])
     for name, w in raw.items():
         if name.endswith("q_b_proj.weight"):  # [heads x (nope + rope), q_lora]: each head's rope rows
@@ -136,28 +196,58 @@ def test_de_interleaved_hf_weights_read_the_same(hf_deepseek, tmp_path):
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
-DEEPSEEK = ("model.family=llama", "model.attention=mla", "model.n_layer=3", "model.moe_first_dense=1",
-            "model.d_ff=40", "model.moe_experts=8", "model.moe_d_ff=16", "model.moe_shared_experts=2",
-            "model.moe_router=sigmoid", "model.moe_n_group=2", "model.moe_topk_group=1", "model.moe_top_k=3",
-            "model.moe_routed_scale=1.5", "model.moe_router_bias=true", "model.layernorm_eps=1e-6",
-            "model.q_latent_dim=24", "model.kv_latent_dim=16", "model.rope_head_dim=8", "model.rope_theta=300.0",
-            "model.tie_embeddings=true", "model.vocab_size=64")
+DEEPSEEK = (
+    "model.family=llama",
+    "model.attention=mla",
+    "model.n_layer=3",
+    "model.moe_first_dense=1",
+    "model.d_ff=40",
+    "model.moe_experts=8",
+    "model.moe_d_ff=16",
+    "model.moe_shared_experts=2",
+    "model.moe_router=sigmoid",
+    "model.moe_n_group=2",
+    "model.moe_topk_group=1",
+    "model.moe_top_k=3",
+    "model.moe_routed_scale=1.5",
+    "model.moe_router_bias=true",
+    "model.layernorm_eps=1e-6",
+    "model.q_latent_dim=24",
+    "model.kv_latent_dim=16",
+    "model.rope_head_dim=8",
+    "model.rope_theta=300.0",
+    "model.tie_embeddings=true",
+    "model.vocab_size=64",
+)
 
 
 def _settings(cfg) -> dict:
     from jaxpar.core.weights.names import SETTINGS
+
     return {k: getattr(cfg, k) for k in SETTINGS}
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500.0,
-                          "original_max_position_embeddings": 8}}, "rope type 'yarn'"),
-    ({"q_lora_rank": None}, "q_lora_rank null"),
-    ({"v_head_dim": 4}, "v_head_dim=4"),
-    ({"rms_norm_eps": 1e-5}, "rms_norm_eps=1e-05"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "rope_theta": 500.0,
+                    "original_max_position_embeddings": 8,
+                }
+            },
+            "rope type 'yarn'",
+        ),
+        ({"q_lora_rank": None}, "q_lora_rank null"),
+        ({"v_head_dim": 4}, "v_head_dim=4"),
+        ({"rms_norm_eps": 1e-5}, "rms_norm_eps=1e-05"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
+    ],
+)
 def test_what_our_model_cannot_hold_is_refused_in_one_line(hf_deepseek, tmp_path, change, message):
     from jaxpar.formats import hf_deepseek_v3
 
@@ -168,12 +258,15 @@ def test_what_our_model_cannot_hold_is_refused_in_one_line(hf_deepseek, tmp_path
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("extra,message", [
-    (("model.moe_router=softmax", "model.moe_n_group=1", "model.moe_topk_group=1"), "moe_router=softmax"),
-    (("model.layernorm_eps=1e-5",), "layernorm_eps=1e-05"),
-    (("model.moe_capacity_factor=1.0",), "moe_capacity_factor"),
-    (("model.mtp_depth=1",), "model.mtp_depth>0"),  # multi-token prediction's modules (mtp.*) beside the model's
-])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (("model.moe_router=softmax", "model.moe_n_group=1", "model.moe_topk_group=1"), "moe_router=softmax"),
+        (("model.layernorm_eps=1e-5",), "layernorm_eps=1e-05"),
+        (("model.moe_capacity_factor=1.0",), "moe_capacity_factor"),
+        (("model.mtp_depth=1",), "model.mtp_depth>0"),  # multi-token prediction's modules (mtp.*) beside the model's
+    ],
+)
 def test_what_hf_cannot_hold_is_refused_in_one_line(tmp_path, extra, message):
     from flax import nnx
 
@@ -198,8 +291,13 @@ def test_the_deepseek_configs_build_with_their_documented_counts():
     small = load_config(f"{ROOT}/configs/deepseek-v3-small.yaml").model
     assert (count_params(small)["total"], count_params(small, active=True)["total"]) == (680_494_272, 178_750_656)
     tiny = load_config(f"{ROOT}/configs/deepseek-v3-tiny.yaml").model
-    assert (tiny.family, tiny.attention, tiny.moe_first_dense, tiny.moe_router, tiny.moe_n_group) == \
-        ("llama", "mla", 1, "sigmoid", 4)
+    assert (tiny.family, tiny.attention, tiny.moe_first_dense, tiny.moe_router, tiny.moe_n_group) == (
+        "llama",
+        "mla",
+        1,
+        "sigmoid",
+        4,
+    )
 
 
 @pytest.mark.slow
@@ -223,9 +321,23 @@ def test_the_tiny_config_trains_and_its_run_converts_to_hf(tmp_path):
     from tests.helpers import ROOT
 
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "jaxpar.train", "--config", "configs/deepseek-v3-tiny.yaml",
-                        "train.steps=2", "train.eval_every=0", f"run.dir={run}"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxpar.train",
+            "--config",
+            "configs/deepseek-v3-tiny.yaml",
+            "train.steps=2",
+            "train.eval_every=0",
+            f"run.dir={run}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     flat, model = convert.read("jaxpar", str(run))
     assert np.abs(flat["blocks.moe.router.bias"]).max() > 0
@@ -234,8 +346,9 @@ def test_the_tiny_config_trains_and_its_run_converts_to_hf(tmp_path):
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 32))
     with jax.default_matmul_precision("highest"):
-        ours = np.asarray(nnx.merge(graphdef, unflatten({k: jnp.asarray(v) for k, v in flat.items()}))(
-            jnp.asarray(tokens)))
+        ours = np.asarray(
+            nnx.merge(graphdef, unflatten({k: jnp.asarray(v) for k, v in flat.items()}))(jnp.asarray(tokens))
+        )
     hf = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         theirs = hf(torch.as_tensor(tokens)).logits.numpy()

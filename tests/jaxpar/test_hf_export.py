@@ -3,6 +3,7 @@
 `--to hf` writes the run's tokenizer and its end-of-document id, so transformers' pipeline decodes what jaxpar.generate
 decodes and AutoTokenizer gives the project's token ids.
 """
+
 import json
 
 import jax
@@ -34,8 +35,10 @@ def make_run(tmp_path, name: str, *overrides: str) -> str:
     rng = np.random.default_rng(0)
     shapes = flatten(abstract_model(tiny_config("model.n_layer=1", *overrides).model)[2])
     weights, run = str(tmp_path / f"{name}.safetensors"), str(tmp_path / name)
-    flat = {k: np.ones(v.shape, np.float32) if k.endswith("scale") else rng.normal(0, 0.5, v.shape).astype(np.float32)
-            for k, v in shapes.items()}  # norms as initialised, the rest as model.init_std=0.5 would
+    flat = {
+        k: np.ones(v.shape, np.float32) if k.endswith("scale") else rng.normal(0, 0.5, v.shape).astype(np.float32)
+        for k, v in shapes.items()
+    }  # norms as initialised, the rest as model.init_std=0.5 would
     save_weights(weights, unflatten(flat))
     assert convert.main(["--from", "shared", weights, "--to", "jaxpar", run]) == 0
     return run
@@ -67,15 +70,16 @@ def test_byte_level_run_exports_a_ready_pipeline(tmp_path, monkeypatch, capsys):
     assert {k: config[k] for k in ids} == ids
 
     pipe = transformers.pipeline("text-generation", model=str(out), device="cpu")
-    greedy = lambda **how: pipe(PROMPT, do_sample=False, max_new_tokens=NEW, return_tensors=True,
-                                **how)[0]["generated_token_ids"][len(PROMPT.encode()):]
+    greedy = lambda **how: pipe(PROMPT, do_sample=False, max_new_tokens=NEW, return_tensors=True, **how)[0][
+        "generated_token_ids"
+    ][len(PROMPT.encode()) :]
     want = jaxpar_greedy(run, monkeypatch)
     assert len(set(want)) > 3, want  # a degenerate continuation would prove little
     assert greedy(eos_token_id=None) == want
     # jaxpar.generate decodes all NEW tokens; transformers stops after the end-of-document token 0, which these
     # weights decode early
     assert 0 in want[:-1], want
-    assert greedy() == want[:want.index(0) + 1]
+    assert greedy() == want[: want.index(0) + 1]
 
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, len(tok)) == (0, 0, 0, 256)
@@ -86,7 +90,7 @@ def test_byte_level_run_exports_a_ready_pipeline(tmp_path, monkeypatch, capsys):
         assert tok(text)["input_ids"] == encode(text) == list(text.encode()), text
         assert tok.decode(encode(text)) == text
     batch = tok(TEXTS[:2], padding=True)["input_ids"]
-    assert batch[1][len(TEXTS[1].encode()):] == [0] * (len(batch[0]) - len(TEXTS[1].encode()))
+    assert batch[1][len(TEXTS[1].encode()) :] == [0] * (len(batch[0]) - len(TEXTS[1].encode()))
 
     # an HF source keeps its own tokenizer and ids, converted in place too (read before the weights are written)
     assert convert.main(["--from", "hf", str(out), "--to", "hf", str(out)]) == 0
@@ -112,7 +116,8 @@ def test_bpe_run_exports_its_tokenizer_and_end_of_document_id(tmp_path, capsys):
     assert convert.main(["--from", "jaxpar", run, "--to", "hf", str(out)]) == 0
     eod = eod_token(path)
     assert json.loads((out / "generation_config.json").read_text()) == dict.fromkeys(
-        ("bos_token_id", "eos_token_id", "pad_token_id"), eod)
+        ("bos_token_id", "eos_token_id", "pad_token_id"), eod
+    )
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert (tok.eos_token, tok.eos_token_id, tok.pad_token_id) == ("<|endoftext|>", eod, eod)
     encode, decode = text_codec(path)
@@ -128,24 +133,42 @@ def test_bpe_run_exports_its_tokenizer_and_end_of_document_id(tmp_path, capsys):
     assert generate.load(args)[2] == str(out / "tokenizer.json")
     assert convert.main(["--from", "hf", str(out), "--to", "jaxpar", str(tmp_path / "back")]) == 0
     assert json.loads((tmp_path / "back" / "config.json").read_text())["data"]["tokenizer"] == str(
-        out / "tokenizer.json")
+        out / "tokenizer.json"
+    )
 
     # the same weights from a shared file name no tokenizer: none is written (not the byte tokenizer's 256)
     capsys.readouterr()
     assert convert.main(["--from", "shared", str(tmp_path / "run.safetensors"), "--to", "hf", str(tmp_path / "x")]) == 0
-    assert f"no tokenizer written: the source names none, and its vocabulary has {size} tokens" in \
-        capsys.readouterr().out
+    assert (
+        f"no tokenizer written: the source names none, and its vocabulary has {size} tokens" in capsys.readouterr().out
+    )
     assert not (tmp_path / "x" / "tokenizer.json").exists()
     assert "eos_token_id" not in json.loads((tmp_path / "x" / "config.json").read_text())
-    assert convert.main(["--from", "shared", str(tmp_path / "run.safetensors"), "--to", "hf", str(tmp_path / "y"),
-                         "--tokenizer", path]) == 0
+    assert (
+        convert.main(
+            [
+                "--from",
+                "shared",
+                str(tmp_path / "run.safetensors"),
+                "--to",
+                "hf",
+                str(tmp_path / "y"),
+                "--tokenizer",
+                path,
+            ]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "y" / "generation_config.json").read_text())["eos_token_id"] == eod
 
 
-@pytest.mark.parametrize("argv,named", [
-    (["--to", "shared", "x.safetensors", "--tokenizer", "byte"], "--tokenizer is for --to hf"),
-    (["--to", "hf", "x", "--tokenizer", "missing.json"], "--tokenizer: tokenizer must be 'byte' or"),
-])
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        (["--to", "shared", "x.safetensors", "--tokenizer", "byte"], "--tokenizer is for --to hf"),
+        (["--to", "hf", "x", "--tokenizer", "missing.json"], "--tokenizer: tokenizer must be 'byte' or"),
+    ],
+)
 def test_tokenizer_refusals_are_one_line_and_write_nothing(argv, named, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run = make_run(tmp_path, "run")

@@ -1,4 +1,5 @@
 """The project's spine: every mesh (with its settings) reproduces the one-device float32 training run."""
+
 import math
 
 import jax
@@ -8,10 +9,17 @@ import pytest
 from tests.helpers import assert_params_close, run_steps, tiny_config
 from jaxpar.core.config.mesh_spec import parse_mesh
 
-MESHES = [("dp=8", ()), ("fsdp=8", ()), ("dp=2,tp=4", ()), ("dp=2,fsdp=2,tp=2", ()),
-           ("dp=4", ("parallel.zero_stage=1",)), ("dp=2,fsdp=2", ("parallel.zero_stage=2",)),
-           ("dp=4,tp=2", ("parallel.zero_stage=3",)),
-           ("dp=2,tp=4", ("model.remat=full",)), ("fsdp=2", ("model.remat=save_matmuls",))]
+MESHES = [
+    ("dp=8", ()),
+    ("fsdp=8", ()),
+    ("dp=2,tp=4", ()),
+    ("dp=2,fsdp=2,tp=2", ()),
+    ("dp=4", ("parallel.zero_stage=1",)),
+    ("dp=2,fsdp=2", ("parallel.zero_stage=2",)),
+    ("dp=4,tp=2", ("parallel.zero_stage=3",)),
+    ("dp=2,tp=4", ("model.remat=full",)),
+    ("fsdp=2", ("model.remat=save_matmuls",)),
+]
 IDS = [m + "".join(f",{e}" for e in x) for m, x in MESHES]
 
 

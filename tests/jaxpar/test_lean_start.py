@@ -3,6 +3,7 @@
 Importing the trainer loads no tool and no optional library, and before the first step the checks of each (config, mesh)
 and the automatic pipeline schedule's probe each run once.
 """
+
 import collections
 import json
 import os
@@ -12,8 +13,17 @@ import sys
 
 from tests.helpers import ROOT
 
-OPTIONAL = {"torch", "transformers", "matplotlib", "tensorboard", "tensorboardX", "wandb", "deepspeed", "tokenizers",
-            "pyarrow"}
+OPTIONAL = {
+    "torch",
+    "transformers",
+    "matplotlib",
+    "tensorboard",
+    "tensorboardX",
+    "wandb",
+    "deepspeed",
+    "tokenizers",
+    "pyarrow",
+}
 
 # In a fresh process: count the checks and the probe while `python -m jaxpar.train` resolves parallel.
 # pipeline_schedule=auto on pp=2, validates, builds its trainer and writes the initial weights (--write-init stops
@@ -47,8 +57,9 @@ print(json.dumps(counts))
 
 def test_importing_the_trainer_loads_no_tool_and_no_optional_library():
     code = "import sys, jaxpar.train; print(' '.join(sorted(sys.modules)))"
-    loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                            check=True).stdout.split()
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
     assert "jaxpar.train" in loaded
     assert not [m for m in loaded if m.startswith("jaxpar.tools")], "jaxpar.train loads the tools folder"
     assert not [m for m in loaded if m.split(".")[0] in OPTIONAL], "jaxpar.train loads an optional library"
@@ -56,8 +67,16 @@ def test_importing_the_trainer_loads_no_tool_and_no_optional_library():
 
 def test_the_checks_and_the_auto_schedules_probe_each_run_once(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    args = ["--config", "configs/gpt2-tiny.yaml", "--mesh", "pp=2", "--write-init", str(tmp_path / "init.safetensors"),
-            f"run.dir={tmp_path / 'run'}", "parallel.pipeline_schedule=auto"]
+    args = [
+        "--config",
+        "configs/gpt2-tiny.yaml",
+        "--mesh",
+        "pp=2",
+        "--write-init",
+        str(tmp_path / "init.safetensors"),
+        f"run.dir={tmp_path / 'run'}",
+        "parallel.pipeline_schedule=auto",
+    ]
     proc = subprocess.run([sys.executable, "-c", COUNT, *args], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = collections.Counter(json.loads(proc.stdout.strip().splitlines()[-1]))

@@ -6,6 +6,7 @@ frameworks, and the family's one-line refusals.
 jaxpar == torchpar loss and gradients: tests/jaxpar/test_variants.py ("llama", "llama_dilated"); trajectories:
 parity_tests (configs/parity/llama.yaml).
 """
+
 import json
 import math
 
@@ -24,11 +25,17 @@ from tests.helpers import assert_params_close, run_steps, tiny_config
 
 LLAMA = ("model.family=llama", "model.n_kv_head=2", "model.tie_embeddings=false", "model.d_ff=64")
 ONE_F_ONE_B = ("parallel.pipeline_schedule=1f1b",)
-MESHES = [("dp=2,tp=4", ()), ("pp=2,dp=2,tp=2", ONE_F_ONE_B), ("sp=4,dp=2", ()),
-          ("dp=8", ()), ("fsdp=8", ()), ("pp=2,dp=2,tp=2", ("parallel.pipeline_schedule=gpipe",)),
-          ("pp=2,dp=2", ("parallel.pipeline_schedule=interleaved", "parallel.pipeline_virtual_stages=2",
-                         "model.n_layer=4")),
-          ("sp=2,tp=2", ("parallel.sequence_attention=ulysses",)), ("dp=4,tp=2", ("parallel.zero_stage=3",))]
+MESHES = [
+    ("dp=2,tp=4", ()),
+    ("pp=2,dp=2,tp=2", ONE_F_ONE_B),
+    ("sp=4,dp=2", ()),
+    ("dp=8", ()),
+    ("fsdp=8", ()),
+    ("pp=2,dp=2,tp=2", ("parallel.pipeline_schedule=gpipe",)),
+    ("pp=2,dp=2", ("parallel.pipeline_schedule=interleaved", "parallel.pipeline_virtual_stages=2", "model.n_layer=4")),
+    ("sp=2,tp=2", ("parallel.sequence_attention=ulysses",)),
+    ("dp=4,tp=2", ("parallel.zero_stage=3",)),
+]
 _REFERENCES: dict = {}
 
 
@@ -39,8 +46,7 @@ def _reference(dataset, extra):
     return _REFERENCES[key]
 
 
-@pytest.mark.parametrize("mesh,extra", MESHES,
-                         ids=[m + "".join(f",{e.split('=')[1]}" for e in x) for m, x in MESHES])
+@pytest.mark.parametrize("mesh,extra", MESHES, ids=[m + "".join(f",{e.split('=')[1]}" for e in x) for m, x in MESHES])
 def test_llama_layout_matches_single_device(mesh, extra, dataset):
     """tp=4 with 2 kv heads: kv heads replicated over tp (indivisible), query heads split."""
     ref = _reference(dataset, extra)
@@ -54,13 +60,23 @@ def test_llama_layout_matches_single_device(mesh, extra, dataset):
 
 # --- Hugging Face LlamaForCausalLM <-> both frameworks -------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def hf_llama(tmp_path_factory):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                      rms_norm_eps=1e-6, rope_theta=500.0, tie_word_embeddings=False)
+    config = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=56,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        rms_norm_eps=1e-6,
+        rope_theta=500.0,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():  # norms away from 1 and large weights, so a mix-up (or a rotary permutation) would show
@@ -90,8 +106,12 @@ def test_hf_llama_logits_match_both_frameworks(hf_llama):
 
     path, tokens, want = hf_llama
     flat, model = read("hf", str(path))
-    assert (model["family"], model["n_kv_head"], model["tie_embeddings"], model["rope_theta"]) == ("llama", 2, False,
-                                                                                                     500.0)
+    assert (model["family"], model["n_kv_head"], model["tie_embeddings"], model["rope_theta"]) == (
+        "llama",
+        2,
+        False,
+        500.0,
+    )
     cfg = load_config(None, [f"model.{k}={v}" for k, v in model.items()] + ["data.seq_len=24"]).model
     scale = np.max(np.abs(want))
     assert scale > 1.0  # logits far from zero: a 1e-5 agreement means something
@@ -117,8 +137,10 @@ def test_jaxpar_run_exports_to_hf_llama_bit_exact_and_transformers_reproduces_it
     path, tokens, _ = hf_llama
     assert convert.main(["--from", "hf", str(path), "--to", "jaxpar", str(tmp_path / "run")]) == 0
     assert convert.main(["--from", "jaxpar", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "back")]) == 0
-    original, returned = load_file(str(path / "model.safetensors")), load_file(str(tmp_path / "back" /
-                                                                                       "model.safetensors"))
+    original, returned = (
+        load_file(str(path / "model.safetensors")),
+        load_file(str(tmp_path / "back" / "model.safetensors")),
+    )
     assert set(returned) == set(original)
     for name, value in original.items():
         assert np.array_equal(returned[name], value), name
@@ -164,19 +186,23 @@ def test_kv_cache_decoding_with_grouped_heads_in_both_frameworks():
     np.testing.assert_array_equal(cached, np.asarray(tokens[:, 5:]))
 
     from jaxpar.core.weights.names import flatten
+
     torch_model = TorchGPT(cfg.model)
     torch_model.load_state_dict(from_shared(flatten(jax.device_get(params)), cfg.model.n_layer))
     got = torch_generate(torch_model, torch.as_tensor(np.asarray(prompt)).long(), 20)
     np.testing.assert_array_equal(got.numpy(), cached)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (("model.family=llama", "model.linear=sketched"), "model.linear=sketched is a GPT-2-family variant"),
-    (("model.n_kv_head=2",), "model.n_kv_head applies to model.family=llama only"),
-    (("model.tie_embeddings=false",), "model.tie_embeddings applies to model.family=llama only"),
-    (("model.family=llama", "model.n_kv_head=3"), "model.n_kv_head=3 must divide model.n_head=4"),
-    (("model.family=llama", "model.n_head=8", "model.d_model=40"), "needs an even head dimension"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (("model.family=llama", "model.linear=sketched"), "model.linear=sketched is a GPT-2-family variant"),
+        (("model.n_kv_head=2",), "model.n_kv_head applies to model.family=llama only"),
+        (("model.tie_embeddings=false",), "model.tie_embeddings applies to model.family=llama only"),
+        (("model.family=llama", "model.n_kv_head=3"), "model.n_kv_head=3 must divide model.n_head=4"),
+        (("model.family=llama", "model.n_head=8", "model.d_model=40"), "needs an even head dimension"),
+    ],
+)
 def test_family_refusals_are_one_line(overrides, message):
     with pytest.raises(UserError, match=message):
         tiny_config(*overrides)

@@ -3,6 +3,7 @@
 The loss is the mean cross-entropy over the response targets of the whole batch, in jaxpar and torchpar, however the
 batch is split over devices and microbatches.
 """
+
 import math
 
 import jax
@@ -33,8 +34,11 @@ def sft_data(tmp_path_factory):
 
 def counted_mean(logits: np.ndarray, tokens: np.ndarray, mask: np.ndarray) -> float:
     """The mean cross-entropy over the targets the mask counts, from the file's tokens and mask (numpy)."""
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+    logp = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
         - logits.max(-1, keepdims=True)
+    )
     nll = -np.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
     return float(nll[mask[:, 1:] == 1].mean())
 
@@ -62,8 +66,12 @@ def test_the_loss_counts_the_response_targets_alone(sft_data):
 
     # torchpar: the same loss from the same weights and rows
     twin = TorchDecoder(cfg.model, 0)
-    twin.load_state_dict(from_shared({k: torch.tensor(np.asarray(v)) for k, v in
-                                      flatten(nnx.state(model, nnx.Param).to_pure_dict()).items()}, cfg.model.n_layer))
+    twin.load_state_dict(
+        from_shared(
+            {k: torch.tensor(np.asarray(v)) for k, v in flatten(nnx.state(model, nnx.Param).to_pure_dict()).items()},
+            cfg.model.n_layer,
+        )
+    )
     inputs, targets = inputs_and_targets(torch.from_numpy(batch).long())
     share = targets.numel() / int((targets >= 0).sum())
     with torch.no_grad():
@@ -76,11 +84,16 @@ def one_device(sft_data):
     return run_steps(tiny_config(*SFT), "dp=1", sft_data, devices=jax.devices()[:1])
 
 
-@pytest.mark.parametrize("mesh,overrides", [
-    ("dp=1", ("train.microbatches=2",)), ("dp=2", ("train.microbatches=2",)),
-    ("pp=2", ("parallel.pipeline_schedule=1f1b",)),
-    ("dp=2", ("parallel.grad_compression=powersgd", "parallel.powersgd_warmup_steps=100"))],
-    ids=["microbatches", "dp=2-microbatches", "pp=2-1f1b", "dp=2-powersgd"])
+@pytest.mark.parametrize(
+    "mesh,overrides",
+    [
+        ("dp=1", ("train.microbatches=2",)),
+        ("dp=2", ("train.microbatches=2",)),
+        ("pp=2", ("parallel.pipeline_schedule=1f1b",)),
+        ("dp=2", ("parallel.grad_compression=powersgd", "parallel.powersgd_warmup_steps=100")),
+    ],
+    ids=["microbatches", "dp=2-microbatches", "pp=2-1f1b", "dp=2-powersgd"],
+)
 def test_a_split_batch_weighs_every_counted_target_alike(mesh, overrides, sft_data, one_device):
     """Microbatches and data ranks hold unequal numbers of response targets: a mean per part would differ."""
     n = math.prod(parse_mesh(mesh).values())

@@ -3,6 +3,7 @@
 model.moe_*, jaxpar/models/moe.py and jaxpar/parallel/expert_parallel.py: the router's rules against hand-derived cases,
 the token dispatch against a per-token numpy sum, and every layout against one device, drops included.
 """
+
 import math
 
 import jax
@@ -14,16 +15,31 @@ from jaxpar.core.errors import UserError
 from jaxpar.parallel.expert_dispatch import local_experts
 from jaxpar.core.model.experts import row_capacity
 from jaxpar.models.moe import route
-from tests.helpers import (assert_both_frameworks_give_hf_answers, assert_hf_round_trip_through_a_jaxpar_run,
-                           assert_params_close, hf_oracle, run_steps, tiny_config)
+from tests.helpers import (
+    assert_both_frameworks_give_hf_answers,
+    assert_hf_round_trip_through_a_jaxpar_run,
+    assert_params_close,
+    hf_oracle,
+    run_steps,
+    tiny_config,
+)
 
 # Mixtral's shape (llama blocks, experts instead of the MLP) plus a shared expert and the balance loss; llama has no
 # attention biases, whose key bias has no true gradient and drifts on rounding noise over 20 steps. The schema's
 # learning rate, not the tiny tests' 1e-2: at 1e-2 even dp=8 (no ep) drifts from one device by 1.2e-5 in parameters
 # over 20 steps (2e-6 over 10; measured), the model amplifying float32 rounding; at 3e-3 5e-7 over 20.
-MOE = ("model.family=llama", "model.n_kv_head=2", "model.moe_experts=8", "model.moe_top_k=2",
-       "model.moe_shared_experts=1", "model.moe_d_ff=16", "model.moe_aux_loss=0.01", "train.steps=20", "optim.lr=3e-3",
-       "optim.min_lr=3e-4")
+MOE = (
+    "model.family=llama",
+    "model.n_kv_head=2",
+    "model.moe_experts=8",
+    "model.moe_top_k=2",
+    "model.moe_shared_experts=1",
+    "model.moe_d_ff=16",
+    "model.moe_aux_loss=0.01",
+    "train.steps=20",
+    "optim.lr=3e-3",
+    "optim.min_lr=3e-4",
+)
 
 
 def _route(logits, *overrides):
@@ -34,8 +50,9 @@ def _route(logits, *overrides):
 def test_capacity_keeps_a_rows_first_claims_and_counts_the_rest():
     # 2 experts, top-1, capacity factor 1: each expert takes ceil(1 x 1 x 4 / 2) = 2 of the row's 4 tokens
     logits = [[1, 0], [1, 0], [1, 0], [0, 1]]
-    ids, weights, kept, stats = _route(logits, "model.moe_experts=2", "model.moe_top_k=1",
-                                       "model.moe_capacity_factor=1.0")
+    ids, weights, kept, stats = _route(
+        logits, "model.moe_experts=2", "model.moe_top_k=1", "model.moe_capacity_factor=1.0"
+    )
     assert ids[0, :, 0].tolist() == [0, 0, 0, 1]
     assert kept[0, :, 0].tolist() == [True, True, False, True]  # the third token to expert 0 finds it full
     np.testing.assert_allclose(weights, 1.0)  # one choice, normalised
@@ -81,8 +98,9 @@ def test_the_balance_bias_chooses_but_does_not_weigh():
     # and its weight stays its score: normalised over the chosen, 0.55 / (0.55 + 0.12)
     logits = np.array([[2.0, 1.5, 0.0]])
     cfg = tiny_config("model.moe_experts=3", "model.moe_bias_update=0.01").model
-    ids, weights, _, stats = (np.asarray(a) for a in route(jnp.asarray(logits, jnp.float32)[None], cfg, None,
-                                                           jnp.asarray([0.0, 0.0, 0.3])))
+    ids, weights, _, stats = (
+        np.asarray(a) for a in route(jnp.asarray(logits, jnp.float32)[None], cfg, None, jnp.asarray([0.0, 0.0, 0.3]))
+    )
     p = np.exp(logits[0]) / np.exp(logits[0]).sum()
     assert ids[0, 0].tolist() == [0, 2]
     np.testing.assert_allclose(weights[0, 0], [p[0] / (p[0] + p[2]), p[2] / (p[0] + p[2])], rtol=1e-6)
@@ -91,6 +109,7 @@ def test_the_balance_bias_chooses_but_does_not_weigh():
 
 def test_the_balance_bias_moves_by_its_speed_towards_the_mean_load():
     from jaxpar.models.moe import update_router_bias
+
     cfg = tiny_config("model.moe_experts=4", "model.moe_bias_update=0.5").model  # 2 expert layers of 4 experts
     params = {"blocks": {"moe": {"router": {"bias": jnp.zeros((2, 4)), "kernel": jnp.ones(1)}}}}
     stats = jnp.asarray([3, 1, 0, 4, 2, 2, 2, 2, 7, 0.9], jnp.float32)  # per layer loads, dropped, balance
@@ -145,7 +164,7 @@ def _reference(dataset, *extra):
 
 
 def _devices(mesh: str):
-    return jax.devices()[:math.prod(int(p.split("=")[1]) for p in mesh.split(","))]
+    return jax.devices()[: math.prod(int(p.split("=")[1]) for p in mesh.split(","))]
 
 
 @pytest.mark.parametrize("mesh", ["ep=4,dp=2", "ep=2,fsdp=2,tp=2", "ep=2,pp=2"])
@@ -164,8 +183,9 @@ ON_EXECUTOR = ("model.n_layer=4", "model.moe_bias_update=0.001", "train.steps=4"
 
 
 @pytest.mark.parametrize("mesh", ["pp=2", "pp=2,ep=2"])
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb_h1", "zb_v",
-                                      pytest.param("dualpipev", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "schedule", ["1f1b", "interleaved", "zb_h1", "zb_v", pytest.param("dualpipev", marks=pytest.mark.slow)]
+)
 def test_experts_on_each_hand_scheduled_pipeline_equal_one_device(schedule, mesh, dataset):
     """The executor carries the experts' statistics.
 
@@ -201,13 +221,18 @@ def test_the_balance_loss_moves_the_router(dataset):
 
     Weight 1 brings it close to its even value 1.0 (measured: 1.01 against 1.15 without, over the last steps of 20).
     """
-    balance = {w: run_steps(tiny_config(*MOE, f"model.moe_aux_loss={w}"), "dp=1", dataset,
-                            devices=jax.devices()[:1])["moe_balance"] for w in (0.0, 1.0)}
+    balance = {
+        w: run_steps(tiny_config(*MOE, f"model.moe_aux_loss={w}"), "dp=1", dataset, devices=jax.devices()[:1])[
+            "moe_balance"
+        ]
+        for w in (0.0, 1.0)
+    }
     assert np.mean(balance[1.0][-5:]) < min(1.05, np.mean(balance[0.0][-5:]) - 0.05)
 
 
 def test_ep_needs_experts_it_divides():
     from jaxpar.checks import check_layout
+
     sizes = dict(dp=1, fsdp=1, pp=1, ep=2, sp=1, tp=1)
     with pytest.raises(UserError, match="has none"):
         check_layout(tiny_config(), sizes)
@@ -215,14 +240,25 @@ def test_ep_needs_experts_it_divides():
         check_layout(tiny_config("model.moe_experts=3"), sizes)
     check_layout(tiny_config(*MOE, "parallel.pipeline_schedule=1f1b"), {**sizes, "ep": 1, "pp": 2})  # runs
     # dense first layers: the executor's stages split the expert stack alone (the dense one runs on the first)
-    check_layout(tiny_config(*MOE, "parallel.pipeline_schedule=zb_v", "model.n_layer=6", "model.moe_first_dense=2"),
-                 {**sizes, "ep": 1, "pp": 2})
+    check_layout(
+        tiny_config(*MOE, "parallel.pipeline_schedule=zb_v", "model.n_layer=6", "model.moe_first_dense=2"),
+        {**sizes, "ep": 1, "pp": 2},
+    )
 
 
 def test_a_run_records_the_experts_load_and_says_it(dataset, tmp_path):
     from tests.helpers import metrics, run_cli
-    r = run_cli(tmp_path, dataset, "--mesh", "ep=2,dp=2", "train.steps=2", "model.moe_experts=4",
-                "model.moe_capacity_factor=0.5", env={"JAXPAR_CPU_DEVICES": "4"})
+
+    r = run_cli(
+        tmp_path,
+        dataset,
+        "--mesh",
+        "ep=2,dp=2",
+        "train.steps=2",
+        "model.moe_experts=4",
+        "model.moe_capacity_factor=0.5",
+        env={"JAXPAR_CPU_DEVICES": "4"},
+    )
     assert r.returncode == 0, r.stderr
     assert "active per token" in r.stdout and "dropped" in r.stdout and "padded all-to-all" in r.stderr
     record = metrics(tmp_path)[2]
@@ -232,8 +268,13 @@ def test_a_run_records_the_experts_load_and_says_it(dataset, tmp_path):
 
 # DeepSeek-V3's shape: dense first layers (model.moe_first_dense: two dense SwiGLU layers of width 24, then two of
 # experts) and the auxiliary-loss-free balance bias beside the balance loss
-FIRST_DENSE = ("model.n_layer=4", "model.moe_first_dense=2", "model.d_ff=24", "train.steps=10",
-               "model.moe_bias_update=0.001")
+FIRST_DENSE = (
+    "model.n_layer=4",
+    "model.moe_first_dense=2",
+    "model.d_ff=24",
+    "train.steps=10",
+    "model.moe_bias_update=0.001",
+)
 
 
 @pytest.mark.parametrize("mesh", ["ep=4,dp=2", "ep=2,pp=2"])
@@ -257,12 +298,24 @@ def test_dense_first_layers_and_the_balance_bias_on_layouts_equal_one_device(mes
 
 
 # dense first layers before four expert layers: interleaved and ZB-V give pp=2 an expert layer per chunk
-FIRST_DENSE_ON_EXECUTOR = ("model.n_layer=6", "model.moe_first_dense=2", "model.d_ff=24", "train.steps=4",
-                           "model.moe_bias_update=0.001")
+FIRST_DENSE_ON_EXECUTOR = (
+    "model.n_layer=6",
+    "model.moe_first_dense=2",
+    "model.d_ff=24",
+    "train.steps=4",
+    "model.moe_bias_update=0.001",
+)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb_v", pytest.param("interleaved", marks=pytest.mark.slow),
-                                      pytest.param("zb_h1", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        "1f1b",
+        "zb_v",
+        pytest.param("interleaved", marks=pytest.mark.slow),
+        pytest.param("zb_h1", marks=pytest.mark.slow),
+    ],
+)
 def test_dense_first_layers_on_each_hand_scheduled_pipeline_equal_one_device(schedule, dataset):
     """Dense first layers on each hand-scheduled pipeline equal one device.
 
@@ -317,13 +370,15 @@ def test_dense_first_layers_are_torchpars_dense_blocks(tmp_path):
     with pytest.raises(UserError, match="Mixtral has experts in every layer"):
         hf_mixtral.shared_to_hf(flat, str(tmp_path), dims)
     params = unflatten({k: jnp.asarray(v) for k, v in flat.items()})
-    jax_tokens = make_generate(nnx.split(model, nnx.Param)[0])(params, jnp.asarray(tokens[:1, :6]),
-                                                                jax.random.key(0), new_tokens=8)
+    jax_tokens = make_generate(nnx.split(model, nnx.Param)[0])(
+        params, jnp.asarray(tokens[:1, :6]), jax.random.key(0), new_tokens=8
+    )
     assert np.asarray(jax_tokens).tolist() == generate(torch_model.eval(), torch.as_tensor(tokens[:1, :6]), 8).tolist()
 
 
 def test_dense_first_layers_need_a_layer_of_experts_and_stages_that_split_both():
     from jaxpar.checks import check_layout
+
     with pytest.raises(UserError, match="moe_first_dense=2 leaves no layer of model.n_layer=2"):
         tiny_config(*MOE, "model.moe_first_dense=2")
     sizes = dict(dp=1, fsdp=1, pp=2, ep=1, sp=1, tp=1)
@@ -333,14 +388,25 @@ def test_dense_first_layers_need_a_layer_of_experts_and_stages_that_split_both()
 
 # --- Hugging Face MixtralForCausalLM <-> both frameworks -------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def hf_mixtral(tmp_path_factory):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    config = transformers.MixtralConfig(vocab_size=97, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                        num_experts_per_tok=2, max_position_embeddings=32, rms_norm_eps=1e-6,
-                                        rope_theta=500.0, tie_word_embeddings=False)
+    config = transformers.MixtralConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        rms_norm_eps=1e-6,
+        rope_theta=500.0,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(config).eval()
     with torch.no_grad():  # large weights and norms away from 1: a mixed-up expert or router would show
@@ -362,6 +428,7 @@ def test_hf_mixtral_logits_and_greedy_tokens_match_both_frameworks(hf_mixtral):
 
 def test_mixtral_round_trip_through_a_jaxpar_run_is_bit_exact(hf_mixtral, tmp_path):
     import transformers
+
     assert_hf_round_trip_through_a_jaxpar_run(hf_mixtral, tmp_path, transformers.MixtralForCausalLM)
 
 
@@ -372,6 +439,18 @@ def test_a_killed_expert_parallel_run_resumes_exactly(dataset, tmp_path):
     run.
     """
     from tests.helpers import assert_resumes_exactly
-    assert_resumes_exactly(tmp_path, dataset, ["--mesh", "ep=2,dp=2", "model.moe_experts=4", "model.moe_top_k=2",
-                                               "model.moe_capacity_factor=1.0", "train.steps=6", "checkpoint.every=2"],
-                           kill_after=3)
+
+    assert_resumes_exactly(
+        tmp_path,
+        dataset,
+        [
+            "--mesh",
+            "ep=2,dp=2",
+            "model.moe_experts=4",
+            "model.moe_top_k=2",
+            "model.moe_capacity_factor=1.0",
+            "train.steps=6",
+            "checkpoint.every=2",
+        ],
+        kill_after=3,
+    )

@@ -4,6 +4,7 @@ model.moe_n_group, moe_topk_group, moe_routed_scale (jaxpar/models/moe.py and to
 frameworks' choices and weights against transformers' DeepseekV3TopkRouter, the settings the experts cannot hold
 refused, an expert layout against one device, and jaxpar's loss and gradients against torchpar's.
 """
+
 import re
 
 import jax
@@ -19,8 +20,14 @@ from tests.jaxpar.test_moe import MOE
 
 # DeepSeek-V3's routing (model.moe_n_group, moe_topk_group, moe_routed_scale): 16 experts in 4 groups of 4, the
 # best 2 groups kept, top 4 among their 8 experts, sigmoid scores, the weights normalised then scaled by 2.5
-GROUPED = ("model.moe_experts=16", "model.moe_top_k=4", "model.moe_n_group=4", "model.moe_topk_group=2",
-           "model.moe_router=sigmoid", "model.moe_routed_scale=2.5")
+GROUPED = (
+    "model.moe_experts=16",
+    "model.moe_top_k=4",
+    "model.moe_n_group=4",
+    "model.moe_topk_group=2",
+    "model.moe_router=sigmoid",
+    "model.moe_routed_scale=2.5",
+)
 
 
 def _hf_route(logits, bias, cfg):
@@ -34,9 +41,17 @@ def _hf_route(logits, bias, cfg):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
     E = cfg.moe_experts
-    hf = DeepseekV3TopkRouter(DeepseekV3Config(
-        hidden_size=E, n_routed_experts=E, num_experts_per_tok=cfg.moe_top_k, n_group=cfg.moe_n_group,
-        topk_group=cfg.moe_topk_group, norm_topk_prob=cfg.moe_norm_topk, routed_scaling_factor=cfg.moe_routed_scale))
+    hf = DeepseekV3TopkRouter(
+        DeepseekV3Config(
+            hidden_size=E,
+            n_routed_experts=E,
+            num_experts_per_tok=cfg.moe_top_k,
+            n_group=cfg.moe_n_group,
+            topk_group=cfg.moe_topk_group,
+            norm_topk_prob=cfg.moe_norm_topk,
+            routed_scaling_factor=cfg.moe_routed_scale,
+        )
+    )
     with torch.no_grad():
         hf.weight.copy_(torch.eye(E))
         hf.e_score_correction_bias.copy_(torch.as_tensor(bias))
@@ -52,6 +67,7 @@ def _framework_route(framework, logits, bias, cfg):
     else:
         import torch
         from torchpar.models.moe import route as torch_route
+
         out = torch_route(torch.as_tensor(logits)[None], cfg, torch.as_tensor(bias))
         ids, weights = (a[0].numpy() for a in out[:2])
     order = np.argsort(ids, -1)
@@ -83,13 +99,16 @@ def test_group_limited_routing_is_hf_deepseek_v3s(framework, norm):
         np.testing.assert_allclose(weights.sum(-1), 2.5, rtol=1e-6)
 
 
-@pytest.mark.parametrize("setting,named", [
-    ("model.moe_n_group=3", "model.moe_n_group=3 does not divide model.moe_experts=16"),
-    ("model.moe_topk_group=5", "model.moe_topk_group=5 exceeds model.moe_n_group=4"),
-    ("model.moe_n_group=16", "leaves one expert per group"),
-    ("model.moe_top_k=9", "model.moe_top_k=9 exceeds the 8 experts of the model.moe_topk_group=2 groups kept"),
-    ("model.moe_routed_scale=0", "model.moe_routed_scale"),
-])
+@pytest.mark.parametrize(
+    "setting,named",
+    [
+        ("model.moe_n_group=3", "model.moe_n_group=3 does not divide model.moe_experts=16"),
+        ("model.moe_topk_group=5", "model.moe_topk_group=5 exceeds model.moe_n_group=4"),
+        ("model.moe_n_group=16", "leaves one expert per group"),
+        ("model.moe_top_k=9", "model.moe_top_k=9 exceeds the 8 experts of the model.moe_topk_group=2 groups kept"),
+        ("model.moe_routed_scale=0", "model.moe_routed_scale"),
+    ],
+)
 def test_group_settings_the_experts_cannot_hold_are_refused(setting, named):
     with pytest.raises(UserError, match=re.escape(named)):
         tiny_config(*GROUPED, setting)
@@ -128,22 +147,31 @@ def test_grouped_routing_gives_both_frameworks_the_same_loss_and_gradients():
     graphdef, params = nnx.split(Decoder(cfg.model, nnx.Rngs(0)), nnx.Param)
     pure = params.to_pure_dict()
     bias = pure["blocks"]["moe"]["router"]["bias"]
-    pure["blocks"]["moe"]["router"]["bias"] = jnp.asarray(0.05 * np.random.default_rng(1).normal(size=bias.shape),
-                                                          jnp.float32)
+    pure["blocks"]["moe"]["router"]["bias"] = jnp.asarray(
+        0.05 * np.random.default_rng(1).normal(size=bias.shape), jnp.float32
+    )
     nnx.replace_by_pure_dict(params, pure)
     batch = jnp.asarray(np.random.default_rng(0).integers(1, 256, (8, 17)), jnp.int32)
     with jax.default_matmul_precision("highest"):
         (loss, stats), grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch), has_aux=True)(
-            params)
-        plain = tiny_config(*MOE[:-3], *GROUPED_RUN, "model.moe_top_k=3", "model.moe_n_group=1",
-                            "model.moe_topk_group=1", "model.moe_routed_scale=1.0").model
+            params
+        )
+        plain = tiny_config(
+            *MOE[:-3],
+            *GROUPED_RUN,
+            "model.moe_top_k=3",
+            "model.moe_n_group=1",
+            "model.moe_topk_group=1",
+            "model.moe_routed_scale=1.0",
+        ).model
         other, other_stats = loss_fn(nnx.merge(nnx.split(Decoder(plain, nnx.Rngs(0)), nnx.Param)[0], params), batch)
     assert abs(float(other) - float(loss)) > 3e-6 * float(loss)  # measured 1.5e-5; the check below: 1e-6
     moved = np.abs(np.asarray(other_stats) - np.asarray(stats))[:-2].sum() / 2  # each moved choice counts twice
     assert moved > 25  # of the 768 choices (measured: 65)
     twin = TorchDecoder(cfg.model)
-    twin.load_state_dict(from_shared({k: np.asarray(v) for k, v in flatten(params.to_pure_dict()).items()},
-                                     cfg.model.n_layer))
+    twin.load_state_dict(
+        from_shared({k: np.asarray(v) for k, v in flatten(params.to_pure_dict()).items()}, cfg.model.n_layer)
+    )
     got = twin(*inputs_and_targets(torch.as_tensor(np.asarray(batch), dtype=torch.long)))
     got = got + balance_loss(twin, twin.expert_stats)
     got.backward()
@@ -160,5 +188,6 @@ def test_grouped_routing_gives_both_frameworks_the_same_loss_and_gradients():
 @pytest.mark.parametrize("setting", [{"moe_n_group": 4, "moe_topk_group": 2}, {"moe_routed_scale": 2.5}])
 def test_mixtral_export_refuses_expert_groups_and_a_scale(setting, tmp_path):
     from jaxpar.formats.hf_mixtral import shared_to_hf
+
     with pytest.raises(UserError, match="moe_n_group, moe_routed_scale"):
         shared_to_hf({}, str(tmp_path), setting)

@@ -4,6 +4,7 @@ jaxpar/models/decoder.py MTP, jaxpar/loss.py mtp_rows: the loss against a depth 
 torchpar from one set of weights (loss and gradients, with packed documents, a loss mask and chunks), every layout
 against one device, the weight format and what is refused.
 """
+
 import math
 
 import jax
@@ -90,8 +91,9 @@ def test_the_loss_adds_the_weighted_mean_of_the_depths(documents):
     cfg, graphdef, params = _model()
     rows = jnp.asarray(_rows(cfg, documents, masked=True))
     eod = 0 if documents else None
-    (total, aux), grads = jax.jit(jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), rows, eod=eod),
-                                                     has_aux=True))(params)
+    (total, aux), grads = jax.jit(
+        jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), rows, eod=eod), has_aux=True)
+    )(params)
     main = jax.jit(lambda p: loss_fn(nnx.merge(graphdef, p), rows, eod=eod, balance=False))(params)
     depths = np.asarray(aux["mtp_losses"])
     assert depths.shape == (2,) and np.all(depths > 1.0)
@@ -103,8 +105,9 @@ def test_the_loss_adds_the_weighted_mean_of_the_depths(documents):
             assert np.abs(np.asarray(g)).max() > 0, name
 
 
-@pytest.mark.parametrize("overrides", [(), ("model.loss_chunks=4", "model.family=llama", "model.n_kv_head=2")],
-                         ids=["gpt2", "llama-chunks"])
+@pytest.mark.parametrize(
+    "overrides", [(), ("model.loss_chunks=4", "model.family=llama", "model.n_kv_head=2")], ids=["gpt2", "llama-chunks"]
+)
 def test_jaxpar_and_torchpar_agree_from_one_set_of_weights(overrides):
     """jaxpar and torchpar agree on the multi-token loss and gradients from one set of weights.
 
@@ -113,8 +116,9 @@ def test_jaxpar_and_torchpar_agree_from_one_set_of_weights(overrides):
     """
     cfg, graphdef, params = _model(*overrides)
     rows = _rows(cfg, documents=True, masked=True)
-    (jloss, aux), jgrads = jax.jit(jax.value_and_grad(
-        lambda p: loss_fn(nnx.merge(graphdef, p), jnp.asarray(rows), eod=0), has_aux=True))(params)
+    (jloss, aux), jgrads = jax.jit(
+        jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), jnp.asarray(rows), eod=0), has_aux=True)
+    )(params)
     flat = {k: np.asarray(v) for k, v in flatten(params.to_pure_dict()).items()}
     assert model_dims(flat)["mtp_depth"] == 2
     twin = TorchDecoder(cfg.model, eod=0)
@@ -139,7 +143,7 @@ _REFERENCE: dict = {}
 
 
 def _devices(mesh: str):
-    return jax.devices()[:math.prod(int(p.split("=")[1]) for p in mesh.split(","))]
+    return jax.devices()[: math.prod(int(p.split("=")[1]) for p in mesh.split(","))]
 
 
 @pytest.mark.slow
@@ -184,8 +188,15 @@ def test_gradient_compression_carries_the_depths(compression, dataset, monkeypat
     assert_params_close(got["params"], ref["params"])
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb_v", pytest.param("interleaved", marks=pytest.mark.slow),
-                                      pytest.param("zb_h1", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        "1f1b",
+        "zb_v",
+        pytest.param("interleaved", marks=pytest.mark.slow),
+        pytest.param("zb_h1", marks=pytest.mark.slow),
+    ],
+)
 def test_each_hand_scheduled_pipeline_equals_one_device(schedule, dataset):
     """Multi-token prediction on each hand-scheduled pipeline equals one device.
 

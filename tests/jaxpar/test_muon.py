@@ -4,6 +4,7 @@ Each matrix of a stacked tensor orthogonalised on its own, a sharded layout equa
 that stops and resumes exactly (and is refused if it resumes as another optimizer). Its conversion to torchpar:
 tests/e2e/test_convert_state.py.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,8 +34,10 @@ def test_stacked_layers_experts_and_qkv_are_matrices_of_their_own():
     assert float(jnp.abs(one_matrix - got).max()) > 0.1
     # each expert too: [layers, experts, in, out]; the router, embeddings, norms and biases are not Muon's
     assert muon.stacked_axes("blocks.moe.gate") == ((2,), (3,))
-    assert not any(muon.stacked_axes(n) for n in ("wte", "wpe", "lm_head", "blocks.moe.router.kernel",
-                                                   "blocks.ln1.scale", "blocks.attn.qkv.bias"))
+    assert not any(
+        muon.stacked_axes(n)
+        for n in ("wte", "wpe", "lm_head", "blocks.moe.router.kernel", "blocks.ln1.scale", "blocks.attn.qkv.bias")
+    )
 
 
 def test_the_update_does_not_depend_on_the_layout_hint(monkeypatch):
@@ -71,12 +74,16 @@ def muon_reference(dataset):
     return run_steps(tiny_config(*MUON), "dp=1", dataset, devices=jax.devices()[:1])
 
 
-@pytest.mark.parametrize("mesh,extra", [("dp=2,fsdp=2,tp=2", ()),
-                                        ("fsdp=2,ep=2", ("model.moe_experts=4", "model.moe_d_ff=16"))])
+@pytest.mark.parametrize(
+    "mesh,extra", [("dp=2,fsdp=2,tp=2", ()), ("fsdp=2,ep=2", ("model.moe_experts=4", "model.moe_d_ff=16"))]
+)
 def test_layout_matches_one_device(mesh, extra, dataset, muon_reference, reference):
     n = int(np.prod([int(p.split("=")[1]) for p in mesh.split(",")]))
-    ref = muon_reference if not extra else run_steps(tiny_config(*MUON, *extra), "dp=1", dataset,
-                                                      devices=jax.devices()[:1])
+    ref = (
+        muon_reference
+        if not extra
+        else run_steps(tiny_config(*MUON, *extra), "dp=1", dataset, devices=jax.devices()[:1])
+    )
     got = run_steps(tiny_config(*MUON, *extra), mesh, dataset, devices=jax.devices()[:n])
     assert ref["loss"][-1] < ref["loss"][0] - 0.1, "the reference run should learn something"
     np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)

@@ -3,14 +3,23 @@
 jaxpar offloads by memory kinds, torchpar by DeepSpeed's offload_optimizer/offload_param. A resumed offloaded run is
 exact; where a backend cannot offload on this machine, one line says why.
 """
+
 import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 from jaxpar.core.errors import UserError
-from tests.helpers import (assert_resumes_exactly, metrics, run_cli, run_in_session, run_steps, tiny_config,
-                           torch_command, torch_env)
+from tests.helpers import (
+    assert_resumes_exactly,
+    metrics,
+    run_cli,
+    run_in_session,
+    run_steps,
+    tiny_config,
+    torch_command,
+    torch_env,
+)
 
 
 @pytest.mark.parametrize("mesh,offload", [("fsdp=4", "optimizer"), ("dp=2,tp=2", "params+optimizer")])
@@ -35,8 +44,14 @@ def test_jaxpar_offloaded_run_equals_the_one_on_devices(mesh, offload, dataset):
 
 def test_jaxpar_offloaded_run_resumes_exactly_after_sigkill(dataset, tmp_path):
     """The checkpoint of host-memory arrays: the resumed run equals the uninterrupted one."""
-    args = ("--mesh", "fsdp=4", "parallel.offload=params+optimizer", "train.steps=8", "checkpoint.every=4",
-            "train.eval_every=0")
+    args = (
+        "--mesh",
+        "fsdp=4",
+        "parallel.offload=params+optimizer",
+        "train.steps=8",
+        "checkpoint.every=4",
+        "train.eval_every=0",
+    )
     assert_resumes_exactly(tmp_path, dataset, args, kill_after=6)
 
 
@@ -44,8 +59,18 @@ def _deepspeed_final(tmp_path, dataset, name, *overrides):
     from tests.helpers import TINY
 
     final = tmp_path / f"{name}.safetensors"
-    args = ["--backend", "deepspeed", *TINY, f"data.dataset={dataset}", f"run.dir={tmp_path / name}",
-            "train.steps=4", "train.eval_every=0", "--write-final", str(final), *overrides]
+    args = [
+        "--backend",
+        "deepspeed",
+        *TINY,
+        f"data.dataset={dataset}",
+        f"run.dir={tmp_path / name}",
+        "train.steps=4",
+        "train.eval_every=0",
+        "--write-final",
+        str(final),
+        *overrides,
+    ]
     proc = run_in_session(torch_command(args, 2), torch_env(), 300, name)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return metrics(tmp_path / name), load_file(str(final)), proc.stdout
@@ -55,24 +80,37 @@ def _deepspeed_final(tmp_path, dataset, name, *overrides):
 def test_deepspeed_offload_equals_no_offload(stage, offload, dataset, tmp_path):
     """Two processes on CPU with torch's AdamW on the host (no DeepSpeed C++ op build)."""
     ref_m, ref_w, _ = _deepspeed_final(tmp_path, dataset, "ref", f"parallel.zero_stage={stage}")
-    got_m, got_w, out = _deepspeed_final(tmp_path, dataset, "off", f"parallel.zero_stage={stage}",
-                                         f"parallel.offload={offload}")
+    got_m, got_w, out = _deepspeed_final(
+        tmp_path, dataset, "off", f"parallel.zero_stage={stage}", f"parallel.offload={offload}"
+    )
     assert '"offload_optimizer": {"device": "cpu"}' in out and ('"offload_param"' in out) == (stage == 3), out
-    np.testing.assert_allclose([got_m[s]["loss"] for s in range(1, 5)], [ref_m[s]["loss"] for s in range(1, 5)],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        [got_m[s]["loss"] for s in range(1, 5)], [ref_m[s]["loss"] for s in range(1, 5)], rtol=1e-6
+    )
     # all parameters within 1e-6 relative norm (per element, the attention key bias moves by rounding noise
     # alone: its true gradient is zero, tests/helpers.assert_params_close)
     diff = np.sqrt(sum(np.sum((got_w[k].astype(np.float64) - v) ** 2) for k, v in ref_w.items()))
     assert diff / np.sqrt(sum(np.sum(v.astype(np.float64) ** 2) for v in ref_w.values())) < 1e-6
 
 
-@pytest.mark.parametrize("backend,overrides,message", [
-    ("ddp", ("parallel.offload=optimizer",), "needs --backend fsdp or deepspeed (ddp keeps its state on the device)"),
-    ("fsdp", ("parallel.offload=optimizer",), "FSDP2 offloads parameters, gradients and the optimizer step together"),
-    ("fsdp", ("parallel.offload=params+optimizer",), "needs a GPU to offload from"),
-    ("deepspeed", ("parallel.offload=optimizer",), "needs parallel.zero_stage >= 1"),
-    ("deepspeed", ("parallel.offload=params+optimizer", "parallel.zero_stage=2"), "needs parallel.zero_stage=3"),
-])
+@pytest.mark.parametrize(
+    "backend,overrides,message",
+    [
+        (
+            "ddp",
+            ("parallel.offload=optimizer",),
+            "needs --backend fsdp or deepspeed (ddp keeps its state on the device)",
+        ),
+        (
+            "fsdp",
+            ("parallel.offload=optimizer",),
+            "FSDP2 offloads parameters, gradients and the optimizer step together",
+        ),
+        ("fsdp", ("parallel.offload=params+optimizer",), "needs a GPU to offload from"),
+        ("deepspeed", ("parallel.offload=optimizer",), "needs parallel.zero_stage >= 1"),
+        ("deepspeed", ("parallel.offload=params+optimizer", "parallel.zero_stage=2"), "needs parallel.zero_stage=3"),
+    ],
+)
 def test_torchpar_offload_refusals_are_one_line(backend, overrides, message):
     import torch
 
@@ -87,4 +125,3 @@ def test_torchpar_offload_refusals_are_one_line(backend, overrides, message):
 def test_cpu_offload_flag_names_its_replacement(dataset, tmp_path):
     r = run_cli(tmp_path, dataset, "--backend", "none", "--cpu-offload", module="torchpar.train")
     assert r.returncode == 2 and "replaced by the config key parallel.offload" in r.stderr
-

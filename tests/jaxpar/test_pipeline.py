@@ -3,6 +3,7 @@
 Bad pipeline layouts are one-line errors; the hand-scheduled executor keeps ~S microbatches of residuals for 1F1B
 whatever M is.
 """
+
 import re
 
 import jax
@@ -30,9 +31,11 @@ def references(dataset):
     return {n: run_steps(tiny_config(*model), "dp=1", dataset, devices=one) for n, model in ((4, DEEP), (8, DEEPER))}
 
 
-@pytest.mark.parametrize("mesh,n,schedule", [
-    (mesh, n, s) for mesh, n in (("pp=2", 2), ("pp=4", 4), ("pp=2,dp=2,tp=2", 8)) for s in SCHEDULES]
-    + [("pp=4", 4, "auto")])
+@pytest.mark.parametrize(
+    "mesh,n,schedule",
+    [(mesh, n, s) for mesh, n in (("pp=2", 2), ("pp=4", 4), ("pp=2,dp=2,tp=2", 8)) for s in SCHEDULES]
+    + [("pp=4", 4, "auto")],
+)
 def test_schedule_matches_single_device(schedule, mesh, n, dataset, references):
     """auto: the schedule jaxpar.train resolves it to (jaxpar/pipeline/auto.py), whichever that is."""
     model = DEEPER if schedule == "interleaved" and mesh == "pp=4" else DEEP
@@ -46,10 +49,17 @@ def test_schedule_matches_single_device(schedule, mesh, n, dataset, references):
     assert_params_close(got["params"], reference["params"])
 
 
-@pytest.mark.parametrize("schedule,mesh,n,remat", [("zb_h1", "pp=4", 4, "none"), ("zb_h1", "pp=4", 4, "full"),
-                                                   ("zb_h1", "pp=2,dp=2,tp=2", 8, "none"), ("zb_v", "pp=4", 4, "none"),
-                                                   ("zb_v", "pp=4", 4, "save_matmuls"),
-                                                   ("zb_v", "pp=2,dp=2,tp=2", 8, "none")])
+@pytest.mark.parametrize(
+    "schedule,mesh,n,remat",
+    [
+        ("zb_h1", "pp=4", 4, "none"),
+        ("zb_h1", "pp=4", 4, "full"),
+        ("zb_h1", "pp=2,dp=2,tp=2", 8, "none"),
+        ("zb_v", "pp=4", 4, "none"),
+        ("zb_v", "pp=4", 4, "save_matmuls"),
+        ("zb_v", "pp=2,dp=2,tp=2", 8, "none"),
+    ],
+)
 def test_zero_bubble_matches_single_device(schedule, mesh, n, remat, dataset, references):
     """ZB-H1 and ZB-V give one device's gradients.
 
@@ -70,8 +80,16 @@ def test_schedule_resumes_exactly_after_sigkill(schedule, dataset, tmp_path):
 
     The resumed steps 4-6 equal the uninterrupted run's bit for bit.
     """
-    args = ("--mesh", "pp=2", *DEEP, f"parallel.pipeline_schedule={schedule}", "train.steps=6", "checkpoint.every=3",
-            "train.eval_every=0", *(("parallel.pipeline_virtual_stages=2",) if schedule == "interleaved" else ()))
+    args = (
+        "--mesh",
+        "pp=2",
+        *DEEP,
+        f"parallel.pipeline_schedule={schedule}",
+        "train.steps=6",
+        "checkpoint.every=3",
+        "train.eval_every=0",
+        *(("parallel.pipeline_virtual_stages=2",) if schedule == "interleaved" else ()),
+    )
     assert_resumes_exactly(tmp_path, dataset, args, kill_after=4)
 
 
@@ -82,8 +100,9 @@ def test_1f1b_composes_with_fsdp_and_sequence_parallel(dataset, references):
     assert_params_close(got["params"], references[4]["params"])
 
 
-@pytest.mark.parametrize("schedule,attention", [("1f1b", "all_gather"), pytest.param("zb_v", "ulysses",
-                                                                                   marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "schedule,attention", [("1f1b", "all_gather"), pytest.param("zb_v", "ulysses", marks=pytest.mark.slow)]
+)
 def test_hand_scheduled_pipeline_runs_sequence_parallel_in_natural_order(schedule, attention, dataset, references):
     """parallel.sequence_zigzag=false.
 
@@ -91,15 +110,24 @@ def test_hand_scheduled_pipeline_runs_sequence_parallel_in_natural_order(schedul
     left to GSPMD the slice was a collective-permute inside the first stage's branches, which XLA's rendezvous waits
     for on every device (fuzz seed 48002's deadlock).
     """
-    cfg = tiny_config(*DEEP, f"parallel.pipeline_schedule={schedule}", f"parallel.sequence_attention={attention}",
-                      "parallel.sequence_zigzag=false")
+    cfg = tiny_config(
+        *DEEP,
+        f"parallel.pipeline_schedule={schedule}",
+        f"parallel.sequence_attention={attention}",
+        "parallel.sequence_zigzag=false",
+    )
     got = run_steps(cfg, "pp=2,sp=2", dataset, devices=jax.devices()[:4])
     np.testing.assert_allclose(got["loss"], references[4]["loss"], rtol=1e-5)
     assert_params_close(got["params"], references[4]["params"])
 
 
-HAND_SCHEDULED = {"1f1b": (), "interleaved": ("parallel.pipeline_virtual_stages=2",), "zb_h1": (), "zb_v": (),
-                  "dualpipev": ()}
+HAND_SCHEDULED = {
+    "1f1b": (),
+    "interleaved": ("parallel.pipeline_virtual_stages=2",),
+    "zb_h1": (),
+    "zb_v": (),
+    "dualpipev": (),
+}
 
 
 @pytest.mark.parametrize("schedule", list(HAND_SCHEDULED))
@@ -109,8 +137,9 @@ def test_hand_scheduled_pipeline_runs_ring_attention(schedule, dataset, referenc
     Its K/V hops inside a tick's branch are all_to_alls (a collective-permute's rendezvous there spans the other
     stage's devices: wrong values; jaxpar/parallel/ring_attention.py).
     """
-    cfg = tiny_config(*DEEP, f"parallel.pipeline_schedule={schedule}", "parallel.sequence_attention=ring",
-                      *HAND_SCHEDULED[schedule])
+    cfg = tiny_config(
+        *DEEP, f"parallel.pipeline_schedule={schedule}", "parallel.sequence_attention=ring", *HAND_SCHEDULED[schedule]
+    )
     got = run_steps(cfg, "pp=2,sp=2", dataset, devices=jax.devices()[:4])
     np.testing.assert_allclose(got["loss"], references[4]["loss"], rtol=1e-5)
     assert_params_close(got["params"], references[4]["params"])
@@ -167,8 +196,7 @@ def _branch_matmuls(*overrides) -> list[int]:
 
     jaxpr = jax.make_jaxpr(traced)(abstract_state(layout)["params"], jax.ShapeDtypeStruct(layout.batch_shape, "int32"))
     walk = lambda j: [e for e in j.eqns for e in [e, *(x for sub in jaxprs_in_params(e.params) for x in walk(sub))]]
-    tick = next(e for e in walk(jaxpr.jaxpr)
-                if e.primitive.name == "cond" and len(e.params["branches"]) == BRANCHES)
+    tick = next(e for e in walk(jaxpr.jaxpr) if e.primitive.name == "cond" and len(e.params["branches"]) == BRANCHES)
     return [sum(e.primitive.name == "dot_general" for e in walk(b.jaxpr)) for b in tick.params["branches"]]
 
 
@@ -243,14 +271,26 @@ def test_zero_bubble_weight_pass_is_the_weight_matmuls_alone(remat):
     assert all(step_flops(cfg(s), {"pp": S}, devices, s) == pytest.approx(one) for s in ("zb_h1", "zb_v"))
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (("model.n_layer=3",), "not divisible by stages x virtual stages"),
-    (("parallel.pipeline_microbatches=3",), "not divisible by parallel.pipeline_microbatches=3"),
-    (("parallel.pipeline_schedule=1f1b", "parallel.pipeline_microbatches=1", "train.global_batch_size=2"),
-     "1f1b needs microbatches >= stages"),
-    (("parallel.pipeline_schedule=interleaved", "parallel.pipeline_virtual_stages=2",
-      "parallel.pipeline_microbatches=3", "train.global_batch_size=6"), "divisible by stages"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (("model.n_layer=3",), "not divisible by stages x virtual stages"),
+        (("parallel.pipeline_microbatches=3",), "not divisible by parallel.pipeline_microbatches=3"),
+        (
+            ("parallel.pipeline_schedule=1f1b", "parallel.pipeline_microbatches=1", "train.global_batch_size=2"),
+            "1f1b needs microbatches >= stages",
+        ),
+        (
+            (
+                "parallel.pipeline_schedule=interleaved",
+                "parallel.pipeline_virtual_stages=2",
+                "parallel.pipeline_microbatches=3",
+                "train.global_batch_size=6",
+            ),
+            "divisible by stages",
+        ),
+    ],
+)
 def test_bad_pipeline_layouts(overrides, message, dataset):
     with pytest.raises(UserError, match=message):
         run_steps(tiny_config(*DEEP, *overrides), "pp=2", dataset, steps=1, devices=jax.devices()[:2])
@@ -271,8 +311,9 @@ def test_hand_scheduled_pipeline_runs_dilated_attention_over_sp(schedule, datase
     Dilated attention's segments of 8 and 16 tokens span both sp shards of a 16-token row (GSPMD moves the selected keys
     across sp inside a tick's branch).
     """
-    got = run_steps(tiny_config(*DILATED, f"parallel.pipeline_schedule={schedule}"), "pp=2,sp=2", dataset,
-                    devices=jax.devices()[:4])
+    got = run_steps(
+        tiny_config(*DILATED, f"parallel.pipeline_schedule={schedule}"), "pp=2,sp=2", dataset, devices=jax.devices()[:4]
+    )
     np.testing.assert_allclose(got["loss"], dilated_reference["loss"], rtol=1e-5)
     assert_params_close(got["params"], dilated_reference["params"])
 
@@ -291,8 +332,15 @@ def test_unrolled_layers_compute_the_scans_run(mesh, n, schedule, dataset, refer
     np.testing.assert_allclose(got["loss"], references[4]["loss"], rtol=1e-5)
     assert_params_close(got["params"], references[4]["params"])
     if mesh == "dp=1":  # the loss in one chunk: model.loss_chunks' own loop is not a loop over layers
-        hlo = {s: build_step(tiny_config(*DEEP, f"train.scan_layers={s}", "model.loss_chunks=1"), parse_mesh(mesh),
-                             jax.devices()[:1], abstract=True)[2].as_text() for s in ("on", "off")}
+        hlo = {
+            s: build_step(
+                tiny_config(*DEEP, f"train.scan_layers={s}", "model.loss_chunks=1"),
+                parse_mesh(mesh),
+                jax.devices()[:1],
+                abstract=True,
+            )[2].as_text()
+            for s in ("on", "off")
+        }
         assert " while(" in hlo["on"] and " while(" not in hlo["off"]
 
 

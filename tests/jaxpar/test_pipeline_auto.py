@@ -4,6 +4,7 @@ Jaxpar's choice is the schedule of least modeled time in the full table of the c
 different schedules win get different choices (a fixed auto fails one). Each schedule is traced once (its FLOPs),
 nothing is compiled: the table reuses the figures the choice took and traces only the schedules it skipped.
 """
+
 import jax
 import pytest
 
@@ -49,8 +50,10 @@ def test_auto_picks_the_least_modeled_time_of_the_full_table(layers, remat, winn
     assert set(bubbles) | set(refused) == {"gpipe", "1f1b", "interleaved", "zb_h1", "zb_v", "dualpipev"}
     assert set(refused) == (set() if layers == 8 else {"interleaved", "zb_v", "dualpipev"})
     one: list = []
-    table = {s: modeled_time(b, pipeline_auto.flops_ratio(with_schedule(cfg, s), sizes, devices, one))
-             for s, b in bubbles.items()}
+    table = {
+        s: modeled_time(b, pipeline_auto.flops_ratio(with_schedule(cfg, s), sizes, devices, one))
+        for s, b in bubbles.items()
+    }
     assert chosen.parallel.pipeline_schedule == min(table, key=table.get) == winner
     assert len(asked) < len(table)  # the choice took fewer figures than the table has
     assert line.startswith(f"pipeline schedule auto -> {winner} (modeled step time {table[winner]:.2f}")

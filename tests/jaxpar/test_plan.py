@@ -1,4 +1,5 @@
 """The planner against formulas written here, independently of jaxpar.tools.plan's own."""
+
 import jax
 import pytest
 
@@ -12,8 +13,15 @@ CFG = load_config("configs/gpt2-tiny.yaml")
 m, B, T = CFG.model, CFG.train.global_batch_size, CFG.data.seq_len
 d, L, V, f = m.d_model, m.n_layer, m.vocab_size, 4 * m.d_model
 # parameters per block by kind: (count, sharded over tp?)
-BLOCK = {"ln": (4 * d, False), "qkv": (3 * d * d + 3 * d, True), "out_w": (d * d, True), "out_b": (d, False),
-         "fc": (d * f + f, True), "proj_w": (f * d, True), "proj_b": (d, False)}
+BLOCK = {
+    "ln": (4 * d, False),
+    "qkv": (3 * d * d + 3 * d, True),
+    "out_w": (d * d, True),
+    "out_b": (d, False),
+    "fc": (d * f + f, True),
+    "proj_w": (f * d, True),
+    "proj_b": (d, False),
+}
 N = V * d + m.max_seq_len * d + L * sum(n for n, _ in BLOCK.values()) + 2 * d
 
 
@@ -77,9 +85,12 @@ dimensions={0}
 }
 """
     got = {c.op: c.result_bytes for c in hlo_collectives.parse(hlo, 8)}
-    assert got == {"reduce-scatter": 8 * 256 * 4, "all-gather": 64 * 256 * 4, "all-reduce": (64 * 256 + 4) * 4,
-                   "collective-permute": 8 * 256 * 4}
-
+    assert got == {
+        "reduce-scatter": 8 * 256 * 4,
+        "all-gather": 64 * 256 * 4,
+        "all-reduce": (64 * 256 + 4) * 4,
+        "collective-permute": 8 * 256 * 4,
+    }
 
 
 def test_collectives_carry_the_source_files_of_their_stack():
@@ -112,7 +123,9 @@ metadata={op_name="y" stack_frame_id=2}
     got = {c.op: c.files for c in hlo_collectives.parse(hlo, 8)}
     assert got == {"all-to-all": {"/r/jaxpar/step.py", "/r/jaxpar/optim.py"}, "all-gather": {"/r/jaxpar/step.py"}}
     from jaxpar.cost.optimizer_traffic import is_optimizers
+
     assert is_optimizers(got["all-to-all"]) and not is_optimizers(got["all-gather"])
+
 
 def test_recommend_rejects_meshes_over_budget(capsys):
     rows = recommend(CFG, 4, budget=10**12, peak_flops=1e12, bandwidth=1e10)
@@ -124,7 +137,7 @@ def test_recommend_rejects_meshes_over_budget(capsys):
     for r in rows:
         assert r["fits"] == (r["peak_bytes"] <= budget)
     proposed = [r for r in rows if r["fits"]]
-    assert rows[:len(proposed)] == proposed  # every fitting mesh ranks above every rejected one
+    assert rows[: len(proposed)] == proposed  # every fitting mesh ranks above every rejected one
     assert [r["predicted_step_s"] for r in proposed] == sorted(r["predicted_step_s"] for r in proposed)
 
 
@@ -138,17 +151,27 @@ def test_recommend_says_each_mesh_as_it_is_compiled(capsys, monkeypatch):
     from jaxpar.tools import plan as planner
 
     peaks = {"none": 100, "optimizer": 60, "params+optimizer": 40}  # only the last fits: three rounds
-    monkeypatch.setattr(planner, "plan", lambda cfg, sizes, devices=None: {
-        "mesh": format_mesh(sizes), "peak_bytes": peaks[cfg.parallel.offload], "host_bytes": 0, "traffic_bytes": 0})
+    monkeypatch.setattr(
+        planner,
+        "plan",
+        lambda cfg, sizes, devices=None: {
+            "mesh": format_mesh(sizes),
+            "peak_bytes": peaks[cfg.parallel.offload],
+            "host_bytes": 0,
+            "traffic_bytes": 0,
+        },
+    )
     meshes = [format_mesh(s) for s in candidate_meshes(CFG, 4)]
     recommend(CFG, 4, budget=50, peak_flops=1e12, bandwidth=1e10)
     out, err = capsys.readouterr()
     lines, n = err.strip().splitlines(), len(meshes)
     assert out == "" and len(lines) == 3 + 3 * n and n == 6, err
     assert lines[0] == f"plan: compiling the train step on each of {n} meshes of 4 devices (nothing allocated)"
-    assert lines[1:1 + n] == [f"plan: mesh {i} of {n}, {m} (offload none): peak 0.000 GiB, over the budget, "
-                              f"compiled in {line.rsplit(' in ', 1)[1]}" for i, (m, line) in
-                              enumerate(zip(meshes, lines[1:]), 1)]
+    assert lines[1 : 1 + n] == [
+        f"plan: mesh {i} of {n}, {m} (offload none): peak 0.000 GiB, over the budget, "
+        f"compiled in {line.rsplit(' in ', 1)[1]}"
+        for i, (m, line) in enumerate(zip(meshes, lines[1:]), 1)
+    ]
     assert lines[1 + n] == "plan: no mesh fits in the budget; compiling them again with parallel.offload=optimizer"
     assert "offload params+optimizer): peak 0.000 GiB, compiled in" in lines[-1]
 
@@ -159,18 +182,26 @@ def test_schedules_say_each_schedule_as_it_is_compiled(capsys, monkeypatch):
     from jaxpar.core.pipeline.schedules import PROGRAMS
     from jaxpar.tools import plan as planner
 
-    monkeypatch.setattr(planner, "plan", lambda cfg, sizes, devices=None: {
-        "pipeline": {"bubble": 0.1}, "peak_bytes": 1, "temp_bytes": 1})
+    monkeypatch.setattr(
+        planner,
+        "plan",
+        lambda cfg, sizes, devices=None: {"pipeline": {"bubble": 0.1}, "peak_bytes": 1, "temp_bytes": 1},
+    )
     monkeypatch.setattr(pipeline_auto, "flops_ratio", lambda *args: 1.0)
     planner.compare_schedules(tiny_config("model.n_layer=4"), {"pp": 2}, jax.devices()[:2])
     out, err = capsys.readouterr()
-    assert out == "" and err.splitlines() == [f"plan: compiling parallel.pipeline_schedule={s} on pp=2"
-                                              for s in PROGRAMS], err
+    assert out == "" and err.splitlines() == [
+        f"plan: compiling parallel.pipeline_schedule={s} on pp=2" for s in PROGRAMS
+    ], err
 
 
 def test_plan_cli_bad_memory_size(capsys):
-    assert plan_main(["--config", "configs/gpt2-tiny.yaml", "--recommend", "--devices", "4",
-                      "--memory-per-device", "lots"]) == 2
+    assert (
+        plan_main(
+            ["--config", "configs/gpt2-tiny.yaml", "--recommend", "--devices", "4", "--memory-per-device", "lots"]
+        )
+        == 2
+    )
     assert "lots" in capsys.readouterr().err
 
 
@@ -208,9 +239,12 @@ def test_bf16_gradient_compression_halves_the_gradient_terms_of_the_bound():
     base, gpu = analytic_bounds(plain, sizes, 1000), analytic_bounds(bf16, sizes, 1000, "gpu")
     assert gpu["dp"] == base["dp"] / 2 and gpu["fsdp"] == base["fsdp"] * 3 / 4
     assert analytic_bounds(bf16, sizes, 1000, "cpu") == base
-    ops = [{"op": "all-reduce", "axes": "dp", "traffic_bytes": 10}, {"op": "reduce-scatter", "axes": "dp+fsdp",
-           "traffic_bytes": 5}, {"op": "all-gather", "axes": "fsdp", "traffic_bytes": 7},
-           {"op": "all-reduce", "axes": "tp", "traffic_bytes": 3}]
+    ops = [
+        {"op": "all-reduce", "axes": "dp", "traffic_bytes": 10},
+        {"op": "reduce-scatter", "axes": "dp+fsdp", "traffic_bytes": 5},
+        {"op": "all-gather", "axes": "fsdp", "traffic_bytes": 7},
+        {"op": "all-reduce", "axes": "tp", "traffic_bytes": 3},
+    ]
     assert gradient_traffic(ops) == 15
 
 
@@ -249,9 +283,14 @@ def test_schedules_side_by_side():
 
     rows = {r["schedule"]: r for r in compare_schedules(tiny_config("model.n_layer=4"), {"pp": 2}, jax.devices()[:2])}
     S, M = 2, 4
-    want = {"gpipe": (S - 1) / (M + S - 1), "1f1b": (S - 1) / (M + S - 1), "interleaved": (S - 1) / (2 * M + S - 1),
-            "zb_h1": (S - 1) / (3 * M + S - 1), "zb_v": (S - 1) / (6 * M + S - 1),
-            "dualpipev": lockstep_bubble("dualpipev", simulate("dualpipev", S, M))}  # its FB ticks: 3 units
+    want = {
+        "gpipe": (S - 1) / (M + S - 1),
+        "1f1b": (S - 1) / (M + S - 1),
+        "interleaved": (S - 1) / (2 * M + S - 1),
+        "zb_h1": (S - 1) / (3 * M + S - 1),
+        "zb_v": (S - 1) / (6 * M + S - 1),
+        "dualpipev": lockstep_bubble("dualpipev", simulate("dualpipev", S, M)),
+    }  # its FB ticks: 3 units
     assert {k: round(r["bubble"], 6) for k, r in rows.items()} == {k: round(v, 6) for k, v in want.items()}
     assert all(rows[s]["flops_ratio"] == pytest.approx(1.0, abs=0.01) for s in ("1f1b", "zb_h1", "zb_v", "dualpipev"))
     assert rows["zb_h1"]["temp_bytes"] <= 1.05 * rows["1f1b"]["temp_bytes"]
@@ -302,7 +341,6 @@ def test_recommend_proposes_ep_for_experts():
     assert all("ep" not in s for s in candidate_meshes(CFG, 8))  # a dense model: no ep
 
 
-
 def muon_plan(layers: int) -> tuple[dict, float, float]:
     """The tiny model with optim.name=muon on fsdp=8.
 
@@ -314,8 +352,11 @@ def muon_plan(layers: int) -> tuple[dict, float, float]:
     square, wide = 4 * d * d, 4 * d * 4 * d  # bytes of a q/k/v or out matrix; of an fc or proj
     bound = 2 * 7 / 8 * layers * (4 * square + 2 * wide) / 8
     padded = 2 * 7 / 8 * ((pad(3 * layers) + pad(layers)) * square + 2 * pad(layers) * wide) / 8
-    return (plan(tiny_config("optim.name=muon", f"model.n_layer={layers}"), {"fsdp": 8}, jax.devices()[:8]),
-            bound, padded)
+    return (
+        plan(tiny_config("optim.name=muon", f"model.n_layer={layers}"), {"fsdp": 8}, jax.devices()[:8]),
+        bound,
+        padded,
+    )
 
 
 def test_muon_spreads_its_matrices_and_says_what_it_sends():

@@ -4,6 +4,7 @@ The reduction against a numpy reading of the algorithm (Vogels et al. 2019, as t
 feedback, warm start), the warm-up, the planner's bytes against r(m+n) per matrix, and its state across checkpoints: bit
 for bit after SIGKILL, averaged onto another data size, dropped where a layout runs without it.
 """
+
 import math
 import jax
 import numpy as np
@@ -25,7 +26,7 @@ PSGD = "parallel.grad_compression=powersgd"
 
 def layout_of(mesh: str, *extra: str) -> Layout:
     sizes = parse_mesh(mesh)
-    return Layout(tiny_config(PSGD, *extra), make_mesh(sizes, jax.devices()[:math.prod(sizes.values())]))
+    return Layout(tiny_config(PSGD, *extra), make_mesh(sizes, jax.devices()[: math.prod(sizes.values())]))
 
 
 def numpy_powersgd(layout, grads: dict, error: dict, qs: dict) -> tuple[dict, dict, dict]:
@@ -74,8 +75,16 @@ def test_the_reduction_is_powersgd_with_error_feedback():
         return out, new
 
     spec = {"error": P(axes), "q": P()}
-    fn = jax.jit(jax.shard_map(local, mesh=layout.mesh, in_specs=(P(axes), spec), out_specs=(P(), spec),
-                               axis_names=set(axes), check_vma=False))
+    fn = jax.jit(
+        jax.shard_map(
+            local,
+            mesh=layout.mesh,
+            in_specs=(P(axes), spec),
+            out_specs=(P(), spec),
+            axis_names=set(axes),
+            check_vma=False,
+        )
+    )
     got, new = jax.device_get(fn(grads, {"error": error, "q": state["q"]}))
     want, want_error, want_q = numpy_powersgd(layout, grads, error, state["q"])
     for k in grads:
@@ -93,8 +102,9 @@ def test_warm_up_steps_run_plain_then_powersgd_moves_the_run(dataset, reference)
 
     From the 5th on PowerSGD's first update shows.
     """
-    got = run_steps(tiny_config(PSGD, "parallel.powersgd_warmup_steps=3"), "dp=2,tp=2", dataset, steps=6,
-                    devices=jax.devices()[:4])
+    got = run_steps(
+        tiny_config(PSGD, "parallel.powersgd_warmup_steps=3"), "dp=2,tp=2", dataset, steps=6, devices=jax.devices()[:4]
+    )
     np.testing.assert_allclose(got["loss"][:4], reference["loss"][:4], rtol=1e-5)
     assert np.all(np.abs(np.array(got["loss"][4:]) / reference["loss"][4:6] - 1) > 1e-5), got["loss"]
 
@@ -117,8 +127,9 @@ def test_state_fits_another_data_size(tmp_path):
     wider = restore_latest(ckpt, layout_of("dp=4"))[0]["powersgd"]
     for k, e in error.items():
         np.testing.assert_array_equal(np.asarray(same["error"][k]), e)
-        np.testing.assert_allclose(np.asarray(wider["error"][k]), np.broadcast_to(e.mean(0), (4, *e.shape[1:])),
-                                   rtol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(wider["error"][k]), np.broadcast_to(e.mean(0), (4, *e.shape[1:])), rtol=1e-6
+        )
         assert wider["error"][k].sharding.spec[0] == "dp"
     for k, q in flatten(jax.device_get(state["powersgd"]["q"])).items():
         np.testing.assert_array_equal(np.asarray(wider["q"][k]), q)
@@ -153,10 +164,13 @@ def test_the_state_follows_the_stage_sharding():
     assert all(shard["q"][k].spec == P() for k in shard["q"] if k not in stacked)
 
 
-@pytest.mark.parametrize("mesh,setting,named", [
-    ("sp=2,dp=2", PSGD, "sp with it is not built"),
-    ("dp=4", "model.compute_dtype=float16", "powersgd with model.compute_dtype=float16"),
-])
+@pytest.mark.parametrize(
+    "mesh,setting,named",
+    [
+        ("sp=2,dp=2", PSGD, "sp with it is not built"),
+        ("dp=4", "model.compute_dtype=float16", "powersgd with model.compute_dtype=float16"),
+    ],
+)
 def test_what_jaxpar_powersgd_does_not_run_is_refused(mesh, setting, named, dataset):
     with pytest.raises(UserError, match=named):
         run_steps(tiny_config(PSGD, setting), mesh, dataset, devices=jax.devices()[:4])

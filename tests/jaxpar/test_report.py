@@ -4,6 +4,7 @@ The curves figure holds the runs' own metrics.jsonl values (read back from the f
 for is left out, the default output lies beside the runs, and bad input is one line. Hand-written metrics.jsonl files:
 no training.
 """
+
 import json
 import os
 
@@ -25,8 +26,14 @@ def records(loss_at, eval_every=0, n=6):
     """Logged steps 2, 4, ...: loss from `loss_at(step)`, lr, grad_norm, tokens/s; eval_loss every `eval_every`."""
     out = []
     for step in range(2, 2 * n + 1, 2):
-        r = {"step": step, "loss": loss_at(step), "lr": 1e-3 * step / (2 * n), "grad_norm": 1.0 + step / 10,
-             "tokens_per_sec": 1000.0 + step, "mfu": 0.1}
+        r = {
+            "step": step,
+            "loss": loss_at(step),
+            "lr": 1e-3 * step / (2 * n),
+            "grad_norm": 1.0 + step / 10,
+            "tokens_per_sec": 1000.0 + step,
+            "mfu": 0.1,
+        }
         if eval_every and step % eval_every == 0:
             r["eval_loss"] = loss_at(step) + 0.5
         out.append(r)
@@ -36,8 +43,10 @@ def records(loss_at, eval_every=0, n=6):
 def panels(data):
     """The figure drawn from `data`, as {panel key: {line label: (x, y)}}."""
     fig = report.curve_figure(data, sorted({name for lines in data.values() for name in lines}))
-    return {ax.get_label(): {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
-                             for line in ax.get_lines()} for ax in fig.axes}
+    return {
+        ax.get_label(): {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
+        for ax in fig.axes
+    }
 
 
 def test_the_loss_panel_plots_the_runs_logged_losses(tmp_path):
@@ -69,8 +78,10 @@ def test_two_runs_are_two_lines_and_the_default_is_their_common_parent(tmp_path)
     path, data = report.curves([str(a), str(b)])
     assert path == str(tmp_path / "runs" / "curves.png")
     loss = panels(data)["loss"]
-    assert loss == {"a (jaxpar)": ([r["step"] for r in jax_recs], [r["loss"] for r in jax_recs]),
-                    "a (torchpar)": ([r["step"] for r in torch_recs], [r["loss"] for r in torch_recs])}
+    assert loss == {
+        "a (jaxpar)": ([r["step"] for r in jax_recs], [r["loss"] for r in jax_recs]),
+        "a (torchpar)": ([r["step"] for r in torch_recs], [r["loss"] for r in torch_recs]),
+    }
     assert not (a / "curves.png").exists() and not (b / "curves.png").exists()
 
 
@@ -98,8 +109,11 @@ def test_the_command_writes_one_line_and_never_into_the_source_tree(tmp_path, ca
     assert (tmp_path / "pics" / "c.png").is_file()
     root = report.source_root()
     assert root == os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(report.__file__))))
-    for where in ([os.path.join(root, "docs", "benchmarks", "run")], [os.path.join(root, "jaxpar", "run")],
-                  [os.path.join(root, "a"), os.path.join(root, "b")]):  # several runs whose common parent is the root
+    for where in (
+        [os.path.join(root, "docs", "benchmarks", "run")],
+        [os.path.join(root, "jaxpar", "run")],
+        [os.path.join(root, "a"), os.path.join(root, "b")],
+    ):  # several runs whose common parent is the root
         with pytest.raises(report.UserError, match="is in the source tree; choose one with --out"):
             report.beside(where)
     assert report.beside([os.path.join(root, "runs", "a")]) == os.path.join(root, "runs", "a")
@@ -117,8 +131,12 @@ def test_bad_run_input_is_one_line(case, tmp_path, capsys):
     assert report.main([str(run)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: "), err
-    assert {"missing": "no such run directory", "no_metrics": "has no metrics.jsonl", "empty": "is empty",
-            "nothing_to_plot": "has no loss, eval_loss"}[case] in err
+    assert {
+        "missing": "no such run directory",
+        "no_metrics": "has no metrics.jsonl",
+        "empty": "is empty",
+        "nothing_to_plot": "has no loss, eval_loss",
+    }[case] in err
     assert not list(tmp_path.rglob("*.png"))
 
 

@@ -5,6 +5,7 @@ resume; a checkpoint written while grad_clip=0 left the clipping slot out still 
 from process 0 alone. (Every setting acting on resume, jaxpar against each torchpar backend:
 tests/torchpar/test_resume_changes.py.)
 """
+
 import json
 
 import jax
@@ -46,8 +47,9 @@ def test_clipping_may_be_turned_on_or_off_on_resume(written, tmp_path):
     ckpt.close()
 
 
-@pytest.mark.parametrize("launcher", [{"JAXPAR_COORDINATOR": "localhost:1", "JAXPAR_NUM_PROCESSES": "2"},
-                                      {"SLURM_NTASKS": "2"}])
+@pytest.mark.parametrize(
+    "launcher", [{"JAXPAR_COORDINATOR": "localhost:1", "JAXPAR_NUM_PROCESSES": "2"}, {"SLURM_NTASKS": "2"}]
+)
 def test_the_first_process_alone_says_what_changed(launcher, tmp_path, monkeypatch, capsys):
     """Every process checks a resume (jaxpar.train, before the processes join).
 
@@ -65,12 +67,17 @@ def test_the_first_process_alone_says_what_changed(launcher, tmp_path, monkeypat
 
 # the tiny config's schedule (10 steps, 3 of warmup, cosine from 1e-2 to 1e-3) at 0-based step 7, by hand:
 # 1e-3 + 0.5 * 9e-3 * (1 + cos(pi * 4/7)) = 4.5e-3; with 20 steps, cos(pi * 4/17): 8.8e-3; from 2e-2 to 2e-3: 9.0e-3
-@pytest.mark.parametrize("changes, said", [
-    (["train.steps=20"], "the learning rate of step 8 moves from 4.5e-03 to 8.8e-03 (train.steps changed)"),
-    (["optim.lr=2e-2", "optim.min_lr=2e-3"],
-     "the learning rate of step 8 moves from 4.5e-03 to 9.0e-03 (optim.lr, optim.min_lr changed)"),
-    (["optim.decay_steps=10", "train.steps=20"], "the learning rate of step 8 stays 4.5e-03 (train.steps changed)"),
-])
+@pytest.mark.parametrize(
+    "changes, said",
+    [
+        (["train.steps=20"], "the learning rate of step 8 moves from 4.5e-03 to 8.8e-03 (train.steps changed)"),
+        (
+            ["optim.lr=2e-2", "optim.min_lr=2e-3"],
+            "the learning rate of step 8 moves from 4.5e-03 to 9.0e-03 (optim.lr, optim.min_lr changed)",
+        ),
+        (["optim.decay_steps=10", "train.steps=20"], "the learning rate of step 8 stays 4.5e-03 (train.steps changed)"),
+    ],
+)
 def test_a_resume_that_changes_the_schedule_says_where_the_learning_rate_goes(changes, said):
     """A schedule key changed on resume moves the learning rate of the steps still to train.
 
@@ -120,7 +127,8 @@ def test_a_resume_refuses_new_initial_weights_it_would_not_read(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(tiny_config(f"run.dir={tmp_path}").to_dict()))
     with pytest.raises(UserError, match=r"model.init_from=w.safetensors would not act on it"):
         check_resume(tiny_config(f"run.dir={tmp_path}", "model.init_from=w.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps(tiny_config(f"run.dir={tmp_path}",
-                                                                 "model.init_from=w.safetensors").to_dict()))
+    (tmp_path / "config.json").write_text(
+        json.dumps(tiny_config(f"run.dir={tmp_path}", "model.init_from=w.safetensors").to_dict())
+    )
     check_resume(tiny_config(f"run.dir={tmp_path}", "model.init_from=w.safetensors"))  # unchanged
     check_resume(tiny_config(f"run.dir={tmp_path}"))  # dropped: the legs of a run after its first

@@ -3,6 +3,7 @@
 Each attention strategy equals full causal attention (outputs and each of dQ, dK, dV), training runs equal the
 one-device run, and bad input fails in one line.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,8 +68,7 @@ def test_attention_in_a_branch_one_pipeline_stage_takes(strategy):
         out = jax.lax.switch(jax.lax.axis_index("pp"), [attention, lambda q, k, v: jnp.zeros_like(q)], q, k, v)
         return jax.lax.psum(out, "pp")
 
-    f = jax.shard_map(stages, mesh=mesh, in_specs=(jax.P(),) * 3, out_specs=jax.P(), axis_names={"pp"},
-                      check_vma=False)
+    f = jax.shard_map(stages, mesh=mesh, in_specs=(jax.P(),) * 3, out_specs=jax.P(), axis_names={"pp"}, check_vma=False)
     q, k, v, dy = (jax.random.normal(key, (B, T, H, D), jnp.float32) for key in jax.random.split(jax.random.key(1), 4))
     ref, ref_vjp = jax.vjp(full_attention, q, k, v)
     out, grads = jax.jit(lambda q, k, v, dy: (lambda o, vjp: (o, vjp(dy)))(*jax.vjp(f, q, k, v)))(q, k, v, dy)
@@ -77,13 +77,24 @@ def test_attention_in_a_branch_one_pipeline_stage_takes(strategy):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=name)
 
 
-RUNS = [("sp=4,dp=2", ()), ("sp=2,fsdp=2,tp=2", ()),
-        ("pp=2,sp=2,dp=2", ()),
-        ("sp=2,fsdp=2,tp=2", ("parallel.sequence_attention=ulysses", "parallel.sequence_zigzag=false"))]
+RUNS = [
+    ("sp=4,dp=2", ()),
+    ("sp=2,fsdp=2,tp=2", ()),
+    ("pp=2,sp=2,dp=2", ()),
+    ("sp=2,fsdp=2,tp=2", ("parallel.sequence_attention=ulysses", "parallel.sequence_zigzag=false")),
+]
 
 
-@pytest.mark.parametrize("mesh,extra", RUNS, ids=["sp=4,dp=2", "sp=2,fsdp=2,tp=2", "pp=2,sp=2,dp=2",
-                                                 "sp=2,fsdp=2,tp=2,sequence_attention=ulysses,sequence_zigzag=false"])
+@pytest.mark.parametrize(
+    "mesh,extra",
+    RUNS,
+    ids=[
+        "sp=4,dp=2",
+        "sp=2,fsdp=2,tp=2",
+        "pp=2,sp=2,dp=2",
+        "sp=2,fsdp=2,tp=2,sequence_attention=ulysses,sequence_zigzag=false",
+    ],
+)
 def test_training_matches_single_device(mesh, extra, dataset, reference):
     got = run_steps(tiny_config(*extra), mesh, dataset, devices=jax.devices()[:8])
     np.testing.assert_allclose(got["loss"], reference["loss"], rtol=1e-5)
@@ -91,16 +102,19 @@ def test_training_matches_single_device(mesh, extra, dataset, reference):
     assert_params_close(got["params"], reference["params"])
 
 
-ERRORS = [("sp=4,dp=2", ("data.seq_len=12",), "data.seq_len=12 is not divisible by 2*sp=8 (zig-zag)"),
-          ("sp=8", ("data.seq_len=12", "parallel.sequence_zigzag=false"), "data.seq_len=12 is not divisible by sp=8"),
-          ("sp=8", ("parallel.sequence_attention=ulysses",), "model.n_head=4 is not divisible by tp*sp=8"),
-          ("sp=4,tp=2", ("parallel.sequence_attention=ulysses",), "model.n_head=4 is not divisible by tp*sp=8")]
+ERRORS = [
+    ("sp=4,dp=2", ("data.seq_len=12",), "data.seq_len=12 is not divisible by 2*sp=8 (zig-zag)"),
+    ("sp=8", ("data.seq_len=12", "parallel.sequence_zigzag=false"), "data.seq_len=12 is not divisible by sp=8"),
+    ("sp=8", ("parallel.sequence_attention=ulysses",), "model.n_head=4 is not divisible by tp*sp=8"),
+    ("sp=4,tp=2", ("parallel.sequence_attention=ulysses",), "model.n_head=4 is not divisible by tp*sp=8"),
+]
 
 
 @pytest.mark.parametrize("mesh,extra,message", ERRORS)
 def test_bad_sequence_layout_is_one_line(mesh, extra, message):
     cfg = tiny_config(*extra)
     with pytest.raises(UserError) as e:
-        Layout(cfg, make_mesh(dict((k, int(v)) for k, v in (kv.split("=") for kv in mesh.split(","))),
-                              jax.devices()[:8]))
+        Layout(
+            cfg, make_mesh(dict((k, int(v)) for k, v in (kv.split("=") for kv in mesh.split(","))), jax.devices()[:8])
+        )
     assert message in str(e.value) and "\n" not in str(e.value)

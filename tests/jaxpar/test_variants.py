@@ -3,6 +3,7 @@
 Every layout equals one device, jaxpar equals torchpar, MLA equals DeepSeek-V2's equations, dilated attention equals
 causal attention in its degenerate case and a brute-force union softmax, and sketches are derived.
 """
+
 import hashlib
 import math
 import os
@@ -34,14 +35,28 @@ VARIANTS = {
     "sketched_sign": ("model.linear=sketched", "model.sketch=sign", "model.sketch_ratio=0.25"),
     # the llama family (GQA, untied head; tests/jaxpar/test_llama.py), and with the dilated attention core
     "llama": ("model.family=llama", "model.n_kv_head=2", "model.tie_embeddings=false", "model.d_ff=64"),
-    "llama_dilated": ("model.family=llama", "model.n_kv_head=1", "model.d_ff=48", "model.attention=dilated",
-                      "model.segment_lengths=4,8,16", "model.dilation_rates=1,2,4"),
+    "llama_dilated": (
+        "model.family=llama",
+        "model.n_kv_head=1",
+        "model.d_ff=48",
+        "model.attention=dilated",
+        "model.segment_lengths=4,8,16",
+        "model.dilation_rates=1,2,4",
+    ),
 }
 # the framework twins also hold block-sparse dilated attention (tests/jaxpar/test_block_sparse.py): 32 tokens,
 # rows of 16 selected tokens in both pairs, blocks of 2, a quarter kept
-TWINS = {**VARIANTS, "dilated_sparse": ("data.seq_len=32", "model.attention=dilated", "model.segment_lengths=16,32",
-                                        "model.dilation_rates=1,2", "model.sparsity_block=2",
-                                        "model.sparsity_ratio=0.25")}
+TWINS = {
+    **VARIANTS,
+    "dilated_sparse": (
+        "data.seq_len=32",
+        "model.attention=dilated",
+        "model.segment_lengths=16,32",
+        "model.dilation_rates=1,2",
+        "model.sparsity_block=2",
+        "model.sparsity_ratio=0.25",
+    ),
+}
 MESHES = ["dp=8", "dp=2,tp=4", "fsdp=8"]
 
 
@@ -62,7 +77,7 @@ def _n(mesh: str) -> int:
 @pytest.mark.parametrize("variant", ["mla", "dilated", "sketched"])
 def test_variant_layout_matches_single_device(variant, mesh, dataset):
     ref = _reference(variant, dataset)
-    got = run_steps(tiny_config(*VARIANTS[variant]), mesh, dataset, devices=jax.devices()[:_n(mesh)])
+    got = run_steps(tiny_config(*VARIANTS[variant]), mesh, dataset, devices=jax.devices()[: _n(mesh)])
     assert ref["loss"][-1] < ref["loss"][0] - 0.1, "the reference run should learn something"
     np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
     np.testing.assert_allclose(got["grad_norm"], ref["grad_norm"], rtol=1e-4)
@@ -72,14 +87,17 @@ def test_variant_layout_matches_single_device(variant, mesh, dataset):
 ONE_F_ONE_B = ("parallel.pipeline_schedule=1f1b", "parallel.sequence_attention=all_gather")
 
 
-@pytest.mark.parametrize("variant,schedule", [(v, ()) for v in ("mla", "dilated", "sketched")] +
-                         [(v, ONE_F_ONE_B) for v in ("mla", "sketched")],  # dilated + sp + 1f1b: refused
-                         ids=["mla-gpipe", "dilated-gpipe", "sketched-gpipe", "mla-1f1b", "sketched-1f1b"])
+@pytest.mark.parametrize(
+    "variant,schedule",
+    [(v, ()) for v in ("mla", "dilated", "sketched")]
+    + [(v, ONE_F_ONE_B) for v in ("mla", "sketched")],  # dilated + sp + 1f1b: refused
+    ids=["mla-gpipe", "dilated-gpipe", "sketched-gpipe", "mla-1f1b", "sketched-1f1b"],
+)
 def test_variant_pipeline_and_sequence_parallel_match_single_device(variant, schedule, dataset):
     """Stages over pp carry the variant's parameters (and the sketches ride along the layer stack)."""
     ref = _reference(variant, dataset)
     mesh = "pp=2,sp=2,tp=2"
-    got = run_steps(tiny_config(*VARIANTS[variant], *schedule), mesh, dataset, devices=jax.devices()[:_n(mesh)])
+    got = run_steps(tiny_config(*VARIANTS[variant], *schedule), mesh, dataset, devices=jax.devices()[: _n(mesh)])
     np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
     assert_params_close(got["params"], ref["params"])
 
@@ -88,12 +106,13 @@ def test_variant_pipeline_and_sequence_parallel_match_single_device(variant, sch
 def test_dilated_sequence_parallel_matches_single_device(mesh, dataset):
     """Segments of 4 fit a shard (16 / sp=4) and stay local; those of 8 and 16 span shards."""
     ref = _reference("dilated", dataset)
-    got = run_steps(tiny_config(*VARIANTS["dilated"]), mesh, dataset, devices=jax.devices()[:_n(mesh)])
+    got = run_steps(tiny_config(*VARIANTS["dilated"]), mesh, dataset, devices=jax.devices()[: _n(mesh)])
     np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
     assert_params_close(got["params"], ref["params"])
 
 
 # --- jaxpar vs torchpar: same loss and gradients from the same weights -------------------------------
+
 
 @pytest.mark.parametrize("variant", list(TWINS))
 def test_variant_same_loss_and_gradients_as_torchpar(variant):
@@ -120,16 +139,17 @@ def test_variant_same_loss_and_gradients_as_torchpar(variant):
     grads = to_shared({n: p.grad for n, p in model.named_parameters()}, cfg.model.n_layer)
     assert set(grads) == set(jgrads)
     diff = np.sqrt(sum(np.sum((grads[k] - v) ** 2) for k, v in jgrads.items()))
-    total = np.sqrt(sum(np.sum(v ** 2) for v in jgrads.values()))
+    total = np.sqrt(sum(np.sum(v**2) for v in jgrads.values()))
     assert diff / total < 1e-5
 
 
 # --- MLA against an independent reference of DeepSeek-V2's equations ----------------------------------
 
+
 def _rope_complex(x, theta):
     """RoPE as a complex rotation of (x_i, x_{i+r/2}) by position * theta^(-2i/r); x [T, r]."""
     T, r = x.shape
-    z = x[:, : r // 2] + 1j * x[:, r // 2:]
+    z = x[:, : r // 2] + 1j * x[:, r // 2 :]
     z = z * np.exp(1j * np.arange(T)[:, None] * theta ** (-2.0 * np.arange(r // 2) / r))
     return np.concatenate([z.real, z.imag], axis=1)
 
@@ -138,21 +158,21 @@ def _mla_reference(x, p, cfg):
     """DeepSeek-V2 eqs. (9)-(19) for one sequence x [T, d], float64, head by head."""
     T, _ = x.shape
     k, r, kvl, eps = cfg.head_dim, cfg.rope_head_dim, cfg.kv_latent_dim, cfg.layernorm_eps
-    rms = lambda c, g: c / np.sqrt(np.mean(c ** 2, -1, keepdims=True) + eps) * g
-    c_q = rms(x @ p["q_down"]["kernel"], p["q_norm"]["scale"])                 # c^Q = W^DQ h
-    c_kv = rms(x @ p["kv_down"]["kernel"][:, :kvl], p["kv_norm"]["scale"])      # c^KV = W^DKV h
+    rms = lambda c, g: c / np.sqrt(np.mean(c**2, -1, keepdims=True) + eps) * g
+    c_q = rms(x @ p["q_down"]["kernel"], p["q_norm"]["scale"])  # c^Q = W^DQ h
+    c_kv = rms(x @ p["kv_down"]["kernel"][:, :kvl], p["kv_norm"]["scale"])  # c^KV = W^DKV h
     k_rope = _rope_complex(x @ p["kv_down"]["kernel"][:, kvl:], cfg.rope_theta)  # k^R = RoPE(W^KR h), shared
     out = np.zeros((T, cfg.d_model))
     for h in range(cfg.n_head):
-        q_c = c_q @ p["q_up"]["kernel"][:, h, :k]                               # q^C = W^UQ c^Q
+        q_c = c_q @ p["q_up"]["kernel"][:, h, :k]  # q^C = W^UQ c^Q
         q_r = _rope_complex(c_q @ p["q_up"]["kernel"][:, h, k:], cfg.rope_theta)  # q^R = RoPE(W^QR c^Q)
-        k_c = c_kv @ p["kv_up"]["kernel"][:, 0, h]                              # k^C = W^UK c^KV
-        v_c = c_kv @ p["kv_up"]["kernel"][:, 1, h]                              # v^C = W^UV c^KV
+        k_c = c_kv @ p["kv_up"]["kernel"][:, 0, h]  # k^C = W^UK c^KV
+        v_c = c_kv @ p["kv_up"]["kernel"][:, 1, h]  # v^C = W^UV c^KV
         q, kk = np.concatenate([q_c, q_r], 1), np.concatenate([k_c, k_rope], 1)
         s = q @ kk.T / np.sqrt(k + r)
         s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
         a = np.exp(s - s.max(1, keepdims=True))
-        out += (a / a.sum(1, keepdims=True)) @ v_c @ p["out"]["kernel"][h]      # u = W^O [o_1; ...; o_h]
+        out += (a / a.sum(1, keepdims=True)) @ v_c @ p["out"]["kernel"][h]  # u = W^O [o_1; ...; o_h]
     return out + p["out"]["bias"]
 
 
@@ -176,6 +196,7 @@ def test_mla_cache_width_is_latent_plus_rope():
 
 
 # --- dilated attention --------------------------------------------------------------------------------
+
 
 def _qkv(shape=(2, 16, 4, 8), seed=0):
     return [jnp.asarray(a, jnp.float32) for a in np.random.default_rng(seed).normal(size=(3,) + shape)]
@@ -203,8 +224,9 @@ def test_dilated_equals_brute_force_union_softmax():
     for b in range(B):
         for h in range(H):
             for t in range(T):
-                keys = [j for w, r in pairs if (t % w) % r == h % r
-                        for j in range(t - t % w, t + 1) if (j % w) % r == h % r]
+                keys = [
+                    j for w, r in pairs if (t % w) % r == h % r for j in range(t - t % w, t + 1) if (j % w) % r == h % r
+                ]
                 s = np.array([q[b, t, h] @ k[b, j, h] for j in keys]) / np.sqrt(D)
                 a = np.exp(s - s.max())
                 want[b, t, h] = (a / a.sum()) @ v[b, keys, h]
@@ -245,8 +267,17 @@ print(hashlib.sha256(b"".join(jax_side[n].tobytes() for n in sorted(jax_side))).
 def test_sketch_identical_across_processes_and_frameworks():
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONHASHSEED": "random"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    digests = [subprocess.run([sys.executable, "-c", _SKETCH_SCRIPT, str(seed)], cwd=root, env=env, check=True,
-                              capture_output=True, text=True).stdout.strip() for seed in (1, 2)]
+    digests = [
+        subprocess.run(
+            [sys.executable, "-c", _SKETCH_SCRIPT, str(seed)],
+            cwd=root,
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        for seed in (1, 2)
+    ]
     cfg = tiny_config("model.linear=sketched", "model.sketch_seed=7").model
     from jaxpar.core.model.layer_rules import stacked_sketches
 

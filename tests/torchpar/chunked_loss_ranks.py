@@ -7,6 +7,7 @@ how often the ranks ran the head and loss in more than one chunk) and each run's
 OUT/chunked.npz).
 python -m torch.distributed.run --nproc_per_node=2 tests/torchpar/chunked_loss_ranks.py BACKEND OUT [OVERRIDE...]
 """
+
 import json
 import sys
 
@@ -21,8 +22,9 @@ from torchpar.trainer import build_model
 
 CALLS = []  # the chunk count of each chunked loss this process ran (the pipeline's last stage runs one chunk too)
 plain = head._Chunked.forward
-head._Chunked.forward = staticmethod(lambda ctx, x, table, targets, n: CALLS.append(n) or plain(ctx, x, table,
-                                                                                                    targets, n))
+head._Chunked.forward = staticmethod(
+    lambda ctx, x, table, targets, n: CALLS.append(n) or plain(ctx, x, table, targets, n)
+)
 
 
 def rows(cfg) -> torch.Tensor:
@@ -39,11 +41,15 @@ def trained(backend: str, overrides: list[str], n: int) -> dict:
     engine = parallelize(build_model(cfg), cfg, env, backend)[0]
     batch, calls = rows(cfg), len(CALLS)
     share = batch[:, 1:].numel() / int((batch[:, 1:] >= 0).sum())  # the trainer's token share
-    mine = batch[engine.data_rank::engine.data_ways]
+    mine = batch[engine.data_rank :: engine.data_ways]
     losses = [engine.read(engine.update(mine, share))["loss"] for _ in range(2)]
     chunked = int(dist.all_sum([sum(c > 1 for c in CALLS[calls:])], env)[0])  # over the ranks: the last stage's
-    return {"losses": losses, "params": {k: v.detach().float().numpy() for k, v in engine.full_state_dict().items()},
-            "calls": chunked, "rank": env.rank}
+    return {
+        "losses": losses,
+        "params": {k: v.detach().float().numpy() for k, v in engine.full_state_dict().items()},
+        "calls": chunked,
+        "rank": env.rank,
+    }
 
 
 def main(backend: str, out: str, *overrides: str) -> None:

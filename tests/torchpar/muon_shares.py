@@ -5,6 +5,7 @@ tensors of several matrix shapes (B=1 matrices, q/k/v, an uneven band, experts) 
 equal one process's step and count how many matrices this rank's Newton-Schulz ran on. Writes OUT/rank-N.json.
 python -m torch.distributed.run --nproc_per_node=W tests/torchpar/muon_shares.py OUT [DP]
 """
+
 import json
 import sys
 
@@ -20,9 +21,13 @@ from tests.helpers import tiny_config
 
 # name -> (shape, (reduction, output) axes): fans 16x32 (4 of B=1), 16x16 (q/k/v and one of B=1), 24x16 (3 rows of
 # 8 over the fsdp ranks: an uneven band), and experts (dim 0 a batch axis: whole matrices already)
-SHAPES = {**{f"fc{i}": ((16, 32), ((0,), (1,))) for i in range(4)},
-          "qkv": ((16, 3, 2, 8), ((0,), (2, 3))), "out": ((2, 8, 16), ((0, 1), (2,))),
-          "odd": ((3, 8, 16), ((0, 1), (2,))), "experts": ((4, 16, 32), ((1,), (2,)))}
+SHAPES = {
+    **{f"fc{i}": ((16, 32), ((0,), (1,))) for i in range(4)},
+    "qkv": ((16, 3, 2, 8), ((0,), (2, 3))),
+    "out": ((2, 8, 16), ((0, 1), (2,))),
+    "odd": ((3, 8, 16), ((0, 1), (2,))),
+    "experts": ((4, 16, 32), ((1,), (2,))),
+}
 MATRICES = 4 + 3 + 1 + 1 + 4
 
 
@@ -36,9 +41,12 @@ def module() -> torch.nn.Module:
 
 def optimizer(m: torch.nn.Module) -> tuple[dict, optim.MuonAdamW]:
     params = dict(m.named_parameters())
-    return params, optim.MuonAdamW([{"params": list(params.values()), "weight_decay": 0.1, "muon": True}],
-                                   {params[n]: axes for n, (_, axes) in SHAPES.items()},
-                                   tiny_config("optim.name=muon"), lr=0.1)
+    return params, optim.MuonAdamW(
+        [{"params": list(params.values()), "weight_decay": 0.1, "muon": True}],
+        {params[n]: axes for n, (_, axes) in SHAPES.items()},
+        tiny_config("optim.name=muon"),
+        lr=0.1,
+    )
 
 
 def step(params: dict, opt, grads: dict) -> None:

@@ -5,6 +5,7 @@ from one initial-weights file (`base`), the one-process run every backend is hel
 a run resumed with other settings (`CHANGED`) and the run it must equal (`changed_reference`). Registered for
 tests/torchpar by its conftest.py.
 """
+
 import subprocess
 import sys
 
@@ -17,8 +18,16 @@ from tests.helpers import ABORTS, TINY, make_dataset, metrics, run_in_session, t
 # A resume that changes settings (DESIGN.md 9): a run of the tiny config stopped after step 4, resumed with every
 # key that shapes the schedule or the update changed (the grad norms of the tiny run are about 2: both
 # thresholds clip; eps is near the gradients' scale)
-CHANGED = ["train.steps=12", "optim.lr=5e-3", "optim.min_lr=2e-3", "optim.weight_decay=0.3", "optim.beta1=0.8",
-           "optim.beta2=0.99", "optim.eps=1e-4", "optim.grad_clip=0.5"]
+CHANGED = [
+    "train.steps=12",
+    "optim.lr=5e-3",
+    "optim.min_lr=2e-3",
+    "optim.weight_decay=0.3",
+    "optim.beta1=0.8",
+    "optim.beta2=0.99",
+    "optim.eps=1e-4",
+    "optim.grad_clip=0.5",
+]
 STOP = 4  # the checkpoint the changed run resumes from
 
 
@@ -48,8 +57,18 @@ def base(tmp_path_factory):
 @pytest.fixture(scope="session")
 def reference(base):
     run_dir = base["tmp"] / "reference"
-    out = run(["--backend", "none", *base["args"], f"run.dir={run_dir}", "run.tensorboard=true", "train.sample_every=5",
-               "--write-final", str(base["tmp"] / "reference.safetensors")])
+    out = run(
+        [
+            "--backend",
+            "none",
+            *base["args"],
+            f"run.dir={run_dir}",
+            "run.tensorboard=true",
+            "train.sample_every=5",
+            "--write-final",
+            str(base["tmp"] / "reference.safetensors"),
+        ]
+    )
     (base["tmp"] / "reference.out").write_text(out.stdout)
     return metrics(run_dir)
 
@@ -58,8 +77,9 @@ def assert_same_run(got: dict, ref: dict, steps=range(1, 11), grad_norm: float =
     loss = [got[s]["loss"] for s in steps]
     ref_loss = [ref[s]["loss"] for s in steps]
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    np.testing.assert_allclose([got[s]["grad_norm"] for s in steps], [ref[s]["grad_norm"] for s in steps],
-                               rtol=grad_norm)
+    np.testing.assert_allclose(
+        [got[s]["grad_norm"] for s in steps], [ref[s]["grad_norm"] for s in steps], rtol=grad_norm
+    )
     np.testing.assert_allclose([got[s]["lr"] for s in steps], [ref[s]["lr"] for s in steps], rtol=1e-6)
 
 

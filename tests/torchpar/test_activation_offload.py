@@ -4,6 +4,7 @@ Every tensor a block saves for its backward is packed to host memory by torch's 
 under --backend deepspeed, DeepSpeed's activation checkpointing with cpu_checkpointing (each block's input on the host,
 the block recomputed). Training equals the run without it.
 """
+
 import numpy as np
 import pytest
 import torch
@@ -75,8 +76,20 @@ def test_compiled_blocks_offload_alike():
 
 def _final(base, name: str, backend: str, *overrides: str):
     run_dir, final = base["tmp"] / name, base["tmp"] / f"{name}.safetensors"
-    out = run(["--backend", backend, *base["args"], f"run.dir={run_dir}", "train.steps=4", "train.eval_every=0",
-               "--write-final", str(final), *overrides], nproc=2)
+    out = run(
+        [
+            "--backend",
+            backend,
+            *base["args"],
+            f"run.dir={run_dir}",
+            "train.steps=4",
+            "train.eval_every=0",
+            "--write-final",
+            str(final),
+            *overrides,
+        ],
+        nproc=2,
+    )
     return metrics(run_dir), load_file(str(final)), out.stdout
 
 
@@ -91,7 +104,8 @@ def test_offload_equals_no_offload(backend, overrides, base):
     got_m, got_w, out = _final(base, f"{backend}-offload", backend, *overrides, "model.remat=offload")
     if backend == "deepspeed":
         assert '"activation_checkpointing": {"cpu_checkpointing": true, "partition_activations": true}' in out, out
-    np.testing.assert_allclose([got_m[s]["loss"] for s in range(1, 5)], [ref_m[s]["loss"] for s in range(1, 5)],
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        [got_m[s]["loss"] for s in range(1, 5)], [ref_m[s]["loss"] for s in range(1, 5)], rtol=1e-5
+    )
     for name, w in ref_w.items():
         np.testing.assert_allclose(got_w[name], w, rtol=1e-5, atol=1e-6)

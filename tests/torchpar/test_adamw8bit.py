@@ -4,6 +4,7 @@ The same map and block quantization bit for bit; ddp and fsdp equal one process 
 weights file within the band quantization allows; a ddp run killed and resumed equals the uninterrupted one (the codes
 and scales in DCP).
 """
+
 import jax.numpy as jnp
 import numpy as np
 import torch

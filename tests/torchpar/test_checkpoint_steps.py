@@ -2,6 +2,7 @@
 
 A step on disk that this run did not write or restore is refused and left as it was; the run's own step is saved once.
 """
+
 import os
 
 import pytest
@@ -58,7 +59,12 @@ class DeepSpeedStub:
 def deepspeed_engine(ckpt_dir) -> DeepSpeedEngine:
     engine = object.__new__(DeepSpeedEngine)  # the save's bookkeeping around DeepSpeed's own calls
     engine.engine, engine.dir, engine.own, engine.env, engine.universal = (
-        DeepSpeedStub(), str(ckpt_dir), set(), CPU, None)
+        DeepSpeedStub(),
+        str(ckpt_dir),
+        set(),
+        CPU,
+        None,
+    )
     engine.cfg = type("Cfg", (), {"checkpoint": type("C", (), {"keep": 3})})
     return engine
 

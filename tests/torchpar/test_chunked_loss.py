@@ -2,6 +2,7 @@
 
 The whole logits' loss and gradients on the plain model, and the same training on every backend's engine.
 """
+
 import json
 import sys
 
@@ -25,9 +26,15 @@ def rows(cfg, seed: int = 0) -> torch.Tensor:
     return torch.as_tensor(np.where(rng.random(tokens.shape) < 0.3, ~tokens, tokens))
 
 
-@pytest.mark.parametrize("overrides", [
-    (), ("model.family=llama", "model.n_kv_head=2", "model.tie_embeddings=false"),
-    ("model.moe_experts=4", "model.moe_aux_loss=0.01")], ids=["gpt2", "llama-untied", "moe"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (),
+        ("model.family=llama", "model.n_kv_head=2", "model.tie_embeddings=false"),
+        ("model.moe_experts=4", "model.moe_aux_loss=0.01"),
+    ],
+    ids=["gpt2", "llama-untied", "moe"],
+)
 def test_chunks_give_the_whole_logits_loss_and_gradients(overrides):
     """Loss masks and packed documents; with experts their statistics (read by the balance loss) as well."""
     cfg = tiny_config(*overrides)
@@ -50,9 +57,13 @@ def test_chunks_give_the_whole_logits_loss_and_gradients(overrides):
         torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
-BACKENDS = {"none": ("none", 0, ()), "ddp": ("ddp", 2, ()), "fsdp": ("fsdp", 2, ()),
-            "deepspeed-zero3": ("deepspeed", 2, ("parallel.zero_stage=3",)),
-            "pipeline-1f1b": ("pipeline", 2, ("parallel.pipeline_schedule=1f1b",))}
+BACKENDS = {
+    "none": ("none", 0, ()),
+    "ddp": ("ddp", 2, ()),
+    "fsdp": ("fsdp", 2, ()),
+    "deepspeed-zero3": ("deepspeed", 2, ("parallel.zero_stage=3",)),
+    "pipeline-1f1b": ("pipeline", 2, ("parallel.pipeline_schedule=1f1b",)),
+}
 
 
 @pytest.mark.parametrize("backend,nproc,overrides", BACKENDS.values(), ids=BACKENDS.keys())
@@ -64,9 +75,18 @@ def test_a_backend_trains_in_chunks_as_with_the_whole_logits(backend, nproc, ove
     chunks.
     """
     script = ["tests/torchpar/chunked_loss_ranks.py", backend, str(tmp_path), *overrides]
-    command = ([sys.executable, *script] if nproc == 0 else
-               [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                f"--master_port={free_port()}", *script])
+    command = (
+        [sys.executable, *script]
+        if nproc == 0
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            f"--master_port={free_port()}",
+            *script,
+        ]
+    )
     out = run_in_session(command, torch_env(), 240, f"chunked loss on {backend}")
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())

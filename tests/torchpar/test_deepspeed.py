@@ -5,6 +5,7 @@ changed on resume (runs.CHANGED: the schedule's keys, weight decay, betas, eps, 
 given the same change (`changed_reference`): what DeepSpeed restores of a setting (its scheduler's state, the
 optimizer's param_groups, the clipping threshold, the loss scaler's rules) never wins over the config.
 """
+
 import subprocess
 import sys
 
@@ -22,8 +23,15 @@ def test_deepspeed_resume_after_sigkill(stage, base, changed_reference):
     checkpoint with other settings.
     """
     run_dir = base["tmp"] / f"ds-killed-{stage}"
-    args = ["--backend", "deepspeed", *base["args"], f"parallel.zero_stage={stage}", "train.microbatches=2",
-            f"checkpoint.every={STOP}", f"run.dir={run_dir}"]
+    args = [
+        "--backend",
+        "deepspeed",
+        *base["args"],
+        f"parallel.zero_stage={stage}",
+        "train.microbatches=2",
+        f"checkpoint.every={STOP}",
+        f"run.dir={run_dir}",
+    ]
     run(args, nproc=2, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
     assert max(metrics(run_dir)) == 6
     out = run(args + CHANGED, nproc=2)
@@ -40,8 +48,14 @@ def test_deepspeed_resumes_on_another_number_of_ranks(stage, nproc, base, change
     deepspeed_universal.repair_zero3_load), and the converted copy gone once loaded.
     """
     run_dir = base["tmp"] / f"ds-reshard-{stage}-{nproc}"
-    args = ["--backend", "deepspeed", *base["args"], f"parallel.zero_stage={stage}", f"checkpoint.every={STOP}",
-            f"run.dir={run_dir}"]
+    args = [
+        "--backend",
+        "deepspeed",
+        *base["args"],
+        f"parallel.zero_stage={stage}",
+        f"checkpoint.every={STOP}",
+        f"run.dir={run_dir}",
+    ]
     run(args, nproc=2, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
     out = run(args + CHANGED, nproc=nproc)
     assert "written by 2 ranks; converting it to DeepSpeed's universal format" in out.stderr
@@ -60,20 +74,38 @@ def test_a_checkpoint_resumes_only_at_a_stage_of_its_layout(saved, resumed, npro
     """
     run_dir = base["tmp"] / f"ds-layout-{saved}-{resumed}"
     args = ["--backend", "deepspeed", *base["args"], f"checkpoint.every={STOP}", f"run.dir={run_dir}"]
-    run([*args, f"parallel.zero_stage={saved}"], nproc=2, expect_rc="nonzero",
-        TORCHPAR_FAULT_KILL_AFTER_STEP=str(STOP))
+    run([*args, f"parallel.zero_stage={saved}"], nproc=2, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP=str(STOP))
     out = run([*args, f"parallel.zero_stage={resumed}"], nproc=nproc, expect_rc="nonzero")
     errors = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("error:")]
-    assert errors and all(f"written at ZeRO stage {saved}, and DeepSpeed loads it only at" in e and
-                          f"--zero-stage {resumed} NEW_DIR" in e for e in errors), out.stderr[-3000:]
+    assert errors and all(
+        f"written at ZeRO stage {saved}, and DeepSpeed loads it only at" in e and f"--zero-stage {resumed} NEW_DIR" in e
+        for e in errors
+    ), out.stderr[-3000:]
     assert sorted(metrics(run_dir)) == list(range(1, STOP + 1))
     if saved == 0:  # stage 0's whole optimizer: at its own stage on any number of ranks
         assert "resumed from" in run([*args, "parallel.zero_stage=0"], nproc=4).stderr
     if resumed == 3:
         moved = tmp_path / "moved"
-        r = subprocess.run([sys.executable, "-m", "jaxpar.tools.convert", "--from", "torchpar", str(run_dir), "--to",
-                            "deepspeed", "--zero-stage", "3", str(moved)], cwd=ROOT, env=torch_env(),
-                           capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "jaxpar.tools.convert",
+                "--from",
+                "torchpar",
+                str(run_dir),
+                "--to",
+                "deepspeed",
+                "--zero-stage",
+                "3",
+                str(moved),
+            ],
+            cwd=ROOT,
+            env=torch_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 0, r.stderr[-2000:]
         run(["--backend", "deepspeed", "--config", str(moved / "config.json")], nproc=4)
         assert_same_run(metrics(moved), reference, steps=range(STOP + 1, 11))
@@ -96,8 +128,10 @@ def test_the_layout_check_reads_the_engines_stage_not_only_the_key(tmp_path):
     step = tmp_path / "checkpoints" / "4"
     step.mkdir(parents=True)
     (step.parent / "latest").write_text("4")
-    torch.save({"ds_config": {"zero_optimization": {"stage": 3}}, "dp_world_size": 2},
-               step / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    torch.save(
+        {"ds_config": {"zero_optimization": {"stage": 3}}, "dp_world_size": 2},
+        step / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+    )
     cfg, env = tiny_config(f"run.dir={tmp_path}"), types.SimpleNamespace(world=2, is_main=True)
     assert cfg.parallel.zero_stage == 0 and universal_source(cfg, env, 3) is None
     with pytest.raises(UserError, match="written at ZeRO stage 3, and DeepSpeed loads it only at stage 3, not 1"):
@@ -117,8 +151,15 @@ def test_deepspeed_loss_scaler_takes_its_rules_from_the_config(base):
     if not deepspeed_cpu_has_float16():  # the refusal is tests/jaxpar/test_float16.py's, which runs here then
         pytest.skip("this CPU has no oneDNN float16 kernels: DeepSpeed's CPU accelerator refuses float16")
     run_dir = base["tmp"] / "ds-fp16-rules"
-    args = ["--backend", "deepspeed", *base["args"], "parallel.zero_stage=2", "model.compute_dtype=float16",
-            "optim.loss_scale_init=1024", f"run.dir={run_dir}"]
+    args = [
+        "--backend",
+        "deepspeed",
+        *base["args"],
+        "parallel.zero_stage=2",
+        "model.compute_dtype=float16",
+        "optim.loss_scale_init=1024",
+        f"run.dir={run_dir}",
+    ]
     run(args + ["train.steps=2", "optim.loss_scale_growth_interval=1000"])
     run(args + ["train.steps=5", "optim.loss_scale_growth_interval=1"])
     m = metrics(run_dir)

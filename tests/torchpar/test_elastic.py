@@ -16,6 +16,7 @@ the kill lands mid-run and the shrunk run is still training when the node comes 
 Also here: workers restarted on torch's shared store form a new group (their own prefix, torchpar.dist.group_token),
 and a mesh the re-formed group cannot hold stops each attempt with one line.
 """
+
 import json
 import os
 import re
@@ -36,14 +37,22 @@ STEPS, EVERY = 24, 4
 SLOW_S = "1.0"  # per step: ~20 s for the returning agent to start and be seen before the shrunk run would end
 # lr 3e-3 (gpt2-tiny's): at the tiny config's 1e-2 the loss spikes near step 18 and amplifies the rounding that
 # differs between 4 and 2 processes (2e-6 by step 24 here, and growing); run.peer_timeout_s=20: a roll call of 10 s
-EXTRA = [f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "optim.lr=3e-3", "optim.min_lr=3e-4",
-         "run.peer_timeout_s=20"]
+EXTRA = [
+    f"train.steps={STEPS}",
+    f"checkpoint.every={EVERY}",
+    "optim.lr=3e-3",
+    "optim.min_lr=3e-4",
+    "run.peer_timeout_s=20",
+]
 WAIT_S = 240  # any one phase, on a loaded machine
 # backend, its settings, and whether the lost node is started first: it then has the lower process id, so the
 # rendezvous makes it node 0, with rank 0 and (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) the workers' store: the survivors
 # find the store gone; else they hold the roll call and wait for the lost processes' answers
-BACKENDS = {"ddp": ("ddp", [], True), "fsdp": ("fsdp", [], False),
-            "deepspeed-zero2": ("deepspeed", ["parallel.zero_stage=2"], False)}
+BACKENDS = {
+    "ddp": ("ddp", [], True),
+    "fsdp": ("fsdp", [], False),
+    "deepspeed-zero2": ("deepspeed", ["parallel.zero_stage=2"], False),
+}
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +74,17 @@ def records(run_dir) -> list[dict]:
 
 def node(args: list[str], port: int, rdzv_id: str, host: bool, log: str, restarts: int = 3) -> Node:
     """One torchrun agent with two workers (bench_recovery's); `log` collects every node's output."""
-    return Node("torchpar.train", args, environment("TORCHPAR", float(SLOW_S)), port, rdzv_id, host, log,
-                restarts=restarts, join_s=WAIT_S)
+    return Node(
+        "torchpar.train",
+        args,
+        environment("TORCHPAR", float(SLOW_S)),
+        port,
+        rdzv_id,
+        host,
+        log,
+        restarts=restarts,
+        join_s=WAIT_S,
+    )
 
 
 def all_pids() -> list[int]:
@@ -116,12 +134,18 @@ def test_a_lost_node_shrinks_the_run_and_its_return_grows_it(backend, extra, los
         for lost in (lost_first, not lost_first):  # the survivor holds the rendezvous store
             nodes.append(node(args, port, rdzv_id, host=not lost, log=log))
         lost, survivor = nodes if lost_first else nodes[::-1]
-        wait_for("4 processes past a checkpoint", lambda: worlds(log)[-1:] == [4] and any(
-            r["step"] > EVERY for r in records(run_dir)[-1:]), log)
+        wait_for(
+            "4 processes past a checkpoint",
+            lambda: worlds(log)[-1:] == [4] and any(r["step"] > EVERY for r in records(run_dir)[-1:]),
+            log,
+        )
         lost.kill()
         before = len(records(run_dir))  # rank 0 logs a step only when every process has done it
-        shrunk = wait_for("the survivors' first step on 2 processes", lambda: worlds(log)[-1:] == [2] and len(
-            records(run_dir)) > before and children(survivor.proc.pid), log)
+        shrunk = wait_for(
+            "the survivors' first step on 2 processes",
+            lambda: worlds(log)[-1:] == [2] and len(records(run_dir)) > before and children(survivor.proc.pid),
+            log,
+        )
         assert {environ(pid).get("TORCHELASTIC_RESTART_COUNT") for pid in shrunk} == {"1"}, tail(log)
         nodes.append(node(args, port, rdzv_id, host=False, log=log))  # the node comes back
         for agent in (survivor, nodes[-1]):
@@ -169,13 +193,23 @@ def test_workers_restarted_on_torchruns_shared_store_form_a_new_group(tmp_path):
     """
     script = tmp_path / "restarted.py"
     script.write_text(_RESTARTED)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(script)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        str(script),
+    ]
     out = run_in_session(cmd, torch_env(), 120, "torchrun with a restart")
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-5000:]
     assert sorted(re.findall(r"attempt \d rank \d: \d", out.stdout)) == [  # the processes' lines may interleave
-        f"attempt {a} rank {r}: 2" for a in range(2) for r in range(2)], text[-5000:]
+        f"attempt {a} rank {r}: 2" for a in range(2) for r in range(2)
+    ], text[-5000:]
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in out.stderr  # rank 0's note: elastic runs need the agent's fix
 
 
@@ -221,6 +255,12 @@ def test_a_mesh_the_new_group_cannot_hold_stops_with_one_line(base, tmp_path):
     agent = node(args, free_port(), f"elastic-{uuid.uuid4().hex[:8]}", host=True, log=log, restarts=1)
     assert agent.proc.wait(timeout=WAIT_S) != 0
     errors = [line for line in tail(log).splitlines() if line.startswith("error:")]
-    assert errors == ["error: parallel.mesh=dp=2,fsdp=2 needs 4 processes and 2 run: an elastic run's group changes "
-                      "size: make one axis -1, e.g. dp=-1,fsdp=2"] * 2
+    assert (
+        errors
+        == [
+            "error: parallel.mesh=dp=2,fsdp=2 needs 4 processes and 2 run: an elastic run's group changes "
+            "size: make one axis -1, e.g. dp=-1,fsdp=2"
+        ]
+        * 2
+    )
     assert not os.path.exists(tmp_path / "run" / "checkpoints")

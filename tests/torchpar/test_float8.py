@@ -5,6 +5,7 @@ Torchao's float8 training, its "tensorwise" recipe, on the projections jaxpar ru
 float32 accumulation. Both frameworks quantize the same float32 values to the same float8 codes, so they agree to
 float32's rounding; the setting acts; ddp and fsdp equal one process.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,10 +26,12 @@ from torchpar.weights import from_shared, to_shared
 
 # the projections' einsums (torchpar/models/) and jaxpar's `project` of the same product: (equation, x shape,
 # w shape, n_in, the axes of jaxpar's output in torchpar's order)
-FORMS = [("btd,dchk->btchk", (4, 8, 32), (32, 3, 4, 8), 1, None),  # GPT-2's qkv
-         ("bhtk,hkd->btd", (4, 4, 8, 8), (4, 8, 32), 2, None),  # the attention's output, heads first
-         ("btd,dcgk->cbtgk", (4, 8, 32), (32, 2, 2, 8), 1, (2, 0, 1, 3, 4)),  # llama's kv
-         ("btcd,cde->bte", (4, 8, 2, 32), (2, 32, 32), 2, None)]  # multi-token prediction's
+FORMS = [
+    ("btd,dchk->btchk", (4, 8, 32), (32, 3, 4, 8), 1, None),  # GPT-2's qkv
+    ("bhtk,hkd->btd", (4, 4, 8, 8), (4, 8, 32), 2, None),  # the attention's output, heads first
+    ("btd,dcgk->cbtgk", (4, 8, 32), (32, 2, 2, 8), 1, (2, 0, 1, 3, 4)),  # llama's kv
+    ("btcd,cde->bte", (4, 8, 2, 32), (2, 32, 32), 2, None),
+]  # multi-token prediction's
 
 
 @pytest.mark.parametrize("form", FORMS, ids=[f[0] for f in FORMS])
@@ -75,10 +78,14 @@ def _jaxpar_step(family: str) -> tuple:
         cfg = tiny_config(*FAMILIES[family])
         graphdef, params = nnx.split(Decoder(cfg.model, nnx.Rngs(0)), nnx.Param)
         with use(ParallelContext(float8=True)):
-            loss, grads = jax.jit(jax.value_and_grad(
-                lambda p: loss_fn(nnx.merge(graphdef, p), jnp.asarray(_rows(cfg)))))(params)
-        _STEPS[family] = (float(loss), {k: np.asarray(v) for k, v in flatten(grads.to_pure_dict()).items()},
-                          {k: np.asarray(v) for k, v in flatten(params.to_pure_dict()).items()})
+            loss, grads = jax.jit(
+                jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), jnp.asarray(_rows(cfg))))
+            )(params)
+        _STEPS[family] = (
+            float(loss),
+            {k: np.asarray(v) for k, v in flatten(grads.to_pure_dict()).items()},
+            {k: np.asarray(v) for k, v in flatten(params.to_pure_dict()).items()},
+        )
     return _STEPS[family]
 
 
@@ -91,8 +98,10 @@ def _torchpar_step(family: str, float8: bool) -> tuple:
         t = torch.from_numpy(_rows(cfg).astype(np.int64))
         loss = twin(t[:, :-1], t[:, 1:])
         loss.backward()
-        _STEPS[family, float8] = (float(loss.detach()), to_shared({n: p.grad for n, p in twin.named_parameters()},
-                                                                  cfg.model.n_layer))
+        _STEPS[family, float8] = (
+            float(loss.detach()),
+            to_shared({n: p.grad for n, p in twin.named_parameters()}, cfg.model.n_layer),
+        )
     return _STEPS[family, float8]
 
 
@@ -146,8 +155,9 @@ def test_ddp_and_fsdp_equal_one_process(base, reference):
     ref = runs.pop("none")
     for backend, got in runs.items():
         for key in ("loss", "grad_norm"):
-            np.testing.assert_allclose([got[s][key] for s in (1, 2)], [ref[s][key] for s in (1, 2)], rtol=1e-6,
-                                       err_msg=f"{backend} {key}")
+            np.testing.assert_allclose(
+                [got[s][key] for s in (1, 2)], [ref[s][key] for s in (1, 2)], rtol=1e-6, err_msg=f"{backend} {key}"
+            )
         np.testing.assert_allclose(_losses(got), _losses(ref), rtol=5e-4, err_msg=backend)
     assert np.abs(np.array(_losses(reference)) / _losses(ref) - 1).max() > 5e-4
 

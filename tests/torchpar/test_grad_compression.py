@@ -4,6 +4,7 @@ jaxpar's counterpart: tests/jaxpar/test_grad_compression.py. bfloat16 on the wir
 (FSDP2's reduce dtype) and deepspeed (communication_data_type); PowerSGD under ddp (torch's hook), its error-feedback
 state resumed exactly after SIGKILL; what a backend does not run is refused in one line.
 """
+
 import argparse
 
 import numpy as np
@@ -62,8 +63,10 @@ def test_bf16_on_the_wire_under_every_backend(base, plain, shapes):
     runs = {}
     for backend, extra in (("ddp", []), ("fsdp", []), ("deepspeed", ["parallel.zero_stage=2"])):
         run_dir = base["tmp"] / f"bf16-{backend}"
-        run(["--backend", backend, *base["args"], *extra, "parallel.grad_compression=bf16", f"run.dir={run_dir}"],
-            nproc=2)
+        run(
+            ["--backend", backend, *base["args"], *extra, "parallel.grad_compression=bf16", f"run.dir={run_dir}"],
+            nproc=2,
+        )
         runs[backend] = losses(run_dir)
         assert runs[backend][2:] != plain[2:], backend
         np.testing.assert_allclose(runs[backend], plain, rtol=1e-3, err_msg=backend)
@@ -93,8 +96,10 @@ def test_powersgd_resumes_exactly_after_sigkill(base, plain, shapes):
     out = run(args, nproc=2)
     assert "resumed from" in out.stderr and "PowerSGD" not in out.stderr
     assert losses(half) == losses(full)
-    for steps, nproc, extra, said in ((12, 2, ["parallel.powersgd_rank=1"], "rank r 2 -> 1: its factors start"),
-                                      (14, 4, [], "error buffers of 2 ranks averaged onto 4")):
+    for steps, nproc, extra, said in (
+        (12, 2, ["parallel.powersgd_rank=1"], "rank r 2 -> 1: its factors start"),
+        (14, 4, [], "error buffers of 2 ranks averaged onto 4"),
+    ):
         out = run(args + [f"train.steps={steps}", *extra], nproc=nproc)
         assert "resumed from" in out.stderr and said in out.stderr and "afresh (after" not in out.stderr, out.stderr
         sent = metrics(half)
@@ -103,15 +108,18 @@ def test_powersgd_resumes_exactly_after_sigkill(base, plain, shapes):
     assert analytic / 1.1 <= sent[14]["grad_comm_bytes"] <= 1.1 * analytic
 
 
-@pytest.mark.parametrize("backend,key,named", [
-    ("fsdp", "parallel.grad_compression=powersgd", "FSDP2 reduce-scatters flat shards"),
-    ("deepspeed", "parallel.grad_compression=powersgd", "no 1-bit or 0/1 Adam"),
-    ("none", "parallel.grad_compression=bf16", "not used by torchpar --backend none"),
-    ("pipeline", "parallel.grad_compression=bf16", "not used by torchpar --backend pipeline"),
-    ("ddp", "parallel.powersgd_rank=2", "applies with parallel.grad_compression=powersgd"),
-    ("ddp", "parallel.grad_compression=powersgd model.compute_dtype=float16", "poison every later step"),
-    ("jaxpar", "parallel.grad_compression=bf16", "applies with dp or fsdp > 1"),  # one device: nothing to reduce
-])
+@pytest.mark.parametrize(
+    "backend,key,named",
+    [
+        ("fsdp", "parallel.grad_compression=powersgd", "FSDP2 reduce-scatters flat shards"),
+        ("deepspeed", "parallel.grad_compression=powersgd", "no 1-bit or 0/1 Adam"),
+        ("none", "parallel.grad_compression=bf16", "not used by torchpar --backend none"),
+        ("pipeline", "parallel.grad_compression=bf16", "not used by torchpar --backend pipeline"),
+        ("ddp", "parallel.powersgd_rank=2", "applies with parallel.grad_compression=powersgd"),
+        ("ddp", "parallel.grad_compression=powersgd model.compute_dtype=float16", "poison every later step"),
+        ("jaxpar", "parallel.grad_compression=bf16", "applies with dp or fsdp > 1"),  # one device: nothing to reduce
+    ],
+)
 def test_what_a_backend_does_not_run_is_refused(backend, key, named):
     cfg = load_config(None, TINY + key.split())
     with pytest.raises(UserError, match=named) as refused:
@@ -119,6 +127,7 @@ def test_what_a_backend_does_not_run_is_refused(backend, key, named):
             check_contract(Run(cfg, "jaxpar", "", {"dp": 1}))
         else:
             from torchpar.checks import check_backend_settings
+
             check_backend_settings(cfg, argparse.Namespace(backend=backend, cpu_offload=False, deepspeed_config=""))
     assert "\n" not in str(refused.value)
 
@@ -130,8 +139,21 @@ def test_powersgd_on_four_ranks_past_one_default_bucket(base):
     hangs after the warm-up.
     """
     run_dir = base["tmp"] / "psgd-buckets"
-    out = run(["--backend", "ddp", *base["args"], *POWERSGD, "model.d_model=128", "model.n_layer=4", "model.init_from=",
-               "train.steps=4", "run.peer_timeout_s=60", f"run.dir={run_dir}"], nproc=4)
+    out = run(
+        [
+            "--backend",
+            "ddp",
+            *base["args"],
+            *POWERSGD,
+            "model.d_model=128",
+            "model.n_layer=4",
+            "model.init_from=",
+            "train.steps=4",
+            "run.peer_timeout_s=60",
+            f"run.dir={run_dir}",
+        ],
+        nproc=4,
+    )
     sent = [metrics(run_dir)[s]["grad_comm_bytes"] for s in range(1, 5)]
     assert sent[2] == sent[3] < sent[0] / 4, (sent, out.stderr[-1000:])
 
@@ -143,8 +165,9 @@ def test_a_deepspeed_json_that_contradicts_bf16_is_refused(tmp_path):
     user.write_text('{"communication_data_type": "fp32"}')
     cfg = load_config(None, TINY + ["parallel.grad_compression=bf16"])
     with pytest.raises(UserError, match="communication_data_type='fp32'"):
-        check_backend_settings(cfg, argparse.Namespace(backend="deepspeed", cpu_offload=False,
-                                                       deepspeed_config=str(user)))
+        check_backend_settings(
+            cfg, argparse.Namespace(backend="deepspeed", cpu_offload=False, deepspeed_config=str(user))
+        )
 
 
 class _RunsCode:
@@ -171,9 +194,17 @@ def test_powersgd_state_loads_no_code(tmp_path):
     env = SimpleNamespace(rank=0, world=1, device="cpu", is_main=True)
     rng = np.random.RandomState(3)
     rng.randn(5)
-    state = SimpleNamespace(rng=rng, error_dict={0: torch.arange(4.0)}, p_memory_dict={}, q_memory_dict={}, iter=7,
-                            total_numel_before_compression=10, total_numel_after_compression=4,
-                            next_stats_report=0, start_powerSGD_iter=2)
+    state = SimpleNamespace(
+        rng=rng,
+        error_dict={0: torch.arange(4.0)},
+        p_memory_dict={},
+        q_memory_dict={},
+        iter=7,
+        total_numel_before_compression=10,
+        total_numel_after_compression=4,
+        next_stats_report=0,
+        start_powerSGD_iter=2,
+    )
     buckets = (1, 25, "cpu", 2)
     PowerSGDCheckpoint(state, env, buckets).save(str(tmp_path))
     expected = rng.randn(3)

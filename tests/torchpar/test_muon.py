@@ -4,6 +4,7 @@ The same Newton-Schulz as jaxpar's on one matrix (and as torch.optim.Muon's, up 
 process, and jaxpar from the same weights file, over 10 steps; an fsdp run killed and resumed equals the uninterrupted
 one (the momentum in DCP); under FSDP2 each rank runs Newton-Schulz on its share of the matrices.
 """
+
 import json
 import sys
 
@@ -23,8 +24,13 @@ MUON = ["optim.name=muon"]
 
 def test_one_matrix_is_orthogonalised_alike():
     rng = np.random.default_rng(0)
-    for shape, axes in (((32, 128), ((0,), (1,))), ((128, 32), ((0,), (1,))), ((32, 3, 4, 8), ((0,), (2, 3))),
-                        ((4, 8, 32), ((0, 1), (2,))), ((4, 32, 16), ((1,), (2,)))):
+    for shape, axes in (
+        ((32, 128), ((0,), (1,))),
+        ((128, 32), ((0,), (1,))),
+        ((32, 3, 4, 8), ((0,), (2, 3))),
+        ((4, 8, 32), ((0, 1), (2,))),
+        ((4, 32, 16), ((1,), (2,))),
+    ):
         x = rng.standard_normal(shape).astype(np.float32)
         ours = orthogonalize(torch.from_numpy(x), axes, 5).numpy()
         np.testing.assert_allclose(ours, np.asarray(jax_orthogonalize(jnp.asarray(x), axes, 5)), atol=1e-5)
@@ -46,8 +52,16 @@ def test_fsdp_ranks_share_the_newton_schulz_work(tmp_path, world, dp, share):
     dp=2,fsdp=2 1+1+1 and its fsdp shard's 2 experts -- where gathering every matrix everywhere runs all 13 on each
     rank.
     """
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-               f"--master_port={free_port()}", "tests/torchpar/muon_shares.py", str(tmp_path), str(dp)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={world}",
+        f"--master_port={free_port()}",
+        "tests/torchpar/muon_shares.py",
+        str(tmp_path),
+        str(dp),
+    ]
     out = run_in_session(command, torch_env(), 120, "the FSDP2 Muon share")
     assert out.returncode == 0 and "alltoall" not in out.stderr, out.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(world)]

@@ -6,6 +6,7 @@ stage's loss weighs in the balance loss (its gradient back through every stage's
 layers' bias by every layer's loads.
 Held to the one-process run: losses, gradient norms, the experts' records and the final weights, bias included.
 """
+
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -13,9 +14,20 @@ from safetensors.numpy import load_file
 from tests.helpers import metrics
 from tests.torchpar.runs import assert_same_run, run
 
-MOE = ["model.family=llama", "model.n_layer=4", "model.n_kv_head=2", "model.moe_experts=8", "model.moe_top_k=2",
-       "model.moe_shared_experts=1", "model.moe_d_ff=16", "model.moe_aux_loss=0.01", "model.moe_bias_update=0.001",
-       "optim.lr=3e-3", "optim.min_lr=3e-4", "train.microbatches=2"]
+MOE = [
+    "model.family=llama",
+    "model.n_layer=4",
+    "model.n_kv_head=2",
+    "model.moe_experts=8",
+    "model.moe_top_k=2",
+    "model.moe_shared_experts=1",
+    "model.moe_d_ff=16",
+    "model.moe_aux_loss=0.01",
+    "model.moe_bias_update=0.001",
+    "optim.lr=3e-3",
+    "optim.min_lr=3e-4",
+    "train.microbatches=2",
+]
 
 
 def _args(base, *extra):
@@ -37,13 +49,24 @@ def test_experts_on_a_pipeline_equal_one_process(schedule, base, one_process, tm
     routing from step 2 on: a stage that dropped either would differ.
     """
     final = tmp_path / "final.safetensors"
-    run(["--backend", "pipeline", *_args(base), f"parallel.pipeline_schedule={schedule}", f"run.dir={tmp_path}",
-         "--write-final", str(final)], nproc=2)
+    run(
+        [
+            "--backend",
+            "pipeline",
+            *_args(base),
+            f"parallel.pipeline_schedule={schedule}",
+            f"run.dir={tmp_path}",
+            "--write-final",
+            str(final),
+        ],
+        nproc=2,
+    )
     got, (ref, weights) = metrics(tmp_path), one_process
     assert_same_run(got, ref)
     for key in ("moe_max_load", "moe_dropped", "moe_balance"):
-        np.testing.assert_allclose([got[s][key] for s in range(1, 11)], [ref[s][key] for s in range(1, 11)],
-                                   rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(
+            [got[s][key] for s in range(1, 11)], [ref[s][key] for s in range(1, 11)], rtol=1e-5, atol=1e-7
+        )
     assert 0.01 * ref[1]["moe_balance"] / ref[1]["loss"] > 100 * 1e-5  # the balance loss counts
     have = load_file(str(final))
     assert np.all(np.abs(weights["blocks.moe.router.bias"]).max(-1) > 0)  # every layer's bias moved

@@ -4,6 +4,7 @@ The last stage's loss function runs the prediction modules on its output (the st
 microbatch's rows (the schedule's target), the depths' lookups in its copy of the embedding table, whose gradient is
 summed with the first stage's. Held to the one-process run: the loss, each depth's loss and the final weights.
 """
+
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -29,8 +30,18 @@ def test_mtp_on_a_pipeline_equals_one_process(family, base, tmp_path):
     one, final_one = tmp_path / "one", tmp_path / "one.safetensors"
     run(["--backend", "none", *_args(base, family), f"run.dir={one}", "--write-final", str(final_one)])
     pp, final_pp = tmp_path / "pp", tmp_path / "pp.safetensors"
-    run(["--backend", "pipeline", *_args(base, family), "parallel.pipeline_schedule=1f1b", f"run.dir={pp}",
-         "--write-final", str(final_pp)], nproc=2)
+    run(
+        [
+            "--backend",
+            "pipeline",
+            *_args(base, family),
+            "parallel.pipeline_schedule=1f1b",
+            f"run.dir={pp}",
+            "--write-final",
+            str(final_pp),
+        ],
+        nproc=2,
+    )
     got, ref = metrics(pp), metrics(one)
     assert_same_run(got, ref, steps=STEPS)
     for key in ("mtp_loss_1", "mtp_loss_2"):

@@ -3,6 +3,7 @@
 None, ddp, fsdp and pipeline each write a checkpoint that another resumes, and the run stays the one-process run.
 DeepSpeed's checkpoints and DCP's do not mix: each refuses the other's in one line.
 """
+
 import pytest
 
 from tests.helpers import metrics
@@ -11,12 +12,26 @@ from tests.torchpar.runs import assert_same_run, run
 # (backend, processes: 0 = one plain process, the step it stops after): every backend is written and resumed; the
 # second chain takes the other 8 ordered pairs, so that all 12 of none/ddp/fsdp/pipeline are held to one process
 CHAIN = [("fsdp", 2, 2), ("pipeline", 2, 4), ("ddp", 2, 6), ("none", 0, 8), ("fsdp", 2, None)]
-EVERY_OTHER_PAIR = [("fsdp", 2, 1), ("ddp", 2, 2), ("pipeline", 2, 3), ("fsdp", 2, 4), ("none", 0, 5),
-                    ("pipeline", 2, 6), ("none", 0, 7), ("ddp", 2, 8), ("fsdp", 2, None)]
+EVERY_OTHER_PAIR = [
+    ("fsdp", 2, 1),
+    ("ddp", 2, 2),
+    ("pipeline", 2, 3),
+    ("fsdp", 2, 4),
+    ("none", 0, 5),
+    ("pipeline", 2, 6),
+    ("none", 0, 7),
+    ("ddp", 2, 8),
+    ("fsdp", 2, None),
+]
 
 
-@pytest.mark.parametrize("chain", [pytest.param(CHAIN, id="chain"),  # each backend writes and resumes
-                                   pytest.param(EVERY_OTHER_PAIR, id="every-other-pair")])
+@pytest.mark.parametrize(
+    "chain",
+    [
+        pytest.param(CHAIN, id="chain"),  # each backend writes and resumes
+        pytest.param(EVERY_OTHER_PAIR, id="every-other-pair"),
+    ],
+)
 def test_a_run_moves_across_every_dcp_backend(base, reference, chain):
     run_dir = base["tmp"] / f"across-{len(chain)}"
     for i, (backend, nproc, stop) in enumerate(chain):
@@ -33,8 +48,10 @@ def test_the_chains_hold_every_ordered_pair():
     assert pairs == {(a, b) for a in backends for b in backends if a != b}
 
 
-@pytest.mark.parametrize("first,then,named", [("ddp", "deepspeed", "torch.distributed.checkpoint"),
-                                              ("deepspeed", "fsdp", "DeepSpeed checkpoints")])
+@pytest.mark.parametrize(
+    "first,then,named",
+    [("ddp", "deepspeed", "torch.distributed.checkpoint"), ("deepspeed", "fsdp", "DeepSpeed checkpoints")],
+)
 def test_deepspeed_and_dcp_checkpoints_refuse_each_other(first, then, named, base):
     run_dir = base["tmp"] / f"mix-{first}"
     run(["--backend", first, *base["args"], "train.steps=2", f"run.dir={run_dir}"], nproc=2)

@@ -6,6 +6,7 @@ given the same change, and its lr the schedule of the settings in force at each 
 (torch's param_groups, a scheduler's state, a loss scaler's rules) never wins over the config; the notes saying what
 changed are printed once. DeepSpeed's resumes with the same change: tests/torchpar/test_deepspeed.py.
 """
+
 import shutil
 
 import pytest
@@ -44,8 +45,14 @@ def test_float16_scaler_takes_its_rules_from_the_config(base):
     would hold it.
     """
     run_dir = base["tmp"] / "changed-fp16-rules"
-    args = ["--backend", "none", *base["args"], "model.compute_dtype=float16", "optim.loss_scale_init=1024",
-            f"run.dir={run_dir}"]
+    args = [
+        "--backend",
+        "none",
+        *base["args"],
+        "model.compute_dtype=float16",
+        "optim.loss_scale_init=1024",
+        f"run.dir={run_dir}",
+    ]
     run(args + ["train.steps=2", "optim.loss_scale_growth_interval=1000"])
     run(args + ["train.steps=5", "optim.loss_scale_growth_interval=1"])
     m = metrics(run_dir)

@@ -4,6 +4,7 @@ All runs start from the same initial weights (--write-init once, then model.init
 the backends differ. Each subprocess has a timeout, must not print an abort, and must leave no
 process behind (each run gets its own session; the session must be empty when it returns).
 """
+
 import os
 import re
 import shutil
@@ -21,21 +22,47 @@ from jaxpar.core.config.schema import load_config
 from torchpar.checkpoint import complete_steps
 from torchpar.trainer import build_model
 
-from tests.helpers import (ABORTS, ROOT, assert_params_close, free_port, metrics, no_leftovers, run_in_session,
-                           tensorboard_scalars, torch_command, torch_env)
+from tests.helpers import (
+    ABORTS,
+    ROOT,
+    assert_params_close,
+    free_port,
+    metrics,
+    no_leftovers,
+    run_in_session,
+    tensorboard_scalars,
+    torch_command,
+    torch_env,
+)
 from tests.torchpar.runs import assert_same_run, run
 
 
 def test_reference_learns(reference):
     assert reference[10]["loss"] < reference[1]["loss"] - 0.5
     assert reference[10]["eval_loss"] is not None
-    fields = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s", "mfu", "memory_gib", "eval_loss",
-              "memory_in_use_gib", "data_wait_share"}
+    fields = {
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_sec",
+        "step_time_s",
+        "mfu",
+        "memory_gib",
+        "eval_loss",
+        "memory_in_use_gib",
+        "data_wait_share",
+    }
     assert set(reference[10]) == fields
 
 
-BACKENDS = [("ddp", []), ("fsdp", []), ("deepspeed", ["parallel.zero_stage=1"]),
-            ("deepspeed", ["parallel.zero_stage=2"]), ("deepspeed", ["parallel.zero_stage=3"])]
+BACKENDS = [
+    ("ddp", []),
+    ("fsdp", []),
+    ("deepspeed", ["parallel.zero_stage=1"]),
+    ("deepspeed", ["parallel.zero_stage=2"]),
+    ("deepspeed", ["parallel.zero_stage=3"]),
+]
 
 
 _NO_JAX = """
@@ -51,8 +78,9 @@ sys.exit(rc or bool(leaked))
 def test_tensorboard_holds_the_metrics(base, reference):
     scalars = tensorboard_scalars(base["tmp"] / "reference")
     for tag in ("loss", "lr", "grad_norm"):  # float32 in the event file
-        np.testing.assert_allclose([scalars[tag][s] for s in range(1, 11)], [reference[s][tag] for s in range(1, 11)],
-                                   rtol=1e-6)
+        np.testing.assert_allclose(
+            [scalars[tag][s] for s in range(1, 11)], [reference[s][tag] for s in range(1, 11)], rtol=1e-6
+        )
     assert scalars["eval_loss"][10] == pytest.approx(reference[10]["eval_loss"], rel=1e-6)
 
 
@@ -92,11 +120,24 @@ def test_srun_style_launch_matches_one_process(base, reference, tmp_path):
     """
     run_dir, port = tmp_path / "slurm", free_port()
     cmd = [sys.executable, "-m", "torchpar.train", "--backend", "ddp", *base["args"], f"run.dir={run_dir}"]
-    procs = [subprocess.Popen(cmd + [f"--local_rank={r}"], cwd=ROOT, text=True, start_new_session=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=torch_env(SLURM_NTASKS="2", SLURM_PROCID=str(r), SLURM_LOCALID=str(r),
-                                            SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port)))
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            cmd + [f"--local_rank={r}"],
+            cwd=ROOT,
+            text=True,
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=torch_env(
+                SLURM_NTASKS="2",
+                SLURM_PROCID=str(r),
+                SLURM_LOCALID=str(r),
+                SLURM_JOB_NODELIST="localhost",
+                MASTER_PORT=str(port),
+            ),
+        )
+        for r in range(2)
+    ]
     try:
         outs = [p.communicate(timeout=120) for p in procs]
     finally:
@@ -138,8 +179,10 @@ def test_fsdp_on_a_dp_by_fsdp_mesh_matches_one_process(base, reference, tmp_path
     Each rank holds half of the parameters (the startup line), and the run is the one-process run (losses, eval,
     final weights), also across a SIGKILL and a DCP resume.
     """
-    final, args = tmp_path / "final.safetensors", ["--backend", "fsdp", *base["args"], "parallel.mesh=dp=2,fsdp=2",
-                                                   "checkpoint.every=4", f"run.dir={tmp_path}"]
+    final, args = (
+        tmp_path / "final.safetensors",
+        ["--backend", "fsdp", *base["args"], "parallel.mesh=dp=2,fsdp=2", "checkpoint.every=4", f"run.dir={tmp_path}"],
+    )
     run(args, nproc=4, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
     out = run([*args, "--write-final", str(final)], nproc=4)
     assert "resumed from" in out.stderr and "checkpoints/4" in out.stderr
@@ -156,8 +199,18 @@ def test_fsdp_on_a_dp_by_fsdp_mesh_matches_one_process(base, reference, tmp_path
 def test_pipeline_two_stages_match_one_process(schedule, base, reference):
     """torch.distributed.pipelining, one stage (one layer) per rank: same losses and final weights."""
     run_dir, final = base["tmp"] / f"pipeline-{schedule}", str(base["tmp"] / f"pipeline-{schedule}.safetensors")
-    run(["--backend", "pipeline", *base["args"], f"parallel.pipeline_schedule={schedule}", f"run.dir={run_dir}",
-         "--write-final", final], nproc=2)
+    run(
+        [
+            "--backend",
+            "pipeline",
+            *base["args"],
+            f"parallel.pipeline_schedule={schedule}",
+            f"run.dir={run_dir}",
+            "--write-final",
+            final,
+        ],
+        nproc=2,
+    )
     assert_same_run(metrics(run_dir), reference)
     assert_params_close(load_file(final), load_file(base["tmp"] / "reference.safetensors"))
 
@@ -180,8 +233,17 @@ def test_pipeline_multi_stage_schedules_match_one_process(schedule, virtual, fou
     and 2) reproduce the one-process run.
     """
     args, ref = four_layers
-    run(["--backend", "pipeline", *args, f"parallel.pipeline_schedule={schedule}",
-         f"parallel.pipeline_virtual_stages={virtual}", f"run.dir={tmp_path}"], nproc=2)
+    run(
+        [
+            "--backend",
+            "pipeline",
+            *args,
+            f"parallel.pipeline_schedule={schedule}",
+            f"parallel.pipeline_virtual_stages={virtual}",
+            f"run.dir={tmp_path}",
+        ],
+        nproc=2,
+    )
     got = metrics(tmp_path)
     assert_same_run(got, ref)
     evals = [s for s in ref if "eval_loss" in ref[s]]  # zb_v evaluates through a training pass (pipeline.py)
@@ -194,8 +256,15 @@ def test_pipeline_composes_with_data_parallelism(base, reference, tmp_path):
     Two pipeline replicas on a 2-D DeviceMesh, each reading its half of every batch (DDP per stage over dp): the
     one-process run, also across a SIGKILL and resume.
     """
-    args = ["--backend", "pipeline", *base["args"], "parallel.mesh=pp=2,dp=2", "parallel.pipeline_schedule=1f1b",
-            "checkpoint.every=4", f"run.dir={tmp_path}"]
+    args = [
+        "--backend",
+        "pipeline",
+        *base["args"],
+        "parallel.mesh=pp=2,dp=2",
+        "parallel.pipeline_schedule=1f1b",
+        "checkpoint.every=4",
+        f"run.dir={tmp_path}",
+    ]
     run(args, nproc=4, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
     out = run(args, nproc=4)  # DCP: the replicas' identical tensors written once, read by both
     assert "resumed from" in out.stderr and "checkpoints/4" in out.stderr
@@ -209,8 +278,15 @@ def test_pipeline_stages_sharded_by_fsdp(schedule, base, reference, tmp_path):
     FSDP2 inside each pipeline stage (torchtitan's layout) gives the one-process run, also across a SIGKILL and
     resume (DCP of the sharded stages), each rank holding half of its stage's parameters.
     """
-    args = ["--backend", "pipeline", *base["args"], "parallel.mesh=pp=2,fsdp=2",
-            f"parallel.pipeline_schedule={schedule}", "checkpoint.every=4", f"run.dir={tmp_path}"]
+    args = [
+        "--backend",
+        "pipeline",
+        *base["args"],
+        "parallel.mesh=pp=2,fsdp=2",
+        f"parallel.pipeline_schedule={schedule}",
+        "checkpoint.every=4",
+        f"run.dir={tmp_path}",
+    ]
     run(args, nproc=4, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
     out = run(args, nproc=4)
     assert "resumed from" in out.stderr and "checkpoints/4" in out.stderr
@@ -218,16 +294,26 @@ def test_pipeline_stages_sharded_by_fsdp(schedule, base, reference, tmp_path):
     low, high = re.search(r"[\d,]+ params, ([\d,]+)(?:-([\d,]+))? per rank", out.stdout).groups()
     low, high = (int(x.replace(",", "")) for x in (low, high or low))
     sizes = {n: p.numel() for n, p in build_model(load_config(None, base["args"])).named_parameters()}
-    stages = [sum(v for n, v in sizes.items() if n.startswith(("wte", "wpe", "blocks.0."))),  # the tied wte on both
-              sum(v for n, v in sizes.items() if n.startswith(("wte", "ln_f", "blocks.1.")))]
+    stages = [
+        sum(v for n, v in sizes.items() if n.startswith(("wte", "wpe", "blocks.0."))),  # the tied wte on both
+        sum(v for n, v in sizes.items() if n.startswith(("wte", "ln_f", "blocks.1."))),
+    ]
     assert 0.45 * min(stages) <= low <= high <= 0.55 * max(stages), (low, high, stages)
 
 
 def test_pipeline_resume_after_sigkill(base, reference):
     """1F1B with gradient accumulation (2 x 2 microbatches), killed after step 6, resumed from step 4."""
     run_dir = base["tmp"] / "pipeline-killed"
-    args = ["--backend", "pipeline", *base["args"], "parallel.pipeline_schedule=1f1b", "train.microbatches=2",
-            "parallel.pipeline_microbatches=2", "checkpoint.every=4", f"run.dir={run_dir}"]
+    args = [
+        "--backend",
+        "pipeline",
+        *base["args"],
+        "parallel.pipeline_schedule=1f1b",
+        "train.microbatches=2",
+        "parallel.pipeline_microbatches=2",
+        "checkpoint.every=4",
+        f"run.dir={run_dir}",
+    ]
     run(args, nproc=2, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
     assert max(metrics(run_dir)) == 6
     out = run(args, nproc=2)
@@ -250,9 +336,11 @@ def _worker_of_rank(parent: int, rank: int) -> int:
     raise AssertionError(f"no worker with RANK={rank} under pid {parent}")
 
 
-@pytest.mark.parametrize("backend,ranks", [
-    ("ddp", [1]), ("fsdp", [0, 1]), ("ddp", [0, 1]), ("fsdp", [1])],
-    ids=["ddp-rank1", "fsdp-both", "ddp-both", "fsdp-rank1"])
+@pytest.mark.parametrize(
+    "backend,ranks",
+    [("ddp", [1]), ("fsdp", [0, 1]), ("ddp", [0, 1]), ("fsdp", [1])],
+    ids=["ddp-rank1", "fsdp-both", "ddp-both", "fsdp-rank1"],
+)
 def test_sigterm_stops_all_ranks_after_one_step_and_resume_is_exact(backend, ranks, base, reference):
     """SIGTERM stops all ranks after the same step, and the resume is exact.
 
@@ -263,8 +351,15 @@ def test_sigterm_stops_all_ranks_after_one_step_and_resume_is_exact(backend, ran
     # one per case: a finished run would resume as complete
     run_dir = base["tmp"] / f"sigterm-{backend}-{'-'.join(map(str, ranks))}"
     args = ["--backend", backend, *base["args"], f"run.dir={run_dir}"]
-    proc = subprocess.Popen(torch_command(args, 2), cwd=ROOT, env=torch_env(TORCHPAR_FAULT_SLOW_STEP_S="0.1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        torch_command(args, 2),
+        cwd=ROOT,
+        env=torch_env(TORCHPAR_FAULT_SLOW_STEP_S="0.1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         line = proc.stdout.readline()
         while line and not line.startswith("step"):
@@ -293,12 +388,25 @@ def test_killed_peer_is_named_within_the_timeout(base, tmp_path):
     """
     run_dir, port = tmp_path / "run", free_port()
     args = ["--backend", "ddp", *base["args"], "checkpoint.every=2", "run.peer_timeout_s=10", f"run.dir={run_dir}"]
-    procs = [subprocess.Popen([sys.executable, "-m", "torchpar.train", *args], cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                              env=torch_env(SLURM_NTASKS="2", SLURM_PROCID=str(r), SLURM_LOCALID=str(r),
-                                            SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port),
-                                            **({"TORCHPAR_FAULT_KILL_AFTER_STEP": "3"} if r else {})))
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torchpar.train", *args],
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            env=torch_env(
+                SLURM_NTASKS="2",
+                SLURM_PROCID=str(r),
+                SLURM_LOCALID=str(r),
+                SLURM_JOB_NODELIST="localhost",
+                MASTER_PORT=str(port),
+                **({"TORCHPAR_FAULT_KILL_AFTER_STEP": "3"} if r else {}),
+            ),
+        )
+        for r in range(2)
+    ]
     try:
         procs[1].wait(timeout=120)
         t0 = time.monotonic()
@@ -329,8 +437,12 @@ def test_non_finite_step_stops_before_it_is_saved(base, tmp_path):
     Every rank stops at step 3 with one line, and the only checkpoint is step 2's.
     """
     run_dir = tmp_path / "run"
-    result = run(["--backend", "ddp", *base["args"], "checkpoint.every=2", f"run.dir={run_dir}"], nproc=2,
-                 expect_rc="nonzero", TORCHPAR_FAULT_NAN_AT_STEP="3")
+    result = run(
+        ["--backend", "ddp", *base["args"], "checkpoint.every=2", f"run.dir={run_dir}"],
+        nproc=2,
+        expect_rc="nonzero",
+        TORCHPAR_FAULT_NAN_AT_STEP="3",
+    )
     assert "error: step 3: loss nan" in result.stderr and "last checkpoint this run wrote is step 2" in result.stderr
     assert complete_steps(str(run_dir / "checkpoints")) == [2] and max(metrics(run_dir)) == 2
 
@@ -358,20 +470,34 @@ def test_zero_stage_out_of_range(base):
     assert "parallel.zero_stage" in line
 
 
-@pytest.mark.parametrize("backend,mesh,message", [("ddp", "tp=2", "does not implement tp"),
-                                                  ("fsdp", "dp=2,sp=2", "does not implement sp"),
-                                                  ("none", "pp=2", "does not implement pp")])
+@pytest.mark.parametrize(
+    "backend,mesh,message",
+    [
+        ("ddp", "tp=2", "does not implement tp"),
+        ("fsdp", "dp=2,sp=2", "does not implement sp"),
+        ("none", "pp=2", "does not implement pp"),
+    ],
+)
 def test_mesh_axes_the_backend_lacks_are_refused(backend, mesh, message, base):
     """parallel.mesh is read, never silently ignored: axes torchpar does not run are one line."""
-    assert message in _one_error_line(run(["--backend", backend, *base["args"], f"parallel.mesh={mesh}"],
-                                          expect_rc="nonzero"))
+    assert message in _one_error_line(
+        run(["--backend", backend, *base["args"], f"parallel.mesh={mesh}"], expect_rc="nonzero")
+    )
 
 
-@pytest.mark.parametrize("mesh,backend,world,named", [
-    ("pp=2,dp=2", "pipeline", 1, "parallel.mesh=pp=2,dp=2 needs 4 processes and 1 runs: start 4 (torchrun "
-                                 "--nproc_per_node=4 on one host"),
-    ("dp=2", "ddp", 8, "parallel.mesh=dp=2 needs 2 processes and 8 run"),
-    ("dp=-1,fsdp=3", "fsdp", 4, "4 devices are not divisible by 3")])
+@pytest.mark.parametrize(
+    "mesh,backend,world,named",
+    [
+        (
+            "pp=2,dp=2",
+            "pipeline",
+            1,
+            "parallel.mesh=pp=2,dp=2 needs 4 processes and 1 runs: start 4 (torchrun --nproc_per_node=4 on one host",
+        ),
+        ("dp=2", "ddp", 8, "parallel.mesh=dp=2 needs 2 processes and 8 run"),
+        ("dp=-1,fsdp=3", "fsdp", 4, "4 devices are not divisible by 3"),
+    ],
+)
 def test_a_mesh_the_processes_do_not_fill_says_how_many_to_start(mesh, backend, world, named):
     """torchpar's devices are its processes: a mesh of another size names the count to launch."""
     from jaxpar.core.errors import UserError
@@ -383,8 +509,11 @@ def test_a_mesh_the_processes_do_not_fill_says_how_many_to_start(mesh, backend, 
 
 def test_deepspeed_missing(base, tmp_path):
     (tmp_path / "deepspeed.py").write_text("raise ImportError('No module named deepspeed')\n")
-    result = run(["--backend", "deepspeed", *base["args"]], expect_rc="nonzero",
-                 PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    result = run(
+        ["--backend", "deepspeed", *base["args"]],
+        expect_rc="nonzero",
+        PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]),
+    )
     assert "deepspeed" in _one_error_line(result)
 
 
@@ -396,11 +525,18 @@ def test_world_size_not_dividing_batch(base, tmp_path):
     assert not os.path.exists(tmp_path / "run")  # nothing half-written
 
 
-@pytest.mark.parametrize("extra,world,message", [
-    (["parallel.pipeline_schedule=interleaved"], "2", "pipeline_virtual_stages >= 2"),
-    ([], "4", "model.n_layer=2 is not divisible by stages"),
-    (["parallel.pipeline_schedule=1f1b", "parallel.pipeline_microbatches=1"], "2", "1f1b needs microbatches >= stages"),
-])
+@pytest.mark.parametrize(
+    "extra,world,message",
+    [
+        (["parallel.pipeline_schedule=interleaved"], "2", "pipeline_virtual_stages >= 2"),
+        ([], "4", "model.n_layer=2 is not divisible by stages"),
+        (
+            ["parallel.pipeline_schedule=1f1b", "parallel.pipeline_microbatches=1"],
+            "2",
+            "1f1b needs microbatches >= stages",
+        ),
+    ],
+)
 def test_bad_pipeline_layouts(extra, world, message, base, tmp_path):
     args = ["--backend", "pipeline", *base["args"], *extra, f"run.dir={tmp_path / 'run'}"]
     line = _one_error_line(run(args, expect_rc="nonzero", RANK="0", WORLD_SIZE=world, LOCAL_RANK="0"))

@@ -3,6 +3,7 @@
 Nothing of the run's process groups is alive when main() returns (an abort at exit would turn a correct run into a
 failed job).
 """
+
 import os
 import sys
 
@@ -30,8 +31,20 @@ def test_no_process_group_outlives_main(backend, extra, dataset, tmp_path):
     A group still alive at interpreter exit keeps a worker that may be retiring a collective, waiting for the GIL,
     which CPython ends inside a C++ destructor: SIGABRT after a run that trained correctly (torchpar/dist.py).
     """
-    cmd = [sys.executable, "-c", _GROUPS_LEFT, "--backend", backend, *TINY, f"data.dataset={dataset}", *extra,
-           f"run.dir={tmp_path}", "train.steps=2", "--write-final", str(tmp_path / "final.safetensors")]
+    cmd = [
+        sys.executable,
+        "-c",
+        _GROUPS_LEFT,
+        "--backend",
+        backend,
+        *TINY,
+        f"data.dataset={dataset}",
+        *extra,
+        f"run.dir={tmp_path}",
+        "train.steps=2",
+        "--write-final",
+        str(tmp_path / "final.safetensors"),
+    ]
     r = run_in_session(cmd, torch_env(), 120, f"{backend} run in one process")
     assert r.returncode == 0 and "gloo threads left: []" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
@@ -60,8 +73,14 @@ def test_a_refusal_is_printed_by_rank_0_when_another_rank_meets_it_first(tmp_pat
     """
     script = tmp_path / "refuses.py"
     script.write_text(_REFUSES)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           str(script)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        str(script),
+    ]
     r = run_in_session(cmd, torch_env(), 120, "a refusal under torchrun")
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode != 0 and errors == ["error: the same refusal on every rank"], r.stderr[-3000:]

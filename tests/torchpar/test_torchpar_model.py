@@ -1,4 +1,5 @@
 """torchpar's model and weight layout against jaxpar's (in-process, float32), and the DeepSpeed config merge."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,7 +103,7 @@ def test_same_loss_and_gradients_as_jaxpar(remat, jax_reference):
     np.testing.assert_allclose(loss.item(), jloss, rtol=1e-6)
     grads = to_shared({n: p.grad for n, p in model.named_parameters()}, cfg.model.n_layer)
     diff = np.sqrt(sum(np.sum((grads[k] - v) ** 2) for k, v in jgrads.items()))
-    total = np.sqrt(sum(np.sum(v ** 2) for v in jgrads.values()))
+    total = np.sqrt(sum(np.sum(v**2) for v in jgrads.values()))
     assert diff / total < 1e-5
 
 
@@ -118,8 +119,12 @@ def test_deepspeed_config_generated_and_merged(cfg, tmp_path):
     pytest.importorskip("deepspeed")
     from torchpar.backends.deepspeed import generated_config, merge
 
-    c = tiny_config("train.microbatches=2", "parallel.zero_stage=3", "model.compute_dtype=bfloat16",
-                    "parallel.offload=params+optimizer")
+    c = tiny_config(
+        "train.microbatches=2",
+        "parallel.zero_stage=3",
+        "model.compute_dtype=bfloat16",
+        "parallel.offload=params+optimizer",
+    )
     gen = generated_config(c, world=2)
     assert gen["train_batch_size"] == 8 and gen["train_micro_batch_size_per_gpu"] == 2
     assert gen["gradient_accumulation_steps"] == 2 and gen["zero_optimization"]["stage"] == 3
@@ -130,7 +135,15 @@ def test_deepspeed_config_generated_and_merged(cfg, tmp_path):
     assert merged["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}  # ...only where it speaks
     assert merged["fp16"] == {"enabled": True, "loss_scale": 0} and merged["gradient_clipping"] == c.optim.grad_clip
     # float16: DeepSpeed's dynamic scaler from the shared keys (65536 = 2^16, window = growth interval)
-    fp16 = generated_config(tiny_config("model.compute_dtype=float16", "optim.loss_scale_growth_interval=7",
-                                        "optim.loss_scale_min=4"), world=2)["fp16"]
-    assert fp16 == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 1,
-                    "loss_scale_window": 7, "min_loss_scale": 4.0}
+    fp16 = generated_config(
+        tiny_config("model.compute_dtype=float16", "optim.loss_scale_growth_interval=7", "optim.loss_scale_min=4"),
+        world=2,
+    )["fp16"]
+    assert fp16 == {
+        "enabled": True,
+        "loss_scale": 0,
+        "initial_scale_power": 16,
+        "hysteresis": 1,
+        "loss_scale_window": 7,
+        "min_loss_scale": 4.0,
+    }

@@ -2,6 +2,7 @@
 
 The backend's settings and run.dir with the resume, each in one line; a config the backend runs passes.
 """
+
 import argparse
 
 import pytest
@@ -28,11 +29,18 @@ def test_a_config_the_backend_runs_passes(tmp_path):
     validate(tiny_config(f"run.dir={tmp_path / 'run'}"), args("none"))
 
 
-@pytest.mark.parametrize("backend, overrides, refused", [
-    ("ddp", ["parallel.zero_stage=1"], "needs --backend deepspeed or fsdp"),  # the backend's settings
-    ("none", ["parallel.grad_compression=bf16"], "not used by torchpar --backend none"),  # the contract, last of them
-    ("none", ["run.dir=FILE"], "is a file, not a directory"),  # run.dir and the resume (core/run/resume.py)
-])
+@pytest.mark.parametrize(
+    "backend, overrides, refused",
+    [
+        ("ddp", ["parallel.zero_stage=1"], "needs --backend deepspeed or fsdp"),  # the backend's settings
+        (
+            "none",
+            ["parallel.grad_compression=bf16"],
+            "not used by torchpar --backend none",
+        ),  # the contract, last of them
+        ("none", ["run.dir=FILE"], "is a file, not a directory"),  # run.dir and the resume (core/run/resume.py)
+    ],
+)
 def test_each_part_refuses_in_one_line(tmp_path, backend, overrides, refused):
     from torchpar.checks import validate
 

@@ -4,6 +4,7 @@
 module's `build(model, cfg, env, **options)` returns an `Engine`; the trainer (torchpar/trainer.py) uses nothing else of
 it; torchpar/parallelize.py builds it.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -16,6 +17,7 @@ BACKENDS = TORCH_BACKENDS  # the list lives in the shared core, where jaxpar.too
 
 class Engine(Protocol):
     """A backend's whole training step and the state it saves."""
+
     module: object  # what evaluation runs (the wrapped model)
     raw: object  # the plain Decoder module (rank 0 samples from it under none and ddp)
     data_rank: int  # which share of each global batch this rank reads...

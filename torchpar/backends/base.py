@@ -12,6 +12,7 @@ file only chooses on which microbatch it happens (`sync` context) and reads the 
 module's state_dict here (none, ddp); fsdp passes its own gather. Every engine, DeepSpeed's included, is an
 `Engine` (torchpar/backends/__init__.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,8 @@ def read_metrics(handle, env, data_ways: int, experts: int = 0) -> dict:
     stats, depths = extra.pop("expert_stats", None), extra.pop("mtp_losses", None)
     depths = [] if depths is None else depths.tolist()  # multi-token prediction's, each depth's as the loss is
     loss_sum, *stats = dist.all_sum([float(loss)] + depths + ([] if stats is None else stats.tolist()), env)
-    extra = {**extra, **{f"mtp_loss_{d + 1}": v / data_ways for d, v in enumerate(stats[:len(depths)])}}
-    stats = stats[len(depths):]
+    extra = {**extra, **{f"mtp_loss_{d + 1}": v / data_ways for d, v in enumerate(stats[: len(depths)])}}
+    stats = stats[len(depths) :]
     if stats:  # [choices per expert, dropped, balance loss per layer, rows] over every rank and microbatch
         extra = {**extra, **expert_records(stats[:-2] + [stats[-2] / stats[-1]], experts)}
     return {"loss": loss_sum / data_ways, "grad_norm": float(grad_norm), "lr": float(lr), **extra}
@@ -87,8 +88,12 @@ def grad_scaler(cfg, env, sharded: bool = False):
     if cfg.model.compute_dtype != "float16":
         return None
     o = cfg.optim
-    kwargs = {"init_scale": o.loss_scale_init, "growth_factor": o.loss_scale_growth_factor,
-              "backoff_factor": o.loss_scale_backoff_factor, "growth_interval": o.loss_scale_growth_interval}
+    kwargs = {
+        "init_scale": o.loss_scale_init,
+        "growth_factor": o.loss_scale_growth_factor,
+        "backoff_factor": o.loss_scale_backoff_factor,
+        "growth_interval": o.loss_scale_growth_interval,
+    }
     if sharded:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # deferred: at import time it keeps
         # gloo threads alive at exit (tests/torchpar/test_torchpar_exit.py)
@@ -161,7 +166,7 @@ class TorchEngine:
             extra = {"loss_scale": scale, "skipped_steps": self.skipped}
         if self.cfg.model.moe_bias_update and (self.scaler is None or applied):  # a skipped step keeps the bias
             m = self.cfg.model
-            self.move_router_bias(dist.all_sum(self.expert_stats[:m.moe_layers * m.moe_experts].tolist(), self.env))
+            self.move_router_bias(dist.all_sum(self.expert_stats[: m.moe_layers * m.moe_experts].tolist(), self.env))
         if self.expert_stats is not None:
             extra["expert_stats"] = self.expert_stats
         if self.mtp_losses is not None:
@@ -229,4 +234,3 @@ class TorchEngine:
         """Clip to the global norm; returns the pre-clip norm."""
         norm = torch.nn.utils.clip_grad_norm_(self.params, clip)  # DTensor-aware for FSDP2
         return whole(norm)
-

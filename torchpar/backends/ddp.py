@@ -11,6 +11,7 @@ code on resume), and restored
 where the buckets it was keyed by are the same (bucket size, device kind): on another number of ranks with the
 error buffers averaged, with another rank r with fresh factors; elsewhere it starts afresh after its warm-up.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,13 @@ def comm_hook(cfg) -> tuple[str, dict]:
     p = cfg.parallel
     if p.grad_compression != "powersgd":
         return p.grad_compression, {}
-    return "powersgd", {"matrix_approximation_rank": p.powersgd_rank, "start_powerSGD_iter": p.powersgd_warmup_steps,
-                        "use_error_feedback": True, "warm_start": True, "random_seed": cfg.train.seed}
+    return "powersgd", {
+        "matrix_approximation_rank": p.powersgd_rank,
+        "start_powerSGD_iter": p.powersgd_warmup_steps,
+        "use_error_feedback": True,
+        "warm_start": True,
+        "random_seed": cfg.train.seed,
+    }
 
 
 def bf16_hook(process_group, bucket):
@@ -77,8 +83,11 @@ def build(model, cfg, env, **_):
     ep = ep_size(cfg, env.world)
     experts = ExpertParallel(model, env, ep) if ep > 1 else None  # before DDP: it ignores the experts
     name, settings = comm_hook(cfg)
-    ddp = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-              bucket_cap_mb=one_bucket_mb(model) if name == "powersgd" and env.device.type != "cuda" else None)
+    ddp = DDP(
+        model,
+        device_ids=[env.device.index] if env.device.type == "cuda" else None,
+        bucket_cap_mb=one_bucket_mb(model) if name == "powersgd" and env.device.type != "cuda" else None,
+    )
     state = None
     if name == "bf16":
         ddp.register_comm_hook(None, bf16_hook)
@@ -87,8 +96,9 @@ def build(model, cfg, env, **_):
         state = powerSGD_hook.PowerSGDState(process_group=None, **settings)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     # Accumulation: no all-reduce until the last microbatch's backward (the hooks run only then too).
-    sync = ((lambda last: experts.sync(last, ddp)) if experts
-            else (lambda last: nullcontext() if last else ddp.no_sync()))
+    sync = (
+        (lambda last: experts.sync(last, ddp)) if experts else (lambda last: nullcontext() if last else ddp.no_sync())
+    )
     engine = DDPEngine(ddp, model, cfg, env, sync=sync)
     if experts is not None:
         engine.use_experts(experts)
@@ -107,6 +117,7 @@ class DDPEngine(TorchEngine):
     bytes per gradient element plain, 2 with bf16, and with PowerSGD what its hook counted (r(n+m) per compressed n
     x m matrix, the rest whole; its warm-up steps send everything whole).
     """
+
     plain_bytes, powersgd = 0, None  # what the hook sends whole (set by build), PowerSGD's state
     experts = None  # parallel.mesh's ep: ExpertParallel (torchpar/backends/experts.py)
 
@@ -136,8 +147,17 @@ class PowerSGDCheckpoint:
     average over the ranks stays what it was; DDP's buckets do not depend on the number of ranks), as jaxpar does
     (jaxpar/parallel/powersgd.py); with another rank r, the buffers stay and the factors start afresh.
     """
-    RUNTIME = ("rng", "error_dict", "p_memory_dict", "q_memory_dict", "iter", "total_numel_before_compression",
-               "total_numel_after_compression", "next_stats_report")
+
+    RUNTIME = (
+        "rng",
+        "error_dict",
+        "p_memory_dict",
+        "q_memory_dict",
+        "iter",
+        "total_numel_before_compression",
+        "total_numel_after_compression",
+        "next_stats_report",
+    )
     FACTORS = ("p_memory_dict", "q_memory_dict")
 
     def __init__(self, state, env, buckets: tuple):
@@ -157,10 +177,12 @@ class PowerSGDCheckpoint:
         try:
             return torch.load(path, map_location=self.env.device, weights_only=True)
         except pickle.UnpicklingError:
-            raise UserError(f"{path} holds objects other than tensors (an older torchpar's format, or "
-                            "not torchpar's): it is not unpickled, as that could run code; remove the "
-                            "powersgd-rank*.pt files of that checkpoint to resume with PowerSGD's "
-                            "state afresh") from None
+            raise UserError(
+                f"{path} holds objects other than tensors (an older torchpar's format, or "
+                "not torchpar's): it is not unpickled, as that could run code; remove the "
+                "powersgd-rank*.pt files of that checkpoint to resume with PowerSGD's "
+                "state afresh"
+            ) from None
 
     def _saved(self, folder: str) -> dict:
         """The PowerSGD state this rank restores from `folder`.
@@ -187,8 +209,11 @@ class PowerSGDCheckpoint:
         kept = saved.get("buckets", (None,) * 4)
         if dist.any_rank(kept[1:3] != self.buckets[1:3], self.env):  # bucket cap, device: another bucket layout
             if self.env.is_main:
-                print(f"PowerSGD: {folder} holds no error-feedback state for these gradient buckets; it starts "
-                      f"afresh (after {self.state.start_powerSGD_iter} plain steps)", file=sys.stderr)
+                print(
+                    f"PowerSGD: {folder} holds no error-feedback state for these gradient buckets; it starts "
+                    f"afresh (after {self.state.start_powerSGD_iter} plain steps)",
+                    file=sys.stderr,
+                )
             return
         for slot in self.RUNTIME:
             setattr(self.state, slot, saved[slot])

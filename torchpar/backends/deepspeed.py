@@ -15,6 +15,7 @@ The learning rate follows jaxpar's warmup + cosine (torchpar.optim.SharedLRSched
 user JSON names a "scheduler". Checkpoints are DeepSpeed's own (save_checkpoint/load_checkpoint,
 tag = step, client_state = the step), in <run.dir>/checkpoints.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -62,8 +63,9 @@ def quiet_comm_init(deepspeed) -> None:
     from deepspeed.accelerator import get_accelerator  # deferred: deepspeed, optional: --backend deepspeed only
 
     with contextlib.redirect_stdout(io.StringIO()):
-        deepspeed.comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
-                                        dist_init_required=False)
+        deepspeed.comm.init_distributed(
+            dist_backend=get_accelerator().communication_backend_name(), dist_init_required=False
+        )
 
 
 def fp16_section(cfg) -> dict:
@@ -71,11 +73,19 @@ def fp16_section(cfg) -> dict:
     o = cfg.optim
     power = math.log2(o.loss_scale_init)
     if (o.loss_scale_growth_factor, o.loss_scale_backoff_factor) != (2.0, 0.5) or power != int(power):
-        raise UserError("DeepSpeed's loss scaler grows x2 and backs off x0.5 from a power of two: set "
-                        "optim.loss_scale_growth_factor=2, optim.loss_scale_backoff_factor=0.5 and a power-of-two "
-                        f"optim.loss_scale_init (not {o.loss_scale_init:g})")
-    return {"enabled": True, "loss_scale": 0, "initial_scale_power": int(power), "hysteresis": 1,
-            "loss_scale_window": o.loss_scale_growth_interval, "min_loss_scale": o.loss_scale_min}
+        raise UserError(
+            "DeepSpeed's loss scaler grows x2 and backs off x0.5 from a power of two: set "
+            "optim.loss_scale_growth_factor=2, optim.loss_scale_backoff_factor=0.5 and a power-of-two "
+            f"optim.loss_scale_init (not {o.loss_scale_init:g})"
+        )
+    return {
+        "enabled": True,
+        "loss_scale": 0,
+        "initial_scale_power": int(power),
+        "hysteresis": 1,
+        "loss_scale_window": o.loss_scale_growth_interval,
+        "min_loss_scale": o.loss_scale_min,
+    }
 
 
 def generated_config(cfg, world: int) -> dict:
@@ -93,8 +103,16 @@ def generated_config(cfg, world: int) -> dict:
         "gradient_clipping": o.grad_clip,
         "zero_optimization": zero,
         "zero_force_ds_cpu_optimizer": False,  # torch's AdamW also with offload: no C++ op build needed
-        "optimizer": {"type": "AdamW", "params": {"lr": lr_at(0, o, t.steps), "betas": [o.beta1, o.beta2],
-                                                  "eps": o.eps, "weight_decay": o.weight_decay, "torch_adam": True}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": lr_at(0, o, t.steps),
+                "betas": [o.beta1, o.beta2],
+                "eps": o.eps,
+                "weight_decay": o.weight_decay,
+                "torch_adam": True,
+            },
+        },
         "bf16": {"enabled": dtype == "bfloat16"},
         "fp16": fp16_section(cfg) if dtype == "float16" else {"enabled": False},
         "steps_per_print": 2**31 - 1,
@@ -133,6 +151,7 @@ def load_user_config(path: str) -> dict:
 
 class DeepSpeedEngine:
     """The `Engine` (torchpar/backends/__init__.py) over DeepSpeed's: its step, loss scaler and checkpoints."""
+
     local_params = optimizer_bytes = None  # ZeRO's partitions are DeepSpeed's own business
 
     def __init__(self, engine, cfg, env, config: dict, universal: str | None = None):
@@ -173,8 +192,10 @@ class DeepSpeedEngine:
         norm = ds_norm if ds_norm is not None else norm
         extra = {}
         if self.engine.fp16_enabled():  # DeepSpeed's own loss scaler (generated from optim.loss_scale_*)
-            extra = {"loss_scale": float(getattr(self.engine.optimizer, "cur_scale", float("nan"))),
-                     "skipped_steps": int(self.engine.skipped_steps)}
+            extra = {
+                "loss_scale": float(getattr(self.engine.optimizer, "cur_scale", float("nan"))),
+                "skipped_steps": int(self.engine.skipped_steps),
+            }
         if experts is not None:
             extra["expert_stats"] = experts
         if depths is not None:
@@ -231,7 +252,7 @@ class DeepSpeedEngine:
             self.engine.save_checkpoint(self.dir, tag=str(step), client_state=meta)
         dist.barrier()
         if self.env.is_main:
-            for old in step_dirs(self.dir)[:-self.cfg.checkpoint.keep]:
+            for old in step_dirs(self.dir)[: -self.cfg.checkpoint.keep]:
                 shutil.rmtree(os.path.join(self.dir, str(old)), ignore_errors=True)
         dist.barrier()
         self.own.add(step)
@@ -255,8 +276,10 @@ class DeepSpeedEngine:
     def load(self) -> dict | None:
         if not os.path.exists(os.path.join(self.dir, "latest")):
             if complete_steps(self.dir):
-                raise UserError(f"{self.dir} holds torch.distributed.checkpoint checkpoints (ddp/fsdp/none); "
-                                "resume with one of those backends or start a new run.dir")
+                raise UserError(
+                    f"{self.dir} holds torch.distributed.checkpoint checkpoints (ddp/fsdp/none); "
+                    "resume with one of those backends or start a new run.dir"
+                )
             return None
         settings = config_settings(self.engine.optimizer)
         with quiet_universal_load(bool(self.universal)):
@@ -278,8 +301,15 @@ class DeepSpeedEngine:
 
 # The dynamic loss scaler's rules (DeepSpeed's DynamicLossScaler at ZeRO 1-3, the LossScaleConfig of its fp16
 # wrapper at stage 0): its scale and counters are state, these are the config's
-SCALER_RULES = ("scale_factor", "scale_window", "min_scale", "min_loss_scale", "delayed_shift",
-                "consecutive_hysteresis", "raise_error_at_min_scale")
+SCALER_RULES = (
+    "scale_factor",
+    "scale_window",
+    "min_scale",
+    "min_loss_scale",
+    "delayed_shift",
+    "consecutive_hysteresis",
+    "raise_error_at_min_scale",
+)
 
 
 def _scaler(optimizer):
@@ -293,9 +323,11 @@ def config_settings(optimizer) -> dict:
     (ZeRO 1-2, the fp16/bf16 wrappers keep it), the loss scaler's rules (ZeRO 1-3 unpickle the saved scaler whole).
     """
     scaler = _scaler(optimizer)
-    return {"groups": group_settings(getattr(optimizer, "optimizer", optimizer)),
-            "clip_grad": getattr(optimizer, "clip_grad", None),
-            "scaler": {k: getattr(scaler, k) for k in SCALER_RULES if hasattr(scaler, k)}}
+    return {
+        "groups": group_settings(getattr(optimizer, "optimizer", optimizer)),
+        "clip_grad": getattr(optimizer, "clip_grad", None),
+        "scaler": {k: getattr(scaler, k) for k in SCALER_RULES if hasattr(scaler, k)},
+    }
 
 
 def put_back_settings(engine, settings: dict) -> None:
@@ -324,7 +356,8 @@ def forget_module(module) -> None:
     """
     from deepspeed.runtime.zero import parameter_offload  # deferred: deepspeed, optional: --backend deepspeed only
     from deepspeed.runtime.zero.partitioned_param_coordinator import (  # deferred: deepspeed, optional
-        PartitionedParameterCoordinator)
+        PartitionedParameterCoordinator,
+    )
 
     stack = parameter_offload.FWD_MODULE_STACK
     stack[:] = [m for m in stack if m is not module]
@@ -337,17 +370,23 @@ def forget_module(module) -> None:
 def check_user_config(user: dict, cfg) -> None:
     """Sections of a user JSON that would contradict what the model does: one line each."""
     if "activation_checkpointing" in user:
-        raise UserError("the DeepSpeed config's activation_checkpointing section would do nothing here: torchpar "
-                        "recomputes blocks by model.remat (none|full|save_matmuls|offload, which sets the section's "
-                        "cpu_checkpointing); set that key instead")
+        raise UserError(
+            "the DeepSpeed config's activation_checkpointing section would do nothing here: torchpar "
+            "recomputes blocks by model.remat (none|full|save_matmuls|offload, which sets the section's "
+            "cpu_checkpointing); set that key instead"
+        )
     wire = user.get("communication_data_type")
     if cfg.parallel.grad_compression == "bf16" and wire not in (None, "bf16"):
-        raise UserError(f"the DeepSpeed config sets communication_data_type={wire!r}, but "
-                        "parallel.grad_compression=bf16 asks for bf16: leave one of them out")
+        raise UserError(
+            f"the DeepSpeed config sets communication_data_type={wire!r}, but "
+            "parallel.grad_compression=bf16 asks for bf16: leave one of them out"
+        )
     for key, dtype in (("fp16", "float16"), ("bf16", "bfloat16")):
         if user.get(key, {}).get("enabled") and cfg.model.compute_dtype != dtype:
-            raise UserError(f"the DeepSpeed config enables {key}, but model.compute_dtype={cfg.model.compute_dtype}: "
-                            f"set model.compute_dtype={dtype} (loss scaling: optim.loss_scale_*)")
+            raise UserError(
+                f"the DeepSpeed config enables {key}, but model.compute_dtype={cfg.model.compute_dtype}: "
+                f"set model.compute_dtype={dtype} (loss scaling: optim.loss_scale_*)"
+            )
 
 
 def check_deepspeed(cfg, deepspeed_config: str) -> None:
@@ -361,8 +400,10 @@ def check_deepspeed(cfg, deepspeed_config: str) -> None:
     if cfg.model.compute_dtype == "float16":
         fp16_section(cfg)
         if not get_accelerator().is_fp16_supported():
-            raise UserError(f"DeepSpeed's {get_accelerator().device_name()} accelerator has no float16 support on "
-                            "this machine: use model.compute_dtype=bfloat16, or another backend for float16")
+            raise UserError(
+                f"DeepSpeed's {get_accelerator().device_name()} accelerator has no float16 support on "
+                "this machine: use model.compute_dtype=bfloat16, or another backend for float16"
+            )
     if deepspeed_config:
         check_user_config(load_user_config(deepspeed_config), cfg)
 
@@ -387,8 +428,13 @@ def build(model, cfg, env, deepspeed_config: str = "", **_):
     scheduler = None if "scheduler" in config else (lambda opt: SharedLRSchedule(opt, cfg))
     quiet_comm_init(deepspeed)
     try:
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.optim.weight_decay),
-                                          config=config, lr_scheduler=scheduler, dist_init_required=False)
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=param_groups(model, cfg.optim.weight_decay),
+            config=config,
+            lr_scheduler=scheduler,
+            dist_init_required=False,
+        )
     except AssertionError as e:  # DeepSpeed validates its config with asserts
         raise UserError(f"DeepSpeed rejected the config: {e}") from None
     if "activation_checkpointing" in config:  # model.remat=offload: read by deepspeed.checkpointing.checkpoint

@@ -9,6 +9,7 @@ at its new size from then on. Measured exact: ZeRO-1/2/3, 2 -> 1 and 2 -> 4 rank
 `repair_zero3_load`). A checkpoint resumes at another stage only within its layout (1 <-> 2); across layouts (0, 1-2,
 3) one line names the conversion that moves the run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,10 @@ def saved_checkpoint(ckpt_dir: str) -> tuple[str, int, int] | None:
     try:
         saved = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
     except Exception as e:  # noqa: BLE001 - a damaged or foreign file: one line, nothing loaded
-        raise UserError(f"deepspeed: {files[0]} could not be read ({type(e).__name__}: {e}); resume from an "
-                        "earlier checkpoint (write its step into checkpoints/latest) or start a new run.dir") from None
+        raise UserError(
+            f"deepspeed: {files[0]} could not be read ({type(e).__name__}: {e}); resume from an "
+            "earlier checkpoint (write its step into checkpoints/latest) or start a new run.dir"
+        ) from None
     stage = int((saved.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0))
     return tag, stage, int(saved.get("dp_world_size", 1))
 
@@ -68,8 +71,12 @@ def universal_source(cfg, env, stage_now: int) -> str | None:
     out = os.path.join(ckpt_dir, "universal")
     failure = ""
     if env.is_main:
-        print(f"deepspeed: the checkpoint of step {tag} was written by {ranks} rank{'s' * (ranks != 1)}; converting "
-              f"it to DeepSpeed's universal format to resume on {env.world} ({out})", file=sys.stderr, flush=True)
+        print(
+            f"deepspeed: the checkpoint of step {tag} was written by {ranks} rank{'s' * (ranks != 1)}; converting "
+            f"it to DeepSpeed's universal format to resume on {env.world} ({out})",
+            file=sys.stderr,
+            flush=True,
+        )
         failure = convert(os.path.join(ckpt_dir, tag), os.path.join(out, tag))
     if dist.any_rank(bool(failure), env):  # every rank stops, none waits at a barrier for the others
         raise UserError(failure or "deepspeed: rank 0 could not convert the checkpoint to the universal format")
@@ -84,11 +91,13 @@ def refuse_other_layout(cfg, tag: str, stage: int, want: int) -> None:
     """
     if LAYOUTS[stage] == LAYOUTS[want]:
         return
-    raise UserError(f"deepspeed: the checkpoint of step {tag} was written at ZeRO stage {stage}, and DeepSpeed loads "
-                    f"it only at stage{'s' * (stage in (1, 2))} {LAYOUTS[stage].replace('-', ' or ')}, not {want}: "
-                    f"resume at parallel.zero_stage={stage}, or move the run to stage {want} with `python -m "
-                    f"jaxpar.tools.convert --from torchpar {cfg.run.dir} --to deepspeed --zero-stage {want} NEW_DIR` "
-                    f"and resume NEW_DIR/config.json")
+    raise UserError(
+        f"deepspeed: the checkpoint of step {tag} was written at ZeRO stage {stage}, and DeepSpeed loads "
+        f"it only at stage{'s' * (stage in (1, 2))} {LAYOUTS[stage].replace('-', ' or ')}, not {want}: "
+        f"resume at parallel.zero_stage={stage}, or move the run to stage {want} with `python -m "
+        f"jaxpar.tools.convert --from torchpar {cfg.run.dir} --to deepspeed --zero-stage {want} NEW_DIR` "
+        f"and resume NEW_DIR/config.json"
+    )
 
 
 def convert(src: str, dst: str) -> str:
@@ -96,8 +105,15 @@ def convert(src: str, dst: str) -> str:
     from deepspeed.checkpoint import ds_to_universal  # deferred: deepspeed, optional: --backend deepspeed only
 
     shutil.rmtree(os.path.dirname(dst), ignore_errors=True)  # a conversion cut short before
-    args = argparse.Namespace(input_folder=src, output_folder=dst, num_extract_workers=1, num_merge_workers=1,
-                              keep_temp_folder=False, strict=True, inject_missing_state=True)
+    args = argparse.Namespace(
+        input_folder=src,
+        output_folder=dst,
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
     log = io.StringIO()
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):

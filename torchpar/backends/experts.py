@@ -14,6 +14,7 @@ rows. The clipping norm adds the experts' squares over the ep group. Checkpoints
 their AdamW moments) enter the state dict as DTensors, Shard(0) over ep and replicated over dp, so a
 checkpoint written on one layout loads on any other, without experts sharded too.
 """
+
 from __future__ import annotations
 
 import sys
@@ -69,6 +70,7 @@ class Exchange:
 
 class ExpertParallel:
     """The model's experts split over ep (build), their DDP replicas, the norm, the checkpoint views."""
+
     PLACEMENTS = (Replicate(), Shard(0))
 
     def __init__(self, model, env, ep: int):
@@ -81,18 +83,24 @@ class ExpertParallel:
             experts = block.moe.experts
             for name, p in experts.named_parameters():
                 share = p.shape[0] // ep
-                p.data = p.data[index * share:(index + 1) * share].clone()
+                p.data = p.data[index * share : (index + 1) * share].clone()
                 self.names.append(f"blocks.{i}.moe.experts.{name}")
-            replica = DDP(experts.to(env.device), process_group=self.mesh.get_group("dp"),
-                          device_ids=[env.device.index] if env.device.type == "cuda" else None)
+            replica = DDP(
+                experts.to(env.device),
+                process_group=self.mesh.get_group("dp"),
+                device_ids=[env.device.index] if env.device.type == "cuda" else None,
+            )
             replica.register_comm_hook((self.mesh.get_group("dp"), env.world), mean_over_world)
             block.moe.exchange = Exchange(replica, self.ep_group, ep)
             self.replicas.append(replica)
         self.params = [p for replica in self.replicas for p in replica.module.parameters()]
         DDP._set_params_and_buffers_to_ignore_for_model(model, self.names)
         if env.is_main:
-            print(f"experts: tokens travel over ep={ep} by all_to_all_single with uneven splits (the routed rows "
-                  "alone)", file=sys.stderr, flush=True)
+            print(
+                f"experts: tokens travel over ep={ep} by all_to_all_single with uneven splits (the routed rows alone)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def sync(self, last: bool, ddp) -> ExitStack:
         """Accumulation: no all-reduce before the last microbatch, neither the world's DDP's nor the replicas'."""
@@ -107,7 +115,7 @@ class ExpertParallel:
         dense = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None and id(p) not in mine])
         experts = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None]) ** 2
         tdist.all_reduce(experts, group=self.ep_group)
-        norm = (dense ** 2 + experts.to(dense.device)).sqrt()
+        norm = (dense**2 + experts.to(dense.device)).sqrt()
         torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
         return norm
 
@@ -116,13 +124,21 @@ class ExpertParallel:
 
     def views(self, state: dict) -> dict:
         """DCP's state with the experts' tensors as DTensors over (dp, ep): each rank writes and reads its slice."""
-        return {part: {k: DTensor.from_local(t, self.mesh, self.PLACEMENTS, run_check=False)
-                       if self._expert(k) and isinstance(t, torch.Tensor) and t.dim() else t for k, t in sd.items()}
-                for part, sd in state.items()}
+        return {
+            part: {
+                k: DTensor.from_local(t, self.mesh, self.PLACEMENTS, run_check=False)
+                if self._expert(k) and isinstance(t, torch.Tensor) and t.dim()
+                else t
+                for k, t in sd.items()
+            }
+            for part, sd in state.items()
+        }
 
     def unviews(self, state: dict) -> dict:
-        return {part: {k: t.to_local() if self._expert(k) and isinstance(t, DTensor) else t for k, t in sd.items()}
-                for part, sd in state.items()}
+        return {
+            part: {k: t.to_local() if self._expert(k) and isinstance(t, DTensor) else t for k, t in sd.items()}
+            for part, sd in state.items()
+        }
 
     @torch.no_grad()
     def full_state_dict(self, model) -> dict:

@@ -12,6 +12,7 @@ parallel.zero_stage 1 or 2 keeps parameters gathered between forward and backwar
 (reshard_after_forward=False, ZeRO-2-like); 0 or 3 reshards after forward (ZeRO-3).
 Full weights (--write-final): `get_model_state_dict(full_state_dict, cpu_offload)` gathers them to rank 0.
 """
+
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -35,19 +36,29 @@ def fsdp_options(cfg, world: int) -> dict:
     mesh = ((world,), ("fsdp",)) if sizes["dp"] == 1 else ((sizes["dp"], sizes["fsdp"]), ("dp", "fsdp"))
     compute = None if cfg.model.compute_dtype == "float32" else cfg.model.compute_dtype
     reduce = "bfloat16" if cfg.parallel.grad_compression == "bf16" else "float32"  # powersgd: torchpar.checks refuses
-    return {"mesh": mesh, "param_dtype": compute, "reduce_dtype": reduce,
-            "cpu_offload": cfg.parallel.offload == "params+optimizer",
-            "reshard_after_forward": cfg.parallel.zero_stage not in (1, 2)}
+    return {
+        "mesh": mesh,
+        "param_dtype": compute,
+        "reduce_dtype": reduce,
+        "cpu_offload": cfg.parallel.offload == "params+optimizer",
+        "reshard_after_forward": cfg.parallel.zero_stage not in (1, 2),
+    }
 
 
 def build(model, cfg, env, **_):
     o = fsdp_options(cfg, env.world)  # torchpar.checks.check_offload refuses the offloads FSDP2 cannot do
     mesh = init_device_mesh(env.device.type, o["mesh"][0], mesh_dim_names=o["mesh"][1])
-    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, o["param_dtype"]) if o["param_dtype"] else None,
-                              reduce_dtype=getattr(torch, o["reduce_dtype"]))
+    mp = MixedPrecisionPolicy(
+        param_dtype=getattr(torch, o["param_dtype"]) if o["param_dtype"] else None,
+        reduce_dtype=getattr(torch, o["reduce_dtype"]),
+    )
     cpu_offload = o["cpu_offload"]
-    kwargs = {"mesh": mesh, "mp_policy": mp, "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
-              "reshard_after_forward": o["reshard_after_forward"]}
+    kwargs = {
+        "mesh": mesh,
+        "mp_policy": mp,
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+        "reshard_after_forward": o["reshard_after_forward"],
+    }
     if not cpu_offload:
         model = model.to(env.device)
     for block in model.blocks:
@@ -59,5 +70,12 @@ def build(model, cfg, env, **_):
         return nullcontext()
 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return TorchEngine(model, model, cfg, env, sync=sync, full_state=lambda: get_model_state_dict(model, options=full),
-                       scaler=grad_scaler(cfg, env, sharded=True))
+    return TorchEngine(
+        model,
+        model,
+        cfg,
+        env,
+        sync=sync,
+        full_state=lambda: get_model_state_dict(model, options=full),
+        scaler=grad_scaler(cfg, env, sharded=True),
+    )

@@ -36,6 +36,7 @@ checkpoints (DCP) and weight files are interchangeable with every other backend.
   The last stage holds the embedding table for their lookups, tied head or not, its gradient summed with the
   first stage's as a tied head's; each depth's loss is kept, scaled as the loss, for metrics (mtp_loss_1..D).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,21 +47,40 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                         ScheduleDualPipeV, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleDualPipeV,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 
 from jaxpar.core.errors import UserError
 from jaxpar.core.model.layer_rules import loss_chunks
 from jaxpar.core.config.mesh_spec import parse_mesh, resolve_sizes
-from jaxpar.core.pipeline.schedules import (check_schedule, chunks as chunks_per_rank, concrete, placement,
-                                            resolve_microbatches, virtual_stage)
+from jaxpar.core.pipeline.schedules import (
+    check_schedule,
+    chunks as chunks_per_rank,
+    concrete,
+    placement,
+    resolve_microbatches,
+    virtual_stage,
+)
 from torchpar.backends.base import TorchEngine
 from torchpar.models.decoder import Decoder, embed, inputs_and_targets, mtp_losses
 from torchpar.models.head import chunked_cross_entropy
 from torchpar.optim import local, whole
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
-             "zb_h1": ScheduleInterleavedZeroBubble, "zb_v": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved": ScheduleInterleaved1F1B,
+    "zb_h1": ScheduleInterleavedZeroBubble,
+    "zb_v": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
 MULTI = ("interleaved", "zb_h1", "zb_v", "dualpipev")  # schedules that take a list of stages
 
 
@@ -122,8 +142,14 @@ class Stage(nn.Module):
         loss = self.head_loss(self.ln_f(h), targets)
         if not train:  # evaluation: the main loss alone, as the other backends
             return loss, None
-        depths = mtp_losses(self.mtp, self.wte, h, (inputs, targets, None), self.compute_dtype,
-                            lambda norm, x, t: self.head_loss(norm(x), t))
+        depths = mtp_losses(
+            self.mtp,
+            self.wte,
+            h,
+            (inputs, targets, None),
+            self.compute_dtype,
+            lambda norm, x, t: self.head_loss(norm(x), t),
+        )
         return loss, depths
 
 
@@ -148,8 +174,10 @@ def add_stats(stats: torch.Tensor | None, per_layer: list, cfg, x: torch.Tensor)
     E, parts = cfg.moe_experts, []
     if cfg.moe_bias_update:  # each layer's choices in its own columns; the rest summed
         loads = dict((j, s[:, :E]) for j, s in per_layer)
-        parts = [stats[:, j * E:(j + 1) * E] + loads[j] if j in loads else stats[:, j * E:(j + 1) * E]
-                 for j in range(cfg.moe_layers)]
+        parts = [
+            stats[:, j * E : (j + 1) * E] + loads[j] if j in loads else stats[:, j * E : (j + 1) * E]
+            for j in range(cfg.moe_layers)
+        ]
         tail = stats[:, -2:]
         for _, s in per_layer:
             tail = tail + s[:, E:]
@@ -176,39 +204,55 @@ def check_torch_pipeline(cfg, world: int) -> int:
     schedule = concrete(p.pipeline_schedule)  # auto unresolved (a library call): what the engine runs
     S, D, axis = pipeline_sizes(cfg, world)
     if cfg.parallel.mesh and min(resolve_sizes(parse_mesh(cfg.parallel.mesh), world)[a] for a in ("dp", "fsdp")) > 1:
-        raise UserError(f"parallel.mesh={cfg.parallel.mesh}: --backend pipeline runs pp with dp (DDP per stage) or "
-                        "with fsdp (FSDP2 per stage), not both")
+        raise UserError(
+            f"parallel.mesh={cfg.parallel.mesh}: --backend pipeline runs pp with dp (DDP per stage) or "
+            "with fsdp (FSDP2 per stage), not both"
+        )
     M = resolve_microbatches(S, p.pipeline_microbatches)
     check_schedule(schedule, S, M, p.pipeline_virtual_stages, cfg.model.n_layer)
     if schedule == "interleaved" and p.pipeline_virtual_stages < 2:
-        raise UserError("--backend pipeline: the interleaved schedule needs parallel.pipeline_virtual_stages >= 2 "
-                        "(torch's ScheduleInterleaved1F1B runs two or more stages per rank)")
+        raise UserError(
+            "--backend pipeline: the interleaved schedule needs parallel.pipeline_virtual_stages >= 2 "
+            "(torch's ScheduleInterleaved1F1B runs two or more stages per rank)"
+        )
     if D > 1 and axis == "fsdp" and schedule not in ("gpipe", "1f1b"):
         # interleaved, zb_v: two stages per rank around one sharded module (not built); zb_h1: its weight pass runs
         # outside FSDP2's post-backward hooks, so the gradients are not reduce-scattered (wrong from step 2)
-        raise UserError(f"--backend pipeline: parallel.mesh with fsdp={D} runs parallel.pipeline_schedule=gpipe or "
-                        f"1f1b (FSDP2 inside the stages), not {schedule}")
+        raise UserError(
+            f"--backend pipeline: parallel.mesh with fsdp={D} runs parallel.pipeline_schedule=gpipe or "
+            f"1f1b (FSDP2 inside the stages), not {schedule}"
+        )
     if D > 1 and axis == "dp" and schedule != "1f1b":
         # zb_h1's weight pass bypasses DDP's gradient hooks (docs/fuzz.md, case 99); gpipe/interleaved failed in
         # DDP's bucket rebuild, whose cause hold_sync removes (not yet tested under pp x dp: still refused)
-        raise UserError(f"--backend pipeline: parallel.mesh with dp={D} runs parallel.pipeline_schedule=1f1b only "
-                        f"(got {schedule}: DDP inside torch's pipeline stages is not correct with it)")
+        raise UserError(
+            f"--backend pipeline: parallel.mesh with dp={D} runs parallel.pipeline_schedule=1f1b only "
+            f"(got {schedule}: DDP inside torch's pipeline stages is not correct with it)"
+        )
     if D > 1 and axis == "fsdp" and cfg.model.moe_experts and cfg.model.moe_bias_update:
-        raise UserError(f"--backend pipeline: model.moe_bias_update with fsdp={D}: each stage moves its layers' "
-                        "balance bias on whole parameters, which FSDP2 shards (pp x dp or pp alone runs it)")
+        raise UserError(
+            f"--backend pipeline: model.moe_bias_update with fsdp={D}: each stage moves its layers' "
+            "balance bias on whole parameters, which FSDP2 shards (pp x dp or pp alone runs it)"
+        )
     if cfg.model.mtp_depth and (schedule in ("zb_h1", "zb_v", "dualpipev") or (D > 1 and axis == "fsdp")):
-        raise UserError(f"--backend pipeline: model.mtp_depth runs on gpipe, 1f1b or interleaved, pp alone or pp x dp "
-                        f"(got {schedule}" + (f", fsdp={D}" if D > 1 else "") + "): the prediction modules run in the "
-                        "last stage's loss function, outside the stage; zero-bubble's split backward fails with them, "
-                        "FSDP2 inside the stages is not verified with them")
+        raise UserError(
+            f"--backend pipeline: model.mtp_depth runs on gpipe, 1f1b or interleaved, pp alone or pp x dp "
+            f"(got {schedule}" + (f", fsdp={D}" if D > 1 else "") + "): the prediction modules run in the "
+            "last stage's loss function, outside the stage; zero-bubble's split backward fails with them, "
+            "FSDP2 inside the stages is not verified with them"
+        )
     if schedule in ("zb_h1", "zb_v", "dualpipev") and cfg.model.remat == "save_matmuls":
-        raise UserError(f"--backend pipeline: parallel.pipeline_schedule={schedule} splits each backward "
-                        "into an input and a weight pass, and torch's selective checkpoint (model.remat=save_matmuls) "
-                        "allows one backward per region; use model.remat=full or none")
+        raise UserError(
+            f"--backend pipeline: parallel.pipeline_schedule={schedule} splits each backward "
+            "into an input and a weight pass, and torch's selective checkpoint (model.remat=save_matmuls) "
+            "allows one backward per region; use model.remat=full or none"
+        )
     micro = t.global_batch_size // t.microbatches
     if micro % (M * D):
-        raise UserError(f"batch per microbatch {micro} is not divisible by parallel.pipeline_microbatches={M}"
-                        + (f" x {axis}={D}" if D > 1 else ""))
+        raise UserError(
+            f"batch per microbatch {micro} is not divisible by parallel.pipeline_microbatches={M}"
+            + (f" x {axis}={D}" if D > 1 else "")
+        )
     return M
 
 
@@ -223,10 +267,15 @@ class PipelineEngine(TorchEngine):
         # the chunk that holds the model's last virtual stage, when this rank has it (DDP's: the module inside)
         self.last_chunk = next((getattr(c, "module", c) for c in chunks if getattr(c, "module", c).last), None)
         S, schedule = place.stages, concrete(cfg.parallel.pipeline_schedule)
-        stages = [PipelineStage(chunk, virtual_stage(schedule, S, place.stage, c), S * len(chunks), env.device,
-                                group=place.pp_group) for c, chunk in enumerate(chunks)]
-        self.schedule = SCHEDULES[schedule](stages if schedule in MULTI else stages[0], M, loss_fn=self._loss,
-                                            scale_grads=False)
+        stages = [
+            PipelineStage(
+                chunk, virtual_stage(schedule, S, place.stage, c), S * len(chunks), env.device, group=place.pp_group
+            )
+            for c, chunk in enumerate(chunks)
+        ]
+        self.schedule = SCHEDULES[schedule](
+            stages if schedule in MULTI else stages[0], M, loss_fn=self._loss, scale_grads=False
+        )
         self.tied = None  # the first and last stage of each replica (every rank must call new_group)
         ends_at = {placement(schedule, S, v)[0] for v in (0, S * len(chunks) - 1)}  # zb_v: both on stage 0
         for replica in range(place.replicas):
@@ -278,7 +327,7 @@ class PipelineEngine(TorchEngine):
             # function once more before the microbatches: their records are the last ones
             for records, k in zip((self.step_stats, self.step_depths), kept):
                 if len(records) > k:  # a record kept this step (experts, MTP)
-                    records[k:] = records[len(records) - len(kwargs["losses"]):]
+                    records[k:] = records[len(records) - len(kwargs["losses"]) :]
         return float(sum(kwargs["losses"])) if s.last else 0.0
 
     def forward_backward(self, micro: list[torch.Tensor], share: float = 1.0) -> torch.Tensor:
@@ -286,11 +335,17 @@ class PipelineEngine(TorchEngine):
         self.training, self.step_stats, self.step_depths = True, [], []
         total = sum(self._run(batch, train=True) for batch in micro)
         if self.cfg.model.mtp_depth:  # the last stage's; zeros elsewhere (read_metrics sums them over the ranks)
-            self.mtp_losses = (sum(self.step_depths) if self.step_depths else
-                               torch.zeros(self.cfg.model.mtp_depth, device=self.env.device))
+            self.mtp_losses = (
+                sum(self.step_depths)
+                if self.step_depths
+                else torch.zeros(self.cfg.model.mtp_depth, device=self.env.device)
+            )
         if self.cfg.model.moe_experts:  # the last stage's; zeros elsewhere (read_metrics sums them over the ranks)
-            self.expert_stats = (sum(self.step_stats) if self.step_stats else
-                                 torch.zeros(stats_width(self.cfg.model) + 1, device=self.env.device))
+            self.expert_stats = (
+                sum(self.step_stats)
+                if self.step_stats
+                else torch.zeros(stats_width(self.cfg.model) + 1, device=self.env.device)
+            )
         if self.tied is not None and (self.stage_module.first or self.stage_module.last):
             tdist.all_reduce(local(self.stage_module.wte.grad), group=self.tied)  # FSDP2: the matching shards
         return torch.tensor(total)
@@ -347,6 +402,7 @@ class Replicas:
     DeviceMesh ("dp", "pp")); the groups its pipeline and its gradient all-reduce run in (None: the default group /
     no data parallelism).
     """
+
     stages: int
     replicas: int
     stage: int
@@ -362,16 +418,28 @@ def place_rank(cfg, env) -> Replicas:
     if D == 1:
         return Replicas(S, 1, env.rank, 0)
     mesh = init_device_mesh(env.device.type, (D, S), mesh_dim_names=(axis, "pp"))
-    return Replicas(S, D, mesh.get_local_rank("pp"), mesh.get_local_rank(axis), mesh.get_group("pp"),
-                    mesh.get_group(axis), axis, mesh[axis])
+    return Replicas(
+        S,
+        D,
+        mesh.get_local_rank("pp"),
+        mesh.get_local_rank(axis),
+        mesh.get_group("pp"),
+        mesh.get_group(axis),
+        axis,
+        mesh[axis],
+    )
 
 
 def build(model: Decoder, cfg, env, **_):
     M = check_torch_pipeline(cfg, env.world)
     place = place_rank(cfg, env)
     p = cfg.parallel
-    L, S, s, V = cfg.model.n_layer, place.stages, place.stage, chunks_per_rank(p.pipeline_schedule,
-                                                                                p.pipeline_virtual_stages)
+    L, S, s, V = (
+        cfg.model.n_layer,
+        place.stages,
+        place.stage,
+        chunks_per_rank(p.pipeline_schedule, p.pipeline_virtual_stages),
+    )
     k, last = L // (S * V), S * V - 1
     virtual = [virtual_stage(p.pipeline_schedule, S, s, c) for c in range(V)]  # this rank's virtual stages
     chunks = [Stage(model, list(range(v * k, (v + 1) * k)), v == 0, v == last) for v in virtual]

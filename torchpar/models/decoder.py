@@ -9,6 +9,7 @@ heads, kv], out [heads, kv, embed], ...) and are applied with einsum, so convert
 applies both from outside. Every parameter is used inside the forward of the module that owns it (DeepSpeed
 ZeRO-3 gathers parameters per module), which is why wte/wpe sit on the root module.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -121,6 +122,7 @@ def mtp_rows(inputs, targets, segments, depth: int):
     kept where the main one is counted and, with documents (`segments`), token t+d is in t's document; -1 (skipped)
     past the row's end.
     """
+
     def ahead(a, d, fill):
         return torch.cat([a[:, d:], a.new_full((a.shape[0], d), fill)], dim=1)
 
@@ -174,8 +176,13 @@ class Decoder(nn.Module):
                 elif name.startswith("ln") or "norm" in name:
                     p.fill_(1.0)
                 else:
-                    s = proj_std if name.startswith(("attn.out.", "mlp.proj.", "mlp.down.", "moe.experts.down",
-                                                     "moe.shared.down.")) else std
+                    s = (
+                        proj_std
+                        if name.startswith(
+                            ("attn.out.", "mlp.proj.", "mlp.down.", "moe.experts.down", "moe.shared.down.")
+                        )
+                        else std
+                    )
                     p.copy_(torch.randn(p.shape, generator=gen) * s)
         for m in self.mtp:
             m.proj.weight.copy_(torch.randn(m.proj.weight.shape, generator=gen) * std)
@@ -208,8 +215,16 @@ class Decoder(nn.Module):
         if not self.mtp or not self.training:  # evaluation: the main loss alone, as jaxpar's
             return loss
         table = self.output_table
-        depths = mtp_losses(self.mtp, self.wte, x, (tokens, targets, segments), self.compute_dtype,
-                            lambda norm, h, t: head_loss(norm, table, h, t, self.cfg), positions, mask)
+        depths = mtp_losses(
+            self.mtp,
+            self.wte,
+            x,
+            (tokens, targets, segments),
+            self.compute_dtype,
+            lambda norm, h, t: head_loss(norm, table, h, t, self.cfg),
+            positions,
+            mask,
+        )
         self.mtp_losses = depths.detach()
         return loss + self.cfg.mtp_loss_weight * depths.mean()
 
@@ -220,16 +235,29 @@ class Decoder(nn.Module):
 
 # The two ends of the model as functions of their parameters: Decoder.forward and the first / last
 # pipeline stage (torchpar/backends/pipeline.py) call them with the same tensors.
-def embed(wte: nn.Parameter, wpe: nn.Parameter | None, tokens: torch.Tensor, dtype: torch.dtype,
-          positions: torch.Tensor | None = None) -> torch.Tensor:
+def embed(
+    wte: nn.Parameter,
+    wpe: nn.Parameter | None,
+    tokens: torch.Tensor,
+    dtype: torch.dtype,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
     x = wte[tokens]
     if wpe is not None:  # llama: no position table
         x = x + (wpe[: tokens.shape[1]] if positions is None else wpe[positions])
     return x.to(dtype)
 
 
-def mtp_losses(mtp: nn.ModuleList, wte: nn.Parameter, h: torch.Tensor, rows: tuple, dtype: torch.dtype, loss,
-               positions=None, mask=None) -> torch.Tensor:
+def mtp_losses(
+    mtp: nn.ModuleList,
+    wte: nn.Parameter,
+    h: torch.Tensor,
+    rows: tuple,
+    dtype: torch.dtype,
+    loss,
+    positions=None,
+    mask=None,
+) -> torch.Tensor:
     """Each multi-token prediction depth's cross-entropy [depth], as jaxpar's Decoder.mtp_losses.
 
     From the main model's last state h (before its final norm) and rows = (tokens, targets, segments or None): depth
@@ -248,8 +276,9 @@ def output_head(ln_f: nn.Module, table: nn.Parameter, x: torch.Tensor) -> torch.
     return logits(ln_f(x), table)
 
 
-def head_loss(ln_f: nn.Module, table: nn.Parameter, x: torch.Tensor, targets: torch.Tensor,
-              cfg: ModelConfig) -> torch.Tensor:
+def head_loss(
+    ln_f: nn.Module, table: nn.Parameter, x: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig
+) -> torch.Tensor:
     """The cross-entropy of the output head's logits against `targets`.
 
     next_token_loss(output_head(ln_f, table, x), targets), in model.loss_chunks chunks of positions (head.py)

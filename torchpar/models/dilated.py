@@ -3,6 +3,7 @@
 The training core (block-sparse too: FlexAttention's block masks on CUDA, the same blocked sum as jaxpar's on the CPU,
 where torch 2.13 has no FlexAttention backward), and decoding's form of it over a cache.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,8 +55,9 @@ def _flex_core(qs, ks, vs, kept):
 
     B, S, n, H, D = qs.shape
     rows = lambda x: x.float().permute(0, 1, 3, 2, 4).reshape(B * S, H, n, D)
-    o, aux = flex_attention(rows(qs), rows(ks), rows(vs), block_mask=flex_block_mask(kept, n, qs.device),
-                            return_aux=AuxRequest(lse=True))
+    o, aux = flex_attention(
+        rows(qs), rows(ks), rows(vs), block_mask=flex_block_mask(kept, n, qs.device), return_aux=AuxRequest(lse=True)
+    )
     return o.reshape(B, S, H, n, D).permute(0, 1, 3, 2, 4), aux.lse.reshape(B, S, H, n)
 
 
@@ -69,13 +71,19 @@ def flex_block_mask(kept, n: int, device):
     H, nb, K = kept.shape
     b = n // nb
     past = np.zeros((1, H, nb, nb), np.int32)
-    past[..., :K - 1] = np.maximum(kept[..., 1:], 0)  # kept: the diagonal first, then the past blocks, -1 unused
+    past[..., : K - 1] = np.maximum(kept[..., 1:], 0)  # kept: the diagonal first, then the past blocks, -1 unused
     table = torch.from_numpy(dense_blocks(kept)).to(device)
     diagonal = torch.arange(nb, dtype=torch.int32, device=device)[:, None].expand(1, H, nb, nb)
     n_past = torch.from_numpy((kept[..., 1:] >= 0).sum(-1, dtype=np.int32)[None]).to(device)
     return BlockMask.from_kv_blocks(
-        torch.ones(1, H, nb, dtype=torch.int32, device=device), diagonal, n_past, torch.from_numpy(past).to(device),
-        BLOCK_SIZE=b, mask_mod=lambda _, h, q, k: (q >= k) & table[h, q // b, k // b], seq_lengths=(n, n))
+        torch.ones(1, H, nb, dtype=torch.int32, device=device),
+        diagonal,
+        n_past,
+        torch.from_numpy(past).to(device),
+        BLOCK_SIZE=b,
+        mask_mod=lambda _, h, q, k: (q >= k) & table[h, q // b, k // b],
+        seq_lengths=(n, n),
+    )
 
 
 def _segment_attention(q, k, v, w: int, r: int, sparsity=None):

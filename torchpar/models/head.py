@@ -11,6 +11,7 @@ backward makes them), and kept at the size of the head's input and table; the ba
 is recomputed and no checkpointing is involved. The table's gradient sums the chunks' in float32. It runs inside
 the model's forward, where DDP, FSDP2 and DeepSpeed ZeRO-3 have the table's full weights at hand.
 """
+
 from __future__ import annotations
 
 import torch

@@ -3,6 +3,7 @@
 Einsum-applied weights of any rank, the norms, rotary embedding (jaxpar/models/layers.py's math), and sketched linear
 layers (jaxpar/core/model/layer_rules.py, whose `sketch_matrix` builds the very same sketch here).
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,6 +25,7 @@ class Dense(nn.Module):
 
     `float8`: set by the Decoder under model.float8.
     """
+
     float8 = False
 
     def __init__(self, w_shape: tuple[int, ...], b_shape: tuple[int, ...]):
@@ -37,6 +39,7 @@ class Dense(nn.Module):
 
 class Kernel(nn.Module):
     """A bias-free weight of any rank applied by an einsum equation (jaxpar's `kernel`)."""
+
     float8 = False
 
     def __init__(self, shape: tuple[int, ...]):
@@ -80,7 +83,7 @@ def rope(x, theta: float, positions=None):
     angle = pos.to(torch.float32)[..., None] * freqs  # [(batch,) seq, r/2]
     angle = angle.reshape(*angle.shape[:-1], *(1,) * (x.ndim - 3), r // 2)
     cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
-    x1, x2 = x[..., : r // 2], x[..., r // 2:]
+    x1, x2 = x[..., : r // 2], x[..., r // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
@@ -90,6 +93,7 @@ class SketchedLinear(nn.Module):
     S is a non-persistent buffer (derived, not trained, not saved), W = `factor` (x S times W in float8 under
     model.float8, as jaxpar's).
     """
+
     float8 = False
 
     def __init__(self, cfg: ModelConfig, layer: int, name: str, n_in: int, n_out: int):
@@ -100,5 +104,6 @@ class SketchedLinear(nn.Module):
 
     def forward(self, x, equation: str = ""):
         x, w = x @ self.sketch.to(x.dtype), self.factor.to(x.dtype)
-        return (float8_matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], -1) if self.float8 else x @ w
-                ) + self.bias.to(x.dtype)
+        return (
+            float8_matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], -1) if self.float8 else x @ w
+        ) + self.bias.to(x.dtype)

@@ -4,6 +4,7 @@ They have jaxpar's math and per-layer parameter shapes (jaxpar/models/llama.py):
 positions, SwiGLU. torchpar/models/decoder.py assembles them (with layers.RMSNorm) into the same decoder as GPT-2.
 No parallelism here.
 """
+
 from __future__ import annotations
 
 import torch.nn.functional as F
@@ -34,8 +35,7 @@ class GQAttention(nn.Module):
         q, k, v = self.project_qkv(x, positions)
         k, v = repeat_kv(k, self.n_head), repeat_kv(v, self.n_head)
         if self.pairs is not None:  # dilated_attention works on [b, t, h, k]
-            y = dilated_attention(*(t.transpose(1, 2) for t in (q, k, v)), self.pairs,
-                                 self.sparsity).transpose(1, 2)
+            y = dilated_attention(*(t.transpose(1, 2) for t in (q, k, v)), self.pairs, self.sparsity).transpose(1, 2)
         else:
             y = causal_attention(q, k, v, mask)
         return self.project_out(y)

@@ -3,6 +3,7 @@
 It has jaxpar's math and per-layer parameter shapes (jaxpar/models/mla.py). No parallelism; every parameter is used
 in the forward of the module that owns it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,15 +35,15 @@ class MLAttention(nn.Module):
     def project_q_latent(self, x, positions=None):
         """(q [b, heads, t, kv + rope], latent [b, t, kv_latent + rope]: normalised c_kv and the rotated k_r)."""
         q = self.q_up(self.q_norm(self.q_down(x, "btd,dl->btl")), "btl,lhk->bthk")
-        q = torch.cat([q[..., : -self.r], rope(q[..., -self.r:], self.theta, positions)], dim=-1)
+        q = torch.cat([q[..., : -self.r], rope(q[..., -self.r :], self.theta, positions)], dim=-1)
         ckv = self.kv_down(x, "btd,dl->btl")
-        latent = torch.cat([self.kv_norm(ckv[..., : self.kvl]), rope(ckv[..., self.kvl:], self.theta, positions)], -1)
+        latent = torch.cat([self.kv_norm(ckv[..., : self.kvl]), rope(ckv[..., self.kvl :], self.theta, positions)], -1)
         return q.transpose(1, 2), latent
 
     def keys_values(self, latent):
         """Keys [b, heads, t, kv + rope] (the rotated k_r shared by every head) and values [b, heads, t, kv]."""
         k_nope, v = self.kv_up(latent[..., : self.kvl], "btl,lchk->cbthk").unbind(0)
-        k_r = latent[:, :, None, self.kvl:].expand(*k_nope.shape[:3], self.r)
+        k_r = latent[:, :, None, self.kvl :].expand(*k_nope.shape[:3], self.r)
         return torch.cat([k_nope, k_r], dim=-1).transpose(1, 2), v.transpose(1, 2)
 
     def project_out(self, y):

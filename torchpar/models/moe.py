@@ -4,6 +4,7 @@ It has jaxpar's routing and per-layer parameter shapes (jaxpar/models/moe.py has
 capacity by choice rank then position, shared experts, the per-row statistics). Every expert runs on this rank unless
 a backend plugs in its exchange (torchpar/backends/experts.py: expert parallelism over the ranks of `ep`).
 """
+
 from __future__ import annotations
 
 import torch

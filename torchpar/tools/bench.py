@@ -4,6 +4,7 @@ torchpar's twin of `jaxpar.tools.bench`: the real backend step on synthetic toke
 timed step synchronised on the device; tokens/s, MFU against the datasheet peak and a matmul
 ceiling measured on the spot, peak memory. Same JSON fields and markdown row as jaxpar's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,7 +53,7 @@ def bench(cfg, backend: str, steps: int, warmup: int, compile_model: bool) -> di
     B, W = cfg.train.global_batch_size, env.world
     share, ways = engine.data_rank, engine.data_ways  # as the trainer: pipeline stages read the whole batch
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (B, cfg.data.seq_len + 1))
-    mine = torch.from_numpy(tokens[share * B // ways:(share + 1) * B // ways]).long().to(env.device)
+    mine = torch.from_numpy(tokens[share * B // ways : (share + 1) * B // ways]).long().to(env.device)
     sync = torch.cuda.synchronize if env.device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
         handle = engine.update(mine)
@@ -72,23 +73,34 @@ def bench(cfg, backend: str, steps: int, warmup: int, compile_model: bool) -> di
     dtype = torch.bfloat16 if cfg.model.compute_dtype == "bfloat16" else torch.float32
     ceiling = matmul_ceiling(env.device, dtype)
     return {
-        "date": datetime.date.today().isoformat(), "framework": "torchpar", "backend": backend,
-        "devices": W, "device_kind": f"{env.device.type}:{kind}", "compiled": compile_model,
+        "date": datetime.date.today().isoformat(),
+        "framework": "torchpar",
+        "backend": backend,
+        "devices": W,
+        "device_kind": f"{env.device.type}:{kind}",
+        "compiled": compile_model,
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
-        "compute_dtype": cfg.model.compute_dtype, "remat": cfg.model.remat, "seq_len": cfg.data.seq_len,
-        "global_batch_size": B, "step_time_s": step_s, "tokens_per_sec": tps,
+        "compute_dtype": cfg.model.compute_dtype,
+        "remat": cfg.model.remat,
+        "seq_len": cfg.data.seq_len,
+        "global_batch_size": B,
+        "step_time_s": step_s,
+        "tokens_per_sec": tps,
         "mfu_datasheet": tps * fpt / (peak * W) if peak else None,
-        "matmul_ceiling_flops": ceiling, "mfu_ceiling": tps * fpt / (ceiling * W),
+        "matmul_ceiling_flops": ceiling,
+        "mfu_ceiling": tps * fpt / (ceiling * W),
         "memory_gib": torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else None,
-        "loss": engine.read(handle)["loss"], "command": "python -m torchpar.tools.bench " + shlex.join(sys.argv[1:]),
+        "loss": engine.read(handle)["loss"],
+        "command": "python -m torchpar.tools.bench " + shlex.join(sys.argv[1:]),
         "is_main": env.is_main,
     }
 
 
 @cli
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m torchpar.tools.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m torchpar.tools.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config")
     ap.add_argument("--backend", default="none", choices=BACKENDS)
     ap.add_argument("--steps", type=int, default=10)

@@ -4,6 +4,7 @@ torch.distributed's all_reduce, all_gather_into_tensor, reduce_scatter_tensor an
 send/recv (batch_isend_irecv) over message sizes from 4 KiB up: algorithm and bus bandwidth with
 the same definitions as `jaxpar.tools.bench_collectives` (nccl-tests'), so the two compare directly.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,9 @@ from jaxpar.core.errors import UserError, check_output_file, cli
 def _ops(dist, world: int, rank: int):
     def ring(x):
         out = x.new_empty(x.shape)
-        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, (rank + 1) % world),
-                                       dist.P2POp(dist.irecv, out, (rank - 1) % world)])
+        reqs = dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, x, (rank + 1) % world), dist.P2POp(dist.irecv, out, (rank - 1) % world)]
+        )
         for r in reqs:
             r.wait()
         return out
@@ -63,8 +65,11 @@ def run(max_bytes: int, reps: int = 5) -> list[dict]:
 
 @cli
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m torchpar.tools.bench_collectives", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m torchpar.tools.bench_collectives",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--max-mib", type=float, default=16)
     ap.add_argument("--json")
     args = ap.parse_args(argv)

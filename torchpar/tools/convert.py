@@ -14,6 +14,7 @@ universal checkpoint, torchpar/backends/deepspeed_universal.py). Export reads De
 number of ranks). float16 DeepSpeed runs are refused both ways: DeepSpeed's loss scaler counts its growth window
 differently from the shared one (`loss_scale` in the state file).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,15 @@ import torch
 
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.run.resume import read_run_config
-from jaxpar.core.weights.state_file import (first_moments, refuse_other_optimizer, save_state, state_for_run,
-                                            state_meta, write_moved_config, writing_run)
+from jaxpar.core.weights.state_file import (
+    first_moments,
+    refuse_other_optimizer,
+    save_state,
+    state_for_run,
+    state_meta,
+    write_moved_config,
+    writing_run,
+)
 from torchpar import dist
 from torchpar.backends import deepspeed, none
 from torchpar.models.decoder import Decoder
@@ -50,8 +58,9 @@ def import_state(src: str, run_dir: str) -> int:
         engine.optimizer.state[p] = {**state, "step": torch.tensor(float(state["step"]))}
     if engine.scaler is not None and "loss_scale" in meta:  # float16: GradScaler's scale and growth count
         ls = meta["loss_scale"]
-        engine.scaler.load_state_dict({**engine.scaler.state_dict(), "scale": ls["scale"],
-                                       "_growth_tracker": ls["good_steps"]})
+        engine.scaler.load_state_dict(
+            {**engine.scaler.state_dict(), "scale": ls["scale"], "_growth_tracker": ls["good_steps"]}
+        )
         engine.skipped = ls["skipped"]
     step = int(meta["step"])
     with writing_run(run_dir):
@@ -73,8 +82,10 @@ def import_deepspeed(src: str, run_dir: str, zero_stage: int | None) -> int:
     tensors, meta, cfg = state_for_run(src, run_dir)
     _refuse_float16(cfg, "import into")
     if cfg.optim.name != "adamw":
-        raise UserError(f"{src} holds the state of optim.name={cfg.optim.name}, and DeepSpeed builds its own AdamW: "
-                        "convert it --to torchpar (a run for --backend none, ddp, fsdp or pipeline) or to jaxpar")
+        raise UserError(
+            f"{src} holds the state of optim.name={cfg.optim.name}, and DeepSpeed builds its own AdamW: "
+            "convert it --to torchpar (a run for --backend none, ddp, fsdp or pipeline) or to jaxpar"
+        )
     if zero_stage is not None:
         cfg.parallel.zero_stage = zero_stage
     model, n = Decoder(cfg.model), cfg.model.n_layer
@@ -136,8 +147,10 @@ def _link_adam_state(zero) -> None:
 
 def _refuse_float16(cfg, what: str) -> None:
     if cfg.model.compute_dtype == "float16":
-        raise UserError(f"float16 runs are not converted to or from DeepSpeed (its loss scaler's growth window is "
-                        f"counted differently): cannot {what} {cfg.run.dir}")
+        raise UserError(
+            f"float16 runs are not converted to or from DeepSpeed (its loss scaler's growth window is "
+            f"counted differently): cannot {what} {cfg.run.dir}"
+        )
 
 
 def _own_state(p) -> bool:
@@ -173,11 +186,16 @@ def export_deepspeed(cfg, dst: str) -> int:
         _link_adam_state(engine.engine.optimizer)
         inner = getattr(engine.engine.optimizer, "optimizer", engine.engine.optimizer)
         params = dict(engine.raw.named_parameters())
-        whole = {kind: {n: _whole(p, inner, key) for n, p in params.items()}
-                 for kind, key in (("param", None), ("adam_m", "exp_avg"), ("adam_v", "exp_avg_sq"))}
+        whole = {
+            kind: {n: _whole(p, inner, key) for n, p in params.items()}
+            for kind, key in (("param", None), ("adam_m", "exp_avg"), ("adam_v", "exp_avg_sq"))
+        }
         adam_step = int(next(iter(inner.state.values()))["step"])
-        save_state(dst, {k: to_shared(v, cfg.model.n_layer) for k, v in whole.items()},
-                   state_meta(cfg, meta["data_step"], adam_step, cfg.run.dir))
+        save_state(
+            dst,
+            {k: to_shared(v, cfg.model.n_layer) for k, v in whole.items()},
+            state_meta(cfg, meta["data_step"], adam_step, cfg.run.dir),
+        )
         return int(meta["data_step"])
     finally:
         dist.teardown()
@@ -198,29 +216,54 @@ def export_state(run_dir: str, dst: str) -> int:
     muon = {name: s for name, s in state.items() if "momentum_buffer" in s}  # Muon's matrices (optim.name=muon)
     first = to_shared({name: s["exp_avg"] if name in adam else s["momentum_buffer"] for name, s in state.items()}, n)
     scaler = meta.get("grad_scaler")  # float16
-    loss_scale = None if scaler is None else {"scale": scaler["scale"], "good_steps": scaler["_growth_tracker"],
-                                              "skipped": meta["skipped_steps"]}
-    tensors = {"param": to_shared(engine.raw.state_dict(), n), **first_moments(first, cfg.optim.name),
-               "adam_v": to_shared({name: s["exp_avg_sq"] for name, s in adam.items()}, n)}
-    save_state(dst, tensors, state_meta(cfg, meta["data_step"], next(iter(adam.values()))["step"], run_dir,
-                                        loss_scale, next(iter(muon.values()))["step"] if muon else None))
+    loss_scale = (
+        None
+        if scaler is None
+        else {"scale": scaler["scale"], "good_steps": scaler["_growth_tracker"], "skipped": meta["skipped_steps"]}
+    )
+    tensors = {
+        "param": to_shared(engine.raw.state_dict(), n),
+        **first_moments(first, cfg.optim.name),
+        "adam_v": to_shared({name: s["exp_avg_sq"] for name, s in adam.items()}, n),
+    }
+    save_state(
+        dst,
+        tensors,
+        state_meta(
+            cfg,
+            meta["data_step"],
+            next(iter(adam.values()))["step"],
+            run_dir,
+            loss_scale,
+            next(iter(muon.values()))["step"] if muon else None,
+        ),
+    )
     return int(meta["data_step"])
 
 
 @cli
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m torchpar.tools.convert", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m torchpar.tools.convert",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--from", dest="src_fmt", choices=("state", "torchpar"), required=True)
     p.add_argument("src")
     p.add_argument("--to", dest="dst_fmt", choices=("state", "torchpar", "deepspeed"), required=True)
     p.add_argument("dst")
-    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3),
-                   help="--to deepspeed: the new run's parallel.zero_stage (default: the state's config's)")
+    p.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=(0, 1, 2, 3),
+        help="--to deepspeed: the new run's parallel.zero_stage (default: the state's config's)",
+    )
     args = p.parse_intermixed_args(argv)
     if (args.src_fmt == "state") == (args.dst_fmt == "state"):
-        raise UserError("convert between a torchpar run and a state file: --from state --to torchpar|deepspeed, or "
-                        "--from torchpar --to state")
+        raise UserError(
+            "convert between a torchpar run and a state file: --from state --to torchpar|deepspeed, or "
+            "--from torchpar --to state"
+        )
     if args.zero_stage is not None and args.dst_fmt != "deepspeed":
         raise UserError("--zero-stage is for --to deepspeed (a DeepSpeed run's stage is read from its checkpoint)")
     if args.src_fmt == "torchpar":

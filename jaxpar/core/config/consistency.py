@@ -1,4 +1,5 @@
 """The checks across config keys (jaxpar/core/config/schema.py runs them on every load): one line naming the keys."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,11 @@ def did_you_mean(dotted: str, schema) -> str:
     section, _, name = dotted.partition(".")
     ratio = lambda a, b: difflib.SequenceMatcher(None, a, b).ratio()
     sections = [s.name for s in dataclasses.fields(schema)]
-    (close, _), key = max(((ratio(name, f.name), ratio(section, s.name)), f"{s.name}.{f.name}")
-                          for s in dataclasses.fields(schema) for f in dataclasses.fields(s.default_factory()))
+    (close, _), key = max(
+        ((ratio(name, f.name), ratio(section, s.name)), f"{s.name}.{f.name}")
+        for s in dataclasses.fields(schema)
+        for f in dataclasses.fields(s.default_factory())
+    )
     if close >= 0.6:
         return f"; did you mean {key}?"
     near = [] if section in sections else difflib.get_close_matches(section, sections, n=1)
@@ -56,7 +60,8 @@ def check_consistency(cfg) -> None:
         raise UserError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     if t.global_batch_size % t.microbatches:
         raise UserError(
-            f"train.global_batch_size={t.global_batch_size} is not divisible by train.microbatches={t.microbatches}")
+            f"train.global_batch_size={t.global_batch_size} is not divisible by train.microbatches={t.microbatches}"
+        )
     parse_rampup(t.batch_rampup, t.global_batch_size, t.microbatches)
     if cfg.data.batching == "buckets":
         bucket_shapes(cfg)  # one line for buckets that cannot run
@@ -77,11 +82,15 @@ def check_consistency(cfg) -> None:
 def _check_dilated(m, T: int) -> None:
     for w, r in m.dilation_pairs:
         if T % min(w, T) or min(w, T) % r:
-            raise UserError(f"model.segment_lengths/dilation_rates pair ({w}, {r}): data.seq_len={T} must be "
-                            f"divisible by the segment length min({w}, {T}), and that by the rate {r}")
+            raise UserError(
+                f"model.segment_lengths/dilation_rates pair ({w}, {r}): data.seq_len={T} must be "
+                f"divisible by the segment length min({w}, {T}), and that by the rate {r}"
+            )
         if 0 < m.sparsity_ratio < 1 and min(w, T) // r % m.sparsity_block:
-            raise UserError(f"model.sparsity_block={m.sparsity_block} does not divide the {min(w, T) // r} tokens a "
-                            f"head selects in a segment of the pair ({w}, {r}) (min({w}, data.seq_len={T}) / {r})")
+            raise UserError(
+                f"model.sparsity_block={m.sparsity_block} does not divide the {min(w, T) // r} tokens a "
+                f"head selects in a segment of the pair ({w}, {r}) (min({w}, data.seq_len={T}) / {r})"
+            )
     if 1 not in dict(m.dilation_pairs).values():
         raise UserError("model.dilation_rates needs a rate of 1 (otherwise some tokens attend to nothing)")
 
@@ -89,11 +98,15 @@ def _check_dilated(m, T: int) -> None:
 def _check_mtp(m, seq_len: int) -> None:
     """Multi-token prediction: depth d predicts token t+1+d, so a row needs more than mtp_depth positions."""
     if m.mtp_depth >= seq_len:
-        raise UserError(f"model.mtp_depth={m.mtp_depth} leaves no target in a row of data.seq_len={seq_len} (depth d "
-                        "predicts the token d+1 ahead)")
+        raise UserError(
+            f"model.mtp_depth={m.mtp_depth} leaves no target in a row of data.seq_len={seq_len} (depth d "
+            "predicts the token d+1 ahead)"
+        )
     if m.mtp_depth and m.linear == "sketched":
-        raise UserError("model.mtp_depth with model.linear=sketched is not built (the sketches are the main "
-                        "layers'; the prediction modules' blocks are dense)")
+        raise UserError(
+            "model.mtp_depth with model.linear=sketched is not built (the sketches are the main "
+            "layers'; the prediction modules' blocks are dense)"
+        )
 
 
 def _set_keys(section, keys) -> list[str]:
@@ -106,8 +119,9 @@ def _check_loss_scale(cfg) -> None:
     o = cfg.optim
     if cfg.model.compute_dtype != "float16":
         for key in _set_keys(o, [f.name for f in dataclasses.fields(o) if f.name.startswith("loss_scale_")]):
-            raise UserError(f"optim.{key} applies to model.compute_dtype=float16 only (bfloat16 and float32 "
-                            "need no loss scaling)")
+            raise UserError(
+                f"optim.{key} applies to model.compute_dtype=float16 only (bfloat16 and float32 need no loss scaling)"
+            )
     if o.loss_scale_min > o.loss_scale_init:
         raise UserError(f"optim.loss_scale_min={o.loss_scale_min} exceeds optim.loss_scale_init={o.loss_scale_init}")
 
@@ -118,8 +132,10 @@ def _check_experts(m) -> None:
     if m.moe_experts and m.linear == "sketched":
         raise UserError("model.linear=sketched sketches the dense MLP; with model.moe_experts the experts replace it")
     if m.moe_experts and m.moe_first_dense >= m.n_layer:
-        raise UserError(f"model.moe_first_dense={m.moe_first_dense} leaves no layer of model.n_layer={m.n_layer} to "
-                        "the experts (set model.moe_experts=0 for a dense model)")
+        raise UserError(
+            f"model.moe_first_dense={m.moe_first_dense} leaves no layer of model.n_layer={m.n_layer} to "
+            "the experts (set model.moe_experts=0 for a dense model)"
+        )
     _check_groups(m)
 
 
@@ -133,11 +149,15 @@ def _check_groups(m) -> None:
         raise UserError(f"model.moe_n_group={m.moe_n_group} does not divide model.moe_experts={m.moe_experts}")
     size = m.moe_experts // m.moe_n_group
     if size < 2:
-        raise UserError(f"model.moe_n_group={m.moe_n_group} leaves one expert per group; a group is scored by its "
-                        "best two experts (DeepSeek-V3), so each needs two or more")
+        raise UserError(
+            f"model.moe_n_group={m.moe_n_group} leaves one expert per group; a group is scored by its "
+            "best two experts (DeepSeek-V3), so each needs two or more"
+        )
     if m.moe_top_k > m.moe_topk_group * size:
-        raise UserError(f"model.moe_top_k={m.moe_top_k} exceeds the {m.moe_topk_group * size} experts of the "
-                        f"model.moe_topk_group={m.moe_topk_group} groups kept ({size} experts each)")
+        raise UserError(
+            f"model.moe_top_k={m.moe_top_k} exceeds the {m.moe_topk_group * size} experts of the "
+            f"model.moe_topk_group={m.moe_topk_group} groups kept ({size} experts each)"
+        )
 
 
 def _check_family(m) -> None:
@@ -147,12 +167,16 @@ def _check_family(m) -> None:
     if m.family == "gpt2":
         for key in _set_keys(m, ("n_kv_head", "ffn_multiple_of", "tie_embeddings")):
             if not (key == "n_kv_head" and m.n_kv_head == m.n_head):
-                raise UserError(f"model.{key} applies to model.family=llama only (GPT-2 has one key/value head per "
-                                "query head, a 4*d_model MLP unless model.d_ff is set, and a tied head)")
+                raise UserError(
+                    f"model.{key} applies to model.family=llama only (GPT-2 has one key/value head per "
+                    "query head, a 4*d_model MLP unless model.d_ff is set, and a tied head)"
+                )
         return
     if m.linear == "sketched":
-        raise UserError("model.linear=sketched is a GPT-2-family variant; model.family=llama supports "
-                        "model.linear=dense")
+        raise UserError(
+            "model.linear=sketched is a GPT-2-family variant; model.family=llama supports model.linear=dense"
+        )
     if m.head_dim % 2 and m.attention != "mla":  # mla rotates its own rope_head_dim features
-        raise UserError(f"model.family=llama needs an even head dimension for rotary pairs "
-                        f"(d_model/n_head = {m.head_dim})")
+        raise UserError(
+            f"model.family=llama needs an even head dimension for rotary pairs (d_model/n_head = {m.head_dim})"
+        )

@@ -2,6 +2,7 @@
 
 No jax: torchpar checks its `parallel.mesh` with the same rules, and which axes each of its backends runs.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,8 +56,13 @@ def format_mesh(sizes: dict[str, int]) -> str:
 
 TORCH_BACKENDS = ("none", "ddp", "fsdp", "deepspeed", "pipeline")  # torchpar/backends/
 # the parallel.mesh axes each torchpar backend implements (tp and sp are jaxpar's alone)
-TORCH_MESH_AXES = {"none": (), "ddp": ("dp", "ep"), "fsdp": ("dp", "fsdp"), "deepspeed": ("dp",),
-                   "pipeline": ("pp", "dp", "fsdp")}
+TORCH_MESH_AXES = {
+    "none": (),
+    "ddp": ("dp", "ep"),
+    "fsdp": ("dp", "fsdp"),
+    "deepspeed": ("dp",),
+    "pipeline": ("pp", "dp", "fsdp"),
+}
 
 
 def _elastic_hint(sizes: dict[str, int]) -> str:
@@ -75,14 +81,18 @@ def check_torch_mesh(mesh: str, backend: str, world: int) -> None:
     unsupported = [a for a, n in sizes.items() if n != 1 and a not in TORCH_MESH_AXES[backend]]
     if unsupported:
         runs = "/".join(TORCH_MESH_AXES[backend]) or "nothing but one process"
-        raise UserError(f"parallel.mesh={mesh}: --backend {backend} does not implement {', '.join(unsupported)} "
-                        f"(it runs {runs}; jaxpar.train runs every axis)")
+        raise UserError(
+            f"parallel.mesh={mesh}: --backend {backend} does not implement {', '.join(unsupported)} "
+            f"(it runs {runs}; jaxpar.train runs every axis)"
+        )
     product = math.prod(n for n in sizes.values() if n != -1)
     if -1 not in sizes.values() and product != world:  # torchpar's devices are its processes: say how to start them
         runs = "runs" if world == 1 else "run"
-        how = (f"an elastic run's group changes size: make one axis -1, e.g. {_elastic_hint(sizes)}"
-               if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 else
-               f"start {product} (torchrun --nproc_per_node={product} on one host; across hosts, nnodes x "
-               "nproc_per_node or srun's tasks)")
+        how = (
+            f"an elastic run's group changes size: make one axis -1, e.g. {_elastic_hint(sizes)}"
+            if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+            else f"start {product} (torchrun --nproc_per_node={product} on one host; across hosts, nnodes x "
+            "nproc_per_node or srun's tasks)"
+        )
         raise UserError(f"parallel.mesh={mesh} needs {product} processes and {world} {runs}: {how}")
     resolve_sizes(sizes, world)  # an axis of -1 takes the rest; the world must divide by the others

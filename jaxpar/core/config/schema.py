@@ -5,6 +5,7 @@ A config is YAML with one mapping per section, then `section.key=value` override
 Unknown keys, wrong types and out-of-range values raise `UserError` naming the key. Who consumes each key
 (trainer, torchpar backend, mode) is jaxpar/core/config/contract.py: a new key comes with its row there.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -228,8 +229,9 @@ class ParallelConfig:
     # pipeline over `pp` (jaxpar/pipeline/gpipe.py, jaxpar/pipeline/executor.py);
     # schedule tables: python -m jaxpar.tools.pipeline_table
     # auto: the least modeled step time for the config and mesh (jaxpar/core/pipeline/choice.py)
-    pipeline_schedule: str = field(default="auto", metadata=_check(
-        choices=("auto", "gpipe", "1f1b", "interleaved", "zb_h1", "zb_v", "dualpipev")))
+    pipeline_schedule: str = field(
+        default="auto", metadata=_check(choices=("auto", "gpipe", "1f1b", "interleaved", "zb_h1", "zb_v", "dualpipev"))
+    )
     pipeline_microbatches: int = field(default=0, metadata=_check(lo=0))  # 0 -> 2 x stages
     pipeline_virtual_stages: int = field(default=1, metadata=_check(lo=1))
     # state kept in host memory between steps, moved to the devices for the step (jaxpar: memory kinds;
@@ -324,8 +326,10 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
     section_name, _, key = dotted.partition(".")
     sections = {f.name: f for f in dataclasses.fields(Config)}
     if section_name not in sections:
-        raise UserError(f"unknown config section {section_name!r} (in {dotted!r}){did_you_mean(dotted, Config)} "
-                        f"(known: {', '.join(sections)})")
+        raise UserError(
+            f"unknown config section {section_name!r} (in {dotted!r}){did_you_mean(dotted, Config)} "
+            f"(known: {', '.join(sections)})"
+        )
     section = getattr(cfg, section_name)
     fields = {f.name: f for f in dataclasses.fields(section)}
     if key not in fields:

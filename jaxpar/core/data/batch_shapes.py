@@ -3,6 +3,7 @@
 One shape without train.batch_rampup or buckets, a batch size per ramp step (rampup.py), a (rows, length) per bucket
 (buckets.py). Each is checked against the layout before anything is traced, and jaxpar compiles its step once per shape.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,8 +21,10 @@ def bucket_lengths(spec: str, seq_len: int) -> list[int]:
     except ValueError:
         raise UserError(f"data.buckets={spec}: not a comma-separated list of lengths") from None
     if lengths[0] < 1 or lengths[-1] > seq_len:
-        raise UserError(f"data.buckets={spec}: every bucket must be between 1 and data.seq_len={seq_len} tokens "
-                        "(a bucket larger than the window)")
+        raise UserError(
+            f"data.buckets={spec}: every bucket must be between 1 and data.seq_len={seq_len} tokens "
+            "(a bucket larger than the window)"
+        )
     return lengths if lengths[-1] == seq_len else lengths + [seq_len]
 
 
@@ -34,8 +37,10 @@ def bucket_shapes(cfg) -> list[tuple[int, int]]:
     tokens, lengths = t.tokens_per_batch or t.global_batch_size * d.seq_len, bucket_lengths(d.buckets, d.seq_len)
     shapes = [(tokens // T // t.microbatches * t.microbatches, T) for T in lengths]
     if shapes[-1][0] < 1:
-        raise UserError(f"train.tokens_per_batch={tokens} holds no row of the {lengths[-1]}-token bucket (with "
-                        f"train.microbatches={t.microbatches} it needs at least {lengths[-1] * t.microbatches})")
+        raise UserError(
+            f"train.tokens_per_batch={tokens} holds no row of the {lengths[-1]}-token bucket (with "
+            f"train.microbatches={t.microbatches} it needs at least {lengths[-1] * t.microbatches})"
+        )
     return shapes
 
 
@@ -49,8 +54,10 @@ def batch_shapes(cfg) -> list[tuple[int, int]]:
 def shape_config(cfg, rows: int, T: int):
     """The config of a run whose every batch is `rows` windows of T targets (a ramp's or a bucket's shape)."""
     return dataclasses.replace(
-        cfg, train=dataclasses.replace(cfg.train, global_batch_size=rows, batch_rampup="", tokens_per_batch=0),
-        data=dataclasses.replace(cfg.data, seq_len=T, batching="windows", buckets=""))
+        cfg,
+        train=dataclasses.replace(cfg.train, global_batch_size=rows, batch_rampup="", tokens_per_batch=0),
+        data=dataclasses.replace(cfg.data, seq_len=T, batching="windows", buckets=""),
+    )
 
 
 def for_each_shape(cfg, check) -> None:

@@ -2,6 +2,7 @@
 
 Every text round-trips exactly (bytes are the base alphabet), and <|endoftext|> is its end-of-document token.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,12 @@ def train_tokenizer(inputs: list[str], out: str, vocab_size: int, text_field: st
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOD],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     docs = (d.decode("utf-8", "replace") for d in documents(collect(inputs), text_field))
     tok.train_from_iterator(docs, trainer=trainer)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

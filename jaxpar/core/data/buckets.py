@@ -11,6 +11,7 @@ in the permutation keyed by seed + e (shuffled_index) and emits a bucket's batch
 left in the buckets at an epoch's end is dropped. Step s is the s-th batch, on any mesh and in both frameworks,
 so a resume is exact. jaxpar compiles its step once per bucket (at the bucket's first batch).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,7 +28,7 @@ def spans(tokens: np.ndarray, eod: int, lo: int, hi: int, longest: int) -> np.nd
     a longer document is cut into pieces of at most `longest` targets, overlapping by one token.
     """
     chunk = 1 << 26  # the token file is scanned a chunk at a time, never read whole
-    found = [c + np.flatnonzero(np.asarray(tokens[c:min(c + chunk, hi)]) == eod) for c in range(lo, hi, chunk)]
+    found = [c + np.flatnonzero(np.asarray(tokens[c : min(c + chunk, hi)]) == eod) for c in range(lo, hi, chunk)]
     starts = np.unique(np.concatenate([[lo], *found]))
     stops = np.r_[starts[1:] + 1, hi]
     out = []
@@ -47,8 +48,10 @@ class BucketBatches:
         """
         meta, self.samples = samples.meta, samples
         if "eod_token" not in meta or meta.get("window", 1) > 1:
-            raise UserError(f"data.batching=buckets reads documents: dataset {samples.path} needs its end-of-document "
-                            "token and no --pack (prepare it with python -m jaxpar.data prepare, without --pack)")
+            raise UserError(
+                f"data.batching=buckets reads documents: dataset {samples.path} needs its end-of-document "
+                "token and no --pack (prepare it with python -m jaxpar.data prepare, without --pack)"
+            )
         self.rows_of, self.lengths = [r for r, _ in shapes], [T for _, T in shapes]
         self.eod, self.meta, self.vocab_size = meta["eod_token"], meta, samples.vocab_size
         self.seed, self.seq_len, self.masked = samples.seed, self.lengths[-1], True  # masked: padding is skipped
@@ -57,8 +60,10 @@ class BucketBatches:
         self.bucket = np.searchsorted(self.lengths, self.spans[:, 1] - self.spans[:, 0] - 1)
         self._ends, self._plans = [0], {}  # batches before each planned epoch; the last epochs' plans
         if not self.ends(0):
-            raise UserError(f"dataset {samples.path}: its {len(self.spans)} documents fill no batch of any bucket "
-                            "(train.tokens_per_batch is too large for it)")
+            raise UserError(
+                f"dataset {samples.path}: its {len(self.spans)} documents fill no batch of any bucket "
+                "(train.tokens_per_batch is too large for it)"
+            )
 
     def plan(self, epoch: int) -> list[tuple[int, list[int]]]:
         """Epoch `epoch`'s batches: (bucket, span ids), in the order they fill (the last two epochs kept)."""
@@ -104,8 +109,8 @@ class BucketBatches:
         tokens = np.full(width, self.eod, np.int32)
         mask = np.full(width, PADDING, np.uint8)
         read, loss_mask = self.samples.span(a, b)
-        tokens[:b - a] = read
-        mask[:b - a] = COUNTED if loss_mask is None else loss_mask
+        tokens[: b - a] = read
+        mask[: b - a] = COUNTED if loss_mask is None else loss_mask
         return tokens, mask
 
     def rows(self, step: int, start: int, stop: int) -> np.ndarray:

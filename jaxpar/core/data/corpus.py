@@ -4,6 +4,7 @@ A text file is one document (.py, .txt, .md, or any file named explicitly), a JS
 `text_field`), a Parquet file one per row (its `text_field` column, read with pyarrow). Directories are walked for those
 suffixes in sorted order.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,8 +71,10 @@ def _jsonl(path: str) -> Iterator[tuple[str, dict]]:
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as e:  # JSON text is UTF-8 (RFC 8259)
-                    raise UserError(f"{path}:{n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-                                    "JSON lines must be UTF-8 text") from None
+                    raise UserError(
+                        f"{path}:{n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                        "JSON lines must be UTF-8 text"
+                    ) from None
                 if line.strip():
                     try:
                         record = json.loads(line)
@@ -94,8 +97,10 @@ def _parquet(path: str, wanted: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
         table = pq.ParquetFile(path)
         columns = [c for c in wanted if c in table.schema_arrow.names]
         if not columns:
-            raise UserError(f"{path}: no column {' or '.join(map(repr, wanted))} "
-                            f"(columns: {', '.join(table.schema_arrow.names)}){_sft_hint(table.schema_arrow.names)}")
+            raise UserError(
+                f"{path}: no column {' or '.join(map(repr, wanted))} "
+                f"(columns: {', '.join(table.schema_arrow.names)}){_sft_hint(table.schema_arrow.names)}"
+            )
         n = 0
         for batch in table.iter_batches(columns=columns):
             for row in batch.to_pylist():

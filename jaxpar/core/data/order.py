@@ -10,6 +10,7 @@ s*B .. s*B + B - 1, so any process can read just its own rows, and the data seen
 mesh, process count or framework. Python and numpy only: jaxpar serves these samples through grain,
 torchpar reads them straight from the memory-mapped file.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -37,12 +38,16 @@ class Samples:
         self.width = seq_len + 1  # inputs row[:-1], targets row[1:]
         window = self.meta.get("window", 1)  # a packed dataset's (jaxpar/core/data/packing.py)
         if window not in (1, self.width):
-            raise UserError(f"dataset {path} is packed into windows of {window} tokens: it needs "
-                            f"data.seq_len={window - 1}, not {seq_len}")
+            raise UserError(
+                f"dataset {path} is packed into windows of {window} tokens: it needs "
+                f"data.seq_len={window - 1}, not {seq_len}"
+            )
         self.offset, hi = split_range(self.num_tokens, val_fraction, split, window)
         if hi - self.offset < self.width:
-            raise UserError(f"{split} split of dataset {path} has {hi - self.offset} tokens (of {self.num_tokens}, "
-                            f"val_fraction={val_fraction}); one window of seq_len+1 needs {self.width}")
+            raise UserError(
+                f"{split} split of dataset {path} has {hi - self.offset} tokens (of {self.num_tokens}, "
+                f"val_fraction={val_fraction}); one window of seq_len+1 needs {self.width}"
+            )
         self.num_windows = (hi - self.offset) // self.width
         self._mm = self._mask = None
 
@@ -131,8 +136,10 @@ class GlobalBatches:
             raise UserError(f"data step must be >= 0, got {step}")
         B, first = self.batch_size(step), self.sizes.first(step)
         if not 0 <= start <= stop <= B:
-            raise UserError(f"batch rows [{start}, {stop}) out of range for the step's batch of {B} "
-                            f"(train.global_batch_size={self.global_batch_size})")
+            raise UserError(
+                f"batch rows [{start}, {stop}) out of range for the step's batch of {B} "
+                f"(train.global_batch_size={self.global_batch_size})"
+            )
         out = np.empty((stop - start, self.seq_len + 1), dtype=np.int32)
         for j, i in enumerate(range(start, stop)):
             out[j] = self.read(first + i)

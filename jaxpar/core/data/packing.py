@@ -12,6 +12,7 @@ value 2: padding, which the throughput does not count as real tokens). A documen
 split into window-sized pieces (a new piece reads without the text before it), dropped, or refused, as
 --too-long says.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -54,14 +55,20 @@ def sft_pieces(where: str, record: dict, fields: SftFields) -> list[tuple[str, b
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise UserError(f"{where}: message {i} of {fields.messages!r} needs 'role' and 'content'")
             role = _text(m["role"], where, f"message {i}'s role")
-            pieces += [(f"{role}: ", False), (_text(m["content"], where, f"message {i}'s content") + "\n",
-                                                role == "assistant")]
+            pieces += [
+                (f"{role}: ", False),
+                (_text(m["content"], where, f"message {i}'s content") + "\n", role == "assistant"),
+            ]
         return pieces
     if record.get(fields.prompt) is None or record.get(fields.completion) is None:
-        raise UserError(f"{where}: no {fields.messages!r} list and no {fields.prompt!r}/{fields.completion!r} "
-                        "fields (--messages-field, --prompt-field and --completion-field name them)")
-    return [(_text(record[fields.prompt], where, repr(fields.prompt)), False),
-            (_text(record[fields.completion], where, repr(fields.completion)), True)]
+        raise UserError(
+            f"{where}: no {fields.messages!r} list and no {fields.prompt!r}/{fields.completion!r} "
+            "fields (--messages-field, --prompt-field and --completion-field name them)"
+        )
+    return [
+        (_text(record[fields.prompt], where, repr(fields.prompt)), False),
+        (_text(record[fields.completion], where, repr(fields.completion)), True),
+    ]
 
 
 def document(encoded: Iterable[tuple[np.ndarray, bool]], eod: int) -> tuple[np.ndarray, np.ndarray]:
@@ -110,8 +117,14 @@ class _Bins:
             yield self.content.pop(key)
 
 
-def pack(docs: Iterable[tuple[str, np.ndarray, np.ndarray]], window: int, eod: int, too_long: str,
-         stats: PackStats, open_windows: int = 256) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def pack(
+    docs: Iterable[tuple[str, np.ndarray, np.ndarray]],
+    window: int,
+    eod: int,
+    too_long: str,
+    stats: PackStats,
+    open_windows: int = 256,
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Windows (tokens, mask) of `window` tokens from (where, tokens, mask) documents; `stats` counts."""
     bins = _Bins(window, open_windows)
 
@@ -119,22 +132,26 @@ def pack(docs: Iterable[tuple[str, np.ndarray, np.ndarray]], window: int, eod: i
         tokens = np.concatenate([t for t, _ in items])
         pad = window - len(tokens)
         stats.windows, stats.padding = stats.windows + 1, stats.padding + pad
-        return (np.concatenate([tokens, np.full(pad, eod, tokens.dtype)]),
-                np.concatenate([m for _, m in items] + [np.full(pad, PADDING, np.uint8)]))
+        return (
+            np.concatenate([tokens, np.full(pad, eod, tokens.dtype)]),
+            np.concatenate([m for _, m in items] + [np.full(pad, PADDING, np.uint8)]),
+        )
 
     for where, tokens, mask in docs:
         stats.num_documents += 1
         if len(tokens) > window:
             if too_long == "refuse":
-                raise UserError(f"{where}: {len(tokens)} tokens (with its end-of-document token) do not fit a window "
-                                f"of {window} (seq_len {window - 1}); --too-long split or drop, or a longer --pack")
+                raise UserError(
+                    f"{where}: {len(tokens)} tokens (with its end-of-document token) do not fit a window "
+                    f"of {window} (seq_len {window - 1}); --too-long split or drop, or a longer --pack"
+                )
             if too_long == "drop":
                 stats.dropped += 1
                 continue
             stats.split += 1
             cut = len(tokens) - len(tokens) % window
             for lo in range(0, cut, window):
-                yield full([(tokens[lo:lo + window], mask[lo:lo + window])])
+                yield full([(tokens[lo : lo + window], mask[lo : lo + window])])
             tokens, mask = tokens[cut:], mask[cut:]
             if not len(tokens):
                 continue

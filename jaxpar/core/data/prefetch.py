@@ -3,6 +3,7 @@
 A batch depends on its step alone (core/data/order.py), so reading ahead never changes what a step sees;
 a step that was not the one read ahead (a resume, an evaluation) is simply fetched in place.
 """
+
 from __future__ import annotations
 
 import time

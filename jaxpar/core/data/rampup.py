@@ -6,6 +6,7 @@ samples: step s reads samples first(s) .. first(s) + size(s) - 1 of the shared o
 mesh and in both frameworks, and a resume from step s, on any mesh, reads on from first(s). The learning-rate schedule
 counts steps (optim.warmup_steps, optim.decay_steps, train.steps), as without it.
 """
+
 from __future__ import annotations
 
 from jaxpar.core.errors import UserError
@@ -21,11 +22,14 @@ def parse_rampup(spec: str, global_batch_size: int, microbatches: int = 1) -> tu
     except ValueError:
         raise UserError(f"{key}: not START,INCREMENT,SAMPLES (three integers)") from None
     if min(start, increment, samples) < 1 or start >= global_batch_size:
-        raise UserError(f"{key}: needs START, INCREMENT, SAMPLES >= 1 and START below train.global_batch_size="
-                        f"{global_batch_size}")
+        raise UserError(
+            f"{key}: needs START, INCREMENT, SAMPLES >= 1 and START below train.global_batch_size={global_batch_size}"
+        )
     if (global_batch_size - start) % increment:
-        raise UserError(f"{key}: INCREMENT {increment} does not divide train.global_batch_size - START = "
-                        f"{global_batch_size - start}")
+        raise UserError(
+            f"{key}: INCREMENT {increment} does not divide train.global_batch_size - START = "
+            f"{global_batch_size - start}"
+        )
     if start % microbatches or increment % microbatches:
         raise UserError(f"{key}: START and INCREMENT must be multiples of train.microbatches={microbatches}")
     return start, increment, samples

@@ -3,6 +3,7 @@
 Position i of a pseudo-random permutation of range(n) keyed by a seed, with nothing of size n materialised (the data
 order of windows, data_order.py, and of length buckets, buckets.py).
 """
+
 from __future__ import annotations
 
 import functools

@@ -3,6 +3,7 @@
 A prepared dataset is `NAME.bin` (little-endian uint16/uint32 tokens) plus `NAME.bin.json` (metadata).
 The order in which training reads it is data_order.py; the command line is `python -m jaxpar.data`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -106,22 +107,26 @@ def _encoded(docs, tokenizer: str, encode, workers: int):
 def text_codec(tokenizer: str):
     """(encode: str -> list of ids, decode: ids -> str) of 'byte' or a tokenizer.json, for prompts and samples."""
     if tokenizer == "byte":
-        return ((lambda text: list(text.encode("utf-8"))),
-                (lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", "replace")))
+        return (
+            (lambda text: list(text.encode("utf-8"))),
+            (lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", "replace")),
+        )
     tok = _hf_tokenizer(tokenizer)
     return (lambda text: tok.encode(text, add_special_tokens=False).ids), tok.decode
 
 
 def _temp_for(path: str, tmps: list, mode: str):
     # In the same directory as `path`, so os.replace is an atomic rename within one filesystem.
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.",
-                               suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(
+        dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.", suffix=".tmp"
+    )
     tmps.append(tmp)
     return os.fdopen(fd, mode)
 
 
-def _write_dataset(out: str, chunks, vocab_size: int, tokenizer: str, eod: int | None = None, masked: bool = False,
-                   extra=dict) -> str:
+def _write_dataset(
+    out: str, chunks, vocab_size: int, tokenizer: str, eod: int | None = None, masked: bool = False, extra=dict
+) -> str:
     """Streams token chunks (`masked`: (tokens, loss mask) pairs) to temp files, then renames.
 
     The sidecar goes last, marking a complete dataset; `extra()` adds to it once the chunks are written.
@@ -133,7 +138,7 @@ def _write_dataset(out: str, chunks, vocab_size: int, tokenizer: str, eod: int |
     try:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         n_tok = n_doc = n_counted = 0
-        with _temp_for(out, tmps, "wb") as f, (_temp_for(out + ".mask", tmps, "wb") if masked else nullcontext()) as m:
+        with _temp_for(out, tmps, "wb") as f, _temp_for(out + ".mask", tmps, "wb") if masked else nullcontext() as m:
             for chunk in chunks:
                 toks = np.asarray(chunk[0] if masked else chunk)
                 if toks.size and (toks.min() < 0 or toks.max() >= vocab_size):
@@ -143,9 +148,16 @@ def _write_dataset(out: str, chunks, vocab_size: int, tokenizer: str, eod: int |
                     m.write(np.asarray(chunk[1], np.uint8).tobytes())
                     n_counted += int(np.count_nonzero(np.asarray(chunk[1]) == COUNTED))
                 n_tok, n_doc = n_tok + toks.size, n_doc + 1
-        meta = {"dtype": dtype.name, "vocab_size": int(vocab_size), "num_tokens": int(n_tok),
-                "tokenizer": tokenizer, "num_documents": n_doc, **({} if eod is None else {"eod_token": eod}),
-                **({"loss_mask": True, "counted_tokens": n_counted} if masked else {}), **extra()}
+        meta = {
+            "dtype": dtype.name,
+            "vocab_size": int(vocab_size),
+            "num_tokens": int(n_tok),
+            "tokenizer": tokenizer,
+            "num_documents": n_doc,
+            **({} if eod is None else {"eod_token": eod}),
+            **({"loss_mask": True, "counted_tokens": n_counted} if masked else {}),
+            **extra(),
+        }
         with _temp_for(out + ".json", tmps, "w") as f:
             json.dump(meta, f, indent=2)
         for tmp, dst in zip(tmps, (out,) + ((out + ".mask",) if masked else ()) + (out + ".json",)):
@@ -171,8 +183,16 @@ def _documents(files: list[str], text_field: str, sft: SftFields | None):
             yield where, [(text.encode("utf-8"), counted) for text, counted in sft_pieces(where, record, sft)]
 
 
-def prepare(inputs: list[str], out: str, tokenizer: str = "byte", text_field: str = "text", workers: int = 1,
-            sft: SftFields | None = None, pack: int = 0, too_long: str = "refuse") -> str:
+def prepare(
+    inputs: list[str],
+    out: str,
+    tokenizer: str = "byte",
+    text_field: str = "text",
+    workers: int = 1,
+    sft: SftFields | None = None,
+    pack: int = 0,
+    too_long: str = "refuse",
+) -> str:
     """Tokenizes a corpus into the dataset `out` + `out.json`.
 
     The corpus is read with corpus.py (text files, JSON lines, Parquet; directories walked); the end-of-document token
@@ -184,8 +204,14 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", text_field: st
     encode, vocab_size, name = _tokenizer(tokenizer)
     eod = eod_token(tokenizer)
     sizes = None if any(f.endswith(".parquet") for f in files) else sum(os.path.getsize(f) for f in files)
-    bar = tqdm(total=sizes, unit="B", unit_scale=True, desc=f"tokenizing {os.path.basename(out)}", disable=None,
-               file=sys.stderr)
+    bar = tqdm(
+        total=sizes,
+        unit="B",
+        unit_scale=True,
+        desc=f"tokenizing {os.path.basename(out)}",
+        disable=None,
+        file=sys.stderr,
+    )
 
     def read():
         for where, pieces in _documents(files, text_field, sft):
@@ -207,11 +233,21 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", text_field: st
         if not pack:
             return _write_dataset(out, ((t, m) for _, t, m in docs), vocab_size, name, eod=eod, masked=True)
         stats = PackStats()
-        return _write_dataset(out, pack_windows(docs, pack + 1, eod, too_long, stats), vocab_size, name, eod=eod,
-                              masked=True, extra=lambda: {
-                                  "window": pack + 1, "num_documents": stats.num_documents,
-                                  "padding_tokens": stats.padding,
-                                  "split_documents": stats.split, "dropped_documents": stats.dropped})
+        return _write_dataset(
+            out,
+            pack_windows(docs, pack + 1, eod, too_long, stats),
+            vocab_size,
+            name,
+            eod=eod,
+            masked=True,
+            extra=lambda: {
+                "window": pack + 1,
+                "num_documents": stats.num_documents,
+                "padding_tokens": stats.padding,
+                "split_documents": stats.split,
+                "dropped_documents": stats.dropped,
+            },
+        )
     finally:
         bar.close()
 
@@ -239,14 +275,17 @@ def read_meta(path: str) -> dict:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"dataset sidecar {side} is invalid ({type(e).__name__}: {e})") from None
     if dtype.name not in ("uint16", "uint32") or n < 0 or vocab < 1:
-        raise UserError(f"dataset sidecar {side} is invalid "
-                        f"(dtype={meta['dtype']}, num_tokens={n}, vocab_size={vocab})")
+        raise UserError(
+            f"dataset sidecar {side} is invalid (dtype={meta['dtype']}, num_tokens={n}, vocab_size={vocab})"
+        )
     size = os.path.getsize(path)
     if size != n * dtype.itemsize:  # e.g. a .bin truncated by a copy, or paired with another sidecar
         raise UserError(f"dataset {path} has {size} bytes but its sidecar says {n} {dtype.name} tokens")
     if meta.get("loss_mask") and (not os.path.isfile(path + ".mask") or os.path.getsize(path + ".mask") != n):
-        raise UserError(f"dataset {path} needs its loss mask {path}.mask of {n} bytes (missing or another size); "
-                        "re-create it with python -m jaxpar.data prepare")
+        raise UserError(
+            f"dataset {path} needs its loss mask {path}.mask of {n} bytes (missing or another size); "
+            "re-create it with python -m jaxpar.data prepare"
+        )
     window = meta.get("window", 1)
     if not isinstance(window, int) or window < 1 or n % window:
         raise UserError(f"dataset sidecar {side} is invalid (window={window} does not tile {n} tokens)")

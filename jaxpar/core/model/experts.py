@@ -3,6 +3,7 @@
 The capacity of an expert in a row, the dispatch buffer's slots (jaxpar and its planner), and the records a step's
 expert statistics make (jaxpar/models/moe.py, torchpar/models/moe.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -39,8 +40,12 @@ def expert_records(stats, experts: int) -> dict:
     received = [sum(per_layer[e::experts]) for e in range(experts)]
     total = max(sum(received), 1.0)
     load = [r / total for r in received]
-    return {"moe_load": load, "moe_max_load": max(load) * len(load), "moe_dropped": float(stats[-2]) / total,
-            "moe_balance": float(stats[-1])}
+    return {
+        "moe_load": load,
+        "moe_max_load": max(load) * len(load),
+        "moe_dropped": float(stats[-2]) / total,
+        "moe_balance": float(stats[-1]),
+    }
 
 
 # The auxiliary-loss-free balance (DeepSeek-V3, model.moe_bias_update = g > 0): each expert layer keeps a bias per
@@ -53,7 +58,9 @@ def expert_records(stats, experts: int) -> dict:
 def check_expert_axis(model, ep: int) -> None:
     """The ep mesh axis (either framework) shards a mixture of experts, evenly."""
     if ep > 1 and not model.moe_experts:
-        raise UserError(f"mesh axis ep={ep} shards a mixture of experts, and this model has none (set "
-                        "model.moe_experts, or put those devices on dp)")
+        raise UserError(
+            f"mesh axis ep={ep} shards a mixture of experts, and this model has none (set "
+            "model.moe_experts, or put those devices on dp)"
+        )
     if model.moe_experts % ep:
         raise UserError(f"model.moe_experts={model.moe_experts} is not divisible by ep={ep}")

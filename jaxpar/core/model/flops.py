@@ -3,6 +3,7 @@
 The counts follow the shared weight format of every variant (jaxpar/core/weights/names.py); a test
 checks them against the parameters the Flax model actually creates.
 """
+
 from __future__ import annotations
 
 from jaxpar.core.config.schema import ModelConfig
@@ -10,9 +11,12 @@ from jaxpar.core.model.layer_rules import sketch_dim
 
 # Dense datasheet peaks (FLOP/s per device); float32 matmuls run as TF32 on these GPUs by default.
 PEAK_FLOPS = {
-    ("H100", "bfloat16"): 989e12, ("H100", "float32"): 494.5e12,
-    ("H200", "bfloat16"): 989e12, ("H200", "float32"): 494.5e12,
-    ("A100", "bfloat16"): 312e12, ("A100", "float32"): 156e12,
+    ("H100", "bfloat16"): 989e12,
+    ("H100", "float32"): 494.5e12,
+    ("H200", "bfloat16"): 989e12,
+    ("H200", "float32"): 494.5e12,
+    ("A100", "bfloat16"): 312e12,
+    ("A100", "float32"): 156e12,
 }
 
 
@@ -53,7 +57,7 @@ def _mtp_params(m: ModelConfig, norm: int) -> int:
 
     Per depth three norms, the [2, embed, embed] projection and a dense block.
     """
-    return m.mtp_depth * (5 * norm + 2 * m.d_model ** 2 + _attention_params(m) + _dense_mlp_params(m))
+    return m.mtp_depth * (5 * norm + 2 * m.d_model**2 + _attention_params(m) + _dense_mlp_params(m))
 
 
 def count_params(m: ModelConfig, active: bool = False) -> dict[str, int]:
@@ -70,14 +74,14 @@ def count_params(m: ModelConfig, active: bool = False) -> dict[str, int]:
 
 
 def params_phrase(m: ModelConfig, n: int) -> str:
-    """"N params" for the start-up line; with experts also the parameters one token runs through."""
+    """ "N params" for the start-up line; with experts also the parameters one token runs through."""
     if not m.moe_experts:
         return f"{n:,} params"
     return f"{n:,} params ({count_params(m, active=True)['total']:,} active per token)"
 
 
 def optimizer_phrase(name: str, held: list[int], holder: str) -> str:
-    """"adamw8bit state 1.2 MiB per device" for the start-up line.
+    """ "adamw8bit state 1.2 MiB per device" for the start-up line.
 
     `held` the bytes of optimizer state on each device or rank (a range where they differ).
     """

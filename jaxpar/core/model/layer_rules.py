@@ -36,6 +36,7 @@ count (the most), and masks the slots a block does not use: its attention costs 
 Loss chunks (model.loss_chunks): how many chunks of positions the output head and its loss run in, one rule for
 both frameworks (jaxpar/models/head.py, torchpar/models/head.py), so that both sum the same positions together.
 """
+
 from __future__ import annotations
 
 import functools
@@ -109,8 +110,8 @@ def kept_blocks(sp: BlockSparsity, w: int, r: int, n_head: int, n_blocks: int) -
     for h in range(n_head):
         for i in range(n_blocks):
             rng = np.random.Generator(np.random.PCG64([sp.seed, w, r, h, i]))
-            past = rng.permutation(i)[:kept_count(sp.ratio, i + 1) - 1]
-            out[h, i, :1 + len(past)] = [i, *sorted(past)]
+            past = rng.permutation(i)[: kept_count(sp.ratio, i + 1) - 1]
+            out[h, i, : 1 + len(past)] = [i, *sorted(past)]
     out.flags.writeable = False
     return out
 

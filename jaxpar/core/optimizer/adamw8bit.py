@@ -15,6 +15,7 @@ against AdamW's 8 bytes for the two moments in float32. A tensor under MIN_SIZE 
 blocks, keeps float32 moments (bitsandbytes' and torchao's rule; in jaxpar the size of one layer's tensor, as
 torchpar's parameters are). Pure Python and numpy: no jax, no torch.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -50,7 +51,7 @@ def dynamic_map(signed: bool) -> np.ndarray:
     """
     values = [0.0, 1.0]
     for i in range(7):
-        edges = _linspace((2 ** i if signed else 2 ** (i + 1)) + 1)
+        edges = _linspace((2**i if signed else 2 ** (i + 1)) + 1)
         level = ((edges[:-1] + edges[1:]) / np.float32(2) * np.float32(10.0 ** (i - 6))).tolist()
         values += level + ([-v for v in level] if signed else [])
     return np.sort(np.array(values, np.float32))

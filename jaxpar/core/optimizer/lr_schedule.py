@@ -4,6 +4,7 @@ The schedule is a linear warmup, then a cosine down to min_lr.
 `xp` is the array module the caller computes with (jax.numpy inside a jitted step, numpy or math
 in torchpar), so the formula is written once.
 """
+
 from __future__ import annotations
 
 import math

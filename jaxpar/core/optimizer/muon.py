@@ -17,6 +17,7 @@ batch axis: each of q, k and v of a fused projection, each expert, and in jaxpar
 of its own. Embeddings, the head, the router, norms and biases are not matrices here: they stay on AdamW.
 Pure Python: no jax, no torch.
 """
+
 from __future__ import annotations
 
 import math

@@ -13,6 +13,7 @@ in the order of that bound until the best time found is no more than the next bo
 not five). Ties go to the earlier schedule in PROGRAMS' order, gpipe last (it holds every microbatch's
 activations). Pure Python: both trainers and the planner call `choose`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,11 +22,13 @@ from typing import Callable
 from jaxpar.core.errors import UserError
 from jaxpar.core.pipeline.schedules import AUTO, PROGRAMS, configured_bubble
 
+
 def with_schedule(cfg, schedule: str):
     """`cfg` running `schedule`; interleaved takes the config's virtual stages, 2 where it has 1 (as the planner)."""
     V = max(cfg.parallel.pipeline_virtual_stages, 2) if schedule == "interleaved" else 1
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pipeline_schedule=schedule,
-                                                                 pipeline_virtual_stages=V))
+    return dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, pipeline_schedule=schedule, pipeline_virtual_stages=V)
+    )
 
 
 def modeled_time(bubble: float, flops_ratio: float) -> float:
@@ -37,8 +40,9 @@ def _order(bubbles: dict[str, float]) -> list[str]:
     return sorted(bubbles, key=lambda s: (modeled_time(bubbles[s], 1.0), s == "gpipe", names.index(s)))
 
 
-def choose(bubbles: dict[str, float], flops_ratio: Callable[[str], float],
-           fits: Callable[[str], bool] = lambda s: True) -> tuple[str | None, dict[str, float]]:
+def choose(
+    bubbles: dict[str, float], flops_ratio: Callable[[str], float], fits: Callable[[str], bool] = lambda s: True
+) -> tuple[str | None, dict[str, float]]:
     """(the schedule of least modeled time, {schedule: modeled time} of those whose figures were taken).
 
     bubbles: the candidates' bubble; flops_ratio and fits are called only for schedules that could still win.
@@ -69,8 +73,13 @@ def candidates(cfg, stages: int, refusal: Callable[[object], None]) -> tuple[dic
     return bubbles, refused
 
 
-def resolve(cfg, stages: int, refusal: Callable[[object], None], flops_ratio: Callable[[object], float],
-            fits: Callable[[object], bool] = lambda c: True) -> tuple[object, str | None]:
+def resolve(
+    cfg,
+    stages: int,
+    refusal: Callable[[object], None],
+    flops_ratio: Callable[[object], float],
+    fits: Callable[[object], bool] = lambda c: True,
+) -> tuple[object, str | None]:
     """(cfg with auto replaced by its choice, the start-up line saying it).
 
     `cfg` and None where the schedule is not auto or there is no pipeline. refusal(cfg) raises the UserError that
@@ -83,9 +92,12 @@ def resolve(cfg, stages: int, refusal: Callable[[object], None], flops_ratio: Ca
     if best is None and not times and len(set(refused.values())) == 1:
         raise UserError(next(iter(refused.values())))  # a refusal no schedule changes: as validate says it
     if best is None:
-        raise UserError("parallel.pipeline_schedule=auto: no schedule runs this config ("
-                        + "; ".join(f"{s}: {why}" for s, why in refused.items())
-                        + "".join(f"; {s}: over the device's memory" for s in times) + ")")
+        raise UserError(
+            "parallel.pipeline_schedule=auto: no schedule runs this config ("
+            + "; ".join(f"{s}: {why}" for s, why in refused.items())
+            + "".join(f"; {s}: over the device's memory" for s in times)
+            + ")"
+        )
     return with_schedule(cfg, best), describe(best, times, bubbles)
 
 
@@ -93,6 +105,10 @@ def describe(best: str, times: dict[str, float], bubbles: dict[str, float]) -> s
     others = [f"{s} {t:.2f}" for s, t in times.items() if s != best]
     rest = [s for s in bubbles if s not in times]
     bound = min((modeled_time(bubbles[s], 1.0) for s in rest), default=None)
-    return (f"pipeline schedule auto -> {best} (modeled step time {times[best]:.2f}: matmul FLOPs / (1 - bubble), "
-            f"1.00 = one device's work without idle ticks" + "".join(f"; {o}" for o in others)
-            + (f"; {', '.join(rest)} at least {bound:.2f}" if rest else "") + ")")
+    return (
+        f"pipeline schedule auto -> {best} (modeled step time {times[best]:.2f}: matmul FLOPs / (1 - bubble), "
+        f"1.00 = one device's work without idle ticks"
+        + "".join(f"; {o}" for o in others)
+        + (f"; {', '.join(rest)} at least {bound:.2f}" if rest else "")
+        + ")"
+    )

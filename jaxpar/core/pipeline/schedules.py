@@ -16,6 +16,7 @@ overlapped with the other chunk's whole backward (of another microbatch) in one 
 work, so its tables are compared in `lockstep_bubble`, where a tick lasts as long as the slowest device's op (the
 executor ends every tick with an exchange between devices).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -109,8 +110,11 @@ def _zb_h1_programs(S: int, M: int) -> tuple[tuple[Op, ...], ...]:
             if op is not None and op.kind == "F":
                 ready = (d == 0 or ("F", op.microbatch, d - 1) in done) and forwards[d] - weights[d] < S
             else:
-                ready = op is not None and ("F", op.microbatch, d) in done and (
-                    d == S - 1 or ("B", op.microbatch, d + 1) in done)
+                ready = (
+                    op is not None
+                    and ("F", op.microbatch, d) in done
+                    and (d == S - 1 or ("B", op.microbatch, d + 1) in done)
+                )
             if ready:
                 pos[d] += 1
                 forwards[d] += op.kind == "F"
@@ -221,8 +225,14 @@ def dualpipev_program(stage: int, S: int, M: int, V: int = 1) -> list[Op]:
     return ops + [Op("W", *w) for w in due]
 
 
-PROGRAMS = {"gpipe": gpipe_program, "1f1b": one_f_one_b_program, "interleaved": interleaved_program,
-            "zb_h1": zb_h1_program, "zb_v": zb_v_program, "dualpipev": dualpipev_program}
+PROGRAMS = {
+    "gpipe": gpipe_program,
+    "1f1b": one_f_one_b_program,
+    "interleaved": interleaved_program,
+    "zb_h1": zb_h1_program,
+    "zb_v": zb_v_program,
+    "dualpipev": dualpipev_program,
+}
 SPLIT_BACKWARD = ("zb_h1", "zb_v")  # B is the input gradient alone, W the weights'
 V_SHAPED = ("zb_v", "dualpipev")  # two chunks per device, chunk 0 down the devices and chunk 1 back up
 AUTO = "auto"  # parallel.pipeline_schedule's default: the least modeled step time (jaxpar/core/pipeline/choice.py)
@@ -267,8 +277,10 @@ def check_schedule(schedule: str, S: int, M: int, V: int, n_layer: int | None = 
     if S < 1 or M < 1 or V < 1:
         raise UserError(f"pipeline needs stages, microbatches and virtual stages >= 1 (got {S}, {M}, {V})")
     if schedule != "interleaved" and V != 1:
-        raise UserError(f"virtual stages ({V}) need the interleaved schedule, not {schedule}"
-                        + (f" ({schedule} places two chunks per stage itself)" if schedule in V_SHAPED else ""))
+        raise UserError(
+            f"virtual stages ({V}) need the interleaved schedule, not {schedule}"
+            + (f" ({schedule} places two chunks per stage itself)" if schedule in V_SHAPED else "")
+        )
     if schedule in ("1f1b", "interleaved", "zb_h1", "zb_v") and M < S:
         raise UserError(f"{schedule} needs microbatches >= stages (got {M} < {S})")
     if schedule == "dualpipev" and M < 2 * S:
@@ -348,7 +360,7 @@ def max_in_flight(table: list[list[Op | None]], device: int) -> int:
     split = any(kind == "W" for row in table for op in row if op is not None for kind, _, _ in op.parts())
     live, peak = set(), 0
     for row in table:
-        for kind, m, c in (row[device].parts() if row[device] is not None else []):
+        for kind, m, c in row[device].parts() if row[device] is not None else []:
             if kind == "F":
                 live.add((m, c))
             elif kind == ("W" if split else "B") or kind == "BW":

@@ -5,6 +5,7 @@ read by the other trainer, and two trainers appending to one metrics.jsonl mix t
 their name in config.json ("framework"); a directory written before that is recognised by what it holds.
 Nothing here imports jax or torch.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -97,8 +98,10 @@ def check_framework(run_dir: str, framework: str, doing: str) -> None:
     if held_by is None or held_by == framework:
         return
     instead = f"python -m {held_by}.generate" if doing == "sample" else f"{held_by}.train, or another run.dir"
-    raise UserError(f"{run_dir} holds a {held_by} run; {framework} cannot {doing} it. Convert it first: "
-                    f"{convert_hint(run_dir, held_by, framework)} (or use {instead})")
+    raise UserError(
+        f"{run_dir} holds a {held_by} run; {framework} cannot {doing} it. Convert it first: "
+        f"{convert_hint(run_dir, held_by, framework)} (or use {instead})"
+    )
 
 
 def check_run_dir_framework(cfg: Config, framework: str) -> None:
@@ -113,6 +116,8 @@ def check_run_dir_framework(cfg: Config, framework: str) -> None:
 
 def foreign_checkpoint(ckpt_dir: str, step: int) -> UserError:
     """A save finding its step written already by another run: never skipped, never overwritten."""
-    return UserError(f"{os.path.join(ckpt_dir, str(step))} exists and was not written by this run (another run "
-                     "in the same run.dir?): it is left as it is and this save refused; move it away or choose "
-                     "another run.dir")
+    return UserError(
+        f"{os.path.join(ckpt_dir, str(step))} exists and was not written by this run (another run "
+        "in the same run.dir?): it is left as it is and this save refused; move it away or choose "
+        "another run.dir"
+    )

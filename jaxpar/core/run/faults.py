@@ -11,14 +11,22 @@ done; <PREFIX>_FAULT_KILL_IN_SAVE_AFTER_STEP=N: it SIGKILLs itself as soon as st
 <PREFIX>_FAULT_SLOW_RANK=R: only process R is slow, by X seconds before each step starts (a straggler: the others
 wait for it inside the step; jaxpar/core/run/stragglers.py names it).
 """
+
 from __future__ import annotations
 
 import os
 import signal
 import time
 
-FAULTS = ("KILL_AFTER_STEP", "KILL_IN_SAVE_AFTER_STEP", "SIGTERM_AFTER_STEP", "NAN_AT_STEP", "OVERFLOW_AT_STEP",
-          "SLOW_STEP_S", "SLOW_RANK")
+FAULTS = (
+    "KILL_AFTER_STEP",
+    "KILL_IN_SAVE_AFTER_STEP",
+    "SIGTERM_AFTER_STEP",
+    "NAN_AT_STEP",
+    "OVERFLOW_AT_STEP",
+    "SLOW_STEP_S",
+    "SLOW_RANK",
+)
 
 
 class FaultInjector:

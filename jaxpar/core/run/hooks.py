@@ -7,6 +7,7 @@ not read yet, the non-finite guard, the record, the throughput meter).
 Nothing here imports jax or torch: a hook calls the trainer (the run's `Trainer` adapter) or its collaborators
 (jaxpar/core/run/adapter.py) for the work.
 """
+
 from __future__ import annotations
 
 import math
@@ -50,8 +51,10 @@ def read_finite(trainer, pending: list, saved: int | None, min_scale: float) -> 
         if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])) and not skipped:
             kept = f"the last checkpoint this run wrote is step {saved}" if saved else "this run wrote no checkpoint"
             at_min = f" at the minimum loss scale {min_scale:g}" if "loss_scale" in m else ""
-            raise UserError(f"step {step}: loss {m['loss']}, grad_norm {m['grad_norm']} is not finite{at_min}; "
-                            f"training stopped and nothing from step {step} on was saved ({kept})")
+            raise UserError(
+                f"step {step}: loss {m['loss']}, grad_norm {m['grad_norm']} is not finite{at_min}; "
+                f"training stopped and nothing from step {step} on was saved ({kept})"
+            )
     pending.clear()
     return m
 
@@ -86,9 +89,13 @@ class Throughput:
             extra["padding_share"] = sum(map(self.padding, steps)) / (tokens + sum(map(self.rows, steps)))
         real = 1 - extra.get("padding_share", 0.0)
         flops = sum(map(self.flops, steps)) * real / elapsed
-        return {**extra, "tokens_per_sec": tokens * real / elapsed, "step_time_s": elapsed / (step - self.step),
-                "mfu": flops / self.peak if self.peak else None,
-                "data_wait_share": (data_wait_s - self.waited) / elapsed}
+        return {
+            **extra,
+            "tokens_per_sec": tokens * real / elapsed,
+            "step_time_s": elapsed / (step - self.step),
+            "mfu": flops / self.peak if self.peak else None,
+            "data_wait_share": (data_wait_s - self.waited) / elapsed,
+        }
 
 
 class Progress:
@@ -105,8 +112,9 @@ class Progress:
         self.pending, self.latest, self.current, self.busy = [], {}, None, False
         self.blocked, self.handed = 0.0, None
         self.extra = trainer.probes.record_extra()
-        self.meter = Throughput(cfg, flops_at(cfg.model, cfg.data.seq_len), trainer.probes.peak_flops(),
-                                trainer.train_data)
+        self.meter = Throughput(
+            cfg, flops_at(cfg.model, cfg.data.seq_len), trainer.probes.peak_flops(), trainer.train_data
+        )
         self.restart(step)
 
     def restart(self, step: int) -> None:
@@ -133,8 +141,13 @@ class Progress:
         """The metrics record of step `step`, made once (its throughput up to now: before any evaluation)."""
         if self.current is None:
             probes = self.trainer.probes
-            self.current = {"step": step, **self.metrics(), **self.meter.record(step, probes.data_wait_s()),
-                            **probes.memory(), **self.extra}
+            self.current = {
+                "step": step,
+                **self.metrics(),
+                **self.meter.record(step, probes.data_wait_s()),
+                **probes.memory(),
+                **self.extra,
+            }
             self.busy = True
         return self.current
 
@@ -249,9 +262,15 @@ def hooks_of(cfg: Config, trainer, log: MetricsLog, progress: Progress) -> list[
     """
     window = profile_window(cfg.train.profile_steps)
     several = trainer.process_count > 1
-    hooks = [CommShare(cfg, trainer.profiling, progress, progress.meter.step, window), Evaluate(cfg, trainer, progress),
-             Stragglers(cfg, trainer, log, progress) if several else None, Log(cfg, log, progress),
-             Sample(cfg, trainer, log, progress),
-             Checkpoint(cfg, trainer, progress), Profiler(trainer.profiling, window) if window else None,
-             FaultInjector.from_env(trainer), StepClock(progress) if several else None]
+    hooks = [
+        CommShare(cfg, trainer.profiling, progress, progress.meter.step, window),
+        Evaluate(cfg, trainer, progress),
+        Stragglers(cfg, trainer, log, progress) if several else None,
+        Log(cfg, log, progress),
+        Sample(cfg, trainer, log, progress),
+        Checkpoint(cfg, trainer, progress),
+        Profiler(trainer.profiling, window) if window else None,
+        FaultInjector.from_env(trainer),
+        StepClock(progress) if several else None,
+    ]
     return [h for h in hooks if h is not None]

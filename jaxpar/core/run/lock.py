@@ -14,6 +14,7 @@ other failure to lock (a read-only run.dir, an I/O error) is one line, before an
 runs apart across hosts only where the file system's locks do (NFS with its lock daemon, Lustre with -o flock,
 GPFS); mounted with local locks (nolock, localflock) they keep apart the runs of one host.
 """
+
 from __future__ import annotations
 
 import errno
@@ -69,8 +70,10 @@ class RunLock:
             return self._unlockable(e)
         if holder is not None:
             os.close(fd)
-            raise UserError(f"run.dir={self.run_dir} is in use by another run: {holder} (it holds {self.path}); "
-                            "wait for it to end or stop it, or choose another run.dir")
+            raise UserError(
+                f"run.dir={self.run_dir} is in use by another run: {holder} (it holds {self.path}); "
+                "wait for it to end or stop it, or choose another run.dir"
+            )
         self.fd = fd
         _HELD.add(self)
         _write_holder(fd)
@@ -80,8 +83,12 @@ class RunLock:
         if e.errno not in _UNSUPPORTED:
             raise UserError(f"run.dir={self.run_dir}: cannot lock {self.path}: {e.strerror}") from None
         self.unguarded = True
-        print(f"warning: run.dir={self.run_dir}: its file system cannot lock {self.path} ({e.strerror}); this run "
-              "goes on without keeping a second run out of it", file=sys.stderr, flush=True)
+        print(
+            f"warning: run.dir={self.run_dir}: its file system cannot lock {self.path} ({e.strerror}); this run "
+            "goes on without keeping a second run out of it",
+            file=sys.stderr,
+            flush=True,
+        )
         return self
 
     def release(self) -> None:

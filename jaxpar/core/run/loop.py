@@ -8,6 +8,7 @@ A trainer's entry point (jaxpar/train.py, torchpar/train.py) parses its argument
 or process group and reads its inputs, then hands its adapter -- a `Trainer`: jaxpar/trainer.py, torchpar/trainer.py
 -- to `run_training`. Nothing here imports jax or torch.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,6 +37,7 @@ class Trainer(Protocol):
     Its methods are the run sequence's and the loop's; the rest of the hooks' work goes to its collaborators
     (jaxpar/core/run/adapter.py), each a class of the trainer's own.
     """
+
     is_main: bool  # process 0 / rank 0: the one that writes the run's shared files and prints
     process_count: int
     rank: int  # this process's index among them
@@ -51,24 +53,32 @@ class Trainer(Protocol):
 
         The latest checkpoint in run.dir (checkpoint.resume), else model.init_from, else the seeded initialisation.
         """
+
     def run_config(self) -> dict:
         """What config.json records beside the config: the resolved mesh, or the backend and world size."""
+
     def start(self) -> str:
         """Compile or build what the loop drives; the start-up line(s) (every process: it may gather)."""
+
     def write_weights(self, path: str, which: str) -> None:
         """The parameters in the shared safetensors format (every process takes part; one writes)."""
+
     def close(self) -> None:
         """Read-ahead stopped, saves in flight complete; runs even when training stopped on an error."""
 
     # the loop and its hooks
     def train_step(self, step: int) -> Any:
         """Start the update on the batch of data step `step` (0-based; read ahead); a handle on its metrics."""
+
     def fetch(self, handle: Any) -> dict:
         """The step's loss, grad_norm and lr as floats (waits for the step)."""
+
     def evaluate(self, batches: int) -> float:
         """The mean loss over the first `batches` validation batches."""
+
     def sample(self, step: int) -> list[int] | None:
         """A validation prompt and a sampled continuation (token ids, on process 0; None elsewhere)."""
+
     def save(self, step: int) -> None:
         """Checkpoint the state after `step` (a no-op if saved already); may return before it is on disk."""
 
@@ -123,8 +133,9 @@ def claim_run_dir(cfg: Config, trainer: Trainer, lock: RunLock) -> None:
     except (OSError, UserError) as e:
         failure = e
     if trainer.processes.any_of(failure is not None):
-        raise failure or UserError(f"{cfg.run.dir}: the main process could not move the old run aside, or not lock "
-                                   "run.dir (its line says why)")
+        raise failure or UserError(
+            f"{cfg.run.dir}: the main process could not move the old run aside, or not lock run.dir (its line says why)"
+        )
     os.makedirs(cfg.run.dir, exist_ok=True)
 
 
@@ -133,8 +144,15 @@ def train_from(cfg: Config, trainer: Trainer, step: int, stop: dict) -> Outcome:
     if trainer.is_main:
         print(line, flush=True)
     outcome = Outcome(first_step=step)
-    log = MetricsLog(cfg.run.dir, trainer.is_main, cfg.train.steps, step, open_trackers(cfg, trainer.is_main),
-                     cfg.data.tokenizer, outcome)
+    log = MetricsLog(
+        cfg.run.dir,
+        trainer.is_main,
+        cfg.train.steps,
+        step,
+        open_trackers(cfg, trainer.is_main),
+        cfg.data.tokenizer,
+        outcome,
+    )
     try:
         outcome.last_step = train_loop(cfg, trainer, step, log, stop)
     finally:
@@ -159,8 +177,11 @@ def train_loop(cfg: Config, trainer: Trainer, step: int, log: MetricsLog, stop: 
                     progress.metrics()
                     trainer.save(step)
                     if trainer.is_main:
-                        print(f"stopped by signal {stop.get('signal', '(on another process)')} after step {step}; "
-                              "checkpoint saved", file=sys.stderr)
+                        print(
+                            f"stopped by signal {stop.get('signal', '(on another process)')} after step {step}; "
+                            "checkpoint saved",
+                            file=sys.stderr,
+                        )
                     break
                 for hook in hooks:
                     hook.before_step(step)

@@ -8,6 +8,7 @@ large with a fresh mmap and unmaps it when the step frees it, so every one of it
 themselves with it, once, before importing jax. A GLIBC_TUNABLES already in the environment (even empty) is the
 user's choice and is left alone.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,9 @@ import sys
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
 
 
-def wants_relaunch(module: str, argv: list[str] = sys.orig_argv, environ=os.environ,
-                   platform: str = sys.platform) -> bool:
+def wants_relaunch(
+    module: str, argv: list[str] = sys.orig_argv, environ=os.environ, platform: str = sys.platform
+) -> bool:
     """Only for `python [options] -m <module> ...` itself.
 
     Not under a host program that runs the module as __main__ in its own process (pdb, cProfile, coverage, a
@@ -25,7 +27,7 @@ def wants_relaunch(module: str, argv: list[str] = sys.orig_argv, environ=os.envi
     """
     if platform != "linux" or "GLIBC_TUNABLES" in environ:
         return False
-    if "-m" not in argv or argv[argv.index("-m") + 1:argv.index("-m") + 2] != [module]:
+    if "-m" not in argv or argv[argv.index("-m") + 1 : argv.index("-m") + 2] != [module]:
         return False
     try:
         name, version = os.confstr("CS_GNU_LIBC_VERSION").split()  # "glibc 2.36"; absent on musl
@@ -46,5 +48,4 @@ def relaunch_with_huge_pages(module: str) -> None:
         try:
             os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
         except OSError as e:
-            print(f"note: running without {HUGE_PAGES} (re-executing {sys.executable} failed: {e})",
-                  file=sys.stderr)
+            print(f"note: running without {HUGE_PAGES} (re-executing {sys.executable} failed: {e})", file=sys.stderr)

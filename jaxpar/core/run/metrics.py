@@ -3,6 +3,7 @@
 A live progress bar (tqdm: step, loss, tokens/s, MFU, ETA) when stdout is a terminal, one plain line per logged step
 when it is not (CI, log files); evaluations are kept as lines in both.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,16 @@ from jaxpar.core.data.tokens import text_codec
 class MetricsLog:
     """Appends one JSON object per logged step; prints progress on process 0 only."""
 
-    def __init__(self, run_dir: str, is_main: bool, total_steps: int, start_step: int = 0, trackers=(),
-                 tokenizer: str = "byte", outcome=None):
+    def __init__(
+        self,
+        run_dir: str,
+        is_main: bool,
+        total_steps: int,
+        start_step: int = 0,
+        trackers=(),
+        tokenizer: str = "byte",
+        outcome=None,
+    ):
         """`outcome`: a run_summary.Outcome that gathers the numbers of the run's closing lines."""
         self.is_main, self.total, self.trackers = is_main, total_steps, list(trackers)  # core/run/trackers.py
         self.outcome = outcome
@@ -41,15 +50,25 @@ class MetricsLog:
         for tracker in self.trackers:
             tracker.log(record["step"], scalars)
         parts = [f"step {record['step']:>{len(str(self.total))}}/{self.total}"]
-        for key, fmt in (("loss", "loss {:.4f}"), ("eval_loss", "eval {:.4f}"), ("batch_size", "batch {}"),
-                         ("lr", "lr {:.2e}"),
-                         ("grad_norm", "gnorm {:.3f}"), ("loss_scale", "scale {:g}"),
-                         ("skipped_steps", "skipped {:.0f}"), ("tokens_per_sec", "{:,.0f} tok/s"),
-                         ("padding_share", "pad {:.0%}"), ("moe_balance", "balance {:.3f}"),
-                         ("moe_max_load", "max load {:.2f}"), ("moe_dropped", "dropped {:.1%}"),
-                         ("mfu", "mfu {:.1%}"), ("memory_in_use_gib", "mem {:.2f}"),
-                         ("memory_gib", "peak {:.2f} GiB"), ("data_wait_share", "data {:.0%}"),
-                         ("comm_share", "comm {:.0%}")):
+        for key, fmt in (
+            ("loss", "loss {:.4f}"),
+            ("eval_loss", "eval {:.4f}"),
+            ("batch_size", "batch {}"),
+            ("lr", "lr {:.2e}"),
+            ("grad_norm", "gnorm {:.3f}"),
+            ("loss_scale", "scale {:g}"),
+            ("skipped_steps", "skipped {:.0f}"),
+            ("tokens_per_sec", "{:,.0f} tok/s"),
+            ("padding_share", "pad {:.0%}"),
+            ("moe_balance", "balance {:.3f}"),
+            ("moe_max_load", "max load {:.2f}"),
+            ("moe_dropped", "dropped {:.1%}"),
+            ("mfu", "mfu {:.1%}"),
+            ("memory_in_use_gib", "mem {:.2f}"),
+            ("memory_gib", "peak {:.2f} GiB"),
+            ("data_wait_share", "data {:.0%}"),
+            ("comm_share", "comm {:.0%}"),
+        ):
             if record.get(key) is not None:
                 parts.append(fmt.format(record[key]))
         if self.bar is None:

@@ -11,6 +11,7 @@ the last checkpoint and leaves with status 3 without running exit handlers: a cl
 on the dead peer, then abort. The libraries' own failure timeouts (jax heartbeats, the torch process-group
 timeout) are set above ours, by `library_timeout_s`, so that this path is the one that runs.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,8 @@ ELASTIC_ROLL_CALL_S = 5.0  # the roll call under an elastic agent with restarts 
 def under_elastic_agent() -> bool:
     """Whether torchrun's elastic agent runs this process and will restart the group when it fails."""
     restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(
-        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    )
     return bool(os.environ.get("TORCHELASTIC_RUN_ID")) and restarts_left > 0
 
 
@@ -47,8 +49,9 @@ def library_timeout_s(timeout_s: float) -> int:
     return int(timeout_s + roll_call_wait_s(timeout_s) + 60)
 
 
-def roll_call(announce: Callable[[], None], answered: Callable[[], set[int]], me: int, processes: int,
-              wait_s: float) -> list[int]:
+def roll_call(
+    announce: Callable[[], None], answered: Callable[[], set[int]], me: int, processes: int, wait_s: float
+) -> list[int]:
     """Roll call: the processes that do not answer within `wait_s`.
 
     `announce()` this process in a key-value store, then poll `answered()` (the processes that announced) until all have
@@ -66,8 +69,15 @@ def roll_call(announce: Callable[[], None], answered: Callable[[], set[int]], me
         return [i for i in range(processes) if i != me]
 
 
-def leave_if_peers_lost(roll_call: Callable[[float], list[int]], processes: int, what: str, timeout_s: float,
-                        last_checkpoint: str, always: bool = False, hosts_store: bool = False) -> None:
+def leave_if_peers_lost(
+    roll_call: Callable[[float], list[int]],
+    processes: int,
+    what: str,
+    timeout_s: float,
+    last_checkpoint: str,
+    always: bool = False,
+    hosts_store: bool = False,
+) -> None:
     """Hold the roll call; if someone is missing (or `always`), print one line and exit now.
 
     Returns only when every process answered and `always` is false (the failure was not about peers). The process
@@ -77,8 +87,11 @@ def leave_if_peers_lost(roll_call: Callable[[float], list[int]], processes: int,
     missing = roll_call(roll_call_wait_s(timeout_s))
     if not missing and not always:
         return
-    who = (f"process {', '.join(map(str, missing))} of {processes} did not answer" if missing else
-           f"all {processes} processes answer, so a collective hangs")
+    who = (
+        f"process {', '.join(map(str, missing))} of {processes} did not answer"
+        if missing
+        else f"all {processes} processes answer, so a collective hangs"
+    )
     print(f"error: {who} ({what}; run.peer_timeout_s={timeout_s:g}); {last_checkpoint}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     if hosts_store:
@@ -130,8 +143,9 @@ class PeerGuard:
         saved = self.last_saved() or self.resumed_from
         where = f"the last checkpoint is step {saved} in {self.run_dir}/checkpoints" if saved else "no checkpoint yet"
         t = self.trainer
-        leave_if_peers_lost(t.processes.roll_call, t.process_count, what, self.timeout_s, where, always,
-                            hosts_store=t.is_main)
+        leave_if_peers_lost(
+            t.processes.roll_call, t.process_count, what, self.timeout_s, where, always, hosts_store=t.is_main
+        )
 
     def _stalled(self) -> NoReturn:
         self._leave(f"no step finished for {self.timeout_s:g} s after step {self.step}", always=True)

@@ -11,6 +11,7 @@ counts 0). A run that ends -- finished, stopped by a signal with its checkpoint,
 it completed, so an agreed stop resumed elsewhere reports 0 replayed. A plain resume -- a clean stop, the same
 processes, no restart -- reports nothing.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,9 +48,15 @@ class Recovery(Hook):
         self.run_dir, self.start, self.steps, self.processes = run_dir, start, steps, trainer.process_count
         self.on, self.every_s, self.noted = trainer.is_main, every_s, -float("inf")
         last = read_progress(run_dir) if self.on else None
-        restarted = last is not None and not last.get("finished") and (
-            last["step"] > start or last.get("processes") != self.processes
-            or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0)
+        restarted = (
+            last is not None
+            and not last.get("finished")
+            and (
+                last["step"] > start
+                or last.get("processes") != self.processes
+                or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+            )
+        )
         self.last = last if restarted else None
         self.step = start
 
@@ -66,8 +73,11 @@ class Recovery(Hook):
         try:
             write_progress(self.run_dir, progress)
         except OSError as e:
-            print(f"warning: cannot note progress in {self.run_dir} ({e.strerror}); no recovery report for this run",
-                  file=sys.stderr, flush=True)
+            print(
+                f"warning: cannot note progress in {self.run_dir} ({e.strerror}); no recovery report for this run",
+                file=sys.stderr,
+                flush=True,
+            )
             self.on, self.last = False, None
 
     def after_step(self, step: int) -> None:
@@ -75,17 +85,30 @@ class Recovery(Hook):
 
     def report(self, now: float) -> None:
         last, self.last = self.last, None
-        record = {"time": now, "recovered_s": round(now - last["time"], 3),
-                  "replayed_steps": max(0, last["step"] - self.start), "resumed_from": self.start,
-                  "processes": [last.get("processes"), self.processes],
-                  "agent_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+        record = {
+            "time": now,
+            "recovered_s": round(now - last["time"], 3),
+            "replayed_steps": max(0, last["step"] - self.start),
+            "resumed_from": self.start,
+            "processes": [last.get("processes"), self.processes],
+            "agent_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        }
         with open(os.path.join(self.run_dir, RECOVERIES), "a") as f:
             f.write(json.dumps(record) + "\n")
-        print(f"recovered in {record['recovered_s']:.1f} s, {record['replayed_steps']} steps replayed "
-              f"(resumed from step {self.start}; {last.get('processes')} -> {self.processes} processes)", flush=True)
+        print(
+            f"recovered in {record['recovered_s']:.1f} s, {record['replayed_steps']} steps replayed "
+            f"(resumed from step {self.start}; {last.get('processes')} -> {self.processes} processes)",
+            flush=True,
+        )
 
     def close(self) -> None:
         """The steps completed, not the last (rate-limited) note: a stop after a step just saved replays nothing."""
         if self.on:
-            self.note({"step": self.step, "time": time.time(), "processes": self.processes,
-                       **({"finished": True} if self.step >= self.steps else {})})
+            self.note(
+                {
+                    "step": self.step,
+                    "time": time.time(),
+                    "processes": self.processes,
+                    **({"finished": True} if self.step >= self.steps else {}),
+                }
+            )

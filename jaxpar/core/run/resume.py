@@ -8,6 +8,7 @@ checkpoint cadence, ...) may change, is printed once (by the main process, on st
 resumed run acts on it in every trainer and backend: what a checkpoint holds of a setting (an optimizer's
 hyperparameters, a scheduler, a loss scaler's rules) never wins over the config (torchpar/optim.py, jaxpar/optim.py).
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,9 +24,19 @@ from jaxpar.core.run.directory import holds_run, step_dirs
 
 # Free to change on resume inside the model section: numerics and memory, not shapes.
 _MODEL_FREE = {"compute_dtype", "remat", "init_from"}
-_FIXED = {"data.dataset", "data.tokenizer", "data.seq_len", "data.val_fraction", "train.seed",
-          "train.global_batch_size", "train.batch_rampup", "data.batching", "data.buckets", "train.tokens_per_batch",
-          "optim.name"}  # optim.name: the optimizer state of one cannot be read as the other's
+_FIXED = {
+    "data.dataset",
+    "data.tokenizer",
+    "data.seq_len",
+    "data.val_fraction",
+    "train.seed",
+    "train.global_batch_size",
+    "train.batch_rampup",
+    "data.batching",
+    "data.buckets",
+    "train.tokens_per_batch",
+    "optim.name",
+}  # optim.name: the optimizer state of one cannot be read as the other's
 
 
 def _flat(d: dict) -> dict:
@@ -81,22 +92,29 @@ def check_resume(cfg: Config, is_main: bool = True) -> None:
     saved = _flat(record)
     old_hash, new_hash = record.get("tokenizer_sha256"), fingerprints(cfg).get("tokenizer_sha256")
     if old_hash and new_hash and old_hash != new_hash:
-        raise UserError(f"{run_dir} was trained with another tokenizer: {cfg.data.tokenizer} has changed since "
-                        "(its content hash differs); resume with that tokenizer, or use a new run.dir")
+        raise UserError(
+            f"{run_dir} was trained with another tokenizer: {cfg.data.tokenizer} has changed since "
+            "(its content hash differs); resume with that tokenizer, or use a new run.dir"
+        )
     now = _flat(cfg.to_dict())
     changed = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
     # a step-0 run written by `jaxpar.tools.convert` has read no data yet: only its model (and optimizer) must match
-    fixed = [k for k in changed
-             if must_match(k) and (k.startswith(("model.", "optim.")) or "converted_from" not in record)]
+    fixed = [
+        k for k in changed if must_match(k) and (k.startswith(("model.", "optim.")) or "converted_from" not in record)
+    ]
     if "model.compute_dtype" in changed and "float16" in changed["model.compute_dtype"]:
         fixed.append("model.compute_dtype")  # float16 runs carry a loss scaler in their state; the others do not
     if fixed:
         detail = ", ".join(f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in fixed)
-        raise UserError(f"{run_dir} was started with another {'/'.join(fixed)} ({detail}); resume with the "
-                        f"run's values, or use a new run.dir (or checkpoint.resume=false: the old run is moved aside)")
+        raise UserError(
+            f"{run_dir} was started with another {'/'.join(fixed)} ({detail}); resume with the "
+            f"run's values, or use a new run.dir (or checkpoint.resume=false: the old run is moved aside)"
+        )
     if changed.get("model.init_from", ("", ""))[1]:  # a run starts from model.init_from at step 0 alone
-        raise UserError(f"{run_dir} holds a checkpoint to resume: model.init_from={cfg.model.init_from} would not act "
-                        "on it (weights are read from it when a run starts); drop the key, or use a new run.dir")
+        raise UserError(
+            f"{run_dir} holds a checkpoint to resume: model.init_from={cfg.model.init_from} would not act "
+            "on it (weights are read from it when a run starts); drop the key, or use a new run.dir"
+        )
     if is_main:
         for k, (old, new) in changed.items():
             print(f"resuming with {k} changed: {old!r} -> {new!r}", flush=True)
@@ -123,8 +141,7 @@ def schedule_change_line(old: Config, new: Config, step: int) -> str | None:
         return None
     before, after = (lr_at(step, c.optim, c.train.steps) for c in (old, new))
     moves = f"stays {after:.1e}" if f"{before:.1e}" == f"{after:.1e}" else f"moves from {before:.1e} to {after:.1e}"
-    return (f"resuming after step {step}: the learning rate of step {step + 1} {moves} ({', '.join(changed)} "
-            "changed)")
+    return f"resuming after step {step}: the learning rate of step {step + 1} {moves} ({', '.join(changed)} changed)"
 
 
 def schedule_change(cfg: Config, step: int) -> str | None:
@@ -162,8 +179,11 @@ def start_anew(cfg: Config, is_main: bool) -> None:
         os.rename(run_dir, f"{run_dir}.prev-{k}")
     except OSError as e:
         raise UserError(f"checkpoint.resume=false: cannot move the run in {run_dir} aside: {e.strerror}") from None
-    print(f"checkpoint.resume=false: the run in {run_dir} was moved to {run_dir}.prev-{k} as it was; starting anew",
-          file=sys.stderr, flush=True)
+    print(
+        f"checkpoint.resume=false: the run in {run_dir} was moved to {run_dir}.prev-{k} as it was; starting anew",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def already_complete(cfg: Config, step: int, is_main: bool) -> bool:
@@ -172,7 +192,10 @@ def already_complete(cfg: Config, step: int, is_main: bool) -> bool:
         return False
     if is_main:
         more = max(2 * step, step + 1)  # above the step reached, also at step 0
-        print(f"{cfg.run.dir} is complete: its checkpoint is at step {step} and train.steps={cfg.train.steps}. To "
-              f"train on, raise train.steps (e.g. train.steps={more}); to start anew, choose another run.dir",
-              file=sys.stderr, flush=True)
+        print(
+            f"{cfg.run.dir} is complete: its checkpoint is at step {step} and train.steps={cfg.train.steps}. To "
+            f"train on, raise train.steps (e.g. train.steps={more}); to start anew, choose another run.dir",
+            file=sys.stderr,
+            flush=True,
+        )
     return True

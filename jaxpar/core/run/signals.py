@@ -3,6 +3,7 @@
 SIGTERM / SIGINT ask the run to stop after the current step with a checkpoint (the loop in jaxpar/core/run/loop.py
 agrees on the stop across processes); once the run is saved, late signals are ignored.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,11 @@ def stop_requests() -> dict:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
         stop["signal"] = signum
-        print(f"signal {signum}: stopping after this step with a checkpoint (again: stop now)", file=sys.stderr,
-              flush=True)
+        print(
+            f"signal {signum}: stopping after this step with a checkpoint (again: stop now)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, ask)

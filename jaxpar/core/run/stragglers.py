@@ -18,6 +18,7 @@ device, averaged over this process's devices), over that step's own wall time (b
 most 1 per axis), joins the next record as `comm_share_<axis>`, and their sum as `comm_share`. A run whose step has
 no collectives (one device) logs `comm_share` 0.0 and no axis.
 """
+
 from __future__ import annotations
 
 import math
@@ -99,8 +100,10 @@ class Stragglers:
         if self.suspect is not None and suspect == self.suspect:
             _, data, _, util = rows[rank]
             busy = "" if math.isnan(util) else f", device {util:.0f}% busy"
-            self.log.note(f"straggler at step {step}: process {rank} is {ratio:.2f}x the median pace "
-                          f"(data wait {data:.3f} s/step{busy}); the others wait for it")
+            self.log.note(
+                f"straggler at step {step}: process {rank} is {ratio:.2f}x the median pace "
+                f"(data wait {data:.3f} s/step{busy}); the others wait for it"
+            )
 
     def close(self) -> None:
         pass
@@ -150,8 +153,11 @@ class CommShare:
         try:
             return work()
         except Exception as e:  # noqa: BLE001 - any profiler failure
-            print(f"warning: no comm_share this run: the profiler failed ({type(e).__name__}: {str(e)[:120]})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"warning: no comm_share this run: the profiler failed ({type(e).__name__}: {str(e)[:120]})",
+                file=sys.stderr,
+                flush=True,
+            )
             self.sample = None
             return failed
 

@@ -3,6 +3,7 @@
 Printed by the main process of either trainer (jaxpar/core/run/loop.py); the commands name the run's own directory,
 so each can be pasted as it is. Nothing here imports jax or torch.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,6 +18,7 @@ from jaxpar.core.run.directory import converted_dir, framework_of, step_dirs
 @dataclass
 class Outcome:
     """What one call of the training loop did (filled by the loop and the metrics log)."""
+
     first_step: int  # the step it started from (0 for a new run)
     last_step: int = 0  # the last step it completed
     stopped_by: str | None = None  # what stopped it before train.steps (a signal), if anything did
@@ -61,19 +63,20 @@ def next_commands(cfg: Config, framework: str, info: dict, steps_done: int) -> l
     if backend == "deepspeed":  # torchpar.generate reads DCP runs; DeepSpeed's through a weights file
         weights = shlex.quote(converted_dir(cfg.run.dir, framework, "shared") + ".safetensors")
         sample = f'{convert} --to shared {weights} && python -m torchpar.generate --weights {weights} --prompt "def "'
-    return [("sample", sample),
-            ("curves", f"python -m jaxpar.tools.report {run}"),
-            ("continue", go_on),
-            (other, f"{convert} --to {other} {shlex.quote(converted_dir(cfg.run.dir, framework, other))}"),
-            ("hugging face", f"{convert} --to hf {shlex.quote(converted_dir(cfg.run.dir, framework, 'hf'))}")]
+    return [
+        ("sample", sample),
+        ("curves", f"python -m jaxpar.tools.report {run}"),
+        ("continue", go_on),
+        (other, f"{convert} --to {other} {shlex.quote(converted_dir(cfg.run.dir, framework, other))}"),
+        ("hugging face", f"{convert} --to hf {shlex.quote(converted_dir(cfg.run.dir, framework, 'hf'))}"),
+    ]
 
 
 def summary_lines(cfg: Config, framework: str, info: dict, outcome: Outcome, wall_s: float) -> list[str]:
     """The run's last lines: what it did, its numbers, its checkpoints and the next commands."""
     o = outcome
     how = f"stopped by {o.stopped_by} after step {o.last_step}" if o.stopped_by else f"trained to step {o.last_step}"
-    lines = [f"{framework}: {how} of {cfg.train.steps} (from step {o.first_step}) in {wall_s:.0f} s; "
-             f"run {cfg.run.dir}"]
+    lines = [f"{framework}: {how} of {cfg.train.steps} (from step {o.first_step}) in {wall_s:.0f} s; run {cfg.run.dir}"]
     numbers = []
     if o.loss is not None:
         numbers.append(f"loss {o.loss:.4f}")
@@ -84,8 +87,11 @@ def summary_lines(cfg: Config, framework: str, info: dict, outcome: Outcome, wal
     if o.mfus:
         numbers.append(f"MFU {statistics.median(o.mfus):.1%}")
     kept = step_dirs(os.path.join(cfg.run.dir, "checkpoints"))
-    numbers.append(f"checkpoint{'s' * (len(kept) > 1)} at step{'s' * (len(kept) > 1)} {', '.join(map(str, kept))}"
-                   if kept else "no checkpoint kept")
+    numbers.append(
+        f"checkpoint{'s' * (len(kept) > 1)} at step{'s' * (len(kept) > 1)} {', '.join(map(str, kept))}"
+        if kept
+        else "no checkpoint kept"
+    )
     lines.append("  " + " | ".join(numbers))
     commands = next_commands(cfg, framework, info, o.last_step)
     if o.stopped_by:  # the same command resumes it; the rest waits for the run to finish

@@ -4,6 +4,7 @@ TensorBoard event files in <run.dir>/tensorboard (run.tensorboard=true; the tens
 'jaxpar[tensorboard]') and Weights & Biases (run.wandb=offline|online, if the wandb package is installed; offline runs
 sync later with `wandb sync`). Both get every numeric metric by step.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -40,8 +41,15 @@ class WandB:
         import wandb  # deferred: wandb, optional: run.wandb only
 
         name = os.path.basename(os.path.abspath(cfg.run.dir))
-        self.run = wandb.init(project="jaxpar", name=name, id=name, resume="allow", dir=cfg.run.dir,
-                              mode=cfg.run.wandb, config=cfg.to_dict())
+        self.run = wandb.init(
+            project="jaxpar",
+            name=name,
+            id=name,
+            resume="allow",
+            dir=cfg.run.dir,
+            mode=cfg.run.wandb,
+            config=cfg.to_dict(),
+        )
 
     def log(self, step: int, scalars: dict) -> None:
         self.run.log(scalars, step=step)

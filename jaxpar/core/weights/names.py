@@ -4,6 +4,7 @@ jaxpar's own names and shapes *are* the shared format; `NAMES` below is the one 
 torchpar's per-layer parameter names (torchpar/weights.py converts by it).
 Pure numpy, no jax: both trainers read and write it.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,9 +40,21 @@ def unflatten(flat: dict[str, np.ndarray]) -> dict:
 
 # What the tensors' shapes cannot tell, kept in the file's metadata (json under "model") so that a file
 # alone rebuilds its model (the sampling commands, conversion): llama's context length, rotary base, eps.
-SETTINGS = ("max_seq_len", "layernorm_eps", "rope_theta", "moe_top_k", "moe_shared_experts", "moe_router",
-            "moe_norm_topk", "moe_capacity_factor", "moe_aux_loss", "moe_bias_update", "moe_n_group", "moe_topk_group",
-            "moe_routed_scale")
+SETTINGS = (
+    "max_seq_len",
+    "layernorm_eps",
+    "rope_theta",
+    "moe_top_k",
+    "moe_shared_experts",
+    "moe_router",
+    "moe_norm_topk",
+    "moe_capacity_factor",
+    "moe_aux_loss",
+    "moe_bias_update",
+    "moe_n_group",
+    "moe_topk_group",
+    "moe_routed_scale",
+)
 
 
 def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
@@ -91,8 +104,9 @@ def load_weights(path: str, expected_shapes: dict[str, tuple]) -> dict[str, np.n
         raise UserError(f"weights file {path} does not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
     for name, shape in expected_shapes.items():
         if tuple(flat[name].shape) != tuple(shape):
-            raise UserError(f"weights file {path}: {name} has shape {tuple(flat[name].shape)}, model expects "
-                            f"{tuple(shape)}")
+            raise UserError(
+                f"weights file {path}: {name} has shape {tuple(flat[name].shape)}, model expects {tuple(shape)}"
+            )
     return flat
 
 
@@ -139,11 +153,17 @@ MOE_NAMES = {
 # multi-token prediction (model.mtp_depth; jaxpar/models/decoder.py MTP): "{l}" is the depth; its dense block is
 # named as a layer's
 MTP_NAMES = {
-    **{f"mtp.{n}.{p}": f"mtp.{{l}}.{n}.{t}" for n in ("norm_emb", "norm_hidden", "norm_out")
-       for p, t in (("scale", "weight"), ("bias", "bias"))},
+    **{
+        f"mtp.{n}.{p}": f"mtp.{{l}}.{n}.{t}"
+        for n in ("norm_emb", "norm_hidden", "norm_out")
+        for p, t in (("scale", "weight"), ("bias", "bias"))
+    },
     "mtp.proj.kernel": "mtp.{l}.proj.weight",
-    **{"mtp.block." + k.removeprefix("blocks."): "mtp.{l}.block." + v.removeprefix("blocks.{l}.")
-       for k, v in {**NAMES, **LLAMA_NAMES, **VARIANT_NAMES}.items() if k.startswith("blocks.")},
+    **{
+        "mtp.block." + k.removeprefix("blocks."): "mtp.{l}.block." + v.removeprefix("blocks.{l}.")
+        for k, v in {**NAMES, **LLAMA_NAMES, **VARIANT_NAMES}.items()
+        if k.startswith("blocks.")
+    },
 }
 ALL_NAMES = {**NAMES, **LLAMA_NAMES, **VARIANT_NAMES, **MOE_NAMES, **MTP_NAMES}
 
@@ -170,7 +190,7 @@ def stacked_name(prefix: str, shared: str) -> str:
 
 
 def shared_name(torch_name: str) -> str:
-    """"blocks.3.mlp.fc.weight" -> "blocks.mlp.fc.kernel"."""
+    """ "blocks.3.mlp.fc.weight" -> "blocks.mlp.fc.kernel"."""
     parts = torch_name.split(".")
     pattern = ".".join("{l}" if p.isdigit() else p for p in parts)
     for shared, t in ALL_NAMES.items():
@@ -187,8 +207,13 @@ def model_dims(flat: dict[str, np.ndarray], settings: dict | None = None) -> dic
     """
     depth = {"mtp_depth": flat["mtp.proj.kernel"].shape[0]} if "mtp.proj.kernel" in flat else {}
     if "blocks.attn.q.kernel" in flat or ("blocks.attn.q_down.kernel" in flat and "wpe" not in flat):
-        dims = {"family": "llama", **_llama_attention(flat), "vocab_size": flat["wte"].shape[0],
-                "tie_embeddings": "lm_head" not in flat, **depth}
+        dims = {
+            "family": "llama",
+            **_llama_attention(flat),
+            "vocab_size": flat["wte"].shape[0],
+            "tie_embeddings": "lm_head" not in flat,
+            **depth,
+        }
         if "blocks.moe.gate" in flat:  # a mixture of experts (Mixtral, DeepSeek-V3): [L, experts, embed, width]
             _, experts, _, width = flat["blocks.moe.gate"].shape
             dims.update(moe_experts=experts, moe_d_ff=width)
@@ -204,11 +229,21 @@ def model_dims(flat: dict[str, np.ndarray], settings: dict | None = None) -> dic
             dims["moe_router_bias"] = True
         return dims
     if "blocks.attn.qkv.kernel" not in flat or "blocks.mlp.fc.kernel" not in flat:
-        raise UserError("these weights use a model variant (model.attention=mla, model.linear=sketched or GPT-2 with "
-                        "experts); conversion supports only GPT-2's parameters (mha attention, dense linear layers)")
+        raise UserError(
+            "these weights use a model variant (model.attention=mla, model.linear=sketched or GPT-2 with "
+            "experts); conversion supports only GPT-2's parameters (mha attention, dense linear layers)"
+        )
     n_layer, d, _, n_head, _ = flat["blocks.attn.qkv.kernel"].shape
-    return {**(settings or {}), "n_layer": n_layer, "d_model": d, "n_head": n_head, "vocab_size": flat["wte"].shape[0],
-            "max_seq_len": flat["wpe"].shape[0], "d_ff": flat["blocks.mlp.fc.kernel"].shape[-1], **depth}
+    return {
+        **(settings or {}),
+        "n_layer": n_layer,
+        "d_model": d,
+        "n_head": n_head,
+        "vocab_size": flat["wte"].shape[0],
+        "max_seq_len": flat["wpe"].shape[0],
+        "d_ff": flat["blocks.mlp.fc.kernel"].shape[-1],
+        **depth,
+    }
 
 
 def _llama_attention(flat: dict[str, np.ndarray]) -> dict:
@@ -218,5 +253,12 @@ def _llama_attention(flat: dict[str, np.ndarray]) -> dict:
         return {"n_layer": n_layer, "d_model": d, "n_head": n_head, "n_kv_head": flat["blocks.attn.kv.kernel"].shape[3]}
     n_layer, d, q_latent = flat["blocks.attn.q_down.kernel"].shape
     _, kv_latent, _, n_head, k = flat["blocks.attn.kv_up.kernel"].shape
-    return {"n_layer": n_layer, "d_model": d, "n_head": n_head, "attention": "mla", "q_latent_dim": q_latent,
-            "kv_latent_dim": kv_latent, "rope_head_dim": flat["blocks.attn.q_up.kernel"].shape[-1] - k}
+    return {
+        "n_layer": n_layer,
+        "d_model": d,
+        "n_head": n_head,
+        "attention": "mla",
+        "q_latent_dim": q_latent,
+        "kv_latent_dim": kv_latent,
+        "rope_head_dim": flat["blocks.attn.q_up.kernel"].shape[-1] - k,
+    }

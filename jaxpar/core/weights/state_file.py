@@ -14,6 +14,7 @@ JSON) and `source` (the run it came from). optax's adamw and torch's AdamW keep 
 count, and jaxpar's and torchpar's Muon the same momentum (a matrix's, in the parameter's layout) and count, so both
 read and write this file as it is.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,21 +34,32 @@ from jaxpar.core.weights.names import write_safetensors
 # optim.name -> the tensor kinds of its state
 KINDS = {"adamw": ("param", "adam_m", "adam_v"), "muon": ("param", "adam_m", "adam_v", "muon_m")}
 # optimizers whose state the file does not hold, and why (another name not in KINDS gets a generic reason)
-NOT_HELD = {"adamw8bit": "its moments are quantized in blocks of each framework's own layout (jaxpar's stacked "
-                         "tensors, torch's one per layer), not the file's float32 shared tensors; converting them "
-                         "means dequantizing and quantizing again in the other layout, not written yet"}
+NOT_HELD = {
+    "adamw8bit": "its moments are quantized in blocks of each framework's own layout (jaxpar's stacked "
+    "tensors, torch's one per layer), not the file's float32 shared tensors; converting them "
+    "means dequantizing and quantizing again in the other layout, not written yet"
+}
 
 
-def state_meta(cfg, step: int, adam_step: int, source: str, loss_scale: dict | None = None,
-               muon_step: int | None = None) -> dict:
+def state_meta(
+    cfg, step: int, adam_step: int, source: str, loss_scale: dict | None = None, muon_step: int | None = None
+) -> dict:
     """The metadata every exporter writes (module docstring).
 
     `loss_scale` for float16 runs only, `muon_step` for optim.name=muon only.
     """
-    meta = {"optimizer": cfg.optim.name, "step": int(step), "adam_step": int(adam_step), "config": cfg.to_dict(),
-            "source": os.path.abspath(source)}
-    return {**meta, **({"loss_scale": loss_scale} if loss_scale is not None else {}),
-            **({"muon_step": int(muon_step)} if muon_step is not None else {})}
+    meta = {
+        "optimizer": cfg.optim.name,
+        "step": int(step),
+        "adam_step": int(adam_step),
+        "config": cfg.to_dict(),
+        "source": os.path.abspath(source),
+    }
+    return {
+        **meta,
+        **({"loss_scale": loss_scale} if loss_scale is not None else {}),
+        **({"muon_step": int(muon_step)} if muon_step is not None else {}),
+    }
 
 
 def refuse_other_optimizer(cfg, run_dir: str) -> None:
@@ -68,8 +80,10 @@ def first_moments(first: dict, optimizer: str) -> dict:
     in muon_m, the rest's in adam_m.
     """
     matrices = _expected("muon_m", first, optimizer)
-    return {"adam_m": {n: a for n, a in first.items() if n not in matrices},
-            **({"muon_m": {n: first[n] for n in matrices}} if optimizer == "muon" else {})}
+    return {
+        "adam_m": {n: a for n, a in first.items() if n not in matrices},
+        **({"muon_m": {n: first[n] for n in matrices}} if optimizer == "muon" else {}),
+    }
 
 
 def _expected(kind: str, params, optimizer: str) -> set[str]:
@@ -108,9 +122,11 @@ def state_for_run(src: str, run_dir: str):
     tensors, meta = read_state(src)
     cfg = config_from_dict(meta["config"])
     if meta["optimizer"] != cfg.optim.name:  # an edited config: the run would step another optimizer's state
-        raise UserError(f"{src} holds the state of optim.name={meta['optimizer']}, but its config trains "
-                        f"optim.name={cfg.optim.name}: a run goes on with the optimizer it trained with (start a new "
-                        "run from its weights, model.init_from, to change it)")
+        raise UserError(
+            f"{src} holds the state of optim.name={meta['optimizer']}, but its config trains "
+            f"optim.name={cfg.optim.name}: a run goes on with the optimizer it trained with (start a new "
+            "run from its weights, model.init_from, to change it)"
+        )
     cfg.run.dir = run_dir
     return tensors, meta, cfg
 
@@ -124,8 +140,11 @@ def write_moved_config(cfg, meta: dict, src: str, **extra) -> None:
 def save_state(path: str, tensors: dict[str, dict[str, np.ndarray]], meta: dict) -> None:
     """tensors: kind -> {shared name: array}, the kinds of meta's optimizer; written atomically (temp file + rename)."""
     assert set(tensors) == set(KINDS[meta.get("optimizer", "adamw")]), (sorted(tensors), meta.get("optimizer"))
-    flat = {f"{kind}/{name}": np.ascontiguousarray(a, dtype=np.float32)
-            for kind, named in tensors.items() for name, a in named.items()}
+    flat = {
+        f"{kind}/{name}": np.ascontiguousarray(a, dtype=np.float32)
+        for kind, named in tensors.items()
+        for name, a in named.items()
+    }
     write_safetensors(path, flat, {k: json.dumps(v) for k, v in meta.items()})
 
 
@@ -154,15 +173,23 @@ def _checked(path: str, tensors: dict, meta: dict) -> tuple[dict, dict]:
     if optimizer not in KINDS:
         raise UserError(_not_held(f"{path} holds the state of", optimizer))
     tensors = {kind: {} for kind in KINDS[optimizer]} | tensors
-    missing = [k for k in ("step", "adam_step", "config", *(("muon_step",) if optimizer == "muon" else ()))
-               if k not in meta]
+    missing = [
+        k for k in ("step", "adam_step", "config", *(("muon_step",) if optimizer == "muon" else ())) if k not in meta
+    ]
     if missing:
-        raise UserError(f"{path} is not a training-state file (jaxpar/core/weights/state_file.py): metadata "
-                        f"{', '.join(missing)} missing")
-    wrong = [k for k, named in tensors.items() if k not in KINDS[optimizer] or
-             named.keys() != _expected(k, tensors["param"], optimizer)]
+        raise UserError(
+            f"{path} is not a training-state file (jaxpar/core/weights/state_file.py): metadata "
+            f"{', '.join(missing)} missing"
+        )
+    wrong = [
+        k
+        for k, named in tensors.items()
+        if k not in KINDS[optimizer] or named.keys() != _expected(k, tensors["param"], optimizer)
+    ]
     if wrong:
-        raise UserError(f"{path} is not a training-state file of optim.name={optimizer} "
-                        "(jaxpar/core/weights/state_file.py): "
-                        f"its tensors under {', '.join(k + '/' for k in wrong)} are not those of its parameters")
+        raise UserError(
+            f"{path} is not a training-state file of optim.name={optimizer} "
+            "(jaxpar/core/weights/state_file.py): "
+            f"its tensors under {', '.join(k + '/' for k in wrong)} are not those of its parameters"
+        )
     return tensors, meta
