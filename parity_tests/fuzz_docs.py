@@ -28,7 +28,8 @@ PROMISES = (
         lambda c: c.mesh()["pp"] > 1,
         "docs/features.md 'Pipeline' and docs/architecture.md 'Pipeline parallelism' (gpipe, 1f1b, "
         "interleaved, zb_h1, zb_v, "
-        "virtual stages); docs/torchpar.md pipeline bullet (one stage per rank, interleaved >= 2, zb_v two, pp x dp with "
+        "virtual stages); docs/torchpar.md pipeline bullet (one stage per rank, interleaved >= 2, zb_v two, "
+        "pp x dp with "
         "1f1b)",
     ),
     (
@@ -78,7 +79,8 @@ PROMISES = (
     (
         "batching",
         lambda c: any(k in ("data.document_mask", "data.batching", "train.batch_rampup") for k, _ in c.settings),
-        "docs/features.md 'Data' (data.document_mask), 'Variable-length batches' (data.batching=buckets) and 'Optimiser' "
+        "docs/features.md 'Data' (data.document_mask), 'Variable-length batches' (data.batching=buckets) and "
+        "'Optimiser' "
         "(train.batch_rampup): both trainers, every layout but torchpar's pipeline",
     ),
     (
@@ -170,7 +172,8 @@ DOCUMENTED_REFUSALS = (
         _pipeline_resharded,
     ),
     (
-        "docs/torchpar.md pipeline: zb_h1, zb_v and dualpipev with model.remat=save_matmuls (torch's selective checkpoint "
+        "docs/torchpar.md pipeline: zb_h1, zb_v and dualpipev with model.remat=save_matmuls (torch's selective "
+        "checkpoint "
         "allows "
         "one backward per region)",
         lambda c: (

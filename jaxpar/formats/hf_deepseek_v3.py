@@ -57,10 +57,8 @@ def read_config(hf_dir: str) -> dict:
             hf.get("num_key_value_heads") or h
         )
         != h,
-        f"rms_norm_eps={hf.get('rms_norm_eps')} (HF's latent norms keep {EPS}; jaxpar's share model.layernorm_eps)": hf.get(
-            "rms_norm_eps", EPS
-        )
-        != EPS,
+        f"rms_norm_eps={hf.get('rms_norm_eps')} (HF's latent norms keep {EPS}; "
+        "jaxpar's share model.layernorm_eps)": hf.get("rms_norm_eps", EPS) != EPS,
     }
     for what, bad in refused.items():
         if bad:

@@ -120,7 +120,8 @@ def test_script_parses_and_launches_each_framework(extra, tasks, line, capsys, t
         (["--max-restarts", "5"], "--max-restarts is --elastic's"),
         (
             ["--elastic", "1", "--mesh", "dp=-1", "train.global_batch_size=12"],  # 12 rows: 4 data ways fit, 8 do not
-            "--elastic 1, on 2 node(s): batch per microbatch 12 (train.global_batch_size=12 / train.microbatches=1) is not "
+            "--elastic 1, on 2 node(s): batch per microbatch 12 (train.global_batch_size=12 / "
+            "train.microbatches=1) is not "
             "divisible by the data axes dp*fsdp*ep=8",
         ),
         (

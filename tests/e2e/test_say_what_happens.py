@@ -46,8 +46,9 @@ def test_a_pipeline_as_one_plain_process_is_refused_in_one_line(dataset, tmp_pat
     r = plain_torchpar(tmp_path, dataset, "--backend", "pipeline", "train.steps=2")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         (
-            "error: --backend pipeline without a launcher is one process, a pipeline of one stage: start one process per "
-            "stage with torchrun --nproc_per_node=N -m torchpar.train --backend pipeline ... (or srun, one task each), or "
+            "error: --backend pipeline without a launcher is one process, a pipeline of one stage: start one "
+            "process per stage with torchrun --nproc_per_node=N -m torchpar.train --backend pipeline ... (or srun, "
+            "one task each), or "
             "run one process with --backend none"
         )
     ], r.stderr

@@ -74,14 +74,14 @@ def count_params(m: ModelConfig, active: bool = False) -> dict[str, int]:
 
 
 def params_phrase(m: ModelConfig, n: int) -> str:
-    """ "N params" for the start-up line; with experts also the parameters one token runs through."""
+    """The start-up line's "N params"; with experts also the parameters one token runs through."""
     if not m.moe_experts:
         return f"{n:,} params"
     return f"{n:,} params ({count_params(m, active=True)['total']:,} active per token)"
 
 
 def optimizer_phrase(name: str, held: list[int], holder: str) -> str:
-    """ "adamw8bit state 1.2 MiB per device" for the start-up line.
+    """The start-up line's optimizer state per device or rank, e.g. "adamw8bit state 1.2 MiB per device".
 
     `held` the bytes of optimizer state on each device or rank (a range where they differ).
     """

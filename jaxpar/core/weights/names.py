@@ -190,7 +190,7 @@ def stacked_name(prefix: str, shared: str) -> str:
 
 
 def shared_name(torch_name: str) -> str:
-    """ "blocks.3.mlp.fc.weight" -> "blocks.mlp.fc.kernel"."""
+    """A torch parameter's name to the shared one: "blocks.3.mlp.fc.weight" -> "blocks.mlp.fc.kernel"."""
     parts = torch_name.split(".")
     pattern = ".".join("{l}" if p.isdigit() else p for p in parts)
     for shared, t in ALL_NAMES.items():
