@@ -24,7 +24,7 @@ from jaxpar.parallel.sequence import check_sequence
 def validate(cfg: Config, sizes, is_main: bool = True) -> None:
     """Everything jaxpar refuses before it traces, in this order.
 
-    Run.dir and what a resume may change (every process refuses alike; the main one says what changed), the
+    run.dir and what a resume may change (every process refuses alike; the main one says what changed), the
     trackers, the config contract, the layout at every batch shape. sizes: the mesh's axis -> size.
     """
     check_run_dir_framework(cfg, "jaxpar")

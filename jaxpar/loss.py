@@ -133,7 +133,7 @@ def loss_fn(model, batch: jax.Array, order=None, eod: int | None = None, balance
 def model_loss(layout, graphdef, eod, params, batch, scale=1.0, balance=True):
     """The layout's mean loss times `scale` (float16's loss scale; 1.0, a no-op, otherwise); `eod`.
 
-    Document_token's; `balance`: with the experts' balance loss and the prediction depths' (training), or the
+    document_token's; `balance`: with the experts' balance loss and the prediction depths' (training), or the
     cross-entropy alone (evaluation). With loss_fn's aux, (loss, aux), the depths' losses scaled as the loss is.
     """
     order = token_order(layout.cfg, layout.mesh, batch.shape[1] - 1)

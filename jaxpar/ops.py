@@ -177,7 +177,7 @@ FLOAT8: contextvars.ContextVar = contextvars.ContextVar("jaxpar_float8", default
 def to_float8(t: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """Tensorwise current scaling.
 
-    T divided by its largest magnitude over the format's largest value (the whole tensor's, so every layout picks
+    t divided by its largest magnitude over the format's largest value (the whole tensor's, so every layout picks
     the same scale), in float8 `dtype`; and that scale, which undoes it.
     """
     scale = jnp.maximum(jnp.max(jnp.abs(t)).astype(jnp.float32), 1e-12) / float(jnp.finfo(dtype).max)

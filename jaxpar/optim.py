@@ -204,7 +204,7 @@ def _holds_codes(path, p) -> bool:
 def quantize(x: jax.Array, signed: bool) -> tuple[jax.Array, jax.Array]:
     """x -> (uint8 codes shaped as x, float32 scale per block).
 
-    Jaxpar/core/optimizer/adamw8bit.py's q, as torchao rounds: the largest code at or below each value, then one up
+    jaxpar/core/optimizer/adamw8bit.py's q, as torchao rounds: the largest code at or below each value, then one up
     from its midpoint with the next.
     """
     qmap = jnp.asarray(_QMAP[signed])

@@ -60,7 +60,7 @@ def check_launch(args) -> str | None:
 def resolve_schedule(cfg: Config, args):
     """(cfg, the start-up line).
 
-    Parallel.pipeline_schedule=auto on --backend pipeline is the shared choice (jaxpar/core/pipeline/choice.py)
+    parallel.pipeline_schedule=auto on --backend pipeline is the shared choice (jaxpar/core/pipeline/choice.py)
     among the schedules torchpar runs for this config and launch (its refusals below). torchpar's FLOPs figure is
     1.00 for each: torch's schedules run every F, B (and W) once on real microbatches, GPipe computes nothing in its
     idle ticks; so the least bubble wins, 1f1b before gpipe at a tie.

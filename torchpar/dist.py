@@ -83,7 +83,7 @@ def adopt_slurm_env() -> None:
 def launched() -> bool:
     """Whether a launcher started this process as one of several.
 
-    Torchrun's or DeepSpeed's variables, or srun's tasks, which adopt_slurm_env (called first) turns into
+    torchrun's or DeepSpeed's variables, or srun's tasks, which adopt_slurm_env (called first) turns into
     torchrun's; not a plain `python -m` (nor one srun task).
     """
     return any(key in os.environ for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))

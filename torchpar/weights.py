@@ -26,7 +26,7 @@ def shared_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def to_shared(state_dict: dict, n_layer: int, like=lambda t: t.detach().cpu().float().numpy()) -> dict:
     """torch state dict (full tensors) -> flat shared {name.
 
-    Float32 numpy} (per-layer tensors stacked, each layer stack of its own: layer_stacks). Names the model does not
+    float32 numpy} (per-layer tensors stacked, each layer stack of its own: layer_stacks). Names the model does not
     have (another variant's) are skipped.
     """
     first = next((i for i in range(n_layer) if f"blocks.{i}.moe.router.weight" in state_dict), 0)

@@ -35,7 +35,7 @@ NEG = -1e30
 def _dense_core(qs, ks, vs):
     """Causal attention within each segment's selected row.
 
-    Qs, ks, vs [B, S, n, H, D] -> (out [B, S, n, H, D] float32, lse [B, S, H, n] float32).
+    qs, ks, vs [B, S, n, H, D] -> (out [B, S, n, H, D] float32, lse [B, S, H, n] float32).
     """
     n, D = qs.shape[2], qs.shape[-1]
     s = jnp.einsum("bsqhd,bskhd->bshqk", qs, ks, preferred_element_type=F32) / math.sqrt(D)
@@ -116,7 +116,7 @@ def key_counts(q_pos, k_pos, n_head: int, pairs, context: int, sparsity: BlockSp
 def counted_attention(q, k, v, counts) -> jax.Array:
     """Causal dilated attention of q [b, tq, heads, d] over k, v [b, tk, heads, d] with key_counts' counts.
 
-    Dilated_attention's output at those query positions, float32 inside as there.
+    dilated_attention's output at those query positions, float32 inside as there.
     """
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=F32) / math.sqrt(q.shape[-1])
     s = jnp.where(counts > 0, s + jnp.log(jnp.maximum(counts, 1).astype(F32)), NEG)

@@ -23,7 +23,7 @@ from jaxpar.sharding import spec_for
 
 
 def logits(x: jax.Array, table: jax.Array) -> jax.Array:
-    """Float32 logits [batch, seq, vocab] of the normalized hidden states against the output table.
+    """float32 logits [batch, seq, vocab] of the normalized hidden states against the output table.
 
     x [batch, seq, embed] times the output table [vocab, embed], in x's dtype.
     """

@@ -78,7 +78,7 @@ class MLAttention(nnx.Module):
     def keys_values(self, latent, dtype):
         """Keys and values [b, t, heads, kv + rope] of latents.
 
-        V zero-padded to the query/key width, which the fused core wants for all three.
+        v zero-padded to the query/key width, which the fused core wants for all three.
         """
         kv = project(latent[..., : self.kvl], self.kv_up["kernel"][...].astype(dtype))  # [b, t, 2, h, k]
         k_nope, v = kv[:, :, 0], kv[:, :, 1]

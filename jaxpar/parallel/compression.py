@@ -77,7 +77,7 @@ def per_rank(layout, value_and_grad, accum: int, value=None):
 def reduce_gradient(g: jax.Array, spec: P, axes: tuple[str, ...], wire) -> jax.Array:
     """This device's whole gradient -> its share of the sum over the data axes, the collectives in `wire` dtype.
 
-    Psum_scatter along each dimension `spec` (the gradient's spec over the data axes: `over_data`) shards over data
+    psum_scatter along each dimension `spec` (the gradient's spec over the data axes: `over_data`) shards over data
     axes, psum over the data axes it does not use.
     """
     x, used = g.astype(wire), set()

@@ -278,7 +278,7 @@ def _remap(layout, saved: dict, params) -> dict:
 def payload_bytes(layout) -> int:
     """Bytes one data rank hands to PowerSGD's all-reduces per step after the warm-up.
 
-    R(m+n) float32 values per compressed m x n matrix (per layer), the other leaves whole -- the figure torch's hook
+    r(m+n) float32 values per compressed m x n matrix (per layer), the other leaves whole -- the figure torch's hook
     counts.
     """
     total = 0

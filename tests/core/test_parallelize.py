@@ -69,7 +69,7 @@ def torch_run(cfg, checkpointed: bool):
 def test_model_remat_recomputes_in_both_trainers():
     """The contract's evidence for model.remat (jaxpar/core/config/contract.py).
 
-    Jaxpar's train step holds a checkpointed region exactly when model.remat is set, and torchpar's parallelized
+    jaxpar's train step holds a checkpointed region exactly when model.remat is set, and torchpar's parallelized
     blocks run their forward again in the backward pass.
     """
     assert not recomputes(jax_step_primitives(tiny_config()))

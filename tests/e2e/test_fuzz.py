@@ -145,7 +145,7 @@ class Stub:
 def test_the_shrinker_keeps_only_what_fails():
     """From a big case down to the smallest that still fails.
 
-    Tp halved to 2, dp and the unrelated keys gone (the pipeline's and ZeRO's keys with their axes: no case it tries
+    tp halved to 2, dp and the unrelated keys gone (the pipeline's and ZeRO's keys with their axes: no case it tries
     sets a key its run would not consume), and nothing tried twice.
     """
     case = Case.parse(

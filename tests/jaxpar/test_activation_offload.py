@@ -87,7 +87,7 @@ def test_the_step_keeps_the_projections_in_host_memory(remat):
 def test_offloaded_bytes_per_device(mesh, share):
     """What the planner counts (jaxpar/cost/activations.py): one device's shard of them as GSPMD places it.
 
-    Fsdp halves the rows, tp the heads and the MLP width; the attention output is whole on each tp device.
+    fsdp halves the rows, tp the heads and the MLP width; the attention output is whole on each tp device.
     """
     from jaxpar.cost.activations import offloaded_bytes
 

@@ -101,7 +101,7 @@ def test_deepseek_v3_round_trip_through_a_jaxpar_run_is_bit_exact(hf_deepseek, t
 def test_ours_to_hf_gives_our_logits_and_greedy_tokens(tmp_path):
     """A model of ours (random weights, a nonzero choice bias, tied embeddings, two shared experts) written --to hf.
 
-    Transformers' logits and greedy tokens are ours (jaxpar's and torchpar's).
+    transformers' logits and greedy tokens are ours (jaxpar's and torchpar's).
     """
     import torch
     import transformers
@@ -304,7 +304,7 @@ def test_the_deepseek_configs_build_with_their_documented_counts():
 def test_the_tiny_config_trains_and_its_run_converts_to_hf(tmp_path):
     """python -m jaxpar.train --config configs/deepseek-v3-tiny.yaml train.steps=2, then --to hf.
 
-    Transformers' logits are the run's (its balance bias moved off zero by the two steps).
+    transformers' logits are the run's (its balance bias moved off zero by the two steps).
     """
     import os
     import subprocess

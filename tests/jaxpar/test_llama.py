@@ -126,7 +126,7 @@ def test_hf_llama_logits_match_both_frameworks(hf_llama):
 def test_jaxpar_run_exports_to_hf_llama_bit_exact_and_transformers_reproduces_it(hf_llama, tmp_path):
     """HF -> jaxpar run (step-0 checkpoint) -> HF: every tensor bit-exact.
 
-    Transformers loads the export and its logits equal jaxpar's on the run's own weights.
+    transformers loads the export and its logits equal jaxpar's on the run's own weights.
     """
     import torch
     import transformers

@@ -130,7 +130,7 @@ def test_grouped_routing_on_an_expert_layout_equals_one_device(dataset):
 def test_grouped_routing_gives_both_frameworks_the_same_loss_and_gradients():
     """The same weights (a random balance bias included) and rows.
 
-    Jaxpar's loss, gradients and expert statistics are torchpar's; without the groups and the scale the loss is
+    jaxpar's loss, gradients and expert statistics are torchpar's; without the groups and the scale the loss is
     another.
     """
     import torch

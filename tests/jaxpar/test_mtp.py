@@ -151,7 +151,7 @@ def _devices(mesh: str):
 def test_every_layout_equals_one_device(mesh, dataset):
     """The loss, each depth's loss (the metrics' mtp_loss_1, mtp_loss_2) and the parameters after 4 steps.
 
-    Sp in zig-zag order (the depths' rows shifted before the permutation), pp on gpipe (the modules after the
+    sp in zig-zag order (the depths' rows shifted before the permutation), pp on gpipe (the modules after the
     stages), ep with experts in the main blocks.
     """
     experts = ("model.moe_experts=4", "model.moe_top_k=2") if "ep" in mesh else ()
@@ -172,7 +172,7 @@ def test_every_layout_equals_one_device(mesh, dataset):
 def test_gradient_compression_carries_the_depths(compression, dataset, monkeypatch):
     """The compressed reductions average each depth's loss over the data ranks as the loss.
 
-    Bf16's program with a float32 wire, and PowerSGD within its warm-up (a plain reduction), equal one device.
+    bf16's program with a float32 wire, and PowerSGD within its warm-up (a plain reduction), equal one device.
     """
     from jaxpar.parallel import compression as bf16
 

@@ -106,7 +106,7 @@ def test_1f1b_composes_with_fsdp_and_sequence_parallel(dataset, references):
 def test_hand_scheduled_pipeline_runs_sequence_parallel_in_natural_order(schedule, attention, dataset, references):
     """parallel.sequence_zigzag=false.
 
-    Gpt2's positional rows for the sp-sharded sequence are sliced from a replicated table (models/decoder.py embed);
+    gpt2's positional rows for the sp-sharded sequence are sliced from a replicated table (models/decoder.py embed);
     left to GSPMD the slice was a collective-permute inside the first stage's branches, which XLA's rendezvous waits
     for on every device (fuzz seed 48002's deadlock).
     """

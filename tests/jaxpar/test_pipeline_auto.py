@@ -1,6 +1,6 @@
 """parallel.pipeline_schedule=auto on pp=4 with 8 microbatches.
 
-Jaxpar's choice is the schedule of least modeled time in the full table of the chooser's own figures, and configs where
+jaxpar's choice is the schedule of least modeled time in the full table of the chooser's own figures, and configs where
 different schedules win get different choices (a fixed auto fails one). Each schedule is traced once (its FLOPs),
 nothing is compiled: the table reuses the figures the choice took and traces only the schedules it skipped.
 """

@@ -44,7 +44,7 @@ def test_deepspeed_resume_after_sigkill(stage, base, changed_reference):
 def test_deepspeed_resumes_on_another_number_of_ranks(stage, nproc, base, changed_reference):
     """A ZeRO checkpoint of 2 ranks resumes on 1 (or 4) through DeepSpeed's universal checkpoint, with other settings.
 
-    Jaxpar's run given the same change (ZeRO-3: with the loader's slip repaired,
+    jaxpar's run given the same change (ZeRO-3: with the loader's slip repaired,
     deepspeed_universal.repair_zero3_load), and the converted copy gone once loaded.
     """
     run_dir = base["tmp"] / f"ds-reshard-{stage}-{nproc}"

@@ -1,6 +1,6 @@
 """model.float8 in torchpar (torchpar/ops.py).
 
-Torchao's float8 training, its "tensorwise" recipe, on the projections jaxpar runs in float8 (jaxpar/ops.py
+torchao's float8 training, its "tensorwise" recipe, on the projections jaxpar runs in float8 (jaxpar/ops.py
 `_float8_project`): e4m3 input and weight, e5m2 output gradient, each scaled by its whole tensor's largest magnitude,
 float32 accumulation. Both frameworks quantize the same float32 values to the same float8 codes, so they agree to
 float32's rounding; the setting acts; ddp and fsdp equal one process.

@@ -22,7 +22,7 @@ POWERSGD = ["parallel.grad_compression=powersgd", "parallel.powersgd_rank=2", "p
 def powersgd_bytes(shapes, rank: int) -> int:
     """The issue's analytic figure.
 
-    R(n+m) float32 elements for an n x m matrix (a tensor viewed as [shape[0], -1], r at most min(n, m)), n x m
+    r(n+m) float32 elements for an n x m matrix (a tensor viewed as [shape[0], -1], r at most min(n, m)), n x m
     where that would not halve the matrix (torch's default min_compression_rate).
     """
     total = 0

@@ -1,6 +1,6 @@
 """Multi-token prediction (model.mtp_depth) in whole runs.
 
-Torchpar (one process and ddp) and jaxpar start from one weights file that torchpar wrote (the prediction modules'
+torchpar (one process and ddp) and jaxpar start from one weights file that torchpar wrote (the prediction modules'
 parameters in it), train alike, and both write each depth's loss to metrics.jsonl as mtp_loss_1, mtp_loss_2; a jaxpar
 run's whole state converted to torchpar goes on as jaxpar does.
 """

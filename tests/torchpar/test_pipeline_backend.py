@@ -38,7 +38,7 @@ def test_pp_by_dp_runs_1f1b_only(schedule):
 def test_pp_by_fsdp_runs_one_stage_per_rank_schedules(schedule):
     """FSDP2 inside torch's stages: gpipe and 1f1b (test_torchpar.py).
 
-    Zb_h1's weight pass skips FSDP2's reduce-scatter (measured: wrong from step 2), interleaved and zb_v hold two
+    zb_h1's weight pass skips FSDP2's reduce-scatter (measured: wrong from step 2), interleaved and zb_v hold two
     stages per rank: one line each.
     """
     cfg = tiny_config(

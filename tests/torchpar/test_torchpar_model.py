@@ -75,7 +75,7 @@ def test_weight_decay_mask_is_jaxpars(cfg):
 def jax_reference(cfg):
     """jaxpar's loss and gradients for one batch, from torchpar-initialised weights.
 
-    Float32 at highest matmul precision (jitted once), with torchpar-initialised weights loaded into jaxpar's model
+    float32 at highest matmul precision (jitted once), with torchpar-initialised weights loaded into jaxpar's model
     through the shared weight format.
     """
     torch_model = Decoder(cfg.model)

@@ -29,7 +29,7 @@ from torchpar.backends.base import TorchEngine, grad_scaler
 def fsdp_options(cfg, world: int) -> dict:
     """What the config asks of FSDP2: the mesh's (shape, axis names).
 
-    Parallel.mesh's dp x fsdp, all ranks on fsdp when it is not set (jaxpar.core.config.mesh_spec.check_torch_mesh
+    parallel.mesh's dp x fsdp, all ranks on fsdp when it is not set (jaxpar.core.config.mesh_spec.check_torch_mesh
     vetted it) -- and fully_shard's settings.
     """
     sizes = resolve_sizes(parse_mesh(cfg.parallel.mesh), world) if cfg.parallel.mesh else {"dp": 1}

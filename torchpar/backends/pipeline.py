@@ -190,7 +190,7 @@ def add_stats(stats: torch.Tensor | None, per_layer: list, cfg, x: torch.Tensor)
 def pipeline_sizes(cfg, world: int) -> tuple[int, int, str]:
     """(stages, data-parallel ways, their axis).
 
-    Parallel.mesh's pp and dp (DDP per stage) or fsdp (FSDP2 per stage), or every rank a stage.
+    parallel.mesh's pp and dp (DDP per stage) or fsdp (FSDP2 per stage), or every rank a stage.
     """
     if not cfg.parallel.mesh:
         return world, 1, "dp"

@@ -301,7 +301,7 @@ def inputs_and_targets(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The whole logits' loss.
 
-    Head.py's cross_entropy, the mean over all target positions of the cross-entropy, a skipped (negative) target
+    head.py's cross_entropy, the mean over all target positions of the cross-entropy, a skipped (negative) target
     counting 0 (times the batch's token share, the mean over the counted targets).
     """
     return cross_entropy(logits, targets)

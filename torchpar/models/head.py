@@ -1,6 +1,6 @@
 """The output head's logits and their cross-entropy, whole or in sequence chunks (model.loss_chunks).
 
-Jaxpar's models/head.py in torch.
+jaxpar's models/head.py in torch.
 
 Whole: the logits [batch, seq, vocab] in float32, then `cross_entropy`. In chunks: `chunked_cross_entropy` takes
 the final norm's output and the output table and runs the head and the loss one chunk of positions at a time (chunk
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 
 def logits(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Float32 logits of the normalized hidden states against the output table.
+    """float32 logits of the normalized hidden states against the output table.
 
     The hidden states [batch, seq, embed] against the output table [vocab, embed] in x's dtype -> float32 logits
     [batch, seq, vocab].

@@ -1,6 +1,6 @@
 """8-bit AdamW's shared rules (optim.name=adamw8bit), written once for jaxpar/optim.py.
 
-Torchpar steps torchao's AdamW8bit, which follows the same rules (tests/torchpar/test_adamw8bit.py holds the two to
+torchpar steps torchao's AdamW8bit, which follows the same rules (tests/torchpar/test_adamw8bit.py holds the two to
 them).
 
 The algorithm (Dettmers et al., "8-bit Optimizers via Block-wise Quantization", arXiv 2110.02861), per parameter:
