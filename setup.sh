@@ -18,5 +18,5 @@ if "$PY" -c "import jax" 2>/dev/null; then
 else
   pip_install jax
 fi
-pip_install -e ".[torch,test,hf,report,tensorboard,data]"
+pip_install -e ".[torch,test,hf,report,tensorboard,data,eval]"
 echo "setup: done"

@@ -90,7 +90,7 @@ def sample_rows(cfg: Config, sizes: dict, flat: dict, prompt: list[int], args) -
     from jaxpar.parallelize import parallel_context  # deferred: imports jax, after setup_devices
 
     layout = Layout(cfg, make_mesh(sizes))
-    params = restore_params(args.run, layout) if flat is None else unflatten(flat)
+    params = restore_params(args.run, layout)[0] if flat is None else unflatten(flat)
     params = jax.device_put(params, layout.device_shardings["params"])  # on the devices even if the run offloaded
     with use(parallel_context(layout)):
         out = make_generate(abstract_model(cfg.model)[0], document_token(cfg))(
@@ -105,15 +105,15 @@ def sample_rows(cfg: Config, sizes: dict, flat: dict, prompt: list[int], args) -
     return jax.device_get(out).tolist()
 
 
-def restore_params(run: str, layout) -> dict:
-    """The parameters of a run's latest checkpoint, in the layout's shardings (orbax reshards)."""
+def restore_params(run: str, layout) -> tuple[dict, int]:
+    """(parameters, step) of a run's latest checkpoint, the parameters in the layout's shardings (orbax reshards)."""
     from jaxpar.checkpoint import Checkpointer  # deferred: orbax, jax (~1 s), after setup_devices
     from jaxpar.state import restore_latest  # deferred: imports jax, after setup_devices
 
     restored = restore_latest(Checkpointer(run, layout.cfg.checkpoint.keep), layout)
     if restored is None:
         raise UserError(f"no checkpoint in {run}/checkpoints")
-    return restored[0]["params"]
+    return restored[0]["params"], int(restored[1]["step"])
 
 
 if __name__ == "__main__":

@@ -28,10 +28,10 @@ from torchpar.parallelize import parallelize
 from torchpar.weights import from_shared
 
 
-def load_model(args):
-    """(model, tokenizer) of the source the user named."""
+def load_model(args, doing: str = "sample"):
+    """(model, tokenizer, step) of the source the user named (step: the checkpoint's, 0 for a weights file)."""
     if args.run:
-        check_framework(args.run, "torchpar", "sample")
+        check_framework(args.run, "torchpar", doing)
         cfg = read_run_config(args.run)
         cfg.run.dir = args.run  # where the run is now (config.json holds where it was trained)
         model = Decoder(cfg.model, document_token(cfg))
@@ -39,14 +39,15 @@ def load_model(args):
         # the none backend's engine restores the run's checkpoint; decoding compiles nothing and, without gradients,
         # recomputes nothing
         engine = parallelize(model, cfg, env, "none", compile_model=False)[0]
-        if engine.checkpointer.restore() is None:
+        meta = engine.checkpointer.restore()
+        if meta is None:
             raise UserError(f"no checkpoint in {args.run}/checkpoints")
-        return model, args.tokenizer or cfg.data.tokenizer
+        return model, args.tokenizer or cfg.data.tokenizer, int(meta["step"])
     flat = read_weights(args.weights)
     cfg = config_for_weights(model_dims(flat, read_settings(args.weights)))
     model = Decoder(cfg.model)
     model.load_state_dict(from_shared(flat, cfg.model.n_layer))
-    return model, args.tokenizer or "byte"
+    return model, args.tokenizer or "byte", 0
 
 
 def parse_args(argv):
@@ -63,7 +64,7 @@ def parse_args(argv):
 def sample_rows(args) -> tuple[list[list[int]], object]:
     """(the continuations' token ids, the tokenizer's decoder) of the command's arguments."""
     check_sampling(args)
-    model, tokenizer = load_model(args)
+    model, tokenizer, _ = load_model(args)
     encode, decode = text_codec(tokenizer)
     ids = encode(args.prompt)
     new_tokens = decodable_tokens(model.cfg, len(ids), args.max_new_tokens)

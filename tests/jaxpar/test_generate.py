@@ -167,7 +167,7 @@ def test_samples_during_training_come_from_the_trained_model(variant, dataset, t
     assert train.returncode == 0, train.stderr[-3000:]
     generate = _run("jaxpar.generate", "--run", str(tmp_path), *GREEDY_FROM_RUN)
     cfg = read_run_config(str(tmp_path))
-    params = restore_params(str(tmp_path), Layout(cfg, make_mesh({"dp": 1}, jax.devices()[:1])))
+    params = restore_params(str(tmp_path), Layout(cfg, make_mesh({"dp": 1}, jax.devices()[:1])))[0]
     graphdef, key = abstract_model(cfg.model)[0], jax.random.key(2)
     forward = jax.jit(lambda p, t, n: nnx.merge(graphdef, p)(t)[:, n])
     _assert_samples_of(

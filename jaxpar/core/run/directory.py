@@ -97,7 +97,8 @@ def check_framework(run_dir: str, framework: str, doing: str) -> None:
     held_by = framework_of(run_dir)
     if held_by is None or held_by == framework:
         return
-    instead = f"python -m {held_by}.generate" if doing == "sample" else f"{held_by}.train, or another run.dir"
+    tools = {"sample": f"python -m {held_by}.generate", "evaluate": f"python -m {held_by}.eval"}
+    instead = tools.get(doing, f"{held_by}.train, or another run.dir")
     raise UserError(
         f"{run_dir} holds a {held_by} run; {framework} cannot {doing} it. Convert it first: "
         f"{convert_hint(run_dir, held_by, framework)} (or use {instead})"

@@ -1,0 +1,89 @@
+"""Score a torchpar model on benchmark tasks with EleutherAI's lm-evaluation-harness.
+
+    python -m torchpar.eval --run runs/torchpar/gpt2-tiny --tasks hellaswag,arc_easy [--num-fewshot 0 --limit N]
+    torchrun --nproc-per-node 2 -m torchpar.eval --run-dir RUN --tasks ...   (torchrun takes --run for itself)
+
+The model: the latest checkpoint of a none / ddp / fsdp run (`--run`, loaded whole on each process: DCP reshards;
+results in RUN/evals/<step>.json) or a shared-weights file (`--weights`, e.g. written by jaxpar; needs --output).
+Each process holds the whole model; under torchrun lm-eval gives each rank its share of the requests and gathers the
+scores on rank 0, which writes them. --tasks as in python -m jaxpar.eval (jaxpar/core/evaluation/tasks.py).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as torch_dist
+
+from jaxpar.core.errors import cli
+from jaxpar.core.evaluation.cli import check_eval_args, eval_parser, gen_kwargs_of, report, run_tasks
+from jaxpar.core.evaluation.harness import ProjectLM
+from torchpar import dist
+from torchpar.generate import load_model
+from torchpar.scoring import TorchScorer
+
+
+class TorchLM(ProjectLM):
+    """ProjectLM with lm-eval's view of torchrun's ranks: each scores its share, rank 0 gathers."""
+
+    def __init__(self, scorer: TorchScorer, tokenizer: str, batch_size: int, env):
+        super().__init__(scorer, tokenizer, batch_size)
+        self.env = env
+
+    @property
+    def device(self) -> torch.device:
+        return self.scorer.device
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = [torch.zeros_like(tensor) for _ in range(self.env.world)]
+        torch_dist.all_gather(out, tensor)
+        return torch.stack(out)
+
+    def gather_object(self, obj, dst: int = 0):
+        out = [None] * self.env.world if self.env.rank == dst else None
+        torch_dist.gather_object(obj, out, dst=dst)
+        return out
+
+    def barrier(self) -> None:
+        torch_dist.barrier()
+
+
+def parse_args(argv):
+    return eval_parser(
+        "python -m torchpar.eval",
+        __doc__,
+        {
+            "run": "a torchpar run directory (none, ddp or fsdp): its latest checkpoint and config",
+            "weights": "a .safetensors file in the shared weight format",
+        },
+    ).parse_args(argv)
+
+
+@cli
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    tasks = check_eval_args(args)
+    model, tokenizer, step = load_model(args, "evaluate")
+    env = dist.init(dist.launch_env()[1] > 1, 600.0)  # the process group lm-eval gathers over, under torchrun
+    lm = TorchLM(TorchScorer(model.eval()), tokenizer, args.batch_size, env)
+    results = run_tasks(lm, tasks, args.num_fewshot, args.limit, gen_kwargs_of(args.gen_kwargs), args.log_samples)
+    if env.is_main:
+        report(
+            results, args, step, {"framework": "torchpar", "model": args.run or args.weights, "processes": env.world}
+        )
+    if torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""The torchpar model as lm-eval's evaluator reads it: per-token log-probabilities and greedy decoding.
+
+`TorchScorer` is the Scorer of jaxpar/core/evaluation/harness.py over a whole model on this process's device (torchpar
+evaluates with whole-model ranks: one process, or torchrun's ranks each scoring their share of the requests). Rows are
+padded on the right to the longest of the batch; a causal model's scores of a row do not depend on what follows it.
+Decoding is torchpar/decode.py's KV cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchpar.decode import generate
+from torchpar.models.decoder import Decoder
+
+
+class TorchScorer:
+    """Log-probabilities and decoding of `model` (in eval mode while it scores)."""
+
+    def __init__(self, model: Decoder):
+        self.model, self.max_length = model, model.cfg.max_seq_len
+        self.device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def log_probs(self, rows: list[list[int]]) -> list[tuple[list[float], list[bool]]]:
+        batch = torch.zeros((len(rows), max(len(r) for r in rows)), dtype=torch.long, device=self.device)
+        for i, row in enumerate(rows):
+            batch[i, : len(row)] = torch.tensor(row)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        training, _ = self.model.training, self.model.eval()
+        logits = self.model(inputs).float()
+        self.model.train(training)
+        logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0].cpu()
+        greedy = (logits.argmax(-1) == targets).cpu()
+        return [(logp[i, : len(r) - 1].tolist(), greedy[i, : len(r) - 1].tolist()) for i, r in enumerate(rows)]
+
+    def generate(self, prompts: list[list[int]], new_tokens: int, temperature: float) -> list[list[int]]:
+        training, _ = self.model.training, self.model.eval()
+        out = generate(self.model, torch.tensor(prompts, device=self.device), new_tokens, 0, temperature)
+        self.model.train(training)
+        return out.tolist()
