@@ -38,6 +38,7 @@ from jaxpar.layout import Layout
 from jaxpar.mesh import device_memory
 from jaxpar.models.decoder import abstract_model
 from jaxpar.parallelize import parallel_context
+from jaxpar.scoring import JaxScorer
 from jaxpar.step import compiled_train_step, make_eval_step, make_train_step
 
 
@@ -100,6 +101,7 @@ class JaxTrainer:
         self._train_steps = {first: compiled_train_step(layout, self.state, shape=first)}  # by batch shape
         self._eval_step = make_eval_step(layout)
         self._generate = None  # train.sample_every's decoder, made on first use
+        self._task_model = None  # train.eval_tasks' lm-eval model, made on first use
         self.overflow_step = None  # the test fault's step (<PREFIX>_FAULT_OVERFLOW_AT_STEP: JaxFaults)
         self.prefetch = Prefetch(lambda step: device_batch(self.train_data, step, layout.batch_sharding))
         return self.describe(time.perf_counter() - t0)
@@ -186,6 +188,15 @@ class JaxTrainer:
             out = self._generate(params, prompt, jax.random.key(step), new_tokens=new, temperature=0.8, top_k=40)
         out = multihost_utils.process_allgather(out, tiled=True)
         return prompt[0].tolist() + out[0].tolist() if jax.process_index() == 0 else None
+
+    def task_model(self, batch_size: int):
+        """Every process scores alike (the parameters are sharded); each is one process to lm-eval."""
+        from jaxpar.core.evaluation.harness import ProjectLM  # deferred: lm-eval (~1 s), only with train.eval_tasks
+
+        if self._task_model is None:  # kept: its compiled programs serve every evaluation of the run
+            scorer = JaxScorer(self.layout, lambda: self.state["params"], batch_size)
+            self._task_model = ProjectLM(scorer, self.cfg.data.tokenizer, batch_size)
+        return self._task_model
 
     def save(self, step: int) -> None:
         self.ckpt.save(

@@ -13,48 +13,13 @@ from __future__ import annotations
 
 import sys
 
-import torch
 import torch.distributed as torch_dist
 
 from jaxpar.core.errors import cli
 from jaxpar.core.evaluation.cli import check_eval_args, eval_parser, gen_kwargs_of, report, run_tasks
-from jaxpar.core.evaluation.harness import ProjectLM
 from torchpar import dist
 from torchpar.generate import load_model
-from torchpar.scoring import TorchScorer
-
-
-class TorchLM(ProjectLM):
-    """ProjectLM with lm-eval's view of torchrun's ranks: each scores its share, rank 0 gathers."""
-
-    def __init__(self, scorer: TorchScorer, tokenizer: str, batch_size: int, env):
-        super().__init__(scorer, tokenizer, batch_size)
-        self.env = env
-
-    @property
-    def device(self) -> torch.device:
-        return self.scorer.device
-
-    @property
-    def rank(self) -> int:
-        return self.env.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.env.world
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        out = [torch.zeros_like(tensor) for _ in range(self.env.world)]
-        torch_dist.all_gather(out, tensor)
-        return torch.stack(out)
-
-    def gather_object(self, obj, dst: int = 0):
-        out = [None] * self.env.world if self.env.rank == dst else None
-        torch_dist.gather_object(obj, out, dst=dst)
-        return out
-
-    def barrier(self) -> None:
-        torch_dist.barrier()
+from torchpar.scoring import TorchLM, TorchScorer
 
 
 def parse_args(argv):

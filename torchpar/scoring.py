@@ -3,13 +3,15 @@
 `TorchScorer` is the Scorer of jaxpar/core/evaluation/harness.py over a whole model on this process's device (torchpar
 evaluates with whole-model ranks: one process, or torchrun's ranks each scoring their share of the requests). Rows are
 padded on the right to the longest of the batch; a causal model's scores of a row do not depend on what follows it.
-Decoding is torchpar/decode.py's KV cache.
+Decoding is torchpar/decode.py's KV cache. `TorchLM` is the lm-eval model over it, with torchrun's ranks as lm-eval's.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as torch_dist
 
+from jaxpar.core.evaluation.harness import ProjectLM
 from torchpar.decode import generate
 from torchpar.models.decoder import Decoder
 
@@ -39,3 +41,36 @@ class TorchScorer:
         out = generate(self.model, torch.tensor(prompts, device=self.device), new_tokens, 0, temperature)
         self.model.train(training)
         return out.tolist()
+
+
+class TorchLM(ProjectLM):
+    """ProjectLM with lm-eval's view of torchrun's ranks: each scores its share, rank 0 gathers."""
+
+    def __init__(self, scorer: TorchScorer, tokenizer: str, batch_size: int, env):
+        super().__init__(scorer, tokenizer, batch_size)
+        self.env = env
+
+    @property
+    def device(self) -> torch.device:
+        return self.scorer.device
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = [torch.zeros_like(tensor) for _ in range(self.env.world)]
+        torch_dist.all_gather(out, tensor)
+        return torch.stack(out)
+
+    def gather_object(self, obj, dst: int = 0):
+        out = [None] * self.env.world if self.env.rank == dst else None
+        torch_dist.gather_object(obj, out, dst=dst)
+        return out
+
+    def barrier(self) -> None:
+        torch_dist.barrier()

@@ -171,6 +171,12 @@ class TorchTrainer:
         model.train()
         return prompt[0].tolist() + out[0].tolist()
 
+    def task_model(self, batch_size: int):
+        """Each rank scores with its whole copy of the model (none and ddp: the contract refuses the others)."""
+        from torchpar.scoring import TorchLM, TorchScorer  # deferred: lm-eval (~1 s), only with train.eval_tasks
+
+        return TorchLM(TorchScorer(self.engine.raw), self.cfg.data.tokenizer, batch_size, self.env)
+
     def save(self, step: int) -> None:
         self.engine.save(step, {"step": step, "data_step": step, "backend": self.backend, "world_size": self.env.world})
 

@@ -8,10 +8,11 @@ A positional argument that is a directory is a run directory of either trainer (
 and config.json); one that is a file is a benchmark result (`jaxpar.tools.bench --json`, `torchpar.tools.bench
 --json`). Both kinds may be given together.
 
-Runs: one PNG, curves.png, with a panel per curve -- loss, eval loss, learning rate, gradient norm, tokens/s --
-against step, each run a line labelled with its directory's name and framework. A panel no run has data for (eval
-loss when no run evaluated) is left out. It is written beside the runs: <RUN>/curves.png for one run, curves.png in
-the runs' common parent folder for several (runs/curves.png for runs/jaxpar/a and runs/torchpar/a).
+Runs: one PNG, curves.png, with a panel per curve -- loss, eval loss, learning rate, gradient norm, tokens/s, and
+each benchmark score the run has (train.eval_tasks, python -m jaxpar.eval: evals/<step>.json) -- against step, each
+run a line labelled with its directory's name and framework. A panel no run has data for (eval loss when no run
+evaluated) is left out. It is written beside the runs: <RUN>/curves.png for one run, curves.png in the runs' common
+parent folder for several (runs/curves.png for runs/jaxpar/a and runs/torchpar/a).
 
 Benchmark files: throughput, MFU and peak memory per device for each result, and scaling (tokens/s against device
 count) where results of one framework differ in device count; written beside the first file by default.
@@ -36,6 +37,7 @@ import os
 import sys
 
 from jaxpar.core.errors import UserError, check_output_dir, check_output_file, cli
+from jaxpar.core.evaluation.results import read_evals
 from jaxpar.core.run.directory import framework_of
 
 
@@ -186,10 +188,16 @@ def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return steps, [by_step[s] for s in steps]
 
 
+def curve_keys(runs: dict[str, list[dict]]) -> list[tuple[str, str]]:
+    """CURVES, then a panel per benchmark score some run has (eval/<task>/<metric>: train.eval_tasks, jaxpar.eval)."""
+    scores = sorted({k for records in runs.values() for r in records for k in r if k.startswith("eval/")})
+    return list(CURVES) + [(k, k[len("eval/") :].replace("/", " ")) for k in scores]
+
+
 def curve_data(runs: dict[str, list[dict]]) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
-    """{curve key: {run label: (steps, values)}} for every curve in CURVES some run has values of (panel order)."""
+    """{curve key: {run label: (steps, values)}} for every curve of curve_keys some run has values of (panel order)."""
     data: dict[str, dict[str, tuple[list[int], list[float]]]] = {}
-    for key, _ in CURVES:
+    for key, _ in curve_keys(runs):
         for name, records in runs.items():
             steps, values = series(records, key)
             if steps:
@@ -205,7 +213,7 @@ def curve_figure(data: dict[str, dict[str, tuple[list[int], list[float]]]], labe
     """
     from matplotlib.figure import Figure  # deferred: matplotlib, optional (the report extra): plots only
 
-    titles = dict(CURVES)
+    titles = dict(CURVES) | {k: k[len("eval/") :].replace("/", " ") for k in data if k.startswith("eval/")}
     cols = 1 if len(data) == 1 else 2
     rows = -(-len(data) // cols)
     fig = Figure(figsize=(6 * cols, 2.8 * rows + 0.22 * -(-len(labels) // 3)))
@@ -214,7 +222,7 @@ def curve_figure(data: dict[str, dict[str, tuple[list[int], list[float]]]], labe
     for i, (key, lines) in enumerate(data.items()):
         ax = fig.add_subplot(rows, cols, i + 1, label=key)
         for name, (steps, values) in lines.items():
-            style = "o-" if key == "eval_loss" else "-"
+            style = "o-" if key.startswith("eval") else "-"
             (handles[name],) = ax.plot(steps, values, style, color=colours[name], label=name, markersize=3)
         ax.set_title(titles[key], fontsize=10)
         ax.set_xlabel("step")
@@ -248,7 +256,7 @@ def curves(run_dirs: list[str], out: str | None = None) -> tuple[str, dict]:
     path = curves_path(run_dirs, out)
     check_output_file(path, "--out")
     labels = run_labels(run_dirs)
-    runs = {name: run_records(d) for name, d in zip(labels, run_dirs)}
+    runs = {name: run_records(d) + [{"step": s, **v} for s, v in read_evals(d)] for name, d in zip(labels, run_dirs)}
     data = curve_data(runs)
     for name, run_dir in zip(labels, run_dirs):
         if not any(name in lines for lines in data.values()):

@@ -54,6 +54,10 @@ def int_list(key: str, text: str) -> tuple[int, ...]:
 def check_consistency(cfg) -> None:
     m, t = cfg.model, cfg.train
     profile_window(t.profile_steps)
+    if not t.eval_tasks:
+        for key, unset in (("eval_tasks_every", 0), ("eval_tasks_limit", 0), ("eval_tasks_fewshot", -1)):
+            if getattr(t, key) != unset:
+                raise UserError(f"train.{key}={getattr(t, key)} has no effect without train.eval_tasks (the tasks)")
     if m.d_model % m.n_head:
         raise UserError(f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}")
     if cfg.data.seq_len > m.max_seq_len:

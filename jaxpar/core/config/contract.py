@@ -70,6 +70,10 @@ def _stages(run: Run) -> bool:
     return run.size("pp") > 1
 
 
+def _whole_model(run: Run) -> bool:  # benchmark evaluation (train.eval_tasks) scores on dp / fsdp / tp only
+    return all(run.size(axis) == 1 for axis in ("pp", "sp", "ep"))
+
+
 def _llama_or_mla(run: Run) -> bool:
     return run.cfg.model.family == "llama" or run.cfg.model.attention == "mla"
 
@@ -308,6 +312,19 @@ CONTRACT: dict[str, Owner] = {
         why_not="it needs the whole model on rank 0: --backend none or ddp (sample from a "
         "checkpoint with python -m torchpar.generate)",
     ),
+    **{
+        key: Owner(
+            True,
+            ("none", "ddp"),
+            "test",
+            when=_whole_model,
+            mode="a mesh without pp, sp or ep (the evaluator holds the model on dp / fsdp / tp)",
+            evidence="tests/e2e/test_eval_tasks.py::test_train_eval_tasks_score_at_the_requested_steps",
+            why_not="the evaluator needs the whole model on each rank: --backend none or ddp (evaluate a "
+            "checkpoint with python -m torchpar.eval)",
+        )
+        for key in ("train.eval_tasks", "train.eval_tasks_every", "train.eval_tasks_limit", "train.eval_tasks_fewshot")
+    },
     "train.matmul_precision": Owner(True, BOTH, "step"),
     "train.compile": Owner(
         False,

@@ -173,6 +173,13 @@ class TrainConfig:
     eval_every: int = field(default=100, metadata=_check(lo=0))  # 0 = only at the end
     eval_batches: int = field(default=4, metadata=_check(lo=1))
     sample_every: int = field(default=0, metadata=_check(lo=0))  # print a sampled continuation every N steps; 0 = off
+    # benchmark tasks scored with lm-evaluation-harness during training: lm-eval task names, task YAML files or text
+    # files (perplexity), comma-separated (jaxpar/core/evaluation/tasks.py); "": off. Scores in metrics.jsonl as
+    # eval/<task>/<metric>, results in run.dir/evals/<step>.json
+    eval_tasks: str = ""
+    eval_tasks_every: int = field(default=0, metadata=_check(lo=0))  # train.eval_tasks every N steps; 0 = at the end
+    eval_tasks_limit: int = field(default=0, metadata=_check(lo=0))  # train.eval_tasks: first N documents; 0 = all
+    eval_tasks_fewshot: int = field(default=-1, metadata=_check(lo=-1))  # train.eval_tasks: -1 = each task's own
     matmul_precision: str = field(default="default", metadata=_check(choices=("default", "high", "highest")))
     # torchpar: torch.compile each block (auto = on a GPU, not on the CPU, where compiling takes longer than a short
     # run saves; deepspeed: off). jaxpar's step is always compiled by XLA: "off" is refused there.

@@ -103,6 +103,7 @@ def run_tasks(
     from lm_eval import simple_evaluate  # deferred: lm-eval's evaluator (~1 s), when a command evaluates
 
     manager = task_manager(tasks)
+    lm.rolling.clear()  # the text tasks' token counts of this evaluation alone
     with quiet_logs(*LM_EVAL_LOGGERS), _fewer_documents_than(lm.world_size):
         results = simple_evaluate(
             model=lm,
@@ -114,8 +115,14 @@ def run_tasks(
             log_samples=log_samples,
             bootstrap_iters=1000,
         )
+    # the text tasks' token counts of every process (lm-eval gathers its own metrics on rank 0, not these)
+    parts = [dict(lm.rolling)] if lm.world_size == 1 else lm.gather_object(dict(lm.rolling))
     if results is not None:
-        add_token_perplexity(results, lm.rolling, tasks.text_tasks)
+        rolling = {}
+        for part in parts:
+            for task, (loglik, tokens) in part.items():
+                rolling[task] = [rolling.get(task, [0.0, 0])[0] + loglik, rolling.get(task, [0.0, 0])[1] + tokens]
+        add_token_perplexity(results, rolling, tasks.text_tasks)
     return results
 
 

@@ -172,6 +172,41 @@ class Evaluate(Hook):
             self.progress.record(step)["eval_loss"] = self.trainer.evaluate(self.t.eval_batches)
 
 
+EVAL_TASKS_BATCH = 8  # train.eval_tasks: requests scored at once
+
+
+class EvalTasks(Hook):
+    """train.eval_tasks every train.eval_tasks_every steps and at the last: lm-eval's scores join the step's record.
+
+    The tasks are checked when the run starts; the results go to run.dir/evals/<step>.json, the scores to the record
+    (eval/<task>/<metric>) and one line to the console. The trainer's `task_model` scores the live parameters.
+    """
+
+    def __init__(self, cfg: Config, trainer, log: MetricsLog, progress: Progress):
+        from jaxpar.core.evaluation import cli, results, tasks  # deferred: lm-eval (~1 s), only with train.eval_tasks
+
+        self.t, self.run_dir, self.trainer, self.log, self.progress = cfg.train, cfg.run.dir, trainer, log, progress
+        self.cli, self.results = cli, results
+        self.tasks = tasks.parse_tasks(cfg.train.eval_tasks)
+        tasks.task_manager(self.tasks)  # an unknown task is refused before the first step
+
+    def after_step(self, step: int) -> None:
+        if not due(step, self.t.eval_tasks_every, step == self.t.steps):
+            return
+        t, record = self.t, self.progress.record(step)  # its throughput measured before the evaluation
+        fewshot, limit = (None if t.eval_tasks_fewshot < 0 else t.eval_tasks_fewshot), (t.eval_tasks_limit or None)
+        out = self.cli.run_tasks(self.trainer.task_model(EVAL_TASKS_BATCH), self.tasks, fewshot, limit)
+        if out is None:  # a rank other than 0 under torchrun: rank 0 holds the gathered scores
+            return
+        scores = self.results.scores(out)
+        record.update(scores)
+        if self.trainer.is_main:
+            path = self.results.evals_path(self.run_dir, step)
+            self.results.save(path, step, out, {"framework": "training", "tasks": t.eval_tasks})
+            shown = " | ".join(f"{k[len('eval/') :]} {v:.4g}" for k, v in scores.items())
+            self.log.note(f"eval tasks at step {step}: {shown} ({path})")
+
+
 class Log(Hook):
     """train.log_every, and every step that has a record already (an evaluated one).
 
@@ -265,6 +300,7 @@ def hooks_of(cfg: Config, trainer, log: MetricsLog, progress: Progress) -> list[
     hooks = [
         CommShare(cfg, trainer.profiling, progress, progress.meter.step, window),
         Evaluate(cfg, trainer, progress),
+        EvalTasks(cfg, trainer, log, progress) if cfg.train.eval_tasks else None,
         Stragglers(cfg, trainer, log, progress) if several else None,
         Log(cfg, log, progress),
         Sample(cfg, trainer, log, progress),

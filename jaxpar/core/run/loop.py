@@ -79,6 +79,9 @@ class Trainer(Protocol):
     def sample(self, step: int) -> list[int] | None:
         """A validation prompt and a sampled continuation (token ids, on process 0; None elsewhere)."""
 
+    def task_model(self, batch_size: int) -> Any:
+        """The live parameters as lm-eval's model (jaxpar/core/evaluation/harness.py ProjectLM): train.eval_tasks."""
+
     def save(self, step: int) -> None:
         """Checkpoint the state after `step` (a no-op if saved already); may return before it is on disk."""
 
