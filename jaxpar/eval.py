@@ -61,7 +61,8 @@ def scorer_of(args, sizes: dict):
 @cli
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    tasks, sizes = check_eval_args(args), check_mesh(args.mesh)
+    sizes = check_mesh(args.mesh)
+    tasks = check_eval_args(args)
     if args.run:
         check_framework(args.run, "jaxpar", "evaluate")
     setup_devices(sizes)  # before anything starts jax (reading a run's checkpoint does)

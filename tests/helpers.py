@@ -335,3 +335,55 @@ def assert_hf_round_trip_through_a_jaxpar_run(oracle: tuple, tmp_path, model_cla
     hf = model_class.from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
         np.testing.assert_array_equal(hf(torch.as_tensor(tokens)).logits.numpy(), logits)
+
+
+# three local lm-eval tasks over the tiny runs' text ("def f(x):\n    return x + 1\n", make_dataset): multiple choice,
+# generate_until (its max_gen_toks within TINY's max_seq_len of 32) and a text file for perplexity
+EVAL_MC = [
+    ("def f(x):\n    return x +", [" 1", " 2", " x"], 0),
+    ("def f(", ["x):", "y):", "1):"], 0),
+    ("def f(x):\n   ", [" return", " yield", " print"], 0),
+    ("    return x + 1\n", ["def", "class", "import"], 0),
+    ("x + 1\ndef f(x):", ["\n", " ", "x"], 0),
+    ("def", [" f", " g", " h"], 0),
+]
+EVAL_GEN = [
+    "def f(x):\n    ",
+    "def f(x):\n    return",
+    "    return x + 1\nde",
+    "x):\n",
+    "def f(x):\n    return x + 1\n",
+]
+EVAL_TEXT = "def f(x):\n    return x + 1\n" * 3 + "\n\nreturn x + 1\n\n" + "def f(x):\n    return x + 2\n" * 2
+
+
+def write_eval_tasks(folder) -> dict[str, str]:
+    """tiny_mc and tiny_gen (YAML + JSON lines) in `folder`, and text.txt: {"include": folder, "text": its path}."""
+    folder = str(folder)
+    os.makedirs(folder, exist_ok=True)
+    rows = {
+        "mc": [{"question": q, "choices": c, "answer": a} for q, c, a in EVAL_MC],
+        "gen": [{"prompt": p, "target": "return x + 1"} for p in EVAL_GEN],
+    }
+    for name, docs in rows.items():
+        with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
+            f.writelines(json.dumps(d) + "\n" for d in docs)
+    common = (
+        f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {folder}/{{name}}.jsonl\ntest_split: test\n"
+    )
+    with open(os.path.join(folder, "mc.yaml"), "w") as f:
+        f.write(
+            "task: tiny_mc\n" + common.format(name="mc") + "output_type: multiple_choice\n"
+            'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+            'target_delimiter: ""\nmetric_list:\n  - metric: acc\n'
+        )
+    with open(os.path.join(folder, "gen.yaml"), "w") as f:
+        f.write(
+            "task: tiny_gen\n" + common.format(name="gen") + "output_type: generate_until\n"
+            'doc_to_text: "{{prompt}}"\ndoc_to_target: "{{target}}"\n'
+            'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 12\nmetric_list:\n  - metric: exact_match\n'
+        )
+    text = os.path.join(folder, "text.txt")
+    with open(text, "w") as f:
+        f.write(EVAL_TEXT)
+    return {"include": folder, "text": text}

@@ -45,6 +45,7 @@ class TaskList:
     names: list[str] = field(default_factory=list)
     include: list[str] = field(default_factory=list)
     text_tasks: list[str] = field(default_factory=list)
+    given_as: str = "--tasks"  # the flag or config key (refusals name it)
 
 
 def _yaml_task_name(path: str) -> str:
@@ -53,21 +54,24 @@ def _yaml_task_name(path: str) -> str:
             m = re.match(r"\s*task:\s*['\"]?([\w.\-]+)", line)
             if m:
                 return m.group(1)
-    raise UserError(f"--tasks {path}: the file has no `task:` line, so it is not an lm-eval task YAML")
+    raise UserError(f"{path}: the file has no `task:` line, so it is not an lm-eval task YAML")
 
 
 def text_task_name(path: str) -> str:
     return "ppl_" + re.sub(r"\W", "_", os.path.basename(path))
 
 
-def parse_tasks(spec: str, include_path: str | None = None) -> TaskList:
-    """The entries of `spec` sorted into names, include folders and text tasks; files are checked to exist."""
-    out = TaskList(include=[os.path.abspath(include_path)] if include_path else [])
+def parse_tasks(spec: str, include_path: str | None = None, name: str = "--tasks") -> TaskList:
+    """The entries of `spec` sorted into names, include folders and text tasks; files are checked to exist.
+
+    `name`: the flag or config key the user gave them with (for the refusals).
+    """
+    out = TaskList(include=[os.path.abspath(include_path)] if include_path else [], given_as=name)
     if include_path and not os.path.isdir(include_path):
         raise UserError(f"--include-path {include_path} is not a directory")
     entries = [e.strip() for e in spec.split(",") if e.strip()]
     if not entries:
-        raise UserError("--tasks is empty: name lm-eval tasks (e.g. hellaswag,arc_easy), task YAML or text files")
+        raise UserError(f"{name} is empty: name lm-eval tasks (e.g. hellaswag,arc_easy), task YAML or text files")
     texts = []
     for entry in entries:
         looks_like_path = os.sep in entry or os.path.splitext(entry)[1] in (".yaml", ".yml", ".txt", ".jsonl")
@@ -79,7 +83,7 @@ def parse_tasks(spec: str, include_path: str | None = None) -> TaskList:
                 texts.append(os.path.abspath(entry))
                 out.names.append(text_task_name(entry))
         elif looks_like_path:
-            raise UserError(f"--tasks {entry}: no such file")
+            raise UserError(f"{name}: {entry}: no such file")
         else:
             out.names.append(entry)
     if texts:
@@ -102,5 +106,5 @@ def task_manager(tasks: TaskList):
         if name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else " (python -m lm_eval ls tasks lists them)"
-            raise UserError(f"--tasks {name}: not an lm-eval task, a task YAML or a file{hint}")
+            raise UserError(f"{tasks.given_as}: {name} is not an lm-eval task, a task YAML or a file{hint}")
     return manager

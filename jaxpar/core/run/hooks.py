@@ -187,7 +187,7 @@ class EvalTasks(Hook):
 
         self.t, self.run_dir, self.trainer, self.log, self.progress = cfg.train, cfg.run.dir, trainer, log, progress
         self.cli, self.results = cli, results
-        self.tasks = tasks.parse_tasks(cfg.train.eval_tasks)
+        self.tasks = tasks.parse_tasks(cfg.train.eval_tasks, name="train.eval_tasks")
         tasks.task_manager(self.tasks)  # an unknown task is refused before the first step
 
     def after_step(self, step: int) -> None:
