@@ -63,6 +63,7 @@ STAND_INS = {
     "GPT2_DIR": "hf/gpt2",
     "LLAMA_DIR": "hf/llama",
     "MIXTRAL_DIR": "hf/mixtral",
+    "README": "README",  # README.md: a real file, named in capitals
 }
 RUN_CONFIG = "configs/gpt2-124m.yaml"  # what a converted Hugging Face GPT-2 run's config.json holds
 PARSERS = ("parse_args", "parse_known_args", "parse_intermixed_args", "parse_known_intermixed_args")

@@ -29,6 +29,8 @@ RUNS = [("jaxpar", "")] + [("torchpar", b) for b in BACKENDS]
 # another valid value for each key where adding or flipping the default would not be valid on the tiny config
 ALTERNATIVE = {
     "train.scan_layers": "off",  # "on" is what auto does on the CPU
+    "train.eval_tasks": "hellaswag",
+    "train.eval_tasks_fewshot": "1",
     "model.family": "llama",
     "model.n_head": "2",
     "model.d_model": "64",
@@ -90,6 +92,7 @@ NEEDS = {
     "optim.loss_scale_growth_factor": ["optim.loss_scale_growth_interval=1"],
     "optim.min_lr": ["optim.warmup_steps=0"],
     "optim.decay_steps": ["optim.warmup_steps=0"],
+    **{f"train.eval_tasks_{k}": ["train.eval_tasks=hellaswag"] for k in ("every", "limit", "fewshot")},
 }
 
 

@@ -95,6 +95,7 @@ def test_the_closing_lines_name_the_run_its_numbers_and_the_next_commands(tmp_pa
     for command in (
         f'python -m jaxpar.generate --run {run} --prompt "def "',
         f"python -m jaxpar.tools.report {run}",
+        f"python -m jaxpar.eval --run {run} --tasks hellaswag,arc_easy --limit 200",
         f"python -m jaxpar.train --config {run}/config.json --mesh dp=2,tp=4 train.steps=40",
         f"--from jaxpar {run} --to torchpar {tmp_path / 'runs' / 'torchpar' / 't-from-jaxpar'}",
         f"--from jaxpar {run} --to hf {tmp_path / 'runs' / 'hf' / 't-from-jaxpar'}",
@@ -126,6 +127,7 @@ def test_a_deepspeed_run_samples_through_a_weights_file_and_a_run_over_nodes_kee
         f"python -m jaxpar.tools.convert --from torchpar {run} --to shared {weights} && python -m "
         f'torchpar.generate --weights {weights} --prompt "def "'
     ) in text
+    assert f"&& python -m torchpar.eval --weights {weights} --tasks hellaswag,arc_easy --limit 200" in text
     assert f"continue      this run's launch, with --config {run}/config.json train.steps=40" in text
     assert "torchrun" not in text
 

@@ -1,8 +1,9 @@
 """The README's first hour, walked in order on a clean directory with the README's own commands.
 
-The main job and its closing lines, a sample, the curves, the other framework from the same weights (its own run
-directory, its checkpoints), a conversion that goes on in torchpar, the run continued on another mesh, and the Hugging
-Face export in transformers' pipeline, greedy, giving jaxpar.generate's tokens.
+The main job and its closing lines, a sample, a benchmark task (the README's perplexity), the curves, the other
+framework from the same weights (its own run directory, its checkpoints), a conversion that goes on in torchpar, the
+run continued on another mesh, and the Hugging Face export in transformers' pipeline, greedy, giving
+jaxpar.generate's tokens.
 """
 
 import json
@@ -32,7 +33,8 @@ class Walk:
         self.where = str(where)
         with open(os.path.join(ROOT, "README.md")) as f:
             self.readme = one_line(f.read())
-        os.symlink(os.path.join(ROOT, "configs"), os.path.join(self.where, "configs"))
+        for name in ("configs", "README.md"):  # what the README's commands read from the checkout
+            os.symlink(os.path.join(ROOT, name), os.path.join(self.where, name))
 
     def __call__(self, command: str, in_readme: bool = True, ok: bool = True):
         assert not in_readme or one_line(command) in self.readme, f"the README no longer shows: {command}"
@@ -71,6 +73,12 @@ def test_the_readme_first_hour(tmp_path, monkeypatch):
         assert command in out, out
 
     assert walk(sample).stdout.startswith("def ")
+    # benchmark tasks: the perplexity of the README itself, lm-eval's table and the results file
+    out = walk(f"python -m jaxpar.eval --run {RUN} --tasks README.md").stdout
+    assert "bits_per_byte" in out and f"results of step 150: {RUN}/evals/150.json" in out
+    with open(walk.path(f"{RUN}/evals/150.json")) as f:
+        bits = json.load(f)["results"]["ppl_README_md"]["bits_per_byte,none"]
+    assert 1.0 < bits < 8.0  # a byte model that learned something of Python source (random: 8 bits per byte)
     assert walk(report).stdout.strip() == f"wrote {walk.path(RUN)}/curves.png"
     _, data = curves([walk.path(RUN)], str(tmp_path / "again.png"))  # what the picture plots
     logged = [(m["step"], m["loss"]) for m in walk.metrics(RUN)]

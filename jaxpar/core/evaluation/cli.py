@@ -79,9 +79,14 @@ def gen_kwargs_of(text: str | None) -> dict | None:
 
 @contextmanager
 def _fewer_documents_than(processes: int):
-    """lm-eval's error for a process left without documents, as one line."""
+    """lm-eval's errors for data it could not download or a process left without documents, as one line."""
     try:
         yield
+    except ConnectionError as e:  # a registry task's data, on a machine that cannot download it
+        raise UserError(
+            f"{e}: lm-eval's registry tasks download their data from the Hugging Face Hub; offline, write a task of "
+            "your own (docs/evaluation.md)"
+        ) from None
     except ValueError as e:
         if "did not find any docs" not in str(e):
             raise

@@ -11,9 +11,11 @@ Each comma-separated entry is one of
 
 from __future__ import annotations
 
+import atexit
 import difflib
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 
@@ -88,6 +90,7 @@ def parse_tasks(spec: str, include_path: str | None = None, name: str = "--tasks
             out.names.append(entry)
     if texts:
         folder = tempfile.mkdtemp(prefix="jaxpar-text-tasks-")
+        atexit.register(shutil.rmtree, folder, True)  # the generated YAML lives as long as the command
         for path in texts:
             with open(os.path.join(folder, text_task_name(path) + ".yaml"), "w") as f:
                 f.write(TEXT_TASK.format(name=text_task_name(path), path=path))

@@ -60,12 +60,18 @@ def next_commands(cfg: Config, framework: str, info: dict, steps_done: int) -> l
     other = "torchpar" if framework == "jaxpar" else "jaxpar"
     convert = f"python -m jaxpar.tools.convert --from {framework} {run}"
     sample = f'python -m {framework}.generate --run {run} --prompt "def "'
-    if backend == "deepspeed":  # torchpar.generate reads DCP runs; DeepSpeed's through a weights file
+    evaluate = f"python -m {framework}.eval --run {run} --tasks hellaswag,arc_easy --limit 200"
+    if backend == "deepspeed":  # torchpar.generate and .eval read DCP runs; DeepSpeed's through a weights file
         weights = shlex.quote(converted_dir(cfg.run.dir, framework, "shared") + ".safetensors")
         sample = f'{convert} --to shared {weights} && python -m torchpar.generate --weights {weights} --prompt "def "'
+        evaluate = (
+            f"{convert} --to shared {weights} && python -m torchpar.eval --weights {weights} "
+            f"--tasks hellaswag,arc_easy --limit 200 --output {run}/evals/last.json"
+        )
     return [
         ("sample", sample),
         ("curves", f"python -m jaxpar.tools.report {run}"),
+        ("evaluate", evaluate),
         ("continue", go_on),
         (other, f"{convert} --to {other} {shlex.quote(converted_dir(cfg.run.dir, framework, other))}"),
         ("hugging face", f"{convert} --to hf {shlex.quote(converted_dir(cfg.run.dir, framework, 'hf'))}"),
