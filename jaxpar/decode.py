@@ -169,3 +169,37 @@ def make_generate(graphdef, eod: int | None = None):
         return jnp.concatenate([tokens.T, last[:, None]], axis=1)
 
     return generate
+
+
+def make_generate_ragged(graphdef, eod: int | None = None):
+    """The jitted decoder of prompts of different lengths in one batch (lm-eval's generation requests).
+
+    Generate(params, prompt [B, P] int32 padded on the right, lengths [B], prefill, new_tokens, temperature=0) -> each
+    row's next `new_tokens` tokens after its own length [B, new_tokens]. The first `prefill` tokens (at most the
+    shortest prompt) fill the cache in one pass; then one token a step, each row reading its prompt until its length
+    and its own predictions after, so one program serves every length up to P (compiled per P and prefill).
+    """
+
+    @partial(jax.jit, static_argnames=("prefill", "new_tokens", "temperature"))
+    def generate(params, prompt, lengths, key, prefill: int, new_tokens: int, temperature: float = 0.0):
+        model = nnx.merge(graphdef, params)
+        B, P = prompt.shape
+        total = P + new_tokens
+        cache = _empty_cache(model.cfg, B, total)
+        slots = None if eod is None else (jnp.zeros((B, total), jnp.int32), jnp.full((B, total), -1, jnp.int32))
+        padded = jnp.concatenate([prompt, jnp.zeros((B, new_tokens), prompt.dtype)], axis=1)
+        draw = partial(sample, temperature=temperature, top_k=0, top_p=1.0)
+        logits, cache, slots = _forward(model, prompt[:, :prefill], 0, cache, slots, eod)
+        first = draw(logits[:, -1], jax.random.fold_in(key, prefill))
+
+        def step(carry, i):  # carry: the model's token for slot i (its prediction after slot i - 1)
+            predicted, cache, slots = carry
+            token = jnp.where(i < lengths, padded[:, i], predicted)
+            logits, cache, slots = _forward(model, token[:, None], i, cache, slots, eod)
+            return (draw(logits[:, -1], jax.random.fold_in(key, i + 1)), cache, slots), token
+
+        (last, *_), tokens = jax.lax.scan(step, (first, cache, slots), jnp.arange(prefill, total - 1))
+        row = jnp.concatenate([prompt[:, :prefill], tokens.T, last[:, None]], axis=1)  # every slot's token [B, total]
+        return jax.vmap(lambda r, n: jax.lax.dynamic_slice(r, (n,), (new_tokens,)))(row, lengths)
+
+    return generate

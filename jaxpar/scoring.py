@@ -4,7 +4,8 @@
 restored checkpoint, or the training state itself). Rows are padded on the right to a few lengths (powers of two up
 to max_seq_len + 1) and to a fixed batch, so a task compiles a handful of programs; a causal model's scores of a row
 do not depend on what follows it. The batch is split over the mesh's data axes (dp, fsdp) and the model as the rules
-table shards it (tp), so a model larger than one device is evaluated sharded. Decoding is jaxpar/decode.py's KV cache.
+table shards it (tp), so a model larger than one device is evaluated sharded. Decoding is jaxpar/decode.py's KV cache,
+prompts of different lengths in one batch (make_generate_ragged: a program per power of two of their lengths).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from jax.sharding import NamedSharding
 
 from jaxpar.context import use
 from jaxpar.core.data.tokens import document_token
-from jaxpar.decode import make_generate
+from jaxpar.decode import make_generate_ragged
 from jaxpar.layout import Layout
 from jaxpar.loss import split_rows
 from jaxpar.models.decoder import abstract_model
@@ -46,7 +47,7 @@ class JaxScorer:
         ways = int(np.prod([layout.mesh.shape[a] for a in ("dp", "fsdp") if a in layout.mesh.shape]))
         self.rows = -(-batch_size // ways) * ways  # a whole number of rows on each data shard
         graphdef, eod = abstract_model(layout.cfg.model)[0], document_token(layout.cfg)
-        self._generate = make_generate(graphdef, eod)
+        self._generate = make_generate_ragged(graphdef, eod)
         context = parallel_context(layout)
         self.sharding = NamedSharding(layout.mesh, spec_for(("batch", None), (self.rows, 1), layout.mesh, layout.rules))
 
@@ -72,12 +73,21 @@ class JaxScorer:
         return [(logp[i, : len(r) - 1].tolist(), greedy[i, : len(r) - 1].tolist()) for i, r in enumerate(rows)]
 
     def generate(self, prompts: list[list[int]], new_tokens: int, temperature: float) -> list[list[int]]:
-        batch = np.asarray(prompts + [prompts[0]] * (self.rows - len(prompts)), np.int32)
+        """Prompts of any lengths: padded on the right to a power of two, the shortest's power of two prefilled."""
+        lengths = [len(p) for p in prompts]
+        width = min(_padded_length(max(lengths), self.max_length), self.max_length - new_tokens)
+        prefill = 1 << (min(lengths).bit_length() - 1)  # at most the shortest prompt
+        batch = np.zeros((self.rows, width), np.int32)
+        for i, p in enumerate(prompts + [prompts[0]] * (self.rows - len(prompts))):
+            batch[i, : len(p)] = p
+        rows = np.asarray(lengths + [lengths[0]] * (self.rows - len(prompts)), np.int32)
         with use(parallel_context(self.layout)):
             out = self._generate(
                 self._device_params(),
                 jnp.asarray(batch),
+                jnp.asarray(rows),
                 jax.random.key(0),
+                prefill=prefill,
                 new_tokens=new_tokens,
                 temperature=temperature,
             )

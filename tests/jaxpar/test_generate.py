@@ -76,6 +76,35 @@ def test_kv_cache_decoding_equals_rerunning_the_full_forward(mesh):
     np.testing.assert_array_equal(cached, np.asarray(tokens[:, 5:]))
 
 
+@pytest.mark.parametrize("documents", [False, True])
+def test_prompts_of_different_lengths_decode_in_one_batch_as_each_alone(documents):
+    """make_generate_ragged (lm-eval's generation requests, jaxpar/scoring.py) against make_generate row by row."""
+    from jaxpar.decode import make_generate_ragged
+
+    overrides = ("data.document_mask=true",) if documents else ()
+    layout, graphdef, params = model_on("dp=1", *overrides)
+    eod = 0 if documents else None
+    prompts = [[7, 9, 0, 11, 5, 3, 8], [4, 2, 6], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [5, 5, 5, 5]]
+    batch = np.zeros((4, 16), np.int32)
+    for i, p in enumerate(prompts):
+        batch[i, : len(p)] = p
+    with use(parallel_context(layout)):
+        ragged = make_generate_ragged(graphdef, eod)(
+            params,
+            jnp.asarray(batch),
+            jnp.asarray([len(p) for p in prompts]),
+            jax.random.key(0),
+            prefill=2,
+            new_tokens=10,
+        )
+        alone = [
+            np.asarray(make_generate(graphdef, eod)(params, jnp.asarray([p]), jax.random.key(0), new_tokens=10))[0]
+            for p in prompts
+        ]
+    assert len({tuple(a) for a in alone}) == 4 and len(set(alone[0].tolist())) > 3, alone  # not degenerate
+    np.testing.assert_array_equal(np.asarray(ragged), np.stack(alone))
+
+
 def continue_by_forward(next_token, prompt: list[int], length: int, new: int | None = None) -> list[int]:
     """The independent reference.
 

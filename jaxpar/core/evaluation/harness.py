@@ -9,7 +9,7 @@ own `hf` model does with a causal model, so that both give the same numbers on t
   generate_until         the context cut from the left to max_length - max_gen_toks tokens, max_gen_toks tokens
                          decoded with the framework's KV cache, the text cut at the first stop sequence (the
                          end-of-document token's text is always one)
-Requests are scored in batches of rows of like length, longest first; generation batches rows of equal prompt length.
+Requests are scored, and prompts decoded, in batches of like length, the longest first.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Scorer(Protocol):
         """Per row of tokens t[0..n-1]: log p(t[i+1] | t[..i]) for i < n-1, and whether t[i+1] is the argmax."""
 
     def generate(self, prompts: list[list[int]], new_tokens: int, temperature: float) -> list[list[int]]:
-        """The next `new_tokens` tokens of each prompt (all of one length); temperature 0 is greedy."""
+        """The next `new_tokens` tokens of each prompt (of any lengths); temperature 0 is greedy."""
 
 
 class ProjectLM(TemplateLM):
@@ -99,7 +99,7 @@ class ProjectLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        jobs = defaultdict(list)  # (prompt length, new tokens, temperature) -> [(request index, prompt, stops)]
+        jobs = defaultdict(list)  # (new tokens, temperature) -> [(request index, prompt, stops)]
         for k, req in enumerate(requests):
             context, kwargs = req.args
             kwargs = dict(kwargs or {})
@@ -114,9 +114,10 @@ class ProjectLM(TemplateLM):
                 )
             temperature = float(kwargs.get("temperature", 0.0) or 0.0) if kwargs.get("do_sample") else 0.0
             prompt = self.tok_encode(context)[-(self.max_length - new) :] or [self.prefix_token_id]
-            jobs[(len(prompt), new, temperature)].append((k, prompt, stops))
+            jobs[(new, temperature)].append((k, prompt, stops))
         out = [""] * len(requests)
-        for (_, new, temperature), group in sorted(jobs.items(), reverse=True):
+        for (new, temperature), group in jobs.items():
+            group.sort(key=lambda job: -len(job[1]))  # like lengths together, the longest first
             for start in range(0, len(group), self.batch_size):
                 batch = group[start : start + self.batch_size]
                 for (k, _, stops), tokens in zip(
