@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from jaxpar.core.evaluation.tasks import parse_tasks
-from tests.helpers import ROOT, free_port, metrics, run_cli, torch_env, write_eval_tasks
+from tests.helpers import ROOT, free_port, metrics, run_cli, tensorboard_scalars, torch_env, write_eval_tasks
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 TASKS = ("tiny_mc", "tiny_gen")
@@ -150,11 +150,15 @@ def test_train_eval_tasks_score_at_the_requested_steps(dataset, tmp_path):
     tasks = write_eval_tasks(tmp_path / "tasks")
     spec = f"train.eval_tasks={tasks['include']}/mc.yaml,{tasks['text']}"
     run = tmp_path / "run"
-    first = run_cli(run, dataset, "train.steps=6", spec, "train.eval_tasks_every=3", env=OFFLINE)
+    first = run_cli(
+        run, dataset, "train.steps=6", spec, "train.eval_tasks_every=3", "run.tensorboard=true", env=OFFLINE
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     assert sorted(os.listdir(run / "evals")) == ["3.json", "6.json"]
     scored = {s: v for s, v in _scores_by_step(run).items() if v}
     assert sorted(scored) == [3, 6] and scored[3] != scored[6]  # the model moved between them
+    board = tensorboard_scalars(run)
+    assert board["eval/tiny_mc/acc"] == pytest.approx({s: scored[s]["eval/tiny_mc/acc"] for s in (3, 6)})  # float32
     assert "eval tasks at step 6: tiny_mc/acc" in first.stdout
     # the scores of step 6 are those of its checkpoint, scored afresh by the eval command
     _run(
