@@ -2,9 +2,10 @@
 
     python benchmarks/eval_over_training.py OUT_DIR
 
-Writes OUT_DIR/tasks/cloze.yaml (+ cloze.jsonl): a multiple-choice task of 200 items cut from this checkout's own
+Writes two multiple-choice tasks of 200 items each to OUT_DIR/tasks (YAML + JSON lines), cut from this checkout's own
 jaxpar/core sources, which the README's model never trains on (it trains on the standard library): 48 characters of
-code, then the next word among four (the true one and three other words of that file, of like length; chance 25%).
+code, then among four choices (chance 25%) the next word (cloze: the true one and three other words of that file, of
+like length) or the next three characters (next3: the true ones and three other 3-character spans of that file).
 Then trains the README's main job (configs/gpt2-tiny.yaml on dp=2,tp=4) with train.eval_tasks on the cloze task and
 on the perplexity of jaxpar/core/run/loop.py every 25 steps, scores the last checkpoint again with jaxpar.eval and, on
 its torchpar conversion, torchpar.eval, and prints a Markdown table of the scores by step.
@@ -48,15 +49,35 @@ def cloze_items(seed: int = 0) -> list[dict]:
     return items
 
 
-def write_task(folder: str) -> str:
+def next_chars_items(seed: int = 1) -> list[dict]:
+    """48 characters of code, then the next 3 among four: the true ones and 3-character spans of that file."""
+    rng, items = random.Random(seed), []
+    files = sorted(glob.glob(os.path.join(ROOT, "jaxpar", "core", "**", "*.py"), recursive=True))
+    while len(items) < ITEMS:
+        with open(rng.choice(files)) as f:
+            text = f.read()
+        if len(text) < 1000:
+            continue
+        at = rng.randrange(CONTEXT, len(text) - 3)
+        answer = text[at : at + 3]
+        others = {text[i : i + 3] for i in (rng.randrange(0, len(text) - 3) for _ in range(12))} - {answer}
+        if len(others) < 3:
+            continue
+        choices = rng.sample(sorted(others), 3) + [answer]
+        rng.shuffle(choices)
+        items.append({"context": text[at - CONTEXT : at], "choices": choices, "answer": choices.index(answer)})
+    return items
+
+
+def write_task(folder: str, name: str, items: list[dict]) -> str:
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "cloze.jsonl"), "w") as f:
-        f.writelines(json.dumps(item) + "\n" for item in cloze_items())
-    path = os.path.join(folder, "cloze.yaml")
+    with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
+        f.writelines(json.dumps(item) + "\n" for item in items)
+    path = os.path.join(folder, f"{name}.yaml")
     with open(path, "w") as f:
         f.write(
-            "task: jaxpar_cloze\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-            f"    test: {folder}/cloze.jsonl\ntest_split: test\noutput_type: multiple_choice\n"
+            f"task: jaxpar_{name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            f"    test: {folder}/{name}.jsonl\ntest_split: test\noutput_type: multiple_choice\n"
             'doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
             'target_delimiter: ""\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n'
         )
@@ -72,8 +93,9 @@ def run(*args: str) -> str:
 
 def main() -> None:
     out_dir = os.path.abspath(sys.argv[1])
-    task, run_dir = write_task(os.path.join(out_dir, "tasks")), os.path.join(out_dir, "run")
-    tasks = f"{task},{TEXT}"
+    folder, run_dir = os.path.join(out_dir, "tasks"), os.path.join(out_dir, "run")
+    cloze, chars = write_task(folder, "cloze", cloze_items()), write_task(folder, "next3", next_chars_items())
+    tasks = f"{cloze},{chars},{TEXT}"
     run(
         "jaxpar.train",
         "--config",
@@ -88,7 +110,7 @@ def main() -> None:
     torch_run = os.path.join(out_dir, "run-torchpar")
     run("jaxpar.tools.convert", "--from", "jaxpar", run_dir, "--to", "torchpar", torch_run)
     run("torchpar.eval", "--run", torch_run, "--tasks", tasks, "--output", os.path.join(out_dir, "torchpar-eval.json"))
-    print("| step | cloze acc | cloze acc_norm | loop.py bits per byte | loop.py token perplexity |")
+    print("| step | next word acc | next 3 characters acc | loop.py bits per byte | loop.py token perplexity |")
     print("| ---: | ---: | ---: | ---: | ---: |")
     rows = sorted(glob.glob(os.path.join(run_dir, "evals", "*.json")), key=lambda p: int(os.path.basename(p)[:-5]))
     named = [(f"{os.path.basename(p)[:-5]}", p) for p in rows]
@@ -97,10 +119,10 @@ def main() -> None:
     for name, path in named:
         with open(path) as f:
             r = json.load(f)["results"]
-        c, t = r["jaxpar_cloze"], r["ppl_loop_py"]
+        c, n, t = r["jaxpar_cloze"], r["jaxpar_next3"], r["ppl_loop_py"]
         print(
-            f"| {name} | {c['acc,none']:.3f} ± {c['acc_stderr,none']:.3f} | {c['acc_norm,none']:.3f} | "
-            f"{t['bits_per_byte,none']:.3f} | {t['token_perplexity,none']:.2f} |"
+            f"| {name} | {c['acc,none']:.3f} ± {c['acc_stderr,none']:.3f} | {n['acc,none']:.3f} ± "
+            f"{n['acc_stderr,none']:.3f} | {t['bits_per_byte,none']:.3f} | {t['token_perplexity,none']:.2f} |"
         )
 
 
