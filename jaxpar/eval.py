@@ -19,22 +19,14 @@ from jaxpar.core.evaluation.cli import check_eval_args, eval_parser, gen_kwargs_
 from jaxpar.core.evaluation.harness import ProjectLM
 from jaxpar.core.run.directory import check_framework
 from jaxpar.core.weights.names import unflatten
-from jaxpar.generate import load, restore_params
+from jaxpar.generate import SOURCES, load, restore_params
 from jaxpar.mesh import make_mesh, setup_devices
 
 DECODING_AXES = ("dp", "fsdp", "tp")
 
 
 def parse_args(argv):
-    p = eval_parser(
-        "python -m jaxpar.eval",
-        __doc__,
-        {
-            "run": "a jaxpar run directory: its latest checkpoint and config",
-            "weights": "a .safetensors file in the shared weight format",
-            "hf": "a Hugging Face GPT-2, Llama, Mixtral or DeepSeek-V3 directory (config.json + safetensors)",
-        },
-    )
+    p = eval_parser("python -m jaxpar.eval", __doc__, SOURCES)
     p.add_argument("--mesh", default="dp=1", help="dp / fsdp / tp axes (default dp=1)")
     return p.parse_args(argv)
 

@@ -27,16 +27,16 @@ from jaxpar.formats.weights_io import read
 from jaxpar.mesh import make_mesh, setup_devices
 
 
+# where the weights come from (jaxpar.eval's too): option -> help
+SOURCES = {
+    "run": "a jaxpar run directory: its latest checkpoint and config",
+    "weights": "a .safetensors file in the shared weight format",
+    "hf": "a Hugging Face GPT-2, Llama, Mixtral or DeepSeek-V3 directory (config.json + safetensors)",
+}
+
+
 def parse_args(argv):
-    p = sampling_parser(
-        "python -m jaxpar.generate",
-        __doc__,
-        {
-            "run": "a jaxpar run directory: its latest checkpoint and config",
-            "weights": "a .safetensors file in the shared weight format",
-            "hf": "a Hugging Face GPT-2, Llama, Mixtral or DeepSeek-V3 directory (config.json + safetensors)",
-        },
-    )
+    p = sampling_parser("python -m jaxpar.generate", __doc__, SOURCES)
     p.add_argument("--mesh", default="dp=1", help="dp / fsdp / tp axes (default dp=1)")
     return p.parse_args(argv)
 

@@ -8,6 +8,7 @@ lm-eval's table printed.
 from __future__ import annotations
 
 import argparse
+from collections import defaultdict
 from contextlib import contextmanager
 
 from jaxpar.core.errors import UserError, quiet_logs
@@ -78,7 +79,7 @@ def gen_kwargs_of(text: str | None) -> dict | None:
 
 
 @contextmanager
-def _fewer_documents_than(processes: int):
+def _lm_eval_errors(processes: int):
     """lm-eval's errors for data it could not download or a process left without documents, as one line."""
     try:
         yield
@@ -109,7 +110,7 @@ def run_tasks(
 
     manager = task_manager(tasks)
     lm.rolling.clear()  # the text tasks' token counts of this evaluation alone
-    with quiet_logs(*LM_EVAL_LOGGERS), _fewer_documents_than(lm.world_size):
+    with quiet_logs(*LM_EVAL_LOGGERS), _lm_eval_errors(lm.world_size):
         results = simple_evaluate(
             model=lm,
             tasks=tasks.names,
@@ -123,10 +124,11 @@ def run_tasks(
     # the text tasks' token counts of every process (lm-eval gathers its own metrics on rank 0, not these)
     parts = [dict(lm.rolling)] if lm.world_size == 1 else lm.gather_object(dict(lm.rolling))
     if results is not None:
-        rolling = {}
+        rolling = defaultdict(lambda: [0.0, 0])
         for part in parts:
             for task, (loglik, tokens) in part.items():
-                rolling[task] = [rolling.get(task, [0.0, 0])[0] + loglik, rolling.get(task, [0.0, 0])[1] + tokens]
+                rolling[task][0] += loglik
+                rolling[task][1] += tokens
         add_token_perplexity(results, rolling, tasks.text_tasks)
     return results
 
