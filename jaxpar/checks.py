@@ -17,6 +17,7 @@ from jaxpar.core.errors import UserError
 from jaxpar.core.pipeline.schedules import check_schedule, concrete, resolve_microbatches
 from jaxpar.core.run.resume import check_resume
 from jaxpar.core.run.directory import check_run_dir_framework
+from jaxpar.core.evaluation.tasks import check_eval_tasks
 from jaxpar.core.run.trackers import check_trackers
 from jaxpar.parallel.sequence import check_sequence
 
@@ -30,6 +31,7 @@ def validate(cfg: Config, sizes, is_main: bool = True) -> None:
     check_run_dir_framework(cfg, "jaxpar")
     check_resume(cfg, is_main)
     check_trackers(cfg)
+    check_eval_tasks(cfg)
     check_config(cfg, sizes)
 
 

@@ -18,6 +18,7 @@ from jaxpar.core.config.mesh_spec import check_torch_mesh, parse_mesh, resolve_s
 from jaxpar.core.pipeline.choice import resolve
 from jaxpar.core.run.resume import check_resume
 from jaxpar.core.run.directory import check_run_dir_framework
+from jaxpar.core.evaluation.tasks import check_eval_tasks
 from jaxpar.core.run.trackers import check_trackers
 from torchpar.dist import launch_env, launched
 
@@ -82,6 +83,7 @@ def check_backend_settings(cfg: Config, args) -> None:
     check_torch_mesh(cfg.parallel.mesh, args.backend, world)
     check_expert_parallel(cfg, args.backend, world)
     check_trackers(cfg)
+    check_eval_tasks(cfg)
     if cfg.train.sample_every and args.backend not in ("none", "ddp"):
         raise UserError(
             "train.sample_every needs the whole model on rank 0: --backend none or ddp, "

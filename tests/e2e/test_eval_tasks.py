@@ -231,6 +231,7 @@ def test_torchpar_trainer_scores_at_the_requested_steps(dataset, tmp_path):
             ["train.eval_tasks=no_such_task_here"],
             "train.eval_tasks: no_such_task_here is not an lm-eval",
         ),
+        ("torchpar.train", ["train.eval_tasks=tiny.txt"], "train.eval_tasks: tiny.txt: no such file"),
         ("jaxpar.eval", ["--run", "/nonexistent", "--tasks", "x"], "not a run directory"),
         ("jaxpar.eval", ["--weights", "w.safetensors", "--tasks", "x"], "--output FILE is required"),
         ("jaxpar.eval", ["--run", ".", "--tasks", "a.txt", "--mesh", "pp=2"], "evaluation runs on dp / fsdp / tp"),
@@ -253,3 +254,4 @@ def test_bad_evaluation_input_is_one_line(tmp_path, dataset, module, args, messa
     )
     assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
+    assert not os.path.exists(tmp_path / "r")  # a refused run writes nothing

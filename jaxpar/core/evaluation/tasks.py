@@ -111,3 +111,9 @@ def task_manager(tasks: TaskList):
             hint = f" (did you mean {', '.join(close)}?)" if close else " (python -m lm_eval ls tasks lists them)"
             raise UserError(f"{tasks.given_as}: {name} is not an lm-eval task, a task YAML or a file{hint}")
     return manager
+
+
+def check_eval_tasks(cfg) -> None:
+    """Before any work: train.eval_tasks names tasks lm-eval has (its files exist, its names are in the registry)."""
+    if cfg.train.eval_tasks:
+        task_manager(parse_tasks(cfg.train.eval_tasks, name="train.eval_tasks"))

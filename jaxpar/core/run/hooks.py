@@ -178,8 +178,9 @@ EVAL_TASKS_BATCH = 8  # train.eval_tasks: requests scored at once
 class EvalTasks(Hook):
     """train.eval_tasks every train.eval_tasks_every steps and at the last: lm-eval's scores join the step's record.
 
-    The tasks are checked when the run starts; the results go to run.dir/evals/<step>.json, the scores to the record
-    (eval/<task>/<metric>) and one line to the console. The trainer's `task_model` scores the live parameters.
+    The trainers check the tasks before the run (check_eval_tasks); the results go to run.dir/evals/<step>.json, the
+    scores to the record (eval/<task>/<metric>) and one line to the console. The trainer's `task_model` scores the live
+    parameters.
     """
 
     def __init__(self, cfg: Config, trainer, log: MetricsLog, progress: Progress):
@@ -187,8 +188,7 @@ class EvalTasks(Hook):
 
         self.t, self.run_dir, self.trainer, self.log, self.progress = cfg.train, cfg.run.dir, trainer, log, progress
         self.cli, self.results = cli, results
-        self.tasks = tasks.parse_tasks(cfg.train.eval_tasks, name="train.eval_tasks")
-        tasks.task_manager(self.tasks)  # an unknown task is refused before the first step
+        self.tasks = tasks.parse_tasks(cfg.train.eval_tasks, name="train.eval_tasks")  # checked by the trainers
 
     def after_step(self, step: int) -> None:
         if not due(step, self.t.eval_tasks_every, step == self.t.steps):
