@@ -40,14 +40,17 @@ def check_mesh(mesh: str) -> dict[str, int]:
 
 
 def scorer_of(args, sizes: dict):
-    """(Scorer, tokenizer, step, config) of the weights the user named, on the mesh `sizes`."""
+    """(Scorer, tokenizer, step) of the weights the user named, on the mesh `sizes` (step: None but for a run)."""
+    import jax  # deferred: jax (~1 s), after setup_devices
+
     from jaxpar.layout import Layout  # deferred: imports jax, after setup_devices
     from jaxpar.scoring import JaxScorer  # deferred: imports jax, after setup_devices
 
     cfg, flat, tokenizer = load(args)
     layout = Layout(cfg, make_mesh(sizes))
-    params, step = restore_params(args.run, layout) if flat is None else (unflatten(flat), 0)
-    return JaxScorer(layout, lambda: params, args.batch_size), tokenizer, step, cfg
+    params, step = restore_params(args.run, layout) if flat is None else (unflatten(flat), None)
+    params = jax.device_put(params, layout.device_shardings["params"])  # once, in device memory
+    return JaxScorer(layout, lambda: params, args.batch_size), tokenizer, step
 
 
 @cli
@@ -58,7 +61,7 @@ def main(argv=None) -> int:
     if args.run:
         check_framework(args.run, "jaxpar", "evaluate")
     setup_devices(sizes)  # before anything starts jax (reading a run's checkpoint does)
-    scorer, tokenizer, step, cfg = scorer_of(args, sizes)
+    scorer, tokenizer, step = scorer_of(args, sizes)
     lm = ProjectLM(scorer, tokenizer, args.batch_size)
     results = run_tasks(lm, tasks, args.num_fewshot, args.limit, gen_kwargs_of(args.gen_kwargs), args.log_samples)
     about = {"framework": "jaxpar", "model": args.run or args.weights or args.hf, "mesh": args.mesh}

@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     tasks = check_eval_args(args)
     model, tokenizer, step = load_model(args, "evaluate")
+    step = step if args.run else None  # a weights file has no step
     env = dist.init(dist.launch_env()[1] > 1, 600.0)  # the process group lm-eval gathers over, under torchrun
     lm = TorchLM(TorchScorer(model.eval()), tokenizer, args.batch_size, env)
     results = run_tasks(lm, tasks, args.num_fewshot, args.limit, gen_kwargs_of(args.gen_kwargs), args.log_samples)

@@ -133,11 +133,14 @@ def run_tasks(
     return results
 
 
-def report(results: dict, args, step: int, about: dict) -> None:
-    """Writes the results (evals/<step>.json of the run, or --output) and prints lm-eval's table and where they are."""
+def report(results: dict, args, step: int | None, about: dict) -> None:
+    """Writes the results (evals/<step>.json of the run, or --output) and prints lm-eval's table and where they are.
+
+    `step`: the checkpoint's (None for a weights file or a Hugging Face directory).
+    """
     path = args.output or evals_path(args.run, step)
     save(path, step, results, about, args.log_samples)
     print(table(results))
-    print(f"results of step {step}: {path}")
+    print(f"results of step {step}: {path}" if step is not None else f"results: {path}")
     if not args.output:
         print(f"next: python -m jaxpar.tools.report {args.run}  (plots each task's score over the evaluated steps)")

@@ -42,7 +42,7 @@ def evals_path(run_dir: str, step: int) -> str:
     return os.path.join(run_dir, "evals", f"{step}.json")
 
 
-def save(path: str, step: int, results: dict, about: dict, samples: bool = False) -> None:
+def save(path: str, step: int | None, results: dict, about: dict, samples: bool = False) -> None:
     """Writes the results to `path` (atomically: a reader never sees half of it).
 
     `samples`: lm-eval's per-request records beside it, as <path without .json>.samples.json.
