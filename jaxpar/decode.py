@@ -174,21 +174,32 @@ def make_generate(graphdef, eod: int | None = None):
 def make_generate_ragged(graphdef, eod: int | None = None):
     """The jitted decoder of prompts of different lengths in one batch (lm-eval's generation requests).
 
-    Generate(params, prompt [B, P] int32 padded on the right, lengths [B], prefill, new_tokens, temperature=0) -> each
-    row's next `new_tokens` tokens after its own length [B, new_tokens]. The first `prefill` tokens (at most the
-    shortest prompt) fill the cache in one pass; then one token a step, each row reading its prompt until its length
-    and its own predictions after, so one program serves every length up to P (compiled per P and prefill).
+    Generate(params, prompt [B, P] int32 padded on the right, lengths [B], key, prefill, new_tokens, temperature=0,
+    top_k=0, top_p=1) -> each row's next `new_tokens` tokens after its own length [B, new_tokens]. The first `prefill`
+    tokens (at most the shortest prompt) fill the cache in one pass; then one token a step, each row reading its prompt
+    until its length and its own predictions after, so one program serves every length up to P (compiled per P and
+    prefill).
     """
 
-    @partial(jax.jit, static_argnames=("prefill", "new_tokens", "temperature"))
-    def generate(params, prompt, lengths, key, prefill: int, new_tokens: int, temperature: float = 0.0):
+    @partial(jax.jit, static_argnames=("prefill", "new_tokens", "temperature", "top_k", "top_p"))
+    def generate(
+        params,
+        prompt,
+        lengths,
+        key,
+        prefill: int,
+        new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+    ):
         model = nnx.merge(graphdef, params)
         B, P = prompt.shape
         total = P + new_tokens
         cache = _empty_cache(model.cfg, B, total)
         slots = None if eod is None else (jnp.zeros((B, total), jnp.int32), jnp.full((B, total), -1, jnp.int32))
         padded = jnp.concatenate([prompt, jnp.zeros((B, new_tokens), prompt.dtype)], axis=1)
-        draw = partial(sample, temperature=temperature, top_k=0, top_p=1.0)
+        draw = partial(sample, temperature=temperature, top_k=top_k, top_p=top_p)
         logits, cache, slots = _forward(model, prompt[:, :prefill], 0, cache, slots, eod)
         first = draw(logits[:, -1], jax.random.fold_in(key, prefill))
 

@@ -15,7 +15,7 @@ import sys
 
 from jaxpar.core.config.mesh_spec import parse_mesh
 from jaxpar.core.errors import UserError, cli
-from jaxpar.core.evaluation.cli import check_eval_args, eval_parser, gen_kwargs_of, report, run_tasks
+from jaxpar.core.evaluation.cli import check_eval_args, eval_parser, report, run_tasks
 from jaxpar.core.evaluation.harness import ProjectLM
 from jaxpar.core.run.directory import check_framework
 from jaxpar.core.weights.names import unflatten
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     setup_devices(sizes)  # before anything starts jax (reading a run's checkpoint does)
     scorer, tokenizer, step = scorer_of(args, sizes)
     lm = ProjectLM(scorer, tokenizer, args.batch_size)
-    results = run_tasks(lm, tasks, args.num_fewshot, args.limit, gen_kwargs_of(args.gen_kwargs), args.log_samples)
+    results = run_tasks(lm, tasks, args.num_fewshot, args.limit, args.gen_kwargs, args.log_samples)
     about = {"framework": "jaxpar", "model": args.run or args.weights or args.hf, "mesh": args.mesh}
     report(results, args, step, about)
     return 0

@@ -5,7 +5,8 @@ restored checkpoint, or the training state itself). Rows are padded on the right
 to max_seq_len + 1) and to a fixed batch, so a task compiles a handful of programs; a causal model's scores of a row
 do not depend on what follows it. The batch is split over the mesh's data axes (dp, fsdp) and the model as the rules
 table shards it (tp), so a model larger than one device is evaluated sharded. Decoding is jaxpar/decode.py's KV cache,
-prompts of different lengths in one batch (make_generate_ragged: a program per power of two of their lengths).
+prompts of different lengths in one batch (make_generate_ragged: a program per power of two of their lengths), the
+batch replicated on every device (the model sharded as for scoring).
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ class JaxScorer:
         logp, greedy = _to_host(self._score(self._device_params(), jax.device_put(batch, self.sharding)))
         return [(logp[i, : len(r) - 1].tolist(), greedy[i, : len(r) - 1].tolist()) for i, r in enumerate(rows)]
 
-    def generate(self, prompts: list[list[int]], new_tokens: int, temperature: float) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], new_tokens: int, temperature: float, top_k: int, top_p: float
+    ) -> list[list[int]]:
         """Prompts of any lengths: padded on the right to a power of two, the shortest's power of two prefilled."""
         lengths = [len(p) for p in prompts]
         width = min(_padded_length(max(lengths), self.max_length), self.max_length - new_tokens)
@@ -90,5 +93,7 @@ class JaxScorer:
                 prefill=prefill,
                 new_tokens=new_tokens,
                 temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
             )
         return _to_host(out)[: len(prompts)].tolist()

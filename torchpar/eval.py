@@ -16,24 +16,17 @@ import sys
 import torch.distributed as torch_dist
 
 from jaxpar.core.errors import cli
-from jaxpar.core.evaluation.cli import check_eval_args, eval_parser, gen_kwargs_of, report, run_tasks
+from jaxpar.core.evaluation.cli import check_eval_args, eval_parser, report, run_tasks
 from torchpar import dist
-from torchpar.generate import load_model
+from torchpar.generate import SOURCES, load_model
 from torchpar.scoring import TorchLM, TorchScorer
 
 
 def parse_args(argv):
-    return eval_parser(
-        "python -m torchpar.eval",
-        __doc__,
-        {
-            "run": "a torchpar run directory (none, ddp or fsdp): its latest checkpoint and config",
-            "weights": "a .safetensors file in the shared weight format",
-        },
-    ).parse_args(argv)
+    return eval_parser("python -m torchpar.eval", __doc__, SOURCES).parse_args(argv)
 
 
-@cli
+@cli(rank=lambda: dist.launch_env()[0])  # a refusal every rank meets: rank 0's line alone
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     tasks = check_eval_args(args)
@@ -41,7 +34,7 @@ def main(argv=None) -> int:
     step = step if args.run else None  # a weights file has no step
     env = dist.init(dist.launch_env()[1] > 1, 600.0)  # the process group lm-eval gathers over, under torchrun
     lm = TorchLM(TorchScorer(model.eval()), tokenizer, args.batch_size, env)
-    results = run_tasks(lm, tasks, args.num_fewshot, args.limit, gen_kwargs_of(args.gen_kwargs), args.log_samples)
+    results = run_tasks(lm, tasks, args.num_fewshot, args.limit, args.gen_kwargs, args.log_samples)
     if env.is_main:
         report(
             results, args, step, {"framework": "torchpar", "model": args.run or args.weights, "processes": env.world}

@@ -50,15 +50,15 @@ def load_model(args, doing: str = "sample"):
     return model, args.tokenizer or "byte", 0
 
 
+# where the weights come from (torchpar.eval's too): option -> help
+SOURCES = {
+    "run": "a torchpar run directory (none, ddp or fsdp): its latest checkpoint and config",
+    "weights": "a .safetensors file in the shared weight format",
+}
+
+
 def parse_args(argv):
-    return sampling_parser(
-        "python -m torchpar.generate",
-        __doc__,
-        {
-            "run": "a torchpar run directory (none, ddp or fsdp): its latest checkpoint and config",
-            "weights": "a .safetensors file in the shared weight format",
-        },
-    ).parse_args(argv)
+    return sampling_parser("python -m torchpar.generate", __doc__, SOURCES).parse_args(argv)
 
 
 def sample_rows(args) -> tuple[list[list[int]], object]:

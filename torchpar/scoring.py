@@ -36,14 +36,16 @@ class TorchScorer:
         greedy = (logits.argmax(-1) == targets).cpu()
         return [(logp[i, : len(r) - 1].tolist(), greedy[i, : len(r) - 1].tolist()) for i, r in enumerate(rows)]
 
-    def generate(self, prompts: list[list[int]], new_tokens: int, temperature: float) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], new_tokens: int, temperature: float, top_k: int, top_p: float
+    ) -> list[list[int]]:
         """Prompts of any lengths, decoded in groups of one length (the decoder reads a [B, P] prompt)."""
         training, _ = self.model.training, self.model.eval()
         out: list = [None] * len(prompts)
         for length in sorted({len(p) for p in prompts}):
             rows = [i for i, p in enumerate(prompts) if len(p) == length]
             batch = torch.tensor([prompts[i] for i in rows], device=self.device)
-            for i, tokens in zip(rows, generate(self.model, batch, new_tokens, 0, temperature).tolist()):
+            for i, tokens in zip(rows, generate(self.model, batch, new_tokens, 0, temperature, top_k, top_p).tolist()):
                 out[i] = tokens
         self.model.train(training)
         return out

@@ -1,6 +1,7 @@
 """The command line shared by `python -m jaxpar.generate` and `python -m torchpar.generate`.
 
-Where the weights come from, the prompt, the sampling settings, their checks and how samples are printed.
+Where the weights come from (the eval commands' too), the prompt, the sampling settings, their checks and how samples
+are printed.
 """
 
 from __future__ import annotations
@@ -14,13 +15,26 @@ from jaxpar.core.errors import UserError
 DEFAULT_NEW_TOKENS = 200
 
 
-def sampling_parser(prog: str, doc: str, sources: dict[str, str]) -> argparse.ArgumentParser:
-    """`sources`: option name -> help, one of which the user must give (e.g. run, weights)."""
+def source_parser(
+    prog: str, doc: str, sources: dict[str, str], run_alias: str | None = None
+) -> argparse.ArgumentParser:
+    """A parser with where the weights come from and their tokenizer (the sampling and evaluation commands').
+
+    `sources`: option name -> help, one of which the user must give (e.g. run, weights); `run_alias`: a second name
+    for --run.
+    """
     p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     for name, help_text in sources.items():
-        src.add_argument(f"--{name}", help=help_text)
+        aliases = [run_alias] if name == "run" and run_alias else []
+        src.add_argument(f"--{name}", *aliases, dest=name, help=help_text)
     p.add_argument("--tokenizer", help="'byte' or a tokenizer.json (default: the run's, else byte)")
+    return p
+
+
+def sampling_parser(prog: str, doc: str, sources: dict[str, str]) -> argparse.ArgumentParser:
+    """`sources`: option name -> help, one of which the user must give (e.g. run, weights)."""
+    p = source_parser(prog, doc, sources)
     p.add_argument("--prompt", required=True)
     p.add_argument(
         "--max-new-tokens",

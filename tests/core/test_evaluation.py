@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import pytest
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.evaluation.cli import gen_kwargs_of
 from jaxpar.core.evaluation.harness import ProjectLM
 from jaxpar.core.evaluation.results import scores
 from jaxpar.core.evaluation.tasks import parse_tasks
@@ -28,8 +27,8 @@ class NamingScorer:
         self.rows += rows
         return [([-float(t) for t in r[1:]], [t % 2 == 0 for t in r[1:]]) for r in rows]
 
-    def generate(self, prompts, new_tokens, temperature):
-        self.prompts.append((prompts, new_tokens, temperature))
+    def generate(self, prompts, new_tokens, temperature, top_k, top_p):
+        self.prompts.append((prompts, new_tokens, (temperature, top_k, top_p)))
         return [list((self.text * new_tokens)[:new_tokens]) for _ in prompts]
 
 
@@ -88,7 +87,7 @@ def test_generation_cuts_the_context_and_stops_at_the_first_stop_sequence():
     assert got == ["abc", "abc\nd", "abc\nde"]
     prompts = [p for batch, _, _ in scorer.prompts for p in batch]
     assert list(b"6789abcdef") in prompts  # 16 - 6 tokens of context, from the left
-    assert all(t == 0.0 for _, _, t in scorer.prompts)
+    assert all(sampling == (0.0, 0, 1.0) for _, _, sampling in scorer.prompts)  # lm-eval's default: greedy
     with pytest.raises(UserError, match="max_gen_toks 16 leaves no context"):
         lm.generate_until([request("a", {"max_gen_toks": 16})])
 
@@ -117,12 +116,53 @@ def test_scores_name_task_metric_and_filter():
     assert scores(results) == {"eval/t/acc": 0.5, "eval/t/em/strict": 1.0}
 
 
-def test_gen_kwargs_are_typed():
-    assert gen_kwargs_of("max_gen_toks=8,temperature=0.5,do_sample=false,x=a") == {
-        "max_gen_toks": 8,
-        "temperature": 0.5,
-        "do_sample": False,
-        "x": "a",
-    }
-    with pytest.raises(UserError, match="not key=value"):
-        gen_kwargs_of("oops")
+def test_generation_settings_are_read_as_lm_eval_reads_them():
+    scorer = NamingScorer(max_length=64)
+    lm = ProjectLM(scorer, "byte")
+    lm.generate_until(
+        [
+            request("a", {"max_new_tokens": 3, "temperature": 0.5}),  # a temperature alone means sampling
+            request("b", {"max_gen_toks": 4, "do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9}),
+            request("c", {"max_gen_toks": 4, "do_sample": False, "temperature": 0.7}),  # greedy, as lm-eval says
+        ]
+    )
+    assert sorted((new, sampling) for _, new, sampling in scorer.prompts) == [
+        (3, (0.5, 0, 1.0)),
+        (4, (0.0, 0, 1.0)),
+        (4, (0.7, 5, 0.9)),
+    ]
+    with pytest.raises(UserError, match="repetition_penalty are not supported"):
+        lm.generate_until([request("a", {"max_gen_toks": 4, "repetition_penalty": 1.2})])
+
+
+def test_a_bpe_tokenizer_s_end_of_document_token_ends_generation(tmp_path):
+    """Its text decodes to nothing (a special token), so the tokens are cut at its id, as transformers stops there."""
+    from jaxpar.core.data.bpe import train_tokenizer
+    from jaxpar.core.data.tokens import eod_token, text_codec
+
+    (tmp_path / "t.txt").write_text("def f(x):\n    return x + 1\n" * 50)
+    path = str(tmp_path / "tokenizer.json")
+    train_tokenizer([str(tmp_path / "t.txt")], path, 300)
+    encode, eod = text_codec(path)[0], eod_token(path)
+    tokens = encode("return x") + [eod] + encode(" + 1")
+    lm = ProjectLM(NamingScorer(max_length=64), path)
+    lm.scorer.generate = lambda prompts, new, *sampling: [tokens for _ in prompts]
+    assert lm.generate_until([request("def", {"max_gen_toks": len(tokens), "until": ["\n"]})]) == ["return x"]
+
+
+def test_empty_continuations_and_duplicate_text_files_are_refused_or_kept_apart(tmp_path):
+    with pytest.raises(UserError, match="continuation is empty"):
+        ProjectLM(NamingScorer(max_length=64), "byte")._loglikelihood_tokens([(("a", ""), [97], [])])
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "notes.txt").write_text(f"{folder}\n")
+    got = parse_tasks(f"{tmp_path / 'a' / 'notes.txt'},{tmp_path / 'b' / 'notes.txt'}")
+    assert got.names == got.text_tasks == ["ppl_notes_txt", "ppl_notes_txt_2"]
+
+
+def test_lm_eval_s_padding_repeats_count_once_in_the_token_perplexity():
+    """lm-eval evens out the ranks' shares with repeats of a rank's last request: its tokens count once."""
+    lm = ProjectLM(NamingScorer(max_length=8), "byte")
+    a, b = request("abc", task="ppl"), request("defgh", task="ppl")
+    lm.loglikelihood_rolling([a, b, b])
+    assert lm.rolling["ppl"] == [-float(sum(b"abcdefgh")), 8]

@@ -117,24 +117,51 @@ def test_both_frameworks_answer_as_lm_evals_hf_model_on_the_export(trained, tmp_
 
 
 def test_torchrun_ranks_share_the_requests_and_equal_one_process(trained, tmp_path):
+    """One process on the weights file, two under torchrun on the torchpar run: the same answers and scores.
+
+    The text task's 3 documents leave one rank a repeat of lm-eval's; its tokens count once in the token perplexity.
+    A task with fewer documents than processes is refused in one line on every rank (not a hang).
+    """
     tasks = write_eval_tasks(tmp_path / "tasks")
     one, two = str(tmp_path / "one.json"), str(tmp_path / "two.json")
-    source = ["--weights", os.path.join(trained["root"], "weights.safetensors")]
-    _run(
-        [sys.executable, "-m", "jaxpar.tools.convert", "--from", "jaxpar", trained["run"], "--to", "shared", source[1]]
-    )
-    _eval("torchpar.eval", source, tasks, "--log-samples", "--output", one)
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        "-m",
-    ]
-    out = _eval("torchpar.eval", source, tasks, "--log-samples", "--output", two, launcher=torchrun)
-    assert out.stdout.count("results of step") == 1  # rank 0 writes and prints
+    weights = os.path.join(trained["root"], "weights.safetensors")
+    _run([sys.executable, "-m", "jaxpar.tools.convert", "--from", "jaxpar", trained["run"], "--to", "shared", weights])
+    _eval("torchpar.eval", ["--weights", weights], tasks, "--log-samples", "--output", one)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    source = ["--run-dir", trained["torchpar"]]  # as docs/evaluation.md runs it (torchrun takes --run itself)
+    out = _eval("torchpar.eval", source, tasks, "--log-samples", "--output", two, launcher=[*torchrun, "-m"])
+    assert out.stdout.count("results of step 40") == 1  # rank 0 writes and prints
     _assert_same_answers(_samples(two[:-5] + ".samples.json"), _samples(one[:-5] + ".samples.json"), 1e-6, "torchrun")
+    with open(one) as f, open(two) as g:
+        a, b = json.load(f)["results"], json.load(g)["results"]
+    text = next(t for t in a if t.startswith("ppl_"))
+    assert b[text]["token_perplexity,none"] == pytest.approx(a[text]["token_perplexity,none"], rel=1e-6)
+    assert a[text]["token_perplexity,none"] == pytest.approx(a[text]["byte_perplexity,none"], rel=1e-9)
+
+    refused = subprocess.run(
+        [
+            *torchrun,
+            "-m",
+            "torchpar.eval",
+            *source,
+            "--tasks",
+            "tiny_mc",
+            "--include-path",
+            tasks["include"],
+            "--limit",
+            "1",
+            "--output",
+            str(tmp_path / "three.json"),
+        ],
+        cwd=ROOT,
+        env={**torch_env(), **OFFLINE},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert refused.returncode != 0 and refused.stderr.count("error: task tiny_mc has 1 document(s)") == 1, (
+        refused.stderr[-2000:]
+    )
 
 
 def _scores_by_step(run_dir) -> dict[int, dict]:

@@ -8,10 +8,12 @@ lm-eval's table printed.
 from __future__ import annotations
 
 import argparse
+import math
 from collections import defaultdict
 from contextlib import contextmanager
 
 from jaxpar.core.errors import UserError, quiet_logs
+from jaxpar.core.sampling_cli import source_parser
 from jaxpar.core.evaluation.harness import ProjectLM
 from jaxpar.core.evaluation.results import add_token_perplexity, evals_path, save, table
 from jaxpar.core.evaluation.tasks import TaskList, parse_tasks, task_manager
@@ -21,18 +23,13 @@ LM_EVAL_LOGGERS = ("lm-eval", "lm_eval", "datasets", "evaluate", "absl")
 
 def eval_parser(prog: str, doc: str, sources: dict[str, str]) -> argparse.ArgumentParser:
     """`sources`: option name -> help, one of which the user must give (e.g. run, weights)."""
-    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group(required=True)
-    for name, help_text in sources.items():
-        # --run-dir: the same as --run, which torchrun's own argument parser takes for its --run-path
-        src.add_argument(f"--{name}", *(["--run-dir"] if name == "run" else []), dest=name, help=help_text)
+    p = source_parser(prog, doc, sources, run_alias="--run-dir")  # torchrun's own parser takes --run for --run-path
     p.add_argument("--tasks", required=True, help="lm-eval task names, task YAML files or text files, comma-separated")
     p.add_argument("--num-fewshot", type=int, help="examples in each prompt (default: each task's own)")
     p.add_argument("--limit", type=_limit, help="the first N documents of each task (or a fraction, e.g. 0.1)")
     p.add_argument("--include-path", help="a folder of task YAML files, beside lm-eval's registry")
     p.add_argument("--batch-size", type=int, default=8, help="requests scored at once (default 8)")
     p.add_argument("--gen-kwargs", help="generation settings for every generate task, e.g. max_gen_toks=64")
-    p.add_argument("--tokenizer", help="'byte' or a tokenizer.json (default: the run's, else byte)")
     p.add_argument("--log-samples", action="store_true", help="also write each request's scores (<step>.samples.json)")
     p.add_argument("--output", help="the results file (default: RUN/evals/<step>.json; required with --weights/--hf)")
     return p
@@ -59,28 +56,9 @@ def check_eval_args(args) -> TaskList:
     return parse_tasks(args.tasks, args.include_path)
 
 
-def gen_kwargs_of(text: str | None) -> dict | None:
-    """key=value,... as lm-eval's --gen_kwargs reads them (numbers and booleans converted)."""
-    if not text:
-        return None
-    out = {}
-    for item in text.split(","):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise UserError(f"--gen-kwargs {text}: {item!r} is not key=value")
-        for kind in (int, float):
-            try:
-                value = kind(value)
-                break
-            except ValueError:
-                pass
-        out[key.strip()] = {"true": True, "false": False}.get(value, value) if isinstance(value, str) else value
-    return out
-
-
 @contextmanager
-def _lm_eval_errors(processes: int):
-    """lm-eval's errors for data it could not download or a process left without documents, as one line."""
+def _lm_eval_errors():
+    """lm-eval's errors for data it could not download or a task without documents, as one line."""
     try:
         yield
     except ConnectionError as e:  # a registry task's data, on a machine that cannot download it
@@ -91,10 +69,25 @@ def _lm_eval_errors(processes: int):
     except ValueError as e:
         if "did not find any docs" not in str(e):
             raise
-        raise UserError(
-            f"a task (or its --limit) has fewer documents than the {processes} processes that share them: "
-            "evaluate it on fewer processes"
-        ) from None
+        raise UserError("a task has no documents: check its data files and split") from None
+
+
+def check_documents(manager, tasks: TaskList, limit, processes: int) -> None:
+    """Each task has a document for each process to score (lm-eval's ranks would wait forever for an empty one)."""
+    from lm_eval.tasks import get_task_dict  # deferred: lm-eval (~1 s), when a command evaluates
+
+    def leaves(tree):
+        for value in tree.values():
+            yield from leaves(value) if isinstance(value, dict) else [value]
+
+    for task in leaves(get_task_dict(tasks.names, manager)):
+        n = len(task.eval_docs)
+        n = n if limit is None else min(n, int(limit) if limit >= 1 else math.ceil(limit * n))
+        if n < processes:
+            raise UserError(
+                f"task {task.config.task} has {n} document(s) (with --limit / train.eval_tasks_limit) for {processes} "
+                "processes to share: give it more, or evaluate on fewer processes"
+            )
 
 
 def run_tasks(
@@ -102,15 +95,22 @@ def run_tasks(
     tasks: TaskList,
     num_fewshot: int | None = None,
     limit=None,
-    gen_kwargs: dict | None = None,
+    gen_kwargs: str | None = None,
     log_samples: bool = False,
 ) -> dict | None:
-    """lm-eval's results of `tasks` on `lm` (None on a process other than lm's rank 0)."""
+    """lm-eval's results of `tasks` on `lm` (None on a process other than lm's rank 0).
+
+    `gen_kwargs`: "key=value,..." for every generate task (lm-eval's own reading). lm-eval's bootstrap of the
+    standard errors of non-mean metrics runs 1,000 times (its default 100,000 takes minutes per task).
+    """
     from lm_eval import simple_evaluate  # deferred: lm-eval's evaluator (~1 s), when a command evaluates
 
     manager = task_manager(tasks)
+    if lm.world_size > 1:
+        with quiet_logs(*LM_EVAL_LOGGERS), _lm_eval_errors():
+            check_documents(manager, tasks, limit, lm.world_size)
     lm.rolling.clear()  # the text tasks' token counts of this evaluation alone
-    with quiet_logs(*LM_EVAL_LOGGERS), _lm_eval_errors(lm.world_size):
+    with quiet_logs(*LM_EVAL_LOGGERS), _lm_eval_errors():
         results = simple_evaluate(
             model=lm,
             tasks=tasks.names,

@@ -18,6 +18,7 @@ from collections import defaultdict
 from typing import Protocol
 
 from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from jaxpar.core.data.tokens import eod_token, text_codec
@@ -34,7 +35,9 @@ class Scorer(Protocol):
     def log_probs(self, rows: list[list[int]]) -> list[tuple[list[float], list[bool]]]:
         """Per row of tokens t[0..n-1]: log p(t[i+1] | t[..i]) for i < n-1, and whether t[i+1] is the argmax."""
 
-    def generate(self, prompts: list[list[int]], new_tokens: int, temperature: float) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], new_tokens: int, temperature: float, top_k: int, top_p: float
+    ) -> list[list[int]]:
         """The next `new_tokens` tokens of each prompt (of any lengths); temperature 0 is greedy."""
 
 
@@ -65,6 +68,8 @@ class ProjectLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         rows, counts = [], []
         for (context, _), context_enc, continuation_enc in requests:
+            if not continuation_enc:
+                raise UserError(f"a request's continuation is empty (context {context[:40]!r}...): nothing to score")
             if len(continuation_enc) > self.max_length:
                 raise UserError(
                     f"a continuation of {len(continuation_enc)} tokens is longer than the model's max_seq_len "
@@ -90,41 +95,56 @@ class ProjectLM(TemplateLM):
             ):
                 windows.append((("", ""), ctx, pred))
                 owner.append(k)
-            self.rolling[req.task_name][1] += len(tokens)
         totals = [0.0] * len(requests)
         for k, (logp, _) in zip(owner, self._loglikelihood_tokens(windows)):
             totals[k] += logp
-        for req, total in zip(requests, totals):
+        # the token counts: each request once (lm-eval evens out the ranks' shares with repeats of a request)
+        for req, total in {id(req): (req, total) for req, total in zip(requests, totals)}.values():
             self.rolling[req.task_name][0] += total
+            self.rolling[req.task_name][1] += len(self.tok_encode(req.args[0]))
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        jobs = defaultdict(list)  # (new tokens, temperature) -> [(request index, prompt, stops)]
+        jobs = defaultdict(list)  # (new tokens, sampling) -> [(request index, prompt, stops)]
+        eos = self.tok_decode([self.eot_token_id])
         for k, req in enumerate(requests):
-            context, kwargs = req.args
-            kwargs = dict(kwargs or {})
-            stops = kwargs.pop("until", None) or []
-            stops = [stops] if isinstance(stops, str) else list(stops)
-            stops.append(self.tok_decode([self.eot_token_id]))
-            new = int(kwargs.pop("max_gen_toks", DEFAULT_GEN_TOKENS))
+            context, gen_kwargs = req.args
+            kwargs = normalize_gen_kwargs(dict(gen_kwargs or {}), DEFAULT_GEN_TOKENS)  # lm-eval's reading of them
+            stops = handle_stop_sequences(kwargs.pop("until", None), eos=eos or None)
+            new, sampling = kwargs.pop("max_gen_toks"), _sampling(kwargs)
             if new >= self.max_length:
                 raise UserError(
                     f"max_gen_toks {new} leaves no context in the model's max_seq_len {self.max_length}: "
                     "set a smaller max_gen_toks in the task's generation_kwargs (or --gen-kwargs max_gen_toks=N)"
                 )
-            temperature = float(kwargs.get("temperature", 0.0) or 0.0) if kwargs.get("do_sample") else 0.0
             prompt = self.tok_encode(context)[-(self.max_length - new) :] or [self.prefix_token_id]
-            jobs[(new, temperature)].append((k, prompt, stops))
+            jobs[(new, sampling)].append((k, prompt, stops))
         out = [""] * len(requests)
-        for (new, temperature), group in jobs.items():
+        for (new, sampling), group in jobs.items():
             group.sort(key=lambda job: -len(job[1]))  # like lengths together, the longest first
             for start in range(0, len(group), self.batch_size):
                 batch = group[start : start + self.batch_size]
-                for (k, _, stops), tokens in zip(
-                    batch, self.scorer.generate([p for _, p, _ in batch], new, temperature)
-                ):
-                    text = self.tok_decode(tokens)
-                    for stop in stops:
-                        text = text.split(stop)[0]
-                    out[k] = text
+                for (k, _, stops), tokens in zip(batch, self.scorer.generate([p for _, p, _ in batch], new, *sampling)):
+                    if self.eot_token_id in tokens:  # generation ends there, as transformers' stops at eos
+                        tokens = tokens[: tokens.index(self.eot_token_id)]
+                    out[k] = postprocess_generated_text(self.tok_decode(tokens), stops, None)
         return out
+
+
+SAMPLING = ("do_sample", "temperature", "top_k", "top_p")
+
+
+def _sampling(kwargs: dict) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) of a request's normalized generation settings; 0 is greedy.
+
+    A setting the decoders do not have (repetition_penalty, num_beams, ...) is refused in one line.
+    """
+    other = sorted(set(kwargs) - set(SAMPLING))
+    if other:
+        raise UserError(
+            f"generation setting(s) {', '.join(other)} are not supported by the project's decoders "
+            f"(they take {', '.join(SAMPLING)} and max_gen_toks)"
+        )
+    if not kwargs.get("do_sample"):
+        return 0.0, 0, 1.0
+    return float(kwargs.get("temperature", 1.0)), int(kwargs.get("top_k") or 0), float(kwargs.get("top_p") or 1.0)

@@ -6,7 +6,8 @@ Each comma-separated entry is one of
   a task YAML file (.yaml/.yml)   its folder is included and its `task:` is run (works offline)
   any other file                  plain text, each paragraph (split at blank lines) a document scored with lm-eval's
                                   loglikelihood_rolling: lm-eval's word and byte perplexity and bits per byte, and
-                                  the token perplexity (the task is named ppl_<file name>)
+                                  the token perplexity (the task is named ppl_<file name>, _2, _3, ... for files of
+                                  one name in several folders)
 """
 
 from __future__ import annotations
@@ -82,8 +83,11 @@ def parse_tasks(spec: str, include_path: str | None = None, name: str = "--tasks
                 out.include.append(os.path.dirname(os.path.abspath(entry)))
                 out.names.append(_yaml_task_name(entry))
             else:
-                texts.append(os.path.abspath(entry))
-                out.names.append(text_task_name(entry))
+                named, k = text_task_name(entry), 1
+                while named in out.names:  # another folder's file of the same name
+                    k, named = k + 1, f"{text_task_name(entry)}_{k + 1}"
+                texts.append((os.path.abspath(entry), named))
+                out.names.append(named)
         elif looks_like_path:
             raise UserError(f"{name}: {entry}: no such file")
         else:
@@ -91,11 +95,11 @@ def parse_tasks(spec: str, include_path: str | None = None, name: str = "--tasks
     if texts:
         folder = tempfile.mkdtemp(prefix="jaxpar-text-tasks-")
         atexit.register(shutil.rmtree, folder, True)  # the generated YAML lives as long as the command
-        for path in texts:
-            with open(os.path.join(folder, text_task_name(path) + ".yaml"), "w") as f:
-                f.write(TEXT_TASK.format(name=text_task_name(path), path=path))
+        for path, named in texts:
+            with open(os.path.join(folder, named + ".yaml"), "w") as f:
+                f.write(TEXT_TASK.format(name=named, path=path))
         out.include.append(folder)
-        out.text_tasks = [text_task_name(p) for p in texts]
+        out.text_tasks = [named for _, named in texts]
     return out
 
 
