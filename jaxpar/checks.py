@@ -90,11 +90,15 @@ def check_experts(cfg: Config, sizes) -> None:
     """
     check_expert_axis(cfg.model, sizes["ep"])
     E, first, pp = cfg.model.moe_experts, cfg.model.moe_first_dense, sizes["pp"]
-    if E and first and (first % pp or cfg.model.moe_layers % pp):
+    # gpipe splits each stack over the stages; the hand-scheduled executor runs the dense stack whole on its first
+    # stage and splits the expert stack alone (check_pipeline's check_schedule)
+    gpipe = concrete(cfg.parallel.pipeline_schedule) == "gpipe"
+    if E and first and gpipe and (first % pp or cfg.model.moe_layers % pp):
         raise UserError(
-            f"model.moe_first_dense={first}: the dense first layers and the {cfg.model.moe_layers} expert "
-            f"layers after them are stacks of their own, each split over the pipeline: pp={pp} must "
-            "divide both"
+            f"model.moe_first_dense={first}: the gpipe schedule splits the dense first layers and the "
+            f"{cfg.model.moe_layers} expert layers after them over the pipeline, each stack: pp={pp} must divide "
+            "both (the hand-scheduled schedules, e.g. parallel.pipeline_schedule=1f1b, run the dense layers whole "
+            "on the first stage)"
         )
     zigzag = sizes["sp"] > 1 and cfg.parallel.sequence_zigzag and cfg.model.attention != "dilated"
     if E and cfg.model.moe_capacity_factor and zigzag and cfg.data.document_mask:

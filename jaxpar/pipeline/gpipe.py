@@ -27,6 +27,11 @@ def gpipe_layers(stages: int, microbatches: int, unroll: bool = False) -> Callab
     """
 
     def run_layers(layer: Callable, stacked, x: jax.Array, rows: tuple = ()) -> jax.Array:
+        if jax.tree.leaves(stacked)[0].shape[0] % stages:
+            # a stack the stages cannot split: model.moe_first_dense's dense layers, which the hand-scheduled executor
+            # runs whole on its first stage (gpipe's training refuses them: jaxpar/checks.py), run whole here too
+            return scan_layers(layer, stacked, x, rows, unroll)
+
         def stage(params, carry):
             h, rows = carry
             return scan_layers(layer, params, h, rows, unroll), rows

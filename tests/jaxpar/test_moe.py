@@ -16,6 +16,7 @@ from jaxpar.parallel.expert_dispatch import local_experts
 from jaxpar.core.model.experts import row_capacity
 from jaxpar.models.moe import route
 from tests.helpers import (
+    ROOT,
     assert_both_frameworks_give_hf_answers,
     assert_hf_round_trip_through_a_jaxpar_run,
     assert_params_close,
@@ -376,14 +377,20 @@ def test_dense_first_layers_are_torchpars_dense_blocks(tmp_path):
     assert np.asarray(jax_tokens).tolist() == generate(torch_model.eval(), torch.as_tensor(tokens[:1, :6]), 8).tolist()
 
 
-def test_dense_first_layers_need_a_layer_of_experts_and_stages_that_split_both():
+def test_dense_first_layers_need_a_layer_of_experts_and_gpipe_stages_that_split_both():
     from jaxpar.checks import check_layout
 
     with pytest.raises(UserError, match="moe_first_dense=2 leaves no layer of model.n_layer=2"):
         tiny_config(*MOE, "model.moe_first_dense=2")
     sizes = dict(dp=1, fsdp=1, pp=2, ep=1, sp=1, tp=1)
-    with pytest.raises(UserError, match="pp=2 must divide both"):
+    with pytest.raises(UserError, match="the gpipe schedule splits .* pp=2 must divide both"):
         check_layout(tiny_config(*MOE, "model.n_layer=4", "model.moe_first_dense=1"), sizes)
+    # the hand-scheduled executor runs the dense layer whole on its first stage: only the 4 expert layers split
+    for schedule in ("1f1b", "zb_v"):
+        check_layout(
+            tiny_config(*MOE, "model.n_layer=5", "model.moe_first_dense=1", f"parallel.pipeline_schedule={schedule}"),
+            sizes,
+        )
 
 
 # --- Hugging Face MixtralForCausalLM <-> both frameworks -------------------------------------------------
@@ -454,3 +461,56 @@ def test_a_killed_expert_parallel_run_resumes_exactly(dataset, tmp_path):
         ],
         kill_after=3,
     )
+
+
+def _deepseek_v3(*extra: str):
+    """configs/deepseek-v3-tiny.yaml narrowed for a test: one dense first layer, 4 expert layers, MTP depth 1."""
+    from jaxpar.core.config.schema import load_config
+
+    overrides = [
+        "model.n_layer=5",
+        "model.mtp_depth=1",
+        "model.d_model=64",
+        "model.d_ff=128",
+        "model.moe_d_ff=32",
+        "data.seq_len=16",
+        "train.global_batch_size=8",
+        "train.steps=3",
+        "optim.warmup_steps=1",
+        "data.val_fraction=0.1",
+        "train.matmul_precision=highest",
+    ]
+    return load_config(f"{ROOT}/configs/deepseek-v3-tiny.yaml", overrides + list(extra))
+
+
+def _eval_loss(cfg, mesh: str, flat: dict) -> float:
+    """The eval step's loss of `flat` parameters on `mesh`, over one fixed batch of random tokens."""
+    from jaxpar.core.weights.names import unflatten
+    from jaxpar.layout import Layout
+    from jaxpar.mesh import make_mesh
+    from jaxpar.core.config.mesh_spec import parse_mesh
+    from jaxpar.step import make_eval_step
+
+    layout = Layout(cfg, make_mesh(parse_mesh(mesh), _devices(mesh)))
+    params = jax.device_put(unflatten(flat), layout.state_shardings["params"])
+    batch = np.random.default_rng(0).integers(1, 256, layout.batch_shape).astype(np.int32)
+    return float(make_eval_step(layout)(params, jax.device_put(batch, layout.batch_sharding)))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_v"])
+def test_deepseek_v3_s_shape_on_a_hand_scheduled_pipeline_equals_one_device(schedule, dataset):
+    """DeepSeek-V3's shape on pp=2,ep=2: one dense first layer, which no even pipeline split can take, and MTP.
+
+    The executor's first stage runs the dense layer whole, the stages split the 4 expert layers; evaluation (GPipe's
+    forward over pp) runs the dense stack whole too. Training and the eval loss equal one device's.
+    """
+    ref = run_steps(_deepseek_v3(), "dp=1", dataset, devices=jax.devices()[:1])
+    cfg = _deepseek_v3(f"parallel.pipeline_schedule={schedule}")
+    got = run_steps(cfg, "pp=2,ep=2", dataset, devices=_devices("pp=2,ep=2"))
+    np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
+    assert ref["params"]["dense_blocks.mlp.gate.kernel"].shape[0] == 1 and any(
+        k.startswith("mtp") for k in ref["params"]
+    )
+    assert_params_close(got["params"], ref["params"])
+    want = _eval_loss(_deepseek_v3(), "dp=1", ref["params"])
+    assert _eval_loss(cfg, "pp=2,ep=2", ref["params"]) == pytest.approx(want, rel=1e-5)
