@@ -14,7 +14,17 @@ import sys
 import pytest
 
 from jaxpar.core.evaluation.tasks import parse_tasks
-from tests.helpers import ROOT, free_port, metrics, run_cli, tensorboard_scalars, torch_env, write_eval_tasks
+from tests.helpers import (
+    ROOT,
+    TINY,
+    free_port,
+    metrics,
+    run_cli,
+    tensorboard_scalars,
+    torch_command,
+    torch_env,
+    write_eval_tasks,
+)
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 TASKS = ("tiny_mc", "tiny_gen")
@@ -228,24 +238,33 @@ def test_train_eval_tasks_score_at_the_requested_steps(dataset, tmp_path):
 
 
 def test_torchpar_trainer_scores_at_the_requested_steps(dataset, tmp_path):
+    """torchpar: one process, and 2 ddp ranks under torchrun sharing the requests, score the one run alike."""
     tasks = write_eval_tasks(tmp_path / "tasks")
-    run = tmp_path / "run"
-    out = run_cli(
-        run,
-        dataset,
+    args = [
         "train.steps=4",
-        f"train.eval_tasks={tasks['include']}/mc.yaml",
+        f"train.eval_tasks={tasks['include']}/mc.yaml,{tasks['text']}",
         "train.eval_tasks_every=2",
         "train.eval_tasks_limit=3",
-        env=OFFLINE,
-        module="torchpar.train",
-    )
+    ]
+    out = run_cli(tmp_path / "one", dataset, *args, env=OFFLINE, module="torchpar.train")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert sorted(os.listdir(run / "evals")) == ["2.json", "4.json"]
-    scored = {s: v for s, v in _scores_by_step(run).items() if v}
-    assert sorted(scored) == [2, 4] and all("eval/tiny_mc/acc" in v for v in scored.values())
-    with open(run / "evals" / "4.json") as f:
-        assert json.load(f)["n-samples"]["tiny_mc"]["effective"] == 3
+    ddp = subprocess.run(
+        torch_command([*TINY, f"data.dataset={dataset}", f"run.dir={tmp_path / 'two'}", "--backend", "ddp", *args], 2),
+        cwd=ROOT,
+        env={**torch_env(), **OFFLINE},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    for run in ("one", "two"):
+        assert sorted(os.listdir(tmp_path / run / "evals")) == ["2.json", "4.json"]
+        with open(tmp_path / run / "evals" / "4.json") as f:
+            assert json.load(f)["n-samples"]["tiny_mc"]["effective"] == 3
+    one, two = ({s: v for s, v in _scores_by_step(tmp_path / r).items() if v} for r in ("one", "two"))
+    assert sorted(one) == sorted(two) == [2, 4] and all("eval/tiny_mc/acc" in v for v in one.values())
+    for step in (2, 4):  # ddp trains the one-process run; its ranks' shares of the requests gather to the same scores
+        assert two[step] == pytest.approx(one[step], rel=1e-5), step
 
 
 @pytest.mark.parametrize(
