@@ -26,47 +26,46 @@ CONTEXT, ITEMS, EVERY = 48, 200, 25
 TEXT = os.path.join(ROOT, "jaxpar", "core", "run", "loop.py")
 
 
-def cloze_items(seed: int = 0) -> list[dict]:
+def choice_items(seed: int, pick) -> list[dict]:
+    """ITEMS multiple-choice items, each from a random jaxpar/core source file.
+
+    `pick(rng, text)` -> (position, answer, three other choices), or None where that file gives no item: the context is
+    the CONTEXT characters before the position, the choices the answer among the others in a random order.
+    """
     rng, items = random.Random(seed), []
     files = sorted(glob.glob(os.path.join(ROOT, "jaxpar", "core", "**", "*.py"), recursive=True))
     while len(items) < ITEMS:
         with open(rng.choice(files)) as f:
             text = f.read()
-        words = [m for m in re.finditer(r"\b[A-Za-z_]{4,12}\b", text) if m.start() >= CONTEXT]
-        vocabulary = sorted({m.group() for m in words})
-        if len(words) < 10 or len(vocabulary) < 20:
+        picked = pick(rng, text)
+        if picked is None:
             continue
-        m = rng.choice(words)
-        answer = m.group()
-        alike = [w for w in vocabulary if w != answer and abs(len(w) - len(answer)) <= 2]
-        if len(alike) < 3:
-            continue
-        choices = rng.sample(alike, 3) + [answer]
-        rng.shuffle(choices)
-        items.append(
-            {"context": text[m.start() - CONTEXT : m.start()], "choices": choices, "answer": choices.index(answer)}
-        )
-    return items
-
-
-def next_chars_items(seed: int = 1) -> list[dict]:
-    """48 characters of code, then the next 3 among four: the true ones and 3-character spans of that file."""
-    rng, items = random.Random(seed), []
-    files = sorted(glob.glob(os.path.join(ROOT, "jaxpar", "core", "**", "*.py"), recursive=True))
-    while len(items) < ITEMS:
-        with open(rng.choice(files)) as f:
-            text = f.read()
-        if len(text) < 1000:
-            continue
-        at = rng.randrange(CONTEXT, len(text) - 3)
-        answer = text[at : at + 3]
-        others = {text[i : i + 3] for i in (rng.randrange(0, len(text) - 3) for _ in range(12))} - {answer}
-        if len(others) < 3:
-            continue
-        choices = rng.sample(sorted(others), 3) + [answer]
+        at, answer, others = picked
+        choices = others + [answer]
         rng.shuffle(choices)
         items.append({"context": text[at - CONTEXT : at], "choices": choices, "answer": choices.index(answer)})
     return items
+
+
+def next_word(rng: random.Random, text: str):
+    """The next word, among three other words of that file of like length."""
+    words = [m for m in re.finditer(r"\b[A-Za-z_]{4,12}\b", text) if m.start() >= CONTEXT]
+    vocabulary = sorted({m.group() for m in words})
+    if len(words) < 10 or len(vocabulary) < 20:
+        return None
+    m = rng.choice(words)
+    alike = [w for w in vocabulary if w != m.group() and abs(len(w) - len(m.group())) <= 2]
+    return (m.start(), m.group(), rng.sample(alike, 3)) if len(alike) >= 3 else None
+
+
+def next_chars(rng: random.Random, text: str):
+    """The next three characters, among three other 3-character spans of that file."""
+    if len(text) < 1000:
+        return None
+    at = rng.randrange(CONTEXT, len(text) - 3)
+    answer = text[at : at + 3]
+    others = {text[i : i + 3] for i in (rng.randrange(0, len(text) - 3) for _ in range(12))} - {answer}
+    return (at, answer, rng.sample(sorted(others), 3)) if len(others) >= 3 else None
 
 
 def write_task(folder: str, name: str, items: list[dict]) -> str:
@@ -94,7 +93,8 @@ def run(*args: str) -> str:
 def main() -> None:
     out_dir = os.path.abspath(sys.argv[1])
     folder, run_dir = os.path.join(out_dir, "tasks"), os.path.join(out_dir, "run")
-    cloze, chars = write_task(folder, "cloze", cloze_items()), write_task(folder, "next3", next_chars_items())
+    cloze = write_task(folder, "cloze", choice_items(0, next_word))
+    chars = write_task(folder, "next3", choice_items(1, next_chars))
     tasks = f"{cloze},{chars},{TEXT}"
     run(
         "jaxpar.train",
