@@ -97,15 +97,17 @@ def run_tasks(
     limit=None,
     gen_kwargs: str | None = None,
     log_samples: bool = False,
+    manager=None,
 ) -> dict | None:
     """lm-eval's results of `tasks` on `lm` (None on a process other than lm's rank 0).
 
     `gen_kwargs`: "key=value,..." for every generate task (lm-eval's own reading). lm-eval's bootstrap of the
-    standard errors of non-mean metrics runs 1,000 times (its default 100,000 takes minutes per task).
+    standard errors of non-mean metrics runs 1,000 times (its default 100,000 takes minutes per task). `manager`:
+    task_manager(tasks), made here unless the caller keeps one (the training hook, for all its evaluations).
     """
     from lm_eval import simple_evaluate  # deferred: lm-eval's evaluator (~1 s), when a command evaluates
 
-    manager = task_manager(tasks)
+    manager = manager or task_manager(tasks)
     if lm.world_size > 1:
         with quiet_logs(*LM_EVAL_LOGGERS), _lm_eval_errors():
             check_documents(manager, tasks, limit, lm.world_size)

@@ -189,13 +189,16 @@ class EvalTasks(Hook):
         self.t, self.run_dir, self.trainer, self.log, self.progress = cfg.train, cfg.run.dir, trainer, log, progress
         self.cli, self.results = cli, results
         self.tasks = tasks.parse_tasks(cfg.train.eval_tasks, name="train.eval_tasks")  # checked by the trainers
+        self.manager = tasks.task_manager(self.tasks)  # lm-eval's task index (~1 s), once for every evaluation
 
     def after_step(self, step: int) -> None:
         if not due(step, self.t.eval_tasks_every, step == self.t.steps):
             return
         t, record = self.t, self.progress.record(step)  # its throughput measured before the evaluation
         fewshot, limit = (None if t.eval_tasks_fewshot < 0 else t.eval_tasks_fewshot), (t.eval_tasks_limit or None)
-        out = self.cli.run_tasks(self.trainer.task_model(EVAL_TASKS_BATCH), self.tasks, fewshot, limit)
+        out = self.cli.run_tasks(
+            self.trainer.task_model(EVAL_TASKS_BATCH), self.tasks, fewshot, limit, manager=self.manager
+        )
         if out is None:  # a rank other than 0 under torchrun: rank 0 holds the gathered scores
             return
         scores = self.results.scores(out)
