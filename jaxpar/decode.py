@@ -36,7 +36,7 @@ from jaxpar.ops import causal_attention, document_positions
 def _empty_cache(cfg: ModelConfig, batch: int, length: int) -> tuple[jax.Array, ...]:
     """Per layer and token: MLA its latent, the others keys and values ([layers, batch, length, ...])."""
     lead = (cfg.n_layer, batch, length)
-    shapes = [lead + (kv_cache_width(cfg),)] if cfg.attention == "mla" else [lead + (cfg.kv_heads, cfg.head_dim)] * 2
+    shapes = [lead + (kv_cache_width(cfg),)] if cfg.attention == "mla" else [lead + (cfg.kv_heads, cfg.head_width)] * 2
     return tuple(jnp.zeros(shape, cfg.compute_dtype) for shape in shapes)
 
 

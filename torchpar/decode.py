@@ -29,7 +29,7 @@ def _empty_cache(model: Decoder, prompt: torch.Tensor, length: int) -> list[tupl
     if cfg.attention == "mla":
         shapes = [(B, length, cfg.kv_latent_dim + cfg.rope_head_dim)]
     else:
-        shapes = [(B, cfg.kv_heads, length, cfg.head_dim)] * 2
+        shapes = [(B, cfg.kv_heads, length, cfg.head_width)] * 2
     return [tuple(prompt.new_zeros(shape, dtype=model.compute_dtype) for shape in shapes) for _ in model.blocks]
 
 

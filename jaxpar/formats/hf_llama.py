@@ -48,8 +48,8 @@ def read_config(hf_dir: str) -> dict:
     if hf.get("hidden_act", "silu") != "silu":
         raise UserError(f"{path}: hidden_act {hf['hidden_act']!r} is not Llama's silu")
     d, h = hf["hidden_size"], hf["num_attention_heads"]
-    if (hf.get("head_dim") or d // h) * h != d:
-        raise UserError(f"{path}: head_dim={hf['head_dim']} x {h} heads != hidden_size={d}")
+    if not hf.get("head_dim") and d % h:
+        raise UserError(f"{path}: hidden_size={d} is not divisible by num_attention_heads={h} and no head_dim is set")
     return hf
 
 
@@ -67,15 +67,17 @@ def layers(raw: dict, L: int, name: str) -> np.ndarray:
     return np.stack([raw[PREFIX.format(i=i) + name] for i in range(L)])
 
 
-def hf_to_shared(hf_dir: str, mlp=None) -> tuple[dict[str, np.ndarray], dict]:
+def hf_to_shared(hf_dir: str, mlp=None, check=read_config, first_dense: int = 0) -> tuple[dict[str, np.ndarray], dict]:
     """Read an HF Llama directory -> (flat shared tensors, model config overrides).
 
     `mlp(hf, raw)`: the shared feed-forward tensors of another layout of it (Mixtral's experts: hf_mixtral.py), else
-    Llama's MLP.
+    Llama's MLP; `check`: its config.json's reader. `first_dense`: the first layers whose feed-forward is dense when
+    the others' are experts (Qwen3-MoE's mlp_only_layers): their attention and norms go to the dense_blocks stack,
+    where `mlp` puts their MLP. The attention's q_norm / k_norm (Qwen3's) are read where the checkpoint has them.
     """
-    hf, raw = read_dir(hf_dir)
+    hf, raw = read_dir(hf_dir, check)
     L, d, h = hf["num_hidden_layers"], hf["hidden_size"], hf["num_attention_heads"]
-    g, k = hf.get("num_key_value_heads") or h, d // h
+    g, k = hf.get("num_key_value_heads") or h, hf.get("head_dim") or d // h
     tied = hf.get("tie_word_embeddings", False)
     out = {"wte": raw["model.embed_tokens.weight"], "ln_f.scale": raw["model.norm.weight"]}
     if not tied:
@@ -89,6 +91,12 @@ def hf_to_shared(hf_dir: str, mlp=None) -> tuple[dict[str, np.ndarray], dict]:
     kv = [layers(raw, L, f"self_attn.{n}_proj.weight").transpose(0, 2, 1).reshape(L, d, g, k) for n in "kv"]
     out["blocks.attn.kv.kernel"] = np.stack(kv, axis=2)
     out["blocks.attn.out.kernel"] = layers(raw, L, "self_attn.o_proj.weight").transpose(0, 2, 1).reshape(L, h, k, d)
+    if PREFIX.format(i=0) + "self_attn.q_norm.weight" in raw:  # Qwen3's per-head query and key norms
+        out.update({f"blocks.attn.{n}_norm.scale": layers(raw, L, f"self_attn.{n}_norm.weight") for n in "qk"})
+    if first_dense:  # the dense first layers' attention and norms: a stack of their own (names.layer_stacks)
+        for name in [n for n in out if n.startswith(("blocks.attn.", "blocks.ln"))]:
+            stacked = out.pop(name)
+            out["dense_" + name], out[name] = stacked[:first_dense], stacked[first_dense:]
     settings = {
         "max_seq_len": hf.get("max_position_embeddings", 2048),
         "layernorm_eps": hf.get("rms_norm_eps", 1e-6),
@@ -110,17 +118,20 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict, mlp=Non
     tensors = {"model.embed_tokens.weight": flat["wte"], "model.norm.weight": flat["ln_f.scale"]}
     if "lm_head" in flat:
         tensors["lm_head.weight"] = flat["lm_head"]
+    every = whole_depth(flat)
     for i in range(L):
         p = PREFIX.format(i=i)
-        tensors.update({p + theirs: flat[f"blocks.{ours}"][i] for ours, theirs in NORMS.items()})
+        tensors.update({p + theirs: every[f"blocks.{ours}"][i] for ours, theirs in NORMS.items()})
         if mlp is None:
             tensors.update({p + theirs: t(flat[f"blocks.{ours}"][i]) for ours, theirs in MLP.items()})
         else:
             tensors.update({p + theirs: value for theirs, value in mlp(flat, i).items()})
-        tensors[p + "self_attn.q_proj.weight"] = t(flat["blocks.attn.q.kernel"][i].reshape(d, d))
+        tensors[p + "self_attn.q_proj.weight"] = t(every["blocks.attn.q.kernel"][i].reshape(d, -1))
         for j, n in enumerate("kv"):
-            tensors[p + f"self_attn.{n}_proj.weight"] = t(flat["blocks.attn.kv.kernel"][i, :, j].reshape(d, -1))
-        tensors[p + "self_attn.o_proj.weight"] = t(flat["blocks.attn.out.kernel"][i].reshape(d, d))
+            tensors[p + f"self_attn.{n}_proj.weight"] = t(every["blocks.attn.kv.kernel"][i, :, j].reshape(d, -1))
+        tensors[p + "self_attn.o_proj.weight"] = t(every["blocks.attn.out.kernel"][i].reshape(-1, d))
+        if "blocks.attn.k_norm.scale" in every:  # model.qk_norm (Qwen3's)
+            tensors.update({p + f"self_attn.{n}_norm.weight": every[f"blocks.attn.{n}_norm.scale"][i] for n in "qk"})
     config = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -130,6 +141,7 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict, mlp=Non
         "num_hidden_layers": L,
         "num_attention_heads": h,
         "num_key_value_heads": g,
+        "head_dim": flat["blocks.attn.q.kernel"].shape[-1],
         "hidden_act": "silu",
         "max_position_embeddings": dims["max_seq_len"],
         "rms_norm_eps": dims.get("layernorm_eps", 1e-5),
@@ -142,6 +154,14 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict, mlp=Non
         **(config or {}),
     }
     write_dir(out_dir, tensors, config)
+
+
+def whole_depth(flat: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The attention's and norms' "blocks.*" tensors over every layer: dense_blocks' (moe_first_dense) joined first."""
+    names = [n for n in flat if n.startswith(("blocks.attn.", "blocks.ln"))]
+    if "dense_blocks.ln1.scale" not in flat:
+        return {n: flat[n] for n in names}
+    return {n: np.concatenate([flat["dense_" + n], flat[n]]) for n in names}
 
 
 def write_dir(out_dir: str, tensors: dict[str, np.ndarray], config: dict) -> None:

@@ -28,7 +28,7 @@ from jaxpar.core.weights.names import (
     save_weights,
     unflatten,
 )
-from jaxpar.formats import hf_deepseek_v3, hf_gpt2, hf_llama, hf_mixtral, hf_tokenizer
+from jaxpar.formats import hf_deepseek_v3, hf_gpt2, hf_llama, hf_mixtral, hf_qwen3, hf_tokenizer
 from jaxpar.core.weights.state_file import read_state, writing_run
 
 FORMATS = ("shared", "hf", "jaxpar", "state", "torchpar", "deepspeed")
@@ -80,7 +80,14 @@ def _hf_module(src: str):
         raise UserError(f"not a Hugging Face model directory: {path} is missing")
     with open(path) as f:
         model_type = json.load(f).get("model_type")
-    modules = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral": hf_mixtral, "deepseek_v3": hf_deepseek_v3}
+    modules = {
+        "gpt2": hf_gpt2,
+        "llama": hf_llama,
+        "mixtral": hf_mixtral,
+        "deepseek_v3": hf_deepseek_v3,
+        "qwen3": hf_qwen3,
+        "qwen3_moe": hf_qwen3,
+    }
     if model_type not in modules:
         raise UserError(f"{path}: model_type {model_type!r} is not one of {', '.join(modules)}")
     return modules[model_type]
@@ -89,14 +96,19 @@ def _hf_module(src: str):
 def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict, src: str = "") -> None:
     if fmt == "hf" and model.get("mtp_depth") and model.get("attention") != "mla":
         raise UserError(
-            f"the Hugging Face GPT-2, Llama and Mixtral formats have no place for multi-token prediction's "
+            f"the Hugging Face GPT-2, Llama, Mixtral and Qwen3 formats have no place for multi-token prediction's "
             f"modules (model.mtp_depth={model['mtp_depth']}); convert to shared, jaxpar or state instead"
         )
     if fmt == "shared":
         save_weights(dst, unflatten(flat), model)
-    elif fmt == "hf" and model.get("family") == "llama":
-        llama = hf_mixtral if "blocks.moe.gate" in flat else hf_llama
-        (hf_deepseek_v3 if model.get("attention") == "mla" else llama).shared_to_hf(flat, dst, model)
+    elif fmt == "hf" and model.get("family") == "llama":  # the family whose checkpoints hold these tensors
+        if model.get("attention") == "mla":
+            family = hf_deepseek_v3
+        elif "blocks.attn.k_norm.scale" in flat:  # model.qk_norm: Qwen3 (with experts, Qwen3-MoE)
+            family = hf_qwen3
+        else:
+            family = hf_mixtral if "blocks.moe.gate" in flat else hf_llama
+        family.shared_to_hf(flat, dst, model)
     elif fmt == "hf":
         hf_gpt2.shared_to_hf(flat, dst, model.get("layernorm_eps", 1e-5))
     else:

@@ -53,7 +53,7 @@ from jaxpar.ops import project
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: tuple[int, ...]):
-        L, d, h, k = stack, cfg.d_model, cfg.n_head, cfg.head_dim
+        L, d, h, k = stack, cfg.d_model, cfg.n_head, cfg.head_width
         lead = ("layers",) * len(stack)
         proj_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)  # GPT-2: residual projections scaled
         self.qkv = nnx.Dict(

@@ -11,11 +11,14 @@ n_head before the attention core, so every core (local, ring, all-gather, Ulysse
 for MHA. Over tp, kv heads are split when n_kv_head divides by tp and replicated otherwise (the rules
 table's "kv_heads" axis; jaxpar/sharding.py replicates any indivisible dimension).
 
-Rotary pairs are (i, i + head_dim/2), Hugging Face's layout, so HF Llama weights load unpermuted.
+Rotary pairs are (i, i + head_dim/2), Hugging Face's layout, so HF Llama weights load unpermuted. A head's width is
+model.head_dim (Qwen3: heads x head_dim need not be d_model), and with model.qk_norm each query and key head is
+RMS-normalised over its width before the rotation (Qwen3's q_norm / k_norm, one scale per layer shared by the heads).
 
 Shared weight format (biases: none):
   blocks.attn.q.kernel [layers, embed, heads, kv]   blocks.attn.kv.kernel [layers, embed, 2, kv_heads, kv]
   blocks.attn.out.kernel [layers, heads, kv, embed]
+  (model.qk_norm) blocks.attn.q_norm.scale / .k_norm.scale [layers, kv]
   blocks.mlp.gate.kernel / .up.kernel [layers, embed, mlp]   blocks.mlp.down.kernel [layers, mlp, embed]
   blocks.ln1.scale / .ln2.scale [layers, embed]   ln_f.scale [embed]   lm_head [vocab, embed] (untied)
 """
@@ -32,7 +35,7 @@ from jaxpar.context import constrain, current
 from jaxpar.core.config.schema import ModelConfig
 from jaxpar.core.model.layer_rules import block_sparsity
 from jaxpar.models.dilated import dilated_attention
-from jaxpar.models.layers import normal, param, rope
+from jaxpar.models.layers import normal, param, rms_norm, rope
 from jaxpar.ops import project
 
 
@@ -43,7 +46,7 @@ def repeat_kv(t, n_head: int):
 
 class GQAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: tuple[int, ...]):
-        L, d, h, g, k = stack, cfg.d_model, cfg.n_head, cfg.kv_heads, cfg.head_dim
+        L, d, h, g, k = stack, cfg.d_model, cfg.n_head, cfg.kv_heads, cfg.head_width
         lead = ("layers",) * len(stack)
         self.q = nnx.Dict(kernel=param(normal(rngs, L + (d, h, k), cfg.init_std), lead + ("embed", "heads", "kv")))
         self.kv = nnx.Dict(
@@ -54,7 +57,10 @@ class GQAttention(nnx.Module):
                 normal(rngs, L + (h, k, d), cfg.init_std / math.sqrt(2 * cfg.n_layer)), lead + ("heads", "kv", "embed")
             )
         )
-        self.theta, self.n_head = cfg.rope_theta, h
+        if cfg.qk_norm:
+            self.q_norm = nnx.Dict(scale=param(jnp.ones(L + (k,)), lead + ("kv",)))
+            self.k_norm = nnx.Dict(scale=param(jnp.ones(L + (k,)), lead + ("kv",)))
+        self.theta, self.n_head, self.eps = cfg.rope_theta, h, cfg.layernorm_eps
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None
         self.sparsity = block_sparsity(cfg)  # block-sparse dilated attention's pattern, or None
 
@@ -74,6 +80,8 @@ class GQAttention(nnx.Module):
         q = project(x, self.q["kernel"][...].astype(dtype))
         kv = project(x, self.kv["kernel"][...].astype(dtype))  # [b, t, 2, kv_heads, k]
         k, v = kv[:, :, 0], kv[:, :, 1]
+        if hasattr(self, "q_norm"):  # model.qk_norm: each head normalised over its width, before the rotation
+            q, k = (rms_norm(t, n["scale"][...], self.eps) for t, n in ((q, self.q_norm), (k, self.k_norm)))
         q, k = rope(q, pos, self.theta), rope(k, pos, self.theta)
         return (
             constrain(q, ("batch", "seq", "heads", "kv")),

@@ -35,12 +35,12 @@ def kv_cache_width(cfg: ModelConfig) -> int:
 
     MHA: keys and values of every head; llama's GQA: of its n_kv_head heads.
     """
-    return cfg.kv_latent_dim + cfg.rope_head_dim if cfg.attention == "mla" else 2 * cfg.kv_heads * cfg.head_dim
+    return cfg.kv_latent_dim + cfg.rope_head_dim if cfg.attention == "mla" else 2 * cfg.kv_heads * cfg.head_width
 
 
 class MLAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stack: tuple[int, ...]):
-        L, d, h, k = stack, cfg.d_model, cfg.n_head, cfg.head_dim
+        L, d, h, k = stack, cfg.d_model, cfg.n_head, cfg.head_width
         ql, kvl, r = cfg.q_latent_dim, cfg.kv_latent_dim, cfg.rope_head_dim
         lead, std, proj_std = ("layers",) * len(stack), cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layer)
         self.q_down = nnx.Dict(kernel=param(normal(rngs, L + (d, ql), std), lead + ("embed", "q_latent")))

@@ -40,6 +40,7 @@ ALTERNATIVE = {
     "model.max_seq_len": "64",
     "model.vocab_size": "300",
     "model.rope_head_dim": "8",
+    "model.head_dim": "12",
     "model.segment_lengths": "4,16",
     "model.dilation_rates": "1,4",
     "model.sparsity_ratio": "0.5",

@@ -201,6 +201,7 @@ def test_kv_cache_decoding_with_grouped_heads_in_both_frameworks():
         (("model.tie_embeddings=false",), "model.tie_embeddings applies to model.family=llama only"),
         (("model.family=llama", "model.n_kv_head=3"), "model.n_kv_head=3 must divide model.n_head=4"),
         (("model.family=llama", "model.n_head=8", "model.d_model=40"), "needs an even head dimension"),
+        (("model.family=llama", "model.head_dim=7"), "needs an even head dimension"),
     ],
 )
 def test_family_refusals_are_one_line(overrides, message):

@@ -35,6 +35,8 @@ VARIANTS = {
     "sketched_sign": ("model.linear=sketched", "model.sketch=sign", "model.sketch_ratio=0.25"),
     # the llama family (GQA, untied head; tests/jaxpar/test_llama.py), and with the dilated attention core
     "llama": ("model.family=llama", "model.n_kv_head=2", "model.tie_embeddings=false", "model.d_ff=64"),
+    # Qwen3's attention: heads wider than d_model / n_head, each query and key head RMS-normalised
+    "qwen3": ("model.family=llama", "model.n_kv_head=2", "model.head_dim=12", "model.qk_norm=true", "model.d_ff=48"),
     "llama_dilated": (
         "model.family=llama",
         "model.n_kv_head=1",
@@ -157,7 +159,7 @@ def _rope_complex(x, theta):
 def _mla_reference(x, p, cfg):
     """DeepSeek-V2 eqs. (9)-(19) for one sequence x [T, d], float64, head by head."""
     T, _ = x.shape
-    k, r, kvl, eps = cfg.head_dim, cfg.rope_head_dim, cfg.kv_latent_dim, cfg.layernorm_eps
+    k, r, kvl, eps = cfg.head_width, cfg.rope_head_dim, cfg.kv_latent_dim, cfg.layernorm_eps
     rms = lambda c, g: c / np.sqrt(np.mean(c**2, -1, keepdims=True) + eps) * g
     c_q = rms(x @ p["q_down"]["kernel"], p["q_norm"]["scale"])  # c^Q = W^DQ h
     c_kv = rms(x @ p["kv_down"]["kernel"][:, :kvl], p["kv_norm"]["scale"])  # c^KV = W^DKV h

@@ -35,7 +35,7 @@ from torchpar.ops import causal_attention, document_mask, document_positions
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        d, h, k = cfg.d_model, cfg.n_head, cfg.head_dim
+        d, h, k = cfg.d_model, cfg.n_head, cfg.head_width
         self.qkv = Dense((d, 3, h, k), (3, h, k))
         self.out = Dense((h, k, d), (d,))
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None  # torchpar/models/dilated.py

@@ -13,7 +13,7 @@ from torch import nn
 from jaxpar.core.config.schema import ModelConfig
 from jaxpar.core.model.layer_rules import block_sparsity
 from torchpar.models.dilated import dilated_attention
-from torchpar.models.layers import Kernel, rope
+from torchpar.models.layers import Kernel, RMSNorm, rope
 from torchpar.ops import causal_attention
 
 
@@ -25,8 +25,10 @@ def repeat_kv(t, n_head: int):
 class GQAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        d, h, g, k = cfg.d_model, cfg.n_head, cfg.kv_heads, cfg.head_dim
+        d, h, g, k = cfg.d_model, cfg.n_head, cfg.kv_heads, cfg.head_width
         self.q, self.kv, self.out = Kernel((d, h, k)), Kernel((d, 2, g, k)), Kernel((h, k, d))
+        if cfg.qk_norm:  # Qwen3: each query and key head RMS-normalised over its width before the rotation
+            self.q_norm, self.k_norm = RMSNorm(k, cfg.layernorm_eps), RMSNorm(k, cfg.layernorm_eps)
         self.theta, self.n_head = cfg.rope_theta, h
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None
         self.sparsity = block_sparsity(cfg)  # block-sparse dilated attention's pattern, or None
@@ -42,9 +44,12 @@ class GQAttention(nn.Module):
 
     # the two projections are also what decoding with a KV cache runs (decode.py): k, v at kv_heads width
     def project_qkv(self, x, positions=None):
-        q = rope(self.q(x, "btd,dhk->bthk"), self.theta, positions)
+        q = self.q(x, "btd,dhk->bthk")
         k, v = self.kv(x, "btd,dcgk->cbtgk").unbind(0)
-        return q.transpose(1, 2), rope(k, self.theta, positions).transpose(1, 2), v.transpose(1, 2)  # [b, h, t, k]
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, self.theta, positions), rope(k, self.theta, positions)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, h, t, k]
 
     def project_out(self, y):
         return self.out(y, "bhtk,hkd->btd")

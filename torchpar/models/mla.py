@@ -17,7 +17,7 @@ from torchpar.ops import causal_attention
 class MLAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        d, h, k = cfg.d_model, cfg.n_head, cfg.head_dim
+        d, h, k = cfg.d_model, cfg.n_head, cfg.head_width
         ql, kvl, r = cfg.q_latent_dim, cfg.kv_latent_dim, cfg.rope_head_dim
         self.q_down, self.q_norm = Kernel((d, ql)), RMSNorm(ql, cfg.layernorm_eps)
         self.q_up = Kernel((ql, h, k + r))

@@ -58,8 +58,10 @@ def check_consistency(cfg) -> None:
         for key, unset in (("eval_tasks_every", 0), ("eval_tasks_limit", 0), ("eval_tasks_fewshot", -1)):
             if getattr(t, key) != unset:
                 raise UserError(f"train.{key}={getattr(t, key)} has no effect without train.eval_tasks (the tasks)")
-    if m.d_model % m.n_head:
-        raise UserError(f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}")
+    if m.d_model % m.n_head and not m.head_dim:
+        raise UserError(
+            f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head} (or set model.head_dim)"
+        )
     if cfg.data.seq_len > m.max_seq_len:
         raise UserError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     if t.global_batch_size % t.microbatches:
@@ -180,7 +182,8 @@ def _check_family(m) -> None:
         raise UserError(
             "model.linear=sketched is a GPT-2-family variant; model.family=llama supports model.linear=dense"
         )
-    if m.head_dim % 2 and m.attention != "mla":  # mla rotates its own rope_head_dim features
+    if m.head_width % 2 and m.attention != "mla":  # mla rotates its own rope_head_dim features
         raise UserError(
-            f"model.family=llama needs an even head dimension for rotary pairs (d_model/n_head = {m.head_dim})"
+            f"model.family=llama needs an even head dimension for rotary pairs (model.head_dim or d_model/n_head = "
+            f"{m.head_width})"
         )

@@ -131,6 +131,11 @@ BLOCK_SPARSE = dict(
 )
 SKETCHED = dict(when=_model("linear", "sketched"), mode="model.linear=sketched", example=("model.linear=sketched",))
 LLAMA = dict(when=_model("family", "llama"), mode="model.family=llama", example=("model.family=llama",))
+GQA = dict(  # llama's grouped-query attention (jaxpar/models/llama.py), the dilated core's too; not mla's
+    when=lambda r: r.cfg.model.family == "llama" and r.cfg.model.attention != "mla",
+    mode="model.family=llama with model.attention=mha or dilated",
+    example=("model.family=llama",),
+)
 FLOAT16 = dict(
     when=_model("compute_dtype", "float16"),
     mode="model.compute_dtype=float16",
@@ -207,6 +212,8 @@ CONTRACT: dict[str, Owner] = {
         mode="model.family=llama or model.attention=mla (rotary positions; GPT-2 learns its positions)",
         example=("model.family=llama",),
     ),
+    "model.head_dim": Owner(True, BOTH, "params", **GQA),
+    "model.qk_norm": Owner(True, BOTH, "params", **GQA),
     "model.segment_lengths": Owner(True, BOTH, "step", **DILATED),
     "model.dilation_rates": Owner(True, BOTH, "step", **DILATED),
     "model.sparsity_ratio": Owner(

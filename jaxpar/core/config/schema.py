@@ -64,6 +64,12 @@ class ModelConfig:
     kv_latent_dim: int = field(default=32, metadata=_check(lo=1))
     rope_head_dim: int = field(default=16, metadata=_check(lo=2))
     rope_theta: float = field(default=10000.0, metadata=_check(lo=0.0, lo_open=True))
+    # llama family, GQA attention (mha or dilated): one attention head's width; 0: d_model / n_head. Qwen3 sets its own
+    # (heads x head_dim need not be d_model)
+    head_dim: int = field(default=0, metadata=_check(lo=0))
+    # llama family, GQA attention: Qwen3's per-head RMSNorm of the queries and the keys (over head_dim, one scale per
+    # layer each) before the rotary embedding (jaxpar/models/llama.py)
+    qk_norm: bool = False
     # dilated (models/dilated.py): (segment length, rate) pairs, comma-separated; empty: plain causal attention
     segment_lengths: str = ""
     dilation_rates: str = ""
@@ -135,8 +141,9 @@ class ModelConfig:
         return self.n_kv_head or self.n_head
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
+    def head_width(self) -> int:
+        """One attention head's width: model.head_dim, or d_model / n_head."""
+        return self.head_dim or self.d_model // self.n_head
 
     @property
     def dilation_pairs(self) -> tuple[tuple[int, int], ...]:

@@ -21,14 +21,14 @@ PEAK_FLOPS = {
 
 
 def _attention_params(m: ModelConfig) -> int:
-    d, hk = m.d_model, m.n_head * m.head_dim
+    d, hk = m.d_model, m.n_head * m.head_width
     if m.family == "llama" and m.attention != "mla":  # q, grouped k and v, out; no biases
-        return d * hk + d * 2 * m.kv_heads * m.head_dim + hk * d
+        return d * hk + d * 2 * m.kv_heads * m.head_width + hk * d
     out = hk * d + (d if m.family == "gpt2" else 0)  # llama's mla: no out bias
     if m.attention != "mla":  # mha and dilated share GPT-2's qkv projection
         return d * 3 * hk + 3 * hk + out
     ql, kvl, r = m.q_latent_dim, m.kv_latent_dim, m.rope_head_dim
-    return d * ql + ql + ql * m.n_head * (m.head_dim + r) + d * (kvl + r) + kvl + kvl * 2 * hk + out
+    return d * ql + ql + ql * m.n_head * (m.head_width + r) + d * (kvl + r) + kvl + kvl * 2 * hk + out
 
 
 def _mlp_params(m: ModelConfig, active: bool = False) -> int:

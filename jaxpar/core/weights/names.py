@@ -135,11 +135,12 @@ LLAMA_NAMES = {
     **{f"blocks.attn.{n}.kernel": f"blocks.{{l}}.attn.{n}.weight" for n in ("q", "kv")},
     **{f"blocks.mlp.{n}.kernel": f"blocks.{{l}}.mlp.{n}.weight" for n in ("gate", "up", "down")},
 }
-# model variants (jaxpar/models/{mla,sketched}.py): their parameters beside or instead of GPT-2's
+# model variants (jaxpar/models/{mla,sketched}.py, model.qk_norm): their parameters beside or instead of GPT-2's
 VARIANT_NAMES = {
     **{f"blocks.attn.{n}.kernel": f"blocks.{{l}}.attn.{n}.weight" for n in ("q_down", "q_up", "kv_down", "kv_up")},
     "blocks.attn.q_norm.scale": "blocks.{l}.attn.q_norm.weight",
     "blocks.attn.kv_norm.scale": "blocks.{l}.attn.kv_norm.weight",
+    "blocks.attn.k_norm.scale": "blocks.{l}.attn.k_norm.weight",  # model.qk_norm (its queries': q_norm, as mla's)
     "blocks.mlp.fc.factor": "blocks.{l}.mlp.fc.factor",
     "blocks.mlp.proj.factor": "blocks.{l}.mlp.proj.factor",
 }
@@ -249,8 +250,15 @@ def model_dims(flat: dict[str, np.ndarray], settings: dict | None = None) -> dic
 def _llama_attention(flat: dict[str, np.ndarray]) -> dict:
     """The attention's config keys of llama-family tensors: grouped-query, or multi-head latent (DeepSeek-V3)."""
     if "blocks.attn.q.kernel" in flat:
-        n_layer, d, n_head, _ = flat["blocks.attn.q.kernel"].shape
-        return {"n_layer": n_layer, "d_model": d, "n_head": n_head, "n_kv_head": flat["blocks.attn.kv.kernel"].shape[3]}
+        n_layer, d, n_head, k = flat["blocks.attn.q.kernel"].shape
+        return {
+            "n_layer": n_layer,
+            "d_model": d,
+            "n_head": n_head,
+            "n_kv_head": flat["blocks.attn.kv.kernel"].shape[3],
+            **({"head_dim": k} if k * n_head != d else {}),  # Qwen3's own width
+            **({"qk_norm": True} if "blocks.attn.k_norm.scale" in flat else {}),
+        }
     n_layer, d, q_latent = flat["blocks.attn.q_down.kernel"].shape
     _, kv_latent, _, n_head, k = flat["blocks.attn.kv_up.kernel"].shape
     return {

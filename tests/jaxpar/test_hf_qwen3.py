@@ -1,0 +1,181 @@
+"""Hugging Face Qwen3ForCausalLM and Qwen3MoeForCausalLM <-> both frameworks (jaxpar/formats/hf_qwen3.py).
+
+A small random transformers model is the oracle for logits and greedy tokens, through --from hf and back through --to
+hf; a model of ours written --to hf gives our logits in transformers; what the format cannot hold is refused in one
+line. The oracles' query/key norms are random, so a dropped or misplaced norm fails; their heads are wider than
+hidden_size / num_attention_heads, so a head width taken from d_model fails.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpar.core.errors import UserError
+from tests.helpers import assert_both_frameworks_give_hf_answers, assert_hf_round_trip_through_a_jaxpar_run, hf_oracle
+
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,  # 4 x 16 = 64 != 32
+    max_position_embeddings=32,
+    rms_norm_eps=1e-6,
+    rope_theta=300.0,
+    tie_word_embeddings=False,
+)
+# Qwen3-MoE with a dense first layer (mlp_only_layers) and Qwen3-MoE's default of weights not renormalised over the
+# chosen experts
+MOE = dict(
+    COMMON,
+    num_hidden_layers=3,
+    moe_intermediate_size=16,
+    num_experts=6,
+    num_experts_per_tok=2,
+    norm_topk_prob=False,
+    mlp_only_layers=[0],
+    decoder_sparse_step=1,
+)
+FAMILIES = {"qwen3": dict(COMMON, num_hidden_layers=2), "qwen3_moe": MOE}
+
+
+def _classes(family: str):
+    import transformers
+
+    if family == "qwen3":
+        return transformers.Qwen3Config, transformers.Qwen3ForCausalLM
+    return transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def hf_qwen3(request, tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    config_class, model_class = _classes(request.param)
+    torch.manual_seed(0)
+    model = model_class(config_class(**FAMILIES[request.param])).eval()
+    with torch.no_grad():  # weights away from init and norms away from 1: a mixed-up or dropped tensor would show
+        for name, p in model.named_parameters():
+            p.add_(0.3 * torch.randn_like(p)) if "norm" in name else p.mul_(4.0)
+    return request.param, hf_oracle(model, tmp_path_factory.mktemp(request.param))
+
+
+def test_hf_qwen3_logits_and_greedy_tokens_match_both_frameworks(hf_qwen3):
+    from jaxpar.core.config.schema import load_config
+    from jaxpar.tools.convert import read
+
+    family, (path, tokens, want, greedy) = hf_qwen3
+    flat, model = read("hf", str(path))
+    assert (model["family"], model["head_dim"], model["qk_norm"], model["n_kv_head"], model["rope_theta"]) == (
+        "llama",
+        16,
+        True,
+        2,
+        300.0,
+    )
+    if family == "qwen3_moe":
+        assert {k: model[k] for k in ("moe_experts", "moe_first_dense", "moe_d_ff", "d_ff", "moe_norm_topk")} == dict(
+            moe_experts=6, moe_first_dense=1, moe_d_ff=16, d_ff=48, moe_norm_topk=False
+        )
+    cfg = load_config(None, [f"model.{k}={v}" for k, v in model.items()] + ["data.seq_len=24"]).model
+    assert_both_frameworks_give_hf_answers(flat, cfg, tokens, want, greedy, family)
+
+
+def test_qwen3_round_trip_through_a_jaxpar_run_is_bit_exact(hf_qwen3, tmp_path):
+    family, oracle = hf_qwen3
+    assert_hf_round_trip_through_a_jaxpar_run(oracle, tmp_path, _classes(family)[1])
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (config["model_type"], config["head_dim"]) == (family, 16)
+
+
+QWEN3 = ("model.family=llama", "model.n_kv_head=2", "model.head_dim=12", "model.qk_norm=true", "model.d_ff=40")
+
+
+@pytest.mark.parametrize(
+    "family,overrides",
+    [
+        ("qwen3", ("model.tie_embeddings=true",)),
+        ("qwen3_moe", ("model.n_layer=3", "model.moe_experts=4", "model.moe_top_k=2", "model.moe_d_ff=16")),
+    ],
+)
+def test_ours_to_hf_gives_our_logits(family, overrides, tmp_path):
+    """A model of ours (random weights and norms) written --to hf: transformers' logits are ours, in both frameworks.
+
+    Qwen3 with a tied head; Qwen3-MoE with experts in every layer and renormalised weights (the other settings than
+    the oracle's).
+    """
+    import torch
+    from flax import nnx
+
+    from jaxpar.core.weights.names import SETTINGS, flatten, unflatten
+    from jaxpar.formats.weights_io import write
+    from jaxpar.models.decoder import Decoder
+    from tests.helpers import tiny_config
+    from torchpar.models.decoder import Decoder as TorchDecoder
+    from torchpar.weights import from_shared
+
+    cfg = tiny_config(*QWEN3, *overrides).model
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
+    rng = np.random.default_rng(0)
+    flat = {
+        k: ((1.0 + 0.3 * rng.standard_normal(v.shape)) if k.endswith("scale") else 0.3 * rng.standard_normal(v.shape))
+        for k, v in flatten(nnx.to_pure_dict(state)).items()
+    }
+    flat = {k: v.astype(np.float32) for k, v in flat.items()}
+    write("hf", str(tmp_path), flat, {"family": "llama", **{k: getattr(cfg, k) for k in SETTINGS}})
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == family
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 16))
+    with jax.default_matmul_precision("highest"):
+        ours = np.asarray(
+            jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(
+                unflatten({k: jnp.asarray(v) for k, v in flat.items()}), jnp.asarray(tokens)
+            )
+        )
+    hf = _classes(family)[1].from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        theirs = hf(torch.as_tensor(tokens)).logits.numpy()
+    scale = max(np.max(np.abs(theirs)), 1.0)
+    np.testing.assert_allclose(ours, theirs, atol=1e-5 * scale)
+    torch_model = TorchDecoder(cfg)
+    torch_model.load_state_dict(from_shared(flat, cfg.n_layer))
+    with torch.no_grad():
+        np.testing.assert_allclose(torch_model(torch.as_tensor(tokens)).numpy(), theirs, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"use_sliding_window": True, "sliding_window": 8}, "sliding-window attention"),
+        ({"layer_types": ["sliding_attention", "full_attention", "full_attention"]}, "sliding-window attention"),
+        ({"mlp_only_layers": [1]}, r"dense layers \[1\]"),
+        ({"mlp_only_layers": [], "decoder_sparse_step": 2}, r"dense layers \[0, 2\]"),
+        ({"attention_bias": True}, "attention_bias"),
+    ],
+)
+def test_what_our_model_cannot_hold_is_refused_in_one_line(hf_qwen3, tmp_path, change, message):
+    from jaxpar.formats import hf_qwen3 as module
+
+    family, (path, *_) = hf_qwen3
+    if family == "qwen3" and "mlp_only_layers" in change:
+        pytest.skip("Qwen3 (dense) has no experts to place")
+    config = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
+    with pytest.raises(UserError, match=message) as e:
+        module.hf_to_shared(str(tmp_path))
+    assert "\n" not in str(e.value)
+
+
+def test_experts_qwen3_moe_cannot_hold_are_refused_on_export(tmp_path):
+    from jaxpar.formats import hf_qwen3
+
+    flat = {"blocks.moe.gate": np.zeros((1, 4, 8, 4)), "blocks.moe.shared.gate.kernel": np.zeros((1, 8, 4))}
+    with pytest.raises(UserError, match="no Qwen3-MoE form: shared experts"):
+        hf_qwen3.shared_to_hf(flat, str(tmp_path), {})
+    with pytest.raises(UserError, match="no Qwen3-MoE form: sigmoid scores"):
+        hf_qwen3.shared_to_hf({"blocks.moe.gate": flat["blocks.moe.gate"]}, str(tmp_path), {"moe_router": "sigmoid"})
+    assert not list(tmp_path.iterdir())  # nothing written
