@@ -27,7 +27,7 @@ QWEN3 = (
 # Qwen3-MoE: experts in every layer, no shared ones, Qwen3-MoE's default of weights not renormalised. At lr 1e-3: at
 # 3e-3 dp=2 drifts from one device by 5.7e-5 in parameters over 10 steps (6e-7 without the query/key norms, 3e-7 at
 # 1e-3; measured), the choices of near-tied experts amplifying float32 rounding
-QWEN3_MOE = QWEN3 + (
+QWEN3_MOE = tuple(o for o in QWEN3 if not o.startswith("model.d_ff=")) + (
     "model.moe_experts=4",
     "model.moe_top_k=2",
     "model.moe_d_ff=16",

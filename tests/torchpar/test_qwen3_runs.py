@@ -1,0 +1,42 @@
+"""Qwen3 and Qwen3-MoE (model.head_dim, model.qk_norm) on torchpar's backends, under torchrun.
+
+From one initial-weights file, ddp and fsdp (and ddp with the experts split over ep for Qwen3-MoE) equal the
+one-process run, which equals jaxpar's on one device. jaxpar's layouts: tests/jaxpar/test_qwen3.py.
+"""
+
+import pytest
+
+from tests.helpers import metrics
+from tests.jaxpar.test_qwen3 import FAMILIES
+from tests.torchpar.runs import assert_same_run, jaxpar_run, run
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, base):
+    """(name, its args from its own initial weights, the one-process run's metrics)."""
+    name = request.param
+    args = [a for a in base["args"] if not a.startswith("model.init_from=")] + list(FAMILIES[name])
+    init = base["tmp"] / f"{name}-init.safetensors"
+    run(["--backend", "none", "--write-init", str(init), *args])
+    args.append(f"model.init_from={init}")
+    run(["--backend", "none", *args, f"run.dir={base['tmp'] / name}"])
+    return name, args, metrics(base["tmp"] / name)
+
+
+def test_one_process_equals_jaxpar_from_the_same_weights(family, base):
+    name, args, ref = family
+    got = jaxpar_run({**base, "args": args}, [], name)
+    assert ref[10]["loss"] < ref[1]["loss"] - 0.1, "the run should learn something"
+    assert_same_run(got, ref)
+
+
+@pytest.mark.parametrize(
+    "backend,mesh", [("ddp", ""), ("fsdp", ""), ("ddp", "parallel.mesh=ep=2")], ids=["ddp", "fsdp", "ddp-ep=2"]
+)
+def test_each_backend_equals_one_process(family, base, backend, mesh):
+    name, args, ref = family
+    if mesh and name != "qwen3_moe":
+        pytest.skip("expert parallelism splits experts: Qwen3 (dense) has none")
+    run_dir = base["tmp"] / f"{name}-{backend}{'-ep' if mesh else ''}"
+    run(["--backend", backend, *args, *([mesh] if mesh else []), f"run.dir={run_dir}"], nproc=2)
+    assert_same_run(metrics(run_dir), ref)
