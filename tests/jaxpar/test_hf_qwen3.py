@@ -179,3 +179,97 @@ def test_experts_qwen3_moe_cannot_hold_are_refused_on_export(tmp_path):
     with pytest.raises(UserError, match="no Qwen3-MoE form: sigmoid scores"):
         hf_qwen3.shared_to_hf({"blocks.moe.gate": flat["blocks.moe.gate"]}, str(tmp_path), {"moe_router": "sigmoid"})
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def _hf_config(m):
+    """transformers' config of our model config `m`, written out key by key."""
+    config = dict(
+        vocab_size=m.vocab_size,
+        hidden_size=m.d_model,
+        num_hidden_layers=m.n_layer,
+        num_attention_heads=m.n_head,
+        num_key_value_heads=m.kv_heads,
+        head_dim=m.head_width,
+        intermediate_size=m.ff_dim,
+        tie_word_embeddings=m.tie_embeddings,
+        rms_norm_eps=m.layernorm_eps,
+        rope_theta=m.rope_theta,
+        max_position_embeddings=m.max_seq_len,
+    )
+    if not m.moe_experts:
+        return config
+    return dict(
+        config,
+        num_experts=m.moe_experts,
+        num_experts_per_tok=m.moe_top_k,
+        moe_intermediate_size=m.moe_d_ff,
+        norm_topk_prob=m.moe_norm_topk,
+        mlp_only_layers=list(range(m.moe_first_dense)),
+    )
+
+
+@pytest.mark.parametrize(
+    "preset,family,total",
+    [("qwen3-0.6b", "qwen3", 596_049_920), ("qwen3-moe-small", "qwen3_moe", 1_604_097_024)],
+)
+def test_the_gpu_presets_count_as_transformers_does(preset, family, total):
+    """Each GPU preset's parameter count (ours, by formula) is transformers' for the same shape.
+
+    Qwen3-0.6B's model card gives 0.6B parameters, 0.44B of them outside the embedding.
+    """
+    import torch
+
+    from jaxpar.core.config.schema import load_config
+    from jaxpar.core.model.flops import count_params
+    from tests.helpers import ROOT
+
+    m = load_config(f"{ROOT}/configs/{preset}.yaml").model
+    config_class, model_class = _classes(family)
+    with torch.device("meta"):
+        hf = model_class(config_class(**_hf_config(m)))
+    assert sum(p.numel() for p in hf.parameters()) == count_params(m)["total"] == total
+    assert m.qk_norm and m.head_width * m.n_head != m.d_model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset,family", [("qwen3-tiny", "qwen3"), ("qwen3-moe-tiny", "qwen3_moe")])
+def test_the_tiny_presets_train_and_their_runs_convert_to_hf(preset, family, tmp_path):
+    """python -m jaxpar.train --config configs/<preset>.yaml train.steps=2, then --to hf: transformers' logits."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+    from flax import nnx
+
+    from jaxpar.core.config.schema import load_config
+    from jaxpar.core.weights.names import unflatten
+    from jaxpar.models.decoder import Decoder
+    from jaxpar.tools import convert
+    from tests.helpers import ROOT
+
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "jaxpar.train", "--config", f"configs/{preset}.yaml", "train.steps=2"]
+    r = subprocess.run(
+        [*command, "train.eval_every=0", f"run.dir={run}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    flat, _ = convert.read("jaxpar", str(run))
+    assert np.abs(flat["blocks.attn.k_norm.scale"] - 1).max() > 0  # the norms trained off their init
+    assert convert.main(["--from", "jaxpar", str(run), "--to", "hf", str(tmp_path / "hf")]) == 0
+    cfg = load_config(f"{ROOT}/configs/{preset}.yaml").model
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 32))
+    with jax.default_matmul_precision("highest"):
+        ours = np.asarray(
+            nnx.merge(graphdef, unflatten({k: jnp.asarray(v) for k, v in flat.items()}))(jnp.asarray(tokens))
+        )
+    hf = _classes(family)[1].from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        theirs = hf(torch.as_tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-5 * max(np.max(np.abs(theirs)), 1.0))

@@ -22,8 +22,8 @@ PEAK_FLOPS = {
 
 def _attention_params(m: ModelConfig) -> int:
     d, hk = m.d_model, m.n_head * m.head_width
-    if m.family == "llama" and m.attention != "mla":  # q, grouped k and v, out; no biases
-        return d * hk + d * 2 * m.kv_heads * m.head_width + hk * d
+    if m.family == "llama" and m.attention != "mla":  # q, grouped k and v, out, the q/k norms; no biases
+        return d * hk + d * 2 * m.kv_heads * m.head_width + hk * d + (2 * m.head_width if m.qk_norm else 0)
     out = hk * d + (d if m.family == "gpt2" else 0)  # llama's mla: no out bias
     if m.attention != "mla":  # mha and dilated share GPT-2's qkv projection
         return d * 3 * hk + 3 * hk + out
@@ -90,13 +90,13 @@ def optimizer_phrase(name: str, held: list[int], holder: str) -> str:
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 * (non-embedding params + output head) + attention 12*L*T*d.
+    """Training FLOPs per token: 6 * (non-embedding params + output head) + attention 12*L*T*(heads x head width).
 
     With experts the parameters a token runs through (its top_k experts, not all), so MFU counts no idle expert;
     with multi-token prediction each depth's block, its attention and its pass through the shared head too.
     """
     n = count_params(m, active=True)["non_embedding"] + (1 + m.mtp_depth) * m.vocab_size * m.d_model
-    return 6 * n + 12 * (m.n_layer + m.mtp_depth) * seq_len * m.d_model
+    return 6 * n + 12 * (m.n_layer + m.mtp_depth) * seq_len * m.n_head * m.head_width
 
 
 def peak_flops(device_kind: str, dtype: str) -> float | None:
