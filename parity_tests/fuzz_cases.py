@@ -385,6 +385,10 @@ def _draw_dims(rng: random.Random, s: dict, heads_div: int, layers_div: int) -> 
             s["model.n_kv_head"] = str(rng.choice(kv))
         if rng.random() < 0.5:
             s["model.tie_embeddings"] = "false"
+        if rng.random() < 0.4:  # Qwen3's attention: query and key norms, heads of their own width
+            s["model.qk_norm"] = "true"
+        if rng.random() < 0.3:
+            s["model.head_dim"] = str(_pick(rng, {12: 1, 2 * d_model // n_head: 1}))
         if "model.moe_d_ff" not in s:  # experts of their own width leave the MLP's unused (refused if set)
             s["model.d_ff"] = str(_pick(rng, {2 * d_model: 1, 3 * d_model // 2: 1}))
 

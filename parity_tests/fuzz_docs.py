@@ -45,6 +45,12 @@ PROMISES = (
         "docs/features.md 'Llama': every mesh and torchpar backend; 'Model families': llama with attention=dilated",
     ),
     (
+        "Qwen3's attention",
+        lambda c: any(k in ("model.qk_norm", "model.head_dim") for k, _ in c.settings),
+        "docs/architecture.md 'Model families' (Qwen3: model.qk_norm and model.head_dim on every mesh, pipeline "
+        "schedule and torchpar backend)",
+    ),
+    (
         "remat, accumulation, unrolled layers",
         lambda c: any(k in ("model.remat", "train.microbatches", "train.scan_layers") for k, _ in c.settings),
         "docs/features.md 'Model' (model.remat none/full/save_matmuls; train.scan_layers) and 'Optimiser' "

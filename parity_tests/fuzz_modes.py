@@ -39,6 +39,8 @@ MODE_KEYS = {  # key prefix -> whether the case's run consumes it (a mode's keys
     "model.sketch": lambda c: c.get("model.linear") == "sketched",
     "model.n_kv_head": lambda c: c.get("model.family") == "llama",
     "model.tie_embeddings": lambda c: c.get("model.family") == "llama",
+    "model.qk_norm": lambda c: c.get("model.family") == "llama" and c.get("model.attention") != "mla",
+    "model.head_dim": lambda c: c.get("model.family") == "llama" and c.get("model.attention") != "mla",
     "data.buckets": lambda c: c.get("data.batching") == "buckets",
     "model.moe_": lambda c: c.get("model.moe_experts", "0") != "0",
     "model.moe_bias_update": lambda c: c.side == "jax" or c.backend in ("none", "ddp"),
