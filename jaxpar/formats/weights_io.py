@@ -93,6 +93,24 @@ def _hf_module(src: str):
     return modules[model_type]
 
 
+def without_mtp(flat: dict[str, np.ndarray], model: dict) -> tuple[dict[str, np.ndarray], dict, str]:
+    """(the main model's tensors, its config, what was left out) of weights with multi-token prediction's modules.
+
+    No Hugging Face causal-LM class holds those modules (DeepSeek's checkpoints keep them as an extra layer that
+    transformers skips): a Hugging Face export is the main model, which is all that sampling runs. "" when none.
+    """
+    mtp = {k: v for k, v in flat.items() if k.startswith("mtp.")}
+    if not mtp:
+        return flat, model, ""
+    n = sum(v.size for v in mtp.values())
+    depth = mtp["mtp.proj.kernel"].shape[0]
+    note = (
+        f"multi-token prediction's {depth} module(s) ({n:,} parameters; model.mtp_depth={depth}): Hugging Face's "
+        "models have none and sampling does not run them; --to shared, jaxpar or state keeps them"
+    )
+    return {k: v for k, v in flat.items() if k not in mtp}, {**model, "mtp_depth": 0}, note
+
+
 def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict, src: str = "") -> None:
     if fmt == "hf" and model.get("mtp_depth") and model.get("attention") != "mla":
         raise UserError(

@@ -4,8 +4,9 @@ python -m jaxpar.tools.convert --from FORMAT SRC --to FORMAT DST
 
 Formats:
   shared  a .safetensors file in the shared weight format (what torchpar and model.init_from read)
-  hf      a Hugging Face GPT-2, Llama, Mixtral or DeepSeek-V3 directory (config.json + safetensors; model_type gpt2,
-          llama, mixtral or deepseek_v3)
+  hf      a Hugging Face GPT-2, Llama, Mixtral, Qwen3, Qwen3-MoE or DeepSeek-V3 directory (config.json + safetensors;
+          model_type gpt2, llama, mixtral, qwen3, qwen3_moe or deepseek_v3); as a target, the main model of
+          weights with multi-token prediction (model.mtp_depth: its modules are left out, and the command says so)
   jaxpar  a jaxpar run directory: reads the parameters of its latest checkpoint; as a target,
           writes a step-0 checkpoint (fresh optimizer state) and its config.json, which fine-tuning
           starts from: `jaxpar.train --config DST/config.json [data/train overrides]` (the model keys
@@ -52,7 +53,7 @@ from jaxpar.core.run.directory import framework_of
 from jaxpar.core.run.resume import read_run_config
 from jaxpar.core.weights.state_file import refuse_mixing
 from jaxpar.formats import hf_tokenizer
-from jaxpar.formats.weights_io import FORMATS, RUNS, export_run_state, import_run_state, read, write
+from jaxpar.formats.weights_io import FORMATS, RUNS, export_run_state, import_run_state, read, without_mtp, write
 
 
 @cli
@@ -91,9 +92,14 @@ def main(argv=None) -> int:
     if args.dst_fmt == "jaxpar":
         refuse_mixing(args.dst)
     flat, model = read(args.src_fmt, args.src)
+    left_out = ""
+    if args.dst_fmt == "hf":
+        flat, model, left_out = without_mtp(flat, model)
     tokenizer = _hf_tokenizer(args, model["vocab_size"]) if args.dst_fmt == "hf" else None  # before writing
     write(args.dst_fmt, args.dst, flat, model, args.src)
     print(f"converted {args.src_fmt} {args.src} -> {args.dst_fmt} {args.dst} ({len(flat)} tensors)")
+    if left_out:
+        print(f"left out: {left_out}")
     if tokenizer is not None:
         hf_tokenizer.write(args.dst, tokenizer, model["max_seq_len"])
         if tokenizer.kind is None:

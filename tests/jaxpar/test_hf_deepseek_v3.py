@@ -289,7 +289,8 @@ def test_the_deepseek_configs_build_with_their_documented_counts():
     from tests.helpers import ROOT
 
     small = load_config(f"{ROOT}/configs/deepseek-v3-small.yaml").model
-    assert (count_params(small)["total"], count_params(small, active=True)["total"]) == (680_494_272, 178_750_656)
+    assert (count_params(small)["total"], count_params(small, active=True)["total"]) == (694_131_520, 192_387_904)
+    assert small.mtp_depth == 1  # DeepSeek-V3's multi-token prediction depth
     tiny = load_config(f"{ROOT}/configs/deepseek-v3-tiny.yaml").model
     assert (tiny.family, tiny.attention, tiny.moe_first_dense, tiny.moe_router, tiny.moe_n_group) == (
         "llama",
@@ -301,10 +302,11 @@ def test_the_deepseek_configs_build_with_their_documented_counts():
 
 
 @pytest.mark.slow
-def test_the_tiny_config_trains_and_its_run_converts_to_hf(tmp_path):
+def test_the_tiny_config_trains_and_its_run_converts_to_hf(tmp_path, capsys):
     """python -m jaxpar.train --config configs/deepseek-v3-tiny.yaml train.steps=2, then --to hf.
 
-    transformers' logits are the run's (its balance bias moved off zero by the two steps).
+    transformers' logits are the run's (its balance bias moved off zero by the two steps); the multi-token prediction
+    module (mtp_depth 1) is left out of the export, and the command says so.
     """
     import os
     import subprocess
@@ -341,7 +343,10 @@ def test_the_tiny_config_trains_and_its_run_converts_to_hf(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     flat, model = convert.read("jaxpar", str(run))
     assert np.abs(flat["blocks.moe.router.bias"]).max() > 0
+    assert any(k.startswith("mtp.") for k in flat)
     assert convert.main(["--from", "jaxpar", str(run), "--to", "hf", str(tmp_path / "hf")]) == 0
+    assert "left out: multi-token prediction's 1 module(s)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 0
     cfg = load_config(f"{ROOT}/configs/deepseek-v3-tiny.yaml").model
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 32))
