@@ -19,7 +19,7 @@ from jaxpar.core.run.resume import check_resume
 from jaxpar.core.run.directory import check_run_dir_framework
 from jaxpar.core.evaluation.tasks import check_eval_tasks
 from jaxpar.core.run.trackers import check_trackers
-from jaxpar.parallel.sequence import check_sequence
+from jaxpar.parallel.sequence import check_sequence, check_window
 
 
 def validate(cfg: Config, sizes, is_main: bool = True) -> None:
@@ -79,6 +79,8 @@ def divisibility(cfg: Config, sizes) -> None:
         check_sequence(cfg.data.seq_len, m.n_head, sizes, "all_gather", zigzag=False)
     else:
         check_sequence(cfg.data.seq_len, m.n_head, sizes, p.sequence_attention, p.sequence_zigzag)
+        if sizes["sp"] > 1:
+            check_window(m.sliding_window, p.sequence_attention)
     check_pipeline(cfg, sizes)
     check_compression(cfg, sizes)
 

@@ -26,7 +26,8 @@ from jaxpar.sharding import spec_for
 class ParallelContext:
     mesh: Any = None  # None: no constraints (a model traced outside any mesh)
     rules: dict = dataclasses.field(default_factory=dict)  # logical name -> mesh axes
-    attention: Callable = local_attention  # (q, k, v, positions, segments) -> output [batch, seq, heads, head_dim]
+    # (q, k, v, positions, segments, window) -> output [batch, seq, heads, head_dim]; window: model.sliding_window
+    attention: Callable = local_attention
     # (layer, stacked, x, rows) -> x after every layer (x: a pytree of [batch, ...]; rows: per-row arrays that
     # every layer reads, layer(h, slice, *rows))
     run_layers: Callable = scan_layers

@@ -10,35 +10,79 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 
-def causal_attention(q, k, v, q_pos=None, k_pos=None, q_seg=None, k_seg=None):
+def causal_attention(q, k, v, q_pos=None, k_pos=None, q_seg=None, k_seg=None, window: int = 0):
     """Causal attention on q, k, v [batch, seq, heads, head_dim] on one device.
 
     Masked by global positions when given (a permuted or partial sequence) and, with segment ids, within each
-    document (`visible`). cuDNN flash attention on GPU where it applies. float16 on CPU runs in float32 (XLA:CPU has
-    no float16 dot with float32 accumulation, which the scores need; GPU kernels accumulate in float32 too) and
-    returns float16.
+    document (`visible`). `window` (model.sliding_window): each query sees the `window` latest keys, itself
+    included; in natural order on the CPU only the key blocks the band reaches are computed (`banded_attention`).
+    cuDNN flash attention on GPU where it applies. float16 on CPU runs in float32 (XLA:CPU has no float16 dot with
+    float32 accumulation, which the scores need; GPU kernels accumulate in float32 too) and returns float16.
     """
     if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
         upcast = (t.astype(jnp.float32) for t in (q, k, v))
-        return causal_attention(*upcast, q_pos, k_pos, q_seg, k_seg).astype(q.dtype)
-    if q_pos is None:
-        return _attention(q, k, v, is_causal=True)
-    mask = visible(q_pos, k_pos, q_seg, k_seg)
-    return _attention(q, k, v, mask=mask if mask.ndim == 4 else mask[None, None])
+        return causal_attention(*upcast, q_pos, k_pos, q_seg, k_seg, window).astype(q.dtype)
+    window = 0 if window >= k.shape[1] else window  # a band as wide as the keys is the causal mask itself
+    with jax.named_scope("causal_attention"):  # what the FLOPs tests count
+        if q_pos is None and window and not _on_gpu() and q.shape[1] == k.shape[1]:
+            return banded_attention(q, k, v, window)
+        if q_pos is None:
+            return _attention(q, k, v, is_causal=True, **({"local_window_size": (window - 1, 0)} if window else {}))
+        mask = visible(q_pos, k_pos, q_seg, k_seg, window)
+        return _attention(q, k, v, mask=mask if mask.ndim == 4 else mask[None, None])
 
 
-def visible(q_pos, k_pos, q_seg=None, k_seg=None):
+def visible(q_pos, k_pos, q_seg=None, k_seg=None, window: int = 0):
     """Which keys each query attends to: those at its position or before and, with segment ids, in its own document.
 
-    Positions [q], [k] -> [q, k]; per row ([b, q], [b, k]) -> [b, 1, q, k], against scores [b, h, q, k].
+    With `window`, only the `window` latest of them (positions within window - 1 of the query's). Positions [q], [k]
+    -> [q, k]; per row ([b, q], [b, k]) -> [b, 1, q, k], against scores [b, h, q, k].
     """
-    mask = q_pos[..., :, None] >= k_pos[..., None, :]
+    ahead = q_pos[..., :, None] - k_pos[..., None, :]
+    mask = ahead >= 0 if not window else (ahead >= 0) & (ahead < window)
     if q_seg is not None:
         mask = mask & (q_seg[..., :, None] == k_seg[..., None, :])
     return mask if mask.ndim == 2 else mask[:, None]
+
+
+def banded_attention(q, k, v, window: int):
+    """Causal attention of a natural-order sequence within a band of `window` keys, computed by blocks.
+
+    The sequence splits into blocks of B tokens (the largest divisor of its length up to the window); each query
+    block is scored against the n key blocks the band reaches (its own and ceil((window - 1) / B) before it), so
+    the scores cost T x n x B instead of T x T. What is outside the band inside those blocks is masked.
+    """
+    b, T, h, d = q.shape
+    B = max(s for s in range(1, min(window, T) + 1) if T % s == 0)
+    n, nb = -(-(window - 1) // B) + 1, T // B
+    if n >= nb:  # the band reaches every block: nothing to skip
+        return _softmax_attention(
+            q, k, v, mask=jnp.asarray(_band(np.arange(T)[:, None], np.arange(T)[None, :], window))
+        )
+    lead = jnp.zeros((b, (n - 1) * B, h, d), k.dtype)
+    reach = (
+        lambda t: jnp.concatenate(  # [b, nb, n * B, h, d]: each query block's key blocks, oldest first
+            [jnp.concatenate([lead, t], axis=1)[:, s * B : s * B + T].reshape(b, nb, B, h, d) for s in range(n)], axis=2
+        )
+    )
+    keys, values = reach(k), reach(v)
+    q_idx = np.arange(T).reshape(nb, B)
+    k_idx = q_idx[:, :1] - (n - 1) * B + np.arange(n * B)  # [nb, n * B]; negative: the zeros before the sequence
+    mask = _band(q_idx[:, :, None], k_idx[:, None, :], window) & (k_idx[:, None, :] >= 0)  # [nb, B, n * B]
+    scores = jnp.einsum("bqxhd,bqyhd->bqhxy", q.reshape(b, nb, B, h, d), keys) / jnp.sqrt(jnp.asarray(d, q.dtype))
+    scores = jnp.where(mask[None, :, None], scores, jnp.finfo(scores.dtype).min)
+    weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+    return jnp.einsum("bqhxy,bqyhd->bqxhd", weights, values).reshape(b, T, h, d)
+
+
+def _band(q_idx, k_idx, window: int):
+    """Keys at or before the query and fewer than `window` positions behind it (numpy, broadcast)."""
+    ahead = q_idx - k_idx
+    return (ahead >= 0) & (ahead < window)
 
 
 def document_positions(tokens, eod: int, segment=None, position=None):
@@ -105,9 +149,9 @@ def _softmax_attention(q, k, v, is_causal: bool = False, mask=None):
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
 
 
-def local_attention(q, k, v, positions=None, segments=None):
+def local_attention(q, k, v, positions=None, segments=None, window: int = 0):
     """The default attention of a parallel context: every position of the sequence on this device."""
-    return causal_attention(q, k, v, positions, positions, segments, segments)
+    return causal_attention(q, k, v, positions, positions, segments, segments, window)
 
 
 # the name of every projection's output (jax.ad_checkpoint.checkpoint_name): what model.remat=offload moves to the

@@ -17,7 +17,7 @@ from torchpar.models.llama import repeat_kv
 from torchpar.models.decoder import Decoder, output_head
 from jaxpar.core.model.layer_rules import block_sparsity
 from torchpar.models.dilated import counted_attention, key_counts
-from torchpar.ops import document_mask, document_positions
+from torchpar.ops import document_mask, document_positions, sliding_band
 
 
 def _empty_cache(model: Decoder, prompt: torch.Tensor, length: int) -> list[tuple[torch.Tensor, ...]]:
@@ -60,6 +60,10 @@ def _attend(attn, cfg, x, positions, start: int, cache, mask=None):
             )
         )
     mask = positions[:, None] >= k_positions if mask is None else mask
+    if cfg.sliding_window:  # the band by cache slot: the row's own distance, within a document too
+        mask = mask & sliding_band(
+            torch.arange(start, start + x.shape[1], device=x.device), k_positions, cfg.sliding_window
+        )
     return attn.project_out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 

@@ -38,11 +38,26 @@ def document_mask(positions, segments, k_positions=None, k_segments=None) -> tor
     return mask[:, None]
 
 
-def causal_attention(q, k, v, mask=None):
-    """Causal attention on [b, h, t, k]; `mask` (document_mask) instead of the plain causal one when given."""
+def causal_attention(q, k, v, mask=None, window: int = 0):
+    """Causal attention on [b, h, t, k]; `mask` (document_mask) instead of the plain causal one when given.
+
+    `window` (model.sliding_window): each query also sees only the `window` latest tokens of the row, itself
+    included (within a document the row's distance is the positions').
+    """
+    if window and window < k.shape[2]:
+        band = sliding_band(
+            torch.arange(q.shape[2], device=q.device), torch.arange(k.shape[2], device=q.device), window
+        )
+        mask = band if mask is None else mask & band
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def sliding_band(q_idx, k_idx, window: int) -> torch.Tensor:
+    """[q, k] bool: keys at or before the query's slot and fewer than `window` slots behind it."""
+    ahead = q_idx[:, None] - k_idx[None, :]
+    return (ahead >= 0) & (ahead < window)
 
 
 # model.float8: the projections in float8 through torchao's float8 training (its "tensorwise" recipe, as jaxpar/ops.py

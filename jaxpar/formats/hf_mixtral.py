@@ -43,7 +43,8 @@ def hf_to_shared(hf_dir: str) -> tuple[dict[str, np.ndarray], dict]:
             "random in training; jaxpar routes deterministically (set it to 0.0)"
         )
     flat, dims = hf_llama.hf_to_shared(hf_dir, mlp=_experts_to_shared)
-    return flat, {**dims, "moe_top_k": hf.get("num_experts_per_tok", 2)}
+    window = {"sliding_window": hf["sliding_window"]} if hf.get("sliding_window") else {}
+    return flat, {**dims, "moe_top_k": hf.get("num_experts_per_tok", 2), **window}
 
 
 def _experts_to_hf(flat: dict, i: int) -> dict[str, np.ndarray]:
@@ -83,6 +84,7 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict) -> None
         "num_local_experts": E,
         "num_experts_per_tok": int(model.get("moe_top_k", 2)),
         "router_jitter_noise": 0.0,
+        "sliding_window": int(model.get("sliding_window") or 0) or None,
         "output_router_logits": False,
     }
     hf_llama.shared_to_hf(flat, out_dir, model, mlp=_experts_to_hf, config=config)

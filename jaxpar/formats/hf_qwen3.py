@@ -8,8 +8,9 @@ writes), each token sent to its num_experts_per_tok best, renormalised over them
 experts. Its dense layers (mlp_only_layers, and those decoder_sparse_step skips) keep an MLP of intermediate_size: where
 they are the first layers they are model.moe_first_dense's stack; anywhere else they are refused in one line.
 
-Refused in one line, besides Llama's refusals: sliding-window attention (use_sliding_window, or a layer_types entry
-other than full_attention), and on the way out what these families cannot hold (a model without qk norms goes to
+Sliding-window attention is model.sliding_window when every layer slides (Qwen3-MoE's use_sliding_window; Qwen3's
+layers from max_window_layers on, or its layer_types); a mix of sliding and full layers is refused in one line, as
+Llama's refusals are, and on the way out what these families cannot hold (a model without qk norms goes to
 Llama or Mixtral instead; shared experts, sigmoid scores, expert groups, a balance bias, a routed scale, a capacity).
 """
 
@@ -18,21 +19,31 @@ from __future__ import annotations
 import numpy as np
 
 from jaxpar.core.errors import UserError
+from jaxpar.core.weights.names import model_dims
 from jaxpar.formats import hf_llama
 
 MLP = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}  # shared name -> HF's
 
 
 def read_config(hf_dir: str) -> dict:
-    """config.json checked as Llama's, then for what Qwen3's adds."""
+    """config.json checked as Llama's, then for what Qwen3's adds; its sliding window (0: none) under "window"."""
     hf = hf_llama.read_config(hf_dir)
-    windowed = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
-    if hf.get("use_sliding_window") or windowed:
+    L, window = hf["num_hidden_layers"], hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    if hf["model_type"] == "qwen3_moe":  # every layer slides when the config says so
+        return {**hf, "window": window or 0}
+    # Qwen3: the layers from max_window_layers on slide, unless config.json lists each layer's type
+    first = hf.get("max_window_layers", 28)
+    kinds = hf.get("layer_types") or [
+        "sliding_attention" if window and i >= first else "full_attention" for i in range(L)
+    ]
+    if set(kinds) == {"full_attention"}:
+        return {**hf, "window": 0}
+    if set(kinds) != {"sliding_attention"} or not hf.get("sliding_window"):
         raise UserError(
-            f"{hf_dir}/config.json: sliding-window attention (use_sliding_window, layer_types) is not supported; "
-            "every layer attends to the whole causal context"
+            f"{hf_dir}/config.json: layer types {sorted(set(kinds))} (use_sliding_window, max_window_layers, "
+            "layer_types): jaxpar's model.sliding_window applies to every layer, so either every layer slides or none"
         )
-    return hf
+    return {**hf, "window": hf["sliding_window"]}
 
 
 def dense_layers(hf: dict) -> list[int]:
@@ -45,8 +56,10 @@ def dense_layers(hf: dict) -> list[int]:
 def hf_to_shared(hf_dir: str) -> tuple[dict[str, np.ndarray], dict]:
     """-> (flat shared tensors, model config overrides)."""
     hf = read_config(hf_dir)
+    window = {"sliding_window": hf["window"]} if hf["window"] else {}
     if hf["model_type"] == "qwen3":
-        return hf_llama.hf_to_shared(hf_dir, check=read_config)
+        flat, dims = hf_llama.hf_to_shared(hf_dir, check=read_config)
+        return flat, {**dims, **window}
     L, dense = hf["num_hidden_layers"], dense_layers(hf)
     if dense != list(range(len(dense))):
         raise UserError(
@@ -74,11 +87,8 @@ def hf_to_shared(hf_dir: str) -> tuple[dict[str, np.ndarray], dict]:
         return out
 
     flat, dims = hf_llama.hf_to_shared(hf_dir, mlp=feed_forward, check=read_config, first_dense=first)
-    return flat, {
-        **dims,
-        "moe_top_k": hf.get("num_experts_per_tok", 2),
-        "moe_norm_topk": bool(hf.get("norm_topk_prob", False)),
-    }
+    experts = {"moe_top_k": hf.get("num_experts_per_tok", 2), "moe_norm_topk": bool(hf.get("norm_topk_prob", False))}
+    return flat, {**dims, **experts, **window}
 
 
 def _refuse_experts(flat: dict, model: dict) -> None:
@@ -98,8 +108,12 @@ def _refuse_experts(flat: dict, model: dict) -> None:
 
 def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict) -> None:
     """Write an HF Qwen3 (or, with experts, Qwen3-MoE) directory from flat shared tensors with model.qk_norm's."""
+    window = int(model.get("sliding_window") or 0)
+    slide = {"use_sliding_window": bool(window), "sliding_window": window or None}
     if "blocks.moe.gate" not in flat:
-        config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": False}
+        L, kind = model_dims(flat, model)["n_layer"], "sliding_attention" if window else "full_attention"
+        every = {"max_window_layers": 0 if window else L, "layer_types": [kind] * L}
+        config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], **slide, **every}
         hf_llama.shared_to_hf(flat, out_dir, model, config=config)
         return
     _refuse_experts(flat, model)
@@ -128,7 +142,7 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict) -> None
         "norm_topk_prob": bool(model.get("moe_norm_topk", True)),
         "decoder_sparse_step": 1,
         "mlp_only_layers": list(range(first)),
-        "use_sliding_window": False,
+        **slide,
         "output_router_logits": False,
     }
     hf_llama.shared_to_hf(flat, out_dir, model, mlp=feed_forward, config=config)

@@ -111,6 +111,17 @@ def without_mtp(flat: dict[str, np.ndarray], model: dict) -> tuple[dict[str, np.
     return {k: v for k, v in flat.items() if k not in mtp}, {**model, "mtp_depth": 0}, note
 
 
+def hf_family(flat: dict[str, np.ndarray], model: dict):
+    """The module of the Hugging Face family whose checkpoints hold these tensors."""
+    if model.get("family") != "llama":
+        return hf_gpt2
+    if model.get("attention") == "mla":
+        return hf_deepseek_v3
+    if "blocks.attn.k_norm.scale" in flat:  # model.qk_norm: Qwen3 (with experts, Qwen3-MoE)
+        return hf_qwen3
+    return hf_mixtral if "blocks.moe.gate" in flat else hf_llama
+
+
 def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict, src: str = "") -> None:
     if fmt == "hf" and model.get("mtp_depth") and model.get("attention") != "mla":
         raise UserError(
@@ -119,16 +130,17 @@ def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict, src: str
         )
     if fmt == "shared":
         save_weights(dst, unflatten(flat), model)
-    elif fmt == "hf" and model.get("family") == "llama":  # the family whose checkpoints hold these tensors
-        if model.get("attention") == "mla":
-            family = hf_deepseek_v3
-        elif "blocks.attn.k_norm.scale" in flat:  # model.qk_norm: Qwen3 (with experts, Qwen3-MoE)
-            family = hf_qwen3
-        else:
-            family = hf_mixtral if "blocks.moe.gate" in flat else hf_llama
-        family.shared_to_hf(flat, dst, model)
     elif fmt == "hf":
-        hf_gpt2.shared_to_hf(flat, dst, model.get("layernorm_eps", 1e-5))
+        family = hf_family(flat, model)
+        if model.get("sliding_window") and family not in (hf_qwen3, hf_mixtral):
+            raise UserError(
+                f"model.sliding_window={model['sliding_window']}: Hugging Face's {family.__name__.split('_', 1)[1]} "
+                "has no sliding window (Qwen3's, Qwen3-MoE's and Mixtral's have); convert to shared, jaxpar or state"
+            )
+        if family is hf_gpt2:
+            hf_gpt2.shared_to_hf(flat, dst, model.get("layernorm_eps", 1e-5))
+        else:
+            family.shared_to_hf(flat, dst, model)
     else:
         from jaxpar.checkpoint import Checkpointer  # deferred: orbax, jax (~1 s): hf and shared conversions skip it
         from jaxpar.formats.train_state import single_device_layout  # deferred: imports jax

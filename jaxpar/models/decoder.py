@@ -66,12 +66,13 @@ class Attention(nnx.Module):
         )
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None
         self.sparsity = block_sparsity(cfg)  # block-sparse dilated attention's pattern, or None
+        self.window = cfg.sliding_window
 
     def __call__(self, x, dtype, positions=None, segments=None):
         q, k, v = self.project_qkv(x, dtype, positions)
         # the context's attention: local (cuDNN flash on GPU where it applies), or across `sp` shards
         y = (
-            current().attention(q, k, v, positions, segments)
+            current().attention(q, k, v, positions, segments, window=self.window)
             if self.pairs is None
             else dilated_attention(q, k, v, self.pairs, self.sparsity)
         )

@@ -60,7 +60,7 @@ class GQAttention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = nnx.Dict(scale=param(jnp.ones(L + (k,)), lead + ("kv",)))
             self.k_norm = nnx.Dict(scale=param(jnp.ones(L + (k,)), lead + ("kv",)))
-        self.theta, self.n_head, self.eps = cfg.rope_theta, h, cfg.layernorm_eps
+        self.theta, self.n_head, self.eps, self.window = cfg.rope_theta, h, cfg.layernorm_eps, cfg.sliding_window
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None
         self.sparsity = block_sparsity(cfg)  # block-sparse dilated attention's pattern, or None
 
@@ -68,7 +68,7 @@ class GQAttention(nnx.Module):
         q, k, v = self.project_qkv(x, dtype, positions)
         k, v = (constrain(repeat_kv(t, self.n_head), ("batch", "seq", "heads", "kv")) for t in (k, v))
         y = (
-            current().attention(q, k, v, positions, segments)
+            current().attention(q, k, v, positions, segments, window=self.window)
             if self.pairs is None
             else dilated_attention(q, k, v, self.pairs, self.sparsity)
         )

@@ -55,11 +55,12 @@ class MLAttention(nnx.Module):
         if cfg.family == "gpt2":  # llama's projections have no biases (DeepSeek-V3's o_proj neither)
             self.out["bias"] = param(jnp.zeros(L + (d,)), lead + ("embed",))
         self.eps, self.theta, self.kvl, self.r = cfg.layernorm_eps, cfg.rope_theta, kvl, r
+        self.window = cfg.sliding_window
 
     def __call__(self, x, dtype, positions=None, segments=None):
         q, latent = self.project_q_latent(x, dtype, positions)
         k, v = self.keys_values(latent, dtype)
-        return self.project_out(current().attention(q, k, v, positions, segments), dtype)
+        return self.project_out(current().attention(q, k, v, positions, segments, window=self.window), dtype)
 
     # The three steps below are also what decoding runs (jaxpar/decode.py): it caches the latent, the
     # kv_cache_width values per token, and expands the cached latents to keys and values at every step.

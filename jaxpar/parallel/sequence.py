@@ -46,6 +46,15 @@ def check_sequence(seq_len: int, n_head: int, sizes, attention: str, zigzag: boo
         )
 
 
+def check_window(window: int, strategy: str) -> None:
+    """model.sliding_window across sp shards: all_gather and ulysses mask the band; ring is not built for it."""
+    if window and strategy == "ring":
+        raise UserError(
+            f"model.sliding_window={window} with parallel.sequence_attention=ring: ring attention is not built with a "
+            "window; use parallel.sequence_attention=all_gather or ulysses"
+        )
+
+
 def zigzag_order(T: int, n: int) -> np.ndarray:
     """Permutation of range(T): device i's contiguous shard holds chunks i and 2n-1-i of 2n."""
     if T % (2 * n):
@@ -55,12 +64,12 @@ def zigzag_order(T: int, n: int) -> np.ndarray:
     return np.concatenate([np.arange(j * c, (j + 1) * c) for j in chunks])
 
 
-def all_gather_attention(q, k, v, pos, seg, *, axis: str, n: int):
+def all_gather_attention(q, k, v, pos, seg, *, axis: str, n: int, window: int = 0):
     """Inside shard_map: local queries against K/V gathered along the sequence axis."""
     del n
     gather = lambda x, dim: jax.lax.all_gather(x, axis, axis=dim, tiled=True)
     k_seg = None if seg is None else gather(seg, 1)
-    return causal_attention(q, gather(k, 1), gather(v, 1), pos, gather(pos, pos.ndim - 1), seg, k_seg)
+    return causal_attention(q, gather(k, 1), gather(v, 1), pos, gather(pos, pos.ndim - 1), seg, k_seg, window)
 
 
 def in_pipeline_branch() -> bool:
@@ -79,9 +88,11 @@ def sequence_attention(mesh, rules, strategy: str):
     fn = {"ring": ring_attention, "all_gather": all_gather_attention, "ulysses": ulysses_attention}[strategy]
     n = mesh.shape[AXIS]
 
-    def attention(q, k, v, positions=None, segments=None):
+    def attention(q, k, v, positions=None, segments=None, window: int = 0):
         T = q.shape[1]
         check_sequence(T, q.shape[2], mesh.shape, strategy, zigzag=False)
+        check_window(window, strategy)
+        band = {"window": window} if window else {}
         spec = spec_for(("batch", "seq", "heads", "kv"), q.shape, mesh, rules)
         if spec[1] != AXIS:
             raise UserError(f"the rules table must map the sequence dimension to {AXIS!r} for sequence parallelism")
@@ -90,7 +101,7 @@ def sequence_attention(mesh, rules, strategy: str):
         # must not be collective-permutes there (ring_attention.py)
         hops = {"exchange": "all_to_all"} if strategy == "ring" and in_pipeline_branch() else {}
         sharded = jax.shard_map(
-            lambda *a: fn(*a, axis=AXIS, n=n, **hops),
+            lambda *a: fn(*a, axis=AXIS, n=n, **hops, **band),
             mesh=tracing_mesh(mesh),
             out_specs=spec,
             in_specs=(spec, spec, spec, rows if segments is not None else jax.P(AXIS), rows),

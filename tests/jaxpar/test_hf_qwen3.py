@@ -40,13 +40,15 @@ MOE = dict(
     mlp_only_layers=[0],
     decoder_sparse_step=1,
 )
-FAMILIES = {"qwen3": dict(COMMON, num_hidden_layers=2), "qwen3_moe": MOE}
+# every layer attending to its 5 latest tokens, on rows of 24 and decoding 12 tokens after 8
+WINDOW = dict(COMMON, num_hidden_layers=2, use_sliding_window=True, sliding_window=5, max_window_layers=0)
+FAMILIES = {"qwen3": dict(COMMON, num_hidden_layers=2), "qwen3_moe": MOE, "qwen3_window": WINDOW}
 
 
 def _classes(family: str):
     import transformers
 
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_window"):
         return transformers.Qwen3Config, transformers.Qwen3ForCausalLM
     return transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
 
@@ -77,6 +79,7 @@ def test_hf_qwen3_logits_and_greedy_tokens_match_both_frameworks(hf_qwen3):
         2,
         300.0,
     )
+    assert model.get("sliding_window", 0) == (5 if family == "qwen3_window" else 0)
     if family == "qwen3_moe":
         assert {k: model[k] for k in ("moe_experts", "moe_first_dense", "moe_d_ff", "d_ff", "moe_norm_topk")} == dict(
             moe_experts=6, moe_first_dense=1, moe_d_ff=16, d_ff=48, moe_norm_topk=False
@@ -89,7 +92,7 @@ def test_qwen3_round_trip_through_a_jaxpar_run_is_bit_exact(hf_qwen3, tmp_path):
     family, oracle = hf_qwen3
     assert_hf_round_trip_through_a_jaxpar_run(oracle, tmp_path, _classes(family)[1])
     config = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert (config["model_type"], config["head_dim"]) == (family, 16)
+    assert (config["model_type"], config["head_dim"]) == (family.removesuffix("_window"), 16)
 
 
 QWEN3 = ("model.family=llama", "model.n_kv_head=2", "model.head_dim=12", "model.qk_norm=true", "model.d_ff=40")
@@ -99,7 +102,9 @@ QWEN3 = ("model.family=llama", "model.n_kv_head=2", "model.head_dim=12", "model.
     "family,overrides",
     [
         ("qwen3", ("model.tie_embeddings=true",)),
+        ("qwen3", ("model.sliding_window=5",)),
         ("qwen3_moe", ("model.n_layer=3", "model.moe_experts=4", "model.moe_top_k=2", "model.moe_d_ff=16")),
+        ("qwen3_moe", ("model.moe_experts=4", "model.moe_d_ff=16", "model.sliding_window=5")),
     ],
 )
 def test_ours_to_hf_gives_our_logits(family, overrides, tmp_path):
@@ -127,6 +132,7 @@ def test_ours_to_hf_gives_our_logits(family, overrides, tmp_path):
     }
     flat = {k: v.astype(np.float32) for k, v in flat.items()}
     write("hf", str(tmp_path), flat, {"family": "llama", **{k: getattr(cfg, k) for k in SETTINGS}})
+    assert json.loads((tmp_path / "config.json").read_text())["sliding_window"] == (cfg.sliding_window or None)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == family
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 16))
     with jax.default_matmul_precision("highest"):
@@ -149,8 +155,8 @@ def test_ours_to_hf_gives_our_logits(family, overrides, tmp_path):
 @pytest.mark.parametrize(
     "change,message",
     [
-        ({"use_sliding_window": True, "sliding_window": 8}, "sliding-window attention"),
-        ({"layer_types": ["sliding_attention", "full_attention", "full_attention"]}, "sliding-window attention"),
+        ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None}, "layer types"),
+        ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}, "layer types"),
         ({"mlp_only_layers": [1]}, r"dense layers \[1\]"),
         ({"mlp_only_layers": [], "decoder_sparse_step": 2}, r"dense layers \[0, 2\]"),
         ({"attention_bias": True}, "attention_bias"),
@@ -160,8 +166,10 @@ def test_what_our_model_cannot_hold_is_refused_in_one_line(hf_qwen3, tmp_path, c
     from jaxpar.formats import hf_qwen3 as module
 
     family, (path, *_) = hf_qwen3
-    if family == "qwen3" and "mlp_only_layers" in change:
+    if family != "qwen3_moe" and "mlp_only_layers" in change:
         pytest.skip("Qwen3 (dense) has no experts to place")
+    if family == "qwen3_moe" and "layer types" in message:
+        pytest.skip("Qwen3-MoE's layers slide all or none (use_sliding_window)")
     config = json.loads((path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
     (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")

@@ -35,7 +35,9 @@ QWEN3_MOE = tuple(o for o in QWEN3 if not o.startswith("model.d_ff=")) + (
     "optim.lr=1e-3",
     "optim.min_lr=1e-4",
 )
-FAMILIES = {"qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
+# Qwen3 with every layer's attention in a sliding window of 6 on rows of 16 (its layouts:
+# tests/jaxpar/test_sliding_window.py)
+FAMILIES = {"qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "qwen3_window": QWEN3 + ("model.sliding_window=6",)}
 CASES = [
     ("qwen3", "dp=2,tp=2", ()),
     ("qwen3", "pp=2", ("parallel.pipeline_schedule=1f1b",)),

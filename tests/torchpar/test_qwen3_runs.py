@@ -1,7 +1,8 @@
-"""Qwen3 and Qwen3-MoE (model.head_dim, model.qk_norm) on torchpar's backends, under torchrun.
+"""Qwen3, Qwen3-MoE and Qwen3 with a sliding window on torchpar's backends, under torchrun.
 
-From one initial-weights file, ddp and fsdp (and ddp with the experts split over ep for Qwen3-MoE) equal the
-one-process run, which equals jaxpar's on one device. jaxpar's layouts: tests/jaxpar/test_qwen3.py.
+From one initial-weights file, ddp, fsdp and the pipeline (1f1b over 2 stages), and ddp with the experts split over ep
+for Qwen3-MoE, equal the one-process run, which equals jaxpar's on one device. jaxpar's layouts:
+tests/jaxpar/test_qwen3.py.
 """
 
 import pytest
@@ -31,12 +32,14 @@ def test_one_process_equals_jaxpar_from_the_same_weights(family, base):
 
 
 @pytest.mark.parametrize(
-    "backend,mesh", [("ddp", ""), ("fsdp", ""), ("ddp", "parallel.mesh=ep=2")], ids=["ddp", "fsdp", "ddp-ep=2"]
+    "backend,mesh",
+    [("ddp", ""), ("fsdp", ""), ("ddp", "parallel.mesh=ep=2"), ("pipeline", "parallel.pipeline_schedule=1f1b")],
+    ids=["ddp", "fsdp", "ddp-ep=2", "pipeline-1f1b"],
 )
 def test_each_backend_equals_one_process(family, base, backend, mesh):
     name, args, ref = family
-    if mesh and name != "qwen3_moe":
+    if "ep=" in mesh and name != "qwen3_moe":
         pytest.skip("expert parallelism splits experts: Qwen3 (dense) has none")
-    run_dir = base["tmp"] / f"{name}-{backend}{'-ep' if mesh else ''}"
+    run_dir = base["tmp"] / f"{name}-{backend}{'-ep' if 'ep=' in mesh else ''}"
     run(["--backend", backend, *args, *([mesh] if mesh else []), f"run.dir={run_dir}"], nproc=2)
     assert_same_run(metrics(run_dir), ref)

@@ -40,13 +40,14 @@ class Attention(nn.Module):
         self.out = Dense((h, k, d), (d,))
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None  # torchpar/models/dilated.py
         self.sparsity = block_sparsity(cfg)  # block-sparse dilated attention's pattern, or None
+        self.window = cfg.sliding_window
 
     def forward(self, x, positions=None, mask=None):
         if self.pairs is not None:
             q, k, v = self.qkv(x, "btd,dchk->btchk").unbind(2)  # each [b, t, h, k]
             return self.out(dilated_attention(q, k, v, self.pairs, self.sparsity), "bthk,hkd->btd")
         q, k, v = self.project_qkv(x)
-        return self.project_out(causal_attention(q, k, v, mask))
+        return self.project_out(causal_attention(q, k, v, mask, self.window))
 
     # the two projections are also what decoding with a KV cache runs around its own attention (decode.py)
     def project_qkv(self, x, positions=None):  # positions: for rotary attention (llama.py); unused here

@@ -29,7 +29,7 @@ class GQAttention(nn.Module):
         self.q, self.kv, self.out = Kernel((d, h, k)), Kernel((d, 2, g, k)), Kernel((h, k, d))
         if cfg.qk_norm:  # Qwen3: each query and key head RMS-normalised over its width before the rotation
             self.q_norm, self.k_norm = RMSNorm(k, cfg.layernorm_eps), RMSNorm(k, cfg.layernorm_eps)
-        self.theta, self.n_head = cfg.rope_theta, h
+        self.theta, self.n_head, self.window = cfg.rope_theta, h, cfg.sliding_window
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None
         self.sparsity = block_sparsity(cfg)  # block-sparse dilated attention's pattern, or None
 
@@ -39,7 +39,7 @@ class GQAttention(nn.Module):
         if self.pairs is not None:  # dilated_attention works on [b, t, h, k]
             y = dilated_attention(*(t.transpose(1, 2) for t in (q, k, v)), self.pairs, self.sparsity).transpose(1, 2)
         else:
-            y = causal_attention(q, k, v, mask)
+            y = causal_attention(q, k, v, mask, self.window)
         return self.project_out(y)
 
     # the two projections are also what decoding with a KV cache runs (decode.py): k, v at kv_heads width

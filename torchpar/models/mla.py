@@ -24,12 +24,12 @@ class MLAttention(nn.Module):
         self.kv_down, self.kv_norm = Kernel((d, kvl + r)), RMSNorm(kvl, cfg.layernorm_eps)
         self.kv_up = Kernel((kvl, 2, h, k))
         self.out = Dense((h, k, d), (d,)) if cfg.family == "gpt2" else Kernel((h, k, d))  # llama: no biases
-        self.kvl, self.r, self.theta = kvl, r, cfg.rope_theta
+        self.kvl, self.r, self.theta, self.window = kvl, r, cfg.rope_theta, cfg.sliding_window
 
     def forward(self, x, positions=None, mask=None):
         q, latent = self.project_q_latent(x, positions)
         k, v = self.keys_values(latent)
-        return self.project_out(causal_attention(q, k, v, mask))
+        return self.project_out(causal_attention(q, k, v, mask, self.window))
 
     # the three steps below are also what decoding runs (torchpar/decode.py): it caches the latents
     def project_q_latent(self, x, positions=None):

@@ -213,6 +213,13 @@ CONTRACT: dict[str, Owner] = {
         example=("model.family=llama",),
     ),
     "model.head_dim": Owner(True, BOTH, "params", **GQA),
+    "model.sliding_window": Owner(
+        True,
+        BOTH,
+        "step",
+        when=lambda r: r.cfg.model.attention != "dilated",
+        mode="model.attention=mha or mla (dilated attention has its own pattern)",
+    ),
     "model.qk_norm": Owner(True, BOTH, "params", **GQA),
     "model.segment_lengths": Owner(True, BOTH, "step", **DILATED),
     "model.dilation_rates": Owner(True, BOTH, "step", **DILATED),

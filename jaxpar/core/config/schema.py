@@ -70,6 +70,10 @@ class ModelConfig:
     # llama family, GQA attention: Qwen3's per-head RMSNorm of the queries and the keys (over head_dim, one scale per
     # layer each) before the rotary embedding (jaxpar/models/llama.py)
     qk_norm: bool = False
+    # sliding-window attention, every family: each query attends to its `sliding_window` latest tokens, itself included
+    # (Mistral's and Hugging Face's sliding_window); on the CPU only the key blocks the band reaches are computed
+    # (jaxpar/ops.py banded_attention). mha or mla attention; 0: the whole causal context
+    sliding_window: int = field(default=0, metadata=_check(lo=0))
     # dilated (models/dilated.py): (segment length, rate) pairs, comma-separated; empty: plain causal attention
     segment_lengths: str = ""
     dilation_rates: str = ""

@@ -44,6 +44,7 @@ SETTINGS = (
     "max_seq_len",
     "layernorm_eps",
     "rope_theta",
+    "sliding_window",
     "moe_top_k",
     "moe_shared_experts",
     "moe_router",
