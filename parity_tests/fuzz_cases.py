@@ -379,6 +379,8 @@ def _draw_dims(rng: random.Random, s: dict, heads_div: int, layers_div: int) -> 
     s["data.seq_len"] = str(seq)
     if s.get("model.attention") == "dilated":
         s["model.segment_lengths"], s["model.dilation_rates"] = ("4,8,16", "1,2,4") if seq == 16 else ("8,32", "1,4")
+    elif rng.random() < 0.25:  # a band narrower than the row: blocks skipped on one device, a mask elsewhere
+        s["model.sliding_window"] = str(_pick(rng, {4: 1, 6: 1, seq // 2 + 1: 1}))
     if s.get("model.family") == "llama":
         kv = [k for k in (1, 2) if n_head % k == 0 and k < n_head]
         if kv and rng.random() < 0.6:

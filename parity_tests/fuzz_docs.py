@@ -45,6 +45,12 @@ PROMISES = (
         "docs/features.md 'Llama': every mesh and torchpar backend; 'Model families': llama with attention=dilated",
     ),
     (
+        "sliding-window attention",
+        lambda c: "model.sliding_window" in dict(c.settings),
+        "docs/architecture.md 'Sliding-window attention': every family, mha and mla, every mesh (sp with all_gather "
+        "or ulysses), pipeline schedule and torchpar backend",
+    ),
+    (
         "Qwen3's attention",
         lambda c: any(k in ("model.qk_norm", "model.head_dim") for k, _ in c.settings),
         "docs/architecture.md 'Model families' (Qwen3: model.qk_norm and model.head_dim on every mesh, pipeline "
@@ -187,6 +193,16 @@ DOCUMENTED_REFUSALS = (
             and c.backend == "pipeline"
             and c.get("parallel.pipeline_schedule") in ("zb_h1", "zb_v", "dualpipev")
             and c.get("model.remat") == "save_matmuls"
+        ),
+    ),
+    (
+        "docs/architecture.md 'Sliding-window attention': ring attention with a window is refused (all_gather and "
+        "ulysses run it)",
+        lambda c: (
+            c.side == "jax"
+            and c.mesh()["sp"] > 1
+            and "model.sliding_window" in dict(c.settings)
+            and c.get("parallel.sequence_attention", "ring") == "ring"
         ),
     ),
     (

@@ -39,11 +39,14 @@ MODE_KEYS = {  # key prefix -> whether the case's run consumes it (a mode's keys
     "model.sketch": lambda c: c.get("model.linear") == "sketched",
     "model.n_kv_head": lambda c: c.get("model.family") == "llama",
     "model.tie_embeddings": lambda c: c.get("model.family") == "llama",
+    "model.sliding_window": lambda c: c.get("model.attention") != "dilated",
     "model.qk_norm": lambda c: c.get("model.family") == "llama" and c.get("model.attention") != "mla",
     "model.head_dim": lambda c: c.get("model.family") == "llama" and c.get("model.attention") != "mla",
     "data.buckets": lambda c: c.get("data.batching") == "buckets",
     "model.moe_": lambda c: c.get("model.moe_experts", "0") != "0",
-    "model.moe_bias_update": lambda c: c.side == "jax" or c.backend in ("none", "ddp"),
+    "model.moe_bias_update": lambda c: (
+        c.side == "jax" or c.backend in ("none", "ddp", "pipeline")
+    ),  # the contract's row
     "model.moe_topk_group": lambda c: c.get("model.moe_n_group", "1") != "1",
     "train.tokens_per_batch": lambda c: c.get("data.batching") == "buckets",
     "optim.name": lambda c: c.side == "jax" or c.backend != "deepspeed",

@@ -51,6 +51,7 @@ VARIANTS = {
         "model.tie_embeddings=false",
     ),
     "mtp": ("model.mtp_depth=2",),
+    "qwen3": ("model.family=llama", "model.n_kv_head=2", "model.head_dim=12", "model.qk_norm=true", "model.d_ff=40"),
     "mtp_llama_moe": (
         "model.family=llama",
         "model.n_kv_head=2",
@@ -115,3 +116,17 @@ def test_flops_count_the_experts_a_token_runs_through():
     assert gap == L * 6 * 3 * d * 16  # the 6 experts a token skips, per layer
     dense = tiny_config("model.family=llama", "model.d_ff=48").model  # one SwiGLU as wide as the 3 a token runs
     assert flops_per_token(cfg, 16) - flops_per_token(dense, 16) == 6 * L * d * 8  # the router alone
+
+
+def test_attention_flops_count_heads_of_their_own_width_and_the_keys_a_window_leaves():
+    """Qwen3's heads (4 x 12 = 48 on d_model 32) and a sliding window of 4 on rows of 16: 12 L T (heads x width).
+
+    The same model with heads of d_model / n_head differs by 12 L T x 16 per token; the window by 12 L x 12 x 48.
+    """
+    qwen3 = ("model.family=llama", "model.head_dim=12", "model.d_ff=40")
+    wide, plain = tiny_config(*qwen3).model, tiny_config("model.family=llama", "model.d_ff=40").model
+    L, T = wide.n_layer, 16
+    params = count_params(wide, active=True)["non_embedding"] - count_params(plain, active=True)["non_embedding"]
+    assert flops_per_token(wide, T) - flops_per_token(plain, T) == 6 * params + 12 * L * T * (48 - 32)
+    windowed = tiny_config(*qwen3, "model.sliding_window=4").model
+    assert flops_per_token(wide, T) - flops_per_token(windowed, T) == 12 * L * (T - 4) * 48

@@ -93,10 +93,12 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 * (non-embedding params + output head) + attention 12*L*T*(heads x head width).
 
     With experts the parameters a token runs through (its top_k experts, not all), so MFU counts no idle expert;
-    with multi-token prediction each depth's block, its attention and its pass through the shared head too.
+    with multi-token prediction each depth's block, its attention and its pass through the shared head too; with a
+    sliding window, the keys a token reads: T becomes min(T, window).
     """
     n = count_params(m, active=True)["non_embedding"] + (1 + m.mtp_depth) * m.vocab_size * m.d_model
-    return 6 * n + 12 * (m.n_layer + m.mtp_depth) * seq_len * m.n_head * m.head_width
+    keys = min(seq_len, m.sliding_window or seq_len)
+    return 6 * n + 12 * (m.n_layer + m.mtp_depth) * keys * m.n_head * m.head_width
 
 
 def peak_flops(device_kind: str, dtype: str) -> float | None:
