@@ -3,9 +3,10 @@
 Mixtral is Llama's decoder (hf_llama.py converts its attention, norms and embeddings) with each MLP replaced by
 a mixture of experts: a softmax router over num_local_experts SwiGLU experts, each token sent to its
 num_experts_per_tok best, their weights renormalised over the chosen -- jaxpar's model.moe_* with
-moe_router=softmax, moe_norm_topk=true, no shared experts, dropless; its sliding_window is model.sliding_window. Checkpoint names as the Hub keeps them (and
-transformers' save_pretrained writes them): block_sparse_moe.gate [E, embed] and experts.{j}.w1 (gate), w3
-(up) [width, embed], w2 (down) [embed, width]; the shared format stacks the experts (jaxpar/models/moe.py).
+moe_router=softmax, moe_norm_topk=true, no shared experts, dropless; its sliding_window is model.sliding_window.
+Checkpoint names as the Hub keeps them (and transformers' save_pretrained writes them): block_sparse_moe.gate
+[E, embed] and experts.{j}.w1 (gate), w3 (up) [width, embed], w2 (down) [embed, width]; the shared format stacks the
+experts (jaxpar/models/moe.py).
 """
 
 from __future__ import annotations
