@@ -4,6 +4,7 @@ model.moe_*, jaxpar/models/moe.py and jaxpar/parallel/expert_parallel.py: the ro
 the token dispatch against a per-token numpy sum, and every layout against one device, drops included.
 """
 
+import json
 import math
 
 import jax
@@ -396,8 +397,9 @@ def test_dense_first_layers_need_a_layer_of_experts_and_gpipe_stages_that_split_
 # --- Hugging Face MixtralForCausalLM <-> both frameworks -------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def hf_mixtral(tmp_path_factory):
+@pytest.fixture(scope="module", params=[None, 5], ids=["whole", "window5"])
+def hf_mixtral(request, tmp_path_factory):
+    """A random Mixtral; with the param, each token attending to its 5 latest (rows of 24, 12 greedy tokens after 8)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     config = transformers.MixtralConfig(
@@ -413,6 +415,7 @@ def hf_mixtral(tmp_path_factory):
         rms_norm_eps=1e-6,
         rope_theta=500.0,
         tie_word_embeddings=False,
+        sliding_window=request.param,
     )
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(config).eval()
@@ -429,6 +432,7 @@ def test_hf_mixtral_logits_and_greedy_tokens_match_both_frameworks(hf_mixtral):
     path, tokens, want, greedy = hf_mixtral
     flat, model = read("hf", str(path))
     assert (model["moe_experts"], model["moe_top_k"], model["moe_d_ff"]) == (4, 2, 24)
+    assert model.get("sliding_window") == json.loads((path / "config.json").read_text())["sliding_window"]
     cfg = load_config(None, [f"model.{k}={v}" for k, v in model.items()] + ["data.seq_len=24"]).model
     assert_both_frameworks_give_hf_answers(flat, cfg, tokens, want, greedy, "Mixtral")
 
