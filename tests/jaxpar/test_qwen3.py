@@ -13,6 +13,10 @@ import pytest
 
 from tests.helpers import assert_params_close, run_steps, tiny_config
 
+# the slow tier as a whole: each family's one-device reference trains before its first layout (every commit holds the
+# families to transformers in tests/jaxpar/test_hf_qwen3.py, and the fuzzer draws their keys on random layouts)
+pytestmark = pytest.mark.slow
+
 # heads 12 wide on d_model 32 (4 x 12 = 48), 2 kv heads, the query and key norms; 4 layers, so that zb_v gives each of
 # pp=2's chunks one
 QWEN3 = (

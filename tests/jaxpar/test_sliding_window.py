@@ -114,6 +114,7 @@ LAYOUTS = [
 _REFERENCES: dict = {}
 
 
+@pytest.mark.slow  # each model's one-device reference trains before its first layout
 @pytest.mark.parametrize("mesh,extra", LAYOUTS, ids=[m + "".join(f"-{e.split('=')[1]}" for e in x) for m, x in LAYOUTS])
 def test_every_layout_equals_one_device(mesh, extra, dataset):
     model_keys = FAMILIES["llama"] + tuple(e for e in extra if e.startswith(("model.", "data.")))

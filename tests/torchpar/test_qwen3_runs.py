@@ -11,6 +11,10 @@ from tests.helpers import metrics
 from tests.jaxpar.test_qwen3 import FAMILIES
 from tests.torchpar.runs import assert_same_run, jaxpar_run, run
 
+# the slow tier as a whole: each family's fixture trains two runs before its first test (every commit holds torchpar
+# to these families through the twins in tests/jaxpar/test_variants.py and test_sliding_window.py, and the oracle)
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, base):
