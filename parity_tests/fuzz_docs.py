@@ -52,9 +52,9 @@ PROMISES = (
     ),
     (
         "Qwen3's attention",
-        lambda c: any(k in ("model.qk_norm", "model.head_dim") for k, _ in c.settings),
-        "docs/architecture.md 'Model families' (Qwen3: model.qk_norm and model.head_dim on every mesh, pipeline "
-        "schedule and torchpar backend)",
+        lambda c: any(k in ("model.qk_norm", "model.head_dim", "model.rope_scaling") for k, _ in c.settings),
+        "docs/architecture.md 'Model families' (Qwen3: model.qk_norm, model.head_dim and YaRN's model.rope_scaling on "
+        "every mesh, pipeline schedule and torchpar backend)",
     ),
     (
         "remat, accumulation, unrolled layers",

@@ -36,21 +36,61 @@ def read_config(hf_dir: str) -> dict:
         hf = json.load(f)
     # transformers >= 5 keeps the rotary settings in rope_parameters, earlier versions in rope_theta/rope_scaling
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
     refused = {
-        "rope type": rope.get("rope_type", rope.get("type", "default")) != "default" and rope,
+        "rope type": kind not in ("default", "yarn") and rope,
+        "yarn's mscale (DeepSeek's softmax scale)": kind == "yarn"
+        and (rope.get("mscale") or rope.get("mscale_all_dim")),
+        "partial_rotary_factor": rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0,
         "attention_bias": hf.get("attention_bias"),
         "mlp_bias": hf.get("mlp_bias"),
     }
     for key, value in refused.items():
         if value:
-            raise UserError(f"{path}: {key} {value!r} is not supported (plain rotary positions, no biases)")
+            raise UserError(f"{path}: {key} {value!r} is not supported (plain or YaRN rotary positions, no biases)")
     hf["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    hf["rope_settings"] = yarn_settings(rope, hf) if kind == "yarn" else {}
     if hf.get("hidden_act", "silu") != "silu":
         raise UserError(f"{path}: hidden_act {hf['hidden_act']!r} is not Llama's silu")
     d, h = hf["hidden_size"], hf["num_attention_heads"]
     if not hf.get("head_dim") and d % h:
         raise UserError(f"{path}: hidden_size={d} is not divisible by num_attention_heads={h} and no head_dim is set")
     return hf
+
+
+def yarn_settings(rope: dict, hf: dict) -> dict:
+    """model.rope_* of Hugging Face's rope_parameters with rope_type yarn (jaxpar/core/model/rotary.py)."""
+    original = (
+        rope.get("original_max_position_embeddings")
+        or hf.get("original_max_position_embeddings")
+        or hf.get("max_position_embeddings", 2048)
+    )
+    return {
+        "rope_scaling": "yarn",
+        "rope_factor": float(rope.get("factor") or hf.get("max_position_embeddings", 2048) / original),
+        "rope_original_max_seq_len": int(original),
+        "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
+        "rope_beta_slow": float(rope.get("beta_slow") or 1.0),
+        "rope_truncate": bool(rope.get("truncate", True)),
+        "rope_attention_factor": float(rope.get("attention_factor") or 0.0),
+    }
+
+
+def rope_parameters(dims: dict) -> dict:
+    """config.json's rope_parameters of model config keys: default, or yarn (yarn_settings' inverse)."""
+    theta = float(dims.get("rope_theta", 10000.0))
+    if dims.get("rope_scaling", "none") != "yarn":
+        return {"rope_type": "default", "rope_theta": theta}
+    out = {
+        "rope_type": "yarn",
+        "rope_theta": theta,
+        "factor": float(dims["rope_factor"]),
+        "original_max_position_embeddings": int(dims.get("rope_original_max_seq_len") or dims["max_seq_len"]),
+        "beta_fast": float(dims.get("rope_beta_fast", 32.0)),
+        "beta_slow": float(dims.get("rope_beta_slow", 1.0)),
+        "truncate": bool(dims.get("rope_truncate", True)),
+    }
+    return {**out, **({"attention_factor": dims["rope_attention_factor"]} if dims.get("rope_attention_factor") else {})}
 
 
 def read_dir(hf_dir: str, check=read_config) -> tuple[dict, dict[str, np.ndarray]]:
@@ -101,6 +141,7 @@ def hf_to_shared(hf_dir: str, mlp=None, check=read_config, first_dense: int = 0)
         "max_seq_len": hf.get("max_position_embeddings", 2048),
         "layernorm_eps": hf.get("rms_norm_eps", 1e-6),
         "rope_theta": hf["rope_theta"],
+        **hf["rope_settings"],
     }
     return {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in out.items()}, model_dims(out, settings)
 
@@ -146,7 +187,7 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict, mlp=Non
         "max_position_embeddings": dims["max_seq_len"],
         "rms_norm_eps": dims.get("layernorm_eps", 1e-5),
         "rope_theta": theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "rope_parameters": rope_parameters(dims),
         "tie_word_embeddings": "lm_head" not in flat,
         "attention_bias": False,
         "mlp_bias": False,

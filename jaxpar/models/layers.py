@@ -50,15 +50,17 @@ def rms_norm(x, scale, eps):
     return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps) * scale).astype(x.dtype)
 
 
-def rope(x, positions, theta: float):
+def rope(x, positions, theta: float, scaled=None):
     """Rotary embedding on the last dim of x [batch, seq, ..., r]: pairs (i, i + r/2) rotated by pos * theta^(-2i/r).
 
-    Positions [seq], or per row [batch, seq] (packed documents).
+    Positions [seq], or per row [batch, seq] (packed documents). `scaled`: (frequencies, cos/sin factor) of
+    core/model/rotary.py's YaRN instead.
     """
     r = x.shape[-1]
-    freqs = theta ** (-jnp.arange(0, r // 2, dtype=jnp.float32) * 2 / r)
+    freqs = theta ** (-jnp.arange(0, r // 2, dtype=jnp.float32) * 2 / r) if scaled is None else jnp.asarray(scaled[0])
     angle = positions.astype(jnp.float32)[..., None] * freqs  # [(batch,) seq, r/2]
     angle = angle.reshape(angle.shape[:-1] + (1,) * (x.ndim - 3) + angle.shape[-1:])
-    cos, sin = jnp.cos(angle).astype(x.dtype), jnp.sin(angle).astype(x.dtype)
+    factor = 1.0 if scaled is None else scaled[1]
+    cos, sin = (factor * jnp.cos(angle)).astype(x.dtype), (factor * jnp.sin(angle)).astype(x.dtype)
     x1, x2 = x[..., : r // 2], x[..., r // 2 :]
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)

@@ -34,6 +34,7 @@ from flax import nnx
 from jaxpar.context import constrain, current
 from jaxpar.core.config.schema import ModelConfig
 from jaxpar.core.model.layer_rules import block_sparsity
+from jaxpar.core.model.rotary import yarn
 from jaxpar.models.dilated import dilated_attention
 from jaxpar.models.layers import normal, param, rms_norm, rope
 from jaxpar.ops import project
@@ -61,6 +62,7 @@ class GQAttention(nnx.Module):
             self.q_norm = nnx.Dict(scale=param(jnp.ones(L + (k,)), lead + ("kv",)))
             self.k_norm = nnx.Dict(scale=param(jnp.ones(L + (k,)), lead + ("kv",)))
         self.theta, self.n_head, self.eps, self.window = cfg.rope_theta, h, cfg.layernorm_eps, cfg.sliding_window
+        self.scaled = yarn(cfg, k)  # model.rope_scaling's frequencies, or None
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None
         self.sparsity = block_sparsity(cfg)  # block-sparse dilated attention's pattern, or None
 
@@ -82,7 +84,7 @@ class GQAttention(nnx.Module):
         k, v = kv[:, :, 0], kv[:, :, 1]
         if hasattr(self, "q_norm"):  # model.qk_norm: each head normalised over its width, before the rotation
             q, k = (rms_norm(t, n["scale"][...], self.eps) for t, n in ((q, self.q_norm), (k, self.k_norm)))
-        q, k = rope(q, pos, self.theta), rope(k, pos, self.theta)
+        q, k = rope(q, pos, self.theta, self.scaled), rope(k, pos, self.theta, self.scaled)
         return (
             constrain(q, ("batch", "seq", "heads", "kv")),
             *(constrain(t, ("batch", "seq", "kv_heads", "kv")) for t in (k, v)),

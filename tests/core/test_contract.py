@@ -41,6 +41,8 @@ ALTERNATIVE = {
     "model.vocab_size": "300",
     "model.rope_head_dim": "8",
     "model.head_dim": "12",
+    "model.rope_attention_factor": "1.5",
+    "model.rope_original_max_seq_len": "4096",  # a ramp over the pairs of the tiny heads (1: every pair slow alike)
     "model.segment_lengths": "4,16",
     "model.dilation_rates": "1,4",
     "model.sparsity_ratio": "0.5",
@@ -92,6 +94,10 @@ NEEDS = {
     "optim.loss_scale_min": ["optim.loss_scale_init=1e30"],
     "optim.loss_scale_growth_factor": ["optim.loss_scale_growth_interval=1"],
     "optim.min_lr": ["optim.warmup_steps=0"],
+    "model.rope_truncate": ["model.rope_beta_slow=0.1"],  # a ramp end between two pairs, which rounding moves
+    "model.rope_scaling": ["model.rope_factor=4"],  # YaRN by a factor of 1 is plain rotary
+    # the tiny heads' 4 pairs: the fast end of the ramp inside them, and not rounded to the same pair
+    "model.rope_beta_fast": ["model.rope_original_max_seq_len=100000", "model.rope_truncate=false"],
     "optim.decay_steps": ["optim.warmup_steps=0"],
     **{f"train.eval_tasks_{k}": ["train.eval_tasks=hellaswag"] for k in ("every", "limit", "fewshot")},
 }

@@ -42,13 +42,27 @@ MOE = dict(
 )
 # every layer attending to its 5 latest tokens, on rows of 24 and decoding 12 tokens after 8
 WINDOW = dict(COMMON, num_hidden_layers=2, use_sliding_window=True, sliding_window=5, max_window_layers=0)
-FAMILIES = {"qwen3": dict(COMMON, num_hidden_layers=2), "qwen3_moe": MOE, "qwen3_window": WINDOW}
+# YaRN over an original context of 8 on rows of 24, the ramp over the middle pairs (beta_fast 4, beta_slow 0.5)
+YARN = dict(
+    {k: v for k, v in COMMON.items() if k != "rope_theta"},
+    num_hidden_layers=2,
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=300.0,
+        factor=4.0,
+        original_max_position_embeddings=8,
+        beta_fast=4.0,
+        beta_slow=0.5,
+        truncate=False,
+    ),
+)
+FAMILIES = {"qwen3": dict(COMMON, num_hidden_layers=2), "qwen3_moe": MOE, "qwen3_window": WINDOW, "qwen3_yarn": YARN}
 
 
 def _classes(family: str):
     import transformers
 
-    if family in ("qwen3", "qwen3_window"):
+    if family in ("qwen3", "qwen3_window", "qwen3_yarn"):
         return transformers.Qwen3Config, transformers.Qwen3ForCausalLM
     return transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
 
@@ -80,6 +94,7 @@ def test_hf_qwen3_logits_and_greedy_tokens_match_both_frameworks(hf_qwen3):
         300.0,
     )
     assert model.get("sliding_window", 0) == (5 if family == "qwen3_window" else 0)
+    assert model.get("rope_scaling", "none") == ("yarn" if family == "qwen3_yarn" else "none")
     if family == "qwen3_moe":
         assert {k: model[k] for k in ("moe_experts", "moe_first_dense", "moe_d_ff", "d_ff", "moe_norm_topk")} == dict(
             moe_experts=6, moe_first_dense=1, moe_d_ff=16, d_ff=48, moe_norm_topk=False
@@ -92,7 +107,9 @@ def test_qwen3_round_trip_through_a_jaxpar_run_is_bit_exact(hf_qwen3, tmp_path):
     family, oracle = hf_qwen3
     assert_hf_round_trip_through_a_jaxpar_run(oracle, tmp_path, _classes(family)[1])
     config = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert (config["model_type"], config["head_dim"]) == (family.removesuffix("_window"), 16)
+    assert (config["model_type"], config["head_dim"]) == (family.removesuffix("_window").removesuffix("_yarn"), 16)
+    if family == "qwen3_yarn":
+        assert config["rope_parameters"] == YARN["rope_parameters"]
 
 
 QWEN3 = ("model.family=llama", "model.n_kv_head=2", "model.head_dim=12", "model.qk_norm=true", "model.d_ff=40")
@@ -166,6 +183,8 @@ def test_what_our_model_cannot_hold_is_refused_in_one_line(hf_qwen3, tmp_path, c
     from jaxpar.formats import hf_qwen3 as module
 
     family, (path, *_) = hf_qwen3
+    if family == "qwen3_yarn":
+        pytest.skip("the plain Qwen3 oracle covers these")
     if family != "qwen3_moe" and "mlp_only_layers" in change:
         pytest.skip("Qwen3 (dense) has no experts to place")
     if family == "qwen3_moe" and "layer types" in message:
@@ -281,3 +300,35 @@ def test_the_tiny_presets_train_and_their_runs_convert_to_hf(preset, family, tmp
     with torch.no_grad():
         theirs = hf(torch.as_tensor(tokens)).logits.numpy()
     np.testing.assert_allclose(ours, theirs, atol=1e-5 * max(np.max(np.abs(theirs)), 1.0))
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        dict(factor=4.0, original_max_position_embeddings=8),
+        dict(factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, truncate=False),
+        dict(factor=8.0, original_max_position_embeddings=1024, attention_factor=1.5, beta_fast=16.0),
+        dict(factor=0.5, original_max_position_embeddings=64),
+    ],
+)
+def test_yarn_frequencies_are_transformers(rope):
+    """core/model/rotary.py's YaRN: transformers' inverse frequencies and cos/sin factor, head width 64."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from jaxpar.core.config.schema import load_config
+    from jaxpar.core.model.rotary import yarn
+    from jaxpar.formats.hf_llama import yarn_settings
+
+    hf = dict(hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=4096)
+    config = transformers.Qwen3Config(**hf, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, **rope))
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    ours = yarn_settings(dict(rope), hf)
+    m = load_config(
+        None,
+        ["model.family=llama", "model.max_seq_len=4096", "data.seq_len=16"]
+        + [f"model.{k}={v}" for k, v in ours.items()],
+    ).model
+    freqs, scale = yarn(m, 64)
+    np.testing.assert_allclose(freqs, inv_freq.numpy(), rtol=1e-6)
+    assert scale == pytest.approx(factor, rel=1e-9)

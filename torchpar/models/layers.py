@@ -72,17 +72,22 @@ class RMSNorm(nn.Module):
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
 
 
-def rope(x, theta: float, positions=None):
+def rope(x, theta: float, positions=None, scaled=None):
     """x [batch, seq, ..., r]: pairs (i, i + r/2) rotated by pos * theta^(-2i/r).
 
-    Positions [seq] default 0..T-1, or per row [batch, seq] (packed documents).
+    Positions [seq] default 0..T-1, or per row [batch, seq] (packed documents). `scaled`: (frequencies, cos/sin
+    factor) of jaxpar/core/model/rotary.py's YaRN instead.
     """
     r, T = x.shape[-1], x.shape[1]
     pos = torch.arange(T, device=x.device) if positions is None else positions
-    freqs = theta ** (-torch.arange(r // 2, dtype=torch.float32, device=x.device) * 2 / r)
+    if scaled is None:
+        freqs = theta ** (-torch.arange(r // 2, dtype=torch.float32, device=x.device) * 2 / r)
+    else:
+        freqs = torch.tensor(scaled[0], dtype=torch.float32, device=x.device)
     angle = pos.to(torch.float32)[..., None] * freqs  # [(batch,) seq, r/2]
     angle = angle.reshape(*angle.shape[:-1], *(1,) * (x.ndim - 3), r // 2)
-    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    factor = 1.0 if scaled is None else scaled[1]
+    cos, sin = (factor * angle.cos()).to(x.dtype), (factor * angle.sin()).to(x.dtype)
     x1, x2 = x[..., : r // 2], x[..., r // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from jaxpar.core.config.schema import ModelConfig
 from jaxpar.core.model.layer_rules import block_sparsity
+from jaxpar.core.model.rotary import yarn
 from torchpar.models.dilated import dilated_attention
 from torchpar.models.layers import Kernel, RMSNorm, rope
 from torchpar.ops import causal_attention
@@ -30,6 +31,7 @@ class GQAttention(nn.Module):
         if cfg.qk_norm:  # Qwen3: each query and key head RMS-normalised over its width before the rotation
             self.q_norm, self.k_norm = RMSNorm(k, cfg.layernorm_eps), RMSNorm(k, cfg.layernorm_eps)
         self.theta, self.n_head, self.window = cfg.rope_theta, h, cfg.sliding_window
+        self.scaled = yarn(cfg, k)  # model.rope_scaling's frequencies, or None
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None
         self.sparsity = block_sparsity(cfg)  # block-sparse dilated attention's pattern, or None
 
@@ -48,7 +50,7 @@ class GQAttention(nn.Module):
         k, v = self.kv(x, "btd,dcgk->cbtgk").unbind(0)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, self.theta, positions), rope(k, self.theta, positions)
+        q, k = rope(q, self.theta, positions, self.scaled), rope(k, self.theta, positions, self.scaled)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, h, t, k]
 
     def project_out(self, y):

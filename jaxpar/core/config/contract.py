@@ -213,6 +213,18 @@ CONTRACT: dict[str, Owner] = {
         example=("model.family=llama",),
     ),
     "model.head_dim": Owner(True, BOTH, "params", **GQA),
+    "model.rope_scaling": Owner(True, BOTH, "step", **GQA),
+    **{
+        f"model.rope_{k}": Owner(
+            True,
+            BOTH,
+            "step",
+            when=lambda r: GQA["when"](r) and r.cfg.model.rope_scaling == "yarn",
+            mode="model.rope_scaling=yarn (model.family=llama with model.attention=mha or dilated)",
+            example=("model.family=llama", "model.rope_scaling=yarn", "model.rope_factor=4"),
+        )
+        for k in ("factor", "original_max_seq_len", "beta_fast", "beta_slow", "truncate", "attention_factor")
+    },
     "model.sliding_window": Owner(
         True,
         BOTH,

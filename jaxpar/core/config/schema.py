@@ -64,6 +64,20 @@ class ModelConfig:
     kv_latent_dim: int = field(default=32, metadata=_check(lo=1))
     rope_head_dim: int = field(default=16, metadata=_check(lo=2))
     rope_theta: float = field(default=10000.0, metadata=_check(lo=0.0, lo_open=True))
+    # rotary scaling for long contexts, llama family with GQA attention (jaxpar/core/model/rotary.py): yarn is YaRN as
+    # Hugging Face's rope_type yarn computes it; none: plain rotary
+    rope_scaling: str = field(default="none", metadata=_check(choices=("none", "yarn")))
+    # yarn: the slow rotary pairs' frequencies divided by this (the context's extension)
+    rope_factor: float = field(default=1.0, metadata=_check(lo=0.0, lo_open=True))
+    # yarn: the context the model was trained at, over which the ramp's ends are counted; 0: model.max_seq_len
+    rope_original_max_seq_len: int = field(default=0, metadata=_check(lo=0))
+    # yarn: pairs turning more than this many times over the original context keep their frequency
+    rope_beta_fast: float = field(default=32.0, metadata=_check(lo=0.0, lo_open=True))
+    # yarn: pairs turning fewer than this many times are divided by the factor; a linear ramp between
+    rope_beta_slow: float = field(default=1.0, metadata=_check(lo=0.0, lo_open=True))
+    rope_truncate: bool = True  # yarn: the ramp's ends rounded outwards to whole pairs (Hugging Face's truncate)
+    # yarn: cos and sin multiplied by this; 0: 0.1 ln(rope_factor) + 1 (1 for a factor up to 1)
+    rope_attention_factor: float = field(default=0.0, metadata=_check(lo=0.0))
     # llama family, GQA attention (mha or dilated): one attention head's width; 0: d_model / n_head. Qwen3 sets its own
     # (heads x head_dim need not be d_model)
     head_dim: int = field(default=0, metadata=_check(lo=0))
