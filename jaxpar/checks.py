@@ -80,7 +80,7 @@ def divisibility(cfg: Config, sizes) -> None:
     else:
         check_sequence(cfg.data.seq_len, m.n_head, sizes, p.sequence_attention, p.sequence_zigzag)
         if sizes["sp"] > 1:
-            check_window(m.sliding_window, p.sequence_attention)
+            check_window(m.sliding_window, p.sequence_attention, m.attention_sinks)
     check_pipeline(cfg, sizes)
     check_compression(cfg, sizes)
 

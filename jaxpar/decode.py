@@ -66,7 +66,8 @@ def _attend(attn, cfg: ModelConfig, x, dtype, where, start, cache):
             key_counts(positions, k_positions, cfg.n_head, cfg.dilation_pairs, cfg.max_seq_len, block_sparsity(cfg)),
         )
     else:
-        y = causal_attention(q, k, v, positions, k_positions, segments, k_segments, cfg.sliding_window)
+        sinks = attn.head_sinks() if cfg.attention == "mha" and cfg.family == "llama" else None
+        y = causal_attention(q, k, v, positions, k_positions, segments, k_segments, cfg.sliding_window, sinks)
     return attn.project_out(y, dtype), cache
 
 

@@ -14,22 +14,28 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 
-def causal_attention(q, k, v, q_pos=None, k_pos=None, q_seg=None, k_seg=None, window: int = 0):
+def causal_attention(q, k, v, q_pos=None, k_pos=None, q_seg=None, k_seg=None, window: int = 0, sinks=None):
     """Causal attention on q, k, v [batch, seq, heads, head_dim] on one device.
 
     Masked by global positions when given (a permuted or partial sequence) and, with segment ids, within each
     document (`visible`). `window` (model.sliding_window): each query sees the `window` latest keys, itself
     included; in natural order on the CPU only the key blocks the band reaches are computed (`banded_attention`).
-    cuDNN flash attention on GPU where it applies. float16 on CPU runs in float32 (XLA:CPU has no float16 dot with
-    float32 accumulation, which the scores need; GPU kernels accumulate in float32 too) and returns float16.
+    `sinks` [heads] (model.attention_sinks): a learned logit per head beside each query's scores, which takes its
+    share of the softmax and reads no value (gpt-oss). cuDNN flash attention on GPU where it applies. float16 on CPU
+    runs in float32 (XLA:CPU has no float16 dot with float32 accumulation, which the scores need; GPU kernels
+    accumulate in float32 too) and returns float16.
     """
     if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
         upcast = (t.astype(jnp.float32) for t in (q, k, v))
-        return causal_attention(*upcast, q_pos, k_pos, q_seg, k_seg, window).astype(q.dtype)
+        return causal_attention(*upcast, q_pos, k_pos, q_seg, k_seg, window, sinks).astype(q.dtype)
     window = 0 if window >= k.shape[1] else window  # a band as wide as the keys is the causal mask itself
     with jax.named_scope("causal_attention"):  # what the FLOPs tests count
         if q_pos is None and window and not _on_gpu() and q.shape[1] == k.shape[1]:
-            return banded_attention(q, k, v, window)
+            return banded_attention(q, k, v, window, sinks)
+        if sinks is not None:  # no fused kernel takes the sinks: written out
+            T, K = q.shape[1], k.shape[1]
+            mask = visible(*((jnp.arange(T), jnp.arange(K)) if q_pos is None else (q_pos, k_pos)), q_seg, k_seg, window)
+            return _softmax_attention(q, k, v, mask=mask if mask.ndim == 4 else mask[None, None], sinks=sinks)
         if q_pos is None:
             return _attention(q, k, v, is_causal=True, **({"local_window_size": (window - 1, 0)} if window else {}))
         mask = visible(q_pos, k_pos, q_seg, k_seg, window)
@@ -49,20 +55,20 @@ def visible(q_pos, k_pos, q_seg=None, k_seg=None, window: int = 0):
     return mask if mask.ndim == 2 else mask[:, None]
 
 
-def banded_attention(q, k, v, window: int):
+def banded_attention(q, k, v, window: int, sinks=None):
     """Causal attention of a natural-order sequence within a band of `window` keys, computed by blocks.
 
     The sequence splits into blocks of B tokens (the largest divisor of its length up to the window); each query
     block is scored against the n key blocks the band reaches (its own and ceil((window - 1) / B) before it), so
-    the scores cost T x n x B instead of T x T. What is outside the band inside those blocks is masked.
+    the scores cost T x n x B instead of T x T. What is outside the band inside those blocks is masked. `sinks`
+    [heads]: causal_attention's.
     """
     b, T, h, d = q.shape
     B = max(s for s in range(1, min(window, T) + 1) if T % s == 0)
     n, nb = -(-(window - 1) // B) + 1, T // B
     if n >= nb:  # the band reaches every block: nothing to skip
-        return _softmax_attention(
-            q, k, v, mask=jnp.asarray(_band(np.arange(T)[:, None], np.arange(T)[None, :], window))
-        )
+        band = jnp.asarray(_band(np.arange(T)[:, None], np.arange(T)[None, :], window))
+        return _softmax_attention(q, k, v, mask=band, sinks=sinks)
     lead = jnp.zeros((b, (n - 1) * B, h, d), k.dtype)
     reach = (
         lambda t: jnp.concatenate(  # [b, nb, n * B, h, d]: each query block's key blocks, oldest first
@@ -75,7 +81,7 @@ def banded_attention(q, k, v, window: int):
     mask = _band(q_idx[:, :, None], k_idx[:, None, :], window) & (k_idx[:, None, :] >= 0)  # [nb, B, n * B]
     scores = jnp.einsum("bqxhd,bqyhd->bqhxy", q.reshape(b, nb, B, h, d), keys) / jnp.sqrt(jnp.asarray(d, q.dtype))
     scores = jnp.where(mask[None, :, None], scores, jnp.finfo(scores.dtype).min)
-    weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+    weights = _softmax(scores, None if sinks is None else sinks[None, None, :, None, None]).astype(v.dtype)
     return jnp.einsum("bqhxy,bqyhd->bqxhd", weights, values).reshape(b, T, h, d)
 
 
@@ -135,23 +141,37 @@ def _attention(q, k, v, **mask):
     return jax.nn.dot_product_attention(q, k, v, implementation="xla", **mask)
 
 
-def _softmax_attention(q, k, v, is_causal: bool = False, mask=None):
+def _softmax_attention(q, k, v, is_causal: bool = False, mask=None, sinks=None):
     """softmax(q k^T / sqrt(d)) v written out (scores [batch, heads, q, k], float32 softmax).
 
-    What jax.nn.dot_product_attention's XLA path computes, faster on XLA:CPU (benchmarks/cpu_gap/README.md).
+    What jax.nn.dot_product_attention's XLA path computes, faster on XLA:CPU (benchmarks/cpu_gap/README.md). `sinks`
+    [heads]: causal_attention's.
     """
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
     if is_causal:
         mask = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
     if mask is not None:
         scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-    weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+    weights = _softmax(scores, None if sinks is None else sinks[None, :, None, None]).astype(v.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
 
 
-def local_attention(q, k, v, positions=None, segments=None, window: int = 0):
+def _softmax(scores, sinks=None):
+    """float32 softmax over the last axis.
+
+    With `sinks` (broadcast to the scores' other axes) one more logit per row takes its share and is dropped (gpt-oss's
+    attention sinks).
+    """
+    scores = scores.astype(jnp.float32)
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1)
+    column = jnp.broadcast_to(sinks.astype(jnp.float32), scores.shape[:-1] + (1,))
+    return jax.nn.softmax(jnp.concatenate([scores, column], axis=-1), axis=-1)[..., :-1]
+
+
+def local_attention(q, k, v, positions=None, segments=None, window: int = 0, sinks=None):
     """The default attention of a parallel context: every position of the sequence on this device."""
-    return causal_attention(q, k, v, positions, positions, segments, segments, window)
+    return causal_attention(q, k, v, positions, positions, segments, segments, window, sinks)
 
 
 # the name of every projection's output (jax.ad_checkpoint.checkpoint_name): what model.remat=offload moves to the

@@ -391,6 +391,10 @@ def _draw_dims(rng: random.Random, s: dict, heads_div: int, layers_div: int) -> 
             s["model.qk_norm"] = "true"
         if rng.random() < 0.3:
             s["model.head_dim"] = str(_pick(rng, {12: 1, 2 * d_model // n_head: 1}))
+        if rng.random() < 0.2:  # gpt-oss's attention: biases on the projections, a sink logit per head
+            s["model.attention_bias"] = "true"
+            if s.get("model.attention") == "mha" and rng.random() < 0.7:
+                s["model.attention_sinks"] = "true"
         if rng.random() < 0.2:  # YaRN over an original context shorter than the row
             s["model.rope_scaling"], s["model.rope_original_max_seq_len"] = "yarn", "8"
             s["model.rope_factor"] = _pick(rng, {"2.0": 1, "4.0": 1})

@@ -52,9 +52,19 @@ PROMISES = (
     ),
     (
         "Qwen3's attention",
-        lambda c: any(k in ("model.qk_norm", "model.head_dim", "model.rope_scaling") for k, _ in c.settings),
-        "docs/architecture.md 'Model families' (Qwen3: model.qk_norm, model.head_dim and YaRN's model.rope_scaling on "
-        "every mesh, pipeline schedule and torchpar backend)",
+        lambda c: any(
+            k
+            in (
+                "model.qk_norm",
+                "model.head_dim",
+                "model.rope_scaling",
+                "model.attention_bias",
+                "model.attention_sinks",
+            )
+            for k, _ in c.settings
+        ),
+        "docs/architecture.md 'Model families' (Qwen3: model.qk_norm, model.head_dim and YaRN's model.rope_scaling; "
+        "gpt-oss's model.attention_bias and model.attention_sinks: every mesh, pipeline schedule and torchpar backend)",
     ),
     (
         "remat, accumulation, unrolled layers",
@@ -196,12 +206,12 @@ DOCUMENTED_REFUSALS = (
         ),
     ),
     (
-        "docs/architecture.md 'Sliding-window attention': ring attention with a window is refused (all_gather and "
-        "ulysses run it)",
+        "docs/architecture.md 'Sliding-window attention' and 'Model families' (gpt-oss's attention): ring attention "
+        "with a window or attention sinks is refused (all_gather and ulysses run them)",
         lambda c: (
             c.side == "jax"
             and c.mesh()["sp"] > 1
-            and "model.sliding_window" in dict(c.settings)
+            and ("model.sliding_window" in dict(c.settings) or "model.attention_sinks" in dict(c.settings))
             and c.get("parallel.sequence_attention", "ring") == "ring"
         ),
     ),

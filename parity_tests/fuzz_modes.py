@@ -43,6 +43,8 @@ MODE_KEYS = {  # key prefix -> whether the case's run consumes it (a mode's keys
     "model.rope_scaling": lambda c: c.get("model.family") == "llama" and c.get("model.attention") != "mla",
     "model.rope_factor": lambda c: c.get("model.rope_scaling") == "yarn",
     "model.rope_original_max_seq_len": lambda c: c.get("model.rope_scaling") == "yarn",
+    "model.attention_bias": lambda c: c.get("model.family") == "llama" and c.get("model.attention") != "mla",
+    "model.attention_sinks": lambda c: c.get("model.family") == "llama" and c.get("model.attention", "mha") == "mha",
     "model.qk_norm": lambda c: c.get("model.family") == "llama" and c.get("model.attention") != "mla",
     "model.head_dim": lambda c: c.get("model.family") == "llama" and c.get("model.attention") != "mla",
     "data.buckets": lambda c: c.get("data.batching") == "buckets",

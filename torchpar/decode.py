@@ -17,7 +17,7 @@ from torchpar.models.llama import repeat_kv
 from torchpar.models.decoder import Decoder, output_head
 from jaxpar.core.model.layer_rules import block_sparsity
 from torchpar.models.dilated import counted_attention, key_counts
-from torchpar.ops import document_mask, document_positions, sliding_band
+from torchpar.ops import attention_with_sinks, document_mask, document_positions, sliding_band
 
 
 def _empty_cache(model: Decoder, prompt: torch.Tensor, length: int) -> list[tuple[torch.Tensor, ...]]:
@@ -64,6 +64,9 @@ def _attend(attn, cfg, x, positions, start: int, cache, mask=None):
         mask = mask & sliding_band(
             torch.arange(start, start + x.shape[1], device=x.device), k_positions, cfg.sliding_window
         )
+    sinks = getattr(attn, "sinks", None)  # model.attention_sinks
+    if sinks is not None:
+        return attn.project_out(attention_with_sinks(q, k, v, mask, sinks))
     return attn.project_out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 

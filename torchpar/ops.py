@@ -38,20 +38,34 @@ def document_mask(positions, segments, k_positions=None, k_segments=None) -> tor
     return mask[:, None]
 
 
-def causal_attention(q, k, v, mask=None, window: int = 0):
+def causal_attention(q, k, v, mask=None, window: int = 0, sinks=None):
     """Causal attention on [b, h, t, k]; `mask` (document_mask) instead of the plain causal one when given.
 
     `window` (model.sliding_window): each query also sees only the `window` latest tokens of the row, itself
-    included (within a document the row's distance is the positions').
+    included (within a document the row's distance is the positions'). `sinks` [heads] (model.attention_sinks):
+    attention_with_sinks.
     """
+    rows = lambda: torch.arange(q.shape[2], device=q.device)
     if window and window < k.shape[2]:
-        band = sliding_band(
-            torch.arange(q.shape[2], device=q.device), torch.arange(k.shape[2], device=q.device), window
-        )
+        band = sliding_band(rows(), torch.arange(k.shape[2], device=q.device), window)
         mask = band if mask is None else mask & band
+    if sinks is not None:
+        return attention_with_sinks(q, k, v, sliding_band(rows(), rows(), q.shape[2]) if mask is None else mask, sinks)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def attention_with_sinks(q, k, v, mask, sinks):
+    """Attention whose softmax also takes each head's sink logit, dropped after (gpt-oss's), written out.
+
+    No fused kernel takes the sinks. q, k, v [b, h, t, k]; `mask` broadcasts to the scores [b, h, t, keys].
+    """
+    scores = (q @ k.transpose(-1, -2)).float() / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
+    column = sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
+    weights = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    return weights.to(v.dtype) @ v
 
 
 def sliding_band(q_idx, k_idx, window: int) -> torch.Tensor:

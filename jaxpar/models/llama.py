@@ -58,6 +58,12 @@ class GQAttention(nnx.Module):
                 normal(rngs, L + (h, k, d), cfg.init_std / math.sqrt(2 * cfg.n_layer)), lead + ("heads", "kv", "embed")
             )
         )
+        if cfg.attention_bias:  # gpt-oss: biases on every projection
+            self.q["bias"] = param(jnp.zeros(L + (h, k)), lead + ("heads", "kv"))
+            self.kv["bias"] = param(jnp.zeros(L + (2, g, k)), lead + ("qkv", "kv_heads", "kv"))
+            self.out["bias"] = param(jnp.zeros(L + (d,)), lead + ("embed",))
+        if cfg.attention_sinks:  # gpt-oss: a logit per head beside the scores (jaxpar/ops.py causal_attention)
+            self.sinks = param(normal(rngs, L + (h,), cfg.init_std), lead + ("heads",))
         if cfg.qk_norm:
             self.q_norm = nnx.Dict(scale=param(jnp.ones(L + (k,)), lead + ("kv",)))
             self.k_norm = nnx.Dict(scale=param(jnp.ones(L + (k,)), lead + ("kv",)))
@@ -70,17 +76,21 @@ class GQAttention(nnx.Module):
         q, k, v = self.project_qkv(x, dtype, positions)
         k, v = (constrain(repeat_kv(t, self.n_head), ("batch", "seq", "heads", "kv")) for t in (k, v))
         y = (
-            current().attention(q, k, v, positions, segments, window=self.window)
+            current().attention(q, k, v, positions, segments, window=self.window, sinks=self.head_sinks())
             if self.pairs is None
             else dilated_attention(q, k, v, self.pairs, self.sparsity)
         )
         return self.project_out(y, dtype)
 
+    def head_sinks(self):
+        """model.attention_sinks' logits [heads], or None."""
+        return self.sinks[...] if hasattr(self, "sinks") else None
+
     # the two projections are also what decoding with a KV cache runs (decode.py): it caches k, v at kv_heads width
     def project_qkv(self, x, dtype, positions=None):
         pos = jnp.arange(x.shape[1]) if positions is None else positions
-        q = project(x, self.q["kernel"][...].astype(dtype))
-        kv = project(x, self.kv["kernel"][...].astype(dtype))  # [b, t, 2, kv_heads, k]
+        q = _linear(self.q, x, dtype)
+        kv = _linear(self.kv, x, dtype)  # [b, t, 2, kv_heads, k]
         k, v = kv[:, :, 0], kv[:, :, 1]
         if hasattr(self, "q_norm"):  # model.qk_norm: each head normalised over its width, before the rotation
             q, k = (rms_norm(t, n["scale"][...], self.eps) for t, n in ((q, self.q_norm), (k, self.k_norm)))
@@ -92,7 +102,13 @@ class GQAttention(nnx.Module):
 
     def project_out(self, y, dtype):
         y = constrain(y, ("batch", "seq", "heads", "kv"))
-        return project(y, self.out["kernel"][...].astype(dtype), n_in=2)
+        return _linear(self.out, y, dtype, n_in=2)
+
+
+def _linear(p, x, dtype, n_in: int = 1):
+    """x times p's kernel, plus its bias where it has one (model.attention_bias)."""
+    y = project(x, p["kernel"][...].astype(dtype), n_in=n_in)
+    return y + p["bias"][...].astype(dtype) if "bias" in p else y
 
 
 class SwiGLU(nnx.Module):

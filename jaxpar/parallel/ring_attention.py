@@ -195,11 +195,11 @@ def _ring_bwd(axis, n, exchange, res, do):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attention(q, k, v, pos, seg, *, axis: str, n: int, exchange: str = "ppermute"):
+def ring_attention(q, k, v, pos, seg, sinks=None, *, axis: str, n: int, exchange: str = "ppermute"):
     """Ring attention over the `n` devices of `axis`, called inside shard_map.
 
     q, k, v [b, T/N, h, d] and their global positions [T/N] on each device, or with segment ids [b, T/N] (packed
     documents) both per row. `exchange`: how a block hops, "ppermute" or "all_to_all" (inside a branch that some
-    devices do not take: the module docstring).
+    devices do not take: the module docstring). `sinks`: always None (sequence.check_window refuses them here).
     """
     return _ring(q, k, v, (pos, seg), axis, n, exchange)

@@ -46,13 +46,14 @@ def check_sequence(seq_len: int, n_head: int, sizes, attention: str, zigzag: boo
         )
 
 
-def check_window(window: int, strategy: str) -> None:
-    """model.sliding_window across sp shards: all_gather and ulysses mask the band; ring is not built for it."""
-    if window and strategy == "ring":
-        raise UserError(
-            f"model.sliding_window={window} with parallel.sequence_attention=ring: ring attention is not built with a "
-            "window; use parallel.sequence_attention=all_gather or ulysses"
-        )
+def check_window(window: int, strategy: str, sinks: bool = False) -> None:
+    """model.sliding_window and model.attention_sinks across sp shards: all_gather and ulysses; ring is not built."""
+    for what, on in ((f"model.sliding_window={window}", window), ("model.attention_sinks=true", sinks)):
+        if on and strategy == "ring":
+            raise UserError(
+                f"{what} with parallel.sequence_attention=ring: ring attention is not built with it; use "
+                "parallel.sequence_attention=all_gather or ulysses"
+            )
 
 
 def zigzag_order(T: int, n: int) -> np.ndarray:
@@ -64,12 +65,12 @@ def zigzag_order(T: int, n: int) -> np.ndarray:
     return np.concatenate([np.arange(j * c, (j + 1) * c) for j in chunks])
 
 
-def all_gather_attention(q, k, v, pos, seg, *, axis: str, n: int, window: int = 0):
+def all_gather_attention(q, k, v, pos, seg, sinks=None, *, axis: str, n: int, window: int = 0):
     """Inside shard_map: local queries against K/V gathered along the sequence axis."""
     del n
     gather = lambda x, dim: jax.lax.all_gather(x, axis, axis=dim, tiled=True)
     k_seg = None if seg is None else gather(seg, 1)
-    return causal_attention(q, gather(k, 1), gather(v, 1), pos, gather(pos, pos.ndim - 1), seg, k_seg, window)
+    return causal_attention(q, gather(k, 1), gather(v, 1), pos, gather(pos, pos.ndim - 1), seg, k_seg, window, sinks)
 
 
 def in_pipeline_branch() -> bool:
@@ -88,10 +89,10 @@ def sequence_attention(mesh, rules, strategy: str):
     fn = {"ring": ring_attention, "all_gather": all_gather_attention, "ulysses": ulysses_attention}[strategy]
     n = mesh.shape[AXIS]
 
-    def attention(q, k, v, positions=None, segments=None, window: int = 0):
+    def attention(q, k, v, positions=None, segments=None, window: int = 0, sinks=None):
         T = q.shape[1]
         check_sequence(T, q.shape[2], mesh.shape, strategy, zigzag=False)
-        check_window(window, strategy)
+        check_window(window, strategy, sinks is not None)
         band = {"window": window} if window else {}
         spec = spec_for(("batch", "seq", "heads", "kv"), q.shape, mesh, rules)
         if spec[1] != AXIS:
@@ -104,10 +105,10 @@ def sequence_attention(mesh, rules, strategy: str):
             lambda *a: fn(*a, axis=AXIS, n=n, **hops, **band),
             mesh=tracing_mesh(mesh),
             out_specs=spec,
-            in_specs=(spec, spec, spec, rows if segments is not None else jax.P(AXIS), rows),
+            in_specs=(spec, spec, spec, rows if segments is not None else jax.P(AXIS), rows, jax.P(spec[2])),
             check_vma=False,
         )
         positions = jnp.asarray(jnp.arange(T) if positions is None else positions, jnp.int32)
-        return sharded(q, k, v, positions, segments)
+        return sharded(q, k, v, positions, segments, sinks)  # sinks [heads]: split as the heads are
 
     return attention

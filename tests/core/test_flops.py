@@ -52,6 +52,12 @@ VARIANTS = {
     ),
     "mtp": ("model.mtp_depth=2",),
     "qwen3": ("model.family=llama", "model.n_kv_head=2", "model.head_dim=12", "model.qk_norm=true", "model.d_ff=40"),
+    "gpt_oss_attention": (
+        "model.family=llama",
+        "model.n_kv_head=2",
+        "model.attention_bias=true",
+        "model.attention_sinks=true",
+    ),
     "mtp_llama_moe": (
         "model.family=llama",
         "model.n_kv_head=2",

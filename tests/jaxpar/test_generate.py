@@ -43,6 +43,17 @@ VARIANTS = {
         "model.segment_lengths=4,8,16",
         "model.dilation_rates=1,2,4",
     ),
+    # gpt-oss's attention (biases, sinks) in a sliding window, with Qwen3's query/key norms and head width
+    "llama_sinks_window": (
+        "model.family=llama",
+        "model.n_kv_head=2",
+        "model.d_ff=48",
+        "model.attention_bias=true",
+        "model.attention_sinks=true",
+        "model.sliding_window=6",
+        "model.qk_norm=true",
+        "model.head_dim=12",
+    ),
     "dilated_sparse": (
         "model.attention=dilated",
         "model.segment_lengths=8,16,32",

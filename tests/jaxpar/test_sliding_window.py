@@ -136,3 +136,6 @@ def test_ring_attention_with_a_window_is_refused_in_one_line():
         divisibility(tiny_config(*WINDOW, "parallel.sequence_attention=ring"), sizes)
     assert "\n" not in str(e.value)
     divisibility(tiny_config(*WINDOW, "parallel.sequence_attention=ulysses"), sizes)  # the others run
+    sinks = tiny_config("model.family=llama", "model.attention_sinks=true", "parallel.sequence_attention=ring")
+    with pytest.raises(UserError, match="model.attention_sinks=true with parallel.sequence_attention=ring"):
+        divisibility(sinks, sizes)

@@ -37,6 +37,15 @@ VARIANTS = {
     "llama": ("model.family=llama", "model.n_kv_head=2", "model.tie_embeddings=false", "model.d_ff=64"),
     # Qwen3's attention: heads wider than d_model / n_head, each query and key head RMS-normalised
     "qwen3": ("model.family=llama", "model.n_kv_head=2", "model.head_dim=12", "model.qk_norm=true", "model.d_ff=48"),
+    # gpt-oss's attention: biases on every projection, a sink logit per head, a sliding window
+    "llama_sinks": (
+        "model.family=llama",
+        "model.n_kv_head=2",
+        "model.d_ff=48",
+        "model.attention_bias=true",
+        "model.attention_sinks=true",
+        "model.sliding_window=6",
+    ),
     "llama_dilated": (
         "model.family=llama",
         "model.n_kv_head=1",

@@ -7,6 +7,7 @@ No parallelism here.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -14,7 +15,7 @@ from jaxpar.core.config.schema import ModelConfig
 from jaxpar.core.model.layer_rules import block_sparsity
 from jaxpar.core.model.rotary import yarn
 from torchpar.models.dilated import dilated_attention
-from torchpar.models.layers import Kernel, RMSNorm, rope
+from torchpar.models.layers import Dense, Kernel, RMSNorm, rope
 from torchpar.ops import causal_attention
 
 
@@ -27,7 +28,12 @@ class GQAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d, h, g, k = cfg.d_model, cfg.n_head, cfg.kv_heads, cfg.head_width
-        self.q, self.kv, self.out = Kernel((d, h, k)), Kernel((d, 2, g, k)), Kernel((h, k, d))
+        if cfg.attention_bias:  # gpt-oss: biases on every projection
+            self.q, self.kv, self.out = Dense((d, h, k), (h, k)), Dense((d, 2, g, k), (2, g, k)), Dense((h, k, d), (d,))
+        else:
+            self.q, self.kv, self.out = Kernel((d, h, k)), Kernel((d, 2, g, k)), Kernel((h, k, d))
+        # gpt-oss: a logit per head beside the scores (torchpar/ops.py causal_attention)
+        self.sinks = nn.Parameter(torch.zeros(h)) if cfg.attention_sinks else None
         if cfg.qk_norm:  # Qwen3: each query and key head RMS-normalised over its width before the rotation
             self.q_norm, self.k_norm = RMSNorm(k, cfg.layernorm_eps), RMSNorm(k, cfg.layernorm_eps)
         self.theta, self.n_head, self.window = cfg.rope_theta, h, cfg.sliding_window
@@ -41,13 +47,13 @@ class GQAttention(nn.Module):
         if self.pairs is not None:  # dilated_attention works on [b, t, h, k]
             y = dilated_attention(*(t.transpose(1, 2) for t in (q, k, v)), self.pairs, self.sparsity).transpose(1, 2)
         else:
-            y = causal_attention(q, k, v, mask, self.window)
+            y = causal_attention(q, k, v, mask, self.window, self.sinks)
         return self.project_out(y)
 
     # the two projections are also what decoding with a KV cache runs (decode.py): k, v at kv_heads width
     def project_qkv(self, x, positions=None):
         q = self.q(x, "btd,dhk->bthk")
-        k, v = self.kv(x, "btd,dcgk->cbtgk").unbind(0)
+        k, v = self.kv(x, "btd,dcgk->btcgk").unbind(2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, self.theta, positions, self.scaled), rope(k, self.theta, positions, self.scaled)

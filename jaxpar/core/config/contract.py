@@ -233,6 +233,15 @@ CONTRACT: dict[str, Owner] = {
         mode="model.attention=mha or mla (dilated attention has its own pattern)",
     ),
     "model.qk_norm": Owner(True, BOTH, "params", **GQA),
+    "model.attention_bias": Owner(True, BOTH, "params", **GQA),
+    "model.attention_sinks": Owner(
+        True,
+        BOTH,
+        "params",
+        when=lambda r: r.cfg.model.family == "llama" and r.cfg.model.attention == "mha",
+        mode="model.family=llama with model.attention=mha",
+        example=("model.family=llama",),
+    ),
     "model.segment_lengths": Owner(True, BOTH, "step", **DILATED),
     "model.dilation_rates": Owner(True, BOTH, "step", **DILATED),
     "model.sparsity_ratio": Owner(

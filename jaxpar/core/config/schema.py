@@ -84,6 +84,11 @@ class ModelConfig:
     # llama family, GQA attention: Qwen3's per-head RMSNorm of the queries and the keys (over head_dim, one scale per
     # layer each) before the rotary embedding (jaxpar/models/llama.py)
     qk_norm: bool = False
+    # llama family, GQA attention: biases on the query, key/value and output projections (gpt-oss's)
+    attention_bias: bool = False
+    # llama family, mha attention: a learned logit per head beside each query's scores that takes its share of the
+    # softmax and reads no value (gpt-oss's attention sinks; jaxpar/ops.py causal_attention)
+    attention_sinks: bool = False
     # sliding-window attention, every family: each query attends to its `sliding_window` latest tokens, itself included
     # (Mistral's and Hugging Face's sliding_window); on the CPU only the key blocks the band reaches are computed
     # (jaxpar/ops.py banded_attention). mha or mla attention; 0: the whole causal context

@@ -22,8 +22,10 @@ PEAK_FLOPS = {
 
 def _attention_params(m: ModelConfig) -> int:
     d, hk = m.d_model, m.n_head * m.head_width
-    if m.family == "llama" and m.attention != "mla":  # q, grouped k and v, out, the q/k norms; no biases
-        return d * hk + d * 2 * m.kv_heads * m.head_width + hk * d + (2 * m.head_width if m.qk_norm else 0)
+    if m.family == "llama" and m.attention != "mla":  # q, grouped k and v, out, the q/k norms, gpt-oss's biases, sinks
+        kv = 2 * m.kv_heads * m.head_width
+        extras = (2 * m.head_width if m.qk_norm else 0) + ((hk + kv + d) if m.attention_bias else 0)
+        return d * hk + d * kv + hk * d + extras + (m.n_head if m.attention_sinks else 0)
     out = hk * d + (d if m.family == "gpt2" else 0)  # llama's mla: no out bias
     if m.attention != "mla":  # mha and dilated share GPT-2's qkv projection
         return d * 3 * hk + 3 * hk + out

@@ -141,6 +141,8 @@ NAMES = {
 LLAMA_NAMES = {
     "lm_head": "lm_head",
     **{f"blocks.attn.{n}.kernel": f"blocks.{{l}}.attn.{n}.weight" for n in ("q", "kv")},
+    **{f"blocks.attn.{n}.bias": f"blocks.{{l}}.attn.{n}.bias" for n in ("q", "kv")},  # model.attention_bias
+    "blocks.attn.sinks": "blocks.{l}.attn.sinks",  # model.attention_sinks
     **{f"blocks.mlp.{n}.kernel": f"blocks.{{l}}.mlp.{n}.weight" for n in ("gate", "up", "down")},
 }
 # model variants (jaxpar/models/{mla,sketched}.py, model.qk_norm): their parameters beside or instead of GPT-2's
@@ -266,6 +268,8 @@ def _llama_attention(flat: dict[str, np.ndarray]) -> dict:
             "n_kv_head": flat["blocks.attn.kv.kernel"].shape[3],
             **({"head_dim": k} if k * n_head != d else {}),  # Qwen3's own width
             **({"qk_norm": True} if "blocks.attn.k_norm.scale" in flat else {}),
+            **({"attention_bias": True} if "blocks.attn.q.bias" in flat else {}),
+            **({"attention_sinks": True} if "blocks.attn.sinks" in flat else {}),
         }
     n_layer, d, q_latent = flat["blocks.attn.q_down.kernel"].shape
     _, kv_latent, _, n_head, k = flat["blocks.attn.kv_up.kernel"].shape
