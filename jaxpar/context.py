@@ -31,7 +31,7 @@ class ParallelContext:
     # (layer, stacked, x, rows) -> x after every layer (x: a pytree of [batch, ...]; rows: per-row arrays that
     # every layer reads, layer(h, slice, *rows))
     run_layers: Callable = scan_layers
-    experts: Callable = local_experts  # (x, ids, weights, kept, gate, up, down, capacity) -> the experts' sum
+    experts: Callable = local_experts  # (x, ids, weights, kept, w, capacity, activation) -> the experts' sum
     float8: bool = False  # model.float8: every projection (jaxpar/ops.py project) multiplies in float8
 
 

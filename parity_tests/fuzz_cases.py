@@ -325,6 +325,9 @@ def _draw_experts(rng: random.Random, s: dict, ep: int) -> None:
         s["model.moe_aux_loss"] = "0.01"
     if rng.random() < 0.4:
         s["model.moe_capacity_factor"] = _pick(rng, {"0.5": 1, "1.0": 1, "1.5": 1})
+    if rng.random() < 0.2:  # gpt-oss's experts: biases, a router logit bias, the clamped activation (a limit that acts)
+        s["model.moe_expert_bias"] = "true"
+        s["model.moe_activation"], s["model.moe_swiglu_limit"] = "gpt_oss", "0.05"
 
 
 def _draw_first_dense(rng: random.Random, s: dict, stages: int) -> None:

@@ -133,6 +133,14 @@ def hf_to_shared(hf_dir: str, mlp=None, check=read_config, first_dense: int = 0)
     out["blocks.attn.out.kernel"] = layers(raw, L, "self_attn.o_proj.weight").transpose(0, 2, 1).reshape(L, h, k, d)
     if PREFIX.format(i=0) + "self_attn.q_norm.weight" in raw:  # Qwen3's per-head query and key norms
         out.update({f"blocks.attn.{n}_norm.scale": layers(raw, L, f"self_attn.{n}_norm.weight") for n in "qk"})
+    if PREFIX.format(i=0) + "self_attn.q_proj.bias" in raw:  # gpt-oss's projection biases
+        out["blocks.attn.q.bias"] = layers(raw, L, "self_attn.q_proj.bias").reshape(L, h, k)
+        out["blocks.attn.kv.bias"] = np.stack(
+            [layers(raw, L, f"self_attn.{n}_proj.bias").reshape(L, g, k) for n in "kv"], 1
+        )
+        out["blocks.attn.out.bias"] = layers(raw, L, "self_attn.o_proj.bias")
+    if PREFIX.format(i=0) + "self_attn.sinks" in raw:  # gpt-oss's attention sinks
+        out["blocks.attn.sinks"] = layers(raw, L, "self_attn.sinks")
     if first_dense:  # the dense first layers' attention and norms: a stack of their own (names.layer_stacks)
         for name in [n for n in out if n.startswith(("blocks.attn.", "blocks.ln"))]:
             stacked = out.pop(name)
@@ -173,6 +181,13 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict, mlp=Non
         tensors[p + "self_attn.o_proj.weight"] = t(every["blocks.attn.out.kernel"][i].reshape(-1, d))
         if "blocks.attn.k_norm.scale" in every:  # model.qk_norm (Qwen3's)
             tensors.update({p + f"self_attn.{n}_norm.weight": every[f"blocks.attn.{n}_norm.scale"][i] for n in "qk"})
+        if "blocks.attn.q.bias" in every:  # model.attention_bias (gpt-oss's)
+            tensors[p + "self_attn.q_proj.bias"] = every["blocks.attn.q.bias"][i].reshape(-1)
+            for j, n in enumerate("kv"):
+                tensors[p + f"self_attn.{n}_proj.bias"] = every["blocks.attn.kv.bias"][i, j].reshape(-1)
+            tensors[p + "self_attn.o_proj.bias"] = every["blocks.attn.out.bias"][i]
+        if "blocks.attn.sinks" in every:  # model.attention_sinks (gpt-oss's)
+            tensors[p + "self_attn.sinks"] = every["blocks.attn.sinks"][i]
     config = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],

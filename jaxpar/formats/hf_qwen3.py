@@ -9,9 +9,9 @@ experts. Its dense layers (mlp_only_layers, and those decoder_sparse_step skips)
 they are the first layers they are model.moe_first_dense's stack; anywhere else they are refused in one line.
 
 Sliding-window attention is model.sliding_window when every layer slides (Qwen3-MoE's use_sliding_window; Qwen3's
-layers from max_window_layers on, or its layer_types); a mix of sliding and full layers is refused in one line, as
-Llama's refusals are, and on the way out what these families cannot hold (a model without qk norms goes to
-Llama or Mixtral instead; shared experts, sigmoid scores, expert groups, a balance bias, a routed scale, a capacity).
+layers from max_window_layers on, or its layer_types). Refused in one line: Llama's refusals, a mix of sliding and
+full layers, and on the way out what these families cannot hold (shared experts, sigmoid scores, expert groups, a
+balance bias, a routed scale, a capacity); weights without query/key norms go to Llama or Mixtral instead.
 """
 
 from __future__ import annotations

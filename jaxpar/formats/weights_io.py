@@ -28,7 +28,7 @@ from jaxpar.core.weights.names import (
     save_weights,
     unflatten,
 )
-from jaxpar.formats import hf_deepseek_v3, hf_gpt2, hf_llama, hf_mixtral, hf_qwen3, hf_tokenizer
+from jaxpar.formats import hf_deepseek_v3, hf_gpt2, hf_gpt_oss, hf_llama, hf_mixtral, hf_qwen3, hf_tokenizer
 from jaxpar.core.weights.state_file import read_state, writing_run
 
 FORMATS = ("shared", "hf", "jaxpar", "state", "torchpar", "deepspeed")
@@ -87,6 +87,7 @@ def _hf_module(src: str):
         "deepseek_v3": hf_deepseek_v3,
         "qwen3": hf_qwen3,
         "qwen3_moe": hf_qwen3,
+        "gpt_oss": hf_gpt_oss,
     }
     if model_type not in modules:
         raise UserError(f"{path}: model_type {model_type!r} is not one of {', '.join(modules)}")
@@ -117,6 +118,8 @@ def hf_family(flat: dict[str, np.ndarray], model: dict):
         return hf_gpt2
     if model.get("attention") == "mla":
         return hf_deepseek_v3
+    if "blocks.attn.sinks" in flat or "blocks.moe.gate_bias" in flat:  # gpt-oss's sinks and expert biases
+        return hf_gpt_oss
     if "blocks.attn.k_norm.scale" in flat:  # model.qk_norm: Qwen3 (with experts, Qwen3-MoE)
         return hf_qwen3
     return hf_mixtral if "blocks.moe.gate" in flat else hf_llama
@@ -132,10 +135,11 @@ def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict, src: str
         save_weights(dst, unflatten(flat), model)
     elif fmt == "hf":
         family = hf_family(flat, model)
-        if model.get("sliding_window") and family not in (hf_qwen3, hf_mixtral):
+        if model.get("sliding_window") and family not in (hf_qwen3, hf_mixtral, hf_gpt_oss):
             raise UserError(
                 f"model.sliding_window={model['sliding_window']}: Hugging Face's {family.__name__.split('_', 1)[1]} "
-                "has no sliding window (Qwen3's, Qwen3-MoE's and Mixtral's have); convert to shared, jaxpar or state"
+                "has no sliding window (Qwen3, Qwen3-MoE, Mixtral and gpt-oss have one); convert to shared, jaxpar or "
+                "state"
             )
         if family is hf_gpt2:
             hf_gpt2.shared_to_hf(flat, dst, model.get("layernorm_eps", 1e-5))

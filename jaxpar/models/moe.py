@@ -131,6 +131,11 @@ class MoE(nnx.Module):
         self.gate = param(normal(rngs, L + (E, d, f), cfg.init_std), lead + ("experts", "embed", "mlp"))
         self.up = param(normal(rngs, L + (E, d, f), cfg.init_std), lead + ("experts", "embed", "mlp"))
         self.down = param(normal(rngs, L + (E, f, d), down_std), lead + ("experts", "mlp", "embed"))
+        if cfg.moe_expert_bias:  # gpt-oss: each expert's biases and a learned bias on the router's logits
+            self.router["logit_bias"] = param(jnp.zeros(L + (E,)), lead + ("expert_scores",))
+            self.gate_bias = param(jnp.zeros(L + (E, f)), lead + ("experts", "mlp"))
+            self.up_bias = param(jnp.zeros(L + (E, f)), lead + ("experts", "mlp"))
+            self.down_bias = param(jnp.zeros(L + (E, d)), lead + ("experts", "act_embed"))
         self.shared = SwiGLU(cfg, rngs, stack, cfg.moe_shared_experts * f) if cfg.moe_shared_experts else None
         self.cfg = cfg
 
@@ -142,12 +147,22 @@ class MoE(nnx.Module):
         (checks.py refuses the two together).
         """
         logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router["kernel"][...].astype(jnp.float32))
+        if "logit_bias" in self.router:  # gpt-oss's router bias: it weighs as well as chooses
+            logits = logits + self.router["logit_bias"][...].astype(jnp.float32)
         index = positions if positions is not None and positions.ndim == 1 else None
         bias = jax.lax.stop_gradient(self.router["bias"][...]) if "bias" in self.router else None
         ids, weights, kept, stats = route(logits, self.cfg, index, bias)
-        w = lambda p: p[...].astype(dtype)
+        names = ("gate", "up", "down") + (("gate_bias", "up_bias", "down_bias") if self.cfg.moe_expert_bias else ())
+        w = {n: getattr(self, n)[...].astype(dtype) for n in names}
+        m = self.cfg
         y = current().experts(
-            x, ids, weights, kept, w(self.gate), w(self.up), w(self.down), row_capacity(self.cfg, x.shape[1])
+            x,
+            ids,
+            weights,
+            kept,
+            w,
+            row_capacity(m, x.shape[1]),
+            (m.moe_activation, m.moe_swiglu_limit, m.moe_swiglu_alpha),
         )
         y = constrain(y, ("batch", "seq", "act_embed"))
         return (y if self.shared is None else y + self.shared(x, dtype)), stats

@@ -28,14 +28,30 @@ def _same(a):
     return a
 
 
-def swiglu_experts(buffer, gate, up, down, reduce: Callable = _same):
-    """Run `buffer` [experts, slots, embed] through each expert's SwiGLU.
+def gated(activation: tuple, gate, up):
+    """The experts' gated activation of `activation` = (model.moe_activation, its limit, its alpha).
 
-    gate, up [experts, embed, width], down [experts, width, embed]; `reduce` sums partial outputs when the width is
-    split (a psum over tp).
+    swiglu: silu(gate) x up. gpt_oss: gate clamped at most the limit, up within +-limit, then
+    (up + 1) x gate x sigmoid(alpha x gate).
     """
-    h = jax.nn.silu(jnp.einsum("esd,edf->esf", buffer, gate)) * jnp.einsum("esd,edf->esf", buffer, up)
-    return reduce(jnp.einsum("esf,efd->esd", h, down))
+    kind, limit, alpha = activation
+    if kind == "swiglu":
+        return jax.nn.silu(gate) * up
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
+
+
+def swiglu_experts(buffer, w: dict, activation: tuple = ("swiglu", 0.0, 0.0), reduce: Callable = _same):
+    """Run `buffer` [experts, slots, embed] through each expert's gated MLP.
+
+    w: gate, up [experts, embed, width], down [experts, width, embed], and with model.moe_expert_bias gate_bias,
+    up_bias [experts, width] and down_bias [experts, embed] (added once, after `reduce`); `reduce` sums partial
+    outputs when the width is split (a psum over tp). `activation`: gated's.
+    """
+    bias = lambda name: w[name][:, None, :] if name in w else 0
+    gate = jnp.einsum("esd,edf->esf", buffer, w["gate"]) + bias("gate_bias")
+    up = jnp.einsum("esd,edf->esf", buffer, w["up"]) + bias("up_bias")
+    return reduce(jnp.einsum("esf,efd->esd", gated(activation, gate, up), w["down"])) + bias("down_bias")
 
 
 def dispatch(
@@ -71,10 +87,9 @@ def local_experts(
     ids,
     weights,
     kept,
-    gate,
-    up,
-    down,
+    w: dict,
     capacity: int,
+    activation: tuple = ("swiglu", 0.0, 0.0),
     owners: int = 1,
     exchange: Callable = _same,
     back: Callable = _same,
@@ -82,18 +97,18 @@ def local_experts(
 ):
     """The parallel context's default: every expert on this device.
 
-    x [B, T, embed]; ids, weights, kept [B, T, k]; `capacity`: slots per expert per row (0: dropless). Inside expert
-    parallelism's shard_map (parallel/expert_parallel.py) the same on this device's rows and experts: `owners`
-    devices hold gate.shape[0] experts each, `exchange`/`back` move the buffer to them and home, `reduce` sums
-    outputs of a split width.
+    x [B, T, embed]; ids, weights, kept [B, T, k]; w: the experts' weights (swiglu_experts'); `capacity`: slots per
+    expert per row (0: dropless). Inside expert parallelism's shard_map (parallel/expert_parallel.py) the same on this
+    device's rows and experts: `owners` devices hold w["gate"].shape[0] experts each, `exchange`/`back` move the
+    buffer to them and home, `reduce` sums outputs of a split width.
     """
     B, T, D = x.shape
     flat = (a.reshape(B * T, -1) for a in (x, ids, weights, kept))
     y = dispatch(
         *flat,
-        gate.shape[0] * owners,
+        w["gate"].shape[0] * owners,
         slots_for(B * T, B, capacity),
-        lambda b: swiglu_experts(b, gate, up, down, reduce),
+        lambda b: swiglu_experts(b, w, activation, reduce),
         exchange,
         back,
     )

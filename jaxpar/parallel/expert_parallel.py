@@ -47,7 +47,7 @@ def _axes(entry) -> tuple[str, ...]:
 
 
 def expert_parallel(mesh, rules):
-    """experts(x, ids, weights, kept, gate, up, down, capacity) for the parallel context of `mesh`."""
+    """experts(x, ids, weights, kept, w, capacity, activation) for the parallel context of `mesh` (local_experts')."""
     n = mesh.shape[AXIS]
     if n > 1 and "padded" not in _said:
         _said.add("padded")
@@ -57,12 +57,15 @@ def expert_parallel(mesh, rules):
             flush=True,
         )
 
-    def experts(x, ids, weights, kept, gate, up, down, capacity: int):
+    def experts(x, ids, weights, kept, w: dict, capacity: int, activation: tuple = ("swiglu", 0.0, 0.0)):
         act = spec_for(("batch", "seq", "act_embed"), x.shape, mesh, rules)
         choice = jax.P(act[0], act[1], None)
-        w_in = spec_for(("experts", None, "mlp"), gate.shape, mesh, rules)  # embed gathered (fsdp)
-        w_out = spec_for(("experts", "mlp", None), down.shape, mesh, rules)
+        w_in = spec_for(("experts", None, "mlp"), w["gate"].shape, mesh, rules)  # embed gathered (fsdp)
+        w_out = spec_for(("experts", "mlp", None), w["down"].shape, mesh, rules)
         split = _axes(w_out[1])  # the axes an expert's width is split over: their partial outputs are summed
+        # the biases (model.moe_expert_bias) split as their weights' experts and width; down's output whole
+        specs = {"gate": w_in, "up": w_in, "down": w_out, "gate_bias": jax.P(w_in[0], w_in[2])}
+        specs.update(up_bias=specs["gate_bias"], down_bias=jax.P(w_out[0], None))
 
         owners = n if AXIS in _axes(w_in[0]) else 1
         moves = (
@@ -73,6 +76,7 @@ def expert_parallel(mesh, rules):
         local = functools.partial(
             local_experts,
             capacity=capacity,
+            activation=activation,
             owners=owners,
             **moves,
             reduce=(lambda y: jax.lax.psum(y, split)) if split else (lambda y: y),
@@ -80,9 +84,9 @@ def expert_parallel(mesh, rules):
         return jax.shard_map(
             local,
             mesh=tracing_mesh(mesh),
-            in_specs=(act, choice, choice, choice, w_in, w_in, w_out),
+            in_specs=(act, choice, choice, choice, {n: specs[n] for n in w}),
             out_specs=act,
             check_vma=False,
-        )(x, ids, weights, kept, gate, up, down)
+        )(x, ids, weights, kept, w)
 
     return experts

@@ -4,9 +4,10 @@ python -m jaxpar.tools.convert --from FORMAT SRC --to FORMAT DST
 
 Formats:
   shared  a .safetensors file in the shared weight format (what torchpar and model.init_from read)
-  hf      a Hugging Face GPT-2, Llama, Mixtral, Qwen3, Qwen3-MoE or DeepSeek-V3 directory (config.json + safetensors;
-          model_type gpt2, llama, mixtral, qwen3, qwen3_moe or deepseek_v3); as a target, the main model of
-          weights with multi-token prediction (model.mtp_depth: its modules are left out, and the command says so)
+  hf      a Hugging Face GPT-2, Llama, Mixtral, Qwen3, Qwen3-MoE, gpt-oss or DeepSeek-V3 directory (config.json +
+          safetensors; model_type gpt2, llama, mixtral, qwen3, qwen3_moe, gpt_oss or deepseek_v3); as a target,
+          the main model of weights with multi-token prediction (model.mtp_depth: its modules are left out, and
+          the command says so)
   jaxpar  a jaxpar run directory: reads the parameters of its latest checkpoint; as a target,
           writes a step-0 checkpoint (fresh optimizer state) and its config.json, which fine-tuning
           starts from: `jaxpar.train --config DST/config.json [data/train overrides]` (the model keys

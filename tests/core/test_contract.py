@@ -42,6 +42,7 @@ ALTERNATIVE = {
     "model.rope_head_dim": "8",
     "model.head_dim": "12",
     "model.rope_attention_factor": "1.5",
+    "model.moe_swiglu_limit": "0.01",  # a clamp the tiny model's gate and up values reach (half of 7 would not)
     "model.rope_original_max_seq_len": "4096",  # a ramp over the pairs of the tiny heads (1: every pair slow alike)
     "model.segment_lengths": "4,16",
     "model.dilation_rates": "1,4",

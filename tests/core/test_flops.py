@@ -52,6 +52,13 @@ VARIANTS = {
     ),
     "mtp": ("model.mtp_depth=2",),
     "qwen3": ("model.family=llama", "model.n_kv_head=2", "model.head_dim=12", "model.qk_norm=true", "model.d_ff=40"),
+    "gpt_oss_moe": (
+        "model.family=llama",
+        "model.moe_experts=4",
+        "model.moe_d_ff=24",
+        "model.moe_expert_bias=true",
+        "model.moe_activation=gpt_oss",
+    ),
     "gpt_oss_attention": (
         "model.family=llama",
         "model.n_kv_head=2",

@@ -133,12 +133,17 @@ def test_the_balance_bias_follows_each_steps_loads(dataset):
     assert np.abs(runs[1]["params"]["blocks.moe.router.bias"]).max() > 0
 
 
-@pytest.mark.parametrize("capacity", [0, 1])
-def test_the_dispatch_sums_each_tokens_kept_choices(capacity):
+@pytest.mark.parametrize("capacity,activation", [(0, "swiglu"), (1, "swiglu"), (0, "gpt_oss")])
+def test_the_dispatch_sums_each_tokens_kept_choices(capacity, activation):
+    """Each token's kept choices' outputs, weighted; gpt_oss's with each expert's biases and a limit that clamps."""
     rng = np.random.default_rng(0)
     B, T, D, E, F, k = 2, 6, 8, 4, 5, 2
     x = rng.normal(size=(B, T, D)).astype(np.float32)
     gate, up, down = (rng.normal(size=s).astype(np.float32) for s in ((E, D, F), (E, D, F), (E, F, D)))
+    w = {"gate": gate, "up": up, "down": down}
+    if activation == "gpt_oss":
+        w.update({n: rng.normal(size=(E, s)).astype(np.float32) for n, s in (("gate_bias", F), ("up_bias", F))})
+        w["down_bias"] = rng.normal(size=(E, D)).astype(np.float32)
     ids = np.stack([rng.permutation(E)[:k] for _ in range(B * T)]).reshape(B, T, k)
     weights = rng.uniform(size=(B, T, k)).astype(np.float32)
     kept = rng.uniform(size=(B, T, k)) > 0.3
@@ -146,13 +151,28 @@ def test_the_dispatch_sums_each_tokens_kept_choices(capacity):
         kept = np.ones_like(kept)
         ids[:] = [[0, 1]] * T
         kept[:, 1:] = False
-    y = local_experts(*map(jnp.asarray, (x, ids, weights, kept, gate, up, down)), capacity)
-    silu = lambda a: a / (1 + np.exp(-a))
-    want = np.zeros_like(x)
+    limit, alpha = 1.5, 1.702  # |x @ gate| reaches past 1.5: the clamp acts
+    y = local_experts(
+        *map(jnp.asarray, (x, ids, weights, kept)),
+        {n: jnp.asarray(a) for n, a in w.items()},
+        capacity,
+        (activation, limit, alpha),
+    )
+    sigmoid = lambda a: 1 / (1 + np.exp(-a))
+    want, clamped = np.zeros_like(x), 0
     for b, t, j in np.ndindex(B, T, k):
         if kept[b, t, j]:
-            e = ids[b, t, j]
-            want[b, t] += weights[b, t, j] * ((silu(x[b, t] @ gate[e]) * (x[b, t] @ up[e])) @ down[e])
+            e, h = ids[b, t, j], x[b, t]
+            g, u = h @ gate[e], h @ up[e]
+            if activation == "swiglu":
+                out = (g * sigmoid(g) * u) @ down[e]
+            else:  # transformers' GptOssExperts: biases, clamps, (up + 1) * glu
+                g, u = g + w["gate_bias"][e], u + w["up_bias"][e]
+                clamped += int(np.sum(g > limit) + np.sum(np.abs(u) > limit))
+                g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+                out = ((u + 1) * g * sigmoid(alpha * g)) @ down[e] + w["down_bias"][e]
+            want[b, t] += weights[b, t, j] * out
+    assert activation == "swiglu" or clamped > 0
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
 
 

@@ -60,9 +60,11 @@ def route(logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = No
 
 
 class Experts(nn.Module):
-    """E experts' SwiGLU weights stacked on a leading experts axis (gate, up [E, embed, width], down [E, width, embed]).
+    """E experts' gated MLPs stacked on a leading experts axis (gate, up [E, embed, width], down [E, width, embed]).
 
-    Under expert parallelism (torchpar/backends/experts.py) this rank's E/ep of them.
+    With model.moe_expert_bias their biases too (gate_bias, up_bias [E, width], down_bias [E, embed]); the activation
+    is model.moe_activation's (jaxpar/parallel/expert_dispatch.py gated). Under expert parallelism
+    (torchpar/backends/experts.py) this rank's E/ep of them.
     """
 
     def __init__(self, cfg: ModelConfig, n: int):
@@ -70,17 +72,33 @@ class Experts(nn.Module):
         d, f = cfg.d_model, cfg.expert_dim
         self.gate, self.up = nn.Parameter(torch.empty(n, d, f)), nn.Parameter(torch.empty(n, d, f))
         self.down = nn.Parameter(torch.empty(n, f, d))
+        if cfg.moe_expert_bias:  # gpt-oss's
+            self.gate_bias, self.up_bias = nn.Parameter(torch.zeros(n, f)), nn.Parameter(torch.zeros(n, f))
+            self.down_bias = nn.Parameter(torch.zeros(n, d))
+        self.activation = (cfg.moe_activation, cfg.moe_swiglu_limit, cfg.moe_swiglu_alpha)
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """rows [n, embed] grouped by expert, counts[e] of them expert e's -> its outputs, the same order.
 
         Every expert runs, on no rows too: each weight then has a gradient (zero), as DDP expects of every step.
         """
+        biased = hasattr(self, "gate_bias")
+        bias = lambda name, e, h: getattr(self, name)[e].to(h.dtype) if biased else 0
         out = []
         for e, h in enumerate(rows.split(counts)):
-            h = F.silu(h @ self.gate[e].to(h.dtype)) * (h @ self.up[e].to(h.dtype))
-            out.append(h @ self.down[e].to(h.dtype))
+            g = h @ self.gate[e].to(h.dtype) + bias("gate_bias", e, h)
+            u = h @ self.up[e].to(h.dtype) + bias("up_bias", e, h)
+            out.append(gated(self.activation, g, u) @ self.down[e].to(h.dtype) + bias("down_bias", e, h))
         return torch.cat(out)
+
+
+def gated(activation: tuple, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """jaxpar's gated: silu(gate) x up, or gpt-oss's clamped (up + 1) x gate x sigmoid(alpha x gate)."""
+    kind, limit, alpha = activation
+    if kind == "swiglu":
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(alpha * gate)
 
 
 class MoE(nn.Module):
@@ -90,6 +108,8 @@ class MoE(nn.Module):
         # the choice's balance bias (jaxpar/core/model/experts.py): no gradient, moe_bias_update moves it
         if cfg.router_bias:
             self.router.bias = nn.Parameter(torch.zeros(cfg.moe_experts), requires_grad=False)
+        if cfg.moe_expert_bias:  # gpt-oss's bias on the router's logits: it weighs as well as chooses
+            self.router.logit_bias = nn.Parameter(torch.zeros(cfg.moe_experts))
         self.experts = Experts(cfg, cfg.moe_experts)
         self.shared = SwiGLU(cfg, cfg.moe_shared_experts * cfg.expert_dim) if cfg.moe_shared_experts else None
         self.cfg = cfg
@@ -102,7 +122,10 @@ class MoE(nn.Module):
         through `exchange` and come back in that order.
         """
         bias = getattr(self.router, "bias", None)
-        ids, weights, kept, stats = route(self.router(x.float(), "btd,de->bte"), self.cfg, bias)
+        logits = self.router(x.float(), "btd,de->bte")
+        if hasattr(self.router, "logit_bias"):
+            logits = logits + self.router.logit_bias.float()
+        ids, weights, kept, stats = route(logits, self.cfg, bias)
         flat = x.reshape(-1, x.shape[-1])
         E, k = self.cfg.moe_experts, ids.shape[-1]
         choice = torch.where(kept, ids, E).reshape(-1)  # a dropped choice sorts after every expert's

@@ -271,6 +271,19 @@ CONTRACT: dict[str, Owner] = {
         mode="model.moe_experts>0 and model.moe_n_group>1",
         example=("model.moe_experts=8", "model.moe_n_group=4"),
     ),
+    "model.moe_activation": Owner(True, BOTH, "step", **MOE),
+    "model.moe_expert_bias": Owner(True, BOTH, "params", **MOE),
+    **{
+        f"model.moe_swiglu_{k}": Owner(
+            True,
+            BOTH,
+            "step",
+            when=lambda r: r.cfg.model.moe_experts > 0 and r.cfg.model.moe_activation == "gpt_oss",
+            mode="model.moe_activation=gpt_oss (with model.moe_experts>0)",
+            example=("model.moe_experts=4", "model.moe_activation=gpt_oss"),
+        )
+        for k in ("limit", "alpha")
+    },
     "model.moe_bias_update": Owner(True, ("none", "ddp", "pipeline"), "params", **MOE, why_not=NO_BIAS_UPDATE),
     "model.moe_router_bias": Owner(True, ("none", "ddp", "pipeline"), "params", **MOE, why_not=NO_BIAS_UPDATE),
     # the pipeline: its last stage's loss function runs the modules (torchpar/backends/pipeline.py)

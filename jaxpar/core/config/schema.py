@@ -129,6 +129,16 @@ class ModelConfig:
     # experts; 1 and 1: no grouping
     moe_n_group: int = field(default=1, metadata=_check(lo=1))
     moe_topk_group: int = field(default=1, metadata=_check(lo=1))
+    # the experts' gated activation: swiglu is silu(gate) x up; gpt_oss is gpt-oss's, gate clamped at most
+    # moe_swiglu_limit and up within +-moe_swiglu_limit, then (up + 1) x gate x sigmoid(moe_swiglu_alpha x gate)
+    moe_activation: str = field(default="swiglu", metadata=_check(choices=("swiglu", "gpt_oss")))
+    moe_swiglu_limit: float = field(default=7.0, metadata=_check(lo=0.0, lo_open=True))  # gpt_oss: the clamp
+    moe_swiglu_alpha: float = field(
+        default=1.702, metadata=_check(lo=0.0, lo_open=True)
+    )  # gpt_oss: the sigmoid's slope
+    # biases on each expert's gate, up and down projections and a learned bias on the router's logits (gpt-oss's),
+    # which, unlike the balance bias, weighs as well as chooses
+    moe_expert_bias: bool = False
     # the routed experts' weights times this, after moe_norm_topk's division (DeepSeek-V3's routed_scaling_factor)
     moe_routed_scale: float = field(default=1.0, metadata=_check(lo=0.0, lo_open=True))
     # DeepSeek-V3's multi-token prediction (models/decoder.py MTP): mtp_depth extra modules after the main model, depth

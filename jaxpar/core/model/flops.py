@@ -43,6 +43,7 @@ def _mlp_params(m: ModelConfig, active: bool = False) -> int:
     routed = m.moe_top_k if active else m.moe_experts
     experts = 3 * d * m.expert_dim * (routed + m.moe_shared_experts) + d * m.moe_experts  # SwiGLUs and the router
     experts += m.moe_experts if m.router_bias else 0  # the router's balance bias
+    experts += (routed * (2 * m.expert_dim + d) + m.moe_experts) if m.moe_expert_bias else 0  # gpt-oss's biases
     return m.moe_layers * experts + (m.n_layer - m.moe_layers) * _dense_mlp_params(m)
 
 

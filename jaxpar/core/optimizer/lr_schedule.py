@@ -29,5 +29,6 @@ def lr_at(step, o: OptimConfig, total_steps: int, xp=math):
 
 
 def decays(shared_name: str) -> bool:
-    """Weight decay for matrices and embeddings; none for biases and norm scales (by shared name)."""
-    return shared_name.rsplit(".", 1)[-1] not in ("bias", "scale")
+    """Weight decay for matrices and embeddings; none for biases, norm scales and attention sinks (by shared name)."""
+    last = shared_name.rsplit(".", 1)[-1]
+    return last not in ("bias", "scale", "sinks") and not last.endswith("_bias")

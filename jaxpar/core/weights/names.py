@@ -62,6 +62,9 @@ SETTINGS = (
     "moe_n_group",
     "moe_topk_group",
     "moe_routed_scale",
+    "moe_activation",
+    "moe_swiglu_limit",
+    "moe_swiglu_alpha",
 )
 
 
@@ -159,6 +162,9 @@ MOE_NAMES = {
     "blocks.moe.router.kernel": "blocks.{l}.moe.router.weight",
     "blocks.moe.router.bias": "blocks.{l}.moe.router.bias",
     **{f"blocks.moe.{n}": f"blocks.{{l}}.moe.experts.{n}" for n in ("gate", "up", "down")},
+    # model.moe_expert_bias (gpt-oss): each expert's biases and the router's logit bias
+    **{f"blocks.moe.{n}_bias": f"blocks.{{l}}.moe.experts.{n}_bias" for n in ("gate", "up", "down")},
+    "blocks.moe.router.logit_bias": "blocks.{l}.moe.router.logit_bias",
     **{f"blocks.moe.shared.{n}.kernel": f"blocks.{{l}}.moe.shared.{n}.weight" for n in ("gate", "up", "down")},
 }
 # multi-token prediction (model.mtp_depth; jaxpar/models/decoder.py MTP): "{l}" is the depth; its dense block is
@@ -228,6 +234,8 @@ def model_dims(flat: dict[str, np.ndarray], settings: dict | None = None) -> dic
         if "blocks.moe.gate" in flat:  # a mixture of experts (Mixtral, DeepSeek-V3): [L, experts, embed, width]
             _, experts, _, width = flat["blocks.moe.gate"].shape
             dims.update(moe_experts=experts, moe_d_ff=width)
+            if "blocks.moe.gate_bias" in flat:  # gpt-oss's
+                dims["moe_expert_bias"] = True
         if "blocks.moe.shared.gate.kernel" in flat:  # one SwiGLU as wide as the shared experts
             dims["moe_shared_experts"] = flat["blocks.moe.shared.gate.kernel"].shape[-1] // dims["moe_d_ff"]
         if "dense_blocks.mlp.gate.kernel" in flat:  # model.moe_first_dense's dense layers before the experts'

@@ -1,0 +1,154 @@
+"""gpt-oss: Hugging Face's GptOssForCausalLM as the oracle, and its blocks on jaxpar's layouts.
+
+A random transformers gpt-oss (biases, sinks, a clamp that acts, YaRN, every layer in a window shorter than the row)
+gives its logits and greedy tokens to both frameworks through --from hf, and comes back bit for bit through --to hf;
+what the format cannot hold is refused in one line. Each layout equals one device: the experts over ep with fsdp or tp
+(their biases split as their weights, down's added once after the tp sum), a hand-scheduled pipeline with ep, and
+sequence parallelism with ulysses (the sinks split as the heads). The math against numpy: tests/jaxpar/test_moe.py
+(the dispatch) and the twins in tests/jaxpar/test_variants.py (gpt_oss_moe, llama_sinks).
+"""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from tests.helpers import assert_params_close, run_steps, tiny_config
+
+# the schema's learning rate over 10 steps, as the MoE layouts of tests/jaxpar/test_qwen3.py; a limit the tiny model's
+# gate and up values pass, so that the clamp acts
+GPT_OSS = (
+    "model.family=llama",
+    "model.n_kv_head=2",
+    "model.n_layer=4",
+    "model.moe_experts=4",
+    "model.moe_d_ff=16",
+    "model.moe_expert_bias=true",
+    "model.moe_activation=gpt_oss",
+    "model.moe_swiglu_limit=0.05",
+    "model.attention_bias=true",
+    "model.attention_sinks=true",
+    "model.sliding_window=6",
+    "optim.lr=1e-3",
+    "optim.min_lr=1e-4",
+)
+CASES = [
+    ("ep=2,fsdp=2", ()),
+    ("ep=2,tp=2", ()),
+    ("pp=2,ep=2", ("parallel.pipeline_schedule=zb_v",)),
+    ("sp=2,tp=2", ("parallel.sequence_attention=ulysses",)),
+]
+_REFERENCE: dict = {}
+
+
+@pytest.mark.slow  # the one-device reference trains before the first layout
+@pytest.mark.parametrize("mesh,extra", CASES, ids=[m + "".join(f"-{e.split('=')[1]}" for e in x) for m, x in CASES])
+def test_gpt_oss_blocks_on_a_layout_equal_one_device(mesh, extra, dataset):
+    if "ref" not in _REFERENCE:
+        _REFERENCE["ref"] = run_steps(tiny_config(*GPT_OSS), "dp=1", dataset, devices=jax.devices()[:1])
+    ref = _REFERENCE["ref"]
+    for name in ("blocks.moe.down_bias", "blocks.moe.router.logit_bias", "blocks.attn.q.bias"):
+        assert np.abs(ref["params"][name]).max() > 1e-4, name  # the biases trained off their zeros
+    n = math.prod(int(p.split("=")[1]) for p in mesh.split(","))
+    got = run_steps(tiny_config(*GPT_OSS, *extra), mesh, dataset, devices=jax.devices()[:n])
+    np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
+    assert_params_close(got["params"], ref["params"])
+
+
+# every layer sliding (a window of 5 on rows of 24): gpt-oss's own alternation of sliding and full layers is refused
+CONFIG = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=32,
+    sliding_window=5,
+    layer_types=["sliding_attention"] * 2,
+    swiglu_limit=1.0,
+    rope_parameters=dict(
+        rope_type="yarn", rope_theta=500.0, factor=4.0, original_max_position_embeddings=8, beta_fast=4.0, beta_slow=0.5
+    ),
+    tie_word_embeddings=False,
+)
+
+
+@pytest.fixture(scope="module")
+def hf_gpt_oss(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tests.helpers import hf_oracle
+
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG)).eval()
+    with torch.no_grad():  # biases and sinks off their zeros, norms off 1, weights large: a dropped piece would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+            elif name.endswith(("bias", "sinks")):
+                p.copy_(0.5 * torch.randn_like(p))
+            else:
+                p.mul_(4.0)
+    return hf_oracle(model, tmp_path_factory.mktemp("hf_gpt_oss"))
+
+
+def test_hf_gpt_oss_logits_and_greedy_tokens_match_both_frameworks(hf_gpt_oss):
+    from jaxpar.core.config.schema import load_config
+    from jaxpar.tools.convert import read
+    from tests.helpers import assert_both_frameworks_give_hf_answers
+
+    path, tokens, want, greedy = hf_gpt_oss
+    flat, model = read("hf", str(path))
+    keys = ("attention_bias", "attention_sinks", "moe_expert_bias", "moe_activation", "sliding_window", "rope_scaling")
+    assert {k: model[k] for k in keys} == dict(
+        attention_bias=True,
+        attention_sinks=True,
+        moe_expert_bias=True,
+        moe_activation="gpt_oss",
+        sliding_window=5,
+        rope_scaling="yarn",
+    )
+    cfg = load_config(None, [f"model.{k}={v}" for k, v in model.items()] + ["data.seq_len=24"]).model
+    assert_both_frameworks_give_hf_answers(flat, cfg, tokens, want, greedy, "gpt-oss")
+
+
+def test_gpt_oss_round_trip_through_a_jaxpar_run_is_bit_exact(hf_gpt_oss, tmp_path):
+    import json
+
+    import transformers
+
+    from tests.helpers import assert_hf_round_trip_through_a_jaxpar_run
+
+    assert_hf_round_trip_through_a_jaxpar_run(hf_gpt_oss, tmp_path, transformers.GptOssForCausalLM)
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (config["model_type"], config["swiglu_limit"], config["layer_types"]) == (
+        "gpt_oss",
+        1.0,
+        CONFIG["layer_types"],
+    )
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"layer_types": ["sliding_attention", "full_attention"]}, "alternation of sliding and full attention"),
+        ({"quantization_config": {"quant_method": "mxfp4"}}, "MXFP4 expert blocks"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500.0}}, "rope type 'llama3'"),
+    ],
+)
+def test_what_our_model_cannot_hold_is_refused_in_one_line(hf_gpt_oss, tmp_path, change, message):
+    import json
+
+    from jaxpar.core.errors import UserError
+    from jaxpar.formats import hf_gpt_oss as module
+
+    config = json.loads((hf_gpt_oss[0] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(UserError, match=message) as e:
+        module.read_config(str(tmp_path))
+    assert "\n" not in str(e.value)
