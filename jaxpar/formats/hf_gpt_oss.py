@@ -132,7 +132,7 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict) -> None
         "swiglu_limit": float(model.get("moe_swiglu_limit", 7.0)),
         "swiglu_alpha": float(model.get("moe_swiglu_alpha", 1.702)),
         "attention_bias": "blocks.attn.q.bias" in flat,
-        "sliding_window": window or None,
+        "sliding_window": window or 128,  # transformers wants one; with every layer full it reads none (gpt-oss's)
         "layer_types": [("sliding" if window else "full") + "_attention"] * L,
         "output_router_logits": False,
         "router_aux_loss_coef": float(model.get("moe_aux_loss", 0.0)),

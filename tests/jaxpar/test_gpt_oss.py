@@ -152,3 +152,76 @@ def test_what_our_model_cannot_hold_is_refused_in_one_line(hf_gpt_oss, tmp_path,
     with pytest.raises(UserError, match=message) as e:
         module.read_config(str(tmp_path))
     assert "\n" not in str(e.value)
+
+
+def test_the_gpu_preset_counts_as_transformers_does():
+    """configs/gpt-oss-small.yaml's parameters (ours, by formula) are transformers' GptOssForCausalLM's of its shape."""
+    import torch
+    import transformers
+
+    from jaxpar.core.config.schema import load_config
+    from jaxpar.core.model.flops import count_params
+    from tests.helpers import ROOT
+
+    m = load_config(f"{ROOT}/configs/gpt-oss-small.yaml").model
+    config = transformers.GptOssConfig(
+        vocab_size=m.vocab_size,
+        hidden_size=m.d_model,
+        intermediate_size=m.moe_d_ff,
+        num_hidden_layers=m.n_layer,
+        num_attention_heads=m.n_head,
+        num_key_value_heads=m.kv_heads,
+        head_dim=m.head_width,
+        num_local_experts=m.moe_experts,
+        num_experts_per_tok=m.moe_top_k,
+        tie_word_embeddings=m.tie_embeddings,
+        layer_types=["full_attention"] * m.n_layer,
+    )
+    with torch.device("meta"):
+        hf = transformers.GptOssForCausalLM(config)
+    assert sum(p.numel() for p in hf.parameters()) == count_params(m)["total"] == 1_048_108_416
+
+
+@pytest.mark.slow
+def test_the_tiny_preset_trains_and_its_run_converts_to_hf(tmp_path):
+    """python -m jaxpar.train --config configs/gpt-oss-tiny.yaml train.steps=2, then --to hf: transformers' logits."""
+    import os
+    import subprocess
+    import sys
+
+    import jax.numpy as jnp
+    import torch
+    import transformers
+    from flax import nnx
+
+    from jaxpar.core.config.schema import load_config
+    from jaxpar.core.weights.names import unflatten
+    from jaxpar.models.decoder import Decoder
+    from jaxpar.tools import convert
+    from tests.helpers import ROOT
+
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "jaxpar.train", "--config", "configs/gpt-oss-tiny.yaml", "train.steps=2"]
+    r = subprocess.run(
+        [*command, "train.eval_every=0", f"run.dir={run}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    flat, _ = convert.read("jaxpar", str(run))
+    assert np.abs(flat["blocks.moe.router.logit_bias"]).max() > 0  # trained off its zeros
+    assert convert.main(["--from", "jaxpar", str(run), "--to", "hf", str(tmp_path / "hf")]) == 0
+    cfg = load_config(f"{ROOT}/configs/gpt-oss-tiny.yaml").model
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 32))
+    with jax.default_matmul_precision("highest"):
+        ours = np.asarray(
+            nnx.merge(graphdef, unflatten({k: jnp.asarray(v) for k, v in flat.items()}))(jnp.asarray(tokens))
+        )
+    hf = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        theirs = hf(torch.as_tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-5 * max(np.max(np.abs(theirs)), 1.0))
