@@ -337,6 +337,49 @@ def assert_hf_round_trip_through_a_jaxpar_run(oracle: tuple, tmp_path, model_cla
         np.testing.assert_array_equal(hf(torch.as_tensor(tokens)).logits.numpy(), logits)
 
 
+def assert_preset_trains_and_converts_to_hf(preset: str, model_class, tmp_path) -> dict:
+    """`python -m jaxpar.train --config configs/<preset>.yaml train.steps=2`, then `convert --to hf`.
+
+    transformers' `model_class` on the export gives the run's logits (within 1e-5 of their scale); returns the run's
+    flat weights.
+    """
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from flax import nnx
+
+    from jaxpar.core.config.schema import load_config
+    from jaxpar.core.weights.names import unflatten
+    from jaxpar.models.decoder import Decoder
+    from jaxpar.tools import convert
+
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "jaxpar.train", "--config", f"configs/{preset}.yaml", "train.steps=2"]
+    r = subprocess.run(
+        [*command, "train.eval_every=0", f"run.dir={run}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    flat, _ = convert.read("jaxpar", str(run))
+    assert convert.main(["--from", "jaxpar", str(run), "--to", "hf", str(tmp_path / "hf")]) == 0
+    cfg = load_config(f"{ROOT}/configs/{preset}.yaml").model
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 32))
+    with jax.default_matmul_precision("highest"):
+        ours = np.asarray(
+            nnx.merge(graphdef, unflatten({k: jnp.asarray(v) for k, v in flat.items()}))(jnp.asarray(tokens))
+        )
+    hf = model_class.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        theirs = hf(torch.as_tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-5 * max(np.max(np.abs(theirs)), 1.0))
+    return flat
+
+
 # three local lm-eval tasks over the tiny runs' text ("def f(x):\n    return x + 1\n", make_dataset): multiple choice,
 # generate_until (its max_gen_toks within TINY's max_seq_len of 32) and a text file for perplexity
 EVAL_MC = [

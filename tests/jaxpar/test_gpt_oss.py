@@ -185,43 +185,9 @@ def test_the_gpu_preset_counts_as_transformers_does():
 @pytest.mark.slow
 def test_the_tiny_preset_trains_and_its_run_converts_to_hf(tmp_path):
     """python -m jaxpar.train --config configs/gpt-oss-tiny.yaml train.steps=2, then --to hf: transformers' logits."""
-    import os
-    import subprocess
-    import sys
-
-    import jax.numpy as jnp
-    import torch
     import transformers
-    from flax import nnx
 
-    from jaxpar.core.config.schema import load_config
-    from jaxpar.core.weights.names import unflatten
-    from jaxpar.models.decoder import Decoder
-    from jaxpar.tools import convert
-    from tests.helpers import ROOT
+    from tests.helpers import assert_preset_trains_and_converts_to_hf
 
-    run = tmp_path / "run"
-    command = [sys.executable, "-m", "jaxpar.train", "--config", "configs/gpt-oss-tiny.yaml", "train.steps=2"]
-    r = subprocess.run(
-        [*command, "train.eval_every=0", f"run.dir={run}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    flat, _ = convert.read("jaxpar", str(run))
+    flat = assert_preset_trains_and_converts_to_hf("gpt-oss-tiny", transformers.GptOssForCausalLM, tmp_path)
     assert np.abs(flat["blocks.moe.router.logit_bias"]).max() > 0  # trained off its zeros
-    assert convert.main(["--from", "jaxpar", str(run), "--to", "hf", str(tmp_path / "hf")]) == 0
-    cfg = load_config(f"{ROOT}/configs/gpt-oss-tiny.yaml").model
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 32))
-    with jax.default_matmul_precision("highest"):
-        ours = np.asarray(
-            nnx.merge(graphdef, unflatten({k: jnp.asarray(v) for k, v in flat.items()}))(jnp.asarray(tokens))
-        )
-    hf = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    with torch.no_grad():
-        theirs = hf(torch.as_tensor(tokens)).logits.numpy()
-    np.testing.assert_allclose(ours, theirs, atol=1e-5 * max(np.max(np.abs(theirs)), 1.0))

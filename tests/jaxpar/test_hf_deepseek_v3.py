@@ -308,56 +308,15 @@ def test_the_tiny_config_trains_and_its_run_converts_to_hf(tmp_path, capsys):
     transformers' logits are the run's (its balance bias moved off zero by the two steps); the multi-token prediction
     module (mtp_depth 1) is left out of the export, and the command says so.
     """
-    import os
-    import subprocess
-    import sys
-
-    import torch
     import transformers
-    from flax import nnx
 
-    from jaxpar.core.config.schema import load_config
-    from jaxpar.core.weights.names import unflatten
-    from jaxpar.models.decoder import Decoder
-    from jaxpar.tools import convert
-    from tests.helpers import ROOT
+    from tests.helpers import assert_preset_trains_and_converts_to_hf
 
-    run = tmp_path / "run"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxpar.train",
-            "--config",
-            "configs/deepseek-v3-tiny.yaml",
-            "train.steps=2",
-            "train.eval_every=0",
-            f"run.dir={run}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    flat, model = convert.read("jaxpar", str(run))
+    flat = assert_preset_trains_and_converts_to_hf("deepseek-v3-tiny", transformers.DeepseekV3ForCausalLM, tmp_path)
     assert np.abs(flat["blocks.moe.router.bias"]).max() > 0
     assert any(k.startswith("mtp.") for k in flat)
-    assert convert.main(["--from", "jaxpar", str(run), "--to", "hf", str(tmp_path / "hf")]) == 0
     assert "left out: multi-token prediction's 1 module(s)" in capsys.readouterr().out
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 0
-    cfg = load_config(f"{ROOT}/configs/deepseek-v3-tiny.yaml").model
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 32))
-    with jax.default_matmul_precision("highest"):
-        ours = np.asarray(
-            nnx.merge(graphdef, unflatten({k: jnp.asarray(v) for k, v in flat.items()}))(jnp.asarray(tokens))
-        )
-    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    with torch.no_grad():
-        theirs = hf(torch.as_tensor(tokens)).logits.numpy()
-    np.testing.assert_allclose(ours, theirs, atol=1e-5 * max(np.max(np.abs(theirs)), 1.0))
 
 
 @pytest.mark.slow

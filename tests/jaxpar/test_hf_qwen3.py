@@ -262,44 +262,10 @@ def test_the_gpu_presets_count_as_transformers_does(preset, family, total):
 @pytest.mark.parametrize("preset,family", [("qwen3-tiny", "qwen3"), ("qwen3-moe-tiny", "qwen3_moe")])
 def test_the_tiny_presets_train_and_their_runs_convert_to_hf(preset, family, tmp_path):
     """python -m jaxpar.train --config configs/<preset>.yaml train.steps=2, then --to hf: transformers' logits."""
-    import os
-    import subprocess
-    import sys
+    from tests.helpers import assert_preset_trains_and_converts_to_hf
 
-    import torch
-    from flax import nnx
-
-    from jaxpar.core.config.schema import load_config
-    from jaxpar.core.weights.names import unflatten
-    from jaxpar.models.decoder import Decoder
-    from jaxpar.tools import convert
-    from tests.helpers import ROOT
-
-    run = tmp_path / "run"
-    command = [sys.executable, "-m", "jaxpar.train", "--config", f"configs/{preset}.yaml", "train.steps=2"]
-    r = subprocess.run(
-        [*command, "train.eval_every=0", f"run.dir={run}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    flat, _ = convert.read("jaxpar", str(run))
+    flat = assert_preset_trains_and_converts_to_hf(preset, _classes(family)[1], tmp_path)
     assert np.abs(flat["blocks.attn.k_norm.scale"] - 1).max() > 0  # the norms trained off their init
-    assert convert.main(["--from", "jaxpar", str(run), "--to", "hf", str(tmp_path / "hf")]) == 0
-    cfg = load_config(f"{ROOT}/configs/{preset}.yaml").model
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 32))
-    with jax.default_matmul_precision("highest"):
-        ours = np.asarray(
-            nnx.merge(graphdef, unflatten({k: jnp.asarray(v) for k, v in flat.items()}))(jnp.asarray(tokens))
-        )
-    hf = _classes(family)[1].from_pretrained(tmp_path / "hf").eval()
-    with torch.no_grad():
-        theirs = hf(torch.as_tensor(tokens)).logits.numpy()
-    np.testing.assert_allclose(ours, theirs, atol=1e-5 * max(np.max(np.abs(theirs)), 1.0))
 
 
 @pytest.mark.parametrize(
