@@ -14,7 +14,7 @@ from jaxpar.core.config.schema import Config
 from jaxpar.core.config.contract import Run, check_contract
 from jaxpar.core.model.experts import check_expert_axis
 from jaxpar.core.errors import UserError
-from jaxpar.core.pipeline.schedules import check_schedule, concrete, resolve_microbatches
+from jaxpar.core.pipeline.schedules import check_schedule, chunks, concrete, resolve_microbatches
 from jaxpar.core.run.resume import check_resume
 from jaxpar.core.run.directory import check_run_dir_framework
 from jaxpar.core.evaluation.tasks import check_eval_tasks
@@ -82,7 +82,34 @@ def divisibility(cfg: Config, sizes) -> None:
         if sizes["sp"] > 1:
             check_window(m.sliding_window, p.sequence_attention, m.attention_sinks)
     check_pipeline(cfg, sizes)
+    check_window_cycle(cfg, sizes)
     check_compression(cfg, sizes)
+
+
+def check_window_cycle(cfg: Config, sizes) -> None:
+    """model.full_attention_every=N: each layer stack, and each pipeline chunk of one, is whole cycles of N layers.
+
+    jaxpar's layer runner steps through a cycle at a time (jaxpar/models/decoder.py _run_stack), so every stack and
+    every stage's share of one must start a cycle; torchpar's layers carry their windows themselves.
+    """
+    m, N = cfg.model, cfg.model.full_attention_every
+    if not N or not m.sliding_window:
+        return
+    first = m.moe_first_dense if m.moe_experts else 0
+    schedule, pp = concrete(cfg.parallel.pipeline_schedule), sizes["pp"]
+    # (layers, the pipeline chunks they split into): the executor runs the dense stack whole, gpipe splits it too
+    parts = pp * chunks(schedule, cfg.parallel.pipeline_virtual_stages) if pp > 1 else 1
+    stacks = {
+        "dense first layers (model.moe_first_dense)": (first, pp if schedule == "gpipe" else 1),
+        "layers": (m.n_layer - first, parts),
+    }
+    for what, (n, parts) in stacks.items():
+        if n % (parts * N):
+            share = f"{n} {what} in {parts} pipeline chunks" if parts > 1 else f"{n} {what}"
+            raise UserError(
+                f"model.full_attention_every={N}: jaxpar runs the layers in cycles of {N}, and {share} are not whole "
+                f"cycles (make each a multiple of {N})"
+            )
 
 
 def check_experts(cfg: Config, sizes) -> None:

@@ -27,6 +27,7 @@ from flax import nnx
 from jaxpar.core.config.schema import ModelConfig
 from jaxpar.core.model.layer_rules import stacked_sketches
 from jaxpar.core.model.layer_rules import block_sparsity
+from jaxpar.core.model.windows import window_cycle
 from jaxpar.models.dilated import counted_attention, key_counts
 from jaxpar.models.llama import repeat_kv
 from jaxpar.models.mla import kv_cache_width
@@ -40,10 +41,11 @@ def _empty_cache(cfg: ModelConfig, batch: int, length: int) -> tuple[jax.Array, 
     return tuple(jnp.zeros(shape, cfg.compute_dtype) for shape in shapes)
 
 
-def _attend(attn, cfg: ModelConfig, x, dtype, where, start, cache):
+def _attend(attn, cfg: ModelConfig, x, dtype, where, start, cache, window: int):
     """One layer's attention of x over its cache, x's own entries written in first.
 
-    Where: (positions, cache slots' positions, segments, cache slots' segments) of _where.
+    Where: (positions, cache slots' positions, segments, cache slots' segments) of _where; `window`: the layer's
+    (core/model/windows.py).
     """
     positions, k_positions, segments, k_segments = where
 
@@ -67,7 +69,7 @@ def _attend(attn, cfg: ModelConfig, x, dtype, where, start, cache):
         )
     else:
         sinks = attn.head_sinks() if cfg.attention == "mha" and cfg.family == "llama" else None
-        y = causal_attention(q, k, v, positions, k_positions, segments, k_segments, cfg.sliding_window, sinks)
+        y = causal_attention(q, k, v, positions, k_positions, segments, k_segments, window, sinks)
     return attn.project_out(y, dtype), cache
 
 
@@ -97,20 +99,27 @@ def _forward(model, tokens, start, cache, slots, eod=None):
     """
     cfg, dtype = model.cfg, jnp.dtype(model.cfg.compute_dtype)
     where, slots = _where(tokens, start, slots, eod, cache[0].shape[2])
-    h, offset, caches = model.embed(tokens, where[0]), 0, []
+    h, offset, caches, windows = model.embed(tokens, where[0]), 0, [], window_cycle(cfg)
+    N = len(windows)  # the layers of one cycle, each with its own window, per step of the scan (decoder.py _run_stack)
     for blocks in model.stacks():  # model.moe_first_dense: the dense stack's layers own the cache's first entries
         graphdef, stacked = nnx.split(blocks)
         n = jax.tree.leaves(stacked)[0].shape[0]
 
         def layer(h, xs, graphdef=graphdef):
-            layer_state, sketches, *layer_cache = xs
-            block = nnx.merge(graphdef, layer_state)
-            y, layer_cache = _attend(block.attn, cfg, block.ln1(h), dtype, where, start, layer_cache)
-            h = h + y
-            h = h + block.feed_forward(block.ln2(h), dtype, sketches)[0]
-            return h, layer_cache
+            layer_caches = []
+            for j, window in enumerate(windows):
+                layer_state, sketches, *layer_cache = xs if N == 1 else jax.tree.map(lambda a: a[j], xs)
+                block = nnx.merge(graphdef, layer_state)
+                y, layer_cache = _attend(block.attn, cfg, block.ln1(h), dtype, where, start, layer_cache, window)
+                h = h + y
+                h = h + block.feed_forward(block.ln2(h), dtype, sketches)[0]
+                layer_caches.append(layer_cache)
+            return h, layer_caches[0] if N == 1 else jax.tree.map(lambda *c: jnp.stack(c), *layer_caches)
 
-        h, part = jax.lax.scan(layer, h, (stacked, stacked_sketches(cfg), *(c[offset : offset + n] for c in cache)))
+        xs = (stacked, stacked_sketches(cfg), *(c[offset : offset + n] for c in cache))
+        cycles = jax.tree.map(lambda a: a.reshape(n // N, N, *a.shape[1:]), xs) if N > 1 else xs
+        h, part = jax.lax.scan(layer, h, cycles)
+        part = jax.tree.map(lambda a: a.reshape(n, *a.shape[2:]), part) if N > 1 else part
         offset, caches = offset + n, caches + [part]
     cache = tuple(jnp.concatenate(parts) for parts in zip(*caches))
     return model.head(h), cache, slots

@@ -336,6 +336,7 @@ def _draw_first_dense(rng: random.Random, s: dict, stages: int) -> None:
     Under a pipeline both stacks split over the stages (gpipe; the executor splits the expert stack over its virtual
     stages), so half of 2 x stages layers.
     """
+    s.pop("model.full_attention_every", None)  # the stacks need not be whole cycles: not drawn with dense layers
     if stages > 1:
         s["model.n_layer"], s["model.moe_first_dense"] = str(2 * stages), str(stages)
     else:
@@ -384,6 +385,9 @@ def _draw_dims(rng: random.Random, s: dict, heads_div: int, layers_div: int) -> 
         s["model.segment_lengths"], s["model.dilation_rates"] = ("4,8,16", "1,2,4") if seq == 16 else ("8,32", "1,4")
     elif rng.random() < 0.25:  # a band narrower than the row: blocks skipped on one device, a mask elsewhere
         s["model.sliding_window"] = str(_pick(rng, {4: 1, 6: 1, seq // 2 + 1: 1}))
+        # gpt-oss's alternation of sliding and full layers, where each pipeline chunk holds whole pairs
+        if (n_layer // layers_div) % 2 == 0 and rng.random() < 0.4:
+            s["model.full_attention_every"] = "2"
     if s.get("model.family") == "llama":
         kv = [k for k in (1, 2) if n_head % k == 0 and k < n_head]
         if kv and rng.random() < 0.6:
@@ -401,6 +405,8 @@ def _draw_dims(rng: random.Random, s: dict, heads_div: int, layers_div: int) -> 
         if rng.random() < 0.2:  # YaRN over an original context shorter than the row
             s["model.rope_scaling"], s["model.rope_original_max_seq_len"] = "yarn", "8"
             s["model.rope_factor"] = _pick(rng, {"2.0": 1, "4.0": 1})
+            if s.get("model.attention") == "mla":  # DeepSeek-V3's: the scores scaled too
+                s["model.rope_mscale_all_dim"] = "1.0"
         if "model.moe_d_ff" not in s:  # experts of their own width leave the MLP's unused (refused if set)
             s["model.d_ff"] = str(_pick(rng, {2 * d_model: 1, 3 * d_model // 2: 1}))
 

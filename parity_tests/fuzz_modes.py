@@ -40,7 +40,11 @@ MODE_KEYS = {  # key prefix -> whether the case's run consumes it (a mode's keys
     "model.n_kv_head": lambda c: c.get("model.family") == "llama",
     "model.tie_embeddings": lambda c: c.get("model.family") == "llama",
     "model.sliding_window": lambda c: c.get("model.attention") != "dilated",
-    "model.rope_scaling": lambda c: c.get("model.family") == "llama" and c.get("model.attention") != "mla",
+    "model.full_attention_every": lambda c: (
+        c.get("model.attention") != "dilated" and "model.sliding_window" in dict(c.settings)
+    ),
+    "model.rope_scaling": lambda c: c.get("model.family") == "llama" or c.get("model.attention") == "mla",
+    "model.rope_mscale_all_dim": lambda c: c.get("model.attention") == "mla" and c.get("model.rope_scaling") == "yarn",
     "model.rope_factor": lambda c: c.get("model.rope_scaling") == "yarn",
     "model.rope_original_max_seq_len": lambda c: c.get("model.rope_scaling") == "yarn",
     "model.attention_bias": lambda c: c.get("model.family") == "llama" and c.get("model.attention") != "mla",

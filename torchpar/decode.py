@@ -60,10 +60,8 @@ def _attend(attn, cfg, x, positions, start: int, cache, mask=None):
             )
         )
     mask = positions[:, None] >= k_positions if mask is None else mask
-    if cfg.sliding_window:  # the band by cache slot: the row's own distance, within a document too
-        mask = mask & sliding_band(
-            torch.arange(start, start + x.shape[1], device=x.device), k_positions, cfg.sliding_window
-        )
+    if attn.window:  # the layer's band by cache slot: the row's own distance, within a document too
+        mask = mask & sliding_band(torch.arange(start, start + x.shape[1], device=x.device), k_positions, attn.window)
     sinks = getattr(attn, "sinks", None)  # model.attention_sinks
     if sinks is not None:
         return attn.project_out(attention_with_sinks(q, k, v, mask, sinks))

@@ -15,8 +15,10 @@ With rope_interleave (DeepSeek's layout) HF rotates the pairs (2i, 2i + 1) of th
 rope/2), so the rotary columns of q_b_proj and kv_a_proj_with_mqa are permuted (evens, then odds) on the way in and
 back on the way out: the attention scores are the same sums, and round trips are bit-exact.
 
-What the shared model cannot hold is refused in one line: rope types other than the default (DeepSeek-V3's own yarn
-extension), attention biases, a q_proj without the low-rank query (q_lora_rank null), qk_nope_head_dim or v_head_dim
+YaRN (the long-context DeepSeek-V3's rope_type yarn) is model.rope_scaling=yarn on the rotary part, with its mscale
+and mscale_all_dim pair as the cos/sin factor (model.rope_attention_factor) and the scores' scale
+(model.rope_mscale_all_dim). What the shared model cannot hold is refused in one line: other rope types, attention
+biases, a q_proj without the low-rank query (q_lora_rank null), qk_nope_head_dim or v_head_dim
 other than hidden_size / num_attention_heads, num_key_value_heads other than num_attention_heads, and rms_norm_eps
 other than 1e-6 (HF's latent norms keep 1e-6 whatever it is; ours share model.layernorm_eps). The multi-token
 prediction layers (num_nextn_predict_layers) are not in transformers' model: read, they are left out.
@@ -25,6 +27,7 @@ prediction layers (num_nextn_predict_layers) are not in transformers' model: rea
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
@@ -45,7 +48,7 @@ def read_config(hf_dir: str) -> dict:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     h, d = hf["num_attention_heads"], hf["hidden_size"]
     refused = {
-        f"rope type {rope_type!r} (only plain rotary positions)": rope_type != "default",
+        f"rope type {rope_type!r} (plain rotary positions or yarn)": rope_type not in ("default", "yarn"),
         "attention_bias (jaxpar's llama attention has no biases)": hf.get("attention_bias"),
         "q_lora_rank null (jaxpar's mla always has the low-rank query)": hf.get("q_lora_rank") is None,
         f"hidden_act {hf.get('hidden_act')!r} (SwiGLU is silu's)": hf.get("hidden_act", "silu") != "silu",
@@ -64,7 +67,18 @@ def read_config(hf_dir: str) -> dict:
         if bad:
             raise UserError(f"{path}: {what} is not supported")
     hf["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    hf["rope_settings"] = _yarn_settings(rope, hf) if rope_type == "yarn" else {}
     return hf
+
+
+def _yarn_settings(rope: dict, hf: dict) -> dict:
+    """model.rope_* of DeepSeek-V3's YaRN: Llama's, its mscale pair's cos/sin factor and its scores' mscale_all_dim."""
+    out = hf_llama.yarn_settings(rope, hf)
+    mscale, all_dim, factor = rope.get("mscale"), rope.get("mscale_all_dim"), out["rope_factor"]
+    get = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0  # transformers' yarn_get_mscale
+    if not rope.get("attention_factor") and mscale and all_dim:
+        out["rope_attention_factor"] = get(mscale) / get(all_dim)
+    return {**out, **({"rope_mscale_all_dim": float(all_dim)} if all_dim else {})}
 
 
 def _rope_order(hf: dict) -> np.ndarray:
@@ -133,6 +147,7 @@ def hf_to_shared(hf_dir: str) -> tuple[dict[str, np.ndarray], dict]:
         "max_seq_len": hf.get("max_position_embeddings", 2048),
         "layernorm_eps": EPS,
         "rope_theta": hf["rope_theta"],
+        **hf["rope_settings"],
         **(
             {}
             if first >= L
@@ -210,6 +225,17 @@ def _feed_forward_out(flat: dict, p: str, i: int) -> dict[str, np.ndarray]:
     return out
 
 
+def _rope_parameters(dims: dict, theta: float) -> dict:
+    """config.json's rope_parameters: Llama's; under YaRN also the cos/sin factor, named, and mscale_all_dim."""
+    out = hf_llama.rope_parameters({**dims, "rope_theta": theta})
+    if out["rope_type"] == "yarn":
+        scale = dims.get("rope_attention_factor") or 0.0
+        default = 1.0 if out["factor"] <= 1 else 0.1 * math.log(out["factor"]) + 1.0
+        out["attention_factor"] = float(scale or default)  # named, so that no mscale pair overrides it
+        out.update({"mscale_all_dim": float(dims["rope_mscale_all_dim"])} if dims.get("rope_mscale_all_dim") else {})
+    return out
+
+
 def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict) -> None:
     """Write an HF DeepSeek-V3 directory (config.json + model.safetensors) from flat shared tensors."""
     _refuse(flat, model)
@@ -253,7 +279,7 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict) -> None
         "hidden_act": "silu",
         "max_position_embeddings": dims["max_seq_len"],
         "rms_norm_eps": EPS,
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "rope_parameters": _rope_parameters(dims, theta),
         "rope_interleave": True,
         "attention_bias": False,
         "tie_word_embeddings": "lm_head" not in flat,

@@ -10,10 +10,10 @@ import json
 import os
 
 import numpy as np
-from safetensors.numpy import load_file
 
 from jaxpar.core.errors import UserError
 from jaxpar.core.weights.names import model_dims, write_safetensors
+from jaxpar.formats.hub_files import read_safetensors
 
 # shared per-layer name -> HF per-layer name (under transformer.h.{i}.)
 BLOCK_NAMES = {
@@ -44,7 +44,7 @@ def hf_to_shared(hf_dir: str) -> tuple[dict[str, np.ndarray], dict]:
     if hf.get("model_type") != "gpt2":
         raise UserError(f"{cfg_path}: model_type {hf.get('model_type')!r} is not 'gpt2'")
     # Some checkpoints prefix "transformer."; lm_head is tied to wte and carries nothing new.
-    raw = {k.removeprefix("transformer."): v for k, v in load_file(w_path).items()}
+    raw = {k.removeprefix("transformer."): v for k, v in read_safetensors(w_path).items()}
     L, d, h = hf["n_layer"], hf["n_embd"], hf["n_head"]
     k = d // h
     out = {ours: raw[theirs] for ours, theirs in TOP_NAMES.items()}

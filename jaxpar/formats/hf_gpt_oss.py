@@ -8,9 +8,11 @@ positions (model.rope_scaling) and a mixture of experts in every layer:
 - each expert's gate and up projections fused in mlp.experts.gate_up_proj [E, embed, 2 x width] with the gate in the
   even columns and up in the odd ones (its bias likewise), down in down_proj [E, width, embed] with its bias;
 - the activation is model.moe_activation=gpt_oss with swiglu_limit and swiglu_alpha.
-Checkpoint names as transformers' save_pretrained writes them (float weights). Refused in one line: layers that mix
-sliding and full attention (gpt-oss's own alternation: model.sliding_window applies to every layer), the Hub's MXFP4
-expert blocks (not read yet), and on the way out what gpt-oss cannot hold.
+Its layer_types, sliding and full layers alternating, are model.sliding_window with model.full_attention_every=2.
+Checkpoint names as transformers' save_pretrained writes them, float or, as the Hub ships gpt-oss, the experts' weights
+in MXFP4 (`*_blocks` and `*_scales`, quant_method mxfp4: dequantized on the way in, `dequantize_mxfp4`; written back as
+float32). Refused in one line: a mix of sliding and full layers other than every N-th full, other quantizations, and
+on the way out what gpt-oss cannot hold.
 """
 
 from __future__ import annotations
@@ -29,16 +31,13 @@ def read_config(hf_dir: str) -> dict:
     path = os.path.join(hf_dir, "config.json")
     with open(path) as f:
         hf = json.load(f)
-    kinds = set(hf.get("layer_types") or ["full_attention"])
-    if len(kinds) > 1:
+    kinds = hf.get("layer_types") or ["full_attention"] * hf["num_hidden_layers"]
+    hf["windows"] = hf_llama.window_settings(kinds, hf.get("sliding_window") or 0, path)
+    method = (hf.get("quantization_config") or {}).get("quant_method", "none")
+    if hf.get("quantization_config") and method != "mxfp4":
         raise UserError(
-            f"{path}: layer types {sorted(kinds)}: gpt-oss's alternation of sliding and full attention is not built "
-            "(model.sliding_window applies to every layer)"
-        )
-    if hf.get("quantization_config"):
-        raise UserError(
-            f"{path}: quantization_config {hf['quantization_config'].get('quant_method')!r}: the MXFP4 expert blocks "
-            "are not read yet; dequantize with transformers (Mxfp4Config(dequantize=True)) and save_pretrained first"
+            f"{path}: quantization_config {method!r}: only the Hub's MXFP4 expert blocks are read (dequantized); "
+            "dequantize with transformers and save_pretrained first"
         )
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -46,7 +45,6 @@ def read_config(hf_dir: str) -> dict:
         raise UserError(f"{path}: rope type {kind!r} is not supported (plain or YaRN rotary positions)")
     hf["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 150000.0)))
     hf["rope_settings"] = hf_llama.yarn_settings(rope, hf) if kind == "yarn" else {}
-    hf["window"] = (hf.get("sliding_window") or 0) if kinds == {"sliding_attention"} else 0
     return hf
 
 
@@ -57,15 +55,25 @@ def hf_to_shared(hf_dir: str) -> tuple[dict[str, np.ndarray], dict]:
 
     def experts(hf: dict, raw: dict) -> dict[str, np.ndarray]:
         g = lambda name: hf_llama.layers(raw, L, name)
-        if "model.layers.0.mlp.experts.gate_up_proj" not in raw:
-            raise UserError(f"{hf_dir}: no mlp.experts.gate_up_proj tensors (MXFP4 blocks are not read yet)")
-        gate_up, gate_up_bias = g("mlp.experts.gate_up_proj"), g("mlp.experts.gate_up_proj_bias")
+
+        def weight(name: str) -> np.ndarray:  # [L, E, in, out]: float, or the Hub's MXFP4 blocks dequantized
+            at = hf_llama.PREFIX.format(i=0) + f"mlp.experts.{name}"
+            if at in raw:
+                return g(f"mlp.experts.{name}")
+            if at + "_blocks" not in raw:
+                raise UserError(f"{hf_dir}: no mlp.experts.{name} tensors, float or MXFP4 (_blocks and _scales)")
+            pick = lambda i, part: raw[hf_llama.PREFIX.format(i=i) + f"mlp.experts.{name}_{part}"]
+            return np.stack(
+                [dequantize_mxfp4(pick(i, "blocks"), pick(i, "scales"), f"{hf_dir}: {name}") for i in range(L)]
+            )
+
+        gate_up, gate_up_bias = weight("gate_up_proj"), g("mlp.experts.gate_up_proj_bias")
         return {
             "blocks.moe.router.kernel": g("mlp.router.weight").transpose(0, 2, 1),
             "blocks.moe.router.logit_bias": g("mlp.router.bias"),
             "blocks.moe.gate": gate_up[..., ::2],
             "blocks.moe.up": gate_up[..., 1::2],
-            "blocks.moe.down": g("mlp.experts.down_proj"),
+            "blocks.moe.down": weight("down_proj"),
             "blocks.moe.gate_bias": gate_up_bias[..., ::2],
             "blocks.moe.up_bias": gate_up_bias[..., 1::2],
             "blocks.moe.down_bias": g("mlp.experts.down_proj_bias"),
@@ -78,9 +86,29 @@ def hf_to_shared(hf_dir: str) -> tuple[dict[str, np.ndarray], dict]:
         "moe_activation": "gpt_oss",
         "moe_swiglu_limit": float(hf.get("swiglu_limit", 7.0)),
         "moe_swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)),
-        **({"sliding_window": hf["window"]} if hf["window"] else {}),
+        **hf["windows"],
     }
     return flat, {**dims, **settings}
+
+
+# MXFP4's 4-bit values (e2m1: a sign, two exponent bits, one mantissa bit), by code
+FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, what: str = "MXFP4 weights") -> np.ndarray:
+    """The Hub's MXFP4 expert weights as float32 [experts, in, out] (exact: every value is a float32).
+
+    blocks [experts, out, groups, 16] uint8 hold two 4-bit codes per byte, the low nibble first, 32 values of `in`
+    per group; scales [experts, out, groups] uint8 are each group's power of two plus 127.
+    """
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape:
+        raise UserError(
+            f"{what}: MXFP4 blocks {blocks.dtype}{list(blocks.shape)} and scales {scales.dtype}{list(scales.shape)} "
+            "are not uint8 [..., groups, 16] and [..., groups]"
+        )
+    values = np.stack([FP4[blocks & 0x0F], FP4[blocks >> 4]], axis=-1)  # [E, out, groups, 16, 2]
+    values = np.ldexp(values, (scales.astype(np.int32) - 127)[..., None, None]).astype(np.float32)
+    return np.ascontiguousarray(values.reshape(*scales.shape[:-1], -1).swapaxes(-1, -2))
 
 
 def _refuse(flat: dict, model: dict) -> None:
@@ -122,7 +150,7 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict) -> None
         }
 
     _, E, _, width = flat["blocks.moe.gate"].shape
-    L, window = flat["blocks.attn.q.kernel"].shape[0], int(model.get("sliding_window") or 0)
+    L = flat["blocks.attn.q.kernel"].shape[0]
     config = {
         "model_type": "gpt_oss",
         "architectures": ["GptOssForCausalLM"],
@@ -132,8 +160,9 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict) -> None
         "swiglu_limit": float(model.get("moe_swiglu_limit", 7.0)),
         "swiglu_alpha": float(model.get("moe_swiglu_alpha", 1.702)),
         "attention_bias": "blocks.attn.q.bias" in flat,
-        "sliding_window": window or 128,  # transformers wants one; with every layer full it reads none (gpt-oss's)
-        "layer_types": [("sliding" if window else "full") + "_attention"] * L,
+        # transformers wants a window; with every layer full it reads none (128: gpt-oss's)
+        "sliding_window": int(model.get("sliding_window") or 0) or 128,
+        "layer_types": hf_llama.layer_types(model, L),
         "output_router_logits": False,
         "router_aux_loss_coef": float(model.get("moe_aux_loss", 0.0)),
     }

@@ -13,12 +13,14 @@ from __future__ import annotations
 import glob
 import json
 import os
+from types import SimpleNamespace
 
 import numpy as np
-from safetensors.numpy import load_file
 
 from jaxpar.core.errors import UserError
+from jaxpar.core.model.windows import layer_window
 from jaxpar.core.weights.names import model_dims, write_safetensors
+from jaxpar.formats.hub_files import read_safetensors
 
 PREFIX = "model.layers.{i}."
 # shared per-layer name -> HF per-layer name (under model.layers.{i}.); MLP weights are transposed
@@ -93,13 +95,43 @@ def rope_parameters(dims: dict) -> dict:
     return {**out, **({"attention_factor": dims["rope_attention_factor"]} if dims.get("rope_attention_factor") else {})}
 
 
+def window_settings(kinds: list[str], window: int, where: str) -> dict:
+    """Hugging Face's layer_types (with its sliding_window) as model.sliding_window and model.full_attention_every.
+
+    {} when no layer slides; every layer sliding, or every N-th full (gpt-oss's alternation: N=2), is ours; any other
+    mix is refused in one line naming `where`.
+    """
+    slides = [kind == "sliding_attention" for kind in kinds]
+    if set(kinds) - {"sliding_attention", "full_attention"}:
+        raise UserError(
+            f"{where}: layer types {sorted(set(kinds))}: only sliding_attention and full_attention exist here"
+        )
+    if not any(slides) or not window:
+        return {}
+    every = 0 if all(slides) else slides.index(False) + 1
+    if every == 1 or slides != [not every or (i + 1) % every != 0 for i in range(len(kinds))]:
+        raise UserError(
+            f"{where}: layer types {kinds}: jaxpar's layers slide except every N-th, which attends to the whole "
+            "context (model.full_attention_every), and this mix is not of that form"
+        )
+    return {"sliding_window": window, **({"full_attention_every": every} if every else {})}
+
+
+def layer_types(model: dict, L: int) -> list[str]:
+    """Hugging Face's layer_types of a model config dict's sliding_window and full_attention_every."""
+    m = SimpleNamespace(
+        sliding_window=int(model.get("sliding_window") or 0), full_attention_every=model.get("full_attention_every", 0)
+    )
+    return ["sliding_attention" if layer_window(m, i) else "full_attention" for i in range(L)]
+
+
 def read_dir(hf_dir: str, check=read_config) -> tuple[dict, dict[str, np.ndarray]]:
     """(config.json checked by `check`, every tensor) of an HF Llama-like directory (sharded files read whole)."""
     hf = check(hf_dir)
     files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
     if not files:
         raise UserError(f"not a Hugging Face {hf.get('model_type', 'llama')} directory: no *.safetensors in {hf_dir}")
-    return hf, {k: v for f in files for k, v in load_file(f).items()}
+    return hf, {k: v for f in files for k, v in read_safetensors(f).items()}
 
 
 def layers(raw: dict, L: int, name: str) -> np.ndarray:

@@ -9,8 +9,9 @@ experts. Its dense layers (mlp_only_layers, and those decoder_sparse_step skips)
 they are the first layers they are model.moe_first_dense's stack; anywhere else they are refused in one line.
 
 Sliding-window attention is model.sliding_window when every layer slides (Qwen3-MoE's use_sliding_window; Qwen3's
-layers from max_window_layers on, or its layer_types). Refused in one line: Llama's refusals, a mix of sliding and
-full layers, and on the way out what these families cannot hold (shared experts, sigmoid scores, expert groups, a
+layers from max_window_layers on, or its layer_types), with model.full_attention_every when Qwen3's layer_types make
+every N-th layer full. Refused in one line: Llama's refusals, any other mix of sliding and full layers, and on the way
+out what these families cannot hold (shared experts, sigmoid scores, expert groups, a
 balance bias, a routed scale, a capacity); weights without query/key norms go to Llama or Mixtral instead.
 """
 
@@ -26,24 +27,18 @@ MLP = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}  # shared name
 
 
 def read_config(hf_dir: str) -> dict:
-    """config.json checked as Llama's, then for what Qwen3's adds; its sliding window (0: none) under "window"."""
+    """config.json checked as Llama's, then for what Qwen3's adds; its windows as our keys under "windows"."""
     hf = hf_llama.read_config(hf_dir)
     L, window = hf["num_hidden_layers"], hf.get("sliding_window") if hf.get("use_sliding_window") else None
     if hf["model_type"] == "qwen3_moe":  # every layer slides when the config says so
-        return {**hf, "window": window or 0}
+        return {**hf, "windows": {"sliding_window": window} if window else {}}
     # Qwen3: the layers from max_window_layers on slide, unless config.json lists each layer's type
     first = hf.get("max_window_layers", 28)
     kinds = hf.get("layer_types") or [
         "sliding_attention" if window and i >= first else "full_attention" for i in range(L)
     ]
-    if set(kinds) == {"full_attention"}:
-        return {**hf, "window": 0}
-    if set(kinds) != {"sliding_attention"} or not hf.get("sliding_window"):
-        raise UserError(
-            f"{hf_dir}/config.json: layer types {sorted(set(kinds))} (use_sliding_window, max_window_layers, "
-            "layer_types): jaxpar's model.sliding_window applies to every layer, so either every layer slides or none"
-        )
-    return {**hf, "window": hf["sliding_window"]}
+    where = f"{hf_dir}/config.json (use_sliding_window, max_window_layers, layer_types)"
+    return {**hf, "windows": hf_llama.window_settings(kinds, hf.get("sliding_window") or 0, where)}
 
 
 def dense_layers(hf: dict) -> list[int]:
@@ -56,10 +51,10 @@ def dense_layers(hf: dict) -> list[int]:
 def hf_to_shared(hf_dir: str) -> tuple[dict[str, np.ndarray], dict]:
     """-> (flat shared tensors, model config overrides)."""
     hf = read_config(hf_dir)
-    window = {"sliding_window": hf["window"]} if hf["window"] else {}
+    windows = hf["windows"]  # model.sliding_window, model.full_attention_every
     if hf["model_type"] == "qwen3":
         flat, dims = hf_llama.hf_to_shared(hf_dir, check=read_config)
-        return flat, {**dims, **window}
+        return flat, {**dims, **windows}
     L, dense = hf["num_hidden_layers"], dense_layers(hf)
     if dense != list(range(len(dense))):
         raise UserError(
@@ -88,7 +83,7 @@ def hf_to_shared(hf_dir: str) -> tuple[dict[str, np.ndarray], dict]:
 
     flat, dims = hf_llama.hf_to_shared(hf_dir, mlp=feed_forward, check=read_config, first_dense=first)
     experts = {"moe_top_k": hf.get("num_experts_per_tok", 2), "moe_norm_topk": bool(hf.get("norm_topk_prob", False))}
-    return flat, {**dims, **experts, **window}
+    return flat, {**dims, **experts, **windows}
 
 
 def _refuse_experts(flat: dict, model: dict) -> None:
@@ -111,8 +106,8 @@ def shared_to_hf(flat: dict[str, np.ndarray], out_dir: str, model: dict) -> None
     window = int(model.get("sliding_window") or 0)
     slide = {"use_sliding_window": bool(window), "sliding_window": window or None}
     if "blocks.moe.gate" not in flat:
-        L, kind = model_dims(flat, model)["n_layer"], "sliding_attention" if window else "full_attention"
-        every = {"max_window_layers": 0 if window else L, "layer_types": [kind] * L}
+        L = model_dims(flat, model)["n_layer"]
+        every = {"max_window_layers": 0 if window else L, "layer_types": hf_llama.layer_types(model, L)}
         config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], **slide, **every}
         hf_llama.shared_to_hf(flat, out_dir, model, config=config)
         return

@@ -141,6 +141,13 @@ def write(fmt: str, dst: str, flat: dict[str, np.ndarray], model: dict, src: str
                 "has no sliding window (Qwen3, Qwen3-MoE, Mixtral and gpt-oss have one); convert to shared, jaxpar or "
                 "state"
             )
+        mixed = model.get("sliding_window") and model.get("full_attention_every")
+        if mixed and (family not in (hf_qwen3, hf_gpt_oss) or (family is hf_qwen3 and "blocks.moe.gate" in flat)):
+            raise UserError(
+                f"model.full_attention_every={model['full_attention_every']}: Hugging Face's "
+                f"{family.__name__.split('_', 1)[1]} slides every layer or none (Qwen3 and gpt-oss list each layer's "
+                "type); convert to shared, jaxpar or state"
+            )
         if family is hf_gpt2:
             hf_gpt2.shared_to_hf(flat, dst, model.get("layernorm_eps", 1e-5))
         else:

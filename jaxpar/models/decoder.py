@@ -42,6 +42,7 @@ from jaxpar.core.config.schema import ModelConfig
 from jaxpar.core.model.layer_rules import loss_chunks
 from jaxpar.core.model.layer_rules import sketch_dim, stacked_sketches
 from jaxpar.core.model.layer_rules import block_sparsity
+from jaxpar.core.model.windows import window_cycle
 from jaxpar.models.dilated import dilated_attention
 from jaxpar.models.head import chunked_cross_entropy, cross_entropy, logits
 from jaxpar.models.layers import LayerNorm, RMSNorm, normal, param
@@ -68,11 +69,12 @@ class Attention(nnx.Module):
         self.sparsity = block_sparsity(cfg)  # block-sparse dilated attention's pattern, or None
         self.window = cfg.sliding_window
 
-    def __call__(self, x, dtype, positions=None, segments=None):
+    def __call__(self, x, dtype, positions=None, segments=None, window=None):
+        """`window`: this layer's (core/model/windows.py); None: model.sliding_window."""
         q, k, v = self.project_qkv(x, dtype, positions)
         # the context's attention: local (cuDNN flash on GPU where it applies), or across `sp` shards
         y = (
-            current().attention(q, k, v, positions, segments, window=self.window)
+            current().attention(q, k, v, positions, segments, window=self.window if window is None else window)
             if self.pairs is None
             else dilated_attention(q, k, v, self.pairs, self.sparsity)
         )
@@ -139,9 +141,12 @@ class Block(nnx.Module):
         else:
             self.mlp = (SwiGLU if llama else MLP)(cfg, rngs, stack)
 
-    def __call__(self, x, dtype, positions=None, segments=None, sketches=None):
-        """-> (x, the experts' per-row statistics [batch, E + 2]; None with a dense MLP)."""
-        x = x + self.attn(self.ln1(x), dtype, positions, segments)
+    def __call__(self, x, dtype, positions=None, segments=None, sketches=None, window=None):
+        """-> (x, the experts' per-row statistics [batch, E + 2]; None with a dense MLP).
+
+        `window`: this layer's attention window (core/model/windows.py); None: model.sliding_window.
+        """
+        x = x + self.attn(self.ln1(x), dtype, positions, segments, window)
         y, stats = self.feed_forward(self.ln2(x), dtype, sketches, positions)
         return constrain(x + y, ("batch", "seq", "act_embed")), stats
 
@@ -300,20 +305,27 @@ class Decoder(nnx.Module):
         # packed documents' positions and segment ids are per row: the runner gets them beside the carry, so that one
         # that splits the rows into microbatches (GPipe) splits them alike; a shared order's positions stay here
         rows = (positions, segments) if segments is not None else ()
+        # model.full_attention_every: the runner steps through whole cycles of layers, each layer of a cycle with its
+        # own static window (every stack and pipeline chunk starts a cycle: jaxpar/checks.py check_window_cycle)
+        windows = window_cycle(self.cfg)
+        xs = (stacked, stacked_sketches(self.cfg) if sketches is None else sketches)
 
         def layer(carry, xs, *per_row):  # the carry: x, with experts (x, statistics so far[, expert layer index])
-            layer_state, layer_sketches = xs
             h, total, *index = carry if moe else (carry, None)
-            h, stats = nnx.merge(graphdef, layer_state)(h, dtype, *(per_row or (positions, segments)), layer_sketches)
-            if not moe:
-                return h
-            return h, add_layer_stats(total, stats, index[0] if index else None, self.cfg), *(i + 1 for i in index)
+            for j, window in enumerate(windows):
+                layer_state, layer_sketches = xs if len(windows) == 1 else jax.tree.map(lambda a: a[j], xs)
+                block = nnx.merge(graphdef, layer_state)
+                h, stats = block(h, dtype, *(per_row or (positions, segments)), layer_sketches, window)
+                if moe:
+                    total = add_layer_stats(total, stats, index[0] if index else None, self.cfg)
+                    index = [i + 1 for i in index]
+            return (h, total, *index) if moe else h
 
         # the context's layer runner (a scan, or GPipe stages over `pp`; with model.remat each layer recomputed in the
         # backward pass); fixed sketches ride along with the parameters (a sketched model is dense: one stack)
-        return current().run_layers(
-            layer, (stacked, stacked_sketches(self.cfg) if sketches is None else sketches), carry, rows
-        )
+        if len(windows) > 1:
+            xs = jax.tree.map(lambda a: a.reshape(a.shape[0] // len(windows), len(windows), *a.shape[1:]), xs)
+        return current().run_layers(layer, xs, carry, rows)
 
     def head(self, x: jax.Array) -> jax.Array:
         """The final norm and the output head: float32 logits [batch, seq, vocab]."""

@@ -72,11 +72,13 @@ class GQAttention(nnx.Module):
         self.pairs = cfg.dilation_pairs if cfg.attention == "dilated" else None
         self.sparsity = block_sparsity(cfg)  # block-sparse dilated attention's pattern, or None
 
-    def __call__(self, x, dtype, positions=None, segments=None):
+    def __call__(self, x, dtype, positions=None, segments=None, window=None):
+        """`window`: this layer's (core/model/windows.py); None: model.sliding_window."""
+        window = self.window if window is None else window
         q, k, v = self.project_qkv(x, dtype, positions)
         k, v = (constrain(repeat_kv(t, self.n_head), ("batch", "seq", "heads", "kv")) for t in (k, v))
         y = (
-            current().attention(q, k, v, positions, segments, window=self.window, sinks=self.head_sinks())
+            current().attention(q, k, v, positions, segments, window=window, sinks=self.head_sinks())
             if self.pairs is None
             else dilated_attention(q, k, v, self.pairs, self.sparsity)
         )

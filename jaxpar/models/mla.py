@@ -26,6 +26,7 @@ from flax import nnx
 
 from jaxpar.context import constrain, current
 from jaxpar.core.config.schema import ModelConfig
+from jaxpar.core.model.rotary import score_scale, yarn
 from jaxpar.models.layers import normal, param, rms_norm, rope
 from jaxpar.ops import project
 
@@ -56,11 +57,14 @@ class MLAttention(nnx.Module):
             self.out["bias"] = param(jnp.zeros(L + (d,)), lead + ("embed",))
         self.eps, self.theta, self.kvl, self.r = cfg.layernorm_eps, cfg.rope_theta, kvl, r
         self.window = cfg.sliding_window
+        self.scaled, self.score_scale = yarn(cfg, r), score_scale(cfg)  # model.rope_scaling on the rotary part
 
-    def __call__(self, x, dtype, positions=None, segments=None):
+    def __call__(self, x, dtype, positions=None, segments=None, window=None):
+        """`window`: this layer's (core/model/windows.py); None: model.sliding_window."""
         q, latent = self.project_q_latent(x, dtype, positions)
         k, v = self.keys_values(latent, dtype)
-        return self.project_out(current().attention(q, k, v, positions, segments, window=self.window), dtype)
+        window = self.window if window is None else window
+        return self.project_out(current().attention(q, k, v, positions, segments, window=window), dtype)
 
     # The three steps below are also what decoding runs (jaxpar/decode.py): it caches the latent, the
     # kv_cache_width values per token, and expands the cached latents to keys and values at every step.
@@ -70,10 +74,12 @@ class MLAttention(nnx.Module):
         w = lambda p: p["kernel"][...].astype(dtype)
         c_q = rms_norm(project(x, w(self.q_down)), self.q_norm["scale"][...], self.eps)
         q = project(c_q, w(self.q_up))
-        q = jnp.concatenate([q[..., : -self.r], rope(q[..., -self.r :], pos, self.theta)], axis=-1)
+        q = jnp.concatenate([q[..., : -self.r], rope(q[..., -self.r :], pos, self.theta, self.scaled)], axis=-1)
+        if self.score_scale != 1.0:  # DeepSeek-V3's YaRN scales the scores: through the queries
+            q = q * jnp.asarray(self.score_scale, q.dtype)
         ckv = project(x, w(self.kv_down))
         c_kv = rms_norm(ckv[..., : self.kvl], self.kv_norm["scale"][...], self.eps)
-        latent = jnp.concatenate([c_kv, rope(ckv[..., self.kvl :], pos, self.theta)], axis=-1)
+        latent = jnp.concatenate([c_kv, rope(ckv[..., self.kvl :], pos, self.theta, self.scaled)], axis=-1)
         return constrain(q, ("batch", "seq", "heads", "kv")), latent
 
     def keys_values(self, latent, dtype):

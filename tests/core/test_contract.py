@@ -41,7 +41,9 @@ ALTERNATIVE = {
     "model.vocab_size": "300",
     "model.rope_head_dim": "8",
     "model.head_dim": "12",
+    "model.full_attention_every": "2",  # gpt-oss's alternation (1 would make every layer full: refused)
     "model.rope_attention_factor": "1.5",
+    "model.rope_mscale_all_dim": "1.0",  # half of the default 0 would be 0
     "model.moe_swiglu_limit": "0.01",  # a clamp the tiny model's gate and up values reach (half of 7 would not)
     "model.rope_original_max_seq_len": "4096",  # a ramp over the pairs of the tiny heads (1: every pair slow alike)
     "model.segment_lengths": "4,16",

@@ -134,7 +134,8 @@ def test_flops_count_the_experts_a_token_runs_through():
 def test_attention_flops_count_heads_of_their_own_width_and_the_keys_a_window_leaves():
     """Qwen3's heads (4 x 12 = 48 on d_model 32) and a sliding window of 4 on rows of 16: 12 L T (heads x width).
 
-    The same model with heads of d_model / n_head differs by 12 L T x 16 per token; the window by 12 L x 12 x 48.
+    The same model with heads of d_model / n_head differs by 12 L T x 16 per token; the window by 12 L x 12 x 48, and
+    by half of that when every second layer is full (model.full_attention_every=2).
     """
     qwen3 = ("model.family=llama", "model.head_dim=12", "model.d_ff=40")
     wide, plain = tiny_config(*qwen3).model, tiny_config("model.family=llama", "model.d_ff=40").model
@@ -143,3 +144,5 @@ def test_attention_flops_count_heads_of_their_own_width_and_the_keys_a_window_le
     assert flops_per_token(wide, T) - flops_per_token(plain, T) == 6 * params + 12 * L * T * (48 - 32)
     windowed = tiny_config(*qwen3, "model.sliding_window=4").model
     assert flops_per_token(wide, T) - flops_per_token(windowed, T) == 12 * L * (T - 4) * 48
+    alternating = tiny_config(*qwen3, "model.sliding_window=4", "model.full_attention_every=2").model
+    assert flops_per_token(wide, T) - flops_per_token(alternating, T) == 12 * (L // 2) * (T - 4) * 48

@@ -43,7 +43,7 @@ VARIANTS = {
         "model.segment_lengths=4,8,16",
         "model.dilation_rates=1,2,4",
     ),
-    # gpt-oss's attention (biases, sinks) in a sliding window, with Qwen3's query/key norms and head width
+    # gpt-oss's attention (biases, sinks), a window on layer 0 and none on 1; Qwen3's q/k norms and head width
     "llama_sinks_window": (
         "model.family=llama",
         "model.n_kv_head=2",
@@ -51,6 +51,7 @@ VARIANTS = {
         "model.attention_bias=true",
         "model.attention_sinks=true",
         "model.sliding_window=6",
+        "model.full_attention_every=2",
         "model.qk_norm=true",
         "model.head_dim=12",
     ),

@@ -43,19 +43,67 @@ CONFIG = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def hf_deepseek(tmp_path_factory):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+# the long-context DeepSeek-V3's YaRN on rows of 24 over an original context of 8, its mscale pair unequal, so that both
+# the cos/sin factor (mscale / mscale_all_dim's) and the scores' scale (mscale_all_dim's) act
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=500.0,
+    factor=4.0,
+    original_max_position_embeddings=8,
+    beta_fast=4.0,
+    beta_slow=0.5,
+    mscale=0.8,
+    mscale_all_dim=1.3,
+)
+
+
+def _oracle(path, **changes):
+    import torch
+    import transformers
+
     torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**CONFIG)).eval()
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**CONFIG, **changes})).eval()
     with torch.no_grad():  # weights away from init and norms away from 1: a mixed-up tensor would show
         for name, p in model.named_parameters():
             p.add_(0.3 * torch.randn_like(p)) if "norm" in name else p.mul_(4.0)
         for name, b in model.named_buffers():  # a bias that changes the choice: it must be carried
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.2 * torch.randn_like(b))
-    return hf_oracle(model, tmp_path_factory.mktemp("hf_deepseek_v3"))
+    return hf_oracle(model, path)
+
+
+@pytest.fixture(scope="module")
+def hf_deepseek(tmp_path_factory):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    return _oracle(tmp_path_factory.mktemp("hf_deepseek_v3"))
+
+
+@pytest.fixture(scope="module")
+def hf_deepseek_yarn(tmp_path_factory):
+    pytest.importorskip("transformers")
+    return _oracle(tmp_path_factory.mktemp("hf_deepseek_v3_yarn"), rope_parameters=YARN)
+
+
+def test_deepseek_v3_yarn_gives_the_oracles_answers_and_round_trips(hf_deepseek_yarn, tmp_path):
+    """DeepSeek-V3's YaRN: logits, greedy tokens and a bit-exact round trip.
+
+    Its frequencies on the rotary part, cos and sin scaled by get_mscale(factor, mscale) / get_mscale(factor,
+    mscale_all_dim), the scores by get_mscale(factor, mscale_all_dim)^2.
+    """
+    import transformers
+
+    from jaxpar.core.config.schema import load_config
+    from jaxpar.tools.convert import read
+
+    path, tokens, want, greedy = hf_deepseek_yarn
+    flat, model = read("hf", str(path))
+    get = lambda m: 0.1 * m * np.log(4.0) + 1.0
+    assert model["rope_scaling"] == "yarn" and model["rope_mscale_all_dim"] == 1.3
+    assert model["rope_attention_factor"] == pytest.approx(get(0.8) / get(1.3), rel=1e-12)
+    cfg = load_config(None, [f"model.{k}={v}" for k, v in model.items()] + ["data.seq_len=24"]).model
+    assert_both_frameworks_give_hf_answers(flat, cfg, tokens, want, greedy, "DeepSeek-V3 with YaRN")
+    assert_hf_round_trip_through_a_jaxpar_run(hf_deepseek_yarn, tmp_path, transformers.DeepseekV3ForCausalLM)
 
 
 def test_hf_deepseek_v3_logits_and_greedy_tokens_match_both_frameworks(hf_deepseek):
@@ -230,17 +278,7 @@ def _settings(cfg) -> dict:
 @pytest.mark.parametrize(
     "change,message",
     [
-        (
-            {
-                "rope_parameters": {
-                    "rope_type": "yarn",
-                    "factor": 4.0,
-                    "rope_theta": 500.0,
-                    "original_max_position_embeddings": 8,
-                }
-            },
-            "rope type 'yarn'",
-        ),
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 4.0, "rope_theta": 500.0}}, "rope type 'llama3'"),
         ({"q_lora_rank": None}, "q_lora_rank null"),
         ({"v_head_dim": 4}, "v_head_dim=4"),
         ({"rms_norm_eps": 1e-5}, "rms_norm_eps=1e-05"),

@@ -56,13 +56,21 @@ YARN = dict(
         truncate=False,
     ),
 )
-FAMILIES = {"qwen3": dict(COMMON, num_hidden_layers=2), "qwen3_moe": MOE, "qwen3_window": WINDOW, "qwen3_yarn": YARN}
+# every second layer full (layer_types, as gpt-oss's): model.full_attention_every=2
+ALTERNATING = dict(WINDOW, num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)
+FAMILIES = {
+    "qwen3": dict(COMMON, num_hidden_layers=2),
+    "qwen3_moe": MOE,
+    "qwen3_window": WINDOW,
+    "qwen3_yarn": YARN,
+    "qwen3_alternating": ALTERNATING,
+}
 
 
 def _classes(family: str):
     import transformers
 
-    if family in ("qwen3", "qwen3_window", "qwen3_yarn"):
+    if family != "qwen3_moe":
         return transformers.Qwen3Config, transformers.Qwen3ForCausalLM
     return transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
 
@@ -93,7 +101,8 @@ def test_hf_qwen3_logits_and_greedy_tokens_match_both_frameworks(hf_qwen3):
         2,
         300.0,
     )
-    assert model.get("sliding_window", 0) == (5 if family == "qwen3_window" else 0)
+    assert model.get("sliding_window", 0) == (5 if family in ("qwen3_window", "qwen3_alternating") else 0)
+    assert model.get("full_attention_every", 0) == (2 if family == "qwen3_alternating" else 0)
     assert model.get("rope_scaling", "none") == ("yarn" if family == "qwen3_yarn" else "none")
     if family == "qwen3_moe":
         assert {k: model[k] for k in ("moe_experts", "moe_first_dense", "moe_d_ff", "d_ff", "moe_norm_topk")} == dict(
@@ -107,7 +116,9 @@ def test_qwen3_round_trip_through_a_jaxpar_run_is_bit_exact(hf_qwen3, tmp_path):
     family, oracle = hf_qwen3
     assert_hf_round_trip_through_a_jaxpar_run(oracle, tmp_path, _classes(family)[1])
     config = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert (config["model_type"], config["head_dim"]) == (family.removesuffix("_window").removesuffix("_yarn"), 16)
+    assert (config["model_type"], config["head_dim"]) == ("qwen3_moe" if family == "qwen3_moe" else "qwen3", 16)
+    if family == "qwen3_alternating":
+        assert config["layer_types"] == ALTERNATING["layer_types"]
     if family == "qwen3_yarn":
         assert config["rope_parameters"] == YARN["rope_parameters"]
 
@@ -173,7 +184,7 @@ def test_ours_to_hf_gives_our_logits(family, overrides, tmp_path):
     "change,message",
     [
         ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None}, "layer types"),
-        ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}, "layer types"),
+        ({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8}, "layer types"),
         ({"mlp_only_layers": [1]}, r"dense layers \[1\]"),
         ({"mlp_only_layers": [], "decoder_sparse_step": 2}, r"dense layers \[0, 2\]"),
         ({"attention_bias": True}, "attention_bias"),

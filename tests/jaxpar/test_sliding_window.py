@@ -26,6 +26,9 @@ FAMILIES = {
     "llama": WINDOW + ("model.family=llama", "model.n_kv_head=2", "model.d_ff=48", "model.tie_embeddings=false"),
     "mla": WINDOW + ("model.attention=mla", "model.q_latent_dim=16", "model.kv_latent_dim=8", "model.rope_head_dim=4"),
 }
+# gpt-oss's alternation: layers 0 and 2 slide, 1 and 3 attend to the whole row (jaxpar runs them in cycles of two)
+ALTERNATING = ("model.full_attention_every=2", "model.n_layer=4")
+FAMILIES["llama_alternating"] = FAMILIES["llama"] + ALTERNATING
 
 
 def _reference_attention(q, k, v, window):
@@ -87,8 +90,12 @@ def test_jaxpar_and_torchpar_give_the_same_loss_and_gradients(family):
             return jax.jit(jax.value_and_grad(lambda s: jax_loss(nnx.merge(graphdef, s), batch)))(state)
 
     jloss, jgrads = jaxpar_loss(cfg.model)
-    whole = tiny_config(*FAMILIES[family], "model.sliding_window=0").model
-    assert abs(float(jaxpar_loss(whole)[0]) - float(jloss)) > 1e-4  # the window acts
+    whole = tiny_config(*FAMILIES[family], "model.sliding_window=0", "model.full_attention_every=0").model
+    # the window acts (float32 noise on the loss: ~1e-7; half the tiny layers sliding move it ~8e-5)
+    assert abs(float(jaxpar_loss(whole)[0]) - float(jloss)) > 2e-5
+    if cfg.model.full_attention_every:  # and the full layers do not slide
+        every_layer = tiny_config(*FAMILIES[family], "model.full_attention_every=0").model
+        assert abs(float(jaxpar_loss(every_layer)[0]) - float(jloss)) > 2e-5
     jgrads = {k: np.asarray(v) for k, v in flatten(nnx.to_pure_dict(jgrads)).items()}
     model = Decoder(cfg.model)
     model.load_state_dict(from_shared(params, cfg.model.n_layer))
@@ -110,6 +117,11 @@ LAYOUTS = [
     ("pp=2", ("parallel.pipeline_schedule=gpipe",)),
     ("pp=2", ("parallel.pipeline_schedule=1f1b",)),
     ("pp=2", ("parallel.pipeline_schedule=zb_v", "model.n_layer=4")),
+    # the alternation: each stack, and each pipeline chunk, whole cycles of a sliding and a full layer
+    ("dp=2,tp=2", ALTERNATING),
+    ("sp=2", ("parallel.sequence_attention=ulysses", *ALTERNATING)),
+    ("pp=2", ("parallel.pipeline_schedule=gpipe", *ALTERNATING)),
+    ("pp=2", ("parallel.pipeline_schedule=zb_v", "model.full_attention_every=2", "model.n_layer=8")),
 ]
 _REFERENCES: dict = {}
 
@@ -139,3 +151,24 @@ def test_ring_attention_with_a_window_is_refused_in_one_line():
     sinks = tiny_config("model.family=llama", "model.attention_sinks=true", "parallel.sequence_attention=ring")
     with pytest.raises(UserError, match="model.attention_sinks=true with parallel.sequence_attention=ring"):
         divisibility(sinks, sizes)
+
+
+@pytest.mark.parametrize(
+    "layers,extra,share",
+    [
+        (3, (), "3 layers are not whole"),
+        (4, ("parallel.pipeline_schedule=zb_v",), "4 layers in 4 pipeline chunks"),
+        (8, ("parallel.pipeline_schedule=gpipe",), None),
+    ],
+)
+def test_layers_that_are_not_whole_cycles_are_refused_in_one_line(layers, extra, share):
+    from jaxpar.checks import divisibility
+
+    cfg = tiny_config(*FAMILIES["llama_alternating"], f"model.n_layer={layers}", *extra)
+    sizes = {"dp": 1, "fsdp": 1, "tp": 1, "pp": 2 if extra else 1, "sp": 1, "ep": 1}
+    if share is None:
+        divisibility(cfg, sizes)  # gpipe: 4 layers a stage, two cycles
+        return
+    with pytest.raises(UserError, match=f"model.full_attention_every=2: .*{share}") as e:
+        divisibility(cfg, sizes)
+    assert "\n" not in str(e.value)

@@ -23,6 +23,7 @@ from jaxpar.core.config.schema import ModelConfig
 from jaxpar.core.data.order import unmasked
 from jaxpar.core.model.layer_rules import loss_chunks
 from jaxpar.core.model.layer_rules import block_sparsity
+from jaxpar.core.model.windows import layer_window
 from torchpar.models.dilated import dilated_attention
 from torchpar.models.head import chunked_cross_entropy, cross_entropy, logits
 from torchpar.models.layers import Dense, Kernel, LayerNorm, RMSNorm, SketchedLinear
@@ -76,6 +77,7 @@ class Block(nn.Module):
         llama = cfg.family == "llama"
         norm = RMSNorm if llama else LayerNorm
         attn = MLAttention(cfg) if cfg.attention == "mla" else GQAttention(cfg) if llama else Attention(cfg)
+        attn.window = layer_window(cfg, layer)  # model.full_attention_every: this layer's (core/model/windows.py)
         self.ln1, self.attn = norm(cfg.d_model, cfg.layernorm_eps), attn
         self.ln2 = norm(cfg.d_model, cfg.layernorm_eps)
         if cfg.moe_experts and layer >= cfg.moe_first_dense:  # experts instead of the MLP (torchpar/models/moe.py)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from jaxpar.core.config.schema import ModelConfig
+from jaxpar.core.model.rotary import score_scale, yarn
 from torchpar.models.layers import Dense, Kernel, RMSNorm, rope
 from torchpar.ops import causal_attention
 
@@ -25,6 +26,7 @@ class MLAttention(nn.Module):
         self.kv_up = Kernel((kvl, 2, h, k))
         self.out = Dense((h, k, d), (d,)) if cfg.family == "gpt2" else Kernel((h, k, d))  # llama: no biases
         self.kvl, self.r, self.theta, self.window = kvl, r, cfg.rope_theta, cfg.sliding_window
+        self.scaled, self.score_scale = yarn(cfg, r), score_scale(cfg)  # model.rope_scaling on the rotary part
 
     def forward(self, x, positions=None, mask=None):
         q, latent = self.project_q_latent(x, positions)
@@ -35,9 +37,12 @@ class MLAttention(nn.Module):
     def project_q_latent(self, x, positions=None):
         """(q [b, heads, t, kv + rope], latent [b, t, kv_latent + rope]: normalised c_kv and the rotated k_r)."""
         q = self.q_up(self.q_norm(self.q_down(x, "btd,dl->btl")), "btl,lhk->bthk")
-        q = torch.cat([q[..., : -self.r], rope(q[..., -self.r :], self.theta, positions)], dim=-1)
+        q = torch.cat([q[..., : -self.r], rope(q[..., -self.r :], self.theta, positions, self.scaled)], dim=-1)
+        if self.score_scale != 1.0:  # DeepSeek-V3's YaRN scales the scores: through the queries (jaxpar's)
+            q = q * self.score_scale
         ckv = self.kv_down(x, "btd,dl->btl")
-        latent = torch.cat([self.kv_norm(ckv[..., : self.kvl]), rope(ckv[..., self.kvl :], self.theta, positions)], -1)
+        k_r = rope(ckv[..., self.kvl :], self.theta, positions, self.scaled)
+        latent = torch.cat([self.kv_norm(ckv[..., : self.kvl]), k_r], -1)
         return q.transpose(1, 2), latent
 
     def keys_values(self, latent):

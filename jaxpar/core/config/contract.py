@@ -136,6 +136,11 @@ GQA = dict(  # llama's grouped-query attention (jaxpar/models/llama.py), the dil
     mode="model.family=llama with model.attention=mha or dilated",
     example=("model.family=llama",),
 )
+ROTARY = dict(  # rotary positions YaRN can scale: llama's attention, and mla's rotary part in either family
+    when=lambda r: r.cfg.model.family == "llama" or r.cfg.model.attention == "mla",
+    mode="model.family=llama, or model.attention=mla",
+    example=("model.family=llama",),
+)
 FLOAT16 = dict(
     when=_model("compute_dtype", "float16"),
     mode="model.compute_dtype=float16",
@@ -213,24 +218,47 @@ CONTRACT: dict[str, Owner] = {
         example=("model.family=llama",),
     ),
     "model.head_dim": Owner(True, BOTH, "params", **GQA),
-    "model.rope_scaling": Owner(True, BOTH, "step", **GQA),
+    "model.rope_scaling": Owner(True, BOTH, "step", **ROTARY),
     **{
         f"model.rope_{k}": Owner(
             True,
             BOTH,
             "step",
-            when=lambda r: GQA["when"](r) and r.cfg.model.rope_scaling == "yarn",
-            mode="model.rope_scaling=yarn (model.family=llama with model.attention=mha or dilated)",
+            when=lambda r: ROTARY["when"](r) and r.cfg.model.rope_scaling == "yarn",
+            mode="model.rope_scaling=yarn (model.family=llama, or model.attention=mla)",
             example=("model.family=llama", "model.rope_scaling=yarn", "model.rope_factor=4"),
         )
         for k in ("factor", "original_max_seq_len", "beta_fast", "beta_slow", "truncate", "attention_factor")
     },
+    "model.rope_mscale_all_dim": Owner(
+        True,
+        BOTH,
+        "step",
+        when=lambda r: r.cfg.model.attention == "mla" and r.cfg.model.rope_scaling == "yarn",
+        mode="model.rope_scaling=yarn with model.attention=mla (DeepSeek-V3's)",
+        example=(
+            "model.attention=mla",
+            "model.q_latent_dim=16",
+            "model.kv_latent_dim=8",
+            "model.rope_head_dim=4",
+            "model.rope_scaling=yarn",
+            "model.rope_factor=4",
+        ),
+    ),
     "model.sliding_window": Owner(
         True,
         BOTH,
         "step",
         when=lambda r: r.cfg.model.attention != "dilated",
         mode="model.attention=mha or mla (dilated attention has its own pattern)",
+    ),
+    "model.full_attention_every": Owner(
+        True,
+        BOTH,
+        "step",
+        when=lambda r: r.cfg.model.sliding_window > 0 and r.cfg.model.attention != "dilated",
+        mode="model.sliding_window > 0 (the layers that do not slide)",
+        example=("model.sliding_window=4",),
     ),
     "model.qk_norm": Owner(True, BOTH, "params", **GQA),
     "model.attention_bias": Owner(True, BOTH, "params", **GQA),

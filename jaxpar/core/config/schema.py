@@ -64,8 +64,8 @@ class ModelConfig:
     kv_latent_dim: int = field(default=32, metadata=_check(lo=1))
     rope_head_dim: int = field(default=16, metadata=_check(lo=2))
     rope_theta: float = field(default=10000.0, metadata=_check(lo=0.0, lo_open=True))
-    # rotary scaling for long contexts, llama family with GQA attention (jaxpar/core/model/rotary.py): yarn is YaRN as
-    # Hugging Face's rope_type yarn computes it; none: plain rotary
+    # rotary scaling for long contexts, llama family with GQA attention or any mla attention (its rotary part;
+    # jaxpar/core/model/rotary.py): yarn is YaRN as Hugging Face's rope_type yarn computes it; none: plain rotary
     rope_scaling: str = field(default="none", metadata=_check(choices=("none", "yarn")))
     # yarn: the slow rotary pairs' frequencies divided by this (the context's extension)
     rope_factor: float = field(default=1.0, metadata=_check(lo=0.0, lo_open=True))
@@ -78,6 +78,9 @@ class ModelConfig:
     rope_truncate: bool = True  # yarn: the ramp's ends rounded outwards to whole pairs (Hugging Face's truncate)
     # yarn: cos and sin multiplied by this; 0: 0.1 ln(rope_factor) + 1 (1 for a factor up to 1)
     rope_attention_factor: float = field(default=0.0, metadata=_check(lo=0.0))
+    # yarn with mla attention: DeepSeek-V3's mscale_all_dim, the attention scores multiplied by
+    # (0.1 x this x ln(rope_factor) + 1)^2; 0: not scaled
+    rope_mscale_all_dim: float = field(default=0.0, metadata=_check(lo=0.0))
     # llama family, GQA attention (mha or dilated): one attention head's width; 0: d_model / n_head. Qwen3 sets its own
     # (heads x head_dim need not be d_model)
     head_dim: int = field(default=0, metadata=_check(lo=0))
@@ -93,6 +96,9 @@ class ModelConfig:
     # (Mistral's and Hugging Face's sliding_window); on the CPU only the key blocks the band reaches are computed
     # (jaxpar/ops.py banded_attention). mha or mla attention; 0: the whole causal context
     sliding_window: int = field(default=0, metadata=_check(lo=0))
+    # with sliding_window: every N-th layer (layers N-1, 2N-1, ...) attends to the whole causal context, the others
+    # slide (gpt-oss alternates at 2; jaxpar/core/model/windows.py); 0: every layer slides
+    full_attention_every: int = field(default=0, metadata=_check(lo=0))
     # dilated (models/dilated.py): (segment length, rate) pairs, comma-separated; empty: plain causal attention
     segment_lengths: str = ""
     dilation_rates: str = ""

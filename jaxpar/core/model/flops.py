@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from jaxpar.core.config.schema import ModelConfig
 from jaxpar.core.model.layer_rules import sketch_dim
+from jaxpar.core.model.windows import mean_keys
 
 # Dense datasheet peaks (FLOP/s per device); float32 matmuls run as TF32 on these GPUs by default.
 PEAK_FLOPS = {
@@ -97,11 +98,12 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
 
     With experts the parameters a token runs through (its top_k experts, not all), so MFU counts no idle expert;
     with multi-token prediction each depth's block, its attention and its pass through the shared head too; with a
-    sliding window, the keys a token reads: T becomes min(T, window).
+    sliding window, the keys a token reads: T becomes min(T, window), averaged over the layers (mean_keys).
     """
     n = count_params(m, active=True)["non_embedding"] + (1 + m.mtp_depth) * m.vocab_size * m.d_model
-    keys = min(seq_len, m.sliding_window or seq_len)
-    return 6 * n + 12 * (m.n_layer + m.mtp_depth) * keys * m.n_head * m.head_width
+    # the main layers' keys, then the prediction modules' (their blocks slide as a layer 0 does)
+    keys = m.n_layer * mean_keys(m, seq_len) + m.mtp_depth * min(seq_len, m.sliding_window or seq_len)
+    return 6 * n + 12 * keys * m.n_head * m.head_width
 
 
 def peak_flops(device_kind: str, dtype: str) -> float | None:

@@ -4,8 +4,9 @@ YaRN (Peng et al. 2023) keeps the fast-turning rotary pairs as they were, divide
 model.rope_factor, and blends the pairs in between along a linear ramp, whose ends are the pairs that turn
 model.rope_beta_fast and model.rope_beta_slow times over the original context (model.rope_original_max_seq_len);
 cos and sin are multiplied by an attention factor (model.rope_attention_factor, by default 0.1 ln(factor) + 1).
-Hugging Face's `rope_type: yarn` computes the same, so converted weights keep their positions. Pure numpy: a tuple
-of floats, which the models keep as static data.
+Hugging Face's `rope_type: yarn` computes the same, so converted weights keep their positions. DeepSeek-V3's YaRN
+also scales multi-head latent attention's scores (model.rope_mscale_all_dim: `score_scale`). Pure numpy: a tuple of
+floats, which the models keep as static data.
 """
 
 from __future__ import annotations
@@ -36,3 +37,10 @@ def yarn(m: ModelConfig, width: int) -> tuple[tuple[float, ...], float] | None:
     inv_freq = (1.0 / (factor * freqs)) * (1 - keep) + (1.0 / freqs) * keep
     scale = m.rope_attention_factor or (1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0)
     return tuple(float(f) for f in inv_freq.astype(np.float32)), float(scale)
+
+
+def score_scale(m: ModelConfig) -> float:
+    """What multiplies the attention scores under DeepSeek-V3's YaRN: (0.1 mscale_all_dim ln(factor) + 1)^2, else 1."""
+    if m.rope_scaling != "yarn" or not m.rope_mscale_all_dim or m.rope_factor <= 1:
+        return 1.0
+    return (0.1 * m.rope_mscale_all_dim * math.log(m.rope_factor) + 1.0) ** 2
