@@ -129,6 +129,11 @@ def check_experts(cfg: Config, sizes) -> None:
             "both (the hand-scheduled schedules, e.g. parallel.pipeline_schedule=1f1b, run the dense layers whole "
             "on the first stage)"
         )
+    if E and cfg.model.moe_ragged and sizes["ep"] > 1:
+        raise UserError(
+            f"model.moe_ragged with ep={sizes['ep']}: jaxpar's ragged exchange of the filled rows over ep is not "
+            "built yet (ep=1 runs it; torchpar runs it over ep)"
+        )
     zigzag = sizes["sp"] > 1 and cfg.parallel.sequence_zigzag and cfg.model.attention != "dilated"
     if E and cfg.model.moe_capacity_factor and zigzag and cfg.data.document_mask:
         raise UserError(

@@ -96,7 +96,8 @@ def mesh_context(layout: Layout, on_executor: bool = False) -> ParallelContext:
         run_layers = gpipe_layers(S, resolve_microbatches(S, p.pipeline_microbatches), unroll)
     else:
         run_layers = functools.partial(scan_layers, unroll=unroll)
-    experts = expert_parallel(mesh, layout.rules) if layout.cfg.model.moe_experts else local_experts
+    m = layout.cfg.model
+    experts = expert_parallel(mesh, layout.rules, m.moe_ragged) if m.moe_experts else local_experts
     return ParallelContext(mesh, layout.rules, attention, run_layers, experts, layout.cfg.model.float8)
 
 

@@ -328,6 +328,8 @@ def _draw_experts(rng: random.Random, s: dict, ep: int) -> None:
     if rng.random() < 0.2:  # gpt-oss's experts: biases, a router logit bias, the clamped activation (a limit that acts)
         s["model.moe_expert_bias"] = "true"
         s["model.moe_activation"], s["model.moe_swiglu_limit"] = "gpt_oss", "0.05"
+    if ep == 1 and rng.random() < 0.25:  # grouped matmuls over the routed rows alone (jaxpar runs them at ep=1)
+        s["model.moe_ragged"] = "true"
 
 
 def _draw_first_dense(rng: random.Random, s: dict, stages: int) -> None:

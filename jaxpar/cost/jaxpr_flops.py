@@ -1,4 +1,6 @@
-"""Matmul FLOPs of a traced program, counted on its jaxpr: 2*M*N*K per dot_general, a scan's body times its length.
+"""Matmul FLOPs of a traced program, counted on its jaxpr: 2*M*N*K per dot, a scan's body times its length.
+
+Dots are dot_general and ragged_dot_general (model.moe_ragged's experts).
 
 XLA's own cost analysis cannot compare pipeline schedules: it counts a while-loop body once and one branch of a
 conditional (a 10-step scan of a matmul reports one matmul's FLOPs), and the executor is a scan over ticks of a switch.
@@ -21,6 +23,18 @@ def dot_flops(eqn) -> float:
     return 2.0 * math.prod(lhs) * rhs_free
 
 
+def ragged_dot_flops(eqn) -> float:
+    """dot_flops of a ragged_dot_general: each left row meets one group of the right operand.
+
+    The groups' axis is not a free one (model.moe_ragged: the rows routed to the experts, not experts x slots).
+    """
+    numbers = eqn.params["ragged_dot_dimension_numbers"]
+    (_, rhs_contract), (_, rhs_batch) = numbers.dot_dimension_numbers
+    skip = {*rhs_contract, *rhs_batch, *numbers.rhs_group_dimensions}
+    lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+    return 2.0 * math.prod(lhs) * math.prod(n for i, n in enumerate(rhs) if i not in skip)
+
+
 def _live(jaxpr):
     """`jaxpr` without the equations none of its outputs needs, as XLA will compile it.
 
@@ -40,8 +54,8 @@ def matmul_flops(jaxpr, branch_cost=max, scope: str | None = None) -> float:
         name, inner = eqn.primitive.name, scope
         if scope is not None and scope in str(eqn.source_info.name_stack):
             inner = None  # all of it counts, nested calls (jnp.einsum's jit) too
-        if name == "dot_general":
-            total += dot_flops(eqn) if inner is None else 0.0
+        if name in ("dot_general", "ragged_dot_general"):
+            total += (dot_flops if name == "dot_general" else ragged_dot_flops)(eqn) if inner is None else 0.0
         elif name == "cond":
             total += branch_cost([matmul_flops(b.jaxpr, branch_cost, inner) for b in eqn.params["branches"]])
         elif name == "scan":

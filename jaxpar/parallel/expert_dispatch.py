@@ -11,7 +11,9 @@ batched matmul, the results come back (`back`), and each token sums its choices'
 
 The buffer is padded: slots = N holds any routing without a drop (a token picks an expert at most once), at the
 price of experts x N rows in flight per device. The padded all-to-all is what XLA:CPU runs (it has no
-ragged_all_to_all); a ragged exchange of the filled slots alone is not built yet.
+ragged_all_to_all); a ragged exchange of the filled slots alone is not built yet. On one device's experts
+(model.moe_ragged, `ragged_experts`) the kept choices are instead sorted by expert and each projection is one
+jax.lax.ragged_dot over the filled rows alone: N x k rows, not experts x slots.
 """
 
 from __future__ import annotations
@@ -113,3 +115,28 @@ def local_experts(
         back,
     )
     return y.reshape(B, T, D)
+
+
+def ragged_experts(
+    x, ids, weights, kept, w: dict, capacity: int = 0, activation: tuple = ("swiglu", 0.0, 0.0), reduce=_same
+):
+    """local_experts' sum with only the rows routed to each expert multiplied (model.moe_ragged).
+
+    x [B, T, embed]; ids, weights, kept [B, T, k]: the kept choices sorted by expert (stable: token order within
+    one), each projection one ragged_dot over the groups of rows, the outputs back in choice order. `capacity` is the
+    router's (its drops are in `kept`); w, activation and reduce are swiglu_experts'.
+    """
+    del capacity
+    B, T, D = x.shape
+    E, k = w["gate"].shape[0], ids.shape[-1]
+    choice = jnp.where(kept, ids, E).reshape(-1)  # a dropped choice sorts after every expert's rows
+    order = jnp.argsort(choice, stable=True)
+    sizes = jnp.bincount(choice, length=E + 1)[:E].astype(jnp.int32)  # the dropped rows lie past every group
+    rows, expert = x.reshape(B * T, D)[order // k], jnp.minimum(choice[order], E - 1)
+    bias = lambda name: w[name][expert] if name in w else 0
+    gate = jax.lax.ragged_dot(rows, w["gate"], sizes) + bias("gate_bias")
+    up = jax.lax.ragged_dot(rows, w["up"], sizes) + bias("up_bias")
+    out = reduce(jax.lax.ragged_dot(gated(activation, gate, up), w["down"], sizes)) + bias("down_bias")
+    out = jnp.where((choice[order] < E)[:, None], out, 0)  # a dropped row's biases
+    per_choice = jnp.zeros_like(out).at[order].set(out).reshape(B * T, k, D)
+    return jnp.sum(per_choice * weights.reshape(B * T, k, 1).astype(x.dtype), axis=1).reshape(B, T, D)

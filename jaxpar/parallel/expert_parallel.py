@@ -21,7 +21,7 @@ import sys
 import jax
 
 from jaxpar.context import tracing_mesh
-from jaxpar.parallel.expert_dispatch import local_experts
+from jaxpar.parallel.expert_dispatch import local_experts, ragged_experts
 from jaxpar.sharding import spec_for
 
 AXIS = "ep"
@@ -46,8 +46,11 @@ def _axes(entry) -> tuple[str, ...]:
     return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
 
 
-def expert_parallel(mesh, rules):
-    """experts(x, ids, weights, kept, w, capacity, activation) for the parallel context of `mesh` (local_experts')."""
+def expert_parallel(mesh, rules, ragged: bool = False):
+    """experts(x, ids, weights, kept, w, capacity, activation) for the parallel context of `mesh` (local_experts').
+
+    `ragged` (model.moe_ragged, ep=1: jaxpar/checks.py): each device's rows through ragged_experts instead.
+    """
     n = mesh.shape[AXIS]
     if n > 1 and "padded" not in _said:
         _said.add("padded")
@@ -73,14 +76,13 @@ def expert_parallel(mesh, rules):
             if owners == 1
             else {"exchange": lambda buf: _to_owners(buf, owners), "back": lambda out: _to_sources(out, owners)}
         )
-        local = functools.partial(
-            local_experts,
-            capacity=capacity,
-            activation=activation,
-            owners=owners,
-            **moves,
-            reduce=(lambda y: jax.lax.psum(y, split)) if split else (lambda y: y),
-        )
+        reduce = (lambda y: jax.lax.psum(y, split)) if split else (lambda y: y)
+        if ragged:  # the rows each expert received alone (no exchange: ep=1)
+            local = functools.partial(ragged_experts, capacity=capacity, activation=activation, reduce=reduce)
+        else:
+            local = functools.partial(
+                local_experts, capacity=capacity, activation=activation, owners=owners, **moves, reduce=reduce
+            )
         return jax.shard_map(
             local,
             mesh=tracing_mesh(mesh),

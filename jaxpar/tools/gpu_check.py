@@ -53,12 +53,14 @@ MODELS = {
     "llama-1b bf16": ["--config", "configs/llama-1b.yaml"],
     "llama-1b float8": ["--config", "configs/llama-1b.yaml", "model.float8=true"],
     "moe-1b bf16": ["--config", "configs/moe-1b.yaml"],
+    "moe-1b bf16 ragged": ["--config", "configs/moe-1b.yaml", "model.moe_ragged=true"],  # the routed rows alone
 }
 ONE_DEVICE = ["train.global_batch_size=8", "train.microbatches=1"]
 TINY_MODELS = {
     "llama-tiny": ["--config", "configs/llama-tiny.yaml"],
     "llama-tiny float8": ["--config", "configs/llama-tiny.yaml", "model.float8=true"],
     "moe-tiny": ["--config", "configs/moe-tiny.yaml"],
+    "moe-tiny ragged": ["--config", "configs/moe-tiny.yaml", "model.moe_ragged=true"],
 }
 
 

@@ -1,12 +1,13 @@
 """gpt-oss: Hugging Face's GptOssForCausalLM as the oracle, and its blocks on jaxpar's layouts.
 
 A random transformers gpt-oss (biases, sinks, a clamp that acts, YaRN, sliding layers with a window shorter than the row
-alternating with full ones)
-gives its logits and greedy tokens to both frameworks through --from hf, and comes back bit for bit through --to hf;
-what the format cannot hold is refused in one line. Each layout equals one device: the experts over ep with fsdp or tp
-(their biases split as their weights, down's added once after the tp sum), a hand-scheduled pipeline with ep, and
-sequence parallelism with ulysses (the sinks split as the heads). The math against numpy: tests/jaxpar/test_moe.py
-(the dispatch) and the twins in tests/jaxpar/test_variants.py (gpt_oss_moe, llama_sinks).
+alternating with full ones) gives its logits and greedy tokens to both frameworks through --from hf, and comes back bit
+for bit through --to hf; so does one with the Hub's MXFP4 experts and bfloat16 tensors; what the format cannot hold is
+refused in one line. Each layout equals one device: dp x tp, the experts over ep with fsdp or tp (their biases split as
+their weights, down's added once after the tp sum), the hand-scheduled pipelines 1f1b and zb_v with ep, and sequence
+parallelism with ulysses (the sinks split as the heads). The math against numpy: tests/jaxpar/test_moe.py (the
+dispatch) and the twins in tests/jaxpar/test_variants.py (gpt_oss_moe, llama_sinks); torchpar's backends:
+tests/torchpar/test_qwen3_runs.py.
 """
 
 import math
@@ -37,19 +38,22 @@ GPT_OSS = (
 )
 CASES = [
     ("ep=2,fsdp=2", ()),
+    ("dp=2,tp=2", ()),
     ("ep=2,tp=2", ()),
     ("pp=2,ep=2", ("parallel.pipeline_schedule=1f1b",)),
+    ("pp=2,ep=2", ("parallel.pipeline_schedule=zb_v", "model.n_layer=8")),  # zb_v's 4 chunks: a cycle of 2 each
     ("sp=2,tp=2", ("parallel.sequence_attention=ulysses",)),
 ]
-_REFERENCE: dict = {}
+_REFERENCES: dict = {}
 
 
-@pytest.mark.slow  # the one-device reference trains before the first layout
+@pytest.mark.slow  # each depth's one-device reference trains before its first layout
 @pytest.mark.parametrize("mesh,extra", CASES, ids=[m + "".join(f"-{e.split('=')[1]}" for e in x) for m, x in CASES])
 def test_gpt_oss_blocks_on_a_layout_equal_one_device(mesh, extra, dataset):
-    if "ref" not in _REFERENCE:
-        _REFERENCE["ref"] = run_steps(tiny_config(*GPT_OSS), "dp=1", dataset, devices=jax.devices()[:1])
-    ref = _REFERENCE["ref"]
+    model_keys = GPT_OSS + tuple(e for e in extra if e.startswith("model."))
+    if model_keys not in _REFERENCES:
+        _REFERENCES[model_keys] = run_steps(tiny_config(*model_keys), "dp=1", dataset, devices=jax.devices()[:1])
+    ref = _REFERENCES[model_keys]
     for name in ("blocks.moe.down_bias", "blocks.moe.router.logit_bias", "blocks.attn.q.bias"):
         assert np.abs(ref["params"][name]).max() > 1e-4, name  # the biases trained off their zeros
     n = math.prod(int(p.split("=")[1]) for p in mesh.split(","))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxpar.core.errors import UserError
-from jaxpar.parallel.expert_dispatch import local_experts
+from jaxpar.parallel.expert_dispatch import local_experts, ragged_experts
 from jaxpar.core.model.experts import row_capacity
 from jaxpar.models.moe import route
 from tests.helpers import (
@@ -133,9 +133,13 @@ def test_the_balance_bias_follows_each_steps_loads(dataset):
     assert np.abs(runs[1]["params"]["blocks.moe.router.bias"]).max() > 0
 
 
+@pytest.mark.parametrize("experts", [local_experts, ragged_experts], ids=["padded", "ragged"])
 @pytest.mark.parametrize("capacity,activation", [(0, "swiglu"), (1, "swiglu"), (0, "gpt_oss")])
-def test_the_dispatch_sums_each_tokens_kept_choices(capacity, activation):
-    """Each token's kept choices' outputs, weighted; gpt_oss's with each expert's biases and a limit that clamps."""
+def test_the_dispatch_sums_each_tokens_kept_choices(capacity, activation, experts):
+    """Each token's kept choices' outputs, weighted; gpt_oss's with each expert's biases and a limit that clamps.
+
+    Through the padded buffer and through model.moe_ragged's ragged matmuls alike.
+    """
     rng = np.random.default_rng(0)
     B, T, D, E, F, k = 2, 6, 8, 4, 5, 2
     x = rng.normal(size=(B, T, D)).astype(np.float32)
@@ -152,7 +156,7 @@ def test_the_dispatch_sums_each_tokens_kept_choices(capacity, activation):
         ids[:] = [[0, 1]] * T
         kept[:, 1:] = False
     limit, alpha = 1.5, 1.702  # |x @ gate| reaches past 1.5: the clamp acts
-    y = local_experts(
+    y = experts(
         *map(jnp.asarray, (x, ids, weights, kept)),
         {n: jnp.asarray(a) for n, a in w.items()},
         capacity,

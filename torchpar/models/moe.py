@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jaxpar.core.config.schema import ModelConfig
+from jaxpar.core.errors import UserError
 from jaxpar.core.model.experts import row_capacity
 from torchpar.models.layers import Kernel
 from torchpar.models.llama import SwiGLU
@@ -76,12 +77,21 @@ class Experts(nn.Module):
             self.gate_bias, self.up_bias = nn.Parameter(torch.zeros(n, f)), nn.Parameter(torch.zeros(n, f))
             self.down_bias = nn.Parameter(torch.zeros(n, d))
         self.activation = (cfg.moe_activation, cfg.moe_swiglu_limit, cfg.moe_swiglu_alpha)
+        self.ragged = cfg.moe_ragged
+        if self.ragged and (d % 8 or f % 8):
+            raise UserError(
+                f"model.moe_ragged: torch._grouped_mm needs rows of a multiple of 16 bytes, so d_model ({d}) and the "
+                f"experts' width ({f}) multiples of 8"
+            )
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """rows [n, embed] grouped by expert, counts[e] of them expert e's -> its outputs, the same order.
 
         Every expert runs, on no rows too: each weight then has a gradient (zero), as DDP expects of every step.
+        model.moe_ragged: each projection one torch._grouped_mm over the groups instead of a loop over the experts.
         """
+        if self.ragged:
+            return self._grouped(rows, counts)
         biased = hasattr(self, "gate_bias")
         bias = lambda name, e, h: getattr(self, name)[e].to(h.dtype) if biased else 0
         out = []
@@ -90,6 +100,15 @@ class Experts(nn.Module):
             u = h @ self.up[e].to(h.dtype) + bias("up_bias", e, h)
             out.append(gated(self.activation, g, u) @ self.down[e].to(h.dtype) + bias("down_bias", e, h))
         return torch.cat(out)
+
+    def _grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """forward's outputs by grouped matmuls: expert e's rows are those between the offsets e - 1 and e."""
+        ends = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
+        expert = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), torch.tensor(counts))
+        bias = lambda name: getattr(self, name)[expert].to(rows.dtype) if hasattr(self, name) else 0
+        mm = lambda h, w: torch._grouped_mm(h, w.to(h.dtype), offs=ends)
+        h = gated(self.activation, mm(rows, self.gate) + bias("gate_bias"), mm(rows, self.up) + bias("up_bias"))
+        return mm(h, self.down) + bias("down_bias")
 
 
 def gated(activation: tuple, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

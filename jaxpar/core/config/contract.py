@@ -300,6 +300,15 @@ CONTRACT: dict[str, Owner] = {
         example=("model.moe_experts=8", "model.moe_n_group=4"),
     ),
     "model.moe_activation": Owner(True, BOTH, "step", **MOE),
+    # the same numbers by other kernels (torchpar's grouped matmuls equal its loop bit for bit): the test shows the
+    # kernels each framework runs
+    "model.moe_ragged": Owner(
+        True,
+        BOTH,
+        "test",
+        evidence="tests/jaxpar/test_ragged_experts.py::test_the_setting_chooses_each_frameworks_kernels",
+        **MOE,
+    ),
     "model.moe_expert_bias": Owner(True, BOTH, "params", **MOE),
     **{
         f"model.moe_swiglu_{k}": Owner(

@@ -130,6 +130,10 @@ class ModelConfig:
     # each expert takes at most capacity_factor x its even share (top_k x seq_len / experts) of a row's tokens,
     # first choices first, earlier tokens first; the rest of its tokens skip it. 0: dropless
     moe_capacity_factor: float = field(default=0.0, metadata=_check(lo=0.0))
+    # the experts multiply only the rows routed to them, one grouped matmul per projection (jax.lax.ragged_dot,
+    # torch._grouped_mm) instead of jaxpar's buffer padded to every slot or torchpar's loop over the experts; jaxpar
+    # runs it at ep=1 (the ragged exchange over ep is not built)
+    moe_ragged: bool = False
     # DeepSeek-V3's group-limited routing (models/moe.py route): the experts in moe_n_group groups of equal size, each
     # scored by its best two (scores plus the balance bias), the top_k chosen among the moe_topk_group best groups'
     # experts; 1 and 1: no grouping
