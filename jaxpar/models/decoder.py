@@ -329,7 +329,7 @@ class Decoder(nnx.Module):
 
     def head(self, x: jax.Array) -> jax.Array:
         """The final norm and the output head: float32 logits [batch, seq, vocab]."""
-        return logits(self.ln_f(x), self.output_table())
+        return logits(self.ln_f(x), self.output_table(), self.cfg.float32_logits)
 
     def head_loss(self, x: jax.Array, targets: jax.Array, norm=None) -> jax.Array:
         """cross_entropy(self.head(x), targets), computed in chunks of positions.
@@ -339,8 +339,8 @@ class Decoder(nnx.Module):
         """
         n, norm = loss_chunks(self.cfg, targets.shape[1]), norm or self.ln_f
         if n == 1:
-            return cross_entropy(logits(norm(x), self.output_table()), targets)
-        return chunked_cross_entropy(norm(x), self.output_table(), targets, n)
+            return cross_entropy(logits(norm(x), self.output_table(), self.cfg.float32_logits), targets)
+        return chunked_cross_entropy(norm(x), self.output_table(), targets, n, self.cfg.float32_logits)
 
     def output_table(self) -> jax.Array:
         """The output head's weights [vocab, embed]: the token embedding when tied, else lm_head."""

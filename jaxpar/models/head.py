@@ -22,13 +22,40 @@ from jaxpar.context import constrain, current
 from jaxpar.sharding import spec_for
 
 
-def logits(x: jax.Array, table: jax.Array) -> jax.Array:
+def logits(x: jax.Array, table: jax.Array, float32: bool = False) -> jax.Array:
     """float32 logits [batch, seq, vocab] of the normalized hidden states against the output table.
 
-    x [batch, seq, embed] times the output table [vocab, embed], in x's dtype.
+    x [batch, seq, embed] times the output table [vocab, embed], in x's dtype: the product rounded to x's dtype, then
+    converted. `float32` (model.float32_logits): the matmul writes its float32 accumulation itself (`_float32_head`).
     """
-    out = jnp.einsum("btd,vd->btv", x, table.astype(x.dtype))
+    table = table.astype(x.dtype)
+    if float32 and x.dtype != jnp.float32:
+        return constrain(_float32_head(x, table), ("batch", "seq", "vocab"))
+    out = jnp.einsum("btd,vd->btv", x, table)
     return constrain(out.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+
+@jax.custom_vjp
+def _float32_head(x: jax.Array, table: jax.Array) -> jax.Array:
+    """x [batch, seq, embed] . table [vocab, embed] -> float32, straight from the matmul's accumulation.
+
+    Its backward rounds the logits' gradient to x's dtype and multiplies there, as the rounded head's own backward
+    does: autodiff would multiply the float32 gradient by the compute-dtype operands in float32.
+    """
+    return jnp.einsum("btd,vd->btv", x, table, preferred_element_type=jnp.float32)
+
+
+def _float32_head_fwd(x, table):
+    return _float32_head(x, table), (x, table)
+
+
+def _float32_head_bwd(saved, g):
+    x, table = saved
+    g = g.astype(x.dtype)
+    return jnp.einsum("btv,vd->btd", g, table), jnp.einsum("btv,btd->vd", g, x)
+
+
+_float32_head.defvjp(_float32_head_fwd, _float32_head_bwd)
 
 
 def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -49,9 +76,10 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(token_losses(logits, targets))
 
 
-def _chunk_losses(h, table, targets, groups):
+def _chunk_losses(h, table, targets, groups, float32: bool):
     """A chunk's summed cross-entropy per shard of its rows and positions [gb, gs] (reduced once, after the last)."""
-    return constrain(jnp.sum(_grouped(token_losses(logits(h, table), targets), groups), axis=(1, 3)), ("batch", "seq"))
+    losses = token_losses(logits(h, table, float32), targets)
+    return constrain(jnp.sum(_grouped(losses, groups), axis=(1, 3)), ("batch", "seq"))
 
 
 def _split(a: jax.Array, n: int) -> jax.Array:
@@ -72,19 +100,21 @@ def _chunks(x, table, targets, n):
     return table, constrain(_split(x, n), (None, "batch", "seq", "act_embed")), _split(targets, n)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def chunked_cross_entropy(x: jax.Array, table: jax.Array, targets: jax.Array, chunks: int) -> jax.Array:
-    """cross_entropy(logits(x, table), targets), with the logits made one chunk of positions at a time.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def chunked_cross_entropy(
+    x: jax.Array, table: jax.Array, targets: jax.Array, chunks: int, float32: bool = False
+) -> jax.Array:
+    """cross_entropy(logits(x, table, float32), targets), with the logits made one chunk of positions at a time.
 
     The positions are split into `chunks` chunks (the sequence length a multiple of `chunks`).
     """
     table, xs, ts = _chunks(x, table, targets, chunks)
     groups = _shards(("batch", "seq"), xs.shape[1:3])
-    total = jax.lax.scan(lambda s, c: (s + _chunk_losses(c[0], table, c[1], groups), None), _zeros(groups), (xs, ts))[0]
-    return jnp.sum(total) / targets.size
+    step = lambda s, c: (s + _chunk_losses(c[0], table, c[1], groups, float32), None)
+    return jnp.sum(jax.lax.scan(step, _zeros(groups), (xs, ts))[0]) / targets.size
 
 
-def _forward(x, table, targets, chunks):
+def _forward(x, table, targets, chunks, float32):
     """The loss, and as residuals the gradients of its sum (not yet its mean) towards x and the table."""
     cast, xs, ts = _chunks(x, table, targets, chunks)
     groups = _shards(("batch", "seq"), xs.shape[1:3])
@@ -92,7 +122,7 @@ def _forward(x, table, targets, chunks):
 
     def chunk(carry, c):
         (total, dtable), (h, t) = carry, c
-        losses, vjp = jax.vjp(lambda z: token_losses(z, t), logits(h, cast))
+        losses, vjp = jax.vjp(lambda z: token_losses(z, t), logits(h, cast, float32))
         dz = vjp(jnp.ones_like(losses))[0].astype(h.dtype)  # the logits' gradient, cast back as autodiff does
         dh = jnp.einsum("btv,vd->btd", dz, cast)  # the head's transpose
         # the table's gradient kept per shard of the rows and positions, summed over them once after the last
@@ -127,7 +157,7 @@ def _grouped(a: jax.Array, groups: tuple[int, int]) -> jax.Array:
     return a.reshape(gb, b // gb, gs, t // gs, *a.shape[2:])
 
 
-def _backward(chunks, residuals, g):
+def _backward(chunks, float32, residuals, g):
     dx, dtable, like = residuals  # `like`: the table's dtype, which its gradient takes
     scale = g / (dx.shape[0] * dx.shape[1])
     return (dx.astype(jnp.float32) * scale).astype(dx.dtype), (dtable * scale).astype(like.dtype), None

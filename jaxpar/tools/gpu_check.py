@@ -54,6 +54,9 @@ MODELS = {
     "llama-1b float8": ["--config", "configs/llama-1b.yaml", "model.float8=true"],
     "moe-1b bf16": ["--config", "configs/moe-1b.yaml"],
     "moe-1b bf16 ragged": ["--config", "configs/moe-1b.yaml", "model.moe_ragged=true"],  # the routed rows alone
+    # the head's logits written in float32 by its matmul (the profile's two converts), beside the rounded head
+    "gpt2-124m bf16": GPT2_124M,
+    "gpt2-124m bf16 float32 logits": [*GPT2_124M, "model.float32_logits=true"],
 }
 ONE_DEVICE = ["train.global_batch_size=8", "train.microbatches=1"]
 TINY_MODELS = {
@@ -61,6 +64,7 @@ TINY_MODELS = {
     "llama-tiny float8": ["--config", "configs/llama-tiny.yaml", "model.float8=true"],
     "moe-tiny": ["--config", "configs/moe-tiny.yaml"],
     "moe-tiny ragged": ["--config", "configs/moe-tiny.yaml", "model.moe_ragged=true"],
+    "gpt2-tiny bf16 float32 logits": [*TINY, "model.compute_dtype=bfloat16", "model.float32_logits=true"],
 }
 
 

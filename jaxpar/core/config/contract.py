@@ -188,6 +188,15 @@ CONTRACT: dict[str, Owner] = {
     "model.compute_dtype": Owner(True, BOTH, "step"),
     "model.remat": Owner(True, BOTH, "step"),
     "model.loss_chunks": Owner(True, BOTH, "step"),
+    "model.float32_logits": Owner(
+        True,
+        (),
+        "step",
+        when=lambda r: r.cfg.model.compute_dtype != "float32",
+        mode="model.compute_dtype=bfloat16 or float16 (float32 logits are the product itself then)",
+        example=("model.compute_dtype=bfloat16",),
+        why_not="torch's float32-output matmul (torch.mm's out_dtype) runs on CUDA only; jaxpar.train runs it",
+    ),
     "model.float8": Owner(
         True,
         ("none", "ddp", "fsdp"),

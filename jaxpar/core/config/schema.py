@@ -52,6 +52,9 @@ class ModelConfig:
     # norms, attention, the head and the loss stay in compute_dtype. Emulated (upcast) where the device has no
     # float8 matmul
     float8: bool = False
+    # bfloat16 or float16: the output head's matmul writes float32 logits straight from its float32 accumulation
+    # (jaxpar/models/head.py) instead of rounding them to compute_dtype and converting; jaxpar's
+    float32_logits: bool = False
     # the output head and its cross-entropy in this many chunks of positions (lowered to a divisor of the sequence;
     # jaxpar/core/model/layer_rules.py): the float32 logits of the whole batch never exist at once; 1 = all at once
     loss_chunks: int = field(default=8, metadata=_check(lo=1))
