@@ -37,7 +37,8 @@ def test_gpu_check_tiny_writes_its_report(tmp_path):
     assert res["attention"]["cudnn_calls"] == [] and "XLA's own" in report  # no cuDNN on a CPU
     assert res["ceiling"]["dtype"] == "float32" and res["ceiling"]["flops"] > 0
     assert res["offload"]["jaxpar"]["remat"] == "offload" and res["offload"]["jaxpar"]["tokens_per_sec"] > 0
-    assert set(res["models"]["rows"]) == {"llama-tiny", "llama-tiny float8", "moe-tiny"}
+    rows = {"llama-tiny", "llama-tiny float8", "moe-tiny", "moe-tiny ragged", "gpt2-tiny bf16 float32 logits"}
+    assert set(res["models"]["rows"]) == rows
     assert all(r["jaxpar"]["tokens_per_sec"] > 0 for r in res["models"]["rows"].values())
     assert res["models"]["rows"]["llama-tiny float8"]["jaxpar"]["float8"] and res["models"]["float8_speedup"] > 0
     assert "Result: all parts ran" in report and "Versions: python" in report
