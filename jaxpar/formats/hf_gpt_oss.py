@@ -101,7 +101,7 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, what: str = "MXFP4 
     blocks [experts, out, groups, 16] uint8 hold two 4-bit codes per byte, the low nibble first, 32 values of `in`
     per group; scales [experts, out, groups] uint8 are each group's power of two plus 127.
     """
-    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape:
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape != (*scales.shape, 16):
         raise UserError(
             f"{what}: MXFP4 blocks {blocks.dtype}{list(blocks.shape)} and scales {scales.dtype}{list(scales.shape)} "
             "are not uint8 [..., groups, 16] and [..., groups]"
