@@ -56,7 +56,8 @@ def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer
     if o.name == "adamw8bit":
         on_gpu = next(model.parameters()).device.type == "cuda"
         return torchao_adamw8bit(param_groups(model, o.weight_decay), on_gpu and cfg.train.compile != "off", **kwargs)
-    return torch.optim.AdamW(param_groups(model, o.weight_decay), **kwargs)
+    # optim.fused: one kernel for every parameter's update (torch's foreach default otherwise)
+    return torch.optim.AdamW(param_groups(model, o.weight_decay), **kwargs, **({"fused": True} if o.fused else {}))
 
 
 def as_matrices(x: torch.Tensor, axes) -> torch.Tensor:

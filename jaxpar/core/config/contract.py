@@ -443,6 +443,15 @@ CONTRACT: dict[str, Owner] = {
         for k in ("lr", "min_lr", "warmup_steps", "decay_steps", "beta1", "beta2", "eps", "weight_decay", "grad_clip")
     },
     "optim.name": Owner(True, NOT_DEEPSPEED, "step", why_not=DEEPSPEED_ADAMW),
+    "optim.fused": Owner(
+        False,
+        NOT_DEEPSPEED,
+        "step",
+        when=lambda r: r.cfg.optim.name == "adamw",
+        mode="optim.name=adamw",
+        why_not="jaxpar's optimizer update is compiled into its step (XLA fuses it); torchpar runs it on --backend "
+        "none, ddp, fsdp or pipeline (DeepSpeed builds its own AdamW)",
+    ),
     **{
         f"optim.muon_{k}": Owner(True, NOT_DEEPSPEED, "step", **MUON, why_not=DEEPSPEED_ADAMW)
         for k in ("momentum", "ns_steps", "lr_rule")

@@ -254,6 +254,9 @@ class OptimConfig:
     # adamw8bit: AdamW with its moments in 8-bit codes, blocks of 64 values each with a float32 scale (about 0.27x
     # AdamW's state): jaxpar/core/optimizer/adamw8bit.py
     name: str = field(default="adamw", metadata=_check(choices=("adamw", "muon", "adamw8bit")))
+    # torchpar, optim.name=adamw: torch's fused AdamW kernel (torch.optim.AdamW(fused=True)), every parameter's update
+    # in one kernel instead of the foreach default; jaxpar's update is compiled into its step already
+    fused: bool = False
     lr: float = field(default=3e-3, metadata=_check(lo=0.0))
     min_lr: float = field(default=3e-4, metadata=_check(lo=0.0))
     warmup_steps: int = field(default=30, metadata=_check(lo=0))
