@@ -1,6 +1,6 @@
 """Validation and measurement on a GPU in one command, written up as a markdown report.
 
-python -m jaxpar.tools.gpu_check [--tiny] [--out REPORT.md] [--skip parity,throughput,profile,attention,...]
+python -m jaxpar.tools.gpu_check [--tiny] [--out REPORT.md] [--skip parity,throughput,...] [--budget SECONDS]
 
 One command that validates and measures on a GPU (a device session runs it in one call; docs/gpu.md):
   (a) the parity suite on the device (jaxpar vs torchpar, float32 highest precision, bf16 in its band),
@@ -12,10 +12,13 @@ One command that validates and measures on a GPU (a device session runs it in on
   (d) the measured bf16 matmul ceiling,
   (e) (b)'s jaxpar step with model.remat=offload (activations in host memory): tokens/s and peak memory,
   (f) the larger models, jaxpar on one device: Llama-3 1B in bf16 and with model.float8 (the float8 speed-up on
-      the 1B), a mixture of experts (configs/moe-1b.yaml): tokens/s, MFU, peak memory.
+      the 1B), a mixture of experts (configs/moe-1b.yaml) padded and with model.moe_ragged, GPT-2 124M with and
+      without model.float32_logits: tokens/s, MFU, peak memory.
 It prints and writes a dated markdown report with device, versions and every command, rewritten after each
-part, so that a device call cut off at its time limit still brings back the parts that ran. `--tiny` runs the
-same path on the CPU with the tiny config and a few parity steps, so that CI keeps it working. A part that
+part, so that a device call cut off at its time limit still brings back the parts that ran. `--budget` (480 s by
+default) bounds the whole call: every subprocess's timeout is cut to the time left, and a part that would start with
+less than a minute left is reported as not run, so the report always comes back within the device call. `--tiny`
+runs the same path on the CPU with the tiny config and a few parity steps, so that CI keeps it working. A part that
 cannot run (e.g. DeepSpeed or grain missing from the image) is reported with its reason, not hidden.
 """
 
@@ -39,6 +42,7 @@ from jaxpar.tools.bench import matmul_ceiling
 from jaxpar.tools.gpu_profile import markdown as profile_lines
 
 PARTS = ("parity", "throughput", "profile", "attention", "ceiling", "offload", "models")
+MIN_PART_S = 60  # a part started with less time left than this is not started (--budget)
 GPT2_124M = [
     "--config",
     "configs/gpt2-124m.yaml",
@@ -68,8 +72,15 @@ TINY_MODELS = {
 }
 
 
+_DEADLINE = [float("inf")]  # time.perf_counter() by which the call's budget (--budget) is spent
+
+
+def _left() -> float:
+    return _DEADLINE[0] - time.perf_counter()
+
+
 def _run(cmd: list[str], timeout: int, env: dict | None = None) -> dict:
-    t0 = time.perf_counter()
+    t0, timeout = time.perf_counter(), max(1, min(timeout, int(_left())))
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
         rc, out = p.returncode, p.stdout + p.stderr
@@ -322,6 +333,8 @@ def markdown(res: dict) -> str:
         lines += ["", f"float8 / bf16 tokens/s: {'-' if speedup is None else f'{speedup:.2f}'}", ""]
     failed = [k for k in PARTS if k in res and not res[k]["ok"]]
     lines += [f"Result: {'all parts ran' if not failed else 'FAILED: ' + ', '.join(failed)}", ""]
+    if res.get("not_run"):
+        lines += [f"Not run, the call's budget of {res['budget_s']:.0f} s spent: {', '.join(res['not_run'])}", ""]
     return "\n".join(lines)
 
 
@@ -344,7 +357,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="the same path on the CPU, tiny config (CI)")
     ap.add_argument("--out", help="report path (default docs/benchmarks/gpu-check-<date>.md)")
     ap.add_argument("--skip", default="", help=f"comma-separated parts to leave out: {', '.join(PARTS)}")
+    ap.add_argument("--budget", type=float, default=480.0, help="seconds the whole call may take (default 480)")
     args = ap.parse_args(argv)
+    if args.budget <= 0:
+        raise UserError(f"--budget {args.budget:g}: the call needs some seconds")
+    _DEADLINE[0] = time.perf_counter() + args.budget
     skip = {s for s in args.skip.split(",") if s}
     if skip - set(PARTS):
         raise UserError(f"--skip {args.skip}: parts are {', '.join(PARTS)}")
@@ -367,6 +384,8 @@ def main(argv=None) -> int:
         "devices": jax.device_count(),
         "versions": versions(),
         "command": "python -m jaxpar.tools.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "budget_s": args.budget,
+        "not_run": [],
     }
     out = args.out or os.path.join("docs", "benchmarks", f"gpu-check-{date}.md")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -379,12 +398,16 @@ def main(argv=None) -> int:
         ("offload", lambda: offload(args.tiny)),
         ("models", lambda: models(args.tiny)),
     ):
-        if part not in skip:
-            print(f"gpu_check: {part} ...", file=sys.stderr, flush=True)
-            res[part] = fn()
-            write_report(out, res)  # after each part: a call cut off still returns what ran
+        if part in skip:
+            continue
+        if _left() < MIN_PART_S:  # not started: the report comes back within the budget
+            res["not_run"].append(part)
+            continue
+        print(f"gpu_check: {part} ({_left():.0f} s left) ...", file=sys.stderr, flush=True)
+        res[part] = fn()
+        write_report(out, res)  # after each part: a call cut off still returns what ran
     print(write_report(out, res))
-    return 0 if all(res[k]["ok"] for k in PARTS if k in res) else 1
+    return 0 if all(res[k]["ok"] for k in PARTS if k in res) and not res["not_run"] else 1
 
 
 if __name__ == "__main__":

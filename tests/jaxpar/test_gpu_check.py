@@ -42,3 +42,18 @@ def test_gpu_check_tiny_writes_its_report(tmp_path):
     assert all(r["jaxpar"]["tokens_per_sec"] > 0 for r in res["models"]["rows"].values())
     assert res["models"]["rows"]["llama-tiny float8"]["jaxpar"]["float8"] and res["models"]["float8_speedup"] > 0
     assert "Result: all parts ran" in report and "Versions: python" in report
+
+
+def test_the_calls_budget_cuts_subprocesses_and_leaves_late_parts_unrun(tmp_path, monkeypatch):
+    """--budget: a subprocess's timeout is cut to the time left; a part with under a minute left is not started."""
+    import time
+
+    from jaxpar.tools import gpu_check
+
+    monkeypatch.setattr(gpu_check, "_DEADLINE", [time.perf_counter() + 2])
+    r = gpu_check._run(["sleep", "30"], 300)
+    assert r["rc"] == "timeout" and r["seconds"] < 10
+    out = tmp_path / "report.md"
+    assert gpu_check.main(["--tiny", "--budget", "30", "--skip", "throughput,profile", "--out", str(out)]) == 1
+    report = out.read_text()
+    assert "Not run, the call's budget of 30 s spent: parity, attention, ceiling, offload, models" in report
