@@ -32,12 +32,14 @@ def causal_attention(q, k, v, q_pos=None, k_pos=None, q_seg=None, k_seg=None, wi
     with jax.named_scope("causal_attention"):  # what the FLOPs tests count
         if q_pos is None and window and not _on_gpu() and q.shape[1] == k.shape[1]:
             return banded_attention(q, k, v, window, sinks)
+        T, K = q.shape[1], k.shape[1]
         if sinks is not None:  # no fused kernel takes the sinks: written out
-            T, K = q.shape[1], k.shape[1]
             mask = visible(*((jnp.arange(T), jnp.arange(K)) if q_pos is None else (q_pos, k_pos)), q_seg, k_seg, window)
             return _softmax_attention(q, k, v, mask=mask if mask.ndim == 4 else mask[None, None], sinks=sinks)
-        if q_pos is None:
+        if q_pos is None and (not window or _on_gpu()):
             return _attention(q, k, v, is_causal=True, **({"local_window_size": (window - 1, 0)} if window else {}))
+        if q_pos is None:  # a band over unequal lengths off the GPU: a mask of the natural positions
+            q_pos, k_pos = jnp.arange(T), jnp.arange(K)
         mask = visible(q_pos, k_pos, q_seg, k_seg, window)
         return _attention(q, k, v, mask=mask if mask.ndim == 4 else mask[None, None])
 

@@ -56,6 +56,17 @@ def test_banded_attention_is_attention_over_the_window(T, window):
     np.testing.assert_allclose(masked, want, atol=1e-5)  # the mask the permuted and partial sequences take
 
 
+def test_fewer_queries_than_keys_take_the_band_of_their_positions():
+    """Queries 0..4 against keys 0..7 without positions (each query at its own index): the first rows of the whole."""
+    from jaxpar.ops import causal_attention
+
+    q, k, v = (jnp.asarray(np.random.default_rng(i).standard_normal((2, 8, 3, 8)), jnp.float32) for i in range(3))
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(
+            causal_attention(q[:, :5], k, v, window=3), causal_attention(q, k, v, window=3)[:, :5], atol=1e-6
+        )
+
+
 def test_the_steps_attention_flops_shrink_with_the_window():
     """Rows of 64 with a window of 8: blocks of 8, two per query block, so a quarter of the causal scores' work."""
     from jaxpar.cost.jaxpr_flops import matmul_flops
