@@ -254,9 +254,6 @@ class OptimConfig:
     # adamw8bit: AdamW with its moments in 8-bit codes, blocks of 64 values each with a float32 scale (about 0.27x
     # AdamW's state): jaxpar/core/optimizer/adamw8bit.py
     name: str = field(default="adamw", metadata=_check(choices=("adamw", "muon", "adamw8bit")))
-    # torchpar, optim.name=adamw: torch's fused AdamW kernel (torch.optim.AdamW(fused=True)), every parameter's update
-    # in one kernel instead of the foreach default; jaxpar's update is compiled into its step already
-    fused: bool = False
     lr: float = field(default=3e-3, metadata=_check(lo=0.0))
     min_lr: float = field(default=3e-4, metadata=_check(lo=0.0))
     warmup_steps: int = field(default=30, metadata=_check(lo=0))
@@ -264,6 +261,9 @@ class OptimConfig:
     beta1: float = field(default=0.9, metadata=_check(lo=0.0, hi=1.0))
     beta2: float = field(default=0.95, metadata=_check(lo=0.0, hi=1.0))
     eps: float = field(default=1e-8, metadata=_check(lo=0.0, lo_open=True))
+    # torchpar, optim.name=adamw: torch's fused AdamW kernel (torch.optim.AdamW(fused=True)), every parameter's update
+    # in one kernel instead of the foreach default; jaxpar's update is compiled into its step already
+    fused: bool = False
     weight_decay: float = field(default=0.1, metadata=_check(lo=0.0))
     grad_clip: float = field(default=1.0, metadata=_check(lo=0.0))  # 0 = no clipping
     # optim.name=muon: the momentum (Nesterov), the Newton-Schulz steps, and how each matrix's step is scaled from
