@@ -98,10 +98,9 @@ def check_window_cycle(cfg: Config, sizes) -> None:
     first = m.moe_first_dense if m.moe_experts else 0
     schedule, pp = concrete(cfg.parallel.pipeline_schedule), sizes["pp"]
     # (layers, the pipeline chunks they split into): the executor runs the dense stack whole, gpipe splits it too
-    parts = pp * chunks(schedule, cfg.parallel.pipeline_virtual_stages) if pp > 1 else 1
     stacks = {
         "dense first layers (model.moe_first_dense)": (first, pp if schedule == "gpipe" else 1),
-        "layers": (m.n_layer - first, parts),
+        "layers": (m.n_layer - first, pp * chunks(schedule, cfg.parallel.pipeline_virtual_stages) if pp > 1 else 1),
     }
     for what, (n, parts) in stacks.items():
         if n % (parts * N):

@@ -28,6 +28,7 @@ from jaxpar.core.config.schema import ModelConfig
 from jaxpar.core.model.layer_rules import stacked_sketches
 from jaxpar.core.model.layer_rules import block_sparsity
 from jaxpar.core.model.windows import window_cycle
+from jaxpar.models.decoder import cycle_member, in_cycles
 from jaxpar.models.dilated import counted_attention, key_counts
 from jaxpar.models.llama import repeat_kv
 from jaxpar.models.mla import kv_cache_width
@@ -108,7 +109,7 @@ def _forward(model, tokens, start, cache, slots, eod=None):
         def layer(h, xs, graphdef=graphdef):
             layer_caches = []
             for j, window in enumerate(windows):
-                layer_state, sketches, *layer_cache = xs if N == 1 else jax.tree.map(lambda a: a[j], xs)
+                layer_state, sketches, *layer_cache = cycle_member(xs, j, N)
                 block = nnx.merge(graphdef, layer_state)
                 y, layer_cache = _attend(block.attn, cfg, block.ln1(h), dtype, where, start, layer_cache, window)
                 h = h + y
@@ -117,8 +118,7 @@ def _forward(model, tokens, start, cache, slots, eod=None):
             return h, layer_caches[0] if N == 1 else jax.tree.map(lambda *c: jnp.stack(c), *layer_caches)
 
         xs = (stacked, stacked_sketches(cfg), *(c[offset : offset + n] for c in cache))
-        cycles = jax.tree.map(lambda a: a.reshape(n // N, N, *a.shape[1:]), xs) if N > 1 else xs
-        h, part = jax.lax.scan(layer, h, cycles)
+        h, part = jax.lax.scan(layer, h, in_cycles(xs, N))
         part = jax.tree.map(lambda a: a.reshape(n, *a.shape[2:]), part) if N > 1 else part
         offset, caches = offset + n, caches + [part]
     cache = tuple(jnp.concatenate(parts) for parts in zip(*caches))

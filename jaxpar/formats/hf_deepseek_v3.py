@@ -27,12 +27,12 @@ prediction layers (num_nextn_predict_layers) are not in transformers' model: rea
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import numpy as np
 
 from jaxpar.core.errors import UserError
+from jaxpar.core.model.rotary import mscale
 from jaxpar.core.weights.names import model_dims
 from jaxpar.formats import hf_llama
 
@@ -74,10 +74,9 @@ def read_config(hf_dir: str) -> dict:
 def _yarn_settings(rope: dict, hf: dict) -> dict:
     """model.rope_* of DeepSeek-V3's YaRN: Llama's, its mscale pair's cos/sin factor and its scores' mscale_all_dim."""
     out = hf_llama.yarn_settings(rope, hf)
-    mscale, all_dim, factor = rope.get("mscale"), rope.get("mscale_all_dim"), out["rope_factor"]
-    get = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0  # transformers' yarn_get_mscale
-    if not rope.get("attention_factor") and mscale and all_dim:
-        out["rope_attention_factor"] = get(mscale) / get(all_dim)
+    pair, all_dim, factor = rope.get("mscale"), rope.get("mscale_all_dim"), out["rope_factor"]
+    if not rope.get("attention_factor") and pair and all_dim:  # transformers' ratio of yarn_get_mscale's
+        out["rope_attention_factor"] = mscale(factor, pair) / mscale(factor, all_dim)
     return {**out, **({"rope_mscale_all_dim": float(all_dim)} if all_dim else {})}
 
 
@@ -230,8 +229,7 @@ def _rope_parameters(dims: dict, theta: float) -> dict:
     out = hf_llama.rope_parameters({**dims, "rope_theta": theta})
     if out["rope_type"] == "yarn":
         scale = dims.get("rope_attention_factor") or 0.0
-        default = 1.0 if out["factor"] <= 1 else 0.1 * math.log(out["factor"]) + 1.0
-        out["attention_factor"] = float(scale or default)  # named, so that no mscale pair overrides it
+        out["attention_factor"] = float(scale or mscale(out["factor"]))  # named, so that no mscale pair overrides it
         out.update({"mscale_all_dim": float(dims["rope_mscale_all_dim"])} if dims.get("rope_mscale_all_dim") else {})
     return out
 

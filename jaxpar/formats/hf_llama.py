@@ -13,12 +13,11 @@ from __future__ import annotations
 import glob
 import json
 import os
-from types import SimpleNamespace
 
 import numpy as np
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.model.windows import layer_window
+from jaxpar.core.model.windows import window_at
 from jaxpar.core.weights.names import model_dims, write_safetensors
 from jaxpar.formats.hub_files import read_safetensors
 
@@ -119,10 +118,8 @@ def window_settings(kinds: list[str], window: int, where: str) -> dict:
 
 def layer_types(model: dict, L: int) -> list[str]:
     """Hugging Face's layer_types of a model config dict's sliding_window and full_attention_every."""
-    m = SimpleNamespace(
-        sliding_window=int(model.get("sliding_window") or 0), full_attention_every=model.get("full_attention_every", 0)
-    )
-    return ["sliding_attention" if layer_window(m, i) else "full_attention" for i in range(L)]
+    window, every = int(model.get("sliding_window") or 0), int(model.get("full_attention_every") or 0)
+    return ["sliding_attention" if window_at(i, window, every) else "full_attention" for i in range(L)]
 
 
 def read_dir(hf_dir: str, check=read_config) -> tuple[dict, dict[str, np.ndarray]]:

@@ -313,7 +313,7 @@ class Decoder(nnx.Module):
         def layer(carry, xs, *per_row):  # the carry: x, with experts (x, statistics so far[, expert layer index])
             h, total, *index = carry if moe else (carry, None)
             for j, window in enumerate(windows):
-                layer_state, layer_sketches = xs if len(windows) == 1 else jax.tree.map(lambda a: a[j], xs)
+                layer_state, layer_sketches = cycle_member(xs, j, len(windows))
                 block = nnx.merge(graphdef, layer_state)
                 h, stats = block(h, dtype, *(per_row or (positions, segments)), layer_sketches, window)
                 if moe:
@@ -323,9 +323,7 @@ class Decoder(nnx.Module):
 
         # the context's layer runner (a scan, or GPipe stages over `pp`; with model.remat each layer recomputed in the
         # backward pass); fixed sketches ride along with the parameters (a sketched model is dense: one stack)
-        if len(windows) > 1:
-            xs = jax.tree.map(lambda a: a.reshape(a.shape[0] // len(windows), len(windows), *a.shape[1:]), xs)
-        return current().run_layers(layer, xs, carry, rows)
+        return current().run_layers(layer, in_cycles(xs, len(windows)), carry, rows)
 
     def head(self, x: jax.Array) -> jax.Array:
         """The final norm and the output head: float32 logits [batch, seq, vocab]."""
@@ -345,6 +343,16 @@ class Decoder(nnx.Module):
     def output_table(self) -> jax.Array:
         """The output head's weights [vocab, embed]: the token embedding when tied, else lm_head."""
         return (self.wte if self.cfg.tie_embeddings else self.lm_head)[...]
+
+
+def in_cycles(tree, n: int):
+    """A layer stack's pytree [L, ...] as cycles of n layers, [L / n, n, ...] (model.full_attention_every)."""
+    return tree if n == 1 else jax.tree.map(lambda a: a.reshape(a.shape[0] // n, n, *a.shape[1:]), tree)
+
+
+def cycle_member(tree, j: int, n: int):
+    """Layer j of one cycle's slice of an in_cycles tree (the slice itself when n = 1)."""
+    return tree if n == 1 else jax.tree.map(lambda a: a[j], tree)
 
 
 def abstract_model(cfg: ModelConfig):

@@ -132,11 +132,11 @@ def ragged_experts(
     choice = jnp.where(kept, ids, E).reshape(-1)  # a dropped choice sorts after every expert's rows
     order = jnp.argsort(choice, stable=True)
     sizes = jnp.bincount(choice, length=E + 1)[:E].astype(jnp.int32)  # the dropped rows lie past every group
-    rows, expert = x.reshape(B * T, D)[order // k], jnp.minimum(choice[order], E - 1)
-    bias = lambda name: w[name][expert] if name in w else 0
+    rows, expert = x.reshape(B * T, D)[order // k], choice[order]  # expert E: a dropped row
+    bias = lambda name: w[name][jnp.minimum(expert, E - 1)] if name in w else 0
     gate = jax.lax.ragged_dot(rows, w["gate"], sizes) + bias("gate_bias")
     up = jax.lax.ragged_dot(rows, w["up"], sizes) + bias("up_bias")
     out = reduce(jax.lax.ragged_dot(gated(activation, gate, up), w["down"], sizes)) + bias("down_bias")
-    out = jnp.where((choice[order] < E)[:, None], out, 0)  # a dropped row's biases
+    out = jnp.where((expert < E)[:, None], out, 0)  # a dropped row's biases
     per_choice = jnp.zeros_like(out).at[order].set(out).reshape(B * T, k, D)
     return jnp.sum(per_choice * weights.reshape(B * T, k, 1).astype(x.dtype), axis=1).reshape(B, T, D)

@@ -26,6 +26,7 @@ from jaxpar.parallelize import parallel_context
 from jaxpar.state import init_state
 
 from tests.helpers import ROOT, run_cli, tiny_config
+from tests.jaxpar.test_variants import VARIANTS as TWIN_VARIANTS
 
 PROMPT = [[10, 20, 30, 40, 50]]
 # tests/jaxpar/test_variants.py's variants (plain llama: tests/jaxpar/test_llama.py); a 32-token training row (the tiny
@@ -45,12 +46,7 @@ VARIANTS = {
     ),
     # gpt-oss's attention (biases, sinks), a window on layer 0 and none on 1; Qwen3's q/k norms and head width
     "llama_sinks_window": (
-        "model.family=llama",
-        "model.n_kv_head=2",
-        "model.d_ff=48",
-        "model.attention_bias=true",
-        "model.attention_sinks=true",
-        "model.sliding_window=6",
+        *TWIN_VARIANTS["llama_sinks"],
         "model.full_attention_every=2",
         "model.qk_norm=true",
         "model.head_dim=12",

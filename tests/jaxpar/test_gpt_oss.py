@@ -17,20 +17,13 @@ import numpy as np
 import pytest
 
 from tests.helpers import assert_params_close, run_steps, tiny_config
+from tests.jaxpar.test_variants import VARIANTS
 
-# the schema's learning rate over 10 steps, as the MoE layouts of tests/jaxpar/test_qwen3.py; a limit the tiny model's
-# gate and up values pass, so that the clamp acts
+# the twins' gpt-oss (its attention and experts, a clamp the tiny model's gate and up values pass) on 4 layers, sliding
+# and full alternating; the learning rate of the MoE layouts of tests/jaxpar/test_qwen3.py
 GPT_OSS = (
-    "model.family=llama",
-    "model.n_kv_head=2",
+    *VARIANTS["gpt_oss_moe"],
     "model.n_layer=4",
-    "model.moe_experts=4",
-    "model.moe_d_ff=16",
-    "model.moe_expert_bias=true",
-    "model.moe_activation=gpt_oss",
-    "model.moe_swiglu_limit=0.05",
-    "model.attention_bias=true",
-    "model.attention_sinks=true",
     "model.sliding_window=6",
     "model.full_attention_every=2",
     "optim.lr=1e-3",

@@ -103,8 +103,9 @@ class Experts(nn.Module):
 
     def _grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """forward's outputs by grouped matmuls: expert e's rows are those between the offsets e - 1 and e."""
-        ends = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
-        expert = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), torch.tensor(counts))
+        sizes = torch.tensor(counts, device=rows.device)
+        ends = sizes.cumsum(0).to(torch.int32)
+        expert = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), sizes)
         bias = lambda name: getattr(self, name)[expert].to(rows.dtype) if hasattr(self, name) else 0
         mm = lambda h, w: torch._grouped_mm(h, w.to(h.dtype), offs=ends)
         h = gated(self.activation, mm(rows, self.gate) + bias("gate_bias"), mm(rows, self.up) + bias("up_bias"))

@@ -35,12 +35,17 @@ def yarn(m: ModelConfig, width: int) -> tuple[tuple[float, ...], float] | None:
     keep = 1 - ramp  # 1: the pair keeps its frequency (extrapolation), 0: divided by the factor (interpolation)
     freqs = np.float32(base) ** (np.arange(0, width, 2, dtype=np.float32) / np.float32(width))
     inv_freq = (1.0 / (factor * freqs)) * (1 - keep) + (1.0 / freqs) * keep
-    scale = m.rope_attention_factor or (1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0)
+    scale = m.rope_attention_factor or mscale(factor)
     return tuple(float(f) for f in inv_freq.astype(np.float32)), float(scale)
 
 
+def mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context `factor` times longer: 0.1 m ln(factor) + 1, 1 up to a factor of 1."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
 def score_scale(m: ModelConfig) -> float:
-    """What multiplies the attention scores under DeepSeek-V3's YaRN: (0.1 mscale_all_dim ln(factor) + 1)^2, else 1."""
-    if m.rope_scaling != "yarn" or not m.rope_mscale_all_dim or m.rope_factor <= 1:
+    """What multiplies the attention scores under DeepSeek-V3's YaRN: mscale(factor, mscale_all_dim)^2, else 1."""
+    if m.rope_scaling != "yarn" or not m.rope_mscale_all_dim:
         return 1.0
-    return (0.1 * m.rope_mscale_all_dim * math.log(m.rope_factor) + 1.0) ** 2
+    return mscale(m.rope_factor, m.rope_mscale_all_dim) ** 2

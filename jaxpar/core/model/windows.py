@@ -14,12 +14,16 @@ from jaxpar.core.errors import UserError
 
 def layer_window(m, layer: int) -> int:
     """Layer `layer`'s window (0-based over the whole model, dense first layers included); 0: full attention."""
-    every = m.full_attention_every
+    return window_at(layer, m.sliding_window, m.full_attention_every)
+
+
+def window_at(layer: int, window: int, every: int) -> int:
+    """layer_window of model.sliding_window = `window` and model.full_attention_every = `every`."""
     if every == 1:
         raise UserError(
             "model.full_attention_every=1 makes every layer full: set model.sliding_window=0 instead (or N >= 2)"
         )
-    return 0 if every and (layer + 1) % every == 0 else m.sliding_window
+    return 0 if every and (layer + 1) % every == 0 else window
 
 
 def window_cycle(m) -> tuple[int, ...]:
