@@ -174,6 +174,15 @@ class Checkpointer:
             quiet_since = time.monotonic() if left else quiet_since
             time.sleep(0.05)
 
+    def newest_tree(self):
+        """The newest checkpoint's tree of saved arrays (shapes, dtypes), or None: no checkpoint, or unreadable."""
+        self.wait()
+        steps = self.manager.all_steps()
+        try:
+            return self.manager.item_metadata(max(steps))["state"].tree if steps else None
+        except Exception:  # noqa: BLE001 - unreadable: restore_latest says so, and tries the older ones
+            return None
+
     def restore_latest(self, abstract_state, fit=None):
         """(state, meta) from the newest loadable checkpoint, or None if there is none at all.
 

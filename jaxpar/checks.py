@@ -19,6 +19,7 @@ from jaxpar.core.run.resume import check_resume
 from jaxpar.core.run.directory import check_run_dir_framework
 from jaxpar.core.evaluation.tasks import check_eval_tasks
 from jaxpar.core.run.trackers import check_trackers
+from jaxpar.parallel.diloco import check_diloco
 from jaxpar.parallel.sequence import check_sequence, check_window
 
 
@@ -66,14 +67,15 @@ def divisibility(cfg: Config, sizes) -> None:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     if m.n_head % sizes["tp"]:
         raise UserError(f"model.n_head={m.n_head} is not divisible by tp={sizes['tp']}")
-    data_ways = sizes["dp"] * sizes["fsdp"] * sizes["ep"]
+    data_ways = sizes["dp"] * sizes["fsdp"] * sizes["ep"] * sizes.get("diloco", 1)
     micro = t.global_batch_size // t.microbatches
     if micro % data_ways:
+        names = "diloco*dp*fsdp*ep" if sizes.get("diloco", 1) > 1 else "dp*fsdp*ep"
         raise UserError(
             f"batch per microbatch {micro} (train.global_batch_size={t.global_batch_size} / "
-            f"train.microbatches={t.microbatches}) is not divisible by the data axes "
-            f"dp*fsdp*ep={data_ways}"
+            f"train.microbatches={t.microbatches}) is not divisible by the data axes {names}={data_ways}"
         )
+    check_diloco(cfg, sizes)
     check_experts(cfg, sizes)
     if m.attention == "dilated":  # its own exchange over sp, in natural token order (models/dilated.py)
         check_sequence(cfg.data.seq_len, m.n_head, sizes, "all_gather", zigzag=False)

@@ -110,7 +110,7 @@ def restore_params(run: str, layout) -> tuple[dict, int]:
     from jaxpar.checkpoint import Checkpointer  # deferred: orbax, jax (~1 s), after setup_devices
     from jaxpar.state import restore_latest  # deferred: imports jax, after setup_devices
 
-    restored = restore_latest(Checkpointer(run, layout.cfg.checkpoint.keep), layout)
+    restored = restore_latest(Checkpointer(run, layout.cfg.checkpoint.keep), layout, params_only=True)
     if restored is None:
         raise UserError(f"no checkpoint in {run}/checkpoints")
     return restored[0]["params"], int(restored[1]["step"])

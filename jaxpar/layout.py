@@ -22,12 +22,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import loss_scale
 from jaxpar.checks import check_layout
+from jaxpar.context import tracing_mesh
 from jaxpar.core.config.schema import Config
 from jaxpar.core.errors import UserError
 from jaxpar.core.data.batch_shapes import for_each_shape
 from jaxpar.models.decoder import abstract_model
 from jaxpar.optim import make_optimizer
-from jaxpar.parallel import powersgd
+from jaxpar.parallel import diloco, powersgd
 from jaxpar.sharding import RULES, spec_for, with_extra_axis
 
 
@@ -64,9 +65,17 @@ def host_memory_kind(mesh) -> str:
 
 
 class Layout:
-    def __init__(self, cfg: Config, mesh):
+    """The shardings of one (config, mesh); with DiLoCo's groups (a `diloco` axis), `group` is one group's Layout.
+
+    `for_group`: this Layout is a group's view of the mesh (the rules without `diloco`: jaxpar/parallel/diloco.py),
+    which the inner step's shard_map traces the plain step in.
+    """
+
+    def __init__(self, cfg: Config, mesh, for_group: bool = False):
         for_each_shape(cfg, lambda at: check_layout(at, mesh.shape))
         self.cfg, self.mesh, self.rules = cfg, mesh, rules_for(cfg)
+        if for_group:
+            self.rules = diloco.group_rules(self.rules)
         _, self.axes, abstract_params = abstract_model(cfg.model)
         self.abstract_params = abstract_params
         self.param_specs = jax.tree_util.tree_map_with_path(
@@ -105,9 +114,21 @@ class Layout:
         self.batch_sharding = NamedSharding(
             mesh, spec_for(("batch", None), (t.global_batch_size // t.microbatches, 1), mesh, self.rules)
         )
+        self.group = None
+        if diloco.groups(mesh) > 1 and not for_group:  # every group's inner state and parameters; the outer state
+            self.group = Layout(cfg, mesh, for_group=True)
+            self.state_shardings["opt_state"] = jax.tree.map(diloco.stacked, self.state_shardings["opt_state"])
+            abstract_outer = jax.eval_shape(diloco.outer_optimizer(cfg).init, abstract_params)
+            self.state_shardings["diloco"] = {
+                "params": jax.tree.map(diloco.stacked, self.state_shardings["params"]),
+                "outer": self.shardings(jax.tree_util.tree_map_with_path(self._opt_spec, abstract_outer)),
+            }
+            self.device_shardings = dict(self.state_shardings)
 
     def shardings(self, specs):
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec)
+        """NamedShardings of a tree of specs, on the mesh (the abstract one while tracing inside a shard_map)."""
+        mesh = tracing_mesh(self.mesh)
+        return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
 
     def to_device(self, state: dict) -> dict:
         """The offloaded parts of the state (parallel.offload) moved into device memory, inside the jitted step."""

@@ -13,6 +13,7 @@ resume may also turn clipping on or off.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import defaultdict
 from typing import NamedTuple
 
@@ -143,9 +144,11 @@ def spread_matrices(y: jax.Array) -> jax.Array:
     mesh = current().mesh
     if mesh is None or mesh.size == 1:
         return y
-    names = tuple(n for n in mesh.axis_names if mesh.shape[n] > 1)
-    y = jnp.pad(y, ((0, -y.shape[0] % mesh.size), (0, 0), (0, 0)))
-    return jax.lax.with_sharding_constraint(y, NamedSharding(tracing_mesh(mesh), P(names, None, None)))
+    traced = tracing_mesh(mesh)  # inside DiLoCo's inner step `diloco` is manual: each group deals out its own
+    manual = set(getattr(traced, "manual_axes", ()))
+    names = tuple(n for n in mesh.axis_names if mesh.shape[n] > 1 and n not in manual)
+    y = jnp.pad(y, ((0, -y.shape[0] % math.prod(mesh.shape[n] for n in names)), (0, 0), (0, 0)))
+    return jax.lax.with_sharding_constraint(y, NamedSharding(traced, P(names or None, None, None)))
 
 
 def _lerp(start, end, weight: float):

@@ -134,7 +134,7 @@ def reduce_gradients(layout: Layout, value_and_grad: Callable) -> Callable:
         compressed = compressed_loss_and_grads(layout, value_and_grad, accum, zero)
         summed = lambda params, batch, scale, share: compressed(params, batch, jnp.asarray(scale, jnp.float32) * share)
     else:
-        pin = lambda mb: jax.lax.with_sharding_constraint(mb, layout.batch_sharding)
+        pin = lambda mb: jax.lax.with_sharding_constraint(mb, layout.shardings(layout.batch_sharding.spec))
         summed = lambda params, batch, scale, share: sum_over_microbatches(
             value_and_grad, params, batch, scale * share, accum, pin, zero
         )

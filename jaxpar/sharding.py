@@ -16,7 +16,9 @@ from jax.sharding import PartitionSpec as P
 # different names for the model dimension: weights' "embed" is FSDP-sharded, activations'
 # "act_embed" is not (the batch already uses fsdp there).
 RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("dp", "fsdp", "ep"),  # ep is a data axis outside the experts (each ep rank reads its own rows)
+    # ep is a data axis outside the experts (each ep rank reads its own rows); diloco's groups read theirs too (a
+    # group's step sees the rules without it: jaxpar/parallel/diloco.py)
+    "batch": ("diloco", "dp", "fsdp", "ep"),
     "seq": ("sp",),  # sequence parallelism; attention across shards: jaxpar/parallel/sequence.py
     "act_embed": (),
     "embed": ("fsdp",),

@@ -19,6 +19,7 @@ from jaxpar.mesh import make_mesh
 from jaxpar.models.decoder import abstract_model
 from jaxpar.models.moe import update_router_bias
 from jaxpar.optim import lr_fn, make_optimizer
+from jaxpar.parallel import diloco
 from jaxpar.parallelize import parallel_context, parallelize
 from jaxpar.state import abstract_state, init_state
 
@@ -41,13 +42,13 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
     `inject_overflow` (a test hook, <PREFIX>_FAULT_OVERFLOW_AT_STEP) makes this step's gradients non-finite, as a
     float16 overflow would.
     """
-    cfg = layout.cfg
+    cfg, group = layout.cfg, layout.group or layout  # DiLoCo: the step below is each group's (parallel/diloco.py)
     tx, lr = make_optimizer(cfg), lr_fn(cfg)
-    parallel = parallelize(layout)
+    parallel = parallelize(group)
     fp16, experts = loss_scale.enabled(cfg), cfg.model.moe_experts > 0
 
     def step(state, batch):
-        state = layout.to_device(state)  # parallel.offload: host -> device for this step
+        state = group.to_device(state)  # parallel.offload: host -> device for this step
         params = state["params"]
         scale = state["loss_scale"]["scale"] if fp16 else 1.0
         share = token_share(batch)  # 1.0 unless the data masks targets out of the loss
@@ -55,7 +56,7 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
         loss, grads, extras = parallel.gradients(params, batch, state, scale, share)
         if inject_overflow:
             grads = jax.tree.map(lambda g: g * jnp.inf, grads)
-        grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, layout.shardings(layout.grad_specs))
+        grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, group.shardings(group.grad_specs))
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "step": state["step"] + 1}
         if "powersgd" in extras:  # its error buffers and factors after this step
@@ -79,11 +80,14 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
                 loss_scale=scale,
                 skipped_steps=new["loss_scale"]["skipped"],
             )
-        return layout.to_rest(new), metrics
+        return group.to_rest(new), metrics
 
     def traced(state, batch):
         with use(parallel.context):
             return step(state, batch)
+
+    if layout.group is not None:  # every group's step at once, nothing between groups
+        traced = diloco.group_step(layout, traced)
 
     return jax.jit(
         traced,

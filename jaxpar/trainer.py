@@ -37,6 +37,8 @@ from jaxpar.decode import make_generate
 from jaxpar.layout import Layout
 from jaxpar.mesh import device_memory
 from jaxpar.models.decoder import abstract_model
+from jaxpar.parallel import diloco
+from jaxpar.parallel.diloco import make_outer_step
 from jaxpar.parallelize import parallel_context
 from jaxpar.scoring import JaxScorer
 from jaxpar.step import compiled_train_step, make_eval_step, make_train_step
@@ -100,6 +102,7 @@ class JaxTrainer:
         first = self.train_data.shape(int(jax.device_get(self.state["step"])))
         self._train_steps = {first: compiled_train_step(layout, self.state, shape=first)}  # by batch shape
         self._eval_step = make_eval_step(layout)
+        self._outer_step = make_outer_step(layout) if layout.group is not None else None  # DiLoCo's synchronisation
         self._generate = None  # train.sample_every's decoder, made on first use
         self._task_model = None  # train.eval_tasks' lm-eval model, made on first use
         self.overflow_step = None  # the test fault's step (<PREFIX>_FAULT_OVERFLOW_AT_STEP: JaxFaults)
@@ -114,6 +117,14 @@ class JaxTrainer:
             f"{optimizer_phrase(self.cfg.optim.name, self._optimizer_bytes(), 'device')}; "
             f"compiled in {compile_s:.1f}s"
         )
+        if self.layout.group is not None:
+            n, o = diloco.groups(self.layout.mesh), self.cfg.optim
+            line += (
+                f"\nDiLoCo: {n} groups of {jax.device_count() // n} device{'s' * (jax.device_count() > n)}, meeting "
+                "after every "
+                f"{self.cfg.parallel.diloco_inner_steps} steps (outer SGD lr {o.outer_lr}, momentum {o.outer_momentum}"
+                f"{', Nesterov' if o.outer_nesterov and o.outer_momentum else ''})"
+            )
         bubble, p = self.probes.record_extra()["pipeline_bubble"], self.cfg.parallel
         if bubble is not None:
             line += (
@@ -161,9 +172,13 @@ class JaxTrainer:
         batch = self.prefetch(step)  # the next one is read ahead
         step_fn, self.overflow_step = self.overflow_step or self.step_for(tuple(batch.shape)), None
         self.state, metrics = step_fn(self.state, batch)
+        if self._outer_step is not None and diloco.meets_after(self.cfg, step):
+            self.state = self._outer_step(self.state)  # the groups meet: their mean delta, the outer optimizer
         return metrics
 
     def fetch(self, metrics) -> dict:
+        if self.layout.group is not None:  # one value per DiLoCo group, sharded over the groups' processes
+            metrics = diloco.mean_over_groups(multihost_utils.process_allgather(metrics, tiled=True))
         got = jax.device_get(metrics)
         stats = got.pop("expert_stats", None)
         records = {} if stats is None else expert_records(stats, self.cfg.model.moe_experts)

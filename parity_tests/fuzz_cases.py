@@ -11,6 +11,7 @@ longer runs.
 
 from __future__ import annotations
 
+import math
 import random
 import zlib
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ BASE = (
 TORCH_SHARE = 0.25  # torchpar cases are subprocesses (seconds to start): drawn less often
 EXPERT_SHARE = 0.2  # cases with a mixture of experts (jaxpar: with ep in the mesh now and then)
 MUON_SHARE = 0.2  # cases with optim.name=muon
+DILOCO_SHARE = 0.15  # jaxpar cases with DiLoCo's groups around their mesh
 EIGHT_BIT_SHARE = 0.15  # cases with optim.name=adamw8bit
 ROUTING_SHARE = 0.5  # of the expert cases: DeepSeek-V3's expert groups and routed scale
 SPARSITY_SHARE = 0.5  # of the dilated cases: block-sparse dilated attention
@@ -84,7 +86,7 @@ class Case:
 
     def mesh(self) -> dict[str, int]:
         """Axis sizes (every axis); torch: parallel.mesh, else all ranks on the backend's data axis."""
-        sizes = dict.fromkeys(("dp", "fsdp", "tp", "pp", "sp", "ep"), 1)
+        sizes = dict.fromkeys(("diloco", "dp", "fsdp", "tp", "pp", "sp", "ep"), 1)
         if self.side == "jax":
             spec = self.layout
         else:
@@ -235,6 +237,8 @@ def draw_jax(rng: random.Random) -> Case:
         _draw_first_dense(rng, s, stages_v)
     if experts and rng.random() < 0.25:
         s["model.moe_bias_update"] = _pick(rng, {"0.001": 1, "0.01": 1})
+    if rng.random() < DILOCO_SHARE:
+        sizes = _draw_diloco(rng, s, sizes, data_ways)
     mesh = ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "dp=1"
     return Case("jax", mesh, tuple(sorted(_drop_defaults(s).items())))
 
@@ -290,6 +294,20 @@ def draw_torch(rng: random.Random) -> Case:
     if experts and not sharded and rng.random() < 0.25:  # fsdp (pp x fsdp too) and deepspeed refuse the bias
         s["model.moe_bias_update"] = _pick(rng, {"0.001": 1, "0.01": 1})
     return Case("torch", f"{backend}:{world}", tuple(sorted(_drop_defaults(s).items())))
+
+
+def _draw_diloco(rng: random.Random, s: dict, sizes: dict, data_ways: int) -> dict:
+    """DiLoCo's groups (diloco=2) around the drawn mesh, where they fit: at most 8 devices, every batch split in two.
+
+    The reference is then the same groups alone (fuzz_run.py). The groups meet after every step or once, at the end.
+    """
+    plain = "train.batch_rampup" not in s and s.get("data.batching") != "buckets"
+    refused = s.get("parallel.offload") or s.get("parallel.grad_compression") == "powersgd"  # docs/diloco.md
+    rows = int(s["train.global_batch_size"]) // int(s.get("train.microbatches", "1"))
+    if math.prod(sizes.values()) > 4 or not plain or refused or rows % (2 * data_ways):
+        return sizes
+    s["parallel.diloco_inner_steps"] = _pick(rng, {"1": 1, str(STEPS): 1})
+    return {"diloco": 2, **sizes}
 
 
 def _draw_compression(rng: random.Random, s: dict, methods=None) -> None:

@@ -19,6 +19,12 @@ PROMISES = (
         "reproduces the one-device run; docs/torchpar.md: jaxpar composes pp with dp/fsdp/tp/sp",
     ),
     (
+        "DiLoCo",
+        lambda c: c.side == "jax" and c.mesh()["diloco"] > 1,
+        "docs/diloco.md: dp, fsdp, tp, pp (every schedule), ep and sp inside DiLoCo's groups, equal to the groups "
+        "alone",
+    ),
+    (
         "ZeRO stages",
         lambda c: "parallel.zero_stage" in dict(c.settings),
         "docs/features.md 'ZeRO vocabulary' (jaxpar 0-3 on dp); docs/torchpar.md fsdp and deepspeed bullets (0-3)",
@@ -150,7 +156,10 @@ def indivisible(c: Case) -> bool:
     """
     g = lambda key, default: int(c.get(key, default))
     m, micro, heads = c.mesh(), g("train.global_batch_size", 8) // g("train.microbatches", 1), g("model.n_head", 4)
-    ways = m["dp"] * m["fsdp"] * m["ep"] if c.side == "jax" or c.backend == "pipeline" else max(c.world, 1)
+    jax_ways = m["diloco"] * m["dp"] * m["fsdp"] * m["ep"]
+    ways = (
+        jax_ways if c.side == "jax" else m["dp"] * m["fsdp"] * m["ep"] if c.backend == "pipeline" else max(c.world, 1)
+    )
     bad = heads % m["tp"] or micro % ways
     if m["sp"] > 1:
         zigzag = c.get("parallel.sequence_zigzag", "true") == "true"
@@ -176,6 +185,14 @@ def indivisible(c: Case) -> bool:
 
 # (where the docs say it, predicate): combinations the docs say are refused with one line
 DOCUMENTED_REFUSALS = (
+    (
+        "docs/diloco.md 'Not yet': PowerSGD, offload and float16 inside DiLoCo's groups",
+        lambda c: (
+            c.side == "jax"
+            and c.mesh()["diloco"] > 1
+            and (c.get("parallel.offload", "none") != "none" or c.get("parallel.grad_compression") == "powersgd")
+        ),
+    ),
     (
         "docs/features.md 'Config' (unknown keys, types, ranges are errors); docs/architecture.md 'Model "
         "families' (keys of "

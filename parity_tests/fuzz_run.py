@@ -65,8 +65,17 @@ def error_lines(text: str) -> list[str]:
 
 
 def reference_settings(case: Case) -> list[str]:
-    """The same model, data and training on one device: the case's settings without parallel.*."""
-    return [o for o in case.overrides if not o.startswith("parallel.")]
+    """The same model, data and training on one device: the case's settings without parallel.*.
+
+    With DiLoCo's groups, on the groups alone (reference_mesh): their parallel.diloco_inner_steps kept.
+    """
+    return [o for o in case.overrides if not o.startswith("parallel.") or o.startswith("parallel.diloco_")]
+
+
+def reference_mesh(case: Case) -> str:
+    """One device; with DiLoCo's groups, one device per group (tests/jaxpar/test_diloco.py holds those to R runs)."""
+    groups = case.mesh().get("diloco", 1) if case.side == "jax" else 1
+    return f"diloco={groups}" if groups > 1 else "dp=1"
 
 
 class Fuzzer:
@@ -116,9 +125,11 @@ class Fuzzer:
 
     def reference(self, case: Case) -> Trajectory:
         """The one-device jaxpar run of the case's model, data and training settings (cached)."""
-        key = tuple(reference_settings(case))
+        settings, mesh = reference_settings(case), reference_mesh(case)
+        key = (*settings, mesh)
         if key not in self.references:
-            self.references[key] = self.jax_trajectory(self.config(key), "dp=1", "one device")
+            name = "one device" if mesh == "dp=1" else f"{mesh} alone"
+            self.references[key] = self.jax_trajectory(self.config(settings), mesh, name)
         return self.references[key]
 
     def run_jax(self, case: Case) -> Trajectory:

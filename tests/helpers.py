@@ -97,6 +97,7 @@ def run_steps(cfg: Config, mesh: str, dataset: str, steps: int | None = None, de
     from jaxpar.core.weights.names import flatten
     from jaxpar.data import device_batch, grain_batches
     from jaxpar.core.config.mesh_spec import parse_mesh
+    from jaxpar.parallel import diloco
     from jaxpar.step import build_step, make_train_step
 
     first = cfg.train.steps if steps is None else steps
@@ -111,8 +112,12 @@ def run_steps(cfg: Config, mesh: str, dataset: str, steps: int | None = None, de
         data = open_splits(
             dataclasses.replace(leg, data=dataclasses.replace(leg.data, dataset=str(dataset))), grain_batches
         )[0]
+        outer = diloco.make_outer_step(layout) if layout.group is not None else None  # DiLoCo's groups meet
         for step in range(start, stop):
             state, metrics = train_step(state, device_batch(data, step, layout.batch_sharding))
+            if outer is not None:
+                metrics = diloco.mean_over_groups(metrics)
+                state = outer(state) if diloco.meets_after(leg, step) else state
             history.append(metrics)
     cfg = legs[-1][0]
     history = [

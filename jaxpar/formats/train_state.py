@@ -63,7 +63,13 @@ def _as_np(tree) -> dict:
 def export_state(run_dir: str, dst: str) -> int:
     cfg = read_run_config(run_dir)
     refuse_other_optimizer(cfg, run_dir)
-    restored = restore_latest(Checkpointer(run_dir, cfg.checkpoint.keep), single_device_layout(cfg))
+    ckpt = Checkpointer(run_dir, cfg.checkpoint.keep)
+    if "diloco" in (ckpt.newest_tree() or {}):
+        raise UserError(
+            f"{run_dir} is a DiLoCo run: a training-state file has no place for its groups' parameters and optimizer "
+            "states yet; convert its weights (--to shared or hf), which are the groups' synchronised parameters"
+        )
+    restored = restore_latest(ckpt, single_device_layout(cfg))
     if restored is None:
         raise UserError(f"no checkpoint in {run_dir}/checkpoints")
     state, meta = restored

@@ -54,7 +54,7 @@ def read(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
             f"{src} trains model.attention={cfg.model.attention}, model.linear={cfg.model.linear}; "
             "conversion supports only mha attention (llama's mla too) and dense layers"
         )
-    restored = restore_latest(Checkpointer(src, cfg.checkpoint.keep), single_device_layout(cfg))
+    restored = restore_latest(Checkpointer(src, cfg.checkpoint.keep), single_device_layout(cfg), params_only=True)
     if restored is None:
         raise UserError(f"no checkpoint in {src}/checkpoints")
     flat = {k: np.asarray(v) for k, v in flatten(restored[0]["params"]).items()}

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.context import current, use
 from jaxpar.ops import sum_over_microbatches
+from jaxpar.sharding import context_mesh
 
 DATA_AXES = ("dp", "fsdp")
 WIRE = jnp.bfloat16  # the reduction's dtype (tests set float32: the same program must then be the plain step's)
@@ -104,9 +105,7 @@ def compressed_loss_and_grads(layout, value_and_grad, accum: int, value=None):
     rank_loss_and_grads, batch_spec = per_rank(layout, value_and_grad, accum, value)
 
     def compressed(params, batch, scale):
-        # `scale` is closed over, not an argument: with pp on the hand-scheduled schedules the pipeline executor's
-        # shard_map (manual over pp) runs nested in this one, and takes no value made inside this one
-        def local(params, batch):
+        def local(params, batch, scale):
             loss, grads = rank_loss_and_grads(params, batch, scale)
             grads = jax.tree.map(
                 lambda g, s: reduce_gradient(g / n, s, axes, wire),
@@ -118,11 +117,11 @@ def compressed_loss_and_grads(layout, value_and_grad, accum: int, value=None):
 
         return jax.shard_map(
             local,
-            mesh=mesh,
-            in_specs=(P(), batch_spec),
+            mesh=context_mesh(mesh),  # DiLoCo's inner step is a shard_map manual over `diloco` around this one
+            in_specs=(P(), batch_spec, P()),
             out_specs=(P(), grad_specs),
             axis_names=set(axes),
             check_vma=False,
-        )(params, batch)
+        )(params, batch, scale)  # an argument: inside DiLoCo's shard_map it is traced there, and cannot be closed over
 
     return compressed

@@ -108,8 +108,10 @@ class _Stage:
     none, into a buffer of "tap".
     """
 
-    def __init__(self, fns: StageFns, rest, blocks, consts, inputs, targets, M: int, act_shape, dtype, split: bool):
-        self.fns, self.rest, self.blocks, self.consts = fns, rest, blocks, consts
+    def __init__(
+        self, fns: StageFns, rest, blocks, consts, inputs, targets, M: int, act_shape, dtype, split: bool, scale
+    ):
+        self.fns, self.rest, self.blocks, self.consts, self.scale = fns, rest, blocks, consts, scale
         self.inputs, self.targets, self.M, self.dtype, self.split = inputs, targets, M, dtype, split
         self.zeros = jnp.zeros(act_shape, dtype)
         n = 0 if fns.stats_cotangent is None else fns.stats_cotangent.shape[0]
@@ -117,7 +119,7 @@ class _Stage:
         self.d_stats = (
             jnp.zeros((act_shape[0], 0), jnp.float32)
             if not n
-            else jnp.broadcast_to(jnp.asarray(fns.stats_cotangent, jnp.float32), (act_shape[0], n))
+            else jnp.broadcast_to(jnp.asarray(fns.stats_cotangent, jnp.float32) * scale, (act_shape[0], n))
         )
         self.projections = []  # (input, output) of each projection, stacked over the chunk's layers (split)
         if split:
@@ -200,7 +202,8 @@ class _Stage:
             if last:  # head and loss differentiated now: their cotangent is the loss's 1/M (the reports' zero)
                 loss, head_pullback = jax.vjp(
                     lambda r, h: jnp.reshape(
-                        self.fns.head_loss(r, self.at(self.blocks, c), h, self.at(self.targets, m)), (-1,)
+                        self.fns.head_loss(r, self.at(self.blocks, c), h, self.at(self.targets, m)) * self.scale,
+                        (-1,),
                     ),
                     self.rest,
                     h,
@@ -348,8 +351,12 @@ def pipeline_value_and_grad(
     V: int,
     width: int,
     dtype,
+    scale=1.0,
 ):
     """Loss, statistics and gradients of a model pipelined over `pp`: S stages, M microbatches, V chunks per stage.
+
+    The loss (and the statistics' cotangent) times `scale`, which enters the shard_map as an argument: a value traced
+    inside an enclosing shard_map (DiLoCo's, parallel.grad_compression's) cannot be closed over here.
 
     Returns (mean loss (with fns.reports: [1 + reports], then the reports' means), the layers' statistics summed over
     rows and microbatches ([0] without fns.stats_cotangent), grads of `rest`, grads of `blocks`).
@@ -374,9 +381,10 @@ def pipeline_value_and_grad(
         if np.any(plan.tables[..., COL[name]] != (plan.act_slots if "act" in name else plan.cot_slots) - 1)
     )
 
-    def body(rest, blocks, consts, inputs, targets, tables):
+    def body(rest, blocks, consts, inputs, targets, tables, scale):
         blocks, consts = (jax.tree.map(lambda w: w[:, 0], t) for t in (blocks, consts))  # this device's chunks
-        stage = _Stage(fns, rest, blocks, consts, inputs, targets, M, act_shape, dtype, split=schedule in SPLIT)
+        split = schedule in SPLIT
+        stage = _Stage(fns, rest, blocks, consts, inputs, targets, M, act_shape, dtype, split=split, scale=scale)
         device, branches = jax.lax.axis_index(AXIS), stage.branches(dual=schedule == "dualpipev")
 
         def tick(carry, rows):
@@ -417,9 +425,9 @@ def pipeline_value_and_grad(
         mesh=context_mesh(mesh),
         axis_names={AXIS},
         check_vma=False,
-        in_specs=(P(), P(None, AXIS), P(None, AXIS), P(), P(), P()),
+        in_specs=(P(), P(None, AXIS), P(None, AXIS), P(), P(), P(), P()),
         out_specs=(P(), P(), P(), P(None, AXIS)),
-    )(rest, blocks, consts, inputs, targets, jnp.asarray(plan.tables))
+    )(rest, blocks, consts, inputs, targets, jnp.asarray(plan.tables), jnp.asarray(scale, jnp.float32))
     back = np.argsort(order)  # [chunk, stage] order -> virtual stages in model order
     return (
         loss,

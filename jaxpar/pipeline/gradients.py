@@ -64,14 +64,12 @@ def hand_scheduled(layout, schedule: str):
         fns = StageFns(
             embed=lambda rest, chunk, r: embed(rest, chunk, r[0], *where(r)),
             layers=lambda rest, chunk, consts, x, r: layers(rest, chunk, consts, x, where(r)),
-            head_loss=lambda rest, chunk, h, t: _last_stage_loss(model(rest, chunk), h, t, rows.positions) * scale,
+            head_loss=lambda rest, chunk, h, t: _last_stage_loss(model(rest, chunk), h, t, rows.positions),
             reports=m.mtp_depth,
             # loss_fn's balance loss: moe_aux_loss x its mean over the batch's rows and the expert layers
             stats_cotangent=None
             if not m.moe_experts
-            else jnp.zeros((stats_width(m),), jnp.float32)
-            .at[-1]
-            .set(m.moe_aux_loss * jnp.asarray(scale, jnp.float32) / (m.moe_layers * batch.shape[0])),
+            else jnp.zeros((stats_width(m),), jnp.float32).at[-1].set(m.moe_aux_loss / (m.moe_layers * batch.shape[0])),
         )
         rest = {k: v for k, v in params.items() if k != "blocks"}
         loss, stats, g_rest, g_blocks = pipeline_value_and_grad(
@@ -88,6 +86,7 @@ def hand_scheduled(layout, schedule: str):
             V=p.pipeline_virtual_stages,
             width=m.d_model,
             dtype=jnp.dtype(m.compute_dtype),
+            scale=scale,
         )
         grads = {**g_rest, "blocks": g_blocks}
         # Pin the executor's gradients to the parameters' layout: left free, ZeRO-2's reduce-scatter layout

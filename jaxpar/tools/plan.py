@@ -38,7 +38,7 @@ from jaxpar.core.config.mesh_spec import format_mesh, parse_mesh
 from jaxpar.mesh import setup_devices
 from jaxpar.cost.peak_bytes import compile_layout, device_memory, peak_bytes, shard_bytes
 from jaxpar.models.mla import kv_cache_width
-from jaxpar.parallel import powersgd
+from jaxpar.parallel import diloco, powersgd
 from jaxpar.pipeline.auto import resolve_schedule
 from jaxpar.cost import (
     activations as plan_activations,
@@ -215,8 +215,33 @@ def plan_shape(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
             collectives, bounds, measured, layout.mesh.devices.flat[0].platform, bool(cfg.model.moe_experts)
         ),
     }
+    if layout.group is not None:
+        p["diloco"] = between_groups(layout, state, collectives)
     plan_activations.account(p, layout)  # model.remat=offload's activations in host memory
     return plan_optimizer.against_adamw(p, cfg, lambda adamw: plan_shape(adamw, sizes, devices), padded)
+
+
+def between_groups(layout, state, collectives) -> dict:
+    """DiLoCo's bytes sent between groups per device, from the compiled inner and outer steps.
+
+    Each inner step's (0: it is manual over `diloco`), each meeting's (the mean delta's all-reduce), and their mean per
+    step over parallel.diloco_inner_steps.
+    """
+    compiled = diloco.make_outer_step(layout).lower(state).compile()
+    outer = [
+        c.traffic_bytes * c.count
+        for c in hlo_collectives.parse(compiled.as_text(), layout.mesh.devices.size)
+        if diloco.AXIS in hlo_collectives.group_axes(c.groups, layout.mesh)
+    ]
+    H = layout.cfg.parallel.diloco_inner_steps
+    inner = sum(c["traffic_bytes"] for c in collectives if diloco.AXIS in c["axes"].split("+"))
+    return {
+        "groups": diloco.groups(layout.mesh),
+        "inner_steps": H,
+        "inner_step_bytes": inner,
+        "meeting_bytes": sum(outer),
+        "per_step_bytes": inner + sum(outer) / H,
+    }
 
 
 def measure(collectives, bounds) -> dict[str, float]:
@@ -351,6 +376,13 @@ def print_plan(p: dict) -> None:
         print(
             f"  ep: the padded exchange's figure; a ragged one would send {p['ragged_exchange_bytes']:,.0f} "
             "(the chosen slots alone; not built: XLA:CPU has no ragged all-to-all)"
+        )
+    if "diloco" in p:
+        d = p["diloco"]
+        print(
+            f"DiLoCo, {d['groups']} groups: sent between groups per device: {d['inner_step_bytes']:,.0f} B by each "
+            f"inner step, {d['meeting_bytes']:,.0f} B by each meeting (the mean delta's all-reduce), "
+            f"{d['per_step_bytes']:,.0f} B per step over {d['inner_steps']} steps"
         )
     for note in p["notes"]:
         print(f"  note: {note}")

@@ -110,10 +110,10 @@ def test_recovery_reports_the_steps_replayed_and_only_after_a_loss(tmp_path, cap
 KEYS = ["train.steps=24", "checkpoint.every=4", "train.eval_every=0", "optim.lr=3e-3"]
 
 
-def node(port: int, dataset, run_dir, log: str, host: bool) -> Node:
+def node(port: int, dataset, run_dir, log: str, host: bool, mesh: str = "dp=-1,tp=2", keys=KEYS, workers=2) -> Node:
     """One "node": torchrun with two workers, joining the c10d rendezvous on `port` (hosted by the first)."""
-    args = [*TINY, *KEYS, "--mesh", "dp=-1,tp=2", f"data.dataset={dataset}", f"run.dir={run_dir}"]
-    return Node("jaxpar.train", args, environment("JAXPAR", 0.5), port, "elastic", host, log, join_s=120)
+    args = [*TINY, *keys, "--mesh", mesh, f"data.dataset={dataset}", f"run.dir={run_dir}"]
+    return Node("jaxpar.train", args, environment("JAXPAR", 0.5), port, "elastic", host, log, workers, join_s=120)
 
 
 def wait_for_step(run_dir, step: int, deadline: float, *alive) -> None:
@@ -166,3 +166,38 @@ def test_a_run_dir_that_cannot_take_the_note_costs_the_report_not_the_run(tmp_pa
     hook.close()
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "cannot note progress" in warnings[0], warnings
+
+
+def test_a_lost_diloco_group_restarts_the_run_from_its_checkpoint_and_every_step_follows(dataset, tmp_path):
+    """DiLoCo's groups as two nodes of one process each (docs/diloco.md: a lost group is an elastic restart).
+
+    One node is killed; the other goes on alone from the last checkpoint, both groups on its two simulated devices;
+    the node comes back. Every step equals an uninterrupted run's, the replayed ones too.
+    """
+    keys = [*KEYS, "parallel.diloco_inner_steps=4"]
+    reference = run_cli(tmp_path / "reference", dataset, "--mesh", "diloco=2", *keys)
+    assert reference.returncode == 0, reference.stderr
+    run_dir, port, deadline = tmp_path / "elastic", free_port(), time.monotonic() + 480
+    log = str(tmp_path / "nodes.log")
+    start = lambda host: node(port, dataset, run_dir, log, host, "diloco=2", keys, workers=1)
+    first, second = start(True), start(False)
+    try:
+        wait_for_step(run_dir, 6, deadline, first.proc, second.proc)
+        second.kill()
+        wait_for_step(run_dir, 14, deadline, first.proc)  # one process now
+        second = start(False)
+        assert first.proc.wait(timeout=deadline - time.monotonic()) == 0
+        assert second.proc.wait(timeout=60) == 0
+    finally:
+        for n in (first, second):
+            if n.proc.poll() is None:
+                n.kill()
+    out = (tmp_path / "nodes.log").read_text()
+    changes = [r["processes"] for r in map(json.loads, open(run_dir / recovery.RECOVERIES))]
+    assert changes[-2:] == [[2, 1], [1, 2]], (changes, out[-3000:])
+    assert "DiLoCo: 2 groups of 1 device," in out
+    want = metrics(tmp_path / "reference")
+    done = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if '"loss"' in line]
+    assert sorted({r["step"] for r in done}) == sorted(want) and len(done) > len(want)  # replayed steps too
+    for record in done:
+        assert abs(record["loss"] - want[record["step"]]["loss"]) <= 1e-5 * abs(want[record["step"]]["loss"])

@@ -109,6 +109,16 @@ def _powersgd(run: Run) -> bool:
     return run.cfg.parallel.grad_compression == "powersgd"
 
 
+OUTER = ("optim.outer_lr", "optim.outer_momentum", "optim.outer_nesterov")
+DILOCO = dict(  # parallel.diloco_inner_steps and optim.outer_*: jaxpar/parallel/diloco.py
+    when=lambda r: r.size("diloco") > 1,
+    mode="a diloco axis in the mesh",
+    example=("mesh:diloco=2",),
+    evidence="tests/jaxpar/test_diloco.py::test_diloco_equals_its_reference",
+    why_not="DiLoCo's groups are a jaxpar mesh axis (diloco=N); torchpar has no DiLoCo yet",
+)
+
+
 def _virtual(run: Run) -> bool:
     return run.cfg.parallel.pipeline_schedule == "interleaved" and (run.trainer == "torchpar" or _stages(run))
 
@@ -530,6 +540,7 @@ CONTRACT: dict[str, Owner] = {
         )
         for k in ("rank", "warmup_steps")
     },
+    **{k: Owner(True, (), "test", **DILOCO) for k in ("parallel.diloco_inner_steps", *OUTER)},
     # checkpoint and run: the shared loop and run directory
     "checkpoint.every": Owner(True, BOTH, "loop"),
     "checkpoint.keep": Owner(

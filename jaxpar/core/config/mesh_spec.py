@@ -10,7 +10,8 @@ import os
 
 from jaxpar.core.errors import UserError
 
-AXES = ("dp", "fsdp", "pp", "ep", "sp", "tp")  # mesh order: tp innermost (fastest links), dp outermost
+# mesh order: tp innermost (fastest links), diloco outermost (DiLoCo's groups: the slowest links, used every H steps)
+AXES = ("diloco", "dp", "fsdp", "pp", "ep", "sp", "tp")
 
 
 def parse_mesh(spec: str) -> dict[str, int]:

@@ -266,6 +266,11 @@ class OptimConfig:
     fused: bool = False
     weight_decay: float = field(default=0.1, metadata=_check(lo=0.0))
     grad_clip: float = field(default=1.0, metadata=_check(lo=0.0))  # 0 = no clipping
+    # DiLoCo (a `diloco` axis in the mesh): the outer optimizer's lr, constant; SGD on the groups' mean parameter
+    # delta every parallel.diloco_inner_steps steps (docs/diloco.md)
+    outer_lr: float = field(default=0.7, metadata=_check(lo=0.0, lo_open=True))
+    outer_momentum: float = field(default=0.9, metadata=_check(lo=0.0, hi=1.0))  # DiLoCo's outer momentum; 0 = none
+    outer_nesterov: bool = True  # DiLoCo's outer momentum is Nesterov's (false: plain heavy-ball momentum)
     # optim.name=muon: the momentum (Nesterov), the Newton-Schulz steps, and how each matrix's step is scaled from
     # optim.lr: match_rms_adamw = 0.2 * sqrt(max(fan_in, fan_out)) (Moonlight's: AdamW's lr and weight decay carry
     # over), original = sqrt(max(1, fan_out / fan_in)) (Keller Jordan's: wants a larger lr than AdamW)
@@ -304,6 +309,9 @@ class ParallelConfig:
     grad_compression: str = field(default="none", metadata=_check(choices=("none", "bf16", "powersgd")))
     powersgd_rank: int = field(default=4, metadata=_check(lo=1))
     powersgd_warmup_steps: int = field(default=10, metadata=_check(lo=2))
+    # DiLoCo (a `diloco` axis in the mesh, docs/diloco.md): each group of devices trains this many steps alone,
+    # then the groups average their parameter deltas and the outer optimizer (optim.outer_*) applies them
+    diloco_inner_steps: int = field(default=50, metadata=_check(lo=1))
 
 
 @dataclass

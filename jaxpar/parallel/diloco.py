@@ -1,0 +1,212 @@
+"""DiLoCo in jaxpar: groups of devices that train alone and meet every H steps.
+
+The mesh's `diloco` axis (outermost) splits the devices into groups. Each group holds its own parameters and inner
+optimizer state, a leading dimension of the group count sharded over `diloco`; inside a group dp, fsdp, tp, pp, ep
+and sp work as they do without groups. The global batch at each step is split over the groups as dp splits it
+(the rules table puts `diloco` first on "batch").
+
+- inner step (every step): the layout's own train step in a shard_map manual over `diloco` alone, so nothing in it
+  crosses groups; the step's metrics come back one per group and are averaged on the host.
+- outer step (after every parallel.diloco_inner_steps-th step): the groups' parameter deltas from the synchronised
+  parameters (the pseudo-gradients) are averaged by one all-reduce over `diloco`, and the outer optimizer
+  (optim.outer_*: SGD at a constant lr with Nesterov momentum) applies the mean to the synchronised parameters, which
+  every group then takes as its own. The inner optimizer states carry on.
+
+The train state keeps the synchronised parameters as "params" (evaluation, sampling, export and conversion read
+those), every group's inner optimizer state as "opt_state" [groups, ...], and under "diloco" every group's parameters
+[groups, ...] and the outer optimizer's state. The experts' balance bias is moved by each group's own choices and, at
+the outer step, becomes the groups' mean (it has no gradient for the outer optimizer to follow).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxpar.core.config.schema import Config
+from jaxpar.core.errors import UserError
+
+AXIS = "diloco"
+BALANCE_BIAS = ("blocks", "moe", "router", "bias")  # the experts' balance bias (models/moe.py update_router_bias)
+
+
+def groups(mesh) -> int:
+    """The number of DiLoCo groups in `mesh` (1: no DiLoCo)."""
+    return dict(mesh.shape).get(AXIS, 1)
+
+
+def group_rules(rules: dict) -> dict:
+    """The rules table as one group sees it: without the `diloco` axis."""
+    return {name: tuple(a for a in axes if a != AXIS) for name, axes in rules.items()}
+
+
+def check_diloco(cfg: Config, sizes) -> None:
+    """What DiLoCo's groups do not run with yet, one line each (sizes: mesh axis -> size)."""
+    if sizes.get(AXIS, 1) == 1:
+        return
+    p, m = cfg.parallel, cfg.model
+    refusals = {
+        "parallel.grad_compression=powersgd": p.grad_compression == "powersgd",
+        f"parallel.offload={p.offload}": p.offload != "none",
+        "model.compute_dtype=float16 (its loss scale)": m.compute_dtype == "float16",
+    }
+    for what, refused in refusals.items():
+        if refused:
+            raise UserError(f"diloco={sizes[AXIS]} in the mesh does not run with {what} yet (docs/diloco.md)")
+    H, steps = p.diloco_inner_steps, cfg.train.steps
+    if steps % H:
+        raise UserError(
+            f"train.steps={steps} is not a multiple of parallel.diloco_inner_steps={H}: the steps after the last "
+            f"meeting of the groups would not reach the trained parameters (e.g. train.steps={steps - steps % H or H})"
+        )
+
+
+def outer_optimizer(cfg: Config) -> optax.GradientTransformation:
+    """optim.outer_*: SGD at a constant lr on the mean pseudo-gradient, with (Nesterov) momentum."""
+    o = cfg.optim
+    return optax.sgd(o.outer_lr, momentum=o.outer_momentum or None, nesterov=o.outer_nesterov)
+
+
+def stacked(sharding: NamedSharding) -> NamedSharding:
+    """A group's sharding with a leading group dimension over `diloco`."""
+    return NamedSharding(sharding.mesh, P(AXIS, *sharding.spec))
+
+
+def for_each_group(tree, n: int):
+    """Every leaf of `tree` repeated along a new leading dimension of `n` groups."""
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree)
+
+
+def initial(cfg: Config, n: int, params, opt_state) -> dict:
+    """The DiLoCo part of a fresh state, and the inner optimizer state for every group: (opt_state, state["diloco"])."""
+    return for_each_group(opt_state, n), {
+        "params": for_each_group(params, n),
+        "outer": outer_optimizer(cfg).init(params),
+    }
+
+
+def group_step(layout, step):
+    """The inner step: `step` (one group's (state, batch) -> (state, metrics)) on every group at once.
+
+    A shard_map manual over `diloco` only: each group sees its parameters, inner optimizer state and rows, and the
+    other axes stay GSPMD's inside it. The step counter is shared; metrics come back [groups, ...].
+    """
+    mesh = layout.mesh
+    one, ours = lambda t: jax.tree.map(lambda x: x[0], t), lambda t: jax.tree.map(lambda x: x[None], t)
+
+    def local(params, opt_state, count, batch):
+        new, metrics = step({"params": one(params), "opt_state": one(opt_state), "step": count}, batch)
+        return ours(new["params"]), ours(new["opt_state"]), ours(metrics)
+
+    run = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(AXIS), P(AXIS), P(), P(AXIS)),
+        out_specs=P(AXIS),
+        axis_names={AXIS},
+        check_vma=False,
+    )
+
+    def inner(state, batch):
+        params, opt_state, metrics = run(state["diloco"]["params"], state["opt_state"], state["step"], batch)
+        diloco = {**state["diloco"], "params": params}
+        return {**state, "opt_state": opt_state, "step": state["step"] + 1, "diloco": diloco}, metrics
+
+    return inner
+
+
+def make_outer_step(layout):
+    """The jitted outer step: state -> state with the groups' mean delta applied and handed back to every group."""
+    cfg, mesh, n = layout.cfg, layout.mesh, groups(layout.mesh)
+    tx = outer_optimizer(cfg)
+
+    def mean_delta(synced, group):  # [1, ...] per group -> the mean over the groups, one all-reduce
+        return jax.tree.map(lambda s, g: jax.lax.pmean(s - g[0], AXIS), synced, group)
+
+    average = jax.shard_map(
+        mean_delta, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(), axis_names={AXIS}, check_vma=False
+    )
+
+    def outer(state):
+        synced, group = state["params"], state["diloco"]["params"]
+        delta = average(synced, group)
+        updates, outer_state = tx.update(delta, state["diloco"]["outer"], synced)
+        new = optax.apply_updates(synced, updates)
+        if cfg.model.moe_experts and cfg.model.moe_bias_update:  # the balance bias: the groups' mean
+            new = _set(new, BALANCE_BIAS, _get(synced, BALANCE_BIAS) - _get(delta, BALANCE_BIAS))
+        new = jax.tree.map(lambda x, like: x.astype(like.dtype), new, synced)
+        return {**state, "params": new, "diloco": {"params": for_each_group(new, n), "outer": outer_state}}
+
+    return jax.jit(
+        outer, in_shardings=(layout.state_shardings,), out_shardings=layout.state_shardings, donate_argnums=0
+    )
+
+
+def _get(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _set(tree, path, value):
+    if not path:
+        return value
+    return {**tree, path[0]: _set(tree[path[0]], path[1:], value)}
+
+
+def meets_after(cfg: Config, step: int) -> bool:
+    """Whether the groups meet (the outer step) after the 0-based `step`: after every diloco_inner_steps-th step."""
+    return (step + 1) % cfg.parallel.diloco_inner_steps == 0
+
+
+def check_saved_groups(saved: dict | None, n: int) -> None:
+    """A checkpoint's state (its tree of metadata; None: no checkpoint) resumes on a mesh of `n` groups, or one line.
+
+    A group's parameters and inner optimizer state are its own: another number of groups, or groups where the run had
+    none (or none where it had them), is refused.
+    """
+    if saved is None:
+        return
+    had = _groups_of(saved) if "diloco" in saved else 1
+    if had != n:
+        raise UserError(
+            f"the checkpoint holds {_phrase(had)} and the mesh has {_phrase(n)}: resume on the mesh's diloco={had} "
+            "(each group's parameters and optimizer state are its own), or start a new run.dir"
+        )
+
+
+def params_fit(layout, abstract: dict, otherwise):
+    """A checkpoint fit (Checkpointer.restore_latest) for readers of the parameters alone.
+
+    A DiLoCo run's checkpoint, on a layout without its groups, is read as saved (each group's state whole on every
+    device) and kept to its synchronised parameters and step; any other goes to `otherwise`.
+    """
+    whole = NamedSharding(layout.mesh, P())
+    as_saved = lambda tree: jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=whole),
+        tree,
+        is_leaf=lambda m: hasattr(m, "shape"),
+    )
+
+    def fit(saved: dict):
+        if "diloco" not in saved or "diloco" in abstract:
+            return otherwise(saved)
+        target = {**abstract, "opt_state": as_saved(saved["opt_state"]), "diloco": as_saved(saved["diloco"])}
+        return target, lambda state: {"params": state["params"], "step": state["step"]}
+
+    return fit
+
+
+def _groups_of(saved: dict) -> int:
+    return int(jax.tree.leaves(saved["diloco"]["params"])[0].shape[0])
+
+
+def _phrase(n: int) -> str:
+    return f"DiLoCo's state for {n} groups" if n > 1 else "no DiLoCo groups"
+
+
+def mean_over_groups(metrics: dict) -> dict:
+    """The inner step's per-group metrics as one run's: the mean over the groups (equal rows each)."""
+    return {k: v.mean(axis=0) for k, v in metrics.items()}

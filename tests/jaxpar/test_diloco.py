@@ -1,0 +1,197 @@
+"""DiLoCo in jaxpar: groups of devices that train alone for H steps, then apply their mean delta by an outer optimizer.
+
+The reference here is independent of jaxpar/parallel/diloco.py: R one-device runs (jaxpar's plain step on one device),
+each on its group's rows of every global batch, their deltas from the synchronised parameters averaged every H steps
+and applied with optax's SGD with Nesterov momentum. jaxpar's DiLoCo on diloco=2 alone, with fsdp and with tp inside
+the groups, equals it over 3 outer steps. The compiled inner step sends nothing between groups; the outer step's
+all-reduce over `diloco` carries the parameters' bytes once.
+"""
+
+import dataclasses
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxpar.core.config.mesh_spec import check_torch_mesh, parse_mesh, resolve_sizes
+from jaxpar.core.data.order import open_splits
+from jaxpar.core.errors import UserError
+from jaxpar.core.weights.names import flatten, read_weights
+from jaxpar.cost.hlo_collectives import group_axes, parse
+from jaxpar.data import grain_batches
+from jaxpar.parallel.diloco import make_outer_step
+from jaxpar.step import build_step
+from jaxpar.tools import convert
+from tests.helpers import assert_params_close, assert_resumes_exactly, make_dataset, run_cli, run_steps, tiny_config
+
+H, OUTER_STEPS, GROUPS = 2, 3, 2
+SETTINGS = (
+    f"parallel.diloco_inner_steps={H}",
+    f"train.steps={H * OUTER_STEPS}",
+    "optim.outer_lr=0.7",
+    "optim.outer_momentum=0.9",
+    "optim.warmup_steps=1",
+)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("diloco") / "data.bin")
+
+
+def reference(cfg, dataset, momentum: float = 0.9, groups_counted: int = GROUPS, bias_mean: bool = True) -> dict:
+    """R one-device runs on their groups' rows, meeting every H steps: per-step mean losses and the final parameters.
+
+    The experts' balance bias, which no gradient moves, becomes the groups' mean at each meeting (docs/diloco.md).
+    `momentum`, `groups_counted` (the deltas averaged: fewer drops a group's) and `bias_mean` make the variants the test
+    must tell apart from DiLoCo.
+    """
+    rows = cfg.train.global_batch_size // GROUPS
+    one = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=rows))
+    layout, state, step = build_step(one, {"dp": 1}, jax.devices()[:1])
+    data = open_splits(
+        dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=str(dataset))), grain_batches
+    )[0]
+    outer_tx = optax.sgd(cfg.optim.outer_lr, momentum=momentum or None, nesterov=True)
+    copy = lambda tree: jax.tree.map(jnp.copy, tree)  # the compiled step donates its state
+    synced, group_states = copy(state["params"]), [copy(state) for _ in range(GROUPS)]
+    outer_state, losses = outer_tx.init(synced), []
+    for s in range(cfg.train.steps):
+        batch = data.rows(s, 0, cfg.train.global_batch_size)
+        stepped = [step(g, jnp.asarray(batch[i * rows : (i + 1) * rows])) for i, g in enumerate(group_states)]
+        group_states = [new for new, _ in stepped]
+        losses.append(np.mean([float(m["loss"]) for _, m in stepped]))
+        if (s + 1) % H == 0:
+            deltas = [jax.tree.map(jnp.subtract, synced, g["params"]) for g in group_states[:groups_counted]]
+            mean = jax.tree.map(lambda *d: sum(d) / len(d), *deltas)
+            updates, outer_state = outer_tx.update(mean, outer_state, synced)
+            synced = optax.apply_updates(synced, updates)
+            if cfg.model.moe_bias_update and bias_mean:
+                router = synced["blocks"]["moe"]["router"]
+                router["bias"] = sum(g["params"]["blocks"]["moe"]["router"]["bias"] for g in group_states) / GROUPS
+            group_states = [{**g, "params": copy(synced)} for g in group_states]
+    return {"loss": losses, "params": {k: np.asarray(v) for k, v in flatten(jax.device_get(synced)).items()}}
+
+
+@pytest.fixture(scope="module")
+def want(dataset):
+    return reference(tiny_config(*SETTINGS), dataset)
+
+
+@pytest.mark.parametrize("mesh", ["diloco=2", "diloco=2,fsdp=2", "diloco=2,tp=2"])
+def test_diloco_equals_its_reference(mesh, dataset, want):
+    sizes = parse_mesh(mesh)
+    got = run_steps(tiny_config(*SETTINGS), mesh, dataset, devices=jax.devices()[: int(np.prod(list(sizes.values())))])
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+    assert_params_close(got["params"], want["params"])
+
+
+def test_the_reference_tells_momentum_and_every_groups_delta_apart(dataset, want):
+    """The comparison above can fail: the reference's parameters move by far more than its tolerance.
+
+    That is so without the outer momentum, or with one group's delta dropped.
+    """
+    for variant in (dict(momentum=0.0), dict(groups_counted=1)):
+        other = reference(tiny_config(*SETTINGS), dataset, **variant)
+        with pytest.raises(AssertionError):
+            assert_params_close(other["params"], want["params"])
+
+
+def test_the_experts_balance_bias_becomes_the_groups_mean(dataset):
+    """Experts over ep inside each group, their balance bias moved by each group's choices, equal the reference.
+
+    The bias rule matters: applied by the outer optimizer instead, the parameters differ.
+    """
+    cfg = tiny_config(*SETTINGS, "model.moe_experts=4", "model.moe_bias_update=0.01")
+    want = reference(cfg, dataset)
+    got = run_steps(cfg, "diloco=2,ep=2", dataset, devices=jax.devices()[:4])
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+    assert_params_close(got["params"], want["params"])
+    with pytest.raises(AssertionError):
+        assert_params_close(reference(cfg, dataset, bias_mean=False)["params"], want["params"])
+
+
+def _collectives(compiled, mesh):
+    return [(c, group_axes(c.groups, mesh)) for c in parse(compiled.as_text(), mesh.devices.size)]
+
+
+def test_the_inner_step_sends_nothing_between_groups_and_the_outer_step_the_parameters_once():
+    cfg = tiny_config(*SETTINGS)
+    layout, state, inner = build_step(cfg, parse_mesh("diloco=2,fsdp=2"), jax.devices()[:4])
+    inside = _collectives(inner, layout.mesh)
+    assert any("fsdp" in axes for _, axes in inside)  # the group's own fsdp traffic is there to be seen
+    assert not [c for c, axes in inside if "diloco" in axes]
+    outer = _collectives(make_outer_step(layout).lower(state).compile(), layout.mesh)
+    between = [c for c, axes in outer if "diloco" in axes]
+    assert {c.op for c in between} == {"all-reduce"} and all(axes == ("diloco",) for c, axes in outer if c in between)
+    device = layout.mesh.devices.flat[0]
+    held = sum(
+        s.data.nbytes for x in jax.tree.leaves(state["params"]) for s in x.addressable_shards if s.device == device
+    )
+    assert sum(c.result_bytes * c.count for c in between) == held
+
+
+def test_the_planner_reports_the_bytes_between_groups():
+    """Nothing per inner step; each meeting a ring all-reduce of the parameters over 2 groups; their mean over H.
+
+    A ring all-reduce of P bytes over 2 devices sends P bytes from each.
+    """
+    from jaxpar.tools.plan import plan
+
+    cfg = tiny_config(*SETTINGS)
+    p = plan(cfg, parse_mesh("diloco=2,fsdp=2"), jax.devices()[:4])
+    d = p["diloco"]
+    assert d["inner_step_bytes"] == 0 and d["meeting_bytes"] == p["params_bytes"] > 0
+    assert d["per_step_bytes"] == p["params_bytes"] / H
+
+
+def test_settings_diloco_does_not_run_with_are_refused_in_one_line():
+    from jaxpar.checks import check_config
+
+    sizes = resolve_sizes(parse_mesh("diloco=2,dp=2"), 4)
+    for setting, named in (
+        ("parallel.grad_compression=powersgd", "powersgd"),
+        ("parallel.offload=optimizer", "offload"),
+        ("model.compute_dtype=float16", "float16"),
+    ):
+        with pytest.raises(UserError, match=named):
+            check_config(tiny_config(setting), sizes)
+    with pytest.raises(UserError, match="not a multiple of parallel.diloco_inner_steps=4"):
+        check_config(tiny_config("train.steps=10", "parallel.diloco_inner_steps=4"), sizes)
+    with pytest.raises(UserError, match="diloco"):
+        check_torch_mesh("diloco=2", "ddp", 2)
+
+
+def test_a_killed_diloco_run_resumes_exactly_across_an_outer_step(tmp_path, dataset):
+    """Saved after step 3 (the groups apart, the outer momentum moving), killed after 4, resumed: all bit for bit.
+
+    The resumed run repeats step 4, the meeting after it, and every step after that.
+    """
+    args = ["--mesh", "diloco=2", "parallel.diloco_inner_steps=2", "checkpoint.every=3", "train.steps=8"]
+    assert_resumes_exactly(tmp_path, dataset, args, kill_after=4)
+
+
+def test_a_resume_on_another_number_of_groups_is_refused_in_one_line(tmp_path, dataset):
+    args, groups = ["checkpoint.every=2", "train.steps=4"], ["--mesh", "diloco=2", "parallel.diloco_inner_steps=2"]
+    first = run_cli(tmp_path, dataset, *groups, *args, env={"JAXPAR_FAULT_KILL_AFTER_STEP": "2"})
+    assert first.returncode == -signal.SIGKILL, first.stderr
+    again = run_cli(tmp_path, dataset, "--mesh", "dp=2", *args)
+    assert again.returncode != 0
+    assert "DiLoCo's state for 2 groups" in again.stderr.strip().splitlines()[-1], again.stderr
+
+
+def test_conversion_reads_the_synchronised_parameters_and_a_state_file_is_refused(tmp_path, dataset, capsys):
+    run, final = tmp_path / "run", tmp_path / "final.safetensors"
+    args = ["--mesh", "diloco=2", "parallel.diloco_inner_steps=2", "train.steps=4", "--write-final", str(final)]
+    trained = run_cli(run, dataset, *args)
+    assert trained.returncode == 0, trained.stderr
+    converted = tmp_path / "converted.safetensors"
+    assert convert.main(["--from", "jaxpar", str(run), "--to", "shared", str(converted)]) == 0
+    got, want = read_weights(str(converted)), read_weights(str(final))
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+    capsys.readouterr()
+    assert convert.main(["--from", "jaxpar", str(run), "--to", "state", str(tmp_path / "state.safetensors")]) == 2
+    assert "is a DiLoCo run" in capsys.readouterr().err.strip().splitlines()[-1]
