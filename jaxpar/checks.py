@@ -190,12 +190,13 @@ def check_pipeline(cfg: Config, sizes) -> None:
         p.pipeline_virtual_stages,
         cfg.model.n_layer - (cfg.model.moe_first_dense if cfg.model.moe_experts else 0),
     )
-    data_ways = sizes["dp"] * sizes["fsdp"] * sizes["ep"]
+    data_ways = sizes["dp"] * sizes["fsdp"] * sizes["ep"] * sizes.get("diloco", 1)
     batch = t.global_batch_size // t.microbatches
     if batch % (M * data_ways):
+        names = "diloco*dp*fsdp*ep" if sizes.get("diloco", 1) > 1 else "dp*fsdp*ep"
         raise UserError(
             f"batch per microbatch {batch} is not divisible by parallel.pipeline_microbatches={M} "
-            f"x data axes dp*fsdp*ep={data_ways}"
+            f"x data axes {names}={data_ways}"
         )
     if cfg.model.float8 and schedule in ("zb_h1", "zb_v", "dualpipev"):
         raise UserError(

@@ -118,10 +118,15 @@ class Layout:
         if diloco.groups(mesh) > 1 and not for_group:  # every group's inner state and parameters; the outer state
             self.group = Layout(cfg, mesh, for_group=True)
             self.state_shardings["opt_state"] = jax.tree.map(diloco.stacked, self.state_shardings["opt_state"])
-            abstract_outer = jax.eval_shape(diloco.outer_optimizer(cfg).init, abstract_params)
+            outer = {  # each fragment's outer optimizer state (parallel/diloco.py)
+                str(f): jax.eval_shape(
+                    lambda p, rows=rows: diloco.outer_optimizer(cfg).init(diloco.piece(p, rows)), abstract_params
+                )
+                for f, rows in enumerate(diloco.fragments(self))
+            }
             self.state_shardings["diloco"] = {
                 "params": jax.tree.map(diloco.stacked, self.state_shardings["params"]),
-                "outer": self.shardings(jax.tree_util.tree_map_with_path(self._opt_spec, abstract_outer)),
+                "outer": self.shardings(jax.tree_util.tree_map_with_path(self._opt_spec, outer)),
             }
             self.device_shardings = dict(self.state_shardings)
 

@@ -30,9 +30,7 @@ def _fresh(layout: Layout, tx, params) -> dict:
     if powersgd.enabled(layout):
         state["powersgd"] = powersgd.initial(layout, params)
     if layout.group is not None:  # DiLoCo: every group's inner optimizer state and parameters, the outer state
-        state["opt_state"], state["diloco"] = diloco.initial(
-            layout.cfg, diloco.groups(layout.mesh), params, state["opt_state"]
-        )
+        state["opt_state"], state["diloco"] = diloco.initial(layout, params, state["opt_state"])
     return {**state, "loss_scale": loss_scale.initial(layout.cfg)} if loss_scale.enabled(layout.cfg) else state
 
 

@@ -102,7 +102,9 @@ class JaxTrainer:
         first = self.train_data.shape(int(jax.device_get(self.state["step"])))
         self._train_steps = {first: compiled_train_step(layout, self.state, shape=first)}  # by batch shape
         self._eval_step = make_eval_step(layout)
-        self._outer_step = make_outer_step(layout) if layout.group is not None else None  # DiLoCo's synchronisation
+        self._meetings = (  # DiLoCo: each fragment's meeting of the groups
+            [make_outer_step(layout, f) for f in range(self.cfg.parallel.diloco_fragments)] if layout.group else []
+        )
         self._generate = None  # train.sample_every's decoder, made on first use
         self._task_model = None  # train.eval_tasks' lm-eval model, made on first use
         self.overflow_step = None  # the test fault's step (<PREFIX>_FAULT_OVERFLOW_AT_STEP: JaxFaults)
@@ -124,6 +126,7 @@ class JaxTrainer:
                 "after every "
                 f"{self.cfg.parallel.diloco_inner_steps} steps (outer SGD lr {o.outer_lr}, momentum {o.outer_momentum}"
                 f"{', Nesterov' if o.outer_nesterov and o.outer_momentum else ''})"
+                + (f" in {F} staggered fragments" if (F := self.cfg.parallel.diloco_fragments) > 1 else "")
             )
         bubble, p = self.probes.record_extra()["pipeline_bubble"], self.cfg.parallel
         if bubble is not None:
@@ -172,8 +175,8 @@ class JaxTrainer:
         batch = self.prefetch(step)  # the next one is read ahead
         step_fn, self.overflow_step = self.overflow_step or self.step_for(tuple(batch.shape)), None
         self.state, metrics = step_fn(self.state, batch)
-        if self._outer_step is not None and diloco.meets_after(self.cfg, step):
-            self.state = self._outer_step(self.state)  # the groups meet: their mean delta, the outer optimizer
+        for fragment in diloco.meeting(self.cfg, step) if self._meetings else ():
+            self.state = self._meetings[fragment](self.state)  # the groups meet: their mean delta, the outer optimizer
         return metrics
 
     def fetch(self, metrics) -> dict:

@@ -112,12 +112,14 @@ def run_steps(cfg: Config, mesh: str, dataset: str, steps: int | None = None, de
         data = open_splits(
             dataclasses.replace(leg, data=dataclasses.replace(leg.data, dataset=str(dataset))), grain_batches
         )[0]
-        outer = diloco.make_outer_step(layout) if layout.group is not None else None  # DiLoCo's groups meet
+        fragments = range(leg.parallel.diloco_fragments) if layout.group is not None else ()
+        meetings = [diloco.make_outer_step(layout, f) for f in fragments]
         for step in range(start, stop):
             state, metrics = train_step(state, device_batch(data, step, layout.batch_sharding))
-            if outer is not None:
+            if layout.group is not None:  # DiLoCo's groups: their mean metrics; the fragments that meet now
                 metrics = diloco.mean_over_groups(metrics)
-                state = outer(state) if diloco.meets_after(leg, step) else state
+                for fragment in diloco.meeting(leg, step):
+                    state = meetings[fragment](state)
             history.append(metrics)
     cfg = legs[-1][0]
     history = [

@@ -12,10 +12,15 @@ and sp work as they do without groups. The global batch at each step is split ov
   (optim.outer_*: SGD at a constant lr with Nesterov momentum) applies the mean to the synchronised parameters, which
   every group then takes as its own. The inner optimizer states carry on.
 
+Streaming DiLoCo (parallel.diloco_fragments=F): the parameters are F fragments, fragment f the f-th of F equal runs of
+layers of every layer stack (the embeddings and the final norm in fragment 0), and each fragment meets on its own
+schedule, fragment f after every H-th step counted from step f x H / F: each meeting sends 1/F of the parameters.
+After the run's last step every fragment meets, so the trained parameters hold every step.
+
 The train state keeps the synchronised parameters as "params" (evaluation, sampling, export and conversion read
 those), every group's inner optimizer state as "opt_state" [groups, ...], and under "diloco" every group's parameters
-[groups, ...] and the outer optimizer's state. The experts' balance bias is moved by each group's own choices and, at
-the outer step, becomes the groups' mean (it has no gradient for the outer optimizer to follow).
+[groups, ...] and the outer optimizer's state of each fragment. The experts' balance bias is moved by each group's own
+choices and, at a meeting, becomes the groups' mean (it has no gradient for the outer optimizer to follow).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.core.config.schema import Config
 from jaxpar.core.errors import UserError
+from jaxpar.core.weights.names import flatten, unflatten
 
 AXIS = "diloco"
 BALANCE_BIAS = ("blocks", "moe", "router", "bias")  # the experts' balance bias (models/moe.py update_router_bias)
@@ -55,12 +61,9 @@ def check_diloco(cfg: Config, sizes) -> None:
     for what, refused in refusals.items():
         if refused:
             raise UserError(f"diloco={sizes[AXIS]} in the mesh does not run with {what} yet (docs/diloco.md)")
-    H, steps = p.diloco_inner_steps, cfg.train.steps
-    if steps % H:
-        raise UserError(
-            f"train.steps={steps} is not a multiple of parallel.diloco_inner_steps={H}: the steps after the last "
-            f"meeting of the groups would not reach the trained parameters (e.g. train.steps={steps - steps % H or H})"
-        )
+    H, F = p.diloco_inner_steps, p.diloco_fragments
+    if H % F:
+        raise UserError(f"parallel.diloco_fragments={F} does not divide parallel.diloco_inner_steps={H}")
 
 
 def outer_optimizer(cfg: Config) -> optax.GradientTransformation:
@@ -79,12 +82,47 @@ def for_each_group(tree, n: int):
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree)
 
 
-def initial(cfg: Config, n: int, params, opt_state) -> dict:
-    """The DiLoCo part of a fresh state, and the inner optimizer state for every group: (opt_state, state["diloco"])."""
-    return for_each_group(opt_state, n), {
-        "params": for_each_group(params, n),
-        "outer": outer_optimizer(cfg).init(params),
-    }
+def fragments(layout) -> list[dict]:
+    """For each fragment: flat parameter name -> the rows (lo, hi) of its leading layers axis it holds, or None (whole).
+
+    Fragment f holds the f-th of F equal runs of every layer stack's layers; the other parameters are fragment 0's.
+    """
+    F = layout.cfg.parallel.diloco_fragments
+    out = [{} for _ in range(F)]
+    for name, leaf in flatten(layout.abstract_params).items():
+        if layout.axes[tuple(name.split("."))][0] != "layers":
+            out[0][name] = None
+            continue
+        L = leaf.shape[0]
+        if L % F:
+            raise UserError(
+                f"parallel.diloco_fragments={F} does not divide the {L} layers of {name.split('.')[0]}: each "
+                "fragment holds an equal run of every layer stack's layers"
+            )
+        for f in range(F):
+            out[f][name] = (f * L // F, (f + 1) * L // F)
+    return out
+
+
+def piece(tree, rows: dict, stacked: bool = False) -> dict:
+    """The parameters of one fragment (`rows`: fragments()'s) of a params-shaped tree; `stacked`: [groups, ...]."""
+    flat, lead = flatten(tree), (slice(None),) * stacked
+    return unflatten({n: flat[n] if r is None else flat[n][(*lead, slice(*r))] for n, r in rows.items()})
+
+
+def put(tree, rows: dict, fragment: dict, stacked: bool = False) -> dict:
+    """`tree` with one fragment's parameters replaced by `fragment`'s."""
+    flat, new, lead = flatten(tree), flatten(fragment), (slice(None),) * stacked
+    for n, r in rows.items():
+        flat[n] = new[n] if r is None else flat[n].at[(*lead, slice(*r))].set(new[n])
+    return unflatten(flat)
+
+
+def initial(layout, params, opt_state) -> tuple:
+    """The inner optimizer state for every group, and the DiLoCo part of a fresh state: (opt_state, state["diloco"])."""
+    n, tx = groups(layout.mesh), outer_optimizer(layout.cfg)
+    outer = {str(f): tx.init(piece(params, rows)) for f, rows in enumerate(fragments(layout))}
+    return for_each_group(opt_state, n), {"params": for_each_group(params, n), "outer": outer}
 
 
 def group_step(layout, step):
@@ -117,10 +155,13 @@ def group_step(layout, step):
     return inner
 
 
-def make_outer_step(layout):
-    """The jitted outer step: state -> state with the groups' mean delta applied and handed back to every group."""
+def make_outer_step(layout, fragment: int = 0):
+    """The jitted meeting of one fragment: state -> state, the groups' mean delta applied, handed back to every group.
+
+    Only the fragment's parameters are all-reduced; the other fragments' stay as each group has them.
+    """
     cfg, mesh, n = layout.cfg, layout.mesh, groups(layout.mesh)
-    tx = outer_optimizer(cfg)
+    tx, rows = outer_optimizer(cfg), fragments(layout)[fragment]
 
     def mean_delta(synced, group):  # [1, ...] per group -> the mean over the groups, one all-reduce
         return jax.tree.map(lambda s, g: jax.lax.pmean(s - g[0], AXIS), synced, group)
@@ -130,14 +171,17 @@ def make_outer_step(layout):
     )
 
     def outer(state):
-        synced, group = state["params"], state["diloco"]["params"]
+        synced, group = piece(state["params"], rows), piece(state["diloco"]["params"], rows, stacked=True)
         delta = average(synced, group)
-        updates, outer_state = tx.update(delta, state["diloco"]["outer"], synced)
+        updates, outer_state = tx.update(delta, state["diloco"]["outer"][str(fragment)], synced)
         new = optax.apply_updates(synced, updates)
-        if cfg.model.moe_experts and cfg.model.moe_bias_update:  # the balance bias: the groups' mean
+        if ".".join(BALANCE_BIAS) in rows:  # the balance bias: the groups' mean
             new = _set(new, BALANCE_BIAS, _get(synced, BALANCE_BIAS) - _get(delta, BALANCE_BIAS))
         new = jax.tree.map(lambda x, like: x.astype(like.dtype), new, synced)
-        return {**state, "params": new, "diloco": {"params": for_each_group(new, n), "outer": outer_state}}
+        params = put(state["params"], rows, new)
+        group = put(state["diloco"]["params"], rows, for_each_group(new, n), stacked=True)
+        outers = {**state["diloco"]["outer"], str(fragment): outer_state}
+        return {**state, "params": params, "diloco": {"params": group, "outer": outers}}
 
     return jax.jit(
         outer, in_shardings=(layout.state_shardings,), out_shardings=layout.state_shardings, donate_argnums=0
@@ -156,9 +200,15 @@ def _set(tree, path, value):
     return {**tree, path[0]: _set(tree[path[0]], path[1:], value)}
 
 
-def meets_after(cfg: Config, step: int) -> bool:
-    """Whether the groups meet (the outer step) after the 0-based `step`: after every diloco_inner_steps-th step."""
-    return (step + 1) % cfg.parallel.diloco_inner_steps == 0
+def meeting(cfg: Config, step: int) -> list[int]:
+    """The fragments whose groups meet after the 0-based `step`.
+
+    Fragment f after every diloco_inner_steps-th step counted from f x H / F; every fragment after the run's last step.
+    """
+    H, F = cfg.parallel.diloco_inner_steps, cfg.parallel.diloco_fragments
+    if step + 1 == cfg.train.steps:
+        return list(range(F))
+    return [f for f in range(F) if (step + 1 - f * H // F) % H == 0]
 
 
 def check_saved_groups(saved: dict | None, n: int) -> None:

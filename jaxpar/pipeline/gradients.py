@@ -20,6 +20,13 @@ from jaxpar.models.moe import shift_layer_stats, stats_width
 from jaxpar.pipeline.executor import StageFns, pipeline_value_and_grad
 
 
+def balance_cotangent(m, rows: int) -> np.ndarray:
+    """The experts' statistics' weight in the loss: the balance loss's moe_aux_loss over rows and expert layers."""
+    cotangent = np.zeros((stats_width(m),), np.float32)
+    cotangent[-1] = m.moe_aux_loss / (m.moe_layers * rows)
+    return cotangent
+
+
 def hand_scheduled(layout, schedule: str):
     """(params, batch, scale) -> (loss, grads) of the loss times `scale`, on the pipeline executor.
 
@@ -67,9 +74,8 @@ def hand_scheduled(layout, schedule: str):
             head_loss=lambda rest, chunk, h, t: _last_stage_loss(model(rest, chunk), h, t, rows.positions),
             reports=m.mtp_depth,
             # loss_fn's balance loss: moe_aux_loss x its mean over the batch's rows and the expert layers
-            stats_cotangent=None
-            if not m.moe_experts
-            else jnp.zeros((stats_width(m),), jnp.float32).at[-1].set(m.moe_aux_loss / (m.moe_layers * batch.shape[0])),
+            # a constant (numpy): the executor's shard_map cannot close over a value traced in an enclosing one
+            stats_cotangent=None if not m.moe_experts else balance_cotangent(m, batch.shape[0]),
         )
         rest = {k: v for k, v in params.items() if k != "blocks"}
         loss, stats, g_rest, g_blocks = pipeline_value_and_grad(

@@ -222,25 +222,29 @@ def plan_shape(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
 
 
 def between_groups(layout, state, collectives) -> dict:
-    """DiLoCo's bytes sent between groups per device, from the compiled inner and outer steps.
+    """DiLoCo's bytes sent between groups per device, from the compiled inner step and meetings.
 
-    Each inner step's (0: it is manual over `diloco`), each meeting's (the mean delta's all-reduce), and their mean per
-    step over parallel.diloco_inner_steps.
+    Each inner step's (0: it is manual over `diloco`), each fragment's meeting (its mean delta's all-reduce), and their
+    mean per step: every fragment meets once in parallel.diloco_inner_steps steps.
     """
-    compiled = diloco.make_outer_step(layout).lower(state).compile()
-    outer = [
-        c.traffic_bytes * c.count
-        for c in hlo_collectives.parse(compiled.as_text(), layout.mesh.devices.size)
-        if diloco.AXIS in hlo_collectives.group_axes(c.groups, layout.mesh)
-    ]
+    meetings = []
+    for f in range(layout.cfg.parallel.diloco_fragments):
+        compiled = diloco.make_outer_step(layout, f).lower(state).compile()
+        meetings.append(
+            sum(
+                c.traffic_bytes * c.count
+                for c in hlo_collectives.parse(compiled.as_text(), layout.mesh.devices.size)
+                if diloco.AXIS in hlo_collectives.group_axes(c.groups, layout.mesh)
+            )
+        )
     H = layout.cfg.parallel.diloco_inner_steps
     inner = sum(c["traffic_bytes"] for c in collectives if diloco.AXIS in c["axes"].split("+"))
     return {
         "groups": diloco.groups(layout.mesh),
         "inner_steps": H,
         "inner_step_bytes": inner,
-        "meeting_bytes": sum(outer),
-        "per_step_bytes": inner + sum(outer) / H,
+        "meeting_bytes": meetings,
+        "per_step_bytes": inner + sum(meetings) / H,
     }
 
 
@@ -381,8 +385,8 @@ def print_plan(p: dict) -> None:
         d = p["diloco"]
         print(
             f"DiLoCo, {d['groups']} groups: sent between groups per device: {d['inner_step_bytes']:,.0f} B by each "
-            f"inner step, {d['meeting_bytes']:,.0f} B by each meeting (the mean delta's all-reduce), "
-            f"{d['per_step_bytes']:,.0f} B per step over {d['inner_steps']} steps"
+            f"inner step, {' + '.join(f'{b:,.0f}' for b in d['meeting_bytes'])} B by each fragment's meeting (its "
+            f"mean delta's all-reduce), {d['per_step_bytes']:,.0f} B per step over {d['inner_steps']} steps"
         )
     for note in p["notes"]:
         print(f"  note: {note}")

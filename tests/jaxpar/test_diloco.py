@@ -19,7 +19,7 @@ import pytest
 from jaxpar.core.config.mesh_spec import check_torch_mesh, parse_mesh, resolve_sizes
 from jaxpar.core.data.order import open_splits
 from jaxpar.core.errors import UserError
-from jaxpar.core.weights.names import flatten, read_weights
+from jaxpar.core.weights.names import flatten, read_weights, unflatten
 from jaxpar.cost.hlo_collectives import group_axes, parse
 from jaxpar.data import grain_batches
 from jaxpar.parallel.diloco import make_outer_step
@@ -45,10 +45,13 @@ def dataset(tmp_path_factory):
 def reference(cfg, dataset, momentum: float = 0.9, groups_counted: int = GROUPS, bias_mean: bool = True) -> dict:
     """R one-device runs on their groups' rows, meeting every H steps: per-step mean losses and the final parameters.
 
-    The experts' balance bias, which no gradient moves, becomes the groups' mean at each meeting (docs/diloco.md).
-    `momentum`, `groups_counted` (the deltas averaged: fewer drops a group's) and `bias_mean` make the variants the test
-    must tell apart from DiLoCo.
+    With F fragments (parallel.diloco_fragments): fragment f is the f-th of F runs of layers of "blocks" (the other
+    parameters are fragment 0's) and meets after every H-th step counted from f x H / F; every fragment after the last
+    step. The experts' balance bias, which no gradient moves, becomes the groups' mean at each meeting. `momentum`,
+    `groups_counted` (the deltas averaged: fewer drops a group's) and `bias_mean` make the variants the test must tell
+    apart from DiLoCo.
     """
+    H, F, L = cfg.parallel.diloco_inner_steps, cfg.parallel.diloco_fragments, cfg.model.n_layer
     rows = cfg.train.global_batch_size // GROUPS
     one = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=rows))
     layout, state, step = build_step(one, {"dp": 1}, jax.devices()[:1])
@@ -56,24 +59,40 @@ def reference(cfg, dataset, momentum: float = 0.9, groups_counted: int = GROUPS,
         dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=str(dataset))), grain_batches
     )[0]
     outer_tx = optax.sgd(cfg.optim.outer_lr, momentum=momentum or None, nesterov=True)
+    synced = {k: np.array(v) for k, v in flatten(jax.device_get(state["params"])).items()}
+
+    def part(name: str, f: int):  # the index of fragment f's share of a parameter, or None
+        if name.startswith("blocks."):
+            return slice(f * L // F, (f + 1) * L // F)
+        return slice(None) if f == 0 else None
+
+    fragment = lambda flat, f: {n: jnp.asarray(x[part(n, f)]) for n, x in flat.items() if part(n, f) is not None}
+    outer_states = [outer_tx.init(fragment(synced, f)) for f in range(F)]
     copy = lambda tree: jax.tree.map(jnp.copy, tree)  # the compiled step donates its state
-    synced, group_states = copy(state["params"]), [copy(state) for _ in range(GROUPS)]
-    outer_state, losses = outer_tx.init(synced), []
+    group_states, losses = [copy(state) for _ in range(GROUPS)], []
     for s in range(cfg.train.steps):
         batch = data.rows(s, 0, cfg.train.global_batch_size)
         stepped = [step(g, jnp.asarray(batch[i * rows : (i + 1) * rows])) for i, g in enumerate(group_states)]
-        group_states = [new for new, _ in stepped]
         losses.append(np.mean([float(m["loss"]) for _, m in stepped]))
-        if (s + 1) % H == 0:
-            deltas = [jax.tree.map(jnp.subtract, synced, g["params"]) for g in group_states[:groups_counted]]
-            mean = jax.tree.map(lambda *d: sum(d) / len(d), *deltas)
-            updates, outer_state = outer_tx.update(mean, outer_state, synced)
-            synced = optax.apply_updates(synced, updates)
-            if cfg.model.moe_bias_update and bias_mean:
-                router = synced["blocks"]["moe"]["router"]
-                router["bias"] = sum(g["params"]["blocks"]["moe"]["router"]["bias"] for g in group_states) / GROUPS
-            group_states = [{**g, "params": copy(synced)} for g in group_states]
-    return {"loss": losses, "params": {k: np.asarray(v) for k, v in flatten(jax.device_get(synced)).items()}}
+        local = [{k: np.array(v) for k, v in flatten(jax.device_get(new["params"])).items()} for new, _ in stepped]
+        meets = range(F) if s + 1 == cfg.train.steps else [f for f in range(F) if (s + 1 - f * H // F) % H == 0]
+        for f in meets:
+            mine, theirs = fragment(synced, f), [fragment(g, f) for g in local[:groups_counted]]
+            mean = {n: sum(mine[n] - t[n] for t in theirs) / len(theirs) for n in mine}
+            updates, outer_states[f] = outer_tx.update(mean, outer_states[f], mine)
+            new = optax.apply_updates(mine, updates)
+            bias = "blocks.moe.router.bias"
+            if cfg.model.moe_bias_update and bias_mean and bias in new:
+                new[bias] = sum(fragment(g, f)[bias] for g in local) / GROUPS
+            for n, x in new.items():
+                synced[n][part(n, f)] = np.asarray(x)
+                for g in local:
+                    g[n][part(n, f)] = np.asarray(x)
+        group_states = [
+            {**new, "params": unflatten({k: jnp.asarray(v) for k, v in g.items()})}
+            for (new, _), g in zip(stepped, local)
+        ]
+    return {"loss": losses, "params": synced}
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +100,18 @@ def want(dataset):
     return reference(tiny_config(*SETTINGS), dataset)
 
 
-@pytest.mark.parametrize("mesh", ["diloco=2", "diloco=2,fsdp=2", "diloco=2,tp=2"])
-def test_diloco_equals_its_reference(mesh, dataset, want):
-    sizes = parse_mesh(mesh)
-    got = run_steps(tiny_config(*SETTINGS), mesh, dataset, devices=jax.devices()[: int(np.prod(list(sizes.values())))])
+STREAMING = ("parallel.diloco_fragments=2", "train.steps=5")  # the last step's meeting not on the schedule
+
+
+@pytest.mark.parametrize(
+    "mesh, extra",
+    [("diloco=2", ()), ("diloco=2,fsdp=2", ()), ("diloco=2,tp=2", ()), ("diloco=2,fsdp=2", STREAMING)],
+    ids=["diloco=2", "diloco=2,fsdp=2", "diloco=2,tp=2", "streaming diloco=2,fsdp=2"],
+)
+def test_diloco_equals_its_reference(mesh, extra, dataset, want):
+    cfg, n = tiny_config(*SETTINGS, *extra), int(np.prod(list(parse_mesh(mesh).values())))
+    got = run_steps(cfg, mesh, dataset, devices=jax.devices()[:n])
+    want = reference(cfg, dataset) if extra else want
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
     assert_params_close(got["params"], want["params"])
 
@@ -144,8 +171,11 @@ def test_the_planner_reports_the_bytes_between_groups():
     cfg = tiny_config(*SETTINGS)
     p = plan(cfg, parse_mesh("diloco=2,fsdp=2"), jax.devices()[:4])
     d = p["diloco"]
-    assert d["inner_step_bytes"] == 0 and d["meeting_bytes"] == p["params_bytes"] > 0
+    assert d["inner_step_bytes"] == 0 and d["meeting_bytes"] == [p["params_bytes"]] and p["params_bytes"] > 0
     assert d["per_step_bytes"] == p["params_bytes"] / H
+    streaming = plan(tiny_config(*SETTINGS, "parallel.diloco_fragments=2"), parse_mesh("diloco=2"), jax.devices()[:2])
+    halves = streaming["diloco"]["meeting_bytes"]
+    assert sum(halves) == streaming["params_bytes"] and all(0 < b < streaming["params_bytes"] for b in halves)
 
 
 def test_settings_diloco_does_not_run_with_are_refused_in_one_line():
@@ -159,8 +189,12 @@ def test_settings_diloco_does_not_run_with_are_refused_in_one_line():
     ):
         with pytest.raises(UserError, match=named):
             check_config(tiny_config(setting), sizes)
-    with pytest.raises(UserError, match="not a multiple of parallel.diloco_inner_steps=4"):
-        check_config(tiny_config("train.steps=10", "parallel.diloco_inner_steps=4"), sizes)
+    with pytest.raises(UserError, match="diloco_fragments=3 does not divide parallel.diloco_inner_steps=4"):
+        check_config(tiny_config("parallel.diloco_fragments=3", "parallel.diloco_inner_steps=4"), sizes)
+    with pytest.raises(UserError, match="does not divide the 2 layers of blocks"):
+        build_step(
+            tiny_config("parallel.diloco_fragments=4", "parallel.diloco_inner_steps=4"), sizes, jax.devices()[:4]
+        )
     with pytest.raises(UserError, match="diloco"):
         check_torch_mesh("diloco=2", "ddp", 2)
 

@@ -83,5 +83,8 @@ def test_the_checks_and_the_auto_schedules_probe_each_run_once(tmp_path):
     assert counts.pop("validate") == 1 and counts.pop("resolve_schedule") == 1, counts
     chosen = re.search(r"pipeline schedule auto -> (\w+)", proc.stderr).group(1)
     assert any(k.startswith("layout ") for k in counts) and any(k.startswith("probe ") for k in counts), counts
-    assert f"layout {chosen} {sorted({'dp': 1, 'fsdp': 1, 'tp': 1, 'pp': 2, 'sp': 1, 'ep': 1}.items())}" in counts
+    assert (
+        f"layout {chosen} {sorted({'diloco': 1, 'dp': 1, 'fsdp': 1, 'tp': 1, 'pp': 2, 'sp': 1, 'ep': 1}.items())}"
+        in counts
+    )
     assert {k: n for k, n in counts.items() if n != 1} == {}, "checked or probed more than once"

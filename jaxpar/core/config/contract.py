@@ -540,7 +540,10 @@ CONTRACT: dict[str, Owner] = {
         )
         for k in ("rank", "warmup_steps")
     },
-    **{k: Owner(True, (), "test", **DILOCO) for k in ("parallel.diloco_inner_steps", *OUTER)},
+    **{
+        k: Owner(True, (), "test", **DILOCO)
+        for k in ("parallel.diloco_inner_steps", "parallel.diloco_fragments", *OUTER)
+    },
     # checkpoint and run: the shared loop and run directory
     "checkpoint.every": Owner(True, BOTH, "loop"),
     "checkpoint.keep": Owner(

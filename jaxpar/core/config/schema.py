@@ -312,6 +312,8 @@ class ParallelConfig:
     # DiLoCo (a `diloco` axis in the mesh, docs/diloco.md): each group of devices trains this many steps alone,
     # then the groups average their parameter deltas and the outer optimizer (optim.outer_*) applies them
     diloco_inner_steps: int = field(default=50, metadata=_check(lo=1))
+    # streaming DiLoCo: the parameters as this many fragments (equal runs of layers), meeting at staggered steps
+    diloco_fragments: int = field(default=1, metadata=_check(lo=1))
 
 
 @dataclass
