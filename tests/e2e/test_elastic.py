@@ -125,26 +125,41 @@ def wait_for_step(run_dir, step: int, deadline: float, *alive) -> None:
 def test_a_lost_node_shrinks_the_run_and_its_return_grows_it_back_exactly(dataset, tmp_path):
     reference = run_cli(tmp_path / "reference", dataset, "--mesh", "dp=2,tp=2", *KEYS)
     assert reference.returncode == 0, reference.stderr
-    run_dir, port, deadline = tmp_path / "elastic", free_port(), time.monotonic() + 480
-    log = str(tmp_path / "nodes.log")
-    first, second = node(port, dataset, run_dir, log, True), node(port, dataset, run_dir, log, False)
+    run_dir, port = tmp_path / "elastic", free_port()
+    out = lose_a_node_and_bring_it_back(
+        tmp_path, lambda host: node(port, dataset, run_dir, str(tmp_path / "nodes.log"), host)
+    )
+    changes = [(r["processes"], r["replayed_steps"]) for r in map(json.loads, open(run_dir / recovery.RECOVERIES))]
+    # the kill, then the return (an agreed stop: nothing replayed); a record before them: the second agent joined late
+    assert [p for p, _ in changes[-2:]] == [[4, 2], [2, 4]] and changes[-1][1] == 0, (changes, out[-3000:])
+    assert "mesh tp=2 on 2 cpu devices" in out and out.count("mesh dp=2,tp=2 on 4 cpu devices") >= 2
+    assert_every_step_follows(run_dir, tmp_path / "reference")
+
+
+def lose_a_node_and_bring_it_back(tmp_path, start) -> str:
+    """Two nodes, `start(host)`: the second killed after step 6, started again after step 14; both finish.
+
+    Returns the nodes' log.
+    """
+    run_dir, deadline = tmp_path / "elastic", time.monotonic() + 480
+    first, second = start(True), start(False)
     try:
         wait_for_step(run_dir, 6, deadline, first.proc, second.proc)
         second.kill()
-        wait_for_step(run_dir, 14, deadline, first.proc)  # on dp=1 now
-        second = node(port, dataset, run_dir, log, False)
+        wait_for_step(run_dir, 14, deadline, first.proc)  # the first node alone now
+        second = start(False)
         assert first.proc.wait(timeout=deadline - time.monotonic()) == 0
         assert second.proc.wait(timeout=60) == 0
     finally:
         for n in (first, second):
             if n.proc.poll() is None:
                 n.kill()
-    out = (tmp_path / "nodes.log").read_text()
-    changes = [(r["processes"], r["replayed_steps"]) for r in map(json.loads, open(run_dir / recovery.RECOVERIES))]
-    # the kill, then the return (an agreed stop: nothing replayed); a record before them: the second agent joined late
-    assert [p for p, _ in changes[-2:]] == [[4, 2], [2, 4]] and changes[-1][1] == 0, (changes, out[-3000:])
-    assert "mesh tp=2 on 2 cpu devices" in out and out.count("mesh dp=2,tp=2 on 4 cpu devices") >= 2
-    want = metrics(tmp_path / "reference")
+    return (tmp_path / "nodes.log").read_text()
+
+
+def assert_every_step_follows(run_dir, reference_dir) -> None:
+    """Every step of the elastic run, the replayed ones too, within 1e-5 of the uninterrupted run's loss."""
+    want = metrics(reference_dir)
     done = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if '"loss"' in line]
     assert sorted({r["step"] for r in done}) == sorted(want) and len(done) > len(want)  # replayed steps too
     for record in done:
@@ -177,27 +192,12 @@ def test_a_lost_diloco_group_restarts_the_run_from_its_checkpoint_and_every_step
     keys = [*KEYS, "parallel.diloco_inner_steps=4"]
     reference = run_cli(tmp_path / "reference", dataset, "--mesh", "diloco=2", *keys)
     assert reference.returncode == 0, reference.stderr
-    run_dir, port, deadline = tmp_path / "elastic", free_port(), time.monotonic() + 480
+    run_dir, port = tmp_path / "elastic", free_port()
     log = str(tmp_path / "nodes.log")
-    start = lambda host: node(port, dataset, run_dir, log, host, "diloco=2", keys, workers=1)
-    first, second = start(True), start(False)
-    try:
-        wait_for_step(run_dir, 6, deadline, first.proc, second.proc)
-        second.kill()
-        wait_for_step(run_dir, 14, deadline, first.proc)  # one process now
-        second = start(False)
-        assert first.proc.wait(timeout=deadline - time.monotonic()) == 0
-        assert second.proc.wait(timeout=60) == 0
-    finally:
-        for n in (first, second):
-            if n.proc.poll() is None:
-                n.kill()
-    out = (tmp_path / "nodes.log").read_text()
+    out = lose_a_node_and_bring_it_back(
+        tmp_path, lambda host: node(port, dataset, run_dir, log, host, "diloco=2", keys, workers=1)
+    )
     changes = [r["processes"] for r in map(json.loads, open(run_dir / recovery.RECOVERIES))]
     assert changes[-2:] == [[2, 1], [1, 2]], (changes, out[-3000:])
     assert "DiLoCo: 2 groups of 1 device," in out
-    want = metrics(tmp_path / "reference")
-    done = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if '"loss"' in line]
-    assert sorted({r["step"] for r in done}) == sorted(want) and len(done) > len(want)  # replayed steps too
-    for record in done:
-        assert abs(record["loss"] - want[record["step"]]["loss"]) <= 1e-5 * abs(want[record["step"]]["loss"])
+    assert_every_step_follows(run_dir, tmp_path / "reference")
