@@ -62,15 +62,23 @@ def check_layout(cfg: Config, sizes) -> None:
     once("layout", cfg, sizes, lambda: divisibility(cfg, sizes))
 
 
+def batch_ways(sizes) -> tuple[str, int]:
+    """The axes a batch's rows are split over as a user reads them, and their product.
+
+    "dp*fsdp*ep", with DiLoCo's groups "diloco*dp*fsdp*ep".
+    """
+    names = ("diloco",) * (sizes.get("diloco", 1) > 1) + ("dp", "fsdp", "ep")
+    return "*".join(names), sizes["dp"] * sizes["fsdp"] * sizes["ep"] * sizes.get("diloco", 1)
+
+
 def divisibility(cfg: Config, sizes) -> None:
     """check_layout's checks, each time it is called."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     if m.n_head % sizes["tp"]:
         raise UserError(f"model.n_head={m.n_head} is not divisible by tp={sizes['tp']}")
-    data_ways = sizes["dp"] * sizes["fsdp"] * sizes["ep"] * sizes.get("diloco", 1)
+    names, data_ways = batch_ways(sizes)
     micro = t.global_batch_size // t.microbatches
     if micro % data_ways:
-        names = "diloco*dp*fsdp*ep" if sizes.get("diloco", 1) > 1 else "dp*fsdp*ep"
         raise UserError(
             f"batch per microbatch {micro} (train.global_batch_size={t.global_batch_size} / "
             f"train.microbatches={t.microbatches}) is not divisible by the data axes {names}={data_ways}"
@@ -190,10 +198,9 @@ def check_pipeline(cfg: Config, sizes) -> None:
         p.pipeline_virtual_stages,
         cfg.model.n_layer - (cfg.model.moe_first_dense if cfg.model.moe_experts else 0),
     )
-    data_ways = sizes["dp"] * sizes["fsdp"] * sizes["ep"] * sizes.get("diloco", 1)
+    names, data_ways = batch_ways(sizes)
     batch = t.global_batch_size // t.microbatches
     if batch % (M * data_ways):
-        names = "diloco*dp*fsdp*ep" if sizes.get("diloco", 1) > 1 else "dp*fsdp*ep"
         raise UserError(
             f"batch per microbatch {batch} is not divisible by parallel.pipeline_microbatches={M} "
             f"x data axes {names}={data_ways}"

@@ -114,15 +114,15 @@ class Layout:
         self.batch_sharding = NamedSharding(
             mesh, spec_for(("batch", None), (t.global_batch_size // t.microbatches, 1), mesh, self.rules)
         )
-        self.group = None
+        self.group, self.fragments = None, []  # DiLoCo's: a group's Layout; each fragment's rows (diloco.fragments)
         if diloco.groups(mesh) > 1 and not for_group:  # every group's inner state and parameters; the outer state
-            self.group = Layout(cfg, mesh, for_group=True)
+            self.group, self.fragments = Layout(cfg, mesh, for_group=True), diloco.fragments(self)
             self.state_shardings["opt_state"] = jax.tree.map(diloco.stacked, self.state_shardings["opt_state"])
             outer = {  # each fragment's outer optimizer state (parallel/diloco.py)
                 str(f): jax.eval_shape(
                     lambda p, rows=rows: diloco.outer_optimizer(cfg).init(diloco.piece(p, rows)), abstract_params
                 )
-                for f, rows in enumerate(diloco.fragments(self))
+                for f, rows in enumerate(self.fragments)
             }
             self.state_shardings["diloco"] = {
                 "params": jax.tree.map(diloco.stacked, self.state_shardings["params"]),

@@ -38,7 +38,6 @@ from jaxpar.layout import Layout
 from jaxpar.mesh import device_memory
 from jaxpar.models.decoder import abstract_model
 from jaxpar.parallel import diloco
-from jaxpar.parallel.diloco import make_outer_step
 from jaxpar.parallelize import parallel_context
 from jaxpar.scoring import JaxScorer
 from jaxpar.step import compiled_train_step, make_eval_step, make_train_step
@@ -102,9 +101,7 @@ class JaxTrainer:
         first = self.train_data.shape(int(jax.device_get(self.state["step"])))
         self._train_steps = {first: compiled_train_step(layout, self.state, shape=first)}  # by batch shape
         self._eval_step = make_eval_step(layout)
-        self._meetings = (  # DiLoCo: each fragment's meeting of the groups
-            [make_outer_step(layout, f) for f in range(self.cfg.parallel.diloco_fragments)] if layout.group else []
-        )
+        self._meet = diloco.make_meetings(layout) if layout.group is not None else None  # DiLoCo's groups meet
         self._generate = None  # train.sample_every's decoder, made on first use
         self._task_model = None  # train.eval_tasks' lm-eval model, made on first use
         self.overflow_step = None  # the test fault's step (<PREFIX>_FAULT_OVERFLOW_AT_STEP: JaxFaults)
@@ -175,8 +172,8 @@ class JaxTrainer:
         batch = self.prefetch(step)  # the next one is read ahead
         step_fn, self.overflow_step = self.overflow_step or self.step_for(tuple(batch.shape)), None
         self.state, metrics = step_fn(self.state, batch)
-        for fragment in diloco.meeting(self.cfg, step) if self._meetings else ():
-            self.state = self._meetings[fragment](self.state)  # the groups meet: their mean delta, the outer optimizer
+        if self._meet is not None:  # the groups meet: their mean delta, the outer optimizer
+            self.state = self._meet(self.state, step)
         return metrics
 
     def fetch(self, metrics) -> dict:

@@ -112,14 +112,11 @@ def run_steps(cfg: Config, mesh: str, dataset: str, steps: int | None = None, de
         data = open_splits(
             dataclasses.replace(leg, data=dataclasses.replace(leg.data, dataset=str(dataset))), grain_batches
         )[0]
-        fragments = range(leg.parallel.diloco_fragments) if layout.group is not None else ()
-        meetings = [diloco.make_outer_step(layout, f) for f in fragments]
+        meet = diloco.make_meetings(layout) if layout.group is not None else None
         for step in range(start, stop):
             state, metrics = train_step(state, device_batch(data, step, layout.batch_sharding))
-            if layout.group is not None:  # DiLoCo's groups: their mean metrics; the fragments that meet now
-                metrics = diloco.mean_over_groups(metrics)
-                for fragment in diloco.meeting(leg, step):
-                    state = meetings[fragment](state)
+            if meet is not None:  # DiLoCo's groups: their mean metrics; the fragments that meet now
+                metrics, state = diloco.mean_over_groups(metrics), meet(state, step)
             history.append(metrics)
     cfg = legs[-1][0]
     history = [

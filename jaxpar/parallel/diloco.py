@@ -121,7 +121,7 @@ def put(tree, rows: dict, fragment: dict, stacked: bool = False) -> dict:
 def initial(layout, params, opt_state) -> tuple:
     """The inner optimizer state for every group, and the DiLoCo part of a fresh state: (opt_state, state["diloco"])."""
     n, tx = groups(layout.mesh), outer_optimizer(layout.cfg)
-    outer = {str(f): tx.init(piece(params, rows)) for f, rows in enumerate(fragments(layout))}
+    outer = {str(f): tx.init(piece(params, rows)) for f, rows in enumerate(layout.fragments)}
     return for_each_group(opt_state, n), {"params": for_each_group(params, n), "outer": outer}
 
 
@@ -161,7 +161,7 @@ def make_outer_step(layout, fragment: int = 0):
     Only the fragment's parameters are all-reduced; the other fragments' stay as each group has them.
     """
     cfg, mesh, n = layout.cfg, layout.mesh, groups(layout.mesh)
-    tx, rows = outer_optimizer(cfg), fragments(layout)[fragment]
+    tx, rows = outer_optimizer(cfg), layout.fragments[fragment]
 
     def mean_delta(synced, group):  # [1, ...] per group -> the mean over the groups, one all-reduce
         return jax.tree.map(lambda s, g: jax.lax.pmean(s - g[0], AXIS), synced, group)
@@ -186,6 +186,21 @@ def make_outer_step(layout, fragment: int = 0):
     return jax.jit(
         outer, in_shardings=(layout.state_shardings,), out_shardings=layout.state_shardings, donate_argnums=0
     )
+
+
+def make_meetings(layout):
+    """(state, 0-based step) -> the state after the meetings that follow that step (`meeting`).
+
+    Each fragment's meeting is its own jitted program (make_outer_step).
+    """
+    programs = [make_outer_step(layout, f) for f in range(len(layout.fragments))]
+
+    def meet(state, step: int):
+        for fragment in meeting(layout.cfg, step):
+            state = programs[fragment](state)
+        return state
+
+    return meet
 
 
 def _get(tree, path):
