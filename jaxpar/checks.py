@@ -19,7 +19,7 @@ from jaxpar.core.run.resume import check_resume
 from jaxpar.core.run.directory import check_run_dir_framework
 from jaxpar.core.evaluation.tasks import check_eval_tasks
 from jaxpar.core.run.trackers import check_trackers
-from jaxpar.parallel.diloco import check_diloco
+from jaxpar.core.optimizer.outer import check_diloco
 from jaxpar.parallel.sequence import check_sequence, check_window
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from contextlib import nullcontext
 
 import jax
 from jax._src.distributed import global_state  # the coordination service's store has no public handle
@@ -212,6 +213,10 @@ class JaxTrainer:
             scorer = JaxScorer(self.layout, lambda: self.state["params"], batch_size)
             self._task_model = ProjectLM(scorer, self.cfg.data.tokenizer, batch_size)
         return self._task_model
+
+    def synchronised(self):
+        """Readers read state["params"], DiLoCo's synchronised parameters already."""
+        return nullcontext()
 
     def save(self, step: int) -> None:
         self.ckpt.save(

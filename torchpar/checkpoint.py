@@ -22,11 +22,17 @@ from contextlib import contextmanager
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from jaxpar.core.errors import UserError, error_line
 from jaxpar.core.run.directory import foreign_checkpoint
 from torchpar import dist
+from torchpar.diloco import check_saved_groups
 from torchpar.dist import Env
 
 
@@ -105,7 +111,8 @@ class DCPCheckpointer:
         self.dir = os.path.abspath(os.path.join(run_dir, "checkpoints"))
         self.keep, self.model, self.optimizer, self.env = keep, model, optimizer, env
         self.rank_state = None  # each rank's own state beside DCP's (save(folder), load(folder)): DDP's PowerSGD
-        self.views = None  # views(state) / unviews(state): tensors DCP must see as DTensors (ddp's split experts)
+        self.views = None  # views(state) / unviews(state): what DCP sees (ddp's split experts, DiLoCo's groups)
+        self.groups = 1  # DiLoCo's groups (torchpar/diloco.py): a checkpoint of another number is refused
         self.own: set[int] = set()  # steps this run saved or restored: the only ones a save may find on disk
 
     def remove_partial_saves(self) -> None:
@@ -170,8 +177,11 @@ class DCPCheckpointer:
     def _last_complete(self) -> int | None:
         return (complete_steps(self.dir) or [None])[-1]
 
-    def restore(self) -> dict | None:
-        """meta of the newest checkpoint, loaded into model and optimizer; None if there is none."""
+    def restore(self, params_only: bool = False) -> dict | None:
+        """meta of the newest checkpoint, loaded into model and optimizer; None if there is none.
+
+        `params_only` (readers of the parameters): the model alone, a DiLoCo run's synchronised parameters included.
+        """
         steps = complete_steps(self.dir)
         if not steps:
             if os.path.exists(os.path.join(self.dir, "latest")):
@@ -180,13 +190,22 @@ class DCPCheckpointer:
                 )
             return None
         path = os.path.join(self.dir, str(steps[-1]))
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+        if not params_only:
+            check_saved_groups(meta, self.groups, path)
         state = self._state()
+        if params_only:
+            state = {"model": state["model"]}
         try:
             with _single_process_ok():
                 dcp.load(state, checkpoint_id=path, no_dist=not tdist.is_initialized())
         except Exception as e:  # noqa: BLE001 - any failure to read is a checkpoint problem for the user
             reason = (str(e).strip().splitlines() or [repr(e)])[0][:300]
             raise UserError(f"checkpoint {path} could not be loaded: {reason}") from None
+        if params_only:
+            set_model_state_dict(self.model, state["model"], options=FLAT)
+            return meta
         if self.views is not None:
             state = self.views.unviews(state)
         set_state_dict(
@@ -194,8 +213,6 @@ class DCPCheckpointer:
         )
         if self.rank_state is not None:
             self.rank_state.load(path)
-        with open(os.path.join(path, "meta.json")) as f:
-            meta = json.load(f)
         self.own.add(steps[-1])
         if self.env.is_main:
             print(f"resumed from {path}", file=sys.stderr)

@@ -14,12 +14,14 @@ from jaxpar.core.config.contract import Run, check_contract
 from jaxpar.core.errors import UserError
 from jaxpar.core.data.batch_shapes import for_each_shape
 from jaxpar.core.model.experts import check_expert_axis
+from jaxpar.core.optimizer.outer import check_diloco
 from jaxpar.core.config.mesh_spec import check_torch_mesh, parse_mesh, resolve_sizes
 from jaxpar.core.pipeline.choice import resolve
 from jaxpar.core.run.resume import check_resume
 from jaxpar.core.run.directory import check_run_dir_framework
 from jaxpar.core.evaluation.tasks import check_eval_tasks
 from jaxpar.core.run.trackers import check_trackers
+from torchpar.diloco import layer_fragments
 from torchpar.dist import launch_env, launched
 
 
@@ -82,6 +84,7 @@ def check_backend_settings(cfg: Config, args) -> None:
         raise UserError(f"--backend none runs one process, but WORLD_SIZE={world}; use ddp, fsdp or deepspeed")
     check_torch_mesh(cfg.parallel.mesh, args.backend, world)
     check_expert_parallel(cfg, args.backend, world)
+    groups = check_groups(cfg, world)
     check_trackers(cfg)
     check_eval_tasks(cfg)
     if cfg.train.sample_every and args.backend not in ("none", "ddp"):
@@ -134,7 +137,27 @@ def check_backend_settings(cfg: Config, args) -> None:
         from torchpar.backends import deepspeed  # deferred: DCP, DTensor (~1 s): --backend deepspeed only
 
         deepspeed.check_deepspeed(cfg, args.deepspeed_config)
-    check_contract(Run(cfg, "torchpar", args.backend, stages))
+    check_contract(Run(cfg, "torchpar", args.backend, {**stages, "diloco": groups}))
+
+
+def check_groups(cfg: Config, world: int) -> int:
+    """DiLoCo's groups (parallel.mesh's diloco, ddp and fsdp: check_torch_mesh): their number, or one line.
+
+    What they do not run with, as in jaxpar (jaxpar/core/optimizer/outer.py), and expert parallelism, whose exchange
+    spans every rank.
+    """
+    sizes = resolve_sizes(parse_mesh(cfg.parallel.mesh), world) if cfg.parallel.mesh else {}
+    groups = sizes.get("diloco", 1)
+    if groups == 1:
+        return 1
+    check_diloco(cfg, sizes)
+    if sizes.get("ep", 1) > 1:
+        raise UserError(
+            f"diloco={groups} with ep={sizes['ep']} in parallel.mesh is not built in torchpar (its expert exchange "
+            "spans every rank); jaxpar.train runs experts inside DiLoCo's groups"
+        )
+    layer_fragments(cfg)
+    return groups
 
 
 def check_expert_parallel(cfg: Config, backend: str, world: int) -> None:

@@ -39,7 +39,7 @@ def load_model(args, doing: str = "sample"):
         # the none backend's engine restores the run's checkpoint; decoding compiles nothing and, without gradients,
         # recomputes nothing
         engine = parallelize(model, cfg, env, "none", compile_model=False)[0]
-        meta = engine.checkpointer.restore()
+        meta = engine.checkpointer.restore(params_only=True)
         if meta is None:
             raise UserError(f"no checkpoint in {args.run}/checkpoints")
         return model, args.tokenizer or cfg.data.tokenizer, int(meta["step"])

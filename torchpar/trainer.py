@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed
@@ -78,11 +79,17 @@ class TorchTrainer:
             counts, state = self._per_rank(local), self._per_rank(state)
             held = f", {min(counts):,}" + (f"-{max(counts):,}" if min(counts) != max(counts) else "") + " per rank"
         state = f"; {optimizer_phrase(self.cfg.optim.name, state, 'rank')}" if state is not None else ""
+        groups = self.engine.groups
         return (
             f"backend {self.backend} on {self.env.world} {self.env.device.type} processes; "
             f"{params_phrase(self.cfg.model, self.n_params)}{held}{state}; "
-            f"torch.compile {'on' if self.compiled else 'off'}"
+            f"torch.compile {'on' if self.compiled else 'off'}" + (f"\n{groups.describe()}" if groups else "")
         )
+
+    def synchronised(self):
+        """Readers of the parameters run inside: DiLoCo's synchronised parameters in the model (torchpar/diloco.py)."""
+        groups = self.engine.groups if self.engine else None
+        return groups.synchronised() if groups else nullcontext()
 
     def _per_rank(self, mine: int) -> list[int]:
         """Each rank's value of `mine` (a collective)."""
@@ -90,7 +97,8 @@ class TorchTrainer:
         return [int(c) for c in dist.all_sum([mine if r == env.rank else 0 for r in range(env.world)], env)]
 
     def write_weights(self, path: str, which: str) -> None:
-        full = self.engine.full_state_dict() if self.engine else self.model.state_dict()  # a collective if sharded
+        with self.synchronised():
+            full = self.engine.full_state_dict() if self.engine else self.model.state_dict()  # a collective if sharded
         if self.is_main:
             save_weights(path, unflatten(to_shared(full, self.cfg.model.n_layer)), vars(self.cfg.model))
             print(f"wrote {which} weights to {path}", file=sys.stderr)
@@ -154,9 +162,10 @@ class TorchTrainer:
         engine = self.engine
         engine.module.eval()
         losses = []
-        for i in range(batches):
-            rows = self._rows(self.val_data, i)
-            losses.append(engine.eval_loss(rows, self._share(rows)))
+        with self.synchronised():
+            for i in range(batches):
+                rows = self._rows(self.val_data, i)
+                losses.append(engine.eval_loss(rows, self._share(rows)))
         engine.module.train()
         return dist.all_sum([sum(losses) / len(losses)], self.env)[0] / engine.data_ways
 
@@ -167,7 +176,8 @@ class TorchTrainer:
         prompt_len, new = sample_lengths(self.cfg.model.max_seq_len)
         prompt = unmasked(self._rows(self.val_data, 0)[:1, :prompt_len])
         model = self.engine.raw.eval()
-        out = generate(model, prompt, new, seed=step, temperature=0.8, top_k=40)
+        with self.synchronised():
+            out = generate(model, prompt, new, seed=step, temperature=0.8, top_k=40)
         model.train()
         return prompt[0].tolist() + out[0].tolist()
 

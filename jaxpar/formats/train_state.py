@@ -17,6 +17,7 @@ from jaxpar.checkpoint import Checkpointer
 from jaxpar.core.errors import UserError
 from jaxpar.core.run.resume import read_run_config
 from jaxpar.core.weights.state_file import (
+    diloco_refusal,
     refuse_other_optimizer,
     save_state,
     state_for_run,
@@ -65,10 +66,7 @@ def export_state(run_dir: str, dst: str) -> int:
     refuse_other_optimizer(cfg, run_dir)
     ckpt = Checkpointer(run_dir, cfg.checkpoint.keep)
     if "diloco" in (ckpt.newest_tree() or {}):
-        raise UserError(
-            f"{run_dir} is a DiLoCo run: a training-state file has no place for its groups' parameters and optimizer "
-            "states yet; convert its weights (--to shared or hf), which are the groups' synchronised parameters"
-        )
+        raise diloco_refusal(run_dir)
     restored = restore_latest(ckpt, single_device_layout(cfg))
     if restored is None:
         raise UserError(f"no checkpoint in {run_dir}/checkpoints")

@@ -62,10 +62,19 @@ def read(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
 
 
 def _state_weights(fmt: str, src: str) -> tuple[dict[str, np.ndarray], dict]:
-    """The parameters of a training-state file, or of a torchpar run's latest checkpoint (through a state file)."""
+    """The parameters of a training-state file, or of a torchpar run's latest checkpoint.
+
+    A DCP run's through a weights file (torchpar.tools.convert --to shared: a DiLoCo run's synchronised parameters), a
+    DeepSpeed run's through a state file.
+    """
     if fmt == "torchpar":
         with tempfile.TemporaryDirectory() as tmp:
-            state = os.path.join(tmp, "state.safetensors")
+            if not os.path.exists(os.path.join(src, "checkpoints", "latest")):  # DCP: the parameters alone
+                weights = os.path.join(tmp, "weights.safetensors")
+                torchpar_convert("--from", "torchpar", src, "--to", "shared", weights)
+                flat, settings = read_weights(weights), read_run_config(src).model
+                return flat, model_dims(flat, {k: getattr(settings, k) for k in SETTINGS})
+            state = os.path.join(tmp, "state.safetensors")  # DeepSpeed's, through its state
             export_run_state(fmt, src, state)
             return _state_weights("state", state)
     tensors, meta = read_state(src)
@@ -191,7 +200,7 @@ def import_run_state(state: str, fmt: str, run_dir: str, zero_stage: str | None)
 def torchpar_convert(*args: str) -> int:
     """python -m torchpar.tools.convert ARGS: the step it converted, or its error line as ours."""
     proc = subprocess.run([sys.executable, "-m", "torchpar.tools.convert", *args], capture_output=True, text=True)
-    done = re.search(r"converted the training state of step (\d+)", proc.stdout)
+    done = re.search(r"converted the (?:training state|weights) of step (\d+)", proc.stdout)
     if proc.returncode or not done:
         line = next((ln for ln in reversed(proc.stderr.splitlines()) if ln.startswith("error:")), None)
         if line is None:  # not a refusal: a bug, whose traceback is the report

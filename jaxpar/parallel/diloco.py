@@ -15,7 +15,8 @@ and sp work as they do without groups. The global batch at each step is split ov
 Streaming DiLoCo (parallel.diloco_fragments=F): the parameters are F fragments, fragment f the f-th of F equal runs of
 layers of every layer stack (the embeddings and the final norm in fragment 0), and each fragment meets on its own
 schedule, fragment f after every H-th step counted from step f x H / F: each meeting sends 1/F of the parameters.
-After the run's last step every fragment meets, so the trained parameters hold every step.
+After the run's last step every fragment meets, so the trained parameters hold every step (the schedule is shared
+with torchpar: jaxpar/core/optimizer/outer.py).
 
 The train state keeps the synchronised parameters as "params" (evaluation, sampling, export and conversion read
 those), every group's inner optimizer state as "opt_state" [groups, ...], and under "diloco" every group's parameters
@@ -32,9 +33,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.core.config.schema import Config
 from jaxpar.core.errors import UserError
+from jaxpar.core.optimizer.outer import AXIS, layer_runs, meeting
 from jaxpar.core.weights.names import flatten, unflatten
 
-AXIS = "diloco"
 BALANCE_BIAS = ("blocks", "moe", "router", "bias")  # the experts' balance bias (models/moe.py update_router_bias)
 
 
@@ -46,24 +47,6 @@ def groups(mesh) -> int:
 def group_rules(rules: dict) -> dict:
     """The rules table as one group sees it: without the `diloco` axis."""
     return {name: tuple(a for a in axes if a != AXIS) for name, axes in rules.items()}
-
-
-def check_diloco(cfg: Config, sizes) -> None:
-    """What DiLoCo's groups do not run with yet, one line each (sizes: mesh axis -> size)."""
-    if sizes.get(AXIS, 1) == 1:
-        return
-    p, m = cfg.parallel, cfg.model
-    refusals = {
-        "parallel.grad_compression=powersgd": p.grad_compression == "powersgd",
-        f"parallel.offload={p.offload}": p.offload != "none",
-        "model.compute_dtype=float16 (its loss scale)": m.compute_dtype == "float16",
-    }
-    for what, refused in refusals.items():
-        if refused:
-            raise UserError(f"diloco={sizes[AXIS]} in the mesh does not run with {what} yet (docs/diloco.md)")
-    H, F = p.diloco_inner_steps, p.diloco_fragments
-    if H % F:
-        raise UserError(f"parallel.diloco_fragments={F} does not divide parallel.diloco_inner_steps={H}")
 
 
 def outer_optimizer(cfg: Config) -> optax.GradientTransformation:
@@ -93,14 +76,8 @@ def fragments(layout) -> list[dict]:
         if layout.axes[tuple(name.split("."))][0] != "layers":
             out[0][name] = None
             continue
-        L = leaf.shape[0]
-        if L % F:
-            raise UserError(
-                f"parallel.diloco_fragments={F} does not divide the {L} layers of {name.split('.')[0]}: each "
-                "fragment holds an equal run of every layer stack's layers"
-            )
-        for f in range(F):
-            out[f][name] = (f * L // F, (f + 1) * L // F)
+        for f, run in enumerate(layer_runs(leaf.shape[0], F, name.split(".")[0])):
+            out[f][name] = (run.start, run.stop)
     return out
 
 
@@ -213,17 +190,6 @@ def _set(tree, path, value):
     if not path:
         return value
     return {**tree, path[0]: _set(tree[path[0]], path[1:], value)}
-
-
-def meeting(cfg: Config, step: int) -> list[int]:
-    """The fragments whose groups meet after the 0-based `step`.
-
-    Fragment f after every diloco_inner_steps-th step counted from f x H / F; every fragment after the run's last step.
-    """
-    H, F = cfg.parallel.diloco_inner_steps, cfg.parallel.diloco_fragments
-    if step + 1 == cfg.train.steps:
-        return list(range(F))
-    return [f for f in range(F) if (step + 1 - f * H // F) % H == 0]
 
 
 def check_saved_groups(saved: dict | None, n: int) -> None:

@@ -19,7 +19,8 @@ import pytest
 from jaxpar.core.config.mesh_spec import check_torch_mesh, parse_mesh, resolve_sizes
 from jaxpar.core.data.order import open_splits
 from jaxpar.core.errors import UserError
-from jaxpar.core.weights.names import flatten, read_weights, unflatten
+from jaxpar.core.weights.names import flatten, load_weights, read_weights, unflatten
+from jaxpar.state import state_from_params
 from jaxpar.cost.hlo_collectives import group_axes, parse
 from jaxpar.data import grain_batches
 from jaxpar.parallel.diloco import make_outer_step
@@ -45,16 +46,19 @@ def dataset(tmp_path_factory):
 def reference(cfg, dataset, momentum: float = 0.9, groups_counted: int = GROUPS, bias_mean: bool = True) -> dict:
     """R one-device runs on their groups' rows, meeting every H steps: per-step mean losses and the final parameters.
 
-    With F fragments (parallel.diloco_fragments): fragment f is the f-th of F runs of layers of "blocks" (the other
-    parameters are fragment 0's) and meets after every H-th step counted from f x H / F; every fragment after the last
-    step. The experts' balance bias, which no gradient moves, becomes the groups' mean at each meeting. `momentum`,
-    `groups_counted` (the deltas averaged: fewer drops a group's) and `bias_mean` make the variants the test must tell
-    apart from DiLoCo.
+    From model.init_from's weights where it is set. With F fragments (parallel.diloco_fragments): fragment f is the
+    f-th of F runs of layers of "blocks" (the other parameters are fragment 0's) and meets after every H-th step
+    counted from f x H / F; every fragment after the last step. The experts' balance bias, which no gradient moves,
+    becomes the groups' mean at each meeting. `momentum`, `groups_counted` (the deltas averaged: fewer drops a
+    group's) and `bias_mean` make the variants the test must tell apart from DiLoCo.
     """
     H, F, L = cfg.parallel.diloco_inner_steps, cfg.parallel.diloco_fragments, cfg.model.n_layer
     rows = cfg.train.global_batch_size // GROUPS
     one = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=rows))
     layout, state, step = build_step(one, {"dp": 1}, jax.devices()[:1])
+    if cfg.model.init_from:  # one weights file for both frameworks (tests/torchpar/test_diloco.py)
+        shapes = {k: v.shape for k, v in flatten(state["params"]).items()}
+        state = state_from_params(layout, unflatten(load_weights(cfg.model.init_from, shapes)))
     data = open_splits(
         dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=str(dataset))), grain_batches
     )[0]
@@ -195,8 +199,9 @@ def test_settings_diloco_does_not_run_with_are_refused_in_one_line():
         build_step(
             tiny_config("parallel.diloco_fragments=4", "parallel.diloco_inner_steps=4"), sizes, jax.devices()[:4]
         )
-    with pytest.raises(UserError, match="diloco"):
-        check_torch_mesh("diloco=2", "ddp", 2)
+    for backend in ("deepspeed", "pipeline"):  # torchpar's groups: ddp and fsdp (tests/torchpar/test_diloco.py)
+        with pytest.raises(UserError, match="does not implement diloco"):
+            check_torch_mesh("diloco=2", backend, 2)
 
 
 def test_a_killed_diloco_run_resumes_exactly_across_an_outer_step(tmp_path, dataset):

@@ -7,7 +7,8 @@ connections, the shared loop's roll call names the lost processes, exit 3), the 
 DeepSpeed through the universal checkpoint). The node is started again: the running agent sees it waiting and stops its
 workers with SIGTERM (the loop stops after an agreed step, with a checkpoint), and the group grows back to 4. Every step
 logged, the replayed ones included, equals the one-process run within 1e-5; both agents exit 0 and no worker is left
-behind.
+behind. With DiLoCo's two groups a node each, the lost node is a whole group: the survivors resume both groups, one rank
+each, and every step equals the uninterrupted run of the groups.
 
 torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see torchpar/dist.py: with torch's shared store, a node
 that joins later waits in vain for the store's address). Steps are slowed (TORCHPAR_FAULT_SLOW_STEP_S) so that
@@ -48,10 +49,14 @@ WAIT_S = 240  # any one phase, on a loaded machine
 # backend, its settings, and whether the lost node is started first: it then has the lower process id, so the
 # rendezvous makes it node 0, with rank 0 and (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) the workers' store: the survivors
 # find the store gone; else they hold the roll call and wait for the lost processes' answers
+# DiLoCo's 2 groups, a node each: the lost node is a whole group; the survivors are both groups of one rank, from the
+# checkpoint (each group's state resharded by DCP), until the node comes back (docs/diloco.md)
+DILOCO = ["parallel.mesh=diloco=2,dp=-1", "parallel.diloco_inner_steps=5"]
 BACKENDS = {
     "ddp": ("ddp", [], True),
     "fsdp": ("fsdp", [], False),
     "deepspeed-zero2": ("deepspeed", ["parallel.zero_stage=2"], False),
+    "ddp-diloco": ("ddp", DILOCO, False),
 }
 
 
@@ -60,6 +65,14 @@ def uninterrupted(base):
     """The uninterrupted run of the same config: one process."""
     run_dir = base["tmp"] / "elastic-reference"
     run(["--backend", "none", *base["args"], *EXTRA, f"run.dir={run_dir}"])
+    return {r["step"]: r for r in records(run_dir)}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_groups(base):
+    """DiLoCo's uninterrupted run of the same config: its 2 groups of one process each."""
+    run_dir = base["tmp"] / "elastic-groups-reference"
+    run(["--backend", "ddp", *base["args"], *EXTRA, *DILOCO, f"run.dir={run_dir}"], nproc=2)
     return {r["step"]: r for r in records(run_dir)}
 
 
@@ -125,7 +138,8 @@ def worlds(log: str) -> list[int]:
 
 
 @pytest.mark.parametrize("backend,extra,lost_first", BACKENDS.values(), ids=BACKENDS.keys())
-def test_a_lost_node_shrinks_the_run_and_its_return_grows_it(backend, extra, lost_first, base, uninterrupted, tmp_path):
+def test_a_lost_node_shrinks_the_run_and_its_return_grows_it(backend, extra, lost_first, base, request, tmp_path):
+    uninterrupted = request.getfixturevalue("uninterrupted_groups" if extra is DILOCO else "uninterrupted")
     run_dir, log, rdzv_id = tmp_path / "run", str(tmp_path / "nodes.log"), f"elastic-{uuid.uuid4().hex[:8]}"
     args = ["--backend", backend, *base["args"], *EXTRA, *extra, f"run.dir={run_dir}"]
     port = free_port()

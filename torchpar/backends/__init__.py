@@ -24,6 +24,7 @@ class Engine(Protocol):
     data_ways: int  # ...of how many (the ranks whose losses make the mean)
     local_params: int | None  # parameter elements this rank holds (None where the engine does not say)
     optimizer_bytes: int | None  # bytes of optimizer state it holds (likewise)
+    groups: object  # DiLoCo's groups (torchpar/diloco.py `Groups`) on ddp and fsdp, else None
 
     def update(self, batch, share: float = 1.0) -> object:
         """This rank's rows of the global batch.

@@ -34,16 +34,20 @@ def microbatches(batch: torch.Tensor, M: int) -> list[torch.Tensor]:
     return [batch[m::M] for m in range(M)]
 
 
-def read_metrics(handle, env, data_ways: int, experts: int = 0) -> dict:
+def read_metrics(handle, env, data_ways: int, experts: int = 0, groups: bool = False) -> dict:
     """A step's (local loss, grad_norm, lr, extra) as a dict of floats.
 
     The loss is averaged over the ranks that hold a share of the batch, the experts' statistics summed over them
-    (a collective: every rank calls it at the same steps).
+    (a collective: every rank calls it at the same steps). `groups` (DiLoCo's, each its own norm): the grad norm is
+    their mean.
     """
     loss, grad_norm, lr, extra = handle
     stats, depths = extra.pop("expert_stats", None), extra.pop("mtp_losses", None)
     depths = [] if depths is None else depths.tolist()  # multi-token prediction's, each depth's as the loss is
-    loss_sum, *stats = dist.all_sum([float(loss)] + depths + ([] if stats is None else stats.tolist()), env)
+    norm = [float(grad_norm)] if groups else []  # every rank of a group holds its group's norm
+    loss_sum, *stats = dist.all_sum([float(loss)] + norm + depths + ([] if stats is None else stats.tolist()), env)
+    if groups:
+        grad_norm, stats = stats[0] / env.world, stats[1:]
     extra = {**extra, **{f"mtp_loss_{d + 1}": v / data_ways for d, v in enumerate(stats[: len(depths)])}}
     stats = stats[len(depths) :]
     if stats:  # [choices per expert, dropped, balance loss per layer, rows] over every rank and microbatch
@@ -103,6 +107,8 @@ def grad_scaler(cfg, env, sharded: bool = False):
 
 
 class TorchEngine:
+    groups = None  # DiLoCo's (torchpar/diloco.py `Groups`), set by use_groups
+
     def __init__(self, module, raw, cfg, env, sync=lambda last: nullcontext(), full_state=None, scaler=None):
         self.module, self.raw, self.cfg, self.env, self.sync = module, raw, cfg, env, sync
         self.scaler = scaler if scaler is not None else grad_scaler(cfg, env)
@@ -131,7 +137,7 @@ class TorchEngine:
         return eval_loss(self.module, batch, share)
 
     def read(self, handle) -> dict:
-        return read_metrics(handle, self.env, self.data_ways, self.cfg.model.moe_experts)
+        return read_metrics(handle, self.env, self.data_ways, self.cfg.model.moe_experts, self.groups is not None)
 
     def inject_overflow(self) -> None:
         self.overflow_next = True
@@ -166,14 +172,22 @@ class TorchEngine:
             extra = {"loss_scale": scale, "skipped_steps": self.skipped}
         if self.cfg.model.moe_bias_update and (self.scaler is None or applied):  # a skipped step keeps the bias
             m = self.cfg.model
-            self.move_router_bias(dist.all_sum(self.expert_stats[: m.moe_layers * m.moe_experts].tolist(), self.env))
+            loads = self.expert_stats[: m.moe_layers * m.moe_experts].tolist()  # DiLoCo: the group's own
+            self.move_router_bias(self.groups.sum_within(loads) if self.groups else dist.all_sum(loads, self.env))
         if self.expert_stats is not None:
             extra["expert_stats"] = self.expert_stats
         if self.mtp_losses is not None:
             extra["mtp_losses"] = self.mtp_losses
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        if self.groups is not None:
+            self.groups.after(self.step - 1)
         return total, norm, lr, extra
+
+    def use_groups(self, groups) -> None:
+        """DiLoCo (torchpar/diloco.py): meetings after the steps, each group's own bias loads and checkpoint state."""
+        self.groups = self.checkpointer.views = groups
+        self.checkpointer.groups = groups.count
 
     def move_router_bias(self, loads: list[float]) -> None:
         """The experts' balance bias moved by the step's loads (every rank's, layer-major).
@@ -186,6 +200,8 @@ class TorchEngine:
         """A DCP checkpoint; meta.json also carries float16's scaler and skipped count."""
         if self.scaler is not None:
             meta = {**meta, "grad_scaler": self.scaler.state_dict(), "skipped_steps": self.skipped}
+        if self.groups is not None:
+            meta = {**meta, "diloco_groups": self.groups.count}
         self.checkpointer.save(step, meta)
 
     def restore(self) -> int | None:

@@ -30,6 +30,7 @@ from jaxpar.core.errors import UserError
 from torchpar import dist
 from torchpar.backends.base import TorchEngine
 from torchpar.backends.experts import ExpertParallel, ep_size
+from torchpar.diloco import Groups, group_count, group_mesh
 
 
 def comm_hook(cfg) -> tuple[str, dict]:
@@ -83,10 +84,13 @@ def build(model, cfg, env, **_):
     ep = ep_size(cfg, env.world)
     experts = ExpertParallel(model, env, ep) if ep > 1 else None  # before DDP: it ignores the experts
     name, settings = comm_hook(cfg)
+    groups = group_count(cfg, env.world)  # DiLoCo's: DDP inside each group of ranks
+    mesh, inner = group_mesh(env, (groups, env.world // groups), ("dp",)) if groups > 1 else (None, None)
     ddp = DDP(
         model,
         device_ids=[env.device.index] if env.device.type == "cuda" else None,
         bucket_cap_mb=one_bucket_mb(model) if name == "powersgd" and env.device.type != "cuda" else None,
+        process_group=inner.get_group() if inner is not None else None,
     )
     state = None
     if name == "bf16":
@@ -102,6 +106,8 @@ def build(model, cfg, env, **_):
     engine = DDPEngine(ddp, model, cfg, env, sync=sync)
     if experts is not None:
         engine.use_experts(experts)
+    if groups > 1:
+        engine.use_groups(Groups(model, cfg, env, mesh, groups))
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     engine.plain_bytes, engine.powersgd = numel * (2 if name == "bf16" else 4), state
     if state is not None:

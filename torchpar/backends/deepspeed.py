@@ -153,6 +153,7 @@ class DeepSpeedEngine:
     """The `Engine` (torchpar/backends/__init__.py) over DeepSpeed's: its step, loss scaler and checkpoints."""
 
     local_params = optimizer_bytes = None  # ZeRO's partitions are DeepSpeed's own business
+    groups = None  # DiLoCo's groups run on ddp and fsdp (jaxpar/core/config/mesh_spec.py TORCH_MESH_AXES)
 
     def __init__(self, engine, cfg, env, config: dict, universal: str | None = None):
         self.engine = self.module = engine

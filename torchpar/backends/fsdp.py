@@ -24,6 +24,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from jaxpar.core.config.mesh_spec import parse_mesh, resolve_sizes
 from torchpar.backends.base import TorchEngine, grad_scaler
+from torchpar.diloco import Groups, group_mesh
 
 
 def fsdp_options(cfg, world: int) -> dict:
@@ -33,11 +34,14 @@ def fsdp_options(cfg, world: int) -> dict:
     vetted it) -- and fully_shard's settings.
     """
     sizes = resolve_sizes(parse_mesh(cfg.parallel.mesh), world) if cfg.parallel.mesh else {"dp": 1}
-    mesh = ((world,), ("fsdp",)) if sizes["dp"] == 1 else ((sizes["dp"], sizes["fsdp"]), ("dp", "fsdp"))
+    groups = sizes.get("diloco", 1)  # DiLoCo's: FSDP2 inside each group of ranks
+    inner = world // groups
+    mesh = ((inner,), ("fsdp",)) if sizes["dp"] == 1 else ((sizes["dp"], sizes["fsdp"]), ("dp", "fsdp"))
     compute = None if cfg.model.compute_dtype == "float32" else cfg.model.compute_dtype
     reduce = "bfloat16" if cfg.parallel.grad_compression == "bf16" else "float32"  # powersgd: torchpar.checks refuses
     return {
         "mesh": mesh,
+        "groups": groups,
         "param_dtype": compute,
         "reduce_dtype": reduce,
         "cpu_offload": cfg.parallel.offload == "params+optimizer",
@@ -47,7 +51,11 @@ def fsdp_options(cfg, world: int) -> dict:
 
 def build(model, cfg, env, **_):
     o = fsdp_options(cfg, env.world)  # torchpar.checks.check_offload refuses the offloads FSDP2 cannot do
-    mesh = init_device_mesh(env.device.type, o["mesh"][0], mesh_dim_names=o["mesh"][1])
+    groups = o["groups"]
+    if groups > 1:
+        whole, mesh = group_mesh(env, (groups, *o["mesh"][0]), o["mesh"][1])
+    else:
+        mesh = init_device_mesh(env.device.type, o["mesh"][0], mesh_dim_names=o["mesh"][1])
     mp = MixedPrecisionPolicy(
         param_dtype=getattr(torch, o["param_dtype"]) if o["param_dtype"] else None,
         reduce_dtype=getattr(torch, o["reduce_dtype"]),
@@ -70,7 +78,7 @@ def build(model, cfg, env, **_):
         return nullcontext()
 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return TorchEngine(
+    engine = TorchEngine(
         model,
         model,
         cfg,
@@ -79,3 +87,6 @@ def build(model, cfg, env, **_):
         full_state=lambda: get_model_state_dict(model, options=full),
         scaler=grad_scaler(cfg, env, sharded=True),
     )
+    if groups > 1:
+        engine.use_groups(Groups(model, cfg, env, whole, groups))
+    return engine

@@ -1,7 +1,7 @@
 """Convert a torchpar run's whole training state to or from the shared training-state file.
 
     python -m torchpar.tools.convert --from state FILE --to torchpar|deepspeed RUN
-       (or --from torchpar RUN --to state FILE)
+       (or --from torchpar RUN --to state FILE; --from torchpar RUN --to shared FILE: the parameters alone)
 
 A torchpar run's whole training state <-> the shared training-state file (jaxpar/core/weights/state_file.py), which
 jaxpar reads and writes too (python -m jaxpar.tools.convert): parameters, AdamW's moments and step count (and with
@@ -23,9 +23,12 @@ import sys
 
 import torch
 
+from jaxpar.core.config.mesh_spec import parse_mesh
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.run.resume import read_run_config
+from jaxpar.core.weights.names import save_weights, unflatten
 from jaxpar.core.weights.state_file import (
+    diloco_refusal,
     first_moments,
     refuse_other_optimizer,
     save_state,
@@ -201,12 +204,26 @@ def export_deepspeed(cfg, dst: str) -> int:
         dist.teardown()
 
 
+def export_weights(run_dir: str, dst: str) -> int:
+    """A DCP run's parameters (a DiLoCo run's synchronised ones) -> a shared weights file; the checkpoint's step."""
+    cfg = read_run_config(run_dir)
+    cfg.run.dir = run_dir
+    engine = _engine(cfg)
+    meta = engine.checkpointer.restore(params_only=True)
+    if meta is None:
+        raise UserError(f"no checkpoint in {run_dir}/checkpoints")
+    save_weights(dst, unflatten(to_shared(engine.raw.state_dict(), cfg.model.n_layer)), vars(cfg.model))
+    return int(meta["data_step"])
+
+
 def export_state(run_dir: str, dst: str) -> int:
     cfg = read_run_config(run_dir)
     refuse_other_optimizer(cfg, run_dir)
     cfg.run.dir = run_dir
     if os.path.exists(os.path.join(run_dir, "checkpoints", "latest")):  # DeepSpeed's tag file
         return export_deepspeed(cfg, dst)
+    if cfg.parallel.mesh and parse_mesh(cfg.parallel.mesh).get("diloco", 1) != 1:
+        raise diloco_refusal(run_dir)
     engine = _engine(cfg)
     meta = engine.checkpointer.restore()
     if meta is None:
@@ -250,7 +267,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--from", dest="src_fmt", choices=("state", "torchpar"), required=True)
     p.add_argument("src")
-    p.add_argument("--to", dest="dst_fmt", choices=("state", "torchpar", "deepspeed"), required=True)
+    p.add_argument("--to", dest="dst_fmt", choices=("state", "torchpar", "deepspeed", "shared"), required=True)
     p.add_argument("dst")
     p.add_argument(
         "--zero-stage",
@@ -259,13 +276,19 @@ def main(argv=None) -> int:
         help="--to deepspeed: the new run's parallel.zero_stage (default: the state's config's)",
     )
     args = p.parse_intermixed_args(argv)
-    if (args.src_fmt == "state") == (args.dst_fmt == "state"):
+    if (args.src_fmt == "state") == (args.dst_fmt == "state") and args.dst_fmt != "shared":
         raise UserError(
             "convert between a torchpar run and a state file: --from state --to torchpar|deepspeed, or "
             "--from torchpar --to state"
         )
     if args.zero_stage is not None and args.dst_fmt != "deepspeed":
         raise UserError("--zero-stage is for --to deepspeed (a DeepSpeed run's stage is read from its checkpoint)")
+    if args.dst_fmt == "shared":
+        if args.src_fmt != "torchpar" or os.path.exists(os.path.join(args.src, "checkpoints", "latest")):
+            raise UserError("--to shared reads a DCP run's parameters: --from torchpar RUN of --backend none/ddp/fsdp")
+        step = export_weights(args.src, args.dst)
+        print(f"converted the weights of step {step}: {args.src_fmt} {args.src} -> shared {args.dst}")
+        return 0
     if args.src_fmt == "torchpar":
         step = export_state(args.src, args.dst)
     elif args.dst_fmt == "deepspeed":

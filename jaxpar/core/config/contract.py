@@ -110,12 +110,12 @@ def _powersgd(run: Run) -> bool:
 
 
 OUTER = ("optim.outer_lr", "optim.outer_momentum", "optim.outer_nesterov")
-DILOCO = dict(  # parallel.diloco_inner_steps and optim.outer_*: jaxpar/parallel/diloco.py
+DILOCO = dict(  # parallel.diloco_inner_steps and optim.outer_*: jaxpar/parallel/diloco.py, torchpar/diloco.py
     when=lambda r: r.size("diloco") > 1,
     mode="a diloco axis in the mesh",
     example=("mesh:diloco=2",),
     evidence="tests/jaxpar/test_diloco.py::test_diloco_equals_its_reference",
-    why_not="DiLoCo's groups are a jaxpar mesh axis (diloco=N); torchpar has no DiLoCo yet",
+    why_not="DiLoCo's groups are a mesh axis (diloco=N: jaxpar.train, torchpar's ddp and fsdp)",
 )
 
 
@@ -541,7 +541,7 @@ CONTRACT: dict[str, Owner] = {
         for k in ("rank", "warmup_steps")
     },
     **{
-        k: Owner(True, (), "test", **DILOCO)
+        k: Owner(True, ("ddp", "fsdp"), "test", **DILOCO)
         for k in ("parallel.diloco_inner_steps", "parallel.diloco_fragments", *OUTER)
     },
     # checkpoint and run: the shared loop and run directory

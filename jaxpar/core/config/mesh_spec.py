@@ -59,8 +59,8 @@ TORCH_BACKENDS = ("none", "ddp", "fsdp", "deepspeed", "pipeline")  # torchpar/ba
 # the parallel.mesh axes each torchpar backend implements (tp and sp are jaxpar's alone)
 TORCH_MESH_AXES = {
     "none": (),
-    "ddp": ("dp", "ep"),
-    "fsdp": ("dp", "fsdp"),
+    "ddp": ("diloco", "dp", "ep"),
+    "fsdp": ("diloco", "dp", "fsdp"),
     "deepspeed": ("dp",),
     "pipeline": ("pp", "dp", "fsdp"),
 }

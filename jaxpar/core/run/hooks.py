@@ -196,9 +196,10 @@ class EvalTasks(Hook):
             return
         t, record = self.t, self.progress.record(step)  # its throughput measured before the evaluation
         fewshot, limit = (None if t.eval_tasks_fewshot < 0 else t.eval_tasks_fewshot), (t.eval_tasks_limit or None)
-        out = self.cli.run_tasks(
-            self.trainer.task_model(EVAL_TASKS_BATCH), self.tasks, fewshot, limit, manager=self.manager
-        )
+        with self.trainer.synchronised():
+            out = self.cli.run_tasks(
+                self.trainer.task_model(EVAL_TASKS_BATCH), self.tasks, fewshot, limit, manager=self.manager
+            )
         if out is None:  # a rank other than 0 under torchrun: rank 0 holds the gathered scores
             return
         scores = self.results.scores(out)

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Protocol
+from typing import Any, ContextManager, Protocol
 
 from jaxpar.core.config.schema import Config
 from jaxpar.core.errors import UserError
@@ -49,10 +49,7 @@ class Trainer(Protocol):
 
     # the run sequence
     def restore_or_init(self) -> int:
-        """The data step to continue from (0 for a new run), once the state is restored or initialised.
-
-        The latest checkpoint in run.dir (checkpoint.resume), else model.init_from, else the seeded initialisation.
-        """
+        """The data step to continue from (0: a new run): run.dir's latest checkpoint, model.init_from or the seed's."""
 
     def run_config(self) -> dict:
         """What config.json records beside the config: the resolved mesh, or the backend and world size."""
@@ -81,6 +78,9 @@ class Trainer(Protocol):
 
     def task_model(self, batch_size: int) -> Any:
         """The live parameters as lm-eval's model (jaxpar/core/evaluation/harness.py ProjectLM): train.eval_tasks."""
+
+    def synchronised(self) -> ContextManager:
+        """Inside it the model holds what readers of the parameters read (DiLoCo's synchronised parameters)."""
 
     def save(self, step: int) -> None:
         """Checkpoint the state after `step` (a no-op if saved already); may return before it is on disk."""

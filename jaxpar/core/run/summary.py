@@ -68,12 +68,18 @@ def next_commands(cfg: Config, framework: str, info: dict, steps_done: int) -> l
             f"{convert} --to shared {weights} && python -m torchpar.eval --weights {weights} "
             f"--tasks hellaswag,arc_easy --limit 200 --output {run}/evals/last.json"
         )
+    groups = "diloco=" in f"{info.get('resolved_mesh', '')},{cfg.parallel.mesh}"  # its state converts nowhere yet
+    move = (
+        []
+        if groups
+        else [(other, f"{convert} --to {other} {shlex.quote(converted_dir(cfg.run.dir, framework, other))}")]
+    )
     return [
         ("sample", sample),
         ("curves", f"python -m jaxpar.tools.report {run}"),
         ("evaluate", evaluate),
         ("continue", go_on),
-        (other, f"{convert} --to {other} {shlex.quote(converted_dir(cfg.run.dir, framework, other))}"),
+        *move,
         ("hugging face", f"{convert} --to hf {shlex.quote(converted_dir(cfg.run.dir, framework, 'hf'))}"),
     ]
 

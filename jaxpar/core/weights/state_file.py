@@ -62,6 +62,14 @@ def state_meta(
     }
 
 
+def diloco_refusal(run_dir: str) -> UserError:
+    """The one line for a DiLoCo run's training state, which the file does not hold."""
+    return UserError(
+        f"{run_dir} is a DiLoCo run: a training-state file has no place for its groups' parameters and optimizer "
+        "states yet; convert its weights (--to shared or hf), which are the groups' synchronised parameters"
+    )
+
+
 def refuse_other_optimizer(cfg, run_dir: str) -> None:
     """One line for a run whose optimizer's state the file does not hold (any optim.name but those of KINDS)."""
     if cfg.optim.name not in KINDS:

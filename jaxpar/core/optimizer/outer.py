@@ -1,0 +1,52 @@
+"""DiLoCo's rules both trainers share: when the groups meet, and what groups do not run with.
+
+The groups (a `diloco` axis in the mesh) train alone and meet every parallel.diloco_inner_steps steps, where the outer
+optimizer (optim.outer_*: SGD at a constant lr with Nesterov momentum) applies their mean parameter delta. Streaming
+DiLoCo (parallel.diloco_fragments=F) meets by fragment: fragment f holds the f-th of F equal runs of layers of every
+layer stack (the other parameters are fragment 0's) and meets after every H-th step counted from step f x H / F.
+After the run's last step every fragment meets, so the trained parameters hold every step. docs/diloco.md.
+"""
+
+from __future__ import annotations
+
+from jaxpar.core.config.schema import Config
+from jaxpar.core.errors import UserError
+
+AXIS = "diloco"
+
+
+def meeting(cfg: Config, step: int) -> list[int]:
+    """The fragments whose groups meet after the 0-based `step`."""
+    H, F = cfg.parallel.diloco_inner_steps, cfg.parallel.diloco_fragments
+    if step + 1 == cfg.train.steps:
+        return list(range(F))
+    return [f for f in range(F) if (step + 1 - f * H // F) % H == 0]
+
+
+def layer_runs(layers: int, fragments: int, stack: str) -> list[range]:
+    """Each fragment's run of a stack of `layers` layers, or one line where the fragments do not divide them."""
+    if layers % fragments:
+        raise UserError(
+            f"parallel.diloco_fragments={fragments} does not divide the {layers} layers of {stack}: each "
+            "fragment holds an equal run of every layer stack's layers"
+        )
+    n = layers // fragments
+    return [range(f * n, (f + 1) * n) for f in range(fragments)]
+
+
+def check_diloco(cfg: Config, sizes) -> None:
+    """What DiLoCo's groups do not run with yet, one line each (sizes: mesh axis -> size)."""
+    if sizes.get(AXIS, 1) == 1:
+        return
+    p, m = cfg.parallel, cfg.model
+    refusals = {
+        "parallel.grad_compression=powersgd": p.grad_compression == "powersgd",
+        f"parallel.offload={p.offload}": p.offload != "none",
+        "model.compute_dtype=float16 (its loss scale)": m.compute_dtype == "float16",
+    }
+    for what, refused in refusals.items():
+        if refused:
+            raise UserError(f"diloco={sizes[AXIS]} in the mesh does not run with {what} yet (docs/diloco.md)")
+    H, F = p.diloco_inner_steps, p.diloco_fragments
+    if H % F:
+        raise UserError(f"parallel.diloco_fragments={F} does not divide parallel.diloco_inner_steps={H}")

@@ -1,0 +1,188 @@
+"""DiLoCo in torchpar: groups of ranks that train alone and meet every H steps (docs/diloco.md).
+
+parallel.mesh=diloco=G,... on --backend ddp or fsdp is one launch of G x S ranks; rank r is in group r // S (the mesh's
+`diloco` axis outermost, as in jaxpar), so group g reads the g-th of G blocks of every global batch, as dp would split
+it. Inside a group DDP or FSDP2 runs on the group's own DeviceMesh and nothing crosses groups. After the steps
+jaxpar/core/optimizer/outer.py's `meeting` names, each meeting fragment's delta from the synchronised parameters (the
+pseudo-gradient) is averaged over the groups by one all-reduce, torch's SGD (optim.outer_*) applies it to the
+synchronised parameters, and every group takes them as its own; the inner optimizer states carry on.
+
+Each rank keeps its shard of the synchronised parameters and of each fragment's outer momentum. Evaluation, sampling
+and the weights written read the synchronised parameters (`synchronised`). The experts' balance bias becomes the groups'
+mean at a meeting, as in jaxpar. A checkpoint holds the synchronised parameters as the model's (what readers of the
+parameters load), each group's parameters and inner optimizer state under `groups.<g>`, and the outer momentum; it
+resumes on the same number of groups, with any number of ranks in each (DCP reshards).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as tdist
+from torch.distributed.device_mesh import init_device_mesh
+
+from jaxpar.core.config.mesh_spec import parse_mesh, resolve_sizes
+from jaxpar.core.errors import UserError
+from jaxpar.core.optimizer.outer import AXIS, layer_runs, meeting
+from jaxpar.core.weights.names import ALL_NAMES, shared_name, stacks_of
+from torchpar.optim import local
+
+BALANCE_BIAS = "moe.router.bias"  # the experts' balance bias: no gradient moves it, the groups' mean does
+
+
+def group_count(cfg, world: int) -> int:
+    """The number of DiLoCo groups parallel.mesh asks for (1: none)."""
+    return resolve_sizes(parse_mesh(cfg.parallel.mesh), world).get(AXIS, 1) if cfg.parallel.mesh else 1
+
+
+def group_mesh(env, shape: tuple, names: tuple):
+    """The DeviceMesh of the groups (`diloco` first) and the inner axes `names` of `shape`; and a group's submesh."""
+    mesh = init_device_mesh(env.device.type, shape, mesh_dim_names=(AXIS, *names))
+    return mesh, mesh[names if len(names) > 1 else names[0]]
+
+
+def layer_fragments(cfg) -> dict[str, int]:
+    """Torch name -> fragment of every per-layer parameter: the f-th of F equal runs of each layer stack's layers.
+
+    One line where parallel.diloco_fragments does not divide a stack.
+    """
+    F, m = cfg.parallel.diloco_fragments, cfg.model
+    first = m.moe_first_dense if m.moe_experts else 0
+    fragment_of = {}
+    for shared, pattern in ALL_NAMES.items():
+        if "{l}" not in pattern:
+            continue
+        for prefix, layers in stacks_of(shared, first, m.n_layer, m.mtp_depth):
+            stack = prefix.rstrip(".") or shared.split(".")[0]
+            for f, run in enumerate(layer_runs(len(layers), F, stack)):
+                fragment_of.update({pattern.format(l=layers[j]): f for j in run})
+    return fragment_of
+
+
+def fragments(cfg, names: list[str]) -> list[list[str]]:
+    """Each fragment's parameter names (layer_fragments); the parameters outside the layer stacks in fragment 0."""
+    fragment_of = layer_fragments(cfg)
+    out = [[] for _ in range(cfg.parallel.diloco_fragments)]
+    for name in names:
+        shared_name(name)  # every parameter has its shared name: a new one is placed, never skipped
+        out[fragment_of.get(name, 0)].append(name)
+    return out
+
+
+class Groups:
+    """The meetings of a DiLoCo run, on this rank: its group, the synchronised parameters, the outer optimizer."""
+
+    def __init__(self, raw, cfg, env, mesh, groups: int):
+        self.cfg, self.env, self.count = cfg, env, groups
+        self.index = env.rank // (env.world // groups)
+        self.between = mesh[AXIS].get_group()  # this rank and its peers at the same place in the other groups
+        size = env.world // groups
+        self.within = tdist.new_subgroups(size)[0] if size > 1 else None  # this rank's group
+        self.live = dict(raw.named_parameters())
+        self.synced = {n: local(p).detach().clone() for n, p in self.live.items()}
+        self.fragments = fragments(cfg, list(self.live))
+        o = cfg.optim
+        self.outer = []
+        for names in self.fragments:
+            moved = [self.synced[n] for n in names if not n.endswith(BALANCE_BIAS)]
+            sgd = torch.optim.SGD(
+                moved or [torch.zeros(0)],
+                lr=o.outer_lr,
+                momentum=o.outer_momentum,
+                nesterov=o.outer_nesterov and o.outer_momentum > 0,
+                foreach=False,
+            )
+            for t in moved if o.outer_momentum else []:  # torch's first step takes the gradient as its buffer:
+                sgd.state[t]["momentum_buffer"] = torch.zeros_like(t)  # 0 x momentum + g is the same, and saved
+            self.outer.append(sgd)
+
+    def sum_within(self, values: list[float]) -> list[float]:
+        """Sum of small host values over this rank's group (the experts' loads that move its balance bias)."""
+        if self.within is None:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.env.device)
+        tdist.all_reduce(t, group=self.within)
+        return t.tolist()
+
+    def after(self, step: int) -> None:
+        """The meetings that follow the 0-based `step`."""
+        for f in meeting(self.cfg, step):
+            self.meet(f)
+
+    @torch.no_grad()
+    def meet(self, fragment: int) -> None:
+        """One fragment's meeting: the groups' mean delta by one all-reduce, the outer step, every group given it."""
+        names = self.fragments[fragment]
+        deltas = [self.synced[n] - local(self.live[n]) for n in names]
+        flat = torch.cat([d.reshape(-1) for d in deltas])
+        tdist.all_reduce(flat, group=self.between)
+        flat /= self.count
+        for n, mean in zip(names, flat.split([d.numel() for d in deltas])):
+            mean = mean.view_as(self.synced[n])
+            if n.endswith(BALANCE_BIAS):  # the groups' mean
+                self.synced[n].sub_(mean)
+            else:
+                self.synced[n].grad = mean
+        self.outer[fragment].step()
+        for n in names:
+            self.synced[n].grad = None
+            local(self.live[n]).copy_(self.synced[n])
+
+    @contextmanager
+    def synchronised(self):
+        """The model holds the synchronised parameters inside; each group's own again after."""
+        kept = {n: local(p).detach().clone() for n, p in self.live.items()}
+        with torch.no_grad():
+            for n, p in self.live.items():
+                local(p).copy_(self.synced[n])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in self.live.items():
+                    local(p).copy_(kept[n])
+
+    # the checkpoint (torchpar/checkpoint.py's `views`)
+    def views(self, state: dict) -> dict:
+        """{"model", "optim"} of this rank as DCP saves it: the synchronised parameters as the model's."""
+        synced = {n: self._as_param(n, t) for n, t in self.synced.items()}
+        momentum = {
+            n: self._as_param(n, sgd.state[t]["momentum_buffer"])
+            for sgd, names in zip(self.outer, self.fragments)
+            for n in names
+            if (t := self.synced[n]) in sgd.state
+        }
+        return {"model": {**state["model"], **synced}, "groups": {str(self.index): state}, "outer": momentum}
+
+    def unviews(self, state: dict) -> dict:
+        return state["groups"][str(self.index)]
+
+    def _as_param(self, name: str, t: torch.Tensor):
+        """`t`, this rank's shard, as its parameter is: a DTensor over the group's mesh under FSDP2 (same storage)."""
+        p = self.live[name]
+        if not hasattr(p, "device_mesh"):
+            return t
+        from torch.distributed.tensor import DTensor  # deferred: DTensor on import keeps gloo alive at exit
+
+        return DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+
+    def describe(self) -> str:
+        H, F, o = self.cfg.parallel.diloco_inner_steps, self.cfg.parallel.diloco_fragments, self.cfg.optim
+        streaming = f" in {F} fragments (streaming)" if F > 1 else ""
+        size = self.env.world // self.count
+        return (
+            f"DiLoCo: {self.count} groups of {size} rank{'s' * (size > 1)}, meeting every {H} steps{streaming}; "
+            f"outer SGD lr {o.outer_lr:g}, momentum {o.outer_momentum:g}{' (Nesterov)' * o.outer_nesterov}"
+        )
+
+
+def check_saved_groups(meta: dict, groups: int, path: str) -> None:
+    """A checkpoint's meta resumes on `groups` groups, or one line (each group's state is its own)."""
+    had = int(meta.get("diloco_groups", 1))
+    if had != groups:
+        phrase = lambda n: f"DiLoCo's state for {n} groups" if n > 1 else "no DiLoCo groups"
+        raise UserError(
+            f"checkpoint {path} holds {phrase(had)} and parallel.mesh has {phrase(groups)}: resume with diloco={had} "
+            "(each group's parameters and optimizer state are its own), or start a new run.dir"
+        )
