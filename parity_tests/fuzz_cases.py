@@ -45,7 +45,7 @@ BASE = (
 TORCH_SHARE = 0.25  # torchpar cases are subprocesses (seconds to start): drawn less often
 EXPERT_SHARE = 0.2  # cases with a mixture of experts (jaxpar: with ep in the mesh now and then)
 MUON_SHARE = 0.2  # cases with optim.name=muon
-DILOCO_SHARE = 0.15  # jaxpar cases with DiLoCo's groups around their mesh
+DILOCO_SHARE = 0.15  # cases with DiLoCo's groups: around a jaxpar mesh, or over a torchpar launch's ranks
 EIGHT_BIT_SHARE = 0.15  # cases with optim.name=adamw8bit
 ROUTING_SHARE = 0.5  # of the expert cases: DeepSeek-V3's expert groups and routed scale
 SPARSITY_SHARE = 0.5  # of the dilated cases: block-sparse dilated attention
@@ -293,6 +293,8 @@ def draw_torch(rng: random.Random) -> Case:
     sharded = backend in ("fsdp", "deepspeed") or "fsdp=" in s.get("parallel.mesh", "")
     if experts and not sharded and rng.random() < 0.25:  # fsdp (pp x fsdp too) and deepspeed refuse the bias
         s["model.moe_bias_update"] = _pick(rng, {"0.001": 1, "0.01": 1})
+    if backend in ("ddp", "fsdp") and "parallel.mesh" not in s and rng.random() < DILOCO_SHARE:
+        _draw_torch_diloco(rng, s, backend, world)
     return Case("torch", f"{backend}:{world}", tuple(sorted(_drop_defaults(s).items())))
 
 
@@ -308,6 +310,20 @@ def _draw_diloco(rng: random.Random, s: dict, sizes: dict, data_ways: int) -> di
         return sizes
     s["parallel.diloco_inner_steps"] = _pick(rng, {"1": 1, str(STEPS): 1})
     return {"diloco": 2, **sizes}
+
+
+def _draw_torch_diloco(rng: random.Random, s: dict, backend: str, world: int) -> None:
+    """torchpar's DiLoCo: 2 groups of the launch's ranks (ddp or fsdp inside), where they run (docs/diloco.md).
+
+    The reference is jaxpar's same groups alone (fuzz_run.py), so the case holds torchpar's groups to jaxpar's.
+    """
+    plain = "train.batch_rampup" not in s and s.get("data.batching") != "buckets"
+    refused = s.get("parallel.offload") or s.get("parallel.grad_compression") == "powersgd"
+    if not plain or refused or s.get("model.compute_dtype") == "float16":
+        return
+    inside = {"ddp": "dp", "fsdp": "fsdp"}[backend]
+    s["parallel.mesh"] = "diloco=2" if world == 2 else f"diloco=2,{inside}={world // 2}"
+    s["parallel.diloco_inner_steps"] = _pick(rng, {"1": 1, str(STEPS): 1})
 
 
 def _draw_compression(rng: random.Random, s: dict, methods=None) -> None:

@@ -20,9 +20,9 @@ PROMISES = (
     ),
     (
         "DiLoCo",
-        lambda c: c.side == "jax" and c.mesh()["diloco"] > 1,
+        lambda c: c.mesh()["diloco"] > 1,
         "docs/diloco.md: dp, fsdp, tp, pp (every schedule), ep and sp inside DiLoCo's groups, equal to the groups "
-        "alone",
+        "alone; torchpar's groups of ranks on ddp and fsdp equal jaxpar's",
     ),
     (
         "ZeRO stages",
@@ -188,8 +188,7 @@ DOCUMENTED_REFUSALS = (
     (
         "docs/diloco.md 'Not yet': PowerSGD, offload and float16 inside DiLoCo's groups",
         lambda c: (
-            c.side == "jax"
-            and c.mesh()["diloco"] > 1
+            c.mesh()["diloco"] > 1
             and (c.get("parallel.offload", "none") != "none" or c.get("parallel.grad_compression") == "powersgd")
         ),
     ),

@@ -26,8 +26,11 @@ MODE_KEYS = {  # key prefix -> whether the case's run consumes it (a mode's keys
             and c.world == 4
             or c.backend == "ddp"
             and c.get("model.moe_experts", "0") != "0"
+            or c.backend in ("ddp", "fsdp")
+            and c.mesh()["diloco"] > 1  # DiLoCo's groups of ranks
         )
     ),
+    "parallel.diloco_": lambda c: c.mesh()["diloco"] > 1,
     "model.q_latent_dim": lambda c: c.get("model.attention") == "mla",
     "model.kv_latent_dim": lambda c: c.get("model.attention") == "mla",
     "model.rope_head_dim": lambda c: c.get("model.attention") == "mla",

@@ -74,7 +74,7 @@ def reference_settings(case: Case) -> list[str]:
 
 def reference_mesh(case: Case) -> str:
     """One device; with DiLoCo's groups, one device per group (tests/jaxpar/test_diloco.py holds those to R runs)."""
-    groups = case.mesh().get("diloco", 1) if case.side == "jax" else 1
+    groups = case.mesh().get("diloco", 1)
     return f"diloco={groups}" if groups > 1 else "dp=1"
 
 

@@ -84,7 +84,7 @@ def check_leg(case: Case) -> None:
             for_each_shape(c, lambda at: check_layout(at, case.mesh()))
             check_contract(Run(c, "jaxpar", mesh=case.mesh()))
         else:
-            check_contract(Run(c, "torchpar", case.backend, {"pp": case.mesh()["pp"]}))
+            check_contract(Run(c, "torchpar", case.backend, {a: case.mesh()[a] for a in ("pp", "diloco")}))
 
     if cfg.parallel.pipeline_schedule != "auto" or case.mesh()["pp"] == 1:
         return check(cfg)

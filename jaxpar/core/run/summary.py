@@ -11,6 +11,7 @@ import shlex
 import statistics
 from dataclasses import dataclass, field
 
+from jaxpar.core.config.mesh_spec import parse_mesh
 from jaxpar.core.config.schema import Config
 from jaxpar.core.run.directory import converted_dir, framework_of, step_dirs
 
@@ -68,7 +69,8 @@ def next_commands(cfg: Config, framework: str, info: dict, steps_done: int) -> l
             f"{convert} --to shared {weights} && python -m torchpar.eval --weights {weights} "
             f"--tasks hellaswag,arc_easy --limit 200 --output {run}/evals/last.json"
         )
-    groups = "diloco=" in f"{info.get('resolved_mesh', '')},{cfg.parallel.mesh}"  # its state converts nowhere yet
+    meshes = (info.get("resolved_mesh"), cfg.parallel.mesh)  # DiLoCo's groups: their state converts nowhere yet
+    groups = any(parse_mesh(m).get("diloco", 1) != 1 for m in meshes if m)
     move = (
         []
         if groups
