@@ -326,9 +326,12 @@ class JaxFaults:
         self.trainer = trainer
 
     def poison(self) -> None:
+        """The parameters the next step reads made NaN: the synchronised ones, and under DiLoCo every group's."""
         t = self.trainer
         nan = lambda x: jax.device_put(x * float("nan"), x.sharding)
         t.state = {**t.state, "params": jax.tree.map(nan, t.state["params"])}
+        if "diloco" in t.state:
+            t.state["diloco"] = {**t.state["diloco"], "params": jax.tree.map(nan, t.state["diloco"]["params"])}
 
     def overflow(self) -> None:
         self.trainer.overflow_step = make_train_step(self.trainer.layout, inject_overflow=True)  # for this one step

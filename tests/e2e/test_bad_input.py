@@ -123,12 +123,16 @@ def test_resume_refuses_another_model_shape_and_allows_other_changes(dataset, tm
     assert max(metrics(tmp_path)) == 4
 
 
-def test_non_finite_step_stops_before_it_is_saved(dataset, tmp_path):
+@pytest.mark.parametrize("mesh", [("dp=2",), ("diloco=2", "parallel.diloco_inner_steps=3")], ids=["dp", "diloco"])
+def test_non_finite_step_stops_before_it_is_saved(mesh, dataset, tmp_path):
     """A NaN at step 5 (fault hook): exit non-zero with one line naming the step.
 
-    The checkpoints are those of the finite steps only, and metrics.jsonl holds no non-finite record.
+    The checkpoints are those of the finite steps only, and metrics.jsonl holds no non-finite record. DiLoCo's groups
+    (meeting after steps 3 and 6) train on their own parameters: those are made NaN too, so step 5 is the one named.
     """
-    r = run_cli(tmp_path, dataset, "--mesh", "dp=2", "checkpoint.every=2", env={"JAXPAR_FAULT_NAN_AT_STEP": "5"})
+    r = run_cli(
+        tmp_path, dataset, "--mesh", mesh[0], *mesh[1:], "checkpoint.every=2", env={"JAXPAR_FAULT_NAN_AT_STEP": "5"}
+    )
     assert_one_line_error(r, "step 5: loss nan", "last checkpoint this run wrote is step 4")
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
     assert max(metrics(tmp_path)) == 4
