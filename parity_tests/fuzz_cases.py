@@ -301,14 +301,14 @@ def draw_torch(rng: random.Random) -> Case:
 def _draw_diloco(rng: random.Random, s: dict, sizes: dict, data_ways: int) -> dict:
     """DiLoCo's groups (diloco=2) around the drawn mesh, where they fit: at most 8 devices, every batch split in two.
 
-    The reference is then the same groups alone (fuzz_run.py). The groups meet after every step or once, at the end.
+    The reference is then the same groups alone (fuzz_run.py); the meetings as _draw_meetings draws them.
     """
     plain = "train.batch_rampup" not in s and s.get("data.batching") != "buckets"
     refused = s.get("parallel.offload") or s.get("parallel.grad_compression") == "powersgd"  # docs/diloco.md
     rows = int(s["train.global_batch_size"]) // int(s.get("train.microbatches", "1"))
     if math.prod(sizes.values()) > 4 or not plain or refused or rows % (2 * data_ways):
         return sizes
-    s["parallel.diloco_inner_steps"] = _pick(rng, {"1": 1, str(STEPS): 1})
+    _draw_meetings(rng, s)
     return {"diloco": 2, **sizes}
 
 
@@ -323,7 +323,17 @@ def _draw_torch_diloco(rng: random.Random, s: dict, backend: str, world: int) ->
         return
     inside = {"ddp": "dp", "fsdp": "fsdp"}[backend]
     s["parallel.mesh"] = "diloco=2" if world == 2 else f"diloco=2,{inside}={world // 2}"
-    s["parallel.diloco_inner_steps"] = _pick(rng, {"1": 1, str(STEPS): 1})
+    _draw_meetings(rng, s)
+
+
+def _draw_meetings(rng: random.Random, s: dict) -> None:
+    """When DiLoCo's groups meet: after every step, once at the end, or streaming's 2 fragments every 2 steps.
+
+    Streaming over STEPS = 3: fragment 1 meets after step 1, fragment 0 after step 2, both after step 3 (the last).
+    """
+    s["parallel.diloco_inner_steps"] = _pick(rng, {"1": 2, str(STEPS): 2, "2": 1})
+    if s["parallel.diloco_inner_steps"] == "2":
+        s["parallel.diloco_fragments"] = "2"
 
 
 def _draw_compression(rng: random.Random, s: dict, methods=None) -> None:

@@ -183,8 +183,17 @@ def indivisible(c: Case) -> bool:
     return bool(bad)
 
 
+def fragments_misfit(c: Case) -> bool:
+    """Streaming DiLoCo's fragments (parallel.diloco_fragments) do not divide a layer stack's layers."""
+    F = int(c.get("parallel.diloco_fragments", "1"))
+    n, mtp = int(c.get("model.n_layer", "2")), int(c.get("model.mtp_depth", "0"))
+    first = int(c.get("model.moe_first_dense", "0")) if c.get("model.moe_experts", "0") != "0" else 0
+    return c.mesh()["diloco"] > 1 and any(k % F for k in (first, n - first, mtp))
+
+
 # (where the docs say it, predicate): combinations the docs say are refused with one line
 DOCUMENTED_REFUSALS = (
+    ("docs/diloco.md 'What a step does': F must divide every stack's number of layers", fragments_misfit),
     (
         "docs/diloco.md 'Not yet': PowerSGD, offload and float16 inside DiLoCo's groups",
         lambda c: (
