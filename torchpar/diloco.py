@@ -80,6 +80,7 @@ class Groups:
         size = env.world // groups
         self.within = tdist.new_subgroups(size)[0] if size > 1 else None  # this rank's group
         self.live = dict(raw.named_parameters())
+        self.sharded = [m for m in raw.modules() if hasattr(m, "reshard") and hasattr(m, "unshard")]  # FSDP2's
         self.synced = {n: local(p).detach().clone() for n, p in self.live.items()}
         self.fragments = fragments(cfg, list(self.live))
         o = cfg.optim
@@ -93,8 +94,8 @@ class Groups:
                 nesterov=o.outer_nesterov and o.outer_momentum > 0,
                 foreach=False,
             )
-            for t in moved if o.outer_momentum else []:  # torch's first step takes the gradient as its buffer:
-                sgd.state[t]["momentum_buffer"] = torch.zeros_like(t)  # 0 x momentum + g is the same, and saved
+            for t in moved:  # torch's first step takes the gradient as its buffer: 0 x momentum + g is the same, and
+                sgd.state[t]["momentum_buffer"] = torch.zeros_like(t)  # saved whatever the momentum (zeros at 0)
             self.outer.append(sgd)
 
     def sum_within(self, values: list[float]) -> list[float]:
@@ -131,17 +132,27 @@ class Groups:
 
     @contextmanager
     def synchronised(self):
-        """The model holds the synchronised parameters inside; each group's own again after."""
+        """The model holds the synchronised parameters inside; each group's own again after.
+
+        FSDP2's gathered parameters are dropped at both ends (with parallel.zero_stage 1 or 2 a forward keeps them):
+        the next forward gathers what the shards hold.
+        """
         kept = {n: local(p).detach().clone() for n, p in self.live.items()}
+        self._reshard()
         with torch.no_grad():
             for n, p in self.live.items():
                 local(p).copy_(self.synced[n])
         try:
             yield
         finally:
+            self._reshard()
             with torch.no_grad():
                 for n, p in self.live.items():
                     local(p).copy_(kept[n])
+
+    def _reshard(self) -> None:
+        for module in self.sharded:
+            module.reshard()
 
     # the checkpoint (torchpar/checkpoint.py's `views`)
     def views(self, state: dict) -> dict:

@@ -94,7 +94,7 @@ def build(model, cfg, env, **_):
     )
     state = None
     if name == "bf16":
-        ddp.register_comm_hook(None, bf16_hook)
+        ddp.register_comm_hook(inner.get_group() if inner is not None else None, bf16_hook)  # None: every rank
     elif name == "powersgd":
         rebuild_buckets_first(ddp, cfg, env)
         state = powerSGD_hook.PowerSGDState(process_group=None, **settings)
