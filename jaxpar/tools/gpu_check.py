@@ -8,12 +8,14 @@ One command that validates and measures on a GPU (a device session runs it in on
       jaxpar/core/model/flops.py), peak memory, for jaxpar and torchpar (torch.compile) in the same run,
   (b2) where (b)'s jaxpar step spends its device time: kernel milliseconds by kind and the top kernels
       (jaxpar/tools/gpu_profile.py), the profile the cast/reduction work is guided by,
-  (c) which attention implementation the compiled jaxpar step calls (cuDNN fused attention or XLA's),
+  (b3) the same for (b)'s torchpar step under torch.compile (torchpar/tools/gpu_profile.py),
+  (c) what the compiled jaxpar step calls: its attention (cuDNN fused attention or XLA's), its largest convert
+      fusions by tensor, and with model.float8 whether its matmuls became float8 GEMMs,
   (d) the measured bf16 matmul ceiling,
   (e) (b)'s jaxpar step with model.remat=offload (activations in host memory): tokens/s and peak memory,
-  (f) the larger models, jaxpar on one device: Llama-3 1B in bf16 and with model.float8 (the float8 speed-up on
-      the 1B), a mixture of experts (configs/moe-1b.yaml) padded and with model.moe_ragged, GPT-2 124M with and
-      without model.float32_logits: tokens/s, MFU, peak memory.
+  (f) models and changes on one device (MODELS, most wanted first, each change beside its baseline row): GPT-2 124M
+      with model.float32_logits, configs/moe-1b.yaml padded and with model.moe_ragged, a Llama-3 3B in bf16 and with
+      model.float8 in both frameworks, torchpar with optim.fused: tokens/s, MFU, peak memory.
 It prints and writes a dated markdown report with device, versions and every command, rewritten after each
 part, so that a device call cut off at its time limit still brings back the parts that ran. `--budget` (480 s by
 default) bounds the whole call: every subprocess's timeout is cut to the time left, and a part that would start with
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
 import os
 import platform
@@ -39,9 +42,9 @@ import time
 from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError, cli
 from jaxpar.tools.bench import matmul_ceiling
-from jaxpar.tools.gpu_profile import markdown as profile_lines
+from jaxpar.core.kernel_profile import markdown as profile_lines
 
-PARTS = ("parity", "throughput", "profile", "attention", "ceiling", "offload", "models")
+PARTS = ("parity", "throughput", "profile", "torch_profile", "attention", "ceiling", "offload", "models")
 MIN_PART_S = 60  # a part started with less time left than this is not started (--budget)
 GPT2_124M = [
     "--config",
@@ -51,25 +54,46 @@ GPT2_124M = [
     "train.global_batch_size=16",
 ]
 TINY = ["--config", "configs/gpt2-tiny.yaml", "train.global_batch_size=8"]
-# (f)'s rows: the 1B configs at sequence 2048, 8 rows in one microbatch, remat as configured (llama-1b:
-# save_matmuls since 2026-11-27; that day's report measured full, see its notes)
+ONE_DEVICE = ["train.global_batch_size=8", "train.microbatches=1"]  # the 1B/3B rows: sequence 2048, 8 rows at once
+LLAMA_3B = ["--config", "configs/llama-3b.yaml", *ONE_DEVICE]
+# (f)'s rows, most wanted first (a row with under a minute of the budget left is not started): each change beside
+# the row it is measured against (BASELINES). A "torchpar ..." row runs torchpar.tools.bench with torch.compile.
 MODELS = {
-    "llama-1b bf16": ["--config", "configs/llama-1b.yaml"],
-    "llama-1b float8": ["--config", "configs/llama-1b.yaml", "model.float8=true"],
-    "moe-1b bf16": ["--config", "configs/moe-1b.yaml"],
-    "moe-1b bf16 ragged": ["--config", "configs/moe-1b.yaml", "model.moe_ragged=true"],  # the routed rows alone
     # the head's logits written in float32 by its matmul (the profile's two converts), beside the rounded head
     "gpt2-124m bf16": GPT2_124M,
     "gpt2-124m bf16 float32 logits": [*GPT2_124M, "model.float32_logits=true"],
+    "moe-1b bf16": ["--config", "configs/moe-1b.yaml", *ONE_DEVICE],
+    "moe-1b bf16 ragged": ["--config", "configs/moe-1b.yaml", *ONE_DEVICE, "model.moe_ragged=true"],  # routed rows
+    "llama-3b bf16": LLAMA_3B,
+    "llama-3b float8": [*LLAMA_3B, "model.float8=true"],
+    "torchpar gpt2-124m fused adamw": [*GPT2_124M, "optim.fused=true"],  # beside (b)'s torchpar
+    "torchpar llama-3b bf16": LLAMA_3B,
+    "torchpar llama-3b float8": [*LLAMA_3B, "model.float8=true"],
 }
-ONE_DEVICE = ["train.global_batch_size=8", "train.microbatches=1"]
 TINY_MODELS = {
-    "llama-tiny": ["--config", "configs/llama-tiny.yaml"],
-    "llama-tiny float8": ["--config", "configs/llama-tiny.yaml", "model.float8=true"],
+    "gpt2-tiny bf16": [*TINY, "model.compute_dtype=bfloat16"],
+    "gpt2-tiny bf16 float32 logits": [*TINY, "model.compute_dtype=bfloat16", "model.float32_logits=true"],
     "moe-tiny": ["--config", "configs/moe-tiny.yaml"],
     "moe-tiny ragged": ["--config", "configs/moe-tiny.yaml", "model.moe_ragged=true"],
-    "gpt2-tiny bf16 float32 logits": [*TINY, "model.compute_dtype=bfloat16", "model.float32_logits=true"],
+    "llama-tiny": ["--config", "configs/llama-tiny.yaml"],
+    "llama-tiny float8": ["--config", "configs/llama-tiny.yaml", "model.float8=true"],
+    "torchpar gpt2-tiny fused adamw": [*TINY, "optim.fused=true"],
+    "torchpar llama-tiny": ["--config", "configs/llama-tiny.yaml"],
+    "torchpar llama-tiny float8": ["--config", "configs/llama-tiny.yaml", "model.float8=true"],
 }
+# a changed row -> the row it is measured against (its tokens/s over that row's in the report)
+BASELINES = {
+    "gpt2-124m bf16 float32 logits": "gpt2-124m bf16",
+    "moe-1b bf16 ragged": "moe-1b bf16",
+    "llama-3b float8": "llama-3b bf16",
+    "torchpar llama-3b float8": "torchpar llama-3b bf16",
+    "gpt2-tiny bf16 float32 logits": "gpt2-tiny bf16",
+    "moe-tiny ragged": "moe-tiny",
+    "llama-tiny float8": "llama-tiny",
+    "torchpar llama-tiny float8": "torchpar llama-tiny",
+}
+# the 3B rows hold about 107 GiB at their peak (jaxpar.tools.plan): more than jax's default 75% of an H200
+BIG_ROW_ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"}
 
 
 _DEADLINE = [float("inf")]  # time.perf_counter() by which the call's budget (--budget) is spent
@@ -173,23 +197,23 @@ def profile_step(tiny: bool) -> dict:
     return {**r, "summary": summary, "ok": r["rc"] == 0 and summary is not None}
 
 
-def jaxpar_bench(args: list[str], tiny: bool, timeout: int = 300) -> dict:
-    """One jaxpar.tools.bench run on one device: its command, rc and row (None if it wrote none)."""
-    r, row = _run_json(
-        [
-            sys.executable,
-            "-m",
-            "jaxpar.tools.bench",
-            "--mesh",
-            "dp=1",
-            "--steps",
-            "3" if tiny else "10",
-            "--warmup",
-            "1" if tiny else "3",
-            *args,
-        ],
-        timeout,
-    )
+def torch_profile(tiny: bool) -> dict:
+    """(b3): (b)'s torchpar step (torch.compile) profiled as (b2), in a process of its own."""
+    cmd = [sys.executable, "-m", "torchpar.tools.gpu_profile", "--compile", "--steps", "2" if tiny else "5"]
+    cmd += ["--warmup", "1" if tiny else "3", *(TINY if tiny else GPT2_124M)]
+    r, summary = _run_json(cmd, 300, {"TORCH_COMPILE_DISABLE": "1"} if tiny else None)
+    return {**r, "summary": summary, "ok": r["rc"] == 0 and summary is not None}
+
+
+def jaxpar_bench(args: list[str], tiny: bool, timeout: int = 300, framework: str = "jaxpar") -> dict:
+    """One jaxpar.tools.bench run on one device (or torchpar.tools.bench's, compiled): its command, rc and row.
+
+    The row is None if it wrote none.
+    """
+    tool = ["jaxpar.tools.bench", "--mesh", "dp=1"] if framework == "jaxpar" else ["torchpar.tools.bench", "--compile"]
+    steps = ["--steps", "3" if tiny else "10", "--warmup", "1" if tiny else "3"]
+    env = {"TORCH_COMPILE_DISABLE": "1"} if tiny else BIG_ROW_ENV if "configs/llama-3b.yaml" in args else None
+    r, row = _run_json([sys.executable, "-m", *tool, *steps, *args], timeout, env)
     return {**r, "jaxpar": row, "ok": r["rc"] == 0 and row is not None}
 
 
@@ -199,27 +223,72 @@ def offload(tiny: bool) -> dict:
 
 
 def models(tiny: bool) -> dict:
-    """(f): each of MODELS (the tiny configs with --tiny), and the float8 row's tokens/s over the bf16 one's."""
-    rows = {
-        name: jaxpar_bench(args + ([] if tiny else ONE_DEVICE), tiny, 240)
-        for name, args in (TINY_MODELS if tiny else MODELS).items()
-    }
-    bf16, float8 = (((rows[n]["jaxpar"] or {}).get("tokens_per_sec") or 0) for n in list(rows)[:2])
-    return {"rows": rows, "float8_speedup": float8 / bf16 if bf16 else None, "ok": all(r["ok"] for r in rows.values())}
+    """(f): each of MODELS (the tiny configs with --tiny) while the budget lasts; each changed row over its baseline."""
+    rows, not_run = {}, []
+    for name, args in (TINY_MODELS if tiny else MODELS).items():
+        if _left() < MIN_PART_S:
+            not_run.append(name)
+            continue
+        framework = "torchpar" if name.startswith("torchpar ") else "jaxpar"
+        rows[name] = jaxpar_bench(args, tiny, 300, framework)
+    tps = lambda name: ((rows.get(name) or {}).get("jaxpar") or {}).get("tokens_per_sec") or 0
+    ratios = {name: tps(name) / tps(base) for name, base in BASELINES.items() if tps(name) and tps(base)}
+    return {"rows": rows, "ratios": ratios, "not_run": not_run, "ok": all(r["ok"] for r in rows.values())}
 
 
-def attention(tiny: bool) -> dict:
-    """Which attention the compiled jaxpar step calls: cuDNN's fused kernel shows as a custom call."""
+BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
+CONVERT = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.-]*convert[\w.-]*) = (\w+)\[([\d,]*)\]", re.M)
+
+
+def converts_of(hlo: str, top: int = 6) -> list[dict]:
+    """The optimized HLO's largest convert fusions: name, result type and shape, MiB written."""
+    rows = []
+    for name, dtype, dims in CONVERT.findall(hlo):
+        elements = 1
+        for d in filter(None, dims.split(",")):
+            elements *= int(d)
+        size = BYTES.get(dtype, 1 if dtype.startswith("f8") else 4)
+        rows.append({"name": name, "shape": f"{dtype}[{dims}]", "mib": elements * size / 2**20})
+    return sorted(rows, key=lambda r: -r["mib"])[:top]
+
+
+def matmuls_of(hlo: str) -> dict:
+    """How the optimized HLO's matmuls run: cuBLAS float8 calls, other dots on float8 operands, every matmul."""
+    lines = [line for line in hlo.splitlines() if " dot(" in line or 'custom_call_target="__cublas' in line]
+    f8_cublas = sum("__cublas$lt$matmul$f8" in line for line in lines)
+    f8_dots = sum(" dot(" in line and "f8e" in line.split(" dot(", 1)[1] for line in lines)
+    return {"matmuls": len(lines), "float8_cublas": f8_cublas, "float8_dots": f8_dots}
+
+
+def attention(tiny: bool, hlo_out: str) -> dict:
+    """(c) What the compiled jaxpar step calls: its attention, its largest casts, its float8 matmuls.
+
+    cuDNN's fused attention shows as a custom call; the casts are the profile's convert kernels, by tensor; the
+    float8 step (model.float8) is compiled too, to see whether XLA turned its matmuls into float8 GEMMs. The bf16
+    step's optimized HLO is written to `hlo_out` (gzip) for reading after the call.
+    """
     import jax  # deferred: jax (~1 s), after the arguments are checked
 
     from jaxpar.step import build_step  # deferred: imports jax, after the arguments are checked
 
     args = TINY if tiny else GPT2_124M
-    cfg = load_config(args[1], args[2:])
-    hlo = build_step(cfg, {"dp": 1}, jax.devices()[:1], abstract=True)[2].as_text()
+    compiled = lambda overrides: build_step(
+        load_config(args[1], [*args[2:], *overrides]), {"dp": 1}, jax.devices()[:1], abstract=True
+    )[2].as_text()
+    hlo = compiled([])
+    with gzip.open(hlo_out, "wt") as f:
+        f.write(hlo)
     cudnn = sorted(set(re.findall(r'custom_call_target="(__cudnn\$[^"]+)"', hlo)))
     kind = f"cuDNN fused attention ({', '.join(cudnn)})" if cudnn else "XLA's own (softmax(QK^T)V as separate ops)"
-    return {"implementation": kind, "cudnn_calls": cudnn, "ok": True}
+    float8 = matmuls_of(compiled(["model.float8=true"]))
+    return {
+        "implementation": kind,
+        "cudnn_calls": cudnn,
+        "converts": converts_of(hlo),
+        "float8": float8,
+        "hlo": hlo_out,
+        "ok": True,
+    }
 
 
 def ceiling(tiny: bool) -> dict:
@@ -241,6 +310,48 @@ def versions() -> dict:
 
 def gib(row: dict) -> str:
     return "-" if row.get("memory_gib") is None else f"{row['memory_gib']:.2f}"
+
+
+def profile_and_compiled_lines(res: dict) -> list[str]:
+    """The report's (b2), (b3) and (c): where each framework's step spends its device time, what XLA compiled."""
+    lines = []
+    if "profile" in res:
+        p = res["profile"]
+        lines += [
+            "## (b2) Profile of (b)'s jaxpar step",
+            "",
+            f"`{p['command']}` -> rc {p['rc']}",
+            "",
+            *(profile_lines(p["summary"]) if p["summary"] else ["(no summary: see the JSON's tail)"]),
+            "",
+        ]
+    if "torch_profile" in res:
+        p = res["torch_profile"]
+        lines += [
+            "## (b3) Profile of (b)'s torchpar step (torch.compile)",
+            "",
+            f"`{p['command']}` -> rc {p['rc']}",
+            "",
+            *(profile_lines(p["summary"]) if p["summary"] else ["(no summary: see the JSON's tail)"]),
+            "",
+        ]
+    if "attention" in res:
+        a, f8 = res["attention"], res["attention"]["float8"]
+        lines += [
+            "## (c) Attention, casts and float8 in the compiled jaxpar step",
+            "",
+            f"The compiled jaxpar step calls {a['implementation']}. Its largest convert fusions (the profile's "
+            "convert kernels):",
+            "",
+            "| fusion | result | MiB written |",
+            "|---|---|---|",
+            *[f"| `{c['name']}` | {c['shape']} | {c['mib']:,.1f} |" for c in a["converts"]],
+            "",
+            f"With model.float8=true: {f8['matmuls']} matmuls, {f8['float8_cublas']} of them cuBLAS float8 GEMMs, "
+            f"{f8['float8_dots']} other dots on float8 operands. The bf16 step's optimized HLO: `{a['hlo']}`.",
+            "",
+        ]
+    return lines
 
 
 def markdown(res: dict) -> str:
@@ -281,18 +392,7 @@ def markdown(res: dict) -> str:
             f"jaxpar / torchpar: {t['ratio'] or float('nan'):.2f}",
             "",
         ]
-    if "profile" in res:
-        p = res["profile"]
-        lines += [
-            "## (b2) Profile of (b)'s jaxpar step",
-            "",
-            f"`{p['command']}` -> rc {p['rc']}",
-            "",
-            *(profile_lines(p["summary"]) if p["summary"] else ["(no summary: see the JSON's tail)"]),
-            "",
-        ]
-    if "attention" in res:
-        lines += ["## (c) Attention", "", f"The compiled jaxpar step calls {res['attention']['implementation']}.", ""]
+    lines += profile_and_compiled_lines(res)
     if "ceiling" in res:
         c = res["ceiling"]
         lines += [
@@ -318,7 +418,7 @@ def markdown(res: dict) -> str:
     if "models" in res:
         m = res["models"]
         lines += [
-            "## (f) Larger models, jaxpar, one device",
+            "## (f) Models and changes, one device (jaxpar unless named torchpar: torch.compile)",
             "",
             "| model | tokens/s | MFU (datasheet) | peak GiB | command |",
             "|---|---|---|---|---|",
@@ -329,8 +429,9 @@ def markdown(res: dict) -> str:
                 f"| {name} | {j.get('tokens_per_sec', 0):,.0f} | {'-' if mfu is None else f'{mfu:.1%}'} | "
                 f"{gib(j)} | `{r['command']}` -> rc {r['rc']} |"
             )
-        speedup = m["float8_speedup"]
-        lines += ["", f"float8 / bf16 tokens/s: {'-' if speedup is None else f'{speedup:.2f}'}", ""]
+        lines += ["", "| row | tokens/s over its baseline row |", "|---|---|"]
+        lines += [f"| {name} | {ratio:.3f}x of {BASELINES[name]} |" for name, ratio in m["ratios"].items()]
+        lines += [*([f"Not started, the budget spent: {', '.join(m['not_run'])}"] if m["not_run"] else []), ""]
     failed = [k for k in PARTS if k in res and not res[k]["ok"]]
     lines += [f"Result: {'all parts ran' if not failed else 'FAILED: ' + ', '.join(failed)}", ""]
     if res.get("not_run"):
@@ -393,7 +494,8 @@ def main(argv=None) -> int:
         ("parity", lambda: parity("cpu" if args.tiny else "gpu", args.tiny)),
         ("throughput", lambda: throughput(args.tiny)),
         ("profile", lambda: profile_step(args.tiny)),
-        ("attention", lambda: attention(args.tiny)),
+        ("torch_profile", lambda: torch_profile(args.tiny)),
+        ("attention", lambda: attention(args.tiny, os.path.splitext(out)[0] + "-step.hlo.txt.gz")),
         ("ceiling", lambda: ceiling(args.tiny)),
         ("offload", lambda: offload(args.tiny)),
         ("models", lambda: models(args.tiny)),
@@ -405,6 +507,7 @@ def main(argv=None) -> int:
             continue
         print(f"gpu_check: {part} ({_left():.0f} s left) ...", file=sys.stderr, flush=True)
         res[part] = fn()
+        res["not_run"] += [f"{part}: {row}" for row in res[part].get("not_run", [])]  # (f)'s rows not started
         write_report(out, res)  # after each part: a call cut off still returns what ran
     print(write_report(out, res))
     return 0 if all(res[k]["ok"] for k in PARTS if k in res) and not res["not_run"] else 1

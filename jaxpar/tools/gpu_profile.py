@@ -13,7 +13,6 @@ XLA:CPU's thunks on its threads (the same path, for tests).
 from __future__ import annotations
 
 import argparse
-import collections
 import glob
 import gzip
 import json
@@ -25,23 +24,11 @@ import time
 
 from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError, check_output_file, cli
+from jaxpar.core.kernel_profile import markdown, summarize
 from jaxpar.mesh import setup_devices
 from jaxpar.tools.bench import warm_step
 
-# kinds by kernel name, first match wins: cuBLAS/cuDNN/Triton names on a GPU, XLA's fusion names anywhere
-KINDS = (
-    ("attention", r"fmha|flash|cudnn|attention"),
-    ("matmul", r"gemm|nvjet|cublas|cutlass|xmma|sm90|dot|ynn_fusion|matmul"),
-    ("convert", r"convert"),
-    ("reduce", r"reduce"),
-    ("copy/transpose", r"copy|transpose|slice|concatenate|memcpy|memset"),
-)
 HOST_IDLE = re.compile(r"Await|Wait|Barrier|ThunkExecutor")  # XLA:CPU's waiting and dispatch, not work
-
-
-def kind_of(name: str) -> str:
-    low = name.lower()
-    return next((kind for kind, pattern in KINDS if re.search(pattern, low)), "elementwise/other")
 
 
 def kernel_events(trace: dict, platform: str) -> list[dict]:
@@ -67,32 +54,6 @@ def kernel_events(trace: dict, platform: str) -> list[dict]:
     ]
 
 
-def summarize(trace: dict, steps: int, step_s: float, platform: str, top: int = 15) -> dict:
-    """Per-step kernel milliseconds by kind and for the `top` kernels, and the busy share of the step.
-
-    The top kernels come with their launches per step: one name can be one kernel per layer.
-    """
-    by_name, launches = collections.Counter(), collections.Counter()
-    for e in kernel_events(trace, platform):
-        by_name[e["name"]] += e["dur"] / 1e3 / steps  # microseconds -> ms per step
-        launches[e["name"]] += 1 / steps
-    by_kind = collections.Counter()
-    for name, ms in by_name.items():
-        by_kind[kind_of(name)] += ms
-    total = sum(by_name.values())
-    share = lambda ms: ms / total if total else 0.0
-    return {
-        "step_ms": step_s * 1e3,
-        "kernel_ms": total,
-        "busy": total / (step_s * 1e3) if step_s else None,
-        "kinds": {k: {"ms": ms, "share": share(ms)} for k, ms in by_kind.most_common()},
-        "top": [
-            {"name": n[:120], "kind": kind_of(n), "ms": ms, "share": share(ms), "launches": launches[n]}
-            for n, ms in by_name.most_common(top)
-        ],
-    }
-
-
 def profile(cfg, steps: int, warmup: int) -> dict:
     import jax  # deferred: jax (~1 s), after the arguments are checked
 
@@ -110,22 +71,8 @@ def profile(cfg, steps: int, warmup: int) -> dict:
         with gzip.open(paths[0]) as f:
             trace = json.load(f)
     device = jax.devices()[0]
-    return {**summarize(trace, steps, step_s, device.platform), "device": device.device_kind}
-
-
-def markdown(p: dict) -> list[str]:
-    lines = [
-        f"Step {p['step_ms']:.2f} ms under the profiler; kernels {p['kernel_ms']:.2f} ms per step "
-        f"(busy {p['busy'] or 0:.0%}).",
-        "",
-        "| kind | ms per step | share of kernel time |",
-        "|---|---|---|",
-    ]
-    lines += [f"| {k} | {v['ms']:.3f} | {v['share']:.1%} |" for k, v in p["kinds"].items()]
-    lines += ["", "| kernel | kind | launches per step | ms per step | share |", "|---|---|---|---|---|"]
-    count = lambda t: f"{t['launches']:g}" if "launches" in t else "-"  # (earlier reports have no count)
-    lines += [f"| `{t['name']}` | {t['kind']} | {count(t)} | {t['ms']:.3f} | {t['share']:.1%} |" for t in p["top"]]
-    return lines
+    kernels = [(e["name"], e["dur"]) for e in kernel_events(trace, device.platform)]
+    return {**summarize(kernels, steps, step_s), "device": device.device_kind}
 
 
 @cli

@@ -111,6 +111,14 @@ def test_llama_3_2_1b_count():
     assert count_params(load_config(f"{ROOT}/configs/llama-1b.yaml").model)["total"] == 1_235_814_400
 
 
+def test_llama_3b_preset_counts_as_llama_3_2_3b():
+    """configs/llama-3b.yaml has Llama 3.2 3B's shape: Meta's model card and HF count 3,212,749,824 parameters."""
+    from jaxpar.core.config.schema import load_config
+    from tests.helpers import ROOT
+
+    assert count_params(load_config(f"{ROOT}/configs/llama-3b.yaml").model)["total"] == 3_212_749_824
+
+
 def test_flops_count_the_experts_a_token_runs_through():
     """Top-2 of 8 experts (width 16) and one shared.
 

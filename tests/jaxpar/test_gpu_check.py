@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+from jaxpar.tools import gpu_check
 from tests.helpers import ROOT
 
 
@@ -24,10 +25,11 @@ def test_gpu_check_tiny_writes_its_report(tmp_path):
         "(a) Parity suite",
         "(b) Throughput",
         "(b2) Profile",
+        "(b3) Profile of (b)'s torchpar step",
         "(c) Attention",
         "(d) Matmul ceiling",
         "(e) Activation offload",
-        "(f) Larger models",
+        "(f) Models and changes",
     ):
         assert heading in report, report
     assert res["parity"]["counts"] == {"passed": 1}, res["parity"]["tail"]  # float32, jaxpar vs torchpar
@@ -37,10 +39,14 @@ def test_gpu_check_tiny_writes_its_report(tmp_path):
     assert res["attention"]["cudnn_calls"] == [] and "XLA's own" in report  # no cuDNN on a CPU
     assert res["ceiling"]["dtype"] == "float32" and res["ceiling"]["flops"] > 0
     assert res["offload"]["jaxpar"]["remat"] == "offload" and res["offload"]["jaxpar"]["tokens_per_sec"] > 0
-    rows = {"llama-tiny", "llama-tiny float8", "moe-tiny", "moe-tiny ragged", "gpt2-tiny bf16 float32 logits"}
-    assert set(res["models"]["rows"]) == rows
+    torch_kinds = res["torch_profile"]["summary"]["kinds"]  # torch's operators on the CPU: aten::bmm, aten::mm
+    assert torch_kinds["matmul"]["ms"] > 0 and abs(sum(k["share"] for k in torch_kinds.values()) - 1) < 1e-6
+    assert set(res["models"]["rows"]) == set(gpu_check.TINY_MODELS)
     assert all(r["jaxpar"]["tokens_per_sec"] > 0 for r in res["models"]["rows"].values())
-    assert res["models"]["rows"]["llama-tiny float8"]["jaxpar"]["float8"] and res["models"]["float8_speedup"] > 0
+    assert res["models"]["rows"]["llama-tiny float8"]["jaxpar"]["float8"]
+    assert res["models"]["rows"]["torchpar llama-tiny float8"]["jaxpar"]["framework"] == "torchpar"
+    assert set(res["models"]["ratios"]) == {n for n in gpu_check.BASELINES if n in gpu_check.TINY_MODELS}
+    assert res["attention"]["float8"]["matmuls"] > 0
     assert "Result: all parts ran" in report and "Versions: python" in report
 
 
@@ -48,12 +54,48 @@ def test_the_calls_budget_cuts_subprocesses_and_leaves_late_parts_unrun(tmp_path
     """--budget: a subprocess's timeout is cut to the time left; a part with under a minute left is not started."""
     import time
 
-    from jaxpar.tools import gpu_check
-
     monkeypatch.setattr(gpu_check, "_DEADLINE", [time.perf_counter() + 2])
     r = gpu_check._run(["sleep", "30"], 300)
     assert r["rc"] == "timeout" and r["seconds"] < 10
     out = tmp_path / "report.md"
     assert gpu_check.main(["--tiny", "--budget", "30", "--skip", "throughput,profile", "--out", str(out)]) == 1
     report = out.read_text()
-    assert "Not run, the call's budget of 30 s spent: parity, attention, ceiling, offload, models" in report
+    assert (
+        "Not run, the call's budget of 30 s spent: parity, torch_profile, attention, ceiling, offload, models" in report
+    )
+
+
+def test_the_compiled_steps_casts_and_float8_matmuls_are_read_off_its_hlo():
+    """(c): the largest convert fusions by bytes written; cuBLAS float8 GEMMs and dots on float8 operands counted."""
+    hlo = """
+  %loop_convert_fusion.2 = f32[16,128,50304]{2,1,0} fusion(bf16[16,128,50304]{2,1,0} %p), kind=kLoop
+  ROOT %convert_element_type.1 = bf16[768]{0} convert(f32[768]{0} %q)
+  %cc.3 = (f32[8,8]) custom-call(f8e4m3fn[8,8] %a, f8e4m3fn[8,8] %b), custom_call_target="__cublas$lt$matmul$f8"
+  %custom-call.4 = (bf16[8,8]{1,0}) custom-call(bf16[8,8] %c, bf16[8,8] %d), custom_call_target="__cublas$gemm"
+  %dot.5 = f32[64,64]{1,0} dot(f8e5m2[64,32]{1,0} %e, f8e4m3fn[32,64]{1,0} %f), lhs_contracting_dims={1}
+  %dot.6 = f32[64,64]{1,0} dot(f32[64,32]{1,0} %g, f32[32,64]{1,0} %h), lhs_contracting_dims={1}
+"""
+    converts = gpu_check.converts_of(hlo)
+    assert [c["name"] for c in converts] == ["loop_convert_fusion.2", "convert_element_type.1"]
+    assert converts[0]["shape"] == "f32[16,128,50304]" and converts[0]["mib"] == 16 * 128 * 50304 * 4 / 2**20
+    assert gpu_check.matmuls_of(hlo) == {"matmuls": 4, "float8_cublas": 1, "float8_dots": 1}
+
+
+def test_torch_profiles_device_events_are_the_traces_kernels_and_copies():
+    """torchpar's GPU profile sums the chrome trace's kernel, memcpy and memset events, not the host's operators."""
+    from jaxpar.core.kernel_profile import summarize
+    from torchpar.tools.gpu_profile import device_kernels
+
+    trace = {
+        "traceEvents": [
+            {"cat": "cpu_op", "name": "aten::mm", "dur": 900.0},
+            {"cat": "kernel", "name": "nvjet_sm90_tst_128x160", "dur": 300.0},
+            {"cat": "kernel", "name": "nvjet_sm90_tst_128x160", "dur": 100.0},
+            {"cat": "kernel", "name": "triton_red_fused_native_layer_norm_0", "dur": 50.0},
+            {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "dur": 50.0},
+        ]
+    }
+    p = summarize(device_kernels(trace), steps=2, step_s=0.001)
+    assert p["kernel_ms"] == 0.25 and p["busy"] == 0.25
+    assert {k: v["ms"] for k, v in p["kinds"].items()} == {"matmul": 0.2, "reduce": 0.025, "copy/transpose": 0.025}
+    assert p["top"][0]["launches"] == 1.0

@@ -38,7 +38,11 @@ def matmul_ceiling(device, dtype) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
-def bench(cfg, backend: str, steps: int, warmup: int, compile_model: bool) -> dict:
+def warm_engine(cfg, backend: str, warmup: int, compile_model: bool):
+    """The backend's engine over the config's model, run `warmup` steps on synthetic rows.
+
+    (env, engine, whether its blocks were compiled, this rank's rows, the device's synchronize, the last handle).
+    """
     import torch  # deferred: torch (~1.5 s), after the arguments are checked
 
     from torchpar import dist  # deferred: imports torch, after the arguments are checked
@@ -50,14 +54,23 @@ def bench(cfg, backend: str, steps: int, warmup: int, compile_model: bool) -> di
     model.init_weights(cfg.train.seed)
     # as torchpar.train does; --compile, or train.compile
     engine, compile_model = parallelize(model, cfg, env, backend, compile_model=compile_model or None)
-    B, W = cfg.train.global_batch_size, env.world
+    B = cfg.train.global_batch_size
     share, ways = engine.data_rank, engine.data_ways  # as the trainer: pipeline stages read the whole batch
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (B, cfg.data.seq_len + 1))
     mine = torch.from_numpy(tokens[share * B // ways : (share + 1) * B // ways]).long().to(env.device)
     sync = torch.cuda.synchronize if env.device.type == "cuda" else (lambda: None)
+    handle = None
     for _ in range(warmup):
         handle = engine.update(mine)
     sync()
+    return env, engine, compile_model, mine, sync, handle
+
+
+def bench(cfg, backend: str, steps: int, warmup: int, compile_model: bool) -> dict:
+    import torch  # deferred: torch (~1.5 s), after the arguments are checked
+
+    env, engine, compile_model, mine, sync, handle = warm_engine(cfg, backend, warmup, compile_model)
+    B, W = cfg.train.global_batch_size, env.world
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
