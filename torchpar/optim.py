@@ -56,8 +56,17 @@ def make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer
     if o.name == "adamw8bit":
         on_gpu = next(model.parameters()).device.type == "cuda"
         return torchao_adamw8bit(param_groups(model, o.weight_decay), on_gpu and cfg.train.compile != "off", **kwargs)
-    # optim.fused: one kernel for every parameter's update (torch's foreach default otherwise)
-    return torch.optim.AdamW(param_groups(model, o.weight_decay), **kwargs, **({"fused": True} if o.fused else {}))
+    fused = use_fused(o.fused, next(model.parameters()).device.type)
+    return torch.optim.AdamW(param_groups(model, o.weight_decay), **kwargs, **({"fused": True} if fused else {}))
+
+
+def use_fused(setting: str, device_type: str) -> bool:
+    """Whether AdamW runs as torch's fused kernel, by optim.fused: on, off, or auto (on a GPU, where it pays).
+
+    One kernel for every parameter's update instead of the foreach path's launches per group of tensors: on a GPU
+    the foreach path's launches kept the device idle (docs/gpu.md); on the CPU the two take about the same time.
+    """
+    return setting == "on" or (setting == "auto" and device_type == "cuda")
 
 
 def as_matrices(x: torch.Tensor, axes) -> torch.Tensor:

@@ -66,7 +66,7 @@ MODELS = {
     "moe-1b bf16 ragged": ["--config", "configs/moe-1b.yaml", *ONE_DEVICE, "model.moe_ragged=true"],  # routed rows
     "llama-3b bf16": LLAMA_3B,
     "llama-3b float8": [*LLAMA_3B, "model.float8=true"],
-    "torchpar gpt2-124m fused adamw": [*GPT2_124M, "optim.fused=true"],  # beside (b)'s torchpar
+    "torchpar gpt2-124m foreach adamw": [*GPT2_124M, "optim.fused=off"],  # beside (b)'s torchpar (fused: auto)
     "torchpar llama-3b bf16": LLAMA_3B,
     "torchpar llama-3b float8": [*LLAMA_3B, "model.float8=true"],
 }
@@ -77,7 +77,7 @@ TINY_MODELS = {
     "moe-tiny ragged": ["--config", "configs/moe-tiny.yaml", "model.moe_ragged=true"],
     "llama-tiny": ["--config", "configs/llama-tiny.yaml"],
     "llama-tiny float8": ["--config", "configs/llama-tiny.yaml", "model.float8=true"],
-    "torchpar gpt2-tiny fused adamw": [*TINY, "optim.fused=true"],
+    "torchpar gpt2-tiny foreach adamw": [*TINY, "optim.fused=off"],
     "torchpar llama-tiny": ["--config", "configs/llama-tiny.yaml"],
     "torchpar llama-tiny float8": ["--config", "configs/llama-tiny.yaml", "model.float8=true"],
 }
@@ -237,18 +237,22 @@ def models(tiny: bool) -> dict:
 
 
 BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
-CONVERT = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.-]*convert[\w.-]*) = (\w+)\[([\d,]*)\]", re.M)
+# a fusion (one kernel) whose name says it converts: its name and its result, one array or a tuple of them
+CONVERT = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.-]*convert[\w.-]*) = (\(.*?\)|\w+\[[\d,]*\])\S* fusion\(", re.M)
+ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 
 
 def converts_of(hlo: str, top: int = 6) -> list[dict]:
-    """The optimized HLO's largest convert fusions: name, result type and shape, MiB written."""
+    """The optimized HLO's largest convert fusions (kernels): name, result type(s), MiB written."""
     rows = []
-    for name, dtype, dims in CONVERT.findall(hlo):
-        elements = 1
-        for d in filter(None, dims.split(",")):
-            elements *= int(d)
-        size = BYTES.get(dtype, 1 if dtype.startswith("f8") else 4)
-        rows.append({"name": name, "shape": f"{dtype}[{dims}]", "mib": elements * size / 2**20})
+    for name, result in CONVERT.findall(hlo):
+        mib = 0.0
+        for dtype, dims in ARRAY.findall(result):
+            elements = 1
+            for d in filter(None, dims.split(",")):
+                elements *= int(d)
+            mib += elements * BYTES.get(dtype, 1 if dtype.startswith("f8") else 4) / 2**20
+        rows.append({"name": name, "shape": ", ".join(f"{t}[{d}]" for t, d in ARRAY.findall(result)), "mib": mib})
     return sorted(rows, key=lambda r: -r["mib"])[:top]
 
 

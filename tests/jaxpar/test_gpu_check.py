@@ -66,18 +66,20 @@ def test_the_calls_budget_cuts_subprocesses_and_leaves_late_parts_unrun(tmp_path
 
 
 def test_the_compiled_steps_casts_and_float8_matmuls_are_read_off_its_hlo():
-    """(c): the largest convert fusions by bytes written; cuBLAS float8 GEMMs and dots on float8 operands counted."""
+    """(c): the convert fusions (kernels, not ops inside one) by bytes written; float8 GEMMs and dots counted."""
     hlo = """
   %loop_convert_fusion.2 = f32[16,128,50304]{2,1,0} fusion(bf16[16,128,50304]{2,1,0} %p), kind=kLoop
   ROOT %convert_element_type.1 = bf16[768]{0} convert(f32[768]{0} %q)
+  %loop_convert_multiply_fusion = (bf16[4,1024]{1,0}, f32[1024]{0}) fusion(%a, %b), kind=kLoop
   %cc.3 = (f32[8,8]) custom-call(f8e4m3fn[8,8] %a, f8e4m3fn[8,8] %b), custom_call_target="__cublas$lt$matmul$f8"
   %custom-call.4 = (bf16[8,8]{1,0}) custom-call(bf16[8,8] %c, bf16[8,8] %d), custom_call_target="__cublas$gemm"
   %dot.5 = f32[64,64]{1,0} dot(f8e5m2[64,32]{1,0} %e, f8e4m3fn[32,64]{1,0} %f), lhs_contracting_dims={1}
   %dot.6 = f32[64,64]{1,0} dot(f32[64,32]{1,0} %g, f32[32,64]{1,0} %h), lhs_contracting_dims={1}
 """
     converts = gpu_check.converts_of(hlo)
-    assert [c["name"] for c in converts] == ["loop_convert_fusion.2", "convert_element_type.1"]
+    assert [c["name"] for c in converts] == ["loop_convert_fusion.2", "loop_convert_multiply_fusion"]
     assert converts[0]["shape"] == "f32[16,128,50304]" and converts[0]["mib"] == 16 * 128 * 50304 * 4 / 2**20
+    assert converts[1]["shape"] == "bf16[4,1024], f32[1024]" and converts[1]["mib"] == (4 * 1024 * 2 + 1024 * 4) / 2**20
     assert gpu_check.matmuls_of(hlo) == {"matmuls": 4, "float8_cublas": 1, "float8_dots": 1}
 
 
