@@ -16,6 +16,7 @@ from jaxpar.core.config.schema import Config
 from jaxpar.core.config.mesh_spec import parse_mesh
 from torchpar import backends
 from torchpar.models.decoder import Block
+from torchpar.models.head import chunk_loss
 
 # model.remat=save_matmuls: keep matmul outputs, recompute the rest (jaxpar: dots_with_no_batch_dims_saveable).
 _MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default]
@@ -94,10 +95,13 @@ def use_compile(cfg: Config, backend: str, device_type: str) -> bool:
 
 
 def compile_blocks(model) -> None:
-    """torch.compile each block in place, before any wrapper.
+    """torch.compile each block in place, before any wrapper, and the chunked loss's step.
 
     Before any wrapper because FSDP2 shards per block and pipeline stages take whole blocks. The blocks share one
-    compiled graph (parameters are graph inputs), as torchtitan does.
+    compiled graph (parameters are graph inputs), as torchtitan does. The loss's chunk (head.py chunk_loss: the
+    head's logits, their softmax and gradient, the head's two gradient products) is one more graph, called once per
+    chunk; the pipeline's last stage keeps it eager.
     """
     for block in model.blocks:
         block.compile()
+    model.loss_chunk = torch.compile(chunk_loss)

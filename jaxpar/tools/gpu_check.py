@@ -13,9 +13,10 @@ One command that validates and measures on a GPU (a device session runs it in on
       fusions by tensor, and with model.float8 whether its matmuls became float8 GEMMs,
   (d) the measured bf16 matmul ceiling,
   (e) (b)'s jaxpar step with model.remat=offload (activations in host memory): tokens/s and peak memory,
-  (f) models and changes on one device (MODELS, most wanted first, each change beside its baseline row): GPT-2 124M
-      with model.float32_logits, configs/moe-1b.yaml padded and with model.moe_ragged, a Llama-3 3B in bf16 and with
-      model.float8 in both frameworks, torchpar with optim.fused: tokens/s, MFU, peak memory.
+  (f) models and changes on one device (MODELS, most wanted first, each change beside its baseline row):
+      configs/moe-1b.yaml padded and with model.moe_ragged, a Llama-3 3B in bf16 and with
+      model.float8 in both frameworks, torchpar with its foreach AdamW and with its loss's chunk eager: tokens/s,
+      MFU, peak memory.
 It prints and writes a dated markdown report with device, versions and every command, rewritten after each
 part, so that a device call cut off at its time limit still brings back the parts that ran. `--budget` (480 s by
 default) bounds the whole call: every subprocess's timeout is cut to the time left, and a part that would start with
@@ -57,37 +58,34 @@ TINY = ["--config", "configs/gpt2-tiny.yaml", "train.global_batch_size=8"]
 ONE_DEVICE = ["train.global_batch_size=8", "train.microbatches=1"]  # the 1B/3B rows: sequence 2048, 8 rows at once
 LLAMA_3B = ["--config", "configs/llama-3b.yaml", *ONE_DEVICE]
 # (f)'s rows, most wanted first (a row with under a minute of the budget left is not started): each change beside
-# the row it is measured against (BASELINES). A "torchpar ..." row runs torchpar.tools.bench with torch.compile.
+# the row it is measured against (BASELINES; a torchpar row's default baseline is (b)'s torchpar). A "torchpar ..."
+# row runs torchpar.tools.bench with torch.compile. Measured and not kept, so no longer rows: model.float32_logits
+# (0.976x on an H200, docs/benchmarks/gpu-check-2026-11-30.md).
 MODELS = {
-    # the head's logits written in float32 by its matmul (the profile's two converts), beside the rounded head
-    "gpt2-124m bf16": GPT2_124M,
-    "gpt2-124m bf16 float32 logits": [*GPT2_124M, "model.float32_logits=true"],
+    "torchpar gpt2-124m foreach adamw": [*GPT2_124M, "optim.fused=off"],  # (b)'s torchpar has fused AdamW (auto)
+    "torchpar gpt2-124m eager loss": [*GPT2_124M, "--eager-loss"],  # the loss's chunk not compiled
     "moe-1b bf16": ["--config", "configs/moe-1b.yaml", *ONE_DEVICE],
     "moe-1b bf16 ragged": ["--config", "configs/moe-1b.yaml", *ONE_DEVICE, "model.moe_ragged=true"],  # routed rows
     "llama-3b bf16": LLAMA_3B,
     "llama-3b float8": [*LLAMA_3B, "model.float8=true"],
-    "torchpar gpt2-124m foreach adamw": [*GPT2_124M, "optim.fused=off"],  # beside (b)'s torchpar (fused: auto)
     "torchpar llama-3b bf16": LLAMA_3B,
     "torchpar llama-3b float8": [*LLAMA_3B, "model.float8=true"],
 }
 TINY_MODELS = {
-    "gpt2-tiny bf16": [*TINY, "model.compute_dtype=bfloat16"],
-    "gpt2-tiny bf16 float32 logits": [*TINY, "model.compute_dtype=bfloat16", "model.float32_logits=true"],
+    "torchpar gpt2-tiny foreach adamw": [*TINY, "optim.fused=off"],
+    "torchpar gpt2-tiny eager loss": [*TINY, "--eager-loss"],
     "moe-tiny": ["--config", "configs/moe-tiny.yaml"],
     "moe-tiny ragged": ["--config", "configs/moe-tiny.yaml", "model.moe_ragged=true"],
     "llama-tiny": ["--config", "configs/llama-tiny.yaml"],
     "llama-tiny float8": ["--config", "configs/llama-tiny.yaml", "model.float8=true"],
-    "torchpar gpt2-tiny foreach adamw": [*TINY, "optim.fused=off"],
     "torchpar llama-tiny": ["--config", "configs/llama-tiny.yaml"],
     "torchpar llama-tiny float8": ["--config", "configs/llama-tiny.yaml", "model.float8=true"],
 }
 # a changed row -> the row it is measured against (its tokens/s over that row's in the report)
 BASELINES = {
-    "gpt2-124m bf16 float32 logits": "gpt2-124m bf16",
     "moe-1b bf16 ragged": "moe-1b bf16",
     "llama-3b float8": "llama-3b bf16",
     "torchpar llama-3b float8": "torchpar llama-3b bf16",
-    "gpt2-tiny bf16 float32 logits": "gpt2-tiny bf16",
     "moe-tiny ragged": "moe-tiny",
     "llama-tiny float8": "llama-tiny",
     "torchpar llama-tiny float8": "torchpar llama-tiny",
@@ -435,6 +433,10 @@ def markdown(res: dict) -> str:
             )
         lines += ["", "| row | tokens/s over its baseline row |", "|---|---|"]
         lines += [f"| {name} | {ratio:.3f}x of {BASELINES[name]} |" for name, ratio in m["ratios"].items()]
+        torch_b = (res.get("throughput") or {}).get("torchpar_tokens_per_sec")  # the torchpar GPT-2 rows' baseline
+        for name, r in m["rows"].items():
+            if name.startswith("torchpar gpt2") and torch_b and (r["jaxpar"] or {}).get("tokens_per_sec"):
+                lines.append(f"| {name} | {r['jaxpar']['tokens_per_sec'] / torch_b:.3f}x of (b)'s torchpar |")
         lines += [*([f"Not started, the budget spent: {', '.join(m['not_run'])}"] if m["not_run"] else []), ""]
     failed = [k for k in PARTS if k in res and not res[k]["ok"]]
     lines += [f"Result: {'all parts ran' if not failed else 'FAILED: ' + ', '.join(failed)}", ""]

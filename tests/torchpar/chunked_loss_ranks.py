@@ -23,7 +23,7 @@ from torchpar.trainer import build_model
 CALLS = []  # the chunk count of each chunked loss this process ran (the pipeline's last stage runs one chunk too)
 plain = head._Chunked.forward
 head._Chunked.forward = staticmethod(
-    lambda ctx, x, table, targets, n: CALLS.append(n) or plain(ctx, x, table, targets, n)
+    lambda ctx, x, table, targets, n, step: CALLS.append(n) or plain(ctx, x, table, targets, n, step)
 )
 
 

@@ -57,6 +57,35 @@ def test_chunks_give_the_whole_logits_loss_and_gradients(overrides):
         torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_the_compiled_chunk_equals_the_eager_one_in_bfloat16():
+    """train.compile compiles the loss's chunk too (parallelize.compile_blocks): loss and gradients within 1e-5.
+
+    bfloat16 compute, so the compiled chunk's casts are those the eager one makes; masked targets included.
+    """
+    from torchpar.models.head import chunk_loss
+    from torchpar.parallelize import compile_blocks
+
+    cfg = tiny_config("model.compute_dtype=bfloat16", "model.loss_chunks=4")
+    model, batch = Decoder(cfg.model), rows(cfg)
+    compiled_model = Decoder(cfg.model)
+    compile_blocks(compiled_model)  # what train.compile runs: it compiles the loss's chunk as well
+    assert model.loss_chunk is chunk_loss and compiled_model.loss_chunk is not chunk_loss
+    model.init_weights(0)
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        return float(loss), {k: p.grad.float().clone() for k, p in model.named_parameters()}
+
+    eager = loss_and_grads()
+    model.loss_chunk = torch.compile(chunk_loss)
+    compiled = loss_and_grads()
+    assert compiled[0] == pytest.approx(eager[0], abs=1e-5)
+    for name, g in eager[1].items():
+        torch.testing.assert_close(compiled[1][name], g, rtol=1e-5, atol=1e-5, msg=name)
+
+
 BACKENDS = {
     "none": ("none", 0, ()),
     "ddp": ("ddp", 2, ()),

@@ -25,7 +25,7 @@ from jaxpar.core.model.layer_rules import loss_chunks
 from jaxpar.core.model.layer_rules import block_sparsity
 from jaxpar.core.model.windows import layer_window
 from torchpar.models.dilated import dilated_attention
-from torchpar.models.head import chunked_cross_entropy, cross_entropy, logits
+from torchpar.models.head import chunk_loss, chunked_cross_entropy, cross_entropy, logits
 from torchpar.models.layers import Dense, Kernel, LayerNorm, RMSNorm, SketchedLinear
 from torchpar.models.llama import GQAttention, SwiGLU
 from torchpar.models.mla import MLAttention
@@ -156,6 +156,7 @@ class Decoder(nn.Module):
         self.mtp = nn.ModuleList(MTP(cfg) for _ in range(cfg.mtp_depth))  # multi-token prediction (model.mtp_depth)
         self.mtp_losses = None  # with it: each depth's cross-entropy of the last forward, detached
         self.expert_stats = None  # with experts: their per-row statistics of the last forward (moe.layer_stats)
+        self.loss_chunk = chunk_loss  # the chunked loss's step (head.py), compiled by train.compile (parallelize.py)
         if cfg.float8:  # model.float8: every projection jaxpar's `project` runs; the router stays float32, as there
             for name, m in self.named_modules():
                 if isinstance(m, (Dense, Kernel, SketchedLinear)) and not name.endswith(".router"):
@@ -214,7 +215,7 @@ class Decoder(nn.Module):
         self.expert_stats = layer_stats(per_layer, self.cfg) if per_layer else None
         if targets is None:  # sampling and decoding: the main head alone (the prediction modules unused)
             return output_head(self.ln_f, self.output_table, x)
-        loss = head_loss(self.ln_f, self.output_table, x, targets, self.cfg)
+        loss = head_loss(self.ln_f, self.output_table, x, targets, self.cfg, self.loss_chunk)
         if not self.mtp or not self.training:  # evaluation: the main loss alone, as jaxpar's
             return loss
         table = self.output_table
@@ -224,7 +225,7 @@ class Decoder(nn.Module):
             x,
             (tokens, targets, segments),
             self.compute_dtype,
-            lambda norm, h, t: head_loss(norm, table, h, t, self.cfg),
+            lambda norm, h, t: head_loss(norm, table, h, t, self.cfg, self.loss_chunk),
             positions,
             mask,
         )
@@ -280,17 +281,17 @@ def output_head(ln_f: nn.Module, table: nn.Parameter, x: torch.Tensor) -> torch.
 
 
 def head_loss(
-    ln_f: nn.Module, table: nn.Parameter, x: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig
+    ln_f: nn.Module, table: nn.Parameter, x: torch.Tensor, targets: torch.Tensor, cfg: ModelConfig, step=chunk_loss
 ) -> torch.Tensor:
     """The cross-entropy of the output head's logits against `targets`.
 
-    next_token_loss(output_head(ln_f, table, x), targets), in model.loss_chunks chunks of positions (head.py)
-    unless that is one.
+    next_token_loss(output_head(ln_f, table, x), targets), in model.loss_chunks chunks of positions (head.py, each
+    by `step`) unless that is one.
     """
     n = loss_chunks(cfg, targets.shape[1])
     if n == 1:
         return cross_entropy(output_head(ln_f, table, x), targets)
-    return chunked_cross_entropy(ln_f(x), table, targets, n)
+    return chunked_cross_entropy(ln_f(x), table, targets, n, step)
 
 
 def inputs_and_targets(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

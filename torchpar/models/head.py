@@ -5,9 +5,9 @@ jaxpar's models/head.py in torch.
 Whole: the logits [batch, seq, vocab] in float32, then `cross_entropy`. In chunks: `chunked_cross_entropy` takes
 the final norm's output and the output table and runs the head and the loss one chunk of positions at a time (chunk
 c holds positions c, c + n, ... of every row, as jaxpar's), so no more than one chunk's float32 logits ever exist.
-An autograd Function: each chunk's gradients are taken in its forward, where the chunk's logits are at hand (the
-logits' gradient by autograd through the same per-position loss, the head's two products by hand, as F.linear's
-backward makes them), and kept at the size of the head's input and table; the backward only scales them, so nothing
+An autograd Function: each chunk's gradients are taken in its forward, where the chunk's logits are at hand
+(`chunk_loss`: the logits' gradient as softmax minus the target, the head's two products as F.linear's backward makes
+them), and kept at the size of the head's input and table; the backward only scales them, so nothing
 is recomputed and no checkpointing is involved. The table's gradient sums the chunks' in float32. It runs inside
 the model's forward, where DDP, FSDP2 and DeepSpeed ZeRO-3 have the table's full weights at hand.
 """
@@ -49,9 +49,27 @@ def _split(a: torch.Tensor, n: int) -> torch.Tensor:
     return a.reshape(a.shape[0], a.shape[1] // n, n, *a.shape[2:])
 
 
+def chunk_loss(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's summed cross-entropy and the gradients of that sum for the head's input and table.
+
+    h [batch, positions, embed] in the compute dtype, w the table in it, t [batch, positions]. The logits' gradient
+    is softmax minus the target's one-hot, 0 at a skipped (negative) target: autograd's through log_softmax, written
+    out so that the chunk is one function of its inputs (train.compile compiles it, torchpar/parallelize.py: its
+    softmax, mask and cast fused, the logits read twice instead of written and read in float32 five times). Cast
+    back to the compute dtype as autograd does; the table's gradient in float32.
+    """
+    z = logits(h, w)
+    keep, target = (t >= 0).unsqueeze(-1), t.clamp(min=0).unsqueeze(-1)
+    lse = torch.logsumexp(z, -1, keepdim=True)
+    loss = torch.where(keep, lse - z.gather(-1, target), 0.0).sum()
+    dz = torch.exp(z - lse).scatter_add(-1, target, torch.full_like(lse, -1.0))
+    dz = torch.where(keep, dz, 0.0).to(h.dtype)
+    return loss, dz @ w, (dz.flatten(0, 1).T @ h.flatten(0, 1)).float()
+
+
 class _Chunked(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, table, targets, n: int):
+    def forward(ctx, x, table, targets, n: int, step):
         xs, ts, w = _split(x, n), _split(targets, n), table.detach().to(x.dtype)
         grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         total = torch.zeros((), dtype=torch.float32, device=x.device)
@@ -59,17 +77,13 @@ class _Chunked(torch.autograd.Function):
         dtable = torch.zeros(table.shape, dtype=torch.float32, device=x.device) if grads else None
         for c in range(n):
             h, t = xs[:, :, c], ts[:, :, c]
-            z = logits(h, w)
             if not grads:
-                total += token_losses(z, t).sum()
+                total += token_losses(logits(h, w), t).sum()
                 continue
-            with torch.enable_grad():
-                z.requires_grad_()
-                loss = token_losses(z, t).sum()
-                dz = torch.autograd.grad(loss, z)[0].to(x.dtype)  # the logits' gradient, cast back as autograd does
-            total += loss.detach()
-            _split(dx, n)[:, :, c] = dz @ w  # the head's transpose
-            dtable += (dz.flatten(0, 1).T @ h.flatten(0, 1)).float()
+            loss, dh, dw = step(h, w, t)
+            total += loss
+            _split(dx, n)[:, :, c] = dh  # the head's transpose
+            dtable += dw
         ctx.save_for_backward(dx, dtable)
         ctx.table_dtype = table.dtype
         return total / targets.numel()
@@ -78,12 +92,15 @@ class _Chunked(torch.autograd.Function):
     def backward(ctx, g):
         dx, dtable = ctx.saved_tensors
         scale = g / (dx.shape[0] * dx.shape[1])
-        return (dx.float() * scale).to(dx.dtype), (dtable * scale).to(ctx.table_dtype), None, None
+        return (dx.float() * scale).to(dx.dtype), (dtable * scale).to(ctx.table_dtype), None, None, None
 
 
-def chunked_cross_entropy(x: torch.Tensor, table: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
+def chunked_cross_entropy(
+    x: torch.Tensor, table: torch.Tensor, targets: torch.Tensor, chunks: int, step=chunk_loss
+) -> torch.Tensor:
     """cross_entropy(logits(x, table), targets), the logits made one chunk of positions at a time.
 
-    There are `chunks` chunks; the sequence length must be a multiple of `chunks`.
+    There are `chunks` chunks; the sequence length must be a multiple of `chunks`. `step`: chunk_loss, or its
+    compiled twin (train.compile).
     """
-    return _Chunked.apply(x, table, targets, chunks)
+    return _Chunked.apply(x, table, targets, chunks, step)

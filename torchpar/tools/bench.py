@@ -38,15 +38,17 @@ def matmul_ceiling(device, dtype) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
-def warm_engine(cfg, backend: str, warmup: int, compile_model: bool):
+def warm_engine(cfg, backend: str, warmup: int, compile_model: bool, eager_loss: bool = False):
     """The backend's engine over the config's model, run `warmup` steps on synthetic rows.
 
     (env, engine, whether its blocks were compiled, this rank's rows, the device's synchronize, the last handle).
+    `eager_loss`: the chunked loss's step left uncompiled under compile (the side-by-side of gpu_check).
     """
     import torch  # deferred: torch (~1.5 s), after the arguments are checked
 
     from torchpar import dist  # deferred: imports torch, after the arguments are checked
     from torchpar.models.decoder import Decoder  # deferred: imports torch, after the arguments are checked
+    from torchpar.models.head import chunk_loss  # deferred: imports torch, after the arguments are checked
     from torchpar.parallelize import parallelize  # deferred: imports torch, after the arguments are checked
 
     env = dist.init(backend != "none", cfg.run.peer_timeout_s)
@@ -54,6 +56,8 @@ def warm_engine(cfg, backend: str, warmup: int, compile_model: bool):
     model.init_weights(cfg.train.seed)
     # as torchpar.train does; --compile, or train.compile
     engine, compile_model = parallelize(model, cfg, env, backend, compile_model=compile_model or None)
+    if eager_loss:
+        model.loss_chunk = chunk_loss
     B = cfg.train.global_batch_size
     share, ways = engine.data_rank, engine.data_ways  # as the trainer: pipeline stages read the whole batch
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (B, cfg.data.seq_len + 1))
@@ -66,10 +70,10 @@ def warm_engine(cfg, backend: str, warmup: int, compile_model: bool):
     return env, engine, compile_model, mine, sync, handle
 
 
-def bench(cfg, backend: str, steps: int, warmup: int, compile_model: bool) -> dict:
+def bench(cfg, backend: str, steps: int, warmup: int, compile_model: bool, eager_loss: bool = False) -> dict:
     import torch  # deferred: torch (~1.5 s), after the arguments are checked
 
-    env, engine, compile_model, mine, sync, handle = warm_engine(cfg, backend, warmup, compile_model)
+    env, engine, compile_model, mine, sync, handle = warm_engine(cfg, backend, warmup, compile_model, eager_loss)
     B, W = cfg.train.global_batch_size, env.world
     times = []
     for _ in range(steps):
@@ -92,6 +96,7 @@ def bench(cfg, backend: str, steps: int, warmup: int, compile_model: bool) -> di
         "devices": W,
         "device_kind": f"{env.device.type}:{kind}",
         "compiled": compile_model,
+        "loss_compiled": compile_model and not eager_loss,
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "compute_dtype": cfg.model.compute_dtype,
         "remat": cfg.model.remat,
@@ -119,6 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="torch.compile the blocks (as train.compile=on)")
+    ap.add_argument("--eager-loss", action="store_true", help="under compile, leave the chunked loss's step eager")
     ap.add_argument("--json")
     ap.add_argument("--record", action="store_true", help="append a row to docs/benchmarks/torchpar-bench.md")
     ap.add_argument("overrides", nargs="*")
@@ -129,7 +135,7 @@ def main(argv=None) -> int:
     from torchpar import dist  # deferred: imports torch, after the arguments are checked
 
     try:
-        result = bench(cfg, args.backend, args.steps, args.warmup, args.compile)
+        result = bench(cfg, args.backend, args.steps, args.warmup, args.compile, args.eager_loss)
     finally:
         dist.teardown()
     if not result.pop("is_main"):

@@ -234,8 +234,9 @@ class TrainConfig:
     eval_tasks_limit: int = field(default=0, metadata=_check(lo=0))  # train.eval_tasks: first N documents; 0 = all
     eval_tasks_fewshot: int = field(default=-1, metadata=_check(lo=-1))  # train.eval_tasks: -1 = each task's own
     matmul_precision: str = field(default="default", metadata=_check(choices=("default", "high", "highest")))
-    # torchpar: torch.compile each block (auto = on a GPU, not on the CPU, where compiling takes longer than a short
-    # run saves; deepspeed: off). jaxpar's step is always compiled by XLA: "off" is refused there.
+    # torchpar: torch.compile each block and the chunked loss's step (auto = on a GPU, not on the CPU, where compiling
+    # takes longer than a short run saves; deepspeed: off). jaxpar's step is always compiled by XLA: "off" is refused
+    # there.
     compile: str = field(default="auto", metadata=_check(choices=("auto", "on", "off")))
     # jaxpar's layers under one lax.scan (on: compile time flat in depth) or unrolled (off: GPT-2 124M 1.47x faster
     # on an H100, compiling 5x longer; docs/gpu.md); auto: off on a GPU. torchpar's layers are always separate.
