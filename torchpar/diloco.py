@@ -74,11 +74,10 @@ class Groups:
     """The meetings of a DiLoCo run, on this rank: its group, the synchronised parameters, the outer optimizer."""
 
     def __init__(self, raw, cfg, env, mesh, groups: int):
-        self.cfg, self.env, self.count = cfg, env, groups
-        self.index = env.rank // (env.world // groups)
+        self.cfg, self.env, self.count, self.size = cfg, env, groups, env.world // groups  # size: ranks per group
+        self.index = env.rank // self.size
         self.between = mesh[AXIS].get_group()  # this rank and its peers at the same place in the other groups
-        size = env.world // groups
-        self.within = tdist.new_subgroups(size)[0] if size > 1 else None  # this rank's group
+        self.within = tdist.new_subgroups(self.size)[0] if self.size > 1 else None  # this rank's group
         self.live = dict(raw.named_parameters())
         self.sharded = [m for m in raw.modules() if hasattr(m, "reshard") and hasattr(m, "unshard")]  # FSDP2's
         self.synced = {n: local(p).detach().clone() for n, p in self.live.items()}
@@ -181,9 +180,9 @@ class Groups:
     def describe(self) -> str:
         H, F, o = self.cfg.parallel.diloco_inner_steps, self.cfg.parallel.diloco_fragments, self.cfg.optim
         streaming = f" in {F} fragments (streaming)" if F > 1 else ""
-        size = self.env.world // self.count
         return (
-            f"DiLoCo: {self.count} groups of {size} rank{'s' * (size > 1)}, meeting every {H} steps{streaming}; "
+            f"DiLoCo: {self.count} groups of {self.size} rank{'s' * (self.size > 1)}, meeting every {H} steps"
+            f"{streaming}; "
             f"outer SGD lr {o.outer_lr:g}, momentum {o.outer_momentum:g}{' (Nesterov)' * o.outer_nesterov}"
         )
 

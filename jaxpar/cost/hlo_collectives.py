@@ -28,6 +28,8 @@ DTYPE_BYTES = {
     "s64": 8,
     "u64": 8,
     "f64": 8,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
 }
 OPS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(.*?)\s+(" + "|".join(OPS) + r")(-start)?\(")
@@ -64,7 +66,8 @@ class Collective:
         }[self.op]
 
 
-def _shape_bytes(shape_text: str) -> int:
+def shape_bytes(shape_text: str) -> int:
+    """Bytes of an HLO shape's arrays, a tuple's summed: `bf16[16,1024]` or `(bf16[4], f32[2,2])`."""
     total = 0
     for dtype, dims in _ARRAY.findall(shape_text):
         total += DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
@@ -93,8 +96,8 @@ def _result_bytes(shape_text: str, op: str, is_start: bool) -> int:
     element is the result.
     """
     if is_start and op != "all-reduce" and shape_text.strip().startswith("("):
-        return _shape_bytes(_top_level(shape_text)[1])
-    return _shape_bytes(shape_text)
+        return shape_bytes(_top_level(shape_text)[1])
+    return shape_bytes(shape_text)
 
 
 def _groups(line: str, n_devices: int) -> list[list[int]]:

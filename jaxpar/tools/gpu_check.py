@@ -44,6 +44,7 @@ from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError, cli
 from jaxpar.tools.bench import matmul_ceiling
 from jaxpar.core.kernel_profile import markdown as profile_lines
+from jaxpar.cost.hlo_kernels import converts_of, matmuls_of
 
 PARTS = ("parity", "throughput", "profile", "torch_profile", "attention", "ceiling", "offload", "models")
 MIN_PART_S = 60  # a part started with less time left than this is not started (--budget)
@@ -232,34 +233,6 @@ def models(tiny: bool) -> dict:
     tps = lambda name: ((rows.get(name) or {}).get("jaxpar") or {}).get("tokens_per_sec") or 0
     ratios = {name: tps(name) / tps(base) for name, base in BASELINES.items() if tps(name) and tps(base)}
     return {"rows": rows, "ratios": ratios, "not_run": not_run, "ok": all(r["ok"] for r in rows.values())}
-
-
-BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
-# a fusion (one kernel) whose name says it converts: its name and its result, one array or a tuple of them
-CONVERT = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.-]*convert[\w.-]*) = (\(.*?\)|\w+\[[\d,]*\])\S* fusion\(", re.M)
-ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
-
-
-def converts_of(hlo: str, top: int = 6) -> list[dict]:
-    """The optimized HLO's largest convert fusions (kernels): name, result type(s), MiB written."""
-    rows = []
-    for name, result in CONVERT.findall(hlo):
-        mib = 0.0
-        for dtype, dims in ARRAY.findall(result):
-            elements = 1
-            for d in filter(None, dims.split(",")):
-                elements *= int(d)
-            mib += elements * BYTES.get(dtype, 1 if dtype.startswith("f8") else 4) / 2**20
-        rows.append({"name": name, "shape": ", ".join(f"{t}[{d}]" for t, d in ARRAY.findall(result)), "mib": mib})
-    return sorted(rows, key=lambda r: -r["mib"])[:top]
-
-
-def matmuls_of(hlo: str) -> dict:
-    """How the optimized HLO's matmuls run: cuBLAS float8 calls, other dots on float8 operands, every matmul."""
-    lines = [line for line in hlo.splitlines() if " dot(" in line or 'custom_call_target="__cublas' in line]
-    f8_cublas = sum("__cublas$lt$matmul$f8" in line for line in lines)
-    f8_dots = sum(" dot(" in line and "f8e" in line.split(" dot(", 1)[1] for line in lines)
-    return {"matmuls": len(lines), "float8_cublas": f8_cublas, "float8_dots": f8_dots}
 
 
 def attention(tiny: bool, hlo_out: str) -> dict:

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+from jaxpar.cost.hlo_kernels import converts_of, matmuls_of
 from jaxpar.tools import gpu_check
 from tests.helpers import ROOT
 
@@ -66,7 +67,10 @@ def test_the_calls_budget_cuts_subprocesses_and_leaves_late_parts_unrun(tmp_path
 
 
 def test_the_compiled_steps_casts_and_float8_matmuls_are_read_off_its_hlo():
-    """(c): the convert fusions (kernels, not ops inside one) by bytes written; float8 GEMMs and dots counted."""
+    """The convert fusions (kernels, not the ops inside one) by bytes written; float8 GEMMs and dots counted.
+
+    jaxpar/cost/hlo_kernels.py, as gpu_check's (c) reads the compiled step.
+    """
     hlo = """
   %loop_convert_fusion.2 = f32[16,128,50304]{2,1,0} fusion(bf16[16,128,50304]{2,1,0} %p), kind=kLoop
   ROOT %convert_element_type.1 = bf16[768]{0} convert(f32[768]{0} %q)
@@ -76,11 +80,11 @@ def test_the_compiled_steps_casts_and_float8_matmuls_are_read_off_its_hlo():
   %dot.5 = f32[64,64]{1,0} dot(f8e5m2[64,32]{1,0} %e, f8e4m3fn[32,64]{1,0} %f), lhs_contracting_dims={1}
   %dot.6 = f32[64,64]{1,0} dot(f32[64,32]{1,0} %g, f32[32,64]{1,0} %h), lhs_contracting_dims={1}
 """
-    converts = gpu_check.converts_of(hlo)
+    converts = converts_of(hlo)
     assert [c["name"] for c in converts] == ["loop_convert_fusion.2", "loop_convert_multiply_fusion"]
     assert converts[0]["shape"] == "f32[16,128,50304]" and converts[0]["mib"] == 16 * 128 * 50304 * 4 / 2**20
     assert converts[1]["shape"] == "bf16[4,1024], f32[1024]" and converts[1]["mib"] == (4 * 1024 * 2 + 1024 * 4) / 2**20
-    assert gpu_check.matmuls_of(hlo) == {"matmuls": 4, "float8_cublas": 1, "float8_dots": 1}
+    assert matmuls_of(hlo) == {"matmuls": 4, "float8_cublas": 1, "float8_dots": 1}
 
 
 def test_torch_profiles_device_events_are_the_traces_kernels_and_copies():
