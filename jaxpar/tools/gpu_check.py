@@ -18,9 +18,10 @@ One command that validates and measures on a GPU (a device session runs it in on
       model.float8 in both frameworks, torchpar with its foreach AdamW and with its loss's chunk eager: tokens/s,
       MFU, peak memory.
 It prints and writes a dated markdown report with device, versions and every command, rewritten after each
-part, so that a device call cut off at its time limit still brings back the parts that ran. `--budget` (480 s by
-default) bounds the whole call: every subprocess's timeout is cut to the time left, and a part that would start with
-less than a minute left is reported as not run, so the report always comes back within the device call. `--tiny`
+part, so that a device call cut off at its time limit still brings back the parts that ran. Each part has its own
+share of the call (PART_S, parity first) and `--budget` (570 s by default) bounds the whole: every subprocess's
+timeout is cut to the time its part and the call have left, and a part or an (f) row that would start with less than
+MIN_PART_S left is reported as not run, so the report always comes back within the device call. `--tiny`
 runs the same path on the CPU with the tiny config and a few parity steps, so that CI keeps it working. A part that
 cannot run (e.g. DeepSpeed or grain missing from the image) is reported with its reason, not hidden.
 """
@@ -28,6 +29,7 @@ cannot run (e.g. DeepSpeed or grain missing from the image) is reported with its
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import gzip
 import json
@@ -47,7 +49,20 @@ from jaxpar.core.kernel_profile import markdown as profile_lines
 from jaxpar.cost.hlo_kernels import converts_of, matmuls_of
 
 PARTS = ("parity", "throughput", "profile", "torch_profile", "attention", "ceiling", "offload", "models")
-MIN_PART_S = 60  # a part started with less time left than this is not started (--budget)
+MIN_PART_S = 30  # a part or an (f) row with less time left than this is not started (--budget, PART_S)
+# each part's own share of the call, in seconds (its subprocesses' timeouts are cut to it): parity first, all of them
+# within the default --budget of 570 s but the activation offload, which a device session skips unless it changed
+PART_S = {
+    "parity": 150,
+    "throughput": 70,
+    "profile": 35,
+    "torch_profile": 35,
+    "attention": 45,
+    "ceiling": 10,
+    "offload": 30,
+    "models": 230,
+}
+PARITY_PROCESSES = 3  # the parity cases split over this many pytest processes on the one GPU
 GPT2_124M = [
     "--config",
     "configs/gpt2-124m.yaml",
@@ -57,30 +72,30 @@ GPT2_124M = [
 ]
 TINY = ["--config", "configs/gpt2-tiny.yaml", "train.global_batch_size=8"]
 ONE_DEVICE = ["train.global_batch_size=8", "train.microbatches=1"]  # the 1B/3B rows: sequence 2048, 8 rows at once
+# the 3B rows: jaxpar's layers scanned (train.scan_layers=on) so that its float8 step compiles in the budget (unrolled,
+# 2 minutes on an H200, 2026-11-30); bf16 beside it scanned too. torchpar's blocks share one compiled graph anyway.
 LLAMA_3B = ["--config", "configs/llama-3b.yaml", *ONE_DEVICE]
-# (f)'s rows, most wanted first (a row with under a minute of the budget left is not started): each change beside
-# the row it is measured against (BASELINES; a torchpar row's default baseline is (b)'s torchpar). A "torchpar ..."
-# row runs torchpar.tools.bench with torch.compile. Measured and not kept, so no longer rows: model.float32_logits
-# (0.976x on an H200, docs/benchmarks/gpu-check-2026-11-30.md).
+# (f)'s rows, most wanted first (a row with under MIN_PART_S of the budget left is not started): each change beside
+# the row it is measured against (BASELINES; a torchpar GPT-2 row's is (b)'s torchpar). A "torchpar ..." row runs
+# torchpar.tools.bench with torch.compile. Measured on an H200 (docs/benchmarks/gpu-check-2026-11-30.md) and so no
+# longer rows: model.float32_logits (0.976x, not kept), torchpar's foreach AdamW (fused 1.29x, the default since).
 MODELS = {
-    "torchpar gpt2-124m foreach adamw": [*GPT2_124M, "optim.fused=off"],  # (b)'s torchpar has fused AdamW (auto)
-    "torchpar gpt2-124m eager loss": [*GPT2_124M, "--eager-loss"],  # the loss's chunk not compiled
+    "torchpar gpt2-124m eager loss": [*GPT2_124M, "--eager-loss"],  # the loss's chunk not compiled: the old path
     "moe-1b bf16": ["--config", "configs/moe-1b.yaml", *ONE_DEVICE],
-    "moe-1b bf16 ragged": ["--config", "configs/moe-1b.yaml", *ONE_DEVICE, "model.moe_ragged=true"],  # routed rows
-    "llama-3b bf16": LLAMA_3B,
-    "llama-3b float8": [*LLAMA_3B, "model.float8=true"],
+    "llama-3b bf16": [*LLAMA_3B, "train.scan_layers=on"],
+    "llama-3b float8": [*LLAMA_3B, "train.scan_layers=on", "model.float8=true"],
     "torchpar llama-3b bf16": LLAMA_3B,
     "torchpar llama-3b float8": [*LLAMA_3B, "model.float8=true"],
+    "moe-1b bf16 ragged": ["--config", "configs/moe-1b.yaml", *ONE_DEVICE, "model.moe_ragged=true"],  # 0.55x so far
 }
 TINY_MODELS = {
-    "torchpar gpt2-tiny foreach adamw": [*TINY, "optim.fused=off"],
     "torchpar gpt2-tiny eager loss": [*TINY, "--eager-loss"],
     "moe-tiny": ["--config", "configs/moe-tiny.yaml"],
-    "moe-tiny ragged": ["--config", "configs/moe-tiny.yaml", "model.moe_ragged=true"],
-    "llama-tiny": ["--config", "configs/llama-tiny.yaml"],
-    "llama-tiny float8": ["--config", "configs/llama-tiny.yaml", "model.float8=true"],
+    "llama-tiny": ["--config", "configs/llama-tiny.yaml", "train.scan_layers=on"],
+    "llama-tiny float8": ["--config", "configs/llama-tiny.yaml", "train.scan_layers=on", "model.float8=true"],
     "torchpar llama-tiny": ["--config", "configs/llama-tiny.yaml"],
     "torchpar llama-tiny float8": ["--config", "configs/llama-tiny.yaml", "model.float8=true"],
+    "moe-tiny ragged": ["--config", "configs/moe-tiny.yaml", "model.moe_ragged=true"],
 }
 # a changed row -> the row it is measured against (its tokens/s over that row's in the report)
 BASELINES = {
@@ -91,15 +106,16 @@ BASELINES = {
     "llama-tiny float8": "llama-tiny",
     "torchpar llama-tiny float8": "torchpar llama-tiny",
 }
-# the 3B rows hold about 107 GiB at their peak (jaxpar.tools.plan): more than jax's default 75% of an H200
+# the 3B rows hold 75-85 GiB at their peak on an H200 (2026-11-30): room beside jax's default 75% preallocation
 BIG_ROW_ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"}
 
 
-_DEADLINE = [float("inf")]  # time.perf_counter() by which the call's budget (--budget) is spent
+# time.perf_counter() by which the call's budget (--budget) is spent, and the part's own (PART_S)
+_DEADLINE, _PART_END = [float("inf")], [float("inf")]
 
 
 def _left() -> float:
-    return _DEADLINE[0] - time.perf_counter()
+    return min(_DEADLINE[0], _PART_END[0]) - time.perf_counter()
 
 
 def _run(cmd: list[str], timeout: int, env: dict | None = None) -> dict:
@@ -116,26 +132,48 @@ def _run(cmd: list[str], timeout: int, env: dict | None = None) -> dict:
 
 
 def parity(device: str, tiny: bool) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "parity_tests",
-        "-p",
-        "no:cacheprovider",
-        "-W",
-        "ignore",
-        "-m",
-        "",
-        f"--device={device}",
-        "--parity-steps",
-        "20" if tiny else "50",  # -m "": every tier's cases
-        *(["-k", "float32 and none and not bfloat16"] if tiny else []),
-    ]  # tiny: one case, jax vs torch
-    r = _run(cmd, 300 if tiny else 420)
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", r["tail"])}
-    failed = re.findall(r"^FAILED (\S+)", r["tail"], re.M)
-    return {**r, "counts": counts, "failed": failed, "ok": r["rc"] == 0}
+    """(a): the parity suite, every tier's cases, split over PARITY_PROCESSES pytest processes on the one device.
+
+    Each process's jax allocates as it goes (no 75% preallocation each).
+    """
+    base = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-W", "ignore", "-m", "", f"--device={device}"]
+    base += ["--parity-steps", "20" if tiny else "50"]
+    if tiny:  # one case, jaxpar vs torchpar
+        groups = [["parity_tests", "-k", "float32 and none and not bfloat16"]]
+    else:
+        listing = [*base, "parity_tests", "--collect-only", "-q", "-o", "addopts="]  # one id a line
+        listed = subprocess.run(listing, capture_output=True, text=True)
+        ids = [line for line in listed.stdout.splitlines() if "::" in line]
+        groups = [ids[i::PARITY_PROCESSES] for i in range(PARITY_PROCESSES)]
+    t0, env = time.perf_counter(), {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    procs = [
+        subprocess.Popen([*base, *g], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for g in groups
+    ]
+    tails, timed_out = [], False
+    for p in procs:
+        try:
+            out = p.communicate(timeout=max(1, _left()))[0]
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, timed_out = p.communicate()[0], True
+        tails.append(out)
+    counts = collections.Counter()
+    for tail in tails:
+        for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", tail[-500:]):
+            counts[k] += int(n)
+    failed = [f for tail in tails for f in re.findall(r"^FAILED (\S+)", tail, re.M)]
+    rc = "timeout" if timed_out else max(p.returncode for p in procs)
+    command = f"{shlex.join([*base, 'parity_tests'])} (split over {len(procs)} processes)"
+    return {
+        "command": command,
+        "rc": rc,
+        "seconds": time.perf_counter() - t0,
+        "tail": "\n".join(t[-1500:] for t in tails),
+        "counts": dict(counts),
+        "failed": failed,
+        "ok": rc == 0,
+    }
 
 
 def _run_json(cmd: list[str], timeout: int, env: dict | None = None) -> tuple[dict, dict | None]:
@@ -437,7 +475,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="the same path on the CPU, tiny config (CI)")
     ap.add_argument("--out", help="report path (default docs/benchmarks/gpu-check-<date>.md)")
     ap.add_argument("--skip", default="", help=f"comma-separated parts to leave out: {', '.join(PARTS)}")
-    ap.add_argument("--budget", type=float, default=480.0, help="seconds the whole call may take (default 480)")
+    ap.add_argument("--budget", type=float, default=570.0, help="seconds the whole call may take (default 570)")
     args = ap.parse_args(argv)
     if args.budget <= 0:
         raise UserError(f"--budget {args.budget:g}: the call needs some seconds")
@@ -481,9 +519,11 @@ def main(argv=None) -> int:
     ):
         if part in skip:
             continue
+        _PART_END[0] = float("inf")
         if _left() < MIN_PART_S:  # not started: the report comes back within the budget
             res["not_run"].append(part)
             continue
+        _PART_END[0] = time.perf_counter() + PART_S[part]
         print(f"gpu_check: {part} ({_left():.0f} s left) ...", file=sys.stderr, flush=True)
         res[part] = fn()
         res["not_run"] += [f"{part}: {row}" for row in res[part].get("not_run", [])]  # (f)'s rows not started
