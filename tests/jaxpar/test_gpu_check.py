@@ -52,12 +52,17 @@ def test_gpu_check_tiny_writes_its_report(tmp_path):
 
 
 def test_the_calls_budget_cuts_subprocesses_and_leaves_late_parts_unrun(tmp_path, monkeypatch):
-    """--budget: a subprocess's timeout is cut to the time left; a part with under a minute left is not started."""
+    """--budget and each part's share cut a subprocess's timeout; a part with too little of the call left is not run."""
     import time
 
     monkeypatch.setattr(gpu_check, "_DEADLINE", [time.perf_counter() + 2])
     r = gpu_check._run(["sleep", "30"], 300)
     assert r["rc"] == "timeout" and r["seconds"] < 10
+    monkeypatch.setattr(gpu_check, "_DEADLINE", [time.perf_counter() + 300])
+    monkeypatch.setattr(gpu_check, "_PART_END", [time.perf_counter() + 2])  # the part's own share (PART_S) cuts it too
+    r = gpu_check._run(["sleep", "30"], 300)
+    assert r["rc"] == "timeout" and r["seconds"] < 10
+    monkeypatch.setattr(gpu_check, "_PART_END", [float("inf")])
     out = tmp_path / "report.md"
     assert gpu_check.main(["--tiny", "--budget", "30", "--skip", "throughput,profile", "--out", str(out)]) == 1
     report = out.read_text()
