@@ -11,13 +11,16 @@ import collections
 import re
 
 # kinds by kernel name, first match wins: cuBLAS/cuDNN/Triton names on a GPU, XLA's fusion names and torch's
-# operators anywhere (inductor's Triton kernels: triton_red_/triton_per_ are reductions, triton_poi_ pointwise)
+# operators anywhere. Inductor's Triton kernels by their prefix first: triton_red_/triton_per_ reduce, triton_poi_ is
+# pointwise (its name lists the ops fused, a cast among them often); torch's eager casts are *_copy_kernel_cuda's.
 KINDS = (
     ("attention", r"fmha|flash|cudnn|attention|sdpa"),
     ("matmul", r"gemm|nvjet|cublas|cutlass|xmma|sm90|dot|ynn_fusion|matmul|::mm$|::addmm|::bmm|::linear"),
     ("optimizer", r"multi_tensor_apply|adam"),
-    ("convert", r"convert|_to_copy"),
-    ("reduce", r"reduce|triton_red_|triton_per_|::sum$"),
+    ("reduce", r"^triton_red_|^triton_per_"),
+    ("elementwise/other", r"^triton_poi_"),
+    ("convert", r"convert|_to_copy|(bfloat16|half|float)_copy_kernel"),
+    ("reduce", r"reduce|::sum$"),
     ("copy/transpose", r"copy|transpose|slice|concatenate|memcpy|memset"),
 )
 

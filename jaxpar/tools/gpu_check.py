@@ -13,10 +13,9 @@ One command that validates and measures on a GPU (a device session runs it in on
       fusions by tensor, and with model.float8 whether its matmuls became float8 GEMMs,
   (d) the measured bf16 matmul ceiling,
   (e) (b)'s jaxpar step with model.remat=offload (activations in host memory): tokens/s and peak memory,
-  (f) models and changes on one device (MODELS, most wanted first, each change beside its baseline row):
-      configs/moe-1b.yaml padded and with model.moe_ragged, a Llama-3 3B in bf16 and with
-      model.float8 in both frameworks, torchpar with its foreach AdamW and with its loss's chunk eager: tokens/s,
-      MFU, peak memory.
+  (f) models and changes on one device (MODELS, most wanted first, each change beside its baseline row): torchpar's
+      GPT-2 with its loss's chunk eager, configs/moe-1b.yaml padded and with model.moe_ragged, a Llama-3 3B in bf16
+      and with model.float8 in both frameworks: tokens/s, MFU, peak memory.
 It prints and writes a dated markdown report with device, versions and every command, rewritten after each
 part, so that a device call cut off at its time limit still brings back the parts that ran. Each part has its own
 share of the call (PART_S, parity first) and `--budget` (570 s by default) bounds the whole: every subprocess's
@@ -50,8 +49,9 @@ from jaxpar.cost.hlo_kernels import converts_of, matmuls_of
 
 PARTS = ("parity", "throughput", "profile", "torch_profile", "attention", "ceiling", "offload", "models")
 MIN_PART_S = 30  # a part or an (f) row with less time left than this is not started (--budget, PART_S)
-# each part's own share of the call, in seconds (its subprocesses' timeouts are cut to it): parity first, all of them
-# within the default --budget of 570 s but the activation offload, which a device session skips unless it changed
+# each part's own share of the call, in seconds (its subprocesses' timeouts are cut to it), parity first; the models
+# take what the others leave of --budget (570 s by default: 225 s after all but the activation offload, which a device
+# session skips unless it changed)
 PART_S = {
     "parity": 150,
     "throughput": 70,
@@ -60,7 +60,7 @@ PART_S = {
     "attention": 45,
     "ceiling": 10,
     "offload": 30,
-    "models": 230,
+    "models": float("inf"),
 }
 PARITY_PROCESSES = 3  # the parity cases split over this many pytest processes on the one GPU
 GPT2_124M = [
@@ -142,9 +142,16 @@ def parity(device: str, tiny: bool) -> dict:
         groups = [["parity_tests", "-k", "float32 and none and not bfloat16"]]
     else:
         listing = [*base, "parity_tests", "--collect-only", "-q", "-o", "addopts="]  # one id a line
-        listed = subprocess.run(listing, capture_output=True, text=True)
-        ids = [line for line in listed.stdout.splitlines() if "::" in line]
-        groups = [ids[i::PARITY_PROCESSES] for i in range(PARITY_PROCESSES)]
+        try:
+            listed = subprocess.run(listing, capture_output=True, text=True, timeout=max(1, min(60, _left())))
+            ids = [line for line in listed.stdout.splitlines() if line.startswith("parity_tests/") and "::" in line]
+            rc, tail = listed.returncode, listed.stdout[-2000:] + listed.stderr[-2000:]
+        except subprocess.TimeoutExpired:
+            ids, rc, tail = [], "timeout", ""
+        if rc != 0 or not ids:  # the collection's own failure: not a run of the whole unit suite without ids
+            failure = {"command": shlex.join(listing), "rc": rc, "seconds": 0.0, "tail": tail}
+            return {**failure, "counts": {}, "failed": [], "ok": False}
+        groups = split_cases(ids, PARITY_PROCESSES)
     t0, env = time.perf_counter(), {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     procs = [
         subprocess.Popen([*base, *g], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -178,6 +185,22 @@ def parity(device: str, tiny: bool) -> dict:
         "failed": failed,
         "ok": rc == 0,
     }
+
+
+def split_cases(ids: list[str], n: int) -> list[list[str]]:
+    """The parity test ids in at most n groups, the cases of one config together (they share its reference runs).
+
+    A case's config is its id's parameter up to the first "-" (`test_parity[float32-torch:ddp]`: float32); the largest
+    configs are placed first, each on the group with the fewest cases so far.
+    """
+    by_config: dict[str, list[str]] = {}
+    for i in ids:
+        m = re.search(r"\[([^\]-]+)", i)
+        by_config.setdefault(m.group(1) if m else i, []).append(i)
+    groups: list[list[str]] = [[] for _ in range(min(n, len(by_config)))]
+    for cases in sorted(by_config.values(), key=len, reverse=True):
+        min(groups, key=len).extend(cases)
+    return groups
 
 
 def _run_json(cmd: list[str], timeout: int, env: dict | None = None) -> tuple[dict, dict | None]:
@@ -220,33 +243,24 @@ def throughput(tiny: bool) -> dict:
     }
 
 
-def profile_step(tiny: bool) -> dict:
-    """(b2): (b)'s jaxpar step profiled, in a process of its own (the trace's memory and XLA flags stay there)."""
+def profile_step(tiny: bool, module: str = "jaxpar.tools.gpu_profile", flags: tuple = ()) -> dict:
+    """(b2): (b)'s jaxpar step profiled, in a process of its own (the trace's memory and XLA flags stay there).
+
+    (b3) runs torchpar's twin (`module`) with `flags` the same way.
+    """
+    cmd = [sys.executable, "-m", module, *flags, "--steps", "2" if tiny else "5", "--warmup", "1" if tiny else "3"]
     r, summary = _run_json(
-        [
-            sys.executable,
-            "-m",
-            "jaxpar.tools.gpu_profile",
-            "--steps",
-            "2" if tiny else "5",
-            "--warmup",
-            "1" if tiny else "3",
-            *(TINY if tiny else GPT2_124M),
-        ],
-        300,
+        [*cmd, *(TINY if tiny else GPT2_124M)], 300, {"TORCH_COMPILE_DISABLE": "1"} if tiny else None
     )
     return {**r, "summary": summary, "ok": r["rc"] == 0 and summary is not None}
 
 
 def torch_profile(tiny: bool) -> dict:
-    """(b3): (b)'s torchpar step (torch.compile) profiled as (b2), in a process of its own."""
-    cmd = [sys.executable, "-m", "torchpar.tools.gpu_profile", "--compile", "--steps", "2" if tiny else "5"]
-    cmd += ["--warmup", "1" if tiny else "3", *(TINY if tiny else GPT2_124M)]
-    r, summary = _run_json(cmd, 300, {"TORCH_COMPILE_DISABLE": "1"} if tiny else None)
-    return {**r, "summary": summary, "ok": r["rc"] == 0 and summary is not None}
+    """(b3): (b)'s torchpar step (torch.compile) profiled as (b2)."""
+    return profile_step(tiny, "torchpar.tools.gpu_profile", ("--compile",))
 
 
-def jaxpar_bench(args: list[str], tiny: bool, timeout: int = 300, framework: str = "jaxpar") -> dict:
+def bench_row(args: list[str], tiny: bool, timeout: int = 300, framework: str = "jaxpar") -> dict:
     """One jaxpar.tools.bench run on one device (or torchpar.tools.bench's, compiled): its command, rc and row.
 
     The row is None if it wrote none.
@@ -255,12 +269,12 @@ def jaxpar_bench(args: list[str], tiny: bool, timeout: int = 300, framework: str
     steps = ["--steps", "3" if tiny else "10", "--warmup", "1" if tiny else "3"]
     env = {"TORCH_COMPILE_DISABLE": "1"} if tiny else BIG_ROW_ENV if "configs/llama-3b.yaml" in args else None
     r, row = _run_json([sys.executable, "-m", *tool, *steps, *args], timeout, env)
-    return {**r, "jaxpar": row, "ok": r["rc"] == 0 and row is not None}
+    return {**r, "row": row, "ok": r["rc"] == 0 and row is not None}
 
 
 def offload(tiny: bool) -> dict:
     """(b)'s jaxpar run with each layer's projection outputs in host memory between its forward and backward."""
-    return jaxpar_bench([*(TINY if tiny else GPT2_124M), "model.remat=offload"], tiny)
+    return bench_row([*(TINY if tiny else GPT2_124M), "model.remat=offload"], tiny)
 
 
 def models(tiny: bool) -> dict:
@@ -271,8 +285,8 @@ def models(tiny: bool) -> dict:
             not_run.append(name)
             continue
         framework = "torchpar" if name.startswith("torchpar ") else "jaxpar"
-        rows[name] = jaxpar_bench(args, tiny, 300, framework)
-    tps = lambda name: ((rows.get(name) or {}).get("jaxpar") or {}).get("tokens_per_sec") or 0
+        rows[name] = bench_row(args, tiny, 300, framework)
+    tps = lambda name: ((rows.get(name) or {}).get("row") or {}).get("tokens_per_sec") or 0
     ratios = {name: tps(name) / tps(base) for name, base in BASELINES.items() if tps(name) and tps(base)}
     return {"rows": rows, "ratios": ratios, "not_run": not_run, "ok": all(r["ok"] for r in rows.values())}
 
@@ -332,26 +346,14 @@ def gib(row: dict) -> str:
 def profile_and_compiled_lines(res: dict) -> list[str]:
     """The report's (b2), (b3) and (c): where each framework's step spends its device time, what XLA compiled."""
     lines = []
-    if "profile" in res:
-        p = res["profile"]
-        lines += [
-            "## (b2) Profile of (b)'s jaxpar step",
-            "",
-            f"`{p['command']}` -> rc {p['rc']}",
-            "",
-            *(profile_lines(p["summary"]) if p["summary"] else ["(no summary: see the JSON's tail)"]),
-            "",
-        ]
-    if "torch_profile" in res:
-        p = res["torch_profile"]
-        lines += [
-            "## (b3) Profile of (b)'s torchpar step (torch.compile)",
-            "",
-            f"`{p['command']}` -> rc {p['rc']}",
-            "",
-            *(profile_lines(p["summary"]) if p["summary"] else ["(no summary: see the JSON's tail)"]),
-            "",
-        ]
+    for part, title in (
+        ("profile", "(b2) Profile of (b)'s jaxpar step"),
+        ("torch_profile", "(b3) Profile of (b)'s torchpar step (torch.compile)"),
+    ):
+        if part in res:
+            p = res[part]
+            summary = profile_lines(p["summary"]) if p["summary"] else ["(no summary: see the JSON's tail)"]
+            lines += [f"## {title}", "", f"`{p['command']}` -> rc {p['rc']}", "", *summary, ""]
     if "attention" in res:
         a, f8 = res["attention"], res["attention"]["float8"]
         lines += [
@@ -372,6 +374,8 @@ def profile_and_compiled_lines(res: dict) -> list[str]:
 
 
 def markdown(res: dict) -> str:
+    broken = {k: res[k]["error"] for k in PARTS if k in res and "error" in res[k]}  # parts that raised
+    res = {k: v for k, v in res.items() if k not in broken}
     lines = [
         f"# GPU check, {res['date']}",
         "",
@@ -429,7 +433,7 @@ def markdown(res: dict) -> str:
             "| jaxpar, model.remat | tokens/s | peak GiB |",
             "|---|---|---|",
             row("none ((b))", b),
-            row("offload", o["jaxpar"] or {}),
+            row("offload", o["row"] or {}),
             "",
         ]
     if "models" in res:
@@ -441,7 +445,7 @@ def markdown(res: dict) -> str:
             "|---|---|---|---|---|",
         ]
         for name, r in m["rows"].items():
-            j, mfu = r["jaxpar"] or {}, (r["jaxpar"] or {}).get("mfu_datasheet")
+            j, mfu = r["row"] or {}, (r["row"] or {}).get("mfu_datasheet")
             lines.append(
                 f"| {name} | {j.get('tokens_per_sec', 0):,.0f} | {'-' if mfu is None else f'{mfu:.1%}'} | "
                 f"{gib(j)} | `{r['command']}` -> rc {r['rc']} |"
@@ -450,10 +454,11 @@ def markdown(res: dict) -> str:
         lines += [f"| {name} | {ratio:.3f}x of {BASELINES[name]} |" for name, ratio in m["ratios"].items()]
         torch_b = (res.get("throughput") or {}).get("torchpar_tokens_per_sec")  # the torchpar GPT-2 rows' baseline
         for name, r in m["rows"].items():
-            if name.startswith("torchpar gpt2") and torch_b and (r["jaxpar"] or {}).get("tokens_per_sec"):
-                lines.append(f"| {name} | {r['jaxpar']['tokens_per_sec'] / torch_b:.3f}x of (b)'s torchpar |")
+            if name.startswith("torchpar gpt2") and torch_b and (r["row"] or {}).get("tokens_per_sec"):
+                lines.append(f"| {name} | {r['row']['tokens_per_sec'] / torch_b:.3f}x of (b)'s torchpar |")
         lines += [*([f"Not started, the budget spent: {', '.join(m['not_run'])}"] if m["not_run"] else []), ""]
-    failed = [k for k in PARTS if k in res and not res[k]["ok"]]
+    lines += [line for part, error in broken.items() for line in (f"## {part}: failed", "", f"`{error}`", "")]
+    failed = [k for k in PARTS if k in broken or (k in res and not res[k]["ok"])]
     lines += [f"Result: {'all parts ran' if not failed else 'FAILED: ' + ', '.join(failed)}", ""]
     if res.get("not_run"):
         lines += [f"Not run, the call's budget of {res['budget_s']:.0f} s spent: {', '.join(res['not_run'])}", ""]
@@ -530,7 +535,10 @@ def main(argv=None) -> int:
         if not args.tiny:  # the shares are a GPU call's; on a shared CPU (CI) only the whole budget bounds a part
             _PART_END[0] = time.perf_counter() + PART_S[part]
         print(f"gpu_check: {part} ({_left():.0f} s left) ...", file=sys.stderr, flush=True)
-        res[part] = fn()
+        try:
+            res[part] = fn()
+        except Exception as e:  # noqa: BLE001 - a part that breaks (c's compile, say) is reported; the rest run
+            res[part] = {"error": f"{type(e).__name__}: {str(e)[:500]}", "ok": False}
         res["not_run"] += [f"{part}: {row}" for row in res[part].get("not_run", [])]  # (f)'s rows not started
         write_report(out, res)  # after each part: a call cut off still returns what ran
     print(write_report(out, res))

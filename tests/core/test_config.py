@@ -106,3 +106,23 @@ def test_a_resolved_config_reads_back_unchanged(capsys):
     assert main(["configs/gpt2-tiny.yaml", "train.seed=3"]) == 0  # python -m jaxpar.core.config.schema prints it
     printed = json.loads(capsys.readouterr().out)
     assert printed["train"]["seed"] == 3 and printed["model"]["n_layer"] == 4
+
+
+def test_a_run_config_from_before_optim_fused_took_choices_reads_as_it_meant(tmp_path):
+    """optim.fused was a bool: a saved false (the old default) reads as today's auto, true as on; YAML's off stays off.
+
+    So an old run's config.json continues under jaxpar, which refuses optim.fused set away from its default.
+    """
+    from jaxpar.core.config.contract import Run, check_contract
+
+    saved = json.loads(load_config("configs/gpt2-tiny.yaml").to_json())
+    for old, now in ((False, "auto"), (True, "on")):
+        saved["optim"]["fused"] = old
+        (tmp_path / "config.json").write_text(json.dumps(saved))
+        assert load_config(str(tmp_path / "config.json")).optim.fused == now
+        assert config_from_dict(saved).optim.fused == now
+    (tmp_path / "c.yaml").write_text("optim:\n  fused: off\n")
+    assert load_config(str(tmp_path / "c.yaml")).optim.fused == "off"
+    saved["optim"]["fused"] = False
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    check_contract(Run(load_config(str(tmp_path / "config.json")), "jaxpar"))  # not refused: the default

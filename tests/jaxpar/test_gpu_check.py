@@ -39,13 +39,13 @@ def test_gpu_check_tiny_writes_its_report(tmp_path):
     assert kinds["matmul"]["ms"] > 0 and abs(sum(k["share"] for k in kinds.values()) - 1) < 1e-6, kinds
     assert res["attention"]["cudnn_calls"] == [] and "XLA's own" in report  # no cuDNN on a CPU
     assert res["ceiling"]["dtype"] == "float32" and res["ceiling"]["flops"] > 0
-    assert res["offload"]["jaxpar"]["remat"] == "offload" and res["offload"]["jaxpar"]["tokens_per_sec"] > 0
+    assert res["offload"]["row"]["remat"] == "offload" and res["offload"]["row"]["tokens_per_sec"] > 0
     torch_kinds = res["torch_profile"]["summary"]["kinds"]  # torch's operators on the CPU: aten::bmm, aten::mm
     assert torch_kinds["matmul"]["ms"] > 0 and abs(sum(k["share"] for k in torch_kinds.values()) - 1) < 1e-6
     assert set(res["models"]["rows"]) == set(gpu_check.TINY_MODELS)
-    assert all(r["jaxpar"]["tokens_per_sec"] > 0 for r in res["models"]["rows"].values())
-    assert res["models"]["rows"]["llama-tiny float8"]["jaxpar"]["float8"]
-    assert res["models"]["rows"]["torchpar llama-tiny float8"]["jaxpar"]["framework"] == "torchpar"
+    assert all(r["row"]["tokens_per_sec"] > 0 for r in res["models"]["rows"].values())
+    assert res["models"]["rows"]["llama-tiny float8"]["row"]["float8"]
+    assert res["models"]["rows"]["torchpar llama-tiny float8"]["row"]["framework"] == "torchpar"
     assert set(res["models"]["ratios"]) == {n for n in gpu_check.BASELINES if n in gpu_check.TINY_MODELS}
     assert res["attention"]["float8"]["matmuls"] > 0
     assert "Result: all parts ran" in report and "Versions: python" in report
@@ -110,3 +110,39 @@ def test_torch_profiles_device_events_are_the_traces_kernels_and_copies():
     assert p["kernel_ms"] == 0.25 and p["busy"] == 0.25
     assert {k: v["ms"] for k, v in p["kinds"].items()} == {"matmul": 0.2, "reduce": 0.025, "copy/transpose": 0.025}
     assert p["top"][0]["launches"] == 1.0
+
+
+def test_the_parity_cases_split_by_config_and_a_broken_part_is_reported_not_fatal(tmp_path, monkeypatch):
+    """(a)'s processes each get whole configs (their reference runs are shared); a part that raises is a report line."""
+    ids = [f"parity_tests/test_parity.py::test_parity[{c}]" for c in ("float32-a", "float32-b", "llama-a")]
+    ids += [
+        "parity_tests/test_parity.py::test_checker_names_a_nudged_parameter",
+        "parity_tests/test_parity.py::test_parity[bf16-c]",
+    ]
+    # float32's two cases stay together; the rest fill the emptiest process
+    assert gpu_check.split_cases(ids, 3) == [ids[:2], [ids[2], ids[4]], [ids[3]]]
+    assert gpu_check.split_cases(ids[:2], 3) == [ids[:2]]  # one config: one process
+
+    def broken(tiny):
+        raise RuntimeError("XLA compile failed")
+
+    monkeypatch.setattr(gpu_check, "ceiling", broken)
+    out = tmp_path / "report.md"
+    assert (
+        gpu_check.main(
+            ["--tiny", "--skip", "parity,throughput,profile,torch_profile,attention,offload,models", "--out", str(out)]
+        )
+        == 1
+    )
+    report = out.read_text()
+    assert "## ceiling: failed" in report and "RuntimeError: XLA compile failed" in report
+    assert "Result: FAILED: ceiling" in report
+
+
+def test_rows_left_without_time_are_listed_not_started(monkeypatch):
+    """(f): a row with less than MIN_PART_S of the call left is not started and the report names it."""
+    import time
+
+    monkeypatch.setattr(gpu_check, "_DEADLINE", [time.perf_counter() + gpu_check.MIN_PART_S - 1])
+    m = gpu_check.models(tiny=True)
+    assert m["rows"] == {} and m["not_run"] == list(gpu_check.TINY_MODELS) and m["ok"]

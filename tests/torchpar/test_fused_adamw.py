@@ -6,7 +6,7 @@ import torch
 from tests.helpers import tiny_config
 
 
-def test_the_fused_kernel_steps_as_the_default():
+def test_the_fused_kernel_steps_as_the_foreach_path():
     from torchpar.models.decoder import Decoder
     from torchpar.optim import make_optimizer
 

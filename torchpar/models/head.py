@@ -62,8 +62,8 @@ def chunk_loss(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> tuple[torch
     keep, target = (t >= 0).unsqueeze(-1), t.clamp(min=0).unsqueeze(-1)
     lse = torch.logsumexp(z, -1, keepdim=True)
     loss = torch.where(keep, lse - z.gather(-1, target), 0.0).sum()
-    dz = torch.exp(z - lse).scatter_add(-1, target, torch.full_like(lse, -1.0))
-    dz = torch.where(keep, dz, 0.0).to(h.dtype)
+    dz = z.sub_(lse).exp_().scatter_add_(-1, target, torch.full_like(lse, -1.0))  # in place: one float32 chunk
+    dz = dz.masked_fill_(~keep, 0.0).to(h.dtype)
     return loss, dz @ w, (dz.flatten(0, 1).T @ h.flatten(0, 1)).float()
 
 

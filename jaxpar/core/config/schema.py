@@ -234,9 +234,9 @@ class TrainConfig:
     eval_tasks_limit: int = field(default=0, metadata=_check(lo=0))  # train.eval_tasks: first N documents; 0 = all
     eval_tasks_fewshot: int = field(default=-1, metadata=_check(lo=-1))  # train.eval_tasks: -1 = each task's own
     matmul_precision: str = field(default="default", metadata=_check(choices=("default", "high", "highest")))
-    # torchpar: torch.compile each block and the chunked loss's step (auto = on a GPU, not on the CPU, where compiling
-    # takes longer than a short run saves; deepspeed: off). jaxpar's step is always compiled by XLA: "off" is refused
-    # there.
+    # torchpar: torch.compile each block and the chunked loss's step (the pipeline's last stage keeps it eager; auto =
+    # on a GPU, not on the CPU, where compiling takes longer than a short run saves; deepspeed: off). jaxpar's step is
+    # always compiled by XLA: "off" is refused there.
     compile: str = field(default="auto", metadata=_check(choices=("auto", "on", "off")))
     # jaxpar's layers under one lax.scan (on: compile time flat in depth) or unrolled (off: GPT-2 124M 1.47x faster
     # on an H100, compiling 5x longer; docs/gpu.md); auto: off on a GPU. torchpar's layers are always separate.
@@ -393,6 +393,15 @@ def _validate(key: str, value: Any, meta: dict) -> None:
 
 # Keys that earlier versions accepted, with the value that meant "off" (what old run configs hold).
 REMOVED = {"model.dropout": (0.0, "model.dropout was removed: no trainer ever applied dropout")}
+# Keys whose values changed type: what a run's config.json written before holds -> what it reads as now. optim.fused
+# was a bool, false by default: a run that left it so gets today's default (auto: foreach on the CPU, where false put
+# it, fused on a GPU); one that set it true, on.
+RETYPED = {"optim.fused": {False: "auto", True: "on"}}
+
+
+def _saved(dotted: str, value: Any) -> Any:
+    """A run's config.json value as today's schema reads it (RETYPED)."""
+    return RETYPED.get(dotted, {}).get(value, value) if isinstance(value, bool) else value
 
 
 def _set(cfg: Config, dotted: str, value: Any) -> None:
@@ -440,7 +449,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             if not isinstance(values, dict):
                 raise UserError(f"config section {section!r} in {path} must be a mapping")
             for key, value in values.items():
-                _set(cfg, f"{section}.{key}", value)
+                _set(cfg, f"{section}.{key}", _saved(f"{section}.{key}", value) if path.endswith(".json") else value)
     for item in overrides or []:
         dotted, eq, value = item.partition("=")
         if not eq or "." not in dotted:
@@ -462,7 +471,7 @@ def config_from_dict(d: dict) -> Config:
     for section, values in d.items():
         for key, value in values.items():
             if REMOVED.get(f"{section}.{key}", (None,))[0] != value:  # a removed key at its "off" value: nothing lost
-                _set(cfg, f"{section}.{key}", value)
+                _set(cfg, f"{section}.{key}", _saved(f"{section}.{key}", value))
     check_consistency(cfg)
     return cfg
 
