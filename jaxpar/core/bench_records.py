@@ -47,6 +47,13 @@ def record_row(result: dict) -> str:
     return append_row(f"{result['framework']}-bench.md", HEADER, markdown_row(result))
 
 
+def write_json(path: str, result) -> None:
+    """A tool's --json file, its folder made here (check_output_file checked the path before the measurement)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+
+
 def publish(result: dict, json_path: str | None, record: bool) -> None:
     """Print the result; write it as JSON and/or a dated markdown row where asked."""
     print(json.dumps(result, indent=2))

@@ -11,12 +11,10 @@ the bytes each link must carry per byte of message, so numbers compare across to
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 
-from jaxpar.core.bench_records import measurement, print_rows
+from jaxpar.core.bench_records import measurement, print_rows, write_json
 from jaxpar.core.errors import UserError, check_output_file, cli
 from jaxpar.mesh import setup_devices
 
@@ -79,9 +77,7 @@ def main(argv=None) -> int:
     rows = run(int(args.max_mib * 2**20))
     print_rows(rows)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+        write_json(args.json, rows)
     return 0
 
 

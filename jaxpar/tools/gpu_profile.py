@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 
+from jaxpar.core.bench_records import write_json
 from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError, check_output_file, cli
 from jaxpar.core.kernel_profile import markdown, summarize
@@ -94,10 +95,8 @@ def main(argv=None) -> int:
     setup_devices({"dp": 1})
     result = profile(load_config(args.config, args.overrides), args.steps, args.warmup)
     print("\n".join(markdown(result)))
-    if args.json:  # its folder made here, as check_output_file expects
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    if args.json:
+        write_json(args.json, result)
     return 0
 
 

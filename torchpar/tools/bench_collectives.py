@@ -8,12 +8,10 @@ the same definitions as `jaxpar.tools.bench_collectives` (nccl-tests'), so the t
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 
-from jaxpar.core.bench_records import measurement, print_rows
+from jaxpar.core.bench_records import measurement, print_rows, write_json
 from jaxpar.core.config.schema import RunConfig
 from jaxpar.core.errors import UserError, check_output_file, cli
 
@@ -86,9 +84,7 @@ def main(argv=None) -> int:
     if rows:  # rank 0
         print_rows(rows)
     if args.json and rows:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+        write_json(args.json, rows)
     return 0
 
 

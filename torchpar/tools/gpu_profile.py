@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 
+from jaxpar.core.bench_records import write_json
 from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError, check_output_file, cli
 from jaxpar.core.kernel_profile import markdown, summarize
@@ -85,9 +86,7 @@ def main(argv=None) -> int:
     result = profile(load_config(args.config, args.overrides), args.steps, args.warmup, args.compile)
     print("\n".join(markdown(result)))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
     return 0
 
 
