@@ -1,6 +1,6 @@
 """Validation and measurement on a GPU in one command, written up as a markdown report.
 
-python -m jaxpar.tools.gpu_check [--tiny] [--out REPORT.md] [--skip parity,throughput,...] [--budget SECONDS]
+python -m jaxpar.tools.gpu_check [--tiny] [--out REPORT.md] [--skip parity,...] [--profile-also ROW,...] [--budget S]
 
 One command that validates and measures on a GPU (a device session runs it in one call; docs/gpu.md):
   (a) the parity suite on the device (jaxpar vs torchpar, float32 highest precision, bf16 in its band),
@@ -243,16 +243,23 @@ def throughput(tiny: bool) -> dict:
     }
 
 
-def profile_step(tiny: bool, module: str = "jaxpar.tools.gpu_profile", flags: tuple = ()) -> dict:
+def profile_step(tiny: bool, module: str = "jaxpar.tools.gpu_profile", flags: tuple = (), args=None) -> dict:
     """(b2): (b)'s jaxpar step profiled, in a process of its own (the trace's memory and XLA flags stay there).
 
-    (b3) runs torchpar's twin (`module`) with `flags` the same way.
+    (b3) runs torchpar's twin (`module`) with `flags` the same way; `args`: another config than (b)'s.
     """
     cmd = [sys.executable, "-m", module, *flags, "--steps", "2" if tiny else "5", "--warmup", "1" if tiny else "3"]
-    r, summary = _run_json(
-        [*cmd, *(TINY if tiny else GPT2_124M)], 300, {"TORCH_COMPILE_DISABLE": "1"} if tiny else None
-    )
+    args = args or (TINY if tiny else GPT2_124M)
+    r, summary = _run_json([*cmd, *args], 300, {"TORCH_COMPILE_DISABLE": "1"} if tiny else None)
     return {**r, "summary": summary, "ok": r["rc"] == 0 and summary is not None}
+
+
+def profiles(tiny: bool, also: list[str]) -> dict:
+    """(b2), and the same profile of each (f) row named by --profile-also (a target's "why": moe-1b, float8)."""
+    rows = TINY_MODELS if tiny else MODELS
+    main = profile_step(tiny)
+    more = {name: profile_step(tiny, args=[a for a in rows[name] if a != "--eager-loss"]) for name in also}
+    return {**main, "more": more, "ok": main["ok"] and all(m["ok"] for m in more.values())}
 
 
 def torch_profile(tiny: bool) -> dict:
@@ -351,9 +358,10 @@ def profile_and_compiled_lines(res: dict) -> list[str]:
         ("torch_profile", "(b3) Profile of (b)'s torchpar step (torch.compile)"),
     ):
         if part in res:
-            p = res[part]
-            summary = profile_lines(p["summary"]) if p["summary"] else ["(no summary: see the JSON's tail)"]
-            lines += [f"## {title}", "", f"`{p['command']}` -> rc {p['rc']}", "", *summary, ""]
+            for name, p in [(title, res[part]), *res[part].get("more", {}).items()]:
+                summary = profile_lines(p["summary"]) if p["summary"] else ["(no summary: see the JSON's tail)"]
+                heading = f"## {title}" if name == title else f"### (b2) The step of (f)'s row {name}"
+                lines += [heading, "", f"`{p['command']}` -> rc {p['rc']}", "", *summary, ""]
     if "attention" in res:
         a, f8 = res["attention"], res["attention"]["float8"]
         lines += [
@@ -484,6 +492,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="the same path on the CPU, tiny config (CI)")
     ap.add_argument("--out", help="report path (default docs/benchmarks/gpu-check-<date>.md)")
     ap.add_argument("--skip", default="", help=f"comma-separated parts to leave out: {', '.join(PARTS)}")
+    ap.add_argument(
+        "--profile-also",
+        default="",
+        help="comma-separated jaxpar rows of (f) to profile in part (b2) as well (60 s more of its share each)",
+    )
     ap.add_argument("--budget", type=float, default=570.0, help="seconds the whole call may take (default 570)")
     args = ap.parse_args(argv)
     if args.budget <= 0:
@@ -492,6 +505,10 @@ def main(argv=None) -> int:
     skip = {s for s in args.skip.split(",") if s}
     if skip - set(PARTS):
         raise UserError(f"--skip {args.skip}: parts are {', '.join(PARTS)}")
+    also = [a for a in args.profile_also.split(",") if a]
+    rows = [n for n in (TINY_MODELS if args.tiny else MODELS) if not n.startswith("torchpar ")]
+    if set(also) - set(rows):
+        raise UserError(f"--profile-also {args.profile_also}: jaxpar's rows are {', '.join(rows)}")
     # this process runs parts (c) and (d) itself: without this, jax would hold 75% of the GPU's memory here
     # while (e) and (f) run in their own processes (they ran out of memory, 2026-11-27); those keep jax's default
     own = "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ
@@ -519,7 +536,7 @@ def main(argv=None) -> int:
     for part, fn in (
         ("parity", lambda: parity("cpu" if args.tiny else "gpu", args.tiny)),
         ("throughput", lambda: throughput(args.tiny)),
-        ("profile", lambda: profile_step(args.tiny)),
+        ("profile", lambda: profiles(args.tiny, also)),
         ("torch_profile", lambda: torch_profile(args.tiny)),
         ("attention", lambda: attention(args.tiny, os.path.splitext(out)[0] + "-step.hlo.txt.gz")),
         ("ceiling", lambda: ceiling(args.tiny)),
@@ -533,7 +550,7 @@ def main(argv=None) -> int:
             res["not_run"].append(part)
             continue
         if not args.tiny:  # the shares are a GPU call's; on a shared CPU (CI) only the whole budget bounds a part
-            _PART_END[0] = time.perf_counter() + PART_S[part]
+            _PART_END[0] = time.perf_counter() + PART_S[part] + (60 * len(also) if part == "profile" else 0)
         print(f"gpu_check: {part} ({_left():.0f} s left) ...", file=sys.stderr, flush=True)
         try:
             res[part] = fn()

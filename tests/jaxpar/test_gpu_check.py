@@ -13,7 +13,16 @@ from tests.helpers import ROOT
 def test_gpu_check_tiny_writes_its_report(tmp_path):
     out = tmp_path / "report.md"
     r = subprocess.run(
-        [sys.executable, "-m", "jaxpar.tools.gpu_check", "--tiny", "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "jaxpar.tools.gpu_check",
+            "--tiny",
+            "--profile-also",
+            "moe-tiny ragged",
+            "--out",
+            str(out),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -36,6 +45,9 @@ def test_gpu_check_tiny_writes_its_report(tmp_path):
     assert res["parity"]["counts"] == {"passed": 1}, res["parity"]["tail"]  # float32, jaxpar vs torchpar
     assert res["throughput"]["jaxpar"]["tokens_per_sec"] > 0 and res["throughput"]["ratio"] > 0
     kinds = res["profile"]["summary"]["kinds"]  # XLA:CPU's thunks: its matmuls are YNNPACK fusions
+    ragged = res["profile"]["more"]["moe-tiny ragged"]  # --profile-also: that (f) row's step profiled as well
+    assert "model.moe_ragged=true" in ragged["command"] and ragged["summary"]["kernel_ms"] > 0
+    assert "### (b2) The step of (f)'s row moe-tiny ragged" in report
     assert kinds["matmul"]["ms"] > 0 and abs(sum(k["share"] for k in kinds.values()) - 1) < 1e-6, kinds
     assert res["attention"]["cudnn_calls"] == [] and "XLA's own" in report  # no cuDNN on a CPU
     assert res["ceiling"]["dtype"] == "float32" and res["ceiling"]["flops"] > 0
