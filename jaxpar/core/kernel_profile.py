@@ -10,6 +10,8 @@ from __future__ import annotations
 import collections
 import re
 
+from jaxpar.core.bench_records import write_json
+
 # kinds by kernel name, first match wins: cuBLAS/cuDNN/Triton names on a GPU, XLA's fusion names and torch's
 # operators anywhere. Inductor's Triton kernels by their prefix first: triton_red_/triton_per_ reduce, triton_poi_ is
 # pointwise (its name lists the ops fused, a cast among them often); torch's eager casts are *_copy_kernel_cuda's.
@@ -56,6 +58,13 @@ def summarize(kernels: list[tuple[str, float]], steps: int, step_s: float, top: 
             for n, ms in by_name.most_common(top)
         ],
     }
+
+
+def publish(p: dict, json_path: str | None) -> None:
+    """A profile tool's output: the summary's lines printed, and written as JSON where --json asks."""
+    print("\n".join(markdown(p)))
+    if json_path:
+        write_json(json_path, p)
 
 
 def markdown(p: dict) -> list[str]:

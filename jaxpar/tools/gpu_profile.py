@@ -22,10 +22,9 @@ import sys
 import tempfile
 import time
 
-from jaxpar.core.bench_records import write_json
 from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError, check_output_file, cli
-from jaxpar.core.kernel_profile import markdown, summarize
+from jaxpar.core.kernel_profile import publish, summarize
 from jaxpar.mesh import setup_devices
 from jaxpar.tools.bench import warm_step
 
@@ -94,9 +93,7 @@ def main(argv=None) -> int:
 
     setup_devices({"dp": 1})
     result = profile(load_config(args.config, args.overrides), args.steps, args.warmup)
-    print("\n".join(markdown(result)))
-    if args.json:
-        write_json(args.json, result)
+    publish(result, args.json)
     return 0
 
 

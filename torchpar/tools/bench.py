@@ -41,7 +41,7 @@ def matmul_ceiling(device, dtype) -> float:
 def warm_engine(cfg, backend: str, warmup: int, compile_model: bool, eager_loss: bool = False):
     """The backend's engine over the config's model, run `warmup` steps on synthetic rows.
 
-    (env, engine, whether its blocks were compiled, this rank's rows, the device's synchronize, the last handle).
+    (env, engine, whether its blocks were compiled, this rank's rows, the device's synchronize).
     `eager_loss`: the chunked loss's step left uncompiled under compile (the side-by-side of gpu_check).
     """
     import torch  # deferred: torch (~1.5 s), after the arguments are checked
@@ -63,17 +63,16 @@ def warm_engine(cfg, backend: str, warmup: int, compile_model: bool, eager_loss:
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (B, cfg.data.seq_len + 1))
     mine = torch.from_numpy(tokens[share * B // ways : (share + 1) * B // ways]).long().to(env.device)
     sync = torch.cuda.synchronize if env.device.type == "cuda" else (lambda: None)
-    handle = None
     for _ in range(warmup):
-        handle = engine.update(mine)
+        engine.update(mine)
     sync()
-    return env, engine, compile_model, mine, sync, handle
+    return env, engine, compile_model, mine, sync
 
 
 def bench(cfg, backend: str, steps: int, warmup: int, compile_model: bool, eager_loss: bool = False) -> dict:
     import torch  # deferred: torch (~1.5 s), after the arguments are checked
 
-    env, engine, compile_model, mine, sync, handle = warm_engine(cfg, backend, warmup, compile_model, eager_loss)
+    env, engine, compile_model, mine, sync = warm_engine(cfg, backend, warmup, compile_model, eager_loss)
     B, W = cfg.train.global_batch_size, env.world
     times = []
     for _ in range(steps):

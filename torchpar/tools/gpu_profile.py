@@ -17,10 +17,9 @@ import sys
 import tempfile
 import time
 
-from jaxpar.core.bench_records import write_json
 from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError, check_output_file, cli
-from jaxpar.core.kernel_profile import markdown, summarize
+from jaxpar.core.kernel_profile import publish, summarize
 from torchpar.tools.bench import warm_engine
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # a chrome trace's events that ran on the GPU
@@ -41,7 +40,7 @@ def profile(cfg, steps: int, warmup: int, compile_model: bool) -> dict:
     from torchpar import dist  # deferred: imports torch, after the arguments are checked
 
     try:
-        env, engine, compiled, rows, sync, _ = warm_engine(cfg, "none", warmup, compile_model)
+        env, engine, compiled, rows, sync = warm_engine(cfg, "none", warmup, compile_model)
         cuda = env.device.type == "cuda"
         activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
         with torch.profiler.profile(activities=activities) as prof:
@@ -84,9 +83,7 @@ def main(argv=None) -> int:
     if args.json:
         check_output_file(args.json, "--json")  # before the trace, as jaxpar's profile does
     result = profile(load_config(args.config, args.overrides), args.steps, args.warmup, args.compile)
-    print("\n".join(markdown(result)))
-    if args.json:
-        write_json(args.json, result)
+    publish(result, args.json)
     return 0
 
 
