@@ -128,6 +128,13 @@ class Layout:
                 "params": jax.tree.map(diloco.stacked, self.state_shardings["params"]),
                 "outer": self.shardings(jax.tree_util.tree_map_with_path(self._opt_spec, outer)),
             }
+            if cfg.parallel.diloco_delay:  # streaming's exchanges in flight (parallel/diloco.py)
+                started = NamedSharding(mesh, P())
+                self.state_shardings["diloco"]["exchange"] = {
+                    "started": started,
+                    "local": self.state_shardings["diloco"]["params"],  # each group's delta
+                    "mean": self.state_shardings["params"],
+                }
             self.device_shardings = dict(self.state_shardings)
 
     def shardings(self, specs):

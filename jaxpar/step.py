@@ -36,11 +36,11 @@ def loss_and_grad(layout: Layout, schedule: str | None = None):
     return parallel.value_and_grad, parallel.context
 
 
-def make_train_step(layout: Layout, inject_overflow: bool = False):
+def make_train_step(layout: Layout, inject_overflow: bool = False, carry: int | None = None):
     """The jitted step (state, batch) -> (state, metrics), of the layout's model parallelized (jaxpar/parallelize.py).
 
     `inject_overflow` (a test hook, <PREFIX>_FAULT_OVERFLOW_AT_STEP) makes this step's gradients non-finite, as a
-    float16 overflow would.
+    float16 overflow would. `carry`: DiLoCo's fragment whose exchange the step carries (parallel/diloco.py).
     """
     cfg, group = layout.cfg, layout.group or layout  # DiLoCo: the step below is each group's (parallel/diloco.py)
     tx, lr = make_optimizer(cfg), lr_fn(cfg)
@@ -87,7 +87,7 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
             return step(state, batch)
 
     if layout.group is not None:  # every group's step at once, nothing between groups
-        traced = diloco.group_step(layout, traced)
+        traced = diloco.group_step(layout, traced, carry)
 
     return jax.jit(
         traced,
@@ -97,13 +97,14 @@ def make_train_step(layout: Layout, inject_overflow: bool = False):
     )
 
 
-def compiled_train_step(layout: Layout, state, compiler_options: dict | None = None, shape=None):
+def compiled_train_step(layout: Layout, state, compiler_options: dict | None = None, shape=None, carry=None):
     """The train step compiled ahead of time for `state` (arrays or shapes) and the layout's batch.
 
-    Or for a batch of `shape`: one of train.batch_rampup's or a bucket's (core/data/batch_shapes.py).
+    Or for a batch of `shape`: one of train.batch_rampup's or a bucket's (core/data/batch_shapes.py). `carry`:
+    make_train_step's.
     """
     batch = jax.ShapeDtypeStruct(shape or layout.batch_shape, "int32", sharding=layout.batch_sharding)
-    return make_train_step(layout).lower(state, batch).compile(compiler_options)
+    return make_train_step(layout, carry=carry).lower(state, batch).compile(compiler_options)
 
 
 def build_step(cfg, sizes: dict[str, int], devices=None, abstract: bool = False, compiler_options=None):

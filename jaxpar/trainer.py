@@ -100,9 +100,9 @@ class JaxTrainer:
         """
         t0, layout = time.perf_counter(), self.layout
         first = self.train_data.shape(int(jax.device_get(self.state["step"])))
-        self._train_steps = {first: compiled_train_step(layout, self.state, shape=first)}  # by batch shape
+        self._train_steps = {(first, None): compiled_train_step(layout, self.state, shape=first)}  # by shape, carry
         self._eval_step = make_eval_step(layout)
-        self._meet = diloco.make_meetings(layout) if layout.group is not None else None  # DiLoCo's groups meet
+        self._meet = diloco.Meetings(layout) if layout.group is not None else None  # DiLoCo's groups meet
         self._generate = None  # train.sample_every's decoder, made on first use
         self._task_model = None  # train.eval_tasks' lm-eval model, made on first use
         self.overflow_step = None  # the test fault's step (<PREFIX>_FAULT_OVERFLOW_AT_STEP: JaxFaults)
@@ -125,6 +125,7 @@ class JaxTrainer:
                 f"{self.cfg.parallel.diloco_inner_steps} steps (outer SGD lr {o.outer_lr}, momentum {o.outer_momentum}"
                 f"{', Nesterov' if o.outer_nesterov and o.outer_momentum else ''})"
                 + (f" in {F} staggered fragments" if (F := self.cfg.parallel.diloco_fragments) > 1 else "")
+                + (f", each exchange behind {d} inner steps" if (d := self.cfg.parallel.diloco_delay) else "")
             )
         bubble, p = self.probes.record_extra()["pipeline_bubble"], self.cfg.parallel
         if bubble is not None:
@@ -158,20 +159,27 @@ class JaxTrainer:
             self.ckpt.close()  # the save in flight completes, also when training stopped on an error
 
     # the loop
-    def step_for(self, shape: tuple[int, int]):
-        """The step for a batch shape (train.batch_rampup's and the buckets' are compiled at their first step)."""
-        if shape not in self._train_steps:
+    def step_for(self, shape: tuple[int, int], carry: int | None = None):
+        """The step for a batch shape (train.batch_rampup's and the buckets' are compiled at their first step).
+
+        `carry`: DiLoCo's fragment whose exchange the step carries (parallel/diloco.py), compiled at its first step.
+        """
+        if (shape, carry) not in self._train_steps:
             t0 = time.perf_counter()
-            self._train_steps[shape] = compiled_train_step(self.layout, self.state, shape=shape)
+            self._train_steps[shape, carry] = compiled_train_step(self.layout, self.state, shape=shape, carry=carry)
             if jax.process_index() == 0:
-                print(
-                    f"batch {shape[0]} x {shape[1] - 1}: compiled in {time.perf_counter() - t0:.1f}s", file=sys.stderr
+                what = (
+                    f"batch {shape[0]} x {shape[1] - 1}"
+                    if carry is None
+                    else f"the step carrying fragment {carry}'s exchange"
                 )
-        return self._train_steps[shape]
+                print(f"{what}: compiled in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        return self._train_steps[shape, carry]
 
     def train_step(self, step: int):
         batch = self.prefetch(step)  # the next one is read ahead
-        step_fn, self.overflow_step = self.overflow_step or self.step_for(tuple(batch.shape)), None
+        carry = self._meet.carry(self.state, step) if self._meet is not None else None  # DiLoCo's exchange in flight
+        step_fn, self.overflow_step = self.overflow_step or self.step_for(tuple(batch.shape), carry), None
         self.state, metrics = step_fn(self.state, batch)
         if self._meet is not None:  # the groups meet: their mean delta, the outer optimizer
             self.state = self._meet(self.state, step)

@@ -112,9 +112,13 @@ def run_steps(cfg: Config, mesh: str, dataset: str, steps: int | None = None, de
         data = open_splits(
             dataclasses.replace(leg, data=dataclasses.replace(leg.data, dataset=str(dataset))), grain_batches
         )[0]
-        meet = diloco.make_meetings(layout) if layout.group is not None else None
+        meet, carrying = (diloco.Meetings(layout) if layout.group is not None else None), {}
         for step in range(start, stop):
-            state, metrics = train_step(state, device_batch(data, step, layout.batch_sharding))
+            carry = meet.carry(state, step) if meet is not None else None  # DiLoCo's exchange in flight, if any
+            if carry is not None and carry not in carrying:
+                carrying[carry] = make_train_step(layout, carry=carry)
+            step_fn = train_step if carry is None else carrying[carry]
+            state, metrics = step_fn(state, device_batch(data, step, layout.batch_sharding))
             if meet is not None:  # DiLoCo's groups: their mean metrics; the fragments that meet now
                 metrics, state = diloco.mean_over_groups(metrics), meet(state, step)
             history.append(metrics)

@@ -9,9 +9,13 @@ synchronised parameters, and every group takes them as its own; the inner optimi
 
 Each rank keeps its shard of the synchronised parameters and of each fragment's outer momentum. Evaluation, sampling
 and the weights written read the synchronised parameters (`synchronised`). The experts' balance bias becomes the groups'
-mean at a meeting, as in jaxpar. A checkpoint holds the synchronised parameters as the model's (what readers of the
-parameters load), each group's parameters and inner optimizer state under `groups.<g>`, and the outer momentum; it
-resumes on the same number of groups, with any number of ranks in each (DCP reshards).
+mean at a meeting, as in jaxpar. With parallel.diloco_delay=D a meeting's all-reduce is started with async_op and runs
+while the next D steps compute; its mean is applied after them.
+
+A checkpoint holds the synchronised parameters as the model's (what readers of the parameters load), each group's
+parameters and inner optimizer state under `groups.<g>`, the outer momentum and, with a delay, `exchange`: each
+fragment's start step (-1: none in flight) and the mean of one in flight (waited for at the save). It resumes on the
+same number of groups, with any number of ranks in each (DCP reshards).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from jaxpar.core.config.mesh_spec import parse_mesh, resolve_sizes
 from jaxpar.core.errors import UserError
-from jaxpar.core.optimizer.outer import AXIS, layer_runs, meeting
+from jaxpar.core.optimizer.outer import AXIS, due, layer_runs, meeting, starts
 from jaxpar.core.weights.names import ALL_NAMES, shared_name, stacks_of
 from torchpar.optim import local
 
@@ -96,6 +100,10 @@ class Groups:
             for t in moved:  # torch's first step takes the gradient as its buffer: 0 x momentum + g is the same, and
                 sgd.state[t]["momentum_buffer"] = torch.zeros_like(t)  # saved whatever the momentum (zeros at 0)
             self.outer.append(sgd)
+        # streaming's overlap (parallel.diloco_delay): each fragment's exchange in flight, the step it started (-1:
+        # none) and, once waited for, its mean delta
+        self.exchanges, self.started = {}, torch.full((len(self.fragments),), -1, dtype=torch.int64)
+        self.pending = {n: torch.zeros_like(t) for n, t in self.synced.items()} if cfg.parallel.diloco_delay else {}
 
     def sum_within(self, values: list[float]) -> list[float]:
         """Sum of small host values over this rank's group (the experts' loads that move its balance bias)."""
@@ -106,24 +114,66 @@ class Groups:
         return t.tolist()
 
     def after(self, step: int) -> None:
-        """The meetings that follow the 0-based `step`."""
+        """The meetings that follow the 0-based `step`: exchanges landing, meetings, exchanges starting (outer.py)."""
+        landed = due(self.cfg, self.started.tolist(), step)
+        for f in landed:
+            self.land(f)
         for f in meeting(self.cfg, step):
-            self.meet(f)
+            if f not in landed:
+                self.apply(f, self.mean_delta(f))
+        for f in starts(self.cfg, step):
+            if self.started[f] >= 0:  # still in flight (a resume moved parallel.diloco_inner_steps): it lands first
+                self.land(f)
+            self.start(f, step)
 
     @torch.no_grad()
-    def meet(self, fragment: int) -> None:
-        """One fragment's meeting: the groups' mean delta by one all-reduce, the outer step, every group given it."""
+    def mean_delta(self, fragment: int, wait: bool = True):
+        """The groups' mean delta of a fragment's parameters from the synchronised ones, by one all-reduce.
+
+        `wait=False`: the all-reduce in flight, (its flat buffer, its work) returned; the mean is the buffer over the
+        group count once the work is done.
+        """
         names = self.fragments[fragment]
-        deltas = [self.synced[n] - local(self.live[n]) for n in names]
-        flat = torch.cat([d.reshape(-1) for d in deltas])
-        tdist.all_reduce(flat, group=self.between)
-        flat /= self.count
-        for n, mean in zip(names, flat.split([d.numel() for d in deltas])):
-            mean = mean.view_as(self.synced[n])
+        flat = torch.cat([(self.synced[n] - local(self.live[n])).reshape(-1) for n in names])
+        work = tdist.all_reduce(flat, group=self.between, async_op=not wait)
+        if not wait:
+            return flat, work
+        return self._split(fragment, flat / self.count)
+
+    def _split(self, fragment: int, flat: torch.Tensor) -> dict:
+        names = self.fragments[fragment]
+        parts = flat.split([self.synced[n].numel() for n in names])
+        return {n: part.view_as(self.synced[n]) for n, part in zip(names, parts)}
+
+    def start(self, fragment: int, step: int) -> None:
+        """A fragment's exchange started behind the next inner steps (parallel.diloco_delay)."""
+        self.exchanges[fragment] = self.mean_delta(fragment, wait=False)
+        self.started[fragment] = step
+
+    @torch.no_grad()
+    def settle(self, fragments=None) -> None:
+        """Waits for exchanges in flight (`fragments`, or all); their means go to `pending`, which checkpoints save."""
+        for fragment in list(self.exchanges) if fragments is None else [f for f in fragments if f in self.exchanges]:
+            flat, work = self.exchanges.pop(fragment)
+            work.wait()
+            for n, mean in self._split(fragment, flat / self.count).items():
+                self.pending[n].copy_(mean)
+
+    def land(self, fragment: int) -> None:
+        """An exchange in flight applied: the outer step on its mean, the fragment's local steps since replaced."""
+        self.settle([fragment])
+        self.apply(fragment, {n: self.pending[n] for n in self.fragments[fragment]})
+        self.started[fragment] = -1
+
+    @torch.no_grad()
+    def apply(self, fragment: int, mean: dict) -> None:
+        """The outer step of a fragment on the groups' mean delta; every group takes the synchronised result."""
+        names = self.fragments[fragment]
+        for n in names:
             if n.endswith(BALANCE_BIAS):  # the groups' mean
-                self.synced[n].sub_(mean)
+                self.synced[n].sub_(mean[n])
             else:
-                self.synced[n].grad = mean
+                self.synced[n].grad = mean[n]
         self.outer[fragment].step()
         for n in names:
             self.synced[n].grad = None
@@ -163,7 +213,14 @@ class Groups:
             for n in names
             if (t := self.synced[n]) in sgd.state
         }
-        return {"model": {**state["model"], **synced}, "groups": {str(self.index): state}, "outer": momentum}
+        out = {"model": {**state["model"], **synced}, "groups": {str(self.index): state}, "outer": momentum}
+        if self.pending:  # the exchanges in flight: when each started, and its mean delta
+            self.settle()
+            out["exchange"] = {
+                "started": self.started,
+                "mean": {n: self._as_param(n, t) for n, t in self.pending.items()},
+            }
+        return out
 
     def unviews(self, state: dict) -> dict:
         return state["groups"][str(self.index)]
@@ -180,6 +237,8 @@ class Groups:
     def describe(self) -> str:
         H, F, o = self.cfg.parallel.diloco_inner_steps, self.cfg.parallel.diloco_fragments, self.cfg.optim
         streaming = f" in {F} fragments (streaming)" if F > 1 else ""
+        if self.cfg.parallel.diloco_delay:
+            streaming += f", each exchange behind {self.cfg.parallel.diloco_delay} inner steps"
         return (
             f"DiLoCo: {self.count} groups of {self.size} rank{'s' * (self.size > 1)}, meeting every {H} steps"
             f"{streaming}; "

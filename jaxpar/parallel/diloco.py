@@ -18,10 +18,15 @@ schedule, fragment f after every H-th step counted from step f x H / F: each mee
 After the run's last step every fragment meets, so the trained parameters hold every step (the schedule is shared
 with torchpar: jaxpar/core/optimizer/outer.py).
 
+With parallel.diloco_delay=D a meeting's exchange runs behind D inner steps: its start sets each group's delta aside,
+the next inner step's program carries the all-reduce beside its own work (group_step's `carry`), and D steps after
+the start the mean is applied (the schedule: jaxpar/core/optimizer/outer.py).
+
 The train state keeps the synchronised parameters as "params" (evaluation, sampling, export and conversion read
 those), every group's inner optimizer state as "opt_state" [groups, ...], and under "diloco" every group's parameters
-[groups, ...] and the outer optimizer's state of each fragment. The experts' balance bias is moved by each group's own
-choices and, at a meeting, becomes the groups' mean (it has no gradient for the outer optimizer to follow).
+[groups, ...], the outer optimizer's state of each fragment and, with a delay, "exchange": each fragment's start
+step (-1: none in flight), each group's delta set aside and their mean. The experts' balance bias is moved by each
+group's own choices and, at a meeting, becomes the groups' mean (it has no gradient for the outer optimizer to follow).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.core.config.schema import Config
 from jaxpar.core.errors import UserError
-from jaxpar.core.optimizer.outer import AXIS, layer_runs, meeting
+from jaxpar.core.optimizer.outer import AXIS, due, layer_runs, meeting, starts
 from jaxpar.core.weights.names import flatten, unflatten
 
 BALANCE_BIAS = ("blocks", "moe", "router", "bias")  # the experts' balance bias (models/moe.py update_router_bias)
@@ -99,43 +104,63 @@ def initial(layout, params, opt_state) -> tuple:
     """The inner optimizer state for every group, and the DiLoCo part of a fresh state: (opt_state, state["diloco"])."""
     n, tx = groups(layout.mesh), outer_optimizer(layout.cfg)
     outer = {str(f): tx.init(piece(params, rows)) for f, rows in enumerate(layout.fragments)}
-    return for_each_group(opt_state, n), {"params": for_each_group(params, n), "outer": outer}
+    state = {"params": for_each_group(params, n), "outer": outer}
+    if layout.cfg.parallel.diloco_delay:  # streaming's exchanges in flight: each fragment's start step, the means
+        state["exchange"] = {
+            "started": jnp.full((len(layout.fragments),), -1, jnp.int32),
+            "local": for_each_group(jax.tree.map(jnp.zeros_like, params), n),  # each group's delta, set aside
+            "mean": jax.tree.map(jnp.zeros_like, params),  # the groups' mean of it
+        }
+    return for_each_group(opt_state, n), state
 
 
-def group_step(layout, step):
+def group_step(layout, step, carry: int | None = None):
     """The inner step: `step` (one group's (state, batch) -> (state, metrics)) on every group at once.
 
     A shard_map manual over `diloco` only: each group sees its parameters, inner optimizer state and rows, and the
-    other axes stay GSPMD's inside it. The step counter is shared; metrics come back [groups, ...].
+    other axes stay GSPMD's inside it. The step counter is shared; metrics come back [groups, ...]. `carry`: the
+    fragment whose exchange (parallel.diloco_delay) this step carries: its groups' deltas, set aside by the exchange's
+    start, averaged by one all-reduce in the same program, which the compiler may run beside the step's own work.
     """
     mesh = layout.mesh
     one, ours = lambda t: jax.tree.map(lambda x: x[0], t), lambda t: jax.tree.map(lambda x: x[None], t)
+    rows = None if carry is None else layout.fragments[carry]
 
-    def local(params, opt_state, count, batch):
+    def local(params, opt_state, count, batch, *sending):
         new, metrics = step({"params": one(params), "opt_state": one(opt_state), "step": count}, batch)
-        return ours(new["params"]), ours(new["opt_state"]), ours(metrics)
+        means = [jax.tree.map(lambda d: jax.lax.pmean(d[0], AXIS), s) for s in sending]
+        return ours(new["params"]), ours(new["opt_state"]), ours(metrics), *means
 
     run = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(P(AXIS), P(AXIS), P(), P(AXIS)),
-        out_specs=P(AXIS),
+        in_specs=(P(AXIS), P(AXIS), P(), P(AXIS)) + (P(AXIS),) * (carry is not None),
+        out_specs=(P(AXIS),) * 3 + (P(),) * (carry is not None),
         axis_names={AXIS},
         check_vma=False,
     )
 
     def inner(state, batch):
-        params, opt_state, metrics = run(state["diloco"]["params"], state["opt_state"], state["step"], batch)
+        held = state["diloco"].get("exchange")
+        sending = () if carry is None else (piece(held["local"], rows, stacked=True),)
+        params, opt_state, metrics, *mean = run(
+            state["diloco"]["params"], state["opt_state"], state["step"], batch, *sending
+        )
         diloco = {**state["diloco"], "params": params}
+        if mean:
+            diloco["exchange"] = {**held, "mean": put(held["mean"], rows, mean[0])}
         return {**state, "opt_state": opt_state, "step": state["step"] + 1, "diloco": diloco}, metrics
 
     return inner
 
 
-def make_outer_step(layout, fragment: int = 0):
-    """The jitted meeting of one fragment: state -> state, the groups' mean delta applied, handed back to every group.
+def make_outer_step(layout, fragment: int = 0, part: str = "meet"):
+    """The jitted meeting of a fragment: (state, step) -> state, the groups' mean delta applied, given to every group.
 
-    Only the fragment's parameters are all-reduced; the other fragments' stay as each group has them.
+    Only the fragment's parameters are all-reduced; the other fragments' stay as each group has them. `part` "start"
+    and "land" bracket an exchange under parallel.diloco_delay: "start" sets each group's delta aside in
+    state["diloco"]["exchange"] with its step (nothing sent), the next inner step averages it (group_step's carry), and
+    "land" applies the mean.
     """
     cfg, mesh, n = layout.cfg, layout.mesh, groups(layout.mesh)
     tx, rows = outer_optimizer(cfg), layout.fragments[fragment]
@@ -147,37 +172,91 @@ def make_outer_step(layout, fragment: int = 0):
         mean_delta, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(), axis_names={AXIS}, check_vma=False
     )
 
-    def outer(state):
-        synced, group = piece(state["params"], rows), piece(state["diloco"]["params"], rows, stacked=True)
-        delta = average(synced, group)
+    def delta_of(state):
+        return average(piece(state["params"], rows), piece(state["diloco"]["params"], rows, stacked=True))
+
+    def apply(state, delta):
+        synced = piece(state["params"], rows)
         updates, outer_state = tx.update(delta, state["diloco"]["outer"][str(fragment)], synced)
         new = optax.apply_updates(synced, updates)
         if ".".join(BALANCE_BIAS) in rows:  # the balance bias: the groups' mean
             new = _set(new, BALANCE_BIAS, _get(synced, BALANCE_BIAS) - _get(delta, BALANCE_BIAS))
         new = jax.tree.map(lambda x, like: x.astype(like.dtype), new, synced)
-        params = put(state["params"], rows, new)
         group = put(state["diloco"]["params"], rows, for_each_group(new, n), stacked=True)
         outers = {**state["diloco"]["outer"], str(fragment): outer_state}
-        return {**state, "params": params, "diloco": {"params": group, "outer": outers}}
+        return {
+            **state,
+            "params": put(state["params"], rows, new),
+            "diloco": {**state["diloco"], "params": group, "outer": outers},
+        }
 
+    def own_delta(synced, group):  # [1, ...] per group -> its delta, [1, ...]: nothing sent
+        return jax.tree.map(lambda s, g: (s - g[0])[None], synced, group)
+
+    own = jax.shard_map(
+        own_delta, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(AXIS), axis_names={AXIS}, check_vma=False
+    )
+
+    def exchange(state, **changed):
+        return {**state, "diloco": {**state["diloco"], "exchange": {**state["diloco"]["exchange"], **changed}}}
+
+    def start(state, step):  # each group's delta set aside; the next inner step averages it (group_step's carry)
+        held = state["diloco"]["exchange"]
+        deltas = own(piece(state["params"], rows), piece(state["diloco"]["params"], rows, stacked=True))
+        return exchange(
+            state, started=held["started"].at[fragment].set(step), local=put(held["local"], rows, deltas, stacked=True)
+        )
+
+    def land(state, step):
+        held = state["diloco"]["exchange"]
+        state = apply(state, piece(held["mean"], rows))
+        return exchange(state, started=held["started"].at[fragment].set(-1))
+
+    run = {"meet": lambda state, step: apply(state, delta_of(state)), "start": start, "land": land}[part]
     return jax.jit(
-        outer, in_shardings=(layout.state_shardings,), out_shardings=layout.state_shardings, donate_argnums=0
+        run, in_shardings=(layout.state_shardings, None), out_shardings=layout.state_shardings, donate_argnums=0
     )
 
 
-def make_meetings(layout):
-    """(state, 0-based step) -> the state after the meetings that follow that step (`meeting`).
+class Meetings:
+    """(state, 0-based step) -> the state after what follows that step: exchanges landing, meetings, exchanges starting.
 
-    Each fragment's meeting is its own jitted program (make_outer_step).
+    The schedule is jaxpar/core/optimizer/outer.py's; each fragment's part is its own jitted program (make_outer_step),
+    compiled at its first use. Which exchanges are in flight is read from the state once, then followed on the host.
     """
-    programs = [make_outer_step(layout, f) for f in range(len(layout.fragments))]
 
-    def meet(state, step: int):
-        for fragment in meeting(layout.cfg, step):
-            state = programs[fragment](state)
+    def __init__(self, layout):
+        self.layout, self.cfg, self.programs, self.started = layout, layout.cfg, {}, None
+
+    def program(self, fragment: int, part: str):
+        if (fragment, part) not in self.programs:
+            self.programs[fragment, part] = make_outer_step(self.layout, fragment, part)
+        return self.programs[fragment, part]
+
+    def read(self, state) -> None:
+        """The exchanges in flight, as the state holds them (a fresh or a restored run's), once."""
+        if self.started is None:
+            held = state["diloco"].get("exchange")
+            self.started = [] if held is None else [int(t) for t in jax.device_get(held["started"])]
+
+    def carry(self, state, step: int) -> int | None:
+        """The fragment whose exchange the inner step `step` carries (started after the step before), or None."""
+        self.read(state)
+        return next((f for f, t in enumerate(self.started) if t >= 0 and t == step - 1), None)
+
+    def __call__(self, state, step: int):
+        self.read(state)
+        landed = due(self.cfg, self.started, step)
+        for f in landed:
+            state, self.started[f] = self.program(f, "land")(state, step), -1
+        for f in meeting(self.cfg, step):
+            if f not in landed:
+                state = self.program(f, "meet")(state, step)
+        for f in starts(self.cfg, step):
+            if self.started[f] >= 0:  # still in flight (a resume moved parallel.diloco_inner_steps): it lands first
+                state = self.program(f, "land")(state, step)
+            state, self.started[f] = self.program(f, "start")(state, step), step
         return state
-
-    return meet
 
 
 def _get(tree, path):

@@ -229,7 +229,7 @@ def between_groups(layout, state, collectives) -> dict:
     """
     meetings = []
     for f in range(layout.cfg.parallel.diloco_fragments):
-        compiled = diloco.make_outer_step(layout, f).lower(state).compile()
+        compiled = diloco.make_outer_step(layout, f).lower(state, 0).compile()
         meetings.append(
             sum(
                 c.traffic_bytes * c.count

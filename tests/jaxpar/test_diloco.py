@@ -23,8 +23,8 @@ from jaxpar.core.weights.names import flatten, load_weights, read_weights, unfla
 from jaxpar.state import state_from_params
 from jaxpar.cost.hlo_collectives import group_axes, parse
 from jaxpar.data import grain_batches
-from jaxpar.parallel.diloco import make_outer_step
-from jaxpar.step import build_step
+from jaxpar.parallel.diloco import make_outer_step, piece
+from jaxpar.step import build_step, compiled_train_step
 from jaxpar.tools import convert
 from tests.helpers import assert_params_close, assert_resumes_exactly, make_dataset, run_cli, run_steps, tiny_config
 
@@ -49,7 +49,9 @@ def reference(cfg, dataset, momentum: float = 0.9, groups_counted: int = GROUPS,
     From model.init_from's weights where it is set. With F fragments (parallel.diloco_fragments): fragment f is the
     f-th of F runs of layers of "blocks" (the other parameters are fragment 0's) and meets after every H-th step
     counted from f x H / F; every fragment after the last step. The experts' balance bias, which no gradient moves,
-    becomes the groups' mean at each meeting. `momentum`, `groups_counted` (the deltas averaged: fewer drops a
+    becomes the groups' mean at each meeting. With parallel.diloco_delay=D a meeting's mean delta is taken after its
+    step and applied D steps later, replacing the fragment's parameters in every group; one that would not land before
+    the last step is left to the last step's meeting. `momentum`, `groups_counted` (the deltas averaged: fewer drops a
     group's) and `bias_mean` make the variants the test must tell apart from DiLoCo.
     """
     H, F, L = cfg.parallel.diloco_inner_steps, cfg.parallel.diloco_fragments, cfg.model.n_layer
@@ -73,25 +75,40 @@ def reference(cfg, dataset, momentum: float = 0.9, groups_counted: int = GROUPS,
     fragment = lambda flat, f: {n: jnp.asarray(x[part(n, f)]) for n, x in flat.items() if part(n, f) is not None}
     outer_states = [outer_tx.init(fragment(synced, f)) for f in range(F)]
     copy = lambda tree: jax.tree.map(jnp.copy, tree)  # the compiled step donates its state
+    delay, in_flight = cfg.parallel.diloco_delay, {}  # fragment -> (the step its exchange started, its mean delta)
+
+    def mean_delta(f: int, local: list) -> dict:
+        mine, theirs = fragment(synced, f), [fragment(g, f) for g in local[:groups_counted]]
+        return {n: sum(mine[n] - t[n] for t in theirs) / len(theirs) for n in mine}
+
+    def meet(f: int, mean: dict, local: list) -> None:  # the outer step on `mean`; every group takes the result
+        mine = fragment(synced, f)
+        updates, outer_states[f] = outer_tx.update(mean, outer_states[f], mine)
+        new = optax.apply_updates(mine, updates)
+        bias = "blocks.moe.router.bias"
+        if cfg.model.moe_bias_update and bias_mean and bias in new:
+            new[bias] = mine[bias] - mean[bias]  # the groups' mean
+        for n, x in new.items():
+            synced[n][part(n, f)] = np.asarray(x)
+            for g in local:
+                g[n][part(n, f)] = np.asarray(x)
+
     group_states, losses = [copy(state) for _ in range(GROUPS)], []
     for s in range(cfg.train.steps):
         batch = data.rows(s, 0, cfg.train.global_batch_size)
         stepped = [step(g, jnp.asarray(batch[i * rows : (i + 1) * rows])) for i, g in enumerate(group_states)]
         losses.append(np.mean([float(m["loss"]) for _, m in stepped]))
         local = [{k: np.array(v) for k, v in flatten(jax.device_get(new["params"])).items()} for new, _ in stepped]
-        meets = range(F) if s + 1 == cfg.train.steps else [f for f in range(F) if (s + 1 - f * H // F) % H == 0]
-        for f in meets:
-            mine, theirs = fragment(synced, f), [fragment(g, f) for g in local[:groups_counted]]
-            mean = {n: sum(mine[n] - t[n] for t in theirs) / len(theirs) for n in mine}
-            updates, outer_states[f] = outer_tx.update(mean, outer_states[f], mine)
-            new = optax.apply_updates(mine, updates)
-            bias = "blocks.moe.router.bias"
-            if cfg.model.moe_bias_update and bias_mean and bias in new:
-                new[bias] = sum(fragment(g, f)[bias] for g in local) / GROUPS
-            for n, x in new.items():
-                synced[n][part(n, f)] = np.asarray(x)
-                for g in local:
-                    g[n][part(n, f)] = np.asarray(x)
+        last = s + 1 == cfg.train.steps
+        on_schedule = [f for f in range(F) if (s + 1 - f * H // F) % H == 0]
+        landing = [f for f, (t, _) in in_flight.items() if t + delay == s or last]
+        for f in landing:  # an exchange started `delay` steps before: the mean delta taken then
+            meet(f, in_flight.pop(f)[1], local)
+        for f in range(F) if last else [] if delay else on_schedule:
+            if f not in landing:
+                meet(f, mean_delta(f, local), local)
+        if delay and s + delay < cfg.train.steps - 1:  # exchanges that land before the last step start
+            in_flight.update({f: (s, mean_delta(f, local)) for f in on_schedule})
         group_states = [
             {**new, "params": unflatten({k: jnp.asarray(v) for k, v in g.items()})}
             for (new, _), g in zip(stepped, local)
@@ -105,12 +122,21 @@ def want(dataset):
 
 
 STREAMING = ("parallel.diloco_fragments=2", "train.steps=5")  # the last step's meeting not on the schedule
+# streaming's overlap: fragment 1's exchange starts after step 0 and lands after step 1, fragment 0's after 1 and 2,
+# fragment 1's after 2 and 3; fragment 0's of step 3 would land after the last step, so the last step's meeting has it
+DELAYED = (*STREAMING, "parallel.diloco_delay=1")
 
 
 @pytest.mark.parametrize(
     "mesh, extra",
-    [("diloco=2", ()), ("diloco=2,fsdp=2", ()), ("diloco=2,tp=2", ()), ("diloco=2,fsdp=2", STREAMING)],
-    ids=["diloco=2", "diloco=2,fsdp=2", "diloco=2,tp=2", "streaming diloco=2,fsdp=2"],
+    [
+        ("diloco=2", ()),
+        ("diloco=2,fsdp=2", ()),
+        ("diloco=2,tp=2", ()),
+        ("diloco=2,fsdp=2", STREAMING),
+        ("diloco=2,fsdp=2", DELAYED),
+    ],
+    ids=["diloco=2", "diloco=2,fsdp=2", "diloco=2,tp=2", "streaming diloco=2,fsdp=2", "delayed diloco=2,fsdp=2"],
 )
 def test_diloco_equals_its_reference(mesh, extra, dataset, want):
     cfg, n = tiny_config(*SETTINGS, *extra), int(np.prod(list(parse_mesh(mesh).values())))
@@ -123,12 +149,19 @@ def test_diloco_equals_its_reference(mesh, extra, dataset, want):
 def test_the_reference_tells_momentum_and_every_groups_delta_apart(dataset, want):
     """The comparison above can fail: the reference's parameters move by far more than its tolerance.
 
-    That is so without the outer momentum, or with one group's delta dropped.
+    That is so without the outer momentum, or with one group's delta dropped; and streaming's exchanges applied at
+    their start rather than parallel.diloco_delay steps later.
     """
     for variant in (dict(momentum=0.0), dict(groups_counted=1)):
         other = reference(tiny_config(*SETTINGS), dataset, **variant)
         with pytest.raises(AssertionError):
             assert_params_close(other["params"], want["params"])
+    delayed, at_once = (
+        reference(tiny_config(*SETTINGS, *DELAYED), dataset),
+        reference(tiny_config(*SETTINGS, *STREAMING), dataset),
+    )
+    with pytest.raises(AssertionError):
+        assert_params_close(delayed["params"], at_once["params"])
 
 
 def test_the_experts_balance_bias_becomes_the_groups_mean(dataset):
@@ -155,7 +188,7 @@ def test_the_inner_step_sends_nothing_between_groups_and_the_outer_step_the_para
     inside = _collectives(inner, layout.mesh)
     assert any("fsdp" in axes for _, axes in inside)  # the group's own fsdp traffic is there to be seen
     assert not [c for c, axes in inside if "diloco" in axes]
-    outer = _collectives(make_outer_step(layout).lower(state).compile(), layout.mesh)
+    outer = _collectives(make_outer_step(layout).lower(state, 0).compile(), layout.mesh)
     between = [c for c, axes in outer if "diloco" in axes]
     assert {c.op for c in between} == {"all-reduce"} and all(axes == ("diloco",) for c, axes in outer if c in between)
     device = layout.mesh.devices.flat[0]
@@ -163,6 +196,26 @@ def test_the_inner_step_sends_nothing_between_groups_and_the_outer_step_the_para
         s.data.nbytes for x in jax.tree.leaves(state["params"]) for s in x.addressable_shards if s.device == device
     )
     assert sum(c.result_bytes * c.count for c in between) == held
+
+
+def test_a_delayed_exchange_rides_in_the_next_inner_step_and_sends_its_fragment_once():
+    """parallel.diloco_delay: the exchange's start sends nothing; the inner step after it all-reduces the fragment.
+
+    The step that carries fragment 1's exchange (the second of the two layers' runs) has one more kind of traffic than
+    the plain step: all-reduces over `diloco` alone, of exactly the bytes of that fragment's parameters on a device.
+    """
+    cfg = tiny_config(*SETTINGS, *DELAYED)
+    layout, state, inner = build_step(cfg, parse_mesh("diloco=2,fsdp=2"), jax.devices()[:4])
+    assert not [c for c, axes in _collectives(inner, layout.mesh) if "diloco" in axes]
+    started = _collectives(make_outer_step(layout, 1, "start").lower(state, 0).compile(), layout.mesh)
+    assert not [c for c, axes in started if "diloco" in axes]
+    carrying = compiled_train_step(layout, state, carry=1)
+    between = [(c, axes) for c, axes in _collectives(carrying, layout.mesh) if "diloco" in axes]
+    assert {c.op for c, _ in between} == {"all-reduce"} and {axes for _, axes in between} == {("diloco",)}
+    device, fragment = layout.mesh.devices.flat[0], piece(state["params"], layout.fragments[1])
+    held = sum(s.data.nbytes for x in jax.tree.leaves(fragment) for s in x.addressable_shards if s.device == device)
+    assert 0 < held < sum(x.nbytes for x in jax.tree.leaves(state["params"])) / 2
+    assert sum(c.result_bytes * c.count for c, _ in between) == held
 
 
 def test_the_planner_reports_the_bytes_between_groups():
@@ -204,13 +257,38 @@ def test_settings_diloco_does_not_run_with_are_refused_in_one_line():
             check_torch_mesh("diloco=2", backend, 2)
 
 
-def test_a_killed_diloco_run_resumes_exactly_across_an_outer_step(tmp_path, dataset):
+@pytest.mark.parametrize(
+    "extra", [(), ("parallel.diloco_fragments=2", "parallel.diloco_delay=1")], ids=["meeting", "exchange in flight"]
+)
+def test_a_killed_diloco_run_resumes_exactly_across_an_outer_step(tmp_path, dataset, extra):
     """Saved after step 3 (the groups apart, the outer momentum moving), killed after 4, resumed: all bit for bit.
 
-    The resumed run repeats step 4, the meeting after it, and every step after that.
+    The resumed run repeats step 4, the meeting after it, and every step after that. Streaming with a delay of one
+    step: saved with fragment 1's exchange of step 3 in flight, which lands after step 4 (while fragment 0's starts).
     """
-    args = ["--mesh", "diloco=2", "parallel.diloco_inner_steps=2", "checkpoint.every=3", "train.steps=8"]
+    args = ["--mesh", "diloco=2", "parallel.diloco_inner_steps=2", "checkpoint.every=3", "train.steps=8", *extra]
     assert_resumes_exactly(tmp_path, dataset, args, kill_after=4)
+
+
+def test_a_resume_with_another_delay_is_refused_in_one_line_also_from_a_run_before_the_key(tmp_path):
+    """parallel.diloco_delay changed on resume is refused: the exchanges in flight were started for the old one.
+
+    A run's config.json written before the key existed had no delay (its default): resuming it with one is refused
+    too, before its checkpoint (which has no exchange state) is read.
+    """
+    import json
+
+    from jaxpar.core.run.resume import check_resume
+
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+    saved = tiny_config(*SETTINGS, f"run.dir={tmp_path}", "parallel.diloco_delay=1").to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    check_resume(tiny_config(*SETTINGS, f"run.dir={tmp_path}", "parallel.diloco_delay=1"))
+    for record in (saved, {**saved, "parallel": {k: v for k, v in saved["parallel"].items() if k != "diloco_delay"}}):
+        (tmp_path / "config.json").write_text(json.dumps(record))
+        with pytest.raises(UserError, match=r"parallel.diloco_delay: [01] -> [02]") as e:
+            check_resume(tiny_config(*SETTINGS, f"run.dir={tmp_path}", "parallel.diloco_delay=2"))
+        assert "\n" not in str(e.value)
 
 
 def test_a_resume_on_another_number_of_groups_is_refused_in_one_line(tmp_path, dataset):

@@ -17,7 +17,7 @@ from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError
 from jaxpar.core.weights.names import read_weights
 from tests.helpers import assert_params_close, metrics, run_in_session, tiny_config, torch_env
-from tests.jaxpar.test_diloco import SETTINGS, STREAMING, reference
+from tests.jaxpar.test_diloco import DELAYED, SETTINGS, STREAMING, reference
 from tests.torchpar.runs import assert_resumes_exactly_after_sigkill, run
 from torchpar.checks import check_groups
 from torchpar.weights import to_shared
@@ -36,8 +36,9 @@ def _dataset(base) -> str:
         ("ddp", "diloco=2", 2, ()),
         ("ddp", "diloco=2,dp=2", 4, ()),
         ("fsdp", "diloco=2,fsdp=2", 4, STREAMING),
+        ("fsdp", "diloco=2,fsdp=2", 4, DELAYED),
     ],
-    ids=["ddp diloco=2", "ddp diloco=2,dp=2", "streaming fsdp diloco=2,fsdp=2"],
+    ids=["ddp diloco=2", "ddp diloco=2,dp=2", "streaming fsdp diloco=2,fsdp=2", "delayed fsdp diloco=2,fsdp=2"],
 )
 def test_diloco_equals_the_reference_from_one_weights_file(base, backend, mesh, nproc, extra):
     assert_equals_the_reference(base, backend, mesh, nproc, [*base["args"], *SETTINGS, *extra])
@@ -113,6 +114,15 @@ def test_a_killed_diloco_run_resumes_exactly_across_a_meeting(base):
     assert_resumes_exactly_after_sigkill(
         base, "fsdp", ["parallel.mesh=diloco=2", "parallel.diloco_inner_steps=3"], "diloco"
     )
+
+
+def test_a_killed_streaming_run_resumes_exactly_with_an_exchange_in_flight(base):
+    """Saved at step 4 with fragment 0's exchange of that step in flight (it lands after step 5), killed after 6.
+
+    Resumed, bit for bit: the checkpoint holds the exchange's mean delta and its step (FSDP2: each rank's shard).
+    """
+    delayed = ["parallel.diloco_inner_steps=2", "parallel.diloco_fragments=2", "parallel.diloco_delay=1"]
+    assert_resumes_exactly_after_sigkill(base, "fsdp", ["parallel.mesh=diloco=2", *delayed], "diloco-delayed")
 
 
 def test_what_torchpar_groups_do_not_run_with_is_refused_in_one_line():

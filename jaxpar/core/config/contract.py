@@ -542,7 +542,7 @@ CONTRACT: dict[str, Owner] = {
     },
     **{
         k: Owner(True, ("ddp", "fsdp"), "test", **DILOCO)
-        for k in ("parallel.diloco_inner_steps", "parallel.diloco_fragments", *OUTER)
+        for k in ("parallel.diloco_inner_steps", "parallel.diloco_fragments", "parallel.diloco_delay", *OUTER)
     },
     # checkpoint and run: the shared loop and run directory
     "checkpoint.every": Owner(True, BOTH, "loop"),

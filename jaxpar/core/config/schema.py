@@ -316,6 +316,9 @@ class ParallelConfig:
     diloco_inner_steps: int = field(default=50, metadata=_check(lo=1))
     # streaming DiLoCo: the parameters as this many fragments (equal runs of layers), meeting at staggered steps
     diloco_fragments: int = field(default=1, metadata=_check(lo=1))
+    # streaming DiLoCo's overlap: a meeting's exchange runs behind this many inner steps, then its outer step replaces
+    # the fragment's parameters (0: the groups meet between two steps)
+    diloco_delay: int = field(default=0, metadata=_check(lo=0))
 
 
 @dataclass
