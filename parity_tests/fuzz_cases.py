@@ -330,10 +330,14 @@ def _draw_meetings(rng: random.Random, s: dict) -> None:
     """When DiLoCo's groups meet: after every step, once at the end, or streaming's 2 fragments every 2 steps.
 
     Streaming over STEPS = 3: fragment 1 meets after step 1, fragment 0 after step 2, both after step 3 (the last).
+    Half of the streaming cases overlap the exchange (parallel.diloco_delay=1): fragment 1's starts after step 1 and
+    lands after step 2, carried by step 2's program.
     """
     s["parallel.diloco_inner_steps"] = _pick(rng, {"1": 2, str(STEPS): 2, "2": 1})
     if s["parallel.diloco_inner_steps"] == "2":
         s["parallel.diloco_fragments"] = "2"
+        if rng.random() < 0.5:
+            s["parallel.diloco_delay"] = "1"
 
 
 def _draw_compression(rng: random.Random, s: dict, methods=None) -> None:

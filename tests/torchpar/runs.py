@@ -135,17 +135,17 @@ def jaxpar_run(base, overrides: list[str], name: str) -> dict:
     return metrics(run_dir)
 
 
-def assert_resumes_exactly_after_sigkill(base, backend: str, overrides: list[str], name: str) -> None:
-    """Assert a two-process torchpar run killed by SIGKILL and resumed logs the whole run's losses.
+def assert_resumes_exactly_after_sigkill(base, backend: str, overrides: list[str], name: str, nproc: int = 2) -> None:
+    """Assert a torchpar run of `nproc` processes (two) killed by SIGKILL and resumed logs the whole run's losses.
 
-    `backend` on two processes with `overrides`, whole and killed by SIGKILL after step 6 then resumed from its step-4
-    checkpoint: every logged loss equal, bit for bit.
+    `backend` with `overrides`, whole and killed by SIGKILL after step 6 then resumed from its step-4 checkpoint: every
+    logged loss equal, bit for bit.
     """
     args = ["--backend", backend, *base["args"], *overrides, "checkpoint.every=4"]
     full, killed = base["tmp"] / f"{name}-{backend}-full", base["tmp"] / f"{name}-{backend}-killed"
-    run(args + [f"run.dir={full}"], nproc=2)
-    run(args + [f"run.dir={killed}"], nproc=2, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
-    out = run(args + [f"run.dir={killed}"], nproc=2)
+    run(args + [f"run.dir={full}"], nproc=nproc)
+    run(args + [f"run.dir={killed}"], nproc=nproc, expect_rc="nonzero", TORCHPAR_FAULT_KILL_AFTER_STEP="6")
+    out = run(args + [f"run.dir={killed}"], nproc=nproc)
     assert "resumed from" in out.stderr
     m, r = metrics(full), metrics(killed)
     assert sorted(m) == sorted(r) and all(r[s]["loss"] == m[s]["loss"] for s in m)

@@ -119,10 +119,12 @@ def test_a_killed_diloco_run_resumes_exactly_across_a_meeting(base):
 def test_a_killed_streaming_run_resumes_exactly_with_an_exchange_in_flight(base):
     """Saved at step 4 with fragment 0's exchange of that step in flight (it lands after step 5), killed after 6.
 
-    Resumed, bit for bit: the checkpoint holds the exchange's mean delta and its step (FSDP2: each rank's shard).
+    Resumed, bit for bit: the checkpoint holds the exchange's mean delta (each rank's shard: FSDP2 over the 2 ranks of
+    each group) and its step.
     """
     delayed = ["parallel.diloco_inner_steps=2", "parallel.diloco_fragments=2", "parallel.diloco_delay=1"]
-    assert_resumes_exactly_after_sigkill(base, "fsdp", ["parallel.mesh=diloco=2", *delayed], "diloco-delayed")
+    overrides = ["parallel.mesh=diloco=2,fsdp=2", *delayed]
+    assert_resumes_exactly_after_sigkill(base, "fsdp", overrides, "diloco-delayed", nproc=4)
 
 
 def test_what_torchpar_groups_do_not_run_with_is_refused_in_one_line():
