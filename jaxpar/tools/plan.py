@@ -40,6 +40,7 @@ from jaxpar.cost.peak_bytes import compile_layout, device_memory, peak_bytes, sh
 from jaxpar.models.mla import kv_cache_width
 from jaxpar.parallel import diloco, powersgd
 from jaxpar.pipeline.auto import resolve_schedule
+from jaxpar.step import compiled_train_step
 from jaxpar.cost import (
     activations as plan_activations,
     hlo_collectives,
@@ -224,12 +225,16 @@ def plan_shape(cfg: Config, sizes: dict[str, int], devices=None) -> dict:
 def between_groups(layout, state, collectives) -> dict:
     """DiLoCo's bytes sent between groups per device, from the compiled inner step and meetings.
 
-    Each inner step's (0: it is manual over `diloco`), each fragment's meeting (its mean delta's all-reduce), and their
-    mean per step: every fragment meets once in parallel.diloco_inner_steps steps.
+    Each inner step's (0: it is manual over `diloco`), each fragment's meeting (its mean delta's all-reduce; with
+    parallel.diloco_delay, read off the inner step that carries it), and their mean per step: every fragment meets once
+    in parallel.diloco_inner_steps steps.
     """
     meetings = []
     for f in range(layout.cfg.parallel.diloco_fragments):
-        compiled = diloco.make_outer_step(layout, f).lower(state, 0).compile()
+        if layout.cfg.parallel.diloco_delay:
+            compiled = compiled_train_step(layout, state, carry=f)
+        else:
+            compiled = diloco.make_outer_step(layout, f).lower(state, 0).compile()
         meetings.append(
             sum(
                 c.traffic_bytes * c.count

@@ -233,6 +233,8 @@ def test_the_planner_reports_the_bytes_between_groups():
     streaming = plan(tiny_config(*SETTINGS, "parallel.diloco_fragments=2"), parse_mesh("diloco=2"), jax.devices()[:2])
     halves = streaming["diloco"]["meeting_bytes"]
     assert sum(halves) == streaming["params_bytes"] and all(0 < b < streaming["params_bytes"] for b in halves)
+    delayed = plan(tiny_config(*SETTINGS, *DELAYED), parse_mesh("diloco=2"), jax.devices()[:2])  # the carrying steps'
+    assert delayed["diloco"]["meeting_bytes"] == halves and delayed["diloco"]["inner_step_bytes"] == 0
 
 
 def test_settings_diloco_does_not_run_with_are_refused_in_one_line():
