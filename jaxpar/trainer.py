@@ -105,7 +105,7 @@ class JaxTrainer:
         self._meet = diloco.Meetings(layout) if layout.group is not None else None  # DiLoCo's groups meet
         self._generate = None  # train.sample_every's decoder, made on first use
         self._task_model = None  # train.eval_tasks' lm-eval model, made on first use
-        self.overflow_step = None  # the test fault's step (<PREFIX>_FAULT_OVERFLOW_AT_STEP: JaxFaults)
+        self.overflow_step = False  # the test fault's step next (<PREFIX>_FAULT_OVERFLOW_AT_STEP: JaxFaults)
         self.prefetch = Prefetch(lambda step: device_batch(self.train_data, step, layout.batch_sharding))
         return self.describe(time.perf_counter() - t0)
 
@@ -179,7 +179,10 @@ class JaxTrainer:
     def train_step(self, step: int):
         batch = self.prefetch(step)  # the next one is read ahead
         carry = self._meet.carry(self.state, step) if self._meet is not None else None  # DiLoCo's exchange in flight
-        step_fn, self.overflow_step = self.overflow_step or self.step_for(tuple(batch.shape), carry), None
+        if self.overflow_step:  # the test fault: this one step's gradients overflow (JaxFaults.overflow)
+            step_fn, self.overflow_step = make_train_step(self.layout, inject_overflow=True, carry=carry), False
+        else:
+            step_fn = self.step_for(tuple(batch.shape), carry)
         self.state, metrics = step_fn(self.state, batch)
         if self._meet is not None:  # the groups meet: their mean delta, the outer optimizer
             self.state = self._meet(self.state, step)
@@ -342,7 +345,7 @@ class JaxFaults:
             t.state["diloco"] = {**t.state["diloco"], "params": jax.tree.map(nan, t.state["diloco"]["params"])}
 
     def overflow(self) -> None:
-        self.trainer.overflow_step = make_train_step(self.trainer.layout, inject_overflow=True)  # for this one step
+        self.trainer.overflow_step = True  # the next step alone
 
     def settle(self) -> None:
         self.trainer.ckpt.wait()
