@@ -3,7 +3,7 @@
 parallel.mesh=diloco=G,... on --backend ddp or fsdp is one launch of G x S ranks; rank r is in group r // S (the mesh's
 `diloco` axis outermost, as in jaxpar), so group g reads the g-th of G blocks of every global batch, as dp would split
 it. Inside a group DDP or FSDP2 runs on the group's own DeviceMesh and nothing crosses groups. After the steps
-jaxpar/core/optimizer/outer.py's `meeting` names, each meeting fragment's delta from the synchronised parameters (the
+jaxpar/core/optimizer/outer.py's `actions` name, each meeting fragment's delta from the synchronised parameters (the
 pseudo-gradient) is averaged over the groups by one all-reduce, torch's SGD (optim.outer_*) applies it to the
 synchronised parameters, and every group takes them as its own; the inner optimizer states carry on.
 
@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from jaxpar.core.config.mesh_spec import parse_mesh, resolve_sizes
 from jaxpar.core.errors import UserError
-from jaxpar.core.optimizer.outer import AXIS, due, layer_runs, meeting, starts
+from jaxpar.core.optimizer.outer import AXIS, actions, layer_runs
 from jaxpar.core.weights.names import ALL_NAMES, shared_name, stacks_of
 from torchpar.optim import local
 
@@ -115,16 +115,13 @@ class Groups:
 
     def after(self, step: int) -> None:
         """The meetings that follow the 0-based `step`: exchanges landing, meetings, exchanges starting (outer.py)."""
-        landed = due(self.cfg, self.started.tolist(), step)
-        for f in landed:
-            self.land(f)
-        for f in meeting(self.cfg, step):
-            if f not in landed:
-                self.apply(f, self.mean_delta(f))
-        for f in starts(self.cfg, step):
-            if self.started[f] >= 0:  # still in flight (a resume moved parallel.diloco_inner_steps): it lands first
+        for f, part in actions(self.cfg, self.started.tolist(), step):
+            if part == "land":
                 self.land(f)
-            self.start(f, step)
+            elif part == "meet":
+                self.apply(f, self.mean_delta(f))
+            else:
+                self.start(f, step)
 
     @torch.no_grad()
     def mean_delta(self, fragment: int, wait: bool = True):

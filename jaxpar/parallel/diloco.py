@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.core.config.schema import Config
 from jaxpar.core.errors import UserError
-from jaxpar.core.optimizer.outer import AXIS, due, layer_runs, meeting, starts
+from jaxpar.core.optimizer.outer import AXIS, actions, layer_runs
 from jaxpar.core.weights.names import flatten, unflatten
 
 BALANCE_BIAS = ("blocks", "moe", "router", "bias")  # the experts' balance bias (models/moe.py update_router_bias)
@@ -237,7 +237,8 @@ class Meetings:
         """The exchanges in flight, as the state holds them (a fresh or a restored run's), once."""
         if self.started is None:
             held = state["diloco"].get("exchange")
-            self.started = [] if held is None else [int(t) for t in jax.device_get(held["started"])]
+            none = [-1] * len(self.layout.fragments)  # no delay: nothing is ever in flight
+            self.started = none if held is None else [int(t) for t in jax.device_get(held["started"])]
 
     def carry(self, state, step: int) -> int | None:
         """The fragment whose exchange the inner step `step` carries (started after the step before), or None."""
@@ -246,16 +247,9 @@ class Meetings:
 
     def __call__(self, state, step: int):
         self.read(state)
-        landed = due(self.cfg, self.started, step)
-        for f in landed:
-            state, self.started[f] = self.program(f, "land")(state, step), -1
-        for f in meeting(self.cfg, step):
-            if f not in landed:
-                state = self.program(f, "meet")(state, step)
-        for f in starts(self.cfg, step):
-            if self.started[f] >= 0:  # still in flight (a resume moved parallel.diloco_inner_steps): it lands first
-                state = self.program(f, "land")(state, step)
-            state, self.started[f] = self.program(f, "start")(state, step), step
+        for f, part in actions(self.cfg, self.started, step):
+            state = self.program(f, part)(state, step)
+            self.started[f] = {"land": -1, "start": step}.get(part, self.started[f])
         return state
 
 

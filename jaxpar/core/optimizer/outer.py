@@ -62,6 +62,20 @@ def due(cfg: Config, started: list[int], step: int) -> list[int]:
     return [f for f, t in enumerate(started) if t >= 0 and (t + delay == step or last)]
 
 
+def actions(cfg: Config, started: list[int], step: int) -> list[tuple[int, str]]:
+    """What follows the 0-based `step`, in order: (fragment, "land" | "meet" | "start") for both trainers.
+
+    The exchanges in flight that are due land; the fragments that meet now meet (after the last step, those that did
+    not just land); the exchanges of this step start, one still in flight for the same fragment (a resume moved
+    parallel.diloco_inner_steps) landing first.
+    """
+    landed = due(cfg, started, step)
+    out = [(f, "land") for f in landed] + [(f, "meet") for f in meeting(cfg, step) if f not in landed]
+    for f in starts(cfg, step):
+        out += [(f, "land")] * (started[f] >= 0 and f not in landed) + [(f, "start")]
+    return out
+
+
 def check_diloco(cfg: Config, sizes) -> None:
     """What DiLoCo's groups do not run with yet, one line each (sizes: mesh axis -> size)."""
     if sizes.get(AXIS, 1) == 1:
