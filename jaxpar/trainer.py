@@ -272,6 +272,10 @@ class JaxProcesses:
             wait_s,
         )
 
+    def rejoined_at(self) -> None:
+        """Never: a jaxpar run is one SPMD program; a lost group is an elastic restart (docs/diloco.md)."""
+        return None
+
 
 class JaxProbes:
     """A JaxTrainer's measurements (`Probes`): peak FLOP/s, the pipeline bubble, the data wait, device memory."""

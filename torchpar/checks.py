@@ -23,6 +23,7 @@ from jaxpar.core.evaluation.tasks import check_eval_tasks
 from jaxpar.core.run.trackers import check_trackers
 from torchpar.diloco import layer_fragments
 from torchpar.dist import launch_env, launched
+from torchpar.torchft_groups import check_torchft
 
 
 def validate(cfg: Config, args) -> None:
@@ -80,6 +81,8 @@ def resolve_schedule(cfg: Config, args):
 def check_backend_settings(cfg: Config, args) -> None:
     """What --backend runs with this config and launch: the processes, the mesh, the settings it refuses."""
     _, world, _ = launch_env()
+    if cfg.parallel.torchft_lighthouse:  # torchft's mode: this launch is one of the groups (torchpar/torchft_groups.py)
+        world *= check_torchft(cfg, args.backend)
     if args.backend == "none" and world > 1:
         raise UserError(f"--backend none runs one process, but WORLD_SIZE={world}; use ddp, fsdp or deepspeed")
     check_torch_mesh(cfg.parallel.mesh, args.backend, world)

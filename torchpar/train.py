@@ -25,6 +25,7 @@ from jaxpar.core.run.signals import stop_requests
 from torchpar import backends, dist
 from torchpar.checks import resolve_schedule, validate
 from torchpar.dist import launch_env
+from torchpar.torchft_groups import launch_groups
 from torchpar.trainer import TorchTrainer
 
 
@@ -78,8 +79,9 @@ def main(argv=None) -> int:
             )
         return 0
     stop = stop_requests()  # early: a signal during start-up also ends in an agreed stop at the first step
-    env = dist.setup(cfg, args.backend)
-    trainer = TorchTrainer(cfg, args.backend, args.deepspeed_config, env, open_splits(cfg))
+    ours, torchft = launch_groups(cfg)  # torchft's mode: this launch's own mesh, one of the groups (config.json: cfg)
+    env = dist.setup(ours, args.backend)
+    trainer = TorchTrainer(ours, args.backend, args.deepspeed_config, env, open_splits(ours), torchft)
     return run_training(cfg, trainer, stop, args.write_final)
 
 

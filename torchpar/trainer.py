@@ -16,6 +16,7 @@ import torch
 import torch.distributed
 
 from jaxpar.core.config.schema import Config
+from jaxpar.core.errors import UserError
 from jaxpar.core.data.order import GlobalBatches, unmasked
 from jaxpar.core.model.flops import optimizer_phrase, params_phrase, peak_flops
 from jaxpar.core.run.hooks import sample_lengths
@@ -25,6 +26,7 @@ from jaxpar.core.weights.names import load_weights, save_weights, unflatten
 from torchpar import dist
 from torchpar.comm import CommTrace, axis_sizes
 from torchpar.models.decoder import Decoder
+from torchpar.torchft_groups import TorchftGroups
 from torchpar.parallelize import parallelize
 from torchpar.weights import from_shared, shared_shapes, to_shared
 from torchpar.decode import generate
@@ -49,8 +51,9 @@ class TorchTrainer:
     profiling: TorchProfiling
     faults: TorchFaults
 
-    def __init__(self, cfg: Config, backend: str, deepspeed_config: str, env, data):
+    def __init__(self, cfg: Config, backend: str, deepspeed_config: str, env, data, torchft=None):
         self.cfg, self.backend, self.deepspeed_config, self.env = cfg, backend, deepspeed_config, env
+        self.torchft = torchft  # torchft's mode: (this launch's group, the group count) (torchpar/torchft_groups.py)
         self.train_data, self.val_data = data or (None, None)  # read straight from the memmap, in the shared order
         self.is_main, self.process_count, self.rank = env.is_main, env.world, env.rank
         self.engine, self.prefetch = None, None
@@ -62,7 +65,17 @@ class TorchTrainer:
     def restore_or_init(self) -> int:
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.engine, self.compiled = parallelize(self.model, self.cfg, self.env, self.backend, self.deepspeed_config)
-        return (self.engine.restore() if self.cfg.checkpoint.resume else None) or 0
+        if self.torchft is not None:
+            self.engine.use_groups(TorchftGroups(self.model, self.engine, self.cfg, self.env, *self.torchft))
+            self.engine.outside = self.torchft
+        self.processes.groups = self.engine.groups
+        step = (self.engine.restore() if self.cfg.checkpoint.resume else None) or 0
+        if self.torchft is not None and 0 < step < self.cfg.train.steps:
+            raise UserError(
+                f"{self.cfg.run.dir} holds a checkpoint of step {step}: torchft's groups do not resume from one yet; "
+                "relaunch with checkpoint.resume=false (the group heals from a live one at its first meeting)"
+            )
+        return step
 
     def run_config(self) -> dict:
         return {"framework": "torchpar", "backend": self.backend, "world_size": self.env.world}
@@ -115,6 +128,8 @@ class TorchTrainer:
     def _host_rows(self, data: GlobalBatches, step: int) -> torch.Tensor:
         """This rank's rows of the global batch at `step` (pipeline: every stage of a replica reads its share)."""
         share, ways, n = self.engine.data_rank, self.engine.data_ways, data.batch_size(step)
+        group, groups = self.engine.outside  # torchft's mode: this launch's group's block of the batch
+        share, ways = group * ways + share, ways * groups
         return torch.from_numpy(data.rows(step, share * n // ways, (share + 1) * n // ways)).long()
 
     def _rows(self, data: GlobalBatches, step: int) -> torch.Tensor:
@@ -196,6 +211,14 @@ class TorchProcesses:
 
     def __init__(self, env):
         self.env, self.synced_s = env, 0.0
+        self.groups = None  # DiLoCo's (the engine's): torchft's heal a group that comes back
+
+    def rejoined_at(self) -> int | None:
+        """The data step to continue from where this group healed from a live one in the last step (torchft), once."""
+        step = getattr(self.groups, "healed_to", None)
+        if step is not None:
+            self.groups.healed_to = None
+        return step
 
     def any_of(self, flag: bool) -> bool:
         """Whether `flag` is true on any rank; the time spent here counts as `sync_wait_s`."""

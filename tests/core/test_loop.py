@@ -16,6 +16,9 @@ class OneProcess:
     def any_of(self, flag):
         return flag
 
+    def rejoined_at(self):
+        return None
+
 
 class SleepyProbes:
     """The measurements: the read-ahead's wait, a fixed memory, no peak FLOP/s (no MFU)."""

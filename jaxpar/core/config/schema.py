@@ -319,6 +319,11 @@ class ParallelConfig:
     # streaming DiLoCo's overlap: a meeting's exchange runs behind this many inner steps, then its outer step replaces
     # the fragment's parameters (0: the groups meet between two steps)
     diloco_delay: int = field(default=0, metadata=_check(lo=0))
+    # torchft's DiLoCo (torchpar --backend ddp, docs/diloco.md "torchft"): each of the mesh's diloco groups its own
+    # launch, joined by torchft's lighthouse at this address (host:port); groups may leave and come back
+    torchft_lighthouse: str = ""
+    # which of the mesh's diloco groups this launch is (0-based), under parallel.torchft_lighthouse
+    torchft_group: int = field(default=0, metadata=_check(lo=0))
 
 
 @dataclass

@@ -26,6 +26,9 @@ class Processes(Protocol):
     def roll_call(self, wait_s: float) -> list[int]:
         """Announce this process in the launcher's store; the processes that did not within `wait_s`."""
 
+    def rejoined_at(self) -> int | None:
+        """The data step to continue from where this group healed from a live one in the last step (torchft), once."""
+
 
 class Probes(Protocol):
     """Measurements for the metrics record (jaxpar/core/run/hooks.py) and the stragglers' rows (stragglers.py)."""

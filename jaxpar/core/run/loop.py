@@ -189,7 +189,7 @@ def train_loop(cfg: Config, trainer: Trainer, step: int, log: MetricsLog, stop: 
                 for hook in hooks:
                     hook.before_step(step)
                 progress.started(step + 1, trainer.train_step(step))
-                step += 1
+                step = trainer.processes.rejoined_at() or step + 1  # torchft: a group back from a loss heals ahead
                 for hook in hooks:
                     hook.after_step(step)
                 progress.step_done(step)
