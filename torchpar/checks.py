@@ -23,7 +23,7 @@ from jaxpar.core.evaluation.tasks import check_eval_tasks
 from jaxpar.core.run.trackers import check_trackers
 from torchpar.diloco import layer_fragments
 from torchpar.dist import launch_env, launched
-from torchpar.torchft_groups import check_torchft
+from jaxpar.core.optimizer.outer import check_torchft
 
 
 def validate(cfg: Config, args) -> None:
@@ -83,6 +83,11 @@ def check_backend_settings(cfg: Config, args) -> None:
     _, world, _ = launch_env()
     if cfg.parallel.torchft_lighthouse:  # torchft's mode: this launch is one of the groups (torchpar/torchft_groups.py)
         world *= check_torchft(cfg, args.backend)
+        if not launched():
+            raise UserError(
+                "parallel.torchft_lighthouse: each group is a torchrun launch (its store is torchrun's), e.g. "
+                "torchrun --nproc_per_node=N -m torchpar.train ... parallel.torchft_group=G"
+            )
     if args.backend == "none" and world > 1:
         raise UserError(f"--backend none runs one process, but WORLD_SIZE={world}; use ddp, fsdp or deepspeed")
     check_torch_mesh(cfg.parallel.mesh, args.backend, world)

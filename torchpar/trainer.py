@@ -65,16 +65,18 @@ class TorchTrainer:
     def restore_or_init(self) -> int:
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.engine, self.compiled = parallelize(self.model, self.cfg, self.env, self.backend, self.deepspeed_config)
-        if self.torchft is not None:
-            self.engine.use_groups(TorchftGroups(self.model, self.engine, self.cfg, self.env, *self.torchft))
-            self.engine.outside = self.torchft
-        self.processes.groups = self.engine.groups
+        if self.torchft is not None:  # its checkpoints say their group count (engine.save)
+            self.engine.checkpointer.groups, self.engine.outside = self.torchft[1], self.torchft
         step = (self.engine.restore() if self.cfg.checkpoint.resume else None) or 0
-        if self.torchft is not None and 0 < step < self.cfg.train.steps:
-            raise UserError(
-                f"{self.cfg.run.dir} holds a checkpoint of step {step}: torchft's groups do not resume from one yet; "
-                "relaunch with checkpoint.resume=false (the group heals from a live one at its first meeting)"
-            )
+        if self.torchft is not None:
+            if 0 < step < self.cfg.train.steps:
+                raise UserError(
+                    f"{self.cfg.run.dir} holds a checkpoint of step {step}: torchft's groups do not resume from one "
+                    "yet; relaunch with checkpoint.resume=false (the group heals from a live one at its first meeting)"
+                )
+            # after the restore: torchft keeps the parameters it starts from as the last meeting's
+            self.engine.use_groups(TorchftGroups(self.model, self.engine, self.cfg, self.env, *self.torchft))
+        self.processes.groups = self.engine.groups
         return step
 
     def run_config(self) -> dict:
@@ -128,8 +130,9 @@ class TorchTrainer:
     def _host_rows(self, data: GlobalBatches, step: int) -> torch.Tensor:
         """This rank's rows of the global batch at `step` (pipeline: every stage of a replica reads its share)."""
         share, ways, n = self.engine.data_rank, self.engine.data_ways, data.batch_size(step)
-        group, groups = self.engine.outside  # torchft's mode: this launch's group's block of the batch
-        share, ways = group * ways + share, ways * groups
+        if data is self.train_data:  # torchft's mode: this launch's group's block (each group evaluates it all)
+            group, groups = self.engine.outside
+            share, ways = group * ways + share, ways * groups
         return torch.from_numpy(data.rows(step, share * n // ways, (share + 1) * n // ways)).long()
 
     def _rows(self, data: GlobalBatches, step: int) -> torch.Tensor:

@@ -4,18 +4,23 @@
       --config configs/gpt2-124m.yaml --mesh dp=2,fsdp=8 [key=value ...] > job.sbatch
   python -m jaxpar.tools.launch --framework torchpar --backend fsdp --launcher torchrun ... > job.sbatch
   python -m jaxpar.tools.launch --elastic 1:4 --nodes 4 ... --mesh dp=-1,tp=8 > job.sbatch   # survives lost nodes
+  python -m jaxpar.tools.launch --torchft --framework torchpar --backend ddp --mesh diloco=2,dp=8 ... > job.sbatch
 
 Launch lines: jaxpar: `srun` with one task per GPU (jax.distributed reads SLURM_*) or `torchrun` once per node;
 torchpar: `srun` with one task per GPU (torchpar reads SLURM_*), `torchrun` once per node (c10d rendezvous on the
 first node), or DeepSpeed's launcher from the first node (a hostfile from the node list; needs ssh between nodes).
 `--elastic MIN[:MAX]`: torchrun's elastic agent for either trainer -- a lost node ends its processes, the agent
 restarts the rest on the nodes left (at least MIN) from the last checkpoint, and a node back grows the group again.
+`--torchft`: torchpar's DiLoCo groups as separate launches (docs/diloco.md "torchft"): torchft's lighthouse on the
+first node, and each of the mesh's diloco groups on its share of the nodes with its own torchrun rendezvous and run
+directory, relaunched when it fails (it heals from a live group at its first meeting).
 The config and overrides are validated now, so that a typo fails here and not after hours in the queue.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 
@@ -25,6 +30,7 @@ from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.run.directory import with_run_dir
 from jaxpar.core.config.mesh_spec import check_torch_mesh, parse_mesh, resolve_sizes
+from jaxpar.core.optimizer.outer import check_torchft
 
 LAUNCHERS = {"jaxpar": ("srun", "torchrun"), "torchpar": ("srun", "torchrun", "deepspeed")}
 # torchrun's / DeepSpeed's rendezvous port on the first node, by the formula torchpar uses under srun
@@ -53,18 +59,23 @@ def parse_args(argv):
         metavar="MIN[:MAX]",
         help="nodes the run may shrink to and grow back to (MAX: --nodes); launches torchrun's agent",
     )
-    p.add_argument("--max-restarts", type=int, help="--elastic: restarts after failures (default 3)")
+    p.add_argument(
+        "--max-restarts", type=int, help="--elastic: restarts after failures (default 3); --torchft: each group's"
+    )
+    p.add_argument("--torchft", action="store_true", help="torchpar's DiLoCo groups as launches joined by torchft")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return p.parse_intermixed_args(argv)
 
 
 def check_launch(args) -> str:
     """Refuse what cannot run; return the launcher."""
-    launcher = args.launcher or ("torchrun" if args.elastic else "srun")
+    launcher = args.launcher or ("torchrun" if args.elastic or args.torchft else "srun")
     if args.elastic and launcher != "torchrun":
         raise UserError(f"--elastic runs under torchrun's agent, not --launcher {launcher}")
-    if args.max_restarts is not None and not args.elastic:
+    if args.max_restarts is not None and not (args.elastic or args.torchft):
         raise UserError("--max-restarts is --elastic's (a fixed-size job restarts by SLURM's --requeue)")
+    if args.torchft:
+        return check_torchft_launch(args, launcher)
     if launcher not in LAUNCHERS[args.framework]:
         raise UserError(
             f"--launcher {launcher} is not one for {args.framework}; choose {', '.join(LAUNCHERS[args.framework])}"
@@ -89,6 +100,23 @@ def check_launch(args) -> str:
                 for_each_shape(cfg, lambda at: check_layout(at, sizes))
         except UserError as e:
             raise UserError(f"--elastic {args.elastic}, on {nodes} node(s): {e}" if args.elastic else str(e)) from None
+    return launcher
+
+
+def check_torchft_launch(args, launcher: str) -> str:
+    """--torchft: torchpar on ddp under torchrun, diloco=G in the mesh dividing the nodes, the groups' config valid."""
+    if args.framework != "torchpar" or args.backend != "ddp" or launcher != "torchrun" or args.elastic:
+        raise UserError("--torchft launches torchpar's --backend ddp under torchrun (not --elastic)")
+    cfg = load_config(args.config, [*args.overrides, "parallel.torchft_lighthouse=head:1"])
+    mesh = parse_mesh(args.mesh or cfg.parallel.mesh or "dp=-1")
+    groups = mesh.get("diloco", 1)
+    if groups < 2 or args.nodes % groups:
+        raise UserError(
+            f"--torchft needs diloco=G (G >= 2) in --mesh, G dividing --nodes ({args.nodes}): one launch a group"
+        )
+    mesh_text = ",".join(f"{a}={n}" for a, n in mesh.items())
+    check_torch_mesh(mesh_text, "ddp", args.nodes * args.gpus_per_node)
+    check_torchft(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mesh=mesh_text)), "ddp")
     return launcher
 
 
@@ -119,6 +147,37 @@ def trainer_args(args) -> str:
     else:
         words += list(args.overrides) + ([f"parallel.mesh={args.mesh}"] if args.mesh else [])
     return " ".join(shlex.quote(w) for w in words)
+
+
+def torchft_lines(args, run_dir: str) -> list[str]:
+    """The lighthouse on the first node and one launch per group, each relaunched when it fails (--max-restarts)."""
+    cfg = load_config(args.config, [*args.overrides, "parallel.torchft_lighthouse=head:1"])
+    groups = parse_mesh(args.mesh or cfg.parallel.mesh)["diloco"]
+    nodes, restarts = args.nodes // groups, 3 if args.max_restarts is None else args.max_restarts
+    group_args = f"parallel.torchft_lighthouse=$HEAD:$((PORT + 1)) parallel.torchft_group=$1 run.dir={run_dir}/group$1"
+    return [
+        f"# torchft (docs/diloco.md): its lighthouse on the first node; {groups} DiLoCo groups of {nodes} node(s),",
+        "# each relaunched when it fails: it starts afresh and heals from a live group at its first meeting",
+        'srun --nodes=1 --ntasks=1 --nodelist="$HEAD" --overlap torchft_lighthouse --min_replicas 1 '
+        '--bind "[::]:$((PORT + 1))" &',
+        "LIGHTHOUSE=$!",
+        "group() {  # group $1 on its nodes, with its own rendezvous",
+        f'  local nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n "$(($1 * {nodes} + 1)),'
+        f'$((($1 + 1) * {nodes}))p" | paste -sd,)',
+        f"  for attempt in $(seq 0 {restarts}); do",
+        f'    srun --nodes={nodes} --ntasks-per-node=1 --nodelist="$nodes" --kill-on-bad-exit=1 torchrun '
+        f"--nnodes={nodes} --nproc_per_node={args.gpus_per_node} --rdzv_backend=c10d --rdzv_id=$SLURM_JOB_ID-$1 "
+        f'--rdzv_endpoint="${{nodes%%,*}}:$((PORT + 2 + $1))" -m torchpar.train {trainer_args(args)} {group_args} '
+        "&& return 0",
+        "  done",
+        "  return 1",
+        "}",
+        "pids=()",
+        f'for g in $(seq 0 {groups - 1}); do group "$g" & pids+=($!); done',
+        'rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done',
+        'kill "$LIGHTHOUSE" 2>/dev/null || true',
+        "exit $rc",
+    ]
 
 
 def launch_line(args, launcher: str) -> str:
@@ -165,8 +224,8 @@ def script(args, launcher: str, argv: list[str]) -> str:
         f"--partition={args.partition}",
         "--output=%x-%j.out",  # in the submit directory (exists already)
         "--signal=TERM@120",  # SIGTERM to every task 2 min before the limit: an agreed stop + checkpoint
-        "--requeue",
-    ]  # a preempted job goes back to the queue and resumes from that checkpoint
+    ] + ([] if args.torchft else ["--requeue"])  # a preempted job goes back to the queue and resumes from that
+    # checkpoint (torchft's groups do not resume from one yet)
     header += ["--no-kill"] if args.elastic else []  # a failed node does not end the job: the agents carry on
     header += [f"--account={args.account}"] if args.account else []
     return "\n".join(
@@ -187,7 +246,7 @@ def script(args, launcher: str, argv: list[str]) -> str:
             "# NCCL (docs/cluster.md): name the inter-node interface if NCCL picks a wrong one; INFO to debug a hang",
             "# export NCCL_SOCKET_IFNAME=ib0",
             "export NCCL_DEBUG=${NCCL_DEBUG:-WARN}",
-            launch_line(args, launcher),
+            *(torchft_lines(args, cfg.run.dir) if args.torchft else [launch_line(args, launcher)]),
             "",
         ]
     )

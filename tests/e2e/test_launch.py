@@ -140,6 +140,46 @@ def test_impossible_requests_are_one_line(extra, message, capsys):
     assert len(err) == 1 and message in err[0], err
 
 
+TORCHFT = ["--framework", "torchpar", "--backend", "ddp", "--torchft", "--mesh", "diloco=2,dp=4", "checkpoint.every=0"]
+
+
+def test_torchft_script_runs_the_lighthouse_and_each_group_relaunched(capsys, tmp_path):
+    """--torchft: the lighthouse on the first node, each diloco group on its node with its own rendezvous and run.dir.
+
+    Each group's launch is retried --max-restarts times (a group that fails comes back and heals); the job is not
+    requeued (torchft's groups do not resume from a checkpoint yet).
+    """
+    assert main(CLUSTER + TORCHFT + ["--max-restarts", "2"]) == 0
+    text = capsys.readouterr().out
+    (tmp_path / "job.sbatch").write_text(text)
+    parsed = subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")], capture_output=True, text=True)
+    assert parsed.returncode == 0, parsed.stderr
+    assert 'torchft_lighthouse --min_replicas 1 --bind "[::]:$((PORT + 1))" &' in text
+    assert "for attempt in $(seq 0 2); do" in text and "#SBATCH --requeue" not in text
+    assert "--nnodes=1 --nproc_per_node=4 --rdzv_backend=c10d --rdzv_id=$SLURM_JOB_ID-$1" in text
+    assert (
+        "parallel.mesh=diloco=2,dp=4 parallel.torchft_lighthouse=$HEAD:$((PORT + 1)) parallel.torchft_group=$1" in text
+    )
+    assert "run.dir=runs/torchpar/gpt2-tiny/group$1 && return 0" in text
+    assert 'for g in $(seq 0 1); do group "$g" & pids+=($!); done' in text
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--mesh", "diloco=2,dp=8"], "needs 16 processes and 8 run"),  # 2 x 8 ranks on 8 GPUs: checked as any mesh
+        (["--mesh", "dp=8"], "--torchft needs diloco=G"),
+        (["--nodes", "3", "--mesh", "diloco=2,dp=6"], "G dividing --nodes (3)"),
+        (["checkpoint.every=5"], "checkpoint.every=5"),
+        (["--launcher", "srun"], "--torchft launches torchpar's --backend ddp under torchrun"),
+    ],
+)
+def test_impossible_torchft_requests_are_one_line(extra, message, capsys):
+    assert main(CLUSTER + TORCHFT + extra) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
 # Stand-ins for SLURM's commands on one node. srun starts the step's tasks (the job's task count, or
 # --ntasks-per-node of them) with the variables srun gives each task, and fails if any task fails.
 FAKE_SRUN = """#!/bin/bash

@@ -20,7 +20,7 @@ from jaxpar.core.weights.names import read_weights
 from tests.helpers import assert_params_close, metrics, run_in_session, tiny_config, torch_command, torch_env
 from jaxpar.core.errors import UserError
 from tests.jaxpar.test_diloco import SETTINGS, reference
-from torchpar.torchft_groups import check_torchft, launch_groups
+from jaxpar.core.optimizer.outer import check_torchft, launch_groups
 
 
 @pytest.fixture
@@ -68,10 +68,10 @@ def test_torchft_groups_equal_the_reference(base, lighthouse):
 def test_a_killed_group_comes_back_and_heals_from_the_live_one(base, lighthouse):
     """Group 1 is killed after step 3 and relaunched; group 0 trains on alone, then both end with one set of weights.
 
-    Every step takes 0.5 s more (the fault hook), so that group 0 is still training when group 1 is back. The
-    relaunched group 1 starts from the initial weights, heals at its first meeting (the live group's parameters,
-    optimizer state and step) and continues from that step: both log every step to the last, and their final
-    parameters are equal.
+    Every step takes 0.5 s more (the fault hook), so that group 0 is still training when group 1 is back. Group 0
+    logs every step. The relaunched group 1 starts from the initial weights, heals at its first meeting (the live
+    group's parameters, optimizer state and step K) and continues from K: from there its learning rate is group 0's at
+    every step (the schedule follows the step), it logs to the last step, and the final parameters are equal.
     """
     address, steps = lighthouse(1), 30
     args = [*base["args"], *SETTINGS, f"train.steps={steps}"]
@@ -88,9 +88,12 @@ def test_a_killed_group_comes_back_and_heals_from_the_live_one(base, lighthouse)
         runs = [survivor.result(), back.result()]
     for out, _, _ in runs:
         assert out.returncode == 0, out.stderr[-3000:]
-    assert "torchft: group 1 healed from a live group at its step" in runs[1][0].stderr, runs[1][0].stderr[-3000:]
-    for _, run_dir, _ in runs:
-        assert max(metrics(run_dir)) == steps
+    healed = re.search(r"torchft: group 1 healed from a live group at its step (\d+)", runs[1][0].stderr)
+    assert healed, runs[1][0].stderr[-3000:]
+    k, (live, back) = int(healed.group(1)), [metrics(run_dir) for _, run_dir, _ in runs]
+    assert sorted(live) == list(range(1, steps + 1)) and 3 < k < steps
+    assert [s for s in range(k, steps + 1) if s in back] == list(range(k, steps + 1))
+    assert all(back[s]["lr"] == live[s]["lr"] for s in range(k + 1, steps + 1))
     finals = [read_weights(final) for _, _, final in runs]
     assert all(np.array_equal(finals[0][k], finals[1][k]) for k in finals[0])
 
