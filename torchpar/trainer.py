@@ -66,7 +66,7 @@ class TorchTrainer:
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.engine, self.compiled = parallelize(self.model, self.cfg, self.env, self.backend, self.deepspeed_config)
         if self.torchft is not None:  # its checkpoints say their group count (engine.save)
-            self.engine.checkpointer.groups, self.engine.outside = self.torchft[1], self.torchft
+            self.engine.checkpointer.groups = self.torchft[1]
         step = (self.engine.restore() if self.cfg.checkpoint.resume else None) or 0
         if self.torchft is not None:
             if 0 < step < self.cfg.train.steps:
@@ -130,8 +130,8 @@ class TorchTrainer:
     def _host_rows(self, data: GlobalBatches, step: int) -> torch.Tensor:
         """This rank's rows of the global batch at `step` (pipeline: every stage of a replica reads its share)."""
         share, ways, n = self.engine.data_rank, self.engine.data_ways, data.batch_size(step)
-        if data is self.train_data:  # torchft's mode: this launch's group's block (each group evaluates it all)
-            group, groups = self.engine.outside
+        if self.torchft is not None and data is self.train_data:  # this group's block (each group evaluates it all)
+            group, groups = self.torchft
             share, ways = group * ways + share, ways * groups
         return torch.from_numpy(data.rows(step, share * n // ways, (share + 1) * n // ways)).long()
 

@@ -122,7 +122,6 @@ class TorchEngine:
         self.step = 0  # updates so far: restore() sets it
         # which share of each global batch this rank reads, and how many ranks' losses make the mean
         self.data_rank, self.data_ways = env.rank, env.world
-        self.outside = (0, 1)  # torchft's mode: (this launch's group, the group count) around those ranks
 
     @property
     def local_params(self) -> int:
