@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from conftest import SLOW_S, measured_durations
+from conftest import SLOW_S, SLOW_SHARES, measured_durations
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -51,3 +51,38 @@ def test_the_slow_tier_is_the_tests_measured_slow_but_the_commits_fuzz_cases():
     assert collected(path, "-m", "slow") == slow
     default = collected(path)
     assert every_commit <= default and not default & slow and len(default) > len(every_commit)
+
+
+# CI's 40 minutes (.ci/run): about 3 for the setup and the first run and 2 for the two pytest starts leave 35; the
+# machine CI runs on has run up to 1.35x slower than the durations were measured
+CI_TEST_S = 26 * 60
+
+
+def test_ci_runs_the_default_tier_and_one_slow_share_within_its_budget():
+    """The default tier's measured time and the largest of the slow tier's SLOW_SHARES shares add to CI_TEST_S at most.
+
+    A change that breaks it makes tests faster, or raises SLOW_SHARES (each commit then runs less of the slow tier).
+    """
+    from pytest_split.algorithms import LeastDurationAlgorithm
+
+    durations = measured_durations()
+    files = [f for d in ("tests", "parity_tests") for f in glob.glob(f"{ROOT}/{d}/**/test_*.py", recursive=True)]
+    marking = [os.path.relpath(f, ROOT) for f in files if "mark.every_commit" in open(f).read()]
+    every_commit = {k for k in collected(*marking) if durations.get(k, 0.0) > SLOW_S}
+    assert every_commit, "the commit's fuzz cases, first hour and evaluation stay in the default tier"
+    slow = sorted(k for k, v in durations.items() if v > SLOW_S and k not in every_commit)
+    default_s = sum(v for k, v in durations.items() if v <= SLOW_S or k in every_commit)
+    shares = LeastDurationAlgorithm()(SLOW_SHARES, [Item(k) for k in slow], durations)
+    share_s = max(group.duration for group in shares)
+    assert "SLOW_SHARES" in open(os.path.join(ROOT, ".ci", "run")).read(), ".ci/run splits the slow tier by it"
+    assert default_s + share_s <= CI_TEST_S, (
+        f"CI's tests measure {default_s:.0f} s (default tier) + {share_s:.0f} s (the largest of {SLOW_SHARES} slow "
+        f"shares) = {(default_s + share_s) / 60:.1f} minutes, over {CI_TEST_S / 60:.0f}"
+    )
+
+
+class Item:
+    """What pytest-split's algorithms read of a test item: its node id."""
+
+    def __init__(self, nodeid: str):
+        self.nodeid = nodeid

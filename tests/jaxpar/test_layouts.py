@@ -23,6 +23,7 @@ MESHES = [
 IDS = [m + "".join(f",{e}" for e in x) for m, x in MESHES]
 
 
+@pytest.mark.every_commit  # the spine runs on every commit, whatever its tests measure (conftest.py: test tiers)
 @pytest.mark.parametrize("mesh,extra", MESHES, ids=IDS)
 def test_mesh_matches_single_device(mesh, extra, dataset, reference):
     n = math.prod(parse_mesh(mesh).values())

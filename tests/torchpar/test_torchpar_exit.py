@@ -24,6 +24,7 @@ sys.exit(rc)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names from Linux's /proc")
+@pytest.mark.every_commit  # each backend's run to a clean exit, on every commit (conftest.py: test tiers)
 @pytest.mark.parametrize("backend,extra", [("ddp", []), ("fsdp", []), ("deepspeed", ["parallel.zero_stage=3"])])
 def test_no_process_group_outlives_main(backend, extra, dataset, tmp_path):
     """When main() returns, its gloo groups are gone (their worker threads joined).
