@@ -15,6 +15,7 @@ from jaxpar.core.errors import UserError
 from jaxpar.core.data.batch_shapes import for_each_shape
 from jaxpar.core.model.experts import check_expert_axis
 from jaxpar.core.optimizer.outer import check_diloco
+from jaxpar.core.optimizer.torchft_mode import check_torchft
 from jaxpar.core.config.mesh_spec import check_torch_mesh, parse_mesh, resolve_sizes
 from jaxpar.core.pipeline.choice import resolve
 from jaxpar.core.run.resume import check_resume
@@ -23,7 +24,6 @@ from jaxpar.core.evaluation.tasks import check_eval_tasks
 from jaxpar.core.run.trackers import check_trackers
 from torchpar.diloco import layer_fragments
 from torchpar.dist import launch_env, launched
-from jaxpar.core.optimizer.outer import check_torchft
 
 
 def validate(cfg: Config, args) -> None:

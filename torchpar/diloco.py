@@ -176,25 +176,13 @@ class Groups:
             self.synced[n].grad = None
             local(self.live[n]).copy_(self.synced[n])
 
-    @contextmanager
     def synchronised(self):
         """The model holds the synchronised parameters inside; each group's own again after.
 
         FSDP2's gathered parameters are dropped at both ends (with parallel.zero_stage 1 or 2 a forward keeps them):
         the next forward gathers what the shards hold.
         """
-        kept = {n: local(p).detach().clone() for n, p in self.live.items()}
-        self._reshard()
-        with torch.no_grad():
-            for n, p in self.live.items():
-                local(p).copy_(self.synced[n])
-        try:
-            yield
-        finally:
-            self._reshard()
-            with torch.no_grad():
-                for n, p in self.live.items():
-                    local(p).copy_(kept[n])
+        return holding(self.live, self.synced, self._reshard)
 
     def _reshard(self) -> None:
         for module in self.sharded:
@@ -241,6 +229,26 @@ class Groups:
             f"{streaming}; "
             f"outer SGD lr {o.outer_lr:g}, momentum {o.outer_momentum:g}{' (Nesterov)' * o.outer_nesterov}"
         )
+
+
+@contextmanager
+def holding(params: dict, values: dict, reset=lambda: None):
+    """Each parameter of `params` holds `values`' tensor of its name inside (this rank's shards), its own after.
+
+    `reset` runs at both ends, before the copy in and before the copy back.
+    """
+    kept = {n: local(p).detach().clone() for n, p in params.items()}
+    reset()
+    with torch.no_grad():
+        for n, p in params.items():
+            local(p).copy_(values[n])
+    try:
+        yield
+    finally:
+        reset()
+        with torch.no_grad():
+            for n, p in params.items():
+                local(p).copy_(kept[n])
 
 
 def check_saved_groups(meta: dict, groups: int, path: str) -> None:

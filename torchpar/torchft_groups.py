@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import os
 import sys
-from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 
 from torchpar import dist
+from torchpar.diloco import holding
 
 
 class TorchftGroups:
@@ -88,20 +88,10 @@ class TorchftGroups:
     def after(self, step: int) -> None:
         """Nothing: torchft's DiLoCo met inside the step's optimizer step."""
 
-    @contextmanager
     def synchronised(self):
         """The model holds the last meeting's parameters inside (torchft's backup of them); its own again after."""
-        kept = {n: p.detach().clone() for n, p in self.raw.named_parameters()}
         synced = self.diloco._fragments[0].original_parameters  # torchft keeps them for its next meeting
-        with torch.no_grad():
-            for n, p in self.raw.named_parameters():
-                p.copy_(synced[n])
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for n, p in self.raw.named_parameters():
-                    p.copy_(kept[n])
+        return holding(dict(self.raw.named_parameters()), synced)
 
     def views(self, state: dict) -> dict:
         return state

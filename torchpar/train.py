@@ -25,7 +25,7 @@ from jaxpar.core.run.signals import stop_requests
 from torchpar import backends, dist
 from torchpar.checks import resolve_schedule, validate
 from torchpar.dist import launch_env
-from jaxpar.core.optimizer.outer import launch_groups
+from jaxpar.core.optimizer.torchft_mode import launch_groups
 from torchpar.trainer import TorchTrainer
 
 

@@ -30,7 +30,7 @@ from jaxpar.core.config.schema import load_config
 from jaxpar.core.errors import UserError, cli
 from jaxpar.core.run.directory import with_run_dir
 from jaxpar.core.config.mesh_spec import check_torch_mesh, parse_mesh, resolve_sizes
-from jaxpar.core.optimizer.outer import check_torchft
+from jaxpar.core.optimizer.torchft_mode import check_torchft
 
 LAUNCHERS = {"jaxpar": ("srun", "torchrun"), "torchpar": ("srun", "torchrun", "deepspeed")}
 # torchrun's / DeepSpeed's rendezvous port on the first node, by the formula torchpar uses under srun

@@ -180,22 +180,25 @@ def test_impossible_torchft_requests_are_one_line(extra, message, capsys):
     assert len(err) == 1 and message in err[0], err
 
 
-# Stand-ins for SLURM's commands on one node. srun starts the step's tasks (the job's task count, or
-# --ntasks-per-node of them) with the variables srun gives each task, and fails if any task fails.
+# Stand-ins for SLURM's commands on one machine (every node of the job is this one). srun starts the step's tasks (the
+# job's task count, --ntasks of them, or --ntasks-per-node on each of its --nodes) with the variables srun gives each
+# task, passes a TERM on to them, and fails if any task fails.
 FAKE_SRUN = """#!/bin/bash
-ntasks=$SLURM_NTASKS
+ntasks=$SLURM_NTASKS nodes=$SLURM_JOB_NUM_NODES per_node=
 while [[ $1 == --* ]]; do
-  case $1 in --ntasks-per-node=*) ntasks=$((${1#*=} * SLURM_JOB_NUM_NODES)) ;; esac
+  case $1 in --ntasks=*) ntasks=${1#*=} ;; --nodes=*) nodes=${1#*=} ;; --ntasks-per-node=*) per_node=${1#*=} ;; esac
   shift
 done
+[[ -n $per_node ]] && ntasks=$((per_node * nodes))
 export SLURM_NTASKS=$ntasks SLURM_STEP_NUM_TASKS=$ntasks SLURM_STEP_NODELIST=$SLURM_JOB_NODELIST SLURM_NODEID=0
 pids=()
+trap 'kill "${pids[@]}" 2>/dev/null' TERM  # srun passes a TERM on to its tasks
 for ((i = 0; i < ntasks; i++)); do SLURM_PROCID=$i SLURM_LOCALID=$i "$@" & pids+=($!); done
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=$?; done
 exit $rc
 """
-FAKE_SCONTROL = '#!/bin/bash\n[[ "$1 $2" == "show hostnames" ]] && echo "$3"\n'  # one node: its own name
+FAKE_SCONTROL = '#!/bin/bash\n[[ "$1 $2" == "show hostnames" ]] && echo "$3" | tr , "\\n"\n'  # a node a line
 # DeepSpeed's launcher checks that it can ssh to the hostfile's first host, then (one host) starts locally
 FAKE_SSH = '#!/bin/bash\nwhile [[ $1 == -* ]]; do [[ $1 == -o ]] && shift; shift; done\nshift\nexec bash -c "$*"\n'
 
@@ -213,21 +216,20 @@ def job_id_with_free_port(base: int, span: int) -> int:
 
 
 def slurm_job_env(text: str, bin_dir, port_base: int, port_span: int) -> dict:
-    """What sbatch gives the script on one node.
+    """What sbatch gives the script, every node of the job being this machine.
 
     The job's variables from its #SBATCH header, a job id whose port (the trainer's formula: base + id mod span) is
     free, and the stand-ins first on PATH.
     """
     nodes, per_node = (int(re.search(rf"#SBATCH --{k}=(\d+)", text).group(1)) for k in ("nodes", "ntasks-per-node"))
-    assert nodes == 1, "the stand-ins run one node"
     for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("ssh", FAKE_SSH)):
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
     env = torch_env(
         SLURM_JOB_ID=str(job_id_with_free_port(port_base, port_span)),
-        SLURM_JOB_NODELIST="localhost",
-        SLURM_JOB_NUM_NODES="1",
-        SLURM_NNODES="1",
+        SLURM_JOB_NODELIST=",".join(["localhost"] * nodes),
+        SLURM_JOB_NUM_NODES=str(nodes),
+        SLURM_NNODES=str(nodes),
         SLURM_NTASKS=str(nodes * per_node),
         SLURM_NTASKS_PER_NODE=str(per_node),
         PATH=os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), os.environ["PATH"]]),
@@ -313,3 +315,25 @@ def test_script_trains_on_two_processes(launcher, backend, mesh, ports, started,
         saved = json.load(f)
     recorded = "dp=2" if mesh == "dp=-1" else mesh  # jaxpar's elastic axis, resolved on two processes
     assert recorded in (saved["parallel"]["mesh"], saved.get("resolved_mesh"))  # torchpar's key, jaxpar's record
+
+
+def test_the_torchft_script_trains_each_group_beside_the_lighthouse(dataset, tmp_path, capsys):
+    """--torchft's script, run by bash under the stand-ins as a 2-node job, trains both groups to the end and exits 0.
+
+    The lighthouse starts on the first node, each group (one rank) in its own torchrun launch on its node and run
+    directory joins it, and both meet every 2 steps to the last.
+    """
+    run_dir = tmp_path / "run"
+    mode = ["--torchft", "--mesh", "diloco=2,dp=1", "checkpoint.every=0", "parallel.diloco_inner_steps=2"]
+    cluster = ["--nodes", "2", "--gpus-per-node", "1", "--time", "00:10:00", "--partition", "cpu"]
+    settings = [*TINY, "train.steps=4", f"data.dataset={dataset}", f"run.dir={run_dir}"]
+    assert main(["--framework", "torchpar", "--backend", "ddp", *cluster, *mode, *settings]) == 0
+    text = capsys.readouterr().out
+    (tmp_path / "job.sbatch").write_text(text)
+    (tmp_path / "bin").mkdir()
+    env = slurm_job_env(text, tmp_path / "bin", *TORCH_PORT)
+    r = run_in_session(["bash", "-c", f"cd {shlex.quote(str(tmp_path))} && exec bash job.sbatch"], env, 300, "the job")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for g in (0, 1):
+        assert f"DiLoCo with torchft: group {g} of 2 (1 rank), lighthouse localhost:" in r.stdout + r.stderr
+        assert sorted(metrics(run_dir / f"group{g}")) == [1, 2, 3, 4]

@@ -132,3 +132,26 @@ def test_a_resume_refuses_new_initial_weights_it_would_not_read(tmp_path):
     )
     check_resume(tiny_config(f"run.dir={tmp_path}", "model.init_from=w.safetensors"))  # unchanged
     check_resume(tiny_config(f"run.dir={tmp_path}"))  # dropped: the legs of a run after its first
+
+
+def test_a_key_newer_than_the_runs_config_is_compared_with_its_default(tmp_path, capsys):
+    """A run whose config.json was written before a key existed had the key's default.
+
+    Resuming it with another value of a model key is refused in one line; with another value of a free key, it resumes
+    and says what changed; with the defaults, nothing changed.
+    """
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+    saved = tiny_config(f"run.dir={tmp_path}").to_dict()
+    before = {
+        **saved,
+        "model": {k: v for k, v in saved["model"].items() if k != "qk_norm"},
+        "train": {k: v for k, v in saved["train"].items() if k != "straggler_threshold"},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(before))
+    check_resume(tiny_config(f"run.dir={tmp_path}"))
+    assert "resuming with" not in capsys.readouterr().out
+    with pytest.raises(UserError, match=r"model.qk_norm: False -> True") as e:
+        check_resume(tiny_config(f"run.dir={tmp_path}", "model.qk_norm=true"))
+    assert "\n" not in str(e.value)
+    check_resume(tiny_config(f"run.dir={tmp_path}", "train.straggler_threshold=0.5"))
+    assert capsys.readouterr().out == "resuming with train.straggler_threshold changed: 0.2 -> 0.5\n"

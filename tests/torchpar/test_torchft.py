@@ -20,7 +20,7 @@ from jaxpar.core.weights.names import read_weights
 from tests.helpers import assert_params_close, metrics, run_in_session, tiny_config, torch_command, torch_env
 from jaxpar.core.errors import UserError
 from tests.jaxpar.test_diloco import SETTINGS, reference
-from jaxpar.core.optimizer.outer import check_torchft, launch_groups
+from jaxpar.core.optimizer.torchft_mode import check_torchft, launch_groups
 
 
 @pytest.fixture

@@ -98,8 +98,8 @@ def check_resume(cfg: Config, is_main: bool = True) -> None:
             "(its content hash differs); resume with that tokenizer, or use a new run.dir"
         )
     now = _flat(cfg.to_dict())
-    # a fixed key newer than the run's config.json: the run had its default
-    saved.update({k: v for k, v in _flat(Config().to_dict()).items() if k in _FIXED and k not in saved})
+    # a key newer than the run's config.json: the run had its default
+    saved.update({k: v for k, v in _flat(Config().to_dict()).items() if k not in saved})
     changed = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
     # a step-0 run written by `jaxpar.tools.convert` has read no data yet: only its model (and optimizer) must match
     fixed = [
