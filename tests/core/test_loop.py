@@ -91,3 +91,29 @@ def test_records_say_how_much_of_a_step_was_waiting_for_data(tmp_path):
     for r in records:
         assert 0.6 < r["data_wait_share"] < 0.95, r  # (60 - 10) / 60 ms, less with the loop's own overhead
         assert r["memory_in_use_gib"] == 1.5 and r["memory_gib"] == 2.0
+
+
+class Healing(OneProcess):
+    """torchft's heal: after its third step the loop continues from step 6, a live group's."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def rejoined_at(self):
+        self.calls += 1
+        return 6 if self.calls == 3 else None
+
+
+def test_a_heal_ahead_counts_only_the_steps_run(tmp_path):
+    """The steps a heal jumps over are not counted as trained: a record's step time is a step's, not a share of one."""
+    cfg = tiny_config(
+        "train.steps=8", "train.log_every=1", "train.eval_every=0", "checkpoint.every=0", f"run.dir={tmp_path}"
+    )
+    fw = SleepyTrainer()
+    fw.processes, fw.evaluate = Healing(), lambda batches: 0.0
+    log = MetricsLog(str(tmp_path), True, 8)
+    assert train_loop(cfg, fw, 0, log, stop={}) == 8
+    log.close()
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [1, 2, 6, 7, 8]
+    assert all(r["step_time_s"] > 0.04 for r in records), records  # 60 ms a step; 15 ms if 4 were counted

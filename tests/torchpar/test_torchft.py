@@ -125,3 +125,23 @@ def test_jaxpar_refuses_torchft_in_one_line():
     with pytest.raises(UserError, match="parallel.torchft_lighthouse") as e:
         check_contract(Run(cfg, "jaxpar", "", {"diloco": 2}))
     assert "\n" not in str(e.value)
+
+
+def test_a_groups_throughput_counts_its_own_block_of_the_batch():
+    """A torchft group's tokens/s and MFU count the tokens it trains: its block, 1/G of each global batch."""
+    from jaxpar.core.model.flops import flops_per_token
+    from jaxpar.core.run.hooks import Throughput
+
+    one_launch = tiny_config("parallel.mesh=diloco=2,dp=2")
+    group = tiny_config(
+        "parallel.mesh=diloco=2,dp=2", "parallel.torchft_lighthouse=localhost:29510", "checkpoint.every=0"
+    )
+    per_step = {}
+    for name, cfg in (("one launch", one_launch), ("group", group)):
+        meter = Throughput(cfg, flops_per_token(cfg.model, cfg.data.seq_len), 1.0)
+        meter.restart(0, 0.0)
+        r = meter.record(3, 0.0)
+        per_step[name] = (r["tokens_per_sec"] * r["step_time_s"], r["mfu"] / r["tokens_per_sec"])
+    assert per_step["one launch"][0] == pytest.approx(one_launch.train.global_batch_size * one_launch.data.seq_len)
+    assert per_step["group"][0] == pytest.approx(per_step["one launch"][0] / 2)
+    assert per_step["group"][1] == pytest.approx(per_step["one launch"][1])  # the same FLOPs per token

@@ -19,6 +19,7 @@ from jaxpar.core.config.consistency import profile_window
 from jaxpar.core.errors import UserError
 from jaxpar.core.run.faults import FaultInjector
 from jaxpar.core.model.flops import flops_per_token as flops_at
+from jaxpar.core.optimizer.torchft_mode import launch_groups
 from jaxpar.core.run.metrics import MetricsLog
 from jaxpar.core.data.rampup import BatchSizes
 from jaxpar.core.run.stragglers import CommShare, Stragglers
@@ -62,7 +63,8 @@ def read_finite(trainer, pending: list, saved: int | None, min_scale: float) -> 
 class Throughput:
     """Tokens per second, step time, MFU and the share of time spent waiting for data.
 
-    Measured over the training steps since the last record (evaluation, samples and saves are not counted).
+    Measured over the training steps since the last record (evaluation, samples and saves are not counted), on the
+    tokens this launch trains.
     """
 
     def __init__(self, cfg: Config, flops_per_token: float, peak_flops_total: float | None, data=None):
@@ -72,6 +74,8 @@ class Throughput:
         self.rows = data.batch_size if data is not None else sizes.size
         self.padding = data.padding if data is not None and data.masked else None
         self.varies, self.peak = len(batch_shapes(cfg)) > 1, peak_flops_total
+        # torchft's mode: this launch is one of the groups, and trains its group's block of each global batch alone
+        self.share = 1 / launch_groups(cfg)[1][1] if cfg.parallel.torchft_lighthouse else 1.0
         if data is not None and cfg.data.batching == "buckets":  # attention's FLOPs grow with each bucket's length
             per_token = {T: flops_at(cfg.model, T) for _, T in batch_shapes(cfg)}
             self.flops = lambda k: self.tokens(k) * per_token[data.shape(k)[1] - 1]
@@ -87,7 +91,7 @@ class Throughput:
         extra = {"batch_size": self.rows(step - 1)} if self.varies else {}  # the last step's
         if self.padding is not None:  # padded rows: tokens/s and MFU count the real tokens alone
             extra["padding_share"] = sum(map(self.padding, steps)) / (tokens + sum(map(self.rows, steps)))
-        real = 1 - extra.get("padding_share", 0.0)
+        real = (1 - extra.get("padding_share", 0.0)) * self.share
         flops = sum(map(self.flops, steps)) * real / elapsed
         return {
             **extra,
@@ -110,7 +114,7 @@ class Progress:
     def __init__(self, cfg: Config, trainer, step: int):
         self.trainer, self.min_scale, self.saved = trainer, cfg.optim.loss_scale_min, None
         self.pending, self.latest, self.current, self.busy = [], {}, None, False
-        self.blocked, self.handed = 0.0, None
+        self.blocked, self.handed, self.ran = 0.0, None, step
         self.extra = trainer.probes.record_extra()
         self.meter = Throughput(
             cfg, flops_at(cfg.model, cfg.data.seq_len), trainer.probes.peak_flops(), trainer.train_data
@@ -127,7 +131,7 @@ class Progress:
         if self.handed is not None:  # StepClock: the trainer had the step since then
             self.blocked += time.perf_counter() - self.handed
         self.pending.append((step, handle))
-        self.current, self.busy, self.handed = None, False, None
+        self.current, self.busy, self.handed, self.ran = None, False, None, step
 
     def metrics(self) -> dict:
         """The newest step's metrics, every step run so far checked to be finite."""
@@ -144,7 +148,7 @@ class Progress:
             self.current = {
                 "step": step,
                 **self.metrics(),
-                **self.meter.record(step, probes.data_wait_s()),
+                **self.meter.record(self.ran, probes.data_wait_s()),  # the steps run (torchft's heal jumps ahead)
                 **probes.memory(),
                 **self.extra,
             }
@@ -152,8 +156,8 @@ class Progress:
         return self.current
 
     def step_done(self, step: int) -> None:
-        """Time spent on records and samples is not training time: the meter starts again after it."""
-        if self.busy:
+        """Time spent on records and samples is not training time: the meter starts again after it (and a heal's)."""
+        if self.busy or step != self.ran:
             self.restart(step)
 
 
