@@ -238,11 +238,11 @@ def holding(params: dict, values: dict, reset=lambda: None):
     `reset` runs at both ends, before the copy in and before the copy back.
     """
     kept = {n: local(p).detach().clone() for n, p in params.items()}
-    reset()
-    with torch.no_grad():
-        for n, p in params.items():
-            local(p).copy_(values[n])
     try:
+        reset()
+        with torch.no_grad():
+            for n, p in params.items():
+                local(p).copy_(values[n])
         yield
     finally:
         reset()

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import SLOW_S, SLOW_SHARES, measured_durations
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,6 +39,7 @@ def collected(*args) -> set[str]:
     return {line for line in out.stdout.splitlines() if "::" in line}
 
 
+@pytest.mark.every_commit  # the tiers' own checks, however long they measure
 def test_the_slow_tier_is_the_tests_measured_slow_but_the_commits_fuzz_cases():
     """`-m slow` collects the measured-slow tests, while the commit's fuzz cases stay in the default tier.
 
@@ -60,6 +63,7 @@ def test_the_slow_tier_is_the_tests_measured_slow_but_the_commits_fuzz_cases():
 CI_BUDGET_S, SETUP_S, DEFAULT_PER_MEASURED, SHARE_PER_MEASURED = 36 * 60, 140, 1.5, 1.1
 
 
+@pytest.mark.every_commit
 def test_ci_runs_the_default_tier_and_one_slow_share_within_its_budget():
     """The setup, the default tier and the largest of the slow tier's SLOW_SHARES shares take CI_BUDGET_S at most.
 
@@ -71,7 +75,7 @@ def test_ci_runs_the_default_tier_and_one_slow_share_within_its_budget():
     files = [f for d in ("tests", "parity_tests") for f in glob.glob(f"{ROOT}/{d}/**/test_*.py", recursive=True)]
     marking = [os.path.relpath(f, ROOT) for f in files if "mark.every_commit" in open(f).read()]
     every_commit = {k for k in collected(*marking) if durations.get(k, 0.0) > SLOW_S}
-    assert every_commit, "the commit's fuzz cases, first hour and evaluation stay in the default tier"
+    assert every_commit, "the every_commit tests (the commit's fuzz cases, the spine, ...) stay in the default tier"
     slow = sorted(k for k, v in durations.items() if v > SLOW_S and k not in every_commit)
     default_s = sum(v for k, v in durations.items() if v <= SLOW_S or k in every_commit) * DEFAULT_PER_MEASURED
     shares = LeastDurationAlgorithm()(SLOW_SHARES, [Item(k) for k in slow], durations)

@@ -4,6 +4,7 @@ The torchpar scripts, run under stand-ins for srun and scontrol on one machine, 
 requests are one line.
 """
 
+import contextlib
 import json
 import os
 import random
@@ -203,19 +204,20 @@ FAKE_SCONTROL = '#!/bin/bash\n[[ "$1 $2" == "show hostnames" ]] && echo "$3" | t
 FAKE_SSH = '#!/bin/bash\nwhile [[ $1 == -* ]]; do [[ $1 == -o ]] && shift; shift; done\nshift\nexec bash -c "$*"\n'
 
 
-def job_id_with_free_port(base: int, span: int) -> int:
-    """A SLURM job id whose rendezvous port, base + id mod span, is free now."""
-    for job_id in random.sample(range(span), span):
-        with socket.socket() as s:
+def job_id_with_free_port(base: int, span: int, ports: int = 1) -> int:
+    """A SLURM job id whose rendezvous port, base + id mod span, and the `ports - 1` after it are free now."""
+    for job_id in random.sample(range(span - ports + 1), span - ports + 1):
+        with contextlib.ExitStack() as held:
             try:
-                s.bind(("", base + job_id))
+                for port in range(base + job_id, base + job_id + ports):
+                    held.enter_context(socket.socket()).bind(("", port))
                 return job_id
             except OSError:
                 continue
-    pytest.fail(f"no free port in {base}..{base + span - 1}")
+    pytest.fail(f"no {ports} free ports in a row in {base}..{base + span - 1}")
 
 
-def slurm_job_env(text: str, bin_dir, port_base: int, port_span: int) -> dict:
+def slurm_job_env(text: str, bin_dir, port_base: int, port_span: int, ports: int = 1) -> dict:
     """What sbatch gives the script, every node of the job being this machine.
 
     The job's variables from its #SBATCH header, a job id whose port (the trainer's formula: base + id mod span) is
@@ -226,7 +228,7 @@ def slurm_job_env(text: str, bin_dir, port_base: int, port_span: int) -> dict:
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
     env = torch_env(
-        SLURM_JOB_ID=str(job_id_with_free_port(port_base, port_span)),
+        SLURM_JOB_ID=str(job_id_with_free_port(port_base, port_span, ports)),
         SLURM_JOB_NODELIST=",".join(["localhost"] * nodes),
         SLURM_JOB_NUM_NODES=str(nodes),
         SLURM_NNODES=str(nodes),
@@ -331,7 +333,7 @@ def test_the_torchft_script_trains_each_group_beside_the_lighthouse(dataset, tmp
     text = capsys.readouterr().out
     (tmp_path / "job.sbatch").write_text(text)
     (tmp_path / "bin").mkdir()
-    env = slurm_job_env(text, tmp_path / "bin", *TORCH_PORT)
+    env = slurm_job_env(text, tmp_path / "bin", *TORCH_PORT, ports=4)  # the rendezvous', the lighthouse's, 2 groups'
     r = run_in_session(["bash", "-c", f"cd {shlex.quote(str(tmp_path))} && exec bash job.sbatch"], env, 300, "the job")
     assert r.returncode == 0, r.stderr[-3000:]
     for g in (0, 1):

@@ -407,7 +407,7 @@ REMOVED = {"model.dropout": (0.0, "model.dropout was removed: no trainer ever ap
 RETYPED = {"optim.fused": {False: "auto", True: "on"}}
 
 
-def _saved(dotted: str, value: Any) -> Any:
+def saved_value(dotted: str, value: Any) -> Any:
     """A run's config.json value as today's schema reads it (RETYPED)."""
     return RETYPED.get(dotted, {}).get(value, value) if isinstance(value, bool) else value
 
@@ -457,7 +457,9 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             if not isinstance(values, dict):
                 raise UserError(f"config section {section!r} in {path} must be a mapping")
             for key, value in values.items():
-                _set(cfg, f"{section}.{key}", _saved(f"{section}.{key}", value) if path.endswith(".json") else value)
+                _set(
+                    cfg, f"{section}.{key}", saved_value(f"{section}.{key}", value) if path.endswith(".json") else value
+                )
     for item in overrides or []:
         dotted, eq, value = item.partition("=")
         if not eq or "." not in dotted:
@@ -479,7 +481,7 @@ def config_from_dict(d: dict) -> Config:
     for section, values in d.items():
         for key, value in values.items():
             if REMOVED.get(f"{section}.{key}", (None,))[0] != value:  # a removed key at its "off" value: nothing lost
-                _set(cfg, f"{section}.{key}", _saved(f"{section}.{key}", value))
+                _set(cfg, f"{section}.{key}", saved_value(f"{section}.{key}", value))
     check_consistency(cfg)
     return cfg
 

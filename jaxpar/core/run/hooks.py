@@ -75,6 +75,7 @@ class Throughput:
         self.padding = data.padding if data is not None and data.masked else None
         self.varies, self.peak = len(batch_shapes(cfg)) > 1, peak_flops_total
         # torchft's mode: this launch is one of the groups, and trains its group's block of each global batch alone
+        # (cfg is the run's config, whose mesh names every group; the trainer's own has the diloco axis left out)
         self.share = 1 / launch_groups(cfg)[1][1] if cfg.parallel.torchft_lighthouse else 1.0
         if data is not None and cfg.data.batching == "buckets":  # attention's FLOPs grow with each bucket's length
             per_token = {T: flops_at(cfg.model, T) for _, T in batch_shapes(cfg)}

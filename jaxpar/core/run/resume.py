@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from jaxpar.core.config.schema import Config, config_from_dict
+from jaxpar.core.config.schema import Config, config_from_dict, saved_value
 from jaxpar.core.errors import UserError, check_output_dir
 from jaxpar.core.optimizer.lr_schedule import lr_at
 from jaxpar.core.run.directory import holds_run, step_dirs
@@ -90,7 +90,7 @@ def check_resume(cfg: Config, is_main: bool = True) -> None:
             record = json.load(f)
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read {path} to check the resumed run against it: {e}") from None
-    saved = _flat(record)
+    saved = {k: saved_value(k, v) for k, v in _flat(record).items()}
     old_hash, new_hash = record.get("tokenizer_sha256"), fingerprints(cfg).get("tokenizer_sha256")
     if old_hash and new_hash and old_hash != new_hash:
         raise UserError(
@@ -98,9 +98,9 @@ def check_resume(cfg: Config, is_main: bool = True) -> None:
             "(its content hash differs); resume with that tokenizer, or use a new run.dir"
         )
     now = _flat(cfg.to_dict())
-    # a key newer than the run's config.json: the run had its default
-    saved.update({k: v for k, v in _flat(Config().to_dict()).items() if k not in saved})
-    changed = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
+    # a key newer than the run's config.json: the run had its default (a default changed since would be misread)
+    saved = {**_flat(Config().to_dict()), **saved}
+    changed = {k: (saved[k], v) for k, v in now.items() if saved[k] != v}
     # a step-0 run written by `jaxpar.tools.convert` has read no data yet: only its model (and optimizer) must match
     fixed = [
         k for k in changed if must_match(k) and (k.startswith(("model.", "optim.")) or "converted_from" not in record)
@@ -158,11 +158,10 @@ def schedule_change(cfg: Config, step: int) -> str | None:
             saved = _flat(json.load(f))
     except (OSError, ValueError):
         return None
-    old = copy.deepcopy(cfg)
-    for key in SCHEDULE_KEYS:
-        if key in saved:
-            section, _, name = key.partition(".")
-            setattr(getattr(old, section), name, saved[key])
+    old, defaults = copy.deepcopy(cfg), _flat(Config().to_dict())
+    for key in SCHEDULE_KEYS:  # a key newer than the file: the run had its default
+        section, _, name = key.partition(".")
+        setattr(getattr(old, section), name, saved.get(key, defaults[key]))
     return schedule_change_line(old, cfg, step)
 
 
