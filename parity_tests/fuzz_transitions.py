@@ -251,7 +251,22 @@ DOCUMENTED_TRANSITION_REFUSALS = (
         "or 2; 3)",
         lambda t: t.first.backend == t.then.backend == "deepspeed" and _layout(t.first) != _layout(t.then),
     ),
+    (
+        "docs/diloco.md 'Not yet': a DiLoCo training state does not convert between frameworks",
+        lambda t: t.first.side != t.then.side and _groups(t.first) > 1,
+    ),
+    (
+        "docs/diloco.md 'Checkpoints and resuming': a resume on another number of groups is refused",
+        lambda t: _groups(t.first) != _groups(t.then),
+    ),
 )
+
+
+def _groups(case: Case) -> int:
+    """The case's number of DiLoCo groups (1: none)."""
+    mesh = case.layout if case.side == "jax" else case.get("parallel.mesh") or ""
+    sizes = dict(axis.split("=") for axis in mesh.split(",") if "=" in axis)
+    return int(sizes.get("diloco", 1))
 
 
 def _layout(case: Case) -> str:

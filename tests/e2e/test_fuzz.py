@@ -198,6 +198,11 @@ def test_transition_draws_are_valid_and_cover_every_change():
     assert not refusal_of(Transition.parse(stages.format(1, 4, 2))) and not refusal_of(
         Transition.parse(stages.format(0, 4, 0))
     )
+    groups = "torch fsdp:2 parallel.mesh=diloco=2 | 1 | {}"  # docs/diloco.md: across frameworks, or other groups
+    assert refusal_of(Transition.parse(groups.format("jax tp=2"))) and refusal_of(
+        Transition.parse(groups.format("torch fsdp:2"))
+    )
+    assert not refusal_of(Transition.parse(groups.format("torch fsdp:4 parallel.mesh=diloco=2")))
 
 
 def test_a_transition_that_ignores_its_change_differs(fuzzer):
