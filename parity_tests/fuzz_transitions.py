@@ -264,9 +264,9 @@ DOCUMENTED_TRANSITION_REFUSALS = (
 
 def _groups(case: Case) -> int:
     """The case's number of DiLoCo groups (1: none)."""
-    mesh = case.layout if case.side == "jax" else case.get("parallel.mesh") or ""
-    sizes = dict(axis.split("=") for axis in mesh.split(",") if "=" in axis)
-    return int(sizes.get("diloco", 1))
+    from jaxpar.core.config.mesh_spec import parse_mesh  # deferred: as the module's other jaxpar imports
+
+    return parse_mesh(case.layout if case.side == "jax" else case.get("parallel.mesh")).get("diloco", 1)
 
 
 def _layout(case: Case) -> str:
