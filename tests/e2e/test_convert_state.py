@@ -125,6 +125,21 @@ def test_torchpar_to_jaxpar(data, tmp_path):
     assert_continues(metrics(moved), metrics(full))
 
 
+def test_the_experts_balance_bias_moves_with_its_run(data, tmp_path):
+    """torchpar with model.moe_bias_update 1-10 -> jaxpar 11-20, as the uninterrupted torchpar run.
+
+    The balance bias has no gradient: torch keeps no optimizer state for it, jaxpar zero moments (CI of d471938: the
+    export read the state torch never made).
+    """
+    full, half, moved = tmp_path / "full", tmp_path / "half", tmp_path / "moved"
+    args = [*TINY, f"data.dataset={data}", *ARGS, "model.moe_experts=4", "model.moe_bias_update=0.01"]
+    torchpar(["--backend", "none", *args, f"run.dir={full}"], nproc=0)
+    torchpar(["--backend", "none", *args, f"run.dir={half}"], nproc=0, TORCHPAR_FAULT_SIGTERM_AFTER_STEP="10")
+    convert("jaxpar.tools.convert", "--from", "torchpar", str(half), "--to", "jaxpar", str(moved))
+    jaxpar_resumes(moved, "dp=1")
+    assert_continues(metrics(moved), metrics(full))
+
+
 def test_a_float16_run_keeps_its_loss_scale_and_skipped_count(data, tmp_path):
     """jaxpar float16 (the scale grows every 3 clean steps, and backs off on overflows) -> torchpar.
 

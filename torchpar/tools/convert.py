@@ -54,6 +54,8 @@ def import_state(src: str, run_dir: str) -> int:
     engine.raw.load_state_dict(from_shared(tensors["param"], n))
     m, v = from_shared({**tensors["adam_m"], **tensors.get("muon_m", {})}, n), from_shared(tensors["adam_v"], n)
     for name, p in engine.raw.named_parameters():  # torch's AdamW and Muon states: the same moments and counts
+        if not p.requires_grad:  # the experts' balance bias: no state in torch (_optimizer_state)
+            continue
         if name in v:  # AdamW's
             state = {"step": meta["adam_step"], "exp_avg": m[name], "exp_avg_sq": v[name]}
         else:  # one of Muon's matrices (optim.name=muon)
@@ -216,6 +218,20 @@ def export_weights(run_dir: str, dst: str) -> int:
     return int(meta["data_step"])
 
 
+def _optimizer_state(engine) -> dict:
+    """Each parameter's optimizer state by name.
+
+    A parameter no gradient moves (model.moe_bias_update's balance bias, requires_grad False) has none in torch; the
+    state file holds jaxpar's for it, Adam's zero moments (its gradient is stopped there, so they stay zero).
+    """
+    return {
+        name: engine.optimizer.state[p]
+        if p.requires_grad
+        else {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        for name, p in engine.raw.named_parameters()
+    }
+
+
 def export_state(run_dir: str, dst: str) -> int:
     cfg = read_run_config(run_dir)
     refuse_other_optimizer(cfg, run_dir)
@@ -228,7 +244,7 @@ def export_state(run_dir: str, dst: str) -> int:
     meta = engine.checkpointer.restore()
     if meta is None:
         raise UserError(f"no checkpoint in {run_dir}/checkpoints")
-    n, state = cfg.model.n_layer, {name: engine.optimizer.state[p] for name, p in engine.raw.named_parameters()}
+    n, state = cfg.model.n_layer, _optimizer_state(engine)
     adam = {name: s for name, s in state.items() if "exp_avg" in s}
     muon = {name: s for name, s in state.items() if "momentum_buffer" in s}  # Muon's matrices (optim.name=muon)
     first = to_shared({name: s["exp_avg"] if name in adam else s["momentum_buffer"] for name, s in state.items()}, n)
@@ -249,7 +265,7 @@ def export_state(run_dir: str, dst: str) -> int:
         state_meta(
             cfg,
             meta["data_step"],
-            next(iter(adam.values()))["step"],
+            next(s["step"] for s in adam.values() if "step" in s),
             run_dir,
             loss_scale,
             next(iter(muon.values()))["step"] if muon else None,
