@@ -130,12 +130,29 @@ def check_forced_count(sizes: dict[str, int], forced: int, processes: int) -> in
     return total
 
 
+POOL_THREADS_PER_DEVICE = 4  # XLA:CPU's pool for simulated devices (PJRT_NPROC): size_cpu_pool
+MAX_POOL_THREADS = 256
+
+
+def size_cpu_pool(devices: int) -> None:
+    """Give XLA:CPU's thread pool POOL_THREADS_PER_DEVICE threads per simulated device, where the user set no size.
+
+    XLA:CPU runs a program's independent operations on one pool that all of a process's simulated devices share,
+    sized by the cores (PJRT_NPROC overrides). A collective there blocks its thread until every device of its group
+    arrives; with more devices than cores, the collectives waiting can hold every thread while a device's other
+    collective, the one its peers wait on, sits queued behind them: a deadlock XLA aborts after 40 s
+    (docs/fuzz.md, seed 3664021601).
+    """
+    threads = min(MAX_POOL_THREADS, max(os.cpu_count() or 1, POOL_THREADS_PER_DEVICE * devices))
+    os.environ.setdefault("PJRT_NPROC", str(threads))
+
+
 def setup_devices(sizes: dict[str, int], peer_timeout_s: float | None = None) -> None:
     """Before jax starts: XLA's GPU options on a GPU.
 
     Simulate the mesh's devices on CPU if no accelerator (as many as JAXPAR_CPU_DEVICES or XLA_FLAGS's device count
-    says, where set; else the mesh's); join processes (the coordination service's heartbeat and shutdown timeouts
-    sit above run.peer_timeout_s: core/run/peers.py).
+    says, where set; else the mesh's), with threads for their collectives (size_cpu_pool); join processes (the
+    coordination service's heartbeat and shutdown timeouts sit above run.peer_timeout_s: core/run/peers.py).
     """
     import jax  # deferred: jax (~1 s): command lines import this before parsing
 
@@ -161,6 +178,7 @@ def setup_devices(sizes: dict[str, int], peer_timeout_s: float | None = None) ->
             raise UserError(f"{total} simulated CPU devices cannot be split over {nproc} processes")
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", total // nproc)
+        size_cpu_pool(total // nproc)
         if dist is not None:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if dist is not None:

@@ -6,7 +6,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
+from jaxpar.mesh import size_cpu_pool  # noqa: E402
+
 jax.config.update("jax_num_cpu_devices", 8)
+size_cpu_pool(8)  # as the trainer does for its simulated devices
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import signal  # noqa: E402

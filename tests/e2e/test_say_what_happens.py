@@ -95,3 +95,33 @@ def test_a_fill_axis_takes_the_count_xla_flags_sets():
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
     )
     assert r.returncode == 0 and r.stdout.split() == ["2"], r.stdout + r.stderr[-3000:]
+
+
+POOL_CODE = """
+from jaxpar.mesh import setup_devices; setup_devices({'dp': 4})
+import collections, glob, os, jax
+jax.numpy.ones(3).sum().block_until_ready()
+names = collections.Counter(open(t).read().strip() for t in glob.glob('/proc/self/task/*/comm'))
+print(os.environ.get('PJRT_NPROC'), names['tf_XLAEigen'])
+"""
+
+
+@pytest.mark.parametrize("users", [None, "3"])
+def test_xla_cpu_pool_grows_with_the_simulated_devices(users):
+    """4 simulated devices: XLA:CPU's pool has 4 threads per device (not one per core); a PJRT_NPROC the user set stays.
+
+    With one per core, collectives waiting for their peers held every thread of a 2-core machine while a peer's
+    collective sat queued: a deadlock (jaxpar/mesh.py size_cpu_pool).
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "JAXPAR_CPU_DEVICES", "XLA_FLAGS")}
+    env.update({"JAX_PLATFORMS": "cpu", **({"PJRT_NPROC": users} if users else {})})
+    r = subprocess.run(
+        [sys.executable, "-c", POOL_CODE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    setting, threads = r.stdout.split()
+    expected = max(os.cpu_count() or 1, 16)
+    if users:
+        assert setting == users and int(threads) < expected, r.stdout
+    else:
+        assert setting == str(expected) and int(threads) == expected, r.stdout
