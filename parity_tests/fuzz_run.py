@@ -321,8 +321,11 @@ def setup_jax() -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
+    from jaxpar.mesh import size_cpu_pool
+
     try:
         jax.config.update("jax_num_cpu_devices", 8)
+        size_cpu_pool(8)  # as the trainer does for its simulated devices
     except RuntimeError:  # the backend is up (pytest's conftest set the same)
         pass
     jax.config.update("jax_default_matmul_precision", "highest")
