@@ -140,8 +140,7 @@ def size_cpu_pool(devices: int) -> None:
     XLA:CPU runs a program's independent operations on one pool that all of a process's simulated devices share,
     sized by the cores (PJRT_NPROC overrides). A collective there blocks its thread until every device of its group
     arrives; with more devices than cores, the collectives waiting can hold every thread while a device's other
-    collective, the one its peers wait on, sits queued behind them: a deadlock XLA aborts after 40 s
-    (docs/fuzz.md, seed 3664021601).
+    collective, the one its peers wait on, sits queued behind them: a deadlock XLA aborts after 40 s (docs/fuzz.md).
     """
     threads = min(MAX_POOL_THREADS, max(os.cpu_count() or 1, POOL_THREADS_PER_DEVICE * devices))
     os.environ.setdefault("PJRT_NPROC", str(threads))

@@ -128,8 +128,8 @@ def test_torchpar_to_jaxpar(data, tmp_path):
 def test_the_experts_balance_bias_moves_with_its_run(data, tmp_path):
     """torchpar with model.moe_bias_update 1-10 -> jaxpar 11-20, as the uninterrupted torchpar run.
 
-    The balance bias has no gradient: torch keeps no optimizer state for it, jaxpar zero moments (CI of d471938: the
-    export read the state torch never made).
+    The balance bias has no gradient: torch keeps no optimizer state for it, jaxpar zero moments, and the state file
+    holds jaxpar's.
     """
     full, half, moved = tmp_path / "full", tmp_path / "half", tmp_path / "moved"
     args = [*TINY, f"data.dataset={data}", *ARGS, "model.moe_experts=4", "model.moe_bias_update=0.01"]
