@@ -45,7 +45,7 @@ DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "d
 SLOW_S = 3.0
 # CI runs one of this many shares of the slow tier (pytest-split's least_duration groups, balanced by the durations);
 # tests/core/test_tiers.py holds the default tier and the largest share to CI's budget
-SLOW_SHARES = 14
+SLOW_SHARES = 18
 
 
 def measured_durations() -> dict:
