@@ -304,21 +304,27 @@ def run_transition(fuzzer, t: Transition):
 
 
 def _reference(fuzzer, t: Transition):
-    from parity_tests.fuzz_run import Trajectory, reference_settings
+    """One device's switched run; with DiLoCo's groups, a device per group, as a fresh case's reference.
+
+    Both legs have the same groups here: a resume on another number of groups is refused (docs/diloco.md).
+    """
+    from jaxpar.core.config.mesh_spec import parse_mesh
+    from parity_tests.fuzz_run import Trajectory, reference_mesh, reference_settings
     from tests.helpers import run_steps
 
     import jax
 
-    key = (tuple(reference_settings(t.first)), t.at, tuple(reference_settings(t.then)))
+    mesh = reference_mesh(t.first)
+    key = (tuple(reference_settings(t.first)), t.at, tuple(reference_settings(t.then)), mesh)
     if key not in fuzzer.references:
         cfg_a, cfg_b = fuzzer.config(key[0]), fuzzer.config(key[2])
+        devices = jax.devices()[: parse_mesh(mesh).get("diloco", 1)]
         try:
-            out = run_steps(cfg_a, "dp=1", fuzzer.dataset, devices=jax.devices()[:1], then=(t.at, cfg_b))
+            out = run_steps(cfg_a, mesh, fuzzer.dataset, devices=devices, then=(t.at, cfg_b))
         finally:
             jax.clear_caches()
-        fuzzer.references[key] = Trajectory(
-            "one device", "jaxpar", out["loss"], out["grad_norm"], out["lr"], out["params"]
-        )
+        name = "one device" if mesh == "dp=1" else f"{mesh} alone"
+        fuzzer.references[key] = Trajectory(name, "jaxpar", out["loss"], out["grad_norm"], out["lr"], out["params"])
     return fuzzer.references[key]
 
 

@@ -217,6 +217,17 @@ def test_a_transition_that_ignores_its_change_differs(fuzzer):
     assert out.kind == "differs" and "lr: " in out.detail, out.detail
 
 
+def test_a_diloco_transition_is_held_to_its_groups_switched_run(fuzzer):
+    """DiLoCo's groups resumed with another warm-up equal the groups' switched run, a device per group.
+
+    As a fresh DiLoCo case's reference; one device's run without the groups differs from step 1.
+    """
+    leg = "jax diloco=2 parallel.diloco_inner_steps=1"
+    spec = f"{leg} | 1 | {leg} optim.warmup_steps=4"
+    out = fuzzer.run_case(Transition.parse(spec))
+    assert out.kind == "equal", out.detail
+
+
 def test_the_shrinker_reduces_a_transition_to_its_failing_change():
     """A transition that fails whenever its second leg changes optim.lr.
 
