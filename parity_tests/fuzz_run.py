@@ -72,6 +72,11 @@ def reference_settings(case: Case) -> list[str]:
     return [o for o in case.overrides if not o.startswith("parallel.") or o.startswith("parallel.diloco_")]
 
 
+def reference_name(mesh: str) -> str:
+    """A reference's name in the comparison tables."""
+    return "one device" if mesh == "dp=1" else f"{mesh} alone"
+
+
 def reference_mesh(case: Case) -> str:
     """One device; with DiLoCo's groups, one device per group (tests/jaxpar/test_diloco.py holds those to R runs)."""
     groups = case.mesh().get("diloco", 1)
@@ -128,8 +133,7 @@ class Fuzzer:
         settings, mesh = reference_settings(case), reference_mesh(case)
         key = (*settings, mesh)
         if key not in self.references:
-            name = "one device" if mesh == "dp=1" else f"{mesh} alone"
-            self.references[key] = self.jax_trajectory(self.config(settings), mesh, name)
+            self.references[key] = self.jax_trajectory(self.config(settings), mesh, reference_name(mesh))
         return self.references[key]
 
     def run_jax(self, case: Case) -> Trajectory:
@@ -153,7 +157,8 @@ class Fuzzer:
         finally:
             compression.WIRE = wire
 
-    def jax_trajectory(self, cfg, mesh: str, name: str) -> Trajectory:
+    def jax_trajectory(self, cfg, mesh: str, name: str, then=None) -> Trajectory:
+        """jaxpar in this process on the mesh's devices; `then=(k, cfg2)`: a switched run (tests/helpers.run_steps)."""
         import jax
 
         from jaxpar.core.config.mesh_spec import parse_mesh
@@ -161,7 +166,7 @@ class Fuzzer:
 
         n = math.prod(parse_mesh(mesh).values())
         try:
-            out = run_steps(cfg, mesh, self.dataset, devices=jax.devices()[:n])
+            out = run_steps(cfg, mesh, self.dataset, devices=jax.devices()[:n], then=then)
         finally:
             jax.clear_caches()  # a sweep compiles hundreds of programs; keep the process's memory flat
         return Trajectory(name, "jaxpar", out["loss"], out["grad_norm"], out["lr"], out["params"])

@@ -264,9 +264,7 @@ DOCUMENTED_TRANSITION_REFUSALS = (
 
 def _groups(case: Case) -> int:
     """The case's number of DiLoCo groups (1: none)."""
-    from jaxpar.core.config.mesh_spec import parse_mesh  # deferred: as the module's other jaxpar imports
-
-    return parse_mesh(case.layout if case.side == "jax" else case.get("parallel.mesh")).get("diloco", 1)
+    return case.mesh()["diloco"]
 
 
 def _layout(case: Case) -> str:
@@ -308,23 +306,13 @@ def _reference(fuzzer, t: Transition):
 
     Both legs have the same groups here: a resume on another number of groups is refused (docs/diloco.md).
     """
-    from jaxpar.core.config.mesh_spec import parse_mesh
-    from parity_tests.fuzz_run import Trajectory, reference_mesh, reference_settings
-    from tests.helpers import run_steps
-
-    import jax
+    from parity_tests.fuzz_run import reference_mesh, reference_name, reference_settings
 
     mesh = reference_mesh(t.first)
     key = (tuple(reference_settings(t.first)), t.at, tuple(reference_settings(t.then)), mesh)
     if key not in fuzzer.references:
         cfg_a, cfg_b = fuzzer.config(key[0]), fuzzer.config(key[2])
-        devices = jax.devices()[: parse_mesh(mesh).get("diloco", 1)]
-        try:
-            out = run_steps(cfg_a, mesh, fuzzer.dataset, devices=devices, then=(t.at, cfg_b))
-        finally:
-            jax.clear_caches()
-        name = "one device" if mesh == "dp=1" else f"{mesh} alone"
-        fuzzer.references[key] = Trajectory(name, "jaxpar", out["loss"], out["grad_norm"], out["lr"], out["params"])
+        fuzzer.references[key] = fuzzer.jax_trajectory(cfg_a, mesh, reference_name(mesh), then=(t.at, cfg_b))
     return fuzzer.references[key]
 
 
